@@ -1,0 +1,49 @@
+"""autoparallel: semi-automatic parallel training for paddle.
+
+Public names are loaded lazily, so pure parts (placements, specs, planning) import without paddle.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    # layouts
+    "Shard": "autoparallel.placement", "Replicate": "autoparallel.placement", "Partial": "autoparallel.placement",
+    "Placement": "autoparallel.placement", "parse_placement": "autoparallel.placement",
+    "parse_placements": "autoparallel.placement",
+    "ProcessMesh": "autoparallel.mesh", "DistSpec": "autoparallel.spec",
+    # distributed tensors
+    "DistTensor": "autoparallel.dist_tensor", "DistParameter": "autoparallel.dist_tensor",
+    "shard_tensor": "autoparallel.dist_tensor", "reshard": "autoparallel.dist_tensor",
+    "dtensor_from_local": "autoparallel.dist_tensor", "is_dist": "autoparallel.dist_tensor",
+    # worlds
+    "simulate": "autoparallel.comm.world", "current_world": "autoparallel.comm.world",
+    "get_rank": "autoparallel.comm.world",
+    # planning
+    "ClusterSpec": "autoparallel.planner.cluster",
+    "plan": "autoparallel.planner.api",
+    # strategy and runtime
+    "Strategy": "autoparallel.strategy",
+    "shard_layer": "autoparallel.layer", "shard_optimizer": "autoparallel.parallel.optimizer",
+    "ColWiseParallel": "autoparallel.parallel.tensor_parallel", "RowWiseParallel": "autoparallel.parallel.tensor_parallel",
+    "VocabParallelEmbedding": "autoparallel.parallel.tensor_parallel",
+    "SequenceParallel": "autoparallel.parallel.tensor_parallel",
+    "parallelize": "autoparallel.parallelize", "trace": "autoparallel.graph.trace",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autoparallel' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,5 @@
+import sys
+
+from autoparallel.cli import main
+
+sys.exit(main())

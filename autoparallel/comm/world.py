@@ -1,0 +1,98 @@
+"""Worlds: where the ranks of a mesh live.
+
+* ``RealWorld``: this process is one rank of a ``paddle.distributed`` job (or rank 0 of a world of one);
+  a DistTensor holds this rank's shard only.
+* ``SimWorld`` (``with ap.simulate(world_size=N):``): all N ranks live in this process; a DistTensor holds
+  every rank's shard and collectives are computed in-process. Used by fast tests and for debugging a
+  layout on a laptop.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+_state = threading.local()
+
+
+class World:
+    is_simulated = False
+    backend = "gloo"
+
+    def local_ranks(self, ranks) -> list[int]:
+        """The ranks among ``ranks`` whose shards this process holds, in the given order."""
+        raise NotImplementedError
+
+
+class RealWorld(World):
+    def __init__(self):
+        import paddle
+        import paddle.distributed as dist
+
+        self.initialized = dist.is_initialized()
+        self.rank = dist.get_rank() if self.initialized else 0
+        self.world_size = dist.get_world_size() if self.initialized else 1
+        place = paddle.get_device()
+        self.backend = "nccl" if place.startswith("gpu") else "gloo"
+
+    def local_ranks(self, ranks) -> list[int]:
+        return [r for r in ranks if r == self.rank]
+
+    def __repr__(self):
+        return f"RealWorld(rank={self.rank}, world_size={self.world_size}, backend={self.backend})"
+
+
+class SimWorld(World):
+    is_simulated = True
+    backend = "sim"
+
+    def __init__(self, world_size: int):
+        if not isinstance(world_size, int) or world_size <= 0:
+            raise ValueError(f"simulate(world_size) expects a positive int, got {world_size!r}")
+        self.world_size = world_size
+        self.rank = 0
+
+    def local_ranks(self, ranks) -> list[int]:
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"ranks {bad} are outside the simulated world of {self.world_size} ranks")
+        return list(ranks)
+
+    def __repr__(self):
+        return f"SimWorld(world_size={self.world_size})"
+
+
+_real = None
+
+
+def current_world() -> World:
+    stack = getattr(_state, "stack", None)
+    if stack:
+        return stack[-1]
+    global _real
+    if _real is None or (not _real.initialized and _dist_initialized()):
+        _real = RealWorld()
+    return _real
+
+
+def _dist_initialized() -> bool:
+    import paddle.distributed as dist
+
+    return dist.is_initialized()
+
+
+def get_rank() -> int:
+    return current_world().rank
+
+
+@contextlib.contextmanager
+def simulate(world_size: int):
+    """Run every rank of a mesh in this process: ``with ap.simulate(world_size=8): ...``."""
+    world = SimWorld(world_size)
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    stack.append(world)
+    try:
+        yield world
+    finally:
+        stack.pop()

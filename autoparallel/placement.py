@@ -1,0 +1,121 @@
+"""Placements: how one mesh dimension lays out a tensor.
+
+``Shard(d)`` splits tensor dim ``d`` across the mesh dim (ceil-division chunks, later ranks may hold
+fewer rows or none), ``Replicate()`` gives every rank the whole tensor, ``Partial(op)`` gives every rank
+a term of a pending reduction. Short forms: ``S(0)``, ``R``, ``P(sum)``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+REDUCE_TYPES = ("sum", "avg", "max", "min")
+
+
+class Placement:
+    """Base class; concrete placements are frozen dataclasses (hashable, comparable)."""
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+@dataclass(frozen=True, repr=False)
+class Shard(Placement):
+    dim: int
+
+    def __post_init__(self):
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise TypeError(f"Shard(dim) expects an int tensor dim, got {type(self.dim).__name__} {self.dim!r}")
+        if self.dim < 0:
+            raise ValueError(f"Shard(dim) expects a non-negative tensor dim (normalise negatives first), got {self.dim}")
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, repr=False)
+class Replicate(Placement):
+    def is_replicate(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, repr=False)
+class Partial(Placement):
+    reduce_type: str = "sum"
+
+    def __post_init__(self):
+        if self.reduce_type not in REDUCE_TYPES:
+            raise ValueError(f"Partial(reduce_type) expects one of {REDUCE_TYPES}, got {self.reduce_type!r}")
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_type})"
+
+
+_TOKEN = re.compile(r"^\s*(?:S\(\s*(\d+)\s*\)|R|P(?:\(\s*(\w+)\s*\))?)\s*$")
+
+
+def parse_placement(text: str) -> Placement:
+    """``"S(0)"`` -> Shard(0), ``"R"`` -> Replicate(), ``"P"``/``"P(sum)"`` -> Partial("sum")."""
+    if isinstance(text, Placement):
+        return text
+    if not isinstance(text, str):
+        raise TypeError(f"expected a placement string like 'S(0)', 'R' or 'P(sum)', got {type(text).__name__}")
+    m = _TOKEN.match(text)
+    if not m:
+        raise ValueError(f"malformed placement {text!r}: expected 'S(<dim>)', 'R' or 'P(<sum|avg|max|min>)'")
+    if m.group(1) is not None:
+        return Shard(int(m.group(1)))
+    if text.strip().startswith("P"):
+        return Partial(m.group(2) or "sum")
+    return Replicate()
+
+
+def parse_placements(text) -> tuple[Placement, ...]:
+    """``"S(0),R"`` or ``"[S(0), R]"`` or a sequence of strings/placements -> tuple of placements."""
+    if isinstance(text, str):
+        body = text.strip()
+        if body.startswith(("[", "(")) and body.endswith(("]", ")")) and not _TOKEN.match(body):
+            body = body[1:-1]
+        parts = re.findall(r"S\([^)]*\)|P\([^)]*\)|[^,\s]+", body)
+        if not parts:
+            raise ValueError(f"malformed placements {text!r}: expected e.g. 'S(0),R'")
+        return tuple(parse_placement(p) for p in parts)
+    return tuple(parse_placement(p) for p in text)
+
+
+def format_placements(placements) -> str:
+    """Readable form used in plans and tests: ``"(S(0), R)"``."""
+    return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+def chunk_sizes(n: int, k: int) -> list[int]:
+    """Ceil-division chunks of ``n`` items over ``k`` ranks: 7 over 4 -> [2, 2, 2, 1]; 5 over 4 -> [2, 2, 1, 0]."""
+    if k <= 0:
+        raise ValueError(f"number of chunks must be positive, got {k}")
+    c = -(-n // k) if n > 0 else 0
+    return [max(0, min(c, n - i * c)) for i in range(k)]
+
+
+def chunk_range(n: int, k: int, i: int) -> tuple[int, int]:
+    """(start, stop) of chunk ``i`` of ``n`` items split over ``k`` with ceil division."""
+    c = -(-n // k) if n > 0 else 0
+    start = min(n, i * c)
+    return start, min(n, start + c)

@@ -1,0 +1,140 @@
+"""ClusterSpec: devices, nodes and links, as the cost model sees them.
+
+A cluster is ``num_nodes`` nodes of ``devices_per_node`` devices; ranks are numbered node-major
+(rank r lives on node r // devices_per_node). A communication group whose ranks share one node uses
+the intra-node link (NVLink), otherwise the inter-node link (InfiniBand). Spec strings:
+``"128x8:A100-80GB"`` = 128 nodes of 8 A100-80GB.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    latency_s: float          # alpha: seconds per message step
+    bandwidth_Bps: float      # 1/beta: bytes per second one rank can send on this link
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    peak_flops: tuple         # ((dtype, dense FLOP/s), ...) e.g. (("bfloat16", 312e12), ("float32", 19.5e12))
+    memory_bytes: float       # device memory capacity
+    memory_bandwidth_Bps: float
+
+    def flops(self, dtype: str = "bfloat16") -> float:
+        table = dict(self.peak_flops)
+        if dtype in table:
+            return table[dtype]
+        if dtype == "float16" and "bfloat16" in table:
+            return table["bfloat16"]
+        raise ValueError(f"device {self.name} has no peak FLOP/s for {dtype!r}; known: {sorted(table)}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    num_nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    backend: str = "nccl"     # capability table used to price collectives ("nccl", "gloo")
+    overlap: float = 1.0      # fraction of overlappable communication hidden behind compute (0 on gloo)
+    extra: tuple = field(default_factory=tuple)   # free-form (key, value) pairs, e.g. calibration facts
+
+    def __post_init__(self):
+        if self.num_nodes <= 0 or self.devices_per_node <= 0:
+            raise ValueError(f"a cluster needs at least one node and one device per node, got "
+                             f"{self.num_nodes} nodes x {self.devices_per_node} devices")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def link_for(self, ranks) -> LinkSpec:
+        """The link a group of ranks communicates over: intra-node if they share a node."""
+        nodes = {self.node_of(r) for r in ranks}
+        return self.intra_node if len(nodes) <= 1 else self.inter_node
+
+    def with_nodes(self, num_nodes: int) -> "ClusterSpec":
+        return replace(self, num_nodes=num_nodes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ClusterSpec":
+        dev = d["device"]
+        return cls(name=d["name"], num_nodes=int(d["num_nodes"]), devices_per_node=int(d["devices_per_node"]),
+                   device=DeviceSpec(dev["name"], tuple(tuple(x) for x in dev["peak_flops"]),
+                                     float(dev["memory_bytes"]), float(dev["memory_bandwidth_Bps"])),
+                   intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
+                   backend=d.get("backend", "nccl"), overlap=float(d.get("overlap", 1.0)),
+                   extra=tuple(tuple(x) for x in d.get("extra", ())))
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+    @classmethod
+    def from_json(cls, path: str) -> "ClusterSpec":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+GB = 1e9
+_NVLINK_A100 = LinkSpec(latency_s=5e-6, bandwidth_Bps=300 * GB)     # 600 GB/s bidirectional per GPU
+_NVLINK_H100 = LinkSpec(latency_s=5e-6, bandwidth_Bps=450 * GB)     # 900 GB/s bidirectional per GPU
+_IB_HDR = LinkSpec(latency_s=1e-5, bandwidth_Bps=25 * GB)           # 200 Gb/s HDR per GPU
+_IB_NDR = LinkSpec(latency_s=1e-5, bandwidth_Bps=50 * GB)           # 400 Gb/s NDR per GPU
+
+DEVICES = {
+    "A100-40GB": DeviceSpec("A100-40GB", (("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12)), 40e9, 1.555e12),
+    "A100-80GB": DeviceSpec("A100-80GB", (("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12)), 80e9, 2.0e12),
+    "H100-80GB": DeviceSpec("H100-80GB", (("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12)), 80e9, 3.35e12),
+    "H200": DeviceSpec("H200", (("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12)), 141e9, 4.8e12),
+}
+_LINKS = {"A100-40GB": (_NVLINK_A100, _IB_HDR), "A100-80GB": (_NVLINK_A100, _IB_HDR),
+          "H100-80GB": (_NVLINK_H100, _IB_NDR), "H200": (_NVLINK_H100, _IB_NDR)}
+
+
+def preset(device: str, num_nodes: int = 1, devices_per_node: int = 8) -> ClusterSpec:
+    """A cluster of ``num_nodes`` nodes of ``devices_per_node`` ``device`` GPUs (NVLink + InfiniBand)."""
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}: expected one of {sorted(DEVICES)}")
+    intra, inter = _LINKS[device]
+    return ClusterSpec(f"{num_nodes}x{devices_per_node}:{device}", num_nodes, devices_per_node,
+                       DEVICES[device], intra, inter)
+
+
+_SPEC = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*:\s*([\w.-]+)\s*$")
+
+
+def parse_cluster(spec) -> ClusterSpec:
+    """``"128x8:A100-80GB"``, a path to a calibrated profile JSON, or a ClusterSpec."""
+    if isinstance(spec, ClusterSpec):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"expected a cluster spec string like '128x8:A100-80GB' or a ClusterSpec, got {type(spec).__name__}")
+    if spec.endswith(".json"):
+        return ClusterSpec.from_json(spec)
+    m = _SPEC.match(spec)
+    if not m:
+        raise ValueError(f"malformed cluster spec {spec!r}: expected 'NODESxGPUS:TYPE' like '128x8:A100-80GB' "
+                         f"with TYPE one of {sorted(DEVICES)}, or a profile .json")
+    nodes, per_node, device = int(m.group(1)), int(m.group(2)), m.group(3)
+    if nodes == 0 or per_node == 0:
+        raise ValueError(f"cluster spec {spec!r} has zero devices")
+    return preset(device, nodes, per_node)
+
+
+def default_cluster() -> ClusterSpec:
+    """``cluster=None`` everywhere: nodes of 8 A100-80GB on NVLink + InfiniBand, every collective native."""
+    return preset("A100-80GB", num_nodes=1024, devices_per_node=8)

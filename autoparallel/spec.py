@@ -1,0 +1,127 @@
+"""DistSpec: (mesh, placements, global shape, dtype) — hashable, the cache key everywhere.
+
+Several mesh dims may shard the same tensor dim: they split it in mesh-dim order (nested, like torch
+DTensor): the lowest mesh dim splits the global extent with ceil division, the next splits that chunk,
+and so on. Only the innermost (highest) mesh dim of such a nest can gather or slice directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from autoparallel.mesh import ProcessMesh
+from autoparallel.placement import Partial, Placement, Replicate, Shard, chunk_range, parse_placements
+
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+                "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+
+
+def normalize_dtype(dtype) -> str:
+    """'float32', paddle.float32, np.float32 -> 'float32'."""
+    s = str(dtype)
+    for prefix in ("paddle.", "VarType.", "DataType."):
+        if s.startswith(prefix):
+            s = s[len(prefix):]
+    s = s.lower()
+    s = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}.get(s, s)
+    if s.startswith("<class 'numpy."):
+        s = s[len("<class 'numpy."):-2]
+    if s not in _DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r}: expected one of {sorted(_DTYPE_BYTES)}")
+    return s
+
+
+def dtype_bytes(dtype) -> int:
+    return _DTYPE_BYTES[normalize_dtype(dtype)]
+
+
+def check_placements(mesh: ProcessMesh, placements, ndim: int) -> tuple[Placement, ...]:
+    """Validate placements against a mesh and a tensor rank; returns them as a tuple."""
+    pl = parse_placements(placements) if not isinstance(placements, tuple) or any(isinstance(p, str) for p in placements) else placements
+    for p in pl:
+        if not isinstance(p, Placement):
+            raise TypeError(f"placements must be Shard/Replicate/Partial, got {type(p).__name__} {p!r}")
+    if len(pl) != mesh.ndim:
+        raise ValueError(f"expected {mesh.ndim} placements (one per mesh dim of {mesh.shape}), got {len(pl)}: "
+                         f"{[str(p) for p in pl]}")
+    for p in pl:
+        if isinstance(p, Shard) and not p.dim < ndim:
+            raise ValueError(f"{p} is out of range for a tensor of rank {ndim} (valid dims 0..{ndim - 1})")
+    return tuple(pl)
+
+
+@dataclass(frozen=True)
+class DistSpec:
+    mesh: ProcessMesh
+    placements: tuple
+    shape: tuple
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        shape = tuple(int(s) for s in self.shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"global shape must be non-negative, got {list(shape)}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        object.__setattr__(self, "placements", check_placements(self.mesh, self.placements, len(shape)))
+
+    # ---- derived facts ------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+    def shard_mesh_dims(self, tensor_dim: int) -> list[int]:
+        """Mesh dims sharding ``tensor_dim``, outermost first."""
+        return [i for i, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == tensor_dim]
+
+    def partial_mesh_dims(self) -> list[int]:
+        return [i for i, p in enumerate(self.placements) if isinstance(p, Partial)]
+
+    def is_replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self.placements)
+
+    def local_range(self, coords: Sequence[int], tensor_dim: int) -> tuple[int, int]:
+        """[start, stop) of this rank's slice of ``tensor_dim`` in global indices."""
+        start, stop = 0, self.shape[tensor_dim]
+        for i in self.shard_mesh_dims(tensor_dim):
+            a, b = chunk_range(stop - start, self.mesh.shape[i], coords[i])
+            start, stop = start + a, start + b
+        return start, stop
+
+    def local_slices(self, coords: Sequence[int]) -> tuple[slice, ...]:
+        return tuple(slice(*self.local_range(coords, d)) for d in range(self.ndim))
+
+    def local_shape(self, coords_or_rank) -> tuple[int, ...]:
+        coords = self.mesh.coords_of(coords_or_rank) if isinstance(coords_or_rank, (int, np.integer)) else coords_or_rank
+        return tuple(b - a for a, b in (self.local_range(coords, d) for d in range(self.ndim)))
+
+    def max_local_shape(self) -> tuple[int, ...]:
+        """Chunk (padded) shape: the largest local shard on any rank."""
+        out = list(self.shape)
+        for d in range(self.ndim):
+            for i in self.shard_mesh_dims(d):
+                k = self.mesh.shape[i]
+                out[d] = -(-out[d] // k) if out[d] else 0
+        return tuple(out)
+
+    def local_nbytes(self) -> int:
+        return int(np.prod(self.max_local_shape())) * dtype_bytes(self.dtype) if self.ndim else dtype_bytes(self.dtype)
+
+    def with_placements(self, placements) -> "DistSpec":
+        return DistSpec(self.mesh, tuple(placements), self.shape, self.dtype)
+
+    def __str__(self) -> str:
+        pl = ", ".join(str(p) for p in self.placements)
+        return f"DistSpec({list(self.shape)} {self.dtype} on mesh {self.mesh.short()} [{pl}])"
+
+    __repr__ = __str__
