@@ -13,7 +13,10 @@ import numpy as np
 
 class ProcessMesh:
     def __init__(self, mesh, dim_names: Sequence[str] | None = None, *, create_groups: bool = True):
-        arr = np.asarray(mesh)
+        try:
+            arr = np.asarray(mesh)
+        except ValueError:
+            raise ValueError(f"ProcessMesh expects a non-empty rectangular nested list of ints, got {mesh!r}") from None
         if arr.dtype == object or arr.size == 0:
             raise ValueError(f"ProcessMesh expects a non-empty rectangular nested list of ints, got {mesh!r}")
         if not np.issubdtype(arr.dtype, np.integer):

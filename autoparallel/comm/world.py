@@ -96,3 +96,31 @@ def simulate(world_size: int):
         yield world
     finally:
         stack.pop()
+
+
+_cluster_override = None
+
+
+def set_cluster(cluster) -> None:
+    """Price runtime reshards with ``cluster`` (a ClusterSpec, spec string or profile path; None resets)."""
+    global _cluster_override
+    if cluster is None:
+        _cluster_override = None
+        return
+    from autoparallel.planner.cluster import parse_cluster
+
+    _cluster_override = parse_cluster(cluster)
+
+
+def planning_cluster():
+    """The cluster runtime reshards are planned for: the override, else the default cluster with this
+    world's backend (gloo prices its emulated collectives)."""
+    if _cluster_override is not None:
+        return _cluster_override
+    from dataclasses import replace
+
+    from autoparallel.planner.cluster import default_cluster
+
+    backend = current_world().backend
+    base = default_cluster()
+    return base if backend in ("nccl", "sim") else replace(base, backend=backend, overlap=0.0)

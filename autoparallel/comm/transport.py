@@ -1,0 +1,176 @@
+"""Transports: the primitive collectives over one group of ranks, for equal-shaped tensors.
+
+Every function takes ``xs``: {rank: tensor} for the group members this process holds (one in a real
+job, all of them in the simulated world) and ``ranks``: the group in mesh order. Shape bookkeeping
+(padding uneven shards, trimming) happens one level up, in comm/collectives.py.
+
+The real transport calls ``paddle.distributed`` through the module at call time, so a wrapper around
+those functions (comm/counter.py) sees every byte sent.
+"""
+from __future__ import annotations
+
+import paddle
+
+from autoparallel.comm.capabilities import capabilities
+
+_REDUCERS = {"sum": lambda a, b: a + b, "max": paddle.maximum, "min": paddle.minimum}
+
+
+def _reduce_all(ts, op):
+    out = ts[0]
+    for t in ts[1:]:
+        out = _REDUCERS["sum" if op == "avg" else op](out, t)
+    return out / len(ts) if op == "avg" else out
+
+
+class SimTransport:
+    """All members in this process: collectives are computed directly."""
+
+    backend = "sim"
+
+    def all_gather(self, xs, ranks):
+        parts = [xs[r] for r in ranks]
+        return {r: list(parts) for r in ranks}
+
+    def all_reduce(self, xs, ranks, op):
+        total = _reduce_all([xs[r] for r in ranks], op)
+        return {r: total.clone() for r in ranks}
+
+    def reduce_scatter(self, xs, ranks, op, axis):
+        total = _reduce_all([xs[r] for r in ranks], op)
+        chunks = paddle.split(total, len(ranks), axis=axis)
+        return {r: chunks[k] for k, r in enumerate(ranks)}
+
+    def all_to_all(self, chunks, ranks):
+        return {r: [chunks[q][k] for q in ranks] for k, r in enumerate(ranks)}
+
+    def broadcast(self, xs, ranks, src):
+        return {r: xs[src].clone() for r in ranks}
+
+    def send_recv(self, xs, pairs, recv_like):
+        """``pairs``: [(src_rank, dst_rank)]; returns {dst_rank: tensor}."""
+        return {d: xs[s].clone() for s, d in pairs}
+
+
+class RealTransport:
+    """One member per process; paddle.distributed (NCCL on GPUs, gloo on CPUs) does the work.
+
+    Missing capabilities are emulated: reduce_scatter as all_reduce + slice, all_to_all as pairwise
+    send/recv in one global pair order (deadlock free), AVG as SUM then scale, low-precision reductions
+    in float32.
+    """
+
+    def __init__(self, rank: int, backend: str):
+        self.rank = rank
+        self.backend = backend
+        self.caps = capabilities(backend)
+
+    @staticmethod
+    def _dist():
+        import paddle.distributed as dist
+
+        return dist
+
+    def _group(self, ranks):
+        from autoparallel.comm.groups import get_group
+
+        return get_group(ranks)
+
+    def _rank_order(self, ranks):
+        """paddle orders a group's members by global rank; map that order back to mesh order."""
+        return sorted(ranks)
+
+    def all_gather(self, xs, ranks):
+        dist = self._dist()
+        (x,) = xs.values()
+        out = []
+        dist.all_gather(out, x, group=self._group(ranks))
+        by_rank = dict(zip(self._rank_order(ranks), out))
+        return {self.rank: [by_rank[r] for r in ranks]}
+
+    def all_reduce(self, xs, ranks, op):
+        dist = self._dist()
+        (x,) = xs.values()
+        dtype = x.dtype
+        y = x.astype("float32") if self.caps.reduce_dtype(str(dtype).split(".")[-1]) != str(dtype).split(".")[-1] else x.clone()
+        native = op if self.caps.reduce_natively(op) else ("sum" if op == "avg" else op)
+        rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "avg": getattr(dist.ReduceOp, "AVG", None)}[native]
+        dist.all_reduce(y, op=rop, group=self._group(ranks))
+        if op == "avg" and native == "sum":
+            y = y / len(ranks)
+        return {self.rank: y.astype(dtype) if y.dtype != dtype else y}
+
+    def reduce_scatter(self, xs, ranks, op, axis):
+        (x,) = xs.values()
+        k = ranks.index(self.rank)
+        if self.caps.has("reduce_scatter") and op == "sum" and axis == 0:
+            dist = self._dist()
+            parts = paddle.split(x, len(ranks), axis=0)
+            order = self._rank_order(ranks)
+            out = paddle.empty_like(parts[0])
+            dist.reduce_scatter(out, [parts[ranks.index(r)] for r in order], group=self._group(ranks))
+            return {self.rank: out}
+        total = self.all_reduce(xs, ranks, op)[self.rank]
+        return {self.rank: paddle.split(total, len(ranks), axis=axis)[k]}
+
+    def all_to_all(self, chunks, ranks):
+        (mine,) = chunks.values()
+        k = ranks.index(self.rank)
+        if self.caps.has("all_to_all"):
+            dist = self._dist()
+            order = self._rank_order(ranks)
+            out = []
+            dist.alltoall(out, [mine[ranks.index(r)] for r in order], group=self._group(ranks))
+            by_rank = dict(zip(order, out))
+            return {self.rank: [by_rank[r] for r in ranks]}
+        recv = [None] * len(ranks)
+        recv[k] = mine[k]
+        for a, b in _pairs(sorted(ranks)):         # one global order: every rank walks its pairs in it
+            if self.rank not in (a, b):
+                continue
+            peer = b if self.rank == a else a
+            j = ranks.index(peer)
+            buf = paddle.empty_like(mine[j])        # chunks are padded to one shape
+            self._exchange(mine[j], buf, peer, send_first=self.rank < peer)
+            recv[j] = buf
+        return {self.rank: recv}
+
+    def _exchange(self, send_t, recv_buf, peer, send_first):
+        dist = self._dist()
+        if send_first:
+            dist.send(send_t, dst=peer)
+            dist.recv(recv_buf, src=peer)
+        else:
+            dist.recv(recv_buf, src=peer)
+            dist.send(send_t, dst=peer)
+
+    def broadcast(self, xs, ranks, src):
+        dist = self._dist()
+        (x,) = xs.values()
+        y = x.clone()
+        dist.broadcast(y, src=src, group=self._group(ranks))
+        return {self.rank: y}
+
+    def send_recv(self, xs, pairs, recv_like):
+        dist = self._dist()
+        out = {}
+        for s, d in pairs:
+            if s == d:
+                if s == self.rank:
+                    out[d] = xs[s].clone()
+            elif s == self.rank:
+                dist.send(xs[s], dst=d)
+            elif d == self.rank:
+                buf = paddle.empty(recv_like[d][0], dtype=recv_like[d][1])
+                dist.recv(buf, src=s)
+                out[d] = buf
+        return out
+
+
+def _pairs(ranks):
+    return [(a, b) for i, a in enumerate(ranks) for b in ranks[i + 1:]]
+
+
+def transport_for(world):
+    return SimTransport() if world.is_simulated else RealTransport(world.rank, world.backend)

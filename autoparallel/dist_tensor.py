@@ -1,0 +1,316 @@
+"""DistTensor: local shards + a DistSpec; shard_tensor, reshard, dtensor_from_local, full().
+
+A ``DistTensor`` (activations) holds {rank: local paddle.Tensor} for the ranks this process runs: one in
+a real job, all of them in the simulated world. Its ``.shape`` is the GLOBAL shape so user code such as
+``b, t, d = x.shape`` works unchanged. A ``DistParameter`` is a real paddle Parameter holding the local
+shard (``.shape`` local, as paddle's optimizers need) that also carries the spec.
+
+Gradient convention: a rank's local gradient is the slice of the true gradient for a Shard placement and
+the whole true gradient for Replicate and Partial placements (comm/collectives.py keeps it).
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+from paddle.base.framework import EagerParamBase
+
+from autoparallel.comm.world import current_world
+from autoparallel.mesh import ProcessMesh
+from autoparallel.placement import Partial, Replicate, Shard
+from autoparallel.spec import DistSpec, normalize_dtype
+
+
+class DistTensor:
+    __slots__ = ("_locals", "_spec", "__weakref__")
+
+    def __init__(self, locals_: dict, spec: DistSpec):
+        self._locals = dict(locals_)
+        self._spec = spec
+
+    # ---- layout ---------------------------------------------------------------------------------
+    @property
+    def spec(self) -> DistSpec:
+        return self._spec
+
+    @property
+    def mesh(self) -> ProcessMesh:
+        return self._spec.mesh
+
+    @property
+    def placements(self) -> list:
+        return list(self._spec.placements)
+
+    @property
+    def shape(self) -> list:
+        return list(self._spec.shape)
+
+    global_shape = shape
+
+    @property
+    def ndim(self) -> int:
+        return self._spec.ndim
+
+    @property
+    def dtype(self):
+        return getattr(paddle, self._spec.dtype)
+
+    # ---- local data -------------------------------------------------------------------------------
+    @property
+    def locals(self) -> dict:
+        """{rank: local tensor} for the ranks this process holds."""
+        return dict(self._locals)
+
+    @property
+    def local(self) -> paddle.Tensor:
+        """This rank's shard (rank 0's... i.e. the current world rank's in the simulated world)."""
+        return self.local_of(current_world().rank)
+
+    def local_of(self, rank: int) -> paddle.Tensor:
+        if rank not in self._locals:
+            if not self.mesh.contains(rank):
+                raise ValueError(f"rank {rank} is not in the mesh {self.mesh.mesh.tolist()} of this tensor")
+            raise ValueError(f"rank {rank}'s shard is not held by this process (it holds {sorted(self._locals)})")
+        return self._locals[rank]
+
+    # ---- autograd ---------------------------------------------------------------------------------
+    @property
+    def stop_gradient(self) -> bool:
+        return all(t.stop_gradient for t in self._locals.values())
+
+    @stop_gradient.setter
+    def stop_gradient(self, value: bool) -> None:
+        for t in self._locals.values():
+            t.stop_gradient = value
+
+    def backward(self, grad=None) -> None:
+        ranks = sorted(self._locals)
+        ts = [self._locals[r] for r in ranks]
+        if grad is None:
+            gs = [paddle.ones_like(t) for t in ts]
+        elif isinstance(grad, DistTensor):
+            gs = [grad._locals[r] for r in ranks]
+        else:
+            raise TypeError(f"backward(grad) expects None or a DistTensor, got {type(grad).__name__}")
+        paddle.autograd.backward(ts, gs)
+
+    @property
+    def grad(self):
+        gs = {r: t.grad for r, t in self._locals.items()}
+        if not gs or any(g is None for g in gs.values()):
+            return None
+        return DistTensor(gs, self._spec.with_placements(_grad_placements(self._spec.placements)))
+
+    def detach(self) -> "DistTensor":
+        return DistTensor({r: t.detach() for r, t in self._locals.items()}, self._spec)
+
+    # ---- whole-tensor views -------------------------------------------------------------------------
+    def full(self) -> paddle.Tensor:
+        """The global tensor (gathered; differentiable)."""
+        rep = reshard(self, self.mesh, [Replicate()] * self.mesh.ndim)
+        if not rep._locals:
+            raise ValueError(f"this rank holds no shard of a tensor on mesh {self.mesh.mesh.tolist()}")
+        return rep._locals[min(rep._locals)] if current_world().is_simulated else rep.local
+
+    def numpy(self) -> np.ndarray:
+        return self.full().numpy()
+
+    def item(self):
+        return self.full().item()
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __repr__(self) -> str:
+        held = sorted(self._locals)
+        return f"DistTensor(shape={self.shape}, dtype={self._spec.dtype}, mesh={self.mesh.short()}, " \
+               f"placements=[{', '.join(map(str, self._spec.placements))}], held ranks={held})"
+
+
+def _grad_placements(placements):
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+class DistParameter(EagerParamBase):
+    """A paddle Parameter whose data is this rank's shard and which carries its DistSpec."""
+
+    def _attach(self, spec: DistSpec, locals_: dict):
+        self._ap_spec = spec
+        self._ap_locals = locals_
+        return self
+
+    @property
+    def spec(self) -> DistSpec:
+        return self._ap_spec
+
+    @property
+    def mesh(self):
+        return self._ap_spec.mesh
+
+    @property
+    def placements(self):
+        return list(self._ap_spec.placements)
+
+    @property
+    def global_shape(self):
+        return list(self._ap_spec.shape)
+
+    @property
+    def locals(self) -> dict:
+        return dict(self._ap_locals)
+
+    def as_dist(self) -> DistTensor:
+        """A DistTensor view sharing this parameter's storage (differentiable w.r.t. it)."""
+        return DistTensor(self._ap_locals, self._ap_spec)
+
+    def full(self) -> paddle.Tensor:
+        return self.as_dist().full()
+
+
+def is_dist(x) -> bool:
+    return isinstance(x, (DistTensor, DistParameter)) and (not isinstance(x, DistParameter) or hasattr(x, "_ap_spec"))
+
+
+def as_dist(x) -> DistTensor:
+    return x.as_dist() if isinstance(x, DistParameter) else x
+
+
+# ---- constructors --------------------------------------------------------------------------------
+def _spec_for(tensor_shape, dtype, mesh, placements) -> DistSpec:
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"expected a ProcessMesh, got {type(mesh).__name__}")
+    return DistSpec(mesh, tuple(placements), tuple(int(s) for s in tensor_shape), normalize_dtype(dtype))
+
+
+def _local_from_full(full: paddle.Tensor, spec: DistSpec, rank: int) -> paddle.Tensor:
+    coords = spec.mesh.coords_of(rank)
+    sl = spec.local_slices(coords)
+    t = full
+    for d, s in enumerate(sl):
+        if s.start != 0 or s.stop != spec.shape[d]:
+            t = paddle.slice(t, axes=[d], starts=[s.start], ends=[s.stop])
+    for i, p in enumerate(spec.placements):
+        if isinstance(p, Partial) and p.reduce_type == "sum" and coords[i] != 0:
+            t = paddle.zeros_like(t)
+    return t.clone() if t is full else t
+
+
+def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=None):
+    """Distribute a full tensor (the same on every rank) over ``mesh`` with ``placements``.
+
+    A Parameter becomes a DistParameter (a Parameter holding the local shard). Partial(sum) keeps the
+    value on coordinate 0 of that mesh dim and zeros elsewhere; avg/max/min keep it everywhere.
+    """
+    if isinstance(data, DistTensor) or is_dist(data):
+        return reshard(data, mesh, placements)
+    is_param = isinstance(data, EagerParamBase)
+    t = data if isinstance(data, paddle.Tensor) else paddle.to_tensor(np.asarray(data), dtype=dtype)
+    if dtype is not None and normalize_dtype(t.dtype) != normalize_dtype(dtype):
+        t = t.astype(normalize_dtype(dtype))
+    spec = _spec_for(t.shape, t.dtype, mesh, placements)
+    world = current_world()
+    sg = t.stop_gradient if stop_gradient is None else stop_gradient
+    with paddle.no_grad():
+        locals_ = {r: _local_from_full(t, spec, r).detach() for r in world.local_ranks(mesh.process_ids)}
+    for v in locals_.values():
+        v.stop_gradient = sg
+    if not is_param:
+        return DistTensor(locals_, spec)
+    return _make_param(locals_, spec, data)
+
+
+def _make_param(locals_: dict, spec: DistSpec, like=None) -> DistParameter:
+    """A DistParameter for this rank (the lowest held rank in the simulated world)."""
+    ranks = sorted(locals_)
+    kw = {}
+    if like is not None:
+        kw = {"trainable": like.trainable}
+    base = locals_[ranks[0]] if ranks else paddle.zeros([0], dtype=spec.dtype)
+    param = DistParameter.from_tensor(base, **kw)
+    if like is not None:
+        param.stop_gradient = like.stop_gradient
+        if getattr(like, "optimize_attr", None) is not None:
+            param.optimize_attr = like.optimize_attr
+        param.need_clip = getattr(like, "need_clip", True)
+        param.name = like.name
+    held = dict(locals_)
+    if ranks:
+        held[ranks[0]] = param
+        for r in ranks[1:]:
+            held[r].stop_gradient = param.stop_gradient
+    return param._attach(spec, held)
+
+
+def dtensor_from_local(local, mesh: ProcessMesh, placements, global_shape=None, dtype=None) -> DistTensor:
+    """Wrap this rank's shard (a {rank: tensor} dict or a list in mesh order in the simulated world).
+
+    ``global_shape`` defaults to the local shape times the shard counts (even shards); given shapes and
+    dtypes are validated against every local.
+    """
+    world = current_world()
+    held = world.local_ranks(mesh.process_ids)
+    if isinstance(local, dict):
+        locals_ = dict(local)
+    elif isinstance(local, (list, tuple)):
+        if len(local) != len(held):
+            raise ValueError(f"expected {len(held)} local tensors (one per held rank {held}), got {len(local)}")
+        locals_ = dict(zip(held, local))
+    elif isinstance(local, paddle.Tensor):
+        if world.is_simulated:
+            raise TypeError("in the simulated world pass every rank's shard: a {rank: tensor} dict or a list")
+        if not mesh.contains(world.rank):
+            raise ValueError(f"rank {world.rank} is not in the mesh {mesh.mesh.tolist()}: it has no local shard")
+        locals_ = {world.rank: local}
+    else:
+        raise TypeError(f"expected a paddle.Tensor (or dict/list of them), got {type(local).__name__}")
+    missing = sorted(set(held) - set(locals_))
+    extra = sorted(set(locals_) - set(held))
+    if missing or extra:
+        raise ValueError(f"locals must cover exactly the held ranks {held}; missing {missing}, unexpected {extra}")
+    first = locals_[held[0]] if held else None
+    ddt = normalize_dtype(first.dtype) if first is not None else normalize_dtype(dtype or "float32")
+    if dtype is not None and normalize_dtype(dtype) != ddt:
+        raise ValueError(f"dtype mismatch: the spec says {normalize_dtype(dtype)}, the local tensor is {ddt}")
+    placements = tuple(placements)
+    if global_shape is None:
+        if first is None:
+            raise ValueError("global_shape is required when this rank holds no shard")
+        global_shape = list(first.shape)
+        for i, p in enumerate(placements):
+            if isinstance(p, Shard):
+                if not 0 <= p.dim < len(global_shape):
+                    raise ValueError(f"{p} is out of range for a tensor of rank {len(global_shape)}")
+                global_shape[p.dim] *= mesh.shape[i]
+    spec = _spec_for(global_shape, ddt, mesh, placements)
+    for r, t in locals_.items():
+        want = spec.local_shape(mesh.coords_of(r))
+        if tuple(t.shape) != tuple(want):
+            raise ValueError(f"rank {r}: local shape {list(t.shape)} disagrees with the spec: expected "
+                             f"{list(want)} for global shape {list(spec.shape)} and placements "
+                             f"[{', '.join(map(str, spec.placements))}]")
+        if normalize_dtype(t.dtype) != ddt:
+            raise ValueError(f"rank {r}: local dtype {normalize_dtype(t.dtype)} disagrees with {ddt}")
+    return DistTensor(locals_, spec)
+
+
+def reshard(x, mesh: ProcessMesh, placements) -> DistTensor:
+    """Redistribute to ``placements`` on ``mesh`` along the cheapest plan (differentiable)."""
+    from reshard import plan_reshard
+
+    from autoparallel import redistribute
+    from autoparallel.comm.world import planning_cluster
+
+    src = as_dist(x)
+    if not isinstance(src, DistTensor):
+        raise TypeError(f"reshard expects a DistTensor or DistParameter, got {type(x).__name__}")
+    dst = _spec_for(src.spec.shape, src.spec.dtype, mesh, placements)
+    if dst == src.spec:
+        return src
+    if mesh == src.mesh:
+        plan = plan_reshard(src.spec.shape, src.spec.dtype, mesh, src.spec.placements, dst.placements,
+                            cluster=planning_cluster())
+    else:
+        from reshard import plan_cross_mesh
+
+        plan = plan_cross_mesh(src.spec.shape, src.spec.dtype, src.mesh, src.spec.placements, mesh,
+                               dst.placements, cluster=planning_cluster())
+    return DistTensor(redistribute.execute(src._locals, plan), dst)

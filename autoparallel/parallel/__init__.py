@@ -1,0 +1,1 @@
+"""Parallel strategies: data, tensor, pipeline, sharding, recompute, amp."""

@@ -1,0 +1,103 @@
+"""Memory per device: model states by ZeRO stage and offload, activations per Korthikanti et al.
+
+Every function works on numpy arrays (one element per candidate) as well as on scalars, so the
+search evaluates thousands of configurations at once with the same formulas a single evaluation uses.
+Notation: s sequence, b micro-batch, h hidden, a heads, t TP degree, p PP degree, v virtual stages,
+d data-parallel (sharding) degree, Ψ parameters held by one device before ZeRO.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# recompute codes (index into config.RECOMPUTE)
+NONE, SELECTIVE, FULL = 0, 1, 2
+
+
+def weight_bytes(psi, zero, d, param_bytes):
+    """Model weights: param_bytes·Ψ, divided by d under ZeRO-3."""
+    return param_bytes * psi / np.where(zero >= 3, d, 1)
+
+
+def grad_bytes(psi, zero, d, grad_bytes_per_param):
+    """Gradients: grad_bytes·Ψ, divided by d under ZeRO-2 and ZeRO-3."""
+    return grad_bytes_per_param * psi / np.where(zero >= 2, d, 1)
+
+
+def optimizer_bytes(psi, zero, d, offload, optimizer_bytes_per_param):
+    """Optimizer states (fp32 master, Adam m and v): 12·Ψ (bf16), divided by d under ZeRO-1..3; 0 when offloaded."""
+    on_device = optimizer_bytes_per_param * psi / np.where(zero >= 1, d, 1)
+    return np.where(offload > 0, 0.0, on_device)
+
+
+def host_optimizer_bytes(psi, zero, d, offload, optimizer_bytes_per_param):
+    """Optimizer states held in host memory by one device when offloaded."""
+    return np.where(offload > 0, optimizer_bytes_per_param * psi / np.where(zero >= 1, d, 1), 0.0)
+
+
+def zero3_gather_buffer_bytes(layer_psi, zero, param_bytes):
+    """ZeRO-3 working set: the gathered (TP-sharded) weights of two blocks, the current one and the prefetched one."""
+    return np.where(zero >= 3, 2.0 * param_bytes * layer_psi, 0.0)
+
+
+def activation_coefficients(model):
+    """(sharded, unsharded, score) coefficients of Korthikanti's per-block activation bytes, 16-bit.
+
+    sharded (split by TP): Q 2 + K,V 4·kv_dim/h + attention output 2 + MLP (GELU: 4f/h, SwiGLU: 6f/h) -> 24 for GPT;
+    unsharded (split only by SP): QKV input 2 + fc1 input 2 + two norm inputs 4 + two dropout masks 2 -> 10 for GPT;
+    score bytes per a·s²·b element: softmax 2 + dropout mask 1 + dropout output 2 = 5 (2 without dropout).
+    """
+    h = model.hidden
+    mlp = (6.0 if model.swiglu else 4.0) * model.ffn / h
+    sharded = 2.0 + 4.0 * model.kv_dim / h + 2.0 + mlp
+    unsharded = 8.0 + (2.0 if model.dropout else 0.0)
+    score = 5.0 if model.dropout else 2.0
+    return sharded, unsharded, score
+
+
+def layer_activation_bytes(model, s, b, t, sp, recompute, scale=1.0, flash_attention=False):
+    """Activation bytes one block keeps for backward, per micro-batch (Korthikanti et al., Table 2).
+
+    none:      s·b·h·(U/t_sp + S/t) + c·a·s²·b/t          GPT, t=1: s·b·h·(34 + 5·a·s/h)
+    selective: s·b·h·(U/t_sp + S/t)                      GPT with SP: 34·s·b·h/t
+    full:      2·s·b·h/t_sp                              (the block input only)
+    with t_sp = t when sequence parallelism is on, else 1; ``scale`` = 2 for fp32 activations.
+    """
+    sharded, unsharded, score = activation_coefficients(model)
+    h, a = model.hidden, model.heads
+    t_sp = np.where(sp > 0, t, 1)
+    sbh = s * b * h
+    stored = sbh * (unsharded / t_sp + sharded / t)
+    scores = 0.0 if flash_attention else score * a * s * s * b / t
+    per_layer = np.where(recompute == FULL, 2.0 * sbh / t_sp,
+                         np.where(recompute == SELECTIVE, stored, stored + scores))
+    return scale * per_layer
+
+
+def recompute_working_bytes(model, s, b, t, sp, recompute, scale=1.0, flash_attention=False):
+    """Activations rebuilt while one block runs its backward: a whole block's under full recompute,
+    its attention scores under selective recompute, nothing otherwise."""
+    full_block = layer_activation_bytes(model, s, b, t, sp, np.zeros_like(recompute), scale, flash_attention)
+    block_no_scores = layer_activation_bytes(model, s, b, t, sp, np.ones_like(recompute), scale, flash_attention)
+    return np.where(recompute == FULL, full_block,
+                    np.where(recompute == SELECTIVE, full_block - block_no_scores, 0.0))
+
+
+def in_flight_micro_batches(p, v, m):
+    """Micro-batches whose activations the first stage holds at once.
+
+    No pipeline: 1. 1F1B: min(p, m). Interleaved (v virtual stages): min(p, m)·(1 + (p-1)/(p·v))
+    (Korthikanti et al. §4.2.3).
+    """
+    one_f_one_b = np.minimum(p, m).astype(float)
+    interleaved = one_f_one_b * (1.0 + (p - 1) / (p * v))
+    return np.where(p <= 1, 1.0, np.where(v > 1, interleaved, one_f_one_b))
+
+
+def logits_bytes(model, s, b, t):
+    """fp32 logits kept for the loss on the last stage: 4·s·b·V/t (Korthikanti et al. §4.3)."""
+    return 4.0 * s * b * model.vocab / t
+
+
+def reserve_bytes(capacity, fraction):
+    """Device memory kept free for the runtime context, communication buffers and fragmentation."""
+    return fraction * capacity

@@ -1,0 +1,234 @@
+"""ModelSpec: the dimensions of a decoder-only transformer, as the cost model sees it.
+
+A model is ``layers`` identical blocks (attention + MLP) between an input embedding and an output
+head. Parameter counts and FLOPs follow Narayanan et al. (SC'21) and Korthikanti et al. (MLSys'23),
+generalised to grouped-query attention (``kv_heads``), any FFN width and SwiGLU MLPs:
+
+    matmul parameters per layer  P_mm = h·h (q) + 2·h·kv_dim (k, v) + h·h (out) + n_mlp·h·f
+                                 (n_mlp = 3 for SwiGLU, 2 otherwise; kv_dim = kv_heads·h/heads)
+    forward FLOPs per token      l·(2·P_mm + 4·s·h) + 2·h·V       (attention scores counted over all s keys)
+
+For GPT (f = 4h, kv_heads = heads) 2·P_mm = 24h², which gives Megatron's
+72·B·s·l·h²·(1 + s/6h + V/12lh) model FLOPs per iteration.
+
+Presets: ``gpt3-*`` (Brown et al. 2020, vocabulary padded to 51200 as Megatron does), ``megatron-*``
+(the rows of Narayanan et al. Table 1), ``llama2-*`` and ``llama3-*`` (published configurations).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str                     # preset name or "custom"
+    hidden: int                   # h: model width
+    layers: int                   # l: number of transformer blocks
+    heads: int                    # a: attention (query) heads
+    vocab: int                    # V: vocabulary size (as padded for training)
+    ffn: int = 0                  # f: MLP inner width; 0 means 4·hidden
+    kv_heads: int = 0             # key/value heads (GQA); 0 means heads (multi-head attention)
+    seq_len: int = 2048           # default training sequence length (and learned position table size)
+    swiglu: bool = False          # gated MLP with three matrices (LLaMA) instead of two (GPT)
+    bias: bool = True             # linear layers carry biases (GPT) or not (LLaMA)
+    layernorm: bool = True        # LayerNorm (weight + bias) or RMSNorm (weight only)
+    tied_embeddings: bool = True  # output head shares the input embedding matrix (GPT)
+    learned_positions: bool = True  # a learned position table of seq_len x hidden (GPT) or rotary (LLaMA)
+    dropout: bool = True          # dropout layers are present, so their masks are kept for backward (GPT)
+
+    def __post_init__(self):
+        for field_name in ("hidden", "layers", "heads", "vocab", "seq_len"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model {self.name!r}: {field_name} must be a positive integer, got {value!r}")
+        if self.ffn == 0:
+            object.__setattr__(self, "ffn", 4 * self.hidden)
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.ffn < 0 or self.kv_heads < 0:
+            raise ValueError(f"model {self.name!r}: ffn and kv_heads must be positive, got ffn={self.ffn}, "
+                             f"kv_heads={self.kv_heads}")
+        if self.hidden % self.heads:
+            raise ValueError(f"model {self.name!r}: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"model {self.name!r}: heads ({self.heads}) must be divisible by kv_heads "
+                             f"({self.kv_heads})")
+
+    # ---- dimensions -------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection: kv_heads·head_dim."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.swiglu else 2
+
+    # ---- parameters -------------------------------------------------------------------------
+    @property
+    def layer_matmul_params(self) -> int:
+        """P_mm: parameters of the block's matmuls (q, k, v, out, MLP), the ones tensor parallelism splits."""
+        h = self.hidden
+        return h * h + 2 * h * self.kv_dim + h * h + self.mlp_matrices * h * self.ffn
+
+    @property
+    def layer_other_params(self) -> int:
+        """Biases and norm weights of one block (replicated under tensor parallelism; small)."""
+        h = self.hidden
+        norms = 2 * (2 * h if self.layernorm else h)
+        biases = (h + 2 * self.kv_dim + h + (self.mlp_matrices - 1) * self.ffn + h) if self.bias else 0
+        return norms + biases
+
+    @property
+    def layer_params(self) -> int:
+        return self.layer_matmul_params + self.layer_other_params
+
+    @property
+    def embedding_params(self) -> int:
+        """Input token embedding (and the learned position table, if any)."""
+        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
+
+    @property
+    def head_params(self) -> int:
+        """Output projection to the vocabulary (0 when tied to the input embedding) plus the final norm."""
+        norm = 2 * self.hidden if self.layernorm else self.hidden
+        return (0 if self.tied_embeddings else self.vocab * self.hidden) + norm
+
+    @property
+    def params(self) -> int:
+        """Total parameter count."""
+        return self.layers * self.layer_params + self.embedding_params + self.head_params
+
+    # ---- FLOPs -------------------------------------------------------------------------------
+    def layer_forward_flops_per_token(self, seq_len: int) -> float:
+        """2·P_mm + 4·s·h: the block's matmuls plus attention scores (QK^T) and their use (AV)."""
+        return 2.0 * self.layer_matmul_params + 4.0 * seq_len * self.hidden
+
+    def attention_core_flops_per_token(self, seq_len: int) -> float:
+        """4·s·h: the part of a block's forward that selective recomputation runs again."""
+        return 4.0 * seq_len * self.hidden
+
+    def logits_forward_flops_per_token(self) -> float:
+        """2·h·V: the output projection."""
+        return 2.0 * self.hidden * self.vocab
+
+    def model_flops_per_token(self, seq_len: int = None) -> float:
+        """Model FLOPs per token, forward + backward (3x forward), without recomputation (MFU's numerator)."""
+        s = self.seq_len if seq_len is None else seq_len
+        return 3.0 * (self.layers * self.layer_forward_flops_per_token(s) + self.logits_forward_flops_per_token())
+
+    def hardware_flops_per_token(self, seq_len: int = None, recompute: str = "none") -> float:
+        """FLOPs per token counting recomputation, as Megatron's papers count them.
+
+        full: every block's forward runs twice (GPT: 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration);
+        selective: the attention core's forward runs twice; none: equal to model FLOPs.
+        """
+        s = self.seq_len if seq_len is None else seq_len
+        extra = {"none": 0.0, "selective": self.layers * self.attention_core_flops_per_token(s),
+                 "full": self.layers * self.layer_forward_flops_per_token(s)}
+        if recompute not in extra:
+            raise ValueError(f"recompute must be one of {sorted(extra)}, got {recompute!r}")
+        return self.model_flops_per_token(s) + extra[recompute]
+
+    # ---- construction ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def with_seq_len(self, seq_len: int) -> "ModelSpec":
+        return replace(self, seq_len=int(seq_len))
+
+    @classmethod
+    def from_trace(cls, graph) -> "ModelSpec":
+        """A ModelSpec from an op graph traced from a real paddle model (``ap.trace``).
+
+        Not implemented yet: it needs the op trace (autoparallel/graph), which records per-op FLOPs,
+        parameter shapes and activation bytes. Until then, describe the model with a preset name or
+        an explicit "hidden=...,layers=...,heads=...,vocab=..." string.
+        """
+        raise NotImplementedError("ModelSpec.from_trace needs the op trace (autoparallel.graph.trace), which is "
+                                  "not available yet; pass a preset name or 'hidden=..,layers=..,heads=..,vocab=..'")
+
+
+def _gpt(name, hidden, layers, heads, vocab=51200, seq_len=2048):
+    return ModelSpec(name, hidden, layers, heads, vocab, seq_len=seq_len)
+
+
+def _llama(name, hidden, layers, heads, kv_heads, ffn, vocab, seq_len):
+    return ModelSpec(name, hidden, layers, heads, vocab, ffn=ffn, kv_heads=kv_heads, seq_len=seq_len, swiglu=True,
+                     bias=False, layernorm=False, tied_embeddings=False, learned_positions=False, dropout=False)
+
+
+# Megatron-LM weak-scaling rows (Narayanan et al. 2021, Table 1): name -> (hidden, layers, heads)
+MEGATRON_ROWS = {
+    "megatron-1.7b": (2304, 24, 24), "megatron-3.6b": (3072, 30, 32), "megatron-7.5b": (4096, 36, 32),
+    "megatron-18b": (6144, 40, 48), "megatron-39b": (8192, 48, 64), "megatron-76b": (10240, 60, 80),
+    "megatron-145b": (12288, 80, 96), "megatron-310b": (16384, 96, 128), "megatron-530b": (20480, 105, 128),
+    "megatron-1t": (25600, 128, 160),
+}
+
+PRESETS = {
+    # GPT-3 (Brown et al. 2020, Table 2.1); 1.3B uses 16 heads of 128, 13B the usual width 5120
+    "gpt3-1.3b": _gpt("gpt3-1.3b", 2048, 24, 16),
+    "gpt3-2.7b": _gpt("gpt3-2.7b", 2560, 32, 32),
+    "gpt3-6.7b": _gpt("gpt3-6.7b", 4096, 32, 32),
+    "gpt3-13b": _gpt("gpt3-13b", 5120, 40, 40),
+    "gpt3-175b": _gpt("gpt3-175b", 12288, 96, 96),
+    **{name: _gpt(name, *dims) for name, dims in MEGATRON_ROWS.items()},
+    # LLaMA-2 (Touvron et al. 2023) and LLaMA-3 (Dubey et al. 2024)
+    "llama2-7b": _llama("llama2-7b", 4096, 32, 32, 32, 11008, 32000, 4096),
+    "llama2-13b": _llama("llama2-13b", 5120, 40, 40, 40, 13824, 32000, 4096),
+    "llama2-70b": _llama("llama2-70b", 8192, 80, 64, 8, 28672, 32000, 4096),
+    "llama3-8b": _llama("llama3-8b", 4096, 32, 32, 8, 14336, 128256, 8192),
+    "llama3-70b": _llama("llama3-70b", 8192, 80, 64, 8, 28672, 128256, 8192),
+    "llama3-405b": _llama("llama3-405b", 16384, 126, 128, 8, 53248, 128256, 8192),
+}
+
+_INT_KEYS = {"hidden": "hidden", "layers": "layers", "heads": "heads", "vocab": "vocab", "ffn": "ffn",
+             "kv_heads": "kv_heads", "seq": "seq_len", "seq_len": "seq_len"}
+_BOOL_KEYS = ("swiglu",)
+_ITEM = re.compile(r"^\s*([a-z_]+)\s*=\s*([0-9]+)\s*$")
+
+
+def parse_model(spec) -> ModelSpec:
+    """A ModelSpec from a preset name, an explicit dimension string, or a ModelSpec (returned as is).
+
+    Dimension strings: ``"hidden=8192,layers=48,heads=64,vocab=51200[,ffn=...,kv_heads=...,seq=...,swiglu=0|1]"``;
+    hidden, layers, heads and vocab are required; swiglu=1 describes a LLaMA-style block (no biases,
+    RMSNorm, untied head, no dropout), otherwise a GPT-style block.
+    """
+    if isinstance(spec, ModelSpec):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"expected a model preset name, a 'hidden=..,layers=..,heads=..,vocab=..' string or a "
+                        f"ModelSpec, got {type(spec).__name__}")
+    key = spec.strip().lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    if "=" not in key:
+        raise ValueError(f"unknown model {spec!r}: expected a preset ({', '.join(sorted(PRESETS))}) or explicit "
+                         f"dimensions like 'hidden=8192,layers=48,heads=64,vocab=51200'")
+    values = {}
+    for item in key.split(","):
+        if not item.strip():
+            continue
+        m = _ITEM.match(item)
+        if not m or (m.group(1) not in _INT_KEYS and m.group(1) not in _BOOL_KEYS):
+            raise ValueError(f"malformed model item {item.strip()!r} in {spec!r}: expected KEY=INTEGER with KEY one "
+                             f"of {sorted(set(_INT_KEYS) | set(_BOOL_KEYS))}")
+        values[m.group(1)] = int(m.group(2))
+    missing = [k for k in ("hidden", "layers", "heads", "vocab") if k not in values]
+    if missing:
+        raise ValueError(f"model string {spec!r} lacks {', '.join(missing)}: expected at least "
+                         f"hidden=..,layers=..,heads=..,vocab=..")
+    kwargs = {_INT_KEYS[k]: v for k, v in values.items() if k in _INT_KEYS}
+    swiglu = bool(values.get("swiglu", 0))
+    name = "custom"
+    if swiglu:
+        return ModelSpec(name, swiglu=True, bias=False, layernorm=False, tied_embeddings=False,
+                         learned_positions=False, dropout=False, **kwargs)
+    return ModelSpec(name, **kwargs)

@@ -1,0 +1,83 @@
+"""PlannerOptions: the cost model's constants and modelling assumptions, one commented field each.
+
+The two efficiency constants are fitted on two rows of Megatron-LM's weak-scaling table
+(see ``autoparallel.planner.megatron``); every other number is a hardware fact or a stated assumption.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+# (param bytes, grad bytes, optimizer-state bytes) per parameter for each precision:
+#   bf16: bf16 weight 2 + bf16 grad 2 + fp32 master, Adam m and v 12 = 16 (mixed-precision Adam)
+#   fp32: fp32 weight 4 + fp32 grad 4 + Adam m and v 8            = 16
+PRECISIONS = {"bf16": (2, 2, 12, "bfloat16"), "fp32": (4, 4, 8, "float32")}
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    # -- fitted on Megatron-LM Table 1 rows 1.7B and 145B (planner/megatron.py, tests/test_planner_calibration.py)
+    gemm_efficiency: float = 0.613                # sustained fraction of peak FLOP/s of a block's matmuls
+    activation_traffic_factor: float = 1.69       # device-memory bytes moved per stored activation byte (element-wise ops)
+    # -- numerics
+    precision: str = "bf16"                       # "bf16" (mixed precision, 16-bit activations) or "fp32"
+    flash_attention: bool = False                 # attention scores never materialised (no a·s² activations)
+    # -- memory
+    memory_reserve_fraction: float = 0.10         # device memory kept free: runtime context, comm buffers, fragmentation
+    # -- pipeline
+    pp_scatter_gather: bool = True                # stage-to-stage messages split over the TP group (Narayanan et al. §4.1)
+    # -- offload (ZeRO-Offload: optimizer states and their update on the host)
+    host_link_bandwidth_Bps: float = 12e9         # device<->host bytes/s per device (PCIe 4.0 x16 shared by two devices)
+    host_adam_params_per_s: float = 2.5e8         # parameters/s one device's share of host cores updates with Adam
+    # -- search space limits
+    max_vpp: int = 16                             # largest number of virtual stages per device considered
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        if not 0 < self.gemm_efficiency <= 1:
+            raise ValueError(f"gemm_efficiency must be in (0, 1], got {self.gemm_efficiency}")
+        if self.activation_traffic_factor < 0:
+            raise ValueError(f"activation_traffic_factor must be >= 0, got {self.activation_traffic_factor}")
+        if not 0 <= self.memory_reserve_fraction < 1:
+            raise ValueError(f"memory_reserve_fraction must be in [0, 1), got {self.memory_reserve_fraction}")
+
+    @property
+    def param_bytes(self) -> int:
+        return PRECISIONS[self.precision][0]
+
+    @property
+    def grad_bytes(self) -> int:
+        return PRECISIONS[self.precision][1]
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return PRECISIONS[self.precision][2]
+
+    @property
+    def compute_dtype(self) -> str:
+        return PRECISIONS[self.precision][3]
+
+    @property
+    def activation_scale(self) -> float:
+        """Korthikanti's byte counts assume 16-bit activations; fp32 doubles them."""
+        return self.param_bytes / 2.0
+
+    def replace(self, **changes) -> "PlannerOptions":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def options_for_cluster(cluster, options: PlannerOptions = None) -> PlannerOptions:
+    """Options given explicitly win; otherwise a calibrated profile's facts ("precision", "gemm_efficiency")
+    override the defaults (a measured matmul rate is already sustained, so its profile says gemm_efficiency 1)."""
+    if options is not None:
+        return options
+    facts = dict(cluster.extra)
+    changes = {}
+    if "precision" in facts:
+        changes["precision"] = str(facts["precision"])
+    if "gemm_efficiency" in facts:
+        changes["gemm_efficiency"] = float(facts["gemm_efficiency"])
+    return PlannerOptions(**changes)

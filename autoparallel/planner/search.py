@@ -1,0 +1,266 @@
+"""Search over dp, tp, pp, vpp, sp, ZeRO stage, recompute, micro-batch and offload.
+
+The valid configurations are generated as numpy arrays (structural knobs dp/tp/pp/micro-batch/vpp in
+a small loop, the others by a cartesian product), priced at once by ``cost_model.evaluate``,
+filtered by memory and ranked by step time, then memory, then the configuration tuple — so the
+result is deterministic. ``exhaustive`` enumerates the same space one configuration at a time with
+the scalar validity rules (``invalid_reason``); tests check both agree.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from autoparallel.planner.config import RECOMPUTE, ParallelConfig
+from autoparallel.planner.cost_model import GRID_KEYS, MEMORY_TERMS, TIME_TERMS, evaluate
+from autoparallel.planner.result import GB, Candidate
+
+_RC_CODE = {name: i for i, name in enumerate(RECOMPUTE)}
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    dp: tuple = None              # allowed data-parallel degrees (None: every valid one)
+    tp: tuple = None              # allowed tensor-parallel degrees
+    pp: tuple = None              # allowed pipeline degrees
+    vpp: tuple = None             # allowed virtual stages per device
+    sp: tuple = (0, 1)            # sequence parallelism off/on
+    sharding: tuple = (0, 1, 2, 3)   # ZeRO stages
+    recompute: tuple = RECOMPUTE  # recompute granularities
+    offload: tuple = (0, 1)       # optimizer offload off/on
+    micro_batch: tuple = None     # allowed micro-batch sizes
+
+    @classmethod
+    def from_constraints(cls, constraints: dict) -> "SearchSpace":
+        """``{"tp": [4, 8], "recompute": "full", ...}``: a value or a list of allowed values per knob."""
+        names = {f.name for f in fields(cls)}
+        values = {}
+        for key, allowed in (constraints or {}).items():
+            if key not in names:
+                raise ValueError(f"unknown search constraint {key!r}: expected one of {sorted(names)}")
+            if isinstance(allowed, (str, int)):
+                allowed = (allowed,)
+            allowed = tuple(allowed)
+            if not allowed:
+                raise ValueError(f"constraint {key!r} allows no value")
+            if key == "recompute":
+                bad = [a for a in allowed if a not in RECOMPUTE]
+                if bad:
+                    raise ValueError(f"recompute must be among {RECOMPUTE}, got {bad}")
+            values[key] = allowed
+        return cls(**values)
+
+    def allows(self, key: str, value) -> bool:
+        allowed = getattr(self, key)
+        return allowed is None or value in allowed
+
+    def constrained(self) -> dict:
+        default = SearchSpace()
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+
+def divisors(n: int) -> list:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def tp_divides_model(model, tp: int) -> bool:
+    """tp splits heads, key/value heads, hidden and FFN widths evenly."""
+    return model.heads % tp == 0 and model.kv_heads % tp == 0 and model.hidden % tp == 0 and model.ffn % tp == 0
+
+
+def invalid_reason(model, world, global_batch, seq_len, config: ParallelConfig, options) -> str:
+    """Why ``config`` cannot run this model on ``world`` devices (None when it can)."""
+    c = config
+    if c.world != world:
+        return f"dp·tp·pp = {c.dp}·{c.tp}·{c.pp} = {c.world}, but the cluster has {world} devices"
+    if not tp_divides_model(model, c.tp):
+        return (f"tp={c.tp} must divide heads ({model.heads}), kv_heads ({model.kv_heads}), hidden ({model.hidden}) "
+                f"and ffn ({model.ffn})")
+    if c.pp > model.layers:
+        return f"pp={c.pp} exceeds the {model.layers} layers"
+    if global_batch % (c.dp * c.micro_batch):
+        return (f"global batch {global_batch} is not divisible by dp·micro_batch = {c.dp}·{c.micro_batch} = "
+                f"{c.dp * c.micro_batch}")
+    m = global_batch // (c.dp * c.micro_batch)
+    if c.vpp > 1:
+        if c.pp == 1:
+            return f"vpp={c.vpp} needs pipeline parallelism (pp > 1)"
+        if model.layers % (c.pp * c.vpp):
+            return f"pp·vpp = {c.pp}·{c.vpp} must divide the {model.layers} layers"
+        if m % c.pp:
+            return f"the interleaved schedule needs micro-batches ({m}) divisible by pp ({c.pp})"
+        if c.vpp > options.max_vpp:
+            return f"vpp={c.vpp} exceeds max_vpp={options.max_vpp}"
+    if c.sp and c.tp == 1:
+        return "sequence parallelism (sp=1) needs tp > 1"
+    if c.sp and seq_len % c.tp:
+        return f"sequence parallelism needs seq_len ({seq_len}) divisible by tp ({c.tp})"
+    if c.sharding and c.dp == 1:
+        return f"ZeRO stage {c.sharding} shards over data parallelism and needs dp > 1"
+    if c.offload and c.sharding == 0:
+        return "offload moves ZeRO-sharded optimizer states to the host and needs sharding >= 1"
+    return None
+
+
+def build_grid(model, world, global_batch, seq_len, space: SearchSpace, options) -> dict:
+    """Every valid configuration of ``space`` as a dict of equal-length int arrays (GRID_KEYS)."""
+    structural = []          # (dp, tp, pp, vpp, mb)
+    for tp in divisors(world):
+        if not (space.allows("tp", tp) and tp_divides_model(model, tp)):
+            continue
+        for pp in divisors(world // tp):
+            if pp > model.layers or not space.allows("pp", pp):
+                continue
+            dp = world // (tp * pp)
+            if global_batch % dp or not space.allows("dp", dp):
+                continue
+            vpps = [1]
+            if pp > 1 and model.layers % pp == 0:
+                vpps += [v for v in divisors(model.layers // pp) if 1 < v <= options.max_vpp]
+            for mb in divisors(global_batch // dp):
+                if not space.allows("micro_batch", mb):
+                    continue
+                m = global_batch // (dp * mb)
+                for v in vpps:
+                    if v > 1 and m % pp:
+                        continue
+                    if space.allows("vpp", v):
+                        structural.append((dp, tp, pp, v, mb))
+    sps = [s for s in space.sp if s in (0, 1)]
+    zeros = [z for z in space.sharding if z in (0, 1, 2, 3)]
+    rcs = [_RC_CODE[r] for r in space.recompute]
+    offs = [o for o in space.offload if o in (0, 1)]
+    knobs = np.array(list(itertools.product(sps, zeros, rcs, offs)), dtype=np.int64).reshape(-1, 4)
+    struct = np.array(structural, dtype=np.int64).reshape(-1, 5)
+    n_s, n_k = len(struct), len(knobs)
+    s_rep = np.repeat(struct, n_k, axis=0)
+    k_rep = np.tile(knobs, (n_s, 1))
+    grid = {"dp": s_rep[:, 0], "tp": s_rep[:, 1], "pp": s_rep[:, 2], "vpp": s_rep[:, 3], "mb": s_rep[:, 4],
+            "sp": k_rep[:, 0], "zero": k_rep[:, 1], "recompute": k_rep[:, 2], "offload": k_rep[:, 3]}
+    ok = ((grid["sp"] == 0) | ((grid["tp"] > 1) & (seq_len % grid["tp"] == 0)))
+    ok &= (grid["zero"] == 0) | (grid["dp"] > 1)
+    ok &= (grid["offload"] == 0) | (grid["zero"] >= 1)
+    return {k: v[ok] for k, v in grid.items()}
+
+
+def grid_of(configs) -> dict:
+    """Configurations -> grid arrays."""
+    configs = list(configs)
+    return {
+        "dp": np.array([c.dp for c in configs], dtype=np.int64), "tp": np.array([c.tp for c in configs], dtype=np.int64),
+        "pp": np.array([c.pp for c in configs], dtype=np.int64), "vpp": np.array([c.vpp for c in configs], dtype=np.int64),
+        "sp": np.array([c.sp for c in configs], dtype=np.int64),
+        "zero": np.array([c.sharding for c in configs], dtype=np.int64),
+        "recompute": np.array([_RC_CODE[c.recompute] for c in configs], dtype=np.int64),
+        "offload": np.array([c.offload for c in configs], dtype=np.int64),
+        "mb": np.array([c.micro_batch for c in configs], dtype=np.int64),
+    }
+
+
+def config_at(grid: dict, i: int) -> ParallelConfig:
+    return ParallelConfig(dp=int(grid["dp"][i]), tp=int(grid["tp"][i]), pp=int(grid["pp"][i]),
+                          vpp=int(grid["vpp"][i]), sp=int(grid["sp"][i]), sharding=int(grid["zero"][i]),
+                          recompute=RECOMPUTE[int(grid["recompute"][i])], offload=int(grid["offload"][i]),
+                          micro_batch=int(grid["mb"][i]))
+
+
+def candidate_at(ev: dict, grid: dict, i: int, global_batch: int, seq_len: int, capacity: float) -> Candidate:
+    memory = {k: float(ev["memory"][k][i]) / GB for k in MEMORY_TERMS}
+    return Candidate(
+        config=config_at(grid, i), global_batch=int(global_batch), seq_len=int(seq_len),
+        num_micro_batches=int(round(float(ev["num_micro_batches"][i]))),
+        step_time_s=float(ev["step_time_s"][i]), tokens_per_s=float(ev["tokens_per_s"][i]),
+        tflops_per_device=float(ev["tflops_per_device"][i]), mfu=float(ev["mfu"][i]),
+        memory_gb=memory, memory_per_device_gb=float(ev["memory_total"][i]) / GB, capacity_gb=capacity / GB,
+        host_memory_gb=float(ev["host_bytes"][i]) / GB,
+        time_s={k[:-2]: float(ev[k][i]) for k in TIME_TERMS}, feasible=bool(ev["feasible"][i]))
+
+
+def evaluate_config(model, cluster, global_batch, seq_len, config: ParallelConfig, options) -> Candidate:
+    """Price one configuration (validity is the caller's business; see ``invalid_reason``)."""
+    grid = grid_of([config])
+    ev = evaluate(model, cluster, global_batch, seq_len, grid, options)
+    return candidate_at(ev, grid, 0, global_batch, seq_len, cluster.device.memory_bytes)
+
+
+def rank_order(ev: dict, grid: dict, feasible_only: bool = True) -> np.ndarray:
+    """Indices sorted by (step time, memory, dp, tp, pp, vpp, sp, zero, recompute, offload, mb)."""
+    keys = [grid[k] for k in reversed(GRID_KEYS)] + [ev["memory_total"], ev["step_time_s"]]
+    order = np.lexsort(keys)
+    if feasible_only:
+        order = order[ev["feasible"][order]]
+    return order
+
+
+@dataclass
+class SearchOutcome:
+    grid: dict                    # every configuration priced
+    evaluation: dict              # cost_model.evaluate output for the grid
+    order: np.ndarray             # feasible indices, best first
+    seconds: float                # wall time of generation + pricing + ranking
+
+    @property
+    def evaluated(self) -> int:
+        return int(len(self.grid["dp"]))
+
+    def top(self, k, global_batch, seq_len, capacity):
+        return [candidate_at(self.evaluation, self.grid, int(i), global_batch, seq_len, capacity)
+                for i in self.order[:k]]
+
+    def least_memory(self):
+        """Index of the configuration that needs the least memory (for infeasibility messages)."""
+        if self.evaluated == 0:
+            return None
+        return int(np.lexsort((self.evaluation["step_time_s"], self.evaluation["memory_total"]))[0])
+
+
+def search(model, cluster, global_batch, seq_len, space: SearchSpace, options) -> SearchOutcome:
+    start = time.perf_counter()
+    grid = build_grid(model, cluster.world_size, global_batch, seq_len, space, options)
+    if len(grid["dp"]) == 0:
+        ev = {"step_time_s": np.zeros(0), "memory_total": np.zeros(0), "feasible": np.zeros(0, dtype=bool)}
+        return SearchOutcome(grid, ev, np.zeros(0, dtype=np.int64), time.perf_counter() - start)
+    ev = evaluate(model, cluster, global_batch, seq_len, grid, options)
+    order = rank_order(ev, grid)
+    return SearchOutcome(grid, ev, order, time.perf_counter() - start)
+
+
+def enumerate_valid(model, world, global_batch, seq_len, options, space: SearchSpace = None):
+    """Every valid configuration, found one at a time by brute force over all knob values and the
+    scalar rules of ``invalid_reason`` (independent of ``build_grid``'s generation)."""
+    space = space or SearchSpace()
+    for dp, tp, pp in itertools.product(divisors(world), repeat=3):
+        if dp * tp * pp != world:
+            continue
+        for vpp, sp, zero, rc, off, mb in itertools.product(
+                range(1, options.max_vpp + 1), (0, 1), (0, 1, 2, 3), RECOMPUTE, (0, 1), divisors(global_batch)):
+            config = ParallelConfig(dp, tp, pp, vpp, sp, zero, rc, off, mb)
+            if not all(space.allows(k, getattr(config, k)) for k in
+                       ("dp", "tp", "pp", "vpp", "sp", "sharding", "recompute", "offload", "micro_batch")):
+                continue
+            if invalid_reason(model, world, global_batch, seq_len, config, options) is None:
+                yield config
+
+
+def exhaustive(model, cluster, global_batch, seq_len, options, space: SearchSpace = None):
+    """Reference: price every valid configuration alone and return the best feasible Candidate (or None).
+
+    Slow (one cost-model call per configuration); only for search spaces small enough to enumerate.
+    Ranking key as in ``rank_order``: step time, memory, then the configuration tuple.
+    """
+    best, best_key = None, None
+    for c in enumerate_valid(model, cluster.world_size, global_batch, seq_len, options, space):
+        grid = grid_of([c])
+        ev = evaluate(model, cluster, global_batch, seq_len, grid, options)
+        if not ev["feasible"][0]:
+            continue
+        key = (float(ev["step_time_s"][0]), float(ev["memory_total"][0]), c.dp, c.tp, c.pp, c.vpp, c.sp,
+               c.sharding, _RC_CODE[c.recompute], c.offload, c.micro_batch)
+        if best_key is None or key < best_key:
+            best = candidate_at(ev, grid, 0, global_batch, seq_len, cluster.device.memory_bytes)
+            best_key = key
+    return best

@@ -1,0 +1,89 @@
+"""Execute reshard plans on DistTensor locals: one step changes the placement of one mesh dim.
+
+What a step does is derived from its (before, after) placements on that mesh dim, and the sizes every
+member holds from the DistSpecs — uneven shards included — so the planner (reshard/) only chooses the
+order; this module never guesses.
+"""
+from __future__ import annotations
+
+from autoparallel.comm import collectives as C
+from autoparallel.comm.world import current_world
+from autoparallel.placement import Partial, Replicate, Shard, chunk_sizes
+from autoparallel.spec import DistSpec
+
+
+def _extent(spec: DistSpec, coords, dim: int) -> int:
+    a, b = spec.local_range(coords, dim)
+    return b - a
+
+
+def apply_step(locals_: dict, before: DistSpec, after: DistSpec, i: int) -> dict:
+    """Move ``locals_`` from ``before`` to ``after``; the two differ on mesh dim ``i`` only."""
+    p, q = before.placements[i], after.placements[i]
+    if p == q:
+        return dict(locals_)
+    for spec, pl in ((before, p), (after, q)):
+        if isinstance(pl, Shard) and any(j > i for j in spec.shard_mesh_dims(pl.dim)):
+            raise ValueError(f"mesh dim {i} is not the innermost splitter of tensor dim {pl.dim} in "
+                             f"{spec.placements}: nested shards change from the innermost mesh dim outwards")
+    mesh, world = before.mesh, current_world()
+    n = mesh.shape[i]
+    out = dict(locals_)
+    for ranks in mesh.all_groups(i):
+        members = [r for r in world.local_ranks(ranks) if r in locals_]
+        if not members:
+            continue
+        xs = {r: locals_[r] for r in members}
+        c = mesh.coords_of(ranks[0])
+        if isinstance(p, Replicate) and isinstance(q, Shard):
+            res = C.slice_shard(xs, ranks, q.dim, chunk_sizes(_extent(before, c, q.dim), n))
+        elif isinstance(p, Shard) and isinstance(q, Replicate):
+            res = C.all_gather(xs, ranks, p.dim, chunk_sizes(_extent(after, c, p.dim), n))
+        elif isinstance(p, Partial) and isinstance(q, Replicate):
+            res = C.all_reduce(xs, ranks, p.reduce_type)
+        elif isinstance(p, Partial) and isinstance(q, Shard):
+            res = C.reduce_scatter(xs, ranks, q.dim, chunk_sizes(_extent(before, c, q.dim), n), p.reduce_type)
+        elif isinstance(p, Shard) and isinstance(q, Shard):
+            res = C.all_to_all(xs, ranks, p.dim, q.dim, chunk_sizes(_extent(after, c, p.dim), n),
+                               chunk_sizes(_extent(before, c, q.dim), n))
+        elif isinstance(p, Replicate) and isinstance(q, Partial):
+            res = C.to_partial(xs, ranks, q.reduce_type)
+        else:
+            raise NotImplementedError(f"no direct transition {p} -> {q} on mesh dim {i}; "
+                                      f"the reshard planner must route it through R")
+        out.update(res)
+    return out
+
+
+def apply_cross_mesh(locals_: dict, before: DistSpec, after: DistSpec) -> dict:
+    """Send every shard to the rank at the same coordinate of ``after.mesh`` (same shape, same placements)."""
+    src, dst = before.mesh, after.mesh
+    if src.shape != dst.shape or before.placements != after.placements:
+        raise NotImplementedError(f"direct cross-mesh transfer needs equal mesh shapes and placements, got "
+                                  f"{src.shape} {before.placements} -> {dst.shape} {after.placements}")
+    import itertools
+
+    pairs, shapes = [], {}
+    for coords in itertools.product(*[range(s) for s in src.shape]):
+        s, d = src.rank_at(coords), dst.rank_at(coords)
+        pairs.append((s, d))
+        shapes[d] = before.local_shape(coords)
+    world = current_world()
+    mine = set(world.local_ranks(src.process_ids + [r for r in dst.process_ids if r not in src.process_ids]))
+    pairs = [(s, d) for s, d in pairs if s in mine or d in mine]
+    xs = {s: locals_[s] for s, _ in pairs if s in locals_}
+    return C.send_recv(xs, pairs, shapes, before.dtype)
+
+
+def execute(locals_: dict, plan) -> dict:
+    """Run every step of a reshard plan (reshard.ReshardPlan)."""
+    spec = plan.src_spec
+    for step in plan.steps:
+        if getattr(step, "src_mesh", None) is not None and step.mesh_dim < 0:
+            nxt = DistSpec(step.dst_mesh, step.dst, spec.shape, spec.dtype)
+            locals_ = apply_cross_mesh(locals_, DistSpec(step.src_mesh, step.src, spec.shape, spec.dtype), nxt)
+        else:
+            nxt = DistSpec(spec.mesh, step.dst, spec.shape, spec.dtype)
+            locals_ = apply_step(locals_, spec.with_placements(step.src), nxt, step.mesh_dim)
+        spec = nxt
+    return locals_

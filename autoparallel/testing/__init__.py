@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: launching real multi-rank jobs and comparing tensors."""

@@ -1,0 +1,95 @@
+"""Run a script on N real ranks with ``python -m paddle.distributed.launch`` and collect results.
+
+Each rank writes ``$AP_RESULT_DIR/rank{r}.json`` (see ``write_result``); ``launch`` returns them in rank
+order, or raises with the tail of every rank's log when the job fails or a rank wrote nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, nproc: int, args=(), timeout: float = 600, env=None, nnodes: int = 1) -> list:
+    workdir = tempfile.mkdtemp(prefix="ap_launch_")
+    result_dir = os.path.join(workdir, "results")
+    os.makedirs(result_dir)
+    e = dict(os.environ)
+    e.update({"OMP_NUM_THREADS": "1", "AP_RESULT_DIR": result_dir, "PYTHONUNBUFFERED": "1",
+              "GLOG_minloglevel": "2", "FLAGS_call_stack_level": "0"})
+    e.update(env or {})
+    logs = []
+    procs = []
+    if nnodes == 1:
+        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
+               "--log_dir", os.path.join(workdir, "log"), script, *map(str, args)]
+        procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        logs.append(os.path.join(workdir, "log"))
+    else:
+        master = f"127.0.0.1:{free_port()}"
+        for node in range(nnodes):
+            log = os.path.join(workdir, f"log{node}")
+            cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nnodes", str(nnodes), "--master", master,
+                   "--rank", str(node), "--nproc_per_node", str(nproc // nnodes), "--log_dir", log,
+                   script, *map(str, args)]
+            procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            logs.append(log)
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append(out.decode(errors="replace"))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"launch of {script} on {nproc} ranks timed out after {timeout} s\n" + _tails(logs))
+    codes = [p.returncode for p in procs]
+    results = []
+    for r in range(nproc):
+        path = os.path.join(result_dir, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results.append(json.load(f))
+        else:
+            results.append(None)
+    if any(codes) or any(x is None for x in results):
+        raise RuntimeError(f"launch of {script} on {nproc} ranks failed (exit codes {codes}, "
+                           f"missing results {[r for r, x in enumerate(results) if x is None]})\n" + _tails(logs)
+                           + "\n".join(o[-2000:] for o in outs))
+    return results
+
+
+def _tails(log_dirs, n=3000) -> str:
+    text = []
+    for d in log_dirs:
+        if not os.path.isdir(d):
+            continue
+        for name in sorted(os.listdir(d)):
+            if name.startswith("workerlog"):
+                with open(os.path.join(d, name), errors="replace") as f:
+                    text.append(f"--- {name} ---\n" + f.read()[-n:])
+    return "\n".join(text)
+
+
+def write_result(obj) -> None:
+    """Called on each rank: store this rank's JSON-serialisable result for ``launch``."""
+    import paddle.distributed as dist
+
+    d = os.environ.get("AP_RESULT_DIR")
+    if not d:
+        print(json.dumps(obj))
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tmp = os.path.join(d, f".rank{rank}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, os.path.join(d, f"rank{rank}.json"))

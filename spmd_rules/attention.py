@@ -1,0 +1,102 @@
+"""Attention: scaled_dot_product_attention, flash_attention (paddle layout [batch, seq, heads, head_dim])
+and rotary_embedding.
+
+Batch and heads may be sharded (query, key, value and the mask alike); with grouped-query attention the
+heads stay shardable when every rank's query heads use exactly its key/value heads (the kv heads split
+evenly with the query groups). The query sequence may be sharded when attention is not causal (key and
+value are then R); key/value sequence and head_dim are whole (no ring attention). Linear in ``value``
+only (a Partial value passes). With dropout in training the local op is ``sharded_attention_dropout``:
+the runtime draws the dropout mask for the GLOBAL attention-probability shape from the mesh-synchronised
+generator and applies this rank's slice.
+
+rotary_embedding(x, cos, sin) = x * cos + rotate_half(x) * sin (rotate_half: [-x2, x1] of the halves of
+the last dim); cos/sin broadcast against x. The last dim must be whole; the rest is elementwise and
+linear in x.
+"""
+from __future__ import annotations
+
+from autoparallel.placement import chunk_range
+
+from spmd_rules.einsum import labels_result
+from spmd_rules.registry import register_spmd_rule
+from spmd_rules.result import SpmdResult
+from spmd_rules.utils import broadcast_shapes, check_spec, promote
+
+
+def _heads_ok(hq, hk, sizes) -> bool:
+    if hk == 0 or hq % hk:
+        return False
+    g = hq // hk
+    return all(chunk_range(hq, k, r) == tuple(g * v for v in chunk_range(hk, k, r)) for k in sizes for r in range(k))
+
+
+def _attention(op, q, k, v, mask, causal, dropout, training):
+    for n, s in (("query", q), ("key", k), ("value", v)):
+        check_spec(op, n, s)
+        if s.ndim != 4:
+            raise ValueError(f"{op}: {n} must be [batch, seq, heads, head_dim], got shape {list(s.shape)}")
+    b, sq, hq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2] or k.shape[3] != d:
+        raise ValueError(f"{op}: incompatible shapes query {list(q.shape)}, key {list(k.shape)}, value {list(v.shape)}")
+    hk = k.shape[2]
+    if hq % hk:
+        raise ValueError(f"{op}: query heads {hq} must be a multiple of key/value heads {hk}")
+    h = "h" if _heads_ok(hq, hk, set(q.mesh.shape)) else None
+    s = None if causal else "s"
+    ql, kl = ("b", s, h, None), ("b", None, h, None)
+    specs, labs = [q, k, v], [ql, kl, kl]
+    if mask is not None:
+        check_spec(op, "attn_mask", mask)
+        full = (b, hq, sq, k.shape[1])
+        broadcast_shapes(op, mask.shape, full)
+        want = ("b", h, s, None)
+        off = 4 - mask.ndim
+        labs.append(tuple(want[off + j] if mask.shape[j] == full[off + j] else None for j in range(mask.ndim)))
+        specs.append(mask)
+    out = ((b, sq, hq, v.shape[3]), q.dtype)
+    local_op = "sharded_attention_dropout" if dropout and training else None
+    return specs, labs, ("b", s, h, None), out, local_op
+
+
+@register_spmd_rule("scaled_dot_product_attention")
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True,
+                                 backend=None, scale=None, enable_gqa=True, name=None):
+    op = "scaled_dot_product_attention"
+    specs, labs, ol, out, local_op = _attention(op, query, key, value, attn_mask, is_causal, dropout_p, training)
+    return labels_result(op, specs, labs, [ol], [out], linear={2}, local_op=local_op)
+
+
+@register_spmd_rule("flash_attention")
+def flash_attention(query, key, value, dropout=0.0, causal=False, return_softmax=False, *, fixed_seed_offset=None,
+                    rng_name="", training=True, name=None, softmax_scale=None):
+    op = "flash_attention"
+    specs, labs, ol, out, local_op = _attention(op, query, key, value, None, causal, dropout, training)
+    b, sq, hq, _ = query.shape
+    outs, metas = [ol], [out]
+    if return_softmax:
+        outs.append(("b", ol[2], ol[1], None))
+        metas.append(((b, hq, sq, key.shape[1]), query.dtype))
+    res = labels_result(op, specs, labs, outs, metas, linear={2}, local_op=local_op)
+    if not return_softmax:
+        res = SpmdResult(res.inputs, res.outputs + (None,), res.local_op, res.local_attrs)
+    return res
+
+
+@register_spmd_rule("rotary_embedding")
+def rotary_embedding(x, cos, sin):
+    op = "rotary_embedding"
+    for n, s in (("x", x), ("cos", cos), ("sin", sin)):
+        check_spec(op, n, s)
+    if x.shape[-1] % 2:
+        raise ValueError(f"{op}: the last dim of x must be even (rotate_half), got shape {list(x.shape)}")
+    shape = broadcast_shapes(op, x.shape, cos.shape, sin.shape)
+    if tuple(shape) != tuple(x.shape):
+        raise ValueError(f"{op}: cos {list(cos.shape)} and sin {list(sin.shape)} must broadcast to x {list(x.shape)}")
+    nd = x.ndim
+    labs = []
+    for t in (x, cos, sin):
+        off = nd - t.ndim
+        labs.append(tuple(None if (off + j == nd - 1 or t.shape[j] != shape[off + j]) else off + j
+                          for j in range(t.ndim)))
+    return labels_result(op, [x, cos, sin], labs, [labs[0]], [(shape, promote(x.dtype, cos.dtype, sin.dtype))],
+                         linear={0})

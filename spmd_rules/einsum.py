@@ -1,0 +1,212 @@
+"""The einsum-notation helper: axis labels decide shardings (like paddle's ShardingMergeForTensors).
+
+Every operand dim carries a label (an axis name) or ``None`` (a dim that must stay whole: a broadcast
+size-1 dim, a softmax axis, ...). On one mesh dim:
+
+1. Partial inputs. ``linear`` says in which operands the op is linear: ``"multi"`` (multilinear in each
+   operand separately: matmul, einsum, multiply, a reduction, a reshape), a set of operand indices
+   (e.g. ``{0}`` for divide's numerator), ``"additive"`` (linear in all operands jointly: add, concat) or
+   ``None``. A multilinear op keeps ONE linear Partial (sum/avg): the largest such operand (by element
+   count, the first on ties) stays Partial, every other operand is required R, outputs are Partial. An
+   additive op keeps Partial only when every operand has the same linear Partial. Everything else
+   (P(max), P(min), nonlinear ops) is required R: the runtime reduces first.
+2. Shards. Among operands sharded on a labelled dim, the LARGEST operand (by global element count; the
+   first on ties) wins: its label becomes the sharded axis, every operand having that label is required
+   sharded on it, the others R. An output with the label is sharded on it; an output without it (a
+   contracted axis) is ``Partial(reduce)`` (sum for einsum/sum, max/min for those reductions).
+3. Otherwise everything is R.
+
+Labels split identically in every operand, so nested sharding (two mesh dims on one axis) is kept.
+"""
+from __future__ import annotations
+
+import re
+
+from autoparallel.placement import Partial, Shard
+from autoparallel.spec import DistSpec
+
+from spmd_rules.expand import expand, present
+from spmd_rules.result import SpmdResult
+from spmd_rules.utils import R, is_linear_partial, promote
+
+ALL = "multi"
+
+
+def _pick(cands, sizes):
+    return max(cands, key=lambda i: (sizes[i], -i))
+
+
+def label_rule(in_labels, out_labels, sizes, *, linear=ALL, reduce: str = "sum"):
+    """A one-mesh-dim rule (see expand.py) from operand and output labels.
+
+    ``in_labels``: per operand a tuple of labels/None; ``out_labels``: per output a tuple;
+    ``sizes``: per operand its element count (conflict resolution)."""
+    in_labels = [tuple(ls) for ls in in_labels]
+    out_labels = [tuple(ls) for ls in out_labels]
+    n = len(in_labels)
+    multi = set(range(n)) if linear == ALL else (set(linear) if isinstance(linear, (set, frozenset, tuple, list)) else set())
+
+    def rule(pl, dim):
+        idx = [i for i in range(n) if pl[i] is not None]
+        partial = [i for i in idx if isinstance(pl[i], Partial)]
+        if partial:
+            if linear == "additive":
+                kinds = {pl[i] for i in idx}
+                if len(partial) == len(idx) and len(kinds) == 1 and is_linear_partial(pl[idx[0]]):
+                    return tuple(pl), tuple(pl[idx[0]] for _ in out_labels)
+            else:
+                cands = [i for i in partial if i in multi and is_linear_partial(pl[i])]
+                if cands:
+                    k = _pick(cands, sizes)
+                    req = tuple(None if pl[i] is None else (pl[k] if i == k else R) for i in range(n))
+                    return req, tuple(pl[k] for _ in out_labels)
+        cands = [i for i in idx if isinstance(pl[i], Shard) and in_labels[i][pl[i].dim] is not None]
+        if not cands:
+            return tuple(None if p is None else R for p in pl), tuple(R for _ in out_labels)
+        best = _pick(cands, sizes)
+        lab = in_labels[best][pl[best].dim]
+        req = tuple(None if pl[i] is None else (Shard(in_labels[i].index(lab)) if lab in in_labels[i] else R)
+                    for i in range(n))
+        outs = tuple(Shard(ol.index(lab)) if lab in ol else Partial(reduce) for ol in out_labels)
+        return req, outs
+
+    return rule
+
+
+def label_reverse(in_labels, out_labels, *, linear=ALL, reduce: str = "sum"):
+    """The reverse one-mesh-dim rule: wanted output placements -> required input placements."""
+    in_labels = [tuple(ls) for ls in in_labels]
+    first = tuple(out_labels[0])
+    n = len(in_labels)
+    multi = list(range(n)) if linear == ALL else (sorted(linear) if isinstance(linear, (set, frozenset, tuple, list)) else [])
+
+    def by_label(lab):
+        return tuple(Shard(ls.index(lab)) if lab in ls else R for ls in in_labels)
+
+    def rule(outs, dim):
+        p = outs[0]
+        if isinstance(p, Shard) and first[p.dim] is not None:
+            return by_label(first[p.dim])
+        if isinstance(p, Partial):
+            if p.reduce_type == reduce:
+                contracted = [lab for ls in in_labels for lab in ls if lab is not None and lab not in first]
+                if contracted:
+                    return by_label(contracted[0])
+            if is_linear_partial(p):
+                if linear == "additive":
+                    return tuple(p for _ in range(n))
+                if multi:
+                    return tuple(p if i == multi[0] else R for i in range(n))
+        return tuple(R for _ in range(n))
+
+    return rule
+
+
+# ---- einsum equations --------------------------------------------------------------------------------------
+_EQ = re.compile(r"^[a-zA-Z.,\->\s]*$")
+
+
+def parse_equation(op: str, equation: str, shapes) -> tuple:
+    """``"bij,bjk->bik"`` and operand shapes -> (operand labels, output labels, output shape).
+
+    Supports ``...`` (right-aligned broadcast dims, size-1 dims broadcast and become ``None``) and
+    implicit outputs. A label repeated inside one operand (a diagonal) is not supported."""
+    if not isinstance(equation, str) or not _EQ.match(equation):
+        raise ValueError(f"{op}: malformed equation {equation!r}")
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(shapes):
+        raise ValueError(f"{op}: equation {equation!r} names {len(terms)} operands, got {len(shapes)}")
+    n_ell = 0
+    parsed = []
+    for t, shape in zip(terms, shapes):
+        if t.count("...") > 1 or t.replace("...", "").count(".") or not re.match(r"^[a-zA-Z.]*$", t):
+            raise ValueError(f"{op}: malformed operand term {t!r} in {equation!r}")
+        letters = t.replace("...", "")
+        if len(set(letters)) != len(letters):
+            raise NotImplementedError(f"{op}: repeated label in operand {t!r} (diagonals) is not supported")
+        e = len(shape) - len(letters)
+        if e < 0 or (e > 0 and "..." not in t):
+            raise ValueError(f"{op}: operand term {t!r} does not match an operand of shape {list(shape)}")
+        n_ell = max(n_ell, e)
+        parsed.append((t, e))
+    # ellipsis sizes (right-aligned broadcast)
+    ell_size = [1] * n_ell
+    for (t, e), shape in zip(parsed, shapes):
+        pos = t.find("...")
+        for k in range(e):
+            s = shape[pos + k]
+            j = n_ell - e + k
+            if s != 1:
+                if ell_size[j] not in (1, s):
+                    raise ValueError(f"{op}: ellipsis dims of {[list(s) for s in shapes]} do not broadcast")
+                ell_size[j] = s
+    labels, sizes = [], {}
+    for (t, e), shape in zip(parsed, shapes):
+        ls = []
+        d = 0
+        i = 0
+        while i < len(t):
+            if t.startswith("...", i):
+                for k in range(e):
+                    j = n_ell - e + k
+                    ls.append(f"...{j}" if shape[d] == ell_size[j] else None)
+                    d += 1
+                i += 3
+                continue
+            c = t[i]
+            if c in sizes and sizes[c] != shape[d]:
+                raise ValueError(f"{op}: label {c!r} has size {sizes[c]} in one operand and {shape[d]} in "
+                                 f"another (shapes {[list(s) for s in shapes]}, equation {equation!r})")
+            sizes[c] = shape[d]
+            ls.append(c)
+            d += 1
+            i += 1
+        labels.append(tuple(ls))
+    for j in range(n_ell):
+        sizes[f"...{j}"] = ell_size[j]
+    if arrow:
+        if rhs.count("...") > 1 or not re.match(r"^[a-zA-Z.]*$", rhs):
+            raise ValueError(f"{op}: malformed output term {rhs!r}")
+        out = []
+        i = 0
+        while i < len(rhs):
+            if rhs.startswith("...", i):
+                out.extend(f"...{j}" for j in range(n_ell))
+                i += 3
+                continue
+            c = rhs[i]
+            if c not in sizes:
+                raise ValueError(f"{op}: output label {c!r} does not appear in the operands of {equation!r}")
+            out.append(c)
+            i += 1
+        if len(set(out)) != len(out):
+            raise ValueError(f"{op}: repeated output label in {equation!r}")
+    else:
+        counts = {}
+        for t, _ in parsed:
+            for c in t.replace("...", ""):
+                counts[c] = counts.get(c, 0) + 1
+        out = [f"...{j}" for j in range(n_ell)] + sorted(c for c, k in counts.items() if k == 1)
+    out_shape = tuple(sizes[lab] for lab in out)
+    return labels, tuple(out), out_shape
+
+
+def labels_result(op: str, specs, in_labels, out_labels, out_metas, *, linear=ALL, reduce: str = "sum",
+                  nested: bool = True, local_op=None, local_attrs=None) -> SpmdResult:
+    """An SpmdResult from labels (``specs`` may contain None for absent optional operands)."""
+    sizes = [0 if s is None else s.numel for s in specs]
+    labs = [() if s is None else ls for s, ls in zip(specs, in_labels)]
+    rule = label_rule(labs, out_labels, sizes, linear=linear, reduce=reduce)
+    required, outputs = expand(op, specs, out_metas, rule, nested=nested)
+    return SpmdResult(present(required), outputs, local_op, local_attrs)
+
+
+def einsum_result(op: str, equation: str, specs, *, out_dtype=None, linear=ALL) -> SpmdResult:
+    for i, s in enumerate(specs):
+        if not isinstance(s, DistSpec):
+            raise TypeError(f"{op}: operand {i} must be a DistSpec, got {type(s).__name__}")
+    labels, out, out_shape = parse_equation(op, equation, [s.shape for s in specs])
+    dtype = out_dtype or promote(*[s.dtype for s in specs])
+    return labels_result(op, specs, labels, [out], [(out_shape, dtype)], linear=linear)

@@ -1,0 +1,190 @@
+"""Elementwise ops: unary, binary with broadcasting, where, comparisons.
+
+Built on the einsum-notation helper: output dims are labels, an operand's dim that broadcasts (size 1
+against a larger output) is unlabelled and stays whole. Partial inputs: see einsum.py; the linear cases
+are add/subtract of two equal linear Partials, multiply (in either operand, one Partial kept), divide (in
+the numerator), neg, scale without bias, float casts. add(P, R) requires R.
+"""
+from __future__ import annotations
+
+from autoparallel.spec import DistSpec, normalize_dtype
+
+from spmd_rules.einsum import ALL, label_reverse, labels_result
+from spmd_rules.expand import expand_reverse, present
+from spmd_rules.registry import register_spmd_rule
+from spmd_rules.result import SpmdResult
+from spmd_rules.utils import broadcast_shapes, check_spec, is_float, promote
+
+
+def broadcast_labels(shapes, out_shape):
+    """Labels of each operand (right-aligned; broadcast size-1 dims get None) and of the output."""
+    nd = len(out_shape)
+    labels = []
+    for s in shapes:
+        off = nd - len(s)
+        labels.append(tuple(off + j if s[j] == out_shape[off + j] else None for j in range(len(s))))
+    return labels, tuple(range(nd))
+
+
+def elementwise_result(op: str, operands, *, linear=None, out_dtype=None) -> SpmdResult:
+    """Rule body for a broadcasting elementwise op; ``operands`` may hold python scalars (ignored)."""
+    specs = [a for a in operands if isinstance(a, DistSpec)]
+    if not specs:
+        raise TypeError(f"{op}: needs at least one DistSpec operand, got {operands!r}")
+    out_shape = broadcast_shapes(op, *[s.shape for s in specs])
+    labels, out = broadcast_labels([s.shape for s in specs], out_shape)
+    dtype = out_dtype or promote(*[s.dtype for s in specs])
+    return labels_result(op, specs, labels, [out], [(out_shape, dtype)], linear=linear)
+
+
+def elementwise_reverse(op: str, outputs, operands, *, linear=None) -> SpmdResult:
+    specs = [a for a in operands if isinstance(a, DistSpec)]
+    out_shape = broadcast_shapes(op, *[s.shape for s in specs])
+    labels, out = broadcast_labels([s.shape for s in specs], out_shape)
+    return SpmdResult(expand_reverse(op, specs, outputs, label_reverse(labels, [out], linear=linear)), outputs)
+
+
+# ---- unary ------------------------------------------------------------------------------------------------------
+def _unary(op, x, *, linear=False, to_float=False, dtype=None):
+    check_spec(op, "x", x)
+    out_dtype = dtype or ("float32" if to_float and not is_float(x.dtype) else x.dtype)
+    return elementwise_result(op, [x], linear=ALL if linear else None, out_dtype=out_dtype)
+
+
+def _unary_reverse(op, linear=False):
+    def rev(outputs, x, *args, **kwargs):
+        return elementwise_reverse(op, outputs, [x], linear=ALL if linear else None)
+    return rev
+
+
+def _simple(op, *, to_float=False, linear=False):
+    def rule(x, name=None):
+        return _unary(op, x, linear=linear, to_float=to_float)
+    rule.__name__ = op
+    register_spmd_rule(op, rule, reverse=_unary_reverse(op, linear))
+
+
+for _op in ("exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "erf", "sin", "cos", "log1p", "silu"):
+    _simple(_op, to_float=True)
+for _op in ("relu", "abs", "square", "floor", "sign", "logical_not"):
+    _simple(_op)
+_simple("neg", linear=True)
+_simple("clone", linear=True)
+
+
+@register_spmd_rule("gelu", reverse=_unary_reverse("gelu"))
+def gelu(x, approximate=False, name=None):
+    return _unary("gelu", x, to_float=True)
+
+
+@register_spmd_rule("leaky_relu", reverse=_unary_reverse("leaky_relu"))
+def leaky_relu(x, negative_slope=0.01, name=None):
+    return _unary("leaky_relu", x)
+
+
+@register_spmd_rule("clip", reverse=_unary_reverse("clip"))
+def clip(x, min=None, max=None, name=None):
+    if isinstance(min, DistSpec) or isinstance(max, DistSpec):
+        return elementwise_result("clip", [x, min, max])
+    return _unary("clip", x)
+
+
+def _cast_linear(x, dtype):
+    return is_float(x.dtype) and is_float(dtype)
+
+
+@register_spmd_rule("cast")
+def cast(x, dtype):
+    check_spec("cast", "x", x)
+    dtype = normalize_dtype(dtype)
+    return _unary("cast", x, linear=_cast_linear(x, dtype), dtype=dtype)
+
+
+@register_spmd_rule("scale")
+def scale(x, scale=1.0, bias=0.0, bias_after_scale=True, act=None, name=None):
+    """paddle.scale: x * scale + bias (or (x + bias) * scale). Linear (Partial passes) when bias == 0."""
+    check_spec("scale", "x", x)
+    linear = (bias == 0 or bias is None) and act is None
+    if isinstance(scale, DistSpec):
+        if scale.numel != 1:
+            raise ValueError(f"scale: a tensor scale must have one element, got shape {list(scale.shape)}")
+        res = _unary("scale", x, linear=linear)
+        from spmd_rules.utils import R
+
+        req_scale = scale.with_placements(tuple(R for _ in scale.placements))
+        return SpmdResult((res.inputs[0], req_scale), res.outputs)
+    return _unary("scale", x, linear=linear)
+
+
+@register_spmd_rule("pow")
+def pow_rule(x, y, name=None):
+    """paddle.pow: a python exponent is a unary (nonlinear) op; a tensor exponent broadcasts."""
+    if isinstance(y, DistSpec):
+        if not isinstance(x, DistSpec):
+            return elementwise_result("pow", [x, y], out_dtype=y.dtype if is_float(y.dtype) else "float32")
+        return elementwise_result("pow", [x, y])
+    check_spec("pow", "x", x)
+    to_float = isinstance(y, float) and not is_float(x.dtype)
+    return _unary("pow", x, dtype="float32" if to_float else None)
+
+
+# ---- binary --------------------------------------------------------------------------------------------------------
+def _binary_dtype(op, x, y, *, true_div=False):
+    specs = [a for a in (x, y) if isinstance(a, DistSpec)]
+    dtype = promote(*[s.dtype for s in specs])
+    scalars = [a for a in (x, y) if not isinstance(a, DistSpec)]
+    if not is_float(dtype) and (true_div or any(isinstance(s, float) for s in scalars)):
+        dtype = "float32"
+    return dtype
+
+
+def _binary_linear(op, x, y):
+    xs, ys = isinstance(x, DistSpec), isinstance(y, DistSpec)
+    if op in ("add", "subtract"):
+        return "additive" if xs and ys else None
+    if op == "multiply":
+        return ALL
+    if op == "divide":
+        return {0} if xs else None          # linear in the numerator only
+    return None
+
+
+def _check_operands(op, x, y):
+    for name, v in (("x", x), ("y", y)):
+        if not isinstance(v, (DistSpec, int, float, bool)):
+            raise TypeError(f"{op}: {name} must be a DistSpec or a python number, got {type(v).__name__} {v!r}")
+    if not isinstance(x, DistSpec) and not isinstance(y, DistSpec):
+        raise TypeError(f"{op}: needs at least one DistSpec operand")
+
+
+def _binary(op, *, compare=False):
+    def rule(x, y, name=None):
+        _check_operands(op, x, y)
+        linear = None if compare else _binary_linear(op, x, y)
+        dtype = "bool" if compare else _binary_dtype(op, x, y, true_div=(op == "divide"))
+        return elementwise_result(op, [x, y], linear=linear, out_dtype=dtype)
+
+    def rev(outputs, x, y, name=None):
+        linear = None if compare else _binary_linear(op, x, y)
+        return elementwise_reverse(op, outputs, [x, y], linear=linear)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule, reverse=rev)
+
+
+for _op in ("add", "subtract", "multiply", "divide", "maximum", "minimum", "floor_divide", "remainder"):
+    _binary(_op)
+for _op in ("equal", "not_equal", "less_than", "less_equal", "greater_than", "greater_equal",
+            "logical_and", "logical_or"):
+    _binary(_op, compare=True)
+
+
+@register_spmd_rule("where")
+def where(condition, x=None, y=None, name=None):
+    check_spec("where", "condition", condition)
+    if x is None and y is None:
+        raise NotImplementedError("where: the single-argument form (nonzero indices) has a data-dependent "
+                                  "shape and has no spmd rule")
+    vals = [a for a in (x, y) if isinstance(a, DistSpec)]
+    dtype = promote(*[s.dtype for s in vals]) if vals else ("float32" if any(isinstance(a, float) for a in (x, y)) else "int64")
+    return elementwise_result("where", [condition, x, y], out_dtype=dtype)

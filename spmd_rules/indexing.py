@@ -1,0 +1,137 @@
+"""getitem (``x[index]``), tril, triu.
+
+getitem handles ints, slices, None, Ellipsis and ONE advanced index (a list of ints or an integer
+DistSpec, whose dims replace the indexed dim in place, numpy-style). A dim keeps its sharding only
+when the index takes all of it (a full slice ``:``, ``0:n``, ...); an int, a partial slice or an
+advanced index on a sharded dim needs it R. The local index equals the global one (full slices take
+the whole local shard). Linear in x (a Partial passes).
+
+tril/triu keep any sharding: with rows or columns sharded, the local ``diagonal`` shifts by this rank's
+row offset minus its column offset (``local_attrs``).
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from autoparallel.placement import Shard
+from autoparallel.spec import DistSpec
+
+from spmd_rules.einsum import ALL, labels_result
+from spmd_rules.registry import register_spmd_rule
+from spmd_rules.result import SpmdResult
+from spmd_rules.utils import check_spec
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _advanced(v) -> bool:
+    return isinstance(v, (DistSpec, list, np.ndarray))
+
+
+def index_plan(x: DistSpec, index):
+    """(x labels, output labels, output shape, index spec or None, index labels)."""
+    op = "getitem"
+    items = list(index) if isinstance(index, tuple) else [index]
+    for it in items:
+        if isinstance(it, (bool, np.bool_)):
+            raise NotImplementedError(f"{op}: boolean scalar indices are not supported")
+        if not (it is None or it is Ellipsis or _is_int(it) or isinstance(it, slice) or _advanced(it)):
+            raise TypeError(f"{op}: unsupported index item {type(it).__name__} {it!r}: expected int, slice, "
+                            f"None, Ellipsis, a list of ints or an integer DistSpec")
+    if sum(it is Ellipsis for it in items) > 1:
+        raise IndexError(f"{op}: an index can only have a single ellipsis")
+    if sum(_advanced(it) for it in items) > 1:
+        raise NotImplementedError(f"{op}: more than one advanced (list/tensor) index is not supported")
+    consumed = sum(1 for it in items if it is not None and it is not Ellipsis)
+    if consumed > x.ndim:
+        raise IndexError(f"{op}: too many indices ({consumed}) for a tensor of rank {x.ndim}")
+    if Ellipsis in [it for it in items if it is Ellipsis]:
+        k = [i for i, it in enumerate(items) if it is Ellipsis][0]
+        items = items[:k] + [slice(None)] * (x.ndim - consumed) + items[k + 1:]
+    else:
+        items = items + [slice(None)] * (x.ndim - consumed)
+    xl, ol, shape = [], [], []
+    idx_spec, idx_labels = None, ()
+    d = 0
+    for it in items:
+        if it is None:
+            ol.append(None)
+            shape.append(1)
+            continue
+        n = x.shape[d]
+        if _is_int(it):
+            if not -n <= it < n:
+                raise IndexError(f"{op}: index {it} is out of range for dim {d} of size {n} (shape {list(x.shape)})")
+            xl.append(None)
+        elif isinstance(it, slice):
+            for b in (it.start, it.stop, it.step):
+                if b is not None and not _is_int(b):
+                    raise TypeError(f"{op}: slice bounds must be ints or None, got {it!r}")
+            if it.step == 0:
+                raise ValueError(f"{op}: slice step cannot be zero")
+            start, stop, step = it.indices(n)
+            length = len(range(start, stop, step))
+            full = step == 1 and start == 0 and length == n
+            xl.append(d if full else None)
+            ol.append(d if full else None)
+            shape.append(length)
+        elif isinstance(it, DistSpec):
+            if it.dtype not in ("int64", "int32"):
+                raise NotImplementedError(f"{op}: only integer tensor indices are supported (a {it.dtype} mask "
+                                          f"gives a data-dependent shape)")
+            idx_spec = it
+            idx_labels = tuple(f"i{j}" for j in range(it.ndim))
+            xl.append(None)
+            ol.extend(idx_labels)
+            shape.extend(it.shape)
+        else:
+            arr = np.asarray(it)
+            if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+                raise NotImplementedError(f"{op}: only integer list indices are supported, got {it!r}")
+            if arr.size and (arr.min() < -n or arr.max() >= n):
+                raise IndexError(f"{op}: list index out of range for dim {d} of size {n}")
+            xl.append(None)
+            ol.extend([None] * arr.ndim)
+            shape.extend(arr.shape)
+        d += 1
+    return tuple(xl), tuple(ol), tuple(shape), idx_spec, idx_labels
+
+
+@register_spmd_rule("getitem")
+def getitem(x, index):
+    check_spec("getitem", "x", x)
+    xl, ol, shape, idx, il = index_plan(x, index)
+    specs, labs = [x], [xl]
+    if idx is not None:
+        specs.append(idx)
+        labs.append(il)
+    return labels_result("getitem", specs, labs, [ol], [(shape, x.dtype)], linear={0})
+
+
+def _tri(op):
+    def rule(x, diagonal=0, name=None):
+        check_spec(op, "x", x)
+        if x.ndim < 2:
+            raise ValueError(f"{op}: x must have rank >= 2, got shape {list(x.shape)}")
+        labels = tuple(range(x.ndim))
+        res = labels_result(op, [x], [labels], [labels], [(x.shape, x.dtype)], linear=ALL)
+        req = res.inputs[0]
+        r, c = x.ndim - 2, x.ndim - 1
+        if not any(isinstance(p, Shard) and p.dim in (r, c) for p in req.placements):
+            return res
+
+        def attrs(coords):
+            return {"diagonal": diagonal + req.local_range(coords, r)[0] - req.local_range(coords, c)[0]}
+
+        return SpmdResult(res.inputs, res.outputs, None, attrs)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule)
+
+
+_tri("tril")
+_tri("triu")

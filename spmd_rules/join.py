@@ -1,0 +1,92 @@
+"""split, chunk, concat, stack: the split/concat axis must be whole; other dims keep their sharding.
+
+split/chunk are linear (a Partial passes to every piece); concat/stack are additive (Partial only when
+every operand has the same linear Partial). When operands are sharded differently the largest wins.
+"""
+from __future__ import annotations
+
+from autoparallel.spec import DistSpec
+
+from spmd_rules.einsum import ALL, labels_result
+from spmd_rules.registry import register_spmd_rule
+from spmd_rules.utils import check_spec, norm_axis, promote
+
+
+def _sections(op, n, num_or_sections):
+    if isinstance(num_or_sections, int) and not isinstance(num_or_sections, bool):
+        if num_or_sections <= 0 or n % num_or_sections:
+            raise ValueError(f"{op}: cannot split a dim of size {n} into {num_or_sections} equal parts")
+        return [n // num_or_sections] * num_or_sections
+    secs = [int(s) for s in num_or_sections]
+    if secs.count(-1) > 1 or any(s < -1 for s in secs):
+        raise ValueError(f"{op}: sections {secs} may contain at most one -1")
+    if -1 in secs:
+        rest = n - sum(s for s in secs if s != -1)
+        if rest < 0:
+            raise ValueError(f"{op}: sections {secs} exceed the dim size {n}")
+        secs[secs.index(-1)] = rest
+    if sum(secs) != n:
+        raise ValueError(f"{op}: sections {secs} do not add up to the dim size {n}")
+    return secs
+
+
+def _split(op, x, num_or_sections, axis):
+    check_spec(op, "x", x)
+    if isinstance(axis, DistSpec):
+        raise NotImplementedError(f"{op}: an axis given as a tensor is not supported")
+    a = norm_axis(op, axis, x.ndim)
+    secs = _sections(op, x.shape[a], num_or_sections)
+    xl = tuple(None if d == a else d for d in range(x.ndim))
+    metas = [(tuple(s if d == a else x.shape[d] for d in range(x.ndim)), x.dtype) for s in secs]
+    return labels_result(op, [x], [xl], [xl] * len(secs), metas, linear=ALL)
+
+
+@register_spmd_rule("split")
+def split(x, num_or_sections, axis=0, name=None):
+    return _split("split", x, num_or_sections, axis)
+
+
+@register_spmd_rule("chunk")
+def chunk(x, chunks, axis=0, name=None):
+    if not isinstance(chunks, int) or chunks <= 0:
+        raise ValueError(f"chunk: chunks must be a positive int, got {chunks!r}")
+    return _split("chunk", x, chunks, axis)
+
+
+def _operands(op, x):
+    if isinstance(x, DistSpec) or not isinstance(x, (list, tuple)) or not x:
+        raise TypeError(f"{op}: x must be a non-empty list of DistSpecs, got {type(x).__name__}")
+    for i, s in enumerate(x):
+        check_spec(op, f"x[{i}]", s)
+    return list(x)
+
+
+@register_spmd_rule("concat")
+def concat(x, axis=0, name=None):
+    xs = _operands("concat", x)
+    nd = xs[0].ndim
+    if isinstance(axis, DistSpec):
+        raise NotImplementedError("concat: an axis given as a tensor is not supported")
+    a = norm_axis("concat", axis, nd)
+    for s in xs:
+        if s.ndim != nd or any(s.shape[d] != xs[0].shape[d] for d in range(nd) if d != a):
+            raise ValueError(f"concat: shapes {[list(s.shape) for s in xs]} differ outside axis {a}")
+    labels = tuple(None if d == a else d for d in range(nd))
+    shape = tuple(sum(s.shape[a] for s in xs) if d == a else xs[0].shape[d] for d in range(nd))
+    return labels_result("concat", xs, [labels] * len(xs), [labels], [(shape, promote(*[s.dtype for s in xs]))],
+                         linear="additive")
+
+
+@register_spmd_rule("stack")
+def stack(x, axis=0, name=None):
+    xs = _operands("stack", x)
+    nd = xs[0].ndim
+    a = norm_axis("stack", axis, nd + 1)
+    for s in xs:
+        if tuple(s.shape) != tuple(xs[0].shape):
+            raise ValueError(f"stack: shapes {[list(s.shape) for s in xs]} must all be equal")
+    labels = tuple(range(nd))
+    out = labels[:a] + (None,) + labels[a:]
+    shape = tuple(xs[0].shape[:a]) + (len(xs),) + tuple(xs[0].shape[a:])
+    return labels_result("stack", xs, [labels] * len(xs), [out], [(shape, promote(*[s.dtype for s in xs]))],
+                         linear="additive")

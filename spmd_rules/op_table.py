@@ -1,0 +1,156 @@
+"""Which paddle callables each rule covers, as dotted paths (pure data; nothing here imports paddle).
+
+``OP_TABLE[rule_name]`` lists the paddle callables the runtime routes to that rule; the FIRST entry is the
+canonical functional form whose signature the rule mirrors (the rule checker runs it as ground truth).
+A rule's parameters are the callable's parameters with a DistSpec for every tensor, so a call maps
+one-to-one, except where ``ARG_MAP`` says otherwise for a dotted path:
+
+* ``"swap"``: a reflected operator ``Tensor.__rxxx__(self, other)`` calls the rule as ``rule(other, self)``;
+* ``{"rename": {paddle_kw: rule_kw}}``: keyword arguments renamed (positional arguments map unchanged);
+* ``{"fixed": {rule_kw: value}}``: extra keyword arguments the rule gets (e.g. ``paddle.t`` is a
+  transpose of the last two dims).
+
+Tensor methods take ``self`` as the first positional argument (the rule's first tensor parameter).
+Rules with an empty list (e.g. ``rotary_embedding``) are names for custom ops reached through
+``register_spmd_rule`` users or composite layers, not through a paddle callable.
+"""
+from __future__ import annotations
+
+_T = "paddle.Tensor."
+
+
+def _fn(name, *, module="paddle", method=True, extra=()):
+    paths = [f"{module}.{name}"]
+    if method:
+        paths.append(_T + name)
+    return tuple(paths) + tuple(extra)
+
+
+OP_TABLE: dict = {
+    # matmul family
+    "matmul": ("paddle.matmul", _T + "matmul", _T + "__matmul__", _T + "__rmatmul__"),
+    "linear": ("paddle.nn.functional.linear",),
+    "bmm": ("paddle.bmm", _T + "bmm"),
+    "einsum": ("paddle.einsum",),
+    # unary
+    "relu": ("paddle.nn.functional.relu", _T + "relu"),
+    "gelu": ("paddle.nn.functional.gelu",),
+    "silu": ("paddle.nn.functional.silu",),
+    "tanh": ("paddle.tanh", _T + "tanh", "paddle.nn.functional.tanh"),
+    "sigmoid": ("paddle.nn.functional.sigmoid", _T + "sigmoid", "paddle.sigmoid"),
+    "exp": _fn("exp"),
+    "log": _fn("log"),
+    "log1p": _fn("log1p"),
+    "sqrt": _fn("sqrt"),
+    "rsqrt": _fn("rsqrt"),
+    "neg": _fn("neg", extra=(_T + "__neg__",)),
+    "abs": _fn("abs", extra=(_T + "__abs__",)),
+    "erf": _fn("erf"),
+    "sin": _fn("sin"),
+    "cos": _fn("cos"),
+    "square": _fn("square"),
+    "floor": _fn("floor"),
+    "sign": _fn("sign"),
+    "clone": _fn("clone"),
+    "leaky_relu": ("paddle.nn.functional.leaky_relu",),
+    "clip": _fn("clip"),
+    "pow": _fn("pow", extra=(_T + "__pow__", _T + "__rpow__")),
+    "scale": _fn("scale"),
+    "cast": ("paddle.cast", _T + "cast", _T + "astype"),
+    "logical_not": _fn("logical_not", extra=(_T + "__invert__",)),
+    # binary
+    "add": _fn("add", extra=(_T + "__add__", _T + "__radd__")),
+    "subtract": _fn("subtract", extra=(_T + "__sub__", _T + "__rsub__")),
+    "multiply": _fn("multiply", extra=(_T + "__mul__", _T + "__rmul__")),
+    "divide": _fn("divide", extra=(_T + "__truediv__", _T + "__rtruediv__")),
+    "floor_divide": _fn("floor_divide", extra=(_T + "__floordiv__",)),
+    "remainder": _fn("remainder", extra=(_T + "__mod__",)),
+    "maximum": _fn("maximum"),
+    "minimum": _fn("minimum"),
+    "where": _fn("where"),
+    "equal": _fn("equal", extra=(_T + "__eq__",)),
+    "not_equal": _fn("not_equal", extra=(_T + "__ne__",)),
+    "less_than": _fn("less_than", extra=(_T + "__lt__",)),
+    "less_equal": _fn("less_equal", extra=(_T + "__le__",)),
+    "greater_than": _fn("greater_than", extra=(_T + "__gt__",)),
+    "greater_equal": _fn("greater_equal", extra=(_T + "__ge__",)),
+    "logical_and": _fn("logical_and", extra=(_T + "__and__",)),
+    "logical_or": _fn("logical_or", extra=(_T + "__or__",)),
+    # reductions
+    "sum": _fn("sum"),
+    "mean": _fn("mean"),
+    "max": _fn("max"),
+    "min": _fn("min"),
+    "argmax": _fn("argmax"),
+    "argmin": _fn("argmin"),
+    # softmax / norms
+    "softmax": ("paddle.nn.functional.softmax", _T + "softmax"),
+    "log_softmax": ("paddle.nn.functional.log_softmax",),
+    "layer_norm": ("paddle.nn.functional.layer_norm", "paddle.nn.layer.norm.layer_norm"),
+    "rms_norm": ("paddle.nn.functional.rms_norm",),
+    "batch_norm": ("paddle.nn.functional.batch_norm", "paddle.nn.layer.norm.batch_norm"),
+    # embedding / loss / attention
+    "embedding": ("paddle.nn.functional.embedding",),
+    "one_hot": ("paddle.nn.functional.one_hot",),
+    "cross_entropy": ("paddle.nn.functional.cross_entropy",),
+    "scaled_dot_product_attention": ("paddle.nn.functional.scaled_dot_product_attention",),
+    "flash_attention": ("paddle.nn.functional.flash_attention.flash_attention",),
+    "rotary_embedding": (),
+    # shape
+    "reshape": _fn("reshape"),
+    "view": (_T + "view",),
+    "flatten": _fn("flatten"),
+    "transpose": _fn("transpose"),
+    "t": _fn("t"),
+    "unsqueeze": _fn("unsqueeze"),
+    "squeeze": _fn("squeeze"),
+    "expand": _fn("expand"),
+    "broadcast_to": _fn("broadcast_to"),
+    "split": _fn("split"),
+    "chunk": _fn("chunk"),
+    "concat": ("paddle.concat",),
+    "stack": ("paddle.stack",),
+    "getitem": (_T + "__getitem__",),
+    "tril": _fn("tril"),
+    "triu": _fn("triu"),
+    # creation
+    "full_like": ("paddle.full_like",),
+    "zeros_like": ("paddle.zeros_like",),
+    "ones_like": ("paddle.ones_like",),
+    "arange": ("paddle.arange",),
+    "full": ("paddle.full",),
+    "zeros": ("paddle.zeros",),
+    "ones": ("paddle.ones",),
+    # randomness
+    "dropout": ("paddle.nn.functional.dropout",),
+    "rand": ("paddle.rand",),
+    "randn": ("paddle.randn",),
+    "uniform": ("paddle.uniform",),
+    "randint": ("paddle.randint",),
+    # conv
+    "conv2d": ("paddle.nn.functional.conv2d",),
+    # optimizer updates (called by the sharded optimizer with paddle's internal argument order)
+    "sgd": ("paddle._C_ops.sgd_",),
+    "adamw": ("paddle._C_ops.adamw_",),
+}
+
+ARG_MAP: dict = {
+    _T + "__radd__": "swap",
+    _T + "__rsub__": "swap",
+    _T + "__rmul__": "swap",
+    _T + "__rtruediv__": "swap",
+    _T + "__rmatmul__": "swap",
+    _T + "__rpow__": "swap",
+    _T + "__getitem__": {"rename": {"item": "index"}},
+    "paddle.t": {"rename": {"input": "x"}},
+    _T + "t": {"rename": {"input": "x"}},
+    "paddle.nn.functional.rms_norm": {"rename": {"input": "x"}},
+}
+
+
+def rule_for(dotted: str):
+    """The rule name covering a paddle callable's dotted path, or None."""
+    for name, paths in OP_TABLE.items():
+        if dotted in paths:
+            return name
+    return None

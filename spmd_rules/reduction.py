@@ -1,0 +1,118 @@
+"""Reductions: sum, mean, max, min (axis, keepdim), argmax, argmin.
+
+A reduced axis that is sharded gives a Partial output: sum -> P(sum); mean -> P(sum) with the local op
+``global_mean`` (local sum divided by the GLOBAL element count of the reduced axes, from
+``local_attrs``); max -> P(max); min -> P(min) (the runtime's all_reduce(max/min) backward passes the
+gradient to the rank holding the extreme value). Linear Partial inputs pass through sum and mean;
+max/min/argmax need R. max/min never shard a reduced axis whose shards would be empty on some rank
+(paddle cannot reduce an empty axis); argmax/argmin need the reduced axis whole.
+"""
+from __future__ import annotations
+
+import math
+
+from autoparallel.placement import chunk_sizes
+from autoparallel.spec import normalize_dtype
+
+from spmd_rules.einsum import ALL, label_reverse, labels_result
+from spmd_rules.expand import expand_reverse
+from spmd_rules.registry import register_spmd_rule
+from spmd_rules.result import SpmdResult
+from spmd_rules.utils import check_spec, norm_axes
+
+
+def reduce_labels(x, axes, keepdim, *, reducible=True):
+    """x labels (a reduced axis is unlabelled when ``reducible`` is False) and output labels/shape."""
+    xl = tuple(d if (reducible or d not in axes) else None for d in range(x.ndim))
+    out_l, out_s = [], []
+    for d in range(x.ndim):
+        if d in axes:
+            if keepdim:
+                out_l.append(None)
+                out_s.append(1)
+        else:
+            out_l.append(d)
+            out_s.append(x.shape[d])
+    return xl, tuple(out_l), tuple(out_s)
+
+
+def _reduction(op, x, axis, keepdim, *, reduce, linear, dtype=None):
+    check_spec(op, "x", x)
+    axes = norm_axes(op, axis, x.ndim)
+    xl, ol, shape = reduce_labels(x, axes, keepdim)
+    if reduce in ("max", "min"):
+        # never shard an axis whose shards would be empty on some rank of some mesh dim
+        sizes = set(x.mesh.shape)
+        xl = tuple(None if (d in axes and any(0 in chunk_sizes(x.shape[d], k) for k in sizes)) else lab
+                   for d, lab in enumerate(xl))
+    return labels_result(op, [x], [xl], [ol], [(shape, dtype or x.dtype)], linear=linear, reduce=reduce), axes
+
+
+def _reverse(op, reduce, linear):
+    def rev(outputs, x, axis=None, *args, keepdim=False, **kwargs):
+        axes = norm_axes(op, axis, x.ndim)
+        kd = kwargs.get("keepdim", keepdim)
+        xl, ol, _ = reduce_labels(x, axes, kd)
+        return SpmdResult(expand_reverse(op, [x], outputs, label_reverse([xl], [ol], linear=linear, reduce=reduce)),
+                          outputs)
+    return rev
+
+
+def _sum_reverse(outputs, x, axis=None, dtype=None, keepdim=False, name=None):
+    return _reverse("sum", "sum", ALL)(outputs, x, axis, keepdim=keepdim)
+
+
+@register_spmd_rule("sum", reverse=_sum_reverse)
+def reduce_sum(x, axis=None, dtype=None, keepdim=False, name=None):
+    if dtype is not None:
+        out = normalize_dtype(dtype)
+    else:
+        out = "int64" if x.dtype in ("bool", "int32", "int16", "int8", "uint8") else x.dtype
+    return _reduction("sum", x, axis, keepdim, reduce="sum", linear=ALL, dtype=out)[0]
+
+
+def _mean_reverse(outputs, x, axis=None, keepdim=False, name=None):
+    return _reverse("mean", "sum", ALL)(outputs, x, axis, keepdim=keepdim)
+
+
+@register_spmd_rule("mean", reverse=_mean_reverse)
+def reduce_mean(x, axis=None, keepdim=False, name=None):
+    res, axes = _reduction("mean", x, axis, keepdim, reduce="sum", linear=ALL)
+    req = res.inputs[0]
+    if not any(req.shard_mesh_dims(a) for a in axes):
+        return res
+    count = math.prod(x.shape[a] for a in axes)
+    return SpmdResult(res.inputs, res.outputs, "global_mean", lambda coords: {"global_count": count})
+
+
+def _extreme(op):
+    def rule(x, axis=None, keepdim=False, name=None):
+        return _reduction(op, x, axis, keepdim, reduce=op, linear=None)[0]
+
+    def rev(outputs, x, axis=None, keepdim=False, name=None):
+        return _reverse(op, op, None)(outputs, x, axis, keepdim=keepdim)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule, reverse=rev)
+
+
+_extreme("max")
+_extreme("min")
+
+
+def _arg(op):
+    def rule(x, axis=None, keepdim=False, dtype="int64", name=None):
+        check_spec(op, "x", x)
+        axes = norm_axes(op, axis, x.ndim)
+        xl, ol, shape = reduce_labels(x, axes, keepdim, reducible=False)
+        if axis is None:
+            shape = (1,) * x.ndim if keepdim else ()
+            ol = (None,) * x.ndim if keepdim else ()
+        return labels_result(op, [x], [xl], [ol], [(shape, normalize_dtype(dtype))], linear=None)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule)
+
+
+_arg("argmax")
+_arg("argmin")

@@ -1,0 +1,103 @@
+"""reshape, view, flatten — through dim transformations (dimtrans.py).
+
+A sharded input dim keeps its sharding only where it is the outermost dim of its reshape group and its
+chunks line up (see dimtrans.py); otherwise it is required R. Linear Partials pass. The local target
+shape of reshape/view is rank-dependent with uneven shards: ``local_attrs(coords)`` gives it.
+"""
+from __future__ import annotations
+
+import math
+
+from autoparallel.placement import Shard
+from autoparallel.spec import DistSpec, dtype_bytes, normalize_dtype
+
+from spmd_rules.dimtrans import infer_shape, reshape_transforms, shard_map
+from spmd_rules.expand import expand, expand_reverse
+from spmd_rules.registry import register_spmd_rule
+from spmd_rules.result import SpmdResult
+from spmd_rules.utils import R, check_spec, is_linear_partial, norm_axis
+
+
+def _rule_1d(in_shape, out_shape):
+    transforms = reshape_transforms(in_shape, out_shape) if math.prod(in_shape) else None
+    maps: dict = {}
+
+    def rule(pl, dim):
+        p = pl[0]
+        if is_linear_partial(p):
+            return (p,), (p,)
+        if isinstance(p, Shard) and transforms is not None:
+            m = maps.setdefault(dim.size, shard_map(in_shape, out_shape, transforms, dim.size))
+            if p.dim in m:
+                return (p,), (Shard(m[p.dim]),)
+        return (R,), (R,)
+
+    def reverse(outs, dim):
+        p = outs[0]
+        if is_linear_partial(p):
+            return (p,)
+        if isinstance(p, Shard) and transforms is not None:
+            m = maps.setdefault(dim.size, shard_map(in_shape, out_shape, transforms, dim.size))
+            for i, o in m.items():
+                if o == p.dim:
+                    return (Shard(i),)
+        return (R,)
+
+    return rule, reverse
+
+
+def reshape_result(op, x, out_shape, shape_kw: str | None) -> SpmdResult:
+    rule, _ = _rule_1d(tuple(x.shape), tuple(out_shape))
+    required, outputs = expand(op, [x], [(out_shape, x.dtype)], rule)
+    out = outputs[0]
+    if shape_kw is None or not any(isinstance(p, Shard) for p in out.placements):
+        return SpmdResult(required, outputs)
+    return SpmdResult(required, outputs, None, lambda coords: {shape_kw: list(out.local_shape(coords))})
+
+
+def _reshape_reverse(outputs, x, shape, name=None):
+    _, rev = _rule_1d(tuple(x.shape), infer_shape("reshape", x.shape, shape))
+    return SpmdResult(expand_reverse("reshape", [x], outputs, rev), outputs)
+
+
+@register_spmd_rule("reshape", reverse=_reshape_reverse)
+def reshape(x, shape, name=None):
+    check_spec("reshape", "x", x)
+    if isinstance(shape, DistSpec):
+        raise NotImplementedError("reshape: a shape given as a tensor is not supported; pass python ints")
+    return reshape_result("reshape", x, infer_shape("reshape", x.shape, shape), "shape")
+
+
+@register_spmd_rule("view")
+def view(x, shape_or_dtype, name=None):
+    check_spec("view", "x", x)
+    if isinstance(shape_or_dtype, (list, tuple)):
+        return reshape_result("view", x, infer_shape("view", x.shape, shape_or_dtype), "shape_or_dtype")
+    dtype = normalize_dtype(shape_or_dtype)
+    if dtype_bytes(dtype) != dtype_bytes(x.dtype):
+        raise NotImplementedError(f"view: reinterpreting {x.dtype} as {dtype} changes the last dim; only "
+                                  f"same-size dtypes are supported")
+    plain = tuple(R if p.is_partial() else p for p in x.placements)
+    req = x.with_placements(plain)
+    return SpmdResult((req,), (DistSpec(x.mesh, plain, x.shape, dtype),))
+
+
+def _flatten_shape(op, x, start_axis, stop_axis):
+    if x.ndim == 0:
+        return (1,)
+    s = norm_axis(op, start_axis, x.ndim)
+    e = norm_axis(op, stop_axis, x.ndim)
+    if s > e:
+        raise ValueError(f"{op}: start_axis {start_axis} must not be after stop_axis {stop_axis}")
+    return tuple(x.shape[:s]) + (math.prod(x.shape[s:e + 1]),) + tuple(x.shape[e + 1:])
+
+
+def _flatten_reverse(outputs, x, start_axis=0, stop_axis=-1, name=None):
+    _, rev = _rule_1d(tuple(x.shape), _flatten_shape("flatten", x, start_axis, stop_axis))
+    return SpmdResult(expand_reverse("flatten", [x], outputs, rev), outputs)
+
+
+@register_spmd_rule("flatten", reverse=_flatten_reverse)
+def flatten(x, start_axis=0, stop_axis=-1, name=None):
+    check_spec("flatten", "x", x)
+    return reshape_result("flatten", x, _flatten_shape("flatten", x, start_axis, stop_axis), None)
