@@ -3,11 +3,13 @@ and rotary_embedding.
 
 Batch and heads may be sharded (query, key, value and the mask alike); with grouped-query attention the
 heads stay shardable when every rank's query heads use exactly its key/value heads (the kv heads split
-evenly with the query groups). The query sequence may be sharded when attention is not causal (key and
+evenly with the query groups). Nested sharding (two mesh dims on one dim) is not kept: query and kv
+heads nest differently. The query sequence may be sharded when attention is not causal (key and
 value are then R); key/value sequence and head_dim are whole (no ring attention). Linear in ``value``
 only (a Partial value passes). With dropout in training the local op is ``sharded_attention_dropout``:
-the runtime draws the dropout mask for the GLOBAL attention-probability shape from the mesh-synchronised
-generator and applies this rank's slice.
+the runtime draws the dropout mask for the GLOBAL attention-probability shape [batch, heads, q_seq,
+k_seq] (``local_attrs``: ``global_shape``) from the mesh-synchronised generator and applies this rank's
+``local_slices``.
 
 rotary_embedding(x, cos, sin) = x * cos + rotate_half(x) * sin (rotate_half: [-x2, x1] of the halves of
 the last dim); cos/sin broadcast against x. The last dim must be whole; the rest is elementwise and
@@ -58,12 +60,25 @@ def _attention(op, q, k, v, mask, causal, dropout, training):
     return specs, labs, ("b", s, h, None), out, local_op
 
 
+def _dropout_attrs(res):
+    """Global attention-probability shape [batch, heads, q_seq, k_seq] and this rank's slice of it."""
+    q, k = res.inputs[0], res.inputs[1]
+    shape = [q.shape[0], q.shape[2], q.shape[1], k.shape[1]]
+
+    def attrs(coords):
+        return {"global_shape": shape,
+                "local_slices": [list(q.local_range(coords, 0)), list(q.local_range(coords, 2)),
+                                 list(q.local_range(coords, 1)), [0, k.shape[1]]]}
+
+    return SpmdResult(res.inputs, res.outputs, res.local_op, attrs) if res.local_op else res
+
+
 @register_spmd_rule("scaled_dot_product_attention")
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True,
                                  backend=None, scale=None, enable_gqa=True, name=None):
     op = "scaled_dot_product_attention"
     specs, labs, ol, out, local_op = _attention(op, query, key, value, attn_mask, is_causal, dropout_p, training)
-    return labels_result(op, specs, labs, [ol], [out], linear={2}, local_op=local_op)
+    return _dropout_attrs(labels_result(op, specs, labs, [ol], [out], linear={2}, local_op=local_op, nested=False))
 
 
 @register_spmd_rule("flash_attention")
@@ -76,7 +91,7 @@ def flash_attention(query, key, value, dropout=0.0, causal=False, return_softmax
     if return_softmax:
         outs.append(("b", ol[2], ol[1], None))
         metas.append(((b, hq, sq, key.shape[1]), query.dtype))
-    res = labels_result(op, specs, labs, outs, metas, linear={2}, local_op=local_op)
+    res = _dropout_attrs(labels_result(op, specs, labs, outs, metas, linear={2}, local_op=local_op, nested=False))
     if not return_softmax:
         res = SpmdResult(res.inputs, res.outputs + (None,), res.local_op, res.local_attrs)
     return res

@@ -13,7 +13,7 @@ from spmd_rules.einsum import label_rule
 from spmd_rules.expand import expand, present
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.result import SpmdResult
-from spmd_rules.utils import R, check_spec, promote
+from spmd_rules.utils import R, check_spec, promote, numel
 
 
 def _pair(op, name, v):
@@ -81,7 +81,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, data
     else:
         xl, ol, shape = ("n", ci, None, None), ("n", co, None, None), (n, cout, out_hw[0], out_hw[1])
     wl = (co, ci, None, None)
-    inner = label_rule([xl, wl], [ol], [x.numel, weight.numel])
+    inner = label_rule([xl, wl], [ol], [numel(x), numel(weight)])
     ch = ol.index(co) if co else None
 
     def rule(pl, dim):

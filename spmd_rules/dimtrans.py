@@ -66,7 +66,8 @@ def infer_shape(op: str, in_shape, shape) -> tuple:
                 raise TypeError(f"{op}: target shape entries must be ints, got {shape!r}") from None
         if s == 0:
             if i >= len(in_shape):
-                raise ValueError(f"{op}: 0 at position {i} of {shape} copies an input dim, but x has rank {len(in_shape)}")
+                raise ValueError(f"{op}: 0 at position {i} of {shape} copies an input dim, but x has rank "
+                                 f"{len(in_shape)}")
             s = in_shape[i]
         out.append(s)
     if out.count(-1) > 1 or any(s < -1 for s in out):

@@ -1,4 +1,4 @@
-"""The einsum-notation helper: axis labels decide shardings (like paddle's ShardingMergeForTensors).
+"""Einsum notation for layouts: axis labels decide shardings (like paddle's ShardingMergeForTensors).
 
 Every operand dim carries a label (an axis name) or ``None`` (a dim that must stay whole: a broadcast
 size-1 dim, a softmax axis, ...). On one mesh dim:
@@ -20,6 +20,7 @@ Labels split identically in every operand, so nested sharding (two mesh dims on 
 """
 from __future__ import annotations
 
+import math
 import re
 
 from autoparallel.placement import Partial, Shard
@@ -30,6 +31,15 @@ from spmd_rules.result import SpmdResult
 from spmd_rules.utils import R, is_linear_partial, promote
 
 ALL = "multi"
+
+
+def _linear_set(linear, n: int) -> list:
+    """Operand indices an op is linear in, one at a time (empty for ``None`` and ``"additive"``)."""
+    if linear == ALL:
+        return list(range(n))
+    if isinstance(linear, (set, frozenset, tuple, list)):
+        return sorted(linear)
+    return []
 
 
 def _pick(cands, sizes):
@@ -44,7 +54,7 @@ def label_rule(in_labels, out_labels, sizes, *, linear=ALL, reduce: str = "sum")
     in_labels = [tuple(ls) for ls in in_labels]
     out_labels = [tuple(ls) for ls in out_labels]
     n = len(in_labels)
-    multi = set(range(n)) if linear == ALL else (set(linear) if isinstance(linear, (set, frozenset, tuple, list)) else set())
+    multi = set(_linear_set(linear, n))
 
     def rule(pl, dim):
         idx = [i for i in range(n) if pl[i] is not None]
@@ -78,7 +88,7 @@ def label_reverse(in_labels, out_labels, *, linear=ALL, reduce: str = "sum"):
     in_labels = [tuple(ls) for ls in in_labels]
     first = tuple(out_labels[0])
     n = len(in_labels)
-    multi = list(range(n)) if linear == ALL else (sorted(linear) if isinstance(linear, (set, frozenset, tuple, list)) else [])
+    multi = _linear_set(linear, n)
 
     def by_label(lab):
         return tuple(Shard(ls.index(lab)) if lab in ls else R for ls in in_labels)
@@ -196,7 +206,7 @@ def parse_equation(op: str, equation: str, shapes) -> tuple:
 def labels_result(op: str, specs, in_labels, out_labels, out_metas, *, linear=ALL, reduce: str = "sum",
                   nested: bool = True, local_op=None, local_attrs=None) -> SpmdResult:
     """An SpmdResult from labels (``specs`` may contain None for absent optional operands)."""
-    sizes = [0 if s is None else s.numel for s in specs]
+    sizes = [0 if s is None else math.prod(s.shape) for s in specs]
     labs = [() if s is None else ls for s, ls in zip(specs, in_labels)]
     rule = label_rule(labs, out_labels, sizes, linear=linear, reduce=reduce)
     required, outputs = expand(op, specs, out_metas, rule, nested=nested)

@@ -1,6 +1,6 @@
 """Elementwise ops: unary, binary with broadcasting, where, comparisons.
 
-Built on the einsum-notation helper: output dims are labels, an operand's dim that broadcasts (size 1
+Built on einsum notation (einsum.py): output dims are labels, an operand's dim that broadcasts (size 1
 against a larger output) is unlabelled and stays whole. Partial inputs: see einsum.py; the linear cases
 are add/subtract of two equal linear Partials, multiply (in either operand, one Partial kept), divide (in
 the numerator), neg, scale without bias, float casts. add(P, R) requires R.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from autoparallel.spec import DistSpec, normalize_dtype
 
 from spmd_rules.einsum import ALL, label_reverse, labels_result
-from spmd_rules.expand import expand_reverse, present
+from spmd_rules.expand import expand_reverse
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.result import SpmdResult
 from spmd_rules.utils import broadcast_shapes, check_spec, is_float, promote
@@ -64,12 +64,17 @@ def _simple(op, *, to_float=False, linear=False):
     register_spmd_rule(op, rule, reverse=_unary_reverse(op, linear))
 
 
-for _op in ("exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "erf", "sin", "cos", "log1p", "silu"):
+for _op in ("exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "erf", "sin", "cos", "log1p"):
     _simple(_op, to_float=True)
 for _op in ("relu", "abs", "square", "floor", "sign", "logical_not"):
     _simple(_op)
 _simple("neg", linear=True)
 _simple("clone", linear=True)
+
+
+@register_spmd_rule("silu", reverse=_unary_reverse("silu"))
+def silu(x, inplace=False, name=None):
+    return _unary("silu", x, to_float=True)
 
 
 @register_spmd_rule("gelu", reverse=_unary_reverse("gelu"))
@@ -138,14 +143,14 @@ def _binary_dtype(op, x, y, *, true_div=False):
     return dtype
 
 
-def _binary_linear(op, x, y):
+def _binary_linear(op, x, y, rounding_mode=None):
     xs, ys = isinstance(x, DistSpec), isinstance(y, DistSpec)
     if op in ("add", "subtract"):
-        return "additive" if xs and ys else None
+        return "additive" if xs and ys else None       # x + alpha * y: alpha keeps it linear
     if op == "multiply":
         return ALL
     if op == "divide":
-        return {0} if xs else None          # linear in the numerator only
+        return {0} if xs and rounding_mode is None else None   # linear in the numerator only
     return None
 
 
@@ -157,15 +162,27 @@ def _check_operands(op, x, y):
         raise TypeError(f"{op}: needs at least one DistSpec operand")
 
 
-def _binary(op, *, compare=False):
-    def rule(x, y, name=None):
-        _check_operands(op, x, y)
-        linear = None if compare else _binary_linear(op, x, y)
-        dtype = "bool" if compare else _binary_dtype(op, x, y, true_div=(op == "divide"))
-        return elementwise_result(op, [x, y], linear=linear, out_dtype=dtype)
+def _binary_body(op, x, y, compare, rounding_mode=None):
+    _check_operands(op, x, y)
+    linear = None if compare else _binary_linear(op, x, y, rounding_mode)
+    true_div = op == "divide" and rounding_mode is None
+    dtype = "bool" if compare else _binary_dtype(op, x, y, true_div=true_div)
+    return elementwise_result(op, [x, y], linear=linear, out_dtype=dtype)
 
-    def rev(outputs, x, y, name=None):
-        linear = None if compare else _binary_linear(op, x, y)
+
+def _binary(op, *, compare=False):
+    if op in ("add", "subtract"):
+        def rule(x, y, name=None, *, alpha=1):
+            return _binary_body(op, x, y, compare)
+    elif op == "divide":
+        def rule(x, y, name=None, *, rounding_mode=None):
+            return _binary_body(op, x, y, compare, rounding_mode)
+    else:
+        def rule(x, y, name=None):
+            return _binary_body(op, x, y, compare)
+
+    def rev(outputs, x, y, name=None, **kw):
+        linear = None if compare else _binary_linear(op, x, y, kw.get("rounding_mode"))
         return elementwise_reverse(op, outputs, [x, y], linear=linear)
 
     rule.__name__ = op
@@ -186,5 +203,8 @@ def where(condition, x=None, y=None, name=None):
         raise NotImplementedError("where: the single-argument form (nonzero indices) has a data-dependent "
                                   "shape and has no spmd rule")
     vals = [a for a in (x, y) if isinstance(a, DistSpec)]
-    dtype = promote(*[s.dtype for s in vals]) if vals else ("float32" if any(isinstance(a, float) for a in (x, y)) else "int64")
+    if vals:
+        dtype = promote(*[s.dtype for s in vals])
+    else:
+        dtype = "float32" if any(isinstance(a, float) for a in (x, y)) else "int64"
     return elementwise_result("where", [condition, x, y], out_dtype=dtype)

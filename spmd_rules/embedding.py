@@ -16,7 +16,7 @@ from autoparallel.placement import Partial, Shard
 from spmd_rules.expand import expand, present
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.result import SpmdResult
-from spmd_rules.utils import R, check_spec, is_linear_partial
+from spmd_rules.utils import R, check_spec, is_linear_partial, numel
 
 
 def _check_ids(op, x):
@@ -47,7 +47,7 @@ def embedding(x, weight, padding_idx=None, max_norm=None, norm_type=2.0, sparse=
         pw = pw if isinstance(pw, Shard) and not (pw.dim == 1 and max_norm is not None) else R
         px = px if isinstance(px, Shard) else R
         if isinstance(pw, Shard) and isinstance(px, Shard):
-            if x.numel > weight.numel:
+            if numel(x) > numel(weight):
                 pw = R
             else:
                 px = R

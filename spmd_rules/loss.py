@@ -23,7 +23,7 @@ from spmd_rules.einsum import label_rule
 from spmd_rules.expand import expand, present
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.result import SpmdResult
-from spmd_rules.utils import R, check_spec, norm_axis
+from spmd_rules.utils import R, check_spec, norm_axis, numel
 
 
 @register_spmd_rule("cross_entropy")
@@ -59,7 +59,7 @@ def cross_entropy(input, label, weight=None, ignore_index=-100, reduction="mean"
     if weight is not None and tuple(weight.shape) != (C,):
         raise ValueError(f"{op}: weight must have shape [{C}], got {list(weight.shape)}")
     out_labels, out_shape = (none_labels, none_shape) if reduction == "none" else ((), ())
-    inner = label_rule([xl, ll], [out_labels], [input.numel, label.numel], linear=None)
+    inner = label_rule([xl, ll], [out_labels], [numel(input), numel(label)], linear=None)
 
     def rule(pl, dim):
         (ri, rl), (o,) = inner(pl[:2], dim)

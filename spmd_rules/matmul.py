@@ -1,4 +1,4 @@
-"""matmul, linear, bmm, einsum: all from the einsum-notation helper.
+"""matmul, linear, bmm, einsum: all from einsum notation (einsum.py).
 
 A sharded contraction axis makes the output Partial(sum). ``linear``'s bias follows the output: sharded
 with the output's last dim, Partial when the output is Partial (each rank adds its term of the bias; the
@@ -13,7 +13,7 @@ from spmd_rules.einsum import einsum_result, label_reverse, label_rule
 from spmd_rules.expand import expand, expand_reverse, present
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.result import SpmdResult
-from spmd_rules.utils import R, check_spec, promote
+from spmd_rules.utils import R, check_spec, promote, numel
 
 
 def matmul_labels(op, xs, ys, transpose_x=False, transpose_y=False):
@@ -63,7 +63,7 @@ def _matmul(x, y, transpose_x=False, transpose_y=False, name=None, *, out=None, 
     check_spec(op, "x", x)
     check_spec(op, "y", y)
     xl, yl, ol, shape = matmul_labels(op, x.shape, y.shape, transpose_x, transpose_y)
-    rule = label_rule([xl, yl], [ol], [x.numel, y.numel])
+    rule = label_rule([xl, yl], [ol], [numel(x), numel(y)])
     required, outputs = expand(op, [x, y], [(shape, promote(x.dtype, y.dtype))], rule, nested=True)
     return SpmdResult(required, outputs)
 
@@ -117,7 +117,7 @@ def _linear_labels(x, weight, bias):
 
 def linear(x, weight, bias=None, name=None):
     xl, wl, ol, shape = _linear_labels(x, weight, bias)
-    inner = label_rule([xl, wl], [ol], [x.numel, weight.numel])
+    inner = label_rule([xl, wl], [ol], [numel(x), numel(weight)])
     last = len(ol) - 1
 
     def rule(pl, dim):

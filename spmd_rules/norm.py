@@ -23,7 +23,7 @@ from spmd_rules.einsum import label_reverse, label_rule, labels_result
 from spmd_rules.expand import expand, expand_reverse, present
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.result import SpmdResult
-from spmd_rules.utils import check_spec, int_list
+from spmd_rules.utils import check_spec, int_list, numel
 
 
 def _normalized(op, x, normalized_shape):
@@ -88,7 +88,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=1e-05, name=None):
     first_ok = lead >= 1 and _rows_aligned(x, lead, set(x.mesh.shape))
     xl = tuple(0 if (d == 0 and first_ok) else None for d in range(x.ndim))
     inner = label_rule([xl, (None,) * (weight.ndim if weight else 0)], [xl],
-                       [x.numel, weight.numel if weight else 0], linear=None)
+                       [numel(x), numel(weight)], linear=None)
 
     def rule(pl, dim):
         req, (o,) = inner(pl, dim)

@@ -10,7 +10,9 @@ one-to-one, except where ``ARG_MAP`` says otherwise for a dotted path:
 * ``{"fixed": {rule_kw: value}}``: extra keyword arguments the rule gets (e.g. ``paddle.t`` is a
   transpose of the last two dims).
 
-Tensor methods take ``self`` as the first positional argument (the rule's first tensor parameter).
+Tensor methods take ``self`` as the first positional argument (the rule's first tensor parameter);
+operators (``__add__`` ...) and paddle's internal update ops have no python signature and are always
+called positionally.
 Rules with an empty list (e.g. ``rotary_embedding``) are names for custom ops reached through
 ``register_spmd_rule`` users or composite layers, not through a paddle callable.
 """
@@ -33,7 +35,7 @@ OP_TABLE: dict = {
     "bmm": ("paddle.bmm", _T + "bmm"),
     "einsum": ("paddle.einsum",),
     # unary
-    "relu": ("paddle.nn.functional.relu", _T + "relu"),
+    "relu": ("paddle.nn.functional.relu",),
     "gelu": ("paddle.nn.functional.gelu",),
     "silu": ("paddle.nn.functional.silu",),
     "tanh": ("paddle.tanh", _T + "tanh", "paddle.nn.functional.tanh"),
@@ -141,7 +143,12 @@ ARG_MAP: dict = {
     _T + "__rtruediv__": "swap",
     _T + "__rmatmul__": "swap",
     _T + "__rpow__": "swap",
-    _T + "__getitem__": {"rename": {"item": "index"}},
+    _T + "__getitem__": {"rename": {"self": "x", "item": "index"}},
+    _T + "__neg__": {"rename": {"var": "x"}},
+    _T + "__abs__": {"rename": {"var": "x"}},
+    _T + "clone": {"rename": {"self": "x"}},
+    _T + "astype": {"rename": {"self": "x"}},
+    _T + "softmax": {"rename": {"input": "x", "dim": "axis"}},      # torch-style method; dim=None means -1
     "paddle.t": {"rename": {"input": "x"}},
     _T + "t": {"rename": {"input": "x"}},
     "paddle.nn.functional.rms_norm": {"rename": {"input": "x"}},

@@ -54,8 +54,9 @@ def adamw(param, grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, 
     op = "adamw"
     pl = _layout(op, param)
     p = param.with_placements(pl)
-    like = {n: _like(op, n, t, param, pl) for n, t in (("grad", grad), ("moment1", moment1), ("moment2", moment2),
-                                                         ("moment2_max", moment2_max), ("master_weight", master_weight))}
+    named = (("grad", grad), ("moment1", moment1), ("moment2", moment2), ("moment2_max", moment2_max),
+             ("master_weight", master_weight))
+    like = {n: _like(op, n, t, param, pl) for n, t in named}
     for n, t in (("learning_rate", learning_rate), ("beta1_pow", beta1_pow), ("beta2_pow", beta2_pow)):
         check_spec(op, n, t)
     inputs = [p, like["grad"], _replicated(learning_rate), like["moment1"], like["moment2"], like["moment2_max"],

@@ -48,18 +48,14 @@ def _reduction(op, x, axis, keepdim, *, reduce, linear, dtype=None):
     return labels_result(op, [x], [xl], [ol], [(shape, dtype or x.dtype)], linear=linear, reduce=reduce), axes
 
 
-def _reverse(op, reduce, linear):
-    def rev(outputs, x, axis=None, *args, keepdim=False, **kwargs):
-        axes = norm_axes(op, axis, x.ndim)
-        kd = kwargs.get("keepdim", keepdim)
-        xl, ol, _ = reduce_labels(x, axes, kd)
-        return SpmdResult(expand_reverse(op, [x], outputs, label_reverse([xl], [ol], linear=linear, reduce=reduce)),
-                          outputs)
-    return rev
+def _reverse(op, outputs, x, axis, keepdim, *, reduce, linear) -> SpmdResult:
+    xl, ol, _ = reduce_labels(x, norm_axes(op, axis, x.ndim), keepdim)
+    rule = label_reverse([xl], [ol], linear=linear, reduce=reduce)
+    return SpmdResult(expand_reverse(op, [x], outputs, rule), outputs)
 
 
 def _sum_reverse(outputs, x, axis=None, dtype=None, keepdim=False, name=None):
-    return _reverse("sum", "sum", ALL)(outputs, x, axis, keepdim=keepdim)
+    return _reverse("sum", outputs, x, axis, keepdim, reduce="sum", linear=ALL)
 
 
 @register_spmd_rule("sum", reverse=_sum_reverse)
@@ -71,13 +67,14 @@ def reduce_sum(x, axis=None, dtype=None, keepdim=False, name=None):
     return _reduction("sum", x, axis, keepdim, reduce="sum", linear=ALL, dtype=out)[0]
 
 
-def _mean_reverse(outputs, x, axis=None, keepdim=False, name=None):
-    return _reverse("mean", "sum", ALL)(outputs, x, axis, keepdim=keepdim)
+def _mean_reverse(outputs, x, axis=None, keepdim=False, name=None, *, dtype=None):
+    return _reverse("mean", outputs, x, axis, keepdim, reduce="sum", linear=ALL)
 
 
 @register_spmd_rule("mean", reverse=_mean_reverse)
-def reduce_mean(x, axis=None, keepdim=False, name=None):
-    res, axes = _reduction("mean", x, axis, keepdim, reduce="sum", linear=ALL)
+def reduce_mean(x, axis=None, keepdim=False, name=None, *, dtype=None):
+    out = normalize_dtype(dtype) if dtype is not None else None
+    res, axes = _reduction("mean", x, axis, keepdim, reduce="sum", linear=ALL, dtype=out)
     req = res.inputs[0]
     if not any(req.shard_mesh_dims(a) for a in axes):
         return res
@@ -90,7 +87,7 @@ def _extreme(op):
         return _reduction(op, x, axis, keepdim, reduce=op, linear=None)[0]
 
     def rev(outputs, x, axis=None, keepdim=False, name=None):
-        return _reverse(op, op, None)(outputs, x, axis, keepdim=keepdim)
+        return _reverse(op, outputs, x, axis, keepdim, reduce=op, linear=None)
 
     rule.__name__ = op
     register_spmd_rule(op, rule, reverse=rev)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Iterable
 
-from autoparallel.placement import Placement
+from autoparallel.placement import Placement, parse_placements
 from autoparallel.spec import DistSpec
 
 from spmd_rules.result import SpmdResult
@@ -127,9 +127,9 @@ def _freeze(v):
 def _coerce_input(op: str, i: int, given: DistSpec, req) -> DistSpec:
     if isinstance(req, DistSpec):
         spec = req
-    elif isinstance(req, (str, list, tuple)) and not isinstance(req, DistSpec):
+    elif isinstance(req, (str, list, tuple)):
         try:
-            spec = given.with_placements(req if not isinstance(req, str) else _parse(req))
+            spec = given.with_placements(parse_placements(req))
         except (TypeError, ValueError) as e:
             raise ValueError(f"spmd rule {op!r}: required placements {req!r} for input {i} "
                              f"(shape {list(given.shape)}) are invalid: {e}") from None
@@ -144,12 +144,6 @@ def _coerce_input(op: str, i: int, given: DistSpec, req) -> DistSpec:
         raise ValueError(f"spmd rule {op!r}: required spec for input {i} is on mesh {spec.mesh!r}, "
                          f"but the argument is on {given.mesh!r}; a rule may only change placements")
     return spec
-
-
-def _parse(text: str):
-    from autoparallel.placement import parse_placements
-
-    return parse_placements(text)
 
 
 def _validate(op: str, given: list, result, *, n_outputs: int | None = None, order=None) -> SpmdResult:
@@ -197,8 +191,9 @@ def _validate(op: str, given: list, result, *, n_outputs: int | None = None, ord
 
 
 def _named(op: str, e: Exception) -> Exception:
+    """The same error with the op name in front (unchanged when it already starts with it)."""
     msg = str(e)
-    if op in msg.split(":")[0] or msg.startswith(f"spmd rule {op!r}"):
+    if msg.startswith(f"{op}:") or msg.startswith(f"spmd rule {op!r}"):
         return e
     try:
         return type(e)(f"{op}: {msg}")
@@ -219,8 +214,8 @@ class SpmdRule:
         self._cache: dict = {}
 
     def __call__(self, *args, **kwargs) -> SpmdResult:
-        try:
-            key = (_freeze(args), _freeze(kwargs))
+        try:   # kwargs keep their call order: it decides the order of ``inputs``
+            key = (_freeze(args), tuple((k, _freeze(v)) for k, v in kwargs.items()))
         except TypeError:
             key = None
         if key is not None and key in self._cache:

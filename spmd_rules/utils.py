@@ -1,7 +1,10 @@
-"""Small shared helpers: axes, broadcasting, dtype promotion, argument checks."""
+"""Shared small functions: axes, broadcasting, dtype promotion, argument checks."""
 from __future__ import annotations
 
-from autoparallel.placement import Partial, Replicate, Shard
+import math
+import numbers
+
+from autoparallel.placement import Partial, Replicate
 from autoparallel.spec import DistSpec, normalize_dtype
 
 R = Replicate()
@@ -26,9 +29,6 @@ def promote(*dtypes) -> str:
     return max(ds, key=_ORDER.index)
 
 
-def dtype_name(dtype, default: str) -> str:
-    return default if dtype is None else normalize_dtype(dtype)
-
 
 def check_spec(op: str, name: str, v, *, optional: bool = False):
     if v is None and optional:
@@ -52,16 +52,9 @@ def same_mesh(op: str, specs) -> object:
 
 def norm_axis(op: str, axis, ndim: int, *, allow_end: bool = False) -> int:
     """Normalise one axis into [0, ndim) (or [0, ndim] with ``allow_end``)."""
-    if isinstance(axis, bool) or not isinstance(axis, int):
-        try:
-            import numbers
-
-            if isinstance(axis, numbers.Integral):
-                axis = int(axis)
-            else:
-                raise TypeError
-        except TypeError:
-            raise TypeError(f"{op}: axis must be an int, got {type(axis).__name__} {axis!r}") from None
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"{op}: axis must be an int, got {type(axis).__name__} {axis!r}")
+    axis = int(axis)
     hi = ndim + 1 if allow_end else ndim
     if not -hi <= axis < hi:
         raise ValueError(f"{op}: axis {axis} is out of range for a tensor of rank {ndim} "
@@ -108,5 +101,6 @@ def int_list(op: str, name: str, value) -> list:
     return out
 
 
-def shard_dims(spec: DistSpec) -> set:
-    return {p.dim for p in spec.placements if isinstance(p, Shard)}
+
+def numel(spec) -> int:
+    return math.prod(spec.shape) if spec is not None else 0

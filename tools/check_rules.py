@@ -5,9 +5,10 @@
     python tools/check_rules.py --op matmul --exhaustive
     python tools/check_rules.py --list
 
-For each op and each sample call (tools/rule_cases.py), every placement combination of the tensor inputs
+For each op and each sample call (``add_case`` below; ``CASES``), every placement combination of the tensor inputs
 (R, S(d) for every dim, P(sum) for float tensors) is tried on 1-d meshes of 2 and 3 ranks, and on a 2x2
-mesh (a deterministic sample; every combination with --exhaustive). The rule gives the required input
+mesh (a deterministic sample; with --exhaustive every combination, up to --max-combos per sample call,
+beyond which a deterministic sample of that size is taken and reported). The rule gives the required input
 specs; each rank's local inputs are built from the full tensors per those specs (S: the rank's slice,
 R: whole, P(sum): random terms summing to the full tensor, P(max/min): terms whose max/min is it), the
 paddle op (or the reference of a purely local ``local_op``) runs per rank with ``local_attrs(coords)``,
@@ -19,7 +20,9 @@ P(sum): whole, P(max/min): where the rank holds the reduced value) and each rank
 are checked by the convention: required S -> the slice of the full gradient; required P -> the full
 gradient; required R on a mesh dim where the op is split -> the sum over that dim's group is the full
 gradient; otherwise the full gradient. Results with a ``local_op`` that needs collectives or shared
-randomness are counted as "needs runtime" (not passed). Exit status is non-zero on any failure.
+randomness are counted as "needs runtime" (not passed; only their output shapes and dtypes are checked).
+Ops of the op table without a rule and wrong rules are reported; the exit status is non-zero on any
+failure. Other code may call ``main(argv)`` in-process and add cases with ``add_case`` (tests do).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ from spmd_rules.registry import flatten_specs, replace_specs  # noqa: E402
 MESHES_1D = ([2], [3])
 MESH_2D = [2, 2]
 SAMPLES_2D = 10            # 2x2 combinations tried per sample call without --exhaustive
+MAX_EXHAUSTIVE = 50000     # --exhaustive: beyond this many 2x2 combinations a call is sampled (reported)
 
 
 # ---- sample calls ---------------------------------------------------------------------------------------------------
@@ -224,6 +228,7 @@ class Outcome:
     runtime_ops: set = field(default_factory=set)
     no_rule: bool = False
     no_cases: bool = False
+    sampled: list = field(default_factory=list)     # --exhaustive calls too large to enumerate
 
 
 class Checker:
@@ -231,6 +236,7 @@ class Checker:
         self.op, self.case, self.impl, self.outcome = op, case, impl, outcome
         self.leaves = flatten_specs(case.args, case.kwargs, is_leaf=lambda v: isinstance(v, T))
         self.seen: dict = {}
+        self._specs: dict = {}
         self._full()
 
     # ground truth on full tensors
@@ -254,7 +260,13 @@ class Checker:
                               else np.zeros_like(self.leaves[i].array)) for i in diff}
 
     def specs_for(self, mesh, placements):
-        return [DistSpec(mesh, pl, t.array.shape, str(t.array.dtype)) for t, pl in zip(self.leaves, placements)]
+        out = []
+        for i, (t, pl) in enumerate(zip(self.leaves, placements)):
+            key = (i, mesh, tuple(pl))
+            if key not in self._specs:
+                self._specs[key] = DistSpec(mesh, tuple(pl), t.array.shape, str(t.array.dtype))
+            out.append(self._specs[key])
+        return out
 
     def run(self, mesh, placements, out_placements=None):
         specs = self.specs_for(mesh, placements)
@@ -282,6 +294,10 @@ class Checker:
         if res.local_op is not None and res.local_op not in LOCAL_OPS:
             self.outcome.needs_runtime += 1
             self.outcome.runtime_ops.add(res.local_op)
+            try:
+                self._check_shapes(res)
+            except AssertionError as e:
+                self.outcome.failures.append(f"{where}: rule says {res}: {e}")
             return
         try:
             self._verify(res, coords_all)
@@ -292,6 +308,19 @@ class Checker:
         except Exception as e:
             self.outcome.failures.append(f"{where}: rule says {res}: local run failed: {type(e).__name__}: "
                                          f"{str(e).splitlines()[0][:300]}")
+
+    def _check_shapes(self, res):
+        """The shape-function half of a rule: global output shapes and dtypes equal the full op's."""
+        outs = [o for o in res.outputs]
+        if len(outs) != len(self.full_out):
+            raise AssertionError(f"the rule gives {len(outs)} outputs, the op returns {len(self.full_out)}")
+        for k, (spec, full) in enumerate(zip(outs, self.full_out)):
+            if (spec is None) != (full is None):
+                got = "a tensor" if full is not None else None
+                raise AssertionError(f"output {k}: the rule gives {spec}, the op returns {got}")
+            if spec is not None and (tuple(spec.shape) != full.shape or spec.dtype != str(full.dtype)):
+                raise AssertionError(f"output {k}: spec {list(spec.shape)} {spec.dtype} != op output "
+                                     f"{list(full.shape)} {full.dtype}")
 
     def _verify(self, res, coords_all):
         paddle = _paddle()
@@ -394,7 +423,7 @@ def _vocab_parallel_embedding(x, weight, padding_idx=None, max_norm=None, norm_t
 
 def _global_mean(x, axis=None, keepdim=False, name=None, *, global_count, dtype=None):
     paddle = _paddle()
-    return paddle.sum(x, axis=axis, keepdim=keepdim) / global_count
+    return paddle.sum(x, axis=axis, dtype=dtype, keepdim=keepdim) / global_count
 
 
 LOCAL_OPS = {
@@ -413,7 +442,7 @@ def _options(t: T):
     return opts
 
 
-def check_op(op: str, exhaustive: bool = False) -> Outcome:
+def check_op(op: str, exhaustive: bool = False, max_combos: int = MAX_EXHAUSTIVE) -> Outcome:
     outcome = Outcome(op)
     if not spmd_rules.has_spmd_rule(op):
         outcome.no_rule = True
@@ -445,11 +474,14 @@ def check_op(op: str, exhaustive: bool = False) -> Outcome:
         mesh = mesh_from_shape(MESH_2D, create_groups=False)
         per_leaf = [list(itertools.product(o, o)) for o in opts]
         total = int(np.prod([len(p) for p in per_leaf])) if per_leaf else 1
-        if exhaustive or total <= SAMPLES_2D:
+        budget = max_combos if exhaustive else (case.samples_2d or SAMPLES_2D)
+        if total <= budget:
             combos = itertools.product(*per_leaf)
         else:
+            if exhaustive:
+                outcome.sampled.append(f"{case.label}: {budget} of {total}")
             rnd = random.Random(zlib.crc32(f"{op}/{case.label}".encode()))
-            combos = ([rnd.choice(p) for p in per_leaf] for _ in range(case.samples_2d or SAMPLES_2D))
+            combos = ([rnd.choice(p) for p in per_leaf] for _ in range(budget))
         for combo in combos:
             checker.run(mesh, list(combo))
     return outcome
@@ -468,14 +500,14 @@ def expected_ops() -> list:
     return sorted(OP_TABLE)
 
 
-def run(ops, exhaustive=False, out=sys.stdout) -> list:
+def run(ops, exhaustive=False, out=sys.stdout, max_combos: int = MAX_EXHAUSTIVE) -> list:
     import paddle
 
     paddle.set_device("cpu")
     results = []
     for op in ops:
         t0 = time.time()
-        o = check_op(op, exhaustive)
+        o = check_op(op, exhaustive, max_combos)
         results.append(o)
         if o.no_rule:
             status = "NO RULE"
@@ -486,6 +518,8 @@ def run(ops, exhaustive=False, out=sys.stdout) -> list:
         else:
             status = "ok"
         extra = f", {o.needs_runtime} need runtime ({', '.join(sorted(o.runtime_ops))})" if o.needs_runtime else ""
+        if o.sampled:
+            extra += f"; 2x2 sampled for {'; '.join(o.sampled)}"
         print(f"{op:32s} {status:28s} {o.checked:3d} layouts checked{extra}  [{time.time() - t0:.2f}s]",
               file=out)
     return results
@@ -498,6 +532,8 @@ def main(argv=None, out=sys.stdout) -> int:
     g.add_argument("--all", action="store_true", help="every op in the op table and every registered rule")
     g.add_argument("--list", action="store_true", help="list registered rules and exit")
     ap.add_argument("--exhaustive", action="store_true", help="every 2x2 placement combination")
+    ap.add_argument("--max-combos", type=int, default=MAX_EXHAUSTIVE,
+                    help="with --exhaustive: sample calls with more 2x2 combinations than this (default %(default)s)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every failing layout")
     args = ap.parse_args(argv)
     if args.list:
@@ -506,7 +542,7 @@ def main(argv=None, out=sys.stdout) -> int:
         return 0
     ops = sorted(set(expected_ops()) | set(spmd_rules.registered_ops())) if args.all else args.op
     t0 = time.time()
-    results = run(ops, args.exhaustive, out)
+    results = run(ops, args.exhaustive, out, args.max_combos)
     bad = [o for o in results if o.failures or o.no_rule]
     unchecked = [o.op for o in results if o.no_cases]
     print(f"\n{len(results)} ops, {sum(o.checked for o in results)} layouts checked, "
@@ -594,11 +630,6 @@ def _impls():
     IMPLS.update(rms_norm=rms_norm, rotary_embedding=rotary_embedding, sgd=sgd, adamw=adamw, batch_norm=batch_norm)
 
 
-def _op(fn):
-    """Operator form of a binary op (python scalars allowed)."""
-    return fn
-
-
 def _cases_matmul():
     add_case("matmul", f(5, 6), f(6, 7))
     add_case("matmul", f(2, 3, 5), f(7, 5), transpose_y=True, label="batched-transpose_y")
@@ -635,6 +666,8 @@ def _cases_elementwise():
         add_case(op, f(5, 6), f(6))
         add_case(op, f(5, 1, 6), f(3, 6, lo=0.5), label="broadcast")
     add_case("add", f(5, 6), 2.5, label="scalar", impl=lambda x, y: x + y)
+    add_case("add", f(5, 6), f(5, 6), alpha=2.0, label="alpha")
+    add_case("divide", f(5, 6), f(6, lo=0.5), rounding_mode="floor", label="floor", grad=False)
     add_case("subtract", 2.5, f(5, 6), label="scalar-first", impl=lambda x, y: x - y)
     add_case("multiply", f(5, 6), 2.5, label="scalar", impl=lambda x, y: x * y)
     add_case("divide", 3.0, f(5, 6, lo=0.5), label="scalar-numerator", impl=lambda x, y: x / y)
@@ -655,6 +688,7 @@ def _cases_reduction():
         add_case(op, f(5, 6, 7), axis=1)
         add_case(op, f(5, 6), label="all")
         add_case(op, f(5, 6, 7), axis=[0, 2], keepdim=True, label="axes-keepdim")
+    add_case("mean", f(5, 6), axis=1, dtype="float32", label="dtype", rtol=1e-6, atol=1e-6)
     add_case("sum", f(5, 6), axis=-1, dtype="float32", label="dtype", rtol=1e-6, atol=1e-6)
     for op in ("argmax", "argmin"):
         add_case(op, f(5, 6, 7), axis=1)
@@ -695,6 +729,8 @@ def _cases_nn():
     add_case("scaled_dot_product_attention", q, k, v, samples_2d=16)
     add_case("scaled_dot_product_attention", q, k, v, is_causal=True, label="causal", samples_2d=16)
     add_case("scaled_dot_product_attention", f(2, 5, 6, 3), f(2, 5, 3, 3), f(2, 5, 3, 3), label="gqa")
+    add_case("scaled_dot_product_attention", f(2, 5, 4, 3), f(2, 5, 2, 3), f(2, 5, 2, 3), label="gqa-sharded",
+             samples_2d=40)
     add_case("scaled_dot_product_attention", f(2, 5, 6, 3), f(2, 7, 6, 3), f(2, 7, 6, 3), f(2, 1, 5, 7),
              label="mask")
     add_case("scaled_dot_product_attention", q, k, v, dropout_p=0.5, label="dropout", grad=False)

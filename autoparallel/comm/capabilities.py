@@ -14,7 +14,10 @@ COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broa
 
 # How each missing collective is emulated, and the collectives the emulation runs.
 #   reduce_scatter -> all_reduce then local slice   (moves 2(n-1)/n·b instead of (n-1)/n·b)
-#   all_to_all     -> pairwise send/recv            (same bytes, n-1 latencies of point-to-point)
+#   all_to_all     -> pairwise send/recv in n-1 perfect-matching rounds (same bytes, n-1 latencies);
+#                     odd groups have no perfect matching: all_gather of every chunk ((n-1)·b bytes).
+#                     (gloo matches point-to-point messages by a per-group op counter, so every member
+#                     must issue the same number of sends and recvs in the same order.)
 EMULATIONS = {
     "reduce_scatter": ("all_reduce", "slice"),
     "all_to_all": ("send_recv",),

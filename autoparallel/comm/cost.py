@@ -51,8 +51,10 @@ def emulated_bytes(collective: str, b: float, n: int, backend: str = "nccl") -> 
         return collective_bytes(collective, b, n)
     if collective == "reduce_scatter":                    # all_reduce of the whole buffer, keep a slice
         return collective_bytes("all_reduce", b, n)
-    if collective == "all_to_all":                        # n-1 point-to-point sends of b/n each
-        return (n - 1) * collective_bytes("send_recv", b / n, 2)
+    if collective == "all_to_all":
+        if n % 2:                                         # odd groups: all_gather of every chunk
+            return collective_bytes("all_gather", b, n)
+        return (n - 1) * collective_bytes("send_recv", b / n, 2)   # n-1 pairwise rounds of b/n
     raise NotImplementedError(collective)
 
 
@@ -67,5 +69,7 @@ def collective_seconds(collective: str, b: float, n: int, latency_s: float, band
     if collective == "reduce_scatter":
         return alpha_beta_seconds("all_reduce", b, n, latency_s, bandwidth_Bps)
     if collective == "all_to_all":
+        if n % 2:
+            return alpha_beta_seconds("all_gather", b, n, latency_s, bandwidth_Bps)
         return (n - 1) * alpha_beta_seconds("send_recv", b / n, 2, latency_s, bandwidth_Bps)
     raise NotImplementedError(collective)

@@ -56,8 +56,8 @@ class RealTransport:
     """One member per process; paddle.distributed (NCCL on GPUs, gloo on CPUs) does the work.
 
     Missing capabilities are emulated: reduce_scatter as all_reduce + slice, all_to_all as pairwise
-    send/recv in one global pair order (deadlock free), AVG as SUM then scale, low-precision reductions
-    in float32.
+    send/recv in perfect-matching rounds on the group (all_gather for odd groups), AVG as SUM then
+    scale, low-precision reductions in float32.
     """
 
     def __init__(self, rank: int, backend: str):
@@ -84,7 +84,7 @@ class RealTransport:
         dist = self._dist()
         (x,) = xs.values()
         out = []
-        dist.all_gather(out, x, group=self._group(ranks))
+        dist.all_gather(out, x.contiguous(), group=self._group(ranks))
         by_rank = dict(zip(self._rank_order(ranks), out))
         return {self.rank: [by_rank[r] for r in ranks]}
 
@@ -92,7 +92,9 @@ class RealTransport:
         dist = self._dist()
         (x,) = xs.values()
         dtype = x.dtype
-        y = x.astype("float32") if self.caps.reduce_dtype(str(dtype).split(".")[-1]) != str(dtype).split(".")[-1] else x.clone()
+        name = str(dtype).split(".")[-1]
+        y = x.astype("float32") if self.caps.reduce_dtype(name) != name else x.clone()
+        y = y.contiguous()
         native = op if self.caps.reduce_natively(op) else ("sum" if op == "avg" else op)
         rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "avg": getattr(dist.ReduceOp, "AVG", None)}[native]
@@ -109,7 +111,8 @@ class RealTransport:
             parts = paddle.split(x, len(ranks), axis=0)
             order = self._rank_order(ranks)
             out = paddle.empty_like(parts[0])
-            dist.reduce_scatter(out, [parts[ranks.index(r)] for r in order], group=self._group(ranks))
+            dist.reduce_scatter(out, [parts[ranks.index(r)].contiguous() for r in order],
+                                group=self._group(ranks))
             return {self.rank: out}
         total = self.all_reduce(xs, ranks, op)[self.rank]
         return {self.rank: paddle.split(total, len(ranks), axis=axis)[k]}
@@ -121,34 +124,41 @@ class RealTransport:
             dist = self._dist()
             order = self._rank_order(ranks)
             out = []
-            dist.alltoall(out, [mine[ranks.index(r)] for r in order], group=self._group(ranks))
+            dist.alltoall(out, [mine[ranks.index(r)].contiguous() for r in order], group=self._group(ranks))
             by_rank = dict(zip(order, out))
             return {self.rank: [by_rank[r] for r in ranks]}
+        if len(ranks) % 2:
+            # odd groups have no perfect matching: gather every chunk and keep ours ((n-1)·b bytes)
+            got = self.all_gather({self.rank: paddle.stack(mine)}, ranks)[self.rank]
+            return {self.rank: [g[k] for g in got]}
         recv = [None] * len(ranks)
         recv[k] = mine[k]
-        for a, b in _pairs(sorted(ranks)):         # one global order: every rank walks its pairs in it
-            if self.rank not in (a, b):
-                continue
-            peer = b if self.rank == a else a
-            j = ranks.index(peer)
-            buf = paddle.empty_like(mine[j])        # chunks are padded to one shape
-            self._exchange(mine[j], buf, peer, send_first=self.rank < peer)
-            recv[j] = buf
+        group = self._group(ranks)
+        for matching in round_robin(len(ranks)):       # every member does one send + one recv per round
+            for a, b in matching:
+                if k not in (a, b):
+                    continue
+                j = b if k == a else a
+                buf = paddle.empty_like(mine[j])        # chunks are padded to one shape
+                self._exchange(mine[j].contiguous(), buf, ranks[j], group, send_first=k < j)
+                recv[j] = buf
         return {self.rank: recv}
 
-    def _exchange(self, send_t, recv_buf, peer, send_first):
+    def _exchange(self, send_t, recv_buf, peer, group, send_first):
+        """gloo matches point-to-point messages by a per-group op counter, so both ends must issue
+        their send and recv at the same counter: the lower member sends first."""
         dist = self._dist()
         if send_first:
-            dist.send(send_t, dst=peer)
-            dist.recv(recv_buf, src=peer)
+            dist.send(send_t, dst=peer, group=group)
+            dist.recv(recv_buf, src=peer, group=group)
         else:
-            dist.recv(recv_buf, src=peer)
-            dist.send(send_t, dst=peer)
+            dist.recv(recv_buf, src=peer, group=group)
+            dist.send(send_t, dst=peer, group=group)
 
     def broadcast(self, xs, ranks, src):
         dist = self._dist()
         (x,) = xs.values()
-        y = x.clone()
+        y = x.clone().contiguous()
         dist.broadcast(y, src=src, group=self._group(ranks))
         return {self.rank: y}
 
@@ -159,17 +169,26 @@ class RealTransport:
             if s == d:
                 if s == self.rank:
                     out[d] = xs[s].clone()
-            elif s == self.rank:
-                dist.send(xs[s], dst=d)
+            elif s == self.rank:                    # a 2-rank group per pair keeps gloo's op counters aligned
+                dist.send(xs[s].contiguous(), dst=d, group=self._group(sorted((s, d))))
             elif d == self.rank:
                 buf = paddle.empty(recv_like[d][0], dtype=recv_like[d][1])
-                dist.recv(buf, src=s)
+                dist.recv(buf, src=s, group=self._group(sorted((s, d))))
                 out[d] = buf
         return out
 
 
-def _pairs(ranks):
-    return [(a, b) for i, a in enumerate(ranks) for b in ranks[i + 1:]]
+def round_robin(n: int) -> list:
+    """n-1 perfect matchings of n (even) members (circle method): every pair meets exactly once."""
+    if n % 2:
+        raise ValueError(f"round_robin needs an even number of members, got {n}")
+    rounds = []
+    for k in range(n - 1):
+        pairs = [(k, n - 1)]
+        for i in range(1, n // 2):
+            pairs.append(((k + i) % (n - 1), (k - i) % (n - 1)))
+        rounds.append([tuple(sorted(p)) for p in pairs])
+    return rounds
 
 
 def transport_for(world):

@@ -19,7 +19,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(script: str, nproc: int, args=(), timeout: float = 600, env=None, nnodes: int = 1) -> list:
+# paddle 3.3.1's gloo sometimes refuses the connections of a new process group at start-up
+# ("pair.cc ... connect ... Connection refused"), before any work: such a job is started again.
+STARTUP_FLAKE = "Connection refused"
+
+
+def launch(script: str, nproc: int, args=(), timeout: float = 600, env=None, nnodes: int = 1,
+           attempts: int = 3) -> list:
+    for attempt in range(attempts):
+        try:
+            return _launch_once(script, nproc, args, timeout, env, nnodes)
+        except _StartupFlake as e:
+            last = e
+    raise RuntimeError(f"{script}: gloo start-up failed {attempts} times\n{last}")
+
+
+class _StartupFlake(RuntimeError):
+    pass
+
+
+def _launch_once(script, nproc, args, timeout, env, nnodes) -> list:
     workdir = tempfile.mkdtemp(prefix="ap_launch_")
     result_dir = os.path.join(workdir, "results")
     os.makedirs(result_dir)
@@ -62,6 +81,9 @@ def launch(script: str, nproc: int, args=(), timeout: float = 600, env=None, nno
         else:
             results.append(None)
     if any(codes) or any(x is None for x in results):
+        tails = _tails(logs)
+        if STARTUP_FLAKE in tails and "new_group" in tails:
+            raise _StartupFlake(tails[-3000:])
         raise RuntimeError(f"launch of {script} on {nproc} ranks failed (exit codes {codes}, "
                            f"missing results {[r for r, x in enumerate(results) if x is None]})\n" + _tails(logs)
                            + "\n".join(o[-2000:] for o in outs))

@@ -1,0 +1,62 @@
+"""op_table: every dotted path exists in paddle, and rules accept the paddle callables' parameters."""
+import importlib
+import inspect
+
+import pytest
+
+import spmd_rules
+from spmd_rules.op_table import ARG_MAP, OP_TABLE, rule_for
+
+paddle = pytest.importorskip("paddle")
+
+IGNORED = {"name", "out", "device", "requires_grad", "pin_memory"}
+
+
+def resolve(dotted):
+    parts = dotted.split(".")
+    obj = importlib.import_module(parts[0])
+    for i, p in enumerate(parts[1:], 1):
+        try:
+            obj = getattr(obj, p)
+        except AttributeError:
+            obj = importlib.import_module(".".join(parts[: i + 1]))
+    return obj
+
+
+def test_every_rule_has_a_table_entry_and_back():
+    assert set(OP_TABLE) == set(spmd_rules.registered_ops())
+    assert set(ARG_MAP) <= {p for paths in OP_TABLE.values() for p in paths}
+
+
+@pytest.mark.parametrize("dotted", sorted({p for paths in OP_TABLE.values() for p in paths}))
+def test_dotted_path_exists(dotted):
+    assert callable(resolve(dotted)), dotted
+
+
+def test_softmax_method_default_axis_is_last():
+    x = paddle.randn([3, 4])
+    assert paddle.allclose(x.softmax(), paddle.nn.functional.softmax(x, axis=-1)).item()
+
+
+def test_paths_are_unique():
+    seen = {}
+    for name, paths in OP_TABLE.items():
+        for p in paths:
+            assert p not in seen, f"{p} listed for both {seen[p]} and {name}"
+            seen[p] = name
+    assert rule_for("paddle.Tensor.__radd__") == "add" and rule_for("paddle.nope") is None
+
+
+@pytest.mark.parametrize("op,dotted", sorted((op, p) for op, paths in OP_TABLE.items() for p in paths
+                                             if ARG_MAP.get(p) != "swap"))
+def test_rule_accepts_the_paddle_parameters(op, dotted):
+    try:
+        sig = inspect.signature(resolve(dotted))
+    except (TypeError, ValueError):
+        pytest.skip(f"{dotted} has no python signature (operators and internal ops are called positionally)")
+    rename = ARG_MAP.get(dotted, {}).get("rename", {}) if isinstance(ARG_MAP.get(dotted), dict) else {}
+    rule_params = inspect.signature(spmd_rules.get_spmd_rule(op).fn).parameters
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    missing = [rename.get(p.name, p.name) for p in sig.parameters.values()
+               if p.name not in IGNORED and p.kind not in kinds and rename.get(p.name, p.name) not in rule_params]
+    assert not missing, f"rule {op!r} lacks parameters {missing} of {dotted}{sig}"
