@@ -175,6 +175,18 @@ def as_dist(x) -> DistTensor:
 
 
 # ---- constructors --------------------------------------------------------------------------------
+_dispatch_ready = False
+
+
+def _ensure_dispatch():
+    """Route paddle ops on distributed tensors (installed on first use)."""
+    global _dispatch_ready
+    if not _dispatch_ready:
+        from autoparallel import dispatch
+
+        dispatch.install()
+        _dispatch_ready = True
+
 def _spec_for(tensor_shape, dtype, mesh, placements) -> DistSpec:
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"expected a ProcessMesh, got {type(mesh).__name__}")
@@ -200,6 +212,7 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
     A Parameter becomes a DistParameter (a Parameter holding the local shard). Partial(sum) keeps the
     value on coordinate 0 of that mesh dim and zeros elsewhere; avg/max/min keep it everywhere.
     """
+    _ensure_dispatch()
     if isinstance(data, DistTensor) or is_dist(data):
         return reshard(data, mesh, placements)
     is_param = isinstance(data, EagerParamBase)
@@ -246,6 +259,7 @@ def dtensor_from_local(local, mesh: ProcessMesh, placements, global_shape=None, 
     ``global_shape`` defaults to the local shape times the shard counts (even shards); given shapes and
     dtypes are validated against every local.
     """
+    _ensure_dispatch()
     world = current_world()
     held = world.local_ranks(mesh.process_ids)
     if isinstance(local, dict):

@@ -252,3 +252,19 @@ class _SendRecv(PyLayer):
     def backward(ctx, *gs):
         return tuple(gs)
 
+
+
+def grad_all_reduce(xs, ranks):
+    """Identity forward, all_reduce(sum) backward (Megatron's f): feeds a replicated tensor into an op
+    that is split over ``ranks``, whose local gradients are partial sums."""
+    return _run(xs, lambda v: {r: t.clone() for r, t in v.items()}, lambda g: _reduce_raw(g, ranks, "sum"))
+
+
+def mesh_groups_apply(xs, mesh, dim, fn):
+    """Apply a group collective ``fn(held, ranks)`` to every group of mesh dim ``dim``."""
+    out = dict(xs)
+    for ranks in mesh.all_groups(dim):
+        held = {r: xs[r] for r in ranks if r in xs}
+        if held:
+            out.update(fn(held, ranks))
+    return out

@@ -1,0 +1,333 @@
+"""Op interception: a paddle op that receives a DistTensor or DistParameter runs through its spmd rule.
+
+    rule(input specs) -> reshard inputs to what the rule requires -> local paddle op on every held rank
+    -> DistTensor outputs with the rule's output specs
+
+Routing covers every dotted path in ``spmd_rules.op_table.OP_TABLE`` plus the places paddle's layers
+imported those functions into (``paddle.nn.layer.norm.layer_norm`` ...). The remaining public callables
+of ``paddle``, ``paddle.nn.functional``, ``paddle.linalg`` and the math methods of ``paddle.Tensor`` are
+guarded: given a distributed tensor they raise ``NotImplementedError`` naming the op and
+``register_spmd_rule``. Plain tensors pay one isinstance scan. While a local op runs (``local_mode``)
+nothing is routed, so paddle's own code inside an op sees plain tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import sys
+import threading
+
+import paddle
+from spmd_rules import get_spmd_rule, has_spmd_rule
+from spmd_rules.op_table import ARG_MAP, OP_TABLE
+from spmd_rules.registry import flatten_specs, replace_specs
+
+from autoparallel import local_ops
+from autoparallel.comm import collectives as C
+from autoparallel.comm.world import current_world
+from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist, reshard
+from autoparallel.placement import Replicate
+from autoparallel.spec import DistSpec
+
+_state = threading.local()
+_ORIG: dict = {}          # dotted path -> original callable
+_INSTALLED = False
+
+
+# ---- local mode -------------------------------------------------------------------------------------------
+def in_local_mode() -> bool:
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def local_mode():
+    """Run paddle on plain local tensors: nothing is routed inside."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def is_dist(x) -> bool:
+    return type(x) is DistTensor or (isinstance(x, DistParameter) and hasattr(x, "_ap_spec"))
+
+
+def _any_dist(args, kwargs) -> bool:
+    for v in args:
+        if is_dist(v) or (type(v) in (list, tuple) and any(is_dist(u) for u in v)):
+            return True
+    for v in kwargs.values():
+        if is_dist(v) or (type(v) in (list, tuple) and any(is_dist(u) for u in v)):
+            return True
+    return False
+
+
+def _is_tensor_leaf(v) -> bool:
+    return isinstance(v, (DistTensor, paddle.Tensor))
+
+
+def _is_spec(v) -> bool:
+    return isinstance(v, DistSpec)
+
+
+# ---- the routed call ------------------------------------------------------------------------------------------
+def run(op: str, path: str, args, kwargs):
+    """Run paddle callable ``path`` (rule ``op``) on distributed arguments."""
+    args, kwargs = _map_args(path, tuple(args), dict(kwargs))
+    rule = get_spmd_rule(op)
+    leaves = _leaves(args, kwargs)
+    mesh = _common_mesh(op, leaves)
+    dists = [_to_dist(v, mesh) for v in leaves]
+    spec_args, spec_kwargs = replace_specs(args, kwargs, [d.spec for d in dists], is_leaf=_is_tensor_leaf)
+    res = rule(*spec_args, **spec_kwargs)
+    split = [m for m in res.split_mesh_dims() if mesh.shape[m] > 1]
+    ready = [_prepare(v, d, req, split) for v, d, req in zip(leaves, dists, res.inputs)]
+    world = current_world()
+    held = [r for r in world.local_ranks(mesh.process_ids)]
+    calls = {}
+    for r in held:
+        la, lk = replace_specs(spec_args, spec_kwargs, [d.local_of(r) for d in ready], is_leaf=_is_spec)
+        calls[r] = rule.local_call(res, la, lk, mesh.coords_of(r))
+    outs = _execute(op, path, res, mesh, calls)
+    return _wrap(res, outs, held)
+
+
+def _map_args(path, args, kwargs):
+    how = ARG_MAP.get(path)
+    if how == "swap":
+        return (args[1], args[0]) + args[2:], kwargs
+    if isinstance(how, dict) and "rename" in how:
+        ren = how["rename"]
+        kwargs = {ren.get(k, k): v for k, v in kwargs.items()}
+    if isinstance(how, dict) and "fixed" in how:
+        kwargs = {**kwargs, **how["fixed"]}
+    return args, kwargs
+
+
+def _leaves(args, kwargs) -> list:
+    return flatten_specs(args, kwargs, is_leaf=_is_tensor_leaf)
+
+
+def _common_mesh(op, leaves):
+    meshes = {x.mesh if isinstance(x, DistTensor) else x._ap_spec.mesh for x in leaves if is_dist(x)}
+    if len(meshes) != 1:
+        raise ValueError(f"{op}: every distributed input must live on one mesh; got tensors on "
+                         f"{sorted(str(m) for m in meshes)} — reshard them onto one mesh first")
+    return next(iter(meshes))
+
+
+def _to_dist(v, mesh) -> DistTensor:
+    if is_dist(v):
+        return as_dist(v)
+    # a plain tensor next to distributed ones: the same value on every rank (replicated)
+    spec = DistSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)), tuple(v.shape), v.dtype)
+    return DistTensor({r: v for r in current_world().local_ranks(mesh.process_ids)}, spec)
+
+
+def _prepare(leaf, d: DistTensor, req: DistSpec, split) -> DistTensor:
+    """Reshard ``d`` to the rule's requirement; on split mesh dims where it stays replicated, make its
+    gradient complete (all_reduce in backward) — or, for a parameter used directly, record that its
+    gradient is a partial sum there (the optimizer / data-parallel runtime reduces it in buckets)."""
+    out = d if d.spec == req else reshard(d, req.mesh, req.placements)
+    dims = [m for m in split if req.placements[m].is_replicate()]
+    if not dims or out.stop_gradient:
+        return out
+    if isinstance(leaf, DistParameter) and out is d:
+        leaf._ap_partial_dims = getattr(leaf, "_ap_partial_dims", frozenset()) | frozenset(dims)
+        return out
+    locs = dict(out.locals)
+    for m in dims:
+        locs = C.mesh_groups_apply(locs, out.mesh, m, C.grad_all_reduce)
+    return DistTensor(locs, out.spec)
+
+
+def _execute(op, path, res, mesh, calls) -> dict:
+    with local_mode():
+        if res.local_op in local_ops.GROUP:
+            return {r: _as_tuple(o) for r, o in local_ops.GROUP[res.local_op](mesh, calls).items()}
+        if res.local_op is not None:
+            if res.local_op not in local_ops.PER_RANK:
+                raise NotImplementedError(f"{op}: the rule asks for local op {res.local_op!r}, which the runtime "
+                                          f"does not implement")
+            fn = local_ops.PER_RANK[res.local_op]
+        else:
+            fn = _local_callable(op, path)
+            if ARG_MAP.get(path) == "swap":       # back to the reflected operator's own order
+                calls = {r: ((a[1], a[0]) + tuple(a[2:]), k) for r, (a, k) in calls.items()}
+        return {r: _as_tuple(fn(*a, **k)) for r, (a, k) in calls.items()}
+
+
+def _local_callable(op, path):
+    """The path's own paddle callable (operators accept python scalars), or the op's canonical
+    functional when the path renames arguments."""
+    how = ARG_MAP.get(path)
+    if isinstance(how, dict):
+        paths = OP_TABLE.get(op) or (path,)
+        return _ORIG.get(paths[0]) or _resolve(paths[0])
+    return _ORIG.get(path) or _resolve(path)
+
+
+def _as_tuple(o):
+    return tuple(o) if isinstance(o, (tuple, list)) else (o,)
+
+
+def _wrap(res, outs, held):
+    results = []
+    for k, spec in enumerate(res.outputs):
+        if spec is None:
+            results.append(None)
+            continue
+        results.append(DistTensor({r: outs[r][k] for r in held}, spec))
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+# ---- installation -----------------------------------------------------------------------------------------------
+def _resolve(path):
+    owner, attr = _owner(path)
+    return getattr(owner, attr)
+
+
+def _owner(path):
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        modname = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(modname)
+        except ImportError:
+            continue
+        for p in parts[i:-1]:
+            obj = getattr(obj, p)
+        return obj, parts[-1]
+    raise ValueError(f"cannot resolve {path!r}")
+
+
+def _routed(op, path, orig):
+    def wrapper(*args, **kwargs):
+        if in_local_mode() or not _any_dist(args, kwargs):
+            return orig(*args, **kwargs)
+        return run(op, path, args, kwargs)
+
+    wrapper.__wrapped__ = orig
+    wrapper.__name__ = getattr(orig, "__name__", path.rsplit(".", 1)[-1])
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper._ap_routed = op
+    return wrapper
+
+
+def _guarded(name, orig):
+    def wrapper(*args, **kwargs):
+        if not in_local_mode() and _any_dist(args, kwargs):
+            raise NotImplementedError(f"{name} has no spmd rule, so it cannot run on distributed tensors; "
+                                      f"register one with spmd_rules.register_spmd_rule({name.rsplit('.', 1)[-1]!r})")
+        return orig(*args, **kwargs)
+
+    wrapper.__wrapped__ = orig
+    wrapper.__name__ = getattr(orig, "__name__", name)
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper._ap_guard = True
+    return wrapper
+
+
+# Tensor methods that act on storage, not values: they keep working on a DistParameter's local shard.
+_STORAGE_METHODS = {"numpy", "clone", "detach", "detach_", "set_value", "cpu", "cuda", "item", "tolist",
+                    "backward", "register_hook", "clear_grad", "clear_gradient", "copy_", "get_tensor",
+                    "value", "is_dense", "is_dist", "element_size", "numel", "dim", "ndimension",
+                    "is_contiguous", "contiguous", "data_ptr", "get_strides", "to", "pin_memory",
+                    "zero_", "fill_", "uniform_", "normal_", "stop_gradient", "shape", "dtype", "place",
+                    "size", "is_leaf", "grad", "name", "persistable", "type", "_md5sum", "__format__",
+                    "__repr__", "__str__", "__hash__", "__bool__", "__len__", "__array__", "__index__",
+                    "__float__", "__int__", "__nonzero__", "__deepcopy__", "__reduce_ex__", "__setitem__",
+                    "__iter__", "__contains__", "__dlpack__", "__array_ufunc__"}
+
+
+def install() -> None:
+    """Patch paddle once (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    routed = {}
+    for op, paths in OP_TABLE.items():
+        for path in paths:
+            owner, attr = _owner(path)
+            orig = getattr(owner, attr, None)
+            if orig is None or getattr(orig, "_ap_routed", None):
+                continue
+            _ORIG[path] = orig
+            w = _routed(op, path, orig)
+            setattr(owner, attr, w)
+            routed[id(orig)] = w
+    _patch_aliases(routed)
+    _install_guards()
+    _install_dist_tensor_methods()
+    _INSTALLED = True
+
+
+def _patch_aliases(routed) -> None:
+    """Layers that imported a routed function into their own module (``paddle.nn.layer.norm``)."""
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("paddle.") or mod is None:
+            continue
+        for attr, val in list(vars(mod).items()):
+            w = routed.get(id(val))
+            if w is not None and not attr.startswith("__"):
+                try:
+                    setattr(mod, attr, w)
+                except (AttributeError, TypeError):
+                    pass
+
+
+def _install_guards() -> None:
+    for modname in ("paddle", "paddle.nn.functional", "paddle.linalg"):
+        mod = importlib.import_module(modname)
+        for attr in dir(mod):
+            if attr.startswith("_"):
+                continue
+            val = getattr(mod, attr)
+            if not (inspect.isfunction(val) or inspect.isbuiltin(val)) or hasattr(val, "_ap_routed") \
+                    or hasattr(val, "_ap_guard"):
+                continue
+            try:
+                setattr(mod, attr, _guarded(f"{modname}.{attr}", val))
+            except (AttributeError, TypeError):
+                pass
+    public = set(dir(paddle))
+    for attr in dir(paddle.Tensor):
+        if attr in _STORAGE_METHODS or attr.startswith("_") or attr not in public:
+            continue
+        val = getattr(paddle.Tensor, attr)
+        if not callable(val) or hasattr(val, "_ap_routed") or hasattr(val, "_ap_guard") or isinstance(val, type):
+            continue
+        try:
+            setattr(paddle.Tensor, attr, _guarded(f"paddle.Tensor.{attr}", val))
+        except (AttributeError, TypeError):
+            pass
+
+
+def _install_dist_tensor_methods() -> None:
+    """DistTensor (a wrapper) gets every routed paddle.Tensor method and operator."""
+    for op, paths in OP_TABLE.items():
+        for path in paths:
+            if not path.startswith("paddle.Tensor."):
+                continue
+            name = path[len("paddle.Tensor."):]
+
+            def method(self, *args, __op=op, __path=path, **kwargs):
+                return run(__op, __path, (self,) + args, kwargs)
+
+            method.__name__ = name
+            setattr(DistTensor, name, method)
+    DistTensor.__hash__ = object.__hash__
+
+
+def _dist_getattr(self, name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    if hasattr(paddle.Tensor, name):
+        raise NotImplementedError(f"paddle.Tensor.{name} has no spmd rule, so it cannot run on a DistTensor; "
+                                  f"register one with spmd_rules.register_spmd_rule({name!r})")
+    raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
+
+
+DistTensor.__getattr__ = _dist_getattr
