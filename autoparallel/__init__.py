@@ -28,6 +28,8 @@ _EXPORTS = {
     # strategy and runtime
     "Strategy": "autoparallel.strategy",
     "shard_layer": "autoparallel.layer", "shard_optimizer": "autoparallel.parallel.optimizer",
+    "apply_tp": "autoparallel.parallel.tensor_parallel", "reduce_gradients": "autoparallel.parallel.grads",
+    "local_mode": "autoparallel.local_mode", "set_cluster": "autoparallel.comm.world",
     "ColWiseParallel": "autoparallel.parallel.tensor_parallel", "RowWiseParallel": "autoparallel.parallel.tensor_parallel",
     "VocabParallelEmbedding": "autoparallel.parallel.tensor_parallel",
     "SequenceParallel": "autoparallel.parallel.tensor_parallel",

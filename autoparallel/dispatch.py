@@ -12,11 +12,9 @@ nothing is routed, so paddle's own code inside an op sees plain tensors.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import sys
-import threading
 
 import paddle
 from spmd_rules import get_spmd_rule, has_spmd_rule
@@ -30,24 +28,11 @@ from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist, reshard
 from autoparallel.placement import Replicate
 from autoparallel.spec import DistSpec
 
-_state = threading.local()
 _ORIG: dict = {}          # dotted path -> original callable
 _INSTALLED = False
 
 
-# ---- local mode -------------------------------------------------------------------------------------------
-def in_local_mode() -> bool:
-    return getattr(_state, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def local_mode():
-    """Run paddle on plain local tensors: nothing is routed inside."""
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _state.depth -= 1
+from autoparallel.local_mode import in_local_mode, local_mode  # noqa: E402  (re-exported)
 
 
 def is_dist(x) -> bool:

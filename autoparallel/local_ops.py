@@ -51,7 +51,8 @@ def _ce_kwargs(args, kwargs):
 
 def vocab_parallel_cross_entropy(mesh, calls):
     """Cross entropy with the class axis sharded: max, sum of exps and the target logit are all-reduced
-    over the class mesh dims; the logits are never gathered."""
+    over the class mesh dims; the logits are never gathered. With the batch sharded the result is a
+    Partial(sum) term over the batch mesh dims (the mean divides by the global valid count)."""
     bound = {r: _ce_kwargs(*c) for r, c in calls.items()}
     any_b = next(iter(bound.values()))
     if any_b.get("weight") is not None or any_b.get("soft_label") or any_b.get("label_smoothing", 0.0):
@@ -81,7 +82,7 @@ def vocab_parallel_cross_entropy(mesh, calls):
     losses = {r: (paddle.log(sumexp[r]) - picked[r]) * valid[r] for r in bound}
     if reduction == "none":
         return {r: losses[r].unsqueeze(-1) for r in losses}
-    totals = _mesh_reduce({r: t.sum() for r, t in losses.items()}, mesh, batch_dims)
+    totals = {r: t.sum() for r, t in losses.items()}       # Partial(sum) over the batch mesh dims
     if reduction == "sum":
         return totals
     with paddle.no_grad():

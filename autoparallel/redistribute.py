@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from autoparallel.comm import collectives as C
 from autoparallel.comm.world import current_world
+from autoparallel.local_mode import local_mode
 from autoparallel.placement import Partial, Replicate, Shard, chunk_sizes
 from autoparallel.spec import DistSpec
 
@@ -76,7 +77,12 @@ def apply_cross_mesh(locals_: dict, before: DistSpec, after: DistSpec) -> dict:
 
 
 def execute(locals_: dict, plan) -> dict:
-    """Run every step of a reshard plan (reshard.ReshardPlan)."""
+    """Run every step of a reshard plan (reshard.ReshardPlan) on plain local tensors."""
+    with local_mode():
+        return _execute(locals_, plan)
+
+
+def _execute(locals_: dict, plan) -> dict:
     spec = plan.src_spec
     for step in plan.steps:
         if getattr(step, "src_mesh", None) is not None and step.mesh_dim < 0:

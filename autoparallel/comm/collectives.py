@@ -26,6 +26,7 @@ from paddle.autograd import PyLayer
 
 from autoparallel.comm.transport import transport_for
 from autoparallel.comm.world import current_world
+from autoparallel.local_mode import local_mode
 
 
 class _Comm(PyLayer):
@@ -40,12 +41,17 @@ class _Comm(PyLayer):
 
     @staticmethod
     def backward(ctx, *gs):
-        with paddle.no_grad():
+        with paddle.no_grad(), local_mode():
             outs = ctx.bwd(dict(zip(ctx.order, gs)))
         return tuple(outs[r] for r in ctx.order)
 
 
 def _run(xs, fwd, bwd):
+    with local_mode():
+        return _run_local(xs, fwd, bwd)
+
+
+def _run_local(xs, fwd, bwd):
     order = list(xs)
     if not order:
         return {}

@@ -1,0 +1,42 @@
+"""shard_layer: distribute an ordinary paddle Layer's parameters over a mesh (paddle's convention).
+
+``shard_fn(name, sublayer, mesh)`` replaces the parameters it wants sharded
+(``sublayer.weight = ap.shard_tensor(sublayer.weight, mesh, [...])``); every parameter left plain is
+replicated. ``input_fn(inputs, mesh)`` / ``output_fn(outputs, mesh)`` become forward hooks.
+"""
+from __future__ import annotations
+
+from autoparallel.dist_tensor import _ensure_dispatch, is_dist, shard_tensor
+from autoparallel.mesh import ProcessMesh
+from autoparallel.placement import Replicate
+
+
+def replicate_remaining(layer, mesh: ProcessMesh) -> None:
+    """Replicate every parameter of ``layer`` that is not distributed yet (tied parameters stay tied)."""
+    done = {}
+    for _, sub in layer.named_sublayers(include_self=True):
+        for pname, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            if is_dist(p):
+                done[id(p)] = p
+                continue
+            if id(p) not in done:
+                done[id(p)] = shard_tensor(p, mesh, [Replicate()] * mesh.ndim)
+            sub._parameters[pname] = done[id(p)]
+
+
+def shard_layer(layer, mesh: ProcessMesh, shard_fn=None, input_fn=None, output_fn=None):
+    """Distribute ``layer`` over ``mesh`` in place and return it."""
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"shard_layer expects a ProcessMesh, got {type(mesh).__name__}")
+    _ensure_dispatch()
+    if shard_fn is not None:
+        for name, sub in layer.named_sublayers(include_self=True):
+            shard_fn(name, sub, mesh)
+    replicate_remaining(layer, mesh)
+    if input_fn is not None:
+        layer.register_forward_pre_hook(lambda _layer, inputs: input_fn(inputs, mesh))
+    if output_fn is not None:
+        layer.register_forward_post_hook(lambda _layer, inputs, outputs: output_fn(outputs, mesh))
+    return layer
