@@ -1,7 +1,7 @@
 """Reshard benchmark on 4 gloo ranks: ours (``ap.reshard``) against Paddle's ``paddle.distributed.reshard``.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_reshard.py [--sizes 256,1024,2048] [--repeats 7]
-                                                              [--warmup 2] [--out docs/reshard_bench.md]
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_reshard.py [--sizes 256,1024,2048] [--repeats 11]
+                                                              [--warmup 3] [--out docs/reshard_bench.md]
 
 Launches tools/_bench_reshard_worker.py with ``python -m paddle.distributed.launch`` on 4 ranks. Per
 (transition, size): the median over repeats of the slowest rank's time for ours and for Paddle's, the
@@ -174,7 +174,7 @@ def build_rows(results, args):
         else:
             p_ms, p_ok = ms(paddle["seconds"]), paddle["ok"]
             ratio_v = ours["seconds"] / paddle["seconds"]
-            ratios.append(ratio_v)
+            ratios.append((r0["size"], ratio_v))
             ratio = f"{ratio_v:.2f}"
         status = []
         if not ours["ok"]:
@@ -209,11 +209,18 @@ def text_table(header, rows):
     return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
+def _geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
 def summary_lines(ratios, byte_checks, failures, n_rows):
-    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else float("nan")
-    lines = [f"- Cases: {n_rows}; Paddle runs {len(ratios)} of them on CPU. Geometric mean of ours/paddle over "
-             f"those: {geo:.2f} (median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f})."
-             if ratios else f"- Cases: {n_rows}; Paddle runs none of them on CPU.",
+    values = [r for _, r in ratios]
+    sizes = sorted({s for s, _ in ratios})
+    by_size = ", ".join(f"{s}x{s}: {_geomean([r for z, r in ratios if z == s]):.2f}" for s in sizes)
+    lines = [f"- Cases: {n_rows}; Paddle runs {len(values)} of them on CPU. Geometric mean of ours/paddle over "
+             f"those: {_geomean(values):.2f} (median {statistics.median(values):.2f}, range "
+             f"{min(values):.2f}-{max(values):.2f}); by size: {by_size}."
+             if values else f"- Cases: {n_rows}; Paddle runs none of them on CPU.",
              f"- Bytes sent by ours, counted on every rank, equal the plan's bytes_per_rank in "
              f"{sum(byte_checks)}/{len(byte_checks)} cases.",
              "- Every result (ours and Paddle's) equals the full tensor on every rank." if not failures else
@@ -274,8 +281,8 @@ def _paddle_version():
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="256,1024,2048", help="square tensor sizes, comma-separated")
-    p.add_argument("--repeats", default="7", help="timed repeats per case (median reported)")
-    p.add_argument("--warmup", default="2", help="untimed runs before timing")
+    p.add_argument("--repeats", default="11", help="timed repeats per case (median reported)")
+    p.add_argument("--warmup", default="3", help="untimed runs before timing")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "reshard_bench.md"),
                    help="markdown file to write ('' to skip)")
     args = p.parse_args(argv)

@@ -29,12 +29,18 @@ def on_mesh_created(mesh) -> None:
     if max(mesh.process_ids) >= world:
         raise ValueError(f"mesh {mesh.mesh.tolist()} names rank {max(mesh.process_ids)} but the world has "
                          f"{world} ranks (0..{world - 1})")
+    todo = []
     for d in range(mesh.ndim):
         for ranks in mesh.all_groups(d):
             key = tuple(ranks)
-            if len(key) > 1 and key not in _GROUPS:
-                _GROUPS[key] = dist.new_group(list(key))
-                dist.barrier()
+            if len(key) > 1 and key not in _GROUPS and key not in todo:
+                todo.append(key)
+    if not todo:
+        return
+    dist.barrier()                 # arrive together: gloo's connect times out on stragglers
+    for key in todo:
+        _GROUPS[key] = dist.new_group(list(key))
+        dist.barrier()
 
 
 def get_group(ranks):

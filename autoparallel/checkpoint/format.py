@@ -1,0 +1,66 @@
+"""On-disk format of one checkpoint directory.
+
+```
+<checkpoint>/
+  metadata.json        written last by rank 0: global shapes, dtypes, placements, mesh, step, extra, and
+                       for every shard its file, byte offset, global box and per-block crc32 checksums
+  data-r00003.bin      the raw C-order bytes of every shard rank 3 owns, each starting on a 64-byte
+                       boundary; no header, so a loader reads any box with seek/pread (or np.memmap)
+```
+
+Every shard's bytes are cut into blocks of ``block_bytes`` (1 MiB), each with its own crc32, so a loader
+that reads a few rows of a shard verifies only the blocks it reads. Each data file also has a whole-file
+crc32 and size (``verify_checkpoint`` checks them all).
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import numpy as np
+
+FORMAT = "autoparallel.checkpoint"
+VERSION = 1
+METADATA = "metadata.json"
+BLOCK_BYTES = 1 << 20
+ALIGN = 64
+
+# dtypes without a numpy equivalent are stored as their bit pattern
+_STORAGE = {"bfloat16": np.dtype("uint16"), "bool": np.dtype("bool")}
+
+
+def data_file_name(rank: int) -> str:
+    return f"data-r{rank:05d}.bin"
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    return _STORAGE.get(dtype) or np.dtype(dtype)
+
+
+def block_crcs(data: memoryview, block_bytes: int = BLOCK_BYTES) -> list:
+    return [zlib.crc32(data[i:i + block_bytes]) for i in range(0, len(data), block_bytes)] or [zlib.crc32(b"")]
+
+
+def encode_metadata(meta: dict) -> bytes:
+    return json.dumps(meta, indent=1).encode()
+
+
+def read_metadata(ckpt_dir: str) -> dict:
+    from autoparallel.checkpoint.errors import CheckpointCorruptError
+
+    path = os.path.join(ckpt_dir, METADATA)
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{ckpt_dir!r} is not a complete checkpoint: {METADATA} is missing") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"{path}: unreadable checkpoint metadata ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointCorruptError(f"{path}: not an autoparallel checkpoint (expected format {FORMAT!r}, "
+                                     f"got {meta.get('format') if isinstance(meta, dict) else type(meta).__name__!r})")
+    if meta.get("version") != VERSION:
+        raise CheckpointCorruptError(f"{path}: checkpoint format version {meta.get('version')!r} is not "
+                                     f"supported (this version reads {VERSION})")
+    return meta

@@ -1,0 +1,63 @@
+"""Shard geometry: which rank owns which box of a tensor, and how boxes intersect.
+
+A box is ``(offsets, shape)`` in global indices. Ownership de-duplicates replicas: among the ranks holding
+the same box (they differ only in their coordinates on Replicate mesh dims), the one with coordinate 0 on
+every such dim owns it. Shard mesh dims (nested or not) give disjoint boxes, so the owned boxes of a
+tensor tile it exactly once. Partial placements are reduced to Replicate before saving (see save.py).
+Empty boxes (uneven shards: 5 rows over 4 ranks gives 2, 2, 1, 0) own nothing.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from autoparallel.placement import Partial, Shard
+
+
+def local_box(spec, rank: int) -> tuple:
+    """The box of ``spec``'s tensor that ``rank`` holds."""
+    coords = spec.mesh.coords_of(rank)
+    ranges = [spec.local_range(coords, d) for d in range(spec.ndim)]
+    return tuple(a for a, _ in ranges), tuple(b - a for a, b in ranges)
+
+
+def is_owner(spec, rank: int) -> bool:
+    if any(isinstance(p, Partial) for p in spec.placements):
+        raise ValueError(f"ownership of a Partial tensor is undefined; reduce {spec} to Replicate first")
+    coords = spec.mesh.coords_of(rank)
+    return all(coords[i] == 0 for i, p in enumerate(spec.placements) if not isinstance(p, Shard))
+
+
+def owned_boxes(spec) -> list:
+    """[(rank, offsets, shape)] of the non-empty boxes each owner writes, in mesh order."""
+    out = []
+    for rank in spec.mesh.process_ids:
+        if not is_owner(spec, rank):
+            continue
+        offsets, shape = local_box(spec, rank)
+        if numel(shape) == 0:
+            continue
+        out.append((rank, offsets, shape))
+    return out
+
+
+def numel(shape) -> int:
+    return int(np.prod(shape)) if len(shape) else 1
+
+
+def intersect(a_off, a_shape, b_off, b_shape) -> Optional[tuple]:
+    """The box common to two boxes, or None when they do not overlap."""
+    off, shape = [], []
+    for ao, an, bo, bn in zip(a_off, a_shape, b_off, b_shape):
+        lo, hi = max(ao, bo), min(ao + an, bo + bn)
+        if hi <= lo:
+            return None
+        off.append(lo)
+        shape.append(hi - lo)
+    return tuple(off), tuple(shape)
+
+
+def relative_slices(inner_off, inner_shape, outer_off) -> tuple:
+    """Slices selecting box ``inner`` inside an array holding box ``outer``."""
+    return tuple(slice(i - o, i - o + n) for i, n, o in zip(inner_off, inner_shape, outer_off))

@@ -1,0 +1,326 @@
+"""parallelize: turn an ordinary paddle Layer and optimizer into a data / tensor / sequence parallel pair.
+
+    model, opt = ap.parallelize(model, opt, strategy=s)            # default plans for GPT / LLaMA names
+    model, opt = ap.parallelize(model, opt, strategy=s, tp_plan={"blocks.*.attn.qkv": ap.ColWiseParallel()})
+
+It reads as a flat sequence of apply steps (torchtitan style), each a small function below:
+
+    degrees = validate(strategy, world size, model)      # ValueError before any process work
+    check_supported(strategy)                            # NotImplementedError for knobs not built yet
+    mesh    = build_mesh(degrees)                        # [data, model]; the model dim varies fastest
+    plan    = resolve_tp_plan(model, degrees.tp, tp_plan) # defaults by layer names, user entries win
+    plan    = apply_sp(model, plan)                       # sequence-parallel flags + norms on sequence shards
+    apply_tp(model, mesh, plan); replicate_remaining(model, mesh)
+    shard_inputs(model, mesh)                             # batch dim of model inputs over the data dims
+    opt     = wrap_optimizer(opt, model, accumulation steps)
+
+Inputs: a plain tensor entering the model is the global batch (the same on every rank) and is sharded on
+its batch dim over the data dims (``parallel_guard(dims)`` changes those dims); a DistTensor (for example
+from ``autoparallel.data.DistributedDataLoader``) must already live on the model's mesh.
+
+Gradient accumulation follows paddle's ``shard_optimizer``: run ``gradient_accumulation_steps`` forward /
+backward passes, then call ``opt.step()`` once; it divides the accumulated gradients by that number and
+reduces them over the data axis. Backward passes never reduce gradients, so the non-final micro-steps
+run no gradient reduction.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import os
+import threading
+
+from autoparallel.dist_tensor import DistTensor, is_dist, shard_tensor
+from autoparallel.layer import replicate_remaining
+from autoparallel.local_mode import local_mode
+from autoparallel.mesh import ProcessMesh
+from autoparallel.parallel.optimizer import ShardedOptimizer
+from autoparallel.parallel.tensor_parallel import (ColWiseParallel, RowWiseParallel, SequenceParallel,
+                                                   VocabParallelEmbedding, apply_tp, match_plan)
+from autoparallel.placement import Replicate, Shard
+from autoparallel.strategy import Strategy
+
+DATA, MODEL = "data", "model"
+
+# Default tensor-parallel plans by layer-name family (Megatron layout).
+GPT_PLAN = {
+    "wte": VocabParallelEmbedding(),
+    "blocks.*.attn.qkv": ColWiseParallel(), "blocks.*.attn.proj": RowWiseParallel(),
+    "blocks.*.mlp.fc1": ColWiseParallel(), "blocks.*.mlp.fc2": RowWiseParallel(),
+    "lm_head": ColWiseParallel(),
+}
+LLAMA_PLAN = {
+    "embed_tokens": VocabParallelEmbedding(),
+    "layers.*.self_attn.q_proj": ColWiseParallel(), "layers.*.self_attn.k_proj": ColWiseParallel(),
+    "layers.*.self_attn.v_proj": ColWiseParallel(), "layers.*.self_attn.o_proj": RowWiseParallel(),
+    "layers.*.mlp.gate_proj": ColWiseParallel(), "layers.*.mlp.up_proj": ColWiseParallel(),
+    "layers.*.mlp.down_proj": RowWiseParallel(),
+    "lm_head": ColWiseParallel(),
+}
+DEFAULT_PLANS = {"GPT": GPT_PLAN, "LLaMA": LLAMA_PLAN}
+_NOT_YET = "not yet supported by ap.parallelize (this release: data, tensor and sequence parallel, " \
+           "gradient accumulation)"
+
+
+# ---- the apply steps ------------------------------------------------------------------------------------
+def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: ProcessMesh | None = None,
+                tp_plan: dict | None = None):
+    """Distribute ``model`` (in place) and wrap ``optimizer``; returns ``(model, optimizer)``."""
+    strategy = Strategy() if strategy is None else strategy
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
+    degrees = strategy.validate(world_size=_world_size(), model_info=model_info(model))
+    check_supported(strategy)
+    mesh = build_mesh(degrees.dp, degrees.tp) if mesh is None else check_mesh(mesh, degrees.dp, degrees.tp)
+    plan = resolve_tp_plan(model, degrees.tp, tp_plan)
+    if strategy.sequence_parallel.enable:
+        plan = apply_sp(model, plan)
+    original = dict(model.named_parameters())
+    apply_tp(model, mesh, plan, tp_dim=MODEL)
+    replicate_remaining(model, mesh)
+    replaced = _replacements(original, model)
+    shard_inputs(model, mesh)
+    if optimizer is not None:
+        optimizer = wrap_optimizer(optimizer, replaced, strategy.gradient_accumulation_steps)
+    return model, optimizer
+
+
+def _world_size() -> int:
+    from autoparallel.comm.world import current_world
+
+    world = current_world()
+    if not world.is_simulated and not getattr(world, "initialized", True):
+        launched = int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
+        if launched > 1:
+            raise RuntimeError(f"this process is one of {launched} launched ranks but paddle.distributed is not "
+                               f"initialised; call paddle.distributed.init_parallel_env() before ap.parallelize")
+    return world.world_size
+
+
+def model_info(model) -> dict:
+    """Heads / kv_heads / hidden / layers / vocab from ``model.config`` when it has them (for validation)."""
+    c = getattr(model, "config", None)
+    keys = {"heads": "heads", "kv_heads": "kv_heads", "hidden": "hidden", "layers": "layers", "vocab": "vocab_size"}
+    out = {}
+    for key, attr in keys.items():
+        v = getattr(c, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out[key] = v
+    return out
+
+
+def check_supported(strategy: Strategy) -> None:
+    """Strategy knobs this release does not execute yet fail loudly instead of being ignored."""
+    s = strategy
+    knobs = [(s.auto_mode == "full", "auto_mode='full'"),
+             (s.pipeline_parallel.degree > 1, f"pipeline_parallel.degree={s.pipeline_parallel.degree}"),
+             (s.sharding.enable, f"sharding (ZeRO stage {s.sharding.stage})"),
+             (s.sharding.offload, "sharding.offload"),
+             (s.recompute.enable, f"recompute ({s.recompute.granularity})"),
+             (s.amp.enable, f"amp ({s.amp.dtype})")]
+    for on, what in knobs:
+        if on:
+            raise NotImplementedError(f"{what} is {_NOT_YET}")
+
+
+def build_mesh(dp: int, tp: int) -> ProcessMesh:
+    """Ranks 0..dp*tp-1 as a [data, model] mesh, model fastest-varying: a TP group is dp-consecutive ranks,
+    which ``paddle.distributed.launch`` places on one node."""
+    return ProcessMesh([[d * tp + t for t in range(tp)] for d in range(dp)], dim_names=[DATA, MODEL])
+
+
+def check_mesh(mesh, dp: int, tp: int) -> ProcessMesh:
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"mesh must be an ap.ProcessMesh, got {type(mesh).__name__}")
+    if mesh.dim_names != [DATA, MODEL] or mesh.shape != [dp, tp]:
+        raise ValueError(f"mesh must have dims ['data', 'model'] and shape [dp, tp] = [{dp}, {tp}] for this "
+                         f"strategy, got dims {mesh.dim_names} and shape {mesh.shape}")
+    return mesh
+
+
+def resolve_tp_plan(model, tp: int, user_plan: dict | None = None) -> dict:
+    """{exact layer name: style}: the default plan whose names the model has, overridden by the user's."""
+    if tp == 1:
+        return {}
+    resolved = {}
+    if user_plan is not None:
+        user = {name: style for name, _, style in match_plan(model, user_plan)}
+    else:
+        user = {}
+    family = _default_family(model)
+    if family is None and not user:
+        names = [n for n, _ in model.named_sublayers() if n]
+        expected = "; ".join(f"{k}-style names like {', '.join(list(p)[:4])}" for k, p in DEFAULT_PLANS.items())
+        raise ValueError(f"tensor_parallel.degree={tp} but no layer of {type(model).__name__} matches a default "
+                         f"tensor-parallel plan: expected {expected}; got layers "
+                         f"{', '.join(names[:12]) or '(none)'}; pass tp_plan={{pattern: style}} to parallelize")
+    if family is not None:
+        patterns = {p: s for p, s in DEFAULT_PLANS[family].items() if _matches(model, p)}
+        resolved.update({name: style for name, _, style in match_plan(model, patterns)})
+    resolved.update(user)
+    return resolved
+
+
+def apply_sp(model, plan: dict) -> dict:
+    """Sequence parallel: row-parallel and vocab-parallel outputs become sequence shards (reduce_scatter
+    instead of all_reduce) and every norm layer runs on sequence shards."""
+    out = {}
+    for name, style in plan.items():
+        if isinstance(style, (RowWiseParallel, VocabParallelEmbedding)):
+            style = dataclasses.replace(style, sequence_parallel=True)
+        out[name] = style
+    if not out:
+        return out
+    for name, layer in model.named_sublayers():
+        if name and name not in out and type(layer).__name__.endswith("Norm"):
+            out[name] = SequenceParallel()
+    return out
+
+
+def _replacements(original: dict, model) -> dict:
+    """{id(original parameter): its distributed replacement}, matched by parameter path."""
+    after = dict(model.named_parameters())
+    return {id(p): after[name] for name, p in original.items() if name in after and after[name] is not p}
+
+
+# ---- model inputs ----------------------------------------------------------------------------------------
+_guard = threading.local()
+
+
+@contextlib.contextmanager
+def parallel_guard(dims=(DATA,)):
+    """Inside, plain tensors entering a parallelized model are sharded on their batch dim over the mesh dims
+    named in ``dims`` and replicated over the others (``parallel_guard([])`` replicates them)."""
+    if isinstance(dims, str) or not all(isinstance(d, str) for d in dims):
+        raise TypeError(f"parallel_guard expects a list of mesh dim names, got {dims!r}")
+    stack = getattr(_guard, "stack", None)
+    if stack is None:
+        stack = _guard.stack = []
+    stack.append(list(dims))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _input_dims():
+    stack = getattr(_guard, "stack", None)
+    return stack[-1] if stack else [DATA]
+
+
+def shard_inputs(model, mesh) -> None:
+    """A forward pre-hook distributing the model's tensor inputs (see the module docstring)."""
+    import paddle
+
+    def place(x):
+        if isinstance(x, DistTensor):
+            if x.mesh != mesh:
+                raise ValueError(f"{type(model).__name__} runs on mesh {mesh} but got a DistTensor on mesh "
+                                 f"{x.mesh}; reshard it onto the model's mesh (ap.reshard) or pass the plain tensor")
+            return x
+        if not isinstance(x, paddle.Tensor) or x.ndim == 0:
+            return x
+        dims = _input_dims()
+        unknown = [d for d in dims if d not in mesh.dim_names]
+        if unknown:
+            raise ValueError(f"parallel_guard names mesh dims {unknown}; the model's mesh has {mesh.dim_names}")
+        placements = [Shard(0) if n in dims else Replicate() for n in mesh.dim_names]
+        return shard_tensor(x, mesh, placements)
+
+    def pre(_layer, inputs):
+        return tuple(place(x) for x in inputs)
+
+    model.register_forward_pre_hook(pre)
+    model._ap_mesh = mesh
+
+
+# ---- optimizer ---------------------------------------------------------------------------------------------
+class AccumulatingOptimizer(ShardedOptimizer):
+    """``shard_optimizer`` semantics for gradient accumulation (paddle's): ``step()`` runs once per
+    ``gradient_accumulation_steps`` backward passes, divides the accumulated gradients by that number,
+    reduces them over the data axis in buckets and updates the local shards."""
+
+    def step(self):
+        k = self.gradient_accumulation_steps
+        if k > 1:
+            with local_mode():
+                for p in self.parameters:
+                    for t in (p.locals.values() if is_dist(p) else [p]):
+                        if t.grad is not None:
+                            t.grad.set_value(t.grad * (1.0 / k))
+        super().step()
+
+
+def wrap_optimizer(optimizer, replaced: dict, gradient_accumulation_steps: int = 1) -> AccumulatingOptimizer:
+    """Point the optimizer at the distributed parameters and wrap it (idempotent on a wrapped one)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer = optimizer._inner
+    if not hasattr(optimizer, "_parameter_list"):
+        raise TypeError(f"expected a paddle optimizer, got {type(optimizer).__name__}")
+    _rebind(optimizer, replaced)
+    return AccumulatingOptimizer(optimizer, gradient_accumulation_steps=gradient_accumulation_steps)
+
+
+def _rebind(optimizer, replaced: dict) -> None:
+    params = optimizer._parameter_list
+    if params and isinstance(params[0], dict):           # parameter groups
+        for group in params:
+            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+        for group in getattr(optimizer, "_param_groups", []) or []:
+            if isinstance(group, dict):
+                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+        return
+    optimizer._parameter_list = [replaced.get(id(p), p) for p in params]
+    groups = getattr(optimizer, "_param_groups", None)
+    if groups is not None and groups and not isinstance(groups[0], dict):
+        optimizer._param_groups = list(optimizer._parameter_list)
+
+
+# ---- seed-style wrappers -------------------------------------------------------------------------------------
+_WRAPPED_PARAMS: dict = {}     # parameter name -> DistParameter made by DataParallel(), for Optimizer()
+
+
+def DataParallel(model, strategy: Strategy | None = None, tp_plan: dict | None = None):
+    """Seed-style: ``dp_model = ap.DataParallel(model, strategy=s)`` (every rank data parallel unless the
+    strategy says otherwise); pair it with ``ap.Optimizer(opt)``."""
+    model, _ = parallelize(model, None, strategy, tp_plan=tp_plan)
+    _WRAPPED_PARAMS.update({p.name: p for p in model.parameters()})
+    return model
+
+
+def Optimizer(optimizer, strategy: Strategy | None = None):
+    """Seed-style: ``opt = ap.Optimizer(opt)`` over a model wrapped by ``ap.DataParallel``; an optimizer built
+    before the wrapping is pointed at the distributed parameters (matched by parameter name)."""
+    inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
+    if not hasattr(inner, "_parameter_list"):
+        raise TypeError(f"ap.Optimizer expects a paddle optimizer, got {type(optimizer).__name__}")
+    replaced = {}
+    for p in _flat_params(inner):
+        if not is_dist(p) and p.name in _WRAPPED_PARAMS:
+            replaced[id(p)] = _WRAPPED_PARAMS.pop(p.name)
+    k = strategy.gradient_accumulation_steps if strategy is not None else 1
+    return wrap_optimizer(inner, replaced, k)
+
+
+def _flat_params(optimizer):
+    for p in optimizer._parameter_list:
+        if isinstance(p, dict):
+            yield from p["params"]
+        else:
+            yield p
+
+
+def _matches(model, pattern: str) -> bool:
+    return any(fnmatch.fnmatchcase(n, pattern) for n, _ in model.named_sublayers() if n)
+
+
+def _default_family(model):
+    for family, plan in DEFAULT_PLANS.items():
+        if any(_matches(model, p) for p in plan if "*" in p):
+            return family
+    return None
+
+
+__all__ = ["parallelize", "DataParallel", "Optimizer", "parallel_guard", "build_mesh", "resolve_tp_plan",
+           "apply_sp", "check_supported", "AccumulatingOptimizer", "GPT_PLAN", "LLAMA_PLAN"]

@@ -1,0 +1,44 @@
+"""Reference runs of the example models: single process vs distributed, for tests and benchmarks."""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+GPT_PLAN = {"blocks.*.attn.qkv": "col", "blocks.*.attn.proj": "row", "blocks.*.mlp.fc1": "col",
+            "blocks.*.mlp.fc2": "row", "wte": "vocab", "lm_head": "col"}
+LLAMA_PLAN = {"layers.*.self_attn.q_proj": "col", "layers.*.self_attn.k_proj": "col",
+              "layers.*.self_attn.v_proj": "col", "layers.*.self_attn.o_proj": "row",
+              "layers.*.mlp.gate_proj": "col", "layers.*.mlp.up_proj": "col", "layers.*.mlp.down_proj": "row",
+              "embed_tokens": "vocab", "lm_head": "col"}
+
+
+def tp_plan(kind: str) -> dict:
+    from autoparallel.parallel.tensor_parallel import ColWiseParallel, RowWiseParallel, VocabParallelEmbedding
+
+    styles = {"col": ColWiseParallel(), "row": RowWiseParallel(), "vocab": VocabParallelEmbedding()}
+    return {k: styles[v] for k, v in (GPT_PLAN if kind == "gpt" else LLAMA_PLAN).items()}
+
+
+def build(kind: str, seed: int = 0):
+    from examples.models import GPT, GPTConfig, Llama, LlamaConfig
+
+    paddle.seed(seed)
+    if kind == "gpt":
+        return GPT(GPTConfig(vocab_size=64, hidden=32, layers=2, heads=4, max_positions=16))
+    return Llama(LlamaConfig(vocab_size=64, hidden=32, layers=2, heads=8, kv_heads=4, intermediate=48,
+                             max_positions=16))
+
+
+def batch(seed: int = 0, b: int = 4, t: int = 8, vocab: int = 64):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, (b, t)), rng.integers(0, vocab, (b, t))
+
+
+def reference(kind: str, seed: int = 0):
+    """Single-process loss and gradients {name: ndarray}."""
+    model = build(kind, seed)
+    ids, labels = batch(seed)
+    loss = F.cross_entropy(model(paddle.to_tensor(ids)), paddle.to_tensor(labels)).mean()
+    loss.backward()
+    return float(loss), {n: p.grad.numpy() for n, p in model.named_parameters()}

@@ -1,0 +1,160 @@
+"""The training loop shared by train_gpt.py and train_llama.py.
+
+One process (no launcher) trains the plain paddle model: the single-process reference. Under
+``python -m paddle.distributed.launch`` the same script calls ``ap.parallelize`` with the strategy from
+the flags and feeds it ``DistributedDataLoader`` batches: the three lines that change.
+The model is a byte-level language model over the Python standard library's own source files.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import paddle.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import autoparallel as ap  # noqa: E402
+from autoparallel.data import ByteTextDataset, DistributedDataLoader  # noqa: E402
+from autoparallel.strategy import Strategy, add_strategy_args  # noqa: E402
+from models import PRESETS, build  # noqa: E402
+
+
+def make_parser(default_model: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=f"train a byte-level {default_model} on the Python stdlib sources")
+    add_strategy_args(p)
+    p.add_argument("--model", default=default_model, choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the data order")
+    p.add_argument("--batch-size", dest="batch_size", type=int, default=8, help="global batch size (samples)")
+    p.add_argument("--seq-len", dest="seq_len", type=int, default=16, help="tokens (bytes) per sample")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--log-json", dest="log_json", default=None, help="write the run log here (rank 0)")
+    return p
+
+
+def model_config(name: str, seq_len: int, vocab: int):
+    """The preset resized to the byte vocabulary and the sequence length; dropout off."""
+    c = PRESETS[name]
+    c = dataclasses.replace(c, vocab_size=vocab, max_positions=max(seq_len, c.max_positions))
+    return dataclasses.replace(c, dropout=0.0) if hasattr(c, "dropout") else c
+
+
+def init_distributed() -> int:
+    if int(os.environ.get("PADDLE_TRAINERS_NUM", "1")) > 1 and not dist.is_initialized():
+        dist.init_parallel_env()
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def train(args):
+    """Run the training; returns (log dict, model, optimizer)."""
+    world = init_distributed()
+    rank = dist.get_rank() if world > 1 else 0
+    strategy = Strategy.from_args(args)
+    k = strategy.gradient_accumulation_steps
+    paddle.seed(args.seed)
+    np.random.seed(args.seed)
+    dataset = ByteTextDataset(args.seq_len)
+    model = build(model_config(args.model, args.seq_len, dataset.vocab_size))
+    opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=model.parameters())
+    if world > 1 or _non_trivial(strategy):
+        model, opt = ap.parallelize(model, opt, strategy=strategy)
+        mesh = model._ap_mesh
+        loss_scale = 1.0                         # the optimizer divides accumulated gradients by k
+    else:
+        mesh, loss_scale = None, 1.0 / k
+    loader = DistributedDataLoader(dataset, args.batch_size, mesh=mesh, num_micro_batches=k, seed=args.seed)
+    batches = loader.batches()
+    steps, memory = [], None
+    bar = _progress(args.steps, rank)
+    for step in bar:
+        t0 = time.perf_counter()
+        total = 0.0
+        for _ in range(k):
+            x, y = next(batches)
+            loss = F.cross_entropy(model(x), y)
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            total += float(loss) / k
+        opt.step()
+        if step == args.steps - 1:
+            memory = memory_bytes(model, opt)
+        opt.clear_grad()
+        dt = time.perf_counter() - t0
+        steps.append({"step": step, "loss": total, "time": dt})
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{total:.4f}")
+    log = {"model": args.model, "world_size": world, "strategy": strategy.to_dict(),
+           "mesh": None if mesh is None else {"shape": mesh.shape, "dim_names": mesh.dim_names,
+                                              "ranks": mesh.mesh.tolist()},
+           "global_batch_size": args.batch_size, "seq_len": args.seq_len, "steps": steps,
+           "memory_per_rank": gather_memory(memory, world)}
+    if args.log_json and rank == 0:
+        with open(args.log_json, "w") as f:
+            json.dump(log, f, indent=1)
+    return log, model, opt
+
+
+def _non_trivial(s: Strategy) -> bool:
+    return (s.data_parallel.degree or 1) > 1 or s.tensor_parallel.degree > 1 or s.pipeline_parallel.degree > 1 \
+        or s.sequence_parallel.enable or s.sharding.enable or s.recompute.enable or s.amp.enable \
+        or s.auto_mode == "full"
+
+
+def _progress(steps: int, rank: int):
+    if rank != 0:
+        return range(steps)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return range(steps)
+    return tqdm(range(steps), desc="train", dynamic_ncols=True)
+
+
+def _nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is not None and id(t) not in seen and t._is_initialized():
+            seen.add(id(t))
+            total += int(t.numel()) * t.element_size()
+    return total
+
+
+def memory_bytes(model, opt) -> dict:
+    """Bytes this rank holds, counted from live local tensors (no allocator statistics on CPU)."""
+    inner = getattr(opt, "_inner", opt)
+    params = list(model.parameters())
+    states = [t for acc in inner._accumulators.values() for t in acc.values()]
+    states += list(getattr(inner, "_master_weights", {}).values())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # Linux reports KiB
+    return {"params": _nbytes(params), "grads": _nbytes([p.grad for p in params]),
+            "optimizer_states": _nbytes(states), "peak_rss": rss}
+
+
+def gather_memory(mine: dict, world: int) -> list:
+    keys = ("params", "grads", "optimizer_states", "peak_rss")
+    if world == 1:
+        return [dict(rank=0, **mine)]
+    local = paddle.to_tensor([mine[k] for k in keys], dtype="int64")
+    parts = []
+    dist.all_gather(parts, local)
+    return [dict(rank=r, **dict(zip(keys, map(int, t.numpy())))) for r, t in enumerate(parts)]
+
+
+def main(default_model: str, argv=None):
+    args = make_parser(default_model).parse_args(argv)
+    log, _, _ = train(args)
+    if log["world_size"] == 1 or dist.get_rank() == 0:
+        last = log["steps"][-1]
+        print(f"{args.model}: {len(log['steps'])} steps, final loss {last['loss']:.4f}, "
+              f"median step {np.median([s['time'] for s in log['steps']]) * 1e3:.0f} ms")
+    return log
