@@ -29,7 +29,7 @@ _EXPORTS = {
     "Strategy": "autoparallel.strategy",
     "shard_layer": "autoparallel.layer", "shard_optimizer": "autoparallel.parallel.optimizer",
     "apply_tp": "autoparallel.parallel.tensor_parallel", "reduce_gradients": "autoparallel.parallel.grads",
-    "local_mode": "autoparallel.local_mode", "set_cluster": "autoparallel.comm.world",
+    "local_mode": "autoparallel.local_mode", "custom_op": "autoparallel.dispatch", "set_cluster": "autoparallel.comm.world",
     "ColWiseParallel": "autoparallel.parallel.tensor_parallel", "RowWiseParallel": "autoparallel.parallel.tensor_parallel",
     "VocabParallelEmbedding": "autoparallel.parallel.tensor_parallel",
     "SequenceParallel": "autoparallel.parallel.tensor_parallel",

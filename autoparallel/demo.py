@@ -86,6 +86,7 @@ def run_once(script, nproc, script_args, timeout, verbose) -> tuple:
         shutil.rmtree(log_dir, ignore_errors=True)
         return 0, False
     if _flake_in(log_dir):
+        shutil.rmtree(log_dir, ignore_errors=True)
         return code or 1, True
     print(f"\nthe job failed (launcher exit code {code}); worker logs are in {log_dir}", file=sys.stderr)
     for rank in failed or range(nproc):

@@ -24,6 +24,7 @@ from spmd_rules.registry import flatten_specs, replace_specs
 from autoparallel import local_ops
 from autoparallel.comm import collectives as C
 from autoparallel.comm.world import current_world
+from autoparallel.graph import trace as trace_state
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist, reshard
 from autoparallel.placement import Replicate
 from autoparallel.spec import DistSpec
@@ -49,6 +50,11 @@ def _any_dist(args, kwargs) -> bool:
     return False
 
 
+def _tracing_tensors(args, kwargs) -> bool:
+    """While tracing, ops on plain tensors (lazy parameters, constants) are recorded too."""
+    return trace_state.active() is not None and bool(flatten_specs(args, kwargs, is_leaf=_is_tensor_leaf))
+
+
 def _is_tensor_leaf(v) -> bool:
     return isinstance(v, (DistTensor, paddle.Tensor))
 
@@ -63,10 +69,13 @@ def run(op: str, path: str, args, kwargs):
     args, kwargs = _map_args(path, tuple(args), dict(kwargs))
     rule = get_spmd_rule(op)
     leaves = _leaves(args, kwargs)
-    mesh = _common_mesh(op, leaves)
-    dists = [_to_dist(v, mesh) for v in leaves]
+    tracer = trace_state.active()
+    mesh = _common_mesh(op, leaves, tracer)
+    dists = [_to_dist(v, mesh, tracer) for v in leaves]
     spec_args, spec_kwargs = replace_specs(args, kwargs, [d.spec for d in dists], is_leaf=_is_tensor_leaf)
     res = rule(*spec_args, **spec_kwargs)
+    if tracer is not None:
+        return _trace(tracer, op, dists, res)
     split = [m for m in res.split_mesh_dims() if mesh.shape[m] > 1]
     ready = [_prepare(v, d, req, split) for v, d, req in zip(leaves, dists, res.inputs)]
     world = current_world()
@@ -77,6 +86,23 @@ def run(op: str, path: str, args, kwargs):
         calls[r] = rule.local_call(res, la, lk, mesh.coords_of(r))
     outs = _execute(op, path, res, mesh, calls)
     return _wrap(res, outs, held)
+
+
+def _trace(tracer, op, dists, res):
+    """Record the op and return spec-only outputs (nothing is computed)."""
+    from reshard import plan_reshard
+
+    from autoparallel.comm.world import planning_cluster
+
+    reshards = [plan_reshard(d.spec.shape, d.spec.dtype, d.spec.mesh, d.spec.placements, req.placements,
+                             cluster=planning_cluster())
+                for d, req in zip(dists, res.inputs) if d.spec != req]
+    outs = [None if s is None else DistTensor({}, s) for s in res.outputs]
+    node = tracer.record(op, dists, res.inputs, res.outputs, reshards)
+    for o in outs:
+        if o is not None:
+            tracer.producer[id(o)] = node
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _map_args(path, args, kwargs):
@@ -95,17 +121,23 @@ def _leaves(args, kwargs) -> list:
     return flatten_specs(args, kwargs, is_leaf=_is_tensor_leaf)
 
 
-def _common_mesh(op, leaves):
+def _common_mesh(op, leaves, tracer=None):
     meshes = {x.mesh if isinstance(x, DistTensor) else x._ap_spec.mesh for x in leaves if is_dist(x)}
+    if not meshes and tracer is not None:
+        return tracer.mesh
     if len(meshes) != 1:
         raise ValueError(f"{op}: every distributed input must live on one mesh; got tensors on "
                          f"{sorted(str(m) for m in meshes)} — reshard them onto one mesh first")
     return next(iter(meshes))
 
 
-def _to_dist(v, mesh) -> DistTensor:
+def _to_dist(v, mesh, tracer=None) -> DistTensor:
     if is_dist(v):
-        return as_dist(v)
+        return as_dist(v) if tracer is None else DistTensor({}, as_dist(v).spec) if not isinstance(v, DistTensor) else v
+    if tracer is not None:                      # spec only: a (possibly lazy, unallocated) parameter or constant
+        spec = tracer.param_specs.get(id(v)) or DistSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)),
+                                                         tuple(v.shape), v.dtype)
+        return DistTensor({}, spec)
     # a plain tensor next to distributed ones: the same value on every rank (replicated)
     spec = DistSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)), tuple(v.shape), v.dtype)
     return DistTensor({r: v for r in current_world().local_ranks(mesh.process_ids)}, spec)
@@ -147,6 +179,8 @@ def _execute(op, path, res, mesh, calls) -> dict:
 def _local_callable(op, path):
     """The path's own paddle callable (operators accept python scalars), or the op's canonical
     functional when the path renames arguments."""
+    if path in _CUSTOM:
+        return _CUSTOM[path]
     how = ARG_MAP.get(path)
     if isinstance(how, dict):
         paths = OP_TABLE.get(op) or (path,)
@@ -190,7 +224,7 @@ def _owner(path):
 
 def _routed(op, path, orig):
     def wrapper(*args, **kwargs):
-        if in_local_mode() or not _any_dist(args, kwargs):
+        if in_local_mode() or not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
             return orig(*args, **kwargs)
         return run(op, path, args, kwargs)
 
@@ -199,6 +233,39 @@ def _routed(op, path, orig):
     wrapper.__doc__ = getattr(orig, "__doc__", None)
     wrapper._ap_routed = op
     return wrapper
+
+
+_CUSTOM: dict = {}        # "custom.<name>" -> the user's local implementation
+
+
+def custom_op(name: str):
+    """Make a python function of paddle ops dispatchable under the spmd rule ``name``::
+
+        @register_spmd_rule("fused_swiglu")
+        def rule(x, gate): ...
+        @ap.custom_op("fused_swiglu")
+        def fused_swiglu(x, gate): return F.silu(gate) * x
+
+    On distributed tensors the rule decides the layouts and the function runs on each rank's shards;
+    on plain tensors it is the function itself."""
+    def deco(fn):
+        path = f"custom.{name}"
+        _CUSTOM[path] = fn
+
+        def wrapper(*args, **kwargs):
+            if in_local_mode() or not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
+                return fn(*args, **kwargs)
+            if not has_spmd_rule(name):
+                raise NotImplementedError(f"custom op {name!r} has no spmd rule; register one with "
+                                          f"spmd_rules.register_spmd_rule({name!r})")
+            return run(name, path, args, kwargs)
+
+        wrapper.__wrapped__ = fn
+        wrapper.__name__ = getattr(fn, "__name__", name)
+        wrapper.__doc__ = fn.__doc__
+        return wrapper
+
+    return deco
 
 
 def _guarded(name, orig):

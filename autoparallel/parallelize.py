@@ -7,9 +7,9 @@ It reads as a flat sequence of apply steps (torchtitan style), each a small func
 
     degrees = validate(strategy, world size, model)      # ValueError before any process work
     check_supported(strategy)                            # NotImplementedError for knobs not built yet
-    mesh    = build_mesh(degrees)                        # [data, model]; the model dim varies fastest
     plan    = resolve_tp_plan(model, degrees.tp, tp_plan) # defaults by layer names, user entries win
     plan    = apply_sp(model, plan)                       # sequence-parallel flags + norms on sequence shards
+    mesh    = build_mesh(degrees)                        # [data, model]; the model dim varies fastest
     apply_tp(model, mesh, plan); replicate_remaining(model, mesh)
     shard_inputs(model, mesh)                             # batch dim of model inputs over the data dims
     opt     = wrap_optimizer(opt, model, accumulation steps)
@@ -72,10 +72,10 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
         raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
     degrees = strategy.validate(world_size=_world_size(), model_info=model_info(model))
     check_supported(strategy)
-    mesh = build_mesh(degrees.dp, degrees.tp) if mesh is None else check_mesh(mesh, degrees.dp, degrees.tp)
     plan = resolve_tp_plan(model, degrees.tp, tp_plan)
     if strategy.sequence_parallel.enable:
         plan = apply_sp(model, plan)
+    mesh = build_mesh(degrees.dp, degrees.tp) if mesh is None else check_mesh(mesh, degrees.dp, degrees.tp)
     original = dict(model.named_parameters())
     apply_tp(model, mesh, plan, tp_dim=MODEL)
     replicate_remaining(model, mesh)

@@ -14,7 +14,7 @@ def write_rank_file(directory: str, rank: int, items: list, block_bytes: int = B
     """Write ``items`` = [(name, offsets, array)] to ``directory/data-r<rank>.bin``, fsync it.
 
     Returns (entries, file_info): entries[name] lists shard records (file, byte offset, box, block crcs);
-    file_info is {"size", "crc32"} of the whole file.
+    file_info is {"name", "size", "crc32"} of the whole file.
     """
     fname = data_file_name(rank)
     path = os.path.join(directory, fname)
@@ -47,4 +47,4 @@ def write_rank_file(directory: str, rank: int, items: list, block_bytes: int = B
         f.flush()
         fault_point("shard_before_fsync", rank)
         os.fsync(f.fileno())
-    return entries, {"size": pos, "crc32": file_crc}
+    return entries, {"name": fname, "size": pos, "crc32": file_crc}

@@ -1,0 +1,76 @@
+"""Sort the leaves of a state into tensor records, JSON values and the shards each rank writes."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from autoparallel.checkpoint.layout import owned_boxes
+
+
+def mesh_json(mesh) -> dict:
+    return {"shape": mesh.shape, "process_ids": mesh.process_ids, "dim_names": mesh.dim_names}
+
+
+def json_value(name: str, value):
+    """``value`` if JSON can store it (numpy scalars become Python scalars), else TypeError naming it."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"state entry {name!r}: a {type(value).__name__} is neither a tensor, a numpy array nor a "
+                        f"JSON value (int, float, str, bool, None, list, dict) ({e})") from None
+    return value
+
+
+def to_numpy(t) -> np.ndarray:
+    """A contiguous host copy of a paddle tensor (bfloat16 as its uint16 bit pattern)."""
+    return np.ascontiguousarray(t.numpy())
+
+
+def collect(flat: dict, rank: int, multi: bool) -> tuple:
+    """(tensors, values, writes): metadata records without shards, JSON values, {rank: [(name, offsets, array)]}.
+
+    ``multi``: a real multi-process job, where this process holds only ``rank``'s shards and only rank 0
+    writes plain tensors and arrays. In one process every held shard is written by its owner's file.
+    """
+    import paddle
+
+    from autoparallel.dist_tensor import DistTensor, as_dist, is_dist, reshard
+    from autoparallel.placement import Partial, Replicate
+    from autoparallel.spec import normalize_dtype
+
+    tensors, values, writes = {}, {}, {}
+    for name, (_, _, leaf) in flat.items():
+        if isinstance(leaf, DistTensor) or is_dist(leaf):
+            dt = as_dist(leaf)
+            if any(isinstance(p, Partial) for p in dt.spec.placements):
+                # pending reductions are applied before saving: the file holds the value, not the terms
+                dt = reshard(dt, dt.mesh, [Replicate() if isinstance(p, Partial) else p for p in dt.spec.placements])
+            spec = dt.spec
+            tensors[name] = {"kind": "dist", "dtype": spec.dtype, "shape": list(spec.shape),
+                             "mesh": mesh_json(spec.mesh), "placements": [str(p) for p in spec.placements]}
+            held = dt.locals
+            for owner, offsets, shape in owned_boxes(spec):
+                if owner not in held:
+                    continue
+                array = to_numpy(held[owner])
+                if tuple(array.shape) != tuple(shape):
+                    raise ValueError(f"state entry {name!r}: rank {owner}'s local shard has shape "
+                                     f"{list(array.shape)}, its spec {spec} expects {list(shape)}")
+                writes.setdefault(owner, []).append((name, offsets, array))
+        elif isinstance(leaf, (paddle.Tensor, np.ndarray)):
+            kind = "tensor" if isinstance(leaf, paddle.Tensor) else "ndarray"
+            try:
+                dtype = normalize_dtype(leaf.dtype)
+            except ValueError as e:
+                raise TypeError(f"state entry {name!r}: {e}") from None
+            array = to_numpy(leaf) if kind == "tensor" else np.ascontiguousarray(leaf)
+            tensors[name] = {"kind": kind, "dtype": dtype, "shape": list(array.shape), "mesh": None,
+                             "placements": None}
+            if not multi or rank == 0:
+                writes.setdefault(0, []).append((name, (0,) * array.ndim, array))
+        else:
+            values[name] = json_value(name, leaf)
+    return tensors, values, writes

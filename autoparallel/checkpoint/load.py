@@ -1,0 +1,182 @@
+"""``load_state_dict`` (into any layout, reading only the needed bytes) and ``load_merged_state_dict``.
+
+Loading never communicates: each process reads, for every shard it holds in the target layout, the parts
+of the saved shards that overlap it (saved and target layouts, meshes and world sizes are independent).
+Everything is validated and read before any tensor is touched, so a failed load changes nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autoparallel.checkpoint.discovery import resolve_checkpoint
+from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from autoparallel.checkpoint.flatten import flatten, unflatten
+from autoparallel.checkpoint.format import read_metadata, storage_dtype
+from autoparallel.checkpoint.layout import intersect, local_box, numel, relative_slices
+from autoparallel.checkpoint.reader import ShardReader
+
+
+@dataclass
+class CheckpointInfo:
+    path: str                 # the checkpoint directory that was loaded
+    step: object              # the step given to save_state_dict (None if none)
+    extra: object             # the extra given to save_state_dict
+    bytes_read: int = 0       # data bytes this process read
+    names: list = field(default_factory=list)   # loaded entries
+
+
+@dataclass
+class _Target:
+    kind: str                 # "tensor" (dist, plain paddle) | "ndarray" | "value"
+    shape: tuple = ()
+    dtype: str = ""
+    boxes: list = field(default_factory=list)    # [(destination, offsets, shape, zero)]
+
+
+def load_state_dict(state: dict, path: str, *, strict: bool = True) -> CheckpointInfo:
+    """Fill ``state`` in place from the checkpoint at ``path`` (a checkpoint, or a directory of them: the
+    newest complete one is used).
+
+    DistTensor / DistParameter entries get the shards their own layout needs, plain tensors ``set_value``,
+    numpy arrays are overwritten, JSON values replaced. ``strict``: the checkpoint may not hold entries the
+    state lacks. Raises FileNotFoundError, CheckpointMismatchError (names, kinds, shapes, dtypes) or
+    CheckpointCorruptError (a missing, truncated or modified file) with nothing overwritten.
+    """
+    ckpt = resolve_checkpoint(path)
+    meta = read_metadata(ckpt)
+    flat = flatten(state)
+    targets = {name: _describe(name, leaf) for name, (_, _, leaf) in flat.items()}
+    _validate(targets, meta, strict)
+    loaded = {}
+    with ShardReader(ckpt, meta["files"]) as reader:
+        for name, t in targets.items():
+            if t.kind != "value":
+                for shard in meta["tensors"][name]["shards"]:
+                    reader.check_file(shard["file"])
+        for name, t in targets.items():
+            if t.kind == "value":
+                continue
+            rec = meta["tensors"][name]
+            loaded[name] = [(dest, _fill(reader, ckpt, name, rec, off, shape, zero))
+                            for dest, off, shape, zero in t.boxes]
+        bytes_read = reader.bytes_read
+    _assign(flat, targets, loaded, meta)
+    return CheckpointInfo(ckpt, meta.get("step"), meta.get("extra"), bytes_read, list(targets))
+
+
+def load_merged_state_dict(path: str, *, flat: bool = False) -> dict:
+    """The whole checkpoint in this process: full numpy arrays (bfloat16 as uint16 bit patterns) and JSON
+    values, nested like the saved state (or ``{"a/b": value}`` with ``flat=True``)."""
+    ckpt = resolve_checkpoint(path)
+    meta = read_metadata(ckpt)
+    out = {}
+    with ShardReader(ckpt, meta["files"]) as reader:
+        for name, rec in meta["tensors"].items():
+            shape = tuple(rec["shape"])
+            out[name] = _fill(reader, ckpt, name, rec, (0,) * len(shape), shape, False)
+    out.update(meta["values"])
+    ordered = {n: out[n] for n in list(meta["tensors"]) + list(meta["values"])}
+    return ordered if flat else unflatten(ordered)
+
+
+def read_checkpoint_info(path: str) -> CheckpointInfo:
+    """Step, extra and path of a checkpoint (or the newest complete one under ``path``) without loading."""
+    ckpt = resolve_checkpoint(path)
+    meta = read_metadata(ckpt)
+    return CheckpointInfo(ckpt, meta.get("step"), meta.get("extra"), 0, list(meta["tensors"]) + list(meta["values"]))
+
+
+# ---- target description ------------------------------------------------------------------------------
+def _describe(name: str, leaf) -> _Target:
+    import paddle
+
+    from autoparallel.dist_tensor import DistTensor, as_dist, is_dist
+    from autoparallel.placement import Partial
+    from autoparallel.spec import normalize_dtype
+
+    if isinstance(leaf, DistTensor) or is_dist(leaf):
+        dt = as_dist(leaf)
+        spec = dt.spec
+        boxes = []
+        for rank, local in sorted(dt.locals.items()):
+            off, shape = local_box(spec, rank)
+            coords = spec.mesh.coords_of(rank)
+            zero = any(isinstance(p, Partial) and p.reduce_type == "sum" and coords[i] != 0
+                       for i, p in enumerate(spec.placements))
+            boxes.append((local, off, shape, zero))
+        return _Target("tensor", tuple(spec.shape), spec.dtype, boxes)
+    if isinstance(leaf, paddle.Tensor):
+        shape = tuple(leaf.shape)
+        return _Target("tensor", shape, normalize_dtype(leaf.dtype), [(leaf, (0,) * len(shape), shape, False)])
+    if isinstance(leaf, np.ndarray):
+        try:
+            dtype = normalize_dtype(leaf.dtype)
+        except ValueError as e:
+            raise TypeError(f"state entry {name!r}: {e}") from None
+        return _Target("ndarray", leaf.shape, dtype, [(leaf, (0,) * leaf.ndim, leaf.shape, False)])
+    return _Target("value")
+
+
+def _validate(targets: dict, meta: dict, strict: bool) -> None:
+    saved_t, saved_v = meta["tensors"], meta["values"]
+    problems = []
+    missing = [n for n in targets if n not in saved_t and n not in saved_v]
+    if missing:
+        problems.append(f"missing from the checkpoint: {missing}")
+    if strict:
+        unexpected = [n for n in list(saved_t) + list(saved_v) if n not in targets]
+        if unexpected:
+            problems.append(f"in the checkpoint but not in the state (strict=True): {unexpected}")
+    for name, t in targets.items():
+        if name in saved_v and t.kind != "value":
+            problems.append(f"{name!r}: the state has a tensor of shape {list(t.shape)}, the checkpoint a value")
+        elif name in saved_t and t.kind == "value":
+            problems.append(f"{name!r}: the state has a value, the checkpoint a tensor of shape "
+                            f"{saved_t[name]['shape']}")
+        elif name in saved_t:
+            rec = saved_t[name]
+            if tuple(rec["shape"]) != tuple(t.shape):
+                problems.append(f"{name!r}: shape {list(t.shape)} in the state, {rec['shape']} in the checkpoint")
+            if rec["dtype"] != t.dtype:
+                problems.append(f"{name!r}: dtype {t.dtype} in the state, {rec['dtype']} in the checkpoint")
+    if problems:
+        raise CheckpointMismatchError(f"checkpoint {meta.get('nonce')!r} (step {meta.get('step')}) does not match "
+                                      f"the state; nothing was loaded:\n  " + "\n  ".join(problems))
+
+
+# ---- reading and assigning ------------------------------------------------------------------------------
+def _fill(reader: ShardReader, ckpt: str, name: str, rec: dict, off, shape, zero: bool) -> np.ndarray:
+    """The box (``off``, ``shape``) of saved tensor ``name`` assembled from the shards overlapping it."""
+    dtype = storage_dtype(rec["dtype"])
+    out = np.zeros(shape, dtype)
+    if zero or numel(shape) == 0:
+        return out
+    covered = 0
+    for shard in rec["shards"]:
+        common = intersect(off, shape, shard["offsets"], shard["shape"])
+        if common is None:
+            continue
+        c_off, c_shape = common
+        out[relative_slices(c_off, c_shape, off)] = reader.read_box(shard, dtype, c_off, c_shape)
+        covered += numel(c_shape)
+    if covered != numel(shape):
+        raise CheckpointCorruptError(f"{ckpt}: the shards of {name!r} cover {covered} of the {numel(shape)} "
+                                     f"elements of box offsets {list(off)} shape {list(shape)}")
+    return out
+
+
+def _assign(flat: dict, targets: dict, loaded: dict, meta: dict) -> None:
+    import paddle
+
+    with paddle.no_grad():
+        for name, t in targets.items():
+            container, key, leaf = flat[name]
+            if t.kind == "value":
+                container[key] = meta["values"][name]
+            elif t.kind == "ndarray":
+                leaf[...] = loaded[name][0][1]
+            else:
+                for dest, array in loaded[name]:
+                    dest.set_value(array)

@@ -1,0 +1,132 @@
+"""CheckpointManager: periodic saves under one root, ``keep_last`` pruning, resume from the newest complete.
+
+```
+<dir>/step-00000100/        complete checkpoints (save_state_dict output)
+<dir>/step-00000200.tmp-…   a save in progress, or interrupted (removed by the next successful save)
+<dir>/latest                "step-00000200": written atomically after each commit, for people and tools
+```
+
+Resume never trusts ``latest``: it loads the highest-step complete directory (discovery.py), which is the
+same unless a crash fell between a commit and the pointer update.
+
+Preemption: ``install_sigterm_handler()`` turns SIGTERM into a request; the training loop calls
+``should_stop()`` at a step boundary (all ranks agree through one small all_reduce in a real job) and then
+``save(state, step)`` a final time before exiting.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+from autoparallel.checkpoint import sync
+from autoparallel.checkpoint.atomic import is_temp_name, write_file_atomic
+from autoparallel.checkpoint.discovery import complete_checkpoints, newest_complete, step_dir_name
+from autoparallel.checkpoint.load import CheckpointInfo, load_state_dict
+from autoparallel.checkpoint.save import save_state_dict
+
+LATEST = "latest"
+
+
+class CheckpointManager:
+    def __init__(self, dir: str = "checkpoints", save_interval_steps: int = 100, keep_last=None,
+                 enable: bool = True):
+        if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
+        if not isinstance(dir, (str, os.PathLike)):
+            raise TypeError(f"dir must be a path, got {type(dir).__name__}")
+        self.dir = os.path.abspath(os.fspath(dir))
+        self.save_interval_steps = save_interval_steps
+        self.keep_last = keep_last
+        self.enable = bool(enable)
+        self._stop_requested = False
+        self._previous_handler = None
+
+    @classmethod
+    def from_strategy(cls, strategy) -> "CheckpointManager":
+        """From ``strategy.checkpoint`` (enable, save_interval_steps, dir, keep_last)."""
+        c = strategy.checkpoint
+        return cls(c.dir, c.save_interval_steps, c.keep_last, c.enable)
+
+    # ---- saving -------------------------------------------------------------------------------------
+    def path_for(self, step: int) -> str:
+        return os.path.join(self.dir, step_dir_name(step))
+
+    def should_save(self, step: int) -> bool:
+        return self.enable and step > 0 and step % self.save_interval_steps == 0
+
+    def maybe_save(self, state: dict, step: int, extra=None):
+        """Save when ``step`` is a multiple of ``save_interval_steps`` (and enabled); returns the path or None."""
+        return self.save(state, step, extra) if self.should_save(step) else None
+
+    def save(self, state: dict, step: int, extra=None) -> str:
+        """Save now as ``step`` (replacing an existing checkpoint of that step), update ``latest``, prune."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        os.makedirs(self.dir, exist_ok=True)
+        path = save_state_dict(state, self.path_for(step), step=step, extra=extra, overwrite=True)
+        _, rank, _ = sync.job()
+        if rank == 0:
+            write_file_atomic(os.path.join(self.dir, LATEST), (os.path.basename(path) + "\n").encode())
+            self._prune(keep=path)
+        return path
+
+    def _prune(self, keep: str) -> None:
+        for name in os.listdir(self.dir):
+            if is_temp_name(name):
+                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+        if self.keep_last is None:
+            return
+        done = complete_checkpoints(self.dir)
+        for _, path in done[:max(0, len(done) - self.keep_last)]:
+            if path != keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ---- resuming -----------------------------------------------------------------------------------
+    def latest(self):
+        """The newest complete checkpoint under ``dir`` (None if there is none)."""
+        return newest_complete(self.dir)
+
+    def steps(self) -> list:
+        return [s for s, _ in complete_checkpoints(self.dir)]
+
+    def restore(self, state: dict, strict: bool = True):
+        """Load the newest complete checkpoint into ``state``; CheckpointInfo, or None if there is none."""
+        path = self.latest()
+        if path is None:
+            return None
+        return load_state_dict(state, path, strict=strict)
+
+    # ---- preemption ---------------------------------------------------------------------------------
+    def install_sigterm_handler(self) -> None:
+        """SIGTERM sets a stop request (main thread only); the previous handler is restored by
+        ``uninstall_sigterm_handler``."""
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def uninstall_sigterm_handler(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._stop_requested = True
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+
+    def should_stop(self) -> bool:
+        """True on every rank when any rank was asked to stop (one all_reduce(max) in a real job)."""
+        multi, _, _ = sync.job()
+        if not multi:
+            return self._stop_requested
+        import paddle
+        import paddle.distributed as dist
+
+        flag = paddle.to_tensor([1 if self._stop_requested else 0], dtype="int32")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(int(flag.numpy()[0]))
+
+
+__all__ = ["CheckpointManager", "CheckpointInfo"]

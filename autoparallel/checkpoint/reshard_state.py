@@ -1,0 +1,74 @@
+"""Move a whole training state from one layout to another through a checkpoint round-trip.
+
+``reshard_state(state_from, state_to)`` saves ``state_from`` to a scratch checkpoint (in /dev/shm when it
+exists, so the round-trip stays in memory) and loads it into ``state_to``, whose tensors may live on other
+meshes, placements or a different part of the world. ``reconfigure`` applies it to a model and optimizer
+rebuilt under a new strategy. In a multi-node job pass a ``tmp_dir`` every rank sees.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from autoparallel.checkpoint import sync
+from autoparallel.checkpoint.atomic import new_nonce, write_file_atomic
+from autoparallel.checkpoint.load import load_state_dict
+from autoparallel.checkpoint.save import save_state_dict
+
+
+def _scratch_root(tmp_dir) -> str:
+    if tmp_dir is not None:
+        return os.fspath(tmp_dir)
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        return shm
+    return tempfile.gettempdir()
+
+
+def reshard_state(state_from: dict, state_to: dict, *, tmp_dir=None, strict: bool = True) -> None:
+    """Fill ``state_to`` (same names and global shapes, any layouts) with the values of ``state_from``."""
+    multi, rank, world_size = sync.job()
+    token = sync.broadcast_token(new_nonce())
+    root = os.path.join(_scratch_root(tmp_dir), f"ap-reshard-{token}")
+    path = os.path.join(root, "state")
+    os.makedirs(root, exist_ok=True)
+    try:
+        save_state_dict(state_from, path)
+        load_state_dict(state_to, path, strict=strict)
+    finally:
+        _remove_when_all_done(root, multi, rank, world_size)
+
+
+def _remove_when_all_done(root: str, multi: bool, rank: int, world_size: int) -> None:
+    """Rank 0 removes the scratch checkpoint once every rank has finished loading (file rendezvous)."""
+    if not multi:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    write_file_atomic(os.path.join(root, f"loaded-{rank:05d}"), b"")
+    if rank != 0:
+        return
+    done = [os.path.join(root, f"loaded-{r:05d}") for r in range(world_size)]
+    try:
+        sync.wait_until(lambda: all(os.path.exists(d) for d in done), sync.save_timeout(),
+                        lambda: f"reshard_state: ranks {[r for r, d in enumerate(done) if not os.path.exists(d)]} "
+                                f"did not finish loading {root}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def reconfigure(model, optimizer, new_strategy, *, build, state_fn=None, tmp_dir=None):
+    """Rebuild ``model`` and ``optimizer`` under ``new_strategy`` keeping every trained value.
+
+    ``build(new_strategy) -> (new_model, new_optimizer)`` constructs them in the new layout (e.g. with
+    ``ap.parallelize`` on a freshly built model); ``state_fn(model, optimizer) -> dict`` names their state
+    the same way under both layouts (default: ``training_state``). Returns ``(new_model, new_optimizer)``.
+    """
+    from autoparallel.checkpoint.state import training_state
+
+    if not callable(build):
+        raise TypeError(f"build must be a callable new_strategy -> (model, optimizer), got {type(build).__name__}")
+    state_fn = state_fn or training_state
+    new_model, new_optimizer = build(new_strategy)
+    reshard_state(state_fn(model, optimizer), state_fn(new_model, new_optimizer), tmp_dir=tmp_dir)
+    return new_model, new_optimizer

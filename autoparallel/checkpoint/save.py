@@ -1,0 +1,127 @@
+"""``save_state_dict``: every rank writes the shards it owns, rank 0 writes the metadata, then commits.
+
+Replicas are written once (the owner has coordinate 0 on every Replicate mesh dim, see layout.py).
+Partial tensors are reduced first (one collective per Partial tensor, before any file is written), so a
+checkpoint stores values, never pending terms, and loads under any layout. Plain paddle tensors and numpy
+arrays are taken to be identical on every rank and written by rank 0; JSON values and ``extra`` go into
+the metadata. The rendezvous of a real job is described in sync.py; in one process (a single rank or the
+simulated world) the process writes every rank's file itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from autoparallel.checkpoint import sync
+from autoparallel.checkpoint.atomic import (fault_point, new_nonce, publish_dir, temp_dir_for,
+                                            write_file_atomic)
+from autoparallel.checkpoint.collect import collect, json_value
+from autoparallel.checkpoint.errors import CheckpointSaveError
+from autoparallel.checkpoint.flatten import flatten
+from autoparallel.checkpoint.format import BLOCK_BYTES, FORMAT, METADATA, VERSION, encode_metadata
+from autoparallel.checkpoint.writer import write_rank_file
+
+FAILED = "FAILED"
+
+
+def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite: bool = False) -> str:
+    """Save a (nested) dict of DistTensor / DistParameter / paddle.Tensor / numpy / JSON values to ``path``.
+
+    Every rank of a job must call it with the same structure. ``step`` and ``extra`` (JSON: data-loader
+    position, strategy dict, ...) are stored in the metadata and returned by ``load_state_dict``. ``path``
+    appears only when the checkpoint is complete; an existing ``path`` needs ``overwrite=True``.
+    Returns the absolute path of the checkpoint.
+    """
+    from autoparallel import watchdog
+
+    flat = flatten(state)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
+    extra = json_value("extra", extra)
+    multi, rank, world_size = sync.job()
+    final = os.path.abspath(path)
+    if os.path.lexists(final) and not overwrite:
+        raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
+    tensors, values, writes = collect(flat, rank, multi)
+    nonce = sync.broadcast_token(new_nonce())
+    tmp = temp_dir_for(final, nonce)
+    os.makedirs(tmp, exist_ok=True)
+    meta = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "nonce": nonce,
+            "world_size": world_size, "created": time.time(), "block_bytes": BLOCK_BYTES,
+            "tensors": tensors, "values": values, "files": {}}
+    with watchdog.long_wait("checkpoint write"):
+        if not multi:
+            for r in sorted(writes):
+                _merge(meta, *write_rank_file(tmp, r, writes[r]))
+            _commit(meta, tmp, final, overwrite)
+        else:
+            _save_multi(meta, tmp, final, overwrite, rank, world_size, writes.get(rank, []))
+    return final
+
+
+def _merge(meta: dict, entries: dict, file_info) -> None:
+    for name, shards in entries.items():
+        meta["tensors"][name].setdefault("shards", []).extend(shards)
+    if file_info is not None:
+        meta["files"][file_info["name"]] = {"size": file_info["size"], "crc32": file_info["crc32"]}
+
+
+def _commit(meta: dict, tmp: str, final: str, overwrite: bool) -> None:
+    for name, rec in meta["tensors"].items():
+        rec.setdefault("shards", [])
+    write_file_atomic(os.path.join(tmp, METADATA), encode_metadata(meta),
+                      before_rename=lambda: fault_point("before_metadata_rename"))
+    fault_point("after_metadata_rename")
+    publish_dir(tmp, final, overwrite)
+    fault_point("after_dir_rename")
+
+
+def _marker(tmp: str, rank: int) -> str:
+    return os.path.join(tmp, f"rank-{rank:05d}.json")
+
+
+def _save_multi(meta, tmp, final, overwrite, rank, world_size, items) -> None:
+    entries, info = write_rank_file(tmp, rank, items) if items else ({}, None)
+    write_file_atomic(_marker(tmp, rank), json.dumps({"entries": entries, "file": info}).encode())
+    timeout = sync.save_timeout()
+    if rank == 0:
+        markers = [_marker(tmp, r) for r in range(world_size)]
+        try:
+            sync.wait_until(lambda: all(os.path.exists(m) for m in markers), timeout,
+                            lambda: f"checkpoint {final}: ranks "
+                                    f"{[r for r, m in enumerate(markers) if not os.path.exists(m)]} did not finish "
+                                    f"writing within {timeout:.0f} s (AP_CKPT_TIMEOUT)")
+            for m in markers:
+                with open(m) as f:
+                    part = json.load(f)
+                _merge(meta, part["entries"], part["file"])
+            for m in markers:
+                os.remove(m)
+            _commit(meta, tmp, final, overwrite)
+        except BaseException as e:
+            if os.path.isdir(tmp):
+                write_file_atomic(os.path.join(tmp, FAILED), f"{type(e).__name__}: {e}".encode())
+            if isinstance(e, TimeoutError):
+                raise CheckpointSaveError(str(e)) from None
+            raise
+        return
+    metadata = os.path.join(final, METADATA)
+    failed = os.path.join(tmp, FAILED)
+
+    def committed() -> bool:
+        if os.path.exists(failed):
+            return True
+        if not os.path.exists(metadata):
+            return False
+        try:
+            with open(metadata) as f:
+                return json.load(f).get("nonce") == meta["nonce"]
+        except (OSError, ValueError):
+            return False
+
+    sync.wait_until(committed, timeout, lambda: f"checkpoint {final}: rank 0 did not commit within "
+                                                f"{timeout:.0f} s (AP_CKPT_TIMEOUT)")
+    if os.path.exists(failed):
+        with open(failed) as f:
+            raise CheckpointSaveError(f"checkpoint {final}: rank 0 could not commit: {f.read()}")

@@ -1,0 +1,66 @@
+"""Stable names for a model's and a paddle optimizer's state, the same under every layout and restart.
+
+paddle names parameters and optimizer accumulators with a process-wide counter ("linear_3.w_0_moment1_0"),
+which changes with construction order. ``training_state`` names them by the model's structured parameter
+names instead:
+
+```
+{"model":     {"fc1.weight": <param>, ...},
+ "optimizer": {"fc1.weight": {"moment1": <tensor>, "beta1_pow_acc": <tensor>, ...}, ...}}
+```
+
+Accumulators shaped like a DistParameter's local shard are given that parameter's layout (so they reshard
+with it); other accumulators (scalars such as beta powers) are plain tensors. Accumulators are created if
+the optimizer has not stepped yet, so a fresh optimizer can be loaded into. This covers paddle optimizers
+whose state lives in ``_accumulators`` / ``_master_weights`` on the rank this process runs; an optimizer
+runtime that shards its state differently (ZeRO) supplies its own state function.
+"""
+from __future__ import annotations
+
+
+def model_state(model) -> dict:
+    """{structured name: parameter} of a paddle Layer (DistParameters keep their layout)."""
+    return {name: p for name, p in model.named_parameters()}
+
+
+def optimizer_state(optimizer, model) -> dict:
+    """{structured parameter name: {accumulator name: tensor}} of a paddle optimizer over ``model``."""
+    from paddle.base import framework
+
+    from autoparallel.dist_tensor import DistTensor, is_dist
+    from autoparallel.spec import DistSpec, normalize_dtype
+
+    by_id = {p.name: (name, p) for name, p in model.named_parameters()}
+    trainable = [p for _, p in by_id.values() if not p.stop_gradient]
+    missing = [p for p in trainable if p.name not in getattr(optimizer, "_already_create_accumulator", set())]
+    if missing:
+        optimizer._create_accumulators(framework.default_main_program().global_block(), missing)
+    out: dict = {}
+
+    def wrap(param, tensor):
+        if is_dist(param) and list(tensor.shape) == list(param.shape):
+            spec = param.spec
+            spec = DistSpec(spec.mesh, spec.placements, spec.shape, normalize_dtype(tensor.dtype))
+            rank = min(r for r, t in param.locals.items() if t is param)
+            return DistTensor({rank: tensor}, spec)
+        return tensor
+
+    for acc_name, per_param in getattr(optimizer, "_accumulators", {}).items():
+        for pname, tensor in per_param.items():
+            if pname not in by_id:
+                continue
+            name, param = by_id[pname]
+            out.setdefault(name, {})[acc_name] = wrap(param, tensor)
+    for pname, tensor in getattr(optimizer, "_master_weights", {}).items():
+        if pname in by_id:
+            name, param = by_id[pname]
+            out.setdefault(name, {})["master_weight"] = wrap(param, tensor)
+    return out
+
+
+def training_state(model, optimizer=None) -> dict:
+    """The state ``save_state_dict`` / ``load_state_dict`` / ``reshard_state`` move for a training run."""
+    state = {"model": model_state(model)}
+    if optimizer is not None:
+        state["optimizer"] = optimizer_state(optimizer, model)
+    return state

@@ -1,0 +1,1 @@
+"""Graph capture: tracing a model's forward into a networkx op graph (spec-only, nothing computed)."""
