@@ -25,8 +25,11 @@ def json_value(name: str, value):
 
 
 def to_numpy(t) -> np.ndarray:
-    """A contiguous host copy of a paddle tensor (bfloat16 as its uint16 bit pattern)."""
-    return np.ascontiguousarray(t.numpy())
+    """A contiguous host copy of a paddle tensor or local shard (bfloat16 as its uint16 bit pattern)."""
+    from autoparallel.local_mode import local_mode
+
+    with local_mode():
+        return np.require(t.numpy(), requirements="C")
 
 
 def collect(flat: dict, rank: int, multi: bool) -> tuple:
@@ -66,7 +69,7 @@ def collect(flat: dict, rank: int, multi: bool) -> tuple:
                 dtype = normalize_dtype(leaf.dtype)
             except ValueError as e:
                 raise TypeError(f"state entry {name!r}: {e}") from None
-            array = to_numpy(leaf) if kind == "tensor" else np.ascontiguousarray(leaf)
+            array = to_numpy(leaf) if kind == "tensor" else np.require(leaf, requirements="C")
             tensors[name] = {"kind": kind, "dtype": dtype, "shape": list(array.shape), "mesh": None,
                              "placements": None}
             if not multi or rank == 0:

@@ -170,7 +170,9 @@ def _fill(reader: ShardReader, ckpt: str, name: str, rec: dict, off, shape, zero
 def _assign(flat: dict, targets: dict, loaded: dict, meta: dict) -> None:
     import paddle
 
-    with paddle.no_grad():
+    from autoparallel.local_mode import local_mode
+
+    with paddle.no_grad(), local_mode():
         for name, t in targets.items():
             container, key, leaf = flat[name]
             if t.kind == "value":
@@ -179,4 +181,15 @@ def _assign(flat: dict, targets: dict, loaded: dict, meta: dict) -> None:
                 leaf[...] = loaded[name][0][1]
             else:
                 for dest, array in loaded[name]:
-                    dest.set_value(array)
+                    _write_into(dest, array)
+
+
+def _write_into(dest, array: np.ndarray) -> None:
+    """Copy ``array`` into ``dest`` in place, honouring its strides: a shard made by slicing can be a
+    strided view, where ``set_value`` would write contiguous bytes over its neighbours."""
+    import paddle
+
+    src = paddle.to_tensor(array)
+    if array.dtype == np.uint16 and str(dest.dtype).endswith("bfloat16"):
+        src = src.view(paddle.bfloat16)
+    paddle.assign(src, output=dest)

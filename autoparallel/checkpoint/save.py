@@ -25,13 +25,15 @@ from autoparallel.checkpoint.writer import write_rank_file
 FAILED = "FAILED"
 
 
-def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite: bool = False) -> str:
+def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite: bool = False,
+                    block_bytes: int = BLOCK_BYTES) -> str:
     """Save a (nested) dict of DistTensor / DistParameter / paddle.Tensor / numpy / JSON values to ``path``.
 
     Every rank of a job must call it with the same structure. ``step`` and ``extra`` (JSON: data-loader
     position, strategy dict, ...) are stored in the metadata and returned by ``load_state_dict``. ``path``
     appears only when the checkpoint is complete; an existing ``path`` needs ``overwrite=True``.
-    Returns the absolute path of the checkpoint.
+    ``block_bytes``: checksum granularity (a partial read verifies whole blocks). Returns the absolute
+    path of the checkpoint.
     """
     from autoparallel import watchdog
 
@@ -39,6 +41,8 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
     extra = json_value("extra", extra)
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 64 or block_bytes % 64:
+        raise ValueError(f"block_bytes must be a positive multiple of 64, got {block_bytes!r}")
     multi, rank, world_size = sync.job()
     final = os.path.abspath(path)
     if os.path.lexists(final) and not overwrite:
@@ -48,15 +52,15 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     tmp = temp_dir_for(final, nonce)
     os.makedirs(tmp, exist_ok=True)
     meta = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "nonce": nonce,
-            "world_size": world_size, "created": time.time(), "block_bytes": BLOCK_BYTES,
+            "world_size": world_size, "created": time.time(),
             "tensors": tensors, "values": values, "files": {}}
     with watchdog.long_wait("checkpoint write"):
         if not multi:
             for r in sorted(writes):
-                _merge(meta, *write_rank_file(tmp, r, writes[r]))
+                _merge(meta, *write_rank_file(tmp, r, writes[r], block_bytes))
             _commit(meta, tmp, final, overwrite)
         else:
-            _save_multi(meta, tmp, final, overwrite, rank, world_size, writes.get(rank, []))
+            _save_multi(meta, tmp, final, overwrite, rank, world_size, writes.get(rank, []), block_bytes)
     return final
 
 
@@ -81,8 +85,8 @@ def _marker(tmp: str, rank: int) -> str:
     return os.path.join(tmp, f"rank-{rank:05d}.json")
 
 
-def _save_multi(meta, tmp, final, overwrite, rank, world_size, items) -> None:
-    entries, info = write_rank_file(tmp, rank, items) if items else ({}, None)
+def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_bytes) -> None:
+    entries, info = write_rank_file(tmp, rank, items, block_bytes) if items else ({}, None)
     write_file_atomic(_marker(tmp, rank), json.dumps({"entries": entries, "file": info}).encode())
     timeout = sync.save_timeout()
     if rank == 0:

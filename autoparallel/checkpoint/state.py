@@ -39,6 +39,10 @@ def optimizer_state(optimizer, model) -> dict:
 
     def wrap(param, tensor):
         if is_dist(param) and list(tensor.shape) == list(param.shape):
+            if len(param.locals) > 1:
+                raise ValueError(f"parameter {by_id[param.name][0]!r} holds {len(param.locals)} ranks' shards in "
+                                 f"this process (the simulated world) but its optimizer keeps one accumulator: "
+                                 f"pass a state_fn that names every rank's optimizer state")
             spec = param.spec
             spec = DistSpec(spec.mesh, spec.placements, spec.shape, normalize_dtype(tensor.dtype))
             rank = min(r for r, t in param.locals.items() if t is param)

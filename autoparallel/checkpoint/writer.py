@@ -23,7 +23,7 @@ def write_rank_file(directory: str, rank: int, items: list, block_bytes: int = B
     file_crc = 0
     with open(path, "wb") as f:
         for index, (name, offsets, array) in enumerate(items):
-            data = memoryview(np.ascontiguousarray(array)).cast("B")
+            data = memoryview(np.require(array, requirements="C").reshape(-1).view(np.uint8))
             pad = (-pos) % ALIGN
             if pad:
                 f.write(b"\0" * pad)

@@ -1,7 +1,5 @@
 """Runs on every rank of a real gloo job: a representative set of reshards checked against the full
 tensor on every rank, gradients through reshard, and a negative control."""
-import traceback
-
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -75,11 +73,8 @@ def main():
     dist.init_parallel_env()
     rank = dist.get_rank()
     out = []
-    for case in CASES:
-        try:
-            out.append(run_case(*case, rank))
-        except Exception as e:  # reported per case, the test shows which one failed
-            out.append({"case": str(case), "ok": False, "grad_ok": False, "error": traceback.format_exc()[-1500:]})
+    for case in CASES:          # a failed collective poisons the job: let it fail (launch reports the logs)
+        out.append(run_case(*case, rank))
     write_result(out)
 
 
