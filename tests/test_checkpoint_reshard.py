@@ -82,17 +82,18 @@ def test_resume_single_process_is_exact(tmp_path):
 def test_reconfigure_moves_parameters_to_a_new_layout():
     weight = np.arange(24, dtype="float32").reshape(4, 6)
 
-    def build(placements, mesh_ranks):
+    def build(placements, mesh_ranks, value=None):
         model = paddle.nn.Linear(4, 6)
+        if value is not None:
+            model.weight.set_value(value)
         mesh = ap.ProcessMesh(mesh_ranks, ["x"])
         model.weight = ap.shard_tensor(model.weight, mesh, placements)
         model.bias = ap.shard_tensor(model.bias, mesh, [ap.Replicate()])
         return model
 
     with ap.simulate(world_size=4):
-        old = build([ap.Shard(1)], [0, 1])
-        for r, t in old.weight.locals.items():
-            t.set_value(weight[:, 3 * r:3 * r + 3])
+        old = build([ap.Shard(1)], [0, 1], weight)
+        assert [t.numpy().shape for t in old.weight.locals.values()] == [(4, 3), (4, 3)]
         new, new_opt = reconfigure(old, None, {"layout": "S(0) over 4"},
                                    build=lambda s: (build([ap.Shard(0)], [0, 1, 2, 3]), None))
         assert sorted(new.weight.locals) == [0, 1, 2, 3] and new_opt is None
