@@ -12,11 +12,13 @@ nothing is routed, so paddle's own code inside an op sees plain tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import sys
 
 import paddle
+from paddle.base.framework import EagerParamBase
 from spmd_rules import get_spmd_rule, has_spmd_rule
 from spmd_rules.op_table import ARG_MAP, OP_TABLE
 from spmd_rules.registry import flatten_specs, replace_specs
@@ -51,8 +53,11 @@ def _any_dist(args, kwargs) -> bool:
 
 
 def _tracing_tensors(args, kwargs) -> bool:
-    """While tracing, ops on plain tensors (lazy parameters, constants) are recorded too."""
-    return trace_state.active() is not None and bool(flatten_specs(args, kwargs, is_leaf=_is_tensor_leaf))
+    """While tracing, ops on (possibly lazy, unallocated) parameters are recorded too — in eager runs those
+    parameters are distributed, so the traced op sequence is the eager one; constants are computed."""
+    if trace_state.active() is None:
+        return False
+    return any(isinstance(v, EagerParamBase) for v in flatten_specs(args, kwargs, is_leaf=_is_tensor_leaf))
 
 
 def _is_tensor_leaf(v) -> bool:
@@ -73,7 +78,10 @@ def run(op: str, path: str, args, kwargs):
     mesh = _common_mesh(op, leaves, tracer)
     dists = [_to_dist(v, mesh, tracer) for v in leaves]
     spec_args, spec_kwargs = replace_specs(args, kwargs, [d.spec for d in dists], is_leaf=_is_tensor_leaf)
-    res = rule(*spec_args, **spec_kwargs)
+    pins = getattr(_pin_state, "plan", None)
+    res = pins.next(op, [d.spec for d in dists]) if pins is not None else None
+    if res is None:
+        res = rule(*spec_args, **spec_kwargs)
     if tracer is not None:
         return _trace(tracer, op, dists, res)
     split = [m for m in res.split_mesh_dims() if mesh.shape[m] > 1]
@@ -86,6 +94,42 @@ def run(op: str, path: str, args, kwargs):
         calls[r] = rule.local_call(res, la, lk, mesh.coords_of(r))
     outs = _execute(op, path, res, mesh, calls)
     return _wrap(res, outs, held)
+
+
+import threading as _threading  # noqa: E402
+
+_pin_state = _threading.local()
+
+
+class PinnedLayouts:
+    """Layouts decided ahead of time (by whole-graph completion): the k-th routed op of a forward uses
+    ``results[k]`` (an SpmdResult from its rule) instead of asking the rule again. ``None`` entries fall
+    back to the rule. An op-name mismatch means the forward differs from the traced one: an error."""
+
+    def __init__(self, ops, results):
+        self.ops, self.results, self.k = list(ops), list(results), 0
+
+    def next(self, op, input_specs):
+        if self.k >= len(self.ops):
+            raise RuntimeError(f"pinned layouts cover {len(self.ops)} ops but the forward ran more "
+                               f"(op {self.k}: {op}); re-trace the model")
+        want, res = self.ops[self.k], self.results[self.k]
+        if want != op:
+            raise RuntimeError(f"pinned layouts expected op {self.k} to be {want!r}, the forward ran {op!r}; "
+                               f"re-trace the model")
+        self.k += 1
+        return res
+
+
+@contextlib.contextmanager
+def pinned(ops, results):
+    """Run a forward with layouts pinned op by op (see PinnedLayouts)."""
+    prev = getattr(_pin_state, "plan", None)
+    _pin_state.plan = PinnedLayouts(ops, results)
+    try:
+        yield _pin_state.plan
+    finally:
+        _pin_state.plan = prev
 
 
 def _trace(tracer, op, dists, res):
