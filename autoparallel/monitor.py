@@ -88,6 +88,7 @@ class Suggestion:
     stage_times: list
     split_points: Optional[list] = None   # layer names starting stages 1.. (with layer_names)
     plan: object = None                   # ap.plan result re-run with the measured profile
+    cluster: object = None                # the cluster rescaled to the measured step time
     strategy: Optional[dict] = None       # the plan's best configuration as a strategy dict
     notes: list = field(default_factory=list)
 
@@ -228,8 +229,8 @@ class PerformanceMonitor:
                                  global_batch_size: int = None, seq_len: int = None, current=None) -> Suggestion:
         """The pipeline split minimising the slowest stage of the measured per-layer times (balanced_split),
         and, given a planner model (preset or ModelSpec), ``global_batch_size`` and the ``current``
-        configuration ("dp=2,tp=2,pp=2"), ``ap.plan`` re-run on a cluster rescaled so that its prediction for
-        the current configuration matches the measured step time."""
+        configuration ("dp=2,tp=2,pp=2"), ``ap.plan`` re-run on a cluster whose device and link rates are
+        scaled so that its prediction for the current configuration is the measured step time."""
         from autoparallel.parallel.pipeline.split import balanced_split
 
         layers = self.layer_times()
@@ -270,14 +271,21 @@ class PerformanceMonitor:
         predicted = plan(model, cluster, global_batch_size, seq_len, fixed=current).best.step_time_s
         scale = measured / predicted
         dev = cluster.device
-        measured_cluster = replace(cluster, device=replace(
-            dev, peak_flops=tuple((d, f / scale) for d, f in dev.peak_flops),
-            memory_bandwidth_Bps=dev.memory_bandwidth_Bps / scale))
+
+        def link(spec):
+            return replace(spec, latency_s=spec.latency_s * scale, bandwidth_Bps=spec.bandwidth_Bps / scale)
+
+        measured_cluster = replace(
+            cluster, name=f"{cluster.name} (measured)",
+            device=replace(dev, peak_flops=tuple((d, f / scale) for d, f in dev.peak_flops),
+                           memory_bandwidth_Bps=dev.memory_bandwidth_Bps / scale),
+            intra_node=link(cluster.intra_node), inter_node=link(cluster.inter_node))
+        out.cluster = measured_cluster
         out.plan = plan(model, measured_cluster, global_batch_size, seq_len)
         if out.plan.best is not None:
             out.strategy = out.plan.best.to_strategy_dict()
         out.notes.append(f"planner: measured {measured:.4g} s per step vs {predicted:.4g} s predicted for "
-                         f"{current}; re-planned with device rates scaled by 1/{scale:.3g}")
+                         f"{current}; re-planned with every device and link rate scaled by 1/{scale:.3g}")
 
     # ---- reporting -----------------------------------------------------------------------------------------
     def report(self, png: str = None) -> str:
@@ -339,7 +347,7 @@ def _all_gather_json(obj, world_size: int) -> dict:
     payload = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).astype(np.int32)
     lengths = []
     dist.all_gather(lengths, paddle.to_tensor([len(payload)], dtype="int64"))
-    size = max(int(t.numpy()[0]) for t in lengths)
+    size = max([int(t.numpy()[0]) for t in lengths] + [1])
     padded = np.zeros(size, dtype=np.int32)
     padded[:len(payload)] = payload
     parts = []

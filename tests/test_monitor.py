@@ -1,0 +1,108 @@
+"""PerformanceMonitor: an artificially imbalanced pipeline run in-process (one layer sleeps longer) is
+reported as imbalanced and the suggested split is the optimal partition of the measured layer times."""
+import time
+
+import pytest
+
+from autoparallel.monitor import PerformanceMonitor, even_split
+from autoparallel.parallel.pipeline.split import balanced_split
+
+LAYERS, STAGES = 8, 4
+
+
+def _run_pipeline(mon, cost, sleep=time.sleep, steps=None):
+    """Run every stage of a pipeline in this process; stage s holds the layers of the even split."""
+    split = even_split(LAYERS, STAGES)
+    for _ in range(steps or mon.warmup_steps + mon.measure_steps):
+        with mon.record("step"):
+            for s, (a, b) in enumerate(split):
+                with mon.record("stage", index=s):
+                    for i in range(a, b):
+                        with mon.record("layer", index=i):
+                            sleep(cost[i])
+        mon.step()
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_imbalanced_pipeline_is_reported_and_resplit(tmp_path):
+    cost = [0.002] * LAYERS
+    cost[5] += 0.03                                   # the slow layer
+    mon = PerformanceMonitor(warmup_steps=1, measure_steps=3, num_stages=STAGES,
+                             layer_names=[f"blocks.{i}" for i in range(LAYERS)])
+    _run_pipeline(mon, cost)
+    assert mon.done
+    measured = mon.layer_times()
+    assert len(measured) == LAYERS and max(range(LAYERS), key=measured.__getitem__) == 5
+    assert mon.is_imbalanced(threshold=0.2)
+    imb = mon.imbalance()
+    assert imb["slowest_stage"] == 2 and imb["stages"] > 0.2
+    suggestion = mon.suggest_optimal_strategy()
+    assert suggestion.split == [tuple(s) for s in balanced_split(measured, STAGES)]
+    assert suggestion.split != even_split(LAYERS, STAGES)
+    assert (5, 6) in suggestion.split                 # the slow layer gets a stage of its own
+    assert suggestion.speedup > 1.0
+    assert suggestion.split_points == [f"blocks.{a}" for a, _ in suggestion.split[1:]]
+    text = mon.report(png=str(tmp_path / "mon.png"))
+    assert "layer[5]" in text and "stage times (ms)" in text and "slowest stage 2" in text
+    assert (tmp_path / "mon.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_balanced_pipeline_is_not_imbalanced_and_keeps_the_split():
+    clock = FakeClock()
+    mon = PerformanceMonitor(warmup_steps=2, measure_steps=4, num_stages=STAGES, clock=clock)
+    _run_pipeline(mon, [0.01] * LAYERS, sleep=clock.sleep)
+    assert mon.layer_times() == pytest.approx([0.01] * LAYERS)
+    assert not mon.is_imbalanced(threshold=0.2)
+    assert mon.suggest_optimal_strategy().split == even_split(LAYERS, STAGES)
+
+
+def test_warmup_steps_are_not_measured_and_repeats_add_up():
+    clock = FakeClock()
+    mon = PerformanceMonitor(warmup_steps=2, measure_steps=2, clock=clock)
+    for step in range(6):
+        for _ in range(3):                            # e.g. once per micro-batch
+            with mon.record("forward"):
+                clock.sleep(1.0 if step < 2 else 0.5)
+        mon.step()
+    assert mon.timings() == {"forward": pytest.approx(1.5)}
+    assert mon.gather() == {0: {"forward": pytest.approx(1.5)}}
+
+
+def test_suggestion_replans_with_the_measured_profile():
+    from autoparallel.planner.api import plan
+
+    clock = FakeClock()
+    mon = PerformanceMonitor(warmup_steps=0, measure_steps=2, num_stages=2, clock=clock)
+    _run_pipeline(mon, [0.25] * LAYERS, sleep=clock.sleep)
+    s = mon.suggest_optimal_strategy(2, model="gpt3-1.3b", cluster="1x8:A100-80GB", global_batch_size=64,
+                                     current="dp=2,tp=2,pp=2")
+    again = plan("gpt3-1.3b", s.cluster, 64, fixed="dp=2,tp=2,pp=2").best.step_time_s
+    assert again == pytest.approx(2.0, rel=1e-6)      # the measured step time (8 layers x 0.25 s)
+    assert s.plan.best is not None and s.strategy["data_parallel"]["degree"] * \
+        s.strategy["tensor_parallel"]["degree"] * s.strategy["pipeline_parallel"]["degree"] == 8
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(ValueError, match="measure_steps must be an int >= 1, got 0"):
+        PerformanceMonitor(1, 0)
+    mon = PerformanceMonitor(0, 1)
+    with pytest.raises(ValueError, match="record index must be a non-negative int"):
+        with mon.record("layer", index=-1):
+            pass
+    with pytest.raises(ValueError, match="no per-layer timings"):
+        mon.suggest_optimal_strategy(2)
+    with mon.record("layer", index=1):
+        pass
+    mon.step()
+    with pytest.raises(ValueError, match=r"no timings for layer indices \[0\]"):
+        mon.layer_times()
