@@ -437,8 +437,9 @@ class Watchdog:
         host_rank = getattr(self.store, "host_rank", None)
         who = f"rank {host_rank} lost: " if host_rank is not None and host_rank != self.rank else ""
         last = ""
-        if host_rank in self._peers and self._peers[host_rank].record:
-            last = f"; rank {host_rank} was last in {_their_op(self._peers[host_rank].record)}"
+        record = self._peers[host_rank].record if host_rank in self._peers else {}
+        if record:
+            last = f"{_process_note(record, self._host)}; rank {host_rank} was last in {_their_op(record)}"
         self._fail(f"{who}{self.store.describe()} is unreachable ({error}){last}")
 
     # ---- the judge thread -------------------------------------------------------------------------------
@@ -464,15 +465,8 @@ class Watchdog:
             limit = max(self.timeout, rec.get("long_wait") or 0)
             silent = self._io_ok - peer.changed
             if silent > limit:
-                state = ""
-                if rec.get("host") == self._host:
-                    st = process_state(rec["pid"], rec.get("start"))
-                    state = {"stopped": f"; its process (pid {rec['pid']} on this host) is stopped (SIGSTOP?)",
-                             "exited": f"; its process (pid {rec['pid']} on this host) has exited",
-                             "running": f"; its process (pid {rec['pid']} on this host) is running but silent"
-                             }.get(st, "")
-                self._fail(f"rank {peer.rank} lost: no heartbeat for {silent:.1f} s (limit {limit:.1f} s){state}; "
-                           f"it was last in {_their_op(rec)}")
+                self._fail(f"rank {peer.rank} lost: no heartbeat for {silent:.1f} s (limit {limit:.1f} s)"
+                           f"{_process_note(rec, self._host)}; it was last in {_their_op(rec)}")
                 return
         op = self._op
         if self.op_timeout and op is not None and not self._long_waits and now - op[1] > self.op_timeout:
@@ -540,6 +534,16 @@ class Watchdog:
         if issubclass(exc_type, Exception):
             self.diagnose(exc)
         self.stop(error=f"{exc_type.__name__}: {str(exc)[:300]}")
+
+
+def _process_note(record: dict, host: str) -> str:
+    """What /proc says about the process of a record from this host ("" for other hosts)."""
+    if record.get("host") != host or "pid" not in record:
+        return ""
+    state = process_state(record["pid"], record.get("start"))
+    return {"stopped": f"; its process (pid {record['pid']} on this host) is stopped (SIGSTOP?)",
+            "exited": f"; its process (pid {record['pid']} on this host) has exited",
+            "running": f"; its process (pid {record['pid']} on this host) is running but silent"}.get(state, "")
 
 
 def _their_op(record: dict) -> str:

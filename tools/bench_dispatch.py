@@ -23,6 +23,7 @@ Prints the tables and writes them, with the command, to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -40,7 +41,6 @@ sys.path.insert(0, ROOT)
 
 import numpy as np                                        # noqa: E402
 import paddle                                             # noqa: E402
-import paddle.nn.functional as F                          # noqa: E402
 from tqdm import tqdm                                     # noqa: E402
 
 from autoparallel.mesh import ProcessMesh                 # noqa: E402
@@ -55,28 +55,48 @@ SIM_MESH = ([[0, 1], [2, 3]], ["data", "model"])
 
 
 # ---- per-op cases ----------------------------------------------------------------------------------------
-# inputs: name -> (shape from (rows, hidden), kind, placements on the simulated 2x2 mesh)
-#   kind "act": float activation (requires grad), "param": float parameter, "label": int64 class ids
-def _reshape(t):
+# op -> (paddle callable's dotted path, inputs, call(f, t)); inputs: name -> (shape from "r"ows/"h"idden,
+# kind, placements on the simulated 2x2 mesh); kind "act": float activation (requires grad), "param":
+# float parameter, "label": int64 class ids
+def _reshape(f, t):
     b, h = t["x"].shape
-    return t["x"].reshape([b, h // 8, 8])
+    return f(t["x"], [b, h // 8, 8])
 
 
 OPS = {
-    "add": ({"x": ("rh", "act", "S(0),S(1)"), "y": ("rh", "act", "S(0),S(1)")},
-            lambda t: t["x"] + t["y"]),
-    "matmul": ({"x": ("rh", "act", "S(0),R"), "w": ("hh", "param", "R,S(1)")},
-               lambda t: paddle.matmul(t["x"], t["w"])),
-    "linear": ({"x": ("rh", "act", "S(0),R"), "w": ("hh", "param", "R,S(1)"), "b": ("h", "param", "R,S(0)")},
-               lambda t: F.linear(t["x"], t["w"], t["b"])),
-    "layer_norm": ({"x": ("rh", "act", "S(0),R"), "g": ("h", "param", "R,R"), "b": ("h", "param", "R,R")},
-                   lambda t: F.layer_norm(t["x"], t["x"].shape[-1:], t["g"], t["b"])),
-    "softmax": ({"x": ("rh", "act", "S(0),R")}, lambda t: F.softmax(t["x"], axis=-1)),
-    "reshape": ({"x": ("rh", "act", "S(0),R")}, _reshape),
-    "getitem": ({"x": ("rh", "act", "S(0),R")}, lambda t: t["x"][:, : t["x"].shape[1] // 2]),
-    "cross_entropy": ({"x": ("rh", "act", "S(0),R"), "y": ("r", "label", "S(0),R")},
-                      lambda t: F.cross_entropy(t["x"], t["y"])),
+    "add": ("paddle.Tensor.__add__", {"x": ("rh", "act", "S(0),S(1)"), "y": ("rh", "act", "S(0),S(1)")},
+            lambda f, t: f(t["x"], t["y"])),
+    "matmul": ("paddle.matmul", {"x": ("rh", "act", "S(0),R"), "w": ("hh", "param", "R,S(1)")},
+               lambda f, t: f(t["x"], t["w"])),
+    "linear": ("paddle.nn.functional.linear",
+               {"x": ("rh", "act", "S(0),R"), "w": ("hh", "param", "R,S(1)"), "b": ("h", "param", "R,S(0)")},
+               lambda f, t: f(t["x"], t["w"], t["b"])),
+    "layer_norm": ("paddle.nn.functional.layer_norm",
+                   {"x": ("rh", "act", "S(0),R"), "g": ("h", "param", "R,R"), "b": ("h", "param", "R,R")},
+                   lambda f, t: f(t["x"], t["x"].shape[-1:], t["g"], t["b"])),
+    "softmax": ("paddle.nn.functional.softmax", {"x": ("rh", "act", "S(0),R")}, lambda f, t: f(t["x"], axis=-1)),
+    "reshape": ("paddle.Tensor.reshape", {"x": ("rh", "act", "S(0),R")}, _reshape),
+    "getitem": ("paddle.Tensor.__getitem__", {"x": ("rh", "act", "S(0),R")},
+                lambda f, t: f(t["x"], (slice(None), slice(0, t["x"].shape[1] // 2)))),
+    "cross_entropy": ("paddle.nn.functional.cross_entropy",
+                      {"x": ("rh", "act", "S(0),R"), "y": ("r", "label", "S(0),R")},
+                      lambda f, t: f(t["x"], t["y"])),
 }
+
+
+def resolve(path: str, dist_tensor_methods: bool = False):
+    """The callable at ``path`` now (plain paddle before autoparallel patches it, its routed entry point
+    after). ``dist_tensor_methods``: a ``paddle.Tensor`` method as a DistTensor has it (``x + y``,
+    ``x.reshape(...)`` and ``x[...]`` on a DistTensor call these)."""
+    if path.startswith("paddle.Tensor."):
+        owner = paddle.Tensor
+        if dist_tensor_methods:
+            from autoparallel.dist_tensor import DistTensor as owner
+        return getattr(owner, path.rsplit(".", 1)[1])
+    obj = paddle
+    for part in path.split(".")[1:]:
+        obj = getattr(obj, part)
+    return obj
 
 
 def _shape(code, rows, hidden):
@@ -86,7 +106,7 @@ def _shape(code, rows, hidden):
 def make_arrays(op, rows, hidden, seed=0):
     rng = np.random.default_rng(seed)
     out = {}
-    for name, (code, kind, _) in OPS[op][0].items():
+    for name, (code, kind, _) in OPS[op][1].items():
         shape = _shape(code, rows, hidden)
         out[name] = rng.integers(0, hidden, shape) if kind == "label" else \
             rng.standard_normal(shape).astype("float32")
@@ -105,17 +125,19 @@ def param_tensor(arr):
 
 
 def local_inputs(op, arrays, mesh):
-    """{rank: {name: plain local shard}} on ``mesh`` (placements of the simulated column), or one rank
-    holding everything when ``mesh`` is None."""
+    """[{name: plain local shard}] for every rank of ``mesh`` (the simulated column's placements), or one
+    entry holding the whole tensors when ``mesh`` is None."""
+    inputs = OPS[op][1]
     if mesh is None:
-        return {0: {n: plain_tensor(a, OPS[op][0][n][1]) for n, a in arrays.items()}}
-    out = {}
+        return [{n: plain_tensor(a, inputs[n][1]) for n, a in arrays.items()}]
+    out = []
     for r in mesh.process_ids:
         c = mesh.coords_of(r)
-        out[r] = {}
+        shard = {}
         for n, a in arrays.items():
-            spec = DistSpec(mesh, parse_placements(OPS[op][0][n][2]), a.shape, str(a.dtype))
-            out[r][n] = plain_tensor(np.ascontiguousarray(a[spec.local_slices(c)]), OPS[op][0][n][1])
+            spec = DistSpec(mesh, parse_placements(inputs[n][2]), a.shape, str(a.dtype))
+            shard[n] = plain_tensor(np.ascontiguousarray(a[spec.local_slices(c)]), inputs[n][1])
+        out.append(shard)
     return out
 
 
@@ -124,7 +146,7 @@ def dist_inputs(op, arrays, mesh, simulated):
 
     out = {}
     for n, a in arrays.items():
-        _, kind, sim = OPS[op][0][n]
+        _, kind, sim = OPS[op][1][n]
         placements = parse_placements(sim) if simulated else [ap.Replicate()] * mesh.ndim
         t = param_tensor(a) if kind == "param" else plain_tensor(a, kind)
         out[n] = ap.shard_tensor(t, mesh, placements)
@@ -132,69 +154,72 @@ def dist_inputs(op, arrays, mesh, simulated):
 
 
 # ---- timing ----------------------------------------------------------------------------------------------
-def median_us(fn, warmup, max_repeats, budget=0.25):
-    """Median wall time of ``fn()`` in microseconds: warm-up, then up to ``max_repeats`` timed calls (at
-    least 20, about ``budget`` seconds), with the garbage collector off while timing (as timeit does)."""
-    start = time.perf_counter()
-    for _ in range(warmup):
-        fn()
-    est = (time.perf_counter() - start) / max(warmup, 1)
-    repeats = int(min(max_repeats, max(20, budget / max(est, 1e-9))))
+def timed_calls(fn, n):
+    """Seconds of each of ``n`` calls of ``fn()``, with the garbage collector off (as timeit does)."""
     gc.collect()
     gc.disable()
     try:
         times = []
-        for _ in range(repeats):
+        for _ in range(n):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
     finally:
         gc.enable()
-    return statistics.median(times) * 1e6
+    return times
+
+
+def interleaved_medians(fns, warmup, max_repeats, rounds=5, budget=0.3):
+    """Median microseconds of each function: warm-up, then ``rounds`` rounds that each time every function
+    in turn (so drift and background load hit all of them alike); up to ``max_repeats`` calls each (at
+    least 20), about ``budget`` seconds per function."""
+    est = []
+    for fn in fns:
+        start = time.perf_counter()
+        for _ in range(warmup):
+            fn()
+        est.append((time.perf_counter() - start) / max(warmup, 1))
+    n = int(min(max_repeats, max(20, budget / max(max(est), 1e-9))))
+    per_round = max(1, n // rounds)
+    samples = [[] for _ in fns]
+    for _ in range(rounds):
+        for k, fn in enumerate(fns):
+            samples[k] += timed_calls(fn, per_round)
+    return [statistics.median(s) * 1e6 for s in samples]
 
 
 def run_ops(args):
-    """Per-op rows. Plain paddle first (before anything patches paddle), then the patched entry points
-    on the same plain tensors and the DistTensor calls."""
+    """Per-op rows: plain paddle (callables taken before autoparallel patches paddle), the patched entry
+    points on the same plain tensors, and the DistTensor call, timed in interleaved rounds."""
     from autoparallel import dist_tensor
 
     if dist_tensor._dispatch_ready:
         raise RuntimeError("autoparallel's dispatch is already installed: the plain baseline would be patched")
-    sim_mesh = ProcessMesh(*SIM_MESH, create_groups=False)
-    cases = [(mesh_kind, op, size) for mesh_kind in ("1 rank", "2x2 sim") for size in SIZES for op in OPS]
-    warm = 10
-
-    def calls(op, locs):
-        fn = OPS[op][1]
-        return lambda: [fn(t) for t in locs.values()]
-
-    raw, locals_ = {}, {}
-    for mesh_kind, op, size in tqdm(cases, desc="per-op: plain paddle", unit="case", file=sys.stderr):
-        arrays = make_arrays(op, *SIZES[size])
-        locs = local_inputs(op, arrays, None if mesh_kind == "1 rank" else sim_mesh)
-        locals_[(mesh_kind, op, size)] = (arrays, locs)
-        raw[(mesh_kind, op, size)] = median_us(calls(op, locs), warm, args.op_repeats)
+    raw_fn = {op: resolve(OPS[op][0]) for op in OPS}
 
     import autoparallel as ap
 
+    sim_mesh = ProcessMesh(*SIM_MESH, create_groups=False)
     one = ap.ProcessMesh([0], ["x"])
+    cases = [(mesh_kind, op, size) for mesh_kind in ("1 rank", "2x2 sim") for size in SIZES for op in OPS]
     rows = []
-    for key in tqdm(cases, desc="per-op: patched + DistTensor", unit="case", file=sys.stderr):
-        mesh_kind, op, size = key
-        arrays, locs = locals_[key]
+    for mesh_kind, op, size in tqdm(cases, desc="per-op overhead", unit="case", file=sys.stderr):
+        path, _, call = OPS[op]
+        arrays = make_arrays(op, *SIZES[size])
+        locs = local_inputs(op, arrays, None if mesh_kind == "1 rank" else sim_mesh)
         if mesh_kind == "1 rank":
-            d = dist_inputs(op, arrays, one, simulated=False)
-            out = OPS[op][1](d)
-            ours = median_us(lambda: OPS[op][1](d), warm, args.op_repeats)
+            world, mesh = contextlib.nullcontext(), one
         else:
-            with ap.simulate(world_size=4):
-                mesh = ap.ProcessMesh(*SIM_MESH)
-                d = dist_inputs(op, arrays, mesh, simulated=True)
-                out = OPS[op][1](d)
-                ours = median_us(lambda: OPS[op][1](d), warm, args.op_repeats)
-        patched = median_us(calls(op, locs), warm, args.op_repeats)
+            world, mesh = ap.simulate(world_size=4), None
+        with world:
+            d = dist_inputs(op, arrays, mesh or ap.ProcessMesh(*SIM_MESH), simulated=mesh is None)
+            f_raw, f_patched, f_ours = raw_fn[op], resolve(path), resolve(path, dist_tensor_methods=True)
+            out = call(f_ours, d)
+            us = interleaved_medians([lambda: [call(f_raw, t) for t in locs],
+                                      lambda: [call(f_patched, t) for t in locs],
+                                      lambda: call(f_ours, d)], args.op_warmup, args.op_repeats)
         rows.append({"mesh": mesh_kind, "op": op, "size": size, "shape": _shape_text(arrays),
-                     "paddle_us": raw[key], "patched_us": patched, "ours_us": ours,
+                     "paddle_us": us[0], "patched_us": us[1], "ours_us": us[2],
                      "out": "[" + ", ".join(map(str, out.placements)) + "]"})
     return rows
 
@@ -384,13 +409,15 @@ Generated by `tools/bench_dispatch.py` on this machine ({env}). Command:
     if op_rows:
         parts.append(f"""## 1. Per-op overhead
 
-One process. For every op and size: the median wall time of one call (warm-up, then up to {args.op_repeats}
-calls, about 0.25 s per measurement, garbage collector off while timing). Float inputs require gradients as
-activations and parameters do in training (parameters are `paddle` Parameters, so ours holds them as
-`DistParameter`s); forward only — backward runs in paddle's autograd on the local tensors and the
-collectives' adjoints, with no dispatch.
+One process. For every op and size, three variants timed in interleaved rounds (each round times every
+variant in turn, so drift and background load hit them alike): {args.op_warmup} warm-up calls each, then up to
+{args.op_repeats} timed calls each (about 0.3 s per variant), garbage collector off while timing; the table shows
+the median call. Float inputs require gradients as activations and parameters do in training
+(parameters are paddle Parameters, so ours holds them as `DistParameter`s). Forward only: backward runs
+in paddle's autograd on the local tensors (and the collectives' adjoints), without dispatch.
 
-- **paddle µs**: the paddle op on plain local tensors, measured before autoparallel patches paddle.
+- **paddle µs**: the paddle op on plain local tensors, through the callable taken before autoparallel
+  patches paddle (`paddle.Tensor.__add__`, `paddle.matmul`, `F.linear`, ... as listed in the tool).
   On `2x2 sim` it is the op on each of the four ranks' local shards (four calls).
 - **patched, plain µs**: the same plain-tensor call after autoparallel has patched paddle's entry points
   (what every plain-tensor op pays while autoparallel is active).
@@ -473,7 +500,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="launches of each 4-rank run (alternating)")
     p.add_argument("--profile-steps", dest="profile_steps", type=int, default=2,
                    help="cProfile this many extra steps on rank 0 of the last launches (0: off)")
-    p.add_argument("--op-repeats", dest="op_repeats", type=int, default=1000, help="max timed calls per op")
+    p.add_argument("--op-repeats", dest="op_repeats", type=int, default=1000,
+                   help="max timed calls per op and variant")
+    p.add_argument("--op-warmup", dest="op_warmup", type=int, default=10, help="untimed calls per op and variant")
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)

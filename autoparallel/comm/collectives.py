@@ -67,6 +67,11 @@ def _narrow(x, axis, start, stop):
     return paddle.slice(x, axes=[axis], starts=[start], ends=[stop])
 
 
+def _trim(x, axis, n):
+    """``x`` cut to ``n`` along ``axis`` (itself when already that long; only for inputs of a concat)."""
+    return x if x.shape[axis] == n else _narrow(x, axis, 0, n)
+
+
 def _pad_to(x, axis, size):
     n = x.shape[axis]
     if n == size:
@@ -100,7 +105,7 @@ def _gather_raw(xs, ranks, axis, sizes):
         return {r: _empty(x, axis, total) for r, x in xs.items()}
     padded = {r: _pad_to(x, axis, c) for r, x in xs.items()}
     got = transport_for(current_world()).all_gather(padded, ranks)
-    return {r: paddle.concat([_narrow(p, axis, 0, s) for p, s in zip(parts, sizes)], axis=axis)
+    return {r: paddle.concat([_trim(p, axis, s) for p, s in zip(parts, sizes)], axis=axis)
             for r, parts in got.items()}
 
 
