@@ -223,7 +223,8 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
     world = current_world()
     sg = t.stop_gradient if stop_gradient is None else stop_gradient
     with paddle.no_grad():
-        locals_ = {r: _local_from_full(t, spec, r).detach() for r in world.local_ranks(mesh.process_ids)}
+        # contiguous copies: a strided view of the full tensor makes every later local op slower
+        locals_ = {r: _local_from_full(t, spec, r).detach().contiguous() for r in world.local_ranks(mesh.process_ids)}
     for v in locals_.values():
         v.stop_gradient = sg
     if not is_param:
