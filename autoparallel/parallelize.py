@@ -29,7 +29,9 @@ import contextlib
 import dataclasses
 import fnmatch
 import os
+import sys
 import threading
+import types
 
 from autoparallel.dist_tensor import DistTensor, is_dist, shard_tensor
 from autoparallel.layer import replicate_remaining
@@ -70,8 +72,11 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     strategy = Strategy() if strategy is None else strategy
     if not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
+    if getattr(model, "_ap_mesh", None) is not None:
+        raise ValueError(f"{type(model).__name__} is already parallelized on {model._ap_mesh}; build a fresh model "
+                         f"to parallelize it again")
     degrees = strategy.validate(world_size=_world_size(), model_info=model_info(model))
-    check_supported(strategy)
+    check_supported(strategy, optimizer, degrees)
     plan = resolve_tp_plan(model, degrees.tp, tp_plan)
     if strategy.sequence_parallel.enable:
         plan = apply_sp(model, plan)
@@ -110,9 +115,13 @@ def model_info(model) -> dict:
     return out
 
 
-def check_supported(strategy: Strategy) -> None:
+def check_supported(strategy: Strategy, optimizer=None, degrees=None) -> None:
     """Strategy knobs this release does not execute yet fail loudly instead of being ignored."""
     s = strategy
+    inner = getattr(optimizer, "_inner", optimizer)
+    if degrees is not None and degrees.tp > 1 and getattr(inner, "_grad_clip", None) is not None:
+        raise NotImplementedError(f"gradient clipping ({type(inner._grad_clip).__name__}) across tensor-parallel "
+                                  f"shards is {_NOT_YET}; build the optimizer without grad_clip")
     knobs = [(s.auto_mode == "full", "auto_mode='full'"),
              (s.pipeline_parallel.degree > 1, f"pipeline_parallel.degree={s.pipeline_parallel.degree}"),
              (s.sharding.enable, f"sharding (ZeRO stage {s.sharding.stage})"),
@@ -125,8 +134,8 @@ def check_supported(strategy: Strategy) -> None:
 
 
 def build_mesh(dp: int, tp: int) -> ProcessMesh:
-    """Ranks 0..dp*tp-1 as a [data, model] mesh, model fastest-varying: a TP group is dp-consecutive ranks,
-    which ``paddle.distributed.launch`` places on one node."""
+    """Ranks 0..dp*tp-1 as a [data, model] mesh, model fastest-varying: a TP group is tp consecutive ranks,
+    which ``paddle.distributed.launch`` places on one node; data-parallel groups span the nodes."""
     return ProcessMesh([[d * tp + t for t in range(tp)] for d in range(dp)], dim_names=[DATA, MODEL])
 
 
@@ -241,6 +250,10 @@ class AccumulatingOptimizer(ShardedOptimizer):
     ``gradient_accumulation_steps`` backward passes, divides the accumulated gradients by that number,
     reduces them over the data axis in buckets and updates the local shards."""
 
+    @property
+    def parameters(self):
+        return list(_flat_params(self._inner))
+
     def step(self):
         k = self.gradient_accumulation_steps
         if k > 1:
@@ -258,6 +271,8 @@ def wrap_optimizer(optimizer, replaced: dict, gradient_accumulation_steps: int =
         optimizer = optimizer._inner
     if not hasattr(optimizer, "_parameter_list"):
         raise TypeError(f"expected a paddle optimizer, got {type(optimizer).__name__}")
+    if not optimizer._parameter_list:
+        raise ValueError("the optimizer has no parameters; build it with parameters=model.parameters()")
     _rebind(optimizer, replaced)
     return AccumulatingOptimizer(optimizer, gradient_accumulation_steps=gradient_accumulation_steps)
 
@@ -304,7 +319,7 @@ def Optimizer(optimizer, strategy: Strategy | None = None):
 
 
 def _flat_params(optimizer):
-    for p in optimizer._parameter_list:
+    for p in optimizer._parameter_list or []:
         if isinstance(p, dict):
             yield from p["params"]
         else:
@@ -324,3 +339,15 @@ def _default_family(model):
 
 __all__ = ["parallelize", "DataParallel", "Optimizer", "parallel_guard", "build_mesh", "resolve_tp_plan",
            "apply_sp", "check_supported", "AccumulatingOptimizer", "GPT_PLAN", "LLAMA_PLAN"]
+
+
+class _CallableModule(types.ModuleType):
+    """``autoparallel`` exports the function ``parallelize`` lazily, but importing this submodule first
+    (``from autoparallel.parallelize import parallel_guard``) binds ``autoparallel.parallelize`` to the
+    module; calling the module therefore calls the function, so ``ap.parallelize(...)`` always works."""
+
+    def __call__(self, *args, **kwargs):
+        return parallelize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -8,9 +8,10 @@ rank (gloo releases the GIL while it waits, so they run while the main thread is
   pid and host) and reads the records of the ranks it watches;
 * the judge thread decides. A watched rank whose counter has not moved for ``timeout`` seconds is lost;
   so is one whose process has exited (seen at once for ranks on this host, through /proc); a store that
-  stops answering means its host, rank 0, is lost. The first rank to decide publishes an abort note, every
-  rank prints ``autoparallel watchdog: ...`` naming the lost rank and the operations in flight, and exits
-  with ``exit_code`` (``os._exit``: a thread cannot unblock a collective any other way).
+  stops answering means its host, rank 0, is lost. The first rank to decide publishes an abort note (rank
+  0, whose process serves the TCP store, stays up until the others have read it); every rank prints
+  ``autoparallel watchdog: ...`` naming the lost rank and the operations in flight and exits with
+  ``exit_code`` (``os._exit``: a thread cannot unblock a collective any other way).
 
 ```python
 wd = Watchdog(timeout=8).start()          # or AP_WATCHDOG_TIMEOUT=8; after init_parallel_env
@@ -35,6 +36,7 @@ name a lost rank, and SIGTERM (the launcher tearing the job down after a peer di
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -103,6 +105,11 @@ class FileStore:
             raise KeyError(key) from None
 
     def add(self, key: str, amount: int) -> int:
+        if amount == 0:                     # a read: never wait on a lock a frozen rank may hold
+            try:
+                return int(self.get(key) or b"0")
+            except KeyError:
+                return 0
         with open(self._path(key) + ".lock", "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
@@ -220,7 +227,6 @@ def _env_float(name: str, default):
     return value
 
 
-_generation = [0]
 _current = [None]
 
 
@@ -228,7 +234,8 @@ class Watchdog:
     def __init__(self, timeout: float = None, interval: float = None, *, store=None, rank: int = None,
                  world_size: int = None, long_wait_timeout: float = None, op_timeout: float = None,
                  startup_timeout: float = None, term_grace: float = None, exit_code: int = None,
-                 on_failure=None, exit_fn=None, install_handlers: bool = True, peers: list = None):
+                 on_failure=None, exit_fn=None, install_handlers: bool = True, peers: list = None,
+                 namespace: str = "ap_wd"):
         self.timeout = float(timeout) if timeout is not None else _env_float("AP_WATCHDOG_TIMEOUT", DEFAULT_TIMEOUT)
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
@@ -257,11 +264,13 @@ class Watchdog:
         self._step = None
         self._long_waits: list = []
         self._error = None
+        self._error_op = None
+        self._diagnosed = None
         self._threads: list = []
         self._sigterm_at = None
         self._prev_sigterm = None
         self._prev_excepthook = None
-        self._prefix = None
+        self._prefix = namespace
         self._host = socket.gethostname()
         self._start_time = _proc_start_time(os.getpid())
 
@@ -296,8 +305,6 @@ class Watchdog:
     def start(self) -> "Watchdog":
         if self._threads:
             raise RuntimeError("this watchdog is already started")
-        _generation[0] += 1
-        self._prefix = f"ap_wd/{_generation[0]}"
         now = time.monotonic()
         self._started = now
         self._io_ok = now
@@ -306,6 +313,7 @@ class Watchdog:
         self.store.add(f"{self._prefix}/up/{self.rank}", 1)
         if self._install_handlers:
             self._install()
+        atexit.register(self.stop)
         self._threads = [threading.Thread(target=self._io_loop, name="ap-watchdog-io", daemon=True),
                          threading.Thread(target=self._judge_loop, name="ap-watchdog-judge", daemon=True)]
         for t in self._threads:
@@ -324,9 +332,28 @@ class Watchdog:
         if self.failure is None:
             with contextlib.suppress(Exception):
                 self._publish(stopped=True, error=error or self._error)
+                if getattr(self.store, "host_rank", None) == self.rank:
+                    self._wait_for_peers_to_stop(min(self.timeout, 10.0))
         self._uninstall()
+        atexit.unregister(self.stop)
         if _current[0] is self:
             _current[0] = None
+
+    def _wait_for_peers_to_stop(self, seconds: float) -> None:
+        """The store lives in this process: keep it up (at most ``seconds``) until the other ranks have
+        stopped watching, so that none of them mistakes this clean exit for a lost rank."""
+        deadline = time.monotonic() + seconds
+        pending = [r for r in range(self.world_size) if r != self.rank]
+        while pending and time.monotonic() < deadline:
+            still = []
+            for r in pending:
+                if self.store.add(self._key("up", r), 0) > 0 and \
+                        json.loads(self.store.get(self._key("rec", r))).get("stopped"):
+                    continue
+                still.append(r)
+            pending = still
+            if pending:
+                time.sleep(0.05)
 
     def __enter__(self):
         return self.start()
@@ -370,10 +397,12 @@ class Watchdog:
 
     def diagnose(self, exc: BaseException = None) -> None:
         """Wait up to ``timeout`` for the judge to name a lost rank (it ends the process if it does)."""
-        if not self.running or self.failure is not None:
+        if not self.running or self.failure is not None or (exc is not None and exc is self._diagnosed):
             return
         if exc is not None:
+            self._diagnosed = exc
             self._error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            self._error_op = self._op
             _write_stderr(f"{PREFIX}: rank {self.rank}: {self._op_text()} raised {self._error}; checking the "
                           f"other ranks for up to {self.timeout:.1f} s")
         self._verdict.wait(self.timeout + 2 * self.interval)
@@ -384,7 +413,7 @@ class Watchdog:
 
     def _publish(self, stopped: bool = False, error: str = None) -> None:
         self._seq += 1
-        op = self._op
+        op = self._error_op if stopped and error and self._error_op else self._op
         record = {"seq": self._seq, "op": op[0] if op else None, "step": _jsonable(self._step),
                   "long_wait": max(self._long_waits) if self._long_waits else 0, "pid": os.getpid(),
                   "host": self._host, "start": self._start_time, "stopped": stopped, "error": error}
@@ -410,8 +439,9 @@ class Watchdog:
     def _io_round(self) -> None:
         self._publish()
         if self.store.add(f"{self._prefix}/abort", 0) > 0:
-            note = self.store.get(f"{self._prefix}/abort_msg").decode(errors="replace")
-            self._fail(f"exiting because another rank reported: {note}", publish=False)
+            note = json.loads(self.store.get(f"{self._prefix}/abort_msg"))
+            self.store.add(f"{self._prefix}/abort_ack", 1)
+            self._fail(f"exiting because rank {note['rank']} reported: {note['reason']}", publish=False)
             return
         for peer in self._peers.values():
             if not peer.up:
@@ -435,9 +465,12 @@ class Watchdog:
 
     def _store_lost(self, error: str) -> None:
         host_rank = getattr(self.store, "host_rank", None)
+        record = self._peers[host_rank].record if host_rank in self._peers else {}
+        if record.get("stopped") and not record.get("error"):
+            self._halt.set()                # its host finished cleanly: nothing left to watch through it
+            return
         who = f"rank {host_rank} lost: " if host_rank is not None and host_rank != self.rank else ""
         last = ""
-        record = self._peers[host_rank].record if host_rank in self._peers else {}
         if record:
             last = f"{_process_note(record, self._host)}; rank {host_rank} was last in {_their_op(record)}"
         self._fail(f"{who}{self.store.describe()} is unreachable ({error}){last}")
@@ -470,8 +503,8 @@ class Watchdog:
                 return
         op = self._op
         if self.op_timeout and op is not None and not self._long_waits and now - op[1] > self.op_timeout:
-            self._fail(f"this rank has been in {self._op_text()}, beyond AP_WATCHDOG_OP_TIMEOUT="
-                       f"{self.op_timeout:.0f} s")
+            self._fail(f"its operation in flight has run beyond the op timeout of {self.op_timeout:g} s "
+                       f"(AP_WATCHDOG_OP_TIMEOUT)")
             return
         if self._sigterm_at is not None and now - self._sigterm_at > self.term_grace:
             self._end_for_sigterm()
@@ -485,15 +518,30 @@ class Watchdog:
                        f"Exiting with code {self.exit_code}.")
             self.failure = message
         if publish:
-            _bounded(lambda: (self.store.set(f"{self._prefix}/abort_msg", message.encode()),
+            note = json.dumps({"rank": self.rank, "reason": reason}).encode()
+            _bounded(lambda: (self.store.set(f"{self._prefix}/abort_msg", note),
                               self.store.add(f"{self._prefix}/abort", 1)), min(1.0, self.interval))
         _write_stderr(message)
+        if getattr(self.store, "host_rank", None) == self.rank:
+            self._linger()
         if self.on_failure is not None:
             with contextlib.suppress(Exception):
                 self.on_failure(message)
         self._halt.set()
         self._verdict.set()
         self._exit(self.exit_code)
+
+    def _linger(self) -> None:
+        """The store lives in this process: keep it up until the other ranks have read the abort note (or
+        ``2 * interval + 1`` s passed), so they report the lost rank rather than this exit."""
+        deadline = time.monotonic() + min(2 * self.interval + 1.0, self.timeout)
+        while time.monotonic() < deadline:
+            try:
+                if self.store.add(f"{self._prefix}/abort_ack", 0) >= self.world_size - 2:
+                    return
+            except Exception:
+                return
+            time.sleep(0.05)
 
     # ---- signal and exception hooks ---------------------------------------------------------------------
     def _install(self) -> None:

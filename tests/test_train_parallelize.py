@@ -222,3 +222,32 @@ def test_bad_argument_types():
         with parallel_guard("data"):
             pass
     assert GPT_PLAN["lm_head"] == ap.ColWiseParallel()
+
+
+def test_parameter_groups_and_package_entry_point():
+    x, y = batch()
+    ref_losses, ref = train_plain(2, x, y)
+    m = tiny()
+    params = list(m.parameters())
+    opt = paddle.optimizer.AdamW(1e-3, parameters=[{"params": params[:5]}, {"params": params[5:]}])
+    m, opt = ap.parallelize(m, opt)                    # the package attribute, after a submodule import
+    assert all(isinstance(p, ap.DistParameter) for p in opt.parameters) and len(opt.parameters) == len(params)
+    losses = []
+    for _ in range(2):
+        loss = F.cross_entropy(m(paddle.to_tensor(x)), paddle.to_tensor(y))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for n, p in m.named_parameters():
+        np.testing.assert_allclose(p.numpy(), ref[n], rtol=1e-4, atol=1e-6, err_msg=n)
+    with pytest.raises(ValueError, match="GPT is already parallelized"):
+        ap.parallelize(m)
+
+
+def test_gradient_clipping_under_tensor_parallel_not_yet_supported():
+    m = tiny()
+    opt = paddle.optimizer.AdamW(1e-3, parameters=m.parameters(), grad_clip=nn.ClipGradByGlobalNorm(1.0))
+    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match="ClipGradByGlobalNorm.*not yet"):
+        parallelize(m, opt, strategy=strategy(tp=2))

@@ -2,21 +2,21 @@
 own semi-auto API on 4 gloo ranks.
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench_dispatch.py [--steps 10] [--warmup 3] [--rounds 2]
-                                                               [--profile-steps 2] [--op-repeats 1000]
+                                                               [--profile-steps 2] [--op-repeats 1000] [--op-warmup 10]
                                                                [--skip-ops] [--skip-gpt]
                                                                [--out docs/dispatch_bench.md]
 
 1. Per-op (this process): for add, matmul, linear, layer_norm, softmax, reshape, getitem and cross_entropy at
-   two sizes, the median time of the paddle op on plain tensors (measured before autoparallel patches
-   paddle), of the same call on plain tensors through the patched entry points, and of the call on
-   DistTensors. Meshes: one rank in the real world of one (pure dispatch cost, no communication) and a
-   simulated 2x2 mesh (``ap.simulate(world_size=4)``: four shards per call; the paddle baseline is the op
-   on each of the four local shards).
+   two sizes, median times in interleaved rounds of: the paddle op (the callable taken before autoparallel
+   patches paddle) on the DistTensors' own local shards and on contiguous copies of them, the patched entry
+   point on the copies, and the call on the DistTensors. Meshes: one rank in the real world of one (pure
+   dispatch cost, no communication) and a simulated 2x2 mesh (``ap.simulate(world_size=4)``: one call
+   drives four shards; the paddle baseline is the op on each of the four shards).
 2. GPT training step (tools/_bench_dispatch_worker.py): single process vs ours vs Paddle's
    ``paddle.distributed.shard_layer`` / ``shard_tensor`` / ``shard_optimizer``, both DP2xTP2 on 4 gloo
-   ranks with the same model, weights, batch and placements; medians of the slowest rank's step time,
-   the loss of every step compared with the single process, a per-phase split, our collectives per step
-   and a cProfile of rank 0 grouped by where the time goes.
+   ranks with the same model, weights, batch and placements: medians of the slowest rank's step time and
+   of the CPU time of all ranks, the loss of every step compared with the single process, a per-phase
+   split, our collectives per step and a CPU-time cProfile of rank 0 grouped by where the time goes.
 
 Prints the tables and writes them, with the command, to ``--out``.
 """
@@ -169,7 +169,7 @@ def timed_calls(fn, n):
     return times
 
 
-def interleaved_medians(fns, warmup, max_repeats, rounds=5, budget=0.3):
+def interleaved_medians(fns, warmup, max_repeats, rounds=10, budget=0.15):
     """Median microseconds of each function: warm-up, then ``rounds`` rounds that each time every function
     in turn (so drift and background load hit all of them alike); up to ``max_repeats`` calls each (at
     least 20), about ``budget`` seconds per function."""
@@ -189,8 +189,9 @@ def interleaved_medians(fns, warmup, max_repeats, rounds=5, budget=0.3):
 
 
 def run_ops(args):
-    """Per-op rows: plain paddle (callables taken before autoparallel patches paddle), the patched entry
-    points on the same plain tensors, and the DistTensor call, timed in interleaved rounds."""
+    """Per-op rows, timed in interleaved rounds: plain paddle (the callable taken before autoparallel
+    patches paddle) on the DistTensor's own local shards and on contiguous copies of them, the patched
+    entry point on the copies, and the call on the DistTensors."""
     from autoparallel import dist_tensor
 
     if dist_tensor._dispatch_ready:
@@ -206,21 +207,22 @@ def run_ops(args):
     for mesh_kind, op, size in tqdm(cases, desc="per-op overhead", unit="case", file=sys.stderr):
         path, _, call = OPS[op]
         arrays = make_arrays(op, *SIZES[size])
-        locs = local_inputs(op, arrays, None if mesh_kind == "1 rank" else sim_mesh)
-        if mesh_kind == "1 rank":
-            world, mesh = contextlib.nullcontext(), one
-        else:
-            world, mesh = ap.simulate(world_size=4), None
-        with world:
-            d = dist_inputs(op, arrays, mesh or ap.ProcessMesh(*SIM_MESH), simulated=mesh is None)
+        copies = local_inputs(op, arrays, None if mesh_kind == "1 rank" else sim_mesh)
+        sim = mesh_kind != "1 rank"
+        with ap.simulate(world_size=4) if sim else contextlib.nullcontext():
+            d = dist_inputs(op, arrays, ap.ProcessMesh(*SIM_MESH) if sim else one, simulated=sim)
+            shards = [{n: dist_tensor.as_dist(v).local_of(r) for n, v in d.items()}
+                      for r in sorted(dist_tensor.as_dist(d["x"]).locals)]
             f_raw, f_patched, f_ours = raw_fn[op], resolve(path), resolve(path, dist_tensor_methods=True)
             out = call(f_ours, d)
-            us = interleaved_medians([lambda: [call(f_raw, t) for t in locs],
-                                      lambda: [call(f_patched, t) for t in locs],
+            us = interleaved_medians([lambda: [call(f_raw, t) for t in shards],
+                                      lambda: [call(f_raw, t) for t in copies],
+                                      lambda: [call(f_patched, t) for t in copies],
                                       lambda: call(f_ours, d)], args.op_warmup, args.op_repeats)
         rows.append({"mesh": mesh_kind, "op": op, "size": size, "shape": _shape_text(arrays),
-                     "paddle_us": us[0], "patched_us": us[1], "ours_us": us[2],
-                     "out": "[" + ", ".join(map(str, out.placements)) + "]"})
+                     "paddle_us": us[0], "contiguous_us": us[1], "patched_us": us[2], "ours_us": us[3],
+                     "out": "[" + ", ".join(map(str, out.placements)) + "]",
+                     "strided": any(not t.is_contiguous() for sh in shards for t in sh.values())})
     return rows
 
 
@@ -288,12 +290,14 @@ def run_gpt(args):
         raise box["error"]
     merged = {}
     for r in box["results"]:
-        m = merged.setdefault(r["impl"], {"impl": r["impl"], "losses": [], "times": [], "phases": {},
+        m = merged.setdefault(r["impl"], {"impl": r["impl"], "losses": [], "times": [], "cpu": [], "phases": {},
                                           "layout": r["layout"]})
         m["losses"].append(r["losses"])
         m["times"] += r["times"]
-        for k, v in r["phases"].items():
-            m["phases"].setdefault(k, []).extend(v)
+        m["cpu"] += r["cpu"]
+        for key in ("phases", "cpu_phases"):
+            for k, v in r[key].items():
+                m.setdefault(key, {}).setdefault(k, []).extend(v)
         for k in ("comm", "profile"):
             if r.get(k):
                 m[k] = r[k]
@@ -319,16 +323,17 @@ def text_table(header, rows):
     return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
-OP_HEADER = ["mesh", "op", "size", "inputs", "paddle µs", "patched, plain µs", "ours µs", "overhead µs",
-             "ours/paddle", "ours out"]
+OP_HEADER = ["mesh", "op", "size", "inputs", "paddle µs", "ours µs", "overhead µs", "ours/paddle",
+             "paddle, contiguous µs", "patched, plain µs", "ours out"]
 
 
 def op_table(rows):
     out = []
     for r in rows:
-        out.append([r["mesh"], r["op"], r["size"], r["shape"], f"{r['paddle_us']:.1f}", f"{r['patched_us']:.1f}",
-                    f"{r['ours_us']:.1f}", f"{r['ours_us'] - r['paddle_us']:.1f}",
-                    f"{r['ours_us'] / r['paddle_us']:.2f}", r["out"]])
+        star = "*" if r["strided"] else ""
+        out.append([r["mesh"], r["op"], r["size"], r["shape"], f"{r['paddle_us']:.1f}{star}", f"{r['ours_us']:.1f}",
+                    f"{r['ours_us'] - r['paddle_us']:.1f}", f"{r['ours_us'] / r['paddle_us']:.2f}",
+                    f"{r['contiguous_us']:.1f}", f"{r['patched_us']:.1f}", r["out"]])
     return out
 
 
@@ -337,12 +342,23 @@ def op_summary(rows):
     for mesh in ("1 rank", "2x2 sim"):
         sel = [r for r in rows if r["mesh"] == mesh]
         over = [r["ours_us"] - r["paddle_us"] for r in sel]
-        tax = [r["patched_us"] - r["paddle_us"] for r in sel]
+        tax = [r["patched_us"] - r["contiguous_us"] for r in sel]
         med = {s: statistics.median(r["ours_us"] / r["paddle_us"] for r in sel if r["size"] == s) for s in SIZES}
         lines.append(f"- {mesh}: overhead per DistTensor call median {statistics.median(over):.0f} µs "
-                     f"(range {min(over):.0f}-{max(over):.0f}); median ours/paddle "
+                     f"(range {min(over):.0f} to {max(over):.0f}); median ours/paddle "
                      + ", ".join(f"{s} {v:.2f}" for s, v in med.items())
-                     + f"; plain tensors through the patched entry points: median {statistics.median(tax):+.1f} µs.")
+                     + f"; a plain-tensor call through the patched entry point costs {statistics.median(tax):+.1f} µs "
+                     "(median) over the unpatched one.")
+    strided = [r for r in rows if r["strided"]]
+    if not strided:
+        lines.append("- Every local shard made by `ap.shard_tensor` is contiguous (paddle on the shards and on "
+                     "contiguous copies agree up to noise).")
+    else:
+        worst = max(strided, key=lambda r: r["paddle_us"] / r["contiguous_us"])
+        lines.append(f"- `*`: some local shards made by `ap.shard_tensor` are strided views (not contiguous): "
+                     f"{len(strided)} cases; the same paddle call on contiguous copies is up to "
+                     f"{worst['paddle_us'] / worst['contiguous_us']:.1f}x faster ({worst['op']} {worst['size']}: "
+                     f"{worst['paddle_us']:.0f} vs {worst['contiguous_us']:.0f} µs).")
     return lines
 
 
@@ -354,6 +370,7 @@ def gpt_tables(m):
     single, pad, ours = m["single"], m["paddle"], m["ours"]
     ref = single["losses"][0]
     med = {k: statistics.median(v["times"]) for k, v in m.items()}
+    cpu = {k: statistics.median(v["cpu"]) for k, v in m.items()}
     rows = []
     labels = {"single": "single process, plain paddle", "paddle": "Paddle semi-auto (shard_layer/shard_tensor)",
               "ours": "ours (ap.apply_tp + shard_layer + shard_optimizer)"}
@@ -362,22 +379,42 @@ def gpt_tables(m):
         t = r["times"]
         diff = max(abs(a - b) for run in r["losses"] for a, b in zip(run, ref))
         rows.append([labels[key], ranks, len(t), ms(t), f"{min(t) * 1e3:.0f}-{max(t) * 1e3:.0f}",
-                     f"{med[key] / med['single']:.2f}", f"{r['losses'][0][0]:.6f}", f"{r['losses'][0][-1]:.6f}",
-                     f"{diff:.1e}"])
-    header = ["run", "ranks", "timed steps", "median step ms", "min-max ms", "vs single", "step-0 loss",
-              f"loss after {len(ref) - 1} steps", "max |loss - single| over all steps"]
+                     f"{med[key] / med['single']:.2f}", ms(r["cpu"]), f"{cpu[key] / cpu['single']:.2f}",
+                     f"{r['losses'][0][0]:.6f}", f"{r['losses'][0][-1]:.6f}", f"{diff:.1e}"])
+    header = ["run", "ranks", "timed steps", "median step ms", "min-max ms", "vs single", "CPU ms/step (all ranks)",
+              "CPU vs single", "step-0 loss", f"loss after {len(ref) - 1} steps", "max abs(loss - single), all steps"]
     phase_rows = []
     for k in single["phases"]:
-        s, p, o = (statistics.median(x["phases"][k]) * 1e3 for x in (single, pad, ours))
-        phase_rows.append([k, f"{s:.1f}", f"{p:.1f}", f"{o:.1f}", f"{o - p:+.1f}"])
-    phase_header = ["phase (median, slowest rank)", "single ms", "paddle ms", "ours ms", "ours - paddle ms"]
+        w = [statistics.median(x["phases"][k]) * 1e3 for x in (single, pad, ours)]
+        c = [statistics.median(x["cpu_phases"][k]) * 1e3 for x in (single, pad, ours)]
+        phase_rows.append([k] + [f"{v:.1f}" for v in w] + [f"{w[2] - w[1]:+.1f}"] + [f"{v:.1f}" for v in c]
+                          + [f"{c[2] - c[1]:+.1f}"])
+    phase_header = ["phase", "wall: single", "paddle", "ours", "ours - paddle", "CPU: single", "paddle", "ours",
+                    "ours - paddle"]
     same_layout = ours["layout"] == pad["layout"]
-    return header, rows, phase_header, phase_rows, med["ours"] / med["paddle"], same_layout
+    return header, rows, phase_header, phase_rows, (med["ours"] / med["paddle"], cpu["ours"] / cpu["paddle"]), \
+        same_layout
 
 
 def comm_lines(ours):
-    comm = ours.get("comm") or {}
-    return [f"- {name}: {n} calls, {b / 2**20:.2f} MiB sent by each rank" for name, (n, b) in sorted(comm.items())]
+    """One line per phase: how many collectives of which size (bytes each rank sent)."""
+    lines = []
+    for phase, calls in (ours.get("comm") or {}).items():
+        kinds = {}
+        for name, nbytes, group in calls:
+            kinds[(name, nbytes, group)] = kinds.get((name, nbytes, group), 0) + 1
+        text = " + ".join(f"{n} x {name} of {fmt_bytes(b)} over {g} ranks" for (name, b, g), n in kinds.items())
+        lines.append(f"- {phase}: {len(calls)} collective{'' if len(calls) == 1 else 's'}" + (f": {text}" if text else ""))
+    total = sum(len(c) for c in (ours.get("comm") or {}).values())
+    sent = sum(b for c in (ours.get("comm") or {}).values() for _, b, _ in c)
+    return lines + [f"- per step: {total} collectives, {fmt_bytes(sent)} sent by each rank"] if lines else []
+
+
+def fmt_bytes(b):
+    for unit, k in (("MiB", 2**20), ("KiB", 2**10)):
+        if b >= k:
+            return f"{b / k:.3g} {unit}"
+    return f"{b:.0f} B"
 
 
 def profile_tables(m):
@@ -390,17 +427,18 @@ def profile_tables(m):
              for g in groups]
     grows.append(["total (profiled)", f"{prof['paddle']['total'] * 1e3:.1f}", f"{prof['ours']['total'] * 1e3:.1f}"])
     top = [[f"{tt * 1e3:.2f}", f"{ct * 1e3:.2f}", f"{n:g}", f"`{where}`"] for tt, ct, n, where in prof["ours"]["top"]]
-    return (["own time of (rank 0, per step)", "paddle ms", "ours ms"], grows,
-            ["own ms/step", "cumulative ms/step", "calls/step", "function (ours, rank 0)"], top)
+    return (["CPU own time (rank 0, per step)", "paddle ms", "ours ms"], grows,
+            ["own CPU ms/step", "cumulative CPU ms/step", "calls/step", "function (ours, rank 0)"], top)
 
 
 # ---- output -----------------------------------------------------------------------------------------------------
-def write_doc(path, command, args, op_rows, gpt):
+def write_doc(path, command, args, op_rows, gpt, load):
     env = (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-           f"paddle {paddle.__version__}, OMP_NUM_THREADS=1")
+           f"paddle {paddle.__version__}, OMP_NUM_THREADS=1; 1-minute load average {load[0]:.1f} before and "
+           f"{load[1]:.1f} after the run")
     parts = [f"""# Dispatch benchmark: DistTensor op overhead, and a GPT DP2xTP2 step against Paddle's semi-auto API
 
-Generated by `tools/bench_dispatch.py` on this machine ({env}). Command:
+Generated by `tools/bench_dispatch.py` at commit {_git_commit()} on this machine ({env}). Command:
 
 ```
 {command}
@@ -411,18 +449,20 @@ Generated by `tools/bench_dispatch.py` on this machine ({env}). Command:
 
 One process. For every op and size, three variants timed in interleaved rounds (each round times every
 variant in turn, so drift and background load hit them alike): {args.op_warmup} warm-up calls each, then up to
-{args.op_repeats} timed calls each (about 0.3 s per variant), garbage collector off while timing; the table shows
+{args.op_repeats} timed calls each (about 0.15 s per variant, in 10 rounds), garbage collector off while timing; the table shows
 the median call. Float inputs require gradients as activations and parameters do in training
 (parameters are paddle Parameters, so ours holds them as `DistParameter`s). Forward only: backward runs
 in paddle's autograd on the local tensors (and the collectives' adjoints), without dispatch.
 
-- **paddle µs**: the paddle op on plain local tensors, through the callable taken before autoparallel
-  patches paddle (`paddle.Tensor.__add__`, `paddle.matmul`, `F.linear`, ... as listed in the tool).
-  On `2x2 sim` it is the op on each of the four ranks' local shards (four calls).
-- **patched, plain µs**: the same plain-tensor call after autoparallel has patched paddle's entry points
-  (what every plain-tensor op pays while autoparallel is active).
-- **ours µs**: the call on DistTensors: rule -> reshard (none needed here) -> local op -> DistTensor.
-  **overhead** = ours - paddle; **ours out** is the output placements the rule chose.
+- **paddle µs**: the paddle op on the DistTensors' own local shards, through the callable taken before
+  autoparallel patches paddle (`paddle.Tensor.__add__`, `paddle.matmul`, `F.linear`, ...; see `OPS` in
+  the tool). On `2x2 sim` it is the op on each of the four ranks' shards (four calls).
+- **ours µs**: the call on the DistTensors: rule -> reshard (none needed here) -> local op on each held
+  shard -> DistTensor. **overhead** = ours - paddle, on the same local tensors: the dispatch cost.
+- **paddle, contiguous µs**: the unpatched op on contiguous copies of the shards; `*` on the paddle
+  column marks cases where some shard made by `ap.shard_tensor` is a strided view.
+- **patched, plain µs**: the contiguous copies through the patched entry point: what a plain-tensor op
+  pays while autoparallel is active. **ours out**: the output placements the rule chose.
 - **1 rank**: a one-rank mesh in the real world of one, every input `[R]`: pure dispatch cost.
   **2x2 sim**: `ap.simulate(world_size=4)` on a 2x2 mesh ("data", "model"); inputs placed as in a
   DP2xTP2 step (activations `[S(0), R]` or `[S(0), S(1)]`, column-parallel weight `[R, S(1)]`, bias
@@ -443,9 +483,11 @@ GPT (`examples/models/gpt.py`): vocab {args.vocab}, hidden {args.hidden}, {args.
 sequence {args.seq}, global batch {args.batch}; AdamW (lr 1e-3); float32; the same seed (same initial weights) and the
 same fixed batch every step. A step is forward + `F.cross_entropy` + backward + `opt.step()` +
 `opt.clear_grad()` + `float(loss)` (the same `train_step` code for all three runs). {args.warmup} warm-up steps,
-then {args.steps} timed steps per launch, each after a barrier; a step's time is the slowest rank's; the
-4-rank runs are launched {args.rounds} times alternately (paddle, ours, paddle, ...) and their timed steps
-pooled. The single process runs alone on one core; the 4 ranks share the machine's {os.cpu_count()} cores.
+then {args.steps} timed steps per launch, each after a barrier; a step's time is the slowest rank's, its CPU
+time the sum over ranks of `time.process_time()` (the work done, which other load on the machine disturbs
+far less than wall time); the 4-rank runs are launched {args.rounds} times alternately (paddle, ours,
+paddle, ...) and their timed steps pooled. The single process runs alone on one core; the 4 ranks share
+the machine's {os.cpu_count()} cores.
 
 Mesh `[[0, 1], [2, 3]]` ("data", "model"); ids and labels `[Shard(0), Replicate()]`; tensor-parallel
 placements from `autoparallel.testing.models.GPT_PLAN` on the "model" dim for both runs: qkv/fc1 weight
@@ -459,14 +501,19 @@ the two runs identical: **{"yes" if same_layout else "NO"}** (e.g. {sharded}).
 
 {md_table(header, rows)}
 
-**ours / paddle (median step time): {ratio:.2f}**
+**ours / paddle: {ratio[0]:.2f} (median step time), {ratio[1]:.2f} (median CPU time per step, all ranks)**
 
-Per phase (median over timed steps of the slowest rank's phase time; the phases of a step need not come
-from the same rank, so they need not add up to the step):
+Per phase, in ms: **wall** is the median over timed steps of the slowest rank's phase time (the phases of a
+step need not come from the same rank, so they need not add up to the step; a phase that ends in a
+collective also absorbs the wait for ranks still busy with the previous phase); **CPU** is the median of
+the process CPU time summed over the ranks (gloo waits block without using CPU, so this is the work done:
+compute, python, copies).
 
 {md_table(ph, prow)}
 
-Our collectives in one step (counted on rank 0 by wrapping `paddle.distributed`, `autoparallel/comm/counter.py`):
+Our collectives in one step, by phase (counted on rank 0 by wrapping `paddle.distributed`,
+`autoparallel/comm/counter.py`; bytes are what each rank sends, by the ring convention; Paddle's run inside
+its C++ ops and cannot be counted this way):
 {chr(10).join(comm_lines(gpt["ours"])) or "- (not counted)"}
 """)
         prof = profile_tables(gpt)
@@ -474,10 +521,11 @@ Our collectives in one step (counted on rank 0 by wrapping `paddle.distributed`,
             gh, grows, th, trows = prof
             parts.append(f"""### Where the time goes (cProfile, rank 0, {args.profile_steps} steps after timing)
 
-Own time per step grouped by where the code lives (profiling slows python code, so compare the
-groups, not the totals with the table above). Collective time includes waiting for the other ranks,
-which share the cores; Paddle's collectives run inside its C++ ops, so for Paddle they are counted in
-its kernels and autograd engine.
+cProfile with a CPU-time clock (`time.process_time`): ms of CPU per step, by the function's own time,
+grouped by where the code lives. Waiting in a collective blocks without CPU, so waits do not appear here
+(the wall columns of the phase table show them). Profiling inflates python code more than kernels, so
+compare the groups between the two runs rather than the totals with the tables above. Paddle's collectives
+and reshards run inside its C++ ops, so for Paddle they are part of its kernels and autograd engine.
 
 {md_table(gh, grows)}
 
@@ -491,6 +539,21 @@ blocks, so neither implementation overlaps communication with compute.
 """)
     with open(path, "w") as f:
         f.write("\n".join(parts))
+
+
+def _git_commit() -> str:
+    """The checked-out commit, marked when tracked files differ from it."""
+    def git(*cmd):
+        return subprocess.run(["git", "-C", ROOT, *cmd], capture_output=True, text=True, timeout=10)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if head.returncode:
+        return "unknown"
+    return f"`{head.stdout.strip()}`" + (" (with uncommitted changes)" if dirty else "")
 
 
 def main(argv=None) -> int:
@@ -518,6 +581,7 @@ def main(argv=None) -> int:
         p.error("expected --steps >= 1, --warmup >= 0, --rounds >= 1 and even --batch and --heads (DP2xTP2)")
     os.environ["OMP_NUM_THREADS"] = "1"
     start = time.perf_counter()
+    load_before = os.getloadavg()[0]
 
     op_rows = [] if args.skip_ops else run_ops(args)
     if op_rows:
@@ -527,20 +591,22 @@ def main(argv=None) -> int:
     if gpt:
         header, rows, ph, prow, ratio, same_layout = gpt_tables(gpt)
         print(text_table(header, rows))
-        print(f"ours / paddle (median step time): {ratio:.2f}; same parameter placements: {same_layout}\n")
+        print(f"ours / paddle: {ratio[0]:.2f} (median step time), {ratio[1]:.2f} (CPU time per step); "
+              f"same parameter placements: {same_layout}\n")
         print(text_table(ph, prow))
         print("\n".join(comm_lines(gpt["ours"])))
         prof = profile_tables(gpt)
         if prof:
             print("\n" + text_table(prof[0], prof[1]) + "\n\n" + text_table(prof[2], prof[3]))
-    print(f"total {time.perf_counter() - start:.0f} s")
+    print(f"total {time.perf_counter() - start:.0f} s; 1-minute load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")
     if args.out:
         defaults = {a.dest: a.default for a in p._actions}
         flags = [f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                  if k not in ("out", "skip_ops", "skip_gpt") and v != defaults[k]]
         flags += [f" --{k.replace('_', '-')}" for k in ("skip_ops", "skip_gpt") if getattr(args, k)]
         command = "OMP_NUM_THREADS=1 .venv/bin/python tools/bench_dispatch.py" + "".join(flags)
-        write_doc(args.out, command, args, op_rows, gpt)
+        write_doc(args.out, command, args, op_rows, gpt, (load_before, os.getloadavg()[0]))
         print(f"wrote {os.path.relpath(args.out, os.getcwd())}")
     return 0
 

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import sys
-import traceback
 
 import numpy as np
 import paddle
@@ -84,17 +83,18 @@ def forward_comm(model, args):
 def accumulation_comm(model, opt, args, k):
     """Collectives of each micro-step's backward and of the optimizer step under gradient accumulation."""
     it = one_batch(model, args, k)
-    backward, losses = [], []
+    backward = []
     for _ in range(k):
         x, y = next(it)
         loss = F.cross_entropy(model(x), y)
         with count_comm() as log:
             loss.backward()
-        backward.append([c[0] for c in log.calls])
+        backward.append(log.calls)
     with count_comm() as log:
         opt.step()
     opt.clear_grad()
-    return {"backward": backward, "step": [c[0] for c in log.calls]}
+    return {"backward": [[c[0] for c in calls] for calls in backward], "step": [c[0] for c in log.calls],
+            "backward_bytes": [sum(c[1] for c in calls) for calls in backward], "step_bytes": log.bytes_sent}
 
 
 def run_job(job, out_dir, rank):
@@ -118,12 +118,8 @@ def main():
     dist.init_parallel_env()
     rank = dist.get_rank()
     out = {"rank": rank, "pod": os.environ.get("POD_NAME"), "jobs": {}}
-    for job in jobs:
-        try:
-            out["jobs"][job["name"]] = run_job(job, out_dir, rank)
-        except Exception:
-            out["jobs"][job["name"]] = {"error": traceback.format_exc()}
-            break                          # the ranks' collective sequences may now differ: stop
+    for job in jobs:                       # an exception ends the rank: launch() reports every rank's log
+        out["jobs"][job["name"]] = run_job(job, out_dir, rank)
     write_result(out)
 
 

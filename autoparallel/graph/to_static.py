@@ -1,0 +1,370 @@
+"""ap.to_static: capture the training step once, complete every layout over the whole graph, then execute
+with those layouts pinned (dispatch asks no rule per step).
+
+    dist_model = ap.to_static(model, loader, loss_fn, optimizer, strategy=s)
+    for x, y in loader:
+        loss = dist_model.train_step((x, y))          # one optimizer step; returns the global loss
+    print(dist_model)                                 # per-op placements and the collectives each inserts
+    dist_model.graph                                  # the captured networkx op graph
+
+Shapes come from ``input_spec`` (one ``InputSpec`` / ``(shape, dtype)`` / ``DistSpec`` per batch field) or from
+the loader's metadata (``batch_size`` / ``global_batch_size`` and ``dataset[0]``); no batch is drawn from the
+loader. A batch is ``(inputs..., label)``: the model takes all fields but the last, ``loss_fn(output, label)``.
+With ``gradient_accumulation_steps = k`` a train_step batch holds k micro-batches along dim 0 (or is a list
+of k micro-batches); the graph is captured at the micro-batch shape.
+
+Strategy: ``auto_mode="semi"`` fixes the batch dim of every field sharded over "data" (dp > 1), the default
+tensor-parallel plan's parameter layouts (tp > 1, GPT / LLaMA names or ``tp_plan``) and, with sequence
+parallel, sequence-sharded outputs of every norm layer; completion chooses everything else.
+``auto_mode="full"``: nothing is fixed but the user's own annotations; the mesh is [data, model] as square as
+the world allows. Pipeline parallel, ZeRO sharding, recompute and AMP are not supported in this mode yet.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import paddle
+
+from autoparallel.placement import Replicate, Shard
+from autoparallel.spec import DistSpec, normalize_dtype
+
+__all__ = ["to_static", "DistModel", "InputSpecMismatchError"]
+
+
+class InputSpecMismatchError(ValueError):
+    """A batch does not match the input spec the graph was captured with."""
+
+
+# ---- shapes ------------------------------------------------------------------------------------------
+def _spec_of(x, i):
+    """(shape, dtype) of one input_spec entry."""
+    if isinstance(x, DistSpec):
+        return list(x.shape), x.dtype
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is None and isinstance(x, (tuple, list)) and len(x) == 2:
+        shape, dtype = x
+    if shape is None or any(s is None or int(s) < 0 for s in shape):
+        raise ValueError(f"input_spec[{i}]: expected an InputSpec, DistSpec or (shape, dtype) with a fully known "
+                         f"shape, got {x!r}")
+    return [int(s) for s in shape], normalize_dtype(dtype or "float32")
+
+
+def _loader_specs(loader):
+    """[(shape, dtype)] of one loader batch from its metadata (batch size and ``dataset[0]``)."""
+    bs = getattr(loader, "global_batch_size", None) or getattr(loader, "batch_size", None)
+    if bs is None:
+        bs = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    dataset = getattr(loader, "dataset", None)
+    if not bs or dataset is None:
+        raise TypeError(f"to_static cannot read batch shapes from a {type(loader).__name__} (it exposes no "
+                        f"batch_size and dataset); pass input_spec=[(shape, dtype), ...] for the batch fields")
+    item = dataset[0]
+    fields = item if isinstance(item, (tuple, list)) else (item,)
+    out = []
+    for f in fields:
+        if isinstance(f, paddle.Tensor):
+            shape, dtype = list(f.shape), normalize_dtype(f.dtype)
+        elif isinstance(f, (bool, int, float)):                  # python scalars collate to int64 / float32
+            shape, dtype = [], "int64" if isinstance(f, (bool, int)) else "float32"
+        else:
+            a = np.asarray(f)
+            shape, dtype = list(a.shape), normalize_dtype(a.dtype)
+        out.append(([int(bs)] + shape, dtype))
+    return out
+
+
+def _micro(spec, k, i):
+    shape, dtype = spec
+    if not shape or shape[0] % k:
+        raise ValueError(f"batch field {i}: the batch dim {shape[:1]} must be divisible by "
+                         f"gradient_accumulation_steps={k}")
+    return [shape[0] // k] + shape[1:], dtype
+
+
+# ---- strategy ----------------------------------------------------------------------------------------
+def _check_knobs(s):
+    knobs = [(s.pipeline_parallel.degree > 1, f"pipeline_parallel.degree={s.pipeline_parallel.degree}"),
+             (s.sharding.enable, f"sharding (ZeRO stage {s.sharding.stage})"),
+             (s.recompute.enable, "recompute"), (s.amp.enable, f"amp ({s.amp.dtype})")]
+    for on, what in knobs:
+        if on:
+            raise NotImplementedError(f"{what} is not supported by ap.to_static yet (supported: data, tensor and "
+                                      f"sequence parallel, gradient accumulation, auto_mode 'full')")
+
+
+def _square_mesh(world):
+    from autoparallel.mesh import ProcessMesh
+
+    dp = max(d for d in range(1, int(math.isqrt(world)) + 1) if world % d == 0)
+    tp = world // dp
+    return ProcessMesh([[a * tp + b for b in range(tp)] for a in range(dp)], dim_names=["data", "model"])
+
+
+def _mesh_for(strategy, world, mesh):
+    if mesh is not None:
+        return mesh, None
+    if strategy.auto_mode == "full":
+        return _square_mesh(world), None
+    from autoparallel.parallelize import build_mesh
+
+    degrees = strategy.validate(world_size=world)
+    return build_mesh(degrees.dp, degrees.tp), degrees
+
+
+def _semi_annotations(model, mesh, strategy, tp_plan):
+    """Parameter and layer-output annotations implied by the strategy (semi mode)."""
+    from autoparallel.parallelize import resolve_tp_plan
+
+    ann = {}
+    tp = mesh.shape[mesh.dim_index("model")] if "model" in mesh.dim_names else 1
+    if tp > 1:
+        try:
+            ann.update(resolve_tp_plan(model, tp, tp_plan))
+        except ValueError:
+            if tp_plan is not None:
+                raise          # no template knows this model: completion lays out the model dim itself
+    if strategy.sequence_parallel.enable and tp > 1:
+        for name, layer in model.named_sublayers():
+            if name and type(layer).__name__.endswith("Norm"):
+                pl = [Shard(0) if n == "data" and mesh.shape[i] > 1 else Replicate()
+                      for i, n in enumerate(mesh.dim_names)]
+                pl[mesh.dim_index("model")] = Shard(1)
+                ann[name] = pl
+    return ann
+
+
+def _batch_layout(mesh, ndim):
+    return [Shard(0) if n == "data" and mesh.shape[i] > 1 and ndim > 0 else Replicate()
+            for i, n in enumerate(mesh.dim_names)]
+
+
+# ---- the model ---------------------------------------------------------------------------------------
+class DistModel:
+    """A model, loss and optimizer whose layouts were completed over the captured training graph."""
+
+    def __init__(self, model, loss_fn, optimizer, plan, mesh, specs, k):
+        self.network, self.loss_fn, self.plan, self.mesh = model, loss_fn, plan, mesh
+        self._specs, self._k = specs, k
+        self._n_inputs = plan.graph.graph["n_model_inputs"]
+        self.optimizer = self._distribute(optimizer)
+
+    # ---- layouts applied to the real parameters ---------------------------------------------------
+    def _distribute(self, optimizer):
+        from autoparallel.dist_tensor import is_dist, shard_tensor
+
+        layouts = self.plan.param_layouts
+        replaced = {}
+        for prefix, sub in self.network.named_sublayers(include_self=True):
+            for pname, p in list(sub._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) in replaced:
+                    sub._parameters[pname] = replaced[id(p)]
+                    continue
+                name = f"{prefix}.{pname}" if prefix else pname
+                want = layouts.get(name) or layouts.get(_name_of(self.network, p))
+                if is_dist(p):
+                    continue
+                new = shard_tensor(p, self.mesh, list(want or [Replicate()] * self.mesh.ndim))
+                replaced[id(p)] = new
+                sub._parameters[pname] = new
+        if optimizer is None:
+            return None
+        from autoparallel.parallelize import wrap_optimizer
+
+        return wrap_optimizer(optimizer, replaced, self._k)
+
+    # ---- batches ----------------------------------------------------------------------------------
+    def _micro_batches(self, batch, k):
+        n = len(self._specs)
+        if isinstance(batch, list) and batch and isinstance(batch[0], (tuple, list)):
+            if len(batch) != k:
+                raise InputSpecMismatchError(f"expected {k} micro-batches (gradient_accumulation_steps), got "
+                                             f"{len(batch)}")
+            return [tuple(b) for b in batch]
+        fields = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        if len(fields) != n:
+            raise InputSpecMismatchError(f"expected a batch of {n} fields (inputs..., label) as in the input "
+                                         f"spec, got {len(fields)}")
+        if k == 1:
+            return [fields]
+        parts = []
+        for i, f in enumerate(fields):
+            shape = _shape_of(f)
+            want = self._specs[i][0][0] * k
+            if not shape or shape[0] != want:
+                raise InputSpecMismatchError(f"batch field {i}: expected {k} micro-batches of "
+                                             f"{self._specs[i][0][0]} along dim 0 ({want} rows), got shape {shape}")
+            parts.append(_split0(f, k))
+        return [tuple(p[j] for p in parts) for j in range(k)]
+
+    def _place(self, x, i):
+        from autoparallel.dist_tensor import DistTensor, reshard, shard_tensor
+
+        shape, dtype = self._specs[i]
+        layout = self.plan.input_layouts[i]
+        if isinstance(x, np.ndarray):
+            x = paddle.to_tensor(x)
+        if not isinstance(x, (paddle.Tensor, DistTensor)):
+            raise InputSpecMismatchError(f"batch field {i}: expected a tensor or ndarray of shape {shape} {dtype}, "
+                                         f"got {type(x).__name__}")
+        got_shape = list(x.shape)
+        got_dtype = normalize_dtype(x.dtype)
+        if got_shape != shape or got_dtype != dtype:
+            raise InputSpecMismatchError(f"batch field {i}: expected shape {shape} {dtype} (the input spec the "
+                                         f"graph was captured with), got {got_shape} {got_dtype}")
+        if isinstance(x, DistTensor):
+            if x.mesh != self.mesh:
+                raise InputSpecMismatchError(f"batch field {i} lives on mesh {x.mesh.short()}, the model on "
+                                             f"{self.mesh.short()}")
+            return reshard(x, self.mesh, layout)
+        return shard_tensor(x, self.mesh, list(layout), stop_gradient=True)
+
+    def _forward(self, fields, with_loss=True):
+        from autoparallel.dispatch import pinned
+
+        xs = [self._place(f, i) for i, f in enumerate(fields)]
+        n = self._n_inputs
+        with pinned(self.plan.ops[:self._n_ops(with_loss)], self.plan.ordered_results(not with_loss)):
+            out = self.network(*xs[:n])
+            return self.loss_fn(out, *xs[n:]) if with_loss else out
+
+    def _n_ops(self, with_loss):
+        g = self.plan.graph
+        return g.number_of_nodes() if with_loss else g.graph["n_model_ops"]
+
+    # ---- steps ------------------------------------------------------------------------------------
+    def train_step(self, batch) -> float:
+        """One optimizer step on ``batch`` (its k micro-batches); returns the mean global loss."""
+        if self.loss_fn is None or self.optimizer is None:
+            raise TypeError("train_step needs a loss_fn and an optimizer: pass them to ap.to_static")
+        self.network.train()
+        total = 0.0
+        micro = self._micro_batches(batch, self._k)
+        for fields in micro:
+            loss = self._forward(fields)
+            loss.backward()
+            total += float(loss)
+        self.optimizer.step()
+        self.optimizer.clear_grad()
+        return total / len(micro)
+
+    def eval_step(self, batch) -> float:
+        """The mean global loss on ``batch`` without updating anything."""
+        if self.loss_fn is None:
+            raise TypeError("eval_step needs a loss_fn: pass it to ap.to_static")
+        self.network.eval()
+        with paddle.no_grad():
+            micro = self._micro_batches(batch, self._k)
+            total = sum(float(self._forward(f)) for f in micro)
+        self.network.train()
+        return total / len(micro)
+
+    def predict(self, inputs):
+        """The model's output (a DistTensor; ``.full()`` gathers it) for one micro-batch of inputs."""
+        fields = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        if len(fields) != self._n_inputs:
+            raise InputSpecMismatchError(f"predict expects the {self._n_inputs} model input field(s), got "
+                                         f"{len(fields)}")
+        self.network.eval()
+        with paddle.no_grad():
+            out = self._forward(fields, with_loss=False)
+        self.network.train()
+        return out
+
+    # ---- inspection -------------------------------------------------------------------------------
+    @property
+    def graph(self):
+        """The captured op graph (networkx DiGraph; nodes carry op, layouts, sources, layer)."""
+        return self.plan.graph
+
+    def listing(self) -> str:
+        """Per op: layer, rule, input and output placements, collectives inserted forward and backward."""
+        return self.plan.listing()
+
+    def __str__(self) -> str:
+        return self.listing()
+
+    __repr__ = __str__
+
+    def state_dict(self, full: bool = False) -> dict:
+        """{name: parameter}: distributed parameters (each with ``.placements`` and ``.full()``), or with
+        ``full=True`` the gathered values as numpy arrays (every rank takes part)."""
+        sd = self.network.state_dict()
+        if not full:
+            return sd
+        from autoparallel.dist_tensor import is_dist
+
+        return {k: (v.full().numpy() if is_dist(v) else v.numpy()) for k, v in sd.items()}
+
+    def parameters(self):
+        return self.network.parameters()
+
+
+def _name_of(model, p):
+    for n, q in model.named_parameters():
+        if q is p:
+            return n
+    return None
+
+
+def _shape_of(x):
+    return list(x.shape) if hasattr(x, "shape") else None
+
+
+def _split0(x, k):
+    from autoparallel.dist_tensor import DistTensor
+
+    if isinstance(x, DistTensor):
+        raise InputSpecMismatchError("a DistTensor batch cannot be split into micro-batches here; pass a list of "
+                                     "k micro-batches instead")
+    x = paddle.to_tensor(x) if isinstance(x, np.ndarray) else x
+    n = x.shape[0] // k
+    return [x[j * n:(j + 1) * n] for j in range(k)]
+
+
+def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, input_spec=None, *, mesh=None,
+              annotations=None, tp_plan=None, cluster=None, method: str = "auto") -> DistModel:
+    """Capture ``loss_fn(model(inputs), label)`` once, complete its layouts and return a ``DistModel``.
+
+    ``annotations``: {parameter name | sublayer name: placements} fixed on top of the strategy's.
+    ``cluster``: prices the plan (default: the runtime's planning cluster); ``method``: the solver.
+    """
+    from autoparallel.comm.world import current_world
+    from autoparallel.graph.completion import complete
+    from autoparallel.strategy import Strategy
+
+    strategy = Strategy() if strategy is None else strategy
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
+    _check_knobs(strategy)
+    if input_spec is not None:
+        specs = [_spec_of(x, i) for i, x in enumerate(input_spec)]
+    elif loader is not None:
+        specs = _loader_specs(loader)
+    else:
+        raise TypeError("to_static needs the batch shapes: pass input_spec=[(shape, dtype), ...] or a loader "
+                        "with batch_size and dataset")
+    if loss_fn is not None and len(specs) < 2:
+        raise ValueError(f"with a loss_fn a batch is (inputs..., label): expected at least 2 fields, the input "
+                         f"spec has {len(specs)}")
+    k = strategy.gradient_accumulation_steps
+    micro = [_micro(s, k, i) for i, s in enumerate(specs)]
+    mesh, _ = _mesh_for(strategy, current_world().world_size, mesh)
+    full = strategy.auto_mode == "full"
+    ann = {} if full else _semi_annotations(model, mesh, strategy, tp_plan)
+    ann.update(annotations or {})
+    given = list(input_spec) if input_spec is not None else [None] * len(specs)
+    in_specs = []
+    for i, (shape, dtype) in enumerate(micro):
+        g = given[i]
+        if isinstance(g, DistSpec):
+            in_specs.append(DistSpec(mesh, g.placements, tuple(shape), dtype))
+        else:
+            in_specs.append(DistSpec(mesh, tuple(_batch_layout(mesh, len(shape))), tuple(shape), dtype))
+    plan = complete(model, *in_specs, loss_fn=loss_fn, annotations=ann, mesh=mesh,
+                    n_model_inputs=len(in_specs) - (1 if loss_fn is not None else 0),
+                    auto_mode=strategy.auto_mode, cluster=cluster, method=method)
+    return DistModel(model, loss_fn, optimizer, plan, mesh, micro, k)

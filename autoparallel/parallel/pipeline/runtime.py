@@ -1,0 +1,552 @@
+"""Pipeline runtime: every rank executes its schedule's action list on its stage modules.
+
+    pipe = apply_pp(model, strategy, tp_plan=None)        # stages, sub-meshes, process groups
+    opt = pipe.wrap_optimizer(paddle.optimizer.AdamW(parameters=model.parameters()))
+    loss = pipe.train_batch(ids, labels)                  # one global batch, the same on every rank
+    opt.step(); opt.clear_grad()
+
+``train_batch`` cuts the global batch into ``micro_batches`` equal micro-batches and runs this rank's
+actions in order: ``F`` runs the stage forward (the first stage embeds the micro-batch, the last computes
+``loss_fn(logits, labels) / micro_batches``), ``SEND_F`` / ``RECV_F`` move activations to the next stage,
+``B`` runs the backward with the received output gradient (the last stage from its loss), ``SEND_B`` /
+``RECV_B`` move input gradients back, ``W`` computes the deferred Linear weight gradients (ZB-H1).
+Gradients accumulate over micro-batches, so after ``train_batch`` every parameter holds the gradient of
+the mean loss over the global batch: the same as one big batch in a single process. Parameters shared by
+stages on different ranks (a tied embedding / LM head) then get their gradients all-reduced between those
+ranks. Data-parallel partial gradients are reduced by the optimizer wrapper (``shard_optimizer``).
+
+A stage with data or tensor parallelism inside runs on its own ``[data, model]`` sub-mesh with
+DistTensors; activations cross stages in the boundary layout (``Shard(0)`` on ``data``, replicated on
+``model``), each rank exchanging its local shard with the rank of the same coordinates in the next stage.
+
+In a world of one process ``apply_pp`` builds every stage here and runs all action lists interleaved
+(a transfer is a hand-off): the same code path, for debugging and fast tests.
+
+Each executed action is recorded as ``Record(rank, kind, stage, microbatch, start, end)`` (pipeline
+rank, ``time.perf_counter`` seconds; one machine shares the clock), in ``pipe.records`` after each step:
+``timeline.plot_timeline(pipe.records)`` draws the measured timeline.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import paddle
+
+from .simulate import PipelineDeadlock, Record
+from .zero_bubble import WeightGradStore
+
+
+def _local(t):
+    """This rank's tensor of a DistTensor (or the tensor itself)."""
+    from autoparallel.dist_tensor import DistTensor
+
+    return t.local if isinstance(t, DistTensor) else t
+
+
+class _StepState:
+    def __init__(self, inputs, labels):
+        self.inputs, self.labels = inputs, labels
+        self.saved = {}          # (stage, mb) -> (stage input (local, grad-requiring) or None, output or loss)
+        self.inbox_f = {}        # (stage, mb) -> received activation
+        self.inbox_b = {}        # (stage, mb) -> received gradient of the stage output
+        self.input_grads = {}    # (stage, mb) -> gradient of the stage input, to send back
+        self.sent_headers = set()    # forward channels whose shape header went out this step
+        self.shapes = {}             # forward channel -> (shape, dtype) from its header this step
+        self.loss = 0.0
+        self.records = []
+
+
+class PipelineModule:
+    """Executes a ``PipelinePlan`` on the stages of the pipeline ranks this process holds.
+
+    ``stages``: every ``PipelineStage`` (only the held ones run); ``held``: pipeline ranks run here (one in
+    a real job, all of them in a single process); ``transport``: ``p2p.RankTransport`` or
+    ``p2p.LocalTransport``; ``meshes``: {stage: [data, model] ProcessMesh} for stages running on
+    DistTensors (empty: plain tensors); ``tied``: [(parameter, group)] all-reduced after each step;
+    ``sync_loss``: callable(local loss or None) -> the loss every rank returns."""
+
+    def __init__(self, plan, stages, held, transport, meshes=None, loss_fn=None, tied=(), sync_loss=None,
+                 zero_bubble: bool = False):
+        self.plan, self.stages, self.held = plan, list(stages), sorted(held)
+        self.transport = transport
+        self.meshes = dict(meshes or {})
+        self.loss_fn = loss_fn if loss_fn is not None else _cross_entropy
+        self.tied = list(tied)
+        self._sync_loss = sync_loss
+        self.zero_bubble = zero_bubble
+        self.weight_grads = WeightGradStore()
+        self.held_stages = sorted(s for r in self.held for s in plan.stages_of(r))
+        self.records: list = []
+        self.original_names: dict = {}       # id(parameter as the model built it) -> model name
+        self.pp_rank = self.held[0] if len(self.held) == 1 else None    # set by apply_pp on real ranks
+        self.rank, self.coords, self.ranks = 0, (0, 0), None
+
+    # ---- what this process holds --------------------------------------------------------------------------
+    @property
+    def schedule(self):
+        return self.plan.schedule
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.held_stages
+
+    @property
+    def holds_last(self) -> bool:
+        return self.plan.num_stages - 1 in self.held_stages
+
+    def named_parameters(self):
+        """(model name, parameter) of the held stages, each parameter once."""
+        seen = set()
+        for s in self.held_stages:
+            for name, p in self.stages[s].named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def parameters(self) -> list:
+        return [p for _, p in self.named_parameters()]
+
+    def train(self):
+        for s in self.held_stages:
+            self.stages[s].train()
+        return self
+
+    def eval(self):
+        for s in self.held_stages:
+            self.stages[s].eval()
+        return self
+
+    def wrap_optimizer(self, optimizer):
+        """Point a paddle optimizer (built over the model's parameters or over ``parameters()``) at this
+        rank's stage parameters and wrap it with ``shard_optimizer``; returns the wrapper."""
+        return bind_optimizer(optimizer, self)
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def train_batch(self, inputs, labels=None) -> float | None:
+        """Forward and backward of one global batch through the pipeline (gradients accumulate; call the
+        optimizer afterwards). Every rank passes the same batch (ranks that hold neither the first nor the
+        last stage may pass None). Returns the mean loss (on every rank when ``sync_loss`` is set, else on
+        the last stage's ranks and None elsewhere)."""
+        st = _StepState(self._micro(inputs, "inputs") if self.holds_first else None,
+                        self._micro(labels, "labels") if self.holds_last else None)
+        self.weight_grads.pending.clear()                 # nothing carries over from a failed step
+        handlers = {"F": self._forward, "B": self._backward, "W": self._weight, "SEND_F": self._send_f,
+                    "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b}
+        clock = time.perf_counter
+        for rank, a in self._program():
+            start = clock()
+            handlers[a.kind](a, st)
+            st.records.append(Record(rank, a.kind, a.stage, a.microbatch, start, clock()))
+        leftovers = {k: len(v) for k, v in (("saved", st.saved), ("inbox_f", st.inbox_f), ("inbox_b", st.inbox_b),
+                                            ("input_grads", st.input_grads)) if v}
+        if leftovers or len(self.weight_grads) or self.transport.pending():
+            raise RuntimeError(f"pipeline step ended with unconsumed state {leftovers}; the action lists are "
+                               f"inconsistent")
+        self._reduce_tied()
+        self.records = st.records
+        loss = st.loss if self.holds_last else None
+        return self._sync_loss(loss) if self._sync_loss is not None else loss
+
+    def _program(self):
+        """(pipeline rank, action) in execution order: the rank's own list, or with several ranks held,
+        all lists interleaved, each advancing while its next receive has its message."""
+        lists = {r: list(self.schedule[r]) for r in self.held}
+        if len(lists) == 1:
+            (r, acts), = lists.items()
+            yield from ((r, a) for a in acts)
+            return
+        ptr = {r: 0 for r in lists}
+        while any(ptr[r] < len(acts) for r, acts in lists.items()):
+            progress = False
+            for r, acts in lists.items():
+                while ptr[r] < len(acts) and self.transport.ready(acts[ptr[r]]):
+                    ptr[r] += 1
+                    progress = True
+                    yield r, acts[ptr[r] - 1]
+            if not progress:
+                stuck = [f"rank {r} at {acts[ptr[r]]}" for r, acts in lists.items() if ptr[r] < len(acts)]
+                raise PipelineDeadlock("pipeline deadlock in one process: " + "; ".join(stuck))
+
+    def _micro(self, batch, what: str) -> list:
+        from autoparallel.dist_tensor import is_dist
+
+        m = self.plan.micro_batches
+        if batch is None:
+            raise ValueError(f"this process runs the {'first' if what == 'inputs' else 'last'} pipeline stage, "
+                             f"so train_batch needs the {what}; got None")
+        if is_dist(batch) or (isinstance(batch, (list, tuple)) and any(is_dist(b) for b in batch)):
+            raise TypeError(f"train_batch {what}: expected the global batch as plain tensors or arrays (the same "
+                            f"on every rank; the pipeline places micro-batches on the stage meshes), got a "
+                            f"distributed tensor")
+        if isinstance(batch, (list, tuple)):
+            if len(batch) != m:
+                raise ValueError(f"train_batch {what}: expected one tensor per micro-batch ({m}), got {len(batch)}")
+            parts = [b if isinstance(b, paddle.Tensor) else paddle.to_tensor(np.asarray(b)) for b in batch]
+        else:
+            t = batch if isinstance(batch, paddle.Tensor) else paddle.to_tensor(np.asarray(batch))
+            n = int(t.shape[0]) if t.ndim else 0
+            dp = self._dp()
+            if t.ndim == 0 or n % (m * dp):
+                raise ValueError(f"train_batch {what}: the global batch ({n} samples) must divide into "
+                                 f"micro_batches x data-parallel degree = {m} x {dp} equal parts")
+            parts = paddle.split(t, m, axis=0)
+        shapes = {tuple(p.shape) for p in parts}
+        if len(shapes) != 1:
+            raise ValueError(f"train_batch {what}: micro-batches must share one shape, got {sorted(shapes)}")
+        return parts
+
+    def _dp(self) -> int:
+        mesh = next(iter(self.meshes.values()), None)
+        return mesh.get_dim_size("data") if mesh is not None and "data" in mesh.dim_names else 1
+
+    # ---- layouts ------------------------------------------------------------------------------------------
+    def _boundary(self, mesh):
+        from autoparallel.placement import Replicate, Shard
+
+        return [Shard(0) if n == "data" else Replicate() for n in mesh.dim_names]
+
+    def _place(self, t, stage: int):
+        """A model input / label micro-batch (the same on every rank) on the stage's mesh."""
+        mesh = self.meshes.get(stage)
+        if mesh is None:
+            return t
+        from autoparallel.dist_tensor import shard_tensor
+
+        return shard_tensor(t, mesh, self._boundary(mesh))
+
+    def _wrap(self, local, stage: int):
+        mesh = self.meshes.get(stage)
+        if mesh is None:
+            return local
+        from autoparallel.dist_tensor import dtensor_from_local
+
+        return dtensor_from_local(local, mesh, self._boundary(mesh))
+
+    def _to_boundary(self, out, stage: int):
+        from autoparallel.dist_tensor import DistTensor, reshard
+
+        mesh = self.meshes.get(stage)
+        if mesh is None or not isinstance(out, DistTensor):
+            return out
+        want = self._boundary(mesh)
+        return out if list(out.placements) == want else reshard(out, mesh, want)
+
+    # ---- compute ------------------------------------------------------------------------------------------
+    def _forward(self, a, st):
+        s, i = a.stage, a.microbatch
+        stage = self.stages[s]
+        if s == 0:
+            x_local, x = None, self._place(st.inputs[i], s)
+        else:
+            x_local = st.inbox_f.pop((s, i), None)
+            if x_local is None:                                   # previous stage on this rank
+                x_local = _local(st.saved[(s - 1, i)][1]).detach()
+            x_local.stop_gradient = False
+            x = self._wrap(x_local, s)
+        out = stage(x)
+        if stage.is_last:
+            loss = self.loss_fn(out, self._place(st.labels[i], s)) * (1.0 / self.plan.micro_batches)
+            st.loss += float(loss)
+            st.saved[(s, i)] = (x_local, loss)
+        else:
+            st.saved[(s, i)] = (x_local, self._to_boundary(out, s))
+
+    def _backward(self, a, st):
+        s, i = a.stage, a.microbatch
+        x_local, out = st.saved.pop((s, i))
+        capture = self.weight_grads.capture((s, i)) if self.zero_bubble else contextlib.nullcontext()
+        with capture:
+            if self.stages[s].is_last:
+                out.backward()
+            else:
+                g = st.inbox_b.pop((s, i), None)
+                if g is None:                                     # next stage on this rank
+                    g = st.input_grads.pop((s + 1, i))
+                paddle.autograd.backward([_local(out)], [g])
+        if x_local is not None:
+            g_in = x_local.grad if x_local.grad is not None else paddle.zeros_like(x_local)
+            st.input_grads[(s, i)] = g_in.detach()
+
+    def _weight(self, a, st):
+        self.weight_grads.flush((a.stage, a.microbatch))
+
+    # ---- transfers ----------------------------------------------------------------------------------------
+    def _send_f(self, a, st):
+        channel = (a.stage, a.peer)
+        self.transport.send(a, _local(st.saved[(a.stage, a.microbatch)][1]), header=channel not in st.sent_headers)
+        st.sent_headers.add(channel)
+
+    def _recv_f(self, a, st):
+        channel = (a.peer, a.stage)
+        known = st.shapes.get(channel)
+        t = self.transport.recv(a, *known) if known else self.transport.recv(a)
+        st.shapes.setdefault(channel, (list(t.shape), t.dtype))
+        st.inbox_f[(a.stage, a.microbatch)] = t
+
+    def _send_b(self, a, st):
+        self.transport.send(a, st.input_grads.pop((a.stage, a.microbatch)))
+
+    def _recv_b(self, a, st):
+        out = _local(st.saved[(a.stage, a.microbatch)][1])
+        st.inbox_b[(a.stage, a.microbatch)] = self.transport.recv(a, list(out.shape), out.dtype)
+
+    # ---- after the schedule -------------------------------------------------------------------------------
+    def _reduce_tied(self):
+        import paddle.distributed as dist
+
+        for p, group in self.tied:
+            if p.grad is None:
+                p.grad = paddle.zeros(p.shape, dtype=p.dtype)
+            g = p.grad
+            dist.all_reduce(g, group=group)
+
+
+def _cross_entropy(logits, labels):
+    import paddle.nn.functional as F
+
+    return F.cross_entropy(logits, labels)
+
+
+# ---- wiring: plan, meshes, process groups, sharding -------------------------------------------------------
+PIPE, DATA, MODEL = "pipe", "data", "model"
+_NOT_COMPOSED = "is not composed with pipeline parallelism yet (the pipeline runtime runs data, tensor and " \
+                "sequence parallelism inside stages)"
+
+
+def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, loss_fn=None, cost: str = "flops",
+             seq_len: int | None = None, layers_name: str | None = None, sync_loss: bool = True) -> PipelineModule:
+    """Split ``model`` into pipeline stages and set up this rank's part of the pipeline.
+
+    ``strategy``: an ``ap.Strategy`` with ``pipeline_parallel.degree >= 2`` (micro_batches, schedule,
+    vpp_degree, split_points) and optionally data / tensor parallel degrees; world = dp x tp x pp.
+    ``mesh``: a ProcessMesh with dims named from ``("pipe", "data", "model")`` ("pipe" required; default:
+    ranks 0..world-1 as ``[pipe, data, model]``, model fastest); stage k runs on the ``[data, model]``
+    sub-mesh at ``pipe = k``. ``tp_plan``: {layer pattern: style} applied inside every stage when tp > 1
+    (patterns matching no layer of a stage are skipped there). ``loss_fn(logits, labels)``: default
+    mean cross-entropy. ``cost``: "flops" (``ap.trace``) or "params" for the balanced split.
+
+    Every rank must build the same model (same seed) and call this with the same arguments. All input
+    checks run before any process-group work; the groups (stage sub-meshes, one 2-rank group per pair
+    of neighbouring ranks, one per set of ranks sharing a tied parameter) are created in one fixed
+    order on every rank. In a world of one process every stage runs here (see the module docstring)."""
+    from autoparallel.strategy import Strategy
+    from . import zero_bubble
+    from .p2p import LocalTransport, P2P, RankTransport, create_groups, create_pair_groups
+    from .stage import build_stages, plan_pipeline
+
+    strategy = Strategy() if strategy is None else strategy
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
+    world, rank = _world()
+    degrees = strategy.validate(world_size=None if world == 1 else world, model_info=_model_info(model))
+    _check_composable(strategy, degrees)
+    pp, dp, tp = degrees.pp, degrees.dp, degrees.tp
+    if world == 1 and dp * tp > 1:
+        raise ValueError(f"one process runs every pipeline stage but not data or tensor parallelism inside them; "
+                         f"got data_parallel.degree={dp}, tensor_parallel.degree={tp}: launch dp x tp x pp = "
+                         f"{dp * tp * pp} ranks")
+    if tp > 1 and not tp_plan:
+        raise ValueError(f"tensor_parallel.degree={tp} inside pipeline stages needs a tp_plan "
+                         f"({{layer pattern: style}}), got {tp_plan!r}")
+    c = strategy.pipeline_parallel
+    plan = plan_pipeline(model, pp, degrees.num_micro_batches, c.schedule, degrees.vpp, list(c.split_points) or None,
+                         cost, seq_len, layers_name)
+    ranks = pipeline_ranks(pp, dp, tp, mesh)
+    if world > 1 and ranks.size != world:
+        raise ValueError(f"the pipeline mesh has {ranks.size} ranks, expected the world size {world}")
+    stages = build_stages(plan.pieces, plan.bounds)
+    zb = plan.schedule.name == "ZB-H1"
+    names = {id(p): n for st in stages for n, p in st.named_parameters()}
+    if world == 1:
+        for st in stages:
+            if zb:
+                zero_bubble.install(st)
+        pipe = PipelineModule(plan, stages, range(pp), LocalTransport(), loss_fn=loss_fn, zero_bubble=zb)
+        pipe.original_names = names
+        return pipe
+
+    pp_rank, d, t = (int(x) for x in np.argwhere(ranks == rank)[0])
+    # process groups: the same calls in the same order on every rank
+    stage_meshes = _stage_meshes(ranks) if dp * tp > 1 else None
+    p2p_groups = create_pair_groups(_p2p_pairs(plan.schedule, ranks))
+    shared = _shared_parameters(stages, pp)
+    tie_sets = sorted({ranks_ for ranks_, _ in shared})
+    tie_lists = [[int(ranks[r, dd, tt]) for r in rs] for rs in tie_sets for dd in range(dp) for tt in range(tp)]
+    tie_groups = dict(zip([(rs, dd, tt) for rs in tie_sets for dd in range(dp) for tt in range(tp)],
+                          create_groups(tie_lists)))
+    # this rank's stages
+    held = plan.stages_of(pp_rank)
+    meshes = {}
+    for s in held:
+        if stage_meshes is not None:
+            meshes[s] = stage_meshes[pp_rank]
+            _shard_stage(stages[s], meshes[s], tp_plan if tp > 1 else None)
+        if zb:
+            zero_bubble.install(stages[s])
+    tied = []
+    for rs, stage_names in shared:
+        if pp_rank in rs:
+            s = next(k for k in held if k in stage_names)
+            tied.append((dict(stages[s].named_parameters())[stage_names[s]], tie_groups[(rs, d, t)]))
+    transport = RankTransport(P2P(rank, p2p_groups), lambda r: int(ranks[r, d, t]))
+    reporter = pp_rank == (plan.num_stages - 1) % pp and d == 0 and t == 0
+    pipe = PipelineModule(plan, stages, [pp_rank], transport, meshes=meshes, loss_fn=loss_fn, tied=tied,
+                          sync_loss=_world_loss(reporter) if sync_loss else None, zero_bubble=zb)
+    pipe.original_names = names
+    pipe.ranks, pipe.rank, pipe.pp_rank, pipe.coords = ranks, rank, pp_rank, (d, t)
+    return pipe
+
+
+def _world() -> tuple:
+    import os
+
+    from autoparallel.comm.world import current_world
+
+    w = current_world()
+    if w.is_simulated:
+        raise NotImplementedError("pipeline parallelism runs on real ranks (or all stages in one process), "
+                                  "not inside ap.simulate()")
+    if not getattr(w, "initialized", True) and int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1) > 1:
+        raise RuntimeError("this process is one of several launched ranks but paddle.distributed is not "
+                           "initialised; call paddle.distributed.init_parallel_env() before apply_pp")
+    return w.world_size, w.rank
+
+
+def _model_info(model) -> dict:
+    c = getattr(model, "config", None)
+    keys = {"heads": "heads", "kv_heads": "kv_heads", "hidden": "hidden", "layers": "layers", "vocab": "vocab_size"}
+    out = {}
+    for key, attr in keys.items():
+        v = getattr(c, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out[key] = v
+    return out
+
+
+def _check_composable(strategy, degrees) -> None:
+    if degrees is None:
+        raise ValueError("apply_pp needs resolved degrees: auto_mode='full' leaves them to the planner; "
+                         "use auto_mode='semi' with pipeline_parallel.degree set")
+    if degrees.pp < 2:
+        raise ValueError(f"apply_pp needs pipeline_parallel.degree >= 2, got {degrees.pp}")
+    for on, what in ((strategy.sharding.enable, f"sharding (ZeRO stage {strategy.sharding.stage})"),
+                     (strategy.recompute.enable, "recompute"), (strategy.amp.enable, "amp")):
+        if on:
+            raise NotImplementedError(f"{what} {_NOT_COMPOSED}")
+
+
+def pipeline_ranks(pp: int, dp: int = 1, tp: int = 1, mesh=None) -> np.ndarray:
+    """Global ranks as a ``[pipe, data, model]`` array: the default layout, or ``mesh`` reordered."""
+    if mesh is None:
+        return np.arange(pp * dp * tp).reshape(pp, dp, tp)
+    from autoparallel.mesh import ProcessMesh
+
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"mesh must be an ap.ProcessMesh, got {type(mesh).__name__}")
+    dims = mesh.dim_names
+    if PIPE not in dims or not set(dims) <= {PIPE, DATA, MODEL}:
+        raise ValueError(f"a pipeline mesh has dims from {[PIPE, DATA, MODEL]} including {PIPE!r}, got {dims}")
+    arr = np.asarray(mesh.mesh)
+    for name in (PIPE, DATA, MODEL):
+        if name not in dims:
+            arr = arr[..., None]
+            dims = dims + [name]
+    arr = np.transpose(arr, [dims.index(n) for n in (PIPE, DATA, MODEL)])
+    if list(arr.shape) != [pp, dp, tp]:
+        raise ValueError(f"mesh shape (pipe, data, model) = {list(arr.shape)}, expected the degrees "
+                         f"[pp, dp, tp] = {[pp, dp, tp]}")
+    return arr
+
+
+def _stage_meshes(ranks: np.ndarray) -> list:
+    from autoparallel.mesh import ProcessMesh
+
+    return [ProcessMesh(ranks[k].tolist(), [DATA, MODEL]) for k in range(ranks.shape[0])]
+
+
+def _p2p_pairs(schedule, ranks: np.ndarray) -> list:
+    """Global rank pairs that exchange messages: pipeline-rank pairs from the schedule's transfers, each
+    for every (data, model) coordinate, in one fixed order."""
+    pp_pairs = sorted({tuple(sorted((r, a.peer_rank))) for r, acts in enumerate(schedule) for a in acts
+                       if a.is_comm})
+    _, dp, tp = ranks.shape
+    return [tuple(sorted((int(ranks[a, d, t]), int(ranks[b, d, t]))))
+            for a, b in pp_pairs for d in range(dp) for t in range(tp)]
+
+
+def _shared_parameters(stages, pp: int) -> list:
+    """[(pipeline ranks, {stage: parameter name})] for parameters held by stages on several ranks."""
+    holders = {}
+    for st in stages:
+        for name, p in st.named_parameters():
+            entry = holders.setdefault(id(p), (set(), {}))
+            entry[0].add(st.index % pp)
+            entry[1].setdefault(st.index, name)
+    return [(tuple(sorted(rs)), names) for rs, names in holders.values() if len(rs) > 1]
+
+
+def _shard_stage(stage, mesh, tp_plan) -> None:
+    import fnmatch
+
+    from autoparallel.layer import shard_layer
+    from autoparallel.parallel.tensor_parallel import apply_tp
+
+    if tp_plan:
+        names = [n for n, _ in stage.named_sublayers() if n]
+        plan = {pat: style for pat, style in tp_plan.items() if any(fnmatch.fnmatchcase(n, pat) for n in names)}
+        if plan:
+            apply_tp(stage, mesh, plan, tp_dim=MODEL)
+    shard_layer(stage, mesh)
+
+
+def _world_loss(reporter: bool):
+    def sync(loss):
+        import paddle.distributed as dist
+
+        t = paddle.to_tensor([float(loss) if reporter else 0.0], dtype="float64")
+        dist.all_reduce(t)
+        return float(t.numpy()[0])
+    return sync
+
+
+def bind_optimizer(optimizer, pipe: PipelineModule):
+    """Restrict a paddle optimizer to ``pipe``'s parameters (the distributed replacements of the ones it
+    was built over, matched by model name; other stages' parameters dropped) and wrap it with
+    ``shard_optimizer``, whose ``step`` reduces data-parallel partial gradients first."""
+    from autoparallel.parallel.optimizer import ShardedOptimizer
+
+    inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
+    if not hasattr(inner, "_parameter_list"):
+        raise TypeError(f"expected a paddle optimizer, got {type(optimizer).__name__}")
+    local = dict(pipe.named_parameters())
+    local_ids = {id(p) for p in local.values()}
+    names = getattr(pipe, "original_names", {})
+
+    def pick(params):
+        out = []
+        for p in params:
+            q = p if id(p) in local_ids else local.get(names.get(id(p)))
+            if q is not None and all(q is not r for r in out):
+                out.append(q)
+        return out
+
+    params = inner._parameter_list
+    if params and isinstance(params[0], dict):
+        for group in params:
+            group["params"] = pick(group["params"])
+        for group in getattr(inner, "_param_groups", None) or []:
+            if isinstance(group, dict):
+                group["params"] = pick(group["params"])
+    else:
+        inner._parameter_list = pick(params)
+        if getattr(inner, "_param_groups", None) is not None and not isinstance((inner._param_groups or [{}])[0], dict):
+            inner._param_groups = list(inner._parameter_list)
+    kept = sum(1 for _ in pick(local.values()))
+    found = len(inner._parameter_list) if not (params and isinstance(params[0], dict)) else \
+        sum(len(g["params"]) for g in params)
+    if found == 0 and kept:
+        raise ValueError(f"the optimizer holds none of this rank's {kept} stage parameters; build it over "
+                         f"model.parameters() or pipe.parameters()")
+    return ShardedOptimizer(inner)

@@ -1,0 +1,160 @@
+"""Zero-bubble backward split: a Linear's backward as an input-gradient part (B) and a weight-gradient part (W).
+
+``install(layer)`` makes every ``paddle.nn.Linear`` under ``layer`` run ``deferrable_linear``: a PyLayer
+whose backward computes the input gradient ``g @ W^T`` at once and, inside ``WeightGradStore.capture(key)``,
+files the weight gradient ``x^T g`` (and the bias gradient ``sum(g)``) under ``key`` instead of computing it;
+``flush(key)`` (the schedule's W action) computes and accumulates them into ``weight.grad`` /
+``bias.grad``. Outside ``capture`` the weight gradient is computed immediately, so an installed layer
+trains exactly like before. Every other op (embeddings, norms, attention, a tied head's matmul) runs its
+backward whole in B.
+
+The function is registered as a custom op under the ``linear`` spmd rule, so on distributed tensors
+(data or tensor parallel inside a stage) dispatch lays out its inputs as for ``F.linear`` and the PyLayer
+runs on each rank's shards: the deferred weight gradient is the local shard's gradient.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+from paddle.autograd import PyLayer
+
+_state = threading.local()
+
+
+def _active():
+    return getattr(_state, "store", None), getattr(_state, "key", None)
+
+
+class WeightGradStore:
+    """Deferred weight-gradient work, keyed by (stage, micro-batch)."""
+
+    def __init__(self):
+        self.pending: dict = {}
+
+    @contextlib.contextmanager
+    def capture(self, key):
+        """Backward passes inside file their Linear weight gradients under ``key``."""
+        prev = _active()
+        _state.store, _state.key = self, key
+        self.pending.setdefault(key, [])
+        try:
+            yield
+        finally:
+            _state.store, _state.key = prev
+
+    def add(self, key, work) -> None:
+        self.pending.setdefault(key, []).append(work)
+
+    def flush(self, key) -> int:
+        """Compute and accumulate the weight gradients filed under ``key``; returns how many."""
+        from autoparallel.local_mode import local_mode
+
+        works = self.pending.pop(key, [])
+        with paddle.no_grad(), local_mode():
+            for work in works:
+                _weight_grads(*work)
+        return len(works)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.pending.values())
+
+
+def _accumulate(param, grad) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def _weight_grads(x, g, weight, bias) -> None:
+    x2 = x.reshape([-1, x.shape[-1]])
+    g2 = g.reshape([-1, g.shape[-1]])
+    if not weight.stop_gradient:
+        _accumulate(weight, paddle.matmul(x2, g2, transpose_x=True).astype(weight.dtype))
+    if bias is not None and not bias.stop_gradient:
+        _accumulate(bias, g2.sum(axis=0).astype(bias.dtype))
+
+
+def _backward(x, weight, bias, g):
+    """Input gradient now; weight gradient now or filed under the active key. Runs on local tensors
+    (a DistParameter weight is this rank's shard), so ops here bypass dispatch."""
+    from autoparallel.local_mode import local_mode
+
+    with local_mode():
+        gx = paddle.matmul(g, weight, transpose_y=True)
+        store, key = _active()
+        work = (x.detach(), g.detach(), weight, bias)
+        if store is None:
+            with paddle.no_grad():
+                _weight_grads(*work)
+        else:
+            store.add(key, work)
+    return gx
+
+
+class _Linear(PyLayer):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensor()
+        return _backward(x, weight, None, g), None
+
+
+class _LinearBias(PyLayer):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, bias = ctx.saved_tensor()
+        return _backward(x, weight, bias, g), None, None
+
+
+def _local_linear(x, weight, bias=None):
+    if bias is None:
+        return _Linear.apply(x, weight)
+    return _LinearBias.apply(x, weight, bias)
+
+
+def _dispatchable():
+    from autoparallel.dispatch import custom_op
+
+    return custom_op("linear")(_local_linear)
+
+
+_DEFERRABLE = None
+
+
+def deferrable_linear(x, weight, bias=None):
+    """``F.linear`` whose weight gradient can be deferred (see the module docstring)."""
+    global _DEFERRABLE
+    if _DEFERRABLE is None:
+        _DEFERRABLE = _dispatchable()
+    return _DEFERRABLE(x, weight, bias)
+
+
+def _forward(self, x):
+    return deferrable_linear(x, self.weight, self.bias)
+
+
+def install(layer) -> int:
+    """Route every ``nn.Linear`` under ``layer`` (itself included) through ``deferrable_linear``; returns the
+    number of Linear layers changed (idempotent)."""
+    n = 0
+    for _, sub in layer.named_sublayers(include_self=True):
+        if isinstance(sub, nn.Linear) and not getattr(sub, "_ap_zero_bubble", False):
+            sub.forward = types.MethodType(_forward, sub)
+            sub._ap_zero_bubble = True
+            n += 1
+    return n

@@ -1,0 +1,140 @@
+"""Runs on every rank: the tiny GPT trained eagerly (ap.parallelize) and captured (ap.to_static) from the same
+initialisation on the same batches, plus a negative control; reports losses, final parameters (rank 0
+saves them), collectives per step and step times.
+
+    static_gpt.py OUT_DIR [--dp 2 --tp 2 --steps 3 --model gpt]
+"""
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import paddle.nn.functional as F
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, ROOT)
+
+import autoparallel as ap  # noqa: E402
+from autoparallel.comm.counter import count_comm  # noqa: E402
+from autoparallel.dist_tensor import is_dist  # noqa: E402
+from autoparallel.graph.to_static import to_static  # noqa: E402
+from autoparallel.parallel.optimizer import ShardedOptimizer  # noqa: E402
+from autoparallel.testing.launch import write_result  # noqa: E402
+from autoparallel.testing.models import build  # noqa: E402
+
+
+class Batches(paddle.io.Dataset):
+    """Fixed random token windows: item i is (ids, next ids)."""
+
+    def __init__(self, n=64, t=8, vocab=64, seed=0):
+        rng = np.random.default_rng(seed)
+        self.data = rng.integers(0, vocab, (n, t + 1)).astype("int64")
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits, labels)
+
+
+def strategy(dp, tp):
+    s = ap.Strategy()
+    s.data_parallel.degree = dp
+    s.tensor_parallel.degree = tp
+    return s
+
+
+def params_of(model):
+    return {n: (p.full() if is_dist(p) else p).numpy() for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def no_reduce():
+    """Negative control: partial gradients are never reduced over the data axis."""
+    saved = ShardedOptimizer.reduce_gradients
+    ShardedOptimizer.reduce_gradients = lambda self: 0
+    try:
+        yield
+    finally:
+        ShardedOptimizer.reduce_gradients = saved
+
+
+def run_eager(args, loader):
+    model = build(args.model, seed=0)
+    opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+    model, opt = ap.parallelize(model, opt, strategy=strategy(args.dp, args.tp))
+    losses, times, comm = [], [], None
+    for step, (x, y) in enumerate(loader):
+        if step == args.steps:
+            break
+        t0 = time.perf_counter()
+        with count_comm() as log:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            losses.append(float(loss))
+        times.append(time.perf_counter() - t0)
+        comm = log.summary()
+    return losses, params_of(model), times, comm
+
+
+def run_static(args, loader, negative=False):
+    model = build(args.model, seed=0)
+    opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+    t0 = time.perf_counter()
+    dm = to_static(model, loader, loss_fn, opt, strategy=strategy(args.dp, args.tp))
+    capture_s = time.perf_counter() - t0
+    losses, times, comm = [], [], None
+    ctx = no_reduce() if negative else contextlib.nullcontext()
+    with ctx:
+        for step, batch in enumerate(loader):
+            if step == args.steps:
+                break
+            t0 = time.perf_counter()
+            with count_comm() as log:
+                losses.append(dm.train_step(batch))
+            times.append(time.perf_counter() - t0)
+            comm = log.summary()
+    return losses, params_of(model), times, comm, capture_s, dm.listing()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--model", default="gpt")
+    p.add_argument("--negative", type=int, default=1)
+    args = p.parse_args()
+    dist.init_parallel_env()
+    rank = dist.get_rank()
+    loader = paddle.io.DataLoader(Batches(), batch_size=4, shuffle=False)
+    e_losses, e_params, e_times, e_comm = run_eager(args, loader)
+    s_losses, s_params, s_times, s_comm, capture_s, listing = run_static(args, loader)
+    out = {"eager": e_losses, "static": s_losses, "eager_times": e_times, "static_times": s_times,
+           "eager_comm": e_comm, "static_comm": s_comm, "capture_s": capture_s}
+    if args.negative:
+        n_losses, n_params, *_ = run_static(args, loader, negative=True)
+        out["negative"] = n_losses
+    if rank == 0:
+        np.savez(os.path.join(args.out, "eager.npz"), **e_params)
+        np.savez(os.path.join(args.out, "static.npz"), **s_params)
+        if args.negative:
+            np.savez(os.path.join(args.out, "negative.npz"), **n_params)
+        with open(os.path.join(args.out, "listing.txt"), "w") as f:
+            f.write(listing)
+    write_result(out)
+
+
+if __name__ == "__main__":
+    main()
