@@ -34,6 +34,7 @@ _EXPORTS = {
     "VocabParallelEmbedding": "autoparallel.parallel.tensor_parallel",
     "SequenceParallel": "autoparallel.parallel.tensor_parallel",
     "parallelize": "autoparallel.parallelize", "trace": "autoparallel.graph.trace",
+    "apply_pp": "autoparallel.parallel.pipeline.runtime", "PipelineModule": "autoparallel.parallel.pipeline.runtime",
 }
 
 __all__ = sorted(_EXPORTS)

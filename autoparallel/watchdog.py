@@ -323,13 +323,14 @@ class Watchdog:
 
     def stop(self, error: str = None) -> None:
         """Stop watching; peers see a clean stop (or ``error``) and stop watching this rank."""
-        if not self._threads or self._halt.is_set():
+        if not self._threads:
             return
+        halted = self._halt.is_set()
         self._halt.set()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=self.timeout)
-        if self.failure is None:
+        if self.failure is None and not halted:
             with contextlib.suppress(Exception):
                 self._publish(stopped=True, error=error or self._error)
                 if getattr(self.store, "host_rank", None) == self.rank:
@@ -571,9 +572,11 @@ class Watchdog:
         with self._lock:
             if self.failure is not None or self._halt.is_set():
                 return
-            self.failure = f"{PREFIX}: rank {self.rank}: terminated by SIGTERM; no lost rank found"
+            self.failure = (f"{PREFIX}: rank {self.rank}: terminated by SIGTERM (no lost rank found within "
+                            f"{self.term_grace:g} s) while in {self._op_text()}")
         _write_stderr(self.failure)
         self._halt.set()
+        _bounded(lambda: self._publish(stopped=True, error="terminated by SIGTERM"), min(1.0, self.interval))
         self._verdict.set()
         self._exit(128 + signal.SIGTERM)
 
@@ -630,7 +633,7 @@ def _write_stderr(text: str) -> None:
         os.write(2, data)
 
 
-# ---- module-level helpers: act on the running watchdog, do nothing without one ----------------------
+# ---- module-level functions: act on the running watchdog, do nothing without one ---------------------
 def current():
     """The watchdog started in this process (None if none runs)."""
     wd = _current[0]

@@ -156,6 +156,10 @@ def test_conflicting_annotations_name_both():
     assert "parameter 'fc1.weight' annotated (S(0))" in str(e.value)
     assert "the output of layer 'fc1' annotated (S(1))" in str(e.value)
     assert isinstance(e.value, ValueError)
+    with pytest.raises(AnnotationConflictError) as e:           # a hard input layout is an annotation too
+        complete(lazy(MLP, 16, 64), DistSpec(mesh1(), [S(1)], (8, 16)), annotations={"fc1.weight": "[S(1)]"},
+                 hard_inputs=True)
+    assert "input 0 annotated (S(1))" in str(e.value) and "parameter 'fc1.weight' annotated (S(1))" in str(e.value)
 
 
 def test_an_annotated_input_is_where_data_arrives_and_may_be_resharded():
@@ -214,3 +218,18 @@ def test_dp_records_every_variable():
     assert stats["core"] == 0 and stats["eliminated"] == 6
     best = min(p.cost(a) for a in itertools.product(range(3), repeat=6))
     assert cost == pytest.approx(best)
+
+
+def test_fast_reshard_prices_equal_the_reshard_planner():
+    from reshard import plan_reshard
+
+    from autoparallel.testing.check import placement_choices
+
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["data", "model"])
+    cm = CostModel(mesh, CPU)
+    choices = placement_choices(3)
+    for src in itertools.product(choices, repeat=2):
+        spec = DistSpec(mesh, src, (8, 6, 4))
+        for dst in itertools.product(choices, repeat=2):
+            want = plan_reshard(spec.shape, spec.dtype, mesh, spec.placements, dst, cluster=CPU).seconds
+            assert cm.seconds(spec, dst) == pytest.approx(want, rel=1e-9, abs=1e-15), (src, dst)

@@ -1,4 +1,5 @@
 """ap.to_static: captured-graph training with completed layouts — shapes, errors, parity with one process."""
+import itertools
 import os
 import tempfile
 
@@ -160,6 +161,26 @@ def test_tiny_llama_dp2_tp2_in_the_simulated_world_matches_one_process():
     np.testing.assert_allclose(losses, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_sequence_parallel_comes_from_norm_output_annotations():
+    import paddle.nn.functional as F
+    from autoparallel.testing.models import build
+
+    rng = np.random.default_rng(3)
+    batches = [(rng.integers(0, 64, (4, 8)), rng.integers(0, 64, (4, 8))) for _ in range(2)]
+    ref, _ = reference_losses(lambda: build("gpt", 0), batches, F.cross_entropy)
+    s = strategy(2, 2)
+    s.sequence_parallel.enable = True
+    with ap.simulate(world_size=4):
+        model = build("gpt", 0)
+        dm = to_static(model, None, F.cross_entropy, SimSGD(0.1, model.parameters()), s,
+                       input_spec=[([4, 8], "int64"), ([4, 8], "int64")])
+        ln1 = dm.plan.nodes_in("blocks.0.ln1")[0]
+        assert dm.plan.placements(ln1) == "[S(0), S(1)]"                 # the norm runs on sequence shards
+        assert "fwd reduce_scatter" in dm.listing()
+        losses = [dm.train_step(b) for b in batches]
+    np.testing.assert_allclose(losses, ref, rtol=1e-5, atol=1e-6)
+
+
 # ---- shapes from the loader, never from its batches ---------------------------------------------------
 class Pairs(paddle.io.Dataset):
     def __len__(self):
@@ -181,6 +202,26 @@ def test_shapes_come_from_loader_metadata_without_drawing_a_batch():
         model = MLP()
         dm = to_static(model, loader, mse, SimSGD(0.1, model.parameters()), strategy(2, 1))
         assert [s.shape for s in dm.graph.graph["inputs"]] == [(8, 16), (8, 16)]
+
+
+def test_micro_batches_from_the_distributed_data_loader():
+    """The examples' loader: DistTensor micro-batches sharded over "data"; one train_step takes k of them."""
+    from autoparallel.data import DistributedDataLoader
+    from autoparallel.parallelize import build_mesh
+
+    with ap.simulate(world_size=2):
+        loader = DistributedDataLoader(Pairs(), 8, mesh=build_mesh(2, 1), num_micro_batches=2, seed=0)
+        micro = list(itertools.islice(iter(loader), 2))
+        full = [tuple(f.full().numpy() for f in mb) for mb in micro]
+        paddle.seed(0)
+        model = MLP()
+        dm = to_static(model, loader, mse, SimSGD(0.1, model.parameters()), strategy(2, 1, k=2))
+        assert [s.shape for s in dm.graph.graph["inputs"]] == [(4, 16), (4, 16)]
+        loss = dm.train_step(micro)
+    paddle.seed(0)
+    ref = MLP()
+    want = np.mean([float(mse(ref(paddle.to_tensor(x)), paddle.to_tensor(y))) for x, y in full])
+    assert loss == pytest.approx(want, rel=1e-5)
 
 
 def test_a_loader_without_metadata_asks_for_an_input_spec():
@@ -225,17 +266,20 @@ def test_knobs_not_built_yet_fail_loudly():
 
 
 # ---- real ranks ------------------------------------------------------------------------------------------------
-def test_tiny_gpt_dp2_tp2_on_four_gloo_ranks_equals_eager():
+def test_tiny_gpt_and_llama_dp2_tp2_on_four_gloo_ranks_equal_eager():
     from autoparallel.testing.launch import launch
 
     out = tempfile.mkdtemp(prefix="ap_static_")
-    results = launch(os.path.join(HERE, "dist_scripts", "static_gpt.py"), 4, args=[out])
+    results = launch(os.path.join(HERE, "dist_scripts", "static_gpt.py"), 4, args=[out, "--models", "gpt,llama"])
     for r in results:
-        np.testing.assert_allclose(r["static"], r["eager"], rtol=1e-5, atol=1e-6)
-        assert not np.allclose(r["negative"], r["eager"], rtol=1e-5, atol=1e-6)    # negative control
-    eager, static, negative = (np.load(os.path.join(out, f"{n}.npz")) for n in ("eager", "static", "negative"))
-    for name in eager.files:
-        np.testing.assert_allclose(static[name], eager[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        for model in ("gpt", "llama"):
+            np.testing.assert_allclose(r[model]["static"], r[model]["eager"], rtol=1e-5, atol=1e-6, err_msg=model)
+        assert not np.allclose(r["gpt"]["negative"], r["gpt"]["eager"], rtol=1e-5, atol=1e-6)   # negative control
+    for model in ("gpt", "llama"):
+        eager, static = (np.load(os.path.join(out, f"{model}_{n}.npz")) for n in ("eager", "static"))
+        for name in eager.files:
+            np.testing.assert_allclose(static[name], eager[name], rtol=1e-5, atol=1e-6, err_msg=f"{model} {name}")
+    eager, negative = (np.load(os.path.join(out, f"gpt_{n}.npz")) for n in ("eager", "negative"))
     assert any(not np.allclose(negative[n], eager[n], rtol=1e-5, atol=1e-6) for n in eager.files)
-    listing = open(os.path.join(out, "listing.txt")).read()
+    listing = open(os.path.join(out, "gpt_listing.txt")).read()
     assert "via vocab_parallel_embedding" in listing and "blocks.0.attn.qkv.weight:[R, S(1)]" in listing

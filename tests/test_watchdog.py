@@ -202,8 +202,22 @@ def scenario_op_deadline(tmp_path):
     return {"during_long_wait": during_long_wait, "exits": exits}
 
 
-SCENARIOS = [scenario_killed_peer, scenario_stopped_peer, scenario_clean_and_error_exits, scenario_ring,
-             scenario_unreachable_store, scenario_long_wait, scenario_op_deadline]
+def scenario_sigterm(tmp_path):
+    exits = Exits()
+    wd = _watchdog(0, 2, FileStore(str(tmp_path)), exits).start()
+    child = subprocess.Popen([sys.executable, CHILD, str(tmp_path), "1", "2", str(T), "sigterm"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = child.communicate(timeout=20)
+        exits.event.wait(5 * T)
+    finally:
+        wd.stop()
+        child.kill()
+    return {"code": child.returncode, "out": out, "exits": exits}
+
+
+SCENARIOS = [scenario_sigterm, scenario_killed_peer, scenario_stopped_peer, scenario_clean_and_error_exits,
+             scenario_ring, scenario_unreachable_store, scenario_long_wait, scenario_op_deadline]
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +272,7 @@ def test_a_clean_exit_is_not_a_loss_and_an_error_exit_is_reported(observed):
 def test_the_first_verdict_reaches_ranks_that_do_not_watch_the_lost_one(observed):
     failures = _get(observed, "scenario_ring")["failures"]
     assert failures[1] and "rank 1: rank 2 lost: no heartbeat" in failures[1]
-    assert failures[0] and "exiting because rank 1 reported: rank 2 lost" in failures[0] and "rank 2 lost" in failures[0]
+    assert failures[0] and "exiting because rank 1 reported: rank 2 lost: no heartbeat" in failures[0]
 
 
 def test_an_unreachable_store_names_its_host(observed):
@@ -282,7 +296,15 @@ def test_own_op_deadline_paused_by_long_wait(observed):
     assert re.search(r"This rank was in 'all_gather' \(step 9\) for 0\.[4-9] s", r["exits"].messages[0])
 
 
-def test_module_helpers_do_nothing_without_a_watchdog():
+def test_sigterm_is_held_for_a_verdict_then_ends_the_rank(observed):
+    r = _get(observed, "scenario_sigterm")
+    assert r["code"] == 128 + signal.SIGTERM, r["out"]
+    assert "autoparallel watchdog: rank 1: terminated by SIGTERM (no lost rank found within 1 s) while in " \
+           "'all_reduce' (step 3)" in r["out"]
+    assert "rank 1 exited after an error in 'all_reduce' (step 3): terminated by SIGTERM" in r["exits"].messages[0]
+
+
+def test_module_functions_do_nothing_without_a_watchdog():
     assert watchdog.current() is None
     with watchdog.op("all_reduce"), watchdog.long_wait("x"):
         watchdog.set_current_op("y")
@@ -358,3 +380,4 @@ def test_real_ranks_report_a_sigstopped_rank_within_the_timeout():
         message = [e for e in job["events"][r] if e["kind"] == "failure"][0]["message"]
         assert "rank 0 lost: the TCP store at" in message and "hosted by rank 0 is unreachable" in message
         assert "is stopped (SIGSTOP?); rank 0 was last in 'all_reduce' (step 5)" in message
+

@@ -9,8 +9,9 @@ ZB-H1) it launches this script on that many ranks (``python -m paddle.distribute
 rank count), trains a GPT with ``apply_pp`` and AdamW, and records every executed action
 ``(rank, kind, stage, microbatch, start, end)`` of the last timed step. Reported per schedule:
 
-* step time: median over the timed steps of the slowest rank's ``train_batch`` + ``opt.step`` time;
-* measured bubble: ``bubble_fraction`` of the recorded F/B/W actions (idle share of compute slots);
+* step time: the slowest rank's ``train_batch`` + ``opt.step`` time, fastest and median over the timed steps;
+* measured bubble: ``bubble_fraction`` of the recorded F/B/W actions of the fastest step (idle share of
+  compute slots);
 * planned bubble: ``simulate()`` of the same action lists with the measured mean F/B/W time of each stage
   (what the schedule alone explains), and the equal-stage formula;
 * p2p: time each rank spends in SEND/RECV actions per step (blocking on gloo: waits included).
@@ -75,7 +76,7 @@ def worker(cfg: dict) -> None:
         model = _model(cfg["seq"])
         pipe = apply_pp(model, s)
         opt = pipe.wrap_optimizer(paddle.optimizer.AdamW(1e-4, parameters=model.parameters()))
-        times, sent = [], 0
+        times, records, sent = [], [], 0
         for step in range(cfg["warmup"] + cfg["steps"]):
             x, y = _batch(cfg["batch"], cfg["seq"], step)
             dist.barrier()
@@ -86,15 +87,15 @@ def worker(cfg: dict) -> None:
             opt.clear_grad()
             if step >= cfg["warmup"]:
                 times.append(time.perf_counter() - t0)
+                records.append([list(r) for r in pipe.records])
             sent = pipe.transport.p2p.sent_bytes - before
-        out[name] = {"times": times, "records": [list(r) for r in pipe.records], "bounds": pipe.plan.bounds,
-                     "sent_bytes": sent}
+        out[name] = {"times": times, "records": records, "bounds": pipe.plan.bounds, "sent_bytes": sent}
     write_result(out)
 
 
 # ---- the launcher ------------------------------------------------------------------------------------------
-def single_process(cfg: dict) -> float:
-    """Median step time of the unsplit model on one process: the same micro-batches, accumulated."""
+def single_process(cfg: dict) -> tuple:
+    """(fastest, median) step time of the unsplit model on one process: the same micro-batches, accumulated."""
     import paddle
     import paddle.nn.functional as F
 
@@ -110,7 +111,7 @@ def single_process(cfg: dict) -> float:
         opt.clear_grad()
         if step >= cfg["warmup"]:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times), statistics.median(times)
 
 
 def stage_means(records, num_stages: int) -> dict:
@@ -128,8 +129,9 @@ def analyse(nproc: int, name: str, vpp: int, ranks: list, cfg: dict, img_dir: st
 
     m = cfg["micro_batches"]
     runs = [r[name] for r in ranks]
-    records = [tuple(x) for run in runs for x in run["records"]]
-    step = statistics.median(max(ts) for ts in zip(*(run["times"] for run in runs)))
+    steps = [max(ts) for ts in zip(*(run["times"] for run in runs))]          # slowest rank per step
+    best = min(range(len(steps)), key=steps.__getitem__)
+    records = [tuple(x) for run in runs for x in run["records"][best]]
     sched = make_schedule(name, nproc, m, vpp)
     means = stage_means(records, sched.num_stages)
     sim = simulate(sched, forward=means["F"], backward=means["B"], weight=means["W"])
@@ -142,7 +144,8 @@ def analyse(nproc: int, name: str, vpp: int, ranks: list, cfg: dict, img_dir: st
                   title=f"planned (measured stage times): {title}", num_ranks=nproc, time_unit="s")
     comm = [sum(e - s for rk, k, *_, s, e in records if rk == r and k.startswith(("SEND", "RECV")))
             for r in range(nproc)]
-    return {"ranks": nproc, "schedule": title.split(" ")[0], "m": m, "vpp": vpp, "step": step, "measured": measured,
+    return {"ranks": nproc, "schedule": name, "m": m, "vpp": vpp, "step": steps[best],
+            "median": statistics.median(steps), "measured": measured,
             "planned": sim.bubble_fraction, "formula": bubble_formula(name, nproc, m, vpp),
             "planned_span": sim.total_time, "measured_span": _span(records),
             "f": statistics.mean(means["F"]), "b": statistics.mean(means["B"]),
@@ -155,17 +158,19 @@ def _span(records) -> float:
     return max(r[5] for r in comp) - min(r[4] for r in comp)
 
 
-def table(rows: list, single: float, cfg: dict) -> str:
-    head = ("| ranks | schedule | step ms | speed-up vs 1 process | measured bubble | planned bubble "
-            "(simulated, measured stage times) | formula (equal stages) | compute span ms (measured / planned) "
-            "| mean F / B / W ms per stage | p2p ms per rank-step | sent per rank-step |\n" + "|---" * 11 + "|\n")
-    lines = [f"| 1 | no pipeline (accumulate {cfg['micro_batches']} micro-batches) | {single * 1e3:.0f} | 1.00 "
-             f"| - | - | - | - | - | - | - |"]
+def table(rows: list, single: tuple, cfg: dict) -> str:
+    head = ("| ranks | schedule | step ms (fastest / median) | speed-up vs 1 process (fastest) | measured bubble | "
+            "planned bubble (simulated, measured stage times) | formula (equal stages) | compute span ms "
+            "(measured / planned) | mean F / B / W ms per stage | p2p ms per rank-step | sent per rank-step |\n"
+            + "|---" * 11 + "|\n")
+    lines = [f"| 1 | no pipeline (accumulate {cfg['micro_batches']} micro-batches) | {single[0] * 1e3:.0f} / "
+             f"{single[1] * 1e3:.0f} | 1.00 | - | - | - | - | - | - | - |"]
     for r in rows:
         w = f" / {r['w'] * 1e3:.1f}" if r["w"] is not None else ""
         lines.append(f"| {r['ranks']} | {r['schedule']}{' v=' + str(r['vpp']) if r['vpp'] > 1 else ''} | "
-                     f"{r['step'] * 1e3:.0f} | {single / r['step']:.2f} | {r['measured']:.3f} | {r['planned']:.3f} | "
-                     f"{r['formula']:.3f} | {r['measured_span'] * 1e3:.0f} / {r['planned_span'] * 1e3:.0f} | "
+                     f"{r['step'] * 1e3:.0f} / {r['median'] * 1e3:.0f} | {single[0] / r['step']:.2f} | "
+                     f"{r['measured']:.3f} | {r['planned']:.3f} | {r['formula']:.3f} | "
+                     f"{r['measured_span'] * 1e3:.0f} / {r['planned_span'] * 1e3:.0f} | "
                      f"{r['f'] * 1e3:.1f} / {r['b'] * 1e3:.1f}{w} | {r['p2p'] * 1e3:.1f} | "
                      f"{r['sent'] / 2**20:.2f} MiB |")
     return head + "\n".join(lines) + "\n"
@@ -193,7 +198,7 @@ def main(argv=None) -> int:
            "seq": args.seq, "steps": args.steps, "warmup": args.warmup}
     os.makedirs(args.img, exist_ok=True)
     single = single_process(cfg)
-    print(f"single process: {single * 1e3:.0f} ms per step")
+    print(f"single process: {single[0] * 1e3:.0f} ms per step (fastest), {single[1] * 1e3:.0f} ms (median)")
     rows = []
     for nproc in [int(x) for x in args.ranks.split(",")]:
         t0 = time.perf_counter()
@@ -202,8 +207,9 @@ def main(argv=None) -> int:
         for name, vpp in SCHEDULES:
             row = analyse(nproc, name, vpp, ranks, cfg, args.img)
             rows.append(row)
-            print(f"  {row['schedule']:7s} step {row['step'] * 1e3:7.0f} ms  bubble measured {row['measured']:.3f} "
-                  f"planned {row['planned']:.3f} formula {row['formula']:.3f}  p2p {row['p2p'] * 1e3:.0f} ms")
+            print(f"  {row['schedule']:7s} step {row['step'] * 1e3:7.0f} ms (median {row['median'] * 1e3:.0f})  "
+                  f"bubble measured {row['measured']:.3f} planned {row['planned']:.3f} formula {row['formula']:.3f}  "
+                  f"p2p {row['p2p'] * 1e3:.0f} ms")
     md = render(rows, single, cfg, args)
     with open(args.out, "w") as f:
         f.write(md)
@@ -245,9 +251,10 @@ sequence {cfg['seq']}, global batch {cfg['batch']} = {cfg['micro_batches']} micr
 Stages are balanced by traced forward FLOPs, embedding and head included ({splits}).
 Each schedule: {cfg['warmup']} warm-up step(s), then {cfg['steps']} timed steps, each after a barrier.
 
-Columns: **step ms** is the median over timed steps of the slowest rank's `train_batch` + `opt.step`.
-**measured bubble** is `bubble_fraction` of the F/B/W actions recorded on every rank during the last timed
-step (idle share of compute slots, from the first compute start to the last compute end).
+Columns: **step ms** is the slowest rank's `train_batch` + `opt.step` time, for the fastest timed step and
+the median over timed steps (this machine is shared, so the fastest step is the least disturbed one).
+The other columns describe that fastest step: **measured bubble** is `bubble_fraction` of the F/B/W actions
+recorded on every rank (idle share of compute slots, from the first compute start to the last compute end).
 **planned bubble** is `simulate()` of the same action lists with the measured mean F/B/W time of each
 stage and zero latency: the bubble the schedule itself implies for these stage times. **formula** is the
 textbook equal-stage value ((p-1)/(m+p-1); VPP (p-1)/(v·m+p-1); ZB-H1 with F = B = W (p-1)/(3m+p-1)).
@@ -256,11 +263,14 @@ the other end arrives, so this includes waiting for the peer, not only transfer 
 
 {table(rows, single, cfg)}
 Reading the numbers: the difference between measured and planned bubble is what the schedule does not
-explain: p2p latency (each gloo send/receive rendezvous costs a few hundred microseconds here), Python
-overhead between actions, and, with more ranks than cores, ranks competing for the CPU (with 4 ranks on
-{os.cpu_count()} cores a rank is often descheduled while its peer waits, which inflates both F/B times
-and idle time). ZB-H1's weight-gradient actions fill the drain phase, as planned; its B and W are timed
-separately, so its F/B/W means are not comparable one to one with the other schedules' B.
+explain: p2p latency (each gloo send/receive is a blocking rendezvous costing a few hundred microseconds
+here, and VPP sends (p·v-1)/(p-1) times as many), Python overhead between actions, and ranks competing for
+the CPU: with 4 ranks on {os.cpu_count()} cores (and, while this report was made, other jobs on the same
+machine: see the load average above) a rank is often descheduled while its peer waits, which inflates
+both the F/B times and the idle time. Repeated runs on a shared machine differ by tens of percent; treat
+the speed-ups as indicative and the timelines as the evidence of what each schedule executes. ZB-H1's
+weight-gradient actions fill the drain phase, as planned; its B and W are timed separately, so its F/B/W
+means are not comparable one to one with the other schedules' B.
 
 ## Timelines (measured, then planned from the measured stage times)
 

@@ -81,21 +81,34 @@ def _commit(meta: dict, tmp: str, final: str, overwrite: bool) -> None:
     fault_point("after_dir_rename")
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def _marker(tmp: str, rank: int) -> str:
     return os.path.join(tmp, f"rank-{rank:05d}.json")
 
 
 def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_bytes) -> None:
-    entries, info = write_rank_file(tmp, rank, items, block_bytes) if items else ({}, None)
+    try:
+        entries, info = write_rank_file(tmp, rank, items, block_bytes) if items else ({}, None)
+    except BaseException as e:        # tell rank 0 at once rather than after AP_CKPT_TIMEOUT
+        write_file_atomic(_marker(tmp, rank) + ".failed", f"{type(e).__name__}: {e}".encode())
+        raise
     write_file_atomic(_marker(tmp, rank), json.dumps({"entries": entries, "file": info}).encode())
     timeout = sync.save_timeout()
     if rank == 0:
         markers = [_marker(tmp, r) for r in range(world_size)]
         try:
-            sync.wait_until(lambda: all(os.path.exists(m) for m in markers), timeout,
-                            lambda: f"checkpoint {final}: ranks "
-                                    f"{[r for r, m in enumerate(markers) if not os.path.exists(m)]} did not finish "
-                                    f"writing within {timeout:.0f} s (AP_CKPT_TIMEOUT)")
+            sync.wait_until(lambda: all(os.path.exists(m) or os.path.exists(m + ".failed") for m in markers),
+                            timeout, lambda: f"checkpoint {final}: ranks "
+                                             f"{[r for r, m in enumerate(markers) if not os.path.exists(m)]} did "
+                                             f"not finish writing within {timeout:.0f} s (AP_CKPT_TIMEOUT)")
+            failures = [(r, _read(m + ".failed")) for r, m in enumerate(markers) if os.path.exists(m + ".failed")]
+            if failures:
+                raise CheckpointSaveError(f"checkpoint {final}: writing failed on " +
+                                          "; ".join(f"rank {r}: {why}" for r, why in failures))
             for m in markers:
                 with open(m) as f:
                     part = json.load(f)
@@ -127,5 +140,4 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
     sync.wait_until(committed, timeout, lambda: f"checkpoint {final}: rank 0 did not commit within "
                                                 f"{timeout:.0f} s (AP_CKPT_TIMEOUT)")
     if os.path.exists(failed):
-        with open(failed) as f:
-            raise CheckpointSaveError(f"checkpoint {final}: rank 0 could not commit: {f.read()}")
+        raise CheckpointSaveError(f"checkpoint {final}: rank 0 could not commit: {_read(failed)}")

@@ -19,8 +19,8 @@ The steps, in order:
 4. **annotations are hard where they describe compute**: an annotated parameter is stored and consumed in its
    layout (a replicated one may still enter as Partial: that is local and free), an annotated layer output
    is produced in its layout; an op whose candidates all break some of these raises
-   ``AnnotationConflictError`` naming them. An annotated model input is the layout the data arrives in:
-   its first consumers may reshard it, at a price.
+   ``AnnotationConflictError`` naming them. A model input's layout is where the data arrives: its first
+   consumers may reshard it, at a price — unless it is hard (``hard_inputs``: a strategy's data parallelism).
 5. **cost** (seconds, cluster alpha-beta): compute ``3 x FLOPs`` split over the mesh dims the op shards,
    forward reshards, their backward adjoints for tensors needing gradients, the gradient all-reduce of a
    replicated input of a split op, and gradient reductions of parameters (bucketed: bandwidth only).
@@ -140,7 +140,8 @@ def _make_tracer(param_specs, mesh):
         def _source(self, leaf, d):
             if leaf is d and id(d) in self.out_slot:
                 node, slot = self.out_slot[id(d)]
-                return Source("op", node, slot)
+                if self.graph.nodes[node]["outputs"][slot] == d.spec:      # not a reused id
+                    return Source("op", node, slot)
             if leaf is d and id(d) in self.inputs:
                 return Source("input", self.inputs[id(d)])
             name = self.param_names.get(id(leaf))
@@ -266,11 +267,13 @@ def _input_spec(mesh, spec, i):
 
 
 def capture(model, *input_specs, loss_fn=None, n_model_inputs=None, annotations=None, mesh=None,
-            free_inputs=False) -> nx.DiGraph:
+            free_inputs=False, hard_inputs=False) -> nx.DiGraph:
     """The forward (and loss) op graph of ``model``, with what completion needs on every node.
 
-    ``input_specs``: a DistSpec per input (its layout is fixed unless ``free_inputs``) or a
-    ``(shape, dtype)`` / ``paddle.static.InputSpec`` (layout free). With ``loss_fn`` the model takes the
+    ``input_specs``: a DistSpec per input (the layout the data arrives in, unless ``free_inputs``) or a
+    ``(shape, dtype)`` / ``paddle.static.InputSpec`` (layout free). ``hard_inputs`` (a bool, or one per
+    input) makes arrival layouts annotations: the first consumers take them as they are (data parallelism
+    requested by a strategy). With ``loss_fn`` the model takes the
     first ``n_model_inputs`` (default: all but the last) and ``loss_fn(output, *rest)`` is captured too.
     ``annotations``: {parameter name: placements, sublayer name: output placements, pattern: TP style}.
     """
@@ -334,7 +337,12 @@ def capture(model, *input_specs, loss_fn=None, n_model_inputs=None, annotations=
         for h in handles:
             h.remove()
     g = tracer.graph
-    g.graph.update(mesh=mesh, inputs=[s for s, _ in seen], fixed_inputs=[f and not free_inputs for _, f in seen],
+    fixed_in = [f and not free_inputs for _, f in seen]
+    hard = list(hard_inputs) if isinstance(hard_inputs, (list, tuple)) else [bool(hard_inputs)] * len(seen)
+    if len(hard) != len(seen):
+        raise ValueError(f"hard_inputs has {len(hard)} entries for {len(seen)} inputs")
+    g.graph.update(mesh=mesh, inputs=[s for s, _ in seen], fixed_inputs=fixed_in,
+                   hard_inputs=[f and h for f, h in zip(fixed_in, hard)],
                    n_model_inputs=n_in, n_model_ops=n_model_ops, fixed_params=fixed_params,
                    param_specs={n: param_specs[id(p)] for n, p in named.items()}, trainable=trainable,
                    out_annotations={}, model_outputs=_out_keys(tracer, out), loss=None,
@@ -408,10 +416,6 @@ def _call_with(d, specs):
     return replace_specs(args, kwargs, specs)
 
 
-def _seen_spec(d, i):
-    return d["seen"][i]
-
-
 def propagate(g) -> dict:
     """Layouts inferred from the annotations: {tensor key: placements} (see Source.key), forward and
     reverse rules alternating until nothing new is inferred (a tensor keeps its first inference)."""
@@ -438,7 +442,7 @@ def _leaf_specs(g, k, known):
     d = g.nodes[k]
     specs, any_known = [], False
     for i, s in enumerate(d["sources"]):
-        seen = _seen_spec(d, i)
+        seen = d["seen"][i]
         pl = _fixed_layout(g, s) if s.kind == "const" else known.get(s.key)
         if pl is not None and s.kind != "const":
             any_known = True
@@ -461,8 +465,9 @@ def _forward_step(g, k, known) -> bool:
     specs, any_known = _leaf_specs(g, k, known)
     if not any_known or d["greedy"] is None:
         return False
+    args, kwargs = _call_with(d, specs)
     try:
-        res = get_spmd_rule(d["op"])(*_call_with(d, specs)[0], **_call_with(d, specs)[1])
+        res = get_spmd_rule(d["op"])(*args, **kwargs)
     except (ValueError, TypeError, NotImplementedError, IndexError):
         return False
     changed = False
@@ -583,10 +588,12 @@ def _hard_constraints(g, k):
     d = g.nodes[k]
     out = []
     for i, s in enumerate(d["sources"]):
-        f = _fixed_layout(g, s) if s.kind == "param" else None
+        hard = s.kind == "param" or (s.kind == "input" and g.graph["hard_inputs"][s.node])
+        f = _fixed_layout(g, s) if hard else None
         if f is None:
             continue
-        out.append((f"parameter {s.name!r} annotated {format_placements(f)}",
+        what = f"parameter {s.name!r}" if s.kind == "param" else f"input {s.node}"
+        out.append((f"{what} annotated {format_placements(f)}",
                     lambda res, i=i, f=f: _compatible(res.inputs[i].placements, f)))
     for slot, o in enumerate(d["outputs"]):
         ann = g.graph["out_annotations"].get((k, slot))
@@ -1196,10 +1203,12 @@ class CompletedPlan:
         for name, pl in sorted(self.param_layouts.items()):
             lines.append(f"  {name:<32} {_fmt(pl)}{'  (annotated)' if name in fixed else ''}")
         for i, pl in enumerate(self.input_layouts):
-            tag = "  (annotated)" if g.graph["fixed_inputs"][i] else ""
+            tag = "  (annotated)" if g.graph["hard_inputs"][i] else \
+                "  (arrives so)" if g.graph["fixed_inputs"][i] else ""
             lines.append(f"  input{i:<27} {_fmt(pl)}{tag}")
         counts = self.collective_counts()
-        lines.append(f"collectives per step: forward {counts['forward'] or '{}'}, backward {counts['backward'] or '{}'}")
+        lines.append(f"collectives per step: forward {counts['forward'] or '{}'}, "
+                     f"backward {counts['backward'] or '{}'}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -1272,14 +1281,15 @@ def complete_graph(g, cluster=None, method: str = "auto") -> CompletedPlan:
 
 
 def complete(model, *input_specs, loss_fn=None, annotations=None, n_model_inputs=None, mesh=None,
-             auto_mode: str = "semi", cluster=None, method: str = "auto") -> CompletedPlan:
+             auto_mode: str = "semi", cluster=None, method: str = "auto", hard_inputs=False) -> CompletedPlan:
     """Capture ``model`` (and ``loss_fn``) on ``input_specs`` and choose every layout by total cost.
 
-    ``auto_mode="semi"``: DistSpec inputs, annotations and already distributed parameters are fixed;
-    ``"full"``: input layouts are free too (annotations, if any, are still honoured).
+    ``auto_mode="semi"``: annotations and already distributed parameters are fixed, DistSpec inputs give the
+    layout the data arrives in (consumed as is with ``hard_inputs``); ``"full"``: input layouts are free
+    (annotations, if any, are still honoured).
     """
     if auto_mode not in ("semi", "full"):
         raise ValueError(f"auto_mode must be 'semi' or 'full', got {auto_mode!r}")
     g = capture(model, *input_specs, loss_fn=loss_fn, n_model_inputs=n_model_inputs, annotations=annotations,
-                mesh=mesh, free_inputs=auto_mode == "full")
+                mesh=mesh, free_inputs=auto_mode == "full", hard_inputs=hard_inputs)
     return complete_graph(g, cluster=cluster, method=method)

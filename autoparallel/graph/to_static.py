@@ -13,7 +13,9 @@ loader. A batch is ``(inputs..., label)``: the model takes all fields but the la
 With ``gradient_accumulation_steps = k`` a train_step batch holds k micro-batches along dim 0 (or is a list
 of k micro-batches); the graph is captured at the micro-batch shape.
 
-Strategy: ``auto_mode="semi"`` fixes the batch dim of every field sharded over "data" (dp > 1), the default
+Strategy: ``auto_mode="semi"`` fixes the batch dim of every field sharded over "data" (dp > 1: the first ops
+consume the batch as sharded; an ``input_spec`` entry given as a DistSpec is only where that field arrives,
+completion may reshard it), the default
 tensor-parallel plan's parameter layouts (tp > 1, GPT / LLaMA names or ``tp_plan``) and, with sequence
 parallel, sequence-sharded outputs of every norm layer; completion chooses everything else.
 ``auto_mode="full"``: nothing is fixed but the user's own annotations; the mesh is [data, model] as square as
@@ -57,6 +59,8 @@ def _loader_specs(loader):
     if bs is None:
         bs = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
     dataset = getattr(loader, "dataset", None)
+    if dataset is None and getattr(loader, "loaders", None):      # DistributedDataLoader: one per data rank
+        dataset = getattr(next(iter(loader.loaders.values())), "dataset", None)
     if not bs or dataset is None:
         raise TypeError(f"to_static cannot read batch shapes from a {type(loader).__name__} (it exposes no "
                         f"batch_size and dataset); pass input_spec=[(shape, dtype), ...] for the batch fields")
@@ -325,6 +329,19 @@ def _split0(x, k):
     return [x[j * n:(j + 1) * n] for j in range(k)]
 
 
+def _routed(fn):
+    """``fn`` itself, or its routed form when it is a paddle function taken before dispatch was installed
+    (``loss_fn=F.cross_entropy`` evaluated before the first autoparallel call)."""
+    from autoparallel import dispatch
+    from autoparallel.dist_tensor import _ensure_dispatch
+
+    _ensure_dispatch()
+    for path, orig in dispatch._ORIG.items():
+        if orig is fn:
+            return dispatch._resolve(path)
+    return fn
+
+
 def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, input_spec=None, *, mesh=None,
               annotations=None, tp_plan=None, cluster=None, method: str = "auto") -> DistModel:
     """Capture ``loss_fn(model(inputs), label)`` once, complete its layouts and return a ``DistModel``.
@@ -336,6 +353,7 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
     from autoparallel.graph.completion import complete
     from autoparallel.strategy import Strategy
 
+    loss_fn = _routed(loss_fn) if loss_fn is not None else None
     strategy = Strategy() if strategy is None else strategy
     if not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
@@ -357,14 +375,16 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
     ann = {} if full else _semi_annotations(model, mesh, strategy, tp_plan)
     ann.update(annotations or {})
     given = list(input_spec) if input_spec is not None else [None] * len(specs)
-    in_specs = []
+    in_specs, hard = [], []
     for i, (shape, dtype) in enumerate(micro):
         g = given[i]
-        if isinstance(g, DistSpec):
+        if isinstance(g, DistSpec):                 # where the data arrives: completion may reshard it
             in_specs.append(DistSpec(mesh, g.placements, tuple(shape), dtype))
-        else:
+            hard.append(False)
+        else:                                       # the strategy's data parallelism: consumed as sharded
             in_specs.append(DistSpec(mesh, tuple(_batch_layout(mesh, len(shape))), tuple(shape), dtype))
+            hard.append(not full)
     plan = complete(model, *in_specs, loss_fn=loss_fn, annotations=ann, mesh=mesh,
                     n_model_inputs=len(in_specs) - (1 if loss_fn is not None else 0),
-                    auto_mode=strategy.auto_mode, cluster=cluster, method=method)
+                    auto_mode=strategy.auto_mode, cluster=cluster, method=method, hard_inputs=hard)
     return DistModel(model, loss_fn, optimizer, plan, mesh, micro, k)

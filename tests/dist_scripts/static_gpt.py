@@ -1,8 +1,8 @@
-"""Runs on every rank: the tiny GPT trained eagerly (ap.parallelize) and captured (ap.to_static) from the same
-initialisation on the same batches, plus a negative control; reports losses, final parameters (rank 0
-saves them), collectives per step and step times.
+"""Runs on every rank: the tiny GPT (and LLaMA) trained eagerly (ap.parallelize) and captured (ap.to_static) from
+the same initialisation on the same batches, plus a negative control; reports losses, final parameters (rank 0
+saves them as OUT_DIR/<model>_<eager|static|negative>.npz), collectives per step and step times.
 
-    static_gpt.py OUT_DIR [--dp 2 --tp 2 --steps 3 --model gpt]
+    static_gpt.py OUT_DIR [--dp 2 --tp 2 --steps 3 --models gpt,llama --negative 1]
 """
 import argparse
 import contextlib
@@ -113,27 +113,30 @@ def main():
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--model", default="gpt")
-    p.add_argument("--negative", type=int, default=1)
+    p.add_argument("--models", default="gpt")
+    p.add_argument("--negative", type=int, default=1, help="also run the negative control (first model only)")
     args = p.parse_args()
     dist.init_parallel_env()
     rank = dist.get_rank()
     loader = paddle.io.DataLoader(Batches(), batch_size=4, shuffle=False)
-    e_losses, e_params, e_times, e_comm = run_eager(args, loader)
-    s_losses, s_params, s_times, s_comm, capture_s, listing = run_static(args, loader)
-    out = {"eager": e_losses, "static": s_losses, "eager_times": e_times, "static_times": s_times,
-           "eager_comm": e_comm, "static_comm": s_comm, "capture_s": capture_s}
-    if args.negative:
-        n_losses, n_params, *_ = run_static(args, loader, negative=True)
-        out["negative"] = n_losses
-    if rank == 0:
-        np.savez(os.path.join(args.out, "eager.npz"), **e_params)
-        np.savez(os.path.join(args.out, "static.npz"), **s_params)
-        if args.negative:
-            np.savez(os.path.join(args.out, "negative.npz"), **n_params)
-        with open(os.path.join(args.out, "listing.txt"), "w") as f:
-            f.write(listing)
-    write_result(out)
+    result = {}
+    for i, name in enumerate(args.models.split(",")):
+        args.model = name
+        e_losses, e_params, e_times, e_comm = run_eager(args, loader)
+        s_losses, s_params, s_times, s_comm, capture_s, listing = run_static(args, loader)
+        out = {"eager": e_losses, "static": s_losses, "eager_times": e_times, "static_times": s_times,
+               "eager_comm": e_comm, "static_comm": s_comm, "capture_s": capture_s}
+        saved = {"eager": e_params, "static": s_params}
+        if args.negative and i == 0:
+            n_losses, saved["negative"], *_ = run_static(args, loader, negative=True)
+            out["negative"] = n_losses
+        if rank == 0:
+            for kind, params in saved.items():
+                np.savez(os.path.join(args.out, f"{name}_{kind}.npz"), **params)
+            with open(os.path.join(args.out, f"{name}_listing.txt"), "w") as f:
+                f.write(listing)
+        result[name] = out
+    write_result(result)
 
 
 if __name__ == "__main__":

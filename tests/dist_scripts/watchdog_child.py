@@ -1,5 +1,7 @@
 """One watchdog rank in its own process, sharing a FileStore with the test process.
-Usage: watchdog_child.py STORE_DIR RANK WORLD TIMEOUT MODE   (MODE: hold | raise | clean)"""
+Usage: watchdog_child.py STORE_DIR RANK WORLD TIMEOUT MODE   (MODE: hold | raise | clean | sigterm)"""
+import os
+import signal
 import sys
 import time
 
@@ -11,6 +13,9 @@ wd = Watchdog(timeout=timeout, store=FileStore(store_dir), rank=rank, world_size
 print("ready", flush=True)
 with wd.op("all_reduce", step=3):
     if mode == "hold":
+        time.sleep(600)
+    elif mode == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)       # held by the watchdog for its grace, then the exit
         time.sleep(600)
     elif mode == "raise":
         time.sleep(4 * wd.interval)

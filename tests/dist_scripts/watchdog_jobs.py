@@ -16,6 +16,8 @@ HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "watchdog_worker.py")
 TIMEOUT = 3.0                 # AP_WATCHDOG_TIMEOUT of the jobs
 VICTIMS = {"kill": 2, "stop": 0}
+# paddle 3.3.1's gloo sometimes fails the first new_group of a job on a loaded machine: such a job is run again
+STARTUP_FLAKES = ("Connection refused", "Application timeout caused pair closure", "TIMEOUT self_rank")
 _jobs: dict = {}
 
 
@@ -42,7 +44,7 @@ def _reap(events: dict) -> None:
                 pass
 
 
-def job(mode: str, attempts: int = 2) -> dict:
+def job(mode: str, attempts: int = 3) -> dict:
     """Run (once) and return {"code", "events", "logs", "wall", "ckpt_root"} of the job ``mode``."""
     if mode in _jobs:
         return _jobs[mode]
@@ -67,10 +69,13 @@ def job(mode: str, attempts: int = 2) -> dict:
             path = os.path.join(log, f"workerlog.{r}")
             logs[r] = open(path, errors="replace").read() if os.path.exists(path) else ""
         started = [r for r in range(4) if any(e["kind"] == "started" for e in events.get(r, []))]
-        if len(started) == 4:          # else a gloo start-up failure: start the job again
+        errors = "".join(e["result"].get("error", "") for evs in events.values() for e in evs
+                         if e["kind"] == "checkpoint")
+        flake = "new_group" in errors and any(f in errors for f in STARTUP_FLAKES)
+        if len(started) == 4 and not flake:    # else a gloo start-up failure: start the job again
             _jobs[mode] = {"code": proc.returncode, "events": events, "logs": logs,
                            "wall": time.monotonic() - start, "ckpt_root": ckpt_root,
                            "launcher": proc.stdout.decode(errors="replace")}
             return _jobs[mode]
-    raise RuntimeError(f"the {mode} job did not start on 4 ranks in {attempts} attempts (started: {started})\n"
-                       + proc.stdout.decode(errors="replace")[-3000:])
+    raise RuntimeError(f"the {mode} job did not start cleanly on 4 ranks in {attempts} attempts (started: "
+                       f"{started}; gloo start-up failure: {flake})\n" + proc.stdout.decode(errors="replace")[-3000:])

@@ -520,6 +520,10 @@ def bind_optimizer(optimizer, pipe: PipelineModule):
     inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
     if not hasattr(inner, "_parameter_list"):
         raise TypeError(f"expected a paddle optimizer, got {type(optimizer).__name__}")
+    if getattr(inner, "_grad_clip", None) is not None:
+        raise NotImplementedError(f"gradient clipping ({type(inner._grad_clip).__name__}) needs the gradient norm "
+                                  f"over every pipeline stage, which the pipeline runtime does not compute yet; "
+                                  f"build the optimizer without grad_clip")
     local = dict(pipe.named_parameters())
     local_ids = {id(p) for p in local.values()}
     names = getattr(pipe, "original_names", {})
