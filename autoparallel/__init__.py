@@ -34,6 +34,8 @@ _EXPORTS = {
     "VocabParallelEmbedding": "autoparallel.parallel.tensor_parallel",
     "SequenceParallel": "autoparallel.parallel.tensor_parallel",
     "parallelize": "autoparallel.parallelize", "trace": "autoparallel.graph.trace",
+    "to_static": "autoparallel.graph.to_static", "DistModel": "autoparallel.graph.to_static",
+    "complete": "autoparallel.graph.completion",
     "apply_pp": "autoparallel.parallel.pipeline.runtime", "PipelineModule": "autoparallel.parallel.pipeline.runtime",
 }
 

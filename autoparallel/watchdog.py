@@ -246,7 +246,7 @@ class Watchdog:
             _env_float("AP_WATCHDOG_LONG_WAIT", DEFAULT_LONG_WAIT)
         self.op_timeout = op_timeout if op_timeout is not None else _env_float("AP_WATCHDOG_OP_TIMEOUT", None)
         self.startup_timeout = float(startup_timeout) if startup_timeout is not None else max(60.0, self.timeout)
-        self.term_grace = float(term_grace) if term_grace is not None else min(self.timeout, 2.0)
+        self.term_grace = float(term_grace) if term_grace is not None else min(self.timeout, 3.0)
         self.exit_code = int(exit_code if exit_code is not None else os.environ.get("AP_WATCHDOG_EXIT_CODE",
                                                                                    DEFAULT_EXIT_CODE))
         self.on_failure = on_failure
@@ -301,6 +301,11 @@ class Watchdog:
     @property
     def running(self) -> bool:
         return bool(self._threads) and not self._halt.is_set()
+
+    @property
+    def beats(self) -> int:
+        """Heartbeat records this rank has published so far."""
+        return self._seq
 
     def start(self) -> "Watchdog":
         if self._threads:
@@ -437,13 +442,20 @@ class Watchdog:
                 return
             self._halt.wait(self.interval)
 
+    def _follow_abort(self) -> bool:
+        """Exit with the abort note another rank published, if there is one."""
+        if self.store.add(f"{self._prefix}/abort", 0) == 0:
+            return False
+        note = json.loads(self.store.get(f"{self._prefix}/abort_msg"))
+        self.store.add(f"{self._prefix}/abort_ack", 1)
+        self._fail(f"exiting because rank {note['rank']} reported: {note['reason']}", publish=False)
+        return True
+
     def _io_round(self) -> None:
         self._publish()
-        if self.store.add(f"{self._prefix}/abort", 0) > 0:
-            note = json.loads(self.store.get(f"{self._prefix}/abort_msg"))
-            self.store.add(f"{self._prefix}/abort_ack", 1)
-            self._fail(f"exiting because rank {note['rank']} reported: {note['reason']}", publish=False)
+        if self._follow_abort():
             return
+        exited = []
         for peer in self._peers.values():
             if not peer.up:
                 peer.up = self.store.add(self._key("up", peer.rank), 0) > 0
@@ -459,9 +471,11 @@ class Watchdog:
                 return
             if record.get("host") == self._host and not record.get("stopped"):
                 if process_state(record["pid"], record.get("start")) == "exited":
-                    self._fail(f"rank {peer.rank} lost: its process (pid {record['pid']} on this host) has exited; "
-                               f"it was last in {_their_op(record)}")
-                    return
+                    exited.append(peer)
+        # a rank that reported a loss exits too: read its note first, then blame the earliest silent rank
+        if exited and not self._follow_abort():
+            self._fail(_exited_reason(exited))
+            return
         self._io_ok = time.monotonic()
 
     def _store_lost(self, error: str) -> None:
@@ -521,7 +535,7 @@ class Watchdog:
         if publish:
             note = json.dumps({"rank": self.rank, "reason": reason}).encode()
             _bounded(lambda: (self.store.set(f"{self._prefix}/abort_msg", note),
-                              self.store.add(f"{self._prefix}/abort", 1)), min(1.0, self.interval))
+                              self.store.add(f"{self._prefix}/abort", 1)), 1.0)
         _write_stderr(message)
         if getattr(self.store, "host_rank", None) == self.rank:
             self._linger()
@@ -569,6 +583,11 @@ class Watchdog:
         if callable(self._prev_sigterm) or self._prev_sigterm == signal.SIG_IGN:
             self._sigterm_at = None             # someone else handles SIGTERM
             return
+        exited = [p for p in self._peers.values() if p.record.get("host") == self._host
+                  and not p.record.get("stopped") and process_state(p.record["pid"], p.record.get("start")) == "exited"]
+        if exited:                              # the job is torn down because of a lost rank: name it
+            self._fail(_exited_reason(exited))
+            return
         with self._lock:
             if self.failure is not None or self._halt.is_set():
                 return
@@ -576,7 +595,7 @@ class Watchdog:
                             f"{self.term_grace:g} s) while in {self._op_text()}")
         _write_stderr(self.failure)
         self._halt.set()
-        _bounded(lambda: self._publish(stopped=True, error="terminated by SIGTERM"), min(1.0, self.interval))
+        _bounded(lambda: self._publish(stopped=True, error="terminated by SIGTERM"), 2.0)
         self._verdict.set()
         self._exit(128 + signal.SIGTERM)
 
@@ -585,6 +604,16 @@ class Watchdog:
         if issubclass(exc_type, Exception):
             self.diagnose(exc)
         self.stop(error=f"{exc_type.__name__}: {str(exc)[:300]}")
+
+
+def _exited_reason(exited: list) -> str:
+    """The loss to report when the processes of ``exited`` peers are gone: the one silent for longest."""
+    first = min(exited, key=lambda p: p.changed)
+    rec = first.record
+    later = sorted(p.rank for p in exited if p is not first)
+    also = f"; ranks {later} have exited since" if later else ""
+    return (f"rank {first.rank} lost: its process (pid {rec['pid']} on this host) has exited; it was last in "
+            f"{_their_op(rec)}{also}")
 
 
 def _process_note(record: dict, host: str) -> str:

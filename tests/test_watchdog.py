@@ -258,7 +258,7 @@ def test_a_killed_peer_process_is_named_at_once(observed):
 def test_a_stopped_peer_is_named_after_the_timeout(observed):
     r = _get(observed, "scenario_stopped_peer")
     assert r["exits"].codes == [75]
-    assert T - r["interval"] <= r["elapsed"] <= T + 4 * r["interval"]
+    assert T - r["interval"] <= r["elapsed"] <= T + 1.5
     assert "rank 1 lost: no heartbeat for" in r["exits"].messages[0]
     assert "is stopped (SIGSTOP?); it was last in 'all_reduce' (step 3)" in r["exits"].messages[0]
 
@@ -277,7 +277,7 @@ def test_the_first_verdict_reaches_ranks_that_do_not_watch_the_lost_one(observed
 
 def test_an_unreachable_store_names_its_host(observed):
     r = _get(observed, "scenario_unreachable_store")
-    assert r["exits"].codes == [75] and T - 0.15 <= r["elapsed"] <= T + 0.6
+    assert r["exits"].codes == [75] and T - 0.15 <= r["elapsed"] <= T + 1.5
     assert "rank 1: rank 0 lost: the test store hosted by rank 0 is unreachable (no answer for" in \
         r["exits"].messages[0]
 
@@ -285,7 +285,7 @@ def test_an_unreachable_store_names_its_host(observed):
 def test_long_wait_extends_the_limit_for_that_rank(observed):
     r = _get(observed, "scenario_long_wait")
     assert not r["early"] and r["exits"].codes == [75]
-    assert 2.0 - 0.15 <= r["elapsed"] <= 2.8          # the last beat may precede the freeze by an interval
+    assert 2.0 - 0.15 <= r["elapsed"] <= 2.0 + 1.5    # the last beat may precede the freeze by an interval
     assert "rank 1 lost: no heartbeat for" in r["exits"].messages[0] and "(limit 2.0 s)" in r["exits"].messages[0]
 
 

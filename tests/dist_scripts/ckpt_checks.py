@@ -28,15 +28,18 @@ def _slow_writes(rank):
     return original
 
 
-def checkpoint_round_trip(root: str, rank: int) -> dict:
+def make_meshes() -> tuple:
+    """Every mesh up front (their groups are created now), the whole-world one first: paddle 3.3.1's gloo
+    fails to create a group over all ranks after smaller groups exist ("address.cc:30 ... 136 vs 45")."""
+    return (ap.ProcessMesh([0, 1, 2, 3], ["dp"]), ap.ProcessMesh([[0, 1], [2, 3]], ["dp", "tp"]),
+            ap.ProcessMesh([0, 1], ["tp"]))
+
+
+def checkpoint_round_trip(root: str, rank: int, meshes: tuple) -> dict:
     result = {"rank": rank}
     try:
         full = full_tensors()
-        # every mesh up front, the whole-world one first: paddle 3.3.1's gloo fails to create a group over
-        # all ranks after smaller groups exist ("address.cc:30 ... 136 vs 45")
-        flat = ap.ProcessMesh([0, 1, 2, 3], ["dp"])
-        mesh = ap.ProcessMesh([[0, 1], [2, 3]], ["dp", "tp"])
-        pair = ap.ProcessMesh([0, 1], ["tp"])
+        flat, mesh, pair = meshes
         mon = PerformanceMonitor(warmup_steps=0, measure_steps=1)
         with mon.record("step"):
             time.sleep(0.05 * (rank + 1))            # rank 3 is the slowest

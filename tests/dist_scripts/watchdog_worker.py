@@ -25,18 +25,22 @@ def note(kind, **fields):
         f.write(json.dumps({"kind": kind, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
 
 
+if ckpt_root is not None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    from ckpt_checks import checkpoint_round_trip, make_meshes
+
+    meshes = make_meshes()                           # group creation first, as a training script does
 wd = Watchdog(on_failure=lambda message: note("failure", message=message)).start()
 note("started", interval=wd.interval, timeout=wd.timeout)
 if ckpt_root is not None:
-    sys.path.insert(0, os.path.dirname(__file__))
-    from ckpt_checks import checkpoint_round_trip
-
-    note("checkpoint", result=checkpoint_round_trip(ckpt_root, rank))
+    note("checkpoint", result=checkpoint_round_trip(ckpt_root, rank, meshes))
 x = paddle.ones([16])
 for step in range(300):
     with wd.op("all_reduce", step=step):
         if rank == victim and step == 5:
-            time.sleep(2 * wd.interval)              # the heartbeat now carries this operation
+            beats = wd.beats
+            while wd.beats < beats + 2:              # a heartbeat published in this operation
+                time.sleep(0.02)
             note("victim", signal=mode)
             os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
         y = x.clone()
