@@ -202,8 +202,8 @@ def _local_from_full(full: paddle.Tensor, spec: DistSpec, rank: int) -> paddle.T
             t = paddle.slice(t, axes=[d], starts=[s.start], ends=[s.stop])
     for i, p in enumerate(spec.placements):
         if isinstance(p, Partial) and p.reduce_type == "sum" and coords[i] != 0:
-            t = paddle.zeros_like(t)
-    return t.clone() if t is full else t
+            return paddle.zeros_like(t)
+    return t.clone()              # never a view: replicas must not share storage
 
 
 def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=None):
