@@ -18,6 +18,7 @@ import cProfile
 import fnmatch
 import os
 import pstats
+import re
 import sys
 import time
 
@@ -219,7 +220,7 @@ def profile_steps(model, opt, ids, labels, n: int, rank: int, top: int = 20):
     for (path, line, fn), (_cc, ncalls, tt, ct, _callers) in pstats.Stats(prof).stats.items():
         g = _group(path, fn)
         groups[g] = groups.get(g, 0.0) + tt / n
-        where = fn if path == "~" else f"{_short_path(path)}:{line}({fn})"
+        where = re.sub(r" at 0x[0-9a-f]+", "", fn) if path == "~" else f"{_short_path(path)}:{line}({fn})"
         funcs.append((tt / n, ct / n, ncalls / n, where))
     funcs.sort(reverse=True)
     return {"groups": groups, "top": funcs[:top], "total": sum(groups.values())}

@@ -1,7 +1,7 @@
 """Dispatch benchmark: per-op overhead of DistTensor ops, and a GPT DP2xTP2 training step against Paddle's
 own semi-auto API on 4 gloo ranks.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_dispatch.py [--steps 10] [--warmup 3] [--rounds 2]
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_dispatch.py [--steps 10] [--warmup 3] [--rounds 3]
                                                                [--profile-steps 2] [--op-repeats 1000] [--op-warmup 10]
                                                                [--skip-ops] [--skip-gpt]
                                                                [--out docs/dispatch_bench.md]
@@ -563,7 +563,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10, help="timed GPT steps per launch")
     p.add_argument("--warmup", type=int, default=3, help="untimed GPT steps first")
-    p.add_argument("--rounds", type=int, default=2, help="launches of each 4-rank run (alternating)")
+    p.add_argument("--rounds", type=int, default=3, help="launches of each 4-rank run (alternating)")
     p.add_argument("--profile-steps", dest="profile_steps", type=int, default=2,
                    help="cProfile this many extra steps on rank 0 of the last launches (0: off)")
     p.add_argument("--op-repeats", dest="op_repeats", type=int, default=1000,

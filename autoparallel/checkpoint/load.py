@@ -48,13 +48,14 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
     meta = read_metadata(ckpt)
     flat = flatten(state)
     targets = {name: _describe(name, leaf) for name, (_, _, leaf) in flat.items()}
-    _validate(targets, meta, strict)
+    _validate(targets, meta, strict, ckpt)
     loaded = {}
     with ShardReader(ckpt, meta["files"]) as reader:
-        for name, t in targets.items():
-            if t.kind != "value":
+        for name, t in targets.items():            # every file to read exists with its size: before reading
+            for _, off, shape, zero in ([] if t.kind == "value" else t.boxes):
                 for shard in meta["tensors"][name]["shards"]:
-                    reader.check_file(shard["file"])
+                    if not zero and intersect(off, shape, shard["offsets"], shard["shape"]) is not None:
+                        reader.check_file(shard["file"])
         for name, t in targets.items():
             if t.kind == "value":
                 continue
@@ -119,7 +120,7 @@ def _describe(name: str, leaf) -> _Target:
     return _Target("value")
 
 
-def _validate(targets: dict, meta: dict, strict: bool) -> None:
+def _validate(targets: dict, meta: dict, strict: bool, ckpt: str) -> None:
     saved_t, saved_v = meta["tensors"], meta["values"]
     problems = []
     missing = [n for n in targets if n not in saved_t and n not in saved_v]
@@ -142,8 +143,8 @@ def _validate(targets: dict, meta: dict, strict: bool) -> None:
             if rec["dtype"] != t.dtype:
                 problems.append(f"{name!r}: dtype {t.dtype} in the state, {rec['dtype']} in the checkpoint")
     if problems:
-        raise CheckpointMismatchError(f"checkpoint {meta.get('nonce')!r} (step {meta.get('step')}) does not match "
-                                      f"the state; nothing was loaded:\n  " + "\n  ".join(problems))
+        raise CheckpointMismatchError(f"checkpoint {ckpt} (step {meta.get('step')}) does not match the state; "
+                                      f"nothing was loaded:\n  " + "\n  ".join(problems))
 
 
 # ---- reading and assigning ------------------------------------------------------------------------------

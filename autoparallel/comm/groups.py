@@ -30,9 +30,13 @@ def on_mesh_created(mesh) -> None:
         raise ValueError(f"mesh {mesh.mesh.tolist()} names rank {max(mesh.process_ids)} but the world has "
                          f"{world} ranks (0..{world - 1})")
     todo = []
+    everyone = tuple(range(world))
     for d in range(mesh.ndim):
         for ranks in mesh.all_groups(d):
             key = tuple(ranks)
+            if tuple(sorted(key)) == everyone:
+                _GROUPS[key] = None      # the default group: a second whole-world gloo group can fail to
+                continue                 # connect once smaller groups exist
             if len(key) > 1 and key not in _GROUPS and key not in todo:
                 todo.append(key)
     if not todo:
@@ -50,7 +54,7 @@ def get_group(ranks):
     key = tuple(ranks)
     if key in _GROUPS:
         return _GROUPS[key]
-    if sorted(key) == list(range(dist.get_world_size())) and list(key) == sorted(key):
+    if sorted(key) == list(range(dist.get_world_size())):
         return None
     raise RuntimeError(f"no communication group for ranks {list(key)}: groups are created with their "
                        f"ProcessMesh on every rank; create the mesh on all ranks before communicating")

@@ -4,8 +4,10 @@ test_watchdog.py and test_checkpoint_dist.py:
 * "kill": checkpoint checks (ckpt_checks.py), then a training loop in which rank 2 SIGKILLs itself;
 * "stop": a training loop in which rank 0 (the host of the TCP store) SIGSTOPs itself.
 """
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +51,7 @@ def job(mode: str, attempts: int = 3) -> dict:
     if mode in _jobs:
         return _jobs[mode]
     base = tempfile.mkdtemp(prefix=f"ap_wd_{mode}_")
+    atexit.register(shutil.rmtree, base, ignore_errors=True)
     for attempt in range(attempts):
         out, log = os.path.join(base, f"out{attempt}"), os.path.join(base, f"log{attempt}")
         ckpt_root = os.path.join(base, f"ckpt{attempt}")

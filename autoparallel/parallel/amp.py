@@ -1,0 +1,179 @@
+"""AMP with fp32 master weights and dynamic loss scaling; on CPU an emulated autocast.
+
+Paddle 3.3.1 has no low-precision CPU kernels (``auto_cast`` silently stays float32 there), so on CPU
+``apply_amp`` emulates autocast: the inputs and outputs of the autocast layers (Linear by default) and
+the gradients flowing back into their outputs are rounded through the low-precision dtype (a
+round-trip cast), while parameters, optimizer states and reductions stay float32 (the master weights).
+An fp16 gradient beyond its range becomes inf exactly as on a GPU, which the loss scaler handles.
+
+    apply_amp(model, dtype="float16")
+    opt = AmpOptimizer(opt, LossScaler(init_loss_scaling=2.0**15), mesh)
+    opt.scale(loss).backward(); opt.step(); opt.clear_grad()      # skips the step when any rank overflowed
+"""
+from __future__ import annotations
+
+import math
+
+import paddle
+
+from autoparallel.comm import collectives as C
+from autoparallel.comm.world import current_world
+from autoparallel.dist_tensor import DistTensor, is_dist
+from autoparallel.local_mode import local_mode
+
+DTYPES = ("float16", "bfloat16")
+
+
+def _check_dtype(dtype):
+    if dtype not in DTYPES:
+        raise ValueError(f"amp dtype must be one of {DTYPES}, got {dtype!r}")
+
+
+def round_trip(t, dtype):
+    """``t`` rounded through ``dtype`` and back to its own dtype (an emulated low-precision value)."""
+    _check_dtype(dtype)
+    if isinstance(t, DistTensor):
+        return DistTensor({r: round_trip(x, dtype) for r, x in t.locals.items()}, t.spec)
+    with local_mode():
+        return t.astype(dtype).astype(t.dtype)
+
+
+def apply_amp(model, dtype: str = "bfloat16", level: str = "O1", layers=(paddle.nn.Linear,)) -> list:
+    """Emulated autocast on every sublayer of the given types; returns the hook handles."""
+    _check_dtype(dtype)
+    if level not in ("O1", "O2"):
+        raise ValueError(f"amp level must be 'O1' or 'O2', got {level!r}")
+    handles = []
+    for _, layer in model.named_sublayers(include_self=True):
+        if isinstance(layer, tuple(layers)):
+            handles.append(layer.register_forward_pre_hook(
+                lambda _l, inputs: tuple(_cast_input(x, dtype) for x in inputs)))
+            handles.append(layer.register_forward_post_hook(lambda _l, _i, out: _cast_output(out, dtype)))
+    return handles
+
+
+def _cast_input(x, dtype):
+    return round_trip(x, dtype) if isinstance(x, (paddle.Tensor, DistTensor)) and _is_float(x) else x
+
+
+def _is_float(x):
+    return "float" in str(x.dtype)
+
+
+def _cast_output(out, dtype):
+    if not isinstance(out, (paddle.Tensor, DistTensor)) or not _is_float(out):
+        return out
+    out = round_trip(out, dtype)
+    for t in (out.locals.values() if isinstance(out, DistTensor) else [out]):
+        if not t.stop_gradient:
+            t.register_hook(lambda g: g.astype(dtype).astype(g.dtype))
+    return out
+
+
+class LossScaler:
+    """paddle.amp.GradScaler's update rules: after ``decr_every_n_nan_or_inf`` consecutive overflowing steps
+    the scale is multiplied by ``decr_ratio`` (not below 1); after ``incr_every_n_steps`` consecutive good
+    steps by ``incr_ratio``. A static scaler never changes its scale."""
+
+    def __init__(self, init_loss_scaling: float = 2.0**15, incr_ratio: float = 2.0, decr_ratio: float = 0.5,
+                 incr_every_n_steps: int = 1000, decr_every_n_nan_or_inf: int = 2,
+                 use_dynamic_loss_scaling: bool = True):
+        if not init_loss_scaling > 0:
+            raise ValueError(f"init_loss_scaling must be positive, got {init_loss_scaling}")
+        if not incr_ratio > 1.0:
+            raise ValueError(f"incr_ratio must be > 1, got {incr_ratio}")
+        if not 0.0 < decr_ratio < 1.0:
+            raise ValueError(f"decr_ratio must be in (0, 1), got {decr_ratio}")
+        for name, v in (("incr_every_n_steps", incr_every_n_steps), ("decr_every_n_nan_or_inf", decr_every_n_nan_or_inf)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        self.scale_value = float(init_loss_scaling)
+        self.incr_ratio, self.decr_ratio = incr_ratio, decr_ratio
+        self.incr_every, self.decr_every = incr_every_n_steps, decr_every_n_nan_or_inf
+        self.dynamic = use_dynamic_loss_scaling
+        self.good_steps = self.bad_steps = 0
+
+    @classmethod
+    def from_strategy(cls, amp) -> "LossScaler":
+        """From ``strategy.amp``; bfloat16 needs no scaling (a static scale of 1)."""
+        if amp.dtype == "bfloat16":
+            return cls(1.0, use_dynamic_loss_scaling=False)
+        return cls(amp.init_loss_scaling, amp.incr_ratio, amp.decr_ratio, amp.incr_every_n_steps,
+                   amp.decr_every_n_nan_or_inf, amp.use_dynamic_loss_scaling)
+
+    def update(self, found_inf: bool) -> None:
+        if not self.dynamic:
+            return
+        if found_inf:
+            self.good_steps, self.bad_steps = 0, self.bad_steps + 1
+            if self.bad_steps == self.decr_every:
+                self.scale_value = max(1.0, self.scale_value * self.decr_ratio)
+                self.bad_steps = 0
+        else:
+            self.good_steps, self.bad_steps = self.good_steps + 1, 0
+            if self.good_steps == self.incr_every:
+                self.scale_value *= self.incr_ratio
+                self.good_steps = 0
+
+
+def _local_grads(params):
+    for p in params:
+        for t in (p.locals.values() if is_dist(p) else [p]):
+            if t.grad is not None:
+                yield t
+
+
+def found_inf(params, mesh=None) -> bool:
+    """Whether any rank's gradients hold inf/nan: a local flag all-reduced (max) over every dim of ``mesh``."""
+    held = current_world().local_ranks(mesh.process_ids) if mesh is not None else [current_world().rank]
+    flags = {r: 0.0 for r in held}
+    with local_mode(), paddle.no_grad():
+        for p in params:
+            for r, t in (p.locals.items() if is_dist(p) else [(held[0], p)]):
+                if t.grad is not None and not bool(paddle.isfinite(t.grad).all()):
+                    flags[r] = 1.0
+        xs = {r: paddle.to_tensor([v], dtype="float32") for r, v in flags.items()}
+        if mesh is not None:
+            for d in range(mesh.ndim):
+                xs = C.mesh_groups_apply(xs, mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "max"))
+    return any(float(x) > 0 for x in xs.values())
+
+
+class AmpOptimizer:
+    """Unscales gradients, agrees on overflow across ranks, skips the step on overflow, updates the scale.
+    ``optimizer`` is any ap optimizer (ShardedOptimizer, ZeroOptimizer) or a paddle one."""
+
+    def __init__(self, optimizer, scaler: LossScaler, mesh=None, params=None):
+        self.optimizer, self.scaler, self.mesh = optimizer, scaler, mesh
+        inner = getattr(optimizer, "_inner", optimizer)
+        self.params = list(params) if params is not None else [
+            q for p in inner._parameter_list for q in (p["params"] if isinstance(p, dict) else [p])]
+        self.skipped = 0
+        self.last_found_inf = False
+
+    def scale(self, loss):
+        return loss * self.scaler.scale_value if self.scaler.scale_value != 1.0 else loss
+
+    def step(self) -> bool:
+        """Returns True when the step ran, False when it was skipped."""
+        inv = 1.0 / self.scaler.scale_value
+        with local_mode(), paddle.no_grad():
+            if inv != 1.0:
+                for t in _local_grads(self.params):
+                    t.grad.set_value(t.grad * inv)
+        inf = found_inf(self.params, self.mesh)
+        self.last_found_inf = inf
+        self.scaler.update(inf)
+        if inf:
+            self.skipped += 1
+            return False
+        self.optimizer.step()
+        return True
+
+    def clear_grad(self, set_to_zero: bool = True):
+        return self.optimizer.clear_grad(set_to_zero)
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+

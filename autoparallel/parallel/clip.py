@@ -1,0 +1,82 @@
+"""Global-norm gradient clipping across tensor-parallel and ZeRO shards.
+
+The global norm is sqrt of the sum of squares of every distinct gradient element. A rank's local piece
+is distinct along the mesh dims where it is sharded and a copy along the others, so each rank adds its
+local sum of squares only when its coordinate is 0 on every mesh dim where the piece is replicated; the
+sum is then all-reduced over every mesh dim. Each term is ``(locals, mesh, sharded_dims)``: ``locals``
+{rank: tensor} for the held ranks, ``sharded_dims`` the names of the mesh dims along which the pieces
+differ.
+"""
+from __future__ import annotations
+
+import paddle
+
+from autoparallel.comm import collectives as C
+from autoparallel.comm.world import current_world
+from autoparallel.local_mode import local_mode
+from autoparallel.placement import Shard
+
+
+def global_norm(terms) -> float:
+    """sqrt(sum of squares) of the distinct elements described by ``terms`` (same on every rank)."""
+    by_mesh: dict = {}
+    for locals_, mesh, sharded in terms:
+        bad = [d for d in sharded if d not in mesh.dim_names]
+        if bad:
+            raise ValueError(f"sharded dims {bad} are not dims of the mesh {mesh.dim_names}")
+        acc = by_mesh.setdefault(mesh, {r: 0.0 for r in current_world().local_ranks(mesh.process_ids)})
+        for r, t in locals_.items():
+            if t is None or t.numel() == 0 or not _counts(mesh, r, sharded):
+                continue
+            with local_mode(), paddle.no_grad():
+                acc[r] += float((t.astype("float32") ** 2).sum())
+    total = 0.0
+    for mesh, acc in by_mesh.items():
+        if not acc:
+            continue
+        xs = {r: paddle.to_tensor([v], dtype="float64") for r, v in acc.items()}
+        with local_mode(), paddle.no_grad():
+            for d in range(mesh.ndim):
+                xs = C.mesh_groups_apply(xs, mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
+        total += float(next(iter(xs.values())))
+    return total ** 0.5
+
+
+def _counts(mesh, rank, sharded) -> bool:
+    coords = mesh.coords_of(rank)
+    return all(c == 0 for name, c in zip(mesh.dim_names, coords) if name not in sharded)
+
+
+def param_terms(params) -> list:
+    """Terms for DistParameters whose gradients are already reduced (DP / TP): sharded where placed Shard."""
+    terms = []
+    for p in params:
+        if not getattr(p, "need_clip", True):
+            continue
+        sharded = {p.mesh.dim_names[i] for i, pl in enumerate(p.placements) if isinstance(pl, Shard)}
+        terms.append(({r: t.grad for r, t in p.locals.items()}, p.mesh, sharded))
+    return terms
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """paddle.nn.ClipGradByGlobalNorm's factor: max_norm / max(norm, max_norm)."""
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    return max_norm / max(norm, max_norm)
+
+
+def scale_(tensors, factor: float) -> None:
+    if factor == 1.0:
+        return
+    with local_mode(), paddle.no_grad():
+        for t in tensors:
+            if t is not None:
+                t.set_value(t * factor)
+
+
+def clip_grad_norm_(params, max_norm: float) -> float:
+    """Clip the (reduced) gradients of DistParameters by the global norm in place; returns the norm."""
+    terms = param_terms(params)
+    norm = global_norm(terms)
+    scale_([t for locs, _, _ in terms for t in locs.values()], clip_coefficient(norm, max_norm))
+    return norm

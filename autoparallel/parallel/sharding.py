@@ -1,0 +1,291 @@
+"""ZeRO over the data-parallel axis: stage 1 shards optimizer states, stage 2 also gradients, stage 3 also
+parameters; ``offload`` keeps master weights and optimizer states in host memory; ``degree < dp`` is
+HSDP (shard over groups of ``degree`` data ranks, replicate across them).
+
+    opt = apply_zero(model, optimizer, mesh, stage=2)        # model parallelized on ``mesh`` (DistParameters)
+    loss.backward(); opt.step(); opt.clear_grad()
+
+Each rank keeps, for every parameter, its ceil-division chunk of the flattened local data as an fp32
+master weight and steps those chunks with a paddle optimizer of the user's kind and hyperparameters.
+``step()`` reduces gradients (stage 1: all_reduce, every rank keeps the full reduced gradient; stage 2/3:
+reduce_scatter, each rank keeps its chunk and the full gradient is freed), clips by the global norm when
+the optimizer has ``ClipGradByGlobalNorm``, steps the chunks and (stage 1/2) all_gathers them back into
+the parameters. At stage 3 parameters hold no data between uses: zero_params.py gathers them around
+each layer's forward and backward.
+"""
+from __future__ import annotations
+
+import math
+
+import paddle
+
+from autoparallel.comm import collectives as C
+from autoparallel.comm.world import current_world
+from autoparallel.dist_tensor import DistParameter
+from autoparallel.local_mode import local_mode
+from autoparallel.parallel import clip as clipping
+from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors
+from autoparallel.parallel.zero_groups import ZeroGroups, apply_groups
+from autoparallel.parallel.zero_layout import BucketLayout, split_buckets
+from autoparallel.placement import Shard
+
+STAGES = (1, 2, 3)
+
+
+def apply_zero(model, optimizer, mesh, stage: int, dp_dim: str = "data", degree: int | None = None,
+               offload: bool = False, gradient_accumulation_steps: int = 1, bucket_bytes: int = 25 * 2**20):
+    """Shard ``optimizer``'s states (and gradients, parameters) of ``model`` over ``dp_dim``; returns the
+    optimizer to use instead (step / clear_grad / state_dict-free wrapper)."""
+    if stage not in STAGES:
+        raise ValueError(f"sharding stage must be one of {STAGES}, got {stage!r}")
+    opt = ZeroOptimizer(model, optimizer, mesh, stage, dp_dim, degree, offload, gradient_accumulation_steps,
+                        bucket_bytes)
+    if stage == 3:
+        from autoparallel.parallel.zero_params import install_stage3
+
+        install_stage3(model, opt)
+    return opt
+
+
+def _flat_params(inner):
+    for p in inner._parameter_list or []:
+        if isinstance(p, dict):
+            yield from p["params"]
+        else:
+            yield p
+
+
+class ZeroOptimizer:
+    def __init__(self, model, optimizer, mesh, stage, dp_dim, degree, offload, accumulation, bucket_bytes):
+        inner = getattr(optimizer, "_inner", optimizer)
+        if not hasattr(inner, "_parameter_list"):
+            raise TypeError(f"apply_zero expects a paddle optimizer (or an ap optimizer wrapping one), "
+                            f"got {type(optimizer).__name__}")
+        if not isinstance(accumulation, int) or accumulation < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {accumulation!r}")
+        self._inner, self.stage, self.offload, self.model = inner, stage, bool(offload), model
+        self.gradient_accumulation_steps = accumulation
+        self.groups = ZeroGroups(mesh, dp_dim, degree)
+        params = [p for p in _flat_params(inner) if not p.stop_gradient]
+        for p in params:
+            if not isinstance(p, DistParameter) or p.mesh != mesh:
+                where = p.mesh if isinstance(p, DistParameter) else "no mesh (a plain paddle Parameter)"
+                raise ValueError(f"apply_zero expects every trainable parameter on the mesh {mesh}; parameter "
+                                 f"{p.name} is on {where}: parallelize the model before sharding")
+        self.params = params
+        self.buckets = split_buckets(params, bucket_bytes)
+        self.held = current_world().local_ranks(mesh.process_ids)
+        self.host = paddle.CPUPlace()
+        self.device = paddle.framework._current_expected_place()
+        self.master = {r: {} for r in self.held}         # rank -> id(param) -> fp32 chunk Parameter
+        self._freed = set()                             # (id(param), rank) whose storage is released
+        self.inner_opts = {r: self._make_inner(r) for r in self.held}
+
+    # ---- set-up ----------------------------------------------------------------------------------------
+    def _layout(self, ps, r) -> BucketLayout:
+        return BucketLayout([math.prod(self._shape(p, r)) for p in ps], self.groups.degree)
+
+    def _make_inner(self, r):
+        from paddle.base.framework import EagerParamBase
+
+        k, chunks, names = self.groups.index(r), [], {}
+        with local_mode(), paddle.no_grad():
+            for p in self.params:
+                flat = p.locals[r].reshape([-1]).astype("float32")
+                data = self._layout([p], r).chunk(flat, 0, k).clone()
+                if self.offload:
+                    data = data._copy_to(self.host, True)
+                m = EagerParamBase.from_tensor(data)
+                m.name = f"{p.name}.zero_r{r}"
+                m.stop_gradient = False
+                m.optimize_attr = getattr(p, "optimize_attr", {"learning_rate": 1.0})
+                m.regularizer = getattr(p, "regularizer", None)
+                m.need_clip = getattr(p, "need_clip", True)
+                names[m.name] = p.name
+                self.master[r][id(p)] = m
+                chunks.append(m)
+        return clone_optimizer(self._inner, chunks, names)
+
+    # ---- parameters -------------------------------------------------------------------------------------
+    def gather(self, params) -> None:
+        """All-gather the master chunks of ``params`` into their local data (skips ones already whole)."""
+        todo = [p for p in params if id(p) in self.master[self.held[0]]] if self.held else []
+        if self.stage == 3:
+            todo = [p for p in todo if any((id(p), r) in self._freed for r in self.held)]
+        if not todo:
+            return
+        with local_mode(), paddle.no_grad():
+            layout = {r: self._layout(todo, r) for r in self.held}
+            xs = {}
+            for r in self.held:
+                chunks = [self._to_device(self.master[r][id(p)], p.locals[r]) for p in todo]
+                xs[r] = layout[r].pack_member(chunks, self.groups.index(r))
+            out = apply_groups(xs, self.groups.shard_groups,
+                               lambda v, ranks: C._gather_raw(v, ranks, 0, [_width(layout, v)] * len(ranks)))
+            for r in self.held:
+                for p, flat in zip(todo, layout[r].unpack_full(out[r])):
+                    _materialize(p.locals[r], flat, self._shape(p, r))
+                    self._freed.discard((id(p), r))
+
+    def _shape(self, p, r):
+        return list(p.spec.local_shape(p.mesh.coords_of(r)))
+
+    def free(self, params) -> None:
+        """Release the local data of ``params`` (stage 3: the chunk lives on as the master weight)."""
+        if self.stage != 3:
+            return
+        for p in params:
+            for r in self.held:
+                if (id(p), r) not in self._freed:
+                    p.locals[r]._clear_data()
+                    self._freed.add((id(p), r))
+
+    def is_freed(self, p) -> bool:
+        return all((id(p), r) in self._freed for r in self.held)
+
+    def _to_device(self, m, like):
+        t = m.astype(like.dtype) if m.dtype != like.dtype else m
+        return t._copy_to(self.device, True) if self.offload else t
+
+    # ---- gradients --------------------------------------------------------------------------------------
+    def _grad_flat(self, p, r):
+        t = p.locals[r]
+        g = t.grad
+        if g is None:
+            return None
+        g = g.reshape([-1]).astype("float32")
+        dims = set(getattr(p, "_ap_partial_dims", ()) or ())
+        for d in sorted(dims - {self.groups.dp_index}):            # e.g. sequence-parallel norms
+            g = C.mesh_groups_apply({r: g}, p.mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))[r]
+        if self.groups.dp_index not in dims:                    # already the full gradient on every data rank
+            g = g * (1.0 / self.groups.dp)
+        if self.gradient_accumulation_steps > 1:
+            g = g * (1.0 / self.gradient_accumulation_steps)
+        return g
+
+    def reduce_gradients(self) -> dict:
+        """{rank: {id(param): fp32 gradient chunk}} summed over the data axis."""
+        out = {r: {} for r in self.held}
+        with local_mode(), paddle.no_grad():
+            for bucket in self.buckets:
+                ps = [p for p in bucket if self.held and p.locals[self.held[0]].grad is not None]
+                if not ps:
+                    continue
+                layout = {r: self._layout(ps, r) for r in self.held}
+                flats = {r: [self._grad_flat(p, r) for p in ps] for r in self.held}
+                xs = {r: layout[r].pack_full(flats[r]) for r in self.held}
+                if self.stage == 1:
+                    xs = apply_groups(xs, self.groups.shard_groups, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
+                else:
+                    xs = apply_groups(xs, self.groups.shard_groups, lambda v, ranks: C._reduce_scatter_raw(
+                        v, ranks, 0, [_width(layout, v)] * len(ranks), "sum"))
+                xs = apply_groups(xs, self.groups.replica_groups, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
+                for r in self.held:
+                    k = self.groups.index(r)
+                    if self.stage == 1:
+                        full = layout[r].unpack_full(xs[r])
+                        for p, f in zip(ps, full):
+                            t = p.locals[r]
+                            t.grad.set_value(f.reshape(t.grad.shape).astype(t.grad.dtype))
+                        chunks = [layout[r].chunk(f, j, k) for j, f in enumerate(full)]
+                    else:
+                        chunks = layout[r].unpack_member(xs[r], k)
+                        for p in ps:
+                            p.locals[r].clear_gradient(False)
+                    for p, c in zip(ps, chunks):
+                        out[r][id(p)] = c
+        return out
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def step(self) -> None:
+        grads = self.reduce_gradients()
+        self._clip(grads)
+        with local_mode():
+            for r in self.held:
+                for p in self.params:
+                    m = self.master[r][id(p)]
+                    g = grads[r].get(id(p))
+                    if g is None:
+                        m.clear_gradient(False)
+                        continue
+                    m._copy_gradient_from(g._copy_to(self.host, True) if self.offload else g)
+                self.inner_opts[r].step()
+        if self.stage < 3:
+            for bucket in self.buckets:
+                self.gather(bucket)
+        else:
+            self.free(self.params)
+
+    def _clip(self, grads) -> None:
+        gc = getattr(self._inner, "_grad_clip", None)
+        if gc is None:
+            return
+        if not isinstance(gc, paddle.nn.ClipGradByGlobalNorm):
+            raise NotImplementedError(f"ZeRO sharding supports grad_clip=ClipGradByGlobalNorm, got "
+                                      f"{type(gc).__name__}")
+        z = self.groups.zmesh
+        terms = []
+        for p in self.params:
+            if not getattr(p, "need_clip", True):
+                continue
+            sharded = {self.groups.shard_dim} | {p.mesh.dim_names[i] for i, pl in enumerate(p.placements)
+                                                 if isinstance(pl, Shard)}
+            terms.append(({r: grads[r].get(id(p)) for r in self.held}, z, sharded))
+        norm = clipping.global_norm(terms)
+        factor = clipping.clip_coefficient(norm, float(gc.clip_norm))
+        self.last_grad_norm = norm
+        clipping.scale_([t for locs, _, _ in terms for t in locs.values()], factor)
+
+    def clear_grad(self, set_to_zero: bool = True) -> None:
+        with local_mode():
+            for p in self.params:
+                for t in p.locals.values():
+                    t.clear_gradient(set_to_zero and self.stage == 1)
+            for r in self.held:
+                for m in self.master[r].values():
+                    m.clear_gradient(False)
+
+    clear_gradients = clear_grad
+
+    # ---- accounting ---------------------------------------------------------------------------------------
+    def memory_bytes(self, rank: int | None = None) -> dict:
+        """Bytes this rank holds in parameters, gradients and optimizer states, from live local tensors."""
+        r = self.held[0] if rank is None else rank
+        params = [p.locals[r] for p in self.params]
+        masters = list(self.master[r].values())
+        grads = [t.grad for t in params] + [m.grad for m in masters]
+        states = state_tensors(self.inner_opts[r])
+        if self.stage == 3:
+            params = params + masters                   # the chunk is the parameter's storage
+        else:
+            states = states + masters                   # a separate fp32 copy of the chunk
+        return {"params": _nbytes(params), "grads": _nbytes(grads), "optimizer_states": _nbytes(states)}
+
+    def state_places(self) -> list:
+        return [t.place for r in self.held for t in state_tensors(self.inner_opts[r]) + list(self.master[r].values())]
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _width(layout, v) -> int:
+    return layout[next(iter(v))].width
+
+
+def _materialize(t, flat, shape) -> None:
+    """Write ``flat`` into ``t``'s storage (re-allocating it when released) without replacing the tensor
+    object, so that autograd's saved references to ``t`` see the data."""
+    value = flat.reshape(shape).astype(t.dtype)
+    if t._is_initialized():
+        t.set_value(value)
+    else:
+        t.get_tensor()._share_data_with(value.get_tensor())
+
+
+def _nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is not None and id(t) not in seen and t._is_initialized():
+            seen.add(id(t))
+            total += int(t.numel()) * t.element_size()
+    return total
