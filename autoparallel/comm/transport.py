@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import paddle
 
+from autoparallel import watchdog
 from autoparallel.comm.capabilities import capabilities
 
 _REDUCERS = {"sum": lambda a, b: a + b, "max": paddle.maximum, "min": paddle.minimum}
@@ -76,11 +77,36 @@ class RealTransport:
 
         return get_group(ranks)
 
+    # every collective is recorded as the operation in flight, so a watchdog can name it if a peer is lost
+    def all_gather(self, xs, ranks):
+        with watchdog.op("all_gather"):
+            return self._all_gather(xs, ranks)
+
+    def all_reduce(self, xs, ranks, op):
+        with watchdog.op("all_reduce"):
+            return self._all_reduce(xs, ranks, op)
+
+    def reduce_scatter(self, xs, ranks, op, axis):
+        with watchdog.op("reduce_scatter"):
+            return self._reduce_scatter(xs, ranks, op, axis)
+
+    def all_to_all(self, chunks, ranks):
+        with watchdog.op("all_to_all"):
+            return self._all_to_all(chunks, ranks)
+
+    def broadcast(self, xs, ranks, src):
+        with watchdog.op("broadcast"):
+            return self._broadcast(xs, ranks, src)
+
+    def send_recv(self, xs, pairs, recv_like):
+        with watchdog.op("send_recv"):
+            return self._send_recv(xs, pairs, recv_like)
+
     def _rank_order(self, ranks):
         """paddle orders a group's members by global rank; map that order back to mesh order."""
         return sorted(ranks)
 
-    def all_gather(self, xs, ranks):
+    def _all_gather(self, xs, ranks):
         dist = self._dist()
         (x,) = xs.values()
         out = []
@@ -88,7 +114,7 @@ class RealTransport:
         by_rank = dict(zip(self._rank_order(ranks), out))
         return {self.rank: [by_rank[r] for r in ranks]}
 
-    def all_reduce(self, xs, ranks, op):
+    def _all_reduce(self, xs, ranks, op):
         dist = self._dist()
         (x,) = xs.values()
         dtype = x.dtype
@@ -103,7 +129,7 @@ class RealTransport:
             y = y / len(ranks)
         return {self.rank: y.astype(dtype) if y.dtype != dtype else y}
 
-    def reduce_scatter(self, xs, ranks, op, axis):
+    def _reduce_scatter(self, xs, ranks, op, axis):
         (x,) = xs.values()
         k = ranks.index(self.rank)
         if self.caps.has("reduce_scatter") and op == "sum" and axis == 0:
@@ -114,10 +140,10 @@ class RealTransport:
             dist.reduce_scatter(out, [parts[ranks.index(r)].contiguous() for r in order],
                                 group=self._group(ranks))
             return {self.rank: out}
-        total = self.all_reduce(xs, ranks, op)[self.rank]
+        total = self._all_reduce(xs, ranks, op)[self.rank]
         return {self.rank: paddle.split(total, len(ranks), axis=axis)[k]}
 
-    def all_to_all(self, chunks, ranks):
+    def _all_to_all(self, chunks, ranks):
         (mine,) = chunks.values()
         k = ranks.index(self.rank)
         if self.caps.has("all_to_all"):
@@ -129,7 +155,7 @@ class RealTransport:
             return {self.rank: [by_rank[r] for r in ranks]}
         if len(ranks) % 2:
             # odd groups have no perfect matching: gather every chunk and keep ours ((n-1)·b bytes)
-            got = self.all_gather({self.rank: paddle.stack(mine)}, ranks)[self.rank]
+            got = self._all_gather({self.rank: paddle.stack(mine)}, ranks)[self.rank]
             return {self.rank: [g[k] for g in got]}
         recv = [None] * len(ranks)
         recv[k] = mine[k]
@@ -155,14 +181,14 @@ class RealTransport:
             dist.recv(recv_buf, src=peer, group=group)
             dist.send(send_t, dst=peer, group=group)
 
-    def broadcast(self, xs, ranks, src):
+    def _broadcast(self, xs, ranks, src):
         dist = self._dist()
         (x,) = xs.values()
         y = x.clone().contiguous()
         dist.broadcast(y, src=src, group=self._group(ranks))
         return {self.rank: y}
 
-    def send_recv(self, xs, pairs, recv_like):
+    def _send_recv(self, xs, pairs, recv_like):
         dist = self._dist()
         out = {}
         for s, d in pairs:

@@ -1,0 +1,134 @@
+"""Activation recompute (checkpointing) with paddle's non-reentrant recompute
+(``paddle.distributed.fleet.utils.recompute(..., use_reentrant=False)``: saved-tensor hooks drop what
+autograd would keep and rerun the forward in backward), which accepts distributed activations.
+
+* ``full``: the transformer blocks (the model's first LayerList) in segments of
+  ``checkpoint_every_n_layers`` consecutive blocks; a segment keeps only its input, the first block runs
+  the whole segment and the others pass their first input through.
+* ``selective``: only the attention core (softmax(q k^T) v, the part whose activations grow with the
+  square of the sequence) of every block; the projections and MLP keep their activations.
+"""
+from __future__ import annotations
+
+import sys
+
+import paddle
+from paddle.distributed.fleet.utils import recompute
+
+GRANULARITIES = ("full", "selective")
+CORE_NAMES = ("causal_attention", "scaled_dot_product_attention", "attention_core")
+
+
+def checkpoint(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` whose intermediate activations are recomputed in backward."""
+    if not paddle.is_grad_enabled():
+        return fn(*args, **kwargs)
+    return recompute(fn, *args, use_reentrant=False, **kwargs)
+
+
+def find_blocks(model):
+    """The model's repeated blocks: its first ``paddle.nn.LayerList``."""
+    for name, layer in model.named_sublayers():
+        if isinstance(layer, paddle.nn.LayerList) and len(layer):
+            return name, list(layer)
+    raise ValueError(f"recompute needs the model's transformer blocks in a paddle.nn.LayerList; "
+                     f"{type(model).__name__} has none (sublayers: "
+                     f"{', '.join(n for n, _ in model.named_sublayers() if '.' not in n) or 'none'})")
+
+
+def _check_n(n):
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"checkpoint_every_n_layers must be an int >= 1, got {n!r}")
+
+
+def apply_ac(model, granularity: str = "full", checkpoint_every_n_layers: int = 1):
+    """Recompute in every block of ``model`` (in place); returns the model."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"recompute granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    _check_n(checkpoint_every_n_layers)
+    _, blocks = find_blocks(model)
+    if granularity == "full":
+        _segments(blocks, checkpoint_every_n_layers)
+    else:
+        for block in blocks:
+            _selective(block)
+    return model
+
+
+def recompute_layers(model, segment_func=None, checkpoint_every_n_layers: int = 2):
+    """Seed-style view: recompute the layers chosen by ``segment_func(model) -> list of layers`` (default:
+    the model's blocks) in segments of ``checkpoint_every_n_layers``."""
+    _check_n(checkpoint_every_n_layers)
+    layers = list(segment_func(model)) if segment_func is not None else find_blocks(model)[1]
+    if not layers or not all(isinstance(l, paddle.nn.Layer) for l in layers):
+        raise ValueError(f"segment_func must return a non-empty list of paddle.nn.Layer, got {layers!r}")
+    _segments(layers, checkpoint_every_n_layers)
+    return model
+
+
+def _segments(blocks, n):
+    for i in range(0, len(blocks), n):
+        seg = blocks[i:i + n]
+        fwds = [b.forward for b in seg]
+
+        def run(*args, _fwds=fwds, **kwargs):
+            x = args[0]
+            for f in _fwds:
+                x = f(x, *args[1:], **kwargs)
+            return x
+
+        seg[0].forward = (lambda *a, _run=run, **k: checkpoint(_run, *a, **k))
+        for b in seg[1:]:
+            b.forward = lambda *a, **k: a[0]
+
+
+def _attention(block):
+    for name, layer in block.named_sublayers():
+        if "attn" in name.split(".")[-1] or "attention" in name.split(".")[-1]:
+            return layer
+    raise ValueError(f"selective recompute looks for an attention sublayer named like '*attn*' in "
+                     f"{type(block).__name__}; got {[n for n, _ in block.named_sublayers()]}")
+
+
+def _selective(block):
+    attn = _attention(block)
+    mod = sys.modules[type(attn).__module__]
+    name = next((n for n in CORE_NAMES if callable(getattr(mod, n, None))), None)
+    if name is None:
+        raise ValueError(f"selective recompute needs the attention core as a module-level function named one of "
+                         f"{CORE_NAMES} in {mod.__name__}; found none")
+    forward = attn.forward
+
+    def wrapped(*args, **kwargs):
+        core = getattr(mod, name)
+        setattr(mod, name, lambda *a, **k: checkpoint(core, *a, **k))
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            setattr(mod, name, core)
+
+    attn.forward = wrapped
+
+
+class SavedBytes:
+    """Bytes autograd saves for backward, outside recompute regions (parameters excluded):
+    ``with SavedBytes() as s: loss = f(x)`` then ``s.bytes``."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.count = 0
+        self._ctx = None
+
+    def _pack(self, t):
+        if t is not None and not (t.is_leaf and not t.stop_gradient) and t._is_initialized():
+            self.bytes += int(t.numel()) * t.element_size()
+            self.count += 1
+        return t
+
+    def __enter__(self):
+        self._ctx = paddle.autograd.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
