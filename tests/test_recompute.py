@@ -57,8 +57,8 @@ def test_recompute_layers_seed_style_and_distributed():
     s = ap.Strategy()
     s.data_parallel.degree = 2
     with ap.simulate(world_size=2):                          # DistTensor activations through recompute
-        m, opt = parallelize(apply_ac(tiny(), "full", 1), paddle.optimizer.AdamW(parameters=tiny().parameters()),
-                             strategy=s)
+        m = apply_ac(tiny(), "full", 1)
+        m, opt = parallelize(m, paddle.optimizer.AdamW(parameters=m.parameters()), strategy=s)
         loss = F.cross_entropy(m(x), y)
         loss.backward()
         opt.reduce_gradients()

@@ -54,8 +54,10 @@ def reference(clip=None):
 def run_zero(stage, dp=4, tp=1, degree=None, offload=False, clip=None, probe=None):
     with ap.simulate(world_size=dp * tp):
         m = tiny()
-        opt = make_opt(m, clip)
+        opt = make_opt(m)
         m, opt = parallelize(m, opt, strategy=strategy(dp, tp))
+        if clip:                          # parallelize refuses grad_clip with TP; ZeRO clips globally
+            opt._inner._grad_clip = paddle.nn.ClipGradByGlobalNorm(clip)
         zopt = apply_zero(m, opt, m._ap_mesh, stage, degree=degree, offload=offload)
         losses, mem = [], None
         for x, y in batches():
@@ -91,3 +93,33 @@ def check(got, ref):
                                                         (2, 4, 1, 2, False), (3, 2, 2, None, False)])
 def test_zero_matches_single_process(ref, stage, dp, tp, degree, offload):
     check(run_zero(stage, dp, tp, degree, offload), ref)
+
+
+def test_zero_clip_uses_global_norm():
+    check(run_zero(3, 2, 2, clip=0.5), reference(clip=0.5))
+    check(run_zero(2, 4, 1, degree=2, clip=0.5), reference(clip=0.5))
+
+
+def test_stage3_gathers_only_around_use_and_bytes_shrink():
+    seen = []
+
+    def probe(m, zopt):                   # after the forward: every parameter released
+        seen.append(all(zopt.is_freed(p) for p in zopt.params))
+
+    mem = {s: sum(run_zero(s, probe=probe if s == 3 else None)[2].values()) for s in (1, 2, 3)}
+    assert seen and all(seen)
+    assert mem[3] < mem[2] < mem[1]
+
+
+def test_bad_input():
+    with ap.simulate(world_size=4):
+        m = tiny()
+        opt = make_opt(m)
+        with pytest.raises(ValueError, match="sharding stage must be one of"):
+            apply_zero(m, opt, ap.ProcessMesh([0, 1, 2, 3], ["data"]), 4)
+        with pytest.raises(ValueError, match="parallelize the model before sharding"):
+            apply_zero(m, opt, ap.ProcessMesh([0, 1, 2, 3], ["data"]), 2)
+        with pytest.raises(ValueError, match="dividing the data-parallel degree 4, got 3"):
+            apply_zero(m, opt, ap.ProcessMesh([0, 1, 2, 3], ["data"]), 2, degree=3)
+        with pytest.raises(ValueError, match="mesh has dims"):
+            apply_zero(m, opt, ap.ProcessMesh([0, 1, 2, 3], ["x"]), 2)

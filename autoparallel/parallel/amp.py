@@ -12,7 +12,6 @@ An fp16 gradient beyond its range becomes inf exactly as on a GPU, which the los
 """
 from __future__ import annotations
 
-import math
 
 import paddle
 
@@ -136,7 +135,7 @@ def found_inf(params, mesh=None) -> bool:
         if mesh is not None:
             for d in range(mesh.ndim):
                 xs = C.mesh_groups_apply(xs, mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "max"))
-    return any(float(x) > 0 for x in xs.values())
+    return any(float(x.numpy().max()) > 0 for x in xs.values())
 
 
 class AmpOptimizer:

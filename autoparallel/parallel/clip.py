@@ -38,7 +38,7 @@ def global_norm(terms) -> float:
         with local_mode(), paddle.no_grad():
             for d in range(mesh.ndim):
                 xs = C.mesh_groups_apply(xs, mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
-        total += float(next(iter(xs.values())))
+        total += float(next(iter(xs.values())).numpy().reshape(-1)[0])
     return total ** 0.5
 
 

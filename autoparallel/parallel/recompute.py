@@ -10,12 +10,15 @@ autograd would keep and rerun the forward in backward), which accepts distribute
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 import paddle
 from paddle.distributed.fleet.utils import recompute
+from paddle.distributed.fleet.utils.log_util import logger as _log
 
 GRANULARITIES = ("full", "selective")
+_COUNTERS: list = []            # active SavedBytes: a recompute region's inputs stay alive until backward
 CORE_NAMES = ("causal_attention", "scaled_dot_product_attention", "attention_core")
 
 
@@ -23,7 +26,15 @@ def checkpoint(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` whose intermediate activations are recomputed in backward."""
     if not paddle.is_grad_enabled():
         return fn(*args, **kwargs)
-    return recompute(fn, *args, use_reentrant=False, **kwargs)
+    for counter in _COUNTERS:
+        counter.add_kept(list(args) + list(kwargs.values()))
+    # paddle's "no input needs grad" warning looks at paddle.Tensor inputs only, not distributed ones
+    level = _log.level
+    _log.setLevel(logging.ERROR)
+    try:
+        return recompute(fn, *args, use_reentrant=False, **kwargs)
+    finally:
+        _log.setLevel(level)
 
 
 def find_blocks(model):
@@ -111,13 +122,17 @@ def _selective(block):
 
 
 class SavedBytes:
-    """Bytes autograd saves for backward, outside recompute regions (parameters excluded):
-    ``with SavedBytes() as s: loss = f(x)`` then ``s.bytes``."""
+    """Bytes autograd saves for backward outside recompute regions plus the inputs every region keeps
+    (parameters excluded):
+    ``with SavedBytes() as s: loss = f(x)`` then ``s.bytes``.
+
+    Paddle allows one pair of saved-tensor hooks at a time, so while counting, a recompute region's hooks
+    replace ours on entry and ours come back on exit (what a region saves is its own placeholder)."""
 
     def __init__(self):
         self.bytes = 0
         self.count = 0
-        self._ctx = None
+        self._saved = None
 
     def _pack(self, t):
         if t is not None and not (t.is_leaf and not t.stop_gradient) and t._is_initialized():
@@ -125,10 +140,44 @@ class SavedBytes:
             self.count += 1
         return t
 
+    def add_kept(self, args):
+        from autoparallel.dist_tensor import DistTensor
+
+        for a in args:
+            for t in (a.locals.values() if isinstance(a, DistTensor) else [a]):
+                if isinstance(t, paddle.Tensor) and not (t.is_leaf and not t.stop_gradient):
+                    self.bytes += int(t.numel()) * t.element_size()
+                    self.count += 1
+
+    @staticmethod
+    def _unpack(t):
+        return t
+
     def __enter__(self):
-        self._ctx = paddle.autograd.saved_tensors_hooks(self._pack, lambda t: t)
-        self._ctx.__enter__()
+        from paddle.base import core
+
+        cls = paddle.autograd.saved_tensors_hooks
+        self._saved = (cls.__enter__, cls.__exit__)
+        me = self
+
+        def enter(inner):
+            core.eager.reset_saved_tensors_hooks()
+            core.eager.register_saved_tensors_hooks(inner.pack_hook, inner.unpack_hook)
+
+        def exit_(inner, *exc):
+            core.eager.reset_saved_tensors_hooks()
+            core.eager.register_saved_tensors_hooks(me._pack, me._unpack)
+
+        cls.__enter__, cls.__exit__ = enter, exit_
+        core.eager.register_saved_tensors_hooks(self._pack, self._unpack)
+        _COUNTERS.append(self)
         return self
 
     def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
+        from paddle.base import core
+
+        cls = paddle.autograd.saved_tensors_hooks
+        cls.__enter__, cls.__exit__ = self._saved
+        _COUNTERS.remove(self)
+        core.eager.reset_saved_tensors_hooks()
+        return False
