@@ -195,13 +195,20 @@ def _prepare(leaf, d: DistTensor, req: DistSpec, split) -> DistTensor:
     dims = [m for m in split if req.placements[m].is_replicate()]
     if not dims or out.stop_gradient:
         return out
-    if isinstance(leaf, DistParameter) and out is d:
+    if isinstance(leaf, DistParameter) and _moves_no_data(d.spec, req):
         leaf._ap_partial_dims = getattr(leaf, "_ap_partial_dims", frozenset()) | frozenset(dims)
         return out
     locs = dict(out.locals)
     for m in dims:
         locs = C.mesh_groups_apply(locs, out.mesh, m, C.grad_all_reduce)
     return DistTensor(locs, out.spec)
+
+
+def _moves_no_data(src: DistSpec, dst: DistSpec) -> bool:
+    """Only local slices / R->P zeroing: the parameter's gradient stays a partial sum on the other
+    dims, so it can join the bucketed reduction instead of an eager all_reduce."""
+    return all(a == b or (a.is_replicate() and not b.is_replicate())
+               for a, b in zip(src.placements, dst.placements))
 
 
 def _execute(op, path, res, mesh, calls) -> dict:

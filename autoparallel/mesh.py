@@ -40,6 +40,7 @@ class ProcessMesh:
         self._arr.setflags(write=False)
         self._names = tuple(dim_names)
         self._key = (tuple(self._arr.shape), tuple(flat), self._names)
+        self._coords = {int(r): tuple(int(c) for c in idx) for idx, r in np.ndenumerate(self._arr)}
         if create_groups:
             from autoparallel.comm import groups
 
@@ -83,13 +84,13 @@ class ProcessMesh:
         return int(self._arr.shape[self.dim_index(dim)])
 
     def contains(self, rank: int) -> bool:
-        return rank in self._key[1]
+        return rank in self._coords
 
     def coords_of(self, rank: int) -> tuple[int, ...]:
-        hits = np.argwhere(self._arr == rank)
-        if len(hits) == 0:
-            raise ValueError(f"rank {rank} is not in the mesh {self._arr.tolist()}")
-        return tuple(int(c) for c in hits[0])
+        try:
+            return self._coords[rank]
+        except (KeyError, TypeError):
+            raise ValueError(f"rank {rank} is not in the mesh {self._arr.tolist()}") from None
 
     def rank_at(self, coords: Sequence[int]) -> int:
         return int(self._arr[tuple(coords)])

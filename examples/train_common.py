@@ -61,6 +61,7 @@ def train(args):
     world = init_distributed()
     rank = dist.get_rank() if world > 1 else 0
     strategy = Strategy.from_args(args)
+    strategy.global_batch_size = args.batch_size
     k = strategy.gradient_accumulation_steps
     paddle.seed(args.seed)
     np.random.seed(args.seed)
