@@ -298,7 +298,9 @@ _WRAPPED_PARAMS: dict = {}     # parameter name -> DistParameter made by DataPar
 
 def DataParallel(model, strategy: Strategy | None = None, tp_plan: dict | None = None):
     """Seed-style: ``dp_model = ap.DataParallel(model, strategy=s)`` (every rank data parallel unless the
-    strategy says otherwise); pair it with ``ap.Optimizer(opt)``."""
+    strategy says otherwise); pair it with ``ap.Optimizer(opt)``. Unlike ``paddle.DataParallel``, a plain
+    tensor fed to the model is the global batch (the same on every rank); feed per-rank batches as
+    DistTensors, e.g. from ``autoparallel.data.DistributedDataLoader``."""
     model, _ = parallelize(model, None, strategy, tp_plan=tp_plan)
     _WRAPPED_PARAMS.update({p.name: p for p in model.parameters()})
     return model

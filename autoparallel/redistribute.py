@@ -29,6 +29,8 @@ def apply_step(locals_: dict, before: DistSpec, after: DistSpec, i: int) -> dict
                              f"{spec.placements}: nested shards change from the innermost mesh dim outwards")
     mesh, world = before.mesh, current_world()
     n = mesh.shape[i]
+    if n == 1:              # one member: its shard is the whole extent and a reduction of one term is itself
+        return dict(locals_)
     out = dict(locals_)
     for ranks in mesh.all_groups(i):
         members = [r for r in world.local_ranks(ranks) if r in locals_]

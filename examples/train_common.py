@@ -34,13 +34,19 @@ def make_parser(default_model: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=f"train a byte-level {default_model} on the Python stdlib sources")
     add_strategy_args(p)
     p.add_argument("--model", default=default_model, choices=sorted(PRESETS), help="model preset")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--steps", type=_positive, default=20, help="optimizer steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the data order")
-    p.add_argument("--batch-size", dest="batch_size", type=int, default=8, help="global batch size (samples)")
-    p.add_argument("--seq-len", dest="seq_len", type=int, default=16, help="tokens (bytes) per sample")
+    p.add_argument("--batch-size", dest="batch_size", type=_positive, default=8, help="global batch size (samples)")
+    p.add_argument("--seq-len", dest="seq_len", type=_positive, default=16, help="tokens (bytes) per sample")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--log-json", dest="log_json", default=None, help="write the run log here (rank 0)")
     return p
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def model_config(name: str, seq_len: int, vocab: int):

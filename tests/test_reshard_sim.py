@@ -91,3 +91,10 @@ def test_property_random_reshards(mesh_shape, dims, src, dst, seed):
 
     ok, grad_ok, _ = run_sim_reshard(tuple(dims), mesh, to_placements(src), to_placements(dst), seed=seed)
     assert ok and grad_ok is not False
+
+
+def test_steps_on_a_mesh_dim_of_size_one_change_nothing():
+    mesh = mesh_from_shape([2, 1])
+    for src, dst in [("S(0),S(1)", "R,R"), ("P(sum),P(sum)", "R,R"), ("R,R", "S(1),P(sum)")]:
+        ok, grad_ok, _ = run_sim_reshard((4, 6), mesh, ap.parse_placements(src), ap.parse_placements(dst))
+        assert ok and grad_ok is not False, (src, dst)
