@@ -6,7 +6,55 @@ cached by their rank tuple, so meshes sharing a group share one paddle Group.
 """
 from __future__ import annotations
 
+import itertools
+import os
+import socket
+
 _GROUPS: dict = {}          # tuple(ranks) -> paddle Group
+_STORE_FIX = [False]
+
+
+def install_group_store_fix() -> None:
+    """Give every new gloo group its own TCPStore (idempotent; real multi-process jobs only).
+
+    paddle 3.3.1 connects every gloo group's full mesh through the same keys ("0", "1", ...) of the one
+    global TCPStore, so a rank can read an address an earlier group left there and fail with
+    "Connection refused" or hang until gloo's TIMEOUT (about 40% of 4-rank launches here). The group's
+    lowest rank serves a fresh store on a free port and publishes its address under a per-call key.
+    """
+    if _STORE_FIX[0] or "PADDLE_TRAINER_ENDPOINTS" not in os.environ:
+        return
+    import paddle.distributed as dist
+    import paddle.distributed.collective as coll
+    from paddle.base import core
+
+    original, counter = dist.new_group, itertools.count()
+    hosts = [e.rsplit(":", 1)[0] for e in os.environ["PADDLE_TRAINER_ENDPOINTS"].split(",")]
+
+    def new_group(ranks=None, *args, **kwargs):
+        ranks = sorted(ranks if ranks is not None else range(dist.get_world_size()))
+        key, rank, lead = f"ap_group_store/{next(counter)}", dist.get_rank(), ranks[0]
+        default = coll._default_store
+        if rank not in ranks or len(ranks) == 1 or default is None:
+            return original(ranks, *args, **kwargs)
+        if rank == lead:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            default.set(key, f"{hosts[lead]}:{port}".encode())      # publish before serving
+            store = core.TCPStore(hosts[lead], port, True, len(ranks), 900)
+        else:
+            host, port = bytes(default.get(key)).decode().rsplit(":", 1)
+            store = core.TCPStore(host, int(port), False, len(ranks), 900)
+        coll._default_store = store
+        try:
+            return original(ranks, *args, **kwargs)
+        finally:
+            coll._default_store = default
+
+    new_group.__wrapped__ = original
+    dist.new_group = new_group
+    _STORE_FIX[0] = True
 
 
 def _dist_ready() -> bool:
@@ -24,6 +72,8 @@ def on_mesh_created(mesh) -> None:
     if current_world().is_simulated or not _dist_ready():
         return
     import paddle.distributed as dist
+
+    install_group_store_fix()
 
     world = dist.get_world_size()
     if max(mesh.process_ids) >= world:

@@ -8,10 +8,9 @@ Rank 0 saves each job's gathered final parameters to OUT_DIR/<name>.npz; every r
 mesh, node (POD_NAME) and probe results through write_result.
 """
 import contextlib
-import itertools
 import json
 import os
-import socket
+
 import sys
 
 import numpy as np
@@ -26,44 +25,10 @@ import train_common  # noqa: E402
 
 import autoparallel.data as ap_data  # noqa: E402
 from autoparallel.comm.counter import count_comm  # noqa: E402
+from autoparallel.comm.groups import install_group_store_fix  # noqa: E402
 from autoparallel.dist_tensor import is_dist  # noqa: E402
 from autoparallel.parallel.optimizer import ShardedOptimizer  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402
-
-
-def one_store_per_group():
-    """paddle 3.3.1 connects every gloo group's full mesh through the same keys ("0", "1", ...) of the one
-    global TCPStore, so a rank can read an address left there by an earlier group and fail with
-    "Connection refused" or hang until a TIMEOUT (about 40% of 4-rank launches on this machine). Giving each
-    new group its own TCPStore, served by the group's lowest rank, removes the race (14 of 14 launches)."""
-    import paddle.distributed.collective as coll
-    from paddle.base import core
-
-    original, counter = dist.new_group, itertools.count()
-    hosts = [e.rsplit(":", 1)[0] for e in os.environ["PADDLE_TRAINER_ENDPOINTS"].split(",")]
-
-    def new_group(ranks=None, *args, **kwargs):
-        ranks = sorted(ranks if ranks is not None else range(dist.get_world_size()))
-        key, rank, lead = f"ap_group_store/{next(counter)}", dist.get_rank(), ranks[0]
-        default = coll._default_store
-        if rank not in ranks or len(ranks) == 1:
-            return original(ranks, *args, **kwargs)
-        if rank == lead:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-            default.set(key, f"{hosts[lead]}:{port}".encode())
-            store = core.TCPStore(hosts[lead], port, True, len(ranks), 900)
-        else:
-            host, port = bytes(default.get(key)).decode().rsplit(":", 1)
-            store = core.TCPStore(host, int(port), False, len(ranks), 900)
-        coll._default_store = store
-        try:
-            return original(ranks, *args, **kwargs)
-        finally:
-            coll._default_store = default
-
-    dist.new_group = new_group
 
 
 @contextlib.contextmanager
@@ -153,7 +118,7 @@ def run_job(job, out_dir, rank):
 def main():
     out_dir, jobs = sys.argv[1], json.loads(sys.argv[2])
     dist.init_parallel_env()
-    one_store_per_group()
+    install_group_store_fix()
     rank = dist.get_rank()
     out = {"rank": rank, "pod": os.environ.get("POD_NAME"), "jobs": {}}
     for job in jobs:                       # an exception ends the rank: launch() reports every rank's log

@@ -40,6 +40,9 @@ def create_groups(rank_lists) -> list:
             raise ValueError(f"a process group needs at least two distinct ranks, got {ranks}")
     if not lists:
         return []
+    from autoparallel.comm.groups import install_group_store_fix
+
+    install_group_store_fix()                # one TCPStore per gloo group (see comm/groups.py)
     dist.barrier()
     groups = []
     for ranks in lists:
