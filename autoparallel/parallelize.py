@@ -9,10 +9,15 @@ It reads as a flat sequence of apply steps (torchtitan style), each a small func
     check_supported(strategy)                            # NotImplementedError for knobs not built yet
     plan    = resolve_tp_plan(model, degrees.tp, tp_plan) # defaults by layer names, user entries win
     plan    = apply_sp(model, plan)                       # sequence-parallel flags + norms on sequence shards
+    if pp > 1: return apply_pp(model, strategy, plan)    # stages on sub-meshes, schedules as action lists
     mesh    = build_mesh(degrees)                        # [data, model]; the model dim varies fastest
     apply_tp(model, mesh, plan); replicate_remaining(model, mesh)
+    apply_ac(model, granularity, every_n)                 # recompute (full / selective)
+    apply_amp(model, dtype, level)                        # autocast boundaries (emulated on CPU)
     shard_inputs(model, mesh)                             # batch dim of model inputs over the data dims
     opt     = wrap_optimizer(opt, model, accumulation steps)
+    opt     = apply_zero(model, opt, mesh, stage, ...)    # ZeRO 1/2/3 (+offload, HSDP) over the data axis
+    opt     = AmpOptimizer(opt, LossScaler)               # scaled loss, found_inf agreed by all ranks
 
 Inputs: a plain tensor entering the model is the global batch (the same on every rank) and is sharded on
 its batch dim over the data dims (``parallel_guard(dims)`` changes those dims); a DistTensor (for example
@@ -61,8 +66,7 @@ LLAMA_PLAN = {
     "lm_head": ColWiseParallel(),
 }
 DEFAULT_PLANS = {"GPT": GPT_PLAN, "LLaMA": LLAMA_PLAN}
-_NOT_YET = "not yet supported by ap.parallelize (this release: data, tensor and sequence parallel, " \
-           "gradient accumulation)"
+_NOT_YET = "not yet supported by ap.parallelize"
 
 
 # ---- the apply steps ------------------------------------------------------------------------------------
@@ -80,15 +84,44 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     plan = resolve_tp_plan(model, degrees.tp, tp_plan)
     if strategy.sequence_parallel.enable:
         plan = apply_sp(model, plan)
+    if degrees.pp > 1:
+        return _pipeline(model, optimizer, strategy, mesh, plan)
     mesh = build_mesh(degrees.dp, degrees.tp) if mesh is None else check_mesh(mesh, degrees.dp, degrees.tp)
     original = dict(model.named_parameters())
     apply_tp(model, mesh, plan, tp_dim=MODEL)
     replicate_remaining(model, mesh)
     replaced = _replacements(original, model)
+    if strategy.recompute.enable:
+        from autoparallel.parallel.recompute import apply_ac
+
+        apply_ac(model, strategy.recompute.granularity, strategy.recompute.checkpoint_every_n_layers)
+    if strategy.amp.enable:
+        from autoparallel.parallel.amp import apply_amp
+
+        apply_amp(model, strategy.amp.dtype, strategy.amp.level)
     shard_inputs(model, mesh)
     if optimizer is not None:
         optimizer = wrap_optimizer(optimizer, replaced, strategy.gradient_accumulation_steps)
+        if strategy.sharding.enable:
+            from autoparallel.parallel.sharding import apply_zero
+
+            optimizer = apply_zero(model, optimizer, mesh, strategy.sharding.stage, dp_dim=DATA,
+                                   degree=strategy.sharding.degree or None, offload=strategy.sharding.offload,
+                                   gradient_accumulation_steps=strategy.gradient_accumulation_steps)
+        if strategy.amp.enable:
+            from autoparallel.parallel.amp import AmpOptimizer, LossScaler
+
+            optimizer = AmpOptimizer(optimizer, LossScaler.from_strategy(strategy.amp), mesh)
     return model, optimizer
+
+
+def _pipeline(model, optimizer, strategy, mesh, plan):
+    """pp > 1: stages on their own sub-meshes (TP/SP/DP inside), run by the pipeline runtime; train with
+    ``loss = pipe.train_batch(ids, labels); opt.step()``."""
+    from autoparallel.parallel.pipeline.runtime import apply_pp
+
+    pipe = apply_pp(model, strategy, mesh=mesh, tp_plan=plan or None)
+    return pipe, (pipe.wrap_optimizer(optimizer) if optimizer is not None else None)
 
 
 def _world_size() -> int:
@@ -119,15 +152,16 @@ def check_supported(strategy: Strategy, optimizer=None, degrees=None) -> None:
     """Strategy knobs this release does not execute yet fail loudly instead of being ignored."""
     s = strategy
     inner = getattr(optimizer, "_inner", optimizer)
-    if degrees is not None and degrees.tp > 1 and getattr(inner, "_grad_clip", None) is not None:
+    if degrees is not None and degrees.tp > 1 and getattr(inner, "_grad_clip", None) is not None \
+            and not s.sharding.enable:
         raise NotImplementedError(f"gradient clipping ({type(inner._grad_clip).__name__}) across tensor-parallel "
                                   f"shards is {_NOT_YET}; build the optimizer without grad_clip")
-    knobs = [(s.auto_mode == "full", "auto_mode='full'"),
-             (s.pipeline_parallel.degree > 1, f"pipeline_parallel.degree={s.pipeline_parallel.degree}"),
-             (s.sharding.enable, f"sharding (ZeRO stage {s.sharding.stage})"),
-             (s.sharding.offload, "sharding.offload"),
-             (s.recompute.enable, f"recompute ({s.recompute.granularity})"),
-             (s.amp.enable, f"amp ({s.amp.dtype})")]
+    pp = s.pipeline_parallel.degree > 1
+    knobs = [(s.auto_mode == "full", "auto_mode='full' in ap.parallelize (use ap.plan, or ap.to_static with "
+                                     "auto_mode='full')"),
+             (pp and s.sharding.enable, "sharding (ZeRO) together with pipeline parallelism"),
+             (pp and s.recompute.enable, "recompute together with pipeline parallelism"),
+             (pp and s.amp.enable, "amp together with pipeline parallelism")]
     for on, what in knobs:
         if on:
             raise NotImplementedError(f"{what} is {_NOT_YET}")
