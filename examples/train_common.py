@@ -74,12 +74,15 @@ def train(args):
     dataset = ByteTextDataset(args.seq_len)
     model = build(model_config(args.model, args.seq_len, dataset.vocab_size))
     opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=model.parameters())
+    pipelined = strategy.pipeline_parallel.degree > 1
     if world > 1 or _non_trivial(strategy):
         model, opt = ap.parallelize(model, opt, strategy=strategy)
-        mesh = model._ap_mesh
+        mesh = None if pipelined else model._ap_mesh     # the pipeline takes the plain global batch
         loss_scale = 1.0                         # the optimizer divides accumulated gradients by k
     else:
         mesh, loss_scale = None, 1.0 / k
+    if pipelined:
+        k = 1                                    # micro-batching happens inside the pipeline schedule
     loader = DistributedDataLoader(dataset, args.batch_size, mesh=mesh, num_micro_batches=k, seed=args.seed)
     batches = loader.batches()
     steps, memory = [], None
@@ -89,8 +92,12 @@ def train(args):
         total = 0.0
         for _ in range(k):
             x, y = next(batches)
+            if pipelined:
+                total += float(model.train_batch(x, y))
+                continue
             loss = F.cross_entropy(model(x), y)
-            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            scaled = loss * loss_scale if loss_scale != 1.0 else loss
+            (opt.scale(scaled) if hasattr(opt, "scale") else scaled).backward()     # AMP loss scaling
             total += float(loss) / k
         opt.step()
         if step == args.steps - 1:
@@ -138,6 +145,9 @@ def _nbytes(tensors) -> int:
 
 def memory_bytes(model, opt) -> dict:
     """Bytes this rank holds, counted from live local tensors (no allocator statistics on CPU)."""
+    if hasattr(opt, "memory_bytes"):                     # ZeRO counts its own chunks
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return dict(opt.memory_bytes(), peak_rss=rss)
     inner = getattr(opt, "_inner", opt)
     params = list(model.parameters())
     states = [t for acc in inner._accumulators.values() for t in acc.values()]
