@@ -4,26 +4,16 @@ import sys
 
 import pytest
 
-from autoparallel.mesh import mesh_from_shape
-from autoparallel.placement import Partial, Replicate, parse_placements
-from autoparallel.spec import DistSpec
+
+from autoparallel.placement import Partial, Replicate
+
 
 import spmd_rules
 from spmd_rules import (NoSpmdRuleError, SpmdResult, flatten_specs, get_spmd_rule, has_spmd_rule,
                         register_spmd_rule, registered_ops, unregister_spmd_rule)
 from spmd_rules.einsum import parse_equation
 
-M1 = mesh_from_shape([2], create_groups=False)
-M3 = mesh_from_shape([3], create_groups=False)
-M2 = mesh_from_shape([2, 2], create_groups=False)
-
-
-def S(shape, placements="R", mesh=M1, dtype="float32"):
-    return DistSpec(mesh, parse_placements(placements), tuple(shape), dtype)
-
-
-def rule(name):
-    return get_spmd_rule(name)
+from spmd_helpers import M1, M2, M3, S, rule  # noqa: F401
 
 
 # ---- package hygiene --------------------------------------------------------------------------------------------------

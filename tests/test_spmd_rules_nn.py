@@ -2,23 +2,13 @@
 n-d expansion (pure)."""
 import pytest
 
-from autoparallel.mesh import mesh_from_shape
-from autoparallel.placement import Partial, Replicate, Shard, parse_placements
-from autoparallel.spec import DistSpec
 
-from spmd_rules import MeshDim, SpmdResult, expand, get_spmd_rule
-
-M1 = mesh_from_shape([2], create_groups=False)
-M3 = mesh_from_shape([3], create_groups=False)
-M2 = mesh_from_shape([2, 2], create_groups=False)
+from autoparallel.placement import Replicate, Shard
 
 
-def S(shape, placements="R", mesh=M1, dtype="float32"):
-    return DistSpec(mesh, parse_placements(placements), tuple(shape), dtype)
+from spmd_rules import MeshDim, SpmdResult, expand
 
-
-def rule(name):
-    return get_spmd_rule(name)
+from spmd_helpers import M1, M2, M3, S, rule  # noqa: F401
 
 
 # ---- reductions ----------------------------------------------------------------------------------------------------

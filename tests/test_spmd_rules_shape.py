@@ -1,24 +1,14 @@
 """spmd_rules: reshape via dim transformations, layout ops, split/concat, getitem, tril (pure)."""
 import pytest
 
-from autoparallel.mesh import mesh_from_shape
-from autoparallel.placement import Partial, Replicate, Shard, parse_placements
-from autoparallel.spec import DistSpec
 
-from spmd_rules import get_spmd_rule
+from autoparallel.placement import Partial, Replicate, Shard
+
+
+
 from spmd_rules.dimtrans import Flatten, InputDim, Singleton, Split, infer_shape, reshape_transforms, shard_map
 
-M1 = mesh_from_shape([2], create_groups=False)
-M3 = mesh_from_shape([3], create_groups=False)
-M2 = mesh_from_shape([2, 2], create_groups=False)
-
-
-def S(shape, placements="R", mesh=M1, dtype="float32"):
-    return DistSpec(mesh, parse_placements(placements), tuple(shape), dtype)
-
-
-def rule(name):
-    return get_spmd_rule(name)
+from spmd_helpers import M1, M2, M3, S, rule  # noqa: F401
 
 
 # ---- dim transformations ------------------------------------------------------------------------------------------

@@ -415,14 +415,9 @@ def _world() -> tuple:
 
 
 def _model_info(model) -> dict:
-    c = getattr(model, "config", None)
-    keys = {"heads": "heads", "kv_heads": "kv_heads", "hidden": "hidden", "layers": "layers", "vocab": "vocab_size"}
-    out = {}
-    for key, attr in keys.items():
-        v = getattr(c, attr, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            out[key] = v
-    return out
+    from autoparallel.parallelize import model_info
+
+    return model_info(model)
 
 
 def _check_composable(strategy, degrees) -> None:
