@@ -40,6 +40,7 @@ def make_parser(default_model: str) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", dest="seq_len", type=_positive, default=16, help="tokens (bytes) per sample")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--log-json", dest="log_json", default=None, help="write the run log here (rank 0)")
+    p.add_argument("--static", action="store_true", help="captured-graph mode: ap.to_static with completed layouts")
     return p
 
 
@@ -75,6 +76,8 @@ def train(args):
     model = build(model_config(args.model, args.seq_len, dataset.vocab_size))
     opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=model.parameters())
     pipelined = strategy.pipeline_parallel.degree > 1
+    if getattr(args, "static", False):
+        return _train_static(args, world, rank, strategy, dataset, model, opt, k)
     if world > 1 or _non_trivial(strategy):
         model, opt = ap.parallelize(model, opt, strategy=strategy)
         mesh = None if pipelined else model._ap_mesh     # the pipeline takes the plain global batch
@@ -116,6 +119,25 @@ def train(args):
         with open(args.log_json, "w") as f:
             json.dump(log, f, indent=1)
     return log, model, opt
+
+
+def _train_static(args, world, rank, strategy, dataset, model, opt, k):
+    """--static: trace once, complete the layouts over the whole graph, run them pinned."""
+    dm = ap.to_static(model, None, F.cross_entropy, opt, strategy=strategy,
+                      input_spec=[([args.batch_size // k, args.seq_len], "int64")] * 2)
+    loader = DistributedDataLoader(dataset, args.batch_size, mesh=dm.mesh, num_micro_batches=k, seed=args.seed)
+    batches = loader.batches()
+    steps = []
+    for step in _progress(args.steps, rank):
+        t0 = time.perf_counter()
+        loss = dm.train_step([next(batches) for _ in range(k)])
+        steps.append({"step": step, "loss": float(loss), "time": time.perf_counter() - t0})
+    log = {"model": args.model, "world_size": world, "strategy": strategy.to_dict(), "static": True,
+           "global_batch_size": args.batch_size, "seq_len": args.seq_len, "steps": steps}
+    if args.log_json and rank == 0:
+        with open(args.log_json, "w") as f:
+            json.dump(log, f, indent=1)
+    return log, dm, opt
 
 
 def _non_trivial(s: Strategy) -> bool:
