@@ -19,7 +19,8 @@ completion may reshard it), the default
 tensor-parallel plan's parameter layouts (tp > 1, GPT / LLaMA names or ``tp_plan``) and, with sequence
 parallel, sequence-sharded outputs of every norm layer; completion chooses everything else.
 ``auto_mode="full"``: nothing is fixed but the user's own annotations; the mesh is [data, model] as square as
-the world allows. Pipeline parallel, ZeRO sharding, recompute and AMP are not supported in this mode yet.
+the world allows; ZeRO stage 1/2 shard the optimizer over "data". Pipeline parallel, ZeRO stage 3, recompute and AMP
+are not supported in this mode yet.
 """
 from __future__ import annotations
 
@@ -90,12 +91,13 @@ def _micro(spec, k, i):
 # ---- strategy ----------------------------------------------------------------------------------------
 def _check_knobs(s):
     knobs = [(s.pipeline_parallel.degree > 1, f"pipeline_parallel.degree={s.pipeline_parallel.degree}"),
-             (s.sharding.enable, f"sharding (ZeRO stage {s.sharding.stage})"),
+             (s.sharding.enable and s.sharding.stage == 3, "sharding stage 3 (parameters gathered around use)"),
              (s.recompute.enable, "recompute"), (s.amp.enable, f"amp ({s.amp.dtype})")]
     for on, what in knobs:
         if on:
             raise NotImplementedError(f"{what} is not supported by ap.to_static yet (supported: data, tensor and "
-                                      f"sequence parallel, gradient accumulation, auto_mode 'full')")
+                                      f"sequence parallel, ZeRO stage 1 and 2, gradient accumulation, "
+                                      f"auto_mode 'full')")
 
 
 def _square_mesh(world):
@@ -387,4 +389,11 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
     plan = complete(model, *in_specs, loss_fn=loss_fn, annotations=ann, mesh=mesh,
                     n_model_inputs=len(in_specs) - (1 if loss_fn is not None else 0),
                     auto_mode=strategy.auto_mode, cluster=cluster, method=method, hard_inputs=hard)
-    return DistModel(model, loss_fn, optimizer, plan, mesh, micro, k)
+    dm = DistModel(model, loss_fn, optimizer, plan, mesh, micro, k)
+    if strategy.sharding.enable and dm.optimizer is not None and "data" in mesh.dim_names:
+        from autoparallel.parallel.sharding import apply_zero      # optimizer states (and grads) over "data"
+
+        dm.optimizer = apply_zero(model, dm.optimizer, mesh, strategy.sharding.stage, dp_dim="data",
+                                  degree=strategy.sharding.degree or None, offload=strategy.sharding.offload,
+                                  gradient_accumulation_steps=k)
+    return dm
