@@ -41,6 +41,9 @@ def make_parser(default_model: str) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--log-json", dest="log_json", default=None, help="write the run log here (rank 0)")
     p.add_argument("--static", action="store_true", help="captured-graph mode: ap.to_static with completed layouts")
+    p.add_argument("--ckpt-dir", dest="ckpt_dir", default=None, help="save distributed checkpoints here")
+    p.add_argument("--save-every", dest="save_every", type=_positive, default=10, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in --ckpt-dir")
     return p
 
 
@@ -89,7 +92,10 @@ def train(args):
     loader = DistributedDataLoader(dataset, args.batch_size, mesh=mesh, num_micro_batches=k, seed=args.seed)
     batches = loader.batches()
     steps, memory = [], None
-    bar = _progress(args.steps, rank)
+    ckpt, state, start = _checkpointing(args, model, opt, pipelined)
+    for _ in range(start * k):                   # the data-loader position: the batches already trained on
+        next(batches)
+    bar = _progress(args.steps, rank, start)
     for step in bar:
         t0 = time.perf_counter()
         total = 0.0
@@ -108,8 +114,12 @@ def train(args):
         opt.clear_grad()
         dt = time.perf_counter() - t0
         steps.append({"step": step, "loss": total, "time": dt})
+        if ckpt is not None:
+            ckpt.maybe_save(state, step + 1, extra={"loader_batches": (step + 1) * k})
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{total:.4f}")
+    if memory is None:                           # resumed at or past --steps: nothing trained here
+        memory = memory_bytes(model, opt)
     log = {"model": args.model, "world_size": world, "strategy": strategy.to_dict(),
            "mesh": None if mesh is None else {"shape": mesh.shape, "dim_names": mesh.dim_names,
                                               "ranks": mesh.mesh.tolist()},
@@ -146,14 +156,38 @@ def _non_trivial(s: Strategy) -> bool:
         or s.auto_mode == "full"
 
 
-def _progress(steps: int, rank: int):
+def _checkpointing(args, model, opt, pipelined):
+    """(manager, state, first step): distributed checkpoints of the model and the optimizer states, saved
+    every --save-every steps; with --resume training continues after the newest complete one."""
+    if not args.ckpt_dir:
+        if args.resume:
+            raise ValueError("--resume needs --ckpt-dir (where the checkpoints are)")
+        return None, None, 0
+    if pipelined or hasattr(opt, "memory_bytes"):
+        raise NotImplementedError("checkpoints of pipeline stages and ZeRO optimizer states are not wired into "
+                                  "the example yet")
+    from autoparallel.checkpoint.manager import CheckpointManager
+    from autoparallel.checkpoint.state import training_state
+
+    ckpt = CheckpointManager(args.ckpt_dir, args.save_every)
+    state = training_state(model, getattr(opt, "_inner", opt))
+    start = 0
+    if args.resume:
+        info = ckpt.restore(state)
+        if info is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.dir}")
+        start = int(info.step)
+    return ckpt, state, start
+
+
+def _progress(steps: int, rank: int, start: int = 0):
     if rank != 0:
-        return range(steps)
+        return range(start, steps)
     try:
         from tqdm import tqdm
     except ImportError:
-        return range(steps)
-    return tqdm(range(steps), desc="train", dynamic_ncols=True)
+        return range(start, steps)
+    return tqdm(range(start, steps), desc="train", dynamic_ncols=True, initial=start, total=steps)
 
 
 def _nbytes(tensors) -> int:
