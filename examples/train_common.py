@@ -116,6 +116,9 @@ def train(args):
         steps.append({"step": step, "loss": total, "time": dt})
         if ckpt is not None:
             ckpt.maybe_save(state, step + 1, extra={"loader_batches": (step + 1) * k})
+            if ckpt.should_stop():               # SIGTERM (preemption): a final checkpoint, then stop
+                ckpt.save(state, step + 1, extra={"loader_batches": (step + 1) * k, "stopped": True})
+                break
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{total:.4f}")
     if memory is None:                           # resumed at or past --steps: nothing trained here
@@ -170,6 +173,7 @@ def _checkpointing(args, model, opt, pipelined):
     from autoparallel.checkpoint.state import training_state
 
     ckpt = CheckpointManager(args.ckpt_dir, args.save_every)
+    ckpt.install_sigterm_handler()
     state = training_state(model, getattr(opt, "_inner", opt))
     start = 0
     if args.resume:
