@@ -261,7 +261,12 @@ def test_an_op_without_a_rule_inside_to_static():
 def test_knobs_not_built_yet_fail_loudly():
     s = strategy(2, 1)
     s.sharding.enable = True
-    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match="sharding"):
+    s.sharding.stage = 3
+    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match="sharding stage 3"):
+        to_static(MLP(), None, mse, None, s, input_spec=SPEC)
+    s = strategy(2, 1)
+    s.recompute.enable = True
+    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match="recompute"):
         to_static(MLP(), None, mse, None, s, input_spec=SPEC)
 
 
