@@ -17,6 +17,7 @@ install: $(STAMP)
 # the main job: a byte-level GPT trained on 4 CPU ranks (DP2 x TP2) with paddle.distributed.launch,
 # compared at the end with the single-process loss of the same run
 demo: $(STAMP)
+	mkdir -p out
 	$(PY) -m autoparallel demo --nproc $(NPROC) --script examples/train_gpt.py -- --dp 2 --tp 2 --steps 20 --seed 0 --log-json out/demo_dp2tp2.json
 	$(PY) examples/train_gpt.py --steps 20 --seed 0 --log-json out/demo_single.json
 	$(PY) tools/compare_logs.py out/demo_single.json out/demo_dp2tp2.json

@@ -129,6 +129,7 @@ def train(args):
            "global_batch_size": args.batch_size, "seq_len": args.seq_len, "steps": steps,
            "memory_per_rank": gather_memory(memory, world)}
     if args.log_json and rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
         with open(args.log_json, "w") as f:
             json.dump(log, f, indent=1)
     return log, model, opt
@@ -148,6 +149,7 @@ def _train_static(args, world, rank, strategy, dataset, model, opt, k):
     log = {"model": args.model, "world_size": world, "strategy": strategy.to_dict(), "static": True,
            "global_batch_size": args.batch_size, "seq_len": args.seq_len, "steps": steps}
     if args.log_json and rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
         with open(args.log_json, "w") as f:
             json.dump(log, f, indent=1)
     return log, dm, opt
