@@ -23,6 +23,8 @@ JOBS = [
     {"name": "gpt_dp2tp2", "argv": ["--dp", "2", "--tp", "2"] + COMMON},
     {"name": "gpt_dp2tp2_sp", "argv": ["--dp", "2", "--tp", "2", "--sp"] + COMMON, "probe": "forward_comm"},
     {"name": "gpt_dp2tp2_ga4", "argv": ["--dp", "2", "--tp", "2", "--grad-accum", "4"] + COMMON},
+    {"name": "gpt_dp2tp2_recompute_full", "argv": ["--dp", "2", "--tp", "2", "--recompute", "full"] + COMMON},
+    {"name": "gpt_dp4_recompute_selective", "argv": ["--dp", "4", "--recompute", "selective"] + COMMON},
     {"name": "llama_dp2tp2", "argv": ["--dp", "2", "--tp", "2"] + COMMON + LLAMA},
     {"name": "llama_dp2tp2_sp", "argv": ["--dp", "2", "--tp", "2", "--sp"] + COMMON + LLAMA},
     # probe: gradient accumulation on pure DP issues no collective before opt.step()
