@@ -26,6 +26,7 @@ if HERE not in sys.path:
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.data import ByteTextDataset, DistributedDataLoader  # noqa: E402
+from autoparallel.memory import live_bytes  # noqa: E402
 from autoparallel.strategy import Strategy, add_strategy_args  # noqa: E402
 from models import PRESETS, build  # noqa: E402
 
@@ -196,15 +197,6 @@ def _progress(steps: int, rank: int, start: int = 0):
     return tqdm(range(start, steps), desc="train", dynamic_ncols=True, initial=start, total=steps)
 
 
-def _nbytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if t is not None and id(t) not in seen and t._is_initialized():
-            seen.add(id(t))
-            total += int(t.numel()) * t.element_size()
-    return total
-
-
 def memory_bytes(model, opt) -> dict:
     """Bytes this rank holds, counted from live local tensors (no allocator statistics on CPU)."""
     if hasattr(opt, "memory_bytes"):                     # ZeRO counts its own chunks
@@ -215,8 +207,8 @@ def memory_bytes(model, opt) -> dict:
     states = [t for acc in inner._accumulators.values() for t in acc.values()]
     states += list(getattr(inner, "_master_weights", {}).values())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # Linux reports KiB
-    return {"params": _nbytes(params), "grads": _nbytes([p.grad for p in params]),
-            "optimizer_states": _nbytes(states), "peak_rss": rss}
+    return {"params": live_bytes(params), "grads": live_bytes([p.grad for p in params]),
+            "optimizer_states": live_bytes(states), "peak_rss": rss}
 
 
 def gather_memory(mine: dict, world: int) -> list:

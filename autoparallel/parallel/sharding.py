@@ -23,6 +23,7 @@ from autoparallel.comm import collectives as C
 from autoparallel.comm.world import current_world
 from autoparallel.dist_tensor import DistParameter
 from autoparallel.local_mode import local_mode
+from autoparallel.memory import live_bytes
 from autoparallel.parallel import clip as clipping
 from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors
 from autoparallel.parallel.zero_groups import ZeroGroups, apply_groups
@@ -259,7 +260,7 @@ class ZeroOptimizer:
             params = params + masters                   # the chunk is the parameter's storage
         else:
             states = states + masters                   # a separate fp32 copy of the chunk
-        return {"params": _nbytes(params), "grads": _nbytes(grads), "optimizer_states": _nbytes(states)}
+        return {"params": live_bytes(params), "grads": live_bytes(grads), "optimizer_states": live_bytes(states)}
 
     def state_places(self) -> list:
         return [t.place for r in self.held for t in state_tensors(self.inner_opts[r]) + list(self.master[r].values())]
@@ -280,12 +281,3 @@ def _materialize(t, flat, shape) -> None:
         t.set_value(value)
     else:
         t.get_tensor()._share_data_with(value.get_tensor())
-
-
-def _nbytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if t is not None and id(t) not in seen and t._is_initialized():
-            seen.add(id(t))
-            total += int(t.numel()) * t.element_size()
-    return total

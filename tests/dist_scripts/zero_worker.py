@@ -23,7 +23,8 @@ import autoparallel as ap  # noqa: E402
 from autoparallel.comm import collectives as C  # noqa: E402
 from autoparallel.parallel import amp  # noqa: E402
 from autoparallel.parallel.optim_clone import state_tensors  # noqa: E402
-from autoparallel.parallel.sharding import _nbytes, apply_zero  # noqa: E402
+from autoparallel.memory import live_bytes  # noqa: E402
+from autoparallel.parallel.sharding import apply_zero  # noqa: E402
 from autoparallel.parallelize import parallelize  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402
 from zero_common import batches, make_opt, tiny  # noqa: E402
@@ -55,8 +56,8 @@ def strategy():
 
 def dp_bytes(model, opt):
     params = list(model.parameters())
-    return {"params": _nbytes(params), "grads": _nbytes([p.grad for p in params]),
-            "optimizer_states": _nbytes(state_tensors(opt._inner))}
+    return {"params": live_bytes(params), "grads": live_bytes([p.grad for p in params]),
+            "optimizer_states": live_bytes(state_tensors(opt._inner))}
 
 
 def run(name, stage, offload, clip, neg, out_dir, rank):
