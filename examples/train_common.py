@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import sys
 import time
 
@@ -26,7 +25,8 @@ if HERE not in sys.path:
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.data import ByteTextDataset, DistributedDataLoader  # noqa: E402
-from autoparallel.memory import live_bytes  # noqa: E402
+from autoparallel.memory import live_bytes, peak_rss_bytes, rss_bytes  # noqa: E402
+from autoparallel.parallel.recompute import SavedBytes  # noqa: E402
 from autoparallel.strategy import Strategy, add_strategy_args  # noqa: E402
 from models import PRESETS, build  # noqa: E402
 
@@ -76,6 +76,7 @@ def train(args):
     k = strategy.gradient_accumulation_steps
     paddle.seed(args.seed)
     np.random.seed(args.seed)
+    rss_start = rss_bytes()                      # before the model exists: the baseline of the RSS change
     dataset = ByteTextDataset(args.seq_len)
     model = build(model_config(args.model, args.seq_len, dataset.vocab_size))
     opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=model.parameters())
@@ -92,7 +93,7 @@ def train(args):
         k = 1                                    # micro-batching happens inside the pipeline schedule
     loader = DistributedDataLoader(dataset, args.batch_size, mesh=mesh, num_micro_batches=k, seed=args.seed)
     batches = loader.batches()
-    steps, memory = [], None
+    steps, memory, saved = [], None, 0
     ckpt, state, start = _checkpointing(args, model, opt, pipelined)
     for _ in range(start * k):                   # the data-loader position: the batches already trained on
         next(batches)
@@ -105,13 +106,15 @@ def train(args):
             if pipelined:
                 total += float(model.train_batch(x, y))
                 continue
-            loss = F.cross_entropy(model(x), y)
+            with SavedBytes() as counter:          # activations kept for backward by this forward
+                loss = F.cross_entropy(model(x), y)
+            saved = max(saved, counter.bytes)
             scaled = loss * loss_scale if loss_scale != 1.0 else loss
             (opt.scale(scaled) if hasattr(opt, "scale") else scaled).backward()     # AMP loss scaling
             total += float(loss) / k
         opt.step()
         if step == args.steps - 1:
-            memory = memory_bytes(model, opt)
+            memory = dict(memory_bytes(model, opt), saved_activations=saved, rss_start=rss_start)
         opt.clear_grad()
         dt = time.perf_counter() - t0
         steps.append({"step": step, "loss": total, "time": dt})
@@ -123,7 +126,7 @@ def train(args):
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{total:.4f}")
     if memory is None:                           # resumed at or past --steps: nothing trained here
-        memory = memory_bytes(model, opt)
+        memory = dict(memory_bytes(model, opt), saved_activations=saved, rss_start=rss_start)
     log = {"model": args.model, "world_size": world, "strategy": strategy.to_dict(),
            "mesh": None if mesh is None else {"shape": mesh.shape, "dim_names": mesh.dim_names,
                                               "ranks": mesh.mesh.tolist()},
@@ -198,21 +201,21 @@ def _progress(steps: int, rank: int, start: int = 0):
 
 
 def memory_bytes(model, opt) -> dict:
-    """Bytes this rank holds, counted from live local tensors (no allocator statistics on CPU)."""
+    """Bytes this rank holds, counted from live local tensors (no allocator statistics on CPU), with the
+    process's peak and current resident set sizes."""
+    rss = {"peak_rss": peak_rss_bytes(), "rss": rss_bytes()}
     if hasattr(opt, "memory_bytes"):                     # ZeRO counts its own chunks
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return dict(opt.memory_bytes(), peak_rss=rss)
+        return dict(opt.memory_bytes(), **rss)
     inner = getattr(opt, "_inner", opt)
     params = list(model.parameters())
     states = [t for acc in inner._accumulators.values() for t in acc.values()]
     states += list(getattr(inner, "_master_weights", {}).values())
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # Linux reports KiB
     return {"params": live_bytes(params), "grads": live_bytes([p.grad for p in params]),
-            "optimizer_states": live_bytes(states), "peak_rss": rss}
+            "optimizer_states": live_bytes(states), **rss}
 
 
 def gather_memory(mine: dict, world: int) -> list:
-    keys = ("params", "grads", "optimizer_states", "peak_rss")
+    keys = ("params", "grads", "optimizer_states", "saved_activations", "peak_rss", "rss", "rss_start")
     if world == 1:
         return [dict(rank=0, **mine)]
     local = paddle.to_tensor([mine[k] for k in keys], dtype="int64")

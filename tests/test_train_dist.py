@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 STEPS = 20
 COMMON = ["--steps", str(STEPS), "--seed", "0", "--batch-size", "8", "--seq-len", "16", "--lr", "3e-3"]
 LLAMA = ["--model", "llama-tiny"]
+TIED = ["--model", "gpt-tiny-tied"]
 JOBS = [
     {"name": "gpt_dp4", "argv": ["--dp", "4"] + COMMON},
     {"name": "gpt_tp4", "argv": ["--tp", "4"] + COMMON, "probe": "forward_comm"},
@@ -25,6 +26,8 @@ JOBS = [
     {"name": "gpt_dp2tp2_ga4", "argv": ["--dp", "2", "--tp", "2", "--grad-accum", "4"] + COMMON},
     {"name": "gpt_dp2tp2_recompute_full", "argv": ["--dp", "2", "--tp", "2", "--recompute", "full"] + COMMON},
     {"name": "gpt_dp4_recompute_selective", "argv": ["--dp", "4", "--recompute", "selective"] + COMMON},
+    # input embedding and LM head are one vocab-parallel matrix: both gradients land in its shards
+    {"name": "tied_dp2tp2", "argv": ["--dp", "2", "--tp", "2"] + COMMON + TIED},
     {"name": "llama_dp2tp2", "argv": ["--dp", "2", "--tp", "2"] + COMMON + LLAMA},
     {"name": "llama_dp2tp2_sp", "argv": ["--dp", "2", "--tp", "2", "--sp"] + COMMON + LLAMA},
     # probe: gradient accumulation on pure DP issues no collective before opt.step()
@@ -46,7 +49,7 @@ def reference(model):
 
 @pytest.fixture(scope="module")
 def refs():
-    return {"gpt": reference("gpt-tiny"), "llama": reference("llama-tiny")}
+    return {"gpt": reference("gpt-tiny"), "llama": reference("llama-tiny"), "tied": reference("gpt-tiny-tied")}
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +62,13 @@ def run(tmp_path_factory):
     return out, ranks
 
 
+def _family(job: str) -> str:
+    return job.split("_")[0] if job.startswith(("llama", "tied")) else "gpt"
+
+
 def matches(job, ranks, out, refs, steps=STEPS):
     """(losses equal at every step, final parameters equal), rtol 1e-4 plus a small atol."""
-    ref_losses, ref_params = refs["llama" if job.startswith("llama") else "gpt"]
+    ref_losses, ref_params = refs[_family(job)]
     losses = [r["jobs"][job]["losses"][:steps] for r in ranks]
     ok_loss = all(np.allclose(l, ref_losses[:steps], rtol=1e-4, atol=1e-6) for l in losses)
     params = np.load(os.path.join(out, job + ".npz"))
@@ -74,7 +81,7 @@ def matches(job, ranks, out, refs, steps=STEPS):
 def test_losses_and_parameters_match_single_process(run, refs, job):
     out, ranks = run
     ok_loss, ok_params = matches(job, ranks, out, refs)
-    ref = refs["llama" if job.startswith("llama") else "gpt"][0]
+    ref = refs[_family(job)][0]
     got = ranks[0]["jobs"][job]["losses"]
     assert ok_loss, f"{job}: losses {np.round(got, 5).tolist()} vs single process {np.round(ref, 5).tolist()}"
     assert ok_params, f"{job}: final parameters differ from the single-process run"

@@ -72,7 +72,8 @@ def test_mesh_puts_model_dim_fastest():
 
 # ---- the simulated world: every rank in this process -------------------------------------------------------
 @pytest.mark.parametrize("name,dp,tp,sp", [("gpt-tiny", 4, 1, False), ("gpt-tiny", 1, 4, False),
-                                           ("gpt-tiny", 2, 2, True), ("llama-tiny", 2, 2, True)])
+                                           ("gpt-tiny", 2, 2, True), ("llama-tiny", 2, 2, True),
+                                           ("gpt-tiny-tied", 2, 2, False), ("gpt-tiny-tied", 1, 4, True)])
 def test_simulated_loss_and_gradients_match(name, dp, tp, sp):
     x, y = batch()
     ref_loss, ref = reference_grads(name, x, y)
@@ -87,6 +88,17 @@ def test_simulated_loss_and_gradients_match(name, dp, tp, sp):
         for n, p in m.named_parameters():
             np.testing.assert_allclose(p.as_dist().grad.full().numpy(), ref[n], rtol=1e-4, atol=1e-6, err_msg=n)
         assert all(isinstance(p, ap.DistParameter) for p in opt._inner._parameter_list)
+
+
+def test_tied_head_stays_vocab_parallel():
+    """The tied head multiplies by the vocab-sharded embedding: logits come out sharded on the vocab dim
+    (no gather of the [vocab, hidden] matrix), and the one parameter holds both gradients."""
+    with ap.simulate(world_size=4):
+        m, _ = parallelize(tiny("gpt-tiny-tied"), strategy=strategy(2, 2))
+        x, _ = batch()
+        logits = m(paddle.to_tensor(x))
+    assert str(m.wte.weight.placements) == "[R, S(0)]" and str(logits.placements) == "[S(0), S(2)]"
+    assert not hasattr(m, "lm_head")
 
 
 def test_parallel_guard_changes_input_dims():

@@ -54,9 +54,14 @@ class GPTConfig:
 
 PRESETS = {
     "gpt-tiny": GPTConfig(vocab_size=64, hidden=32, layers=2, heads=4, max_positions=16),
+    # the head reuses the input embedding (vocab-parallel under tensor parallelism: logits stay vocab-sharded)
+    "gpt-tiny-tied": GPTConfig(vocab_size=64, hidden=32, layers=2, heads=4, max_positions=16,
+                               tie_embeddings=True),
     # ~96M parameters (tied embeddings): GPT-2 small width, 8 blocks
     "gpt-100m": GPTConfig(vocab_size=50304, hidden=768, layers=8, heads=12, max_positions=1024,
                           tie_embeddings=True),
+    # ~100M parameters with the examples' byte vocabulary (256): GPT-2 small width, 14 blocks
+    "gpt-100m-byte": GPTConfig(vocab_size=256, hidden=768, layers=14, heads=12, max_positions=1024),
     # ~1.1B parameters (tied embeddings): 20 blocks of width 2048
     "gpt-1b": GPTConfig(vocab_size=50304, hidden=2048, layers=20, heads=16, max_positions=2048,
                         tie_embeddings=True),

@@ -1,0 +1,141 @@
+"""Ours vs Paddle on 4 gloo ranks: the same GPT with the same placements, step time side by side.
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_vs_paddle.py [--rounds 2] [--steps 10] [--warmup 3]
+                                                               [--out docs/vs_paddle_bench.md]
+
+Layouts: DP4, TP4 and DP2xTP2 on a ("data", "model") mesh. For each, the implementations that can run it:
+ours (``ap.parallelize``), Paddle's dygraph semi-auto parallel (``paddle.distributed.shard_layer`` /
+``shard_tensor`` / ``shard_optimizer``, same placements), and for DP4 also ``paddle.DataParallel``. The
+single process is the reference for both the step time and the loss of every step. Launches alternate
+between implementations in ``--rounds`` rounds so that drifting background load hits them alike; the timed
+steps of all rounds are pooled and their median reported. Prints the table and writes it, with the
+command, to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from tqdm import tqdm                                     # noqa: E402
+
+from autoparallel.testing.launch import launch           # noqa: E402
+
+WORKER = os.path.join(HERE, "_bench_vs_paddle_worker.py")
+LAYOUTS = {"DP4": (4, 1, ("ours", "paddle", "paddle_dp")), "TP4": (1, 4, ("ours", "paddle")),
+           "DP2xTP2": (2, 2, ("ours", "paddle"))}
+NAMES = {"single": "single process (plain paddle)", "ours": "ours (ap.parallelize)",
+         "paddle": "Paddle semi-auto (shard_layer)", "paddle_dp": "paddle.DataParallel"}
+
+
+def model_args(args) -> list:
+    return ["--vocab", args.vocab, "--hidden", args.hidden, "--layers", args.layers, "--heads", args.heads,
+            "--seq", args.seq, "--batch", args.batch, "--warmup", args.warmup, "--steps", args.steps]
+
+
+def run_single(args) -> dict:
+    import json
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="ap_bench_vs_paddle_")
+    env = dict(os.environ, OMP_NUM_THREADS="1", AP_RESULT_DIR=d, GLOG_minloglevel="2")
+    proc = subprocess.run([sys.executable, WORKER, "--impl", "single", *map(str, model_args(args))], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
+    path = os.path.join(d, "rank0.json")
+    if proc.returncode or not os.path.exists(path):
+        raise RuntimeError(f"single-process run failed ({proc.returncode}):\n{proc.stdout.decode()[-3000:]}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_ranks(args, impl: str, dp: int, tp: int) -> dict:
+    res = launch(WORKER, dp * tp, ["--impl", impl, "--dp", dp, "--tp", tp, *model_args(args)], timeout=900)
+    return res[0]                                  # times are already the slowest rank's
+
+
+def collect(args) -> dict:
+    """{(layout, impl): {"times": pooled, "losses": [per launch]}}, with the single process under (None, single)."""
+    jobs = [(name, impl) for _ in range(args.rounds) for name, (_, _, impls) in LAYOUTS.items() for impl in impls]
+    out = {(None, "single"): run_single(args)}
+    out[(None, "single")]["losses"] = [out[(None, "single")]["losses"]]
+    for name, impl in tqdm(jobs, desc="launches (4 gloo ranks each)", unit="launch", file=sys.stderr):
+        dp, tp, _ = LAYOUTS[name]
+        r = run_ranks(args, impl, dp, tp)
+        slot = out.setdefault((name, impl), {"times": [], "losses": []})
+        slot["times"] += r["times"]
+        slot["losses"].append(r["losses"])
+    return out
+
+
+def table(res: dict) -> tuple:
+    single = res[(None, "single")]
+    ref, t1 = single["losses"][0], statistics.median(single["times"])
+    rows, ratios = [["-", NAMES["single"], f"{t1 * 1e3:.1f}", "1.00", "-", "0"]], {}
+    for name in LAYOUTS:
+        paddle_best = min(statistics.median(res[(name, i)]["times"]) for i in ("paddle", "paddle_dp")
+                          if (name, i) in res)
+        for impl in LAYOUTS[name][2]:
+            r = res[(name, impl)]
+            med = statistics.median(r["times"])
+            err = max(abs(a - b) for run in r["losses"] for a, b in zip(run, ref))
+            vs = f"{med / paddle_best:.2f}" if impl == "ours" else "-"
+            if impl == "ours":
+                ratios[name] = med / paddle_best
+            rows.append([name, NAMES[impl], f"{med * 1e3:.1f}", f"{med / t1:.2f}", vs, f"{err:.1e}"])
+    return rows, ratios
+
+
+def md(rows) -> str:
+    header = ["layout", "implementation", "median step ms", "vs single", "ours / fastest Paddle",
+              "max |loss - single|, every step"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in (("vocab", 1024), ("hidden", 256), ("layers", 4), ("heads", 8), ("seq", 128),
+                          ("batch", 8), ("warmup", 3), ("steps", 10), ("rounds", 2)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "vs_paddle_bench.md"))
+    args = p.parse_args()
+    load = os.getloadavg()[0]
+    start = time.time()
+    rows, ratios = table(collect(args))
+    text = f"""# Ours vs Paddle: GPT training step on 4 gloo ranks
+
+Command (this machine: {os.cpu_count()} cores, OMP_NUM_THREADS=1 per rank; 1-minute load {load:.1f} before the
+run, {time.time() - start:.0f} s in all):
+
+```
+OMP_NUM_THREADS=1 .venv/bin/python tools/bench_vs_paddle.py --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}
+```
+
+GPT (`examples/models/gpt.py`): vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, {args.heads} heads,
+sequence {args.seq}, global batch {args.batch}; AdamW; float32; same seed and same fixed batch every step. A step is
+forward + cross-entropy + backward + `opt.step()` + `opt.clear_grad()` + `float(loss)`; {args.warmup} warm-up and
+{args.steps} timed steps per launch, {args.rounds} launches per implementation (alternating), the slowest rank's
+time per step, medians over the pooled steps. Placements: Megatron (column-parallel qkv/fc1/lm_head, row-parallel
+proj/fc2, vocab-parallel wte) on the "model" dim, batch on the "data" dim, the same for ours and Paddle
+semi-auto; `paddle.DataParallel` trains each rank on its quarter of the batch. The last column compares
+every step's loss with the single process.
+
+{md(rows)}
+
+Ours / fastest Paddle implementation of the same layout: {", ".join(f"{k} {v:.2f}" for k, v in ratios.items())}.
+"""
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
