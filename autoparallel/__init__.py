@@ -5,6 +5,7 @@ Public names are loaded lazily, so pure parts (placements, specs, planning) impo
 from __future__ import annotations
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -44,9 +45,15 @@ _EXPORTS = {
     "to_static": "autoparallel.graph.to_static", "DistModel": "autoparallel.graph.to_static",
     "complete": "autoparallel.graph.completion",
     "apply_pp": "autoparallel.parallel.pipeline.runtime", "PipelineModule": "autoparallel.parallel.pipeline.runtime",
+    "materialize": "autoparallel.lazy_init.params",
 }
 
 __all__ = sorted(_EXPORTS)
+
+if "paddle" in sys.modules:          # record the creation order of parameters built under paddle.LazyGuard
+    from autoparallel.lazy_init import order as _order
+
+    _order.install()
 
 
 def __getattr__(name: str):

@@ -213,6 +213,10 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
     value on coordinate 0 of that mesh dim and zeros elsewhere; avg/max/min keep it everywhere.
     """
     _ensure_dispatch()
+    if isinstance(data, EagerParamBase) and _is_lazy(data, dtype):
+        from autoparallel.lazy_init.params import shard_lazy
+
+        return shard_lazy(data, mesh, placements)     # built under paddle.LazyGuard: lay out, allocate later
     if isinstance(data, DistTensor) or is_dist(data):
         return reshard(data, mesh, placements)
     is_param = isinstance(data, EagerParamBase)
@@ -230,6 +234,17 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
     if not is_param:
         return DistTensor(locals_, spec)
     return _make_param(locals_, spec, data)
+
+
+def _is_lazy(param, dtype=None) -> bool:
+    from autoparallel.lazy_init.params import is_lazy
+
+    if not is_lazy(param):
+        return False
+    if dtype is not None and normalize_dtype(dtype) != normalize_dtype(param.dtype):
+        raise NotImplementedError(f"shard_tensor of the lazily created parameter {param.name} keeps its dtype "
+                                  f"{normalize_dtype(param.dtype)}; got dtype={normalize_dtype(dtype)}")
+    return True
 
 
 def _make_param(locals_: dict, spec: DistSpec, like=None) -> DistParameter:

@@ -1,0 +1,47 @@
+"""Creation order of parameters built under ``paddle.LazyGuard``.
+
+An eager build draws every parameter's initial values from the global generator at the moment the
+parameter is created, so lazy materialisation must follow creation order to see the same stream.
+Paddle records no order, so ``install()`` wraps ``Initializer._lazy_init`` (the call paddle makes for
+each parameter created under the guard) to stamp a sequence number on the parameter. Parameters
+without a stamp (built before the wrapper was installed) fall back to registration order, which equals
+creation order for layers that create their parameters and sublayers in the order they register them
+(paddle's own layers and the example models).
+"""
+from __future__ import annotations
+
+import itertools
+
+_counter = itertools.count()
+_ATTR = "_ap_init_seq"
+
+
+def install() -> None:
+    """Stamp the creation order of parameters created lazily from now on (idempotent)."""
+    from paddle.nn.initializer.initializer import Initializer
+
+    if getattr(Initializer._lazy_init, "_ap_stamps", False):
+        return
+    original = Initializer._lazy_init
+
+    def _lazy_init(self, param, block=None):
+        out = original(self, param, block)
+        setattr(param, _ATTR, next(_counter))
+        return out
+
+    _lazy_init._ap_stamps = True
+    Initializer._lazy_init = _lazy_init
+
+
+def sequence(param):
+    """The creation stamp of a lazily created parameter, or None."""
+    return getattr(param, _ATTR, None)
+
+
+def creation_order(items):
+    """``items``: [(origin parameter, value)] in registration order -> the same, in creation order when
+    every origin carries a stamp (otherwise unchanged)."""
+    stamps = [sequence(origin) for origin, _ in items]
+    if items and all(s is not None for s in stamps):
+        return [item for _, item in sorted(zip(stamps, items), key=lambda t: t[0])]
+    return list(items)
