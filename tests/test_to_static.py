@@ -260,14 +260,172 @@ def test_an_op_without_a_rule_inside_to_static():
 
 def test_knobs_not_built_yet_fail_loudly():
     s = strategy(2, 1)
-    s.sharding.enable = True
-    s.sharding.stage = 3
-    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match="sharding stage 3"):
+    s.amp.enable = True
+    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match=r"amp .*ZeRO stage 1, 2 and 3, recompute"):
+        to_static(MLP(), None, mse, None, s, input_spec=SPEC)
+    s = strategy(1, 1)
+    s.pipeline_parallel.degree = 2
+    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match="pipeline_parallel.degree=2"):
         to_static(MLP(), None, mse, None, s, input_spec=SPEC)
     s = strategy(2, 1)
-    s.recompute.enable = True
-    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match="recompute"):
+    s.recompute.enable = True                        # recompute needs the model's blocks
+    with ap.simulate(world_size=2), pytest.raises(ValueError, match="LayerList"):
         to_static(MLP(), None, mse, None, s, input_spec=SPEC)
+
+
+def test_recompute_is_applied_once_per_model():
+    import paddle.nn.functional as F
+    from autoparallel.testing.models import build
+
+    def recompute(granularity):
+        s = strategy(2, 1)
+        s.recompute.enable, s.recompute.granularity = True, granularity
+        return s
+
+    model = build("gpt", 0)
+    spec = [([4, 8], "int64"), ([4, 8], "int64")]
+    with ap.simulate(world_size=2):
+        to_static(model, None, F.cross_entropy, None, recompute("full"), input_spec=spec)
+        forward = model.blocks[0].forward
+        again = to_static(model, None, F.cross_entropy, None, recompute("full"), input_spec=spec)
+        assert model.blocks[0].forward is forward and sorted(set(again.plan.recomputed().values())) == [0, 1]
+        with pytest.raises(ValueError, match="already recomputes full every 1 layers.*selective every 1"):
+            to_static(model, None, F.cross_entropy, None, recompute("selective"), input_spec=spec)
+
+
+# ---- recompute and ZeRO stage 3 ----------------------------------------------------------------------------
+def _lm_batches(seed):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, 64, (4, 8)), rng.integers(0, 64, (4, 8))) for _ in range(2)]
+
+
+def _sp_strategy(granularity=None):
+    s = strategy(2, 2)
+    s.sequence_parallel.enable = True
+    if granularity:
+        s.recompute.enable, s.recompute.granularity = True, granularity
+    return s
+
+
+def _static_run(kind, s, batches):
+    """(losses, full parameters, bytes autograd saved in the first step's forward, plan) of a to_static run."""
+    import paddle.nn.functional as F
+    from autoparallel.parallel.recompute import SavedBytes
+    from autoparallel.testing.models import build
+
+    with ap.simulate(world_size=4):
+        model = build(kind, 0)
+        dm = to_static(model, None, F.cross_entropy, SimSGD(0.1, model.parameters()), s,
+                       input_spec=[([4, 8], "int64"), ([4, 8], "int64")])
+        with SavedBytes() as saved:
+            losses = [dm.train_step(batches[0])]
+        losses += [dm.train_step(b) for b in batches[1:]]
+        return losses, dm.state_dict(full=True), saved.bytes, dm.plan
+
+
+@pytest.fixture(scope="module")
+def sp_baseline():
+    return {kind: _static_run(kind, _sp_strategy(), _lm_batches(4)) for kind in ("gpt", "llama")}
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recompute_replays_the_pinned_layouts_under_sequence_parallel(sp_baseline, kind, granularity):
+    """DP2xTP2 + sequence parallel, where the plan's layouts (norms on sequence shards) differ from what the
+    rules alone would choose: the blocks re-run in backward must take the pinned layouts of their forward."""
+    import paddle.nn.functional as F
+    from autoparallel.testing.models import build
+
+    batches = _lm_batches(4)
+    ref, ref_params = reference_losses(lambda: build(kind, 0), batches, F.cross_entropy)
+    losses, state, saved, plan = _static_run(kind, _sp_strategy(granularity), batches)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5, atol=1e-6)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert saved < sp_baseline[kind][2]                          # fewer activations kept for backward
+    again = plan.recomputed()
+    blocks = "blocks.*" if kind == "gpt" else "layers.*"
+    in_blocks = set(plan.nodes_in(blocks))
+    if granularity == "full":                                    # one region per block, every op in it
+        assert set(again) == in_blocks and sorted(set(again.values())) == [0, 1]
+    else:                                                        # the attention core only
+        assert again and set(again) < in_blocks
+        assert all("attn" in plan.graph.nodes[k]["layer"] for k in again)
+    assert "recompute r1" in plan.listing() and not sp_baseline[kind][3].recomputed()
+
+
+def test_a_region_rerun_replays_its_own_pinned_entries():
+    from autoparallel import dispatch
+    from autoparallel.dist_tensor import shard_tensor
+
+    runs = []
+
+    def region(x):                                  # the second run (the "re-run") differs from the first
+        runs.append(1)
+        y = paddle.exp(x)
+        return paddle.tanh(y) if len(runs) == 1 else paddle.exp(y)
+
+    with ap.simulate(world_size=2):
+        x = shard_tensor(paddle.ones([4, 4]), ap.ProcessMesh([0, 1], ["data"]), [ap.Shard(0)])
+        wrapped = dispatch.replayable(region)
+        with dispatch.pinned(["exp", "exp", "tanh", "exp"], [None] * 4) as pins:
+            paddle.exp(x)
+            wrapped(x)                               # consumes entries 1 and 2
+            assert pins.k == 3
+        with pytest.raises(RuntimeError, match="expected op 2 to be 'tanh', the forward ran 'exp'"):
+            wrapped(x)                               # replays entries 1..2 only
+        same = dispatch.replayable(lambda t: paddle.tanh(paddle.exp(t)))
+        with dispatch.pinned(["exp", "tanh"], [None] * 2):
+            same(x)
+        same(x)                                      # the same ops again: replayed without error
+        short = dispatch.replayable(lambda t: paddle.exp(t) if len(runs) > 2 else paddle.tanh(paddle.exp(t)))
+        with dispatch.pinned(["exp", "tanh"], [None] * 2):
+            short(x)
+        runs.append(1)
+        with pytest.raises(RuntimeError, match=r"region ran 1 ops, its pinned forward 2 \(ops 0..1\)"):
+            short(x)
+
+
+def test_zero3_gathers_parameters_around_their_layer_and_matches_one_process():
+    import paddle.nn.functional as F
+    from autoparallel.graph import trace
+    from autoparallel.testing.models import build
+
+    batches = _lm_batches(5)
+    paddle.seed(0)
+    ref_model = build("gpt", 0)
+    opt = paddle.optimizer.AdamW(1e-2, parameters=ref_model.parameters())
+    ref = []
+    for x, y in batches:
+        loss = F.cross_entropy(ref_model(paddle.to_tensor(x)), paddle.to_tensor(y))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        ref.append(float(loss))
+    s = strategy(4, 1)
+    s.sharding.enable, s.sharding.stage = True, 3
+    with ap.simulate(world_size=4):
+        model = build("gpt", 0)
+        whole = []
+
+        def probe(*_):                  # registered before ZeRO's hooks: runs before the layer's release
+            if trace.active() is None:
+                whole.append(sorted(n for n, p in model.named_parameters()
+                                    if all(t._is_initialized() for t in p.locals.values())))
+
+        model.blocks[1].mlp.fc1.register_forward_post_hook(probe)
+        dm = to_static(model, None, F.cross_entropy, paddle.optimizer.AdamW(1e-2, parameters=model.parameters()), s,
+                       input_spec=[([4, 8], "int64"), ([4, 8], "int64")])
+        losses = [dm.train_step(b) for b in batches]
+        zopt = dm.optimizer
+        assert all(zopt.is_freed(p) for p in zopt.params)           # nothing whole between steps
+        state = dm.state_dict(full=True)
+        assert all(zopt.is_freed(p) for p in zopt.params)           # state_dict gathers and releases again
+        assert "ZeRO stage 3 over mesh dim 'data' in groups of 4 ranks; parameters gathered" in dm.listing()
+    assert whole == [["blocks.1.mlp.fc1.bias", "blocks.1.mlp.fc1.weight"]] * len(batches)    # its own only
+    np.testing.assert_allclose(losses, ref, rtol=1e-5, atol=1e-6)
+    for name, p in ref_model.named_parameters():
+        np.testing.assert_allclose(state[name], p.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 # ---- real ranks ------------------------------------------------------------------------------------------------

@@ -112,6 +112,8 @@ def _make_tracer(param_specs, mesh):
             self.pending_leaves = []
             self.layers = []
             self.keep = []              # keeps traced tensors alive, so their ids stay unique
+            self.region = None          # the recompute region running (dispatch.replayable), if any
+            self.regions = 0
 
         def _note_output(self, key, node):
             outs = self.graph.nodes[node]["outputs"]
@@ -135,6 +137,7 @@ def _make_tracer(param_specs, mesh):
             data["sources"] = tuple(sources)
             data["seen"] = tuple(d.spec for d in inputs)
             data["layer"] = self.layers[-1] if self.layers else ""
+            data["recompute"] = self.region
             return node
 
         def _source(self, leaf, d):
@@ -1162,14 +1165,23 @@ class CompletedPlan:
                             f"{','.join(map(str, dims))}", "all_reduce"))
         return out
 
+    def recomputed(self) -> dict:
+        """{op id: recompute region} of the ops whose forward runs again in backward."""
+        return {k: self.graph.nodes[k]["recompute"] for k in sorted(self.graph.nodes)
+                if self.graph.nodes[k].get("recompute") is not None}
+
     def collective_counts(self) -> dict:
-        """{"forward": {collective: count}, "backward": {collective: count}} as planned."""
+        """{"forward": {collective: count}, "backward": {collective: count}} as planned (the forward
+        collectives of recomputed ops run again in backward)."""
         fwd, bwd = {}, {}
+        again = self.recomputed()
         for k in sorted(self.graph.nodes):
             for _, _, p in self.reshards(k):
                 for st in p.steps:
                     if st.collective not in ("slice", "local"):
                         fwd[st.collective] = fwd.get(st.collective, 0) + 1
+                        if k in again:
+                            bwd[st.collective] = bwd.get(st.collective, 0) + 1
             for _, c in self.backward_collectives(k):
                 bwd[c] = bwd.get(c, 0) + 1
         return {"forward": fwd, "backward": bwd}
@@ -1181,6 +1193,10 @@ class CompletedPlan:
                  f"estimated {self.cost * 1e3:.3f} ms/step (eager dispatch: {self.greedy_cost * 1e3:.3f} ms), "
                  f"solver {self.stats.get('method')}: {self.stats.get('eliminated', 0)} eliminated by DP, "
                  f"{self.stats.get('core', 0)} in the ILP"]
+        again = self.recomputed()
+        if again:
+            lines.append(f"recompute: {len(again)} ops in {len(set(again.values()))} regions run again in backward "
+                         f"with the same layouts (marked 'recompute rN')")
         for k in sorted(g.nodes):
             d, res = g.nodes[k], self.results[k]
             ins = []
@@ -1189,7 +1205,8 @@ class CompletedPlan:
                 ins.append(f"{desc}:{_fmt(r.placements)}")
             outs = ", ".join("-" if o is None else _fmt(o.placements) for o in res.outputs)
             via = f" via {res.local_op}" if res.local_op else ""
-            lines.append(f"%{k:<3} {d['layer'][:24]:<24} {d['op']:<12} ({', '.join(ins)}) -> {outs}{via}")
+            rc = f"  recompute r{again[k]}" if k in again else ""
+            lines.append(f"%{k:<3} {d['layer'][:24]:<24} {d['op']:<12} ({', '.join(ins)}) -> {outs}{via}{rc}")
             for i, desc, p in self.reshards(k):
                 for st in p.steps:
                     if st.collective in ("slice", "local"):

@@ -19,11 +19,15 @@ completion may reshard it), the default
 tensor-parallel plan's parameter layouts (tp > 1, GPT / LLaMA names or ``tp_plan``) and, with sequence
 parallel, sequence-sharded outputs of every norm layer; completion chooses everything else.
 ``auto_mode="full"``: nothing is fixed but the user's own annotations; the mesh is [data, model] as square as
-the world allows; ZeRO stage 1/2 shard the optimizer over "data". Pipeline parallel, ZeRO stage 3, recompute and AMP
+the world allows. ZeRO stage 1/2/3 shard the optimizer (stage 3 also the parameters, gathered around each layer's
+use and released after it, as in eager mode) over "data". Recompute (full or selective) is applied to the model
+before the capture: the ops of every recompute region are marked in the graph (``recompute rN`` in the listing)
+and the region's re-run in backward replays the pinned layouts of its original forward. Pipeline parallel and AMP
 are not supported in this mode yet.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -91,13 +95,26 @@ def _micro(spec, k, i):
 # ---- strategy ----------------------------------------------------------------------------------------
 def _check_knobs(s):
     knobs = [(s.pipeline_parallel.degree > 1, f"pipeline_parallel.degree={s.pipeline_parallel.degree}"),
-             (s.sharding.enable and s.sharding.stage == 3, "sharding stage 3 (parameters gathered around use)"),
-             (s.recompute.enable, "recompute"), (s.amp.enable, f"amp ({s.amp.dtype})")]
+             (s.amp.enable, f"amp ({s.amp.dtype})")]
     for on, what in knobs:
         if on:
             raise NotImplementedError(f"{what} is not supported by ap.to_static yet (supported: data, tensor and "
-                                      f"sequence parallel, ZeRO stage 1 and 2, gradient accumulation, "
-                                      f"auto_mode 'full')")
+                                      f"sequence parallel, ZeRO stage 1, 2 and 3, recompute full and selective, "
+                                      f"gradient accumulation, auto_mode 'full')")
+
+
+def _apply_recompute(model, rc):
+    """Recompute regions in the model's blocks, once per model (the capture marks their ops)."""
+    from autoparallel.parallel.recompute import apply_ac
+
+    want = (rc.granularity, rc.checkpoint_every_n_layers)
+    have = getattr(model, "_ap_recompute", None)
+    if have is None:
+        apply_ac(model, *want)
+        model._ap_recompute = want
+    elif have != want:
+        raise ValueError(f"the model already recomputes {have[0]} every {have[1]} layers (an earlier "
+                         f"ap.to_static); build a fresh model to recompute {want[0]} every {want[1]} layers")
 
 
 def _square_mesh(world):
@@ -287,8 +304,18 @@ class DistModel:
         return self.plan.graph
 
     def listing(self) -> str:
-        """Per op: layer, rule, input and output placements, collectives inserted forward and backward."""
-        return self.plan.listing()
+        """Per op: layer, rule, input and output placements, collectives inserted forward and backward
+        (recomputed ops marked), then how the optimizer is sharded."""
+        from autoparallel.parallel.sharding import ZeroOptimizer
+
+        text = self.plan.listing()
+        z = self.optimizer
+        if isinstance(z, ZeroOptimizer):
+            text += (f"\nsharding: ZeRO stage {z.stage} over mesh dim {z.groups.dp_dim!r} in groups of "
+                     f"{z.groups.degree} ranks"
+                     + ("; parameters gathered before each layer's forward and backward, released after"
+                        if z.stage == 3 else ""))
+        return text
 
     def __str__(self) -> str:
         return self.listing()
@@ -296,14 +323,32 @@ class DistModel:
     __repr__ = __str__
 
     def state_dict(self, full: bool = False) -> dict:
-        """{name: parameter}: distributed parameters (each with ``.placements`` and ``.full()``), or with
-        ``full=True`` the gathered values as numpy arrays (every rank takes part)."""
+        """{name: parameter}: distributed parameters (each with ``.placements`` and ``.full()``; at ZeRO stage 3
+        they hold no data between steps), or with ``full=True`` the gathered values as numpy arrays (every rank
+        takes part)."""
         sd = self.network.state_dict()
         if not full:
             return sd
         from autoparallel.dist_tensor import is_dist
 
-        return {k: (v.full().numpy() if is_dist(v) else v.numpy()) for k, v in sd.items()}
+        with self.whole_parameters():
+            return {k: (v.full().numpy() if is_dist(v) else v.numpy()) for k, v in sd.items()}
+
+    @contextlib.contextmanager
+    def whole_parameters(self):
+        """``with dm.whole_parameters():`` every parameter holds its local data (ZeRO stage 3 gathers them on
+        entry and releases them on exit; other stages: nothing to do). Every rank takes part."""
+        from autoparallel.parallel.sharding import ZeroOptimizer
+
+        zopt = self.optimizer if isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.stage == 3 else None
+        if zopt is None:
+            yield
+            return
+        zopt.gather(zopt.params)
+        try:
+            yield
+        finally:
+            zopt.free(zopt.params)
 
     def parameters(self):
         return self.network.parameters()
@@ -386,6 +431,8 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
         else:                                       # the strategy's data parallelism: consumed as sharded
             in_specs.append(DistSpec(mesh, tuple(_batch_layout(mesh, len(shape))), tuple(shape), dtype))
             hard.append(not full)
+    if strategy.recompute.enable:
+        _apply_recompute(model, strategy.recompute)
     plan = complete(model, *in_specs, loss_fn=loss_fn, annotations=ann, mesh=mesh,
                     n_model_inputs=len(in_specs) - (1 if loss_fn is not None else 0),
                     auto_mode=strategy.auto_mode, cluster=cluster, method=method, hard_inputs=hard)

@@ -7,6 +7,9 @@ autograd would keep and rerun the forward in backward), which accepts distribute
   the whole segment and the others pass their first input through.
 * ``selective``: only the attention core (softmax(q k^T) v, the part whose activations grow with the
   square of the sequence) of every block; the projections and MLP keep their activations.
+
+Under ``ap.to_static`` a region's re-run in backward replays the pinned layouts of its forward
+(``dispatch.replayable``), and the capture marks the region's ops.
 """
 from __future__ import annotations
 
@@ -25,6 +28,12 @@ CORE_NAMES = ("causal_attention", "scaled_dot_product_attention", "attention_cor
 def checkpoint(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` whose intermediate activations are recomputed in backward."""
     if not paddle.is_grad_enabled():
+        return fn(*args, **kwargs)
+    from autoparallel import dispatch
+    from autoparallel.graph import trace
+
+    fn = dispatch.replayable(fn)            # the re-run in backward reuses the forward's pinned layouts
+    if trace.active() is not None:          # capture: the region's ops are recorded (and marked) once
         return fn(*args, **kwargs)
     for counter in _COUNTERS:
         counter.add_kept(list(args) + list(kwargs.values()))
