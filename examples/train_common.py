@@ -167,20 +167,19 @@ def _non_trivial(s: Strategy) -> bool:
 
 def _checkpointing(args, model, opt, pipelined):
     """(manager, state, first step): distributed checkpoints of the model and the optimizer states, saved
-    every --save-every steps; with --resume training continues after the newest complete one."""
+    every --save-every steps; with --resume training continues after the newest complete one. The state
+    has the same names under every strategy (ZeRO chunks and pipeline stages included), so a checkpoint
+    of one strategy resumes under another."""
     if not args.ckpt_dir:
         if args.resume:
             raise ValueError("--resume needs --ckpt-dir (where the checkpoints are)")
         return None, None, 0
-    if pipelined or hasattr(opt, "memory_bytes"):
-        raise NotImplementedError("checkpoints of pipeline stages and ZeRO optimizer states are not wired into "
-                                  "the example yet")
     from autoparallel.checkpoint.manager import CheckpointManager
     from autoparallel.checkpoint.state import training_state
 
     ckpt = CheckpointManager(args.ckpt_dir, args.save_every)
     ckpt.install_sigterm_handler()
-    state = training_state(model, getattr(opt, "_inner", opt))
+    state = training_state(model, opt)           # a PipelineModule or a ZeRO optimizer names its own state
     start = 0
     if args.resume:
         info = ckpt.restore(state)

@@ -10,7 +10,9 @@ mgr = CheckpointManager.from_strategy(strategy)     # save_interval_steps, keep_
 Modules: format (files), layout (who owns which box), collect/writer/save (writing), reader/load
 (reading only the needed bytes), atomic (temporary names, fsync, rename, fault injection), sync (the
 file rendezvous of a real job), discovery/manager (newest complete checkpoint, periodic saves),
-state (stable names for model and optimizer state), reshard_state (layout changes by round-trip).
+state (stable names for model and optimizer state), zero_state (a ZeRO optimizer's flat chunks as
+global tensors), pipeline_state (each stage's ranks save their stage under the model's names), leaves
+(the state-leaf protocol those two use), reshard_state (layout changes by round-trip).
 """
 from autoparallel.checkpoint.discovery import resolve_checkpoint
 from autoparallel.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,

@@ -6,6 +6,7 @@ import json
 import numpy as np
 
 from autoparallel.checkpoint.layout import owned_boxes
+from autoparallel.checkpoint.leaves import HeldElsewhere, ShardedLeaf
 
 
 def mesh_json(mesh) -> dict:
@@ -37,6 +38,7 @@ def collect(flat: dict, rank: int, multi: bool) -> tuple:
 
     ``multi``: a real multi-process job, where this process holds only ``rank``'s shards and only rank 0
     writes plain tensors and arrays. In one process every held shard is written by its owner's file.
+    A ``ShardedLeaf`` names its own boxes and writers; ``HeldElsewhere`` entries are another rank's.
     """
     import paddle
 
@@ -46,7 +48,14 @@ def collect(flat: dict, rank: int, multi: bool) -> tuple:
 
     tensors, values, writes = {}, {}, {}
     for name, (_, _, leaf) in flat.items():
-        if isinstance(leaf, DistTensor) or is_dist(leaf):
+        if isinstance(leaf, HeldElsewhere):
+            continue                                # its holder's rank records and writes it
+        if isinstance(leaf, ShardedLeaf):
+            tensors[name] = {"kind": "dist", "dtype": leaf.dtype, "shape": [int(s) for s in leaf.shape],
+                             **leaf.layout_json()}
+            for owner, offsets, array in leaf.saved_boxes():
+                writes.setdefault(owner, []).append((name, tuple(offsets), np.require(array, requirements="C")))
+        elif isinstance(leaf, DistTensor) or is_dist(leaf):
             dt = as_dist(leaf)
             if any(isinstance(p, Partial) for p in dt.spec.placements):
                 # pending reductions are applied before saving: the file holds the value, not the terms

@@ -61,3 +61,36 @@ def intersect(a_off, a_shape, b_off, b_shape) -> Optional[tuple]:
 def relative_slices(inner_off, inner_shape, outer_off) -> tuple:
     """Slices selecting box ``inner`` inside an array holding box ``outer``."""
     return tuple(slice(i - o, i - o + n) for i, n, o in zip(inner_off, inner_shape, outer_off))
+
+
+def flat_range_boxes(shape, start: int, stop: int) -> list:
+    """The elements ``[start, stop)`` of a C-order array of ``shape`` as boxes: [(offsets, shape, flat start)].
+
+    A contiguous range of a flattened array is a partial first row, whole rows and a partial last row,
+    recursively: at most ``2 * ndim - 1`` boxes, in flat order. (ZeRO keeps such ranges of a parameter's
+    local data; as boxes they are stored and read like any shard.)
+    """
+    shape = tuple(int(s) for s in shape)
+    if not 0 <= start <= stop <= numel(shape):
+        raise ValueError(f"flat range [{start}, {stop}) is outside an array of shape {list(shape)}")
+    if start == stop:
+        return []
+    if not shape:
+        return [((), (), 0)]
+    inner = numel(shape[1:])
+    row0, rem0 = divmod(start, inner)
+    row1, rem1 = divmod(stop, inner)
+    if row0 == row1:                                  # inside one row
+        return [((row0,) + o, (1,) + s, row0 * inner + f)
+                for o, s, f in flat_range_boxes(shape[1:], rem0, rem1)]
+    out = []
+    if rem0:
+        out += [((row0,) + o, (1,) + s, row0 * inner + f)
+                for o, s, f in flat_range_boxes(shape[1:], rem0, inner)]
+        row0 += 1
+    if row1 > row0:
+        out.append(((row0,) + (0,) * (len(shape) - 1), (row1 - row0,) + shape[1:], row0 * inner))
+    if rem1:
+        out += [((row1,) + o, (1,) + s, row1 * inner + f)
+                for o, s, f in flat_range_boxes(shape[1:], 0, rem1)]
+    return out

@@ -15,6 +15,7 @@ from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointMis
 from autoparallel.checkpoint.flatten import flatten, unflatten
 from autoparallel.checkpoint.format import read_metadata, storage_dtype
 from autoparallel.checkpoint.layout import intersect, local_box, numel, relative_slices
+from autoparallel.checkpoint.leaves import HeldElsewhere, ShardedLeaf
 from autoparallel.checkpoint.reader import ShardReader
 
 
@@ -29,7 +30,7 @@ class CheckpointInfo:
 
 @dataclass
 class _Target:
-    kind: str                 # "tensor" (dist, plain paddle) | "ndarray" | "value"
+    kind: str                 # "tensor" (dist, plain paddle) | "ndarray" | "value" | "leaf" | "elsewhere"
     shape: tuple = ()
     dtype: str = ""
     boxes: list = field(default_factory=list)    # [(destination, offsets, shape, zero)]
@@ -40,9 +41,11 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
     newest complete one is used).
 
     DistTensor / DistParameter entries get the shards their own layout needs, plain tensors ``set_value``,
-    numpy arrays are overwritten, JSON values replaced. ``strict``: the checkpoint may not hold entries the
-    state lacks. Raises FileNotFoundError, CheckpointMismatchError (names, kinds, shapes, dtypes) or
-    CheckpointCorruptError (a missing, truncated or modified file) with nothing overwritten.
+    numpy arrays are overwritten, JSON values replaced, ``ShardedLeaf`` entries (a ZeRO optimizer's state)
+    get the boxes they ask for; ``HeldElsewhere`` entries (another rank's) must exist and read nothing.
+    ``strict``: the checkpoint may not hold entries the state lacks. Raises FileNotFoundError,
+    CheckpointMismatchError (names, kinds, shapes, dtypes) or CheckpointCorruptError (a missing, truncated
+    or modified file) with nothing overwritten.
     """
     ckpt = resolve_checkpoint(path)
     meta = read_metadata(ckpt)
@@ -52,12 +55,12 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
     loaded = {}
     with ShardReader(ckpt, meta["files"]) as reader:
         for name, t in targets.items():            # every file to read exists with its size: before reading
-            for _, off, shape, zero in ([] if t.kind == "value" else t.boxes):
+            for _, off, shape, zero in t.boxes:
                 for shard in meta["tensors"][name]["shards"]:
                     if not zero and intersect(off, shape, shard["offsets"], shard["shape"]) is not None:
                         reader.check_file(shard["file"])
         for name, t in targets.items():
-            if t.kind == "value":
+            if not t.boxes:
                 continue
             rec = meta["tensors"][name]
             loaded[name] = [(dest, _fill(reader, ckpt, name, rec, off, shape, zero))
@@ -97,6 +100,11 @@ def _describe(name: str, leaf) -> _Target:
     from autoparallel.placement import Partial
     from autoparallel.spec import normalize_dtype
 
+    if isinstance(leaf, HeldElsewhere):
+        return _Target("elsewhere")
+    if isinstance(leaf, ShardedLeaf):
+        return _Target("leaf", tuple(leaf.shape), leaf.dtype,
+                       [(key, tuple(off), tuple(shape), False) for key, off, shape in leaf.wanted_boxes()])
     if isinstance(leaf, DistTensor) or is_dist(leaf):
         dt = as_dist(leaf)
         spec = dt.spec
@@ -133,6 +141,8 @@ def _validate(targets: dict, meta: dict, strict: bool, ckpt: str) -> None:
     for name, t in targets.items():
         if name in saved_v and t.kind != "value":
             problems.append(f"{name!r}: the state has a tensor of shape {list(t.shape)}, the checkpoint a value")
+        elif t.kind == "elsewhere":
+            continue
         elif name in saved_t and t.kind == "value":
             problems.append(f"{name!r}: the state has a value, the checkpoint a tensor of shape "
                             f"{saved_t[name]['shape']}")
@@ -180,8 +190,12 @@ def _assign(flat: dict, targets: dict, loaded: dict, meta: dict) -> None:
                 container[key] = meta["values"][name]
             elif t.kind == "ndarray":
                 leaf[...] = loaded[name][0][1]
+            elif t.kind == "leaf":
+                leaf.assign(loaded.get(name, []))
+            elif t.kind == "elsewhere":
+                continue
             else:
-                for dest, array in loaded[name]:
+                for dest, array in loaded.get(name, []):
                     _write_into(dest, array)
 
 

@@ -1,6 +1,7 @@
 """``save_state_dict``: every rank writes the shards it owns, rank 0 writes the metadata, then commits.
 
 Replicas are written once (the owner has coordinate 0 on every Replicate mesh dim, see layout.py).
+Ranks may hold different entries (pipeline stages): rank 0's metadata is the union of every rank's.
 Partial tensors are reduced first (one collective per Partial tensor, before any file is written), so a
 checkpoint stores values, never pending terms, and loads under any layout. Plain paddle tensors and numpy
 arrays are taken to be identical on every rank and written by rank 0; JSON values and ``extra`` go into
@@ -71,6 +72,18 @@ def _merge(meta: dict, entries: dict, file_info) -> None:
         meta["files"][file_info["name"]] = {"size": file_info["size"], "crc32": file_info["crc32"]}
 
 
+def _union(meta: dict, part: dict, final: str) -> None:
+    """Add the entries only another rank has (a pipeline stage's) to rank 0's metadata; a name recorded by
+    several ranks must agree on shape and dtype."""
+    for name, rec in part.get("tensors", {}).items():
+        have = meta["tensors"].setdefault(name, {k: v for k, v in rec.items() if k != "shards"})
+        if (list(have["shape"]), have["dtype"]) != (list(rec["shape"]), rec["dtype"]):
+            raise CheckpointSaveError(f"checkpoint {final}: ranks disagree on {name!r}: shape {have['shape']} "
+                                      f"{have['dtype']} and shape {rec['shape']} {rec['dtype']}")
+    for name, value in part.get("values", {}).items():
+        meta["values"].setdefault(name, value)
+
+
 def _commit(meta: dict, tmp: str, final: str, overwrite: bool) -> None:
     for name, rec in meta["tensors"].items():
         rec.setdefault("shards", [])
@@ -96,7 +109,8 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
     except BaseException as e:        # tell rank 0 at once rather than after AP_CKPT_TIMEOUT
         write_file_atomic(_marker(tmp, rank) + ".failed", f"{type(e).__name__}: {e}".encode())
         raise
-    write_file_atomic(_marker(tmp, rank), json.dumps({"entries": entries, "file": info}).encode())
+    write_file_atomic(_marker(tmp, rank), json.dumps({"entries": entries, "file": info, "tensors": meta["tensors"],
+                                                      "values": meta["values"]}).encode())
     timeout = sync.save_timeout()
     if rank == 0:
         markers = [_marker(tmp, r) for r in range(world_size)]
@@ -112,6 +126,7 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
             for m in markers:
                 with open(m) as f:
                     part = json.load(f)
+                _union(meta, part, final)
                 _merge(meta, part["entries"], part["file"])
             for m in markers:
                 os.remove(m)

@@ -12,8 +12,11 @@ names instead:
 Accumulators shaped like a DistParameter's local shard are given that parameter's layout (so they reshard
 with it); other accumulators (scalars such as beta powers) are plain tensors. Accumulators are created if
 the optimizer has not stepped yet, so a fresh optimizer can be loaded into. This covers paddle optimizers
-whose state lives in ``_accumulators`` / ``_master_weights`` on the rank this process runs; an optimizer
-runtime that shards its state differently (ZeRO) supplies its own state function.
+whose state lives in ``_accumulators`` / ``_master_weights`` on the rank this process runs (through the ap
+wrappers: ShardedOptimizer, AmpOptimizer). Runtimes that keep state differently name it the same way
+through their ``checkpoint_state``: a ZeRO optimizer (zero_state.py: flat chunks as global tensors) and a
+pipeline (pipeline_state.py: each stage's ranks hold their stage's entries), so checkpoints of every
+strategy are interchangeable.
 """
 from __future__ import annotations
 
@@ -35,6 +38,10 @@ def optimizer_state(optimizer, model) -> dict:
     missing = [p for p in trainable if p.name not in getattr(optimizer, "_already_create_accumulator", set())]
     if missing:
         optimizer._create_accumulators(framework.default_main_program().global_block(), missing)
+    owner = dict(by_id)           # multi_precision keys a low-precision parameter's moments by its master weight
+    for pname, master in getattr(optimizer, "_master_weights", {}).items():
+        if pname in by_id:
+            owner[master.name] = by_id[pname]
     out: dict = {}
 
     def wrap(param, tensor):
@@ -51,9 +58,9 @@ def optimizer_state(optimizer, model) -> dict:
 
     for acc_name, per_param in getattr(optimizer, "_accumulators", {}).items():
         for pname, tensor in per_param.items():
-            if pname not in by_id:
+            if pname not in owner:
                 continue
-            name, param = by_id[pname]
+            name, param = owner[pname]
             out.setdefault(name, {})[acc_name] = wrap(param, tensor)
     for pname, tensor in getattr(optimizer, "_master_weights", {}).items():
         if pname in by_id:
@@ -63,8 +70,28 @@ def optimizer_state(optimizer, model) -> dict:
 
 
 def training_state(model, optimizer=None) -> dict:
-    """The state ``save_state_dict`` / ``load_state_dict`` / ``reshard_state`` move for a training run."""
+    """The state ``save_state_dict`` / ``load_state_dict`` / ``reshard_state`` move for a training run.
+
+    ``model``: a paddle Layer (parallelized or not) or a PipelineModule; ``optimizer``: a paddle optimizer
+    or any ap wrapper of one, including a ZeRO optimizer."""
+    if optimizer is not None and callable(getattr(optimizer, "checkpoint_state", None)):
+        return optimizer.checkpoint_state(model)             # ZeRO (through any wrapper)
+    if callable(getattr(model, "checkpoint_state", None)):
+        return model.checkpoint_state(optimizer)
     state = {"model": model_state(model)}
     if optimizer is not None:
-        state["optimizer"] = optimizer_state(optimizer, model)
+        state["optimizer"] = optimizer_state(paddle_optimizer(optimizer), model)
     return state
+
+
+def paddle_optimizer(optimizer):
+    """The paddle optimizer inside the ap wrappers (ShardedOptimizer ``_inner``, AmpOptimizer ``optimizer``)."""
+    given = optimizer
+    for _ in range(8):                               # wrappers nest a few levels at most
+        if hasattr(type(optimizer), "_create_accumulators"):
+            return optimizer
+        own = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
+        optimizer = own.get("_inner", own.get("optimizer"))
+        if optimizer is None:
+            break
+    raise TypeError(f"expected a paddle optimizer or an ap wrapper of one, got {type(given).__name__}")

@@ -123,6 +123,13 @@ class PipelineModule:
         rank's stage parameters and wrap it with ``shard_optimizer``; returns the wrapper."""
         return bind_optimizer(optimizer, self)
 
+    def checkpoint_state(self, optimizer=None) -> dict:
+        """This rank's stage parameters and optimizer states under the model's (un-pipelined) names, other
+        stages' entries marked as held elsewhere (``ap.training_state``; checkpoint/pipeline_state.py)."""
+        from autoparallel.checkpoint.pipeline_state import pipeline_training_state
+
+        return pipeline_training_state(self, optimizer)
+
     # ---- one step -----------------------------------------------------------------------------------------
     def train_batch(self, inputs, labels=None) -> float | None:
         """Forward and backward of one global batch through the pipeline (gradients accumulate; call the

@@ -1,0 +1,246 @@
+"""A ZeRO optimizer's state under the names and global shapes of the unsharded run.
+
+ZeRO (parallel/sharding.py) keeps, on rank r, chunk k = ``groups.index(r)`` of the flattened local shard
+of every parameter: an fp32 master chunk and the inner optimizer's accumulators of that chunk. A chunk is
+a contiguous range of the local box's C-order elements, i.e. a few boxes of the global tensor
+(``layout.flat_range_boxes``), so every accumulator is exposed as one global tensor per parameter,
+named as ``state.optimizer_state`` names it (``"optimizer/<param>/moment1"``, ...):
+
+* element-wise accumulators (moment1, moment2, velocity, ...): ``ZeroChunks`` over the chunks; among
+  ranks holding the same chunk of the same box (replicas over tensor-parallel Replicate dims and HSDP
+  replica groups) the lowest rank writes it;
+* per-parameter scalars (beta1_pow_acc, beta2_pow_acc): a DistTensor replicated over the mesh;
+* ``master_weight`` only for low-precision parameters (an fp32 parameter's master chunk is its value);
+* the parameter itself: each rank saves its chunk's range of it (stages 1/2 hold it whole and also load
+  it whole, then copy their chunk into the master; at stage 3 the fp32 master chunks are the parameter).
+
+A ZeRO checkpoint therefore loads into plain DP/TP runs, one process or another ZeRO stage or degree,
+and vice versa; loading scatters into the flat chunks, reading only the boxes each rank holds.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from autoparallel.checkpoint.collect import mesh_json, to_numpy
+from autoparallel.checkpoint.layout import flat_range_boxes, local_box, numel
+from autoparallel.checkpoint.leaves import ShardedLeaf
+
+SCALAR_ACCUMULATORS = ("beta1_pow_acc", "beta2_pow_acc")
+
+
+def zero_training_state(zopt) -> dict:
+    """{"model": {name: leaf}, "optimizer": {name: {accumulator: leaf}}} of ``zopt`` and its model."""
+    managed = {id(p) for p in zopt.params}
+    _ensure_accumulators(zopt)
+    model, optimizer = {}, {}
+    for name, p in zopt.model.named_parameters():
+        if id(p) not in managed:
+            model[name] = p
+            continue
+        geo = ChunkGeometry(zopt, p, name)
+        model[name] = ZeroParam(geo) if zopt.stage < 3 else ZeroChunks(geo, _master(zopt, p), p.spec.dtype,
+                                                                        after_assign=lambda r, p=p: zopt.free([p]))
+        optimizer[name] = _accumulators(zopt, p, geo)
+    return {"model": model, "optimizer": optimizer}
+
+
+def _ensure_accumulators(zopt) -> None:
+    """Create the inner optimizers' accumulators before their first step (so a fresh run can be loaded)."""
+    from paddle.base import framework
+
+    for r in zopt.held:
+        inner = zopt.inner_opts[r]
+        done = getattr(inner, "_already_create_accumulator", set())
+        missing = [m for m in zopt.master[r].values() if m.name not in done]
+        if missing:
+            inner._create_accumulators(framework.default_main_program().global_block(), missing)
+
+
+def _master(zopt, p):
+    return lambda r: zopt.master[r][id(p)]
+
+
+def _accumulator(zopt, p, acc_name):
+    return lambda r: zopt.inner_opts[r]._accumulators[acc_name][zopt.master[r][id(p)].name]
+
+
+def _accumulators(zopt, p, geo) -> dict:
+    from autoparallel.dist_tensor import DistTensor
+    from autoparallel.placement import Replicate
+    from autoparallel.spec import DistSpec, normalize_dtype
+
+    r0 = zopt.held[0]
+    key = zopt.master[r0][id(p)].name
+    out = {}
+    for acc_name, per_param in zopt.inner_opts[r0]._accumulators.items():
+        if key not in per_param:
+            continue
+        t = per_param[key]
+        dtype = normalize_dtype(t.dtype)
+        get = _accumulator(zopt, p, acc_name)
+        if acc_name in SCALAR_ACCUMULATORS or list(t.shape) != [geo.size(r0)]:
+            spec = DistSpec(p.mesh, [Replicate()] * p.mesh.ndim, list(t.shape), dtype)
+            out[acc_name] = DistTensor({r: get(r) for r in zopt.held}, spec)
+        else:
+            out[acc_name] = ZeroChunks(geo, get, dtype)
+    if p.spec.dtype != "float32":
+        out["master_weight"] = ZeroChunks(geo, _master(zopt, p), "float32")
+    return out
+
+
+class ChunkGeometry:
+    """Where each rank's chunk of parameter ``p`` lies in the global tensor, and which rank writes it."""
+
+    def __init__(self, zopt, p, name: str):
+        self.zopt, self.p, self.name = zopt, p, name
+        self.spec = p.spec
+        self.pieces = {}                       # rank -> (box offsets, box shape, chunk start, chunk size)
+        for r in p.mesh.process_ids:
+            off, shape = local_box(p.spec, r)
+            layout = zopt._layout([p], r)
+            k = zopt.groups.index(r)
+            self.pieces[r] = (off, shape, layout.starts[0][k], layout.sizes[0][k])
+        first = {}
+        for r in sorted(self.pieces):
+            first.setdefault(self.pieces[r], r)
+        self.owners = set(first.values())
+        self._check_cover()
+
+    def _check_cover(self) -> None:
+        covered = {}
+        for off, shape, start, size in set(self.pieces.values()):
+            covered[(off, shape)] = covered.get((off, shape), 0) + size
+        bad = [list(off) for (off, shape), n in covered.items() if n != numel(shape)]
+        if bad:
+            raise NotImplementedError(f"ZeRO checkpoint of {self.name!r} ({self.spec}): the chunks do not tile the "
+                                      f"local boxes at offsets {bad}; a parameter sharded over the ZeRO data axis "
+                                      f"{self.zopt.groups.dp_dim!r} is not supported")
+
+    def size(self, r) -> int:
+        return self.pieces[r][3]
+
+    def boxes(self, r) -> list:
+        """[(global offsets, shape, position in the chunk)] of rank r's chunk."""
+        off, shape, start, size = self.pieces[r]
+        if size == 0:
+            return []
+        return [(tuple(o + q for o, q in zip(off, rel)), s, f - start)
+                for rel, s, f in flat_range_boxes(shape, start, start + size)]
+
+    def layout_json(self) -> dict:
+        return {"mesh": mesh_json(self.p.mesh), "placements": [str(x) for x in self.spec.placements],
+                "zero": {"stage": self.zopt.stage, "degree": self.zopt.groups.degree,
+                         "dp_dim": self.zopt.groups.dp_dim}}
+
+
+class ZeroChunks(ShardedLeaf):
+    """A global tensor whose rank-r part is the 1-D chunk buffer ``get(r)`` (moments, master weights)."""
+
+    def __init__(self, geo: ChunkGeometry, get, dtype: str, after_assign=None):
+        self.geo, self.get, self.dtype, self.after_assign = geo, get, dtype, after_assign
+        self.shape = tuple(geo.spec.shape)
+
+    def _chunk(self, r) -> np.ndarray:
+        t = self.get(r)
+        from autoparallel.spec import normalize_dtype
+
+        if normalize_dtype(t.dtype) != self.dtype:
+            t = t.astype(self.dtype)
+        return to_numpy(t).reshape(-1)
+
+    def _pieces(self, ranks) -> list:
+        out = []
+        for r in ranks:
+            if self.geo.size(r) == 0:
+                continue
+            data = self._chunk(r)
+            out += [(r, off, data[pos:pos + numel(shape)].reshape(shape)) for off, shape, pos in self.geo.boxes(r)]
+        return out
+
+    def saved_boxes(self) -> list:
+        return self._pieces([r for r in self.geo.zopt.held if r in self.geo.owners])
+
+    def held_boxes(self) -> list:
+        return [(off, a) for _, off, a in self._pieces(self.geo.zopt.held)]
+
+    def wanted_boxes(self) -> list:
+        return [((r, pos), off, shape) for r in self.geo.zopt.held for off, shape, pos in self.geo.boxes(r)]
+
+    def assign(self, loaded: list) -> None:
+        from autoparallel.checkpoint.format import storage_dtype
+
+        bufs = {r: np.empty(self.geo.size(r), storage_dtype(self.dtype)) for r in self.geo.zopt.held}
+        for (r, pos), array in loaded:
+            bufs[r][pos:pos + array.size] = array.reshape(-1)
+        for r, buf in bufs.items():
+            if buf.size:
+                _copy_into(self.get(r), buf, self.dtype)
+            if self.after_assign is not None:
+                self.after_assign(r)
+
+    def layout_json(self) -> dict:
+        return self.geo.layout_json()
+
+
+class ZeroParam(ShardedLeaf):
+    """A stage-1/2 parameter: every rank saves its chunk's range of its whole local shard (the writes are
+    spread like the optimizer states'); a load fills the whole local shards and the master chunks."""
+
+    def __init__(self, geo: ChunkGeometry):
+        self.geo, self.p = geo, geo.p
+        self.shape, self.dtype = tuple(geo.spec.shape), geo.spec.dtype
+
+    def saved_boxes(self) -> list:
+        out = []
+        for r, local in sorted(self.p.locals.items()):
+            if r not in self.geo.owners or self.geo.size(r) == 0:
+                continue
+            start = self.geo.pieces[r][2]
+            data = to_numpy(local).reshape(-1)[start:start + self.geo.size(r)]
+            out += [(r, off, data[pos:pos + numel(shape)].reshape(shape)) for off, shape, pos in self.geo.boxes(r)]
+        return out
+
+    def held_boxes(self) -> list:
+        return [(local_box(self.geo.spec, r)[0], to_numpy(t)) for r, t in sorted(self.p.locals.items())]
+
+    def wanted_boxes(self) -> list:
+        return [(r, *local_box(self.geo.spec, r)) for r in sorted(self.p.locals)]
+
+    def assign(self, loaded: list) -> None:
+        import paddle
+
+        from autoparallel.checkpoint.load import _write_into
+        from autoparallel.local_mode import local_mode
+
+        zopt = self.geo.zopt
+        with paddle.no_grad(), local_mode():
+            for r, array in loaded:
+                local = self.p.locals[r]
+                _write_into(local, array)
+                off, shape, start, size = self.geo.pieces[r]
+                if size == 0:
+                    continue
+                chunk = local.reshape([-1]).astype("float32")[start:start + size]
+                master = zopt.master[r][id(self.p)]
+                paddle.assign(chunk._copy_to(master.place, True) if zopt.offload else chunk, output=master)
+
+    def layout_json(self) -> dict:
+        return self.geo.layout_json()
+
+
+def _copy_into(dest, buf: np.ndarray, dtype: str) -> None:
+    """Write the flat ``buf`` (stored as ``dtype``) into the 1-D tensor ``dest`` in place, casting as needed."""
+    import paddle
+
+    from autoparallel.local_mode import local_mode
+    from autoparallel.spec import normalize_dtype
+
+    with paddle.no_grad(), local_mode():
+        src = paddle.to_tensor(buf)
+        if dtype == "bfloat16":
+            src = src.view(paddle.bfloat16)
+        if normalize_dtype(dest.dtype) != dtype:
+            src = src.astype(dest.dtype)
+        if src.place != dest.place:
+            src = src._copy_to(dest.place, True)
+        paddle.assign(src, output=dest)
