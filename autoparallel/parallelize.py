@@ -5,6 +5,7 @@
 
 It reads as a flat sequence of apply steps (torchtitan style), each a small function below:
 
+    if auto_mode == "full": strategy = planner.auto.choose(...)   # traced model, profile, printed explanation
     degrees = validate(strategy, world size, model)      # ValueError before any process work
     check_supported(strategy)                            # NotImplementedError for knobs not built yet
     plan    = resolve_tp_plan(model, degrees.tp, tp_plan) # defaults by layer names, user entries win
@@ -15,6 +16,8 @@ It reads as a flat sequence of apply steps (torchtitan style), each a small func
     apply_ac(model, granularity, every_n)                 # recompute (full / selective)
     apply_amp(model, dtype, level)                        # autocast boundaries (emulated on CPU)
     shard_inputs(model, mesh)                             # batch dim of model inputs over the data dims
+    materialize(model)                                    # paddle.LazyGuard models: each rank draws its shards
+                                                          # (ZeRO-3: its chunks, in apply_zero) in creation order
     opt     = wrap_optimizer(opt, model, accumulation steps)
     opt     = apply_zero(model, opt, mesh, stage, ...)    # ZeRO 1/2/3 (+offload, HSDP) over the data axis
     opt     = AmpOptimizer(opt, LossScaler)               # scaled loss, found_inf agreed by all ranks
@@ -24,9 +27,9 @@ its batch dim over the data dims (``parallel_guard(dims)`` changes those dims); 
 from ``autoparallel.data.DistributedDataLoader``) must already live on the model's mesh.
 
 Gradient accumulation follows paddle's ``shard_optimizer``: run ``gradient_accumulation_steps`` forward /
-backward passes, then call ``opt.step()`` once; it divides the accumulated gradients by that number and
-reduces them over the data axis. Backward passes never reduce gradients, so the non-final micro-steps
-run no gradient reduction.
+backward passes, then call ``opt.step()`` once; the gradients are reduced over the data axis and divided
+by that number. From the second step on, backward hooks of the final micro-step launch the fused
+reductions bucket by bucket (parallel/reducer.py); the non-final micro-steps run no gradient reduction.
 """
 from __future__ import annotations
 
@@ -71,20 +74,33 @@ _NOT_YET = "not yet supported by ap.parallelize"
 
 # ---- the apply steps ------------------------------------------------------------------------------------
 def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: ProcessMesh | None = None,
-                tp_plan: dict | None = None):
-    """Distribute ``model`` (in place) and wrap ``optimizer``; returns ``(model, optimizer)``."""
+                tp_plan: dict | None = None, seq_len: int | None = None, cluster=None):
+    """Distribute ``model`` (in place) and wrap ``optimizer``; returns ``(model, optimizer)``.
+
+    ``strategy.auto_mode == "full"``: the planner chooses the strategy first (planner/auto.py), pricing
+    ``seq_len`` tokens per sample (default: the model config's) on ``cluster`` (a profile .json, spec string
+    or ClusterSpec; default ``$AP_CLUSTER_PROFILE``, else a built-in profile of the backend)."""
     strategy = Strategy() if strategy is None else strategy
     if not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
     if getattr(model, "_ap_mesh", None) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized on {model._ap_mesh}; build a fresh model "
                          f"to parallelize it again")
+    if strategy.auto_mode == "full":
+        from autoparallel.planner.auto import parallelize_auto
+
+        _world_size()                                       # a launched rank must have initialised first
+        return parallelize_auto(parallelize, model, optimizer, strategy, mesh, tp_plan, seq_len, cluster)
     degrees = strategy.validate(world_size=_world_size(), model_info=model_info(model))
     check_supported(strategy, optimizer, degrees)
     plan = resolve_tp_plan(model, degrees.tp, tp_plan)
     if strategy.sequence_parallel.enable:
         plan = apply_sp(model, plan)
+    lazy = _has_lazy(model)
     if degrees.pp > 1:
+        if lazy:
+            raise NotImplementedError(f"lazy initialisation (paddle.LazyGuard) together with pipeline parallelism "
+                                      f"is {_NOT_YET}; build the model without LazyGuard")
         return _pipeline(model, optimizer, strategy, mesh, plan)
     mesh = build_mesh(degrees.dp, degrees.tp) if mesh is None else check_mesh(mesh, degrees.dp, degrees.tp)
     original = dict(model.named_parameters())
@@ -100,19 +116,37 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
 
         apply_amp(model, strategy.amp.dtype, strategy.amp.level)
     shard_inputs(model, mesh)
+    zero3 = optimizer is not None and strategy.sharding.enable and strategy.sharding.stage == 3
+    if lazy and not zero3:                                 # ZeRO-3 streams each rank's chunk in apply_zero
+        from autoparallel.lazy_init import materialize
+
+        materialize(model)
     if optimizer is not None:
         optimizer = wrap_optimizer(optimizer, replaced, strategy.gradient_accumulation_steps)
+        if strategy.amp.enable:             # AMP unscales p.grad before the step: no reduction still in flight
+            optimizer.grad_sync.async_op = False
         if strategy.sharding.enable:
-            from autoparallel.parallel.sharding import apply_zero
+            if lazy and zero3:
+                from autoparallel.lazy_init import apply_zero_lazy as apply_zero
+            else:
+                from autoparallel.parallel.sharding import apply_zero
 
             optimizer = apply_zero(model, optimizer, mesh, strategy.sharding.stage, dp_dim=DATA,
                                    degree=strategy.sharding.degree or None, offload=strategy.sharding.offload,
                                    gradient_accumulation_steps=strategy.gradient_accumulation_steps)
+            optimizer.overlap = not strategy.amp.enable      # AMP unscales p.grad; stage 2/3 chunks are not there
         if strategy.amp.enable:
             from autoparallel.parallel.amp import AmpOptimizer, LossScaler
 
             optimizer = AmpOptimizer(optimizer, LossScaler.from_strategy(strategy.amp), mesh)
     return model, optimizer
+
+
+def _has_lazy(model) -> bool:
+    """Parameters created under ``paddle.LazyGuard`` are laid out first and allocated shard by shard."""
+    from autoparallel.lazy_init import has_lazy
+
+    return has_lazy(model)
 
 
 def _pipeline(model, optimizer, strategy, mesh, plan):
@@ -157,9 +191,7 @@ def check_supported(strategy: Strategy, optimizer=None, degrees=None) -> None:
         raise NotImplementedError(f"gradient clipping ({type(inner._grad_clip).__name__}) across tensor-parallel "
                                   f"shards is {_NOT_YET}; build the optimizer without grad_clip")
     pp = s.pipeline_parallel.degree > 1
-    knobs = [(s.auto_mode == "full", "auto_mode='full' in ap.parallelize (use ap.plan, or ap.to_static with "
-                                     "auto_mode='full')"),
-             (pp and s.sharding.enable, "sharding (ZeRO) together with pipeline parallelism"),
+    knobs = [(pp and s.sharding.enable, "sharding (ZeRO) together with pipeline parallelism"),
              (pp and s.recompute.enable, "recompute together with pipeline parallelism"),
              (pp and s.amp.enable, "amp together with pipeline parallelism")]
     for on, what in knobs:
@@ -281,14 +313,15 @@ def shard_inputs(model, mesh) -> None:
 # ---- optimizer ---------------------------------------------------------------------------------------------
 class AccumulatingOptimizer(ShardedOptimizer):
     """``shard_optimizer`` semantics for gradient accumulation (paddle's): ``step()`` runs once per
-    ``gradient_accumulation_steps`` backward passes, divides the accumulated gradients by that number,
-    reduces them over the data axis in buckets and updates the local shards."""
+    ``gradient_accumulation_steps`` backward passes; the gradients, reduced over the data axis in buckets
+    (by the final micro-step's backward hooks, the rest at the step), are divided by that number and the
+    local shards updated."""
 
     @property
     def parameters(self):
         return list(_flat_params(self._inner))
 
-    def step(self):
+    def _scale_gradients(self):
         k = self.gradient_accumulation_steps
         if k > 1:
             with local_mode():
@@ -296,7 +329,6 @@ class AccumulatingOptimizer(ShardedOptimizer):
                     for t in (p.locals.values() if is_dist(p) else [p]):
                         if t.grad is not None:
                             t.grad.set_value(t.grad * (1.0 / k))
-        super().step()
 
 
 def wrap_optimizer(optimizer, replaced: dict, gradient_accumulation_steps: int = 1) -> AccumulatingOptimizer:
@@ -308,7 +340,7 @@ def wrap_optimizer(optimizer, replaced: dict, gradient_accumulation_steps: int =
     if not optimizer._parameter_list:
         raise ValueError("the optimizer has no parameters; build it with parameters=model.parameters()")
     _rebind(optimizer, replaced)
-    return AccumulatingOptimizer(optimizer, gradient_accumulation_steps=gradient_accumulation_steps)
+    return AccumulatingOptimizer(optimizer, gradient_accumulation_steps=gradient_accumulation_steps, overlap=True)
 
 
 def _rebind(optimizer, replaced: dict) -> None:

@@ -1,80 +1,227 @@
-"""Gradient reduction for distributed parameters.
+"""Data-parallel gradient reduction in fused buckets.
 
 A parameter replicated on a mesh dim but used by ops split on it (data parallel: every rank sees other
 samples) ends backward with a partial-sum gradient there; dispatch records those dims on the parameter
-(``_ap_partial_dims``). ``reduce_gradients`` all-reduces them in fused buckets: parameters grouped by
-(mesh, dims), flattened into buffers of at most ``bucket_bytes``, in reverse registration order (the
-order backward produces them).
+(``_ap_partial_dims``). Its gradient is all-reduced over them in fused buckets: parameters grouped by
+(mesh, dims), flattened into float32 buffers of at most ``bucket_bytes``, in reverse registration order
+(the order backward produces them). Bucket sizes count the largest local shard, so every rank computes
+the same buckets. Where the backend overlaps (NCCL) a bucket can be launched with ``sync_op=False`` and
+written back when waited for; gloo blocks, so on CPU it is launched synchronously.
+
+    ap.reduce_gradients(params)                  # everything now, at step time
+    sync = GradientSync(lambda: params)          # the optimizer's: at step time until the partial
+    sync.flush()                                 #   parameters are known, then from backward hooks
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import paddle
 
 from autoparallel.comm import collectives as C
+from autoparallel.comm.capabilities import capabilities
 from autoparallel.comm.world import current_world
 from autoparallel.dist_tensor import DistParameter
+from autoparallel.local_mode import local_mode
+
+BUCKET_BYTES = 25 * 2**20
 
 
 def partial_params(params) -> list:
     return [p for p in params if isinstance(p, DistParameter) and getattr(p, "_ap_partial_dims", None)]
 
 
-def _grads(p):
-    """{rank: local gradient} of a parameter (every held rank in the simulated world)."""
-    out = {}
-    for r, t in p.locals.items():
-        if t.grad is not None:
-            out[r] = t.grad
-    return out
+@dataclass(eq=False)
+class Bucket:
+    """Parameters whose gradients are all-reduced together over the mesh dims ``dims``."""
+    params: list
+    mesh: object
+    dims: tuple
+
+    def nbytes(self) -> int:
+        return sum(p.spec.local_nbytes() for p in self.params)
 
 
-def reduce_gradients(params, bucket_bytes: int = 25 * 2**20) -> int:
-    """All-reduce partial gradients over their recorded mesh dims; returns the number of buckets."""
-    groups: dict = {}
-    for p in reversed(partial_params(params)):
-        key = (p.mesh, tuple(sorted(p._ap_partial_dims)))
-        groups.setdefault(key, []).append(p)
-    nbuckets = 0
-    for (mesh, dims), ps in groups.items():
-        for bucket in _buckets(ps, bucket_bytes):
-            _reduce_bucket(bucket, mesh, dims)
-            nbuckets += 1
-    return nbuckets
+def check_bucket_bytes(bucket_bytes) -> int:
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    return bucket_bytes
 
 
-def _buckets(ps, limit):
-    cur, size = [], 0
-    for p in ps:
-        nbytes = int(p.numel()) * p.element_size()
-        if cur and size + nbytes > limit:
-            yield cur
-            cur, size = [], 0
-        cur.append(p)
-        size += nbytes
-    if cur:
-        yield cur
+def plan_buckets(params, bucket_bytes: int = BUCKET_BYTES, dims_of=None) -> list:
+    """Buckets of the partial parameters among ``params``, in launch order (backward order).
+
+    Walking the parameters in reverse registration order, each (mesh, dims) group fills its open bucket
+    until the next parameter would exceed ``bucket_bytes`` (a larger parameter gets a bucket of its own);
+    buckets are ordered by the position of their last parameter, i.e. by when backward completes them.
+    ``dims_of(p)`` overrides the recorded dims."""
+    check_bucket_bytes(bucket_bytes)
+    dims_of = dims_of or (lambda p: p._ap_partial_dims)
+    open_, done = {}, []
+    for pos, p in enumerate(reversed(partial_params(params))):
+        key = (p.mesh, tuple(sorted(dims_of(p))))
+        n = p.spec.local_nbytes()
+        cur = open_.get(key)
+        if cur is not None and cur[1] + n > bucket_bytes:
+            done.append(cur)
+            cur = None
+        if cur is None:
+            cur = open_[key] = [0, 0, Bucket([], *key)]
+        cur[0], cur[1] = pos, cur[1] + n
+        cur[2].params.append(p)
+    done.extend(open_.values())
+    return [b for _, _, b in sorted(done, key=lambda c: c[0])]
 
 
-def _reduce_bucket(bucket, mesh, dims):
-    held = current_world().local_ranks(mesh.process_ids)
-    flat = {}
-    for r in held:
-        parts = []
-        for p in bucket:
-            g = p.locals[r].grad
-            parts.append(g.reshape([-1]).astype("float32") if g is not None
-                         else paddle.zeros([int(p.locals[r].numel())], dtype="float32"))
-        flat[r] = paddle.concat(parts) if parts else None
-    with paddle.no_grad():
-        for d in dims:
-            flat = C.mesh_groups_apply(flat, mesh, d, lambda xs, ranks: C._reduce_raw(xs, ranks, "sum"))
-    for r in held:
-        off = 0
-        for p in bucket:
-            t = p.locals[r]
-            n = int(t.numel())
-            g = flat[r][off:off + n].reshape(t.shape).astype(t.dtype)
-            off += n
-            if t.grad is None:
-                continue
-            t.grad.set_value(g)
+def reduce_gradients(params, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """All-reduce partial gradients over their recorded mesh dims now; returns the number of buckets."""
+    buckets = plan_buckets(params, bucket_bytes)
+    for b in buckets:
+        reduce_bucket(b)
+    return len(buckets)
+
+
+# ---- one bucket -------------------------------------------------------------------------------------------
+def reduce_bucket(bucket: Bucket, async_op: bool = False):
+    """All-reduce the bucket's gradients; returns None when done, or (``async_op`` on a real backend, one
+    mesh dim) a handle whose ``wait()`` finishes the collective and writes the gradients back."""
+    held = current_world().local_ranks(bucket.mesh.process_ids)
+    if not held:
+        return None
+    with local_mode(), paddle.no_grad():
+        flat = {r: _pack(bucket.params, r) for r in held}
+        if async_op and not current_world().is_simulated and len(bucket.dims) == 1:
+            task = _start_all_reduce(flat, bucket.mesh, bucket.dims[0])
+            if task is not None:
+                return Pending(task, lambda: _unpack(bucket.params, flat))
+        for d in bucket.dims:
+            flat = C.mesh_groups_apply(flat, bucket.mesh, d, lambda xs, ranks: C._reduce_raw(xs, ranks, "sum"))
+        _unpack(bucket.params, flat)
+    return None
+
+
+def _pack(params, r):
+    parts = []
+    for p in params:
+        g = p.locals[r].grad
+        parts.append(g.reshape([-1]).astype("float32") if g is not None
+                     else paddle.zeros([int(p.locals[r].numel())], dtype="float32"))
+    return paddle.concat(parts)
+
+
+def _unpack(params, flat) -> None:
+    with local_mode(), paddle.no_grad():
+        for r, buf in flat.items():
+            off = 0
+            for p in params:
+                t = p.locals[r]
+                n = int(t.numel())
+                if t.grad is not None:
+                    t.grad.set_value(buf[off:off + n].reshape(t.shape).astype(t.dtype))
+                off += n
+
+
+def _start_all_reduce(flat, mesh, dim):
+    """``dist.all_reduce(sync_op=False)`` of this rank's buffer in place; None if there is nothing to do."""
+    import paddle.distributed as dist
+
+    from autoparallel.comm.groups import get_group
+
+    (rank, buf), = flat.items()
+    ranks = mesh.group_ranks(dim, rank)
+    if len(ranks) == 1 or int(buf.numel()) == 0:
+        return None
+    return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=get_group(ranks), sync_op=False)
+
+
+class Pending:
+    """An in-flight bucket: ``wait()`` completes the collective, then runs ``then`` (once)."""
+
+    def __init__(self, task, then):
+        self.task, self.then = task, then
+
+    def wait(self) -> None:
+        if self.task is None:
+            return
+        task, self.task = self.task, None
+        task.wait()
+        self.then()
+
+
+def overlaps() -> bool:
+    """Whether this world's backend overlaps ``sync_op=False`` collectives with compute (NCCL; not gloo)."""
+    world = current_world()
+    return not world.is_simulated and capabilities(world.backend).overlap
+
+
+# ---- the optimizer's reduction ------------------------------------------------------------------------------
+class GradientSync:
+    """Data-parallel reduction of the partial gradients among ``params_fn()``.
+
+    ``flush()`` (the optimizer step) reduces what is not reduced yet. The first flush reduces everything
+    (the partial dims are known once a forward ran) and, with ``overlap``, fixes the buckets and installs a
+    Reducer: from then on each bucket is launched by backward hooks as soon as its gradients are complete
+    on the final accumulation micro-step (``accumulation_steps`` backward passes per step); non-final
+    micro-steps reduce nothing. A parameter that gains partial dims later is reduced over them at the
+    flush and the buckets are planned again."""
+
+    def __init__(self, params_fn, bucket_bytes: int = BUCKET_BYTES, accumulation_steps: int = 1,
+                 overlap: bool = True, async_op: bool | None = None):
+        self.params_fn, self.bucket_bytes = params_fn, check_bucket_bytes(bucket_bytes)
+        self.accumulation_steps, self.overlap, self.async_op = accumulation_steps, overlap, async_op
+        self.buckets: list = []
+        self.reducer = None
+        self._dims: dict = {}           # id(param) -> mesh dims its gradient is reduced over by the buckets
+
+    def flush(self) -> int:
+        """Reduce every gradient not reduced yet; returns the number of buckets launched here."""
+        n = self.reducer.flush() if self.reducer is not None else 0
+        params = self.params_fn()
+        late = [p for p in partial_params(params) if self._unplanned(p)]
+        if late:
+            extra = plan_buckets(late, self.bucket_bytes, self._unplanned)
+            for b in extra:
+                reduce_bucket(b)
+            n += len(extra)
+            if self.overlap:
+                self._plan(params)
+        return n
+
+    def _unplanned(self, p) -> set:
+        """Mesh dims ``p``'s gradient is partial over that the buckets do not reduce (all before the first plan)."""
+        return set(p._ap_partial_dims) - self._dims.get(id(p), set())
+
+    def reset(self) -> None:
+        """Gradients were cleared: a new accumulation window."""
+        if self.reducer is not None:
+            self.reducer.reset()
+
+    def _plan(self, params) -> None:
+        from autoparallel.parallel.reducer import Reducer
+
+        self.buckets = plan_buckets(params, self.bucket_bytes)
+        self._dims = {id(p): set(b.dims) for b in self.buckets for p in b.params}
+        old = self.reducer
+        self.reducer = Reducer([b.params for b in self.buckets], self._launch, self._to_partial,
+                               expected=self.accumulation_steps)
+        if old is not None:
+            self.reducer.expected.update({k: v for k, v in old.expected.items() if k in self.reducer.expected})
+            old.detach()
+        self.reducer.mark_reduced()         # the gradients now hold reduced values
+
+    # ---- Reducer callbacks -------------------------------------------------------------------------------
+    def _launch(self, i, params):
+        if i is None:                       # a subset of buckets: reduce them now
+            for b in plan_buckets(params, self.bucket_bytes, lambda p: self._dims[id(p)]):
+                reduce_bucket(b)
+            return None
+        return reduce_bucket(self.buckets[i], overlaps() if self.async_op is None else self.async_op)
+
+    def _to_partial(self, p) -> None:
+        """A gradient arrives for ``p`` after its reduction: turn the reduced value back into partial sums
+        (kept at coordinate 0 of the reduced dims, zero elsewhere) so that the next reduction adds it once
+        and in-place changes before it (loss-scale, cross-stage sums) apply to it as to the rest."""
+        dims = self._dims[id(p)]
+        for r, t in p.locals.items():
+            if t.grad is not None and any(p.mesh.coords_of(r)[d] for d in dims):
+                t.grad.set_value(paddle.zeros_like(t.grad))

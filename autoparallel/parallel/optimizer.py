@@ -1,41 +1,76 @@
-"""shard_optimizer (paddle's signature): reduce partial gradients, then step on local shards."""
+"""shard_optimizer (paddle's signature): reduce partial gradients, then step on local shards.
+
+Data-parallel gradients are all-reduced in fused buckets (parallel/grads.py). The first ``step()``
+reduces them all at step time and fixes the buckets; from then on backward hooks launch each bucket as
+soon as its gradients are complete on the final accumulation micro-step (parallel/reducer.py), and
+``step()`` only reduces what backward did not. ``shard_optimizer`` and ``ap.parallelize`` turn that on
+(``overlap=True``); the class default keeps every reduction at step time, for callers that change
+gradients between backward and step in ways that are not the same on every rank (the pipeline runtime
+sums tied gradients across stages and accumulates zero-bubble weight gradients outside autograd).
+"""
 from __future__ import annotations
 
 from autoparallel.dispatch import local_mode
-from autoparallel.parallel.grads import reduce_gradients
+from autoparallel.dist_tensor import is_dist
+from autoparallel.parallel.grads import BUCKET_BYTES, GradientSync, check_bucket_bytes
 
 
 class ShardedOptimizer:
     """Wraps a paddle optimizer built over a distributed model's parameters."""
 
-    def __init__(self, optimizer, shard_fn=None, gradient_accumulation_steps: int = 1):
+    def __init__(self, optimizer, shard_fn=None, gradient_accumulation_steps: int = 1,
+                 bucket_bytes: int = BUCKET_BYTES, overlap: bool = False):
         if not hasattr(optimizer, "step") or not hasattr(optimizer, "clear_grad"):
             raise TypeError(f"shard_optimizer expects a paddle optimizer, got {type(optimizer).__name__}")
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
         self._inner = optimizer
         self._shard_fn = shard_fn
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.grad_sync = GradientSync(lambda: self.parameters, bucket_bytes, gradient_accumulation_steps, overlap)
 
     @property
     def parameters(self):
         return list(self._inner._parameter_list)
 
-    def reduce_gradients(self):
-        return reduce_gradients(self.parameters)
+    @property
+    def bucket_bytes(self) -> int:
+        """Size limit of a fused gradient bucket (takes effect when the buckets are planned: the first step)."""
+        return self.grad_sync.bucket_bytes
+
+    @bucket_bytes.setter
+    def bucket_bytes(self, n: int) -> None:
+        self.grad_sync.bucket_bytes = check_bucket_bytes(n)
+
+    def reduce_gradients(self) -> int:
+        """Reduce every partial gradient not reduced yet (by backward hooks); returns the buckets launched."""
+        return self.grad_sync.flush()
+
+    def _scale_gradients(self) -> None:
+        """Between the reduction and the update (gradient accumulation divides here)."""
 
     def step(self):
         self.reduce_gradients()
+        self._scale_gradients()
         with local_mode():
             self._inner.step()
 
     def clear_grad(self, set_to_zero: bool = True):
+        self.grad_sync.reset()
         with local_mode():
             self._inner.clear_grad(set_to_zero=set_to_zero)
+            for p in self.parameters:                   # the simulated world: every rank's copy
+                for t in (p.locals.values() if is_dist(p) else ()):
+                    if t is not p:
+                        t.clear_gradient(set_to_zero)
+
+    clear_gradients = clear_grad
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
 
 def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int = 1) -> ShardedOptimizer:
-    return ShardedOptimizer(optimizer, shard_fn, gradient_accumulation_steps)
+    return ShardedOptimizer(optimizer, shard_fn, gradient_accumulation_steps, overlap=True)

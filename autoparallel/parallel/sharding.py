@@ -12,6 +12,11 @@ reduce_scatter, each rank keeps its chunk and the full gradient is freed), clips
 the optimizer has ``ClipGradByGlobalNorm``, steps the chunks and (stage 1/2) all_gathers them back into
 the parameters. At stage 3 parameters hold no data between uses: zero_params.py gathers them around
 each layer's forward and backward.
+
+From the second step on, backward hooks launch the reductions bucket by bucket in backward order on the
+final accumulation micro-step (parallel/reducer.py) and ``step()`` finishes the rest; ``overlap=False``
+keeps them all at the step (needed when something rescales ``p.grad`` between backward and step, like
+the AMP optimizer: stage 2/3 chunks no longer live in ``p.grad``).
 """
 from __future__ import annotations
 
@@ -34,13 +39,14 @@ STAGES = (1, 2, 3)
 
 
 def apply_zero(model, optimizer, mesh, stage: int, dp_dim: str = "data", degree: int | None = None,
-               offload: bool = False, gradient_accumulation_steps: int = 1, bucket_bytes: int = 25 * 2**20):
+               offload: bool = False, gradient_accumulation_steps: int = 1, bucket_bytes: int = 25 * 2**20,
+               overlap: bool = True):
     """Shard ``optimizer``'s states (and gradients, parameters) of ``model`` over ``dp_dim``; returns the
     optimizer to use instead (step / clear_grad / state_dict-free wrapper)."""
     if stage not in STAGES:
         raise ValueError(f"sharding stage must be one of {STAGES}, got {stage!r}")
     opt = ZeroOptimizer(model, optimizer, mesh, stage, dp_dim, degree, offload, gradient_accumulation_steps,
-                        bucket_bytes)
+                        bucket_bytes, overlap)
     if stage == 3:
         from autoparallel.parallel.zero_params import install_stage3
 
@@ -57,7 +63,8 @@ def _flat_params(inner):
 
 
 class ZeroOptimizer:
-    def __init__(self, model, optimizer, mesh, stage, dp_dim, degree, offload, accumulation, bucket_bytes):
+    def __init__(self, model, optimizer, mesh, stage, dp_dim, degree, offload, accumulation, bucket_bytes,
+                 overlap=True):
         inner = getattr(optimizer, "_inner", optimizer)
         if not hasattr(inner, "_parameter_list"):
             raise TypeError(f"apply_zero expects a paddle optimizer (or an ap optimizer wrapping one), "
@@ -81,6 +88,10 @@ class ZeroOptimizer:
         self.master = {r: {} for r in self.held}         # rank -> id(param) -> fp32 chunk Parameter
         self._freed = set()                             # (id(param), rank) whose storage is released
         self.inner_opts = {r: self._make_inner(r) for r in self.held}
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        self.overlap, self.reducer = overlap, None      # the Reducer launching buckets from backward hooks
+        self._out = None                                # this window's gradient chunks
 
     # ---- set-up ----------------------------------------------------------------------------------------
     def _layout(self, ps, r) -> BucketLayout:
@@ -165,37 +176,79 @@ class ZeroOptimizer:
         return g
 
     def reduce_gradients(self) -> dict:
-        """{rank: {id(param): fp32 gradient chunk}} summed over the data axis."""
-        out = {r: {} for r in self.held}
-        with local_mode(), paddle.no_grad():
+        """{rank: {id(param): fp32 gradient chunk}} summed over the data axis. The first call reduces every
+        bucket here and (``overlap``) installs a Reducer over the buckets in backward order; later calls
+        finish what the hooks did not launch."""
+        if self.reducer is not None:
+            self.reducer.flush()
+            out = self._window()
+        else:
+            out = self._window()
             for bucket in self.buckets:
-                ps = [p for p in bucket if self.held and p.locals[self.held[0]].grad is not None]
-                if not ps:
-                    continue
-                layout = {r: self._layout(ps, r) for r in self.held}
-                flats = {r: [self._grad_flat(p, r) for p in ps] for r in self.held}
-                xs = {r: layout[r].pack_full(flats[r]) for r in self.held}
-                if self.stage == 1:
-                    xs = apply_groups(xs, self.groups.shard_groups, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
-                else:
-                    xs = apply_groups(xs, self.groups.shard_groups, lambda v, ranks: C._reduce_scatter_raw(
-                        v, ranks, 0, [_width(layout, v)] * len(ranks), "sum"))
-                xs = apply_groups(xs, self.groups.replica_groups, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
-                for r in self.held:
-                    k = self.groups.index(r)
-                    if self.stage == 1:
-                        full = layout[r].unpack_full(xs[r])
-                        for p, f in zip(ps, full):
-                            t = p.locals[r]
-                            t.grad.set_value(f.reshape(t.grad.shape).astype(t.grad.dtype))
-                        chunks = [layout[r].chunk(f, j, k) for j, f in enumerate(full)]
-                    else:
-                        chunks = layout[r].unpack_member(xs[r], k)
-                        for p in ps:
-                            p.locals[r].clear_gradient(False)
-                    for p, c in zip(ps, chunks):
-                        out[r][id(p)] = c
+                self._reduce_bucket(bucket, out)
+            if self.overlap:
+                from autoparallel.parallel.reducer import Reducer
+
+                self.reducer = Reducer(list(reversed(self.buckets)), self._launch, self._to_partial,
+                                       self.gradient_accumulation_steps)
+                self.reducer.mark_reduced()
+        self._out = None
         return out
+
+    def _window(self) -> dict:
+        if self._out is None:
+            self._out = {r: {} for r in self.held}
+        return self._out
+
+    def _launch(self, _i, bucket):
+        self._reduce_bucket(bucket, self._window())
+
+    def _to_partial(self, p) -> None:
+        """A gradient arrives after ``p`` was reduced. Stage 1: the reduced full gradient goes back to partial
+        sums (kept, unscaled, at coordinate 0 of the dims it was summed over) and its chunk is recomputed
+        by the next reduction; stage 2/3: its chunk stays and the next reduction adds to it."""
+        if self.stage != 1:
+            return
+        dims = set(getattr(p, "_ap_partial_dims", ()) or ())
+        scale = self.gradient_accumulation_steps * (1 if self.groups.dp_index in dims else self.groups.dp)
+        summed = dims | {self.groups.dp_index}
+        for r in self.held:
+            if self._out is not None:
+                self._out[r].pop(id(p), None)
+            t = p.locals[r]
+            if t.grad is not None:
+                keep = not any(p.mesh.coords_of(r)[d] for d in summed)
+                t.grad.set_value(t.grad * float(scale) if keep else paddle.zeros_like(t.grad))
+
+    def _reduce_bucket(self, bucket, out) -> None:
+        with local_mode(), paddle.no_grad():
+            ps = [p for p in bucket if self.held and p.locals[self.held[0]].grad is not None]
+            if not ps:
+                return
+            layout = {r: self._layout(ps, r) for r in self.held}
+            flats = {r: [self._grad_flat(p, r) for p in ps] for r in self.held}
+            xs = {r: layout[r].pack_full(flats[r]) for r in self.held}
+            if self.stage == 1:
+                xs = apply_groups(xs, self.groups.shard_groups, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
+            else:
+                xs = apply_groups(xs, self.groups.shard_groups, lambda v, ranks: C._reduce_scatter_raw(
+                    v, ranks, 0, [_width(layout, v)] * len(ranks), "sum"))
+            xs = apply_groups(xs, self.groups.replica_groups, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
+            for r in self.held:
+                k = self.groups.index(r)
+                if self.stage == 1:
+                    full = layout[r].unpack_full(xs[r])
+                    for p, f in zip(ps, full):
+                        t = p.locals[r]
+                        t.grad.set_value(f.reshape(t.grad.shape).astype(t.grad.dtype))
+                    chunks = [layout[r].chunk(f, j, k) for j, f in enumerate(full)]
+                else:
+                    chunks = layout[r].unpack_member(xs[r], k)
+                    for p in ps:
+                        p.locals[r].clear_gradient(False)
+                for p, c in zip(ps, chunks):
+                    old = out[r].get(id(p))
+                    out[r][id(p)] = c if old is None else old + c
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -238,6 +291,9 @@ class ZeroOptimizer:
         clipping.scale_([t for locs, _, _ in terms for t in locs.values()], factor)
 
     def clear_grad(self, set_to_zero: bool = True) -> None:
+        if self.reducer is not None:
+            self.reducer.reset()
+        self._out = None
         with local_mode():
             for p in self.params:
                 for t in p.locals.values():
@@ -264,6 +320,18 @@ class ZeroOptimizer:
 
     def state_places(self) -> list:
         return [t.place for r in self.held for t in state_tensors(self.inner_opts[r]) + list(self.master[r].values())]
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def checkpoint_state(self, model=None) -> dict:
+        """The model's parameters and this optimizer's states as global tensors named like the unsharded
+        run's (``ap.training_state``); save and load it with ``ap.save_state_dict`` / ``ap.load_state_dict``
+        (checkpoint/zero_state.py)."""
+        from autoparallel.checkpoint.zero_state import zero_training_state
+
+        if model is not None and model is not self.model:
+            raise ValueError(f"this ZeRO optimizer shards the parameters of the {type(self.model).__name__} it "
+                             f"was built with, not of the given {type(model).__name__}")
+        return zero_training_state(self)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
