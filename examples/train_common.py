@@ -84,7 +84,11 @@ def train(args):
     if getattr(args, "static", False):
         return _train_static(args, world, rank, strategy, dataset, model, opt, k)
     if world > 1 or _non_trivial(strategy):
-        model, opt = ap.parallelize(model, opt, strategy=strategy)
+        auto = {"seq_len": args.seq_len} if strategy.auto_mode == "full" else {}
+        model, opt = ap.parallelize(model, opt, strategy=strategy, **auto)
+        if strategy.auto_mode == "full":         # --auto: train with the strategy the planner chose
+            strategy = model._ap_strategy
+            k, pipelined = strategy.gradient_accumulation_steps, strategy.pipeline_parallel.degree > 1
         mesh = None if pipelined else model._ap_mesh     # the pipeline takes the plain global batch
         loss_scale = 1.0                         # the optimizer divides accumulated gradients by k
     else:
@@ -177,7 +181,7 @@ def _checkpointing(args, model, opt, pipelined):
     from autoparallel.checkpoint.manager import CheckpointManager
     from autoparallel.checkpoint.state import training_state
 
-    ckpt = CheckpointManager(args.ckpt_dir, args.save_every)
+    ckpt = CheckpointManager(args.ckpt_dir, args.save_every, optimizer=opt)   # + generators, loss scale, LR
     ckpt.install_sigterm_handler()
     state = training_state(model, opt)           # a PipelineModule or a ZeRO optimizer names its own state
     start = 0

@@ -26,6 +26,7 @@ class CheckpointInfo:
     extra: object             # the extra given to save_state_dict
     bytes_read: int = 0       # data bytes this process read
     names: list = field(default_factory=list)   # loaded entries
+    restored: list = field(default_factory=list)  # run state put back by CheckpointManager.restore (rng, amp, ...)
 
 
 @dataclass

@@ -6,6 +6,10 @@
 <dir>/latest                "step-00000200": written atomically after each commit, for people and tools
 ```
 
+With ``optimizer=`` the manager also saves and restores the run state that is not a tensor: every rank's
+random generators (restored under the same world size), the AMP loss scale and the LR schedule
+(runtime_state.py), in the metadata's ``extra["runtime"]``.
+
 Resume never trusts ``latest``: it loads the highest-step complete directory (discovery.py), which is the
 same unless a crash fell between a commit and the pointer update.
 
@@ -19,7 +23,7 @@ import os
 import shutil
 import signal
 
-from autoparallel.checkpoint import sync
+from autoparallel.checkpoint import runtime_state, sync
 from autoparallel.checkpoint.atomic import is_temp_name, write_file_atomic
 from autoparallel.checkpoint.discovery import complete_checkpoints, newest_complete, step_dir_name
 from autoparallel.checkpoint.load import CheckpointInfo, load_state_dict
@@ -30,7 +34,7 @@ LATEST = "latest"
 
 class CheckpointManager:
     def __init__(self, dir: str = "checkpoints", save_interval_steps: int = 100, keep_last=None,
-                 enable: bool = True):
+                 enable: bool = True, optimizer=None):
         if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
@@ -43,12 +47,13 @@ class CheckpointManager:
         self.enable = bool(enable)
         self._stop_requested = False
         self._previous_handler = None
+        self.optimizer = optimizer             # its loss scaler and LR schedule are saved with the generators
 
     @classmethod
-    def from_strategy(cls, strategy) -> "CheckpointManager":
+    def from_strategy(cls, strategy, optimizer=None) -> "CheckpointManager":
         """From ``strategy.checkpoint`` (enable, save_interval_steps, dir, keep_last)."""
         c = strategy.checkpoint
-        return cls(c.dir, c.save_interval_steps, c.keep_last, c.enable)
+        return cls(c.dir, c.save_interval_steps, c.keep_last, c.enable, optimizer)
 
     # ---- saving -------------------------------------------------------------------------------------
     def path_for(self, step: int) -> str:
@@ -66,6 +71,7 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         os.makedirs(self.dir, exist_ok=True)
+        extra = dict(extra or {}, runtime=runtime_state.capture(self.optimizer))
         path = save_state_dict(state, self.path_for(step), step=step, extra=extra, overwrite=True)
         _, rank, _ = sync.job()
         if rank == 0:
@@ -93,11 +99,15 @@ class CheckpointManager:
         return [s for s, _ in complete_checkpoints(self.dir)]
 
     def restore(self, state: dict, strict: bool = True):
-        """Load the newest complete checkpoint into ``state``; CheckpointInfo, or None if there is none."""
+        """Load the newest complete checkpoint into ``state`` and the run state it saved (generators, loss
+        scale, LR schedule: ``info.restored`` names what was restored); CheckpointInfo, or None."""
         path = self.latest()
         if path is None:
             return None
-        return load_state_dict(state, path, strict=strict)
+        info = load_state_dict(state, path, strict=strict)
+        runtime = info.extra.pop("runtime", None) if isinstance(info.extra, dict) else None
+        info.restored = runtime_state.restore(runtime, self.optimizer)
+        return info
 
     # ---- preemption ---------------------------------------------------------------------------------
     def install_sigterm_handler(self) -> None:
