@@ -57,18 +57,56 @@ def _remove_when_all_done(root: str, multi: bool, rank: int, world_size: int) ->
         shutil.rmtree(root, ignore_errors=True)
 
 
-def reconfigure(model, optimizer, new_strategy, *, build, state_fn=None, tmp_dir=None):
+def reconfigure(model, optimizer, new_strategy, *, build=None, state_fn=None, tmp_dir=None):
     """Rebuild ``model`` and ``optimizer`` under ``new_strategy`` keeping every trained value.
 
-    ``build(new_strategy) -> (new_model, new_optimizer)`` constructs them in the new layout (e.g. with
-    ``ap.parallelize`` on a freshly built model); ``state_fn(model, optimizer) -> dict`` names their state
-    the same way under both layouts (default: ``training_state``). Returns ``(new_model, new_optimizer)``.
+    ``build(new_strategy) -> (new_model, new_optimizer)`` constructs them in the new layout; by default
+    (``build=None``) a fresh model of the same class and ``config`` is built under ``paddle.LazyGuard`` (no
+    values are drawn for it: they are overwritten, and the random generators are left as they were), the
+    optimizer cloned with the same hyperparameters, and both passed to ``ap.parallelize``. ``state_fn(model,
+    optimizer) -> dict`` names their state the same way under both layouts (default: ``training_state``).
+    Returns ``(new_model, new_optimizer)``.
     """
     from autoparallel.checkpoint.state import training_state
 
+    if build is None:
+        build = default_build(model, optimizer)
     if not callable(build):
         raise TypeError(f"build must be a callable new_strategy -> (model, optimizer), got {type(build).__name__}")
     state_fn = state_fn or training_state
     new_model, new_optimizer = build(new_strategy)
     reshard_state(state_fn(model, optimizer), state_fn(new_model, new_optimizer), tmp_dir=tmp_dir)
     return new_model, new_optimizer
+
+
+def default_build(model, optimizer):
+    """``build`` for a model constructed as ``type(model)(model.config)`` and a paddle optimizer (any wrapper)."""
+    cls, config = type(model), getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"reconfigure can rebuild only models constructed as type(model)(model.config); "
+                        f"{cls.__name__} has no .config: pass build=lambda strategy: (model, optimizer)")
+
+    def build(strategy):
+        import paddle
+
+        import autoparallel as ap
+        from autoparallel.checkpoint.state import paddle_optimizer
+        from autoparallel.parallel.optim_clone import clone_optimizer
+
+        rng = paddle.get_rng_state()
+        lazy = strategy.pipeline_parallel.degree <= 1        # the pipeline builds its stages from real values
+        if lazy:
+            with paddle.LazyGuard():
+                fresh = cls(config)
+        else:
+            fresh = cls(config)
+        opt = None
+        if optimizer is not None:
+            inner = paddle_optimizer(optimizer)
+            opt = clone_optimizer(inner, fresh.parameters(), {})
+            opt._grad_clip = inner._grad_clip
+        out = ap.parallelize(fresh, opt, strategy)
+        paddle.set_rng_state(rng)
+        return out
+
+    return build
