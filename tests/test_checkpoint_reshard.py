@@ -101,4 +101,6 @@ def test_reconfigure_moves_parameters_to_a_new_layout():
             np.testing.assert_array_equal(t.numpy(), weight[r:r + 1])
         np.testing.assert_array_equal(new.bias.full().numpy(), old.bias.full().numpy())
     with pytest.raises(TypeError, match="build must be a callable"):
-        reconfigure(old, None, {}, build=None)
+        reconfigure(old, None, {}, build="fresh")
+    with pytest.raises(TypeError, match=r"Linear has no \.config"):       # no default rebuild for it
+        reconfigure(old, None, {})
