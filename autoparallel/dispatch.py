@@ -23,11 +23,10 @@ from spmd_rules import get_spmd_rule, has_spmd_rule
 from spmd_rules.op_table import ARG_MAP, OP_TABLE
 from spmd_rules.registry import flatten_specs, replace_specs
 
-from autoparallel import local_ops
-from autoparallel.comm import collectives as C
+from autoparallel import dispatch_cache, local_ops
 from autoparallel.comm.world import current_world
 from autoparallel.graph import trace as trace_state
-from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist, reshard
+from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
 from autoparallel.placement import Replicate
 from autoparallel.spec import DistSpec
 
@@ -36,6 +35,7 @@ _INSTALLED = False
 
 
 from autoparallel.local_mode import in_local_mode, local_mode  # noqa: E402  (re-exported)
+from autoparallel.local_mode import _state as _local_state  # noqa: E402
 
 
 def is_dist(x) -> bool:
@@ -44,11 +44,14 @@ def is_dist(x) -> bool:
 
 def _any_dist(args, kwargs) -> bool:
     for v in args:
-        if is_dist(v) or (type(v) in (list, tuple) and any(is_dist(u) for u in v)):
+        t = v.__class__
+        if t is DistTensor or ((t is list or t is tuple) and any(is_dist(u) for u in v)) or \
+                (isinstance(v, DistParameter) and hasattr(v, "_ap_spec")):
             return True
-    for v in kwargs.values():
-        if is_dist(v) or (type(v) in (list, tuple) and any(is_dist(u) for u in v)):
-            return True
+    if kwargs:
+        for v in kwargs.values():
+            if is_dist(v) or (type(v) in (list, tuple) and any(is_dist(u) for u in v)):
+                return True
     return False
 
 
@@ -70,11 +73,46 @@ def _is_spec(v) -> bool:
 
 # ---- the routed call ------------------------------------------------------------------------------------------
 def run(op: str, path: str, args, kwargs):
-    """Run paddle callable ``path`` (rule ``op``) on distributed arguments."""
-    args, kwargs = _map_args(path, tuple(args), dict(kwargs))
+    """Run paddle callable ``path`` (rule ``op``) on distributed arguments.
+
+    A call whose key (see dispatch_cache) was seen before reuses its plan: no rule, no validation, no
+    reshard planning; only the data-dependent steps run."""
+    if path in ARG_MAP or args.__class__ is not tuple or kwargs.__class__ is not dict:
+        args, kwargs = _map_args(path, tuple(args), dict(kwargs))
     rule = get_spmd_rule(op)
-    leaves = _leaves(args, kwargs)
     tracer = trace_state.active()
+    if tracer is not None:
+        return _run_traced(op, rule, args, kwargs, tracer)
+    leaves = []
+    args_key = dispatch_cache.call_key(args, kwargs, leaves)
+    if args_key is None:
+        leaves = _leaves(args, kwargs)
+    world = current_world()
+    pins = getattr(_pin_state, "plan", None)
+    pinned_res = None
+    if pins is not None:
+        mesh = _common_mesh(op, leaves)
+        pinned_res = pins.next(op, [_to_dist(v, mesh).spec for v in leaves])
+    key, plan = dispatch_cache.find(rule, path, world, args_key, pinned_res)
+    if plan is None:
+        plan = _plan_call(op, rule, args, kwargs, leaves, pinned_res, world)
+        dispatch_cache.store(key, plan)
+    outs = _execute(op, path, plan.res, plan.mesh, plan.calls(leaves, args, kwargs))
+    return _wrap(plan.res, outs, plan.held)
+
+
+def _plan_call(op, rule, args, kwargs, leaves, res, world) -> dispatch_cache.CallPlan:
+    """Ask the rule (unless layouts are pinned) and plan the call."""
+    mesh = _common_mesh(op, leaves)
+    specs = [_to_dist(v, mesh).spec for v in leaves]
+    if res is None:
+        spec_args, spec_kwargs = replace_specs(args, kwargs, specs, is_leaf=_is_tensor_leaf)
+        res = rule(*spec_args, **spec_kwargs)
+    return dispatch_cache.CallPlan(rule, res, mesh, leaves, specs, args, kwargs, world)
+
+
+def _run_traced(op, rule, args, kwargs, tracer):
+    leaves = _leaves(args, kwargs)
     mesh = _common_mesh(op, leaves, tracer)
     dists = [_to_dist(v, mesh, tracer) for v in leaves]
     spec_args, spec_kwargs = replace_specs(args, kwargs, [d.spec for d in dists], is_leaf=_is_tensor_leaf)
@@ -82,23 +120,23 @@ def run(op: str, path: str, args, kwargs):
     res = pins.next(op, [d.spec for d in dists]) if pins is not None else None
     if res is None:
         res = rule(*spec_args, **spec_kwargs)
-    if tracer is not None:
-        return _trace(tracer, op, dists, res)
-    split = [m for m in res.split_mesh_dims() if mesh.shape[m] > 1]
-    ready = [_prepare(v, d, req, split) for v, d, req in zip(leaves, dists, res.inputs)]
-    world = current_world()
-    held = [r for r in world.local_ranks(mesh.process_ids)]
-    calls = {}
-    for r in held:
-        la, lk = replace_specs(spec_args, spec_kwargs, [d.local_of(r) for d in ready], is_leaf=_is_spec)
-        calls[r] = rule.local_call(res, la, lk, mesh.coords_of(r))
-    outs = _execute(op, path, res, mesh, calls)
-    return _wrap(res, outs, held)
+    return _trace(tracer, op, dists, res)
 
 
 import threading as _threading  # noqa: E402
 
 _pin_state = _threading.local()
+
+
+def _prime_thread_state() -> None:
+    """Give this thread's per-thread flags read on every call their neutral values: looking up a missing
+    attribute of a ``threading.local`` raises internally and costs ~0.6 µs each time."""
+    from autoparallel.comm import world as world_mod
+
+    for state, attr, value in ((_pin_state, "plan", None), (trace_state._state, "tracer", None),
+                               (_local_state, "depth", 0), (world_mod._state, "stack", None)):
+        if not hasattr(state, attr):
+            setattr(state, attr, value)
 
 
 class PinnedLayouts:
@@ -242,32 +280,9 @@ def _to_dist(v, mesh, tracer=None) -> DistTensor:
     return DistTensor({r: v for r in current_world().local_ranks(mesh.process_ids)}, spec)
 
 
-def _prepare(leaf, d: DistTensor, req: DistSpec, split) -> DistTensor:
-    """Reshard ``d`` to the rule's requirement; on split mesh dims where it stays replicated, make its
-    gradient complete (all_reduce in backward) — or, for a parameter used directly, record that its
-    gradient is a partial sum there (the optimizer / data-parallel runtime reduces it in buckets)."""
-    out = d if d.spec == req else reshard(d, req.mesh, req.placements)
-    dims = [m for m in split if req.placements[m].is_replicate()]
-    if not dims or out.stop_gradient:
-        return out
-    if isinstance(leaf, DistParameter) and _moves_no_data(d.spec, req):
-        leaf._ap_partial_dims = getattr(leaf, "_ap_partial_dims", frozenset()) | frozenset(dims)
-        return out
-    locs = dict(out.locals)
-    for m in dims:
-        locs = C.mesh_groups_apply(locs, out.mesh, m, C.grad_all_reduce)
-    return DistTensor(locs, out.spec)
-
-
-def _moves_no_data(src: DistSpec, dst: DistSpec) -> bool:
-    """Only local slices / R->P zeroing: the parameter's gradient stays a partial sum on the other
-    dims, so it can join the bucketed reduction instead of an eager all_reduce."""
-    return all(a == b or (a.is_replicate() and not b.is_replicate())
-               for a, b in zip(src.placements, dst.placements))
-
-
 def _execute(op, path, res, mesh, calls) -> dict:
-    with local_mode():
+    _local_state.depth = getattr(_local_state, "depth", 0) + 1        # local_mode(), without a generator
+    try:
         if res.local_op in local_ops.GROUP:
             return {r: _as_tuple(o) for r, o in local_ops.GROUP[res.local_op](mesh, calls).items()}
         if res.local_op is not None:
@@ -276,10 +291,15 @@ def _execute(op, path, res, mesh, calls) -> dict:
                                           f"does not implement")
             fn = local_ops.PER_RANK[res.local_op]
         else:
-            fn = _local_callable(op, path)
+            fn = _LOCAL_FN.get(path) or _local_callable(op, path)
             if ARG_MAP.get(path) == "swap":       # back to the reflected operator's own order
                 calls = {r: ((a[1], a[0]) + tuple(a[2:]), k) for r, (a, k) in calls.items()}
         return {r: _as_tuple(fn(*a, **k)) for r, (a, k) in calls.items()}
+    finally:
+        _local_state.depth -= 1
+
+
+_LOCAL_FN: dict = {}      # dotted path -> its local callable, once resolved (custom ops are looked up anew)
 
 
 def _local_callable(op, path):
@@ -290,22 +310,26 @@ def _local_callable(op, path):
     how = ARG_MAP.get(path)
     if isinstance(how, dict):
         paths = OP_TABLE.get(op) or (path,)
-        return _ORIG.get(paths[0]) or _resolve(paths[0])
-    return _ORIG.get(path) or _resolve(path)
+        fn = _ORIG.get(paths[0]) or _resolve(paths[0])
+    else:
+        fn = _ORIG.get(path) or _resolve(path)
+    if _INSTALLED and not path.startswith("custom."):
+        _LOCAL_FN[path] = fn
+    return fn
 
 
 def _as_tuple(o):
+    if o.__class__ is tuple:
+        return o
     return tuple(o) if isinstance(o, (tuple, list)) else (o,)
 
 
 def _wrap(res, outs, held):
-    results = []
-    for k, spec in enumerate(res.outputs):
-        if spec is None:
-            results.append(None)
-            continue
-        results.append(DistTensor({r: outs[r][k] for r in held}, spec))
-    return results[0] if len(results) == 1 else tuple(results)
+    specs = res.outputs
+    if len(specs) == 1:
+        return None if specs[0] is None else DistTensor._own({r: outs[r][0] for r in held}, specs[0])
+    return tuple(None if spec is None else DistTensor._own({r: outs[r][k] for r in held}, spec)
+                 for k, spec in enumerate(specs))
 
 
 # ---- installation -----------------------------------------------------------------------------------------------
@@ -330,7 +354,7 @@ def _owner(path):
 
 def _routed(op, path, orig):
     def wrapper(*args, **kwargs):
-        if in_local_mode() or not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
+        if getattr(_local_state, "depth", 0) > 0 or not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
             return orig(*args, **kwargs)
         return run(op, path, args, kwargs)
 
@@ -419,6 +443,7 @@ def install() -> None:
     _patch_aliases(routed)
     _install_guards()
     _install_dist_tensor_methods()
+    _prime_thread_state()
     _INSTALLED = True
 
 

@@ -14,6 +14,8 @@ import numpy as np
 import paddle
 from paddle.base.framework import EagerParamBase
 
+from autoparallel import redistribute
+from autoparallel.comm import world as world_mod
 from autoparallel.comm.world import current_world
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Partial, Replicate, Shard
@@ -26,6 +28,14 @@ class DistTensor:
     def __init__(self, locals_: dict, spec: DistSpec):
         self._locals = dict(locals_)
         self._spec = spec
+
+    @classmethod
+    def _own(cls, locals_: dict, spec: DistSpec) -> "DistTensor":
+        """A DistTensor taking ``locals_`` as is (no copy): for dicts nobody else holds."""
+        t = cls.__new__(cls)
+        t._locals = locals_
+        t._spec = spec
+        return t
 
     # ---- layout ---------------------------------------------------------------------------------
     @property
@@ -324,16 +334,25 @@ def dtensor_from_local(local, mesh: ProcessMesh, placements, global_shape=None, 
 
 def reshard(x, mesh: ProcessMesh, placements) -> DistTensor:
     """Redistribute to ``placements`` on ``mesh`` along the cheapest plan (differentiable)."""
-    from reshard import plan_reshard
-
-    from autoparallel import redistribute
-    from autoparallel.comm.world import planning_cluster
-
     src = as_dist(x)
     if not isinstance(src, DistTensor):
         raise TypeError(f"reshard expects a DistTensor or DistParameter, got {type(x).__name__}")
+    try:        # a repeated reshard reuses its target spec and plan
+        placements = tuple(placements)
+        key = (src._spec, mesh, placements, current_world().backend, id(world_mod._cluster_override))
+        hit = _RESHARDS.get(key)
+    except TypeError:                   # no placements or unhashable ones: validated (and rejected) below
+        key = hit = None
+    if hit is not None:
+        dst, plan = hit[0], hit[1]
+        return src if plan is None else DistTensor(redistribute.execute(src._locals, plan), dst)
+    from reshard import plan_reshard
+
+    from autoparallel.comm.world import planning_cluster
+
     dst = _spec_for(src.spec.shape, src.spec.dtype, mesh, placements)
     if dst == src.spec:
+        _remember_reshard(key, src.spec, None)
         return src
     if mesh == src.mesh:
         plan = plan_reshard(src.spec.shape, src.spec.dtype, mesh, src.spec.placements, dst.placements,
@@ -343,4 +362,16 @@ def reshard(x, mesh: ProcessMesh, placements) -> DistTensor:
 
         plan = plan_cross_mesh(src.spec.shape, src.spec.dtype, src.mesh, src.spec.placements, mesh,
                                dst.placements, cluster=planning_cluster())
+    _remember_reshard(key, dst, plan)
     return DistTensor(redistribute.execute(src._locals, plan), dst)
+
+
+_RESHARDS: dict = {}      # (src spec, mesh, placements, backend, cluster override) -> (dst spec, plan, override)
+
+
+def _remember_reshard(key, dst, plan) -> None:
+    if key is None:
+        return
+    if len(_RESHARDS) >= 4096:
+        _RESHARDS.clear()
+    _RESHARDS[key] = (dst, plan, world_mod._cluster_override)    # the override kept: its id stays its own

@@ -39,7 +39,11 @@ class ProcessMesh:
         self._arr = arr.astype(np.int64)
         self._arr.setflags(write=False)
         self._names = tuple(dim_names)
-        self._key = (tuple(self._arr.shape), tuple(flat), self._names)
+        self._shape = tuple(int(n) for n in self._arr.shape)
+        self._flat = tuple(int(r) for r in flat)
+        self._key = (self._shape, self._flat, self._names)
+        self._hash = hash(self._key)
+        self._groups: dict = {}            # mesh dim -> its communication groups (computed once)
         self._coords = {int(r): tuple(int(c) for c in idx) for idx, r in np.ndenumerate(self._arr)}
         if create_groups:
             from autoparallel.comm import groups
@@ -49,11 +53,11 @@ class ProcessMesh:
     # ---- basic properties -------------------------------------------------------------------
     @property
     def shape(self) -> list[int]:
-        return list(self._arr.shape)
+        return list(self._shape)
 
     @property
     def ndim(self) -> int:
-        return self._arr.ndim
+        return len(self._shape)
 
     @property
     def dim_names(self) -> list[str]:
@@ -61,11 +65,11 @@ class ProcessMesh:
 
     @property
     def process_ids(self) -> list[int]:
-        return self._arr.reshape(-1).tolist()
+        return list(self._flat)
 
     @property
     def size(self) -> int:
-        return int(self._arr.size)
+        return len(self._flat)
 
     @property
     def mesh(self) -> np.ndarray:
@@ -105,8 +109,11 @@ class ProcessMesh:
     def all_groups(self, mesh_dim: int | str) -> list[list[int]]:
         """Every communication group along ``mesh_dim``, in a fixed order (row-major over the other dims)."""
         i = self.dim_index(mesh_dim)
-        moved = np.moveaxis(self._arr, i, -1)
-        return moved.reshape(-1, moved.shape[-1]).tolist()
+        groups = self._groups.get(i)
+        if groups is None:
+            moved = np.moveaxis(self._arr, i, -1)
+            groups = self._groups[i] = tuple(tuple(g) for g in moved.reshape(-1, moved.shape[-1]).tolist())
+        return [list(g) for g in groups]
 
     # ---- sub-meshes ---------------------------------------------------------------------------
     def __getitem__(self, index) -> "ProcessMesh":
@@ -131,10 +138,19 @@ class ProcessMesh:
 
     # ---- identity -------------------------------------------------------------------------------
     def __eq__(self, other) -> bool:
-        return isinstance(other, ProcessMesh) and self._key == other._key
+        return self is other or (isinstance(other, ProcessMesh) and self._key == other._key)
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)           # string hashes differ between processes
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._hash = hash(self._key)
 
     def __repr__(self) -> str:
         return f"ProcessMesh({self._arr.tolist()}, dim_names={list(self._names)})"

@@ -20,42 +20,65 @@ def _extent(spec: DistSpec, coords, dim: int) -> int:
 
 def apply_step(locals_: dict, before: DistSpec, after: DistSpec, i: int) -> dict:
     """Move ``locals_`` from ``before`` to ``after``; the two differ on mesh dim ``i`` only."""
+    program = _PROGRAMS.get((before, after, i))
+    if program is None:
+        program = _step_program(before, after, i)
+        if len(_PROGRAMS) >= _CACHE_LIMIT:
+            _PROGRAMS.clear()
+        _PROGRAMS[(before, after, i)] = program
+    out = dict(locals_)
+    if not program:
+        return out
+    world = current_world()
+    for ranks, name, extra in program:
+        members = [r for r in world.local_ranks(ranks) if r in locals_]
+        if not members:
+            continue
+        if name is None:
+            raise NotImplementedError(extra[0])
+        out.update(getattr(C, name)({r: locals_[r] for r in members}, ranks, *extra))
+    return out
+
+
+_PROGRAMS: dict = {}          # (before, after, mesh dim) -> its program (see _step_program)
+_CACHE_LIMIT = 4096
+
+
+def _step_program(before: DistSpec, after: DistSpec, i: int) -> tuple:
+    """``((group ranks, collective name, extra arguments), ...)`` for every group of mesh dim ``i``: all a
+    step needs besides the data, computed from the two specs once. Empty: nothing moves."""
     p, q = before.placements[i], after.placements[i]
     if p == q:
-        return dict(locals_)
+        return ()
     for spec, pl in ((before, p), (after, q)):
         if isinstance(pl, Shard) and any(j > i for j in spec.shard_mesh_dims(pl.dim)):
             raise ValueError(f"mesh dim {i} is not the innermost splitter of tensor dim {pl.dim} in "
                              f"{spec.placements}: nested shards change from the innermost mesh dim outwards")
-    mesh, world = before.mesh, current_world()
+    mesh = before.mesh
     n = mesh.shape[i]
     if n == 1:              # one member: its shard is the whole extent and a reduction of one term is itself
-        return dict(locals_)
-    out = dict(locals_)
+        return ()
+    program = []
     for ranks in mesh.all_groups(i):
-        members = [r for r in world.local_ranks(ranks) if r in locals_]
-        if not members:
-            continue
-        xs = {r: locals_[r] for r in members}
         c = mesh.coords_of(ranks[0])
         if isinstance(p, Replicate) and isinstance(q, Shard):
-            res = C.slice_shard(xs, ranks, q.dim, chunk_sizes(_extent(before, c, q.dim), n))
+            step = "slice_shard", (q.dim, chunk_sizes(_extent(before, c, q.dim), n))
         elif isinstance(p, Shard) and isinstance(q, Replicate):
-            res = C.all_gather(xs, ranks, p.dim, chunk_sizes(_extent(after, c, p.dim), n))
+            step = "all_gather", (p.dim, chunk_sizes(_extent(after, c, p.dim), n))
         elif isinstance(p, Partial) and isinstance(q, Replicate):
-            res = C.all_reduce(xs, ranks, p.reduce_type)
+            step = "all_reduce", (p.reduce_type,)
         elif isinstance(p, Partial) and isinstance(q, Shard):
-            res = C.reduce_scatter(xs, ranks, q.dim, chunk_sizes(_extent(before, c, q.dim), n), p.reduce_type)
+            step = "reduce_scatter", (q.dim, chunk_sizes(_extent(before, c, q.dim), n), p.reduce_type)
         elif isinstance(p, Shard) and isinstance(q, Shard):
-            res = C.all_to_all(xs, ranks, p.dim, q.dim, chunk_sizes(_extent(after, c, p.dim), n),
-                               chunk_sizes(_extent(before, c, q.dim), n))
+            step = "all_to_all", (p.dim, q.dim, chunk_sizes(_extent(after, c, p.dim), n),
+                                  chunk_sizes(_extent(before, c, q.dim), n))
         elif isinstance(p, Replicate) and isinstance(q, Partial):
-            res = C.to_partial(xs, ranks, q.reduce_type)
-        else:
-            raise NotImplementedError(f"no direct transition {p} -> {q} on mesh dim {i}; "
-                                      f"the reshard planner must route it through R")
-        out.update(res)
-    return out
+            step = "to_partial", (q.reduce_type,)
+        else:                   # raised when some member is held (as a step with no held member does nothing)
+            step = None, (f"no direct transition {p} -> {q} on mesh dim {i}; "
+                          f"the reshard planner must route it through R",)
+        program.append((ranks, step[0], step[1]))
+    return tuple(program)
 
 
 def apply_cross_mesh(locals_: dict, before: DistSpec, after: DistSpec) -> dict:
@@ -85,13 +108,29 @@ def execute(locals_: dict, plan) -> dict:
 
 
 def _execute(locals_: dict, plan) -> dict:
-    spec = plan.src_spec
+    for cross, before, after, i in _plan_specs(plan):
+        locals_ = apply_cross_mesh(locals_, before, after) if cross else apply_step(locals_, before, after, i)
+    return locals_
+
+
+_PLAN_SPECS: dict = {}        # id(plan) -> (plan, its steps as specs); the plan is kept so its id stays its own
+
+
+def _plan_specs(plan) -> tuple:
+    """``((cross mesh?, spec before, spec after, mesh dim), ...)`` for the steps of ``plan``."""
+    hit = _PLAN_SPECS.get(id(plan))
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    out, spec = [], plan.src_spec
     for step in plan.steps:
         if getattr(step, "src_mesh", None) is not None and step.mesh_dim < 0:
             nxt = DistSpec(step.dst_mesh, step.dst, spec.shape, spec.dtype)
-            locals_ = apply_cross_mesh(locals_, DistSpec(step.src_mesh, step.src, spec.shape, spec.dtype), nxt)
+            out.append((True, DistSpec(step.src_mesh, step.src, spec.shape, spec.dtype), nxt, step.mesh_dim))
         else:
             nxt = DistSpec(spec.mesh, step.dst, spec.shape, spec.dtype)
-            locals_ = apply_step(locals_, spec.with_placements(step.src), nxt, step.mesh_dim)
+            out.append((False, spec.with_placements(step.src), nxt, step.mesh_dim))
         spec = nxt
-    return locals_
+    if len(_PLAN_SPECS) >= _CACHE_LIMIT:
+        _PLAN_SPECS.clear()
+    _PLAN_SPECS[id(plan)] = (plan, tuple(out))
+    return tuple(out)

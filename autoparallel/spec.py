@@ -18,8 +18,27 @@ _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64"
                 "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
 
 
+# (type, dtype) -> canonical name, filled as dtypes are seen; keyed by type too because paddle's enums
+# compare equal across enum types by value (VarType.FP32 == DataType.INT16)
+_NORMALIZED: dict = {}
+
+
 def normalize_dtype(dtype) -> str:
     """'float32', paddle.float32, np.float32 -> 'float32'."""
+    key = (dtype.__class__, dtype)
+    try:
+        return _NORMALIZED[key]
+    except (KeyError, TypeError):
+        pass
+    s = _normalize(dtype)
+    try:
+        _NORMALIZED[key] = s
+    except TypeError:                   # unhashable: not remembered
+        pass
+    return s
+
+
+def _normalize(dtype) -> str:
     s = str(dtype)
     for prefix in ("paddle.", "VarType.", "DataType."):
         if s.startswith(prefix):
@@ -35,6 +54,9 @@ def normalize_dtype(dtype) -> str:
 
 def dtype_bytes(dtype) -> int:
     return _DTYPE_BYTES[normalize_dtype(dtype)]
+
+
+_WITH_PLACEMENTS: dict = {}     # (spec, placements) -> spec: layouts derived again and again (gradients, reshards)
 
 
 def check_placements(mesh: ProcessMesh, placements, ndim: int) -> tuple[Placement, ...]:
@@ -66,6 +88,28 @@ class DistSpec:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         object.__setattr__(self, "placements", check_placements(self.mesh, self.placements, len(shape)))
+        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.shape, self.dtype)))
+
+    # ---- identity (specs key every cache: hash once, compare cheaply) -------------------------
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._hash == other._hash and self.shape == other.shape and self.dtype == other.dtype \
+            and self.placements == other.placements and self.mesh == other.mesh
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)           # string hashes differ between processes
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.shape, self.dtype)))
 
     # ---- derived facts ------------------------------------------------------------------------
     @property
@@ -118,7 +162,19 @@ class DistSpec:
         return int(np.prod(self.max_local_shape())) * dtype_bytes(self.dtype) if self.ndim else dtype_bytes(self.dtype)
 
     def with_placements(self, placements) -> "DistSpec":
-        return DistSpec(self.mesh, tuple(placements), self.shape, self.dtype)
+        placements = tuple(placements)
+        key = (self, placements)
+        try:
+            return _WITH_PLACEMENTS[key]
+        except KeyError:
+            pass
+        except TypeError:                    # unhashable items: validated (and rejected) below
+            return DistSpec(self.mesh, placements, self.shape, self.dtype)
+        spec = DistSpec(self.mesh, placements, self.shape, self.dtype)
+        if len(_WITH_PLACEMENTS) >= 8192:
+            _WITH_PLACEMENTS.clear()
+        _WITH_PLACEMENTS[key] = spec
+        return spec
 
     def __str__(self) -> str:
         pl = ", ".join(str(p) for p in self.placements)

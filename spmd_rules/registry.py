@@ -241,20 +241,32 @@ class SpmdRule:
         tensors in place of DistSpecs) updated by ``result.local_kwargs(coords)``. An override replaces the
         argument of that parameter name wherever it was passed (positionally or by keyword); names the
         signature lacks (extra attributes of a ``local_op``) are added as keywords."""
-        overrides = result.local_kwargs(coords)
-        if not overrides:
+        by_pos, by_kw = self.local_overrides(result, len(args), coords)
+        if not by_pos and not by_kw:
             return tuple(args), dict(kwargs)
         args, kwargs = list(args), dict(kwargs)
+        for i, value in by_pos:
+            args[i] = value
+        kwargs.update(by_kw)
+        return tuple(args), kwargs
+
+    def local_overrides(self, result: SpmdResult, n_args: int, coords):
+        """``result.local_kwargs(coords)`` split for a call with ``n_args`` positional arguments:
+        ``((index, value), ...)`` replacing positional arguments and ``{name: value}`` keywords."""
+        overrides = result.local_kwargs(coords)
+        if not overrides:
+            return (), {}
         positional = []
         if self._sig is not None:
             positional = [p.name for p in self._sig.parameters.values()
                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        by_pos, by_kw = [], {}
         for name, value in overrides.items():
-            if name in positional and positional.index(name) < len(args):
-                args[positional.index(name)] = value
+            if name in positional and positional.index(name) < n_args:
+                by_pos.append((positional.index(name), value))
             else:
-                kwargs[name] = value
-        return tuple(args), kwargs
+                by_kw[name] = value
+        return tuple(by_pos), by_kw
 
     @property
     def has_reverse(self) -> bool:

@@ -1,0 +1,270 @@
+"""The dispatch cache: what one call signature of a routed op needs, planned once.
+
+A call's key holds everything its plan depends on: the rule (re-registering an op gives a new one), the
+dotted path called, the world (kind, rank, size, backend), the cluster reshards are priced on, and the
+arguments with every tensor replaced by its layout -- a DistTensor by its DistSpec (mesh, placements,
+global shape, dtype), a DistParameter by ``("param", spec)``, a plain tensor by ``("plain", shape,
+dtype)`` -- and every other argument by ``(type, value)``, lists and tuples entered, keyword order kept.
+Equal keys give the same rule result, so the plan made for the first call serves every later one: the
+rule's result, the reshard plan of each input, the mesh dims whose gradient needs an all_reduce, the held
+ranks and each rank's local-call overrides. A call whose arguments have no hashable value (numpy arrays,
+tensors inside slices or dicts) is planned afresh every time.
+
+Per call only data-dependent work remains: executing reshards, gradient hooks (whether an input wants a
+gradient is read from its ``stop_gradient`` on every call, so grad mode is never part of the key), building
+each rank's arguments from the call's own values, the local op.
+Overrides from a rule's ``local_attrs`` are computed once per rank and shared by later calls (rules are
+pure; local implementations must not mutate their arguments).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import paddle
+
+from autoparallel import redistribute
+from autoparallel.comm import collectives as C
+from autoparallel.comm import world as world_mod
+from autoparallel.dist_tensor import DistParameter, DistTensor
+from autoparallel.spec import DistSpec, normalize_dtype
+from spmd_rules.registry import flatten_specs, replace_specs
+
+_CACHE: dict = {}
+_CACHE_LIMIT = 4096
+_ATOMS = frozenset({int, float, bool, str, bytes, complex, type(None), type(Ellipsis)})
+_DIST, _PARAM, _PLAIN = 0, 1, 2
+_enabled = [True]
+
+
+class _Uncacheable(Exception):
+    """An argument without a stable key."""
+
+
+# ---- keys ------------------------------------------------------------------------------------------------
+def call_key(args, kwargs, leaves: list):
+    """The argument part of a call's key, appending the tensor leaves to ``leaves`` in the order
+    ``flatten_specs`` visits them; None when some argument has no key (``leaves`` is then incomplete)."""
+    try:
+        a = tuple([_arg_key(v, leaves) for v in args])
+        return a, tuple([(k, _arg_key(v, leaves)) for k, v in kwargs.items()]) if kwargs else ()
+    except (_Uncacheable, TypeError, ValueError):     # ValueError: a dtype without a spec (the plan says why)
+        return None
+
+
+def _arg_key(v, leaves):
+    t = v.__class__
+    if t is DistTensor:
+        leaves.append(v)
+        return v._spec
+    if t in _ATOMS:
+        return t, v
+    if t is list or t is tuple:
+        return (t, *[_arg_key(x, leaves) for x in v])
+    if isinstance(v, paddle.Tensor):
+        leaves.append(v)
+        if isinstance(v, DistParameter):
+            spec = getattr(v, "_ap_spec", None)
+            if spec is None:
+                raise _Uncacheable          # held as a plain tensor, yet marked like a parameter
+            return "param", spec
+        return "plain", tuple(v.shape), normalize_dtype(v.dtype)
+    if isinstance(v, (list, tuple)):
+        return (t, *[_arg_key(x, leaves) for x in v])
+    return _const_key(v)
+
+
+def _const_key(v):
+    """Key of a value where no tensor leaf is looked for (slices, dicts, other objects)."""
+    t = v.__class__
+    if t in _ATOMS:
+        return t, v
+    if isinstance(v, (paddle.Tensor, DistTensor, DistSpec)):
+        raise _Uncacheable
+    if isinstance(v, (list, tuple)):
+        return (t, *[_const_key(x) for x in v])
+    if t is slice:
+        return slice, _const_key(v.start), _const_key(v.stop), _const_key(v.step)
+    if isinstance(v, dict):
+        return (t, *[(_const_key(k), _const_key(x)) for k, x in v.items()])
+    hash(v)                     # TypeError: unhashable, no key
+    return t, v
+
+
+def full_key(rule, path: str, world, args_key, pinned=None):
+    """The whole key, or None when the call cannot be cached."""
+    if args_key is None or not _enabled[0]:
+        return None
+    key = (rule, path, world.__class__, world.rank, world.world_size, world.backend,
+           id(world_mod._cluster_override), args_key)
+    return key if pinned is None else key + (id(pinned),)
+
+
+def find(rule, path: str, world, args_key, pinned=None):
+    """``(key, cached plan or None)``; the key is None when the call cannot be cached."""
+    key = full_key(rule, path, world, args_key, pinned)
+    if key is None:
+        return None, None
+    plan = _CACHE.get(key)
+    if plan is not None and pinned is not None and plan.res is not pinned:
+        return key, None
+    return key, plan
+
+
+def store(key, plan) -> None:
+    if key is None:
+        return
+    if len(_CACHE) >= _CACHE_LIMIT:
+        _CACHE.clear()
+    _CACHE[key] = plan
+
+
+def clear() -> None:
+    """Forget every cached plan."""
+    _CACHE.clear()
+
+
+def size() -> int:
+    return len(_CACHE)
+
+
+@contextlib.contextmanager
+def disabled():
+    """Plan every call afresh (and store nothing) inside the block."""
+    prev = _enabled[0]
+    _enabled[0] = False
+    try:
+        yield
+    finally:
+        _enabled[0] = prev
+
+
+# ---- plans -----------------------------------------------------------------------------------------------
+def leaf_kind(v) -> int:
+    """How dispatch holds a leaf: a DistTensor, a DistParameter with a spec, or a plain tensor (replicated)."""
+    if v.__class__ is DistTensor:
+        return _DIST
+    if isinstance(v, DistParameter) and hasattr(v, "_ap_spec"):
+        return _PARAM
+    return _PLAIN
+
+
+def moves_no_data(src: DistSpec, dst: DistSpec) -> bool:
+    """Only local slices / R->P zeroing: the parameter's gradient stays a partial sum on the other
+    dims, so it can join the bucketed reduction instead of an eager all_reduce."""
+    return all(a == b or (a.is_replicate() and not b.is_replicate())
+               for a, b in zip(src.placements, dst.placements))
+
+
+def _is_tensor_leaf(v) -> bool:
+    return isinstance(v, (DistTensor, paddle.Tensor))
+
+
+def _slots(items) -> tuple:
+    """``(position, n)`` for every argument holding tensor leaves: n = 0 for a tensor itself, else the
+    number of leaves inside (a list or tuple)."""
+    out = []
+    for pos, v in items:
+        if _is_tensor_leaf(v):
+            out.append((pos, 0))
+        else:
+            n = len(flatten_specs([v], None, is_leaf=_is_tensor_leaf))
+            if n:
+                out.append((pos, n))
+    return tuple(out)
+
+
+def _reshard_plan(src: DistSpec, dst: DistSpec):
+    from reshard import plan_reshard
+
+    return plan_reshard(src.shape, src.dtype, src.mesh, src.placements, dst.placements,
+                        cluster=world_mod.planning_cluster())
+
+
+class CallPlan:
+    """One call signature's layout decisions (see the module docstring)."""
+
+    __slots__ = ("res", "mesh", "held", "kinds", "reshards", "grad_dims", "marks", "arg_slots", "kw_slots",
+                 "overrides", "cluster")
+
+    def __init__(self, rule, res, mesh, leaves, src_specs, args, kwargs, world):
+        split = [m for m in res.split_mesh_dims() if mesh.shape[m] > 1]
+        self.res, self.mesh = res, mesh
+        self.cluster = world_mod._cluster_override             # keeps the id in the key alive
+        self.kinds = tuple(leaf_kind(v) for v in leaves)
+        self.reshards = tuple(None if s == req else _reshard_plan(s, req) for s, req in zip(src_specs, res.inputs))
+        self.grad_dims = tuple(tuple(m for m in split if req.placements[m].is_replicate()) for req in res.inputs)
+        self.marks = tuple(isinstance(v, DistParameter) and moves_no_data(s, req)
+                           for v, s, req in zip(leaves, src_specs, res.inputs))
+        self.held = tuple(world.local_ranks(mesh.process_ids))
+        self.arg_slots = _slots(enumerate(args))
+        self.kw_slots = _slots(kwargs.items())
+        self.overrides = {r: rule.local_overrides(res, len(args), mesh.coords_of(r)) for r in self.held}
+
+    # ---- per call -----------------------------------------------------------------------------------
+    def calls(self, leaves, args, kwargs) -> dict:
+        """{rank: (args, kwargs)} of the local op: inputs resharded, the call's own values elsewhere."""
+        locs = self._inputs(leaves)
+        out = {}
+        for r in self.held:
+            try:
+                vals = [loc[r] for loc in locs]
+            except KeyError:
+                self._missing(locs, r)
+            out[r] = self._fill(args, kwargs, vals, r)
+        return out
+
+    def _inputs(self, leaves) -> list:
+        """{rank: local} of every leaf in the layout the rule requires; on split mesh dims where it stays
+        replicated its gradient is made complete (all_reduce in backward), or, for a parameter used
+        directly, marked as a partial sum there (the data-parallel runtime reduces it in buckets)."""
+        out = []
+        for k, v in enumerate(leaves):
+            kind = self.kinds[k]
+            locs = v._locals if kind == _DIST else v._ap_locals if kind == _PARAM else dict.fromkeys(self.held, v)
+            plan = self.reshards[k]
+            if plan is not None:
+                locs = redistribute.execute(locs, plan)
+            dims = self.grad_dims[k]
+            if dims and not all(t.stop_gradient for t in locs.values()):
+                if self.marks[k]:
+                    v._ap_partial_dims = getattr(v, "_ap_partial_dims", frozenset()) | frozenset(dims)
+                else:
+                    for m in dims:
+                        locs = C.mesh_groups_apply(locs, self.mesh, m, C.grad_all_reduce)
+            out.append(locs)
+        return out
+
+    def _missing(self, locs, r):
+        for loc, spec in zip(locs, self.res.inputs):
+            if r not in loc:
+                DistTensor._own(loc, spec).local_of(r)          # raises the reason
+        raise AssertionError("unreachable")
+
+    def _fill(self, args, kwargs, vals, r):
+        a = list(args)
+        j = 0
+        for pos, n in self.arg_slots:
+            if n == 0:
+                a[pos] = vals[j]
+                j += 1
+            else:
+                a[pos] = _refill(a[pos], vals[j:j + n])
+                j += n
+        kw = dict(kwargs)
+        for name, n in self.kw_slots:
+            if n == 0:
+                kw[name] = vals[j]
+                j += 1
+            else:
+                kw[name] = _refill(kw[name], vals[j:j + n])
+                j += n
+        by_pos, by_kw = self.overrides[r]
+        for i, value in by_pos:
+            a[i] = value
+        if by_kw:
+            kw.update(by_kw)
+        return tuple(a), kw
+
+
+def _refill(v, vals):
+    return replace_specs((v,), None, vals, is_leaf=_is_tensor_leaf)[0][0]
