@@ -8,13 +8,8 @@ same creation-order pass.
 """
 from __future__ import annotations
 
-import paddle
-from paddle.base.framework import EagerParamBase
-
 from autoparallel.lazy_init.params import (DEFAULT_CHUNK, is_lazy, lazy_parameters, materialize_params,
                                           padding_rows, parameter_names)
-from autoparallel.local_mode import local_mode
-from autoparallel.parallel.optim_clone import clone_optimizer
 from autoparallel.parallel.sharding import ZeroOptimizer
 
 
@@ -31,31 +26,11 @@ class LazyZeroOptimizer(ZeroOptimizer):
     def _make_inner(self, r):
         if "_lazy_chunks" not in self.__dict__:
             self._lazy_chunks = self._stream()
-        k, chunks, names = self.groups.index(r), [], {}
-        with local_mode(), paddle.no_grad():
-            for p in self.params:
-                streamed = self._lazy_chunks.get(id(p), {}).get(r)
-                if streamed is not None:
-                    data = streamed.astype("float32")
-                else:
-                    flat = p.locals[r].reshape([-1]).astype("float32")
-                    data = self._layout([p], r).chunk(flat, 0, k).clone()
-                chunks.append(self._master(p, r, data, names))
-        return clone_optimizer(self._inner, chunks, names)
+        return super()._make_inner(r)
 
-    def _master(self, p, r, data, names):
-        """The same master weight ZeroOptimizer makes from a chunk."""
-        if self.offload:
-            data = data._copy_to(self.host, True)
-        m = EagerParamBase.from_tensor(data)
-        m.name = f"{p.name}.zero_r{r}"
-        m.stop_gradient = False
-        m.optimize_attr = getattr(p, "optimize_attr", {"learning_rate": 1.0})
-        m.regularizer = getattr(p, "regularizer", None)
-        m.need_clip = getattr(p, "need_clip", True)
-        names[m.name] = p.name
-        self.master[r][id(p)] = m
-        return m
+    def _initial_chunk(self, p, r):
+        streamed = self._lazy_chunks.get(id(p), {}).get(r)
+        return streamed.astype("float32") if streamed is not None else super()._initial_chunk(p, r)
 
     def _stream(self) -> dict:
         """One creation-order pass over the model: managed lazy parameters keep their ZeRO chunk only."""

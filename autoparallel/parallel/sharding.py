@@ -100,11 +100,10 @@ class ZeroOptimizer:
     def _make_inner(self, r):
         from paddle.base.framework import EagerParamBase
 
-        k, chunks, names = self.groups.index(r), [], {}
+        chunks, names = [], {}
         with local_mode(), paddle.no_grad():
             for p in self.params:
-                flat = p.locals[r].reshape([-1]).astype("float32")
-                data = self._layout([p], r).chunk(flat, 0, k).clone()
+                data = self._initial_chunk(p, r)
                 if self.offload:
                     data = data._copy_to(self.host, True)
                 m = EagerParamBase.from_tensor(data)
@@ -117,6 +116,11 @@ class ZeroOptimizer:
                 self.master[r][id(p)] = m
                 chunks.append(m)
         return clone_optimizer(self._inner, chunks, names)
+
+    def _initial_chunk(self, p, r):
+        """Rank r's fp32 chunk of ``p``'s local shard: the master weight's first value."""
+        flat = p.locals[r].reshape([-1]).astype("float32")
+        return self._layout([p], r).chunk(flat, 0, self.groups.index(r)).clone()
 
     # ---- parameters -------------------------------------------------------------------------------------
     def gather(self, params) -> None:
