@@ -93,8 +93,9 @@ def paddle_placements(name: str, param_name: str) -> list:
     return out
 
 
-def setup_paddle(args):
-    mesh = dist.ProcessMesh(MESH, dim_names=DIM_NAMES)
+def setup_paddle(args, ranks=MESH):
+    """Paddle's semi-auto API on a ("data", "model") mesh of ``ranks`` with GPT_PLAN's placements."""
+    mesh = dist.ProcessMesh(ranks, dim_names=DIM_NAMES)
     model = build_model(args)
 
     def shard_fn(name, layer, mesh):

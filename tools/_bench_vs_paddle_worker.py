@@ -23,13 +23,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import numpy as np                                        # noqa: E402
 import paddle                                             # noqa: E402
 import paddle.distributed as dist                         # noqa: E402
 import paddle.nn.functional as F                          # noqa: E402
 
 from _bench_dispatch_worker import (adamw, barrier, build_model, make_batch, over_ranks,  # noqa: E402
-                                    paddle_placements, report)
+                                    report)
+from _bench_dispatch_worker import setup_paddle as _semi_auto  # noqa: E402
 from autoparallel.testing.launch import write_result     # noqa: E402
 
 
@@ -55,19 +55,7 @@ def setup_ours(args):
 
 
 def setup_paddle(args):
-    mesh = dist.ProcessMesh(mesh_ranks(args.dp, args.tp), dim_names=["data", "model"])
-    model = build_model(args)
-
-    def shard_fn(name, layer, mesh):
-        for pname, p in list(layer._parameters.items()):
-            if p is not None and not p.is_dist():
-                setattr(layer, pname, dist.shard_tensor(p, mesh, paddle_placements(name, pname)))
-
-    dist.shard_layer(model, mesh, shard_fn)
-    opt = dist.shard_optimizer(adamw(args, model.parameters()))
-    batch = [dist.Shard(0), dist.Replicate()]
-    ids, labels = (dist.shard_tensor(paddle.to_tensor(a), mesh, batch) for a in make_batch(args))
-    return model, opt, ids, labels
+    return _semi_auto(args, mesh_ranks(args.dp, args.tp))[:4]
 
 
 def setup_paddle_dp(args):
