@@ -8,7 +8,8 @@ import sys
 COMMANDS = {
     "reshard": ("reshard.cli", "plan and explain a redistribution: --shape --mesh --from --to"),
     "plan": ("autoparallel.planner.cli", "choose a parallel strategy for a model on a cluster"),
-    "calibrate": ("autoparallel.planner.calibrate", "measure this machine into a cluster profile JSON"),
+    "calibrate": ("autoparallel.planner.calibrate", "measure gloo collectives on real ranks, per-op costs and compute "
+                                                    "into a cluster profile JSON"),
     "demo": ("autoparallel.demo", "launch the multi-rank CPU demo"),
 }
 

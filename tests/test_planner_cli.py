@@ -82,10 +82,12 @@ def test_plot(tmp_path, capsys):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_calibrate_writes_a_gloo_profile_usable_as_a_cluster(tmp_path, capsys):
+def test_calibrate_in_process_writes_a_gloo_profile_usable_as_a_cluster(tmp_path, capsys):
+    """--no-launch: matmul and bandwidth measured here, collectives assumed (the real-rank calibration is
+    tests/test_planner_calibrate_dist.py)."""
     path = tmp_path / "cpu.json"
     assert calibrate.main(["-o", str(path), "--ranks", "2", "--matmul-size", "128", "--repeat", "2",
-                           "--no-paddle"]) == 0
+                           "--no-paddle", "--no-launch"]) == 0
     assert "GFLOP/s" in capsys.readouterr().out
     profile = json.loads(path.read_text())
     assert profile["backend"] == "gloo" and profile["overlap"] == 0.0 and profile["devices_per_node"] == 2
@@ -94,3 +96,4 @@ def test_calibrate_writes_a_gloo_profile_usable_as_a_cluster(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["devices"] == 2 and data["feasible"]
     assert calibrate.main(["--ranks", "0", "-o", str(path)]) == 2
+    assert calibrate.main(["--ranks", "1", "-o", str(path)]) == 2          # collectives need two ranks

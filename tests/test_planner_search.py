@@ -168,8 +168,10 @@ def test_presets():
     assert parse_model("gpt3-175b").params == pytest.approx(174.6e9, rel=1e-3)
     custom = parse_model("hidden=8192,layers=48,heads=64,vocab=51200,kv_heads=8,ffn=28672,swiglu=1")
     assert custom.kv_heads == 8 and custom.ffn == 28672 and custom.swiglu and not custom.bias
-    with pytest.raises(NotImplementedError, match="op trace"):
-        ModelSpec.from_trace(None)
+    with pytest.raises(TypeError, match="paddle.nn.Layer"):
+        ModelSpec.from_trace(None, seq_len=16, batch=2)
+    with pytest.raises(ValueError, match="seq_len"):
+        ModelSpec.from_trace(None, seq_len=0, batch=2)
 
 
 def test_llama2_70b_on_1024_gpus_is_fast():

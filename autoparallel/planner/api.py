@@ -35,6 +35,17 @@ def _cluster_for_world(cluster: ClusterSpec, world: int) -> ClusterSpec:
                      f"of {cluster.devices_per_node}, nor part of one node")
 
 
+def _model_spec(model_or_preset, seq_len):
+    """A ModelSpec of a preset, dimension string or ModelSpec, or of a paddle model by its op trace."""
+    if hasattr(model_or_preset, "named_sublayers"):
+        from autoparallel.planner.auto import infer_seq_len
+        from autoparallel.planner.model_spec import ModelSpec
+
+        seq = infer_seq_len(model_or_preset, seq_len)
+        return ModelSpec.from_trace(model_or_preset, seq, 1, name=type(model_or_preset).__name__)
+    return parse_model(model_or_preset)
+
+
 def _empty_space_error(model, cluster, global_batch, space) -> ValueError:
     world = cluster.world_size
     tps = [t for t in divisors(world) if model.heads % t == 0 and model.kv_heads % t == 0
@@ -52,7 +63,8 @@ def plan(model_or_preset, cluster=None, global_batch_size=None, seq_len=None, to
          **constraints) -> PlanResult:
     """Rank parallel configurations of a model on a cluster by predicted step time.
 
-    model_or_preset: a preset name ("llama2-70b"), "hidden=..,layers=..,heads=..,vocab=.." or a ModelSpec.
+    model_or_preset: a preset name ("llama2-70b"), "hidden=..,layers=..,heads=..,vocab=..", a ModelSpec, or a
+    paddle model (traced with ``ModelSpec.from_trace``; seq_len defaults to its config's).
     cluster: "128x8:A100-80GB", a calibrated profile .json, a ClusterSpec, or None (nodes of 8 A100-80GB).
     global_batch_size: sequences per optimizer step. seq_len: tokens per sequence (default: the model's).
     top: candidates to return. fixed: "dp=4,tp=8,..." or a dict — evaluate that one configuration
@@ -63,7 +75,7 @@ def plan(model_or_preset, cluster=None, global_batch_size=None, seq_len=None, to
     and an explanation naming the smallest change that fits.
     """
     start = time.perf_counter()
-    model = parse_model(model_or_preset)
+    model = _model_spec(model_or_preset, seq_len)
     cluster = default_cluster() if cluster is None else parse_cluster(cluster)
     global_batch = _positive_int("global_batch_size", global_batch_size)
     seq = model.seq_len if seq_len is None else _positive_int("seq_len", seq_len)

@@ -4,6 +4,10 @@ A cluster is ``num_nodes`` nodes of ``devices_per_node`` devices; ranks are numb
 (rank r lives on node r // devices_per_node). A communication group whose ranks share one node uses
 the intra-node link (NVLink), otherwise the inter-node link (InfiniBand). Spec strings:
 ``"128x8:A100-80GB"`` = 128 nodes of 8 A100-80GB.
+
+A calibrated profile (``autoparallel calibrate``) also carries measured alpha-beta fits per collective
+and group size (``collectives``), which override the link model for those group sizes, and the costs of
+the eager runtime on this machine (``runtime``: per-op dispatch, backward and optimizer overheads).
 """
 from __future__ import annotations
 
@@ -16,6 +20,33 @@ from dataclasses import asdict, dataclass, field, replace
 class LinkSpec:
     latency_s: float          # alpha: seconds per message step
     bandwidth_Bps: float      # 1/beta: bytes per second one rank can send on this link
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """Measured time of one collective over groups of ``group_size`` ranks: latency_s + b / bandwidth_Bps,
+    with b the bytes one rank holds entering it (comm/cost.py's convention), emulations included."""
+    collective: str
+    group_size: int
+    latency_s: float          # alpha: seconds of a zero-byte call
+    bandwidth_Bps: float      # 1/beta: bytes per second of the fitted slope
+
+    def seconds(self, nbytes):
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """Per-op costs of the eager runtime on one rank, measured with every rank busy (CPU profiles)."""
+    op_s: float               # one plain eager paddle op on a small tensor
+    dispatch_s: float         # one forward op on distributed tensors (rule, layout, local op)
+    backward_s: float         # the backward of one dispatched forward op
+    optimizer_tensor_s: float  # one parameter tensor of an AdamW step
+    recompute_s: float = None  # one forward op run again by recompute (saved-tensor hooks included); None: dispatch_s
+
+    @property
+    def recompute_op_s(self) -> float:
+        return self.dispatch_s if self.recompute_s is None else self.recompute_s
 
 
 @dataclass(frozen=True)
@@ -45,6 +76,8 @@ class ClusterSpec:
     backend: str = "nccl"     # capability table used to price collectives ("nccl", "gloo")
     overlap: float = 1.0      # fraction of overlappable communication hidden behind compute (0 on gloo)
     extra: tuple = field(default_factory=tuple)   # free-form (key, value) pairs, e.g. calibration facts
+    collectives: tuple = field(default_factory=tuple)   # measured CollectiveFits (calibrated profiles)
+    runtime: RuntimeSpec = None   # eager-runtime costs (calibrated profiles); None: a GPU cluster model
 
     def __post_init__(self):
         if self.num_nodes <= 0 or self.devices_per_node <= 0:
@@ -63,6 +96,13 @@ class ClusterSpec:
         nodes = {self.node_of(r) for r in ranks}
         return self.intra_node if len(nodes) <= 1 else self.inter_node
 
+    def collective_fit(self, collective: str, group_size: int):
+        """The measured fit of ``collective`` over ``group_size`` ranks, or None."""
+        for fit in self.collectives:
+            if fit.collective == collective and fit.group_size == group_size:
+                return fit
+        return None
+
     def with_nodes(self, num_nodes: int) -> "ClusterSpec":
         return replace(self, num_nodes=num_nodes)
 
@@ -71,13 +111,29 @@ class ClusterSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ClusterSpec":
+        """Inverse of ``to_dict``; a profile missing a field or with a malformed one is a ValueError."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a cluster profile is a JSON object, got {type(d).__name__}")
+        try:
+            return cls._from_dict(d)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"malformed cluster profile {d.get('name', '?')!r}: {type(exc).__name__} {exc}; "
+                             f"expected the fields of ClusterSpec.to_dict() (write one with 'autoparallel "
+                             f"calibrate')") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict) -> "ClusterSpec":
         dev = d["device"]
         return cls(name=d["name"], num_nodes=int(d["num_nodes"]), devices_per_node=int(d["devices_per_node"]),
                    device=DeviceSpec(dev["name"], tuple(tuple(x) for x in dev["peak_flops"]),
                                      float(dev["memory_bytes"]), float(dev["memory_bandwidth_Bps"])),
                    intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
                    backend=d.get("backend", "nccl"), overlap=float(d.get("overlap", 1.0)),
-                   extra=tuple(tuple(x) for x in d.get("extra", ())))
+                   extra=tuple(tuple(x) for x in d.get("extra", ())),
+                   collectives=tuple(CollectiveFit(str(c["collective"]), int(c["group_size"]), float(c["latency_s"]),
+                                                   float(c["bandwidth_Bps"])) for c in d.get("collectives", ())),
+                   runtime=RuntimeSpec(**{k: None if v is None else float(v) for k, v in d["runtime"].items()})
+                   if d.get("runtime") else None)
 
     def to_json(self, path: str) -> None:
         with open(path, "w") as f:

@@ -14,7 +14,10 @@ TP collectives sit on the critical path; DP gradient sync and ZeRO gathers hide 
 ``cluster.overlap``; stage-to-stage sends are exposed. Collective times come from
 ``autoparallel.comm.cost.collective_seconds`` over the link the group uses (``cluster.link_for``).
 Ranks are laid out tp-innermost, then dp, then pp (Megatron's order), so TP stays inside a node when
-tp <= devices_per_node.
+tp <= devices_per_node. A calibrated profile's measured fit for a collective and group size replaces the
+link formula (``affine_seconds``); a profile with eager-runtime costs (``cluster.runtime``: CPU ranks)
+prices per-op overheads and the runtime's own collectives instead (planner/eager_cost.py) as the
+``overhead`` term and in the communication terms.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from functools import lru_cache
 import numpy as np
 
 from autoparallel.comm.cost import collective_seconds
+from autoparallel.planner import eager_cost
 from autoparallel.planner import memory as mem
 from autoparallel.planner.memory import FULL, SELECTIVE
 
@@ -40,6 +44,16 @@ def _affine(collective: str, n: int, latency_s: float, bandwidth_Bps: float, bac
     base = collective_seconds(collective, 0.0, n, latency_s, bandwidth_Bps, backend)
     probe = collective_seconds(collective, _PROBE_BYTES, n, latency_s, bandwidth_Bps, backend)
     return base, (probe - base) / _PROBE_BYTES
+
+
+def affine_seconds(cluster, collective: str, n: int, ranks):
+    """(seconds, seconds per byte) of ``collective`` over the group ``ranks`` of ``n`` members: the
+    cluster's measured fit for (collective, n) when it has one, else the link's alpha-beta formula."""
+    fit = cluster.collective_fit(collective, n) if cluster.collectives else None
+    if fit is not None:
+        return fit.latency_s, 1.0 / fit.bandwidth_Bps
+    link = cluster.link_for(ranks)
+    return _affine(collective, n, link.latency_s, link.bandwidth_Bps, cluster.backend)
 
 
 def _links(tp, dp):
@@ -68,8 +82,7 @@ def _unique_seconds(cluster, collective, b, n, ranks_of, key_arrays):
         size = int(n_arr[i])
         if size <= 1:
             continue
-        link = cluster.link_for(ranks_of(int(i)))
-        c0[j], c1[j] = _affine(collective, size, link.latency_s, link.bandwidth_Bps, cluster.backend)
+        c0[j], c1[j] = affine_seconds(cluster, collective, size, ranks_of(int(i)))
     b = np.broadcast_to(np.asarray(b, dtype=float), inverse.shape)
     return c0[inverse] + c1[inverse] * b
 
@@ -142,13 +155,15 @@ def offload_seconds(shard_params, options):
 def stage_params(model, t, p):
     """(Ψ of the first stage, Ψ of the last stage, Ψ of one block) on one device, before ZeRO.
 
-    Blocks split evenly (a stage holds ceil(l/p)); TP splits the matmuls and the vocabulary;
-    the first stage holds the embedding, the last the output head (a tied head is a copy when p > 1).
+    Blocks split evenly (a stage holds ceil(l/p)); TP splits the matmuls, the column-parallel biases and
+    the vocabulary; the first stage holds the embedding, the last the output head (a tied head is a copy
+    when p > 1).
     """
     h, V = model.hidden, model.vocab
     layers_per_stage = -(-model.layers // p)
-    layer_psi = model.layer_matmul_params / t + model.layer_other_params
-    emb = V * h / t + (model.seq_len * h if model.learned_positions else 0)
+    col_bias = model.layer_column_bias_params
+    layer_psi = (model.layer_matmul_params + col_bias) / t + model.layer_other_params - col_bias
+    emb = V * h / t + model.position_params
     norm = model.head_params - (0 if model.tied_embeddings else V * h)
     head_untied = 0.0 if model.tied_embeddings else V * h / t
     body = layers_per_stage * layer_psi
@@ -214,11 +229,19 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
                                 layers_per_stage * (2 + (rc == FULL)) * layer_ag, 0.0)
     zero3_exposed_mb = exposed_seconds(zero3_gathers_mb, compute_mb + recompute_mb, cluster.overlap)
 
-    t_mb = compute_mb + recompute_mb + tp_mb + zero3_exposed_mb
     backward_mb = layers_per_stage * (2.0 * t_fwd_layer + t_recompute_layer) + 2.0 * t_logits_fwd
     forward_mb = layers_per_stage * t_fwd_layer + t_logits_fwd
     dp_exposed = (exposed_seconds(grad_sync, backward_mb, cluster.overlap)
                   + exposed_seconds(param_sync, forward_mb, cluster.overlap))
+
+    # ---- eager runtime on CPU ranks (a calibrated profile): per-op overheads, the runtime's collectives ----
+    overhead_mb = np.zeros_like(compute_mb)
+    eager = None
+    if cluster.runtime is not None:
+        eager = eager_cost.eager_terms(model, cluster, g, m, layers_per_stage, psi, msg, b, s)
+        overhead_mb, tp_mb, zero3_exposed_mb = eager["overhead_mb"], eager["tp_mb"], eager["zero3_mb"]
+        dp_exposed = m * eager["dp_mb"] + eager["dp_step"]
+    t_mb = compute_mb + recompute_mb + tp_mb + zero3_exposed_mb + overhead_mb
 
     # ---- pipeline ----------------------------------------------------------------------------------
     p2p_msg = np.where((sp > 0) | o.pp_scatter_gather, msg / tp, msg)
@@ -229,6 +252,8 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     # ---- optimizer ---------------------------------------------------------------------------------
     shard = psi / np.where(zero >= 1, dp, 1)
     optimizer = np.where(off > 0, offload_seconds(shard, o), optimizer_traffic_bytes(shard, o) / W)
+    if eager is not None:
+        optimizer = optimizer + eager["optimizer"]
 
     step = m * t_mb + bubble + pp_comm + dp_exposed + optimizer
 
@@ -239,10 +264,17 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     logits = mem.logits_bytes(model, s, b, tp)
     z3buf = mem.zero3_gather_buffer_bytes(layer_psi, zero, o.param_bytes)
 
+    tensors = eager_cost.tensors_on_stage(model.op_profile(), layers_per_stage)
+
     def stage_memory(psi_stage, activations):
+        grads = mem.grad_bytes(psi_stage, zero, dp, o.grad_bytes)
+        states = mem.optimizer_bytes(psi_stage, zero, dp, off, o.optimizer_bytes)
+        if o.zero_master_copy:
+            grads = grads + mem.master_grad_bytes(psi_stage, zero, dp)
+            states = states + mem.master_copy_bytes(psi_stage, zero, dp, off)
         return {"params": mem.weight_bytes(psi_stage, zero, dp, o.param_bytes),
-                "grads": mem.grad_bytes(psi_stage, zero, dp, o.grad_bytes),
-                "optimizer": mem.optimizer_bytes(psi_stage, zero, dp, off, o.optimizer_bytes),
+                "grads": grads,
+                "optimizer": states + mem.per_tensor_state_bytes(tensors, off, o.optimizer_tensor_bytes),
                 "activations": activations,
                 "zero3_buffer": z3buf}
 
@@ -274,6 +306,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
         "pp_comm_s": pp_comm,
         "dp_comm_s": dp_exposed,
         "optimizer_s": optimizer,
+        "overhead_s": m * overhead_mb,
         "memory": memory,
         "memory_total": total,
         "host_bytes": host,
@@ -285,5 +318,5 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
 
 
 TIME_TERMS = ("compute_s", "recompute_s", "tp_comm_s", "zero3_gather_s", "bubble_s", "pp_comm_s", "dp_comm_s",
-              "optimizer_s")
+              "optimizer_s", "overhead_s")
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "zero3_buffer", "reserve")

@@ -10,7 +10,8 @@ from autoparallel.planner.search import config_at, candidate_at, evaluate_config
 
 TERM_NAMES = {"compute": "compute", "recompute": "recomputation", "tp_comm": "TP communication",
               "zero3_gather": "exposed ZeRO-3 gathers", "bubble": "pipeline bubble",
-              "pp_comm": "stage-to-stage sends", "dp_comm": "exposed DP gradient sync", "optimizer": "optimizer step"}
+              "pp_comm": "stage-to-stage sends", "dp_comm": "exposed DP gradient sync", "optimizer": "optimizer step",
+              "overhead": "per-op overheads"}
 KNOB_LABELS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("vpp", "vpp"), ("sp", "sp"), ("sharding", "zero"),
                ("recompute", "recompute"), ("offload", "offload"), ("micro_batch", "micro_batch"))
 _GRID_OF_KNOB = {"tp": "tp", "pp": "pp", "dp": "dp", "vpp": "vpp", "sp": "sp", "sharding": "zero",

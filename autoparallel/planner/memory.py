@@ -29,6 +29,22 @@ def optimizer_bytes(psi, zero, d, offload, optimizer_bytes_per_param):
     return np.where(offload > 0, 0.0, on_device)
 
 
+def master_copy_bytes(psi, zero, d, offload, master_bytes=4):
+    """The eager runtime's ZeRO stage 1-2 keeps an fp32 master chunk besides the parameter: 4·Ψ/d
+    (at stage 3 the chunk is the parameter's only storage, counted as the weight)."""
+    return np.where((zero >= 1) & (zero <= 2) & (offload == 0), master_bytes * psi / d, 0.0)
+
+
+def master_grad_bytes(psi, zero, d, master_bytes=4):
+    """The eager runtime's ZeRO stage 1 keeps the full gradient and the master chunk's gradient: + 4·Ψ/d."""
+    return np.where(zero == 1, master_bytes * psi / d, 0.0)
+
+
+def per_tensor_state_bytes(tensors, offload, bytes_per_tensor):
+    """Optimizer state held per parameter tensor (AdamW's beta powers: 8 bytes on paddle)."""
+    return np.where(offload > 0, 0.0, bytes_per_tensor * np.asarray(tensors, dtype=float))
+
+
 def host_optimizer_bytes(psi, zero, d, offload, optimizer_bytes_per_param):
     """Optimizer states held in host memory by one device when offloaded."""
     return np.where(offload > 0, optimizer_bytes_per_param * psi / np.where(zero >= 1, d, 1), 0.0)

@@ -13,11 +13,47 @@ For GPT (f = 4h, kv_heads = heads) 2·P_mm = 24h², which gives Megatron's
 
 Presets: ``gpt3-*`` (Brown et al. 2020, vocabulary padded to 51200 as Megatron does), ``megatron-*``
 (the rows of Narayanan et al. Table 1), ``llama2-*`` and ``llama3-*`` (published configurations).
+``ModelSpec.from_trace(model, seq_len, batch)`` reads one off a real paddle model (planner/from_trace.py).
+
+``OpProfile`` counts what the eager runtime pays per-op overheads on (dispatched forward ops, parameter
+tensors, parameter-owning layers, tensor-parallel linears); without a trace a template of the example
+models' structure is used (``op_profile``).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """Per-micro-batch counts of the eager runtime (from an op trace, or ``template_profile``)."""
+    layer_ops: int                # dispatched forward ops of one block
+    outside_ops: int              # dispatched forward ops outside the blocks (embeddings, head, loss)
+    core_ops: int                 # ops of one block's attention core (run again by selective recompute)
+    layer_tensors: int            # parameter tensors of one block
+    outside_tensors: int          # parameter tensors outside the blocks
+    layer_param_layers: int       # sublayers of one block owning parameters (ZeRO-3 gathers each one)
+    outside_param_layers: int     # such sublayers outside the blocks
+    row_parallel: int             # row-parallel linears of one block (a forward all_reduce each under TP)
+    col_parallel: int             # column-parallel linears of one block (a backward all_reduce each under TP)
+
+
+def template_profile(model) -> OpProfile:
+    """Counts of the example models' structure (examples/models): GPT blocks with a fused qkv projection
+    (21 ops, 12 tensors), LLaMA blocks with separate q/k/v, rotary and RMSNorm from basic ops and a SwiGLU
+    MLP (54 ops, 9 tensors); embeddings, final norm (1 op, or 6 for an RMSNorm), LM head and a cross-entropy
+    loss outside; a 9-op attention core."""
+    if model.swiglu:
+        layer_ops, layer_tensors, owners, col = 54, 2 + 7, 2 + 7, 5
+    else:
+        layer_ops, layer_tensors, owners, col = 21, (4 if model.layernorm else 2) + (8 if model.bias else 4), 6, 2
+    outside_ops = 3 + (2 if model.learned_positions else 0) + (1 if model.layernorm else 6)
+    head = 0 if model.tied_embeddings else 1
+    norm_tensors = 2 if model.layernorm else 1
+    outside_tensors = 1 + int(model.learned_positions) + norm_tensors + head
+    outside_owners = 1 + int(model.learned_positions) + 1 + head
+    return OpProfile(layer_ops, outside_ops, 9, layer_tensors, outside_tensors, owners, outside_owners, 2, col)
 
 
 @dataclass(frozen=True)
@@ -36,6 +72,9 @@ class ModelSpec:
     tied_embeddings: bool = True  # output head shares the input embedding matrix (GPT)
     learned_positions: bool = True  # a learned position table of seq_len x hidden (GPT) or rotary (LLaMA)
     dropout: bool = True          # dropout layers are present, so their masks are kept for backward (GPT)
+    positions: int = 0            # rows of the learned position table; 0 means seq_len
+    ops: OpProfile = None         # eager-runtime op counts (from a trace); None: template_profile
+    traced: object = None         # from_trace's per-layer figures (from_trace.TraceFacts), or None
 
     def __post_init__(self):
         for field_name in ("hidden", "layers", "heads", "vocab", "seq_len"):
@@ -89,9 +128,19 @@ class ModelSpec:
         return self.layer_matmul_params + self.layer_other_params
 
     @property
+    def position_params(self) -> int:
+        """The learned position table (positions·h, positions defaulting to seq_len), else 0."""
+        return (self.positions or self.seq_len) * self.hidden if self.learned_positions else 0
+
+    @property
     def embedding_params(self) -> int:
         """Input token embedding (and the learned position table, if any)."""
-        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
+        return self.vocab * self.hidden + self.position_params
+
+    @property
+    def layer_column_bias_params(self) -> int:
+        """Biases of the column-parallel linears (q, k, v and the MLP's input matrices): split by TP."""
+        return (self.hidden + 2 * self.kv_dim + (self.mlp_matrices - 1) * self.ffn) if self.bias else 0
 
     @property
     def head_params(self) -> int:
@@ -142,16 +191,22 @@ class ModelSpec:
     def with_seq_len(self, seq_len: int) -> "ModelSpec":
         return replace(self, seq_len=int(seq_len))
 
-    @classmethod
-    def from_trace(cls, graph) -> "ModelSpec":
-        """A ModelSpec from an op graph traced from a real paddle model (``ap.trace``).
+    def op_profile(self) -> OpProfile:
+        """The traced eager-runtime counts, or the example models' template."""
+        return self.ops if self.ops is not None else template_profile(self)
 
-        Not implemented yet: it needs the op trace (autoparallel/graph), which records per-op FLOPs,
-        parameter shapes and activation bytes. Until then, describe the model with a preset name or
-        an explicit "hidden=...,layers=...,heads=...,vocab=..." string.
-        """
-        raise NotImplementedError("ModelSpec.from_trace needs the op trace (autoparallel.graph.trace), which is "
-                                  "not available yet; pass a preset name or 'hidden=..,layers=..,heads=..,vocab=..'")
+    def short_dims(self) -> str:
+        return (f"hidden={self.hidden}, layers={self.layers}, heads={self.heads}, kv_heads={self.kv_heads}, "
+                f"ffn={self.ffn}, vocab={self.vocab}, swiglu={self.swiglu}")
+
+    @classmethod
+    def from_trace(cls, model, seq_len: int, batch: int, name: str = "traced") -> "ModelSpec":
+        """A ModelSpec of a real paddle model (a decoder-only transformer: embedding, a LayerList of blocks,
+        head): dimensions from its parameters, per-layer FLOPs, activation bytes and op counts from its op
+        trace on ``batch`` x ``seq_len`` token ids (spec-only: nothing is allocated or computed)."""
+        from autoparallel.planner.from_trace import from_trace
+
+        return from_trace(model, seq_len, batch, name)
 
 
 def _gpt(name, hidden, layers, heads, vocab=51200, seq_len=2048):

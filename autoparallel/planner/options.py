@@ -28,6 +28,9 @@ class PlannerOptions:
     # -- offload (ZeRO-Offload: optimizer states and their update on the host)
     host_link_bandwidth_Bps: float = 12e9         # device<->host bytes/s per device (PCIe 4.0 x16 shared by two devices)
     host_adam_params_per_s: float = 2.5e8         # parameters/s one device's share of host cores updates with Adam
+    # -- the eager runtime's bookkeeping (set for calibrated CPU profiles, see options_for_cluster)
+    zero_master_copy: bool = False                # ZeRO keeps an fp32 master chunk (stage 1-2) and its gradient (stage 1)
+    optimizer_tensor_bytes: float = 0.0           # optimizer state per parameter tensor (paddle AdamW's beta powers: 8)
     # -- search space limits
     max_vpp: int = 16                             # largest number of virtual stages per device considered
 
@@ -71,11 +74,14 @@ class PlannerOptions:
 
 def options_for_cluster(cluster, options: PlannerOptions = None) -> PlannerOptions:
     """Options given explicitly win; otherwise a calibrated profile's facts ("precision", "gemm_efficiency")
-    override the defaults (a measured matmul rate is already sustained, so its profile says gemm_efficiency 1)."""
+    override the defaults (a measured matmul rate is already sustained, so its profile says gemm_efficiency 1),
+    and a profile with eager-runtime costs counts the runtime's ZeRO master chunks and AdamW beta powers."""
     if options is not None:
         return options
     facts = dict(cluster.extra)
     changes = {}
+    if getattr(cluster, "runtime", None) is not None:       # the eager runtime on CPU ranks (fp32, paddle AdamW)
+        changes.update(zero_master_copy=True, optimizer_tensor_bytes=8.0)
     if "precision" in facts:
         changes["precision"] = str(facts["precision"])
     if "gemm_efficiency" in facts:

@@ -1,0 +1,152 @@
+"""``auto_mode="full"`` in ``ap.parallelize``: the planner chooses the strategy for the actual world.
+
+    s = ap.Strategy(); s.auto_mode = "full"; s.global_batch_size = 8
+    model, opt = ap.parallelize(model, opt, strategy=s, seq_len=16)   # prints the plan's explanation
+
+Steps: the model is traced into a ModelSpec (``ModelSpec.from_trace``: parameters, FLOPs, op counts);
+the cluster is the calibrated profile named by the ``cluster`` argument, else by the environment variable
+``AP_CLUSTER_PROFILE`` (a JSON written by ``autoparallel calibrate``), else the built-in profile of this
+world's backend (``profiles.default_profile``: gloo -> the CPU profile measured on the development machine,
+nccl -> nodes of 8 A100-80GB), resized to the world; the search covers what the eager runtime executes:
+dp / tp / sp / ZeRO stage 0-3 / recompute none, selective, full / micro-batching, and pipeline stages
+(1F1B, or VPP) only with ZeRO off and no recompute (the pipeline runtime composes with dp and tp only);
+no optimizer offload on a CPU profile (the host is the device). The fastest configuration that also
+passes ``Strategy.validate`` wins; it becomes a ``auto_mode="semi"`` Strategy keeping the user's AMP,
+checkpoint, batch and seed settings, and parallelize runs its normal apply steps with it. The returned
+model carries ``_ap_strategy`` (the chosen Strategy) and ``_ap_plan`` (the PlanResult).
+"""
+from __future__ import annotations
+
+import os
+
+from autoparallel.planner.cluster import ClusterSpec, parse_cluster
+from autoparallel.planner.search import divisors
+
+ENV_PROFILE = "AP_CLUSTER_PROFILE"
+CANDIDATES = 64                    # ranked candidates checked against Strategy.validate, best first
+SHOWN = 5                          # candidates kept in the returned (and printed) PlanResult
+
+
+def resolve_cluster(cluster, world: int, backend: str) -> ClusterSpec:
+    """The cluster the planner prices, resized to ``world`` ranks (see the module docstring)."""
+    from autoparallel.planner.profiles import default_profile, for_world
+
+    if cluster is None and os.environ.get(ENV_PROFILE):
+        path = os.environ[ENV_PROFILE]
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"${ENV_PROFILE}={path!r} names no file; expected a profile JSON written by "
+                                    f"'autoparallel calibrate'")
+        cluster = path
+    base = default_profile(backend) if cluster is None else parse_cluster(cluster)
+    return for_world(base, world)
+
+
+def infer_seq_len(model, seq_len):
+    """``seq_len`` if given, else the model config's ``seq_len`` or ``max_positions``."""
+    if seq_len is not None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        return seq_len
+    c = getattr(model, "config", None)
+    for name in ("seq_len", "max_positions", "max_position_embeddings"):
+        value = getattr(c, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"auto_mode='full' prices a sequence length: pass seq_len= to ap.parallelize (the model "
+                     f"{type(model).__name__} has no config.seq_len or config.max_positions)")
+
+
+def _searches(world: int, layers: int, pipeline_ok: bool, cpu: bool) -> list:
+    """Constraint sets covering what the eager runtime executes (see the module docstring)."""
+    offload = [0] if cpu else [0, 1]
+    spaces = [dict(pp=[1], offload=offload)]
+    stages = [p for p in divisors(world) if 1 < p <= layers]
+    if pipeline_ok and stages:
+        spaces.append(dict(pp=stages, sharding=[0], recompute=["none"], offload=[0]))
+    return spaces
+
+
+def _pipeline_ok(model) -> bool:
+    """The pipeline runtime splits models with embed(ids), head(x) and a LayerList of blocks."""
+    import paddle
+
+    pieces = callable(getattr(model, "embed", None)) and callable(getattr(model, "head", None))
+    return pieces and any(isinstance(l, paddle.nn.LayerList) for _, l in model.named_sublayers())
+
+
+def to_strategy(candidate, user):
+    """The candidate as an auto_mode="semi" Strategy with the user's AMP, checkpoint and seed."""
+    from autoparallel.strategy import Strategy
+
+    s = Strategy.from_dict(candidate.to_strategy_dict())
+    s.amp = user.amp.to_dict()
+    s.checkpoint = user.checkpoint.to_dict()
+    s.seed = user.seed
+    return s
+
+
+def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str = "gloo"):
+    """(chosen Strategy, PlanResult) for ``model`` on ``world`` ranks."""
+    from autoparallel.parallelize import model_info
+    from autoparallel.planner.api import plan
+    from autoparallel.planner.model_spec import ModelSpec
+
+    if strategy.global_batch_size is None:
+        raise ValueError("auto_mode='full' needs strategy.global_batch_size (samples per optimizer step over all "
+                         "ranks) to choose data parallelism and micro-batching; got None")
+    seq = infer_seq_len(model, seq_len)
+    spec = ModelSpec.from_trace(model, seq, 1, name=type(model).__name__)
+    target = resolve_cluster(cluster, world, backend)
+    info = model_info(model)
+    results = []
+    for constraints in _searches(world, spec.layers, _pipeline_ok(model), target.runtime is not None):
+        try:
+            results.append(plan(spec, target, strategy.global_batch_size, seq, top=CANDIDATES, **constraints))
+        except ValueError:                      # e.g. no pipeline configuration divides this batch
+            continue
+    valid = []                                  # (step, memory, search, index, strategy), fastest first
+    for i, r in enumerate(results):
+        for j, c in enumerate(r.candidates):
+            chosen = to_strategy(c, strategy)
+            try:
+                chosen.validate(world_size=world, model_info=info)
+            except ValueError:                  # e.g. 1F1B with fewer micro-batches than stages
+                continue
+            valid.append((c.step_time_s, c.memory_per_device_gb, i, j, chosen))
+    if valid:
+        _, _, i, j, chosen = min(valid, key=lambda v: v[:4])
+        others = [min((v for v in valid if v[2] == k), key=lambda v: v[:4]) for k in range(len(results)) if k != i
+                  and any(v[2] == k for v in valid)]
+        return chosen, _with_winner(results[i], j, [results[v[2]].candidates[v[3]] for v in others])
+    raise ValueError(f"auto_mode='full': no configuration of {spec.name} ({spec.short_dims()}) with global batch "
+                     f"{strategy.global_batch_size} fits {world} ranks of {target.name} and passes the strategy "
+                     f"checks; choose the degrees yourself (auto_mode='semi')")
+
+
+def _with_winner(result, index, others=()):
+    """The PlanResult with the chosen candidate first and the next ones after it (``SHOWN`` in all); the
+    explanation also names the best configuration of the other searches (pipelines)."""
+    from dataclasses import replace
+
+    cands = [result.candidates[index]] + [c for k, c in enumerate(result.candidates) if k > index]
+    note = "" if index == 0 else (f"(the {index} faster configurations fail the strategy checks of this runtime; "
+                                  f"#1 below is the fastest that passes)\n")
+    tail = "".join(f"\n  best with pipeline stages (ZeRO and recompute off, as the pipeline runtime composes): "
+                   f"{c.config.short()}: {c.step_time_s:.3f} s" for c in others)
+    return replace(result, candidates=cands[:SHOWN], explanation=note + result.explanation + tail)
+
+
+def parallelize_auto(parallelize, model, optimizer, strategy, mesh=None, tp_plan=None, seq_len=None, cluster=None):
+    """Plan, print the explanation (rank 0), then ``parallelize`` with the chosen strategy."""
+    from autoparallel.comm.world import current_world
+
+    world = current_world()
+    chosen, result = choose(model, strategy, world.world_size, seq_len, cluster, world.backend)
+    if getattr(world, "rank", 0) == 0:
+        n = world.world_size
+        print(f"auto_mode='full': planned for {n} rank{'s' if n != 1 else ''} on {result.cluster.name}\n{result}\n"
+              f"chosen: {chosen}", flush=True)
+    out_model, out_opt = parallelize(model, optimizer, chosen, mesh, tp_plan)
+    out_model._ap_strategy = chosen
+    out_model._ap_plan = result
+    return out_model, out_opt
