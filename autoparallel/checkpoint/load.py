@@ -26,7 +26,8 @@ class CheckpointInfo:
     extra: object             # the extra given to save_state_dict
     bytes_read: int = 0       # data bytes this process read
     names: list = field(default_factory=list)   # loaded entries
-    restored: list = field(default_factory=list)  # run state put back by CheckpointManager.restore (rng, amp, ...)
+    runtime: object = None    # the run state beyond tensors (generators, loss scale, LR schedule), if saved
+    restored: list = field(default_factory=list)  # what of it CheckpointManager.restore put back
 
 
 @dataclass
@@ -68,7 +69,7 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
                             for dest, off, shape, zero in t.boxes]
         bytes_read = reader.bytes_read
     _assign(flat, targets, loaded, meta)
-    return CheckpointInfo(ckpt, meta.get("step"), meta.get("extra"), bytes_read, list(targets))
+    return CheckpointInfo(ckpt, meta.get("step"), meta.get("extra"), bytes_read, list(targets), meta.get("runtime"))
 
 
 def load_merged_state_dict(path: str, *, flat: bool = False) -> dict:

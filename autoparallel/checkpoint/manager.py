@@ -8,7 +8,7 @@
 
 With ``optimizer=`` the manager also saves and restores the run state that is not a tensor: every rank's
 random generators (restored under the same world size), the AMP loss scale and the LR schedule
-(runtime_state.py), in the metadata's ``extra["runtime"]``.
+(runtime_state.py), in the metadata's ``runtime``.
 
 Resume never trusts ``latest``: it loads the highest-step complete directory (discovery.py), which is the
 same unless a crash fell between a commit and the pointer update.
@@ -71,8 +71,8 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         os.makedirs(self.dir, exist_ok=True)
-        extra = dict(extra or {}, runtime=runtime_state.capture(self.optimizer))
-        path = save_state_dict(state, self.path_for(step), step=step, extra=extra, overwrite=True)
+        path = save_state_dict(state, self.path_for(step), step=step, extra=extra, overwrite=True,
+                               runtime=runtime_state.capture(self.optimizer))
         _, rank, _ = sync.job()
         if rank == 0:
             write_file_atomic(os.path.join(self.dir, LATEST), (os.path.basename(path) + "\n").encode())
@@ -105,8 +105,7 @@ class CheckpointManager:
         if path is None:
             return None
         info = load_state_dict(state, path, strict=strict)
-        runtime = info.extra.pop("runtime", None) if isinstance(info.extra, dict) else None
-        info.restored = runtime_state.restore(runtime, self.optimizer)
+        info.restored = runtime_state.restore(info.runtime, self.optimizer)
         return info
 
     # ---- preemption ---------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Run state that is not a tensor of the model or optimizer: random generators, loss scaler, LR schedule.
 
-Saved in the checkpoint's metadata (``extra["runtime"]``), written by rank 0:
+Saved in the checkpoint's metadata (``runtime``, beside the user's ``extra``), written by rank 0:
 
 * ``rng``: every rank's generator states (paddle's, numpy's global and python's ``random``), gathered to rank
   0 with one all_gather; restored when the job has the same number of ranks (rank r gets rank r's states).

@@ -27,14 +27,15 @@ FAILED = "FAILED"
 
 
 def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite: bool = False,
-                    block_bytes: int = BLOCK_BYTES) -> str:
+                    block_bytes: int = BLOCK_BYTES, runtime=None) -> str:
     """Save a (nested) dict of DistTensor / DistParameter / paddle.Tensor / numpy / JSON values to ``path``.
 
     Every rank of a job must call it with the same structure. ``step`` and ``extra`` (JSON: data-loader
     position, strategy dict, ...) are stored in the metadata and returned by ``load_state_dict``. ``path``
     appears only when the checkpoint is complete; an existing ``path`` needs ``overwrite=True``.
     ``block_bytes``: checksum granularity (a partial read verifies whole blocks). Returns the absolute
-    path of the checkpoint.
+    path of the checkpoint. ``runtime``: the run state beyond tensors (generators, loss scale, LR schedule;
+    runtime_state.py), JSON, kept apart from the user's ``extra``.
     """
     from autoparallel import watchdog
 
@@ -42,6 +43,7 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
     extra = json_value("extra", extra)
+    runtime = json_value("runtime", runtime)
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 64 or block_bytes % 64:
         raise ValueError(f"block_bytes must be a positive multiple of 64, got {block_bytes!r}")
     multi, rank, world_size = sync.job()
@@ -52,7 +54,7 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     nonce = sync.broadcast_token(new_nonce())
     tmp = temp_dir_for(final, nonce)
     os.makedirs(tmp, exist_ok=True)
-    meta = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "nonce": nonce,
+    meta = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "runtime": runtime, "nonce": nonce,
             "world_size": world_size, "created": time.time(),
             "tensors": tensors, "values": values, "files": {}}
     with watchdog.long_wait("checkpoint write"):
