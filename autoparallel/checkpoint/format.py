@@ -3,7 +3,8 @@
 ```
 <checkpoint>/
   metadata.json        written last by rank 0: global shapes, dtypes, placements, mesh, step, extra, the run
-                       state (generators, loss scale, LR schedule), and for every shard its file, byte offset, global box and per-block crc32 checksums
+                       state (generators, loss scale, LR schedule), and for every shard its file, byte
+                       offset, global box and per-block crc32 checksums
   data-r00003.bin      the raw C-order bytes of every shard rank 3 owns, each starting on a 64-byte
                        boundary; no header, so a loader reads any box with seek/pread (or np.memmap)
 ```
