@@ -1,7 +1,7 @@
 """Built-in cluster profiles for ``auto_mode="full"`` when no calibrated profile is given, and resizing a
 profile to the world that runs.
 
-``CPU_PROFILE`` is what ``autoparallel calibrate`` measured on the development machine (x86_64, 2 cores
+``CPU_PROFILE`` is what ``autoparallel calibrate`` measured on a reference machine (x86_64, 2 cores
 shared by 4 gloo ranks, paddle 3.3.1): collective fits for groups of 2 and 4, per-op costs, matmul rate
 and copy bandwidth per rank. Another machine should run ``autoparallel calibrate`` and point
 ``AP_CLUSTER_PROFILE`` at the result; the built-in one keeps decisions sensible (and deterministic).
