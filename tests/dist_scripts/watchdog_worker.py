@@ -41,6 +41,7 @@ for step in range(300):
             beats = wd.beats
             while wd.beats < beats + 2:              # a heartbeat published in this operation
                 time.sleep(0.02)
+            time.sleep(2 * wd.interval)             # ... and read by the others (they poll every interval)
             note("victim", signal=mode)
             os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
         y = x.clone()
