@@ -69,7 +69,7 @@ def test_dimensions_read_off_the_structure():
 def test_op_counts_match_the_template_and_the_dispatch_count():
     """The traced op profile equals the example-model template (used for presets without a trace), and the
     forward op count is what dispatch routes in an eager forward of the same model."""
-    from autoparallel import dispatch
+    from autoparallel.planner.calib_worker import _count_dispatched
 
     for name in ("gpt-tiny", "llama-tiny"):
         _, spec = traced(name, 16, 2, 256)
@@ -83,20 +83,9 @@ def test_op_counts_match_the_template_and_the_dispatch_count():
     mesh = ap.ProcessMesh([0], dim_names=["data"], create_groups=False)
     ap.shard_layer(model, mesh)
     ids = ap.shard_tensor(paddle.randint(0, 256, [2, 16]), mesh, [ap.Replicate()])
-    count = [0]
-    original = dispatch.run
-
-    def counting(*args):
-        count[0] += 1
-        return original(*args)
-
-    dispatch.run = counting
-    try:
-        F.cross_entropy(model(ids), ids)
-    finally:
-        dispatch.run = original
+    count = _count_dispatched(lambda: F.cross_entropy(model(ids), ids))
     ops = spec.ops
-    assert count[0] == spec.layers * ops.layer_ops + ops.outside_ops
+    assert count == spec.layers * ops.layer_ops + ops.outside_ops
     assert (ops.layer_tensors, ops.outside_tensors) == (12, 5)
     assert spec.layers * ops.layer_tensors + ops.outside_tensors == len(model.parameters())
 
