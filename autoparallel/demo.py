@@ -61,12 +61,21 @@ def main(argv=None) -> int:
     return code or 1
 
 
+def launcher_safe(script_args) -> list:
+    """paddle's launcher matches option prefixes even after the script name, so a script flag such as
+    ``--auto`` (a prefix of its ``--auto_parallel_config``, ``--auto_cluster_config``...) aborts it as
+    ambiguous; a ``--`` separator keeps the script's flags away from it (the examples drop the separator)."""
+    if any(a.startswith("--auto") for a in script_args):
+        return ["--", *script_args]
+    return list(script_args)
+
+
 def run_once(script, nproc, script_args, timeout, verbose) -> tuple:
     """Run the job once; returns (exit code, whether it failed with the gloo start-up flake)."""
     log_dir = tempfile.mkdtemp(prefix="ap_demo_")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOG_minloglevel="2")
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir", log_dir,
-           script, *script_args]
+           script, *launcher_safe(script_args)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True)
     stopped = threading.Event()

@@ -228,6 +228,9 @@ def gather_memory(mine: dict, world: int) -> list:
 
 
 def main(default_model: str, argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--"]:          # the separator that keeps paddle's launcher from reading our flags
+        argv = argv[1:]
     args = make_parser(default_model).parse_args(argv)
     log, _, _ = train(args)
     if log["world_size"] == 1 or dist.get_rank() == 0:

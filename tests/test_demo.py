@@ -5,7 +5,7 @@ import os
 import pytest
 
 import autoparallel as ap
-from autoparallel.demo import is_noise, parse_args
+from autoparallel.demo import is_noise, launcher_safe, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,3 +71,10 @@ def test_launcher_arguments_and_noise_filter(tmp_path):
         parse_args(["--nproc", "0"])
     assert is_noise("LAUNCH INFO 2026-11-30 03:53:26,656 nnodes: 1")
     assert not is_noise("reshard float32[8, 6] on mesh 2x2 (gloo): (S(0), R) -> (R, S(1))")
+
+
+def test_script_flags_the_launcher_would_misread_get_a_separator():
+    """paddle's launcher aborts on ``--auto`` (a prefix of its --auto_* options) even after the script name:
+    ``autoparallel demo`` puts a ``--`` separator before such script flags."""
+    assert launcher_safe(["--dp", "2"]) == ["--dp", "2"]
+    assert launcher_safe(["--auto", "--steps", "5"]) == ["--", "--auto", "--steps", "5"]
