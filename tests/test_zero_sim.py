@@ -1,7 +1,6 @@
 """ZeRO 1/2/3 (+offload, HSDP, with tensor parallel) in the simulated world: every rank in this process.
 Losses and final parameters equal the single-process AdamW run; stage-3 parameters are gathered only
 around their use; bytes per rank shrink with the stage; clipping uses the global norm."""
-import dataclasses
 
 import numpy as np
 import paddle
@@ -11,19 +10,14 @@ import pytest
 import autoparallel as ap
 from autoparallel.parallel.sharding import apply_zero
 from autoparallel.parallelize import parallelize
-from examples.models import PRESETS, build
+from dist_scripts import zero_common
+from dist_scripts.zero_common import make_opt, tiny
 
 STEPS = 4
 
 
-def tiny():
-    paddle.seed(0)
-    return build(dataclasses.replace(PRESETS["gpt-tiny"], vocab_size=256))
-
-
 def batches(n=STEPS):
-    rng = np.random.default_rng(0)
-    return [(rng.integers(0, 256, (8, 16)), rng.integers(0, 256, (8, 16))) for _ in range(n)]
+    return zero_common.batches(n)
 
 
 def strategy(dp, tp=1):
@@ -33,22 +27,8 @@ def strategy(dp, tp=1):
     return s
 
 
-def make_opt(m, clip=None):
-    gc = paddle.nn.ClipGradByGlobalNorm(clip) if clip else None
-    return paddle.optimizer.AdamW(3e-3, parameters=m.parameters(), grad_clip=gc)
-
-
 def reference(clip=None):
-    m = tiny()
-    opt = make_opt(m, clip)
-    losses = []
-    for x, y in batches():
-        loss = F.cross_entropy(m(paddle.to_tensor(x)), paddle.to_tensor(y))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses, {n: p.numpy() for n, p in m.named_parameters()}
+    return zero_common.reference(clip, STEPS)
 
 
 def run_zero(stage, dp=4, tp=1, degree=None, offload=False, clip=None, probe=None):

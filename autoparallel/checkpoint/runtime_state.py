@@ -103,14 +103,12 @@ def _job() -> tuple:
 # ---- the optimizer's companions -------------------------------------------------------------------------
 def _scaler(optimizer):
     """The LossScaler of an AmpOptimizer anywhere in the wrapper chain (None without AMP)."""
-    for _ in range(8):
-        if optimizer is None:
-            return None
-        scaler = vars(optimizer).get("scaler") if hasattr(optimizer, "__dict__") else None
-        if scaler is not None and hasattr(scaler, "scale_value"):
+    from autoparallel.checkpoint.state import wrapper_chain
+
+    for opt in wrapper_chain(optimizer):
+        scaler = vars(opt).get("scaler") if hasattr(opt, "__dict__") else None
+        if hasattr(scaler, "scale_value"):
             return scaler
-        own = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
-        optimizer = own.get("_inner", own.get("optimizer"))
     return None
 
 

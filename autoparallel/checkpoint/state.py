@@ -84,14 +84,20 @@ def training_state(model, optimizer=None) -> dict:
     return state
 
 
-def paddle_optimizer(optimizer):
-    """The paddle optimizer inside the ap wrappers (ShardedOptimizer ``_inner``, AmpOptimizer ``optimizer``)."""
-    given = optimizer
-    for _ in range(8):                               # wrappers nest a few levels at most
-        if hasattr(type(optimizer), "_create_accumulators"):
-            return optimizer
+def wrapper_chain(optimizer):
+    """``optimizer`` and the ones it wraps (ShardedOptimizer ``_inner``, AmpOptimizer ``optimizer``), outermost
+    first; wrappers nest a few levels at most."""
+    for _ in range(8):
+        if optimizer is None:
+            return
+        yield optimizer
         own = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
         optimizer = own.get("_inner", own.get("optimizer"))
-        if optimizer is None:
-            break
-    raise TypeError(f"expected a paddle optimizer or an ap wrapper of one, got {type(given).__name__}")
+
+
+def paddle_optimizer(optimizer):
+    """The paddle optimizer inside the ap wrappers (ShardedOptimizer ``_inner``, AmpOptimizer ``optimizer``)."""
+    for opt in wrapper_chain(optimizer):
+        if hasattr(type(opt), "_create_accumulators"):
+            return opt
+    raise TypeError(f"expected a paddle optimizer or an ap wrapper of one, got {type(optimizer).__name__}")
