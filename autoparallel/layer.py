@@ -2,7 +2,9 @@
 
 ``shard_fn(name, sublayer, mesh)`` replaces the parameters it wants sharded
 (``sublayer.weight = ap.shard_tensor(sublayer.weight, mesh, [...])``); every parameter left plain is
-replicated. ``input_fn(inputs, mesh)`` / ``output_fn(outputs, mesh)`` become forward hooks.
+replicated. A parameter held by several layers (tied weights) stays one parameter: sharding it through one
+holder repoints every holder (two holders asking for different layouts is a ``TiedLayoutError``).
+``input_fn(inputs, mesh)`` / ``output_fn(outputs, mesh)`` become forward hooks.
 """
 from __future__ import annotations
 
@@ -31,10 +33,15 @@ def shard_layer(layer, mesh: ProcessMesh, shard_fn=None, input_fn=None, output_f
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"shard_layer expects a ProcessMesh, got {type(mesh).__name__}")
     _ensure_dispatch()
+    from autoparallel.parallel.ties import check_replaced, holders, repoint
+
+    before = holders(layer)
     if shard_fn is not None:
         for name, sub in layer.named_sublayers(include_self=True):
             shard_fn(name, sub, mesh)
+    repoint(layer, before)                     # a tied parameter sharded through one holder: all holders see it
     replicate_remaining(layer, mesh)
+    check_replaced(layer, before)
     if input_fn is not None:
         layer.register_forward_pre_hook(lambda _layer, inputs: input_fn(inputs, mesh))
     if output_fn is not None:

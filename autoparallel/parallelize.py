@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import os
 import sys
 import threading
@@ -47,28 +46,16 @@ from autoparallel.local_mode import local_mode
 from autoparallel.mesh import ProcessMesh
 from autoparallel.parallel.optimizer import ShardedOptimizer
 from autoparallel.parallel.tensor_parallel import (ColWiseParallel, RowWiseParallel, SequenceParallel,
-                                                   VocabParallelEmbedding, apply_tp, match_plan)
+                                                   VocabParallelEmbedding, apply_tp, match_plan, name_matches)
+from autoparallel.parallel.ties import check_replaced, holders, repoint
+from autoparallel.parallel.tp_plans import FAMILIES, GPT_PLAN, LLAMA_PLAN, default_plan, family, no_family_error
 from autoparallel.placement import Replicate, Shard
 from autoparallel.strategy import Strategy
 
 DATA, MODEL = "data", "model"
 
-# Default tensor-parallel plans by layer-name family (Megatron layout).
-GPT_PLAN = {
-    "wte": VocabParallelEmbedding(),
-    "blocks.*.attn.qkv": ColWiseParallel(), "blocks.*.attn.proj": RowWiseParallel(),
-    "blocks.*.mlp.fc1": ColWiseParallel(), "blocks.*.mlp.fc2": RowWiseParallel(),
-    "lm_head": ColWiseParallel(),
-}
-LLAMA_PLAN = {
-    "embed_tokens": VocabParallelEmbedding(),
-    "layers.*.self_attn.q_proj": ColWiseParallel(), "layers.*.self_attn.k_proj": ColWiseParallel(),
-    "layers.*.self_attn.v_proj": ColWiseParallel(), "layers.*.self_attn.o_proj": RowWiseParallel(),
-    "layers.*.mlp.gate_proj": ColWiseParallel(), "layers.*.mlp.up_proj": ColWiseParallel(),
-    "layers.*.mlp.down_proj": RowWiseParallel(),
-    "lm_head": ColWiseParallel(),
-}
-DEFAULT_PLANS = {"GPT": GPT_PLAN, "LLaMA": LLAMA_PLAN}
+# Default tensor-parallel plans by layer-name family (parallel/tp_plans.py); names kept for importers.
+DEFAULT_PLANS = FAMILIES
 _NOT_YET = "not yet supported by ap.parallelize"
 
 
@@ -103,7 +90,7 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
                                       f"is {_NOT_YET}; build the model without LazyGuard")
         return _pipeline(model, optimizer, strategy, mesh, plan)
     mesh = build_mesh(degrees.dp, degrees.tp) if mesh is None else check_mesh(mesh, degrees.dp, degrees.tp)
-    original = dict(model.named_parameters())
+    original = holders(model)
     apply_tp(model, mesh, plan, tp_dim=MODEL)
     replicate_remaining(model, mesh)
     replaced = _replacements(original, model)
@@ -215,24 +202,14 @@ def check_mesh(mesh, dp: int, tp: int) -> ProcessMesh:
 
 
 def resolve_tp_plan(model, tp: int, user_plan: dict | None = None) -> dict:
-    """{exact layer name: style}: the default plan whose names the model has, overridden by the user's."""
+    """{exact layer name: style}: the default plan for the layer names the model has (suffix patterns, any
+    depth; parallel/tp_plans.py), overridden by the user's entries."""
     if tp == 1:
         return {}
-    resolved = {}
-    if user_plan is not None:
-        user = {name: style for name, _, style in match_plan(model, user_plan)}
-    else:
-        user = {}
-    family = _default_family(model)
-    if family is None and not user:
-        names = [n for n, _ in model.named_sublayers() if n]
-        expected = "; ".join(f"{k}-style names like {', '.join(list(p)[:4])}" for k, p in DEFAULT_PLANS.items())
-        raise ValueError(f"tensor_parallel.degree={tp} but no layer of {type(model).__name__} matches a default "
-                         f"tensor-parallel plan: expected {expected}; got layers "
-                         f"{', '.join(names[:12]) or '(none)'}; pass tp_plan={{pattern: style}} to parallelize")
-    if family is not None:
-        patterns = {p: s for p, s in DEFAULT_PLANS[family].items() if _matches(model, p)}
-        resolved.update({name: style for name, _, style in match_plan(model, patterns)})
+    user = {name: style for name, _, style in match_plan(model, user_plan)} if user_plan is not None else {}
+    resolved = default_plan(model, tp)
+    if not resolved and not user:
+        raise no_family_error(model, tp)
     resolved.update(user)
     return resolved
 
@@ -253,10 +230,12 @@ def apply_sp(model, plan: dict) -> dict:
     return out
 
 
-def _replacements(original: dict, model) -> dict:
-    """{id(original parameter): its distributed replacement}, matched by parameter path."""
-    after = dict(model.named_parameters())
-    return {id(p): after[name] for name, p in original.items() if name in after and after[name] is not p}
+def _replacements(before: list, model) -> dict:
+    """{id(original parameter): its distributed replacement}: every holder of a tied parameter repointed to
+    the one replacement, then checked that no original parameter is reachable from the model."""
+    replaced = repoint(model, before)
+    check_replaced(model, before)
+    return replaced
 
 
 # ---- model inputs ----------------------------------------------------------------------------------------
@@ -285,7 +264,8 @@ def _input_dims():
 
 
 def shard_inputs(model, mesh) -> None:
-    """A forward pre-hook distributing the model's tensor inputs (see the module docstring)."""
+    """A forward pre-hook distributing the model's tensor inputs, positional and keyword alike (see the module
+    docstring)."""
     import paddle
 
     def place(x):
@@ -303,10 +283,10 @@ def shard_inputs(model, mesh) -> None:
         placements = [Shard(0) if n in dims else Replicate() for n in mesh.dim_names]
         return shard_tensor(x, mesh, placements)
 
-    def pre(_layer, inputs):
-        return tuple(place(x) for x in inputs)
+    def pre(_layer, args, kwargs):                 # keyword inputs (model(input_ids=..., labels=...)) too
+        return tuple(place(x) for x in args), {k: place(v) for k, v in kwargs.items()}
 
-    model.register_forward_pre_hook(pre)
+    model.register_forward_pre_hook(pre, with_kwargs=True)
     model._ap_mesh = mesh
 
 
@@ -395,14 +375,11 @@ def _flat_params(optimizer):
 
 
 def _matches(model, pattern: str) -> bool:
-    return any(fnmatch.fnmatchcase(n, pattern) for n, _ in model.named_sublayers() if n)
+    return any(name_matches(n, pattern) for n, _ in model.named_sublayers() if n)
 
 
 def _default_family(model):
-    for family, plan in DEFAULT_PLANS.items():
-        if any(_matches(model, p) for p in plan if "*" in p):
-            return family
-    return None
+    return family(model)
 
 
 __all__ = ["parallelize", "DataParallel", "Optimizer", "parallel_guard", "build_mesh", "resolve_tp_plan",

@@ -5,10 +5,16 @@
             "wte": VocabParallelEmbedding(), "blocks.*.ln*": SequenceParallel()}
     apply_tp(model, mesh, plan, tp_dim="model")
 
-Each style shards its layer's parameters on the TP mesh dim and pins its input/output layouts with
-forward hooks, so the collectives are exactly Megatron's: column-parallel takes a replicated input
-(all_gather under sequence parallel) and gives a feature-sharded output; row-parallel takes the feature
-shard and gives a replicated output (one all_reduce) or a sequence-sharded one (reduce_scatter).
+A pattern matches a layer's full name or any dotted suffix of it (``self_attn.q_proj`` matches
+``model.layers.0.self_attn.q_proj``), with ``*`` as in fnmatch. Each style shards its layer's parameters on
+the TP mesh dim and pins its input/output layouts with forward hooks, so the collectives are exactly
+Megatron's: column-parallel takes a replicated input (all_gather under sequence parallel) and gives a
+feature-sharded output; row-parallel takes the feature shard and gives a replicated output (one all_reduce)
+or a sequence-sharded one (reduce_scatter).
+
+Styles attach to leaf layers only. ``paddle.nn.Linear`` stores its weight ``[in, out]``; any other leaf layer
+with a 2-D ``weight`` (an embedding, a ``[vocab, hidden]`` LM head) stores ``[out, in]``, so ColWiseParallel on
+such a head shards its first dim: the vocabulary. Tied parameters stay one parameter (parallel/ties.py).
 """
 from __future__ import annotations
 
@@ -17,6 +23,10 @@ from dataclasses import dataclass
 
 from autoparallel.dist_tensor import DistTensor, is_dist, reshard, shard_tensor
 from autoparallel.placement import Partial, Replicate, Shard
+
+
+class PlanError(ValueError):
+    """A tensor-parallel plan entry that cannot be applied (unknown layer, wrong layer type)."""
 
 
 def _with(placements, dim, p):
@@ -34,43 +44,91 @@ def _relayout(x, dim, p):
     return reshard(x, x.mesh, _with(x.placements, dim, p))
 
 
+def _relayout_all(args, kwargs, fn):
+    return tuple(fn(x) for x in args), {k: fn(v) for k, v in kwargs.items()}
+
+
 def _shard_param(layer, name, mesh, dim, p):
     param = getattr(layer, name, None)
-    if param is None or is_dist(param):      # already laid out by the user: theirs wins
+    if param is None or is_dist(param):      # already laid out by the user (or a tied holder): theirs wins
         return
     setattr(layer, name, shard_tensor(param, mesh, _with([Replicate()] * mesh.ndim, dim, p)))
 
 
+def _is_linear(layer) -> bool:
+    from paddle import nn
+
+    return isinstance(layer, nn.Linear)
+
+
+def _weight_2d(layer):
+    w = layer._parameters.get("weight")
+    return w if w is not None and len(getattr(w, "global_shape", w.shape)) == 2 else None
+
+
+def _check_leaf(style, name, layer, need_weight=True):
+    kids = [n for n, _ in layer.named_children()]
+    if kids:
+        raise PlanError(f"{type(style).__name__} attaches to leaf layers (Linear, Embedding, an LM head), but "
+                        f"{name!r} is a {type(layer).__name__} holding sublayers {kids[:6]}; name its Linear layers "
+                        f"instead (for example {name + '.' + kids[0]!r})")
+    if need_weight and _weight_2d(layer) is None:
+        raise PlanError(f"{type(style).__name__} shards a 2-D weight, but {name!r} ({type(layer).__name__}) has none; "
+                        f"use it on a Linear, Embedding or [vocab, hidden] head layer")
+
+
 @dataclass(frozen=True)
 class ColWiseParallel:
-    """Linear [in, out]: weight S(1), bias S(0); input replicated on the TP dim (all_gather if it was
-    sequence-sharded); output sharded on the feature (last) dim."""
+    """Output features split. Linear [in, out]: weight S(1), bias S(0); an [out, in] weight (LM head
+    [vocab, hidden]): weight S(0), bias S(0). Input replicated on the TP dim (all_gather if it was
+    sequence-sharded); output sharded on the feature (last) dim, or gathered back to replicated with
+    ``gather_output=True`` (for fused projections whose output the model slices in blocks)."""
     sequence_parallel: bool = False
+    gather_output: bool = False
+
+    def check(self, name, layer):
+        _check_leaf(self, name, layer)
+
+    def placements(self, layer) -> dict:
+        return {"weight": Shard(1) if _is_linear(layer) else Shard(0), "bias": Shard(0)}
 
     def apply(self, layer, mesh, dim):
-        _shard_param(layer, "weight", mesh, dim, Shard(1))
-        _shard_param(layer, "bias", mesh, dim, Shard(0))
-        layer.register_forward_pre_hook(lambda _l, inputs: tuple(_relayout(x, dim, Replicate()) for x in inputs))
+        for pname, p in self.placements(layer).items():
+            _shard_param(layer, pname, mesh, dim, p)
+        layer.register_forward_pre_hook(
+            lambda _l, args, kwargs: _relayout_all(args, kwargs, lambda x: _relayout(x, dim, Replicate())),
+            with_kwargs=True)
+        if self.gather_output:
+            layer.register_forward_post_hook(lambda _l, inputs, out: _relayout(out, dim, Replicate()))
 
 
 @dataclass(frozen=True)
 class RowWiseParallel:
-    """Linear [in, out]: weight S(0), bias replicated; input sharded on the feature dim; output
-    replicated (one all_reduce) or, under sequence parallel, sharded on the sequence dim (reduce_scatter)."""
+    """Input features split. Linear [in, out]: weight S(0), bias replicated ([out, in] weight: S(1)); input
+    sharded on the feature dim; output replicated (one all_reduce) or, under sequence parallel, sharded on
+    the sequence dim (reduce_scatter)."""
     sequence_parallel: bool = False
     seq_dim: int = 1
 
-    def apply(self, layer, mesh, dim):
-        _shard_param(layer, "weight", mesh, dim, Shard(0))
+    def check(self, name, layer):
+        _check_leaf(self, name, layer)
 
-        def pre(_l, inputs):
-            return tuple(_relayout(x, dim, Shard(x.ndim - 1)) if isinstance(x, DistTensor) else x for x in inputs)
+    def placements(self, layer) -> dict:
+        return {"weight": Shard(0) if _is_linear(layer) else Shard(1)}
+
+    def apply(self, layer, mesh, dim):
+        for pname, p in self.placements(layer).items():
+            _shard_param(layer, pname, mesh, dim, p)
+
+        def feature_shard(x):
+            return _relayout(x, dim, Shard(x.ndim - 1)) if isinstance(x, DistTensor) else x
 
         def post(_l, inputs, out):
             target = Shard(self.seq_dim) if self.sequence_parallel else Replicate()
             return _relayout(out, dim, target)
 
-        layer.register_forward_pre_hook(pre)
+        layer.register_forward_pre_hook(lambda _l, args, kwargs: _relayout_all(args, kwargs, feature_shard),
+                                        with_kwargs=True)
         layer.register_forward_post_hook(post)
 
 
@@ -80,6 +138,12 @@ class VocabParallelEmbedding:
     reduced to replicated (or sequence-sharded under sequence parallel)."""
     sequence_parallel: bool = False
     seq_dim: int = 1
+
+    def check(self, name, layer):
+        _check_leaf(self, name, layer)
+
+    def placements(self, layer) -> dict:
+        return {"weight": Shard(0)}
 
     def apply(self, layer, mesh, dim):
         _shard_param(layer, "weight", mesh, dim, Shard(0))
@@ -96,38 +160,60 @@ class SequenceParallel:
     """Norm / dropout layers run on sequence shards: input and output sharded on the sequence dim."""
     seq_dim: int = 1
 
+    def check(self, name, layer):
+        _check_leaf(self, name, layer, need_weight=False)
+
+    def placements(self, layer) -> dict:
+        return {}
+
     def apply(self, layer, mesh, dim):
         layer.register_forward_pre_hook(
-            lambda _l, inputs: tuple(_relayout(x, dim, Shard(self.seq_dim)) for x in inputs))
+            lambda _l, args, kwargs: _relayout_all(args, kwargs, lambda x: _relayout(x, dim, Shard(self.seq_dim))),
+            with_kwargs=True)
 
 
 STYLES = (ColWiseParallel, RowWiseParallel, VocabParallelEmbedding, SequenceParallel)
 
 
+def name_matches(name: str, pattern: str) -> bool:
+    """``pattern`` matches the full dotted name or any dotted suffix of it."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
 def match_plan(model, plan: dict) -> list:
-    """[(name, sublayer, style)] for every sublayer matched by a plan pattern; a pattern matching no
-    layer is an error listing what exists."""
+    """[(name, sublayer, style)] for every sublayer matched by a plan pattern; a pattern matching no layer,
+    or matching a layer the style cannot shard, is a PlanError naming it."""
     if not isinstance(plan, dict):
         raise TypeError(f"a tensor-parallel plan is a dict from layer-name patterns to styles, got {type(plan).__name__}")
     named = [(n, l) for n, l in model.named_sublayers() if n]
     out = []
     for pattern, style in plan.items():
+        if not isinstance(pattern, str):
+            raise TypeError(f"tensor-parallel plan keys are layer-name patterns (str), got {pattern!r}")
         if not isinstance(style, STYLES):
             raise TypeError(f"plan[{pattern!r}] must be one of {[s.__name__ for s in STYLES]}, got {style!r}")
-        hits = [(n, l) for n, l in named if fnmatch.fnmatchcase(n, pattern)]
+        hits = [(n, l) for n, l in named if name_matches(n, pattern)]
         if not hits:
             sample = ", ".join(n for n, _ in named[:12])
-            raise ValueError(f"tensor-parallel plan pattern {pattern!r} matches no layer of "
-                             f"{type(model).__name__}; its layers include: {sample}")
+            raise PlanError(f"tensor-parallel plan pattern {pattern!r} matches no layer of "
+                            f"{type(model).__name__}; its layers include: {sample}")
+        for n, l in hits:
+            style.check(n, l)
         out.extend((n, l, style) for n, l in hits)
     return out
 
 
 def apply_tp(model, mesh, plan: dict, tp_dim="model"):
-    """Shard ``model``'s matched layers on mesh dim ``tp_dim`` according to ``plan``."""
+    """Shard ``model``'s matched layers on mesh dim ``tp_dim`` according to ``plan``; every holder of a
+    replaced (tied) parameter is repointed to the one replacement."""
+    from autoparallel.parallel.ties import holders, repoint
+
     dim = mesh.dim_index(tp_dim)
-    for _, layer, style in match_plan(model, plan):
+    matched = match_plan(model, plan)
+    before = holders(model)
+    for _, layer, style in matched:
         style.apply(layer, mesh, dim)
+    repoint(model, before)
     return model
 
 
@@ -139,4 +225,4 @@ def check_tp_degree(tp: int, heads: int = None, hidden: int = None, kv_heads: in
 
 
 __all__ = ["ColWiseParallel", "RowWiseParallel", "VocabParallelEmbedding", "SequenceParallel", "apply_tp",
-           "match_plan", "check_tp_degree", "Partial"]
+           "match_plan", "name_matches", "check_tp_degree", "PlanError", "Partial"]

@@ -1,0 +1,126 @@
+"""Default tensor-parallel plans by layer-name family (Megatron layout), found anywhere in the model tree.
+
+Patterns are dotted-name suffixes (``self_attn.q_proj`` matches ``model.layers.0.self_attn.q_proj``; see
+``tensor_parallel.name_matches``). ``default_plan(model, tp)`` gives ``{exact layer name: style}`` from every
+family at once (a layer takes the first family pattern it matches), then adapts it to the model's config:
+
+* fused projections: ``qkv_proj`` whose output the model reshapes per kv head
+  (``[.., kv_heads, (groups + 2) * head_dim]``: Qwen2/3, ERNIE 4.5, Gemma3) is split on its output columns, so
+  with ``kv_heads % tp == 0`` every device keeps whole kv groups (their query heads, key and value) and the
+  model's own reshape/split stays local. Projections the model slices in blocks (``up_gate_proj`` /
+  ``gate_up_proj`` chunked into [gate | up], Phi3's [q | k | v] ``qkv_proj``) are column-parallel with the
+  output gathered on the TP dim (``gather_output``): each device computes its column block and the model's
+  chunk runs on the full output (one all_gather of the fused activation per layer, no wrong halves).
+* grouped-query attention with ``num_key_value_heads % tp != 0`` (e.g. fewer kv heads than TP ranks):
+  ``k_proj``/``v_proj`` stay replicated (every device computes all kv heads; queries stay split), a fused
+  ``qkv_proj`` gathers its output.
+* MoE experts (``*.experts.*``) are left replicated; the dense layers around them are sharded.
+* a ``[vocab, hidden]`` head (PaddleFormers' ``LMHead``) under ColWiseParallel is split on the vocabulary, the
+  same layout as the vocab-parallel embedding, so a tied embedding/head pair stays one parameter.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from autoparallel.parallel.tensor_parallel import (ColWiseParallel, PlanError, RowWiseParallel,
+                                                   VocabParallelEmbedding, name_matches)
+
+COL, ROW, VOCAB = ColWiseParallel(), RowWiseParallel(), VocabParallelEmbedding()
+GATHER = ColWiseParallel(gather_output=True)
+
+GPT_PLAN = {   # the project's GPT (examples/models) and GPT-2 style names
+    "wte": VOCAB,
+    "blocks.*.attn.qkv": COL, "blocks.*.attn.proj": ROW, "blocks.*.mlp.fc1": COL, "blocks.*.mlp.fc2": ROW,
+    "attn.c_attn": GATHER, "attn.c_proj": ROW, "mlp.c_fc": COL, "mlp.c_proj": ROW,
+    "lm_head": COL,
+}
+LLAMA_PLAN = {
+    "embed_tokens": VOCAB,
+    "self_attn.q_proj": COL, "self_attn.k_proj": COL, "self_attn.v_proj": COL, "self_attn.o_proj": ROW,
+    "mlp.gate_proj": COL, "mlp.up_proj": COL, "mlp.down_proj": ROW,
+    "lm_head": COL,
+}
+FUSED_PLAN = {  # Qwen2 / Qwen3 / ERNIE 4.5 / Gemma3 / Phi3 (PaddleFormers) fused projections
+    "embed_tokens": VOCAB,
+    "self_attn.qkv_proj": COL, "self_attn.o_proj": ROW,
+    "mlp.up_gate_proj": GATHER, "mlp.gate_up_proj": GATHER, "mlp.down_proj": ROW,
+    "shared_expert.up_gate_proj": GATHER, "shared_expert.gate_up_proj": GATHER, "shared_expert.down_proj": ROW,
+    "lm_head": COL,
+}
+ERNIE_PLAN = {  # ERNIE 1-3 / paddle.nn.TransformerEncoderLayer names
+    "word_embeddings": VOCAB,
+    "self_attn.q_proj": COL, "self_attn.k_proj": COL, "self_attn.v_proj": COL, "self_attn.out_proj": ROW,
+    "linear1": COL, "linear2": ROW,
+}
+FAMILIES = {"GPT": GPT_PLAN, "LLaMA": LLAMA_PLAN, "fused-projection": FUSED_PLAN, "ERNIE": ERNIE_PLAN}
+EXCLUDE = ("experts.*",)                      # MoE experts stay replicated (expert parallelism: out of scope)
+BLOCK_QKV_MODELS = ("phi3",)                  # config.model_type whose qkv_proj output is sliced [q | k | v]
+
+
+def _leaves(model):
+    return [(n, l) for n, l in model.named_sublayers() if n and not list(l.children())]
+
+
+def _excluded(name: str) -> bool:
+    return any(name_matches(name, "*." + e) or name_matches(name, e) for e in EXCLUDE)
+
+
+def raw_plan(model) -> dict:
+    """{exact layer name: style} of every leaf layer some family pattern matches (first family wins)."""
+    out = {}
+    for name, _ in _leaves(model):
+        if _excluded(name):
+            continue
+        for plan in FAMILIES.values():
+            style = next((s for p, s in plan.items() if name_matches(name, p)), None)
+            if style is not None:
+                out[name] = style
+                break
+    return out
+
+
+def _config(model, *names):
+    c = getattr(model, "config", None)
+    for n in names:
+        v = getattr(c, n, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def default_plan(model, tp: int) -> dict:
+    """The default plan for ``model`` at TP degree ``tp``, adapted to its config (see module docstring)."""
+    plan = raw_plan(model)
+    kv = _config(model, "num_key_value_heads", "kv_heads")
+    split_kv = kv is None or kv % tp == 0
+    blocked_qkv = getattr(getattr(model, "config", None), "model_type", None) in BLOCK_QKV_MODELS
+    for name, style in list(plan.items()):
+        if name_matches(name, "k_proj") or name_matches(name, "v_proj"):
+            if not split_kv:
+                del plan[name]                   # kv heads replicated
+        elif name_matches(name, "qkv_proj") and (blocked_qkv or not split_kv):
+            plan[name] = dataclasses.replace(style, gather_output=True)
+    return plan
+
+
+def family(model):
+    """The family with the most patterns found in ``model`` (None when nothing matches)."""
+    leaves = [n for n, _ in _leaves(model)]
+    best, hits = None, 0
+    for fam, plan in FAMILIES.items():
+        k = sum(any(name_matches(n, p) for n in leaves) for p in plan)
+        if k > hits:
+            best, hits = fam, k
+    return best
+
+
+def no_family_error(model, tp: int) -> PlanError:
+    names = [n for n, _ in model.named_sublayers() if n]
+    expected = "; ".join(f"{k}-style names like {', '.join(list(p)[:4])}" for k, p in FAMILIES.items())
+    return PlanError(f"tensor_parallel.degree={tp} but no layer of {type(model).__name__} matches a default "
+                     f"tensor-parallel plan: expected {expected}; got layers "
+                     f"{', '.join(names[:12]) or '(none)'}; pass tp_plan={{pattern: style}} to parallelize")
+
+
+__all__ = ["FAMILIES", "GPT_PLAN", "LLAMA_PLAN", "FUSED_PLAN", "ERNIE_PLAN", "default_plan", "raw_plan", "family",
+           "no_family_error"]
