@@ -9,7 +9,7 @@ export OMP_NUM_THREADS := 1
 $(STAMP): setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,test]'
+	$(PY) -m pip install -q -e '.[cpu,test,models]'
 	touch $(STAMP)
 
 install: $(STAMP)

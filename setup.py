@@ -15,6 +15,8 @@ setup(
         # paddle is an extra so a GPU user's paddlepaddle-gpu is never replaced
         "cpu": ["paddlepaddle>=3.3,<3.4"],
         "test": ["pytest", "hypothesis"],
+        # real models from the ecosystem's library, run unedited by tests/test_paddleformers*.py
+        "models": ["paddleformers==1.2.*"],
     },
     entry_points={"console_scripts": ["autoparallel=autoparallel.cli:main"]},
 )
