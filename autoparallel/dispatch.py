@@ -23,12 +23,13 @@ from spmd_rules import get_spmd_rule, has_spmd_rule
 from spmd_rules.op_table import ARG_MAP, OP_TABLE
 from spmd_rules.registry import flatten_specs, replace_specs
 
-from autoparallel import dispatch_cache, local_ops
+from autoparallel import aliases, binding, dispatch_cache, local_ops
+from spmd_rules.errors import DataDependentShapeError
 from autoparallel.comm.world import current_world
 from autoparallel.graph import trace as trace_state
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
 from autoparallel.placement import Replicate
-from autoparallel.spec import DistSpec
+from autoparallel.spec import DistSpec, normalize_dtype
 
 _ORIG: dict = {}          # dotted path -> original callable
 _INSTALLED = False
@@ -77,8 +78,9 @@ def run(op: str, path: str, args, kwargs):
 
     A call whose key (see dispatch_cache) was seen before reuses its plan: no rule, no validation, no
     reshard planning; only the data-dependent steps run."""
-    if path in ARG_MAP or args.__class__ is not tuple or kwargs.__class__ is not dict:
-        args, kwargs = _map_args(path, tuple(args), dict(kwargs))
+    args, kwargs = _bind(op, path, tuple(args), dict(kwargs))
+    if path in ARG_MAP:
+        args, kwargs = _map_args(path, args, kwargs)
     rule = get_spmd_rule(op)
     tracer = trace_state.active()
     if tracer is not None:
@@ -94,11 +96,62 @@ def run(op: str, path: str, args, kwargs):
         mesh = _common_mesh(op, leaves)
         pinned_res = pins.next(op, [_to_dist(v, mesh).spec for v in leaves])
     key, plan = dispatch_cache.find(rule, path, world, args_key, pinned_res)
-    if plan is None:
-        plan = _plan_call(op, rule, args, kwargs, leaves, pinned_res, world)
-        dispatch_cache.store(key, plan)
+    if plan is not None:
+        return _wrap(plan.res, _execute(op, path, plan.res, plan.mesh, plan.calls(leaves, args, kwargs)), plan.held)
+    plan = _plan_call(op, rule, args, kwargs, leaves, pinned_res, world)
     outs = _execute(op, path, plan.res, plan.mesh, plan.calls(leaves, args, kwargs))
+    check_outputs(op, plan, outs)           # once per call signature: the plan is cached only when it holds
+    dispatch_cache.store(key, plan)
     return _wrap(plan.res, outs, plan.held)
+
+
+_BINDERS: dict = {}       # dotted path -> Binder of its paddle callable (None: no python signature)
+
+
+def _bind(op, path, args, kwargs):
+    """The call in its canonical form (see autoparallel.binding), as paddle would bind it."""
+    b = _BINDERS.get(path, False)
+    if b is False:
+        fn = _CUSTOM.get(path) or _ORIG.get(path)
+        if fn is None:
+            try:
+                fn = _resolve(path)
+            except (ValueError, AttributeError):
+                fn = None
+        b = binding.binder(fn) if fn is not None and binding.has_signature(fn) else None
+        if not path.startswith("custom."):
+            _BINDERS[path] = b
+    if b is None:
+        return args, kwargs
+    try:
+        return b(args, kwargs)
+    except TypeError as e:
+        raise TypeError(f"{path}: {e}") from None
+
+
+def check_outputs(op, plan, outs) -> None:
+    """The first call of a signature: the rule's output specs must describe what the op produced on every
+    held rank (count, local shape, dtype); a rule that disagrees would give tensors whose metadata lies."""
+    specs = plan.res.outputs
+    for r in plan.held:
+        got = outs[r]
+        if len(got) != len(specs):
+            raise TypeError(f"spmd rule {op!r} returned {len(specs)} output spec(s) but the op produced "
+                            f"{len(got)} output(s) on inputs {_specs_str(plan.res.inputs)}")
+        coords = plan.mesh.coords_of(r)
+        for k, (t, spec) in enumerate(zip(got, specs)):
+            if spec is None or t is None or not isinstance(t, paddle.Tensor):
+                continue
+            want = tuple(spec.local_shape(coords))
+            if tuple(t.shape) != want or normalize_dtype(t.dtype) != spec.dtype:
+                raise ValueError(f"spmd rule {op!r}: output {k} is declared {spec.dtype}{list(spec.shape)} "
+                                 f"[{', '.join(map(str, spec.placements))}] (local {list(want)} on rank {r}), "
+                                 f"but the op produced {normalize_dtype(t.dtype)}{list(t.shape)} there; inputs "
+                                 f"{_specs_str(plan.res.inputs)}")
+
+
+def _specs_str(specs) -> str:
+    return "(" + ", ".join(f"{s.dtype}{list(s.shape)}[{', '.join(map(str, s.placements))}]" for s in specs) + ")"
 
 
 def _plan_call(op, rule, args, kwargs, leaves, res, world) -> dispatch_cache.CallPlan:
@@ -107,8 +160,22 @@ def _plan_call(op, rule, args, kwargs, leaves, res, world) -> dispatch_cache.Cal
     specs = [_to_dist(v, mesh).spec for v in leaves]
     if res is None:
         spec_args, spec_kwargs = replace_specs(args, kwargs, specs, is_leaf=_is_tensor_leaf)
-        res = rule(*spec_args, **spec_kwargs)
+        res = _ask_rule(op, rule, specs, spec_args, spec_kwargs)
     return dispatch_cache.CallPlan(rule, res, mesh, leaves, specs, args, kwargs, world)
+
+
+def _ask_rule(op, rule, specs, spec_args, spec_kwargs):
+    """The rule's result; an error raised inside the rule names the op and the input specs."""
+    try:
+        return rule(*spec_args, **spec_kwargs)
+    except NotImplementedError as e:
+        if isinstance(e, DataDependentShapeError) or "spmd rule" in str(e) or str(e).startswith(f"{op}:"):
+            raise
+        raise NotImplementedError(f"spmd rule {op!r} failed on inputs {_specs_str(specs)}: {e}") from e
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, ZeroDivisionError) as e:
+        if isinstance(e, DataDependentShapeError):
+            raise
+        raise type(e)(f"spmd rule {op!r} failed on inputs {_specs_str(specs)}: {e}") from e
 
 
 def _run_traced(op, rule, args, kwargs, tracer):
@@ -362,7 +429,113 @@ def _routed(op, path, orig):
     wrapper.__name__ = getattr(orig, "__name__", path.rsplit(".", 1)[-1])
     wrapper.__doc__ = getattr(orig, "__doc__", None)
     wrapper._ap_routed = op
+    wrapper._ap_path = path
+    wrapper._ap_wrapper = True
     return wrapper
+
+
+def _inplace_routed(op, path, orig):
+    """``op_``: the out-of-place rule and local op of ``path``, then the target rebinds to the result."""
+    def wrapper(*args, **kwargs):
+        if getattr(_local_state, "depth", 0) > 0 or not _any_dist(args, kwargs):
+            return orig(*args, **kwargs)
+        target = args[0] if args else next(iter(kwargs.values()))
+        return _rebind(path, target, run(op, path, args, kwargs))
+
+    wrapper.__wrapped__ = orig
+    wrapper.__name__ = getattr(orig, "__name__", path.rsplit(".", 1)[-1] + "_")
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper._ap_inplace = op
+    wrapper._ap_path = path
+    wrapper._ap_wrapper = True
+    return wrapper
+
+
+def _rebind(path, target, out):
+    if type(target) is DistTensor:
+        target._locals, target._spec = out._locals, out._spec
+        return target
+    if isinstance(target, DistParameter) and hasattr(target, "_ap_spec"):
+        if out.spec != target._ap_spec:
+            raise NotImplementedError(f"{path}_ would change the distributed parameter {target.name} from "
+                                      f"{_specs_str([target._ap_spec])} to {_specs_str([out.spec])}; in place, a "
+                                      f"parameter keeps its layout: use the out-of-place {path}")
+        if not target.stop_gradient and paddle.is_grad_enabled():
+            raise ValueError(f"{path}_: the leaf parameter {target.name} requires a gradient, so it cannot be "
+                             f"changed in place (as paddle refuses); wrap the update in paddle.no_grad()")
+        with local_mode(), paddle.no_grad():
+            for r, t in target._ap_locals.items():
+                paddle.assign(out._locals[r], output=t)
+        return target
+    raise TypeError(f"{path}_: the in-place target is a {type(target).__name__}, which cannot hold a "
+                    f"distributed result; use the out-of-place {path}")
+
+
+def _install_casts() -> None:
+    """Cast spellings on paddle.Tensor (DistParameter) and DistTensor, through the cast rule."""
+    def conversion(name):
+        orig = getattr(paddle.Tensor, name)
+
+        def method(self, *args, **kwargs):
+            if not is_dist(self) or getattr(_local_state, "depth", 0) > 0:
+                return orig(self, *args, **kwargs)
+            return run("cast", "paddle.cast", (self, aliases.conversion_dtype(name, _dtype_of(self))), {})
+        return _mark(method, orig, name)
+
+    def type_as(self, other):
+        if not is_dist(self) or getattr(_local_state, "depth", 0) > 0:
+            return aliases.original(paddle.Tensor.type_as)(self, other)
+        return run("cast", "paddle.cast", (self, _dtype_of(other)), {})
+
+    def to(self, *args, **kwargs):
+        if not (_any_dist((self,) + args, kwargs)) or getattr(_local_state, "depth", 0) > 0:
+            return aliases.original(paddle.Tensor.to)(self, *args, **kwargs)
+        dtype = aliases.to_dtype(_dtype_of(self), args, kwargs)
+        if normalize_dtype(dtype) == normalize_dtype(_dtype_of(self)):
+            return self
+        return run("cast", "paddle.cast", (self, dtype), {})
+
+    for name in aliases._CONVERSIONS:
+        if hasattr(paddle.Tensor, name) and not getattr(getattr(paddle.Tensor, name), "_ap_wrapper", False):
+            _set_both(name, conversion(name))
+    for name, fn in (("type_as", type_as), ("to", to)):
+        if not getattr(getattr(paddle.Tensor, name), "_ap_wrapper", False):
+            _set_both(name, _mark(fn, getattr(paddle.Tensor, name), name))
+
+
+def _dtype_of(x):
+    return as_dist(x).dtype if is_dist(x) else x.dtype
+
+
+def _mark(fn, orig, name):
+    fn.__wrapped__ = orig
+    fn.__name__ = name
+    fn.__doc__ = getattr(orig, "__doc__", None)
+    fn._ap_wrapper = True
+    fn._ap_cast = True
+    return fn
+
+
+def _set_both(name, fn):
+    setattr(paddle.Tensor, name, fn)
+    setattr(DistTensor, name, fn)
+
+
+def _install_metadata() -> None:
+    """``paddle.is_tensor`` is true for a DistTensor (see dist_tensor.py for what it answers locally)."""
+    orig = paddle.is_tensor
+    if getattr(orig, "_ap_wrapper", False):
+        return
+
+    def is_tensor(x):
+        return type(x) is DistTensor or orig(x)
+
+    _mark(is_tensor, orig, "is_tensor")
+    paddle.is_tensor = is_tensor
+    import paddle.tensor.logic as logic
+
+    if getattr(logic, "is_tensor", None) is orig:
+        logic.is_tensor = is_tensor
 
 
 _CUSTOM: dict = {}        # "custom.<name>" -> the user's local implementation
@@ -440,25 +613,14 @@ def install() -> None:
             w = _routed(op, path, orig)
             setattr(owner, attr, w)
             routed[id(orig)] = w
-    _patch_aliases(routed)
+    methods = aliases.patch_aliases(routed)
+    methods.update(aliases.patch_inplace(_inplace_routed))
+    _install_casts()
+    _install_metadata()
     _install_guards()
-    _install_dist_tensor_methods()
+    _install_dist_tensor_methods(methods)
     _prime_thread_state()
     _INSTALLED = True
-
-
-def _patch_aliases(routed) -> None:
-    """Layers that imported a routed function into their own module (``paddle.nn.layer.norm``)."""
-    for name, mod in list(sys.modules.items()):
-        if not name.startswith("paddle.") or mod is None:
-            continue
-        for attr, val in list(vars(mod).items()):
-            w = routed.get(id(val))
-            if w is not None and not attr.startswith("__"):
-                try:
-                    setattr(mod, attr, w)
-                except (AttributeError, TypeError):
-                    pass
 
 
 def _install_guards() -> None:
@@ -468,7 +630,7 @@ def _install_guards() -> None:
             if attr.startswith("_"):
                 continue
             val = getattr(mod, attr)
-            if not (inspect.isfunction(val) or inspect.isbuiltin(val)) or hasattr(val, "_ap_routed") \
+            if not (inspect.isfunction(val) or inspect.isbuiltin(val)) or hasattr(val, "_ap_wrapper") \
                     or hasattr(val, "_ap_guard"):
                 continue
             try:
@@ -480,7 +642,7 @@ def _install_guards() -> None:
         if attr in _STORAGE_METHODS or attr.startswith("_") or attr not in public:
             continue
         val = getattr(paddle.Tensor, attr)
-        if not callable(val) or hasattr(val, "_ap_routed") or hasattr(val, "_ap_guard") or isinstance(val, type):
+        if not callable(val) or hasattr(val, "_ap_wrapper") or hasattr(val, "_ap_guard") or isinstance(val, type):
             continue
         try:
             setattr(paddle.Tensor, attr, _guarded(f"paddle.Tensor.{attr}", val))
@@ -488,29 +650,51 @@ def _install_guards() -> None:
             pass
 
 
-def _install_dist_tensor_methods() -> None:
-    """DistTensor (a wrapper) gets every routed paddle.Tensor method and operator."""
+def _install_dist_tensor_methods(methods: dict) -> None:
+    """DistTensor (a wrapper) gets every routed paddle.Tensor method and operator, under each of its names,
+    and the in-place forms."""
     for op, paths in OP_TABLE.items():
         for path in paths:
-            if not path.startswith("paddle.Tensor."):
-                continue
-            name = path[len("paddle.Tensor."):]
-
-            def method(self, *args, __op=op, __path=path, **kwargs):
-                return run(__op, __path, (self,) + args, kwargs)
-
-            method.__name__ = name
-            setattr(DistTensor, name, method)
+            if path.startswith("paddle.Tensor."):
+                _dist_method(path[len("paddle.Tensor."):], op, path)
+    for name, w in methods.items():
+        if name not in DistTensor.__dict__:
+            if getattr(w, "_ap_inplace", None):
+                _dist_method(name, w._ap_inplace, w._ap_path, inplace=True)
+            else:
+                _dist_method(name, w._ap_routed, w._ap_path)
     DistTensor.__hash__ = object.__hash__
+
+
+def _dist_method(name, op, path, inplace=False):
+    def method(self, *args, __op=op, __path=path, **kwargs):
+        out = run(__op, __path, (self,) + args, kwargs)
+        return _rebind(__path, self, out) if inplace else out
+
+    method.__name__ = name
+    setattr(DistTensor, name, method)
 
 
 def _dist_getattr(self, name):
     if name.startswith("__"):
         raise AttributeError(name)
     if hasattr(paddle.Tensor, name):
-        raise NotImplementedError(f"paddle.Tensor.{name} has no spmd rule, so it cannot run on a DistTensor; "
-                                  f"register one with spmd_rules.register_spmd_rule({name!r})")
+        if _is_op_name(name):
+            raise NotImplementedError(f"paddle.Tensor.{name} has no spmd rule, so it cannot run on a DistTensor; "
+                                      f"register one with spmd_rules.register_spmd_rule({name!r})")
+        raise TypeError(f"paddle.Tensor.{name} is not an op and has no meaning for a distributed tensor (its data "
+                        f"is spread over ranks, with no single storage, device buffer or C++ tensor); use "
+                        f".local / .locals for this rank's shards, or .full() for the gathered tensor")
     raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
+
+
+def _is_op_name(name) -> bool:
+    """A Tensor method that is one of paddle's ops (also a public function of paddle or paddle.linalg);
+    the others (``data_ptr``, ``cuda``, ``get_tensor``...) act on a single local storage."""
+    import paddle.linalg
+
+    base = name[:-1] if name.endswith("_") else name
+    return any(callable(getattr(m, base, None)) for m in (paddle, paddle.linalg, paddle.nn.functional))
 
 
 DistTensor.__getattr__ = _dist_getattr

@@ -64,6 +64,56 @@ class DistTensor:
     def dtype(self):
         return getattr(paddle, self._spec.dtype)
 
+    # ---- metadata paddle code reads: answered from the spec, never by communicating ------------------
+    @property
+    def place(self):
+        """Where this process's shards live (every held shard is on the same device)."""
+        for t in self._locals.values():
+            return t.place
+        return paddle.CPUPlace() if paddle.is_compiled_with_cuda() is False else paddle.CUDAPlace(0)
+
+    def dim(self) -> int:
+        return self._spec.ndim
+
+    ndimension = dim
+
+    def numel(self) -> paddle.Tensor:
+        """The GLOBAL element count, as the 0-d int64 tensor paddle's ``numel()`` returns."""
+        return paddle.to_tensor(int(np.prod(self._spec.shape, dtype=np.int64)), dtype="int64")
+
+    @property
+    def size(self) -> int:
+        """The global element count (paddle's ``Tensor.size`` is this property)."""
+        return int(np.prod(self._spec.shape, dtype=np.int64))
+
+    def element_size(self) -> int:
+        return np.dtype("float16" if self._spec.dtype == "bfloat16" else self._spec.dtype).itemsize
+
+    def contiguous(self) -> "DistTensor":
+        """Shards made by dispatch are contiguous: the tensor itself."""
+        return self
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    @property
+    def is_leaf(self) -> bool:
+        return all(t.is_leaf for t in self._locals.values())
+
+    def __len__(self) -> int:
+        if not self._spec.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self._spec.shape[0]
+
+    def __iter__(self):
+        """Rows over the global dim 0, as a paddle tensor iterates; each row is ``self[i]`` through the
+        getitem rule, computed only when reached (a row of a dim sharded over a mesh dim is a Partial on it:
+        no communication)."""
+        if not self._spec.shape:
+            raise TypeError("iteration over a 0-d tensor")
+        for i in range(self._spec.shape[0]):
+            yield self[i]
+
     # ---- local data -------------------------------------------------------------------------------
     @property
     def locals(self) -> dict:

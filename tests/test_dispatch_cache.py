@@ -161,8 +161,6 @@ VARIANTS = {
     "dtype": lambda: paddle.matmul(x=_x(dtype="float64"), y=_act(_mesh(), [12, 12], [R, S(1)], 1, "float64")),
     "mesh": lambda: paddle.matmul(x=_x(_mesh(("dp", "tp"))), y=_w(_mesh(("dp", "tp")))),
     "attribute": lambda: paddle.matmul(x=_x(), y=_w(), transpose_y=True),
-    "keyword order": lambda: paddle.matmul(y=_w(), x=_x()),
-    "positional": lambda: paddle.matmul(_x(), _w()),
     "activation instead of parameter": lambda: paddle.matmul(x=_x(), y=_act(_mesh(), [12, 12], [R, S(1)], 1)),
     "plain tensor instead of parameter": lambda: paddle.matmul(x=_x(), y=paddle.to_tensor(_arr([12, 12], 1))),
     "dotted path": lambda: paddle.Tensor.matmul(x=_x(), y=_w()),
@@ -171,6 +169,25 @@ VARIANTS = {
 
 def _base():
     return paddle.matmul(x=_x(), y=_w())
+
+
+# spellings paddle binds to the same call: one canonical form, so they share the base call's plan
+SAME_CALL = {
+    "keyword order": lambda: paddle.matmul(y=_w(), x=_x()),
+    "positional": lambda: paddle.matmul(_x(), _w()),
+    "mixed": lambda: paddle.matmul(_x(), y=_w()),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(SAME_CALL))
+def test_spellings_of_one_call_share_its_plan(spelling, rule_calls):
+    with ap.simulate(4):
+        want = _base()
+        size, evaluated = dispatch_cache.size(), rule_calls.get("matmul", 0)
+        got = SAME_CALL[spelling]()
+        assert (dispatch_cache.size(), rule_calls.get("matmul", 0)) == (size, evaluated)
+        assert got.spec == want.spec
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

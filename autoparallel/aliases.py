@@ -1,0 +1,105 @@
+"""Every name paddle exports for a routed op reaches its rule.
+
+* **Aliases**: the same function object under another name in any paddle module, the top-level ``paddle``
+  included (``paddle.cat`` is ``paddle.concat``), or as a ``paddle.Tensor`` method, is replaced by the
+  routed wrapper wherever it is found.
+* **In-place forms** ``op_`` (``paddle.reshape_``, ``x.add_(y)``, ``x.scale_()``...) of a routed ``op`` run
+  the out-of-place rule and local op, then rebind: a DistTensor takes the result's shards and spec (the
+  Python object the caller holds is updated, as paddle's in-place op updates the tensor); a DistParameter
+  stays the same Parameter, its shards overwritten in place, and keeps its layout (an in-place op that
+  would change a parameter's layout is refused).
+* **Cast spellings**: ``float()``, ``half()``, ``bfloat16()``, ``double()``, ``int()``, ``long()``,
+  ``bool()`` (whatever conversion methods paddle defines: the dtype each produces is read by running
+  paddle's own method on a 0-d tensor), ``type_as(y)``, ``to(...)`` (paddle's own parser decides the dtype
+  and device), next to ``astype``/``cast`` which are rules already.
+"""
+from __future__ import annotations
+
+import sys
+
+import paddle
+
+_CONVERSIONS = ("float", "half", "bfloat16", "double", "int", "long", "bool", "short", "byte", "char",
+                "cfloat", "cdouble")
+
+
+def patch_aliases(routed: dict) -> dict:
+    """Replace every other name of a routed function (``routed``: id(original) -> wrapper) by its wrapper
+    in ``paddle`` and its submodules and on ``paddle.Tensor``; returns {Tensor method name: wrapper}."""
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "paddle" or name.startswith("paddle.")):
+            continue
+        for attr, val in list(vars(mod).items()):
+            w = routed.get(id(val))
+            if w is not None and not attr.startswith("__"):
+                try:
+                    setattr(mod, attr, w)
+                except (AttributeError, TypeError):
+                    pass
+    methods = {}
+    for attr in dir(paddle.Tensor):
+        if attr.startswith("__"):
+            continue
+        val = getattr(paddle.Tensor, attr, None)
+        w = routed.get(id(val))
+        if w is not None:
+            try:
+                setattr(paddle.Tensor, attr, w)
+            except (AttributeError, TypeError):
+                continue
+        if getattr(getattr(paddle.Tensor, attr, None), "_ap_routed", None):
+            methods[attr] = getattr(paddle.Tensor, attr)
+    return methods
+
+
+def patch_inplace(make_inplace) -> dict:
+    """``op_`` next to a routed ``op`` (in ``paddle``, ``paddle.nn.functional`` and on ``paddle.Tensor``)
+    becomes ``make_inplace(op, path, original)``; returns {Tensor method name: wrapper}."""
+    methods = {}
+    import paddle.nn.functional as F
+
+    for owner, prefix in ((paddle, "paddle"), (F, "paddle.nn.functional"), (paddle.Tensor, "paddle.Tensor")):
+        for attr in dir(owner):
+            if not attr.endswith("_") or attr.startswith("_"):
+                continue
+            base = getattr(owner, attr[:-1], None)
+            op = getattr(base, "_ap_routed", None)
+            cur = getattr(owner, attr, None)
+            if op is None or cur is None or getattr(cur, "_ap_routed", None) or getattr(cur, "_ap_guard", None):
+                continue
+            w = make_inplace(op, base._ap_path, cur)
+            try:
+                setattr(owner, attr, w)
+            except (AttributeError, TypeError):
+                continue
+            if owner is paddle.Tensor:
+                methods[attr] = w
+    return methods
+
+
+def original(f):
+    """``f`` without the wrappers dispatch put around it."""
+    while getattr(f, "_ap_wrapper", False):
+        f = f.__wrapped__
+    return f
+
+
+def conversion_dtype(name: str, dtype):
+    """The dtype paddle's ``Tensor.<name>()`` converts a tensor of ``dtype`` to."""
+    return original(getattr(paddle.Tensor, name))(paddle.zeros([], dtype=dtype)).dtype
+
+
+def to_dtype(self_dtype, args, kwargs):
+    """The dtype ``Tensor.to(*args, **kwargs)`` gives a tensor of ``self_dtype`` (paddle's own parser, run
+    on a 0-d CPU tensor; a distributed ``other`` stands in as a 0-d tensor of its dtype)."""
+    from autoparallel.dist_tensor import DistTensor
+
+    def stand_in(v):
+        return paddle.zeros([], dtype=v.dtype) if isinstance(v, DistTensor) else v
+
+    out = original(paddle.Tensor.to)(paddle.zeros([], dtype=self_dtype), *[stand_in(a) for a in args],
+               **{k: stand_in(v) for k, v in kwargs.items()})
+    if not out.place.is_cpu_place() and paddle.zeros([]).place.is_cpu_place():
+        raise NotImplementedError("Tensor.to: moving a distributed tensor to another device is not supported; "
+                                  "shards live where their ranks run")
+    return out.dtype

@@ -1,0 +1,178 @@
+"""Bind a call of a paddle op the way paddle itself binds it, into one canonical form.
+
+Paddle 3.x accepts many spellings of one call: ``x.reshape(b, h, s, d)`` and ``x.reshape([b, h, s, d])``,
+torch-style ``x.transpose(1, 2)`` for ``perm=[0, 2, 1, 3]``, ``dim=`` for ``axis=``, ``input=`` for ``x=``,
+``size=`` for ``shape=`` ... Each spelling is handled by a decorator on the python function
+(``paddle/utils/decorator_utils.py``: ``ParamAliasDecorator``, ``param_one_alias``, ``reshape_decorator``,
+``transpose_decorator``, ``size_args_decorator`` ...), each a wrapper ``wrapper(*args, **kwargs)`` that
+rewrites the arguments and calls the next function, which it holds in its closure.
+
+``canonical(fn, args, kwargs)`` runs paddle's OWN wrappers of ``fn`` with the innermost function replaced
+by a recorder: whatever the wrappers hand on is what the real function would have received. That is then
+bound to the innermost function's ``inspect.signature``: positional parameters positionally (as far as
+they are given without a gap), the rest by keyword. A new paddle version with new aliases or call forms
+needs no edit here: the new wrappers run as they are.
+
+Wrappers only read their arguments' python types and ``.ndim`` (``transpose_decorator``), both of which a
+DistTensor answers without communication (its ``ndim`` is the global rank).
+"""
+from __future__ import annotations
+
+import inspect
+import types
+
+
+class _Captured(BaseException):
+    """Raised by the recorder; a BaseException so no ``except Exception`` in a wrapper swallows it."""
+
+    def __init__(self, args, kwargs):
+        super().__init__()
+        self.call = (args, kwargs)
+
+
+def _record(*args, **kwargs):
+    raise _Captured(args, dict(kwargs))
+
+
+class Binder:
+    """The canonical binding of one paddle callable (built once per callable)."""
+
+    __slots__ = ("inner", "sig", "front", "identity", "parsed_in_c")
+
+    def __init__(self, fn):
+        self.front, self.inner = _rebuild(fn)
+        self.sig = _signature(self.inner)
+        self.parsed_in_c = _parsed_in_c(self.inner)
+        self.identity = set()        # call shapes (arg types, kwarg names) already canonical: skipped
+
+    def __call__(self, args, kwargs):
+        """``(args, kwargs)`` in canonical form; raises TypeError as paddle would for a call that does not bind."""
+        shape = (tuple(map(type, args)), tuple(kwargs)) if len(args) < 8 else None
+        if shape is not None and shape in self.identity:
+            return args, kwargs
+        a, k = args, kwargs
+        if self.front is not None:
+            try:
+                self.front(*args, **dict(kwargs))
+            except _Captured as c:
+                a, k = c.call
+            else:               # the wrapper returned without calling on (it handled the call itself)
+                return args, kwargs
+        if self.sig is None:
+            return a, k
+        if self.parsed_in_c:
+            a, k = _c_parser_forms(self.sig, a, k)
+        ba = self.sig.bind(*a, **k)
+        out = tuple(ba.args), dict(ba.kwargs)
+        if shape is not None and out[0] == tuple(args) and out[1] == kwargs and _same(out, args, kwargs):
+            self.identity.add(shape)
+        return out
+
+
+def _same(out, args, kwargs) -> bool:
+    return all(x is y for x, y in zip(out[0], args)) and all(out[1][n] is kwargs[n] for n in kwargs)
+
+
+# Functions paddle generates as ``def _sum(*args, **kwargs): return _C_ops.sum(*args, **kwargs)`` (with the
+# documented ``__signature__``) bind in C++, which accepts paddle's torch-compatible keyword aliases (the
+# same ones its python decorators map) and, like ``sum_decorator``, a bool where ``dtype`` stands for ``keepdim``.
+_C_ALIASES = {"input": "x", "other": "y", "dim": "axis"}
+
+
+def _parsed_in_c(fn) -> bool:
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_flags & inspect.CO_VARARGS and code.co_flags & inspect.CO_VARKEYWORDS \
+        and code.co_argcount == 0 and "_C_ops" in code.co_names and hasattr(fn, "__signature__")
+
+
+def _c_parser_forms(sig, args, kwargs):
+    params = sig.parameters
+    if any(k not in params for k in kwargs):
+        kwargs = dict(kwargs)
+        for alias, name in _C_ALIASES.items():
+            if alias in kwargs and alias not in params and name in params:
+                if name in kwargs:
+                    raise TypeError(f"got both {name!r} and its alias {alias!r}")
+                kwargs[name] = kwargs.pop(alias)
+    names = list(params)
+    if "dtype" in names and "keepdim" in names and "keepdim" not in kwargs:
+        i = names.index("dtype")
+        if len(args) > i and isinstance(args[i], bool) and names.index("keepdim") > i:
+            kwargs = {**kwargs, "keepdim": args[i]}
+            extra = args[i + 1:]
+            args = args[:i]
+            if extra:        # (x, axis, keepdim, dtype)
+                kwargs["dtype"] = extra[0]
+    return args, kwargs
+
+
+def _signature(fn):
+    try:
+        return inspect.signature(fn, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return None
+
+
+def _rebuild(fn):
+    """(front, inner): ``front`` is a copy of ``fn``'s chain of argument-rewriting wrappers whose innermost
+    call records its arguments instead (None when ``fn`` has no wrappers), ``inner`` the function that
+    call would have reached. A wrapper reaches the next function through its closure, directly
+    (``functools.wraps`` style) or through a helper's closure (the ``decorator`` package's style); the
+    deepest function of the ``__wrapped__`` chain that can be reached that way is the inner one."""
+    chain = []
+    f = fn
+    while getattr(f, "__wrapped__", None) is not None and len(chain) < 16:
+        f = f.__wrapped__
+        chain.append(f)
+    for target in reversed(chain):
+        front = _rewire(fn, target, 0)
+        if front is not None:
+            return front, target
+    return None, fn
+
+
+def _rewire(f, target, depth):
+    """A copy of ``f`` whose path through closures to ``target`` ends at the recorder, or None."""
+    if not isinstance(f, types.FunctionType) or not f.__closure__ or depth > 4:
+        return None
+    for i, cell in enumerate(f.__closure__):
+        try:
+            c = cell.cell_contents
+        except ValueError:
+            continue
+        if c is target:
+            return _clone(f, i, _record)
+        if isinstance(c, types.FunctionType):
+            inner = _rewire(c, target, depth + 1)
+            if inner is not None:
+                return _clone(f, i, inner)
+    return None
+
+
+def _clone(f, index, replacement):
+    cells = list(f.__closure__)
+    cells[index] = types.CellType(replacement)
+    g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, tuple(cells))
+    g.__kwdefaults__ = f.__kwdefaults__
+    return g
+
+
+_BINDERS: dict = {}
+
+
+def binder(fn) -> Binder:
+    """The Binder of ``fn`` (cached; the function is kept alive with it so its id stays its own)."""
+    hit = _BINDERS.get(id(fn))
+    if hit is None or hit[0] is not fn:
+        hit = _BINDERS[id(fn)] = (fn, Binder(fn))
+    return hit[1]
+
+
+def canonical(fn, args, kwargs):
+    """``fn(*args, **kwargs)`` as the canonical ``(args, kwargs)`` of ``fn``'s innermost signature."""
+    return binder(fn)(tuple(args), dict(kwargs))
+
+
+def has_signature(fn) -> bool:
+    """True when ``fn`` is a python callable with a signature (operators and ``_C_ops`` have none)."""
+    return isinstance(fn, types.FunctionType) and _signature(fn) is not None
