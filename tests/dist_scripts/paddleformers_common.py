@@ -1,89 +1,98 @@
-"""Tiny PaddleFormers causal LMs and the three ways the tests run them (plain DP, the seed's shard
-function, ``ap.parallelize``), with the one-process reference they are compared to."""
+"""PaddleFormers models under ``ap.parallelize`` (dp=2, tp=2, default plans), in the simulated world or on
+4 real ranks: one backward (loss and every gradient) or a few AdamW steps (losses and final parameters),
+compared with one process. Builders and the DP / seed-shard-function runs: autoparallel.testing.paddleformers_models."""
 from __future__ import annotations
-
-import importlib
-import sys
-import types
 
 import numpy as np
 
-CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, fuse_rms_norm=False, max_position_embeddings=64)
-DENSE = {   # name: (module, config class, model class, config overrides)
-    "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("qwen2", "Qwen2Config", "Qwen2ForCausalLMDeprecated", {}),
-    "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLMDeprecated", {}),
-    "ernie4_5": ("ernie4_5", "Ernie4_5Config", "Ernie4_5ForCausalLM", {}),
-    "gemma3": ("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", {}),
-    "phi3": ("phi3", "Phi3Config", "Phi3ForCausalLM", {}),
-}
-MOE = {"qwen2_moe": ("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLMDeprecated",
-                     dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                          shared_expert_intermediate_size=64))}
-MODELS = {**DENSE, **MOE}
+from autoparallel.testing import paddleformers_models as pf
 
 
-def available() -> bool:
-    try:
-        import paddleformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _stub_gpt_provider():
-    """Qwen2/3's modules import ``gpt_provider``, which imports the GPU-only paddlefleet; the paddle-native
-    (``...Deprecated``) classes used here never touch it."""
-    name = "paddleformers.transformers.gpt_provider"
-    if name not in sys.modules:
-        try:
-            importlib.import_module(name)
-        except Exception:
-            stub = types.ModuleType(name)
-            stub.GPTModelProvider = type("GPTModelProvider", (), {})
-            sys.modules[name] = stub
-
-
-def build(name: str, seed: int = 0, **overrides):
-    import paddle
-
-    _stub_gpt_provider()
-    mod, cfg_cls, model_cls, extra = MODELS[name]
-    module = importlib.import_module(f"paddleformers.transformers.{mod}")
-    cfg = getattr(module, cfg_cls)(**{**CONFIG, **extra, **overrides})
-    paddle.seed(seed)
-    return getattr(module, model_cls)(cfg)
-
-
-def batch(seed: int = 0, b: int = 4, t: int = 8, vocab: int = 128):
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, vocab, (b, t)).astype("int64"), rng.integers(0, vocab, (b, t)).astype("int64")
-
-
-def loss_of(out):
-    return out[0] if isinstance(out, (tuple, list)) else out.loss
-
-
-def reference(name: str, seed: int = 0):
-    """One process: loss and {parameter name: gradient}."""
-    import paddle
-
-    model = build(name, seed)
-    ids, labels = batch(seed)
-    loss = loss_of(model(input_ids=paddle.to_tensor(ids), labels=paddle.to_tensor(labels)))
-    loss.backward()
-    return float(loss), {n: p.grad.numpy() for n, p in model.named_parameters()}
-
-
-def seed_shard_fn(name, layer, mesh):
-    """The seed article's shard function: q/k/v/gate/up (and fused) weights [R, S(1)], o/down [R, S(0)]."""
+def strategy(dp=2, tp=2):
     import autoparallel as ap
 
-    last = name.rsplit(".", 1)[-1]
-    if "experts." in name + ".":
-        return
-    if last in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "up_gate_proj", "gate_up_proj"):
-        layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Replicate(), ap.Shard(1)])
-    elif last in ("o_proj", "down_proj"):
-        layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Replicate(), ap.Shard(0)])
+    s = ap.Strategy()
+    s.data_parallel.degree = dp
+    s.tensor_parallel.degree = tp
+    return s
+
+
+def parallelized(name: str, seed: int = 0, lr: float = 1e-3, tp_plan=None, **overrides):
+    """(model, optimizer) after ``ap.parallelize`` with the default plans, after checking the ties and that
+    the optimizer holds every parameter of the model once."""
+    import paddle
+
+    import autoparallel as ap
+
+    model = pf.build(name, seed, **overrides)
+    ties = _ties(model)
+    opt = paddle.optimizer.AdamW(lr, parameters=model.parameters())
+    model, opt = ap.parallelize(model, opt, strategy=strategy(), tp_plan=tp_plan)
+    for a, b in ties:
+        if _get(model, a) is not _get(model, b):
+            raise AssertionError(f"tie {a} = {b} split by parallelize")
+    mine = {id(p) for p in model.parameters()}
+    held = [id(p) for p in opt._inner._parameter_list]
+    if len(held) != len(set(held)) or set(held) != mine:
+        raise AssertionError(f"optimizer holds {len(held)} entries ({len(set(held))} distinct), model has {len(mine)}")
+    return model, opt
+
+
+def _ties(model) -> list:
+    """[(path a, path b)] of parameter slots holding the same Parameter object."""
+    first, out = {}, []
+    for name, layer in model.named_sublayers(include_self=True):
+        for attr, p in layer._parameters.items():
+            if p is None:
+                continue
+            path = f"{name}.{attr}" if name else attr
+            if id(p) in first:
+                out.append((first[id(p)], path))
+            else:
+                first[id(p)] = path
+    return out
+
+
+def _get(model, path):
+    obj = model
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def parallelize_grads(name: str, seed: int = 0, **overrides):
+    """One backward under parallelize: (loss, {name: full gradient}), plain tensors passed by keyword."""
+    import paddle
+
+    model, opt = parallelized(name, seed, **overrides)
+    ids, labels = pf.batch(seed)
+    loss = pf.loss_of(model(input_ids=paddle.to_tensor(ids), labels=paddle.to_tensor(labels)))
+    loss.backward()
+    opt.reduce_gradients()
+    return float(loss), {n: pf._grad_np(p) for n, p in model.named_parameters()}
+
+
+def train(name: str, steps: int = 5, seed: int = 0, distributed: bool = True):
+    """``steps`` AdamW steps on a fixed batch: (losses, {name: final full parameter})."""
+    import paddle
+
+    if distributed:
+        model, opt = parallelized(name, seed, lr=1e-2)
+    else:
+        model = pf.build(name, seed)
+        opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
+    ids, labels = pf.batch(seed)
+    losses = []
+    for _ in range(steps):
+        loss = pf.loss_of(model(input_ids=paddle.to_tensor(ids), labels=paddle.to_tensor(labels)))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    final = {n: (p.full().numpy() if hasattr(p, "full") else p.numpy()) for n, p in model.named_parameters()}
+    return losses, final
+
+
+def worst_rel(ref: dict, got: dict) -> float:
+    """max over tensors of max|got - ref| / max|ref| (the README table's figure)."""
+    return max(float(np.abs(got[n] - r).max() / (np.abs(r).max() + 1e-12)) for n, r in ref.items())

@@ -1,0 +1,126 @@
+"""PaddleFormers 1.2 causal LMs, unedited, in the simulated 4-rank world on a 2x2 ["data", "model"] mesh:
+plain DP, the seed's shard function and ``ap.parallelize`` (dp=2, tp=2, default plans) each equal one
+process (loss and every gradient); ties kept; every parameter in the optimizer once; a split tie caught
+(negative control); GQA with fewer kv heads than TP ranks; bad plans on a real model as typed errors."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from autoparallel.testing import paddleformers_models as pf
+
+pytestmark = pytest.mark.skipif(not pf.available(), reason="paddleformers not installed (pip install -e .[models])")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts"))
+import paddleformers_common as pc  # noqa: E402
+
+import autoparallel as ap  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-5
+_REF = {}
+
+
+def reference(name, **overrides):
+    key = (name, tuple(sorted(overrides.items())))
+    if key not in _REF:
+        _REF[key] = pf.reference(name, **overrides)
+    return _REF[key]
+
+
+def run(name, mode, **overrides):
+    with ap.simulate(world_size=4):
+        if mode == "parallelize":
+            return pc.parallelize_grads(name, **overrides)
+        return pf.sharded(name, mode, **overrides)
+
+
+@pytest.mark.parametrize("mode", ["dp", "tp", "parallelize"])
+@pytest.mark.parametrize("name", pf.DENSE)
+def test_dense_model_equals_one_process(name, mode):
+    ref = reference(name)
+    got = run(name, mode)
+    assert set(got[1]) == set(ref[1])
+    assert pf.compare(ref, got, RTOL, ATOL) == [], f"{name} {mode}: worst rel {pc.worst_rel(ref[1], got[1]):.2e}"
+
+
+def test_negative_control_a_split_tie_is_caught():
+    """Untie Llama's head from its embedding (a copy, as a split tie would leave it): the embedding's
+    gradient loses the head's term and the comparison fails."""
+    ref = reference("llama")
+    with ap.simulate(world_size=4):
+        untied = _untied_llama_grads()
+    assert "model.embed_tokens.weight" in pf.compare(ref, untied, RTOL, ATOL)
+
+
+def _untied_llama_grads():
+    """Llama with the head holding a copy of the embedding: the run a split tie amounts to."""
+    import paddle
+
+    model, opt = _split_tie_model()
+    ids, labels = pf.batch(0)
+    loss = pf.loss_of(model(input_ids=paddle.to_tensor(ids), labels=paddle.to_tensor(labels)))
+    loss.backward()
+    opt.reduce_gradients()
+    grads = {n: pf._grad_np(p) for n, p in model.named_parameters()}
+    return float(loss), {n: g for n, g in grads.items() if n != "lm_head.weight"}
+
+
+def _split_tie_model():
+    import paddle
+
+    model = pf.build("llama")
+    copy = paddle.create_parameter(model.lm_head.weight.shape, "float32")
+    copy.set_value(model.lm_head.weight.numpy())
+    model.lm_head.weight = copy
+    opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
+    return ap.parallelize(model, opt, strategy=pc.strategy())
+
+
+def test_tied_head_is_vocab_parallel_and_one_parameter():
+    with ap.simulate(world_size=4):
+        model, opt = pc.parallelized("llama")
+    head, emb = model.lm_head.weight, model.model.embed_tokens.weight
+    assert head is emb and str(head.placements) == "[R, S(0)]" and head.global_shape == [pf.VOCAB, pf.HIDDEN]
+    assert str(model.model.layers[0].self_attn.o_proj.weight.placements) == "[R, S(0)]"
+    assert str(model.model.layers[0].mlp.up_proj.weight.placements) == "[R, S(1)]"
+
+
+def test_shard_layer_keeps_a_real_models_tie():
+    with ap.simulate(world_size=4):
+        model = ap.shard_layer(pf.build("ernie4_5"), pf.mesh_2x2(), pf.seed_shard_fn)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert str(model.model.layers[1].self_attn.qkv_proj.weight.placements) == "[R, S(1)]"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_fewer_kv_heads_than_tp_ranks(name):
+    """num_key_value_heads=1 < tp=2: separate k/v projections stay replicated, a fused qkv gathers its output."""
+    ref = reference(name, num_key_value_heads=1)
+    got = run(name, "parallelize", num_key_value_heads=1)
+    assert pf.compare(ref, got, RTOL, ATOL) == []
+    with ap.simulate(world_size=4):
+        model, _ = pc.parallelized(name, num_key_value_heads=1)
+    attn = model.model.layers[0].self_attn
+    if name == "llama":
+        assert str(attn.k_proj.weight.placements) == "[R, R]" and str(attn.q_proj.weight.placements) == "[R, S(1)]"
+    else:
+        assert str(attn.qkv_proj.weight.placements) == "[R, S(1)]"
+
+
+def test_a_plan_naming_missing_layers_is_a_typed_error():
+    from autoparallel.parallel.tensor_parallel import PlanError
+
+    with ap.simulate(world_size=4), pytest.raises(PlanError, match=r"pattern 'mlp\.fc1' matches no layer of "
+                                                                   r"LlamaForCausalLM; its layers include: model"):
+        pc.parallelized("llama", tp_plan={"mlp.fc1": ap.ColWiseParallel()})
+
+
+def test_a_tie_that_cannot_be_honoured_is_a_typed_error():
+    """Row-parallel on the tied [vocab, hidden] head splits hidden, the embedding splits vocab: one parameter
+    cannot have both layouts."""
+    from autoparallel.parallel.ties import TiedLayoutError
+
+    with ap.simulate(world_size=4), pytest.raises(TiedLayoutError, match=r"model\.embed_tokens\.weight.*"
+                                                                         r"lm_head\.weight.*one layout"):
+        pc.parallelized("llama", tp_plan={"lm_head": ap.RowWiseParallel()})
