@@ -22,6 +22,7 @@ from paddle.base.framework import EagerParamBase
 from spmd_rules import get_spmd_rule, has_spmd_rule
 from spmd_rules.op_table import ARG_MAP, OP_TABLE
 from spmd_rules.registry import flatten_specs, replace_specs
+from spmd_rules.result import LocalShaped
 
 from autoparallel import aliases, binding, dispatch_cache, local_ops
 from spmd_rules.errors import DataDependentShapeError
@@ -53,7 +54,7 @@ def _any_dist(args, kwargs) -> bool:
         for v in kwargs.values():
             if is_dist(v) or (type(v) in (list, tuple) and any(is_dist(u) for u in v)):
                 return True
-    return False
+    return _SHADOWS[0] and _has_shadow(args, kwargs)
 
 
 def _tracing_tensors(args, kwargs) -> bool:
@@ -78,6 +79,8 @@ def run(op: str, path: str, args, kwargs):
 
     A call whose key (see dispatch_cache) was seen before reuses its plan: no rule, no validation, no
     reshard planning; only the data-dependent steps run."""
+    if _SHADOWS[0]:
+        args, kwargs = _unshadow(args, kwargs)
     args, kwargs = _bind(op, path, tuple(args), dict(kwargs))
     if path in ARG_MAP:
         args, kwargs = _map_args(path, args, kwargs)
@@ -140,7 +143,7 @@ def check_outputs(op, plan, outs) -> None:
                             f"{len(got)} output(s) on inputs {_specs_str(plan.res.inputs)}")
         coords = plan.mesh.coords_of(r)
         for k, (t, spec) in enumerate(zip(got, specs)):
-            if spec is None or t is None or not isinstance(t, paddle.Tensor):
+            if spec is None or t is None or not isinstance(t, paddle.Tensor) or spec.__class__ is LocalShaped:
                 continue
             want = tuple(spec.local_shape(coords))
             if tuple(t.shape) != want or normalize_dtype(t.dtype) != spec.dtype:
@@ -298,6 +301,10 @@ def _trace(tracer, op, dists, res):
 
     from autoparallel.comm.world import planning_cluster
 
+    if any(s.__class__ is LocalShaped for s in res.outputs):
+        raise DataDependentShapeError(f"{op}: its output size depends on the values, which tracing does not "
+                                      f"compute; plan the model in eager mode (auto_mode='semi') or keep "
+                                      f"{op} outside the traced region")
     reshards = [plan_reshard(d.spec.shape, d.spec.dtype, d.spec.mesh, d.spec.placements, req.placements,
                              cluster=planning_cluster())
                 for d, req in zip(dists, res.inputs) if d.spec != req]
@@ -394,9 +401,27 @@ def _as_tuple(o):
 def _wrap(res, outs, held):
     specs = res.outputs
     if len(specs) == 1:
-        return None if specs[0] is None else DistTensor._own({r: outs[r][0] for r in held}, specs[0])
-    return tuple(None if spec is None else DistTensor._own({r: outs[r][k] for r in held}, spec)
+        spec = specs[0]
+        if spec is None:
+            return None
+        if spec.__class__ is LocalShaped:
+            spec = _resolved(spec, outs, held, 0)
+        return DistTensor._own({r: outs[r][0] for r in held}, spec)
+    return tuple(None if spec is None else
+                 DistTensor._own({r: outs[r][k] for r in held},
+                                 _resolved(spec, outs, held, k) if spec.__class__ is LocalShaped else spec)
                  for k, spec in enumerate(specs))
+
+
+def _resolved(spec, outs, held, k):
+    """A value-dependent output: replicated, so every held rank's local result is the global one."""
+    first = outs[held[0]][k]
+    for r in held[1:]:
+        if tuple(outs[r][k].shape) != tuple(first.shape):
+            raise RuntimeError(f"a value-dependent output differs in shape between ranks ({list(first.shape)} on "
+                               f"rank {held[0]}, {list(outs[r][k].shape)} on rank {r}): its inputs were not "
+                               f"the same on every rank")
+    return spec.resolve(first.shape, first.dtype)
 
 
 # ---- installation -----------------------------------------------------------------------------------------------
@@ -467,8 +492,39 @@ def _rebind(path, target, out):
             for r, t in target._ap_locals.items():
                 paddle.assign(out._locals[r], output=t)
         return target
+    if isinstance(target, paddle.Tensor) and not isinstance(target, EagerParamBase):
+        # a plain tensor (replicated by convention) updated in place with distributed operands, e.g. a
+        # zeros buffer the model index_add_s expert outputs into: the tensor object is shadowed by the
+        # distributed result, which every later routed op reading it uses instead
+        target._ap_shadow = out
+        _SHADOWS[0] = True
+        return target
     raise TypeError(f"{path}_: the in-place target is a {type(target).__name__}, which cannot hold a "
                     f"distributed result; use the out-of-place {path}")
+
+
+_SHADOWS = [False]        # set once some plain tensor was updated in place by a distributed result
+
+
+def _shadow_of(v):
+    return getattr(v, "_ap_shadow", None) if v.__class__ is paddle.Tensor else None
+
+
+def _has_shadow(args, kwargs) -> bool:
+    for v in list(args) + list(kwargs.values()):
+        if _shadow_of(v) is not None or (type(v) in (list, tuple) and any(_shadow_of(u) is not None for u in v)):
+            return True
+    return False
+
+
+def _unshadow(args, kwargs):
+    def sub(v):
+        if type(v) in (list, tuple):
+            return type(v)(sub(u) for u in v)
+        sh = _shadow_of(v)
+        return v if sh is None else sh
+
+    return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
 
 
 def _install_casts() -> None:

@@ -180,6 +180,15 @@ class DistTensor:
     def __float__(self) -> float:
         return float(self.item())
 
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __bool__(self) -> bool:
+        """Python control flow on a value (``if t <= 0.1:``): the one element, gathered when sharded."""
+        if int(np.prod(self._spec.shape, dtype=np.int64)) != 1:
+            raise ValueError(f"the truth value of a tensor with {list(self._spec.shape)} elements is ambiguous")
+        return bool(self.item())
+
     def __repr__(self) -> str:
         held = sorted(self._locals)
         return f"DistTensor(shape={self.shape}, dtype={self._spec.dtype}, mesh={self.mesh.short()}, " \

@@ -199,9 +199,10 @@ for _op in ("equal", "not_equal", "less_than", "less_equal", "greater_than", "gr
 @register_spmd_rule("where")
 def where(condition, x=None, y=None, name=None):
     check_spec("where", "condition", condition)
-    if x is None and y is None:
-        raise NotImplementedError("where: the single-argument form (nonzero indices) has a data-dependent "
-                                  "shape and has no spmd rule")
+    if x is None and y is None:          # nonzero(condition, as_tuple=True): a data-dependent size
+        from spmd_rules.routing import replicate_all
+
+        return replicate_all("where", [condition], max(condition.ndim, 1))
     vals = [a for a in (x, y) if isinstance(a, DistSpec)]
     if vals:
         dtype = promote(*[s.dtype for s in vals])

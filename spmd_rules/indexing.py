@@ -104,6 +104,11 @@ def index_plan(x: DistSpec, index):
 @register_spmd_rule("getitem")
 def getitem(x, index):
     check_spec("getitem", "x", x)
+    items = list(index) if isinstance(index, tuple) else [index]
+    if sum(_advanced(it) for it in items) > 1 or any(isinstance(it, DistSpec) and it.dtype == "bool" for it in items):
+        from spmd_rules.routing import replicate_all     # several advanced indices, or a mask: gathered
+
+        return replicate_all("getitem", [x] + [it for it in items if isinstance(it, DistSpec)])
     xl, ol, shape, idx, il = index_plan(x, index)
     specs, labs = [x], [xl]
     if idx is not None:

@@ -7,7 +7,7 @@ from typing import Callable, Iterable
 from autoparallel.placement import Placement, parse_placements
 from autoparallel.spec import DistSpec
 
-from spmd_rules.result import SpmdResult
+from spmd_rules.result import LocalShaped, SpmdResult
 
 _RULES: dict = {}
 _CACHE_LIMIT = 8192
@@ -172,7 +172,7 @@ def _validate(op: str, given: list, result, *, n_outputs: int | None = None, ord
         raise TypeError(f"spmd rule {op!r} returned {len(result.outputs)} output specs, expected {n_outputs}")
     mesh = given[0].mesh if given else None
     for k, out in enumerate(result.outputs):
-        if out is None:
+        if out is None or isinstance(out, LocalShaped):
             continue
         if not isinstance(out, DistSpec):
             raise TypeError(f"spmd rule {op!r}: output {k} must be a DistSpec (or None for an absent "

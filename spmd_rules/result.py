@@ -25,6 +25,31 @@ def _fmt_one(spec, one_d: bool) -> str:
 
 
 @dataclass(frozen=True)
+class LocalShaped:
+    """An output whose size depends on the input VALUES (``nonzero``, ``masked_select``...): replicated on
+    every mesh dim, its global shape and dtype read from the local result (the same on every rank, since
+    such a rule requires its inputs replicated). The runtime resolves it per call with ``resolve``."""
+    mesh: object
+
+    @property
+    def placements(self) -> tuple:
+        from autoparallel.placement import Replicate
+
+        return tuple(Replicate() for _ in range(self.mesh.ndim))
+
+    @property
+    def shape(self) -> tuple:
+        return ("?",)
+
+    dtype = "data-dependent"
+
+    def resolve(self, shape, dtype):
+        from autoparallel.spec import DistSpec, normalize_dtype
+
+        return DistSpec(self.mesh, self.placements, tuple(int(s) for s in shape), normalize_dtype(dtype))
+
+
+@dataclass(frozen=True)
 class SpmdResult:
     inputs: tuple
     outputs: tuple
