@@ -277,7 +277,7 @@ class Checker:
             kwargs = dict(kwargs, mesh=mesh, placements=out_placements)
             where += f" creating [{', '.join(map(str, out_placements))}]"
         try:
-            res = spmd_rules.get_spmd_rule(self.op)(*args, **kwargs)
+            res = _resolve_local_shaped(spmd_rules.get_spmd_rule(self.op)(*args, **kwargs), self.full_out)
         except Exception as e:  # a rule must accept every layout
             self.outcome.failures.append(f"{where}: the rule raised {type(e).__name__}: {e}")
             return
@@ -399,6 +399,18 @@ class Checker:
                     err = np.max(np.abs(total - want)) if total.shape == want.shape else "shape mismatch"
                     raise AssertionError(f"gradient of input {i} ({how}) at coords {c} is wrong for required "
                                          f"[{', '.join(map(str, spec.placements))}] (max abs error {err})")
+
+
+def _resolve_local_shaped(res, full_out):
+    """A value-dependent output (replicated) takes the full op's shape and dtype, as the runtime takes them
+    from the local result."""
+    from spmd_rules.result import LocalShaped, SpmdResult
+
+    if not any(isinstance(o, LocalShaped) for o in res.outputs):
+        return res
+    outs = tuple(o.resolve(full.shape, str(full.dtype)) if isinstance(o, LocalShaped) else o
+                 for o, full in zip(res.outputs, list(full_out) + [None] * len(res.outputs)))
+    return SpmdResult(res.inputs, outs, res.local_op, res.local_attrs, res.op)
 
 
 def _group(c, dims, shape):
@@ -590,7 +602,7 @@ def _build_cases():
     _COUNTER[0] = 0
     _impls()
     for build in (_cases_matmul, _cases_elementwise, _cases_reduction, _cases_norm, _cases_nn, _cases_shape,
-                  _cases_creation, _cases_optimizer):
+                  _cases_creation, _cases_optimizer, _cases_routing):
         build()
 
 
@@ -771,6 +783,33 @@ def _cases_shape():
     add_case("getitem", f(5, 6), 3, label="int")
     add_case("tril", f(5, 7))
     add_case("triu", f(2, 5, 7), diagonal=1)
+
+
+def _cases_routing():
+    add_case("topk", f(5, 6), 2)
+    add_case("topk", f(5, 6), 3, axis=0, largest=False, label="axis0-smallest")
+    add_case("argsort", f(5, 6), axis=0)
+    add_case("sort", f(5, 6), descending=True)
+    add_case("cumsum", f(5, 6), axis=1)
+    add_case("cumsum", f(3, 4), label="flat")
+    add_case("take_along_axis", f(5, 6), ints(6, 5, 2), axis=1)
+    add_case("put_along_axis", f(5, 6), T(np.array([[0], [3], [5], [1], [2]])), f(5, 1), axis=1,
+             label="assign")
+    add_case("put_along_axis", f(5, 6), T(np.array([[0, 2], [3, 3], [5, 0], [1, 1], [2, 4]])), f(5, 2), axis=1,
+             reduce="add", label="add")
+    add_case("index_add", f(6, 4), T(np.array([4, 0, 4])), 0, f(3, 4))
+    add_case("index_select", f(6, 4), T(np.array([5, 0, 2])), axis=0)
+    add_case("gather", f(6, 4), T(np.array([3, 0, 2])), axis=1, label="axis1")
+    add_case("scatter", f(6, 4), T(np.array([3, 0, 5])), f(3, 4))
+    add_case("index_put", f(5, 6), (T(np.array([0, 4])), T(np.array([1, 5]))), f(2), accumulate=True)
+    add_case("permute", f(5, 6, 7), [2, 0, 1])
+    add_case("nonzero", T(np.array([[0.0, 1.5, 0.0], [2.0, 0.0, -1.0]])), grad=False)
+    add_case("nonzero", T(np.array([[0.0, 1.5], [2.0, 0.0]])), as_tuple=True, grad=False, label="tuple")
+    add_case("masked_select", f(4, 3), T(_rng("m", 0).random((4, 3)) > 0.5))
+    add_case("bincount", T(np.array([0, 3, 3, 1, 6])), grad=False)
+    add_case("bincount", T(np.array([0, 3, 3, 1])), f(4), minlength=6, grad=False, label="weights")
+    add_case("where", T(np.array([[True, False, True], [False, False, True]])), grad=False, label="nonzero")
+    add_case("getitem", f(5, 6), (T(np.array([0, 4])), T(np.array([1, 5]))), label="two-tensor-indices")
 
 
 def _cases_creation():
