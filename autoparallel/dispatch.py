@@ -607,7 +607,13 @@ def custom_op(name: str):
 
     On distributed tensors the rule decides the layouts and the function runs on each rank's shards;
     on plain tensors it is the function itself."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"custom_op expects the spmd rule name (a non-empty str), got {type(name).__name__} "
+                        f"{name!r}; use it as @ap.custom_op('my_op')")
+
     def deco(fn):
+        if not callable(fn):
+            raise TypeError(f"custom_op({name!r}) decorates a function, got {type(fn).__name__} {fn!r}")
         path = f"custom.{name}"
         _CUSTOM[path] = fn
 

@@ -26,7 +26,15 @@ def global_mean(x, axis=None, keepdim=False, name=None, *, global_count, dtype=N
     return paddle.sum(x, axis=axis, dtype=dtype, keepdim=keepdim) / global_count
 
 
-PER_RANK = {"vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean}
+def row_of_shard(x, index=None, *, row):
+    """``x[row]`` on the rank holding the row, zeros of a row's shape elsewhere (a Partial(sum) term)."""
+    if row is not None:
+        return x[row]
+    return paddle.zeros(x.shape[1:], dtype=x.dtype)
+
+
+PER_RANK = {"vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
+            "row_of_shard": row_of_shard}
 
 
 # ---- group ops: fn(mesh, calls: {rank: (args, kwargs)}) -> {rank: output} -----------------------------

@@ -15,7 +15,7 @@ import numbers
 
 import numpy as np
 
-from autoparallel.placement import Shard
+from autoparallel.placement import Partial, Shard
 from autoparallel.spec import DistSpec
 
 from spmd_rules.einsum import ALL, labels_result
@@ -104,6 +104,8 @@ def index_plan(x: DistSpec, index):
 @register_spmd_rule("getitem")
 def getitem(x, index):
     check_spec("getitem", "x", x)
+    if _is_int(index) and x.ndim and _row_shards(x):
+        return _row_of_shard(x, index)
     items = list(index) if isinstance(index, tuple) else [index]
     if sum(_advanced(it) for it in items) > 1 or any(isinstance(it, DistSpec) and it.dtype == "bool" for it in items):
         from spmd_rules.routing import replicate_all     # several advanced indices, or a mask: gathered
@@ -115,6 +117,32 @@ def getitem(x, index):
         specs.append(idx)
         labs.append(il)
     return labels_result("getitem", specs, labs, [ol], [(shape, x.dtype)], linear={0})
+
+
+def _row_shards(x) -> list:
+    """Mesh dims splitting dim 0 of ``x`` (none when some placement is Partial)."""
+    if any(isinstance(p, Partial) for p in x.placements):
+        return []
+    return [m for m, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim == 0]
+
+
+def _row_of_shard(x, i):
+    """``x[i]`` with dim 0 sharded: the rank holding row i returns it, the others zeros, so the result is a
+    Partial(sum) on the mesh dims splitting dim 0 -- no communication (iterating a batch-sharded tensor,
+    reading one routing count)."""
+    n = x.shape[0]
+    if not -n <= i < n:
+        raise IndexError(f"getitem: index {i} is out of range for dim 0 of size {n} (shape {list(x.shape)})")
+    i %= n
+    placements = tuple(Partial("sum") if isinstance(p, Shard) and p.dim == 0 else
+                       Shard(p.dim - 1) if isinstance(p, Shard) else p for p in x.placements)
+    out = DistSpec(x.mesh, placements, tuple(x.shape[1:]), x.dtype)
+
+    def attrs(coords):
+        start, stop = x.local_range(coords, 0)
+        return {"row": i - start if start <= i < stop else None}
+
+    return SpmdResult((x,), (out,), "row_of_shard", attrs)
 
 
 def _tri(op):

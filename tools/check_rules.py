@@ -438,9 +438,16 @@ def _global_mean(x, axis=None, keepdim=False, name=None, *, global_count, dtype=
     return paddle.sum(x, axis=axis, dtype=dtype, keepdim=keepdim) / global_count
 
 
+def _row_of_shard(x, index=None, *, row):
+    from autoparallel.local_ops import row_of_shard
+
+    return row_of_shard(x, index, row=row)
+
+
 LOCAL_OPS = {
     "vocab_parallel_embedding": _vocab_parallel_embedding,
     "global_mean": _global_mean,
+    "row_of_shard": _row_of_shard,
 }
 
 
@@ -781,6 +788,7 @@ def _cases_shape():
     add_case("getitem", f(5, 6, 7), (slice(None), [0, 4, 1]), label="list")
     add_case("getitem", f(5, 6, 7), (slice(None), ints(6, 6, 5)), label="tensor-index")
     add_case("getitem", f(5, 6), 3, label="int")
+    add_case("getitem", f(5, 6, 2), -1, label="int-last-row")
     add_case("tril", f(5, 7))
     add_case("triu", f(2, 5, 7), diagonal=1)
 
