@@ -84,3 +84,84 @@ def test_backward_grad_validation():
         dt = ap.shard_tensor(paddle.ones([4]), mesh_from_shape([2]), [ap.Shard(0)], stop_gradient=False)
         with pytest.raises(TypeError, match="expects None or a DistTensor"):
             dt.backward(grad=np.ones(4))
+
+
+# ---- metadata paddle code reads: answered without communication ------------------------------------------------
+import contextlib  # noqa: E402
+
+from autoparallel.comm import collectives as _C  # noqa: E402
+
+
+@contextlib.contextmanager
+def _count_collectives():
+    """Counts every simulated collective (gather, reduce, all_to_all...) run inside the block."""
+    calls = []
+    names = [n for n in vars(_C) if n.endswith("_raw") and n != "_slice_raw"]
+    saved = {n: getattr(_C, n) for n in names}
+    for n in names:
+        setattr(_C, n, (lambda f, n: lambda *a, **k: (calls.append(n), f(*a, **k))[1])(saved[n], n))
+    try:
+        yield calls
+    finally:
+        for n, f in saved.items():
+            setattr(_C, n, f)
+
+
+def _batch_sharded():
+    mesh = mesh_from_shape([2, 2], ["data", "model"])
+    full = np.arange(5 * 3 * 4, dtype="float32").reshape(5, 3, 4)
+    return full, ap.shard_tensor(paddle.to_tensor(full), mesh, [ap.Shard(0), ap.Shard(2)])
+
+
+def test_metadata_without_communication():
+    with ap.simulate(4):
+        full, x = _batch_sharded()
+        with _count_collectives() as calls:
+            assert x.dim() == x.ndim == x.ndimension() == 3
+            assert int(x.numel()) == x.size == full.size
+            assert x.contiguous() is x and x.is_contiguous()
+            assert x.place.is_cpu_place()
+            assert x.dtype == paddle.float32 and x.element_size() == 4
+            assert len(x) == 5 and x.stop_gradient
+            assert paddle.is_tensor(x)
+            rows = list(x)
+            assert calls == []
+        assert len(rows) == 5 and all(isinstance(r, ap.DistTensor) and r.shape == [3, 4] for r in rows)
+        for i, r in enumerate(rows):
+            np.testing.assert_array_equal(r.numpy(), full[i])
+
+
+def test_is_tensor_is_true_but_isinstance_is_false():
+    """A DistTensor is a wrapper over per-rank shards, not a C++ tensor: paddle's kernels would read its
+    (absent) storage, so ``isinstance(x, paddle.Tensor)`` stays false; ``paddle.is_tensor`` says True."""
+    with ap.simulate(2):
+        x = ap.shard_tensor(paddle.ones([4]), mesh_from_shape([2]), [ap.Shard(0)])
+        assert paddle.is_tensor(x) and not isinstance(x, paddle.Tensor)
+        assert paddle.is_tensor(paddle.ones([1])) and not paddle.is_tensor([1.0])
+
+
+def test_model_output_of_a_distributed_loss_does_not_gather():
+    """Library code that iterates a tensor it does not recognise (PaddleFormers' ModelOutput) reads one
+    row: with the batch sharded that is a local Partial row, no collective."""
+    mo = pytest.importorskip("paddleformers.transformers.model_outputs", reason="PaddleFormers (models extra)")
+    with ap.simulate(4):
+        _, x = _batch_sharded()
+        with _count_collectives() as calls:
+            out = mo.CausalLMOutputWithPast(x)           # only the first field: ModelOutput iterates it
+            assert out.loss is x
+        assert calls == []
+        with _count_collectives() as calls:              # the counter sees a gather (control)
+            x.full()
+        assert calls
+
+
+def test_a_non_op_says_it_has_no_meaning_for_a_distributed_tensor():
+    with ap.simulate(2):
+        x = ap.shard_tensor(paddle.ones([4]), mesh_from_shape([2]), [ap.Shard(0)])
+        with pytest.raises(TypeError, match="not an op and has no meaning for a distributed tensor"):
+            x.data_ptr()
+        with pytest.raises(NotImplementedError, match="register_spmd_rule"):
+            x.lerp(x, 0.5)                       # an op without a rule
+        with pytest.raises(ValueError, match="ambiguous"):
+            bool(x)
+        assert bool(x[1]) and int(x.sum()) == 4
