@@ -124,3 +124,16 @@ def test_a_tie_that_cannot_be_honoured_is_a_typed_error():
     with ap.simulate(world_size=4), pytest.raises(TiedLayoutError, match=r"model\.embed_tokens\.weight.*"
                                                                          r"lm_head\.weight.*one layout"):
         pc.parallelized("llama", tp_plan={"lm_head": ap.RowWiseParallel()})
+
+
+def test_moe_under_parallelize_shards_dense_layers_and_replicates_experts():
+    ref = reference("qwen2_moe")
+    got = run("qwen2_moe", "parallelize")
+    assert pf.compare(ref, got, RTOL, ATOL) == []
+    with ap.simulate(world_size=4):
+        model, _ = pc.parallelized("qwen2_moe")
+    mlp = model.model.layers[0].mlp
+    assert all(str(p.placements) == "[R, R]" for p in mlp.experts.parameters())
+    assert str(mlp.gate.weight.placements) == "[R, R]"                       # the router
+    assert str(mlp.shared_expert.down_proj.weight.placements) == "[R, S(0)]"
+    assert str(model.model.layers[0].self_attn.qkv_proj.weight.placements) == "[R, S(1)]"
