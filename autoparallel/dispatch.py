@@ -497,13 +497,30 @@ def _rebind(path, target, out):
         # zeros buffer the model index_add_s expert outputs into: the tensor object is shadowed by the
         # distributed result, which every later routed op reading it uses instead
         target._ap_shadow = out
-        _SHADOWS[0] = True
-        return target
+        if not _SHADOWS[0]:
+            _SHADOWS[0] = True
+            _install_shadow_readers()
+        return out
     raise TypeError(f"{path}_: the in-place target is a {type(target).__name__}, which cannot hold a "
                     f"distributed result; use the out-of-place {path}")
 
 
 _SHADOWS = [False]        # set once some plain tensor was updated in place by a distributed result
+
+
+def _install_shadow_readers() -> None:
+    """A shadowed plain tensor read directly (``numpy()``, ``item()``, ``tolist()``) gives the distributed
+    value, not the stale buffer."""
+    for name in ("numpy", "item", "tolist"):
+        orig = getattr(paddle.Tensor, name)
+
+        def reader(self, *args, __orig=orig, __name=name, **kwargs):
+            sh = getattr(self, "_ap_shadow", None) if self.__class__ is paddle.Tensor else None
+            if sh is None:
+                return __orig(self, *args, **kwargs)
+            return getattr(sh, __name)(*args, **kwargs) if __name != "tolist" else sh.numpy().tolist()
+
+        setattr(paddle.Tensor, name, _mark(reader, orig, name))
 
 
 def _shadow_of(v):

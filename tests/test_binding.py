@@ -148,10 +148,12 @@ def test_inplace_into_a_plain_buffer_with_distributed_values():
         mesh = mesh_from_shape([2], ["x"])
         v = ap.shard_tensor(paddle.to_tensor(val), mesh, [S(1)])
         buf = paddle.zeros([4, 5])
-        buf.index_add_(index=paddle.to_tensor(idx), axis=0, value=v)
+        ret = buf.index_add_(index=paddle.to_tensor(idx), axis=0, value=v)
         out = buf + 1.0
-        assert isinstance(out, ap.DistTensor)
+        assert isinstance(out, ap.DistTensor) and isinstance(ret, ap.DistTensor)
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-6)
+        np.testing.assert_allclose(buf.numpy() + 1.0, want, rtol=1e-6)      # read directly: the new value
+        np.testing.assert_allclose(ret.numpy() + 1.0, want, rtol=1e-6)
 
 
 # ---- casts -------------------------------------------------------------------------------------------------------
