@@ -128,10 +128,11 @@ def mesh_2x2():
     return ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["data", "model"])
 
 
-def sharded(name: str, mode: str, seed: int = 0, **overrides):
+def sharded(name: str, mode: str, seed: int = 0, reduce_grads: bool = True, **overrides):
     """Inside ``ap.simulate(world_size=4)`` (or on 4 ranks): the model on a 2x2 ["data", "model"] mesh with
     the batch split over "data"; ``mode`` "dp" replicates every weight, "tp" applies ``seed_shard_fn``.
-    Returns (loss, {parameter name: full gradient ndarray})."""
+    Returns (loss, {parameter name: full gradient ndarray}); ``reduce_grads=False`` skips the data-parallel
+    gradient reduction (a negative control: the gradients are then wrong)."""
     import paddle
 
     import autoparallel as ap
@@ -147,7 +148,8 @@ def sharded(name: str, mode: str, seed: int = 0, **overrides):
     labels = ap.shard_tensor(paddle.to_tensor(labels), mesh, place)
     loss = loss_of(model(input_ids=ids, labels=labels))
     loss.backward()
-    ap.reduce_gradients(model.parameters())
+    if reduce_grads:
+        ap.reduce_gradients(model.parameters())
     return float(loss), {n: _grad_np(p) for n, p in model.named_parameters()}
 
 
