@@ -40,3 +40,17 @@ def test_tp_forward_uses_one_all_reduce_per_row_parallel_linear(results, kind, r
 def test_dp_forward_communicates_nothing(results):
     for rank_result in results["gpt DP4"]:
         assert rank_result["forward_calls"] == {}
+
+
+def test_paddleformers_llama_under_the_seed_shard_function(results):
+    """Unmodified PaddleFormers Llama, q/k/v/gate/up column- and o/down row-sharded over "model", batch over
+    "data": equals one process; the forward's collectives are one all_reduce per row-parallel linear
+    (2 layers x 2) plus the loss normalisation over the data axis."""
+    case = results.get("paddleformers llama seed shard fn")
+    if case is None:
+        pytest.skip("PaddleFormers not installed (the models extra)")
+    for rank_result in case:
+        assert rank_result["loss"] == pytest.approx(rank_result["ref_loss"], rel=1e-5, abs=1e-6)
+        assert rank_result["bad_grads"] == []
+        assert set(rank_result["forward_calls"]) == {"all_reduce"}
+        assert rank_result["forward_calls"]["all_reduce"][0] == 2 * 2 + 1

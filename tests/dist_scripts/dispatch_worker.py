@@ -44,9 +44,35 @@ def run(kind, name, ranks, reduce=True):
             "forward_calls": fwd_log.summary()}
 
 
+def run_paddleformers(name="llama"):
+    """An unmodified PaddleFormers model under the seed shard function on the 2x2 mesh."""
+    from autoparallel.testing import paddleformers_models as pf
+
+    ref_loss, ref_grads = pf.reference(name)
+    mesh = pf.mesh_2x2()
+    model = ap.shard_layer(pf.build(name), mesh, pf.seed_shard_fn)
+    ids, labels = pf.batch()
+    x = ap.shard_tensor(paddle.to_tensor(ids), mesh, [ap.Shard(0), ap.Replicate()])
+    y = ap.shard_tensor(paddle.to_tensor(labels), mesh, [ap.Shard(0), ap.Replicate()])
+    with count_comm() as fwd_log:
+        loss = pf.loss_of(model(input_ids=x, labels=y))
+    loss.backward()
+    ap.reduce_gradients(model.parameters())
+    coords = mesh.coords_of(dist.get_rank())
+    bad = [n for n, p in model.named_parameters()
+           if not np.allclose(p.grad.numpy(), expected_local(ref_grads[n], p.spec, coords), rtol=1e-4, atol=1e-5)]
+    return {"case": f"paddleformers {name} seed shard fn", "loss": float(loss), "ref_loss": ref_loss,
+            "bad_grads": bad, "forward_calls": fwd_log.summary()}
+
+
 def main():
     dist.init_parallel_env()
     out = []
+    try:
+        import paddleformers  # noqa: F401
+        out.append(run_paddleformers())
+    except ImportError:
+        pass
     for kind in ("gpt", "llama"):
         for name, ranks in SHAPES.items():
             out.append(run(kind, name, ranks))
