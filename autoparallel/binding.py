@@ -37,12 +37,13 @@ def _record(*args, **kwargs):
 class Binder:
     """The canonical binding of one paddle callable (built once per callable)."""
 
-    __slots__ = ("inner", "sig", "front", "identity", "parsed_in_c")
+    __slots__ = ("inner", "sig", "front", "identity", "parsed_in_c", "layout")
 
     def __init__(self, fn):
         self.front, self.inner = _rebuild(fn)
         self.sig = _signature(self.inner)
         self.parsed_in_c = _parsed_in_c(self.inner)
+        self.layout = _Layout(self.sig) if self.sig is not None else None
         self.identity = set()        # call shapes (arg types, kwarg names) already canonical: skipped
 
     def __call__(self, args, kwargs):
@@ -62,11 +63,56 @@ class Binder:
             return a, k
         if self.parsed_in_c:
             a, k = _c_parser_forms(self.sig, a, k)
-        ba = self.sig.bind(*a, **k)
-        out = tuple(ba.args), dict(ba.kwargs)
+        out = self.layout.bind(a, k)
         if shape is not None and out[0] == tuple(args) and out[1] == kwargs and _same(out, args, kwargs):
             self.identity.add(shape)
         return out
+
+
+class _Layout:
+    """``inspect.Signature.bind`` for the canonical form, without its per-call overhead: positional
+    parameters positionally up to the first one not given, the rest (and keyword-only ones) by keyword."""
+
+    __slots__ = ("sig", "pos", "index", "var_pos", "kw_only", "var_kw")
+
+    def __init__(self, sig):
+        P = inspect.Parameter
+        params = list(sig.parameters.values())
+        self.sig = sig
+        self.pos = [p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        self.index = {n: i for i, n in enumerate(self.pos)
+                      if sig.parameters[n].kind is not P.POSITIONAL_ONLY}
+        self.var_pos = any(p.kind is P.VAR_POSITIONAL for p in params)
+        self.kw_only = {p.name for p in params if p.kind is P.KEYWORD_ONLY}
+        self.var_kw = any(p.kind is P.VAR_KEYWORD for p in params)
+
+    def bind(self, args, kwargs):
+        n = len(self.pos)
+        if len(args) > n and not self.var_pos:
+            raise TypeError(f"takes {n} positional arguments but {len(args)} were given")
+        if not kwargs:
+            return tuple(args), {}
+        slots = list(args[:n]) + [_MISSING] * max(0, n - len(args))
+        extra = {}
+        for k, v in kwargs.items():
+            i = self.index.get(k)
+            if i is not None:
+                if slots[i] is not _MISSING:
+                    raise TypeError(f"got multiple values for argument {k!r}")
+                slots[i] = v
+            elif k in self.kw_only or self.var_kw:
+                extra[k] = v
+            else:
+                raise TypeError(f"got an unexpected keyword argument {k!r}")
+        first_gap = next((i for i, v in enumerate(slots) if v is _MISSING), n)
+        out_args = tuple(slots[:first_gap]) + (tuple(args[n:]) if first_gap == n else ())
+        rest = {self.pos[i]: v for i, v in enumerate(slots[first_gap:], first_gap) if v is not _MISSING}
+        if rest:
+            extra = {**rest, **extra}
+        return out_args, extra
+
+
+_MISSING = object()
 
 
 def _same(out, args, kwargs) -> bool:
