@@ -192,6 +192,8 @@ def test_colwise_on_a_vocab_hidden_head_shards_the_vocab():
     ("layers.0", ap.ColWiseParallel(), r"leaf layers .*'model\.layers\.0' is a Block holding sublayers "
                                        r"\['up_proj', 'down_proj'\]"),
     ("model", ap.RowWiseParallel(), r"'model' is a Inner"),
+    ("layers.1.up_proj", ap.VocabParallelEmbedding(), r"'model\.layers\.1\.up_proj' is a Linear \(weight \[in, out\]\); "
+                                                      r"use ColWiseParallel"),
     ("blocks.*.fc", ap.ColWiseParallel(), r"pattern 'blocks\.\*\.fc' matches no layer of TiedLM; its layers "
                                           r"include: model, model\.embed_tokens"),
 ])

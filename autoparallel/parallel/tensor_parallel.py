@@ -141,6 +141,9 @@ class VocabParallelEmbedding:
 
     def check(self, name, layer):
         _check_leaf(self, name, layer)
+        if _is_linear(layer):
+            raise PlanError(f"VocabParallelEmbedding shards an embedding table [vocab, hidden], but {name!r} is a "
+                            f"Linear (weight [in, out]); use ColWiseParallel or RowWiseParallel on it")
 
     def placements(self, layer) -> dict:
         return {"weight": Shard(0)}
