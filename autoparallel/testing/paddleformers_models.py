@@ -35,8 +35,11 @@ MODELS = {
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLMDeprecated", "Qwen2MoeConfig",
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "shared_expert_intermediate_size": 64}),
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM", "GptOssConfig",
+                {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": HIDDEN // HEADS}),
 }
-DENSE = [n for n in MODELS if n != "qwen2_moe"]
+MOE = ["qwen2_moe", "gpt_oss"]
+DENSE = [n for n in MODELS if n not in MOE]
 
 # the seed's shard function: column-parallel projections split their output dim, row-parallel their input dim
 COL = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "up_gate_proj", "gate_up_proj")
