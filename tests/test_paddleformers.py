@@ -137,3 +137,12 @@ def test_moe_under_parallelize_shards_dense_layers_and_replicates_experts():
     assert str(mlp.gate.weight.placements) == "[R, R]"                       # the router
     assert str(mlp.shared_expert.down_proj.weight.placements) == "[R, S(0)]"
     assert str(model.model.layers[0].self_attn.qkv_proj.weight.placements) == "[R, S(1)]"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_sequence_parallel_on_real_models(name):
+    """Row-parallel outputs as sequence shards, every norm (Qwen3's per-head q/k norms too) on them."""
+    ref = reference(name)
+    with ap.simulate(world_size=4):
+        got = pc.parallelize_grads(name, sp=True)
+    assert pf.compare(ref, got, RTOL, ATOL) == []

@@ -8,16 +8,17 @@ import numpy as np
 from autoparallel.testing import paddleformers_models as pf
 
 
-def strategy(dp=2, tp=2):
+def strategy(dp=2, tp=2, sp=False):
     import autoparallel as ap
 
     s = ap.Strategy()
     s.data_parallel.degree = dp
     s.tensor_parallel.degree = tp
+    s.sequence_parallel.enable = sp
     return s
 
 
-def parallelized(name: str, seed: int = 0, lr: float = 1e-3, tp_plan=None, **overrides):
+def parallelized(name: str, seed: int = 0, lr: float = 1e-3, tp_plan=None, sp: bool = False, **overrides):
     """(model, optimizer) after ``ap.parallelize`` with the default plans, after checking the ties and that
     the optimizer holds every parameter of the model once."""
     import paddle
@@ -27,7 +28,7 @@ def parallelized(name: str, seed: int = 0, lr: float = 1e-3, tp_plan=None, **ove
     model = pf.build(name, seed, **overrides)
     ties = _ties(model)
     opt = paddle.optimizer.AdamW(lr, parameters=model.parameters())
-    model, opt = ap.parallelize(model, opt, strategy=strategy(), tp_plan=tp_plan)
+    model, opt = ap.parallelize(model, opt, strategy=strategy(sp=sp), tp_plan=tp_plan)
     for a, b in ties:
         if _get(model, a) is not _get(model, b):
             raise AssertionError(f"tie {a} = {b} split by parallelize")
@@ -60,11 +61,11 @@ def _get(model, path):
     return obj
 
 
-def parallelize_grads(name: str, seed: int = 0, **overrides):
+def parallelize_grads(name: str, seed: int = 0, sp: bool = False, **overrides):
     """One backward under parallelize: (loss, {name: full gradient}), plain tensors passed by keyword."""
     import paddle
 
-    model, opt = parallelized(name, seed, **overrides)
+    model, opt = parallelized(name, seed, sp=sp, **overrides)
     ids, labels = pf.batch(seed)
     loss = pf.loss_of(model(input_ids=paddle.to_tensor(ids), labels=paddle.to_tensor(labels)))
     loss.backward()
