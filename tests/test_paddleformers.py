@@ -111,9 +111,11 @@ def test_fewer_kv_heads_than_tp_ranks(name):
 def test_a_plan_naming_missing_layers_is_a_typed_error():
     from autoparallel.parallel.tensor_parallel import PlanError
 
-    with ap.simulate(world_size=4), pytest.raises(PlanError, match=r"pattern 'mlp\.fc1' matches no layer of "
-                                                                   r"LlamaForCausalLM; its layers include: model"):
-        pc.parallelized("llama", tp_plan={"mlp.fc1": ap.ColWiseParallel()})
+    with ap.simulate(world_size=4), pytest.raises(PlanError, match=r"pattern 'mlp\.gate_up_proj' matches no layer of "
+                                                                   r"LlamaForCausalLM; its leaf layers: model\.embed_tokens, "
+                                                                   r"model\.layers\.\*\.self_attn\.q_proj.*; layers ending "
+                                                                   r"in 'gate_proj', 'up_proj', 'v_proj' exist"):
+        pc.parallelized("llama", tp_plan={"mlp.gate_up_proj": ap.ColWiseParallel()})
 
 
 def test_a_tie_that_cannot_be_honoured_is_a_typed_error():

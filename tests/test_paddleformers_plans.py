@@ -195,7 +195,7 @@ def test_colwise_on_a_vocab_hidden_head_shards_the_vocab():
     ("layers.1.up_proj", ap.VocabParallelEmbedding(), r"'model\.layers\.1\.up_proj' is a Linear \(weight \[in, out\]\); "
                                                       r"use ColWiseParallel"),
     ("blocks.*.fc", ap.ColWiseParallel(), r"pattern 'blocks\.\*\.fc' matches no layer of TiedLM; its layers "
-                                          r"include: model, model\.embed_tokens"),
+                                          r"leaf layers: model\.embed_tokens, model\.layers\.\*\.up_proj"),
 ])
 def test_bad_plan_entries_name_the_layer(pattern, style, match):
     with ap.simulate(world_size=2), pytest.raises(PlanError, match=match):

@@ -197,13 +197,35 @@ def match_plan(model, plan: dict) -> list:
             raise TypeError(f"plan[{pattern!r}] must be one of {[s.__name__ for s in STYLES]}, got {style!r}")
         hits = [(n, l) for n, l in named if name_matches(n, pattern)]
         if not hits:
-            sample = ", ".join(n for n, _ in named[:12])
             raise PlanError(f"tensor-parallel plan pattern {pattern!r} matches no layer of "
-                            f"{type(model).__name__}; its layers include: {sample}")
+                            f"{type(model).__name__}; its leaf layers: {_leaf_summary(named)}{_near(pattern, named)}")
         for n, l in hits:
             style.check(n, l)
         out.extend((n, l, style) for n, l in hits)
     return out
+
+
+def _leaf_summary(named, limit: int = 16) -> str:
+    """Leaf layer names with layer indices folded (``model.layers.*.mlp.up_proj``), in model order."""
+    import re
+
+    seen = []
+    for n, l in named:
+        if not list(l.children()):
+            folded = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n)
+            if folded not in seen:
+                seen.append(folded)
+    more = f", ... ({len(seen) - limit} more)" if len(seen) > limit else ""
+    return ", ".join(seen[:limit]) + more if seen else "(none)"
+
+
+def _near(pattern: str, named) -> str:
+    """Leaf names close to the pattern's last part (a typo or another model family's naming)."""
+    import difflib
+
+    leaves = sorted({n.rsplit(".", 1)[-1] for n, l in named if not list(l.children())})
+    close = difflib.get_close_matches(pattern.rsplit(".", 1)[-1], leaves, n=3, cutoff=0.5)
+    return f"; layers ending in {', '.join(repr(c) for c in close)} exist" if close else ""
 
 
 def apply_tp(model, mesh, plan: dict, tp_dim="model"):
