@@ -194,7 +194,7 @@ def test_colwise_on_a_vocab_hidden_head_shards_the_vocab():
     ("model", ap.RowWiseParallel(), r"'model' is a Inner"),
     ("layers.1.up_proj", ap.VocabParallelEmbedding(), r"'model\.layers\.1\.up_proj' is a Linear \(weight \[in, out\]\); "
                                                       r"use ColWiseParallel"),
-    ("blocks.*.fc", ap.ColWiseParallel(), r"pattern 'blocks\.\*\.fc' matches no layer of TiedLM; its layers "
+    ("blocks.*.fc", ap.ColWiseParallel(), r"pattern 'blocks\.\*\.fc' matches no layer of TiedLM; its "
                                           r"leaf layers: model\.embed_tokens, model\.layers\.\*\.up_proj"),
 ])
 def test_bad_plan_entries_name_the_layer(pattern, style, match):
