@@ -158,14 +158,19 @@ def _world_size() -> int:
 
 
 def model_info(model) -> dict:
-    """Heads / kv_heads / hidden / layers / vocab from ``model.config`` when it has them (for validation)."""
+    """Heads / kv_heads / hidden / layers / vocab from ``model.config`` when it has them (for validation).
+    PaddleFormers / Hugging Face names count too, except their kv heads: fewer kv heads than TP ranks is
+    handled by the default plan (k/v projections replicated, parallel/tp_plans.py), not refused."""
     c = getattr(model, "config", None)
-    keys = {"heads": "heads", "kv_heads": "kv_heads", "hidden": "hidden", "layers": "layers", "vocab": "vocab_size"}
+    keys = {"heads": ("heads", "num_attention_heads"), "kv_heads": ("kv_heads",),
+            "hidden": ("hidden", "hidden_size"), "layers": ("layers", "num_hidden_layers"), "vocab": ("vocab_size",)}
     out = {}
-    for key, attr in keys.items():
-        v = getattr(c, attr, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            out[key] = v
+    for key, attrs in keys.items():
+        for attr in attrs:
+            v = getattr(c, attr, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                out[key] = v
+                break
     return out
 
 

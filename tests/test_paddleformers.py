@@ -148,3 +148,8 @@ def test_sequence_parallel_on_real_models(name):
     with ap.simulate(world_size=4):
         got = pc.parallelize_grads(name, sp=True)
     assert pf.compare(ref, got, RTOL, ATOL) == []
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused_before_any_work():
+    with ap.simulate(world_size=3), pytest.raises(ValueError, match=r"tensor_parallel.degree=3 must divide.*heads"):
+        ap.parallelize(pf.build("llama"), strategy=pc.strategy(dp=1, tp=3))
