@@ -100,7 +100,7 @@ def _choose(slots):
 def check_replaced(model, before: list) -> None:
     """After distribution: no original parameter reachable from the model, one object per tied group."""
     for _, slots in groups(before).items():
-        objs = {id(s.current()): s for s in slots}
+        objs = {id(s.current()): s for s in slots if s.current() is not None}    # a slot emptied by the user
         if len(objs) > 1:
             paths = ", ".join(s.path for s in slots)
             raise TiedLayoutError(f"tied parameter held as {paths} ended up as {len(objs)} different objects; "
