@@ -153,3 +153,24 @@ def test_sequence_parallel_on_real_models(name):
 def test_tp_that_does_not_divide_the_heads_is_refused_before_any_work():
     with ap.simulate(world_size=3), pytest.raises(ValueError, match=r"tensor_parallel.degree=3 must divide.*heads"):
         ap.parallelize(pf.build("llama"), strategy=pc.strategy(dp=1, tp=3))
+
+
+def test_lazy_built_tied_model_equals_one_process():
+    """Built under paddle.LazyGuard: the tied embedding/head is drawn once, the values equal the eager build."""
+    import paddle
+
+    ref = reference("llama")
+    cls, _, _ = pf.model_class("llama")
+    with ap.simulate(world_size=4):
+        paddle.seed(0)
+        with paddle.LazyGuard():
+            model = cls(pf.config("llama"))
+        opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
+        model, opt = ap.parallelize(model, opt, strategy=pc.strategy())
+        ids, labels = pf.batch(0)
+        loss = pf.loss_of(model(input_ids=paddle.to_tensor(ids), labels=paddle.to_tensor(labels)))
+        loss.backward()
+        opt.reduce_gradients()
+        got = float(loss), {n: pf._grad_np(p) for n, p in model.named_parameters()}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert pf.compare(ref, got, RTOL, ATOL) == []
