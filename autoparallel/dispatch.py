@@ -743,6 +743,23 @@ def _install_dist_tensor_methods(methods: dict) -> None:
             else:
                 _dist_method(name, w._ap_routed, w._ap_path)
     DistTensor.__hash__ = object.__hash__
+    DistTensor.T = property(lambda self: self if self.ndim < 2 else
+                            run("transpose", "paddle.transpose", (self, list(range(self.ndim))[::-1]), {}))
+    DistTensor.mT = property(lambda self: run("transpose", "paddle.transpose",
+                                              (self, list(range(self.ndim - 2)) + [self.ndim - 1, self.ndim - 2]), {}))
+    for name in [n for n in dir(paddle.Tensor) if n.startswith("new_")]:
+        setattr(DistTensor, name, _new_like(name))
+
+
+def _new_like(name):
+    """``x.new_zeros(...)`` & co.: a new plain tensor (replicated) with x's dtype, as paddle makes it."""
+    orig = getattr(paddle.Tensor, name)
+
+    def method(self, *args, **kwargs):
+        return orig(paddle.zeros([], dtype=self.dtype), *args, **kwargs)
+
+    method.__name__ = name
+    return method
 
 
 def _dist_method(name, op, path, inplace=False):

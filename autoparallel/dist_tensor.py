@@ -100,6 +100,20 @@ class DistTensor:
     def is_leaf(self) -> bool:
         return all(t.is_leaf for t in self._locals.values())
 
+    def zero_(self) -> "DistTensor":
+        """Zeros in place (every shard; a Partial becomes Replicate: zeros on every rank sum to zero)."""
+        return self.fill_(0.0)
+
+    def fill_(self, value) -> "DistTensor":
+        """``value`` everywhere in place; the tensor becomes replicated on its Partial mesh dims."""
+        from autoparallel.local_mode import local_mode
+
+        with local_mode():
+            for t in self._locals.values():
+                t.fill_(value)
+        self._spec = self._spec.with_placements(_grad_placements(self._spec.placements))
+        return self
+
     def __len__(self) -> int:
         if not self._spec.shape:
             raise TypeError("len() of a 0-d tensor")

@@ -131,6 +131,15 @@ OP_TABLE: dict = {
     "nonzero": _fn("nonzero"),
     "masked_select": _fn("masked_select"),
     "bincount": _fn("bincount"),
+    # more everyday ops (spmd_rules/more_ops.py)
+    **{n: _fn(n) for n in ("reciprocal", "log2", "log10", "expm1", "tan", "atan", "asin", "acos", "sinh", "cosh",
+                           "asinh", "acosh", "atanh", "ceil", "round", "trunc", "nan_to_num", "isnan", "isinf",
+                           "isfinite", "amax", "amin", "prod", "any", "all", "logsumexp", "norm", "var", "std",
+                           "mm", "mul", "outer", "flip", "roll", "tile", "unbind", "diagonal", "repeat_interleave",
+                           "expand_as", "equal_all", "allclose", "masked_fill")},
+    **{n: (f"paddle.nn.functional.{n}",) for n in ("softplus", "relu6", "hardswish", "mish", "elu", "selu",
+                                                     "softsign", "tanhshrink", "hardsigmoid", "log_sigmoid",
+                                                     "swiglu")},
     # creation
     "full_like": ("paddle.full_like",),
     "zeros_like": ("paddle.zeros_like",),

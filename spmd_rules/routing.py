@@ -166,8 +166,8 @@ def scatter(x, index, updates, overwrite=True, name=None):
 
 
 @register_spmd_rule("permute")
-def permute(x, dims, name=None):
-    return transpose(x, dims)
+def permute(input, dims):
+    return transpose(input, dims)
 
 
 @register_spmd_rule("index_put")

@@ -171,8 +171,8 @@ def test_comparisons_and_where():
     assert res.output.dtype == "bool" and str(res) == "(S(0), R) -> S(0)"
     res = rule("where")(S([4, 6], "S(1)", dtype="bool"), S([4, 6]), 0.0)
     assert str(res) == "(S(1), S(1)) -> S(1)"
-    with pytest.raises(NotImplementedError, match="data-dependent"):
-        rule("where")(S([4], dtype="bool"))
+    res = rule("where")(S([4], "S(0)", dtype="bool"))       # one argument: nonzero, a value-dependent size
+    assert str(res.inputs[0].placements[0]) == "R" and res.outputs[0].__class__.__name__ == "LocalShaped"
 
 
 def test_reverse_forms():

@@ -7,6 +7,7 @@ from autoparallel.placement import Partial, Replicate, Shard
 
 
 from spmd_rules.dimtrans import Flatten, InputDim, Singleton, Split, infer_shape, reshape_transforms, shard_map
+from spmd_rules.result import LocalShaped
 
 from spmd_helpers import M1, M2, M3, S, rule  # noqa: F401
 
@@ -137,8 +138,9 @@ def test_getitem_tensor_index():
     res = rule("getitem")(S([5, 6, 7], "S(1)"), (slice(None), idx))
     assert res.output.shape == (5, 4, 3, 7)
     assert str(res) == "(R, S(0)) -> S(1)"
-    with pytest.raises(NotImplementedError, match="data-dependent"):
-        rule("getitem")(S([5, 6]), S([5, 6], dtype="bool"))
+    res = rule("getitem")(S([5, 6], "S(0)"), S([5, 6], "S(1)", dtype="bool"))     # a mask: value-dependent size
+    assert [str(p) for s in res.inputs for p in s.placements] == ["R", "R"]
+    assert isinstance(res.outputs[0], LocalShaped)
 
 
 def test_getitem_errors():
@@ -149,8 +151,8 @@ def test_getitem_errors():
         g(S([5, 6]), 7)
     with pytest.raises(TypeError, match="unsupported index"):
         g(S([5, 6]), "a")
-    with pytest.raises(NotImplementedError, match="more than one advanced"):
-        g(S([5, 6]), ([0, 1], [1, 2]))
+    res = g(S([5, 6], "S(1)"), ([0, 1], [1, 2]))      # several advanced indices: gathered, replicated result
+    assert str(res.inputs[0].placements[0]) == "R" and isinstance(res.outputs[0], LocalShaped)
 
 
 def test_tril_offsets():

@@ -609,7 +609,7 @@ def _build_cases():
     _COUNTER[0] = 0
     _impls()
     for build in (_cases_matmul, _cases_elementwise, _cases_reduction, _cases_norm, _cases_nn, _cases_shape,
-                  _cases_creation, _cases_optimizer, _cases_routing):
+                  _cases_creation, _cases_optimizer, _cases_routing, _cases_more):
         build()
 
 
@@ -818,6 +818,49 @@ def _cases_routing():
     add_case("bincount", T(np.array([0, 3, 3, 1])), f(4), minlength=6, grad=False, label="weights")
     add_case("where", T(np.array([[True, False, True], [False, False, True]])), grad=False, label="nonzero")
     add_case("getitem", f(5, 6), (T(np.array([0, 4])), T(np.array([1, 5]))), label="two-tensor-indices")
+
+
+def _cases_more():
+    for op in ("reciprocal", "log2", "log10", "softplus", "log_sigmoid", "sinh", "cosh", "atan"):
+        add_case(op, f(5, 6, lo=0.5))
+    for op in ("expm1", "relu6", "hardswish", "mish", "elu", "selu", "softsign", "tanhshrink", "hardsigmoid", "tan",
+               "asinh"):
+        add_case(op, f(5, 6))
+    add_case("asin", T(_rng("u", 1).uniform(-0.9, 0.9, (5, 6))))
+    add_case("acos", T(_rng("u", 2).uniform(-0.9, 0.9, (5, 6))))
+    add_case("atanh", T(_rng("u", 3).uniform(-0.9, 0.9, (5, 6))))
+    add_case("acosh", f(5, 6, lo=1.5))
+    for op in ("ceil", "round", "trunc"):
+        add_case(op, f(5, 6), grad=False)
+    add_case("nan_to_num", T(np.array([[1.0, np.nan, -2.0], [np.inf, 0.5, -np.inf]])), posinf=9.0, neginf=-9.0)
+    for op in ("isnan", "isinf", "isfinite"):
+        add_case(op, T(np.array([[1.0, np.nan, -2.0], [np.inf, 0.5, -np.inf]])), grad=False)
+    add_case("amax", f(5, 6), axis=1)
+    add_case("amin", f(5, 6), axis=0, keepdim=True)
+    add_case("prod", f(4, 3, lo=0.5), axis=1)
+    add_case("any", T(_rng("b", 1).random((5, 3)) > 0.7), axis=0)
+    add_case("all", T(_rng("b", 2).random((5, 3)) > 0.2), axis=1, keepdim=True)
+    add_case("logsumexp", f(5, 6), axis=-1)
+    add_case("norm", f(5, 6), p=2, axis=1)
+    add_case("var", f(5, 6), axis=0)
+    add_case("std", f(5, 6), axis=1, keepdim=True)
+    add_case("mm", f(5, 6), f(6, 3))
+    add_case("mul", f(5, 6), f(5, 6))
+    add_case("outer", f(5), f(4))
+    add_case("swiglu", f(5, 8), label="halves")
+    add_case("swiglu", f(5, 4), f(5, 4), label="two")
+    add_case("flip", f(5, 6, 2), [0, 2])
+    add_case("roll", f(5, 6), 2, axis=1)
+    add_case("roll", f(5, 3), 4, label="flat")
+    add_case("tile", f(5, 3), [2, 1])
+    add_case("tile", f(5, 3), [2, 1, 1], label="new-dim")
+    add_case("unbind", f(3, 4, 2), axis=1)
+    add_case("diagonal", f(2, 5, 4), offset=1, axis1=1, axis2=2)
+    add_case("repeat_interleave", f(5, 3), 2, axis=0)
+    add_case("expand_as", f(5, 1), f(5, 4))
+    add_case("equal_all", f(5, 3), f(5, 3), grad=False)
+    add_case("allclose", f(5, 3), f(5, 3), grad=False)
+    add_case("masked_fill", f(5, 3), T(_rng("b", 3).random((5, 3)) > 0.5), 0.25)
 
 
 def _cases_creation():
