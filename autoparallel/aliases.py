@@ -19,17 +19,25 @@ import sys
 
 import paddle
 
+_OWN = {"autoparallel", "spmd_rules", "reshard"}
 _CONVERSIONS = ("float", "half", "bfloat16", "double", "int", "long", "bool", "short", "byte", "char",
                 "cfloat", "cdouble")
 
 
 def patch_aliases(routed: dict) -> dict:
     """Replace every other name of a routed function (``routed``: id(original) -> wrapper) by its wrapper
-    in ``paddle`` and its submodules and on ``paddle.Tensor``; returns {Tensor method name: wrapper}."""
+    in every loaded module (``paddle`` and its submodules, and modules that imported a function by name
+    before dispatch was installed, e.g. ``from paddle.nn.functional import swiglu as fused_swiglu`` in a
+    model library) and on ``paddle.Tensor``; returns {Tensor method name: wrapper}. Modules imported later
+    get the wrappers from paddle itself."""
     for name, mod in list(sys.modules.items()):
-        if mod is None or not (name == "paddle" or name.startswith("paddle.")):
+        if mod is None or name.split(".", 1)[0] in _OWN:
             continue
-        for attr, val in list(vars(mod).items()):
+        try:
+            items = list(vars(mod).items())
+        except TypeError:
+            continue
+        for attr, val in items:
             w = routed.get(id(val))
             if w is not None and not attr.startswith("__"):
                 try:

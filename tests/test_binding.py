@@ -211,7 +211,7 @@ def test_no_original_of_a_routed_op_is_left_under_another_name():
     originals = {id(f): p for p, f in dispatch._ORIG.items()}
     left = []
     for name, mod in list(sys.modules.items()):
-        if mod is None or not (name == "paddle" or name.startswith("paddle.")):
+        if mod is None or name.split(".", 1)[0] in ("autoparallel", "spmd_rules", "reshard"):
             continue
         for attr, val in list(vars(mod).items()):
             if id(val) in originals and not attr.startswith("__"):
@@ -243,3 +243,23 @@ def test_negative_control_without_binding_the_two_dim_transpose_is_misread(monke
         x = ap.shard_tensor(paddle.to_tensor(X), mesh, [S(0)])
         with pytest.raises(ValueError, match="not a permutation"):
             x.transpose(1, 2)
+
+
+def test_a_module_that_imported_an_op_by_name_before_install_is_repointed(monkeypatch):
+    """``from paddle.nn.functional import swiglu as fused_swiglu`` in a model library imported first."""
+    import types
+
+    from autoparallel import aliases
+
+    dispatch.install()
+    orig = dispatch._ORIG["paddle.nn.functional.swiglu"]
+    mod = types.ModuleType("user_models_lib")
+    mod.fused_swiglu = orig
+    monkeypatch.setitem(sys.modules, "user_models_lib", mod)
+    aliases.patch_aliases({id(orig): paddle.nn.functional.swiglu})
+    assert mod.fused_swiglu is paddle.nn.functional.swiglu
+    with ap.simulate(2):
+        mesh = mesh_from_shape([2], ["x"])
+        x = ap.shard_tensor(paddle.to_tensor(X[:, :, 0, :4]), mesh, [S(0)])
+        np.testing.assert_allclose(mod.fused_swiglu(x).numpy(),
+                                   orig(paddle.to_tensor(X[:, :, 0, :4])).numpy(), rtol=1e-6)
