@@ -128,17 +128,19 @@ def test_a_tie_that_cannot_be_honoured_is_a_typed_error():
         pc.parallelized("llama", tp_plan={"lm_head": ap.RowWiseParallel()})
 
 
-def test_moe_under_parallelize_shards_dense_layers_and_replicates_experts():
-    ref = reference("qwen2_moe")
-    got = run("qwen2_moe", "parallelize")
+@pytest.mark.parametrize("name", pf.MOE)
+def test_moe_under_parallelize_shards_dense_layers_and_replicates_experts(name):
+    ref = reference(name)
+    got = run(name, "parallelize")
     assert pf.compare(ref, got, RTOL, ATOL) == []
     with ap.simulate(world_size=4):
-        model, _ = pc.parallelized("qwen2_moe")
-    mlp = model.model.layers[0].mlp
-    assert all(str(p.placements) == "[R, R]" for p in mlp.experts.parameters())
-    assert str(mlp.gate.weight.placements) == "[R, R]"                       # the router
-    assert str(mlp.shared_expert.down_proj.weight.placements) == "[R, S(0)]"
-    assert str(model.model.layers[0].self_attn.qkv_proj.weight.placements) == "[R, S(1)]"
+        model, _ = pc.parallelized(name)
+    placements = {n: str(p.placements) for n, p in model.named_parameters()}
+    routing = [n for n in placements if ".experts." in n or ".mlp.gate." in n or ".router." in n]
+    assert routing and all(placements[n] == "[R, R]" for n in routing), routing
+    assert placements["model.layers.0.self_attn.o_proj.weight"] == "[R, S(0)]"
+    if name == "qwen2_moe":
+        assert placements["model.layers.0.mlp.shared_expert.down_proj.weight"] == "[R, S(0)]"
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
