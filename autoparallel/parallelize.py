@@ -1,6 +1,6 @@
 """parallelize: turn an ordinary paddle Layer and optimizer into a data / tensor / sequence parallel pair.
 
-    model, opt = ap.parallelize(model, opt, strategy=s)            # default plans for GPT / LLaMA names
+    model, opt = ap.parallelize(model, opt, strategy=s)            # default plans by layer names (tp_plans.py)
     model, opt = ap.parallelize(model, opt, strategy=s, tp_plan={"blocks.*.attn.qkv": ap.ColWiseParallel()})
 
 It reads as a flat sequence of apply steps (torchtitan style), each a small function below:
@@ -12,10 +12,10 @@ It reads as a flat sequence of apply steps (torchtitan style), each a small func
     plan    = apply_sp(model, plan)                       # sequence-parallel flags + norms on sequence shards
     if pp > 1: return apply_pp(model, strategy, plan)    # stages on sub-meshes, schedules as action lists
     mesh    = build_mesh(degrees)                        # [data, model]; the model dim varies fastest
-    apply_tp(model, mesh, plan); replicate_remaining(model, mesh)
+    apply_tp(model, mesh, plan); replicate_remaining(model, mesh)   # tied parameters stay one (parallel/ties.py)
     apply_ac(model, granularity, every_n)                 # recompute (full / selective)
     apply_amp(model, dtype, level)                        # autocast boundaries (emulated on CPU)
-    shard_inputs(model, mesh)                             # batch dim of model inputs over the data dims
+    shard_inputs(model, mesh)                             # batch dim of model inputs (positional and keyword)
     materialize(model)                                    # paddle.LazyGuard models: each rank draws its shards
                                                           # (ZeRO-3: its chunks, in apply_zero) in creation order
     opt     = wrap_optimizer(opt, model, accumulation steps)
