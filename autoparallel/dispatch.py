@@ -481,6 +481,11 @@ def _rebind(path, target, out):
         target._locals, target._spec = out._locals, out._spec
         return target
     if isinstance(target, DistParameter) and hasattr(target, "_ap_spec"):
+        if out.spec != target._ap_spec and out.spec.shape == target._ap_spec.shape \
+                and out.spec.dtype == target._ap_spec.dtype:
+            from autoparallel.dist_tensor import reshard
+
+            out = reshard(out, target._ap_spec.mesh, target._ap_spec.placements)
         if out.spec != target._ap_spec:
             raise NotImplementedError(f"{path}_ would change the distributed parameter {target.name} from "
                                       f"{_specs_str([target._ap_spec])} to {_specs_str([out.spec])}; in place, a "
@@ -542,6 +547,27 @@ def _unshadow(args, kwargs):
         return v if sh is None else sh
 
     return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
+
+
+def _install_setitem() -> None:
+    """``x[index] = value`` with a distributed x, index or value: the setitem rule, then x rebinds."""
+    path = "paddle.Tensor.__setitem__"
+    orig = paddle.Tensor.__setitem__
+    if getattr(orig, "_ap_wrapper", False):
+        return
+    _ORIG[path] = orig
+    w = _inplace_routed("setitem", path, orig)
+
+    def setitem(self, index, value):
+        w(self, index, value)
+
+    _mark(setitem, orig, "__setitem__")
+    paddle.Tensor.__setitem__ = setitem
+
+    def dist_setitem(self, index, value):
+        _rebind(path, self, run("setitem", path, (self, index, value), {}))
+
+    DistTensor.__setitem__ = dist_setitem
 
 
 def _install_casts() -> None:
@@ -693,6 +719,7 @@ def install() -> None:
             setattr(owner, attr, w)
             routed[id(orig)] = w
     methods = aliases.patch_aliases(routed)
+    _install_setitem()
     methods.update(aliases.patch_inplace(_inplace_routed))
     _install_casts()
     _install_metadata()

@@ -33,8 +33,15 @@ def row_of_shard(x, index=None, *, row):
     return paddle.zeros(x.shape[1:], dtype=x.dtype)
 
 
+def setitem(x, index, value):
+    """``x[index] = value`` on a copy (the caller rebinds ``x`` to it)."""
+    y = x.clone()
+    y[index] = value
+    return y
+
+
 PER_RANK = {"vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
-            "row_of_shard": row_of_shard}
+            "row_of_shard": row_of_shard, "setitem": setitem}
 
 
 # ---- group ops: fn(mesh, calls: {rank: (args, kwargs)}) -> {rank: output} -----------------------------

@@ -15,7 +15,7 @@ import numbers
 
 import numpy as np
 
-from autoparallel.placement import Partial, Shard
+from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.spec import DistSpec
 
 from spmd_rules.einsum import ALL, labels_result
@@ -117,6 +117,18 @@ def getitem(x, index):
         specs.append(idx)
         labs.append(il)
     return labels_result("getitem", specs, labs, [ol], [(shape, x.dtype)], linear={0})
+
+
+@register_spmd_rule("setitem")
+def setitem(x, index, value):
+    """``x[index] = value`` as an out-of-place op (the runtime rebinds ``x`` to the result): x, the tensor
+    indices and a tensor value gathered to R, the result replicated (an in-place write into a parameter is
+    resharded back to the parameter's own layout)."""
+    check_spec("setitem", "x", x)
+    items = list(index) if isinstance(index, tuple) else [index]
+    specs = [x] + [it for it in items if isinstance(it, DistSpec)] + ([value] if isinstance(value, DistSpec) else [])
+    rep = [s.with_placements(tuple(Replicate() for _ in s.placements)) for s in specs]
+    return SpmdResult(rep, (rep[0],), "setitem")
 
 
 def _row_shards(x) -> list:

@@ -113,6 +113,7 @@ OP_TABLE: dict = {
     "concat": ("paddle.concat",),
     "stack": ("paddle.stack",),
     "getitem": (_T + "__getitem__",),
+    "setitem": (),              # x[index] = value: installed as an in-place form (dispatch), local op "setitem"
     "tril": _fn("tril"),
     "triu": _fn("triu"),
     # mixture-of-experts routing (spmd_rules/routing.py)

@@ -263,3 +263,23 @@ def test_a_module_that_imported_an_op_by_name_before_install_is_repointed(monkey
         x = ap.shard_tensor(paddle.to_tensor(X[:, :, 0, :4]), mesh, [S(0)])
         np.testing.assert_allclose(mod.fused_swiglu(x).numpy(),
                                    orig(paddle.to_tensor(X[:, :, 0, :4])).numpy(), rtol=1e-6)
+
+
+def test_setitem_on_distributed_tensors_and_parameters():
+    full = np.arange(24, dtype="float32").reshape(4, 6)
+    want = full.copy()
+    want[:, 1:3] = -1
+    want[full > 20] = 7
+    with ap.simulate(2):
+        mesh = mesh_from_shape([2], ["x"])
+        x = ap.shard_tensor(paddle.to_tensor(full), mesh, [S(1)])
+        x[:, 1:3] = -1.0
+        x[ap.shard_tensor(paddle.to_tensor(full > 20), mesh, [S(0)])] = 7.0
+        np.testing.assert_array_equal(x.numpy(), want)
+        w = ap.shard_tensor(paddle.create_parameter([4, 6], "float32"), mesh, [S(1)])
+        before = w.full().numpy()
+        with paddle.no_grad():
+            w[:, 0] = 3.0
+        assert isinstance(w, ap.DistParameter) and w.placements == [S(1)]
+        before[:, 0] = 3.0
+        np.testing.assert_allclose(w.full().numpy(), before)

@@ -444,7 +444,14 @@ def _row_of_shard(x, index=None, *, row):
     return row_of_shard(x, index, row=row)
 
 
+def _setitem(x, index, value):
+    from autoparallel.local_ops import setitem
+
+    return setitem(x, index, value)
+
+
 LOCAL_OPS = {
+    "setitem": _setitem,
     "vocab_parallel_embedding": _vocab_parallel_embedding,
     "global_mean": _global_mean,
     "row_of_shard": _row_of_shard,
@@ -646,6 +653,12 @@ def _impls():
     def batch_norm(x, running_mean, running_var, *args, **kwargs):
         return F.batch_norm(x, running_mean.clone(), running_var.clone(), *args, **kwargs)
 
+    def setitem(x, index, value):
+        y = x.clone()
+        y[index] = value
+        return y
+
+    IMPLS.update(setitem=setitem)
     IMPLS.update(rms_norm=rms_norm, rotary_embedding=rotary_embedding, sgd=sgd, adamw=adamw, batch_norm=batch_norm)
 
 
@@ -788,6 +801,8 @@ def _cases_shape():
     add_case("getitem", f(5, 6, 7), (slice(None), [0, 4, 1]), label="list")
     add_case("getitem", f(5, 6, 7), (slice(None), ints(6, 6, 5)), label="tensor-index")
     add_case("getitem", f(5, 6), 3, label="int")
+    add_case("setitem", f(5, 6), (slice(None), slice(0, 2)), 0.5, label="scalar")
+    add_case("setitem", f(5, 6), (slice(1, 3),), f(2, 6), label="tensor-value")
     add_case("getitem", f(5, 6, 2), -1, label="int-last-row")
     add_case("tril", f(5, 7))
     add_case("triu", f(2, 5, 7), diagonal=1)
