@@ -244,3 +244,50 @@ def test_keyword_inputs_are_split_over_the_data_axis(entry):
     assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
     for n in ref:
         np.testing.assert_allclose(got[n], ref[n], rtol=1e-4, atol=1e-6, err_msg=n)
+
+
+class Encoder(nn.Layer):
+    """ERNIE 1-3 / paddle.nn.TransformerEncoderLayer names: self_attn.{q,k,v,out}_proj, linear1, linear2."""
+
+    def __init__(self):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(V, H)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(H, 4, 2 * H, dropout=0.0), 2)
+        self.cls = nn.Linear(H, V)
+
+    def forward(self, input_ids=None, labels=None):
+        logits = self.cls(self.encoder(self.word_embeddings(input_ids)))
+        return F.cross_entropy(logits, labels.unsqueeze(-1)).mean()
+
+
+def test_ernie_style_encoder_gets_the_default_plan():
+    plan = resolve_tp_plan(Encoder(), 2)
+    kinds = {n: type(st).__name__ for n, st in plan.items()}
+    assert kinds == {"word_embeddings": "VocabParallelEmbedding",
+                     **{f"encoder.layers.{i}.{k}": v for i in range(2) for k, v in (
+                         ("self_attn.q_proj", "ColWiseParallel"), ("self_attn.k_proj", "ColWiseParallel"),
+                         ("self_attn.v_proj", "ColWiseParallel"), ("self_attn.out_proj", "RowWiseParallel"),
+                         ("linear1", "ColWiseParallel"), ("linear2", "RowWiseParallel"))}}
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="paddle.nn.MultiHeadAttention calls paddle.tensor.matmul, a module dispatch does not route")
+def test_ernie_style_encoder_equals_one_process():
+    paddle.seed(0)
+    ref_model = Encoder()
+    ids, labels = data()
+    ref_loss = ref_model(input_ids=ids, labels=labels)
+    ref_loss.backward()
+    ref = {n: p.grad.numpy() for n, p in ref_model.named_parameters()}
+    with ap.simulate(world_size=2):
+        paddle.seed(0)
+        m, _ = parallelize(Encoder(), strategy=strategy(1, 2))
+        loss = m(input_ids=ids, labels=labels)
+        loss.backward()
+        from autoparallel.parallel.grads import reduce_gradients
+
+        reduce_gradients(m.parameters())
+        got, loss = grads(m), float(loss)
+    assert loss == pytest.approx(float(ref_loss), rel=1e-5)
+    for n in ref:
+        np.testing.assert_allclose(got[n], ref[n], rtol=1e-4, atol=1e-6, err_msg=n)
