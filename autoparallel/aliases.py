@@ -30,8 +30,11 @@ def patch_aliases(routed: dict) -> dict:
     before dispatch was installed, e.g. ``from paddle.nn.functional import swiglu as fused_swiglu`` in a
     model library) and on ``paddle.Tensor``; returns {Tensor method name: wrapper}. Modules imported later
     get the wrappers from paddle itself."""
+    routed = dict(routed)
+    routed.update(_c_op_aliases(routed))
     for name, mod in list(sys.modules.items()):
-        if mod is None or name.split(".", 1)[0] in _OWN:
+        if mod is None or name.split(".", 1)[0] in _OWN or name in _OP_NAMESPACES \
+                or name.startswith("paddle.base.libpaddle"):
             continue
         try:
             items = list(vars(mod).items())
@@ -44,6 +47,7 @@ def patch_aliases(routed: dict) -> dict:
                     setattr(mod, attr, w)
                 except (AttributeError, TypeError):
                     pass
+    _repoint_layers(routed)
     methods = {}
     for attr in dir(paddle.Tensor):
         if attr.startswith("__"):
@@ -58,6 +62,45 @@ def patch_aliases(routed: dict) -> dict:
         if getattr(getattr(paddle.Tensor, attr, None), "_ap_routed", None):
             methods[attr] = getattr(paddle.Tensor, attr)
     return methods
+
+
+def _repoint_layers(routed: dict) -> None:
+    """Layers built before dispatch was installed may hold an op as an attribute (``self.activation =
+    getattr(F, "relu")`` in paddle's TransformerEncoderLayer): those attributes are repointed too (one walk
+    over the live objects, once)."""
+    import gc
+
+    for obj in gc.get_objects():
+        if isinstance(obj, paddle.nn.Layer):
+            d = obj.__dict__
+            for k, v in list(d.items()):
+                w = routed.get(id(v))
+                if w is not None:
+                    d[k] = w
+
+
+# the namespaces paddle's generated functions look their C ops up in: never repointed (the wrapper's
+# original calls through them)
+_OP_NAMESPACES = {"paddle._C_ops", "paddle._pir_ops", "paddle._legacy_C_ops"}
+
+
+def _c_op_aliases(routed: dict) -> dict:
+    """A routed function paddle generates as ``def _matmul(*args, **kwargs): return _C_ops.matmul(...)``
+    and the C op ``paddle._C_ops.matmul`` it forwards to are one op with one argument parser; some modules
+    export the C op itself (``paddle.tensor.matmul``, ``paddle.linalg.matmul``): those names route too."""
+    from autoparallel.binding import _parsed_in_c
+
+    out = {}
+    ops = getattr(paddle, "_C_ops", None)
+    for w in set(routed.values()):
+        orig = getattr(w, "__wrapped__", None)
+        if orig is None or not _parsed_in_c(orig):
+            continue
+        names = [n for n in orig.__code__.co_names if n != "_C_ops"]
+        target = getattr(ops, names[-1], None) if names else None
+        if target is not None and id(target) not in routed:
+            out[id(target)] = w
+    return out
 
 
 def patch_inplace(make_inplace) -> dict:
