@@ -114,6 +114,21 @@ class DistTensor:
         self._spec = self._spec.with_placements(_grad_placements(self._spec.placements))
         return self
 
+    def cpu(self) -> "DistTensor":
+        """The tensor itself when its shards are on the CPU (moving shards between devices is not supported)."""
+        if not self.place.is_cpu_place():
+            raise NotImplementedError("cpu(): moving the shards of a distributed tensor to another device is not "
+                                      "supported; shards live where their ranks run")
+        return self
+
+    def tolist(self) -> list:
+        return self.numpy().tolist()
+
+    def __index__(self) -> int:
+        if self._spec.dtype not in ("int64", "int32", "int16", "int8", "uint8"):
+            raise TypeError(f"only integer tensors can be used as an index, got {self._spec.dtype}")
+        return int(self)
+
     def __len__(self) -> int:
         if not self._spec.shape:
             raise TypeError("len() of a 0-d tensor")

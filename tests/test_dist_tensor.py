@@ -165,3 +165,8 @@ def test_a_non_op_says_it_has_no_meaning_for_a_distributed_tensor():
         with pytest.raises(ValueError, match="ambiguous"):
             bool(x)
         assert bool(x[1]) and int(x.sum()) == 4
+        assert x.cpu() is x and x.tolist() == [1.0] * 4
+        with pytest.raises(TypeError, match="integer tensors"):
+            range(x[0])
+        i = ap.shard_tensor(paddle.arange(4), mesh_from_shape([2]), [ap.Shard(0)])
+        assert list(range(i[3])) == [0, 1, 2] and [9, 8, 7, 6][i[2]] == 7
