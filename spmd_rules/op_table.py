@@ -132,6 +132,7 @@ OP_TABLE: dict = {
     "nonzero": _fn("nonzero"),
     "masked_select": _fn("masked_select"),
     "bincount": _fn("bincount"),
+    "unique": _fn("unique"),
     # more everyday ops (spmd_rules/more_ops.py)
     **{n: _fn(n) for n in ("reciprocal", "log2", "log10", "expm1", "tan", "atan", "asin", "acos", "sinh", "cosh",
                            "asinh", "acosh", "atanh", "ceil", "round", "trunc", "nan_to_num", "isnan", "isinf",

@@ -7,7 +7,7 @@ whole (R); every other dim keeps its sharding, shared between the operands that 
 are never Partial (they are integers); values are not treated as linear (Partials are reduced first).
 
 Data-dependent output sizes (one-argument ``where``, ``nonzero``, ``masked_select``, ``bincount``,
-``index_put``, ``getitem`` with several advanced indices): the inputs are gathered to R on every mesh
+``unique``, ``getitem`` with several advanced indices or a mask): the inputs are gathered to R on every mesh
 dim and the output is replicated, its shape read from the local result (``LocalShaped``). This is the
 "replicate the routing" choice: every rank computes the same routing decision for all tokens, the expert
 compute that follows is replicated too, and the next op with a sharded operand slices it again (a local
@@ -192,3 +192,10 @@ def masked_select(x, mask, name=None):
 @register_spmd_rule("bincount")
 def bincount(x, weights=None, minlength=0, name=None):
     return replicate_all("bincount", [x, weights])
+
+
+@register_spmd_rule("unique")
+def unique(x, return_index=False, return_inverse=False, return_counts=False, axis=None, dtype="int64",
+           sorted=True, name=None):
+    check_spec("unique", "x", x)
+    return replicate_all("unique", [x], 1 + bool(return_index) + bool(return_inverse) + bool(return_counts))

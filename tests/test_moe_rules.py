@@ -41,6 +41,7 @@ OPS = [
     ("where one-arg", lambda l, h: paddle.where(l > 0.5)[1]),
     ("masked_select", lambda l, h: paddle.masked_select(l, l > 0)),
     ("bincount of top-1", lambda l, h: paddle.bincount(paddle.argmax(l, axis=-1), minlength=6)),
+    ("unique counts of top-1", lambda l, h: paddle.unique(paddle.argmax(l, axis=-1), return_counts=True)[1]),
     ("two tensor indices", lambda l, h: h[paddle.to_tensor([1, 5]), paddle.to_tensor([0, 3])]),
     ("permute", lambda l, h: l.reshape([2, 4, 6]).permute(2, 0, 1)),
 ]

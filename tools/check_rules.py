@@ -832,6 +832,7 @@ def _cases_routing():
     add_case("bincount", T(np.array([0, 3, 3, 1, 6])), grad=False)
     add_case("bincount", T(np.array([0, 3, 3, 1])), f(4), minlength=6, grad=False, label="weights")
     add_case("where", T(np.array([[True, False, True], [False, False, True]])), grad=False, label="nonzero")
+    add_case("unique", T(np.array([[3, 1, 3], [0, 1, 7]])), return_counts=True, return_inverse=True, grad=False)
     add_case("getitem", f(5, 6), (T(np.array([0, 4])), T(np.array([1, 5]))), label="two-tensor-indices")
 
 
