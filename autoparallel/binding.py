@@ -44,11 +44,12 @@ class Binder:
         self.sig = _signature(self.inner)
         self.parsed_in_c = _parsed_in_c(self.inner)
         self.layout = _Layout(self.sig) if self.sig is not None else None
-        self.identity = set()        # call shapes (arg types, kwarg names) already canonical: skipped
+        self.identity = set()        # call shapes (argument kinds, keyword names) already canonical: skipped
 
     def __call__(self, args, kwargs):
         """``(args, kwargs)`` in canonical form; raises TypeError as paddle would for a call that does not bind."""
-        shape = (tuple(map(type, args)), tuple(kwargs)) if len(args) < 8 else None
+        shape = (tuple(map(_kind, args)), tuple((k, _kind(v)) for k, v in kwargs.items())) \
+            if len(args) < 8 else None
         if shape is not None and shape in self.identity:
             return args, kwargs
         a, k = args, kwargs
@@ -113,6 +114,17 @@ class _Layout:
 
 
 _MISSING = object()
+
+
+def _kind(v):
+    """What paddle's wrappers branch on: the python type, and a tensor's rank (``reshape_decorator`` treats
+    a 0-d tensor as one size of a varargs shape)."""
+    t = type(v)
+    nd = getattr(v, "ndim", None) if t not in _ATOMS else None
+    return t if nd is None else (t, nd)
+
+
+_ATOMS = frozenset({int, float, bool, str, type(None), list, tuple, slice})
 
 
 def _same(out, args, kwargs) -> bool:
