@@ -32,21 +32,7 @@ def patch_aliases(routed: dict) -> dict:
     get the wrappers from paddle itself."""
     routed = dict(routed)
     routed.update(_c_op_aliases(routed))
-    for name, mod in list(sys.modules.items()):
-        if mod is None or name.split(".", 1)[0] in _OWN or name in _OP_NAMESPACES \
-                or name.startswith("paddle.base.libpaddle"):
-            continue
-        try:
-            items = list(vars(mod).items())
-        except TypeError:
-            continue
-        for attr, val in items:
-            w = routed.get(id(val))
-            if w is not None and not attr.startswith("__"):
-                try:
-                    setattr(mod, attr, w)
-                except (AttributeError, TypeError):
-                    pass
+    repoint_modules(routed)
     _repoint_layers(routed)
     methods = {}
     for attr in dir(paddle.Tensor):
@@ -62,6 +48,25 @@ def patch_aliases(routed: dict) -> dict:
         if getattr(getattr(paddle.Tensor, attr, None), "_ap_routed", None):
             methods[attr] = getattr(paddle.Tensor, attr)
     return methods
+
+
+def repoint_modules(mapping: dict) -> None:
+    """Every module attribute that is one of ``mapping``'s originals (id -> replacement) is replaced."""
+    for name, mod in list(sys.modules.items()):
+        if mod is None or name.split(".", 1)[0] in _OWN or name in _OP_NAMESPACES \
+                or name.startswith("paddle.base.libpaddle"):
+            continue
+        try:
+            items = list(vars(mod).items())
+        except TypeError:
+            continue
+        for attr, val in items:
+            w = mapping.get(id(val))
+            if w is not None and not attr.startswith("__"):
+                try:
+                    setattr(mod, attr, w)
+                except (AttributeError, TypeError):
+                    pass
 
 
 def _repoint_layers(routed: dict) -> None:

@@ -630,11 +630,7 @@ def _install_metadata() -> None:
         return type(x) is DistTensor or orig(x)
 
     _mark(is_tensor, orig, "is_tensor")
-    paddle.is_tensor = is_tensor
-    import paddle.tensor.logic as logic
-
-    if getattr(logic, "is_tensor", None) is orig:
-        logic.is_tensor = is_tensor
+    aliases.repoint_modules({id(orig): is_tensor})        # paddle.is_tensor, paddle.tensor.logic... and importers
 
 
 _CUSTOM: dict = {}        # "custom.<name>" -> the user's local implementation
