@@ -15,17 +15,16 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import sys
 
 import paddle
 from paddle.base.framework import EagerParamBase
 from spmd_rules import get_spmd_rule, has_spmd_rule
 from spmd_rules.op_table import ARG_MAP, OP_TABLE
+from spmd_rules.errors import DataDependentShapeError
 from spmd_rules.registry import flatten_specs, replace_specs
 from spmd_rules.result import LocalShaped
 
 from autoparallel import aliases, binding, dispatch_cache, local_ops
-from spmd_rules.errors import DataDependentShapeError
 from autoparallel.comm.world import current_world
 from autoparallel.graph import trace as trace_state
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
@@ -37,6 +36,8 @@ _INSTALLED = False
 
 
 from autoparallel.local_mode import in_local_mode, local_mode  # noqa: E402  (re-exported)
+from autoparallel import tensor_forms  # noqa: E402
+from autoparallel.tensor_forms import SHADOWS  # noqa: E402
 from autoparallel.local_mode import _state as _local_state  # noqa: E402
 
 
@@ -54,7 +55,7 @@ def _any_dist(args, kwargs) -> bool:
         for v in kwargs.values():
             if is_dist(v) or (type(v) in (list, tuple) and any(is_dist(u) for u in v)):
                 return True
-    return _SHADOWS[0] and _has_shadow(args, kwargs)
+    return SHADOWS[0] and tensor_forms._has_shadow(args, kwargs)
 
 
 def _tracing_tensors(args, kwargs) -> bool:
@@ -79,8 +80,8 @@ def run(op: str, path: str, args, kwargs):
 
     A call whose key (see dispatch_cache) was seen before reuses its plan: no rule, no validation, no
     reshard planning; only the data-dependent steps run."""
-    if _SHADOWS[0]:
-        args, kwargs = _unshadow(args, kwargs)
+    if SHADOWS[0]:
+        args, kwargs = tensor_forms._unshadow(args, kwargs)
     args, kwargs = _bind(op, path, tuple(args), dict(kwargs))
     if path in ARG_MAP:
         args, kwargs = _map_args(path, args, kwargs)
@@ -459,180 +460,6 @@ def _routed(op, path, orig):
     return wrapper
 
 
-def _inplace_routed(op, path, orig):
-    """``op_``: the out-of-place rule and local op of ``path``, then the target rebinds to the result."""
-    def wrapper(*args, **kwargs):
-        if getattr(_local_state, "depth", 0) > 0 or not _any_dist(args, kwargs):
-            return orig(*args, **kwargs)
-        target = args[0] if args else next(iter(kwargs.values()))
-        return _rebind(path, target, run(op, path, args, kwargs))
-
-    wrapper.__wrapped__ = orig
-    wrapper.__name__ = getattr(orig, "__name__", path.rsplit(".", 1)[-1] + "_")
-    wrapper.__doc__ = getattr(orig, "__doc__", None)
-    wrapper._ap_inplace = op
-    wrapper._ap_path = path
-    wrapper._ap_wrapper = True
-    return wrapper
-
-
-def _rebind(path, target, out):
-    if type(target) is DistTensor:
-        target._locals, target._spec = out._locals, out._spec
-        return target
-    if isinstance(target, DistParameter) and hasattr(target, "_ap_spec"):
-        if out.spec != target._ap_spec and out.spec.shape == target._ap_spec.shape \
-                and out.spec.dtype == target._ap_spec.dtype:
-            from autoparallel.dist_tensor import reshard
-
-            out = reshard(out, target._ap_spec.mesh, target._ap_spec.placements)
-        if out.spec != target._ap_spec:
-            raise NotImplementedError(f"{path}_ would change the distributed parameter {target.name} from "
-                                      f"{_specs_str([target._ap_spec])} to {_specs_str([out.spec])}; in place, a "
-                                      f"parameter keeps its layout: use the out-of-place {path}")
-        if not target.stop_gradient and paddle.is_grad_enabled():
-            raise ValueError(f"{path}_: the leaf parameter {target.name} requires a gradient, so it cannot be "
-                             f"changed in place (as paddle refuses); wrap the update in paddle.no_grad()")
-        with local_mode(), paddle.no_grad():
-            for r, t in target._ap_locals.items():
-                paddle.assign(out._locals[r], output=t)
-        return target
-    if isinstance(target, paddle.Tensor) and not isinstance(target, EagerParamBase):
-        # a plain tensor (replicated by convention) updated in place with distributed operands, e.g. a
-        # zeros buffer the model index_add_s expert outputs into: the tensor object is shadowed by the
-        # distributed result, which every later routed op reading it uses instead
-        target._ap_shadow = out
-        if not _SHADOWS[0]:
-            _SHADOWS[0] = True
-            _install_shadow_readers()
-        return out
-    raise TypeError(f"{path}_: the in-place target is a {type(target).__name__}, which cannot hold a "
-                    f"distributed result; use the out-of-place {path}")
-
-
-_SHADOWS = [False]        # set once some plain tensor was updated in place by a distributed result
-
-
-def _install_shadow_readers() -> None:
-    """A shadowed plain tensor read directly (``numpy()``, ``item()``, ``tolist()``) gives the distributed
-    value, not the stale buffer."""
-    for name in ("numpy", "item", "tolist"):
-        orig = getattr(paddle.Tensor, name)
-
-        def reader(self, *args, __orig=orig, __name=name, **kwargs):
-            sh = getattr(self, "_ap_shadow", None) if self.__class__ is paddle.Tensor else None
-            if sh is None:
-                return __orig(self, *args, **kwargs)
-            return getattr(sh, __name)(*args, **kwargs) if __name != "tolist" else sh.numpy().tolist()
-
-        setattr(paddle.Tensor, name, _mark(reader, orig, name))
-
-
-def _shadow_of(v):
-    return getattr(v, "_ap_shadow", None) if v.__class__ is paddle.Tensor else None
-
-
-def _has_shadow(args, kwargs) -> bool:
-    for v in list(args) + list(kwargs.values()):
-        if _shadow_of(v) is not None or (type(v) in (list, tuple) and any(_shadow_of(u) is not None for u in v)):
-            return True
-    return False
-
-
-def _unshadow(args, kwargs):
-    def sub(v):
-        if type(v) in (list, tuple):
-            return type(v)(sub(u) for u in v)
-        sh = _shadow_of(v)
-        return v if sh is None else sh
-
-    return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
-
-
-def _install_setitem() -> None:
-    """``x[index] = value`` with a distributed x, index or value: the setitem rule, then x rebinds."""
-    path = "paddle.Tensor.__setitem__"
-    orig = paddle.Tensor.__setitem__
-    if getattr(orig, "_ap_wrapper", False):
-        return
-    _ORIG[path] = orig
-    w = _inplace_routed("setitem", path, orig)
-
-    def setitem(self, index, value):
-        w(self, index, value)
-
-    _mark(setitem, orig, "__setitem__")
-    paddle.Tensor.__setitem__ = setitem
-
-    def dist_setitem(self, index, value):
-        _rebind(path, self, run("setitem", path, (self, index, value), {}))
-
-    DistTensor.__setitem__ = dist_setitem
-
-
-def _install_casts() -> None:
-    """Cast spellings on paddle.Tensor (DistParameter) and DistTensor, through the cast rule."""
-    def conversion(name):
-        orig = getattr(paddle.Tensor, name)
-
-        def method(self, *args, **kwargs):
-            if not is_dist(self) or getattr(_local_state, "depth", 0) > 0:
-                return orig(self, *args, **kwargs)
-            return run("cast", "paddle.cast", (self, aliases.conversion_dtype(name, _dtype_of(self))), {})
-        return _mark(method, orig, name)
-
-    def type_as(self, other):
-        if not is_dist(self) or getattr(_local_state, "depth", 0) > 0:
-            return aliases.original(paddle.Tensor.type_as)(self, other)
-        return run("cast", "paddle.cast", (self, _dtype_of(other)), {})
-
-    def to(self, *args, **kwargs):
-        if not (_any_dist((self,) + args, kwargs)) or getattr(_local_state, "depth", 0) > 0:
-            return aliases.original(paddle.Tensor.to)(self, *args, **kwargs)
-        dtype = aliases.to_dtype(_dtype_of(self), args, kwargs)
-        if normalize_dtype(dtype) == normalize_dtype(_dtype_of(self)):
-            return self
-        return run("cast", "paddle.cast", (self, dtype), {})
-
-    for name in aliases._CONVERSIONS:
-        if hasattr(paddle.Tensor, name) and not getattr(getattr(paddle.Tensor, name), "_ap_wrapper", False):
-            _set_both(name, conversion(name))
-    for name, fn in (("type_as", type_as), ("to", to)):
-        if not getattr(getattr(paddle.Tensor, name), "_ap_wrapper", False):
-            _set_both(name, _mark(fn, getattr(paddle.Tensor, name), name))
-
-
-def _dtype_of(x):
-    return as_dist(x).dtype if is_dist(x) else x.dtype
-
-
-def _mark(fn, orig, name):
-    fn.__wrapped__ = orig
-    fn.__name__ = name
-    fn.__doc__ = getattr(orig, "__doc__", None)
-    fn._ap_wrapper = True
-    fn._ap_cast = True
-    return fn
-
-
-def _set_both(name, fn):
-    setattr(paddle.Tensor, name, fn)
-    setattr(DistTensor, name, fn)
-
-
-def _install_metadata() -> None:
-    """``paddle.is_tensor`` is true for a DistTensor (see dist_tensor.py for what it answers locally)."""
-    orig = paddle.is_tensor
-    if getattr(orig, "_ap_wrapper", False):
-        return
-
-    def is_tensor(x):
-        return type(x) is DistTensor or orig(x)
-
-    _mark(is_tensor, orig, "is_tensor")
-    aliases.repoint_modules({id(orig): is_tensor})        # paddle.is_tensor, paddle.tensor.logic... and importers
-
-
 _CUSTOM: dict = {}        # "custom.<name>" -> the user's local implementation
 
 
@@ -715,10 +542,10 @@ def install() -> None:
             setattr(owner, attr, w)
             routed[id(orig)] = w
     methods = aliases.patch_aliases(routed)
-    _install_setitem()
-    methods.update(aliases.patch_inplace(_inplace_routed))
-    _install_casts()
-    _install_metadata()
+    tensor_forms.install_setitem()
+    methods.update(aliases.patch_inplace(tensor_forms.inplace_routed))
+    tensor_forms.install_casts()
+    tensor_forms.install_metadata()
     _install_guards()
     _install_dist_tensor_methods(methods)
     _prime_thread_state()
@@ -771,24 +598,13 @@ def _install_dist_tensor_methods(methods: dict) -> None:
     DistTensor.mT = property(lambda self: run("transpose", "paddle.transpose",
                                               (self, list(range(self.ndim - 2)) + [self.ndim - 1, self.ndim - 2]), {}))
     for name in [n for n in dir(paddle.Tensor) if n.startswith("new_")]:
-        setattr(DistTensor, name, _new_like(name))
-
-
-def _new_like(name):
-    """``x.new_zeros(...)`` & co.: a new plain tensor (replicated) with x's dtype, as paddle makes it."""
-    orig = getattr(paddle.Tensor, name)
-
-    def method(self, *args, **kwargs):
-        return orig(paddle.zeros([], dtype=self.dtype), *args, **kwargs)
-
-    method.__name__ = name
-    return method
+        setattr(DistTensor, name, tensor_forms.new_like(name))
 
 
 def _dist_method(name, op, path, inplace=False):
     def method(self, *args, __op=op, __path=path, **kwargs):
         out = run(__op, __path, (self,) + args, kwargs)
-        return _rebind(__path, self, out) if inplace else out
+        return tensor_forms.rebind(__path, self, out) if inplace else out
 
     method.__name__ = name
     setattr(DistTensor, name, method)
