@@ -303,9 +303,10 @@ def _trace(tracer, op, dists, res):
     from autoparallel.comm.world import planning_cluster
 
     if any(s.__class__ is LocalShaped for s in res.outputs):
-        raise DataDependentShapeError(f"{op}: its output size depends on the values, which tracing does not "
-                                      f"compute; plan the model in eager mode (auto_mode='semi') or keep "
-                                      f"{op} outside the traced region")
+        raise DataDependentShapeError(f"{op}: its output size depends on the values, which graph tracing "
+                                      f"(ap.trace, ModelSpec.from_trace, auto_mode='full') does not compute; give "
+                                      f"the degrees yourself (auto_mode='semi', which runs eagerly) or keep {op} "
+                                      f"outside the traced region")
     reshards = [plan_reshard(d.spec.shape, d.spec.dtype, d.spec.mesh, d.spec.placements, req.placements,
                              cluster=planning_cluster())
                 for d, req in zip(dists, res.inputs) if d.spec != req]

@@ -204,6 +204,13 @@ class DistTensor:
         return self.full().numpy()
 
     def item(self):
+        if not self._locals:
+            from autoparallel.graph import trace as trace_state
+
+            if trace_state.active() is not None:
+                raise NotImplementedError("reading a tensor's value (item(), bool(), int(), python control flow on "
+                                          "it) cannot be traced: graph tracing computes shapes, not values; give "
+                                          "the degrees yourself (auto_mode='semi', which runs eagerly)")
         return self.full().item()
 
     def __float__(self) -> float:

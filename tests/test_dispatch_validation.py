@@ -78,3 +78,13 @@ def test_a_value_dependent_shape_cannot_be_traced():
     mesh = mesh_from_shape([2], ["x"])
     with pytest.raises(DataDependentShapeError, match="nonzero: its output size depends on the values"):
         ap.trace(Route(), ap.DistSpec(mesh, (S(0),), (4, 3), "float32"))
+
+
+def test_python_control_flow_on_a_value_cannot_be_traced():
+    class Branch(paddle.nn.Layer):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    mesh = mesh_from_shape([2], ["x"])
+    with pytest.raises(NotImplementedError, match="cannot be traced"):
+        ap.trace(Branch(), ap.DistSpec(mesh, (S(0),), (4, 3), "float32"))
