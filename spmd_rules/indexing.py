@@ -121,14 +121,29 @@ def getitem(x, index):
 
 @register_spmd_rule("setitem")
 def setitem(x, index, value):
-    """``x[index] = value`` as an out-of-place op (the runtime rebinds ``x`` to the result): x, the tensor
-    indices and a tensor value gathered to R, the result replicated (an in-place write into a parameter is
-    resharded back to the parameter's own layout)."""
+    """``x[index] = value`` as an out-of-place op (the runtime rebinds ``x`` to the result).
+
+    Basic indices (ints, slices, None, Ellipsis): a dim the index takes whole keeps its sharding (the global
+    index is then also the local one), any other dim must be R; a tensor value shares the sharding of the
+    region it fills (a broadcast dim stays whole). Tensor indices: x, the indices and the value gathered to
+    R, the result replicated. An in-place write into a parameter is resharded back to its own layout."""
     check_spec("setitem", "x", x)
     items = list(index) if isinstance(index, tuple) else [index]
-    specs = [x] + [it for it in items if isinstance(it, DistSpec)] + ([value] if isinstance(value, DistSpec) else [])
-    rep = [s.with_placements(tuple(Replicate() for _ in s.placements)) for s in specs]
-    return SpmdResult(rep, (rep[0],), "setitem")
+    if any(_advanced(it) for it in items):
+        specs = [x] + [it for it in items if isinstance(it, DistSpec)] + ([value] if isinstance(value, DistSpec) else [])
+        rep = [s.with_placements(tuple(Replicate() for _ in s.placements)) for s in specs]
+        return SpmdResult(rep, (rep[0],), "setitem")
+    xl, ol, shape, _, _ = index_plan(x, index)
+    specs, labs = [x], [xl]
+    if isinstance(value, DistSpec):
+        if len(value.shape) > len(shape):
+            raise ValueError(f"setitem: a value of shape {list(value.shape)} cannot fill a region of shape "
+                             f"{list(shape)}")
+        off = len(shape) - len(value.shape)
+        specs.append(value)
+        labs.append(tuple(ol[off + j] if value.shape[j] == shape[off + j] else None
+                          for j in range(len(value.shape))))
+    return labels_result("setitem", specs, labs, [xl], [(x.shape, x.dtype)], linear=None, local_op="setitem")
 
 
 def _row_shards(x) -> list:

@@ -279,6 +279,10 @@ def test_setitem_on_distributed_tensors_and_parameters():
         x[:, 1:3] = -1.0
         x[ap.shard_tensor(paddle.to_tensor(full > 20), mesh, [S(0)])] = 7.0
         np.testing.assert_array_equal(x.numpy(), want)
+        rows = ap.shard_tensor(paddle.to_tensor(full), mesh, [S(0)])
+        rows[:, 0:2] = ap.shard_tensor(paddle.to_tensor(full[:, 4:]), mesh, [S(0)])   # rows stay where they are
+        assert rows.placements == [S(0)]
+        np.testing.assert_array_equal(rows.numpy(), np.concatenate([full[:, 4:], full[:, 2:]], axis=1))
         w = ap.shard_tensor(paddle.create_parameter([4, 6], "float32"), mesh, [S(1)])
         before = w.full().numpy()
         with paddle.no_grad():
