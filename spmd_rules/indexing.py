@@ -148,8 +148,8 @@ def setitem(x, index, value):
 
 def _row_shards(x) -> list:
     """Mesh dims splitting dim 0 of ``x`` (none when some placement is Partial)."""
-    if any(isinstance(p, Partial) for p in x.placements):
-        return []
+    if x.dtype == "bool" or any(isinstance(p, Partial) for p in x.placements):
+        return []                   # a bool row cannot be a sum of terms
     return [m for m, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim == 0]
 
 
