@@ -15,6 +15,7 @@ CASES = [
     ("gemma3", "tp"),         # x.float() on activations and parameters
     ("qwen2_moe", "dp"),      # topk, one_hot().permute, one-arg where, index_add_ into a plain buffer
     ("qwen2_moe", "tp"),
+    ("gpt_oss", "tp"),        # batched expert weights, its own routing
 ]
 
 
