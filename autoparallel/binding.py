@@ -65,7 +65,7 @@ class Binder:
         if self.parsed_in_c:
             a, k = _c_parser_forms(self.sig, a, k)
         out = self.layout.bind(a, k)
-        if shape is not None and out[0] == tuple(args) and out[1] == kwargs and _same(out, args, kwargs):
+        if shape is not None and _same(out, args, kwargs):
             self.identity.add(shape)
         return out
 
@@ -128,7 +128,10 @@ _ATOMS = frozenset({int, float, bool, str, type(None), list, tuple, slice})
 
 
 def _same(out, args, kwargs) -> bool:
-    return all(x is y for x, y in zip(out[0], args)) and all(out[1][n] is kwargs[n] for n in kwargs)
+    """The canonical call is the given one, object for object (identity only: ``==`` on tensors is an op)."""
+    oa, ok = out
+    return len(oa) == len(args) and all(x is y for x, y in zip(oa, args)) and ok.keys() == kwargs.keys() \
+        and all(ok[n] is kwargs[n] for n in kwargs)
 
 
 # Functions paddle generates as ``def _sum(*args, **kwargs): return _C_ops.sum(*args, **kwargs)`` (with the

@@ -329,3 +329,16 @@ def test_every_decorated_routed_function_has_its_whole_wrapper_chain_replayed():
         if b.front is None or b.inner is not inner:
             short.append(path)
     assert short == []
+
+
+def test_a_form_that_reorders_tensor_arguments_binds_without_comparing_tensors():
+    """``index_select(x, dim, index)`` (torch order) is moved by paddle's wrapper; binding must never
+    compare tensors with ``==`` (an op on a DistTensor)."""
+    idx = np.array([3, 0])
+    with ap.simulate(2):
+        mesh = mesh_from_shape([2], ["x"])
+        x = ap.shard_tensor(paddle.to_tensor(X[:, :, 0, 0]), mesh, [S(0)])
+        i = ap.shard_tensor(paddle.to_tensor(idx), mesh, [R])
+        for _ in range(2):
+            got = paddle.index_select(x, 1, i)
+            np.testing.assert_allclose(got.numpy(), X[:, :, 0, 0][:, idx])
