@@ -270,8 +270,6 @@ def test_ernie_style_encoder_gets_the_default_plan():
                          ("linear1", "ColWiseParallel"), ("linear2", "RowWiseParallel"))}}
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="paddle.nn.MultiHeadAttention calls paddle.tensor.matmul, a module dispatch does not route")
 def test_ernie_style_encoder_equals_one_process():
     paddle.seed(0)
     ref_model = Encoder()
