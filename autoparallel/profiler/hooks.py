@@ -1,0 +1,114 @@
+"""Where ap.profile listens: module attributes wrapped while a profile is open, restored after.
+
+    dispatch.run               "dispatch"      autoparallel's op dispatch (rule, cache, layouts, wrapping)
+    dispatch._execute          "compute.ops"   the local paddle op(s) of a dispatched call
+    redistribute.execute       "reshard"       a reshard's own work (slicing, padding, concatenating)
+    RealTransport.<collective> "comm.overhead" the transport around a paddle.distributed call
+    PipelineModule._send_*/_recv_*  "pipeline.p2p"  a pipeline's point-to-point actions
+    paddle.distributed.<fn>    collective      (comm/counter.py) one call, with its bytes and group
+    SimTransport.<collective>  collective      (simulated world) one in-process collective
+
+The wrappers look the originals up once, so nothing is paid when no profile is open; calls from other
+threads (a watchdog's) pass through untimed.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from autoparallel.comm.cost import collective_bytes
+
+_TRANSPORT_METHODS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+_PIPELINE_ACTIONS = ("_send_f", "_recv_f", "_send_b", "_recv_b")
+
+
+def _timed(tl, orig, category):
+    owner = tl.owner
+
+    def timed(*args, **kwargs):
+        if _thread() != owner:
+            return orig(*args, **kwargs)
+        tl.enter(category)
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            tl.leave()
+
+    return timed
+
+
+def _thread():
+    import threading
+
+    return threading.get_ident()
+
+
+def _nbytes(t) -> float:
+    return float(int(t.numel()) * t.element_size())
+
+
+def _sim_held(name, args) -> tuple:
+    """(bytes one member holds entering, group size) of a SimTransport call's arguments."""
+    if name == "send_recv":
+        xs, pairs = args[0], args[1]
+        return sum(_nbytes(xs[s]) for s, d in pairs if s != d), 2
+    xs, ranks = args[0], list(args[1])
+    if name == "all_to_all":
+        return sum(_nbytes(c) for c in xs[ranks[0]]), len(ranks)
+    if name == "broadcast":
+        return _nbytes(xs[args[2]]), len(ranks)
+    return _nbytes(xs[ranks[0]]), len(ranks)
+
+
+def _sim_collective(tl, orig, name):
+    def collective(self, *args):
+        held, n = _sim_held(name, args)
+        sent = held if name == "send_recv" else collective_bytes(name, held, n)
+        ranks = tuple(sorted({r for p in args[1] for r in p})) if name == "send_recv" else tuple(args[1])
+        tl.enter_collective(name)
+        try:
+            return orig(self, *args)
+        finally:
+            tl.leave_collective(name, sent, n, held, ranks)
+
+    return collective
+
+
+class _Patches:
+    def __init__(self):
+        self.saved = []              # (owner, attr, original or None when inherited)
+
+    def set(self, owner, attr, value) -> None:
+        self.saved.append((owner, attr, owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)))
+        setattr(owner, attr, value)
+
+    def restore(self) -> None:
+        for owner, attr, orig in reversed(self.saved):
+            if orig is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, orig)
+        self.saved.clear()
+
+
+@contextlib.contextmanager
+def installed(tl):
+    """Wrap every hook point for timeline ``tl``; yields the comm/counter.py log of paddle.distributed calls."""
+    from autoparallel import dispatch, redistribute
+    from autoparallel.comm import transport
+    from autoparallel.comm.counter import count_comm
+    from autoparallel.parallel.pipeline import runtime
+
+    p = _Patches()
+    try:
+        p.set(dispatch, "run", _timed(tl, dispatch.run, "dispatch"))
+        p.set(dispatch, "_execute", _timed(tl, dispatch._execute, "compute.ops"))
+        p.set(redistribute, "execute", _timed(tl, redistribute.execute, "reshard"))
+        for name in _TRANSPORT_METHODS:
+            p.set(transport.RealTransport, name, _timed(tl, getattr(transport.RealTransport, name), "comm.overhead"))
+            p.set(transport.SimTransport, name, _sim_collective(tl, getattr(transport.SimTransport, name), name))
+        for name in _PIPELINE_ACTIONS:
+            p.set(runtime.PipelineModule, name, _timed(tl, getattr(runtime.PipelineModule, name), "pipeline.p2p"))
+        with count_comm(observer=tl) as log:
+            yield log
+    finally:
+        p.restore()
