@@ -1,7 +1,7 @@
 """One launch of tools/profile_step.py: the GPT of tools/bench_vs_paddle.py under ap.parallelize(dp, tp),
 warmed up, then ``--steps`` training steps each profiled with ap.profile (a barrier before each, outside the
 region), the forward alone profiled, the forward timed with and without the profile (its own cost), and
-optionally cProfile over one forward + backward on every rank (rank 0 reports its top functions).
+optionally cProfile over ``--repeat`` forwards on every rank (rank 0 reports its top functions).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import paddle.distributed as dist                         # noqa: E402
 import paddle.nn.functional as F                          # noqa: E402
 
 from _bench_dispatch_worker import adamw, build_model, make_batch  # noqa: E402
+from autoparallel.profiler import averaged               # noqa: E402
 from autoparallel.testing.launch import write_result     # noqa: E402
 
 
@@ -42,16 +43,22 @@ def main():
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     for name, default in (("vocab", 1024), ("hidden", 256), ("layers", 4), ("heads", 8), ("seq", 128),
-                          ("batch", 8), ("seed", 0), ("warmup", 3), ("steps", 3), ("cprofile", 0)):
+                          ("batch", 8), ("seed", 0), ("warmup", 3), ("steps", 3), ("cprofile", 0), ("repeat", 1)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--plot", default=None)
+    p.add_argument("--model", choices=("gpt", "tiny"), default="gpt")
     args = p.parse_args()
     dist.init_parallel_env()
     import autoparallel as ap
 
-    model, opt, ids, labels = setup(args)
-    forward = lambda: F.cross_entropy(model(ids), labels)              # noqa: E731
+    if args.model == "tiny":        # the calibration's replicated one-block model (planner/calib_worker.py)
+        from autoparallel.planner.calib_worker import _replicated_lm
+
+        model, opt, ids, forward = _replicated_lm(dist.get_world_size())
+    else:
+        model, opt, ids, labels = setup(args)
+        forward = lambda: F.cross_entropy(model(ids), labels)          # noqa: E731
 
     def step():
         forward().backward()
@@ -67,42 +74,69 @@ def main():
             step()
         profiles.append(prof)
     slowest = [max(b.step_s for b in q.breakdowns.values()) for q in profiles]
-    median = profiles[slowest.index(sorted(slowest)[len(slowest) // 2])]
-    dist.barrier()
-    with ap.profile() as fwd:
-        loss = forward()
-    loss.backward()
-    opt.clear_grad()
+    mean = averaged(profiles)
+    fwds = []
+    for _ in range(args.steps):
+        dist.barrier()
+        with ap.profile() as fwd:
+            loss = forward()
+        loss.backward()
+        opt.clear_grad()
+        fwds.append(fwd)
+    fwd = averaged(fwds)
     plain, hooked = [], []
-    for _ in range(3):                                   # the profile's own cost on a forward
+    for _ in range(5):                                   # the profile's own cost on a forward
         for out, ctx in ((plain, None), (hooked, True)):
             dist.barrier()
+            q = ap.profile(gather=False).start() if ctx else None
             start = time.perf_counter()
-            if ctx:
-                q = ap.profile(gather=False).start()
             loss = forward()
-            if ctx:
-                q.stop()
             out.append(time.perf_counter() - start)
+            if q is not None:
+                q.stop()
             loss.backward()
             opt.clear_grad()
     top = ""
     if args.cprofile:
         dist.barrier()
         pr = cProfile.Profile()
-        pr.enable()
-        forward().backward()
-        pr.disable()
-        opt.clear_grad()
+        for _ in range(args.repeat):
+            pr.enable()
+            loss = forward()
+            pr.disable()
+            loss.backward()
+            opt.clear_grad()
         buf = io.StringIO()
         pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(args.cprofile)
         top = buf.getvalue()
     if args.plot and dist.get_rank() == 0:
-        median.plot(args.plot)
-    write_result({"step": median.to_dict(), "step_table": median.table(), "forward": fwd.to_dict(),
+        mean.plot(args.plot)
+    write_result({"step": mean.to_dict(), "step_table": mean.table(), "forward": fwd.to_dict(),
                   "forward_table": fwd.table(), "forward_plain_s": statistics.median(plain),
                   "forward_profiled_s": statistics.median(hooked), "cprofile": top,
-                  "step_times": slowest})
+                  "step_times": slowest, "plain_vs_dispatched": plain_vs_dispatched(args, forward)})
+
+
+def plain_vs_dispatched(args, forward, repeat: int = 20):
+    """The calibration model only: seconds of one forward of the same model on plain tensors and on
+    DistTensors (alternated, every rank busy, medians) and its dispatched op count."""
+    if args.model != "tiny":
+        return None
+    from autoparallel.planner.calib_worker import _count_dispatched, _tiny_lm
+
+    paddle.seed(0)
+    plain_model, vocab = _tiny_lm()
+    ids = paddle.randint(0, vocab, [2, 8])
+    labels = paddle.randint(0, vocab, [2, 8])
+    plain = lambda: F.cross_entropy(plain_model(ids), labels)          # noqa: E731
+    times = {"plain": [], "dispatched": []}
+    for _ in range(repeat):
+        for name, fn in (("plain", plain), ("dispatched", forward)):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()} | {"ops": _count_dispatched(forward)}
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ class RankBreakdown:
     step_s: float                                  # wall time of the profiled region
     parts: dict                                    # part -> seconds, in PARTS order
     collectives: dict = field(default_factory=dict)   # kind -> {"count", "bytes", "seconds", "wait"}
-    counts: dict = field(default_factory=dict)     # "dispatched ops", "reshards", "collectives"
+    counts: dict = field(default_factory=dict)     # "dispatched ops", "reshards", "collectives", "hooked calls"
+    hook_s: float = 0.0                            # estimated time the profile's own hooks took (inside the parts)
 
     def per_op_us(self) -> float:
         """Dispatch overhead per dispatched op (µs)."""
@@ -51,7 +52,7 @@ def record_of(rank: int, step_s: float, tl) -> dict:
     """A JSON-able record of one rank's timeline (what ranks exchange)."""
     calls = [[c.name, c.bytes_sent, c.group_size, c.held, list(c.ranks), c.seconds, c.context] for c in tl.calls]
     return {"rank": rank, "step_s": step_s, "seconds": dict(tl.seconds), "counts": dict(tl.counts),
-            "calls": calls, "simulated": False}
+            "calls": calls, "simulated": False, "hook_pair_s": tl.hook_pair_s}
 
 
 def expected_seconds(name: str, held: float, n: int, cluster) -> float:
@@ -117,11 +118,36 @@ def build(rec: dict, transfers: list) -> RankBreakdown:
     in_calls = rec["seconds"].get("collective", 0.0)
     parts["collectives"] = max(0.0, in_calls - wait - bubble)
     parts["idle wait"], parts["pipeline bubble"] = wait, bubble
+    hooked = sum(rec["counts"].values())
     counts = {"dispatched ops": rec["counts"].get("dispatch", 0), "reshards": rec["counts"].get("reshard", 0),
-              "collectives": len(rec["calls"])}
-    return RankBreakdown(rec["rank"], rec["step_s"], parts, kinds, counts)
+              "collectives": len(rec["calls"]), "hooked calls": hooked}
+    return RankBreakdown(rec["rank"], rec["step_s"], parts, kinds, counts, hooked * rec.get("hook_pair_s", 0.0))
 
 
 def build_all(records: dict, cluster) -> dict:
     transfers = transfer_times(records, cluster)
     return {r: build(rec, transfers[r]) for r, rec in sorted(records.items())}
+
+
+def average(runs: list) -> dict:
+    """{rank: RankBreakdown} averaged over several profiled regions (each a {rank: RankBreakdown} with the
+    same ranks): step time, parts, per-kind collective figures, counts and hook time are means."""
+    if not runs:
+        raise ValueError("average() needs at least one profiled region")
+    ranks = list(runs[0])
+    if any(list(run) != ranks for run in runs):
+        raise ValueError(f"average() needs the same ranks in every region, got {[sorted(run) for run in runs]}")
+    n = len(runs)
+    out = {}
+    for r in ranks:
+        bs = [run[r] for run in runs]
+        kinds: dict = {}
+        for b in bs:
+            for kind, k in b.collectives.items():
+                acc = kinds.setdefault(kind, {"count": 0.0, "bytes": 0.0, "seconds": 0.0, "wait": 0.0})
+                for key in acc:
+                    acc[key] += k[key] / n
+        counts = {key: sum(b.counts.get(key, 0) for b in bs) / n for key in bs[0].counts}
+        out[r] = RankBreakdown(r, sum(b.step_s for b in bs) / n, {p: sum(b.parts[p] for b in bs) / n for p in PARTS},
+                               kinds, counts, sum(b.hook_s for b in bs) / n)
+    return out

@@ -19,7 +19,7 @@ def table(breakdowns: dict) -> str:
     lines = ["step-time breakdown (ms; parts add up to the step)", head]
     for r, b in breakdowns.items():
         cells = " ".join(f"{b.parts[p] * 1e3:9.2f}" for p in PARTS)
-        lines.append(f"{_label(r):>4} {b.step_s * 1e3:9.2f} {cells} {b.counts['dispatched ops']:6d} "
+        lines.append(f"{_label(r):>4} {b.step_s * 1e3:9.2f} {cells} {b.counts['dispatched ops']:6.0f} "
                      f"{b.per_op_us():6.1f}")
     for r, b in breakdowns.items():
         pct = " ".join(f"{100 * b.parts[p] / b.step_s if b.step_s else 0:8.1f}%" for p in PARTS)
@@ -27,9 +27,12 @@ def table(breakdowns: dict) -> str:
     lines += ["", f"{'rank':>4} {'collective':<16} {'count':>6} {'MB sent':>9} {'ms':>9} {'wait ms':>9}"]
     for r, b in breakdowns.items():
         for kind, k in sorted(b.collectives.items()):
-            lines.append(f"{_label(r):>4} {kind:<16} {k['count']:6d} {k['bytes'] / 1e6:9.3f} "
+            lines.append(f"{_label(r):>4} {kind:<16} {k['count']:6.0f} {k['bytes'] / 1e6:9.3f} "
                          f"{k['seconds'] * 1e3:9.2f} {k['wait'] * 1e3:9.2f}")
-    lines.append(f"parts: " + "; ".join(f"{_SHORT[p]} = {p}" for p in PARTS))
+    lines.append("parts: " + "; ".join(f"{_SHORT[p]} = {p}" for p in PARTS))
+    hooks = ", ".join(f"{_label(r)}: {b.hook_s * 1e3:.2f} ms over {b.counts.get('hooked calls', 0):.0f} hooked calls"
+                      for r, b in breakdowns.items())
+    lines.append(f"the profile's own hooks (estimated, inside the parts): {hooks}")
     return "\n".join(lines)
 
 

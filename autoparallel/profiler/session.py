@@ -8,6 +8,7 @@ with ap.profile() as p:
 print(p.table())           # per rank: compute, dispatch overhead, reshards, collectives, waiting, bubble
 p.plot("step.png")         # stacked bars per rank
 p.breakdowns[0].collectives["all_reduce"]     # {"count", "bytes", "seconds", "wait"}
+averaged([p1, p2, p3]).table()  # the mean of several profiled steps (from autoparallel.profiler)
 ```
 
 In a real multi-rank job every rank must open the profile around the same code: on exit the ranks
@@ -46,6 +47,7 @@ class Profile:
 
         self._world = current_world()
         self._tl = Timeline()
+        self._tl.hook_pair_s = self._tl.hook_cost()
         self._hooks = hooks.installed(self._tl)
         self.log = self._hooks.__enter__()
         _ACTIVE.append(self)
@@ -119,6 +121,19 @@ class Profile:
         from autoparallel.monitor import _all_gather_json
 
         return {int(r): v for r, v in _all_gather_json(rec, world.world_size).items()}
+
+
+def averaged(profiles) -> Profile:
+    """One Profile whose breakdowns are the means of several completed ones (the same ranks in each):
+    profile a few steps, report their average."""
+    profiles = list(profiles)
+    for q in profiles:
+        if not isinstance(q, Profile):
+            raise TypeError(f"averaged() expects ap.profile objects, got {type(q).__name__}")
+        q._require()
+    out = Profile(gather=False)
+    out.breakdowns = breakdown.average([q.breakdowns for q in profiles])
+    return out
 
 
 def profile(gather: bool = True, cluster=None) -> Profile:
