@@ -89,6 +89,23 @@ def test_parts_add_up_and_counts_match_the_transport(tmp_path):
     assert "sim" in p.table() and "all_reduce" in p.table()
 
 
+def test_pipeline_actions_are_profiled():
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist_scripts"))
+    import pp_common
+    from autoparallel.parallel.pipeline.runtime import apply_pp
+
+    pipe = apply_pp(pp_common.build("gpt", layers=2), pp_common.strategy({"schedule": "1F1B"}))
+    ids, labels = pp_common.batches(1)[0]
+    with ap.profile() as p:
+        pipe.train_batch(paddle.to_tensor(ids), paddle.to_tensor(labels))
+    b = p.breakdowns[0]
+    assert b.counts["pipeline p2p actions"] == sum(r.kind.startswith(("SEND", "RECV")) for r in pipe.records) > 0
+    assert sum(b.parts.values()) == pytest.approx(b.step_s, abs=1e-4)
+    assert b.parts["comm overhead"] > 0 and b.parts["pipeline bubble"] == 0     # hand-offs in one process
+
+
 def test_hooks_come_off_and_misuse_raises():
     before = (dispatch.run, dispatch._execute, redistribute.execute, transport.RealTransport.all_reduce)
     sim_before = dict(transport.SimTransport.__dict__)

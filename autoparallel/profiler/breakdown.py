@@ -120,7 +120,8 @@ def build(rec: dict, transfers: list) -> RankBreakdown:
     parts["idle wait"], parts["pipeline bubble"] = wait, bubble
     hooked = sum(rec["counts"].values())
     counts = {"dispatched ops": rec["counts"].get("dispatch", 0), "reshards": rec["counts"].get("reshard", 0),
-              "collectives": len(rec["calls"]), "hooked calls": hooked}
+              "collectives": len(rec["calls"]), "pipeline p2p actions": rec["counts"].get("pipeline.p2p", 0),
+              "hooked calls": hooked}
     return RankBreakdown(rec["rank"], rec["step_s"], parts, kinds, counts, hooked * rec.get("hook_pair_s", 0.0))
 
 
