@@ -24,8 +24,7 @@ _WRAPPED = ("all_gather", "all_reduce", "broadcast", "send", "recv", "reduce_sca
             "alltoall_single", "isend", "irecv")
 
 
-def _nbytes(t) -> int:
-    return int(t.numel()) * t.element_size()
+from autoparallel.comm.sizes import nbytes as _nbytes
 
 
 @dataclass

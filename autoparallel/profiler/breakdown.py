@@ -3,12 +3,14 @@
 Parts (seconds; they add up to the profiled wall time by construction):
 
     compute: dispatched ops   the local paddle ops that autoparallel's dispatch runs
-    compute: other            time outside every hook: autograd's backward kernels, the optimizer's
-                              update, plain paddle ops, the user's own python
+    compute: backward         autograd's backward (its kernels; collectives and hooks inside are split off)
+    compute: optimizer        the optimizer's update (gradient synchronisation inside is split off)
+    compute: other            time outside every hook: plain paddle ops, layers' python, the user's code
     dispatch overhead         dispatch's own work around the local op: rule or plan-cache lookup, layout
                               bookkeeping, argument filling, wrapping outputs into DistTensors
     reshard                   a reshard's local work (slicing, padding, concatenation), its collectives excluded
     comm overhead             the transport's work around a collective (casts, copies, the watchdog's
+                              bookkeeping), gradient buckets (packing, unpacking, backward-hook
                               bookkeeping) and the pipeline's point-to-point actions around their messages
     collectives               time inside paddle.distributed calls, minus the waiting below
     idle wait                 time inside a collective spent waiting for peers to arrive
@@ -23,12 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PARTS = ("compute: dispatched ops", "compute: other", "dispatch overhead", "reshard", "comm overhead",
-         "collectives", "idle wait", "pipeline bubble")
+PARTS = ("compute: dispatched ops", "compute: backward", "compute: optimizer", "compute: other",
+         "dispatch overhead", "reshard", "comm overhead", "collectives", "idle wait", "pipeline bubble")
 
 _CATEGORY_PART = {"compute.ops": "compute: dispatched ops", "outside": "compute: other",
                   "dispatch": "dispatch overhead", "reshard": "reshard", "comm.overhead": "comm overhead",
-                  "pipeline.p2p": "comm overhead"}
+                  "pipeline.p2p": "comm overhead", "grad.sync": "comm overhead",
+                  "compute.backward": "compute: backward", "compute.optimizer": "compute: optimizer"}
 _FIT_NAME = {"send": "send_recv", "recv": "send_recv", "isend": "send_recv", "irecv": "send_recv",
              "alltoall": "all_to_all", "alltoall_single": "all_to_all"}
 

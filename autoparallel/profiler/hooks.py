@@ -5,6 +5,11 @@
     redistribute.execute       "reshard"       a reshard's own work (slicing, padding, concatenating)
     RealTransport.<collective> "comm.overhead" the transport around a paddle.distributed call
     PipelineModule._send_*/_recv_*  "pipeline.p2p"  a pipeline's point-to-point actions
+    grads._pack/_unpack, GradientSync.flush, Reducer.before/after_accumulate
+                               "grad.sync"     gradient buckets: packing, unpacking, backward-hook bookkeeping
+    paddle.Tensor.backward, paddle.autograd.backward
+                               "compute.backward"   autograd's backward (kernels; nested hooks excluded)
+    <optimizer class>.step     "compute.optimizer"  paddle optimizers and autoparallel's wrappers
     paddle.distributed.<fn>    collective      (comm/counter.py) one call, with its bytes and group
     SimTransport.<collective>  collective      (simulated world) one in-process collective
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 
 from autoparallel.comm.cost import collective_bytes
+from autoparallel.comm.sizes import nbytes
 
 _TRANSPORT_METHODS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 _PIPELINE_ACTIONS = ("_send_f", "_recv_f", "_send_b", "_recv_b")
@@ -43,7 +49,7 @@ def _thread():
 
 
 def _nbytes(t) -> float:
-    return float(int(t.numel()) * t.element_size())
+    return float(nbytes(t))
 
 
 def _sim_held(name, args) -> tuple:
@@ -90,6 +96,40 @@ class _Patches:
         self.saved.clear()
 
 
+def _optimizer_classes() -> list:
+    """paddle's optimizer classes that define ``step`` and autoparallel's optimizer wrappers."""
+    import paddle
+
+    from autoparallel.parallel import amp, optimizer, sharding
+
+    found, todo = [], [paddle.optimizer.Optimizer]
+    while todo:
+        cls = todo.pop()
+        if "step" in cls.__dict__ and cls not in found:
+            found.append(cls)
+        todo.extend(cls.__subclasses__())
+    for cls in (optimizer.ShardedOptimizer, sharding.ZeroOptimizer, amp.AmpOptimizer):
+        if "step" in cls.__dict__ and cls not in found:
+            found.append(cls)
+    return found
+
+
+def _patch_training(p, tl) -> None:
+    import paddle
+
+    from autoparallel.parallel import grads, reducer
+
+    p.set(paddle.Tensor, "backward", _timed(tl, paddle.Tensor.backward, "compute.backward"))
+    p.set(paddle.autograd, "backward", _timed(tl, paddle.autograd.backward, "compute.backward"))
+    for cls in _optimizer_classes():
+        p.set(cls, "step", _timed(tl, cls.__dict__["step"], "compute.optimizer"))
+    for name in ("_pack", "_unpack"):
+        p.set(grads, name, _timed(tl, getattr(grads, name), "grad.sync"))
+    p.set(grads.GradientSync, "flush", _timed(tl, grads.GradientSync.flush, "grad.sync"))
+    for name in ("before_accumulate", "after_accumulate"):
+        p.set(reducer.Reducer, name, _timed(tl, getattr(reducer.Reducer, name), "grad.sync"))
+
+
 @contextlib.contextmanager
 def installed(tl):
     """Wrap every hook point for timeline ``tl``; yields the comm/counter.py log of paddle.distributed calls."""
@@ -108,6 +148,7 @@ def installed(tl):
             p.set(transport.SimTransport, name, _sim_collective(tl, getattr(transport.SimTransport, name), name))
         for name in _PIPELINE_ACTIONS:
             p.set(runtime.PipelineModule, name, _timed(tl, getattr(runtime.PipelineModule, name), "pipeline.p2p"))
+        _patch_training(p, tl)
         with count_comm(observer=tl) as log:
             yield log
     finally:

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from autoparallel.profiler.breakdown import PARTS
 
-_SHORT = {"compute: dispatched ops": "ops", "compute: other": "other", "dispatch overhead": "dispatch",
+_SHORT = {"compute: dispatched ops": "ops", "compute: backward": "backward", "compute: optimizer": "optim",
+          "compute: other": "other", "dispatch overhead": "dispatch",
           "reshard": "reshard", "comm overhead": "comm ovh", "collectives": "coll", "idle wait": "wait",
           "pipeline bubble": "bubble"}
-_COLORS = ("#4c72b0", "#8fb0e0", "#dd8452", "#c44e52", "#937860", "#55a868", "#8c8c8c", "#ccb974")
+_COLORS = ("#4c72b0", "#64b5cd", "#8172b3", "#8fb0e0", "#dd8452", "#c44e52", "#937860", "#55a868", "#8c8c8c", "#ccb974")
 
 
 def _label(rank) -> str:
