@@ -161,3 +161,23 @@ def test_wait_is_the_excess_over_the_fastest_member():
     alone = breakdown.build_all({0: recs[0]}, cpu_default())[0]
     fit = cpu_default().collective_fit("all_reduce", 2).seconds(8.0)
     assert alone.collectives["all_reduce"]["wait"] == pytest.approx(0.30 - fit)
+
+
+def test_average_and_median_of_regions():
+    from autoparallel.profiler.breakdown import RankBreakdown, average
+
+    def one(step, ops):
+        parts = dict.fromkeys(breakdown.PARTS, 0.0)
+        parts["compute: dispatched ops"], parts["compute: other"] = ops, step - ops
+        return {0: RankBreakdown(0, step, parts, {"all_reduce": {"count": 2, "bytes": 8.0, "seconds": 0.1,
+                                                                  "wait": 0.0}}, {"dispatched ops": 4})}
+    runs = [one(1.0, 0.4), one(3.0, 0.5), one(10.0, 0.6)]
+    mean = average(runs)[0]
+    assert mean.step_s == pytest.approx(14 / 3) and mean.parts["compute: dispatched ops"] == pytest.approx(0.5)
+    assert sum(mean.parts.values()) == pytest.approx(mean.step_s)
+    assert mean.collectives["all_reduce"]["count"] == 2
+    assert average(runs, "median")[0] is runs[1][0]
+    with pytest.raises(ValueError, match="mean' or 'median"):
+        average(runs, "max")
+    with pytest.raises(ValueError, match="same ranks"):
+        average([runs[0], {1: runs[1][0]}])

@@ -48,6 +48,7 @@ def main():
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--plot", default=None)
     p.add_argument("--model", choices=("gpt", "tiny"), default="gpt")
+    p.add_argument("--stat", choices=("mean", "median"), default="mean")
     args = p.parse_args()
     dist.init_parallel_env()
     import autoparallel as ap
@@ -76,7 +77,7 @@ def main():
             step()
         profiles.append(prof)
     slowest = [max(b.step_s for b in q.breakdowns.values()) for q in profiles]
-    mean = averaged(profiles)
+    mean = averaged(profiles, args.stat)
     fwds = []
     for _ in range(args.steps):
         dist.barrier()
@@ -85,7 +86,7 @@ def main():
         loss.backward()
         opt.clear_grad()
         fwds.append(fwd)
-    fwd = averaged(fwds)
+    fwd = averaged(fwds, args.stat)
     plain, hooked = [], []
     for _ in range(5):                                   # the profile's own cost on a forward
         for out, ctx in ((plain, None), (hooked, True)):

@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python tools/profile_step.py --dp 2 --tp 2 [--steps 3] [--cprofile 30]
                                                               [--plot docs/img/profile_gpt_dp2tp2.png]
 
-Launches dp x tp ranks; each warms up, then profiles ``--steps`` steps (a barrier before each); prints their mean per-rank breakdown, the forward's breakdown
+Launches dp x tp ranks; each warms up, then profiles ``--steps`` steps (a barrier before each); prints their
+mean per-rank breakdown (``--stat median``: per rank its step of median time), the forward's breakdown
 (dispatched ops, dispatch overhead per op), the profile's own cost on a forward (median forward time inside and
 outside a profile) and, with ``--cprofile N``, rank 0's top N functions by own time over ``--repeat`` forwards.
 ``--model tiny`` runs the calibration's replicated one-block model instead (the per-op costs of
@@ -30,7 +31,9 @@ def main(argv=None):
     for name, default in (("vocab", 1024), ("hidden", 256), ("layers", 4), ("heads", 8), ("seq", 128),
                           ("batch", 8), ("warmup", 3), ("steps", 3), ("cprofile", 0), ("repeat", 1)):
         p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--plot", default=None, help="write the mean step's stacked bars here (PNG)")
+    p.add_argument("--plot", default=None, help="write the summary step's stacked bars here (PNG)")
+    p.add_argument("--stat", choices=("mean", "median"), default="mean",
+                   help="summarise the profiled steps by their mean, or per rank by the step of median time")
     p.add_argument("--model", choices=("gpt", "tiny"), default="gpt",
                    help="gpt: the bench GPT; tiny: the calibration's replicated one-block model (per-op costs)")
     args = p.parse_args(argv)
@@ -44,8 +47,8 @@ def main(argv=None):
         print(f"GPT vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, seq {args.seq}, "
               f"global batch {args.batch}; DP{args.dp} x TP{args.tp} on {args.dp * args.tp} gloo ranks")
     print(f"profiled steps (slowest rank, ms): {', '.join(f'{t * 1e3:.0f}' for t in res['step_times'])}")
-    print(f"\n== training step (mean of {args.steps}) ==\n" + res["step_table"])
-    print(f"\n== forward only (mean of {args.steps}) ==\n" + res["forward_table"])
+    print(f"\n== training step ({args.stat} of {args.steps}) ==\n" + res["step_table"])
+    print(f"\n== forward only ({args.stat} of {args.steps}) ==\n" + res["forward_table"])
     plain, hooked = res["forward_plain_s"], res["forward_profiled_s"]
     print(f"\nforward without / inside ap.profile (rank 0, median of 5): {plain * 1e3:.1f} / {hooked * 1e3:.1f} ms")
     pvd = res["plain_vs_dispatched"]

@@ -133,14 +133,20 @@ def build_all(records: dict, cluster) -> dict:
     return {r: build(rec, transfers[r]) for r, rec in sorted(records.items())}
 
 
-def average(runs: list) -> dict:
-    """{rank: RankBreakdown} averaged over several profiled regions (each a {rank: RankBreakdown} with the
-    same ranks): step time, parts, per-kind collective figures, counts and hook time are means."""
+def average(runs: list, how: str = "mean") -> dict:
+    """{rank: RankBreakdown} over several profiled regions (each a {rank: RankBreakdown} with the same ranks).
+    ``how="mean"``: step time, parts, per-kind collective figures, counts and hook time are means;
+    ``how="median"``: per rank, the region whose step time is that rank's median (robust to a preempted
+    region on a loaded machine). Either way the parts add up to the step time."""
+    if how not in ("mean", "median"):
+        raise ValueError(f"average(how=...) expects 'mean' or 'median', got {how!r}")
     if not runs:
         raise ValueError("average() needs at least one profiled region")
     ranks = list(runs[0])
     if any(list(run) != ranks for run in runs):
         raise ValueError(f"average() needs the same ranks in every region, got {[sorted(run) for run in runs]}")
+    if how == "median":
+        return {r: sorted((run[r] for run in runs), key=lambda b: b.step_s)[(len(runs) - 1) // 2] for r in ranks}
     n = len(runs)
     out = {}
     for r in ranks:

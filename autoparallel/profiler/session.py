@@ -123,16 +123,16 @@ class Profile:
         return {int(r): v for r, v in _all_gather_json(rec, world.world_size).items()}
 
 
-def averaged(profiles) -> Profile:
-    """One Profile whose breakdowns are the means of several completed ones (the same ranks in each):
-    profile a few steps, report their average."""
+def averaged(profiles, how: str = "mean") -> Profile:
+    """One Profile whose breakdowns summarise several completed ones (the same ranks in each): ``how="mean"``
+    the means, ``how="median"`` per rank the region of median step time. Profile a few steps, report one."""
     profiles = list(profiles)
     for q in profiles:
         if not isinstance(q, Profile):
             raise TypeError(f"averaged() expects ap.profile objects, got {type(q).__name__}")
         q._require()
     out = Profile(gather=False)
-    out.breakdowns = breakdown.average([q.breakdowns for q in profiles])
+    out.breakdowns = breakdown.average([q.breakdowns for q in profiles], how)
     return out
 
 
