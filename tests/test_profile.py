@@ -181,3 +181,20 @@ def test_average_and_median_of_regions():
         average(runs, "max")
     with pytest.raises(ValueError, match="same ranks"):
         average([runs[0], {1: runs[1][0]}])
+
+
+def test_example_profile_flag(tmp_path, capsys):
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import train_common
+
+    path = str(tmp_path / "out" / "step.png")
+    train_common.main("gpt-tiny", ["--steps", "2", "--batch-size", "2", "--seq-len", "8", "--profile", path])
+    assert os.path.getsize(path) > 1000
+    with open(os.path.splitext(path)[0] + ".json") as f:
+        (b,) = json.load(f).values()
+    assert sum(b["parts"].values()) == pytest.approx(b["step_s"], abs=1e-4)
+    assert b["parts"]["compute: backward"] > 0 and b["parts"]["compute: optimizer"] > 0
+    assert "step-time breakdown" in capsys.readouterr().out
