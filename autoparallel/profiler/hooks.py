@@ -19,6 +19,7 @@ threads (a watchdog's) pass through untimed.
 from __future__ import annotations
 
 import contextlib
+from threading import get_ident
 
 from autoparallel.comm.cost import collective_bytes
 from autoparallel.comm.sizes import nbytes
@@ -31,7 +32,7 @@ def _timed(tl, orig, category):
     owner = tl.owner
 
     def timed(*args, **kwargs):
-        if _thread() != owner:
+        if get_ident() != owner:
             return orig(*args, **kwargs)
         tl.enter(category)
         try:
@@ -40,12 +41,6 @@ def _timed(tl, orig, category):
             tl.leave()
 
     return timed
-
-
-def _thread():
-    import threading
-
-    return threading.get_ident()
 
 
 def _nbytes(t) -> float:

@@ -1,4 +1,4 @@
-"""Runs on every rank (4): one profiled training step of the tiny GPT under DP2xTP2 and under TP4, with an
+"""Runs on every rank (4): one profiled training step of the tiny GPT under DP2xTP2, TP4 and PP2xDP2, with an
 independent wrapper around paddle.distributed counting the same step's calls and tensor sizes.
 
     profile_worker.py PLOT_DIR
@@ -46,17 +46,22 @@ class Spy:
             setattr(dist, n, fn)
 
 
-def run(name, dp, tp, plot_dir):
+def run(name, dp, tp, plot_dir, pp=1):
     s = ap.Strategy()
     s.data_parallel.degree, s.tensor_parallel.degree = dp, tp
+    if pp > 1:
+        s.pipeline_parallel.degree, s.pipeline_parallel.micro_batches = pp, 2
     model = build("gpt")
     opt = paddle.optimizer.AdamW(parameters=model.parameters())
     model, opt = ap.parallelize(model, opt, s)
     ids, labels = batch()
 
     def step():
-        loss = F.cross_entropy(model(paddle.to_tensor(ids)), paddle.to_tensor(labels)).mean()
-        loss.backward()
+        if pp > 1:
+            model.train_batch(paddle.to_tensor(ids), paddle.to_tensor(labels))
+        else:
+            loss = F.cross_entropy(model(paddle.to_tensor(ids)), paddle.to_tensor(labels)).mean()
+            loss.backward()
         opt.step()
         opt.clear_grad()
 
@@ -76,13 +81,15 @@ def run(name, dp, tp, plot_dir):
         p.plot(os.path.join(plot_dir, f"{name}.png"))
     return {"kinds": me.collectives, "spy": spy.calls, "parts_sum": sum(me.parts.values()), "step_s": me.step_s,
             "ranks": sorted(p.breakdowns), "waits": {r: b.parts["idle wait"] for r, b in p.breakdowns.items()},
+            "bubbles": {r: b.parts["pipeline bubble"] for r, b in p.breakdowns.items()},
             "table": p.table() if dist.get_rank() == 0 else ""}
 
 
 def main():
     dist.init_parallel_env()
     plot_dir = sys.argv[1]
-    write_result({"dp2tp2": run("dp2tp2", 2, 2, plot_dir), "tp4": run("tp4", 1, 4, plot_dir)})
+    write_result({"dp2tp2": run("dp2tp2", 2, 2, plot_dir), "tp4": run("tp4", 1, 4, plot_dir),
+                  "pp2dp2": run("pp2dp2", 2, 1, plot_dir, pp=2)})
 
 
 if __name__ == "__main__":
