@@ -198,3 +198,14 @@ def test_example_profile_flag(tmp_path, capsys):
     assert sum(b["parts"].values()) == pytest.approx(b["step_s"], abs=1e-4)
     assert b["parts"]["compute: backward"] > 0 and b["parts"]["compute: optimizer"] > 0
     assert "step-time breakdown" in capsys.readouterr().out
+
+
+def test_a_missing_hook_point_is_named_and_nothing_stays_patched(monkeypatch):
+    before = (dispatch.run, redistribute.execute)
+    monkeypatch.delattr(dispatch, "_execute")
+    with pytest.raises(RuntimeError, match="_execute: it no longer exists"):
+        ap.profile().start()
+    assert (dispatch.run, redistribute.execute) == before
+    monkeypatch.undo()
+    with ap.profile():                      # and a profile opens again afterwards
+        pass

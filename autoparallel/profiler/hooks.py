@@ -78,9 +78,17 @@ class _Patches:
     def __init__(self):
         self.saved = []              # (owner, attr, original or None when inherited)
 
-    def set(self, owner, attr, value) -> None:
-        self.saved.append((owner, attr, owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)))
-        setattr(owner, attr, value)
+    def wrap(self, owner, attr, make) -> None:
+        """Replace ``owner.attr`` by ``make(original)``."""
+        if not hasattr(owner, attr):
+            raise RuntimeError(f"ap.profile cannot hook {getattr(owner, '__name__', owner)}.{attr}: it no longer "
+                               f"exists (update autoparallel/profiler/hooks.py)")
+        orig = owner.__dict__.get(attr, getattr(owner, attr)) if isinstance(owner, type) else getattr(owner, attr)
+        self.saved.append((owner, attr, owner.__dict__.get(attr) if isinstance(owner, type) else orig))
+        setattr(owner, attr, make(orig))
+
+    def time(self, tl, owner, attr, category) -> None:
+        self.wrap(owner, attr, lambda orig: _timed(tl, orig, category))
 
     def restore(self) -> None:
         for owner, attr, orig in reversed(self.saved):
@@ -114,15 +122,15 @@ def _patch_training(p, tl) -> None:
 
     from autoparallel.parallel import grads, reducer
 
-    p.set(paddle.Tensor, "backward", _timed(tl, paddle.Tensor.backward, "compute.backward"))
-    p.set(paddle.autograd, "backward", _timed(tl, paddle.autograd.backward, "compute.backward"))
+    p.time(tl, paddle.Tensor, "backward", "compute.backward")
+    p.time(tl, paddle.autograd, "backward", "compute.backward")
     for cls in _optimizer_classes():
-        p.set(cls, "step", _timed(tl, cls.__dict__["step"], "compute.optimizer"))
+        p.time(tl, cls, "step", "compute.optimizer")
     for name in ("_pack", "_unpack"):
-        p.set(grads, name, _timed(tl, getattr(grads, name), "grad.sync"))
-    p.set(grads.GradientSync, "flush", _timed(tl, grads.GradientSync.flush, "grad.sync"))
+        p.time(tl, grads, name, "grad.sync")
+    p.time(tl, grads.GradientSync, "flush", "grad.sync")
     for name in ("before_accumulate", "after_accumulate"):
-        p.set(reducer.Reducer, name, _timed(tl, getattr(reducer.Reducer, name), "grad.sync"))
+        p.time(tl, reducer.Reducer, name, "grad.sync")
 
 
 @contextlib.contextmanager
@@ -135,14 +143,14 @@ def installed(tl):
 
     p = _Patches()
     try:
-        p.set(dispatch, "run", _timed(tl, dispatch.run, "dispatch"))
-        p.set(dispatch, "_execute", _timed(tl, dispatch._execute, "compute.ops"))
-        p.set(redistribute, "execute", _timed(tl, redistribute.execute, "reshard"))
+        p.time(tl, dispatch, "run", "dispatch")
+        p.time(tl, dispatch, "_execute", "compute.ops")
+        p.time(tl, redistribute, "execute", "reshard")
         for name in _TRANSPORT_METHODS:
-            p.set(transport.RealTransport, name, _timed(tl, getattr(transport.RealTransport, name), "comm.overhead"))
-            p.set(transport.SimTransport, name, _sim_collective(tl, getattr(transport.SimTransport, name), name))
+            p.time(tl, transport.RealTransport, name, "comm.overhead")
+            p.wrap(transport.SimTransport, name, lambda orig, name=name: _sim_collective(tl, orig, name))
         for name in _PIPELINE_ACTIONS:
-            p.set(runtime.PipelineModule, name, _timed(tl, getattr(runtime.PipelineModule, name), "pipeline.p2p"))
+            p.time(tl, runtime.PipelineModule, name, "pipeline.p2p")
         _patch_training(p, tl)
         with count_comm(observer=tl) as log:
             yield log
