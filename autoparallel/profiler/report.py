@@ -30,7 +30,8 @@ def table(breakdowns: dict) -> str:
         for kind, k in sorted(b.collectives.items()):
             lines.append(f"{_label(r):>4} {kind:<16} {k['count']:6.0f} {k['bytes'] / 1e6:9.3f} "
                          f"{k['seconds'] * 1e3:9.2f} {k['wait'] * 1e3:9.2f}")
-    lines.append("parts: " + "; ".join(f"{_SHORT[p]} = {p}" for p in PARTS))
+    lines.append("parts: " + "; ".join(f"{_SHORT[p]} = {p}" for p in PARTS)
+                 + "; ops = dispatched ops; us/op = dispatch overhead per dispatched op")
     hooks = ", ".join(f"{_label(r)}: {b.hook_s * 1e3:.2f} ms over {b.counts.get('hooked calls', 0):.0f} hooked calls"
                       for r, b in breakdowns.items())
     lines.append(f"the profile's own hooks (estimated, inside the parts): {hooks}")
