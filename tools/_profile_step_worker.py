@@ -68,7 +68,7 @@ def main():
 
     for _ in range(args.warmup):
         step()
-    with ap.profile():                                   # the first profile imports its helpers: not counted
+    with ap.profile():                                   # the first profile imports its modules: not counted
         step()
     profiles = []
     for _ in range(args.steps):
