@@ -46,6 +46,7 @@ _EXPORTS = {
     "complete": "autoparallel.graph.completion",
     "apply_pp": "autoparallel.parallel.pipeline.runtime", "PipelineModule": "autoparallel.parallel.pipeline.runtime",
     "materialize": "autoparallel.lazy_init.params",
+    "profile": "autoparallel.profiler",
 }
 
 __all__ = sorted(_EXPORTS)

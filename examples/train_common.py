@@ -46,6 +46,8 @@ def make_parser(default_model: str) -> argparse.ArgumentParser:
     p.add_argument("--ckpt-dir", dest="ckpt_dir", default=None, help="save distributed checkpoints here")
     p.add_argument("--save-every", dest="save_every", type=_positive, default=10, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in --ckpt-dir")
+    p.add_argument("--profile", default=None, metavar="PATH",
+                   help="profile the last step: print its per-rank breakdown, save stacked bars to PATH (.png)")
     return p
 
 
@@ -104,6 +106,7 @@ def train(args):
         next(batches)
     bar = _progress(args.steps, rank, start)
     for step in bar:
+        prof = ap.profile().start() if args.profile and step == args.steps - 1 else None     # --profile
         t0 = time.perf_counter()
         total = 0.0
         for _ in range(k):
@@ -123,6 +126,8 @@ def train(args):
             memory = dict(memory_bytes(model, opt), saved_activations=saved, rss_start=rss_start)
         opt.clear_grad()
         dt = time.perf_counter() - t0
+        if prof is not None:
+            _report_profile(prof.stop(), args.profile, rank)
         steps.append({"step": step, "loss": total, "time": dt})
         if ckpt is not None:
             ckpt.maybe_save(state, step + 1, extra={"loader_batches": (step + 1) * k})
@@ -153,8 +158,11 @@ def _train_static(args, world, rank, strategy, dataset, model, opt, k):
     batches = loader.batches()
     steps = []
     for step in _progress(args.steps, rank):
+        prof = ap.profile().start() if args.profile and step == args.steps - 1 else None     # --profile
         t0 = time.perf_counter()
         loss = dm.train_step([next(batches) for _ in range(k)])
+        if prof is not None:
+            _report_profile(prof.stop(), args.profile, rank)
         steps.append({"step": step, "loss": float(loss), "time": time.perf_counter() - t0})
     log = {"model": args.model, "world_size": world, "strategy": strategy.to_dict(), "static": True,
            "global_batch_size": args.batch_size, "seq_len": args.seq_len, "steps": steps}
@@ -163,6 +171,18 @@ def _train_static(args, world, rank, strategy, dataset, model, opt, k):
         with open(args.log_json, "w") as f:
             json.dump(log, f, indent=1)
     return log, dm, opt
+
+
+def _report_profile(prof, path: str, rank: int) -> None:
+    """--profile: rank 0 prints the table and writes the plot (and the numbers beside it as JSON)."""
+    if rank != 0:
+        return
+    print(prof.table())
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    prof.plot(path)
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump(prof.to_dict(), f, indent=1)
+    print(f"profile of the last step written to {path}")
 
 
 def _non_trivial(s: Strategy) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import paddle
 from paddle.autograd import PyLayer
 
+from autoparallel.comm.sizes import numel
 from autoparallel.comm.transport import transport_for
 from autoparallel.comm.world import current_world
 from autoparallel.local_mode import local_mode
@@ -128,7 +129,7 @@ def _slice_raw(xs, ranks, axis, sizes):
 
 def _reduce_raw(xs, ranks, op):
     some = next(iter(xs.values()))
-    if some.numel() == 0 or len(ranks) == 1:
+    if numel(some) == 0 or len(ranks) == 1:
         return {r: x.clone() for r, x in xs.items()}
     return transport_for(current_world()).all_reduce(xs, ranks, op)
 
@@ -136,7 +137,7 @@ def _reduce_raw(xs, ranks, op):
 def _reduce_scatter_raw(xs, ranks, axis, sizes, op):
     n, c = len(ranks), max(sizes)
     some = next(iter(xs.values()))
-    if c == 0 or some.numel() == 0 or n == 1:
+    if c == 0 or numel(some) == 0 or n == 1:
         return _slice_raw(_reduce_raw(xs, ranks, op), ranks, axis, sizes)
     padded = {r: _pad_to(x, axis, n * c) for r, x in xs.items()}
     got = transport_for(current_world()).reduce_scatter(padded, ranks, op, axis)
