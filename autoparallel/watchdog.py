@@ -17,10 +17,15 @@ rank (gloo releases the GIL while it waits, so they run while the main thread is
 wd = Watchdog(timeout=8).start()          # or AP_WATCHDOG_TIMEOUT=8; after init_parallel_env
 with wd.op("all_reduce", step=step):      # what this rank is doing, named in the report
     dist.all_reduce(x)
-with wd.long_wait("checkpoint write"):    # may be slow: peers allow long_wait_timeout for this rank
+with wd.long_wait("checkpoint write"):    # slow but alive: peers allow up to 2 x timeout of silence
     save_state_dict(...)
 wd.stop()                                 # a clean exit: peers stop watching this rank
 ```
+
+On the default path nobody writes this: ``ap.parallelize``, the training examples and the checkpoint
+rendezvous call ``start_default()`` in a real multi-process job (opt out with ``AP_WATCHDOG=off`` or the
+examples' ``--no-watchdog``). Defaults: a 10 s heartbeat timeout, so a frozen rank is named in about
+12 s and every survivor has exited within about 15 s; a killed rank on this host is named at once.
 
 The module-level ``op``, ``long_wait``, ``set_current_op`` and ``set_step`` act on the running watchdog and
 do nothing when none runs, so library code (checkpoint writes) can call them unconditionally.
@@ -38,7 +43,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import json
 import os
 import signal
@@ -48,162 +52,14 @@ import threading
 import time
 
 PREFIX = "autoparallel watchdog"
-DEFAULT_TIMEOUT = 60.0
-DEFAULT_LONG_WAIT = 600.0
+DEFAULT_TIMEOUT = 10.0
+LONG_WAIT_FACTOR = 2.0        # a long wait may stretch a running peer's silence to at most 2 x timeout
 DEFAULT_EXIT_CODE = 75
 RING_ABOVE = 16
 
 
-# ---- stores -------------------------------------------------------------------------------------------
-class MemoryStore:
-    """A store for watchdogs living in one process (tests, single-process runs)."""
-
-    def __init__(self):
-        self._data: dict = {}
-        self._lock = threading.Lock()
-
-    def set(self, key: str, value: bytes) -> None:
-        with self._lock:
-            self._data[key] = bytes(value)
-
-    def get(self, key: str) -> bytes:
-        with self._lock:
-            return self._data[key]
-
-    def add(self, key: str, amount: int) -> int:
-        with self._lock:
-            value = int(self._data.get(key, b"0")) + amount
-            self._data[key] = str(value).encode()
-            return value
-
-    def describe(self) -> str:
-        return "an in-process store"
-
-
-class FileStore:
-    """Keys as files in a directory every rank sees (``AP_WATCHDOG_STORE=file:<dir>``)."""
-
-    def __init__(self, directory: str):
-        self.dir = os.path.abspath(directory)
-        os.makedirs(self.dir, exist_ok=True)
-
-    def _path(self, key: str) -> str:
-        return os.path.join(self.dir, key.replace("/", "__"))
-
-    def set(self, key: str, value: bytes) -> None:
-        path = self._path(key)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(value)
-        os.replace(tmp, path)
-
-    def get(self, key: str) -> bytes:
-        try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise KeyError(key) from None
-
-    def add(self, key: str, amount: int) -> int:
-        if amount == 0:                     # a read: never wait on a lock a frozen rank may hold
-            try:
-                return int(self.get(key) or b"0")
-            except KeyError:
-                return 0
-        with open(self._path(key) + ".lock", "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                value = int(self.get(key) or b"0") + amount
-            except KeyError:
-                value = amount
-            self.set(key, str(value).encode())
-            return value
-
-    def describe(self) -> str:
-        return f"the heartbeat directory {self.dir}"
-
-
-class TCPStoreClient:
-    """A private client of the launch's TCP store (served by rank 0); never ``get`` a key that may be
-    missing: paddle's ``get`` then blocks for good."""
-
-    def __init__(self, host: str, port: int, world_size: int, host_rank: int = 0, timeout: int = 30):
-        from paddle.base import core
-
-        self.host, self.port, self.host_rank = host, int(port), host_rank
-        self._store = core.TCPStore(host, self.port, False, world_size, timeout)
-
-    @classmethod
-    def from_env(cls, world_size: int) -> "TCPStoreClient":
-        """The endpoint ``paddle.distributed.init_parallel_env`` uses for its store."""
-        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        endpoint = f"{addr}:{port}" if addr and port else os.environ.get("PADDLE_MASTER")
-        if not endpoint:
-            endpoint = (os.environ.get("PADDLE_TRAINER_ENDPOINTS") or "").split(",")[0]
-        if ":" not in endpoint:
-            raise RuntimeError("no TCP store endpoint in the environment (MASTER_ADDR/MASTER_PORT, PADDLE_MASTER "
-                               "or PADDLE_TRAINER_ENDPOINTS); run under paddle.distributed.launch or set "
-                               "AP_WATCHDOG_STORE=file:<dir shared by all ranks>")
-        host, port = endpoint.rsplit(":", 1)
-        return cls(host, int(port), world_size)
-
-    def set(self, key: str, value: bytes) -> None:
-        self._store.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        return bytes(self._store.get(key))
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._store.add(key, amount))
-
-    def describe(self) -> str:
-        return f"the TCP store at {self.host}:{self.port} hosted by rank {self.host_rank}"
-
-
-def default_store(world_size: int):
-    spec = os.environ.get("AP_WATCHDOG_STORE", "")
-    if spec.startswith("file:"):
-        return FileStore(spec[len("file:"):])
-    if spec not in ("", "tcp"):
-        raise ValueError(f"AP_WATCHDOG_STORE must be 'tcp' or 'file:<dir>', got {spec!r}")
-    if world_size <= 1:
-        return MemoryStore()
-    return TCPStoreClient.from_env(world_size)
-
-
-# ---- processes on this host -------------------------------------------------------------------------
-def _proc_start_time(pid: int):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-    except OSError:
-        return None
-    return data[data.rindex(")") + 2:].split()[19]
-
-
-def process_state(pid: int, start_time=None) -> str:
-    """"running", "stopped" (SIGSTOP), "exited" or "unknown" for a process on this host."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return "exited"
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return "exited"
-        except OSError:
-            return "unknown"
-        return "running"
-    fields = data[data.rindex(")") + 2:].split()
-    if start_time is not None and fields[19] != start_time:
-        return "exited"                      # the pid now belongs to another process
-    if fields[0] in ("Z", "X", "x"):
-        return "exited"
-    if fields[0] in ("T", "t"):
-        return "stopped"
-    return "running"
+from autoparallel.watchdog_store import (FileStore, MemoryStore, TCPStoreClient, _proc_start_time,  # noqa: F401
+                                      default_store, process_state)
 
 
 # ---- the watchdog --------------------------------------------------------------------------------------
@@ -242,8 +98,13 @@ class Watchdog:
         self.interval = float(interval) if interval is not None else max(0.1, min(self.timeout / 6, 2.0))
         if not 0 < self.interval < self.timeout:
             raise ValueError(f"interval must be positive and below timeout={self.timeout}, got {interval!r}")
+        cap = LONG_WAIT_FACTOR * self.timeout
         self.long_wait_timeout = float(long_wait_timeout) if long_wait_timeout is not None else \
-            _env_float("AP_WATCHDOG_LONG_WAIT", DEFAULT_LONG_WAIT)
+            _env_float("AP_WATCHDOG_LONG_WAIT", cap)
+        if not 0 < self.long_wait_timeout <= cap:
+            raise ValueError(f"long_wait_timeout must be in (0, {cap:g}] s ({LONG_WAIT_FACTOR:g} x timeout: a silent "
+                             f"rank is named within that bound even during a long operation), got "
+                             f"{self.long_wait_timeout:g}")
         self.op_timeout = op_timeout if op_timeout is not None else _env_float("AP_WATCHDOG_OP_TIMEOUT", None)
         self.startup_timeout = float(startup_timeout) if startup_timeout is not None else max(60.0, self.timeout)
         self.term_grace = float(term_grace) if term_grace is not None else min(self.timeout, 3.0)
@@ -392,14 +253,23 @@ class Watchdog:
 
     @contextlib.contextmanager
     def long_wait(self, reason: str = "", seconds: float = None):
-        """A legitimately long stretch (a checkpoint write): peers allow ``seconds`` (long_wait_timeout)
-        without a heartbeat from this rank, and this rank's own op deadline is paused."""
-        limit = float(seconds) if seconds is not None else self.long_wait_timeout
+        """A legitimately long stretch (a checkpoint write), named ``reason`` as the operation in flight: this
+        rank's own op deadline is paused, and peers allow its heartbeat ``seconds`` (default
+        long_wait_timeout; at most 2 x timeout) of silence while its process runs. Heartbeats come from a
+        thread of their own, so they go on during the long operation; a process found stopped (SIGSTOP) gets
+        no allowance, and a silent rank is always named within 2 x timeout."""
+        cap = LONG_WAIT_FACTOR * self.timeout
+        limit = min(float(seconds), cap) if seconds is not None else self.long_wait_timeout
         self._long_waits.append(limit)
+        previous = self._op
+        if reason:
+            self._op = (str(reason), time.monotonic())
         try:
             yield self
         finally:
             self._long_waits.remove(limit)
+            if reason:
+                self._op = previous
 
     def diagnose(self, exc: BaseException = None) -> None:
         """Wait up to ``timeout`` for the judge to name a lost rank (it ends the process if it does)."""
@@ -510,10 +380,10 @@ class Watchdog:
                                f"{self.startup_timeout:.0f} s")
                     return
                 continue
-            limit = max(self.timeout, rec.get("long_wait") or 0)
             silent = self._io_ok - peer.changed
-            if silent > limit:
-                self._fail(f"rank {peer.rank} lost: no heartbeat for {silent:.1f} s (limit {limit:.1f} s)"
+            if silent > self.timeout and silent > self._silence_limit(rec):
+                self._fail(f"rank {peer.rank} lost: no heartbeat for {silent:.1f} s (limit "
+                           f"{self._silence_limit(rec):.1f} s)"
                            f"{_process_note(rec, self._host)}; it was last in {_their_op(rec)}")
                 return
         op = self._op
@@ -523,6 +393,17 @@ class Watchdog:
             return
         if self._sigterm_at is not None and now - self._sigterm_at > self.term_grace:
             self._end_for_sigterm()
+
+    def _silence_limit(self, rec: dict) -> float:
+        """How long a peer may stay silent: timeout, or its long-wait allowance (<= 2 x timeout) while its
+        process is not known to be stopped."""
+        allowance = min(rec.get("long_wait") or 0, LONG_WAIT_FACTOR * self.timeout)
+        if allowance <= self.timeout:
+            return self.timeout
+        if rec.get("host") == self._host and "pid" in rec and \
+                process_state(rec["pid"], rec.get("start")) == "stopped":
+            return self.timeout                  # frozen, not busy: no allowance
+        return allowance
 
     # ---- failing -----------------------------------------------------------------------------------------
     def _fail(self, reason: str, publish: bool = True) -> None:
@@ -689,3 +570,31 @@ def set_step(step) -> None:
     wd = current()
     if wd is not None:
         wd.set_step(step)
+
+
+OFF_VALUES = ("0", "off", "false", "no")
+
+
+def disabled() -> bool:
+    """True when ``AP_WATCHDOG`` opts out of the default watchdog (``0``, ``off``, ``false`` or ``no``)."""
+    return os.environ.get("AP_WATCHDOG", "").strip().lower() in OFF_VALUES
+
+
+def start_default():
+    """The watchdog of a real multi-process job, started with the default settings if none runs yet.
+
+    Called by ``ap.parallelize``, the training examples and the checkpoint rendezvous, so a lost or frozen
+    rank is named on the default path. Does nothing (returns None) in one process, in the simulated
+    world, before ``init_parallel_env``, or with ``AP_WATCHDOG=off``."""
+    wd = current()
+    if wd is not None or disabled():
+        return wd
+    try:
+        import paddle.distributed as dist
+
+        from autoparallel.comm.world import current_world
+    except ImportError:
+        return None
+    if current_world().is_simulated or not dist.is_initialized() or dist.get_world_size() <= 1:
+        return None
+    return Watchdog().start()
