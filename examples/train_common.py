@@ -29,6 +29,7 @@ from autoparallel.data import ByteTextDataset, DistributedDataLoader  # noqa: E4
 from autoparallel.memory import live_bytes, peak_rss_bytes, rss_bytes  # noqa: E402
 from autoparallel.parallel.recompute import SavedBytes  # noqa: E402
 from autoparallel.strategy import Strategy, add_strategy_args  # noqa: E402
+from autoparallel.watchdog import start_default  # noqa: E402
 from models import PRESETS, build  # noqa: E402
 
 
@@ -46,7 +47,25 @@ def make_parser(default_model: str) -> argparse.ArgumentParser:
     p.add_argument("--ckpt-dir", dest="ckpt_dir", default=None, help="save distributed checkpoints here")
     p.add_argument("--save-every", dest="save_every", type=_positive, default=10, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in --ckpt-dir")
+    p.add_argument("--no-watchdog", dest="watchdog", action="store_false",
+                   help="do not start the watchdog that names a lost or frozen rank in seconds (same as "
+                        "AP_WATCHDOG=off)")
     return p
+
+
+def check_args(parser: argparse.ArgumentParser, args, world: int) -> None:
+    """Refuse (exit 2, naming the flag) what this run cannot honour, before any work: a strategy invalid
+    for the world size (``--offload`` without sharding, ``--vpp`` or ``--micro-batches`` without ``--pp``,
+    degrees that do not multiply to the world, ...), and a ``--schedule`` with one pipeline stage."""
+    if args.auto:
+        return
+    if args.schedule is not None and args.pp == 1:
+        parser.error(f"--schedule {args.schedule} needs --pp > 1 (got --pp 1): a schedule orders pipeline stages")
+    try:
+        Strategy.from_args(args).validate(world_size=world)
+    except (ValueError, TypeError) as e:
+        where = "the single-process run" if world == 1 else f"this {world}-rank run"
+        parser.error(f"{where} cannot honour these flags: {e}")
 
 
 def _positive(text: str) -> int:
@@ -62,15 +81,20 @@ def model_config(name: str, seq_len: int, vocab: int):
     return dataclasses.replace(c, dropout=0.0) if hasattr(c, "dropout") else c
 
 
-def init_distributed() -> int:
+def init_distributed(watchdog: bool = True) -> int:
+    """Initialise a launched rank and start its watchdog (``watchdog=False``: none, as AP_WATCHDOG=off)."""
+    if not watchdog:
+        os.environ["AP_WATCHDOG"] = "off"     # parallelize and the checkpoint rendezvous start none either
     if int(os.environ.get("PADDLE_TRAINERS_NUM", "1")) > 1 and not dist.is_initialized():
         dist.init_parallel_env()
+    if watchdog:
+        start_default()
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def train(args):
     """Run the training; returns (log dict, model, optimizer)."""
-    world = init_distributed()
+    world = init_distributed(getattr(args, "watchdog", True))
     rank = dist.get_rank() if world > 1 else 0
     strategy = Strategy.from_args(args)
     strategy.global_batch_size = args.batch_size
@@ -233,7 +257,9 @@ def main(default_model: str, argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--"]:          # the separator that keeps paddle's launcher from reading our flags
         argv = argv[1:]
-    args = make_parser(default_model).parse_args(argv)
+    parser = make_parser(default_model)
+    args = parser.parse_args(argv)
+    check_args(parser, args, init_distributed(args.watchdog))
     log, _, _ = train(args)
     if log["world_size"] == 1 or dist.get_rank() == 0:
         last = log["steps"][-1]
