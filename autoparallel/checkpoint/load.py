@@ -67,9 +67,10 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
             rec = meta["tensors"][name]
             loaded[name] = [(dest, _fill(reader, ckpt, name, rec, off, shape, zero))
                             for dest, off, shape, zero in t.boxes]
+        runtime = _runtime(reader, ckpt, meta)
         bytes_read = reader.bytes_read
     _assign(flat, targets, loaded, meta)
-    return CheckpointInfo(ckpt, meta.get("step"), meta.get("extra"), bytes_read, list(targets), meta.get("runtime"))
+    return CheckpointInfo(ckpt, meta.get("step"), meta.get("extra"), bytes_read, list(targets), runtime)
 
 
 def load_merged_state_dict(path: str, *, flat: bool = False) -> dict:
@@ -92,6 +93,26 @@ def read_checkpoint_info(path: str) -> CheckpointInfo:
     ckpt = resolve_checkpoint(path)
     meta = read_metadata(ckpt)
     return CheckpointInfo(ckpt, meta.get("step"), meta.get("extra"), 0, list(meta["tensors"]) + list(meta["values"]))
+
+
+def _runtime(reader: ShardReader, ckpt: str, meta: dict):
+    """The saved run state: the metadata's JSON ``runtime`` with its arrays (``runtime_tensors``) put back."""
+    import copy
+
+    runtime = copy.deepcopy(meta.get("runtime"))
+    arrays = meta.get("runtime_tensors") or {}
+    if arrays and not isinstance(runtime, dict):
+        runtime = {}
+    for name, rec in arrays.items():
+        *path, key = name.split("/")
+        node = runtime
+        for p in path:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise CheckpointCorruptError(f"{ckpt}: run-state array {name!r} lies under a non-dict value")
+        shape = tuple(rec["shape"])
+        node[key] = _fill(reader, ckpt, name, rec, (0,) * len(shape), shape, False)
+    return runtime
 
 
 # ---- target description ------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from autoparallel.checkpoint.flatten import flatten
 from autoparallel.checkpoint.format import BLOCK_BYTES, FORMAT, METADATA, VERSION, encode_metadata
 from autoparallel.checkpoint.writer import write_rank_file
 
+RUNTIME_PREFIX = "/runtime/"        # no state name starts with "/" (flatten.py): the run state's arrays
+
 FAILED = "FAILED"
 
 
@@ -35,7 +37,7 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     appears only when the checkpoint is complete; an existing ``path`` needs ``overwrite=True``.
     ``block_bytes``: checksum granularity (a partial read verifies whole blocks). Returns the absolute
     path of the checkpoint. ``runtime``: the run state beyond tensors (generators, loss scale, LR schedule;
-    runtime_state.py), JSON, kept apart from the user's ``extra``.
+    runtime_state.py): a dict of JSON values and numpy arrays, kept apart from the user's ``extra``.
     """
     from autoparallel import watchdog
 
@@ -43,7 +45,7 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
     extra = json_value("extra", extra)
-    runtime = json_value("runtime", runtime)
+    runtime, runtime_arrays = split_runtime(runtime)
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 64 or block_bytes % 64:
         raise ValueError(f"block_bytes must be a positive multiple of 64, got {block_bytes!r}")
     multi, rank, world_size = sync.job()
@@ -51,6 +53,10 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     if os.path.lexists(final) and not overwrite:
         raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
     tensors, values, writes = collect(flat, rank, multi)
+    more, _, more_writes = collect(runtime_arrays, rank, multi)
+    tensors.update(more)
+    for r, items in more_writes.items():
+        writes.setdefault(r, []).extend(items)
     nonce = sync.broadcast_token(new_nonce())
     tmp = temp_dir_for(final, nonce)
     os.makedirs(tmp, exist_ok=True)
@@ -65,6 +71,30 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
         else:
             _save_multi(meta, tmp, final, overwrite, rank, world_size, writes.get(rank, []), block_bytes)
     return final
+
+
+def split_runtime(runtime) -> tuple:
+    """(JSON part, {RUNTIME_PREFIX + name: (container, key, array)}) of the run state: its arrays are
+    written like tensors (runtime_tensors in the metadata), everything else is JSON."""
+    import numpy as np
+
+    if runtime is None:
+        return None, {}
+    if not isinstance(runtime, dict):
+        raise TypeError(f"runtime must be a dict of JSON values and numpy arrays, got {type(runtime).__name__}")
+    arrays = {}
+
+    def strip(d: dict, prefix: str) -> dict:
+        out = {}
+        for k, v in d.items():
+            name = f"{prefix}{k}"
+            if isinstance(v, np.ndarray):
+                arrays[RUNTIME_PREFIX + name] = (out, k, v)
+            else:
+                out[k] = strip(v, name + "/") if isinstance(v, dict) else v
+        return out
+
+    return json_value("runtime", strip(runtime, "")), arrays
 
 
 def _merge(meta: dict, entries: dict, file_info) -> None:
@@ -89,6 +119,8 @@ def _union(meta: dict, part: dict, final: str) -> None:
 def _commit(meta: dict, tmp: str, final: str, overwrite: bool) -> None:
     for name, rec in meta["tensors"].items():
         rec.setdefault("shards", [])
+    meta["runtime_tensors"] = {n[len(RUNTIME_PREFIX):]: meta["tensors"].pop(n) for n in list(meta["tensors"])
+                               if n.startswith(RUNTIME_PREFIX)}
     write_file_atomic(os.path.join(tmp, METADATA), encode_metadata(meta),
                       before_rename=lambda: fault_point("before_metadata_rename"))
     fault_point("after_metadata_rename")
