@@ -80,6 +80,8 @@ def load_merged_state_dict(path: str, *, flat: bool = False) -> dict:
     meta = read_metadata(ckpt)
     out = {}
     with ShardReader(ckpt, meta["files"]) as reader:
+        for fname in meta["files"]:                # real sizes before any allocation (schema.py)
+            reader.check_file(fname)
         for name, rec in meta["tensors"].items():
             shape = tuple(rec["shape"])
             out[name] = _fill(reader, ckpt, name, rec, (0,) * len(shape), shape, False)
@@ -103,6 +105,9 @@ def _runtime(reader: ShardReader, ckpt: str, meta: dict):
     arrays = meta.get("runtime_tensors") or {}
     if arrays and not isinstance(runtime, dict):
         runtime = {}
+    for rec in arrays.values():                    # real sizes before any allocation (schema.py)
+        for shard in rec["shards"]:
+            reader.check_file(shard["file"])
     for name, rec in arrays.items():
         *path, key = name.split("/")
         node = runtime
