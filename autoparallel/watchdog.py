@@ -118,6 +118,7 @@ class Watchdog:
         self._peer_ranks = sorted(peers) if peers is not None else self._default_peers()
         self._lock = threading.Lock()
         self._halt = threading.Event()
+        self._wake = threading.Event()        # publish now (a long operation begins)
         self._verdict = threading.Event()
         self.failure = None
         self._seq = 0
@@ -193,6 +194,7 @@ class Watchdog:
             return
         halted = self._halt.is_set()
         self._halt.set()
+        self._wake.set()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=self.timeout)
@@ -264,6 +266,7 @@ class Watchdog:
         previous = self._op
         if reason:
             self._op = (str(reason), time.monotonic())
+        self._wake.set()                      # peers learn of the allowance (and the operation) at once
         try:
             yield self
         finally:
@@ -310,7 +313,8 @@ class Watchdog:
             except Exception as e:          # the store is gone: its host went down with it
                 self._store_lost(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
                 return
-            self._halt.wait(self.interval)
+            self._wake.wait(self.interval)
+            self._wake.clear()
 
     def _follow_abort(self) -> bool:
         """Exit with the abort note another rank published, if there is one."""

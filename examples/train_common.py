@@ -29,7 +29,7 @@ from autoparallel.data import ByteTextDataset, DistributedDataLoader  # noqa: E4
 from autoparallel.memory import live_bytes, peak_rss_bytes, rss_bytes  # noqa: E402
 from autoparallel.parallel.recompute import SavedBytes  # noqa: E402
 from autoparallel.strategy import Strategy, add_strategy_args  # noqa: E402
-from autoparallel.watchdog import start_default  # noqa: E402
+from autoparallel.watchdog import set_current_op, start_default  # noqa: E402
 from models import PRESETS, build  # noqa: E402
 
 
@@ -133,21 +133,26 @@ def train(args):
         for _ in range(k):
             x, y = next(batches)
             if pipelined:
+                set_current_op("pipeline train_batch", step)
                 total += float(model.train_batch(x, y))
                 continue
             last = step == args.steps - 1        # the last step's forwards count their saved activations
+            set_current_op("forward", step)      # named by the watchdog if a peer is lost meanwhile
             with SavedBytes() if last else contextlib.nullcontext() as counter:
                 loss = F.cross_entropy(model(x), y)
             saved = max(saved, counter.bytes) if last else saved
             scaled = loss * loss_scale if loss_scale != 1.0 else loss
+            set_current_op("backward", step)
             (opt.scale(scaled) if hasattr(opt, "scale") else scaled).backward()     # AMP loss scaling
             total += float(loss) / k
+        set_current_op("optimizer step", step)
         opt.step()
         if step == args.steps - 1:
             memory = dict(memory_bytes(model, opt), saved_activations=saved, rss_start=rss_start)
         opt.clear_grad()
         dt = time.perf_counter() - t0
         steps.append({"step": step, "loss": total, "time": dt})
+        set_current_op(None)
         if ckpt is not None:
             ckpt.maybe_save(state, step + 1, extra={"loader_batches": (step + 1) * k})
             if ckpt.should_stop():               # SIGTERM (preemption): a final checkpoint, then stop
