@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from autoparallel.cli_checks import (MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS, bounded,
+                                     output_path)
 from autoparallel.planner.model_spec import PRESETS
 
 
@@ -35,6 +37,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+PLOT_SUFFIXES = ("png", "pdf", "svg", "jpg", "jpeg")
+
+
+def check_args(args) -> None:
+    """Sizes no cluster has and an unwritable --plot are refused before any work."""
+    bounded("--global-batch", args.global_batch, MAX_GLOBAL_BATCH, "sequences per step")
+    if args.seq_len is not None:
+        bounded("--seq-len", args.seq_len, MAX_SEQ_LEN, "tokens per sequence")
+        bounded("--global-batch x --seq-len", args.global_batch * args.seq_len, MAX_TOKENS, "tokens per step")
+    bounded("--top", args.top, 10 ** 6, "candidates")
+    if args.plot:
+        output_path("--plot", args.plot, PLOT_SUFFIXES)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -46,7 +62,9 @@ def main(argv=None) -> int:
     from autoparallel.planner.cluster import parse_cluster
     from autoparallel.planner.options import options_for_cluster
     try:
+        check_args(args)
         cluster = parse_cluster(args.cluster)
+        bounded("--cluster", cluster.world_size, MAX_DEVICES, "devices")
         options = options_for_cluster(cluster)
         changes = {}
         if args.precision:
