@@ -44,6 +44,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -78,9 +79,41 @@ def _env_float(name: str, default):
         value = float(text)
     except ValueError:
         raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
-    if value <= 0:
+    if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be positive, got {text!r}")
     return value
+
+
+def _seconds(name: str, value):
+    """A positive finite number of seconds as float, or None when ``value`` is None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def _exit_code(value) -> int:
+    try:
+        code = int(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"exit_code (AP_WATCHDOG_EXIT_CODE) must be an int in [1, 255], got {value!r}") from None
+    if isinstance(value, bool) or not 1 <= code <= 255:
+        raise ValueError(f"exit_code (AP_WATCHDOG_EXIT_CODE) must be in [1, 255] (0 would report success), "
+                         f"got {value!r}")
+    return code
+
+
+def _check_peers(peers, rank: int, world_size: int) -> list:
+    ranks = list(peers) if isinstance(peers, (list, tuple, set, frozenset)) else None
+    if ranks is None or any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+        raise TypeError(f"peers must be a list of int ranks, got {peers!r}")
+    bad = [r for r in ranks if not 0 <= r < world_size or r == rank]
+    if bad:
+        raise ValueError(f"peers must be other ranks in [0, {world_size}) (this rank is {rank}), got {bad}")
+    return sorted(set(ranks))
 
 
 _current = [None]
@@ -92,30 +125,37 @@ class Watchdog:
                  startup_timeout: float = None, term_grace: float = None, exit_code: int = None,
                  on_failure=None, exit_fn=None, install_handlers: bool = True, peers: list = None,
                  namespace: str = "ap_wd"):
-        self.timeout = float(timeout) if timeout is not None else _env_float("AP_WATCHDOG_TIMEOUT", DEFAULT_TIMEOUT)
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-        self.interval = float(interval) if interval is not None else max(0.1, min(self.timeout / 6, 2.0))
-        if not 0 < self.interval < self.timeout:
-            raise ValueError(f"interval must be positive and below timeout={self.timeout}, got {interval!r}")
+        self.timeout = _seconds("timeout", timeout) or _env_float("AP_WATCHDOG_TIMEOUT", DEFAULT_TIMEOUT)
+        self.interval = _seconds("interval", interval) or max(0.1, min(self.timeout / 6, 2.0))
+        if not self.interval < self.timeout:
+            raise ValueError(f"interval must be below timeout={self.timeout:g} s, got {self.interval:g}")
         cap = LONG_WAIT_FACTOR * self.timeout
-        self.long_wait_timeout = float(long_wait_timeout) if long_wait_timeout is not None else \
+        self.long_wait_timeout = _seconds("long_wait_timeout", long_wait_timeout) or \
             _env_float("AP_WATCHDOG_LONG_WAIT", cap)
-        if not 0 < self.long_wait_timeout <= cap:
+        if not self.long_wait_timeout <= cap:
             raise ValueError(f"long_wait_timeout must be in (0, {cap:g}] s ({LONG_WAIT_FACTOR:g} x timeout: a silent "
                              f"rank is named within that bound even during a long operation), got "
                              f"{self.long_wait_timeout:g}")
-        self.op_timeout = op_timeout if op_timeout is not None else _env_float("AP_WATCHDOG_OP_TIMEOUT", None)
-        self.startup_timeout = float(startup_timeout) if startup_timeout is not None else max(60.0, self.timeout)
-        self.term_grace = float(term_grace) if term_grace is not None else min(self.timeout, 3.0)
-        self.exit_code = int(exit_code if exit_code is not None else os.environ.get("AP_WATCHDOG_EXIT_CODE",
-                                                                                   DEFAULT_EXIT_CODE))
+        self.op_timeout = _seconds("op_timeout", op_timeout) or _env_float("AP_WATCHDOG_OP_TIMEOUT", None)
+        self.startup_timeout = _seconds("startup_timeout", startup_timeout) or max(60.0, self.timeout)
+        self.term_grace = _seconds("term_grace", term_grace) or min(self.timeout, 3.0)
+        self.exit_code = _exit_code(exit_code if exit_code is not None else
+                                    os.environ.get("AP_WATCHDOG_EXIT_CODE", DEFAULT_EXIT_CODE))
+        for name, fn in (("on_failure", on_failure), ("exit_fn", exit_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__} {fn!r}")
+        if not isinstance(namespace, str) or not namespace:
+            raise TypeError(f"namespace must be a non-empty str, got {namespace!r}")
         self.on_failure = on_failure
         self._exit = exit_fn or os._exit
         self._install_handlers = install_handlers
         self.rank, self.world_size = self._identity(rank, world_size)
+        self._peer_ranks = _check_peers(peers, self.rank, self.world_size) if peers is not None else \
+            self._default_peers()
+        if store is not None and not all(callable(getattr(store, m, None)) for m in ("set", "get", "add")):
+            raise TypeError(f"store must have set(key, bytes), get(key) and add(key, int) (like MemoryStore, "
+                            f"FileStore), got {type(store).__name__}")
         self.store = store if store is not None else default_store(self.world_size)
-        self._peer_ranks = sorted(peers) if peers is not None else self._default_peers()
         self._lock = threading.Lock()
         self._halt = threading.Event()
         self._wake = threading.Event()        # publish now (a long operation begins)
@@ -139,7 +179,15 @@ class Watchdog:
     # ---- identity --------------------------------------------------------------------------------
     @staticmethod
     def _identity(rank, world_size):
-        if rank is not None and world_size is not None:
+        for name, v in (("rank", rank), ("world_size", world_size)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+        if (rank is None) != (world_size is None):
+            raise ValueError(f"pass rank and world_size together (or neither: read from the job), got rank={rank}, "
+                             f"world_size={world_size}")
+        if rank is not None:
+            if world_size < 1:
+                raise ValueError(f"world_size must be >= 1, got {world_size}")
             if not 0 <= rank < world_size:
                 raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
             return int(rank), int(world_size)
