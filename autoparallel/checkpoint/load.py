@@ -49,9 +49,11 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
     CheckpointMismatchError (names, kinds, shapes, dtypes) or CheckpointCorruptError (a missing, truncated
     or modified file) with nothing overwritten.
     """
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__} {strict!r}")
+    flat = flatten(state)
     ckpt = resolve_checkpoint(path)
     meta = read_metadata(ckpt)
-    flat = flatten(state)
     targets = {name: _describe(name, leaf) for name, (_, _, leaf) in flat.items()}
     _validate(targets, meta, strict, ckpt)
     loaded = {}
@@ -76,6 +78,8 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
 def load_merged_state_dict(path: str, *, flat: bool = False) -> dict:
     """The whole checkpoint in this process: full numpy arrays (bfloat16 as uint16 bit patterns) and JSON
     values, nested like the saved state (or ``{"a/b": value}`` with ``flat=True``)."""
+    if not isinstance(flat, bool):
+        raise TypeError(f"flat must be a bool, got {type(flat).__name__} {flat!r}")
     ckpt = resolve_checkpoint(path)
     meta = read_metadata(ckpt)
     out = {}

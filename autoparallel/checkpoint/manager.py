@@ -46,7 +46,9 @@ class CheckpointManager:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
         if not isinstance(dir, (str, os.PathLike)):
-            raise TypeError(f"dir must be a path, got {type(dir).__name__}")
+            raise TypeError(f"dir must be a path (str or os.PathLike), got {type(dir).__name__} {dir!r}")
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable must be a bool, got {type(enable).__name__} {enable!r}")
         self.dir = os.path.abspath(os.fspath(dir))
         self.save_interval_steps = save_interval_steps
         self.keep_last = keep_last
