@@ -213,6 +213,7 @@ def _checkpointing(args, model, opt, pipelined):
     from autoparallel.checkpoint.state import training_state
 
     ckpt = CheckpointManager(args.ckpt_dir, args.save_every, optimizer=opt)   # + generators, loss scale, LR
+    ckpt.install_sigterm_handler()
     state = training_state(model, opt)           # a PipelineModule or a ZeRO optimizer names its own state
     # before the first step: the root is writable with room for one checkpoint, and is this run's (another
     # run's checkpoints there are refused without --resume); --resume loads the newest, which 'latest' names
@@ -222,7 +223,6 @@ def _checkpointing(args, model, opt, pipelined):
         if info is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.dir}")
         start = int(info.step)
-    ckpt.install_sigterm_handler()
     return ckpt, state, start
 
 
