@@ -309,7 +309,7 @@ class Watchdog:
         thread of their own, so they go on during the long operation; a process found stopped (SIGSTOP) gets
         no allowance, and a silent rank is always named within 2 x timeout."""
         cap = LONG_WAIT_FACTOR * self.timeout
-        limit = min(float(seconds), cap) if seconds is not None else self.long_wait_timeout
+        limit = min(_seconds("long_wait seconds", seconds), cap) if seconds is not None else self.long_wait_timeout
         self._long_waits.append(limit)
         previous = self._op
         if reason:
