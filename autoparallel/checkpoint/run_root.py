@@ -205,8 +205,11 @@ def agree(error) -> None:
     buf = np.zeros(_MSG_BYTES, dtype=np.uint8)
     raw = text.encode()[:_MSG_BYTES]
     buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    from autoparallel import watchdog
+
     parts = []
-    dist.all_gather(parts, paddle.to_tensor(buf))
+    with watchdog.op("checkpoint root check (all_gather)"):
+        dist.all_gather(parts, paddle.to_tensor(buf))
     if error is not None:
         raise error
     for r, t in enumerate(parts):

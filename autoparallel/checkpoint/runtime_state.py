@@ -70,8 +70,11 @@ def _gather_rng() -> dict:
     import paddle.distributed as dist
 
     packed = rng_arrays.pack(mine)              # fixed layout: every rank's buffer has the same length
+    from autoparallel import watchdog
+
     parts = []
-    dist.all_gather(parts, paddle.to_tensor(packed))
+    with watchdog.op("checkpoint generator states (all_gather)"):
+        dist.all_gather(parts, paddle.to_tensor(packed))
     states = [rng_arrays.unpack(t.numpy(), mine) for t in parts]
     return {"world_size": world, **{k: np.stack([s[k] for s in states]) for k in mine}}
 

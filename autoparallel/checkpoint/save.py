@@ -72,14 +72,13 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     nonce = sync.broadcast_token(new_nonce())
     tmp = temp_dir_for(final, nonce)
     os.makedirs(tmp, exist_ok=True)
-    if rank == 0:
-        write_file_atomic(os.path.join(tmp, CKPT_MARKER), marker_bytes("checkpoint"))
     meta = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "runtime": runtime, "nonce": nonce,
             "world_size": world_size, "created": time.time(),
             "tensors": tensors, "values": values, "files": {}}
     with watchdog.long_wait("checkpoint write"):
         if not multi:
             try:
+                write_file_atomic(os.path.join(tmp, CKPT_MARKER), marker_bytes("checkpoint"))   # ours, first
                 for r in sorted(writes):
                     _merge(meta, *write_rank_file(tmp, r, writes[r], block_bytes))
                 _commit(meta, tmp, final, overwrite)
@@ -183,6 +182,8 @@ def _marker(tmp: str, rank: int) -> str:
 
 def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_bytes) -> None:
     try:
+        if rank == 0:
+            write_file_atomic(os.path.join(tmp, CKPT_MARKER), marker_bytes("checkpoint"))   # ours, first
         entries, info = write_rank_file(tmp, rank, items, block_bytes) if items else ({}, None)
         write_file_atomic(_marker(tmp, rank), json.dumps({"entries": entries, "file": info,
                                                           "tensors": meta["tensors"],
