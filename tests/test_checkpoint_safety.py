@@ -20,7 +20,7 @@ from autoparallel.checkpoint import (CheckpointCorruptError, CheckpointManager, 
                                      CheckpointOwnershipError,
                                      CheckpointRootError, load_merged_state_dict, load_state_dict,
                                      save_state_dict)
-from autoparallel.checkpoint import run_root
+from autoparallel.checkpoint import read_checkpoint_info, run_root, training_state, verify_checkpoint
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "autoparallel", "checkpoint")
 
@@ -345,6 +345,12 @@ def test_metadata_sizes_are_checked_before_any_allocation(tmp_path, edit, match)
 
 
 # ---- bad input to the entry points: typed errors naming expected and given ------------------------------
+def _linear():
+    import paddle
+
+    return paddle.nn.Linear(2, 2)
+
+
 def _saved(tmp_path):
     path = str(tmp_path / "ok")
     save_state_dict({"x": np.zeros(3)}, path)
@@ -377,6 +383,13 @@ BAD_CALLS = [
     ("merged: flat", lambda p, t: load_merged_state_dict(p, flat=1), TypeError, "flat must be a bool, got int"),
     ("merged: a file", lambda p, t: load_merged_state_dict(os.path.join(p, "data-r00000.bin")), FileNotFoundError,
      "is a file, expected a checkpoint directory"),
+    ("verify: path", lambda p, t: verify_checkpoint(3), TypeError, "str or os.PathLike, got int"),
+    ("verify: partial", lambda p, t: verify_checkpoint(p + ".tmp-0123456789ab"), FileNotFoundError,
+     "does not exist"),
+    ("info: missing", lambda p, t: read_checkpoint_info(str(t / "none")), FileNotFoundError, "does not exist"),
+    ("training_state: model", lambda p, t: training_state(3), TypeError, "paddle.nn.Layer.*got int"),
+    ("training_state: optimizer", lambda p, t: training_state(_linear(), "adam"), TypeError,
+     "paddle optimizer.*got str"),
     ("manager: dir", lambda p, t: CheckpointManager(5), TypeError, "dir must be a path.*got int 5"),
     ("manager: interval", lambda p, t: CheckpointManager(str(t), save_interval_steps=1.5), ValueError,
      "save_interval_steps must be a positive int, got 1.5"),
