@@ -421,8 +421,10 @@ def test_reconfigure_bad_input_is_refused_before_any_work():
 
     model = paddle.nn.Linear(2, 2)
     opt = paddle.optimizer.SGD(parameters=model.parameters())
+    configured = paddle.nn.Linear(2, 2)
+    configured.config = {"in": 2}
     cases = [
-        (lambda: reconfigure(model, opt, "dp2"), TypeError, "new_strategy must be an ap.Strategy.*got str"),
+        (lambda: reconfigure(configured, opt, "dp2"), TypeError, "new_strategy must be an ap.Strategy.*got str"),
         (lambda: reconfigure(model, opt, None, build=3), TypeError, "build must be a callable.*got int"),
         (lambda: reconfigure(model, opt, None, build=lambda s: model), TypeError,
          r"build\(new_strategy\) must return \(model, optimizer\), got Linear"),

@@ -34,7 +34,7 @@ from autoparallel.checkpoint import run_root, runtime_state, sync
 from autoparallel.checkpoint.discovery import complete_checkpoints, newest_complete, step_dir_name
 from autoparallel.checkpoint.load import CheckpointInfo, load_state_dict
 from autoparallel.checkpoint.ownership import is_owned_partial
-from autoparallel.checkpoint.run_root import LATEST
+from autoparallel.checkpoint.run_root import LATEST  # noqa: F401  (the pointer's name, as before)
 from autoparallel.checkpoint.save import save_state_dict
 
 

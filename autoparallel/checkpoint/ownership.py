@@ -72,7 +72,8 @@ def not_a_checkpoint(path: str):
         steps = sorted(n for n in entries if STEP_DIR.match(n))
         return f"is a checkpoint run root (a CheckpointManager directory holding {_show(steps)})"
     if CKPT_MARKER not in entries and not _has_our_metadata(path):
-        return f"is not a checkpoint written by autoparallel (no {CKPT_MARKER} marker); it holds {_show(sorted(entries))}"
+        return (f"is not a checkpoint written by autoparallel (no {CKPT_MARKER} marker); it holds "
+                f"{_show(sorted(entries))}")
     foreign = foreign_entries(path)
     if foreign:
         return f"is a checkpoint that also holds entries no save writes: {_show(foreign)}"

@@ -85,10 +85,10 @@ def reconfigure(model, optimizer, new_strategy, *, build=None, state_fn=None, tm
     if build is None:
         from autoparallel.strategy import Strategy
 
+        build = default_build(model, optimizer)
         if not isinstance(new_strategy, Strategy):
             raise TypeError(f"new_strategy must be an ap.Strategy (the default build parallelizes with it), got "
                             f"{type(new_strategy).__name__} {new_strategy!r}")
-        build = default_build(model, optimizer)
     if not callable(build):
         raise TypeError(f"build must be a callable new_strategy -> (model, optimizer), got {type(build).__name__}")
     if state_fn is not None and not callable(state_fn):

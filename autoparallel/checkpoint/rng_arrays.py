@@ -70,7 +70,8 @@ def restore(states: dict) -> None:
         gens.append(g)
     paddle.set_rng_state(gens)
     pos, has_gauss = (int(v) for v in states["numpy_pos_gauss"])
-    np.random.set_state(("MT19937", states["numpy_key"].astype(np.uint32), pos, has_gauss, float(states["numpy_gauss"][0])))
+    gauss = float(states["numpy_gauss"][0])
+    np.random.set_state(("MT19937", states["numpy_key"].astype(np.uint32), pos, has_gauss, gauss))
     has, value = states["python_gauss"]
     random.setstate((3, tuple(int(w) for w in states["python_state"]), float(value) if has else None))
 
