@@ -369,7 +369,8 @@ class Watchdog:
         if self.store.add(f"{self._prefix}/abort", 0) == 0:
             return False
         note = json.loads(self.store.get(f"{self._prefix}/abort_msg"))
-        self.store.add(f"{self._prefix}/abort_ack", 1)
+        if getattr(self.store, "host_rank", None) != self.rank:     # the host counts the others' acks
+            self.store.add(f"{self._prefix}/abort_ack", 1)
         self._fail(f"exiting because rank {note['rank']} reported: {note['reason']}", publish=False)
         return True
 
@@ -465,10 +466,12 @@ class Watchdog:
             message = (f"{PREFIX}: rank {self.rank}: {reason}. This rank was in {self._op_text()}. "
                        f"Exiting with code {self.exit_code}.")
             self.failure = message
-        if publish:
-            note = json.dumps({"rank": self.rank, "reason": reason}).encode()
+        if publish:                            # the note, and this rank's own acknowledgement: the host of the
+            note = json.dumps({"rank": self.rank, "reason": reason}).encode()      # store need not wait for it
+            host = getattr(self.store, "host_rank", None) == self.rank
             _bounded(lambda: (self.store.set(f"{self._prefix}/abort_msg", note),
-                              self.store.add(f"{self._prefix}/abort", 1)), 1.0)
+                              self.store.add(f"{self._prefix}/abort", 1),
+                              host or self.store.add(f"{self._prefix}/abort_ack", 1)), 1.0)
         _write_stderr(message)
         if getattr(self.store, "host_rank", None) == self.rank:
             self._linger()

@@ -85,6 +85,7 @@ class TCPStoreClient:
 
         self.host, self.port, self.host_rank = host, int(port), host_rank
         self._store = core.TCPStore(host, self.port, False, world_size, timeout)
+        self._lock = threading.Lock()         # one request at a time: the client is not thread-safe
 
     @classmethod
     def from_env(cls, world_size: int) -> "TCPStoreClient":
@@ -101,13 +102,16 @@ class TCPStoreClient:
         return cls(host, int(port), world_size)
 
     def set(self, key: str, value: bytes) -> None:
-        self._store.set(key, value)
+        with self._lock:
+            self._store.set(key, value)
 
     def get(self, key: str) -> bytes:
-        return bytes(self._store.get(key))
+        with self._lock:
+            return bytes(self._store.get(key))
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._store.add(key, amount))
+        with self._lock:
+            return int(self._store.add(key, amount))
 
     def describe(self) -> str:
         return f"the TCP store at {self.host}:{self.port} hosted by rank {self.host_rank}"

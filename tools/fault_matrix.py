@@ -173,6 +173,9 @@ def run_case(base: str, phase: str, sig: str, victim: int, nproc: int, reference
     result["resume_bit_for_bit"] = bool(got) and all(
         got.get(r) and want.get(r) and got[r]["params"] == want[r]["params"] for r in range(nproc))
     result["after_resume"] = ckpt_state(ckpt)
+    if not result["resume_bit_for_bit"]:        # what differs, for the report
+        result["mismatch"] = {r: {"resumed": (got.get(r) or {}).get("losses"), "reference": (want.get(r) or {}).get(
+            "losses")} for r in range(nproc)}
     return result
 
 
