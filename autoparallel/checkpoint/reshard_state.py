@@ -82,13 +82,19 @@ def reconfigure(model, optimizer, new_strategy, *, build=None, state_fn=None, tm
     """
     from autoparallel.checkpoint.state import training_state
 
-    if build is None:
+    if build is None:                       # every problem of the default rebuild named at once
         from autoparallel.strategy import Strategy
 
-        build = default_build(model, optimizer)
+        problems = []
         if not isinstance(new_strategy, Strategy):
-            raise TypeError(f"new_strategy must be an ap.Strategy (the default build parallelizes with it), got "
+            problems.append(f"new_strategy must be an ap.Strategy (the default build parallelizes with it), got "
                             f"{type(new_strategy).__name__} {new_strategy!r}")
+        try:
+            build = default_build(model, optimizer)
+        except TypeError as e:
+            problems.append(str(e))
+        if problems:
+            raise TypeError("; ".join(problems))
     if not callable(build):
         raise TypeError(f"build must be a callable new_strategy -> (model, optimizer), got {type(build).__name__}")
     if state_fn is not None and not callable(state_fn):
