@@ -50,13 +50,13 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def launch(base: str, name: str, flags: list, nproc: int, fault: str = "", limit: float = 240.0) -> dict:
+def launch(base: str, name: str, flags: list, nproc: int, fault: str = "", limit: float = 240.0, env=None) -> dict:
     """Run the example on ``nproc`` ranks; returns events, logs, exit code and survivor exit times."""
     out, logs = os.path.join(base, name), os.path.join(base, name + "-logs")
     os.makedirs(out)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOG_minloglevel="2",
                FLAGS_call_stack_level="0", AP_FAULT=fault, AP_FAULT_OUT=out,
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {}))
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir", logs,
            WORKER, *flags]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -104,10 +104,10 @@ def _kill(pid: int) -> None:
             pass
 
 
-def launch_retrying(base, name, flags, nproc, fault="", attempts=3) -> dict:
+def launch_retrying(base, name, flags, nproc, fault="", attempts=3, env=None) -> dict:
     """gloo sometimes fails a job's start-up on a loaded machine: run such a job again."""
     for attempt in range(attempts):
-        run = launch(base, f"{name}-{attempt}", flags, nproc, fault)
+        run = launch(base, f"{name}-{attempt}", flags, nproc, fault, env=env)
         flaky = len(run["started"]) < nproc or (run["fault"] is None and run["code"] != 0 and any(
             f in t for t in run["logs"].values() for f in FLAKES))
         if not flaky:
@@ -115,8 +115,9 @@ def launch_retrying(base, name, flags, nproc, fault="", attempts=3) -> dict:
     return run
 
 
-def train_flags(ckpt: str, steps: int, resume: bool = False) -> list:
-    return ["--dp", "2", "--tp", "2", "--steps", str(steps), "--batch-size", "8", "--seq-len", "16",
+def train_flags(ckpt: str, steps: int, resume: bool = False, nproc: int = 4) -> list:
+    degrees = ["--dp", "2", "--tp", "2"] if nproc == 4 else ["--dp", str(nproc)]
+    return degrees + ["--steps", str(steps), "--batch-size", "8", "--seq-len", "16",
             "--ckpt-dir", ckpt, "--save-every", str(SAVE_EVERY)] + (["--resume"] if resume else [])
 
 
@@ -156,18 +157,29 @@ def survivors_report(run: dict, victim: int, nproc: int) -> dict:
             "messages": named}
 
 
-def run_case(base: str, phase: str, sig: str, victim: int, nproc: int, reference: dict) -> dict:
-    ckpt = os.path.join(base, f"ckpt-{phase}-{sig}")
+def run_reference(base: str, nproc: int, env=None) -> dict:
+    """The uninterrupted run every resume is compared with."""
+    return launch_retrying(base, "reference", train_flags(os.path.join(base, "ckpt-ref"), STEPS, nproc=nproc), nproc,
+                           env=env)
+
+
+def run_case(base: str, phase: str, sig: str, victim: int, nproc: int, reference: dict = None, env=None) -> dict:
+    """One fault; with a ``reference`` run, then ``--resume`` and a bit-for-bit comparison."""
+    ckpt = os.path.join(base, f"ckpt-{phase}-{sig}-{victim}")
     if phase == "load":                  # a good checkpoint to resume from, then a resume that is hit
-        launch_retrying(base, f"prep-{phase}-{sig}", train_flags(ckpt, SAVE_EVERY), nproc)
-        fault, flags, nth = f"load:{sig}:{victim}:1", train_flags(ckpt, STEPS, resume=True), 1
+        launch_retrying(base, f"prep-{phase}-{sig}", train_flags(ckpt, SAVE_EVERY, nproc=nproc), nproc, env=env)
+        fault, flags = f"load:{sig}:{victim}:1", train_flags(ckpt, STEPS, resume=True, nproc=nproc)
     else:
         nth = 2 if phase == "save" else AT
-        fault, flags = f"{phase}:{sig}:{victim}:{nth}", train_flags(ckpt, STEPS)
-    run = launch_retrying(base, f"fault-{phase}-{sig}", flags, nproc, fault)
+        fault, flags = f"{phase}:{sig}:{victim}:{nth}", train_flags(ckpt, STEPS, nproc=nproc)
+    run = launch_retrying(base, f"fault-{phase}-{sig}-{victim}", flags, nproc, fault, env=env)
     result = {"case": f"{sig} rank {victim} during {phase}", "fault_injected": run["fault"] is not None,
-              "launcher_exit": run["code"], **survivors_report(run, victim, nproc), "after": ckpt_state(ckpt)}
-    resumed = launch_retrying(base, f"resume-{phase}-{sig}", train_flags(ckpt, STEPS, resume=True), nproc)
+              "launcher_exit": run["code"], **survivors_report(run, victim, nproc), "after": ckpt_state(ckpt),
+              "run": run}
+    if reference is None:
+        return result
+    resumed = launch_retrying(base, f"resume-{phase}-{sig}-{victim}",
+                              train_flags(ckpt, STEPS, resume=True, nproc=nproc), nproc, env=env)
     got, want = finals(resumed), finals(reference)
     result["resume_exit"] = resumed["code"]
     result["resume_bit_for_bit"] = bool(got) and all(
@@ -196,7 +208,7 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default=",".join(f"{ph}:{s}" for ph in PHASES for s in SIGNALS),
                    help="comma-separated phase:signal pairs (phases forward backward save load; kill stop)")
     p.add_argument("--victim", type=int, default=1, help="the rank that is killed or stopped (default 1)")
-    p.add_argument("--nproc", type=int, default=4, choices=(4,), help="ranks (DP2 x TP2)")
+    p.add_argument("--nproc", type=int, default=4, choices=(2, 4), help="ranks: 4 (DP2 x TP2, default) or 2 (DP2)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
     args = p.parse_args(argv)
@@ -213,8 +225,7 @@ def main(argv=None) -> int:
     base = tempfile.mkdtemp(prefix="ap_faults_")
     try:
         bar = tqdm(total=len(cases) + 1, desc="fault matrix", dynamic_ncols=True)
-        reference = launch_retrying(base, "reference", train_flags(os.path.join(base, "ckpt-ref"), STEPS),
-                                    args.nproc)
+        reference = run_reference(base, args.nproc)
         if not all(finals(reference).values()) or len(finals(reference)) != args.nproc:
             print("the uninterrupted reference run failed:\n" + reference["logs"][0][-3000:], file=sys.stderr)
             return 1
@@ -222,7 +233,9 @@ def main(argv=None) -> int:
         results = []
         for phase, sig in cases:
             bar.set_postfix_str(f"{sig} during {phase}")
-            results.append(run_case(base, phase, sig, args.victim, args.nproc, reference))
+            result = run_case(base, phase, sig, args.victim, args.nproc, reference)
+            result.pop("run")
+            results.append(result)
             bar.update()
         bar.close()
     finally:
