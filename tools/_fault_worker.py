@@ -1,7 +1,7 @@
 """One rank of a fault-matrix run: the training example (examples/train_common.py, watchdog on by default)
 with one fault injected into one rank. ``AP_FAULT=<phase>:<signal>:<victim rank>:<n>`` (phase forward |
 backward | save | load, signal kill | stop): the victim sends itself SIGKILL or SIGSTOP in its n-th forward,
-backward, checkpoint write or checkpoint read (n from 1). Every rank appends events to
+backward, checkpoint save (its own part, before it writes) or checkpoint read (n from 1). Every rank appends events to
 ``$AP_FAULT_OUT/rank<r>.jsonl`` (started with its pid, fault with the time, done with the hash of its final
 parameters). Usage: python -m paddle.distributed.launch ... tools/_fault_worker.py <train_gpt.py flags>"""
 import hashlib
@@ -88,7 +88,7 @@ def main(argv) -> None:
     import autoparallel.checkpoint.save as save_module
 
     train_common.build = _hooked_build(train_common.build)
-    _wrap(save_module, "write_rank_file", "save")
+    _wrap(save_module, "_save_multi", "save")           # every rank's part of a save, writer or not
     _wrap(load_module, "_fill", "load")
     note("started")
     parser = train_common.make_parser("gpt-tiny")
