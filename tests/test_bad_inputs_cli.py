@@ -45,12 +45,17 @@ CASES = [
     (["calibrate", "-o", "/tmp"], r"--output '/tmp' is a directory"),
     (["calibrate", "-o", "profile.txt"], r"--output 'profile.txt': expected a file ending in one of \.json"),
     (["calibrate", "--ranks", "99999999"], r"--ranks 99999999 exceeds 1,024 ranks on one machine"),
+    (["demo", "--nproc", "99999"], r"--nproc 99999 exceeds 256 ranks on one machine"),
+    (["demo", "--nproc", "0"], r"--nproc expects a positive number of ranks, got 0"),
+    (["demo", "--timeout", "-1"], r"--timeout expects a positive number of seconds, got -1.0"),
+    (["demo", "--steps", "3"], r"the default script \(examples/reshard_demo.py\) takes no arguments, got \['--steps', '3'\]"),
 ]
 
 
 @pytest.fixture
 def no_work(monkeypatch):
     """Any planning, reshard search or measurement fails the test: bad input must be refused before."""
+    import autoparallel.demo as demo
     import autoparallel.planner.api as api
     import autoparallel.planner.calibrate as calibrate
     import reshard.cli as reshard_cli
@@ -62,12 +67,16 @@ def no_work(monkeypatch):
     monkeypatch.setattr(calibrate, "run_ranks", work)
     monkeypatch.setattr(calibrate, "_in_process", work)
     monkeypatch.setattr(reshard_cli, "plan_reshard", work)
+    monkeypatch.setattr(demo, "run_once", work)
 
 
 @pytest.mark.parametrize("argv,match", CASES, ids=[" ".join(c[0])[:60] for c in CASES])
 def test_bad_cli_input_exits_2_naming_it(argv, match, capsys, no_work):
     with deadline():
-        code = cli.main(argv)
+        try:
+            code = cli.main(argv)
+        except SystemExit as e:                      # argparse's own error exit (demo)
+            code = e.code
     err = capsys.readouterr().err
     assert code == 2, err
     assert "Traceback" not in err
