@@ -408,6 +408,10 @@ class Watchdog:
             self._halt.set()                # its host finished cleanly: nothing left to watch through it
             return
         who = f"rank {host_rank} lost: " if host_rank is not None and host_rank != self.rank else ""
+        if record.get("host") == self._host and "pid" in record:      # a reset connection: let it finish exiting
+            deadline = time.monotonic() + 0.5
+            while process_state(record["pid"], record.get("start")) == "running" and time.monotonic() < deadline:
+                time.sleep(0.05)
         last = ""
         if record:
             last = f"{_process_note(record, self._host)}; rank {host_rank} was last in {_their_op(record)}"

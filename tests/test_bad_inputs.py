@@ -88,6 +88,8 @@ CASES = [
     # worlds, strategy, planning
     ("simulate-zero", lambda: ap.simulate(world_size=0).__enter__(), ValueError, r"positive int, got 0"),
     ("simulate-str", lambda: ap.simulate(world_size="4").__enter__(), ValueError, r"positive int, got '4'"),
+    ("simulate-huge", lambda: ap.simulate(world_size=10 ** 12).__enter__(), ValueError,
+     r"at most 2\*\*20 ranks .* got 1000000000000"),
     ("strategy-field", lambda: setattr(ap.Strategy(), "foo", 1), AttributeError, r"no field 'foo'; valid fields"),
     ("strategy-degree-str", lambda: setattr(ap.Strategy().tensor_parallel, "degree", "2"), TypeError,
      r"integer >= 1, got '2'"),
