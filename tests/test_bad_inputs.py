@@ -216,3 +216,16 @@ def test_good_inputs_pass_the_same_checks():
         wd = watchdog(exit_code=3, on_failure=print, peers=None)
         assert (wd.exit_code, wd.timeout, wd.long_wait_timeout) == (3, 1.0, 2.0)
         assert divisors(2 ** 40)[-3:] == [2 ** 38, 2 ** 39, 2 ** 40] and divisors(12) == [1, 2, 3, 4, 6, 12]
+
+
+def test_public_functions_stay_functions_after_their_modules_are_imported():
+    """``from autoparallel.parallelize import ...`` sets the package attribute ``parallelize`` to the module;
+    ``ap.parallelize`` and ``ap.local_mode`` must still be the functions users call."""
+    import importlib
+    import sys
+
+    for name in ("parallelize", "local_mode"):
+        module = importlib.import_module(f"autoparallel.{name}")
+        assert sys.modules[f"autoparallel.{name}"] is module
+        assert getattr(ap, name) is getattr(module, name) and callable(getattr(ap, name))
+        assert vars(ap)[name] is module or vars(ap)[name] is getattr(module, name)    # what the import set
