@@ -9,6 +9,7 @@ import pytest
 import autoparallel as ap
 from autoparallel.planner.search import divisors
 from autoparallel.watchdog import MemoryStore
+from reshard import plan_reshard
 from bad_inputs_helpers import deadline
 
 
@@ -114,6 +115,9 @@ CASES = [
      r"PlannerOptions, got int"),
     ("set_cluster", lambda: ap.set_cluster("x"), ValueError, r"malformed cluster spec 'x': expected 'NODESxGPUS:TYPE'"),
     ("divisors-bound", lambda: divisors(2 ** 41), ValueError, r"\[1, 2\*\*40\] .* got 2199023255552"),
+    ("plan_reshard-huge", lambda: plan_reshard([99999999999, 99999999999, 999999999], "float32",
+                                               ap.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]]), "S(0),R", "R,S(1)"),
+     ValueError, r"global_shape \[99999999999, 99999999999, 999999999\] holds 1e\+31 elements, beyond 2\*\*53"),
     # layers and optimizers
     ("shard_layer-not-layer", in_world(lambda: ap.shard_layer(3, mesh())), TypeError,
      r"expects a paddle.nn.Layer, got int"),
