@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import types
 
 __version__ = "0.1.0"
 
@@ -67,3 +68,20 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+# ``parallelize`` and ``local_mode`` are functions living in modules of the same name; importing such a module
+# (``from autoparallel.parallelize import ...``) makes the import system set the package attribute to the
+# module, so ``ap.parallelize`` would become the module. The package keeps answering with the function.
+_SAME_NAME = frozenset(k for k, v in _EXPORTS.items() if v == f"{__name__}.{k}")
+
+
+class _Package(types.ModuleType):
+    def __getattribute__(self, name):
+        value = super().__getattribute__(name)
+        if name in _SAME_NAME and isinstance(value, types.ModuleType):
+            return getattr(value, name)
+        return value
+
+
+sys.modules[__name__].__class__ = _Package

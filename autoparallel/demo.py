@@ -27,6 +27,9 @@ _NOISE = [re.compile(p) for p in (
     r"^=+( Modified FLAGS detected =+)?$", r"^FLAGS\(name=")]
 
 
+MAX_RANKS = 256                 # processes one machine runs for a demo
+
+
 def is_noise(line: str) -> bool:
     return any(p.search(line) for p in _NOISE)
 
@@ -42,8 +45,15 @@ def parse_args(argv):
         rest = rest[1:]
     if args.nproc < 1:
         p.error(f"--nproc expects a positive number of ranks, got {args.nproc}")
+    if args.nproc > MAX_RANKS:
+        p.error(f"--nproc {args.nproc} exceeds {MAX_RANKS} ranks on one machine")
+    if not 0 < args.timeout < float("inf"):
+        p.error(f"--timeout expects a positive number of seconds, got {args.timeout}")
     if not os.path.isfile(args.script):
         p.error(f"--script expects an existing file, got {args.script!r}")
+    if rest and os.path.abspath(args.script) == os.path.abspath(DEFAULT_SCRIPT):
+        p.error(f"the default script (examples/reshard_demo.py) takes no arguments, got {rest}; pass --script to "
+                f"run a script that does")
     return args, rest
 
 

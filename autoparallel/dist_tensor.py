@@ -295,6 +295,11 @@ def _ensure_dispatch():
 def _spec_for(tensor_shape, dtype, mesh, placements) -> DistSpec:
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"expected a ProcessMesh, got {type(mesh).__name__}")
+    if isinstance(tensor_shape, (str, bytes)) or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool)
+                                                          for s in tensor_shape):
+        raise TypeError(f"a global shape must be a sequence of ints, got {tensor_shape!r}")
+    if any(s < 0 for s in tensor_shape):
+        raise ValueError(f"a global shape needs sizes >= 0, got {list(tensor_shape)}")
     return DistSpec(mesh, tuple(placements), tuple(int(s) for s in tensor_shape), normalize_dtype(dtype))
 
 

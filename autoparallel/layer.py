@@ -30,8 +30,16 @@ def replicate_remaining(layer, mesh: ProcessMesh) -> None:
 
 def shard_layer(layer, mesh: ProcessMesh, shard_fn=None, input_fn=None, output_fn=None):
     """Distribute ``layer`` over ``mesh`` in place and return it."""
+    import paddle
+
+    if not isinstance(layer, paddle.nn.Layer):
+        raise TypeError(f"shard_layer expects a paddle.nn.Layer, got {type(layer).__name__}")
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"shard_layer expects a ProcessMesh, got {type(mesh).__name__}")
+    for name, fn, form in (("shard_fn", shard_fn, "(name, sublayer, mesh)"), ("input_fn", input_fn, "(inputs, mesh)"),
+                           ("output_fn", output_fn, "(outputs, mesh)")):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"shard_layer: {name} must be a callable {form} or None, got {type(fn).__name__}")
     _ensure_dispatch()
     from autoparallel.parallel.ties import check_replaced, holders, repoint
 

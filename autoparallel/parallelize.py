@@ -73,6 +73,9 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     if getattr(model, "_ap_mesh", None) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized on {model._ap_mesh}; build a fresh model "
                          f"to parallelize it again")
+    from autoparallel.watchdog import start_default
+
+    start_default()                    # a real job names a lost or frozen rank in seconds (AP_WATCHDOG=off: none)
     if strategy.auto_mode == "full":
         from autoparallel.planner.auto import parallelize_auto
 

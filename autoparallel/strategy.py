@@ -586,9 +586,10 @@ class Strategy(_Config):
             s.amp.dtype = amp
         s.gradient_accumulation_steps = arg("grad_accum", 1)
         s.pipeline_parallel.micro_batches = arg("micro_batches")
-        vpp = arg("vpp", 1)
+        schedule = arg("schedule")
+        vpp = arg("vpp", 2 if schedule == "VPP" else 1)         # --schedule VPP alone: 2 virtual stages
         s.pipeline_parallel.vpp_degree = vpp
-        s.pipeline_parallel.schedule = arg("schedule", "VPP" if vpp > 1 else "1F1B")
+        s.pipeline_parallel.schedule = schedule or ("VPP" if vpp > 1 else "1F1B")
         s.seed = arg("seed")
         return s
 
@@ -603,7 +604,8 @@ def add_strategy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--sharding-stage", dest="sharding_stage", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage over the data axis (0: off)")
     g.add_argument("--offload", action="store_true", help="keep optimizer states in host memory (needs sharding)")
-    g.add_argument("--recompute", choices=("none", "full", "selective"), default="none", help="activation recompute")
+    g.add_argument("--recompute", choices=("none", "full", "selective"), default="none", nargs="?", const="full",
+                   help="activation recompute (a bare --recompute means full)")
     g.add_argument("--amp", choices=("none", "bfloat16", "float16"), default="none", help="mixed precision dtype")
     g.add_argument("--grad-accum", dest="grad_accum", type=_positive, default=1,
                    help="gradient accumulation steps (micro-batches per step when pp == 1)")
@@ -611,7 +613,8 @@ def add_strategy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="pipeline micro-batches per step (pp > 1; default: --grad-accum)")
     g.add_argument("--schedule", choices=SCHEDULES, default=None,
                    help="pipeline schedule (default: VPP when --vpp > 1, else 1F1B)")
-    g.add_argument("--vpp", type=_positive, default=1, help="virtual pipeline stages per rank (schedule VPP)")
+    g.add_argument("--vpp", type=_positive, default=None,
+                   help="virtual pipeline stages per rank (schedule VPP; default 2 with --schedule VPP, else 1)")
     g.add_argument("--auto", action="store_true", help="auto_mode 'full': the planner picks the strategy")
     return parser
 

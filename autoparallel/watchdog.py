@@ -17,10 +17,15 @@ rank (gloo releases the GIL while it waits, so they run while the main thread is
 wd = Watchdog(timeout=8).start()          # or AP_WATCHDOG_TIMEOUT=8; after init_parallel_env
 with wd.op("all_reduce", step=step):      # what this rank is doing, named in the report
     dist.all_reduce(x)
-with wd.long_wait("checkpoint write"):    # may be slow: peers allow long_wait_timeout for this rank
+with wd.long_wait("checkpoint write"):    # slow but alive: peers allow up to 2 x timeout of silence
     save_state_dict(...)
 wd.stop()                                 # a clean exit: peers stop watching this rank
 ```
+
+On the default path nobody writes this: ``ap.parallelize``, the training examples and the checkpoint
+rendezvous call ``start_default()`` in a real multi-process job (opt out with ``AP_WATCHDOG=off`` or the
+examples' ``--no-watchdog``). Defaults: a 10 s heartbeat timeout, so a frozen rank is named in about
+12 s and every survivor has exited within about 15 s; a killed rank on this host is named at once.
 
 The module-level ``op``, ``long_wait``, ``set_current_op`` and ``set_step`` act on the running watchdog and
 do nothing when none runs, so library code (checkpoint writes) can call them unconditionally.
@@ -38,8 +43,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import json
+import math
 import os
 import signal
 import socket
@@ -48,162 +53,14 @@ import threading
 import time
 
 PREFIX = "autoparallel watchdog"
-DEFAULT_TIMEOUT = 60.0
-DEFAULT_LONG_WAIT = 600.0
+DEFAULT_TIMEOUT = 10.0
+LONG_WAIT_FACTOR = 2.0        # a long wait may stretch a running peer's silence to at most 2 x timeout
 DEFAULT_EXIT_CODE = 75
 RING_ABOVE = 16
 
 
-# ---- stores -------------------------------------------------------------------------------------------
-class MemoryStore:
-    """A store for watchdogs living in one process (tests, single-process runs)."""
-
-    def __init__(self):
-        self._data: dict = {}
-        self._lock = threading.Lock()
-
-    def set(self, key: str, value: bytes) -> None:
-        with self._lock:
-            self._data[key] = bytes(value)
-
-    def get(self, key: str) -> bytes:
-        with self._lock:
-            return self._data[key]
-
-    def add(self, key: str, amount: int) -> int:
-        with self._lock:
-            value = int(self._data.get(key, b"0")) + amount
-            self._data[key] = str(value).encode()
-            return value
-
-    def describe(self) -> str:
-        return "an in-process store"
-
-
-class FileStore:
-    """Keys as files in a directory every rank sees (``AP_WATCHDOG_STORE=file:<dir>``)."""
-
-    def __init__(self, directory: str):
-        self.dir = os.path.abspath(directory)
-        os.makedirs(self.dir, exist_ok=True)
-
-    def _path(self, key: str) -> str:
-        return os.path.join(self.dir, key.replace("/", "__"))
-
-    def set(self, key: str, value: bytes) -> None:
-        path = self._path(key)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(value)
-        os.replace(tmp, path)
-
-    def get(self, key: str) -> bytes:
-        try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise KeyError(key) from None
-
-    def add(self, key: str, amount: int) -> int:
-        if amount == 0:                     # a read: never wait on a lock a frozen rank may hold
-            try:
-                return int(self.get(key) or b"0")
-            except KeyError:
-                return 0
-        with open(self._path(key) + ".lock", "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                value = int(self.get(key) or b"0") + amount
-            except KeyError:
-                value = amount
-            self.set(key, str(value).encode())
-            return value
-
-    def describe(self) -> str:
-        return f"the heartbeat directory {self.dir}"
-
-
-class TCPStoreClient:
-    """A private client of the launch's TCP store (served by rank 0); never ``get`` a key that may be
-    missing: paddle's ``get`` then blocks for good."""
-
-    def __init__(self, host: str, port: int, world_size: int, host_rank: int = 0, timeout: int = 30):
-        from paddle.base import core
-
-        self.host, self.port, self.host_rank = host, int(port), host_rank
-        self._store = core.TCPStore(host, self.port, False, world_size, timeout)
-
-    @classmethod
-    def from_env(cls, world_size: int) -> "TCPStoreClient":
-        """The endpoint ``paddle.distributed.init_parallel_env`` uses for its store."""
-        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        endpoint = f"{addr}:{port}" if addr and port else os.environ.get("PADDLE_MASTER")
-        if not endpoint:
-            endpoint = (os.environ.get("PADDLE_TRAINER_ENDPOINTS") or "").split(",")[0]
-        if ":" not in endpoint:
-            raise RuntimeError("no TCP store endpoint in the environment (MASTER_ADDR/MASTER_PORT, PADDLE_MASTER "
-                               "or PADDLE_TRAINER_ENDPOINTS); run under paddle.distributed.launch or set "
-                               "AP_WATCHDOG_STORE=file:<dir shared by all ranks>")
-        host, port = endpoint.rsplit(":", 1)
-        return cls(host, int(port), world_size)
-
-    def set(self, key: str, value: bytes) -> None:
-        self._store.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        return bytes(self._store.get(key))
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._store.add(key, amount))
-
-    def describe(self) -> str:
-        return f"the TCP store at {self.host}:{self.port} hosted by rank {self.host_rank}"
-
-
-def default_store(world_size: int):
-    spec = os.environ.get("AP_WATCHDOG_STORE", "")
-    if spec.startswith("file:"):
-        return FileStore(spec[len("file:"):])
-    if spec not in ("", "tcp"):
-        raise ValueError(f"AP_WATCHDOG_STORE must be 'tcp' or 'file:<dir>', got {spec!r}")
-    if world_size <= 1:
-        return MemoryStore()
-    return TCPStoreClient.from_env(world_size)
-
-
-# ---- processes on this host -------------------------------------------------------------------------
-def _proc_start_time(pid: int):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-    except OSError:
-        return None
-    return data[data.rindex(")") + 2:].split()[19]
-
-
-def process_state(pid: int, start_time=None) -> str:
-    """"running", "stopped" (SIGSTOP), "exited" or "unknown" for a process on this host."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return "exited"
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return "exited"
-        except OSError:
-            return "unknown"
-        return "running"
-    fields = data[data.rindex(")") + 2:].split()
-    if start_time is not None and fields[19] != start_time:
-        return "exited"                      # the pid now belongs to another process
-    if fields[0] in ("Z", "X", "x"):
-        return "exited"
-    if fields[0] in ("T", "t"):
-        return "stopped"
-    return "running"
+from autoparallel.watchdog_store import (FileStore, MemoryStore, TCPStoreClient, _proc_start_time,  # noqa: F401
+                                      default_store, process_state)
 
 
 # ---- the watchdog --------------------------------------------------------------------------------------
@@ -222,9 +79,41 @@ def _env_float(name: str, default):
         value = float(text)
     except ValueError:
         raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
-    if value <= 0:
+    if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be positive, got {text!r}")
     return value
+
+
+def _seconds(name: str, value):
+    """A positive finite number of seconds as float, or None when ``value`` is None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def _exit_code(value) -> int:
+    try:
+        code = int(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"exit_code (AP_WATCHDOG_EXIT_CODE) must be an int in [1, 255], got {value!r}") from None
+    if isinstance(value, bool) or not 1 <= code <= 255:
+        raise ValueError(f"exit_code (AP_WATCHDOG_EXIT_CODE) must be in [1, 255] (0 would report success), "
+                         f"got {value!r}")
+    return code
+
+
+def _check_peers(peers, rank: int, world_size: int) -> list:
+    ranks = list(peers) if isinstance(peers, (list, tuple, set, frozenset)) else None
+    if ranks is None or any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+        raise TypeError(f"peers must be a list of int ranks, got {peers!r}")
+    bad = [r for r in ranks if not 0 <= r < world_size or r == rank]
+    if bad:
+        raise ValueError(f"peers must be other ranks in [0, {world_size}) (this rank is {rank}), got {bad}")
+    return sorted(set(ranks))
 
 
 _current = [None]
@@ -236,27 +125,40 @@ class Watchdog:
                  startup_timeout: float = None, term_grace: float = None, exit_code: int = None,
                  on_failure=None, exit_fn=None, install_handlers: bool = True, peers: list = None,
                  namespace: str = "ap_wd"):
-        self.timeout = float(timeout) if timeout is not None else _env_float("AP_WATCHDOG_TIMEOUT", DEFAULT_TIMEOUT)
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-        self.interval = float(interval) if interval is not None else max(0.1, min(self.timeout / 6, 2.0))
-        if not 0 < self.interval < self.timeout:
-            raise ValueError(f"interval must be positive and below timeout={self.timeout}, got {interval!r}")
-        self.long_wait_timeout = float(long_wait_timeout) if long_wait_timeout is not None else \
-            _env_float("AP_WATCHDOG_LONG_WAIT", DEFAULT_LONG_WAIT)
-        self.op_timeout = op_timeout if op_timeout is not None else _env_float("AP_WATCHDOG_OP_TIMEOUT", None)
-        self.startup_timeout = float(startup_timeout) if startup_timeout is not None else max(60.0, self.timeout)
-        self.term_grace = float(term_grace) if term_grace is not None else min(self.timeout, 3.0)
-        self.exit_code = int(exit_code if exit_code is not None else os.environ.get("AP_WATCHDOG_EXIT_CODE",
-                                                                                   DEFAULT_EXIT_CODE))
+        self.timeout = _seconds("timeout", timeout) or _env_float("AP_WATCHDOG_TIMEOUT", DEFAULT_TIMEOUT)
+        self.interval = _seconds("interval", interval) or max(0.1, min(self.timeout / 6, 2.0))
+        if not self.interval < self.timeout:
+            raise ValueError(f"interval must be below timeout={self.timeout:g} s, got {self.interval:g}")
+        cap = LONG_WAIT_FACTOR * self.timeout
+        self.long_wait_timeout = _seconds("long_wait_timeout", long_wait_timeout) or \
+            _env_float("AP_WATCHDOG_LONG_WAIT", cap)
+        if not self.long_wait_timeout <= cap:
+            raise ValueError(f"long_wait_timeout must be in (0, {cap:g}] s ({LONG_WAIT_FACTOR:g} x timeout: a silent "
+                             f"rank is named within that bound even during a long operation), got "
+                             f"{self.long_wait_timeout:g}")
+        self.op_timeout = _seconds("op_timeout", op_timeout) or _env_float("AP_WATCHDOG_OP_TIMEOUT", None)
+        self.startup_timeout = _seconds("startup_timeout", startup_timeout) or max(60.0, self.timeout)
+        self.term_grace = _seconds("term_grace", term_grace) or min(self.timeout, 3.0)
+        self.exit_code = _exit_code(exit_code if exit_code is not None else
+                                    os.environ.get("AP_WATCHDOG_EXIT_CODE", DEFAULT_EXIT_CODE))
+        for name, fn in (("on_failure", on_failure), ("exit_fn", exit_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__} {fn!r}")
+        if not isinstance(namespace, str) or not namespace:
+            raise TypeError(f"namespace must be a non-empty str, got {namespace!r}")
         self.on_failure = on_failure
         self._exit = exit_fn or os._exit
         self._install_handlers = install_handlers
         self.rank, self.world_size = self._identity(rank, world_size)
+        self._peer_ranks = _check_peers(peers, self.rank, self.world_size) if peers is not None else \
+            self._default_peers()
+        if store is not None and not all(callable(getattr(store, m, None)) for m in ("set", "get", "add")):
+            raise TypeError(f"store must have set(key, bytes), get(key) and add(key, int) (like MemoryStore, "
+                            f"FileStore), got {type(store).__name__}")
         self.store = store if store is not None else default_store(self.world_size)
-        self._peer_ranks = sorted(peers) if peers is not None else self._default_peers()
         self._lock = threading.Lock()
         self._halt = threading.Event()
+        self._wake = threading.Event()        # publish now (a long operation begins)
         self._verdict = threading.Event()
         self.failure = None
         self._seq = 0
@@ -277,7 +179,15 @@ class Watchdog:
     # ---- identity --------------------------------------------------------------------------------
     @staticmethod
     def _identity(rank, world_size):
-        if rank is not None and world_size is not None:
+        for name, v in (("rank", rank), ("world_size", world_size)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+        if (rank is None) != (world_size is None):
+            raise ValueError(f"pass rank and world_size together (or neither: read from the job), got rank={rank}, "
+                             f"world_size={world_size}")
+        if rank is not None:
+            if world_size < 1:
+                raise ValueError(f"world_size must be >= 1, got {world_size}")
             if not 0 <= rank < world_size:
                 raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
             return int(rank), int(world_size)
@@ -332,6 +242,7 @@ class Watchdog:
             return
         halted = self._halt.is_set()
         self._halt.set()
+        self._wake.set()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=self.timeout)
@@ -392,14 +303,24 @@ class Watchdog:
 
     @contextlib.contextmanager
     def long_wait(self, reason: str = "", seconds: float = None):
-        """A legitimately long stretch (a checkpoint write): peers allow ``seconds`` (long_wait_timeout)
-        without a heartbeat from this rank, and this rank's own op deadline is paused."""
-        limit = float(seconds) if seconds is not None else self.long_wait_timeout
+        """A legitimately long stretch (a checkpoint write), named ``reason`` as the operation in flight: this
+        rank's own op deadline is paused, and peers allow its heartbeat ``seconds`` (default
+        long_wait_timeout; at most 2 x timeout) of silence while its process runs. Heartbeats come from a
+        thread of their own, so they go on during the long operation; a process found stopped (SIGSTOP) gets
+        no allowance, and a silent rank is always named within 2 x timeout."""
+        cap = LONG_WAIT_FACTOR * self.timeout
+        limit = min(_seconds("long_wait seconds", seconds), cap) if seconds is not None else self.long_wait_timeout
         self._long_waits.append(limit)
+        previous = self._op
+        if reason:
+            self._op = (str(reason), time.monotonic())
+        self._wake.set()                      # peers learn of the allowance (and the operation) at once
         try:
             yield self
         finally:
             self._long_waits.remove(limit)
+            if reason:
+                self._op = previous
 
     def diagnose(self, exc: BaseException = None) -> None:
         """Wait up to ``timeout`` for the judge to name a lost rank (it ends the process if it does)."""
@@ -440,14 +361,16 @@ class Watchdog:
             except Exception as e:          # the store is gone: its host went down with it
                 self._store_lost(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
                 return
-            self._halt.wait(self.interval)
+            self._wake.wait(self.interval)
+            self._wake.clear()
 
     def _follow_abort(self) -> bool:
         """Exit with the abort note another rank published, if there is one."""
         if self.store.add(f"{self._prefix}/abort", 0) == 0:
             return False
         note = json.loads(self.store.get(f"{self._prefix}/abort_msg"))
-        self.store.add(f"{self._prefix}/abort_ack", 1)
+        if getattr(self.store, "host_rank", None) != self.rank:     # the host counts the others' acks
+            self.store.add(f"{self._prefix}/abort_ack", 1)
         self._fail(f"exiting because rank {note['rank']} reported: {note['reason']}", publish=False)
         return True
 
@@ -485,6 +408,10 @@ class Watchdog:
             self._halt.set()                # its host finished cleanly: nothing left to watch through it
             return
         who = f"rank {host_rank} lost: " if host_rank is not None and host_rank != self.rank else ""
+        if record.get("host") == self._host and "pid" in record:      # a reset connection: let it finish exiting
+            deadline = time.monotonic() + 0.5
+            while process_state(record["pid"], record.get("start")) == "running" and time.monotonic() < deadline:
+                time.sleep(0.05)
         last = ""
         if record:
             last = f"{_process_note(record, self._host)}; rank {host_rank} was last in {_their_op(record)}"
@@ -510,10 +437,10 @@ class Watchdog:
                                f"{self.startup_timeout:.0f} s")
                     return
                 continue
-            limit = max(self.timeout, rec.get("long_wait") or 0)
             silent = self._io_ok - peer.changed
-            if silent > limit:
-                self._fail(f"rank {peer.rank} lost: no heartbeat for {silent:.1f} s (limit {limit:.1f} s)"
+            if silent > self.timeout and silent > self._silence_limit(rec):
+                self._fail(f"rank {peer.rank} lost: no heartbeat for {silent:.1f} s (limit "
+                           f"{self._silence_limit(rec):.1f} s)"
                            f"{_process_note(rec, self._host)}; it was last in {_their_op(rec)}")
                 return
         op = self._op
@@ -524,6 +451,17 @@ class Watchdog:
         if self._sigterm_at is not None and now - self._sigterm_at > self.term_grace:
             self._end_for_sigterm()
 
+    def _silence_limit(self, rec: dict) -> float:
+        """How long a peer may stay silent: timeout, or its long-wait allowance (<= 2 x timeout) while its
+        process is not known to be stopped."""
+        allowance = min(rec.get("long_wait") or 0, LONG_WAIT_FACTOR * self.timeout)
+        if allowance <= self.timeout:
+            return self.timeout
+        if rec.get("host") == self._host and "pid" in rec and \
+                process_state(rec["pid"], rec.get("start")) == "stopped":
+            return self.timeout                  # frozen, not busy: no allowance
+        return allowance
+
     # ---- failing -----------------------------------------------------------------------------------------
     def _fail(self, reason: str, publish: bool = True) -> None:
         with self._lock:
@@ -532,10 +470,12 @@ class Watchdog:
             message = (f"{PREFIX}: rank {self.rank}: {reason}. This rank was in {self._op_text()}. "
                        f"Exiting with code {self.exit_code}.")
             self.failure = message
-        if publish:
-            note = json.dumps({"rank": self.rank, "reason": reason}).encode()
+        if publish:                            # the note, and this rank's own acknowledgement: the host of the
+            note = json.dumps({"rank": self.rank, "reason": reason}).encode()      # store need not wait for it
+            host = getattr(self.store, "host_rank", None) == self.rank
             _bounded(lambda: (self.store.set(f"{self._prefix}/abort_msg", note),
-                              self.store.add(f"{self._prefix}/abort", 1)), 1.0)
+                              self.store.add(f"{self._prefix}/abort", 1),
+                              host or self.store.add(f"{self._prefix}/abort_ack", 1)), 1.0)
         _write_stderr(message)
         if getattr(self.store, "host_rank", None) == self.rank:
             self._linger()
@@ -689,3 +629,31 @@ def set_step(step) -> None:
     wd = current()
     if wd is not None:
         wd.set_step(step)
+
+
+OFF_VALUES = ("0", "off", "false", "no")
+
+
+def disabled() -> bool:
+    """True when ``AP_WATCHDOG`` opts out of the default watchdog (``0``, ``off``, ``false`` or ``no``)."""
+    return os.environ.get("AP_WATCHDOG", "").strip().lower() in OFF_VALUES
+
+
+def start_default():
+    """The watchdog of a real multi-process job, started with the default settings if none runs yet.
+
+    Called by ``ap.parallelize``, the training examples and the checkpoint rendezvous, so a lost or frozen
+    rank is named on the default path. Does nothing (returns None) in one process, in the simulated
+    world, before ``init_parallel_env``, or with ``AP_WATCHDOG=off``."""
+    wd = current()
+    if wd is not None or disabled():
+        return wd
+    try:
+        import paddle.distributed as dist
+
+        from autoparallel.comm.world import current_world
+    except ImportError:
+        return None
+    if current_world().is_simulated or not dist.is_initialized() or dist.get_world_size() <= 1:
+        return None
+    return Watchdog().start()

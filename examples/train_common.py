@@ -29,6 +29,7 @@ from autoparallel.data import ByteTextDataset, DistributedDataLoader  # noqa: E4
 from autoparallel.memory import live_bytes, peak_rss_bytes, rss_bytes  # noqa: E402
 from autoparallel.parallel.recompute import SavedBytes  # noqa: E402
 from autoparallel.strategy import Strategy, add_strategy_args  # noqa: E402
+from autoparallel.watchdog import set_current_op, start_default  # noqa: E402
 from models import PRESETS, build  # noqa: E402
 
 
@@ -48,7 +49,25 @@ def make_parser(default_model: str) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in --ckpt-dir")
     p.add_argument("--profile", default=None, metavar="PATH",
                    help="profile the last step: print its per-rank breakdown, save stacked bars to PATH (.png)")
+    p.add_argument("--no-watchdog", dest="watchdog", action="store_false",
+                   help="do not start the watchdog that names a lost or frozen rank in seconds (same as "
+                        "AP_WATCHDOG=off)")
     return p
+
+
+def check_args(parser: argparse.ArgumentParser, args, world: int) -> None:
+    """Refuse (exit 2, naming the flag) what this run cannot honour, before any work: a strategy invalid
+    for the world size (``--offload`` without sharding, ``--vpp`` or ``--micro-batches`` without ``--pp``,
+    degrees that do not multiply to the world, ...), and a ``--schedule`` with one pipeline stage."""
+    if args.auto:
+        return
+    if args.schedule is not None and args.pp == 1:
+        parser.error(f"--schedule {args.schedule} needs --pp > 1 (got --pp 1): a schedule orders pipeline stages")
+    try:
+        Strategy.from_args(args).validate(world_size=world)
+    except (ValueError, TypeError) as e:
+        where = "the single-process run" if world == 1 else f"this {world}-rank run"
+        parser.error(f"{where} cannot honour these flags: {e}")
 
 
 def _positive(text: str) -> int:
@@ -64,15 +83,20 @@ def model_config(name: str, seq_len: int, vocab: int):
     return dataclasses.replace(c, dropout=0.0) if hasattr(c, "dropout") else c
 
 
-def init_distributed() -> int:
+def init_distributed(watchdog: bool = True) -> int:
+    """Initialise a launched rank and start its watchdog (``watchdog=False``: none, as AP_WATCHDOG=off)."""
+    if not watchdog:
+        os.environ["AP_WATCHDOG"] = "off"     # parallelize and the checkpoint rendezvous start none either
     if int(os.environ.get("PADDLE_TRAINERS_NUM", "1")) > 1 and not dist.is_initialized():
         dist.init_parallel_env()
+    if watchdog:
+        start_default()
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def train(args):
     """Run the training; returns (log dict, model, optimizer)."""
-    world = init_distributed()
+    world = init_distributed(getattr(args, "watchdog", True))
     rank = dist.get_rank() if world > 1 else 0
     strategy = Strategy.from_args(args)
     strategy.global_batch_size = args.batch_size
@@ -112,15 +136,19 @@ def train(args):
         for _ in range(k):
             x, y = next(batches)
             if pipelined:
+                set_current_op("pipeline train_batch", step)
                 total += float(model.train_batch(x, y))
                 continue
             last = step == args.steps - 1        # the last step's forwards count their saved activations
+            set_current_op("forward", step)      # named by the watchdog if a peer is lost meanwhile
             with SavedBytes() if last else contextlib.nullcontext() as counter:
                 loss = F.cross_entropy(model(x), y)
             saved = max(saved, counter.bytes) if last else saved
             scaled = loss * loss_scale if loss_scale != 1.0 else loss
+            set_current_op("backward", step)
             (opt.scale(scaled) if hasattr(opt, "scale") else scaled).backward()     # AMP loss scaling
             total += float(loss) / k
+        set_current_op("optimizer step", step)
         opt.step()
         if step == args.steps - 1:
             memory = dict(memory_bytes(model, opt), saved_activations=saved, rss_start=rss_start)
@@ -129,6 +157,7 @@ def train(args):
         if prof is not None:
             _report_profile(prof.stop(), args.profile, rank)
         steps.append({"step": step, "loss": total, "time": dt})
+        set_current_op(None)
         if ckpt is not None:
             ckpt.maybe_save(state, step + 1, extra={"loader_batches": (step + 1) * k})
             if ckpt.should_stop():               # SIGTERM (preemption): a final checkpoint, then stop
@@ -206,9 +235,11 @@ def _checkpointing(args, model, opt, pipelined):
     ckpt = CheckpointManager(args.ckpt_dir, args.save_every, optimizer=opt)   # + generators, loss scale, LR
     ckpt.install_sigterm_handler()
     state = training_state(model, opt)           # a PipelineModule or a ZeRO optimizer names its own state
+    # before the first step: the root is writable with room for one checkpoint, and is this run's (another
+    # run's checkpoints there are refused without --resume); --resume loads the newest, which 'latest' names
+    info = ckpt.start(state, resume=args.resume)
     start = 0
     if args.resume:
-        info = ckpt.restore(state)
         if info is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.dir}")
         start = int(info.step)
@@ -253,7 +284,9 @@ def main(default_model: str, argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--"]:          # the separator that keeps paddle's launcher from reading our flags
         argv = argv[1:]
-    args = make_parser(default_model).parse_args(argv)
+    parser = make_parser(default_model)
+    args = parser.parse_args(argv)
+    check_args(parser, args, init_distributed(args.watchdog))
     log, _, _ = train(args)
     if log["world_size"] == 1 or dist.get_rank() == 0:
         last = log["steps"][-1]

@@ -8,10 +8,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 
+from autoparallel.cli_checks import MAX_DEVICES, bounded, tensor_bytes
 from autoparallel.mesh import mesh_from_shape
+from autoparallel.spec import dtype_bytes
 from autoparallel.planner.cluster import parse_cluster
 from reshard.planner import plan_reshard
 from reshard.validate import check_cluster
@@ -64,13 +67,20 @@ def main(argv=None) -> int:
 def make_plan(args):
     """The plan an argument namespace asks for (raises ValueError/TypeError on bad input)."""
     shape = parse_ints(args.shape, ",", "--shape", "4096,4096", allow_empty=True)
+    tensor_bytes("--shape", shape, dtype_bytes(args.dtype))
     mesh_shape = parse_ints(args.mesh, "x", "--mesh", "2x4")
     if any(s <= 0 for s in mesh_shape):
         raise ValueError(f"--mesh needs positive sizes, got {args.mesh!r}")
+    ranks = bounded(f"--mesh {args.mesh}: its rank count", math.prod(mesh_shape), MAX_DEVICES, "ranks")
     names = [n.strip() for n in args.dim_names.split(",")] if args.dim_names else None
     mesh = mesh_from_shape(mesh_shape, names, create_groups=False)
     cluster = check_cluster(parse_cluster(args.cluster) if args.cluster else None)
     if args.backend:
         cluster = check_cluster(dataclasses.replace(cluster, backend=args.backend))
+    if args.cluster:
+        bounded("--cluster", cluster.world_size, MAX_DEVICES, "devices")
+        if cluster.world_size < ranks:
+            raise ValueError(f"--cluster {args.cluster!r} has {cluster.world_size} devices, fewer than the "
+                             f"{ranks} ranks of --mesh {args.mesh}")
     src = args.src if args.src is not None else ",".join(["R"] * mesh.ndim)
     return plan_reshard(shape, args.dtype, mesh, src, args.dst, cluster)

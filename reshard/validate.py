@@ -11,6 +11,9 @@ from autoparallel.planner.cluster import ClusterSpec, default_cluster, parse_clu
 from autoparallel.spec import check_placements, normalize_dtype
 
 
+MAX_NUMEL = 2 ** 53
+
+
 def check_mesh(mesh, name: str = "mesh") -> ProcessMesh:
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"{name} must be a ProcessMesh, got {type(mesh).__name__} {mesh!r}")
@@ -28,6 +31,12 @@ def check_shape(shape) -> tuple:
             raise TypeError(f"global_shape must hold ints, got {type(s).__name__} {s!r} in {dims}")
     if any(s < 0 for s in dims):
         raise ValueError(f"global_shape must be non-negative, got {dims}")
+    numel = 1
+    for s in dims:
+        numel *= int(s)
+    if numel > MAX_NUMEL:           # byte counts (x 8 per element at most) stay inside int64
+        raise ValueError(f"global_shape {dims} holds {numel:.3g} elements, beyond 2**53 (no cluster holds such a "
+                         f"tensor)")
     return tuple(int(s) for s in dims)
 
 

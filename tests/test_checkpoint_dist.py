@@ -38,8 +38,9 @@ def test_the_committed_checkpoint_has_one_file_per_writing_rank(job):
     path = results[0]["path"]
     assert all(res["path"] == path for res in results)
     # rank 3 wrote last (0.4 s per rank), yet every rank returned only after the commit
-    assert results[1]["files_after_save"] == [f"data-r0000{r}.bin" for r in range(4)] + ["metadata.json"]
-    assert sorted(os.listdir(root)) == ["latest", "step-00000010"]
+    assert results[1]["files_after_save"] == [".autoparallel-checkpoint"] + [f"data-r0000{r}.bin" for r in range(4)] \
+        + ["metadata.json"]
+    assert sorted(os.listdir(root)) == [".autoparallel-run", "latest", "step-00000010"]
     verify_checkpoint(path)
 
 

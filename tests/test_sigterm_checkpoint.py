@@ -17,9 +17,16 @@ def test_sigterm_saves_a_final_checkpoint_between_the_periodic_ones(tmp_path):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 60
-        time.sleep(4.0)                               # past start-up, inside the training loop
+        head = b""
+        while b"train:" not in head and time.time() < deadline:    # the progress bar: inside the loop
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            head += chunk
+        time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=max(1.0, deadline - time.time()))
+        out = head + out
     finally:
         if proc.poll() is None:
             proc.kill()

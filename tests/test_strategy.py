@@ -478,7 +478,7 @@ def test_add_strategy_args_defaults():
     a = parse([])
     assert vars(a) == {"dp": None, "tp": 1, "pp": 1, "sp": False, "sharding_stage": 0, "offload": False,
                        "recompute": "none", "amp": "none", "grad_accum": 1, "micro_batches": None,
-                       "schedule": None, "vpp": 1, "auto": False, "steps": 10}
+                       "schedule": None, "vpp": None, "auto": False, "steps": 10}
     assert Strategy.from_args(a) == Strategy()
 
 

@@ -95,9 +95,9 @@ def scenario_killed_peer(tmp_path):
     return {"exits": exits, "elapsed": exits.times[0] - killed if exits.times else None}
 
 
-def scenario_stopped_peer(tmp_path):
+def scenario_stopped_peer(tmp_path, mode="hold"):
     exits = Exits()
-    child = _child(tmp_path, 1, 2, "hold")
+    child = _child(tmp_path, 1, 2, mode)
     wd = _watchdog(0, 2, FileStore(str(tmp_path)), exits).start()
     try:
         time.sleep(3 * wd.interval)
@@ -109,6 +109,10 @@ def scenario_stopped_peer(tmp_path):
         child.kill()
         child.wait()
     return {"exits": exits, "elapsed": exits.times[0] - stopped if exits.times else None, "interval": wd.interval}
+
+
+def scenario_stopped_during_save(tmp_path):
+    return scenario_stopped_peer(tmp_path, mode="save")
 
 
 def scenario_clean_and_error_exits(tmp_path):
@@ -175,7 +179,7 @@ def scenario_long_wait(tmp_path):
     wd0.start()
     wd1.start()
     try:
-        with wd1.long_wait("checkpoint write", seconds=2.0):
+        with wd1.long_wait("checkpoint write", seconds=600):     # capped at 2 x timeout
             time.sleep(0.3)                          # peers read the extended limit
             start = time.monotonic()
             frozen.frozen.set()
@@ -216,7 +220,8 @@ def scenario_sigterm(tmp_path):
     return {"code": child.returncode, "out": out, "exits": exits}
 
 
-SCENARIOS = [scenario_sigterm, scenario_killed_peer, scenario_stopped_peer, scenario_clean_and_error_exits,
+SCENARIOS = [scenario_sigterm, scenario_killed_peer, scenario_stopped_peer, scenario_stopped_during_save,
+             scenario_clean_and_error_exits,
              scenario_ring, scenario_unreachable_store, scenario_long_wait, scenario_op_deadline]
 
 
@@ -263,6 +268,20 @@ def test_a_stopped_peer_is_named_after_the_timeout(observed):
     assert "is stopped (SIGSTOP?); it was last in 'all_reduce' (step 3)" in r["exits"].messages[0]
 
 
+def test_a_peer_stopped_in_a_long_operation_gets_no_allowance(observed):
+    r = _get(observed, "scenario_stopped_during_save")
+    assert r["exits"].codes == [75]
+    assert T - r["interval"] <= r["elapsed"] <= T + 1.5        # not 2 x T: a stopped process is not busy
+    msg = r["exits"].messages[0]
+    assert "rank 1 lost: no heartbeat for" in msg and "(limit 1.0 s)" in msg
+    assert "is stopped (SIGSTOP?); it was last in 'checkpoint write' (step 3)" in msg
+
+
+def test_long_wait_beyond_twice_the_timeout_is_refused():
+    with pytest.raises(ValueError, match=r"long_wait_timeout must be in \(0, 2\] s .* got 600"):
+        Watchdog(1.0, rank=0, world_size=1, store=MemoryStore(), long_wait_timeout=600)
+
+
 def test_a_clean_exit_is_not_a_loss_and_an_error_exit_is_reported(observed):
     r = _get(observed, "scenario_clean_and_error_exits")
     assert r["clean_code"] == 0 and r["clean"].codes == []
@@ -282,7 +301,7 @@ def test_an_unreachable_store_names_its_host(observed):
         r["exits"].messages[0]
 
 
-def test_long_wait_extends_the_limit_for_that_rank(observed):
+def test_long_wait_extends_the_limit_for_that_rank_up_to_twice_the_timeout(observed):
     r = _get(observed, "scenario_long_wait")
     assert not r["early"] and r["exits"].codes == [75]
     assert 2.0 - 0.15 <= r["elapsed"] <= 2.0 + 1.5    # the last beat may precede the freeze by an interval

@@ -5,7 +5,9 @@ the directory to its final name and fsyncs the parent: a checkpoint directory un
 complete by construction, and the previous checkpoint stays valid until the rename.
 
 Fault injection (tests): ``AP_CKPT_FAULT=<phase>[,<phase>...]`` makes the writer SIGKILL itself when it
-reaches that phase (``AP_CKPT_FAULT_RANK=<r>`` restricts it to one rank's writer). Phases, in order:
+reaches that phase (``AP_CKPT_FAULT_RANK=<r>`` restricts it to one rank's writer); ``<phase>:enospc`` raises
+``OSError(ENOSPC)`` there instead, as a full disk would (the save then removes its temporary directory).
+Phases, in order:
 
 * ``shard_half_written``      half of the first shard's bytes are in the data file
 * ``shard_before_fsync``      a data file is fully written, not yet fsynced
@@ -15,6 +17,7 @@ reaches that phase (``AP_CKPT_FAULT_RANK=<r>`` restricts it to one rank's writer
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -27,15 +30,19 @@ TMP_MARK = ".tmp-"
 
 
 def fault_point(phase: str, rank: int = 0) -> None:
-    """SIGKILL this process if ``AP_CKPT_FAULT`` names ``phase`` (and ``AP_CKPT_FAULT_RANK`` allows it)."""
+    """SIGKILL this process (or raise ENOSPC) if ``AP_CKPT_FAULT`` names ``phase`` (and ``AP_CKPT_FAULT_RANK``
+    allows it)."""
     if phase not in PHASES:
         raise ValueError(f"unknown fault phase {phase!r}: expected one of {PHASES}")
     wanted = os.environ.get("AP_CKPT_FAULT", "")
-    if not wanted or phase not in [w.strip() for w in wanted.split(",")]:
+    modes = dict((w.strip().split(":", 1) + ["kill"])[:2] for w in wanted.split(",") if w.strip())
+    if phase not in modes:
         return
     only = os.environ.get("AP_CKPT_FAULT_RANK")
     if only not in (None, "") and int(only) != rank:
         return
+    if modes[phase] == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected at {phase})")
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -77,18 +84,27 @@ def write_file_atomic(path: str, data: bytes, before_rename=None) -> None:
 def publish_dir(tmp: str, final: str, overwrite: bool) -> None:
     """Rename the finished temporary directory to ``final`` (atomically when ``final`` does not exist).
 
-    With ``overwrite`` an existing ``final`` is first moved aside to ``<final>.tmp-old-<nonce>`` and removed
-    after the rename: a crash in between leaves the new checkpoint complete or the old one recoverable.
+    With ``overwrite`` an existing ``final`` (checked again to be a checkpoint of ours) is first moved aside to
+    ``<final>.tmp-old-<nonce>`` and removed after the rename: a crash in between leaves the new checkpoint
+    complete or the old one recoverable (the manager's start-up puts it back); a failed rename puts it back.
     """
+    from autoparallel.checkpoint.ownership import check_replaceable
+
     fsync_dir(tmp)
     parent = os.path.dirname(os.path.abspath(final))
     aside = None
     if os.path.lexists(final):
         if not overwrite:
             raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
+        check_replaceable(final)
         aside = temp_dir_for(final, "old-" + new_nonce())
         os.rename(final, aside)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if aside is not None:
+            os.rename(aside, final)
+        raise
     fsync_dir(parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)

@@ -16,3 +16,13 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 
 class CheckpointSaveError(CheckpointError):
     """A distributed save could not complete (a rank did not finish writing in time, or a commit failed)."""
+
+
+class CheckpointOwnershipError(CheckpointError, FileExistsError):
+    """A path holds something that is not this project's to replace or to write into: the user's files, a
+    run root where a single checkpoint was expected, or another run's checkpoints. Nothing was changed."""
+
+
+class CheckpointRootError(CheckpointError, OSError):
+    """A checkpoint root cannot hold checkpoints: it is a file, cannot be created or written, or its
+    filesystem lacks the space of one checkpoint. Found before the first training step."""

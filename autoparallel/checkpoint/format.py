@@ -56,7 +56,7 @@ def read_metadata(ckpt_dir: str) -> dict:
             meta = json.loads(f.read())
     except FileNotFoundError:
         raise FileNotFoundError(f"{ckpt_dir!r} is not a complete checkpoint: {METADATA} is missing") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointCorruptError(f"{path}: unreadable checkpoint metadata ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{path}: not an autoparallel checkpoint (expected format {FORMAT!r}, "
@@ -64,4 +64,7 @@ def read_metadata(ckpt_dir: str) -> dict:
     if meta.get("version") != VERSION:
         raise CheckpointCorruptError(f"{path}: checkpoint format version {meta.get('version')!r} is not "
                                      f"supported (this version reads {VERSION})")
+    from autoparallel.checkpoint.schema import validate_metadata
+
+    validate_metadata(meta, path)
     return meta

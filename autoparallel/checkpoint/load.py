@@ -49,9 +49,11 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
     CheckpointMismatchError (names, kinds, shapes, dtypes) or CheckpointCorruptError (a missing, truncated
     or modified file) with nothing overwritten.
     """
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__} {strict!r}")
+    flat = flatten(state)
     ckpt = resolve_checkpoint(path)
     meta = read_metadata(ckpt)
-    flat = flatten(state)
     targets = {name: _describe(name, leaf) for name, (_, _, leaf) in flat.items()}
     _validate(targets, meta, strict, ckpt)
     loaded = {}
@@ -67,18 +69,23 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
             rec = meta["tensors"][name]
             loaded[name] = [(dest, _fill(reader, ckpt, name, rec, off, shape, zero))
                             for dest, off, shape, zero in t.boxes]
+        runtime = _runtime(reader, ckpt, meta)
         bytes_read = reader.bytes_read
     _assign(flat, targets, loaded, meta)
-    return CheckpointInfo(ckpt, meta.get("step"), meta.get("extra"), bytes_read, list(targets), meta.get("runtime"))
+    return CheckpointInfo(ckpt, meta.get("step"), meta.get("extra"), bytes_read, list(targets), runtime)
 
 
 def load_merged_state_dict(path: str, *, flat: bool = False) -> dict:
     """The whole checkpoint in this process: full numpy arrays (bfloat16 as uint16 bit patterns) and JSON
     values, nested like the saved state (or ``{"a/b": value}`` with ``flat=True``)."""
+    if not isinstance(flat, bool):
+        raise TypeError(f"flat must be a bool, got {type(flat).__name__} {flat!r}")
     ckpt = resolve_checkpoint(path)
     meta = read_metadata(ckpt)
     out = {}
     with ShardReader(ckpt, meta["files"]) as reader:
+        for fname in meta["files"]:                # real sizes before any allocation (schema.py)
+            reader.check_file(fname)
         for name, rec in meta["tensors"].items():
             shape = tuple(rec["shape"])
             out[name] = _fill(reader, ckpt, name, rec, (0,) * len(shape), shape, False)
@@ -92,6 +99,29 @@ def read_checkpoint_info(path: str) -> CheckpointInfo:
     ckpt = resolve_checkpoint(path)
     meta = read_metadata(ckpt)
     return CheckpointInfo(ckpt, meta.get("step"), meta.get("extra"), 0, list(meta["tensors"]) + list(meta["values"]))
+
+
+def _runtime(reader: ShardReader, ckpt: str, meta: dict):
+    """The saved run state: the metadata's JSON ``runtime`` with its arrays (``runtime_tensors``) put back."""
+    import copy
+
+    runtime = copy.deepcopy(meta.get("runtime"))
+    arrays = meta.get("runtime_tensors") or {}
+    if arrays and not isinstance(runtime, dict):
+        runtime = {}
+    for rec in arrays.values():                    # real sizes before any allocation (schema.py)
+        for shard in rec["shards"]:
+            reader.check_file(shard["file"])
+    for name, rec in arrays.items():
+        *path, key = name.split("/")
+        node = runtime
+        for p in path:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise CheckpointCorruptError(f"{ckpt}: run-state array {name!r} lies under a non-dict value")
+        shape = tuple(rec["shape"])
+        node[key] = _fill(reader, ckpt, name, rec, (0,) * len(shape), shape, False)
+    return runtime
 
 
 # ---- target description ------------------------------------------------------------------------------

@@ -1,17 +1,24 @@
 """CheckpointManager: periodic saves under one root, ``keep_last`` pruning, resume from the newest complete.
 
 ```
+<dir>/.autoparallel-run      marks the directory as one run's root (run_root.py)
 <dir>/step-00000100/        complete checkpoints (save_state_dict output)
-<dir>/step-00000200.tmp-…   a save in progress, or interrupted (removed by the next successful save)
-<dir>/latest                "step-00000200": written atomically after each commit, for people and tools
+<dir>/step-00000200.tmp-…   a save in progress, or interrupted (removed by the next start or successful save)
+<dir>/latest                "step-00000200": the newest complete checkpoint, the one resume loads
 ```
+
+A root belongs to one run. ``start(state, resume=...)`` validates it before the first training step (a
+writable directory with room for one checkpoint, not another run's checkpoints or the user's files
+unless resuming; run_root.py), tidies what an interrupted save left and, with ``resume=True``, restores the
+newest checkpoint. A ``save`` or ``restore`` before ``start`` does the same checks then. Steps only grow:
+saving a step older than the root's newest checkpoint is refused, so ``latest`` and resume always agree.
 
 With ``optimizer=`` the manager also saves and restores the run state that is not a tensor: every rank's
 random generators (restored under the same world size), the AMP loss scale and the LR schedule
 (runtime_state.py), in the metadata's ``runtime``.
 
-Resume never trusts ``latest``: it loads the highest-step complete directory (discovery.py), which is the
-same unless a crash fell between a commit and the pointer update.
+Resume loads the highest-step complete directory (discovery.py); ``latest`` is rewritten to name it at
+start-up and after every save (a crash between a commit and the pointer update is repaired then).
 
 Preemption: ``install_sigterm_handler()`` turns SIGTERM into a request; the training loop calls
 ``should_stop()`` at a step boundary (all ranks agree through one small all_reduce in a real job) and then
@@ -23,13 +30,12 @@ import os
 import shutil
 import signal
 
-from autoparallel.checkpoint import runtime_state, sync
-from autoparallel.checkpoint.atomic import is_temp_name, write_file_atomic
+from autoparallel.checkpoint import run_root, runtime_state, sync
 from autoparallel.checkpoint.discovery import complete_checkpoints, newest_complete, step_dir_name
 from autoparallel.checkpoint.load import CheckpointInfo, load_state_dict
+from autoparallel.checkpoint.ownership import is_owned_partial
+from autoparallel.checkpoint.run_root import LATEST  # noqa: F401  (the pointer's name, as before)
 from autoparallel.checkpoint.save import save_state_dict
-
-LATEST = "latest"
 
 
 class CheckpointManager:
@@ -40,13 +46,17 @@ class CheckpointManager:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
         if not isinstance(dir, (str, os.PathLike)):
-            raise TypeError(f"dir must be a path, got {type(dir).__name__}")
+            raise TypeError(f"dir must be a path (str or os.PathLike), got {type(dir).__name__} {dir!r}")
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable must be a bool, got {type(enable).__name__} {enable!r}")
         self.dir = os.path.abspath(os.fspath(dir))
         self.save_interval_steps = save_interval_steps
         self.keep_last = keep_last
         self.enable = bool(enable)
         self._stop_requested = False
         self._previous_handler = None
+        self._started = False                  # start() validated and claimed the root for this run
+        self._resumed = False                  # restore() continued the run found in the root
         self.optimizer = optimizer             # its loss scaler and LR schedule are saved with the generators
 
     @classmethod
@@ -54,6 +64,32 @@ class CheckpointManager:
         """From ``strategy.checkpoint`` (enable, save_interval_steps, dir, keep_last)."""
         c = strategy.checkpoint
         return cls(c.dir, c.save_interval_steps, c.keep_last, c.enable, optimizer)
+
+    # ---- the run root ---------------------------------------------------------------------------------
+    def start(self, state=None, *, resume: bool = False):
+        """Before the first training step (collective): validate the root for ``state`` (a writable
+        directory with the free space of one checkpoint), refuse it if it is another run's (``resume=False``
+        and checkpoints already there) or holds the user's files, tidy interrupted saves, mark it, point
+        ``latest`` at the newest checkpoint. ``resume=True`` with a ``state``: restore the newest checkpoint
+        into it and return the CheckpointInfo (None if the root has none). Raises CheckpointRootError or
+        CheckpointOwnershipError with nothing changed."""
+        if not isinstance(resume, bool):
+            raise TypeError(f"resume must be a bool, got {type(resume).__name__} {resume!r}")
+        need = run_root.estimate_bytes(state)
+        _, rank, _ = sync.job()
+        problem = None
+        try:
+            run_root.check_usable(self.dir, need, rank)
+            if rank == 0:
+                run_root.claim(self.dir, resume)
+        except (OSError, ValueError, TypeError) as e:      # CheckpointRootError / OwnershipError are OSErrors
+            problem = e
+        run_root.agree(problem)
+        self._started = True
+        self._resumed = self._resumed or resume
+        if resume and state is not None:
+            return self.restore(state)
+        return None
 
     # ---- saving -------------------------------------------------------------------------------------
     def path_for(self, step: int) -> str:
@@ -70,19 +106,25 @@ class CheckpointManager:
         """Save now as ``step`` (replacing an existing checkpoint of that step), update ``latest``, prune."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        os.makedirs(self.dir, exist_ok=True)
+        if not self._started:
+            self.start(state, resume=self._resumed)
+        newest = complete_checkpoints(self.dir)
+        if newest and step < newest[-1][0]:
+            raise ValueError(f"step {step} is older than the newest checkpoint in {self.dir!r} (step "
+                             f"{newest[-1][0]}): a run's steps only grow, and resume loads the newest")
         path = save_state_dict(state, self.path_for(step), step=step, extra=extra, overwrite=True,
                                runtime=runtime_state.capture(self.optimizer))
         _, rank, _ = sync.job()
         if rank == 0:
-            write_file_atomic(os.path.join(self.dir, LATEST), (os.path.basename(path) + "\n").encode())
             self._prune(keep=path)
+            run_root.write_latest(self.dir)
         return path
 
     def _prune(self, keep: str) -> None:
         for name in os.listdir(self.dir):
-            if is_temp_name(name):
-                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+            path = os.path.join(self.dir, name)
+            if is_owned_partial(path):
+                shutil.rmtree(path, ignore_errors=True)
         if self.keep_last is None:
             return
         done = complete_checkpoints(self.dir)
@@ -106,6 +148,10 @@ class CheckpointManager:
             return None
         info = load_state_dict(state, path, strict=strict)
         info.restored = runtime_state.restore(info.runtime, self.optimizer)
+        self._resumed = True                   # later saves continue this run
+        _, rank, _ = sync.job()
+        if rank == 0 and os.access(self.dir, os.W_OK):
+            run_root.write_latest(self.dir)    # a crash between a commit and its pointer update
         return info
 
     # ---- preemption ---------------------------------------------------------------------------------

@@ -17,6 +17,15 @@ from autoparallel.checkpoint.load import load_state_dict
 from autoparallel.checkpoint.save import save_state_dict
 
 
+def _check_tmp_dir(tmp_dir) -> None:
+    if tmp_dir is None:
+        return
+    if not isinstance(tmp_dir, (str, os.PathLike)):
+        raise TypeError(f"tmp_dir must be a path (str or os.PathLike) or None, got {type(tmp_dir).__name__}")
+    if not os.path.isdir(tmp_dir):
+        raise NotADirectoryError(f"tmp_dir {os.fspath(tmp_dir)!r} is not an existing directory")
+
+
 def _scratch_root(tmp_dir) -> str:
     if tmp_dir is not None:
         return os.fspath(tmp_dir)
@@ -28,6 +37,10 @@ def _scratch_root(tmp_dir) -> str:
 
 def reshard_state(state_from: dict, state_to: dict, *, tmp_dir=None, strict: bool = True) -> None:
     """Fill ``state_to`` (same names and global shapes, any layouts) with the values of ``state_from``."""
+    if not isinstance(state_from, dict) or not isinstance(state_to, dict):
+        raise TypeError(f"state_from and state_to must be dicts (nested allowed), got "
+                        f"{type(state_from).__name__} and {type(state_to).__name__}")
+    _check_tmp_dir(tmp_dir)
     multi, rank, world_size = sync.job()
     token = sync.broadcast_token(new_nonce())
     root = os.path.join(_scratch_root(tmp_dir), f"ap-reshard-{token}")
@@ -69,12 +82,29 @@ def reconfigure(model, optimizer, new_strategy, *, build=None, state_fn=None, tm
     """
     from autoparallel.checkpoint.state import training_state
 
-    if build is None:
-        build = default_build(model, optimizer)
+    if build is None:                       # every problem of the default rebuild named at once
+        from autoparallel.strategy import Strategy
+
+        problems = []
+        if not isinstance(new_strategy, Strategy):
+            problems.append(f"new_strategy must be an ap.Strategy (the default build parallelizes with it), got "
+                            f"{type(new_strategy).__name__} {new_strategy!r}")
+        try:
+            build = default_build(model, optimizer)
+        except TypeError as e:
+            problems.append(str(e))
+        if problems:
+            raise TypeError("; ".join(problems))
     if not callable(build):
         raise TypeError(f"build must be a callable new_strategy -> (model, optimizer), got {type(build).__name__}")
+    if state_fn is not None and not callable(state_fn):
+        raise TypeError(f"state_fn must be a callable (model, optimizer) -> dict, got {type(state_fn).__name__}")
+    _check_tmp_dir(tmp_dir)
     state_fn = state_fn or training_state
-    new_model, new_optimizer = build(new_strategy)
+    built = build(new_strategy)
+    if not isinstance(built, tuple) or len(built) != 2:
+        raise TypeError(f"build(new_strategy) must return (model, optimizer), got {type(built).__name__}")
+    new_model, new_optimizer = built
     reshard_state(state_fn(model, optimizer), state_fn(new_model, new_optimizer), tmp_dir=tmp_dir)
     return new_model, new_optimizer
 

@@ -1,24 +1,25 @@
 """Run state that is not a tensor of the model or optimizer: random generators, loss scaler, LR schedule.
 
-Saved in the checkpoint's metadata (``runtime``, beside the user's ``extra``), written by rank 0:
+Saved with the checkpoint (``runtime``, beside the user's ``extra``), written by rank 0; JSON values go into
+the metadata, arrays into the data files like any tensor. Everything is data: nothing is ever unpickled.
 
-* ``rng``: every rank's generator states (paddle's, numpy's global and python's ``random``), gathered to rank
-  0 with one all_gather; restored when the job has the same number of ranks (rank r gets rank r's states).
-  Under another world size the states of a different rank layout mean nothing, so they are left as seeded
-  and the restore reports it.
+* ``rng``: every rank's generator states (paddle's, numpy's global and python's ``random``) as plain integer
+  arrays (rng_arrays.py), gathered with one all_gather; restored when the job has the same number of ranks
+  (rank r gets rank r's states), after every field is checked. Under another world size the states of a
+  different rank layout mean nothing, so they are left as seeded and the restore reports it.
 * ``amp``: the dynamic loss scale and its good / bad step counters (the same on every rank: ``found_inf`` is
   agreed by all ranks).
 * ``lr_scheduler``: ``state_dict()`` of the paddle optimizer's LRScheduler, if it has one.
 """
 from __future__ import annotations
 
-import base64
-import pickle
-import random
+import numpy as np
+
+from autoparallel.checkpoint import rng_arrays
 
 
 def capture(optimizer=None) -> dict:
-    """This job's runtime state as JSON values (collective: every rank calls it)."""
+    """This job's runtime state: JSON values and numpy arrays (collective: every rank calls it)."""
     out = {"rng": _gather_rng()}
     scaler = _scaler(optimizer)
     if scaler is not None:
@@ -30,74 +31,69 @@ def capture(optimizer=None) -> dict:
 
 
 def restore(runtime: dict | None, optimizer=None) -> list:
-    """Put ``capture``'s values back; returns the names restored (``rng`` only under the saved world size)."""
+    """Put ``capture``'s values back; returns the names restored (``rng`` only under the saved world size).
+    Every part is checked before any is applied (CheckpointCorruptError names the bad one)."""
     if not runtime:
         return []
-    done = []
-    rng = runtime.get("rng")
     _, rank, world = _job()
-    if rng and rng.get("world_size") == world:
-        _set_rng(rng["states"][rank])
+    rng = runtime.get("rng")
+    states = rng_arrays.validate(rng) if rng else None      # plain arrays only, never unpickled
+    scaler, sched = _scaler(optimizer), _scheduler(optimizer)
+    amp = _amp_values(runtime["amp"]) if scaler is not None and "amp" in runtime else None
+    lr = runtime.get("lr_scheduler") if sched is not None else None
+    if lr is not None and not isinstance(lr, dict):
+        from autoparallel.checkpoint.errors import CheckpointCorruptError
+
+        raise CheckpointCorruptError(f"LR schedule state: expected a dict, got {type(lr).__name__}")
+    done = []
+    if states is not None and rng["world_size"] == world:
+        rng_arrays.restore({k: v[rank] for k, v in states.items()})
         done.append("rng")
-    scaler = _scaler(optimizer)
-    if scaler is not None and "amp" in runtime:
-        a = runtime["amp"]
-        scaler.scale_value, scaler.good_steps, scaler.bad_steps = float(a["scale"]), a["good_steps"], a["bad_steps"]
+    if amp is not None:
+        scaler.scale_value, scaler.good_steps, scaler.bad_steps = float(amp["scale"]), amp["good_steps"], \
+            amp["bad_steps"]
         done.append("amp")
-    sched = _scheduler(optimizer)
-    if sched is not None and "lr_scheduler" in runtime:
-        sched.set_state_dict(dict(runtime["lr_scheduler"]))
+    if lr is not None:
+        sched.set_state_dict(dict(lr))
         done.append("lr_scheduler")
     return done
 
 
 # ---- generators ------------------------------------------------------------------------------------------
-def _rng_bytes() -> bytes:
-    import numpy as np
-    import paddle
-
-    return pickle.dumps((paddle.get_rng_state(), np.random.get_state(), random.getstate()))
-
-
-def _set_rng(encoded: str) -> None:
-    import numpy as np
-    import paddle
-
-    p, n, r = pickle.loads(base64.b64decode(encoded))
-    paddle.set_rng_state(p)
-    np.random.set_state(n)
-    random.setstate(r)
-
-
 def _gather_rng() -> dict:
-    """{"world_size": n, "states": [base64 of rank r's generator states]} (the same on every rank)."""
-    mine = _rng_bytes()
+    """Every rank's generator states as arrays with a leading rank axis (the same on every rank)."""
+    mine = rng_arrays.capture()
     multi, _, world = _job()
     if not multi:
-        return {"world_size": world, "states": [base64.b64encode(mine).decode()] * world}
-    import numpy as np
+        return {"world_size": world, **{k: np.stack([v] * world) for k, v in mine.items()}}
     import paddle
     import paddle.distributed as dist
 
-    size = paddle.to_tensor([len(mine)], dtype="int64")
-    dist.all_reduce(size, op=dist.ReduceOp.MAX)
-    buf = np.zeros(int(size.numpy()[0]) + 8, dtype=np.uint8)          # 8 bytes of length, then the payload
-    buf[:8] = np.frombuffer(len(mine).to_bytes(8, "little"), dtype=np.uint8)
-    buf[8:8 + len(mine)] = np.frombuffer(mine, dtype=np.uint8)
+    packed = rng_arrays.pack(mine)              # fixed layout: every rank's buffer has the same length
+    from autoparallel import watchdog
+
     parts = []
-    dist.all_gather(parts, paddle.to_tensor(buf))
-    states = []
-    for t in parts:
-        raw = t.numpy().tobytes()
-        n = int.from_bytes(raw[:8], "little")
-        states.append(base64.b64encode(raw[8:8 + n]).decode())
-    return {"world_size": world, "states": states}
+    with watchdog.op("checkpoint generator states (all_gather)"):
+        dist.all_gather(parts, paddle.to_tensor(packed))
+    states = [rng_arrays.unpack(t.numpy(), mine) for t in parts]
+    return {"world_size": world, **{k: np.stack([s[k] for s in states]) for k in mine}}
 
 
 def _job() -> tuple:
     from autoparallel.checkpoint import sync
 
     return sync.job()
+
+
+def _amp_values(a) -> dict:
+    from autoparallel.checkpoint.errors import CheckpointCorruptError
+
+    ok = isinstance(a, dict) and isinstance(a.get("scale"), (int, float)) and not isinstance(a.get("scale"), bool) \
+        and all(isinstance(a.get(k), int) and not isinstance(a.get(k), bool) for k in ("good_steps", "bad_steps"))
+    if not ok:
+        raise CheckpointCorruptError(f"loss scaler state: expected {{'scale': number, 'good_steps': int, "
+                                     f"'bad_steps': int}}, got {a!r}")
+    return a
 
 
 # ---- the optimizer's companions -------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 from autoparallel.checkpoint import sync
@@ -21,7 +22,10 @@ from autoparallel.checkpoint.collect import collect, json_value
 from autoparallel.checkpoint.errors import CheckpointSaveError
 from autoparallel.checkpoint.flatten import flatten
 from autoparallel.checkpoint.format import BLOCK_BYTES, FORMAT, METADATA, VERSION, encode_metadata
+from autoparallel.checkpoint.ownership import CKPT_MARKER, check_replaceable, marker_bytes
 from autoparallel.checkpoint.writer import write_rank_file
+
+RUNTIME_PREFIX = "/runtime/"        # no state name starts with "/" (flatten.py): the run state's arrays
 
 FAILED = "FAILED"
 
@@ -32,25 +36,39 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
 
     Every rank of a job must call it with the same structure. ``step`` and ``extra`` (JSON: data-loader
     position, strategy dict, ...) are stored in the metadata and returned by ``load_state_dict``. ``path``
-    appears only when the checkpoint is complete; an existing ``path`` needs ``overwrite=True``.
+    appears only when the checkpoint is complete; an existing ``path`` needs ``overwrite=True``, which replaces
+    only a single checkpoint directory written by autoparallel (anything else: CheckpointOwnershipError, nothing
+    changed; ownership.py). A save that fails removes its temporary directory.
     ``block_bytes``: checksum granularity (a partial read verifies whole blocks). Returns the absolute
     path of the checkpoint. ``runtime``: the run state beyond tensors (generators, loss scale, LR schedule;
-    runtime_state.py), JSON, kept apart from the user's ``extra``.
+    runtime_state.py): a dict of JSON values and numpy arrays, kept apart from the user's ``extra``.
     """
     from autoparallel import watchdog
 
     flat = flatten(state)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {type(overwrite).__name__} {overwrite!r}")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
+    if step is not None and step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
     extra = json_value("extra", extra)
-    runtime = json_value("runtime", runtime)
+    runtime, runtime_arrays = split_runtime(runtime)
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 64 or block_bytes % 64:
         raise ValueError(f"block_bytes must be a positive multiple of 64, got {block_bytes!r}")
     multi, rank, world_size = sync.job()
-    final = os.path.abspath(path)
-    if os.path.lexists(final) and not overwrite:
-        raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
+    final = os.path.abspath(os.fspath(path))
+    if os.path.lexists(final):
+        if not overwrite:
+            raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
+        check_replaceable(final)
     tensors, values, writes = collect(flat, rank, multi)
+    more, _, more_writes = collect(runtime_arrays, rank, multi)
+    tensors.update(more)
+    for r, items in more_writes.items():
+        writes.setdefault(r, []).extend(items)
     nonce = sync.broadcast_token(new_nonce())
     tmp = temp_dir_for(final, nonce)
     os.makedirs(tmp, exist_ok=True)
@@ -59,12 +77,41 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
             "tensors": tensors, "values": values, "files": {}}
     with watchdog.long_wait("checkpoint write"):
         if not multi:
-            for r in sorted(writes):
-                _merge(meta, *write_rank_file(tmp, r, writes[r], block_bytes))
-            _commit(meta, tmp, final, overwrite)
+            try:
+                write_file_atomic(os.path.join(tmp, CKPT_MARKER), marker_bytes("checkpoint"))   # ours, first
+                for r in sorted(writes):
+                    _merge(meta, *write_rank_file(tmp, r, writes[r], block_bytes))
+                _commit(meta, tmp, final, overwrite)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)       # a failed save leaves nothing behind
+                raise
         else:
             _save_multi(meta, tmp, final, overwrite, rank, world_size, writes.get(rank, []), block_bytes)
     return final
+
+
+def split_runtime(runtime) -> tuple:
+    """(JSON part, {RUNTIME_PREFIX + name: (container, key, array)}) of the run state: its arrays are
+    written like tensors (runtime_tensors in the metadata), everything else is JSON."""
+    import numpy as np
+
+    if runtime is None:
+        return None, {}
+    if not isinstance(runtime, dict):
+        raise TypeError(f"runtime must be a dict of JSON values and numpy arrays, got {type(runtime).__name__}")
+    arrays = {}
+
+    def strip(d: dict, prefix: str) -> dict:
+        out = {}
+        for k, v in d.items():
+            name = f"{prefix}{k}"
+            if isinstance(v, np.ndarray):
+                arrays[RUNTIME_PREFIX + name] = (out, k, v)
+            else:
+                out[k] = strip(v, name + "/") if isinstance(v, dict) else v
+        return out
+
+    return json_value("runtime", strip(runtime, "")), arrays
 
 
 def _merge(meta: dict, entries: dict, file_info) -> None:
@@ -89,6 +136,8 @@ def _union(meta: dict, part: dict, final: str) -> None:
 def _commit(meta: dict, tmp: str, final: str, overwrite: bool) -> None:
     for name, rec in meta["tensors"].items():
         rec.setdefault("shards", [])
+    meta["runtime_tensors"] = {n[len(RUNTIME_PREFIX):]: meta["tensors"].pop(n) for n in list(meta["tensors"])
+                               if n.startswith(RUNTIME_PREFIX)}
     write_file_atomic(os.path.join(tmp, METADATA), encode_metadata(meta),
                       before_rename=lambda: fault_point("before_metadata_rename"))
     fault_point("after_metadata_rename")
@@ -97,8 +146,34 @@ def _commit(meta: dict, tmp: str, final: str, overwrite: bool) -> None:
 
 
 def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        return f"(the failure note is unreadable: {e})"
+
+
+def _note(path: str, text: str) -> None:
+    """Best effort: a failure note on a full disk may itself fail; the caller raises the real error."""
+    try:
+        write_file_atomic(path, text.encode())
+    except OSError:
+        pass
+
+
+ACK_WAIT_S = 5.0
+
+
+def _remove_after_acks(tmp: str, world_size: int) -> None:
+    """Rank 0 after a failed save: give the other ranks a moment to read the FAILED note (each drops an
+    ``ack-<r>``, or has its own ``rank-<r>.json.failed``), then remove the temporary directory."""
+    def acked(r: int) -> bool:
+        return os.path.exists(os.path.join(tmp, f"ack-{r:05d}")) or os.path.exists(_marker(tmp, r) + ".failed")
+
+    deadline = time.monotonic() + ACK_WAIT_S
+    while time.monotonic() < deadline and not all(acked(r) for r in range(1, world_size)):
+        time.sleep(0.05)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _marker(tmp: str, rank: int) -> str:
@@ -107,12 +182,15 @@ def _marker(tmp: str, rank: int) -> str:
 
 def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_bytes) -> None:
     try:
+        if rank == 0:
+            write_file_atomic(os.path.join(tmp, CKPT_MARKER), marker_bytes("checkpoint"))   # ours, first
         entries, info = write_rank_file(tmp, rank, items, block_bytes) if items else ({}, None)
+        write_file_atomic(_marker(tmp, rank), json.dumps({"entries": entries, "file": info,
+                                                          "tensors": meta["tensors"],
+                                                          "values": meta["values"]}).encode())
     except BaseException as e:        # tell rank 0 at once rather than after AP_CKPT_TIMEOUT
-        write_file_atomic(_marker(tmp, rank) + ".failed", f"{type(e).__name__}: {e}".encode())
+        _note(_marker(tmp, rank) + ".failed", f"{type(e).__name__}: {e}")
         raise
-    write_file_atomic(_marker(tmp, rank), json.dumps({"entries": entries, "file": info, "tensors": meta["tensors"],
-                                                      "values": meta["values"]}).encode())
     timeout = sync.save_timeout()
     if rank == 0:
         markers = [_marker(tmp, r) for r in range(world_size)]
@@ -135,7 +213,8 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
             _commit(meta, tmp, final, overwrite)
         except BaseException as e:
             if os.path.isdir(tmp):
-                write_file_atomic(os.path.join(tmp, FAILED), f"{type(e).__name__}: {e}".encode())
+                _note(os.path.join(tmp, FAILED), f"{type(e).__name__}: {e}")
+                _remove_after_acks(tmp, world_size)
             if isinstance(e, TimeoutError):
                 raise CheckpointSaveError(str(e)) from None
             raise
@@ -143,9 +222,7 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
     metadata = os.path.join(final, METADATA)
     failed = os.path.join(tmp, FAILED)
 
-    def committed() -> bool:
-        if os.path.exists(failed):
-            return True
+    def ours() -> bool:
         if not os.path.exists(metadata):
             return False
         try:
@@ -154,7 +231,13 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
         except (OSError, ValueError):
             return False
 
-    sync.wait_until(committed, timeout, lambda: f"checkpoint {final}: rank 0 did not commit within "
-                                                f"{timeout:.0f} s (AP_CKPT_TIMEOUT)")
-    if os.path.exists(failed):
-        raise CheckpointSaveError(f"checkpoint {final}: rank 0 could not commit: {_read(failed)}")
+    def settled() -> bool:          # committed, failed, or the temporary directory removed by rank 0
+        return ours() or os.path.exists(failed) or not os.path.isdir(tmp)
+
+    sync.wait_until(settled, timeout, lambda: f"checkpoint {final}: rank 0 did not commit within "
+                                              f"{timeout:.0f} s (AP_CKPT_TIMEOUT)")
+    if ours():
+        return
+    why = _read(failed) if os.path.exists(failed) else "its temporary directory was removed without a commit"
+    _note(os.path.join(tmp, f"ack-{rank:05d}"), "")
+    raise CheckpointSaveError(f"checkpoint {final}: rank 0 could not commit: {why}")

@@ -78,6 +78,10 @@ def training_state(model, optimizer=None) -> dict:
         return optimizer.checkpoint_state(model)             # ZeRO (through any wrapper)
     if callable(getattr(model, "checkpoint_state", None)):
         return model.checkpoint_state(optimizer)
+    import paddle
+
+    if not isinstance(model, paddle.nn.Layer):
+        raise TypeError(f"model must be a paddle.nn.Layer or a PipelineModule, got {type(model).__name__}")
     state = {"model": model_state(model)}
     if optimizer is not None:
         state["optimizer"] = optimizer_state(paddle_optimizer(optimizer), model)

@@ -3,21 +3,25 @@
 gloo (paddle 3.3.1) aborts a collective after a fixed 30 s, and writing a large shard can take longer, so
 ranks never wait for each other in a collective around the writes. The protocol is:
 
-1. one small broadcast before writing (rank 0's nonce: the name of the temporary directory);
+1. one small broadcast before writing (rank 0's nonce: the name of the temporary directory); every rank
+   arms the job's watchdog here if none runs yet (``watchdog.start_default``);
 2. every rank writes its own data file, fsyncs it, and atomically drops ``rank-<r>.json`` (its shard index)
    into the temporary directory;
-3. rank 0 polls the directory until every rank's marker is there (a file-based rendezvous: no timeout but
-   ``AP_CKPT_TIMEOUT``, default 3600 s), writes the metadata and commits;
+3. rank 0 polls the directory until every rank's marker is there, writes the metadata and commits;
 4. the other ranks poll for the committed metadata carrying the same nonce (or a failure note).
 
-All polling runs inside ``watchdog.long_wait`` so a running watchdog does not mistake it for a hang; the
-watchdog still detects a rank that dies meanwhile. The checkpoint directory must be on a filesystem every
-rank sees (a shared filesystem across nodes).
+Liveness comes from heartbeats, not from the polling: the watchdog's heartbeats run in a thread of their
+own through the whole save, so a rank killed meanwhile is named at once (same host) and a frozen one
+within the heartbeat timeout (at most 2 x while its process still runs a long write), and every rank exits
+naming it and the operation in flight. ``AP_CKPT_TIMEOUT`` (default 3600 s) bounds the polling only as the
+last resort when the watchdog is switched off (``AP_WATCHDOG=off``). The checkpoint directory must be on a
+filesystem every rank sees (a shared filesystem across nodes).
 """
 from __future__ import annotations
 
 import os
 import time
+import warnings
 
 POLL_S = 0.02
 MAX_POLL_S = 0.5
@@ -38,31 +42,51 @@ def job() -> tuple:
 
 
 def broadcast_token(token: str) -> str:
-    """Rank 0's ``token`` (12 hex digits) on every rank, by one broadcast of a 2-element int64 tensor."""
+    """Rank 0's ``token`` (12 hex digits) on every rank, by one broadcast of a 2-element int64 tensor; arms
+    the watchdog first (every rank of a save passes here together)."""
     multi, _, _ = job()
     if not multi:
         return token
     import paddle
     import paddle.distributed as dist
 
+    from autoparallel import watchdog
+
+    watchdog.start_default()
     value = int(token, 16)
     t = paddle.to_tensor([value >> 32, value & 0xFFFFFFFF], dtype="int64")
-    dist.broadcast(t, src=0)
+    with watchdog.op("checkpoint start (broadcast)"):
+        dist.broadcast(t, src=0)
     hi, lo = (int(v) for v in t.numpy())
     return f"{(hi << 32) | lo:012x}"
 
 
 def save_timeout() -> float:
-    return float(os.environ.get("AP_CKPT_TIMEOUT", "3600"))
+    text = os.environ.get("AP_CKPT_TIMEOUT", "3600")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"AP_CKPT_TIMEOUT must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"AP_CKPT_TIMEOUT must be positive, got {text!r}")
+    return value
 
 
-def wait_until(ready, timeout: float, describe) -> None:
-    """Poll ``ready()`` until true; TimeoutError with ``describe()`` after ``timeout`` seconds."""
+_warned = [False]
+
+
+def wait_until(ready, timeout: float, describe, what: str = "checkpoint rendezvous") -> None:
+    """Poll ``ready()`` until true, as the operation ``what`` of this rank (named by the watchdog if a peer
+    is lost meanwhile); TimeoutError with ``describe()`` after ``timeout`` seconds."""
     from autoparallel import watchdog
 
+    if watchdog.current() is None and job()[0] and not _warned[0]:
+        _warned[0] = True
+        warnings.warn(f"{what} without a running watchdog (AP_WATCHDOG=off?): a rank lost meanwhile is noticed "
+                      f"only after {timeout:.0f} s (AP_CKPT_TIMEOUT)", RuntimeWarning, stacklevel=2)
     deadline = time.monotonic() + timeout
     delay = POLL_S
-    with watchdog.long_wait("checkpoint rendezvous"):
+    with watchdog.op(what):
         while not ready():
             if time.monotonic() > deadline:
                 raise TimeoutError(describe())

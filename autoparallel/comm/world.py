@@ -48,6 +48,9 @@ class SimWorld(World):
     def __init__(self, world_size: int):
         if not isinstance(world_size, int) or world_size <= 0:
             raise ValueError(f"simulate(world_size) expects a positive int, got {world_size!r}")
+        if world_size > 2 ** 20:          # every rank's shard lives in this one process
+            raise ValueError(f"simulate(world_size) expects at most 2**20 ranks (1,048,576; all of them live in "
+                             f"this process), got {world_size}")
         self.world_size = world_size
         self.rank = 0
 

@@ -400,6 +400,12 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
     from autoparallel.graph.completion import complete
     from autoparallel.strategy import Strategy
 
+    import paddle
+
+    if not isinstance(model, paddle.nn.Layer):
+        raise TypeError(f"to_static expects a paddle.nn.Layer, got {type(model).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"to_static: loss_fn must be a callable (output, label) -> loss, got {type(loss_fn).__name__}")
     loss_fn = _routed(loss_fn) if loss_fn is not None else None
     strategy = Strategy() if strategy is None else strategy
     if not isinstance(strategy, Strategy):

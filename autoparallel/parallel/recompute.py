@@ -79,6 +79,10 @@ def recompute_layers(model, segment_func=None, checkpoint_every_n_layers: int = 
     """Seed-style view: recompute the layers chosen by ``segment_func(model) -> list of layers`` (default:
     the model's blocks) in segments of ``checkpoint_every_n_layers``."""
     _check_n(checkpoint_every_n_layers)
+    if not isinstance(model, paddle.nn.Layer):
+        raise TypeError(f"recompute_layers expects a paddle.nn.Layer, got {type(model).__name__}")
+    if segment_func is not None and not callable(segment_func):
+        raise TypeError(f"segment_func must be a callable model -> list of layers, got {type(segment_func).__name__}")
     layers = list(segment_func(model)) if segment_func is not None else find_blocks(model)[1]
     if not layers or not all(isinstance(l, paddle.nn.Layer) for l in layers):
         raise ValueError(f"segment_func must return a non-empty list of paddle.nn.Layer, got {layers!r}")

@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from autoparallel.cli_checks import bounded, output_path
 from autoparallel.planner.cluster import ClusterSpec, CollectiveFit, DeviceSpec, LinkSpec, RuntimeSpec
 
 # placeholders for gloo over loopback TCP when collectives are not measured (--no-launch)
@@ -257,6 +258,14 @@ def main(argv=None) -> int:
     if args.ranks <= 0 or args.matmul_size <= 0 or args.repeat <= 0:
         print(f"autoparallel calibrate: error: --ranks, --matmul-size and --repeat must be positive, got "
               f"{args.ranks}, {args.matmul_size}, {args.repeat}", file=sys.stderr)
+        return 2
+    try:
+        output_path("--output", args.output, ("json",))       # before minutes of measuring, not after
+        bounded("--ranks", args.ranks, 1024, "ranks on one machine")
+        bounded("--matmul-size", args.matmul_size, 2 ** 15, "rows of a square matmul (4 GiB in float32)")
+        bounded("--repeat", args.repeat, 10 ** 4, "repetitions")
+    except ValueError as exc:
+        print(f"autoparallel calibrate: error: {exc}", file=sys.stderr)
         return 2
     if not args.no_launch and args.ranks < 2:
         print(f"autoparallel calibrate: error: measuring collectives needs --ranks >= 2, got {args.ranks} "

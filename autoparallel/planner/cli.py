@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from autoparallel.planner.model_spec import PRESETS
+from autoparallel.cli_checks import (MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS, bounded,
+                                     output_path)
+from autoparallel.planner.model_spec import PRESETS, parse_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +37,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+PLOT_SUFFIXES = ("png", "pdf", "svg", "jpg", "jpeg")
+
+
+def check_args(args) -> None:
+    """Sizes no cluster has and an unwritable --plot are refused before any work."""
+    bounded("--global-batch", args.global_batch, MAX_GLOBAL_BATCH, "sequences per step")
+    if args.seq_len is not None:
+        bounded("--seq-len", args.seq_len, MAX_SEQ_LEN, "tokens per sequence")
+        bounded("--global-batch x --seq-len", args.global_batch * args.seq_len, MAX_TOKENS, "tokens per step")
+    bounded("--top", args.top, 10 ** 6, "candidates")
+    if args.plot:
+        output_path("--plot", args.plot, PLOT_SUFFIXES)
+
+
+MODEL_BOUNDS = {"hidden": 2 ** 24, "ffn": 2 ** 26, "layers": 2 ** 16, "heads": 2 ** 16, "kv_heads": 2 ** 16,
+                "vocab": 2 ** 30, "seq_len": MAX_SEQ_LEN}
+
+
+def check_model(text: str):
+    """The ModelSpec of --model, its sizes bounded (no model has more)."""
+    model = parse_model(text)
+    for field, high in MODEL_BOUNDS.items():
+        value = getattr(model, field, 0) or 0
+        if value > high:
+            raise ValueError(f"--model {field}={value} exceeds {high:,}, more than any model has")
+    return model
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -46,7 +76,10 @@ def main(argv=None) -> int:
     from autoparallel.planner.cluster import parse_cluster
     from autoparallel.planner.options import options_for_cluster
     try:
+        check_args(args)
+        model = check_model(args.model)
         cluster = parse_cluster(args.cluster)
+        bounded("--cluster", cluster.world_size, MAX_DEVICES, "devices")
         options = options_for_cluster(cluster)
         changes = {}
         if args.precision:
@@ -54,7 +87,7 @@ def main(argv=None) -> int:
         if args.flash_attention:
             changes["flash_attention"] = True
         options = options.replace(**changes) if changes else options
-        result = plan(args.model, cluster, global_batch_size=args.global_batch, seq_len=args.seq_len,
+        result = plan(model, cluster, global_batch_size=args.global_batch, seq_len=args.seq_len,
                       top=args.top, fixed=args.fixed, options=options)
     except (ValueError, TypeError, KeyError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc

@@ -62,9 +62,26 @@ class SearchSpace:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
 
 
+MAX_DIVISORS_OF = 2 ** 40
+
+
 def divisors(n: int) -> list:
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    """The divisors of ``n``, sorted, from its prime factors (trial division: O(sqrt n) at worst, for a
+    prime; instant for the products of small primes batch sizes and device counts are)."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 < n <= MAX_DIVISORS_OF:
+        raise ValueError(f"divisors: expected an integer in [1, 2**40] (a batch size or a device count), got {n!r}")
+    n, out, p = int(n), [1], 2
+    while p * p <= n:
+        k = 0
+        while n % p == 0:
+            n //= p
+            k += 1
+        if k:
+            out = [d * p ** e for d in out for e in range(k + 1)]
+        p += 1 if p == 2 else 2
+    if n > 1:
+        out += [d * n for d in out]
+    return sorted(out)
 
 
 def tp_divides_model(model, tp: int) -> bool:

@@ -13,5 +13,7 @@ root, step = sys.argv[1], int(sys.argv[2])
 with ap.simulate(world_size=4):
     mesh = ap.ProcessMesh([[0, 1], [2, 3]], ["dp", "tp"])
     state = build_state(mesh, DP2_TP2, full_tensors(seed=step))
-    CheckpointManager(root, save_interval_steps=1).save(state, step, extra={"seed": step})
+    mgr = CheckpointManager(root, save_interval_steps=1)
+    mgr.start(resume=True)                      # the same run continues in its root
+    mgr.save(state, step, extra={"seed": step})
 print("saved", step)

@@ -1,5 +1,5 @@
 """One watchdog rank in its own process, sharing a FileStore with the test process.
-Usage: watchdog_child.py STORE_DIR RANK WORLD TIMEOUT MODE   (MODE: hold | raise | clean | sigterm)"""
+Usage: watchdog_child.py STORE_DIR RANK WORLD TIMEOUT MODE   (MODE: hold | save | raise | clean | sigterm)"""
 import os
 import signal
 import sys
@@ -14,6 +14,9 @@ print("ready", flush=True)
 with wd.op("all_reduce", step=3):
     if mode == "hold":
         time.sleep(600)
+    elif mode == "save":
+        with wd.long_wait("checkpoint write"):   # a long operation: peers may allow up to 2 x timeout
+            time.sleep(600)
     elif mode == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)       # held by the watchdog for its grace, then the exit
         time.sleep(600)
