@@ -24,7 +24,10 @@ class Candidate:
     capacity_gb: float            # device memory capacity
     host_memory_gb: float         # optimizer states held in host memory per device (offload)
     time_s: dict                  # step time breakdown in seconds (compute, recompute, tp_comm, bubble, ...)
-    feasible: bool                # fits in device memory
+    feasible: bool                # fits in device memory (and, when offloading, in host memory)
+    host_feasible: bool = True    # the node's host RAM holds what its devices offload
+    stage_layers: tuple = ()      # blocks on the (first, last, largest middle) pipeline stage
+    link_busy_s: dict = None      # seconds per step each link (nvlink, network, pcie) carries traffic
 
     @property
     def schedule(self) -> str:
@@ -41,6 +44,8 @@ class Candidate:
             "memory_per_device_gb": self.memory_per_device_gb, "capacity_gb": self.capacity_gb,
             "memory_breakdown_gb": dict(self.memory_gb), "host_memory_gb": self.host_memory_gb,
             "time_breakdown_s": dict(self.time_s), "feasible": self.feasible,
+            "host_feasible": self.host_feasible, "ep": c.ep, "split": c.split,
+            "stage_layers": list(self.stage_layers), "link_busy_s": dict(self.link_busy_s or {}),
         }
 
     def to_strategy_dict(self) -> dict:
