@@ -18,8 +18,8 @@ PLANNER_ONLY_PRECISIONS = ("fp8",)
 @dataclass(frozen=True)
 class PlannerOptions:
     # -- fitted on Megatron-LM Table 1 rows 1.7B and 145B (planner/megatron.py, tests/test_planner_calibration.py)
-    gemm_efficiency: float = 0.613                # sustained fraction of peak FLOP/s of a block's matmuls
-    activation_traffic_factor: float = 1.69       # device-memory bytes moved per stored activation byte (element-wise ops)
+    gemm_efficiency: float = 0.662                # sustained fraction of peak FLOP/s of a block's matmuls
+    activation_traffic_factor: float = 2.24       # device-memory bytes moved per stored activation byte (element-wise ops)
     # -- numerics
     precision: str = "bf16"                       # "bf16" (mixed precision, 16-bit activations) or "fp32"
     flash_attention: bool = False                 # attention scores never materialised (no a·s² activations)

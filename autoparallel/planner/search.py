@@ -84,7 +84,8 @@ def expert_degrees(model, dp: int) -> list:
 
 
 def _split_duplicate(model, seq_len, c):
-    """A split equal to an earlier one in SPLITS (same blocks per stage), or a vpp the split does not offer."""
+    """Outside the search space (though runnable): a split equal to an earlier one in SPLITS (same blocks per
+    stage), or a vpp that does not divide the largest stage."""
     from autoparallel.planner.stages import head_equivalent, split_layers
 
     eq = head_equivalent(model, seq_len)
@@ -122,9 +123,7 @@ def invalid_reason(model, world, global_batch, seq_len, config: ParallelConfig, 
         problem = _split_problem(model, seq_len, c.pp, c.vpp, c.split)
         if problem:
             return f"pipeline split {c.split!r} of {model.layers} blocks over pp={c.pp}, vpp={c.vpp}: {problem}"
-        problem = _split_duplicate(model, seq_len, c)
-        if problem:
-            return problem
+
     if c.ep > 1:
         if not model.is_moe:
             return f"ep={c.ep} needs a mixture-of-experts model ({model.name} is dense)"
@@ -318,7 +317,8 @@ def enumerate_valid(model, world, global_batch, seq_len, options, space: SearchS
                        ("dp", "tp", "pp", "vpp", "sp", "sharding", "recompute", "offload", "micro_batch", "ep",
                         "split")):
                 continue
-            if invalid_reason(model, world, global_batch, seq_len, config, options) is None:
+            if invalid_reason(model, world, global_batch, seq_len, config, options) is None and (
+                    config.pp == 1 or _split_duplicate(model, seq_len, config) is None):
                 yield config
 
 
