@@ -93,7 +93,7 @@ def plan(model_or_preset, cluster=None, global_batch_size=None, seq_len=None, to
         raise _empty_space_error(model, cluster, global_batch, space)
     candidates = outcome.top(top, global_batch, seq, capacity)
     if candidates:
-        explanation = explain_search(outcome, candidates, global_batch, seq, capacity)
+        explanation = _planner_only_note(options) + explain_search(outcome, candidates, global_batch, seq, capacity)
         return PlanResult(model, cluster, global_batch, seq, candidates, explanation, True, outcome.evaluated,
                           time.perf_counter() - start)
     closest = candidate_at(outcome.evaluation, outcome.grid, outcome.least_memory(), global_batch, seq, capacity)
@@ -103,6 +103,13 @@ def plan(model_or_preset, cluster=None, global_batch_size=None, seq_len=None, to
     message = infeasible_message(headline, closest, suggestions)
     return PlanResult(model, cluster, global_batch, seq, [], message, False, outcome.evaluated,
                       time.perf_counter() - start, suggestions=suggestions)
+
+
+def _planner_only_note(options) -> str:
+    if not options.planner_only:
+        return ""
+    return (f"Note: precision {options.precision} is priced at the device's {options.compute_dtype} peak but is "
+            f"planner-only: the runtime cannot run it (its AMP offers float16 and bfloat16).\n")
 
 
 def _plan_fixed(model, cluster, global_batch, seq, fixed, options, space, start) -> PlanResult:
@@ -130,7 +137,7 @@ def _plan_fixed(model, cluster, global_batch, seq, fixed, options, space, start)
                                       f"{cluster.name})\n")
     suggestions = []
     if cand.feasible:
-        explanation = note + explain_fixed(cand, reference)
+        explanation = _planner_only_note(options) + note + explain_fixed(cand, reference)
     else:
         suggestions = fixed_suggestions(model, sub, global_batch, seq, config, options)
         if reference is not None:

@@ -11,11 +11,12 @@ from autoparallel.planner.search import config_at, candidate_at, evaluate_config
 TERM_NAMES = {"compute": "compute", "recompute": "recomputation", "tp_comm": "TP communication",
               "zero3_gather": "exposed ZeRO-3 gathers", "bubble": "pipeline bubble",
               "pp_comm": "stage-to-stage sends", "dp_comm": "exposed DP gradient sync", "optimizer": "optimizer step",
-              "overhead": "per-op overheads"}
+              "overhead": "per-op overheads", "ep_comm": "expert all-to-all"}
 KNOB_LABELS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("vpp", "vpp"), ("sp", "sp"), ("sharding", "zero"),
-               ("recompute", "recompute"), ("offload", "offload"), ("micro_batch", "micro_batch"))
+               ("recompute", "recompute"), ("offload", "offload"), ("micro_batch", "micro_batch"), ("ep", "ep"),
+               ("split", "split"))
 _GRID_OF_KNOB = {"tp": "tp", "pp": "pp", "dp": "dp", "vpp": "vpp", "sp": "sp", "sharding": "zero",
-                 "recompute": "recompute", "offload": "offload", "micro_batch": "mb"}
+                 "recompute": "recompute", "offload": "offload", "micro_batch": "mb", "ep": "ep", "split": "split"}
 
 
 def config_diff(a: ParallelConfig, b: ParallelConfig) -> str:
@@ -63,6 +64,8 @@ def explain_search(outcome, candidates, global_batch, seq_len, capacity) -> str:
         mine = getattr(winner.config, knob)
         if knob == "recompute":
             mine = ("none", "selective", "full").index(mine)
+        if knob == "split":
+            mine = ("even", "ends", "balanced").index(mine)
         differs = np.nonzero(values != mine)[0]
         if len(differs) == 0:
             continue
@@ -76,7 +79,7 @@ def explain_search(outcome, candidates, global_batch, seq_len, capacity) -> str:
     infeasible = int(np.count_nonzero(~ev["feasible"]))
     if infeasible:
         faster = np.nonzero((~ev["feasible"]) & (ev["step_time_s"] < winner.step_time_s))[0]
-        note = f"  {infeasible} of {outcome.evaluated} configurations exceed {capacity / 1e9:.0f} GB per device"
+        note = f"  {infeasible} of {outcome.evaluated} configurations exceed {capacity / 1e9:.0f} GB per device (or, offloading, the host RAM)"
         if len(faster):
             i = int(faster[np.lexsort((ev["memory_total"][faster], ev["step_time_s"][faster]))[0]])
             fast = candidate_at(ev, grid, i, global_batch, seq_len, capacity)
