@@ -160,15 +160,20 @@ def validation_table(runs=RUNS, options: PlannerOptions = None) -> list:
     return out
 
 
-def search_best(run: PublishedRun, options: PlannerOptions = None):
-    """The search's best feasible configuration for the run's job (same model, GPUs, batch, sequence)."""
-    from autoparallel.planner.search import SearchSpace, search
+def search_best(run: PublishedRun, options: PlannerOptions = None, feasible_only: bool = True):
+    """The search's best configuration for the run's job (same model, GPUs, batch, sequence): the fastest that
+    fits, or with ``feasible_only=False`` the fastest of all (for a published configuration that the memory
+    model says does not fit)."""
+    from autoparallel.planner.search import SearchSpace, candidate_at, rank_order, search
 
     options = run.options(options)
     cluster = run_cluster(run)
     outcome = search(PRESETS[run.model], cluster, run.global_batch, run.seq_len, SearchSpace(), options)
-    best = outcome.top(1, run.global_batch, run.seq_len, cluster.device.memory_bytes)
-    return best[0] if best else None
+    order = outcome.order if feasible_only else rank_order(outcome.evaluation, outcome.grid, feasible_only=False)
+    if not len(order):
+        return None
+    return candidate_at(outcome.evaluation, outcome.grid, int(order[0]), run.global_batch, run.seq_len,
+                        cluster.device.memory_bytes)
 
 
 def drift(rows) -> float:
