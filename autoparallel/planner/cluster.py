@@ -198,7 +198,7 @@ def preset(device: str, num_nodes: int = 1, devices_per_node: int = 8, topology:
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}: expected one of {sorted(DEVICES)}")
     intra, fabric = _LINKS[device]
-    fabric = topology or fabric
+    fabric = topology or replace(fabric, nics_per_node=devices_per_node)      # the system's NIC per GPU
     inter = LinkSpec(latency_s=1e-5, bandwidth_Bps=fabric.nic_share_Bps(devices_per_node))
     return ClusterSpec(f"{num_nodes}x{devices_per_node}:{device}", num_nodes, devices_per_node,
                        DEVICES[device], intra, inter, topology=fabric)
