@@ -75,16 +75,37 @@ def group_affine(cluster, collective: str, n: int, stride: int, pxn: bool = Fals
                  bool(pxn and topo.rail_optimized and k > 1))
 
 
+@lru_cache(maxsize=64)
+def _levels(world: int) -> np.ndarray:
+    """Every group size and stride a configuration of ``world`` ranks can have: the divisors of world, and 2."""
+    small = [d for d in range(1, int(world ** 0.5) + 1) if world % d == 0]
+    return np.array(sorted(set(small + [world // d for d in small] + [2])), dtype=np.int64)
+
+
+def _factorize(n, stride, world):
+    """(unique (n, stride) pairs, index of each candidate's pair) in O(candidates), without sorting them."""
+    levels = _levels(world)
+    ni = np.minimum(np.searchsorted(levels, n), len(levels) - 1)
+    si = np.minimum(np.searchsorted(levels, stride), len(levels) - 1)
+    if not (np.array_equal(levels[ni], n) and np.array_equal(levels[si], stride)):
+        keys = n.astype(np.int64) * (1 << 32) + stride.astype(np.int64)
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        return [(int(k >> 32), int(k & 0xFFFFFFFF)) for k in uniq], inverse.reshape(-1)
+    key = ni * len(levels) + si
+    present = np.flatnonzero(np.bincount(key, minlength=len(levels) ** 2))
+    slot = np.zeros(len(levels) ** 2, dtype=np.int64)
+    slot[present] = np.arange(len(present))
+    pairs = [(int(levels[k // len(levels)]), int(levels[k % len(levels)])) for k in present]
+    return pairs, slot[key]
+
+
 def priced(cluster, collective: str, nbytes, n, stride, pxn: bool = False):
     """Per candidate: (seconds, NVLink busy seconds, network busy seconds) of one call of ``nbytes`` bytes
     per rank over groups of ``n`` ranks ``stride`` apart (arrays; each distinct group priced once)."""
-    n = np.asarray(n).reshape(-1)
-    stride = np.broadcast_to(np.asarray(stride).reshape(-1), n.shape)
-    keys = n.astype(np.int64) * (1 << 32) + stride.astype(np.int64)      # one integer per (n, stride)
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    coef = np.array([group_affine(cluster, collective, int(k >> 32), int(k & 0xFFFFFFFF), pxn)
-                     for k in uniq]).reshape(-1, 3)
+    n = np.asarray(n).reshape(-1).astype(np.int64)
+    stride = np.broadcast_to(np.asarray(stride).reshape(-1), n.shape).astype(np.int64)
+    pairs, inverse = _factorize(n, stride, cluster.world_size)
+    coef = np.array([group_affine(cluster, collective, a, b, pxn) for a, b in pairs]).reshape(-1, 3)
     c0, ci, cn = coef[inverse, 0], coef[inverse, 1], coef[inverse, 2]
     b = np.broadcast_to(np.asarray(nbytes, dtype=float), n.shape)
     busy_i, busy_n = ci * b, cn * b

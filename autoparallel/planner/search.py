@@ -261,12 +261,10 @@ def evaluate_config(model, cluster, global_batch, seq_len, config: ParallelConfi
 
 
 def rank_order(ev: dict, grid: dict, feasible_only: bool = True) -> np.ndarray:
-    """Indices sorted by (step time, memory, dp, tp, pp, vpp, sp, zero, recompute, offload, mb)."""
-    keys = [grid[k] for k in reversed(GRID_KEYS)] + [ev["memory_total"], ev["step_time_s"]]
-    order = np.lexsort(keys)
-    if feasible_only:
-        order = order[ev["feasible"][order]]
-    return order
+    """Indices sorted by (step time, memory, dp, tp, pp, vpp, sp, zero, recompute, offload, mb, ep, split)."""
+    pool = np.flatnonzero(ev["feasible"]) if feasible_only else np.arange(len(ev["step_time_s"]))
+    keys = [grid[k][pool] for k in reversed(GRID_KEYS)] + [ev["memory_total"][pool], ev["step_time_s"][pool]]
+    return pool[np.lexsort(keys)]
 
 
 @dataclass
