@@ -206,6 +206,22 @@ def stage_layout(model, seq_len, pp, vpp, split):
     return table[:, 0], table[:, 1], table[:, 2]
 
 
+def routed_all_to_all(cluster, model, nbytes, ep, tp, calls):
+    """Expert dispatch/combine over the EP group (ranks ``tp`` apart). Without a routing limit a token's top_k
+    copies leave the node with probability (n-g)/n each; with node-limited routing (``route_nodes`` R) a token
+    crosses the network once per remote node it reaches, at most min(R, top_k) times, and is fanned out over
+    NVLink inside the node; on a rail-optimised fabric the copies first cross NVLink to the right rail (PXN)."""
+    stream = Stream.of(cluster, "all_to_all", nbytes, ep, tp, calls=calls, pxn=True, where=ep > 1)
+    if not model.route_nodes:
+        return stream
+    gpn = cluster.devices_per_node
+    g = np.where(tp >= gpn, 1, np.minimum(ep, np.maximum(gpn // tp, 1)))
+    k = -(-ep // g)
+    flat = np.where(ep > g, (ep - g) / np.maximum(ep, 1), 1.0)
+    limited = min(model.route_nodes, model.top_k) / model.top_k * np.where(k > 1, (k - 1) / k, 0.0)
+    return stream.with_network(np.where(ep > g, np.minimum(1.0, limited / flat), 1.0))
+
+
 def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
     """(forward, recompute) seconds of one block on one TP rank, and the block's activation traffic."""
     peak, W, eta, k = dev.flops(o.compute_dtype), dev.memory_bandwidth_Bps, o.gemm_efficiency, o.activation_traffic_factor
@@ -254,8 +270,9 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
                         ((sp_pair.seconds, ar.seconds), (sp_pair.nvlink, ar.nvlink), (sp_pair.network, ar.network))))
     a2a_bytes = o.activation_scale * 2.0 * b * s * model.hidden * model.top_k / tp
     a2a_calls = model.moe_fraction * (4 + 2 * (rc == FULL))
-    a2a_layer = Stream.of(cluster, "all_to_all", a2a_bytes, ep, tp, calls=a2a_calls, pxn=True, where=ep > 1)
-    T_L = 3.0 * t_fwd + t_rc + tp_layer.seconds + a2a_layer.seconds
+    a2a_layer = routed_all_to_all(cluster, model, a2a_bytes, ep, tp, a2a_calls)
+    a2a_hidden = bool(o.moe_a2a_overlap)
+    T_L = 3.0 * t_fwd + t_rc + tp_layer.seconds + (0.0 if a2a_hidden else a2a_layer.seconds)
     H = 3.0 * t_logits
 
     # ---- pipeline stages: the slowest sets the pace, the others fill and drain the bubble ------------
@@ -306,7 +323,13 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
                                                           layer_gather.network)))
     w_fwd = m * (n_b * t_fwd + head_b * t_logits)
     w_bwd = m * (n_b * (2.0 * t_fwd + t_rc) + head_b * 2.0 * t_logits)
-    overlap_s = exposed_overlap(layer_gather, z3_bwd + rs_each_mb, sync, w_fwd, w_bwd, w_bwd / m, cluster.overlap)
+    a2a_fwd, a2a_bwd = Stream.zero(n), Stream.zero(n)
+    if a2a_hidden:                        # dispatch/combine overlapped with another micro-batch's compute
+        share = 2.0 / (4.0 + 2.0 * (rc == FULL))
+        a2a_fwd = a2a_layer.scaled(m * n_b * share)
+        a2a_bwd = a2a_layer.scaled(m * n_b * (1.0 - share))
+    overlap_s = exposed_overlap(layer_gather + a2a_fwd, z3_bwd + rs_each_mb + a2a_bwd, sync, w_fwd, w_bwd, w_bwd / m,
+                                cluster.overlap)
 
     # ---- pipeline sends ------------------------------------------------------------------------------
     p2p_msg = np.where((sp > 0) | o.pp_scatter_gather, msg / tp, msg)
@@ -321,7 +344,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     pcie_busy = np.where(off > 0, pcie_busy, 0.0)
 
     tp_step = m * n_b * tp_layer.seconds
-    a2a_step = m * n_b * a2a_layer.seconds
+    a2a_step = np.zeros(n) if a2a_hidden else m * n_b * a2a_layer.seconds
     compute = m * (n_b * 3.0 * t_fwd + head_b * H)
     recompute = m * n_b * t_rc
     zero3_s = np.zeros(n)

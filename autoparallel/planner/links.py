@@ -134,6 +134,15 @@ class Stream:
         latency = np.maximum(self.seconds - np.maximum(self.nvlink, self.network), 0.0)
         return mine + np.where(mine >= other, latency, 0.0)
 
+    def scaled(self, factor):
+        return Stream(self.seconds * factor, self.nvlink * factor, self.network * factor)
+
+    def with_network(self, factor):
+        """The same calls with the network bytes scaled by ``factor`` (the latency kept)."""
+        latency = np.maximum(self.seconds - np.maximum(self.nvlink, self.network), 0.0)
+        network = self.network * factor
+        return Stream(latency + np.maximum(self.nvlink, network), self.nvlink, network)
+
     def __add__(self, other):
         return Stream(self.seconds + other.seconds, self.nvlink + other.nvlink, self.network + other.network)
 

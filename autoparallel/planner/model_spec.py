@@ -83,6 +83,7 @@ class ModelSpec:
     expert_ffn: int = 0
     shared_experts: int = 0
     dense_layers: int = 0
+    route_nodes: int = 0          # node-limited routing: a token reaches at most this many nodes (0: no limit)
 
     def __post_init__(self):
         for field_name in ("hidden", "layers", "heads", "vocab", "seq_len"):
@@ -104,12 +105,12 @@ class ModelSpec:
         self._check_moe()
 
     def _check_moe(self):
-        for name in ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers"):
+        for name in ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "route_nodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"model {self.name!r}: {name} must be a non-negative integer, got {value!r}")
         if self.experts == 0:
-            if self.top_k or self.expert_ffn or self.shared_experts or self.dense_layers:
+            if self.top_k or self.expert_ffn or self.shared_experts or self.dense_layers or self.route_nodes:
                 raise ValueError(f"model {self.name!r}: top_k, expert_ffn, shared_experts and dense_layers describe "
                                  f"a mixture of experts and need experts > 0, got experts=0")
             return
@@ -324,7 +325,8 @@ PRESETS = {
                               dropout=False, experts=8, top_k=2, expert_ffn=14336),
     "deepseek-v3": ModelSpec("deepseek-v3", 7168, 61, 128, 129280, ffn=18432, seq_len=4096, swiglu=True, bias=False,
                              layernorm=False, tied_embeddings=False, learned_positions=False, dropout=False,
-                             experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3),
+                             experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
+                             route_nodes=4),
 }
 
 _INT_KEYS = {"hidden": "hidden", "layers": "layers", "heads": "heads", "vocab": "vocab", "ffn": "ffn",

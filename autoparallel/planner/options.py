@@ -34,6 +34,8 @@ class PlannerOptions:
     # -- mixture of experts
     moe_imbalance: float = 1.1                    # tokens of the busiest expert rank / the mean (dropless routing with
                                                   # load balancing); expert compute runs at the busiest rank's pace
+    moe_a2a_overlap: bool = False                 # expert all-to-all overlapped with another micro-batch's compute
+                                                  # (DeepSeek's DualPipe), within each link's budget; else exposed
     # -- pipeline
     pp_scatter_gather: bool = True                # stage-to-stage messages split over the TP group (Narayanan et al. §4.1)
     # -- offload (ZeRO-Offload: optimizer states and their update on the host)

@@ -118,8 +118,10 @@ MOE_RUNS = (
     PublishedRun("DeepSeek-V3", "deepseek-v3", "H800", 2048, _NDR,
                  _cfg(2048, 1, 16, sharding=1, ep=64, split="ends"), 15360, 4096,
                  "tokens", 1543.0, "DeepSeek-AI 2024 (arXiv:2412.19437): 180K H800 GPU hours per trillion tokens",
-                 "FP8 GEMMs, PP 16 (DualPipe priced as 1F1B), EP 64, ZeRO-1; MLA priced as multi-head attention",
-                 precision="fp8", dense_only=False, software=(("flash_attention", True),)),
+                 "FP8 GEMMs, PP 16 (DualPipe priced as 1F1B with the all-to-all overlapped), EP 64, node-limited routing (4 "
+                 "nodes), ZeRO-1; MLA priced as multi-head attention",
+                 precision="fp8", dense_only=False,
+                 software=(("flash_attention", True), ("moe_a2a_overlap", True))),
 )
 
 
