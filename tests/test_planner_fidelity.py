@@ -141,18 +141,22 @@ def test_runtime_zero2_accumulates_the_full_gradient_and_reduce_scatters_once():
 # ---- hierarchical collectives -----------------------------------------------------------------------------
 def test_hierarchical_all_reduce_by_hand():
     b, g, k = 1e9, 8, 16
+    n = g * k
     sec, ti, tn = comm_cost.hierarchical_seconds("all_reduce", b, g, k, 5e-6, 240e9, 1e-5, 22.5e9)
-    assert ti == pytest.approx(2 * 7 / 8 * b / 240e9)
-    assert tn == pytest.approx(2 * 15 / 16 * b / 8 / 22.5e9)
-    ring = 2 * (7 * 5e-6 + 15 * 1e-5)
-    tree = 2 * (7 * 5e-6 + 4 * 1e-5)
-    assert sec == pytest.approx(min(ring, tree) + max(ti, tn))
+    ring = 2 * (n - 1) / n * b
+    assert ti == pytest.approx(ring * 7 / 8 / 240e9)
+    assert tn == pytest.approx(ring / 8 / 22.5e9)
+    ring_lat = 2 * (7 * 5e-6 + 15 * 1e-5)
+    tree_lat = 2 * (7 * 5e-6 + 4 * 1e-5)
+    assert sec == pytest.approx(min(ring_lat, tree_lat) + max(ti, tn))
+    # anchored on NCCL's bus bandwidth: busbw = 2(n-1)/n·b / t = the node's NIC bandwidth (8 x 22.5 GB/s)
+    assert ring / tn == pytest.approx(8 * 22.5e9)
     # latency grows with the group: a reduce-scatter ring over 1024 nodes pays 1023 network steps
     assert comm_cost.hierarchical_latency("reduce_scatter", 1, 1024, 5e-6, 1e-5) == pytest.approx(1023e-5)
     assert comm_cost.hierarchical_latency("all_reduce", 1, 1024, 5e-6, 1e-5) == pytest.approx(2 * 10 * 1e-5)
-    # the flat bytes are conserved: intra + inter of an all_gather = (n-1)·b
-    intra, inter = comm_cost.hierarchical_loads("all_gather", 3.0, 4, 5)
-    assert intra + inter == pytest.approx(19 * 3.0)
+    # inside one node everything is NVLink; all_to_all keeps (g-1)/n on NVLink
+    assert comm_cost.hierarchical_loads("all_gather", 3.0, 4, 1) == (9.0, 0.0)
+    assert comm_cost.hierarchical_loads("all_to_all", 8.0, 2, 4) == pytest.approx((1.0, 6.0))
 
 
 def test_oversubscription_and_nics_slow_the_network():

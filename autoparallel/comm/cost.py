@@ -86,29 +86,26 @@ def hierarchical_loads(collective: str, b: float, g: int, k: int, pxn: bool = Fa
     """(intra-node bytes, inter-node bytes) one rank sends for ``collective`` over a group of g ranks per node
     on k nodes (n = g·k), ``b`` as in ``collective_bytes``.
 
-    all_reduce: reduce-scatter inside the node, all-reduce of 1/g across nodes, all-gather inside the node:
-        intra 2(g-1)/g·b, inter 2(k-1)/k·b/g (each GPU drives its own share on its own NIC rail).
-    reduce_scatter (b = the full buffer): intra (g-1)/g·b, inter (k-1)/k·b/g.
-    all_gather (b = the shard): inter (k-1)·b among rail peers, then intra (g-1)·k·b.
-    all_to_all: (g-1)/n·b stays in the node, (n-g)/n·b crosses the network (and, with PXN on a
-        rail-optimised fabric, also NVLink first to reach the GPU on the destination's rail).
+    NCCL's rings pass through every rank; the ring volume (``collective_bytes``) crosses each node's NICs once
+    per ring, shared by the node's g ranks on their own NIC rails, and its other hops are NVLink:
+        inter = collective_bytes / g,  intra = collective_bytes · (g-1)/g      (k > 1)
+    so the network reaches NCCL's bus bandwidth = the node's NIC bandwidth (the published anchor).
+    all_to_all: (g-1)/n·b stays in the node, (n-g)/n·b crosses the network (and, with PXN on a rail-optimised
+    fabric, also NVLink first to reach the GPU on the destination's rail).
     send_recv / broadcast: b on the one link the peers share.
     """
     n = g * k
     if n <= 1 or collective in ("slice", "local", "none"):
         return 0.0, 0.0
-    if collective == "all_reduce":
-        return 2.0 * (g - 1) / g * b, 2.0 * (k - 1) / k * b / g
-    if collective == "reduce_scatter":
-        return (g - 1) / g * b, (k - 1) / k * b / g
-    if collective == "all_gather":
-        return (g - 1) * k * b, (k - 1) * b
     if collective == "all_to_all":
         inter = (n - g) / n * b
         return (g - 1) / n * b + (inter if pxn else 0.0), inter
     if collective in ("send_recv", "broadcast"):
         return (float(b), 0.0) if k == 1 else (0.0, float(b))
-    raise NotImplementedError(collective)
+    ring = collective_bytes(collective, b, n)
+    if k == 1:
+        return ring, 0.0
+    return ring * (g - 1) / g, ring / g
 
 
 def hierarchical_latency(collective: str, g: int, k: int, intra_latency_s: float, inter_latency_s: float) -> float:

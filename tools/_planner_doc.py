@@ -1,0 +1,209 @@
+"""Sections of docs/planner.md written by tools/bench_planner.py: validation against published runs (with the
+ratio-vs-GPU-count plot) and the cost model's description with its sources."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from autoparallel.planner import published
+from autoparallel.planner.cluster import DEVICES, _LINKS
+
+
+def plot_validation(rows, moe_rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        ax.scatter(r["gpus"], r["ratio"], color="#4c72b0")
+        ax.annotate(r["name"], (r["gpus"], r["ratio"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    for r in moe_rows:
+        ax.scatter(r["gpus"], r["ratio"], color="#c44e52", marker="^")
+        ax.annotate(r["name"] + " (MoE)", (r["gpus"], r["ratio"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.axhline(1.0, color="k", lw=0.8)
+    for y in (0.85, 1.15):
+        ax.axhline(y, color="grey", lw=0.6, ls="--")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("predicted / published")
+    ax.set_title("Planner vs published training runs (fixed mode, nothing fitted on them)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def validation_md(rows, moe_rows, search_rows, png, out):
+    errors = [abs(r["ratio"] - 1) for r in rows]
+    within = sum(e <= 0.15 for e in errors)
+    slope = published.drift(rows)
+    sources = _table(("run", "source", "assumptions / software"),
+                     [(r.name, r.source, r.notes or "as published") for r in published.RUNS + published.MOE_RUNS])
+    rel_png = os.path.relpath(png, os.path.dirname(out))
+    return f"""## Validation against published training runs
+
+Every run's published configuration priced in fixed mode (`autoparallel.planner.published`, test
+`tests/test_planner_published.py`). Nothing is fitted on these runs: the two constants come from Megatron-LM
+Table 1 (below). Where a paper leaves a knob out, the assumption was fixed before looking at the prediction and
+is listed with the sources. One choice was revised after a first look, and both results are reported: for
+Korthikanti et al.'s three pipelined runs the first pass assumed no interleaving (ratios 0.91, 0.88, 0.88);
+the table uses the calibration's own rule for Megatron-LM runs (v = the smallest v > 1 dividing a stage), the
+same code base a year later. The MoE run (red in the plot) is outside the dense statistics.
+
+{published.format_table(rows + moe_rows)}
+
+Dense runs: {within} of {len(rows)} within 15%, largest error {100 * max(errors):.1f}%, mean ratio
+{np.mean([r['ratio'] for r in rows]):.3f}; drift of the ratio with scale {slope:+.4f} per doubling of the GPU count
+(8 to 16,384 GPUs). **The 15% target is not met for every run**: the DeepSpeed-era runs are over-predicted
+(GPT-NeoX-20B, MT-NLG 530B on 2800 and 3360 GPUs): the MT-NLG sweep loses 10% from 2240 to 3360 GPUs with the
+batch fixed, the model 6% (the 1F1B bubble grows as micro-batches per replica fall from 240 to 160); the rest of
+the loss (engine overheads per micro-batch, stragglers) is not modelled. Two published configurations do not fit
+in memory by the model (LLaMA 3 405B: 94 GB of activations with 8 blocks per stage, no recomputation and
+interleaving's extra in-flight micro-batches, where Meta's schedule kept fewer; GPT 1T at 76 GB against 72 GB
+usable). DeepSeek-V3 (MoE, fp8, DualPipe) is over-predicted by ~50%: fp8 GEMMs are priced at the bf16 runs'
+efficiency, and MLA, fine-grained fp8 scaling, the small expert GEMMs and DualPipe's own bubble are not modelled;
+with the all-to-all exposed instead of overlapped the ratio would be 0.59.
+
+![predicted / published vs GPU count]({rel_png})
+
+The search's choice for each published job, by the model's own prediction (for a published configuration that the
+memory model says does not fit, the comparison is with the fastest configuration regardless of memory, which shows
+the published configuration is inside the search space and nothing in the space is mispriced below it):
+
+{_table(("run", "published config step s", "fits", "search best step s", "search best", "speed-up"), search_rows)}
+
+Sources and assumptions:
+
+{sources}
+"""
+
+
+def _hardware_table():
+    rows = []
+    cite = {"A100-40GB": "NVIDIA A100 datasheet (2021)", "A100-80GB": "NVIDIA A100 datasheet (2021)",
+            "H100-80GB": "NVIDIA H100 SXM datasheet (2023)", "H100-SXM": "NVIDIA H100 SXM datasheet (2023)",
+            "H800": "NVIDIA H800 SXM (H100 with 400 GB/s NVLink), DeepSeek-V3 report §3.1",
+            "H200": "NVIDIA H200 SXM datasheet (2024)", "B200": "NVIDIA DGX B200 datasheet (2024), per GPU",
+            "MI300X": "AMD Instinct MI300X datasheet (2023)"}
+    for name, dev in DEVICES.items():
+        peak = dict(dev.peak_flops)
+        intra, fabric = _LINKS[name]
+        rows.append((name, f"{peak['bfloat16'] / 1e12:.0f}", f"{peak.get('float8', 0) / 1e12:.0f}" if 'float8' in peak
+                     else "-", f"{dev.memory_bytes / 1e9:.0f}", f"{dev.memory_bandwidth_Bps / 1e12:.2f}",
+                     f"{2 * intra.bandwidth_Bps / 1e9:.0f}", f"{fabric.nics_per_node} x {fabric.nic_bandwidth_Bps * 8 / 1e9:.0f} Gb/s",
+                     f"{fabric.host_memory_bytes / 1e12:.1f}", cite[name]))
+    return _table(("device", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB", "HBM TB/s", "NVLink GB/s (bidir.)",
+                   "NICs per node", "host TB per node", "source"), rows)
+
+
+def model_md(opts):
+    return f"""## Cost model
+
+### Step time on the slowest stage
+
+`step = m·t_max + bubble + pipeline sends + exposed overlappable communication + parameter gathers + optimizer`.
+A block costs `T_L = 3·t_fwd + t_recompute + TP collectives (+ expert all-to-all)`, a block's forward
+`t_fwd = matmul FLOPs / (peak·gemm_efficiency) + activation_traffic_factor·activation bytes / HBM bandwidth`;
+stage i costs `n_i·T_L` (+ the output head, 3·t_logits, on the last stage). The slowest stage sets the pace
+(`t_max`); the others fill and drain the pipeline once: `bubble = (Σ_i t_i − t_max) / v`, which is
+`(p−1)/v·t` for equal stages. Stage splits (`planner/stages.py`): `even` (surplus blocks to the middle stages),
+`ends` (first and last stage one block lighter, as LLaMA 3 405B's 7, 8 x 14, 7), `balanced` (the head priced as
+2hV/(2P_mm + 4sh) blocks, the split minimising the slowest stage). Interleaving needs every stage to hold at least
+v blocks and the search offers the v dividing the largest stage, so layers need not divide by p·v (126 blocks on
+16 stages, v = 2, 4). A split that leaves a stage or a virtual stage empty is a ValueError naming it.
+
+### One link, one budget (`planner/links.py`)
+
+Every stream is placed on the links it uses: TP and pipeline sends and expert all-to-alls are on the critical
+path; ZeRO-3 gathers (forward, backward), the gradient reduce-scatters of ZeRO-2/3 paid per micro-batch, and the
+gradient sync of the accumulated buffer are overlappable. Per link (NVLink, network):
+
+`exposed_L = max(0, fwd_L − o·W_fwd) + max(0, bwd_L + sync_L − o·W_bwd, sync_L − o·W_last)`
+
+with `W` the step's forward and backward compute (counted once for all the streams of that link), `W_last` the
+last micro-batch's backward (where the sync of an accumulated buffer starts), `o = cluster.overlap`. The step pays
+`max_L exposed_L` (links work in parallel), so a link's total traffic (critical + overlapped) never exceeds its
+bandwidth x the step time: `tests/test_planner_fidelity.py` checks `link_busy_s <= step` for every configuration of
+three searches. ZeRO-1/2 re-gather the updated parameters after the optimizer step (exposed, as the runtime and
+DeepSpeed do); offload traffic runs on PCIe (`link_busy_s["pcie"]`).
+
+### ZeRO-2/3 gradients with m micro-batches, as the runtime does it
+
+`parallel/reducer.py` launches nothing on non-final accumulation micro-steps: the full gradient accumulates
+locally (fp32) and is reduce-scattered once, at the last micro-batch. So the planner's ZeRO-2/3 with m > 1 holds
+the full gradient buffer (ZeRO-1's gradient memory) and pays one reduce-scatter per step;
+`PlannerOptions(zero_grad_per_micro_batch=True)` prices the other choice (m reduce-scatters, only the shard held).
+`test_runtime_zero2_accumulates_the_full_gradient_and_reduce_scatters_once` runs the runtime (simulated, 2 ranks,
+ZeRO-2, 2 micro-batches) and checks both facts against the planner.
+
+### Collectives at scale (`comm/cost.py: hierarchical_seconds`, `planner/topology.py`)
+
+A group of n ranks `stride` apart has g members per node on k nodes. All-reduce: reduce-scatter inside the node,
+all-reduce of 1/g of the data across nodes (each GPU on its own NIC rail), all-gather inside the node: NVLink
+bytes X
+the busier link. Latency grows with the group: a ring pays `(g−1)` NVLink and `(k−1)` network steps per phase,
+NCCL's tree all-reduce `2·ceil(log2 k)` network steps (the cheaper is taken). The `ClusterSpec.topology` gives GPUs
+and NICs per node, NIC speed, rail-optimised or not (all-to-all on rails first crosses NVLink: PXN), nodes per
+leaf and oversubscription (bandwidth divided beyond a leaf), host RAM and PCIe per node. Achieved bandwidth is
+anchored on NCCL bus bandwidth: 8xA100 NVLink all-reduce reaches 230-250 GB/s of 300 and 8xH100 460-480 GB/s with
+NVLS (nccl-tests reference numbers, e.g. docs.alayanew.com "NCCL-tests in practice", 2026, and NVIDIA's nccl-tests
+README on bus bandwidth), so `nvlink_efficiency` = 0.8 (no NVLS in our algorithms); multi-node InfiniBand
+reaches about 90% of line rate per NIC (`network_efficiency` = 0.9; a 2-node H200 cluster with 4 x 400 Gb/s
+ConnectX-7 per node reports ~35 GB/s bus bandwidth, kubernetes.recipes NCCL benchmark, i.e. 70% with half the
+NICs per GPU). A topology whose GPUs per node differ from the cluster's, or a device count that does not fill
+whole nodes (`cluster_of`), is a ValueError.
+
+### Memory
+
+Per device on the stage that needs most (first: p micro-batches in flight; last: the fp32 logits; the fullest
+middle stage): bf16 weights 2 B/param, the fp32 gradient accumulation buffer 4 B/param (Megatron's main_grad,
+DeepSpeed's bf16 optimizer and this runtime's AMP all keep it; `grad_accum_fp32`), fp32 master + Adam m, v
+12 B/param, divided by ZeRO stage (ZeRO-2/3 gradients only when they really are sharded, above), routed experts
+over `ep·tp` and their states over `dp/ep`; activations per Korthikanti et al.; the ZeRO-3 gather buffer; a
+reserve of {100 * opts.memory_reserve_fraction:.0f}% of device memory stated as the headroom for the CUDA context,
+NCCL buffers and allocator fragmentation. Host RAM per node is a constraint when offloading: the node's devices'
+optimizer states and pinned fp32 gradient chunks (16 B per offloaded parameter) must fit in
+{100 * (1 - opts.host_memory_reserve_fraction):.0f}% of the node's RAM (the rest for the OS, data loaders and
+staging buffers).
+
+### Mixture of experts
+
+`ModelSpec(experts, top_k, expert_ffn, shared_experts, dense_layers, route_nodes)`: per block (averaged over the
+dense and MoE blocks) the attention, dense MLP, shared experts and router are TP-split, the routed experts are
+split over `ep·tp`; a token's FLOPs count its top_k experts. The expert-parallel degree `ep` (divisors of dp and of
+the expert count) is a search dimension. Dispatch and combine are all-to-alls over the EP group (4 per MoE block and
+micro-batch, 6 with full recompute), on the critical path, or overlapped with compute under the link budget
+(`moe_a2a_overlap`, DeepSeek's DualPipe); node-limited routing sends a token over the network at most once per
+remote node. Expert compute runs at the busiest rank's pace (`moe_imbalance` = {opts.moe_imbalance}). Bad input
+(top_k > experts, expert fields without experts) is a ValueError. The runtime runs experts replicated, so a plan
+with ep > 1 is priced but `to_strategy_dict` raises NotImplementedError.
+
+### Hardware presets
+
+{_hardware_table()}
+
+fp8 is a precision of the planner (`PlannerOptions(precision="fp8")`): matmuls at the fp8 peak, storage as bf16;
+it is planner-only (the runtime's AMP has float16 and bfloat16) and the plan's explanation says so.
+
+### Design decisions
+
+- The cost model stays closed-form and vectorised (one numpy pass over every configuration), so adding topology,
+  stage splits and expert parallelism keeps LLaMA-2 70B on 1024 GPUs well under the 2 s budget.
+- Split policies, not per-stage layer lists, are the search dimension (three named splits; duplicates removed):
+  an explicit list would multiply the space by the number of compositions of l into p parts.
+- ZeRO-2/3 follow the runtime (full buffer, one reduce-scatter) by default; the DeepSpeed-style per-micro-batch
+  reduce-scatter is an option, not a search dimension, because the runtime cannot run it.
+- Calibrated CPU profiles (gloo, eager runtime) keep the flat per-link alpha-beta or measured fits and the
+  eager-runtime terms; the hierarchical model applies to NCCL GPU clusters.
+- The constants were refitted on the same two Megatron-LM rows after the communication model changed
+  (NVLink at its achieved bus bandwidth, fp32 gradient reduction): gemm_efficiency {opts.gemm_efficiency},
+  activation_traffic_factor {opts.activation_traffic_factor}.
+"""
