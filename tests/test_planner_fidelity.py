@@ -275,3 +275,19 @@ def test_presets_and_fp8_is_planner_only():
     assert fp8.step_time_s < bf16.step_time_s and OPTS.replace(precision="fp8").planner_only
     result = ap.plan("llama2-7b", "1x8:H100-80GB", global_batch_size=64, options=OPTS.replace(precision="fp8"))
     assert "planner-only" in result.explanation
+
+
+def test_node_limited_routing_and_overlapped_all_to_all():
+    model = parse_model("deepseek-v3")
+    unlimited = dataclasses.replace(model, route_nodes=0)
+    cluster = preset("H100-80GB", 32, 8)
+    cfg = ParallelConfig(dp=16, tp=1, pp=16, sharding=1, ep=16, split="ends")
+    limited = evaluate_config(model, cluster, 256, 4096, cfg, OPTS)
+    free = evaluate_config(unlimited, cluster, 256, 4096, cfg, OPTS)
+    # 16 EP ranks on 2 nodes: 7 of a token's 8 copies leave the node w.p. 1/2 each unlimited, <= 4 nodes limited
+    assert limited.link_busy_s["network"] < free.link_busy_s["network"]
+    assert limited.time_s["ep_comm"] < free.time_s["ep_comm"]
+    hidden = evaluate_config(model, cluster, 256, 4096, cfg, OPTS.replace(moe_a2a_overlap=True))
+    assert hidden.time_s["ep_comm"] == 0 and hidden.step_time_s < limited.step_time_s
+    assert hidden.link_busy_s["network"] == pytest.approx(limited.link_busy_s["network"])   # same bytes
+    assert hidden.link_busy_s["network"] <= hidden.step_time_s
