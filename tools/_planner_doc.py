@@ -78,7 +78,7 @@ The search's choice for each published job, by the model's own prediction (for a
 memory model says does not fit, the comparison is with the fastest configuration regardless of memory, which shows
 the published configuration is inside the search space and nothing in the space is mispriced below it):
 
-{_table(("run", "published config step s", "fits", "search best step s", "search best", "speed-up"), search_rows)}
+{_table(("run", "published config step s", "fits", "search best step s", "search best", "published / best"), search_rows)}
 
 Sources and assumptions:
 
@@ -146,20 +146,29 @@ ZeRO-2, 2 micro-batches) and checks both facts against the planner.
 
 ### Collectives at scale (`comm/cost.py: hierarchical_seconds`, `planner/topology.py`)
 
-A group of n ranks `stride` apart has g members per node on k nodes. All-reduce: reduce-scatter inside the node,
-all-reduce of 1/g of the data across nodes (each GPU on its own NIC rail), all-gather inside the node: NVLink
-bytes X
-the busier link. Latency grows with the group: a ring pays `(g−1)` NVLink and `(k−1)` network steps per phase,
-NCCL's tree all-reduce `2·ceil(log2 k)` network steps (the cheaper is taken). The `ClusterSpec.topology` gives GPUs
-and NICs per node, NIC speed, rail-optimised or not (all-to-all on rails first crosses NVLink: PXN), nodes per
-leaf and oversubscription (bandwidth divided beyond a leaf), host RAM and PCIe per node. Achieved bandwidth is
-anchored on NCCL bus bandwidth: 8xA100 NVLink all-reduce reaches 230-250 GB/s of 300 and 8xH100 460-480 GB/s with
-NVLS (nccl-tests reference numbers, e.g. docs.alayanew.com "NCCL-tests in practice", 2026, and NVIDIA's nccl-tests
-README on bus bandwidth), so `nvlink_efficiency` = 0.8 (no NVLS in our algorithms); multi-node InfiniBand
-reaches about 90% of line rate per NIC (`network_efficiency` = 0.9; a 2-node H200 cluster with 4 x 400 Gb/s
-ConnectX-7 per node reports ~35 GB/s bus bandwidth, kubernetes.recipes NCCL benchmark, i.e. 70% with half the
-NICs per GPU). A topology whose GPUs per node differ from the cluster's, or a device count that does not fill
-whole nodes (`cluster_of`), is a ValueError.
+A group of n ranks `stride` apart has g members per node on k nodes. NCCL's rings pass through every rank:
+the ring volume (`collective_bytes`: `2(n−1)/n·b` for an all-reduce) crosses each node's NICs once, shared by the
+node's g ranks on their own NIC rails, and its other hops are NVLink, so NVLink carries `ring·(g−1)/g` and the
+network `ring/g` per rank; the two links work as a pipeline (NCCL channels), so a call takes its latency plus the
+busier link. Latency grows with the group: a ring pays `(g−1)` NVLink and `(k−1)` network steps per phase,
+NCCL's tree all-reduce `2·ceil(log2 k)` network steps (the cheaper is taken, which is NCCL's tuner's choice for
+latency-bound sizes). `ClusterSpec.topology` gives GPUs and NICs per node, NIC speed, rail-optimised or not
+(all-to-all on rails first crosses NVLink: PXN), nodes per leaf and oversubscription (bandwidth divided beyond a
+leaf), host RAM and PCIe per node.
+
+Anchors (NCCL bus bandwidth, nccl-tests' `busbw` = algorithm bandwidth x 2(n−1)/n for an all-reduce, which is
+the bandwidth of the slowest link a ring crosses; nccl-tests `doc/PERFORMANCE.md`):
+- intra-node: 8xA100 NVLink all-reduce reaches 230-250 GB/s of the 300 GB/s per direction, 8xH100 460-480 GB/s
+  with NVLS in-switch reduction (docs.alayanew.com, "NCCL-tests in practice", reference table); a measured
+  8xA100 send/recv reaches 195 GB/s (github.com/li-plus/playground `cuda/nccl.md`). Hence
+  `nvlink_efficiency` = 0.8 (our algorithms do not use NVLS).
+- inter-node: the ring's bus bandwidth is the node's NIC bandwidth; the model reproduces it exactly
+  (`test_hierarchical_all_reduce_by_hand`: 2(n−1)/n·b / t_network = NICs x NIC speed x efficiency), with
+  `network_efficiency` = 0.9 of line rate (an assumption: RDMA over InfiniBand/RoCE with GPUDirect typically
+  measures 90-95% of line rate in large-message tests; misconfigured fabrics measure far less).
+
+A topology whose GPUs per node differ from the cluster's, or a device count that does not fill whole nodes
+(`cluster_of`), is a ValueError naming both numbers.
 
 ### Memory
 
