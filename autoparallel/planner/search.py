@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -291,6 +291,8 @@ class SearchOutcome:
 
 def search(model, cluster, global_batch, seq_len, space: SearchSpace, options) -> SearchOutcome:
     start = time.perf_counter()
+    if cluster.runtime is not None and tuple(space.split) != ("even",) and "even" in space.split:
+        space = replace(space, split=("even",))     # the eager runtime splits identical blocks evenly
     grid = build_grid(model, cluster.world_size, global_batch, seq_len, space, options)
     if len(grid["dp"]) == 0:
         ev = {"step_time_s": np.zeros(0), "memory_total": np.zeros(0), "feasible": np.zeros(0, dtype=bool)}
