@@ -305,8 +305,13 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     coll = np.where(zero == 0, 0, 1)                 # 0: all_reduce, 1: reduce_scatter
 
     def grad_stream(psi, group, stride, calls):
-        a = Stream.of(cluster, "all_reduce", gb * psi, group, stride, calls=calls, where=(group > 1) & (coll == 0))
-        r = Stream.of(cluster, "reduce_scatter", gb * psi, group, stride, calls=calls, where=(group > 1) & (coll == 1))
+        """Gradient reduction in buckets of ``o.grad_bucket_bytes``: each bucket pays the collective's latency."""
+        buckets = np.maximum(1.0, np.ceil(gb * psi / o.grad_bucket_bytes))
+        each = gb * psi / buckets
+        a = Stream.of(cluster, "all_reduce", each, group, stride, calls=calls * buckets,
+                      where=(group > 1) & (coll == 0))
+        r = Stream.of(cluster, "reduce_scatter", each, group, stride, calls=calls * buckets,
+                      where=(group > 1) & (coll == 1))
         return a + r
 
     sync = grad_stream(dense_psi, dp, tp, sync_calls) + grad_stream(expert_psi, d_e, tp * ep, sync_calls)
@@ -328,7 +333,8 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
         share = 2.0 / (4.0 + 2.0 * (rc == FULL))
         a2a_fwd = a2a_layer.scaled(m * n_b * share)
         a2a_bwd = a2a_layer.scaled(m * n_b * (1.0 - share))
-    overlap_s = exposed_overlap(layer_gather + a2a_fwd, z3_bwd + rs_each_mb + a2a_bwd, sync, w_fwd, w_bwd, w_bwd / m,
+    w_last = w_bwd / m if o.grad_sync_overlap else np.zeros(n)
+    overlap_s = exposed_overlap(layer_gather + a2a_fwd, z3_bwd + rs_each_mb + a2a_bwd, sync, w_fwd, w_bwd, w_last,
                                 cluster.overlap)
 
     # ---- pipeline sends ------------------------------------------------------------------------------
@@ -442,9 +448,11 @@ def _memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, laye
     reserve = mem.reserve_bytes(dev.memory_bytes, o.memory_reserve_fraction)
     memory["reserve"] = np.full(pick.shape, reserve)
     total = np.max(np.stack(totals), axis=0) + reserve
-    first_psi = n_first * layer_dense + edge_first
-    host = (mem.host_optimizer_bytes(first_psi, zero, dp, off, o.optimizer_bytes)
-            + mem.host_optimizer_bytes(n_first * layer_expert, zero, d_e, off, o.optimizer_bytes))
+    dense_psi = np.maximum.reduce([n_first * layer_dense + edge_first, n_last * layer_dense + edge_last,
+                                   n_mid * layer_dense])
+    host = (mem.host_optimizer_bytes(dense_psi, zero, dp, off, o.optimizer_bytes)
+            + mem.host_optimizer_bytes(np.maximum(n_first, np.maximum(n_last, n_mid)) * layer_expert, zero, d_e,
+                                       off, o.optimizer_bytes))
     return memory, total, host
 
 

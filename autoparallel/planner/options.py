@@ -18,8 +18,8 @@ PLANNER_ONLY_PRECISIONS = ("fp8",)
 @dataclass(frozen=True)
 class PlannerOptions:
     # -- fitted on Megatron-LM Table 1 rows 1.7B and 145B (planner/megatron.py, tests/test_planner_calibration.py)
-    gemm_efficiency: float = 0.662                # sustained fraction of peak FLOP/s of a block's matmuls
-    activation_traffic_factor: float = 2.24       # device-memory bytes moved per stored activation byte (element-wise ops)
+    gemm_efficiency: float = 0.661                # sustained fraction of peak FLOP/s of a block's matmuls
+    activation_traffic_factor: float = 2.04       # device-memory bytes moved per stored activation byte (element-wise ops)
     # -- numerics
     precision: str = "bf16"                       # "bf16" (mixed precision, 16-bit activations) or "fp32"
     flash_attention: bool = False                 # attention scores never materialised (no a·s² activations)
@@ -31,6 +31,11 @@ class PlannerOptions:
     # -- ZeRO-2/3 gradients with m > 1 micro-batches: False = accumulate the full buffer locally and reduce-scatter
     #    once (what parallel/reducer.py does); True = reduce-scatter every micro-batch, keep only the shard
     zero_grad_per_micro_batch: bool = False
+    grad_sync_overlap: bool = True                # the gradient sync starts during the last backward (the runtime's
+                                                  # Reducer); False: after the pipeline drains (DeepSpeed's pipeline
+                                                  # engine, Megatron-LM 2021), fully exposed
+    grad_bucket_bytes: float = 25 * 2 ** 20       # gradients reduce in buckets (the runtime's 25 MiB); each bucket's
+                                                  # collective pays its latency, which grows with the group
     # -- mixture of experts
     moe_imbalance: float = 1.1                    # tokens of the busiest expert rank / the mean (dropless routing with
                                                   # load balancing); expert compute runs at the busiest rank's pace
@@ -58,6 +63,8 @@ class PlannerOptions:
             raise ValueError(f"memory_reserve_fraction must be in [0, 1), got {self.memory_reserve_fraction}")
         if not 0 <= self.host_memory_reserve_fraction < 1:
             raise ValueError(f"host_memory_reserve_fraction must be in [0, 1), got {self.host_memory_reserve_fraction}")
+        if not self.grad_bucket_bytes > 0:
+            raise ValueError(f"grad_bucket_bytes must be > 0, got {self.grad_bucket_bytes}")
         if not self.moe_imbalance >= 1:
             raise ValueError(f"moe_imbalance is the busiest expert rank's load over the mean and must be >= 1, got "
                              f"{self.moe_imbalance}")

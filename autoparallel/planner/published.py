@@ -27,6 +27,12 @@ from autoparallel.planner.options import PlannerOptions
 from autoparallel.planner.topology import Topology
 
 GB = 1e9
+# DeepSpeed's pipeline engine and Megatron-LM (2021-22) reduce gradients after the pipeline drains (no overlap);
+# gradient bucket sizes of the runs' frameworks (defaults): DeepSpeed reduce_bucket_size 5e8 elements (fp32);
+# Megatron-LM DDP 40M elements; FSDP one reduce-scatter per wrapped block (OPT: 175B/96 blocks/TP 8 = 228M
+# parameters; LLaMA 3 405B: 405B/126/8 = 400M parameters), all fp32
+_DEEPSPEED = (("pp_scatter_gather", False), ("grad_bucket_bytes", 2e9), ("grad_sync_overlap", False))
+_MEGATRON = (("grad_bucket_bytes", 160e6), ("grad_sync_overlap", False))
 _HDR = Topology(nics_per_node=8, nic_bandwidth_Bps=25 * GB, host_memory_bytes=2e12, pcie_bandwidth_Bps=12 * GB)
 # Jean Zay (BLOOM): 4 Omni-Path 100 Gb/s links per node, 512 GB host RAM
 _OPA = Topology(nics_per_node=4, nic_bandwidth_Bps=12.5 * GB, host_memory_bytes=512e9, pcie_bandwidth_Bps=12 * GB)
@@ -70,55 +76,57 @@ RUNS = (
                  "tflops", 150.0, "Le Scao et al. 2022 (arXiv:2211.05100) §3.4; BigScience training README",
                  "ZeRO-1, embedding counted as a block at each end of the pipeline (Megatron-DeepSpeed partitioning); "
                  "4 Omni-Path 100 Gb/s links per node",
-                 software=(("pp_scatter_gather", False),)),
+                 software=_DEEPSPEED),
     PublishedRun("OPT-175B", "opt-175b", "A100-80GB", 992, _HDR,
                  _cfg(992, 8, 1, sharding=3, recompute="full", micro_batch=8), 992, 2048,
                  "tflops", 147.0, "Zhang et al. 2022 (arXiv:2205.01068) §2.4",
-                 "FSDP (ZeRO-3) + TP 8; batch 2M tokens taken as 992 sequences (8 per replica, one micro-batch)"),
+                 "FSDP (ZeRO-3) + TP 8; batch 2M tokens taken as 992 sequences (8 per replica, one micro-batch)",
+                 software=(("grad_bucket_bytes", 0.9e9),)),
     PublishedRun("GPT-NeoX-20B", "gpt-neox-20b", "A100-40GB", 96, _NEOX,
                  _cfg(96, 2, 4, sharding=1, recompute="full", micro_batch=4), 1536, 2048,
                  "tflops", 117.0, "Black et al. 2022 (arXiv:2204.06745) §3.1",
                  "TP 2, PP 4, ZeRO-1, micro-batch 4 x 32 accumulation steps (the released 20B config); 4 HDR "
                  "HCAs per node of 8 GPUs",
-                 software=(("pp_scatter_gather", False),)),
+                 software=_DEEPSPEED),
     PublishedRun("MT-NLG 530B (2240)", "mt-nlg-530b", "A100-80GB", 2240, _HDR,
                  _cfg(2240, 8, 35, sharding=1, recompute="full"), 1920, 2048,
                  "tflops", 126.0, "Smith et al. 2022 (arXiv:2201.11990) §2.4: 60.1 s/iteration",
-                 "DeepSpeed pipeline engine (1F1B, whole activations between stages), ZeRO-1", software=(("pp_scatter_gather", False),)),
+                 "DeepSpeed pipeline engine (1F1B, whole activations between stages), ZeRO-1", software=_DEEPSPEED),
     PublishedRun("MT-NLG 530B (2800)", "mt-nlg-530b", "A100-80GB", 2800, _HDR,
                  _cfg(2800, 8, 35, sharding=1, recompute="full"), 1920, 2048,
                  "tflops", 121.0, "Smith et al. 2022 §2.4: 50.2 s/iteration",
-                 "DeepSpeed pipeline engine (1F1B, whole activations between stages), ZeRO-1", software=(("pp_scatter_gather", False),)),
+                 "DeepSpeed pipeline engine (1F1B, whole activations between stages), ZeRO-1", software=_DEEPSPEED),
     PublishedRun("MT-NLG 530B (3360)", "mt-nlg-530b", "A100-80GB", 3360, _HDR,
                  _cfg(3360, 8, 35, sharding=1, recompute="full"), 1920, 2048,
                  "tflops", 113.0, "Smith et al. 2022 §2.4: 44.4 s/iteration",
-                 "DeepSpeed pipeline engine (1F1B, whole activations between stages), ZeRO-1", software=(("pp_scatter_gather", False),)),
+                 "DeepSpeed pipeline engine (1F1B, whole activations between stages), ZeRO-1", software=_DEEPSPEED),
     PublishedRun("GPT 22B (SP+selective)", "gpt-22b", "A100-80GB", 8, _HDR,
                  _cfg(8, 8, 1, sp=1, recompute="selective"), 4, 2048,
                  "mfu", 0.415, "Korthikanti et al. 2023 (MLSys, arXiv:2205.05198) Tables 3 and 5: 1.10 s",
-                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)"),
+                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)", software=_MEGATRON),
     PublishedRun("GPT-3 175B (SP+selective)", "gpt3-175b", "A100-80GB", 64, _HDR,
                  _cfg(64, 8, 8, vpp=2, sp=1, recompute="selective"), 64, 2048,
                  "mfu", 0.514, "Korthikanti et al. 2023 Tables 3 and 5: 13.75 s",
-                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)"),
+                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)", software=_MEGATRON),
     PublishedRun("MT-NLG 530B (SP+selective)", "megatron-530b", "A100-80GB", 280, _HDR,
                  _cfg(280, 8, 35, vpp=3, sp=1, recompute="selective"), 280, 2048,
                  "mfu", 0.560, "Korthikanti et al. 2023 Tables 3 and 5: 37.83 s",
-                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)"),
+                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)", software=_MEGATRON),
     PublishedRun("GPT 1T (SP+selective)", "megatron-1t", "A100-80GB", 512, _HDR,
                  _cfg(512, 8, 64, vpp=2, sp=1, recompute="selective"), 512, 2048,
                  "mfu", 0.563, "Korthikanti et al. 2023 Tables 3 and 5: 71.49 s",
-                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)"),
+                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)", software=_MEGATRON),
     PublishedRun("LLaMA 3 405B (8192)", "llama3-405b", "H100-80GB", 8192, _ROCE,
                  _cfg(8192, 8, 16, vpp=2, sp=1, sharding=1, split="ends"), 2048, 8192,
                  "mfu", 0.43, "Dubey et al. 2024 (arXiv:2407.21783) Table 4: 430 TFLOP/s, 43% BF16 MFU",
                  "first/last stage one block fewer (paper §3.3.2); v=2, ZeRO-1 and no recomputation assumed; "
                  "FlashAttention; RoCE Clos with 1:7 oversubscription above 3072-GPU zones",
-                 software=(("flash_attention", True),)),
+                 software=(("flash_attention", True), ("grad_bucket_bytes", 1.6e9))),
     PublishedRun("LLaMA 3 405B (16384)", "llama3-405b", "H100-80GB", 16384, _ROCE,
                  _cfg(16384, 8, 16, vpp=2, sp=1, sharding=1, split="ends"), 2048, 8192,
                  "mfu", 0.41, "Dubey et al. 2024 Table 4: 400 TFLOP/s, 41% BF16 MFU",
-                 "as the 8192-GPU row, DP 128", software=(("flash_attention", True),)),
+                 "as the 8192-GPU row, DP 128",
+                 software=(("flash_attention", True), ("grad_bucket_bytes", 1.6e9))),
 )
 
 MOE_RUNS = (
