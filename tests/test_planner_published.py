@@ -23,9 +23,9 @@ def test_at_least_eight_runs_with_sources():
 def test_predictions_against_published(table):
     errors = {r["name"]: r["ratio"] - 1 for r in table}
     within = [n for n, e in errors.items() if abs(e) <= 0.15]
-    # achieved (docs/planner.md): 8 of 12 within 15%, every run within 20% (the target of 15% for all is not met:
+    # achieved (docs/planner.md): 9 of 12 within 15%, every run within 20% (the target of 15% for all is not met:
     # GPT-NeoX-20B +19% and MT-NLG 530B on 2800/3360 GPUs +15%/+20% are over-predicted)
-    assert len(within) >= 8, errors
+    assert len(within) >= 9, errors
     assert max(abs(e) for e in errors.values()) < 0.20, errors
 
 

@@ -52,7 +52,7 @@ def validation_md(rows, moe_rows, search_rows, png, out):
 
 Every run's published configuration priced in fixed mode (`autoparallel.planner.published`, test
 `tests/test_planner_published.py`). Nothing is fitted on these runs: the two constants come from Megatron-LM
-Table 1 (below). Where a paper leaves a knob out, the assumption was fixed before looking at the prediction and
+Table 1 (above). Where a paper leaves a knob out, the assumption was fixed before looking at the prediction and
 is listed with the sources. Some per-run facts were added after a first look, and that pass is reported too
 (6 of the 12 dense runs within 15%, largest error 23.7%, the LLaMA 3 rows unpriceable without FlashAttention):
 FlashAttention for the 2024 runs; the frameworks' documented behaviour, i.e. DeepSpeed's pipeline engine sends
