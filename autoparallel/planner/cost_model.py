@@ -3,21 +3,22 @@
 ``evaluate`` prices a batch of configurations (numpy arrays, one element per candidate) with the
 formulas below; a single configuration is a batch of one, so the search and ``--fixed`` share code.
 
-Step time on the slowest pipeline stage (the last: it also runs the output head):
+Step time on the slowest pipeline stage (stage i holds n_i blocks, planner/stages.py):
 
-    step = m·t_mb + bubble + pp_comm + dp_comm_exposed + optimizer
-    t_mb = compute + recompute + tp_comm + zero3_gather_exposed       (one micro-batch, one stage)
-    bubble = (p-1)/v · t_mb                                           (1F1B: v = 1)
-    compute of a block = matmul FLOPs / (peak·gemm_efficiency) + element-wise bytes / memory bandwidth
+    step = m·t_max + bubble + pp_comm + exposed overlappable comm + ZeRO-1/2 parameter gathers + optimizer
+    T_L  = 3·t_fwd + t_recompute + TP collectives (+ expert all-to-all)      (one block, one micro-batch)
+    t_i  = n_i·T_L (+ the output head on the last stage),  t_max = max_i t_i
+    bubble = (Σ_i t_i − t_max) / v                                          ((p-1)/v·t for equal stages)
+    t_fwd of a block = matmul FLOPs / (peak·gemm_efficiency) + element-wise bytes / memory bandwidth
 
-TP collectives sit on the critical path; DP gradient sync and ZeRO gathers hide behind compute by
-``cluster.overlap``; stage-to-stage sends are exposed. Collective times come from
-``autoparallel.comm.cost.collective_seconds`` over the link the group uses (``cluster.link_for``).
-Ranks are laid out tp-innermost, then dp, then pp (Megatron's order), so TP stays inside a node when
-tp <= devices_per_node. A calibrated profile's measured fit for a collective and group size replaces the
-link formula (``affine_seconds``); a profile with eager-runtime costs (``cluster.runtime``: CPU ranks)
-prices per-op overheads and the runtime's own collectives instead (planner/eager_cost.py) as the
-``overhead`` term and in the communication terms.
+TP collectives, pipeline sends and (unless overlapped) expert all-to-alls sit on the critical path; ZeRO-3
+gathers and the gradient sync hide behind compute only within each link's budget (planner/links.py).
+Collectives are priced on the links they use (NVLink, network) by comm/cost.py's hierarchical model over the
+cluster's topology (planner/topology.py). Ranks are laid out tp-innermost, then expert/data, then pp
+(Megatron's order), so TP stays inside a node when tp <= devices_per_node. A calibrated profile's measured
+fit for a collective and group size replaces the link formula (``affine_seconds``); a profile with
+eager-runtime costs (``cluster.runtime``: CPU ranks) prices per-op overheads and the runtime's own
+collectives instead (planner/eager_cost.py) as the ``overhead`` term and in the communication terms.
 """
 from __future__ import annotations
 
@@ -56,37 +57,6 @@ def affine_seconds(cluster, collective: str, n: int, ranks):
         return fit.latency_s, 1.0 / fit.bandwidth_Bps
     link = cluster.link_for(ranks)
     return _affine(collective, n, link.latency_s, link.bandwidth_Bps, cluster.backend)
-
-
-def _links(tp, dp):
-    """Rank lists of candidate i's TP group, DP group and next-stage peer (layout: tp, then dp, then pp)."""
-    tp = np.asarray(tp).reshape(-1)
-    dp = np.asarray(dp).reshape(-1)
-    tp_ranks = lambda i: range(int(tp[i]))                                    # noqa: E731
-    dp_ranks = lambda i: range(0, int(tp[i]) * int(dp[i]), int(tp[i]))        # noqa: E731
-    pp_ranks = lambda i: (0, int(tp[i]) * int(dp[i]))                         # noqa: E731
-    return tp_ranks, dp_ranks, pp_ranks
-
-
-def _unique_seconds(cluster, collective, b, n, ranks_of, key_arrays):
-    """Seconds of ``collective`` of ``b`` bytes per rank over groups of ``n`` ranks (arrays).
-
-    The group's link is ``cluster.link_for(ranks_of(i))``; each distinct key (e.g. (tp, dp)) is priced
-    once with comm.cost.collective_seconds, then applied to every candidate's byte count.
-    """
-    keys = np.stack([np.asarray(k).reshape(-1) for k in key_arrays], axis=1)
-    _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    n_arr = np.broadcast_to(np.asarray(n), inverse.shape)
-    c0 = np.zeros(len(first))
-    c1 = np.zeros(len(first))
-    for j, i in enumerate(first):
-        size = int(n_arr[i])
-        if size <= 1:
-            continue
-        c0[j], c1[j] = affine_seconds(cluster, collective, size, ranks_of(int(i)))
-    b = np.broadcast_to(np.asarray(b, dtype=float), inverse.shape)
-    return c0[inverse] + c1[inverse] * b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,11 +103,6 @@ def pipeline_bubble_seconds(p, v, t_mb):
 def pp_sends_per_step(p, v, m):
     """Stage-to-stage messages on the critical path: 2·(v·m + p - 1) (one forward, one backward per chunk)."""
     return np.where(p > 1, 2 * (v * m + p - 1), 0)
-
-
-def exposed_seconds(comm_s, window_s, overlap):
-    """Communication left on the critical path when ``overlap`` of it can hide behind ``window_s`` of compute."""
-    return comm_s - overlap * np.minimum(comm_s, window_s)
 
 
 def optimizer_traffic_bytes(shard_params, options):
