@@ -52,8 +52,8 @@ class Candidate:
         return self.config.to_strategy_dict(self.global_batch)
 
 
-_COLUMNS = ("#", "dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "off", "mb", "m", "step s", "tokens/s",
-            "TFLOP/s", "MFU", "mem GB", "fits")
+_COLUMNS = ("#", "dp", "tp", "pp", "vpp", "split", "ep", "sp", "zero", "recompute", "off", "mb", "m", "step s",
+            "tokens/s", "TFLOP/s", "MFU", "mem GB", "fits")
 
 
 def _flops(tflops: float) -> str:
@@ -62,7 +62,8 @@ def _flops(tflops: float) -> str:
 
 def _row(rank, c: Candidate):
     k = c.config
-    return (str(rank), str(k.dp), str(k.tp), str(k.pp), str(k.vpp), str(k.sp), str(k.sharding), k.recompute,
+    return (str(rank), str(k.dp), str(k.tp), str(k.pp), str(k.vpp), k.split if k.pp > 1 else "-", str(k.ep),
+            str(k.sp), str(k.sharding), k.recompute,
             str(k.offload), str(k.micro_batch), str(c.num_micro_batches), f"{c.step_time_s:.3f}",
             f"{c.tokens_per_s:,.0f}", _flops(c.tflops_per_device), f"{100 * c.mfu:.1f}%",
             f"{c.memory_per_device_gb:.1f}", "yes" if c.feasible else "NO")
