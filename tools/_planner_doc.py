@@ -208,6 +208,14 @@ with ep > 1 is priced but `to_strategy_dict` raises NotImplementedError.
 fp8 is a precision of the planner (`PlannerOptions(precision="fp8")`): matmuls at the fp8 peak, storage as bf16;
 it is planner-only (the runtime's AMP has float16 and bfloat16) and the plan's explanation says so.
 
+### Not modelled (known limits)
+
+Stragglers and jitter at thousands of nodes; NVLS / SHARP in-network reductions; congestion between concurrent
+collectives beyond the per-link budget; NCCL's PAT algorithm (logarithmic all-gather / reduce-scatter latency);
+context parallelism; DualPipe and zero-bubble schedules (priced as 1F1B / interleaved); MLA attention (priced as
+multi-head attention); per-framework engine overheads per micro-batch; the runtime's fp32-parameter AMP layout on
+GPU presets (they use Megatron's bf16 weights + fp32 master; calibrated CPU profiles use the runtime's layout).
+
 ### Design decisions
 
 - The cost model stays closed-form and vectorised (one numpy pass over every configuration), so adding topology,
