@@ -30,7 +30,8 @@ def _cluster_for_world(cluster: ClusterSpec, world: int) -> ClusterSpec:
     if world % cluster.devices_per_node == 0:
         return cluster.with_nodes(world // cluster.devices_per_node)
     if world < cluster.devices_per_node:
-        return replace(cluster, num_nodes=1, devices_per_node=world)
+        topology = cluster.topology and replace(cluster.topology, gpus_per_node=0)    # part of one node
+        return replace(cluster, num_nodes=1, devices_per_node=world, topology=topology)
     raise ValueError(f"dp·tp·pp = {world} devices is neither the whole cluster ({cluster.world_size}), whole nodes "
                      f"of {cluster.devices_per_node}, nor part of one node")
 
