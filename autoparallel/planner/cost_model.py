@@ -188,7 +188,8 @@ def routed_all_to_all(cluster, model, nbytes, ep, tp, calls):
 
 
 def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
-    """(forward, recompute) seconds of one block on one TP rank, and the block's activation traffic."""
+    """(forward, recompute, output-head forward) seconds on one TP rank for one micro-batch; routed experts run
+    at the busiest rank's pace (``moe_imbalance``)."""
     peak, W, eta, k = dev.flops(o.compute_dtype), dev.memory_bandwidth_Bps, o.gemm_efficiency, o.activation_traffic_factor
     scale = o.activation_scale
     none_code = np.zeros_like(rc)
