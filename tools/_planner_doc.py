@@ -162,6 +162,17 @@ latency-bound sizes). `ClusterSpec.topology` gives GPUs and NICs per node, NIC s
 (all-to-all on rails first crosses NVLink: PXN), nodes per leaf and oversubscription (bandwidth divided beyond a
 leaf), host RAM and PCIe per node.
 
+Describing a cluster:
+
+```python
+from autoparallel.planner.cluster import cluster_of, preset
+from autoparallel.planner.topology import Topology
+fabric = Topology(nics_per_node=8, nic_bandwidth_Bps=50e9, rail_optimized=True, nodes_per_leaf=32,
+                  oversubscription=2.0, host_memory_bytes=2e12, pcie_bandwidth_Bps=25e9)
+cluster = cluster_of("H100-80GB", 1024, fabric)          # 128 nodes of 8; 1000 GPUs would be a ValueError
+ap.plan("llama2-70b", cluster, global_batch_size=1536, seq_len=4096)
+```
+
 Anchors (NCCL bus bandwidth, nccl-tests' `busbw` = algorithm bandwidth x 2(n−1)/n for an all-reduce, which is
 the bandwidth of the slowest link a ring crosses; nccl-tests `doc/PERFORMANCE.md`):
 - intra-node: 8xA100 NVLink all-reduce reaches 230-250 GB/s of the 300 GB/s per direction, 8xH100 460-480 GB/s

@@ -69,7 +69,8 @@ def describe(c):
             f"TFLOP/s/GPU, MFU {100 * c.mfu:.0f}%, {c.memory_per_device_gb:.1f} GB")
 
 
-MOE_CASES = (("mixtral-8x7b", "128x8:H100-80GB", 1536, 4096), ("deepseek-v3", "256x8:H100-80GB", 4096, 4096))
+MOE_CASES = (("mixtral-8x7b", "128x8:H100-80GB", 1536, 4096), ("deepseek-v3", "256x8:H100-80GB", 4096, 4096),
+             ("deepseek-v3", "256x8:H100-80GB", 15360, 4096))     # DeepSeek-V3's own batch: many micro-batch sizes
 
 
 def moe_rows(repeat):
