@@ -171,12 +171,12 @@ def stage_layout(model, seq_len, pp, vpp, split):
     return table[:, 0], table[:, 1], table[:, 2]
 
 
-def routed_all_to_all(cluster, model, nbytes, ep, tp, calls):
+def routed_all_to_all(cluster, model, nbytes, ep, tp, calls, cache=None):
     """Expert dispatch/combine over the EP group (ranks ``tp`` apart). Without a routing limit a token's top_k
     copies leave the node with probability (n-g)/n each; with node-limited routing (``route_nodes`` R) a token
     crosses the network once per remote node it reaches, at most min(R, top_k) times, and is fanned out over
     NVLink inside the node; on a rail-optimised fabric the copies first cross NVLink to the right rail (PXN)."""
-    stream = Stream.of(cluster, "all_to_all", nbytes, ep, tp, calls=calls, pxn=True, where=ep > 1)
+    stream = Stream.of(cluster, "all_to_all", nbytes, ep, tp, calls=calls, pxn=True, where=ep > 1, cache=cache)
     if not model.route_nodes:
         return stream
     gpn = cluster.devices_per_node
@@ -226,17 +226,21 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     n_first, n_last, n_mid = stage_layout(model, seq_len, pp, v, np.where(eager, 0, g["split"]))
     n_max = np.maximum(np.maximum(n_first, n_last), n_mid)
 
+    cache = {}                                   # group shapes of this evaluation, priced once per array pair
+    tp_ep, tp_dp, pp_peers = tp * ep, tp * dp, np.where(pp > 1, 2, 1)
+
     # ---- one block, one micro-batch ------------------------------------------------------------------
     t_fwd, t_rc, t_logits = _time_per_layer(model, o, dev, s, b, tp, sp, rc)
     msg = o.activation_scale * 2.0 * b * s * model.hidden            # one block boundary activation
-    ar = Stream.of(cluster, "all_reduce", msg, tp, 1)
-    sp_pair = Stream.of(cluster, "all_gather", msg / tp, tp, 1) + Stream.of(cluster, "reduce_scatter", msg, tp, 1)
+    ar = Stream.of(cluster, "all_reduce", msg, tp, 1, cache=cache)
+    sp_pair = (Stream.of(cluster, "all_gather", msg / tp, tp, 1, cache=cache)
+               + Stream.of(cluster, "reduce_scatter", msg, tp, 1, cache=cache))
     tp_calls = tp_collectives_per_layer(rc)
     tp_layer = Stream(*(np.where(tp > 1, tp_calls * np.where(sp > 0, x, y), 0.0) for x, y in
                         ((sp_pair.seconds, ar.seconds), (sp_pair.nvlink, ar.nvlink), (sp_pair.network, ar.network))))
     a2a_bytes = o.activation_scale * 2.0 * b * s * model.hidden * model.top_k / tp
     a2a_calls = model.moe_fraction * (4 + 2 * (rc == FULL))
-    a2a_layer = routed_all_to_all(cluster, model, a2a_bytes, ep, tp, a2a_calls)
+    a2a_layer = routed_all_to_all(cluster, model, a2a_bytes, ep, tp, a2a_calls, cache)
     a2a_hidden = bool(o.moe_a2a_overlap)
     T_L = 3.0 * t_fwd + t_rc + tp_layer.seconds + (0.0 if a2a_hidden else a2a_layer.seconds)
     H = 3.0 * t_logits
@@ -275,21 +279,22 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
         buckets = np.maximum(1.0, np.ceil(gb * psi / o.grad_bucket_bytes))
         each = gb * psi / buckets
         a = Stream.of(cluster, "all_reduce", each, group, stride, calls=calls * buckets,
-                      where=(group > 1) & (coll == 0))
+                      where=(group > 1) & (coll == 0), cache=cache)
         r = Stream.of(cluster, "reduce_scatter", each, group, stride, calls=calls * buckets,
-                      where=(group > 1) & (coll == 1))
+                      where=(group > 1) & (coll == 1), cache=cache)
         return a + r
 
-    sync = grad_stream(dense_psi, dp, tp, sync_calls) + grad_stream(expert_psi, d_e, tp * ep, sync_calls)
-    rs_each_mb = grad_stream(dense_psi, dp, tp, mb_calls) + grad_stream(expert_psi, d_e, tp * ep, mb_calls)
+    sync = grad_stream(dense_psi, dp, tp, sync_calls) + grad_stream(expert_psi, d_e, tp_ep, sync_calls)
+    rs_each_mb = grad_stream(dense_psi, dp, tp, mb_calls) + grad_stream(expert_psi, d_e, tp_ep, mb_calls)
     z12 = (zero >= 1) & (zero <= 2)
-    param_gather = (Stream.of(cluster, "all_gather", pb * dense_psi / dp, dp, tp, where=(dp > 1) & z12)
-                    + Stream.of(cluster, "all_gather", pb * expert_psi / d_e, d_e, tp * ep, where=(d_e > 1) & z12))
+    param_gather = (Stream.of(cluster, "all_gather", pb * dense_psi / dp, dp, tp, where=(dp > 1) & z12, cache=cache)
+                    + Stream.of(cluster, "all_gather", pb * expert_psi / d_e, d_e, tp_ep, where=(d_e > 1) & z12,
+                                cache=cache))
     z3 = zero >= 3
     layer_gather = (Stream.of(cluster, "all_gather", pb * layer_dense / dp, dp, tp, calls=m * n_max,
-                              where=(dp > 1) & z3)
-                    + Stream.of(cluster, "all_gather", pb * layer_expert / d_e, d_e, tp * ep, calls=m * n_max,
-                                where=(d_e > 1) & z3))
+                              where=(dp > 1) & z3, cache=cache)
+                    + Stream.of(cluster, "all_gather", pb * layer_expert / d_e, d_e, tp_ep, calls=m * n_max,
+                                where=(d_e > 1) & z3, cache=cache))
     z3_bwd = Stream(*(x * (1 + (rc == FULL)) for x in (layer_gather.seconds, layer_gather.nvlink,
                                                           layer_gather.network)))
     w_fwd = m * (n_b * t_fwd + head_b * t_logits)
@@ -306,7 +311,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     # ---- pipeline sends ------------------------------------------------------------------------------
     p2p_msg = np.where((sp > 0) | o.pp_scatter_gather, msg / tp, msg)
     pp_calls = pp_sends_per_step(pp, v, m)
-    pp_stream = Stream.of(cluster, "send_recv", p2p_msg, np.where(pp > 1, 2, 1), tp * dp, calls=pp_calls)
+    pp_stream = Stream.of(cluster, "send_recv", p2p_msg, pp_peers, tp_dp, calls=pp_calls, cache=cache)
 
     # ---- optimizer -------------------------------------------------------------------------------------
     shard = dense_psi / np.where(zero >= 1, dp, 1) + expert_psi / np.where(zero >= 1, d_e, 1)
