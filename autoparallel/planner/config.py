@@ -58,6 +58,11 @@ class ParallelConfig:
         if self.ep > 1:
             raise NotImplementedError(f"expert parallelism (ep={self.ep}) is priced by the planner but the runtime "
                                       f"runs experts replicated: constrain the search to ep=1 to get a runnable plan")
+        if self.pp > 1 and self.split != "even":
+            raise NotImplementedError(f"the pipeline split {self.split!r} is priced by the planner, but a strategy "
+                                      f"cannot carry it without the model's layer names: set "
+                                      f"pipeline_parallel.split_points yourself, or constrain the search to "
+                                      f"split='even' (what the runtime does by default)")
         return {
             "data_parallel": {"degree": self.dp},
             "tensor_parallel": {"degree": self.tp},

@@ -70,7 +70,7 @@ def group_affine(cluster, collective: str, n: int, stride: int, pxn: bool = Fals
         return (c0, c1, 0.0) if k == 1 else (c0, 0.0, c1)
     topo = topology_of(cluster)
     bw_i = cluster.intra_node.bandwidth_Bps * topo.nvlink_efficiency
-    bw_n = topo.network_Bps(cluster.devices_per_node, k)
+    bw_n = topo.network_Bps(cluster.devices_per_node, k, cluster.inter_node.bandwidth_Bps)
     return _hier(collective, g, k, cluster.intra_node.latency_s, bw_i, cluster.inter_node.latency_s, bw_n,
                  bool(pxn and topo.rail_optimized and k > 1))
 

@@ -8,7 +8,9 @@ leaf ("rail") switch joins the same-index NIC of every node of the leaf group, s
 same local index stays on one rail; traffic between different local indices (all-to-all) first crosses
 NVLink to the GPU on the right rail (NCCL's PXN), which the model charges as extra NVLink traffic.
 
-Achieved bandwidth is a fraction of line rate: NCCL's bus bandwidth on 8xA100 NVLink is 230-250 GB/s of
+The cluster's ``inter_node`` link carries the GPU's nominal network share (presets set it to
+``nic_share_Bps``), so scaling the link (e.g. to a measured rate) scales the network too; the topology adds
+the efficiency, the oversubscription, host RAM and PCIe. Achieved bandwidth is a fraction of line rate: NCCL's bus bandwidth on 8xA100 NVLink is 230-250 GB/s of
 300 (``nvlink_efficiency`` 0.8) and multi-node InfiniBand reaches about 90% of line rate
 (``network_efficiency`` 0.9); docs/planner.md lists the sources.
 """
@@ -56,9 +58,11 @@ class Topology:
         """One GPU's share of its node's network line rate."""
         return self.nics_per_node * self.nic_bandwidth_Bps / gpus_per_node
 
-    def network_Bps(self, gpus_per_node: int, nodes: int) -> float:
-        """Achieved per-GPU network bandwidth for traffic among ``nodes`` nodes (oversubscribed beyond a leaf)."""
-        bw = self.nic_share_Bps(gpus_per_node) * self.network_efficiency
+    def network_Bps(self, gpus_per_node: int, nodes: int, share_Bps: float = None) -> float:
+        """Achieved per-GPU network bandwidth for traffic among ``nodes`` nodes (oversubscribed beyond a leaf).
+        ``share_Bps``: the GPU's nominal share (the cluster's inter-node link, which presets derive from
+        ``nic_share_Bps``); default: this topology's NICs."""
+        bw = (self.nic_share_Bps(gpus_per_node) if share_Bps is None else share_Bps) * self.network_efficiency
         if self.nodes_per_leaf and nodes > self.nodes_per_leaf:
             bw /= self.oversubscription
         return bw
