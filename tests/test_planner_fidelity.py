@@ -294,3 +294,11 @@ def test_node_limited_routing_and_overlapped_all_to_all():
     assert hidden.time_s["ep_comm"] == 0 and hidden.step_time_s < limited.step_time_s
     assert hidden.link_busy_s["network"] == pytest.approx(limited.link_busy_s["network"])   # same bytes
     assert hidden.link_busy_s["network"] <= hidden.step_time_s
+
+
+def test_planner_only_choices_do_not_become_a_strategy_silently():
+    with pytest.raises(NotImplementedError, match="runs experts replicated"):
+        ParallelConfig(dp=8, ep=8).to_strategy_dict(64)
+    with pytest.raises(NotImplementedError, match="split_points yourself"):
+        ParallelConfig(dp=4, pp=2, split="ends").to_strategy_dict(64)
+    assert ParallelConfig(dp=4, pp=2).to_strategy_dict(64)["pipeline_parallel"]["degree"] == 2
