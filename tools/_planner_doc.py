@@ -231,6 +231,9 @@ GPU presets (they use Megatron's bf16 weights + fp32 master; calibrated CPU prof
 
 - The cost model stays closed-form and vectorised (one numpy pass over every configuration), so adding topology,
   stage splits and expert parallelism keeps LLaMA-2 70B on 1024 GPUs well under the 2 s budget.
+- What the runtime cannot run is priced but never silently converted: a plan with ep > 1 or a non-even split
+  raises NotImplementedError in `to_strategy_dict`; `auto_mode="full"` and the monitor's re-plan search only
+  the even split and ep = 1.
 - Split policies, not per-stage layer lists, are the search dimension (three named splits; duplicates removed):
   an explicit list would multiply the space by the number of compositions of l into p parts.
 - ZeRO-2/3 follow the runtime (full buffer, one reduce-scatter) by default; the DeepSpeed-style per-micro-batch
