@@ -165,7 +165,8 @@ leaf), host RAM and PCIe per node.
 Describing a cluster:
 
 ```python
-from autoparallel.planner.cluster import cluster_of, preset
+import autoparallel as ap
+from autoparallel.planner.cluster import cluster_of
 from autoparallel.planner.topology import Topology
 fabric = Topology(nics_per_node=8, nic_bandwidth_Bps=50e9, rail_optimized=True, nodes_per_leaf=32,
                   oversubscription=2.0, host_memory_bytes=2e12, pcie_bandwidth_Bps=25e9)
