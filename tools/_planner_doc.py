@@ -170,7 +170,7 @@ from autoparallel.planner.cluster import cluster_of
 from autoparallel.planner.topology import Topology
 fabric = Topology(nics_per_node=8, nic_bandwidth_Bps=50e9, rail_optimized=True, nodes_per_leaf=32,
                   oversubscription=2.0, host_memory_bytes=2e12, pcie_bandwidth_Bps=25e9)
-cluster = cluster_of("H100-80GB", 1024, fabric)          # 128 nodes of 8; 1000 GPUs would be a ValueError
+cluster = cluster_of("H100-80GB", 1024, fabric)          # 128 nodes of 8; 1020 GPUs would be a ValueError
 ap.plan("llama2-70b", cluster, global_batch_size=1536, seq_len=4096)
 ```
 
