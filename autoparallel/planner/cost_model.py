@@ -206,6 +206,18 @@ def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
     return t_fwd, t_rc, t_logits
 
 
+def _block_and_edge_params(model, tp, pp, ep):
+    """(dense Ψ of one block, routed-expert Ψ of one block, first stage's edge Ψ, last stage's edge Ψ) on one
+    device: the embedding on the first stage, the head (and a tied head's copy when p > 1) on the last."""
+    layer_dense = layer_params_on_device(model, tp, 1) - model.layer_expert_params / tp
+    layer_expert = model.layer_expert_params / (tp * ep)
+    emb, head = edge_params(model, tp)
+    head_copy = np.where(model.tied_embeddings & (pp > 1), model.vocab * model.hidden / tp, 0.0)
+    edge_first = np.where(pp == 1, emb + head, emb)
+    edge_last = np.where(pp == 1, emb + head, head + head_copy)
+    return layer_dense, layer_expert, edge_first, edge_last
+
+
 def evaluate(model, cluster, global_batch, seq_len, grid, options):
     """Price every configuration of ``grid`` (dict of equal-length int arrays keyed by GRID_KEYS).
 
@@ -256,12 +268,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     bubble = np.where(pp > 1, (model.layers * T_L + H - t_max) / v, 0.0)
 
     # ---- parameters per stage ----------------------------------------------------------------------
-    layer_dense = layer_params_on_device(model, tp, 1) - model.layer_expert_params / tp
-    layer_expert = model.layer_expert_params / (tp * ep)
-    emb, head = edge_params(model, tp)
-    head_copy = np.where(model.tied_embeddings & (pp > 1), model.vocab * model.hidden / tp, 0.0)
-    edge_first = np.where(pp == 1, emb + head, emb)
-    edge_last = np.where(pp == 1, emb + head, head + head_copy)
+    layer_dense, layer_expert, edge_first, edge_last = _block_and_edge_params(model, tp, pp, ep)
     dense_psi = np.maximum.reduce([n_first * layer_dense + edge_first, n_last * layer_dense + edge_last,
                                    n_mid * layer_dense])
     expert_psi = n_max * layer_expert
@@ -377,6 +384,24 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     }
 
 
+def _state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors):
+    """Weights, gradient buffers and optimizer states on one device holding ``dense`` and ``expert`` Ψ (dict)."""
+    per_mb = bool(o.zero_grad_per_micro_batch)
+    out = {}
+    out["params"] = mem.weight_bytes(dense, zero, dp, o.param_bytes) + mem.weight_bytes(expert, zero, d_e,
+                                                                                          o.param_bytes)
+    grads = (mem.grad_buffer_bytes(dense, zero, dp, m, o.grad_bytes, per_mb)
+             + mem.grad_buffer_bytes(expert, zero, d_e, m, o.grad_bytes, per_mb))
+    opt = (mem.optimizer_bytes(dense, zero, dp, off, o.optimizer_bytes)
+           + mem.optimizer_bytes(expert, zero, d_e, off, o.optimizer_bytes))
+    if o.zero_master_copy:
+        grads = grads + mem.master_grad_bytes(dense, zero, dp)
+        opt = opt + mem.master_copy_bytes(dense, zero, dp, off)
+    out["grads"] = grads
+    out["optimizer"] = opt + mem.per_tensor_state_bytes(tensors, off, o.optimizer_tensor_bytes)
+    return out
+
+
 def _memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, layer_expert, edge_first, edge_last, d_e):
     """Per-device memory of the stage that needs most (dict of arrays), its total with the reserve, and the
     host bytes one device uses (offload)."""
@@ -387,22 +412,9 @@ def _memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, laye
     logits = mem.logits_bytes(model, s, b, tp)
     z3buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, zero, o.param_bytes)
     tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
-    per_mb = bool(o.zero_grad_per_micro_batch)
 
     def states(dense, expert):
-        out = {}
-        out["params"] = mem.weight_bytes(dense, zero, dp, o.param_bytes) + mem.weight_bytes(expert, zero, d_e,
-                                                                                              o.param_bytes)
-        grads = (mem.grad_buffer_bytes(dense, zero, dp, m, o.grad_bytes, per_mb)
-                 + mem.grad_buffer_bytes(expert, zero, d_e, m, o.grad_bytes, per_mb))
-        opt = (mem.optimizer_bytes(dense, zero, dp, off, o.optimizer_bytes)
-               + mem.optimizer_bytes(expert, zero, d_e, off, o.optimizer_bytes))
-        if o.zero_master_copy:
-            grads = grads + mem.master_grad_bytes(dense, zero, dp)
-            opt = opt + mem.master_copy_bytes(dense, zero, dp, off)
-        out["grads"] = grads
-        out["optimizer"] = opt + mem.per_tensor_state_bytes(tensors, off, o.optimizer_tensor_bytes)
-        return out
+        return _state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors)
 
     stages = []
     for layers, edge, inflight, extra in (
@@ -425,6 +437,145 @@ def _memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, laye
             + mem.host_optimizer_bytes(np.maximum(n_first, np.maximum(n_last, n_mid)) * layer_expert, zero, d_e,
                                        off, o.optimizer_bytes))
     return memory, total, host
+
+
+def memory_floors(model, cluster, global_batch, seq_len, grid, options, sp_rc, zero_off):
+    """Lower bounds of ``evaluate``'s ``memory_total`` for grid arrays of the structural knobs (dp, tp, pp, vpp,
+    mb, ep, split), with the same formulas as ``_memory``. Per stage, memory is weights + gradients + optimizer
+    states (+ ZeRO-3 buffer), which depend on (ZeRO stage, offload) only, plus activations, which depend on
+    (sp, recompute) only. Returns ``(by_state, by_activation)``: ``by_state[i, k]`` bounds configuration i with
+    ``zero_off[k]`` and any (sp, recompute) of ``sp_rc`` (the least activations of each stage), and
+    ``by_activation[i, j]`` bounds it with ``sp_rc[j]`` and any (ZeRO, offload) of ``zero_off``; each is the
+    stage that needs most plus the reserve. A configuration above either bound's device capacity cannot fit."""
+    dp, tp, pp, v, b, ep = (np.asarray(grid[k]).reshape(-1) for k in ("dp", "tp", "pp", "vpp", "mb", "ep"))
+    split = np.asarray(grid["split"]).reshape(-1)
+    s, o, n = float(seq_len), options, len(dp)
+    m = float(global_batch) / (dp * b)
+    n_first, n_last, n_mid = stage_layout(model, seq_len, pp, v, np.where(cluster.runtime is not None, 0, split))
+    logits = mem.logits_bytes(model, s, b, tp)
+    layer_dense, layer_expert, edge_first, edge_last = _block_and_edge_params(model, tp, pp, ep)
+    d_e = np.maximum(dp // np.maximum(ep, 1), 1)
+    tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
+    stages = ((n_first, edge_first, mem.in_flight_micro_batches(pp, v, m), np.where(pp == 1, logits, 0.0)),
+              (n_last, edge_last, 1.0, logits),
+              (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0))
+    held, acts = [], []                             # per stage: (len(zero_off), n) and (len(sp_rc), n)
+    for layers, edge, inflight, extra in stages:
+        rows = []
+        for zero, off in zero_off:
+            z, f = np.full(n, zero), np.full(n, off)
+            st = _state_bytes(o, layers * layer_dense + edge, layers * layer_expert, z, dp, d_e, m, f, tensors)
+            rows.append(sum(st.values()) + mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, z,
+                                                                         o.param_bytes))
+        held.append(np.stack(rows))
+        rows = []
+        for sp, rc in sp_rc:
+            sp_a, rc_a = np.full(n, sp), np.full(n, rc)
+            act = mem.layer_activation_bytes(model, s, b, tp, sp_a, rc_a, o.activation_scale, o.flash_attention)
+            work = mem.recompute_working_bytes(model, s, b, tp, sp_a, rc_a, o.activation_scale, o.flash_attention)
+            rows.append(np.where(layers > 0, layers * act * inflight + work + extra, 0.0))
+        acts.append(np.stack(rows))
+    reserve = mem.reserve_bytes(cluster.device.memory_bytes, o.memory_reserve_fraction)
+    by_state = np.max(np.stack([h + a.min(axis=0) for h, a in zip(held, acts)]), axis=0) + reserve
+    by_activation = np.max(np.stack([h.min(axis=0) + a for h, a in zip(held, acts)]), axis=0) + reserve
+    return by_state.T, by_activation.T
+
+
+def _state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors):
+    """Weights, gradient buffers and optimizer states on one device holding ``dense`` and ``expert`` Ψ (dict)."""
+    per_mb = bool(o.zero_grad_per_micro_batch)
+    out = {}
+    out["params"] = mem.weight_bytes(dense, zero, dp, o.param_bytes) + mem.weight_bytes(expert, zero, d_e,
+                                                                                          o.param_bytes)
+    grads = (mem.grad_buffer_bytes(dense, zero, dp, m, o.grad_bytes, per_mb)
+             + mem.grad_buffer_bytes(expert, zero, d_e, m, o.grad_bytes, per_mb))
+    opt = (mem.optimizer_bytes(dense, zero, dp, off, o.optimizer_bytes)
+           + mem.optimizer_bytes(expert, zero, d_e, off, o.optimizer_bytes))
+    if o.zero_master_copy:
+        grads = grads + mem.master_grad_bytes(dense, zero, dp)
+        opt = opt + mem.master_copy_bytes(dense, zero, dp, off)
+    out["grads"] = grads
+    out["optimizer"] = opt + mem.per_tensor_state_bytes(tensors, off, o.optimizer_tensor_bytes)
+    return out
+
+
+def _memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, layer_expert, edge_first, edge_last, d_e):
+    """Per-device memory of the stage that needs most (dict of arrays), its total with the reserve, and the
+    host bytes one device uses (offload)."""
+    dp, tp, pp, v, sp, zero, rc, off = (g[k] for k in ("dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "offload"))
+    scale = o.activation_scale
+    act_layer = mem.layer_activation_bytes(model, s, b, tp, sp, rc, scale, o.flash_attention)
+    working = mem.recompute_working_bytes(model, s, b, tp, sp, rc, scale, o.flash_attention)
+    logits = mem.logits_bytes(model, s, b, tp)
+    z3buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, zero, o.param_bytes)
+    tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
+
+    def states(dense, expert):
+        return _state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors)
+
+    stages = []
+    for layers, edge, inflight, extra in (
+            (n_first, edge_first, mem.in_flight_micro_batches(pp, v, m), np.where(pp == 1, logits, 0.0)),
+            (n_last, edge_last, 1.0, logits),
+            (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0)):
+        st = states(layers * layer_dense + edge, layers * layer_expert)
+        st["activations"] = np.where(layers > 0, layers * act_layer * inflight + working + extra, 0.0)
+        st["zero3_buffer"] = z3buf
+        stages.append(st)
+    totals = [sum(st.values()) for st in stages]
+    pick = np.argmax(np.stack(totals), axis=0)
+    memory = {key: np.choose(pick, [st[key] for st in stages]) for key in stages[0]}
+    reserve = mem.reserve_bytes(dev.memory_bytes, o.memory_reserve_fraction)
+    memory["reserve"] = np.full(pick.shape, reserve)
+    total = np.max(np.stack(totals), axis=0) + reserve
+    dense_psi = np.maximum.reduce([n_first * layer_dense + edge_first, n_last * layer_dense + edge_last,
+                                   n_mid * layer_dense])
+    host = (mem.host_optimizer_bytes(dense_psi, zero, dp, off, o.optimizer_bytes)
+            + mem.host_optimizer_bytes(np.maximum(n_first, np.maximum(n_last, n_mid)) * layer_expert, zero, d_e,
+                                       off, o.optimizer_bytes))
+    return memory, total, host
+
+
+def memory_floor(model, cluster, global_batch, seq_len, grid, options, sps=(0, 1), rcs=(0, 1, 2),
+                 zeros=(0, 1, 2, 3), offloads=(0, 1)):
+    """A lower bound of ``evaluate``'s ``memory_total`` over every choice of sequence parallelism, recompute,
+    ZeRO stage and offload in ``sps``, ``rcs``, ``zeros``, ``offloads``, for grid arrays of the structural knobs
+    (dp, tp, pp, vpp, mb, ep, split): per stage, the least weights + gradients + optimizer states (+ ZeRO-3
+    buffer) any (zero, offload) gives it plus the least activations any (sp, recompute) gives it, with the same
+    formulas as ``_memory``; the stage that needs most, plus the reserve. A configuration whose floor exceeds
+    the device cannot fit with any of those choices (the search skips it unpriced)."""
+    dp, tp, pp, v, b, ep = (np.asarray(grid[k]).reshape(-1) for k in ("dp", "tp", "pp", "vpp", "mb", "ep"))
+    split = np.asarray(grid["split"]).reshape(-1)
+    s, o, n = float(seq_len), options, len(dp)
+    m = float(global_batch) / (dp * b)
+    n_first, n_last, n_mid = stage_layout(model, seq_len, pp, v, np.where(cluster.runtime is not None, 0, split))
+    logits = mem.logits_bytes(model, s, b, tp)
+    layer_dense, layer_expert, edge_first, edge_last = _block_and_edge_params(model, tp, pp, ep)
+    d_e = np.maximum(dp // np.maximum(ep, 1), 1)
+    tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
+    stages = ((n_first, edge_first, mem.in_flight_micro_batches(pp, v, m), np.where(pp == 1, logits, 0.0)),
+              (n_last, edge_last, 1.0, logits),
+              (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0))
+    floors = []
+    for layers, edge, inflight, extra in stages:
+        held = np.full(n, np.inf)                   # least weights + gradients + optimizer states (+ ZeRO-3 buffer)
+        for zero in zeros:
+            for off in offloads:
+                z, f = np.full(n, zero), np.full(n, off)
+                st = _state_bytes(o, layers * layer_dense + edge, layers * layer_expert, z, dp, d_e, m, f, tensors)
+                buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, z, o.param_bytes)
+                held = np.minimum(held, sum(st.values()) + buf)
+        least = np.full(n, np.inf)
+        for sp in sps:
+            for rc in rcs:
+                sp_a, rc_a = np.full(len(dp), sp), np.full(len(dp), rc)
+                act = mem.layer_activation_bytes(model, s, b, tp, sp_a, rc_a, o.activation_scale, o.flash_attention)
+                work = mem.recompute_working_bytes(model, s, b, tp, sp_a, rc_a, o.activation_scale,
+                                                   o.flash_attention)
+                least = np.minimum(least, layers * act * inflight + work + extra)
+        floors.append(held + np.where(layers > 0, least, 0.0))
+    return np.max(np.stack(floors), axis=0) + mem.reserve_bytes(cluster.device.memory_bytes,
+                                                                 o.memory_reserve_fraction)
 
 
 def _eager_terms(model, cluster, g, m, b, s, msg, layers, psi, t_fwd, t_rc, t_logits, optimizer):

@@ -77,13 +77,17 @@ def explain_search(outcome, candidates, global_batch, seq_len, capacity) -> str:
         lines.append(compare(winner, other, f"best with another {label}"))
     ev = outcome.evaluation
     infeasible = int(np.count_nonzero(~ev["feasible"]))
-    if infeasible:
+    ruled_out = getattr(outcome, "ruled_out", 0)
+    if infeasible or ruled_out:
         faster = np.nonzero((~ev["feasible"]) & (ev["step_time_s"] < winner.step_time_s))[0]
-        note = f"  {infeasible} of {outcome.evaluated} configurations exceed {capacity / 1e9:.0f} GB per device (or, offloading, the host RAM)"
+        note = (f"  {infeasible + ruled_out} of {outcome.evaluated + ruled_out} configurations exceed "
+                f"{capacity / 1e9:.0f} GB per device (or, offloading, the host RAM)")
+        if ruled_out:
+            note += f" ({ruled_out} ruled out unpriced by their memory floor)"
         if len(faster):
             i = int(faster[np.lexsort((ev["memory_total"][faster], ev["step_time_s"][faster]))[0]])
             fast = candidate_at(ev, grid, i, global_batch, seq_len, capacity)
-            note += (f"; the fastest of them ({config_diff(winner.config, fast.config)}) would take "
+            note += (f"; the fastest of those priced ({config_diff(winner.config, fast.config)}) would take "
                      f"{fast.step_time_s:.3f} s but needs {fast.memory_per_device_gb:.1f} GB")
         lines.append(note)
     return "\n".join(lines)

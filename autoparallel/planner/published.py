@@ -185,7 +185,8 @@ def search_best(run: PublishedRun, options: PlannerOptions = None, feasible_only
 
     options = run.options(options)
     cluster = run_cluster(run)
-    outcome = search(PRESETS[run.model], cluster, run.global_batch, run.seq_len, SearchSpace(), options)
+    outcome = search(PRESETS[run.model], cluster, run.global_batch, run.seq_len, SearchSpace(), options,
+                     prune=feasible_only)
     order = outcome.order if feasible_only else rank_order(outcome.evaluation, outcome.grid, feasible_only=False)
     if not len(order):
         return None

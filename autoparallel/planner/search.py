@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from autoparallel.planner.config import RECOMPUTE, SPLITS, ParallelConfig
-from autoparallel.planner.cost_model import GRID_KEYS, MEMORY_TERMS, TIME_TERMS, evaluate
+from autoparallel.planner.cost_model import GRID_KEYS, MEMORY_TERMS, TIME_TERMS, evaluate, memory_floors
 from autoparallel.planner.result import GB, Candidate
 
 _RC_CODE = {name: i for i, name in enumerate(RECOMPUTE)}
@@ -175,9 +175,9 @@ def _pipeline_shapes(model, seq_len, pp, space, options):
     return out
 
 
-def build_grid(model, world, global_batch, seq_len, space: SearchSpace, options) -> dict:
-    """Every valid configuration of ``space`` as a dict of equal-length int arrays (GRID_KEYS)."""
-    structural = []          # (dp, tp, pp, vpp, mb, ep, split)
+def structural_grid(model, world, global_batch, seq_len, space: SearchSpace, options) -> np.ndarray:
+    """The valid structural tuples of ``space``: an (n, 7) int array of (dp, tp, pp, vpp, mb, ep, split)."""
+    structural = []
     for tp in divisors(world):
         if not (space.allows("tp", tp) and tp_divides_model(model, tp)):
             continue
@@ -198,12 +198,23 @@ def build_grid(model, world, global_batch, seq_len, space: SearchSpace, options)
                         continue
                     for e in eps:
                         structural.append((dp, tp, pp, v, mb, e, _SPLIT_CODE[split]))
+    return np.array(structural, dtype=np.int64).reshape(-1, 7)
+
+
+def _knob_rows(space: SearchSpace) -> np.ndarray:
     sps = [s for s in space.sp if s in (0, 1)]
     zeros = [z for z in space.sharding if z in (0, 1, 2, 3)]
     rcs = [_RC_CODE[r] for r in space.recompute]
     offs = [o for o in space.offload if o in (0, 1)]
-    knobs = np.array(list(itertools.product(sps, zeros, rcs, offs)), dtype=np.int64).reshape(-1, 4)
-    struct = np.array(structural, dtype=np.int64).reshape(-1, 7)
+    return np.array(list(itertools.product(sps, zeros, rcs, offs)), dtype=np.int64).reshape(-1, 4)
+
+
+def expand_grid(struct: np.ndarray, seq_len, space: SearchSpace, fits: np.ndarray = None):
+    """Structural tuples x the valid (sp, ZeRO stage, recompute, offload) choices, as grid arrays (GRID_KEYS).
+
+    ``fits`` (structural tuples x ``_knob_rows(space)``, bool) keeps only the pairs marked True; returns the grid
+    and how many valid configurations it left out."""
+    knobs = _knob_rows(space)
     n_s, n_k = len(struct), len(knobs)
     s_rep = np.repeat(struct, n_k, axis=0)
     k_rep = np.tile(knobs, (n_s, 1))
@@ -213,7 +224,17 @@ def build_grid(model, world, global_batch, seq_len, space: SearchSpace, options)
     ok = ((grid["sp"] == 0) | ((grid["tp"] > 1) & (seq_len % grid["tp"] == 0)))
     ok &= (grid["zero"] == 0) | (grid["dp"] > 1)
     ok &= (grid["offload"] == 0) | (grid["zero"] >= 1)
-    return {k: v[ok] for k, v in grid.items()}
+    left_out = 0
+    if fits is not None:
+        fits = fits.reshape(-1)
+        left_out = int(np.count_nonzero(ok & ~fits))
+        ok &= fits
+    return {k: v[ok] for k, v in grid.items()}, left_out
+
+
+def build_grid(model, world, global_batch, seq_len, space: SearchSpace, options) -> dict:
+    """Every valid configuration of ``space`` as a dict of equal-length int arrays (GRID_KEYS)."""
+    return expand_grid(structural_grid(model, world, global_batch, seq_len, space, options), seq_len, space)[0]
 
 
 def grid_of(configs) -> dict:
@@ -273,6 +294,7 @@ class SearchOutcome:
     evaluation: dict              # cost_model.evaluate output for the grid
     order: np.ndarray             # feasible indices, best first
     seconds: float                # wall time of generation + pricing + ranking
+    ruled_out: int = 0            # valid configurations not priced: their memory floor exceeds the device
 
     @property
     def evaluated(self) -> int:
@@ -289,16 +311,67 @@ class SearchOutcome:
         return int(np.lexsort((self.evaluation["step_time_s"], self.evaluation["memory_total"]))[0])
 
 
-def search(model, cluster, global_batch, seq_len, space: SearchSpace, options) -> SearchOutcome:
+def _knob_count(struct, seq_len, space: SearchSpace) -> int:
+    """How many configurations ``expand_grid`` makes of ``struct`` (without building them)."""
+    if not len(struct):
+        return 0
+    tp, dp = struct[:, 1], struct[:, 0]
+    every = np.ones(len(struct), dtype=bool)
+    sp_ok = (tp > 1) & (seq_len % tp == 0)
+    total = 0
+    for sp, zero, _, off in itertools.product(space.sp, space.sharding, space.recompute, space.offload):
+        if sp not in (0, 1) or zero not in (0, 1, 2, 3) or off not in (0, 1) or (off and zero == 0):
+            continue
+        total += int(np.count_nonzero((sp_ok if sp else every) & ((dp > 1) if zero else every)))
+    return total
+
+
+def _fits(model, cluster, global_batch, seq_len, struct, space: SearchSpace, options) -> np.ndarray:
+    """(structural tuples x ``_knob_rows(space)``) bool: False where a memory floor (cost_model.memory_floors)
+    of that configuration exceeds the device, i.e. where it cannot fit."""
+    knobs = _knob_rows(space)
+    sp_rc = sorted({(int(k[0]), int(k[2])) for k in knobs})
+    zero_off = sorted({(int(k[1]), int(k[3])) for k in knobs})
+    cols = {"dp": struct[:, 0], "tp": struct[:, 1], "pp": struct[:, 2], "vpp": struct[:, 3], "mb": struct[:, 4],
+            "ep": struct[:, 5], "split": struct[:, 6]}
+    by_state, by_act = memory_floors(model, cluster, global_batch, seq_len, cols, options, sp_rc, zero_off)
+    cap = cluster.device.memory_bytes
+    k_state = np.array([zero_off.index((int(k[1]), int(k[3]))) for k in knobs], dtype=np.int64)
+    k_act = np.array([sp_rc.index((int(k[0]), int(k[2]))) for k in knobs], dtype=np.int64)
+    return (by_state[:, k_state] <= cap) & (by_act[:, k_act] <= cap)
+
+
+def _priced(model, cluster, global_batch, seq_len, grid, options):
+    if len(grid["dp"]) == 0:
+        return {"step_time_s": np.zeros(0), "memory_total": np.zeros(0), "feasible": np.zeros(0, dtype=bool)}
+    return evaluate(model, cluster, global_batch, seq_len, grid, options)
+
+
+def search(model, cluster, global_batch, seq_len, space: SearchSpace, options, prune: bool = True) -> SearchOutcome:
+    """Price the valid configurations of ``space`` and rank the feasible ones.
+
+    With ``prune`` (the default), configurations whose memory floor exceeds the device (cost_model.memory_floors:
+    their weights and states with the least activations any sp/recompute gives, or their activations with the
+    least states any ZeRO/offload gives) are not priced: they cannot fit, so the ranking of the feasible
+    configurations is the same as without pruning. When nothing fits, everything is priced, so the
+    least-memory configuration of the whole space is reported.
+    """
     start = time.perf_counter()
     if cluster.runtime is not None and tuple(space.split) != ("even",) and "even" in space.split:
         space = replace(space, split=("even",))     # the eager runtime splits identical blocks evenly
-    grid = build_grid(model, cluster.world_size, global_batch, seq_len, space, options)
-    if len(grid["dp"]) == 0:
-        ev = {"step_time_s": np.zeros(0), "memory_total": np.zeros(0), "feasible": np.zeros(0, dtype=bool)}
-        return SearchOutcome(grid, ev, np.zeros(0, dtype=np.int64), time.perf_counter() - start)
-    ev = evaluate(model, cluster, global_batch, seq_len, grid, options)
-    order = rank_order(ev, grid)
+    struct = structural_grid(model, cluster.world_size, global_batch, seq_len, space, options)
+    if prune and len(struct) and len(_knob_rows(space)):
+        fits = _fits(model, cluster, global_batch, seq_len, struct, space, options)
+        keep = fits.any(axis=1)
+        grid, ruled_out = expand_grid(struct[keep], seq_len, space, fits[keep])
+        ruled_out += _knob_count(struct[~keep], seq_len, space)
+        ev = _priced(model, cluster, global_batch, seq_len, grid, options)
+        if ev["feasible"].any() or not ruled_out:
+            order = rank_order(ev, grid)
+            return SearchOutcome(grid, ev, order, time.perf_counter() - start, ruled_out)
+    grid = expand_grid(struct, seq_len, space)[0]      # nothing fits: price the whole space for the report
+    ev = _priced(model, cluster, global_batch, seq_len, grid, options)
+    order = rank_order(ev, grid) if len(grid["dp"]) else np.zeros(0, dtype=np.int64)
     return SearchOutcome(grid, ev, order, time.perf_counter() - start)
 
 
