@@ -23,10 +23,27 @@ def test_at_least_eight_runs_with_sources():
 def test_predictions_against_published(table):
     errors = {r["name"]: r["ratio"] - 1 for r in table}
     within = [n for n, e in errors.items() if abs(e) <= 0.15]
-    # achieved (docs/planner.md): 9 of 12 within 15%, every run within 20% (the target of 15% for all is not met:
-    # GPT-NeoX-20B +19% and MT-NLG 530B on 2800/3360 GPUs +15%/+20% are over-predicted)
-    assert len(within) >= 9, errors
-    assert max(abs(e) for e in errors.values()) < 0.20, errors
+    # achieved (docs/planner.md): 10 of 12 within 15%, every run within 17.5% (the target of 15% for all is not
+    # met: GPT-NeoX-20B +17% and MT-NLG 530B on 3360 GPUs +15.1% are over-predicted)
+    assert len(within) >= 10, errors
+    assert max(abs(e) for e in errors.values()) < 0.175, errors
+
+
+def test_deepspeed_pipeline_transfers_are_serial():
+    """DeepSpeed's TrainSchedule puts two blocking transfers in every step of an interior stage: the pipeline
+    sends on the critical path double (by hand: 4·(m + p - 1) for p > 2), and nothing else changes."""
+    from dataclasses import replace as dc_replace
+
+    from autoparallel.planner.cost_model import pp_sends_per_step
+
+    assert pp_sends_per_step(np.array([35]), 1, np.array([240]), serial=True)[0] == 4 * (240 + 34)
+    assert pp_sends_per_step(np.array([2]), 1, np.array([8]), serial=True)[0] == 2 * (8 + 1)   # no interior stage
+    run = next(r for r in P.RUNS if r.name == "MT-NLG 530B (2240)")
+    serial = P.predict(run)
+    batched = P.predict(dc_replace(run, software=tuple(kv for kv in run.software if kv[0] != "pp_serial_p2p")))
+    assert serial.time_s["pp_comm"] == pytest.approx(2 * batched.time_s["pp_comm"], rel=1e-9)
+    others = [k for k in serial.time_s if k != "pp_comm"]
+    assert [serial.time_s[k] for k in others] == pytest.approx([batched.time_s[k] for k in others], rel=1e-12)
 
 
 def test_no_drift_with_scale(table):

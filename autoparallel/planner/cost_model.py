@@ -100,9 +100,14 @@ def pipeline_bubble_seconds(p, v, t_mb):
     return (p - 1) / v * t_mb
 
 
-def pp_sends_per_step(p, v, m):
-    """Stage-to-stage messages on the critical path: 2·(v·m + p - 1) (one forward, one backward per chunk)."""
-    return np.where(p > 1, 2 * (v * m + p - 1), 0)
+def pp_sends_per_step(p, v, m, serial=False):
+    """Stage-to-stage messages on the critical path: 2·(v·m + p - 1) (one forward, one backward per chunk).
+
+    ``serial``: an interior stage (p > 2) exchanges with both neighbours in every step, one blocking transfer after
+    the other (DeepSpeed's TrainSchedule: SendGrad then RecvActivation in a forward step, RecvGrad then
+    SendActivation in a backward step), so 4·(m + p - 1) transfers sit on its timeline."""
+    per_step = np.where(serial & (p > 2), 2, 1)
+    return np.where(p > 1, 2 * (v * m + p - 1) * per_step, 0)
 
 
 def optimizer_traffic_bytes(shard_params, options):
@@ -317,7 +322,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
 
     # ---- pipeline sends ------------------------------------------------------------------------------
     p2p_msg = np.where((sp > 0) | o.pp_scatter_gather, msg / tp, msg)
-    pp_calls = pp_sends_per_step(pp, v, m)
+    pp_calls = pp_sends_per_step(pp, v, m, bool(o.pp_serial_p2p))
     pp_stream = Stream.of(cluster, "send_recv", p2p_msg, pp_peers, tp_dp, calls=pp_calls, cache=cache)
 
     # ---- optimizer -------------------------------------------------------------------------------------

@@ -43,6 +43,11 @@ class PlannerOptions:
                                                   # (DeepSeek's DualPipe), within each link's budget; else exposed
     # -- pipeline
     pp_scatter_gather: bool = True                # stage-to-stage messages split over the TP group (Narayanan et al. §4.1)
+    pp_serial_p2p: bool = False                   # a stage's send and receive of one schedule step run one after the
+                                                  # other, blocking (DeepSpeed's pipeline engine: TrainSchedule steps
+                                                  # carry SendGrad+RecvActivation or RecvGrad+SendActivation, p2p.py's
+                                                  # send/recv are blocking); False: batched with the neighbour
+                                                  # (Megatron-LM's send_forward_recv_backward)
     # -- offload (ZeRO-Offload: optimizer states and their update on the host)
     host_link_bandwidth_Bps: float = None         # device<->host bytes/s per device; None: the cluster topology's PCIe
     host_adam_params_per_s: float = 2.5e8         # parameters/s one device's share of host cores updates with Adam

@@ -31,7 +31,8 @@ GB = 1e9
 # gradient bucket sizes of the runs' frameworks (defaults): DeepSpeed reduce_bucket_size 5e8 elements (fp32);
 # Megatron-LM DDP 40M elements; FSDP one reduce-scatter per wrapped block (OPT: 175B/96 blocks/TP 8 = 228M
 # parameters; LLaMA 3 405B: 405B/126/8 = 400M parameters), all fp32
-_DEEPSPEED = (("pp_scatter_gather", False), ("grad_bucket_bytes", 2e9), ("grad_sync_overlap", False))
+_DEEPSPEED = (("pp_scatter_gather", False), ("pp_serial_p2p", True), ("grad_bucket_bytes", 2e9),
+              ("grad_sync_overlap", False))
 _MEGATRON = (("grad_bucket_bytes", 160e6), ("grad_sync_overlap", False))
 _HDR = Topology(nics_per_node=8, nic_bandwidth_Bps=25 * GB, host_memory_bytes=2e12, pcie_bandwidth_Bps=12 * GB)
 # Jean Zay (BLOOM): 4 Omni-Path 100 Gb/s links per node, 512 GB host RAM
