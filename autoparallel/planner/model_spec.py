@@ -316,7 +316,10 @@ PRESETS = {
     "gpt-22b": _gpt("gpt-22b", 6144, 48, 64),
     "bloom-176b": ModelSpec("bloom-176b", 14336, 70, 112, 250880, learned_positions=False),       # ALiBi
     "opt-175b": _gpt("opt-175b", 12288, 96, 96, vocab=50272),
-    "gpt-neox-20b": ModelSpec("gpt-neox-20b", 6144, 44, 64, 50432, tied_embeddings=False, learned_positions=False),
+    # GPT-NeoX-20B as released (EleutherAI/gpt-neox configs/20B.yml): rotary, untied head, hidden and attention
+    # dropout 0 (PyTorch's dropout with p = 0 returns its input: no mask is kept, no kernel runs)
+    "gpt-neox-20b": ModelSpec("gpt-neox-20b", 6144, 44, 64, 50432, tied_embeddings=False, learned_positions=False,
+                              dropout=False),
     "mt-nlg-530b": _gpt("mt-nlg-530b", 20480, 105, 128),
     # mixture of experts: Mixtral 8x7B (Jiang et al. 2024); DeepSeek-V3 (DeepSeek-AI 2024) with its MLA
     # attention approximated by multi-head attention of the same width (~205M vs ~187M parameters per block)
