@@ -217,7 +217,7 @@ therefore unchanged (`tests/test_planner_pruning.py`: the same feasible plans in
 pruning on every published job, and every ruled-out configuration priced above the device's memory). When nothing
 fits, everything is priced, so the infeasibility report names the least-memory configuration of the whole space.
 Its size grows with the number of divisors of the world size, of the global batch and of the layer count, not with
-the device count itself. "configurations" in the growth tables below counts those priced.
+the device count itself. "configurations" in the growth tables above counts those priced.
 
 ## Calibration against Megatron-LM (Narayanan et al., SC'21, Table 1)
 
