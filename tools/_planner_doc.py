@@ -269,13 +269,22 @@ it is planner-only (the runtime's AMP has float16 and bfloat16) and the plan's e
 Stragglers and jitter at thousands of nodes; NVLS / SHARP in-network reductions; congestion between concurrent
 collectives beyond the per-link budget; NCCL's PAT algorithm (logarithmic all-gather / reduce-scatter latency);
 context parallelism; DualPipe and zero-bubble schedules (priced as 1F1B / interleaved); MLA attention (priced as
-multi-head attention); per-framework engine overheads per micro-batch; the runtime's fp32-parameter AMP layout on
+multi-head attention); per-framework engine overheads per micro-batch (device synchronisations such as GPT-NeoX's
+`synchronize-each-layer`, BLOOM's `CUDA_LAUNCH_BLOCKING=1`); the runtime's fp32-parameter AMP layout on
 GPU presets (they use Megatron's bf16 weights + fp32 master; calibrated CPU profiles use the runtime's layout).
 
 ### Design decisions
 
 - The cost model stays closed-form and vectorised (one numpy pass over every configuration), so adding topology,
   stage splits and expert parallelism keeps LLaMA-2 70B on 1024 GPUs well under the 2 s budget.
+- Pruning before pricing is exact, never heuristic: only configurations that a lower bound of the cost model's own
+  memory proves infeasible are skipped (no time bound, no cap on micro-batch sizes), so the ranked plans are the
+  same with `search(..., prune=False)`; the explanation counts the skipped ones among those that do not fit, and
+  its "fastest that does not fit" note looks only at those priced. The fastest-regardless-of-memory comparison
+  (`published.search_best(feasible_only=False)`) prices everything.
+- Framework behaviour that changes a run's cost is a `PlannerOptions` fact set per published run from the
+  framework's source (DeepSpeed's serial blocking stage transfers, its whole-activation messages, gradient sync
+  after the pipeline drains), never a per-run factor.
 - What the runtime cannot run is priced but never silently converted: a plan with ep > 1 or a non-even split
   raises NotImplementedError in `to_strategy_dict`; `auto_mode="full"` and the monitor's re-plan search only
   the even split and ep = 1.
