@@ -8,7 +8,8 @@ was fixed before looking at the prediction: micro-batch 1 unless published; inte
 published, except on Megatron-LM itself (Korthikanti et al.'s runs, LLaMA 3) where the calibration's rule
 applies (the smallest v > 1 the largest stage's blocks divide by, planner/megatron.py); ZeRO-1 for the
 Megatron-DeepSpeed runs. Software facts are per run (``software``): DeepSpeed's pipeline engine sends whole
-activations between stages (no scatter/gather over the TP group, which is Megatron-LM's); FlashAttention
+activations between stages (no scatter/gather over the TP group, which is Megatron-LM's), each schedule step's
+send and receive one after the other with blocking calls (runtime/pipe/schedule.py, p2p.py); FlashAttention
 (2022+) in the 2024 runs.
 
 Metrics: "tflops" = TFLOP/s per GPU counting recomputation (Megatron / Megatron-DeepSpeed reporting),
@@ -86,21 +87,21 @@ RUNS = (
     PublishedRun("GPT-NeoX-20B", "gpt-neox-20b", "A100-40GB", 96, _NEOX,
                  _cfg(96, 2, 4, sharding=1, recompute="full", micro_batch=4), 1536, 2048,
                  "tflops", 117.0, "Black et al. 2022 (arXiv:2204.06745) §3.1",
-                 "TP 2, PP 4, ZeRO-1, micro-batch 4 x 32 accumulation steps (the released 20B config); 4 HDR "
-                 "HCAs per node of 8 GPUs",
+                 "TP 2, PP 4, ZeRO-1, micro-batch 4 x 32 accumulation steps, no dropout (the released "
+                 "configs/20B.yml); 4 HDR HCAs per node of 8 A100-SXM4 (NVLink)",
                  software=_DEEPSPEED),
     PublishedRun("MT-NLG 530B (2240)", "mt-nlg-530b", "A100-80GB", 2240, _HDR,
                  _cfg(2240, 8, 35, sharding=1, recompute="full"), 1920, 2048,
                  "tflops", 126.0, "Smith et al. 2022 (arXiv:2201.11990) §2.4: 60.1 s/iteration",
-                 "DeepSpeed pipeline engine (1F1B, whole activations between stages), ZeRO-1", software=_DEEPSPEED),
+                 "DeepSpeed pipeline engine (1F1B, whole activations, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
     PublishedRun("MT-NLG 530B (2800)", "mt-nlg-530b", "A100-80GB", 2800, _HDR,
                  _cfg(2800, 8, 35, sharding=1, recompute="full"), 1920, 2048,
                  "tflops", 121.0, "Smith et al. 2022 §2.4: 50.2 s/iteration",
-                 "DeepSpeed pipeline engine (1F1B, whole activations between stages), ZeRO-1", software=_DEEPSPEED),
+                 "DeepSpeed pipeline engine (1F1B, whole activations, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
     PublishedRun("MT-NLG 530B (3360)", "mt-nlg-530b", "A100-80GB", 3360, _HDR,
                  _cfg(3360, 8, 35, sharding=1, recompute="full"), 1920, 2048,
                  "tflops", 113.0, "Smith et al. 2022 §2.4: 44.4 s/iteration",
-                 "DeepSpeed pipeline engine (1F1B, whole activations between stages), ZeRO-1", software=_DEEPSPEED),
+                 "DeepSpeed pipeline engine (1F1B, whole activations, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
     PublishedRun("GPT 22B (SP+selective)", "gpt-22b", "A100-80GB", 8, _HDR,
                  _cfg(8, 8, 1, sp=1, recompute="selective"), 4, 2048,
                  "mfu", 0.415, "Korthikanti et al. 2023 (MLSys, arXiv:2205.05198) Tables 3 and 5: 1.10 s",
@@ -133,7 +134,8 @@ RUNS = (
 MOE_RUNS = (
     PublishedRun("DeepSeek-V3", "deepseek-v3", "H800", 2048, _NDR,
                  _cfg(2048, 1, 16, sharding=1, ep=64, split="ends"), 15360, 4096,
-                 "tokens", 1543.0, "DeepSeek-AI 2024 (arXiv:2412.19437): 180K H800 GPU hours per trillion tokens",
+                 "tokens", 1543.0, "DeepSeek-AI 2024 (arXiv:2412.19437): 180K H800 GPU hours per trillion tokens "
+                 "(14.8T tokens in 2.664M GPU hours)",
                  "FP8 GEMMs, PP 16 (DualPipe priced as 1F1B with the all-to-all overlapped), EP 64, node-limited routing (4 "
                  "nodes), ZeRO-1; MLA priced as multi-head attention",
                  precision="fp8", dense_only=False,
