@@ -62,3 +62,19 @@ def test_build_grid_is_the_unpruned_space():
     out = search(model, cluster, 256, 4096, SearchSpace(), PlannerOptions())
     assert len(grid["dp"]) == out.evaluated + out.ruled_out and out.ruled_out > 0
     assert len(_knob_rows(SearchSpace())) == 2 * 4 * 3 * 2
+
+
+def test_explanation_counts_the_ruled_out_configurations():
+    import re
+
+    import autoparallel as ap
+
+    model, cluster, space = PRESETS["llama2-70b"], parse_cluster("8x8:A100-80GB"), SearchSpace()
+    result = ap.plan("llama2-70b", "8x8:A100-80GB", global_batch_size=512, seq_len=4096)
+    out = search(model, cluster, 512, 4096, space, PlannerOptions())
+    valid = len(build_grid(model, cluster.world_size, 512, 4096, space, PlannerOptions())["dp"])
+    infeasible = int(np.count_nonzero(~out.evaluation["feasible"])) + out.ruled_out
+    match = re.search(r"(\d+) of (\d+) configurations exceed .*\((\d+) ruled out unpriced", result.explanation)
+    assert match, result.explanation
+    assert [int(x) for x in match.groups()] == [infeasible, valid, out.ruled_out]
+    assert result.evaluated == out.evaluated == valid - out.ruled_out

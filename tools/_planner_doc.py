@@ -123,11 +123,15 @@ at stragglers or engine overhead per micro-batch, neither of which the planner m
 `CUDA_LAUNCH_BLOCKING=1` (BigScience `tr11-176B-ml.slurm`), another unpriced cost. With no principled explanation
 for the remaining gap, those figures stay as they are.
 
-Recalled figures re-verified: Korthikanti et al. Table 5 iteration times and MFU (22B 1.10 s / 41.5%, 175B 13.75 s /
-51.4%, 530B 37.83 s / 56.0%, 1T 71.49 s / 56.3%; the abstract's 54.2% MFU is a 2,240-GPU 530B run, not the table's
-280-GPU row used here); DeepSeek-V3 180K H800 GPU hours per trillion tokens (14.8T tokens in 2.664M GPU hours:
-1,543 tokens/s/GPU); dense peaks H100/H200 SXM 989 (bf16) and 1,979 (fp8) TFLOP/s, B200 (HGX, 1,000 W) 2,250 and
-4,500, MI300X 1,307 and 2,615; H200 141 GB, MI300X 192 GB and 5.3 TB/s.
+Recalled figures, second look: Korthikanti et al.'s Table 5 could not be consulted in full text; its iteration times
+and MFU (22B 1.10 s / 41.5%, 175B 13.75 s / 51.4%, 530B 37.83 s / 56.0%, 1T 71.49 s / 56.3%) are consistent with
+each other under the paper's MFU definition (72·B·s·l·h²·(1 + s/6h + V/12lh) / (t·GPUs·312 TFLOP/s) gives 41.65%,
+51.39%, 56.05%, 56.27%), and the abstract (MLSys 2023 proceedings page) confirms the method's headline, 54.2% against
+42.1% MFU for the 530B model on 2,240 GPUs, a different configuration from the 280-GPU row used here. DeepSeek-V3:
+180K H800 GPU hours per trillion tokens and 14.8T tokens in 2.664M GPU hours agree (1,543 tokens/s/GPU). Dense peaks
+as the presets have them: H100/H200 SXM 989 (bf16) and 1,979 (fp8) TFLOP/s, H200 141 GB and 900 GB/s NVLink
+(MLCommons system descriptions), B200 (HGX, 1,000 W) 2,250 and 4,500, MI300X 1,307 and 2,615 with 192 GB at
+5.3 TB/s; these came from vendor-derived third-party tables, the vendors' datasheets themselves were not retrieved.
 """
 
 
