@@ -114,7 +114,11 @@ the published TFLOP/s are Megatron's formula with recomputation, 96·B·s·l·h�
 125.7, 120.4, 113.5, as the planner counts them. GPT-NeoX-20B — twelve Supermicro AS-4124GO-NART servers, eight
 A100-SXM4-40GB each (NVLink, not PCIe), four ConnectX-6 HDR HCAs per node with GPUDirect RDMA (Black et al. 2022
 §2.3); released config TP 2, PP 4, ZeRO-1, micro-batch 4 x 32 accumulation steps, full checkpointing, fp16, fused
-softmax and bias-GeLU kernels (no FlashAttention, 2022), GPT-J parallel residual. Not priced, and the likely rest
+softmax and bias-GeLU kernels (no FlashAttention, 2022), GPT-J parallel residual. BLOOM (BigScience
+`train/tr11-176B-ml/tr11-176B-ml.slurm`): TP 4, PP 12, micro-batch 2, global batch 2048, sequence 2048, bf16 with
+DeepSpeed ZeRO stage 0 whose bf16 optimizer "implements its own zero stage 1 equivalent", full checkpointing,
+`--pp-partition-method 'type:transformer|embedding'` (the embedding weighs as a block at each end: split `ends`),
+Megatron's default dropout 0.1 (no dropout flag). Not priced, and the likely rest
 of these misses: `synchronize-each-layer: true` in the NeoX config (a device synchronisation at every checkpointed
 layer), NeoX's FLOP counter (`megatron/logging.py`, `get_flops`) adds the vocabulary term instead of multiplying it,
 so if the paper's 117 TFLOP/s came from it the published figure is ~1% below the planner's count; the MT-NLG sweep

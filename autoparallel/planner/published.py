@@ -75,7 +75,7 @@ def _cfg(gpus, tp, pp, **kw):
 RUNS = (
     PublishedRun("BLOOM-176B", "bloom-176b", "A100-80GB", 384, _OPA,
                  _cfg(384, 4, 12, sharding=1, recompute="full", micro_batch=2, split="ends"), 2048, 2048,
-                 "tflops", 150.0, "Le Scao et al. 2022 (arXiv:2211.05100) §3.4; BigScience training README",
+                 "tflops", 150.0, "Le Scao et al. 2022 (arXiv:2211.05100) §3.4; BigScience tr11-176B-ml.slurm and README",
                  "ZeRO-1, embedding counted as a block at each end of the pipeline (Megatron-DeepSpeed partitioning); "
                  "4 Omni-Path 100 Gb/s links per node",
                  software=_DEEPSPEED),
