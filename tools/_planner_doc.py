@@ -94,8 +94,8 @@ The three DeepSpeed-era misses of the first pass (GPT-NeoX-20B +18.7%, MT-NLG 53
 and +19.6%, all over-predicted) were checked against the runs' published facts, looking for a modelling error or a
 misread configuration. Nothing was fitted; two facts changed, both from the sources:
 
-- **DeepSpeed's pipeline engine transfers serially** (model fix, all DeepSpeed runs): `deepspeed/runtime/pipe/
-  schedule.py` (`TrainSchedule.steps`) puts two transfers in every schedule step of an interior stage
+- **DeepSpeed's pipeline engine transfers serially** (model fix, all DeepSpeed runs):
+  `deepspeed/runtime/pipe/schedule.py` (`TrainSchedule.steps`) puts two transfers in every schedule step of an interior stage
   (`SendGrad` + `RecvActivation` in a forward step, `RecvGrad` + `SendActivation` in a backward step), and
   `deepspeed/runtime/pipe/p2p.py` sends and receives with blocking `dist.send`/`dist.recv` (async "not supported").
   An interior stage therefore has 4·(m + p − 1) transfers on its timeline, where Megatron-LM batches the send and
