@@ -281,7 +281,7 @@ class PerformanceMonitor:
                            memory_bandwidth_Bps=dev.memory_bandwidth_Bps / scale),
             intra_node=link(cluster.intra_node), inter_node=link(cluster.inter_node))
         out.cluster = measured_cluster
-        out.plan = plan(model, measured_cluster, global_batch_size, seq_len)
+        out.plan = plan(model, measured_cluster, global_batch_size, seq_len, split=["even"], ep=[1])   # runnable
         if out.plan.best is not None:
             out.strategy = out.plan.best.to_strategy_dict()
         out.notes.append(f"planner: measured {measured:.4g} s per step vs {predicted:.4g} s predicted for "

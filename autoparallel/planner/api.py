@@ -30,7 +30,8 @@ def _cluster_for_world(cluster: ClusterSpec, world: int) -> ClusterSpec:
     if world % cluster.devices_per_node == 0:
         return cluster.with_nodes(world // cluster.devices_per_node)
     if world < cluster.devices_per_node:
-        return replace(cluster, num_nodes=1, devices_per_node=world)
+        topology = cluster.topology and replace(cluster.topology, gpus_per_node=0)    # part of one node
+        return replace(cluster, num_nodes=1, devices_per_node=world, topology=topology)
     raise ValueError(f"dp·tp·pp = {world} devices is neither the whole cluster ({cluster.world_size}), whole nodes "
                      f"of {cluster.devices_per_node}, nor part of one node")
 
@@ -93,7 +94,7 @@ def plan(model_or_preset, cluster=None, global_batch_size=None, seq_len=None, to
         raise _empty_space_error(model, cluster, global_batch, space)
     candidates = outcome.top(top, global_batch, seq, capacity)
     if candidates:
-        explanation = explain_search(outcome, candidates, global_batch, seq, capacity)
+        explanation = _planner_only_note(options) + explain_search(outcome, candidates, global_batch, seq, capacity)
         return PlanResult(model, cluster, global_batch, seq, candidates, explanation, True, outcome.evaluated,
                           time.perf_counter() - start)
     closest = candidate_at(outcome.evaluation, outcome.grid, outcome.least_memory(), global_batch, seq, capacity)
@@ -103,6 +104,13 @@ def plan(model_or_preset, cluster=None, global_batch_size=None, seq_len=None, to
     message = infeasible_message(headline, closest, suggestions)
     return PlanResult(model, cluster, global_batch, seq, [], message, False, outcome.evaluated,
                       time.perf_counter() - start, suggestions=suggestions)
+
+
+def _planner_only_note(options) -> str:
+    if not options.planner_only:
+        return ""
+    return (f"Note: precision {options.precision} is priced at the device's {options.compute_dtype} peak but is "
+            f"planner-only: the runtime cannot run it (its AMP offers float16 and bfloat16).\n")
 
 
 def _plan_fixed(model, cluster, global_batch, seq, fixed, options, space, start) -> PlanResult:
@@ -130,7 +138,7 @@ def _plan_fixed(model, cluster, global_batch, seq, fixed, options, space, start)
                                       f"{cluster.name})\n")
     suggestions = []
     if cand.feasible:
-        explanation = note + explain_fixed(cand, reference)
+        explanation = _planner_only_note(options) + note + explain_fixed(cand, reference)
     else:
         suggestions = fixed_suggestions(model, sub, global_batch, seq, config, options)
         if reference is not None:

@@ -59,10 +59,10 @@ def infer_seq_len(model, seq_len):
 def _searches(world: int, layers: int, pipeline_ok: bool, cpu: bool) -> list:
     """Constraint sets covering what the eager runtime executes (see the module docstring)."""
     offload = [0] if cpu else [0, 1]
-    spaces = [dict(pp=[1], offload=offload)]
+    spaces = [dict(pp=[1], offload=offload, ep=[1])]
     stages = [p for p in divisors(world) if 1 < p <= layers]
-    if pipeline_ok and stages:
-        spaces.append(dict(pp=stages, sharding=[0], recompute=["none"], offload=[0]))
+    if pipeline_ok and stages:               # the runtime splits blocks evenly and runs experts replicated
+        spaces.append(dict(pp=stages, sharding=[0], recompute=["none"], offload=[0], split=["even"], ep=[1]))
     return spaces
 
 

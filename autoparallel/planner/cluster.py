@@ -5,6 +5,10 @@ A cluster is ``num_nodes`` nodes of ``devices_per_node`` devices; ranks are numb
 the intra-node link (NVLink), otherwise the inter-node link (InfiniBand). Spec strings:
 ``"128x8:A100-80GB"`` = 128 nodes of 8 A100-80GB.
 
+``topology`` describes the fabric behind those two links (planner/topology.py): GPUs and NICs per node,
+NIC speed, rail-optimised or not, leaf size and oversubscription, host RAM and PCIe per node, and the
+achieved fraction of line rate (NCCL bus bandwidth); presets carry the published figures of their systems.
+
 A calibrated profile (``autoparallel calibrate``) also carries measured alpha-beta fits per collective
 and group size (``collectives``), which override the link model for those group sizes, and the costs of
 the eager runtime on this machine (``runtime``: per-op dispatch, backward and optimizer overheads).
@@ -14,6 +18,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field, replace
+
+from autoparallel.planner.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -78,11 +84,14 @@ class ClusterSpec:
     extra: tuple = field(default_factory=tuple)   # free-form (key, value) pairs, e.g. calibration facts
     collectives: tuple = field(default_factory=tuple)   # measured CollectiveFits (calibrated profiles)
     runtime: RuntimeSpec = None   # eager-runtime costs (calibrated profiles); None: a GPU cluster model
+    topology: Topology = None     # the fabric (None: derived from the two links, see topology_of)
 
     def __post_init__(self):
         if self.num_nodes <= 0 or self.devices_per_node <= 0:
             raise ValueError(f"a cluster needs at least one node and one device per node, got "
                              f"{self.num_nodes} nodes x {self.devices_per_node} devices")
+        if self.topology is not None:
+            self.topology.check(self.num_nodes, self.devices_per_node)
 
     @property
     def world_size(self) -> int:
@@ -133,7 +142,8 @@ class ClusterSpec:
                    collectives=tuple(CollectiveFit(str(c["collective"]), int(c["group_size"]), float(c["latency_s"]),
                                                    float(c["bandwidth_Bps"])) for c in d.get("collectives", ())),
                    runtime=RuntimeSpec(**{k: None if v is None else float(v) for k, v in d["runtime"].items()})
-                   if d.get("runtime") else None)
+                   if d.get("runtime") else None,
+                   topology=Topology.from_dict(d["topology"]) if d.get("topology") else None)
 
     def to_json(self, path: str) -> None:
         with open(path, "w") as f:
@@ -146,28 +156,64 @@ class ClusterSpec:
 
 
 GB = 1e9
-_NVLINK_A100 = LinkSpec(latency_s=5e-6, bandwidth_Bps=300 * GB)     # 600 GB/s bidirectional per GPU
-_NVLINK_H100 = LinkSpec(latency_s=5e-6, bandwidth_Bps=450 * GB)     # 900 GB/s bidirectional per GPU
-_IB_HDR = LinkSpec(latency_s=1e-5, bandwidth_Bps=25 * GB)           # 200 Gb/s HDR per GPU
-_IB_NDR = LinkSpec(latency_s=1e-5, bandwidth_Bps=50 * GB)           # 400 Gb/s NDR per GPU
+TB = 1e12
 
+# Dense peak FLOP/s per dtype, HBM capacity and bandwidth (vendor datasheets; see docs/planner.md "Hardware").
+# fp8 is priced where the hardware has it; the runtime cannot run it (planner-only).
 DEVICES = {
     "A100-40GB": DeviceSpec("A100-40GB", (("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12)), 40e9, 1.555e12),
     "A100-80GB": DeviceSpec("A100-80GB", (("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12)), 80e9, 2.0e12),
-    "H100-80GB": DeviceSpec("H100-80GB", (("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12)), 80e9, 3.35e12),
-    "H200": DeviceSpec("H200", (("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12)), 141e9, 4.8e12),
+    "H100-80GB": DeviceSpec("H100-80GB", (("bfloat16", 989e12), ("float16", 989e12), ("float8", 1979e12),
+                                          ("float32", 67e12)), 80e9, 3.35e12),
+    "H800": DeviceSpec("H800", (("bfloat16", 989e12), ("float16", 989e12), ("float8", 1979e12),
+                                ("float32", 67e12)), 80e9, 3.35e12),
+    "H200": DeviceSpec("H200", (("bfloat16", 989e12), ("float16", 989e12), ("float8", 1979e12),
+                                ("float32", 67e12)), 141e9, 4.8e12),
+    "B200": DeviceSpec("B200", (("bfloat16", 2250e12), ("float16", 2250e12), ("float8", 4500e12),
+                                ("float32", 75e12)), 180e9, 8.0e12),
+    "MI300X": DeviceSpec("MI300X", (("bfloat16", 1307.4e12), ("float16", 1307.4e12), ("float8", 2614.9e12),
+                                    ("float32", 163.4e12)), 192e9, 5.3e12),
 }
-_LINKS = {"A100-40GB": (_NVLINK_A100, _IB_HDR), "A100-80GB": (_NVLINK_A100, _IB_HDR),
-          "H100-80GB": (_NVLINK_H100, _IB_NDR), "H200": (_NVLINK_H100, _IB_NDR)}
+DEVICES["H100-SXM"] = replace(DEVICES["H100-80GB"], name="H100-SXM")
+
+# (intra-node link, per-GPU unidirectional; topology of the system's standard 8-GPU node)
+_NVLINK3 = LinkSpec(latency_s=5e-6, bandwidth_Bps=300 * GB)       # A100: 600 GB/s bidirectional
+_NVLINK4 = LinkSpec(latency_s=5e-6, bandwidth_Bps=450 * GB)       # H100/H200: 900 GB/s bidirectional
+_NVLINK4_H800 = LinkSpec(latency_s=5e-6, bandwidth_Bps=200 * GB)  # H800: 400 GB/s bidirectional
+_NVLINK5 = LinkSpec(latency_s=5e-6, bandwidth_Bps=900 * GB)       # B200: 1.8 TB/s bidirectional
+_XGMI = LinkSpec(latency_s=5e-6, bandwidth_Bps=448 * GB)          # MI300X: 7 x 64 GB/s Infinity Fabric links
+_HDR = Topology(nics_per_node=8, nic_bandwidth_Bps=25 * GB, host_memory_bytes=1 * TB, pcie_bandwidth_Bps=12 * GB)
+_HDR_2TB = replace(_HDR, host_memory_bytes=2 * TB)
+_NDR = Topology(nics_per_node=8, nic_bandwidth_Bps=50 * GB, host_memory_bytes=2 * TB, pcie_bandwidth_Bps=25 * GB)
+_LINKS = {"A100-40GB": (_NVLINK3, _HDR), "A100-80GB": (_NVLINK3, _HDR_2TB),
+          "H100-80GB": (_NVLINK4, _NDR), "H100-SXM": (_NVLINK4, _NDR), "H200": (_NVLINK4, _NDR),
+          "H800": (_NVLINK4_H800, _NDR), "B200": (_NVLINK5, replace(_NDR, host_memory_bytes=4 * TB)),
+          "MI300X": (_XGMI, _NDR)}
 
 
-def preset(device: str, num_nodes: int = 1, devices_per_node: int = 8) -> ClusterSpec:
-    """A cluster of ``num_nodes`` nodes of ``devices_per_node`` ``device`` GPUs (NVLink + InfiniBand)."""
+def preset(device: str, num_nodes: int = 1, devices_per_node: int = 8, topology: Topology = None) -> ClusterSpec:
+    """A cluster of ``num_nodes`` nodes of ``devices_per_node`` ``device`` GPUs (NVLink + the system's fabric).
+
+    ``topology`` replaces the system's standard fabric (NICs, rails, leaf size, oversubscription, host RAM)."""
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}: expected one of {sorted(DEVICES)}")
-    intra, inter = _LINKS[device]
+    intra, fabric = _LINKS[device]
+    fabric = topology or replace(fabric, nics_per_node=devices_per_node)      # the system's NIC per GPU
+    inter = LinkSpec(latency_s=1e-5, bandwidth_Bps=fabric.nic_share_Bps(devices_per_node))
     return ClusterSpec(f"{num_nodes}x{devices_per_node}:{device}", num_nodes, devices_per_node,
-                       DEVICES[device], intra, inter)
+                       DEVICES[device], intra, inter, topology=fabric)
+
+
+def cluster_of(device: str, devices: int, topology: Topology = None) -> ClusterSpec:
+    """``devices`` GPUs of ``device`` in nodes of ``topology.gpus_per_node`` (8 by default); the device count
+    must fill whole nodes."""
+    per_node = (topology.gpus_per_node if topology and topology.gpus_per_node else 8)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices <= 0:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    if devices % per_node:
+        raise ValueError(f"the topology has {per_node} GPUs per node, which does not divide the {devices} devices "
+                         f"asked for: give a multiple of {per_node} or a topology whose nodes hold a divisor of it")
+    return preset(device, devices // per_node, per_node, topology)
 
 
 _SPEC = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*:\s*([\w.-]+)\s*$")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 RECOMPUTE = ("none", "selective", "full")     # index = the integer code used by the vectorised cost model
+SPLITS = ("even", "ends", "balanced")        # index = the integer code of the pipeline split
 
 
 @dataclass(frozen=True, order=True)
@@ -22,6 +23,8 @@ class ParallelConfig:
     recompute: str = "none"       # "none", "selective" (attention core) or "full" (whole block)
     offload: int = 0              # 1: optimizer states (and their update) live in host memory
     micro_batch: int = 1          # sequences per micro-batch per data-parallel replica
+    ep: int = 1                   # expert-parallel degree (MoE models; carved out of the data-parallel ranks)
+    split: str = "even"           # pipeline stage split: "even", "ends" (first/last one block lighter), "balanced"
 
     @property
     def world(self) -> int:
@@ -41,12 +44,25 @@ class ParallelConfig:
 
     def short(self) -> str:
         """Compact text, e.g. 'dp=4 tp=8 pp=4 vpp=1 sp=1 zero=1 rc=selective off=0 mb=1'."""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} vpp={self.vpp} sp={self.sp} zero={self.sharding} "
+        text = (f"dp={self.dp} tp={self.tp} pp={self.pp} vpp={self.vpp} sp={self.sp} zero={self.sharding} "
                 f"rc={self.recompute} off={self.offload} mb={self.micro_batch}")
+        if self.ep > 1:
+            text += f" ep={self.ep}"
+        if self.pp > 1 and self.split != "even":
+            text += f" split={self.split}"
+        return text
 
     def to_strategy_dict(self, global_batch: int) -> dict:
         """The configuration as ``Strategy.from_dict`` input (for auto_mode="full")."""
         m = self.num_micro_batches(global_batch)
+        if self.ep > 1:
+            raise NotImplementedError(f"expert parallelism (ep={self.ep}) is priced by the planner but the runtime "
+                                      f"runs experts replicated: constrain the search to ep=1 to get a runnable plan")
+        if self.pp > 1 and self.split != "even":
+            raise NotImplementedError(f"the pipeline split {self.split!r} is priced by the planner, but a strategy "
+                                      f"cannot carry it without the model's layer names: set "
+                                      f"pipeline_parallel.split_points yourself, or constrain the search to "
+                                      f"split='even' (what the runtime does by default)")
         return {
             "data_parallel": {"degree": self.dp},
             "tensor_parallel": {"degree": self.tp},
@@ -67,6 +83,7 @@ FIXED_KEYS = {
     "dp": ("dp", None), "tp": ("tp", None), "pp": ("pp", None), "vpp": ("vpp", None),
     "sp": ("sp", (0, 1)), "sharding": ("sharding", (0, 1, 2, 3)), "offload": ("offload", (0, 1)),
     "micro_batch": ("micro_batch", None), "recompute": ("recompute", RECOMPUTE),
+    "ep": ("ep", None), "split": ("split", SPLITS),
 }
 
 
@@ -99,9 +116,9 @@ def parse_fixed(text) -> dict:
         if key not in FIXED_KEYS:
             raise ValueError(f"unknown fixed key {key!r}: expected one of {', '.join(FIXED_KEYS)}")
         field_name, allowed = FIXED_KEYS[key]
-        if field_name == "recompute":
-            if value not in RECOMPUTE:
-                raise ValueError(f"recompute must be one of {'|'.join(RECOMPUTE)}, got {value!r}")
+        if field_name in ("recompute", "split"):
+            if value not in allowed:
+                raise ValueError(f"{field_name} must be one of {'|'.join(allowed)}, got {value!r}")
             out[field_name] = value
             continue
         try:

@@ -3,21 +3,22 @@
 ``evaluate`` prices a batch of configurations (numpy arrays, one element per candidate) with the
 formulas below; a single configuration is a batch of one, so the search and ``--fixed`` share code.
 
-Step time on the slowest pipeline stage (the last: it also runs the output head):
+Step time on the slowest pipeline stage (stage i holds n_i blocks, planner/stages.py):
 
-    step = m·t_mb + bubble + pp_comm + dp_comm_exposed + optimizer
-    t_mb = compute + recompute + tp_comm + zero3_gather_exposed       (one micro-batch, one stage)
-    bubble = (p-1)/v · t_mb                                           (1F1B: v = 1)
-    compute of a block = matmul FLOPs / (peak·gemm_efficiency) + element-wise bytes / memory bandwidth
+    step = m·t_max + bubble + pp_comm + exposed overlappable comm + ZeRO-1/2 parameter gathers + optimizer
+    T_L  = 3·t_fwd + t_recompute + TP collectives (+ expert all-to-all)      (one block, one micro-batch)
+    t_i  = n_i·T_L (+ the output head on the last stage),  t_max = max_i t_i
+    bubble = (Σ_i t_i − t_max) / v                                          ((p-1)/v·t for equal stages)
+    t_fwd of a block = matmul FLOPs / (peak·gemm_efficiency) + element-wise bytes / memory bandwidth
 
-TP collectives sit on the critical path; DP gradient sync and ZeRO gathers hide behind compute by
-``cluster.overlap``; stage-to-stage sends are exposed. Collective times come from
-``autoparallel.comm.cost.collective_seconds`` over the link the group uses (``cluster.link_for``).
-Ranks are laid out tp-innermost, then dp, then pp (Megatron's order), so TP stays inside a node when
-tp <= devices_per_node. A calibrated profile's measured fit for a collective and group size replaces the
-link formula (``affine_seconds``); a profile with eager-runtime costs (``cluster.runtime``: CPU ranks)
-prices per-op overheads and the runtime's own collectives instead (planner/eager_cost.py) as the
-``overhead`` term and in the communication terms.
+TP collectives, pipeline sends and (unless overlapped) expert all-to-alls sit on the critical path; ZeRO-3
+gathers and the gradient sync hide behind compute only within each link's budget (planner/links.py).
+Collectives are priced on the links they use (NVLink, network) by comm/cost.py's hierarchical model over the
+cluster's topology (planner/topology.py). Ranks are laid out tp-innermost, then expert/data, then pp
+(Megatron's order), so TP stays inside a node when tp <= devices_per_node. A calibrated profile's measured
+fit for a collective and group size replaces the link formula (``affine_seconds``); a profile with
+eager-runtime costs (``cluster.runtime``: CPU ranks) prices per-op overheads and the runtime's own
+collectives instead (planner/eager_cost.py) as the ``overhead`` term and in the communication terms.
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ import numpy as np
 from autoparallel.comm.cost import collective_seconds
 from autoparallel.planner import eager_cost
 from autoparallel.planner import memory as mem
+from autoparallel.planner.links import Stream, exposed_overlap
 from autoparallel.planner.memory import FULL, SELECTIVE
+from autoparallel.planner.topology import topology_of
 
-GRID_KEYS = ("dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "offload", "mb")
+GRID_KEYS = ("dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "offload", "mb", "ep", "split")
 
 # ---------------------------------------------------------------------------------------------
 # collectives over arrays
@@ -54,37 +57,6 @@ def affine_seconds(cluster, collective: str, n: int, ranks):
         return fit.latency_s, 1.0 / fit.bandwidth_Bps
     link = cluster.link_for(ranks)
     return _affine(collective, n, link.latency_s, link.bandwidth_Bps, cluster.backend)
-
-
-def _links(tp, dp):
-    """Rank lists of candidate i's TP group, DP group and next-stage peer (layout: tp, then dp, then pp)."""
-    tp = np.asarray(tp).reshape(-1)
-    dp = np.asarray(dp).reshape(-1)
-    tp_ranks = lambda i: range(int(tp[i]))                                    # noqa: E731
-    dp_ranks = lambda i: range(0, int(tp[i]) * int(dp[i]), int(tp[i]))        # noqa: E731
-    pp_ranks = lambda i: (0, int(tp[i]) * int(dp[i]))                         # noqa: E731
-    return tp_ranks, dp_ranks, pp_ranks
-
-
-def _unique_seconds(cluster, collective, b, n, ranks_of, key_arrays):
-    """Seconds of ``collective`` of ``b`` bytes per rank over groups of ``n`` ranks (arrays).
-
-    The group's link is ``cluster.link_for(ranks_of(i))``; each distinct key (e.g. (tp, dp)) is priced
-    once with comm.cost.collective_seconds, then applied to every candidate's byte count.
-    """
-    keys = np.stack([np.asarray(k).reshape(-1) for k in key_arrays], axis=1)
-    _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    n_arr = np.broadcast_to(np.asarray(n), inverse.shape)
-    c0 = np.zeros(len(first))
-    c1 = np.zeros(len(first))
-    for j, i in enumerate(first):
-        size = int(n_arr[i])
-        if size <= 1:
-            continue
-        c0[j], c1[j] = affine_seconds(cluster, collective, size, ranks_of(int(i)))
-    b = np.broadcast_to(np.asarray(b, dtype=float), inverse.shape)
-    return c0[inverse] + c1[inverse] * b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,14 +100,14 @@ def pipeline_bubble_seconds(p, v, t_mb):
     return (p - 1) / v * t_mb
 
 
-def pp_sends_per_step(p, v, m):
-    """Stage-to-stage messages on the critical path: 2·(v·m + p - 1) (one forward, one backward per chunk)."""
-    return np.where(p > 1, 2 * (v * m + p - 1), 0)
+def pp_sends_per_step(p, v, m, serial=False):
+    """Stage-to-stage messages on the critical path: 2·(v·m + p - 1) (one forward, one backward per chunk).
 
-
-def exposed_seconds(comm_s, window_s, overlap):
-    """Communication left on the critical path when ``overlap`` of it can hide behind ``window_s`` of compute."""
-    return comm_s - overlap * np.minimum(comm_s, window_s)
+    ``serial``: an interior stage (p > 2) exchanges with both neighbours in every step, one blocking transfer after
+    the other (DeepSpeed's TrainSchedule: SendGrad then RecvActivation in a forward step, RecvGrad then
+    SendActivation in a backward step), so 4·(m + p - 1) transfers sit on its timeline."""
+    per_step = np.where(serial & (p > 2), 2, 1)
+    return np.where(p > 1, 2 * (v * m + p - 1) * per_step, 0)
 
 
 def optimizer_traffic_bytes(shard_params, options):
@@ -143,180 +115,486 @@ def optimizer_traffic_bytes(shard_params, options):
     return shard_params * (options.grad_bytes + 2 * options.optimizer_bytes + options.param_bytes)
 
 
-def offload_seconds(shard_params, options):
-    """ZeRO-Offload: grads down and weights up over the host link, plus the Adam update on host cores."""
-    transfer = shard_params * (options.grad_bytes + options.param_bytes) / options.host_link_bandwidth_Bps
-    return transfer + shard_params / options.host_adam_params_per_s
+def offload_seconds(shard_params, options, pcie_Bps):
+    """ZeRO-Offload: grads down and weights up over the host link (PCIe), plus the Adam update on host cores.
+    Returns (seconds, PCIe busy seconds)."""
+    bw = options.host_link_bandwidth_Bps or pcie_Bps
+    transfer = shard_params * (options.grad_bytes + options.param_bytes) / bw
+    return transfer + shard_params / options.host_adam_params_per_s, transfer
 
 
 # ---------------------------------------------------------------------------------------------
 # evaluation
 # ---------------------------------------------------------------------------------------------
-def stage_params(model, t, p):
+def stage_params(model, t, p, first_layers=None, last_layers=None, e=1):
     """(Ψ of the first stage, Ψ of the last stage, Ψ of one block) on one device, before ZeRO.
 
-    Blocks split evenly (a stage holds ceil(l/p)); TP splits the matmuls, the column-parallel biases and
-    the vocabulary; the first stage holds the embedding, the last the output head (a tied head is a copy
-    when p > 1).
+    Blocks per stage default to ceil(l/p); TP splits the matmuls, the column-parallel biases and the
+    vocabulary; expert parallelism (degree e) and TP split the routed experts; the first stage holds the
+    embedding, the last the output head (a tied head is a copy when p > 1).
     """
     h, V = model.hidden, model.vocab
-    layers_per_stage = -(-model.layers // p)
+    per_stage = -(-model.layers // np.asarray(p))
+    first_layers = per_stage if first_layers is None else first_layers
+    last_layers = per_stage if last_layers is None else last_layers
+    layer_psi = layer_params_on_device(model, t, e)
+    emb, head = edge_params(model, t)
+    first = np.where(p == 1, model.layers * layer_psi + emb + head, first_layers * layer_psi + emb)
+    last = np.where(p == 1, first, last_layers * layer_psi + head + np.where(model.tied_embeddings, V * h / t, 0.0))
+    return first, last, layer_psi
+
+
+def layer_params_on_device(model, t, e=1):
+    """Ψ of one block on one device: TP-split matmuls and column biases, replicated norms and row biases,
+    routed experts split over e·t."""
     col_bias = model.layer_column_bias_params
-    layer_psi = (model.layer_matmul_params + col_bias) / t + model.layer_other_params - col_bias
-    emb = V * h / t + model.position_params
+    dense = (model.layer_matmul_params + col_bias) / t + model.layer_other_params - col_bias
+    return dense + model.layer_expert_params / (np.asarray(t) * np.asarray(e))
+
+
+def edge_params(model, t):
+    """(embedding Ψ, head Ψ without the tied copy) on one device."""
+    h, V = model.hidden, model.vocab
     norm = model.head_params - (0 if model.tied_embeddings else V * h)
     head_untied = 0.0 if model.tied_embeddings else V * h / t
-    body = layers_per_stage * layer_psi
-    first = np.where(p == 1, body + emb + head_untied + norm, body + emb)
-    last = np.where(p == 1, first, body + V * h / t + norm)
-    return first, last, layer_psi
+    return V * h / t + model.position_params, head_untied + norm
+
+
+def stage_layout(model, seq_len, pp, vpp, split):
+    """Blocks per stage of every candidate: (first, last, largest middle stage) arrays."""
+    from autoparallel.planner.config import SPLITS
+    from autoparallel.planner.stages import head_equivalent, split_layers
+
+    head_eq = head_equivalent(model, seq_len)
+    keys = np.asarray(pp, dtype=np.int64) * 8 + np.asarray(split, dtype=np.int64)
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    rows = []
+    for p, sp in ((k // 8, k % 8) for k in uniq):
+        counts = split_layers(model.layers, int(p), SPLITS[int(sp)], head_eq)
+        rows.append((counts[0], counts[-1], max(counts[1:-1]) if len(counts) > 2 else 0))
+    table = np.array(rows, dtype=float).reshape(-1, 3)[inverse.reshape(-1)]
+    return table[:, 0], table[:, 1], table[:, 2]
+
+
+def routed_all_to_all(cluster, model, nbytes, ep, tp, calls, cache=None):
+    """Expert dispatch/combine over the EP group (ranks ``tp`` apart). Without a routing limit a token's top_k
+    copies leave the node with probability (n-g)/n each; with node-limited routing (``route_nodes`` R) a token
+    crosses the network once per remote node it reaches, at most min(R, top_k) times, and is fanned out over
+    NVLink inside the node; on a rail-optimised fabric the copies first cross NVLink to the right rail (PXN)."""
+    stream = Stream.of(cluster, "all_to_all", nbytes, ep, tp, calls=calls, pxn=True, where=ep > 1, cache=cache)
+    if not model.route_nodes:
+        return stream
+    gpn = cluster.devices_per_node
+    g = np.where(tp >= gpn, 1, np.minimum(ep, np.maximum(gpn // tp, 1)))
+    k = -(-ep // g)
+    flat = np.where(ep > g, (ep - g) / np.maximum(ep, 1), 1.0)
+    limited = min(model.route_nodes, model.top_k) / model.top_k * np.where(k > 1, (k - 1) / k, 0.0)
+    return stream.with_network(np.where(ep > g, np.minimum(1.0, limited / flat), 1.0))
+
+
+def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
+    """(forward, recompute, output-head forward) seconds on one TP rank for one micro-batch; routed experts run
+    at the busiest rank's pace (``moe_imbalance``)."""
+    peak, W, eta, k = dev.flops(o.compute_dtype), dev.memory_bandwidth_Bps, o.gemm_efficiency, o.activation_traffic_factor
+    scale = o.activation_scale
+    none_code = np.zeros_like(rc)
+    act_full = mem.layer_activation_bytes(model, s, b, tp, sp, none_code, scale, o.flash_attention)
+    act_scores = act_full - mem.layer_activation_bytes(model, s, b, tp, sp, none_code + SELECTIVE, scale,
+                                                       o.flash_attention)
+    imbalance = 2.0 * model.moe_fraction * model.top_k * model.expert_params * (o.moe_imbalance - 1.0)
+    flops = layer_forward_flops(model, s, b, tp) + b * s * imbalance / tp
+    t_fwd = roofline_seconds(flops, k * act_full, peak, eta, W)
+    t_core = roofline_seconds(attention_core_flops(model, s, b, tp), k * act_scores, peak, eta, W)
+    t_rc = np.where(rc == FULL, t_fwd, np.where(rc == SELECTIVE, t_core, 0.0))
+    t_logits = roofline_seconds(logits_forward_flops(model, s, b, tp), k * mem.logits_bytes(model, s, b, tp),
+                                peak, eta, W)
+    return t_fwd, t_rc, t_logits
+
+
+def _block_and_edge_params(model, tp, pp, ep):
+    """(dense Ψ of one block, routed-expert Ψ of one block, first stage's edge Ψ, last stage's edge Ψ) on one
+    device: the embedding on the first stage, the head (and a tied head's copy when p > 1) on the last."""
+    layer_dense = layer_params_on_device(model, tp, 1) - model.layer_expert_params / tp
+    layer_expert = model.layer_expert_params / (tp * ep)
+    emb, head = edge_params(model, tp)
+    head_copy = np.where(model.tied_embeddings & (pp > 1), model.vocab * model.hidden / tp, 0.0)
+    edge_first = np.where(pp == 1, emb + head, emb)
+    edge_last = np.where(pp == 1, emb + head, head + head_copy)
+    return layer_dense, layer_expert, edge_first, edge_last
 
 
 def evaluate(model, cluster, global_batch, seq_len, grid, options):
     """Price every configuration of ``grid`` (dict of equal-length int arrays keyed by GRID_KEYS).
 
     Returns a dict of arrays: time terms (seconds per step), memory terms (bytes per device on the
-    stage that needs most), step_time, tokens_per_s, tflops_per_device, mfu, feasible.
+    stage that needs most), host memory, each link's busy seconds, step_time, tokens_per_s,
+    tflops_per_device, mfu, feasible.
     """
-    g = {k: np.asarray(grid[k]).reshape(-1) for k in GRID_KEYS}
-    dp, tp, pp, v, sp = g["dp"], g["tp"], g["pp"], g["vpp"], g["sp"]
+    n = len(np.asarray(grid["dp"]).reshape(-1))
+    g = {k: np.asarray(grid[k]).reshape(-1) if k in grid else np.full(n, 1 if k == "ep" else 0) for k in GRID_KEYS}
+    dp, tp, pp, v, sp, ep = g["dp"], g["tp"], g["pp"], g["vpp"], g["sp"], g["ep"]
     zero, rc, off, b = g["zero"], g["recompute"], g["offload"], g["mb"].astype(float)
-    s = float(seq_len)
-    B = float(global_batch)
+    s, B, o, dev = float(seq_len), float(global_batch), options, cluster.device
     m = B / (dp * b)
-    o = options
-    scale = o.activation_scale
-    dev = cluster.device
-    peak = dev.flops(o.compute_dtype)
     W = dev.memory_bandwidth_Bps
-    eta, k = o.gemm_efficiency, o.activation_traffic_factor
     world = dp * tp * pp
-    layers_per_stage = -(-model.layers // pp)
+    gpn = cluster.devices_per_node
+    eager = cluster.runtime is not None
+    n_first, n_last, n_mid = stage_layout(model, seq_len, pp, v, np.where(eager, 0, g["split"]))
+    n_max = np.maximum(np.maximum(n_first, n_last), n_mid)
 
-    # ---- compute on one micro-batch ------------------------------------------------------------
-    none_code = np.zeros_like(rc)
-    act_layer_full = mem.layer_activation_bytes(model, s, b, tp, sp, none_code, scale, o.flash_attention)
-    act_scores = act_layer_full - mem.layer_activation_bytes(model, s, b, tp, sp, none_code + SELECTIVE, scale,
-                                                             o.flash_attention)
-    t_fwd_layer = roofline_seconds(layer_forward_flops(model, s, b, tp), k * act_layer_full, peak, eta, W)
-    t_attn_core = roofline_seconds(attention_core_flops(model, s, b, tp), k * act_scores, peak, eta, W)
-    t_recompute_layer = np.where(rc == FULL, t_fwd_layer, np.where(rc == SELECTIVE, t_attn_core, 0.0))
-    t_logits_fwd = roofline_seconds(logits_forward_flops(model, s, b, tp),
-                                    k * mem.logits_bytes(model, s, b, tp), peak, eta, W)
-    compute_mb = layers_per_stage * 3.0 * t_fwd_layer + 3.0 * t_logits_fwd
-    recompute_mb = layers_per_stage * t_recompute_layer
+    cache = {}                                   # group shapes of this evaluation, priced once per array pair
+    tp_ep, tp_dp, pp_peers = tp * ep, tp * dp, np.where(pp > 1, 2, 1)
 
-    # ---- tensor parallelism ----------------------------------------------------------------------
-    tp_ranks, dp_ranks, pp_ranks = _links(tp, dp)
-    msg = scale * 2.0 * b * s * model.hidden                     # one block boundary activation, all of it
-    ar = _unique_seconds(cluster, "all_reduce", msg, tp, tp_ranks, (tp,))
-    ag = _unique_seconds(cluster, "all_gather", msg / tp, tp, tp_ranks, (tp,))
-    rs = _unique_seconds(cluster, "reduce_scatter", msg, tp, tp_ranks, (tp,))
-    tp_layer = tp_collectives_per_layer(rc) * np.where(sp > 0, ag + rs, ar)
-    tp_mb = np.where(tp > 1, layers_per_stage * tp_layer, 0.0)
+    # ---- one block, one micro-batch ------------------------------------------------------------------
+    t_fwd, t_rc, t_logits = _time_per_layer(model, o, dev, s, b, tp, sp, rc)
+    msg = o.activation_scale * 2.0 * b * s * model.hidden            # one block boundary activation
+    ar = Stream.of(cluster, "all_reduce", msg, tp, 1, cache=cache)
+    sp_pair = (Stream.of(cluster, "all_gather", msg / tp, tp, 1, cache=cache)
+               + Stream.of(cluster, "reduce_scatter", msg, tp, 1, cache=cache))
+    tp_calls = tp_collectives_per_layer(rc)
+    tp_layer = Stream(*(np.where(tp > 1, tp_calls * np.where(sp > 0, x, y), 0.0) for x, y in
+                        ((sp_pair.seconds, ar.seconds), (sp_pair.nvlink, ar.nvlink), (sp_pair.network, ar.network))))
+    a2a_bytes = o.activation_scale * 2.0 * b * s * model.hidden * model.top_k / tp
+    a2a_calls = model.moe_fraction * (4 + 2 * (rc == FULL))
+    a2a_layer = routed_all_to_all(cluster, model, a2a_bytes, ep, tp, a2a_calls, cache)
+    a2a_hidden = bool(o.moe_a2a_overlap)
+    T_L = 3.0 * t_fwd + t_rc + tp_layer.seconds + (0.0 if a2a_hidden else a2a_layer.seconds)
+    H = 3.0 * t_logits
 
-    # ---- data parallelism and ZeRO -------------------------------------------------------------
-    psi_first, psi_last, layer_psi = stage_params(model, tp, pp)
-    psi = np.maximum(psi_first, psi_last)
-    grads = o.grad_bytes * psi
-    dp_ar = _unique_seconds(cluster, "all_reduce", grads, dp, dp_ranks, (tp, dp))
-    dp_rs = _unique_seconds(cluster, "reduce_scatter", grads, dp, dp_ranks, (tp, dp))
-    dp_ag = _unique_seconds(cluster, "all_gather", o.param_bytes * psi / dp, dp, dp_ranks, (tp, dp))
-    layer_ag = _unique_seconds(cluster, "all_gather", o.param_bytes * layer_psi / dp, dp, dp_ranks, (tp, dp))
-    grad_sync = np.where(dp > 1, np.where(zero == 0, dp_ar, dp_rs), 0.0)
-    param_sync = np.where((dp > 1) & (zero >= 1) & (zero <= 2), dp_ag, 0.0)
-    zero3_gathers_mb = np.where((dp > 1) & (zero >= 3),
-                                layers_per_stage * (2 + (rc == FULL)) * layer_ag, 0.0)
-    zero3_exposed_mb = exposed_seconds(zero3_gathers_mb, compute_mb + recompute_mb, cluster.overlap)
+    # ---- pipeline stages: the slowest sets the pace, the others fill and drain the bubble ------------
+    t_first = n_first * T_L + np.where(pp == 1, H, 0.0)
+    t_last = n_last * T_L + H
+    t_mid = n_mid * T_L
+    t_max = np.maximum(np.maximum(t_first, t_last), t_mid)
+    last_slowest = t_last >= np.maximum(t_first, t_mid)
+    n_b = np.where(last_slowest, n_last, np.where(t_first >= t_mid, n_first, n_mid))
+    head_b = np.where(last_slowest | (pp == 1), 1.0, 0.0)
+    bubble = np.where(pp > 1, (model.layers * T_L + H - t_max) / v, 0.0)
 
-    backward_mb = layers_per_stage * (2.0 * t_fwd_layer + t_recompute_layer) + 2.0 * t_logits_fwd
-    forward_mb = layers_per_stage * t_fwd_layer + t_logits_fwd
-    dp_exposed = (exposed_seconds(grad_sync, backward_mb, cluster.overlap)
-                  + exposed_seconds(param_sync, forward_mb, cluster.overlap))
+    # ---- parameters per stage ----------------------------------------------------------------------
+    layer_dense, layer_expert, edge_first, edge_last = _block_and_edge_params(model, tp, pp, ep)
+    dense_psi = np.maximum.reduce([n_first * layer_dense + edge_first, n_last * layer_dense + edge_last,
+                                   n_mid * layer_dense])
+    expert_psi = n_max * layer_expert
+    d_e = np.maximum(dp // np.maximum(ep, 1), 1)
 
-    # ---- eager runtime on CPU ranks (a calibrated profile): per-op overheads, the runtime's collectives ----
-    overhead_mb = np.zeros_like(compute_mb)
-    eager = None
-    if cluster.runtime is not None:
-        eager = eager_cost.eager_terms(model, cluster, g, m, layers_per_stage, psi, msg, b, s)
-        overhead_mb, tp_mb, zero3_exposed_mb = eager["overhead_mb"], eager["tp_mb"], eager["zero3_mb"]
-        dp_exposed = m * eager["dp_mb"] + eager["dp_step"]
-    t_mb = compute_mb + recompute_mb + tp_mb + zero3_exposed_mb + overhead_mb
+    # ---- data parallelism and ZeRO: streams on links -----------------------------------------------
+    gb, pb = o.grad_bytes, o.param_bytes
+    per_mb = (zero >= 2) & (m > 1) & bool(o.zero_grad_per_micro_batch)
+    sync_calls = np.where(per_mb, 0.0, 1.0)
+    mb_calls = np.where(per_mb, m, 0.0)
+    coll = np.where(zero == 0, 0, 1)                 # 0: all_reduce, 1: reduce_scatter
 
-    # ---- pipeline ----------------------------------------------------------------------------------
+    def grad_stream(psi, group, stride, calls):
+        """Gradient reduction in buckets of ``o.grad_bucket_bytes``: each bucket pays the collective's latency."""
+        buckets = np.maximum(1.0, np.ceil(gb * psi / o.grad_bucket_bytes))
+        each = gb * psi / buckets
+        a = Stream.of(cluster, "all_reduce", each, group, stride, calls=calls * buckets,
+                      where=(group > 1) & (coll == 0), cache=cache)
+        r = Stream.of(cluster, "reduce_scatter", each, group, stride, calls=calls * buckets,
+                      where=(group > 1) & (coll == 1), cache=cache)
+        return a + r
+
+    sync = grad_stream(dense_psi, dp, tp, sync_calls) + grad_stream(expert_psi, d_e, tp_ep, sync_calls)
+    rs_each_mb = grad_stream(dense_psi, dp, tp, mb_calls) + grad_stream(expert_psi, d_e, tp_ep, mb_calls)
+    z12 = (zero >= 1) & (zero <= 2)
+    param_gather = (Stream.of(cluster, "all_gather", pb * dense_psi / dp, dp, tp, where=(dp > 1) & z12, cache=cache)
+                    + Stream.of(cluster, "all_gather", pb * expert_psi / d_e, d_e, tp_ep, where=(d_e > 1) & z12,
+                                cache=cache))
+    z3 = zero >= 3
+    layer_gather = (Stream.of(cluster, "all_gather", pb * layer_dense / dp, dp, tp, calls=m * n_max,
+                              where=(dp > 1) & z3, cache=cache)
+                    + Stream.of(cluster, "all_gather", pb * layer_expert / d_e, d_e, tp_ep, calls=m * n_max,
+                                where=(d_e > 1) & z3, cache=cache))
+    z3_bwd = Stream(*(x * (1 + (rc == FULL)) for x in (layer_gather.seconds, layer_gather.nvlink,
+                                                          layer_gather.network)))
+    w_fwd = m * (n_b * t_fwd + head_b * t_logits)
+    w_bwd = m * (n_b * (2.0 * t_fwd + t_rc) + head_b * 2.0 * t_logits)
+    a2a_fwd, a2a_bwd = Stream.zero(n), Stream.zero(n)
+    if a2a_hidden:                        # dispatch/combine overlapped with another micro-batch's compute
+        share = 2.0 / (4.0 + 2.0 * (rc == FULL))
+        a2a_fwd = a2a_layer.scaled(m * n_b * share)
+        a2a_bwd = a2a_layer.scaled(m * n_b * (1.0 - share))
+    w_last = w_bwd / m if o.grad_sync_overlap else np.zeros(n)
+    overlap_s = exposed_overlap(layer_gather + a2a_fwd, z3_bwd + rs_each_mb + a2a_bwd, sync, w_fwd, w_bwd, w_last,
+                                cluster.overlap)
+
+    # ---- pipeline sends ------------------------------------------------------------------------------
     p2p_msg = np.where((sp > 0) | o.pp_scatter_gather, msg / tp, msg)
-    p2p = _unique_seconds(cluster, "send_recv", p2p_msg, np.where(pp > 1, 2, 1), pp_ranks, (tp, dp, pp))
-    pp_comm = pp_sends_per_step(pp, v, m) * p2p
-    bubble = np.where(pp > 1, pipeline_bubble_seconds(pp, v, t_mb), 0.0)
+    pp_calls = pp_sends_per_step(pp, v, m, bool(o.pp_serial_p2p))
+    pp_stream = Stream.of(cluster, "send_recv", p2p_msg, pp_peers, tp_dp, calls=pp_calls, cache=cache)
 
-    # ---- optimizer ---------------------------------------------------------------------------------
-    shard = psi / np.where(zero >= 1, dp, 1)
-    optimizer = np.where(off > 0, offload_seconds(shard, o), optimizer_traffic_bytes(shard, o) / W)
-    if eager is not None:
-        optimizer = optimizer + eager["optimizer"]
+    # ---- optimizer -------------------------------------------------------------------------------------
+    shard = dense_psi / np.where(zero >= 1, dp, 1) + expert_psi / np.where(zero >= 1, d_e, 1)
+    pcie = topology_of(cluster).pcie_bandwidth_Bps
+    off_s, pcie_busy = offload_seconds(shard, o, pcie)
+    optimizer = np.where(off > 0, off_s, optimizer_traffic_bytes(shard, o) / W)
+    pcie_busy = np.where(off > 0, pcie_busy, 0.0)
 
-    step = m * t_mb + bubble + pp_comm + dp_exposed + optimizer
+    tp_step = m * n_b * tp_layer.seconds
+    a2a_step = np.zeros(n) if a2a_hidden else m * n_b * a2a_layer.seconds
+    compute = m * (n_b * 3.0 * t_fwd + head_b * H)
+    recompute = m * n_b * t_rc
+    zero3_s = np.zeros(n)
+    overhead = np.zeros(n)
+    dp_s = overlap_s + param_gather.seconds
+    if eager:
+        compute, recompute, tp_step, zero3_s, overhead, dp_s, bubble, optimizer = _eager_terms(
+            model, cluster, g, m, b, s, msg, n_max, dense_psi, t_fwd, t_rc, t_logits, optimizer)
+        a2a_step = np.zeros(n)
+    step = compute + recompute + tp_step + a2a_step + zero3_s + overhead + bubble + pp_stream.seconds + dp_s + optimizer
 
-    # ---- memory ------------------------------------------------------------------------------------
-    inflight = mem.in_flight_micro_batches(pp, v, m)
-    working = mem.recompute_working_bytes(model, s, b, tp, sp, rc, scale, o.flash_attention)
-    act_layer = mem.layer_activation_bytes(model, s, b, tp, sp, rc, scale, o.flash_attention)
-    logits = mem.logits_bytes(model, s, b, tp)
-    z3buf = mem.zero3_gather_buffer_bytes(layer_psi, zero, o.param_bytes)
+    # ---- memory ------------------------------------------------------------------------------------------
+    memory, total, host = _memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, layer_expert,
+                                  edge_first, edge_last, d_e)
+    host_capacity = topology_of(cluster).host_memory_bytes * (1 - o.host_memory_reserve_fraction)
+    host_ok = host * gpn <= host_capacity
 
-    tensors = eager_cost.tensors_on_stage(model.op_profile(), layers_per_stage)
-
-    def stage_memory(psi_stage, activations):
-        grads = mem.grad_bytes(psi_stage, zero, dp, o.grad_bytes)
-        states = mem.optimizer_bytes(psi_stage, zero, dp, off, o.optimizer_bytes)
-        if o.zero_master_copy:
-            grads = grads + mem.master_grad_bytes(psi_stage, zero, dp)
-            states = states + mem.master_copy_bytes(psi_stage, zero, dp, off)
-        return {"params": mem.weight_bytes(psi_stage, zero, dp, o.param_bytes),
-                "grads": grads,
-                "optimizer": states + mem.per_tensor_state_bytes(tensors, off, o.optimizer_tensor_bytes),
-                "activations": activations,
-                "zero3_buffer": z3buf}
-
-    first = stage_memory(psi_first, layers_per_stage * act_layer * inflight + working
-                         + np.where(pp == 1, logits, 0.0))
-    last = stage_memory(psi_last, layers_per_stage * act_layer + working + logits)
-    first_total = sum(first.values())
-    last_total = sum(last.values())
-    use_first = first_total >= last_total
-    memory = {key: np.where(use_first, first[key], last[key]) for key in first}
-    reserve = mem.reserve_bytes(dev.memory_bytes, o.memory_reserve_fraction)
-    memory["reserve"] = np.full(step.shape, reserve)
-    total = np.maximum(first_total, last_total) + reserve
-    host = mem.host_optimizer_bytes(np.where(use_first, psi_first, psi_last), zero, dp, off, o.optimizer_bytes)
+    streams = (tp_layer, a2a_layer)
+    busy = {}
+    for link in ("nvlink", "network"):
+        busy[link] = (m * n_b * sum(x.busy(link) for x in streams) + pp_stream.busy(link) + sync.busy(link)
+                      + rs_each_mb.busy(link) + param_gather.busy(link) + layer_gather.busy(link) + z3_bwd.busy(link))
+    busy["pcie"] = pcie_busy
 
     # ---- throughput ----------------------------------------------------------------------------------
     hw_per_token = np.array([model.hardware_flops_per_token(seq_len, r) for r in ("none", "selective", "full")])
     tokens = B * s
-    model_flops = model.model_flops_per_token(seq_len) * tokens
-    hardware_flops = hw_per_token[rc] * tokens
+    peak = dev.flops(o.compute_dtype)
     return {
         "num_micro_batches": m,
         "step_time_s": step,
-        "compute_s": m * compute_mb,
-        "recompute_s": m * recompute_mb,
-        "tp_comm_s": m * tp_mb,
-        "zero3_gather_s": m * zero3_exposed_mb,
+        "compute_s": compute,
+        "recompute_s": recompute,
+        "tp_comm_s": tp_step,
+        "ep_comm_s": a2a_step,
+        "zero3_gather_s": zero3_s,
         "bubble_s": bubble,
-        "pp_comm_s": pp_comm,
-        "dp_comm_s": dp_exposed,
+        "pp_comm_s": pp_stream.seconds,
+        "dp_comm_s": dp_s,
         "optimizer_s": optimizer,
-        "overhead_s": m * overhead_mb,
+        "overhead_s": overhead,
         "memory": memory,
         "memory_total": total,
         "host_bytes": host,
-        "feasible": total <= dev.memory_bytes,
+        "host_node_bytes": host * gpn,
+        "host_feasible": host_ok,
+        "link_busy_s": busy,
+        "stage_layers": (n_first, n_last, n_mid),
+        "feasible": (total <= dev.memory_bytes) & host_ok,
         "tokens_per_s": tokens / step,
-        "tflops_per_device": hardware_flops / (step * world) / 1e12,
-        "mfu": model_flops / (step * world * peak),
+        "tflops_per_device": hw_per_token[rc] * tokens / (step * world) / 1e12,
+        "mfu": model.model_flops_per_token(seq_len) * tokens / (step * world * peak),
     }
 
 
-TIME_TERMS = ("compute_s", "recompute_s", "tp_comm_s", "zero3_gather_s", "bubble_s", "pp_comm_s", "dp_comm_s",
-              "optimizer_s", "overhead_s")
+def _state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors):
+    """Weights, gradient buffers and optimizer states on one device holding ``dense`` and ``expert`` Ψ (dict)."""
+    per_mb = bool(o.zero_grad_per_micro_batch)
+    out = {}
+    out["params"] = mem.weight_bytes(dense, zero, dp, o.param_bytes) + mem.weight_bytes(expert, zero, d_e,
+                                                                                          o.param_bytes)
+    grads = (mem.grad_buffer_bytes(dense, zero, dp, m, o.grad_bytes, per_mb)
+             + mem.grad_buffer_bytes(expert, zero, d_e, m, o.grad_bytes, per_mb))
+    opt = (mem.optimizer_bytes(dense, zero, dp, off, o.optimizer_bytes)
+           + mem.optimizer_bytes(expert, zero, d_e, off, o.optimizer_bytes))
+    if o.zero_master_copy:
+        grads = grads + mem.master_grad_bytes(dense, zero, dp)
+        opt = opt + mem.master_copy_bytes(dense, zero, dp, off)
+    out["grads"] = grads
+    out["optimizer"] = opt + mem.per_tensor_state_bytes(tensors, off, o.optimizer_tensor_bytes)
+    return out
+
+
+def _memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, layer_expert, edge_first, edge_last, d_e):
+    """Per-device memory of the stage that needs most (dict of arrays), its total with the reserve, and the
+    host bytes one device uses (offload)."""
+    dp, tp, pp, v, sp, zero, rc, off = (g[k] for k in ("dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "offload"))
+    scale = o.activation_scale
+    act_layer = mem.layer_activation_bytes(model, s, b, tp, sp, rc, scale, o.flash_attention)
+    working = mem.recompute_working_bytes(model, s, b, tp, sp, rc, scale, o.flash_attention)
+    logits = mem.logits_bytes(model, s, b, tp)
+    z3buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, zero, o.param_bytes)
+    tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
+
+    def states(dense, expert):
+        return _state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors)
+
+    stages = []
+    for layers, edge, inflight, extra in (
+            (n_first, edge_first, mem.in_flight_micro_batches(pp, v, m), np.where(pp == 1, logits, 0.0)),
+            (n_last, edge_last, 1.0, logits),
+            (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0)):
+        st = states(layers * layer_dense + edge, layers * layer_expert)
+        st["activations"] = np.where(layers > 0, layers * act_layer * inflight + working + extra, 0.0)
+        st["zero3_buffer"] = z3buf
+        stages.append(st)
+    totals = [sum(st.values()) for st in stages]
+    pick = np.argmax(np.stack(totals), axis=0)
+    memory = {key: np.choose(pick, [st[key] for st in stages]) for key in stages[0]}
+    reserve = mem.reserve_bytes(dev.memory_bytes, o.memory_reserve_fraction)
+    memory["reserve"] = np.full(pick.shape, reserve)
+    total = np.max(np.stack(totals), axis=0) + reserve
+    dense_psi = np.maximum.reduce([n_first * layer_dense + edge_first, n_last * layer_dense + edge_last,
+                                   n_mid * layer_dense])
+    host = (mem.host_optimizer_bytes(dense_psi, zero, dp, off, o.optimizer_bytes)
+            + mem.host_optimizer_bytes(np.maximum(n_first, np.maximum(n_last, n_mid)) * layer_expert, zero, d_e,
+                                       off, o.optimizer_bytes))
+    return memory, total, host
+
+
+def memory_floors(model, cluster, global_batch, seq_len, grid, options, sp_rc, zero_off):
+    """Lower bounds of ``evaluate``'s ``memory_total`` for grid arrays of the structural knobs (dp, tp, pp, vpp,
+    mb, ep, split), with the same formulas as ``_memory``. Per stage, memory is weights + gradients + optimizer
+    states (+ ZeRO-3 buffer), which depend on (ZeRO stage, offload) only, plus activations, which depend on
+    (sp, recompute) only. Returns ``(by_state, by_activation)``: ``by_state[i, k]`` bounds configuration i with
+    ``zero_off[k]`` and any (sp, recompute) of ``sp_rc`` (the least activations of each stage), and
+    ``by_activation[i, j]`` bounds it with ``sp_rc[j]`` and any (ZeRO, offload) of ``zero_off``; each is the
+    stage that needs most plus the reserve. A configuration above either bound's device capacity cannot fit."""
+    dp, tp, pp, v, b, ep = (np.asarray(grid[k]).reshape(-1) for k in ("dp", "tp", "pp", "vpp", "mb", "ep"))
+    split = np.asarray(grid["split"]).reshape(-1)
+    s, o, n = float(seq_len), options, len(dp)
+    m = float(global_batch) / (dp * b)
+    n_first, n_last, n_mid = stage_layout(model, seq_len, pp, v, np.where(cluster.runtime is not None, 0, split))
+    logits = mem.logits_bytes(model, s, b, tp)
+    layer_dense, layer_expert, edge_first, edge_last = _block_and_edge_params(model, tp, pp, ep)
+    d_e = np.maximum(dp // np.maximum(ep, 1), 1)
+    tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
+    stages = ((n_first, edge_first, mem.in_flight_micro_batches(pp, v, m), np.where(pp == 1, logits, 0.0)),
+              (n_last, edge_last, 1.0, logits),
+              (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0))
+    held, acts = [], []                             # per stage: (len(zero_off), n) and (len(sp_rc), n)
+    for layers, edge, inflight, extra in stages:
+        rows = []
+        for zero, off in zero_off:
+            z, f = np.full(n, zero), np.full(n, off)
+            st = _state_bytes(o, layers * layer_dense + edge, layers * layer_expert, z, dp, d_e, m, f, tensors)
+            rows.append(sum(st.values()) + mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, z,
+                                                                         o.param_bytes))
+        held.append(np.stack(rows))
+        rows = []
+        for sp, rc in sp_rc:
+            sp_a, rc_a = np.full(n, sp), np.full(n, rc)
+            act = mem.layer_activation_bytes(model, s, b, tp, sp_a, rc_a, o.activation_scale, o.flash_attention)
+            work = mem.recompute_working_bytes(model, s, b, tp, sp_a, rc_a, o.activation_scale, o.flash_attention)
+            rows.append(np.where(layers > 0, layers * act * inflight + work + extra, 0.0))
+        acts.append(np.stack(rows))
+    reserve = mem.reserve_bytes(cluster.device.memory_bytes, o.memory_reserve_fraction)
+    by_state = np.max(np.stack([h + a.min(axis=0) for h, a in zip(held, acts)]), axis=0) + reserve
+    by_activation = np.max(np.stack([h.min(axis=0) + a for h, a in zip(held, acts)]), axis=0) + reserve
+    return by_state.T, by_activation.T
+
+
+def _state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors):
+    """Weights, gradient buffers and optimizer states on one device holding ``dense`` and ``expert`` Ψ (dict)."""
+    per_mb = bool(o.zero_grad_per_micro_batch)
+    out = {}
+    out["params"] = mem.weight_bytes(dense, zero, dp, o.param_bytes) + mem.weight_bytes(expert, zero, d_e,
+                                                                                          o.param_bytes)
+    grads = (mem.grad_buffer_bytes(dense, zero, dp, m, o.grad_bytes, per_mb)
+             + mem.grad_buffer_bytes(expert, zero, d_e, m, o.grad_bytes, per_mb))
+    opt = (mem.optimizer_bytes(dense, zero, dp, off, o.optimizer_bytes)
+           + mem.optimizer_bytes(expert, zero, d_e, off, o.optimizer_bytes))
+    if o.zero_master_copy:
+        grads = grads + mem.master_grad_bytes(dense, zero, dp)
+        opt = opt + mem.master_copy_bytes(dense, zero, dp, off)
+    out["grads"] = grads
+    out["optimizer"] = opt + mem.per_tensor_state_bytes(tensors, off, o.optimizer_tensor_bytes)
+    return out
+
+
+def _memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, layer_expert, edge_first, edge_last, d_e):
+    """Per-device memory of the stage that needs most (dict of arrays), its total with the reserve, and the
+    host bytes one device uses (offload)."""
+    dp, tp, pp, v, sp, zero, rc, off = (g[k] for k in ("dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "offload"))
+    scale = o.activation_scale
+    act_layer = mem.layer_activation_bytes(model, s, b, tp, sp, rc, scale, o.flash_attention)
+    working = mem.recompute_working_bytes(model, s, b, tp, sp, rc, scale, o.flash_attention)
+    logits = mem.logits_bytes(model, s, b, tp)
+    z3buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, zero, o.param_bytes)
+    tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
+
+    def states(dense, expert):
+        return _state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors)
+
+    stages = []
+    for layers, edge, inflight, extra in (
+            (n_first, edge_first, mem.in_flight_micro_batches(pp, v, m), np.where(pp == 1, logits, 0.0)),
+            (n_last, edge_last, 1.0, logits),
+            (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0)):
+        st = states(layers * layer_dense + edge, layers * layer_expert)
+        st["activations"] = np.where(layers > 0, layers * act_layer * inflight + working + extra, 0.0)
+        st["zero3_buffer"] = z3buf
+        stages.append(st)
+    totals = [sum(st.values()) for st in stages]
+    pick = np.argmax(np.stack(totals), axis=0)
+    memory = {key: np.choose(pick, [st[key] for st in stages]) for key in stages[0]}
+    reserve = mem.reserve_bytes(dev.memory_bytes, o.memory_reserve_fraction)
+    memory["reserve"] = np.full(pick.shape, reserve)
+    total = np.max(np.stack(totals), axis=0) + reserve
+    dense_psi = np.maximum.reduce([n_first * layer_dense + edge_first, n_last * layer_dense + edge_last,
+                                   n_mid * layer_dense])
+    host = (mem.host_optimizer_bytes(dense_psi, zero, dp, off, o.optimizer_bytes)
+            + mem.host_optimizer_bytes(np.maximum(n_first, np.maximum(n_last, n_mid)) * layer_expert, zero, d_e,
+                                       off, o.optimizer_bytes))
+    return memory, total, host
+
+
+def memory_floor(model, cluster, global_batch, seq_len, grid, options, sps=(0, 1), rcs=(0, 1, 2),
+                 zeros=(0, 1, 2, 3), offloads=(0, 1)):
+    """A lower bound of ``evaluate``'s ``memory_total`` over every choice of sequence parallelism, recompute,
+    ZeRO stage and offload in ``sps``, ``rcs``, ``zeros``, ``offloads``, for grid arrays of the structural knobs
+    (dp, tp, pp, vpp, mb, ep, split): per stage, the least weights + gradients + optimizer states (+ ZeRO-3
+    buffer) any (zero, offload) gives it plus the least activations any (sp, recompute) gives it, with the same
+    formulas as ``_memory``; the stage that needs most, plus the reserve. A configuration whose floor exceeds
+    the device cannot fit with any of those choices (the search skips it unpriced)."""
+    dp, tp, pp, v, b, ep = (np.asarray(grid[k]).reshape(-1) for k in ("dp", "tp", "pp", "vpp", "mb", "ep"))
+    split = np.asarray(grid["split"]).reshape(-1)
+    s, o, n = float(seq_len), options, len(dp)
+    m = float(global_batch) / (dp * b)
+    n_first, n_last, n_mid = stage_layout(model, seq_len, pp, v, np.where(cluster.runtime is not None, 0, split))
+    logits = mem.logits_bytes(model, s, b, tp)
+    layer_dense, layer_expert, edge_first, edge_last = _block_and_edge_params(model, tp, pp, ep)
+    d_e = np.maximum(dp // np.maximum(ep, 1), 1)
+    tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
+    stages = ((n_first, edge_first, mem.in_flight_micro_batches(pp, v, m), np.where(pp == 1, logits, 0.0)),
+              (n_last, edge_last, 1.0, logits),
+              (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0))
+    floors = []
+    for layers, edge, inflight, extra in stages:
+        held = np.full(n, np.inf)                   # least weights + gradients + optimizer states (+ ZeRO-3 buffer)
+        for zero in zeros:
+            for off in offloads:
+                z, f = np.full(n, zero), np.full(n, off)
+                st = _state_bytes(o, layers * layer_dense + edge, layers * layer_expert, z, dp, d_e, m, f, tensors)
+                buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, z, o.param_bytes)
+                held = np.minimum(held, sum(st.values()) + buf)
+        least = np.full(n, np.inf)
+        for sp in sps:
+            for rc in rcs:
+                sp_a, rc_a = np.full(len(dp), sp), np.full(len(dp), rc)
+                act = mem.layer_activation_bytes(model, s, b, tp, sp_a, rc_a, o.activation_scale, o.flash_attention)
+                work = mem.recompute_working_bytes(model, s, b, tp, sp_a, rc_a, o.activation_scale,
+                                                   o.flash_attention)
+                least = np.minimum(least, layers * act * inflight + work + extra)
+        floors.append(held + np.where(layers > 0, least, 0.0))
+    return np.max(np.stack(floors), axis=0) + mem.reserve_bytes(cluster.device.memory_bytes,
+                                                                 o.memory_reserve_fraction)
+
+
+def _eager_terms(model, cluster, g, m, b, s, msg, layers, psi, t_fwd, t_rc, t_logits, optimizer):
+    """The eager runtime on CPU ranks (a calibrated profile): per-op overheads and the runtime's blocking
+    collectives (planner/eager_cost.py); nothing overlaps, every stage runs the head as before."""
+    e = eager_cost.eager_terms(model, cluster, g, m, layers, psi, msg, b, s)
+    compute_mb = layers * 3.0 * t_fwd + 3.0 * t_logits
+    recompute_mb = layers * t_rc
+    t_mb = compute_mb + recompute_mb + e["tp_mb"] + e["zero3_mb"] + e["overhead_mb"]
+    bubble = np.where(g["pp"] > 1, pipeline_bubble_seconds(g["pp"], g["vpp"], t_mb), 0.0)
+    return (m * compute_mb, m * recompute_mb, m * e["tp_mb"], m * e["zero3_mb"], m * e["overhead_mb"],
+            m * e["dp_mb"] + e["dp_step"], bubble, optimizer + e["optimizer"])
+
+
+TIME_TERMS = ("compute_s", "recompute_s", "tp_comm_s", "ep_comm_s", "zero3_gather_s", "bubble_s", "pp_comm_s",
+              "dp_comm_s", "optimizer_s", "overhead_s")
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "zero3_buffer", "reserve")

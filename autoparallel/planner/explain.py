@@ -11,11 +11,12 @@ from autoparallel.planner.search import config_at, candidate_at, evaluate_config
 TERM_NAMES = {"compute": "compute", "recompute": "recomputation", "tp_comm": "TP communication",
               "zero3_gather": "exposed ZeRO-3 gathers", "bubble": "pipeline bubble",
               "pp_comm": "stage-to-stage sends", "dp_comm": "exposed DP gradient sync", "optimizer": "optimizer step",
-              "overhead": "per-op overheads"}
+              "overhead": "per-op overheads", "ep_comm": "expert all-to-all"}
 KNOB_LABELS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("vpp", "vpp"), ("sp", "sp"), ("sharding", "zero"),
-               ("recompute", "recompute"), ("offload", "offload"), ("micro_batch", "micro_batch"))
+               ("recompute", "recompute"), ("offload", "offload"), ("micro_batch", "micro_batch"), ("ep", "ep"),
+               ("split", "split"))
 _GRID_OF_KNOB = {"tp": "tp", "pp": "pp", "dp": "dp", "vpp": "vpp", "sp": "sp", "sharding": "zero",
-                 "recompute": "recompute", "offload": "offload", "micro_batch": "mb"}
+                 "recompute": "recompute", "offload": "offload", "micro_batch": "mb", "ep": "ep", "split": "split"}
 
 
 def config_diff(a: ParallelConfig, b: ParallelConfig) -> str:
@@ -63,6 +64,8 @@ def explain_search(outcome, candidates, global_batch, seq_len, capacity) -> str:
         mine = getattr(winner.config, knob)
         if knob == "recompute":
             mine = ("none", "selective", "full").index(mine)
+        if knob == "split":
+            mine = ("even", "ends", "balanced").index(mine)
         differs = np.nonzero(values != mine)[0]
         if len(differs) == 0:
             continue
@@ -74,13 +77,17 @@ def explain_search(outcome, candidates, global_batch, seq_len, capacity) -> str:
         lines.append(compare(winner, other, f"best with another {label}"))
     ev = outcome.evaluation
     infeasible = int(np.count_nonzero(~ev["feasible"]))
-    if infeasible:
+    ruled_out = getattr(outcome, "ruled_out", 0)
+    if infeasible or ruled_out:
         faster = np.nonzero((~ev["feasible"]) & (ev["step_time_s"] < winner.step_time_s))[0]
-        note = f"  {infeasible} of {outcome.evaluated} configurations exceed {capacity / 1e9:.0f} GB per device"
+        note = (f"  {infeasible + ruled_out} of {outcome.evaluated + ruled_out} configurations exceed "
+                f"{capacity / 1e9:.0f} GB per device (or, offloading, the host RAM)")
+        if ruled_out:
+            note += f" ({ruled_out} ruled out unpriced by their memory floor)"
         if len(faster):
             i = int(faster[np.lexsort((ev["memory_total"][faster], ev["step_time_s"][faster]))[0]])
             fast = candidate_at(ev, grid, i, global_batch, seq_len, capacity)
-            note += (f"; the fastest of them ({config_diff(winner.config, fast.config)}) would take "
+            note += (f"; the fastest of those priced ({config_diff(winner.config, fast.config)}) would take "
                      f"{fast.step_time_s:.3f} s but needs {fast.memory_per_device_gb:.1f} GB")
         lines.append(note)
     return "\n".join(lines)

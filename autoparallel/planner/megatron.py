@@ -12,6 +12,7 @@ messages over the TP group, the interleaved schedule (paper §5.1). Not in the t
     the model is insensitive to it);
   * virtual stages per device v = the smallest v > 1 dividing a stage's layers (2 for most rows,
     3 for 76B's 15 and 530B's 3 layers per stage).
+Software fact: the data-parallel all-reduce runs after the pipeline flush, not overlapped (``ROW_SOFTWARE``).
 """
 from __future__ import annotations
 
@@ -66,10 +67,13 @@ def row_cluster(row: MegatronRow):
     return preset("A100-80GB", num_nodes=row.gpus // 8, devices_per_node=8)
 
 
+ROW_SOFTWARE = {"grad_sync_overlap": False}       # Megatron-LM 2021 all-reduces after the pipeline flush
+
+
 def predict_row(row: MegatronRow, options: PlannerOptions = None) -> dict:
     """Predicted figures of a row's published configuration (a dict like ``Candidate.to_dict()``)."""
     from autoparallel.planner.search import evaluate_config
-    options = options or PlannerOptions()
+    options = (options or PlannerOptions()).replace(**ROW_SOFTWARE)
     return evaluate_config(PRESETS[row.model], row_cluster(row), row.global_batch, SEQ_LEN, row_config(row),
                            options).to_dict()
 

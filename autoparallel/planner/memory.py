@@ -45,9 +45,20 @@ def per_tensor_state_bytes(tensors, offload, bytes_per_tensor):
     return np.where(offload > 0, 0.0, bytes_per_tensor * np.asarray(tensors, dtype=float))
 
 
-def host_optimizer_bytes(psi, zero, d, offload, optimizer_bytes_per_param):
-    """Optimizer states held in host memory by one device when offloaded."""
-    return np.where(offload > 0, optimizer_bytes_per_param * psi / np.where(zero >= 1, d, 1), 0.0)
+def host_optimizer_bytes(psi, zero, d, offload, optimizer_bytes_per_param, staging_bytes_per_param=4):
+    """Host memory one device uses when offloaded: its optimizer states (fp32 master, Adam m and v) plus the
+    pinned fp32 gradient chunk they are updated from (ZeRO-Offload keeps it on the host)."""
+    per_param = optimizer_bytes_per_param + staging_bytes_per_param
+    return np.where(offload > 0, per_param * psi / np.where(zero >= 1, d, 1), 0.0)
+
+
+def grad_buffer_bytes(psi, zero, d, m, grad_bytes_per_param, per_micro_batch):
+    """Gradients a device holds. ZeRO-0/1: the full buffer. ZeRO-2/3 with one micro-batch: its 1/d chunk.
+    ZeRO-2/3 with m > 1 micro-batches: the runtime accumulates the full gradient locally and reduce-scatters
+    it once at the last micro-batch (parallel/reducer.py), so it holds the full buffer (ZeRO-1's memory);
+    with ``per_micro_batch`` (DeepSpeed-style) it reduce-scatters every micro-batch and holds only the chunk."""
+    sharded = (zero >= 2) & ((m <= 1) | per_micro_batch)
+    return grad_bytes_per_param * psi / np.where(sharded, d, 1)
 
 
 def zero3_gather_buffer_bytes(layer_psi, zero, param_bytes):
@@ -61,11 +72,13 @@ def activation_coefficients(model):
     sharded (split by TP): Q 2 + K,V 4·kv_dim/h + attention output 2 + MLP (GELU: 4f/h, SwiGLU: 6f/h) -> 24 for GPT;
     unsharded (split only by SP): QKV input 2 + fc1 input 2 + two norm inputs 4 + two dropout masks 2 -> 10 for GPT;
     score bytes per a·s²·b element: softmax 2 + dropout mask 1 + dropout output 2 = 5 (2 without dropout).
+    MoE blocks: the MLP term uses the width a token visits ((top_k + shared)·expert_ffn) and each of the top_k
+    token copies dispatched to an expert keeps its input (2·top_k, unsharded).
     """
     h = model.hidden
-    mlp = (6.0 if model.swiglu else 4.0) * model.ffn / h
+    mlp = (6.0 if model.swiglu else 4.0) * model.active_ffn / h
     sharded = 2.0 + 4.0 * model.kv_dim / h + 2.0 + mlp
-    unsharded = 8.0 + (2.0 if model.dropout else 0.0)
+    unsharded = 8.0 + (2.0 if model.dropout else 0.0) + 2.0 * model.moe_tokens_fraction()
     score = 5.0 if model.dropout else 2.0
     return sharded, unsharded, score
 

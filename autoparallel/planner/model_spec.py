@@ -75,6 +75,15 @@ class ModelSpec:
     positions: int = 0            # rows of the learned position table; 0 means seq_len
     ops: OpProfile = None         # eager-runtime op counts (from a trace); None: template_profile
     traced: object = None         # from_trace's per-layer figures (from_trace.TraceFacts), or None
+    # -- mixture of experts (0 experts: a dense model). MoE blocks replace the MLP by ``experts`` routed
+    #    experts of width ``expert_ffn`` (each token visits ``top_k``) plus ``shared_experts`` always-on ones;
+    #    the first ``dense_layers`` blocks keep the dense MLP of width ``ffn``.
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    route_nodes: int = 0          # node-limited routing: a token reaches at most this many nodes (0: no limit)
 
     def __post_init__(self):
         for field_name in ("hidden", "layers", "heads", "vocab", "seq_len"):
@@ -93,6 +102,58 @@ class ModelSpec:
         if self.heads % self.kv_heads:
             raise ValueError(f"model {self.name!r}: heads ({self.heads}) must be divisible by kv_heads "
                              f"({self.kv_heads})")
+        self._check_moe()
+
+    def _check_moe(self):
+        for name in ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "route_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"model {self.name!r}: {name} must be a non-negative integer, got {value!r}")
+        if self.experts == 0:
+            if self.top_k or self.expert_ffn or self.shared_experts or self.dense_layers or self.route_nodes:
+                raise ValueError(f"model {self.name!r}: top_k, expert_ffn, shared_experts and dense_layers describe "
+                                 f"a mixture of experts and need experts > 0, got experts=0")
+            return
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"model {self.name!r}: top_k must be between 1 and the number of experts "
+                             f"({self.experts}), got top_k={self.top_k}")
+        if self.expert_ffn <= 0:
+            raise ValueError(f"model {self.name!r}: a mixture of experts needs expert_ffn > 0, got {self.expert_ffn}")
+        if self.dense_layers >= self.layers:
+            raise ValueError(f"model {self.name!r}: dense_layers ({self.dense_layers}) must leave at least one MoE "
+                             f"block of the {self.layers}")
+
+    # ---- mixture of experts ------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_fraction(self) -> float:
+        """Share of the blocks that are MoE blocks (per-block figures below are averages over all blocks)."""
+        return (self.layers - self.dense_layers) / self.layers if self.is_moe else 0.0
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (an MLP of width expert_ffn)."""
+        return self.mlp_matrices * self.hidden * self.expert_ffn
+
+    @property
+    def layer_expert_params(self) -> float:
+        """Routed-expert parameters per block, averaged over blocks: split by expert parallelism and TP."""
+        return self.moe_fraction * self.experts * self.expert_params
+
+    @property
+    def active_ffn(self) -> float:
+        """MLP width one token goes through, averaged over blocks (dense: ffn; MoE: (top_k + shared)·expert_ffn)."""
+        if not self.is_moe:
+            return float(self.ffn)
+        f = self.moe_fraction
+        return (1 - f) * self.ffn + f * (self.top_k + self.shared_experts) * self.expert_ffn
+
+    def moe_tokens_fraction(self) -> float:
+        """Token copies sent to experts per token and MoE block (top_k), averaged over blocks."""
+        return self.moe_fraction * self.top_k
 
     # ---- dimensions -------------------------------------------------------------------------
     @property
@@ -110,10 +171,17 @@ class ModelSpec:
 
     # ---- parameters -------------------------------------------------------------------------
     @property
-    def layer_matmul_params(self) -> int:
-        """P_mm: parameters of the block's matmuls (q, k, v, out, MLP), the ones tensor parallelism splits."""
+    def layer_matmul_params(self):
+        """P_mm: parameters of the block's matmuls (q, k, v, out, MLP), the ones tensor parallelism splits.
+        For MoE: attention, the dense MLP of the dense blocks, shared experts and the router, averaged over
+        blocks; the routed experts are ``layer_expert_params``."""
         h = self.hidden
-        return h * h + 2 * h * self.kv_dim + h * h + self.mlp_matrices * h * self.ffn
+        attention = h * h + 2 * h * self.kv_dim + h * h
+        if not self.is_moe:
+            return attention + self.mlp_matrices * h * self.ffn
+        f = self.moe_fraction
+        return (attention + (1 - f) * self.mlp_matrices * h * self.ffn
+                + f * (self.shared_experts * self.expert_params + h * self.experts))
 
     @property
     def layer_other_params(self) -> int:
@@ -151,12 +219,15 @@ class ModelSpec:
     @property
     def params(self) -> int:
         """Total parameter count."""
-        return self.layers * self.layer_params + self.embedding_params + self.head_params
+        return int(round(self.layers * (self.layer_params + self.layer_expert_params) + self.embedding_params
+                         + self.head_params))
 
     # ---- FLOPs -------------------------------------------------------------------------------
     def layer_forward_flops_per_token(self, seq_len: int) -> float:
-        """2·P_mm + 4·s·h: the block's matmuls plus attention scores (QK^T) and their use (AV)."""
-        return 2.0 * self.layer_matmul_params + 4.0 * seq_len * self.hidden
+        """2·P_mm + 4·s·h: the block's matmuls plus attention scores (QK^T) and their use (AV); MoE blocks add
+        the top_k routed experts a token visits."""
+        routed = self.moe_fraction * self.top_k * self.expert_params
+        return 2.0 * (self.layer_matmul_params + routed) + 4.0 * seq_len * self.hidden
 
     def attention_core_flops_per_token(self, seq_len: int) -> float:
         """4·s·h: the part of a block's forward that selective recomputation runs again."""
@@ -241,10 +312,29 @@ PRESETS = {
     "llama3-8b": _llama("llama3-8b", 4096, 32, 32, 8, 14336, 128256, 8192),
     "llama3-70b": _llama("llama3-70b", 8192, 80, 64, 8, 28672, 128256, 8192),
     "llama3-405b": _llama("llama3-405b", 16384, 126, 128, 8, 53248, 128256, 8192),
+    # published runs used to validate the planner (planner/published.py)
+    "gpt-22b": _gpt("gpt-22b", 6144, 48, 64),
+    "bloom-176b": ModelSpec("bloom-176b", 14336, 70, 112, 250880, learned_positions=False),       # ALiBi
+    "opt-175b": _gpt("opt-175b", 12288, 96, 96, vocab=50272),
+    # GPT-NeoX-20B as released (EleutherAI/gpt-neox configs/20B.yml): rotary, untied head, hidden and attention
+    # dropout 0 (PyTorch's dropout with p = 0 returns its input: no mask is kept, no kernel runs)
+    "gpt-neox-20b": ModelSpec("gpt-neox-20b", 6144, 44, 64, 50432, tied_embeddings=False, learned_positions=False,
+                              dropout=False),
+    "mt-nlg-530b": _gpt("mt-nlg-530b", 20480, 105, 128),
+    # mixture of experts: Mixtral 8x7B (Jiang et al. 2024); DeepSeek-V3 (DeepSeek-AI 2024) with its MLA
+    # attention approximated by multi-head attention of the same width (~205M vs ~187M parameters per block)
+    "mixtral-8x7b": ModelSpec("mixtral-8x7b", 4096, 32, 32, 32000, ffn=14336, kv_heads=8, seq_len=4096, swiglu=True,
+                              bias=False, layernorm=False, tied_embeddings=False, learned_positions=False,
+                              dropout=False, experts=8, top_k=2, expert_ffn=14336),
+    "deepseek-v3": ModelSpec("deepseek-v3", 7168, 61, 128, 129280, ffn=18432, seq_len=4096, swiglu=True, bias=False,
+                             layernorm=False, tied_embeddings=False, learned_positions=False, dropout=False,
+                             experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
+                             route_nodes=4),
 }
 
 _INT_KEYS = {"hidden": "hidden", "layers": "layers", "heads": "heads", "vocab": "vocab", "ffn": "ffn",
-             "kv_heads": "kv_heads", "seq": "seq_len", "seq_len": "seq_len"}
+             "kv_heads": "kv_heads", "seq": "seq_len", "seq_len": "seq_len", "experts": "experts", "top_k": "top_k",
+             "expert_ffn": "expert_ffn", "shared_experts": "shared_experts", "dense_layers": "dense_layers"}
 _BOOL_KEYS = ("swiglu",)
 _ITEM = re.compile(r"^\s*([a-z_]+)\s*=\s*([0-9]+)\s*$")
 

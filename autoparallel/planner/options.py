@@ -10,23 +10,46 @@ from dataclasses import asdict, dataclass, replace
 # (param bytes, grad bytes, optimizer-state bytes) per parameter for each precision:
 #   bf16: bf16 weight 2 + bf16 grad 2 + fp32 master, Adam m and v 12 = 16 (mixed-precision Adam)
 #   fp32: fp32 weight 4 + fp32 grad 4 + Adam m and v 8            = 16
-PRECISIONS = {"bf16": (2, 2, 12, "bfloat16"), "fp32": (4, 4, 8, "float32")}
+#   fp8: matmuls at the fp8 peak, weights/activations/states stored as bf16 (planner-only: the runtime has no fp8)
+PRECISIONS = {"bf16": (2, 2, 12, "bfloat16"), "fp32": (4, 4, 8, "float32"), "fp8": (2, 2, 12, "float8")}
+PLANNER_ONLY_PRECISIONS = ("fp8",)
 
 
 @dataclass(frozen=True)
 class PlannerOptions:
     # -- fitted on Megatron-LM Table 1 rows 1.7B and 145B (planner/megatron.py, tests/test_planner_calibration.py)
-    gemm_efficiency: float = 0.613                # sustained fraction of peak FLOP/s of a block's matmuls
-    activation_traffic_factor: float = 1.69       # device-memory bytes moved per stored activation byte (element-wise ops)
+    gemm_efficiency: float = 0.661                # sustained fraction of peak FLOP/s of a block's matmuls
+    activation_traffic_factor: float = 2.04       # device-memory bytes moved per stored activation byte (element-wise ops)
     # -- numerics
     precision: str = "bf16"                       # "bf16" (mixed precision, 16-bit activations) or "fp32"
     flash_attention: bool = False                 # attention scores never materialised (no a·s² activations)
+    grad_accum_fp32: bool = True                  # 16-bit runs accumulate and reduce gradients in an fp32 buffer (4 B/param:
+                                                  # Megatron's main_grad, DeepSpeed's bf16 optimizer, this runtime's AMP)
     # -- memory
     memory_reserve_fraction: float = 0.10         # device memory kept free: runtime context, comm buffers, fragmentation
+    host_memory_reserve_fraction: float = 0.25    # host RAM kept for the OS, data loaders and pinned staging buffers
+    # -- ZeRO-2/3 gradients with m > 1 micro-batches: False = accumulate the full buffer locally and reduce-scatter
+    #    once (what parallel/reducer.py does); True = reduce-scatter every micro-batch, keep only the shard
+    zero_grad_per_micro_batch: bool = False
+    grad_sync_overlap: bool = True                # the gradient sync starts during the last backward (the runtime's
+                                                  # Reducer); False: after the pipeline drains (DeepSpeed's pipeline
+                                                  # engine, Megatron-LM 2021), fully exposed
+    grad_bucket_bytes: float = 25 * 2 ** 20       # gradients reduce in buckets (the runtime's 25 MiB); each bucket's
+                                                  # collective pays its latency, which grows with the group
+    # -- mixture of experts
+    moe_imbalance: float = 1.1                    # tokens of the busiest expert rank / the mean (dropless routing with
+                                                  # load balancing); expert compute runs at the busiest rank's pace
+    moe_a2a_overlap: bool = False                 # expert all-to-all overlapped with another micro-batch's compute
+                                                  # (DeepSeek's DualPipe), within each link's budget; else exposed
     # -- pipeline
     pp_scatter_gather: bool = True                # stage-to-stage messages split over the TP group (Narayanan et al. §4.1)
+    pp_serial_p2p: bool = False                   # a stage's send and receive of one schedule step run one after the
+                                                  # other, blocking (DeepSpeed's pipeline engine: TrainSchedule steps
+                                                  # carry SendGrad+RecvActivation or RecvGrad+SendActivation, p2p.py's
+                                                  # send/recv are blocking); False: batched with the neighbour
+                                                  # (Megatron-LM's send_forward_recv_backward)
     # -- offload (ZeRO-Offload: optimizer states and their update on the host)
-    host_link_bandwidth_Bps: float = 12e9         # device<->host bytes/s per device (PCIe 4.0 x16 shared by two devices)
+    host_link_bandwidth_Bps: float = None         # device<->host bytes/s per device; None: the cluster topology's PCIe
     host_adam_params_per_s: float = 2.5e8         # parameters/s one device's share of host cores updates with Adam
     # -- the eager runtime's bookkeeping (set for calibrated CPU profiles, see options_for_cluster)
     zero_master_copy: bool = False                # ZeRO keeps an fp32 master chunk (stage 1-2) and its gradient (stage 1)
@@ -43,6 +66,13 @@ class PlannerOptions:
             raise ValueError(f"activation_traffic_factor must be >= 0, got {self.activation_traffic_factor}")
         if not 0 <= self.memory_reserve_fraction < 1:
             raise ValueError(f"memory_reserve_fraction must be in [0, 1), got {self.memory_reserve_fraction}")
+        if not 0 <= self.host_memory_reserve_fraction < 1:
+            raise ValueError(f"host_memory_reserve_fraction must be in [0, 1), got {self.host_memory_reserve_fraction}")
+        if not self.grad_bucket_bytes > 0:
+            raise ValueError(f"grad_bucket_bytes must be > 0, got {self.grad_bucket_bytes}")
+        if not self.moe_imbalance >= 1:
+            raise ValueError(f"moe_imbalance is the busiest expert rank's load over the mean and must be >= 1, got "
+                             f"{self.moe_imbalance}")
 
     @property
     def param_bytes(self) -> int:
@@ -50,7 +80,14 @@ class PlannerOptions:
 
     @property
     def grad_bytes(self) -> int:
-        return PRECISIONS[self.precision][1]
+        """Bytes per gradient element held and reduced: the fp32 accumulation buffer for 16-bit runs."""
+        stored = PRECISIONS[self.precision][1]
+        return 4 if self.grad_accum_fp32 else stored
+
+    @property
+    def planner_only(self) -> bool:
+        """The precision is priced but the runtime cannot run it (fp8)."""
+        return self.precision in PLANNER_ONLY_PRECISIONS
 
     @property
     def optimizer_bytes(self) -> int:

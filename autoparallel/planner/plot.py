@@ -3,7 +3,7 @@ from __future__ import annotations
 
 TIME_COLORS = {"compute": "#4c72b0", "recompute": "#8172b2", "tp_comm": "#dd8452", "zero3_gather": "#937860",
                "bubble": "#c44e52", "pp_comm": "#da8bc3", "dp_comm": "#55a868", "optimizer": "#8c8c8c",
-               "overhead": "#ccb974"}
+               "overhead": "#ccb974", "ep_comm": "#64b5cd"}
 MEMORY_COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52", "activations": "#dd8452",
                  "zero3_buffer": "#937860", "reserve": "#cccccc"}
 

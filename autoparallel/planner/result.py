@@ -24,7 +24,10 @@ class Candidate:
     capacity_gb: float            # device memory capacity
     host_memory_gb: float         # optimizer states held in host memory per device (offload)
     time_s: dict                  # step time breakdown in seconds (compute, recompute, tp_comm, bubble, ...)
-    feasible: bool                # fits in device memory
+    feasible: bool                # fits in device memory (and, when offloading, in host memory)
+    host_feasible: bool = True    # the node's host RAM holds what its devices offload
+    stage_layers: tuple = ()      # blocks on the (first, last, largest middle) pipeline stage
+    link_busy_s: dict = None      # seconds per step each link (nvlink, network, pcie) carries traffic
 
     @property
     def schedule(self) -> str:
@@ -41,14 +44,16 @@ class Candidate:
             "memory_per_device_gb": self.memory_per_device_gb, "capacity_gb": self.capacity_gb,
             "memory_breakdown_gb": dict(self.memory_gb), "host_memory_gb": self.host_memory_gb,
             "time_breakdown_s": dict(self.time_s), "feasible": self.feasible,
+            "host_feasible": self.host_feasible, "ep": c.ep, "split": c.split,
+            "stage_layers": list(self.stage_layers), "link_busy_s": dict(self.link_busy_s or {}),
         }
 
     def to_strategy_dict(self) -> dict:
         return self.config.to_strategy_dict(self.global_batch)
 
 
-_COLUMNS = ("#", "dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "off", "mb", "m", "step s", "tokens/s",
-            "TFLOP/s", "MFU", "mem GB", "fits")
+_COLUMNS = ("#", "dp", "tp", "pp", "vpp", "split", "ep", "sp", "zero", "recompute", "off", "mb", "m", "step s",
+            "tokens/s", "TFLOP/s", "MFU", "mem GB", "fits")
 
 
 def _flops(tflops: float) -> str:
@@ -57,7 +62,8 @@ def _flops(tflops: float) -> str:
 
 def _row(rank, c: Candidate):
     k = c.config
-    return (str(rank), str(k.dp), str(k.tp), str(k.pp), str(k.vpp), str(k.sp), str(k.sharding), k.recompute,
+    return (str(rank), str(k.dp), str(k.tp), str(k.pp), str(k.vpp), k.split if k.pp > 1 else "-", str(k.ep),
+            str(k.sp), str(k.sharding), k.recompute,
             str(k.offload), str(k.micro_batch), str(c.num_micro_batches), f"{c.step_time_s:.3f}",
             f"{c.tokens_per_s:,.0f}", _flops(c.tflops_per_device), f"{100 * c.mfu:.1f}%",
             f"{c.memory_per_device_gb:.1f}", "yes" if c.feasible else "NO")

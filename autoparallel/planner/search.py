@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from autoparallel.planner.config import RECOMPUTE, ParallelConfig
-from autoparallel.planner.cost_model import GRID_KEYS, MEMORY_TERMS, TIME_TERMS, evaluate
+from autoparallel.planner.config import RECOMPUTE, SPLITS, ParallelConfig
+from autoparallel.planner.cost_model import GRID_KEYS, MEMORY_TERMS, TIME_TERMS, evaluate, memory_floors
 from autoparallel.planner.result import GB, Candidate
 
 _RC_CODE = {name: i for i, name in enumerate(RECOMPUTE)}
+_SPLIT_CODE = {name: i for i, name in enumerate(SPLITS)}
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class SearchSpace:
     recompute: tuple = RECOMPUTE  # recompute granularities
     offload: tuple = (0, 1)       # optimizer offload off/on
     micro_batch: tuple = None     # allowed micro-batch sizes
+    ep: tuple = None              # allowed expert-parallel degrees (MoE models; dense models: 1)
+    split: tuple = SPLITS         # pipeline stage splits
 
     @classmethod
     def from_constraints(cls, constraints: dict) -> "SearchSpace":
@@ -46,10 +49,10 @@ class SearchSpace:
             allowed = tuple(allowed)
             if not allowed:
                 raise ValueError(f"constraint {key!r} allows no value")
-            if key == "recompute":
-                bad = [a for a in allowed if a not in RECOMPUTE]
+            for name, legal in (("recompute", RECOMPUTE), ("split", SPLITS)):
+                bad = [a for a in allowed if a not in legal] if key == name else []
                 if bad:
-                    raise ValueError(f"recompute must be among {RECOMPUTE}, got {bad}")
+                    raise ValueError(f"{name} must be among {legal}, got {bad}")
             values[key] = allowed
         return cls(**values)
 
@@ -85,8 +88,38 @@ def divisors(n: int) -> list:
 
 
 def tp_divides_model(model, tp: int) -> bool:
-    """tp splits heads, key/value heads, hidden and FFN widths evenly."""
-    return model.heads % tp == 0 and model.kv_heads % tp == 0 and model.hidden % tp == 0 and model.ffn % tp == 0
+    """tp splits heads, key/value heads, hidden and FFN widths (and expert widths) evenly."""
+    return (model.heads % tp == 0 and model.kv_heads % tp == 0 and model.hidden % tp == 0 and model.ffn % tp == 0
+            and model.expert_ffn % tp == 0)
+
+
+def expert_degrees(model, dp: int) -> list:
+    """Expert-parallel degrees for ``dp`` data-parallel ranks: divisors of both dp and the expert count."""
+    if not model.is_moe:
+        return [1]
+    return [e for e in divisors(dp) if model.experts % e == 0]
+
+
+def _split_duplicate(model, seq_len, c):
+    """Outside the search space (though runnable): a split equal to an earlier one in SPLITS (same blocks per
+    stage), or a vpp that does not divide the largest stage."""
+    from autoparallel.planner.stages import head_equivalent, split_layers
+
+    eq = head_equivalent(model, seq_len)
+    counts = split_layers(model.layers, c.pp, c.split, eq)
+    for earlier in SPLITS[:SPLITS.index(c.split)]:
+        if split_layers(model.layers, c.pp, earlier, eq) == counts:
+            return f"split={c.split} gives the same blocks per stage as split={earlier} ({list(counts)})"
+    if c.vpp not in vpp_choices(counts, 10 ** 9):
+        return (f"vpp={c.vpp} must divide the {max(counts)} blocks of the largest stage ({list(counts)}) so its "
+                f"virtual stages are equal")
+    return None
+
+
+def _split_problem(model, seq_len, pp, vpp, split):
+    from autoparallel.planner.stages import head_equivalent, split_layers, split_problem
+
+    return split_problem(split_layers(model.layers, pp, split, head_equivalent(model, seq_len)), vpp)
 
 
 def invalid_reason(model, world, global_batch, seq_len, config: ParallelConfig, options) -> str:
@@ -99,6 +132,20 @@ def invalid_reason(model, world, global_batch, seq_len, config: ParallelConfig, 
                 f"and ffn ({model.ffn})")
     if c.pp > model.layers:
         return f"pp={c.pp} exceeds the {model.layers} layers"
+    if c.split not in SPLITS:
+        return f"split must be one of {'|'.join(SPLITS)}, got {c.split!r}"
+    if c.pp > 1 or c.split != "even":
+        if c.pp == 1:
+            return f"split={c.split} needs pipeline parallelism (pp > 1)"
+        problem = _split_problem(model, seq_len, c.pp, c.vpp, c.split)
+        if problem:
+            return f"pipeline split {c.split!r} of {model.layers} blocks over pp={c.pp}, vpp={c.vpp}: {problem}"
+
+    if c.ep > 1:
+        if not model.is_moe:
+            return f"ep={c.ep} needs a mixture-of-experts model ({model.name} is dense)"
+        if c.dp % c.ep or model.experts % c.ep:
+            return f"ep={c.ep} must divide dp ({c.dp}) and the {model.experts} experts"
     if global_batch % (c.dp * c.micro_batch):
         return (f"global batch {global_batch} is not divisible by dp·micro_batch = {c.dp}·{c.micro_batch} = "
                 f"{c.dp * c.micro_batch}")
@@ -106,8 +153,6 @@ def invalid_reason(model, world, global_batch, seq_len, config: ParallelConfig, 
     if c.vpp > 1:
         if c.pp == 1:
             return f"vpp={c.vpp} needs pipeline parallelism (pp > 1)"
-        if model.layers % (c.pp * c.vpp):
-            return f"pp·vpp = {c.pp}·{c.vpp} must divide the {model.layers} layers"
         if m % c.pp:
             return f"the interleaved schedule needs micro-batches ({m}) divisible by pp ({c.pp})"
         if c.vpp > options.max_vpp:
@@ -123,9 +168,33 @@ def invalid_reason(model, world, global_batch, seq_len, config: ParallelConfig, 
     return None
 
 
-def build_grid(model, world, global_batch, seq_len, space: SearchSpace, options) -> dict:
-    """Every valid configuration of ``space`` as a dict of equal-length int arrays (GRID_KEYS)."""
-    structural = []          # (dp, tp, pp, vpp, mb)
+def vpp_choices(counts, max_vpp):
+    """Virtual stages for a split: 1, and every v > 1 dividing the largest stage's blocks (its chunks equal)
+    that every stage can hold; layers need not divide by pp·v."""
+    top = max(counts)
+    return [1] + [v for v in range(2, min(max_vpp, min(counts)) + 1) if top % v == 0]
+
+
+def _pipeline_shapes(model, seq_len, pp, space, options):
+    """(vpp, split) pairs whose split leaves no stage or virtual stage empty; splits that give the same blocks
+    per stage as an earlier one are the same plan and are kept once."""
+    from autoparallel.planner.stages import head_equivalent, split_layers
+
+    if pp == 1:
+        return [(1, "even")] if space.allows("split", "even") else []
+    out, seen = [], set()
+    for split in SPLITS:
+        counts = split_layers(model.layers, pp, split, head_equivalent(model, seq_len))
+        if not space.allows("split", split) or counts in seen or min(counts) < 1:
+            continue
+        seen.add(counts)
+        out += [(v, split) for v in vpp_choices(counts, options.max_vpp) if space.allows("vpp", v)]
+    return out
+
+
+def structural_grid(model, world, global_batch, seq_len, space: SearchSpace, options) -> np.ndarray:
+    """The valid structural tuples of ``space``: an (n, 7) int array of (dp, tp, pp, vpp, mb, ep, split)."""
+    structural = []
     for tp in divisors(world):
         if not (space.allows("tp", tp) and tp_divides_model(model, tp)):
             continue
@@ -135,33 +204,54 @@ def build_grid(model, world, global_batch, seq_len, space: SearchSpace, options)
             dp = world // (tp * pp)
             if global_batch % dp or not space.allows("dp", dp):
                 continue
-            vpps = [1]
-            if pp > 1 and model.layers % pp == 0:
-                vpps += [v for v in divisors(model.layers // pp) if 1 < v <= options.max_vpp]
+            shapes = _pipeline_shapes(model, seq_len, pp, space, options)
+            eps = [e for e in expert_degrees(model, dp) if space.allows("ep", e)]
             for mb in divisors(global_batch // dp):
                 if not space.allows("micro_batch", mb):
                     continue
                 m = global_batch // (dp * mb)
-                for v in vpps:
+                for v, split in shapes:
                     if v > 1 and m % pp:
                         continue
-                    if space.allows("vpp", v):
-                        structural.append((dp, tp, pp, v, mb))
+                    for e in eps:
+                        structural.append((dp, tp, pp, v, mb, e, _SPLIT_CODE[split]))
+    return np.array(structural, dtype=np.int64).reshape(-1, 7)
+
+
+def _knob_rows(space: SearchSpace) -> np.ndarray:
     sps = [s for s in space.sp if s in (0, 1)]
     zeros = [z for z in space.sharding if z in (0, 1, 2, 3)]
     rcs = [_RC_CODE[r] for r in space.recompute]
     offs = [o for o in space.offload if o in (0, 1)]
-    knobs = np.array(list(itertools.product(sps, zeros, rcs, offs)), dtype=np.int64).reshape(-1, 4)
-    struct = np.array(structural, dtype=np.int64).reshape(-1, 5)
+    return np.array(list(itertools.product(sps, zeros, rcs, offs)), dtype=np.int64).reshape(-1, 4)
+
+
+def expand_grid(struct: np.ndarray, seq_len, space: SearchSpace, fits: np.ndarray = None):
+    """Structural tuples x the valid (sp, ZeRO stage, recompute, offload) choices, as grid arrays (GRID_KEYS).
+
+    ``fits`` (structural tuples x ``_knob_rows(space)``, bool) keeps only the pairs marked True; returns the grid
+    and how many valid configurations it left out."""
+    knobs = _knob_rows(space)
     n_s, n_k = len(struct), len(knobs)
     s_rep = np.repeat(struct, n_k, axis=0)
     k_rep = np.tile(knobs, (n_s, 1))
     grid = {"dp": s_rep[:, 0], "tp": s_rep[:, 1], "pp": s_rep[:, 2], "vpp": s_rep[:, 3], "mb": s_rep[:, 4],
+            "ep": s_rep[:, 5], "split": s_rep[:, 6],
             "sp": k_rep[:, 0], "zero": k_rep[:, 1], "recompute": k_rep[:, 2], "offload": k_rep[:, 3]}
     ok = ((grid["sp"] == 0) | ((grid["tp"] > 1) & (seq_len % grid["tp"] == 0)))
     ok &= (grid["zero"] == 0) | (grid["dp"] > 1)
     ok &= (grid["offload"] == 0) | (grid["zero"] >= 1)
-    return {k: v[ok] for k, v in grid.items()}
+    left_out = 0
+    if fits is not None:
+        fits = fits.reshape(-1)
+        left_out = int(np.count_nonzero(ok & ~fits))
+        ok &= fits
+    return {k: v[ok] for k, v in grid.items()}, left_out
+
+
+def build_grid(model, world, global_batch, seq_len, space: SearchSpace, options) -> dict:
+    """Every valid configuration of ``space`` as a dict of equal-length int arrays (GRID_KEYS)."""
+    return expand_grid(structural_grid(model, world, global_batch, seq_len, space, options), seq_len, space)[0]
 
 
 def grid_of(configs) -> dict:
@@ -175,6 +265,8 @@ def grid_of(configs) -> dict:
         "recompute": np.array([_RC_CODE[c.recompute] for c in configs], dtype=np.int64),
         "offload": np.array([c.offload for c in configs], dtype=np.int64),
         "mb": np.array([c.micro_batch for c in configs], dtype=np.int64),
+        "ep": np.array([c.ep for c in configs], dtype=np.int64),
+        "split": np.array([_SPLIT_CODE[c.split] for c in configs], dtype=np.int64),
     }
 
 
@@ -182,7 +274,7 @@ def config_at(grid: dict, i: int) -> ParallelConfig:
     return ParallelConfig(dp=int(grid["dp"][i]), tp=int(grid["tp"][i]), pp=int(grid["pp"][i]),
                           vpp=int(grid["vpp"][i]), sp=int(grid["sp"][i]), sharding=int(grid["zero"][i]),
                           recompute=RECOMPUTE[int(grid["recompute"][i])], offload=int(grid["offload"][i]),
-                          micro_batch=int(grid["mb"][i]))
+                          micro_batch=int(grid["mb"][i]), ep=int(grid["ep"][i]), split=SPLITS[int(grid["split"][i])])
 
 
 def candidate_at(ev: dict, grid: dict, i: int, global_batch: int, seq_len: int, capacity: float) -> Candidate:
@@ -193,7 +285,9 @@ def candidate_at(ev: dict, grid: dict, i: int, global_batch: int, seq_len: int, 
         step_time_s=float(ev["step_time_s"][i]), tokens_per_s=float(ev["tokens_per_s"][i]),
         tflops_per_device=float(ev["tflops_per_device"][i]), mfu=float(ev["mfu"][i]),
         memory_gb=memory, memory_per_device_gb=float(ev["memory_total"][i]) / GB, capacity_gb=capacity / GB,
-        host_memory_gb=float(ev["host_bytes"][i]) / GB,
+        host_memory_gb=float(ev["host_bytes"][i]) / GB, host_feasible=bool(ev["host_feasible"][i]),
+        stage_layers=tuple(int(x[i]) for x in ev["stage_layers"]),
+        link_busy_s={k: float(v[i]) for k, v in ev["link_busy_s"].items()},
         time_s={k[:-2]: float(ev[k][i]) for k in TIME_TERMS}, feasible=bool(ev["feasible"][i]))
 
 
@@ -205,12 +299,10 @@ def evaluate_config(model, cluster, global_batch, seq_len, config: ParallelConfi
 
 
 def rank_order(ev: dict, grid: dict, feasible_only: bool = True) -> np.ndarray:
-    """Indices sorted by (step time, memory, dp, tp, pp, vpp, sp, zero, recompute, offload, mb)."""
-    keys = [grid[k] for k in reversed(GRID_KEYS)] + [ev["memory_total"], ev["step_time_s"]]
-    order = np.lexsort(keys)
-    if feasible_only:
-        order = order[ev["feasible"][order]]
-    return order
+    """Indices sorted by (step time, memory, dp, tp, pp, vpp, sp, zero, recompute, offload, mb, ep, split)."""
+    pool = np.flatnonzero(ev["feasible"]) if feasible_only else np.arange(len(ev["step_time_s"]))
+    keys = [grid[k][pool] for k in reversed(GRID_KEYS)] + [ev["memory_total"][pool], ev["step_time_s"][pool]]
+    return pool[np.lexsort(keys)]
 
 
 @dataclass
@@ -219,6 +311,7 @@ class SearchOutcome:
     evaluation: dict              # cost_model.evaluate output for the grid
     order: np.ndarray             # feasible indices, best first
     seconds: float                # wall time of generation + pricing + ranking
+    ruled_out: int = 0            # valid configurations not priced: their memory floor exceeds the device
 
     @property
     def evaluated(self) -> int:
@@ -235,14 +328,67 @@ class SearchOutcome:
         return int(np.lexsort((self.evaluation["step_time_s"], self.evaluation["memory_total"]))[0])
 
 
-def search(model, cluster, global_batch, seq_len, space: SearchSpace, options) -> SearchOutcome:
-    start = time.perf_counter()
-    grid = build_grid(model, cluster.world_size, global_batch, seq_len, space, options)
+def _knob_count(struct, seq_len, space: SearchSpace) -> int:
+    """How many configurations ``expand_grid`` makes of ``struct`` (without building them)."""
+    if not len(struct):
+        return 0
+    tp, dp = struct[:, 1], struct[:, 0]
+    every = np.ones(len(struct), dtype=bool)
+    sp_ok = (tp > 1) & (seq_len % tp == 0)
+    total = 0
+    for sp, zero, _, off in itertools.product(space.sp, space.sharding, space.recompute, space.offload):
+        if sp not in (0, 1) or zero not in (0, 1, 2, 3) or off not in (0, 1) or (off and zero == 0):
+            continue
+        total += int(np.count_nonzero((sp_ok if sp else every) & ((dp > 1) if zero else every)))
+    return total
+
+
+def _fits(model, cluster, global_batch, seq_len, struct, space: SearchSpace, options) -> np.ndarray:
+    """(structural tuples x ``_knob_rows(space)``) bool: False where a memory floor (cost_model.memory_floors)
+    of that configuration exceeds the device, i.e. where it cannot fit."""
+    knobs = _knob_rows(space)
+    sp_rc = sorted({(int(k[0]), int(k[2])) for k in knobs})
+    zero_off = sorted({(int(k[1]), int(k[3])) for k in knobs})
+    cols = {"dp": struct[:, 0], "tp": struct[:, 1], "pp": struct[:, 2], "vpp": struct[:, 3], "mb": struct[:, 4],
+            "ep": struct[:, 5], "split": struct[:, 6]}
+    by_state, by_act = memory_floors(model, cluster, global_batch, seq_len, cols, options, sp_rc, zero_off)
+    cap = cluster.device.memory_bytes
+    k_state = np.array([zero_off.index((int(k[1]), int(k[3]))) for k in knobs], dtype=np.int64)
+    k_act = np.array([sp_rc.index((int(k[0]), int(k[2]))) for k in knobs], dtype=np.int64)
+    return (by_state[:, k_state] <= cap) & (by_act[:, k_act] <= cap)
+
+
+def _priced(model, cluster, global_batch, seq_len, grid, options):
     if len(grid["dp"]) == 0:
-        ev = {"step_time_s": np.zeros(0), "memory_total": np.zeros(0), "feasible": np.zeros(0, dtype=bool)}
-        return SearchOutcome(grid, ev, np.zeros(0, dtype=np.int64), time.perf_counter() - start)
-    ev = evaluate(model, cluster, global_batch, seq_len, grid, options)
-    order = rank_order(ev, grid)
+        return {"step_time_s": np.zeros(0), "memory_total": np.zeros(0), "feasible": np.zeros(0, dtype=bool)}
+    return evaluate(model, cluster, global_batch, seq_len, grid, options)
+
+
+def search(model, cluster, global_batch, seq_len, space: SearchSpace, options, prune: bool = True) -> SearchOutcome:
+    """Price the valid configurations of ``space`` and rank the feasible ones.
+
+    With ``prune`` (the default), configurations whose memory floor exceeds the device (cost_model.memory_floors:
+    their weights and states with the least activations any sp/recompute gives, or their activations with the
+    least states any ZeRO/offload gives) are not priced: they cannot fit, so the ranking of the feasible
+    configurations is the same as without pruning. When nothing fits, everything is priced, so the
+    least-memory configuration of the whole space is reported.
+    """
+    start = time.perf_counter()
+    if cluster.runtime is not None and tuple(space.split) != ("even",) and "even" in space.split:
+        space = replace(space, split=("even",))     # the eager runtime splits identical blocks evenly
+    struct = structural_grid(model, cluster.world_size, global_batch, seq_len, space, options)
+    if prune and len(struct) and len(_knob_rows(space)):
+        fits = _fits(model, cluster, global_batch, seq_len, struct, space, options)
+        keep = fits.any(axis=1)
+        grid, ruled_out = expand_grid(struct[keep], seq_len, space, fits[keep])
+        ruled_out += _knob_count(struct[~keep], seq_len, space)
+        ev = _priced(model, cluster, global_batch, seq_len, grid, options)
+        if ev["feasible"].any() or not ruled_out:
+            order = rank_order(ev, grid)
+            return SearchOutcome(grid, ev, order, time.perf_counter() - start, ruled_out)
+    grid = expand_grid(struct, seq_len, space)[0]      # nothing fits: price the whole space for the report
+    ev = _priced(model, cluster, global_batch, seq_len, grid, options)
+    order = rank_order(ev, grid) if len(grid["dp"]) else np.zeros(0, dtype=np.int64)
     return SearchOutcome(grid, ev, order, time.perf_counter() - start)
 
 
@@ -253,13 +399,16 @@ def enumerate_valid(model, world, global_batch, seq_len, options, space: SearchS
     for dp, tp, pp in itertools.product(divisors(world), repeat=3):
         if dp * tp * pp != world:
             continue
-        for vpp, sp, zero, rc, off, mb in itertools.product(
-                range(1, options.max_vpp + 1), (0, 1), (0, 1, 2, 3), RECOMPUTE, (0, 1), divisors(global_batch)):
-            config = ParallelConfig(dp, tp, pp, vpp, sp, zero, rc, off, mb)
+        for vpp, sp, zero, rc, off, mb, ep, split in itertools.product(
+                range(1, options.max_vpp + 1), (0, 1), (0, 1, 2, 3), RECOMPUTE, (0, 1), divisors(global_batch),
+                divisors(dp), SPLITS):
+            config = ParallelConfig(dp, tp, pp, vpp, sp, zero, rc, off, mb, ep, split)
             if not all(space.allows(k, getattr(config, k)) for k in
-                       ("dp", "tp", "pp", "vpp", "sp", "sharding", "recompute", "offload", "micro_batch")):
+                       ("dp", "tp", "pp", "vpp", "sp", "sharding", "recompute", "offload", "micro_batch", "ep",
+                        "split")):
                 continue
-            if invalid_reason(model, world, global_batch, seq_len, config, options) is None:
+            if invalid_reason(model, world, global_batch, seq_len, config, options) is None and (
+                    config.pp == 1 or _split_duplicate(model, seq_len, config) is None):
                 yield config
 
 
@@ -276,7 +425,7 @@ def exhaustive(model, cluster, global_batch, seq_len, options, space: SearchSpac
         if not ev["feasible"][0]:
             continue
         key = (float(ev["step_time_s"][0]), float(ev["memory_total"][0]), c.dp, c.tp, c.pp, c.vpp, c.sp,
-               c.sharding, _RC_CODE[c.recompute], c.offload, c.micro_batch)
+               c.sharding, _RC_CODE[c.recompute], c.offload, c.micro_batch, c.ep, _SPLIT_CODE[c.split])
         if best_key is None or key < best_key:
             best = candidate_at(ev, grid, 0, global_batch, seq_len, cluster.device.memory_bytes)
             best_key = key

@@ -1,0 +1,215 @@
+"""Validation against published large-scale training runs (none of them used to fit anything).
+
+Each run: the model's shape, the GPU type and count, the fabric, the published parallel configuration and
+the reported throughput, with its source. ``validation_table`` prices every run's published configuration
+with the shipped constants (fitted on two rows of Megatron-LM's Table 1 only, planner/megatron.py) and
+reports predicted / published. Where a paper leaves a knob out, the assumption is written next to it and
+was fixed before looking at the prediction: micro-batch 1 unless published; interleaving off unless
+published, except on Megatron-LM itself (Korthikanti et al.'s runs, LLaMA 3) where the calibration's rule
+applies (the smallest v > 1 the largest stage's blocks divide by, planner/megatron.py); ZeRO-1 for the
+Megatron-DeepSpeed runs. Software facts are per run (``software``): DeepSpeed's pipeline engine sends whole
+activations between stages (no scatter/gather over the TP group, which is Megatron-LM's), each schedule step's
+send and receive one after the other with blocking calls (runtime/pipe/schedule.py, p2p.py); FlashAttention
+(2022+) in the 2024 runs.
+
+Metrics: "tflops" = TFLOP/s per GPU counting recomputation (Megatron / Megatron-DeepSpeed reporting),
+"mfu" = model FLOPs utilisation (no recomputation), "tokens" = tokens/s per GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from autoparallel.planner.cluster import cluster_of
+from autoparallel.planner.config import ParallelConfig
+from autoparallel.planner.model_spec import PRESETS
+from autoparallel.planner.options import PlannerOptions
+from autoparallel.planner.topology import Topology
+
+GB = 1e9
+# DeepSpeed's pipeline engine and Megatron-LM (2021-22) reduce gradients after the pipeline drains (no overlap);
+# gradient bucket sizes of the runs' frameworks (defaults): DeepSpeed reduce_bucket_size 5e8 elements (fp32);
+# Megatron-LM DDP 40M elements; FSDP one reduce-scatter per wrapped block (OPT: 175B/96 blocks/TP 8 = 228M
+# parameters; LLaMA 3 405B: 405B/126/8 = 400M parameters), all fp32
+_DEEPSPEED = (("pp_scatter_gather", False), ("pp_serial_p2p", True), ("grad_bucket_bytes", 2e9),
+              ("grad_sync_overlap", False))
+_MEGATRON = (("grad_bucket_bytes", 160e6), ("grad_sync_overlap", False))
+_HDR = Topology(nics_per_node=8, nic_bandwidth_Bps=25 * GB, host_memory_bytes=2e12, pcie_bandwidth_Bps=12 * GB)
+# Jean Zay (BLOOM): 4 Omni-Path 100 Gb/s links per node, 512 GB host RAM
+_OPA = Topology(nics_per_node=4, nic_bandwidth_Bps=12.5 * GB, host_memory_bytes=512e9, pcie_bandwidth_Bps=12 * GB)
+# GPT-NeoX-20B's cluster: four ConnectX-6 HDR HCAs per node shared by 8 GPUs
+_NEOX = Topology(nics_per_node=4, nic_bandwidth_Bps=25 * GB, host_memory_bytes=512e9, pcie_bandwidth_Bps=12 * GB)
+# Meta's RoCE cluster (LLaMA 3): 400 Gb/s per GPU, 3-layer Clos, AI zones of 3072 GPUs joined 1:7 oversubscribed
+_ROCE = Topology(nics_per_node=8, nic_bandwidth_Bps=50 * GB, nodes_per_leaf=384, oversubscription=7.0,
+                 host_memory_bytes=2e12, pcie_bandwidth_Bps=25 * GB)
+_NDR = Topology(nics_per_node=8, nic_bandwidth_Bps=50 * GB, host_memory_bytes=2e12, pcie_bandwidth_Bps=25 * GB)
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    model: str                    # preset (planner/model_spec.py)
+    device: str                   # cluster preset device
+    gpus: int
+    topology: Topology
+    config: ParallelConfig        # the published parallel configuration (assumptions noted in ``notes``)
+    global_batch: int             # sequences per step
+    seq_len: int
+    metric: str                   # "tflops", "mfu" or "tokens"
+    published: float
+    source: str
+    notes: str = ""
+    precision: str = "bf16"
+    dense_only: bool = field(default=True)   # False: a MoE run (the runtime has no expert parallelism yet)
+    software: tuple = ()          # PlannerOptions facts of the run's software, e.g. (("flash_attention", True),)
+
+    def options(self, base: PlannerOptions = None) -> PlannerOptions:
+        return (base or PlannerOptions()).replace(precision=self.precision, **dict(self.software))
+
+
+def _cfg(gpus, tp, pp, **kw):
+    return ParallelConfig(dp=gpus // (tp * pp), tp=tp, pp=pp, **kw)
+
+
+RUNS = (
+    PublishedRun("BLOOM-176B", "bloom-176b", "A100-80GB", 384, _OPA,
+                 _cfg(384, 4, 12, sharding=1, recompute="full", micro_batch=2, split="ends"), 2048, 2048,
+                 "tflops", 150.0, "Le Scao et al. 2022 (arXiv:2211.05100) §3.4; BigScience tr11-176B-ml.slurm and README",
+                 "ZeRO-1, embedding counted as a block at each end of the pipeline (Megatron-DeepSpeed partitioning); "
+                 "4 Omni-Path 100 Gb/s links per node",
+                 software=_DEEPSPEED),
+    PublishedRun("OPT-175B", "opt-175b", "A100-80GB", 992, _HDR,
+                 _cfg(992, 8, 1, sharding=3, recompute="full", micro_batch=8), 992, 2048,
+                 "tflops", 147.0, "Zhang et al. 2022 (arXiv:2205.01068) §2.4",
+                 "FSDP (ZeRO-3) + TP 8; batch 2M tokens taken as 992 sequences (8 per replica, one micro-batch)",
+                 software=(("grad_bucket_bytes", 0.9e9),)),
+    PublishedRun("GPT-NeoX-20B", "gpt-neox-20b", "A100-40GB", 96, _NEOX,
+                 _cfg(96, 2, 4, sharding=1, recompute="full", micro_batch=4), 1536, 2048,
+                 "tflops", 117.0, "Black et al. 2022 (arXiv:2204.06745) §3.1",
+                 "TP 2, PP 4, ZeRO-1, micro-batch 4 x 32 accumulation steps, no dropout (the released "
+                 "configs/20B.yml); 4 HDR HCAs per node of 8 A100-SXM4 (NVLink)",
+                 software=_DEEPSPEED),
+    PublishedRun("MT-NLG 530B (2240)", "mt-nlg-530b", "A100-80GB", 2240, _HDR,
+                 _cfg(2240, 8, 35, sharding=1, recompute="full"), 1920, 2048,
+                 "tflops", 126.0, "Smith et al. 2022 (arXiv:2201.11990) §2.4: 60.1 s/iteration",
+                 "DeepSpeed pipeline engine (1F1B, whole activations, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
+    PublishedRun("MT-NLG 530B (2800)", "mt-nlg-530b", "A100-80GB", 2800, _HDR,
+                 _cfg(2800, 8, 35, sharding=1, recompute="full"), 1920, 2048,
+                 "tflops", 121.0, "Smith et al. 2022 §2.4: 50.2 s/iteration",
+                 "DeepSpeed pipeline engine (1F1B, whole activations, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
+    PublishedRun("MT-NLG 530B (3360)", "mt-nlg-530b", "A100-80GB", 3360, _HDR,
+                 _cfg(3360, 8, 35, sharding=1, recompute="full"), 1920, 2048,
+                 "tflops", 113.0, "Smith et al. 2022 §2.4: 44.4 s/iteration",
+                 "DeepSpeed pipeline engine (1F1B, whole activations, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
+    PublishedRun("GPT 22B (SP+selective)", "gpt-22b", "A100-80GB", 8, _HDR,
+                 _cfg(8, 8, 1, sp=1, recompute="selective"), 4, 2048,
+                 "mfu", 0.415, "Korthikanti et al. 2023 (MLSys, arXiv:2205.05198) Tables 3 and 5: 1.10 s",
+                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)", software=_MEGATRON),
+    PublishedRun("GPT-3 175B (SP+selective)", "gpt3-175b", "A100-80GB", 64, _HDR,
+                 _cfg(64, 8, 8, vpp=2, sp=1, recompute="selective"), 64, 2048,
+                 "mfu", 0.514, "Korthikanti et al. 2023 Tables 3 and 5: 13.75 s",
+                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)", software=_MEGATRON),
+    PublishedRun("MT-NLG 530B (SP+selective)", "megatron-530b", "A100-80GB", 280, _HDR,
+                 _cfg(280, 8, 35, vpp=3, sp=1, recompute="selective"), 280, 2048,
+                 "mfu", 0.560, "Korthikanti et al. 2023 Tables 3 and 5: 37.83 s",
+                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)", software=_MEGATRON),
+    PublishedRun("GPT 1T (SP+selective)", "megatron-1t", "A100-80GB", 512, _HDR,
+                 _cfg(512, 8, 64, vpp=2, sp=1, recompute="selective"), 512, 2048,
+                 "mfu", 0.563, "Korthikanti et al. 2023 Tables 3 and 5: 71.49 s",
+                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)", software=_MEGATRON),
+    PublishedRun("LLaMA 3 405B (8192)", "llama3-405b", "H100-80GB", 8192, _ROCE,
+                 _cfg(8192, 8, 16, vpp=2, sp=1, sharding=1, split="ends"), 2048, 8192,
+                 "mfu", 0.43, "Dubey et al. 2024 (arXiv:2407.21783) Table 4: 430 TFLOP/s, 43% BF16 MFU",
+                 "first/last stage one block fewer (paper §3.3.2); v=2, ZeRO-1 and no recomputation assumed; "
+                 "FlashAttention; RoCE Clos with 1:7 oversubscription above 3072-GPU zones",
+                 software=(("flash_attention", True), ("grad_bucket_bytes", 1.6e9))),
+    PublishedRun("LLaMA 3 405B (16384)", "llama3-405b", "H100-80GB", 16384, _ROCE,
+                 _cfg(16384, 8, 16, vpp=2, sp=1, sharding=1, split="ends"), 2048, 8192,
+                 "mfu", 0.41, "Dubey et al. 2024 Table 4: 400 TFLOP/s, 41% BF16 MFU",
+                 "as the 8192-GPU row, DP 128",
+                 software=(("flash_attention", True), ("grad_bucket_bytes", 1.6e9))),
+)
+
+MOE_RUNS = (
+    PublishedRun("DeepSeek-V3", "deepseek-v3", "H800", 2048, _NDR,
+                 _cfg(2048, 1, 16, sharding=1, ep=64, split="ends"), 15360, 4096,
+                 "tokens", 1543.0, "DeepSeek-AI 2024 (arXiv:2412.19437): 180K H800 GPU hours per trillion tokens "
+                 "(14.8T tokens in 2.664M GPU hours)",
+                 "FP8 GEMMs, PP 16 (DualPipe priced as 1F1B with the all-to-all overlapped), EP 64, node-limited routing (4 "
+                 "nodes), ZeRO-1; MLA priced as multi-head attention",
+                 precision="fp8", dense_only=False,
+                 software=(("flash_attention", True), ("moe_a2a_overlap", True))),
+)
+
+
+def run_cluster(run: PublishedRun):
+    return cluster_of(run.device, run.gpus, run.topology)
+
+
+def predict(run: PublishedRun, options: PlannerOptions = None):
+    """The planner's Candidate for the run's published configuration."""
+    from autoparallel.planner.search import evaluate_config, invalid_reason
+
+    options = run.options(options)
+    model = PRESETS[run.model]
+    cluster = run_cluster(run)
+    reason = invalid_reason(model, cluster.world_size, run.global_batch, run.seq_len, run.config, options)
+    if reason is not None:
+        raise ValueError(f"{run.name}: the published configuration is invalid for the planner: {reason}")
+    return evaluate_config(model, cluster, run.global_batch, run.seq_len, run.config, options)
+
+
+def metric_of(run: PublishedRun, cand) -> float:
+    if run.metric == "tflops":
+        return cand.tflops_per_device
+    if run.metric == "mfu":
+        return cand.mfu
+    return cand.tokens_per_s / run.gpus
+
+
+def validation_table(runs=RUNS, options: PlannerOptions = None) -> list:
+    out = []
+    for run in runs:
+        cand = predict(run, options)
+        pred = metric_of(run, cand)
+        out.append({"name": run.name, "gpus": run.gpus, "device": run.device, "config": run.config.short(),
+                    "metric": run.metric, "published": run.published, "predicted": pred,
+                    "ratio": pred / run.published, "feasible": cand.feasible,
+                    "memory_gb": cand.memory_per_device_gb, "step_time_s": cand.step_time_s, "source": run.source})
+    return out
+
+
+def search_best(run: PublishedRun, options: PlannerOptions = None, feasible_only: bool = True):
+    """The search's best configuration for the run's job (same model, GPUs, batch, sequence): the fastest that
+    fits, or with ``feasible_only=False`` the fastest of all (for a published configuration that the memory
+    model says does not fit)."""
+    from autoparallel.planner.search import SearchSpace, candidate_at, rank_order, search
+
+    options = run.options(options)
+    cluster = run_cluster(run)
+    outcome = search(PRESETS[run.model], cluster, run.global_batch, run.seq_len, SearchSpace(), options,
+                     prune=feasible_only)
+    order = outcome.order if feasible_only else rank_order(outcome.evaluation, outcome.grid, feasible_only=False)
+    if not len(order):
+        return None
+    return candidate_at(outcome.evaluation, outcome.grid, int(order[0]), run.global_batch, run.seq_len,
+                        cluster.device.memory_bytes)
+
+
+def drift(rows) -> float:
+    """Slope of predicted/published against log2(GPU count) (0: no drift with scale)."""
+    x = np.log2([r["gpus"] for r in rows])
+    y = np.array([r["ratio"] for r in rows])
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def format_table(rows) -> str:
+    unit = {"tflops": "TFLOP/s/GPU", "mfu": "MFU", "tokens": "tokens/s/GPU"}
+    lines = ["| run | GPUs | configuration | metric | published | predicted | ratio | fits |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fmt = (lambda x: f"{100 * x:.1f}%") if r["metric"] == "mfu" else (lambda x: f"{x:.1f}")
+        lines.append(f"| {r['name']} | {r['gpus']} | {r['config']} | {unit[r['metric']]} | {fmt(r['published'])} | "
+                     f"{fmt(r['predicted'])} | {r['ratio']:.3f} | {'yes' if r['feasible'] else 'NO'} |")
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""Pipeline stage splits: how many blocks each of the p stages holds.
+
+    even      as equal as possible; the surplus blocks go to the middle stages first
+    ends      the first and the last stage hold one block fewer than the middle ones (room for the embedding
+              and for the output head; LLaMA 3 405B's 126 blocks on 16 stages: 7, 8 x 14, 7)
+    balanced  the output head priced as ``head_eq`` blocks, the embedding as ``embedding_eq`` blocks, and the
+              split that minimises the slowest stage's load (ties: the lighter last stage)
+
+With v virtual stages (interleaving) a stage's blocks are spread over its v chunks, so every stage needs at
+least v blocks; layers need not divide by p·v. A split that leaves a stage (or a chunk) without a block is
+invalid (``split_problem`` says why).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from autoparallel.planner.config import SPLITS
+
+
+def _even(layers, p):
+    base, extra = divmod(layers, p)
+    counts = [base] * p
+    order = list(range(1, p - 1)) + [0, p - 1]          # middle stages first, then first, then last
+    for i in order[:extra]:
+        counts[i] += 1
+    return counts
+
+
+def _ends(layers, p):
+    if p <= 2:
+        return _even(layers, p)
+    edge = (layers + 2) // p - 1
+    rest = _even(layers - 2 * edge, p - 2)
+    return [edge] + rest + [edge]
+
+
+def _balanced(layers, p, head_eq, embedding_eq):
+    if p == 1:
+        return [layers]
+
+    def capacity(x):
+        first, last = math.floor(x - embedding_eq + 1e-9), math.floor(x - head_eq + 1e-9)
+        return first, last, (p - 2) * math.floor(x + 1e-9)
+
+    candidates = sorted({n + off for n in range(0, layers + 1) for off in (0.0, embedding_eq, head_eq)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:                                      # smallest load X whose stages can hold every block
+        mid = (lo + hi) // 2
+        f, l_, m = capacity(candidates[mid])
+        if max(f, 0) + max(l_, 0) + m >= layers:
+            hi = mid
+        else:
+            lo = mid + 1
+    f, l_, m = capacity(candidates[lo])
+    last = max(1, min(l_, layers - (p - 1)))
+    first = max(1, min(f, layers - last - (p - 2)))
+    middle = _even(layers - first - last, p - 2) if p > 2 else []
+    if p == 2:
+        first = layers - last
+    return [first] + middle + [last]
+
+
+@lru_cache(maxsize=4096)
+def split_layers(layers: int, p: int, split: str, head_eq: float = 0.0, embedding_eq: float = 0.0) -> tuple:
+    """Blocks per stage, first to last (sums to ``layers``; a count may be 0 when the split is invalid)."""
+    if split not in SPLITS:
+        raise ValueError(f"pipeline split must be one of {'|'.join(SPLITS)}, got {split!r}")
+    if p <= 1:
+        return (layers,)
+    if split == "even":
+        return tuple(_even(layers, p))
+    if split == "ends":
+        return tuple(_ends(layers, p))
+    return tuple(_balanced(layers, p, round(head_eq, 3), round(embedding_eq, 3)))
+
+
+def split_problem(counts, v: int = 1):
+    """Why a split cannot run (a stage or a virtual-stage chunk without a block), or None."""
+    for i, n in enumerate(counts):
+        if n < 1:
+            return f"the split leaves pipeline stage {i} of {len(counts)} empty ({list(counts)} blocks per stage)"
+        if n < v:
+            return (f"stage {i} holds {n} blocks, fewer than its {v} virtual stages: the split leaves a virtual "
+                    f"stage empty")
+    return None
+
+
+def head_equivalent(model, seq_len: int) -> float:
+    """The output head's forward FLOPs in blocks: 2·h·V / (2·P_mm + 4·s·h) (the split's pricing)."""
+    return model.logits_forward_flops_per_token() / model.layer_forward_flops_per_token(seq_len)

@@ -1,0 +1,73 @@
+"""The planner against published large-scale training runs (outside Megatron-LM's Table 1, fitted on nothing):
+each run's published configuration priced in fixed mode; errors, drift with scale, and the search's choice."""
+import numpy as np
+import pytest
+
+from autoparallel.planner import published as P
+from autoparallel.planner.model_spec import PRESETS
+
+
+@pytest.fixture(scope="module")
+def table():
+    return P.validation_table(P.RUNS)
+
+
+def test_at_least_eight_runs_with_sources():
+    assert len(P.RUNS) >= 8
+    assert len({r.model for r in P.RUNS}) >= 8                    # eight different models
+    for run in P.RUNS + P.MOE_RUNS:
+        assert run.source and run.published > 0 and run.model in PRESETS
+        assert run.config.world == run.gpus
+
+
+def test_predictions_against_published(table):
+    errors = {r["name"]: r["ratio"] - 1 for r in table}
+    within = [n for n, e in errors.items() if abs(e) <= 0.15]
+    # achieved (docs/planner.md): 10 of 12 within 15%, every run within 30% (the target of 15% for all is not
+    # met: GPT-NeoX-20B +28% (no dropout, as released) and MT-NLG 530B on 3360 GPUs +15.1% are over-predicted)
+    assert len(within) >= 10, errors
+    assert max(abs(e) for e in errors.values()) < 0.30, errors
+
+
+def test_deepspeed_pipeline_transfers_are_serial():
+    """DeepSpeed's TrainSchedule puts two blocking transfers in every step of an interior stage: the pipeline
+    sends on the critical path double (by hand: 4·(m + p - 1) for p > 2), and nothing else changes."""
+    from dataclasses import replace as dc_replace
+
+    from autoparallel.planner.cost_model import pp_sends_per_step
+
+    assert pp_sends_per_step(np.array([35]), 1, np.array([240]), serial=True)[0] == 4 * (240 + 34)
+    assert pp_sends_per_step(np.array([2]), 1, np.array([8]), serial=True)[0] == 2 * (8 + 1)   # no interior stage
+    run = next(r for r in P.RUNS if r.name == "MT-NLG 530B (2240)")
+    serial = P.predict(run)
+    batched = P.predict(dc_replace(run, software=tuple(kv for kv in run.software if kv[0] != "pp_serial_p2p")))
+    assert serial.time_s["pp_comm"] == pytest.approx(2 * batched.time_s["pp_comm"], rel=1e-9)
+    others = [k for k in serial.time_s if k != "pp_comm"]
+    assert [serial.time_s[k] for k in others] == pytest.approx([batched.time_s[k] for k in others], rel=1e-12)
+
+
+def test_no_drift_with_scale(table):
+    slope = P.drift(table)                                        # ratio change per doubling of the GPU count
+    assert abs(slope) < 0.01
+    small = [r["ratio"] for r in table if r["gpus"] <= 512]
+    large = [r["ratio"] for r in table if r["gpus"] >= 2048]
+    assert abs(np.mean(small) - np.mean(large)) < 0.10
+
+
+def test_a_wrong_model_is_caught():
+    # negative control: a cost model with half the matmul efficiency misses every run by far
+    half = P.validation_table(P.RUNS[:3], P.PlannerOptions(gemm_efficiency=0.33))
+    assert all(r["ratio"] < 0.8 for r in half)
+
+
+@pytest.mark.parametrize("run", P.RUNS, ids=[r.name for r in P.RUNS])
+def test_search_is_at_least_as_fast_as_the_published_configuration(run):
+    published = P.predict(run)
+    best = P.search_best(run, feasible_only=published.feasible)
+    assert best is not None
+    assert best.step_time_s <= published.step_time_s * (1 + 1e-12), (best.config.short(), published.config.short())
+
+
+def test_moe_run_is_priced():
+    row = P.validation_table(P.MOE_RUNS)[0]
+    assert 0.4 < row["ratio"] < 2.5                               # reported in docs/planner.md (see there)

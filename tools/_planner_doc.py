@@ -1,0 +1,308 @@
+"""Sections of docs/planner.md written by tools/bench_planner.py: validation against published runs (with the
+ratio-vs-GPU-count plot) and the cost model's description with its sources."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from autoparallel.planner import published
+from autoparallel.planner.cluster import DEVICES, _LINKS
+
+
+def plot_validation(rows, moe_rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        ax.scatter(r["gpus"], r["ratio"], color="#4c72b0")
+        ax.annotate(r["name"], (r["gpus"], r["ratio"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    for r in moe_rows:
+        ax.scatter(r["gpus"], r["ratio"], color="#c44e52", marker="^")
+        ax.annotate(r["name"] + " (MoE)", (r["gpus"], r["ratio"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.axhline(1.0, color="k", lw=0.8)
+    for y in (0.85, 1.15):
+        ax.axhline(y, color="grey", lw=0.6, ls="--")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("predicted / published")
+    ax.set_title("Planner vs published training runs (fixed mode, nothing fitted on them)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def validation_md(rows, moe_rows, search_rows, png, out):
+    errors = [abs(r["ratio"] - 1) for r in rows]
+    within = sum(e <= 0.15 for e in errors)
+    slope = published.drift(rows)
+    sources = _table(("run", "source", "assumptions / software"),
+                     [(r.name, r.source, r.notes or "as published") for r in published.RUNS + published.MOE_RUNS])
+    rel_png = os.path.relpath(png, os.path.dirname(out))
+    return f"""## Validation against published training runs
+
+Every run's published configuration priced in fixed mode (`autoparallel.planner.published`, test
+`tests/test_planner_published.py`). Nothing is fitted on these runs: the two constants come from Megatron-LM
+Table 1 (above). Where a paper leaves a knob out, the assumption was fixed before looking at the prediction and
+is listed with the sources. Some per-run facts were added after a first look, and that pass is reported too
+(6 of the 12 dense runs within 15%, largest error 23.7%, the LLaMA 3 rows unpriceable without FlashAttention):
+FlashAttention for the 2024 runs; the frameworks' documented behaviour, i.e. DeepSpeed's pipeline engine sends
+whole activations between stages and, like Megatron-LM in 2021-22, reduces gradients after the pipeline drains
+(not overlapped; the calibration rows got the same fact and the two constants were refitted on the same two
+rows), and each framework's gradient bucket size; for Korthikanti et al.'s three pipelined runs the calibration's
+own interleaving rule (v = the smallest v > 1 dividing a stage) instead of none (first pass 0.91, 0.88, 0.88).
+None of these is a fitted number. The MoE run (red in the plot) is outside the dense statistics.
+
+{published.format_table(rows + moe_rows)}
+
+Dense runs: {within} of {len(rows)} within 15%, largest error {100 * max(errors):.1f}%, mean ratio
+{np.mean([r['ratio'] for r in rows]):.3f}; drift of the ratio with scale {slope:+.4f} per doubling of the GPU count
+(8 to 16,384 GPUs). **The 15% target is not met for every run**: GPT-NeoX-20B (+28%) and MT-NLG 530B on 3,360
+GPUs (+15.1%) are over-predicted; see "Second pass against the sources" below for what was checked and changed.
+Two published configurations do not fit in memory by the model (LLaMA 3 405B: 94 GB of activations with 8 blocks
+per stage, no recomputation and interleaving's extra in-flight micro-batches, where Meta's schedule kept fewer;
+GPT 1T at 76 GB against 72 GB usable). The LLaMA 3 16,384-GPU row is 13% low: with 16 micro-batches on 16 stages
+and the assumed v = 2 the bubble is 47% of the step; Meta's 41% MFU implies a deeper interleaving. DeepSeek-V3
+(MoE, fp8, DualPipe) is over-predicted by ~50%: fp8 GEMMs are priced at the bf16 runs' efficiency, and MLA,
+fine-grained fp8 scaling, the small expert GEMMs and DualPipe's own bubble are not modelled; with the all-to-all
+exposed instead of overlapped the ratio would be 0.59.
+
+![predicted / published vs GPU count]({rel_png})
+
+The search's choice for each published job, by the model's own prediction (for a published configuration that the
+memory model says does not fit, the comparison is with the fastest configuration regardless of memory, which shows
+the published configuration is inside the search space and nothing in the space is mispriced below it):
+
+{_table(("run", "published config step s", "fits", "search best step s", "search best", "published / best"), search_rows)}
+
+Sources and assumptions:
+
+{sources}
+
+### Second pass against the sources
+
+The three DeepSpeed-era misses of the first pass (GPT-NeoX-20B +18.7%, MT-NLG 530B on 2,800 and 3,360 GPUs +15.2%
+and +19.6%, all over-predicted) were checked against the runs' published facts, looking for a modelling error or a
+misread configuration. Nothing was fitted; two facts changed, both from the sources:
+
+- **DeepSpeed's pipeline engine transfers serially** (model fix, all DeepSpeed runs):
+  `deepspeed/runtime/pipe/schedule.py` (`TrainSchedule.steps`) puts two transfers in every schedule step of an interior stage
+  (`SendGrad` + `RecvActivation` in a forward step, `RecvGrad` + `SendActivation` in a backward step), and
+  `deepspeed/runtime/pipe/p2p.py` sends and receives with blocking `dist.send`/`dist.recv` (async "not supported").
+  An interior stage therefore has 4·(m + p − 1) transfers on its timeline, where Megatron-LM batches the send and
+  receive with a neighbour (2·(m + p − 1)). `PlannerOptions.pp_serial_p2p` prices this; the DeepSpeed runs set it
+  (`tests/test_planner_published.py::test_deepspeed_pipeline_transfers_are_serial`). MT-NLG: 1.142, 1.152, 1.196
+  → 1.099, 1.108, 1.151; BLOOM 1.023 → 0.968 (its stage messages cross 4 x 100 Gb/s Omni-Path shared by 8 GPUs).
+- **GPT-NeoX-20B had no dropout** (recorded fact): the released configuration (EleutherAI/gpt-neox
+  `configs/20B.yml`) sets `hidden-dropout` and `attention-dropout` to 0, and PyTorch's dropout with p = 0 returns its
+  input (`aten/src/ATen/native/Dropout.cpp`, `_dropout_impl`), so no masks are kept and no dropout kernels run. The
+  preset now says so; the prediction *rises* (1.169 → 1.277): the miss is larger, not smaller.
+
+Checked and found as recorded (no change): MT-NLG — 105 layers, hidden 20480, 128 heads, sequence 2048, global batch
+1920, TP 8 x PP 35, 60.1 / 50.2 / 44.4 s per iteration on 280 / 350 / 420 DGX A100 (80 GB, NVLink/NVSwitch, HDR
+InfiniBand fat tree, Microsoft Research blog "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B");
+the published TFLOP/s are Megatron's formula with recomputation, 96·B·s·l·h²·(1 + s/6h + V/16lh) / (t·GPUs) =
+125.7, 120.4, 113.5, as the planner counts them. GPT-NeoX-20B — twelve Supermicro AS-4124GO-NART servers, eight
+A100-SXM4-40GB each (NVLink, not PCIe), four ConnectX-6 HDR HCAs per node with GPUDirect RDMA (Black et al. 2022
+§2.3); released config TP 2, PP 4, ZeRO-1, micro-batch 4 x 32 accumulation steps, full checkpointing, fp16, fused
+softmax and bias-GeLU kernels (no FlashAttention, 2022), GPT-J parallel residual. BLOOM (BigScience
+`train/tr11-176B-ml/tr11-176B-ml.slurm`): TP 4, PP 12, micro-batch 2, global batch 2048, sequence 2048, bf16 with
+DeepSpeed ZeRO stage 0 whose bf16 optimizer "implements its own zero stage 1 equivalent", full checkpointing,
+`--pp-partition-method 'type:transformer|embedding'` (the embedding weighs as a block at each end: split `ends`),
+Megatron's default dropout 0.1 (no dropout flag). Not priced, and the likely rest
+of these misses: `synchronize-each-layer: true` in the NeoX config (a device synchronisation at every checkpointed
+layer), NeoX's FLOP counter (`megatron/logging.py`, `get_flops`) adds the vocabulary term instead of multiplying it,
+so if the paper's 117 TFLOP/s came from it the published figure is ~1% below the planner's count; the MT-NLG sweep
+still loses more with scale than the 1F1B bubble explains (126 → 113 TFLOP/s, predicted 1.099 → 1.151), which points
+at stragglers or engine overhead per micro-batch, neither of which the planner models. BLOOM's launch script sets
+`CUDA_LAUNCH_BLOCKING=1` (BigScience `tr11-176B-ml.slurm`), another unpriced cost. With no principled explanation
+for the remaining gap, those figures stay as they are.
+
+Recalled figures, second look: Korthikanti et al.'s Table 5 could not be consulted in full text; its iteration times
+and MFU (22B 1.10 s / 41.5%, 175B 13.75 s / 51.4%, 530B 37.83 s / 56.0%, 1T 71.49 s / 56.3%) are consistent with
+each other under the paper's MFU definition (72·B·s·l·h²·(1 + s/6h + V/12lh) / (t·GPUs·312 TFLOP/s) gives 41.65%,
+51.39%, 56.05%, 56.27%), and the abstract (MLSys 2023 proceedings page) confirms the method's headline, 54.2% against
+42.1% MFU for the 530B model on 2,240 GPUs, a different configuration from the 280-GPU row used here. DeepSeek-V3:
+180K H800 GPU hours per trillion tokens and 14.8T tokens in 2.664M GPU hours agree (1,543 tokens/s/GPU). Dense peaks
+as the presets have them: H100/H200 SXM 989 (bf16) and 1,979 (fp8) TFLOP/s, H200 141 GB and 900 GB/s NVLink
+(MLCommons system descriptions), B200 (HGX, 1,000 W) 2,250 and 4,500, MI300X 1,307 and 2,615 with 192 GB at
+5.3 TB/s; these came from vendor-derived third-party tables, the vendors' datasheets themselves were not retrieved.
+"""
+
+
+def _hardware_table():
+    rows = []
+    cite = {"A100-40GB": "NVIDIA A100 datasheet (2021)", "A100-80GB": "NVIDIA A100 datasheet (2021)",
+            "H100-80GB": "NVIDIA H100 SXM datasheet (2023)", "H100-SXM": "NVIDIA H100 SXM datasheet (2023)",
+            "H800": "NVIDIA H800 SXM (H100 with 400 GB/s NVLink), DeepSeek-V3 report §3.1",
+            "H200": "NVIDIA H200 SXM datasheet (2024)", "B200": "NVIDIA DGX B200 datasheet (2024), per GPU",
+            "MI300X": "AMD Instinct MI300X datasheet (2023)"}
+    for name, dev in DEVICES.items():
+        peak = dict(dev.peak_flops)
+        intra, fabric = _LINKS[name]
+        rows.append((name, f"{peak['bfloat16'] / 1e12:.0f}", f"{peak.get('float8', 0) / 1e12:.0f}" if 'float8' in peak
+                     else "-", f"{dev.memory_bytes / 1e9:.0f}", f"{dev.memory_bandwidth_Bps / 1e12:.2f}",
+                     f"{2 * intra.bandwidth_Bps / 1e9:.0f}", f"{fabric.nics_per_node} x {fabric.nic_bandwidth_Bps * 8 / 1e9:.0f} Gb/s",
+                     f"{fabric.host_memory_bytes / 1e12:.1f}", cite[name]))
+    return _table(("device", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB", "HBM TB/s", "NVLink GB/s (bidir.)",
+                   "NICs per node", "host TB per node", "source"), rows)
+
+
+def model_md(opts):
+    return f"""## Cost model
+
+### Step time on the slowest stage
+
+`step = m·t_max + bubble + pipeline sends + exposed overlappable communication + parameter gathers + optimizer`.
+A block costs `T_L = 3·t_fwd + t_recompute + TP collectives (+ expert all-to-all)`, a block's forward
+`t_fwd = matmul FLOPs / (peak·gemm_efficiency) + activation_traffic_factor·activation bytes / HBM bandwidth`;
+stage i costs `n_i·T_L` (+ the output head, 3·t_logits, on the last stage). The slowest stage sets the pace
+(`t_max`); the others fill and drain the pipeline once: `bubble = (Σ_i t_i − t_max) / v`, which is
+`(p−1)/v·t` for equal stages. Stage splits (`planner/stages.py`): `even` (surplus blocks to the middle stages),
+`ends` (first and last stage one block lighter, as LLaMA 3 405B's 7, 8 x 14, 7), `balanced` (the head priced as
+2hV/(2P_mm + 4sh) blocks, the split minimising the slowest stage). Interleaving needs every stage to hold at least
+v blocks and the search offers the v dividing the largest stage, so layers need not divide by p·v (126 blocks on
+16 stages, v = 2, 4). A split that leaves a stage or a virtual stage empty is a ValueError naming it.
+
+### One link, one budget (`planner/links.py`)
+
+Every stream is placed on the links it uses: TP and pipeline sends and expert all-to-alls are on the critical
+path; ZeRO-3 gathers (forward, backward), the gradient reduce-scatters of ZeRO-2/3 paid per micro-batch, and the
+gradient sync of the accumulated buffer are overlappable. Per link (NVLink, network):
+
+`exposed_L = max(0, fwd_L − o·W_fwd) + max(0, bwd_L + sync_L − o·W_bwd, sync_L − o·W_last)`
+
+with `W` the step's forward and backward compute (counted once for all the streams of that link), `W_last` the
+last micro-batch's backward (where the sync of an accumulated buffer starts), `o = cluster.overlap`. The step pays
+`max_L exposed_L` (links work in parallel), so a link's total traffic (critical + overlapped) never exceeds its
+bandwidth x the step time: `tests/test_planner_fidelity.py` checks `link_busy_s <= step` for every configuration of
+three searches. ZeRO-1/2 re-gather the updated parameters after the optimizer step (exposed, as the runtime and
+DeepSpeed do); offload traffic runs on PCIe (`link_busy_s["pcie"]`).
+
+### ZeRO-2/3 gradients with m micro-batches, as the runtime does it
+
+`parallel/reducer.py` launches nothing on non-final accumulation micro-steps: the full gradient accumulates
+locally (fp32) and is reduce-scattered once, at the last micro-batch. So the planner's ZeRO-2/3 with m > 1 holds
+the full gradient buffer (ZeRO-1's gradient memory) and pays one reduce-scatter per step;
+`PlannerOptions(zero_grad_per_micro_batch=True)` prices the other choice (m reduce-scatters, only the shard held).
+`test_runtime_zero2_accumulates_the_full_gradient_and_reduce_scatters_once` runs the runtime (simulated, 2 ranks,
+ZeRO-2, 2 micro-batches) and checks both facts against the planner.
+
+### Collectives at scale (`comm/cost.py: hierarchical_seconds`, `planner/topology.py`)
+
+A group of n ranks `stride` apart has g members per node on k nodes. NCCL's rings pass through every rank:
+the ring volume (`collective_bytes`: `2(n−1)/n·b` for an all-reduce) crosses each node's NICs once, shared by the
+node's g ranks on their own NIC rails, and its other hops are NVLink, so NVLink carries `ring·(g−1)/g` and the
+network `ring/g` per rank; the two links work as a pipeline (NCCL channels), so a call takes its latency plus the
+busier link. Latency grows with the group: a ring pays `(g−1)` NVLink and `(k−1)` network steps per phase,
+NCCL's tree all-reduce `2·ceil(log2 k)` network steps (the cheaper is taken, which is NCCL's tuner's choice for
+latency-bound sizes). `ClusterSpec.topology` gives GPUs and NICs per node, NIC speed, rail-optimised or not
+(all-to-all on rails first crosses NVLink: PXN), nodes per leaf and oversubscription (bandwidth divided beyond a
+leaf), host RAM and PCIe per node.
+
+Describing a cluster:
+
+```python
+import autoparallel as ap
+from autoparallel.planner.cluster import cluster_of
+from autoparallel.planner.topology import Topology
+fabric = Topology(nics_per_node=8, nic_bandwidth_Bps=50e9, rail_optimized=True, nodes_per_leaf=32,
+                  oversubscription=2.0, host_memory_bytes=2e12, pcie_bandwidth_Bps=25e9)
+cluster = cluster_of("H100-80GB", 1024, fabric)          # 128 nodes of 8; 1020 GPUs would be a ValueError
+ap.plan("llama2-70b", cluster, global_batch_size=1536, seq_len=4096)
+```
+
+Anchors (NCCL bus bandwidth: nccl-tests' `busbw` = algorithm bandwidth x 2(n−1)/n for an all-reduce and
+(n−1)/n for reduce-scatter / all-gather, "the speed of the hardware bottleneck: NVLink, PCI, QPI, or network",
+NVIDIA/nccl-tests `doc/PERFORMANCE.md`), from NVIDIA's NCCL maintainers:
+- intra-node: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective NVLink
+  bandwidth of 370GB/s" on H100, and with NVLink SHARP "on 8 GPUs ... a peak busBw of ~480GB/s" (NVIDIA/nccl-tests
+  issue 212, S. Jeaugey); on 8 A100 "you should be seeing close to 240 GB/s" of the 300 GB/s per direction
+  (NVIDIA/nccl issue 1712, NVIDIA); on A800 (200 GB/s per direction) "~160GB/s intra-node" (NVIDIA/nccl issue
+  412). Hence `nvlink_efficiency` = 0.8 (our algorithms do not use NVLS).
+- inter-node: "24GB/s inter-node" on one HDR 200 Gb/s NIC (25 GB/s line rate) with GPUDirect RDMA (NVIDIA/nccl
+  issue 412), i.e. 96% of line rate in a large-message test of an idle fabric; on two nodes NCCL uses the tree (or
+  NVLSTree) algorithm, whose bus bandwidth can exceed the network's, so ring bandwidth is measured with
+  `NCCL_ALGO=RING` (NVIDIA/nccl-tests issue 196). The ring's bus bandwidth is the node's NIC bandwidth; the model
+  reproduces it exactly (`test_hierarchical_all_reduce_by_hand`: 2(n−1)/n·b / t_network = NICs x NIC speed x
+  efficiency), with `network_efficiency` = 0.9 of line rate, below NVIDIA's idle-fabric 96% (an allowance for
+  a training job's concurrent traffic that no source states; at 0.96 the validation ratios move by at most 0.004).
+
+A topology whose GPUs per node differ from the cluster's, or a device count that does not fill whole nodes
+(`cluster_of`), is a ValueError naming both numbers.
+
+### Memory
+
+Per device on the stage that needs most (first: p micro-batches in flight; last: the fp32 logits; the fullest
+middle stage): bf16 weights 2 B/param, the fp32 gradient accumulation buffer 4 B/param (Megatron's main_grad,
+DeepSpeed's bf16 optimizer and this runtime's AMP all keep it; `grad_accum_fp32`), fp32 master + Adam m, v
+12 B/param, divided by ZeRO stage (ZeRO-2/3 gradients only when they really are sharded, above), routed experts
+over `ep·tp` and their states over `dp/ep`; activations per Korthikanti et al.; the ZeRO-3 gather buffer; a
+reserve of {100 * opts.memory_reserve_fraction:.0f}% of device memory stated as the headroom for the CUDA context,
+NCCL buffers and allocator fragmentation. Host RAM per node is a constraint when offloading: the node's devices'
+optimizer states and pinned fp32 gradient chunks (16 B per offloaded parameter) must fit in
+{100 * (1 - opts.host_memory_reserve_fraction):.0f}% of the node's RAM (the rest for the OS, data loaders and
+staging buffers).
+
+### Mixture of experts
+
+`ModelSpec(experts, top_k, expert_ffn, shared_experts, dense_layers, route_nodes)`: per block (averaged over the
+dense and MoE blocks) the attention, dense MLP, shared experts and router are TP-split, the routed experts are
+split over `ep·tp`; a token's FLOPs count its top_k experts. The expert-parallel degree `ep` (divisors of dp and of
+the expert count) is a search dimension. Dispatch and combine are all-to-alls over the EP group (4 per MoE block and
+micro-batch, 6 with full recompute), on the critical path, or overlapped with compute under the link budget
+(`moe_a2a_overlap`, DeepSeek's DualPipe); node-limited routing sends a token over the network at most once per
+remote node. Expert compute runs at the busiest rank's pace (`moe_imbalance` = {opts.moe_imbalance}). Bad input
+(top_k > experts, expert fields without experts) is a ValueError. The runtime runs experts replicated, so a plan
+with ep > 1 is priced but `to_strategy_dict` raises NotImplementedError.
+
+### Hardware presets
+
+{_hardware_table()}
+
+fp8 is a precision of the planner (`PlannerOptions(precision="fp8")`): matmuls at the fp8 peak, storage as bf16;
+it is planner-only (the runtime's AMP has float16 and bfloat16) and the plan's explanation says so.
+
+### Not modelled (known limits)
+
+Stragglers and jitter at thousands of nodes; NVLS / SHARP in-network reductions; congestion between concurrent
+collectives beyond the per-link budget; NCCL's PAT algorithm (logarithmic all-gather / reduce-scatter latency);
+context parallelism; DualPipe and zero-bubble schedules (priced as 1F1B / interleaved); MLA attention (priced as
+multi-head attention); per-framework engine overheads per micro-batch (device synchronisations such as GPT-NeoX's
+`synchronize-each-layer`, BLOOM's `CUDA_LAUNCH_BLOCKING=1`); the runtime's fp32-parameter AMP layout on
+GPU presets (they use Megatron's bf16 weights + fp32 master; calibrated CPU profiles use the runtime's layout).
+
+### Design decisions
+
+- The cost model stays closed-form and vectorised (one numpy pass over every configuration), so adding topology,
+  stage splits and expert parallelism keeps LLaMA-2 70B on 1024 GPUs well under the 2 s budget.
+- Pruning before pricing is exact, never heuristic: only configurations that a lower bound of the cost model's own
+  memory proves infeasible are skipped (no time bound, no cap on micro-batch sizes), so the ranked plans are the
+  same with `search(..., prune=False)`; the explanation counts the skipped ones among those that do not fit, and
+  its "fastest that does not fit" note looks only at those priced. The fastest-regardless-of-memory comparison
+  (`published.search_best(feasible_only=False)`) prices everything.
+- Framework behaviour that changes a run's cost is a `PlannerOptions` fact set per published run from the
+  framework's source (DeepSpeed's serial blocking stage transfers, its whole-activation messages, gradient sync
+  after the pipeline drains), never a per-run factor.
+- What the runtime cannot run is priced but never silently converted: a plan with ep > 1 or a non-even split
+  raises NotImplementedError in `to_strategy_dict`; `auto_mode="full"` and the monitor's re-plan search only
+  the even split and ep = 1.
+- Split policies, not per-stage layer lists, are the search dimension (three named splits; duplicates removed):
+  an explicit list would multiply the space by the number of compositions of l into p parts.
+- ZeRO-2/3 follow the runtime (full buffer, one reduce-scatter) by default; the DeepSpeed-style per-micro-batch
+  reduce-scatter is an option, not a search dimension, because the runtime cannot run it.
+- Calibrated CPU profiles (gloo, eager runtime) keep the flat per-link alpha-beta or measured fits and the
+  eager-runtime terms; the hierarchical model applies to NCCL GPU clusters.
+- The constants were refitted on the same two Megatron-LM rows after the communication model changed
+  (NVLink at its achieved bus bandwidth, fp32 gradient reduction): gemm_efficiency {opts.gemm_efficiency},
+  activation_traffic_factor {opts.activation_traffic_factor}.
+"""
