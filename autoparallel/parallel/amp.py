@@ -19,6 +19,7 @@ from autoparallel.comm import collectives as C
 from autoparallel.comm.world import current_world
 from autoparallel.dist_tensor import DistTensor, is_dist
 from autoparallel.local_mode import local_mode
+from autoparallel.parallel.step_hooks import StepHooks
 
 DTYPES = ("float16", "bfloat16")
 
@@ -138,7 +139,7 @@ def found_inf(params, mesh=None) -> bool:
     return any(float(x.numpy().max()) > 0 for x in xs.values())
 
 
-class AmpOptimizer:
+class AmpOptimizer(StepHooks):
     """Unscales gradients, agrees on overflow across ranks, skips the step on overflow, updates the scale.
     ``optimizer`` is any ap optimizer (ShardedOptimizer, ZeroOptimizer) or a paddle one."""
 
@@ -167,6 +168,7 @@ class AmpOptimizer:
             self.skipped += 1
             return False
         self.optimizer.step()
+        self._after_step()
         return True
 
     def clear_grad(self, set_to_zero: bool = True):

@@ -13,9 +13,10 @@ from __future__ import annotations
 from autoparallel.dispatch import local_mode
 from autoparallel.dist_tensor import is_dist
 from autoparallel.parallel.grads import BUCKET_BYTES, GradientSync, check_bucket_bytes
+from autoparallel.parallel.step_hooks import StepHooks
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(StepHooks):
     """Wraps a paddle optimizer built over a distributed model's parameters."""
 
     def __init__(self, optimizer, shard_fn=None, gradient_accumulation_steps: int = 1,
@@ -56,6 +57,7 @@ class ShardedOptimizer:
         self._scale_gradients()
         with local_mode():
             self._inner.step()
+        self._after_step()
 
     def clear_grad(self, set_to_zero: bool = True):
         self.grad_sync.reset()

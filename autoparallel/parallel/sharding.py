@@ -31,6 +31,7 @@ from autoparallel.local_mode import local_mode
 from autoparallel.memory import live_bytes
 from autoparallel.parallel import clip as clipping
 from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors
+from autoparallel.parallel.step_hooks import StepHooks
 from autoparallel.parallel.zero_groups import ZeroGroups, apply_groups
 from autoparallel.parallel.zero_layout import BucketLayout, split_buckets
 from autoparallel.placement import Shard
@@ -62,7 +63,7 @@ def _flat_params(inner):
             yield p
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(StepHooks):
     def __init__(self, model, optimizer, mesh, stage, dp_dim, degree, offload, accumulation, bucket_bytes,
                  overlap=True):
         inner = getattr(optimizer, "_inner", optimizer)
@@ -273,6 +274,7 @@ class ZeroOptimizer:
                 self.gather(bucket)
         else:
             self.free(self.params)
+        self._after_step()
 
     def _clip(self, grads) -> None:
         gc = getattr(self._inner, "_grad_clip", None)
