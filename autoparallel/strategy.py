@@ -22,7 +22,8 @@ Degrees and batches (DESIGN, "Degrees and batches"):
   * global_batch = dp x micro_batch_size x num_micro_batches, where num_micro_batches is
     ``pipeline_parallel.micro_batches`` when pp > 1 and ``gradient_accumulation_steps`` otherwise.
     ``gradient_accumulation_steps = 1`` (the default) counts as unset: with pp > 1, setting both to
-    different values is an error, and an unset ``micro_batches`` falls back to the accumulation steps.
+    different values is an error, and an unset ``micro_batches`` falls back to the accumulation steps, or to
+    ``pipeline_parallel.degree`` micro-batches when those are unset too.
 
 auto_mode (DESIGN, "auto_mode"): "semi" keeps the user's degrees and annotations. "full" lets the
 planner choose degrees, schedule, sharding, recompute, offload and micro-batching, so those fields are
@@ -200,7 +201,7 @@ class TensorParallelConfig(_Config):
 class PipelineParallelConfig(_Config):
     _section: ClassVar[str] = "pipeline_parallel"
     degree: int = _field(1, _int())                                # pipeline stages (ranks along the layer axis)
-    micro_batches: Optional[int] = _field(None, _int(optional=True))   # micro-batches per step when degree > 1; None: gradient_accumulation_steps
+    micro_batches: Optional[int] = _field(None, _int(optional=True))   # micro-batches per step when degree > 1; None: gradient_accumulation_steps, else degree
     schedule: str = _field("1F1B", _choice(*SCHEDULES))            # "FThenB", "1F1B", "VPP" (interleaved) or "ZB-H1" (zero bubble)
     vpp_degree: int = _field(1, _int())                            # virtual stages per rank; > 1 only with schedule "VPP"
     split_points: List[str] = _field(None, _names, factory=list)   # layer names starting stages 2..n (pp x vpp - 1 of them); []: balanced split
@@ -322,6 +323,8 @@ class Strategy(_Config):
         pp = self.pipeline_parallel
         if pp.degree > 1 and pp.micro_batches is not None:
             return pp.micro_batches
+        if pp.degree > 1 and self.gradient_accumulation_steps == 1:
+            return pp.degree                    # the article's pipeline config: one micro-batch per stage
         return self.gradient_accumulation_steps
 
     # -- validation --------------------------------------------------------------------------

@@ -213,15 +213,18 @@ def test_steady_schedules_need_pp_micro_batches(schedule):
 def test_fthenb_allows_few_micro_batches():
     s = Strategy()
     s.pipeline_parallel.degree = 4; s.pipeline_parallel.schedule = "FThenB"
+    s.pipeline_parallel.micro_batches = 1
     assert s.validate().num_micro_batches == 1
 
 
-def test_unset_micro_batches_with_pipeline_reports_fallback():
+def test_unset_micro_batches_with_pipeline_default_to_degree():
     s = Strategy()
-    s.pipeline_parallel.degree = 2                          # micro_batches unset, accumulation 1
-    invalid(s, "needs at least pipeline_parallel.degree=2 micro-batches", "got 1")
-    s.gradient_accumulation_steps = 2                       # unset micro_batches falls back to it
-    assert s.validate().num_micro_batches == 2
+    s.pipeline_parallel.degree = 4                          # the article's config: micro_batches unset
+    assert s.validate().num_micro_batches == 4
+    s.gradient_accumulation_steps = 8                       # unset micro_batches falls back to accumulation
+    assert s.validate().num_micro_batches == 8
+    s.gradient_accumulation_steps = 2                       # ... which is then checked like micro_batches
+    invalid(s, "needs at least pipeline_parallel.degree=4 micro-batches", "got 2")
 
 
 def test_grad_accum_and_micro_batches_conflict():
@@ -255,7 +258,7 @@ def test_split_points():
 
 
 @pytest.mark.parametrize("pp, micro, ga, expected", [
-    (1, None, 1, 1), (1, None, 4, 4), (2, 8, 1, 8), (2, None, 4, 4), (2, 8, 8, 8), (1, 4, 4, 4),
+    (1, None, 1, 1), (1, None, 4, 4), (2, 8, 1, 8), (2, None, 4, 4), (2, 8, 8, 8), (1, 4, 4, 4), (4, None, 1, 4),
 ])
 def test_num_micro_batches(pp, micro, ga, expected):
     s = Strategy()
