@@ -57,7 +57,23 @@ class ShardedOptimizer(StepHooks):
         self._scale_gradients()
         with local_mode():
             self._inner.step()
+        self._step_other_ranks()
         self._after_step()
+
+    def _step_other_ranks(self) -> None:
+        """The simulated world: the other ranks' copies of each parameter (parallel/sim_step.py)."""
+        from autoparallel.comm.world import current_world
+
+        if not current_world().is_simulated:
+            return
+        params = self.parameters
+        key = tuple(id(p) for p in params)
+        copies = self.__dict__.get("_rank_copies")
+        if copies is None or copies[0] != key:
+            from autoparallel.parallel.sim_step import RankCopies
+
+            copies = self.__dict__["_rank_copies"] = (key, RankCopies(self._inner, params))
+        copies[1].step()
 
     def clear_grad(self, set_to_zero: bool = True):
         self.grad_sync.reset()
