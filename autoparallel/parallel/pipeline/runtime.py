@@ -133,10 +133,11 @@ class PipelineModule:
     # ---- one step -----------------------------------------------------------------------------------------
     def train_batch(self, inputs, labels=None) -> float | None:
         """Forward and backward of one global batch through the pipeline (gradients accumulate; call the
-        optimizer afterwards). Every rank passes the same batch (ranks that hold neither the first nor the
+        optimizer afterwards). Every rank passes the same batch (for a model with embed()/head(), ranks that hold neither the first nor the
         last stage may pass None). Returns the mean loss (on every rank when ``sync_loss`` is set, else on
         the last stage's ranks and None elsewhere)."""
-        st = _StepState(self._micro(inputs, "inputs") if self.holds_first else None,
+        every = self.plan.pieces.generic             # a model split at its blocks: every stage needs the inputs
+        st = _StepState(self._micro(inputs, "inputs") if self.holds_first or every else None,
                         self._micro(labels, "labels") if self.holds_last else None)
         self.weight_grads.pending.clear()                 # nothing carries over from a failed step
         handlers = {"F": self._forward, "B": self._backward, "W": self._weight, "SEND_F": self._send_f,
@@ -223,6 +224,10 @@ class PipelineModule:
 
         return shard_tensor(t, mesh, self._boundary(mesh))
 
+    def _side(self, t, stage: int):
+        """Model inputs of a later stage of a model split at its blocks (they recompute its side inputs)."""
+        return t
+
     def _wrap(self, local, stage: int):
         mesh = self.meshes.get(stage)
         if mesh is None:
@@ -252,7 +257,7 @@ class PipelineModule:
                 x_local = _local(st.saved[(s - 1, i)][1]).detach()
             x_local.stop_gradient = False
             x = self._wrap(x_local, s)
-        out = stage(x)
+        out = stage(x) if s == 0 or not stage.pieces.generic else stage(x, inputs=self._side(st.inputs[i], s))
         if stage.is_last:
             loss = self.loss_fn(out, self._place(st.labels[i], s)) * (1.0 / self.plan.micro_batches)
             st.loss += float(loss)
@@ -360,6 +365,11 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     c = strategy.pipeline_parallel
     plan = plan_pipeline(model, pp, degrees.num_micro_batches, c.schedule, degrees.vpp, list(c.split_points) or None,
                          cost, seq_len, layers_name)
+    if dp * tp > 1 and plan.pieces.generic:
+        raise NotImplementedError(f"{type(model).__name__} has no embed()/head() methods: the pipeline splits it at its "
+                                  f"repeated blocks, which runs stages without data or tensor parallelism inside "
+                                  f"them; got data_parallel.degree={dp}, tensor_parallel.degree={tp}. Give the model "
+                                  f"embed(ids) and head(x) methods to compose them")
     ranks = pipeline_ranks(pp, dp, tp, mesh)
     if world > 1 and ranks.size != world:
         raise ValueError(f"the pipeline mesh has {ranks.size} ranks, expected the world size {world}")
