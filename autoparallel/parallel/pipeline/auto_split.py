@@ -5,7 +5,8 @@
 Everything else is attached to the first stage (what runs before the first block: embeddings, rotary
 tables, masks) or the last (what runs after the last block: final norm, LM head), decided by a dry run
 on one token that records which parameters receive a gradient at the first block's input and which from
-the model's output given the last block's output.
+the model's output given the last block's output (parameters used by neither go to the last stage, so
+the optimizer and checkpoints still hold them).
 
 A stage runs the model's own ``forward`` on the micro-batch's model inputs with the blocks' ``forward``
 swapped for proxies, so whatever the model computes between its pieces (masks, position ids, rotary
@@ -170,6 +171,7 @@ def piece_params(model, path: str, inputs) -> tuple:
     hx = h.detach()
     hx.stop_gradient = False
     post = _grad_names(_suffix_out(model, blocks, inputs, hx), named)
+    post |= {n for n, _ in named if n not in pre}          # unused ones ride on the last stage (kept, saved)
     return tuple(n for n, _ in named if n in pre), tuple(n for n, _ in named if n in post)
 
 
