@@ -46,7 +46,7 @@ def test_imbalanced_pipeline_is_reported_and_resplit(tmp_path):
     assert mon.is_imbalanced(threshold=0.2)
     imb = mon.imbalance()
     assert imb["slowest_stage"] == 2 and imb["stages"] > 0.2
-    suggestion = mon.suggest_optimal_strategy()
+    suggestion = mon.suggest_split()
     assert suggestion.split == [tuple(s) for s in balanced_split(measured, STAGES)]
     assert suggestion.split != even_split(LAYERS, STAGES)
     assert (5, 6) in suggestion.split                 # the slow layer gets a stage of its own
@@ -63,7 +63,7 @@ def test_balanced_pipeline_is_not_imbalanced_and_keeps_the_split():
     _run_pipeline(mon, [0.01] * LAYERS, sleep=clock.sleep)
     assert mon.layer_times() == pytest.approx([0.01] * LAYERS)
     assert not mon.is_imbalanced(threshold=0.2)
-    assert mon.suggest_optimal_strategy().split == even_split(LAYERS, STAGES)
+    assert mon.suggest_split().split == even_split(LAYERS, STAGES)
 
 
 def test_warmup_steps_are_not_measured_and_repeats_add_up():
@@ -84,7 +84,7 @@ def test_suggestion_replans_with_the_measured_profile():
     clock = FakeClock()
     mon = PerformanceMonitor(warmup_steps=0, measure_steps=2, num_stages=2, clock=clock)
     _run_pipeline(mon, [0.25] * LAYERS, sleep=clock.sleep)
-    s = mon.suggest_optimal_strategy(2, model="gpt3-1.3b", cluster="1x8:A100-80GB", global_batch_size=64,
+    s = mon.suggest_split(2, model="gpt3-1.3b", cluster="1x8:A100-80GB", global_batch_size=64,
                                      current="dp=2,tp=2,pp=2")
     again = plan("gpt3-1.3b", s.cluster, 64, fixed="dp=2,tp=2,pp=2").best.step_time_s
     assert again == pytest.approx(2.0, rel=1e-6)      # the measured step time (8 layers x 0.25 s)
@@ -100,9 +100,107 @@ def test_bad_input_is_rejected():
         with mon.record("layer", index=-1):
             pass
     with pytest.raises(ValueError, match="no per-layer timings"):
-        mon.suggest_optimal_strategy(2)
+        mon.suggest_split(2)
     with mon.record("layer", index=1):
         pass
     mon.step()
     with pytest.raises(ValueError, match=r"no timings for layer indices \[0\]"):
         mon.layer_times()
+
+
+# ---- the article's loop: only record() blocks, steps inferred; a Strategy as the suggestion ----------------
+def _article_loop(mon, clock, costs, steps=31, check=None):
+    for step in range(steps):
+        with mon.record("forward"):
+            clock.sleep(costs[0])
+        with mon.record("backward"):
+            clock.sleep(costs[1])
+        with mon.record("step"):
+            clock.sleep(costs[2])
+        if check is not None and step == 30:
+            check(mon)
+
+
+def test_steps_are_inferred_from_repeated_record_names():
+    clock = FakeClock()
+    mon = PerformanceMonitor(warmup_steps=10, measure_steps=20, clock=clock)
+    seen = {}
+
+    def check(m):
+        seen.update(done=m.done, inferred=m.steps_inferred, timings=m.timings(), step=m.step_time(),
+                    imbalanced=m.is_imbalanced())
+
+    _article_loop(mon, clock, (1.0, 2.0, 0.5), check=check)
+    assert seen["done"] and seen["inferred"] and seen["imbalanced"] is False
+    assert seen["timings"] == pytest.approx({"forward": 1.0, "backward": 2.0, "step": 0.5})
+    assert seen["step"] == pytest.approx(3.5)
+    assert len(mon._totals) == 20                     # steps 10..29: the warm-up is not measured
+
+
+def test_inferred_steps_skip_the_warmup_and_nested_records_do_not_start_steps():
+    clock = FakeClock()
+    mon = PerformanceMonitor(warmup_steps=1, measure_steps=2, clock=clock)
+    for step in range(4):
+        with mon.record("forward"):
+            for i in range(2):
+                for _ in range(2):                    # a nested name repeating (micro-batches) is not a new step
+                    with mon.record("layer", index=i):
+                        clock.sleep(1.0 if step == 0 else 0.25)
+    assert mon.done and mon.timings() == pytest.approx({"forward": 1.0, "layer[0]": 0.5, "layer[1]": 0.5})
+
+
+def test_step_after_inferred_steps_and_early_checks_are_refused():
+    clock = FakeClock()
+    mon = PerformanceMonitor(warmup_steps=1, measure_steps=1, clock=clock)
+    with pytest.raises(ValueError, match="no measured step yet"):
+        mon.is_imbalanced()
+    _article_loop(mon, clock, (1, 1, 1), steps=3)
+    with pytest.raises(ValueError, match="inferred 2 steps"):
+        mon.step()
+
+
+def test_suggestion_is_a_strategy_with_the_rebalanced_split():
+    import autoparallel as ap
+
+    clock = FakeClock()
+    cost = [0.01] * LAYERS
+    cost[5] += 0.05
+    mon = PerformanceMonitor(warmup_steps=0, measure_steps=2, num_stages=STAGES, clock=clock,
+                             layer_names=[f"blocks.{i}" for i in range(LAYERS)])
+    _run_pipeline(mon, cost, sleep=clock.sleep)
+    assert mon.is_imbalanced()
+    s = mon.suggest_optimal_strategy()
+    assert isinstance(s, ap.Strategy)
+    best = [tuple(x) for x in balanced_split(mon.layer_times(), STAGES)]
+    assert s.pipeline_parallel.degree == STAGES
+    assert s.pipeline_parallel.split_points == [f"blocks.{a}" for a, _ in best[1:]]
+    assert s.suggestion.split == best and s.suggestion.speedup > 1.0
+    s.validate(world_size=STAGES)                     # a usable strategy
+
+
+def test_split_names_come_from_the_run_models_block_list():
+    import paddle
+
+    import autoparallel as ap
+    from autoparallel import auto_checkpoint
+
+    class Net(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.layers = paddle.nn.LayerList([paddle.nn.Linear(2, 2) for _ in range(LAYERS)])
+
+    strategy = ap.Strategy()
+    strategy.pipeline_parallel.degree = 2
+    strategy.pipeline_parallel.micro_batches = 2
+    auto_checkpoint.attach(Net(), None, strategy)
+    try:
+        clock = FakeClock()
+        cost = [0.01] * LAYERS
+        cost[0] += 0.1
+        mon = PerformanceMonitor(warmup_steps=0, measure_steps=1, clock=clock)
+        _run_pipeline(mon, cost, sleep=clock.sleep, steps=1)
+        s = mon.suggest_optimal_strategy()
+        assert s.pipeline_parallel.split_points == ["layers.1"]        # the slow first layer alone
+        assert s.pipeline_parallel.micro_batches == 2 and strategy.pipeline_parallel.split_points == []
+    finally:
+        auto_checkpoint.reset()
