@@ -46,6 +46,8 @@ _EXPORTS = {
     "complete": "autoparallel.graph.completion",
     "apply_pp": "autoparallel.parallel.pipeline.runtime", "PipelineModule": "autoparallel.parallel.pipeline.runtime",
     "materialize": "autoparallel.lazy_init.params",
+    "resume_from_last_checkpoint": "autoparallel.recovery", "fallback_to_cpu_offload": "autoparallel.recovery",
+    "reconfigure_distributed_model": "autoparallel.recovery",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -54,6 +56,11 @@ if "paddle" in sys.modules:          # record the creation order of parameters b
     from autoparallel.lazy_init import order as _order
 
     _order.install()
+
+if "paddle" in sys.modules:          # paddle.amp.GradScaler over distributed losses and ap optimizers
+    from autoparallel.parallel import amp_scaler as _amp_scaler
+
+    _amp_scaler.install()
 
 
 def __getattr__(name: str):
