@@ -272,6 +272,24 @@ def _sub(name):
     return _field(None, check, factory=cls)
 
 
+# fields that act only when their section's switch is on: (section, switch, fields)
+_DEPENDENTS = (
+    ("sharding", "enable", ("stage",)),                   # degree and offload: _check_sharding
+    ("recompute", "enable", ("checkpoint_every_n_layers", "granularity")),
+    ("amp", "enable", ("dtype", "level", "init_loss_scaling", "incr_every_n_steps", "decr_every_n_nan_or_inf",
+                       "incr_ratio", "decr_ratio", "use_dynamic_loss_scaling")),
+    ("checkpoint", "enable", ("save_interval_steps", "dir", "keep_last")),
+)
+_LOSS_SCALING = ("init_loss_scaling", "incr_every_n_steps", "decr_every_n_nan_or_inf", "incr_ratio", "decr_ratio",
+                 "use_dynamic_loss_scaling")
+# chosen by the planner in auto_mode "full" (planner/auto.py keeps AMP, checkpoint, global batch and seed)
+_PLANNER_FIELDS = ("data_parallel.degree", "tensor_parallel.degree", "pipeline_parallel.degree",
+                   "pipeline_parallel.micro_batches", "pipeline_parallel.schedule", "pipeline_parallel.vpp_degree",
+                   "pipeline_parallel.split_points", "sequence_parallel.enable", "sharding.enable", "sharding.stage",
+                   "sharding.degree", "sharding.offload", "recompute.enable", "recompute.checkpoint_every_n_layers",
+                   "recompute.granularity", "gradient_accumulation_steps", "micro_batch_size")
+
+
 # ---------------------------------------------------------------------------------------------
 # resolved degrees
 
@@ -344,7 +362,10 @@ class Strategy(_Config):
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         info = _check_model_info(model_info)
         problems: List[str] = []
+        self._check_dependents(problems)
         if self.auto_mode == "full":        # degrees, schedule, sharding, recompute: chosen by the planner
+            self._check_planner_fields(problems)
+            _raise(problems)
             return None
 
         tp, pp = self.tensor_parallel.degree, self.pipeline_parallel.degree
@@ -362,6 +383,39 @@ class Strategy(_Config):
         return ResolvedDegrees(dp=dp, tp=tp, pp=pp, vpp=self.pipeline_parallel.vpp_degree,
                                sharding_degree=sharding_degree, sharding_stage=sh.stage if sh.enable else 0,
                                num_micro_batches=nmb, micro_batch_size=mbs, global_batch_size=gbs)
+
+    def _check_dependents(self, problems) -> None:
+        """A field that acts only when its section is on is refused while it is off (nothing is ignored)."""
+        for section, switch, names in _DEPENDENTS:
+            cfg = getattr(self, section)
+            if getattr(cfg, switch):
+                continue
+            default = type(cfg)()
+            for n in names:
+                if getattr(cfg, n) != getattr(default, n):
+                    problems.append(f"{section}.{n}={getattr(cfg, n)!r} is set but {section}.{switch}=False; "
+                                    f"expected {section}.{switch}=True or the default {getattr(default, n)!r}")
+        c = self.pipeline_parallel
+        if c.degree == 1 and c.schedule != "1F1B":
+            problems.append(f"pipeline_parallel.schedule={c.schedule!r} needs pipeline_parallel.degree > 1, got 1")
+        if self.amp.enable and self.amp.dtype == "bfloat16":
+            default = AmpConfig()
+            set_ = [n for n in _LOSS_SCALING if getattr(self.amp, n) != getattr(default, n)]
+            if set_:
+                problems.append(f"amp.{', amp.'.join(set_)} configure loss scaling, which applies to float16 only; "
+                                f"amp.dtype='bfloat16' runs unscaled (expected amp.dtype='float16' or the defaults)")
+
+    def _check_planner_fields(self, problems) -> None:
+        """auto_mode='full' chooses these itself: a value given for them would be ignored."""
+        fresh = Strategy()
+        for name in _PLANNER_FIELDS:
+            section, _, leaf = name.partition(".")
+            mine, default = getattr(self, section), getattr(fresh, section)
+            if leaf:
+                mine, default = getattr(mine, leaf), getattr(default, leaf)
+            if mine != default:
+                problems.append(f"auto_mode='full' chooses {name} itself, got {name}={mine!r}; expected "
+                                f"auto_mode='semi' to fix it, or the default {default!r}")
 
     def _resolve_dp(self, world_size, tp, pp, problems) -> Optional[int]:
         dp = self.data_parallel.degree

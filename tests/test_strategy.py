@@ -352,16 +352,45 @@ def test_several_problems_reported_together():
 
 # -- auto_mode ---------------------------------------------------------------------------------
 
-def test_full_mode_ignores_degrees():
+def test_full_mode_refuses_what_the_planner_chooses():
     s = Strategy()
     s.auto_mode = "full"
-    s.data_parallel.degree = 3; s.sequence_parallel.enable = True     # would be invalid in "semi"
+    s.global_batch_size = 8; s.amp.enable = True; s.seed = 3       # kept by the planner
     assert s.validate(world_size=8, model_info={"heads": 8, "hidden": 64}) is None
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
         s.validate(world_size=-1)                              # arguments are still checked
     assert "chosen by the planner" in str(s)
+    s.data_parallel.degree = 3; s.sequence_parallel.enable = True     # would be ignored: refused, both named
+    with pytest.raises(ValueError, match=r"(?s)chooses data_parallel.degree.*chooses sequence_parallel.enable"):
+        s.validate(world_size=8)
     s.auto_mode = "semi"
     invalid(s, "sequence_parallel", world_size=8)
+
+
+@pytest.mark.parametrize("section,name,value", [
+    ("sharding", "stage", 3), ("recompute", "granularity", "selective"), ("recompute", "checkpoint_every_n_layers", 2),
+    ("amp", "dtype", "float16"), ("amp", "init_loss_scaling", 1024.0), ("checkpoint", "save_interval_steps", 5),
+    ("checkpoint", "dir", "ck")])
+def test_dependent_field_without_its_switch_is_refused(section, name, value):
+    s = Strategy()
+    setattr(getattr(s, section), name, value)
+    with pytest.raises(ValueError, match=rf"{section}\.{name}=.* but {section}\.enable=False"):
+        s.validate(world_size=1)
+    getattr(s, section).enable = True
+    if section == "amp" and name == "init_loss_scaling":
+        s.amp.dtype = "float16"
+    s.validate(world_size=1)                                   # negative control: with the switch on it is valid
+
+
+def test_loss_scaling_with_bfloat16_and_schedule_without_pipeline_are_refused():
+    s = Strategy()
+    s.amp.enable = True; s.amp.init_loss_scaling = 1024.0
+    with pytest.raises(ValueError, match="loss scaling, which applies to float16 only"):
+        s.validate(world_size=1)
+    s = Strategy()
+    s.pipeline_parallel.schedule = "ZB-H1"
+    with pytest.raises(ValueError, match="schedule='ZB-H1' needs pipeline_parallel.degree > 1"):
+        s.validate(world_size=1)
 
 
 # -- serialisation -----------------------------------------------------------------------------
