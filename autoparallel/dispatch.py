@@ -38,6 +38,9 @@ from autoparallel.local_mode import in_local_mode, local_mode  # noqa: E402  (re
 from autoparallel.local_mode import _state as _local_state  # noqa: E402
 
 
+_dygraph = paddle.in_dynamic_mode
+
+
 def is_dist(x) -> bool:
     return type(x) is DistTensor or (isinstance(x, DistParameter) and hasattr(x, "_ap_spec"))
 
@@ -77,6 +80,9 @@ def run(op: str, path: str, args, kwargs):
 
     A call whose key (see dispatch_cache) was seen before reuses its plan: no rule, no validation, no
     reshard planning; only the data-dependent steps run."""
+    if not _dygraph():                                    # paddle.jit.to_static building a program
+        from autoparallel.graph.jit import check_static_call
+        check_static_call(op)
     if path in ARG_MAP or args.__class__ is not tuple or kwargs.__class__ is not dict:
         args, kwargs = _map_args(path, tuple(args), dict(kwargs))
     rule = get_spmd_rule(op)
@@ -444,6 +450,8 @@ def install() -> None:
     _install_guards()
     _install_dist_tensor_methods()
     _prime_thread_state()
+    from autoparallel.graph import jit
+    jit.install()                                        # paddle.jit.to_static over distributed tensors
     _INSTALLED = True
 
 
