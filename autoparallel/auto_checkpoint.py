@@ -56,6 +56,8 @@ class Run:
         if self.manager is not None:
             self.manager.optimizer = optimizer
             self._handle = _register(optimizer, self.after_step)
+        elif callable(getattr(optimizer, "register_step_post_hook", None)):
+            self._handle = optimizer.register_step_post_hook(self.after_step)
 
 
 _current: Optional[Run] = None
@@ -77,9 +79,10 @@ def attach(model=None, optimizer=None, strategy=None) -> Run:
                                "(ap.DataParallel(model, strategy=...))")
         model = _current.model
         strategy = _current.strategy if strategy is None else strategy
-    if _current is not None and _current._handle is not None:
-        _current._handle.remove()
-    run = Run(model, optimizer, strategy)
+    if _current is not None and _current._handle is not None and optimizer is not None \
+            and _current.optimizer is optimizer:
+        _current._handle.remove()             # the same optimizer attached again: one hook
+    run = Run(model, optimizer, strategy)     # earlier runs keep their hooks (and keep saving)
     if _current is not None and _current.model is model:
         run.input_shape, run.step = _current.input_shape, _current.step
     else:
@@ -90,6 +93,8 @@ def attach(model=None, optimizer=None, strategy=None) -> Run:
 
         run.manager = CheckpointManager.from_strategy(strategy, optimizer)
         run._handle = _register(optimizer, run.after_step)
+    elif callable(getattr(optimizer, "register_step_post_hook", None)):
+        run._handle = optimizer.register_step_post_hook(run.after_step)     # counts steps (resume, reconfigure)
     _current = run
     return run
 
