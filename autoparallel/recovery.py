@@ -108,10 +108,16 @@ def _move_storage(t, place) -> None:
 
 # ---- reconfiguration -------------------------------------------------------------------------------------
 def reconfigure_distributed_model(model=None, strategy=None, optimizer=None, **kwargs):
-    """The article's name for ``ap.reconfigure``: rebuild ``model`` and its optimizer under ``strategy``
-    keeping every trained value (checkpoint round-trip); returns ``(new_model, new_optimizer)`` and makes
-    them the current run. ``model`` / ``optimizer`` default to the current run's; other keywords go to
-    ``ap.reconfigure`` (``build=``, ``state_fn=``, ``tmp_dir=``)."""
+    """The article's ``reconfigure_distributed_model(model, new_strategy)``, over ``ap.reconfigure``: rebuild
+    the model and its optimizer under ``strategy`` keeping every trained value (a checkpoint round-trip).
+
+    In place, because the article's call uses no return value: the ``model`` and ``optimizer`` objects the
+    caller holds *become* the rebuilt ones (each shares the rebuilt object's class and attribute dict), so
+    the training loop continues with the new layout. Also returns ``(model, optimizer)``. ``model`` /
+    ``optimizer`` default to the current run's; other keywords go to ``ap.reconfigure`` (``build=``,
+    ``state_fn=``, ``tmp_dir=``)."""
+    from autoparallel.auto_checkpoint import attach
+    from autoparallel.auto_checkpoint import current_run as _cur
     from autoparallel.checkpoint.reshard_state import reconfigure
     from autoparallel.strategy import Strategy
 
@@ -119,15 +125,40 @@ def reconfigure_distributed_model(model=None, strategy=None, optimizer=None, **k
         raise TypeError(f"reconfigure_distributed_model(model, strategy): strategy must be an ap.Strategy (e.g. "
                         f"PerformanceMonitor.suggest_optimal_strategy()), got {type(strategy).__name__}")
     run, model, optimizer = _run_objects(model, optimizer, "reconfigure_distributed_model")
+    steps = run.step if run is not None and run.model is model else 0
     new_model, new_optimizer = reconfigure(model, optimizer, strategy, **kwargs)
-    from autoparallel.auto_checkpoint import attach, current_run as _cur
-
+    _become(model, new_model)
+    if optimizer is not None and new_optimizer is not None:
+        _become(optimizer, new_optimizer)
+    _repoint(model, new_model, optimizer)
     cur = _cur()
     if cur is None or cur.model is not new_model:       # a custom build= may not go through an entry point
-        attach(new_model, new_optimizer, strategy)
-    if run is not None and run.model is model:
-        _cur().step = run.step
-    return new_model, new_optimizer
+        cur = attach(new_model, new_optimizer, strategy)
+    cur.model = model
+    cur.optimizer = optimizer if new_optimizer is not None else None
+    cur.step = steps
+    return model, cur.optimizer
+
+
+def _repoint(model, new_model, optimizer) -> None:
+    """References to the rebuilt model held by the wrappers and the build record name the held object."""
+    from autoparallel.checkpoint.state import wrapper_chain
+
+    holders = list(wrapper_chain(optimizer)) if optimizer is not None else []
+    holders.append(getattr(model, "_ap_build", None))
+    for h in holders:
+        if h is not None and getattr(h, "__dict__", {}).get("model") is new_model:
+            h.__dict__["model"] = model
+
+
+def _become(old, new) -> None:
+    """``old`` turns into an alias of ``new``: the same class, the same attribute dict (no copy, so hooks
+    and closures that hold ``new`` see every later change made through ``old`` and the reverse)."""
+    if old is new:
+        return
+    if type(old) is not type(new):
+        old.__class__ = type(new)
+    object.__setattr__(old, "__dict__", new.__dict__)
 
 
 __all__ = ["resume_from_last_checkpoint", "fallback_to_cpu_offload", "reconfigure_distributed_model", "offload_zero"]

@@ -10,6 +10,7 @@ import pytest
 
 import autoparallel as ap
 from autoparallel import auto_checkpoint
+from autoparallel.parallel.sharding import ZeroOptimizer
 from autoparallel.testing.models import batch, build
 
 
@@ -137,8 +138,15 @@ def test_reconfigure_distributed_model_keeps_the_trained_values():
         before = values(m, opt)
         new = ap.Strategy()
         new.sharding.enable, new.sharding.stage = True, 3
-        m2, opt2 = ap.reconfigure_distributed_model(m, new)
-        assert auto_checkpoint.current_run().model is m2 and auto_checkpoint.current_run().step == 2
-        assert_same(values(m2, opt2), before)
+        old_weight = dict(m.named_parameters())["wte.weight"]
+        m2, opt2 = ap.reconfigure_distributed_model(m, new)        # in place: the held objects are rebuilt
+        assert m2 is m and opt2 is opt and isinstance(opt, ZeroOptimizer) and opt.stage == 3
+        assert dict(m.named_parameters())["wte.weight"] is not old_weight
+        assert auto_checkpoint.current_run().model is m and auto_checkpoint.current_run().step == 2
+        assert_same(values(m, opt), before)
+        train(m, opt, range(2, 4))                                # the loop goes on with the held objects
+        ref_m, ref_opt = make(world_stage=1)
+        train(ref_m, ref_opt, range(4))
+        assert_same(values(m, opt), values(ref_m, ref_opt))
         with pytest.raises(TypeError, match="strategy must be an ap.Strategy"):
             ap.reconfigure_distributed_model(m2, {"sharding": {"stage": 2}})
