@@ -81,8 +81,8 @@ def run(op: str, path: str, args, kwargs):
     A call whose key (see dispatch_cache) was seen before reuses its plan: no rule, no validation, no
     reshard planning; only the data-dependent steps run."""
     if not _dygraph():                                    # paddle.jit.to_static building a program
-        from autoparallel.graph.jit import check_static_call
-        check_static_call(op)
+        from autoparallel.graph.jit import static_args
+        args, kwargs = static_args(op, args, kwargs)
     if path in ARG_MAP or args.__class__ is not tuple or kwargs.__class__ is not dict:
         args, kwargs = _map_args(path, tuple(args), dict(kwargs))
     rule = get_spmd_rule(op)

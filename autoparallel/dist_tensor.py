@@ -229,6 +229,9 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
         return shard_lazy(data, mesh, placements)     # built under paddle.LazyGuard: lay out, allocate later
     if isinstance(data, DistTensor) or is_dist(data):
         return reshard(data, mesh, placements)
+    if not paddle.in_dynamic_mode():                   # inside paddle.jit.to_static (graph/jit.py)
+        from autoparallel.graph.jit import shard_value
+        return shard_value(data, mesh, placements, dtype, stop_gradient)
     is_param = isinstance(data, EagerParamBase)
     t = data if isinstance(data, paddle.Tensor) else paddle.to_tensor(np.asarray(data), dtype=dtype)
     if dtype is not None and normalize_dtype(t.dtype) != normalize_dtype(dtype):

@@ -56,6 +56,9 @@ def _run_local(xs, fwd, bwd):
     if not order:
         return {}
     ts = [xs[r] for r in order]
+    if not paddle.in_dynamic_mode():                   # lowered into a paddle static program (graph/jit.py)
+        from autoparallel.graph.jit import static_comm
+        return static_comm(xs, fwd, bwd)
     if all(t.stop_gradient for t in ts):
         with paddle.no_grad():
             return fwd(dict(xs))
@@ -128,7 +131,7 @@ def _slice_raw(xs, ranks, axis, sizes):
 
 def _reduce_raw(xs, ranks, op):
     some = next(iter(xs.values()))
-    if some.numel() == 0 or len(ranks) == 1:
+    if _numel_without(some, -1) == 0 or len(ranks) == 1:
         return {r: x.clone() for r, x in xs.items()}
     return transport_for(current_world()).all_reduce(xs, ranks, op)
 
@@ -136,7 +139,7 @@ def _reduce_raw(xs, ranks, op):
 def _reduce_scatter_raw(xs, ranks, axis, sizes, op):
     n, c = len(ranks), max(sizes)
     some = next(iter(xs.values()))
-    if c == 0 or some.numel() == 0 or n == 1:
+    if c == 0 or _numel_without(some, -1) == 0 or n == 1:
         return _slice_raw(_reduce_raw(xs, ranks, op), ranks, axis, sizes)
     padded = {r: _pad_to(x, axis, n * c) for r, x in xs.items()}
     got = transport_for(current_world()).reduce_scatter(padded, ranks, op, axis)

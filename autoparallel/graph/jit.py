@@ -28,13 +28,16 @@ completed over the whole graph, then pinned); ``docs/static.md`` compares the st
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import types
 import warnings
 
 _INSTALLED = False
 _NOTICED: set = set()
-NOTICE = ("paddle.jit.to_static: {name} uses distributed tensors; it runs in dygraph mode through autoparallel's "
-          "dispatch (layout plans cached per call), not as a paddle static program")
+_lowering = threading.local()          # depth > 0 while a Lowered function builds its program
+NOTICE = ("paddle.jit.to_static: {name} uses distributed tensors and runs in dygraph mode through autoparallel's "
+          "dispatch, not as a paddle static program: {why}")
 
 
 def install() -> None:
@@ -47,24 +50,306 @@ def install() -> None:
     orig = StaticFunction.__call__
 
     def __call__(self, *args, **kwargs):
-        if not getattr(self, "_property", False) and touches_dist(self, args, kwargs):
-            _notice(self)
-            return self._call_dygraph_function(*args, **kwargs)
-        return orig(self, *args, **kwargs)
+        if getattr(self, "_ap_lowered", False) or getattr(self, "_property", False) or \
+                not touches_dist(self, args, kwargs):
+            return orig(self, *args, **kwargs)
+        return _run(self, args, kwargs)
 
     __call__.__wrapped__ = orig
     StaticFunction.__call__ = __call__
     _INSTALLED = True
 
 
-def _notice(sf) -> None:
+def _notice(sf, why: str) -> None:
     fn = getattr(sf, "_dygraph_function", None)
     key = getattr(fn, "__code__", None) or id(sf)
     if key in _NOTICED:
         return
     _NOTICED.add(key)
     name = getattr(fn, "__qualname__", None) or repr(fn)
-    warnings.warn(NOTICE.format(name=name), UserWarning, stacklevel=3)
+    warnings.warn(NOTICE.format(name=name, why=why), UserWarning, stacklevel=4)
+
+
+# ---- static values entering autoparallel -------------------------------------------------------------------
+def is_static_value(x) -> bool:
+    """A ``pir.Value``: a placeholder of the static program paddle is building."""
+    import paddle
+
+    return isinstance(x, paddle.pir.Value)
+
+
+def shard_value(value, mesh, placements, dtype=None, stop_gradient=None):
+    """``shard_tensor`` while paddle builds a static program: this rank's slice of a program value (an eager
+    tensor or array becomes a program constant first), as a DistTensor whose local is a program value."""
+    import numpy as np
+    import paddle
+
+    from autoparallel.comm.world import current_world
+    from autoparallel.dist_tensor import DistTensor, _local_from_full, _spec_for
+    from autoparallel.spec import normalize_dtype
+
+    if not getattr(_lowering, "depth", 0):
+        raise NotImplementedError("shard_tensor while paddle builds a static program: decorate a function that "
+                                  "names the model (it is then lowered by autoparallel), or call shard_tensor "
+                                  "outside paddle.jit.to_static")
+    if isinstance(value, paddle.Tensor):
+        value = paddle.pir.core._convert_into_value(value)
+    elif not is_static_value(value):
+        value = paddle.to_tensor(np.asarray(value), dtype=dtype)
+    shape = list(value.shape)
+    if any(int(d) < 0 for d in shape):
+        raise NotImplementedError(f"shard_tensor of a static-program value needs a fully known shape, got {shape}: "
+                                  f"call the decorated function with concrete tensors (no dynamic InputSpec dims)")
+    if dtype is not None and normalize_dtype(value.dtype) != normalize_dtype(dtype):
+        value = value.astype(normalize_dtype(dtype))
+    spec = _spec_for(shape, value.dtype, mesh, placements)
+    world = current_world()
+    locals_ = {r: _local_from_full(value, spec, r) for r in world.local_ranks(mesh.process_ids)}
+    for v in locals_.values():
+        v.stop_gradient = value.stop_gradient if stop_gradient is None else stop_gradient
+    return DistTensor(locals_, spec)
+
+
+# ---- lowering: a per-rank paddle static program ----------------------------------------------------------------
+def _run(sf, args, kwargs):
+    """Run a decorated function over distributed tensors: lowered (real ranks), else dygraph with a notice."""
+    from autoparallel.comm.world import current_world
+
+    state = sf.__dict__.get("_ap_state")
+    if state is None:
+        state = sf.__dict__["_ap_state"] = {"lowered": None, "why": None}
+        if current_world().is_simulated:
+            state["why"] = "the simulated world holds every rank in this process, and a static program is one rank's"
+    if state["why"] is None:
+        try:
+            if state["lowered"] is None:
+                state["lowered"] = Lowered(sf)
+            return state["lowered"](args, kwargs)
+        except _CannotLower as e:
+            state["why"] = str(e)
+    _notice(sf, state["why"])
+    return sf._call_dygraph_function(*args, **kwargs)
+
+
+class _CannotLower(Exception):
+    pass
+
+
+_IGNORED = False
+
+
+def _ignore_own_modules() -> None:
+    """paddle's AST translator must call autoparallel's code as plain Python, never rewrite it."""
+    global _IGNORED
+    if _IGNORED:
+        return
+    import sys
+
+    import paddle
+
+    mods = [m for n, m in list(sys.modules.items()) if m is not None and
+            (n == "autoparallel" or n.startswith(("autoparallel.", "spmd_rules", "reshard")))]
+    paddle.jit.ignore_module(mods)
+    _IGNORED = True
+
+
+class Lowered:
+    """A decorated function over distributed tensors as one paddle static program per rank: dispatch runs
+    while paddle's AST translator builds the program, so each routed op contributes its local op and the
+    collectives of its plan on this rank's shards (DistTensors whose locals are the program's values);
+    distributed outputs leave the program as their local values and are wrapped again after it ran."""
+
+    def __init__(self, sf):
+        import paddle
+
+        _ignore_own_modules()
+        self.sf = sf
+        self.fn = sf.dygraph_function                   # bound to its layer for a decorated method
+        self.out_specs = None
+        self.program = paddle.jit.to_static(_same_signature(self.fn, self._inner), full_graph=True)
+        self.program._ap_lowered = True
+
+    def _inner(self, *args, **kwargs):
+        from autoparallel.dist_tensor import DistTensor
+
+        _lowering.depth = getattr(_lowering, "depth", 0) + 1
+        try:
+            with _params_as_dist_values(), _value_methods():
+                out = self.fn(*args, **kwargs)
+        finally:
+            _lowering.depth -= 1
+        flat, treedef = _flatten(out)
+        specs = [x.spec if isinstance(x, DistTensor) else None for x in flat]
+        self.out_specs = (treedef, specs)
+        return [x.local if isinstance(x, DistTensor) else x for x in flat]
+
+    def __call__(self, args, kwargs):
+        from autoparallel.dist_tensor import DistTensor
+
+        try:
+            flat = self.program(*args, **kwargs)
+        except Exception as e:                          # noqa: BLE001  (any translation failure: run dygraph)
+            raise _CannotLower(f"lowering failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
+        treedef, specs = self.out_specs
+        flat = flat if isinstance(flat, (list, tuple)) else [flat]
+        outs = [x if spec is None else DistTensor({_rank(spec): x}, spec) for x, spec in zip(flat, specs)]
+        return _unflatten(treedef, outs)
+
+
+def _same_signature(fn, target):
+    """A function with ``fn``'s parameter list calling ``target`` (paddle reads the decorated signature)."""
+    import inspect
+
+    sig = inspect.signature(fn)
+    params, call, defaults = [], [], {}
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            params.append(f"*{p.name}")
+            call.append(f"*{p.name}")
+            continue
+        if p.kind is p.VAR_KEYWORD:
+            params.append(f"**{p.name}")
+            call.append(f"**{p.name}")
+            continue
+        if p.kind is p.KEYWORD_ONLY and not any(x.startswith("*") for x in params):
+            params.append("*")
+        text = p.name
+        if p.default is not p.empty:
+            defaults[p.name] = p.default
+            text += f"=__defaults[{p.name!r}]"
+        params.append(text)
+        call.append(p.name if p.kind is p.POSITIONAL_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
+                    else f"{p.name}={p.name}")
+    import linecache
+
+    src = f"def lowered({', '.join(params)}):\n    return __target({', '.join(call)})\n"
+    filename = f"<autoparallel lowered {getattr(fn, '__qualname__', 'function')} {id(target)}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)     # paddle reads the source
+    scope = {"__target": target, "__defaults": defaults}
+    exec(compile(src, filename, "exec"), scope)          # noqa: S102  (a signature, no user text)
+    return scope["lowered"]
+
+
+@contextlib.contextmanager
+def _params_as_dist_values():
+    """While paddle swaps a layer's parameters for program values (``param_guard``), a distributed parameter
+    becomes a DistTensor whose local is its value, so dispatch keeps its layout."""
+    import paddle.pir.core as core
+
+    from autoparallel.comm.world import current_world
+    from autoparallel.dist_tensor import DistTensor, is_dist
+
+    orig = core._convert_into_value
+    rank = current_world().rank
+
+    def convert(tensor):
+        value = orig(tensor)
+        if is_dist(tensor):
+            return DistTensor({rank: value}, tensor.spec)
+        return value
+
+    core._convert_into_value = convert
+    try:
+        yield
+    finally:
+        core._convert_into_value = orig
+
+
+class _ValueFns(dict):
+    """dispatch's cache of local callables, seen while lowering: a ``paddle.Tensor`` method called on a
+    program value runs the value's own method."""
+
+    def get(self, path, default=None):
+        fn = dict.get(self, path, default)
+        if fn is None or not path.startswith("paddle.Tensor."):
+            return fn
+        return _value_aware(fn, path.rsplit(".", 1)[1])
+
+
+def _value_aware(fn, attr):
+    import paddle
+
+    def call(self, *args, **kwargs):
+        if isinstance(self, paddle.pir.Value):
+            return getattr(paddle.pir.Value, attr)(self, *args, **kwargs)
+        return fn(self, *args, **kwargs)
+    return call
+
+
+@contextlib.contextmanager
+def _value_methods():
+    from autoparallel import dispatch
+
+    prev = dispatch._LOCAL_FN
+    dispatch._LOCAL_FN = _ValueFns(prev)
+    try:
+        yield
+    finally:
+        prev.update({k: v for k, v in dict.items(dispatch._LOCAL_FN) if k not in prev})
+        dispatch._LOCAL_FN = prev
+
+
+def static_comm(xs, fwd, bwd):
+    """A collective inside a program being lowered: ``fwd`` on this rank's tensors as a static PyLayer whose
+    backward is ``bwd`` (the adjoint collective), built when paddle differentiates the program."""
+    import paddle
+
+    order = list(xs)
+    ts = [xs[r] for r in order]
+    if all(t.stop_gradient for t in ts):
+        with paddle.no_grad():
+            return fwd(dict(xs))
+    from paddle.jit.dy2static.py_layer import StaticPyLayer
+
+    return dict(zip(order, StaticPyLayer(_comm_layer(fwd, bwd, order)).apply(*ts)))
+
+
+def _comm_layer(fwd, bwd, order):
+    """A PyLayer class over ``len(order)`` tensors (a fixed arity: paddle binds the forward's signature)."""
+    import linecache
+
+    from paddle.autograd import PyLayer
+
+    n = len(order)
+    names = ", ".join(f"t{i}" for i in range(n))
+    src = (f"class _StaticComm(PyLayer):\n"
+           f"    @staticmethod\n"
+           f"    def forward(ctx, {names}):\n"
+           f"        outs = __fwd(dict(zip(__order, [{names}])))\n"
+           f"        return tuple(outs[r] for r in __order)\n"
+           f"    @staticmethod\n"
+           f"    def backward(ctx, {names}):\n"
+           f"        outs = __bwd(dict(zip(__order, [{names}])))\n"
+           f"        return tuple(outs[r] for r in __order)\n")
+    filename = f"<autoparallel static collective {id(fwd)}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    scope = {"PyLayer": PyLayer, "__fwd": fwd, "__bwd": bwd, "__order": order}
+    exec(compile(src, filename, "exec"), scope)          # noqa: S102  (generated from a count, no user text)
+    return scope["_StaticComm"]
+
+
+def _rank(spec) -> int:
+    from autoparallel.comm.world import current_world
+
+    return current_world().rank
+
+
+def _flatten(out):
+    if isinstance(out, (list, tuple)):
+        parts = [_flatten(o) for o in out]
+        return [x for p, _ in parts for x in p], (type(out), [len(p) for p, _ in parts], [t for _, t in parts])
+    return [out], None
+
+
+def _unflatten(treedef, flat):
+    if treedef is None:
+        return flat[0]
+    kind, sizes, subs = treedef
+    out, i = [], 0
+    for n, sub in zip(sizes, subs):
+        out.append(_unflatten(sub, flat[i:i + n]))
+        i += n
+    return kind(out)
 
 
 # ---- what a decorated function touches -----------------------------------------------------------------------
@@ -132,11 +417,46 @@ def touches_dist(sf, args, kwargs) -> bool:
     return any(_value_is_dist(v) for v in _referenced(getattr(sf, "_dygraph_function", None)))
 
 
+def static_args(op: str, args, kwargs):
+    """Called by dispatch on a routed op over distributed tensors in static-graph mode: while a Lowered
+    function builds its program, plain program values next to distributed ones become replicated
+    DistTensors (as plain tensors are in eager mode); otherwise the call is refused."""
+    if getattr(_lowering, "depth", 0):
+        mesh = _mesh_of(args, kwargs)
+        return tuple(_wrap_value(a, mesh) for a in args), {k: _wrap_value(v, mesh) for k, v in kwargs.items()}
+    check_static_call(op)
+    return args, kwargs
+
+
+def _mesh_of(args, kwargs):
+    from autoparallel.dist_tensor import as_dist, is_dist
+
+    for v in list(args) + list(kwargs.values()):
+        for u in (v if isinstance(v, (list, tuple)) else (v,)):
+            if is_dist(u):
+                return as_dist(u).mesh
+    return None
+
+
+def _wrap_value(v, mesh):
+    from autoparallel.comm.world import current_world
+    from autoparallel.dist_tensor import DistTensor
+    from autoparallel.placement import Replicate
+    from autoparallel.spec import DistSpec
+
+    if isinstance(v, (list, tuple)):
+        return type(v)(_wrap_value(u, mesh) for u in v)
+    if mesh is None or not is_static_value(v):
+        return v
+    spec = DistSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)), tuple(int(d) for d in v.shape), v.dtype)
+    return DistTensor({r: v for r in current_world().local_ranks(mesh.process_ids)}, spec)
+
+
 def check_static_call(op: str) -> None:
-    """Called by dispatch on a routed op over distributed tensors: refuse paddle's static-graph mode."""
+    """Refuse a routed op over distributed tensors while paddle builds a static program outside lowering."""
     import paddle
 
-    if not paddle.in_dynamic_mode():
+    if not paddle.in_dynamic_mode() and not getattr(_lowering, "depth", 0):
         raise NotImplementedError(f"{op} received distributed tensors while paddle builds a static program "
                                   f"(paddle.jit.to_static): their layouts cannot be lowered into it. Decorate a "
                                   f"function that names the model or its inputs directly (it then runs through "
