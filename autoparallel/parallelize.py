@@ -354,7 +354,7 @@ def shard_inputs(model, mesh) -> None:
                 raise ValueError(f"{type(model).__name__} runs on mesh {mesh} but got a DistTensor on mesh "
                                  f"{x.mesh}; reshard it onto the model's mesh (ap.reshard) or pass the plain tensor")
             return x
-        if not isinstance(x, paddle.Tensor) or x.ndim == 0:
+        if not isinstance(x, (paddle.Tensor, paddle.pir.Value)) or x.ndim == 0:      # Value: jit.to_static
             return x
         dims = _input_dims()
         unknown = [d for d in dims if d not in mesh.dim_names]
