@@ -109,6 +109,15 @@ def reject_without_model(strategy) -> None:
                          f"ap.DataParallel(model, strategy=s) first, or use ap.parallelize(model, opt, strategy=s)")
 
 
+def check_to_static(strategy, optimizer) -> None:
+    """``ap.to_static``: refuse what it cannot honour, apply the seed."""
+    reject_unsupported(strategy, TO_STATIC)
+    if optimizer is None and strategy.sharding.enable:
+        raise ValueError("ap.to_static without an optimizer cannot honour strategy sharding.enable=True (ZeRO "
+                         "shards the optimizer's states); pass the optimizer")
+    apply_seed(strategy)
+
+
 def apply_seed(strategy) -> None:
     """``strategy.seed``: seed paddle, numpy and python ``random`` (every rank the same seed)."""
     if strategy.seed is None:

@@ -474,6 +474,10 @@ def Optimizer(optimizer, strategy: Strategy | None = None):
 
         s = Strategy() if strategy is None else strategy
         reject_without_model(s)
+        if not any(is_dist(p) for p in params):
+            raise ValueError(f"ap.Optimizer: none of the optimizer's {len(params)} parameters belongs to a model "
+                             f"built by ap.DataParallel or is distributed (ap.shard_layer / ap.shard_tensor); call "
+                             f"ap.DataParallel(model, strategy=s) before ap.Optimizer(optimizer)")
         return wrap_optimizer(inner, {}, s.gradient_accumulation_steps)
     if strategy is not None and strategy.to_dict() != build.strategy.to_dict() and build.strategy is not strategy:
         raise ValueError(f"ap.Optimizer(strategy=...) differs from the strategy ap.DataParallel built the model "

@@ -428,8 +428,8 @@ class Strategy(_Config):
                 return None
             return world_size // (tp * pp)
         if dp * tp * pp != world_size:
-            problems.append(f"data_parallel x tensor_parallel x pipeline_parallel degrees = {dp} x {tp} x {pp} = "
-                            f"{dp * tp * pp}, expected the world size {world_size}")
+            problems.append(f"data_parallel.degree x tensor_parallel.degree x pipeline_parallel.degree = {dp} x {tp} "
+                            f"x {pp} = {dp * tp * pp}, expected the world size {world_size}")
         return dp
 
     def _check_model(self, info, tp, pp, problems):
