@@ -163,6 +163,7 @@ class Lowered:
         import paddle
 
         _ignore_own_modules()
+        _ordered_collectives()
         self.sf = sf
         self.fn = sf.dygraph_function                   # bound to its layer for a decorated method
         self.out_specs = None
@@ -189,7 +190,8 @@ class Lowered:
         try:
             flat = self.program(*args, **kwargs)
         except Exception as e:                          # noqa: BLE001  (any translation failure: run dygraph)
-            raise _CannotLower(f"lowering failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
+            self.error = e
+            raise _CannotLower(f"lowering failed ({type(e).__name__}: {_last_line(e)})") from e
         treedef, specs = self.out_specs
         flat = flat if isinstance(flat, (list, tuple)) else [flat]
         outs = [x if spec is None else DistTensor({_rank(spec): x}, spec) for x, spec in zip(flat, specs)]
@@ -244,6 +246,10 @@ def _params_as_dist_values():
 
     def convert(tensor):
         value = orig(tensor)
+        import os
+        if os.environ.get("AP_JIT_DEBUG"):
+            print("CONVERT", type(tensor).__name__, getattr(tensor, "name", None), id(tensor),
+                  list(getattr(tensor, "shape", [])), getattr(value, "shape", None), flush=True)
         if is_dist(tensor):
             return DistTensor({rank: value}, tensor.spec)
         return value
@@ -261,8 +267,12 @@ class _ValueFns(dict):
 
     def get(self, path, default=None):
         fn = dict.get(self, path, default)
-        if fn is None or not path.startswith("paddle.Tensor."):
+        if not path.startswith("paddle.Tensor."):
             return fn
+        if fn is None:
+            from autoparallel import dispatch
+
+            fn = dispatch._ORIG.get(path) or dispatch._resolve(path)
         return _value_aware(fn, path.rsplit(".", 1)[1])
 
 
@@ -301,7 +311,8 @@ def static_comm(xs, fwd, bwd):
             return fwd(dict(xs))
     from paddle.jit.dy2static.py_layer import StaticPyLayer
 
-    return dict(zip(order, StaticPyLayer(_comm_layer(fwd, bwd, order)).apply(*ts)))
+    outs = StaticPyLayer(_comm_layer(fwd, bwd, order)).apply(*ts)
+    return dict(zip(order, outs if isinstance(outs, (list, tuple)) else [outs]))   # one output comes bare
 
 
 def _comm_layer(fwd, bwd, order):
@@ -326,6 +337,23 @@ def _comm_layer(fwd, bwd, order):
     scope = {"PyLayer": PyLayer, "__fwd": fwd, "__bwd": bwd, "__order": order}
     exec(compile(src, filename, "exec"), scope)          # noqa: S102  (generated from a count, no user text)
     return scope["_StaticComm"]
+
+
+def _ordered_collectives() -> None:
+    """Every rank must issue its collectives in one order; paddle's executor may run independent ops of a
+    program in any order on several threads, so with more than one rank it runs them in program order."""
+    import paddle
+
+    from autoparallel.comm.world import current_world
+
+    if current_world().world_size > 1:
+        paddle.set_flags({"FLAGS_new_executor_sequential_run": True, "FLAGS_new_executor_serial_run": True})
+
+
+def _last_line(e) -> str:
+    """The message of an error paddle's translator re-raised with its own header (the last line says it)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return (lines[-1] if lines else "")[:200]
 
 
 def _rank(spec) -> int:
@@ -423,6 +451,11 @@ def static_args(op: str, args, kwargs):
     DistTensors (as plain tensors are in eager mode); otherwise the call is refused."""
     if getattr(_lowering, "depth", 0):
         mesh = _mesh_of(args, kwargs)
+        import os
+        if os.environ.get("AP_JIT_DEBUG"):
+            print("STATIC", op, [(type(a).__name__, getattr(a, "shape", None), getattr(a, "placements", None),
+                                  [list(t.shape) for t in getattr(a, "_locals", {}).values()]) for a in args],
+                  flush=True)
         return tuple(_wrap_value(a, mesh) for a in args), {k: _wrap_value(v, mesh) for k, v in kwargs.items()}
     check_static_call(op)
     return args, kwargs
