@@ -221,7 +221,11 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
 
     A Parameter becomes a DistParameter (a Parameter holding the local shard). Partial(sum) keeps the
     value on coordinate 0 of that mesh dim and zeros elsewhere; avg/max/min keep it everywhere.
+    ``None`` (an absent optional weight, e.g. ``CrossEntropyLoss(weight=None).weight`` reached by a shard_fn
+    that tests ``hasattr(layer, "weight")``) stays ``None``.
     """
+    if data is None:
+        return None
     _ensure_dispatch()
     if isinstance(data, EagerParamBase) and _is_lazy(data, dtype):
         from autoparallel.lazy_init.params import shard_lazy
