@@ -46,6 +46,7 @@ _EXPORTS = {
     "complete": "autoparallel.graph.completion",
     "apply_pp": "autoparallel.parallel.pipeline.runtime", "PipelineModule": "autoparallel.parallel.pipeline.runtime",
     "materialize": "autoparallel.lazy_init.params",
+    "register_spmd_rule": "spmd_rules.registry", "get_spmd_rule": "spmd_rules.registry",
     "resume_from_last_checkpoint": "autoparallel.recovery", "fallback_to_cpu_offload": "autoparallel.recovery",
     "reconfigure_distributed_model": "autoparallel.recovery",
 }
