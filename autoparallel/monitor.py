@@ -186,6 +186,8 @@ class PerformanceMonitor:
         self._inferred = _Steps(warmup_steps, measure_steps)
         self._mode = None                  # None (undecided), "explicit" or "inferred"
         self._depth = 0
+        self._order: list = []             # keys in the order they were first recorded
+        self._seen: set = set()
         self._gathered: Optional[dict] = None
         self._gathered_steps: Optional[dict] = None
 
@@ -229,6 +231,9 @@ class PerformanceMonitor:
     def record(self, name: str, index: int = None):
         key = _key(name, index)
         top = self._depth == 0
+        if key not in self._seen:
+            self._seen.add(key)
+            self._order.append(key)
         self._begin(key, top)
         trackers = [t for t in self._trackers() if t.measuring]
         self._depth += 1
@@ -315,17 +320,42 @@ class PerformanceMonitor:
         return None, indexed(merged, "stage")
 
     def imbalance(self, split=None) -> dict:
-        """Skews (slowest over mean, minus 1) across ranks of the "step" time and across pipeline stages."""
+        """How unequal the ranks and the pipeline stages are.
+
+        ``ranks``: the larger of the skew of the ranks' step times (slowest over mean, minus 1) and, for each
+        recorded phase, how far its slowest rank exceeds the phase's mean, relative to the mean step time.
+        Synchronous training hides a straggler in the step times (the others wait for it in a collective),
+        not in the phases: the straggler is slow where it computes, the others where they wait. So
+        ``slowest_rank`` is the slowest rank of the *first* phase (in record order) whose excess is at least
+        half of the largest one: the cause comes before the waits it induces. ``stages``: the skew of the
+        stage times (``stage[i]`` records, or ``layer[i]`` records summed over a split)."""
         steps = self._rank_step_times()
-        out = {"ranks": skew(steps.values()), "rank_steps": steps, "stages": 0.0, "stage_times": []}
+        out = {"ranks": skew(steps.values()), "rank_steps": steps, "stages": 0.0, "stage_times": [], "phases": {}}
+        per_rank = self._per_rank()
+        mean_step = sum(steps.values()) / len(steps) if steps else 0.0
+        if len(per_rank) > 1 and mean_step > 0:
+            keys = [k for k in self._key_order() if any(k in t for t in per_rank.values())]
+            for key in keys:
+                vals = [t.get(key, 0.0) for t in per_rank.values()]
+                out["phases"][key] = (max(vals) - sum(vals) / len(vals)) / mean_step
+            worst = max(out["phases"].values(), default=0.0)
+            out["ranks"] = max(out["ranks"], worst)
+            if worst > 0:
+                first = next(k for k in keys if out["phases"][k] >= 0.5 * worst)
+                out["slowest_phase"] = first
+                out["slowest_rank"] = max(per_rank, key=lambda r: per_rank[r].get(first, 0.0))
         _, stage_times = self._stages(split)
         if stage_times:
             out["stages"] = skew(stage_times)
             out["stage_times"] = stage_times
             out["slowest_stage"] = max(range(len(stage_times)), key=stage_times.__getitem__)
-        if steps:
+        if steps and "slowest_rank" not in out:
             out["slowest_rank"] = max(steps, key=steps.get)
         return out
+
+    def _key_order(self) -> list:
+        order = list(self._order)
+        return order + sorted({k for t in self._per_rank().values() for k in t} - set(order), key=_sort_key)
 
     def _rank_step_times(self) -> dict:
         """{rank: mean seconds of the top-level records per measured step}."""

@@ -204,3 +204,22 @@ def test_split_names_come_from_the_run_models_block_list():
         assert s.pipeline_parallel.micro_batches == 2 and strategy.pipeline_parallel.split_points == []
     finally:
         auto_checkpoint.reset()
+
+
+def test_a_straggler_in_synchronous_training_is_found_by_its_first_slow_phase():
+    """Rank 1 computes its forward 50 ms longer; rank 0 waits for it in backward's all-reduce, so both step
+    times are equal: the imbalance and the culprit show in the phases, in record order."""
+    clock = FakeClock()
+    mon = PerformanceMonitor(warmup_steps=0, measure_steps=2, clock=clock)
+    _article_loop(mon, clock, (0.01, 0.02, 0.005), steps=3)
+    mine = mon.timings()
+    slow = dict(mine, forward=mine["forward"] + 0.05)
+    waits = dict(mine, backward=mine["backward"] + 0.05)
+    mon._gathered = {0: waits, 1: slow}
+    mon._gathered_steps = {0: sum(waits.values()), 1: sum(slow.values())}
+    imb = mon.imbalance()
+    assert imb["rank_steps"][0] == pytest.approx(imb["rank_steps"][1])       # the step times hide it
+    assert mon.is_imbalanced() and imb["slowest_rank"] == 1 and imb["slowest_phase"] == "forward"
+    mon._gathered = {0: mine, 1: dict(mine, forward=mine["forward"] * 1.01)}  # noise: 1 % of one phase
+    mon._gathered_steps = {0: 0.035, 1: 0.0351}
+    assert not mon.is_imbalanced()
