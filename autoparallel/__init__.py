@@ -47,6 +47,8 @@ _EXPORTS = {
     "apply_pp": "autoparallel.parallel.pipeline.runtime", "PipelineModule": "autoparallel.parallel.pipeline.runtime",
     "materialize": "autoparallel.lazy_init.params",
     "register_spmd_rule": "spmd_rules.registry", "get_spmd_rule": "spmd_rules.registry",
+    "ShardingStage1": "autoparallel.parallel.sharding_stages", "ShardingStage2": "autoparallel.parallel.sharding_stages",
+    "ShardingStage3": "autoparallel.parallel.sharding_stages",
     "resume_from_last_checkpoint": "autoparallel.recovery", "fallback_to_cpu_offload": "autoparallel.recovery",
     "reconfigure_distributed_model": "autoparallel.recovery",
 }

@@ -143,6 +143,7 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
         lazy = False
     by_name = {original[n].name: q for n, q in model.named_parameters() if n in original}
     build = model._ap_build = Build(strategy, mesh, by_name, lazy, model=model)
+    _BUILT[:] = [r for r in _BUILT if r() is not None and r() is not model] + [weakref.ref(model)]
     if optimizer is not None:
         optimizer = build_optimizer(build, wrap_optimizer(optimizer, replaced, strategy.gradient_accumulation_steps))
     _attach(model, optimizer, strategy)
@@ -419,7 +420,7 @@ def _rebind(optimizer, replaced: dict) -> None:
 
 
 # ---- seed-style wrappers -------------------------------------------------------------------------------------
-_BUILT: list = []      # weak references to models built by ap.DataParallel, for ap.Optimizer to find
+_BUILT: list = []      # weak references to models built by ap.parallelize / ap.DataParallel (ap.Optimizer finds them)
 
 
 def DataParallel(model, strategy: Strategy | None = None, tp_plan: dict | None = None):
@@ -455,6 +456,16 @@ def _find_build(params):
         if any(id(p) in own for p in params) or replaced:
             return build, replaced
     return None, {}
+
+
+def model_of_params(params):
+    """The model built by ap.parallelize / ap.DataParallel whose parameters ``params`` are (None if none)."""
+    ids = {id(p) for p in params}
+    for ref in reversed(_BUILT):
+        model = ref()
+        if model is not None and ids & {id(p) for p in model.parameters()}:
+            return model
+    return None
 
 
 def Optimizer(optimizer, strategy: Strategy | None = None):

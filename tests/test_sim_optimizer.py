@@ -109,3 +109,57 @@ def test_step_post_hooks_run_after_each_real_step():
         assert len(seen) == 2
         with pytest.raises(TypeError, match="callable"):
             opt.register_step_post_hook("save")
+
+
+# ---- shard_optimizer's shard_fn forms: effective (states really sharded), results unchanged ----------------
+def _shard_fn_forms(mesh):
+    def moments_over_data(name, param, acc):                   # paddle's accumulator hook
+        return ap.shard_tensor(acc, mesh, [ap.Shard(0)] + list(param.placements)[1:])
+    return {"mesh": mesh, "stage1": ap.ShardingStage1("data", mesh), "stage2": ap.ShardingStage2(0, mesh),
+            "stage3": ap.ShardingStage3("data"), "callable": moments_over_data}
+
+
+@pytest.mark.parametrize("form", ["mesh", "stage1", "stage2", "stage3", "callable"])
+def test_shard_optimizer_forms_shard_states_and_equal_one_process(ref, form):
+    with ap.simulate(world_size=2):
+        m, _ = ap.parallelize(build("gpt"), None, strategy=ap.Strategy())
+        opt = ap.shard_optimizer(make_opt(m.parameters()), _shard_fn_forms(m._ap_mesh)[form])
+        assert opt.stage == (int(form[-1]) if form.startswith("stage") else 1)
+        losses = []
+        for i in range(STEPS):
+            ids, lab = batch(i)
+            loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            losses.append(float(loss))
+        np.testing.assert_allclose(losses, ref[0], rtol=1e-5, atol=1e-6)
+        if opt.stage == 3:
+            opt.gather(opt.params)
+        check_every_rank(m, ref[1])
+        numel = sum(int(np.prod(p.shape)) for p in m.parameters())
+        held = [_moment_elements(opt, r) for r in (0, 1)]
+        assert sum(held) == numel and max(held) <= numel // 2 + len(list(m.parameters()))   # each element once
+        plain = ap.shard_optimizer(make_opt(m.parameters()))               # negative control: not sharded
+        assert plain.__class__ is ShardedOptimizer and not hasattr(plain, "inner_opts")
+
+
+def _moment_elements(opt, rank):
+    """Elements of Adam's first moment this rank holds."""
+    return sum(int(t.numel()) for t in opt.inner_opts[rank]._accumulators["moment1"].values())
+
+
+def test_shard_optimizer_bad_shard_fn_forms():
+    with ap.simulate(world_size=2):
+        m, _ = ap.parallelize(build("gpt"), None, strategy=ap.Strategy())
+        mesh = m._ap_mesh
+        with pytest.raises(ValueError, match="sharding_mesh_dim='pipe' is not a dim of the mesh"):
+            ap.shard_optimizer(make_opt(m.parameters()), ap.ShardingStage1("pipe", mesh))
+        with pytest.raises(NotImplementedError, match="only sharding over a mesh dim the parameter is replicated"):
+            ap.shard_optimizer(make_opt(m.parameters()),
+                               lambda n, p, a: ap.shard_tensor(a, mesh, [ap.Partial(), ap.Replicate()]))
+        with pytest.raises(TypeError, match="shard_fn must be None, ap.ShardingStage1/2/3"):
+            ap.shard_optimizer(make_opt(m.parameters()), "stage1")
+        plain = build("gpt")
+        with pytest.raises(ValueError, match="parameters are not distributed"):
+            ap.shard_optimizer(make_opt(plain.parameters()), ap.ShardingStage1(0, mesh))

@@ -90,5 +90,19 @@ class ShardedOptimizer(StepHooks):
         return getattr(self._inner, name)
 
 
-def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int = 1) -> ShardedOptimizer:
-    return ShardedOptimizer(optimizer, shard_fn, gradient_accumulation_steps, overlap=True)
+def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int = 1):
+    """paddle's ``shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps=1)``; ``shard_fn`` is
+
+    * ``None``: optimizer states follow their parameters' layouts (data-parallel gradients reduced);
+    * ``ap.ShardingStage1/2/3(sharding_mesh_dim, mesh=None)``: ZeRO stage 1/2/3 over that mesh dim;
+    * a ProcessMesh (the article's ``shard_optimizer(opt, mesh)``): ZeRO stage 1 over the mesh's data dim;
+    * paddle's ``shard_fn(accumulator_name, param, accumulator) -> distributed accumulator``: asked once
+      per parameter; states that it shards over a mesh dim the parameter is replicated on run as ZeRO
+      stage 1 over that dim, states kept in the parameter's layout as above, anything else is refused.
+    See parallel/sharding_stages.py."""
+    from autoparallel.parallel.sharding_stages import resolve_shard_fn, zero_optimizer
+
+    stage = resolve_shard_fn(optimizer, shard_fn)
+    if stage is None:
+        return ShardedOptimizer(optimizer, None, gradient_accumulation_steps, overlap=True)
+    return zero_optimizer(optimizer, stage, gradient_accumulation_steps)
