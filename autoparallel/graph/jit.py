@@ -9,22 +9,38 @@ The article's static-mode snippet decorates a training step with paddle's own de
             loss = paddle.mean(paddle.nn.functional.cross_entropy(logits, labels))
         return loss
 
-Neither of paddle's translators can run autoparallel's layouts: the bytecode translator (SOT) stops in
+Paddle's translators alone cannot run autoparallel's layouts: the bytecode translator (SOT) stops in
 autoparallel's own Python, and the AST translator feeds ``pir.Value`` placeholders, which carry no layout,
 into the routed ops. So ``install()`` (run with dispatch's) puts a check in front of paddle's
-``StaticFunction.__call__``: a decorated function that touches distributed tensors — an argument, the layer
-it is a method of, or a layer / tensor its code names through globals or closure cells — runs as written in
-dygraph mode through autoparallel's dispatch (each routed call's layout plan cached after its first call),
-and says so once per function with a one-line ``UserWarning``. It returns what the undecorated function
-returns (a distributed loss on which ``backward()`` works), so it equals eager by construction; functions
-over plain tensors are translated by paddle exactly as before.
+``StaticFunction.__call__``. A decorated function that touches distributed tensors — an argument, the layer
+it is a method of, or a layer / tensor its code names through globals or closure cells — is **lowered**:
 
-If a distributed tensor still reaches a routed op while paddle builds a static program (a model the check
-cannot see, e.g. reached through an attribute of a global object), ``check_static_call`` raises a
-``NotImplementedError`` naming the op instead of computing on one shard's placeholder.
+* its first call builds one paddle static program for this rank (paddle's AST translator, ``full_graph``,
+  over a wrapper with the function's signature; autoparallel's own modules are left untranslated);
+* while the program is built, dispatch runs as in eager mode on DistTensors whose locals are program values:
+  a layer's distributed parameter becomes a DistTensor of its parameter value (its layout kept), a plain
+  value next to distributed ones a replicated one, ``shard_tensor`` / ``parallel_guard`` slice program
+  values, every routed op adds its local op, and every collective of the plan becomes a static PyLayer
+  (forward collective, backward its adjoint) — so the program holds this rank's local ops plus the
+  collectives of the completed plan, and paddle's executor runs it (in program order when there are
+  several ranks, so every rank issues its collectives in one order);
+* distributed outputs leave the program as their local values and are wrapped again (a distributed loss:
+  ``loss.backward()`` runs the program's backward, parameters get their gradients, the optimizer steps).
+
+Later calls with the same input shapes run the built program: no Python dispatch at all.
+
+Where no per-rank program exists — the simulated world (every rank in one process) — or paddle cannot build
+it (data-dependent Python control flow, an op without a static kernel...), the function runs as written in
+dygraph mode through autoparallel's dispatch, and says so once per function with a one-line
+``UserWarning`` naming the reason; it then equals eager by construction. Functions over plain tensors are
+translated by paddle exactly as before.
+
+If a distributed tensor still reaches a routed op while paddle builds a static program outside lowering (a
+model the check cannot see, e.g. reached through an attribute of a global object), ``check_static_call``
+raises a ``NotImplementedError`` naming the op instead of computing on one shard's placeholder.
 
 ``ap.to_static(model, loader, loss_fn, optimizer)`` is the project's captured-graph mode (layouts
-completed over the whole graph, then pinned); ``docs/static.md`` compares the step times.
+completed over the whole graph, then pinned, executed eagerly); ``docs/static.md`` compares step times.
 """
 from __future__ import annotations
 
@@ -57,6 +73,7 @@ def install() -> None:
 
     __call__.__wrapped__ = orig
     StaticFunction.__call__ = __call__
+    _install_param_conversion()
     _INSTALLED = True
 
 
@@ -166,7 +183,8 @@ class Lowered:
         _ordered_collectives()
         self.sf = sf
         self.fn = sf.dygraph_function                   # bound to its layer for a decorated method
-        self.out_specs = None
+        self.out_specs = {}                             # input signature -> (output tree, output specs)
+        self._key = None
         self.program = paddle.jit.to_static(_same_signature(self.fn, self._inner), full_graph=True)
         self.program._ap_lowered = True
 
@@ -175,24 +193,25 @@ class Lowered:
 
         _lowering.depth = getattr(_lowering, "depth", 0) + 1
         try:
-            with _params_as_dist_values(), _value_methods():
+            with _value_methods():
                 out = self.fn(*args, **kwargs)
         finally:
             _lowering.depth -= 1
         flat, treedef = _flatten(out)
         specs = [x.spec if isinstance(x, DistTensor) else None for x in flat]
-        self.out_specs = (treedef, specs)
+        self.out_specs[self._key] = (treedef, specs)
         return [x.local if isinstance(x, DistTensor) else x for x in flat]
 
     def __call__(self, args, kwargs):
         from autoparallel.dist_tensor import DistTensor
 
+        self._key = _signature(args, kwargs)
         try:
             flat = self.program(*args, **kwargs)
         except Exception as e:                          # noqa: BLE001  (any translation failure: run dygraph)
             self.error = e
             raise _CannotLower(f"lowering failed ({type(e).__name__}: {_last_line(e)})") from e
-        treedef, specs = self.out_specs
+        treedef, specs = self.out_specs[self._key]
         flat = flat if isinstance(flat, (list, tuple)) else [flat]
         outs = [x if spec is None else DistTensor({_rank(spec): x}, spec) for x, spec in zip(flat, specs)]
         return _unflatten(treedef, outs)
@@ -232,33 +251,34 @@ def _same_signature(fn, target):
     return scope["lowered"]
 
 
-@contextlib.contextmanager
-def _params_as_dist_values():
+def _install_param_conversion() -> None:
     """While paddle swaps a layer's parameters for program values (``param_guard``), a distributed parameter
-    becomes a DistTensor whose local is its value, so dispatch keeps its layout."""
+    becomes, inside lowering, a DistTensor whose local is its value (so dispatch keeps its layout); outside
+    lowering it is refused (a program over one shard's placeholder would compute silently wrong)."""
     import paddle.pir.core as core
 
-    from autoparallel.comm.world import current_world
-    from autoparallel.dist_tensor import DistTensor, is_dist
-
     orig = core._convert_into_value
-    rank = current_world().rank
+    if getattr(orig, "_ap_wrapped", False):
+        return
 
     def convert(tensor):
-        value = orig(tensor)
-        import os
-        if os.environ.get("AP_JIT_DEBUG"):
-            print("CONVERT", type(tensor).__name__, getattr(tensor, "name", None), id(tensor),
-                  list(getattr(tensor, "shape", [])), getattr(value, "shape", None), flush=True)
-        if is_dist(tensor):
-            return DistTensor({rank: value}, tensor.spec)
-        return value
+        from autoparallel.comm.world import current_world
+        from autoparallel.dist_tensor import DistTensor, is_dist
 
+        if not is_dist(tensor):
+            return orig(tensor)
+        if not getattr(_lowering, "depth", 0):
+            raise NotImplementedError(f"paddle is building a static program over the distributed parameter "
+                                      f"{tensor.name} (layout {tensor.spec}) outside autoparallel's lowering: "
+                                      f"{_HIDDEN}")
+        return DistTensor({current_world().rank: orig(tensor)}, tensor.spec)
+
+    convert._ap_wrapped = True
     core._convert_into_value = convert
-    try:
-        yield
-    finally:
-        core._convert_into_value = orig
+
+
+_HIDDEN = ("decorate a function that names the model or its inputs directly (as a global, a closure variable "
+           "or an argument), so autoparallel lowers it, or use ap.to_static(model, loader, loss_fn, optimizer)")
 
 
 class _ValueFns(dict):
@@ -337,6 +357,20 @@ def _comm_layer(fwd, bwd, order):
     scope = {"PyLayer": PyLayer, "__fwd": fwd, "__bwd": bwd, "__order": order}
     exec(compile(src, filename, "exec"), scope)          # noqa: S102  (generated from a count, no user text)
     return scope["_StaticComm"]
+
+
+def _signature(args, kwargs):
+    """What paddle keys its programs by, as far as the outputs' layouts go: tensor shapes and dtypes, other
+    values by repr."""
+    import paddle
+
+    def key(v):
+        if isinstance(v, paddle.Tensor):
+            return ("t", tuple(v.shape), str(v.dtype))
+        if isinstance(v, (list, tuple)):
+            return tuple(key(u) for u in v)
+        return repr(v)
+    return key(list(args)), tuple(sorted((k, key(v)) for k, v in kwargs.items()))
 
 
 def _ordered_collectives() -> None:
@@ -451,11 +485,6 @@ def static_args(op: str, args, kwargs):
     DistTensors (as plain tensors are in eager mode); otherwise the call is refused."""
     if getattr(_lowering, "depth", 0):
         mesh = _mesh_of(args, kwargs)
-        import os
-        if os.environ.get("AP_JIT_DEBUG"):
-            print("STATIC", op, [(type(a).__name__, getattr(a, "shape", None), getattr(a, "placements", None),
-                                  [list(t.shape) for t in getattr(a, "_locals", {}).values()]) for a in args],
-                  flush=True)
         return tuple(_wrap_value(a, mesh) for a in args), {k: _wrap_value(v, mesh) for k, v in kwargs.items()}
     check_static_call(op)
     return args, kwargs
@@ -491,7 +520,4 @@ def check_static_call(op: str) -> None:
 
     if not paddle.in_dynamic_mode() and not getattr(_lowering, "depth", 0):
         raise NotImplementedError(f"{op} received distributed tensors while paddle builds a static program "
-                                  f"(paddle.jit.to_static): their layouts cannot be lowered into it. Decorate a "
-                                  f"function that names the model or its inputs directly (it then runs through "
-                                  f"autoparallel's dispatch), or use ap.to_static(model, loader, loss_fn, "
-                                  f"optimizer)")
+                                  f"outside autoparallel's lowering: {_HIDDEN}")

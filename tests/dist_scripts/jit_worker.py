@@ -2,7 +2,7 @@
 
     jit_worker.py '<json list of jobs>'
 
-Each job {"name", "dp", "tp", "steps"} parallelizes the tiny GPT of ``autoparallel.testing.models``, decorates
+Each job {"name", "dp", "tp", "steps", "negative"} parallelizes the tiny GPT of ``autoparallel.testing.models``, decorates
 the article's step with paddle's own ``paddle.jit.to_static`` (the labels passed in, as the article elides
 them), trains ``steps`` steps (``loss.backward(); opt.step(); opt.clear_grad()``) and reports the losses,
 every parameter gathered, whether the step was lowered to a static program (and why not), and how many
@@ -29,6 +29,15 @@ LR = 1e-2
 
 
 def run(job):
+    if job.get("negative"):                    # collectives lose their backward: no gradient all-reduce
+        from autoparallel.graph import jit
+
+        real = jit.static_comm
+        jit.static_comm = lambda xs, fwd, bwd: real(xs, fwd, lambda g: dict(g))
+        try:
+            return run(dict(job, negative=False))
+        finally:
+            jit.static_comm = real
     model = build("gpt")
     opt = paddle.optimizer.AdamW(LR, parameters=model.parameters())
     s = ap.Strategy()
