@@ -22,7 +22,7 @@ _EXPORTS = {
     "dtensor_from_local": "autoparallel.dist_tensor", "is_dist": "autoparallel.dist_tensor",
     # worlds
     "simulate": "autoparallel.comm.world", "current_world": "autoparallel.comm.world",
-    "get_rank": "autoparallel.comm.world",
+    "get_rank": "autoparallel.comm.world", "init_parallel_env": "autoparallel.comm.world",
     # planning
     "ClusterSpec": "autoparallel.planner.cluster",
     "plan": "autoparallel.planner.api",

@@ -92,7 +92,17 @@ class DistTensor:
         for t in self._locals.values():
             t.stop_gradient = value
 
-    def backward(self, grad=None) -> None:
+    def backward(self, grad=None, retain_graph: bool = False, use_async_allreduce: bool | None = None) -> None:
+        """``use_async_allreduce`` (the article's flag): True launches the data-parallel gradient reductions
+        from backward as asynchronous collectives overlapping the rest of backward where the backend
+        overlaps (NCCL; the default there); on gloo it is accepted and does nothing, because gloo's
+        collectives block. False keeps every reduction synchronous."""
+        from autoparallel.parallel.grads import async_allreduce
+
+        with async_allreduce(use_async_allreduce):
+            self._backward(grad, retain_graph)
+
+    def _backward(self, grad, retain_graph) -> None:
         ranks = sorted(self._locals)
         ts = [self._locals[r] for r in ranks]
         if grad is None:
@@ -101,7 +111,7 @@ class DistTensor:
             gs = [grad._locals[r] for r in ranks]
         else:
             raise TypeError(f"backward(grad) expects None or a DistTensor, got {type(grad).__name__}")
-        paddle.autograd.backward(ts, gs)
+        paddle.autograd.backward(ts, gs, retain_graph=retain_graph)
 
     @property
     def grad(self):

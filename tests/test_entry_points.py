@@ -403,3 +403,42 @@ def test_optimizer_strategy_must_match_the_data_parallel_one():
             other = model()
             ap.Optimizer(paddle.optimizer.AdamW(parameters=other.parameters()),
                          strategy=make_strategy({"recompute.enable": True}))
+
+
+@pytest.mark.parametrize("nccl", [True, False])
+def test_backward_use_async_allreduce(monkeypatch, nccl):
+    """Backward-launched reductions: asynchronous where the backend overlaps unless the flag says False;
+    on gloo (no overlap) the flag is accepted and changes nothing."""
+    from autoparallel.parallel import grads
+
+    monkeypatch.setattr(grads, "overlaps", lambda: nccl)
+    launched = []
+    orig = grads.reduce_bucket
+
+    def record(bucket, async_op=False):
+        launched.append(async_op)
+        return orig(bucket, False)                            # the simulated world reduces in place
+
+    monkeypatch.setattr(grads, "reduce_bucket", record)
+    with ap.simulate(world_size=2):
+        m, _ = ap.parallelize(model(), None)
+        opt = ap.shard_optimizer(paddle.optimizer.AdamW(parameters=m.parameters()))
+        seen = {}
+        for i, flag in enumerate([None, None, True, False]):     # buckets launch from backward from step 2 on
+            launched.clear()
+            x, y = data(i)
+            _loss(m, x, y).backward(use_async_allreduce=flag)
+            seen[flag] = list(launched)
+            opt.step()
+            opt.clear_grad()
+        assert seen[None] and seen[True] and seen[False]
+        assert set(seen[None]) == {nccl} and set(seen[True]) == {nccl} and set(seen[False]) == {False}
+        with pytest.raises(TypeError, match="use_async_allreduce must be True, False or None"):
+            _loss(m, *data(0)).backward(use_async_allreduce="yes")
+
+
+def test_init_parallel_env():
+    world = ap.init_parallel_env()                            # one process, not launched: a world of one
+    assert world.world_size == 1 and world.rank == 0 and not world.is_simulated
+    with ap.simulate(world_size=4) as sim:
+        assert ap.init_parallel_env() is sim                   # nothing to initialise
