@@ -171,3 +171,17 @@ def checked_train_batch(pipe, strategy, degrees) -> None:
         return run(inputs, labels)
 
     pipe.train_batch = train_batch
+
+
+def markdown_table() -> str:
+    """The table as markdown (docs/entry_points.md): ``python -m autoparallel.entry_points``."""
+    head = "| Strategy field | " + " | ".join(CALLS[e] for e in ENTRY_POINTS) + " |"
+    rows = [head, "|" + "---|" * (len(ENTRY_POINTS) + 1)]
+    for name, by in TABLE.items():
+        cells = [by[e] if by[e] == EFFECTIVE else f"**rejected** ({_why(name)})" for e in ENTRY_POINTS]
+        rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -442,3 +442,8 @@ def test_init_parallel_env():
     assert world.world_size == 1 and world.rank == 0 and not world.is_simulated
     with ap.simulate(world_size=4) as sim:
         assert ap.init_parallel_env() is sim                   # nothing to initialise
+
+
+def test_the_documented_table_is_the_code_table():
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "entry_points.md")).read()
+    assert ep.markdown_table() in doc
