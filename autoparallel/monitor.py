@@ -138,6 +138,8 @@ class _Steps:
         self.totals: list = []             # one {key: seconds} per measured step
         self.step_times: list = []         # seconds of the top-level records per measured step
         self.current: dict = {}
+        self.comm_totals: list = []        # one {key: seconds blocked in collectives} per measured step
+        self.current_comm: dict = {}
         self.top = 0.0
         self.top_keys: set = set()
 
@@ -149,17 +151,20 @@ class _Steps:
     def done(self) -> bool:
         return self.index >= self.warmup + self.measure
 
-    def add(self, key: str, seconds: float, top: bool) -> None:
+    def add(self, key: str, seconds: float, top: bool, comm: float = 0.0) -> None:
         if self.measuring:
             self.current[key] = self.current.get(key, 0.0) + seconds
+            if comm:
+                self.current_comm[key] = self.current_comm.get(key, 0.0) + comm
             if top:
                 self.top += seconds
 
     def close(self) -> None:
         if self.measuring:
             self.totals.append(self.current)
+            self.comm_totals.append(self.current_comm)
             self.step_times.append(self.top)
-        self.current, self.top, self.top_keys = {}, 0.0, set()
+        self.current, self.current_comm, self.top, self.top_keys = {}, {}, 0.0, set()
         self.index += 1
 
 
@@ -190,6 +195,7 @@ class PerformanceMonitor:
         self._seen: set = set()
         self._gathered: Optional[dict] = None
         self._gathered_steps: Optional[dict] = None
+        self._gathered_comm: Optional[dict] = None
 
     # ---- recording ----------------------------------------------------------------------------------
     @property
@@ -236,8 +242,11 @@ class PerformanceMonitor:
             self._order.append(key)
         self._begin(key, top)
         trackers = [t for t in self._trackers() if t.measuring]
+        if trackers:
+            _comm_timer.install()
         self._depth += 1
         start = self._clock() if trackers else 0.0
+        comm0 = _comm_timer.seconds
         try:
             yield
         finally:
@@ -245,7 +254,7 @@ class PerformanceMonitor:
             if trackers:
                 seconds = self._clock() - start
                 for t in trackers:
-                    t.add(key, seconds, top)
+                    t.add(key, seconds, top, _comm_timer.seconds - comm0)
 
     def step(self) -> None:
         """End the current step (optional: without it, steps are inferred from repeated record names)."""
@@ -264,6 +273,14 @@ class PerformanceMonitor:
         n = max(len(totals), 1)
         return {k: sum(t.get(k, 0.0) for t in totals) / n for k in keys}
 
+    def comm_timings(self) -> dict:
+        """{key: mean seconds per measured step spent blocked in ``paddle.distributed`` collectives} (real
+        jobs; waiting for a slower peer counts here, so ``time - comm`` is what this rank computed)."""
+        totals = self._steps.comm_totals
+        keys = sorted({k for t in totals for k in t})
+        n = max(len(totals), 1)
+        return {k: sum(t.get(k, 0.0) for t in totals) / n for k in keys}
+
     def step_time(self) -> float:
         """Mean seconds per measured step of this rank's top-level records (0.0 before any measured step)."""
         times = self._steps.step_times
@@ -275,7 +292,7 @@ class PerformanceMonitor:
         from autoparallel.checkpoint.sync import job
 
         multi, rank, world_size = job()
-        mine = {"timings": self.timings(), "step": self.step_time()}
+        mine = {"timings": self.timings(), "step": self.step_time(), "comm": self.comm_timings()}
         if not multi:
             ranks = range(world_size) if _simulated() else [rank]
             both = {r: mine for r in ranks}
@@ -286,6 +303,7 @@ class PerformanceMonitor:
                 both = _all_gather_json(mine, world_size)
         self._gathered = {r: v["timings"] for r, v in both.items()}
         self._gathered_steps = {r: v["step"] for r, v in both.items()}
+        self._gathered_comm = {r: v["comm"] for r, v in both.items()}
         return self._gathered
 
     def _per_rank(self) -> dict:
@@ -334,16 +352,18 @@ class PerformanceMonitor:
         per_rank = self._per_rank()
         mean_step = sum(steps.values()) / len(steps) if steps else 0.0
         if len(per_rank) > 1 and mean_step > 0:
+            comm = self._gathered_comm if self._gathered_comm is not None else {}
             keys = [k for k in self._key_order() if any(k in t for t in per_rank.values())]
+            compute = {r: {k: t.get(k, 0.0) - comm.get(r, {}).get(k, 0.0) for k in keys} for r, t in per_rank.items()}
             for key in keys:
-                vals = [t.get(key, 0.0) for t in per_rank.values()]
+                vals = [c[key] for c in compute.values()]
                 out["phases"][key] = (max(vals) - sum(vals) / len(vals)) / mean_step
             worst = max(out["phases"].values(), default=0.0)
             out["ranks"] = max(out["ranks"], worst)
             if worst > 0:
                 first = next(k for k in keys if out["phases"][k] >= 0.5 * worst)
                 out["slowest_phase"] = first
-                out["slowest_rank"] = max(per_rank, key=lambda r: per_rank[r].get(first, 0.0))
+                out["slowest_rank"] = max(compute, key=lambda r: compute[r][first])
         _, stage_times = self._stages(split)
         if stage_times:
             out["stages"] = skew(stage_times)
@@ -527,6 +547,47 @@ class PerformanceMonitor:
         if png is not None:
             _plot(per_rank, keys, png)
         return text
+
+
+class _CommTimer:
+    """Seconds this process spends inside blocking ``paddle.distributed`` collectives (installed by the first
+    measured record: each call is wrapped with two clock reads). An asynchronous call counts until it
+    returns; its later ``wait()`` does not."""
+
+    NAMES = ("all_gather", "all_reduce", "broadcast", "send", "recv", "reduce_scatter", "alltoall",
+             "alltoall_single", "barrier")
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.installed = False
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        import paddle.distributed as dist
+
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None and not getattr(fn, "_ap_comm_timed", False):
+                setattr(dist, name, self._wrap(fn))
+        self.installed = True
+
+    def _wrap(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        timed._ap_comm_timed = True
+        return timed
+
+
+_comm_timer = _CommTimer()
 
 
 def _simulated() -> bool:
