@@ -447,3 +447,45 @@ def test_init_parallel_env():
 def test_the_documented_table_is_the_code_table():
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "entry_points.md")).read()
     assert ep.markdown_table() in doc
+
+
+def _train_sim(spelling, values, world=4, steps=2):
+    s = make_strategy(values)
+    with ap.simulate(world_size=world):
+        m = model()
+        opt = paddle.optimizer.AdamW(1e-2, parameters=m.parameters(), epsilon=1e-4)
+        if spelling == "parallelize":
+            m, opt = ap.parallelize(m, opt, strategy=s)
+        else:
+            m = ap.DataParallel(m, strategy=s)
+            opt = ap.Optimizer(opt)
+        out = []
+        for i in range(steps):
+            loss = _loss(m, *data(i))
+            opt.scale(loss).backward() if hasattr(opt, "scale") else loss.backward()
+            opt.step()
+            opt.clear_grad()
+            out.append(float(loss))
+        zero = next((o for o in (opt, getattr(opt, "optimizer", None)) if hasattr(o, "memory_bytes")), None)
+        if zero is not None and zero.stage == 3:
+            zero.gather(zero.params)
+        return out, {n: p.full().numpy() for n, p in m.named_parameters()}, type(opt).__name__
+
+
+def test_data_parallel_and_optimizer_is_the_same_build_as_parallelize():
+    values = {"tensor_parallel.degree": 2, "sequence_parallel.enable": True, "sharding.enable": True,
+              "sharding.stage": 3, "sharding.offload": True, "recompute.enable": True, "amp.enable": True,
+              "amp.dtype": "float16", "amp.init_loss_scaling": 1024.0}
+    a, b = _train_sim("parallelize", values), _train_sim("DataParallel", values)
+    assert a[2] == b[2] == "AmpOptimizer"
+    np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
+    for n in a[1]:
+        np.testing.assert_allclose(a[1][n], b[1][n], rtol=1e-6, atol=1e-7, err_msg=n)
+
+
+def test_negative_control_an_ignored_field_fails_the_walk(monkeypatch, tmp_path):
+    from autoparallel.parallel import recompute
+
+    monkeypatch.setattr(recompute, "apply_ac", lambda model, *a, **k: model)     # recompute silently dropped
+    with pytest.raises(AssertionError, match="recompute.enable=True had no observable effect"):
+        test_field_is_effective_or_rejected("recompute.enable", ep.PARALLELIZE, tmp_path, monkeypatch)
