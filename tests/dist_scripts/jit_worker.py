@@ -43,6 +43,11 @@ def run(job):
     s = ap.Strategy()
     s.data_parallel.degree = job.get("dp", 1)
     s.tensor_parallel.degree = job.get("tp", 1)
+    if job.get("zero"):
+        s.sharding.enable = True
+        s.sharding.stage = job["zero"]
+    if job.get("recompute"):
+        s.recompute.enable = True
     model, opt = ap.parallelize(model, opt, strategy=s, tp_plan=tp_plan("gpt") if job.get("tp", 1) > 1 else None)
 
     @paddle.jit.to_static
