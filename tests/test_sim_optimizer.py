@@ -163,3 +163,29 @@ def test_shard_optimizer_bad_shard_fn_forms():
         plain = build("gpt")
         with pytest.raises(ValueError, match="parameters are not distributed"):
             ap.shard_optimizer(make_opt(plain.parameters()), ap.ShardingStage1(0, mesh))
+
+
+def test_shard_optimizer_mesh_with_weights_already_sharded_over_data(ref):
+    """The article's LLaMA hook shards q/k/v weights with ``[Shard(1)]`` (padded: over the mesh's data dim):
+    those keep their states in their own sharded layout, the rest is ZeRO over data; equal to one process."""
+    from autoparallel.parallel.sharding_stages import SplitOptimizer
+
+    def shard_fn(name, layer, mesh):
+        if name.endswith("attn.qkv"):
+            layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Shard(1)])
+
+    with ap.simulate(world_size=4):
+        mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["data", "model"])
+        m = ap.shard_layer(build("gpt"), mesh, shard_fn)
+        opt = ap.shard_optimizer(make_opt(m.parameters()), mesh)
+        assert isinstance(opt, SplitOptimizer) and opt.stage == 1 and len(opt.kept.parameters) == 2
+        losses = []
+        for i in range(STEPS):
+            ids, lab = batch(i)
+            loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            losses.append(float(loss))
+        np.testing.assert_allclose(losses, ref[0], rtol=1e-5, atol=1e-6)
+        check_every_rank(m, ref[1])

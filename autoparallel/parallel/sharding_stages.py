@@ -14,6 +14,7 @@ from __future__ import annotations
 from autoparallel.dist_tensor import is_dist
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Replicate, Shard
+from autoparallel.parallel.step_hooks import StepHooks
 
 DATA_NAMES = ("data", "dp")
 
@@ -133,7 +134,9 @@ def _probe(optimizer, shard_fn):
 
 
 def zero_optimizer(optimizer, stage: ShardingStage, gradient_accumulation_steps: int = 1):
-    """The ZeRO optimizer for ``stage`` over the optimizer's (distributed) parameters."""
+    """The ZeRO optimizer for ``stage`` over the optimizer's (distributed) parameters. Parameters already
+    sharded over the sharding dim (the article's ``[Shard(1)]`` weights on a [data, model] mesh) keep
+    their states in their own, already sharded, layout: a SplitOptimizer steps both groups."""
     from autoparallel.parallel.sharding import apply_zero
     from autoparallel.parallelize import model_of_params, wrap_optimizer
 
@@ -155,6 +158,63 @@ def zero_optimizer(optimizer, stage: ShardingStage, gradient_accumulation_steps:
         raise ValueError("shard_optimizer(ShardingStage3): stage 3 gathers each layer's parameters around its use "
                          "and needs the model, but these parameters belong to no model built by ap.parallelize / "
                          "ap.DataParallel; use ap.parallelize(model, opt, strategy) with strategy.sharding.stage = 3")
-    wrapped = wrap_optimizer(optimizer, {}, gradient_accumulation_steps)
-    return apply_zero(model, wrapped, mesh, stage.stage, dp_dim=dim,
-                      gradient_accumulation_steps=gradient_accumulation_steps)
+    own = [p for p in params if p.mesh == mesh and isinstance(p.placements[mesh.dim_names.index(dim)], Shard)]
+    if not own:
+        wrapped = wrap_optimizer(optimizer, {}, gradient_accumulation_steps)
+        return apply_zero(model, wrapped, mesh, stage.stage, dp_dim=dim,
+                          gradient_accumulation_steps=gradient_accumulation_steps)
+    return _split(optimizer, stage, mesh, dim, model, own, gradient_accumulation_steps)
+
+
+def _split(optimizer, stage, mesh, dim, model, own, k):
+    from autoparallel.parallel.optim_clone import clone_optimizer
+    from autoparallel.parallel.optimizer import ShardedOptimizer
+    from autoparallel.parallel.sharding import apply_zero
+
+    inner = getattr(optimizer, "_inner", optimizer)
+    if stage.stage == 3:
+        raise NotImplementedError(f"ShardingStage3 over {dim!r} while {len(own)} parameters are already sharded over "
+                                  f"it ({own[0].name}, ...); use stage 1 or 2, or shard those weights over another dim")
+    if getattr(inner, "_grad_clip", None) is not None:
+        raise NotImplementedError(f"gradient clipping with ZeRO over {dim!r} while {len(own)} parameters are already "
+                                  f"sharded over it ({own[0].name}, ...); build the optimizer without grad_clip")
+    ids = {id(p) for p in own}
+    rest = [p for p in _params(optimizer) if id(p) not in ids]
+    names = {p.name: p.name for p in _params(optimizer)}
+    kept = ShardedOptimizer(clone_optimizer(inner, own, names), gradient_accumulation_steps=k, overlap=True)
+    zero = None
+    if rest:
+        sub = ShardedOptimizer(clone_optimizer(inner, rest, names), gradient_accumulation_steps=k, overlap=True)
+        zero = apply_zero(model, sub, mesh, stage.stage, dp_dim=dim, gradient_accumulation_steps=k)
+    return SplitOptimizer(zero, kept)
+
+
+class SplitOptimizer(StepHooks):
+    """ZeRO over the parameters replicated on the sharding dim, and a plain wrapper over those already sharded
+    on it (their states follow their sharded layout). ``step`` / ``clear_grad`` drive both; attributes of
+    the ZeRO part (``stage``, ``memory_bytes``, ``inner_opts``...) are read from it."""
+
+    def __init__(self, zero, kept):
+        self.zero, self.kept = zero, kept
+
+    @property
+    def parameters(self):
+        return (self.zero.params if self.zero is not None else []) + self.kept.parameters
+
+    def step(self):
+        if self.zero is not None:
+            self.zero.step()
+        self.kept.step()
+        self._after_step()
+
+    def clear_grad(self, set_to_zero: bool = True):
+        if self.zero is not None:
+            self.zero.clear_grad(set_to_zero)
+        self.kept.clear_grad(set_to_zero)
+
+    clear_gradients = clear_grad
+
+    def __getattr__(self, name):
+        if name in ("zero", "kept"):
+            raise AttributeError(name)
+        return getattr(self.zero if self.zero is not None else self.kept, name)
