@@ -62,8 +62,11 @@ def fallback_to_cpu_offload(model=None, optimizer=None):
     """Move the optimizer states and fp32 master weights of a ZeRO optimizer to host memory from now on,
     in place (the same optimizer object keeps training; every value is kept). Returns the optimizer.
 
-    Offload needs ZeRO sharding (it moves the sharded chunks, as ``strategy.sharding.offload`` does), so an
-    optimizer built without ``strategy.sharding.enable`` is refused. Already offloaded: nothing changes."""
+    Offload moves ZeRO-sharded chunks (as ``strategy.sharding.offload`` does). An optimizer built without
+    sharding is rebuilt in place under the run's strategy plus ZeRO stage 1 with offload (through
+    ``reconfigure_distributed_model``: every value kept, the held model and optimizer objects become the
+    rebuilt ones); that needs the current run's model, constructible as ``type(model)(model.config)``.
+    Already offloaded: nothing changes."""
     from autoparallel.checkpoint.state import wrapper_chain
     from autoparallel.parallel.sharding import ZeroOptimizer
 
@@ -73,16 +76,30 @@ def fallback_to_cpu_offload(model=None, optimizer=None):
                          f"(fallback_to_cpu_offload(model, optimizer))")
     zero = next((o for o in wrapper_chain(optimizer) if isinstance(o, ZeroOptimizer)), None)
     if zero is None:
-        raise ValueError(f"fallback_to_cpu_offload: offload moves ZeRO-sharded optimizer states to host memory, "
-                         f"but this {type(optimizer).__name__} has no sharding; build it with "
-                         f"strategy.sharding.enable=True (any stage), or move to such a strategy with "
-                         f"ap.reconfigure(model, optimizer, strategy)")
+        return _offload_by_rebuild(run, model, optimizer)
     if zero.model is not model and getattr(zero.model, "_ap_build", None) is not getattr(model, "_ap_build", 0):
         raise ValueError(f"fallback_to_cpu_offload: the optimizer shards another model's parameters "
                          f"({type(zero.model).__name__}), not the given {type(model).__name__}")
     offload_zero(zero)
     if run is not None and run.strategy is not None and run.optimizer is optimizer:
         run.strategy.sharding.offload = True
+    return optimizer
+
+
+def _offload_by_rebuild(run, model, optimizer):
+    """No ZeRO optimizer: rebuild in place under the same strategy plus ZeRO stage 1 with offload (states
+    sharded over the data axis and held in host memory, parameters unchanged), through the checkpoint
+    round-trip of ``reconfigure_distributed_model``."""
+    strategy = run.strategy if run is not None and run.model is model else None
+    if strategy is None or getattr(model, "config", None) is None:
+        raise ValueError(f"fallback_to_cpu_offload: offload moves ZeRO-sharded optimizer states to host memory; "
+                         f"this {type(optimizer).__name__} has no sharding, and the "
+                         f"{type(model).__name__} cannot be rebuilt with it (that needs a model set up by "
+                         f"ap.parallelize / ap.DataParallel and constructible as type(model)(model.config)); "
+                         f"build it with strategy.sharding.enable=True and sharding.offload=True instead")
+    new = strategy.copy()
+    new.sharding.enable, new.sharding.stage, new.sharding.offload = True, 1, True
+    reconfigure_distributed_model(model, new, optimizer)
     return optimizer
 
 

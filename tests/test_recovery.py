@@ -40,21 +40,16 @@ def train(m, opt, steps):
         opt.clear_grad()
 
 
-def values(m, opt=None):
+def values(m, opt=None) -> dict:
+    """Every value of the training state as full arrays by name (a save + merged load: the same names and
+    values under every layout, ZeRO chunks included)."""
+    import tempfile
+
     from autoparallel.checkpoint.state import training_state
 
-    out = {}
-
-    def walk(prefix, v):
-        if isinstance(v, dict):
-            for k, x in v.items():
-                walk(f"{prefix}/{k}", x)
-        elif hasattr(v, "full"):
-            out[prefix] = v.full().numpy()
-        elif hasattr(v, "numpy"):
-            out[prefix] = v.numpy()
-    walk("", training_state(m, opt) if opt is not None else {"model": dict(m.named_parameters())})
-    return out
+    path = os.path.join(tempfile.mkdtemp(prefix="ap_values_"), "state")
+    ap.save_state_dict(training_state(m, opt) if opt is not None else {"model": dict(m.named_parameters())}, path)
+    return {k: np.asarray(v) for k, v in ap.load_merged_state_dict(path, flat=True).items()}
 
 
 def assert_same(a, b, exact=False):
@@ -124,11 +119,35 @@ def test_fallback_to_cpu_offload_keeps_every_value_and_trains_identically():
         assert ap.fallback_to_cpu_offload(m, opt) is opt          # already offloaded: unchanged
 
 
-def test_fallback_without_sharding_is_refused():
-    with ap.simulate(world_size=2):
+def test_fallback_without_sharding_rebuilds_with_zero1_offload_in_place():
+    with ap.simulate(world_size=1):          # one rank: plain (unsharded) optimizer states are checkpointable
         m, opt = make(world_stage=0)
-        with pytest.raises(ValueError, match="has no sharding; build it with strategy.sharding.enable=True"):
-            ap.fallback_to_cpu_offload(m)
+        train(m, opt, range(2))
+        before = values(m, opt)
+        held = opt
+        assert ap.fallback_to_cpu_offload(m) is held
+        assert isinstance(opt, ZeroOptimizer) and opt.stage == 1 and opt.offload
+        assert auto_checkpoint.current_run().strategy.sharding.offload
+        assert_same(values(m, opt), before, exact=True)
+        train(m, opt, range(2, 4))
+        ref_m, ref_opt = make(world_stage=0)
+        train(ref_m, ref_opt, range(4))
+        assert_same(values(m, opt), values(ref_m, ref_opt))
+
+
+def test_fallback_without_sharding_or_config_is_refused():
+    class Net(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc = paddle.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    net = Net()
+    m, opt = ap.parallelize(net, paddle.optimizer.AdamW(1e-2, parameters=net.parameters()))
+    with pytest.raises(ValueError, match="has no sharding, and the Net cannot be rebuilt"):
+        ap.fallback_to_cpu_offload(m)
 
 
 def test_reconfigure_distributed_model_keeps_the_trained_values():
