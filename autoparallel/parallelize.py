@@ -101,6 +101,7 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
         _world_size()                                       # a launched rank must have initialised first
         again = functools.partial(parallelize, _deferred=_deferred)
         return parallelize_auto(again, model, optimizer, strategy, mesh, tp_plan, seq_len, cluster)
+    _reject_unused_keywords(strategy, tp_plan, seq_len, cluster)
     ep.apply_seed(strategy)
     check_optimizer_params(model, optimizer, "ap.parallelize")
     degrees = strategy.validate(world_size=_world_size(), model_info=model_info(model))
@@ -201,6 +202,17 @@ def _attach_run(model, optimizer, strategy) -> None:
     from autoparallel.auto_checkpoint import attach
 
     attach(model, optimizer, strategy)
+
+
+def _reject_unused_keywords(strategy, tp_plan, seq_len, cluster) -> None:
+    """Keywords of ap.parallelize that this strategy would not use."""
+    unused = [f"{n}={v!r}" for n, v in (("seq_len", seq_len), ("cluster", cluster)) if v is not None]
+    if unused:
+        raise ValueError(f"ap.parallelize: {', '.join(unused)} price the planner's choice and are used only with "
+                         f"strategy.auto_mode='full' (got auto_mode={strategy.auto_mode!r})")
+    if tp_plan and strategy.tensor_parallel.degree == 1:
+        raise ValueError(f"ap.parallelize: tp_plan={{{', '.join(map(repr, tp_plan))}}} shards layers over the tensor-"
+                         f"parallel group, but strategy.tensor_parallel.degree=1; set the degree > 1 or drop tp_plan")
 
 
 def _has_lazy(model) -> bool:

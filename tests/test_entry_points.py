@@ -73,7 +73,7 @@ def _loss(m, x, y):
 def _build(entry, s, m):
     opt = paddle.optimizer.AdamW(1e-2, parameters=m.parameters())
     if entry == ep.PARALLELIZE:
-        return ap.parallelize(m, opt, strategy=s, seq_len=T)
+        return ap.parallelize(m, opt, strategy=s, seq_len=T if s.auto_mode == "full" else None)
     if entry == ep.DATA_PARALLEL:
         dm = ap.DataParallel(m, strategy=s)
         return dm, ap.Optimizer(opt)
@@ -489,3 +489,11 @@ def test_negative_control_an_ignored_field_fails_the_walk(monkeypatch, tmp_path)
     monkeypatch.setattr(recompute, "apply_ac", lambda model, *a, **k: model)     # recompute silently dropped
     with pytest.raises(AssertionError, match="recompute.enable=True had no observable effect"):
         test_field_is_effective_or_rejected("recompute.enable", ep.PARALLELIZE, tmp_path, monkeypatch)
+
+
+def test_parallelize_keywords_the_strategy_would_not_use_are_refused():
+    with ap.simulate(world_size=2):
+        with pytest.raises(ValueError, match=r"seq_len=16, cluster='1x2:A100-80GB' price the planner's choice"):
+            ap.parallelize(model(), None, seq_len=16, cluster="1x2:A100-80GB")
+        with pytest.raises(ValueError, match=r"tp_plan=\{'blocks.\*.attn.qkv'\}.*tensor_parallel.degree=1"):
+            ap.DataParallel(model(), tp_plan={"blocks.*.attn.qkv": ap.ColWiseParallel()})
