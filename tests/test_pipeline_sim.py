@@ -7,6 +7,7 @@ import os
 import sys
 
 import numpy as np
+import paddle
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist_scripts"))
@@ -104,3 +105,27 @@ def test_tied_parameters_across_stage_meshes_are_refused_in_the_simulated_world(
 def test_simulated_world_size_must_match_the_degrees():
     with ap.simulate(world_size=8), pytest.raises(ValueError, match="= 4, expected the world size 8"):
         pp_common.run_pipeline({"schedule": "1F1B", "tp": 2}, steps=1)
+
+
+def test_article_hybrid_through_parallelize_in_the_simulated_world():
+    """The article's 4-D config (dp, tp, pp, sequence parallel; micro-batches unset), scaled to 2x2x2."""
+    from autoparallel.testing.models import tp_plan
+
+    s = ap.Strategy()
+    s.data_parallel.degree = 2
+    s.tensor_parallel.degree = 2
+    s.pipeline_parallel.degree = 2
+    s.sequence_parallel.enable = True
+    with ap.simulate(world_size=8):
+        model = pp_common.build("gpt")
+        opt = paddle.optimizer.AdamW(pp_common.LR, parameters=model.parameters())
+        pipe, opt = ap.parallelize(model, opt, strategy=s, tp_plan=tp_plan("gpt"))
+        assert pipe.plan.micro_batches == 2
+        losses = []
+        for x, y in pp_common.batches(STEPS):
+            losses.append(pipe.train_batch(x, y))
+            opt.step()
+            opt.clear_grad()
+        bad = every_rank_mismatch(pipe, ref()[1])
+    np.testing.assert_allclose(losses, ref()[0], rtol=RTOL, atol=1e-6)
+    assert bad == []
