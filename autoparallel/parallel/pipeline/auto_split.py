@@ -5,8 +5,8 @@
 Everything else is attached to the first stage (what runs before the first block: embeddings, rotary
 tables, masks) or the last (what runs after the last block: final norm, LM head), decided by a dry run
 on one token that records which parameters receive a gradient at the first block's input and which from
-the model's output given the last block's output (parameters used by neither go to the last stage, so
-the optimizer and checkpoints still hold them).
+the model's output given the last block's output (parameters used by neither, and frozen ones, go to the
+last stage, so the optimizer and checkpoints still hold them).
 
 A stage runs the model's own ``forward`` on the micro-batch's model inputs with the blocks' ``forward``
 swapped for proxies, so whatever the model computes between its pieces (masks, position ids, rotary
@@ -165,14 +165,15 @@ def piece_params(model, path: str, inputs) -> tuple:
     first block's input, and from the model output given the last block's output (a dry run on ``inputs``)."""
     blocks = resolve(model, path)
     block_ids = {id(p) for p in blocks.parameters()}
-    named = [(n, p) for n, p in model.named_parameters() if id(p) not in block_ids and not p.stop_gradient]
+    every = [(n, p) for n, p in model.named_parameters() if id(p) not in block_ids]
+    named = [(n, p) for n, p in every if not p.stop_gradient]
     h = _first_block_input(model, blocks, path, inputs)
     pre = _grad_names(h, named)
     hx = h.detach()
     hx.stop_gradient = False
     post = _grad_names(_suffix_out(model, blocks, inputs, hx), named)
-    post |= {n for n, _ in named if n not in pre}          # unused ones ride on the last stage (kept, saved)
-    return tuple(n for n, _ in named if n in pre), tuple(n for n, _ in named if n in post)
+    post |= {n for n, _ in every if n not in pre}          # unused or frozen: on the last stage (kept, saved)
+    return tuple(n for n, _ in every if n in pre), tuple(n for n, _ in every if n in post)
 
 
 @contextlib.contextmanager
