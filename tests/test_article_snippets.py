@@ -321,9 +321,13 @@ def llama_batches(n=2):
 
 
 LLAMAS = {"example": ExampleLlamaForCausalLM, "paddleformers": paddleformers_llama}
+PF_TRANSPOSE = pytest.mark.xfail(
+    strict=True, reason="PaddleFormers' attention calls Tensor.transpose(1, 2) (two-dim form) on a DistTensor; "
+                        "dispatch here binds paddle's transpose(x, perm) only (the argument binding of real "
+                        "model call forms is built elsewhere: remove this mark when it lands)")
 
 
-@pytest.mark.parametrize("kind", list(LLAMAS))
+@pytest.mark.parametrize("kind", [pytest.param("example"), pytest.param("paddleformers", marks=PF_TRANSPOSE)])
 def test_08_llama_custom_shard_fn_equals_one_process(kind):
     from paddle.optimizer import AdamW
 
