@@ -562,13 +562,14 @@ class _CommTimer:
         self.installed = False
 
     def install(self) -> None:
-        if self.installed:
-            return
         import paddle.distributed as dist
+
+        if self.installed and _timed(dist.all_reduce):
+            return                                  # (another wrapper may have restored the originals)
 
         for name in self.NAMES:
             fn = getattr(dist, name, None)
-            if fn is not None and not getattr(fn, "_ap_comm_timed", False):
+            if fn is not None and not _timed(fn):
                 setattr(dist, name, self._wrap(fn))
         self.installed = True
 
@@ -585,6 +586,17 @@ class _CommTimer:
 
         timed._ap_comm_timed = True
         return timed
+
+
+def _timed(fn) -> bool:
+    """Whether ``fn`` or a function it wraps (``functools.wraps`` chains) is our timer."""
+    for _ in range(8):
+        if fn is None:
+            return False
+        if getattr(fn, "_ap_comm_timed", False):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
 _comm_timer = _CommTimer()
