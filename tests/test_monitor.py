@@ -223,3 +223,21 @@ def test_a_straggler_in_synchronous_training_is_found_by_its_first_slow_phase():
     mon._gathered = {0: mine, 1: dict(mine, forward=mine["forward"] * 1.01)}  # noise: 1 % of one phase
     mon._gathered_steps = {0: 0.035, 1: 0.0351}
     assert not mon.is_imbalanced()
+
+
+def test_time_blocked_in_collectives_is_measured_per_phase(monkeypatch):
+    import paddle.distributed as dist
+
+    from autoparallel import monitor as monitor_module
+
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: time.sleep(0.03))
+    monkeypatch.setattr(monitor_module, "_comm_timer", monitor_module._CommTimer())
+    mon = PerformanceMonitor(warmup_steps=0, measure_steps=2)
+    for _ in range(3):
+        with mon.record("forward"):
+            pass
+        with mon.record("backward"):
+            dist.all_reduce(None)                     # e.g. a gradient bucket waiting for a slower peer
+    comm = mon.comm_timings()
+    assert set(comm) == {"backward"} and comm["backward"] >= 0.03
+    assert mon.timings()["backward"] >= comm["backward"]
