@@ -154,22 +154,21 @@ class _CannotLower(Exception):
     pass
 
 
-_IGNORED = False
+_IGNORED: set = set()
 
 
 def _ignore_own_modules() -> None:
-    """paddle's AST translator must call autoparallel's code as plain Python, never rewrite it."""
-    global _IGNORED
-    if _IGNORED:
-        return
+    """paddle's AST translator must call autoparallel's code as plain Python, never rewrite it (modules loaded
+    since the last call are added)."""
     import sys
 
     import paddle
 
-    mods = [m for n, m in list(sys.modules.items()) if m is not None and
-            (n == "autoparallel" or n.startswith(("autoparallel.", "spmd_rules", "reshard")))]
-    paddle.jit.ignore_module(mods)
-    _IGNORED = True
+    mods = {n: m for n, m in list(sys.modules.items()) if m is not None and n not in _IGNORED and
+            (n in ("autoparallel", "spmd_rules", "reshard") or n.startswith(("autoparallel.", "spmd_rules.", "reshard.")))}
+    if mods:
+        paddle.jit.ignore_module(list(mods.values()))
+        _IGNORED.update(mods)
 
 
 class Lowered:
@@ -187,7 +186,8 @@ class Lowered:
         self.fn = sf.dygraph_function                   # bound to its layer for a decorated method
         self.out_specs = {}                             # input signature -> (output tree, output specs)
         self._key = None
-        self.program = paddle.jit.to_static(_same_signature(self.fn, self._inner), full_graph=True)
+        spec = getattr(sf, "_input_spec", None)         # the user's input_spec, if any, still applies
+        self.program = paddle.jit.to_static(_same_signature(self.fn, self._inner), input_spec=spec, full_graph=True)
         self.program._ap_lowered = True
 
     def _inner(self, *args, **kwargs):
