@@ -16,6 +16,12 @@ from autoparallel.parallel.grads import BUCKET_BYTES, GradientSync, check_bucket
 from autoparallel.parallel.step_hooks import StepHooks
 
 
+def _paddle_optimizer():
+    import paddle
+
+    return paddle.optimizer.Optimizer
+
+
 class ShardedOptimizer(StepHooks):
     """Wraps a paddle optimizer built over a distributed model's parameters."""
 
@@ -64,7 +70,7 @@ class ShardedOptimizer(StepHooks):
         """The simulated world: the other ranks' copies of each parameter (parallel/sim_step.py)."""
         from autoparallel.comm.world import current_world
 
-        if not current_world().is_simulated:
+        if not current_world().is_simulated or not isinstance(self._inner, _paddle_optimizer()):
             return
         params = self.parameters
         key = tuple(id(p) for p in params)

@@ -5,7 +5,8 @@ In ``ap.simulate`` a DistParameter is the lowest held rank's shard and its other
 copy; ``RankCopies`` steps each other rank's copies with an optimizer of the same kind and
 hyperparameters (``clone_optimizer``) over parameters sharing their storage, so every rank keeps its own
 moments exactly as the real N-rank run does, and a simulated run of N steps equals the real one.
-A real rank holds one shard per parameter: nothing to do there.
+A real rank holds one shard per parameter: nothing to do there. Only paddle's own optimizers are
+mirrored (a duck-typed optimizer steps the copies it knows about itself).
 """
 from __future__ import annotations
 
@@ -14,15 +15,23 @@ from autoparallel.local_mode import local_mode
 
 
 def other_rank_copies(params) -> dict:
-    """{rank: [(parameter, that rank's local tensor)]} for the copies the paddle optimizer does not see."""
+    """{rank: [(parameter, that rank's local tensor)]} for the copies the paddle optimizer does not see
+    (a copy sharing its storage with one already updated is updated once; empty shards need nothing)."""
     out: dict = {}
     for p in params:
         if not is_dist(p):
             continue
-        for r, t in p.locals.items():
-            if t is not p:
-                out.setdefault(r, []).append((p, t))
+        seen = {_buffer(p)}
+        for r, t in sorted(p.locals.items()):
+            if t is p or not int(t.numel()) or _buffer(t) in seen:
+                continue
+            seen.add(_buffer(t))
+            out.setdefault(r, []).append((p, t))
     return out
+
+
+def _buffer(t):
+    return (t.data_ptr(), tuple(t.shape)) if t._is_initialized() else (id(t),)
 
 
 class RankCopies:
