@@ -137,7 +137,7 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     ep.batch_hook(model, strategy, degrees)
     shard_inputs(model, mesh)
     zero3 = strategy.sharding.enable and strategy.sharding.stage == 3
-    if lazy and not (zero3 and optimizer is not None):     # ZeRO-3 streams each rank's chunk in apply_zero
+    if lazy and not (zero3 and (optimizer is not None or _deferred)):   # ZeRO-3: each rank's chunk in apply_zero
         from autoparallel.lazy_init import materialize
 
         materialize(model)

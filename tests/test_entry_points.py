@@ -497,3 +497,30 @@ def test_parallelize_keywords_the_strategy_would_not_use_are_refused():
             ap.parallelize(model(), None, seq_len=16, cluster="1x2:A100-80GB")
         with pytest.raises(ValueError, match=r"tp_plan=\{'blocks.\*.attn.qkv'\}.*tensor_parallel.degree=1"):
             ap.DataParallel(model(), tp_plan={"blocks.*.attn.qkv": ap.ColWiseParallel()})
+
+
+def test_lazy_model_under_zero3_is_drawn_chunk_by_chunk_by_either_spelling():
+    """ap.DataParallel leaves a paddle.LazyGuard model lazy under ZeRO-3; ap.Optimizer draws each rank's
+    chunks, exactly as ap.parallelize does in one call."""
+    def lazy_model():
+        paddle.seed(0)
+        with paddle.LazyGuard():
+            return model()
+
+    s = make_strategy({"sharding.enable": True, "sharding.stage": 3})
+    masters = []
+    with ap.simulate(world_size=2):
+        for spelling in ("parallelize", "DataParallel"):
+            m = lazy_model()
+            opt = paddle.optimizer.AdamW(parameters=m.parameters())
+            if spelling == "parallelize":
+                m, opt = ap.parallelize(m, opt, strategy=s)
+            else:
+                m = ap.DataParallel(m, strategy=s)
+                assert m._ap_build.lazy                       # nothing drawn yet
+                opt = ap.Optimizer(opt)
+            assert type(opt).__name__ == "LazyZeroOptimizer"
+            masters.append({(n, r): opt.master[r][id(p)].numpy() for n, p in m.named_parameters() for r in (0, 1)})
+    assert masters[0].keys() == masters[1].keys()
+    for k in masters[0]:
+        np.testing.assert_array_equal(masters[0][k], masters[1][k], err_msg=str(k))
