@@ -257,12 +257,15 @@ def model_info(model) -> dict:
 
 def check_supported(strategy: Strategy, optimizer=None, degrees=None) -> None:
     """Strategy knobs this release does not execute yet fail loudly instead of being ignored."""
+    import paddle
+
     s = strategy
     inner = getattr(optimizer, "_inner", optimizer)
-    if degrees is not None and degrees.tp > 1 and getattr(inner, "_grad_clip", None) is not None \
-            and not s.sharding.enable:
-        raise NotImplementedError(f"gradient clipping ({type(inner._grad_clip).__name__}) across tensor-parallel "
-                                  f"shards is {_NOT_YET}; build the optimizer without grad_clip")
+    clip = getattr(inner, "_grad_clip", None)
+    if degrees is not None and degrees.tp > 1 and isinstance(clip, paddle.nn.ClipGradByNorm):
+        raise NotImplementedError(f"per-parameter norm clipping (ClipGradByNorm) across tensor-parallel shards is "
+                                  f"{_NOT_YET} (each rank would clip its shard by the shard's norm); use "
+                                  f"ClipGradByGlobalNorm or ClipGradByValue")
     pp = s.pipeline_parallel.degree > 1
     knobs = [(pp and s.sharding.enable, "sharding (ZeRO) together with pipeline parallelism"),
              (pp and s.recompute.enable, "recompute together with pipeline parallelism"),

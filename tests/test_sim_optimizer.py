@@ -189,3 +189,50 @@ def test_shard_optimizer_mesh_with_weights_already_sharded_over_data(ref):
             losses.append(float(loss))
         np.testing.assert_allclose(losses, ref[0], rtol=1e-5, atol=1e-6)
         check_every_rank(m, ref[1])
+
+
+@pytest.mark.parametrize("entry", ["parallelize", "Optimizer", "shard_optimizer", "negative control"])
+def test_global_norm_clipping_under_tensor_parallel_equals_one_process(entry, monkeypatch):
+    if entry == "negative control":                 # paddle's own clip, on each rank's shards: differs
+        monkeypatch.setattr(ShardedOptimizer, "_clip_global_norm", lambda self: None)
+    clip = lambda: paddle.nn.ClipGradByGlobalNorm(0.05)            # noqa: E731  (small: clipping active)
+    m = build("gpt")
+    opt = paddle.optimizer.AdamW(1e-2, parameters=m.parameters(), epsilon=1e-4, grad_clip=clip())
+    want = []
+    for i in range(STEPS):
+        ids, lab = batch(i)
+        loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        want.append(float(loss))
+    ref_params = {n: p.numpy() for n, p in m.named_parameters()}
+    with ap.simulate(world_size=4):
+        s = ap.Strategy()
+        s.data_parallel.degree, s.tensor_parallel.degree = 2, 2
+        m = build("gpt")
+        opt = paddle.optimizer.AdamW(1e-2, parameters=m.parameters(), epsilon=1e-4, grad_clip=clip())
+        if entry in ("parallelize", "negative control"):
+            m, opt = ap.parallelize(m, opt, strategy=s)
+        elif entry == "Optimizer":
+            m = ap.DataParallel(m, strategy=s)
+            opt = ap.Optimizer(opt)
+        else:
+            m, _ = ap.parallelize(m, None, strategy=s)
+            opt = ap.shard_optimizer(paddle.optimizer.AdamW(1e-2, parameters=m.parameters(), epsilon=1e-4,
+                                                            grad_clip=clip()))
+        got = []
+        for i in range(STEPS):
+            ids, lab = batch(i)
+            loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            got.append(float(loss))
+        if entry == "negative control":
+            with pytest.raises(AssertionError):
+                check_every_rank(m, ref_params)
+            return
+        assert opt.last_grad_norm > 0.05                             # the clip was active
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        check_every_rank(m, ref_params)

@@ -61,10 +61,35 @@ class ShardedOptimizer(StepHooks):
     def step(self):
         self.reduce_gradients()
         self._scale_gradients()
-        with local_mode():
-            self._inner.step()
-        self._step_other_ranks()
+        clip = self._clip_global_norm()
+        try:
+            with local_mode():
+                self._inner.step()
+            self._step_other_ranks()
+        finally:
+            if clip is not None:
+                self._inner._grad_clip = clip
         self._after_step()
+
+    def _clip_global_norm(self):
+        """``ClipGradByGlobalNorm`` over distributed parameters: the norm of the whole (unsharded) gradients,
+        every shard counted once (parallel/clip.py), applied here; paddle's own clip, which would see only
+        this rank's shards, is off for the step. Returns the clip to restore (None: nothing to do)."""
+        import paddle
+
+        gc = getattr(self._inner, "_grad_clip", None)
+        params = [p for p in self.parameters if not p.stop_gradient]
+        if not isinstance(gc, paddle.nn.ClipGradByGlobalNorm) or not any(is_dist(p) for p in params):
+            return None
+        plain = [p.name for p in params if not is_dist(p)]
+        if plain:
+            raise NotImplementedError(f"global-norm clipping over distributed and plain parameters together "
+                                      f"({', '.join(plain[:3])} are plain); distribute the whole model")
+        from autoparallel.parallel.clip import clip_grad_norm_
+
+        self.last_grad_norm = clip_grad_norm_(params, float(gc.clip_norm))
+        self._inner._grad_clip = None
+        return gc
 
     def _step_other_ranks(self) -> None:
         """The simulated world: the other ranks' copies of each parameter (parallel/sim_step.py)."""

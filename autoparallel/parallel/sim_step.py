@@ -59,13 +59,12 @@ class RankCopies:
             names[s.name] = p.name
             shadows.append(s)
             links.append((t, s))
-        opt = clone_optimizer(self.inner, shadows, names)
-        opt._grad_clip = getattr(self.inner, "_grad_clip", None)   # as each real rank clips its own copy
-        return opt, links
+        return clone_optimizer(self.inner, shadows, names), links
 
     def step(self) -> None:
         with local_mode():
             for opt, links in self.opts.values():
+                opt._grad_clip = getattr(self.inner, "_grad_clip", None)   # as each real rank clips its copy
                 for t, s in links:
                     if t.grad is None:
                         s.clear_gradient(False)
