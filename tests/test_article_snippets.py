@@ -650,3 +650,10 @@ def test_real_ranks_agree_on_an_overflow_of_one_rank(launched):
 def test_real_ranks_backward_use_async_allreduce(launched):
     for r in _section(launched, "async"):
         assert r["async_allreduce_max_diff"] < 1e-5
+
+
+def test_real_ranks_checkpoint_fallback_and_resume(launched):
+    for r in _section(launched, "checkpoint"):
+        assert r["saved_before_failure"] == ["latest", "step-00000002"] and r["offloaded"]
+        assert r["saved"] == ["latest", "step-00000002", "step-00000004"]
+        assert r["recovered_max_diff"] < 1e-5                 # 4 steps through the failure equal one process

@@ -5,6 +5,7 @@
   reconfigure_distributed_model in place, training continues equal to one process (snippet 10)
 * GradScaler with an inf on rank 1 only: both ranks skip the step (snippet 15)
 * loss.backward(use_async_allreduce=True) on gloo (snippet 12)
+* strategy.checkpoint saves from the loop, an out-of-memory, fallback_to_cpu_offload + resume (snippet 11)
 Every rank also computes the single-process reference itself (same seeds, same global batches)."""
 import os
 import sys
@@ -218,6 +219,50 @@ def async_section(out):
     out["async_allreduce_max_diff"] = max_diff(full_params(model), ref)
 
 
+# ---- snippet 11 ----------------------------------------------------------------------------------------------
+def checkpoint_section(out):
+    from autoparallel import fallback_to_cpu_offload, resume_from_last_checkpoint
+
+    root = os.path.join(os.environ.get("AP_RESULT_DIR", "/tmp"), "..", "article_ckpt")
+    strategy = auto_parallel.Strategy()
+    strategy.checkpoint.dir = root
+    model = build("gpt")
+    optimizer = make_optimizer(model)
+    strategy.checkpoint.enable = True
+    strategy.checkpoint.save_interval_steps = 2
+    model = auto_parallel.DataParallel(model, strategy=strategy)
+    optimizer = auto_parallel.Optimizer(optimizer)
+    failed = []
+
+    def train():
+        from autoparallel.auto_checkpoint import current_run
+
+        for i in range(current_run().step, 4):
+            loss = loss_of(model, i)
+            loss.backward()
+            if i == 2 and not failed:
+                failed.append(i)
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            optimizer.step()
+            optimizer.clear_grad()
+
+    try:
+        train()
+    except RuntimeError as e:
+        if "CUDA out of memory" in str(e):
+            fallback_to_cpu_offload(model)
+            resume_from_last_checkpoint()
+    paddle.distributed.barrier()                          # rank 0 commits and writes "latest" after the others
+    out["saved_before_failure"] = sorted(os.listdir(root))
+    optimizer.clear_grad()
+    train()
+    paddle.distributed.barrier()
+    out["saved"] = sorted(os.listdir(root))
+    _, ref = reference(range(4))
+    out["recovered_max_diff"] = max_diff(full_params(model, optimizer), ref)
+    out["offloaded"] = bool(getattr(optimizer, "offload", False))
+
+
 def main():
     out = {"errors": {}}
     try:
@@ -229,7 +274,8 @@ def main():
         out["init_parallel_env"] = False
     rank = paddle.distributed.get_rank()
     sections = [("llama", lambda: llama_section(out)), ("monitor", lambda: monitor_section(out, rank)),
-                ("scaler", lambda: scaler_section(out, rank)), ("async", lambda: async_section(out))]
+                ("scaler", lambda: scaler_section(out, rank)), ("async", lambda: async_section(out)),
+                ("checkpoint", lambda: checkpoint_section(out))]
     for name, fn in sections:
         try:
             fn()
