@@ -210,3 +210,34 @@ def test_paddle_scaler_alone_fails_on_a_distributed_loss(monkeypatch):
         loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
         with pytest.raises(NotImplementedError, match="_is_initialized"):
             gpu_scaler(init_loss_scaling=1024).scale(loss)
+
+
+def test_grad_scaler_unscale_then_step_and_two_scalers_refused():
+    import autoparallel as ap
+    from autoparallel.testing.models import batch
+    from autoparallel.testing.models import build as build_test
+
+    with ap.simulate(world_size=2):
+        m = build_test("gpt")
+        m, opt = ap.parallelize(m, _gpt_opt(m.parameters()))
+        scaler = gpu_scaler(init_loss_scaling=1024)
+        ids, lab = batch(0)
+        scaler.scale(F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()).backward()
+        w = dict(m.named_parameters())["lm_head.weight"]
+        scaled = {r: t.grad.numpy().copy() for r, t in w.locals.items()}
+        scaler.unscale_(opt)                                   # e.g. to clip by hand before the step
+        for r, t in w.locals.items():
+            np.testing.assert_allclose(t.grad.numpy(), scaled[r] / 1024, rtol=1e-6)
+        with pytest.raises(RuntimeError, match="already been called"):
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    with ap.simulate(world_size=2):
+        s = Strategy()
+        s.amp.enable, s.amp.dtype = True, "float16"
+        m = build_test("gpt")
+        m, opt = ap.parallelize(m, _gpt_opt(m.parameters()), strategy=s)
+        scaler = gpu_scaler(init_loss_scaling=1024)
+        scaler.scale(F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()).backward()
+        with pytest.raises(ValueError, match="use one loss scaler"):
+            scaler.step(opt)
