@@ -177,7 +177,7 @@ class PerformanceMonitor:
     have covered ``warmup_steps + measure_steps`` they are the ones used."""
 
     def __init__(self, warmup_steps: int = 2, measure_steps: int = 10, *, num_stages: int = None,
-                 split: list = None, layer_names: list = None, clock=time.perf_counter):
+                 split: list = None, layer_names: list = None, clock=time.perf_counter, pipeline=None):
         for label, v in (("warmup_steps", warmup_steps), ("measure_steps", measure_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if label == "warmup_steps" else 1):
                 raise ValueError(f"{label} must be an int >= {0 if label == 'warmup_steps' else 1}, got {v!r}")
@@ -187,6 +187,8 @@ class PerformanceMonitor:
         self.split = [tuple(s) for s in split] if split is not None else None
         self.layer_names = list(layer_names) if layer_names is not None else None
         self._clock = clock
+        self.pipeline = pipeline           # a PipelineModule whose stage times to read (default: the run's)
+        self._pipe_records = None
         self._explicit = _Steps(warmup_steps, measure_steps)
         self._inferred = _Steps(warmup_steps, measure_steps)
         self._mode = None                  # None (undecided), "explicit" or "inferred"
@@ -255,6 +257,33 @@ class PerformanceMonitor:
                 seconds = self._clock() - start
                 for t in trackers:
                     t.add(key, seconds, top, _comm_timer.seconds - comm0)
+                if top:
+                    self._absorb_pipeline(trackers)
+
+    def _pipe(self):
+        if self.pipeline is not None:
+            return self.pipeline
+        from autoparallel.auto_checkpoint import current_run
+
+        run = current_run()
+        model = run.model if run is not None else None
+        return model if hasattr(model, "records") and hasattr(model, "plan") else None
+
+    def _absorb_pipeline(self, trackers) -> None:
+        """A pipeline step ran inside this record: its stages' compute time (forward, backward and weight
+        actions in ``pipe.records``; transfers and waits excluded) becomes ``stage[i]`` of this step."""
+        pipe = self._pipe()
+        records = getattr(pipe, "records", None) if pipe is not None else None
+        if not records or records is self._pipe_records:
+            return
+        self._pipe_records = records
+        per_stage: dict = {}
+        for rec in records:
+            if rec.kind in ("F", "B", "W"):
+                per_stage[rec.stage] = per_stage.get(rec.stage, 0.0) + rec.end - rec.start
+        for stage, seconds in per_stage.items():
+            for t in trackers:
+                t.add(f"stage[{stage}]", seconds, False)
 
     def step(self) -> None:
         """End the current step (optional: without it, steps are inferred from repeated record names)."""
@@ -413,9 +442,15 @@ class PerformanceMonitor:
         from autoparallel.parallel.pipeline.split import balanced_split
 
         layers = self.layer_times()
-        if not layers:
-            raise ValueError("no per-layer timings: record them with mon.record('layer', index=i)")
+        names = self.layer_names
         split = [tuple(s) for s in current_split] if current_split is not None else self.split
+        if not layers:
+            est = self._pipeline_layers()
+            if est is None:
+                raise ValueError("no per-layer timings: record them with mon.record('layer', index=i) (or run a "
+                                 "pipeline built by ap.parallelize inside a record)")
+            layers, bounds, names = est
+            split = split or bounds
         k = num_stages or (len(split) if split else self.num_stages)
         if k is None:
             raise ValueError("give num_stages (or a current split) to suggest a pipeline split")
@@ -425,13 +460,29 @@ class PerformanceMonitor:
         best = [tuple(s) for s in balanced_split(layers, k)]
         out = Suggestion(k, layers, split, best, [sum(layers[a:b]) for a, b in split],
                          [sum(layers[a:b]) for a, b in best])
-        if self.layer_names is not None:
-            if len(self.layer_names) != len(layers):
-                raise ValueError(f"layer_names has {len(self.layer_names)} names for {len(layers)} timed layers")
-            out.split_points = [self.layer_names[a] for a, _ in best[1:]]
+        if names is not None:
+            if len(names) != len(layers):
+                raise ValueError(f"layer_names has {len(names)} names for {len(layers)} timed layers")
+            out.split_points = [names[a] for a, _ in best[1:]]
         if model is not None:
             self._replan(out, model, cluster, global_batch_size, seq_len, current)
         return out
+
+    def _pipeline_layers(self):
+        """(estimated seconds per layer, current bounds, layer names) from a pipeline's measured stage times:
+        each stage's time spread evenly over its layers (no per-layer records); None without a pipeline."""
+        pipe = self._pipe()
+        plan = getattr(pipe, "plan", None)
+        if plan is None:
+            return None
+        _, stage_times = self._stages()
+        bounds = [tuple(b) for b in plan.bounds]
+        if len(stage_times) != len(bounds):
+            return None
+        layers = []
+        for (a, b), t in zip(bounds, stage_times):
+            layers.extend([t / (b - a)] * (b - a))
+        return layers, bounds, list(plan.pieces.layer_names)
 
     def suggest_optimal_strategy(self, num_stages: int = None, *, strategy=None, current_split=None, model=None,
                                  cluster=None, global_batch_size: int = None, seq_len: int = None,
@@ -460,10 +511,12 @@ class PerformanceMonitor:
             raise TypeError(f"strategy must be an ap.Strategy, got {type(base).__name__}")
         base = base.copy()
         run_model = run.model if run is not None else None
-        if self.layer_times() and model is None:
+        pipe_est = None if self.layer_times() else self._pipeline_layers()
+        if (self.layer_times() or pipe_est) and model is None:
+            pp = base.pipeline_parallel
             k = num_stages or (len(current_split) if current_split else None) or (
                 len(self.split) if self.split else None) or self.num_stages or (
-                base.pipeline_parallel.degree if base.pipeline_parallel.degree > 1 else None)
+                len(pipe_est[1]) if pipe_est else None) or (pp.degree * pp.vpp_degree if pp.degree > 1 else None)
             if k is None:
                 raise ValueError("per-layer timings but no stage count: give num_stages, or a strategy with "
                                  "pipeline_parallel.degree > 1")
@@ -660,6 +713,12 @@ def _apply_split(strategy, sug: Suggestion, model) -> None:
                              f"timed layer) or set up a model whose block list has {len(sug.layer_times)} layers")
         names = sug.split_points = [blocks[a] for a, _ in sug.split[1:]]
     pp = strategy.pipeline_parallel
+    if pp.degree * pp.vpp_degree == sug.num_stages:
+        pp.split_points = names if sug.num_stages > 1 else []
+        return
+    if pp.vpp_degree > 1:
+        raise ValueError(f"a {sug.num_stages}-stage split does not fit pipeline_parallel.degree={pp.degree} x "
+                         f"vpp_degree={pp.vpp_degree}")
     if pp.degree != sug.num_stages:
         dp = strategy.data_parallel.degree
         if dp is not None:

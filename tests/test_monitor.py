@@ -241,3 +241,42 @@ def test_time_blocked_in_collectives_is_measured_per_phase(monkeypatch):
     comm = mon.comm_timings()
     assert set(comm) == {"backward"} and comm["backward"] >= 0.03
     assert mon.timings()["backward"] >= comm["backward"]
+
+
+def test_a_simulated_pipeline_reports_its_stage_times_and_gets_a_resplit():
+    """No per-layer records: the monitor reads the pipeline's own action timings (stage compute, transfers
+    excluded); a slow first block makes stage 0 the bottleneck and the suggestion moves layers off it."""
+    import dataclasses
+
+    import paddle
+    import paddle.nn.functional as F  # noqa: F401
+
+    import autoparallel as ap
+    from autoparallel import auto_checkpoint
+    from autoparallel.testing.models import batch
+    from examples.models import GPT, GPTConfig
+
+    auto_checkpoint.reset()
+    try:
+        with ap.simulate(world_size=2):
+            paddle.seed(0)
+            model = GPT(dataclasses.replace(GPTConfig(vocab_size=64, hidden=32, layers=4, heads=4, max_positions=16)))
+            model.blocks[0].register_forward_post_hook(lambda *_: time.sleep(0.03))
+            s = ap.Strategy()
+            s.pipeline_parallel.degree = 2
+            pipe, opt = ap.parallelize(model, paddle.optimizer.AdamW(1e-3, parameters=model.parameters()), strategy=s)
+            mon = PerformanceMonitor(warmup_steps=1, measure_steps=2)
+            for i in range(4):
+                with mon.record("step"):
+                    ids, lab = batch(i)
+                    pipe.train_batch(paddle.to_tensor(ids), paddle.to_tensor(lab))
+                    opt.step()
+                    opt.clear_grad()
+            imb = mon.imbalance()
+            assert mon.is_imbalanced() and imb["slowest_stage"] == 0 and len(imb["stage_times"]) == 2
+            new = mon.suggest_optimal_strategy()
+            assert new.pipeline_parallel.degree == 2 and new.pipeline_parallel.split_points == ["blocks.1"]
+            assert new.suggestion.current_split == [(0, 2), (2, 4)] and new.suggestion.speedup > 1.2
+            new.validate(world_size=2)
+    finally:
+        auto_checkpoint.reset()
