@@ -143,6 +143,11 @@ def reconfigure_distributed_model(model=None, strategy=None, optimizer=None, **k
                         f"PerformanceMonitor.suggest_optimal_strategy()), got {type(strategy).__name__}")
     run, model, optimizer = _run_objects(model, optimizer, "reconfigure_distributed_model")
     steps = run.step if run is not None and run.model is model else 0
+    original = _pipelined_model(model)
+    if original is not None and "build" not in kwargs:       # a pipeline: rebuild from the model it split
+        from autoparallel.checkpoint.reshard_state import default_build
+
+        kwargs["build"] = default_build(original, optimizer)
     new_model, new_optimizer = reconfigure(model, optimizer, strategy, **kwargs)
     _become(model, new_model)
     if optimizer is not None and new_optimizer is not None:
@@ -155,6 +160,15 @@ def reconfigure_distributed_model(model=None, strategy=None, optimizer=None, **k
     cur.optimizer = optimizer if new_optimizer is not None else None
     cur.step = steps
     return model, cur.optimizer
+
+
+def _pipelined_model(model):
+    """The model a PipelineModule was split from, when it is rebuildable (has a ``config``)."""
+    if getattr(model, "config", None) is not None:
+        return None
+    pieces = getattr(getattr(model, "plan", None), "pieces", None)
+    original = getattr(pieces, "model", None)
+    return original if getattr(original, "config", None) is not None else None
 
 
 def _repoint(model, new_model, optimizer) -> None:

@@ -2,6 +2,7 @@
 reported as imbalanced and the suggested split is the optimal partition of the measured layer times."""
 import time
 
+import numpy as np
 import pytest
 
 from autoparallel.monitor import PerformanceMonitor, even_split
@@ -278,5 +279,56 @@ def test_a_simulated_pipeline_reports_its_stage_times_and_gets_a_resplit():
             assert new.pipeline_parallel.degree == 2 and new.pipeline_parallel.split_points == ["blocks.1"]
             assert new.suggestion.current_split == [(0, 2), (2, 4)] and new.suggestion.speedup > 1.2
             new.validate(world_size=2)
+    finally:
+        auto_checkpoint.reset()
+
+
+def test_the_pipeline_suggestion_reconfigures_the_pipeline_in_place():
+    import paddle
+    import paddle.nn.functional as F
+
+    import autoparallel as ap
+    from autoparallel import auto_checkpoint
+    from autoparallel.testing.models import batch
+    from examples.models import GPT, GPTConfig
+
+    def gpt():
+        paddle.seed(0)
+        return GPT(GPTConfig(vocab_size=64, hidden=32, layers=4, heads=4, max_positions=16))
+
+    ref = gpt()
+    ref_opt = paddle.optimizer.AdamW(1e-3, parameters=ref.parameters())
+    for i in range(3):
+        ids, lab = batch(i)
+        F.cross_entropy(ref(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean().backward()
+        ref_opt.step()
+        ref_opt.clear_grad()
+    auto_checkpoint.reset()
+    try:
+        with ap.simulate(world_size=2):
+            model = gpt()
+            s = ap.Strategy()
+            s.pipeline_parallel.degree = 2
+            pipe, opt = ap.parallelize(model, paddle.optimizer.AdamW(1e-3, parameters=model.parameters()), strategy=s)
+            new = ap.Strategy()
+            new.pipeline_parallel.degree = 2
+            new.pipeline_parallel.split_points = ["blocks.1"]
+            for i in range(3):
+                if i == 1:
+                    ap.reconfigure_distributed_model(pipe, new)        # in place, as the article calls it
+                    assert pipe.plan.bounds[0] == (0, 1)
+                ids, lab = batch(i)
+                pipe.train_batch(paddle.to_tensor(ids), paddle.to_tensor(lab))
+                opt.step()
+                opt.clear_grad()
+            import tempfile
+
+            from autoparallel.checkpoint.state import training_state
+
+            path = tempfile.mkdtemp(prefix="ap_pipe_") + "/s"
+            ap.save_state_dict(training_state(pipe), path)
+        got = ap.load_merged_state_dict(path)["model"]
+        for name, p in ref.named_parameters():
+            np.testing.assert_allclose(got[name], p.numpy(), rtol=1e-4, atol=2e-5, err_msg=name)
     finally:
         auto_checkpoint.reset()
