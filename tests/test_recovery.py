@@ -169,3 +169,22 @@ def test_reconfigure_distributed_model_keeps_the_trained_values():
         assert_same(values(m, opt), values(ref_m, ref_opt))
         with pytest.raises(TypeError, match="strategy must be an ap.Strategy"):
             ap.reconfigure_distributed_model(m2, {"sharding": {"stage": 2}})
+
+
+def test_checkpoint_strategy_saves_a_pipeline(tmp_path):
+    with ap.simulate(world_size=2):
+        s = ap.Strategy()
+        s.pipeline_parallel.degree = 2
+        s.checkpoint.enable, s.checkpoint.save_interval_steps, s.checkpoint.dir = True, 1, str(tmp_path)
+        m = build("gpt")
+        pipe, opt = ap.parallelize(m, paddle.optimizer.AdamW(1e-2, parameters=m.parameters(), epsilon=1e-4),
+                                   strategy=s)
+        for i in range(2):
+            ids, lab = batch(i)
+            pipe.train_batch(paddle.to_tensor(ids), paddle.to_tensor(lab))
+            opt.step()
+            opt.clear_grad()
+        assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001", "step-00000002"]
+        now = values(pipe, opt)
+    saved = {k: np.asarray(v) for k, v in ap.load_merged_state_dict(str(tmp_path / "step-00000002"), flat=True).items()}
+    assert_same(saved, now, exact=True)
