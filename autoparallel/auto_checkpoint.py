@@ -47,18 +47,6 @@ class Run:
 
         return training_state(self.model, self.optimizer)
 
-    def rebind(self, optimizer) -> None:
-        """The run continues with ``optimizer`` (e.g. after offload turned a wrapper into another)."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-        self.optimizer = optimizer
-        if self.manager is not None:
-            self.manager.optimizer = optimizer
-            self._handle = _register(optimizer, self.after_step)
-        elif callable(getattr(optimizer, "register_step_post_hook", None)):
-            self._handle = optimizer.register_step_post_hook(self.after_step)
-
 
 _current: Optional[Run] = None
 
@@ -83,7 +71,7 @@ def attach(model=None, optimizer=None, strategy=None) -> Run:
             and _current.optimizer is optimizer:
         _current._handle.remove()             # the same optimizer attached again: one hook
     run = Run(model, optimizer, strategy)     # earlier runs keep their hooks (and keep saving)
-    if _current is not None and _current.model is model:
+    if _current is not None and same_object(_current.model, model):
         run.input_shape, run.step = _current.input_shape, _current.step
     else:
         _watch_inputs(model, run)
@@ -109,12 +97,18 @@ def _watch_inputs(model, run: Run) -> None:
         for x in inputs:
             shape = getattr(x, "shape", None)
             if shape is not None and len(shape) >= 1:
-                cur = _current if _current is not None and _current.model is model else run
+                cur = _current if _current is not None and same_object(_current.model, model) else run
                 cur.input_shape = [int(n) for n in shape]
                 return None
         return None
 
     hook(pre)
+
+
+def same_object(a, b) -> bool:
+    """``a is b``, or one was turned into an alias of the other (``reconfigure_distributed_model`` in place:
+    they share the attribute dict)."""
+    return a is b or (a is not None and b is not None and hasattr(a, "__dict__") and a.__dict__ is b.__dict__)
 
 
 def _register(optimizer, fn):

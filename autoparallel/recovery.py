@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from autoparallel.auto_checkpoint import current_run
+from autoparallel.auto_checkpoint import current_run, same_object
 
 
 def _run_objects(model, optimizer, caller: str):
@@ -25,7 +25,7 @@ def _run_objects(model, optimizer, caller: str):
     if model is None:
         run = current_run(required=caller)
         model = run.model
-    if optimizer is None and run is not None and run.model is model:
+    if optimizer is None and run is not None and same_object(run.model, model):
         optimizer = run.optimizer
     return run, model, optimizer
 
@@ -52,7 +52,7 @@ def resume_from_last_checkpoint(model=None, optimizer=None, dir=None, strict: bo
     from autoparallel.checkpoint.state import training_state
 
     info = manager.restore(training_state(model, optimizer), strict=strict)
-    if info is not None and run is not None and run.model is model and isinstance(info.step, int):
+    if info is not None and run is not None and same_object(run.model, model) and isinstance(info.step, int):
         run.step = info.step
     return info
 
@@ -90,7 +90,7 @@ def _offload_by_rebuild(run, model, optimizer):
     """No ZeRO optimizer: rebuild in place under the same strategy plus ZeRO stage 1 with offload (states
     sharded over the data axis and held in host memory, parameters unchanged), through the checkpoint
     round-trip of ``reconfigure_distributed_model``."""
-    strategy = run.strategy if run is not None and run.model is model else None
+    strategy = run.strategy if run is not None and same_object(run.model, model) else None
     if strategy is None or getattr(model, "config", None) is None:
         raise ValueError(f"fallback_to_cpu_offload: offload moves ZeRO-sharded optimizer states to host memory; "
                          f"this {type(optimizer).__name__} has no sharding, and the "
@@ -142,7 +142,7 @@ def reconfigure_distributed_model(model=None, strategy=None, optimizer=None, **k
         raise TypeError(f"reconfigure_distributed_model(model, strategy): strategy must be an ap.Strategy (e.g. "
                         f"PerformanceMonitor.suggest_optimal_strategy()), got {type(strategy).__name__}")
     run, model, optimizer = _run_objects(model, optimizer, "reconfigure_distributed_model")
-    steps = run.step if run is not None and run.model is model else 0
+    steps = run.step if run is not None and same_object(run.model, model) else 0
     original = _pipelined_model(model)
     if original is not None and "build" not in kwargs:       # a pipeline: rebuild from the model it split
         from autoparallel.checkpoint.reshard_state import default_build
