@@ -236,3 +236,26 @@ def test_global_norm_clipping_under_tensor_parallel_equals_one_process(entry, mo
         assert opt.last_grad_norm > 0.05                             # the clip was active
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         check_every_rank(m, ref_params)
+
+
+def test_simulated_world_equals_real_ranks_one_launch():
+    """4 real gloo ranks (one launch) vs ap.simulate(4): the same losses and every rank's parameter copy,
+    for ap.DataParallel + ap.Optimizer (DP2 x TP2, global-norm clipping, use_async_allreduce) and
+    shard_optimizer(ShardingStage2)."""
+    import os
+
+    from autoparallel.testing.launch import launch
+    from entry_points_common import run
+
+    here = os.path.dirname(__file__)
+    real = launch(os.path.join(here, "dist_scripts", "entry_points_worker.py"), nproc=4, timeout=600)
+    assert sorted(tuple(r["world"][:2]) for r in real) == [(i, 4) for i in range(4)]
+    for case in ("dp_optimizer", "stage2"):
+        with ap.simulate(world_size=4):
+            losses, copies = run(case)
+        for r in real:
+            np.testing.assert_allclose(r[case]["losses"], losses, rtol=1e-5, atol=1e-6, err_msg=case)
+            for key, value in r[case]["params"].items():
+                np.testing.assert_allclose(np.array(value, dtype="float32"), copies[key], rtol=1e-4, atol=2e-6,
+                                           err_msg=f"{case} {key}")
+        assert len(copies) == sum(len(r[case]["params"]) for r in real)      # every simulated copy compared
