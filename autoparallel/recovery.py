@@ -42,7 +42,7 @@ def resume_from_last_checkpoint(model=None, optimizer=None, dir=None, strict: bo
 
     run, model, optimizer = _run_objects(model, optimizer, "resume_from_last_checkpoint")
     if dir is None:
-        if run is None or run.model is not model or run.strategy is None:
+        if run is None or not same_object(run.model, model) or run.strategy is None:
             raise ValueError("resume_from_last_checkpoint: give dir= (no strategy.checkpoint of the current run "
                              "names a directory for this model)")
         dir = run.manager.dir if run.manager is not None else run.strategy.checkpoint.dir
