@@ -174,7 +174,10 @@ class PerformanceMonitor:
     backward, step, forward, ... -> the second ``forward`` starts step 2; a step ends when the next begins).
     Until the first ``step()`` call both are tracked; calling ``step()`` selects explicit steps (needed when
     a name repeats at top level within one step, e.g. once per micro-batch), and once the inferred steps
-    have covered ``warmup_steps + measure_steps`` they are the ones used."""
+    have covered ``warmup_steps + measure_steps`` they are the ones used.
+
+    ``pipeline``: a PipelineModule whose per-stage compute times (its ``records``) each top-level record adds
+    as ``stage[i]`` (default: the current run's model when it is a pipeline)."""
 
     def __init__(self, warmup_steps: int = 2, measure_steps: int = 10, *, num_stages: int = None,
                  split: list = None, layer_names: list = None, clock=time.perf_counter, pipeline=None):
