@@ -137,10 +137,12 @@ class _Steps:
         self.index = 0
         self.totals: list = []             # one {key: seconds} per measured step
         self.step_times: list = []         # seconds of the top-level records per measured step
+        self.step_comm: list = []          # of which blocked in collectives
         self.current: dict = {}
         self.comm_totals: list = []        # one {key: seconds blocked in collectives} per measured step
         self.current_comm: dict = {}
         self.top = 0.0
+        self.top_comm = 0.0
         self.top_keys: set = set()
 
     @property
@@ -158,13 +160,15 @@ class _Steps:
                 self.current_comm[key] = self.current_comm.get(key, 0.0) + comm
             if top:
                 self.top += seconds
+                self.top_comm += comm
 
     def close(self) -> None:
         if self.measuring:
             self.totals.append(self.current)
             self.comm_totals.append(self.current_comm)
             self.step_times.append(self.top)
-        self.current, self.current_comm, self.top, self.top_keys = {}, {}, 0.0, set()
+            self.step_comm.append(self.top_comm)
+        self.current, self.current_comm, self.top, self.top_comm, self.top_keys = {}, {}, 0.0, 0.0, set()
         self.index += 1
 
 
@@ -201,6 +205,7 @@ class PerformanceMonitor:
         self._gathered: Optional[dict] = None
         self._gathered_steps: Optional[dict] = None
         self._gathered_comm: Optional[dict] = None
+        self._gathered_compute: Optional[dict] = None
 
     # ---- recording ----------------------------------------------------------------------------------
     @property
@@ -318,13 +323,22 @@ class PerformanceMonitor:
         times = self._steps.step_times
         return sum(times) / len(times) if times else 0.0
 
+    def compute_time(self) -> float:
+        """Mean seconds per measured step of the top-level records minus the time blocked in collectives:
+        what this rank computed (a straggler's is larger; the others' waits are not in it)."""
+        steps = self._steps
+        if not steps.step_times:
+            return 0.0
+        return (sum(steps.step_times) - sum(steps.step_comm)) / len(steps.step_times)
+
     def gather(self) -> dict:
         """{rank: timings} of every rank (collective in a real job: every rank must call it). In the simulated
         world one process runs every rank on one timeline, so every rank's entry is this process's."""
         from autoparallel.checkpoint.sync import job
 
         multi, rank, world_size = job()
-        mine = {"timings": self.timings(), "step": self.step_time(), "comm": self.comm_timings()}
+        mine = {"timings": self.timings(), "step": self.step_time(), "comm": self.comm_timings(),
+                "compute": self.compute_time()}
         if not multi:
             ranks = range(world_size) if _simulated() else [rank]
             both = {r: mine for r in ranks}
@@ -336,6 +350,7 @@ class PerformanceMonitor:
         self._gathered = {r: v["timings"] for r, v in both.items()}
         self._gathered_steps = {r: v["step"] for r, v in both.items()}
         self._gathered_comm = {r: v["comm"] for r, v in both.items()}
+        self._gathered_compute = {r: v["compute"] for r, v in both.items()}
         return self._gathered
 
     def _per_rank(self) -> dict:
@@ -372,30 +387,32 @@ class PerformanceMonitor:
     def imbalance(self, split=None) -> dict:
         """How unequal the ranks and the pipeline stages are.
 
-        ``ranks``: the larger of the skew of the ranks' step times (slowest over mean, minus 1) and, for each
-        recorded phase, how far its slowest rank exceeds the phase's mean, relative to the mean step time.
-        Synchronous training hides a straggler in the step times (the others wait for it in a collective),
-        not in the phases: the straggler is slow where it computes, the others where they wait. So
-        ``slowest_rank`` is the slowest rank of the *first* phase (in record order) whose excess is at least
-        half of the largest one: the cause comes before the waits it induces. ``stages``: the skew of the
-        stage times (``stage[i]`` records, or ``layer[i]`` records summed over a split)."""
+        ``ranks``: the larger of the skews (slowest over mean, minus 1) of the ranks' step times and of their
+        compute times (step time minus the time blocked in collectives). Synchronous training hides a
+        straggler in the step times — the others wait for it in a collective — but not in the compute times.
+        ``phases``: per recorded phase, how far the slowest rank's compute time exceeds the phase's mean,
+        relative to the mean step time; ``slowest_rank`` is the slowest rank of the *first* phase (in record
+        order) whose excess is at least half of the largest one (the cause comes before the waits it
+        induces). ``stages``: the skew of the stage times (``stage[i]`` records, a pipeline's own timings, or
+        ``layer[i]`` records summed over a split)."""
         steps = self._rank_step_times()
-        out = {"ranks": skew(steps.values()), "rank_steps": steps, "stages": 0.0, "stage_times": [], "phases": {}}
+        compute = self._gathered_compute if self._gathered_compute is not None else {}
+        out = {"ranks": max(skew(steps.values()), skew(compute.values())), "rank_steps": steps,
+               "rank_compute": compute, "stages": 0.0, "stage_times": [], "phases": {}}
         per_rank = self._per_rank()
         mean_step = sum(steps.values()) / len(steps) if steps else 0.0
         if len(per_rank) > 1 and mean_step > 0:
             comm = self._gathered_comm if self._gathered_comm is not None else {}
             keys = [k for k in self._key_order() if any(k in t for t in per_rank.values())]
-            compute = {r: {k: t.get(k, 0.0) - comm.get(r, {}).get(k, 0.0) for k in keys} for r, t in per_rank.items()}
+            phase = {r: {k: t.get(k, 0.0) - comm.get(r, {}).get(k, 0.0) for k in keys} for r, t in per_rank.items()}
             for key in keys:
-                vals = [c[key] for c in compute.values()]
+                vals = [c[key] for c in phase.values()]
                 out["phases"][key] = (max(vals) - sum(vals) / len(vals)) / mean_step
             worst = max(out["phases"].values(), default=0.0)
-            out["ranks"] = max(out["ranks"], worst)
             if worst > 0:
                 first = next(k for k in keys if out["phases"][k] >= 0.5 * worst)
                 out["slowest_phase"] = first
-                out["slowest_rank"] = max(compute, key=lambda r: compute[r][first])
+                out["slowest_rank"] = max(phase, key=lambda r: phase[r][first])
         _, stage_times = self._stages(split)
         if stage_times:
             out["stages"] = skew(stage_times)

@@ -218,11 +218,15 @@ def test_a_straggler_in_synchronous_training_is_found_by_its_first_slow_phase():
     waits = dict(mine, backward=mine["backward"] + 0.05)
     mon._gathered = {0: waits, 1: slow}
     mon._gathered_steps = {0: sum(waits.values()), 1: sum(slow.values())}
+    mon._gathered_comm = {0: {"backward": 0.05}, 1: {}}                      # rank 0 waited in all-reduce
+    mon._gathered_compute = {0: sum(mine.values()), 1: sum(slow.values())}
     imb = mon.imbalance()
     assert imb["rank_steps"][0] == pytest.approx(imb["rank_steps"][1])       # the step times hide it
+    assert imb["ranks"] == pytest.approx(0.025 / (sum(mine.values()) + 0.025), rel=1e-6)   # compute skew
     assert mon.is_imbalanced() and imb["slowest_rank"] == 1 and imb["slowest_phase"] == "forward"
     mon._gathered = {0: mine, 1: dict(mine, forward=mine["forward"] * 1.01)}  # noise: 1 % of one phase
     mon._gathered_steps = {0: 0.035, 1: 0.0351}
+    mon._gathered_comm, mon._gathered_compute = {0: {}, 1: {}}, {0: 0.035, 1: 0.0351}
     assert not mon.is_imbalanced()
 
 

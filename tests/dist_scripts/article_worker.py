@@ -153,7 +153,7 @@ def monitor_section(out, rank):
             reconfigure_distributed_model(model, new_strategy)
             out["reconfigured"] = max_diff(full_params(model, optimizer), before) == 0.0
     imb = monitor.imbalance()
-    out["imbalance"] = {k: imb[k] for k in ("ranks", "rank_steps", "phases")}
+    out["imbalance"] = {k: imb[k] for k in ("ranks", "rank_steps", "rank_compute", "phases")}
     _, ref = reference(range(34))
     out["after_reconfigure_max_diff"] = max_diff(full_params(model, optimizer), ref)
 
