@@ -32,10 +32,11 @@ for step, batch in enumerate(loader):
         model, optimizer = ap.reconfigure_distributed_model(model, new_strategy)
 ```
 
-A rank's step time is the sum of its top-level records in a step. Timings are per step: records of one key within a measured step add up (a layer run once per
-micro-batch), and a key's time is the mean of its per-step totals over the ``measure_steps`` steps that
-follow ``warmup_steps``. Keys are ``name`` or ``name[index]``. ``gather()`` brings every rank's timings
-to every rank with two all_gathers of small tensors (in one process: just this one).
+A rank's step time is the sum of its top-level records in a step. Timings are per step: records of one key
+within a measured step add up (a layer run once per micro-batch), and a key's time is the mean of its per-step
+totals over the ``measure_steps`` steps that follow ``warmup_steps``. Keys are ``name`` or ``name[index]``.
+``gather()`` brings every rank's timings to every rank with two all_gathers of small tensors (in one process:
+just this one).
 """
 from __future__ import annotations
 

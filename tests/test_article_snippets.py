@@ -523,7 +523,7 @@ def test_12_backward_use_async_allreduce(one_process):
         assert_equal_to_one_process(model, losses, one_process)
 
 
-# ---- 13. gradient accumulation ----------------------------------------------------------------------------------------
+# ---- 13. gradient accumulation ---------------------------------------------------------------------------------------
 def test_13_gradient_accumulation_as_written(monkeypatch):
     from autoparallel.parallel import grads
 
@@ -613,7 +613,7 @@ def test_15_grad_scaler_as_written(gpu_scaler, one_process):
         assert_equal_to_one_process(model, losses, one_process)
 
 
-# ---- the parts that need real processes -------------------------------------------------------------------------------
+# ---- the parts that need real processes ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def launched():
     from autoparallel.testing.launch import launch

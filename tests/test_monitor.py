@@ -251,10 +251,7 @@ def test_time_blocked_in_collectives_is_measured_per_phase(monkeypatch):
 def test_a_simulated_pipeline_reports_its_stage_times_and_gets_a_resplit():
     """No per-layer records: the monitor reads the pipeline's own action timings (stage compute, transfers
     excluded); a slow first block makes stage 0 the bottleneck and the suggestion moves layers off it."""
-    import dataclasses
-
     import paddle
-    import paddle.nn.functional as F  # noqa: F401
 
     import autoparallel as ap
     from autoparallel import auto_checkpoint
@@ -265,7 +262,7 @@ def test_a_simulated_pipeline_reports_its_stage_times_and_gets_a_resplit():
     try:
         with ap.simulate(world_size=2):
             paddle.seed(0)
-            model = GPT(dataclasses.replace(GPTConfig(vocab_size=64, hidden=32, layers=4, heads=4, max_positions=16)))
+            model = GPT(GPTConfig(vocab_size=64, hidden=32, layers=4, heads=4, max_positions=16))
             model.blocks[0].register_forward_post_hook(lambda *_: time.sleep(0.03))
             s = ap.Strategy()
             s.pipeline_parallel.degree = 2
