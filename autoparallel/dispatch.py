@@ -38,7 +38,7 @@ from autoparallel.local_mode import in_local_mode, local_mode  # noqa: E402  (re
 from autoparallel.local_mode import _state as _local_state  # noqa: E402
 
 
-_dygraph = paddle.in_dynamic_mode
+from paddle.base.framework import global_var as _paddle_mode  # noqa: E402  (_dygraph_tracer_ None: static)
 
 
 def is_dist(x) -> bool:
@@ -80,7 +80,7 @@ def run(op: str, path: str, args, kwargs):
 
     A call whose key (see dispatch_cache) was seen before reuses its plan: no rule, no validation, no
     reshard planning; only the data-dependent steps run."""
-    if not _dygraph():                                    # paddle.jit.to_static building a program
+    if _paddle_mode._dygraph_tracer_ is None:            # paddle.jit.to_static building a program
         from autoparallel.graph.jit import static_args
         args, kwargs = static_args(op, args, kwargs)
     if path in ARG_MAP or args.__class__ is not tuple or kwargs.__class__ is not dict:
