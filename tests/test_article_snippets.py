@@ -525,9 +525,13 @@ def test_12_backward_use_async_allreduce(one_process):
 
 # ---- 13. gradient accumulation ---------------------------------------------------------------------------------------
 def test_13_gradient_accumulation_as_written(monkeypatch):
+    """The literal loop equals one process; its gradient reductions fuse into one per optimizer step once
+    the reducer has seen a full window (it learns the 8 backward passes per step), and from the second step
+    on when the strategy says ``gradient_accumulation_steps = 8``."""
     from autoparallel.parallel import grads
 
     accum_steps = 8
+    batches = 3 * accum_steps
 
     class Out:
         def __init__(self, loss):
@@ -540,13 +544,13 @@ def test_13_gradient_accumulation_as_written(monkeypatch):
 
     ref = DemoNet()
     ref_opt = make_optimizer(ref)
-    micro = []
-    for i, batch_ in enumerate(range(16)):
+    for i, batch_ in enumerate(range(batches)):
         loss = run(ref)(batch_).loss / accum_steps
         loss.backward()
         if (i + 1) % accum_steps == 0:
             ref_opt.step()
             ref_opt.clear_grad()
+    counts = {}
     for strategy_steps in (1, accum_steps):
         with auto_parallel.simulate(world_size=2):
             strategy = auto_parallel.Strategy()
@@ -556,24 +560,30 @@ def test_13_gradient_accumulation_as_written(monkeypatch):
             model = auto_parallel.DataParallel(model, strategy=strategy)
             optimizer = auto_parallel.Optimizer(optimizer)
             reductions = counting(monkeypatch, grads, "reduce_bucket")
-            dataloader = range(16)
+            dataloader = range(batches)
             model_fn = run(model)
             for i, batch_ in enumerate(dataloader):
                 # with strategy.gradient_accumulation_steps the framework divides: the loop leaves the loss
                 loss = model_fn(batch_).loss / (accum_steps if strategy_steps == 1 else 1)
                 loss.backward()
-                micro.append((strategy_steps, i, len(reductions)))
+                counts[strategy_steps, i] = len(reductions)
                 if (i + 1) % accum_steps == 0:
                     optimizer.step()
                     optimizer.clear_grad()
+                    counts[strategy_steps, "after step", i // accum_steps] = len(reductions)
             for name, p in ref.named_parameters():
                 got = dict(model.named_parameters())[name]
                 for r, t in got.locals.items():
                     np.testing.assert_allclose(t.numpy(), expected_local(p.numpy(), got.spec, got.mesh.coords_of(r)),
                                                rtol=1e-4, atol=2e-5, err_msg=f"{name} rank {r}")
             monkeypatch.undo()
-    fused = [n for s, i, n in micro if s == accum_steps and accum_steps <= i < 2 * accum_steps - 1]
-    assert fused and len(set(fused)) == 1        # second window: no reduction until its final micro-step
+
+    def quiet(k, window):              # no reduction during the window's 7 non-final micro-steps
+        last_non_final = window * accum_steps + accum_steps - 2
+        return counts[k, last_non_final] == counts[k, "after step", window - 1]
+
+    assert quiet(1, 2) and quiet(accum_steps, 1) and quiet(accum_steps, 2)
+    assert not quiet(1, 1)               # negative control: before it learned, the literal loop reduced early
 
 
 # ---- 15. mixed precision with paddle's GradScaler ------------------------------------------------------------------
