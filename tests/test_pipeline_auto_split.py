@@ -169,3 +169,16 @@ def test_model_with_no_repeated_blocks_is_refused():
 
     with pytest.raises(TypeError, match="Flat cannot be split.*found neither"):
         describe_model(Flat())
+
+
+def test_the_dry_run_draws_no_random_numbers():
+    class Dropped(NanoGPT):
+        def forward(self, ids):
+            return super().forward(ids) + F.dropout(paddle.ones([1]), 0.5)
+
+    model = Dropped()
+    paddle.seed(5)
+    want = paddle.rand([4]).numpy()
+    paddle.seed(5)
+    describe_model(model)
+    np.testing.assert_array_equal(paddle.rand([4]).numpy(), want)

@@ -167,11 +167,15 @@ def piece_params(model, path: str, inputs) -> tuple:
     block_ids = {id(p) for p in blocks.parameters()}
     every = [(n, p) for n, p in model.named_parameters() if id(p) not in block_ids]
     named = [(n, p) for n, p in every if not p.stop_gradient]
-    h = _first_block_input(model, blocks, path, inputs)
-    pre = _grad_names(h, named)
-    hx = h.detach()
-    hx.stop_gradient = False
-    post = _grad_names(_suffix_out(model, blocks, inputs, hx), named)
+    rng = paddle.get_rng_state()                         # the dry run draws no random numbers of the user's
+    try:
+        h = _first_block_input(model, blocks, path, inputs)
+        pre = _grad_names(h, named)
+        hx = h.detach()
+        hx.stop_gradient = False
+        post = _grad_names(_suffix_out(model, blocks, inputs, hx), named)
+    finally:
+        paddle.set_rng_state(rng)
     post |= {n for n, _ in every if n not in pre}          # unused or frozen: on the last stage (kept, saved)
     return tuple(n for n, _ in every if n in pre), tuple(n for n, _ in every if n in post)
 
