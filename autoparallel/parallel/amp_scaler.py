@@ -99,18 +99,34 @@ def is_ap_optimizer(optimizer) -> bool:
     return isinstance(optimizer, StepHooks)
 
 
-def _chain(optimizer) -> list:
-    from autoparallel.checkpoint.state import wrapper_chain
+_WRAPPED = ("_inner", "optimizer", "zero", "kept")      # where ap wrappers keep the optimizers they drive
 
-    return list(wrapper_chain(optimizer))
+
+def _chain(optimizer) -> list:
+    """``optimizer`` and every optimizer it drives (wrapper chains, and both parts of a split optimizer)."""
+    out, todo, seen = [], [optimizer], set()
+    while todo:
+        opt = todo.pop(0)
+        if opt is None or id(opt) in seen:
+            continue
+        seen.add(id(opt))
+        out.append(opt)
+        own = vars(opt) if hasattr(opt, "__dict__") else {}
+        todo.extend(own.get(name) for name in _WRAPPED)
+    return out
 
 
 def _params(optimizer) -> list:
-    from autoparallel.checkpoint.state import paddle_optimizer
-
-    out = []
-    for p in paddle_optimizer(optimizer)._parameter_list or []:
-        out.extend(p["params"] if isinstance(p, dict) else [p])
+    """The parameters of every paddle optimizer ``optimizer`` drives (each once)."""
+    out, seen = [], set()
+    for opt in _chain(optimizer):
+        if not hasattr(type(opt), "_create_accumulators"):
+            continue
+        for p in opt._parameter_list or []:
+            for q in (p["params"] if isinstance(p, dict) else [p]):
+                if id(q) not in seen:
+                    seen.add(id(q))
+                    out.append(q)
     return out
 
 
