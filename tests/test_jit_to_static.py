@@ -150,7 +150,8 @@ def test_signature_wrapper_keeps_defaults_and_keywords():
 
 @pytest.fixture(scope="module")
 def ranks():
-    jobs = [{"name": "dp2", "dp": 2}, {"name": "tp2", "tp": 2}, {"name": "neg_dp2", "dp": 2, "negative": True}]
+    jobs = [{"name": "dp2", "dp": 2}, {"name": "tp2", "tp": 2}, {"name": "neg_dp2", "dp": 2, "negative": True},
+            {"name": "seed_dp2_zero1", "dp": 2, "seed_api": True, "zero": 1}]
     out = launch(WORKER, 2, [json.dumps(jobs)], timeout=400)
     for r in out:
         for name, job in r["jobs"].items():
@@ -158,7 +159,7 @@ def ranks():
     return out
 
 
-@pytest.mark.parametrize("name", ["dp2", "tp2"])
+@pytest.mark.parametrize("name", ["dp2", "tp2", "seed_dp2_zero1"])
 def test_real_ranks_lower_and_equal_eager(ranks, name):
     for r in ranks:
         job = r["jobs"][name]

@@ -2,7 +2,7 @@
 
     jit_worker.py '<json list of jobs>'
 
-Each job {"name", "dp", "tp", "steps", "negative"} parallelizes the tiny GPT of ``autoparallel.testing.models``, decorates
+Each job {"name", "dp", "tp", "steps", "negative", "seed_api", "zero", "recompute"} parallelizes the tiny GPT of ``autoparallel.testing.models``, decorates
 the article's step with paddle's own ``paddle.jit.to_static`` (the labels passed in, as the article elides
 them), trains ``steps`` steps (``loss.backward(); opt.step(); opt.clear_grad()``) and reports the losses,
 every parameter gathered, whether the step was lowered to a static program (and why not), and how many
@@ -48,7 +48,12 @@ def run(job):
         s.sharding.stage = job["zero"]
     if job.get("recompute"):
         s.recompute.enable = True
-    model, opt = ap.parallelize(model, opt, strategy=s, tp_plan=tp_plan("gpt") if job.get("tp", 1) > 1 else None)
+    plan = tp_plan("gpt") if job.get("tp", 1) > 1 else None
+    if job.get("seed_api"):                    # the article's spelling: DataParallel + Optimizer
+        model = ap.DataParallel(model, strategy=s, tp_plan=plan)
+        opt = ap.Optimizer(opt)
+    else:
+        model, opt = ap.parallelize(model, opt, strategy=s, tp_plan=plan)
 
     @paddle.jit.to_static
     def train_step(data, labels):

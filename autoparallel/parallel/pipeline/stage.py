@@ -103,6 +103,7 @@ def _piece_layers(model, layers_name: str) -> tuple:
     called, hooks = set(), []
     for name, layer in tops:
         hooks.append(layer.register_forward_pre_hook(lambda _l, _i, n=name: called.add(n)))
+    rng = paddle.get_rng_state()                     # the dry run draws no random numbers of the user's
     try:
         ids = paddle.zeros([1, 1], dtype="int64")
         x = model.embed(ids)
@@ -112,6 +113,7 @@ def _piece_layers(model, layers_name: str) -> tuple:
         h.stop_gradient = False
         head = _used(model.head(h), params, owner) | called
     finally:
+        paddle.set_rng_state(rng)
         for hook in hooks:
             hook.remove()
     order = [n for n, _ in tops]
