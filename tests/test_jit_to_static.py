@@ -7,7 +7,6 @@ dygraph mode with a one-line notice and equals eager. Negative control: a lowere
 collectives lose their backward (the gradient all-reduce over the data axis) no longer matches."""
 import json
 import os
-import sys
 import warnings
 
 import numpy as np

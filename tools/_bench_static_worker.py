@@ -35,7 +35,8 @@ def build(size, seed=0):
 def data(size, step):
     rng = np.random.default_rng(step)
     shape = (size["batch"], size["seq"])
-    return paddle.to_tensor(rng.integers(0, size["vocab"], shape)), paddle.to_tensor(rng.integers(0, size["vocab"], shape))
+    ids, labels = rng.integers(0, size["vocab"], shape), rng.integers(0, size["vocab"], shape)
+    return paddle.to_tensor(ids), paddle.to_tensor(labels)
 
 
 def run_mode(size, cfg, lowered):

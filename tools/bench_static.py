@@ -103,8 +103,9 @@ def main(argv=None):
     if a.out:
         cmd = "OMP_NUM_THREADS=1 .venv/bin/python tools/bench_static.py " + " ".join(argv or sys.argv[1:])
         with open(a.out, "w") as f:
-            f.write(f"# eager vs paddle.jit.to_static step time\n\n`{cmd}`\n\n{platform.processor() or platform.machine()}"
-                    f", {os.cpu_count()} CPUs, paddle CPU + gloo\n\n{text}")
+            cpu = platform.processor() or platform.machine()
+            f.write(f"# eager vs paddle.jit.to_static step time\n\n`{cmd}`\n\n{cpu}, {os.cpu_count()} CPUs, "
+                    f"paddle CPU + gloo\n\n{text}")
 
 
 if __name__ == "__main__":

@@ -164,8 +164,9 @@ def _ignore_own_modules() -> None:
 
     import paddle
 
+    roots = ("autoparallel", "spmd_rules", "reshard")
     mods = {n: m for n, m in list(sys.modules.items()) if m is not None and n not in _IGNORED and
-            (n in ("autoparallel", "spmd_rules", "reshard") or n.startswith(("autoparallel.", "spmd_rules.", "reshard.")))}
+            n.split(".")[0] in roots}
     if mods:
         paddle.jit.ignore_module(list(mods.values()))
         _IGNORED.update(mods)

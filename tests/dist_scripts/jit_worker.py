@@ -2,7 +2,8 @@
 
     jit_worker.py '<json list of jobs>'
 
-Each job {"name", "dp", "tp", "steps", "negative", "seed_api", "zero", "recompute"} parallelizes the tiny GPT of ``autoparallel.testing.models``, decorates
+Each job {"name", "dp", "tp", "steps", "negative", "seed_api", "zero", "recompute"} parallelizes the tiny GPT
+of ``autoparallel.testing.models`` (ap.parallelize, or DataParallel + Optimizer with "seed_api"), decorates
 the article's step with paddle's own ``paddle.jit.to_static`` (the labels passed in, as the article elides
 them), trains ``steps`` steps (``loss.backward(); opt.step(); opt.clear_grad()``) and reports the losses,
 every parameter gathered, whether the step was lowered to a static program (and why not), and how many

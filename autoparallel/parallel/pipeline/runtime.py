@@ -184,8 +184,8 @@ class PipelineModule:
     # ---- one step -----------------------------------------------------------------------------------------
     def train_batch(self, inputs, labels=None) -> float | None:
         """Forward and backward of one global batch through the pipeline (gradients accumulate; call the
-        optimizer afterwards). Every rank passes the same batch (for a model with embed()/head(), ranks that hold neither the first nor the
-        last stage may pass None). Returns the mean loss (on every rank when ``sync_loss`` is set, else on
+        optimizer afterwards). Every rank passes the same batch (for a model with embed()/head(), ranks that
+        hold neither the first nor the last stage may pass None). Returns the mean loss (on every rank when ``sync_loss`` is set, else on
         the last stage's ranks and None elsewhere)."""
         every = self.plan.pieces.generic             # a model split at its blocks: every stage needs the inputs
         st = _StepState(self._micro(inputs, "inputs") if self.holds_first or every else None,
@@ -418,8 +418,8 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     plan = plan_pipeline(model, pp, degrees.num_micro_batches, c.schedule, degrees.vpp, list(c.split_points) or None,
                          cost, seq_len, layers_name)
     if dp * tp > 1 and plan.pieces.generic:
-        raise NotImplementedError(f"{type(model).__name__} has no embed()/head() methods: the pipeline splits it at its "
-                                  f"repeated blocks, which runs stages without data or tensor parallelism inside "
+        raise NotImplementedError(f"{type(model).__name__} has no embed()/head() methods: the pipeline splits it at "
+                                  f"its repeated blocks, which runs stages without data or tensor parallelism inside "
                                   f"them; got data_parallel.degree={dp}, tensor_parallel.degree={tp}. Give the model "
                                   f"embed(ids) and head(x) methods to compose them")
     ranks = pipeline_ranks(pp, dp, tp, mesh)

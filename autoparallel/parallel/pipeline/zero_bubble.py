@@ -7,8 +7,8 @@ files the weight gradient ``x^T g`` (and the bias gradient ``sum(g)``) under ``k
 ``bias.grad``. Only leaf tensors (parameters) are deferred: a weight or bias that reaches the op through
 other ops (under tensor parallelism a row-parallel bias enters as a ``Partial`` conversion of the
 parameter) gets its gradient back through autograd in B. Outside ``capture`` every gradient is computed
-immediately, so an installed layer trains exactly like before. Every other op (embeddings, norms, attention, a tied head's matmul) runs its
-backward whole in B.
+immediately, so an installed layer trains exactly like before. Every other op (embeddings, norms,
+attention, a tied head's matmul) runs its backward whole in B.
 
 The function is registered as a custom op under the ``linear`` spmd rule, so on distributed tensors
 (data or tensor parallel inside a stage) dispatch lays out its inputs as for ``F.linear`` and the PyLayer
