@@ -543,7 +543,7 @@ class PerformanceMonitor:
                                  "pipeline_parallel.degree > 1")
             sug = self.suggest_split(k, current_split=current_split)
             _apply_split(base, sug, run_model)
-            return _with_suggestion(base, sug)
+            return _with_suggestion(base, sug, _world_size() if run is not None else None)
         if not self._totals:
             raise ValueError("no measured step yet: suggest_optimal_strategy() needs the monitor to be done")
         sug = Suggestion()
@@ -559,7 +559,7 @@ class PerformanceMonitor:
         self._replan(sug, planner_model, cluster, global_batch_size, seq_len, current, world=_world_size())
         if sug.strategy is None:
             raise ValueError(f"the planner found no feasible configuration: {sug.plan}")
-        return _with_suggestion(_merge(base, sug.strategy), sug)
+        return _with_suggestion(_merge(base, sug.strategy), sug, _world_size() if run is not None else None)
 
     def _replan(self, out: Suggestion, model, cluster, global_batch_size, seq_len, current, world=None) -> None:
         from dataclasses import replace
@@ -765,7 +765,10 @@ def _merge(base, planned: dict):
     return Strategy.from_dict(d)
 
 
-def _with_suggestion(strategy, sug: Suggestion):
+def _with_suggestion(strategy, sug: Suggestion, world_size=None):
+    """The suggested strategy, checked (``Strategy.validate``; on the run's world size when the monitor
+    watches a run set up in this process), with its evidence."""
+    strategy.validate(world_size=world_size)
     object.__setattr__(strategy, "suggestion", sug)
     return strategy
 

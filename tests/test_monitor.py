@@ -200,7 +200,8 @@ def test_split_names_come_from_the_run_models_block_list():
         cost[0] += 0.1
         mon = PerformanceMonitor(warmup_steps=0, measure_steps=1, clock=clock)
         _run_pipeline(mon, cost, sleep=clock.sleep, steps=1)
-        s = mon.suggest_optimal_strategy()
+        with ap.simulate(world_size=2):                  # the run's world: the suggestion is validated on it
+            s = mon.suggest_optimal_strategy()
         assert s.pipeline_parallel.split_points == ["layers.1"]        # the slow first layer alone
         assert s.pipeline_parallel.micro_batches == 2 and strategy.pipeline_parallel.split_points == []
     finally:
