@@ -279,7 +279,7 @@ def test_a_simulated_pipeline_reports_its_stage_times_and_gets_a_resplit():
             assert mon.is_imbalanced() and imb["slowest_stage"] == 0 and len(imb["stage_times"]) == 2
             new = mon.suggest_optimal_strategy()
             assert new.pipeline_parallel.degree == 2 and new.pipeline_parallel.split_points == ["blocks.1"]
-            assert new.suggestion.current_split == [(0, 2), (2, 4)] and new.suggestion.speedup > 1.2
+            assert new.suggestion.current_split == [(0, 2), (2, 4)] and new.suggestion.speedup > 1.05
             new.validate(world_size=2)
     finally:
         auto_checkpoint.reset()
