@@ -4,7 +4,7 @@ In one process (a mesh of one rank) and on 2 real gloo ranks (data and tensor pa
 lowered to a paddle static program (the program's local ops plus the plan's collectives) and trains
 exactly like the undecorated eager step: losses and final parameters. In the simulated world it runs in
 dygraph mode with a one-line notice and equals eager. Negative control: a lowered program whose
-collectives lose their backward (the gradient all-reduce over the data axis) no longer matches."""
+collectives do nothing forward (tensor-parallel partial sums left unreduced) no longer matches."""
 import json
 import os
 import warnings
@@ -26,9 +26,9 @@ WORKER = os.path.join(HERE, "dist_scripts", "jit_worker.py")
 STEPS, LR, RTOL, ATOL = 3, 1e-2, 1e-4, 1e-4
 
 
-def reference(steps=STEPS):
+def reference(steps=STEPS, sgd=False):
     model = build("gpt")
-    opt = paddle.optimizer.AdamW(LR, parameters=model.parameters())
+    opt = (paddle.optimizer.SGD if sgd else paddle.optimizer.AdamW)(LR, parameters=model.parameters())
     losses = []
     for step in range(steps):
         ids, labels = batch(step)
@@ -40,13 +40,13 @@ def reference(steps=STEPS):
     return losses, {n: p.numpy() for n, p in model.named_parameters()}
 
 
-_REF = []
+_REF = {}
 
 
-def ref():
-    if not _REF:
-        _REF.append(reference())
-    return _REF[0]
+def ref(sgd=False):
+    if sgd not in _REF:
+        _REF[sgd] = reference(sgd=sgd)
+    return _REF[sgd]
 
 
 def train(full_graph, strategy=None, steps=STEPS):
@@ -73,8 +73,8 @@ def train(full_graph, strategy=None, steps=STEPS):
     return losses, {n: p.full().numpy() for n, p in model.named_parameters()}, train_step
 
 
-def assert_equal_to_eager(losses, params):
-    ref_losses, ref_params = ref()
+def assert_equal_to_eager(losses, params, sgd=False):
+    ref_losses, ref_params = ref(sgd)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=1e-6)
     for n, p in ref_params.items():
         np.testing.assert_allclose(params[n], p, rtol=RTOL, atol=ATOL, err_msg=n)
@@ -149,8 +149,9 @@ def test_signature_wrapper_keeps_defaults_and_keywords():
 
 @pytest.fixture(scope="module")
 def ranks():
-    jobs = [{"name": "dp2", "dp": 2}, {"name": "tp2", "tp": 2}, {"name": "neg_dp2", "dp": 2, "negative": True},
-            {"name": "seed_dp2_zero1", "dp": 2, "seed_api": True, "zero": 1}]
+    jobs = [{"name": "dp2", "dp": 2}, {"name": "tp2", "tp": 2}, {"name": "neg_tp2", "tp": 2, "negative": True},
+            {"name": "seed_dp2_zero1", "dp": 2, "seed_api": True, "zero": 1},
+            {"name": "mixed_dp2_sgd", "dp": 2, "opt": "sgd", "eager_steps": 1}]
     out = launch(WORKER, 2, [json.dumps(jobs)], timeout=400)
     for r in out:
         for name, job in r["jobs"].items():
@@ -166,8 +167,18 @@ def test_real_ranks_lower_and_equal_eager(ranks, name):
         assert_equal_to_eager(job["losses"], {n: np.asarray(v, dtype="float32") for n, v in job["params"].items()})
 
 
+def test_real_ranks_eager_then_static_steps_with_sgd(ranks):
+    """An eager step first (paddle.jit.enable_to_static(False)), then lowered ones, under SGD, which would show
+    a gradient reduced twice or not at all (AdamW is nearly blind to a gradient's scale)."""
+    for r in ranks:
+        job = r["jobs"]["mixed_dp2_sgd"]
+        assert job["why"] is None and job["programs"] == 1
+        assert_equal_to_eager(job["losses"], {n: np.asarray(v, dtype="float32") for n, v in job["params"].items()},
+                              sgd=True)
+
+
 def test_real_ranks_negative_control(ranks):
-    job = ranks[0]["jobs"]["neg_dp2"]
+    job = ranks[0]["jobs"]["neg_tp2"]
     assert job["why"] is None
     ref_params = ref()[1]
     assert any(not np.allclose(np.asarray(v, dtype="float32"), ref_params[n], rtol=RTOL, atol=ATOL)

@@ -18,8 +18,9 @@ it is a method of, or a layer / tensor its code names through globals or closure
 * its first call builds one paddle static program for this rank (paddle's AST translator, ``full_graph``,
   over a wrapper with the function's signature; autoparallel's own modules are left untranslated);
 * while the program is built, dispatch runs as in eager mode on DistTensors whose locals are program values:
-  a layer's distributed parameter becomes a DistTensor of its parameter value (its layout kept), a plain
-  value next to distributed ones a replicated one, ``shard_tensor`` / ``parallel_guard`` slice program
+  a layer's distributed parameter holds its program value as its local shard (its layout and its eager
+  gradient convention kept: a replicated parameter's gradient stays a partial sum that the data-parallel
+  runtime or ZeRO reduces at the step), a plain value next to distributed ones becomes a replicated one, ``shard_tensor`` / ``parallel_guard`` slice program
   values, every routed op adds its local op, and every collective of the plan becomes a static PyLayer
   (forward collective, backward its adjoint) — so the program holds this rank's local ops plus the
   collectives of the completed plan, and paddle's executor runs it (in program order when there are
@@ -66,6 +67,8 @@ def install() -> None:
     orig = StaticFunction.__call__
 
     def __call__(self, *args, **kwargs):
+        if not self._program_trans.enable_to_static:     # paddle.jit.enable_to_static(False): dygraph, as paddle
+            return orig(self, *args, **kwargs)
         if "_ap_state" in self.__dict__:                 # known to reach distributed tensors
             return _run(self, args, kwargs)
         if getattr(self, "_ap_lowered", False) or getattr(self, "_property", False) or \
@@ -195,11 +198,16 @@ class Lowered:
         from autoparallel.dist_tensor import DistTensor
 
         _lowering.depth = getattr(_lowering, "depth", 0) + 1
+        outer = getattr(_lowering, "swapped", None)
+        _lowering.swapped = {}
         try:
             with _value_methods():
                 out = self.fn(*args, **kwargs)
         finally:
             _lowering.depth -= 1
+            for param, locals_ in _lowering.swapped.values():      # the parameters hold their shards again
+                param._ap_locals = locals_
+            _lowering.swapped = outer
         flat, treedef = _flatten(out)
         specs = [x.spec if isinstance(x, DistTensor) else None for x in flat]
         self.out_specs[self._key] = (treedef, specs)
@@ -256,7 +264,9 @@ def _same_signature(fn, target):
 
 def _install_param_conversion() -> None:
     """While paddle swaps a layer's parameters for program values (``param_guard``), a distributed parameter
-    becomes, inside lowering, a DistTensor whose local is its value (so dispatch keeps its layout); outside
+    stays itself inside lowering, its local shard swapped for its program value until the program is built:
+    dispatch keeps its layout and treats it exactly as in eager mode (a replicated parameter's gradient stays a
+    partial sum, reduced by the data-parallel runtime or ZeRO at the step, as eager gradients are). Outside
     lowering it is refused (a program over one shard's placeholder would compute silently wrong)."""
     import paddle.pir.core as core
 
@@ -266,7 +276,7 @@ def _install_param_conversion() -> None:
 
     def convert(tensor):
         from autoparallel.comm.world import current_world
-        from autoparallel.dist_tensor import DistTensor, is_dist
+        from autoparallel.dist_tensor import is_dist
 
         if not is_dist(tensor):
             return orig(tensor)
@@ -274,7 +284,11 @@ def _install_param_conversion() -> None:
             raise NotImplementedError(f"paddle is building a static program over the distributed parameter "
                                       f"{tensor.name} (layout {tensor.spec}) outside autoparallel's lowering: "
                                       f"{_HIDDEN}")
-        return DistTensor({current_world().rank: orig(tensor)}, tensor.spec)
+        value = orig(tensor)
+        if id(tensor) not in _lowering.swapped:
+            _lowering.swapped[id(tensor)] = (tensor, tensor._ap_locals)
+            tensor._ap_locals = {current_world().rank: value}
+        return tensor
 
     convert._ap_wrapped = True
     core._convert_into_value = convert

@@ -2,7 +2,7 @@
 
     jit_worker.py '<json list of jobs>'
 
-Each job {"name", "dp", "tp", "steps", "negative", "seed_api", "zero", "recompute"} parallelizes the tiny GPT
+Each job {"name", "dp", "tp", "steps", "negative", "seed_api", "zero", "recompute", "opt", "eager_steps"} parallelizes the tiny GPT
 of ``autoparallel.testing.models`` (ap.parallelize, or DataParallel + Optimizer with "seed_api"), decorates
 the article's step with paddle's own ``paddle.jit.to_static`` (the labels passed in, as the article elides
 them), trains ``steps`` steps (``loss.backward(); opt.step(); opt.clear_grad()``) and reports the losses,
@@ -29,18 +29,24 @@ from autoparallel.testing.models import batch, build, tp_plan  # noqa: E402
 LR = 1e-2
 
 
+def make_optimizer(job, model):
+    if job.get("opt") == "sgd":                # scale-sensitive: a gradient reduced twice shows
+        return paddle.optimizer.SGD(LR, parameters=model.parameters())
+    return paddle.optimizer.AdamW(LR, parameters=model.parameters())
+
+
 def run(job):
-    if job.get("negative"):                    # collectives lose their backward: no gradient all-reduce
+    if job.get("negative"):                    # the program loses its collectives' forward (TP partial sums)
         from autoparallel.graph import jit
 
         real = jit.static_comm
-        jit.static_comm = lambda xs, fwd, bwd: real(xs, fwd, lambda g: dict(g))
+        jit.static_comm = lambda xs, fwd, bwd: real(xs, lambda v: dict(v), bwd)
         try:
             return run(dict(job, negative=False))
         finally:
             jit.static_comm = real
     model = build("gpt")
-    opt = paddle.optimizer.AdamW(LR, parameters=model.parameters())
+    opt = make_optimizer(job, model)
     s = ap.Strategy()
     s.data_parallel.degree = job.get("dp", 1)
     s.tensor_parallel.degree = job.get("tp", 1)
@@ -68,6 +74,7 @@ def run(job):
         warnings.simplefilter("always")
         for step in range(job.get("steps", 3)):
             ids, labels = batch(step)
+            paddle.jit.enable_to_static(step >= job.get("eager_steps", 0))     # the first steps eager
             loss = train_step(paddle.to_tensor(ids), paddle.to_tensor(labels))
             loss.backward()
             opt.step()
