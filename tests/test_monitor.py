@@ -264,7 +264,7 @@ def test_a_simulated_pipeline_reports_its_stage_times_and_gets_a_resplit():
         with ap.simulate(world_size=2):
             paddle.seed(0)
             model = GPT(GPTConfig(vocab_size=64, hidden=32, layers=4, heads=4, max_positions=16))
-            model.blocks[0].register_forward_post_hook(lambda *_: time.sleep(0.03))
+            model.blocks[0].register_forward_post_hook(lambda *_: time.sleep(0.1))
             s = ap.Strategy()
             s.pipeline_parallel.degree = 2
             pipe, opt = ap.parallelize(model, paddle.optimizer.AdamW(1e-3, parameters=model.parameters()), strategy=s)
