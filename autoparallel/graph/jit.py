@@ -145,7 +145,10 @@ def _run(sf, args, kwargs):
     if state["why"] is None:
         try:
             if state["lowered"] is None:
-                state["lowered"] = Lowered(sf)
+                try:
+                    state["lowered"] = Lowered(sf)
+                except (TypeError, ValueError) as e:        # e.g. a callable without a Python signature
+                    raise _CannotLower(f"cannot wrap it for paddle ({type(e).__name__}: {_last_line(e)})") from e
             return state["lowered"](args, kwargs)
         except _CannotLower as e:
             state["why"] = str(e)
