@@ -2,6 +2,9 @@
 rest attached to the first / last stage, each stage running the model's own forward. A PaddleFormers
 Llama built tiny and a nanoGPT-style model (Sequential blocks, a bare position parameter, a tied head)
 train through the pipeline exactly like one process on one big batch."""
+import os
+import sys
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -12,6 +15,8 @@ import autoparallel as ap
 from autoparallel.parallel.pipeline import auto_split
 from autoparallel.parallel.pipeline.runtime import apply_pp
 from autoparallel.parallel.pipeline.stage import describe_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist_scripts"))
 
 VOCAB, STEPS, RTOL, ATOL = 64, 2, 1e-4, 2e-5
 
@@ -182,3 +187,30 @@ def test_the_dry_run_draws_no_random_numbers():
     paddle.seed(5)
     describe_model(model)
     np.testing.assert_array_equal(paddle.rand([4]).numpy(), want)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_the_projects_models_split_at_their_blocks_too(kind):
+    """The example GPT / LLaMA have embed()/head(); split at their blocks instead, the stages chained give the
+    model's logits and the same gradients (LLaMA's blocks take rotary tables as extra arguments)."""
+    import pp_common
+    from autoparallel.parallel.pipeline.stage import build_stages, describe_generic
+
+    model = pp_common.build(kind, tie=True)
+    pieces = describe_generic(model)
+    assert pieces.layers_name == ("blocks" if kind == "gpt" else "layers")
+    ids = paddle.to_tensor(data(0)[0])
+    want = model(ids)
+    want.sum().backward()
+    grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    model.clear_gradients()
+    first, second = build_stages(pieces, [(0, 2), (2, 4)])
+    h = first(ids)
+    x = h.detach()
+    x.stop_gradient = False
+    out = second(x, inputs=ids)
+    np.testing.assert_allclose(out.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    h.backward(x.grad)
+    for n, p in model.named_parameters():
+        np.testing.assert_allclose(p.grad.numpy(), grads[n], rtol=1e-4, atol=1e-6, err_msg=n)
