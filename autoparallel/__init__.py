@@ -23,7 +23,7 @@ _EXPORTS = {
     "dtensor_from_local": "autoparallel.dist_tensor", "is_dist": "autoparallel.dist_tensor",
     # worlds
     "simulate": "autoparallel.comm.world", "current_world": "autoparallel.comm.world",
-    "get_rank": "autoparallel.comm.world",
+    "get_rank": "autoparallel.comm.world", "init_parallel_env": "autoparallel.comm.world",
     # planning
     "ClusterSpec": "autoparallel.planner.cluster",
     "plan": "autoparallel.planner.api",
@@ -48,6 +48,11 @@ _EXPORTS = {
     "apply_pp": "autoparallel.parallel.pipeline.runtime", "PipelineModule": "autoparallel.parallel.pipeline.runtime",
     "materialize": "autoparallel.lazy_init.params",
     "profile": "autoparallel.profiler",
+    "register_spmd_rule": "spmd_rules.registry", "get_spmd_rule": "spmd_rules.registry",
+    "ShardingStage1": "autoparallel.parallel.sharding_stages", "ShardingStage2": "autoparallel.parallel.sharding_stages",
+    "ShardingStage3": "autoparallel.parallel.sharding_stages",
+    "resume_from_last_checkpoint": "autoparallel.recovery", "fallback_to_cpu_offload": "autoparallel.recovery",
+    "reconfigure_distributed_model": "autoparallel.recovery",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -56,6 +61,11 @@ if "paddle" in sys.modules:          # record the creation order of parameters b
     from autoparallel.lazy_init import order as _order
 
     _order.install()
+
+if "paddle" in sys.modules:          # paddle.amp.GradScaler over distributed losses and ap optimizers
+    from autoparallel.parallel import amp_scaler as _amp_scaler
+
+    _amp_scaler.install()
 
 
 def __getattr__(name: str):

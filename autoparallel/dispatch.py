@@ -41,6 +41,9 @@ from autoparallel.tensor_forms import SHADOWS  # noqa: E402
 from autoparallel.local_mode import _state as _local_state  # noqa: E402
 
 
+from paddle.base.framework import global_var as _paddle_mode  # noqa: E402  (_dygraph_tracer_ None: static)
+
+
 def is_dist(x) -> bool:
     return type(x) is DistTensor or (isinstance(x, DistParameter) and hasattr(x, "_ap_spec"))
 
@@ -80,6 +83,9 @@ def run(op: str, path: str, args, kwargs):
 
     A call whose key (see dispatch_cache) was seen before reuses its plan: no rule, no validation, no
     reshard planning; only the data-dependent steps run."""
+    if _paddle_mode._dygraph_tracer_ is None:            # paddle.jit.to_static building a program
+        from autoparallel.graph.jit import static_args
+        args, kwargs = static_args(op, args, kwargs)
     if SHADOWS[0]:
         args, kwargs = tensor_forms._unshadow(args, kwargs)
     args, kwargs = _bind(op, path, tuple(args), dict(kwargs))
@@ -550,6 +556,8 @@ def install() -> None:
     _install_guards()
     _install_dist_tensor_methods(methods)
     _prime_thread_state()
+    from autoparallel.graph import jit
+    jit.install()                                        # paddle.jit.to_static over distributed tensors
     _INSTALLED = True
 
 

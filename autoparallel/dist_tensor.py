@@ -171,7 +171,17 @@ class DistTensor:
         for t in self._locals.values():
             t.stop_gradient = value
 
-    def backward(self, grad=None) -> None:
+    def backward(self, grad=None, retain_graph: bool = False, use_async_allreduce: bool | None = None) -> None:
+        """``use_async_allreduce`` (the article's flag): True launches the data-parallel gradient reductions
+        from backward as asynchronous collectives overlapping the rest of backward where the backend
+        overlaps (NCCL; the default there); on gloo it is accepted and does nothing, because gloo's
+        collectives block. False keeps every reduction synchronous."""
+        from autoparallel.parallel.grads import async_allreduce
+
+        with async_allreduce(use_async_allreduce):
+            self._backward(grad, retain_graph)
+
+    def _backward(self, grad, retain_graph) -> None:
         ranks = sorted(self._locals)
         ts = [self._locals[r] for r in ranks]
         if grad is None:
@@ -180,7 +190,7 @@ class DistTensor:
             gs = [grad._locals[r] for r in ranks]
         else:
             raise TypeError(f"backward(grad) expects None or a DistTensor, got {type(grad).__name__}")
-        paddle.autograd.backward(ts, gs)
+        paddle.autograd.backward(ts, gs, retain_graph=retain_graph)
 
     @property
     def grad(self):
@@ -321,7 +331,11 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
 
     A Parameter becomes a DistParameter (a Parameter holding the local shard). Partial(sum) keeps the
     value on coordinate 0 of that mesh dim and zeros elsewhere; avg/max/min keep it everywhere.
+    ``None`` (an absent optional weight, e.g. ``CrossEntropyLoss(weight=None).weight`` reached by a shard_fn
+    that tests ``hasattr(layer, "weight")``) stays ``None``.
     """
+    if data is None:
+        return None
     _ensure_dispatch()
     if isinstance(data, EagerParamBase) and _is_lazy(data, dtype):
         from autoparallel.lazy_init.params import shard_lazy
@@ -329,6 +343,9 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
         return shard_lazy(data, mesh, placements)     # built under paddle.LazyGuard: lay out, allocate later
     if isinstance(data, DistTensor) or is_dist(data):
         return reshard(data, mesh, placements)
+    if not paddle.in_dynamic_mode():                   # inside paddle.jit.to_static (graph/jit.py)
+        from autoparallel.graph.jit import shard_value
+        return shard_value(data, mesh, placements, dtype, stop_gradient)
     is_param = isinstance(data, EagerParamBase)
     t = data if isinstance(data, paddle.Tensor) else paddle.to_tensor(np.asarray(data), dtype=dtype)
     if dtype is not None and normalize_dtype(t.dtype) != normalize_dtype(dtype):

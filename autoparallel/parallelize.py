@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import threading
 import types
+import weakref
 
 from autoparallel.dist_tensor import DistTensor, is_dist, shard_tensor
 from autoparallel.layer import replicate_remaining
@@ -61,28 +63,41 @@ _NOT_YET = "not yet supported by ap.parallelize"
 
 # ---- the apply steps ------------------------------------------------------------------------------------
 def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: ProcessMesh | None = None,
-                tp_plan: dict | None = None, seq_len: int | None = None, cluster=None):
+                tp_plan: dict | None = None, seq_len: int | None = None, cluster=None, *, _deferred: bool = False):
     """Distribute ``model`` (in place) and wrap ``optimizer``; returns ``(model, optimizer)``.
 
     ``strategy.auto_mode == "full"``: the planner chooses the strategy first (planner/auto.py), pricing
     ``seq_len`` tokens per sample (default: the model config's) on ``cluster`` (a profile .json, spec string
-    or ClusterSpec; default ``$AP_CLUSTER_PROFILE``, else a built-in profile of the backend)."""
+    or ClusterSpec; default ``$AP_CLUSTER_PROFILE``, else a built-in profile of the backend).
+    Every Strategy field is honoured (docs/entry_points.md); without an optimizer, the fields that act on
+    it (sharding, accumulation, loss scaling, checkpoint) are refused. ``_deferred``: ap.DataParallel, whose
+    ap.Optimizer finishes the build."""
+    from autoparallel import entry_points as ep
+
     strategy = Strategy() if strategy is None else strategy
     if not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
     if getattr(model, "_ap_mesh", None) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized on {model._ap_mesh}; build a fresh model "
                          f"to parallelize it again")
-    from autoparallel.watchdog import start_default
-
-    start_default()                    # a real job names a lost or frozen rank in seconds (AP_WATCHDOG=off: none)
+    entry = ep.DATA_PARALLEL if _deferred else ep.PARALLELIZE
+    ep.reject_unsupported(strategy, entry)
     if strategy.auto_mode == "full":
         from autoparallel.planner.auto import parallelize_auto
 
         _world_size()                                       # a launched rank must have initialised first
-        return parallelize_auto(parallelize, model, optimizer, strategy, mesh, tp_plan, seq_len, cluster)
+        again = functools.partial(parallelize, _deferred=_deferred)
+        return parallelize_auto(again, model, optimizer, strategy, mesh, tp_plan, seq_len, cluster)
+    _reject_unused_keywords(strategy, tp_plan, seq_len, cluster)
+    ep.apply_seed(strategy)
+    check_optimizer_params(model, optimizer, "ap.parallelize")
     degrees = strategy.validate(world_size=_world_size(), model_info=model_info(model))
     check_supported(strategy, optimizer, degrees)
+    from autoparallel.watchdog import start_default
+
+    start_default()                    # a real job names a lost or frozen rank in seconds (AP_WATCHDOG=off: none)
+    if optimizer is None and not _deferred:
+        ep.reject_needing_optimizer(strategy, "ap.parallelize")
     plan = resolve_tp_plan(model, degrees.tp, tp_plan)
     if strategy.sequence_parallel.enable:
         plan = apply_sp(model, plan)
@@ -91,7 +106,11 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
         if lazy:
             raise NotImplementedError(f"lazy initialisation (paddle.LazyGuard) together with pipeline parallelism "
                                       f"is {_NOT_YET}; build the model without LazyGuard")
-        return _pipeline(model, optimizer, strategy, mesh, plan)
+        names = {p.name: p for p in model.parameters()}
+        pipe, optimizer = _pipeline(model, optimizer, strategy, mesh, plan)
+        pipe._ap_build = Build(strategy, None, names, False, pipe=pipe)
+        _attach_run(pipe, optimizer, strategy)
+        return pipe, optimizer
     mesh = build_mesh(degrees.dp, degrees.tp) if mesh is None else check_mesh(mesh, degrees.dp, degrees.tp)
     original = holders(model)
     apply_tp(model, mesh, plan, tp_dim=MODEL)
@@ -105,31 +124,85 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
         from autoparallel.parallel.amp import apply_amp
 
         apply_amp(model, strategy.amp.dtype, strategy.amp.level)
+    ep.batch_hook(model, strategy, degrees)
     shard_inputs(model, mesh)
-    zero3 = optimizer is not None and strategy.sharding.enable and strategy.sharding.stage == 3
-    if lazy and not zero3:                                 # ZeRO-3 streams each rank's chunk in apply_zero
+    zero3 = strategy.sharding.enable and strategy.sharding.stage == 3
+    if lazy and not (zero3 and (optimizer is not None or _deferred)):   # ZeRO-3: each rank's chunk in apply_zero
         from autoparallel.lazy_init import materialize
 
         materialize(model)
+        lazy = False
+    by_name = {original[n].name: q for n, q in model.named_parameters() if n in original}
+    build = model._ap_build = Build(strategy, mesh, by_name, lazy, model=model)
+    _BUILT[:] = [r for r in _BUILT if r() is not None and r() is not model] + [weakref.ref(model)]
     if optimizer is not None:
-        optimizer = wrap_optimizer(optimizer, replaced, strategy.gradient_accumulation_steps)
-        if strategy.amp.enable:             # AMP unscales p.grad before the step: no reduction still in flight
-            optimizer.grad_sync.async_op = False
-        if strategy.sharding.enable:
-            if lazy and zero3:
-                from autoparallel.lazy_init import apply_zero_lazy as apply_zero
-            else:
-                from autoparallel.parallel.sharding import apply_zero
-
-            optimizer = apply_zero(model, optimizer, mesh, strategy.sharding.stage, dp_dim=DATA,
-                                   degree=strategy.sharding.degree or None, offload=strategy.sharding.offload,
-                                   gradient_accumulation_steps=strategy.gradient_accumulation_steps)
-            optimizer.overlap = not strategy.amp.enable      # AMP unscales p.grad; stage 2/3 chunks are not there
-        if strategy.amp.enable:
-            from autoparallel.parallel.amp import AmpOptimizer, LossScaler
-
-            optimizer = AmpOptimizer(optimizer, LossScaler.from_strategy(strategy.amp), mesh)
+        optimizer = build_optimizer(build, wrap_optimizer(optimizer, replaced, strategy.gradient_accumulation_steps))
+    _attach(model, optimizer, strategy)
     return model, optimizer
+
+
+def _attach(model, optimizer, strategy) -> None:
+    """The current run (resume, offload fallback, monitor) and strategy.checkpoint's post-step saves."""
+    from autoparallel.auto_checkpoint import attach
+
+    attach(model, optimizer, strategy)
+
+
+@dataclasses.dataclass
+class Build:
+    """What ``parallelize`` / ``ap.DataParallel`` did to a model, for the optimizer side of the same build
+    (``ap.Optimizer`` finds it on the model its optimizer's parameters belong to)."""
+    strategy: Strategy
+    mesh: ProcessMesh | None
+    by_name: dict                      # original parameter name -> the model's (distributed) parameter
+    lazy: bool                         # parameters still lazy: ZeRO-3 draws each rank's chunks itself
+    model: object = None
+    pipe: object = None                # pp > 1: the PipelineModule
+    optimizer: object = None           # the wrapper the build returned, once built
+
+
+def build_optimizer(build: Build, optimizer):
+    """The optimizer side of a build: ZeRO 1-3 (+offload, HSDP), AMP loss scaling; ``optimizer`` is the
+    AccumulatingOptimizer over the model's distributed parameters."""
+    strategy, model, mesh = build.strategy, build.model, build.mesh
+    if strategy.amp.enable:             # AMP unscales p.grad before the step: no reduction still in flight
+        optimizer.grad_sync.async_op = False
+    if strategy.sharding.enable:
+        if build.lazy and strategy.sharding.stage == 3:
+            from autoparallel.lazy_init import apply_zero_lazy as apply_zero
+        else:
+            from autoparallel.parallel.sharding import apply_zero
+
+        optimizer = apply_zero(model, optimizer, mesh, strategy.sharding.stage, dp_dim=DATA,
+                               degree=strategy.sharding.degree or None, offload=strategy.sharding.offload,
+                               gradient_accumulation_steps=strategy.gradient_accumulation_steps)
+        optimizer.overlap = not strategy.amp.enable      # AMP unscales p.grad; stage 2/3 chunks are not there
+        build.lazy = False
+    if strategy.amp.enable:
+        from autoparallel.parallel.amp import AmpOptimizer, LossScaler
+
+        optimizer = AmpOptimizer(optimizer, LossScaler.from_strategy(strategy.amp), mesh)
+    build.optimizer = optimizer
+    _attach_run(model, optimizer, strategy)
+    return optimizer
+
+
+def _attach_run(model, optimizer, strategy) -> None:
+    """The current run (resume, offload fallback, monitor) and strategy.checkpoint's post-step saves."""
+    from autoparallel.auto_checkpoint import attach
+
+    attach(model, optimizer, strategy)
+
+
+def _reject_unused_keywords(strategy, tp_plan, seq_len, cluster) -> None:
+    """Keywords of ap.parallelize that this strategy would not use."""
+    unused = [f"{n}={v!r}" for n, v in (("seq_len", seq_len), ("cluster", cluster)) if v is not None]
+    if unused:
+        raise ValueError(f"ap.parallelize: {', '.join(unused)} price the planner's choice and are used only with "
+                         f"strategy.auto_mode='full' (got auto_mode={strategy.auto_mode!r})")
+    if tp_plan and strategy.tensor_parallel.degree == 1:
+        raise ValueError(f"ap.parallelize: tp_plan={{{', '.join(map(repr, tp_plan))}}} shards layers over the tensor-"
+                         f"parallel group, but strategy.tensor_parallel.degree=1; set the degree > 1 or drop tp_plan")
 
 
 def _has_lazy(model) -> bool:
@@ -179,12 +252,15 @@ def model_info(model) -> dict:
 
 def check_supported(strategy: Strategy, optimizer=None, degrees=None) -> None:
     """Strategy knobs this release does not execute yet fail loudly instead of being ignored."""
+    import paddle
+
     s = strategy
     inner = getattr(optimizer, "_inner", optimizer)
-    if degrees is not None and degrees.tp > 1 and getattr(inner, "_grad_clip", None) is not None \
-            and not s.sharding.enable:
-        raise NotImplementedError(f"gradient clipping ({type(inner._grad_clip).__name__}) across tensor-parallel "
-                                  f"shards is {_NOT_YET}; build the optimizer without grad_clip")
+    clip = getattr(inner, "_grad_clip", None)
+    if degrees is not None and degrees.tp > 1 and isinstance(clip, paddle.nn.ClipGradByNorm):
+        raise NotImplementedError(f"per-parameter norm clipping (ClipGradByNorm) across tensor-parallel shards is "
+                                  f"{_NOT_YET} (each rank would clip its shard by the shard's norm); use "
+                                  f"ClipGradByGlobalNorm or ClipGradByValue")
     pp = s.pipeline_parallel.degree > 1
     knobs = [(pp and s.sharding.enable, "sharding (ZeRO) together with pipeline parallelism"),
              (pp and s.recompute.enable, "recompute together with pipeline parallelism"),
@@ -282,7 +358,7 @@ def shard_inputs(model, mesh) -> None:
                 raise ValueError(f"{type(model).__name__} runs on mesh {mesh} but got a DistTensor on mesh "
                                  f"{x.mesh}; reshard it onto the model's mesh (ap.reshard) or pass the plain tensor")
             return x
-        if not isinstance(x, paddle.Tensor) or x.ndim == 0:
+        if not isinstance(x, (paddle.Tensor, paddle.pir.Value)) or x.ndim == 0:      # Value: jit.to_static
             return x
         dims = _input_dims()
         unknown = [d for d in dims if d not in mesh.dim_names]
@@ -347,31 +423,108 @@ def _rebind(optimizer, replaced: dict) -> None:
 
 
 # ---- seed-style wrappers -------------------------------------------------------------------------------------
-_WRAPPED_PARAMS: dict = {}     # parameter name -> DistParameter made by DataParallel(), for Optimizer()
+_BUILT: list = []      # weak references to models built by ap.parallelize / ap.DataParallel (ap.Optimizer finds them)
 
 
 def DataParallel(model, strategy: Strategy | None = None, tp_plan: dict | None = None):
-    """Seed-style: ``dp_model = ap.DataParallel(model, strategy=s)`` (every rank data parallel unless the
-    strategy says otherwise); pair it with ``ap.Optimizer(opt)``. Unlike ``paddle.DataParallel``, a plain
+    """Seed-style: ``dp_model = ap.DataParallel(model, strategy=s)`` + ``opt = ap.Optimizer(opt)``: the same
+    build as ``ap.parallelize(model, opt, strategy=s)``, in two calls. This one does the model side (TP/SP
+    plans, recompute, AMP casts, input sharding; the pipeline for pp > 1) and records the strategy on the
+    model; ``ap.Optimizer`` finds it from the optimizer's parameters and finishes the build (ZeRO 1-3 and
+    offload, AMP loss scaling, gradient accumulation, clipping). Unlike ``paddle.DataParallel``, a plain
     tensor fed to the model is the global batch (the same on every rank); feed per-rank batches as
     DistTensors, e.g. from ``autoparallel.data.DistributedDataLoader``."""
-    model, _ = parallelize(model, None, strategy, tp_plan=tp_plan)
-    _WRAPPED_PARAMS.update({p.name: p for p in model.parameters()})
-    return model
+    strategy = Strategy() if strategy is None else strategy
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"ap.DataParallel: strategy must be an ap.Strategy, got {type(strategy).__name__}")
+    out, _ = parallelize(model, None, strategy, tp_plan=tp_plan, _deferred=True)
+    _BUILT[:] = [r for r in _BUILT if r() is not None] + [weakref.ref(out)]
+    _attach_run(out, None, strategy)
+    return out
+
+
+def _find_build(params):
+    """(build, {id(plain parameter): its distributed replacement}) of the model ``params`` belong to."""
+    for ref in reversed(_BUILT):
+        model = ref()
+        build = getattr(model, "_ap_build", None)
+        if build is None:
+            continue
+        own = {id(p) for p in model.parameters()}
+        if build.pipe is not None:
+            if any(id(p) in own or p.name in build.by_name for p in params):
+                return build, {id(p): p for p in params if p.name in build.by_name}
+            continue
+        replaced = {id(p): build.by_name[p.name] for p in params if id(p) not in own and p.name in build.by_name}
+        if any(id(p) in own for p in params) or replaced:
+            return build, replaced
+    return None, {}
+
+
+def model_of_params(params):
+    """The model built by ap.parallelize / ap.DataParallel whose parameters ``params`` are (None if none)."""
+    ids = {id(p) for p in params}
+    for ref in reversed(_BUILT):
+        model = ref()
+        if model is not None and ids & {id(p) for p in model.parameters()}:
+            return model
+    return None
 
 
 def Optimizer(optimizer, strategy: Strategy | None = None):
-    """Seed-style: ``opt = ap.Optimizer(opt)`` over a model wrapped by ``ap.DataParallel``; an optimizer built
-    before the wrapping is pointed at the distributed parameters (matched by parameter name)."""
+    """Seed-style: ``opt = ap.Optimizer(opt)`` over a model wrapped by ``ap.DataParallel`` (see there); an
+    optimizer built before the wrapping is pointed at the distributed parameters (matched by name). Without
+    a DataParallel model it wraps an optimizer over already-distributed parameters like ``shard_optimizer``,
+    and refuses strategy options that need the model (naming them)."""
     inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
     if not hasattr(inner, "_parameter_list"):
         raise TypeError(f"ap.Optimizer expects a paddle optimizer, got {type(optimizer).__name__}")
-    replaced = {}
-    for p in _flat_params(inner):
-        if not is_dist(p) and p.name in _WRAPPED_PARAMS:
-            replaced[id(p)] = _WRAPPED_PARAMS.pop(p.name)
-    k = strategy.gradient_accumulation_steps if strategy is not None else 1
-    return wrap_optimizer(inner, replaced, k)
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"ap.Optimizer: strategy must be an ap.Strategy, got {type(strategy).__name__}")
+    params = list(_flat_params(inner))
+    build, replaced = _find_build(params)
+    if build is None:
+        from autoparallel.entry_points import reject_without_model
+
+        s = Strategy() if strategy is None else strategy
+        reject_without_model(s)
+        if not any(is_dist(p) for p in params):
+            raise ValueError(f"ap.Optimizer: none of the optimizer's {len(params)} parameters belongs to a model "
+                             f"built by ap.DataParallel or is distributed (ap.shard_layer / ap.shard_tensor); call "
+                             f"ap.DataParallel(model, strategy=s) before ap.Optimizer(optimizer)")
+        return wrap_optimizer(inner, {}, s.gradient_accumulation_steps)
+    if strategy is not None and strategy.to_dict() != build.strategy.to_dict() and build.strategy is not strategy:
+        raise ValueError(f"ap.Optimizer(strategy=...) differs from the strategy ap.DataParallel built the model "
+                         f"with ({build.strategy}); pass the same strategy or none")
+    if build.optimizer is not None and build.strategy.sharding.enable:
+        raise ValueError("ap.Optimizer: this model's ZeRO sharding is already built with an optimizer; build a "
+                         "fresh model (ap.DataParallel) for a second one")
+    model = build.pipe if build.pipe is not None else build.model
+    check_optimizer_params(model, inner, "ap.Optimizer", replaced)
+    check_supported(build.strategy, inner, build.strategy.validate(world_size=_world_size()))
+    if build.pipe is not None:
+        build.optimizer = build.pipe.wrap_optimizer(inner)
+        _attach_run(build.pipe, build.optimizer, build.strategy)
+        return build.optimizer
+    k = build.strategy.gradient_accumulation_steps
+    return build_optimizer(build, wrap_optimizer(inner, replaced, k))
+
+
+def check_optimizer_params(model, optimizer, where: str, replaced: dict | None = None) -> None:
+    """The optimizer must update the model's parameters (all or some): name how many are foreign."""
+    if optimizer is None:
+        return
+    inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
+    if not hasattr(inner, "_parameter_list"):
+        return                                              # wrap_optimizer names the type error
+    own = {id(p) for p in model.parameters()} | set(replaced or {})
+    params = list(_flat_params(inner))
+    foreign = [p for p in params if id(p) not in own]
+    if foreign:
+        names = ", ".join(p.name for p in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ValueError(f"{where}: {len(foreign)} of the optimizer's {len(params)} parameters are not "
+                         f"parameters of the {type(model).__name__} ({names}); build the optimizer with "
+                         f"parameters=model.parameters() of this model")
 
 
 def _flat_params(optimizer):

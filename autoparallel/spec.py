@@ -60,11 +60,18 @@ _WITH_PLACEMENTS: dict = {}     # (spec, placements) -> spec: layouts derived ag
 
 
 def check_placements(mesh: ProcessMesh, placements, ndim: int) -> tuple[Placement, ...]:
-    """Validate placements against a mesh and a tensor rank; returns them as a tuple."""
-    pl = parse_placements(placements) if not isinstance(placements, tuple) or any(isinstance(p, str) for p in placements) else placements
+    """Validate placements against a mesh and a tensor rank; returns them as a tuple.
+
+    A list of Placement objects shorter than the mesh is padded with Replicate() on the remaining mesh dims,
+    as paddle does (``[Shard(1)]`` on a 2-D mesh is ``[Shard(1), Replicate()]``); the string notation
+    (``"S(0),R"``) names every mesh dim."""
+    text = isinstance(placements, str) or any(isinstance(p, str) for p in placements)
+    pl = parse_placements(placements) if not isinstance(placements, tuple) or text else placements
     for p in pl:
         if not isinstance(p, Placement):
             raise TypeError(f"placements must be Shard/Replicate/Partial, got {type(p).__name__} {p!r}")
+    if not text and len(pl) < mesh.ndim:
+        pl = tuple(pl) + (Replicate(),) * (mesh.ndim - len(pl))
     if len(pl) != mesh.ndim:
         raise ValueError(f"expected {mesh.ndim} placements (one per mesh dim of {mesh.shape}), got {len(pl)}: "
                          f"{[str(p) for p in pl]}")

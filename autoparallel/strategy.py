@@ -22,7 +22,8 @@ Degrees and batches (DESIGN, "Degrees and batches"):
   * global_batch = dp x micro_batch_size x num_micro_batches, where num_micro_batches is
     ``pipeline_parallel.micro_batches`` when pp > 1 and ``gradient_accumulation_steps`` otherwise.
     ``gradient_accumulation_steps = 1`` (the default) counts as unset: with pp > 1, setting both to
-    different values is an error, and an unset ``micro_batches`` falls back to the accumulation steps.
+    different values is an error, and an unset ``micro_batches`` falls back to the accumulation steps, or to
+    ``pipeline_parallel.degree`` micro-batches when those are unset too.
 
 auto_mode (DESIGN, "auto_mode"): "semi" keeps the user's degrees and annotations. "full" lets the
 planner choose degrees, schedule, sharding, recompute, offload and micro-batching, so those fields are
@@ -200,7 +201,7 @@ class TensorParallelConfig(_Config):
 class PipelineParallelConfig(_Config):
     _section: ClassVar[str] = "pipeline_parallel"
     degree: int = _field(1, _int())                                # pipeline stages (ranks along the layer axis)
-    micro_batches: Optional[int] = _field(None, _int(optional=True))   # micro-batches per step when degree > 1; None: gradient_accumulation_steps
+    micro_batches: Optional[int] = _field(None, _int(optional=True))   # micro-batches per step when degree > 1; None: gradient_accumulation_steps, else degree
     schedule: str = _field("1F1B", _choice(*SCHEDULES))            # "FThenB", "1F1B", "VPP" (interleaved) or "ZB-H1" (zero bubble)
     vpp_degree: int = _field(1, _int())                            # virtual stages per rank; > 1 only with schedule "VPP"
     split_points: List[str] = _field(None, _names, factory=list)   # layer names starting stages 2..n (pp x vpp - 1 of them); []: balanced split
@@ -271,6 +272,24 @@ def _sub(name):
     return _field(None, check, factory=cls)
 
 
+# fields that act only when their section's switch is on: (section, switch, fields)
+_DEPENDENTS = (
+    ("sharding", "enable", ("stage",)),                   # degree and offload: _check_sharding
+    ("recompute", "enable", ("checkpoint_every_n_layers", "granularity")),
+    ("amp", "enable", ("dtype", "level", "init_loss_scaling", "incr_every_n_steps", "decr_every_n_nan_or_inf",
+                       "incr_ratio", "decr_ratio", "use_dynamic_loss_scaling")),
+    ("checkpoint", "enable", ("save_interval_steps", "dir", "keep_last")),
+)
+_LOSS_SCALING = ("init_loss_scaling", "incr_every_n_steps", "decr_every_n_nan_or_inf", "incr_ratio", "decr_ratio",
+                 "use_dynamic_loss_scaling")
+# chosen by the planner in auto_mode "full" (planner/auto.py keeps AMP, checkpoint, global batch and seed)
+_PLANNER_FIELDS = ("data_parallel.degree", "tensor_parallel.degree", "pipeline_parallel.degree",
+                   "pipeline_parallel.micro_batches", "pipeline_parallel.schedule", "pipeline_parallel.vpp_degree",
+                   "pipeline_parallel.split_points", "sequence_parallel.enable", "sharding.enable", "sharding.stage",
+                   "sharding.degree", "sharding.offload", "recompute.enable", "recompute.checkpoint_every_n_layers",
+                   "recompute.granularity", "gradient_accumulation_steps", "micro_batch_size")
+
+
 # ---------------------------------------------------------------------------------------------
 # resolved degrees
 
@@ -322,6 +341,8 @@ class Strategy(_Config):
         pp = self.pipeline_parallel
         if pp.degree > 1 and pp.micro_batches is not None:
             return pp.micro_batches
+        if pp.degree > 1 and self.gradient_accumulation_steps == 1:
+            return pp.degree                    # the article's pipeline config: one micro-batch per stage
         return self.gradient_accumulation_steps
 
     # -- validation --------------------------------------------------------------------------
@@ -341,7 +362,10 @@ class Strategy(_Config):
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         info = _check_model_info(model_info)
         problems: List[str] = []
+        self._check_dependents(problems)
         if self.auto_mode == "full":        # degrees, schedule, sharding, recompute: chosen by the planner
+            self._check_planner_fields(problems)
+            _raise(problems)
             return None
 
         tp, pp = self.tensor_parallel.degree, self.pipeline_parallel.degree
@@ -360,6 +384,39 @@ class Strategy(_Config):
                                sharding_degree=sharding_degree, sharding_stage=sh.stage if sh.enable else 0,
                                num_micro_batches=nmb, micro_batch_size=mbs, global_batch_size=gbs)
 
+    def _check_dependents(self, problems) -> None:
+        """A field that acts only when its section is on is refused while it is off (nothing is ignored)."""
+        for section, switch, names in _DEPENDENTS:
+            cfg = getattr(self, section)
+            if getattr(cfg, switch):
+                continue
+            default = type(cfg)()
+            for n in names:
+                if getattr(cfg, n) != getattr(default, n):
+                    problems.append(f"{section}.{n}={getattr(cfg, n)!r} is set but {section}.{switch}=False; "
+                                    f"expected {section}.{switch}=True or the default {getattr(default, n)!r}")
+        c = self.pipeline_parallel
+        if c.degree == 1 and c.schedule != "1F1B":
+            problems.append(f"pipeline_parallel.schedule={c.schedule!r} needs pipeline_parallel.degree > 1, got 1")
+        if self.amp.enable and self.amp.dtype == "bfloat16":
+            default = AmpConfig()
+            set_ = [n for n in _LOSS_SCALING if getattr(self.amp, n) != getattr(default, n)]
+            if set_:
+                problems.append(f"amp.{', amp.'.join(set_)} configure loss scaling, which applies to float16 only; "
+                                f"amp.dtype='bfloat16' runs unscaled (expected amp.dtype='float16' or the defaults)")
+
+    def _check_planner_fields(self, problems) -> None:
+        """auto_mode='full' chooses these itself: a value given for them would be ignored."""
+        fresh = Strategy()
+        for name in _PLANNER_FIELDS:
+            section, _, leaf = name.partition(".")
+            mine, default = getattr(self, section), getattr(fresh, section)
+            if leaf:
+                mine, default = getattr(mine, leaf), getattr(default, leaf)
+            if mine != default:
+                problems.append(f"auto_mode='full' chooses {name} itself, got {name}={mine!r}; expected "
+                                f"auto_mode='semi' to fix it, or the default {default!r}")
+
     def _resolve_dp(self, world_size, tp, pp, problems) -> Optional[int]:
         dp = self.data_parallel.degree
         if world_size is None:
@@ -371,8 +428,8 @@ class Strategy(_Config):
                 return None
             return world_size // (tp * pp)
         if dp * tp * pp != world_size:
-            problems.append(f"data_parallel x tensor_parallel x pipeline_parallel degrees = {dp} x {tp} x {pp} = "
-                            f"{dp * tp * pp}, expected the world size {world_size}")
+            problems.append(f"data_parallel.degree x tensor_parallel.degree x pipeline_parallel.degree = {dp} x {tp} "
+                            f"x {pp} = {dp * tp * pp}, expected the world size {world_size}")
         return dp
 
     def _check_model(self, info, tp, pp, problems):

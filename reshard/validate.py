@@ -52,7 +52,8 @@ def check_placements_for(name: str, mesh: ProcessMesh, placements, ndim: int) ->
         raise TypeError(f"{name} must be a string like 'S(0),R' or a sequence of placements, "
                         f"got {type(placements).__name__} {placements!r}")
     try:
-        pl = check_placements(mesh, tuple(parse_placements(placements)), ndim)
+        text = placements if isinstance(placements, str) else tuple(parse_placements(placements))
+        pl = check_placements(mesh, text, ndim)          # a short list is padded, a string names every dim
     except (TypeError, ValueError) as e:
         raise type(e)(f"{name}: {e}") from None
     kinds = sorted({p.reduce_type for p in pl if isinstance(p, Partial)})

@@ -301,7 +301,9 @@ def register_spmd_rule(names, fn: Callable | None = None, *, reverse: Callable |
 
     Registering a name that already has a rule REPLACES it (users may override built-in rules); the
     decorator returns ``fn`` unchanged. ``reverse`` is the optional reverse form
-    ``reverse(output_specs, *args, **kwargs) -> SpmdResult``.
+    ``reverse(output_specs, *args, **kwargs) -> SpmdResult``. A rule with the parameters
+    ``(inputs, outputs, attrs, mesh)`` returning ``{"inputs": {...}, "outputs": {...}}`` placements is the
+    dict form (dict_rules.py), adapted onto the registry.
     """
     if isinstance(names, str):
         names = [names]
@@ -314,8 +316,17 @@ def register_spmd_rule(names, fn: Callable | None = None, *, reverse: Callable |
             raise TypeError(f"register_spmd_rule({names!r}) expects a callable rule, got {f!r}")
         if reverse is not None and not callable(reverse):
             raise TypeError(f"register_spmd_rule({names!r}): reverse must be callable, got {reverse!r}")
+        from spmd_rules import dict_rules
+
         for n in names:
-            _RULES[n] = SpmdRule(n, f, reverse)
+            if dict_rules.is_dict_rule(f):          # the article's (inputs, outputs, attrs, mesh) -> dict form
+                prior = _RULES.get(n)
+                prior = getattr(prior, "shape_rule", prior)  # re-registering keeps the built-in shape function
+                rule = SpmdRule(n, dict_rules.adapt(n, f, prior), reverse)
+                rule.shape_rule = prior
+                _RULES[n] = rule
+            else:
+                _RULES[n] = SpmdRule(n, f, reverse)
         return f
 
     return deco(fn) if fn is not None else deco

@@ -84,3 +84,197 @@ def test_fp16_gradient_overflow_is_caught():
     opt.scale(F.cross_entropy(m(x), y)).backward()                   # a scale of 2^30 overflows fp16 gradients
     assert not opt.step()
     assert opt.scaler.scale_value == 2.0**30 and opt.scaler.bad_steps == 1
+
+
+# ---- paddle.amp.GradScaler + auto_cast over distributed losses (the article's mixed-precision snippet) ----
+def _gpt_opt(params):
+    return paddle.optimizer.AdamW(1e-2, parameters=params, epsilon=1e-4)
+
+
+def gpu_scaler(**kwargs):
+    """paddle.amp.GradScaler as it is built on a GPU (on CPU paddle disables it: scale() returns the loss and
+    step() just steps): the tracer's place is reported as a GPU place while it is constructed."""
+    from paddle.amp import grad_scaler as gs
+
+    class Place:
+        def is_gpu_place(self):
+            return True
+
+    class Tracer:
+        _expected_place = Place()
+
+    original = gs._dygraph_tracer
+    gs._dygraph_tracer = lambda: Tracer()
+    try:
+        scaler = paddle.amp.GradScaler(**kwargs)
+    finally:
+        gs._dygraph_tracer = original
+    assert scaler._enable
+    return scaler
+
+
+def _scaler_run(world, sharding=0, steps=3, poison=None):
+    """Train the test GPT with GradScaler(1024) + auto_cast; ``poison=(step, rank)`` puts an inf into that
+    rank's local gradient after backward. Returns losses, scales, hook count and the model."""
+    import autoparallel as ap
+    from autoparallel.testing.models import batch
+    from autoparallel.testing.models import build as build_test
+
+    losses, scales, hooks = [], [], []
+    with ap.simulate(world_size=world):
+        s = Strategy()
+        if sharding:
+            s.sharding.enable, s.sharding.stage = True, sharding
+        m = build_test("gpt")
+        m, opt = ap.parallelize(m, _gpt_opt(m.parameters()), strategy=s)
+        opt.register_step_post_hook(lambda o: hooks.append(1))
+        scaler = gpu_scaler(init_loss_scaling=1024)
+        for i in range(steps):
+            ids, lab = batch(i)
+            with paddle.amp.auto_cast():
+                loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
+            scaled = scaler.scale(loss)
+            scaled.backward()
+            if poison is not None and poison[0] == i:
+                g = dict(m.named_parameters())["lm_head.weight"].locals[poison[1]].grad
+                g.set_value(paddle.full_like(g, float("inf")))
+            scaler.step(opt)
+            scaler.update()
+            opt.clear_grad()
+            losses.append(float(loss))
+            scales.append(float(scaler._scale))
+        return losses, scales, len(hooks), m
+
+
+def _reference(steps=3):
+    from autoparallel.testing.models import batch
+    from autoparallel.testing.models import build as build_test
+
+    m = build_test("gpt")
+    opt = _gpt_opt(m.parameters())
+    losses = []
+    for i in range(steps):
+        ids, lab = batch(i)
+        loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses, {n: p.numpy() for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("sharding", [0, 2])
+def test_grad_scaler_on_a_distributed_loss_equals_one_process(sharding):
+    from autoparallel.testing.check import expected_local
+
+    ref_losses, ref_params = _reference()
+    losses, scales, hooks, m = _scaler_run(2, sharding)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert scales == [1024.0] * 3 and hooks == 3
+    for name, p in m.named_parameters():
+        for r, t in p.locals.items():
+            want = expected_local(ref_params[name], p.spec, p.mesh.coords_of(r))
+            np.testing.assert_allclose(t.numpy(), want, rtol=1e-4, atol=2e-5, err_msg=f"{name} on rank {r}")
+
+
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank():
+    ref_losses, _ = _reference(1)
+    losses, scales, hooks, m = _scaler_run(2, sharding=2, steps=2, poison=(0, 1))
+    assert scales == [512.0, 512.0] and hooks == 1          # step 0 skipped (scale halved), step 1 ran
+    assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6)
+    from autoparallel.testing.models import build as build_test
+
+    init = {n: p.numpy() for n, p in build_test("gpt").named_parameters()}
+    w = dict(m.named_parameters())["wte.weight"]
+    assert all(np.isfinite(t.numpy()).all() for t in w.locals.values())
+    assert np.array_equal(w.locals[0].numpy(), w.locals[1].numpy())      # the ranks stayed identical
+    assert not np.array_equal(w.locals[0].numpy(), init["wte.weight"])   # and step 1 trained them
+
+
+def test_paddle_scaler_alone_fails_on_a_distributed_loss(monkeypatch):
+    """Negative control: without the bridge paddle's scaler cannot scale a DistTensor loss."""
+    import autoparallel as ap
+    from autoparallel.parallel import amp_scaler
+    from autoparallel.testing.models import batch
+    from autoparallel.testing.models import build as build_test
+
+    base = paddle.amp.grad_scaler.AmpScaler.__dict__["scale"].__closure__
+    original = next(c.cell_contents for c in base if callable(c.cell_contents)
+                    and getattr(c.cell_contents, "__name__", "") == "scale")
+    monkeypatch.setattr(paddle.amp.GradScaler, "scale", original)
+    assert amp_scaler._installed
+    with ap.simulate(world_size=2):
+        m = build_test("gpt")
+        m, opt = ap.parallelize(m, _gpt_opt(m.parameters()))
+        ids, lab = batch(0)
+        loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
+        with pytest.raises(NotImplementedError, match="_is_initialized"):
+            gpu_scaler(init_loss_scaling=1024).scale(loss)
+
+
+def test_grad_scaler_unscale_then_step_and_two_scalers_refused():
+    import autoparallel as ap
+    from autoparallel.testing.models import batch
+    from autoparallel.testing.models import build as build_test
+
+    with ap.simulate(world_size=2):
+        m = build_test("gpt")
+        m, opt = ap.parallelize(m, _gpt_opt(m.parameters()))
+        scaler = gpu_scaler(init_loss_scaling=1024)
+        ids, lab = batch(0)
+        scaler.scale(F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()).backward()
+        w = dict(m.named_parameters())["lm_head.weight"]
+        scaled = {r: t.grad.numpy().copy() for r, t in w.locals.items()}
+        scaler.unscale_(opt)                                   # e.g. to clip by hand before the step
+        for r, t in w.locals.items():
+            np.testing.assert_allclose(t.grad.numpy(), scaled[r] / 1024, rtol=1e-6)
+        with pytest.raises(RuntimeError, match="already been called"):
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    with ap.simulate(world_size=2):
+        s = Strategy()
+        s.amp.enable, s.amp.dtype = True, "float16"
+        m = build_test("gpt")
+        m, opt = ap.parallelize(m, _gpt_opt(m.parameters()), strategy=s)
+        scaler = gpu_scaler(init_loss_scaling=1024)
+        scaler.scale(F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()).backward()
+        with pytest.raises(ValueError, match="use one loss scaler"):
+            scaler.step(opt)
+
+
+def test_grad_scaler_over_shard_optimizer_with_a_mesh_equals_one_process():
+    """The article's shard_optimizer(opt, mesh) (ZeRO over the data dim for replicated weights, the rest in
+    their sharded layout) under GradScaler: every gradient of both parts unscaled."""
+    import autoparallel as ap
+    from autoparallel.testing.check import expected_local
+    from autoparallel.testing.models import batch
+    from autoparallel.testing.models import build as build_test
+
+    ref = build_test("gpt")
+    ref_opt = _gpt_opt(ref.parameters())
+    ids, lab = batch(0)
+    F.cross_entropy(ref(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean().backward()
+    ref_opt.step()
+
+    def shard_fn(name, layer, mesh):
+        if name.endswith("attn.qkv"):
+            layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Shard(1)])     # on the data dim
+
+    with ap.simulate(world_size=4):
+        mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["data", "model"])
+        m = ap.shard_layer(build_test("gpt"), mesh, shard_fn)
+        opt = ap.shard_optimizer(_gpt_opt(m.parameters()), mesh)
+        assert type(opt).__name__ == "SplitOptimizer"
+        scaler = gpu_scaler(init_loss_scaling=1024)
+        scaler.scale(F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        z = getattr(opt, "zero", None)
+        if z is not None:
+            z.gather(z.params)
+        for name, p in ref.named_parameters():
+            got = dict(m.named_parameters())[name]
+            for r, t in got.locals.items():
+                np.testing.assert_allclose(t.numpy(), expected_local(p.numpy(), got.spec, got.mesh.coords_of(r)),
+                                           rtol=1e-4, atol=2e-5, err_msg=f"{name} rank {r}")

@@ -86,7 +86,7 @@ def test_spec_local_shapes_uneven_and_nested():
 
 
 @pytest.mark.parametrize("placements,err", [
-    ((ap.Shard(0),), "expected 2 placements"), ((ap.Shard(2), ap.Replicate()), "out of range"),
+    ((ap.Shard(0), ap.Replicate(), ap.Replicate()), "expected 2 placements"), ((ap.Shard(2), ap.Replicate()), "out of range"),
     (("S(0)", 3), "placements must be|malformed|expected"),
 ])
 def test_spec_errors(placements, err):

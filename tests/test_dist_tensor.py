@@ -55,8 +55,8 @@ def test_bad_placements_are_rejected_before_any_work():
     with ap.simulate(4):
         mesh = mesh_from_shape([2, 2])
         x = paddle.ones([4, 4])
-        with pytest.raises(ValueError, match="expected 2 placements"):
-            ap.shard_tensor(x, mesh, [ap.Shard(0)])
+        with pytest.raises(ValueError, match="expected 2 placements"):     # a shorter list is padded (paddle)
+            ap.shard_tensor(x, mesh, [ap.Shard(0), ap.Replicate(), ap.Replicate()])
         with pytest.raises(ValueError, match=r"S\(2\) is out of range for a tensor of rank 2"):
             ap.shard_tensor(x, mesh, [ap.Shard(2), ap.Replicate()])
         with pytest.raises(TypeError, match="ProcessMesh"):

@@ -5,7 +5,9 @@ embeddings; a negative control without the tied-gradient all-reduce), 4 ranks (P
 stage on its own [data, model] sub-mesh, ZB-H1 and VPP among them; PP4) and 8 ranks (DP2xTP2xPP2).
 10 steps each; losses and every final parameter must match with rtol 1e-4 plus a small atol. The 2-rank
 launch also checks that every rank executed exactly its schedule's action list and draws the measured
-timeline. Inside stages, tensor parallelism uses the GPT / LLaMA plans of ``autoparallel.testing.models``
+timeline. Every schedule x {plain, DP, TP} also runs in the simulated world (test_pipeline_sim.py);
+here each inside-stage layout meets real transfers, ZB-H1 with TP on GPT's biased Linears among them.
+Inside stages, tensor parallelism uses the GPT / LLaMA plans of ``autoparallel.testing.models``
 (one LLaMA job with sequence parallelism and ZB-H1).
 """
 import json
@@ -35,6 +37,7 @@ LAUNCHES = {
         {"name": "neg_no_tie_reduce", "schedule": "1F1B", "tie": True, "negative": "no_tie_reduce"}],
     4: [{"name": "pp2dp2_1f1b", "schedule": "1F1B", "dp": 2},
         {"name": "pp2tp2_1f1b", "schedule": "1F1B", "tp": 2},
+        {"name": "pp2tp2_zb", "schedule": "ZB-H1", "tp": 2},        # GPT: a row-parallel bias under ZB-H1
         {"name": "pp2dp2_zb_tied", "schedule": "ZB-H1", "dp": 2, "tie": True},
         {"name": "pp2tp2_vpp_tied", "schedule": "VPP", "vpp": 2, "tp": 2, "tie": True},
         {"name": "llama_pp2tp2_sp_zb", "schedule": "ZB-H1", "tp": 2, "sp": True, "kind": "llama"},

@@ -74,3 +74,49 @@ def test_bad_input():
         apply_ac(tiny(), "full", 0)
     with pytest.raises(ValueError, match="LayerList"):
         apply_ac(paddle.nn.Linear(2, 2))
+
+
+def test_recompute_layers_per_layer_predicate_as_in_the_article():
+    from examples.models.gpt import Block
+
+    ref_loss, ref_grads, ref_bytes, _ = run(tiny())
+    m = tiny()
+    reruns = []
+    for b in m.blocks:
+        b.mlp.register_forward_post_hook(lambda *_: reruns.append(1))
+    m = recompute_layers(m, segment_func=lambda layer: isinstance(layer, Block), checkpoint_every_n_layers=2)
+    loss, grads, nbytes, _ = run(m)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for k, g in ref_grads.items():
+        np.testing.assert_allclose(grads[k], g, rtol=1e-5, atol=1e-7, err_msg=k)
+    assert len(reruns) == 2 * len(m.blocks)                  # every block's forward ran again in backward
+    every1 = run(recompute_layers(tiny(), segment_func=lambda l: isinstance(l, Block), checkpoint_every_n_layers=1))
+    assert nbytes < every1[2] < ref_bytes                     # two blocks per segment keep fewer inputs
+
+
+def test_recompute_layers_predicate_groups_only_chained_siblings():
+    class Two(paddle.nn.Layer):                               # matches that are not one chain: one segment each
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)                      # b does not take a's output
+
+    paddle.seed(0)
+    m = Two()
+    x = paddle.rand([2, 4])
+    want = m(x).numpy()
+    recompute_layers(m, segment_func=lambda l: isinstance(l, paddle.nn.Linear), checkpoint_every_n_layers=2)
+    np.testing.assert_allclose(m(x).numpy(), want, rtol=1e-6)  # grouping a and b would pass x through b
+
+
+@pytest.mark.parametrize("fn,error,match", [
+    (lambda l: False, ValueError, "matched no layer"),
+    (lambda l: "yes", TypeError, "must return a bool"),
+    (lambda m: [], ValueError, "non-empty list"),
+    ("blocks", TypeError, "predicate layer -> bool"),
+])
+def test_recompute_layers_bad_segment_func(fn, error, match):
+    with pytest.raises(error, match=match):
+        recompute_layers(tiny(), segment_func=fn)

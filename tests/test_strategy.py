@@ -213,15 +213,18 @@ def test_steady_schedules_need_pp_micro_batches(schedule):
 def test_fthenb_allows_few_micro_batches():
     s = Strategy()
     s.pipeline_parallel.degree = 4; s.pipeline_parallel.schedule = "FThenB"
+    s.pipeline_parallel.micro_batches = 1
     assert s.validate().num_micro_batches == 1
 
 
-def test_unset_micro_batches_with_pipeline_reports_fallback():
+def test_unset_micro_batches_with_pipeline_default_to_degree():
     s = Strategy()
-    s.pipeline_parallel.degree = 2                          # micro_batches unset, accumulation 1
-    invalid(s, "needs at least pipeline_parallel.degree=2 micro-batches", "got 1")
-    s.gradient_accumulation_steps = 2                       # unset micro_batches falls back to it
-    assert s.validate().num_micro_batches == 2
+    s.pipeline_parallel.degree = 4                          # the article's config: micro_batches unset
+    assert s.validate().num_micro_batches == 4
+    s.gradient_accumulation_steps = 8                       # unset micro_batches falls back to accumulation
+    assert s.validate().num_micro_batches == 8
+    s.gradient_accumulation_steps = 2                       # ... which is then checked like micro_batches
+    invalid(s, "needs at least pipeline_parallel.degree=4 micro-batches", "got 2")
 
 
 def test_grad_accum_and_micro_batches_conflict():
@@ -255,7 +258,7 @@ def test_split_points():
 
 
 @pytest.mark.parametrize("pp, micro, ga, expected", [
-    (1, None, 1, 1), (1, None, 4, 4), (2, 8, 1, 8), (2, None, 4, 4), (2, 8, 8, 8), (1, 4, 4, 4),
+    (1, None, 1, 1), (1, None, 4, 4), (2, 8, 1, 8), (2, None, 4, 4), (2, 8, 8, 8), (1, 4, 4, 4), (4, None, 1, 4),
 ])
 def test_num_micro_batches(pp, micro, ga, expected):
     s = Strategy()
@@ -349,16 +352,45 @@ def test_several_problems_reported_together():
 
 # -- auto_mode ---------------------------------------------------------------------------------
 
-def test_full_mode_ignores_degrees():
+def test_full_mode_refuses_what_the_planner_chooses():
     s = Strategy()
     s.auto_mode = "full"
-    s.data_parallel.degree = 3; s.sequence_parallel.enable = True     # would be invalid in "semi"
+    s.global_batch_size = 8; s.amp.enable = True; s.seed = 3       # kept by the planner
     assert s.validate(world_size=8, model_info={"heads": 8, "hidden": 64}) is None
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
         s.validate(world_size=-1)                              # arguments are still checked
     assert "chosen by the planner" in str(s)
+    s.data_parallel.degree = 3; s.sequence_parallel.enable = True     # would be ignored: refused, both named
+    with pytest.raises(ValueError, match=r"(?s)chooses data_parallel.degree.*chooses sequence_parallel.enable"):
+        s.validate(world_size=8)
     s.auto_mode = "semi"
     invalid(s, "sequence_parallel", world_size=8)
+
+
+@pytest.mark.parametrize("section,name,value", [
+    ("sharding", "stage", 3), ("recompute", "granularity", "selective"), ("recompute", "checkpoint_every_n_layers", 2),
+    ("amp", "dtype", "float16"), ("amp", "init_loss_scaling", 1024.0), ("checkpoint", "save_interval_steps", 5),
+    ("checkpoint", "dir", "ck")])
+def test_dependent_field_without_its_switch_is_refused(section, name, value):
+    s = Strategy()
+    setattr(getattr(s, section), name, value)
+    with pytest.raises(ValueError, match=rf"{section}\.{name}=.* but {section}\.enable=False"):
+        s.validate(world_size=1)
+    getattr(s, section).enable = True
+    if section == "amp" and name == "init_loss_scaling":
+        s.amp.dtype = "float16"
+    s.validate(world_size=1)                                   # negative control: with the switch on it is valid
+
+
+def test_loss_scaling_with_bfloat16_and_schedule_without_pipeline_are_refused():
+    s = Strategy()
+    s.amp.enable = True; s.amp.init_loss_scaling = 1024.0
+    with pytest.raises(ValueError, match="loss scaling, which applies to float16 only"):
+        s.validate(world_size=1)
+    s = Strategy()
+    s.pipeline_parallel.schedule = "ZB-H1"
+    with pytest.raises(ValueError, match="schedule='ZB-H1' needs pipeline_parallel.degree > 1"):
+        s.validate(world_size=1)
 
 
 # -- serialisation -----------------------------------------------------------------------------

@@ -277,8 +277,8 @@ def test_parameter_groups_and_package_entry_point():
         ap.parallelize(m)
 
 
-def test_gradient_clipping_under_tensor_parallel_not_yet_supported():
-    m = tiny()
-    opt = paddle.optimizer.AdamW(1e-3, parameters=m.parameters(), grad_clip=nn.ClipGradByGlobalNorm(1.0))
-    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match="ClipGradByGlobalNorm.*not yet"):
+def test_per_parameter_norm_clipping_under_tensor_parallel_not_yet_supported():
+    m = tiny()       # global-norm clipping under TP: tests/test_sim_optimizer.py
+    opt = paddle.optimizer.AdamW(1e-3, parameters=m.parameters(), grad_clip=nn.ClipGradByNorm(1.0))
+    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match="ClipGradByNorm.*not yet"):
         parallelize(m, opt, strategy=strategy(tp=2))

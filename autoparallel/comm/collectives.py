@@ -57,6 +57,9 @@ def _run_local(xs, fwd, bwd):
     if not order:
         return {}
     ts = [xs[r] for r in order]
+    if not paddle.in_dynamic_mode():                   # lowered into a paddle static program (graph/jit.py)
+        from autoparallel.graph.jit import static_comm
+        return static_comm(xs, fwd, bwd)
     if all(t.stop_gradient for t in ts):
         with paddle.no_grad():
             return fwd(dict(xs))

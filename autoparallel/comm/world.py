@@ -83,6 +83,22 @@ def _dist_initialized() -> bool:
     return dist.is_initialized()
 
 
+def init_parallel_env() -> World:
+    """The article's ``dist.init_parallel_env()``: initialise ``paddle.distributed`` in a process started by
+    ``python -m paddle.distributed.launch`` (idempotent) and return this process's world. A single
+    process (not launched) is a world of one; inside ``ap.simulate`` the simulated world needs nothing."""
+    global _real
+    stack = getattr(_state, "stack", None)
+    if stack:
+        return stack[-1]
+    import paddle.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_parallel_env()
+    _real = None
+    return current_world()
+
+
 def get_rank() -> int:
     return current_world().rank
 

@@ -410,6 +410,9 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
     strategy = Strategy() if strategy is None else strategy
     if not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
+    from autoparallel.entry_points import check_to_static
+
+    check_to_static(strategy, optimizer)              # every Strategy field: effective or refused
     _check_knobs(strategy)
     if input_spec is not None:
         specs = [_spec_of(x, i) for i, x in enumerate(input_spec)]

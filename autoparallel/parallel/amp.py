@@ -19,6 +19,7 @@ from autoparallel.comm import collectives as C
 from autoparallel.comm.world import current_world
 from autoparallel.dist_tensor import DistTensor, is_dist
 from autoparallel.local_mode import local_mode
+from autoparallel.parallel.step_hooks import StepHooks
 
 DTYPES = ("float16", "bfloat16")
 
@@ -38,17 +39,25 @@ def round_trip(t, dtype):
 
 
 def apply_amp(model, dtype: str = "bfloat16", level: str = "O1", layers=(paddle.nn.Linear,)) -> list:
-    """Emulated autocast on every sublayer of the given types; returns the hook handles."""
+    """Emulated autocast on every sublayer of the given types (O1), or on every leaf layer but the norms (O2:
+    the whole model in low precision, norms kept in float32 as paddle's O2 does); returns the hook handles."""
     _check_dtype(dtype)
     if level not in ("O1", "O2"):
         raise ValueError(f"amp level must be 'O1' or 'O2', got {level!r}")
     handles = []
     for _, layer in model.named_sublayers(include_self=True):
-        if isinstance(layer, tuple(layers)):
+        if _autocast(layer, level, layers):
             handles.append(layer.register_forward_pre_hook(
                 lambda _l, inputs: tuple(_cast_input(x, dtype) for x in inputs)))
             handles.append(layer.register_forward_post_hook(lambda _l, _i, out: _cast_output(out, dtype)))
     return handles
+
+
+def _autocast(layer, level, layers) -> bool:
+    if level == "O1":
+        return isinstance(layer, tuple(layers))
+    leaf = not list(layer.children())
+    return leaf and not type(layer).__name__.endswith("Norm") and bool(layer.parameters(include_sublayers=False))
 
 
 def _cast_input(x, dtype):
@@ -138,7 +147,7 @@ def found_inf(params, mesh=None) -> bool:
     return any(float(x.numpy().max()) > 0 for x in xs.values())
 
 
-class AmpOptimizer:
+class AmpOptimizer(StepHooks):
     """Unscales gradients, agrees on overflow across ranks, skips the step on overflow, updates the scale.
     ``optimizer`` is any ap optimizer (ShardedOptimizer, ZeroOptimizer) or a paddle one."""
 
@@ -167,6 +176,7 @@ class AmpOptimizer:
             self.skipped += 1
             return False
         self.optimizer.step()
+        self._after_step()
         return True
 
     def clear_grad(self, set_to_zero: bool = True):

@@ -14,6 +14,9 @@ written back when waited for; gloo blocks, so on CPU it is launched synchronousl
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 from dataclasses import dataclass
 
 import paddle
@@ -148,6 +151,29 @@ class Pending:
         self.then()
 
 
+_async = threading.local()
+
+
+@contextlib.contextmanager
+def async_allreduce(flag):
+    """``loss.backward(use_async_allreduce=flag)``: None keeps the default (asynchronous where the backend
+    overlaps), True asks for it (a no-op on gloo, whose collectives block), False turns it off."""
+    if flag is not None and not isinstance(flag, bool):
+        raise TypeError(f"use_async_allreduce must be True, False or None, got {flag!r}")
+    old = getattr(_async, "flag", None)
+    _async.flag = flag
+    try:
+        yield
+    finally:
+        _async.flag = old
+
+
+def launch_async() -> bool:
+    """Whether a reduction launched from backward runs asynchronously."""
+    flag = getattr(_async, "flag", None)
+    return overlaps() and flag is not False
+
+
 def overlaps() -> bool:
     """Whether this world's backend overlaps ``sync_op=False`` collectives with compute (NCCL; not gloo)."""
     world = current_world()
@@ -215,7 +241,7 @@ class GradientSync:
             for b in plan_buckets(params, self.bucket_bytes, lambda p: self._dims[id(p)]):
                 reduce_bucket(b)
             return None
-        return reduce_bucket(self.buckets[i], overlaps() if self.async_op is None else self.async_op)
+        return reduce_bucket(self.buckets[i], launch_async() if self.async_op is None else self.async_op)
 
     def _to_partial(self, p) -> None:
         """A gradient arrives for ``p`` after its reduction: turn the reduced value back into partial sums

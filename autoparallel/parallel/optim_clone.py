@@ -29,7 +29,8 @@ def clone_optimizer(opt, params, name_map: dict):
                                          rescale_grad=opt._rescale_grad)
     if isinstance(opt, paddle.optimizer.SGD):
         return paddle.optimizer.SGD(learning_rate=lr, parameters=params, weight_decay=opt.regularization)
-    raise TypeError(f"ZeRO sharding supports the paddle optimizers {', '.join(SUPPORTED)}; got {kind}")
+    raise TypeError(f"sharded optimizer states (ZeRO, the simulated world) support the paddle optimizers "
+                    f"{', '.join(SUPPORTED)}; got {kind}")
 
 
 def state_tensors(opt) -> list:

@@ -13,9 +13,16 @@ from __future__ import annotations
 from autoparallel.dispatch import local_mode
 from autoparallel.dist_tensor import is_dist
 from autoparallel.parallel.grads import BUCKET_BYTES, GradientSync, check_bucket_bytes
+from autoparallel.parallel.step_hooks import StepHooks
 
 
-class ShardedOptimizer:
+def _paddle_optimizer():
+    import paddle
+
+    return paddle.optimizer.Optimizer
+
+
+class ShardedOptimizer(StepHooks):
     """Wraps a paddle optimizer built over a distributed model's parameters."""
 
     def __init__(self, optimizer, shard_fn=None, gradient_accumulation_steps: int = 1,
@@ -54,8 +61,50 @@ class ShardedOptimizer:
     def step(self):
         self.reduce_gradients()
         self._scale_gradients()
-        with local_mode():
-            self._inner.step()
+        clip = self._clip_global_norm()
+        try:
+            with local_mode():
+                self._inner.step()
+            self._step_other_ranks()
+        finally:
+            if clip is not None:
+                self._inner._grad_clip = clip
+        self._after_step()
+
+    def _clip_global_norm(self):
+        """``ClipGradByGlobalNorm`` over distributed parameters: the norm of the whole (unsharded) gradients,
+        every shard counted once (parallel/clip.py), applied here; paddle's own clip, which would see only
+        this rank's shards, is off for the step. Returns the clip to restore (None: nothing to do)."""
+        import paddle
+
+        gc = getattr(self._inner, "_grad_clip", None)
+        params = [p for p in self.parameters if not p.stop_gradient]
+        if not isinstance(gc, paddle.nn.ClipGradByGlobalNorm) or not any(is_dist(p) for p in params):
+            return None
+        plain = [p.name for p in params if not is_dist(p)]
+        if plain:
+            raise NotImplementedError(f"global-norm clipping over distributed and plain parameters together "
+                                      f"({', '.join(plain[:3])} are plain); distribute the whole model")
+        from autoparallel.parallel.clip import clip_grad_norm_
+
+        self.last_grad_norm = clip_grad_norm_(params, float(gc.clip_norm))
+        self._inner._grad_clip = None
+        return gc
+
+    def _step_other_ranks(self) -> None:
+        """The simulated world: the other ranks' copies of each parameter (parallel/sim_step.py)."""
+        from autoparallel.comm.world import current_world
+
+        if not current_world().is_simulated or not isinstance(self._inner, _paddle_optimizer()):
+            return
+        params = self.parameters
+        key = tuple(id(p) for p in params)
+        copies = self.__dict__.get("_rank_copies")
+        if copies is None or copies[0] != key:
+            from autoparallel.parallel.sim_step import RankCopies
+
+            copies = self.__dict__["_rank_copies"] = (key, RankCopies(self._inner, params))
+        copies[1].step()
 
     def clear_grad(self, set_to_zero: bool = True):
         self.grad_sync.reset()
@@ -72,5 +121,19 @@ class ShardedOptimizer:
         return getattr(self._inner, name)
 
 
-def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int = 1) -> ShardedOptimizer:
-    return ShardedOptimizer(optimizer, shard_fn, gradient_accumulation_steps, overlap=True)
+def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int = 1):
+    """paddle's ``shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps=1)``; ``shard_fn`` is
+
+    * ``None``: optimizer states follow their parameters' layouts (data-parallel gradients reduced);
+    * ``ap.ShardingStage1/2/3(sharding_mesh_dim, mesh=None)``: ZeRO stage 1/2/3 over that mesh dim;
+    * a ProcessMesh (the article's ``shard_optimizer(opt, mesh)``): ZeRO stage 1 over the mesh's data dim;
+    * paddle's ``shard_fn(accumulator_name, param, accumulator) -> distributed accumulator``: asked once
+      per parameter; states that it shards over a mesh dim the parameter is replicated on run as ZeRO
+      stage 1 over that dim, states kept in the parameter's layout as above, anything else is refused.
+    See parallel/sharding_stages.py."""
+    from autoparallel.parallel.sharding_stages import resolve_shard_fn, zero_optimizer
+
+    stage = resolve_shard_fn(optimizer, shard_fn)
+    if stage is None:
+        return ShardedOptimizer(optimizer, None, gradient_accumulation_steps, overlap=True)
+    return zero_optimizer(optimizer, stage, gradient_accumulation_steps)

@@ -76,18 +76,80 @@ def apply_ac(model, granularity: str = "full", checkpoint_every_n_layers: int = 
 
 
 def recompute_layers(model, segment_func=None, checkpoint_every_n_layers: int = 2):
-    """Seed-style view: recompute the layers chosen by ``segment_func(model) -> list of layers`` (default:
-    the model's blocks) in segments of ``checkpoint_every_n_layers``."""
+    """Seed-style: recompute chosen layers in segments of ``checkpoint_every_n_layers``; returns the model.
+
+    ``segment_func`` takes either form:
+      * a per-layer predicate (the article's): ``lambda layer: isinstance(layer, TransformerBlock)``; every
+        outermost sublayer it accepts is recomputed (a match's own sublayers are not asked);
+      * ``segment_func(model) -> list of layers`` (in call order);
+      * ``None``: the model's blocks (its first LayerList).
+    A segment keeps only its input and reruns its forward in backward. Layers are grouped into one segment
+    only when they are adjacent entries of the same LayerList / Sequential (where one's output is the next
+    one's input); any other match is a segment of its own.
+    """
     _check_n(checkpoint_every_n_layers)
     if not isinstance(model, paddle.nn.Layer):
         raise TypeError(f"recompute_layers expects a paddle.nn.Layer, got {type(model).__name__}")
-    if segment_func is not None and not callable(segment_func):
-        raise TypeError(f"segment_func must be a callable model -> list of layers, got {type(segment_func).__name__}")
-    layers = list(segment_func(model)) if segment_func is not None else find_blocks(model)[1]
-    if not layers or not all(isinstance(l, paddle.nn.Layer) for l in layers):
-        raise ValueError(f"segment_func must return a non-empty list of paddle.nn.Layer, got {layers!r}")
-    _segments(layers, checkpoint_every_n_layers)
+    if segment_func is None:
+        _segments(find_blocks(model)[1], checkpoint_every_n_layers)
+        return model
+    if not callable(segment_func):
+        raise TypeError(f"segment_func must be a predicate layer -> bool or a function model -> list of layers, "
+                        f"got {type(segment_func).__name__}")
+    first = segment_func(model)
+    if isinstance(first, (list, tuple, paddle.nn.LayerList, paddle.nn.Sequential)):
+        layers = list(first)
+        if not layers or not all(isinstance(l, paddle.nn.Layer) for l in layers):
+            raise ValueError(f"segment_func(model) must return a non-empty list of paddle.nn.Layer, got {layers!r}")
+        _segments(layers, checkpoint_every_n_layers)
+        return model
+    if not _is_bool(first):
+        raise TypeError(f"segment_func must return a bool (a per-layer predicate) or a list of layers "
+                        f"(segment_func(model)); got {type(first).__name__} for the model")
+    groups = _matching_runs(model, segment_func, bool(first))
+    if not groups:
+        raise ValueError(f"segment_func matched no layer of {type(model).__name__} (sublayer types: "
+                         f"{', '.join(sorted({type(l).__name__ for l in model.sublayers()})) or 'none'})")
+    for run in groups:
+        _segments(run, checkpoint_every_n_layers)
     return model
+
+
+def _is_bool(v) -> bool:
+    import numpy as np
+
+    return isinstance(v, (bool, np.bool_))
+
+
+def _matching_runs(model, pred, model_matches: bool) -> list:
+    """The outermost layers ``pred`` accepts, as runs of adjacent entries of one LayerList / Sequential."""
+    if model_matches:
+        return [[model]]
+    runs = []
+
+    def visit(layer):
+        chain = isinstance(layer, (paddle.nn.LayerList, paddle.nn.Sequential))
+        current = []
+        for child in layer.children():
+            ok = pred(child)
+            if not _is_bool(ok):
+                raise TypeError(f"segment_func must return a bool for every layer, got {type(ok).__name__} for "
+                                f"{type(child).__name__}")
+            if ok:
+                if chain:
+                    current.append(child)
+                else:
+                    runs.append([child])
+                continue
+            if current:
+                runs.append(current)
+                current = []
+            visit(child)
+        if current:
+            runs.append(current)
+
+    visit(model)
+    return runs
 
 
 def _segments(blocks, n):

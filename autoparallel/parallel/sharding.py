@@ -31,6 +31,7 @@ from autoparallel.local_mode import local_mode
 from autoparallel.memory import live_bytes
 from autoparallel.parallel import clip as clipping
 from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors
+from autoparallel.parallel.step_hooks import StepHooks
 from autoparallel.parallel.zero_groups import ZeroGroups, apply_groups
 from autoparallel.parallel.zero_layout import BucketLayout, split_buckets
 from autoparallel.placement import Shard
@@ -62,7 +63,7 @@ def _flat_params(inner):
             yield p
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(StepHooks):
     def __init__(self, model, optimizer, mesh, stage, dp_dim, degree, offload, accumulation, bucket_bytes,
                  overlap=True):
         inner = getattr(optimizer, "_inner", optimizer)
@@ -164,20 +165,21 @@ class ZeroOptimizer:
         return t._copy_to(self.device, True) if self.offload else t
 
     # ---- gradients --------------------------------------------------------------------------------------
-    def _grad_flat(self, p, r):
-        t = p.locals[r]
-        g = t.grad
-        if g is None:
-            return None
-        g = g.reshape([-1]).astype("float32")
+    def _grad_flats(self, p) -> dict:
+        """{held rank: p's flat fp32 gradient}, reduced over partial dims other than the data dim (all held
+        ranks at once: the simulated world reduces across them), scaled for the data-parallel mean."""
+        gs = {r: p.locals[r].grad for r in self.held}
+        if any(g is None for g in gs.values()):
+            return {r: None for r in self.held}
+        gs = {r: g.reshape([-1]).astype("float32") for r, g in gs.items()}
         dims = set(getattr(p, "_ap_partial_dims", ()) or ())
         for d in sorted(dims - {self.groups.dp_index}):            # e.g. sequence-parallel norms
-            g = C.mesh_groups_apply({r: g}, p.mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))[r]
+            gs = C.mesh_groups_apply(gs, p.mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
         if self.groups.dp_index not in dims:                    # already the full gradient on every data rank
-            g = g * (1.0 / self.groups.dp)
+            gs = {r: g * (1.0 / self.groups.dp) for r, g in gs.items()}
         if self.gradient_accumulation_steps > 1:
-            g = g * (1.0 / self.gradient_accumulation_steps)
-        return g
+            gs = {r: g * (1.0 / self.gradient_accumulation_steps) for r, g in gs.items()}
+        return gs
 
     def reduce_gradients(self) -> dict:
         """{rank: {id(param): fp32 gradient chunk}} summed over the data axis. The first call reduces every
@@ -230,7 +232,8 @@ class ZeroOptimizer:
             if not ps:
                 return
             layout = {r: self._layout(ps, r) for r in self.held}
-            flats = {r: [self._grad_flat(p, r) for p in ps] for r in self.held}
+            per_param = [self._grad_flats(p) for p in ps]
+            flats = {r: [g[r] for g in per_param] for r in self.held}
             xs = {r: layout[r].pack_full(flats[r]) for r in self.held}
             if self.stage == 1:
                 xs = apply_groups(xs, self.groups.shard_groups, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
@@ -273,6 +276,7 @@ class ZeroOptimizer:
                 self.gather(bucket)
         else:
             self.free(self.params)
+        self._after_step()
 
     def _clip(self, grads) -> None:
         gc = getattr(self._inner, "_grad_clip", None)

@@ -20,7 +20,10 @@ DistTensors; activations cross stages in the boundary layout (``Shard(0)`` on ``
 ``model``), each rank exchanging its local shard with the rank of the same coordinates in the next stage.
 
 In a world of one process ``apply_pp`` builds every stage here and runs all action lists interleaved
-(a transfer is a hand-off): the same code path, for debugging and fast tests.
+(a transfer is a hand-off): the same code path, for debugging and fast tests. In the simulated world
+(``ap.simulate(world_size=dp * tp * pp)``) the same happens with every stage on its own ``[data, model]``
+sub-mesh holding every rank's shard, so data and tensor parallelism inside stages run too: a transfer
+hands every rank's shard of the boundary tensor to the rank of the same coordinates in the next stage.
 
 Each executed action is recorded as ``Record(rank, kind, stage, microbatch, start, end)`` (pipeline
 rank, ``time.perf_counter`` seconds; one machine shares the clock), in ``pipe.records`` after each step:
@@ -39,10 +42,58 @@ from .zero_bubble import WeightGradStore
 
 
 def _local(t):
-    """This rank's tensor of a DistTensor (or the tensor itself)."""
+    """This rank's tensor of a DistTensor (every rank's, as ``_Shards``, in the simulated world), or the
+    tensor itself."""
+    from autoparallel.comm.world import current_world
     from autoparallel.dist_tensor import DistTensor
 
-    return t.local if isinstance(t, DistTensor) else t
+    if not isinstance(t, DistTensor):
+        return t
+    if current_world().is_simulated:
+        return _Shards([t.local_of(r) for r in t.mesh.process_ids])
+    return t.local
+
+
+class _Shards:
+    """Every rank's shard of a stage-boundary tensor in the simulated world, in stage-mesh order: what a
+    transfer carries there (rank ``k`` of one stage mesh hands its shard to rank ``k`` of the next)."""
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+
+    def detach(self) -> "_Shards":
+        return _Shards(t.detach() for t in self.tensors)
+
+    @property
+    def stop_gradient(self) -> bool:
+        return all(t.stop_gradient for t in self.tensors)
+
+    @stop_gradient.setter
+    def stop_gradient(self, value: bool) -> None:
+        for t in self.tensors:
+            t.stop_gradient = value
+
+    @property
+    def shape(self):
+        return self.tensors[0].shape
+
+    @property
+    def dtype(self):
+        return self.tensors[0].dtype
+
+
+def _backprop(out, grad) -> None:
+    if isinstance(out, _Shards):
+        paddle.autograd.backward(out.tensors, grad.tensors)
+    else:
+        paddle.autograd.backward([out], [grad])
+
+
+def _input_grad(x):
+    """The gradient of a stage input (zeros where nothing flowed back), detached."""
+    if isinstance(x, _Shards):
+        return _Shards(_input_grad(t) for t in x.tensors)
+    return (x.grad if x.grad is not None else paddle.zeros_like(x)).detach()
 
 
 class _StepState:
@@ -133,10 +184,11 @@ class PipelineModule:
     # ---- one step -----------------------------------------------------------------------------------------
     def train_batch(self, inputs, labels=None) -> float | None:
         """Forward and backward of one global batch through the pipeline (gradients accumulate; call the
-        optimizer afterwards). Every rank passes the same batch (ranks that hold neither the first nor the
-        last stage may pass None). Returns the mean loss (on every rank when ``sync_loss`` is set, else on
+        optimizer afterwards). Every rank passes the same batch (for a model with embed()/head(), ranks that
+        hold neither the first nor the last stage may pass None). Returns the mean loss (on every rank when ``sync_loss`` is set, else on
         the last stage's ranks and None elsewhere)."""
-        st = _StepState(self._micro(inputs, "inputs") if self.holds_first else None,
+        every = self.plan.pieces.generic             # a model split at its blocks: every stage needs the inputs
+        st = _StepState(self._micro(inputs, "inputs") if self.holds_first or every else None,
                         self._micro(labels, "labels") if self.holds_last else None)
         self.weight_grads.pending.clear()                 # nothing carries over from a failed step
         handlers = {"F": self._forward, "B": self._backward, "W": self._weight, "SEND_F": self._send_f,
@@ -223,13 +275,18 @@ class PipelineModule:
 
         return shard_tensor(t, mesh, self._boundary(mesh))
 
+    def _side(self, t, stage: int):
+        """Model inputs of a later stage of a model split at its blocks (they recompute its side inputs)."""
+        return t
+
     def _wrap(self, local, stage: int):
         mesh = self.meshes.get(stage)
         if mesh is None:
             return local
         from autoparallel.dist_tensor import dtensor_from_local
 
-        return dtensor_from_local(local, mesh, self._boundary(mesh))
+        shards = list(local.tensors) if isinstance(local, _Shards) else local
+        return dtensor_from_local(shards, mesh, self._boundary(mesh))
 
     def _to_boundary(self, out, stage: int):
         from autoparallel.dist_tensor import DistTensor, reshard
@@ -252,7 +309,7 @@ class PipelineModule:
                 x_local = _local(st.saved[(s - 1, i)][1]).detach()
             x_local.stop_gradient = False
             x = self._wrap(x_local, s)
-        out = stage(x)
+        out = stage(x) if s == 0 or not stage.pieces.generic else stage(x, inputs=self._side(st.inputs[i], s))
         if stage.is_last:
             loss = self.loss_fn(out, self._place(st.labels[i], s)) * (1.0 / self.plan.micro_batches)
             st.loss += float(loss)
@@ -271,10 +328,9 @@ class PipelineModule:
                 g = st.inbox_b.pop((s, i), None)
                 if g is None:                                     # next stage on this rank
                     g = st.input_grads.pop((s + 1, i))
-                paddle.autograd.backward([_local(out)], [g])
+                _backprop(_local(out), g)
         if x_local is not None:
-            g_in = x_local.grad if x_local.grad is not None else paddle.zeros_like(x_local)
-            st.input_grads[(s, i)] = g_in.detach()
+            st.input_grads[(s, i)] = _input_grad(x_local)
 
     def _weight(self, a, st):
         self.weight_grads.flush((a.stage, a.microbatch))
@@ -347,10 +403,11 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     if not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
     world, rank = _world()
+    sim = _simulated()
     degrees = strategy.validate(world_size=None if world == 1 else world, model_info=_model_info(model))
     _check_composable(strategy, degrees)
     pp, dp, tp = degrees.pp, degrees.dp, degrees.tp
-    if world == 1 and dp * tp > 1:
+    if world == 1 and dp * tp > 1 and not sim:
         raise ValueError(f"one process runs every pipeline stage but not data or tensor parallelism inside them; "
                          f"got data_parallel.degree={dp}, tensor_parallel.degree={tp}: launch dp x tp x pp = "
                          f"{dp * tp * pp} ranks")
@@ -360,17 +417,24 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     c = strategy.pipeline_parallel
     plan = plan_pipeline(model, pp, degrees.num_micro_batches, c.schedule, degrees.vpp, list(c.split_points) or None,
                          cost, seq_len, layers_name)
+    if dp * tp > 1 and plan.pieces.generic:
+        raise NotImplementedError(f"{type(model).__name__} has no embed()/head() methods: the pipeline splits it at "
+                                  f"its repeated blocks, which runs stages without data or tensor parallelism inside "
+                                  f"them; got data_parallel.degree={dp}, tensor_parallel.degree={tp}. Give the model "
+                                  f"embed(ids) and head(x) methods to compose them")
     ranks = pipeline_ranks(pp, dp, tp, mesh)
     if world > 1 and ranks.size != world:
         raise ValueError(f"the pipeline mesh has {ranks.size} ranks, expected the world size {world}")
     stages = build_stages(plan.pieces, plan.bounds)
     zb = plan.schedule.name == "ZB-H1"
     names = {id(p): n for st in stages for n, p in st.named_parameters()}
-    if world == 1:
+    if world == 1 or sim:                                  # every stage in this process
+        meshes = _simulated_stage_meshes(stages, ranks, tp_plan if tp > 1 else None) if dp * tp > 1 else {}
         for st in stages:
             if zb:
                 zero_bubble.install(st)
-        pipe = PipelineModule(plan, stages, range(pp), LocalTransport(), loss_fn=loss_fn, zero_bubble=zb)
+        pipe = PipelineModule(plan, stages, range(pp), LocalTransport(), meshes=meshes, loss_fn=loss_fn,
+                              zero_bubble=zb)
         pipe.original_names = names
         return pipe
 
@@ -406,6 +470,29 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     return pipe
 
 
+def _simulated_stage_meshes(stages, ranks: np.ndarray, tp_plan) -> dict:
+    """The simulated world: every stage laid out on its own [data, model] sub-mesh, here; {stage: mesh}."""
+    pp = ranks.shape[0]
+    shared = _shared_parameters(stages, pp)
+    if shared:
+        names = sorted({n for _, by_stage in shared for n in by_stage.values()})
+        raise NotImplementedError(f"parameters shared by stages on different pipeline ranks ({', '.join(names)}) "
+                                  f"cannot be laid out on two stage meshes of one simulated world with data or "
+                                  f"tensor parallelism inside stages; untie them, or run on real ranks")
+    meshes = _stage_meshes(ranks)
+    out = {}
+    for st in stages:
+        out[st.index] = meshes[st.index % pp]
+        _shard_stage(st, out[st.index], tp_plan)
+    return out
+
+
+def _simulated() -> bool:
+    from autoparallel.comm.world import current_world
+
+    return current_world().is_simulated
+
+
 def _world() -> tuple:
     import os
 
@@ -413,8 +500,7 @@ def _world() -> tuple:
 
     w = current_world()
     if w.is_simulated:
-        raise NotImplementedError("pipeline parallelism runs on real ranks (or all stages in one process), "
-                                  "not inside ap.simulate()")
+        return w.world_size, 0
     if not getattr(w, "initialized", True) and int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1) > 1:
         raise RuntimeError("this process is one of several launched ranks but paddle.distributed is not "
                            "initialised; call paddle.distributed.init_parallel_env() before apply_pp")

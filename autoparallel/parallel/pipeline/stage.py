@@ -42,10 +42,14 @@ class ModelPieces:
     embed_layers: tuple                     # top-level sublayer names the embedding uses
     head_layers: tuple                      # top-level sublayer names the head uses
     layer_args: Callable = field(default=None, repr=False)    # (model, x) -> extra positional args per layer
+    generic: bool = False                   # no embed()/head(): stages run the model's forward (auto_split.py);
+                                            # embed_layers / head_layers then name parameters, not sublayers
 
     @property
     def layers(self) -> nn.LayerList:
-        return getattr(self.model, self.layers_name)
+        from .auto_split import resolve
+
+        return resolve(self.model, self.layers_name)
 
     @property
     def num_layers(self) -> int:
@@ -72,6 +76,8 @@ def describe_model(model, layers_name: Optional[str] = None, layer_args: Optiona
     missing = [m for m in ("embed", "head") if not callable(getattr(model, m, None))]
     candidates = [layers_name] if layers_name is not None else list(LAYER_LIST_NAMES)
     found = next((n for n in candidates if isinstance(getattr(model, n, None), nn.LayerList)), None)
+    if missing or found is None:                 # no embed()/head(): split at the repeated blocks
+        return describe_generic(model, layers_name)
     if missing or found is None:
         what = ([f"method(s) {', '.join(missing)}"] if missing else []) + \
                ([f"a paddle.nn.LayerList attribute named {' or '.join(repr(c) for c in candidates)}"]
@@ -97,6 +103,7 @@ def _piece_layers(model, layers_name: str) -> tuple:
     called, hooks = set(), []
     for name, layer in tops:
         hooks.append(layer.register_forward_pre_hook(lambda _l, _i, n=name: called.add(n)))
+    rng = paddle.get_rng_state()                     # the dry run draws no random numbers of the user's
     try:
         ids = paddle.zeros([1, 1], dtype="int64")
         x = model.embed(ids)
@@ -106,6 +113,7 @@ def _piece_layers(model, layers_name: str) -> tuple:
         h.stop_gradient = False
         head = _used(model.head(h), params, owner) | called
     finally:
+        paddle.set_rng_state(rng)
         for hook in hooks:
             hook.remove()
     order = [n for n, _ in tops]
@@ -119,6 +127,25 @@ def _used(out, params, owner) -> set:
     return {owner[id(p)] for p, g in zip(params, grads) if g is not None}
 
 
+def describe_generic(model, layers_name: Optional[str] = None) -> ModelPieces:
+    """Pieces of a model without embed()/head(): its longest list of same-type blocks (or ``layers_name``),
+    the other parameters attached to the first / last stage by a dry run (see auto_split.py)."""
+    from .auto_split import find_blocks, piece_params, resolve
+
+    path = layers_name if layers_name is not None else find_blocks(model)
+    try:
+        blocks = resolve(model, path)
+    except (AttributeError, IndexError) as e:
+        raise TypeError(f"{type(model).__name__} has no block list {path!r}: {e}") from None
+    if not isinstance(blocks, (nn.LayerList, nn.Sequential)):
+        raise TypeError(f"{type(model).__name__}.{path} must be a paddle.nn.LayerList or Sequential of blocks, got "
+                        f"{type(blocks).__name__}")
+    if len(blocks) == 0:
+        raise ValueError(f"{type(model).__name__}.{path} is empty: a pipeline needs at least one layer")
+    pre, post = piece_params(model, path, paddle.zeros([1, 2], dtype="int64"))
+    return ModelPieces(model, path, pre, post, None, generic=True)
+
+
 # ---- costs and the split ---------------------------------------------------------------------------------
 def layer_costs(pieces: ModelPieces, cost: str = "flops", seq_len: Optional[int] = None) -> list:
     """Per-layer cost with the embedding's cost added to the first layer and the head's to the last.
@@ -128,7 +155,7 @@ def layer_costs(pieces: ModelPieces, cost: str = "flops", seq_len: Optional[int]
     parameter counts (a tied weight counts where it is first used)."""
     if cost not in COSTS:
         raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")
-    if cost == "flops":
+    if cost == "flops" and not pieces.generic:        # a model without embed()/head(): parameter counts
         try:
             return _flop_costs(pieces, seq_len)
         except (NotImplementedError, ValueError, TypeError, RuntimeError) as e:
@@ -143,6 +170,11 @@ def _param_costs(pieces: ModelPieces) -> list:
 
     model = pieces.model
     costs = [count([layer]) for layer in pieces.layers]
+    if pieces.generic:
+        params = dict(model.named_parameters())
+        costs[0] += float(sum(math.prod(params[n].shape) for n in pieces.embed_layers))
+        costs[-1] += float(sum(math.prod(params[n].shape) for n in pieces.head_layers if n not in pieces.embed_layers))
+        return costs
     costs[0] += count([getattr(model, n) for n in pieces.embed_layers])
     head = [getattr(model, n) for n in pieces.head_layers if n not in pieces.embed_layers]
     costs[-1] += count(head)
@@ -230,16 +262,57 @@ class PipelineStage(nn.Layer):
         model = pieces.model
         names = list(pieces.embed_layers if self.is_first else ())
         names += [n for n in (pieces.head_layers if self.is_last else ()) if n not in names]
+        if pieces.generic:
+            self._register_params(names)
+        else:
+            for name in names:
+                self.add_sublayer(name, getattr(model, name))
+        blocks = {str(i): pieces.layers[i] for i in range(*bounds)}
+        parent, _, leaf = pieces.layers_name.rpartition(".")
+        self._holder(parent).add_sublayer(leaf, _Holder(blocks))
+
+    def _holder(self, path: str) -> nn.Layer:
+        """The container at dotted ``path`` under this stage, created on first use."""
+        node = self
+        for part in path.split(".") if path else ():
+            if part not in node._sub_layers:
+                node.add_sublayer(part, _Holder({}))
+            node = node._sub_layers[part]
+        return node
+
+    def _register_params(self, names) -> None:
+        """Register the named model parameters under their own names: the owning layer when it lies outside
+        the block list's ancestors, else the parameter itself on a container at the owner's path."""
+        from .auto_split import resolve
+
+        model, blocks = self._pieces.model, self._pieces.layers_name
         for name in names:
-            self.add_sublayer(name, getattr(model, name))
-        self.add_sublayer(pieces.layers_name, _Holder({str(i): pieces.layers[i] for i in range(*bounds)}))
+            owner, _, leaf = name.rpartition(".")
+            if owner == "" or blocks.startswith(owner + "."):
+                self._holder(owner).add_parameter(leaf, getattr(resolve(model, owner) if owner else model, leaf))
+                continue
+            parent, _, last = owner.rpartition(".")
+            holder = self._holder(parent)
+            if last not in holder._sub_layers:
+                holder.add_sublayer(last, resolve(model, owner))
 
     @property
     def pieces(self) -> ModelPieces:
         return self._pieces
 
-    def forward(self, x):
+    def forward(self, x, inputs=None):
+        """``x``: the model input (first stage) or the previous stage's activation; ``inputs``: the model
+        input on later stages of a model split at its blocks (it recomputes the side inputs from them)."""
         model, pieces = self._pieces.model, self._pieces
+        if pieces.generic:
+            from .auto_split import run_stage
+
+            if self.is_first:
+                return run_stage(model, pieces.layers, self.start, self.stop, x, last=self.is_last)
+            if inputs is None:
+                raise ValueError(f"stage {self.index} of {type(model).__name__} (split at its blocks) recomputes "
+                                 f"the model's side inputs and needs the model inputs; got inputs=None")
+            return run_stage(model, pieces.layers, self.start, self.stop, inputs, x=x, last=self.is_last)
         if self.is_first:
             x = model.embed(x)
         extra = pieces.extra_args(x)

@@ -4,9 +4,11 @@
 whose backward computes the input gradient ``g @ W^T`` at once and, inside ``WeightGradStore.capture(key)``,
 files the weight gradient ``x^T g`` (and the bias gradient ``sum(g)``) under ``key`` instead of computing it;
 ``flush(key)`` (the schedule's W action) computes and accumulates them into ``weight.grad`` /
-``bias.grad``. Outside ``capture`` the weight gradient is computed immediately, so an installed layer
-trains exactly like before. Every other op (embeddings, norms, attention, a tied head's matmul) runs its
-backward whole in B.
+``bias.grad``. Only leaf tensors (parameters) are deferred: a weight or bias that reaches the op through
+other ops (under tensor parallelism a row-parallel bias enters as a ``Partial`` conversion of the
+parameter) gets its gradient back through autograd in B. Outside ``capture`` every gradient is computed
+immediately, so an installed layer trains exactly like before. Every other op (embeddings, norms,
+attention, a tied head's matmul) runs its backward whole in B.
 
 The function is registered as a custom op under the ``linear`` spmd rule, so on distributed tensors
 (data or tensor parallel inside a stage) dispatch lays out its inputs as for ``F.linear`` and the PyLayer
@@ -74,27 +76,39 @@ def _accumulate(param, grad) -> None:
 def _weight_grads(x, g, weight, bias) -> None:
     x2 = x.reshape([-1, x.shape[-1]])
     g2 = g.reshape([-1, g.shape[-1]])
-    if not weight.stop_gradient:
+    if weight is not None and not weight.stop_gradient:
         _accumulate(weight, paddle.matmul(x2, g2, transpose_x=True).astype(weight.dtype))
     if bias is not None and not bias.stop_gradient:
         _accumulate(bias, g2.sum(axis=0).astype(bias.dtype))
 
 
+def _deferrable(t) -> bool:
+    """Only a leaf (a parameter) can have its gradient filed and set later. A weight or bias that reaches the
+    op through other ops (a tensor-parallel bias made Partial, a gathered ZeRO-3 shard) gets its gradient
+    through autograd at once, which carries it back to the parameter."""
+    return t is not None and not t.stop_gradient and t.is_leaf
+
+
 def _backward(x, weight, bias, g):
-    """Input gradient now; weight gradient now or filed under the active key. Runs on local tensors
-    (a DistParameter weight is this rank's shard), so ops here bypass dispatch."""
+    """(input grad, weight grad, bias grad): the input gradient now; a leaf weight's / bias's gradient now or
+    filed under the active key (then None is returned for it); a non-leaf one's returned now. Runs on local
+    tensors (a DistParameter weight is this rank's shard), so ops here bypass dispatch."""
     from autoparallel.local_mode import local_mode
 
     with local_mode():
         gx = paddle.matmul(g, weight, transpose_y=True)
         store, key = _active()
-        work = (x.detach(), g.detach(), weight, bias)
-        if store is None:
-            with paddle.no_grad():
-                _weight_grads(*work)
-        else:
-            store.add(key, work)
-    return gx
+        defer_w = store is not None and _deferrable(weight)
+        defer_b = store is not None and _deferrable(bias)
+        if defer_w or defer_b:
+            store.add(key, (x.detach(), g.detach(), weight if defer_w else None, bias if defer_b else None))
+        with paddle.no_grad():
+            x2 = x.reshape([-1, x.shape[-1]])
+            g2 = g.reshape([-1, g.shape[-1]])
+            gw = None if defer_w or weight.stop_gradient else \
+                paddle.matmul(x2, g2, transpose_x=True).astype(weight.dtype)
+            gb = None if bias is None or defer_b or bias.stop_gradient else g2.sum(axis=0).astype(bias.dtype)
+    return gx, gw, gb
 
 
 class _Linear(PyLayer):
@@ -106,7 +120,8 @@ class _Linear(PyLayer):
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensor()
-        return _backward(x, weight, None, g), None
+        gx, gw, _ = _backward(x, weight, None, g)
+        return gx, gw
 
 
 class _LinearBias(PyLayer):
@@ -118,7 +133,7 @@ class _LinearBias(PyLayer):
     @staticmethod
     def backward(ctx, g):
         x, weight, bias = ctx.saved_tensor()
-        return _backward(x, weight, bias, g), None, None
+        return _backward(x, weight, bias, g)
 
 
 def _local_linear(x, weight, bias=None):

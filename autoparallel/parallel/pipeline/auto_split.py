@@ -1,0 +1,230 @@
+"""Pipeline stages for models without ``embed()`` / ``head()``: split at the repeated block list.
+
+``find_blocks(model)`` picks the longest ``LayerList`` / ``Sequential`` whose children all have one type
+(a PaddleFormers ``LlamaForCausalLM`` gives ``llama.layers``, a nanoGPT-style model ``transformer.h``).
+Everything else is attached to the first stage (what runs before the first block: embeddings, rotary
+tables, masks) or the last (what runs after the last block: final norm, LM head), decided by a dry run
+on one token that records which parameters receive a gradient at the first block's input and which from
+the model's output given the last block's output (parameters used by neither, and frozen ones, go to the
+last stage, so the optimizer and checkpoints still hold them).
+
+A stage runs the model's own ``forward`` on the micro-batch's model inputs with the blocks' ``forward``
+swapped for proxies, so whatever the model computes between its pieces (masks, position ids, rotary
+tables, the tuple handling of block outputs) runs as the model wrote it:
+
+* blocks before the stage's range return their hidden input untouched (no compute);
+* the stage's first block takes the activation received from the previous stage in place of its hidden
+  input; on every stage but the first, what runs before it (the prefix) runs without gradient, so it only
+  supplies the side inputs (masks, positions, rotary tables) and its parameters get no gradient here;
+* after the stage's last block, a stage that is not the last stops the forward and hands the block's
+  hidden output on; the last stage runs the rest of the model and returns its output (the logits: the
+  first element of a tuple output, or ``.logits``).
+
+Side inputs are recomputed on every stage from the micro-batch, so every stage needs the model inputs
+(every rank passes the same batch to ``train_batch``). A side input computed from learned parameters of
+the prefix would be computed with this rank's copy of them: models whose blocks take such inputs need
+``embed()`` / ``head()`` methods instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+
+import paddle
+from paddle import nn
+
+
+_MISSING = object()
+
+
+class _StageExit(Exception):
+    """Raised by the last block of a non-final stage to stop the model's forward."""
+
+    def __init__(self, out):
+        super().__init__("pipeline stage boundary")
+        self.out = out
+
+
+def find_blocks(model) -> str:
+    """Dotted path of the longest LayerList/Sequential of same-type layers; TypeError when there is none."""
+    best, size = None, 0
+    for name, layer in model.named_sublayers(include_self=True):
+        if not isinstance(layer, (nn.LayerList, nn.Sequential)):
+            continue
+        kids = list(layer.children())
+        if len(kids) > size and len({type(k) for k in kids}) == 1:
+            best, size = name, len(kids)
+    if best is None:
+        raise TypeError(f"{type(model).__name__} cannot be split into pipeline stages: expected embed(ids) and "
+                        f"head(x) methods, or a paddle.nn.LayerList / Sequential of repeated same-type layers; "
+                        f"found neither")
+    if best == "":
+        raise TypeError(f"{type(model).__name__} is itself a Sequential of blocks: nothing marks where the "
+                        f"embedding and head are; wrap it in a Layer with embed()/head() methods")
+    return best
+
+
+def resolve(model, path: str):
+    obj = model
+    for part in path.split("."):
+        obj = getattr(obj, part) if not part.isdigit() else obj[int(part)]
+    return obj
+
+
+def _hidden_name(fn) -> str | None:
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params[0] if params else None
+
+
+def _replace_hidden(args, kwargs, name, x):
+    if args:
+        return (x,) + tuple(args[1:]), kwargs
+    if name is None or name not in kwargs:
+        raise TypeError("a pipeline block was called without its hidden-state argument; expected it first")
+    return args, dict(kwargs, **{name: x})
+
+
+def _hidden_of(args, kwargs, name):
+    return args[0] if args else kwargs[name]
+
+
+def _first(out):
+    """The hidden state of a block output (a tensor, or a tuple/list whose first element it is)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def model_output(out):
+    """Logits of a model output: a tensor, the first element of a tuple/list, or ``.logits``."""
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    logits = getattr(out, "logits", None)
+    return logits if logits is not None else out
+
+
+@contextlib.contextmanager
+def _grad(enabled: bool):
+    tracer = paddle.base.framework._dygraph_tracer()
+    prev = tracer._has_grad
+    tracer._has_grad = enabled
+    try:
+        yield
+    finally:
+        tracer._has_grad = prev
+
+
+@contextlib.contextmanager
+def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False):
+    """Swap the blocks' forwards for the stage's proxies (module docstring) for one model call."""
+    originals = [b.forward for b in blocks]
+    names = [_hidden_name(f) for f in originals]
+    tracer = paddle.base.framework._dygraph_tracer()
+    enter_grad = tracer._has_grad
+
+    def make(j):
+        orig, name = originals[j], names[j]
+
+        def proxy(self, *args, **kwargs):
+            if j < start:
+                return _hidden_of(args, kwargs, name)
+            if j == start and x is not None:
+                args, kwargs = _replace_hidden(args, kwargs, name, x)
+                tracer._has_grad = True
+            out = orig(*args, **kwargs)
+            if j == stop - 1 and not last:
+                raise _StageExit(_first(out))
+            return out
+        return proxy
+
+    try:
+        with _swapped(blocks, {j: make(j) for j in range(len(blocks) if last else stop)}):
+            yield
+    finally:
+        tracer._has_grad = enter_grad
+
+
+def run_stage(model, blocks, start: int, stop: int, inputs, x=None, last: bool = False):
+    """One stage's forward: the hidden output of block ``stop - 1``, or the model output when ``last``."""
+    ctx = _grad(False) if x is not None else contextlib.nullcontext()
+    with ctx, stage_proxies(blocks, start, stop, x, last):
+        try:
+            out = model(inputs)
+        except _StageExit as e:
+            return e.out
+    if not last:
+        raise RuntimeError(f"{type(model).__name__}.forward returned before its block #{stop - 1}: the blocks must "
+                           f"run in list order, each once")
+    return model_output(out)
+
+
+def piece_params(model, path: str, inputs) -> tuple:
+    """(prefix parameter names, suffix parameter names): the non-block parameters that get a gradient at the
+    first block's input, and from the model output given the last block's output (a dry run on ``inputs``)."""
+    blocks = resolve(model, path)
+    block_ids = {id(p) for p in blocks.parameters()}
+    every = [(n, p) for n, p in model.named_parameters() if id(p) not in block_ids]
+    named = [(n, p) for n, p in every if not p.stop_gradient]
+    rng = paddle.get_rng_state()                         # the dry run draws no random numbers of the user's
+    try:
+        h = _first_block_input(model, blocks, path, inputs)
+        pre = _grad_names(h, named)
+        hx = h.detach()
+        hx.stop_gradient = False
+        post = _grad_names(_suffix_out(model, blocks, inputs, hx), named)
+    finally:
+        paddle.set_rng_state(rng)
+    post |= {n for n, _ in every if n not in pre}          # unused or frozen: on the last stage (kept, saved)
+    return tuple(n for n, _ in every if n in pre), tuple(n for n, _ in every if n in post)
+
+
+@contextlib.contextmanager
+def _swapped(blocks, fns: dict):
+    """Blocks ``j`` of ``fns`` run ``fns[j]`` instead of their forward inside the context."""
+    own = {j: blocks[j].__dict__.get("forward", _MISSING) for j in fns}
+    try:
+        for j, fn in fns.items():
+            blocks[j].forward = types.MethodType(fn, blocks[j])
+        yield
+    finally:
+        for j, f in own.items():
+            blocks[j].__dict__.pop("forward", None)
+            if f is not _MISSING:
+                blocks[j].__dict__["forward"] = f
+
+
+def _first_block_input(model, blocks, path, inputs):
+    name = _hidden_name(blocks[0].forward)
+
+    def grab(self, *args, **kwargs):
+        raise _StageExit(_hidden_of(args, kwargs, name))
+
+    try:
+        with _swapped(blocks, {0: grab}):
+            model(inputs)
+    except _StageExit as e:
+        return e.out
+    raise RuntimeError(f"{type(model).__name__}.forward never called {path}[0]: the block list must be run by the "
+                       f"model's forward")
+
+
+def _suffix_out(model, blocks, inputs, hx):
+    """Model output with every block skipped and the hidden state replaced by ``hx`` at the first block."""
+    def skip(self, *args, **kwargs):
+        return args[0] if args else next(iter(kwargs.values()))
+
+    fns = {j: skip for j in range(len(blocks))}
+    fns[0] = lambda self, *a, **k: hx
+    with _swapped(blocks, fns):
+        return model_output(model(inputs))
+
+
+def _grad_names(out, named) -> set:
+    params = [p for _, p in named]
+    out = model_output(out)
+    if not params or out.stop_gradient:
+        return set()
+    grads = paddle.grad([out.astype("float32").sum()], params, allow_unused=True)
+    return {n for (n, _), g in zip(named, grads) if g is not None}

@@ -1,0 +1,220 @@
+"""paddle's ``ShardingStage1/2/3(sharding_mesh_dim, mesh=None)`` and the other ``shard_fn`` forms of
+``shard_optimizer``, turned into the ZeRO optimizer (parallel/sharding.py) over one mesh dim.
+
+    opt = ap.shard_optimizer(opt, ap.ShardingStage2("data", mesh))   # states + gradients sharded over "data"
+    opt = ap.shard_optimizer(opt, mesh)                               # the article's form: stage 1 over "data"
+
+The parameters must already be distributed (``ap.shard_layer``, ``ap.shard_tensor``, ``ap.parallelize``).
+Stage 3 also gathers each layer's parameters around its forward and backward, so it needs the model those
+parameters belong to: one built by ``ap.parallelize`` or ``ap.DataParallel`` (``shard_layer`` models: use
+``ap.parallelize`` with ``strategy.sharding.stage = 3``).
+"""
+from __future__ import annotations
+
+from autoparallel.dist_tensor import is_dist
+from autoparallel.mesh import ProcessMesh
+from autoparallel.placement import Replicate, Shard
+from autoparallel.parallel.step_hooks import StepHooks
+
+DATA_NAMES = ("data", "dp")
+
+
+class ShardingStage:
+    """Base of ``ShardingStage1/2/3``: which mesh dim the optimizer shards over, and on which mesh."""
+    stage = 0
+
+    def __init__(self, sharding_mesh_dim=None, mesh: ProcessMesh | None = None):
+        if mesh is not None and not isinstance(mesh, ProcessMesh):
+            raise TypeError(f"{type(self).__name__}: mesh must be an ap.ProcessMesh or None, got "
+                            f"{type(mesh).__name__}")
+        if sharding_mesh_dim is not None and (isinstance(sharding_mesh_dim, bool)
+                                              or not isinstance(sharding_mesh_dim, (int, str))):
+            raise TypeError(f"{type(self).__name__}: sharding_mesh_dim must be a mesh dim index or name, got "
+                            f"{sharding_mesh_dim!r}")
+        self.sharding_mesh_dim, self.mesh = sharding_mesh_dim, mesh
+
+    def dim_name(self, mesh: ProcessMesh) -> str:
+        d = self.sharding_mesh_dim
+        if d is None:
+            return data_dim(mesh)
+        if isinstance(d, int):
+            if not 0 <= d < mesh.ndim:
+                raise ValueError(f"{type(self).__name__}: sharding_mesh_dim={d} is outside the mesh's {mesh.ndim} "
+                                 f"dims {mesh.dim_names}")
+            return mesh.dim_names[d]
+        if d not in mesh.dim_names:
+            raise ValueError(f"{type(self).__name__}: sharding_mesh_dim={d!r} is not a dim of the mesh "
+                             f"{mesh.dim_names}")
+        return d
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.sharding_mesh_dim!r}, {self.mesh!r})"
+
+
+class ShardingStage1(ShardingStage):
+    """ZeRO stage 1: optimizer states (and the fp32 master weights) sharded over the mesh dim."""
+    stage = 1
+
+
+class ShardingStage2(ShardingStage):
+    """ZeRO stage 2: also the gradients (reduce-scatter instead of all-reduce)."""
+    stage = 2
+
+
+class ShardingStage3(ShardingStage):
+    """ZeRO stage 3: also the parameters, gathered around each layer's use."""
+    stage = 3
+
+
+def data_dim(mesh: ProcessMesh) -> str:
+    """The mesh's data dim: one named "data" / "dp", else the only dim of a 1-D mesh."""
+    for n in DATA_NAMES:
+        if n in mesh.dim_names:
+            return n
+    if mesh.ndim == 1:
+        return mesh.dim_names[0]
+    raise ValueError(f"cannot tell which dim of the mesh {mesh.dim_names} is data parallel (expected one named "
+                     f"{' or '.join(DATA_NAMES)}); pass ap.ShardingStage1(dim, mesh) to shard_optimizer")
+
+
+def _params(optimizer):
+    inner = getattr(optimizer, "_inner", optimizer)
+    if not hasattr(inner, "_parameter_list"):
+        raise TypeError(f"shard_optimizer expects a paddle optimizer, got {type(optimizer).__name__}")
+    out = []
+    for p in inner._parameter_list or []:
+        out.extend(p["params"] if isinstance(p, dict) else [p])
+    return [p for p in out if not p.stop_gradient]
+
+
+def resolve_shard_fn(optimizer, shard_fn):
+    """A ShardingStage for ``shard_fn`` (None: states follow the parameters)."""
+    if shard_fn is None:
+        return None
+    if isinstance(shard_fn, ShardingStage):
+        return shard_fn
+    if isinstance(shard_fn, ProcessMesh):
+        return ShardingStage1(None, shard_fn)
+    if not callable(shard_fn):
+        raise TypeError(f"shard_optimizer: shard_fn must be None, ap.ShardingStage1/2/3, a ProcessMesh or a "
+                        f"callable (accumulator_name, param, accumulator) -> tensor; got {type(shard_fn).__name__}")
+    return _probe(optimizer, shard_fn)
+
+
+def _probe(optimizer, shard_fn):
+    """Ask a paddle-style accumulator shard_fn where it puts each parameter's moment."""
+    dims = set()
+    mesh = None
+    for p in _params(optimizer):
+        if not is_dist(p):
+            raise ValueError(f"shard_optimizer(shard_fn=...): parameter {p.name} is not distributed; distribute the "
+                             f"model first (ap.shard_layer / ap.parallelize)")
+        got = shard_fn("moment1", p, p.as_dist().detach())
+        pl = list(getattr(got, "placements", None) or [])
+        if not is_dist(got) or getattr(got, "mesh", None) != p.mesh or len(pl) != len(p.placements):
+            raise NotImplementedError(f"shard_optimizer: shard_fn returned {type(got).__name__} for the moment of "
+                                      f"{p.name}; expected a DistTensor on the parameter's mesh {p.mesh}")
+        for i, (want, have) in enumerate(zip(pl, p.placements)):
+            if want == have:
+                continue
+            if isinstance(want, Shard) and isinstance(have, Replicate):
+                dims.add(p.mesh.dim_names[i])
+                continue
+            raise NotImplementedError(f"shard_optimizer: shard_fn lays the moment of {p.name} out as "
+                                      f"{[str(x) for x in pl]} over its parameter's {[str(x) for x in p.placements]}; "
+                                      f"only sharding over a mesh dim the parameter is replicated on (ZeRO) is "
+                                      f"supported")
+        mesh = p.mesh
+    if not dims:
+        return None
+    if len(dims) > 1:
+        raise NotImplementedError(f"shard_optimizer: shard_fn shards optimizer states over the mesh dims "
+                                  f"{sorted(dims)}; ZeRO shards over one dim (use ap.ShardingStage1(dim, mesh))")
+    return ShardingStage1(dims.pop(), mesh)
+
+
+def zero_optimizer(optimizer, stage: ShardingStage, gradient_accumulation_steps: int = 1):
+    """The ZeRO optimizer for ``stage`` over the optimizer's (distributed) parameters. Parameters already
+    sharded over the sharding dim (the article's ``[Shard(1)]`` weights on a [data, model] mesh) keep
+    their states in their own, already sharded, layout: a SplitOptimizer steps both groups."""
+    from autoparallel.parallel.sharding import apply_zero
+    from autoparallel.parallelize import model_of_params, wrap_optimizer
+
+    params = _params(optimizer)
+    plain = [p.name for p in params if not is_dist(p)]
+    if plain:
+        raise ValueError(f"shard_optimizer({type(stage).__name__}): {len(plain)} parameters are not distributed "
+                         f"({', '.join(plain[:3])}); distribute the model first (ap.shard_layer / ap.parallelize)")
+    meshes = {p.mesh for p in params}
+    mesh = stage.mesh
+    if mesh is None:
+        if len(meshes) != 1:
+            raise ValueError(f"shard_optimizer({type(stage).__name__}): the parameters live on {len(meshes)} meshes; "
+                             f"pass the mesh: {type(stage).__name__}(dim, mesh)")
+        mesh = next(iter(meshes))
+    dim = stage.dim_name(mesh)
+    model = model_of_params(params)
+    if stage.stage == 3 and model is None:
+        raise ValueError("shard_optimizer(ShardingStage3): stage 3 gathers each layer's parameters around its use "
+                         "and needs the model, but these parameters belong to no model built by ap.parallelize / "
+                         "ap.DataParallel; use ap.parallelize(model, opt, strategy) with strategy.sharding.stage = 3")
+    own = [p for p in params if p.mesh == mesh and isinstance(p.placements[mesh.dim_names.index(dim)], Shard)]
+    if not own:
+        wrapped = wrap_optimizer(optimizer, {}, gradient_accumulation_steps)
+        return apply_zero(model, wrapped, mesh, stage.stage, dp_dim=dim,
+                          gradient_accumulation_steps=gradient_accumulation_steps)
+    return _split(optimizer, stage, mesh, dim, model, own, gradient_accumulation_steps)
+
+
+def _split(optimizer, stage, mesh, dim, model, own, k):
+    from autoparallel.parallel.optim_clone import clone_optimizer
+    from autoparallel.parallel.optimizer import ShardedOptimizer
+    from autoparallel.parallel.sharding import apply_zero
+
+    inner = getattr(optimizer, "_inner", optimizer)
+    if stage.stage == 3:
+        raise NotImplementedError(f"ShardingStage3 over {dim!r} while {len(own)} parameters are already sharded over "
+                                  f"it ({own[0].name}, ...); use stage 1 or 2, or shard those weights over another dim")
+    if getattr(inner, "_grad_clip", None) is not None:
+        raise NotImplementedError(f"gradient clipping with ZeRO over {dim!r} while {len(own)} parameters are already "
+                                  f"sharded over it ({own[0].name}, ...); build the optimizer without grad_clip")
+    ids = {id(p) for p in own}
+    rest = [p for p in _params(optimizer) if id(p) not in ids]
+    names = {p.name: p.name for p in _params(optimizer)}
+    kept = ShardedOptimizer(clone_optimizer(inner, own, names), gradient_accumulation_steps=k, overlap=True)
+    zero = None
+    if rest:
+        sub = ShardedOptimizer(clone_optimizer(inner, rest, names), gradient_accumulation_steps=k, overlap=True)
+        zero = apply_zero(model, sub, mesh, stage.stage, dp_dim=dim, gradient_accumulation_steps=k)
+    return SplitOptimizer(zero, kept)
+
+
+class SplitOptimizer(StepHooks):
+    """ZeRO over the parameters replicated on the sharding dim, and a plain wrapper over those already sharded
+    on it (their states follow their sharded layout). ``step`` / ``clear_grad`` drive both; attributes of
+    the ZeRO part (``stage``, ``memory_bytes``, ``inner_opts``...) are read from it."""
+
+    def __init__(self, zero, kept):
+        self.zero, self.kept = zero, kept
+
+    @property
+    def parameters(self):
+        return (self.zero.params if self.zero is not None else []) + self.kept.parameters
+
+    def step(self):
+        if self.zero is not None:
+            self.zero.step()
+        self.kept.step()
+        self._after_step()
+
+    def clear_grad(self, set_to_zero: bool = True):
+        if self.zero is not None:
+            self.zero.clear_grad(set_to_zero)
+        self.kept.clear_grad(set_to_zero)
+
+    clear_gradients = clear_grad
+
+    def __getattr__(self, name):
+        if name in ("zero", "kept"):
+            raise AttributeError(name)
+        return getattr(self.zero if self.zero is not None else self.kept, name)

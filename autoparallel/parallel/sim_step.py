@@ -1,0 +1,78 @@
+"""The optimizer step of the simulated world: every rank's copy of a parameter is updated.
+
+In ``ap.simulate`` a DistParameter is the lowest held rank's shard and its other ranks' shards live in
+``p.locals``. The user's paddle optimizer only knows the parameter objects, so it updates the lowest rank's
+copy; ``RankCopies`` steps each other rank's copies with an optimizer of the same kind and
+hyperparameters (``clone_optimizer``) over parameters sharing their storage, so every rank keeps its own
+moments exactly as the real N-rank run does, and a simulated run of N steps equals the real one.
+A real rank holds one shard per parameter: nothing to do there. Only paddle's own optimizers are
+mirrored (a duck-typed optimizer steps the copies it knows about itself).
+"""
+from __future__ import annotations
+
+from autoparallel.dist_tensor import is_dist
+from autoparallel.local_mode import local_mode
+
+
+def other_rank_copies(params) -> dict:
+    """{rank: [(parameter, that rank's local tensor)]} for the copies the paddle optimizer does not see
+    (a copy sharing its storage with one already updated is updated once; empty shards need nothing)."""
+    out: dict = {}
+    for p in params:
+        if not is_dist(p):
+            continue
+        seen = {_buffer(p)}
+        for r, t in sorted(p.locals.items()):
+            if t is p or not int(t.numel()) or _buffer(t) in seen:
+                continue
+            seen.add(_buffer(t))
+            out.setdefault(r, []).append((p, t))
+    return out
+
+
+def _buffer(t):
+    return (t.data_ptr(), tuple(t.shape)) if t._is_initialized() else (id(t),)
+
+
+class RankCopies:
+    """Per-rank optimizers over the other ranks' copies; ``step()`` after the paddle optimizer's step."""
+
+    def __init__(self, inner, params):
+        self.inner = inner
+        self.opts = {}                                  # rank -> (paddle optimizer, [(local, shadow)])
+        for r, pairs in sorted(other_rank_copies(params).items()):
+            self.opts[r] = self._make(r, pairs)
+
+    def _make(self, r, pairs):
+        from paddle.base.framework import EagerParamBase
+
+        from autoparallel.parallel.optim_clone import clone_optimizer
+
+        shadows, names, links = [], {}, []
+        for p, t in pairs:
+            s = EagerParamBase.from_tensor(t)             # shares t's storage: the update lands in t
+            s.name = f"{p.name}.sim_r{r}"
+            s.stop_gradient = p.stop_gradient
+            s.optimize_attr = getattr(p, "optimize_attr", {"learning_rate": 1.0})
+            s.regularizer = getattr(p, "regularizer", None)
+            s.need_clip = getattr(p, "need_clip", True)
+            names[s.name] = p.name
+            shadows.append(s)
+            links.append((t, s))
+        return clone_optimizer(self.inner, shadows, names), links
+
+    def step(self) -> None:
+        with local_mode():
+            for opt, links in self.opts.values():
+                opt._grad_clip = getattr(self.inner, "_grad_clip", None)   # as each real rank clips its copy
+                for t, s in links:
+                    if t.grad is None:
+                        s.clear_gradient(False)
+                    else:
+                        s._copy_gradient_from(t.grad)
+                opt.step()
+
+    def state_tensors(self, rank: int) -> list:
+        from autoparallel.parallel.optim_clone import state_tensors
+
+        return state_tensors(self.opts[rank][0])

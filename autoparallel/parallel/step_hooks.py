@@ -1,0 +1,47 @@
+"""Post-step hooks on the optimizer wrappers (``shard_optimizer``, ``ap.Optimizer``, ``ap.parallelize``).
+
+    handle = opt.register_step_post_hook(lambda opt: print("stepped"))
+    ...
+    handle.remove()
+
+``fn(optimizer)`` runs after each step that updated the parameters, on the wrapper the hook was registered
+on (the outermost one the entry point returned): once per ``step()`` call, which under gradient
+accumulation is once per accumulation window; a step the loss scaler skips on overflow runs no hooks.
+Hooks run in registration order; an exception in a hook propagates (nothing is swallowed).
+"""
+from __future__ import annotations
+
+import itertools
+
+_ids = itertools.count()
+
+
+class HookHandle:
+    def __init__(self, hooks: dict, key: int):
+        self._hooks, self._key = hooks, key
+
+    def remove(self) -> None:
+        self._hooks.pop(self._key, None)
+
+
+class StepHooks:
+    """Mixin: ``register_step_post_hook(fn)`` and ``_after_step()`` for a wrapper's ``step()`` to call."""
+
+    def _step_hooks(self) -> dict:
+        hooks = self.__dict__.get("_step_post_hooks")
+        if hooks is None:
+            hooks = self.__dict__["_step_post_hooks"] = {}
+        return hooks
+
+    def register_step_post_hook(self, fn) -> HookHandle:
+        """Call ``fn(optimizer)`` after every real optimizer step; returns a handle with ``.remove()``."""
+        if not callable(fn):
+            raise TypeError(f"register_step_post_hook expects a callable fn(optimizer), got {type(fn).__name__}")
+        hooks = self._step_hooks()
+        key = next(_ids)
+        hooks[key] = fn
+        return HookHandle(hooks, key)
+
+    def _after_step(self) -> None:
+        for fn in list(self._step_hooks().values()):
+            fn(self)
