@@ -132,7 +132,8 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
 
         materialize(model)
         lazy = False
-    by_name = {original[n].name: q for n, q in model.named_parameters() if n in original}
+    by_path = {s.path: s.param for s in original}          # tied holders all name the one replacement
+    by_name = {by_path[n].name: q for n, q in model.named_parameters() if n in by_path}
     build = model._ap_build = Build(strategy, mesh, by_name, lazy, model=model)
     _BUILT[:] = [r for r in _BUILT if r() is not None and r() is not model] + [weakref.ref(model)]
     if optimizer is not None:

@@ -353,8 +353,14 @@ def test_field_is_effective_or_rejected(name, entry, tmp_path, monkeypatch):
         after = observe(run(entry, changed, p.world, p.steps))
     else:
         cached = not name.startswith("checkpoint.")           # checkpoint runs write in this test's directory
+        if not cached:                                         # each run its own root: a root belongs to one run
+            os.makedirs("base")
+            monkeypatch.chdir(tmp_path / "base")
         before = observe(run_cached(entry, p.base, p.world, p.steps, p.setup) if cached
                          else run(entry, p.base, p.world, p.steps, p.setup))
+        if not cached:
+            os.makedirs(tmp_path / "changed")
+            monkeypatch.chdir(tmp_path / "changed")
         after = observe(run(entry, changed, p.world, p.steps, p.setup))
     assert not (isinstance(before, str) and before.startswith(("ValueError", "NotImplementedError", "TypeError"))
                 and name not in ("data_parallel.degree", "micro_batch_size", "global_batch_size")), before
