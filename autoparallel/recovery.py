@@ -48,7 +48,8 @@ def resume_from_last_checkpoint(model=None, optimizer=None, dir=None, strict: bo
         dir = run.manager.dir if run.manager is not None else run.strategy.checkpoint.dir
     if not os.path.isdir(dir):
         return None
-    manager = CheckpointManager(dir, optimizer=optimizer)
+    manager = run.manager if run is not None and run.manager is not None and \
+        os.path.abspath(run.manager.dir) == os.path.abspath(dir) else CheckpointManager(dir, optimizer=optimizer)
     from autoparallel.checkpoint.state import training_state
 
     info = manager.restore(training_state(model, optimizer), strict=strict)
@@ -143,6 +144,7 @@ def reconfigure_distributed_model(model=None, strategy=None, optimizer=None, **k
                         f"PerformanceMonitor.suggest_optimal_strategy()), got {type(strategy).__name__}")
     run, model, optimizer = _run_objects(model, optimizer, "reconfigure_distributed_model")
     steps = run.step if run is not None and same_object(run.model, model) else 0
+    claimed = run.manager if run is not None else None      # the run's checkpoint root, already claimed
     original = _pipelined_model(model)
     if original is not None and "build" not in kwargs:       # a pipeline: rebuild from the model it split
         from autoparallel.checkpoint.reshard_state import default_build
@@ -159,6 +161,10 @@ def reconfigure_distributed_model(model=None, strategy=None, optimizer=None, **k
     cur.model = model
     cur.optimizer = optimizer if new_optimizer is not None else None
     cur.step = steps
+    if claimed is not None and cur.manager is not None and os.path.abspath(cur.manager.dir) == \
+            os.path.abspath(claimed.dir):
+        claimed.optimizer = cur.manager.optimizer             # the same run goes on writing its own root
+        cur.manager = claimed
     return model, cur.optimizer
 
 

@@ -73,8 +73,9 @@ def check_placements(mesh: ProcessMesh, placements, ndim: int) -> tuple[Placemen
     if not text and len(pl) < mesh.ndim:
         pl = tuple(pl) + (Replicate(),) * (mesh.ndim - len(pl))
     if len(pl) != mesh.ndim:
+        pad = "" if text else " (a shorter list of Placement objects is padded with Replicate())"
         raise ValueError(f"expected {mesh.ndim} placements (one per mesh dim of {mesh.shape}), got {len(pl)}: "
-                         f"{[str(p) for p in pl]}")
+                         f"{[str(p) for p in pl]}{pad}")
     for p in pl:
         if isinstance(p, Shard) and not p.dim < ndim:
             raise ValueError(f"{p} is out of range for a tensor of rank {ndim} (valid dims 0..{ndim - 1})")

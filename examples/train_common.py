@@ -99,7 +99,6 @@ def train(args):
     world = init_distributed(getattr(args, "watchdog", True))
     rank = dist.get_rank() if world > 1 else 0
     strategy = Strategy.from_args(args)
-    strategy.global_batch_size = args.batch_size
     k = strategy.gradient_accumulation_steps
     paddle.seed(args.seed)
     np.random.seed(args.seed)
@@ -110,6 +109,7 @@ def train(args):
     pipelined = strategy.pipeline_parallel.degree > 1
     if getattr(args, "static", False):
         return _train_static(args, world, rank, strategy, dataset, model, opt, k)
+    strategy.global_batch_size = args.batch_size      # (ap.to_static takes the batch from its loader)
     if world > 1 or _non_trivial(strategy):
         auto = {"seq_len": args.seq_len} if strategy.auto_mode == "full" else {}
         model, opt = ap.parallelize(model, opt, strategy=strategy, **auto)

@@ -132,7 +132,7 @@ def test_example_flags_as_users_type_them():
 
 @pytest.mark.parametrize("argv,world,match", [
     (["--offload"], 1, r"single-process run cannot honour these flags: .*sharding.offload=True needs sharding"),
-    (["--vpp", "2"], 1, r"single-process run cannot honour .*vpp_degree=2 needs pipeline_parallel.degree > 1"),
+    (["--vpp", "2"], 1, r"(?s)single-process run cannot honour .*vpp_degree=2 needs pipeline_parallel.degree > 1"),
     (["--micro-batches", "4"], 1, r"single-process run cannot honour .*micro_batches=4 only applies when"),
     (["--schedule", "ZB-H1"], 1, r"--schedule ZB-H1 needs --pp > 1 \(got --pp 1\)"),
     (["--sp"], 1, r"sequence_parallel.enable=True needs tensor_parallel.degree > 1"),

@@ -253,11 +253,11 @@ def checkpoint_section(out):
             fallback_to_cpu_offload(model)
             resume_from_last_checkpoint()
     paddle.distributed.barrier()                          # rank 0 commits and writes "latest" after the others
-    out["saved_before_failure"] = sorted(os.listdir(root))
+    out["saved_before_failure"] = sorted(n for n in os.listdir(root) if not n.startswith("."))
     optimizer.clear_grad()
     train()
     paddle.distributed.barrier()
-    out["saved"] = sorted(os.listdir(root))
+    out["saved"] = sorted(n for n in os.listdir(root) if not n.startswith("."))
     _, ref = reference(range(4))
     out["recovered_max_diff"] = max_diff(full_params(model, optimizer), ref)
     out["offloaded"] = bool(getattr(optimizer, "offload", False))
