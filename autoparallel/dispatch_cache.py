@@ -24,6 +24,7 @@ import paddle
 
 from autoparallel import redistribute
 from autoparallel.comm import collectives as C
+from autoparallel.comm import fanout
 from autoparallel.comm import world as world_mod
 from autoparallel.dist_tensor import DistParameter, DistTensor
 from autoparallel.spec import DistSpec, normalize_dtype
@@ -215,16 +216,20 @@ class CallPlan:
 
     def _inputs(self, leaves) -> list:
         """{rank: local} of every leaf in the layout the rule requires; on split mesh dims where it stays
-        replicated its gradient is made complete (all_reduce in backward), or, for a parameter used
-        directly, marked as a partial sum there (the data-parallel runtime reduces it in buckets)."""
+        replicated its gradient is made complete (one all_reduce in backward, shared by every consumer:
+        comm/fanout.py), or, for a parameter used directly, marked as a partial sum there (the data-parallel
+        runtime reduces it in buckets)."""
         out = []
         for k, v in enumerate(leaves):
             kind = self.kinds[k]
             locs = v._locals if kind == _DIST else v._ap_locals if kind == _PARAM else dict.fromkeys(self.held, v)
             plan = self.reshards[k]
+            dims = self.grad_dims[k]
+            if dims and kind != _PARAM and not all(t.stop_gradient for t in locs.values()):
+                out.append(fanout.shared(v, locs, plan, self.res.inputs[k], dims, self.mesh))
+                continue
             if plan is not None:
                 locs = redistribute.execute(locs, plan)
-            dims = self.grad_dims[k]
             if dims and not all(t.stop_gradient for t in locs.values()):
                 if self.marks[k]:
                     v._ap_partial_dims = getattr(v, "_ap_partial_dims", frozenset()) | frozenset(dims)
