@@ -21,12 +21,26 @@ member) before it joins them.
 """
 from __future__ import annotations
 
+import contextlib
+
 from autoparallel import redistribute
 from autoparallel.comm import collectives as C
 
 _MEMO: dict = {}        # (id(source), requested spec, split dims) -> _Entry
 _PARTIAL: dict = {}     # id(DistTensor) -> (the tensor's locals tuple, dims its gradient stays partial on)
 _LIMIT = 256
+_enabled = [True]
+
+
+@contextlib.contextmanager
+def disabled():
+    """Every consumer reduces its own partial gradient inside the block (the per-use adjoint: a baseline)."""
+    prev = _enabled[0]
+    _enabled[0] = False
+    try:
+        yield
+    finally:
+        _enabled[0] = prev
 
 
 class _Entry:
@@ -62,6 +76,11 @@ def shared(v, locs: dict, plan, spec, dims: tuple, mesh, outer=None) -> dict:
     """The locals of ``v`` laid out by ``plan`` (None: as they are) for a consumer split over mesh ``dims``,
     built once and shared by every consumer asking the same (see the module docstring). ``outer``: another
     memo key that dies with this entry."""
+    if not _enabled[0]:
+        locs = locs if plan is None else redistribute.execute(locs, plan)
+        for m in dims:
+            locs = C.mesh_groups_apply(locs, mesh, m, C.grad_all_reduce)
+        return locs
     key = (id(v), spec, dims)
     src = tuple(locs.values())
     e = _MEMO.get(key)
@@ -96,12 +115,14 @@ def replicate_for_split(x, m: int):
     import weakref
 
     from autoparallel.dispatch_cache import _reshard_plan
-    from autoparallel.dist_tensor import DistTensor
+    from autoparallel.dist_tensor import DistTensor, reshard
     from autoparallel.placement import Replicate
 
     target = x.spec.with_placements(tuple(Replicate() if i == m else p for i, p in enumerate(x.spec.placements)))
     if target == x.spec:
         return x
+    if not _enabled[0]:
+        return reshard(x, x.mesh, target.placements)
     key = (id(x), target, ("for_split", m))
     src = tuple(x._locals.values())
     e = _MEMO.get(key)
