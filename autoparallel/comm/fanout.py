@@ -22,12 +22,15 @@ member) before it joins them.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 from autoparallel import redistribute
 from autoparallel.comm import collectives as C
+from autoparallel.dist_tensor import DistParameter, DistTensor
 
 _MEMO: dict = {}        # (id(source), requested spec, split dims) -> _Entry
-_PARTIAL: dict = {}     # id(DistTensor) -> (the tensor's locals tuple, dims its gradient stays partial on)
+_PARTIAL: dict = {}     # id(DistTensor) -> (weakref to it, dims its gradient stays partial on)
+_DERIVED: dict = {}     # id(DistTensor) -> (weakref to it, the DistParameter it is a cast / view of)
 _LIMIT = 256
 _enabled = [True]
 
@@ -62,6 +65,26 @@ def _store(table, key, value) -> None:
     if len(table) >= _LIMIT:
         table.clear()
     table[key] = value
+
+
+# ---- parameters used through a cast or a view ------------------------------------------------------------
+def note_derived(out, src) -> None:
+    """``out`` is a data-free cast / view of parameter ``src`` (or of a tensor derived from one): a consumer
+    split over a mesh dim leaves the parameter a partial gradient there, reduced in the data-parallel
+    buckets with the parameter's direct uses, instead of an all_reduce of its own in backward."""
+    p = src if isinstance(src, DistParameter) else derived_param(src)
+    if p is None or out.__class__ is not DistTensor:
+        return
+    if len(_DERIVED) >= _LIMIT:        # only dead entries go: forgetting a live one would mix gradient states
+        for k in [k for k, (ref, _) in _DERIVED.items() if ref() is None]:
+            del _DERIVED[k]
+    _DERIVED[id(out)] = (weakref.ref(out), p)
+
+
+def derived_param(v):
+    """The DistParameter ``v`` is a data-free cast / view of, or None."""
+    hit = _DERIVED.get(id(v))
+    return hit[1] if hit is not None and hit[0]() is v else None
 
 
 def partial_dims(v) -> frozenset:
@@ -112,10 +135,8 @@ def shared(v, locs: dict, plan, spec, dims: tuple, mesh, outer=None) -> dict:
 def replicate_for_split(x, m: int):
     """``x`` (a DistTensor) made replicated on mesh dim ``m`` for consumers split over ``m``: shared by
     every caller with the same ``x`` and its gradient kept partial on ``m`` until complete."""
-    import weakref
-
     from autoparallel.dispatch_cache import _reshard_plan
-    from autoparallel.dist_tensor import DistTensor, reshard
+    from autoparallel.dist_tensor import reshard
     from autoparallel.placement import Replicate
 
     target = x.spec.with_placements(tuple(Replicate() if i == m else p for i, p in enumerate(x.spec.placements)))
