@@ -75,10 +75,16 @@ def note_derived(out, src) -> None:
     p = src if isinstance(src, DistParameter) else derived_param(src)
     if p is None or out.__class__ is not DistTensor:
         return
-    if len(_DERIVED) >= _LIMIT:        # only dead entries go: forgetting a live one would mix gradient states
-        for k in [k for k, (ref, _) in _DERIVED.items() if ref() is None]:
-            del _DERIVED[k]
-    _DERIVED[id(out)] = (weakref.ref(out), p)
+    _remember(_DERIVED, out, p)
+
+
+def _remember(table, t, value) -> None:
+    """``table[id(t)] = (weakref to t, value)``; only dead entries are ever dropped: forgetting a live one
+    would mix gradient states (a partial and a complete contribution to one gradient)."""
+    if len(table) >= _LIMIT:
+        for k in [k for k, (ref, _) in table.items() if ref() is None]:
+            del table[k]
+    table[id(t)] = (weakref.ref(t), value)
 
 
 def derived_param(v):
@@ -154,6 +160,6 @@ def replicate_for_split(x, m: int):
         return DistTensor(redistribute.execute(x._locals, plan), target)
     y = DistTensor._own(shared(x, dict(x._locals), plan, target, (m,), x.mesh, outer=key), target)
     inner = _MEMO[(id(x), target, (m,))]
-    _store(_PARTIAL, id(y), (weakref.ref(y), frozenset((m,))))
+    _remember(_PARTIAL, y, frozenset((m,)))
     _store(_MEMO, key, _Entry(src, y, inner.live))
     return y
