@@ -25,6 +25,7 @@ from spmd_rules.registry import flatten_specs, replace_specs
 from spmd_rules.result import LocalShaped
 
 from autoparallel import aliases, binding, dispatch_cache, local_ops
+from autoparallel.comm import fanout
 from autoparallel.comm.world import current_world
 from autoparallel.graph import trace as trace_state
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
@@ -107,12 +108,18 @@ def run(op: str, path: str, args, kwargs):
         pinned_res = pins.next(op, [_to_dist(v, mesh).spec for v in leaves])
     key, plan = dispatch_cache.find(rule, path, world, args_key, pinned_res)
     if plan is not None:
-        return _wrap(plan.res, _execute(op, path, plan.res, plan.mesh, plan.calls(leaves, args, kwargs)), plan.held)
+        out = _wrap(plan.res, _execute(op, path, plan.res, plan.mesh, plan.calls(leaves, args, kwargs)), plan.held)
+        if plan.derives is not None:        # a cast / view of a parameter (dispatch_cache.DATA_FREE)
+            fanout.note_derived(out, leaves[plan.derives])
+        return out
     plan = _plan_call(op, rule, args, kwargs, leaves, pinned_res, world)
     outs = _execute(op, path, plan.res, plan.mesh, plan.calls(leaves, args, kwargs))
     check_outputs(op, plan, outs)           # once per call signature: the plan is cached only when it holds
     dispatch_cache.store(key, plan)
-    return _wrap(plan.res, outs, plan.held)
+    out = _wrap(plan.res, outs, plan.held)
+    if plan.derives is not None:
+        fanout.note_derived(out, leaves[plan.derives])
+    return out
 
 
 _BINDERS: dict = {}       # dotted path -> Binder of its paddle callable (None: no python signature)

@@ -24,6 +24,7 @@ import paddle
 
 from autoparallel import redistribute
 from autoparallel.comm import collectives as C
+from autoparallel.comm import fanout
 from autoparallel.comm import world as world_mod
 from autoparallel.dist_tensor import DistParameter, DistTensor
 from autoparallel.spec import DistSpec, normalize_dtype
@@ -183,8 +184,8 @@ def _reshard_plan(src: DistSpec, dst: DistSpec):
 class CallPlan:
     """One call signature's layout decisions (see the module docstring)."""
 
-    __slots__ = ("res", "mesh", "held", "kinds", "reshards", "grad_dims", "marks", "arg_slots", "kw_slots",
-                 "overrides", "cluster")
+    __slots__ = ("res", "mesh", "held", "kinds", "reshards", "grad_dims", "marks", "quiet", "rep_dims", "derives", "arg_slots",
+                 "kw_slots", "overrides", "cluster")
 
     def __init__(self, rule, res, mesh, leaves, src_specs, args, kwargs, world):
         split = [m for m in res.split_mesh_dims() if mesh.shape[m] > 1]
@@ -193,8 +194,11 @@ class CallPlan:
         self.kinds = tuple(leaf_kind(v) for v in leaves)
         self.reshards = tuple(None if s == req else _reshard_plan(s, req) for s, req in zip(src_specs, res.inputs))
         self.grad_dims = tuple(tuple(m for m in split if req.placements[m].is_replicate()) for req in res.inputs)
-        self.marks = tuple(isinstance(v, DistParameter) and moves_no_data(s, req)
-                           for v, s, req in zip(leaves, src_specs, res.inputs))
+        self.quiet = tuple(moves_no_data(s, req) for s, req in zip(src_specs, res.inputs))
+        self.rep_dims = tuple(tuple(m for m in range(mesh.ndim) if mesh.shape[m] > 1 and m not in split
+                                    and req.placements[m].is_replicate()) for req in res.inputs)
+        self.marks = tuple(isinstance(v, DistParameter) and q for v, q in zip(leaves, self.quiet))
+        self.derives = _derives(rule, res, self.kinds, self.quiet)
         self.held = tuple(world.local_ranks(mesh.process_ids))
         self.arg_slots = _slots(enumerate(args))
         self.kw_slots = _slots(kwargs.items())
@@ -215,16 +219,26 @@ class CallPlan:
 
     def _inputs(self, leaves) -> list:
         """{rank: local} of every leaf in the layout the rule requires; on split mesh dims where it stays
-        replicated its gradient is made complete (all_reduce in backward), or, for a parameter used
-        directly, marked as a partial sum there (the data-parallel runtime reduces it in buckets)."""
+        replicated its gradient is made complete (one all_reduce in backward, shared by every consumer:
+        comm/fanout.py), or, for a parameter used directly, marked as a partial sum there (the data-parallel
+        runtime reduces it in buckets)."""
         out = []
         for k, v in enumerate(leaves):
             kind = self.kinds[k]
             locs = v._locals if kind == _DIST else v._ap_locals if kind == _PARAM else dict.fromkeys(self.held, v)
             plan = self.reshards[k]
+            dims = self.grad_dims[k]
+            if self.quiet[k] and (dims or self.rep_dims[k]) and self.derives is None:   # a cast passes it on
+                p = v if kind == _PARAM else fanout.derived_param(v) if kind == _DIST else None
+                if p is not None and p._ap_spec.mesh == self.mesh and not p.stop_gradient:
+                    locs = locs if plan is None else redistribute.execute(locs, plan)
+                    out.append(self._param_use(p, locs, dims, self.rep_dims[k]))
+                    continue
+            if dims and kind != _PARAM and not all(t.stop_gradient for t in locs.values()):
+                out.append(fanout.shared(v, locs, plan, self.res.inputs[k], dims, self.mesh))
+                continue
             if plan is not None:
                 locs = redistribute.execute(locs, plan)
-            dims = self.grad_dims[k]
             if dims and not all(t.stop_gradient for t in locs.values()):
                 if self.marks[k]:
                     v._ap_partial_dims = getattr(v, "_ap_partial_dims", frozenset()) | frozenset(dims)
@@ -233,6 +247,27 @@ class CallPlan:
                         locs = C.mesh_groups_apply(locs, self.mesh, m, C.grad_all_reduce)
             out.append(locs)
         return out
+
+    def _param_use(self, p, locs, dims, rep) -> dict:
+        """A parameter ``p`` read (directly or through a cast / view) by an op split over ``dims`` and
+        replicated over ``rep``: every contribution to its gradient on a mesh dim must be in one state. The
+        first use decides per dim -- split: partial sums, reduced in the data-parallel buckets; replicated:
+        complete -- and later uses follow it: a split use of a complete dim reduces its own contribution (all_reduce
+        in backward), a replicated use of a partial dim keeps its complete contribution on the group's first
+        member only."""
+        partial = getattr(p, "_ap_partial_dims", frozenset())
+        complete = getattr(p, "_ap_complete_dims", frozenset())
+        for m in dims:
+            if m in complete and m not in partial:
+                locs = C.mesh_groups_apply(locs, self.mesh, m, C.grad_all_reduce)
+            elif m not in partial:
+                partial = p._ap_partial_dims = partial | {m}
+        for m in rep:
+            if m in partial:
+                locs = C.mesh_groups_apply(locs, self.mesh, m, C.grad_keep_first)
+            elif m not in complete:
+                complete = p._ap_complete_dims = complete | {m}
+        return locs
 
     def _missing(self, locs, r):
         for loc, spec in zip(locs, self.res.inputs):
@@ -264,6 +299,24 @@ class CallPlan:
         if by_kw:
             kw.update(by_kw)
         return tuple(a), kw
+
+
+RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "poisson", "normal", "uniform")
+
+
+def _derives(rule, res, kinds, quiet):
+    """Index of the leaf the output is a local function of, when it can pass a partial gradient through: one
+    tensor leaf (a parameter, or a tensor that may derive from one; other arguments are constants) laid out
+    without moving data, the output in the same placements, no randomness. On the replicated mesh dims every
+    member applies the same Jacobian, so the sum of the members' gradients crosses it unchanged
+    (comm/fanout.note_derived): ``weight.float()``, ``1.0 + weight``, ``weight.reshape(...)``."""
+    name = getattr(rule, "name", "") or ""
+    if len(kinds) != 1 or kinds[0] == _PLAIN or not quiet[0] or any(w in name for w in RANDOM):
+        return None
+    if len(res.outputs) != 1 or res.outputs[0] is None or \
+            getattr(res.outputs[0], "placements", None) != res.inputs[0].placements:
+        return None
+    return 0
 
 
 def _refill(v, vals):

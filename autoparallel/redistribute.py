@@ -18,8 +18,10 @@ def _extent(spec: DistSpec, coords, dim: int) -> int:
     return b - a
 
 
-def apply_step(locals_: dict, before: DistSpec, after: DistSpec, i: int) -> dict:
-    """Move ``locals_`` from ``before`` to ``after``; the two differ on mesh dim ``i`` only."""
+def apply_step(locals_: dict, before: DistSpec, after: DistSpec, i: int, for_split=None) -> dict:
+    """Move ``locals_`` from ``before`` to ``after``; the two differ on mesh dim ``i`` only. ``for_split``
+    (a callback, or None): the result feeds ops split over mesh dim ``i``, so an all_gather's adjoint is a
+    reduce_scatter of partial gradients (collectives.gather_for_split, told ``for_split`` when it runs)."""
     program = _PROGRAMS.get((before, after, i))
     if program is None:
         program = _step_program(before, after, i)
@@ -36,7 +38,11 @@ def apply_step(locals_: dict, before: DistSpec, after: DistSpec, i: int) -> dict
             continue
         if name is None:
             raise NotImplementedError(extra[0])
-        out.update(getattr(C, name)({r: locals_[r] for r in members}, ranks, *extra))
+        held = {r: locals_[r] for r in members}
+        if for_split is not None and name == "all_gather":
+            out.update(C.gather_for_split(held, ranks, *extra, done=for_split))
+        else:
+            out.update(getattr(C, name)(held, ranks, *extra))
     return out
 
 
@@ -101,16 +107,33 @@ def apply_cross_mesh(locals_: dict, before: DistSpec, after: DistSpec) -> dict:
     return C.send_recv(xs, pairs, shapes, before.dtype)
 
 
-def execute(locals_: dict, plan) -> dict:
-    """Run every step of a reshard plan (reshard.ReshardPlan) on plain local tensors."""
+def execute(locals_: dict, plan, for_split=None) -> dict:
+    """Run every step of a reshard plan (reshard.ReshardPlan) on plain local tensors. ``for_split``:
+    {step index: callback} of S->R steps whose adjoint reduce-scatters (see ``apply_step``)."""
     with local_mode():
-        return _execute(locals_, plan)
+        return _execute(locals_, plan, for_split)
 
 
-def _execute(locals_: dict, plan) -> dict:
-    for cross, before, after, i in _plan_specs(plan):
-        locals_ = apply_cross_mesh(locals_, before, after) if cross else apply_step(locals_, before, after, i)
+def _execute(locals_: dict, plan, for_split=None) -> dict:
+    for j, (cross, before, after, i) in enumerate(_plan_specs(plan)):
+        if cross:
+            locals_ = apply_cross_mesh(locals_, before, after)
+        else:
+            locals_ = apply_step(locals_, before, after, i, for_split.get(j) if for_split else None)
     return locals_
+
+
+def gathers_for_split(plan, dims) -> dict:
+    """{mesh dim in ``dims``: index of its step} for every dim whose last step in ``plan`` is S -> R (it can
+    take the reduce_scatter adjoint); later steps act on other mesh dims, whose adjoints are linear per
+    group, so the gradient reaching the step is still a partial sum over the dim."""
+    last = {}
+    for j, (cross, before, after, i) in enumerate(_plan_specs(plan)):
+        if cross:
+            return {}
+        last[i] = (j, before.placements[i], after.placements[i])
+    return {m: last[m][0] for m in dims
+            if m in last and isinstance(last[m][1], Shard) and isinstance(last[m][2], Replicate)}
 
 
 _PLAN_SPECS: dict = {}        # id(plan) -> (plan, its steps as specs); the plan is kept so its id stays its own

@@ -6,6 +6,9 @@
                        same placements (Paddle's dygraph semi-auto parallel)
     --impl paddle_dp   dp ranks (tp = 1): paddle.DataParallel, each rank training on its rows of the batch
 
+``--model pf-llama``: PaddleFormers' Llama (``fuse_rms_norm=False``, intermediate 4 x hidden, kv heads = heads)
+instead of the GPT, for single and ours (its loss is the model's own, from ``labels``).
+
 Every implementation starts from the same weights (same seed) and trains on the same fixed global batch with
 AdamW. A step is forward + cross-entropy + backward + optimizer step + clear_grad + the loss as a python
 float; each timed step starts after a barrier and counts as the slowest rank's wall time. The loss of every
@@ -27,14 +30,24 @@ import paddle                                             # noqa: E402
 import paddle.distributed as dist                         # noqa: E402
 import paddle.nn.functional as F                          # noqa: E402
 
-from _bench_dispatch_worker import (adamw, barrier, build_model, make_batch, over_ranks,  # noqa: E402
-                                    report)
+from _bench_dispatch_worker import (adamw, barrier, make_batch, over_ranks, report)  # noqa: E402
+from _bench_dispatch_worker import build_model as _build_gpt  # noqa: E402
 from _bench_dispatch_worker import setup_paddle as _semi_auto  # noqa: E402
 from autoparallel.testing.launch import write_result     # noqa: E402
 
 
 def mesh_ranks(dp: int, tp: int) -> list:
     return [[d * tp + t for t in range(tp)] for d in range(dp)]
+
+
+def build_model(args):
+    if args.model == "gpt":
+        return _build_gpt(args)
+    from autoparallel.testing import paddleformers_models as pf
+
+    return pf.build("llama", args.seed, vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                    num_attention_heads=args.heads, num_key_value_heads=args.heads, intermediate_size=4 * args.hidden,
+                    max_position_embeddings=max(args.seq, 64))
 
 
 def setup_single(args):
@@ -72,7 +85,12 @@ SETUP = {"single": setup_single, "ours": setup_ours, "paddle": setup_paddle, "pa
 
 
 def step(model, opt, ids, labels) -> float:
-    loss = F.cross_entropy(model(ids), labels)
+    if isinstance(model, paddle.nn.Layer) and type(model).__name__ == "LlamaForCausalLM":
+        from autoparallel.testing.paddleformers_models import loss_of
+
+        loss = loss_of(model(input_ids=ids, labels=labels))
+    else:
+        loss = F.cross_entropy(model(ids), labels)
     loss.backward()
     opt.step()
     opt.clear_grad()
@@ -88,6 +106,7 @@ def main():
                           ("batch", 8), ("seed", 0), ("warmup", 3), ("steps", 10)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--model", choices=("gpt", "pf-llama"), default="gpt")
     args = p.parse_args()
     if args.impl != "single":
         dist.init_parallel_env()

@@ -269,10 +269,36 @@ class _SendRecv(PyLayer):
 
 
 
-def grad_all_reduce(xs, ranks):
+def _then(done, fn):
+    """``fn`` preceded by ``done()`` (a fan-out entry learning its backward ran), or ``fn`` itself."""
+    if done is None:
+        return fn
+
+    def run(g):
+        done()
+        return fn(g)
+    return run
+
+
+def grad_all_reduce(xs, ranks, done=None):
     """Identity forward, all_reduce(sum) backward (Megatron's f): feeds a replicated tensor into an op
     that is split over ``ranks``, whose local gradients are partial sums."""
-    return _run(xs, lambda v: {r: t.clone() for r, t in v.items()}, lambda g: _reduce_raw(g, ranks, "sum"))
+    return _run(xs, lambda v: {r: t.clone() for r, t in v.items()},
+                _then(done, lambda g: _reduce_raw(g, ranks, "sum")))
+
+
+def gather_for_split(xs, ranks, axis, sizes, done=None):
+    """S(axis) -> R feeding ops split over ``ranks`` (Megatron's sequence-parallel g): all_gather forward,
+    reduce_scatter(sum) backward, as the incoming local gradients are partial sums."""
+    return _run(xs, lambda v: _gather_raw(v, ranks, axis, sizes),
+                _then(done, lambda g: _reduce_scatter_raw(g, ranks, axis, sizes, "sum")))
+
+
+def grad_keep_first(xs, ranks):
+    """Identity forward; backward keeps the gradient on the group's first member and zeros it elsewhere:
+    turns a complete (replicated) gradient into partial sums, for a tensor whose gradient is reduced later."""
+    return _run(xs, lambda v: {r: t.clone() for r, t in v.items()},
+                lambda g: {r: t if ranks.index(r) == 0 else paddle.zeros_like(t) for r, t in g.items()})
 
 
 def mesh_groups_apply(xs, mesh, dim, fn):

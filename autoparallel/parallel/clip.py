@@ -12,6 +12,7 @@ from __future__ import annotations
 import paddle
 
 from autoparallel.comm import collectives as C
+from autoparallel.comm.sizes import numel
 from autoparallel.comm.world import current_world
 from autoparallel.local_mode import local_mode
 from autoparallel.placement import Shard
@@ -26,7 +27,7 @@ def global_norm(terms) -> float:
             raise ValueError(f"sharded dims {bad} are not dims of the mesh {mesh.dim_names}")
         acc = by_mesh.setdefault(mesh, {r: 0.0 for r in current_world().local_ranks(mesh.process_ids)})
         for r, t in locals_.items():
-            if t is None or t.numel() == 0 or not _counts(mesh, r, sharded):
+            if t is None or numel(t) == 0 or not _counts(mesh, r, sharded):
                 continue
             with local_mode(), paddle.no_grad():
                 acc[r] += float((t.astype("float32") ** 2).sum())

@@ -23,6 +23,7 @@ import paddle
 
 from autoparallel.comm import collectives as C
 from autoparallel.comm.capabilities import capabilities
+from autoparallel.comm.sizes import numel
 from autoparallel.comm.world import current_world
 from autoparallel.dist_tensor import DistParameter
 from autoparallel.local_mode import local_mode
@@ -108,7 +109,7 @@ def _pack(params, r):
     for p in params:
         g = p.locals[r].grad
         parts.append(g.reshape([-1]).astype("float32") if g is not None
-                     else paddle.zeros([int(p.locals[r].numel())], dtype="float32"))
+                     else paddle.zeros([numel(p.locals[r])], dtype="float32"))
     return paddle.concat(parts)
 
 
@@ -118,7 +119,7 @@ def _unpack(params, flat) -> None:
             off = 0
             for p in params:
                 t = p.locals[r]
-                n = int(t.numel())
+                n = numel(t)
                 if t.grad is not None:
                     t.grad.set_value(buf[off:off + n].reshape(t.shape).astype(t.dtype))
                 off += n
@@ -132,7 +133,7 @@ def _start_all_reduce(flat, mesh, dim):
 
     (rank, buf), = flat.items()
     ranks = mesh.group_ranks(dim, rank)
-    if len(ranks) == 1 or int(buf.numel()) == 0:
+    if len(ranks) == 1 or numel(buf) == 0:
         return None
     return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=get_group(ranks), sync_op=False)
 

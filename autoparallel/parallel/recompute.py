@@ -20,6 +20,8 @@ import paddle
 from paddle.distributed.fleet.utils import recompute
 from paddle.distributed.fleet.utils.log_util import logger as _log
 
+from autoparallel.comm.sizes import nbytes
+
 GRANULARITIES = ("full", "selective")
 _COUNTERS: list = []            # active SavedBytes: a recompute region's inputs stay alive until backward
 CORE_NAMES = ("causal_attention", "scaled_dot_product_attention", "attention_core")
@@ -211,7 +213,7 @@ class SavedBytes:
 
     def _pack(self, t):
         if t is not None and not (t.is_leaf and not t.stop_gradient) and t._is_initialized():
-            self.bytes += int(t.numel()) * t.element_size()
+            self.bytes += nbytes(t)
             self.count += 1
         return t
 
@@ -221,7 +223,7 @@ class SavedBytes:
         for a in args:
             for t in (a.locals.values() if isinstance(a, DistTensor) else [a]):
                 if isinstance(t, paddle.Tensor) and not (t.is_leaf and not t.stop_gradient):
-                    self.bytes += int(t.numel()) * t.element_size()
+                    self.bytes += nbytes(t)
                     self.count += 1
 
     @staticmethod

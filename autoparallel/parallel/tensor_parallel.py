@@ -44,6 +44,18 @@ def _relayout(x, dim, p):
     return reshard(x, x.mesh, _with(x.placements, dim, p))
 
 
+def _for_split(x, dim):
+    """``x`` replicated on mesh dim ``dim`` for a layer split over it: one all_gather shared by every such
+    layer reading ``x`` and one reduce_scatter of their summed partial gradients (comm/fanout.py)."""
+    if not isinstance(x, DistTensor) or x.placements[dim] == Replicate():
+        return x
+    if any(p.is_partial() for p in x.placements):
+        return _relayout(x, dim, Replicate())
+    from autoparallel.comm.fanout import replicate_for_split
+
+    return replicate_for_split(x, dim)
+
+
 def _relayout_all(args, kwargs, fn):
     return tuple(fn(x) for x in args), {k: fn(v) for k, v in kwargs.items()}
 
@@ -96,8 +108,7 @@ class ColWiseParallel:
         for pname, p in self.placements(layer).items():
             _shard_param(layer, pname, mesh, dim, p)
         layer.register_forward_pre_hook(
-            lambda _l, args, kwargs: _relayout_all(args, kwargs, lambda x: _relayout(x, dim, Replicate())),
-            with_kwargs=True)
+            lambda _l, args, kwargs: _relayout_all(args, kwargs, lambda x: _for_split(x, dim)), with_kwargs=True)
         if self.gather_output:
             layer.register_forward_post_hook(lambda _l, inputs, out: _relayout(out, dim, Replicate()))
 

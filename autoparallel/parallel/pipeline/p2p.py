@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import paddle
 
+from autoparallel.comm.sizes import nbytes
+
 HEADER_LEN = 8                      # [ndim, dtype code, dims... (at most 6)]
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "bool", "uint8", "int8")
 
@@ -83,7 +85,7 @@ class P2P:
         if header:
             _dist().send(encode_header(t), dst=peer, group=g)
         _dist().send(t, dst=peer, group=g)
-        self.sent_bytes += int(t.numel()) * t.element_size()
+        self.sent_bytes += nbytes(t)
         self.messages += 1 + int(header)
 
     def recv(self, peer: int, shape=None, dtype=None):

@@ -1,0 +1,165 @@
+"""One gradient reduction per replicated tensor, however many tensor-parallel consumers read it.
+
+An op split over mesh dim m that reads a tensor replicated on m leaves a partial-sum gradient on every
+rank of m. Reducing it per consumer (q, k and v projections of one input: three all_reduces) is what a
+naive adjoint does; Megatron sums the partial gradients of every consumer first and reduces once.
+
+``shared(v, locs, ...)`` does the same for any tensor: the first consumer asking for ``v`` in a given layout
+with given split dims builds the input once -- the reshard (an S -> R step on a split dim takes the
+all_gather / reduce_scatter pair) and one identity / all_reduce PyLayer per remaining split dim -- and every
+later consumer asking the same gets the same local tensors. Autograd sums the consumers' partial gradients
+into those tensors, and the PyLayer's backward (run once the sum is complete) reduces once.
+
+An entry serves while its source tensors are the very objects it was built from, unmodified in place
+(``_inplace_version``), and its backward has not run (a later forward builds a fresh one).
+
+``replicate_for_split(x, m)`` is the same for a layer hook that gathers a sequence-sharded input before
+column-parallel layers: one all_gather forward, one reduce_scatter backward, shared by the layers reading
+it; the result is registered as "gradient partial on m", so dispatch adds no reduction for consumers split
+on m, and turns the complete gradient of any other consumer into partial sums (kept on the group's first
+member) before it joins them.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+from autoparallel import redistribute
+from autoparallel.comm import collectives as C
+from autoparallel.dist_tensor import DistParameter, DistTensor
+
+_MEMO: dict = {}        # (id(source), requested spec, split dims) -> _Entry
+_PARTIAL: dict = {}     # id(DistTensor) -> (weakref to it, dims its gradient stays partial on)
+_DERIVED: dict = {}     # id(DistTensor) -> (weakref to it, the DistParameter it is a cast / view of)
+_LIMIT = 256
+_enabled = [True]
+
+
+@contextlib.contextmanager
+def disabled():
+    """Every consumer reduces its own partial gradient inside the block (the per-use adjoint: a baseline)."""
+    prev = _enabled[0]
+    _enabled[0] = False
+    try:
+        yield
+    finally:
+        _enabled[0] = prev
+
+
+class _Entry:
+    __slots__ = ("src", "versions", "out", "live")
+
+    def __init__(self, src, out, live):
+        self.src, self.versions, self.out, self.live = src, _versions(src), out, live
+
+    def serves(self, src) -> bool:
+        return (self.live[0] and len(src) == len(self.src) and all(a is b for a, b in zip(src, self.src))
+                and _versions(src) == self.versions)
+
+
+def _versions(ts) -> tuple:
+    return tuple([t._inplace_version() for t in ts])
+
+
+def _store(table, key, value) -> None:
+    if len(table) >= _LIMIT:
+        table.clear()
+    table[key] = value
+
+
+# ---- parameters used through a cast or a view ------------------------------------------------------------
+def note_derived(out, src) -> None:
+    """``out`` is a data-free cast / view of parameter ``src`` (or of a tensor derived from one): a consumer
+    split over a mesh dim leaves the parameter a partial gradient there, reduced in the data-parallel
+    buckets with the parameter's direct uses, instead of an all_reduce of its own in backward."""
+    p = src if isinstance(src, DistParameter) else derived_param(src)
+    if p is None or out.__class__ is not DistTensor:
+        return
+    _remember(_DERIVED, out, p)
+
+
+def _remember(table, t, value) -> None:
+    """``table[id(t)] = (weakref to t, value)``; only dead entries are ever dropped: forgetting a live one
+    would mix gradient states (a partial and a complete contribution to one gradient)."""
+    if len(table) >= _LIMIT:
+        for k in [k for k, (ref, _) in table.items() if ref() is None]:
+            del table[k]
+    table[id(t)] = (weakref.ref(t), value)
+
+
+def derived_param(v):
+    """The DistParameter ``v`` is a data-free cast / view of, or None."""
+    hit = _DERIVED.get(id(v))
+    return hit[1] if hit is not None and hit[0]() is v else None
+
+
+def partial_dims(v) -> frozenset:
+    """Mesh dims a tensor made by ``replicate_for_split`` keeps its gradient partial on (else empty)."""
+    hit = _PARTIAL.get(id(v))
+    if hit is None or hit[0]() is not v:
+        return frozenset()
+    return hit[1]
+
+
+def shared(v, locs: dict, plan, spec, dims: tuple, mesh, outer=None) -> dict:
+    """The locals of ``v`` laid out by ``plan`` (None: as they are) for a consumer split over mesh ``dims``,
+    built once and shared by every consumer asking the same (see the module docstring). ``outer``: another
+    memo key that dies with this entry."""
+    if not _enabled[0]:
+        locs = locs if plan is None else redistribute.execute(locs, plan)
+        for m in dims:
+            locs = C.mesh_groups_apply(locs, mesh, m, C.grad_all_reduce)
+        return locs
+    key = (id(v), spec, dims)
+    src = tuple(locs.values())
+    e = _MEMO.get(key)
+    if e is not None and e.serves(src):
+        return e.out
+    live = [True]
+
+    def done():
+        live[0] = False
+        for k in (key, outer):
+            hit = _MEMO.get(k)
+            if hit is not None and hit.live is live:
+                del _MEMO[k]
+
+    keep = partial_dims(v)
+    for m in sorted(keep.difference(dims)):         # a complete gradient joining partial ones
+        locs = C.mesh_groups_apply(locs, mesh, m, C.grad_keep_first)
+    rest = [m for m in dims if m not in keep]
+    if plan is not None:
+        steps = redistribute.gathers_for_split(plan, rest)
+        locs = redistribute.execute(locs, plan, {j: done for j in steps.values()} or None)
+        rest = [m for m in rest if m not in steps]
+    for m in rest:
+        locs = C.mesh_groups_apply(locs, mesh, m, lambda h, r: C.grad_all_reduce(h, r, done))
+    _store(_MEMO, key, _Entry(src, locs, live))
+    return locs
+
+
+def replicate_for_split(x, m: int):
+    """``x`` (a DistTensor) made replicated on mesh dim ``m`` for consumers split over ``m``: shared by
+    every caller with the same ``x`` and its gradient kept partial on ``m`` until complete."""
+    from autoparallel.dispatch_cache import _reshard_plan
+    from autoparallel.dist_tensor import reshard
+    from autoparallel.placement import Replicate
+
+    target = x.spec.with_placements(tuple(Replicate() if i == m else p for i, p in enumerate(x.spec.placements)))
+    if target == x.spec:
+        return x
+    if not _enabled[0]:
+        return reshard(x, x.mesh, target.placements)
+    key = (id(x), target, ("for_split", m))
+    src = tuple(x._locals.values())
+    e = _MEMO.get(key)
+    if e is not None and e.serves(src):
+        return e.out
+    plan = _reshard_plan(x.spec, target)
+    if all(t.stop_gradient for t in src):
+        return DistTensor(redistribute.execute(x._locals, plan), target)
+    y = DistTensor._own(shared(x, dict(x._locals), plan, target, (m,), x.mesh, outer=key), target)
+    inner = _MEMO[(id(x), target, (m,))]
+    _remember(_PARTIAL, y, frozenset((m,)))
+    _store(_MEMO, key, _Entry(src, y, inner.live))
+    return y
