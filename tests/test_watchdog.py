@@ -296,7 +296,7 @@ def test_the_first_verdict_reaches_ranks_that_do_not_watch_the_lost_one(observed
 
 def test_an_unreachable_store_names_its_host(observed):
     r = _get(observed, "scenario_unreachable_store")
-    assert r["exits"].codes == [75] and T - 0.15 <= r["elapsed"] <= T + 1.5
+    assert r["exits"].codes == [75] and T - 0.15 <= r["elapsed"] <= T + 3.0   # slack for a loaded machine
     assert "rank 1: rank 0 lost: the test store hosted by rank 0 is unreachable (no answer for" in \
         r["exits"].messages[0]
 

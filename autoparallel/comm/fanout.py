@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import weakref
 
+from paddle.pir import Value as _PirValue
+
 from autoparallel import redistribute
 from autoparallel.comm import collectives as C
 from autoparallel.dist_tensor import DistParameter, DistTensor
@@ -58,7 +60,7 @@ class _Entry:
 
 
 def _versions(ts) -> tuple:
-    return tuple([t._inplace_version() for t in ts])
+    return tuple([-1 if t.__class__ is _PirValue else t._inplace_version() for t in ts])   # program values: none
 
 
 def _store(table, key, value) -> None:
