@@ -242,8 +242,18 @@ def _near(pattern: str, named) -> str:
 def apply_tp(model, mesh, plan: dict, tp_dim="model"):
     """Shard ``model``'s matched layers on mesh dim ``tp_dim`` according to ``plan``; every holder of a
     replaced (tied) parameter is repointed to the one replacement."""
+    import paddle
+
+    from autoparallel.mesh import ProcessMesh
     from autoparallel.parallel.ties import holders, repoint
 
+    if not isinstance(model, paddle.nn.Layer):
+        raise TypeError(f"apply_tp expects the model as a paddle.nn.Layer, got {type(model).__name__}")
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"apply_tp expects a ProcessMesh, got {type(mesh).__name__}")
+    if not isinstance(plan, dict):
+        raise TypeError(f"a tensor-parallel plan is a dict from layer-name patterns to styles, got "
+                        f"{type(plan).__name__} {plan!r:.80}")
     dim = mesh.dim_index(tp_dim)
     matched = match_plan(model, plan)
     before = holders(model)
