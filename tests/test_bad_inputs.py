@@ -278,6 +278,13 @@ def test_good_inputs_pass_the_same_checks():
             d = ap.dtensor_from_local({r: paddle.ones([2, 4]) for r in range(4)}, mesh(),
                                       [ap.Shard(0), ap.Replicate()], global_shape=[4, 4])
             assert d.global_shape == [4, 4] or tuple(d.global_shape) == (4, 4)
+            with ap.parallel_guard(("data", "model")), ap.parallel_guard([]):
+                pass
+            plan = {"fc": ap.ColWiseParallel(gather_output=True), "out": ap.RowWiseParallel(seq_dim=0)}
+            from autoparallel.parallelize import check_tp_plan
+
+            check_tp_plan(plan, "ap.parallelize")
+            assert ap.reduce_gradients(layer.parameters()) == 0 and ap.reduce_gradients(iter([])) == 0
         wd = watchdog(exit_code=3, on_failure=print, peers=None)
         assert (wd.exit_code, wd.timeout, wd.long_wait_timeout) == (3, 1.0, 2.0)
         assert divisors(2 ** 40)[-3:] == [2 ** 38, 2 ** 39, 2 ** 40] and divisors(12) == [1, 2, 3, 4, 6, 12]
@@ -294,3 +301,44 @@ def test_public_functions_stay_functions_after_their_modules_are_imported():
         assert sys.modules[f"autoparallel.{name}"] is module
         assert getattr(ap, name) is getattr(module, name) and callable(getattr(ap, name))
         assert vars(ap)[name] is module or vars(ap)[name] is getattr(module, name)    # what the import set
+
+
+def test_a_checkpoint_load_names_itself_to_the_watchdog(tmp_path, monkeypatch):
+    """Peers of a rank lost during a load read 'checkpoint load' as its operation in flight (as a save's
+    'checkpoint write'), and the operation before the load is back afterwards."""
+    import json
+
+    import autoparallel.checkpoint.load as load
+
+    path = ap.save_state_dict({"w": paddle.ones([2, 3])}, str(tmp_path / "ckpt"))
+    store = MemoryStore()
+    wd = watchdog(store=store, interval=0.1).start()
+    seen = []
+    real = load._assign
+
+    def published():                       # what peers read: the record the I/O thread publishes
+        import time
+
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            op = json.loads(store.get(wd._key("rec", 0)))["op"]
+            if op == "checkpoint load":
+                return op
+            time.sleep(0.02)
+        return op
+
+    def spy(*args):
+        seen.append((wd._op[0] if wd._op else None, published()))
+        return real(*args)
+
+    monkeypatch.setattr(load, "_assign", spy)
+    target = {"w": paddle.zeros([2, 3])}
+    try:
+        with deadline(), wd.op("training step"):
+            ap.load_state_dict(target, path)
+            after = wd._op[0]
+    finally:
+        wd.stop()
+    assert seen == [("checkpoint load", "checkpoint load")], seen
+    assert after == "training step"
+    assert np.array_equal(target["w"].numpy(), np.ones([2, 3], "float32"))
