@@ -208,6 +208,9 @@ CASES = [
      r"to_static expects a paddle.nn.Layer, got int"),
     ("to_static-loss", lambda: ap.to_static(paddle.nn.Linear(4, 4), None, "mse", None), TypeError,
      r"loss_fn must be a callable .* got str"),
+    ("to_static-input_spec", lambda: ap.to_static(paddle.nn.Linear(4, 4), None, None, None, input_spec=3), TypeError,
+     r"input_spec must be a list of \(shape, dtype\) pairs or InputSpecs, one per batch field, got int 3"),
+    ("apply_pp-model", lambda: ap.apply_pp(3), TypeError, r"apply_pp expects the model as a paddle.nn.Layer, got int"),
     ("trace", lambda: ap.trace(lambda x: x, 3), TypeError, r"DistSpec inputs, got \['int'\]"),
     ("apply_pp", lambda: ap.apply_pp(paddle.nn.Linear(2, 2)), ValueError, r"degree >= 2, got 1"),
     # data, monitoring, checkpoints, reliability
