@@ -129,6 +129,14 @@ class DistributedDataLoader:
         if mesh is None:
             dp, held = 1, {0: 0}
         else:
+            from autoparallel.mesh import ProcessMesh
+
+            if not isinstance(mesh, ProcessMesh):
+                raise TypeError(f"DistributedDataLoader: mesh must be an ap.ProcessMesh or None, got "
+                                f"{type(mesh).__name__} {mesh!r:.80}")
+            if not isinstance(data_dims, (list, tuple)) or not all(isinstance(d, str) for d in data_dims):
+                raise TypeError(f"DistributedDataLoader: data_dims must be a list of mesh dim names, got "
+                                f"{data_dims!r:.80}")
             unknown = [d for d in data_dims if d not in mesh.dim_names]
             if unknown:
                 raise ValueError(f"data_dims {unknown} are not dims of the mesh {mesh.dim_names}")

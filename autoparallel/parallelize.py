@@ -74,6 +74,9 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     ap.Optimizer finishes the build."""
     from autoparallel import entry_points as ep
 
+    where = "ap.DataParallel" if _deferred else "ap.parallelize"
+    check_model(model, where)
+    check_tp_plan(tp_plan, where)
     strategy = Strategy() if strategy is None else strategy
     if not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
@@ -140,6 +143,32 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
         optimizer = build_optimizer(build, wrap_optimizer(optimizer, replaced, strategy.gradient_accumulation_steps))
     _attach(model, optimizer, strategy)
     return model, optimizer
+
+
+def check_model(model, where: str) -> None:
+    import paddle
+
+    if not isinstance(model, paddle.nn.Layer):
+        raise TypeError(f"{where} expects the model as a paddle.nn.Layer, got {type(model).__name__} {model!r:.80}")
+
+
+def check_tp_plan(tp_plan, where: str) -> None:
+    """None, or a dict {layer-name pattern (str): tensor-parallel style}; which layers match is checked later."""
+    if tp_plan is None:
+        return
+    if not isinstance(tp_plan, dict):
+        raise TypeError(f"{where}: tp_plan must be a dict from layer-name patterns to styles (e.g. "
+                        f"{{'blocks.*.mlp.fc1': ap.ColWiseParallel()}}) or None, got {type(tp_plan).__name__} "
+                        f"{tp_plan!r:.80}")
+    from autoparallel.parallel.tensor_parallel import STYLES
+
+    for pattern, style in tp_plan.items():
+        if not isinstance(pattern, str):
+            raise TypeError(f"{where}: tp_plan keys are layer-name patterns (str), got {type(pattern).__name__} "
+                            f"{pattern!r:.80}")
+        if not isinstance(style, STYLES):
+            raise TypeError(f"{where}: tp_plan[{pattern!r}] must be one of {[c.__name__ for c in STYLES]}, got "
+                            f"{type(style).__name__} {style!r:.80}")
 
 
 def _attach(model, optimizer, strategy) -> None:
@@ -327,16 +356,28 @@ def _replacements(before: list, model) -> dict:
 _guard = threading.local()
 
 
-@contextlib.contextmanager
 def parallel_guard(dims=(DATA,)):
     """Inside, plain tensors entering a parallelized model are sharded on their batch dim over the mesh dims
-    named in ``dims`` and replicated over the others (``parallel_guard([])`` replicates them)."""
-    if isinstance(dims, str) or not all(isinstance(d, str) for d in dims):
-        raise TypeError(f"parallel_guard expects a list of mesh dim names, got {dims!r}")
+    named in ``dims`` and replicated over the others (``parallel_guard([])`` replicates them). The names are
+    those of ``ap.parallelize``'s mesh: ``'data'`` and ``'model'``."""
+    if isinstance(dims, str) or not isinstance(dims, (list, tuple)) or not all(isinstance(d, str) for d in dims):
+        raise TypeError(f"parallel_guard expects a list of mesh dim names (of {[DATA, MODEL]}), got "
+                        f"{type(dims).__name__} {dims!r:.80}")
+    unknown = [d for d in dims if d not in (DATA, MODEL)]
+    if unknown:
+        raise ValueError(f"parallel_guard: unknown mesh dim names {unknown}; ap.parallelize's mesh has dims "
+                         f"{[DATA, MODEL]}, got dims={list(dims)}")
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"parallel_guard: each mesh dim may be named once, got dims={list(dims)}")
+    return _guarded(list(dims))
+
+
+@contextlib.contextmanager
+def _guarded(dims: list):
     stack = getattr(_guard, "stack", None)
     if stack is None:
         stack = _guard.stack = []
-    stack.append(list(dims))
+    stack.append(dims)
     try:
         yield
     finally:
@@ -435,6 +476,8 @@ def DataParallel(model, strategy: Strategy | None = None, tp_plan: dict | None =
     offload, AMP loss scaling, gradient accumulation, clipping). Unlike ``paddle.DataParallel``, a plain
     tensor fed to the model is the global batch (the same on every rank); feed per-rank batches as
     DistTensors, e.g. from ``autoparallel.data.DistributedDataLoader``."""
+    check_model(model, "ap.DataParallel")
+    check_tp_plan(tp_plan, "ap.DataParallel")
     strategy = Strategy() if strategy is None else strategy
     if not isinstance(strategy, Strategy):
         raise TypeError(f"ap.DataParallel: strategy must be an ap.Strategy, got {type(strategy).__name__}")

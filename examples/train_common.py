@@ -25,12 +25,21 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import autoparallel as ap  # noqa: E402
+from autoparallel.checkpoint.errors import CheckpointOwnershipError, CheckpointRootError  # noqa: E402
 from autoparallel.data import ByteTextDataset, DistributedDataLoader  # noqa: E402
 from autoparallel.memory import live_bytes, peak_rss_bytes, rss_bytes  # noqa: E402
 from autoparallel.parallel.recompute import SavedBytes  # noqa: E402
 from autoparallel.strategy import Strategy, add_strategy_args  # noqa: E402
 from autoparallel.watchdog import set_current_op, start_default  # noqa: E402
 from models import PRESETS, build  # noqa: E402
+
+
+class NoCheckpointToResume(FileNotFoundError):
+    """``--resume`` on a checkpoint root that holds no complete checkpoint."""
+
+
+# refused before the first step because of what the user pointed the run at: exit 2 with one line
+REFUSED = (CheckpointOwnershipError, CheckpointRootError, NoCheckpointToResume)
 
 
 def make_parser(default_model: str) -> argparse.ArgumentParser:
@@ -59,6 +68,8 @@ def check_args(parser: argparse.ArgumentParser, args, world: int) -> None:
     """Refuse (exit 2, naming the flag) what this run cannot honour, before any work: a strategy invalid
     for the world size (``--offload`` without sharding, ``--vpp`` or ``--micro-batches`` without ``--pp``,
     degrees that do not multiply to the world, ...), and a ``--schedule`` with one pipeline stage."""
+    if args.resume and not args.ckpt_dir:
+        parser.error("--resume needs --ckpt-dir (where the checkpoints are)")
     if args.auto:
         return
     if args.schedule is not None and args.pp == 1:
@@ -241,7 +252,7 @@ def _checkpointing(args, model, opt, pipelined):
     start = 0
     if args.resume:
         if info is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt.dir}")
+            raise NoCheckpointToResume(f"--resume: no complete checkpoint under {ckpt.dir}")
         start = int(info.step)
     return ckpt, state, start
 
@@ -287,7 +298,10 @@ def main(default_model: str, argv=None):
     parser = make_parser(default_model)
     args = parser.parse_args(argv)
     check_args(parser, args, init_distributed(args.watchdog))
-    log, _, _ = train(args)
+    try:
+        log, _, _ = train(args)
+    except REFUSED as e:            # the user's checkpoint root or flags: a short message, no traceback
+        parser.exit(2, f"{parser.prog}: error: {type(e).__name__}: {e}\n")
     if log["world_size"] == 1 or dist.get_rank() == 0:
         last = log["steps"][-1]
         print(f"{args.model}: {len(log['steps'])} steps, final loss {last['loss']:.4f}, "

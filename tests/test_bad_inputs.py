@@ -139,6 +139,66 @@ CASES = [
     ("parallelize-optimizer", in_world(lambda: ap.parallelize(paddle.nn.Linear(4, 4), "adam")), TypeError,
      r"paddle optimizer, got str"),
     ("Optimizer", in_world(lambda: ap.Optimizer(3)), TypeError, r"expects a paddle optimizer, got int"),
+    ("parallelize-model", in_world(lambda: ap.parallelize(3)), TypeError,
+     r"ap.parallelize expects the model as a paddle.nn.Layer, got int 3"),
+    ("parallelize-tp_plan-list", in_world(lambda: ap.parallelize(paddle.nn.Linear(4, 4), tp_plan=[ap.ColWiseParallel()])),
+     TypeError, r"tp_plan must be a dict from layer-name patterns to styles .* got list"),
+    ("parallelize-tp_plan-style", in_world(lambda: ap.parallelize(paddle.nn.Linear(4, 4), tp_plan={"fc": "colwise"})),
+     TypeError, r"tp_plan\['fc'\] must be one of \['ColWiseParallel', .* got str 'colwise'"),
+    ("parallelize-tp_plan-key", in_world(lambda: ap.parallelize(paddle.nn.Linear(4, 4), tp_plan={0: ap.ColWiseParallel()})),
+     TypeError, r"tp_plan keys are layer-name patterns \(str\), got int 0"),
+    ("DataParallel-model", in_world(lambda: ap.DataParallel(3)), TypeError,
+     r"ap.DataParallel expects the model as a paddle.nn.Layer, got int 3"),
+    ("DataParallel-tp_plan", in_world(lambda: ap.DataParallel(paddle.nn.Linear(4, 4), tp_plan="fc")), TypeError,
+     r"ap.DataParallel: tp_plan must be a dict .* got str 'fc'"),
+    ("Optimizer-strategy", in_world(lambda: ap.Optimizer(sgd(paddle.nn.Linear(4, 4)), strategy="dp")), TypeError,
+     r"ap.Optimizer: strategy must be an ap.Strategy, got str"),
+    ("parallel_guard-int", lambda: ap.parallel_guard(3), TypeError,
+     r"parallel_guard expects a list of mesh dim names \(of \['data', 'model'\]\), got int 3"),
+    ("parallel_guard-str", lambda: ap.parallel_guard("data"), TypeError, r"list of mesh dim names .* got str 'data'"),
+    ("parallel_guard-unknown", lambda: ap.parallel_guard(["dp"]), ValueError,
+     r"unknown mesh dim names \['dp'\]; ap.parallelize's mesh has dims \['data', 'model'\], got dims=\['dp'\]"),
+    ("parallel_guard-twice", lambda: ap.parallel_guard(["data", "data"]), ValueError,
+     r"named once, got dims=\['data', 'data'\]"),
+    ("shard_optimizer-shard_fn", in_world(lambda: ap.shard_optimizer(sgd(paddle.nn.Linear(4, 4)), shard_fn=3)),
+     TypeError, r"shard_fn must be None, ap.ShardingStage1/2/3, a ProcessMesh or a callable .*; got int"),
+    ("apply_tp-plan-list", in_world(lambda: ap.apply_tp(paddle.nn.Linear(4, 4), mesh(), [ap.ColWiseParallel()], "tp")),
+     TypeError, r"tensor-parallel plan is a dict from layer-name patterns to styles, got list"),
+    ("apply_tp-model", in_world(lambda: ap.apply_tp(3, mesh(), {}, "tp")), TypeError,
+     r"apply_tp expects the model as a paddle.nn.Layer, got int"),
+    ("apply_tp-mesh", in_world(lambda: ap.apply_tp(paddle.nn.Linear(4, 4), [0, 1], {}, "tp")), TypeError,
+     r"apply_tp expects a ProcessMesh, got list"),
+    ("ColWiseParallel-flag", lambda: ap.ColWiseParallel(gather_output="yes"), TypeError,
+     r"ColWiseParallel\(gather_output=...\) expects True or False, got str 'yes'"),
+    ("RowWiseParallel-seq_dim", lambda: ap.RowWiseParallel(seq_dim=-1), ValueError,
+     r"RowWiseParallel\(seq_dim=...\) expects a tensor dim \(an int >= 0\), got -1"),
+    ("SequenceParallel-seq_dim", lambda: ap.SequenceParallel(seq_dim="1"), TypeError, r"an int >= 0\), got str '1'"),
+    ("reduce_gradients-layer", in_world(lambda: ap.reduce_gradients(paddle.nn.Linear(2, 2))), TypeError,
+     r"iterable of parameters \(e.g. model.parameters\(\)\), got Linear"),
+    ("reduce_gradients-int", in_world(lambda: ap.reduce_gradients(3)), TypeError, r"iterable of parameters .* got int"),
+    ("materialize", lambda: ap.materialize(3), TypeError, r"materialize expects a paddle.nn.Layer, got int"),
+    ("profile-gather", lambda: ap.profile(gather="x"), TypeError, r"profile\(gather=...\) expects a bool, got 'x'"),
+    ("strategy-from_dict-section", lambda: ap.Strategy.from_dict({"tensor_parallel": 3}), TypeError,
+     r"tensor_parallel must be a TensorParallelConfig \(or a dict of its fields\), got int"),
+    ("strategy-from_dict-flag", lambda: ap.Strategy.from_dict({"recompute": {"enable": "yes"}}), TypeError,
+     r"recompute.enable must be True or False, got 'yes'"),
+    ("strategy-from_dict-float", lambda: ap.Strategy.from_dict({"gradient_accumulation_steps": 2.5}), TypeError,
+     r"gradient_accumulation_steps must be an integer >= 1, got 2.5"),
+    ("strategy-from_dict-stage", lambda: ap.Strategy.from_dict({"sharding": {"stage": 4}}), ValueError,
+     r"sharding.stage must be 1, 2 or 3, got 4"),
+    ("strategy-from_dict-dtype", lambda: ap.Strategy.from_dict({"amp": {"dtype": "float99"}}), ValueError,
+     r"amp.dtype must be 'bfloat16' or 'float16', got 'float99'"),
+    ("strategy-from_dict-key", lambda: ap.Strategy.from_dict({"bogus": 3}), ValueError,
+     r"Strategy has no field 'bogus'; valid fields"),
+    ("DistributedDataLoader-mesh", in_world(lambda: ap.DistributedDataLoader([1, 2, 3, 4], 2, mesh="m")), TypeError,
+     r"mesh must be an ap.ProcessMesh or None, got str 'm'"),
+    ("DistributedDataLoader-data_dims", in_world(lambda: ap.DistributedDataLoader([1, 2, 3, 4], 2, mesh=mesh(),
+                                                                                  data_dims="dp")),
+     TypeError, r"data_dims must be a list of mesh dim names, got 'dp'"),
+    ("recompute_layers-n-str", lambda: ap.recompute_layers(paddle.nn.Linear(2, 2), checkpoint_every_n_layers="2"),
+     ValueError, r"checkpoint_every_n_layers must be an int >= 1, got '2'"),
+    ("load_state_dict-state", lambda: ap.load_state_dict(3, "/tmp/ap-never-created"), TypeError,
+     r"a state must be a dict \(nested dicts allowed\), got int"),
     ("recompute_layers-not-layer", lambda: ap.recompute_layers(3), TypeError, r"paddle.nn.Layer, got int"),
     ("recompute_layers-segment_func", lambda: ap.recompute_layers(paddle.nn.Linear(2, 2), segment_func=3), TypeError,
      r"segment_func must be a predicate layer -> bool or a function model -> list of layers, got int"),
@@ -148,6 +208,9 @@ CASES = [
      r"to_static expects a paddle.nn.Layer, got int"),
     ("to_static-loss", lambda: ap.to_static(paddle.nn.Linear(4, 4), None, "mse", None), TypeError,
      r"loss_fn must be a callable .* got str"),
+    ("to_static-input_spec", lambda: ap.to_static(paddle.nn.Linear(4, 4), None, None, None, input_spec=3), TypeError,
+     r"input_spec must be a list of \(shape, dtype\) pairs or InputSpecs, one per batch field, got int 3"),
+    ("apply_pp-model", lambda: ap.apply_pp(3), TypeError, r"apply_pp expects the model as a paddle.nn.Layer, got int"),
     ("trace", lambda: ap.trace(lambda x: x, 3), TypeError, r"DistSpec inputs, got \['int'\]"),
     ("apply_pp", lambda: ap.apply_pp(paddle.nn.Linear(2, 2)), ValueError, r"degree >= 2, got 1"),
     # data, monitoring, checkpoints, reliability
@@ -218,6 +281,13 @@ def test_good_inputs_pass_the_same_checks():
             d = ap.dtensor_from_local({r: paddle.ones([2, 4]) for r in range(4)}, mesh(),
                                       [ap.Shard(0), ap.Replicate()], global_shape=[4, 4])
             assert d.global_shape == [4, 4] or tuple(d.global_shape) == (4, 4)
+            with ap.parallel_guard(("data", "model")), ap.parallel_guard([]):
+                pass
+            plan = {"fc": ap.ColWiseParallel(gather_output=True), "out": ap.RowWiseParallel(seq_dim=0)}
+            from autoparallel.parallelize import check_tp_plan
+
+            check_tp_plan(plan, "ap.parallelize")
+            assert ap.reduce_gradients(layer.parameters()) == 0 and ap.reduce_gradients(iter([])) == 0
         wd = watchdog(exit_code=3, on_failure=print, peers=None)
         assert (wd.exit_code, wd.timeout, wd.long_wait_timeout) == (3, 1.0, 2.0)
         assert divisors(2 ** 40)[-3:] == [2 ** 38, 2 ** 39, 2 ** 40] and divisors(12) == [1, 2, 3, 4, 6, 12]
@@ -234,3 +304,44 @@ def test_public_functions_stay_functions_after_their_modules_are_imported():
         assert sys.modules[f"autoparallel.{name}"] is module
         assert getattr(ap, name) is getattr(module, name) and callable(getattr(ap, name))
         assert vars(ap)[name] is module or vars(ap)[name] is getattr(module, name)    # what the import set
+
+
+def test_a_checkpoint_load_names_itself_to_the_watchdog(tmp_path, monkeypatch):
+    """Peers of a rank lost during a load read 'checkpoint load' as its operation in flight (as a save's
+    'checkpoint write'), and the operation before the load is back afterwards."""
+    import json
+
+    import autoparallel.checkpoint.load as load
+
+    path = ap.save_state_dict({"w": paddle.ones([2, 3])}, str(tmp_path / "ckpt"))
+    store = MemoryStore()
+    wd = watchdog(store=store, interval=0.1).start()
+    seen = []
+    real = load._assign
+
+    def published():                       # what peers read: the record the I/O thread publishes
+        import time
+
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            op = json.loads(store.get(wd._key("rec", 0)))["op"]
+            if op == "checkpoint load":
+                return op
+            time.sleep(0.02)
+        return op
+
+    def spy(*args):
+        seen.append((wd._op[0] if wd._op else None, published()))
+        return real(*args)
+
+    monkeypatch.setattr(load, "_assign", spy)
+    target = {"w": paddle.zeros([2, 3])}
+    try:
+        with deadline(), wd.op("training step"):
+            ap.load_state_dict(target, path)
+            after = wd._op[0]
+    finally:
+        wd.stop()
+    assert seen == [("checkpoint load", "checkpoint load")], seen
+    assert after == "training step"
+    assert np.array_equal(target["w"].numpy(), np.ones([2, 3], "float32"))

@@ -158,3 +158,50 @@ def test_single_process_example_refuses_offload_before_training():
     assert out.returncode == 2, out.stderr[-2000:]
     assert "cannot honour these flags" in out.stderr and "sharding.offload=True" in out.stderr
     assert "final loss" not in out.stdout and "Traceback" not in out.stderr
+
+
+def _a_file(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    return f
+
+
+def _user_dir(tmp_path):
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "notes.txt").write_text("the user's own file")
+    return d
+
+
+@pytest.mark.parametrize("ckpt_dir,extra,match", [
+    (_a_file, [], r"CheckpointRootError: .*a-file"),
+    (_user_dir, [], r"CheckpointOwnershipError: .*mine"),
+    (lambda t: t, ["--resume"], r"NoCheckpointToResume: --resume: no complete checkpoint under"),
+], ids=["root-is-a-file", "root-holds-user-files", "resume-nothing"])
+def test_example_refuses_a_checkpoint_root_in_one_line(tmp_path, capsys, ckpt_dir, extra, match):
+    """A checkpoint root the run may not use ends the example with exit 2 and one line naming the error, before
+    the first step, and leaves what was there byte-identical."""
+    import re
+
+    import train_common
+
+    root = ckpt_dir(tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with deadline(60), pytest.raises(SystemExit) as info:
+        train_common.main("gpt-tiny", ["--steps", "2", "--ckpt-dir", str(root), *extra])
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert re.search(match, err) and len(err.strip().splitlines()) == 1, err
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert {p: after.get(p) for p in before} == before              # the user's files byte-identical
+    if not extra:
+        assert after == before                                       # a refused root: nothing written
+
+
+def test_example_resume_without_a_checkpoint_dir_is_a_flag_error(capsys):
+    import train_common
+
+    with deadline(), pytest.raises(SystemExit) as info:
+        train_common.main("gpt-tiny", ["--resume"])
+    assert info.value.code == 2
+    assert "--resume needs --ckpt-dir" in capsys.readouterr().err

@@ -49,8 +49,15 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
     CheckpointMismatchError (names, kinds, shapes, dtypes) or CheckpointCorruptError (a missing, truncated
     or modified file) with nothing overwritten.
     """
+    from autoparallel import watchdog
+
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__} {strict!r}")
+    with watchdog.long_wait("checkpoint load"):     # named to peers like a save's "checkpoint write"
+        return _load(state, path, strict)
+
+
+def _load(state: dict, path: str, strict: bool) -> CheckpointInfo:
     flat = flatten(state)
     ckpt = resolve_checkpoint(path)
     meta = read_metadata(ckpt)

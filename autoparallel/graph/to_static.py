@@ -415,6 +415,9 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
     check_to_static(strategy, optimizer)              # every Strategy field: effective or refused
     _check_knobs(strategy)
     if input_spec is not None:
+        if isinstance(input_spec, (str, bytes)) or not isinstance(input_spec, (list, tuple)):
+            raise TypeError(f"to_static: input_spec must be a list of (shape, dtype) pairs or InputSpecs, one per "
+                            f"batch field, got {type(input_spec).__name__} {input_spec!r:.80}")
         specs = [_spec_of(x, i) for i, x in enumerate(input_spec)]
     elif loader is not None:
         specs = _loader_specs(loader)

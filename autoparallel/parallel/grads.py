@@ -79,7 +79,10 @@ def plan_buckets(params, bucket_bytes: int = BUCKET_BYTES, dims_of=None) -> list
 
 def reduce_gradients(params, bucket_bytes: int = BUCKET_BYTES) -> int:
     """All-reduce partial gradients over their recorded mesh dims now; returns the number of buckets."""
-    buckets = plan_buckets(params, bucket_bytes)
+    if isinstance(params, (paddle.nn.Layer, paddle.Tensor)) or not hasattr(params, "__iter__"):
+        raise TypeError(f"reduce_gradients expects an iterable of parameters (e.g. model.parameters()), got "
+                        f"{type(params).__name__}")
+    buckets = plan_buckets(list(params), bucket_bytes)
     for b in buckets:
         reduce_bucket(b)
     return len(buckets)

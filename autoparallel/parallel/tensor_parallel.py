@@ -19,7 +19,7 @@ such a head shards its first dim: the vocabulary. Tied parameters stay one param
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from autoparallel.dist_tensor import DistTensor, is_dist, reshard, shard_tensor
 from autoparallel.placement import Partial, Replicate, Shard
@@ -89,8 +89,24 @@ def _check_leaf(style, name, layer, need_weight=True):
                         f"use it on a Linear, Embedding or [vocab, hidden] head layer")
 
 
+class _Style:
+    """Field checks shared by the styles: flags are bools, ``seq_dim`` an int >= 0."""
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in (bool, "bool") and not isinstance(v, bool):
+                raise TypeError(f"{type(self).__name__}({f.name}=...) expects True or False, got "
+                                f"{type(v).__name__} {v!r}")
+            if f.name == "seq_dim" and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"{type(self).__name__}(seq_dim=...) expects a tensor dim (an int >= 0), got "
+                                f"{type(v).__name__} {v!r}")
+            if f.name == "seq_dim" and v < 0:
+                raise ValueError(f"{type(self).__name__}(seq_dim=...) expects a tensor dim (an int >= 0), got {v}")
+
+
 @dataclass(frozen=True)
-class ColWiseParallel:
+class ColWiseParallel(_Style):
     """Output features split. Linear [in, out]: weight S(1), bias S(0); an [out, in] weight (LM head
     [vocab, hidden]): weight S(0), bias S(0). Input replicated on the TP dim (all_gather if it was
     sequence-sharded); output sharded on the feature (last) dim, or gathered back to replicated with
@@ -114,7 +130,7 @@ class ColWiseParallel:
 
 
 @dataclass(frozen=True)
-class RowWiseParallel:
+class RowWiseParallel(_Style):
     """Input features split. Linear [in, out]: weight S(0), bias replicated ([out, in] weight: S(1)); input
     sharded on the feature dim; output replicated (one all_reduce) or, under sequence parallel, sharded on
     the sequence dim (reduce_scatter)."""
@@ -144,7 +160,7 @@ class RowWiseParallel:
 
 
 @dataclass(frozen=True)
-class VocabParallelEmbedding:
+class VocabParallelEmbedding(_Style):
     """Embedding [vocab, hidden]: weight S(0) on the vocab; masked local lookup gives a Partial output,
     reduced to replicated (or sequence-sharded under sequence parallel)."""
     sequence_parallel: bool = False
@@ -170,7 +186,7 @@ class VocabParallelEmbedding:
 
 
 @dataclass(frozen=True)
-class SequenceParallel:
+class SequenceParallel(_Style):
     """Norm / dropout layers run on sequence shards: input and output sharded on the sequence dim."""
     seq_dim: int = 1
 
@@ -242,8 +258,18 @@ def _near(pattern: str, named) -> str:
 def apply_tp(model, mesh, plan: dict, tp_dim="model"):
     """Shard ``model``'s matched layers on mesh dim ``tp_dim`` according to ``plan``; every holder of a
     replaced (tied) parameter is repointed to the one replacement."""
+    import paddle
+
+    from autoparallel.mesh import ProcessMesh
     from autoparallel.parallel.ties import holders, repoint
 
+    if not isinstance(model, paddle.nn.Layer):
+        raise TypeError(f"apply_tp expects the model as a paddle.nn.Layer, got {type(model).__name__}")
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"apply_tp expects a ProcessMesh, got {type(mesh).__name__}")
+    if not isinstance(plan, dict):
+        raise TypeError(f"a tensor-parallel plan is a dict from layer-name patterns to styles, got "
+                        f"{type(plan).__name__} {plan!r:.80}")
     dim = mesh.dim_index(tp_dim)
     matched = match_plan(model, plan)
     before = holders(model)

@@ -399,6 +399,8 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     from .p2p import LocalTransport, P2P, RankTransport, create_groups, create_pair_groups
     from .stage import build_stages, plan_pipeline
 
+    if not isinstance(model, paddle.nn.Layer):
+        raise TypeError(f"apply_pp expects the model as a paddle.nn.Layer, got {type(model).__name__}")
     strategy = Strategy() if strategy is None else strategy
     if not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
