@@ -28,20 +28,23 @@ from autoparallel.checkpoint.leaves import ShardedLeaf
 SCALAR_ACCUMULATORS = ("beta1_pow_acc", "beta2_pow_acc")
 
 
-def zero_training_state(zopt) -> dict:
-    """{"model": {name: leaf}, "optimizer": {name: {accumulator: leaf}}} of ``zopt`` and its model."""
+def zero_training_state(zopt, model=None) -> dict:
+    """{"model": {name: leaf}, "optimizer": {name: {accumulator: leaf}}} of ``zopt`` and its model (``model``
+    when ``zopt`` was built over parameters of no known model, as ``shard_optimizer`` on ``shard_layer``)."""
+    if model is None:
+        model = zopt.model
     managed = {id(p) for p in zopt.params}
     _ensure_accumulators(zopt)
-    model, optimizer = {}, {}
-    for name, p in zopt.model.named_parameters():
+    params, optimizer = {}, {}
+    for name, p in model.named_parameters():
         if id(p) not in managed:
-            model[name] = p
+            params[name] = p
             continue
         geo = ChunkGeometry(zopt, p, name)
-        model[name] = ZeroParam(geo) if zopt.stage < 3 else ZeroChunks(geo, _master(zopt, p), p.spec.dtype,
+        params[name] = ZeroParam(geo) if zopt.stage < 3 else ZeroChunks(geo, _master(zopt, p), p.spec.dtype,
                                                                         after_assign=lambda r, p=p: zopt.free([p]))
         optimizer[name] = _accumulators(zopt, p, geo)
-    return {"model": model, "optimizer": optimizer}
+    return {"model": params, "optimizer": optimizer}
 
 
 def _ensure_accumulators(zopt) -> None:
