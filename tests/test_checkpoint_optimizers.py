@@ -149,6 +149,38 @@ def test_simulated_data_parallel_round_trip_and_resume(tmp_path, kind):
         check(dp_run(kind), tmp_path)
 
 
+def tp_run():
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["data", "model"])
+
+    def shard_fn(name, layer, pm):                       # column- then row-parallel over "model"
+        if name in ("0", "2"):
+            layer.weight = ap.shard_tensor(layer.weight, pm, [ap.Replicate(), ap.Shard(1 if name == "0" else 0)])
+        return layer
+
+    model = ap.shard_layer(net(), mesh, shard_fn)
+    return model, ap.shard_optimizer(paddle.optimizer.AdamW(1e-2, parameters=model.parameters()))
+
+
+def test_simulated_tensor_and_data_parallel_round_trip_and_resume(tmp_path):
+    with ap.simulate(world_size=4):
+        model, opt = tp_run()
+        moment = training_state(model, opt)["optimizer"]["0.weight"]["moment1"]
+        assert [str(p) for p in moment.placements] == ["R", "S(1)"] and moment.locals[1].shape == [8, 8]
+        check(tp_run, tmp_path)
+
+
+def test_simulated_checkpoint_loads_into_one_process(tmp_path):
+    with ap.simulate(world_size=2):
+        model, opt = dp_run("adamw")()
+        step(model, opt, 0)
+        ap.save_state_dict(training_state(model, opt), str(tmp_path / "ck"))
+        want = step(model, opt, 1)
+    model = net()
+    opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
+    ap.load_state_dict(training_state(model, opt), str(tmp_path / "ck"))
+    assert step(model, opt, 1) == pytest.approx(want, rel=1e-6)
+
+
 def test_simulated_checkpoint_strategy_saves_on_the_loop(tmp_path):
     with ap.simulate(world_size=2):
         strategy = ap.Strategy()
