@@ -13,7 +13,8 @@ Accumulators shaped like a DistParameter's local shard are given that parameter'
 with it); other accumulators (scalars such as beta powers) are plain tensors. Accumulators are created if
 the optimizer has not stepped yet, so a fresh optimizer can be loaded into. This covers paddle optimizers
 whose state lives in ``_accumulators`` / ``_master_weights`` on the rank this process runs (through the ap
-wrappers: ShardedOptimizer, AmpOptimizer). Runtimes that keep state differently name it the same way
+wrappers: ShardedOptimizer, AmpOptimizer) and, in the simulated world, on every simulated rank (the per-rank
+optimizers of parallel/sim_step.py: one global tensor over all ranks' accumulators). Runtimes that keep state differently name it the same way
 through their ``checkpoint_state``: a ZeRO optimizer (zero_state.py: flat chunks as global tensors) and a
 pipeline (pipeline_state.py: each stage's ranks hold their stage's entries), so checkpoints of every
 strategy are interchangeable.
