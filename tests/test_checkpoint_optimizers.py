@@ -197,23 +197,24 @@ def test_simulated_checkpoint_strategy_saves_on_the_loop(tmp_path):
 
 
 # ---- 3. ZeRO in one plain process (no init_parallel_env): a world of one needs no collective -----------------------
-def zero_run(stage):
+def zero_run(stage, offload=False):
     def make():
         model = net()
         opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
         strategy = ap.Strategy()
         strategy.sharding.enable, strategy.sharding.stage = True, stage
+        strategy.sharding.offload = offload
         return ap.DataParallel(model, strategy=strategy), ap.Optimizer(opt)
     return make
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero_in_one_process_trains_like_paddle_and_resumes(tmp_path, stage):
+@pytest.mark.parametrize("stage,offload", [(1, False), (2, False), (3, False), (1, True)])
+def test_zero_in_one_process_trains_like_paddle_and_resumes(tmp_path, stage, offload):
     model = net()
     ref = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
     want = [step(model, ref, i) for i in range(3)]
-    model, opt = zero_run(stage)()
+    model, opt = zero_run(stage, offload)()
     assert type(opt).__name__ == "ZeroOptimizer" or any(
         type(w).__name__ == "ZeroOptimizer" for w in [opt, getattr(opt, "_inner", None)])
     np.testing.assert_allclose([step(model, opt, i) for i in range(3)], want, rtol=1e-6)
-    check(zero_run(stage), tmp_path)
+    check(zero_run(stage, offload), tmp_path)
