@@ -128,6 +128,24 @@ def test_split_optimizer_round_trip_and_resume(tmp_path):
         check(split_run, tmp_path)
 
 
+def test_split_optimizer_saves_from_the_step_hook_and_resumes(tmp_path):
+    """strategy.checkpoint's post-step hook (as the entry points attach it) on a SplitOptimizer."""
+    with ap.simulate(world_size=4):
+        model, opt = split_run()
+        want = [step(model, opt, i) for i in range(4)]
+        model, opt = split_run()
+        strategy = ap.Strategy()
+        strategy.checkpoint.enable, strategy.checkpoint.save_interval_steps = True, 2
+        strategy.checkpoint.dir = str(tmp_path)
+        auto_checkpoint.attach(model, opt, strategy)
+        for i in range(3):                                   # saves at step 2, then "fails" after step 3
+            step(model, opt, i)
+        assert (tmp_path / "step-00000002").is_dir() and not (tmp_path / "step-00000003").exists()
+        ap.resume_from_last_checkpoint()
+        assert auto_checkpoint.current_run().step == 2
+        np.testing.assert_allclose([step(model, opt, i) for i in range(2, 4)], want[2:], rtol=1e-6)
+
+
 # ---- 2. plain data parallel in the simulated world: every rank's optimizer copy ----------------------------------
 def dp_run(kind):
     def make():
@@ -181,8 +199,10 @@ def test_simulated_checkpoint_loads_into_one_process(tmp_path):
     assert step(model, opt, 1) == pytest.approx(want, rel=1e-6)
 
 
-def test_simulated_checkpoint_strategy_saves_on_the_loop(tmp_path):
+def test_simulated_checkpoint_strategy_saves_on_the_loop_and_resumes(tmp_path):
     with ap.simulate(world_size=2):
+        model, opt = dp_run("adamw")()
+        want = [step(model, opt, i) for i in range(6)]
         strategy = ap.Strategy()
         strategy.checkpoint.enable = True
         strategy.checkpoint.save_interval_steps = 2
@@ -191,9 +211,12 @@ def test_simulated_checkpoint_strategy_saves_on_the_loop(tmp_path):
         opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
         model = ap.DataParallel(model, strategy=strategy)
         opt = ap.Optimizer(opt)
-        for i in range(3):
+        for i in range(5):                                    # saves at steps 2 and 4, then "fails"
             step(model, opt, i)
-        assert (tmp_path / "step-00000002").is_dir()
+        assert (tmp_path / "step-00000004").is_dir() and not (tmp_path / "step-00000005").exists()
+        ap.resume_from_last_checkpoint()
+        assert auto_checkpoint.current_run().step == 4
+        np.testing.assert_allclose([step(model, opt, i) for i in range(4, 6)], want[4:], rtol=1e-6)
 
 
 # ---- 3. ZeRO in one plain process (no init_parallel_env): a world of one needs no collective -----------------------
