@@ -65,7 +65,7 @@ def params(model) -> list:
     return [t.numpy() for p in model.parameters() for _, t in sorted((p.locals if is_dist(p) else {0: p}).items())]
 
 
-def resume(make, tmp_path, control=False):
+def resume(make, tmp_path, control=False, step=step):
     """(losses of steps 2, 3 after save / train on / load, parameters after them) and the uninterrupted ones."""
     model, opt = make()
     want = [step(model, opt, i) for i in range(4)]
@@ -95,12 +95,12 @@ def resume(make, tmp_path, control=False):
     return got, params(model), want[2:], want_params
 
 
-def check(make, tmp_path):
-    got, got_params, want, want_params = resume(make, tmp_path)
+def check(make, tmp_path, step=step):
+    got, got_params, want, want_params = resume(make, tmp_path, step=step)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(got_params, want_params):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    got, _, want, _ = resume(make, tmp_path / "control", control=True)
+    got, _, want, _ = resume(make, tmp_path / "control", control=True, step=step)
     assert not np.allclose(got, want, rtol=1e-6), "the optimizer states did not matter: the test cannot fail"
 
 
@@ -217,6 +217,33 @@ def test_simulated_checkpoint_strategy_saves_on_the_loop_and_resumes(tmp_path):
         ap.resume_from_last_checkpoint()
         assert auto_checkpoint.current_run().step == 4
         np.testing.assert_allclose([step(model, opt, i) for i in range(4, 6)], want[4:], rtol=1e-6)
+
+
+def pp_run():
+    from autoparallel.testing.models import build
+
+    strategy = ap.Strategy()
+    strategy.data_parallel.degree, strategy.pipeline_parallel.degree = 2, 2
+    paddle.seed(0)
+    model = build("gpt")
+    return ap.parallelize(model, paddle.optimizer.AdamW(1e-2, parameters=model.parameters()), strategy=strategy)
+
+
+def pp_step(model, opt, i):
+    from autoparallel.testing.models import batch
+
+    ids, lab = batch(i)
+    loss = float(model.train_batch(paddle.to_tensor(ids), paddle.to_tensor(lab)))
+    opt.step()
+    opt.clear_grad()
+    return loss
+
+
+def test_simulated_pipeline_round_trip_and_resume(tmp_path):
+    with ap.simulate(world_size=4):
+        model, opt = pp_run()
+        assert type(model).__name__ == "PipelineModule"
+        check(pp_run, tmp_path, step=pp_step)
 
 
 # ---- 3. ZeRO in one plain process (no init_parallel_env): a world of one needs no collective -----------------------
