@@ -150,20 +150,24 @@ def test_split_optimizer_saves_from_the_step_hook_and_resumes(tmp_path):
 def dp_run(kind):
     def make():
         model = net()
-        if kind == "adamw":
-            opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
-        else:
+        strategy = ap.Strategy()
+        if kind == "momentum":
             opt = paddle.optimizer.Momentum(1e-2, momentum=0.9, parameters=model.parameters())
-        return ap.DataParallel(model, strategy=ap.Strategy()), ap.Optimizer(opt)
+        else:
+            opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
+        if kind == "adamw-amp":                           # the AMP wrapper around the data-parallel one
+            strategy.amp.enable, strategy.amp.dtype = True, "bfloat16"
+        return ap.DataParallel(model, strategy=strategy), ap.Optimizer(opt)
     return make
 
 
-@pytest.mark.parametrize("kind", ["adamw", "momentum"])
+@pytest.mark.parametrize("kind", ["adamw", "momentum", "adamw-amp"])
 def test_simulated_data_parallel_round_trip_and_resume(tmp_path, kind):
     with ap.simulate(world_size=2):
         model, opt = dp_run(kind)()
-        moment = training_state(model, opt)["optimizer"]["0.weight"]["moment1" if kind == "adamw" else "velocity"]
+        moment = training_state(model, opt)["optimizer"]["0.weight"]["velocity" if kind == "momentum" else "moment1"]
         assert sorted(moment.locals) == [0, 1] and moment.locals[0] is not moment.locals[1]
+        assert (type(opt).__name__ == "AmpOptimizer") == (kind == "adamw-amp")
         check(dp_run(kind), tmp_path)
 
 
