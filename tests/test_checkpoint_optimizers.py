@@ -146,6 +146,15 @@ def test_split_optimizer_saves_from_the_step_hook_and_resumes(tmp_path):
         np.testing.assert_allclose([step(model, opt, i) for i in range(2, 4)], want[2:], rtol=1e-6)
 
 
+def test_split_optimizer_needs_its_own_model():
+    with ap.simulate(world_size=4):
+        model, opt = split_run()
+        with pytest.raises(ValueError, match="does not hold"):
+            training_state(net(), opt)                      # another model: its states would be lost
+        with pytest.raises(ValueError, match="pass the model"):
+            opt.checkpoint_state()
+
+
 # ---- 2. plain data parallel in the simulated world: every rank's optimizer copy ----------------------------------
 def dp_run(kind):
     def make():

@@ -33,7 +33,16 @@ def zero_training_state(zopt, model=None) -> dict:
     when ``zopt`` was built over parameters of no known model, as ``shard_optimizer`` on ``shard_layer``)."""
     if model is None:
         model = zopt.model
+    if model is None:
+        raise ValueError("this ZeRO optimizer was built over parameters of no known model; name the model: "
+                         "ap.training_state(model, optimizer)")
     managed = {id(p) for p in zopt.params}
+    named = {id(p) for _, p in model.named_parameters()}
+    lost = [p.name for p in zopt.params if id(p) not in named]
+    if lost:
+        raise ValueError(f"the ZeRO optimizer steps {len(lost)} parameters the given "
+                         f"{type(model).__name__} does not hold ({', '.join(lost[:3])}); pass the model it was "
+                         f"built over")
     _ensure_accumulators(zopt)
     params, optimizer = {}, {}
     for name, p in model.named_parameters():

@@ -228,6 +228,11 @@ class SplitOptimizer(StepHooks):
             state = self.zero.checkpoint_state(model)
         else:
             state = {"model": dict(model.named_parameters()), "optimizer": {}}
+        named = {id(p) for _, p in model.named_parameters()}
+        lost = [p.name for p in self.kept.parameters if id(p) not in named]
+        if lost:
+            raise ValueError(f"the optimizer steps {len(lost)} parameters the given {type(model).__name__} does "
+                             f"not hold ({', '.join(lost[:3])}); pass the model it was built over")
         kept = optimizer_state(paddle_optimizer(self.kept), model, self.kept)
         clash = sorted(set(kept) & set(state["optimizer"]))
         if clash:
