@@ -22,7 +22,7 @@ def pipeline_training_state(pipe, optimizer=None) -> dict:
     from autoparallel.checkpoint.state import model_state, optimizer_state, paddle_optimizer
 
     held_model = model_state(pipe)
-    held_opt = optimizer_state(paddle_optimizer(optimizer), pipe) if optimizer is not None else None
+    held_opt = optimizer_state(paddle_optimizer(optimizer), pipe, optimizer) if optimizer is not None else None
     if pipe.ranks is None:                           # one process runs every stage
         state = {"model": held_model}
         if held_opt is not None:

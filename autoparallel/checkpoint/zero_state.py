@@ -28,20 +28,32 @@ from autoparallel.checkpoint.leaves import ShardedLeaf
 SCALAR_ACCUMULATORS = ("beta1_pow_acc", "beta2_pow_acc")
 
 
-def zero_training_state(zopt) -> dict:
-    """{"model": {name: leaf}, "optimizer": {name: {accumulator: leaf}}} of ``zopt`` and its model."""
+def zero_training_state(zopt, model=None) -> dict:
+    """{"model": {name: leaf}, "optimizer": {name: {accumulator: leaf}}} of ``zopt`` and its model (``model``
+    when ``zopt`` was built over parameters of no known model, as ``shard_optimizer`` on ``shard_layer``)."""
+    if model is None:
+        model = zopt.model
+    if model is None:
+        raise ValueError("this ZeRO optimizer was built over parameters of no known model; name the model: "
+                         "ap.training_state(model, optimizer)")
     managed = {id(p) for p in zopt.params}
+    named = {id(p) for _, p in model.named_parameters()}
+    lost = [p.name for p in zopt.params if id(p) not in named]
+    if lost:
+        raise ValueError(f"the ZeRO optimizer steps {len(lost)} parameters the given "
+                         f"{type(model).__name__} does not hold ({', '.join(lost[:3])}); pass the model it was "
+                         f"built over")
     _ensure_accumulators(zopt)
-    model, optimizer = {}, {}
-    for name, p in zopt.model.named_parameters():
+    params, optimizer = {}, {}
+    for name, p in model.named_parameters():
         if id(p) not in managed:
-            model[name] = p
+            params[name] = p
             continue
         geo = ChunkGeometry(zopt, p, name)
-        model[name] = ZeroParam(geo) if zopt.stage < 3 else ZeroChunks(geo, _master(zopt, p), p.spec.dtype,
+        params[name] = ZeroParam(geo) if zopt.stage < 3 else ZeroChunks(geo, _master(zopt, p), p.spec.dtype,
                                                                         after_assign=lambda r, p=p: zopt.free([p]))
         optimizer[name] = _accumulators(zopt, p, geo)
-    return {"model": model, "optimizer": optimizer}
+    return {"model": params, "optimizer": optimizer}
 
 
 def _ensure_accumulators(zopt) -> None:

@@ -214,6 +214,32 @@ class SplitOptimizer(StepHooks):
 
     clear_gradients = clear_grad
 
+    def checkpoint_state(self, model=None) -> dict:
+        """``ap.training_state`` of both groups under the unsharded run's names: the ZeRO part's parameters
+        and chunked states (checkpoint/zero_state.py), the kept part's states in their sharded layout."""
+        from autoparallel.checkpoint.state import optimizer_state, paddle_optimizer
+
+        if model is None:
+            model = self.zero.model if self.zero is not None else None
+        if model is None:
+            raise ValueError("SplitOptimizer.checkpoint_state: these parameters belong to no model built by "
+                             "ap.parallelize / ap.DataParallel; pass the model: ap.training_state(model, opt)")
+        if self.zero is not None:
+            state = self.zero.checkpoint_state(model)
+        else:
+            state = {"model": dict(model.named_parameters()), "optimizer": {}}
+        named = {id(p) for _, p in model.named_parameters()}
+        lost = [p.name for p in self.kept.parameters if id(p) not in named]
+        if lost:
+            raise ValueError(f"the optimizer steps {len(lost)} parameters the given {type(model).__name__} does "
+                             f"not hold ({', '.join(lost[:3])}); pass the model it was built over")
+        kept = optimizer_state(paddle_optimizer(self.kept), model, self.kept)
+        clash = sorted(set(kept) & set(state["optimizer"]))
+        if clash:
+            raise ValueError(f"parameters {clash[:3]} are stepped by both the ZeRO and the kept optimizer")
+        state["optimizer"].update(kept)
+        return state
+
     def __getattr__(self, name):
         if name in ("zero", "kept"):
             raise AttributeError(name)
