@@ -347,6 +347,9 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
         from autoparallel.graph.jit import shard_value
         return shard_value(data, mesh, placements, dtype, stop_gradient)
     is_param = isinstance(data, EagerParamBase)
+    if not isinstance(data, (paddle.Tensor, np.ndarray, list, tuple, int, float, bool, np.number)):
+        raise TypeError(f"shard_tensor expects a paddle.Tensor (or a numpy array / nested list of numbers), got "
+                        f"{type(data).__name__} {data!r:.60}")
     t = data if isinstance(data, paddle.Tensor) else paddle.to_tensor(np.asarray(data), dtype=dtype)
     if dtype is not None and normalize_dtype(t.dtype) != normalize_dtype(dtype):
         t = t.astype(normalize_dtype(dtype))

@@ -61,7 +61,7 @@ def test_missing_argument_exits_2(capsys):
 
 
 def test_infeasible_exits_1(capsys):
-    assert main(["--model", "llama3-405b", "--cluster", "1x8:A100-40GB", "--global-batch", "8"]) == 1
+    assert main(["--model", "llama3-405b", "--cluster", "1x8:A100-40GB", "--global-batch", "16"]) == 1
     err = capsys.readouterr().err
     assert "smallest change that fits" in err and "nodes" in err
 

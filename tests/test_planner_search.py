@@ -119,7 +119,7 @@ def test_parse_fixed():
 
 
 def test_infeasible_search_names_more_devices():
-    result = ap.plan("llama3-405b", "1x8:A100-40GB", global_batch_size=8)
+    result = ap.plan("llama3-405b", "1x8:A100-40GB", global_batch_size=16)   # batch 8: no pipeline has pp micro-batches
     assert not result.feasible and not result.candidates
     assert "smallest change that fits" in result.explanation
     assert result.suggestions and "nodes" in result.suggestions[0]["change"]

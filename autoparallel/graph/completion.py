@@ -1307,6 +1307,9 @@ def complete(model, *input_specs, loss_fn=None, annotations=None, n_model_inputs
     """
     if auto_mode not in ("semi", "full"):
         raise ValueError(f"auto_mode must be 'semi' or 'full', got {auto_mode!r}")
+    if not callable(model):
+        raise TypeError(f"complete expects the model as a paddle.nn.Layer (or a callable), got "
+                        f"{type(model).__name__} {model!r:.60}")
     g = capture(model, *input_specs, loss_fn=loss_fn, n_model_inputs=n_model_inputs, annotations=annotations,
                 mesh=mesh, free_inputs=auto_mode == "full", hard_inputs=hard_inputs)
     return complete_graph(g, cluster=cluster, method=method)
