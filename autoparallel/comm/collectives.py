@@ -107,8 +107,6 @@ def _gather_raw(xs, ranks, axis, sizes):
     some = next(iter(xs.values()))
     if c == 0 or _numel_without(some, axis) == 0:
         return {r: _empty(x, axis, total) for r, x in xs.items()}
-    if len(ranks) == 1:                  # a group of one is its own result: no collective, no process group
-        return {r: _trim(x, axis, sizes[0]).clone() for r, x in xs.items()}
     padded = {r: _pad_to(x, axis, c) for r, x in xs.items()}
     got = transport_for(current_world()).all_gather(padded, ranks)
     return {r: paddle.concat([_trim(p, axis, s) for p, s in zip(parts, sizes)], axis=axis)

@@ -137,8 +137,7 @@ class ZeroOptimizer(StepHooks):
             for r in self.held:
                 chunks = [self._to_device(self.master[r][id(p)], p.locals[r]) for p in todo]
                 xs[r] = layout[r].pack_member(chunks, self.groups.index(r))
-            out = apply_groups(xs, self.groups.shard_groups,
-                               lambda v, ranks: C._gather_raw(v, ranks, 0, [_width(layout, v)] * len(ranks)))
+            out = apply_groups(xs, self.groups.shard_groups, lambda v, ranks: _gather(v, ranks, layout))
             for r in self.held:
                 for p, flat in zip(todo, layout[r].unpack_full(out[r])):
                     _materialize(p.locals[r], flat, self._shape(p, r))
@@ -343,6 +342,14 @@ class ZeroOptimizer(StepHooks):
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+def _gather(v, ranks, layout) -> dict:
+    """All-gather the packed chunks ``v`` over ``ranks``; a group of one (a one-process world, ZeRO degree
+    1) is its own result and needs no collective (nor an initialized process group)."""
+    if len(ranks) == 1:
+        return dict(v)
+    return C._gather_raw(v, ranks, 0, [_width(layout, v)] * len(ranks))
 
 
 def _width(layout, v) -> int:
