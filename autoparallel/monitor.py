@@ -593,8 +593,10 @@ class PerformanceMonitor:
             intra_node=link(cluster.intra_node), inter_node=link(cluster.inter_node))
         out.cluster = measured_cluster
         out.plan = plan(model, measured_cluster, global_batch_size, seq_len, split=["even"], ep=[1])   # runnable
-        if out.plan.best is not None:
-            out.strategy = out.plan.best.to_strategy_dict()
+        runnable = [c for c in out.plan.candidates        # a pipeline runs at least pp micro-batches (1F1B)
+                    if c.config.pp == 1 or c.num_micro_batches >= c.config.pp]
+        if runnable:
+            out.strategy = runnable[0].to_strategy_dict()
         out.notes.append(f"planner: measured {measured:.4g} s per step vs {predicted:.4g} s predicted for "
                          f"{current}; re-planned with every device and link rate scaled by 1/{scale:.3g}")
 
