@@ -18,7 +18,7 @@ from autoparallel import redistribute
 from autoparallel.comm import world as world_mod
 from autoparallel.comm.world import current_world
 from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import Partial, Replicate, Shard
+from autoparallel.placement import BlockShard, Partial, Replicate, Shard
 from autoparallel.spec import DistSpec, normalize_dtype
 
 
@@ -318,7 +318,9 @@ def _local_from_full(full: paddle.Tensor, spec: DistSpec, rank: int) -> paddle.T
     sl = spec.local_slices(coords)
     t = full
     for d, s in enumerate(sl):
-        if s.start != 0 or s.stop != spec.shape[d]:
+        if not isinstance(s, slice):                    # a block-sharded dim: its rows by index
+            t = paddle.index_select(t, paddle.to_tensor(s, dtype="int64"), axis=d)
+        elif s.start != 0 or s.stop != spec.shape[d]:
             t = paddle.slice(t, axes=[d], starts=[s.start], ends=[s.stop])
     for i, p in enumerate(spec.placements):
         if isinstance(p, Partial) and p.reduce_type == "sum" and coords[i] != 0:
@@ -436,7 +438,7 @@ def dtensor_from_local(local, mesh: ProcessMesh, placements, global_shape=None, 
             raise ValueError("global_shape is required when this rank holds no shard")
         global_shape = list(first.shape)
         for i, p in enumerate(placements):
-            if isinstance(p, Shard):
+            if isinstance(p, (Shard, BlockShard)):
                 if not 0 <= p.dim < len(global_shape):
                     raise ValueError(f"{p} is out of range for a tensor of rank {len(global_shape)}")
                 global_shape[p.dim] *= mesh.shape[i]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from autoparallel.comm import collectives as C
 from autoparallel.comm.world import current_world
 from autoparallel.local_mode import local_mode
-from autoparallel.placement import Partial, Replicate, Shard, chunk_sizes
+from autoparallel.placement import BlockShard, Partial, Replicate, Shard, chunk_sizes
 from autoparallel.spec import DistSpec
 
 
@@ -41,6 +41,8 @@ def apply_step(locals_: dict, before: DistSpec, after: DistSpec, i: int, for_spl
         held = {r: locals_[r] for r in members}
         if for_split is not None and name == "all_gather":
             out.update(C.gather_for_split(held, ranks, *extra, done=for_split))
+        elif name in _BLOCK_STEPS:
+            out.update(_BLOCK_STEPS[name](held, ranks, *extra))
         else:
             out.update(getattr(C, name)(held, ranks, *extra))
     return out
@@ -78,6 +80,10 @@ def _step_program(before: DistSpec, after: DistSpec, i: int) -> tuple:
         elif isinstance(p, Shard) and isinstance(q, Shard):
             step = "all_to_all", (p.dim, q.dim, chunk_sizes(_extent(after, c, p.dim), n),
                                   chunk_sizes(_extent(before, c, q.dim), n))
+        elif isinstance(p, Replicate) and isinstance(q, BlockShard):
+            step = "block_slice", (q.dim, q.blocks, n)
+        elif isinstance(p, BlockShard) and isinstance(q, Replicate):
+            step = "block_gather", (p.dim, p.blocks, n)
         elif isinstance(p, Replicate) and isinstance(q, Partial):
             step = "to_partial", (q.reduce_type,)
         else:                   # raised when some member is held (as a step with no held member does nothing)
@@ -85,6 +91,54 @@ def _step_program(before: DistSpec, after: DistSpec, i: int) -> tuple:
                           f"the reshard planner must route it through R",)
         program.append((ranks, step[0], step[1]))
     return tuple(program)
+
+
+def _reorder(t, axis, blocks, n):
+    """Gathered member parts ``[b0_0 b1_0 .. | b0_1 b1_1 .. | ..]`` -> the global order ``[b0_0 b0_1 .. | b1_0 ..]``."""
+    import paddle
+
+    local, pieces, off = sum(blocks) // n, [], 0
+    for b in blocks:
+        c = b // n
+        pieces += [paddle.slice(t, [axis], [j * local + off], [j * local + off + c]) for j in range(n)]
+        off += c
+    return paddle.concat(pieces, axis=axis)
+
+
+def _block_slice_raw(xs, ranks, axis, blocks, n):
+    import paddle
+
+    out = {}
+    for r, t in xs.items():
+        j, pieces, start = ranks.index(r), [], 0
+        for b in blocks:
+            c = b // n
+            pieces.append(paddle.slice(t, [axis], [start + j * c], [start + (j + 1) * c]))
+            start += b
+        out[r] = paddle.concat(pieces, axis=axis)
+    return out
+
+
+def _block_gather_raw(xs, ranks, axis, blocks, n):
+    got = C._gather_raw(xs, ranks, axis, [sum(blocks) // n] * n)
+    return {r: _reorder(t, axis, blocks, n) for r, t in got.items()}
+
+
+def block_gather(xs, ranks, axis, blocks, n):
+    """BlockShard -> R: all_gather the equal local parts, then put each block's pieces back in order
+    (member j holds ``[b0_j | b1_j | ..]``). Adjoint: ``block_slice`` of the gradient."""
+    return C._run(xs, lambda v: _block_gather_raw(v, ranks, axis, blocks, n),
+                  lambda g: _block_slice_raw(g, ranks, axis, blocks, n))
+
+
+def block_slice(xs, ranks, axis, blocks, n):
+    """R -> BlockShard: member j keeps its piece of every block (no communication). Adjoint: ``block_gather``
+    (a replicated tensor's gradient is whole on every rank)."""
+    return C._run(xs, lambda v: _block_slice_raw(v, ranks, axis, blocks, n),
+                  lambda g: _block_gather_raw(g, ranks, axis, blocks, n))
+
+
+_BLOCK_STEPS = {"block_gather": block_gather, "block_slice": block_slice}
 
 
 def apply_cross_mesh(locals_: dict, before: DistSpec, after: DistSpec) -> dict:

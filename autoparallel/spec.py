@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import Partial, Placement, Replicate, Shard, chunk_range, parse_placements
+from autoparallel.placement import BlockShard, Partial, Placement, Replicate, Shard, chunk_range, parse_placements
 
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
                 "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
@@ -79,7 +79,21 @@ def check_placements(mesh: ProcessMesh, placements, ndim: int) -> tuple[Placemen
     for p in pl:
         if isinstance(p, Shard) and not p.dim < ndim:
             raise ValueError(f"{p} is out of range for a tensor of rank {ndim} (valid dims 0..{ndim - 1})")
+    for p in pl:
+        if isinstance(p, BlockShard) and not p.dim < ndim:
+            raise ValueError(f"{p} is out of range for a tensor of rank {ndim} (valid dims 0..{ndim - 1})")
     return tuple(pl)
+
+
+def check_block_shards(mesh: ProcessMesh, placements, shape) -> None:
+    """A BlockShard's blocks tile its dim, divide by the mesh dim size, and no other mesh dim splits that dim."""
+    for i, p in enumerate(placements):
+        if isinstance(p, BlockShard):
+            p.check(shape[p.dim], mesh.shape[i])
+            other = [j for j, q in enumerate(placements) if j != i and (q.is_shard(p.dim) or q.is_block_shard(p.dim))]
+            if other:
+                raise ValueError(f"{p} on mesh dim {i} cannot be nested with {placements[other[0]]} on mesh dim "
+                                 f"{other[0]}: a block-sharded tensor dim is split by one mesh dim only")
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,8 @@ class DistSpec:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         object.__setattr__(self, "placements", check_placements(self.mesh, self.placements, len(shape)))
+        if any(isinstance(p, BlockShard) for p in self.placements):
+            check_block_shards(self.mesh, self.placements, shape)
         object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.shape, self.dtype)))
 
     # ---- identity (specs key every cache: hash once, compare cheaply) -------------------------
@@ -142,20 +158,48 @@ class DistSpec:
     def is_replicated(self) -> bool:
         return all(isinstance(p, Replicate) for p in self.placements)
 
+    def block_mesh_dim(self, tensor_dim: int):
+        """The mesh dim block-sharding ``tensor_dim`` (a BlockShard), or None."""
+        for i, p in enumerate(self.placements):
+            if isinstance(p, BlockShard) and p.dim == tensor_dim:
+                return i
+        return None
+
+    def local_index(self, coords: Sequence[int], tensor_dim: int):
+        """This rank's rows of ``tensor_dim``: a ``slice`` (contiguous shards) or a list of global indices
+        (a block-sharded dim, see placement.BlockShard)."""
+        i = self.block_mesh_dim(tensor_dim)
+        if i is None:
+            return slice(*self.local_range(coords, tensor_dim))
+        return self.placements[i].local_index(self.mesh.shape[i], coords[i])
+
+    def local_extent(self, coords: Sequence[int], tensor_dim: int) -> int:
+        i = self.block_mesh_dim(tensor_dim)
+        if i is not None:
+            return self.shape[tensor_dim] // self.mesh.shape[i]
+        a, b = self.local_range(coords, tensor_dim)
+        return b - a
+
     def local_range(self, coords: Sequence[int], tensor_dim: int) -> tuple[int, int]:
         """[start, stop) of this rank's slice of ``tensor_dim`` in global indices."""
+        if self.block_mesh_dim(tensor_dim) is not None:
+            raise ValueError(f"tensor dim {tensor_dim} of {self} is block-sharded: its local rows are not one "
+                             f"contiguous range (use local_index)")
         start, stop = 0, self.shape[tensor_dim]
         for i in self.shard_mesh_dims(tensor_dim):
             a, b = chunk_range(stop - start, self.mesh.shape[i], coords[i])
             start, stop = start + a, start + b
         return start, stop
 
-    def local_slices(self, coords: Sequence[int]) -> tuple[slice, ...]:
-        return tuple(slice(*self.local_range(coords, d)) for d in range(self.ndim))
+    def local_slices(self, coords: Sequence[int]) -> tuple:
+        """Index of this rank's shard in the global array: slices, and for a block-sharded dim a numpy
+        index array (one advanced index: ``full[sl]`` keeps every dim in place)."""
+        return tuple(np.asarray(ix) if isinstance(ix, list) else ix
+                     for ix in (self.local_index(coords, d) for d in range(self.ndim)))
 
     def local_shape(self, coords_or_rank) -> tuple[int, ...]:
         coords = self.mesh.coords_of(coords_or_rank) if isinstance(coords_or_rank, (int, np.integer)) else coords_or_rank
-        return tuple(b - a for a, b in (self.local_range(coords, d) for d in range(self.ndim)))
+        return tuple(self.local_extent(coords, d) for d in range(self.ndim))
 
     def max_local_shape(self) -> tuple[int, ...]:
         """Chunk (padded) shape: the largest local shard on any rank."""
@@ -164,6 +208,9 @@ class DistSpec:
             for i in self.shard_mesh_dims(d):
                 k = self.mesh.shape[i]
                 out[d] = -(-out[d] // k) if out[d] else 0
+            b = self.block_mesh_dim(d)
+            if b is not None:
+                out[d] //= self.mesh.shape[b]
         return tuple(out)
 
     def local_nbytes(self) -> int:

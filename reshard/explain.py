@@ -9,6 +9,10 @@ def explain_step(collective: str, mesh_dim: int, src_p, dst_p, n: int) -> str:
     if n == 1:
         return f"mesh dim {mesh_dim} has one rank: the local tensor is unchanged"
     where = f"the {n} ranks of mesh dim {mesh_dim}"
+    if collective == "slice" and dst_p.is_block_shard():
+        return f"keep this rank's piece of each block {list(dst_p.blocks)} of tensor dim {dst_p.dim}, no communication"
+    if collective == "all_gather" and src_p.is_block_shard():
+        return f"gather tensor dim {src_p.dim} from {where}, then reorder its blocks {list(src_p.blocks)} (local)"
     if collective == "slice":
         return f"keep this rank's chunk of tensor dim {dst_p.dim}, no communication"
     if collective == "all_gather":

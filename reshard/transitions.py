@@ -8,6 +8,9 @@ A state is a tuple with one placement per mesh dim. Every transition changes ONE
     S(a)  -> S(b)    all_to_all      only if no mesh dim j > i shards a (i innermost for a) or b.
     P     -> R       all_reduce
     P     -> S(d)    reduce_scatter  only if no mesh dim j > i shards d.
+    R     -> S(d,blocks=..)  slice   local, free; only to the destination's BlockShard on that mesh dim, and
+                                     only if no other mesh dim splits d (a block-sharded dim is never nested).
+    S(d,blocks=..) -> R  all_gather  all_gather + a local reorder of the blocks (priced as the all_gather).
     R     -> P(op)   local           free: the value becomes pending terms of a reduction (the runtime keeps it on
                                      coordinate 0 and zeros elsewhere for sum; avg/max/min keep it on every rank).
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
-from autoparallel.placement import Partial, Placement, Replicate, Shard
+from autoparallel.placement import BlockShard, Partial, Placement, Replicate, Shard
 
 State = tuple  # tuple[Placement, ...], one per mesh dim
 
@@ -36,8 +39,13 @@ def sharded_inside(state: State, i: int, d: int) -> bool:
 
 
 def partial_targets(dst: State) -> tuple:
-    """Per mesh dim, the partial an R may turn into (the destination's partial there), or None."""
-    return tuple(p if isinstance(p, Partial) else None for p in dst)
+    """Per mesh dim, the partial (or BlockShard) an R may turn into (the destination's there), or None."""
+    return tuple(p if isinstance(p, (Partial, BlockShard)) else None for p in dst)
+
+
+def split_elsewhere(state: State, i: int, d: int) -> bool:
+    """Does a mesh dim other than ``i`` block-shard tensor dim ``d``? (then no other mesh dim may split d)"""
+    return any(j != i and p.is_block_shard(d) for j, p in enumerate(state))
 
 
 def reduce_types(state: State) -> set:
@@ -49,7 +57,7 @@ def _with(state: State, i: int, p: Placement) -> State:
 
 
 def _may_add_partial(state: State, i: int, target: Optional[Partial]) -> bool:
-    if target is None:
+    if not isinstance(target, Partial):
         return False
     others = reduce_types(state[:i] + state[i + 1:])
     return not others or others == {target.reduce_type}
@@ -60,8 +68,12 @@ def moves(state: State, mesh_shape: Sequence[int], ndim: int, targets: tuple) ->
     for i, p in enumerate(state):
         if isinstance(p, Replicate):
             for d in range(ndim):
-                if not sharded_inside(state, i, d):
+                if not sharded_inside(state, i, d) and not split_elsewhere(state, i, d):
                     yield "slice", i, _with(state, i, Shard(d))
+            b = targets[i]
+            if isinstance(b, BlockShard) and not any(j != i and (q.is_shard(b.dim) or q.is_block_shard(b.dim))
+                                                     for j, q in enumerate(state)):
+                yield "slice", i, _with(state, i, b)
             if _may_add_partial(state, i, targets[i]):
                 yield "local", i, _with(state, i, targets[i])
         elif isinstance(p, Shard):
@@ -69,10 +81,12 @@ def moves(state: State, mesh_shape: Sequence[int], ndim: int, targets: tuple) ->
                 continue
             yield "all_gather", i, _with(state, i, REPLICATE)
             for d in range(ndim):
-                if d != p.dim and not sharded_inside(state, i, d):
+                if d != p.dim and not sharded_inside(state, i, d) and not split_elsewhere(state, i, d):
                     yield "all_to_all", i, _with(state, i, Shard(d))
+        elif isinstance(p, BlockShard):
+            yield "all_gather", i, _with(state, i, REPLICATE)
         else:  # Partial
             yield "all_reduce", i, _with(state, i, REPLICATE)
             for d in range(ndim):
-                if not sharded_inside(state, i, d):
+                if not sharded_inside(state, i, d) and not split_elsewhere(state, i, d):
                     yield "reduce_scatter", i, _with(state, i, Shard(d))
