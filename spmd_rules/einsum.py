@@ -16,6 +16,10 @@ size-1 dim, a softmax axis, ...). On one mesh dim:
    contracted axis) is ``Partial(reduce)`` (sum for einsum/sum, max/min for those reductions).
 3. Otherwise everything is R.
 
+A block-sharded operand (``S(d,blocks=..)``, seen only by rules marked ``block_aware``) competes like a
+Shard; when it wins, its label is split block by block in every operand and output (the same rows
+everywhere, so the local op is exact; a contracted label gives Partial as for a Shard).
+
 Labels split identically in every operand, so nested sharding (two mesh dims on one axis) is kept.
 """
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 
-from autoparallel.placement import Partial, Shard
+from autoparallel.placement import BlockShard, Partial, Shard
 from autoparallel.spec import DistSpec
 
 from spmd_rules.expand import expand, present
@@ -70,14 +74,19 @@ def label_rule(in_labels, out_labels, sizes, *, linear=ALL, reduce: str = "sum")
                     k = _pick(cands, sizes)
                     req = tuple(None if pl[i] is None else (pl[k] if i == k else R) for i in range(n))
                     return req, tuple(pl[k] for _ in out_labels)
-        cands = [i for i in idx if isinstance(pl[i], Shard) and in_labels[i][pl[i].dim] is not None]
+        cands = [i for i in idx if isinstance(pl[i], (Shard, BlockShard)) and in_labels[i][pl[i].dim] is not None]
         if not cands:
             return tuple(None if p is None else R for p in pl), tuple(R for _ in out_labels)
         best = _pick(cands, sizes)
         lab = in_labels[best][pl[best].dim]
-        req = tuple(None if pl[i] is None else (Shard(in_labels[i].index(lab)) if lab in in_labels[i] else R)
+        blocks = pl[best].blocks if isinstance(pl[best], BlockShard) else None
+
+        def split(d):          # a label splits alike everywhere: plainly, or block by block
+            return BlockShard(d, blocks) if blocks else Shard(d)
+
+        req = tuple(None if pl[i] is None else (split(in_labels[i].index(lab)) if lab in in_labels[i] else R)
                     for i in range(n))
-        outs = tuple(Shard(ol.index(lab)) if lab in ol else Partial(reduce) for ol in out_labels)
+        outs = tuple(split(ol.index(lab)) if lab in ol else Partial(reduce) for ol in out_labels)
         return req, outs
 
     return rule

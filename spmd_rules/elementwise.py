@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from autoparallel.spec import DistSpec, normalize_dtype
 
+from spmd_rules.blocks import block_aware
 from spmd_rules.einsum import ALL, label_reverse, labels_result
 from spmd_rules.expand import expand_reverse
 from spmd_rules.registry import register_spmd_rule
@@ -61,6 +62,7 @@ def _simple(op, *, to_float=False, linear=False):
     def rule(x, name=None):
         return _unary(op, x, linear=linear, to_float=to_float)
     rule.__name__ = op
+    block_aware(rule)
     register_spmd_rule(op, rule, reverse=_unary_reverse(op, linear))
 
 
@@ -73,21 +75,25 @@ _simple("clone", linear=True)
 
 
 @register_spmd_rule("silu", reverse=_unary_reverse("silu"))
+@block_aware
 def silu(x, inplace=False, name=None):
     return _unary("silu", x, to_float=True)
 
 
 @register_spmd_rule("gelu", reverse=_unary_reverse("gelu"))
+@block_aware
 def gelu(x, approximate=False, name=None):
     return _unary("gelu", x, to_float=True)
 
 
 @register_spmd_rule("leaky_relu", reverse=_unary_reverse("leaky_relu"))
+@block_aware
 def leaky_relu(x, negative_slope=0.01, name=None):
     return _unary("leaky_relu", x)
 
 
 @register_spmd_rule("clip", reverse=_unary_reverse("clip"))
+@block_aware
 def clip(x, min=None, max=None, name=None):
     if isinstance(min, DistSpec) or isinstance(max, DistSpec):
         return elementwise_result("clip", [x, min, max])
@@ -99,6 +105,7 @@ def _cast_linear(x, dtype):
 
 
 @register_spmd_rule("cast")
+@block_aware
 def cast(x, dtype):
     check_spec("cast", "x", x)
     dtype = normalize_dtype(dtype)
@@ -106,6 +113,7 @@ def cast(x, dtype):
 
 
 @register_spmd_rule("scale")
+@block_aware
 def scale(x, scale=1.0, bias=0.0, bias_after_scale=True, act=None, name=None):
     """paddle.scale: x * scale + bias (or (x + bias) * scale). Linear (Partial passes) when bias == 0."""
     check_spec("scale", "x", x)
@@ -122,6 +130,7 @@ def scale(x, scale=1.0, bias=0.0, bias_after_scale=True, act=None, name=None):
 
 
 @register_spmd_rule("pow")
+@block_aware
 def pow_rule(x, y, name=None):
     """paddle.pow: a python exponent is a unary (nonlinear) op; a tensor exponent broadcasts."""
     if isinstance(y, DistSpec):
@@ -181,6 +190,8 @@ def _binary(op, *, compare=False):
         def rule(x, y, name=None):
             return _binary_body(op, x, y, compare)
 
+    block_aware(rule)
+
     def rev(outputs, x, y, name=None, **kw):
         linear = None if compare else _binary_linear(op, x, y, kw.get("rounding_mode"))
         return elementwise_reverse(op, outputs, [x, y], linear=linear)
@@ -197,6 +208,7 @@ for _op in ("equal", "not_equal", "less_than", "less_equal", "greater_than", "gr
 
 
 @register_spmd_rule("where")
+@block_aware
 def where(condition, x=None, y=None, name=None):
     check_spec("where", "condition", condition)
     if x is None and y is None:          # nonzero(condition, as_tuple=True): a data-dependent size

@@ -4,7 +4,8 @@ getitem handles ints, slices, None, Ellipsis and ONE advanced index (a list of i
 DistSpec, whose dims replace the indexed dim in place, numpy-style). A dim keeps its sharding only
 when the index takes all of it (a full slice ``:``, ``0:n``, ...); an int, a partial slice or an
 advanced index on a sharded dim needs it R. The local index equals the global one (full slices take
-the whole local shard). Linear in x (a Partial passes).
+the whole local shard). Linear in x (a Partial passes). A slice of a block-sharded dim (``S(d,blocks=..)``)
+that takes a run of whole blocks stays local (each rank slices its rows of those blocks).
 
 tril/triu keep any sharding: with rows or columns sharded, the local ``diagonal`` shifts by this rank's
 row offset minus its column offset (``local_attrs``).
@@ -18,6 +19,7 @@ import numpy as np
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.spec import DistSpec
 
+from spmd_rules.blocks import aligned_pieces, block_aware, local_bounds, piece_placement, unblock
 from spmd_rules.einsum import ALL, labels_result
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.result import SpmdResult
@@ -102,6 +104,7 @@ def index_plan(x: DistSpec, index):
 
 
 @register_spmd_rule("getitem")
+@block_aware
 def getitem(x, index):
     check_spec("getitem", "x", x)
     if _is_int(index) and x.ndim and _row_shards(x):
@@ -111,12 +114,71 @@ def getitem(x, index):
         from spmd_rules.routing import replicate_all     # several advanced indices, or a mask: gathered
 
         return replicate_all("getitem", [x] + [it for it in items if isinstance(it, DistSpec)])
+    blocked = _block_getitem(x, index)
+    if blocked is not None:
+        return blocked
+    x = unblock(x)                       # any other index on a block-sharded dim: gathered first
     xl, ol, shape, idx, il = index_plan(x, index)
     specs, labs = [x], [xl]
     if idx is not None:
         specs.append(idx)
         labs.append(il)
     return labels_result("getitem", specs, labs, [ol], [(shape, x.dtype)], linear={0})
+
+
+def _basic_items(x, index):
+    """The index as one item per x dim (Ellipsis expanded) with the output position of each, or None when
+    it holds anything but slices, ints and None."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if not all(it is None or it is Ellipsis or _is_int(it) or isinstance(it, slice) for it in items):
+        return None
+    consumed = sum(1 for it in items if it is not None and it is not Ellipsis)
+    if consumed > x.ndim or sum(it is Ellipsis for it in items) > 1:
+        return None
+    if any(it is Ellipsis for it in items):
+        k = items.index(Ellipsis)
+        items = items[:k] + [slice(None)] * (x.ndim - consumed) + items[k + 1:]
+    else:
+        items = items + [slice(None)] * (x.ndim - consumed)
+    return items
+
+
+def _block_getitem(x, index):
+    """``x[..., a:b]`` on a block-sharded dim where [a, b) is a run of whole blocks: each member takes its
+    rows of those blocks (no communication); one block comes out ``S(d)``, several ``S(d,blocks=..)``."""
+    dims = [d for d in range(x.ndim) if x.block_mesh_dim(d) is not None]
+    items = _basic_items(x, index) if dims else None
+    if items is None:
+        return None
+    d = dims[0]
+    i = x.block_mesh_dim(d)
+    p, n = x.placements[i], x.mesh.shape[i]
+    pos, out_pos, item_at = 0, 0, None
+    for j, it in enumerate(items):
+        if it is None:
+            out_pos += 1
+            continue
+        if pos == d:
+            item_at = j
+            break
+        out_pos += 0 if _is_int(it) else 1
+        pos += 1
+    it = items[item_at]
+    if not isinstance(it, slice):
+        return None
+    start, stop, step = it.indices(x.shape[d])
+    pieces = aligned_pieces(p.blocks, [(start, stop)]) if step == 1 else None
+    if pieces is None:
+        return None
+    first = [sum(p.blocks[:k]) for k in range(len(p.blocks))].index(start)
+    lo, hi = local_bounds(p.blocks, n, range(first, first + len(pieces[0])))
+    base = getitem(unblock(x), index)
+    req = base.inputs[0]
+    req = req.with_placements(req.placements[:i] + (p,) + req.placements[i + 1:])
+    o = base.outputs[0]
+    o = o.with_placements(o.placements[:i] + (piece_placement(out_pos, pieces[0]),) + o.placements[i + 1:])
+    local = tuple(items[:item_at]) + (slice(lo, hi),) + tuple(items[item_at + 1:])
+    return SpmdResult((req,), (o,), None, lambda coords: {"index": local})
 
 
 @register_spmd_rule("setitem")

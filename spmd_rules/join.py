@@ -2,12 +2,16 @@
 
 split/chunk are linear (a Partial passes to every piece); concat/stack are additive (Partial only when
 every operand has the same linear Partial). When operands are sharded differently the largest wins.
+split/chunk of a block-sharded axis (``S(a,blocks=..)``) into pieces of whole blocks stay local: a piece of
+one block comes out ``S(a)``, of several ``S(a,blocks=..)``; other pieces gather the axis first.
 """
 from __future__ import annotations
 
 from autoparallel.spec import DistSpec
 
+from spmd_rules.blocks import aligned_pieces, block_aware, piece_placement, unblock
 from spmd_rules.einsum import ALL, labels_result
+from spmd_rules.result import SpmdResult
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.utils import check_spec, norm_axis, promote
 
@@ -38,15 +42,41 @@ def _split(op, x, num_or_sections, axis):
     secs = _sections(op, x.shape[a], num_or_sections)
     xl = tuple(None if d == a else d for d in range(x.ndim))
     metas = [(tuple(s if d == a else x.shape[d] for d in range(x.ndim)), x.dtype) for s in secs]
+    blocked = _block_split(op, x, a, secs, xl, metas)
+    if blocked is not None:
+        return blocked
     return labels_result(op, [x], [xl], [xl] * len(secs), metas, linear=ALL)
 
 
+def _block_split(op, x, a, secs, xl, metas):
+    """x block-sharded on the split axis with every piece made of whole blocks: each member splits its
+    local rows (no communication); a one-block piece is Shard(a), a several-block piece BlockShard(a)."""
+    i = x.block_mesh_dim(a)
+    if i is None:
+        return None
+    p, n = x.placements[i], x.mesh.shape[i]
+    bounds = [sum(secs[:k]) for k in range(len(secs) + 1)]
+    pieces = aligned_pieces(p.blocks, list(zip(bounds[:-1], bounds[1:])))
+    if pieces is None:
+        return None                      # not at block boundaries: the label rule gathers the axis first
+    base = labels_result(op, [unblock(x)], [xl], [xl] * len(secs), metas, linear=ALL)
+    req = base.inputs[0]
+    req = req.with_placements(req.placements[:i] + (p,) + req.placements[i + 1:])
+    outs = tuple(o.with_placements(o.placements[:i] + (piece_placement(a, b),) + o.placements[i + 1:])
+                 for o, b in zip(base.outputs, pieces))
+    local = [s // n for s in secs]
+    attrs = (lambda coords: {"num_or_sections": local}) if op == "split" else None
+    return SpmdResult((req,), outs, None, attrs)
+
+
 @register_spmd_rule("split")
+@block_aware
 def split(x, num_or_sections, axis=0, name=None):
     return _split("split", x, num_or_sections, axis)
 
 
 @register_spmd_rule("chunk")
+@block_aware
 def chunk(x, chunks, axis=0, name=None):
     if not isinstance(chunks, int) or chunks <= 0:
         raise ValueError(f"chunk: chunks must be a positive int, got {chunks!r}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from autoparallel.placement import Shard
 
+from spmd_rules.blocks import block_aware
 from spmd_rules.einsum import ALL, label_reverse, labels_result
 from spmd_rules.expand import expand_reverse
 from spmd_rules.registry import register_spmd_rule
@@ -28,6 +29,7 @@ def _transpose_reverse(outputs, x, perm, name=None):
 
 
 @register_spmd_rule("transpose", reverse=_transpose_reverse)
+@block_aware
 def transpose(x, perm, name=None):
     check_spec("transpose", "x", x)
     perm = _perm("transpose", x, perm)
@@ -36,6 +38,7 @@ def transpose(x, perm, name=None):
 
 
 @register_spmd_rule("t")
+@block_aware
 def t(x, name=None):
     check_spec("t", "x", x)
     if x.ndim > 2:
@@ -44,6 +47,7 @@ def t(x, name=None):
 
 
 @register_spmd_rule("unsqueeze")
+@block_aware
 def unsqueeze(x, axis, name=None):
     check_spec("unsqueeze", "x", x)
     axes = int_list("unsqueeze", "axis", axis)
@@ -61,6 +65,7 @@ def unsqueeze(x, axis, name=None):
 
 
 @register_spmd_rule("squeeze")
+@block_aware
 def squeeze(x, axis=None, name=None):
     check_spec("squeeze", "x", x)
     if axis is None:

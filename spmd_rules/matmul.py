@@ -7,8 +7,9 @@ otherwise.
 """
 from __future__ import annotations
 
-from autoparallel.placement import Partial, Shard
+from autoparallel.placement import BlockShard, Partial, Shard
 
+from spmd_rules.blocks import block_aware
 from spmd_rules.einsum import einsum_result, label_reverse, label_rule
 from spmd_rules.expand import expand, expand_reverse, present
 from spmd_rules.registry import register_spmd_rule
@@ -74,6 +75,7 @@ def _matmul_reverse(outputs, x, y, transpose_x=False, transpose_y=False, name=No
 
 
 @register_spmd_rule("matmul", reverse=_matmul_reverse)
+@block_aware
 def matmul(x, y, transpose_x=False, transpose_y=False, name=None, *, out=None):
     return _matmul(x, y, transpose_x, transpose_y)
 
@@ -92,6 +94,7 @@ def _bmm_reverse(outputs, x, y, name=None, *, out=None):
 
 
 @register_spmd_rule("bmm", reverse=_bmm_reverse)
+@block_aware
 def bmm(x, y, name=None, *, out=None):
     _bmm_check(x, y)
     return _matmul(x, y, op="bmm")
@@ -115,6 +118,7 @@ def _linear_labels(x, weight, bias):
     return xl, ("k", "n"), ol, tuple(x.shape[:-1]) + (weight.shape[1],)
 
 
+@block_aware
 def linear(x, weight, bias=None, name=None):
     xl, wl, ol, shape = _linear_labels(x, weight, bias)
     inner = label_rule([xl, wl], [ol], [numel(x), numel(weight)])
@@ -126,6 +130,8 @@ def linear(x, weight, bias=None, name=None):
             rb = None
         elif isinstance(o, Shard):
             rb = Shard(0) if o.dim == last else R
+        elif isinstance(o, BlockShard):          # a fused projection: the bias splits block by block too
+            rb = BlockShard(0, o.blocks) if o.dim == last else R
         else:
             rb = o if isinstance(o, Partial) else R
         return (rx, rw, rb), (o,)

@@ -7,6 +7,7 @@ from typing import Callable, Iterable
 from autoparallel.placement import Placement, parse_placements
 from autoparallel.spec import DistSpec
 
+from spmd_rules.blocks import has_blocks, is_block_aware, unblock
 from spmd_rules.result import LocalShaped, SpmdResult
 
 _RULES: dict = {}
@@ -221,9 +222,18 @@ class SpmdRule:
         if key is not None and key in self._cache:
             return self._cache[key]
         given = flatten_specs(args, kwargs)
+        blocked = has_blocks(given)
+        if blocked and not is_block_aware(self.fn):     # the rule sees block-sharded inputs as R
+            args, kwargs = replace_specs(args, kwargs, [unblock(s) for s in given])
         try:
             order = _call_order(self._sig, args, kwargs)
-            result = self.fn(*args, **kwargs)
+            try:
+                result = self.fn(*args, **kwargs)
+            except ValueError:                  # e.g. a block-split label meeting a plain split of it: gather
+                if not blocked or not is_block_aware(self.fn):
+                    raise
+                result = self.fn(*replace_specs(args, kwargs, [unblock(s) for s in given])[0],
+                                 **replace_specs(args, kwargs, [unblock(s) for s in given])[1])
         except (ValueError, TypeError, IndexError, NotImplementedError) as e:
             err = _named(self.name, e)
             if err is e:
