@@ -7,13 +7,15 @@ family at once (a layer takes the first family pattern it matches), then adapts 
 * fused projections: ``qkv_proj`` whose output the model reshapes per kv head
   (``[.., kv_heads, (groups + 2) * head_dim]``: Qwen2/3, ERNIE 4.5, Gemma3) is split on its output columns, so
   with ``kv_heads % tp == 0`` every device keeps whole kv groups (their query heads, key and value) and the
-  model's own reshape/split stays local. Projections the model slices in blocks (``up_gate_proj`` /
-  ``gate_up_proj`` chunked into [gate | up], Phi3's [q | k | v] ``qkv_proj``) are column-parallel with the
-  output gathered on the TP dim (``gather_output``): each device computes its column block and the model's
-  chunk runs on the full output (one all_gather of the fused activation per layer, no wrong halves).
+  model's own reshape/split stays local. Projections the model cuts in blocks (``up_gate_proj`` /
+  ``gate_up_proj`` chunked into [gate | up]; Phi3's ``qkv_proj`` sliced [q | k | v]) are
+  ``FusedColWiseParallel``: the weight is block-sharded (``S(1,blocks=(I, I))``, ``S(1,blocks=(q, k, v))``),
+  so each device keeps matching gate and up halves (whole q, k and v heads) and the model's chunk/slice is
+  local: no collective beyond Megatron's. A block that does not divide by ``tp`` (an odd intermediate size;
+  kv heads < tp) falls back to column-parallel with the output gathered (one all_gather per layer).
 * grouped-query attention with ``num_key_value_heads % tp != 0`` (e.g. fewer kv heads than TP ranks):
   ``k_proj``/``v_proj`` stay replicated (every device computes all kv heads; queries stay split), a fused
-  ``qkv_proj`` gathers its output.
+  ``qkv_proj`` is column-parallel with its output gathered (the kv blocks cannot be split by tp).
 * MoE experts (``*.experts.*``) are left replicated; the dense layers around them are sharded.
 * a ``[vocab, hidden]`` head (PaddleFormers' ``LMHead``) under ColWiseParallel is split on the vocabulary, the
   same layout as the vocab-parallel embedding, so a tied embedding/head pair stays one parameter.
@@ -21,12 +23,45 @@ family at once (a layer takes the first family pattern it matches), then adapts 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from autoparallel.parallel.tensor_parallel import (ColWiseParallel, PlanError, RowWiseParallel,
-                                                   VocabParallelEmbedding, name_matches)
+                                                   VocabParallelEmbedding, _is_linear, _weight_2d, name_matches)
+from autoparallel.placement import BlockShard
+
+
+@dataclass(frozen=True)
+class FusedColWiseParallel(ColWiseParallel):
+    """Column-parallel for a fused projection whose output the model cuts into blocks. ``parts``: the blocks'
+    relative sizes along the output features ((1, 1) for [gate | up]; (q heads, kv heads, kv heads) for
+    [q | k | v]). Weight ``S(1,blocks=..)`` (``S(0,..)`` for an [out, in] weight), bias ``S(0,blocks=..)``:
+    every device keeps its piece of each block, so the model's chunk/slice of the output is local."""
+    parts: tuple = (1, 1)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.parts, tuple) or not self.parts or \
+                not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in self.parts):
+            raise TypeError(f"FusedColWiseParallel(parts=...) expects a tuple of positive ints (relative block "
+                            f"sizes), got {self.parts!r}")
+
+    def blocks(self, layer) -> tuple:
+        w = _weight_2d(layer)
+        out = int(w.shape[1] if _is_linear(layer) else w.shape[0])
+        if out % sum(self.parts):
+            raise PlanError(f"FusedColWiseParallel(parts={self.parts}): {out} output features do not divide into "
+                            f"blocks of relative sizes {self.parts}")
+        unit = out // sum(self.parts)
+        return tuple(v * unit for v in self.parts)
+
+    def placements(self, layer) -> dict:
+        b = self.blocks(layer)
+        return {"weight": BlockShard(1 if _is_linear(layer) else 0, b), "bias": BlockShard(0, b)}
+
 
 COL, ROW, VOCAB = ColWiseParallel(), RowWiseParallel(), VocabParallelEmbedding()
-GATHER = ColWiseParallel(gather_output=True)
+GATHER = ColWiseParallel(gather_output=True)      # fallback for fused blocks tp does not divide
+GATE_UP = FusedColWiseParallel(parts=(1, 1))      # [gate | up] chunked in two
 
 GPT_PLAN = {   # the project's GPT (examples/models) and GPT-2 style names
     "wte": VOCAB,
@@ -43,8 +78,8 @@ LLAMA_PLAN = {
 FUSED_PLAN = {  # Qwen2 / Qwen3 / ERNIE 4.5 / Gemma3 / Phi3 (PaddleFormers) fused projections
     "embed_tokens": VOCAB,
     "self_attn.qkv_proj": COL, "self_attn.o_proj": ROW,
-    "mlp.up_gate_proj": GATHER, "mlp.gate_up_proj": GATHER, "mlp.down_proj": ROW,
-    "shared_expert.up_gate_proj": GATHER, "shared_expert.gate_up_proj": GATHER, "shared_expert.down_proj": ROW,
+    "mlp.up_gate_proj": GATE_UP, "mlp.gate_up_proj": GATE_UP, "mlp.down_proj": ROW,
+    "shared_expert.up_gate_proj": GATE_UP, "shared_expert.gate_up_proj": GATE_UP, "shared_expert.down_proj": ROW,
     "lm_head": COL,
 }
 ERNIE_PLAN = {  # ERNIE 1-3 / paddle.nn.TransformerEncoderLayer names
@@ -92,15 +127,31 @@ def default_plan(model, tp: int) -> dict:
     """The default plan for ``model`` at TP degree ``tp``, adapted to its config (see module docstring)."""
     plan = raw_plan(model)
     kv = _config(model, "num_key_value_heads", "kv_heads")
+    heads = _config(model, "num_attention_heads", "n_head", "num_heads")
     split_kv = kv is None or kv % tp == 0
     blocked_qkv = getattr(getattr(model, "config", None), "model_type", None) in BLOCK_QKV_MODELS
+    layers = dict(model.named_sublayers())
     for name, style in list(plan.items()):
         if name_matches(name, "k_proj") or name_matches(name, "v_proj"):
             if not split_kv:
                 del plan[name]                   # kv heads replicated
+        elif name_matches(name, "qkv_proj") and blocked_qkv and split_kv and heads and heads % tp == 0:
+            plan[name] = _fused_or_gather(FusedColWiseParallel(parts=(heads, kv or heads, kv or heads)),
+                                          layers[name], tp)
         elif name_matches(name, "qkv_proj") and (blocked_qkv or not split_kv):
             plan[name] = dataclasses.replace(style, gather_output=True)
+        elif isinstance(style, FusedColWiseParallel):
+            plan[name] = _fused_or_gather(style, layers[name], tp)
     return plan
+
+
+def _fused_or_gather(style, layer, tp: int):
+    """``style`` when every block divides by ``tp``; else column-parallel with the output gathered."""
+    try:
+        blocks = style.blocks(layer)
+    except (PlanError, AttributeError, TypeError):
+        return GATHER
+    return style if all(b % tp == 0 for b in blocks) else GATHER
 
 
 def family(model):
@@ -122,5 +173,5 @@ def no_family_error(model, tp: int) -> PlanError:
                      f"{', '.join(names[:12]) or '(none)'}; pass tp_plan={{pattern: style}} to parallelize")
 
 
-__all__ = ["FAMILIES", "GPT_PLAN", "LLAMA_PLAN", "FUSED_PLAN", "ERNIE_PLAN", "default_plan", "raw_plan", "family",
+__all__ = ["FusedColWiseParallel", "FAMILIES", "GPT_PLAN", "LLAMA_PLAN", "FUSED_PLAN", "ERNIE_PLAN", "default_plan", "raw_plan", "family",
            "no_family_error"]
