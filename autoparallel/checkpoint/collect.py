@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 
-from autoparallel.checkpoint.layout import owned_boxes
+from autoparallel.checkpoint.layout import owned_pieces
 from autoparallel.checkpoint.leaves import HeldElsewhere, ShardedLeaf
 
 
@@ -64,10 +64,14 @@ def collect(flat: dict, rank: int, multi: bool) -> tuple:
             tensors[name] = {"kind": "dist", "dtype": spec.dtype, "shape": list(spec.shape),
                              "mesh": mesh_json(spec.mesh), "placements": [str(p) for p in spec.placements]}
             held = dt.locals
-            for owner, offsets, shape in owned_boxes(spec):
+            for owner, offsets, shape, local in owned_pieces(spec):
                 if owner not in held:
                     continue
                 array = to_numpy(held[owner])
+                if tuple(array.shape) != tuple(spec.local_shape(owner)):
+                    raise ValueError(f"state entry {name!r}: rank {owner}'s local shard has shape "
+                                     f"{list(array.shape)}, its spec {spec} expects {list(spec.local_shape(owner))}")
+                array = np.ascontiguousarray(array[local])
                 if tuple(array.shape) != tuple(shape):
                     raise ValueError(f"state entry {name!r}: rank {owner}'s local shard has shape "
                                      f"{list(array.shape)}, its spec {spec} expects {list(shape)}")

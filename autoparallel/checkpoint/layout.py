@@ -4,7 +4,9 @@ A box is ``(offsets, shape)`` in global indices. Ownership de-duplicates replica
 the same box (they differ only in their coordinates on Replicate mesh dims), the one with coordinate 0 on
 every such dim owns it. Shard mesh dims (nested or not) give disjoint boxes, so the owned boxes of a
 tensor tile it exactly once. Partial placements are reduced to Replicate before saving (see save.py).
-Empty boxes (uneven shards: 5 rows over 4 ranks gives 2, 2, 1, 0) own nothing.
+Empty boxes (uneven shards: 5 rows over 4 ranks gives 2, 2, 1, 0) own nothing. A block-sharded dim
+(``S(d,blocks=..)``) gives each rank one box per block (its piece of that block): ``local_pieces`` pairs each
+global box with the rows of the local tensor holding it, so files always hold the global (un-permuted) tensor.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from autoparallel.placement import Partial, Shard
+from autoparallel.placement import BlockShard, Partial, Shard
 
 
 def local_box(spec, rank: int) -> tuple:
@@ -22,11 +24,43 @@ def local_box(spec, rank: int) -> tuple:
     return tuple(a for a, _ in ranges), tuple(b - a for a, b in ranges)
 
 
+def local_pieces(spec, rank: int) -> list:
+    """[(global offsets, shape, slices into the local tensor)] of what ``rank`` holds: one box, or one per
+    block of a block-sharded dim."""
+    coords = spec.mesh.coords_of(rank)
+    d = next((p.dim for p in spec.placements if isinstance(p, BlockShard)), None)
+    if d is None:
+        off, shape = local_box(spec, rank)
+        return [(off, shape, tuple(slice(0, n) for n in shape))]
+    i = spec.block_mesh_dim(d)
+    p, n = spec.placements[i], spec.mesh.shape[i]
+    ranges = [(0, 0) if e == d else spec.local_range(coords, e) for e in range(spec.ndim)]
+    out, start, lo = [], 0, 0
+    for b in p.blocks:
+        c = b // n
+        rs = list(ranges)
+        rs[d] = (start + coords[i] * c, start + (coords[i] + 1) * c)
+        sl = [slice(0, bb - a) for a, bb in rs]
+        sl[d] = slice(lo, lo + c)
+        out.append((tuple(a for a, _ in rs), tuple(bb - a for a, bb in rs), tuple(sl)))
+        start, lo = start + b, lo + c
+    return out
+
+
+def owned_pieces(spec) -> list:
+    """[(rank, offsets, shape, local slices)] of the non-empty boxes each owner writes, in mesh order."""
+    out = []
+    for rank in spec.mesh.process_ids:
+        if is_owner(spec, rank):
+            out += [(rank, off, shape, sl) for off, shape, sl in local_pieces(spec, rank) if numel(shape)]
+    return out
+
+
 def is_owner(spec, rank: int) -> bool:
     if any(isinstance(p, Partial) for p in spec.placements):
         raise ValueError(f"ownership of a Partial tensor is undefined; reduce {spec} to Replicate first")
     coords = spec.mesh.coords_of(rank)
-    return all(coords[i] == 0 for i, p in enumerate(spec.placements) if not isinstance(p, Shard))
+    return all(coords[i] == 0 for i, p in enumerate(spec.placements) if not isinstance(p, (Shard, BlockShard)))
 
 
 def owned_boxes(spec) -> list:

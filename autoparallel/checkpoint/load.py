@@ -14,7 +14,7 @@ from autoparallel.checkpoint.discovery import resolve_checkpoint
 from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from autoparallel.checkpoint.flatten import flatten, unflatten
 from autoparallel.checkpoint.format import read_metadata, storage_dtype
-from autoparallel.checkpoint.layout import intersect, local_box, numel, relative_slices
+from autoparallel.checkpoint.layout import intersect, local_pieces, numel, relative_slices
 from autoparallel.checkpoint.leaves import HeldElsewhere, ShardedLeaf
 from autoparallel.checkpoint.reader import ShardReader
 
@@ -149,11 +149,15 @@ def _describe(name: str, leaf) -> _Target:
         spec = dt.spec
         boxes = []
         for rank, local in sorted(dt.locals.items()):
-            off, shape = local_box(spec, rank)
             coords = spec.mesh.coords_of(rank)
             zero = any(isinstance(p, Partial) and p.reduce_type == "sum" and coords[i] != 0
                        for i, p in enumerate(spec.placements))
-            boxes.append((local, off, shape, zero))
+            pieces = local_pieces(spec, rank)
+            if len(pieces) == 1:
+                boxes.append((local, pieces[0][0], pieces[0][1], zero))
+                continue
+            whole = _Assembled(local, len(pieces))          # a block-sharded local: one box per block
+            boxes += [(_Piece(whole, sl), off, shape, zero) for off, shape, sl in pieces]
         return _Target("tensor", tuple(spec.shape), spec.dtype, boxes)
     if isinstance(leaf, paddle.Tensor):
         shape = tuple(leaf.shape)
@@ -238,10 +242,36 @@ def _assign(flat: dict, targets: dict, loaded: dict, meta: dict) -> None:
                     _write_into(dest, array)
 
 
+class _Assembled:
+    """A local tensor filled from several boxes (its pieces of each block): written once all have arrived."""
+
+    def __init__(self, local, n: int):
+        self.local, self.left = local, n
+        self.buffer = None
+
+    def put(self, sl, array: np.ndarray) -> None:
+        if self.buffer is None:
+            self.buffer = np.zeros(tuple(self.local.shape), dtype=array.dtype)
+        self.buffer[sl] = array
+        self.left -= 1
+        if self.left == 0:
+            _write_into(self.local, self.buffer)
+
+
+@dataclass
+class _Piece:
+    whole: _Assembled
+    slices: tuple
+
+
 def _write_into(dest, array: np.ndarray) -> None:
     """Copy ``array`` into ``dest`` in place, honouring its strides: a shard made by slicing can be a
     strided view, where ``set_value`` would write contiguous bytes over its neighbours."""
     import paddle
+
+    if isinstance(dest, _Piece):
+        dest.whole.put(dest.slices, array)
+        return
 
     src = paddle.to_tensor(array)
     if array.dtype == np.uint16 and str(dest.dtype).endswith("bfloat16"):

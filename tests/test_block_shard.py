@@ -1,0 +1,188 @@
+"""Block-sharded placement ``S(d,blocks=(..))``: fused projections kept local.
+
+Placement syntax and invariants; local shards against the full tensor; reshard transitions (values and
+gradients); the rules that keep a fused output local (as strings, and against the full tensor with
+tools/check_rules.py); checkpoints hold the global tensor; a wrong block order is caught (negative control).
+Real models (Phi3, Qwen2-MoE) under ``parallelize``: tests/test_paddleformers.py and test_comm_counts.py."""
+import numpy as np
+import paddle
+import pytest
+
+import autoparallel as ap
+from autoparallel.placement import BlockShard, Shard, parse_placement, parse_placements
+from autoparallel.spec import DistSpec
+from autoparallel.testing.check import assemble, expected_local
+from reshard.planner import plan_reshard
+from spmd_rules import get_spmd_rule
+
+MESH = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["data", "model"])
+X = np.arange(4 * 12, dtype="float32").reshape(4, 12)
+
+
+def spec(shape, text, mesh=MESH):
+    return DistSpec(mesh, parse_placements(text), shape, "float32")
+
+
+# ---- the placement -----------------------------------------------------------------------------------------
+def test_syntax_round_trips_and_compares():
+    p = parse_placement("S(1, blocks=[64, 32, 32])")
+    assert p == BlockShard(1, (64, 32, 32)) and hash(p) == hash(BlockShard(1, [64, 32, 32]))
+    assert str(p) == "S(1,blocks=(64,32,32))" and parse_placement(str(p)) == p
+    assert p != Shard(1) and not p.is_shard() and p.is_block_shard(1) and not p.is_block_shard(0)
+    assert parse_placements("[R, S(1,blocks=(8,4))]") == (ap.Replicate(), BlockShard(1, (8, 4)))
+
+
+@pytest.mark.parametrize("shape, text, err, match", [
+    ((4, 12), "R,S(1,blocks=(8,8))", ValueError, "blocks sum to 16 but tensor dim 1 has size 12"),
+    ((4, 12), "R,S(1,blocks=(9,3))", ValueError, "divisible by the mesh dim size 2"),
+    ((4, 12), "S(1),S(1,blocks=(8,4))", ValueError, "split by one mesh dim only"),
+    ((4, 12), "R,S(2,blocks=(8,4))", ValueError, "out of range for a tensor of rank 2"),
+])
+def test_invariants_are_typed_errors(shape, text, err, match):
+    with pytest.raises(err, match=match):
+        spec(shape, text)
+
+
+def test_bad_blocks_are_typed_errors():
+    with pytest.raises(ValueError, match="positive sizes"):
+        BlockShard(0, (4, 0))
+    with pytest.raises(TypeError, match="sequence of ints"):
+        BlockShard(0, "ab")
+
+
+def test_local_shards_hold_a_piece_of_every_block():
+    s = spec((4, 12), "S(0),S(1,blocks=(8,4))")
+    assert s.local_shape(3) == (2, 6) and s.max_local_shape() == (2, 6)
+    np.testing.assert_array_equal(expected_local(X, s, (1, 1)), X[2:4][:, [4, 5, 6, 7, 10, 11]])
+    with ap.simulate(world_size=4):
+        t = ap.shard_tensor(paddle.to_tensor(X), MESH, list(s.placements))
+        np.testing.assert_array_equal(t._locals[3].numpy(), X[2:4][:, [4, 5, 6, 7, 10, 11]])
+        np.testing.assert_array_equal(t.numpy(), X)
+        back = ap.dtensor_from_local({r: t._locals[r] for r in range(4)}, MESH, list(s.placements))
+        assert back.spec == s
+        np.testing.assert_array_equal(back.numpy(), X)
+
+
+# ---- reshard -------------------------------------------------------------------------------------------------
+def test_planner_gathers_and_slices_blocks():
+    steps = lambda a, b: [(st.collective, st.mesh_dim) for st in
+                          plan_reshard((4, 12), "float32", MESH, parse_placements(a), parse_placements(b)).steps]
+    assert steps("R,S(1,blocks=(8,4))", "R,R") == [("all_gather", 1)]
+    assert steps("R,R", "R,S(1,blocks=(8,4))") == [("slice", 1)]
+    assert steps("R,S(1,blocks=(8,4))", "R,S(1)") == [("all_gather", 1), ("slice", 1)]
+    assert sorted(steps("R,P", "R,S(1,blocks=(8,4))")) == [("all_reduce", 1), ("slice", 1)]
+
+
+@pytest.mark.parametrize("src, dst", [
+    ("S(0),S(1,blocks=(8,4))", "R,R"), ("R,R", "R,S(1,blocks=(8,4))"), ("S(0),S(1,blocks=(8,4))", "S(1),S(0)"),
+    ("R,S(1,blocks=(4,4,4))", "R,S(1,blocks=(8,4))"), ("P,R", "S(1,blocks=(6,6)),R"),
+])
+def test_reshard_values_and_gradients_equal_the_full_tensor(src, dst):
+    """Forward: every rank holds its piece of the full tensor; backward: the gradient of sum(out * G) is G
+    in the source layout (the adjoint of each step)."""
+    g = np.random.default_rng(0).standard_normal(X.shape).astype("float32")
+    with ap.simulate(world_size=4):
+        a = ap.shard_tensor(paddle.to_tensor(X), MESH, list(parse_placements(src.replace("P", "R"))))
+        if src.startswith("P"):
+            a = ap.reshard(a, MESH, list(parse_placements(src)))
+        a.stop_gradient = False
+        b = ap.reshard(a, MESH, list(parse_placements(dst)))
+        np.testing.assert_array_equal(assemble(dict(b._locals), b.spec), X)
+        (b * ap.shard_tensor(paddle.to_tensor(g), MESH, list(b.placements))).sum().backward()
+        np.testing.assert_allclose(a.grad.numpy(), g, rtol=1e-6)
+
+
+def test_negative_control_a_wrong_block_order_is_a_different_tensor():
+    with ap.simulate(world_size=4):
+        t = ap.shard_tensor(paddle.to_tensor(X), MESH, list(parse_placements("R,S(1,blocks=(8,4))")))
+        wrong = ap.dtensor_from_local(dict(t._locals), MESH, list(parse_placements("R,S(1,blocks=(4,8))")))
+        plain = ap.dtensor_from_local(dict(t._locals), MESH, list(parse_placements("R,S(1)")))
+        assert not np.array_equal(wrong.numpy(), X) and not np.array_equal(plain.numpy(), X)
+        np.testing.assert_array_equal(t.numpy(), X)
+
+
+# ---- rules -----------------------------------------------------------------------------------------------------
+def rule(op, *args, **kwargs):
+    return str(get_spmd_rule(op)(*args, **kwargs))
+
+
+def test_fused_linear_chunk_and_slices_stay_local():
+    x, w, b = spec((4, 8, 16), "S(0),R"), spec((16, 24), "R,S(1,blocks=(8,8,8))"), spec((24,), "R,S(0,blocks=(8,8,8))")
+    assert rule("linear", x, w, b) == "([S(0), R], [R, S(1,blocks=(8,8,8))], [R, S(0,blocks=(8,8,8))]) -> " \
+                                      "[S(0), S(2,blocks=(8,8,8))]"
+    y = spec((4, 8, 24), "S(0),S(2,blocks=(12,12))")
+    assert rule("chunk", y, 2, axis=-1) == "([S(0), S(2,blocks=(12,12))]) -> ([S(0), S(2)], [S(0), S(2)])"
+    assert rule("silu", y) == "([S(0), S(2,blocks=(12,12))]) -> [S(0), S(2,blocks=(12,12))]"
+    q = spec((4, 8, 24), "S(0),S(2,blocks=(12,6,6))")
+    assert rule("getitem", q, (Ellipsis, slice(0, 12))) == "([S(0), S(2,blocks=(12,6,6))]) -> [S(0), S(2)]"
+    assert rule("getitem", q, (Ellipsis, slice(12, None))) == \
+        "([S(0), S(2,blocks=(12,6,6))]) -> [S(0), S(2,blocks=(6,6))]"
+    r = get_spmd_rule("split")(q, [12, 6, 6], axis=2)
+    assert str(r) == "([S(0), S(2,blocks=(12,6,6))]) -> ([S(0), S(2)], [S(0), S(2)], [S(0), S(2)])"
+    assert r.local_kwargs((0, 1)) == {"num_or_sections": [6, 3, 3]}
+
+
+def test_pieces_across_blocks_and_unaware_rules_gather_first():
+    y = spec((4, 8, 24), "S(0),S(2,blocks=(12,12))")
+    assert rule("chunk", y, 3, axis=-1) == "([S(0), R]) -> ([S(0), R], [S(0), R], [S(0), R])"
+    assert rule("getitem", y, (Ellipsis, slice(6, 18))) == "([S(0), R]) -> [S(0), R]"
+    assert rule("softmax", y, axis=-1) == "([S(0), R]) -> [S(0), R]"
+    assert rule("multiply", y, spec((4, 8, 24), "S(0),S(2)")) == \
+        "([S(0), S(2,blocks=(12,12))], [S(0), S(2,blocks=(12,12))]) -> [S(0), S(2,blocks=(12,12))]"
+
+
+def test_check_rules_full_tensor_with_block_layouts():
+    """tools/check_rules.py tries S(d,blocks=..) among the layouts of its fused cases (forward and input
+    gradients against the full op)."""
+    import io
+
+    from tools import check_rules
+
+    out = io.StringIO()
+    assert check_rules.main(["--op", "linear", "--op", "chunk", "--op", "getitem", "--op", "split"], out=out) == 0, \
+        out.getvalue()
+
+
+def test_negative_control_a_rule_keeping_blocks_through_a_misaligned_chunk_is_caught():
+    """A rule that calls every chunk of a block-sharded axis local (right for [gate | up] in two, wrong for a
+    chunk cutting through blocks): check_rules fails it."""
+    import io
+
+    from spmd_rules.blocks import block_aware, has_blocks, unblock
+    from spmd_rules.registry import _RULES, register_spmd_rule
+    from spmd_rules.result import SpmdResult
+    from tools import check_rules
+
+    saved = _RULES["chunk"]
+
+    @block_aware
+    def wrong(x, chunks, axis=0, name=None):
+        res = saved.fn(unblock(x), chunks, axis)
+        a = axis % x.ndim
+        i = x.block_mesh_dim(a)
+        if not has_blocks([x]) or i is None:
+            return res
+        return SpmdResult((x,), tuple(o.with_placements(o.placements[:i] + (Shard(a),) + o.placements[i + 1:])
+                                      for o in res.outputs))
+
+    try:
+        register_spmd_rule("chunk", wrong)
+        out = io.StringIO()
+        assert check_rules.main(["--op", "chunk"], out=out) != 0
+        assert "chunk[misaligned]" in out.getvalue() or "FAIL" in out.getvalue()
+    finally:
+        _RULES["chunk"] = saved
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------------
+def test_checkpoint_holds_the_global_tensor_and_reloads_into_any_layout(tmp_path):
+    from autoparallel.checkpoint import load_merged_state_dict, load_state_dict, save_state_dict
+
+    with ap.simulate(world_size=4):
+        w = ap.shard_tensor(paddle.to_tensor(X), MESH, list(parse_placements("S(0),S(1,blocks=(8,4))")))
+        save_state_dict({"w": w}, str(tmp_path / "ck"))
+        np.testing.assert_array_equal(load_merged_state_dict(str(tmp_path / "ck"))["w"], X)
+        for text in ("R,R", "R,S(1)", "S(1,blocks=(4,4,4)),S(0)"):
+            dst = ap.shard_tensor(paddle.zeros([4, 12]), MESH, list(parse_placements(text)))
+            load_state_dict({"w": dst}, str(tmp_path / "ck"))
+            np.testing.assert_array_equal(dst.numpy(), X)
