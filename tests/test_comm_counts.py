@@ -121,3 +121,41 @@ def test_sequence_parallel_backward_is_reduce_scatter_not_all_reduce():
     assert _on(log, "all_reduce", TP_GROUPS) == 0, log
     assert _on(log, "reduce_scatter", TP_GROUPS) == 2 * (2 * pf.LAYERS + 1), log
     assert pf.compare(ref, got) == []
+
+
+def _counts_each_way(name, tp_plan=None):
+    """TP-group collective counts of one forward and one backward under parallelize (dp2 x tp2), and the
+    loss and gradients."""
+    import paddleformers_common as pc
+
+    with ap.simulate(world_size=4):
+        model, opt = pc.parallelized(name, tp_plan=tp_plan)
+        ids, labels = pf.batch(0)
+        with counted() as fwd:
+            loss = pf.loss_of(model(input_ids=paddle.to_tensor(ids), labels=paddle.to_tensor(labels)))
+        with counted() as bwd:
+            loss.backward()
+        opt.reduce_gradients()
+        got = (float(loss), {n: pf._grad_np(p) for n, p in model.named_parameters()})
+    kinds = ("all_gather", "all_reduce", "reduce_scatter")
+    return tuple({k: _on(log, k, TP_GROUPS) for k in kinds} for log in (fwd, bwd)), got
+
+
+@needs_pf
+@pytest.mark.parametrize("name", ["phi3", "qwen2_moe"])
+def test_fused_projections_add_no_collective(name):
+    """Phi3's [gate | up] and [q | k | v] and Qwen2-MoE's shared-expert [gate | up] are block-sharded: the
+    counts equal Llama's separate projections (Megatron's), no all_gather either way, values as one process."""
+    llama, _ = _counts_each_way("llama")
+    counts, got = _counts_each_way(name)
+    assert counts == llama, (counts, llama)
+    assert counts[0]["all_gather"] == counts[1]["all_gather"] == 0
+    assert pf.compare(pf.reference(name), got) == []
+
+
+@needs_pf
+def test_negative_control_gathered_fused_outputs_add_all_gathers():
+    gather = ap.ColWiseParallel(gather_output=True)
+    counts, got = _counts_each_way("phi3", tp_plan={"qkv_proj": gather, "gate_up_proj": gather})
+    assert counts[0]["all_gather"] == 2 * 2 * pf.LAYERS, counts        # per TP group: qkv and gate_up per layer
+    assert pf.compare(pf.reference("phi3"), got) == []
