@@ -186,3 +186,40 @@ def test_checkpoint_holds_the_global_tensor_and_reloads_into_any_layout(tmp_path
             dst = ap.shard_tensor(paddle.zeros([4, 12]), MESH, list(parse_placements(text)))
             load_state_dict({"w": dst}, str(tmp_path / "ck"))
             np.testing.assert_array_equal(dst.numpy(), X)
+
+
+# ---- default plans on real models --------------------------------------------------------------------------
+pf_needed = pytest.mark.skipif(not __import__("autoparallel.testing.paddleformers_models", fromlist=["x"]).available(),
+                               reason="paddleformers not installed (pip install -e .[models])")
+
+
+@pf_needed
+def test_phi3_plans_block_shard_gate_up_and_qkv():
+    from autoparallel.testing import paddleformers_models as pf
+    from tests.dist_scripts import paddleformers_common as pc
+
+    with ap.simulate(world_size=4):
+        model, _ = pc.parallelized("phi3")
+    layer = model.model.layers[0]
+    assert str(layer.mlp.gate_up_proj.weight.placements) == f"[R, S(1,blocks=({pf.FFN},{pf.FFN}))]"
+    hd = pf.HIDDEN // pf.HEADS
+    q, kv = pf.HEADS * hd, pf.KV_HEADS * hd
+    assert str(layer.self_attn.qkv_proj.weight.placements) == f"[R, S(1,blocks=({q},{kv},{kv}))]"
+
+
+@pf_needed
+@pytest.mark.parametrize("overrides", [{"num_key_value_heads": 1}, {"intermediate_size": 63}])
+def test_blocks_tp_does_not_divide_fall_back_to_a_gathered_output(overrides):
+    """kv heads < tp (the k and v blocks cannot split) or an odd intermediate size: column-parallel with the
+    output gathered, still equal to one process."""
+    from autoparallel.testing import paddleformers_models as pf
+    from tests.dist_scripts import paddleformers_common as pc
+
+    ref = pf.reference("phi3", **overrides)
+    with ap.simulate(world_size=4):
+        model, _ = pc.parallelized("phi3", **overrides)
+        got = pc.parallelize_grads("phi3", **overrides)
+    layer = model.model.layers[0]
+    fallback = layer.self_attn.qkv_proj if "num_key_value_heads" in overrides else layer.mlp.gate_up_proj
+    assert str(fallback.weight.placements) == "[R, S(1)]"
+    assert pf.compare(ref, got) == []
