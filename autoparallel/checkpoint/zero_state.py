@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from autoparallel.checkpoint.collect import mesh_json, to_numpy
-from autoparallel.checkpoint.layout import flat_range_boxes, local_box, numel
+from autoparallel.checkpoint.layout import flat_range_boxes, local_pieces, numel
 from autoparallel.checkpoint.leaves import ShardedLeaf
 
 SCALAR_ACCUMULATORS = ("beta1_pow_acc", "beta2_pow_acc")
@@ -108,7 +108,8 @@ class ChunkGeometry:
         self.spec = p.spec
         self.pieces = {}                       # rank -> (box offsets, box shape, chunk start, chunk size)
         for r in p.mesh.process_ids:
-            off, shape = local_box(p.spec, r)
+            held = local_pieces(p.spec, r)          # one box, or one per block of a block-sharded dim
+            off, shape = held[0][0], tuple(p.spec.local_shape(r))
             layout = zopt._layout([p], r)
             k = zopt.groups.index(r)
             self.pieces[r] = (off, shape, layout.starts[0][k], layout.sizes[0][k])
@@ -132,12 +133,28 @@ class ChunkGeometry:
         return self.pieces[r][3]
 
     def boxes(self, r) -> list:
-        """[(global offsets, shape, position in the chunk)] of rank r's chunk."""
+        """[(global offsets, shape, position in the chunk, chunk box shape, part)] of rank r's chunk: the
+        chunk's C-order box at ``position`` has ``chunk box shape``; ``part`` ((start, stop) per dim, or None
+        for all of it) is the piece of that box lying at the global offsets (a block-sharded local tensor
+        splits a box at its block boundaries)."""
         off, shape, start, size = self.pieces[r]
         if size == 0:
             return []
-        return [(tuple(o + q for o, q in zip(off, rel)), s, f - start)
-                for rel, s, f in flat_range_boxes(shape, start, start + size)]
+        held = local_pieces(self.spec, r)
+        out = []
+        for rel, s, f in flat_range_boxes(shape, start, start + size):
+            if len(held) == 1:
+                out.append((tuple(o + q for o, q in zip(off, rel)), s, f - start, s, None))
+                continue
+            for goff, _, sl in held:                 # local rows sl of the block piece at goff
+                lo = [max(a, x.start) for a, x in zip(rel, sl)]
+                hi = [min(a + n, x.stop) for a, n, x in zip(rel, s, sl)]
+                if any(h <= l for l, h in zip(lo, hi)):
+                    continue
+                g = tuple(go + l - x.start for go, l, x in zip(goff, lo, sl))
+                part = tuple((l - a, h - a) for l, h, a in zip(lo, hi, rel))
+                out.append((g, tuple(h - l for l, h in zip(lo, hi)), f - start, s, part))
+        return out
 
     def layout_json(self) -> dict:
         return {"mesh": mesh_json(self.p.mesh), "placements": [str(x) for x in self.spec.placements],
@@ -166,7 +183,7 @@ class ZeroChunks(ShardedLeaf):
             if self.geo.size(r) == 0:
                 continue
             data = self._chunk(r)
-            out += [(r, off, data[pos:pos + numel(shape)].reshape(shape)) for off, shape, pos in self.geo.boxes(r)]
+            out += [(r, off, _box(data, pos, bs, part)) for off, _, pos, bs, part in self.geo.boxes(r)]
         return out
 
     def saved_boxes(self) -> list:
@@ -176,14 +193,22 @@ class ZeroChunks(ShardedLeaf):
         return [(off, a) for _, off, a in self._pieces(self.geo.zopt.held)]
 
     def wanted_boxes(self) -> list:
-        return [((r, pos), off, shape) for r in self.geo.zopt.held for off, shape, pos in self.geo.boxes(r)]
+        return [((r, pos, bs, part), off, shape) for r in self.geo.zopt.held
+                for off, shape, pos, bs, part in self.geo.boxes(r)]
 
     def assign(self, loaded: list) -> None:
         from autoparallel.checkpoint.format import storage_dtype
 
         bufs = {r: np.empty(self.geo.size(r), storage_dtype(self.dtype)) for r in self.geo.zopt.held}
-        for (r, pos), array in loaded:
-            bufs[r][pos:pos + array.size] = array.reshape(-1)
+        boxes = {}
+        for (r, pos, bs, part), array in loaded:
+            if part is None:
+                bufs[r][pos:pos + array.size] = array.reshape(-1)
+            else:                                   # a box assembled from its block pieces
+                box = boxes.setdefault((r, pos), np.empty(bs, bufs[r].dtype))
+                box[_slices(part)] = array
+        for (r, pos), box in boxes.items():
+            bufs[r][pos:pos + box.size] = box.reshape(-1)
         for r, buf in bufs.items():
             if buf.size:
                 _copy_into(self.get(r), buf, self.dtype)
@@ -209,14 +234,15 @@ class ZeroParam(ShardedLeaf):
                 continue
             start = self.geo.pieces[r][2]
             data = to_numpy(local).reshape(-1)[start:start + self.geo.size(r)]
-            out += [(r, off, data[pos:pos + numel(shape)].reshape(shape)) for off, shape, pos in self.geo.boxes(r)]
+            out += [(r, off, _box(data, pos, bs, part)) for off, _, pos, bs, part in self.geo.boxes(r)]
         return out
 
     def held_boxes(self) -> list:
-        return [(local_box(self.geo.spec, r)[0], to_numpy(t)) for r, t in sorted(self.p.locals.items())]
+        return [(off, to_numpy(t)[sl]) for r, t in sorted(self.p.locals.items())
+                for off, _, sl in local_pieces(self.geo.spec, r)]
 
     def wanted_boxes(self) -> list:
-        return [(r, *local_box(self.geo.spec, r)) for r in sorted(self.p.locals)]
+        return [((r, sl), off, shape) for r in sorted(self.p.locals) for off, shape, sl in local_pieces(self.geo.spec, r)]
 
     def assign(self, loaded: list) -> None:
         import paddle
@@ -226,7 +252,10 @@ class ZeroParam(ShardedLeaf):
 
         zopt = self.geo.zopt
         with paddle.no_grad(), local_mode():
-            for r, array in loaded:
+            whole = {}
+            for (r, sl), array in loaded:             # a block-sharded local arrives in block pieces
+                whole.setdefault(r, np.empty(tuple(self.p.locals[r].shape), array.dtype))[sl] = array
+            for r, array in whole.items():
                 local = self.p.locals[r]
                 _write_into(local, array)
                 off, shape, start, size = self.geo.pieces[r]
@@ -238,6 +267,16 @@ class ZeroParam(ShardedLeaf):
 
     def layout_json(self) -> dict:
         return self.geo.layout_json()
+
+
+def _slices(part) -> tuple:
+    return tuple(slice(a, b) for a, b in part)
+
+
+def _box(data: np.ndarray, pos: int, shape, part) -> np.ndarray:
+    """The chunk's C-order box of ``shape`` at ``pos`` (or its ``part``)."""
+    box = data[pos:pos + numel(shape)].reshape(shape)
+    return box if part is None else np.ascontiguousarray(box[_slices(part)])
 
 
 def _copy_into(dest, buf: np.ndarray, dtype: str) -> None:
