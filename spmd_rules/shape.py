@@ -2,15 +2,17 @@
 
 A sharded input dim keeps its sharding only where it is the outermost dim of its reshape group and its
 chunks line up (see dimtrans.py); otherwise it is required R. Linear Partials pass. The local target
-shape of reshape/view is rank-dependent with uneven shards: ``local_attrs(coords)`` gives it.
+shape of reshape/view is rank-dependent with uneven shards: ``local_attrs(coords)`` gives it. A
+block-sharded dim (``S(d,blocks=..)``) is kept only where the reshape leaves it untouched (``same_axis``).
 """
 from __future__ import annotations
 
 import math
 
-from autoparallel.placement import Shard
+from autoparallel.placement import BlockShard, Shard
 from autoparallel.spec import DistSpec, dtype_bytes, normalize_dtype
 
+from spmd_rules.blocks import block_aware
 from spmd_rules.dimtrans import infer_shape, reshape_transforms, shard_map
 from spmd_rules.expand import expand, expand_reverse
 from spmd_rules.registry import register_spmd_rule
@@ -30,6 +32,10 @@ def _rule_1d(in_shape, out_shape):
             m = maps.setdefault(dim.size, shard_map(in_shape, out_shape, transforms, dim.size))
             if p.dim in m:
                 return (p,), (Shard(m[p.dim]),)
+        if isinstance(p, BlockShard):
+            e = same_axis(in_shape, out_shape, p.dim)
+            if e is not None:
+                return (p,), (BlockShard(e, p.blocks),)
         return (R,), (R,)
 
     def reverse(outs, dim):
@@ -46,11 +52,21 @@ def _rule_1d(in_shape, out_shape):
     return rule, reverse
 
 
+def same_axis(in_shape, out_shape, d: int):
+    """The output dim that is input dim ``d`` unchanged (same size, same elements before it), or None: a
+    block-sharded dim survives a reshape only untouched (not merged, not split)."""
+    before = math.prod(in_shape[:d])
+    for e in range(len(out_shape)):
+        if math.prod(out_shape[:e]) == before and out_shape[e] == in_shape[d]:
+            return e
+    return None
+
+
 def reshape_result(op, x, out_shape, shape_kw: str | None) -> SpmdResult:
     rule, _ = _rule_1d(tuple(x.shape), tuple(out_shape))
     required, outputs = expand(op, [x], [(out_shape, x.dtype)], rule)
     out = outputs[0]
-    if shape_kw is None or not any(isinstance(p, Shard) for p in out.placements):
+    if shape_kw is None or not any(isinstance(p, (Shard, BlockShard)) for p in out.placements):
         return SpmdResult(required, outputs)
     return SpmdResult(required, outputs, None, lambda coords: {shape_kw: list(out.local_shape(coords))})
 
@@ -61,6 +77,7 @@ def _reshape_reverse(outputs, x, shape, name=None):
 
 
 @register_spmd_rule("reshape", reverse=_reshape_reverse)
+@block_aware
 def reshape(x, shape, name=None):
     check_spec("reshape", "x", x)
     if isinstance(shape, DistSpec):
@@ -98,6 +115,7 @@ def _flatten_reverse(outputs, x, start_axis=0, stop_axis=-1, name=None):
 
 
 @register_spmd_rule("flatten", reverse=_flatten_reverse)
+@block_aware
 def flatten(x, start_axis=0, stop_axis=-1, name=None):
     check_spec("flatten", "x", x)
     return reshape_result("flatten", x, _flatten_shape("flatten", x, start_axis, stop_axis), None)

@@ -649,7 +649,10 @@ def _cases_blocks():
     add_case("silu", blocked(f(4, 12), d1=(6, 6)), label="fused")
     add_case("transpose", blocked(f(4, 12), d1=(6, 6)), [1, 0], label="fused")
     add_case("softmax", blocked(f(4, 12), d1=(6, 6)), axis=0, label="fused-unaware")
-    add_case("reshape", blocked(f(4, 12), d1=(6, 6)), [4, 2, 6], label="fused-unaware")
+    add_case("reshape", blocked(f(4, 12), d1=(6, 6)), [4, 2, 6], label="fused-split")
+    add_case("reshape", blocked(f(2, 3, 12), d2=(6, 6)), [6, 12], label="fused-kept")
+    add_case("flatten", blocked(f(2, 3, 12), d2=(6, 6)), start_axis=0, stop_axis=1, label="fused-kept")
+    add_case("flatten", blocked(f(2, 12, 3), d1=(6, 6)), start_axis=1, label="fused-merged")
 
 
 def _impls():
