@@ -1,7 +1,8 @@
 """4 real gloo ranks (dp=2, tp=2 under ap.parallelize): collectives per decoder layer on the tensor-parallel
 groups equal Megatron's on PaddleFormers' Llama and the project's GPT and LLaMA -- TP: 2 all_reduces forward
 and 2 backward, no all_gather; TP+SP: 2 all_gathers + 2 reduce_scatters each way -- with the loss and every
-gradient equal to one process; with the shared reduction disabled backward reduces once per consumer."""
+gradient equal to one process; with the shared reduction disabled backward reduces once per consumer. Phi3's
+fused projections (block-sharded) add nothing: its counts equal Llama's, outside the layers too."""
 import os
 
 import pytest
@@ -11,7 +12,7 @@ from autoparallel.testing.launch import launch
 
 pytestmark = pytest.mark.skipif(not pf.available(), reason="paddleformers not installed (pip install -e .[models])")
 HERE = os.path.dirname(__file__)
-MODELS = ["pf-llama", "gpt", "llama"]
+MODELS = ["pf-llama", "gpt", "llama", "pf-phi3"]
 TP = {"all_reduce": 2}
 SP = {"all_gather": 2, "reduce_scatter": 2}
 
@@ -50,6 +51,13 @@ def test_paddleformers_llama_outside_the_layers(results):
     for r in results["pf-llama sp"]:
         assert r["one_layer"]["fwd"]["logical"] == {"all_gather": 2 + 1, "reduce_scatter": 2 + 1, "all_reduce": 3}
         assert r["one_layer"]["bwd"]["logical"] == {"all_gather": 2 + 1, "reduce_scatter": 2 + 1}
+
+
+def test_fused_projections_add_nothing_on_real_ranks(results):
+    for mode in ("tp", "sp"):
+        for phi3, llama in zip(results[f"pf-phi3 {mode}"], results[f"pf-llama {mode}"]):
+            assert phi3["one_layer"] == llama["one_layer"], (mode, phi3["one_layer"], llama["one_layer"])
+            assert phi3["per_layer"] == llama["per_layer"]
 
 
 def test_negative_control_per_use_reduction_is_one_per_consumer(results):

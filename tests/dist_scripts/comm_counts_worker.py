@@ -59,13 +59,18 @@ def on_groups(kinds, paddle_log, groups) -> dict:
     return {"logical": dict(logical), "paddle": dict(real)}
 
 
-def pf_llama(layers):
-    model = pf.build("llama", num_hidden_layers=layers)
-    ids, labels = pf.batch(0)
+def paddleformers(name):
+    def make(layers):
+        model = pf.build(name, num_hidden_layers=layers)
+        ids, labels = pf.batch(0)
 
-    def loss_fn(m):
-        return pf.loss_of(m(input_ids=paddle.to_tensor(ids), labels=paddle.to_tensor(labels)))
-    return model, loss_fn
+        def loss_fn(m):
+            return pf.loss_of(m(input_ids=paddle.to_tensor(ids), labels=paddle.to_tensor(labels)))
+        return model, loss_fn
+    return make
+
+
+pf_llama = paddleformers("llama")
 
 
 def project(preset):
@@ -85,7 +90,8 @@ def project(preset):
     return make
 
 
-MODELS = {"pf-llama": pf_llama, "gpt": project("gpt-tiny"), "llama": project("llama-tiny")}
+MODELS = {"pf-llama": pf_llama, "gpt": project("gpt-tiny"), "llama": project("llama-tiny"),
+          "pf-phi3": paddleformers("phi3")}     # fused [gate | up] and [q | k | v], block-sharded
 
 
 def grads_of(model) -> dict:
