@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # layouts
     "Shard": "autoparallel.placement", "Replicate": "autoparallel.placement", "Partial": "autoparallel.placement",
+    "BlockShard": "autoparallel.placement",
     "Placement": "autoparallel.placement", "parse_placement": "autoparallel.placement",
     "parse_placements": "autoparallel.placement",
     "ProcessMesh": "autoparallel.mesh", "DistSpec": "autoparallel.spec",
@@ -35,6 +36,7 @@ _EXPORTS = {
     "ColWiseParallel": "autoparallel.parallel.tensor_parallel", "RowWiseParallel": "autoparallel.parallel.tensor_parallel",
     "VocabParallelEmbedding": "autoparallel.parallel.tensor_parallel",
     "SequenceParallel": "autoparallel.parallel.tensor_parallel",
+    "FusedColWiseParallel": "autoparallel.parallel.tp_plans",
     "parallelize": "autoparallel.parallelize", "trace": "autoparallel.graph.trace",
     "DataParallel": "autoparallel.parallelize", "Optimizer": "autoparallel.parallelize",
     "parallel_guard": "autoparallel.parallelize", "recompute_layers": "autoparallel.parallel.recompute",

@@ -174,6 +174,54 @@ def test_negative_control_a_rule_keeping_blocks_through_a_misaligned_chunk_is_ca
         _RULES["chunk"] = saved
 
 
+# ---- a user's own fused layer --------------------------------------------------------------------------------
+class FusedMLP(paddle.nn.Layer):
+    """The PaddleFormers MLP pattern, written by a user: a fused [gate | up] projection chunked in two."""
+
+    def __init__(self, hidden=8, inter=12):
+        super().__init__()
+        self.gate_up = paddle.nn.Linear(hidden, 2 * inter)
+        self.down = paddle.nn.Linear(inter, hidden, bias_attr=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, axis=-1)
+        return self.down(paddle.nn.functional.silu(gate) * up)
+
+
+def _mlp_grads(dist, style=None):
+    paddle.seed(3)
+    model = FusedMLP()
+    x = paddle.to_tensor(np.random.default_rng(1).standard_normal((4, 8)).astype("float32"))
+    if dist:
+        mesh = ap.ProcessMesh([0, 1], dim_names=["model"])
+        model = ap.apply_tp(model, mesh, {"gate_up": style, "down": ap.RowWiseParallel()})
+        x = ap.shard_tensor(x, mesh, [ap.Replicate()])
+    loss = (model(x) ** 2).mean()
+    loss.backward()
+    from autoparallel.testing.paddleformers_models import _grad_np
+
+    return float(loss), {n: _grad_np(p) for n, p in model.named_parameters()}
+
+
+def test_fused_col_wise_parallel_on_a_users_layer_equals_one_process():
+    ref = _mlp_grads(False)
+    with ap.simulate(world_size=2):
+        loss, grads = _mlp_grads(True, ap.FusedColWiseParallel(parts=(1, 1)))
+    assert np.isclose(loss, ref[0], rtol=1e-5)
+    for n, g in ref[1].items():
+        np.testing.assert_allclose(grads[n], g, rtol=1e-4, atol=1e-6, err_msg=n)
+
+
+def test_fused_style_with_parts_that_do_not_divide_the_features_is_a_plan_error():
+    from autoparallel.parallel.tensor_parallel import PlanError
+
+    with ap.simulate(world_size=2), pytest.raises(PlanError, match=r"24 output features do not divide into "
+                                                                  r"blocks of relative sizes \(5, 2\)"):
+        _mlp_grads(True, ap.FusedColWiseParallel(parts=(5, 2)))
+    with pytest.raises(TypeError, match="expects a tuple of positive ints"):
+        ap.FusedColWiseParallel(parts=(1, 0))
+
+
 # ---- checkpoints -----------------------------------------------------------------------------------------------
 def test_checkpoint_holds_the_global_tensor_and_reloads_into_any_layout(tmp_path):
     from autoparallel.checkpoint import load_merged_state_dict, load_state_dict, save_state_dict
