@@ -15,7 +15,6 @@ from autoparallel.comm import collectives as C
 from autoparallel.comm.sizes import numel
 from autoparallel.comm.world import current_world
 from autoparallel.local_mode import local_mode
-from autoparallel.placement import Shard
 
 
 def global_norm(terms) -> float:
@@ -54,7 +53,7 @@ def param_terms(params) -> list:
     for p in params:
         if not getattr(p, "need_clip", True):
             continue
-        sharded = {p.mesh.dim_names[i] for i, pl in enumerate(p.placements) if isinstance(pl, Shard)}
+        sharded = {p.mesh.dim_names[i] for i, pl in enumerate(p.placements) if pl.is_shard() or pl.is_block_shard()}
         terms.append(({r: t.grad for r, t in p.locals.items()}, p.mesh, sharded))
     return terms
 

@@ -34,7 +34,6 @@ from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors
 from autoparallel.parallel.step_hooks import StepHooks
 from autoparallel.parallel.zero_groups import ZeroGroups, apply_groups
 from autoparallel.parallel.zero_layout import BucketLayout, split_buckets
-from autoparallel.placement import Shard
 
 STAGES = (1, 2, 3)
 
@@ -290,7 +289,7 @@ class ZeroOptimizer(StepHooks):
             if not getattr(p, "need_clip", True):
                 continue
             sharded = {self.groups.shard_dim} | {p.mesh.dim_names[i] for i, pl in enumerate(p.placements)
-                                                 if isinstance(pl, Shard)}
+                                                 if pl.is_shard() or pl.is_block_shard()}
             terms.append(({r: grads[r].get(id(p)) for r in self.held}, z, sharded))
         norm = clipping.global_norm(terms)
         factor = clipping.clip_coefficient(norm, float(gc.clip_norm))
