@@ -353,3 +353,30 @@ def test_gradient_clipping_counts_every_block_piece(zero):
     with ap.simulate(world_size=4):
         got = run(True)
     np.testing.assert_allclose(got, ref, rtol=2e-5)
+
+
+@pf_needed
+def test_lazily_built_fused_model_falls_back_to_a_gathered_output():
+    """Lazy initialisation fills one box per rank, which a block-sharded local is not: under
+    paddle.LazyGuard the fused plans gather instead (still one process's values); a block-sharded
+    shard_tensor of a lazy parameter is a typed error naming what works."""
+    from autoparallel.testing import paddleformers_models as pf
+    from tests.dist_scripts import paddleformers_common as pc
+
+    ref = pf.reference("phi3")
+    ids, labels = (paddle.to_tensor(a) for a in pf.batch(0))
+    with ap.simulate(world_size=4):
+        with paddle.LazyGuard():
+            model = pf.build("phi3", 0)
+        opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
+        model, opt = ap.parallelize(model, opt, strategy=pc.strategy())
+        assert str(model.model.layers[0].mlp.gate_up_proj.weight.placements) == "[R, S(1)]"
+        loss = pf.loss_of(model(input_ids=ids, labels=labels))
+        loss.backward()
+        opt.reduce_gradients()
+        got = (float(loss), {n: pf._grad_np(p) for n, p in model.named_parameters()})
+        assert pf.compare(ref, got) == []
+        with paddle.LazyGuard():
+            lin = paddle.nn.Linear(4, 8)
+        with pytest.raises(NotImplementedError, match="lazy initialisation of a block-sharded parameter"):
+            ap.shard_tensor(lin.weight, MESH, list(parse_placements("R,S(1,blocks=(4,4))")))

@@ -52,6 +52,10 @@ def shard_lazy(param, mesh, placements) -> DistParameter:
     allocated yet; ``materialize`` (or ``param.initialize()``) fills them."""
     origin = origin_of(param)
     spec = _spec_for(origin.shape, origin.dtype, mesh, placements)
+    if any(p.is_block_shard() for p in spec.placements):
+        raise NotImplementedError(f"lazy initialisation of a block-sharded parameter ({spec}) is not supported: "
+                                  f"its local rows are not one box of the global tensor; build the model outside "
+                                  f"paddle.LazyGuard, or give that layer ColWiseParallel(gather_output=True)")
     ranks = current_world().local_ranks(mesh.process_ids)
     locals_ = {r: _empty(spec.local_shape(mesh.coords_of(r)), origin.dtype, f"{origin.name}.r{r}")
                for r in ranks}

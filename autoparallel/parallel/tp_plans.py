@@ -12,7 +12,8 @@ family at once (a layer takes the first family pattern it matches), then adapts 
   ``FusedColWiseParallel``: the weight is block-sharded (``S(1,blocks=(I, I))``, ``S(1,blocks=(q, k, v))``),
   so each device keeps matching gate and up halves (whole q, k and v heads) and the model's chunk/slice is
   local: no collective beyond Megatron's. A block that does not divide by ``tp`` (an odd intermediate size;
-  kv heads < tp) falls back to column-parallel with the output gathered (one all_gather per layer).
+  kv heads < tp), or a weight created under ``paddle.LazyGuard``, falls back to column-parallel with the
+  output gathered (one all_gather per layer).
 * grouped-query attention with ``num_key_value_heads % tp != 0`` (e.g. fewer kv heads than TP ranks):
   ``k_proj``/``v_proj`` stay replicated (every device computes all kv heads; queries stay split), a fused
   ``qkv_proj`` is column-parallel with its output gathered (the kv blocks cannot be split by tp).
@@ -146,10 +147,16 @@ def default_plan(model, tp: int) -> dict:
 
 
 def _fused_or_gather(style, layer, tp: int):
-    """``style`` when every block divides by ``tp``; else column-parallel with the output gathered."""
+    """``style`` when every block divides by ``tp``; else column-parallel with the output gathered (also for
+    a weight created under paddle.LazyGuard: lazy initialisation fills one box per rank, which a block-sharded
+    local is not)."""
+    from autoparallel.lazy_init.params import is_lazy
+
     try:
         blocks = style.blocks(layer)
     except (PlanError, AttributeError, TypeError):
+        return GATHER
+    if is_lazy(_weight_2d(layer)):
         return GATHER
     return style if all(b % tp == 0 for b in blocks) else GATHER
 
