@@ -232,8 +232,8 @@ class SpmdRule:
             except ValueError:                  # e.g. a block-split label meeting a plain split of it: gather
                 if not blocked or not is_block_aware(self.fn):
                     raise
-                result = self.fn(*replace_specs(args, kwargs, [unblock(s) for s in given])[0],
-                                 **replace_specs(args, kwargs, [unblock(s) for s in given])[1])
+                plain_args, plain_kwargs = replace_specs(args, kwargs, [unblock(s) for s in given])
+                result = self.fn(*plain_args, **plain_kwargs)
         except (ValueError, TypeError, IndexError, NotImplementedError) as e:
             err = _named(self.name, e)
             if err is e:

@@ -131,6 +131,13 @@ def test_pieces_across_blocks_and_unaware_rules_gather_first():
         "([S(0), S(2,blocks=(12,12))], [S(0), S(2,blocks=(12,12))]) -> [S(0), S(2,blocks=(12,12))]"
 
 
+def test_a_block_split_meeting_a_plain_split_of_the_same_dim_gathers_the_blocks():
+    """Mesh dim 0 splits dim 1 plainly, mesh dim 1 block-splits it in the other operand: no nested layout
+    exists, so the block-sharded operand is gathered (the rule is retried with it replicated)."""
+    x, y = spec((4, 12), "S(1),R"), spec((4, 12), "R,S(1,blocks=(6,6))")
+    assert rule("multiply", x, y) == "([S(1), R], [S(1), R]) -> [S(1), R]"
+
+
 def test_check_rules_full_tensor_with_block_layouts():
     """tools/check_rules.py tries S(d,blocks=..) among the layouts of its fused cases (forward and input
     gradients against the full op)."""
