@@ -9,6 +9,10 @@ may override built-in rules). ``reverse=fn`` adds the reverse form used by graph
 ``NoSpmdRuleError`` (both a ``NotImplementedError`` and a ``KeyError``) naming ``register_spmd_rule``
 when there is none; ``has_spmd_rule``, ``registered_ops``, ``unregister_spmd_rule``.
 
+Block-sharded inputs (``S(d,blocks=(..))``, fused projections) reach only rules decorated
+``@block_aware`` (blocks.py); every other rule sees such an input as R on that mesh dim, so it is
+gathered before the op, whatever the rule assumes about contiguous shards.
+
 Calling a rule
 --------------
 A rule mirrors the paddle functional signature (see ``op_table.py``) with a ``DistSpec`` in place of
