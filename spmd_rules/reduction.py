@@ -14,6 +14,7 @@ import math
 from autoparallel.placement import chunk_sizes
 from autoparallel.spec import normalize_dtype
 
+from spmd_rules.blocks import block_aware
 from spmd_rules.einsum import ALL, label_reverse, labels_result
 from spmd_rules.expand import expand_reverse
 from spmd_rules.registry import register_spmd_rule
@@ -59,6 +60,7 @@ def _sum_reverse(outputs, x, axis=None, dtype=None, keepdim=False, name=None):
 
 
 @register_spmd_rule("sum", reverse=_sum_reverse)
+@block_aware
 def reduce_sum(x, axis=None, dtype=None, keepdim=False, name=None):
     if dtype is not None:
         out = normalize_dtype(dtype)
@@ -72,11 +74,12 @@ def _mean_reverse(outputs, x, axis=None, keepdim=False, name=None, *, dtype=None
 
 
 @register_spmd_rule("mean", reverse=_mean_reverse)
+@block_aware
 def reduce_mean(x, axis=None, keepdim=False, name=None, *, dtype=None):
     out = normalize_dtype(dtype) if dtype is not None else None
     res, axes = _reduction("mean", x, axis, keepdim, reduce="sum", linear=ALL, dtype=out)
     req = res.inputs[0]
-    if not any(req.shard_mesh_dims(a) for a in axes):
+    if not any(req.shard_mesh_dims(a) or req.block_mesh_dim(a) is not None for a in axes):
         return res
     count = math.prod(x.shape[a] for a in axes)
     return SpmdResult(res.inputs, res.outputs, "global_mean", lambda coords: {"global_count": count})
@@ -90,6 +93,7 @@ def _extreme(op):
         return _reverse(op, outputs, x, axis, keepdim, reduce=op, linear=None)
 
     rule.__name__ = op
+    block_aware(rule)                  # max/min of any split of the rows: the blocks' order does not matter
     register_spmd_rule(op, rule, reverse=rev)
 
 

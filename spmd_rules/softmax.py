@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from autoparallel.spec import normalize_dtype
 
+from spmd_rules.blocks import block_aware
 from spmd_rules.einsum import label_reverse, labels_result
 from spmd_rules.expand import expand_reverse
 from spmd_rules.registry import register_spmd_rule
@@ -28,6 +29,7 @@ def _make(op):
         return SpmdResult(expand_reverse(op, [x], outputs, label_reverse([xl], [xl], linear=None)), outputs)
 
     rule.__name__ = op
+    block_aware(rule)                  # a block-sharded dim other than the axis passes through
     register_spmd_rule(op, rule, reverse=rev)
 
 
