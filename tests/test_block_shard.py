@@ -387,3 +387,17 @@ def test_lazily_built_fused_model_falls_back_to_a_gathered_output():
             lin = paddle.nn.Linear(4, 8)
         with pytest.raises(NotImplementedError, match="lazy initialisation of a block-sharded parameter"):
             ap.shard_tensor(lin.weight, MESH, list(parse_placements("R,S(1,blocks=(4,4))")))
+
+
+@pf_needed
+def test_qwen2_moe_dense_fused_mlp_is_block_sharded_and_equals_one_process():
+    """Qwen2-MoE without experts builds its MLP fused ([gate | up] in ``mlp.up_gate_proj``)."""
+    from autoparallel.testing import paddleformers_models as pf
+    from tests.dist_scripts import paddleformers_common as pc
+
+    ref = pf.reference("qwen2_moe", num_experts=0)
+    with ap.simulate(world_size=4):
+        model, _ = pc.parallelized("qwen2_moe", num_experts=0)
+        got = pc.parallelize_grads("qwen2_moe", num_experts=0)
+    assert str(model.model.layers[0].mlp.up_gate_proj.weight.placements) == f"[R, S(1,blocks=({pf.FFN},{pf.FFN}))]"
+    assert pf.compare(ref, got) == []
