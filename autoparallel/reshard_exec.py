@@ -9,8 +9,8 @@ from __future__ import annotations
 from autoparallel.comm import collectives as C
 from autoparallel.comm.world import current_world
 from autoparallel.local_mode import local_mode
-from autoparallel.placement import Partial, Replicate, Shard, chunk_sizes
-from autoparallel.spec import DistSpec
+from autoparallel.core.placement import Partial, Replicate, Shard, chunk_sizes
+from autoparallel.core.spec import DistSpec
 
 
 def _extent(spec: DistSpec, coords, dim: int) -> int:

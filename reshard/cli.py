@@ -13,9 +13,9 @@ import re
 import sys
 
 from autoparallel.cli_checks import MAX_DEVICES, bounded, tensor_bytes
-from autoparallel.mesh import mesh_from_shape
-from autoparallel.spec import dtype_bytes
-from autoparallel.planner.cluster import parse_cluster
+from autoparallel.core.mesh import mesh_from_shape
+from autoparallel.core.spec import dtype_bytes
+from autoparallel.core.cluster import parse_cluster
 from reshard.planner import plan_reshard
 from reshard.validate import check_cluster
 

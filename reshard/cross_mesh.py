@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from autoparallel.comm.cost import emulated_bytes
-from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import Replicate, format_placements
-from autoparallel.planner.cluster import ClusterSpec
-from autoparallel.spec import DistSpec
+from autoparallel.core.cost import emulated_bytes
+from autoparallel.core.mesh import ProcessMesh
+from autoparallel.core.placement import Replicate, format_placements
+from autoparallel.core.cluster import ClusterSpec
+from autoparallel.core.spec import DistSpec
 from reshard.explain import explain_step
 from reshard.plan import ReshardPlan, ReshardStep
 from reshard.planner import cached_plan, plan_reshard, pricer, state_graph

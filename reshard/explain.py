@@ -1,7 +1,7 @@
 """One-line explanations of reshard steps."""
 from __future__ import annotations
 
-from autoparallel.placement import Partial
+from autoparallel.core.placement import Partial
 
 
 def explain_step(collective: str, mesh_dim: int, src_p, dst_p, n: int) -> str:

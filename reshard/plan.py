@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import format_placements
-from autoparallel.spec import DistSpec
+from autoparallel.core.mesh import ProcessMesh
+from autoparallel.core.placement import format_placements
+from autoparallel.core.spec import DistSpec
 from reshard.units import fmt_bytes, fmt_seconds
 
 COLLECTIVES = ("slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local", "send_recv")

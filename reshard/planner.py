@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import format_placements
-from autoparallel.planner.cluster import ClusterSpec
-from autoparallel.spec import DistSpec
+from autoparallel.core.mesh import ProcessMesh
+from autoparallel.core.placement import format_placements
+from autoparallel.core.cluster import ClusterSpec
+from autoparallel.core.spec import DistSpec
 from reshard.explain import explain_step
 from reshard.plan import ReshardPlan, ReshardStep
 from reshard.pricing import Pricer

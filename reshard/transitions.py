@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
-from autoparallel.placement import Partial, Placement, Replicate, Shard
+from autoparallel.core.placement import Partial, Placement, Replicate, Shard
 
 State = tuple  # tuple[Placement, ...], one per mesh dim
 

@@ -15,8 +15,8 @@ import numbers
 
 import numpy as np
 
-from autoparallel.placement import Partial, Replicate, Shard
-from autoparallel.spec import DistSpec
+from autoparallel.core.placement import Partial, Replicate, Shard
+from autoparallel.core.spec import DistSpec
 
 from spmd_rules.einsum import ALL, labels_result
 from spmd_rules.registry import register_spmd_rule

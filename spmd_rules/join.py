@@ -5,7 +5,7 @@ every operand has the same linear Partial). When operands are sharded differentl
 """
 from __future__ import annotations
 
-from autoparallel.spec import DistSpec
+from autoparallel.core.spec import DistSpec
 
 from spmd_rules.einsum import ALL, labels_result
 from spmd_rules.registry import register_spmd_rule

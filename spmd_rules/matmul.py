@@ -7,7 +7,7 @@ otherwise.
 """
 from __future__ import annotations
 
-from autoparallel.placement import Partial, Shard
+from autoparallel.core.placement import Partial, Shard
 
 from spmd_rules.einsum import einsum_result, label_reverse, label_rule
 from spmd_rules.expand import expand, expand_reverse, present

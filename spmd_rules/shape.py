@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from autoparallel.placement import Shard
-from autoparallel.spec import DistSpec, dtype_bytes, normalize_dtype
+from autoparallel.core.placement import Shard
+from autoparallel.core.spec import DistSpec, dtype_bytes, normalize_dtype
 
 from spmd_rules.dimtrans import infer_shape, reshape_transforms, shard_map
 from spmd_rules.expand import expand, expand_reverse

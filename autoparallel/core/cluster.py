@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field, replace
 
-from autoparallel.planner.topology import Topology
+from autoparallel.core.topology import Topology
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ all_reduce 2(n-1); broadcast and send_recv 1.
 """
 from __future__ import annotations
 
-from autoparallel.comm.capabilities import capabilities
+from autoparallel.core.capabilities import capabilities
 
 
 def collective_bytes(collective: str, b: float, n: int) -> float:

@@ -2,13 +2,28 @@
 
 The communication groups of every mesh dim are created with the mesh (in a real multi-process world),
 in one fixed order on every rank, each followed by a barrier: gloo fails when group creation interleaves
-with other collectives. Pure code (specs, rules, reshard planning) uses meshes without any process group.
+with other collectives. That step lives in ``autoparallel.comm.groups`` (it needs paddle); this module only
+calls it, by name, once paddle is loaded. Pure code (specs, rules, reshard planning) uses meshes without
+any process group.
 """
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Sequence
 
 import numpy as np
+
+# Where the process groups of a new mesh are made: the one paddle-touching step of a mesh, kept outside the
+# core and reached by name, only once paddle is loaded (a process without paddle has no distributed job).
+GROUPS_HOOK = ("autoparallel.comm.groups", "on_mesh_created")
+
+
+def _create_groups(mesh) -> None:
+    if "paddle" not in sys.modules:
+        return
+    module, name = GROUPS_HOOK
+    getattr(importlib.import_module(module), name)(mesh)
 
 
 class ProcessMesh:
@@ -46,9 +61,7 @@ class ProcessMesh:
         self._groups: dict = {}            # mesh dim -> its communication groups (computed once)
         self._coords = {int(r): tuple(int(c) for c in idx) for idx, r in np.ndenumerate(self._arr)}
         if create_groups:
-            from autoparallel.comm import groups
-
-            groups.on_mesh_created(self)
+            _create_groups(self)
 
     # ---- basic properties -------------------------------------------------------------------
     @property

@@ -11,8 +11,8 @@ from typing import Sequence
 
 import numpy as np
 
-from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import Partial, Placement, Replicate, Shard, chunk_range, parse_placements
+from autoparallel.core.mesh import ProcessMesh
+from autoparallel.core.placement import Partial, Placement, Replicate, Shard, chunk_range, parse_placements
 
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
                 "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}

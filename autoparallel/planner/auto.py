@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from autoparallel.planner.cluster import ClusterSpec, parse_cluster
+from autoparallel.core.cluster import ClusterSpec, parse_cluster
 from autoparallel.planner.search import divisors
 
 ENV_PROFILE = "AP_CLUSTER_PROFILE"

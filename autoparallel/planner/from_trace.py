@@ -122,9 +122,9 @@ def trace_model(model, seq_len: int, batch: int):
     import paddle.nn.functional as F
 
     from autoparallel.graph.trace import trace
-    from autoparallel.mesh import ProcessMesh
-    from autoparallel.placement import Replicate
-    from autoparallel.spec import DistSpec
+    from autoparallel.core.mesh import ProcessMesh
+    from autoparallel.core.placement import Replicate
+    from autoparallel.core.spec import DistSpec
 
     class WithLoss(paddle.nn.Layer):
         def __init__(self, inner):
