@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from autoparallel.core.capabilities import capabilities
+from autoparallel.core.collective import Collective
 from autoparallel.core.cost import collective_seconds, emulated_bytes
 from autoparallel.core.mesh import ProcessMesh
 from autoparallel.core.placement import Partial
 from autoparallel.core.cluster import ClusterSpec
 from autoparallel.core.spec import DistSpec
 
-FREE = ("slice", "local")
+FREE = (Collective.SLICE, Collective.LOCAL)
 
 
 @dataclass(frozen=True)
