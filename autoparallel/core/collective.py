@@ -18,6 +18,9 @@ class Collective(StrEnum):
     LOCAL = "local"                     # R -> P(op): the value becomes pending terms, no communication
     SEND_RECV = "send_recv"             # every local tensor to the same position of another mesh
 
+    def __repr__(self) -> str:         # reads like the name it equals: ['all_reduce', 'all_gather']
+        return repr(self.value)
+
     @property
     def communicates(self) -> bool:
         return self not in (Collective.SLICE, Collective.LOCAL)
