@@ -5,7 +5,7 @@ A cluster is ``num_nodes`` nodes of ``devices_per_node`` devices; ranks are numb
 the intra-node link (NVLink), otherwise the inter-node link (InfiniBand). Spec strings:
 ``"128x8:A100-80GB"`` = 128 nodes of 8 A100-80GB.
 
-``topology`` describes the fabric behind those two links (planner/topology.py): GPUs and NICs per node,
+``topology`` describes the fabric behind those two links (core/topology.py): GPUs and NICs per node,
 NIC speed, rail-optimised or not, leaf size and oversubscription, host RAM and PCIe per node, and the
 achieved fraction of line rate (NCCL bus bandwidth); presets carry the published figures of their systems.
 
@@ -31,7 +31,7 @@ class LinkSpec:
 @dataclass(frozen=True)
 class CollectiveFit:
     """Measured time of one collective over groups of ``group_size`` ranks: latency_s + b / bandwidth_Bps,
-    with b the bytes one rank holds entering it (comm/cost.py's convention), emulations included."""
+    with b the bytes one rank holds entering it (core/cost.py's convention), emulations included."""
     collective: str
     group_size: int
     latency_s: float          # alpha: seconds of a zero-byte call
