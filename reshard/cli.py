@@ -1,4 +1,4 @@
-"""`autoparallel reshard`: plan and explain a redistribution.
+"""`autoparallel reshard`: plan and explain a reshard.
 
     autoparallel reshard --shape 4096,4096 --dtype float32 --mesh 2x4 --from "S(0),R" --to "R,S(1)"
                          [--cluster 1x8:A100-80GB | profile.json] [--backend gloo] [--json]

@@ -1,4 +1,4 @@
-"""ReshardStep and ReshardPlan: what a redistribution does, step by step, and what it costs."""
+"""ReshardStep and ReshardPlan: what a reshard does, step by step, and what it costs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -16,7 +16,7 @@ from reshard.validate import check_cluster, check_dtype, check_mesh, check_place
 
 def plan_reshard(global_shape, dtype, mesh: ProcessMesh, src_placements, dst_placements,
                  cluster=None) -> ReshardPlan:
-    """Minimum-cost plan redistributing a ``global_shape``/``dtype`` tensor on ``mesh`` from ``src_placements``
+    """Minimum-cost plan resharding a ``global_shape``/``dtype`` tensor on ``mesh`` from ``src_placements``
     to ``dst_placements`` (tuples of placements or strings like "S(0),R"); ``cluster=None`` is the default
     8-GPU-per-node NVLink + InfiniBand cluster. Pure and cached (``reshard.cache``)."""
     key = ("args", global_shape, dtype, mesh, src_placements, dst_placements, cluster)
