@@ -1,8 +1,9 @@
-"""Run reshard plans on DistTensor locals: each step's collective, looked up in one executor table.
+"""Run reshard plans on DistTensor locals: each step's collective, looked up in an executor table.
 
 The planner (``reshard/``) chose every step's ``Collective`` and ``ReshardPlan.program`` holds each step's
 per-group arguments (sizes every member holds, uneven shards included), compiled once per plan; this module
-only runs them on the groups whose shards this process holds. (``autoparallel.redistribute`` is the old name
+only runs them on the groups whose shards this process holds: ``EXECUTORS[step.collective]``, and for a step
+on one mesh dim ``GROUP_EXECUTORS[step.form]`` on each group. (``autoparallel.redistribute`` is the old name
 of this module and stays importable.)
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from autoparallel.comm import collectives as C
 from autoparallel.comm.world import current_world
 from autoparallel.core.collective import Collective
+from autoparallel.core.placement import Partial, Replicate, Shard
 from autoparallel.local_mode import local_mode
 
 
@@ -19,14 +21,15 @@ def _all_gather(held, ranks, args, for_split):
     return C.all_gather(held, ranks, *args)
 
 
-# Collective -> what one group runs: f(held locals, group ranks, arguments, for_split callback or None)
+# step form (collective, placement type before, type after; see reshard.program.CALLS) -> what one group runs:
+# f(held locals, group ranks, arguments, for_split callback or None)
 GROUP_EXECUTORS = {
-    Collective.SLICE: lambda held, ranks, args, _: C.slice_shard(held, ranks, *args),
-    Collective.ALL_GATHER: _all_gather,
-    Collective.ALL_REDUCE: lambda held, ranks, args, _: C.all_reduce(held, ranks, *args),
-    Collective.REDUCE_SCATTER: lambda held, ranks, args, _: C.reduce_scatter(held, ranks, *args),
-    Collective.ALL_TO_ALL: lambda held, ranks, args, _: C.all_to_all(held, ranks, *args),
-    Collective.LOCAL: lambda held, ranks, args, _: C.to_partial(held, ranks, *args),
+    (Collective.SLICE, Replicate, Shard): lambda held, ranks, args, _: C.slice_shard(held, ranks, *args),
+    (Collective.ALL_GATHER, Shard, Replicate): _all_gather,
+    (Collective.ALL_REDUCE, Partial, Replicate): lambda held, ranks, args, _: C.all_reduce(held, ranks, *args),
+    (Collective.REDUCE_SCATTER, Partial, Shard): lambda held, ranks, args, _: C.reduce_scatter(held, ranks, *args),
+    (Collective.ALL_TO_ALL, Shard, Shard): lambda held, ranks, args, _: C.all_to_all(held, ranks, *args),
+    (Collective.LOCAL, Replicate, Partial): lambda held, ranks, args, _: C.to_partial(held, ranks, *args),
 }
 
 
@@ -35,7 +38,7 @@ def run_groups(locals_: dict, step, for_split=None) -> dict:
     out = dict(locals_)
     if not step.calls:
         return out
-    run, world = GROUP_EXECUTORS[step.collective], current_world()
+    run, world = GROUP_EXECUTORS[step.form], current_world()
     for ranks, args in step.calls:
         members = [r for r in world.local_ranks(ranks) if r in locals_]
         if members:
@@ -55,7 +58,7 @@ def send_to_mesh(locals_: dict, step, for_split=None) -> dict:
 
 
 # Collective -> its executor: f(locals, StepProgram, for_split callback or None) -> locals
-EXECUTORS = {**{c: run_groups for c in GROUP_EXECUTORS}, Collective.SEND_RECV: send_to_mesh}
+EXECUTORS = {**{form[0]: run_groups for form in GROUP_EXECUTORS}, Collective.SEND_RECV: send_to_mesh}
 
 
 def execute(locals_: dict, plan, for_split=None) -> dict:

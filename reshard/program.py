@@ -17,13 +17,15 @@ from autoparallel.core.spec import DistSpec
 
 @dataclass(frozen=True)
 class StepProgram:
-    """One step ready to run. ``calls``: ``((group ranks, arguments), ...)`` for a step on one mesh dim (empty:
+    """One step ready to run. ``form``: its row of ``CALLS``, ``(collective, placement type before, type after)``
+    (None for ``SEND_RECV`` and when nothing changes). ``calls``: ``((group ranks, arguments), ...)`` for a step on one mesh dim (empty:
     nothing moves); for ``SEND_RECV``, ``((pairs, receive shapes),)`` with ``(source, destination)`` pairs."""
 
     collective: Collective
     mesh_dim: int
     before: DistSpec
     after: DistSpec
+    form: tuple
     calls: tuple
 
 
@@ -34,11 +36,11 @@ def compile_plan(plan) -> tuple:
         if step.collective == Collective.SEND_RECV:
             before = DistSpec(step.src_mesh, step.src, spec.shape, spec.dtype)
             after = DistSpec(step.dst_mesh, step.dst, spec.shape, spec.dtype)
-            out.append(StepProgram(step.collective, step.mesh_dim, before, after, (send_calls(before, after),)))
+            out.append(StepProgram(step.collective, step.mesh_dim, before, after, None, (send_calls(before, after),)))
         else:
             before, after = spec.with_placements(step.src), DistSpec(spec.mesh, step.dst, spec.shape, spec.dtype)
-            calls = group_calls(step.collective, before, after, step.mesh_dim)
-            out.append(StepProgram(step.collective, step.mesh_dim, before, after, calls))
+            form, calls = group_calls(step.collective, before, after, step.mesh_dim)
+            out.append(StepProgram(step.collective, step.mesh_dim, before, after, form, calls))
         spec = after
     return tuple(out)
 
@@ -48,44 +50,52 @@ def _extent(spec: DistSpec, coords, dim: int) -> int:
     return b - a
 
 
-# collective -> ((placement kind before, kind after), arguments of one group: f(p, q, before, after, coords, n))
-_CALLS = {
-    Collective.SLICE: ((Replicate, Shard), lambda p, q, b, a, c, n: (q.dim, chunk_sizes(_extent(b, c, q.dim), n))),
-    Collective.ALL_GATHER: ((Shard, Replicate), lambda p, q, b, a, c, n: (p.dim, chunk_sizes(_extent(a, c, p.dim), n))),
-    Collective.ALL_REDUCE: ((Partial, Replicate), lambda p, q, b, a, c, n: (p.reduce_type,)),
-    Collective.REDUCE_SCATTER: ((Partial, Shard), lambda p, q, b, a, c, n: (
-        q.dim, chunk_sizes(_extent(b, c, q.dim), n), p.reduce_type)),
-    Collective.ALL_TO_ALL: ((Shard, Shard), lambda p, q, b, a, c, n: (
-        p.dim, q.dim, chunk_sizes(_extent(a, c, p.dim), n), chunk_sizes(_extent(b, c, q.dim), n))),
-    Collective.LOCAL: ((Replicate, Partial), lambda p, q, b, a, c, n: (q.reduce_type,)),
+# (collective, placement type before, type after) -> arguments of one group: f(p, q, before, after, coords, n).
+# A placement with its own layout (say, blocks) adds its rows here and in reshard_exec.GROUP_EXECUTORS.
+CALLS = {
+    (Collective.SLICE, Replicate, Shard): lambda p, q, b, a, c, n: (q.dim, chunk_sizes(_extent(b, c, q.dim), n)),
+    (Collective.ALL_GATHER, Shard, Replicate): lambda p, q, b, a, c, n: (p.dim, chunk_sizes(_extent(a, c, p.dim), n)),
+    (Collective.ALL_REDUCE, Partial, Replicate): lambda p, q, b, a, c, n: (p.reduce_type,),
+    (Collective.REDUCE_SCATTER, Partial, Shard): lambda p, q, b, a, c, n: (
+        q.dim, chunk_sizes(_extent(b, c, q.dim), n), p.reduce_type),
+    (Collective.ALL_TO_ALL, Shard, Shard): lambda p, q, b, a, c, n: (
+        p.dim, q.dim, chunk_sizes(_extent(a, c, p.dim), n), chunk_sizes(_extent(b, c, q.dim), n)),
+    (Collective.LOCAL, Replicate, Partial): lambda p, q, b, a, c, n: (q.reduce_type,),
 }
 
 
+def step_form(collective, p, q, i: int) -> tuple:
+    """The row of ``CALLS`` a step runs: ``(collective, type(p), type(q))``; a ValueError if it has none."""
+    form = (Collective.of(collective), type(p), type(q))
+    if form not in CALLS:
+        known = [f"{_kind(k[1])} -> {_kind(k[2])}" for k in CALLS if k[0] == form[0]]
+        raise ValueError(f"{form[0]} on mesh dim {i} runs on {' or '.join(known) or 'no single mesh dim'}, "
+                         f"got {p} -> {q}")
+    return form
+
+
 def group_calls(collective, before: DistSpec, after: DistSpec, i: int) -> tuple:
-    """``((group ranks, arguments), ...)`` for every group of mesh dim ``i``; the specs differ on ``i`` only."""
+    """``(form, ((group ranks, arguments), ...))`` for every group of mesh dim ``i`` (the specs differ on ``i``
+    only); no calls when nothing moves."""
     p, q = before.placements[i], after.placements[i]
     if p == q:
-        return ()
+        return None, ()
     for spec, pl in ((before, p), (after, q)):
         if isinstance(pl, Shard) and any(j > i for j in spec.shard_mesh_dims(pl.dim)):
             raise ValueError(f"mesh dim {i} is not the innermost splitter of tensor dim {pl.dim} in "
                              f"{spec.placements}: nested shards change from the innermost mesh dim outwards")
-    if collective not in _CALLS:
-        raise ValueError(f"{collective} does not change one mesh dim; expected one of {[c.value for c in _CALLS]}")
-    (kind_p, kind_q), args = _CALLS[collective]
-    if not (isinstance(p, kind_p) and isinstance(q, kind_q)):
-        raise ValueError(f"a {collective} step on mesh dim {i} turns {_kind(kind_p)} into {_kind(kind_q)}, "
-                         f"got {p} -> {q}")
+    form = step_form(collective, p, q, i)
     mesh = before.mesh
     n = mesh.shape[i]
     if n == 1:              # one member: its shard is the whole extent and a reduction of one term is itself
-        return ()
-    return tuple((tuple(ranks), args(p, q, before, after, mesh.coords_of(ranks[0]), n))
-                 for ranks in mesh.all_groups(i))
+        return form, ()
+    args = CALLS[form]
+    return form, tuple((tuple(ranks), args(p, q, before, after, mesh.coords_of(ranks[0]), n))
+                       for ranks in mesh.all_groups(i))
 
 
 def _kind(cls) -> str:
-    return {Replicate: "R", Shard: "S(d)", Partial: "P"}[cls]
+    return {Replicate: "R", Shard: "S(d)", Partial: "P"}.get(cls, cls.__name__)
 
 
 def send_calls(before: DistSpec, after: DistSpec) -> tuple:

@@ -25,6 +25,7 @@ def test_every_planned_step_names_a_collective_that_fits_its_placements():
     for plan in _plans():
         for step, prog in zip(plan.steps, plan.program):
             assert type(step.collective) is Collective and prog.collective is step.collective
+            assert prog.form in (None, (step.collective, type(step.src_placement), type(step.dst_placement)))
             p, q = step.src_placement, step.dst_placement
             kinds = (type(p).__name__, type(q).__name__)
             assert kinds == {"slice": ("Replicate", "Shard"), "all_gather": ("Shard", "Replicate"),
@@ -46,7 +47,7 @@ def test_a_step_whose_collective_does_not_fit_is_refused_when_compiled():
     r, s0 = (ap.Replicate(), ap.Replicate()), (ap.Shard(0), ap.Replicate())
     spec = DistSpec(MESH, s0, (8, 12))
     bad = ReshardPlan(spec, spec.with_placements(r), (ReshardStep("all_reduce", 0, s0, r, 0.0, 0.0),))
-    with pytest.raises(ValueError, match=r"a all_reduce step on mesh dim 0 turns P into R, got S\(0\) -> R"):
+    with pytest.raises(ValueError, match=r"^all_reduce on mesh dim 0 runs on P -> R, got S\(0\) -> R"):
         compile_plan(bad)
     good = ReshardPlan(spec, spec.with_placements(r), (ReshardStep("all_gather", 0, s0, r, 0.0, 0.0),))
     (prog,) = compile_plan(good)
@@ -68,15 +69,19 @@ def test_executor_table_covers_the_vocabulary_and_runs_by_lookup(monkeypatch):
     from autoparallel import redistribute, reshard_exec
 
     assert redistribute is reshard_exec
+    from reshard.program import CALLS
+
     assert set(reshard_exec.EXECUTORS) == set(Collective)
+    assert set(reshard_exec.GROUP_EXECUTORS) == set(CALLS)      # every compiled form has its executor
+    form = (Collective.ALL_TO_ALL, ap.Shard, ap.Shard)
     ran = []
-    original = reshard_exec.GROUP_EXECUTORS[Collective.ALL_TO_ALL]
+    original = reshard_exec.GROUP_EXECUTORS[form]
 
     def spy(held, ranks, args, for_split):
         ran.append((tuple(ranks), args))
         return original(held, ranks, args, for_split)
 
-    monkeypatch.setitem(reshard_exec.GROUP_EXECUTORS, Collective.ALL_TO_ALL, spy)
+    monkeypatch.setitem(reshard_exec.GROUP_EXECUTORS, form, spy)
     mesh = mesh_from_shape([4])
     x = np.arange(35, dtype="float32").reshape(7, 5)
     with ap.simulate(4):
