@@ -1,7 +1,7 @@
 """The reshard cache: one bounded memo for everything the reshard path plans, and the cluster epoch.
 
-Entries are keyed by a kind (``"plan"``, ``"graph"``, ...) and the inputs they depend on. A caller that names
-its cluster puts the ClusterSpec (a frozen value) in the key. The runtime plans for an implied cluster (the
+Entries are keyed by a kind (``"plan"``, ``"graph"``, ...) followed by the inputs they depend on, and bounded
+per kind. A caller that names its cluster puts the ClusterSpec (a frozen value) in the key. The runtime plans for an implied cluster (the
 one ``ap.set_cluster`` sets, else the default of its backend); its keys hold ``cluster_epoch()`` instead,
 a number that ``bump_epoch()`` renews whenever that cluster changes, so a plan priced on an old cluster is
 never served. ``clear_cache()`` forgets everything.
@@ -9,41 +9,46 @@ never served. ``clear_cache()`` forgets everything.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Hashable
+from typing import Callable
 
-LIMIT = 16384                   # entries; the whole cache is dropped when full (plans are cheap to redo)
+# Entries per kind (the first item of every key); a kind that fills up is dropped whole (plans are cheap to
+# redo). Priced state graphs are the big entries (tens to hundreds of KB on 2-d and 3-d meshes).
+LIMITS = {"graph": 256, "pricer": 256, "cross": 1024}
+DEFAULT_LIMIT = 4096
 
-_CACHE: dict = {}
+_SECTIONS: dict = {}            # kind -> {key: value}
+_EMPTY: dict = {}
 _EPOCHS = itertools.count(1)
 _epoch = [0]
 
 
-def get(key: Hashable):
-    """The entry under ``key``, or None."""
-    return _CACHE.get(key)
+def get(key: tuple):
+    """The entry under ``key`` (a tuple starting with its kind), or None; an unhashable key is a TypeError."""
+    return _SECTIONS.get(key[0], _EMPTY).get(key)
 
 
-def put(key: Hashable, value):
+def put(key: tuple, value):
     """Store ``value`` under ``key`` and return it."""
-    if len(_CACHE) >= LIMIT:
-        _CACHE.clear()
-    _CACHE[key] = value
+    section = _SECTIONS.setdefault(key[0], {})
+    if len(section) >= LIMITS.get(key[0], DEFAULT_LIMIT):
+        section.clear()
+    section[key] = value
     return value
 
 
-def memo(key: Hashable, compute: Callable[[], object]):
+def memo(key: tuple, compute: Callable[[], object]):
     """The entry under ``key``, computed by ``compute()`` on a miss."""
-    value = _CACHE.get(key)
+    value = get(key)
     return put(key, compute()) if value is None else value
 
 
 def clear_cache() -> None:
     """Forget every cached plan, priced graph and runtime reshard target."""
-    _CACHE.clear()
+    _SECTIONS.clear()
 
 
 def size() -> int:
-    return len(_CACHE)
+    return sum(len(section) for section in _SECTIONS.values())
 
 
 def cluster_epoch() -> int:
