@@ -99,8 +99,8 @@ def test_each_kind_is_bounded_and_a_full_kind_is_dropped_alone(monkeypatch):
     mesh = mesh_from_shape([4], create_groups=False)
     clear_cache()
     monkeypatch.setitem(cache.LIMITS, "plan", 2)
-    plans = [plan_reshard([8 * k, 4], "float32", mesh, "S(0)", "R") for k in (1, 2, 3)]
+    plans = [plan_reshard((8 * k, 4), "float32", mesh, "S(0)", "R") for k in (1, 2, 3)]
     assert [p.src_spec.shape for p in plans] == [(8, 4), (16, 4), (24, 4)]
     assert len(cache._SECTIONS["plan"]) == 1              # the third plan found the section full: dropped, then kept
     assert len(cache._SECTIONS["args"]) == 3              # other kinds keep their entries
-    assert plan_reshard([8, 4], "float32", mesh, "S(0)", "R") is plans[0]     # served by its exact arguments
+    assert plan_reshard((8, 4), "float32", mesh, "S(0)", "R") is plans[0]     # served by its exact arguments
