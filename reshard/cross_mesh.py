@@ -8,12 +8,12 @@ replicated on the destination mesh.
 """
 from __future__ import annotations
 
+from autoparallel.core.cluster import ClusterSpec
+from autoparallel.core.collective import Collective
 from autoparallel.core.cost import emulated_bytes
 from autoparallel.core.mesh import ProcessMesh
 from autoparallel.core.placement import Replicate, format_placements
-from autoparallel.core.cluster import ClusterSpec
 from autoparallel.core.spec import DistSpec
-from autoparallel.core.collective import Collective
 from reshard import cache
 from reshard.explain import explain_step
 from reshard.plan import ReshardPlan, ReshardStep
@@ -90,5 +90,5 @@ def _send(shape, dtype, src_mesh, dst_mesh, state, dst_state, cluster) -> Reshar
     else:
         text = (f"destination rank k receives the whole tensor from source rank k % {len(src_ids)} "
                 f"({sends} send{'s' if sends != 1 else ''} per source rank)")
-    return ReshardStep(Collective.SEND_RECV, -1, state, dst_state, float(sends * nbytes), float(sends * seconds), None,
-                       text, src_mesh, dst_mesh)
+    return ReshardStep(Collective.SEND_RECV, -1, state, dst_state, float(sends * nbytes), float(sends * seconds),
+                       None, text, src_mesh, dst_mesh)
