@@ -21,9 +21,10 @@ class ReshardStep:
 
     ``collective`` is a ``Collective`` (a name such as ``"all_gather"`` is converted, an unknown one refused).
     ``slice`` and ``local`` communicate nothing: ``slice`` keeps a chunk (R -> S), ``local`` turns R into a
-    pending reduction (R -> P). A step on a mesh dim of size 1 costs 0 and leaves the local tensor unchanged. ``send_recv`` (``mesh_dim == -1``) moves every rank's local tensor of
-    ``src_mesh`` to the rank at the same flat position of ``dst_mesh`` (``k % src_mesh.size`` sends to ``k``
-    when the sizes differ); steps before it run on the source mesh, steps after it on the destination mesh.
+    pending reduction (R -> P). A step on a mesh dim of size 1 costs 0 and leaves the local tensor unchanged.
+    ``send_recv`` (``mesh_dim == -1``) moves every rank's local tensor of ``src_mesh`` to the rank at the same
+    flat position of ``dst_mesh`` (``k % src_mesh.size`` sends to ``k`` when the sizes differ); steps before it
+    run on the source mesh, steps after it on the destination mesh.
     ``emulated`` says how the backend runs a collective it lacks (e.g. ``"all_reduce + slice"``), else None.
     """
 
