@@ -510,7 +510,7 @@ def _world() -> tuple:
 
 
 def _model_info(model) -> dict:
-    from autoparallel.parallelize import model_info
+    from autoparallel.parallel.model_families import model_info
 
     return model_info(model)
 
