@@ -5,14 +5,14 @@
 
 It reads as a flat sequence of apply steps (torchtitan style), each a small function below:
 
-    if auto_mode == "full": strategy = planner.auto.choose(...)   # traced model, profile, printed explanation
+    if auto_mode == "full": strategy = planner.auto.plan_strategy(...)   # the planner returns a Strategy
     degrees = validate(strategy, world size, model)      # ValueError before any process work
     check_supported(strategy)                            # NotImplementedError for knobs not built yet
-    plan    = resolve_tp_plan(model, degrees.tp, tp_plan) # defaults by layer names, user entries win
-    plan    = apply_sp(model, plan)                       # sequence-parallel flags + norms on sequence shards
-    if pp > 1: return apply_pp(model, strategy, plan)    # stages on sub-meshes, schedules as action lists
+    styles  = resolve_tp_plan(model, degrees.tp, tp_plan) # defaults by layer names, user entries win
+    styles  = apply_sp(model, styles)                     # sequence-parallel flags + norms on sequence shards
+    if pp > 1: return apply_pp(model, strategy, styles)  # stages on sub-meshes, schedules as action lists
     mesh    = build_mesh(degrees)                        # [data, model]; the model dim varies fastest
-    apply_tp(model, mesh, plan); replicate_remaining(model, mesh)   # tied parameters stay one (parallel/ties.py)
+    apply_tp(model, mesh, styles); replicate_remaining(model, mesh)   # tied parameters stay one (parallel/ties.py)
     apply_ac(model, granularity, every_n)                 # recompute (full / selective)
     apply_amp(model, dtype, level)                        # autocast boundaries (emulated on CPU)
     shard_inputs(model, mesh)                             # batch dim of model inputs (positional and keyword)
@@ -96,22 +96,22 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     start_default()                    # a real job names a lost or frozen rank in seconds (AP_WATCHDOG=off: none)
     if optimizer is None and not _deferred:
         ep.reject_needing_optimizer(strategy, "ap.parallelize")
-    plan = resolve_tp_plan(model, degrees.tp, tp_plan)
+    styles = resolve_tp_plan(model, degrees.tp, tp_plan)      # {exact layer name: style}
     if strategy.sequence_parallel.enable:
-        plan = apply_sp(model, plan)
+        styles = apply_sp(model, styles)
     lazy = _has_lazy(model)
     if degrees.pp > 1:
         if lazy:
             raise NotImplementedError(f"lazy initialisation (paddle.LazyGuard) together with pipeline parallelism "
                                       f"is {_NOT_YET}; build the model without LazyGuard")
         names = {p.name: p for p in model.parameters()}
-        pipe, optimizer = _pipeline(model, optimizer, strategy, mesh, plan)
+        pipe, optimizer = _pipeline(model, optimizer, strategy, mesh, styles)
         pipe._ap_build = Build(strategy, None, names, False, pipe=pipe)
         _attach_run(pipe, optimizer, strategy)
         return pipe, optimizer
     mesh = build_mesh(degrees.dp, degrees.tp) if mesh is None else check_mesh(mesh, degrees.dp, degrees.tp)
     original = holders(model)
-    apply_tp(model, mesh, plan, tp_dim=MODEL)
+    apply_tp(model, mesh, styles, tp_dim=MODEL)
     replicate_remaining(model, mesh)
     replaced = _replacements(original, model)
     if strategy.recompute.enable:
@@ -217,12 +217,12 @@ def _has_lazy(model) -> bool:
     return has_lazy(model)
 
 
-def _pipeline(model, optimizer, strategy, mesh, plan):
+def _pipeline(model, optimizer, strategy, mesh, styles):
     """pp > 1: stages on their own sub-meshes (TP/SP/DP inside), run by the pipeline runtime; train with
     ``loss = pipe.train_batch(ids, labels); opt.step()``."""
     from autoparallel.parallel.pipeline.runtime import apply_pp
 
-    pipe = apply_pp(model, strategy, mesh=mesh, tp_plan=plan or None)
+    pipe = apply_pp(model, strategy, mesh=mesh, tp_plan=styles or None)
     return pipe, (pipe.wrap_optimizer(optimizer) if optimizer is not None else None)
 
 

@@ -19,7 +19,8 @@ class CostModel:
         self.links = [self.cluster.link_for(mesh.all_groups(m)[0]) for m in range(mesh.ndim)]
         self._memo = {}
 
-    def plan(self, spec: DistSpec, dst):
+    def reshard_plan(self, spec: DistSpec, dst):
+        """The reshard planner's ReshardPlan from ``spec`` to layout ``dst`` (memoised)."""
         from reshard import plan_reshard
 
         key = ("plan", spec, tuple(dst))
@@ -27,6 +28,8 @@ class CostModel:
             self._memo[key] = plan_reshard(spec.shape, spec.dtype, spec.mesh, spec.placements, tuple(dst),
                                            cluster=self.cluster)
         return self._memo[key]
+
+    plan = reshard_plan                 # the earlier name of reshard_plan
 
     def reshard(self, spec: DistSpec, dst, grad: bool) -> float:
         """Forward reshard seconds, plus the backward adjoint when the tensor needs a gradient (priced as the
@@ -49,13 +52,13 @@ class CostModel:
         over the planner's own state graph and step prices."""
         dst = tuple(dst)
         if any(p.is_partial() and p.reduce_type != "sum" for p in dst):
-            return self.plan(spec, dst).seconds
+            return self.reshard_plan(spec, dst).seconds
         key = ("dist", spec)
         table = self._memo.get(key)
         if table is None:
             table = self._memo[key] = self._distances(spec)
         if dst not in table:
-            return self.plan(spec, dst).seconds
+            return self.reshard_plan(spec, dst).seconds
         return table[dst]
 
     def _distances(self, spec: DistSpec) -> dict:

@@ -67,7 +67,7 @@ class CompletedPlan:
         for i in range(len(res.inputs)):
             desc, spec = self.input_of(node, i)
             if spec.placements != res.inputs[i].placements:
-                out.append((i, desc, self.cost_model.plan(spec, res.inputs[i].placements)))
+                out.append((i, desc, self.cost_model.reshard_plan(spec, res.inputs[i].placements)))
         return out
 
     def backward_collectives(self, node: int) -> list:
@@ -81,7 +81,7 @@ class CompletedPlan:
             desc, spec = self.input_of(node, i)
             req = res.inputs[i]
             if spec.placements != req.placements:
-                for st in self.cost_model.plan(spec, req.placements).steps:
+                for st in self.cost_model.reshard_plan(spec, req.placements).steps:
                     back = {"slice": "all_gather", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
                     if st.collective in back:
                         out.append((f"{back[st.collective]} grad of {desc} (mesh dim {st.mesh_dim})",
