@@ -2,20 +2,16 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 from autoparallel.config.sections import SCHEDULES
-
-if TYPE_CHECKING:
-    from autoparallel.strategy import Strategy
 
 
 class CliMixin:
     """``Strategy.from_args``."""
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "Strategy":
-        """Build from flags added by ``add_strategy_args`` (missing or None attributes keep defaults).
+    def from_args(cls, args: argparse.Namespace):
+        """A Strategy from the flags added by ``add_strategy_args`` (missing or None attributes keep defaults).
 
         ``args.seed`` is read too when the script defines it.
         """

@@ -2,13 +2,8 @@
 loss reported to every rank, and the optimizer restricted to a rank's stages."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import paddle
-
-if TYPE_CHECKING:
-    from .runtime import PipelineModule
 
 PIPE, DATA, MODEL = "pipe", "data", "model"
 _NOT_COMPOSED = "is not composed with pipeline parallelism yet (the pipeline runtime runs data, tensor and " \
@@ -144,10 +139,10 @@ def _world_loss(reporter: bool):
     return sync
 
 
-def bind_optimizer(optimizer, pipe: PipelineModule):
-    """Restrict a paddle optimizer to ``pipe``'s parameters (the distributed replacements of the ones it
-    was built over, matched by model name; other stages' parameters dropped) and wrap it with
-    ``shard_optimizer``, whose ``step`` reduces data-parallel partial gradients first."""
+def bind_optimizer(optimizer, pipe):
+    """Restrict a paddle optimizer to the parameters of ``pipe``, a PipelineModule (the distributed
+    replacements of the ones it was built over, matched by model name; other stages' parameters dropped) and
+    wrap it with ``shard_optimizer``, whose ``step`` reduces data-parallel partial gradients first."""
     from autoparallel.parallel.optimizer import ShardedOptimizer
 
     inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
