@@ -15,11 +15,11 @@ import paddle
 from paddle.base.framework import EagerParamBase
 
 from autoparallel import redistribute
-from autoparallel.comm import world as world_mod
 from autoparallel.comm.world import current_world
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import BlockShard, Partial, Replicate, Shard
 from autoparallel.spec import DistSpec, normalize_dtype
+from reshard import cache as reshard_cache
 
 
 class DistTensor:
@@ -459,14 +459,14 @@ def reshard(x, mesh: ProcessMesh, placements) -> DistTensor:
     src = as_dist(x)
     if not isinstance(src, DistTensor):
         raise TypeError(f"reshard expects a DistTensor or DistParameter, got {type(x).__name__}")
-    try:        # a repeated reshard reuses its target spec and plan
+    try:        # a repeated reshard reuses its target spec and plan (the planning cluster named by its epoch)
         placements = tuple(placements)
-        key = (src._spec, mesh, placements, current_world().backend, id(world_mod._cluster_override))
-        hit = _RESHARDS.get(key)
+        key = ("target", src._spec, mesh, placements, current_world().backend, reshard_cache.cluster_epoch())
+        hit = reshard_cache.get(key)
     except TypeError:                   # no placements or unhashable ones: validated (and rejected) below
         key = hit = None
     if hit is not None:
-        dst, plan = hit[0], hit[1]
+        dst, plan = hit
         return src if plan is None else DistTensor(redistribute.execute(src._locals, plan), dst)
     from reshard import plan_reshard
 
@@ -474,7 +474,8 @@ def reshard(x, mesh: ProcessMesh, placements) -> DistTensor:
 
     dst = _spec_for(src.spec.shape, src.spec.dtype, mesh, placements)
     if dst == src.spec:
-        _remember_reshard(key, src.spec, None)
+        if key is not None:
+            reshard_cache.put(key, (src.spec, None))
         return src
     if mesh == src.mesh:
         plan = plan_reshard(src.spec.shape, src.spec.dtype, mesh, src.spec.placements, dst.placements,
@@ -484,16 +485,6 @@ def reshard(x, mesh: ProcessMesh, placements) -> DistTensor:
 
         plan = plan_cross_mesh(src.spec.shape, src.spec.dtype, src.mesh, src.spec.placements, mesh,
                                dst.placements, cluster=planning_cluster())
-    _remember_reshard(key, dst, plan)
+    if key is not None:
+        reshard_cache.put(key, (dst, plan))
     return DistTensor(redistribute.execute(src._locals, plan), dst)
-
-
-_RESHARDS: dict = {}      # (src spec, mesh, placements, backend, cluster override) -> (dst spec, plan, override)
-
-
-def _remember_reshard(key, dst, plan) -> None:
-    if key is None:
-        return
-    if len(_RESHARDS) >= 4096:
-        _RESHARDS.clear()
-    _RESHARDS[key] = (dst, plan, world_mod._cluster_override)    # the override kept: its id stays its own

@@ -44,82 +44,24 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import math
 import os
-import signal
 import socket
-import sys
 import threading
 import time
 
-PREFIX = "autoparallel watchdog"
-DEFAULT_TIMEOUT = 10.0
-LONG_WAIT_FACTOR = 2.0        # a long wait may stretch a running peer's silence to at most 2 x timeout
-DEFAULT_EXIT_CODE = 75
-RING_ABOVE = 16
-
-
+from autoparallel.watchdog_heartbeat import HeartbeatMixin
+from autoparallel.watchdog_judge import JudgingMixin
+from autoparallel.watchdog_messages import _write_stderr
+from autoparallel.watchdog_settings import (DEFAULT_EXIT_CODE, DEFAULT_TIMEOUT, LONG_WAIT_FACTOR, PREFIX, RING_ABOVE,
+                                            _check_peers, _env_float, _exit_code, _Peer, _seconds)
+from autoparallel.watchdog_signals import SignalsMixin
 from autoparallel.watchdog_store import (FileStore, MemoryStore, TCPStoreClient, _proc_start_time,  # noqa: F401
                                       default_store, process_state)
-
-
-# ---- the watchdog --------------------------------------------------------------------------------------
-class _Peer:
-    __slots__ = ("rank", "up", "seq", "changed", "record")
-
-    def __init__(self, rank: int, now: float):
-        self.rank, self.up, self.seq, self.changed, self.record = rank, False, None, now, {}
-
-
-def _env_float(name: str, default):
-    text = os.environ.get(name)
-    if text in (None, ""):
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be positive, got {text!r}")
-    return value
-
-
-def _seconds(name: str, value):
-    """A positive finite number of seconds as float, or None when ``value`` is None."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
-    return float(value)
-
-
-def _exit_code(value) -> int:
-    try:
-        code = int(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"exit_code (AP_WATCHDOG_EXIT_CODE) must be an int in [1, 255], got {value!r}") from None
-    if isinstance(value, bool) or not 1 <= code <= 255:
-        raise ValueError(f"exit_code (AP_WATCHDOG_EXIT_CODE) must be in [1, 255] (0 would report success), "
-                         f"got {value!r}")
-    return code
-
-
-def _check_peers(peers, rank: int, world_size: int) -> list:
-    ranks = list(peers) if isinstance(peers, (list, tuple, set, frozenset)) else None
-    if ranks is None or any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
-        raise TypeError(f"peers must be a list of int ranks, got {peers!r}")
-    bad = [r for r in ranks if not 0 <= r < world_size or r == rank]
-    if bad:
-        raise ValueError(f"peers must be other ranks in [0, {world_size}) (this rank is {rank}), got {bad}")
-    return sorted(set(ranks))
-
 
 _current = [None]
 
 
-class Watchdog:
+class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
     def __init__(self, timeout: float = None, interval: float = None, *, store=None, rank: int = None,
                  world_size: int = None, long_wait_timeout: float = None, op_timeout: float = None,
                  startup_timeout: float = None, term_grace: float = None, exit_code: int = None,
@@ -176,7 +118,6 @@ class Watchdog:
         self._host = socket.gethostname()
         self._start_time = _proc_start_time(os.getpid())
 
-    # ---- identity --------------------------------------------------------------------------------
     @staticmethod
     def _identity(rank, world_size):
         for name, v in (("rank", rank), ("world_size", world_size)):
@@ -207,7 +148,6 @@ class Watchdog:
         k = int(os.environ.get("AP_WATCHDOG_PEERS", 4))
         return sorted({(self.rank + i) % self.world_size for i in range(1, k + 1)} - {self.rank})
 
-    # ---- public API ---------------------------------------------------------------------------------
     @property
     def running(self) -> bool:
         return bool(self._threads) and not self._halt.is_set()
@@ -333,273 +273,6 @@ class Watchdog:
             _write_stderr(f"{PREFIX}: rank {self.rank}: {self._op_text()} raised {self._error}; checking the "
                           f"other ranks for up to {self.timeout:.1f} s")
         self._verdict.wait(self.timeout + 2 * self.interval)
-
-    # ---- records --------------------------------------------------------------------------------------
-    def _key(self, what: str, rank: int) -> str:
-        return f"{self._prefix}/{what}/{rank}"
-
-    def _publish(self, stopped: bool = False, error: str = None) -> None:
-        self._seq += 1
-        op = self._error_op if stopped and error and self._error_op else self._op
-        record = {"seq": self._seq, "op": op[0] if op else None, "step": _jsonable(self._step),
-                  "long_wait": max(self._long_waits) if self._long_waits else 0, "pid": os.getpid(),
-                  "host": self._host, "start": self._start_time, "stopped": stopped, "error": error}
-        self.store.set(self._key("rec", self.rank), json.dumps(record).encode())
-
-    def _op_text(self) -> str:
-        op = self._op
-        if op is None:
-            return "no operation"
-        step = f" (step {self._step})" if self._step is not None else ""
-        return f"'{op[0]}'{step} for {time.monotonic() - op[1]:.1f} s"
-
-    # ---- the I/O thread ---------------------------------------------------------------------------------
-    def _io_loop(self) -> None:
-        while not self._halt.is_set():
-            try:
-                self._io_round()
-            except Exception as e:          # the store is gone: its host went down with it
-                self._store_lost(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-                return
-            self._wake.wait(self.interval)
-            self._wake.clear()
-
-    def _follow_abort(self) -> bool:
-        """Exit with the abort note another rank published, if there is one."""
-        if self.store.add(f"{self._prefix}/abort", 0) == 0:
-            return False
-        note = json.loads(self.store.get(f"{self._prefix}/abort_msg"))
-        if getattr(self.store, "host_rank", None) != self.rank:     # the host counts the others' acks
-            self.store.add(f"{self._prefix}/abort_ack", 1)
-        self._fail(f"exiting because rank {note['rank']} reported: {note['reason']}", publish=False)
-        return True
-
-    def _io_round(self) -> None:
-        self._publish()
-        if self._follow_abort():
-            return
-        exited = []
-        for peer in self._peers.values():
-            if not peer.up:
-                peer.up = self.store.add(self._key("up", peer.rank), 0) > 0
-                if not peer.up:
-                    continue
-                peer.changed = time.monotonic()
-            record = json.loads(self.store.get(self._key("rec", peer.rank)))
-            if record["seq"] != peer.seq:
-                peer.seq, peer.changed = record["seq"], time.monotonic()
-            peer.record = record
-            if record.get("error") and record.get("stopped"):
-                self._fail(f"rank {peer.rank} exited after an error in {_their_op(record)}: {record['error']}")
-                return
-            if record.get("host") == self._host and not record.get("stopped"):
-                if process_state(record["pid"], record.get("start")) == "exited":
-                    exited.append(peer)
-        # a rank that reported a loss exits too: read its note first, then blame the earliest silent rank
-        if exited and not self._follow_abort():
-            self._fail(_exited_reason(exited))
-            return
-        self._io_ok = time.monotonic()
-
-    def _store_lost(self, error: str) -> None:
-        host_rank = getattr(self.store, "host_rank", None)
-        record = self._peers[host_rank].record if host_rank in self._peers else {}
-        if record.get("stopped") and not record.get("error"):
-            self._halt.set()                # its host finished cleanly: nothing left to watch through it
-            return
-        who = f"rank {host_rank} lost: " if host_rank is not None and host_rank != self.rank else ""
-        if record.get("host") == self._host and "pid" in record:      # a reset connection: let it finish exiting
-            deadline = time.monotonic() + 0.5
-            while process_state(record["pid"], record.get("start")) == "running" and time.monotonic() < deadline:
-                time.sleep(0.05)
-        last = ""
-        if record:
-            last = f"{_process_note(record, self._host)}; rank {host_rank} was last in {_their_op(record)}"
-        self._fail(f"{who}{self.store.describe()} is unreachable ({error}){last}")
-
-    # ---- the judge thread -------------------------------------------------------------------------------
-    def _judge_loop(self) -> None:
-        tick = min(self.interval / 2, 0.25)
-        while not self._halt.wait(tick):
-            self._judge(time.monotonic())
-
-    def _judge(self, now: float) -> None:
-        if now - self._io_ok > self.timeout:
-            self._store_lost(f"no answer for {now - self._io_ok:.1f} s")
-            return
-        for peer in self._peers.values():
-            rec = peer.record
-            if rec.get("stopped"):
-                continue
-            if not peer.up:
-                if now - self._started > self.startup_timeout:
-                    self._fail(f"rank {peer.rank} lost: it never started its watchdog within "
-                               f"{self.startup_timeout:.0f} s")
-                    return
-                continue
-            silent = self._io_ok - peer.changed
-            if silent > self.timeout and silent > self._silence_limit(rec):
-                self._fail(f"rank {peer.rank} lost: no heartbeat for {silent:.1f} s (limit "
-                           f"{self._silence_limit(rec):.1f} s)"
-                           f"{_process_note(rec, self._host)}; it was last in {_their_op(rec)}")
-                return
-        op = self._op
-        if self.op_timeout and op is not None and not self._long_waits and now - op[1] > self.op_timeout:
-            self._fail(f"its operation in flight has run beyond the op timeout of {self.op_timeout:g} s "
-                       f"(AP_WATCHDOG_OP_TIMEOUT)")
-            return
-        if self._sigterm_at is not None and now - self._sigterm_at > self.term_grace:
-            self._end_for_sigterm()
-
-    def _silence_limit(self, rec: dict) -> float:
-        """How long a peer may stay silent: timeout, or its long-wait allowance (<= 2 x timeout) while its
-        process is not known to be stopped."""
-        allowance = min(rec.get("long_wait") or 0, LONG_WAIT_FACTOR * self.timeout)
-        if allowance <= self.timeout:
-            return self.timeout
-        if rec.get("host") == self._host and "pid" in rec and \
-                process_state(rec["pid"], rec.get("start")) == "stopped":
-            return self.timeout                  # frozen, not busy: no allowance
-        return allowance
-
-    # ---- failing -----------------------------------------------------------------------------------------
-    def _fail(self, reason: str, publish: bool = True) -> None:
-        with self._lock:
-            if self.failure is not None or self._halt.is_set():
-                return
-            message = (f"{PREFIX}: rank {self.rank}: {reason}. This rank was in {self._op_text()}. "
-                       f"Exiting with code {self.exit_code}.")
-            self.failure = message
-        if publish:                            # the note, and this rank's own acknowledgement: the host of the
-            note = json.dumps({"rank": self.rank, "reason": reason}).encode()      # store need not wait for it
-            host = getattr(self.store, "host_rank", None) == self.rank
-            _bounded(lambda: (self.store.set(f"{self._prefix}/abort_msg", note),
-                              self.store.add(f"{self._prefix}/abort", 1),
-                              host or self.store.add(f"{self._prefix}/abort_ack", 1)), 1.0)
-        _write_stderr(message)
-        if getattr(self.store, "host_rank", None) == self.rank:
-            self._linger()
-        if self.on_failure is not None:
-            with contextlib.suppress(Exception):
-                self.on_failure(message)
-        self._halt.set()
-        self._verdict.set()
-        self._exit(self.exit_code)
-
-    def _linger(self) -> None:
-        """The store lives in this process: keep it up until the other ranks have read the abort note (or
-        ``2 * interval + 1`` s passed), so they report the lost rank rather than this exit."""
-        deadline = time.monotonic() + min(2 * self.interval + 1.0, self.timeout)
-        while time.monotonic() < deadline:
-            try:
-                if self.store.add(f"{self._prefix}/abort_ack", 0) >= self.world_size - 2:
-                    return
-            except Exception:
-                return
-            time.sleep(0.05)
-
-    # ---- signal and exception hooks ---------------------------------------------------------------------
-    def _install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._prev_excepthook = sys.excepthook
-        sys.excepthook = self._excepthook
-
-    def _uninstall(self) -> None:
-        if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._prev_sigterm)
-            self._prev_sigterm = None
-        if self._prev_excepthook is not None and sys.excepthook == self._excepthook:
-            sys.excepthook = self._prev_excepthook
-            self._prev_excepthook = None
-
-    def _on_sigterm(self, signum, frame) -> None:
-        if self._sigterm_at is None:
-            self._sigterm_at = time.monotonic()
-        if callable(self._prev_sigterm):
-            self._prev_sigterm(signum, frame)
-
-    def _end_for_sigterm(self) -> None:
-        if callable(self._prev_sigterm) or self._prev_sigterm == signal.SIG_IGN:
-            self._sigterm_at = None             # someone else handles SIGTERM
-            return
-        exited = [p for p in self._peers.values() if p.record.get("host") == self._host
-                  and not p.record.get("stopped") and process_state(p.record["pid"], p.record.get("start")) == "exited"]
-        if exited:                              # the job is torn down because of a lost rank: name it
-            self._fail(_exited_reason(exited))
-            return
-        with self._lock:
-            if self.failure is not None or self._halt.is_set():
-                return
-            self.failure = (f"{PREFIX}: rank {self.rank}: terminated by SIGTERM (no lost rank found within "
-                            f"{self.term_grace:g} s) while in {self._op_text()}")
-        _write_stderr(self.failure)
-        self._halt.set()
-        _bounded(lambda: self._publish(stopped=True, error="terminated by SIGTERM"), 2.0)
-        self._verdict.set()
-        self._exit(128 + signal.SIGTERM)
-
-    def _excepthook(self, exc_type, exc, tb) -> None:
-        (self._prev_excepthook or sys.__excepthook__)(exc_type, exc, tb)
-        if issubclass(exc_type, Exception):
-            self.diagnose(exc)
-        self.stop(error=f"{exc_type.__name__}: {str(exc)[:300]}")
-
-
-def _exited_reason(exited: list) -> str:
-    """The loss to report when the processes of ``exited`` peers are gone: the one silent for longest."""
-    first = min(exited, key=lambda p: p.changed)
-    rec = first.record
-    later = sorted(p.rank for p in exited if p is not first)
-    also = f"; ranks {later} have exited since" if later else ""
-    return (f"rank {first.rank} lost: its process (pid {rec['pid']} on this host) has exited; it was last in "
-            f"{_their_op(rec)}{also}")
-
-
-def _process_note(record: dict, host: str) -> str:
-    """What /proc says about the process of a record from this host ("" for other hosts)."""
-    if record.get("host") != host or "pid" not in record:
-        return ""
-    state = process_state(record["pid"], record.get("start"))
-    return {"stopped": f"; its process (pid {record['pid']} on this host) is stopped (SIGSTOP?)",
-            "exited": f"; its process (pid {record['pid']} on this host) has exited",
-            "running": f"; its process (pid {record['pid']} on this host) is running but silent"}.get(state, "")
-
-
-def _their_op(record: dict) -> str:
-    op = record.get("op")
-    step = record.get("step")
-    text = f"'{op}'" if op else "no operation"
-    return text + (f" (step {step})" if step is not None else "")
-
-
-def _jsonable(value):
-    try:
-        json.dumps(value)
-        return value
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def _bounded(fn, seconds: float) -> None:
-    """Run ``fn`` in a daemon thread, waiting at most ``seconds`` (a frozen store must not hold us)."""
-    t = threading.Thread(target=_quiet, args=(fn,), daemon=True)
-    t.start()
-    t.join(seconds)
-
-
-def _quiet(fn) -> None:
-    try:
-        fn()
-    except Exception:
-        pass
-
-
-def _write_stderr(text: str) -> None:
-    data = (text.rstrip("\n") + "\n").encode(errors="replace")
-    with contextlib.suppress(OSError):
-        sys.stderr.flush()
-        os.write(2, data)
 
 
 # ---- module-level functions: act on the running watchdog, do nothing without one ---------------------

@@ -1,4 +1,4 @@
-"""`autoparallel reshard`: plan and explain a redistribution.
+"""`autoparallel reshard`: plan and explain a reshard.
 
     autoparallel reshard --shape 4096,4096 --dtype float32 --mesh 2x4 --from "S(0),R" --to "R,S(1)"
                          [--cluster 1x8:A100-80GB | profile.json] [--backend gloo] [--json]
@@ -13,9 +13,9 @@ import re
 import sys
 
 from autoparallel.cli_checks import MAX_DEVICES, bounded, tensor_bytes
-from autoparallel.mesh import mesh_from_shape
-from autoparallel.spec import dtype_bytes
-from autoparallel.planner.cluster import parse_cluster
+from autoparallel.core.mesh import mesh_from_shape
+from autoparallel.core.spec import dtype_bytes
+from autoparallel.core.cluster import parse_cluster
 from reshard.planner import plan_reshard
 from reshard.validate import check_cluster
 

@@ -8,13 +8,13 @@ replicated on the destination mesh.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
-from autoparallel.comm.cost import emulated_bytes
-from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import Replicate, format_placements
-from autoparallel.planner.cluster import ClusterSpec
-from autoparallel.spec import DistSpec
+from autoparallel.core.cluster import ClusterSpec
+from autoparallel.core.collective import Collective
+from autoparallel.core.cost import emulated_bytes
+from autoparallel.core.mesh import ProcessMesh
+from autoparallel.core.placement import Replicate, format_placements
+from autoparallel.core.spec import DistSpec
+from reshard import cache
 from reshard.explain import explain_step
 from reshard.plan import ReshardPlan, ReshardStep
 from reshard.planner import cached_plan, plan_reshard, pricer, state_graph
@@ -39,9 +39,15 @@ def plan_cross_mesh(global_shape, dtype, src_mesh: ProcessMesh, src_placements, 
     return cached_cross(shape, dtype, src_mesh, src, dst_mesh, dst, cluster)
 
 
-@lru_cache(maxsize=1024)
 def cached_cross(shape: tuple, dtype: str, src_mesh: ProcessMesh, src: tuple, dst_mesh: ProcessMesh,
                  dst: tuple, cluster: ClusterSpec) -> ReshardPlan:
+    """plan_cross_mesh on validated inputs, through the reshard cache."""
+    return cache.memo(("cross", shape, dtype, src_mesh, src, dst_mesh, dst, cluster),
+                      lambda: _cross(shape, dtype, src_mesh, src, dst_mesh, dst, cluster))
+
+
+def _cross(shape: tuple, dtype: str, src_mesh: ProcessMesh, src: tuple, dst_mesh: ProcessMesh,
+           dst: tuple, cluster: ClusterSpec) -> ReshardPlan:
     if src_mesh.shape != dst_mesh.shape:
         return _via_replicate(shape, dtype, src_mesh, src, dst_mesh, dst, cluster)
     targets = partial_targets(dst)
@@ -77,12 +83,12 @@ def _send(shape, dtype, src_mesh, dst_mesh, state, dst_state, cluster) -> Reshar
     pairs = [(src_ids[k % len(src_ids)], r) for k, r in enumerate(dst_ids)]
     sends = -(-len(dst_ids) // len(src_ids))                # messages the busiest source rank sends
     links = tuple(dict.fromkeys(cluster.link_for(p) for p in pairs))
-    seconds = slowest_seconds("send_recv", b, 2, links, cluster.backend)
-    nbytes = emulated_bytes("send_recv", b, 2, cluster.backend)
+    seconds = slowest_seconds(Collective.SEND_RECV, b, 2, links, cluster.backend)
+    nbytes = emulated_bytes(Collective.SEND_RECV, b, 2, cluster.backend)
     if src_mesh.shape == dst_mesh.shape:
-        text = explain_step("send_recv", -1, None, None, 2)
+        text = explain_step(Collective.SEND_RECV, -1, None, None, 2)
     else:
         text = (f"destination rank k receives the whole tensor from source rank k % {len(src_ids)} "
                 f"({sends} send{'s' if sends != 1 else ''} per source rank)")
-    return ReshardStep("send_recv", -1, state, dst_state, float(sends * nbytes), float(sends * seconds), None,
-                       text, src_mesh, dst_mesh)
+    return ReshardStep(Collective.SEND_RECV, -1, state, dst_state, float(sends * nbytes), float(sends * seconds),
+                       None, text, src_mesh, dst_mesh)

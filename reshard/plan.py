@@ -1,30 +1,34 @@
-"""ReshardStep and ReshardPlan: what a redistribution does, step by step, and what it costs."""
+"""ReshardStep and ReshardPlan: what a reshard does, step by step, and what it costs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
-from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import format_placements
-from autoparallel.spec import DistSpec
+from autoparallel.core.collective import Collective
+from autoparallel.core.mesh import ProcessMesh
+from autoparallel.core.placement import format_placements
+from autoparallel.core.spec import DistSpec
+from reshard.program import compile_plan
 from reshard.units import fmt_bytes, fmt_seconds
 
-COLLECTIVES = ("slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local", "send_recv")
+COLLECTIVES = tuple(Collective)       # the step vocabulary; members equal their names ("slice", "all_gather", ...)
 
 
 @dataclass(frozen=True)
 class ReshardStep:
     """One collective on one mesh dim; ``src``/``dst`` are the full placement states before and after.
 
-    ``collective`` is one of ``COLLECTIVES``. ``slice`` and ``local`` communicate nothing: ``slice`` keeps a
-    chunk (R -> S), ``local`` turns R into a pending reduction (R -> P). A step on a mesh dim of size 1 costs 0
-    and leaves the local tensor unchanged. ``send_recv`` (``mesh_dim == -1``) moves every rank's local tensor of
-    ``src_mesh`` to the rank at the same flat position of ``dst_mesh`` (``k % src_mesh.size`` sends to ``k``
-    when the sizes differ); steps before it run on the source mesh, steps after it on the destination mesh.
+    ``collective`` is a ``Collective`` (a name such as ``"all_gather"`` is converted, an unknown one refused).
+    ``slice`` and ``local`` communicate nothing: ``slice`` keeps a chunk (R -> S), ``local`` turns R into a
+    pending reduction (R -> P). A step on a mesh dim of size 1 costs 0 and leaves the local tensor unchanged.
+    ``send_recv`` (``mesh_dim == -1``) moves every rank's local tensor of ``src_mesh`` to the rank at the same
+    flat position of ``dst_mesh`` (``k % src_mesh.size`` sends to ``k`` when the sizes differ); steps before it
+    run on the source mesh, steps after it on the destination mesh.
     ``emulated`` says how the backend runs a collective it lacks (e.g. ``"all_reduce + slice"``), else None.
     """
 
-    collective: str
+    collective: Collective
     mesh_dim: int
     src: tuple
     dst: tuple
@@ -34,6 +38,9 @@ class ReshardStep:
     explain: str = ""
     src_mesh: Optional[ProcessMesh] = None
     dst_mesh: Optional[ProcessMesh] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "collective", Collective.of(self.collective))
 
     @property
     def src_placement(self):
@@ -84,6 +91,11 @@ class ReshardPlan:
         object.__setattr__(self, "steps", tuple(self.steps))
         object.__setattr__(self, "bytes_per_rank", float(sum(s.bytes_per_rank for s in self.steps)))
         object.__setattr__(self, "seconds", float(sum(s.seconds for s in self.steps)))
+
+    @cached_property
+    def program(self) -> tuple:
+        """Every step's per-group calls (``reshard.program.StepProgram``), compiled on first use and kept."""
+        return compile_plan(self)
 
     @property
     def collectives(self) -> list:

@@ -1,12 +1,11 @@
 """plan_reshard: the cheapest sequence of collectives taking one layout of a tensor to another on a mesh."""
 from __future__ import annotations
 
-from functools import lru_cache
-
-from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import format_placements
-from autoparallel.planner.cluster import ClusterSpec
-from autoparallel.spec import DistSpec
+from autoparallel.core.mesh import ProcessMesh
+from autoparallel.core.placement import format_placements
+from autoparallel.core.cluster import ClusterSpec
+from autoparallel.core.spec import DistSpec
+from reshard import cache
 from reshard.explain import explain_step
 from reshard.plan import ReshardPlan, ReshardStep
 from reshard.pricing import Pricer
@@ -17,12 +16,12 @@ from reshard.validate import check_cluster, check_dtype, check_mesh, check_place
 
 def plan_reshard(global_shape, dtype, mesh: ProcessMesh, src_placements, dst_placements,
                  cluster=None) -> ReshardPlan:
-    """Minimum-cost plan redistributing a ``global_shape``/``dtype`` tensor on ``mesh`` from ``src_placements``
+    """Minimum-cost plan resharding a ``global_shape``/``dtype`` tensor on ``mesh`` from ``src_placements``
     to ``dst_placements`` (tuples of placements or strings like "S(0),R"); ``cluster=None`` is the default
-    8-GPU-per-node NVLink + InfiniBand cluster. Pure and cached."""
-    key = (global_shape, dtype, mesh, src_placements, dst_placements, cluster)
+    8-GPU-per-node NVLink + InfiniBand cluster. Pure and cached (``reshard.cache``)."""
+    key = ("args", global_shape, dtype, mesh, src_placements, dst_placements, cluster)
     try:
-        plan = _HOT.get(key)
+        plan = cache.get(key)
     except TypeError:                           # unhashable arguments (lists): validate and normalize first
         key, plan = None, None
     if plan is not None and all(type(s) is int for s in global_shape):
@@ -34,19 +33,18 @@ def plan_reshard(global_shape, dtype, mesh: ProcessMesh, src_placements, dst_pla
     dst = check_placements_for("dst_placements", mesh, dst_placements, len(shape))
     plan = cached_plan(shape, dtype, mesh, src, dst, check_cluster(cluster))
     if key is not None and not isinstance(cluster, str):         # a profile path may change on disk
-        if len(_HOT) >= 4096:
-            _HOT.clear()
-        _HOT[key] = plan
+        cache.put(key, plan)                    # the exact arguments of this call: later calls skip validation
     return plan
 
 
-_HOT: dict = {}                                 # exact arguments of recent calls -> plan (skips validation)
-
-
-@lru_cache(maxsize=4096)
 def cached_plan(shape: tuple, dtype: str, mesh: ProcessMesh, src: tuple, dst: tuple,
                 cluster: ClusterSpec) -> ReshardPlan:
-    """plan_reshard on validated inputs (the cache)."""
+    """plan_reshard on validated inputs, through the reshard cache."""
+    return cache.memo(("plan", shape, dtype, mesh, src, dst, cluster),
+                      lambda: _plan(shape, dtype, mesh, src, dst, cluster))
+
+
+def _plan(shape: tuple, dtype: str, mesh: ProcessMesh, src: tuple, dst: tuple, cluster: ClusterSpec) -> ReshardPlan:
     if src == dst:
         return ReshardPlan(DistSpec(mesh, src, shape, dtype), DistSpec(mesh, dst, shape, dtype), (), cluster.backend)
     graph = state_graph(shape, dtype, mesh, cluster, src, partial_targets(dst))
@@ -55,15 +53,19 @@ def cached_plan(shape: tuple, dtype: str, mesh: ProcessMesh, src: tuple, dst: tu
                        to_steps(path, mesh), cluster.backend)
 
 
-@lru_cache(maxsize=256)
 def pricer(shape: tuple, dtype: str, mesh: ProcessMesh, cluster: ClusterSpec) -> Pricer:
-    return Pricer(shape, dtype, mesh, cluster)
+    return cache.memo(("pricer", shape, dtype, mesh, cluster), lambda: Pricer(shape, dtype, mesh, cluster))
 
 
-@lru_cache(maxsize=256)
 def state_graph(shape: tuple, dtype: str, mesh: ProcessMesh, cluster: ClusterSpec, start: tuple,
                 targets: tuple) -> Graph:
-    """Every placement state reachable from ``start``, with priced edges ``(collective, mesh_dim, Price)``."""
+    """Every placement state reachable from ``start``, with priced edges ``(Collective, mesh_dim, Price)``."""
+    return cache.memo(("graph", shape, dtype, mesh, cluster, start, targets),
+                      lambda: _state_graph(shape, dtype, mesh, cluster, start, targets))
+
+
+def _state_graph(shape: tuple, dtype: str, mesh: ProcessMesh, cluster: ClusterSpec, start: tuple,
+                 targets: tuple) -> Graph:
     price = pricer(shape, dtype, mesh, cluster)
     mesh_shape, ndim = mesh.shape, len(shape)
 

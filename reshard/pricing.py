@@ -1,4 +1,4 @@
-"""Prices one reshard step with the shared cost formulas (autoparallel.comm.cost) on a cluster's links.
+"""Prices one reshard step with the shared cost formulas (autoparallel.core.cost) on a cluster's links.
 
 ``b`` is the padded local size entering the step (``DistSpec.local_nbytes``), so an uneven shard costs like
 the padded collective the runtime runs; ``n`` is the mesh-dim size; the link is the slowest one any group
@@ -9,14 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from autoparallel.comm.capabilities import capabilities
-from autoparallel.comm.cost import collective_seconds, emulated_bytes
-from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import Partial
-from autoparallel.planner.cluster import ClusterSpec
-from autoparallel.spec import DistSpec
+from autoparallel.core.capabilities import capabilities
+from autoparallel.core.collective import Collective
+from autoparallel.core.cost import collective_seconds, emulated_bytes
+from autoparallel.core.mesh import ProcessMesh
+from autoparallel.core.placement import Partial
+from autoparallel.core.cluster import ClusterSpec
+from autoparallel.core.spec import DistSpec
 
-FREE = ("slice", "local")
+FREE = (Collective.SLICE, Collective.LOCAL)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
-from autoparallel.placement import BlockShard, Partial, Placement, Replicate, Shard
+from autoparallel.core.collective import Collective
+from autoparallel.core.placement import BlockShard, Partial, Placement, Replicate, Shard
 
 State = tuple  # tuple[Placement, ...], one per mesh dim
 
@@ -64,29 +65,30 @@ def _may_add_partial(state: State, i: int, target: Optional[Partial]) -> bool:
 
 
 def moves(state: State, mesh_shape: Sequence[int], ndim: int, targets: tuple) -> Iterator[tuple]:
-    """Yield ``(collective, mesh_dim, next_state)`` for every legal single-mesh-dim change of ``state``."""
+    """Yield ``(Collective, mesh_dim, next_state)`` for every legal single-mesh-dim change of ``state``: the
+    collective of a step is chosen here, once, and carried by the plan to the runtime."""
     for i, p in enumerate(state):
         if isinstance(p, Replicate):
             for d in range(ndim):
                 if not sharded_inside(state, i, d) and not split_elsewhere(state, i, d):
-                    yield "slice", i, _with(state, i, Shard(d))
+                    yield Collective.SLICE, i, _with(state, i, Shard(d))
             b = targets[i]
             if isinstance(b, BlockShard) and not any(j != i and (q.is_shard(b.dim) or q.is_block_shard(b.dim))
                                                      for j, q in enumerate(state)):
-                yield "slice", i, _with(state, i, b)
+                yield Collective.SLICE, i, _with(state, i, b)
             if _may_add_partial(state, i, targets[i]):
-                yield "local", i, _with(state, i, targets[i])
+                yield Collective.LOCAL, i, _with(state, i, targets[i])
         elif isinstance(p, Shard):
             if sharded_inside(state, i, p.dim):
                 continue
-            yield "all_gather", i, _with(state, i, REPLICATE)
+            yield Collective.ALL_GATHER, i, _with(state, i, REPLICATE)
             for d in range(ndim):
                 if d != p.dim and not sharded_inside(state, i, d) and not split_elsewhere(state, i, d):
-                    yield "all_to_all", i, _with(state, i, Shard(d))
+                    yield Collective.ALL_TO_ALL, i, _with(state, i, Shard(d))
         elif isinstance(p, BlockShard):
-            yield "all_gather", i, _with(state, i, REPLICATE)
+            yield Collective.ALL_GATHER, i, _with(state, i, REPLICATE)
         else:  # Partial
-            yield "all_reduce", i, _with(state, i, REPLICATE)
+            yield Collective.ALL_REDUCE, i, _with(state, i, REPLICATE)
             for d in range(ndim):
                 if not sharded_inside(state, i, d) and not split_elsewhere(state, i, d):
-                    yield "reduce_scatter", i, _with(state, i, Shard(d))
+                    yield Collective.REDUCE_SCATTER, i, _with(state, i, Shard(d))

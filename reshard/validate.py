@@ -4,11 +4,11 @@ from __future__ import annotations
 import numbers
 from functools import lru_cache
 
-from autoparallel.comm.capabilities import capabilities
-from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import Partial, Placement, parse_placements
-from autoparallel.planner.cluster import ClusterSpec, default_cluster, parse_cluster
-from autoparallel.spec import check_placements, normalize_dtype
+from autoparallel.core.capabilities import capabilities
+from autoparallel.core.mesh import ProcessMesh
+from autoparallel.core.placement import Partial, Placement, parse_placements
+from autoparallel.core.cluster import ClusterSpec, default_cluster, parse_cluster
+from autoparallel.core.spec import check_placements, normalize_dtype
 
 
 MAX_NUMEL = 2 ** 53

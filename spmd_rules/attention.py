@@ -17,7 +17,7 @@ linear in x.
 """
 from __future__ import annotations
 
-from autoparallel.placement import chunk_range
+from autoparallel.core.placement import chunk_range
 
 from spmd_rules.einsum import labels_result
 from spmd_rules.registry import register_spmd_rule

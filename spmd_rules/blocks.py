@@ -8,8 +8,8 @@ input to it as replicated on that mesh dim, so the runtime gathers it (all_gathe
 """
 from __future__ import annotations
 
-from autoparallel.placement import BlockShard, Replicate, Shard
-from autoparallel.spec import DistSpec
+from autoparallel.core.placement import BlockShard, Replicate, Shard
+from autoparallel.core.spec import DistSpec
 
 
 def block_aware(fn):

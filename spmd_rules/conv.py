@@ -7,7 +7,7 @@ channel dims are whole too.
 """
 from __future__ import annotations
 
-from autoparallel.placement import Partial, Shard
+from autoparallel.core.placement import Partial, Shard
 
 from spmd_rules.einsum import label_rule
 from spmd_rules.expand import expand, present

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import Partial, Shard
-from autoparallel.spec import DistSpec, normalize_dtype
+from autoparallel.core.mesh import ProcessMesh
+from autoparallel.core.placement import Partial, Shard
+from autoparallel.core.spec import DistSpec, normalize_dtype
 
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.result import SpmdResult

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import inspect
 
-from autoparallel.placement import Placement, Replicate, Shard, parse_placement
-from autoparallel.spec import DistSpec
+from autoparallel.core.placement import Placement, Replicate, Shard, parse_placement
+from autoparallel.core.spec import DistSpec
 
 from spmd_rules.result import SpmdResult
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoparallel.placement import chunk_range
+from autoparallel.core.placement import chunk_range
 
 
 class DimTrans:

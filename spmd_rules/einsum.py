@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 import re
 
-from autoparallel.placement import BlockShard, Partial, Shard
-from autoparallel.spec import DistSpec
+from autoparallel.core.placement import BlockShard, Partial, Shard
+from autoparallel.core.spec import DistSpec
 
 from spmd_rules.expand import expand, present
 from spmd_rules.result import SpmdResult

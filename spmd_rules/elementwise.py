@@ -7,7 +7,7 @@ the numerator), neg, scale without bias, float casts. add(P, R) requires R.
 """
 from __future__ import annotations
 
-from autoparallel.spec import DistSpec, normalize_dtype
+from autoparallel.core.spec import DistSpec, normalize_dtype
 
 from spmd_rules.blocks import block_aware
 from spmd_rules.einsum import ALL, label_reverse, labels_result

@@ -11,7 +11,7 @@ its sharding.
 """
 from __future__ import annotations
 
-from autoparallel.placement import Partial, Shard
+from autoparallel.core.placement import Partial, Shard
 
 from spmd_rules.expand import expand, present
 from spmd_rules.registry import register_spmd_rule

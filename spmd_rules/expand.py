@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from autoparallel.placement import Placement, Shard
-from autoparallel.spec import DistSpec
+from autoparallel.core.placement import Placement, Shard
+from autoparallel.core.spec import DistSpec
 
 from spmd_rules.utils import R, same_mesh
 

@@ -16,8 +16,8 @@ import numbers
 
 import numpy as np
 
-from autoparallel.placement import Partial, Replicate, Shard
-from autoparallel.spec import DistSpec
+from autoparallel.core.placement import Partial, Replicate, Shard
+from autoparallel.core.spec import DistSpec
 
 from spmd_rules.blocks import aligned_pieces, block_aware, local_bounds, piece_placement, unblock
 from spmd_rules.einsum import ALL, labels_result

@@ -7,7 +7,7 @@ one block comes out ``S(a)``, of several ``S(a,blocks=..)``; other pieces gather
 """
 from __future__ import annotations
 
-from autoparallel.spec import DistSpec
+from autoparallel.core.spec import DistSpec
 
 from spmd_rules.blocks import aligned_pieces, block_aware, piece_placement, unblock
 from spmd_rules.einsum import ALL, labels_result

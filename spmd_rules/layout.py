@@ -5,7 +5,7 @@ shape is rank-dependent with shards: ``local_attrs(coords)`` gives it.
 """
 from __future__ import annotations
 
-from autoparallel.placement import Shard
+from autoparallel.core.placement import Shard
 
 from spmd_rules.blocks import block_aware
 from spmd_rules.einsum import ALL, label_reverse, labels_result

@@ -17,7 +17,7 @@ Partial inputs need R; the class ``weight`` is R.
 """
 from __future__ import annotations
 
-from autoparallel.placement import Partial, Shard
+from autoparallel.core.placement import Partial, Shard
 
 from spmd_rules.einsum import label_rule
 from spmd_rules.expand import expand, present

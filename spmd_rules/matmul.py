@@ -7,7 +7,7 @@ otherwise.
 """
 from __future__ import annotations
 
-from autoparallel.placement import BlockShard, Partial, Shard
+from autoparallel.core.placement import BlockShard, Partial, Shard
 
 from spmd_rules.blocks import block_aware
 from spmd_rules.einsum import einsum_result, label_reverse, label_rule

@@ -9,8 +9,8 @@ repeat or take apart; other dims keep their sharding.
 """
 from __future__ import annotations
 
-from autoparallel.placement import Replicate
-from autoparallel.spec import DistSpec
+from autoparallel.core.placement import Replicate
+from autoparallel.core.spec import DistSpec
 
 from spmd_rules.einsum import ALL, einsum_result, labels_result
 from spmd_rules.elementwise import _unary, broadcast_labels, elementwise_result
@@ -100,7 +100,7 @@ def _whole_axes(op, x, axis, keepdim, dtype=None):
 
 @register_spmd_rule("prod")
 def prod(x, axis=None, keepdim=False, dtype=None, out=None, name=None):
-    from autoparallel.spec import normalize_dtype
+    from autoparallel.core.spec import normalize_dtype
 
     return _whole_axes("prod", x, axis, keepdim, normalize_dtype(dtype) if dtype is not None else None)
 

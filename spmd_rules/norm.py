@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from autoparallel.placement import Shard, chunk_range
+from autoparallel.core.placement import Shard, chunk_range
 
 from spmd_rules.einsum import label_reverse, label_rule, labels_result
 from spmd_rules.expand import expand, expand_reverse, present

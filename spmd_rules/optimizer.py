@@ -9,8 +9,8 @@ returns None).
 """
 from __future__ import annotations
 
-from autoparallel.placement import Partial
-from autoparallel.spec import DistSpec
+from autoparallel.core.placement import Partial
+from autoparallel.core.spec import DistSpec
 
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.result import SpmdResult

@@ -14,7 +14,7 @@ from spmd_rules.einsum import ALL, labels_result
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.result import SpmdResult
 from spmd_rules.utils import check_spec
-from autoparallel.spec import normalize_dtype
+from autoparallel.core.spec import normalize_dtype
 
 
 def _slices(spec):

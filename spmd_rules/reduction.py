@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
-from autoparallel.placement import chunk_sizes
-from autoparallel.spec import normalize_dtype
+from autoparallel.core.placement import chunk_sizes
+from autoparallel.core.spec import normalize_dtype
 
 from spmd_rules.blocks import block_aware
 from spmd_rules.einsum import ALL, label_reverse, labels_result

@@ -4,8 +4,8 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Iterable
 
-from autoparallel.placement import Placement, parse_placements
-from autoparallel.spec import DistSpec
+from autoparallel.core.placement import Placement, parse_placements
+from autoparallel.core.spec import DistSpec
 
 from spmd_rules.blocks import has_blocks, is_block_aware, unblock
 from spmd_rules.result import LocalShaped, SpmdResult

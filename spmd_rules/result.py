@@ -33,7 +33,7 @@ class LocalShaped:
 
     @property
     def placements(self) -> tuple:
-        from autoparallel.placement import Replicate
+        from autoparallel.core.placement import Replicate
 
         return tuple(Replicate() for _ in range(self.mesh.ndim))
 
@@ -44,7 +44,7 @@ class LocalShaped:
     dtype = "data-dependent"
 
     def resolve(self, shape, dtype):
-        from autoparallel.spec import DistSpec, normalize_dtype
+        from autoparallel.core.spec import DistSpec, normalize_dtype
 
         return DistSpec(self.mesh, self.placements, tuple(int(s) for s in shape), normalize_dtype(dtype))
 

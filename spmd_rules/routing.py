@@ -16,8 +16,8 @@ slice, no communication). Graph tracing cannot follow a value-dependent shape: t
 """
 from __future__ import annotations
 
-from autoparallel.placement import Replicate
-from autoparallel.spec import DistSpec, normalize_dtype
+from autoparallel.core.placement import Replicate
+from autoparallel.core.spec import DistSpec, normalize_dtype
 
 from spmd_rules.einsum import labels_result
 from spmd_rules.layout import transpose

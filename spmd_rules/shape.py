@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from autoparallel.placement import BlockShard, Shard
-from autoparallel.spec import DistSpec, dtype_bytes, normalize_dtype
+from autoparallel.core.placement import BlockShard, Shard
+from autoparallel.core.spec import DistSpec, dtype_bytes, normalize_dtype
 
 from spmd_rules.blocks import block_aware
 from spmd_rules.dimtrans import infer_shape, reshape_transforms, shard_map

@@ -2,7 +2,7 @@
 Partial inputs need R."""
 from __future__ import annotations
 
-from autoparallel.spec import normalize_dtype
+from autoparallel.core.spec import normalize_dtype
 
 from spmd_rules.blocks import block_aware
 from spmd_rules.einsum import label_reverse, labels_result

@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 import numbers
 
-from autoparallel.placement import Partial, Replicate
-from autoparallel.spec import DistSpec, normalize_dtype
+from autoparallel.core.placement import Partial, Replicate
+from autoparallel.core.spec import DistSpec, normalize_dtype
 
 R = Replicate()
 LINEAR_REDUCE = ("sum", "avg")          # Partial types that commute with linear maps

@@ -145,3 +145,14 @@ def test_parallelize_full_trains_one_step_like_the_plain_model(capsys):
     assert total == pytest.approx(float(ref_loss), rel=1e-5)
     for n, p in ref.named_parameters():
         np.testing.assert_allclose(params[n], p.numpy(), rtol=1e-4, atol=1e-6, err_msg=n)
+
+
+def test_the_planner_returns_a_strategy_and_leaves_applying_it_to_parallelize(capsys):
+    model = build(CONFIG, lazy=True)
+    with ap.simulate(4):
+        chosen, result = auto.plan_strategy(model, strategy(), seq_len=16, cluster=cpu_default())
+    assert isinstance(chosen, ap.Strategy) and chosen.auto_mode == "semi"
+    assert (result.best.config.dp, result.best.config.tp) == (chosen.data_parallel.degree,
+                                                              chosen.tensor_parallel.degree)
+    assert getattr(model, "_ap_mesh", None) is None and not any(ap.is_dist(p) for p in model.parameters())
+    assert "chosen:" in capsys.readouterr().out

@@ -233,3 +233,24 @@ def test_fast_reshard_prices_equal_the_reshard_planner():
         for dst in itertools.product(choices, repeat=2):
             want = plan_reshard(spec.shape, spec.dtype, mesh, spec.placements, dst, cluster=CPU).seconds
             assert cm.seconds(spec, dst) == pytest.approx(want, rel=1e-9, abs=1e-15), (src, dst)
+
+
+def test_solver_options_replace_the_method_keyword_and_bound_the_search():
+    from autoparallel.graph.completion import SolverOptions
+
+    rng = np.random.default_rng(1)
+    p = _random_problem(rng, GRAPHS["tree"], [3] * 6)
+    assert solve(p, "ilp")[1] == pytest.approx(solve(p, options=SolverOptions(method="ilp"))[1])
+    with pytest.raises(ValueError, match="contradicts"):
+        solve(p, "ilp", options=SolverOptions(method="auto"))
+    with pytest.raises(ValueError, match="exceeds the limit 100"):
+        solve(Problem([10] * 3), options=SolverOptions(method="exhaustive", exhaustive_limit=100))
+    with pytest.raises(ValueError, match="max_drivers must be a positive int"):
+        SolverOptions(max_drivers=0)
+    with pytest.raises(TypeError, match="SolverOptions"):
+        solve(p, options={"method": "ilp"})
+    x = DistSpec(mesh1(), [R], (8, 16))
+    wide = complete(lazy(MLP, 16, 64), x, cluster=CPU)
+    narrow = complete(lazy(MLP, 16, 64), x, cluster=CPU, options=SolverOptions(max_drivers=1))
+    assert narrow.stats["candidates"] < wide.stats["candidates"]          # fewer drivers, fewer layouts
+    assert narrow.cost >= wide.cost - 1e-15                               # a smaller search is never cheaper

@@ -123,12 +123,16 @@ _cluster_override = None
 def set_cluster(cluster) -> None:
     """Price runtime reshards with ``cluster`` (a ClusterSpec, spec string or profile path; None resets)."""
     global _cluster_override
+    from reshard.cache import bump_epoch
+
     if cluster is None:
         _cluster_override = None
+        bump_epoch()                    # plans cached for the old cluster are no longer served
         return
     from autoparallel.planner.cluster import parse_cluster
 
     _cluster_override = parse_cluster(cluster)
+    bump_epoch()
 
 
 def planning_cluster():

@@ -130,7 +130,7 @@ def _mesh_for(strategy, world, mesh):
         return mesh, None
     if strategy.auto_mode == "full":
         return _square_mesh(world), None
-    from autoparallel.parallelize import build_mesh
+    from autoparallel.parallel.mesh_dims import build_mesh
 
     degrees = strategy.validate(world_size=world)
     return build_mesh(degrees.dp, degrees.tp), degrees
@@ -138,7 +138,7 @@ def _mesh_for(strategy, world, mesh):
 
 def _semi_annotations(model, mesh, strategy, tp_plan):
     """Parameter and layer-output annotations implied by the strategy (semi mode)."""
-    from autoparallel.parallelize import resolve_tp_plan
+    from autoparallel.parallel.model_families import resolve_tp_plan
 
     ann = {}
     tp = mesh.shape[mesh.dim_index("model")] if "model" in mesh.dim_names else 1
@@ -195,7 +195,7 @@ class DistModel:
                 sub._parameters[pname] = new
         if optimizer is None:
             return None
-        from autoparallel.parallelize import wrap_optimizer
+        from autoparallel.parallel.accumulation import wrap_optimizer
 
         return wrap_optimizer(optimizer, replaced, self._k)
 

@@ -137,8 +137,9 @@ def zero_optimizer(optimizer, stage: ShardingStage, gradient_accumulation_steps:
     """The ZeRO optimizer for ``stage`` over the optimizer's (distributed) parameters. Parameters already
     sharded over the sharding dim (the article's ``[Shard(1)]`` weights on a [data, model] mesh) keep
     their states in their own, already sharded, layout: a SplitOptimizer steps both groups."""
+    from autoparallel.parallel.accumulation import wrap_optimizer
+    from autoparallel.parallel.builds import model_of_params
     from autoparallel.parallel.sharding import apply_zero
-    from autoparallel.parallelize import model_of_params, wrap_optimizer
 
     params = _params(optimizer)
     plain = [p.name for p in params if not is_dist(p)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from autoparallel.planner.cluster import ClusterSpec, default_cluster, parse_cluster
+from autoparallel.core.cluster import ClusterSpec, default_cluster, parse_cluster
 from autoparallel.planner.config import config_from_fixed, parse_fixed
 from autoparallel.planner.explain import (explain_fixed, explain_search, fixed_suggestions, infeasible_message,
                                           search_suggestions)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from autoparallel.planner.cluster import ClusterSpec, parse_cluster
+from autoparallel.core.cluster import ClusterSpec, parse_cluster
 from autoparallel.planner.search import divisors
 
 ENV_PROFILE = "AP_CLUSTER_PROFILE"
@@ -87,7 +87,7 @@ def to_strategy(candidate, user):
 
 def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str = "gloo"):
     """(chosen Strategy, PlanResult) for ``model`` on ``world`` ranks."""
-    from autoparallel.parallelize import model_info
+    from autoparallel.parallel.model_families import model_info
     from autoparallel.planner.api import plan
     from autoparallel.planner.model_spec import ModelSpec
 
@@ -136,8 +136,9 @@ def _with_winner(result, index, others=()):
     return replace(result, candidates=cands[:SHOWN], explanation=note + result.explanation + tail)
 
 
-def parallelize_auto(parallelize, model, optimizer, strategy, mesh=None, tp_plan=None, seq_len=None, cluster=None):
-    """Plan, print the explanation (rank 0), then ``parallelize`` with the chosen strategy."""
+def plan_strategy(model, strategy, seq_len=None, cluster=None):
+    """(chosen Strategy, PlanResult) for the current world; the explanation is printed on rank 0. The caller
+    (``ap.parallelize``) applies the chosen strategy."""
     from autoparallel.comm.world import current_world
 
     world = current_world()
@@ -146,7 +147,4 @@ def parallelize_auto(parallelize, model, optimizer, strategy, mesh=None, tp_plan
         n = world.world_size
         print(f"auto_mode='full': planned for {n} rank{'s' if n != 1 else ''} on {result.cluster.name}\n{result}\n"
               f"chosen: {chosen}", flush=True)
-    out_model, out_opt = parallelize(model, optimizer, chosen, mesh, tp_plan)
-    out_model._ap_strategy = chosen
-    out_model._ap_plan = result
-    return out_model, out_opt
+    return chosen, result

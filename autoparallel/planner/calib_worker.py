@@ -90,7 +90,7 @@ def measure_collectives(sizes, repeat, groups, work) -> dict:
 
     from autoparallel.comm.transport import transport_for
     from autoparallel.comm.world import current_world
-    from autoparallel.mesh import ProcessMesh
+    from autoparallel.core.mesh import ProcessMesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
     transport = transport_for(current_world())

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from autoparallel.cli_checks import bounded, output_path
-from autoparallel.planner.cluster import ClusterSpec, CollectiveFit, DeviceSpec, LinkSpec, RuntimeSpec
+from autoparallel.core.cluster import ClusterSpec, CollectiveFit, DeviceSpec, LinkSpec, RuntimeSpec
 
 # placeholders for gloo over loopback TCP when collectives are not measured (--no-launch)
 ASSUMED_GLOO_LINK = LinkSpec(latency_s=5e-5, bandwidth_Bps=1e9)

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     except SystemExit as exc:            # argparse already printed usage and the error on stderr
         return int(exc.code or 0)
     from autoparallel.planner.api import plan
-    from autoparallel.planner.cluster import parse_cluster
+    from autoparallel.core.cluster import parse_cluster
     from autoparallel.planner.options import options_for_cluster
     try:
         check_args(args)

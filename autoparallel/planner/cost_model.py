@@ -26,12 +26,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from autoparallel.comm.cost import collective_seconds
+from autoparallel.core.cost import collective_seconds
 from autoparallel.planner import eager_cost
 from autoparallel.planner import memory as mem
 from autoparallel.planner.links import Stream, exposed_overlap
 from autoparallel.planner.memory import FULL, SELECTIVE
-from autoparallel.planner.topology import topology_of
+from autoparallel.core.topology import topology_of
 
 GRID_KEYS = ("dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "offload", "mb", "ep", "split")
 

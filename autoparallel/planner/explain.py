@@ -177,7 +177,7 @@ def _more_devices(model, cluster, global_batch, seq_len, space, options, max_fac
 
 def search_suggestions(model, cluster, global_batch, seq_len, space, options) -> list:
     """Smallest changes that make a search with no feasible configuration succeed, smallest first."""
-    from autoparallel.planner.cluster import DEVICES
+    from autoparallel.core.cluster import DEVICES
     found = []
     for key, allowed in space.constrained().items():       # 1. lift one constraint
         relaxed = replace(space, **{key: getattr(type(space)(), key)})

@@ -122,9 +122,9 @@ def trace_model(model, seq_len: int, batch: int):
     import paddle.nn.functional as F
 
     from autoparallel.graph.trace import trace
-    from autoparallel.mesh import ProcessMesh
-    from autoparallel.placement import Replicate
-    from autoparallel.spec import DistSpec
+    from autoparallel.core.mesh import ProcessMesh
+    from autoparallel.core.placement import Replicate
+    from autoparallel.core.spec import DistSpec
 
     class WithLoss(paddle.nn.Layer):
         def __init__(self, inner):
@@ -270,14 +270,14 @@ def _param_owners(layer) -> list:
 
 def _tp_linears(model, block):
     """(row-parallel, column-parallel) linears of one block under the default tensor-parallel plan."""
-    from autoparallel.parallelize import DEFAULT_PLANS, _default_family, _matches
+    from autoparallel.parallel.model_families import DEFAULT_PLANS, default_family, matches
     from autoparallel.parallel.tensor_parallel import ColWiseParallel, RowWiseParallel, match_plan
 
-    family = _default_family(model)
+    family = default_family(model)
     if family is None:
         return 0, 0
     prefix = next(n for n, l in model.named_sublayers() if l is block) + "."
-    plan = {p: s for p, s in DEFAULT_PLANS[family].items() if _matches(model, p)}
+    plan = {p: s for p, s in DEFAULT_PLANS[family].items() if matches(model, p)}
     hits = [style for name, _, style in match_plan(model, plan) if name.startswith(prefix)]
     return (sum(isinstance(s, RowWiseParallel) for s in hits), sum(isinstance(s, ColWiseParallel) for s in hits))
 

@@ -25,8 +25,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from autoparallel.comm.cost import collective_seconds, hierarchical_seconds
-from autoparallel.planner.topology import topology_of
+from autoparallel.core.cost import collective_seconds, hierarchical_seconds
+from autoparallel.core.topology import topology_of
 
 LINKS = ("nvlink", "network")
 _PROBE = float(2 ** 30)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoparallel.planner.cluster import preset
+from autoparallel.core.cluster import preset
 from autoparallel.planner.config import ParallelConfig
 from autoparallel.planner.model_spec import PRESETS
 from autoparallel.planner.options import PlannerOptions

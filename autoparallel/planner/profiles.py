@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autoparallel.planner.cluster import ClusterSpec, CollectiveFit, LinkSpec, RuntimeSpec, preset
+from autoparallel.core.cluster import ClusterSpec, CollectiveFit, LinkSpec, RuntimeSpec, preset
 
 # (collective, group size) -> (latency s, bandwidth B/s), measured after a burst of eager ops
 _FITS = {

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autoparallel.planner.cluster import cluster_of
+from autoparallel.core.cluster import cluster_of
 from autoparallel.planner.config import ParallelConfig
 from autoparallel.planner.model_spec import PRESETS
 from autoparallel.planner.options import PlannerOptions
-from autoparallel.planner.topology import Topology
+from autoparallel.core.topology import Topology
 
 GB = 1e9
 # DeepSpeed's pipeline engine and Megatron-LM (2021-22) reduce gradients after the pipeline drains (no overlap);

@@ -38,6 +38,9 @@ import numpy as np
 import paddle
 
 from .simulate import PipelineDeadlock, Record
+from .wiring import (DATA, MODEL, PIPE, _check_composable, _model_info, _p2p_pairs, _shard_stage,  # noqa: F401
+                     _shared_parameters, _simulated, _simulated_stage_meshes, _stage_meshes, _world, _world_loss,
+                     bind_optimizer, pipeline_ranks)
 from .zero_bubble import WeightGradStore
 
 
@@ -372,10 +375,7 @@ def _cross_entropy(logits, labels):
     return F.cross_entropy(logits, labels)
 
 
-# ---- wiring: plan, meshes, process groups, sharding -------------------------------------------------------
-PIPE, DATA, MODEL = "pipe", "data", "model"
-_NOT_COMPOSED = "is not composed with pipeline parallelism yet (the pipeline runtime runs data, tensor and " \
-                "sequence parallelism inside stages)"
+# ---- apply_pp: plan, meshes, process groups, sharding (the helpers: wiring.py) -------------------------------------------------------
 
 
 def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, loss_fn=None, cost: str = "flops",
@@ -470,177 +470,3 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     pipe.original_names = names
     pipe.ranks, pipe.rank, pipe.pp_rank, pipe.coords = ranks, rank, pp_rank, (d, t)
     return pipe
-
-
-def _simulated_stage_meshes(stages, ranks: np.ndarray, tp_plan) -> dict:
-    """The simulated world: every stage laid out on its own [data, model] sub-mesh, here; {stage: mesh}."""
-    pp = ranks.shape[0]
-    shared = _shared_parameters(stages, pp)
-    if shared:
-        names = sorted({n for _, by_stage in shared for n in by_stage.values()})
-        raise NotImplementedError(f"parameters shared by stages on different pipeline ranks ({', '.join(names)}) "
-                                  f"cannot be laid out on two stage meshes of one simulated world with data or "
-                                  f"tensor parallelism inside stages; untie them, or run on real ranks")
-    meshes = _stage_meshes(ranks)
-    out = {}
-    for st in stages:
-        out[st.index] = meshes[st.index % pp]
-        _shard_stage(st, out[st.index], tp_plan)
-    return out
-
-
-def _simulated() -> bool:
-    from autoparallel.comm.world import current_world
-
-    return current_world().is_simulated
-
-
-def _world() -> tuple:
-    import os
-
-    from autoparallel.comm.world import current_world
-
-    w = current_world()
-    if w.is_simulated:
-        return w.world_size, 0
-    if not getattr(w, "initialized", True) and int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1) > 1:
-        raise RuntimeError("this process is one of several launched ranks but paddle.distributed is not "
-                           "initialised; call paddle.distributed.init_parallel_env() before apply_pp")
-    return w.world_size, w.rank
-
-
-def _model_info(model) -> dict:
-    from autoparallel.parallelize import model_info
-
-    return model_info(model)
-
-
-def _check_composable(strategy, degrees) -> None:
-    if degrees is None:
-        raise ValueError("apply_pp needs resolved degrees: auto_mode='full' leaves them to the planner; "
-                         "use auto_mode='semi' with pipeline_parallel.degree set")
-    if degrees.pp < 2:
-        raise ValueError(f"apply_pp needs pipeline_parallel.degree >= 2, got {degrees.pp}")
-    for on, what in ((strategy.sharding.enable, f"sharding (ZeRO stage {strategy.sharding.stage})"),
-                     (strategy.recompute.enable, "recompute"), (strategy.amp.enable, "amp")):
-        if on:
-            raise NotImplementedError(f"{what} {_NOT_COMPOSED}")
-
-
-def pipeline_ranks(pp: int, dp: int = 1, tp: int = 1, mesh=None) -> np.ndarray:
-    """Global ranks as a ``[pipe, data, model]`` array: the default layout, or ``mesh`` reordered."""
-    if mesh is None:
-        return np.arange(pp * dp * tp).reshape(pp, dp, tp)
-    from autoparallel.mesh import ProcessMesh
-
-    if not isinstance(mesh, ProcessMesh):
-        raise TypeError(f"mesh must be an ap.ProcessMesh, got {type(mesh).__name__}")
-    dims = mesh.dim_names
-    if PIPE not in dims or not set(dims) <= {PIPE, DATA, MODEL}:
-        raise ValueError(f"a pipeline mesh has dims from {[PIPE, DATA, MODEL]} including {PIPE!r}, got {dims}")
-    arr = np.asarray(mesh.mesh)
-    for name in (PIPE, DATA, MODEL):
-        if name not in dims:
-            arr = arr[..., None]
-            dims = dims + [name]
-    arr = np.transpose(arr, [dims.index(n) for n in (PIPE, DATA, MODEL)])
-    if list(arr.shape) != [pp, dp, tp]:
-        raise ValueError(f"mesh shape (pipe, data, model) = {list(arr.shape)}, expected the degrees "
-                         f"[pp, dp, tp] = {[pp, dp, tp]}")
-    return arr
-
-
-def _stage_meshes(ranks: np.ndarray) -> list:
-    from autoparallel.mesh import ProcessMesh
-
-    return [ProcessMesh(ranks[k].tolist(), [DATA, MODEL]) for k in range(ranks.shape[0])]
-
-
-def _p2p_pairs(schedule, ranks: np.ndarray) -> list:
-    """Global rank pairs that exchange messages: pipeline-rank pairs from the schedule's transfers, each
-    for every (data, model) coordinate, in one fixed order."""
-    pp_pairs = sorted({tuple(sorted((r, a.peer_rank))) for r, acts in enumerate(schedule) for a in acts
-                       if a.is_comm})
-    _, dp, tp = ranks.shape
-    return [tuple(sorted((int(ranks[a, d, t]), int(ranks[b, d, t]))))
-            for a, b in pp_pairs for d in range(dp) for t in range(tp)]
-
-
-def _shared_parameters(stages, pp: int) -> list:
-    """[(pipeline ranks, {stage: parameter name})] for parameters held by stages on several ranks."""
-    holders = {}
-    for st in stages:
-        for name, p in st.named_parameters():
-            entry = holders.setdefault(id(p), (set(), {}))
-            entry[0].add(st.index % pp)
-            entry[1].setdefault(st.index, name)
-    return [(tuple(sorted(rs)), names) for rs, names in holders.values() if len(rs) > 1]
-
-
-def _shard_stage(stage, mesh, tp_plan) -> None:
-    import fnmatch
-
-    from autoparallel.layer import shard_layer
-    from autoparallel.parallel.tensor_parallel import apply_tp
-
-    if tp_plan:
-        names = [n for n, _ in stage.named_sublayers() if n]
-        plan = {pat: style for pat, style in tp_plan.items() if any(fnmatch.fnmatchcase(n, pat) for n in names)}
-        if plan:
-            apply_tp(stage, mesh, plan, tp_dim=MODEL)
-    shard_layer(stage, mesh)
-
-
-def _world_loss(reporter: bool):
-    def sync(loss):
-        import paddle.distributed as dist
-
-        t = paddle.to_tensor([float(loss) if reporter else 0.0], dtype="float64")
-        dist.all_reduce(t)
-        return float(t.numpy()[0])
-    return sync
-
-
-def bind_optimizer(optimizer, pipe: PipelineModule):
-    """Restrict a paddle optimizer to ``pipe``'s parameters (the distributed replacements of the ones it
-    was built over, matched by model name; other stages' parameters dropped) and wrap it with
-    ``shard_optimizer``, whose ``step`` reduces data-parallel partial gradients first."""
-    from autoparallel.parallel.optimizer import ShardedOptimizer
-
-    inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
-    if not hasattr(inner, "_parameter_list"):
-        raise TypeError(f"expected a paddle optimizer, got {type(optimizer).__name__}")
-    if getattr(inner, "_grad_clip", None) is not None:
-        raise NotImplementedError(f"gradient clipping ({type(inner._grad_clip).__name__}) needs the gradient norm "
-                                  f"over every pipeline stage, which the pipeline runtime does not compute yet; "
-                                  f"build the optimizer without grad_clip")
-    local = dict(pipe.named_parameters())
-    local_ids = {id(p) for p in local.values()}
-    names = getattr(pipe, "original_names", {})
-
-    def pick(params):
-        out = []
-        for p in params:
-            q = p if id(p) in local_ids else local.get(names.get(id(p)))
-            if q is not None and all(q is not r for r in out):
-                out.append(q)
-        return out
-
-    params = inner._parameter_list
-    if params and isinstance(params[0], dict):
-        for group in params:
-            group["params"] = pick(group["params"])
-        for group in getattr(inner, "_param_groups", None) or []:
-            if isinstance(group, dict):
-                group["params"] = pick(group["params"])
-    else:
-        inner._parameter_list = pick(params)
-        if getattr(inner, "_param_groups", None) is not None and not isinstance((inner._param_groups or [{}])[0], dict):
-            inner._param_groups = list(inner._parameter_list)
-    kept = sum(1 for _ in pick(local.values()))
-    found = len(inner._parameter_list) if not (params and isinstance(params[0], dict)) else \
-        sum(len(g["params"]) for g in params)
-    if found == 0 and kept:
-        raise ValueError(f"the optimizer holds none of this rank's {kept} stage parameters; build it over "
-                         f"model.parameters() or pipe.parameters()")
-    return ShardedOptimizer(inner)

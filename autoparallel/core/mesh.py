@@ -1,0 +1,192 @@
+"""ProcessMesh: an n-d array of ranks with named dims.
+
+The communication groups of every mesh dim are created with the mesh (in a real multi-process world),
+in one fixed order on every rank, each followed by a barrier: gloo fails when group creation interleaves
+with other collectives. That step lives in ``autoparallel.comm.groups`` (it needs paddle); this module only
+calls it, by name, once paddle is loaded. Pure code (specs, rules, reshard planning) uses meshes without
+any process group.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Sequence
+
+import numpy as np
+
+# Where the process groups of a new mesh are made: the one paddle-touching step of a mesh, kept outside the
+# core and reached by name, only once paddle is loaded (a process without paddle has no distributed job).
+GROUPS_HOOK = ("autoparallel.comm.groups", "on_mesh_created")
+
+
+def _create_groups(mesh) -> None:
+    if "paddle" not in sys.modules:
+        return
+    module, name = GROUPS_HOOK
+    getattr(importlib.import_module(module), name)(mesh)
+
+
+class ProcessMesh:
+    def __init__(self, mesh, dim_names: Sequence[str] | None = None, *, create_groups: bool = True):
+        try:
+            arr = np.asarray(mesh)
+        except ValueError:
+            raise ValueError(f"ProcessMesh expects a non-empty rectangular nested list of ints, got {mesh!r}") from None
+        if arr.dtype == object or arr.size == 0:
+            raise ValueError(f"ProcessMesh expects a non-empty rectangular nested list of ints, got {mesh!r}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"ProcessMesh expects integer ranks, got dtype {arr.dtype} from {mesh!r}")
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        flat = arr.reshape(-1).tolist()
+        if min(flat) < 0:
+            raise ValueError(f"ProcessMesh ranks must be non-negative, got {sorted(r for r in flat if r < 0)}")
+        if len(set(flat)) != len(flat):
+            dup = sorted({r for r in flat if flat.count(r) > 1})
+            raise ValueError(f"ProcessMesh ranks must be unique, got duplicates {dup} in {arr.tolist()}")
+        if dim_names is None:
+            dim_names = [f"d{i}" for i in range(arr.ndim)]
+        dim_names = list(dim_names)
+        if len(dim_names) != arr.ndim:
+            raise ValueError(f"ProcessMesh of shape {list(arr.shape)} needs {arr.ndim} dim_names, got {dim_names}")
+        if len(set(dim_names)) != len(dim_names) or not all(isinstance(n, str) for n in dim_names):
+            raise ValueError(f"ProcessMesh dim_names must be unique strings, got {dim_names}")
+        self._arr = arr.astype(np.int64)
+        self._arr.setflags(write=False)
+        self._names = tuple(dim_names)
+        self._shape = tuple(int(n) for n in self._arr.shape)
+        self._flat = tuple(int(r) for r in flat)
+        self._key = (self._shape, self._flat, self._names)
+        self._hash = hash(self._key)
+        self._groups: dict = {}            # mesh dim -> its communication groups (computed once)
+        self._coords = {int(r): tuple(int(c) for c in idx) for idx, r in np.ndenumerate(self._arr)}
+        if create_groups:
+            _create_groups(self)
+
+    # ---- basic properties -------------------------------------------------------------------
+    @property
+    def shape(self) -> list[int]:
+        return list(self._shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def dim_names(self) -> list[str]:
+        return list(self._names)
+
+    @property
+    def process_ids(self) -> list[int]:
+        return list(self._flat)
+
+    @property
+    def size(self) -> int:
+        return len(self._flat)
+
+    @property
+    def mesh(self) -> np.ndarray:
+        return self._arr
+
+    def dim_index(self, dim: int | str) -> int:
+        if isinstance(dim, str):
+            if dim not in self._names:
+                raise ValueError(f"mesh has dims {list(self._names)}, got dim name {dim!r}")
+            return self._names.index(dim)
+        if not isinstance(dim, int) or not -self.ndim <= dim < self.ndim:
+            raise ValueError(f"mesh dim must be an int in [-{self.ndim}, {self.ndim}) or a name in {list(self._names)}, got {dim!r}")
+        return dim % self.ndim
+
+    def get_dim_size(self, dim: int | str) -> int:
+        return int(self._arr.shape[self.dim_index(dim)])
+
+    def contains(self, rank: int) -> bool:
+        return rank in self._coords
+
+    def coords_of(self, rank: int) -> tuple[int, ...]:
+        try:
+            return self._coords[rank]
+        except (KeyError, TypeError):
+            raise ValueError(f"rank {rank} is not in the mesh {self._arr.tolist()}") from None
+
+    def rank_at(self, coords: Sequence[int]) -> int:
+        return int(self._arr[tuple(coords)])
+
+    def group_ranks(self, mesh_dim: int | str, rank: int) -> list[int]:
+        """Ranks along ``mesh_dim`` through ``rank`` (its communication group on that dim)."""
+        i = self.dim_index(mesh_dim)
+        c = list(self.coords_of(rank))
+        c[i] = slice(None)
+        return self._arr[tuple(c)].tolist()
+
+    def all_groups(self, mesh_dim: int | str) -> list[list[int]]:
+        """Every communication group along ``mesh_dim``, in a fixed order (row-major over the other dims)."""
+        i = self.dim_index(mesh_dim)
+        groups = self._groups.get(i)
+        if groups is None:
+            moved = np.moveaxis(self._arr, i, -1)
+            groups = self._groups[i] = tuple(tuple(g) for g in moved.reshape(-1, moved.shape[-1]).tolist())
+        return [list(g) for g in groups]
+
+    # ---- sub-meshes ---------------------------------------------------------------------------
+    def __getitem__(self, index) -> "ProcessMesh":
+        sub = self._arr[index]
+        if np.ndim(sub) == 0:
+            return ProcessMesh([int(sub)], [self._names[-1]])
+        # names of the dims that survive indexing
+        kept = _surviving_dims(self._arr.shape, index)
+        return ProcessMesh(sub.tolist(), [self._names[k] for k in kept] if len(kept) == sub.ndim else None)
+
+    def get_submesh_with_dim(self, dim_name: str, index: int) -> "ProcessMesh":
+        """The sub-mesh at position ``index`` of dim ``dim_name`` (that dim removed)."""
+        i = self.dim_index(dim_name)
+        size = self._arr.shape[i]
+        if not 0 <= index < size:
+            raise ValueError(f"mesh dim {dim_name!r} has size {size}, got index {index}")
+        sub = np.take(self._arr, index, axis=i)
+        names = [n for k, n in enumerate(self._names) if k != i]
+        if sub.ndim == 0:
+            return ProcessMesh([int(sub)], [self._names[i]])
+        return ProcessMesh(sub.tolist(), names)
+
+    # ---- identity -------------------------------------------------------------------------------
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, ProcessMesh) and self._key == other._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)           # string hashes differ between processes
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._hash = hash(self._key)
+
+    def __repr__(self) -> str:
+        return f"ProcessMesh({self._arr.tolist()}, dim_names={list(self._names)})"
+
+    def short(self) -> str:
+        return "x".join(str(s) for s in self._arr.shape)
+
+
+def _surviving_dims(shape, index) -> list[int]:
+    if not isinstance(index, tuple):
+        index = (index,)
+    kept, d = [], 0
+    for ix in index:
+        if ix is Ellipsis:
+            raise TypeError("ProcessMesh indexing does not support Ellipsis")
+        if not isinstance(ix, (int, np.integer)):
+            kept.append(d)
+        d += 1
+    kept.extend(range(d, len(shape)))
+    return kept
+
+
+def mesh_from_shape(shape: Sequence[int], dim_names: Sequence[str] | None = None, **kw) -> ProcessMesh:
+    """A mesh over ranks 0..prod(shape)-1 in row-major order, e.g. ``mesh_from_shape([2, 4])``."""
+    n = int(np.prod(shape))
+    return ProcessMesh(np.arange(n).reshape(shape).tolist(), dim_names, **kw)

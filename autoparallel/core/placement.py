@@ -1,0 +1,181 @@
+"""Placements: how one mesh dimension lays out a tensor.
+
+``Shard(d)`` splits tensor dim ``d`` across the mesh dim (ceil-division chunks, later ranks may hold
+fewer rows or none), ``Replicate()`` gives every rank the whole tensor, ``Partial(op)`` gives every rank
+a term of a pending reduction. Short forms: ``S(0)``, ``R``, ``P(sum)``.
+
+``BlockShard(d, blocks)`` (short form ``S(1,blocks=(64,64))``): dim ``d`` is a concatenation of blocks of
+the given sizes (a fused projection's ``[gate | up]`` or ``[q | k | v]``) and EACH block is split evenly over
+the mesh dim, so device j holds ``[block0_j | block1_j | ...]`` and a chunk of the fused output into its
+blocks stays local. Like torch DTensor's ``_StridedShard``, generalised to unequal blocks.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+REDUCE_TYPES = ("sum", "avg", "max", "min")
+
+
+class Placement:
+    """Base class; concrete placements are frozen dataclasses (hashable, comparable)."""
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+    def is_block_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+@dataclass(frozen=True, repr=False)
+class Shard(Placement):
+    dim: int
+
+    def __post_init__(self):
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise TypeError(f"Shard(dim) expects an int tensor dim, got {type(self.dim).__name__} {self.dim!r}")
+        if self.dim < 0:
+            raise ValueError(f"Shard(dim) expects a non-negative tensor dim (normalise negatives first), got {self.dim}")
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, repr=False)
+class Replicate(Placement):
+    def is_replicate(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, repr=False)
+class Partial(Placement):
+    reduce_type: str = "sum"
+
+    def __post_init__(self):
+        if self.reduce_type not in REDUCE_TYPES:
+            raise ValueError(f"Partial(reduce_type) expects one of {REDUCE_TYPES}, got {self.reduce_type!r}")
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_type})"
+
+
+@dataclass(frozen=True, repr=False)
+class BlockShard(Placement):
+    """Dim ``dim`` = blocks of sizes ``blocks`` laid end to end, each block split evenly over the mesh dim.
+
+    Not a ``Shard``: rank j's rows are not one contiguous range (``is_shard()`` is False, so code that
+    handles only contiguous shards never mistakes it for one); ``is_block_shard()`` names it."""
+    dim: int
+    blocks: tuple
+
+    def __post_init__(self):
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
+            raise ValueError(f"BlockShard(dim, blocks) expects a non-negative int tensor dim, got {self.dim!r}")
+        try:
+            blocks = tuple(int(b) for b in self.blocks)
+        except (TypeError, ValueError):
+            raise TypeError(f"BlockShard blocks must be a sequence of ints, got {self.blocks!r}") from None
+        if not blocks or any(b <= 0 for b in blocks) or any(isinstance(b, bool) for b in self.blocks):
+            raise ValueError(f"BlockShard blocks must be positive sizes, got {list(self.blocks)}")
+        object.__setattr__(self, "blocks", blocks)
+
+    def is_block_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def check(self, extent: int, n: int) -> None:
+        """Invariants against the tensor dim's size ``extent`` and the mesh dim's size ``n``."""
+        if sum(self.blocks) != extent:
+            raise ValueError(f"{self}: blocks sum to {sum(self.blocks)} but tensor dim {self.dim} has size "
+                             f"{extent}; the blocks must tile the dim exactly")
+        bad = [b for b in self.blocks if b % n]
+        if bad:
+            raise ValueError(f"{self}: every block must be divisible by the mesh dim size {n}, blocks {bad} "
+                             f"are not")
+
+    def local_index(self, n: int, j: int) -> list:
+        """Global indices (along ``dim``) held by member ``j`` of ``n``, in local order."""
+        out, start = [], 0
+        for b in self.blocks:
+            c = b // n
+            out.extend(range(start + j * c, start + (j + 1) * c))
+            start += b
+        return out
+
+    def __str__(self) -> str:
+        return f"S({self.dim},blocks=({','.join(str(b) for b in self.blocks)}))"
+
+
+_BLOCK = re.compile(r"^\s*S\(\s*(\d+)\s*,\s*blocks\s*=\s*[\(\[]\s*([\d\s,]*?)\s*,?\s*[\)\]]\s*\)\s*$")
+_TOKEN = re.compile(r"^\s*(?:S\(\s*(\d+)\s*\)|R|P(?:\(\s*(\w+)\s*\))?)\s*$")
+
+
+def parse_placement(text: str) -> Placement:
+    """``"S(0)"`` -> Shard(0), ``"R"`` -> Replicate(), ``"P"``/``"P(sum)"`` -> Partial("sum")."""
+    if isinstance(text, Placement):
+        return text
+    if not isinstance(text, str):
+        raise TypeError(f"expected a placement string like 'S(0)', 'R' or 'P(sum)', got {type(text).__name__}")
+    b = _BLOCK.match(text)
+    if b:
+        return BlockShard(int(b.group(1)), tuple(int(v) for v in b.group(2).replace(",", " ").split()))
+    m = _TOKEN.match(text)
+    if not m:
+        raise ValueError(f"malformed placement {text!r}: expected 'S(<dim>)', 'S(<dim>,blocks=(<b0>,<b1>,..))', "
+                         f"'R' or 'P(<sum|avg|max|min>)'")
+    if m.group(1) is not None:
+        return Shard(int(m.group(1)))
+    if text.strip().startswith("P"):
+        return Partial(m.group(2) or "sum")
+    return Replicate()
+
+
+def parse_placements(text) -> tuple[Placement, ...]:
+    """``"S(0),R"`` or ``"[S(0), R]"`` or a sequence of strings/placements -> tuple of placements."""
+    if isinstance(text, str):
+        body = text.strip()
+        if body.startswith(("[", "(")) and body.endswith(("]", ")")) and not _TOKEN.match(body):
+            body = body[1:-1]
+        parts = re.findall(r"S\(\s*\d+\s*,\s*blocks\s*=\s*[\(\[][^\)\]]*[\)\]]\s*\)|S\([^)]*\)|P\([^)]*\)|[^,\s]+",
+                           body)
+        if not parts:
+            raise ValueError(f"malformed placements {text!r}: expected e.g. 'S(0),R'")
+        return tuple(parse_placement(p) for p in parts)
+    return tuple(parse_placement(p) for p in text)
+
+
+def format_placements(placements) -> str:
+    """Readable form used in plans and tests: ``"(S(0), R)"``."""
+    return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+def chunk_sizes(n: int, k: int) -> list[int]:
+    """Ceil-division chunks of ``n`` items over ``k`` ranks: 7 over 4 -> [2, 2, 2, 1]; 5 over 4 -> [2, 2, 1, 0]."""
+    if k <= 0:
+        raise ValueError(f"number of chunks must be positive, got {k}")
+    c = -(-n // k) if n > 0 else 0
+    return [max(0, min(c, n - i * c)) for i in range(k)]
+
+
+def chunk_range(n: int, k: int, i: int) -> tuple[int, int]:
+    """(start, stop) of chunk ``i`` of ``n`` items split over ``k`` with ceil division."""
+    c = -(-n // k) if n > 0 else 0
+    start = min(n, i * c)
+    return start, min(n, start + c)

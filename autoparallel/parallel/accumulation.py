@@ -1,0 +1,79 @@
+"""The optimizer of a parallelized model: pointed at the distributed parameters, stepping once per
+``gradient_accumulation_steps`` backward passes (paddle's ``shard_optimizer`` semantics)."""
+from __future__ import annotations
+
+from autoparallel.dist_tensor import is_dist
+from autoparallel.local_mode import local_mode
+from autoparallel.parallel.optimizer import ShardedOptimizer
+
+
+class AccumulatingOptimizer(ShardedOptimizer):
+    """``shard_optimizer`` semantics for gradient accumulation (paddle's): ``step()`` runs once per
+    ``gradient_accumulation_steps`` backward passes; the gradients, reduced over the data axis in buckets
+    (by the final micro-step's backward hooks, the rest at the step), are divided by that number and the
+    local shards updated."""
+
+    @property
+    def parameters(self):
+        return list(flat_params(self._inner))
+
+    def _scale_gradients(self):
+        k = self.gradient_accumulation_steps
+        if k > 1:
+            with local_mode():
+                for p in self.parameters:
+                    for t in (p.locals.values() if is_dist(p) else [p]):
+                        if t.grad is not None:
+                            t.grad.set_value(t.grad * (1.0 / k))
+
+
+def wrap_optimizer(optimizer, replaced: dict, gradient_accumulation_steps: int = 1) -> AccumulatingOptimizer:
+    """Point the optimizer at the distributed parameters and wrap it (idempotent on a wrapped one)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer = optimizer._inner
+    if not hasattr(optimizer, "_parameter_list"):
+        raise TypeError(f"expected a paddle optimizer, got {type(optimizer).__name__}")
+    if not optimizer._parameter_list:
+        raise ValueError("the optimizer has no parameters; build it with parameters=model.parameters()")
+    _rebind(optimizer, replaced)
+    return AccumulatingOptimizer(optimizer, gradient_accumulation_steps=gradient_accumulation_steps, overlap=True)
+
+
+def _rebind(optimizer, replaced: dict) -> None:
+    params = optimizer._parameter_list
+    if params and isinstance(params[0], dict):           # parameter groups
+        for group in params:
+            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+        for group in getattr(optimizer, "_param_groups", []) or []:
+            if isinstance(group, dict):
+                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+        return
+    optimizer._parameter_list = [replaced.get(id(p), p) for p in params]
+    groups = getattr(optimizer, "_param_groups", None)
+    if groups is not None and groups and not isinstance(groups[0], dict):
+        optimizer._param_groups = list(optimizer._parameter_list)
+
+
+def check_optimizer_params(model, optimizer, where: str, replaced: dict | None = None) -> None:
+    """The optimizer must update the model's parameters (all or some): name how many are foreign."""
+    if optimizer is None:
+        return
+    inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
+    if not hasattr(inner, "_parameter_list"):
+        return                                              # wrap_optimizer names the type error
+    own = {id(p) for p in model.parameters()} | set(replaced or {})
+    params = list(flat_params(inner))
+    foreign = [p for p in params if id(p) not in own]
+    if foreign:
+        names = ", ".join(p.name for p in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ValueError(f"{where}: {len(foreign)} of the optimizer's {len(params)} parameters are not "
+                         f"parameters of the {type(model).__name__} ({names}); build the optimizer with "
+                         f"parameters=model.parameters() of this model")
+
+
+def flat_params(optimizer):
+    for p in optimizer._parameter_list or []:
+        if isinstance(p, dict):
+            yield from p["params"]
+        else:
+            yield p

@@ -1,0 +1,73 @@
+"""Model inputs of a parallelized model: plain tensors are sharded on their batch dim over the data dims
+(``parallel_guard(dims)`` names other dims); a DistTensor must already live on the model's mesh."""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from autoparallel.dist_tensor import DistTensor, shard_tensor
+from autoparallel.parallel.mesh_dims import DATA, MODEL
+from autoparallel.placement import Replicate, Shard
+
+
+_guard = threading.local()
+
+
+def parallel_guard(dims=(DATA,)):
+    """Inside, plain tensors entering a parallelized model are sharded on their batch dim over the mesh dims
+    named in ``dims`` and replicated over the others (``parallel_guard([])`` replicates them). The names are
+    those of ``ap.parallelize``'s mesh: ``'data'`` and ``'model'``."""
+    if isinstance(dims, str) or not isinstance(dims, (list, tuple)) or not all(isinstance(d, str) for d in dims):
+        raise TypeError(f"parallel_guard expects a list of mesh dim names (of {[DATA, MODEL]}), got "
+                        f"{type(dims).__name__} {dims!r:.80}")
+    unknown = [d for d in dims if d not in (DATA, MODEL)]
+    if unknown:
+        raise ValueError(f"parallel_guard: unknown mesh dim names {unknown}; ap.parallelize's mesh has dims "
+                         f"{[DATA, MODEL]}, got dims={list(dims)}")
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"parallel_guard: each mesh dim may be named once, got dims={list(dims)}")
+    return _guarded(list(dims))
+
+
+@contextlib.contextmanager
+def _guarded(dims: list):
+    stack = getattr(_guard, "stack", None)
+    if stack is None:
+        stack = _guard.stack = []
+    stack.append(dims)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _input_dims():
+    stack = getattr(_guard, "stack", None)
+    return stack[-1] if stack else [DATA]
+
+
+def shard_inputs(model, mesh) -> None:
+    """A forward pre-hook distributing the model's tensor inputs, positional and keyword alike (see the module
+    docstring)."""
+    import paddle
+
+    def place(x):
+        if isinstance(x, DistTensor):
+            if x.mesh != mesh:
+                raise ValueError(f"{type(model).__name__} runs on mesh {mesh} but got a DistTensor on mesh "
+                                 f"{x.mesh}; reshard it onto the model's mesh (ap.reshard) or pass the plain tensor")
+            return x
+        if not isinstance(x, (paddle.Tensor, paddle.pir.Value)) or x.ndim == 0:      # Value: jit.to_static
+            return x
+        dims = _input_dims()
+        unknown = [d for d in dims if d not in mesh.dim_names]
+        if unknown:
+            raise ValueError(f"parallel_guard names mesh dims {unknown}; the model's mesh has {mesh.dim_names}")
+        placements = [Shard(0) if n in dims else Replicate() for n in mesh.dim_names]
+        return shard_tensor(x, mesh, placements)
+
+    def pre(_layer, args, kwargs):                 # keyword inputs (model(input_ids=..., labels=...)) too
+        return tuple(place(x) for x in args), {k: place(v) for k, v in kwargs.items()}
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    model._ap_mesh = mesh
