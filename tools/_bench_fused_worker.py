@@ -1,0 +1,73 @@
+"""Rank worker of tools/bench_fused.py."""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "dist_scripts"))
+
+import paddle                                             # noqa: E402
+import paddle.distributed as dist                        # noqa: E402
+
+import autoparallel as ap                                 # noqa: E402
+import paddleformers_common as pc                         # noqa: E402
+from autoparallel.comm.counter import count_comm          # noqa: E402
+from autoparallel.testing import paddleformers_models as pf  # noqa: E402
+from autoparallel.testing.launch import write_result      # noqa: E402
+
+
+def build(args, plan):
+    model = pf.build("phi3", 0, vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                     num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                     num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq)
+    opt = paddle.optimizer.AdamW(1e-4, parameters=model.parameters())
+    return ap.parallelize(model, opt, strategy=pc.strategy(args.dp, args.tp), tp_plan=plan)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    for name in ("dp", "tp", "vocab", "hidden", "layers", "heads", "kv_heads", "seq", "batch", "warmup", "rounds"):
+        p.add_argument(f"--{name}", type=int)
+    args = p.parse_args()
+    dist.init_parallel_env()
+    gather = ap.ColWiseParallel(gather_output=True)
+    plans = {"blocked": None, "gathered": {"qkv_proj": gather, "gate_up_proj": gather}}
+    paddle.seed(0)
+    ids = paddle.randint(0, args.vocab, [args.batch, args.seq])
+    runs = {}
+    for name, plan in plans.items():
+        model, opt = build(args, plan)
+        tp_group = next(tuple(sorted(g)) for g in model._ap_mesh.all_groups("model") if dist.get_rank() in g)
+
+        def step():
+            loss = pf.loss_of(model(input_ids=ids, labels=ids))
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            return float(loss)
+
+        with count_comm() as log:
+            first = step()
+        comm = collections.Counter(n for (n, _, _), g in zip(log.calls, log.groups) if tuple(g) == tp_group)
+        for _ in range(args.warmup):
+            step()
+        runs[name] = {"step": step, "loss": first, "comm": dict(comm), "times": []}
+    for _ in range(args.rounds):
+        for name, r in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            r["step"]()
+            dist.barrier()
+            r["times"].append(time.perf_counter() - t0)
+    write_result({name: {"median_ms": statistics.median(r["times"]) * 1e3, "loss": r["loss"], "comm": r["comm"]}
+                  for name, r in runs.items()})
+
+
+if __name__ == "__main__":
+    main()
