@@ -58,8 +58,9 @@ def main():
         for _ in range(args.warmup):
             step()
         runs[name] = {"step": step, "loss": first, "comm": dict(comm), "times": []}
-    for _ in range(args.rounds):
-        for name, r in runs.items():
+    for k in range(args.rounds):
+        for name in (list(runs) if k % 2 == 0 else list(runs)[::-1]):     # alternate which plan goes first
+            r = runs[name]
             dist.barrier()
             t0 = time.perf_counter()
             r["step"]()

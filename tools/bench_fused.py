@@ -1,6 +1,6 @@
 """Fused projections on real gloo ranks: PaddleFormers Phi3 under ap.parallelize (dp x tp), the default
 block-sharded plan for its fused [gate | up] and [q | k | v] against the same projections column-split with
-their output gathered (the plan before block sharding), alternated in one job.
+their output gathered (the plan before block sharding), alternated in one job (the order swapped every round).
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench_fused.py [--dp 2 --tp 2 --hidden 256 --layers 4 --seq 128]
 
