@@ -197,8 +197,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     sp_pair = (Stream.of(cluster, "all_gather", msg / tp, tp, 1, cache=cache)
                + Stream.of(cluster, "reduce_scatter", msg, tp, 1, cache=cache))
     tp_calls = tp_collectives_per_layer(rc)
-    tp_layer = Stream(*(np.where(tp > 1, tp_calls * np.where(sp > 0, x, y), 0.0) for x, y in
-                        ((sp_pair.seconds, ar.seconds), (sp_pair.nvlink, ar.nvlink), (sp_pair.network, ar.network))))
+    tp_layer = Stream.select(sp > 0, sp_pair, ar).scaled(np.where(tp > 1, tp_calls, 0.0))
     a2a_bytes = o.activation_scale * 2.0 * b * s * model.hidden * model.top_k / tp
     a2a_calls = model.moe_fraction * (4 + 2 * (rc == FULL))
     a2a_layer = routed_all_to_all(cluster, model, a2a_bytes, ep, tp, a2a_calls, cache)
@@ -250,8 +249,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
                               where=(dp > 1) & z3, cache=cache)
                     + Stream.of(cluster, "all_gather", pb * layer_expert / d_e, d_e, tp_ep, calls=m * n_max,
                                 where=(d_e > 1) & z3, cache=cache))
-    z3_bwd = Stream(*(x * (1 + (rc == FULL)) for x in (layer_gather.seconds, layer_gather.nvlink,
-                                                          layer_gather.network)))
+    z3_bwd = layer_gather.scaled(1 + (rc == FULL))                  # backward re-gathers (and recompute's)
     w_fwd = m * (n_b * t_fwd + head_b * t_logits)
     w_bwd = m * (n_b * (2.0 * t_fwd + t_rc) + head_b * 2.0 * t_logits)
     a2a_fwd, a2a_bwd = Stream.zero(n), Stream.zero(n)
