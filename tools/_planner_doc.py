@@ -150,8 +150,9 @@ What is left of the NeoX miss (+18%) has no sourced mechanism. Checked: the hard
 1.555 TB/s HBM2 in the preset, NVSwitch, four HDR HCAs per eight GPUs, each stage spanning three nodes);
 DeepSpeed's schedule, simulated event by event from `TrainSchedule` with rendezvous (blocking) transfers: on
 uniform stages the simulated step equals (m + p − 1)·(t_f + t_b) + 4·(m + p − 1)·t_send, the planner's formula,
-and with a heavier last stage the planner is the more pessimistic by ~4% of the transfer time, so the schedule hides
-no cost; `synchronize-each-layer` (~1,000 device synchronisations per step, each idling the device for the
+and with a heavier last stage part of the transfers hides in the other stages' slack, so the planner is the more
+pessimistic (by 3.5% of the step for MT-NLG's shape): the schedule hides no cost
+(`tests/test_planner_deepspeed_schedule.py`); `synchronize-each-layer` (~1,000 device synchronisations per step, each idling the device for the
 launch latency of the next layer, under 1% of a 48 s step); GPT-J's parallel residual halves the forward TP
 all-reduces, which the planner does not credit (it would raise the prediction by 0.8%). The likely remainder is
 the sustained matmul efficiency of the 2022 stack (PyTorch 1.10, CUDA 11.1, fp16 on 40 GB parts), which the two
