@@ -23,10 +23,23 @@ def test_at_least_eight_runs_with_sources():
 def test_predictions_against_published(table):
     errors = {r["name"]: r["ratio"] - 1 for r in table}
     within = [n for n, e in errors.items() if abs(e) <= 0.15]
-    # achieved (docs/planner.md): 10 of 12 within 15%, every run within 30% (the target of 15% for all is not
-    # met: GPT-NeoX-20B +28% (no dropout, as released) and MT-NLG 530B on 3360 GPUs +15.1% are over-predicted)
+    # achieved (docs/planner.md): 10 of 12 within 15%, every run within 20% (the target of 15% for all is not
+    # met: GPT-NeoX-20B +18% and MT-NLG 530B on 3360 GPUs +15.1% are over-predicted)
     assert len(within) >= 10, errors
-    assert max(abs(e) for e in errors.values()) < 0.30, errors
+    assert max(abs(e) for e in errors.values()) < 0.20, errors
+
+
+def test_neox_tflops_are_counted_as_gpt_neox_counts_them():
+    """GPT-NeoX's logger counted 6·params + 60·s·h·l FLOPs per token (no recomputation factor): the prediction
+    is converted to that count, by hand for the 20B preset: 6·20,554,567,680 + 60·2048·6144·44 per token."""
+    run = next(r for r in P.RUNS if r.name == "GPT-NeoX-20B")
+    cand = P.predict(run)
+    per_token = 6 * 20_554_567_680 + 60 * 2048 * 6144 * 44
+    assert PRESETS[run.model].params == 20_554_567_680
+    assert P.metric_of(run, cand) == pytest.approx(cand.tokens_per_s / 96 * per_token / 1e12, rel=1e-12)
+    # negative control: Megatron's count (recomputation included) is 8.7% larger for the same step time
+    megatron = cand.tflops_per_device
+    assert megatron / P.metric_of(run, cand) == pytest.approx(170_168_156_160 / per_token, rel=1e-6)
 
 
 def test_deepspeed_pipeline_transfers_are_serial():

@@ -106,10 +106,22 @@ def test_fixed_on_part_of_the_cluster():
     ("dp=3", "not divisible"), ("tp=8,foo=1", "unknown fixed key"), ("sp=2", "sp must be one of"),
     ("recompute=some", "recompute must be one of"), ("tp", "malformed"), ("tp=3", "does not divide"), ("tp=8,dp=1,pp=1,sp=1,micro_batch=3", "not divisible"),
     ("dp=16,tp=8", "devices"), ("vpp=2", "needs pipeline"), ("sharding=1,dp=1,tp=8", "needs dp > 1"),
+    ("dp=2,tp=1,pp=4,micro_batch=4", "4-stage pipeline needs at least 4 micro-batches per step"),
 ])
 def test_fixed_errors(fixed, match):
     with pytest.raises(ValueError, match=match):
         ap.plan("llama2-7b", "1x8:A100-80GB", global_batch_size=16, seq_len=4096, fixed=fixed)
+
+
+def test_every_pipeline_candidate_runs_at_least_pp_micro_batches():
+    """What the runtime's 1F1B runs: m >= pp. A batch of 8 on 8 devices leaves pipelines of 2, 4 and 8 stages
+    with 8 // dp micro-batches each; the search keeps only those with m >= pp, and fixed mode names the rule."""
+    result = ap.plan("llama2-7b", "1x8:A100-80GB", global_batch_size=8, seq_len=4096, top=10 ** 6)
+    pipelines = [c for c in result.candidates if c.config.pp > 1]
+    assert pipelines and all(c.num_micro_batches >= c.config.pp for c in pipelines)
+    assert {c.config.pp for c in pipelines} >= {2, 4}
+    ok = ap.plan("llama2-7b", "1x8:A100-80GB", global_batch_size=8, seq_len=4096, fixed="dp=2,tp=1,pp=4,micro_batch=1")
+    assert ok.best.num_micro_batches == 4                         # the boundary m == pp is allowed
 
 
 def test_parse_fixed():

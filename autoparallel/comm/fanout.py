@@ -22,7 +22,9 @@ member) before it joins them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
+from collections import deque
 
 from paddle.pir import Value as _PirValue
 
@@ -30,7 +32,9 @@ from autoparallel import redistribute
 from autoparallel.comm import collectives as C
 from autoparallel.dist_tensor import DistParameter, DistTensor
 
-_MEMO: dict = {}        # (id(source), requested spec, split dims) -> _Entry
+_MEMO: dict = {}        # (id(source), requested spec, split dims) -> (insertion number, _Entry)
+_ORDER: deque = deque()  # (insertion number, key), oldest first
+_INSERTED = itertools.count()
 _PARTIAL: dict = {}     # id(DistTensor) -> (weakref to it, dims its gradient stays partial on)
 _DERIVED: dict = {}     # id(DistTensor) -> (weakref to it, the DistParameter it is a cast / view of)
 _LIMIT = 256
@@ -63,10 +67,24 @@ def _versions(ts) -> tuple:
     return tuple([-1 if t.__class__ is _PirValue else t._inplace_version() for t in ts])   # program values: none
 
 
-def _store(table, key, value) -> None:
-    if len(table) >= _LIMIT:
-        table.clear()
-    table[key] = value
+def _store(key, entry) -> None:
+    """Memoise ``entry``, forgetting entries by age (stored more than ``_LIMIT`` insertions ago), never by
+    size: whether a consumer hits or misses decides whether a collective runs, so every rank must forget the
+    same entries at the same call. The table's size differs between ranks (its keys are ids, which collide
+    differently in every process), its insertions do not."""
+    n = next(_INSERTED)
+    _MEMO[key] = (n, entry)
+    _ORDER.append((n, key))
+    while _ORDER[0][0] <= n - _LIMIT:
+        old, k = _ORDER.popleft()
+        if _MEMO.get(k, (None,))[0] == old:
+            del _MEMO[k]
+
+
+def _memo(key):
+    """The memoised entry for ``key``, or None."""
+    hit = _MEMO.get(key)
+    return None if hit is None else hit[1]
 
 
 # ---- parameters used through a cast or a view ------------------------------------------------------------
@@ -114,7 +132,7 @@ def shared(v, locs: dict, plan, spec, dims: tuple, mesh, outer=None) -> dict:
         return locs
     key = (id(v), spec, dims)
     src = tuple(locs.values())
-    e = _MEMO.get(key)
+    e = _memo(key)
     if e is not None and e.serves(src):
         return e.out
     live = [True]
@@ -122,7 +140,7 @@ def shared(v, locs: dict, plan, spec, dims: tuple, mesh, outer=None) -> dict:
     def done():
         live[0] = False
         for k in (key, outer):
-            hit = _MEMO.get(k)
+            hit = _memo(k)
             if hit is not None and hit.live is live:
                 del _MEMO[k]
 
@@ -136,7 +154,7 @@ def shared(v, locs: dict, plan, spec, dims: tuple, mesh, outer=None) -> dict:
         rest = [m for m in rest if m not in steps]
     for m in rest:
         locs = C.mesh_groups_apply(locs, mesh, m, lambda h, r: C.grad_all_reduce(h, r, done))
-    _store(_MEMO, key, _Entry(src, locs, live))
+    _store(key, _Entry(src, locs, live))
     return locs
 
 
@@ -154,14 +172,14 @@ def replicate_for_split(x, m: int):
         return reshard(x, x.mesh, target.placements)
     key = (id(x), target, ("for_split", m))
     src = tuple(x._locals.values())
-    e = _MEMO.get(key)
+    e = _memo(key)
     if e is not None and e.serves(src):
         return e.out
     plan = _reshard_plan(x.spec, target)
     if all(t.stop_gradient for t in src):
         return DistTensor(redistribute.execute(x._locals, plan), target)
     y = DistTensor._own(shared(x, dict(x._locals), plan, target, (m,), x.mesh, outer=key), target)
-    inner = _MEMO[(id(x), target, (m,))]
+    inner = _memo((id(x), target, (m,)))
     _remember(_PARTIAL, y, frozenset((m,)))
-    _store(_MEMO, key, _Entry(src, y, inner.live))
+    _store(key, _Entry(src, y, inner.live))
     return y

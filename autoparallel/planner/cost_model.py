@@ -19,6 +19,8 @@ cluster's topology (planner/topology.py). Ranks are laid out tp-innermost, then 
 fit for a collective and group size replaces the link formula (``affine_seconds``); a profile with
 eager-runtime costs (``cluster.runtime``: CPU ranks) prices per-op overheads and the runtime's own
 collectives instead (planner/eager_cost.py) as the ``overhead`` term and in the communication terms.
+Parameters per block and stage are in planner/params.py, blocks per stage in planner/stages.py, and the memory
+of the stage that needs most (with the search's pruning bounds) in planner/stage_memory.py.
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ from autoparallel.planner import eager_cost
 from autoparallel.planner import memory as mem
 from autoparallel.planner.links import Stream, exposed_overlap
 from autoparallel.planner.memory import FULL, SELECTIVE
+from autoparallel.planner.params import (block_and_edge_params, edge_params, largest_stage_params,  # noqa: F401
+                                         layer_params_on_device, stage_params)
+from autoparallel.planner.stage_memory import memory_floors, stage_memory  # noqa: F401
+from autoparallel.planner.stages import stage_layout
 from autoparallel.core.topology import topology_of
 
 GRID_KEYS = ("dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "offload", "mb", "ep", "split")
@@ -126,56 +132,6 @@ def offload_seconds(shard_params, options, pcie_Bps):
 # ---------------------------------------------------------------------------------------------
 # evaluation
 # ---------------------------------------------------------------------------------------------
-def stage_params(model, t, p, first_layers=None, last_layers=None, e=1):
-    """(Ψ of the first stage, Ψ of the last stage, Ψ of one block) on one device, before ZeRO.
-
-    Blocks per stage default to ceil(l/p); TP splits the matmuls, the column-parallel biases and the
-    vocabulary; expert parallelism (degree e) and TP split the routed experts; the first stage holds the
-    embedding, the last the output head (a tied head is a copy when p > 1).
-    """
-    h, V = model.hidden, model.vocab
-    per_stage = -(-model.layers // np.asarray(p))
-    first_layers = per_stage if first_layers is None else first_layers
-    last_layers = per_stage if last_layers is None else last_layers
-    layer_psi = layer_params_on_device(model, t, e)
-    emb, head = edge_params(model, t)
-    first = np.where(p == 1, model.layers * layer_psi + emb + head, first_layers * layer_psi + emb)
-    last = np.where(p == 1, first, last_layers * layer_psi + head + np.where(model.tied_embeddings, V * h / t, 0.0))
-    return first, last, layer_psi
-
-
-def layer_params_on_device(model, t, e=1):
-    """Ψ of one block on one device: TP-split matmuls and column biases, replicated norms and row biases,
-    routed experts split over e·t."""
-    col_bias = model.layer_column_bias_params
-    dense = (model.layer_matmul_params + col_bias) / t + model.layer_other_params - col_bias
-    return dense + model.layer_expert_params / (np.asarray(t) * np.asarray(e))
-
-
-def edge_params(model, t):
-    """(embedding Ψ, head Ψ without the tied copy) on one device."""
-    h, V = model.hidden, model.vocab
-    norm = model.head_params - (0 if model.tied_embeddings else V * h)
-    head_untied = 0.0 if model.tied_embeddings else V * h / t
-    return V * h / t + model.position_params, head_untied + norm
-
-
-def stage_layout(model, seq_len, pp, vpp, split):
-    """Blocks per stage of every candidate: (first, last, largest middle stage) arrays."""
-    from autoparallel.planner.config import SPLITS
-    from autoparallel.planner.stages import head_equivalent, split_layers
-
-    head_eq = head_equivalent(model, seq_len)
-    keys = np.asarray(pp, dtype=np.int64) * 8 + np.asarray(split, dtype=np.int64)
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    rows = []
-    for p, sp in ((k // 8, k % 8) for k in uniq):
-        counts = split_layers(model.layers, int(p), SPLITS[int(sp)], head_eq)
-        rows.append((counts[0], counts[-1], max(counts[1:-1]) if len(counts) > 2 else 0))
-    table = np.array(rows, dtype=float).reshape(-1, 3)[inverse.reshape(-1)]
-    return table[:, 0], table[:, 1], table[:, 2]
-
-
 def routed_all_to_all(cluster, model, nbytes, ep, tp, calls, cache=None):
     """Expert dispatch/combine over the EP group (ranks ``tp`` apart). Without a routing limit a token's top_k
     copies leave the node with probability (n-g)/n each; with node-limited routing (``route_nodes`` R) a token
@@ -211,18 +167,6 @@ def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
     return t_fwd, t_rc, t_logits
 
 
-def _block_and_edge_params(model, tp, pp, ep):
-    """(dense Ψ of one block, routed-expert Ψ of one block, first stage's edge Ψ, last stage's edge Ψ) on one
-    device: the embedding on the first stage, the head (and a tied head's copy when p > 1) on the last."""
-    layer_dense = layer_params_on_device(model, tp, 1) - model.layer_expert_params / tp
-    layer_expert = model.layer_expert_params / (tp * ep)
-    emb, head = edge_params(model, tp)
-    head_copy = np.where(model.tied_embeddings & (pp > 1), model.vocab * model.hidden / tp, 0.0)
-    edge_first = np.where(pp == 1, emb + head, emb)
-    edge_last = np.where(pp == 1, emb + head, head + head_copy)
-    return layer_dense, layer_expert, edge_first, edge_last
-
-
 def evaluate(model, cluster, global_batch, seq_len, grid, options):
     """Price every configuration of ``grid`` (dict of equal-length int arrays keyed by GRID_KEYS).
 
@@ -253,8 +197,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     sp_pair = (Stream.of(cluster, "all_gather", msg / tp, tp, 1, cache=cache)
                + Stream.of(cluster, "reduce_scatter", msg, tp, 1, cache=cache))
     tp_calls = tp_collectives_per_layer(rc)
-    tp_layer = Stream(*(np.where(tp > 1, tp_calls * np.where(sp > 0, x, y), 0.0) for x, y in
-                        ((sp_pair.seconds, ar.seconds), (sp_pair.nvlink, ar.nvlink), (sp_pair.network, ar.network))))
+    tp_layer = Stream.select(sp > 0, sp_pair, ar).scaled(np.where(tp > 1, tp_calls, 0.0))
     a2a_bytes = o.activation_scale * 2.0 * b * s * model.hidden * model.top_k / tp
     a2a_calls = model.moe_fraction * (4 + 2 * (rc == FULL))
     a2a_layer = routed_all_to_all(cluster, model, a2a_bytes, ep, tp, a2a_calls, cache)
@@ -273,9 +216,8 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     bubble = np.where(pp > 1, (model.layers * T_L + H - t_max) / v, 0.0)
 
     # ---- parameters per stage ----------------------------------------------------------------------
-    layer_dense, layer_expert, edge_first, edge_last = _block_and_edge_params(model, tp, pp, ep)
-    dense_psi = np.maximum.reduce([n_first * layer_dense + edge_first, n_last * layer_dense + edge_last,
-                                   n_mid * layer_dense])
+    layer_dense, layer_expert, edge_first, edge_last = block_and_edge_params(model, tp, pp, ep)
+    dense_psi = largest_stage_params(n_first, n_last, n_mid, layer_dense, edge_first, edge_last)
     expert_psi = n_max * layer_expert
     d_e = np.maximum(dp // np.maximum(ep, 1), 1)
 
@@ -307,8 +249,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
                               where=(dp > 1) & z3, cache=cache)
                     + Stream.of(cluster, "all_gather", pb * layer_expert / d_e, d_e, tp_ep, calls=m * n_max,
                                 where=(d_e > 1) & z3, cache=cache))
-    z3_bwd = Stream(*(x * (1 + (rc == FULL)) for x in (layer_gather.seconds, layer_gather.nvlink,
-                                                          layer_gather.network)))
+    z3_bwd = layer_gather.scaled(1 + (rc == FULL))                  # backward re-gathers (and recompute's)
     w_fwd = m * (n_b * t_fwd + head_b * t_logits)
     w_bwd = m * (n_b * (2.0 * t_fwd + t_rc) + head_b * 2.0 * t_logits)
     a2a_fwd, a2a_bwd = Stream.zero(n), Stream.zero(n)
@@ -346,8 +287,8 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     step = compute + recompute + tp_step + a2a_step + zero3_s + overhead + bubble + pp_stream.seconds + dp_s + optimizer
 
     # ---- memory ------------------------------------------------------------------------------------------
-    memory, total, host = _memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, layer_expert,
-                                  edge_first, edge_last, d_e)
+    memory, total, host = stage_memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, layer_expert,
+                                    edge_first, edge_last, d_e)
     host_capacity = topology_of(cluster).host_memory_bytes * (1 - o.host_memory_reserve_fraction)
     host_ok = host * gpn <= host_capacity
 
@@ -387,103 +328,6 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
         "tflops_per_device": hw_per_token[rc] * tokens / (step * world) / 1e12,
         "mfu": model.model_flops_per_token(seq_len) * tokens / (step * world * peak),
     }
-
-
-def _state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors):
-    """Weights, gradient buffers and optimizer states on one device holding ``dense`` and ``expert`` Ψ (dict)."""
-    per_mb = bool(o.zero_grad_per_micro_batch)
-    out = {}
-    out["params"] = mem.weight_bytes(dense, zero, dp, o.param_bytes) + mem.weight_bytes(expert, zero, d_e,
-                                                                                          o.param_bytes)
-    grads = (mem.grad_buffer_bytes(dense, zero, dp, m, o.grad_bytes, per_mb)
-             + mem.grad_buffer_bytes(expert, zero, d_e, m, o.grad_bytes, per_mb))
-    opt = (mem.optimizer_bytes(dense, zero, dp, off, o.optimizer_bytes)
-           + mem.optimizer_bytes(expert, zero, d_e, off, o.optimizer_bytes))
-    if o.zero_master_copy:
-        grads = grads + mem.master_grad_bytes(dense, zero, dp)
-        opt = opt + mem.master_copy_bytes(dense, zero, dp, off)
-    out["grads"] = grads
-    out["optimizer"] = opt + mem.per_tensor_state_bytes(tensors, off, o.optimizer_tensor_bytes)
-    return out
-
-
-def _memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, layer_expert, edge_first, edge_last, d_e):
-    """Per-device memory of the stage that needs most (dict of arrays), its total with the reserve, and the
-    host bytes one device uses (offload)."""
-    dp, tp, pp, v, sp, zero, rc, off = (g[k] for k in ("dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "offload"))
-    scale = o.activation_scale
-    act_layer = mem.layer_activation_bytes(model, s, b, tp, sp, rc, scale, o.flash_attention)
-    working = mem.recompute_working_bytes(model, s, b, tp, sp, rc, scale, o.flash_attention)
-    logits = mem.logits_bytes(model, s, b, tp)
-    z3buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, zero, o.param_bytes)
-    tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
-
-    def states(dense, expert):
-        return _state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors)
-
-    stages = []
-    for layers, edge, inflight, extra in (
-            (n_first, edge_first, mem.in_flight_micro_batches(pp, v, m), np.where(pp == 1, logits, 0.0)),
-            (n_last, edge_last, 1.0, logits),
-            (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0)):
-        st = states(layers * layer_dense + edge, layers * layer_expert)
-        st["activations"] = np.where(layers > 0, layers * act_layer * inflight + working + extra, 0.0)
-        st["zero3_buffer"] = z3buf
-        stages.append(st)
-    totals = [sum(st.values()) for st in stages]
-    pick = np.argmax(np.stack(totals), axis=0)
-    memory = {key: np.choose(pick, [st[key] for st in stages]) for key in stages[0]}
-    reserve = mem.reserve_bytes(dev.memory_bytes, o.memory_reserve_fraction)
-    memory["reserve"] = np.full(pick.shape, reserve)
-    total = np.max(np.stack(totals), axis=0) + reserve
-    dense_psi = np.maximum.reduce([n_first * layer_dense + edge_first, n_last * layer_dense + edge_last,
-                                   n_mid * layer_dense])
-    host = (mem.host_optimizer_bytes(dense_psi, zero, dp, off, o.optimizer_bytes)
-            + mem.host_optimizer_bytes(np.maximum(n_first, np.maximum(n_last, n_mid)) * layer_expert, zero, d_e,
-                                       off, o.optimizer_bytes))
-    return memory, total, host
-
-
-def memory_floors(model, cluster, global_batch, seq_len, grid, options, sp_rc, zero_off):
-    """Lower bounds of ``evaluate``'s ``memory_total`` for grid arrays of the structural knobs (dp, tp, pp, vpp,
-    mb, ep, split), with the same formulas as ``_memory``. Per stage, memory is weights + gradients + optimizer
-    states (+ ZeRO-3 buffer), which depend on (ZeRO stage, offload) only, plus activations, which depend on
-    (sp, recompute) only. Returns ``(by_state, by_activation)``: ``by_state[i, k]`` bounds configuration i with
-    ``zero_off[k]`` and any (sp, recompute) of ``sp_rc`` (the least activations of each stage), and
-    ``by_activation[i, j]`` bounds it with ``sp_rc[j]`` and any (ZeRO, offload) of ``zero_off``; each is the
-    stage that needs most plus the reserve. A configuration above either bound's device capacity cannot fit."""
-    dp, tp, pp, v, b, ep = (np.asarray(grid[k]).reshape(-1) for k in ("dp", "tp", "pp", "vpp", "mb", "ep"))
-    split = np.asarray(grid["split"]).reshape(-1)
-    s, o, n = float(seq_len), options, len(dp)
-    m = float(global_batch) / (dp * b)
-    n_first, n_last, n_mid = stage_layout(model, seq_len, pp, v, np.where(cluster.runtime is not None, 0, split))
-    logits = mem.logits_bytes(model, s, b, tp)
-    layer_dense, layer_expert, edge_first, edge_last = _block_and_edge_params(model, tp, pp, ep)
-    d_e = np.maximum(dp // np.maximum(ep, 1), 1)
-    tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
-    stages = ((n_first, edge_first, mem.in_flight_micro_batches(pp, v, m), np.where(pp == 1, logits, 0.0)),
-              (n_last, edge_last, 1.0, logits),
-              (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0))
-    held, acts = [], []                             # per stage: (len(zero_off), n) and (len(sp_rc), n)
-    for layers, edge, inflight, extra in stages:
-        rows = []
-        for zero, off in zero_off:
-            z, f = np.full(n, zero), np.full(n, off)
-            st = _state_bytes(o, layers * layer_dense + edge, layers * layer_expert, z, dp, d_e, m, f, tensors)
-            rows.append(sum(st.values()) + mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, z,
-                                                                         o.param_bytes))
-        held.append(np.stack(rows))
-        rows = []
-        for sp, rc in sp_rc:
-            sp_a, rc_a = np.full(n, sp), np.full(n, rc)
-            act = mem.layer_activation_bytes(model, s, b, tp, sp_a, rc_a, o.activation_scale, o.flash_attention)
-            work = mem.recompute_working_bytes(model, s, b, tp, sp_a, rc_a, o.activation_scale, o.flash_attention)
-            rows.append(np.where(layers > 0, layers * act * inflight + work + extra, 0.0))
-        acts.append(np.stack(rows))
-    reserve = mem.reserve_bytes(cluster.device.memory_bytes, o.memory_reserve_fraction)
-    by_state = np.max(np.stack([h + a.min(axis=0) for h, a in zip(held, acts)]), axis=0) + reserve
-    by_activation = np.max(np.stack([h.min(axis=0) + a for h, a in zip(held, acts)]), axis=0) + reserve
-    return by_state.T, by_activation.T
 
 
 def _eager_terms(model, cluster, g, m, b, s, msg, layers, psi, t_fwd, t_rc, t_logits, optimizer):

@@ -151,6 +151,12 @@ class Stream:
         network = self.network * factor
         return Stream(latency + np.maximum(self.nvlink, network), self.nvlink, network)
 
+    @staticmethod
+    def select(cond, a, b):
+        """``a`` where ``cond`` holds, else ``b`` (element-wise, every field)."""
+        return Stream(*(np.where(cond, x, y) for x, y in ((a.seconds, b.seconds), (a.nvlink, b.nvlink),
+                                                           (a.network, b.network))))
+
     def __add__(self, other):
         return Stream(self.seconds + other.seconds, self.nvlink + other.nvlink, self.network + other.network)
 

@@ -13,7 +13,9 @@ send and receive one after the other with blocking calls (runtime/pipe/schedule.
 (2022+) in the 2024 runs.
 
 Metrics: "tflops" = TFLOP/s per GPU counting recomputation (Megatron / Megatron-DeepSpeed reporting),
-"mfu" = model FLOPs utilisation (no recomputation), "tokens" = tokens/s per GPU.
+"mfu" = model FLOPs utilisation (no recomputation), "tokens" = tokens/s per GPU. A run whose framework counted
+its TFLOP/s another way names that count (``flop_counter``, ``FLOP_COUNTERS``): the prediction is converted to
+the same count, tokens/s/GPU x the counter's FLOPs per token, never the published figure re-scaled.
 """
 from __future__ import annotations
 
@@ -43,6 +45,14 @@ _NEOX = Topology(nics_per_node=4, nic_bandwidth_Bps=25 * GB, host_memory_bytes=5
 # Meta's RoCE cluster (LLaMA 3): 400 Gb/s per GPU, 3-layer Clos, AI zones of 3072 GPUs joined 1:7 oversubscribed
 _ROCE = Topology(nics_per_node=8, nic_bandwidth_Bps=50 * GB, nodes_per_leaf=384, oversubscription=7.0,
                  host_memory_bytes=2e12, pcie_bandwidth_Bps=25 * GB)
+# GPT-NeoX's own counter (EleutherAI/gpt-neox megatron/logging.py ``get_flops`` until PR #1044, Sept 2023, i.e.
+# when GPT-NeoX-20B was trained and reported): 6·total_params + 60·s·h·l FLOPs per token, no recomputation factor
+FLOP_COUNTERS = {
+    "gpt-neox": lambda model, s: 6.0 * model.params + 60.0 * s * model.hidden * model.layers,
+}
+# DeepSpeed's fp16 engine accumulates gradients in the fp16 .grad and ZeRO-1 reduces them in fp16
+# (communication_data_type defaults to the model's dtype); no fp32 accumulation buffer
+_DEEPSPEED_FP16 = (("grad_accum_fp32", False),)
 _NDR = Topology(nics_per_node=8, nic_bandwidth_Bps=50 * GB, host_memory_bytes=2e12, pcie_bandwidth_Bps=25 * GB)
 
 
@@ -63,6 +73,7 @@ class PublishedRun:
     precision: str = "bf16"
     dense_only: bool = field(default=True)   # False: a MoE run (the runtime has no expert parallelism yet)
     software: tuple = ()          # PlannerOptions facts of the run's software, e.g. (("flash_attention", True),)
+    flop_counter: str = None      # "tflops" counted the framework's way (FLOP_COUNTERS); None: Megatron's count
 
     def options(self, base: PlannerOptions = None) -> PlannerOptions:
         return (base or PlannerOptions()).replace(precision=self.precision, **dict(self.software))
@@ -87,9 +98,10 @@ RUNS = (
     PublishedRun("GPT-NeoX-20B", "gpt-neox-20b", "A100-40GB", 96, _NEOX,
                  _cfg(96, 2, 4, sharding=1, recompute="full", micro_batch=4), 1536, 2048,
                  "tflops", 117.0, "Black et al. 2022 (arXiv:2204.06745) §3.1",
-                 "TP 2, PP 4, ZeRO-1, micro-batch 4 x 32 accumulation steps, no dropout (the released "
-                 "configs/20B.yml); 4 HDR HCAs per node of 8 A100-SXM4 (NVLink)",
-                 software=_DEEPSPEED),
+                 "TP 2, PP 4, ZeRO-1, micro-batch 4 x 32 accumulation steps, no dropout, fp16 (the released "
+                 "configs/20B.yml); 4 HDR HCAs per node of 8 A100-SXM4 (NVLink); TFLOP/s by GPT-NeoX's counter "
+                 "(6·params + 60·s·h·l per token)",
+                 software=_DEEPSPEED + _DEEPSPEED_FP16, flop_counter="gpt-neox"),
     PublishedRun("MT-NLG 530B (2240)", "mt-nlg-530b", "A100-80GB", 2240, _HDR,
                  _cfg(2240, 8, 35, sharding=1, recompute="full"), 1920, 2048,
                  "tflops", 126.0, "Smith et al. 2022 (arXiv:2201.11990) §2.4: 60.1 s/iteration",
@@ -161,6 +173,9 @@ def predict(run: PublishedRun, options: PlannerOptions = None):
 
 
 def metric_of(run: PublishedRun, cand) -> float:
+    if run.metric == "tflops" and run.flop_counter is not None:
+        per_token = FLOP_COUNTERS[run.flop_counter](PRESETS[run.model], run.seq_len)
+        return cand.tokens_per_s * per_token / run.gpus / 1e12
     if run.metric == "tflops":
         return cand.tflops_per_device
     if run.metric == "mfu":

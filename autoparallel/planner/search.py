@@ -150,6 +150,8 @@ def invalid_reason(model, world, global_batch, seq_len, config: ParallelConfig, 
         return (f"global batch {global_batch} is not divisible by dp·micro_batch = {c.dp}·{c.micro_batch} = "
                 f"{c.dp * c.micro_batch}")
     m = global_batch // (c.dp * c.micro_batch)
+    if c.pp > 1 and m < c.pp:
+        return f"a {c.pp}-stage pipeline needs at least {c.pp} micro-batches per step (1F1B's steady state), got {m}"
     if c.vpp > 1:
         if c.pp == 1:
             return f"vpp={c.vpp} needs pipeline parallelism (pp > 1)"
@@ -210,6 +212,8 @@ def structural_grid(model, world, global_batch, seq_len, space: SearchSpace, opt
                 if not space.allows("micro_batch", mb):
                     continue
                 m = global_batch // (dp * mb)
+                if pp > 1 and m < pp:                   # 1F1B's steady state needs pp micro-batches
+                    continue
                 for v, split in shapes:
                     if v > 1 and m % pp:
                         continue

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+import numpy as np
+
 from autoparallel.planner.config import SPLITS
 
 
@@ -89,3 +91,17 @@ def split_problem(counts, v: int = 1):
 def head_equivalent(model, seq_len: int) -> float:
     """The output head's forward FLOPs in blocks: 2·h·V / (2·P_mm + 4·s·h) (the split's pricing)."""
     return model.logits_forward_flops_per_token() / model.layer_forward_flops_per_token(seq_len)
+
+
+def stage_layout(model, seq_len, pp, vpp, split):
+    """Blocks per stage of every candidate (numpy arrays of pp and split codes): (first, last, largest middle
+    stage) arrays; each distinct (pp, split) is split once."""
+    head_eq = head_equivalent(model, seq_len)
+    keys = np.asarray(pp, dtype=np.int64) * 8 + np.asarray(split, dtype=np.int64)
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    rows = []
+    for p, sp in ((k // 8, k % 8) for k in uniq):
+        counts = split_layers(model.layers, int(p), SPLITS[int(sp)], head_eq)
+        rows.append((counts[0], counts[-1], max(counts[1:-1]) if len(counts) > 2 else 0))
+    table = np.array(rows, dtype=float).reshape(-1, 3)[inverse.reshape(-1)]
+    return table[:, 0], table[:, 1], table[:, 2]

@@ -1,0 +1,107 @@
+"""Memory of a pipeline stage per device, and the lower bounds the search prunes with.
+
+A stage holds its weights, gradient buffers and optimizer states (which depend on the ZeRO stage and
+offload only) plus its activations (which depend on sp and recompute only): ``state_bytes`` and
+``activation_bytes`` are those two halves, written once and used by ``stage_memory`` (the cost model's
+memory terms) and ``memory_floors`` (the search's pruning bounds) alike. The stage that needs most is
+the first (p micro-batches in flight), the last (the fp32 logits) or the fullest middle stage.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from autoparallel.planner import eager_cost
+from autoparallel.planner import memory as mem
+from autoparallel.planner.params import block_and_edge_params, largest_stage_params
+from autoparallel.planner.stages import stage_layout
+
+
+def stage_rows(model, s, b, tp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last):
+    """(blocks, edge Ψ, micro-batches in flight, extra activation bytes) of the first, last and middle stage."""
+    logits = mem.logits_bytes(model, s, b, tp)
+    return ((n_first, edge_first, mem.in_flight_micro_batches(pp, v, m), np.where(pp == 1, logits, 0.0)),
+            (n_last, edge_last, 1.0, logits),
+            (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0))
+
+
+def state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors):
+    """Weights, gradient buffers and optimizer states on one device holding ``dense`` and ``expert`` Ψ (dict)."""
+    per_mb = bool(o.zero_grad_per_micro_batch)
+    params = mem.weight_bytes(dense, zero, dp, o.param_bytes) + mem.weight_bytes(expert, zero, d_e, o.param_bytes)
+    grads = (mem.grad_buffer_bytes(dense, zero, dp, m, o.grad_bytes, per_mb)
+             + mem.grad_buffer_bytes(expert, zero, d_e, m, o.grad_bytes, per_mb))
+    opt = (mem.optimizer_bytes(dense, zero, dp, off, o.optimizer_bytes)
+           + mem.optimizer_bytes(expert, zero, d_e, off, o.optimizer_bytes))
+    if o.zero_master_copy:
+        grads = grads + mem.master_grad_bytes(dense, zero, dp)
+        opt = opt + mem.master_copy_bytes(dense, zero, dp, off)
+    return {"params": params, "grads": grads,
+            "optimizer": opt + mem.per_tensor_state_bytes(tensors, off, o.optimizer_tensor_bytes)}
+
+
+def activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra):
+    """Activations of a stage of ``layers`` blocks with ``inflight`` micro-batches stored, the recompute working
+    set and the stage's ``extra`` (logits); an empty stage holds none."""
+    act = mem.layer_activation_bytes(model, s, b, tp, sp, rc, o.activation_scale, o.flash_attention)
+    work = mem.recompute_working_bytes(model, s, b, tp, sp, rc, o.activation_scale, o.flash_attention)
+    return np.where(layers > 0, layers * act * inflight + work + extra, 0.0)
+
+
+def stage_memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, layer_expert, edge_first,
+                 edge_last, d_e):
+    """Per-device memory of the stage that needs most (dict of arrays), its total with the reserve, and the
+    host bytes one device uses (offload)."""
+    dp, tp, pp, v, sp, zero, rc, off = (g[k] for k in ("dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "offload"))
+    z3buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, zero, o.param_bytes)
+    tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
+    stages = []
+    for layers, edge, inflight, extra in stage_rows(model, s, b, tp, pp, v, m, n_first, n_last, n_mid, edge_first,
+                                                    edge_last):
+        st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, zero, dp, d_e, m, off, tensors)
+        st["activations"] = activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra)
+        st["zero3_buffer"] = z3buf
+        stages.append(st)
+    totals = [sum(st.values()) for st in stages]
+    pick = np.argmax(np.stack(totals), axis=0)
+    memory = {key: np.choose(pick, [st[key] for st in stages]) for key in stages[0]}
+    reserve = mem.reserve_bytes(dev.memory_bytes, o.memory_reserve_fraction)
+    memory["reserve"] = np.full(pick.shape, reserve)
+    total = np.max(np.stack(totals), axis=0) + reserve
+    dense_psi = largest_stage_params(n_first, n_last, n_mid, layer_dense, edge_first, edge_last)
+    expert_psi = np.maximum(n_first, np.maximum(n_last, n_mid)) * layer_expert
+    host = (mem.host_optimizer_bytes(dense_psi, zero, dp, off, o.optimizer_bytes)
+            + mem.host_optimizer_bytes(expert_psi, zero, d_e, off, o.optimizer_bytes))
+    return memory, total, host
+
+
+def memory_floors(model, cluster, global_batch, seq_len, grid, options, sp_rc, zero_off):
+    """Lower bounds of ``evaluate``'s ``memory_total`` for grid arrays of the structural knobs (dp, tp, pp, vpp,
+    mb, ep, split), with the same formulas as ``stage_memory``. Returns ``(by_state, by_activation)``:
+    ``by_state[i, k]`` bounds configuration i with ``zero_off[k]`` and any (sp, recompute) of ``sp_rc`` (the
+    least activations of each stage), and ``by_activation[i, j]`` bounds it with ``sp_rc[j]`` and any (ZeRO,
+    offload) of ``zero_off``; each is the stage that needs most plus the reserve. A configuration above either
+    bound's device capacity cannot fit."""
+    dp, tp, pp, v, b, ep = (np.asarray(grid[k]).reshape(-1) for k in ("dp", "tp", "pp", "vpp", "mb", "ep"))
+    split = np.asarray(grid["split"]).reshape(-1)
+    s, o, n = float(seq_len), options, len(dp)
+    m = float(global_batch) / (dp * b)
+    n_first, n_last, n_mid = stage_layout(model, seq_len, pp, v, np.where(cluster.runtime is not None, 0, split))
+    layer_dense, layer_expert, edge_first, edge_last = block_and_edge_params(model, tp, pp, ep)
+    d_e = np.maximum(dp // np.maximum(ep, 1), 1)
+    tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
+    held, acts = [], []                             # per stage: (len(zero_off), n) and (len(sp_rc), n)
+    for layers, edge, inflight, extra in stage_rows(model, s, b, tp, pp, v, m, n_first, n_last, n_mid, edge_first,
+                                                    edge_last):
+        rows = []
+        for zero, off in zero_off:
+            z, f = np.full(n, zero), np.full(n, off)
+            st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, z, dp, d_e, m, f, tensors)
+            rows.append(sum(st.values()) + mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, z,
+                                                                         o.param_bytes))
+        held.append(np.stack(rows))
+        acts.append(np.stack([activation_bytes(model, o, s, b, tp, np.full(n, sp), np.full(n, rc), layers, inflight,
+                                               extra) for sp, rc in sp_rc]))
+    reserve = mem.reserve_bytes(cluster.device.memory_bytes, o.memory_reserve_fraction)
+    by_state = np.max(np.stack([h + a.min(axis=0) for h, a in zip(held, acts)]), axis=0) + reserve
+    by_activation = np.max(np.stack([h.min(axis=0) + a for h, a in zip(held, acts)]), axis=0) + reserve
+    return by_state.T, by_activation.T
