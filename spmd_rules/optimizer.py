@@ -5,13 +5,14 @@ paddle's optimizers call with local tensors. Gradients, moments and master weigh
 parameter's placements (a Partial gradient is thus reduced, or reduce-scattered onto a sharded
 parameter, before the update); a Partial parameter is required R; learning rate, beta powers,
 ``found_inf`` and tensor hyper-parameters are R. Outputs mirror the op's outputs (None where the op
-returns None).
+returns None). A block-sharded parameter (``S(d,blocks=..)``) keeps its layout: the update is per element.
 """
 from __future__ import annotations
 
 from autoparallel.core.placement import Partial
 from autoparallel.core.spec import DistSpec
 
+from spmd_rules.blocks import block_aware
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.result import SpmdResult
 from spmd_rules.utils import R, check_spec
@@ -36,6 +37,7 @@ def _replicated(t):
 
 
 @register_spmd_rule("sgd")
+@block_aware
 def sgd(param, learning_rate, grad, master_param=None, multi_precision=False):
     op = "sgd"
     pl = _layout(op, param)
@@ -48,6 +50,7 @@ def sgd(param, learning_rate, grad, master_param=None, multi_precision=False):
 
 
 @register_spmd_rule("adamw")
+@block_aware
 def adamw(param, grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, beta2_pow, master_weight, found_inf,
           beta1=0.9, beta2=0.999, epsilon=1e-8, lr_ratio=1.0, coeff=0.01, with_decay=True, lazy_mode=False,
           min_row_size=1000, multi_precision=False, use_global_beta_pow=False, amsgrad=False):

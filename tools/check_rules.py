@@ -655,6 +655,9 @@ def _cases_blocks():
     add_case("mean", blocked(f(4, 12), d1=(6, 6)), axis=0, label="fused-kept")
     add_case("max", blocked(f(4, 12), d1=(6, 6)), axis=1, label="fused-reduced")
     add_case("argmax", blocked(f(4, 12), d1=(6, 6)), axis=1, label="fused-unaware")
+    add_case("sgd", blocked(T(f(4, 12).array, partial=False, grad=False), d1=(6, 6)),
+             T(np.array([0.1]), shard=False, grad=False),
+             blocked(T(f(4, 12).array, grad=False), d1=(6, 6)), label="fused")
     add_case("reshape", blocked(f(4, 12), d1=(6, 6)), [4, 2, 6], label="fused-split")
     add_case("reshape", blocked(f(2, 3, 12), d2=(6, 6)), [6, 12], label="fused-kept")
     add_case("flatten", blocked(f(2, 3, 12), d2=(6, 6)), start_axis=0, stop_axis=1, label="fused-kept")
