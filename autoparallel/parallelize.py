@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import os
 import sys
-import threading
 import types
 import weakref
 
@@ -353,7 +352,7 @@ def _replacements(before: list, model) -> dict:
 
 
 # ---- model inputs ----------------------------------------------------------------------------------------
-_guard = threading.local()
+from autoparallel.context import state as _ctx  # noqa: E402
 
 
 def parallel_guard(dims=(DATA,)):
@@ -374,9 +373,9 @@ def parallel_guard(dims=(DATA,)):
 
 @contextlib.contextmanager
 def _guarded(dims: list):
-    stack = getattr(_guard, "stack", None)
+    stack = _ctx.guard_stack
     if stack is None:
-        stack = _guard.stack = []
+        stack = _ctx.guard_stack = []
     stack.append(dims)
     try:
         yield
@@ -385,7 +384,7 @@ def _guarded(dims: list):
 
 
 def _input_dims():
-    stack = getattr(_guard, "stack", None)
+    stack = _ctx.guard_stack
     return stack[-1] if stack else [DATA]
 
 

@@ -52,9 +52,16 @@ def install_group_store_fix() -> None:
         finally:
             coll._default_store = default
 
+    from autoparallel import patches
+
     new_group.__wrapped__ = original
-    dist.new_group = new_group
+    patches.patch(dist, "new_group", new_group)         # undone by ap.uninstall()
+    patches.on_undo(_reset_store_fix)
     _STORE_FIX[0] = True
+
+
+def _reset_store_fix() -> None:
+    _STORE_FIX[0] = False
 
 
 def _dist_ready() -> bool:

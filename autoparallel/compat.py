@@ -1,0 +1,97 @@
+"""Paddle coupling in one place: the private paddle attributes autoparallel relies on, version differences,
+dotted-path resolution, and side data kept for paddle objects without writing attributes onto them.
+
+Private names used here (paddle 3.3): ``paddle.base.framework.global_var._dygraph_tracer_`` (None while
+``paddle.jit.to_static`` builds a program), ``paddle.base.framework.EagerParamBase`` (the Parameter class),
+``paddle._C_ops`` / ``paddle._pir_ops`` / ``paddle._legacy_C_ops`` (the C op namespaces paddle's generated
+functions call through). Other modules reach them through this module's names.
+"""
+from __future__ import annotations
+
+import importlib
+import weakref
+
+# the namespaces paddle's generated functions look their C ops up in (never patched: the originals call them)
+C_OP_NAMESPACES = ("paddle._C_ops", "paddle._pir_ops", "paddle._legacy_C_ops")
+
+
+def eager_param_base():
+    """paddle's Parameter class (``paddle.base.framework.EagerParamBase``)."""
+    from paddle.base.framework import EagerParamBase
+
+    return EagerParamBase
+
+
+def paddle_global_state():
+    """paddle's per-thread framework state (``paddle.base.framework.global_var``); its ``_dygraph_tracer_``
+    is None while a static program is being built."""
+    from paddle.base.framework import global_var
+
+    return global_var
+
+
+def c_ops():
+    """``paddle._C_ops`` (None where a paddle build lacks it)."""
+    import paddle
+
+    return getattr(paddle, "_C_ops", None)
+
+
+def owner_of(path: str):
+    """``(owner object, attribute name)`` of a dotted path such as ``paddle.nn.functional.relu`` or
+    ``paddle.Tensor.__add__``: the longest importable module prefix, then attributes."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for p in parts[i:-1]:
+            obj = getattr(obj, p)
+        return obj, parts[-1]
+    raise ValueError(f"cannot resolve {path!r}")
+
+
+def resolve(path: str):
+    owner, attr = owner_of(path)
+    return getattr(owner, attr)
+
+
+class SideData:
+    """Values attached to objects (paddle tensors, parameters, layers, functions) without setting attributes on
+    them: keyed by identity, dropped when the object is collected. Works for unhashable objects and for
+    objects whose ``==`` is elementwise (tensors), which a ``WeakKeyDictionary`` would call on collisions."""
+
+    __slots__ = ("_items", "__weakref__")
+
+    def __init__(self):
+        self._items: dict = {}          # id(obj) -> (weakref to obj, value)
+
+    def get(self, obj, default=None):
+        entry = self._items.get(id(obj))
+        if entry is None or entry[0]() is not obj:
+            return default
+        return entry[1]
+
+    def __contains__(self, obj) -> bool:
+        entry = self._items.get(id(obj))
+        return entry is not None and entry[0]() is obj
+
+    def set(self, obj, value) -> None:
+        key = id(obj)
+        items = self._items
+
+        def drop(_ref, key=key, items=items):
+            entry = items.get(key)
+            if entry is not None and entry[0] is _ref:
+                del items[key]
+
+        items[key] = (weakref.ref(obj, drop), value)
+
+    def pop(self, obj, default=None):
+        if obj not in self:
+            return default
+        return self._items.pop(id(obj))[1]
+
+    def __len__(self) -> int:
+        return len(self._items)

@@ -1,0 +1,103 @@
+"""Dispatch as an explicit, reversible mode.
+
+    handle = ap.install()            # route paddle ops on distributed tensors (the first shard_tensor does it)
+    ...
+    handle.uninstall()               # every patched paddle name is the original object again
+    with ap.dispatch_mode():         # installed inside, the previous state restored on exit
+        ...
+
+Installing patches paddle's op table entries, their aliases in every loaded module, the guards over the
+remaining public callables, the ``Tensor`` methods and in-place forms, ``paddle.jit``'s ``StaticFunction``
+entry, the lazy initialiser hook, the loss scalers and (in a launched job) ``paddle.distributed.new_group``;
+every one of those goes through ``autoparallel.patches``, which ``uninstall()`` rewinds.
+
+While uninstalled, a DistTensor op (``x + y``, ``x.matmul(w)``) raises a ``RuntimeError`` saying so: it does
+not re-install behind the user's back. Entry points (``ap.shard_tensor``, ``ap.dtensor_from_local``,
+``ap.shard_layer``, ``ap.trace``, ``ap.to_static``...) install again, as the first one did.
+
+The DistTensor methods reach the call path through ``call`` here: the installer plugs the dispatch module in,
+so the tensor type never imports the dispatcher.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from autoparallel import patches
+
+_ACTIVE: list = []          # [the dispatch module, the in-place rebinder] while installed
+
+
+class DispatchHandle:
+    """What ``install()`` returns: ``uninstall()`` (idempotent) puts every patched paddle name back."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    @property
+    def installed(self) -> bool:
+        return bool(_ACTIVE)
+
+    def uninstall(self) -> int:
+        return uninstall()
+
+    def __repr__(self) -> str:
+        state = "installed" if _ACTIVE else "uninstalled"
+        return f"DispatchHandle({state}, {self.count} paddle names patched)"
+
+
+_HANDLE: list = []
+
+
+def installed() -> bool:
+    return bool(_ACTIVE)
+
+
+def install() -> DispatchHandle:
+    """Route paddle ops on distributed tensors (idempotent); returns the handle."""
+    if not _ACTIVE:
+        from autoparallel import dispatch_install       # the one lazy edge back up (docs/design.md)
+
+        _ACTIVE[:] = dispatch_install.install_all()
+        _HANDLE[:] = [DispatchHandle(len(patches.recorded()))]
+    return _HANDLE[0]
+
+
+ensure = install
+
+
+def uninstall() -> int:
+    """Restore every name autoparallel patched in paddle; returns how many were restored."""
+    _ACTIVE.clear()
+    return patches.undo()
+
+
+@contextlib.contextmanager
+def dispatch_mode():
+    """Dispatch installed inside the block; on exit, uninstalled again if it was not installed before."""
+    was = installed()
+    handle = install()
+    try:
+        yield handle
+    finally:
+        if not was:
+            uninstall()
+
+
+def call(op: str, path: str, args, kwargs):
+    """A DistTensor method: the routed call of ``path`` (rule ``op``)."""
+    if not _ACTIVE:
+        raise _not_installed(path)
+    return _ACTIVE[0].run(op, path, args, kwargs)
+
+
+def call_inplace(op: str, path: str, target, args, kwargs):
+    """A DistTensor in-place method: the out-of-place call, then ``target`` takes the result."""
+    if not _ACTIVE:
+        raise _not_installed(path)
+    return _ACTIVE[1](path, target, _ACTIVE[0].run(op, path, args, kwargs))
+
+
+def _not_installed(path: str) -> RuntimeError:
+    return RuntimeError(f"{path} on a distributed tensor: autoparallel's dispatch is uninstalled (the handle's "
+                        f"uninstall() or ap.uninstall() ran); call ap.install() (or any entry point such as "
+                        f"ap.shard_tensor) to route paddle ops again")
