@@ -19,7 +19,7 @@ from spmd_rules.errors import DataDependentShapeError
 from spmd_rules.registry import flatten_specs, replace_specs
 from spmd_rules.result import LocalShaped
 
-from autoparallel import binding, dispatch_cache, dispatch_mode, local_ops
+from autoparallel import binding, dispatch_cache, dispatch_handle, local_ops
 from autoparallel.comm import fanout
 from autoparallel.comm.world import current_world
 from autoparallel.compat import eager_param_base, owner_of, paddle_global_state, resolve
@@ -291,7 +291,7 @@ def _local_callable(op, path):
         fn = _ORIG.get(paths[0]) or _resolve(paths[0])
     else:
         fn = _ORIG.get(path) or _resolve(path)
-    if dispatch_mode.installed() and not path.startswith("custom."):
+    if dispatch_handle.installed() and not path.startswith("custom."):
         _LOCAL_FN[path] = fn
     return fn
 
@@ -386,10 +386,10 @@ def routed_form(fn):
 
 
 def install():
-    """Route paddle ops on distributed tensors (idempotent); returns the handle (see dispatch_mode)."""
-    return dispatch_mode.install()
+    """Route paddle ops on distributed tensors (idempotent); returns the handle (see dispatch_handle)."""
+    return dispatch_handle.install()
 
 
 def uninstall() -> int:
-    """Put back every paddle name dispatch patched (see dispatch_mode)."""
-    return dispatch_mode.uninstall()
+    """Put back every paddle name dispatch patched (see dispatch_handle)."""
+    return dispatch_handle.uninstall()

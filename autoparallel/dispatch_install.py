@@ -1,4 +1,4 @@
-"""Installing dispatch: the patches of paddle that route ops on distributed tensors (see dispatch_mode for the
+"""Installing dispatch: the patches of paddle that route ops on distributed tensors (see dispatch_handle for the
 handle that undoes them).
 
 * every dotted path of the op table becomes a routed wrapper (rule -> reshard -> local op);
@@ -9,7 +9,7 @@ handle that undoes them).
   methods of ``paddle.Tensor`` are guarded: given a distributed tensor they raise ``NotImplementedError``;
 * ``paddle.jit``'s ``StaticFunction`` entry, the lazy initialiser hook and the loss scalers are patched too.
 
-Every assignment goes through ``autoparallel.patches``, so ``dispatch_mode.uninstall()`` restores them all.
+Every assignment goes through ``autoparallel.patches``, so ``dispatch_handle.uninstall()`` restores them all.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from autoparallel.shadows import SHADOWS
 
 
 def install_all() -> list:
-    """Patch paddle; returns what dispatch_mode plugs in: [the dispatch module, the in-place rebinder]."""
+    """Patch paddle; returns what dispatch_handle plugs in: [the dispatch module, the in-place rebinder]."""
     routed = {}
     for op, paths in OP_TABLE.items():
         for path in paths:

@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 from paddle.base.framework import EagerParamBase
 
-from autoparallel import dispatch_mode, redistribute
+from autoparallel import dispatch_handle, redistribute
 from autoparallel.comm import world as world_mod
 from autoparallel.comm.world import current_world
 from autoparallel.context import async_allreduce
@@ -323,7 +323,7 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
     """
     if data is None:
         return None
-    dispatch_mode.install()
+    dispatch_handle.install()
     if isinstance(data, EagerParamBase) and _is_lazy(data, dtype):
         from autoparallel.lazy_init.params import shard_lazy
 
@@ -392,7 +392,7 @@ def dtensor_from_local(local, mesh: ProcessMesh, placements, global_shape=None, 
     ``global_shape`` defaults to the local shape times the shard counts (even shards); given shapes and
     dtypes are validated against every local.
     """
-    dispatch_mode.install()
+    dispatch_handle.install()
     world = current_world()
     held = world.local_ranks(mesh.process_ids)
     if isinstance(local, dict):

@@ -5,14 +5,14 @@ under each of the names paddle gives it (``x.add``, ``x.__add__``, ``x.__radd__`
 function or to the C op it forwards to), its in-place form (``x.add_``: the out-of-place rule, then ``x`` takes
 the result), the cast spellings (``x.float()``, ``x.type_as(y)``, ``x.to(...)``), ``x[i] = v``, ``T``/``mT``,
 ``new_*`` and ``__getattr__`` for the rest (a clear error naming the method). Each method goes through
-``dispatch_mode.call``, which raises while dispatch is uninstalled. Methods DistTensor defines itself
+``dispatch_handle.call``, which raises while dispatch is uninstalled. Methods DistTensor defines itself
 (metadata: ``dim``, ``numel``, ``fill_``...) take precedence, being on the subclass.
 """
 from __future__ import annotations
 
 import paddle
 
-from autoparallel import dispatch_mode
+from autoparallel import dispatch_handle
 from autoparallel.compat import c_ops, owner_of
 from autoparallel.spec import normalize_dtype
 
@@ -99,17 +99,17 @@ def method_table() -> dict:
 def _method(name, op, path, inplace):
     if inplace:
         def method(self, *args, __op=op, __path=path, **kwargs):
-            return dispatch_mode.call_inplace(__op, __path, self, (self,) + args, kwargs)
+            return dispatch_handle.call_inplace(__op, __path, self, (self,) + args, kwargs)
     else:
         def method(self, *args, __op=op, __path=path, **kwargs):
-            return dispatch_mode.call(__op, __path, (self,) + args, kwargs)
+            return dispatch_handle.call(__op, __path, (self,) + args, kwargs)
     method.__name__ = name
     return method
 
 
 def _conversion(name):
     def method(self, *args, **kwargs):
-        return dispatch_mode.call("cast", "paddle.cast", (self, conversion_dtype(name, self.dtype)), {})
+        return dispatch_handle.call("cast", "paddle.cast", (self, conversion_dtype(name, self.dtype)), {})
 
     method.__name__ = name
     return method
@@ -135,18 +135,18 @@ def to_dtype(self_dtype, args, kwargs, dist_type=None):
 
 
 def _type_as(self, other):
-    return dispatch_mode.call("cast", "paddle.cast", (self, other.dtype), {})
+    return dispatch_handle.call("cast", "paddle.cast", (self, other.dtype), {})
 
 
 def _to(self, *args, **kwargs):
     dtype = to_dtype(self.dtype, args, kwargs, type(self))
     if normalize_dtype(dtype) == normalize_dtype(self.dtype):
         return self
-    return dispatch_mode.call("cast", "paddle.cast", (self, dtype), {})
+    return dispatch_handle.call("cast", "paddle.cast", (self, dtype), {})
 
 
 def _setitem(self, index, value):
-    dispatch_mode.call_inplace("setitem", "paddle.Tensor.__setitem__", self, (self, index, value), {})
+    dispatch_handle.call_inplace("setitem", "paddle.Tensor.__setitem__", self, (self, index, value), {})
 
 
 def _new_like(name):
@@ -161,12 +161,12 @@ def _new_like(name):
 def _transposed(self):
     if self.ndim < 2:
         return self
-    return dispatch_mode.call("transpose", "paddle.transpose", (self, list(range(self.ndim))[::-1]), {})
+    return dispatch_handle.call("transpose", "paddle.transpose", (self, list(range(self.ndim))[::-1]), {})
 
 
 def _matrix_transposed(self):
     perm = list(range(self.ndim - 2)) + [self.ndim - 1, self.ndim - 2]
-    return dispatch_mode.call("transpose", "paddle.transpose", (self, perm), {})
+    return dispatch_handle.call("transpose", "paddle.transpose", (self, perm), {})
 
 
 def _getattr(self, name):

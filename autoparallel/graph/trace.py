@@ -106,12 +106,12 @@ def _param_specs(model, mesh, param_placements) -> dict:
 
 def trace(model, *input_specs, param_placements=None) -> nx.DiGraph:
     """The forward op graph of ``model`` on spec-only inputs (see module docstring)."""
-    from autoparallel import dispatch_mode
+    from autoparallel import dispatch_handle
     from autoparallel.dist_tensor import DistTensor
 
     if not input_specs or not all(isinstance(s, DistSpec) for s in input_specs):
         raise TypeError(f"trace expects one or more DistSpec inputs, got {[type(s).__name__ for s in input_specs]}")
-    dispatch_mode.install()
+    dispatch_handle.install()
     mesh = input_specs[0].mesh
     tracer = Tracer(_param_specs(model, mesh, param_placements), mesh)
     inputs = [DistTensor({}, s) for s in input_specs]

@@ -1,0 +1,135 @@
+"""Dispatch is a reversible mode: ``ap.install()`` returns a handle whose ``uninstall()`` puts back every name
+autoparallel patched in paddle (enumerated here independently of the patch ledger: every module attribute and
+class attribute whose value changed to a function defined in autoparallel), and installing again works."""
+import sys
+import types
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+import autoparallel as ap
+from autoparallel import dispatch_handle, patches
+
+_OWN = ("autoparallel", "spmd_rules", "reshard")
+
+
+def _classes():
+    from paddle.amp import grad_scaler as gs
+    from paddle.jit.dy2static.program_translator import StaticFunction
+    from paddle.nn.initializer.initializer import Initializer
+
+    return [paddle.Tensor, StaticFunction, Initializer, gs.AmpScaler, gs.GradScaler]
+
+
+def _snapshot(extra=()) -> dict:
+    """(owner, name) -> value of every attribute of every loaded non-autoparallel module and of the patched
+    classes and objects."""
+    snap = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or name.split(".", 1)[0] in _OWN:
+            continue
+        try:
+            items = list(vars(mod).items())
+        except TypeError:
+            continue
+        for k, v in items:
+            snap[(name, k)] = v
+    for owner in _classes() + list(extra):
+        for k, v in list(vars(owner).items()):
+            snap[(id(owner), k)] = v
+    return snap
+
+
+def _ours(v) -> bool:
+    mod = getattr(v, "__module__", None) or ""
+    return mod.split(".", 1)[0] in _OWN
+
+
+_GONE = object()
+
+
+def test_uninstall_restores_every_patched_name(monkeypatch):
+    was = dispatch_handle.installed()
+    ap.uninstall()
+    user = types.ModuleType("user_model_lib")          # a library that imported ops by name
+    user.relu, user.swiglu, user.matmul = F.relu, F.swiglu, paddle.matmul
+    monkeypatch.setitem(sys.modules, "user_model_lib", user)
+    layer = paddle.nn.TransformerEncoderLayer(8, 2, 16)  # holds F.relu as an attribute
+    monkeypatch.setenv("PADDLE_TRAINER_ENDPOINTS", "127.0.0.1:1")
+    before = _snapshot([layer])
+    try:
+        handle = ap.install()
+        from autoparallel.comm.groups import install_group_store_fix
+        install_group_store_fix()                          # paddle.distributed.new_group (launched jobs)
+        during = _snapshot([layer])
+        patched = {k for k, v in during.items() if before.get(k, _GONE) is not v and _ours(v)}
+        assert len(patched) > 1000 and len(patches.recorded()) >= len(patched)
+        for key in [("paddle", "matmul"), ("paddle.nn.functional", "linear"), ("user_model_lib", "relu"),
+                    ("user_model_lib", "swiglu"), ("paddle.distributed", "new_group"),
+                    (id(paddle.Tensor), "__add__"), (id(paddle.Tensor), "add_"), (id(paddle.Tensor), "float"),
+                    (id(paddle.Tensor), "__setitem__"), (id(_classes()[1]), "__call__"),
+                    (id(_classes()[2]), "_lazy_init"), (id(_classes()[4]), "scale"), (id(layer), "activation"),
+                    ("paddle", "is_tensor"), ("paddle", "sort")]:            # sort: a guarded callable
+            assert key in patched, key
+        assert handle.installed and dispatch_handle.installed()
+        restored = handle.uninstall()
+        assert restored >= len(patched)
+        after = _snapshot([layer])
+        wrong = [k for k in patched if after.get(k, _GONE) is not before.get(k, _GONE)]
+        assert wrong == []
+        assert not any(_ours(getattr(paddle.Tensor, n, None)) for n in dir(paddle.Tensor) if not n.startswith("__"))
+        assert user.relu is F.relu and paddle.distributed.new_group.__module__.startswith("paddle")
+    finally:
+        if was:
+            ap.install()
+
+
+def test_disttensor_op_after_uninstall_raises_then_entry_point_reinstalls():
+    was = dispatch_handle.installed()
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+        x = np.arange(8, dtype="float32").reshape(4, 2)
+        dt = ap.shard_tensor(paddle.to_tensor(x), mesh, [ap.Shard(0)])
+        np.testing.assert_allclose((dt * 2).numpy(), x * 2)
+        ap.uninstall()
+        assert paddle.matmul.__module__.startswith("paddle")
+        with pytest.raises(RuntimeError, match="uninstalled"):
+            dt * 2
+        with pytest.raises(RuntimeError, match="uninstalled"):
+            dt.add_(dt)
+        dt2 = ap.shard_tensor(paddle.to_tensor(x), mesh, [ap.Replicate()])     # an entry point installs again
+        assert dispatch_handle.installed()
+        np.testing.assert_allclose(paddle.matmul(dt, dt2.T).numpy(), x @ x.T, rtol=1e-6)
+        np.testing.assert_allclose((dt + dt2).numpy(), 2 * x)
+    if not was:
+        ap.uninstall()
+
+
+def test_dispatch_mode_context_restores_previous_state():
+    was = dispatch_handle.installed()
+    ap.uninstall()
+    orig = paddle.matmul
+    with ap.dispatch_mode() as handle:
+        assert paddle.matmul is not orig and handle.installed
+        with ap.dispatch_mode():                   # nested: stays installed on the inner exit
+            pass
+        assert paddle.matmul is not orig
+    assert paddle.matmul is orig and not dispatch_handle.installed()
+    if was:
+        ap.install()
+
+
+def test_loss_fn_taken_before_install_is_routed():
+    from autoparallel import dispatch
+
+    was = dispatch_handle.installed()
+    ap.uninstall()
+    loss_fn = F.cross_entropy                          # the original, taken before dispatch is installed
+    ap.install()
+    routed = dispatch.routed_form(loss_fn)
+    assert routed is not loss_fn and routed is F.cross_entropy
+    assert dispatch.routed_form(np.sum) is np.sum
+    if not was:
+        ap.uninstall()
