@@ -200,18 +200,12 @@ def _run_traced(op, rule, args, kwargs, tracer):
 
 def _trace(tracer, op, dists, res):
     """Record the op and return spec-only outputs (nothing is computed)."""
-    from reshard import plan_reshard
-
-    from autoparallel.comm.world import planning_cluster
-
     if any(s.__class__ is LocalShaped for s in res.outputs):
         raise DataDependentShapeError(f"{op}: its output size depends on the values, which graph tracing "
                                       f"(ap.trace, ModelSpec.from_trace, auto_mode='full') does not compute; give "
                                       f"the degrees yourself (auto_mode='semi', which runs eagerly) or keep {op} "
                                       f"outside the traced region")
-    reshards = [plan_reshard(d.spec.shape, d.spec.dtype, d.spec.mesh, d.spec.placements, req.placements,
-                             cluster=planning_cluster())
-                for d, req in zip(dists, res.inputs) if d.spec != req]
+    reshards = [fanout.reshard_plan(d.spec, req) for d, req in zip(dists, res.inputs) if d.spec != req]
     outs = [None if s is None else DistTensor({}, s) for s in res.outputs]
     node = tracer.record(op, dists, res.inputs, res.outputs, reshards)
     for o in outs:

@@ -174,11 +174,7 @@ def _slots(items) -> tuple:
     return tuple(out)
 
 
-def _reshard_plan(src: DistSpec, dst: DistSpec):
-    from reshard import plan_reshard
-
-    return plan_reshard(src.shape, src.dtype, src.mesh, src.placements, dst.placements,
-                        cluster=world_mod.planning_cluster())
+_reshard_plan = fanout.reshard_plan
 
 
 class CallPlan:
