@@ -21,6 +21,7 @@ import paddle
 
 from autoparallel import patches
 from autoparallel.compat import C_OP_NAMESPACES as _OP_NAMESPACES
+from autoparallel.compat import forwarded_c_op
 from autoparallel.dist_tensor_ops import CONVERSIONS as _CONVERSIONS
 from autoparallel.dist_tensor_ops import conversion_dtype, original  # noqa: F401  (re-exported)
 
@@ -91,16 +92,9 @@ def _c_op_aliases(routed: dict) -> dict:
     """A routed function paddle generates as ``def _matmul(*args, **kwargs): return _C_ops.matmul(...)``
     and the C op ``paddle._C_ops.matmul`` it forwards to are one op with one argument parser; some modules
     export the C op itself (``paddle.tensor.matmul``, ``paddle.linalg.matmul``): those names route too."""
-    from autoparallel.binding import _parsed_in_c
-
     out = {}
-    ops = getattr(paddle, "_C_ops", None)
     for w in set(routed.values()):
-        orig = getattr(w, "__wrapped__", None)
-        if orig is None or not _parsed_in_c(orig):
-            continue
-        names = [n for n in orig.__code__.co_names if n != "_C_ops"]
-        target = getattr(ops, names[-1], None) if names else None
+        target = forwarded_c_op(getattr(w, "__wrapped__", None))
         if target is not None and id(target) not in routed:
             out[id(target)] = w
     return out

@@ -4,22 +4,24 @@ dotted-path resolution, and side data kept for paddle objects without writing at
 Private names used here (paddle 3.3): ``paddle.base.framework.global_var._dygraph_tracer_`` (None while
 ``paddle.jit.to_static`` builds a program), ``paddle.base.framework.EagerParamBase`` (the Parameter class),
 ``paddle._C_ops`` / ``paddle._pir_ops`` / ``paddle._legacy_C_ops`` (the C op namespaces paddle's generated
-functions call through). Other modules reach them through this module's names.
+functions call through), ``paddle.base.core`` (``eager.Tensor`` without storage, ``TCPStore``) and
+``paddle.distributed.collective._default_store`` (the job's TCPStore). Other modules reach them through this
+module's names; a paddle version that moves one of them is handled here.
 """
 from __future__ import annotations
 
 import importlib
 import weakref
 
+import paddle
+from paddle.base import core as _core
+from paddle.base.framework import EagerParamBase  # noqa: F401  (paddle's Parameter class)
+
+C_OPS = getattr(paddle, "_C_ops", None)
+TCPStore = _core.TCPStore
+
 # the namespaces paddle's generated functions look their C ops up in (never patched: the originals call them)
 C_OP_NAMESPACES = ("paddle._C_ops", "paddle._pir_ops", "paddle._legacy_C_ops")
-
-
-def eager_param_base():
-    """paddle's Parameter class (``paddle.base.framework.EagerParamBase``)."""
-    from paddle.base.framework import EagerParamBase
-
-    return EagerParamBase
 
 
 def paddle_global_state():
@@ -30,11 +32,33 @@ def paddle_global_state():
     return global_var
 
 
-def c_ops():
-    """``paddle._C_ops`` (None where a paddle build lacks it)."""
-    import paddle
+def forwarded_c_op(fn):
+    """The C op a python function paddle generates as ``def _matmul(*args, **kwargs): return
+    _C_ops.matmul(...)`` forwards to (one op, one argument parser), or None for any other callable."""
+    from autoparallel.binding import _parsed_in_c
 
-    return getattr(paddle, "_C_ops", None)
+    if fn is None or not _parsed_in_c(fn):
+        return None
+    names = [n for n in fn.__code__.co_names if n != "_C_ops"]
+    return getattr(C_OPS, names[-1], None) if names else None
+
+
+def storage_free_tensor(dtype, shape, name):
+    """A dense ``paddle.Tensor`` with a shape and no storage (filled later)."""
+    return _core.eager.Tensor(dtype, list(shape), name, _core.VarDesc.VarType.DENSE_TENSOR, False)
+
+
+def default_store():
+    """The job's TCPStore (``paddle.distributed.collective._default_store``), or None."""
+    import paddle.distributed.collective as coll
+
+    return coll._default_store
+
+
+def set_default_store(store) -> None:
+    import paddle.distributed.collective as coll
+
+    coll._default_store = store
 
 
 def owner_of(path: str):

@@ -22,7 +22,7 @@ from spmd_rules.result import LocalShaped
 from autoparallel import binding, dispatch_cache, dispatch_handle, local_ops
 from autoparallel.comm import fanout
 from autoparallel.comm.world import current_world
-from autoparallel.compat import eager_param_base, owner_of, paddle_global_state, resolve
+from autoparallel.compat import EagerParamBase, owner_of, paddle_global_state, resolve
 from autoparallel.context import state as _ctx
 from autoparallel.dispatch_pins import PinnedLayouts, pinned, replayable  # noqa: F401  (re-exported)
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
@@ -31,7 +31,6 @@ from autoparallel.placement import Replicate
 from autoparallel.shadows import SHADOWS, has_shadow, unshadow
 from autoparallel.spec import DistSpec, normalize_dtype
 
-EagerParamBase = eager_param_base()
 _paddle_mode = paddle_global_state()          # its _dygraph_tracer_ is None while a static program is built
 _ORIG: dict = {}          # dotted path -> original callable
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
-from paddle.base.framework import EagerParamBase
 
 from autoparallel import dispatch_handle, redistribute
 from autoparallel.comm import world as world_mod
 from autoparallel.comm.world import current_world
+from autoparallel.compat import EagerParamBase
 from autoparallel.context import async_allreduce
 from autoparallel.context import state as _ctx
 from autoparallel.dist_tensor_ops import OpMethods

@@ -13,7 +13,7 @@ from __future__ import annotations
 import paddle
 
 from autoparallel import dispatch_handle
-from autoparallel.compat import c_ops, owner_of
+from autoparallel.compat import forwarded_c_op, owner_of
 from autoparallel.spec import normalize_dtype
 
 CONVERSIONS = ("float", "half", "bfloat16", "double", "int", "long", "bool", "short", "byte", "char",
@@ -46,15 +46,9 @@ def _op_paths() -> dict:
 def _c_op_paths(routed: dict, objects: dict) -> dict:
     """The C op a routed python function forwards to (``def _matmul(*a, **k): return _C_ops.matmul(...)``) is
     the same op: a Tensor method bound to the C op routes like the function (see aliases._c_op_aliases)."""
-    from autoparallel.binding import _parsed_in_c
-
-    ops, out = c_ops(), {}
+    out = {}
     for key, entry in routed.items():
-        fn = objects.get(key)
-        if fn is None or not _parsed_in_c(fn):
-            continue
-        names = [n for n in fn.__code__.co_names if n != "_C_ops"]
-        target = getattr(ops, names[-1], None) if names else None
+        target = forwarded_c_op(objects.get(key))
         if target is not None and id(target) not in routed:
             out[id(target)] = entry
     return out

@@ -5,9 +5,9 @@ spellings, ``paddle.is_tensor``, ``new_*``, and in-place updates of a plain buff
 from __future__ import annotations
 
 import paddle
-from paddle.base.framework import EagerParamBase
 
 from autoparallel import aliases, patches, shadows
+from autoparallel.compat import EagerParamBase
 from autoparallel import dispatch as D
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
 from autoparallel.context import state as _ctx
