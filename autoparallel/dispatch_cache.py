@@ -1,14 +1,14 @@
 """The dispatch cache: what one call signature of a routed op needs, planned once.
 
-A call's key holds everything its plan depends on: the rule (re-registering an op gives a new one), the
-dotted path called, the world (kind, rank, size, backend), the cluster reshards are priced on, and the
-arguments with every tensor replaced by its layout -- a DistTensor by its DistSpec (mesh, placements,
-global shape, dtype), a DistParameter by ``("param", spec)``, a plain tensor by ``("plain", shape,
-dtype)`` -- and every other argument by ``(type, value)``, lists and tuples entered, keyword order kept.
-Equal keys give the same rule result, so the plan made for the first call serves every later one: the
-rule's result, the reshard plan of each input, the mesh dims whose gradient needs an all_reduce, the held
-ranks and each rank's local-call overrides. A call whose arguments have no hashable value (numpy arrays,
-tensors inside slices or dicts) is planned afresh every time.
+A call's key holds everything its plan depends on: the rule (re-registering an op gives a new one), the dotted
+path called, the world (kind, rank, size, backend), the cluster reshards are priced on (its epoch, bumped by
+``ap.set_cluster``), and the arguments with every tensor replaced by its layout -- a DistTensor by its DistSpec
+(mesh, placements, global shape, dtype), a DistParameter by ``("param", spec)``, a plain tensor by ``("plain",
+shape, dtype)`` -- and every other argument by ``(type, value)``, lists and tuples entered, keyword order kept.
+Equal keys give the same rule result, so the plan made for the first call serves every later one: the rule's
+result, the reshard plan of each input, the mesh dims whose gradient needs an all_reduce, the held ranks and
+each rank's local-call overrides. A call whose arguments have no hashable value (numpy arrays, tensors inside
+slices or dicts) is planned afresh every time.
 
 Per call only data-dependent work remains: executing reshards, gradient hooks (whether an input wants a
 gradient is read from its ``stop_gradient`` on every call, so grad mode is never part of the key), building
@@ -25,7 +25,7 @@ import paddle
 from autoparallel import redistribute
 from autoparallel.comm import collectives as C
 from autoparallel.comm import fanout
-from autoparallel.comm import world as world_mod
+from autoparallel.context import process as _process
 from autoparallel.dist_tensor import DistParameter, DistTensor
 from autoparallel.spec import DistSpec, normalize_dtype
 from spmd_rules.registry import flatten_specs, replace_specs
@@ -96,7 +96,7 @@ def full_key(rule, path: str, world, args_key, pinned=None):
     if args_key is None or not _enabled[0]:
         return None
     key = (rule, path, world.__class__, world.rank, world.world_size, world.backend,
-           id(world_mod._cluster_override), args_key)
+           _process.cluster_epoch, args_key)
     return key if pinned is None else key + (id(pinned),)
 
 
@@ -181,12 +181,11 @@ class CallPlan:
     """One call signature's layout decisions (see the module docstring)."""
 
     __slots__ = ("res", "mesh", "held", "kinds", "reshards", "grad_dims", "marks", "quiet", "rep_dims", "derives", "arg_slots",
-                 "kw_slots", "overrides", "cluster")
+                 "kw_slots", "overrides")
 
     def __init__(self, rule, res, mesh, leaves, src_specs, args, kwargs, world):
         split = [m for m in res.split_mesh_dims() if mesh.shape[m] > 1]
         self.res, self.mesh = res, mesh
-        self.cluster = world_mod._cluster_override             # keeps the id in the key alive
         self.kinds = tuple(leaf_kind(v) for v in leaves)
         self.reshards = tuple(None if s == req else _reshard_plan(s, req) for s, req in zip(src_specs, res.inputs))
         self.grad_dims = tuple(tuple(m for m in split if req.placements[m].is_replicate()) for req in res.inputs)

@@ -23,6 +23,7 @@ from autoparallel import aliases, patches, tensor_forms
 from autoparallel import dispatch as D
 from autoparallel.compat import owner_of
 from autoparallel.context import state as _ctx
+from autoparallel.dispatch import _any_dist, _tracing_tensors
 from autoparallel.shadows import SHADOWS
 
 
@@ -80,7 +81,7 @@ patches.on_undo(_reset)
 
 def _routed(op, path, orig):
     def wrapper(*args, **kwargs):
-        if _ctx.local_depth > 0 or not (D._any_dist(args, kwargs) or D._tracing_tensors(args, kwargs)):
+        if _ctx.local_depth > 0 or not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
             return orig(*args, **kwargs)
         return D.run(op, path, args, kwargs)
 
@@ -95,7 +96,7 @@ def _routed(op, path, orig):
 
 def _guarded(name, orig):
     def wrapper(*args, **kwargs):
-        if _ctx.local_depth == 0 and D._any_dist(args, kwargs):
+        if _ctx.local_depth == 0 and _any_dist(args, kwargs):
             raise NotImplementedError(f"{name} has no spmd rule, so it cannot run on distributed tensors; "
                                       f"register one with spmd_rules.register_spmd_rule({name.rsplit('.', 1)[-1]!r})")
         return orig(*args, **kwargs)

@@ -14,10 +14,10 @@ import numpy as np
 import paddle
 
 from autoparallel import dispatch_handle, redistribute
-from autoparallel.comm import world as world_mod
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase
 from autoparallel.context import async_allreduce
+from autoparallel.context import process as _process
 from autoparallel.context import state as _ctx
 from autoparallel.dist_tensor_ops import OpMethods
 from autoparallel.mesh import ProcessMesh
@@ -446,7 +446,7 @@ def reshard(x, mesh: ProcessMesh, placements) -> DistTensor:
         raise TypeError(f"reshard expects a DistTensor or DistParameter, got {type(x).__name__}")
     try:        # a repeated reshard reuses its target spec and plan
         placements = tuple(placements)
-        key = (src._spec, mesh, placements, current_world().backend, id(world_mod._cluster_override))
+        key = (src._spec, mesh, placements, current_world().backend, _process.cluster_epoch)
         hit = _RESHARDS.get(key)
     except TypeError:                   # no placements or unhashable ones: validated (and rejected) below
         key = hit = None
@@ -481,4 +481,4 @@ def _remember_reshard(key, dst, plan) -> None:
         return
     if len(_RESHARDS) >= 4096:
         _RESHARDS.clear()
-    _RESHARDS[key] = (dst, plan, world_mod._cluster_override)    # the override kept: its id stays its own
+    _RESHARDS[key] = (dst, plan)
