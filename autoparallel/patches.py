@@ -9,9 +9,28 @@ and a later install patches again.
 """
 from __future__ import annotations
 
+import types
+import weakref
+
 _MISSING = object()
-_LEDGER: dict = {}          # (id(owner), name) -> (owner, name, original raw value or _MISSING)
+_LEDGER: dict = {}          # (id(owner), name) -> (owner ref, name, original raw value or _MISSING)
 _RESETS: list = []
+
+
+def _ref(owner):
+    """Modules and classes are held; other owners (a layer holding an op as an attribute) weakly, so the
+    ledger keeps no model alive."""
+    if isinstance(owner, (types.ModuleType, type)):
+        return lambda: owner
+    try:
+        return weakref.ref(owner)
+    except TypeError:
+        return lambda: owner
+
+
+def _known(key, owner) -> bool:
+    entry = _LEDGER.get(key)
+    return entry is not None and entry[0]() is owner
 
 
 def _raw(owner, name):
@@ -24,17 +43,17 @@ def _raw(owner, name):
 def remember(owner, name: str) -> None:
     """Record ``owner.name`` as it is now, unless it was recorded already (the first original wins)."""
     key = (id(owner), name)
-    if key not in _LEDGER:
-        _LEDGER[key] = (owner, name, _raw(owner, name))
+    if not _known(key, owner):
+        _LEDGER[key] = (_ref(owner), name, _raw(owner, name))
 
 
 def patch(owner, name: str, value) -> None:
     """``setattr(owner, name, value)``, recording the original first. Raises what ``setattr`` raises (a
     read-only attribute), recording nothing then."""
     key = (id(owner), name)
-    fresh = key not in _LEDGER
+    fresh = not _known(key, owner)
     if fresh:
-        _LEDGER[key] = (owner, name, _raw(owner, name))
+        _LEDGER[key] = (_ref(owner), name, _raw(owner, name))
     try:
         setattr(owner, name, value)
     except (AttributeError, TypeError):
@@ -50,13 +69,14 @@ def on_undo(fn) -> None:
 
 
 def recorded() -> list:
-    """[(owner, name, original)] of every name patched since the last undo, oldest first."""
-    return [entry for entry in _LEDGER.values()]
+    """[(owner, name, original)] of every name patched since the last undo (owners still alive), oldest
+    first."""
+    return [(ref(), name, raw) for ref, name, raw in _LEDGER.values() if ref() is not None]
 
 
 def undo() -> int:
     """Restore every recorded name (newest first); returns how many."""
-    entries = list(_LEDGER.values())
+    entries = recorded()
     for owner, name, raw in reversed(entries):
         if raw is _MISSING:
             try:

@@ -133,3 +133,43 @@ def test_loss_fn_taken_before_install_is_routed():
     assert dispatch.routed_form(np.sum) is np.sum
     if not was:
         ap.uninstall()
+
+
+def test_ledger_restores_raw_descriptors_and_absent_names_and_holds_no_object():
+    import gc
+
+    class Base:
+        def inherited(self):
+            return "base"
+
+    class Owner(Base):
+        @staticmethod
+        def static():
+            return "static"
+
+        @property
+        def prop(self):
+            return "prop"
+
+    class Holder:
+        pass
+
+    raw_static, raw_prop = vars(Owner)["static"], vars(Owner)["prop"]
+    holder = Holder()
+    holder.op = F.relu
+    mark = len(patches.recorded())
+    patches.patch(Owner, "static", lambda: "patched")
+    patches.patch(Owner, "prop", "patched")
+    patches.patch(Owner, "inherited", lambda self: "patched")     # absent from Owner's own dict
+    patches.patch(holder, "op", F.gelu)
+    assert Owner.static() == "patched" and Owner().inherited() == "patched"
+    assert len(patches.recorded()) == mark + 4
+    del holder
+    gc.collect()
+    assert len(patches.recorded()) == mark + 3                     # the ledger kept no reference to it
+    was = dispatch_handle.installed()
+    ap.uninstall()
+    assert vars(Owner)["static"] is raw_static and vars(Owner)["prop"] is raw_prop
+    assert "inherited" not in vars(Owner) and Owner().inherited() == "base"
+    if was:
+        ap.install()
