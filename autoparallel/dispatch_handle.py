@@ -21,6 +21,7 @@ so the tensor type never imports the dispatcher.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from autoparallel import patches
 
@@ -46,6 +47,7 @@ class DispatchHandle:
 
 
 _HANDLE: list = []
+_LOCK = threading.RLock()
 
 
 def installed() -> bool:
@@ -53,12 +55,21 @@ def installed() -> bool:
 
 
 def install() -> DispatchHandle:
-    """Route paddle ops on distributed tensors (idempotent); returns the handle."""
-    if not _ACTIVE:
-        from autoparallel import dispatch_install       # the one lazy edge back up (docs/design.md)
+    """Route paddle ops on distributed tensors (idempotent); returns the handle. An install that fails
+    part-way is rolled back before the error propagates."""
+    if _ACTIVE:
+        return _HANDLE[0]
+    with _LOCK:
+        if not _ACTIVE:
+            from autoparallel import dispatch_install       # the one lazy edge back up (docs/design.md)
 
-        _ACTIVE[:] = dispatch_install.install_all()
-        _HANDLE[:] = [DispatchHandle(len(patches.recorded()))]
+            try:
+                plugged = dispatch_install.install_all()
+            except BaseException:
+                patches.undo()
+                raise
+            _HANDLE[:] = [DispatchHandle(len(patches.recorded()))]
+            _ACTIVE[:] = plugged
     return _HANDLE[0]
 
 
@@ -67,8 +78,9 @@ ensure = install
 
 def uninstall() -> int:
     """Restore every name autoparallel patched in paddle; returns how many were restored."""
-    _ACTIVE.clear()
-    return patches.undo()
+    with _LOCK:
+        _ACTIVE.clear()
+        return patches.undo()
 
 
 @contextlib.contextmanager

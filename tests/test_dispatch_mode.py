@@ -173,3 +173,24 @@ def test_ledger_restores_raw_descriptors_and_absent_names_and_holds_no_object():
     assert "inherited" not in vars(Owner) and Owner().inherited() == "base"
     if was:
         ap.install()
+
+
+def test_an_install_failing_part_way_is_rolled_back(monkeypatch):
+    from autoparallel import dispatch_install
+
+    was = dispatch_handle.installed()
+    ap.uninstall()
+    orig = paddle.matmul
+    real = dispatch_install.install_all
+
+    def failing():
+        real()                                      # everything patched, then a failure
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(dispatch_install, "install_all", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        ap.install()
+    assert paddle.matmul is orig and not dispatch_handle.installed()
+    monkeypatch.undo()
+    if was:
+        ap.install()
