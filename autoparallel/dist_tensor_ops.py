@@ -73,6 +73,7 @@ def method_table() -> dict:
                 objects[id(fn)] = fn
     routed = _op_paths()
     routed.update(_c_op_paths(routed, objects))
+    _ROUTED.update(routed)
     aliases = {}
     for attr in dir(paddle.Tensor):
         if attr.startswith("__"):
@@ -90,6 +91,24 @@ def method_table() -> dict:
     return table
 
 
+_ROUTED: dict = {}        # id(original paddle callable) -> (op, path), filled by method_table()
+
+
+def _late_method(name):
+    """A routed name put on ``paddle.Tensor`` after this module was imported (a library binding an op as a
+    Tensor method): its method, made once and kept on the class; None for any other name."""
+    entry = _ROUTED.get(id(original(getattr(paddle.Tensor, name, None))))
+    inplace = False
+    if entry is None and name.endswith("_") and not name.startswith("_"):
+        base = getattr(OpMethods, name[:-1], None) or _late_method(name[:-1])
+        entry, inplace = (getattr(base, "_ap_op", None), True) if base is not None else (None, False)
+    if entry is None:
+        return None
+    fn = _method(name, entry[0], entry[1], inplace)
+    setattr(OpMethods, name, fn)
+    return fn
+
+
 def _method(name, op, path, inplace):
     if inplace:
         def method(self, *args, __op=op, __path=path, **kwargs):
@@ -98,6 +117,7 @@ def _method(name, op, path, inplace):
         def method(self, *args, __op=op, __path=path, **kwargs):
             return dispatch_handle.call(__op, __path, (self,) + args, kwargs)
     method.__name__ = name
+    method._ap_op = (op, path)
     return method
 
 
@@ -167,6 +187,9 @@ def _getattr(self, name):
     if name.startswith("__"):
         raise AttributeError(name)
     if hasattr(paddle.Tensor, name):
+        late = _late_method(name)
+        if late is not None:
+            return late.__get__(self)
         if _is_op_name(name):
             raise NotImplementedError(f"paddle.Tensor.{name} has no spmd rule, so it cannot run on a DistTensor; "
                                       f"register one with spmd_rules.register_spmd_rule({name!r})")

@@ -194,3 +194,28 @@ def test_an_install_failing_part_way_is_rolled_back(monkeypatch):
     monkeypatch.undo()
     if was:
         ap.install()
+
+
+def test_an_op_bound_to_tensor_later_becomes_a_disttensor_method():
+    """A library that binds a routed op as a new ``paddle.Tensor`` method after autoparallel was imported:
+    the DistTensor method routes it too (and its in-place form); an unrelated new name does not."""
+    from autoparallel.dist_tensor_ops import OpMethods, original
+
+    paddle.Tensor.lib_tanh = original(paddle.tanh)
+    paddle.Tensor.lib_tanh_ = original(paddle.Tensor.tanh_)
+    try:
+        with ap.simulate(world_size=2):
+            mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+            x = np.linspace(-1, 1, 8, dtype="float32").reshape(4, 2)
+            dt = ap.shard_tensor(paddle.to_tensor(x), mesh, [ap.Shard(0)])
+            np.testing.assert_allclose(dt.lib_tanh().numpy(), np.tanh(x), rtol=1e-6)
+            assert "lib_tanh" in vars(OpMethods)
+            dt.lib_tanh_()
+            np.testing.assert_allclose(dt.numpy(), np.tanh(x), rtol=1e-6)
+            with pytest.raises(AttributeError):
+                dt.no_such_method
+    finally:
+        for name in ("lib_tanh", "lib_tanh_"):
+            delattr(paddle.Tensor, name)
+            if name in vars(OpMethods):
+                delattr(OpMethods, name)
