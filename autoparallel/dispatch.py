@@ -9,6 +9,10 @@ of ``paddle``, ``paddle.nn.functional``, ``paddle.linalg`` and the math methods 
 guarded: given a distributed tensor they raise ``NotImplementedError`` naming the op and
 ``register_spmd_rule``. Plain tensors pay one isinstance scan. While a local op runs (``local_mode``)
 nothing is routed, so paddle's own code inside an op sees plain tensors.
+
+This module is the call path. Installing the routing (and undoing it) is ``dispatch_install`` behind the
+handle of ``dispatch_handle``; layouts pinned op by op are ``dispatch_pins``; DistTensor's own op methods are
+generated in ``dist_tensor_ops``.
 """
 from __future__ import annotations
 
