@@ -16,6 +16,7 @@ import weakref
 import paddle
 from paddle.base import core as _core
 from paddle.base.framework import EagerParamBase  # noqa: F401  (paddle's Parameter class)
+from paddle.base.framework import global_var as _FRAMEWORK
 
 C_OPS = getattr(paddle, "_C_ops", None)
 TCPStore = _core.TCPStore
@@ -24,12 +25,18 @@ TCPStore = _core.TCPStore
 C_OP_NAMESPACES = ("paddle._C_ops", "paddle._pir_ops", "paddle._legacy_C_ops")
 
 
-def paddle_global_state():
-    """paddle's per-thread framework state (``paddle.base.framework.global_var``); its ``_dygraph_tracer_``
-    is None while a static program is being built."""
-    from paddle.base.framework import global_var
+def building_static_program() -> bool:
+    """Whether paddle is building a static program (``paddle.jit.to_static``): its per-thread framework state
+    then has no dygraph tracer."""
+    return _FRAMEWORK._dygraph_tracer_ is None
 
-    return global_var
+
+def static_value_converter():
+    """``(owner, name)`` of the function paddle calls to turn a tensor into a program value while building a
+    static program (``paddle.pir.core._convert_into_value``; patched by to_static lowering)."""
+    import paddle.pir.core as pir_core
+
+    return pir_core, "_convert_into_value"
 
 
 def forwarded_c_op(fn):

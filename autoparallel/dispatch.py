@@ -26,7 +26,7 @@ from spmd_rules.result import LocalShaped
 from autoparallel import binding, dispatch_cache, dispatch_handle, local_ops
 from autoparallel.comm import fanout
 from autoparallel.comm.world import current_world
-from autoparallel.compat import EagerParamBase, owner_of, paddle_global_state, resolve
+from autoparallel.compat import EagerParamBase, building_static_program, owner_of, resolve
 from autoparallel.context import state as _ctx
 from autoparallel.dispatch_pins import PinnedLayouts, pinned, replayable  # noqa: F401  (re-exported)
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
@@ -35,7 +35,6 @@ from autoparallel.placement import Replicate
 from autoparallel.shadows import SHADOWS, has_shadow, unshadow
 from autoparallel.spec import DistSpec, normalize_dtype
 
-_paddle_mode = paddle_global_state()          # its _dygraph_tracer_ is None while a static program is built
 _ORIG: dict = {}          # dotted path -> original callable
 
 
@@ -78,7 +77,7 @@ def run(op: str, path: str, args, kwargs):
 
     A call whose key (see dispatch_cache) was seen before reuses its plan: no rule, no validation, no
     reshard planning; only the data-dependent steps run."""
-    if _paddle_mode._dygraph_tracer_ is None:            # paddle.jit.to_static building a program
+    if building_static_program():                        # paddle.jit.to_static building a program
         from autoparallel.graph.jit import static_args
         args, kwargs = static_args(op, args, kwargs)
     if SHADOWS[0]:

@@ -21,7 +21,7 @@ from spmd_rules.op_table import OP_TABLE
 
 from autoparallel import aliases, patches, tensor_forms
 from autoparallel import dispatch as D
-from autoparallel.compat import owner_of
+from autoparallel.compat import owner_of, static_value_converter
 from autoparallel.context import state as _ctx
 from autoparallel.dispatch import _any_dist, _tracing_tensors
 from autoparallel.shadows import SHADOWS
@@ -56,14 +56,13 @@ def _install_hooks() -> None:
     """The other patches of paddle: ``paddle.jit.to_static`` over distributed tensors, the creation order of
     lazily built parameters, the loss scalers."""
     from paddle.jit.dy2static.program_translator import StaticFunction
-    import paddle.pir.core as pir_core
 
     from autoparallel.graph import jit
     from autoparallel.lazy_init import order
     from autoparallel.parallel import amp_scaler
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
-    patches.remember(pir_core, "_convert_into_value")
+    patches.remember(*static_value_converter())
     jit.install()
     order.install()
     amp_scaler.install()
