@@ -386,6 +386,6 @@ def install():
     return dispatch_handle.install()
 
 
-def uninstall() -> int:
+def uninstall(force: bool = False) -> int:
     """Put back every paddle name dispatch patched (see dispatch_handle)."""
-    return dispatch_handle.uninstall()
+    return dispatch_handle.uninstall(force)

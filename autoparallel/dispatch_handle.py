@@ -11,6 +11,10 @@ remaining public callables, the ``Tensor`` methods and in-place forms, ``paddle.
 entry, the lazy initialiser hook, the loss scalers and (in a launched job) ``paddle.distributed.new_group``;
 every one of those goes through ``autoparallel.patches``, which ``uninstall()`` rewinds.
 
+``uninstall()`` refuses while a live layer holds a distributed parameter: a ``DistParameter`` is a real paddle
+tensor holding its local shard, so without dispatch paddle's own ops on it would compute on that shard
+silently. Drop the model first, or pass ``force=True`` to accept that.
+
 While uninstalled, a DistTensor op (``x + y``, ``x.matmul(w)``) raises a ``RuntimeError`` saying so: it does
 not re-install behind the user's back. Entry points (``ap.shard_tensor``, ``ap.dtensor_from_local``,
 ``ap.shard_layer``, ``ap.trace``, ``ap.to_static``...) install again, as the first one did.
@@ -38,8 +42,8 @@ class DispatchHandle:
     def installed(self) -> bool:
         return bool(_ACTIVE)
 
-    def uninstall(self) -> int:
-        return uninstall()
+    def uninstall(self, force: bool = False) -> int:
+        return uninstall(force)
 
     def __repr__(self) -> str:
         state = "installed" if _ACTIVE else "uninstalled"
@@ -73,26 +77,49 @@ def install() -> DispatchHandle:
     return _HANDLE[0]
 
 
-ensure = install
-
-
-def uninstall() -> int:
-    """Restore every name autoparallel patched in paddle; returns how many were restored."""
+def uninstall(force: bool = False) -> int:
+    """Restore every name autoparallel patched in paddle; returns how many were restored. Refused while a live
+    layer holds a distributed parameter, unless ``force``."""
+    if not isinstance(force, bool):
+        raise TypeError(f"uninstall(force=...) expects a bool, got {type(force).__name__} {force!r}")
+    held = [] if force or not _ACTIVE else _held_dist_params()
+    if held:
+        names = ", ".join(map(repr, held[:3])) + (", ..." if len(held) > 3 else "")
+        raise RuntimeError(f"uninstall: live layers hold {len(held)} distributed parameter(s) ({names}); without "
+                           f"dispatch paddle's own ops would compute on their local shards silently; drop the model "
+                           f"first, or pass force=True to accept that")
     with _LOCK:
         _ACTIVE.clear()
         return patches.undo()
 
 
+def _held_dist_params() -> list:
+    """Names of the distributed parameters that live layers hold (one walk over the live objects)."""
+    import gc
+
+    import paddle
+
+    from autoparallel.dist_tensor import DistParameter
+
+    gc.collect()
+    names = []
+    for obj in gc.get_objects():
+        if isinstance(obj, paddle.nn.Layer):
+            names += [p.name for p in obj.__dict__.get("_parameters", {}).values() if isinstance(p, DistParameter)]
+    return sorted(set(names))
+
+
 @contextlib.contextmanager
-def dispatch_mode():
-    """Dispatch installed inside the block; on exit, uninstalled again if it was not installed before."""
+def dispatch_mode(force: bool = False):
+    """Dispatch installed inside the block; on exit, uninstalled again if it was not installed before (refused
+    while live layers hold distributed parameters, unless ``force``: see ``uninstall``)."""
     was = installed()
     handle = install()
     try:
         yield handle
     finally:
         if not was:
-            uninstall()
+            uninstall(force)
 
 
 def call(op: str, path: str, args, kwargs):

@@ -52,7 +52,7 @@ _GONE = object()
 
 def test_uninstall_restores_every_patched_name(monkeypatch):
     was = dispatch_handle.installed()
-    ap.uninstall()
+    ap.uninstall(force=True)
     user = types.ModuleType("user_model_lib")          # a library that imported ops by name
     user.relu, user.swiglu, user.matmul = F.relu, F.swiglu, paddle.matmul
     monkeypatch.setitem(sys.modules, "user_model_lib", user)
@@ -74,7 +74,7 @@ def test_uninstall_restores_every_patched_name(monkeypatch):
                     ("paddle", "is_tensor"), ("paddle", "sort")]:            # sort: a guarded callable
             assert key in patched, key
         assert handle.installed and dispatch_handle.installed()
-        restored = handle.uninstall()
+        restored = handle.uninstall(force=True)
         assert restored >= len(patched)
         after = _snapshot([layer])
         wrong = [k for k in patched if after.get(k, _GONE) is not before.get(k, _GONE)]
@@ -93,7 +93,7 @@ def test_disttensor_op_after_uninstall_raises_then_entry_point_reinstalls():
         x = np.arange(8, dtype="float32").reshape(4, 2)
         dt = ap.shard_tensor(paddle.to_tensor(x), mesh, [ap.Shard(0)])
         np.testing.assert_allclose((dt * 2).numpy(), x * 2)
-        ap.uninstall()
+        ap.uninstall(force=True)
         assert paddle.matmul.__module__.startswith("paddle")
         with pytest.raises(RuntimeError, match="uninstalled"):
             dt * 2
@@ -104,16 +104,16 @@ def test_disttensor_op_after_uninstall_raises_then_entry_point_reinstalls():
         np.testing.assert_allclose(paddle.matmul(dt, dt2.T).numpy(), x @ x.T, rtol=1e-6)
         np.testing.assert_allclose((dt + dt2).numpy(), 2 * x)
     if not was:
-        ap.uninstall()
+        ap.uninstall(force=True)
 
 
 def test_dispatch_mode_context_restores_previous_state():
     was = dispatch_handle.installed()
-    ap.uninstall()
+    ap.uninstall(force=True)
     orig = paddle.matmul
-    with ap.dispatch_mode() as handle:
+    with ap.dispatch_mode(force=True) as handle:
         assert paddle.matmul is not orig and handle.installed
-        with ap.dispatch_mode():                   # nested: stays installed on the inner exit
+        with ap.dispatch_mode(force=True):         # nested: stays installed on the inner exit
             pass
         assert paddle.matmul is not orig
     assert paddle.matmul is orig and not dispatch_handle.installed()
@@ -125,14 +125,14 @@ def test_loss_fn_taken_before_install_is_routed():
     from autoparallel import dispatch
 
     was = dispatch_handle.installed()
-    ap.uninstall()
+    ap.uninstall(force=True)
     loss_fn = F.cross_entropy                          # the original, taken before dispatch is installed
     ap.install()
     routed = dispatch.routed_form(loss_fn)
     assert routed is not loss_fn and routed is F.cross_entropy
     assert dispatch.routed_form(np.sum) is np.sum
     if not was:
-        ap.uninstall()
+        ap.uninstall(force=True)
 
 
 def test_ledger_restores_raw_descriptors_and_absent_names_and_holds_no_object():
@@ -168,7 +168,7 @@ def test_ledger_restores_raw_descriptors_and_absent_names_and_holds_no_object():
     gc.collect()
     assert len(patches.recorded()) == mark + 3                     # the ledger kept no reference to it
     was = dispatch_handle.installed()
-    ap.uninstall()
+    ap.uninstall(force=True)
     assert vars(Owner)["static"] is raw_static and vars(Owner)["prop"] is raw_prop
     assert "inherited" not in vars(Owner) and Owner().inherited() == "base"
     if was:
@@ -179,7 +179,7 @@ def test_an_install_failing_part_way_is_rolled_back(monkeypatch):
     from autoparallel import dispatch_install
 
     was = dispatch_handle.installed()
-    ap.uninstall()
+    ap.uninstall(force=True)
     orig = paddle.matmul
     real = dispatch_install.install_all
 
@@ -219,3 +219,21 @@ def test_an_op_bound_to_tensor_later_becomes_a_disttensor_method():
             delattr(paddle.Tensor, name)
             if name in vars(OpMethods):
                 delattr(OpMethods, name)
+
+
+def test_uninstall_refuses_while_a_layer_holds_distributed_parameters():
+    """A DistParameter is a paddle tensor holding its shard: without dispatch paddle would compute on the shard
+    silently, so uninstall refuses while a live layer holds one (force=True accepts it)."""
+    ap.install()
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+        layer = paddle.nn.Linear(4, 6)
+        layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Shard(1)])
+        name = layer.weight.name
+        with pytest.raises(RuntimeError, match=f"distributed parameter.*{name}"):
+            ap.uninstall()
+        assert dispatch_handle.installed() and paddle.matmul.__module__.startswith("autoparallel")
+        with pytest.raises(TypeError, match="force"):
+            ap.uninstall(force="yes")
+        del layer
+        assert name not in dispatch_handle._held_dist_params()
