@@ -99,13 +99,12 @@ def _held_dist_params() -> list:
 
     import paddle
 
-    from autoparallel.dist_tensor import DistParameter
-
     gc.collect()
     names = []
     for obj in gc.get_objects():
-        if isinstance(obj, paddle.nn.Layer):
-            names += [p.name for p in obj.__dict__.get("_parameters", {}).values() if isinstance(p, DistParameter)]
+        if isinstance(obj, paddle.nn.Layer):          # a DistParameter carries its spec in _ap_spec
+            names += [p.name for p in obj.__dict__.get("_parameters", {}).values()
+                      if getattr(p, "_ap_spec", None) is not None]
     return sorted(set(names))
 
 
