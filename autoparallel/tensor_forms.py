@@ -96,7 +96,8 @@ def install_setitem() -> None:
 
 
 def install_casts() -> None:
-    """Cast spellings on paddle.Tensor (DistParameter) and DistTensor, through the cast rule."""
+    """Cast spellings on paddle.Tensor (a DistParameter's), through the cast rule; DistTensor has its own
+    (dist_tensor_ops)."""
     def conversion(name):
         orig = getattr(paddle.Tensor, name)
 
@@ -121,10 +122,10 @@ def install_casts() -> None:
 
     for name in aliases._CONVERSIONS:
         if hasattr(paddle.Tensor, name) and not getattr(getattr(paddle.Tensor, name), "_ap_wrapper", False):
-            _set_both(name, conversion(name))
+            _set_tensor_method(name, conversion(name))
     for name, fn in (("type_as", type_as), ("to", to)):
         if not getattr(getattr(paddle.Tensor, name), "_ap_wrapper", False):
-            _set_both(name, _mark(fn, getattr(paddle.Tensor, name), name))
+            _set_tensor_method(name, _mark(fn, getattr(paddle.Tensor, name), name))
 
 
 def _dtype_of(x):
@@ -140,7 +141,7 @@ def _mark(fn, orig, name):
     return fn
 
 
-def _set_both(name, fn):
+def _set_tensor_method(name, fn):
     patches.patch(paddle.Tensor, name, fn)      # DistTensor's own forms: dist_tensor_ops
 
 
