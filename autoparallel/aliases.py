@@ -19,9 +19,13 @@ import sys
 
 import paddle
 
+from autoparallel import patches
+from autoparallel.compat import C_OP_NAMESPACES as _OP_NAMESPACES
+from autoparallel.compat import forwarded_c_op
+from autoparallel.dist_tensor_ops import CONVERSIONS as _CONVERSIONS
+from autoparallel.dist_tensor_ops import conversion_dtype, original  # noqa: F401  (re-exported)
+
 _OWN = {"autoparallel", "spmd_rules", "reshard"}
-_CONVERSIONS = ("float", "half", "bfloat16", "double", "int", "long", "bool", "short", "byte", "char",
-                "cfloat", "cdouble")
 
 
 def patch_aliases(routed: dict) -> dict:
@@ -42,7 +46,7 @@ def patch_aliases(routed: dict) -> dict:
         w = routed.get(id(val))
         if w is not None:
             try:
-                setattr(paddle.Tensor, attr, w)
+                patches.patch(paddle.Tensor, attr, w)
             except (AttributeError, TypeError):
                 continue
         if getattr(getattr(paddle.Tensor, attr, None), "_ap_routed", None):
@@ -64,7 +68,7 @@ def repoint_modules(mapping: dict) -> None:
             w = mapping.get(id(val))
             if w is not None and not attr.startswith("__"):
                 try:
-                    setattr(mod, attr, w)
+                    patches.patch(mod, attr, w)
                 except (AttributeError, TypeError):
                     pass
 
@@ -81,28 +85,16 @@ def _repoint_layers(routed: dict) -> None:
             for k, v in list(d.items()):
                 w = routed.get(id(v))
                 if w is not None:
-                    d[k] = w
-
-
-# the namespaces paddle's generated functions look their C ops up in: never repointed (the wrapper's
-# original calls through them)
-_OP_NAMESPACES = {"paddle._C_ops", "paddle._pir_ops", "paddle._legacy_C_ops"}
+                    patches.patch(obj, k, w)
 
 
 def _c_op_aliases(routed: dict) -> dict:
     """A routed function paddle generates as ``def _matmul(*args, **kwargs): return _C_ops.matmul(...)``
     and the C op ``paddle._C_ops.matmul`` it forwards to are one op with one argument parser; some modules
     export the C op itself (``paddle.tensor.matmul``, ``paddle.linalg.matmul``): those names route too."""
-    from autoparallel.binding import _parsed_in_c
-
     out = {}
-    ops = getattr(paddle, "_C_ops", None)
     for w in set(routed.values()):
-        orig = getattr(w, "__wrapped__", None)
-        if orig is None or not _parsed_in_c(orig):
-            continue
-        names = [n for n in orig.__code__.co_names if n != "_C_ops"]
-        target = getattr(ops, names[-1], None) if names else None
+        target = forwarded_c_op(getattr(w, "__wrapped__", None))
         if target is not None and id(target) not in routed:
             out[id(target)] = w
     return out
@@ -125,7 +117,7 @@ def patch_inplace(make_inplace) -> dict:
                 continue
             w = make_inplace(op, base._ap_path, cur)
             try:
-                setattr(owner, attr, w)
+                patches.patch(owner, attr, w)
             except (AttributeError, TypeError):
                 continue
             if owner is paddle.Tensor:
@@ -133,29 +125,10 @@ def patch_inplace(make_inplace) -> dict:
     return methods
 
 
-def original(f):
-    """``f`` without the wrappers dispatch put around it."""
-    while getattr(f, "_ap_wrapper", False):
-        f = f.__wrapped__
-    return f
-
-
-def conversion_dtype(name: str, dtype):
-    """The dtype paddle's ``Tensor.<name>()`` converts a tensor of ``dtype`` to."""
-    return original(getattr(paddle.Tensor, name))(paddle.zeros([], dtype=dtype)).dtype
-
-
 def to_dtype(self_dtype, args, kwargs):
-    """The dtype ``Tensor.to(*args, **kwargs)`` gives a tensor of ``self_dtype`` (paddle's own parser, run
-    on a 0-d CPU tensor; a distributed ``other`` stands in as a 0-d tensor of its dtype)."""
+    """The dtype ``Tensor.to(*args, **kwargs)`` gives a tensor of ``self_dtype`` (a distributed ``other``
+    stands in as a 0-d tensor of its dtype); see dist_tensor_ops.to_dtype."""
     from autoparallel.dist_tensor import DistTensor
+    from autoparallel.dist_tensor_ops import to_dtype as _to_dtype
 
-    def stand_in(v):
-        return paddle.zeros([], dtype=v.dtype) if isinstance(v, DistTensor) else v
-
-    out = original(paddle.Tensor.to)(paddle.zeros([], dtype=self_dtype), *[stand_in(a) for a in args],
-               **{k: stand_in(v) for k, v in kwargs.items()})
-    if not out.place.is_cpu_place() and paddle.zeros([]).place.is_cpu_place():
-        raise NotImplementedError("Tensor.to: moving a distributed tensor to another device is not supported; "
-                                  "shards live where their ranks run")
-    return out.dtype
+    return _to_dtype(self_dtype, args, kwargs, DistTensor)

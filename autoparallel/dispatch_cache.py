@@ -25,7 +25,6 @@ import paddle
 from autoparallel import redistribute
 from autoparallel.comm import collectives as C
 from autoparallel.comm import fanout
-from autoparallel.comm import world as world_mod
 from autoparallel.dist_tensor import DistParameter, DistTensor
 from autoparallel.spec import DistSpec, normalize_dtype
 from reshard import cache as reshard_cache
@@ -175,11 +174,7 @@ def _slots(items) -> tuple:
     return tuple(out)
 
 
-def _reshard_plan(src: DistSpec, dst: DistSpec):
-    from reshard import plan_reshard
-
-    return plan_reshard(src.shape, src.dtype, src.mesh, src.placements, dst.placements,
-                        cluster=world_mod.planning_cluster())
+_reshard_plan = fanout.reshard_plan
 
 
 class CallPlan:

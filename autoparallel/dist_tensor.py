@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
-from paddle.base.framework import EagerParamBase
 
-from autoparallel import redistribute
+from autoparallel import dispatch_handle, redistribute
 from autoparallel.comm.world import current_world
+from autoparallel.compat import EagerParamBase
+from autoparallel.context import async_allreduce
+from autoparallel.context import state as _ctx
+from autoparallel.dist_tensor_ops import OpMethods
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import BlockShard, Partial, Replicate, Shard
 from autoparallel.spec import DistSpec, normalize_dtype
 from reshard import cache as reshard_cache
 
 
-class DistTensor:
+class DistTensor(OpMethods):
     __slots__ = ("_locals", "_spec", "__weakref__")
 
     def __init__(self, locals_: dict, spec: DistSpec):
@@ -176,8 +179,6 @@ class DistTensor:
         from backward as asynchronous collectives overlapping the rest of backward where the backend
         overlaps (NCCL; the default there); on gloo it is accepted and does nothing, because gloo's
         collectives block. False keeps every reduction synchronous."""
-        from autoparallel.parallel.grads import async_allreduce
-
         with async_allreduce(use_async_allreduce):
             self._backward(grad, retain_graph)
 
@@ -215,9 +216,7 @@ class DistTensor:
 
     def item(self):
         if not self._locals:
-            from autoparallel.graph import trace as trace_state
-
-            if trace_state.active() is not None:
+            if _ctx.tracer is not None:
                 raise NotImplementedError("reading a tensor's value (item(), bool(), int(), python control flow on "
                                           "it) cannot be traced: graph tracing computes shapes, not values; give "
                                           "the degrees yourself (auto_mode='semi', which runs eagerly)")
@@ -290,18 +289,6 @@ def as_dist(x) -> DistTensor:
 
 
 # ---- constructors --------------------------------------------------------------------------------
-_dispatch_ready = False
-
-
-def _ensure_dispatch():
-    """Route paddle ops on distributed tensors (installed on first use)."""
-    global _dispatch_ready
-    if not _dispatch_ready:
-        from autoparallel import dispatch
-
-        dispatch.install()
-        _dispatch_ready = True
-
 def _spec_for(tensor_shape, dtype, mesh, placements) -> DistSpec:
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"expected a ProcessMesh, got {type(mesh).__name__}")
@@ -338,7 +325,7 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
     """
     if data is None:
         return None
-    _ensure_dispatch()
+    dispatch_handle.install()
     if isinstance(data, EagerParamBase) and _is_lazy(data, dtype):
         from autoparallel.lazy_init.params import shard_lazy
 
@@ -407,7 +394,7 @@ def dtensor_from_local(local, mesh: ProcessMesh, placements, global_shape=None, 
     ``global_shape`` defaults to the local shape times the shard counts (even shards); given shapes and
     dtypes are validated against every local.
     """
-    _ensure_dispatch()
+    dispatch_handle.install()
     world = current_world()
     held = world.local_ranks(mesh.process_ids)
     if isinstance(local, dict):

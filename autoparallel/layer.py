@@ -8,7 +8,8 @@ holder repoints every holder (two holders asking for different layouts is a ``Ti
 """
 from __future__ import annotations
 
-from autoparallel.dist_tensor import _ensure_dispatch, is_dist, shard_tensor
+from autoparallel import dispatch_handle
+from autoparallel.dist_tensor import is_dist, shard_tensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Replicate
 
@@ -40,7 +41,7 @@ def shard_layer(layer, mesh: ProcessMesh, shard_fn=None, input_fn=None, output_f
                            ("output_fn", output_fn, "(outputs, mesh)")):
         if fn is not None and not callable(fn):
             raise TypeError(f"shard_layer: {name} must be a callable {form} or None, got {type(fn).__name__}")
-    _ensure_dispatch()
+    dispatch_handle.install()
     from autoparallel.parallel.ties import check_replaced, holders, repoint
 
     before = holders(layer)

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 
-_state = threading.local()
+from autoparallel.context import state as _state
 
 
 def in_local_mode() -> bool:
-    return getattr(_state, "depth", 0) > 0
+    return _state.local_depth > 0
 
 
 @contextlib.contextmanager
 def local_mode():
-    _state.depth = getattr(_state, "depth", 0) + 1
+    _state.local_depth += 1
     try:
         yield
     finally:
-        _state.depth -= 1
+        _state.local_depth -= 1

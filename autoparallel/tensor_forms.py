@@ -5,12 +5,12 @@ spellings, ``paddle.is_tensor``, ``new_*``, and in-place updates of a plain buff
 from __future__ import annotations
 
 import paddle
-from paddle.base.framework import EagerParamBase
 
-from autoparallel import aliases
+from autoparallel import aliases, patches, shadows
+from autoparallel.compat import EagerParamBase
 from autoparallel import dispatch as D
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
-from autoparallel.local_mode import _state as _local_state
+from autoparallel.context import state as _ctx
 from autoparallel.local_mode import local_mode
 from autoparallel.spec import normalize_dtype
 
@@ -18,7 +18,7 @@ from autoparallel.spec import normalize_dtype
 def inplace_routed(op, path, orig):
     """``op_``: the out-of-place rule and local op of ``path``, then the target rebinds to the result."""
     def wrapper(*args, **kwargs):
-        if getattr(_local_state, "depth", 0) > 0 or not D._any_dist(args, kwargs):
+        if _ctx.local_depth > 0 or not D._any_dist(args, kwargs):
             return orig(*args, **kwargs)
         target = args[0] if args else next(iter(kwargs.values()))
         return rebind(path, target, D.run(op, path, args, kwargs))
@@ -57,52 +57,26 @@ def rebind(path, target, out):
         # a plain tensor (replicated by convention) updated in place with distributed operands, e.g. a
         # zeros buffer the model index_add_s expert outputs into: the tensor object is shadowed by the
         # distributed result, which every later routed op reading it uses instead
-        target._ap_shadow = out
-        if not SHADOWS[0]:
-            SHADOWS[0] = True
-            _install_shadow_readers()
+        if shadows.shadow(target, out):
+            install_shadow_readers()
         return out
     raise TypeError(f"{path}_: the in-place target is a {type(target).__name__}, which cannot hold a "
                     f"distributed result; use the out-of-place {path}")
 
 
-SHADOWS = [False]        # set once some plain tensor was updated in place by a distributed result
-
-
-def _install_shadow_readers() -> None:
+def install_shadow_readers() -> None:
     """A shadowed plain tensor read directly (``numpy()``, ``item()``, ``tolist()``) gives the distributed
     value, not the stale buffer."""
     for name in ("numpy", "item", "tolist"):
         orig = getattr(paddle.Tensor, name)
 
         def reader(self, *args, __orig=orig, __name=name, **kwargs):
-            sh = getattr(self, "_ap_shadow", None) if self.__class__ is paddle.Tensor else None
+            sh = shadows.shadow_of(self)
             if sh is None:
                 return __orig(self, *args, **kwargs)
             return getattr(sh, __name)(*args, **kwargs) if __name != "tolist" else sh.numpy().tolist()
 
-        setattr(paddle.Tensor, name, _mark(reader, orig, name))
-
-
-def _shadow_of(v):
-    return getattr(v, "_ap_shadow", None) if v.__class__ is paddle.Tensor else None
-
-
-def _has_shadow(args, kwargs) -> bool:
-    for v in list(args) + list(kwargs.values()):
-        if _shadow_of(v) is not None or (type(v) in (list, tuple) and any(_shadow_of(u) is not None for u in v)):
-            return True
-    return False
-
-
-def _unshadow(args, kwargs):
-    def sub(v):
-        if type(v) in (list, tuple):
-            return type(v)(sub(u) for u in v)
-        sh = _shadow_of(v)
-        return v if sh is None else sh
-
-    return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
+        patches.patch(paddle.Tensor, name, _mark(reader, orig, name))
 
 
 def install_setitem() -> None:
@@ -118,32 +92,28 @@ def install_setitem() -> None:
         w(self, index, value)
 
     _mark(setitem, orig, "__setitem__")
-    paddle.Tensor.__setitem__ = setitem
-
-    def dist_setitem(self, index, value):
-        rebind(path, self, D.run("setitem", path, (self, index, value), {}))
-
-    DistTensor.__setitem__ = dist_setitem
+    patches.patch(paddle.Tensor, "__setitem__", setitem)
 
 
 def install_casts() -> None:
-    """Cast spellings on paddle.Tensor (DistParameter) and DistTensor, through the cast rule."""
+    """Cast spellings on paddle.Tensor (a DistParameter's), through the cast rule; DistTensor has its own
+    (dist_tensor_ops)."""
     def conversion(name):
         orig = getattr(paddle.Tensor, name)
 
         def method(self, *args, **kwargs):
-            if not D.is_dist(self) or getattr(_local_state, "depth", 0) > 0:
+            if not D.is_dist(self) or _ctx.local_depth > 0:
                 return orig(self, *args, **kwargs)
             return D.run("cast", "paddle.cast", (self, aliases.conversion_dtype(name, _dtype_of(self))), {})
         return _mark(method, orig, name)
 
     def type_as(self, other):
-        if not D.is_dist(self) or getattr(_local_state, "depth", 0) > 0:
+        if not D.is_dist(self) or _ctx.local_depth > 0:
             return aliases.original(paddle.Tensor.type_as)(self, other)
         return D.run("cast", "paddle.cast", (self, _dtype_of(other)), {})
 
     def to(self, *args, **kwargs):
-        if not (D._any_dist((self,) + args, kwargs)) or getattr(_local_state, "depth", 0) > 0:
+        if not (D._any_dist((self,) + args, kwargs)) or _ctx.local_depth > 0:
             return aliases.original(paddle.Tensor.to)(self, *args, **kwargs)
         dtype = aliases.to_dtype(_dtype_of(self), args, kwargs)
         if normalize_dtype(dtype) == normalize_dtype(_dtype_of(self)):
@@ -152,10 +122,10 @@ def install_casts() -> None:
 
     for name in aliases._CONVERSIONS:
         if hasattr(paddle.Tensor, name) and not getattr(getattr(paddle.Tensor, name), "_ap_wrapper", False):
-            _set_both(name, conversion(name))
+            _set_tensor_method(name, conversion(name))
     for name, fn in (("type_as", type_as), ("to", to)):
         if not getattr(getattr(paddle.Tensor, name), "_ap_wrapper", False):
-            _set_both(name, _mark(fn, getattr(paddle.Tensor, name), name))
+            _set_tensor_method(name, _mark(fn, getattr(paddle.Tensor, name), name))
 
 
 def _dtype_of(x):
@@ -171,9 +141,8 @@ def _mark(fn, orig, name):
     return fn
 
 
-def _set_both(name, fn):
-    setattr(paddle.Tensor, name, fn)
-    setattr(DistTensor, name, fn)
+def _set_tensor_method(name, fn):
+    patches.patch(paddle.Tensor, name, fn)      # DistTensor's own forms: dist_tensor_ops
 
 
 def install_metadata() -> None:
@@ -187,14 +156,3 @@ def install_metadata() -> None:
 
     _mark(is_tensor, orig, "is_tensor")
     aliases.repoint_modules({id(orig): is_tensor})        # paddle.is_tensor, paddle.tensor.logic... and importers
-
-
-def new_like(name):
-    """``x.new_zeros(...)`` & co.: a new plain tensor (replicated) with x's dtype, as paddle makes it."""
-    orig = getattr(paddle.Tensor, name)
-
-    def method(self, *args, **kwargs):
-        return orig(paddle.zeros([], dtype=self.dtype), *args, **kwargs)
-
-    method.__name__ = name
-    return method

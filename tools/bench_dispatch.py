@@ -193,9 +193,9 @@ def run_ops(args):
     """Per-op rows, timed in interleaved rounds: plain paddle (the callable taken before autoparallel
     patches paddle) on the DistTensor's own local shards and on contiguous copies of them, the patched
     entry point on the copies, and the call on the DistTensors."""
-    from autoparallel import dist_tensor
+    from autoparallel import dispatch_handle, dist_tensor
 
-    if dist_tensor._dispatch_ready:
+    if dispatch_handle.installed():
         raise RuntimeError("autoparallel's dispatch is already installed: the plain baseline would be patched")
     raw_fn = {op: resolve(OPS[op][0]) for op in OPS}
 

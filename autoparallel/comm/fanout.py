@@ -158,10 +158,18 @@ def shared(v, locs: dict, plan, spec, dims: tuple, mesh, outer=None) -> dict:
     return locs
 
 
+def reshard_plan(src, dst):
+    """The reshard plan from spec ``src`` to spec ``dst``, priced on the runtime's planning cluster."""
+    from reshard import plan_reshard
+
+    from autoparallel.comm.world import planning_cluster
+
+    return plan_reshard(src.shape, src.dtype, src.mesh, src.placements, dst.placements, cluster=planning_cluster())
+
+
 def replicate_for_split(x, m: int):
     """``x`` (a DistTensor) made replicated on mesh dim ``m`` for consumers split over ``m``: shared by
     every caller with the same ``x`` and its gradient kept partial on ``m`` until complete."""
-    from autoparallel.dispatch_cache import _reshard_plan
     from autoparallel.dist_tensor import reshard
     from autoparallel.placement import Replicate
 
@@ -175,7 +183,7 @@ def replicate_for_split(x, m: int):
     e = _memo(key)
     if e is not None and e.serves(src):
         return e.out
-    plan = _reshard_plan(x.spec, target)
+    plan = reshard_plan(x.spec, target)
     if all(t.stop_gradient for t in src):
         return DistTensor(redistribute.execute(x._locals, plan), target)
     y = DistTensor._own(shared(x, dict(x._locals), plan, target, (m,), x.mesh, outer=key), target)

@@ -25,8 +25,7 @@ def install_group_store_fix() -> None:
     if _STORE_FIX[0] or "PADDLE_TRAINER_ENDPOINTS" not in os.environ:
         return
     import paddle.distributed as dist
-    import paddle.distributed.collective as coll
-    from paddle.base import core
+    from autoparallel.compat import TCPStore, default_store, set_default_store
 
     original, counter = dist.new_group, itertools.count()
     hosts = [e.rsplit(":", 1)[0] for e in os.environ["PADDLE_TRAINER_ENDPOINTS"].split(",")]
@@ -34,7 +33,7 @@ def install_group_store_fix() -> None:
     def new_group(ranks=None, *args, **kwargs):
         ranks = sorted(ranks if ranks is not None else range(dist.get_world_size()))
         key, rank, lead = f"ap_group_store/{next(counter)}", dist.get_rank(), ranks[0]
-        default = coll._default_store
+        default = default_store()
         if rank not in ranks or len(ranks) == 1 or default is None:
             return original(ranks, *args, **kwargs)
         if rank == lead:
@@ -42,19 +41,26 @@ def install_group_store_fix() -> None:
                 s.bind(("", 0))
                 port = s.getsockname()[1]
             default.set(key, f"{hosts[lead]}:{port}".encode())      # publish before serving
-            store = core.TCPStore(hosts[lead], port, True, len(ranks), 900)
+            store = TCPStore(hosts[lead], port, True, len(ranks), 900)
         else:
             host, port = bytes(default.get(key)).decode().rsplit(":", 1)
-            store = core.TCPStore(host, int(port), False, len(ranks), 900)
-        coll._default_store = store
+            store = TCPStore(host, int(port), False, len(ranks), 900)
+        set_default_store(store)
         try:
             return original(ranks, *args, **kwargs)
         finally:
-            coll._default_store = default
+            set_default_store(default)
+
+    from autoparallel import patches
 
     new_group.__wrapped__ = original
-    dist.new_group = new_group
+    patches.patch(dist, "new_group", new_group)         # undone by ap.uninstall()
+    patches.on_undo(_reset_store_fix)
     _STORE_FIX[0] = True
+
+
+def _reset_store_fix() -> None:
+    _STORE_FIX[0] = False
 
 
 def _dist_ready() -> bool:

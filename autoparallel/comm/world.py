@@ -9,9 +9,10 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 
-_state = threading.local()
+from autoparallel.context import process as _process
+from autoparallel.context import set_cluster_override as _set_override
+from autoparallel.context import state as _state
 
 
 class World:
@@ -68,7 +69,7 @@ _real = None
 
 
 def current_world() -> World:
-    stack = getattr(_state, "stack", None)
+    stack = _state.world_stack
     if stack:
         return stack[-1]
     global _real
@@ -88,7 +89,7 @@ def init_parallel_env() -> World:
     ``python -m paddle.distributed.launch`` (idempotent) and return this process's world. A single
     process (not launched) is a world of one; inside ``ap.simulate`` the simulated world needs nothing."""
     global _real
-    stack = getattr(_state, "stack", None)
+    stack = _state.world_stack
     if stack:
         return stack[-1]
     import paddle.distributed as dist
@@ -107,9 +108,9 @@ def get_rank() -> int:
 def simulate(world_size: int):
     """Run every rank of a mesh in this process: ``with ap.simulate(world_size=8): ...``."""
     world = SimWorld(world_size)
-    stack = getattr(_state, "stack", None)
+    stack = _state.world_stack
     if stack is None:
-        stack = _state.stack = []
+        stack = _state.world_stack = []
     stack.append(world)
     try:
         yield world
@@ -117,29 +118,27 @@ def simulate(world_size: int):
         stack.pop()
 
 
-_cluster_override = None
-
-
 def set_cluster(cluster) -> None:
     """Price runtime reshards with ``cluster`` (a ClusterSpec, spec string or profile path; None resets)."""
-    global _cluster_override
-    from reshard.cache import bump_epoch
-
     if cluster is None:
-        _cluster_override = None
-        bump_epoch()                    # plans cached for the old cluster are no longer served
+        _set_override(None)
         return
     from autoparallel.planner.cluster import parse_cluster
 
-    _cluster_override = parse_cluster(cluster)
-    bump_epoch()
+    _set_override(parse_cluster(cluster))
+
+
+def __getattr__(name):
+    if name == "_cluster_override":          # the override lives in autoparallel.context
+        return _process.cluster
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def planning_cluster():
     """The cluster runtime reshards are planned for: the override, else the default cluster with this
     world's backend (gloo prices its emulated collectives)."""
-    if _cluster_override is not None:
-        return _cluster_override
+    if _process.cluster is not None:
+        return _process.cluster
     from dataclasses import replace
 
     from autoparallel.planner.cluster import default_cluster

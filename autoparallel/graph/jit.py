@@ -46,14 +46,13 @@ completed over the whole graph, then pinned, executed eagerly); ``docs/static.md
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 
 from autoparallel.graph.jit_reach import touches_dist
 
 _INSTALLED = False
 _NOTICED: set = set()
-_lowering = threading.local()          # depth > 0 while a Lowered function builds its program
+from autoparallel.context import state as _ctx  # noqa: E402  (lowering_depth > 0 while a program is built)
 NOTICE = ("paddle.jit.to_static: {name} uses distributed tensors and runs in dygraph mode through autoparallel's "
           "dispatch, not as a paddle static program: {why}")
 
@@ -111,7 +110,7 @@ def shard_value(value, mesh, placements, dtype=None, stop_gradient=None):
     from autoparallel.dist_tensor import DistTensor, _local_from_full, _spec_for
     from autoparallel.spec import normalize_dtype
 
-    if not getattr(_lowering, "depth", 0):
+    if not _ctx.lowering_depth:
         raise NotImplementedError("shard_tensor while paddle builds a static program: decorate a function that "
                                   "names the model (it is then lowered by autoparallel), or call shard_tensor "
                                   "outside paddle.jit.to_static")
@@ -201,17 +200,17 @@ class Lowered:
     def _inner(self, *args, **kwargs):
         from autoparallel.dist_tensor import DistTensor
 
-        _lowering.depth = getattr(_lowering, "depth", 0) + 1
-        outer = getattr(_lowering, "swapped", None)
-        _lowering.swapped = {}
+        _ctx.lowering_depth += 1
+        outer = _ctx.lowering_swapped
+        _ctx.lowering_swapped = {}
         try:
             with _value_methods():
                 out = self.fn(*args, **kwargs)
         finally:
-            _lowering.depth -= 1
-            for param, locals_ in _lowering.swapped.values():      # the parameters hold their shards again
+            _ctx.lowering_depth -= 1
+            for param, locals_ in _ctx.lowering_swapped.values():      # the parameters hold their shards again
                 param._ap_locals = locals_
-            _lowering.swapped = outer
+            _ctx.lowering_swapped = outer
         flat, treedef = _flatten(out)
         specs = [x.spec if isinstance(x, DistTensor) else None for x in flat]
         self.out_specs[self._key] = (treedef, specs)
@@ -284,13 +283,13 @@ def _install_param_conversion() -> None:
 
         if not is_dist(tensor):
             return orig(tensor)
-        if not getattr(_lowering, "depth", 0):
+        if not _ctx.lowering_depth:
             raise NotImplementedError(f"paddle is building a static program over the distributed parameter "
                                       f"{tensor.name} (layout {tensor.spec}) outside autoparallel's lowering: "
                                       f"{_HIDDEN}")
         value = orig(tensor)
-        if id(tensor) not in _lowering.swapped:
-            _lowering.swapped[id(tensor)] = (tensor, tensor._ap_locals)
+        if id(tensor) not in _ctx.lowering_swapped:
+            _ctx.lowering_swapped[id(tensor)] = (tensor, tensor._ap_locals)
             tensor._ap_locals = {current_world().rank: value}
         return tensor
 
@@ -439,7 +438,7 @@ def static_args(op: str, args, kwargs):
     """Called by dispatch on a routed op over distributed tensors in static-graph mode: while a Lowered
     function builds its program, plain program values next to distributed ones become replicated
     DistTensors (as plain tensors are in eager mode); otherwise the call is refused."""
-    if getattr(_lowering, "depth", 0):
+    if _ctx.lowering_depth:
         mesh = _mesh_of(args, kwargs)
         return tuple(_wrap_value(a, mesh) for a in args), {k: _wrap_value(v, mesh) for k, v in kwargs.items()}
     check_static_call(op)
@@ -474,6 +473,6 @@ def check_static_call(op: str) -> None:
     """Refuse a routed op over distributed tensors while paddle builds a static program outside lowering."""
     import paddle
 
-    if not paddle.in_dynamic_mode() and not getattr(_lowering, "depth", 0):
+    if not paddle.in_dynamic_mode() and not _ctx.lowering_depth:
         raise NotImplementedError(f"{op} received distributed tensors while paddle builds a static program "
                                   f"outside autoparallel's lowering: {_HIDDEN}")

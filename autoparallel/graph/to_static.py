@@ -380,13 +380,9 @@ def _routed(fn):
     """``fn`` itself, or its routed form when it is a paddle function taken before dispatch was installed
     (``loss_fn=F.cross_entropy`` evaluated before the first autoparallel call)."""
     from autoparallel import dispatch
-    from autoparallel.dist_tensor import _ensure_dispatch
 
-    _ensure_dispatch()
-    for path, orig in dispatch._ORIG.items():
-        if orig is fn:
-            return dispatch._resolve(path)
-    return fn
+    dispatch.install()
+    return dispatch.routed_form(fn)
 
 
 def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, input_spec=None, *, mesh=None,

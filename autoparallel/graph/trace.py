@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import threading
 
 import networkx as nx
 import numpy as np
 
+from autoparallel.context import state as _state
 from autoparallel.placement import Replicate, Shard
 from autoparallel.spec import DistSpec
-
-_state = threading.local()
 
 
 class Tracer:
@@ -46,7 +44,7 @@ class Tracer:
 
 
 def active():
-    return getattr(_state, "tracer", None)
+    return _state.tracer
 
 
 @contextlib.contextmanager
@@ -108,11 +106,12 @@ def _param_specs(model, mesh, param_placements) -> dict:
 
 def trace(model, *input_specs, param_placements=None) -> nx.DiGraph:
     """The forward op graph of ``model`` on spec-only inputs (see module docstring)."""
-    from autoparallel.dist_tensor import DistTensor, _ensure_dispatch
+    from autoparallel import dispatch_handle
+    from autoparallel.dist_tensor import DistTensor
 
     if not input_specs or not all(isinstance(s, DistSpec) for s in input_specs):
         raise TypeError(f"trace expects one or more DistSpec inputs, got {[type(s).__name__ for s in input_specs]}")
-    _ensure_dispatch()
+    dispatch_handle.install()
     mesh = input_specs[0].mesh
     tracer = Tracer(_param_specs(model, mesh, param_placements), mesh)
     inputs = [DistTensor({}, s) for s in input_specs]

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import paddle
-from paddle import _C_ops
-from paddle.base.framework import EagerParamBase
+
+from autoparallel.compat import C_OPS as _C_ops
+from autoparallel.compat import EagerParamBase
 
 RANDOM_OPS = ("gaussian", "uniform", "truncated_gaussian_random")
 _SEED_ARG = {"gaussian": 2, "uniform": 3, "truncated_gaussian_random": 2}     # index after the shape

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import itertools
 
+from autoparallel import patches
+from autoparallel.compat import SideData
+
 _counter = itertools.count()
-_ATTR = "_ap_init_seq"
+_SEQ = SideData()           # parameter -> its creation stamp
 
 
 def install() -> None:
@@ -26,16 +29,16 @@ def install() -> None:
 
     def _lazy_init(self, param, block=None):
         out = original(self, param, block)
-        setattr(param, _ATTR, next(_counter))
+        _SEQ.set(param, next(_counter))
         return out
 
     _lazy_init._ap_stamps = True
-    Initializer._lazy_init = _lazy_init
+    patches.patch(Initializer, "_lazy_init", _lazy_init)
 
 
 def sequence(param):
     """The creation stamp of a lazily created parameter, or None."""
-    return getattr(param, _ATTR, None)
+    return _SEQ.get(param)
 
 
 def creation_order(items):

@@ -13,10 +13,9 @@ import warnings
 from dataclasses import dataclass, field
 
 import paddle
-from paddle.base import core
-from paddle.base.framework import EagerParamBase
 
 from autoparallel.comm.world import current_world
+from autoparallel.compat import EagerParamBase, storage_free_tensor
 from autoparallel.dist_tensor import DistParameter, _make_param, _spec_for, is_dist
 from autoparallel.lazy_init import draw as D
 from autoparallel.lazy_init.order import creation_order
@@ -44,7 +43,7 @@ def origin_of(p) -> EagerParamBase:
 
 def _empty(shape, dtype, name: str):
     """A tensor with a shape and no storage."""
-    return core.eager.Tensor(dtype, list(shape), name, core.VarDesc.VarType.DENSE_TENSOR, False)
+    return storage_free_tensor(dtype, shape, name)
 
 
 def shard_lazy(param, mesh, placements) -> DistParameter:

@@ -86,11 +86,19 @@ def install() -> None:
             optimizer.step()
         state["state"] = gs.OptimizerState.STEPPED
 
-    gs.AmpScaler.scale, gs.AmpScaler._unscale, gs.AmpScaler.minimize = scale, _unscale, minimize
-    gs.GradScaler.step = step
-    gs.GradScaler.scale = scale
-    gs.GradScaler.minimize = minimize
+    from autoparallel import patches
+
+    for owner, name, fn in ((gs.AmpScaler, "scale", scale), (gs.AmpScaler, "_unscale", _unscale),
+                            (gs.AmpScaler, "minimize", minimize), (gs.GradScaler, "step", step),
+                            (gs.GradScaler, "scale", scale), (gs.GradScaler, "minimize", minimize)):
+        patches.patch(owner, name, fn)          # undone by ap.uninstall()
+    patches.on_undo(_reset)
     _installed = True
+
+
+def _reset() -> None:
+    global _installed
+    _installed = False
 
 
 def is_ap_optimizer(optimizer) -> bool:

@@ -14,8 +14,6 @@ written back when waited for; gloo blocks, so on CPU it is launched synchronousl
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 
 from dataclasses import dataclass
 
@@ -155,26 +153,15 @@ class Pending:
         self.then()
 
 
-_async = threading.local()
+from autoparallel.context import state as _state  # noqa: E402
 
 
-@contextlib.contextmanager
-def async_allreduce(flag):
-    """``loss.backward(use_async_allreduce=flag)``: None keeps the default (asynchronous where the backend
-    overlaps), True asks for it (a no-op on gloo, whose collectives block), False turns it off."""
-    if flag is not None and not isinstance(flag, bool):
-        raise TypeError(f"use_async_allreduce must be True, False or None, got {flag!r}")
-    old = getattr(_async, "flag", None)
-    _async.flag = flag
-    try:
-        yield
-    finally:
-        _async.flag = old
+from autoparallel.context import async_allreduce  # noqa: E402,F401  (re-exported)
 
 
 def launch_async() -> bool:
     """Whether a reduction launched from backward runs asynchronously."""
-    flag = getattr(_async, "flag", None)
+    flag = _state.async_allreduce
     return overlaps() and flag is not False
 
 

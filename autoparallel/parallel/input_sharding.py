@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 
+from autoparallel.context import state as _ctx
 from autoparallel.dist_tensor import DistTensor, shard_tensor
 from autoparallel.parallel.mesh_dims import DATA, MODEL
 from autoparallel.placement import Replicate, Shard
-
-
-_guard = threading.local()
 
 
 def parallel_guard(dims=(DATA,)):
@@ -31,9 +28,9 @@ def parallel_guard(dims=(DATA,)):
 
 @contextlib.contextmanager
 def _guarded(dims: list):
-    stack = getattr(_guard, "stack", None)
+    stack = _ctx.guard_stack
     if stack is None:
-        stack = _guard.stack = []
+        stack = _ctx.guard_stack = []
     stack.append(dims)
     try:
         yield
@@ -42,7 +39,7 @@ def _guarded(dims: list):
 
 
 def _input_dims():
-    stack = getattr(_guard, "stack", None)
+    stack = _ctx.guard_stack
     return stack[-1] if stack else [DATA]
 
 

@@ -208,7 +208,8 @@ def capture(model, *input_specs, loss_fn=None, n_model_inputs=None, annotations=
     first ``n_model_inputs`` (default: all but the last) and ``loss_fn(output, *rest)`` is captured too.
     ``annotations``: {parameter name: placements, sublayer name: output placements, pattern: TP style}.
     """
-    from autoparallel.dist_tensor import DistTensor, _ensure_dispatch, is_dist
+    from autoparallel import dispatch_handle
+    from autoparallel.dist_tensor import DistTensor, is_dist
     from autoparallel.graph.trace import tracing
 
     if not input_specs:
@@ -218,7 +219,7 @@ def capture(model, *input_specs, loss_fn=None, n_model_inputs=None, annotations=
         if not firsts:
             raise TypeError("capture needs a mesh: pass mesh= or give at least one input as a DistSpec")
         mesh = firsts[0].mesh
-    _ensure_dispatch()
+    dispatch_handle.install()
     seen = [_input_spec(mesh, s, i) for i, s in enumerate(input_specs)]
     n_in = len(seen) - (1 if loss_fn is not None else 0) if n_model_inputs is None else int(n_model_inputs)
     if not 0 < n_in <= len(seen):

@@ -17,7 +17,6 @@ runs on each rank's shards: the deferred weight gradient is the local shard's gr
 from __future__ import annotations
 
 import contextlib
-import threading
 import types
 
 import paddle
@@ -25,11 +24,11 @@ import paddle.nn.functional as F
 from paddle import nn
 from paddle.autograd import PyLayer
 
-_state = threading.local()
+from autoparallel.context import state as _state  # noqa: E402
 
 
 def _active():
-    return getattr(_state, "store", None), getattr(_state, "key", None)
+    return _state.wgrad_store, _state.wgrad_key
 
 
 class WeightGradStore:
@@ -42,12 +41,12 @@ class WeightGradStore:
     def capture(self, key):
         """Backward passes inside file their Linear weight gradients under ``key``."""
         prev = _active()
-        _state.store, _state.key = self, key
+        _state.wgrad_store, _state.wgrad_key = self, key
         self.pending.setdefault(key, [])
         try:
             yield
         finally:
-            _state.store, _state.key = prev
+            _state.wgrad_store, _state.wgrad_key = prev
 
     def add(self, key, work) -> None:
         self.pending.setdefault(key, []).append(work)

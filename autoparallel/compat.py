@@ -1,0 +1,128 @@
+"""Paddle coupling in one place: the private paddle attributes autoparallel relies on, version differences,
+dotted-path resolution, and side data kept for paddle objects without writing attributes onto them.
+
+Private names used here (paddle 3.3): ``paddle.base.framework.global_var._dygraph_tracer_`` (None while
+``paddle.jit.to_static`` builds a program), ``paddle.base.framework.EagerParamBase`` (the Parameter class),
+``paddle._C_ops`` / ``paddle._pir_ops`` / ``paddle._legacy_C_ops`` (the C op namespaces paddle's generated
+functions call through), ``paddle.base.core`` (``eager.Tensor`` without storage, ``TCPStore``) and
+``paddle.distributed.collective._default_store`` (the job's TCPStore). Other modules reach them through this
+module's names; a paddle version that moves one of them is handled here.
+"""
+from __future__ import annotations
+
+import importlib
+import weakref
+
+import paddle
+from paddle.base import core as _core
+from paddle.base.framework import EagerParamBase  # noqa: F401  (paddle's Parameter class)
+from paddle.base.framework import global_var as _FRAMEWORK
+
+C_OPS = getattr(paddle, "_C_ops", None)
+TCPStore = _core.TCPStore
+
+# the namespaces paddle's generated functions look their C ops up in (never patched: the originals call them)
+C_OP_NAMESPACES = ("paddle._C_ops", "paddle._pir_ops", "paddle._legacy_C_ops")
+
+
+def building_static_program() -> bool:
+    """Whether paddle is building a static program (``paddle.jit.to_static``): its per-thread framework state
+    then has no dygraph tracer."""
+    return _FRAMEWORK._dygraph_tracer_ is None
+
+
+def static_value_converter():
+    """``(owner, name)`` of the function paddle calls to turn a tensor into a program value while building a
+    static program (``paddle.pir.core._convert_into_value``; patched by to_static lowering)."""
+    import paddle.pir.core as pir_core
+
+    return pir_core, "_convert_into_value"
+
+
+def forwarded_c_op(fn):
+    """The C op a python function paddle generates as ``def _matmul(*args, **kwargs): return
+    _C_ops.matmul(...)`` forwards to (one op, one argument parser), or None for any other callable."""
+    from autoparallel.binding import _parsed_in_c
+
+    if fn is None or not _parsed_in_c(fn):
+        return None
+    names = [n for n in fn.__code__.co_names if n != "_C_ops"]
+    return getattr(C_OPS, names[-1], None) if names else None
+
+
+def storage_free_tensor(dtype, shape, name):
+    """A dense ``paddle.Tensor`` with a shape and no storage (filled later)."""
+    return _core.eager.Tensor(dtype, list(shape), name, _core.VarDesc.VarType.DENSE_TENSOR, False)
+
+
+def default_store():
+    """The job's TCPStore (``paddle.distributed.collective._default_store``), or None."""
+    import paddle.distributed.collective as coll
+
+    return coll._default_store
+
+
+def set_default_store(store) -> None:
+    import paddle.distributed.collective as coll
+
+    coll._default_store = store
+
+
+def owner_of(path: str):
+    """``(owner object, attribute name)`` of a dotted path such as ``paddle.nn.functional.relu`` or
+    ``paddle.Tensor.__add__``: the longest importable module prefix, then attributes."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for p in parts[i:-1]:
+            obj = getattr(obj, p)
+        return obj, parts[-1]
+    raise ValueError(f"cannot resolve {path!r}")
+
+
+def resolve(path: str):
+    owner, attr = owner_of(path)
+    return getattr(owner, attr)
+
+
+class SideData:
+    """Values attached to objects (paddle tensors, parameters, layers, functions) without setting attributes on
+    them: keyed by identity, dropped when the object is collected. Works for unhashable objects and for
+    objects whose ``==`` is elementwise (tensors), which a ``WeakKeyDictionary`` would call on collisions."""
+
+    __slots__ = ("_items", "__weakref__")
+
+    def __init__(self):
+        self._items: dict = {}          # id(obj) -> (weakref to obj, value)
+
+    def get(self, obj, default=None):
+        entry = self._items.get(id(obj))
+        if entry is None or entry[0]() is not obj:
+            return default
+        return entry[1]
+
+    def __contains__(self, obj) -> bool:
+        entry = self._items.get(id(obj))
+        return entry is not None and entry[0]() is obj
+
+    def set(self, obj, value) -> None:
+        key = id(obj)
+        items = self._items
+
+        def drop(_ref, key=key, items=items):
+            entry = items.get(key)
+            if entry is not None and entry[0] is _ref:
+                del items[key]
+
+        items[key] = (weakref.ref(obj, drop), value)
+
+    def pop(self, obj, default=None):
+        if obj not in self:
+            return default
+        return self._items.pop(id(obj))[1]
+
+    def __len__(self) -> int:
+        return len(self._items)

@@ -1,0 +1,146 @@
+"""Installing dispatch: the patches of paddle that route ops on distributed tensors (see dispatch_handle for the
+handle that undoes them).
+
+* every dotted path of the op table becomes a routed wrapper (rule -> reshard -> local op);
+* every other name of those functions, in every loaded module and on ``paddle.Tensor``, and the C op they
+  forward to, points at the wrapper (``aliases``); in-place ``op_`` forms, ``x[i] = v``, cast spellings and
+  ``paddle.is_tensor`` get their forms (``tensor_forms``);
+* the remaining public callables of ``paddle``, ``paddle.nn.functional``, ``paddle.linalg`` and the math
+  methods of ``paddle.Tensor`` are guarded: given a distributed tensor they raise ``NotImplementedError``;
+* ``paddle.jit``'s ``StaticFunction`` entry, the lazy initialiser hook and the loss scalers are patched too.
+
+Every assignment goes through ``autoparallel.patches``, so ``dispatch_handle.uninstall()`` restores them all.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import paddle
+from spmd_rules.op_table import OP_TABLE
+
+from autoparallel import aliases, patches, tensor_forms
+from autoparallel import dispatch as D
+from autoparallel.compat import owner_of, static_value_converter
+from autoparallel.context import state as _ctx
+from autoparallel.dispatch import _any_dist, _tracing_tensors
+from autoparallel.shadows import SHADOWS
+
+
+def install_all() -> list:
+    """Patch paddle; returns what dispatch_handle plugs in: [the dispatch module, the in-place rebinder]."""
+    routed = {}
+    for op, paths in OP_TABLE.items():
+        for path in paths:
+            owner, attr = owner_of(path)
+            orig = getattr(owner, attr, None)
+            if orig is None or getattr(orig, "_ap_routed", None):
+                continue
+            D._ORIG[path] = orig
+            w = _routed(op, path, orig)
+            patches.patch(owner, attr, w)
+            routed[id(orig)] = w
+    aliases.patch_aliases(routed)
+    tensor_forms.install_setitem()
+    aliases.patch_inplace(tensor_forms.inplace_routed)
+    tensor_forms.install_casts()
+    tensor_forms.install_metadata()
+    if SHADOWS[0]:
+        tensor_forms.install_shadow_readers()
+    _install_guards()
+    _install_hooks()
+    return [D, tensor_forms.rebind]
+
+
+def _install_hooks() -> None:
+    """The other patches of paddle: ``paddle.jit.to_static`` over distributed tensors, the creation order of
+    lazily built parameters, the loss scalers."""
+    from paddle.jit.dy2static.program_translator import StaticFunction
+
+    from autoparallel.graph import jit
+    from autoparallel.lazy_init import order
+    from autoparallel.parallel import amp_scaler
+
+    patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
+    patches.remember(*static_value_converter())
+    jit.install()
+    order.install()
+    amp_scaler.install()
+
+
+def _reset() -> None:
+    from autoparallel.graph import jit
+
+    jit._INSTALLED = False
+    D._LOCAL_FN.clear()
+
+
+patches.on_undo(_reset)
+
+
+def _routed(op, path, orig):
+    def wrapper(*args, **kwargs):
+        if _ctx.local_depth > 0 or not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
+            return orig(*args, **kwargs)
+        return D.run(op, path, args, kwargs)
+
+    wrapper.__wrapped__ = orig
+    wrapper.__name__ = getattr(orig, "__name__", path.rsplit(".", 1)[-1])
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper._ap_routed = op
+    wrapper._ap_path = path
+    wrapper._ap_wrapper = True
+    return wrapper
+
+
+def _guarded(name, orig):
+    def wrapper(*args, **kwargs):
+        if _ctx.local_depth == 0 and _any_dist(args, kwargs):
+            raise NotImplementedError(f"{name} has no spmd rule, so it cannot run on distributed tensors; "
+                                      f"register one with spmd_rules.register_spmd_rule({name.rsplit('.', 1)[-1]!r})")
+        return orig(*args, **kwargs)
+
+    wrapper.__wrapped__ = orig
+    wrapper.__name__ = getattr(orig, "__name__", name)
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper._ap_guard = True
+    return wrapper
+
+
+# Tensor methods that act on storage, not values: they keep working on a DistParameter's local shard.
+_STORAGE_METHODS = {"numpy", "clone", "detach", "detach_", "set_value", "cpu", "cuda", "item", "tolist",
+                    "backward", "register_hook", "clear_grad", "clear_gradient", "copy_", "get_tensor",
+                    "value", "is_dense", "is_dist", "element_size", "numel", "dim", "ndimension",
+                    "is_contiguous", "contiguous", "data_ptr", "get_strides", "to", "pin_memory",
+                    "zero_", "fill_", "uniform_", "normal_", "stop_gradient", "shape", "dtype", "place",
+                    "size", "is_leaf", "grad", "name", "persistable", "type", "_md5sum", "__format__",
+                    "__repr__", "__str__", "__hash__", "__bool__", "__len__", "__array__", "__index__",
+                    "__float__", "__int__", "__nonzero__", "__deepcopy__", "__reduce_ex__", "__setitem__",
+                    "__iter__", "__contains__", "__dlpack__", "__array_ufunc__"}
+
+
+def _install_guards() -> None:
+    for modname in ("paddle", "paddle.nn.functional", "paddle.linalg"):
+        mod = importlib.import_module(modname)
+        for attr in dir(mod):
+            if attr.startswith("_"):
+                continue
+            val = getattr(mod, attr)
+            if not (inspect.isfunction(val) or inspect.isbuiltin(val)) or hasattr(val, "_ap_wrapper") \
+                    or hasattr(val, "_ap_guard"):
+                continue
+            try:
+                patches.patch(mod, attr, _guarded(f"{modname}.{attr}", val))
+            except (AttributeError, TypeError):
+                pass
+    public = set(dir(paddle))
+    for attr in dir(paddle.Tensor):
+        if attr in _STORAGE_METHODS or attr.startswith("_") or attr not in public:
+            continue
+        val = getattr(paddle.Tensor, attr)
+        if not callable(val) or hasattr(val, "_ap_wrapper") or hasattr(val, "_ap_guard") or isinstance(val, type):
+            continue
+        try:
+            patches.patch(paddle.Tensor, attr, _guarded(f"paddle.Tensor.{attr}", val))
+        except (AttributeError, TypeError):
+            pass

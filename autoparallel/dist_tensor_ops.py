@@ -1,0 +1,224 @@
+"""The op methods of DistTensor, generated from the op table (``spmd_rules.op_table.OP_TABLE``).
+
+``DistTensor`` inherits ``OpMethods``: every ``paddle.Tensor`` method and operator that is an op in the table,
+under each of the names paddle gives it (``x.add``, ``x.__add__``, ``x.__radd__``, an alias bound to the same
+function or to the C op it forwards to), its in-place form (``x.add_``: the out-of-place rule, then ``x`` takes
+the result), the cast spellings (``x.float()``, ``x.type_as(y)``, ``x.to(...)``), ``x[i] = v``, ``T``/``mT``,
+``new_*`` and ``__getattr__`` for the rest (a clear error naming the method). Each method goes through
+``dispatch_handle.call``, which raises while dispatch is uninstalled. Methods DistTensor defines itself
+(metadata: ``dim``, ``numel``, ``fill_``...) take precedence, being on the subclass.
+"""
+from __future__ import annotations
+
+import paddle
+
+from autoparallel import dispatch_handle
+from autoparallel.compat import forwarded_c_op, owner_of
+from autoparallel.spec import normalize_dtype
+
+CONVERSIONS = ("float", "half", "bfloat16", "double", "int", "long", "bool", "short", "byte", "char",
+               "cfloat", "cdouble")
+
+
+def original(f):
+    """``f`` without the wrappers dispatch put around it."""
+    while getattr(f, "_ap_wrapper", False):
+        f = f.__wrapped__
+    return f
+
+
+def _op_paths() -> dict:
+    """id(original paddle callable) -> (op, path) of the op table's entries (the last path of an object wins,
+    as installation routes each name and keeps the last wrapper per original)."""
+    out = {}
+    for op, paths in OP_TABLE.items():
+        for path in paths:
+            try:
+                owner, attr = owner_of(path)
+            except (ValueError, AttributeError):
+                continue
+            fn = original(getattr(owner, attr, None))
+            if fn is not None:
+                out[id(fn)] = (op, path)
+    return out
+
+
+def _c_op_paths(routed: dict, objects: dict) -> dict:
+    """The C op a routed python function forwards to (``def _matmul(*a, **k): return _C_ops.matmul(...)``) is
+    the same op: a Tensor method bound to the C op routes like the function (see aliases._c_op_aliases)."""
+    out = {}
+    for key, entry in routed.items():
+        target = forwarded_c_op(objects.get(key))
+        if target is not None and id(target) not in routed:
+            out[id(target)] = entry
+    return out
+
+
+def method_table() -> dict:
+    """{method name: (op, path, inplace)} of every routed ``paddle.Tensor`` name."""
+    table = {}
+    for op, paths in OP_TABLE.items():
+        for path in paths:
+            if path.startswith("paddle.Tensor."):
+                table[path[len("paddle.Tensor."):]] = (op, path, False)
+    objects = {}
+    for op, paths in OP_TABLE.items():
+        for path in paths:
+            try:
+                owner, attr = owner_of(path)
+                fn = original(getattr(owner, attr, None))
+            except (ValueError, AttributeError):
+                continue
+            if fn is not None:
+                objects[id(fn)] = fn
+    routed = _op_paths()
+    routed.update(_c_op_paths(routed, objects))
+    _ROUTED.update(routed)
+    aliases = {}
+    for attr in dir(paddle.Tensor):
+        if attr.startswith("__"):
+            continue
+        entry = routed.get(id(original(getattr(paddle.Tensor, attr, None))))
+        if entry is not None:
+            aliases[attr] = (entry[0], entry[1], False)
+    for name, entry in aliases.items():
+        table.setdefault(name, entry)
+    routed_names = set(table)
+    for attr in dir(paddle.Tensor):
+        if attr.endswith("_") and not attr.startswith("_") and attr[:-1] in routed_names and attr not in table:
+            op, path, _ = table[attr[:-1]]
+            table[attr] = (op, path, True)
+    return table
+
+
+_ROUTED: dict = {}        # id(original paddle callable) -> (op, path), filled by method_table()
+
+
+def _late_method(name):
+    """A routed name put on ``paddle.Tensor`` after this module was imported (a library binding an op as a
+    Tensor method): its method, made once and kept on the class; None for any other name."""
+    entry = _ROUTED.get(id(original(getattr(paddle.Tensor, name, None))))
+    inplace = False
+    if entry is None and name.endswith("_") and not name.startswith("_"):
+        base = getattr(OpMethods, name[:-1], None) or _late_method(name[:-1])
+        entry, inplace = (getattr(base, "_ap_op", None), True) if base is not None else (None, False)
+    if entry is None:
+        return None
+    fn = _method(name, entry[0], entry[1], inplace)
+    setattr(OpMethods, name, fn)
+    return fn
+
+
+def _method(name, op, path, inplace):
+    if inplace:
+        def method(self, *args, __op=op, __path=path, **kwargs):
+            return dispatch_handle.call_inplace(__op, __path, self, (self,) + args, kwargs)
+    else:
+        def method(self, *args, __op=op, __path=path, **kwargs):
+            return dispatch_handle.call(__op, __path, (self,) + args, kwargs)
+    method.__name__ = name
+    method._ap_op = (op, path)
+    return method
+
+
+def _conversion(name):
+    def method(self, *args, **kwargs):
+        return dispatch_handle.call("cast", "paddle.cast", (self, conversion_dtype(name, self.dtype)), {})
+
+    method.__name__ = name
+    return method
+
+
+def conversion_dtype(name: str, dtype):
+    """The dtype paddle's ``Tensor.<name>()`` converts a tensor of ``dtype`` to."""
+    return original(getattr(paddle.Tensor, name))(paddle.zeros([], dtype=dtype)).dtype
+
+
+def to_dtype(self_dtype, args, kwargs, dist_type=None):
+    """The dtype ``Tensor.to(*args, **kwargs)`` gives a tensor of ``self_dtype`` (paddle's own parser, run
+    on a 0-d CPU tensor; a distributed ``other`` (of ``dist_type``) stands in as a 0-d tensor of its dtype)."""
+    def stand_in(v):
+        return paddle.zeros([], dtype=v.dtype) if dist_type is not None and isinstance(v, dist_type) else v
+
+    out = original(paddle.Tensor.to)(paddle.zeros([], dtype=self_dtype), *[stand_in(a) for a in args],
+                                     **{k: stand_in(v) for k, v in kwargs.items()})
+    if not out.place.is_cpu_place() and paddle.zeros([]).place.is_cpu_place():
+        raise NotImplementedError("Tensor.to: moving a distributed tensor to another device is not supported; "
+                                  "shards live where their ranks run")
+    return out.dtype
+
+
+def _type_as(self, other):
+    return dispatch_handle.call("cast", "paddle.cast", (self, other.dtype), {})
+
+
+def _to(self, *args, **kwargs):
+    dtype = to_dtype(self.dtype, args, kwargs, type(self))
+    if normalize_dtype(dtype) == normalize_dtype(self.dtype):
+        return self
+    return dispatch_handle.call("cast", "paddle.cast", (self, dtype), {})
+
+
+def _setitem(self, index, value):
+    dispatch_handle.call_inplace("setitem", "paddle.Tensor.__setitem__", self, (self, index, value), {})
+
+
+def _new_like(name):
+    """``x.new_zeros(...)`` & co.: a new plain tensor (replicated) with x's dtype, as paddle makes it."""
+    def method(self, *args, **kwargs):
+        return original(getattr(paddle.Tensor, name))(paddle.zeros([], dtype=self.dtype), *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+def _transposed(self):
+    if self.ndim < 2:
+        return self
+    return dispatch_handle.call("transpose", "paddle.transpose", (self, list(range(self.ndim))[::-1]), {})
+
+
+def _matrix_transposed(self):
+    perm = list(range(self.ndim - 2)) + [self.ndim - 1, self.ndim - 2]
+    return dispatch_handle.call("transpose", "paddle.transpose", (self, perm), {})
+
+
+def _getattr(self, name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    if hasattr(paddle.Tensor, name):
+        late = _late_method(name)
+        if late is not None:
+            return late.__get__(self)
+        if _is_op_name(name):
+            raise NotImplementedError(f"paddle.Tensor.{name} has no spmd rule, so it cannot run on a DistTensor; "
+                                      f"register one with spmd_rules.register_spmd_rule({name!r})")
+        raise TypeError(f"paddle.Tensor.{name} is not an op and has no meaning for a distributed tensor (its data "
+                        f"is spread over ranks, with no single storage, device buffer or C++ tensor); use "
+                        f".local / .locals for this rank's shards, or .full() for the gathered tensor")
+    raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
+
+
+def _is_op_name(name) -> bool:
+    """A Tensor method that is one of paddle's ops (also a public function of paddle or paddle.linalg);
+    the others (``data_ptr``, ``cuda``, ``get_tensor``...) act on a single local storage."""
+    import paddle.linalg
+
+    base = name[:-1] if name.endswith("_") else name
+    return any(callable(getattr(m, base, None)) for m in (paddle, paddle.linalg, paddle.nn.functional))
+
+
+def _namespace() -> dict:
+    ns = {name: _method(name, *entry) for name, entry in method_table().items()}
+    ns.update({name: _conversion(name) for name in CONVERSIONS if hasattr(paddle.Tensor, name)})
+    ns.update(type_as=_type_as, to=_to, __setitem__=_setitem, __getattr__=_getattr, __hash__=object.__hash__,
+              T=property(_transposed), mT=property(_matrix_transposed))
+    ns.update({name: _new_like(name) for name in dir(paddle.Tensor) if name.startswith("new_")})
+    ns["__slots__"] = ()
+    ns["__doc__"] = "The op methods of DistTensor (generated from the op table; see autoparallel.dist_tensor_ops)."
+    return ns
+
+
+from spmd_rules.op_table import OP_TABLE  # noqa: E402
+
+OpMethods = type("OpMethods", (), _namespace())
