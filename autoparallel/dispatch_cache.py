@@ -149,6 +149,17 @@ def leaf_kind(v) -> int:
     return _PLAIN
 
 
+def _plain_locals(v, held) -> dict:
+    """A plain tensor is the same value on every rank. A simulated world holds one object for every rank's copy:
+    it is the first rank's copy, so only the first rank's use reaches its gradient (on real ranks each copy
+    gets its own rank's; summing every simulated rank's would count a replicated use once per rank)."""
+    if len(held) < 2 or v.stop_gradient:
+        return dict.fromkeys(held, v)
+    rest = v.detach()
+    rest.stop_gradient = False              # a leaf of its own: the other ranks' gradients land there
+    return {r: v if i == 0 else rest for i, r in enumerate(held)}
+
+
 def moves_no_data(src: DistSpec, dst: DistSpec) -> bool:
     """Only local slices / R->P zeroing: the parameter's gradient stays a partial sum on the other
     dims, so it can join the bucketed reduction instead of an eager all_reduce."""
@@ -220,7 +231,7 @@ class CallPlan:
         out = []
         for k, v in enumerate(leaves):
             kind = self.kinds[k]
-            locs = v._locals if kind == _DIST else v._ap_locals if kind == _PARAM else dict.fromkeys(self.held, v)
+            locs = v._locals if kind == _DIST else v._ap_locals if kind == _PARAM else _plain_locals(v, self.held)
             plan = self.reshards[k]
             dims = self.grad_dims[k]
             if self.quiet[k] and (dims or self.rep_dims[k]) and self.derives is None:   # a cast passes it on
