@@ -218,4 +218,7 @@ def round_robin(n: int) -> list:
 
 
 def transport_for(world):
-    return SimTransport() if world.is_simulated else RealTransport(world.rank, world.backend)
+    """This world's transport; while ``count_collectives`` is open, one that reports each call."""
+    from autoparallel.comm.counter import counted
+
+    return counted(SimTransport() if world.is_simulated else RealTransport(world.rank, world.backend))
