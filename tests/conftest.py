@@ -9,6 +9,7 @@ import pytest  # noqa: E402
 from autoparallel.testing.markers import KINDS, classify, python_command  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOTS = (TESTS, os.path.join(os.path.dirname(TESTS), "tools"))     # where a test's own code lives
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
             continue
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
         fixtures = [d.func for ds in defs.values() for d in ds]
-        item.add_marker(getattr(pytest.mark, classify(fn, fixtures, root=TESTS)))
+        item.add_marker(getattr(pytest.mark, classify(fn, fixtures, ROOTS)))
 
 
 # ---- the rule checked while tests run: only a 'dist' test starts Python processes ------------------------------

@@ -3,7 +3,7 @@
 ``ap.simulate``), ``pure`` (neither).
 
 The code a test runs is found statically: the test function's source, the fixtures it requests, and every
-function, class or module it names that is defined in the test tree (followed through their own names in
+function or class it names that is defined in the test tree or ``tools/`` (followed through their own names in
 turn; ``helpers.run`` of a helper module is followed to ``run``). tests/conftest.py marks each collected test with the kind, so ``pytest -m "not dist"`` is the fast
 loop. A module that sets ``pytestmark`` with one of the kinds keeps it. The package's own functions that
 start processes (``_package_launchers``) make a test that names them ``dist`` too.
@@ -26,6 +26,9 @@ _DIST = re.compile(r"\blaunch\(|\bsubprocess\b|\bPopen\b|paddle\.distributed\.la
 _SIM = re.compile(r"\bsimulate\(")
 
 
+_CODE = (types.FunctionType, type, types.MethodType)
+
+
 def kind_of_source(text: str) -> str:
     """The kind of one piece of source text alone."""
     if _DIST.search(text):
@@ -33,17 +36,17 @@ def kind_of_source(text: str) -> str:
     return "sim" if _SIM.search(text) else "pure"
 
 
-def classify(fn, fixtures=(), root: str | None = None) -> str:
-    """The kind of test ``fn`` with fixture functions ``fixtures``; code is followed inside ``root`` (the
-    directory of ``fn``'s file by default)."""
-    root = os.path.abspath(root or os.path.dirname(inspect.getfile(fn)))
+def classify(fn, fixtures=(), roots=()) -> str:
+    """The kind of test ``fn`` with fixture functions ``fixtures``; code is followed inside the directories
+    ``roots`` (the directory of ``fn``'s file by default)."""
+    roots = tuple(os.path.abspath(r) for r in roots) or (os.path.dirname(os.path.abspath(inspect.getfile(fn))),)
     launchers = _package_launchers()
     seen, todo, kinds = set(), [fn, *fixtures], set()
     while todo:
         obj = _unwrap(todo.pop())
         if obj in launchers:
             return "dist"
-        if id(obj) in seen or not _inside(obj, root):
+        if id(obj) in seen or not _inside(obj, roots):
             continue
         seen.add(id(obj))
         text = _source(obj)
@@ -66,12 +69,12 @@ def _unwrap(obj):
     return getattr(obj, "__func__", obj)
 
 
-def _inside(obj, root) -> bool:
+def _inside(obj, roots) -> bool:
     try:
         path = inspect.getsourcefile(obj)
     except TypeError:
         return False
-    return bool(path) and os.path.abspath(path).startswith(root + os.sep)
+    return bool(path) and any(os.path.abspath(path).startswith(r + os.sep) for r in roots)
 
 
 def _source(obj) -> str:
@@ -100,8 +103,9 @@ def _named(obj, text) -> list:
             target = getattr(scope[node.value.id], node.attr, None)
         else:
             continue
-        if isinstance(target, (types.FunctionType, type, types.MethodType)):
-            out.append(target)
+        items = target.values() if isinstance(target, dict) else target \
+            if isinstance(target, (list, tuple, set, frozenset)) else [target]
+        out.extend(t for t in items if isinstance(t, _CODE))      # a table of functions counts as its functions
     return out
 
 
