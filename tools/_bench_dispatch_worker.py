@@ -1,4 +1,4 @@
-"""One run of the GPT training-step benchmark (launched by tools/bench_dispatch.py).
+"""One run of the GPT training-step benchmark (launched by tools/bench/dispatch.py).
 
     --impl single   one process, the whole batch, plain paddle (no launcher)
     --impl ours     4 ranks, DP2xTP2: ap.apply_tp + ap.shard_layer + ap.shard_optimizer
@@ -19,12 +19,10 @@ import fnmatch
 import os
 import pstats
 import re
-import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
 
 import numpy as np                                        # noqa: E402
 import paddle                                             # noqa: E402

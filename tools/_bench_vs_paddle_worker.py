@@ -1,4 +1,4 @@
-"""One run of tools/bench_vs_paddle.py: the same GPT, the same placements, one implementation.
+"""One run of tools/bench/vs_paddle.py: the same GPT, the same placements, one implementation.
 
     --impl single      one process, the whole batch, plain paddle (no launcher)
     --impl ours        dp x tp ranks: ap.parallelize(model, opt, Strategy(dp, tp)) (default GPT plan)
@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
 
 import paddle                                             # noqa: E402
 import paddle.distributed as dist                         # noqa: E402

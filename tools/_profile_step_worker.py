@@ -1,4 +1,4 @@
-"""One launch of tools/profile_step.py: the GPT of tools/bench_vs_paddle.py under ap.parallelize(dp, tp),
+"""One launch of tools/bench/profile_step.py: the GPT of tools/bench/vs_paddle.py under ap.parallelize(dp, tp),
 warmed up, then ``--steps`` training steps each profiled with ap.profile (a barrier before each, outside the
 region), the forward alone profiled, the forward timed with and without the profile (its own cost), and
 optionally cProfile over ``--repeat`` forwards on every rank (rank 0 reports its top functions).
@@ -8,15 +8,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import statistics
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
 
 import paddle                                             # noqa: E402
 import paddle.distributed as dist                         # noqa: E402

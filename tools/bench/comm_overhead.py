@@ -1,6 +1,6 @@
 """The python cost around a collective, in one process (no peers: paddle.distributed is stubbed by no-ops).
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_comm_overhead.py [--shape 4 128 256]
+    OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench comm-overhead [--shape 4 128 256]
 
 Prints microseconds per call (the fastest of 7 rounds of 200 calls, so background load inflates little):
 the comm/counter.py wrapper around a no-op all_reduce, the real transport's all_reduce around a no-op, the
@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 import time
 import types
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import paddle                                              # noqa: E402
-import paddle.distributed as dist                          # noqa: E402
+import paddle
+import paddle.distributed as dist
 
-from autoparallel.comm import transport                    # noqa: E402
-from autoparallel.comm.counter import count_comm           # noqa: E402
-from autoparallel.comm.sizes import nbytes                 # noqa: E402
+from autoparallel.comm import transport
+from autoparallel.comm.counter import count_comm
+from autoparallel.comm.sizes import nbytes
 
 
 def best_us(fn, n: int = 200, rounds: int = 7) -> float:

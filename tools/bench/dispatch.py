@@ -1,7 +1,7 @@
 """Dispatch benchmark: per-op overhead of DistTensor ops, and a GPT DP2xTP2 training step against Paddle's
 own semi-auto API on 4 gloo ranks.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_dispatch.py [--steps 10] [--warmup 3] [--rounds 3]
+    OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench dispatch [--steps 10] [--warmup 3] [--rounds 3]
                                                                [--profile-steps 2] [--op-repeats 1000] [--op-warmup 10]
                                                                [--skip-ops] [--skip-gpt]
                                                                [--out docs/dispatch_bench.md]
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import platform
@@ -35,20 +34,16 @@ import tempfile
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
 
-import numpy as np                                        # noqa: E402
-import paddle                                             # noqa: E402
-from tqdm import tqdm                                     # noqa: E402
+import numpy as np
+import paddle
 
-from autoparallel.mesh import ProcessMesh                 # noqa: E402
-from autoparallel.placement import parse_placements       # noqa: E402
-from autoparallel.spec import DistSpec                    # noqa: E402
-from autoparallel.testing.launch import launch            # noqa: E402
+from autoparallel.mesh import ProcessMesh
+from autoparallel.placement import parse_placements
+from autoparallel.spec import DistSpec
+from tools.bench.common import ROOT, fmt_bytes, git_commit, interleaved_medians, launch, md_table, progress, text_table, tool
 
-WORKER = os.path.join(HERE, "_bench_dispatch_worker.py")
+WORKER = tool("_bench_dispatch_worker.py")
 NPROC = 4
 SIZES = {"small": (16, 64), "medium": (256, 512)}         # (rows, hidden)
 SIM_MESH = ([[0, 1], [2, 3]], ["data", "model"])
@@ -154,41 +149,6 @@ def dist_inputs(op, arrays, mesh, simulated):
 
 
 # ---- timing ----------------------------------------------------------------------------------------------
-def timed_calls(fn, n):
-    """Seconds of each of ``n`` calls of ``fn()``."""
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def interleaved_medians(fns, warmup, max_repeats, rounds=10, budget=0.3):
-    """Median microseconds of each function: warm-up, then ``rounds`` rounds that each time every function
-    in turn (so drift and background load hit all of them alike); up to ``max_repeats`` calls each (at
-    least 20), about ``budget`` seconds per function; the garbage collector off while timing (as timeit
-    does)."""
-    est = []
-    for fn in fns:
-        start = time.perf_counter()
-        for _ in range(warmup):
-            fn()
-        est.append((time.perf_counter() - start) / max(warmup, 1))
-    n = int(min(max_repeats, max(20, budget / max(max(est), 1e-9))))
-    per_round = max(1, n // rounds)
-    samples = [[] for _ in fns]
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            for k, fn in enumerate(fns):
-                samples[k] += timed_calls(fn, per_round)
-    finally:
-        gc.enable()
-    return [statistics.median(s) * 1e6 for s in samples]
-
-
 def run_ops(args):
     """Per-op rows, timed in interleaved rounds: plain paddle (the callable taken before autoparallel
     patches paddle) on the DistTensor's own local shards and on contiguous copies of them, the patched
@@ -205,7 +165,7 @@ def run_ops(args):
     one = ap.ProcessMesh([0], ["x"])
     cases = [(mesh_kind, op, size) for mesh_kind in ("1 rank", "2x2 sim") for size in SIZES for op in OPS]
     rows = []
-    for mesh_kind, op, size in tqdm(cases, desc="per-op overhead", unit="case", file=sys.stderr):
+    for mesh_kind, op, size in progress(cases, desc="per-op overhead", unit="case"):
         path, _, call = OPS[op]
         arrays = make_arrays(op, *SIZES[size])
         copies = local_inputs(op, arrays, None if mesh_kind == "1 rank" else sim_mesh)
@@ -277,8 +237,7 @@ def run_gpt(args):
 
     th = threading.Thread(target=target, daemon=True)
     th.start()
-    with tqdm(total=total, desc="GPT step: single, then paddle / ours on 4 ranks", unit="step",
-              file=sys.stderr) as bar:
+    with progress(total=total, desc="GPT step: single, then paddle / ours on 4 ranks", unit="step") as bar:
         while th.is_alive():
             th.join(0.5)
             lines = _read_lines(progress)
@@ -313,17 +272,6 @@ def _read_lines(path):
 
 
 # ---- tables ---------------------------------------------------------------------------------------------------
-def md_table(header, rows):
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
-
-
-def text_table(header, rows):
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
-
-
 OP_HEADER = ["mesh", "op", "size", "inputs", "paddle µs", "ours µs", "overhead µs", "ours/paddle",
              "paddle, contiguous µs", "patched, plain µs", "ours out"]
 
@@ -412,13 +360,6 @@ def comm_lines(ours):
     return lines + [f"- per step: {total} collectives, {fmt_bytes(sent)} sent by each rank"] if lines else []
 
 
-def fmt_bytes(b):
-    for unit, k in (("MiB", 2**20), ("KiB", 2**10)):
-        if b >= k:
-            return f"{b / k:.3g} {unit}"
-    return f"{b:.0f} B"
-
-
 def profile_tables(m):
     prof = {k: m[k].get("profile") for k in ("paddle", "ours")}
     if not all(prof.values()):
@@ -440,7 +381,7 @@ def write_doc(path, command, args, op_rows, gpt, load):
            f"{load[1]:.1f} after the run")
     parts = [f"""# Dispatch benchmark: DistTensor op overhead, and a GPT DP2xTP2 step against Paddle's semi-auto API
 
-Generated by `tools/bench_dispatch.py` at commit {_git_commit()} on this machine ({env}). Command:
+Generated by `python -m tools.bench dispatch` at commit {git_commit()} on this machine ({env}). Command:
 
 ```
 {command}
@@ -544,21 +485,6 @@ so neither implementation overlaps communication with compute.
         f.write("\n".join(parts))
 
 
-def _git_commit() -> str:
-    """The checked-out commit, marked when tracked files differ from it."""
-    def git(*cmd):
-        return subprocess.run(["git", "-C", ROOT, *cmd], capture_output=True, text=True, timeout=10)
-
-    try:
-        head = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    if head.returncode:
-        return "unknown"
-    return f"`{head.stdout.strip()}`" + (" (with uncommitted changes)" if dirty else "")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10, help="timed GPT steps per launch")
@@ -611,7 +537,7 @@ def main(argv=None) -> int:
         flags = [f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                  if k not in ("out", "skip_ops", "skip_gpt") and v != defaults[k]]
         flags += [f" --{k.replace('_', '-')}" for k in ("skip_ops", "skip_gpt") if getattr(args, k)]
-        command = "OMP_NUM_THREADS=1 .venv/bin/python tools/bench_dispatch.py" + "".join(flags)
+        command = "OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench dispatch" + "".join(flags)
         write_doc(args.out, command, args, op_rows, gpt, (load_before, os.getloadavg()[0]))
         print(f"wrote {os.path.relpath(args.out, os.getcwd())}")
     return 0

@@ -1,6 +1,6 @@
 """Lazy, sharded initialisation vs eager initialisation on 4 gloo ranks (TP2 x DP2 + ZeRO-3, AdamW).
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_lazy_init.py [--model gpt-100m]
+    OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench lazy-init [--model gpt-100m]
 
 Per mode one launch; per rank: build time, parallelize time (lazy: the materialisation happens there),
 peak resident set, live parameter bytes after parallelize (ZeRO-3 master chunks), and, for lazy init, the
@@ -9,14 +9,10 @@ largest tensor allocated for any parameter. Prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from tools.bench.common import launch, tool
 
-from autoparallel.testing.launch import launch  # noqa: E402
 
 MB = 2 ** 20
 
@@ -25,7 +21,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt-100m")
     args = ap.parse_args()
-    worker = os.path.join(HERE, "_bench_lazy_init_worker.py")
+    worker = tool("_bench_lazy_init_worker.py")
     rows = []
     for mode in ("eager", "lazy"):
         ranks = launch(worker, 4, [mode, args.model], timeout=1800)

@@ -1,6 +1,6 @@
 """Memory per rank on 4 gloo ranks, from the training example's JSON logs: ZeRO stages and recompute.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_memory.py [--model gpt-100m-byte] [--steps 3]
+    OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench memory [--model gpt-100m-byte] [--steps 3]
                                                              [--out docs/memory_bench.md]
 
 1. ZeRO: the GPT example (``--model``, ~100M parameters by default) under DP4 and ZeRO stage 1, 2, 3 over
@@ -22,12 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from tools.bench.common import ROOT, md_table, progress
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-
-from tqdm import tqdm                                     # noqa: E402
 
 ZERO = {"DP4": [], "ZeRO-1": ["--sharding-stage", "1"], "ZeRO-2": ["--sharding-stage", "2"],
         "ZeRO-3": ["--sharding-stage", "3"]}
@@ -106,11 +102,6 @@ def plot(logs: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def md(header, rows) -> str:
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
-                     ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt-100m-byte")
@@ -122,7 +113,7 @@ def main():
     start, load = time.time(), os.getloadavg()[0]
     jobs = [("zero", n, a) for n, a in ZERO.items()] + [("recompute", n, a) for n, a in RECOMPUTE.items()]
     logs = {"zero": {}, "recompute": {}}
-    for kind, name, extra in tqdm(jobs, desc="launches (4 gloo ranks each)", unit="launch", file=sys.stderr):
+    for kind, name, extra in progress(jobs, desc="launches (4 gloo ranks each)", unit="launch"):
         logs[kind][name] = logs["zero"]["DP4"] if kind == "recompute" and name == "none" else run_example(args, extra)
     png = os.path.join(os.path.dirname(os.path.abspath(args.out)), "img", "memory_zero.png")
     plot(logs["zero"], png)
@@ -132,7 +123,7 @@ def main():
 Command ({os.cpu_count()} cores, OMP_NUM_THREADS=1 per rank, 1-minute load {load:.1f} before, {time.time() - start:.0f} s):
 
 ```
-OMP_NUM_THREADS=1 .venv/bin/python tools/bench_memory.py --model {args.model} --steps {args.steps} --batch {args.batch} --seq {args.seq}
+OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench memory --model {args.model} --steps {args.steps} --batch {args.batch} --seq {args.seq}
 ```
 
 `examples/train_gpt.py --model {args.model}` ({n_params / 1e6:.1f}M parameters, AdamW, float32), {args.steps} steps,
@@ -145,7 +136,7 @@ state bytes a stage saves with the RSS it saves.
 
 ## ZeRO on DP4
 
-{md(["run", "params MiB", "grads MiB", "optimizer MiB", "state MiB", "state vs DP4", "RSS change MiB",
+{md_table(["run", "params MiB", "grads MiB", "optimizer MiB", "state MiB", "state vs DP4", "RSS change MiB",
      "state saved vs DP4 MiB", "RSS saved vs DP4 MiB", "peak RSS MiB (max rank)"], zero_rows(logs["zero"]))}
 
 ![memory per rank](img/memory_zero.png)
@@ -155,7 +146,7 @@ state bytes a stage saves with the RSS it saves.
 Saved activations: bytes the forward keeps for backward (largest micro-batch of the last step, per rank);
 step time: median over the steps after the first.
 
-{md(["recompute", "saved activations MiB", "vs none", "median step ms", "time vs none", "final loss"],
+{md_table(["recompute", "saved activations MiB", "vs none", "median step ms", "time vs none", "final loss"],
     recompute_rows(logs["recompute"]))}
 """
     print(text)

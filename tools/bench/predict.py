@@ -1,6 +1,6 @@
 """Planner predictions against measured runs: the GPT example under several strategies on 4 gloo ranks.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_predict.py [--steps 30] [--warmup 5] [--rounds 3]
+    OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench predict [--steps 30] [--warmup 5] [--rounds 3]
                                                               [--profile PROFILE.json] [--quick-calibrate]
                                                               [--out docs/planner_predict.md]
 
@@ -31,20 +31,16 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-import numpy as np                                        # noqa: E402
+import numpy as np
 
-from autoparallel.planner import calibrate                # noqa: E402
-from autoparallel.planner.api import plan                 # noqa: E402
-from autoparallel.planner.cluster import ClusterSpec      # noqa: E402
-from autoparallel.planner.model_spec import ModelSpec     # noqa: E402
-from autoparallel.testing.launch import launch            # noqa: E402
+from autoparallel.planner import calibrate
+from autoparallel.planner.api import plan
+from autoparallel.planner.cluster import ClusterSpec
+from autoparallel.planner.model_spec import ModelSpec
+from tools.bench.common import ROOT, launch, tool
 
-WORKER = os.path.join(HERE, "_bench_predict_worker.py")
+WORKER = tool("_bench_predict_worker.py")
 RANKS, BATCH, SEQ = 4, 8, 16
 # (name, example flags, planner configuration)
 STRATEGIES = [
@@ -65,10 +61,10 @@ STRATEGIES = [
 
 def model_spec():
     """The example's gpt-tiny as train_common builds it, traced (lazily: nothing allocated)."""
-    import train_common
     from autoparallel.data import ByteTextDataset
-    from models import build
+    from examples import train_common
 
+    build = train_common.build           # the models module train_common itself uses
     vocab = ByteTextDataset(SEQ).vocab_size
     model = build(train_common.model_config("gpt-tiny", SEQ, vocab), lazy=True)
     return ModelSpec.from_trace(model, SEQ, BATCH, name="gpt-tiny")
@@ -261,7 +257,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.warmup >= args.steps:
         p.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
-    info = {"command": " ".join(["python tools/bench_predict.py"] + list(argv if argv is not None else sys.argv[1:])),
+    info = {"command": " ".join(["python -m tools.bench predict"] + list(argv if argv is not None else sys.argv[1:])),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
             "when": time.strftime("%Y-%m-%d %H:%M"), "steps": args.steps, "warmup": args.warmup,
             "rounds": args.rounds, "load_before": load_average()}

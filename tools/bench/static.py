@@ -1,7 +1,7 @@
 """Step time of the article's training step on the example GPT: eager (autoparallel dispatch) vs
 ``@paddle.jit.to_static`` (lowered to one paddle static program per rank), across model sizes.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_static.py [--layouts 1,dp2,tp2] [--steps 10] [--warmup 3]
+    OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench static [--layouts 1,dp2,tp2] [--steps 10] [--warmup 3]
                                                              [--sizes tiny,small,medium] [--out docs/static_bench.md]
 
 Each layout runs tools/_bench_static_worker.py: "1" in this process (a mesh of one rank: dispatch cost, no
@@ -19,16 +19,10 @@ import platform
 import subprocess
 import sys
 import tempfile
+from tools.bench.common import ROOT, launch, progress, tool
 
-from tqdm import tqdm
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-
-from autoparallel.testing.launch import launch  # noqa: E402
-
-WORKER = os.path.join(HERE, "_bench_static_worker.py")
+WORKER = tool("_bench_static_worker.py")
 SIZES = {
     "tiny": dict(vocab=256, hidden=32, layers=2, heads=4, seq=16, batch=8),
     "small": dict(vocab=1024, hidden=128, layers=4, heads=4, seq=64, batch=8),
@@ -96,12 +90,12 @@ def main(argv=None):
     if a.out and not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
         p.error(f"--out: directory of {a.out} does not exist")
     rows = []
-    for name in tqdm(layouts, desc="layouts"):
+    for name in progress(layouts, desc="layouts"):
         rows += run_layout(name, sizes, a.steps, a.warmup)
     text = table(rows)
     print(text)
     if a.out:
-        cmd = "OMP_NUM_THREADS=1 .venv/bin/python tools/bench_static.py " + " ".join(argv or sys.argv[1:])
+        cmd = "OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench static " + " ".join(argv or sys.argv[1:])
         with open(a.out, "w") as f:
             cpu = platform.processor() or platform.machine()
             f.write(f"# eager vs paddle.jit.to_static step time\n\n`{cmd}`\n\n{cpu}, {os.cpu_count()} CPUs, "

@@ -1,6 +1,6 @@
 """Ours vs Paddle on 4 gloo ranks: the same GPT with the same placements, step time side by side.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_vs_paddle.py [--rounds 2] [--steps 10] [--warmup 3]
+    OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench vs-paddle [--rounds 2] [--steps 10] [--warmup 3]
                                                                [--out docs/vs_paddle_bench.md]
 
 Layouts: DP4, TP4 and DP2xTP2 on a ("data", "model") mesh. For each, the implementations that can run it:
@@ -19,16 +19,10 @@ import statistics
 import subprocess
 import sys
 import time
+from tools.bench.common import ROOT, launch, md_table, progress, tool
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
 
-from tqdm import tqdm                                     # noqa: E402
-
-from autoparallel.testing.launch import launch           # noqa: E402
-
-WORKER = os.path.join(HERE, "_bench_vs_paddle_worker.py")
+WORKER = tool("_bench_vs_paddle_worker.py")
 LAYOUTS = {"DP4": (4, 1, ("ours", "paddle", "paddle_dp")), "TP4": (1, 4, ("ours", "paddle")),
            "DP2xTP2": (2, 2, ("ours", "paddle"))}
 SHORT = {"paddle": "vs semi-auto", "paddle_dp": "vs DataParallel", "limit": "vs limit"}
@@ -76,7 +70,7 @@ def collect(args) -> dict:
     jobs = [(name, impl) for _ in range(args.rounds) for name, impls in layouts(args).items() for impl in impls]
     out = {(None, "single"): run_single(args)}
     out[(None, "single")]["losses"] = [out[(None, "single")]["losses"]]
-    for name, impl in tqdm(jobs, desc="launches (4 gloo ranks each)", unit="launch", file=sys.stderr):
+    for name, impl in progress(jobs, desc="launches (4 gloo ranks each)", unit="launch"):
         dp, tp, _ = LAYOUTS[name]
         r = run_ranks(args, impl, dp, tp)
         slot = out.setdefault((name, impl), {"times": [], "losses": []})
@@ -107,13 +101,6 @@ def table(res: dict, chosen: dict) -> tuple:
     return rows, ratios
 
 
-def md(rows) -> str:
-    header = ["layout", "implementation", "median step ms", "vs single", "ours / Paddle (median step time)",
-              "ours / limit", "max |loss - single|, every step"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in (("vocab", 1024), ("hidden", 256), ("layers", 4), ("heads", 8), ("seq", 128),
@@ -136,7 +123,7 @@ Command (this machine: {os.cpu_count()} cores shared with other work, OMP_NUM_TH
 {load:.1f} before the run, {time.time() - start:.0f} s in all):
 
 ```
-OMP_NUM_THREADS=1 .venv/bin/python tools/bench_vs_paddle.py --model {args.model} --layouts {args.layouts} --hidden {args.hidden} --layers {args.layers} --heads {args.heads} --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}
+OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench vs-paddle --model {args.model} --layouts {args.layouts} --hidden {args.hidden} --layers {args.layers} --heads {args.heads} --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}
 ```
 
 {what},
@@ -149,7 +136,7 @@ semi-auto; `paddle.DataParallel` trains each rank on its quarter of the batch. "
 single-process step time divided by min(ranks, cores) -- what perfect scaling on this machine's cores would give.
 The last column compares every step's loss with the single process.
 
-{md(rows)}
+{md_table(rows)}
 
 Ours / Paddle and ours / limit, same layout: {"; ".join(f"{k} " + ", ".join(f"{SHORT[i]} {v:.2f}" for i, v in r.items())
                                     for k, r in ratios.items())}.
