@@ -20,6 +20,7 @@ import paddle.nn.functional as F                          # noqa: E402
 from _bench_dispatch_worker import adamw, build_model, make_batch  # noqa: E402
 from autoparallel.profiler import averaged               # noqa: E402
 from autoparallel.testing.launch import write_result     # noqa: E402
+from tools.bench.common import GPT_ARGS, add_int_args
 
 
 def setup(args):
@@ -37,9 +38,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
-    for name, default in (("vocab", 1024), ("hidden", 256), ("layers", 4), ("heads", 8), ("seq", 128),
-                          ("batch", 8), ("seed", 0), ("warmup", 3), ("steps", 3), ("cprofile", 0), ("repeat", 1)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    add_int_args(p, GPT_ARGS + (("seed", 0), ("warmup", 3), ("steps", 3), ("cprofile", 0), ("repeat", 1)))
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--plot", default=None)
     p.add_argument("--model", choices=("gpt", "tiny"), default="gpt")

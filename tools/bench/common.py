@@ -84,12 +84,46 @@ def interleaved_medians(fns, warmup, max_repeats, rounds=10, budget=0.3) -> list
     return [statistics.median(s) * 1e6 for s in samples]
 
 
+# ---- options --------------------------------------------------------------------------------------------------
+GPT_ARGS = (("vocab", 1024), ("hidden", 256), ("layers", 4), ("heads", 8), ("seq", 128), ("batch", 8))
+
+
+def add_int_args(parser, pairs) -> None:
+    """``--name`` integer options with their defaults, from ``(name, default)`` pairs."""
+    for name, default in pairs:
+        parser.add_argument(f"--{name}", type=int, default=default)
+
+
+def int_argv(args, names) -> list:
+    """The command-line form of ``args``'s options ``names`` (to pass them on to a worker)."""
+    return [x for n in names for x in (f"--{n}", str(getattr(args, n)))]
+
+
 # ---- runs -----------------------------------------------------------------------------------------------------
 def launch(script: str, nproc: int, args=(), **kw) -> list:
     """``script`` on ``nproc`` real ranks (autoparallel.testing.launch); each rank's reported result."""
     from autoparallel.testing.launch import launch as _launch
 
     return _launch(script, nproc, [str(a) for a in args], **kw)
+
+
+def run_one(script: str, args=(), env=None, timeout: float = 900) -> dict:
+    """``script`` in one process (no launcher) with the launch's environment; the result it reports."""
+    import json
+    import tempfile
+
+    from autoparallel.testing.launch import child_env
+
+    d = tempfile.mkdtemp(prefix="ap_bench_")
+    e = child_env({"OMP_NUM_THREADS": "1", "AP_RESULT_DIR": d, "GLOG_minloglevel": "2", **(env or {})})
+    proc = subprocess.run([sys.executable, script, *map(str, args)], env=e, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=timeout)
+    path = os.path.join(d, "rank0.json")
+    if proc.returncode or not os.path.exists(path):
+        raise RuntimeError(f"{os.path.basename(script)} in one process failed ({proc.returncode}):\n"
+                           f"{proc.stdout.decode(errors='replace')[-3000:]}")
+    with open(path) as f:
+        return json.load(f)
 
 
 def progress(*args, **kw):

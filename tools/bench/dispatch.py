@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,7 +39,8 @@ import paddle
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import parse_placements
 from autoparallel.spec import DistSpec
-from tools.bench.common import ROOT, fmt_bytes, git_commit, interleaved_medians, launch, md_table, progress, text_table, tool
+from tools.bench.common import (ROOT, GPT_ARGS, add_int_args, fmt_bytes, git_commit, int_argv, interleaved_medians, launch,
+                                md_table, progress, run_one, text_table, tool)
 
 WORKER = tool("_bench_dispatch_worker.py")
 NPROC = 4
@@ -193,21 +192,11 @@ def _shape_text(arrays):
 
 # ---- GPT step -------------------------------------------------------------------------------------------------
 def model_args(args):
-    return ["--vocab", args.vocab, "--hidden", args.hidden, "--layers", args.layers, "--heads", args.heads,
-            "--seq", args.seq, "--batch", args.batch, "--warmup", args.warmup, "--steps", args.steps]
+    return int_argv(args, [n for n, _ in GPT_ARGS] + ["warmup", "steps"])
 
 
 def run_single(args, progress):
-    d = tempfile.mkdtemp(prefix="ap_bench_dispatch_")
-    env = dict(os.environ, OMP_NUM_THREADS="1", AP_RESULT_DIR=d, AP_BENCH_PROGRESS=progress,
-               GLOG_minloglevel="2")
-    cmd = [sys.executable, WORKER, "--impl", "single", *map(str, model_args(args))]
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
-    path = os.path.join(d, "rank0.json")
-    if proc.returncode or not os.path.exists(path):
-        raise RuntimeError(f"single-process run failed ({proc.returncode}):\n{proc.stdout.decode()[-3000:]}")
-    with open(path) as f:
-        return json.load(f)
+    return run_one(WORKER, ["--impl", "single", *model_args(args)], env={"AP_BENCH_PROGRESS": progress})
 
 
 def run_ranks(args, impl, progress, profile):
@@ -495,12 +484,7 @@ def main(argv=None) -> int:
     p.add_argument("--op-repeats", dest="op_repeats", type=int, default=1000,
                    help="max timed calls per op and variant")
     p.add_argument("--op-warmup", dest="op_warmup", type=int, default=10, help="untimed calls per op and variant")
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
+    add_int_args(p, GPT_ARGS)
     p.add_argument("--skip-ops", dest="skip_ops", action="store_true", help="skip the per-op part")
     p.add_argument("--skip-gpt", dest="skip_gpt", action="store_true", help="skip the GPT step part")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "dispatch_bench.md"),

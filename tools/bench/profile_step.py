@@ -13,7 +13,7 @@ docs/planner_predict.md), on dp x tp ranks.
 from __future__ import annotations
 
 import argparse
-from tools.bench.common import launch, tool
+from tools.bench.common import GPT_ARGS, add_int_args, launch, tool
 
 
 WORKER = tool("_profile_step_worker.py")
@@ -23,9 +23,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
-    for name, default in (("vocab", 1024), ("hidden", 256), ("layers", 4), ("heads", 8), ("seq", 128),
-                          ("batch", 8), ("warmup", 3), ("steps", 3), ("cprofile", 0), ("repeat", 1)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    add_int_args(p, GPT_ARGS + (("warmup", 3), ("steps", 3), ("cprofile", 0), ("repeat", 1)))
     p.add_argument("--plot", default=None, help="write the summary step's stacked bars here (PNG)")
     p.add_argument("--stat", choices=("mean", "median"), default="mean",
                    help="summarise the profiled steps by their mean, or per rank by the step of median time")

@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import time
-from tools.bench.common import ROOT, launch, md_table, progress, tool
+from tools.bench.common import ROOT, GPT_ARGS, add_int_args, int_argv, launch, md_table, progress, run_one, tool
 
 
 WORKER = tool("_bench_vs_paddle_worker.py")
@@ -31,23 +29,11 @@ NAMES = {"single": "single process (plain paddle)", "ours": "ours (ap.paralleliz
 
 
 def model_args(args) -> list:
-    return ["--model", args.model, "--vocab", args.vocab, "--hidden", args.hidden, "--layers", args.layers, "--heads", args.heads,
-            "--seq", args.seq, "--batch", args.batch, "--warmup", args.warmup, "--steps", args.steps]
+    return ["--model", args.model, *int_argv(args, [n for n, _ in GPT_ARGS] + ["warmup", "steps"])]
 
 
 def run_single(args) -> dict:
-    import json
-    import tempfile
-
-    d = tempfile.mkdtemp(prefix="ap_bench_vs_paddle_")
-    env = dict(os.environ, OMP_NUM_THREADS="1", AP_RESULT_DIR=d, GLOG_minloglevel="2")
-    proc = subprocess.run([sys.executable, WORKER, "--impl", "single", *map(str, model_args(args))], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
-    path = os.path.join(d, "rank0.json")
-    if proc.returncode or not os.path.exists(path):
-        raise RuntimeError(f"single-process run failed ({proc.returncode}):\n{proc.stdout.decode()[-3000:]}")
-    with open(path) as f:
-        return json.load(f)
+    return run_one(WORKER, ["--impl", "single", *model_args(args)])
 
 
 def run_ranks(args, impl: str, dp: int, tp: int) -> dict:
@@ -103,9 +89,7 @@ def table(res: dict, chosen: dict) -> tuple:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in (("vocab", 1024), ("hidden", 256), ("layers", 4), ("heads", 8), ("seq", 128),
-                          ("batch", 8), ("warmup", 3), ("steps", 10), ("rounds", 2)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    add_int_args(p, GPT_ARGS + (("warmup", 3), ("steps", 10), ("rounds", 2)))
     p.add_argument("--model", choices=("gpt", "pf-llama"), default="gpt")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from " + ", ".join(LAYOUTS))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "vs_paddle_bench.md"))
