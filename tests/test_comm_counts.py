@@ -57,7 +57,7 @@ needs_pf = pytest.mark.skipif(not pf.available(), reason="paddleformers not inst
 
 
 def _backward_counts(name, **kw):
-    import paddleformers_common as pc
+    from autoparallel.testing import paddleformers_runs as pc
 
     with ap.simulate(world_size=4):
         model, opt = pc.parallelized(name, **kw)

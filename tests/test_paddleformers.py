@@ -10,7 +10,7 @@ from autoparallel.testing import paddleformers_models as pf
 
 pytestmark = pytest.mark.skipif(not pf.available(), reason="paddleformers not installed (pip install -e .[models])")
 
-import paddleformers_common as pc  # noqa: E402
+from autoparallel.testing import paddleformers_runs as pc
 
 import autoparallel as ap  # noqa: E402
 

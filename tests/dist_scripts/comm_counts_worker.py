@@ -12,7 +12,7 @@ import paddle
 import paddle.distributed as dist
 
 import autoparallel as ap
-import paddleformers_common as pc
+from autoparallel.testing import paddleformers_runs as pc
 from autoparallel.comm import fanout
 from autoparallel.comm.counter import count_collectives, count_comm
 from autoparallel.testing import paddleformers_models as pf

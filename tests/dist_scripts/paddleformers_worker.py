@@ -7,7 +7,7 @@ import paddle
 import paddle.distributed as dist
 
 import autoparallel as ap  # noqa: E402
-import paddleformers_common as pc  # noqa: E402
+from autoparallel.testing import paddleformers_runs as pc
 from autoparallel.comm.counter import count_comm  # noqa: E402
 from autoparallel.testing import paddleformers_models as pf  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402
