@@ -15,7 +15,6 @@ from autoparallel.comm.counter import count_collectives
 from autoparallel.testing import paddleformers_models as pf
 
 
-
 @contextlib.contextmanager
 def counted():
     """{(kind, group): calls} of the simulated transport."""

@@ -14,7 +14,6 @@ from autoparallel.testing import models as M
 from autoparallel.testing.check import assemble
 
 
-
 def _sim_run(kind, mesh_shape, reduce=True):
     ref_loss, ref_grads = M.reference(kind)
     with ap.simulate(4):

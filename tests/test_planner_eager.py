@@ -14,7 +14,6 @@ from autoparallel.planner.model_spec import parse_model
 from autoparallel.planner.profiles import cpu_default, for_world
 
 
-
 # ---- fits and profiles ---------------------------------------------------------------------------------
 def test_fit_recovers_an_exact_line_and_clamps_a_flat_one():
     pts = [[b, 3e-4 + b / 2e8] for b in (64, 65536, 1048576, 4194304)]

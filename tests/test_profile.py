@@ -90,7 +90,6 @@ def test_parts_add_up_and_counts_match_the_transport(tmp_path):
 
 
 def test_pipeline_actions_are_profiled():
-
     import pp_common
     from autoparallel.parallel.pipeline.runtime import apply_pp
 
