@@ -3,10 +3,11 @@
 ``ap.simulate``), ``pure`` (neither).
 
 The code a test runs is found statically: the test function's source, the fixtures it requests, and every
-function or class it names that is defined in the test tree or ``tools/`` (followed through their own names in
-turn; ``helpers.run`` of a helper module is followed to ``run``). tests/conftest.py marks each collected test with the kind, so ``pytest -m "not dist"`` is the fast
-loop. A module that sets ``pytestmark`` with one of the kinds keeps it. The package's own functions that
-start processes (``_package_launchers``) make a test that names them ``dist`` too.
+function or class (or table of them) it names that is defined in the test tree or ``tools/``, followed
+through their own names in turn (``helpers.run`` of a helper module is followed to ``run``). A test naming
+one of the package's own functions that start processes (``_package_launchers``) is ``dist`` too.
+tests/conftest.py marks each collected test with its kind, so ``pytest -m "not dist"`` is the fast loop; a
+module that sets ``pytestmark`` with one of the kinds keeps it.
 
 tests/conftest.py checks the rule while tests run: a test not marked ``dist`` that starts a Python process
 (``python_command``) fails at teardown, naming the command.
@@ -24,8 +25,6 @@ import types
 KINDS = ("pure", "sim", "dist")
 _DIST = re.compile(r"\blaunch\(|\bsubprocess\b|\bPopen\b|paddle\.distributed\.launch|\bmultiprocessing\b|\bos\.fork\(")
 _SIM = re.compile(r"\bsimulate\(")
-
-
 _CODE = (types.FunctionType, type, types.MethodType)
 
 
@@ -56,7 +55,7 @@ def classify(fn, fixtures=(), roots=()) -> str:
 
 
 def _package_launchers() -> set:
-    """The package's functions that start processes."""
+    """The package's functions that start processes (and ``child_env``, which prepares one)."""
     from autoparallel import demo
     from autoparallel.planner import calibrate
     from autoparallel.testing import launch
@@ -107,7 +106,6 @@ def _named(obj, text) -> list:
             if isinstance(target, (list, tuple, set, frozenset)) else [target]
         out.extend(t for t in items if isinstance(t, _CODE))      # a table of functions counts as its functions
     return out
-
 
 
 def python_command(args) -> str | None:
