@@ -4,7 +4,7 @@ STAMP := $(VENV)/.installed
 NPROC ?= 4
 export OMP_NUM_THREADS := 1
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast install clean
 
 $(STAMP): setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# the inner loop: every test that starts no process (markers pure and sim)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not dist" tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info log out

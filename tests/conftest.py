@@ -1,11 +1,62 @@
 import os
+import subprocess
 import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(__file__))
-
 
 import pytest  # noqa: E402
+
+from autoparallel.testing.markers import KINDS, classify, python_command  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOTS = (TESTS, os.path.join(os.path.dirname(TESTS), "tools"))     # where a test's own code lives
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test gets one of the markers pure / sim / dist (autoparallel/testing/markers.py: dist starts
+    processes, sim runs ``ap.simulate``, pure neither); a module's own ``pytestmark`` kind is kept."""
+    for item in items:
+        if any(item.get_closest_marker(k) for k in KINDS):
+            continue
+        fn = getattr(item, "function", None)
+        if fn is None:
+            continue
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
+        fixtures = [d.func for ds in defs.values() for d in ds]
+        item.add_marker(getattr(pytest.mark, classify(fn, fixtures, ROOTS)))
+
+
+# ---- the rule checked while tests run: only a 'dist' test starts Python processes ------------------------------
+_running = {"item": None, "started": {}}
+_popen_init = subprocess.Popen.__init__
+
+
+def _watched_init(self, args, *a, **k):
+    cmd = python_command(args)
+    item = _running["item"]
+    if cmd is not None and item is not None:
+        _running["started"].setdefault(item.nodeid, cmd)
+    return _popen_init(self, args, *a, **k)
+
+
+subprocess.Popen.__init__ = _watched_init
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running["item"] = item
+    try:
+        yield
+    finally:
+        _running["item"] = None
+
+
+def pytest_runtest_teardown(item, nextitem):
+    cmd = _running["started"].pop(item.nodeid, None)
+    if cmd is not None and item.get_closest_marker("dist") is None:
+        kinds = [k for k in KINDS if item.get_closest_marker(k)]
+        pytest.fail(f"marked {kinds} but started a process ({cmd}): a test that starts processes is 'dist' "
+                    f"(autoparallel/testing/markers.py: teach the rule or set pytestmark)", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

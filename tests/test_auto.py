@@ -2,8 +2,6 @@
 runtime, bad input, and one training step of the chosen strategy in the simulated world against the plain
 model (multi-step training on real ranks: tests/test_auto_dist.py)."""
 import dataclasses
-import os
-import sys
 
 import numpy as np
 import paddle
@@ -18,8 +16,6 @@ from autoparallel.planner.cluster import CollectiveFit, RuntimeSpec
 from autoparallel.planner.model_spec import ModelSpec
 from autoparallel.planner.profiles import cpu_default
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 from models import PRESETS, build  # noqa: E402
 

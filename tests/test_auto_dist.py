@@ -5,7 +5,6 @@ a negative control (every rank loads the same data shard) fails the same compari
 import dataclasses
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ from autoparallel.testing.launch import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "auto_train_worker.py")
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 STEPS = 10
 COMMON = ["--steps", str(STEPS), "--seed", "0", "--batch-size", "8", "--seq-len", "16", "--lr", "3e-3"]

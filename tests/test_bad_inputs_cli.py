@@ -12,8 +12,6 @@ from bad_inputs_helpers import deadline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
-if EXAMPLES not in sys.path:
-    sys.path.insert(0, EXAMPLES)
 
 PLAN = ["plan", "--model", "llama2-7b", "--cluster", "1x8:A100-80GB"]
 RESHARD = ["reshard", "--shape", "4096,4096", "--mesh", "2x4", "--to", "R,S(1)"]

@@ -143,7 +143,7 @@ def test_check_rules_full_tensor_with_block_layouts():
     gradients against the full op)."""
     import io
 
-    from tools import check_rules
+    from spmd_rules import validation as check_rules
 
     out = io.StringIO()
     assert check_rules.main(["--op", "linear", "--op", "chunk"], out=out) == 0, \
@@ -158,7 +158,7 @@ def test_negative_control_a_rule_keeping_blocks_through_a_misaligned_chunk_is_ca
     from spmd_rules.blocks import block_aware, has_blocks, unblock
     from spmd_rules.registry import _RULES, register_spmd_rule
     from spmd_rules.result import SpmdResult
-    from tools import check_rules
+    from spmd_rules import validation as check_rules
 
     saved = _RULES["chunk"]
 
@@ -251,7 +251,7 @@ pf_needed = pytest.mark.skipif(not __import__("autoparallel.testing.paddleformer
 @pf_needed
 def test_phi3_plans_block_shard_gate_up_and_qkv():
     from autoparallel.testing import paddleformers_models as pf
-    from tests.dist_scripts import paddleformers_common as pc
+    from autoparallel.testing import paddleformers_runs as pc
 
     with ap.simulate(world_size=4):
         model, _ = pc.parallelized("phi3")
@@ -268,7 +268,7 @@ def test_blocks_tp_does_not_divide_fall_back_to_a_gathered_output(overrides):
     """kv heads < tp (the k and v blocks cannot split) or an odd intermediate size: column-parallel with the
     output gathered, still equal to one process."""
     from autoparallel.testing import paddleformers_models as pf
-    from tests.dist_scripts import paddleformers_common as pc
+    from autoparallel.testing import paddleformers_runs as pc
 
     ref = pf.reference("phi3", **overrides)
     with ap.simulate(world_size=4):
@@ -288,7 +288,7 @@ def test_phi3_training_checkpoint_round_trip_with_block_sharded_weights(tmp_path
     step gives the same loss as continuing."""
     from autoparallel.checkpoint import load_merged_state_dict, load_state_dict, save_state_dict, training_state
     from autoparallel.testing import paddleformers_models as pf
-    from tests.dist_scripts import paddleformers_common as pc
+    from autoparallel.testing import paddleformers_runs as pc
 
     ids, labels = (paddle.to_tensor(a) for a in pf.batch(0))
 
@@ -334,7 +334,7 @@ def test_gradient_clipping_counts_every_block_piece(zero):
     steps equal one process. Counting the pieces of one TP rank only (as for a replicated gradient) gives a
     smaller norm and a loss off by ~2e-4 at step 3."""
     from autoparallel.testing import paddleformers_models as pf
-    from tests.dist_scripts import paddleformers_common as pc
+    from autoparallel.testing import paddleformers_runs as pc
 
     ids, labels = (paddle.to_tensor(a) for a in pf.batch(0))
 
@@ -368,7 +368,7 @@ def test_lazily_built_fused_model_falls_back_to_a_gathered_output():
     paddle.LazyGuard the fused plans gather instead (still one process's values); a block-sharded
     shard_tensor of a lazy parameter is a typed error naming what works."""
     from autoparallel.testing import paddleformers_models as pf
-    from tests.dist_scripts import paddleformers_common as pc
+    from autoparallel.testing import paddleformers_runs as pc
 
     ref = pf.reference("phi3")
     ids, labels = (paddle.to_tensor(a) for a in pf.batch(0))
@@ -393,7 +393,7 @@ def test_lazily_built_fused_model_falls_back_to_a_gathered_output():
 def test_qwen2_moe_dense_fused_mlp_is_block_sharded_and_equals_one_process():
     """Qwen2-MoE without experts builds its MLP fused ([gate | up] in ``mlp.up_gate_proj``)."""
     from autoparallel.testing import paddleformers_models as pf
-    from tests.dist_scripts import paddleformers_common as pc
+    from autoparallel.testing import paddleformers_runs as pc
 
     ref = pf.reference("qwen2_moe", num_experts=0)
     with ap.simulate(world_size=4):

@@ -1,15 +1,11 @@
-"""tools/check_rules.py: every rule passes; wrong rules (forward or backward) and missing rules are caught."""
+"""spmd_rules.validation (python -m spmd_rules.validation): every rule passes; wrong rules (forward or backward) and missing rules are caught."""
 import io
-import os
-import sys
 
 import numpy as np
 import pytest
 
 pytest.importorskip("paddle")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-
-import check_rules  # noqa: E402
+import spmd_rules.validation as check_rules  # noqa: E402
 
 from autoparallel.mesh import mesh_from_shape  # noqa: E402
 from autoparallel.placement import Partial, Replicate, Shard  # noqa: E402

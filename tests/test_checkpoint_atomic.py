@@ -12,6 +12,7 @@ import autoparallel as ap
 from autoparallel.checkpoint import CheckpointManager, load_state_dict, read_checkpoint_info
 from autoparallel.checkpoint.atomic import PHASES
 from autoparallel.checkpoint.discovery import incomplete_checkpoints
+from autoparallel.testing.launch import child_env
 from dist_scripts.ckpt_common import DP2_TP2, TP2, build_state, check_state, full_tensors
 
 HERE = os.path.dirname(__file__)
@@ -31,7 +32,7 @@ def crashed(tmp_path_factory):
         root = str(tmp_path_factory.mktemp(phase))
         with ap.simulate(world_size=4):
             CheckpointManager(root, save_interval_steps=1).save(_state(1), 1)
-        env = dict(os.environ, AP_CKPT_FAULT=phase, OMP_NUM_THREADS="1")
+        env = child_env(dict(AP_CKPT_FAULT=phase, OMP_NUM_THREADS="1"))
         procs[phase] = subprocess.Popen([sys.executable, WRITER, root, "2"], env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT)
         roots[phase] = root

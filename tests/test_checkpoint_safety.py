@@ -230,9 +230,6 @@ def test_free_space_for_one_checkpoint_is_checked_from_the_state_size(tmp_path, 
 
 
 def test_the_training_example_refuses_a_bad_root_before_the_first_step(tmp_path, monkeypatch):
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(PKG), "..", "examples"))
     import train_common
 
     run_dir = str(tmp_path / "ck")

@@ -10,7 +10,6 @@ and state has the same entry names.
 """
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ import pytest
 from autoparallel.testing.launch import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "dist_scripts"))
 JOBS = os.path.join(HERE, "dist_scripts", "ckpt_zero_worker.py")
 COMMON = ["--seed", "0"]
 ZERO2 = ["--dp", "2", "--tp", "2", "--sharding-stage", "2"]

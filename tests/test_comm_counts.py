@@ -4,39 +4,24 @@ backward; a parameter with both split and replicated uses gets the right gradien
 Counts are taken on the simulated transport (one call per group), values against one process."""
 import collections
 import contextlib
-import os
-import sys
 
 import numpy as np
 import paddle
 import pytest
 
 import autoparallel as ap
-from autoparallel.comm import fanout, transport
+from autoparallel.comm import fanout
+from autoparallel.comm.counter import count_collectives
 from autoparallel.testing import paddleformers_models as pf
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist_scripts"))
 
 
 @contextlib.contextmanager
 def counted():
     """{(kind, group): calls} of the simulated transport."""
     log = collections.Counter()
-    saved = {k: getattr(transport.SimTransport, k) for k in ("all_gather", "all_reduce", "reduce_scatter")}
-
-    def wrap(kind, fn):
-        def run(self, xs, ranks, *a, **k):
-            log[(kind, tuple(ranks))] += 1
-            return fn(self, xs, ranks, *a, **k)
-        return run
-
-    for k, fn in saved.items():
-        setattr(transport.SimTransport, k, wrap(k, fn))
-    try:
+    with count_collectives() as calls:
         yield log
-    finally:
-        for k, fn in saved.items():
-            setattr(transport.SimTransport, k, fn)
+    log.update(calls.per_group())
 
 
 def _mixed(dist: bool, cast: bool, replicated_first: bool):
@@ -71,7 +56,7 @@ needs_pf = pytest.mark.skipif(not pf.available(), reason="paddleformers not inst
 
 
 def _backward_counts(name, **kw):
-    import paddleformers_common as pc
+    from autoparallel.testing import paddleformers_runs as pc
 
     with ap.simulate(world_size=4):
         model, opt = pc.parallelized(name, **kw)
@@ -126,7 +111,7 @@ def test_sequence_parallel_backward_is_reduce_scatter_not_all_reduce():
 def _counts_each_way(name, tp_plan=None):
     """TP-group collective counts of one forward and one backward under parallelize (dp2 x tp2), and the
     loss and gradients."""
-    import paddleformers_common as pc
+    from autoparallel.testing import paddleformers_runs as pc
 
     with ap.simulate(world_size=4):
         model, opt = pc.parallelized(name, tp_plan=tp_plan)
@@ -159,3 +144,91 @@ def test_negative_control_gathered_fused_outputs_add_all_gathers():
     counts, got = _counts_each_way("phi3", tp_plan={"qkv_proj": gather, "gate_up_proj": gather})
     assert counts[0]["all_gather"] == 2 * 2 * pf.LAYERS, counts        # per TP group: qkv and gate_up per layer
     assert pf.compare(pf.reference("phi3"), got) == []
+
+
+# ---- the project's models: Megatron's pattern counted in the simulated world, as on real ranks -----------------
+# tests/test_comm_counts_dist.py counts the same calls with the same counter on 4 gloo ranks
+TP_LAYER, SP_LAYER = {"all_reduce": 2}, {"all_gather": 2, "reduce_scatter": 2}
+BATCH, SEQ = 4, 8
+
+
+def _project_step(preset, layers, sp):
+    """One forward + backward of the project's model under parallelize (dp=2, tp=2) in a simulated world
+    of 4: the transport's collectives forward and backward, and the tensor-parallel groups."""
+    import dataclasses
+
+    from examples.models import PRESETS, build
+
+    paddle.seed(0)
+    cfg = dataclasses.replace(PRESETS[preset], layers=layers)
+    model = build(cfg)
+    loss_of = type(model).loss
+    rng = np.random.default_rng(0)
+    ids, labels = (paddle.to_tensor(rng.integers(0, cfg.vocab_size, (BATCH, SEQ)).astype("int64")) for _ in "ab")
+    opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
+    strategy = ap.Strategy()
+    strategy.data_parallel.degree = strategy.tensor_parallel.degree = 2
+    strategy.sequence_parallel.enable = sp
+    with ap.simulate(world_size=4):
+        model, opt = ap.parallelize(model, opt, strategy=strategy)
+        with count_collectives() as fwd:
+            loss = loss_of(model(ids), labels)
+        with count_collectives() as bwd:
+            loss.backward()
+    tp_groups = {tuple(sorted(g)) for g in model._ap_mesh.all_groups("model")}
+    return {"fwd": fwd, "bwd": bwd}, tp_groups, cfg
+
+
+def _per_layer(preset, sp):
+    """{phase: {rank: {kind: calls}}} one decoder layer adds on the rank's TP group (2 layers minus 1), and the
+    bytes it adds per rank."""
+    (one, groups, _), (two, _, cfg) = _project_step(preset, 1, sp), _project_step(preset, 2, sp)
+    counts, sent = {}, {}
+    for ph in ("fwd", "bwd"):
+        counts[ph] = {r: _sub(two[ph].counts(r, groups), one[ph].counts(r, groups)) for r in range(4)}
+        sent[ph] = {r: two[ph].bytes_sent(r, groups) - one[ph].bytes_sent(r, groups) for r in range(4)}
+    return counts, sent, cfg
+
+
+def _sub(a, b):
+    return {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b) if a.get(k, 0) != b.get(k, 0)}
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+def test_simulated_tensor_parallel_layer_is_two_all_reduces_each_way(preset):
+    counts, sent, cfg = _per_layer(preset, sp=False)
+    act = BATCH // 2 * SEQ * cfg.hidden * 4                  # one rank's [b/dp, s, h] float32 activation
+    for ph in ("fwd", "bwd"):
+        assert counts[ph] == {r: TP_LAYER for r in range(4)}, (ph, counts[ph])
+        # a ring all_reduce over 2 ranks sends 2 (n-1)/n b = b per call
+        assert sent[ph] == {r: 2 * act for r in range(4)}, (ph, sent[ph])
+
+
+def test_simulated_sequence_parallel_layer_is_two_gathers_and_two_reduce_scatters_each_way():
+    counts, _, _ = _per_layer("gpt-tiny", sp=True)
+    for ph in ("fwd", "bwd"):
+        assert counts[ph] == {r: SP_LAYER for r in range(4)}, (ph, counts[ph])
+
+
+def test_counter_sees_one_call_per_group_in_the_simulated_world_and_each_rank_its_own():
+    """Per group: one call; rank r's view: the calls of the groups r belongs to (what r counts on a real job);
+    negative control: a group r is not in is not in r's view."""
+    phases, groups, _ = _project_step("gpt-tiny", 1, False)
+    log = phases["fwd"]
+    per_group = log.per_group()
+    assert {g for (_, g) in per_group} >= groups
+    for r in range(4):
+        mine = [c for c in log.calls if r in c.group]
+        assert len(log.seen_by(r)) == len(mine) and len(mine) < len(log.calls)
+        (tp,) = [g for g in groups if r in g]
+        other = next(g for g in groups if r not in g)
+        assert log.counts(r, [tp]) == log.counts(None, [tp]) and log.counts(r, [other]) == {}
+
+
+def test_negative_control_simulated_per_use_reduction_is_one_per_consumer():
+    """With the shared reduction disabled, LLaMA's q, k, v, gate and up each reduce their own partial input
+    gradient: 5 all_reduces per layer backward, which the counter sees."""
+    with fanout.disabled():
+        counts, _, _ = _per_layer("llama-tiny", sp=False)
+    assert counts["fwd"] == {r: TP_LAYER for r in range(4)}
+    assert counts["bwd"] == {r: {"all_reduce": 5} for r in range(4)}, counts["bwd"]

@@ -1,7 +1,5 @@
 """Simulated world: unmodified layers run sharded through dispatch; errors are clear and typed."""
-import os
 import resource
-import sys
 
 import numpy as np
 import paddle
@@ -14,8 +12,6 @@ from autoparallel.mesh import mesh_from_shape
 from autoparallel.parallel.tensor_parallel import ColWiseParallel, apply_tp, check_tp_degree
 from autoparallel.testing import models as M
 from autoparallel.testing.check import assemble
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _sim_run(kind, mesh_shape, reduce=True):
@@ -103,7 +99,6 @@ def test_tp_degree_must_divide_heads_and_hidden():
 
 
 def test_custom_op_example_matches_single_process():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
     from spmd_rules import unregister_spmd_rule
 
     import custom_op_rule

@@ -3,18 +3,14 @@ its default watchdog: a rank SIGSTOPped in the middle of a checkpoint save, and 
 SIGKILLed in a backward. Every survivor exits non-zero naming the lost rank and its own operation in flight,
 within 2 x the heartbeat timeout, and the previous checkpoint stays intact. (``--resume`` after each fault, bit
 for bit against an uninterrupted run, is in the full matrix: docs/reliability.md.)"""
-import os
 import re
 import shutil
-import sys
 import tempfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-import fault_matrix  # noqa: E402
+from tools import fault_matrix
 
 TIMEOUT = 4.0                   # AP_WATCHDOG_TIMEOUT of these runs (the README's matrix uses the default)
 ENV = {"AP_WATCHDOG_TIMEOUT": str(TIMEOUT)}

@@ -1,12 +1,9 @@
 """Example models (examples/models): shapes, training signal, causality, GQA, tying, lazy build, references."""
-import os
-import sys
 
 import numpy as np
 import paddle
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples.models import GPT, PRESETS, GPTConfig, Llama, LlamaConfig, build, initialize_lazy  # noqa: E402
 from examples.models.llama import RMSNorm, apply_rotary, rotary_tables  # noqa: E402
 

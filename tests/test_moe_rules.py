@@ -1,9 +1,7 @@
 """MoE routing ops through dispatch on sharded inputs equal the plain ops (values and input gradients);
 value-dependent sizes come out replicated; a rule keeping the selected axis sharded is caught by the
-rule checker (negative control). The rules' every-placement ground-truth check is tools/check_rules.py."""
+rule checker (negative control). The rules' every-placement ground-truth check is python -m spmd_rules.validation."""
 import io
-import os
-import sys
 
 import numpy as np
 import paddle
@@ -13,8 +11,6 @@ import pytest
 import autoparallel as ap
 from autoparallel.mesh import mesh_from_shape
 from spmd_rules import get_spmd_rule, register_spmd_rule, unregister_spmd_rule
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 R, S = ap.Replicate(), ap.Shard
 RNG = np.random.default_rng(0)
@@ -87,7 +83,7 @@ def test_value_dependent_outputs_are_replicated():
 
 
 def test_negative_control_a_rule_keeping_the_topk_axis_sharded_is_caught():
-    import check_rules
+    import spmd_rules.validation as check_rules
 
     good = get_spmd_rule("topk")
 

@@ -2,8 +2,6 @@
 plain DP, the seed's shard function and ``ap.parallelize`` (dp=2, tp=2, default plans) each equal one
 process (loss and every gradient); ties kept; every parameter in the optimizer once; a split tie caught
 (negative control); GQA with fewer kv heads than TP ranks; bad plans on a real model as typed errors."""
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -12,8 +10,7 @@ from autoparallel.testing import paddleformers_models as pf
 
 pytestmark = pytest.mark.skipif(not pf.available(), reason="paddleformers not installed (pip install -e .[models])")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts"))
-import paddleformers_common as pc  # noqa: E402
+from autoparallel.testing import paddleformers_runs as pc
 
 import autoparallel as ap  # noqa: E402
 

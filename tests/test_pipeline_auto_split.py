@@ -2,8 +2,6 @@
 rest attached to the first / last stage, each stage running the model's own forward. A PaddleFormers
 Llama built tiny and a nanoGPT-style model (Sequential blocks, a bare position parameter, a tied head)
 train through the pipeline exactly like one process on one big batch."""
-import os
-import sys
 
 import numpy as np
 import paddle
@@ -16,7 +14,6 @@ from autoparallel.parallel.pipeline import auto_split
 from autoparallel.parallel.pipeline.runtime import apply_pp
 from autoparallel.parallel.pipeline.stage import describe_model
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist_scripts"))
 
 VOCAB, STEPS, RTOL, ATOL = 64, 2, 1e-4, 2e-5
 

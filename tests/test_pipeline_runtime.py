@@ -1,14 +1,11 @@
 """Pipeline runtime in one process: every stage here, the ranks' action lists interleaved (a transfer is a
 hand-off), the same code path as on real ranks. Stage splitting, the zero-bubble backward split,
 shape headers, optimizer binding, and bad input rejected before any process-group work."""
-import os
-import sys
 
 import numpy as np
 import paddle
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist_scripts"))
 
 import pp_common  # noqa: E402
 

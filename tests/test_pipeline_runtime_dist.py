@@ -12,13 +12,11 @@ Inside stages, tensor parallelism uses the GPT / LLaMA plans of ``autoparallel.t
 """
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "dist_scripts"))
 
 import pp_common  # noqa: E402
 

@@ -5,8 +5,6 @@ latency, the simulated bubble fraction (idle compute slots / (ranks * makespan))
 (p-1)/(m+p-1) for FThenB and 1F1B and (p-1)/(v*m+p-1) for VPP with per-chunk times.
 """
 import json
-import os
-import sys
 
 import pytest
 
@@ -204,8 +202,7 @@ def test_timeline_png_and_cli(tmp_path):
     plot_timeline(measured, str(tmp_path / "measured.png"), title="measured")
     assert bubble_fraction(measured) == pytest.approx(1 - 4.2 / (2 * 4.5))
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-    import plot_schedule as cli
+    from tools import plot_schedule as cli
     assert cli.main(["--schedule", "1F1B", "--pp", "4", "--micro-batches", "8",
                      "--out", str(tmp_path / "out" / "1f1b.png")]) == 0
     assert (tmp_path / "out" / "1f1b.png").exists()

@@ -3,14 +3,11 @@
 data parallel, tensor parallel} trains 3 steps and must equal one process on one big batch: losses, and
 every rank's shard of every parameter (the simulated optimizer steps every rank's copy). Plus the
 article's configuration (``pipeline_parallel.degree`` alone: degree micro-batches)."""
-import os
-import sys
 
 import numpy as np
 import paddle
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist_scripts"))
 
 import pp_common  # noqa: E402
 

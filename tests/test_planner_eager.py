@@ -3,8 +3,6 @@ and against live-tensor bytes of the runtime itself (simulated world)."""
 import dataclasses
 import json
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -14,9 +12,6 @@ from autoparallel.planner.api import plan
 from autoparallel.planner.cluster import ClusterSpec, CollectiveFit, RuntimeSpec, parse_cluster
 from autoparallel.planner.model_spec import parse_model
 from autoparallel.planner.profiles import cpu_default, for_world
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 
 # ---- fits and profiles ---------------------------------------------------------------------------------

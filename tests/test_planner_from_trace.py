@@ -5,14 +5,10 @@ block and of the LM head must equal the closed form b·s·(2·P_mm + 4·s·h) an
 FLOPs (element-wise ops counted one per output element, which the closed form leaves out) within 6%.
 """
 import dataclasses
-import os
-import sys
 
 import paddle
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 from models import PRESETS, build  # noqa: E402
 

@@ -90,9 +90,6 @@ def test_parts_add_up_and_counts_match_the_transport(tmp_path):
 
 
 def test_pipeline_actions_are_profiled():
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist_scripts"))
     import pp_common
     from autoparallel.parallel.pipeline.runtime import apply_pp
 
@@ -185,9 +182,7 @@ def test_average_and_median_of_regions():
 
 def test_example_profile_flag(tmp_path, capsys):
     import json
-    import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
     import train_common
 
     path = str(tmp_path / "out" / "step.png")

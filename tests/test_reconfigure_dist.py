@@ -3,7 +3,6 @@
 every step and the same final parameters."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -11,7 +10,6 @@ import pytest
 from autoparallel.testing.launch import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "dist_scripts"))
 WORKER = os.path.join(HERE, "dist_scripts", "reconfigure_worker.py")
 STEPS = 6
 JOBS = [

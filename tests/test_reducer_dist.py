@@ -4,7 +4,6 @@ more backward passes than announced, ZeRO-2/3); from the second step on each bac
 all_reduce per bucket (the number of buckets planned in-process for the same model) and the step none; a
 non-final accumulation micro-step issues no gradient reduction; a negative control fails the comparison."""
 import os
-import sys
 
 import numpy as np
 import paddle
@@ -17,7 +16,6 @@ from autoparallel.parallelize import parallelize
 from autoparallel.testing.launch import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "dist_scripts"))
 WORKER = os.path.join(HERE, "dist_scripts", "reducer_worker.py")
 
 from zero_common import batches, make_opt, tiny  # noqa: E402

@@ -35,8 +35,6 @@ def runs(tmp_path_factory):
                                  "--resume", *COMMON])
     dp4 = launch(WORKER, 4, ["--dp", "4", "--steps", "8", "--ckpt-dir", c, "--save-every", "100", "--resume",
                              *COMMON])
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
     import train_common
 
     args = train_common.make_parser("gpt-tiny").parse_args(["--steps", "8", "--ckpt-dir", d, "--save-every", "100",

@@ -5,13 +5,15 @@ import subprocess
 import sys
 import time
 
+from autoparallel.testing.launch import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
 
 
 def test_sigterm_saves_a_final_checkpoint_between_the_periodic_ones(tmp_path):
     ckpt = tmp_path / "ck"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = child_env(dict(OMP_NUM_THREADS="1"))
     cmd = [sys.executable, SCRIPT, "--steps", "100000", "--save-every", "1000", "--seed", "0",
            "--ckpt-dir", str(ckpt)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -1,26 +1,15 @@
 """op_table: every dotted path exists in paddle, and rules accept the paddle callables' parameters."""
-import importlib
 import inspect
 
 import pytest
 
 import spmd_rules
 from spmd_rules.op_table import ARG_MAP, OP_TABLE, rule_for
+from spmd_rules.validation import resolve
 
 paddle = pytest.importorskip("paddle")
 
 IGNORED = {"name", "out", "device", "requires_grad", "pin_memory"}
-
-
-def resolve(dotted):
-    parts = dotted.split(".")
-    obj = importlib.import_module(parts[0])
-    for i, p in enumerate(parts[1:], 1):
-        try:
-            obj = getattr(obj, p)
-        except AttributeError:
-            obj = importlib.import_module(".".join(parts[: i + 1]))
-    return obj
 
 
 def test_every_rule_has_a_table_entry_and_back():

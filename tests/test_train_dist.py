@@ -3,7 +3,6 @@
 collectives per layer; two "nodes" on one machine. Two launches in all."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -12,7 +11,6 @@ from autoparallel.testing.launch import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "train_worker.py")
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 STEPS = 20
 COMMON = ["--steps", str(STEPS), "--seed", "0", "--batch-size", "8", "--seq-len", "16", "--lr", "3e-3"]

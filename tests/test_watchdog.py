@@ -12,6 +12,7 @@ import time
 import pytest
 
 from autoparallel import watchdog
+from autoparallel.testing.launch import child_env
 from autoparallel.watchdog import FileStore, MemoryStore, Watchdog, default_store, process_state
 from dist_scripts import watchdog_jobs
 
@@ -44,7 +45,7 @@ def _watchdog(rank, world, store, exits, **kw):
 
 def _child(tmp_path, rank, world, mode, timeout=T):
     p = subprocess.Popen([sys.executable, CHILD, str(tmp_path), str(rank), str(world), str(timeout), mode],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
     assert p.stdout.readline().strip() == "ready"
     return p
 
@@ -210,7 +211,7 @@ def scenario_sigterm(tmp_path):
     exits = Exits()
     wd = _watchdog(0, 2, FileStore(str(tmp_path)), exits).start()
     child = subprocess.Popen([sys.executable, CHILD, str(tmp_path), "1", "2", str(T), "sigterm"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
     try:
         out, _ = child.communicate(timeout=20)
         exits.event.wait(5 * T)

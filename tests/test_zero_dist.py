@@ -3,7 +3,6 @@ losses at every step and the same final parameters; bytes per rank shrink with t
 DP); stage-3 weights are released after use; a negative control fails; emulated-AMP overflow on one rank
 makes every rank skip the step."""
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -11,7 +10,6 @@ import pytest
 from autoparallel.testing.launch import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "dist_scripts"))
 WORKER = os.path.join(HERE, "dist_scripts", "zero_worker.py")
 
 from zero_common import reference  # noqa: E402

@@ -1,4 +1,4 @@
-"""One run of the GPT training-step benchmark (launched by tools/bench_dispatch.py).
+"""One run of the GPT training-step benchmark (launched by tools/bench/dispatch.py).
 
     --impl single   one process, the whole batch, plain paddle (no launcher)
     --impl ours     4 ranks, DP2xTP2: ap.apply_tp + ap.shard_layer + ap.shard_optimizer
@@ -19,12 +19,10 @@ import fnmatch
 import os
 import pstats
 import re
-import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
 
 import numpy as np                                        # noqa: E402
 import paddle                                             # noqa: E402
@@ -34,6 +32,7 @@ import paddle.nn.functional as F                          # noqa: E402
 from autoparallel.testing.launch import write_result     # noqa: E402  (does not install dispatch)
 from autoparallel.testing.models import GPT_PLAN         # noqa: E402
 from examples.models import GPT, GPTConfig               # noqa: E402
+from tools.bench.common import GPT_ARGS, add_int_args
 
 MESH = [[0, 1], [2, 3]]
 DIM_NAMES = ["data", "model"]
@@ -236,17 +235,8 @@ def _short_path(path: str) -> str:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--impl", choices=sorted(SETUP), required=True)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
+    add_int_args(p, GPT_ARGS + (("seed", 0), ("warmup", 3), ("steps", 10), ("profile", 0)))
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--profile", type=int, default=0)
     args = p.parse_args()
 
     if args.impl != "single":

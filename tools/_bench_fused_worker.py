@@ -3,23 +3,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import statistics
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "dist_scripts"))
+import paddle
+import paddle.distributed as dist
 
-import paddle                                             # noqa: E402
-import paddle.distributed as dist                        # noqa: E402
-
-import autoparallel as ap                                 # noqa: E402
-import paddleformers_common as pc                         # noqa: E402
-from autoparallel.comm.counter import count_comm          # noqa: E402
-from autoparallel.testing import paddleformers_models as pf  # noqa: E402
-from autoparallel.testing.launch import write_result      # noqa: E402
+import autoparallel as ap
+from autoparallel.comm.counter import count_comm
+from autoparallel.testing import paddleformers_models as pf
+from autoparallel.testing import paddleformers_runs as pc
+from autoparallel.testing.launch import write_result
 
 
 def build(args, plan):

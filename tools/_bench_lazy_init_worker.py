@@ -1,17 +1,14 @@
-"""One rank of tools/bench_lazy_init.py: build a GPT eagerly or under paddle.LazyGuard, parallelize it
+"""One rank of tools/bench/lazy_init.py: build a GPT eagerly or under paddle.LazyGuard, parallelize it
 (TP2 x DP2 + ZeRO-3 with AdamW) and report time, peak RSS and live parameter bytes.
 
     _bench_lazy_init_worker.py MODE PRESET        (MODE: eager | lazy)
 """
-import os
 import sys
 import time
 
 import paddle
 import paddle.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.memory import live_bytes, peak_rss_bytes, rss_bytes  # noqa: E402

@@ -1,4 +1,4 @@
-"""One rank of tools/bench_predict.py: trains the GPT example under several strategies, in rounds.
+"""One rank of tools/bench/predict.py: trains the GPT example under several strategies, in rounds.
 
     _bench_predict_worker.py OUT_DIR JOBS_JSON ROUNDS [FIRST_ROUND]
     JOBS_JSON: [{"name": ..., "argv": [examples/train_gpt.py flags]}, ...]
@@ -14,11 +14,8 @@ import sys
 import paddle
 import paddle.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-sys.path.insert(0, os.path.join(HERE, ".."))
 
-import train_common  # noqa: E402
+from examples import train_common  # noqa: E402
 
 from autoparallel.comm.groups import install_group_store_fix  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402

@@ -1,4 +1,4 @@
-"""Runs on every rank of the reshard benchmark (launched by tools/bench_reshard.py).
+"""Runs on every rank of the reshard benchmark (launched by tools/bench/resharding.py).
 
 For each (transition, size): ours (``ap.reshard``) and Paddle's own (``paddle.distributed.reshard``) from
 the same full tensor; warm-up, then timed repeats with a barrier before each; the per-repeat maximum over

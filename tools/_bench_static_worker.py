@@ -1,4 +1,4 @@
-"""One rank of tools/bench_static.py: the article's training step on the example GPT, eager vs
+"""One rank of tools/bench/static.py: the article's training step on the example GPT, eager vs
 ``@paddle.jit.to_static`` (lowered to a per-rank paddle static program), for each model size.
 
     _bench_static_worker.py '<json config>'
@@ -7,13 +7,10 @@ Per size: median step time (forward, backward, optimizer step) of each mode afte
 the first (program-building) call, and the losses of both modes (same initialisation and data, so equal).
 """
 import json
-import os
 import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402

@@ -1,4 +1,4 @@
-"""One run of tools/bench_vs_paddle.py: the same GPT, the same placements, one implementation.
+"""One run of tools/bench/vs_paddle.py: the same GPT, the same placements, one implementation.
 
     --impl single      one process, the whole batch, plain paddle (no launcher)
     --impl ours        dp x tp ranks: ap.parallelize(model, opt, Strategy(dp, tp)) (default GPT plan)
@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
 
 import paddle                                             # noqa: E402
 import paddle.distributed as dist                         # noqa: E402
@@ -34,6 +30,7 @@ from _bench_dispatch_worker import (adamw, barrier, make_batch, over_ranks, repo
 from _bench_dispatch_worker import build_model as _build_gpt  # noqa: E402
 from _bench_dispatch_worker import setup_paddle as _semi_auto  # noqa: E402
 from autoparallel.testing.launch import write_result     # noqa: E402
+from tools.bench.common import GPT_ARGS, add_int_args
 
 
 def mesh_ranks(dp: int, tp: int) -> list:
@@ -102,9 +99,7 @@ def main():
     p.add_argument("--impl", choices=sorted(SETUP), required=True)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
-    for name, default in (("vocab", 1024), ("hidden", 256), ("layers", 4), ("heads", 8), ("seq", 128),
-                          ("batch", 8), ("seed", 0), ("warmup", 3), ("steps", 10)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    add_int_args(p, GPT_ARGS + (("seed", 0), ("warmup", 3), ("steps", 10)))
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--model", choices=("gpt", "pf-llama"), default="gpt")
     args = p.parse_args()

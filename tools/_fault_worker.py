@@ -11,10 +11,8 @@ import signal
 import sys
 import time
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.insert(0, EXAMPLES)
 
-import train_common  # noqa: E402
+from examples import train_common  # noqa: E402
 
 RANK = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
 OUT = os.environ["AP_FAULT_OUT"]

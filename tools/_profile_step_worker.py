@@ -1,4 +1,4 @@
-"""One launch of tools/profile_step.py: the GPT of tools/bench_vs_paddle.py under ap.parallelize(dp, tp),
+"""One launch of tools/bench/profile_step.py: the GPT of tools/bench/vs_paddle.py under ap.parallelize(dp, tp),
 warmed up, then ``--steps`` training steps each profiled with ap.profile (a barrier before each, outside the
 region), the forward alone profiled, the forward timed with and without the profile (its own cost), and
 optionally cProfile over ``--repeat`` forwards on every rank (rank 0 reports its top functions).
@@ -8,15 +8,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import statistics
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
 
 import paddle                                             # noqa: E402
 import paddle.distributed as dist                         # noqa: E402
@@ -25,6 +20,7 @@ import paddle.nn.functional as F                          # noqa: E402
 from _bench_dispatch_worker import adamw, build_model, make_batch  # noqa: E402
 from autoparallel.profiler import averaged               # noqa: E402
 from autoparallel.testing.launch import write_result     # noqa: E402
+from tools.bench.common import GPT_ARGS, add_int_args
 
 
 def setup(args):
@@ -42,9 +38,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
-    for name, default in (("vocab", 1024), ("hidden", 256), ("layers", 4), ("heads", 8), ("seq", 128),
-                          ("batch", 8), ("seed", 0), ("warmup", 3), ("steps", 3), ("cprofile", 0), ("repeat", 1)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    add_int_args(p, GPT_ARGS + (("seed", 0), ("warmup", 3), ("steps", 3), ("cprofile", 0), ("repeat", 1)))
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--plot", default=None)
     p.add_argument("--model", choices=("gpt", "tiny"), default="gpt")

@@ -7,12 +7,9 @@ world, against one process: prints the markdown table of docs/dispatch_real_mode
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.testing import paddleformers_models as pf  # noqa: E402

@@ -10,19 +10,13 @@ the largest over parameters of max|grad - ref| / max|ref| (one forward/backward,
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "dist_scripts"))
 
 
 def main(argv=None):
     from tqdm import tqdm
 
     import autoparallel as ap
-    import paddleformers_common as pc
+    from autoparallel.testing import paddleformers_runs as pc
     from autoparallel.testing import paddleformers_models as pf
 
     ap_ = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,68 +1,7 @@
-"""Where a training step goes: ap.profile of the GPT of tools/bench_vs_paddle.py on real gloo ranks.
-
-    OMP_NUM_THREADS=1 .venv/bin/python tools/profile_step.py --dp 2 --tp 2 [--steps 3] [--cprofile 30]
-                                                              [--plot docs/img/profile_gpt_dp2tp2.png]
-
-Launches dp x tp ranks; each warms up, then profiles ``--steps`` steps (a barrier before each); prints their
-mean per-rank breakdown (``--stat median``: per rank its step of median time), the forward's breakdown
-(dispatched ops, dispatch overhead per op), the profile's own cost on a forward (median forward time inside and
-outside a profile) and, with ``--cprofile N``, rank 0's top N functions by own time over ``--repeat`` forwards.
-``--model tiny`` runs the calibration's replicated one-block model instead (the per-op costs of
-docs/planner_predict.md), on dp x tp ranks.
-"""
-from __future__ import annotations
-
-import argparse
+"""``python tools/profile_step.py ARGS`` = ``python -m tools.bench profile-step ARGS`` (the command docs quote)."""
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from autoparallel.testing.launch import launch           # noqa: E402
-
-WORKER = os.path.join(HERE, "_profile_step_worker.py")
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--tp", type=int, default=2)
-    for name, default in (("vocab", 1024), ("hidden", 256), ("layers", 4), ("heads", 8), ("seq", 128),
-                          ("batch", 8), ("warmup", 3), ("steps", 3), ("cprofile", 0), ("repeat", 1)):
-        p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--plot", default=None, help="write the summary step's stacked bars here (PNG)")
-    p.add_argument("--stat", choices=("mean", "median"), default="mean",
-                   help="summarise the profiled steps by their mean, or per rank by the step of median time")
-    p.add_argument("--model", choices=("gpt", "tiny"), default="gpt",
-                   help="gpt: the bench GPT; tiny: the calibration's replicated one-block model (per-op costs)")
-    args = p.parse_args(argv)
-    if args.dp < 1 or args.tp < 1 or args.steps < 1:
-        raise SystemExit(f"--dp, --tp and --steps must be positive, got {args.dp}, {args.tp}, {args.steps}")
-    flags = [x for k, v in vars(args).items() if v is not None for x in (f"--{k}", str(v))]
-    res = launch(WORKER, args.dp * args.tp, flags, timeout=900)[0]
-    if args.model == "tiny":
-        print(f"the calibration's one-block model (d 16, batch [2, 8]) replicated on {args.dp * args.tp} gloo ranks")
-    else:
-        print(f"GPT vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, seq {args.seq}, "
-              f"global batch {args.batch}; DP{args.dp} x TP{args.tp} on {args.dp * args.tp} gloo ranks")
-    print(f"profiled steps (slowest rank, ms): {', '.join(f'{t * 1e3:.0f}' for t in res['step_times'])}")
-    print(f"\n== training step ({args.stat} of {args.steps}) ==\n" + res["step_table"])
-    print(f"\n== forward only ({args.stat} of {args.steps}) ==\n" + res["forward_table"])
-    plain, hooked = res["forward_plain_s"], res["forward_profiled_s"]
-    print(f"\nforward without / inside ap.profile (rank 0, median of 5): {plain * 1e3:.1f} / {hooked * 1e3:.1f} ms")
-    pvd = res["plain_vs_dispatched"]
-    if pvd:
-        n = pvd["ops"]
-        print(f"forward on plain tensors / on DistTensors (every rank busy, medians of 20): {pvd['plain'] * 1e3:.2f} / "
-              f"{pvd['dispatched'] * 1e3:.2f} ms = {pvd['plain'] / n * 1e6:.1f} / {pvd['dispatched'] / n * 1e6:.1f} us "
-              f"per dispatched op ({n} ops); dispatch adds {(pvd['dispatched'] - pvd['plain']) / n * 1e6:.1f} us per op")
-    if res["cprofile"]:
-        print(f"\n== rank 0, cProfile of {args.repeat} forward(s) ==\n" + res["cprofile"])
-    if args.plot:
-        print(f"plot: {args.plot}")
-    return res
-
-
-if __name__ == "__main__":
-    main()
+root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+os.execve(sys.executable, [sys.executable, "-m", "tools.bench", "profile-step", *sys.argv[1:]], env)

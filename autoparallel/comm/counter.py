@@ -1,4 +1,19 @@
-"""Count what this rank sends, by wrapping the ``paddle.distributed`` calls themselves.
+"""Count collectives: the logical ones at the transport (``count_collectives``), the ``paddle.distributed``
+calls this rank makes (``count_comm``).
+
+    with count_collectives() as log:          # the simulated world and real ranks alike
+        ...
+    log.counts(rank=0)                        # {kind: calls} rank 0 takes part in
+    log.per_group()                           # {(kind, group): calls}
+    log.bytes_sent(rank=0)                    # comm/cost.py's bytes rank 0 sends
+
+The transport (comm/transport.py) reports every collective it runs, with the group's ranks and the bytes
+one member holds entering it. A simulated world runs one call for the whole group, a real rank one call
+for its own member: ``counts(rank=r)`` in the simulated world is what rank ``r`` counts on a real job.
+Collectives outside the transport (the data-parallel buckets' raw calls, pipeline p2p) are not seen here;
+``count_comm`` sees those.
+
+``count_comm``: what this rank sends, by wrapping the ``paddle.distributed`` calls themselves.
 
     with count_comm() as log:
         ...
@@ -19,12 +34,10 @@ import time
 from dataclasses import dataclass, field
 
 from autoparallel.comm.cost import collective_bytes
+from autoparallel.comm.sizes import nbytes as _nbytes
 
 _WRAPPED = ("all_gather", "all_reduce", "broadcast", "send", "recv", "reduce_scatter", "alltoall",
             "alltoall_single", "isend", "irecv")
-
-
-from autoparallel.comm.sizes import nbytes as _nbytes
 
 
 @dataclass
@@ -165,3 +178,126 @@ def count_comm(observer=None):
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+# ---- logical collectives, reported by the transport ------------------------------------------------------------
+@dataclass(frozen=True)
+class Collective:
+    """One logical collective: ``kind`` (all_gather, all_reduce, reduce_scatter, all_to_all, broadcast,
+    send_recv), ``group`` (the members' global ranks, sorted) and ``nbytes`` (bytes one member holds
+    entering it; a send_recv's group is its pair)."""
+    kind: str
+    group: tuple
+    nbytes: int
+
+    @property
+    def sent(self) -> float:
+        """Bytes one member sends (comm/cost.py's conventions)."""
+        return collective_bytes(self.kind, self.nbytes, len(self.group))
+
+
+@dataclass
+class CollectiveLog:
+    calls: list = field(default_factory=list)
+
+    def seen_by(self, rank: int | None = None, groups=None) -> list:
+        """The calls ``rank`` takes part in (every call for None), on ``groups`` (sorted rank tuples) only."""
+        groups = None if groups is None else {tuple(sorted(g)) for g in groups}
+        return [c for c in self.calls
+                if (rank is None or rank in c.group) and (groups is None or c.group in groups)]
+
+    def counts(self, rank: int | None = None, groups=None) -> dict:
+        """{kind: calls} that ``rank`` takes part in (on ``groups``)."""
+        out: dict = {}
+        for c in self.seen_by(rank, groups):
+            out[c.kind] = out.get(c.kind, 0) + 1
+        return out
+
+    def per_group(self) -> dict:
+        """{(kind, group): calls}."""
+        out: dict = {}
+        for c in self.calls:
+            out[(c.kind, c.group)] = out.get((c.kind, c.group), 0) + 1
+        return out
+
+    def bytes_sent(self, rank: int | None = None, groups=None) -> float:
+        return sum(c.sent for c in self.seen_by(rank, groups))
+
+
+_LOGS: list = []          # the open count_collectives logs (every thread's calls are counted)
+
+
+@contextlib.contextmanager
+def count_collectives():
+    log = CollectiveLog()
+    _LOGS.append(log)
+    try:
+        yield log
+    finally:
+        _LOGS.remove(log)
+
+
+def counted(transport):
+    """``transport`` itself while nothing counts, else a view of it that reports each call."""
+    return _Counting(transport) if _LOGS else transport
+
+
+def _record(kind, ranks, nbytes):
+    c = Collective(kind, tuple(sorted(ranks)), int(nbytes))
+    for log in list(_LOGS):
+        log.calls.append(c)
+
+
+def _member_bytes(xs) -> int:
+    t = next(iter(xs.values()))
+    return sum(_nbytes(x) for x in t) if isinstance(t, (list, tuple)) else _nbytes(t)
+
+
+def _like_bytes(like) -> int:
+    import math
+
+    import paddle
+
+    shape, dtype = like
+    return math.prod(shape) * paddle.empty([0], dtype=dtype).element_size()
+
+
+class _Counting:
+    """The transport's six calls, each reported (kind, group, bytes) before it runs."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _holds(self, rank) -> bool:
+        """This process holds ``rank``'s member: every rank in the simulated world, its own on a real one."""
+        return self.inner.backend == "sim" or self.inner.rank == rank
+
+    def all_gather(self, xs, ranks):
+        _record("all_gather", ranks, _member_bytes(xs))
+        return self.inner.all_gather(xs, ranks)
+
+    def all_reduce(self, xs, ranks, op):
+        _record("all_reduce", ranks, _member_bytes(xs))
+        return self.inner.all_reduce(xs, ranks, op)
+
+    def reduce_scatter(self, xs, ranks, op, axis):
+        _record("reduce_scatter", ranks, _member_bytes(xs))
+        return self.inner.reduce_scatter(xs, ranks, op, axis)
+
+    def all_to_all(self, chunks, ranks):
+        _record("all_to_all", ranks, _member_bytes(chunks))
+        return self.inner.all_to_all(chunks, ranks)
+
+    def broadcast(self, xs, ranks, src):
+        _record("broadcast", ranks, _member_bytes(xs))
+        return self.inner.broadcast(xs, ranks, src)
+
+    def send_recv(self, xs, pairs, recv_like):
+        """One call per pair that moves data and that this process holds an end of."""
+        for s, d in pairs:
+            if s != d and (self._holds(s) or self._holds(d)):
+                _record("send_recv", (s, d), _nbytes(xs[s]) if s in xs else _like_bytes(recv_like[d]))
+        return self.inner.send_recv(xs, pairs, recv_like)

@@ -5,7 +5,8 @@ job, all of them in the simulated world) and ``ranks``: the group in mesh order.
 (padding uneven shards, trimming) happens one level up, in comm/collectives.py.
 
 The real transport calls ``paddle.distributed`` through the module at call time, so a wrapper around
-those functions (comm/counter.py) sees every byte sent.
+those functions (comm/counter.py's ``count_comm``) sees every byte sent; ``transport_for`` hands out a
+reporting view while ``count_collectives`` is open (the logical collectives, alike in both worlds).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import paddle
 
 from autoparallel import watchdog
 from autoparallel.comm.capabilities import capabilities
+from autoparallel.comm.counter import counted
 
 _REDUCERS = {"sum": lambda a, b: a + b, "max": paddle.maximum, "min": paddle.minimum}
 
@@ -218,4 +220,5 @@ def round_robin(n: int) -> list:
 
 
 def transport_for(world):
-    return SimTransport() if world.is_simulated else RealTransport(world.rank, world.backend)
+    """This world's transport; while ``count_collectives`` is open, one that reports each call."""
+    return counted(SimTransport() if world.is_simulated else RealTransport(world.rank, world.backend))

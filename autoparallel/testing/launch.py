@@ -2,6 +2,10 @@
 
 Each rank writes ``$AP_RESULT_DIR/rank{r}.json`` (see ``write_result``); ``launch`` returns them in rank
 order, or raises with the tail of every rank's log when the job fails or a rank wrote nothing.
+
+The ranks import what the launching process imports: ``child_env`` puts this process's import-path entries
+inside the project (the checkout holding the imported ``autoparallel``: its root, ``examples/``, ``tests/``
+as pytest's ``pythonpath`` setting lists them) first on the children's ``PYTHONPATH``.
 """
 from __future__ import annotations
 
@@ -26,6 +30,21 @@ def free_port() -> int:
 STARTUP_FLAKES = ("Connection refused", "Application timeout caused pair closure", "TIMEOUT self_rank")
 
 
+def child_env(env=None) -> dict:
+    """``os.environ`` + ``env`` for a child process, with this process's project import paths on PYTHONPATH."""
+    import autoparallel
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(autoparallel.__file__)))
+    here = [os.path.abspath(p or os.getcwd()) for p in sys.path]
+    mine = [p for p in dict.fromkeys(here) if (p == root or p.startswith(root + os.sep))
+            and not p.startswith(sys.prefix + os.sep) and os.path.isdir(p)]
+    e = dict(os.environ)
+    e.update(env or {})
+    old = [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p and p not in mine]
+    e["PYTHONPATH"] = os.pathsep.join(mine + old)
+    return e
+
+
 def launch(script: str, nproc: int, args=(), timeout: float = 600, env=None, nnodes: int = 1,
            attempts: int = 3) -> list:
     for attempt in range(attempts):
@@ -44,10 +63,8 @@ def _launch_once(script, nproc, args, timeout, env, nnodes) -> list:
     workdir = tempfile.mkdtemp(prefix="ap_launch_")
     result_dir = os.path.join(workdir, "results")
     os.makedirs(result_dir)
-    e = dict(os.environ)
-    e.update({"OMP_NUM_THREADS": "1", "AP_RESULT_DIR": result_dir, "PYTHONUNBUFFERED": "1",
-              "GLOG_minloglevel": "2", "FLAGS_call_stack_level": "0"})
-    e.update(env or {})
+    e = child_env({"OMP_NUM_THREADS": "1", "AP_RESULT_DIR": result_dir, "PYTHONUNBUFFERED": "1",
+                   "GLOG_minloglevel": "2", "FLAGS_call_stack_level": "0", **(env or {})})
     logs = []
     procs = []
     if nnodes == 1:

@@ -8,12 +8,9 @@
 * strategy.checkpoint saves from the loop, an out-of-memory, fallback_to_cpu_offload + resume (snippet 11)
 Every rank also computes the single-process reference itself (same seeds, same global batches)."""
 import os
-import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "..")]
 
 import numpy as np                                         # noqa: E402
 import paddle                                              # noqa: E402

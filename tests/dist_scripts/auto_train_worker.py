@@ -16,9 +16,6 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
 
 import train_common  # noqa: E402
 from train_worker import negative  # noqa: E402

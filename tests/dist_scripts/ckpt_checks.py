@@ -3,11 +3,9 @@ training loop, under the running watchdog): save a DP2 x TP2 state with ranks fi
 different times, load it back under DP4 and under TP2 on ranks 0-1, compare every held shard with the
 full tensors, and gather PerformanceMonitor timings."""
 import os
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 import autoparallel as ap  # noqa: E402
 import autoparallel.checkpoint.save as save_module  # noqa: E402

@@ -1,9 +1,7 @@
 """Saves one checkpoint with CheckpointManager in the simulated world (DP2 x TP2 on 4 ranks); the test sets
 AP_CKPT_FAULT so the save SIGKILLs itself at a named phase. Usage: ckpt_fault_writer.py ROOT STEP"""
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.checkpoint import CheckpointManager  # noqa: E402

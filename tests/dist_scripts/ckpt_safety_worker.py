@@ -5,7 +5,6 @@ Usage: ckpt_safety_worker.py ROOT"""
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import paddle  # noqa: E402
 import paddle.distributed as dist  # noqa: E402

@@ -1,15 +1,9 @@
 """Checks shared by the cross-strategy checkpoint tests and their worker: every box of every tensor a
 training state holds in this process against the merged checkpoint (``ap.load_merged_state_dict``), and
 the state's entry names."""
-import os
-import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-for p in (ROOT, os.path.join(ROOT, "examples")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
 from autoparallel.checkpoint.flatten import flatten  # noqa: E402
 from autoparallel.checkpoint.layout import local_box  # noqa: E402

@@ -5,13 +5,11 @@ argv: a JSON file [{"name", "argv": [example flags], "check": checkpoint dir or 
 A job with "check" is meant to train no step (--steps = the checkpoint's step): its state is the loaded
 one. "copy": directories rank 0 copies before the job (an earlier job's checkpoints), then a barrier."""
 import json
-import os
 import shutil
 import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ckpt_zero_common import mismatches, tensor_names  # noqa: E402
 

@@ -1,59 +1,30 @@
 """Every rank of 4 (gloo): collectives of one training step under ap.parallelize (dp=2, tp=2, with and without
 sequence parallelism) on PaddleFormers' Llama and the project's GPT and LLaMA, counted on the tensor-parallel
 groups forward and backward -- per layer as the difference between a 2-layer and a 1-layer model -- by
-wrapping paddle.distributed (what gloo runs: a reduce_scatter is emulated as an all_reduce there) and the
-transport (the logical kind); loss and gradients against one process; and a negative control with the
-shared gradient reduction disabled (one all_reduce per consumer)."""
+wrapping paddle.distributed (what gloo runs: a reduce_scatter is emulated as an all_reduce there) and at the
+transport (the logical kind, comm/counter.py's count_collectives); loss and gradients against one process;
+and a negative control with the shared gradient reduction disabled (one all_reduce per consumer)."""
 import collections
-import contextlib
 import dataclasses
-import os
-import sys
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-sys.path.insert(0, HERE)
-import autoparallel as ap  # noqa: E402
-import paddleformers_common as pc  # noqa: E402
-from autoparallel.comm import fanout, transport  # noqa: E402
-from autoparallel.comm.counter import count_comm  # noqa: E402
-from autoparallel.testing import paddleformers_models as pf  # noqa: E402
-from autoparallel.testing.launch import write_result  # noqa: E402
+import autoparallel as ap
+from autoparallel.testing import paddleformers_runs as pc
+from autoparallel.comm import fanout
+from autoparallel.comm.counter import count_collectives, count_comm
+from autoparallel.testing import paddleformers_models as pf
+from autoparallel.testing.launch import write_result
 
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 
-@contextlib.contextmanager
-def count_kinds():
-    """{(kind, sorted group ranks): calls} of the transport's collectives (the logical kind)."""
-    log = collections.Counter()
-    saved = {k: getattr(transport.RealTransport, k) for k in KINDS}
-
-    def wrap(kind, fn):
-        def run(self, xs, ranks, *a, **k):
-            log[(kind, tuple(sorted(ranks)))] += 1
-            return fn(self, xs, ranks, *a, **k)
-        return run
-
-    for k, fn in saved.items():
-        setattr(transport.RealTransport, k, wrap(k, fn))
-    try:
-        yield log
-    finally:
-        for k, fn in saved.items():
-            setattr(transport.RealTransport, k, fn)
-
-
 def on_groups(kinds, paddle_log, groups) -> dict:
-    """{"logical": {kind: n}, "paddle": {name: n}} counted on ``groups`` (sorted rank tuples)."""
-    logical = collections.Counter()
-    for (kind, ranks), n in kinds.items():
-        if ranks in groups:
-            logical[kind] += n
+    """{"logical": {kind: n}, "paddle": {name: n}} counted on ``groups`` (sorted rank tuples): the transport's
+    collectives (comm/counter.py's ``count_collectives``, as the simulated tests count them) and paddle's calls."""
+    logical = {k: n for k, n in kinds.counts(dist.get_rank(), groups).items() if k in KINDS}
     real = collections.Counter(name for (name, _, _), ranks in zip(paddle_log.calls, paddle_log.groups)
                                if tuple(ranks) in groups)
     return {"logical": dict(logical), "paddle": dict(real)}
@@ -105,9 +76,9 @@ def step(name, layers, sp):
     model, opt = ap.parallelize(model, opt, strategy=pc.strategy(sp=sp))
     mesh = model._ap_mesh
     tp_groups = {tuple(sorted(g)) for g in mesh.all_groups("model")}
-    with count_kinds() as kf, count_comm() as pf_log:
+    with count_collectives() as kf, count_comm() as pf_log:
         loss = loss_fn(model)
-    with count_kinds() as kb, count_comm() as pb_log:
+    with count_collectives() as kb, count_comm() as pb_log:
         loss.backward()
     opt.reduce_gradients()
     return {"fwd": on_groups(kf, pf_log, tp_groups), "bwd": on_groups(kb, pb_log, tp_groups),

@@ -1,14 +1,11 @@
 """Every rank: GPT and LLaMA forward + backward under TP4, DP4 and DP2xTP2 against a single-process run;
 collectives per layer counted by wrapping paddle.distributed; a negative control."""
-import os
-import sys
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import autoparallel as ap  # noqa: E402
 from autoparallel.comm.counter import count_comm  # noqa: E402
 from autoparallel.testing import models as M  # noqa: E402

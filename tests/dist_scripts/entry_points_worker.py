@@ -5,16 +5,11 @@ reporting every rank's local parameter copies for comparison with the simulated 
   clipping, ``loss.backward(use_async_allreduce=True)`` (gloo: accepted, blocking);
 * ``ap.shard_optimizer(opt, ap.ShardingStage2("data", mesh))`` over a model distributed by parallelize.
 """
-import os
-import sys
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))
-sys.path.insert(0, os.path.join(HERE, ".."))
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402

@@ -10,7 +10,6 @@ every parameter gathered, whether the step was lowered to a static program (and 
 programs paddle built.
 """
 import json
-import os
 import sys
 import traceback
 import warnings
@@ -19,8 +18,6 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402

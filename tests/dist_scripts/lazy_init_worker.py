@@ -7,16 +7,12 @@ random draw's size (wrapping paddle's ops), whether any local data was allocated
 losses / final parameters of a few training steps after lazy init and after eager init.
 """
 import dataclasses
-import os
-import sys
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402

@@ -1,18 +1,13 @@
 """Every rank of 4 (gloo): PaddleFormers models under ap.parallelize (dp=2, tp=2) for 5 AdamW steps against
 one process (losses, final parameters), a split-tie negative control, and Llama's forward collectives
 under the seed's shard function and under parallelize, counted by wrapping paddle.distributed."""
-import os
-import sys
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-sys.path.insert(0, HERE)
 import autoparallel as ap  # noqa: E402
-import paddleformers_common as pc  # noqa: E402
+from autoparallel.testing import paddleformers_runs as pc
 from autoparallel.comm.counter import count_comm  # noqa: E402
 from autoparallel.testing import paddleformers_models as pf  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402

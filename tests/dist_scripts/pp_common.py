@@ -2,16 +2,11 @@
 reference run and a pipeline run of one job description."""
 from __future__ import annotations
 
-import os
-import sys
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from autoparallel.data import ByteTextDataset  # noqa: E402
 from autoparallel.strategy import Strategy  # noqa: E402

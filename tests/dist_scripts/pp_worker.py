@@ -18,7 +18,6 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pp_common  # noqa: E402
 

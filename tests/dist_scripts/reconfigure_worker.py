@@ -1,10 +1,7 @@
 """4 gloo ranks: train, ap.reconfigure to another strategy (default rebuild), train on; one job per entry."""
 import json
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", ".."), HERE]
 
 import numpy as np                                         # noqa: E402
 import paddle                                              # noqa: E402

@@ -8,18 +8,13 @@ optimizer step, after one warm-up step), the median step time, and the losses (e
 start from the same initialisation, so they must agree).
 """
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))
-sys.path.insert(0, os.path.join(HERE, ".."))
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.comm.counter import count_comm  # noqa: E402

@@ -7,7 +7,6 @@ saves them as OUT_DIR/<model>_<eager|static|negative>.npz), collectives per step
 import argparse
 import contextlib
 import os
-import sys
 import time
 
 import numpy as np
@@ -15,8 +14,6 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, ROOT)
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.comm.counter import count_comm  # noqa: E402

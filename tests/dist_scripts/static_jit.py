@@ -9,8 +9,6 @@ difference from eager, and per-call times.
   2. the same with the row-parallel all_reduce (paddle.distributed.all_reduce) inside the function;
   3. the completed plan's forward through dispatch (DistTensor inputs, pinned layouts).
 """
-import os
-import sys
 import time
 import traceback
 
@@ -19,9 +17,6 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))
-sys.path.insert(0, os.path.join(HERE, ".."))
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402

@@ -2,15 +2,10 @@
 DP2xTP2 without and with recompute (full, selective). Per run: the losses, the final parameters (gathered,
 rank 0), the bytes autograd saves for backward in one forward, and for ZeRO-3 which parameters hold data at the
 end of every layer's forward; for --static, the number of recomputed ops in the plan."""
-import os
-import sys
 
 import numpy as np
 import paddle.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, ROOT)
 
 import train_common  # noqa: E402
 from autoparallel.dist_tensor import is_dist  # noqa: E402

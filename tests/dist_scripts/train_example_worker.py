@@ -1,10 +1,6 @@
 """Every rank runs the training example with the given flags and reports its per-step losses."""
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, ROOT)
 
 import train_common  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402

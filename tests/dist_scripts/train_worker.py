@@ -18,8 +18,6 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
 
 import train_common  # noqa: E402
 

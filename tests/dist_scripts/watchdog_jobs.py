@@ -14,6 +14,8 @@ import sys
 import tempfile
 import time
 
+from autoparallel.testing.launch import child_env
+
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "watchdog_worker.py")
 TIMEOUT = 3.0                 # AP_WATCHDOG_TIMEOUT of the jobs
@@ -56,8 +58,8 @@ def job(mode: str, attempts: int = 3) -> dict:
         out, log = os.path.join(base, f"out{attempt}"), os.path.join(base, f"log{attempt}")
         ckpt_root = os.path.join(base, f"ckpt{attempt}")
         os.makedirs(out)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOG_minloglevel="2",
-                   FLAGS_call_stack_level="0", AP_WATCHDOG_TIMEOUT=str(TIMEOUT))
+        env = child_env(dict(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOG_minloglevel="2",
+                             FLAGS_call_stack_level="0", AP_WATCHDOG_TIMEOUT=str(TIMEOUT)))
         args = [mode, str(VICTIMS[mode]), out] + ([ckpt_root] if mode == "kill" else [])
         cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "4", "--log_dir", log,
                WORKER, *args]

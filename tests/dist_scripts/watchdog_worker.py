@@ -26,7 +26,6 @@ def note(kind, **fields):
 
 
 if ckpt_root is not None:
-    sys.path.insert(0, os.path.dirname(__file__))
     from ckpt_checks import checkpoint_round_trip, make_meshes
 
     meshes = make_meshes()                           # group creation first, as a training script does

@@ -15,9 +15,6 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))
-sys.path.insert(0, HERE)
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.comm import collectives as C  # noqa: E402

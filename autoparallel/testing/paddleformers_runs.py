@@ -1,5 +1,5 @@
-"""PaddleFormers models under ``ap.parallelize`` (dp=2, tp=2, default plans), in the simulated world or on
-4 real ranks: one backward (loss and every gradient) or a few AdamW steps (losses and final parameters),
+"""Runs of PaddleFormers models under ``ap.parallelize`` (dp=2, tp=2, default plans), in the simulated world
+or on 4 real ranks: one backward (loss and every gradient) or a few AdamW steps (losses and final parameters),
 compared with one process. Builders and the DP / seed-shard-function runs: autoparallel.testing.paddleformers_models."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sections of docs/planner.md written by tools/bench_planner.py: validation against published runs (with the
+"""Sections of docs/planner.md written by tools/bench/planner.py: validation against published runs (with the
 ratio-vs-GPU-count plot) and the cost model's description with its sources."""
 from __future__ import annotations
 

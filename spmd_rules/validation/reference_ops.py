@@ -1,0 +1,39 @@
+"""Reference implementations of the purely local ``local_op``s a rule may name."""
+from __future__ import annotations
+
+from .local_arrays import _paddle
+
+
+def _vocab_parallel_embedding(x, weight, padding_idx=None, max_norm=None, norm_type=2.0, sparse=False,
+                              scale_grad_by_freq=False, name=None, *, vocab_start, vocab_end):
+    paddle = _paddle()
+    F = paddle.nn.functional
+    mask = (x >= vocab_start) & (x < vocab_end)
+    ids = paddle.where(mask, x - vocab_start, paddle.zeros_like(x))
+    out = F.embedding(ids, weight, padding_idx=padding_idx, sparse=sparse)
+    return out * mask.unsqueeze(-1).astype(out.dtype)
+
+
+def _global_mean(x, axis=None, keepdim=False, name=None, *, global_count, dtype=None):
+    paddle = _paddle()
+    return paddle.sum(x, axis=axis, dtype=dtype, keepdim=keepdim) / global_count
+
+
+def _row_of_shard(x, index=None, *, row):
+    from autoparallel.local_ops import row_of_shard
+
+    return row_of_shard(x, index, row=row)
+
+
+def _setitem(x, index, value):
+    from autoparallel.local_ops import setitem
+
+    return setitem(x, index, value)
+
+
+LOCAL_OPS = {
+    "setitem": _setitem,
+    "vocab_parallel_embedding": _vocab_parallel_embedding,
+    "global_mean": _global_mean,
+    "row_of_shard": _row_of_shard,
+}
