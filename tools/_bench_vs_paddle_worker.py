@@ -149,6 +149,8 @@ def main():
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--model", choices=("gpt", "pf-llama"), default="gpt")
+    p.add_argument("--categories", action="store_true",
+                   help="after timing: rank 0's CPU per step by category over --steps more steps")
     args = p.parse_args()
     if args.impl != "single":
         dist.init_parallel_env()
@@ -170,8 +172,13 @@ def main():
     cpu = [t[0] for t in over_ranks(cpu, dist.ReduceOp.SUM)]
     if args.impl == "paddle_dp":                              # each rank saw its rows: the mean is the loss
         losses = [x / dist.get_world_size() for x in over_ranks([losses], dist.ReduceOp.SUM)[0]]
-    write_result({"impl": args.impl, "losses": losses, "times": times, "cpu": cpu,
-                  "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0)})
+    result = {"impl": args.impl, "losses": losses, "times": times, "cpu": cpu,
+              "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0)}
+    if args.categories:
+        from _profile_step_worker import cpu_categories
+
+        result["categories"] = cpu_categories(lambda: step(model, opt, ids, labels), args.steps)
+    write_result(result)
 
 
 if __name__ == "__main__":

@@ -150,7 +150,8 @@ def _category(fn: str, name: str) -> str:
 
 def cpu_categories(step, n: int) -> dict:
     """CPU seconds per step by category (own time of each function, cProfile on ``time.process_time``)."""
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
     pr = cProfile.Profile(time.process_time)
     for _ in range(n):
         pr.enable()

@@ -17,6 +17,11 @@ Besides wall time, every step's CPU time summed over the ranks is reported again
 with more ranks than cores the cores are the bottleneck, so wall / limit cannot fall below that CPU ratio
 however the ranks are scheduled -- it separates work the ranks add from time lost to machine load. Prints
 the table and writes it, with the command, to ``--out``.
+
+``--categories``: instead, one launch per implementation and layout (and the single process) whose rank 0
+runs a CPU-time cProfile of ``--steps`` more steps; prints rank 0's CPU per step by category (paddle's C++
+ops and autograd, the collectives, autoparallel's Python, paddle's Python) side by side -- where our step
+spends CPU that Paddle's does not.
 """
 from __future__ import annotations
 
@@ -49,13 +54,13 @@ def model_args(args) -> list:
             "--seq", args.seq, "--batch", args.batch, "--warmup", args.warmup, "--steps", args.steps]
 
 
-def run_single(args, threads: int = 1) -> dict:
+def run_single(args, threads: int = 1, extra=()) -> dict:
     import json
     import tempfile
 
     d = tempfile.mkdtemp(prefix="ap_bench_vs_paddle_")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), AP_RESULT_DIR=d, GLOG_minloglevel="2")
-    proc = subprocess.run([sys.executable, WORKER, "--impl", "single", *map(str, model_args(args))], env=env,
+    proc = subprocess.run([sys.executable, WORKER, "--impl", "single", *map(str, model_args(args)), *extra], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
     path = os.path.join(d, "rank0.json")
     if proc.returncode or not os.path.exists(path):
@@ -64,8 +69,8 @@ def run_single(args, threads: int = 1) -> dict:
         return json.load(f)
 
 
-def run_ranks(args, impl: str, dp: int, tp: int) -> dict:
-    res = launch(WORKER, dp * tp, ["--impl", impl, "--dp", dp, "--tp", tp, *model_args(args)], timeout=900)
+def run_ranks(args, impl: str, dp: int, tp: int, extra=()) -> dict:
+    res = launch(WORKER, dp * tp, ["--impl", impl, "--dp", dp, "--tp", tp, *model_args(args), *extra], timeout=900)
     return res[0]                                  # times are already the slowest rank's
 
 
@@ -133,6 +138,21 @@ def table(res: dict, chosen: dict) -> tuple:
     return rows, ratios
 
 
+def categories(args) -> str:
+    """Rank 0's CPU ms per step by category, one column per (layout, implementation) and the single process."""
+    cols = {"single": run_single(args, extra=["--categories"])["categories"]}
+    for name, impls in tqdm(list(layouts(args).items()), desc="layouts", unit="layout", file=sys.stderr):
+        dp, tp, _ = LAYOUTS[name]
+        for impl in impls:
+            cols[f"{name} {impl}"] = run_ranks(args, impl, dp, tp, ["--categories"])["categories"]
+    keys = sorted({k for c in cols.values() for k in c}, key=lambda k: -cols["single"].get(k, 0))
+    lines = ["| CPU ms per step (rank 0) | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for k in keys + ["total"]:
+        vals = [sum(c.values()) if k == "total" else c.get(k, 0.0) for c in cols.values()]
+        lines.append(f"| {k} | " + " | ".join(f"{v * 1e3:.1f}" for v in vals) + " |")
+    return "\n".join(lines)
+
+
 def _ratio_text(key: str, v: float) -> str:
     if key.startswith("cpu "):
         return f"CPU {SHORT.get(key[4:], 'vs ' + key[4:])} {v:.2f}"
@@ -155,7 +175,12 @@ def main():
     p.add_argument("--model", choices=("gpt", "pf-llama"), default="gpt")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from " + ", ".join(LAYOUTS))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "vs_paddle_bench.md"))
+    p.add_argument("--categories", action="store_true", help="rank 0's CPU per step by category (prints only)")
     args = p.parse_args()
+    if args.categories:
+        load = os.getloadavg()[0]
+        print(f"{args.model}, hidden {args.hidden}, {args.layers} layers; 1-minute load {load:.1f}\n" + categories(args))
+        return
     load = os.getloadavg()[0]
     start = time.time()
     rows, ratios = table(collect(args), layouts(args))
