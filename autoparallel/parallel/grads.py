@@ -110,14 +110,15 @@ def reduce_bucket(bucket: Bucket, async_op: bool = False):
 
 def _reduce_in_place(flat, bucket) -> bool:
     """A real rank's float32 bucket is summed in its own buffer, dim after dim (the buffer is ours: the
-    functional collective's defensive copy in and out is not needed). False: the caller reduces it."""
-    from autoparallel.comm.transport import transport_for
+    functional collective's defensive copy in and out is not needed). False: the caller reduces it -- also
+    when ``transport_for`` hands out anything but the plain real transport (a view that reports calls)."""
+    from autoparallel.comm.transport import RealTransport, transport_for
 
     world = current_world()
     if world.is_simulated or len(flat) != 1:
         return False
     transport = transport_for(world)
-    if transport.caps.reduce_dtype("float32") != "float32":
+    if type(transport) is not RealTransport or transport.caps.reduce_dtype("float32") != "float32":
         return False
     (rank, buf), = flat.items()
     if numel(buf) == 0:
