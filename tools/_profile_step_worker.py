@@ -1,7 +1,10 @@
 """One launch of tools/bench/profile_step.py: the GPT of tools/bench/vs_paddle.py under ap.parallelize(dp, tp),
 warmed up, then ``--steps`` training steps each profiled with ap.profile (a barrier before each, outside the
 region), the forward alone profiled, the forward timed with and without the profile (its own cost), and
-optionally cProfile over ``--repeat`` forwards on every rank (rank 0 reports its top functions).
+optionally cProfile over ``--repeat`` forwards on every rank (rank 0 reports its top functions). Each
+profiled step's CPU time (``time.process_time``) is gathered per rank; ``--categories`` runs a CPU-time
+cProfile of ``--steps`` whole steps and returns rank 0's CPU per step by category (paddle's C++ ops and
+autograd, the ``paddle.distributed`` collectives, autoparallel's Python, paddle's Python, the rest).
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import paddle                                             # noqa: E402
 import paddle.distributed as dist                         # noqa: E402
 import paddle.nn.functional as F                          # noqa: E402
 
-from _bench_dispatch_worker import adamw, build_model, make_batch  # noqa: E402
+from _bench_dispatch_worker import adamw, make_batch     # noqa: E402
+from _bench_vs_paddle_worker import build_model           # noqa: E402 (the GPT, or PaddleFormers' Llama)
 from autoparallel.profiler import averaged               # noqa: E402
 from autoparallel.testing.launch import write_result     # noqa: E402
 from tools.bench.common import GPT_ARGS, add_int_args
@@ -41,7 +45,8 @@ def main():
     add_int_args(p, GPT_ARGS + (("seed", 0), ("warmup", 3), ("steps", 3), ("cprofile", 0), ("repeat", 1)))
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--plot", default=None)
-    p.add_argument("--model", choices=("gpt", "tiny"), default="gpt")
+    p.add_argument("--model", choices=("gpt", "tiny", "pf-llama"), default="gpt")
+    p.add_argument("--categories", action="store_true")
     p.add_argument("--stat", choices=("mean", "median"), default="mean")
     args = p.parse_args()
     dist.init_parallel_env()
@@ -51,6 +56,11 @@ def main():
         from autoparallel.planner.calib_worker import _replicated_lm
 
         model, opt, ids, forward = _replicated_lm(dist.get_world_size())
+    elif args.model == "pf-llama":
+        from autoparallel.testing.paddleformers_models import loss_of
+
+        model, opt, ids, labels = setup(args)
+        forward = lambda: loss_of(model(input_ids=ids, labels=labels))  # noqa: E731
     else:
         model, opt, ids, labels = setup(args)
         forward = lambda: F.cross_entropy(model(ids), labels)          # noqa: E731
@@ -64,12 +74,16 @@ def main():
         step()
     with ap.profile():                                   # the first profile imports its modules: not counted
         step()
-    profiles = []
+    profiles, cpu = [], []
     for _ in range(args.steps):
         dist.barrier()
+        c = time.process_time()
         with ap.profile() as prof:
             step()
+        cpu.append(time.process_time() - c)
         profiles.append(prof)
+    cpu_by_rank = []
+    dist.all_gather_object(cpu_by_rank, statistics.median(cpu))
     slowest = [max(b.step_s for b in q.breakdowns.values()) for q in profiles]
     mean = averaged(profiles, args.stat)
     fwds = []
@@ -106,12 +120,42 @@ def main():
         buf = io.StringIO()
         pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(args.cprofile)
         top = buf.getvalue()
+    categories = cpu_categories(step, args.steps) if args.categories else None
     if args.plot and dist.get_rank() == 0:
         mean.plot(args.plot)
     write_result({"step": mean.to_dict(), "step_table": mean.table(), "forward": fwd.to_dict(),
                   "forward_table": fwd.table(), "forward_plain_s": statistics.median(plain),
                   "forward_profiled_s": statistics.median(hooked), "cprofile": top,
-                  "step_times": slowest, "plain_vs_dispatched": plain_vs_dispatched(args, forward)})
+                  "step_times": slowest, "plain_vs_dispatched": plain_vs_dispatched(args, forward),
+                  "cpu_by_rank": cpu_by_rank, "categories": categories})
+
+
+def _category(fn: str, name: str) -> str:
+    if fn == "~" and any(c in name for c in ("all_reduce", "all_gather", "broadcast", "send", "recv", "barrier")):
+        return "collectives (paddle.distributed, C++)"
+    if fn == "~":
+        return "paddle C++ (ops, autograd) and builtins"
+    if "/autoparallel/" in fn:
+        return "autoparallel Python"
+    if "site-packages/paddle" in fn:
+        return "paddle Python"
+    return "other Python"
+
+
+def cpu_categories(step, n: int) -> dict:
+    """CPU seconds per step by category (own time of each function, cProfile on ``time.process_time``)."""
+    if dist.is_initialized():
+        dist.barrier()
+    pr = cProfile.Profile(time.process_time)
+    for _ in range(n):
+        pr.enable()
+        step()
+        pr.disable()
+    out: dict = {}
+    for (fn, _, name), (_, _, own, _, _) in pstats.Stats(pr).stats.items():
+        k = _category(fn, name)
+        out[k] = out.get(k, 0.0) + own / n
+    return out
 
 
 def plain_vs_dispatched(args, forward, repeat: int = 20):

@@ -99,10 +99,33 @@ def reduce_bucket(bucket: Bucket, async_op: bool = False):
             task = _start_all_reduce(flat, bucket.mesh, bucket.dims[0])
             if task is not None:
                 return Pending(task, lambda: _unpack(bucket.params, flat))
-        for d in bucket.dims:
-            flat = C.mesh_groups_apply(flat, bucket.mesh, d, lambda xs, ranks: C._reduce_raw(xs, ranks, "sum"))
+        if not _reduce_in_place(flat, bucket):
+            for d in bucket.dims:
+                flat = C.mesh_groups_apply(flat, bucket.mesh, d, lambda xs, ranks: C._reduce_raw(xs, ranks, "sum"))
         _unpack(bucket.params, flat)
     return None
+
+
+def _reduce_in_place(flat, bucket) -> bool:
+    """A real rank's float32 bucket is summed in its own buffer, dim after dim (the buffer is ours: the
+    functional collective's defensive copy in and out is not needed). False: the caller reduces it -- also
+    when ``transport_for`` hands out anything but the plain real transport (a view that reports calls)."""
+    from autoparallel.comm.transport import RealTransport, transport_for
+
+    world = current_world()
+    if world.is_simulated or len(flat) != 1:
+        return False
+    transport = transport_for(world)
+    if type(transport) is not RealTransport or transport.caps.reduce_dtype("float32") != "float32":
+        return False
+    (rank, buf), = flat.items()
+    if numel(buf) == 0:
+        return True
+    for d in bucket.dims:
+        ranks = bucket.mesh.group_ranks(d, rank)
+        if len(ranks) > 1:
+            transport.all_reduce_(buf, ranks)
+    return True
 
 
 def _pack(params, r):
@@ -111,7 +134,7 @@ def _pack(params, r):
         g = p.locals[r].grad
         parts.append(g.reshape([-1]).astype("float32") if g is not None
                      else paddle.zeros([numel(p.locals[r])], dtype="float32"))
-    return paddle.concat(parts)
+    return parts[0] if len(parts) == 1 else paddle.concat(parts)     # one float32 gradient: a view of it
 
 
 def _unpack(params, flat) -> None:
@@ -121,8 +144,9 @@ def _unpack(params, flat) -> None:
             for p in params:
                 t = p.locals[r]
                 n = numel(t)
-                if t.grad is not None:
-                    t.grad.set_value(buf[off:off + n].reshape(t.shape).astype(t.dtype))
+                g = t.grad
+                if g is not None and not (len(params) == 1 and buf.data_ptr() == g.data_ptr()):
+                    g.set_value(buf[off:off + n].reshape(t.shape).astype(t.dtype))
                 off += n
 
 

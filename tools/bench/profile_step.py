@@ -8,7 +8,9 @@ mean per-rank breakdown (``--stat median``: per rank its step of median time), t
 (dispatched ops, dispatch overhead per op), the profile's own cost on a forward (median forward time inside and
 outside a profile) and, with ``--cprofile N``, rank 0's top N functions by own time over ``--repeat`` forwards.
 ``--model tiny`` runs the calibration's replicated one-block model instead (the per-op costs of
-docs/planner_predict.md), on dp x tp ranks.
+docs/planner_predict.md), on dp x tp ranks; ``--model pf-llama`` PaddleFormers' Llama (intermediate 4 x hidden).
+Each rank's CPU time per profiled step is printed beside the wall time; ``--categories`` adds rank 0's CPU
+time per step by category (C++ ops and autograd, collectives, autoparallel's Python, paddle's Python).
 """
 from __future__ import annotations
 
@@ -27,20 +29,31 @@ def main(argv=None):
     p.add_argument("--plot", default=None, help="write the summary step's stacked bars here (PNG)")
     p.add_argument("--stat", choices=("mean", "median"), default="mean",
                    help="summarise the profiled steps by their mean, or per rank by the step of median time")
-    p.add_argument("--model", choices=("gpt", "tiny"), default="gpt",
-                   help="gpt: the bench GPT; tiny: the calibration's replicated one-block model (per-op costs)")
+    p.add_argument("--model", choices=("gpt", "tiny", "pf-llama"), default="gpt",
+                   help="gpt: the bench GPT; tiny: the calibration's replicated one-block model (per-op costs); "
+                        "pf-llama: PaddleFormers' Llama")
+    p.add_argument("--categories", action="store_true", help="rank 0's CPU time per step by category")
     args = p.parse_args(argv)
     if args.dp < 1 or args.tp < 1 or args.steps < 1:
         raise SystemExit(f"--dp, --tp and --steps must be positive, got {args.dp}, {args.tp}, {args.steps}")
-    flags = [x for k, v in vars(args).items() if v is not None for x in (f"--{k}", str(v))]
+    flags = [x for k, v in vars(args).items() if v is not None and v is not False
+             for x in ((f"--{k}",) if v is True else (f"--{k}", str(v)))]
     res = launch(WORKER, args.dp * args.tp, flags, timeout=900)[0]
     if args.model == "tiny":
         print(f"the calibration's one-block model (d 16, batch [2, 8]) replicated on {args.dp * args.tp} gloo ranks")
     else:
-        print(f"GPT vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, seq {args.seq}, "
+        print(f"{'GPT' if args.model == 'gpt' else 'PaddleFormers Llama'} vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, seq {args.seq}, "
               f"global batch {args.batch}; DP{args.dp} x TP{args.tp} on {args.dp * args.tp} gloo ranks")
     print(f"profiled steps (slowest rank, ms): {', '.join(f'{t * 1e3:.0f}' for t in res['step_times'])}")
+    print("CPU time per profiled step, per rank (ms, median): "
+          + ", ".join(f"{c * 1e3:.0f}" for c in res["cpu_by_rank"]))
     print(f"\n== training step ({args.stat} of {args.steps}) ==\n" + res["step_table"])
+    if res["categories"]:
+        cats = sorted(res["categories"].items(), key=lambda kv: -kv[1])
+        total = sum(v for _, v in cats)
+        print(f"\n== rank 0, CPU per step by category (cProfile on process time, {total * 1e3:.0f} ms) ==")
+        for k, v in cats:
+            print(f"  {v * 1e3:8.1f} ms  {v / total:5.1%}  {k}")
     print(f"\n== forward only ({args.stat} of {args.steps}) ==\n" + res["forward_table"])
     plain, hooked = res["forward_plain_s"], res["forward_profiled_s"]
     print(f"\nforward without / inside ap.profile (rank 0, median of 5): {plain * 1e3:.1f} / {hooked * 1e3:.1f} ms")
