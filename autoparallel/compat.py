@@ -39,6 +39,39 @@ def static_value_converter():
     return pir_core, "_convert_into_value"
 
 
+def to_static_enabled(static_function) -> bool:
+    """Whether ``paddle.jit.enable_to_static`` leaves ``static_function`` compiled (``_program_trans``)."""
+    return static_function._program_trans.enable_to_static
+
+
+def is_static_property(static_function) -> bool:
+    """Whether a ``to_static`` function decorates a property (``StaticFunction._property``)."""
+    return bool(getattr(static_function, "_property", False))
+
+
+def dygraph_function(static_function):
+    """The plain python function a ``to_static`` function wraps (``_dygraph_function``), or None."""
+    return getattr(static_function, "_dygraph_function", None)
+
+
+def call_dygraph(static_function, *args, **kwargs):
+    """Run a ``to_static`` function eagerly (``_call_dygraph_function``)."""
+    return static_function._call_dygraph_function(*args, **kwargs)
+
+
+def input_spec_of(static_function):
+    """The ``input_spec`` a ``to_static`` function was given (``_input_spec``), or None."""
+    return getattr(static_function, "_input_spec", None)
+
+
+def convert_into_value(tensor):
+    """The program value paddle makes of ``tensor`` while building a static program
+    (``paddle.pir.core._convert_into_value``, looked up on each call: to_static lowering patches it)."""
+    import paddle.pir.core as pir_core
+
+    return pir_core._convert_into_value(tensor)
+
+
 def forwarded_c_op(fn):
     """The C op a python function paddle generates as ``def _matmul(*args, **kwargs): return
     _C_ops.matmul(...)`` forwards to (one op, one argument parser), or None for any other callable."""
@@ -66,6 +99,12 @@ def set_default_store(store) -> None:
     import paddle.distributed.collective as coll
 
     coll._default_store = store
+
+
+def register_after_accumulate_hook(t, fn) -> None:
+    """Call ``fn()`` after ``t``'s gradient is accumulated, once per backward pass
+    (``Tensor._register_backward_hook``)."""
+    t._register_backward_hook(fn)
 
 
 def owner_of(path: str):
