@@ -16,6 +16,7 @@ import weakref
 import paddle
 from paddle.base import core as _core
 from paddle.base.framework import EagerParamBase  # noqa: F401  (paddle's Parameter class)
+from paddle.base import framework as _framework
 from paddle.base.framework import global_var as _FRAMEWORK
 
 C_OPS = getattr(paddle, "_C_ops", None)
@@ -105,6 +106,52 @@ def register_after_accumulate_hook(t, fn) -> None:
     """Call ``fn()`` after ``t``'s gradient is accumulated, once per backward pass
     (``Tensor._register_backward_hook``)."""
     t._register_backward_hook(fn)
+
+
+def main_global_block():
+    """The global block of paddle's default main program (``paddle.base.framework.default_main_program``),
+    where an eager optimizer's ``_create_accumulators`` expects to be pointed."""
+    from paddle.base import framework
+
+    return framework.default_main_program().global_block()
+
+
+def expected_place():
+    """The place paddle puts new tensors on (``paddle.framework._current_expected_place``)."""
+    return paddle.framework._current_expected_place()
+
+
+def grad_enabled() -> bool:
+    """Whether the dygraph tracer records gradients (``_dygraph_tracer()._has_grad``)."""
+    return _framework._dygraph_tracer()._has_grad
+
+
+def set_grad_enabled(enabled: bool) -> None:
+    """Switch gradient recording of the dygraph tracer in place (no context object; callers restore it)."""
+    _framework._dygraph_tracer()._has_grad = enabled
+
+
+def no_dygraph():
+    """A context in which paddle builds static programs even in dygraph mode (``_dygraph_guard(None)``)."""
+    return _framework._dygraph_guard(None)
+
+
+def register_saved_tensors_hooks(pack, unpack) -> None:
+    """Make ``pack``/``unpack`` the autograd saved-tensor hooks (``core.eager``, as
+    ``paddle.autograd.saved_tensors_hooks`` does on entry)."""
+    _core.eager.register_saved_tensors_hooks(pack, unpack)
+
+
+def reset_saved_tensors_hooks() -> None:
+    _core.eager.reset_saved_tensors_hooks()
+
+
+def lazy_init_method():
+    """``(owner, name)`` of the method paddle runs to initialise a parameter created under ``LazyGuard``
+    (``Initializer._lazy_init``; patched to stamp the creation order)."""
+    from paddle.nn.initializer.initializer import Initializer
+
+    return Initializer, "_lazy_init"
 
 
 def owner_of(path: str):
