@@ -33,6 +33,8 @@ _EXPORTS = {
     "shard_layer": "autoparallel.layer", "shard_optimizer": "autoparallel.parallel.optimizer",
     "apply_tp": "autoparallel.parallel.tensor_parallel", "reduce_gradients": "autoparallel.parallel.grads",
     "local_mode": "autoparallel.local_mode", "custom_op": "autoparallel.dispatch", "set_cluster": "autoparallel.comm.world",
+    "mesh_of": "autoparallel.layer_state", "chosen_strategy": "autoparallel.layer_state",
+    "chosen_plan": "autoparallel.layer_state", "init_report": "autoparallel.layer_state",
     "install": "autoparallel.dispatch_handle", "uninstall": "autoparallel.dispatch_handle",
     "dispatch_mode": "autoparallel.dispatch_handle", "DispatchHandle": "autoparallel.dispatch_handle",
     "ColWiseParallel": "autoparallel.parallel.tensor_parallel", "RowWiseParallel": "autoparallel.parallel.tensor_parallel",

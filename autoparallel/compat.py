@@ -16,6 +16,7 @@ import weakref
 import paddle
 from paddle.base import core as _core
 from paddle.base.framework import EagerParamBase  # noqa: F401  (paddle's Parameter class)
+from paddle.base import framework as _framework
 from paddle.base.framework import global_var as _FRAMEWORK
 
 C_OPS = getattr(paddle, "_C_ops", None)
@@ -37,6 +38,39 @@ def static_value_converter():
     import paddle.pir.core as pir_core
 
     return pir_core, "_convert_into_value"
+
+
+def to_static_enabled(static_function) -> bool:
+    """Whether ``paddle.jit.enable_to_static`` leaves ``static_function`` compiled (``_program_trans``)."""
+    return static_function._program_trans.enable_to_static
+
+
+def is_static_property(static_function) -> bool:
+    """Whether a ``to_static`` function decorates a property (``StaticFunction._property``)."""
+    return bool(getattr(static_function, "_property", False))
+
+
+def dygraph_function(static_function):
+    """The plain python function a ``to_static`` function wraps (``_dygraph_function``), or None."""
+    return getattr(static_function, "_dygraph_function", None)
+
+
+def call_dygraph(static_function, *args, **kwargs):
+    """Run a ``to_static`` function eagerly (``_call_dygraph_function``)."""
+    return static_function._call_dygraph_function(*args, **kwargs)
+
+
+def input_spec_of(static_function):
+    """The ``input_spec`` a ``to_static`` function was given (``_input_spec``), or None."""
+    return getattr(static_function, "_input_spec", None)
+
+
+def convert_into_value(tensor):
+    """The program value paddle makes of ``tensor`` while building a static program
+    (``paddle.pir.core._convert_into_value``, looked up on each call: to_static lowering patches it)."""
+    import paddle.pir.core as pir_core
+
+    return pir_core._convert_into_value(tensor)
 
 
 def forwarded_c_op(fn):
@@ -66,6 +100,58 @@ def set_default_store(store) -> None:
     import paddle.distributed.collective as coll
 
     coll._default_store = store
+
+
+def register_after_accumulate_hook(t, fn) -> None:
+    """Call ``fn()`` after ``t``'s gradient is accumulated, once per backward pass
+    (``Tensor._register_backward_hook``)."""
+    t._register_backward_hook(fn)
+
+
+def main_global_block():
+    """The global block of paddle's default main program (``paddle.base.framework.default_main_program``),
+    where an eager optimizer's ``_create_accumulators`` expects to be pointed."""
+    from paddle.base import framework
+
+    return framework.default_main_program().global_block()
+
+
+def expected_place():
+    """The place paddle puts new tensors on (``paddle.framework._current_expected_place``)."""
+    return paddle.framework._current_expected_place()
+
+
+def grad_enabled() -> bool:
+    """Whether the dygraph tracer records gradients (``_dygraph_tracer()._has_grad``)."""
+    return _framework._dygraph_tracer()._has_grad
+
+
+def set_grad_enabled(enabled: bool) -> None:
+    """Switch gradient recording of the dygraph tracer in place (no context object; callers restore it)."""
+    _framework._dygraph_tracer()._has_grad = enabled
+
+
+def no_dygraph():
+    """A context in which paddle builds static programs even in dygraph mode (``_dygraph_guard(None)``)."""
+    return _framework._dygraph_guard(None)
+
+
+def register_saved_tensors_hooks(pack, unpack) -> None:
+    """Make ``pack``/``unpack`` the autograd saved-tensor hooks (``core.eager``, as
+    ``paddle.autograd.saved_tensors_hooks`` does on entry)."""
+    _core.eager.register_saved_tensors_hooks(pack, unpack)
+
+
+def reset_saved_tensors_hooks() -> None:
+    _core.eager.reset_saved_tensors_hooks()
+
+
+def lazy_init_method():
+    """``(owner, name)`` of the method paddle runs to initialise a parameter created under ``LazyGuard``
+    (``Initializer._lazy_init``; patched to stamp the creation order)."""
+    from paddle.nn.initializer.initializer import Initializer
+
+    return Initializer, "_lazy_init"
 
 
 def owner_of(path: str):

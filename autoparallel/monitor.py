@@ -44,6 +44,7 @@ import contextlib
 import time
 from typing import Optional
 
+from autoparallel import patches
 from autoparallel.monitoring.report import ReportingMixin, _sort_key
 from autoparallel.monitoring.steps import _KEY, _key, _Steps, indexed  # noqa: F401
 from autoparallel.monitoring.suggestion import Suggestion, SuggestingMixin, even_split, skew  # noqa: F401
@@ -144,6 +145,11 @@ class PerformanceMonitor(SuggestingMixin, ReportingMixin):
                     t.add(key, seconds, top, _comm_timer.seconds - comm0)
                 if top:
                     self._absorb_pipeline(trackers)
+
+    def stop(self) -> None:
+        """Put back paddle's collective functions the collective timer wraps (timings recorded so far stay; a
+        later measured record installs the timer again)."""
+        _comm_timer.uninstall()
 
     def _pipe(self):
         if self.pipeline is not None:
@@ -332,7 +338,8 @@ class PerformanceMonitor(SuggestingMixin, ReportingMixin):
 class _CommTimer:
     """Seconds this process spends inside blocking ``paddle.distributed`` collectives (installed by the first
     measured record: each call is wrapped with two clock reads). An asynchronous call counts until it
-    returns; its later ``wait()`` does not."""
+    returns; its later ``wait()`` does not. The wrappers go through the patch ledger: ``ap.uninstall()`` or
+    ``uninstall()`` (``PerformanceMonitor.stop()``) puts paddle's functions back."""
 
     NAMES = ("all_gather", "all_reduce", "broadcast", "send", "recv", "reduce_scatter", "alltoall",
              "alltoall_single", "barrier")
@@ -340,6 +347,7 @@ class _CommTimer:
     def __init__(self):
         self.seconds = 0.0
         self.installed = False
+        self._wrapped: dict = {}            # name -> (our wrapper, the raw value it replaced)
 
     def install(self) -> None:
         import paddle.distributed as dist
@@ -350,8 +358,24 @@ class _CommTimer:
         for name in self.NAMES:
             fn = getattr(dist, name, None)
             if fn is not None and not _timed(fn):
-                setattr(dist, name, self._wrap(fn))
+                raw = dist.__dict__.get(name, patches.MISSING)
+                wrapper = self._wrap(fn)
+                patches.patch(dist, name, wrapper)
+                self._wrapped[name] = (wrapper, raw)
         self.installed = True
+
+    def uninstall(self) -> int:
+        """Put back the collectives this timer still wraps; returns how many."""
+        import paddle.distributed as dist
+
+        n = 0
+        for name, (wrapper, raw) in self._wrapped.items():
+            if dist.__dict__.get(name) is wrapper:
+                patches.put_back(dist, name, raw)
+                n += 1
+        self._wrapped.clear()
+        self.installed = False
+        return n
 
     def _wrap(self, fn):
         import functools

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import weakref
 
+from autoparallel import layer_state
 from autoparallel.dist_tensor import is_dist
 from autoparallel.layer import replicate_remaining
 from autoparallel.mesh import ProcessMesh
@@ -73,8 +74,8 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     strategy = Strategy() if strategy is None else strategy
     if not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be an ap.Strategy, got {type(strategy).__name__}")
-    if getattr(model, "_ap_mesh", None) is not None:
-        raise ValueError(f"{type(model).__name__} is already parallelized on {model._ap_mesh}; build a fresh model "
+    if layer_state.mesh_of(model) is not None:
+        raise ValueError(f"{type(model).__name__} is already parallelized on {layer_state.mesh_of(model)}; build a fresh model "
                          f"to parallelize it again")
     entry = ep.DATA_PARALLEL if _deferred else ep.PARALLELIZE
     ep.reject_unsupported(strategy, entry)
@@ -84,7 +85,8 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
         _world_size()                                       # a launched rank must have initialised first
         chosen, result = plan_strategy(model, strategy, seq_len, cluster)     # the planner returns a Strategy
         model, optimizer = parallelize(model, optimizer, chosen, mesh, tp_plan, _deferred=_deferred)
-        model._ap_strategy, model._ap_plan = chosen, result
+        layer_state.put(model, "strategy", chosen)
+        layer_state.put(model, "plan", result)
         return model, optimizer
     _reject_unused_keywords(strategy, tp_plan, seq_len, cluster)
     ep.apply_seed(strategy)
@@ -106,7 +108,7 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
                                       f"is {_NOT_YET}; build the model without LazyGuard")
         names = {p.name: p for p in model.parameters()}
         pipe, optimizer = _pipeline(model, optimizer, strategy, mesh, styles)
-        pipe._ap_build = Build(strategy, None, names, False, pipe=pipe)
+        layer_state.put(pipe, "build", Build(strategy, None, names, False, pipe=pipe))
         _attach_run(pipe, optimizer, strategy)
         return pipe, optimizer
     mesh = build_mesh(degrees.dp, degrees.tp) if mesh is None else check_mesh(mesh, degrees.dp, degrees.tp)
@@ -132,7 +134,8 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
         lazy = False
     by_path = {s.path: s.param for s in original}          # tied holders all name the one replacement
     by_name = {by_path[n].name: q for n, q in model.named_parameters() if n in by_path}
-    build = model._ap_build = Build(strategy, mesh, by_name, lazy, model=model)
+    build = Build(strategy, mesh, by_name, lazy, model=model)
+    layer_state.put(model, "build", build)
     BUILT[:] = [r for r in BUILT if r() is not None and r() is not model] + [weakref.ref(model)]
     if optimizer is not None:
         optimizer = build_optimizer(build, wrap_optimizer(optimizer, replaced, strategy.gradient_accumulation_steps))

@@ -5,16 +5,19 @@ Every patch of a paddle module, class or function table goes through ``patch(own
 its original is recorded exactly as it sat in the owner's ``__dict__`` (a ``staticmethod``, a property, an
 inherited name that was absent); ``undo()`` restores every recorded name, newest first, and then runs the
 reset callbacks the patching modules registered (``on_undo``) so their "already installed" flags read false
-and a later install patches again.
+and a later install patches again. A patch its own code removes again goes back with ``put_back`` (the ledger
+forgets it), and a patch for the length of a block is ``with swapped(owner, {name: value}):``.
 """
 from __future__ import annotations
 
+import contextlib
 import types
 import weakref
 
 _MISSING = object()
 _LEDGER: dict = {}          # (id(owner), name) -> (owner ref, name, original raw value or _MISSING)
 _RESETS: list = []
+_UNDOS = [0]                # how many undo() calls so far (a temporary swap sees one that ran inside it)
 
 
 def _ref(owner):
@@ -62,6 +65,56 @@ def patch(owner, name: str, value) -> None:
         raise
 
 
+def _set_raw(owner, name, raw) -> None:
+    if raw is _MISSING:
+        try:
+            delattr(owner, name)
+        except AttributeError:
+            pass
+    else:
+        setattr(owner, name, raw)
+
+
+def original(owner, name: str):
+    """The recorded original of ``owner.name`` as it sat in the owner's ``__dict__`` (``MISSING`` when it
+    was absent), or its current raw value when the ledger has no entry."""
+    key = (id(owner), name)
+    return _LEDGER[key][2] if _known(key, owner) else _raw(owner, name)
+
+
+def put_back(owner, name: str, raw) -> None:
+    """Set ``owner.name`` back to ``raw`` (``MISSING``: remove it), a patch undone by the code that made it;
+    the ledger forgets the name when ``raw`` is its recorded original."""
+    _set_raw(owner, name, raw)
+    key = (id(owner), name)
+    if _known(key, owner) and _LEDGER[key][2] is raw:
+        del _LEDGER[key]
+
+
+@contextlib.contextmanager
+def swapped(owner, values: dict):
+    """Set ``owner``'s names to ``values`` for a block (recorded in the ledger meanwhile, so an ``undo()``
+    from another thread or a crash report finds them), then put back what the block found. When ``undo()``
+    ran inside the block, the originals are put back instead (the block must not re-install a patch that
+    undo removed)."""
+    found = {n: _raw(owner, n) for n in values}
+    first = {n: original(owner, n) for n in values}
+    undos = _UNDOS[0]
+    try:
+        for n, v in values.items():
+            patch(owner, n, v)
+        yield
+    finally:
+        for n in reversed(list(values)):
+            if _UNDOS[0] == undos:
+                put_back(owner, n, found[n])
+            else:
+                _set_raw(owner, n, first[n])
+
+
+MISSING = _MISSING
+
+
 def on_undo(fn) -> None:
     """Call ``fn()`` after every ``undo()`` (a module resets its own "installed" flags and caches)."""
     if fn not in _RESETS:
@@ -78,14 +131,9 @@ def undo() -> int:
     """Restore every recorded name (newest first); returns how many."""
     entries = recorded()
     for owner, name, raw in reversed(entries):
-        if raw is _MISSING:
-            try:
-                delattr(owner, name)
-            except AttributeError:
-                pass
-        else:
-            setattr(owner, name, raw)
+        _set_raw(owner, name, raw)
     _LEDGER.clear()
+    _UNDOS[0] += 1
     for fn in _RESETS:
         fn()
     return len(entries)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+from autoparallel import layer_state
 from autoparallel.auto_checkpoint import current_run, same_object
 
 
@@ -78,7 +79,7 @@ def fallback_to_cpu_offload(model=None, optimizer=None):
     zero = next((o for o in wrapper_chain(optimizer) if isinstance(o, ZeroOptimizer)), None)
     if zero is None:
         return _offload_by_rebuild(run, model, optimizer)
-    if zero.model is not model and getattr(zero.model, "_ap_build", None) is not getattr(model, "_ap_build", 0):
+    if zero.model is not model and layer_state.build_of(zero.model) is not layer_state.get(model, "build", 0):
         raise ValueError(f"fallback_to_cpu_offload: the optimizer shards another model's parameters "
                          f"({type(zero.model).__name__}), not the given {type(model).__name__}")
     offload_zero(zero)
@@ -182,7 +183,7 @@ def _repoint(model, new_model, optimizer) -> None:
     from autoparallel.checkpoint.state import wrapper_chain
 
     holders = list(wrapper_chain(optimizer)) if optimizer is not None else []
-    holders.append(getattr(model, "_ap_build", None))
+    holders.append(layer_state.build_of(model))
     for h in holders:
         if h is not None and getattr(h, "__dict__", {}).get("model") is new_model:
             h.__dict__["model"] = model

@@ -36,15 +36,15 @@ def op_function(name: str):
 def infer_output_specs(name: str, args, kwargs) -> tuple:
     """One DistSpec per output (Replicate placements; None for an absent output)."""
     import paddle
-    from paddle.base.framework import _dygraph_guard
 
+    from autoparallel.compat import no_dygraph
     from autoparallel.local_mode import local_mode
     from spmd_rules.registry import replace_specs, flatten_specs
 
     fn = op_function(name)
     specs = flatten_specs(args, kwargs)
     mesh = specs[0].mesh
-    with _dygraph_guard(None), local_mode():
+    with no_dygraph(), local_mode():
         main, start = paddle.static.Program(), paddle.static.Program()
         with paddle.static.program_guard(main, start):
             values = [paddle.static.data(f"_ap_in{i}", list(s.shape), s.dtype) for i, s in enumerate(specs)]

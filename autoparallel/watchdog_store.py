@@ -81,10 +81,10 @@ class TCPStoreClient:
     missing: paddle's ``get`` then blocks for good."""
 
     def __init__(self, host: str, port: int, world_size: int, host_rank: int = 0, timeout: int = 30):
-        from paddle.base import core
+        from autoparallel.compat import TCPStore
 
         self.host, self.port, self.host_rank = host, int(port), host_rank
-        self._store = core.TCPStore(host, self.port, False, world_size, timeout)
+        self._store = TCPStore(host, self.port, False, world_size, timeout)
         self._lock = threading.Lock()         # one request at a time: the client is not thread-safe
 
     @classmethod

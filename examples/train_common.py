@@ -25,6 +25,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import autoparallel as ap  # noqa: E402
+from autoparallel import layer_state  # noqa: E402
 from autoparallel.checkpoint.errors import CheckpointOwnershipError, CheckpointRootError  # noqa: E402
 from autoparallel.data import ByteTextDataset, DistributedDataLoader  # noqa: E402
 from autoparallel.memory import live_bytes, peak_rss_bytes, rss_bytes  # noqa: E402
@@ -125,9 +126,9 @@ def train(args):
         auto = {"seq_len": args.seq_len} if strategy.auto_mode == "full" else {}
         model, opt = ap.parallelize(model, opt, strategy=strategy, **auto)
         if strategy.auto_mode == "full":         # --auto: train with the strategy the planner chose
-            strategy = model._ap_strategy
+            strategy = layer_state.chosen_strategy(model)
             k, pipelined = strategy.gradient_accumulation_steps, strategy.pipeline_parallel.degree > 1
-        mesh = None if pipelined else model._ap_mesh     # the pipeline takes the plain global batch
+        mesh = None if pipelined else layer_state.mesh_of(model)     # the pipeline takes the plain global batch
         loss_scale = 1.0                         # the optimizer divides accumulated gradients by k
     else:
         mesh, loss_scale = None, 1.0 / k

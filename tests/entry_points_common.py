@@ -3,6 +3,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from autoparallel import layer_state
 import autoparallel as ap
 from autoparallel.testing.models import batch, build
 
@@ -25,7 +26,7 @@ def run(case):
         opt = ap.Optimizer(opt)
     else:
         m, _ = ap.parallelize(m, None, strategy=s)
-        opt = ap.shard_optimizer(_opt(m.parameters()), ap.ShardingStage2("data", m._ap_mesh))
+        opt = ap.shard_optimizer(_opt(m.parameters()), ap.ShardingStage2("data", layer_state.mesh_of(m)))
     losses = []
     for i in range(STEPS):
         ids, lab = batch(i)

@@ -125,7 +125,7 @@ def test_parallelize_full_trains_one_step_like_the_plain_model(capsys):
         model = build(CONFIG)
         opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
         model, opt = ap.parallelize(model, opt, strategy=strategy(), seq_len=16, cluster=cpu_default())
-        chosen = model._ap_strategy
+        chosen = ap.chosen_strategy(model)
         k = chosen.gradient_accumulation_steps
         assert chosen.pipeline_parallel.degree == 1
         total = 0.0
@@ -137,7 +137,7 @@ def test_parallelize_full_trains_one_step_like_the_plain_model(capsys):
         params = {n: p.full().numpy() for n, p in model.named_parameters()}
     out = capsys.readouterr().out
     assert "auto_mode='full': planned for 4 ranks" in out and "#1 " in out and "chosen:" in out
-    assert model._ap_plan.best.config.dp == chosen.data_parallel.degree
+    assert ap.chosen_plan(model).best.config.dp == chosen.data_parallel.degree
     assert total == pytest.approx(float(ref_loss), rel=1e-5)
     for n, p in ref.named_parameters():
         np.testing.assert_allclose(params[n], p.numpy(), rtol=1e-4, atol=1e-6, err_msg=n)
@@ -150,5 +150,5 @@ def test_the_planner_returns_a_strategy_and_leaves_applying_it_to_parallelize(ca
     assert isinstance(chosen, ap.Strategy) and chosen.auto_mode == "semi"
     assert (result.best.config.dp, result.best.config.tp) == (chosen.data_parallel.degree,
                                                               chosen.tensor_parallel.degree)
-    assert getattr(model, "_ap_mesh", None) is None and not any(ap.is_dist(p) for p in model.parameters())
+    assert ap.mesh_of(model) is None and not any(ap.is_dist(p) for p in model.parameters())
     assert "chosen:" in capsys.readouterr().out

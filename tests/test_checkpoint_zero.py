@@ -12,6 +12,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
+from autoparallel import layer_state
 import autoparallel as ap
 from autoparallel.checkpoint import (CheckpointMismatchError, load_merged_state_dict, load_state_dict,
                                      save_state_dict, training_state)
@@ -62,7 +63,7 @@ def zero_run(stage, dp, tp=1, degree=None, offload=False, train=True, seed=0):
     s = ap.Strategy()
     s.data_parallel.degree, s.tensor_parallel.degree = dp, tp
     m, opt = parallelize(m, opt, strategy=s)
-    z = apply_zero(m, opt, m._ap_mesh, stage, degree=degree, offload=offload)
+    z = apply_zero(m, opt, layer_state.mesh_of(m), stage, degree=degree, offload=offload)
     if train:
         step(m, z)
     return m, z
@@ -238,7 +239,7 @@ def test_low_precision_parameters_keep_their_fp32_master_weights(tmp_path, stage
         s = ap.Strategy()
         s.data_parallel.degree = 2
         zm, zopt = parallelize(zm, zopt, strategy=s)
-        z = apply_zero(zm, zopt, zm._ap_mesh, stage)
+        z = apply_zero(zm, zopt, layer_state.mesh_of(zm), stage)
         zstate = training_state(zm, z)
         load_state_dict(zstate, str(tmp_path / "ref"))
         save_state_dict(zstate, str(tmp_path / "z"))

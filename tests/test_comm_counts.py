@@ -9,6 +9,7 @@ import numpy as np
 import paddle
 import pytest
 
+from autoparallel import layer_state
 import autoparallel as ap
 from autoparallel.comm import fanout
 from autoparallel.comm.counter import count_collectives
@@ -175,7 +176,7 @@ def _project_step(preset, layers, sp):
             loss = loss_of(model(ids), labels)
         with count_collectives() as bwd:
             loss.backward()
-    tp_groups = {tuple(sorted(g)) for g in model._ap_mesh.all_groups("model")}
+    tp_groups = {tuple(sorted(g)) for g in layer_state.mesh_of(model).all_groups("model")}
     return {"fwd": fwd, "bwd": bwd}, tp_groups, cfg
 
 

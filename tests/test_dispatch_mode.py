@@ -63,6 +63,9 @@ def test_uninstall_restores_every_patched_name(monkeypatch):
         handle = ap.install()
         from autoparallel.comm.groups import install_group_store_fix
         install_group_store_fix()                          # paddle.distributed.new_group (launched jobs)
+        from autoparallel.monitor import _comm_timer
+        _comm_timer.install()                              # the monitor's collective timer
+        assert paddle.distributed.all_reduce is not before[("paddle.distributed", "all_reduce")]
         during = _snapshot([layer])
         patched = {k for k, v in during.items() if before.get(k, _GONE) is not v and _ours(v)}
         assert len(patched) > 1000 and len(patches.recorded()) >= len(patched)
@@ -81,6 +84,7 @@ def test_uninstall_restores_every_patched_name(monkeypatch):
         assert wrong == []
         assert not any(_ours(getattr(paddle.Tensor, n, None)) for n in dir(paddle.Tensor) if not n.startswith("__"))
         assert user.relu is F.relu and paddle.distributed.new_group.__module__.startswith("paddle")
+        assert paddle.distributed.all_reduce is before[("paddle.distributed", "all_reduce")]   # wraps keep __module__
     finally:
         if was:
             ap.install()
@@ -238,3 +242,33 @@ def test_uninstall_refuses_while_a_layer_holds_distributed_parameters():
             ap.uninstall(force="yes")
         del layer
         assert name not in dispatch_handle._held_dist_params()
+
+
+def test_a_block_patch_and_a_patch_put_back_leave_no_ledger_entry():
+    owner = types.ModuleType("owner_lib")
+    owner.f = orig = lambda: "paddle"
+    n0 = len(patches.recorded())
+    with patches.swapped(owner, {"f": lambda: "ours", "g": 1}):
+        assert owner.f() == "ours" and owner.g == 1
+        assert len(patches.recorded()) == n0 + 2             # undo() meanwhile would find them
+    assert owner.f is orig and not hasattr(owner, "g") and len(patches.recorded()) == n0
+    patches.patch(owner, "f", lambda: "again")
+    patches.put_back(owner, "f", orig)
+    assert owner.f is orig and len(patches.recorded()) == n0
+
+
+def test_an_uninstall_inside_a_block_patch_is_not_reverted_by_its_exit():
+    was = dispatch_handle.installed()
+    owner = types.ModuleType("owner_lib")
+    owner.f = orig = lambda: "paddle"
+    patches.patch(owner, "f", lambda: "installed")
+    try:
+        with patches.swapped(owner, {"f": lambda: "block"}):
+            assert owner.f() == "block"
+            ap.uninstall(force=True)                         # while the block runs
+            assert owner.f is orig
+        assert owner.f is orig                               # the exit must not put the undone patch back
+    finally:
+        patches.put_back(owner, "f", orig)
+        if was:
+            ap.install()

@@ -21,6 +21,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
+from autoparallel import layer_state
 import autoparallel as ap
 from autoparallel import entry_points as ep
 from autoparallel.parallel.recompute import SavedBytes
@@ -523,7 +524,7 @@ def test_lazy_model_under_zero3_is_drawn_chunk_by_chunk_by_either_spelling():
                 m, opt = ap.parallelize(m, opt, strategy=s)
             else:
                 m = ap.DataParallel(m, strategy=s)
-                assert m._ap_build.lazy                       # nothing drawn yet
+                assert layer_state.build_of(m).lazy                       # nothing drawn yet
                 opt = ap.Optimizer(opt)
             assert type(opt).__name__ == "LazyZeroOptimizer"
             masters.append({(n, r): opt.master[r][id(p)].numpy() for n, p in m.named_parameters() for r in (0, 1)})

@@ -14,6 +14,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
+from autoparallel.graph.jit import lowering_state
 import autoparallel as ap
 from autoparallel.graph import jit
 from autoparallel.testing.launch import launch
@@ -87,7 +88,7 @@ def test_lowered_to_one_static_program_equals_eager(full_graph):
         losses, params, step = train(full_graph)
     assert not [w for w in caught if "paddle.jit.to_static:" in str(w.message)]     # lowered: no notice
     assert_equal_to_eager(losses, params)
-    state = step.__dict__["_ap_state"]
+    state = lowering_state(step)
     assert state["why"] is None
     assert state["lowered"].program.get_traced_count() == 1     # built once, run three times
 
@@ -107,7 +108,7 @@ def test_plain_functions_are_still_paddles():
 
     x = paddle.ones([3])
     np.testing.assert_allclose(f(x).numpy(), [3.0, 3.0, 3.0])
-    assert "_ap_state" not in f.__dict__ and f.get_traced_count() == 1
+    assert lowering_state(f) is None and f.get_traced_count() == 1
 
 
 def test_a_layer_method_decorated_is_lowered_too():
@@ -117,7 +118,7 @@ def test_a_layer_method_decorated_is_lowered_too():
     model.forward = paddle.jit.to_static(model.forward, full_graph=True)
     out = model(paddle.to_tensor(batch(0)[0]))             # a plain tensor in: the program shards it
     np.testing.assert_allclose(out.full().numpy(), eager.full().numpy(), rtol=1e-5, atol=1e-6)
-    assert model.forward.__dict__["_ap_state"]["why"] is None
+    assert lowering_state(model.forward)["why"] is None
 
 
 class _Holder:

@@ -247,6 +247,9 @@ def test_time_blocked_in_collectives_is_measured_per_phase(monkeypatch):
     comm = mon.comm_timings()
     assert set(comm) == {"backward"} and comm["backward"] >= 0.03
     assert mon.timings()["backward"] >= comm["backward"]
+    timed = dist.all_reduce
+    mon.stop()                                        # the monitor's own stop puts paddle's function back
+    assert dist.all_reduce is not timed and dist.all_reduce.__name__ == "<lambda>"
 
 
 def test_a_simulated_pipeline_reports_its_stage_times_and_gets_a_resplit():

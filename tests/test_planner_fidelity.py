@@ -7,6 +7,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
+from autoparallel import layer_state
 import autoparallel as ap
 from autoparallel.comm import cost as comm_cost
 from autoparallel.planner.cluster import DEVICES, cluster_of, parse_cluster, preset
@@ -115,7 +116,7 @@ def test_runtime_zero2_accumulates_the_full_gradient_and_reduce_scatters_once():
             s = ap.Strategy()
             s.data_parallel.degree = 2
             m, opt = parallelize(m, make_opt(m), strategy=s)
-            zopt = apply_zero(m, opt, m._ap_mesh, 2, gradient_accumulation_steps=2)
+            zopt = apply_zero(m, opt, layer_state.mesh_of(m), 2, gradient_accumulation_steps=2)
             param_bytes = sum(int(np.prod(p.locals[zopt.held[0]].shape)) * 4 for p in zopt.params)
             data = batches(6)
             per_step = []

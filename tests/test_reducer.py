@@ -9,6 +9,7 @@ import paddle.nn.functional as F
 import pytest
 from paddle import nn
 
+from autoparallel import layer_state
 import autoparallel as ap
 from autoparallel.local_mode import local_mode
 from autoparallel.parallel import grads as G
@@ -256,7 +257,7 @@ def test_zero_reduces_from_hooks_like_at_the_step(stage):
         got = {}
         for overlap in (True, False):
             m, opt = dp_model()
-            zopt = apply_zero(m, opt, m._ap_mesh, stage, bucket_bytes=BUCKET_BYTES, overlap=overlap)
+            zopt = apply_zero(m, opt, layer_state.mesh_of(m), stage, bucket_bytes=BUCKET_BYTES, overlap=overlap)
             loss_of(m, 100).backward()
             zopt.reduce_gradients()
             zopt.clear_grad()

@@ -7,6 +7,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
+from autoparallel import layer_state
 import autoparallel as ap
 from autoparallel.parallel.optimizer import ShardedOptimizer
 from autoparallel.testing.check import expected_local
@@ -123,7 +124,7 @@ def _shard_fn_forms(mesh):
 def test_shard_optimizer_forms_shard_states_and_equal_one_process(ref, form):
     with ap.simulate(world_size=2):
         m, _ = ap.parallelize(build("gpt"), None, strategy=ap.Strategy())
-        opt = ap.shard_optimizer(make_opt(m.parameters()), _shard_fn_forms(m._ap_mesh)[form])
+        opt = ap.shard_optimizer(make_opt(m.parameters()), _shard_fn_forms(layer_state.mesh_of(m))[form])
         assert opt.stage == (int(form[-1]) if form.startswith("stage") else 1)
         losses = []
         for i in range(STEPS):
@@ -152,7 +153,7 @@ def _moment_elements(opt, rank):
 def test_shard_optimizer_bad_shard_fn_forms():
     with ap.simulate(world_size=2):
         m, _ = ap.parallelize(build("gpt"), None, strategy=ap.Strategy())
-        mesh = m._ap_mesh
+        mesh = layer_state.mesh_of(m)
         with pytest.raises(ValueError, match="sharding_mesh_dim='pipe' is not a dim of the mesh"):
             ap.shard_optimizer(make_opt(m.parameters()), ap.ShardingStage1("pipe", mesh))
         with pytest.raises(NotImplementedError, match="only sharding over a mesh dim the parameter is replicated"):

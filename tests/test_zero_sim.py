@@ -7,6 +7,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
+from autoparallel import layer_state
 import autoparallel as ap
 from autoparallel.parallel.sharding import apply_zero
 from autoparallel.parallelize import parallelize
@@ -38,7 +39,7 @@ def run_zero(stage, dp=4, tp=1, degree=None, offload=False, clip=None, probe=Non
         m, opt = parallelize(m, opt, strategy=strategy(dp, tp))
         if clip:                          # parallelize refuses grad_clip with TP; ZeRO clips globally
             opt._inner._grad_clip = paddle.nn.ClipGradByGlobalNorm(clip)
-        zopt = apply_zero(m, opt, m._ap_mesh, stage, degree=degree, offload=offload)
+        zopt = apply_zero(m, opt, layer_state.mesh_of(m), stage, degree=degree, offload=offload)
         losses, mem = [], None
         for x, y in batches():
             out = m(paddle.to_tensor(x))

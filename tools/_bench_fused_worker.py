@@ -9,6 +9,7 @@ import time
 import paddle
 import paddle.distributed as dist
 
+from autoparallel import layer_state
 import autoparallel as ap
 from autoparallel.comm.counter import count_comm
 from autoparallel.testing import paddleformers_models as pf
@@ -37,7 +38,7 @@ def main():
     runs = {}
     for name, plan in plans.items():
         model, opt = build(args, plan)
-        tp_group = next(tuple(sorted(g)) for g in model._ap_mesh.all_groups("model") if dist.get_rank() in g)
+        tp_group = next(tuple(sorted(g)) for g in layer_state.mesh_of(model).all_groups("model") if dist.get_rank() in g)
 
         def step():
             loss = pf.loss_of(model(input_ids=ids, labels=ids))

@@ -11,6 +11,7 @@ import paddle.distributed as dist
 
 
 import autoparallel as ap  # noqa: E402
+from autoparallel import layer_state  # noqa: E402
 from autoparallel.memory import live_bytes, peak_rss_bytes, rss_bytes  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402
 from examples.models import build  # noqa: E402
@@ -32,7 +33,7 @@ def main():
     t2 = time.perf_counter()
     rank = dist.get_rank()
     masters = [m for m in opt.master[rank].values()]
-    report = getattr(model, "_ap_init_report", None)
+    report = layer_state.init_report(model)
     largest = max((e.largest for e in report), default=0) if report is not None else None
     write_result({"rank": rank, "build_s": t1 - t0, "parallelize_s": t2 - t1, "rss_before": rss0,
                   "peak_rss": peak_rss_bytes(), "rss_after": rss_bytes(),

@@ -17,6 +17,7 @@ import paddle  # noqa: E402
 import paddle.distributed as dist  # noqa: E402
 
 import autoparallel as ap  # noqa: E402
+from autoparallel.graph.jit import lowering_state
 from autoparallel.testing.launch import write_result  # noqa: E402
 from autoparallel.testing.models import tp_plan  # noqa: E402
 
@@ -66,7 +67,7 @@ def run_mode(size, cfg, lowered):
         losses.append(value)
     why = None
     if lowered:
-        state = step_fn.__dict__.get("_ap_state") or {}
+        state = lowering_state(step_fn) or {}
         why = state.get("why")
     return {"first": times[0], "median": statistics.median(times[cfg["warmup"]:]), "losses": losses, "why": why}
 

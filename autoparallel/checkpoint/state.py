@@ -33,7 +33,7 @@ def optimizer_state(optimizer, model, wrapper=None) -> dict:
     Only the parameters ``optimizer`` steps are named. In the simulated world ``wrapper`` (the ap wrapper
     around ``optimizer``) also holds the other ranks' optimizers (parallel/sim_step.py): each accumulator is
     then one global tensor over every rank's copy, scalars (beta powers) replicated."""
-    from paddle.base import framework
+    from autoparallel.compat import main_global_block
 
     by_id = {p.name: (name, p) for name, p in model.named_parameters()}
     stepped = {p.name for p in _flat_params(optimizer)}
@@ -41,7 +41,7 @@ def optimizer_state(optimizer, model, wrapper=None) -> dict:
     trainable = [p for _, p in by_id.values() if not p.stop_gradient]
     missing = [p for p in trainable if p.name not in getattr(optimizer, "_already_create_accumulator", set())]
     if missing:
-        optimizer._create_accumulators(framework.default_main_program().global_block(), missing)
+        optimizer._create_accumulators(main_global_block(), missing)
     owner = dict(by_id)           # multi_precision keys a low-precision parameter's moments by its master weight
     for pname, master in getattr(optimizer, "_master_weights", {}).items():
         if pname in by_id:
@@ -130,9 +130,8 @@ def _rank_tensor(name, param, r, t, tensor, copies, find, elementwise):
 def _sim_copies(wrapper, params):
     """The simulated world's per-rank optimizers of ``wrapper`` (built as its first step builds them, with
     their accumulators created), or None outside the simulated world."""
-    from paddle.base import framework
-
     from autoparallel.comm.world import current_world
+    from autoparallel.compat import main_global_block
 
     if not current_world().is_simulated:
         return None
@@ -153,7 +152,7 @@ def _sim_copies(wrapper, params):
             todo = [s for _, s in links if not s.stop_gradient
                     and s.name not in getattr(opt, "_already_create_accumulator", set())]
             if todo:
-                opt._create_accumulators(framework.default_main_program().global_block(), todo)
+                opt._create_accumulators(main_global_block(), todo)
         return got[1]
     return None
 

@@ -58,14 +58,14 @@ def zero_training_state(zopt, model=None) -> dict:
 
 def _ensure_accumulators(zopt) -> None:
     """Create the inner optimizers' accumulators before their first step (so a fresh run can be loaded)."""
-    from paddle.base import framework
+    from autoparallel.compat import main_global_block
 
     for r in zopt.held:
         inner = zopt.inner_opts[r]
         done = getattr(inner, "_already_create_accumulator", set())
         missing = [m for m in zopt.master[r].values() if m.name not in done]
         if missing:
-            inner._create_accumulators(framework.default_main_program().global_block(), missing)
+            inner._create_accumulators(main_global_block(), missing)
 
 
 def _master(zopt, p):

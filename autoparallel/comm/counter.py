@@ -33,6 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from autoparallel import patches
 from autoparallel.comm.cost import collective_bytes
 from autoparallel.comm.sizes import nbytes as _nbytes
 
@@ -142,14 +143,13 @@ def count_comm(observer=None):
     import paddle.distributed as dist
 
     log = CommLog()
-    saved = {}
+    saved = {}                                  # name -> our counting wrapper
     owner = threading.get_ident()
     clock = time.perf_counter
     for name in _WRAPPED:
         fn = getattr(dist, name, None)
         if fn is None:
             continue
-        saved[name] = fn
 
         def wrapper(*args, __fn=fn, __name=name, **kwargs):
             ranks = _group_ranks(_group_of(__name, args, kwargs))
@@ -172,12 +172,9 @@ def count_comm(observer=None):
                 if seen is not None:
                     seen.leave_collective(__name, float(b), n, held, ranks)
 
-        setattr(dist, name, wrapper)
-    try:
+        saved[name] = wrapper
+    with patches.swapped(dist, saved):           # in the ledger while the block runs
         yield log
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 # ---- logical collectives, reported by the transport ------------------------------------------------------------

@@ -48,6 +48,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+from autoparallel import compat, patches
+from autoparallel.compat import SideData
 from autoparallel.graph.jit_reach import touches_dist
 
 _INSTALLED = False
@@ -55,6 +57,18 @@ _NOTICED: set = set()
 from autoparallel.context import state as _ctx  # noqa: E402  (lowering_depth > 0 while a program is built)
 NOTICE = ("paddle.jit.to_static: {name} uses distributed tensors and runs in dygraph mode through autoparallel's "
           "dispatch, not as a paddle static program: {why}")
+
+
+# a decorated function known to reach distributed tensors -> {"lowered": _Lowered or None, "why": reason it runs
+# in dygraph or None}; the per-rank programs autoparallel built itself (never lowered again)
+_STATE = SideData()
+_LOWERED = SideData()
+
+
+def lowering_state(static_function):
+    """``{"lowered": ..., "why": ...}`` of a ``paddle.jit.to_static`` function autoparallel ran over distributed
+    tensors (``why`` is None when it was lowered to a per-rank program), or None."""
+    return _STATE.get(static_function)
 
 
 def install() -> None:
@@ -67,23 +81,23 @@ def install() -> None:
     orig = StaticFunction.__call__
 
     def __call__(self, *args, **kwargs):
-        if not self._program_trans.enable_to_static:     # paddle.jit.enable_to_static(False): dygraph, as paddle
+        if not compat.to_static_enabled(self):     # paddle.jit.enable_to_static(False): dygraph, as paddle
             return orig(self, *args, **kwargs)
-        if "_ap_state" in self.__dict__:                 # known to reach distributed tensors
+        if self in _STATE:                               # known to reach distributed tensors
             return _run(self, args, kwargs)
-        if getattr(self, "_ap_lowered", False) or getattr(self, "_property", False) or \
+        if self in _LOWERED or compat.is_static_property(self) or \
                 not touches_dist(self, args, kwargs):
             return orig(self, *args, **kwargs)
         return _run(self, args, kwargs)
 
     __call__.__wrapped__ = orig
-    StaticFunction.__call__ = __call__
+    patches.patch(StaticFunction, "__call__", __call__)
     _install_param_conversion()
     _INSTALLED = True
 
 
 def _notice(sf, why: str) -> None:
-    fn = getattr(sf, "_dygraph_function", None)
+    fn = compat.dygraph_function(sf)
     key = getattr(fn, "__code__", None) or id(sf)
     if key in _NOTICED:
         return
@@ -115,7 +129,7 @@ def shard_value(value, mesh, placements, dtype=None, stop_gradient=None):
                                   "names the model (it is then lowered by autoparallel), or call shard_tensor "
                                   "outside paddle.jit.to_static")
     if isinstance(value, paddle.Tensor):
-        value = paddle.pir.core._convert_into_value(value)
+        value = compat.convert_into_value(value)
     elif not is_static_value(value):
         value = paddle.to_tensor(np.asarray(value), dtype=dtype)
     shape = list(value.shape)
@@ -137,9 +151,10 @@ def _run(sf, args, kwargs):
     """Run a decorated function over distributed tensors: lowered (real ranks), else dygraph with a notice."""
     from autoparallel.comm.world import current_world
 
-    state = sf.__dict__.get("_ap_state")
+    state = _STATE.get(sf)
     if state is None:
-        state = sf.__dict__["_ap_state"] = {"lowered": None, "why": None}
+        state = {"lowered": None, "why": None}
+        _STATE.set(sf, state)
         if current_world().is_simulated:
             state["why"] = "the simulated world holds every rank in this process, and a static program is one rank's"
     if state["why"] is None:
@@ -153,7 +168,7 @@ def _run(sf, args, kwargs):
         except _CannotLower as e:
             state["why"] = str(e)
     _notice(sf, state["why"])
-    return sf._call_dygraph_function(*args, **kwargs)
+    return compat.call_dygraph(sf, *args, **kwargs)
 
 
 class _CannotLower(Exception):
@@ -193,9 +208,9 @@ class Lowered:
         self.fn = sf.dygraph_function                   # bound to its layer for a decorated method
         self.out_specs = {}                             # input signature -> (output tree, output specs)
         self._key = None
-        spec = getattr(sf, "_input_spec", None)         # the user's input_spec, if any, still applies
+        spec = compat.input_spec_of(sf)       # the user's input_spec, if any, still applies
         self.program = paddle.jit.to_static(_same_signature(self.fn, self._inner), input_spec=spec, full_graph=True)
-        self.program._ap_lowered = True
+        _LOWERED.set(self.program, True)
 
     def _inner(self, *args, **kwargs):
         from autoparallel.dist_tensor import DistTensor
@@ -271,9 +286,8 @@ def _install_param_conversion() -> None:
     dispatch keeps its layout and treats it exactly as in eager mode (a replicated parameter's gradient stays a
     partial sum, reduced by the data-parallel runtime or ZeRO at the step, as eager gradients are). Outside
     lowering it is refused (a program over one shard's placeholder would compute silently wrong)."""
-    import paddle.pir.core as core
-
-    orig = core._convert_into_value
+    owner, name = compat.static_value_converter()
+    orig = getattr(owner, name)
     if getattr(orig, "_ap_wrapped", False):
         return
 
@@ -294,7 +308,7 @@ def _install_param_conversion() -> None:
         return tensor
 
     convert._ap_wrapped = True
-    core._convert_into_value = convert
+    patches.patch(owner, name, convert)
 
 
 _HIDDEN = ("decorate a function that names the model or its inputs directly (as a global, a closure variable "

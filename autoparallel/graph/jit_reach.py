@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import types
 
+from autoparallel import compat, layer_state
+
 
 def _dist(x) -> bool:
     from autoparallel.dist_tensor import is_dist
@@ -12,7 +14,7 @@ def _dist(x) -> bool:
 
 
 def _layer_is_dist(layer) -> bool:
-    if getattr(layer, "_ap_mesh", None) is not None:
+    if layer_state.mesh_of(layer) is not None:
         return True
     return any(_dist(p) for p in layer.parameters())
 
@@ -66,4 +68,4 @@ def touches_dist(sf, args, kwargs) -> bool:
     inst = inst() if callable(inst) else inst
     if inst is not None and _value_is_dist(inst):
         return True
-    return any(_value_is_dist(v) for v in _referenced(getattr(sf, "_dygraph_function", None)))
+    return any(_value_is_dist(v) for v in _referenced(compat.dygraph_function(sf)))

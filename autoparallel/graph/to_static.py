@@ -33,6 +33,7 @@ import math
 import numpy as np
 import paddle
 
+from autoparallel import layer_state
 from autoparallel.placement import Replicate, Shard
 from autoparallel.spec import DistSpec, normalize_dtype
 
@@ -108,10 +109,10 @@ def _apply_recompute(model, rc):
     from autoparallel.parallel.recompute import apply_ac
 
     want = (rc.granularity, rc.checkpoint_every_n_layers)
-    have = getattr(model, "_ap_recompute", None)
+    have = layer_state.get(model, "recompute")
     if have is None:
         apply_ac(model, *want)
-        model._ap_recompute = want
+        layer_state.put(model, "recompute", want)
     elif have != want:
         raise ValueError(f"the model already recomputes {have[0]} every {have[1]} layers (an earlier "
                          f"ap.to_static); build a fresh model to recompute {want[0]} every {want[1]} layers")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from autoparallel import patches
 from autoparallel.compat import C_OPS as _C_ops
 from autoparallel.compat import EagerParamBase
 
@@ -122,13 +123,8 @@ def _recording(log: _Log):
             return log.record(name, args)
         return op
 
-    for name in _RECORDED:
-        setattr(_C_ops, name, recorder(name))
-    try:
+    with patches.swapped(_C_ops, {name: recorder(name) for name in _RECORDED}):
         yield
-    finally:
-        for name, fn in saved.items():
-            setattr(_C_ops, name, fn)
 
 
 def record(origin: EagerParamBase):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 
 from autoparallel import patches
-from autoparallel.compat import SideData
+from autoparallel.compat import SideData, lazy_init_method
 
 _counter = itertools.count()
 _SEQ = SideData()           # parameter -> its creation stamp
@@ -21,11 +21,10 @@ _SEQ = SideData()           # parameter -> its creation stamp
 
 def install() -> None:
     """Stamp the creation order of parameters created lazily from now on (idempotent)."""
-    from paddle.nn.initializer.initializer import Initializer
-
-    if getattr(Initializer._lazy_init, "_ap_stamps", False):
+    owner, name = lazy_init_method()
+    original = getattr(owner, name)
+    if getattr(original, "_ap_stamps", False):
         return
-    original = Initializer._lazy_init
 
     def _lazy_init(self, param, block=None):
         out = original(self, param, block)
@@ -33,7 +32,7 @@ def install() -> None:
         return out
 
     _lazy_init._ap_stamps = True
-    patches.patch(Initializer, "_lazy_init", _lazy_init)
+    patches.patch(owner, name, _lazy_init)
 
 
 def sequence(param):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import paddle
 
+from autoparallel import layer_state
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase, storage_free_tensor
 from autoparallel.dist_tensor import DistParameter, _make_param, _spec_for, is_dist
@@ -257,6 +258,6 @@ def materialize(model, chunk_elements: int = DEFAULT_CHUNK) -> InitReport:
         raise TypeError(f"materialize expects a paddle.nn.Layer, got {type(model).__name__}")
     report, _ = materialize_params(lazy_parameters(model), None, chunk_elements, parameter_names(model),
                                    padding_rows(model))
-    model._ap_init_report = report
+    layer_state.put(model, "init_report", report)
     return report
 

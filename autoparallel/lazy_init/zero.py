@@ -8,6 +8,7 @@ same creation-order pass.
 """
 from __future__ import annotations
 
+from autoparallel import layer_state
 from autoparallel.lazy_init.params import (DEFAULT_CHUNK, is_lazy, lazy_parameters, materialize_params,
                                           padding_rows, parameter_names)
 from autoparallel.parallel.sharding import ZeroOptimizer
@@ -45,7 +46,7 @@ class LazyZeroOptimizer(ZeroOptimizer):
         report, chunks = materialize_params(lazy_parameters(self.model), ranges, self.chunk_elements,
                                             parameter_names(self.model), padding_rows(self.model))
         self.init_report = report
-        self.model._ap_init_report = report
+        layer_state.put(self.model, "init_report", report)
         return chunks
 
 

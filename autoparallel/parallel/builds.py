@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from autoparallel import layer_state
 from autoparallel.mesh import ProcessMesh
 from autoparallel.strategy import Strategy
 
@@ -27,7 +28,7 @@ def find_build(params):
     """(build, {id(plain parameter): its distributed replacement}) of the model ``params`` belong to."""
     for ref in reversed(BUILT):
         model = ref()
-        build = getattr(model, "_ap_build", None)
+        build = layer_state.build_of(model)
         if build is None:
             continue
         own = {id(p) for p in model.parameters()}

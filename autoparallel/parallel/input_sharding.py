@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+from autoparallel import layer_state
 from autoparallel.context import state as _ctx
 from autoparallel.dist_tensor import DistTensor, shard_tensor
 from autoparallel.parallel.mesh_dims import DATA, MODEL
@@ -67,4 +68,4 @@ def shard_inputs(model, mesh) -> None:
         return tuple(place(x) for x in args), {k: place(v) for k, v in kwargs.items()}
 
     model.register_forward_pre_hook(pre, with_kwargs=True)
-    model._ap_mesh = mesh
+    layer_state.put(model, "mesh", mesh)

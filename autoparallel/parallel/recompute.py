@@ -20,6 +20,7 @@ import paddle
 from paddle.distributed.fleet.utils import recompute
 from paddle.distributed.fleet.utils.log_util import logger as _log
 
+from autoparallel import patches
 from autoparallel.comm.sizes import nbytes
 
 GRANULARITIES = ("full", "selective")
@@ -231,30 +232,28 @@ class SavedBytes:
         return t
 
     def __enter__(self):
-        from paddle.base import core
+        from autoparallel import compat
 
-        cls = paddle.autograd.saved_tensors_hooks
-        self._saved = (cls.__enter__, cls.__exit__)
         me = self
 
         def enter(inner):
-            core.eager.reset_saved_tensors_hooks()
-            core.eager.register_saved_tensors_hooks(inner.pack_hook, inner.unpack_hook)
+            compat.reset_saved_tensors_hooks()
+            compat.register_saved_tensors_hooks(inner.pack_hook, inner.unpack_hook)
 
         def exit_(inner, *exc):
-            core.eager.reset_saved_tensors_hooks()
-            core.eager.register_saved_tensors_hooks(me._pack, me._unpack)
+            compat.reset_saved_tensors_hooks()
+            compat.register_saved_tensors_hooks(me._pack, me._unpack)
 
-        cls.__enter__, cls.__exit__ = enter, exit_
-        core.eager.register_saved_tensors_hooks(self._pack, self._unpack)
+        self._saved = patches.swapped(paddle.autograd.saved_tensors_hooks, {"__enter__": enter, "__exit__": exit_})
+        self._saved.__enter__()                         # put back by __exit__ (or by ap.uninstall meanwhile)
+        compat.register_saved_tensors_hooks(self._pack, self._unpack)
         _COUNTERS.append(self)
         return self
 
     def __exit__(self, *exc):
-        from paddle.base import core
+        from autoparallel import compat
 
-        cls = paddle.autograd.saved_tensors_hooks
-        cls.__enter__, cls.__exit__ = self._saved
+        self._saved.__exit__(None, None, None)
         _COUNTERS.remove(self)
-        core.eager.reset_saved_tensors_hooks()
+        compat.reset_saved_tensors_hooks()
         return False

@@ -28,6 +28,7 @@ import weakref
 import paddle
 
 from autoparallel.comm.world import current_world
+from autoparallel.compat import SideData, register_after_accumulate_hook
 from autoparallel.local_mode import local_mode
 
 
@@ -97,9 +98,9 @@ class Reducer:
             for p in b:
                 for r in self._held[id(p)]:
                     t = p.locals[r]
-                    slot = getattr(t, "_ap_grad_slot", None)
+                    slot = _SLOTS.get(t)
                     if slot is not None and slot[0]() is self:
-                        t._ap_grad_slot = None
+                        _SLOTS.set(t, None)
 
     # ---- hooks --------------------------------------------------------------------------------------------
     def before_accumulate(self, p, r) -> None:
@@ -136,19 +137,24 @@ class Reducer:
 
 
 # ---- hook slots: one pair of hooks per tensor, pointing at the current Reducer -------------------------------
+# a local tensor's slot: (weakref to the Reducer, weakref to the parameter, rank) or None when detached; a tensor
+# is in the registry once its hooks are registered (they stay for its lifetime and read the slot)
+_SLOTS = SideData()
+
+
 def _attach(t, reducer, p, r) -> None:
-    t._ap_grad_slot = (weakref.ref(reducer), weakref.ref(p), r)
-    if getattr(t, "_ap_grad_hooked", False):
+    hooked = t in _SLOTS
+    _SLOTS.set(t, (weakref.ref(reducer), weakref.ref(p), r))
+    if hooked:
         return
     ref = weakref.ref(t)
     t.register_hook(lambda g: _fire(ref, "before_accumulate"))
-    t._register_backward_hook(lambda: _fire(ref, "after_accumulate"))
-    t._ap_grad_hooked = True
+    register_after_accumulate_hook(t, lambda: _fire(ref, "after_accumulate"))
 
 
 def _fire(ref, what):
     t = ref()
-    slot = getattr(t, "_ap_grad_slot", None) if t is not None else None
+    slot = _SLOTS.get(t) if t is not None else None
     if slot is None:
         return None
     reducer, p = slot[0](), slot[1]()

@@ -25,6 +25,7 @@ import math
 import paddle
 
 from autoparallel.comm import collectives as C
+from autoparallel.compat import EagerParamBase, expected_place
 from autoparallel.comm.world import current_world
 from autoparallel.dist_tensor import DistParameter
 from autoparallel.local_mode import local_mode
@@ -84,7 +85,7 @@ class ZeroOptimizer(StepHooks):
         self.buckets = split_buckets(params, bucket_bytes)
         self.held = current_world().local_ranks(mesh.process_ids)
         self.host = paddle.CPUPlace()
-        self.device = paddle.framework._current_expected_place()
+        self.device = expected_place()
         self.master = {r: {} for r in self.held}         # rank -> id(param) -> fp32 chunk Parameter
         self._freed = set()                             # (id(param), rank) whose storage is released
         self.inner_opts = {r: self._make_inner(r) for r in self.held}
@@ -98,8 +99,6 @@ class ZeroOptimizer(StepHooks):
         return BucketLayout([math.prod(self._shape(p, r)) for p in ps], self.groups.degree)
 
     def _make_inner(self, r):
-        from paddle.base.framework import EagerParamBase
-
         chunks, names = [], {}
         with local_mode(), paddle.no_grad():
             for p in self.params:

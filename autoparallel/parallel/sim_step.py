@@ -44,8 +44,7 @@ class RankCopies:
             self.opts[r] = self._make(r, pairs)
 
     def _make(self, r, pairs):
-        from paddle.base.framework import EagerParamBase
-
+        from autoparallel.compat import EagerParamBase
         from autoparallel.parallel.optim_clone import clone_optimizer
 
         shadows, names, links = [], {}, []

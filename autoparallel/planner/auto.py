@@ -13,7 +13,7 @@ dp / tp / sp / ZeRO stage 0-3 / recompute none, selective, full / micro-batching
 no optimizer offload on a CPU profile (the host is the device). The fastest configuration that also
 passes ``Strategy.validate`` wins; it becomes a ``auto_mode="semi"`` Strategy keeping the user's AMP,
 checkpoint, batch and seed settings, and parallelize runs its normal apply steps with it. The returned
-model carries ``_ap_strategy`` (the chosen Strategy) and ``_ap_plan`` (the PlanResult).
+``ap.chosen_strategy(model)`` / ``ap.chosen_plan(model)`` give the chosen Strategy and its PlanResult.
 """
 from __future__ import annotations
 

@@ -60,6 +60,7 @@ def _cases_blocks():
 
 def _impls():
     paddle = _paddle()
+    from autoparallel.compat import C_OPS
     F = paddle.nn.functional
 
     def rms_norm(x, normalized_shape, weight=None, eps=1e-05, name=None):
@@ -77,14 +78,14 @@ def _impls():
 
     def sgd(param, learning_rate, grad, master_param=None, multi_precision=False):
         p = param.clone()
-        out = paddle._C_ops.sgd_(p, learning_rate, grad, master_param, multi_precision)
+        out = C_OPS.sgd_(p, learning_rate, grad, master_param, multi_precision)
         return out
 
     def adamw(param, grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, beta2_pow, master_weight,
               found_inf, *rest, **kw):
         c = [None if t is None else t.clone() for t in (param, moment1, moment2, moment2_max, beta1_pow, beta2_pow,
                                                           master_weight)]
-        out = paddle._C_ops.adamw_(c[0], grad, learning_rate, c[1], c[2], c[3], c[4], c[5], c[6], found_inf,
+        out = C_OPS.adamw_(c[0], grad, learning_rate, c[1], c[2], c[3], c[4], c[5], c[6], found_inf,
                                    *rest, *kw.values())
         return tuple(out)
 

@@ -11,6 +11,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from autoparallel import layer_state
 import autoparallel as ap
 from autoparallel.testing import paddleformers_runs as pc
 from autoparallel.comm import fanout
@@ -74,7 +75,7 @@ def step(name, layers, sp):
     model, loss_fn = MODELS[name](layers)
     opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
     model, opt = ap.parallelize(model, opt, strategy=pc.strategy(sp=sp))
-    mesh = model._ap_mesh
+    mesh = layer_state.mesh_of(model)
     tp_groups = {tuple(sorted(g)) for g in mesh.all_groups("model")}
     with count_collectives() as kf, count_comm() as pf_log:
         loss = loss_fn(model)

@@ -20,6 +20,7 @@ import paddle.nn.functional as F
 
 
 import autoparallel as ap  # noqa: E402
+from autoparallel.graph.jit import lowering_state  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402
 from autoparallel.testing.models import batch, build, tp_plan  # noqa: E402
 
@@ -77,7 +78,7 @@ def run(job):
             opt.step()
             opt.clear_grad()
             losses.append(float(loss))
-    state = train_step.__dict__.get("_ap_state") or {}
+    state = lowering_state(train_step) or {}
     lowered = state.get("lowered")
     params = {n: (p.full() if hasattr(p, "full") else p).numpy().tolist() for n, p in model.named_parameters()}
     err = getattr(lowered, "error", None)

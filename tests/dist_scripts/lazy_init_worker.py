@@ -15,6 +15,7 @@ import paddle.nn.functional as F
 
 
 import autoparallel as ap  # noqa: E402
+from autoparallel import layer_state  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402
 from examples.models import PRESETS, build  # noqa: E402
 
@@ -115,7 +116,7 @@ def run(preset, zero, rank):
             "draws": draws.sizes, "kept": kept, "numel": {n: int(v.size) for n, v in refv.items()},
             "order": list(refv), "losses_lazy": losses_lazy, "losses_eager": losses_eager,
             "final_equal": all(np.array_equal(final_lazy[n], v) for n, v in final_eager.items()),
-            "report_full_copies": [x.name for x in m._ap_init_report.full_copies()]}
+            "report_full_copies": [x.name for x in layer_state.init_report(m).full_copies()]}
 
 
 def main():

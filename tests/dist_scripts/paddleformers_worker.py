@@ -7,6 +7,7 @@ import paddle
 import paddle.distributed as dist
 
 import autoparallel as ap  # noqa: E402
+from autoparallel import layer_state
 from autoparallel.testing import paddleformers_runs as pc
 from autoparallel.comm.counter import count_comm  # noqa: E402
 from autoparallel.testing import paddleformers_models as pf  # noqa: E402
@@ -61,7 +62,7 @@ def forward_calls(mode):
         model, _ = pc.parallelized("llama")
         kw = {"input_ids": paddle.to_tensor(ids), "labels": paddle.to_tensor(labels)}
     ids_in = kw["input_ids"] if mode == "seed" else \
-        ap.shard_tensor(kw["input_ids"], model._ap_mesh, [ap.Shard(0), ap.Replicate()])
+        ap.shard_tensor(kw["input_ids"], layer_state.mesh_of(model), [ap.Shard(0), ap.Replicate()])
     with count_comm() as decoder_log:                                # the decoder stack alone
         model.model(input_ids=ids_in)
     with count_comm() as log:                                        # embedding, decoder, head and loss

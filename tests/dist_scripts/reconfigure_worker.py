@@ -9,6 +9,7 @@ import paddle.distributed as dist                          # noqa: E402
 import paddle.nn.functional as F                           # noqa: E402
 
 import autoparallel as ap                                  # noqa: E402
+from autoparallel import layer_state  # noqa: E402
 from autoparallel.testing.launch import write_result      # noqa: E402
 from zero_common import batches, make_opt, tiny           # noqa: E402
 
@@ -38,7 +39,7 @@ def run(job: dict) -> dict:
         opt.gather(list(model.parameters()))
     for n, p in model.named_parameters():
         params[n] = (p.as_dist().full() if hasattr(p, "as_dist") else p).numpy().tolist()
-    return {"losses": losses, "params": params, "mesh": model._ap_mesh.mesh.tolist()}
+    return {"losses": losses, "params": params, "mesh": layer_state.mesh_of(model).mesh.tolist()}
 
 
 def main():

@@ -15,6 +15,7 @@ import paddle.nn.functional as F
 
 
 import autoparallel as ap  # noqa: E402
+from autoparallel import layer_state  # noqa: E402
 from autoparallel.comm.counter import count_comm  # noqa: E402
 from autoparallel.comm.groups import install_group_store_fix  # noqa: E402
 from autoparallel.parallel.grads import GradientSync  # noqa: E402
@@ -48,7 +49,7 @@ def build(dp, tp, ga, stage, opts, bucket_bytes):
     m = tiny()
     m, opt = parallelize(m, make_opt(m), strategy=strategy(dp, tp, ga))
     if stage is not None:
-        return m, apply_zero(m, opt, m._ap_mesh, stage, bucket_bytes=bucket_bytes)
+        return m, apply_zero(m, opt, layer_state.mesh_of(m), stage, bucket_bytes=bucket_bytes)
     opt.bucket_bytes = bucket_bytes
     opt.grad_sync.overlap = opts.get("overlap", True)
     opt.grad_sync.async_op = opts.get("async_op")

@@ -22,6 +22,7 @@ import paddle.nn.functional as F
 import train_common  # noqa: E402
 
 import autoparallel.data as ap_data  # noqa: E402
+from autoparallel import layer_state  # noqa: E402
 from autoparallel.comm.counter import count_comm  # noqa: E402
 from autoparallel.comm.groups import install_group_store_fix  # noqa: E402
 from autoparallel.dist_tensor import is_dist  # noqa: E402
@@ -52,7 +53,7 @@ def negative(kind):
 
 def one_batch(model, args, k=1):
     loader = ap_data.DistributedDataLoader(ap_data.ByteTextDataset(args.seq_len), args.batch_size,
-                                           mesh=model._ap_mesh, num_micro_batches=k, seed=args.seed + 1)
+                                           mesh=layer_state.mesh_of(model), num_micro_batches=k, seed=args.seed + 1)
     return iter(loader)
 
 

@@ -17,6 +17,7 @@ import paddle.nn.functional as F
 
 
 import autoparallel as ap  # noqa: E402
+from autoparallel import layer_state  # noqa: E402
 from autoparallel.comm import collectives as C  # noqa: E402
 from autoparallel.parallel import amp  # noqa: E402
 from autoparallel.parallel.optim_clone import state_tensors  # noqa: E402
@@ -61,7 +62,7 @@ def run(name, stage, offload, clip, neg, out_dir, rank):
     m = tiny()
     m, opt = parallelize(m, make_opt(m, clip), strategy=strategy())
     if stage is not None:
-        opt = apply_zero(m, opt, m._ap_mesh, stage, offload=offload, degree=2 if neg == "hsdp" else None)
+        opt = apply_zero(m, opt, layer_state.mesh_of(m), stage, offload=offload, degree=2 if neg == "hsdp" else None)
     losses, times, mem, probe = [], [], None, {}
     with negative(neg):
         for i, (x, y) in enumerate(batches()):
@@ -92,7 +93,7 @@ def amp_one_rank_overflow(rank):
     m, opt = parallelize(m, make_opt(m), strategy=strategy())
     amp.apply_amp(m, "float16")
     aopt = amp.AmpOptimizer(opt, amp.LossScaler(2.0**10, decr_every_n_nan_or_inf=1, incr_every_n_steps=2),
-                            mesh=m._ap_mesh)
+                            mesh=layer_state.mesh_of(m))
     rec = []
     for i, (x, y) in enumerate(batches(4)):
         loss = F.cross_entropy(m(paddle.to_tensor(x)), paddle.to_tensor(y))

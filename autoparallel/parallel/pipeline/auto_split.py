@@ -34,6 +34,8 @@ import types
 import paddle
 from paddle import nn
 
+from autoparallel.compat import grad_enabled, set_grad_enabled
+
 
 _MISSING = object()
 
@@ -107,13 +109,12 @@ def model_output(out):
 
 @contextlib.contextmanager
 def _grad(enabled: bool):
-    tracer = paddle.base.framework._dygraph_tracer()
-    prev = tracer._has_grad
-    tracer._has_grad = enabled
+    prev = grad_enabled()
+    set_grad_enabled(enabled)
     try:
         yield
     finally:
-        tracer._has_grad = prev
+        set_grad_enabled(prev)
 
 
 @contextlib.contextmanager
@@ -121,8 +122,7 @@ def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False):
     """Swap the blocks' forwards for the stage's proxies (module docstring) for one model call."""
     originals = [b.forward for b in blocks]
     names = [_hidden_name(f) for f in originals]
-    tracer = paddle.base.framework._dygraph_tracer()
-    enter_grad = tracer._has_grad
+    enter_grad = grad_enabled()
 
     def make(j):
         orig, name = originals[j], names[j]
@@ -132,7 +132,7 @@ def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False):
                 return _hidden_of(args, kwargs, name)
             if j == start and x is not None:
                 args, kwargs = _replace_hidden(args, kwargs, name, x)
-                tracer._has_grad = True
+                set_grad_enabled(True)
             out = orig(*args, **kwargs)
             if j == stop - 1 and not last:
                 raise _StageExit(_first(out))
@@ -143,7 +143,7 @@ def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False):
         with _swapped(blocks, {j: make(j) for j in range(len(blocks) if last else stop)}):
             yield
     finally:
-        tracer._has_grad = enter_grad
+        set_grad_enabled(enter_grad)
 
 
 def run_stage(model, blocks, start: int, stop: int, inputs, x=None, last: bool = False):

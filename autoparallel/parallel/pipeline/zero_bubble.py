@@ -24,6 +24,7 @@ import paddle.nn.functional as F
 from paddle import nn
 from paddle.autograd import PyLayer
 
+from autoparallel import layer_state  # noqa: E402
 from autoparallel.context import state as _state  # noqa: E402
 
 
@@ -167,8 +168,8 @@ def install(layer) -> int:
     number of Linear layers changed (idempotent)."""
     n = 0
     for _, sub in layer.named_sublayers(include_self=True):
-        if isinstance(sub, nn.Linear) and not getattr(sub, "_ap_zero_bubble", False):
+        if isinstance(sub, nn.Linear) and not layer_state.get(sub, "zero_bubble", False):
             sub.forward = types.MethodType(_forward, sub)
-            sub._ap_zero_bubble = True
+            layer_state.put(sub, "zero_bubble", True)
             n += 1
     return n
