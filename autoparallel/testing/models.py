@@ -50,11 +50,10 @@ def adamw(params, **kwargs):
     return paddle.optimizer.AdamW(1e-2, parameters=params, epsilon=1e-4, **kwargs)
 
 
-def train_steps(model, optimizer, steps: int, **backward_kwargs) -> list:
-    """``steps`` optimizer steps on ``batch(0)``, ``batch(1)``, ... (mean cross-entropy); the losses."""
+def fit(model, optimizer, pairs, **backward_kwargs) -> list:
+    """One optimizer step per (ids, labels) numpy pair of ``pairs`` (mean cross-entropy); the losses."""
     losses = []
-    for i in range(steps):
-        ids, lab = batch(i)
+    for ids, lab in pairs:
         loss = F.cross_entropy(model(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
         loss.backward(**backward_kwargs)
         optimizer.step()
@@ -63,8 +62,17 @@ def train_steps(model, optimizer, steps: int, **backward_kwargs) -> list:
     return losses
 
 
+def train_steps(model, optimizer, steps: int, **backward_kwargs) -> list:
+    """``steps`` optimizer steps on ``batch(0)``, ``batch(1)``, ...; the losses."""
+    return fit(model, optimizer, (batch(i) for i in range(steps)), **backward_kwargs)
+
+
+def parameters_np(model) -> dict:
+    """{name: ndarray} of every parameter of a single-process model."""
+    return {n: p.numpy() for n, p in model.named_parameters()}
+
+
 def trained_reference(kind: str = "gpt", steps: int = 3, make_opt=adamw):
     """Single-process losses of ``steps`` training steps and the final parameters {name: ndarray}."""
     model = build(kind)
-    losses = train_steps(model, make_opt(model.parameters()), steps)
-    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+    return train_steps(model, make_opt(model.parameters()), steps), parameters_np(model)
