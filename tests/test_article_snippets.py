@@ -25,13 +25,6 @@ from examples.models.gpt import Block as TransformerBlock
 STEPS = 3
 
 
-@pytest.fixture(autouse=True)
-def _fresh_run():
-    auto_checkpoint.reset()
-    yield
-    auto_checkpoint.reset()
-
-
 def DemoNet():
     return build("gpt")
 
