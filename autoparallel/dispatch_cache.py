@@ -18,7 +18,6 @@ pure; local implementations must not mutate their arguments).
 """
 from __future__ import annotations
 
-import contextlib
 
 import paddle
 
@@ -27,6 +26,7 @@ from autoparallel.comm import collectives as C
 from autoparallel.comm import fanout
 from autoparallel.dist_tensor import DistParameter, DistTensor
 from autoparallel.spec import DistSpec, normalize_dtype
+from autoparallel.switch import turned_off
 from reshard import cache as reshard_cache
 from spmd_rules.registry import flatten_specs, replace_specs
 
@@ -128,15 +128,9 @@ def size() -> int:
     return len(_CACHE)
 
 
-@contextlib.contextmanager
 def disabled():
     """Plan every call afresh (and store nothing) inside the block."""
-    prev = _enabled[0]
-    _enabled[0] = False
-    try:
-        yield
-    finally:
-        _enabled[0] = prev
+    return turned_off(_enabled)
 
 
 # ---- plans -----------------------------------------------------------------------------------------------
@@ -283,22 +277,8 @@ class CallPlan:
 
     def _fill(self, args, kwargs, vals, r):
         a = list(args)
-        j = 0
-        for pos, n in self.arg_slots:
-            if n == 0:
-                a[pos] = vals[j]
-                j += 1
-            else:
-                a[pos] = _refill(a[pos], vals[j:j + n])
-                j += n
         kw = dict(kwargs)
-        for name, n in self.kw_slots:
-            if n == 0:
-                kw[name] = vals[j]
-                j += 1
-            else:
-                kw[name] = _refill(kw[name], vals[j:j + n])
-                j += n
+        _put(kw, self.kw_slots, vals, _put(a, self.arg_slots, vals, 0))
         by_pos, by_kw = self.overrides[r]
         for i, value in by_pos:
             a[i] = value
@@ -327,3 +307,16 @@ def _derives(rule, res, kinds, quiet):
 
 def _refill(v, vals):
     return replace_specs((v,), None, vals, is_leaf=_is_tensor_leaf)[0][0]
+
+
+def _put(into, slots, vals, j: int) -> int:
+    """Writes ``vals`` from index ``j`` on into the (key, leaf count) ``slots`` of ``into`` (the argument list
+    or the keyword dict): a lone tensor (count 0) as is, a container refilled; returns the next index."""
+    for key, n in slots:
+        if n == 0:
+            into[key] = vals[j]
+            j += 1
+        else:
+            into[key] = _refill(into[key], vals[j:j + n])
+            j += n
+    return j

@@ -59,10 +59,27 @@ def pytest_runtest_teardown(item, nextitem):
                     f"(autoparallel/testing/markers.py: teach the rule or set pytestmark)", pytrace=False)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_current_run():
-    """Each test starts without a 'current run' left by another (the no-argument article calls act on it)."""
+def _reset_current_run():
     mod = sys.modules.get("autoparallel.auto_checkpoint")
     if mod is not None:
         mod.reset()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_current_run():
+    """Each test starts without a 'current run' left by another (the no-argument article calls act on it) and
+    leaves none behind."""
+    _reset_current_run()
     yield
+    _reset_current_run()
+
+
+@pytest.fixture
+def scratch_rule():
+    """A list of the SPMD rule names a test registers: unregistered after the test."""
+    from spmd_rules import unregister_spmd_rule
+
+    names = []
+    yield names
+    for n in names:
+        unregister_spmd_rule(n)

@@ -1,18 +1,15 @@
 """Training runs shared by the simulated-world test and the real-rank worker of the entry points."""
-import numpy as np
 import paddle
-import paddle.nn.functional as F
 
 from autoparallel import layer_state
 import autoparallel as ap
-from autoparallel.testing.models import batch, build
+from autoparallel.testing.models import adamw, build, train_steps
 
 STEPS = 3
 
 
 def _opt(params, clip=False):
-    gc = paddle.nn.ClipGradByGlobalNorm(0.05) if clip else None
-    return paddle.optimizer.AdamW(1e-2, parameters=params, epsilon=1e-4, grad_clip=gc)
+    return adamw(params, grad_clip=paddle.nn.ClipGradByGlobalNorm(0.05) if clip else None)
 
 
 def run(case):
@@ -27,13 +24,6 @@ def run(case):
     else:
         m, _ = ap.parallelize(m, None, strategy=s)
         opt = ap.shard_optimizer(_opt(m.parameters()), ap.ShardingStage2("data", layer_state.mesh_of(m)))
-    losses = []
-    for i in range(STEPS):
-        ids, lab = batch(i)
-        loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
-        loss.backward(use_async_allreduce=True)
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
+    losses = train_steps(m, opt, STEPS, use_async_allreduce=True)
     copies = {f"{n}@{r}": t.numpy() for n, p in m.named_parameters() for r, t in p.locals.items()}
     return losses, copies

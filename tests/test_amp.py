@@ -9,6 +9,9 @@ import pytest
 
 from autoparallel.parallel.amp import AmpOptimizer, LossScaler, apply_amp, found_inf, round_trip
 from autoparallel.strategy import Strategy
+from autoparallel.testing.check import check_every_rank
+from autoparallel.testing.gpu_scaler import gpu_grad_scaler
+from autoparallel.testing.models import adamw, trained_reference
 from examples.models import PRESETS, build
 
 
@@ -87,32 +90,6 @@ def test_fp16_gradient_overflow_is_caught():
 
 
 # ---- paddle.amp.GradScaler + auto_cast over distributed losses (the article's mixed-precision snippet) ----
-def _gpt_opt(params):
-    return paddle.optimizer.AdamW(1e-2, parameters=params, epsilon=1e-4)
-
-
-def gpu_scaler(**kwargs):
-    """paddle.amp.GradScaler as it is built on a GPU (on CPU paddle disables it: scale() returns the loss and
-    step() just steps): the tracer's place is reported as a GPU place while it is constructed."""
-    from paddle.amp import grad_scaler as gs
-
-    class Place:
-        def is_gpu_place(self):
-            return True
-
-    class Tracer:
-        _expected_place = Place()
-
-    original = gs._dygraph_tracer
-    gs._dygraph_tracer = lambda: Tracer()
-    try:
-        scaler = paddle.amp.GradScaler(**kwargs)
-    finally:
-        gs._dygraph_tracer = original
-    assert scaler._enable
-    return scaler
-
-
 def _scaler_run(world, sharding=0, steps=3, poison=None):
     """Train the test GPT with GradScaler(1024) + auto_cast; ``poison=(step, rank)`` puts an inf into that
     rank's local gradient after backward. Returns losses, scales, hook count and the model."""
@@ -126,9 +103,9 @@ def _scaler_run(world, sharding=0, steps=3, poison=None):
         if sharding:
             s.sharding.enable, s.sharding.stage = True, sharding
         m = build_test("gpt")
-        m, opt = ap.parallelize(m, _gpt_opt(m.parameters()), strategy=s)
+        m, opt = ap.parallelize(m, adamw(m.parameters()), strategy=s)
         opt.register_step_post_hook(lambda o: hooks.append(1))
-        scaler = gpu_scaler(init_loss_scaling=1024)
+        scaler = gpu_grad_scaler(init_loss_scaling=1024)
         for i in range(steps):
             ids, lab = batch(i)
             with paddle.amp.auto_cast():
@@ -146,39 +123,17 @@ def _scaler_run(world, sharding=0, steps=3, poison=None):
         return losses, scales, len(hooks), m
 
 
-def _reference(steps=3):
-    from autoparallel.testing.models import batch
-    from autoparallel.testing.models import build as build_test
-
-    m = build_test("gpt")
-    opt = _gpt_opt(m.parameters())
-    losses = []
-    for i in range(steps):
-        ids, lab = batch(i)
-        loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses, {n: p.numpy() for n, p in m.named_parameters()}
-
-
 @pytest.mark.parametrize("sharding", [0, 2])
 def test_grad_scaler_on_a_distributed_loss_equals_one_process(sharding):
-    from autoparallel.testing.check import expected_local
-
-    ref_losses, ref_params = _reference()
+    ref_losses, ref_params = trained_reference("gpt")
     losses, scales, hooks, m = _scaler_run(2, sharding)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert scales == [1024.0] * 3 and hooks == 3
-    for name, p in m.named_parameters():
-        for r, t in p.locals.items():
-            want = expected_local(ref_params[name], p.spec, p.mesh.coords_of(r))
-            np.testing.assert_allclose(t.numpy(), want, rtol=1e-4, atol=2e-5, err_msg=f"{name} on rank {r}")
+    check_every_rank(m, ref_params)
 
 
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank():
-    ref_losses, _ = _reference(1)
+    ref_losses, _ = trained_reference("gpt", 1)
     losses, scales, hooks, m = _scaler_run(2, sharding=2, steps=2, poison=(0, 1))
     assert scales == [512.0, 512.0] and hooks == 1          # step 0 skipped (scale halved), step 1 ran
     assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6)
@@ -205,11 +160,11 @@ def test_paddle_scaler_alone_fails_on_a_distributed_loss(monkeypatch):
     assert amp_scaler._installed
     with ap.simulate(world_size=2):
         m = build_test("gpt")
-        m, opt = ap.parallelize(m, _gpt_opt(m.parameters()))
+        m, opt = ap.parallelize(m, adamw(m.parameters()))
         ids, lab = batch(0)
         loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
         with pytest.raises((NotImplementedError, TypeError), match="_is_initialized"):
-            gpu_scaler(init_loss_scaling=1024).scale(loss)
+            gpu_grad_scaler(init_loss_scaling=1024).scale(loss)
 
 
 def test_grad_scaler_unscale_then_step_and_two_scalers_refused():
@@ -219,8 +174,8 @@ def test_grad_scaler_unscale_then_step_and_two_scalers_refused():
 
     with ap.simulate(world_size=2):
         m = build_test("gpt")
-        m, opt = ap.parallelize(m, _gpt_opt(m.parameters()))
-        scaler = gpu_scaler(init_loss_scaling=1024)
+        m, opt = ap.parallelize(m, adamw(m.parameters()))
+        scaler = gpu_grad_scaler(init_loss_scaling=1024)
         ids, lab = batch(0)
         scaler.scale(F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()).backward()
         w = dict(m.named_parameters())["lm_head.weight"]
@@ -236,8 +191,8 @@ def test_grad_scaler_unscale_then_step_and_two_scalers_refused():
         s = Strategy()
         s.amp.enable, s.amp.dtype = True, "float16"
         m = build_test("gpt")
-        m, opt = ap.parallelize(m, _gpt_opt(m.parameters()), strategy=s)
-        scaler = gpu_scaler(init_loss_scaling=1024)
+        m, opt = ap.parallelize(m, adamw(m.parameters()), strategy=s)
+        scaler = gpu_grad_scaler(init_loss_scaling=1024)
         scaler.scale(F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()).backward()
         with pytest.raises(ValueError, match="use one loss scaler"):
             scaler.step(opt)
@@ -252,7 +207,7 @@ def test_grad_scaler_over_shard_optimizer_with_a_mesh_equals_one_process():
     from autoparallel.testing.models import build as build_test
 
     ref = build_test("gpt")
-    ref_opt = _gpt_opt(ref.parameters())
+    ref_opt = adamw(ref.parameters())
     ids, lab = batch(0)
     F.cross_entropy(ref(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean().backward()
     ref_opt.step()
@@ -264,9 +219,9 @@ def test_grad_scaler_over_shard_optimizer_with_a_mesh_equals_one_process():
     with ap.simulate(world_size=4):
         mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["data", "model"])
         m = ap.shard_layer(build_test("gpt"), mesh, shard_fn)
-        opt = ap.shard_optimizer(_gpt_opt(m.parameters()), mesh)
+        opt = ap.shard_optimizer(adamw(m.parameters()), mesh)
         assert type(opt).__name__ == "SplitOptimizer"
-        scaler = gpu_scaler(init_loss_scaling=1024)
+        scaler = gpu_grad_scaler(init_loss_scaling=1024)
         scaler.scale(F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()).backward()
         scaler.step(opt)
         scaler.update()

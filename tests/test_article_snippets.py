@@ -18,17 +18,11 @@ import autoparallel as dist
 from autoparallel import auto_checkpoint
 from autoparallel.checkpoint.state import wrapper_chain
 from autoparallel.testing.check import expected_local
+from autoparallel.testing.gpu_scaler import gpu_place
 from autoparallel.testing.models import batch, build
 from examples.models.gpt import Block as TransformerBlock
 
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def _fresh_run():
-    auto_checkpoint.reset()
-    yield
-    auto_checkpoint.reset()
 
 
 def DemoNet():
@@ -584,18 +578,10 @@ def test_13_gradient_accumulation_as_written(monkeypatch):
 
 # ---- 15. mixed precision with paddle's GradScaler ------------------------------------------------------------------
 @pytest.fixture
-def gpu_scaler(monkeypatch):
+def gpu_scaler():
     """paddle.amp.GradScaler as built on a GPU (on CPU paddle disables it and scale() is the identity)."""
-    from paddle.amp import grad_scaler as gs
-
-    class Place:
-        def is_gpu_place(self):
-            return True
-
-    class Tracer:
-        _expected_place = Place()
-
-    monkeypatch.setattr(gs, "_dygraph_tracer", lambda: Tracer())
+    with gpu_place():
+        yield
 
 
 def test_15_grad_scaler_as_written(gpu_scaler, one_process):

@@ -12,7 +12,7 @@ from autoparallel.placement import Partial, Replicate, Shard  # noqa: E402
 from autoparallel.spec import DistSpec  # noqa: E402
 
 import spmd_rules  # noqa: E402
-from spmd_rules import SpmdResult, get_spmd_rule, register_spmd_rule, unregister_spmd_rule  # noqa: E402
+from spmd_rules import SpmdResult, get_spmd_rule, register_spmd_rule  # noqa: E402
 
 
 def run(*argv):
@@ -22,11 +22,9 @@ def run(*argv):
 
 
 @pytest.fixture
-def scratch():
-    names = []
-    yield names
-    for n in names:
-        unregister_spmd_rule(n)
+def scratch(scratch_rule):
+    yield scratch_rule
+    for n in scratch_rule:
         check_rules.CASES.pop(n, None)
         check_rules.IMPLS.pop(n, None)
 

@@ -16,13 +16,6 @@ from autoparallel.checkpoint.state import training_state
 from autoparallel.dist_tensor import is_dist
 
 
-@pytest.fixture(autouse=True)
-def _fresh_run():
-    auto_checkpoint.reset()
-    yield
-    auto_checkpoint.reset()
-
-
 def net():
     paddle.seed(0)
     return paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.ReLU(), paddle.nn.Linear(16, 4))
@@ -128,6 +121,18 @@ def test_split_optimizer_round_trip_and_resume(tmp_path):
         check(split_run, tmp_path)
 
 
+def assert_resumes(model, opt, tmp_path, want, fail_after, saved_at):
+    """Train ``fail_after`` steps (the checkpoint strategy saving on the way, last at step ``saved_at``), then
+    "fail" and resume: the run is back at step ``saved_at`` and the following steps give ``want``'s losses."""
+    for i in range(fail_after):
+        step(model, opt, i)
+    assert (tmp_path / f"step-{saved_at:08d}").is_dir() and not (tmp_path / f"step-{fail_after:08d}").exists()
+    ap.resume_from_last_checkpoint()
+    assert auto_checkpoint.current_run().step == saved_at
+    np.testing.assert_allclose([step(model, opt, i) for i in range(saved_at, len(want))], want[saved_at:],
+                               rtol=1e-6)
+
+
 def test_split_optimizer_saves_from_the_step_hook_and_resumes(tmp_path):
     """strategy.checkpoint's post-step hook (as the entry points attach it) on a SplitOptimizer."""
     with ap.simulate(world_size=4):
@@ -138,12 +143,7 @@ def test_split_optimizer_saves_from_the_step_hook_and_resumes(tmp_path):
         strategy.checkpoint.enable, strategy.checkpoint.save_interval_steps = True, 2
         strategy.checkpoint.dir = str(tmp_path)
         auto_checkpoint.attach(model, opt, strategy)
-        for i in range(3):                                   # saves at step 2, then "fails" after step 3
-            step(model, opt, i)
-        assert (tmp_path / "step-00000002").is_dir() and not (tmp_path / "step-00000003").exists()
-        ap.resume_from_last_checkpoint()
-        assert auto_checkpoint.current_run().step == 2
-        np.testing.assert_allclose([step(model, opt, i) for i in range(2, 4)], want[2:], rtol=1e-6)
+        assert_resumes(model, opt, tmp_path, want, fail_after=3, saved_at=2)
 
 
 def test_split_optimizer_needs_its_own_model():
@@ -224,12 +224,7 @@ def test_simulated_checkpoint_strategy_saves_on_the_loop_and_resumes(tmp_path):
         opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
         model = ap.DataParallel(model, strategy=strategy)
         opt = ap.Optimizer(opt)
-        for i in range(5):                                    # saves at steps 2 and 4, then "fails"
-            step(model, opt, i)
-        assert (tmp_path / "step-00000004").is_dir() and not (tmp_path / "step-00000005").exists()
-        ap.resume_from_last_checkpoint()
-        assert auto_checkpoint.current_run().step == 4
-        np.testing.assert_allclose([step(model, opt, i) for i in range(4, 6)], want[4:], rtol=1e-6)
+        assert_resumes(model, opt, tmp_path, want, fail_after=5, saved_at=4)
 
 
 def pp_run():

@@ -11,14 +11,13 @@ import warnings
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 import pytest
 
 from autoparallel.graph.jit import lowering_state
 import autoparallel as ap
 from autoparallel.graph import jit
 from autoparallel.testing.launch import launch
-from autoparallel.testing.models import batch, build, tp_plan
+from autoparallel.testing.models import batch, build, parameters_np, tp_plan, train_steps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "jit_worker.py")
@@ -30,15 +29,7 @@ STEPS, LR, RTOL, ATOL = 3, 1e-2, 1e-4, 1e-4
 def reference(steps=STEPS, sgd=False):
     model = build("gpt")
     opt = (paddle.optimizer.SGD if sgd else paddle.optimizer.AdamW)(LR, parameters=model.parameters())
-    losses = []
-    for step in range(steps):
-        ids, labels = batch(step)
-        loss = paddle.mean(F.cross_entropy(model(paddle.to_tensor(ids)), paddle.to_tensor(labels)))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+    return train_steps(model, opt, steps), parameters_np(model)
 
 
 _REF = {}

@@ -14,13 +14,6 @@ from autoparallel.parallel.sharding import ZeroOptimizer
 from autoparallel.testing.models import batch, build
 
 
-@pytest.fixture(autouse=True)
-def _fresh_run():
-    auto_checkpoint.reset()
-    yield
-    auto_checkpoint.reset()
-
-
 def make(world_stage=1, ckpt_dir=None, interval=2, offload=False):
     s = ap.Strategy()
     if world_stage:

@@ -5,7 +5,6 @@ all_reduce per bucket (the number of buckets planned in-process for the same mod
 non-final accumulation micro-step issues no gradient reduction; a negative control fails the comparison."""
 import os
 
-import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
@@ -18,7 +17,7 @@ from autoparallel.testing.launch import launch
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "reducer_worker.py")
 
-from zero_common import batches, make_opt, tiny  # noqa: E402
+from zero_common import assert_matches, batches, make_opt, matches, tiny  # noqa: E402
 
 STEPS = 4
 BUCKET_BYTES = 40 * 1024                 # several buckets for the tiny GPT (170 kB of parameters)
@@ -67,22 +66,11 @@ def refs():
     return {1: reference(1), 2: reference(2)}
 
 
-def matches(name, run, ref):
-    out, ranks = run
-    ok_loss = all(np.allclose(r["configs"][name]["losses"], ref[0], rtol=1e-4, atol=1e-6) for r in ranks)
-    params = np.load(os.path.join(out, name + ".npz"))
-    ok_params = all(np.allclose(params[n], v, rtol=1e-4, atol=5e-5) for n, v in ref[1].items())
-    return ok_loss, ok_params
-
-
 @pytest.mark.parametrize("name,ga", [("dp4", 1), ("dp4_async", 1), ("dp4_step_time", 1), ("dp2tp2_ga2", 2),
                                      ("dp2tp2_ga2_step_time", 2), ("dp4_ga2_expect1", 2), ("zero2", 1),
                                      ("zero3", 1)])
 def test_matches_single_process(run, refs, name, ga):
-    ok_loss, ok_params = matches(name, run, refs[ga])
-    got = run[1][0]["configs"][name]["losses"]
-    assert ok_loss, f"{name}: losses {np.round(got, 5).tolist()} vs {np.round(refs[ga][0], 5).tolist()}"
-    assert ok_params, f"{name}: final parameters differ from the single-process run"
+    assert_matches(name, run, refs[ga])
 
 
 def test_negative_control_fails(run, refs):

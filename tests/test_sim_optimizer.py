@@ -10,28 +10,18 @@ import pytest
 from autoparallel import layer_state
 import autoparallel as ap
 from autoparallel.parallel.optimizer import ShardedOptimizer
-from autoparallel.testing.check import expected_local
-from autoparallel.testing.models import batch, build
+from autoparallel.testing.check import check_every_rank
+from autoparallel.testing.models import adamw, batch, build, train_steps, trained_reference
 
 STEPS = 3
 
 
-def make_opt(params):      # epsilon: the attention key bias has a zero gradient; Adam would amplify round-off
-    return paddle.optimizer.AdamW(1e-2, parameters=params, weight_decay=0.01, epsilon=1e-4)
+def make_opt(params):
+    return adamw(params, weight_decay=0.01)
 
 
 def reference(kind="gpt"):
-    m = build(kind)
-    opt = make_opt(m.parameters())
-    losses = []
-    for i in range(STEPS):
-        ids, lab = batch(i)
-        loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses, {n: p.numpy() for n, p in m.named_parameters()}
+    return trained_reference(kind, STEPS, make_opt)
 
 
 def train(entry, dp, tp, kind="gpt"):
@@ -47,25 +37,8 @@ def train(entry, dp, tp, kind="gpt"):
         opt = ap.shard_optimizer(make_opt(m.parameters()))
     else:
         m, opt = ap.parallelize(m, make_opt(m.parameters()), strategy=s)
-    losses = []
-    for i in range(STEPS):
-        ids, lab = batch(i)
-        loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
+    losses = train_steps(m, opt, STEPS)
     return losses, m
-
-
-def check_every_rank(m, ref_params):
-    checked = 0
-    for name, p in m.named_parameters():
-        for r, t in p.locals.items():
-            want = expected_local(ref_params[name], p.spec, p.mesh.coords_of(r))
-            np.testing.assert_allclose(t.numpy(), want, rtol=1e-4, atol=2e-5, err_msg=f"{name} on rank {r}")
-            checked += 1
-    return checked
 
 
 @pytest.fixture(scope="module")
@@ -126,14 +99,7 @@ def test_shard_optimizer_forms_shard_states_and_equal_one_process(ref, form):
         m, _ = ap.parallelize(build("gpt"), None, strategy=ap.Strategy())
         opt = ap.shard_optimizer(make_opt(m.parameters()), _shard_fn_forms(layer_state.mesh_of(m))[form])
         assert opt.stage == (int(form[-1]) if form.startswith("stage") else 1)
-        losses = []
-        for i in range(STEPS):
-            ids, lab = batch(i)
-            loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
-            loss.backward()
-            opt.step()
-            opt.clear_grad()
-            losses.append(float(loss))
+        losses = train_steps(m, opt, STEPS)
         np.testing.assert_allclose(losses, ref[0], rtol=1e-5, atol=1e-6)
         if opt.stage == 3:
             opt.gather(opt.params)
@@ -180,14 +146,7 @@ def test_shard_optimizer_mesh_with_weights_already_sharded_over_data(ref):
         m = ap.shard_layer(build("gpt"), mesh, shard_fn)
         opt = ap.shard_optimizer(make_opt(m.parameters()), mesh)
         assert isinstance(opt, SplitOptimizer) and opt.stage == 1 and len(opt.kept.parameters) == 2
-        losses = []
-        for i in range(STEPS):
-            ids, lab = batch(i)
-            loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
-            loss.backward()
-            opt.step()
-            opt.clear_grad()
-            losses.append(float(loss))
+        losses = train_steps(m, opt, STEPS)
         np.testing.assert_allclose(losses, ref[0], rtol=1e-5, atol=1e-6)
         check_every_rank(m, ref[1])
 
@@ -197,22 +156,12 @@ def test_global_norm_clipping_under_tensor_parallel_equals_one_process(entry, mo
     if entry == "negative control":                 # paddle's own clip, on each rank's shards: differs
         monkeypatch.setattr(ShardedOptimizer, "_clip_global_norm", lambda self: None)
     clip = lambda: paddle.nn.ClipGradByGlobalNorm(0.05)            # noqa: E731  (small: clipping active)
-    m = build("gpt")
-    opt = paddle.optimizer.AdamW(1e-2, parameters=m.parameters(), epsilon=1e-4, grad_clip=clip())
-    want = []
-    for i in range(STEPS):
-        ids, lab = batch(i)
-        loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        want.append(float(loss))
-    ref_params = {n: p.numpy() for n, p in m.named_parameters()}
+    want, ref_params = trained_reference("gpt", STEPS, lambda params: adamw(params, grad_clip=clip()))
     with ap.simulate(world_size=4):
         s = ap.Strategy()
         s.data_parallel.degree, s.tensor_parallel.degree = 2, 2
         m = build("gpt")
-        opt = paddle.optimizer.AdamW(1e-2, parameters=m.parameters(), epsilon=1e-4, grad_clip=clip())
+        opt = adamw(m.parameters(), grad_clip=clip())
         if entry in ("parallelize", "negative control"):
             m, opt = ap.parallelize(m, opt, strategy=s)
         elif entry == "Optimizer":
@@ -220,16 +169,8 @@ def test_global_norm_clipping_under_tensor_parallel_equals_one_process(entry, mo
             opt = ap.Optimizer(opt)
         else:
             m, _ = ap.parallelize(m, None, strategy=s)
-            opt = ap.shard_optimizer(paddle.optimizer.AdamW(1e-2, parameters=m.parameters(), epsilon=1e-4,
-                                                            grad_clip=clip()))
-        got = []
-        for i in range(STEPS):
-            ids, lab = batch(i)
-            loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
-            loss.backward()
-            opt.step()
-            opt.clear_grad()
-            got.append(float(loss))
+            opt = ap.shard_optimizer(adamw(m.parameters(), grad_clip=clip()))
+        got = train_steps(m, opt, STEPS)
         if entry == "negative control":
             with pytest.raises(AssertionError):
                 check_every_rank(m, ref_params)

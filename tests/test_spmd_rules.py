@@ -10,7 +10,7 @@ from autoparallel.placement import Partial, Replicate
 
 import spmd_rules
 from spmd_rules import (NoSpmdRuleError, SpmdResult, flatten_specs, get_spmd_rule, has_spmd_rule,
-                        register_spmd_rule, registered_ops, unregister_spmd_rule)
+                        register_spmd_rule, registered_ops)
 from spmd_rules.einsum import parse_equation
 
 from spmd_helpers import M1, M2, M3, S, rule  # noqa: F401
@@ -194,14 +194,6 @@ def test_unknown_op_error_names_register_spmd_rule():
     with pytest.raises(KeyError):
         get_spmd_rule("no_such_op")
     assert isinstance(NoSpmdRuleError("x"), NotImplementedError) and not has_spmd_rule("no_such_op")
-
-
-@pytest.fixture
-def scratch_rule():
-    names = []
-    yield names
-    for n in names:
-        unregister_spmd_rule(n)
 
 
 def test_user_rule_decorator_and_replacement(scratch_rule):

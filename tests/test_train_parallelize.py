@@ -12,6 +12,7 @@ from paddle import nn
 import autoparallel as ap
 from autoparallel.parallelize import (DataParallel, GPT_PLAN, Optimizer, apply_sp, build_mesh, parallel_guard,
                                       parallelize, resolve_tp_plan)
+from autoparallel.testing.models import fit, parameters_np
 from examples.models import PRESETS, build
 
 
@@ -119,14 +120,7 @@ def test_parallel_guard_changes_input_dims():
 def train_plain(steps, x, y):
     m = tiny()
     opt = paddle.optimizer.AdamW(1e-3, parameters=m.parameters())
-    losses = []
-    for _ in range(steps):
-        loss = F.cross_entropy(m(paddle.to_tensor(x)), paddle.to_tensor(y))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses, {n: p.numpy() for n, p in m.named_parameters()}
+    return fit(m, opt, [(x, y)] * steps), parameters_np(m)
 
 
 @pytest.mark.parametrize("seed_style", [False, True])

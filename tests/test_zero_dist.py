@@ -4,7 +4,6 @@ DP); stage-3 weights are released after use; a negative control fails; emulated-
 makes every rank skip the step."""
 import os
 
-import numpy as np
 import pytest
 
 from autoparallel.testing.launch import launch
@@ -12,7 +11,7 @@ from autoparallel.testing.launch import launch
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "zero_worker.py")
 
-from zero_common import reference  # noqa: E402
+from zero_common import assert_matches, matches, reference  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,21 +25,10 @@ def refs():
     return {None: reference(), 0.5: reference(clip=0.5)}
 
 
-def matches(name, run, ref):
-    out, ranks = run
-    ok_loss = all(np.allclose(r["configs"][name]["losses"], ref[0], rtol=1e-4, atol=1e-6) for r in ranks)
-    params = np.load(os.path.join(out, name + ".npz"))
-    ok_params = all(np.allclose(params[n], v, rtol=1e-4, atol=5e-5) for n, v in ref[1].items())
-    return ok_loss, ok_params
-
-
 @pytest.mark.parametrize("name,clip", [("dp4", None), ("zero1", None), ("zero2", None), ("zero3", None),
                                        ("zero3_offload", None), ("zero2_hsdp2", None), ("zero3_clip", 0.5)])
 def test_matches_single_process(run, refs, name, clip):
-    ok_loss, ok_params = matches(name, run, refs[clip])
-    got = run[1][0]["configs"][name]["losses"]
-    assert ok_loss, f"{name}: losses {np.round(got, 5).tolist()} vs {np.round(refs[clip][0], 5).tolist()}"
-    assert ok_params, f"{name}: final parameters differ from the single-process run"
+    assert_matches(name, run, refs[clip])
 
 
 def test_negative_control_differs(run, refs):

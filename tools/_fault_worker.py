@@ -5,13 +5,13 @@ backward, checkpoint save (its own part, before it writes) or checkpoint read (n
 ``$AP_FAULT_OUT/rank<r>.jsonl`` (started with its pid, fault with the time, done with the hash of its final
 parameters). Usage: python -m paddle.distributed.launch ... tools/_fault_worker.py <train_gpt.py flags>"""
 import hashlib
-import json
 import os
 import signal
 import sys
 import time
 
 
+from autoparallel.testing import events  # noqa: E402
 from examples import train_common  # noqa: E402
 
 RANK = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
@@ -19,8 +19,7 @@ OUT = os.environ["AP_FAULT_OUT"]
 
 
 def note(kind: str, **fields) -> None:
-    with open(os.path.join(OUT, f"rank{RANK}.jsonl"), "a") as f:
-        f.write(json.dumps({"kind": kind, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
+    events.note(OUT, RANK, kind, **fields)
 
 
 def parse_fault(text: str):

@@ -23,22 +23,14 @@ import sys
 import tempfile
 import time
 
+from autoparallel.testing.events import events_of
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tools", "_fault_worker.py")
 PHASES = ("forward", "backward", "save", "load")
 SIGNALS = ("kill", "stop")
 STEPS, SAVE_EVERY, AT = 6, 2, 4          # the fault comes in the 4th forward/backward, the 2nd save
 FLAKES = ("Connection refused", "pair closure", "TIMEOUT self_rank")
-
-
-def events_of(out: str, nproc: int) -> dict:
-    events = {}
-    for r in range(nproc):
-        path = os.path.join(out, f"rank{r}.jsonl")
-        if os.path.exists(path):
-            with open(path) as f:
-                events[r] = [json.loads(line) for line in f if line.strip()]
-    return events
 
 
 def _alive(pid: int) -> bool:

@@ -21,6 +21,8 @@ strategy are interchangeable.
 """
 from __future__ import annotations
 
+from autoparallel.parallel.param_list import flat_params
+
 
 def model_state(model) -> dict:
     """{structured name: parameter} of a paddle Layer (DistParameters keep their layout)."""
@@ -36,7 +38,7 @@ def optimizer_state(optimizer, model, wrapper=None) -> dict:
     from autoparallel.compat import main_global_block
 
     by_id = {p.name: (name, p) for name, p in model.named_parameters()}
-    stepped = {p.name for p in _flat_params(optimizer)}
+    stepped = {p.name for p in flat_params(optimizer)}
     by_id = {k: v for k, v in by_id.items() if k in stepped}
     trainable = [p for _, p in by_id.values() if not p.stop_gradient]
     missing = [p for p in trainable if p.name not in getattr(optimizer, "_already_create_accumulator", set())]
@@ -60,13 +62,6 @@ def optimizer_state(optimizer, model, wrapper=None) -> dict:
             name, param = by_id[pname]
             out.setdefault(name, {})["master_weight"] = _wrap(name, param, tensor, copies,
                                                               lambda o, s: o._master_weights.get(s))
-    return out
-
-
-def _flat_params(optimizer) -> list:
-    out = []
-    for p in getattr(optimizer, "_parameter_list", None) or []:
-        out.extend(p["params"] if isinstance(p, dict) else [p])
     return out
 
 

@@ -21,7 +21,6 @@ member) before it joins them.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import weakref
 from collections import deque
@@ -31,6 +30,7 @@ from paddle.pir import Value as _PirValue
 from autoparallel import redistribute
 from autoparallel.comm import collectives as C
 from autoparallel.dist_tensor import DistParameter, DistTensor
+from autoparallel.switch import turned_off
 
 _MEMO: dict = {}        # (id(source), requested spec, split dims) -> (insertion number, _Entry)
 _ORDER: deque = deque()  # (insertion number, key), oldest first
@@ -41,15 +41,9 @@ _LIMIT = 256
 _enabled = [True]
 
 
-@contextlib.contextmanager
 def disabled():
     """Every consumer reduces its own partial gradient inside the block (the per-use adjoint: a baseline)."""
-    prev = _enabled[0]
-    _enabled[0] = False
-    try:
-        yield
-    finally:
-        _enabled[0] = prev
+    return turned_off(_enabled)
 
 
 class _Entry:

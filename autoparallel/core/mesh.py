@@ -14,6 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
+from autoparallel.core.hashing import HashedOnce
+
 # Where the process groups of a new mesh are made: the one paddle-touching step of a mesh, kept outside the
 # core and reached by name, only once paddle is loaded (a process without paddle has no distributed job).
 GROUPS_HOOK = ("autoparallel.comm.groups", "on_mesh_created")
@@ -26,7 +28,7 @@ def _create_groups(mesh) -> None:
     getattr(importlib.import_module(module), name)(mesh)
 
 
-class ProcessMesh:
+class ProcessMesh(HashedOnce):
     def __init__(self, mesh, dim_names: Sequence[str] | None = None, *, create_groups: bool = True):
         try:
             arr = np.asarray(mesh)
@@ -57,7 +59,7 @@ class ProcessMesh:
         self._shape = tuple(int(n) for n in self._arr.shape)
         self._flat = tuple(int(r) for r in flat)
         self._key = (self._shape, self._flat, self._names)
-        self._hash = hash(self._key)
+        self._rehash()
         self._groups: dict = {}            # mesh dim -> its communication groups (computed once)
         self._coords = {int(r): tuple(int(c) for c in idx) for idx, r in np.ndenumerate(self._arr)}
         if create_groups:
@@ -156,14 +158,8 @@ class ProcessMesh:
     def __hash__(self) -> int:
         return self._hash
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.pop("_hash", None)           # string hashes differ between processes
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._hash = hash(self._key)
+    def _hash_key(self):
+        return self._key
 
     def __repr__(self) -> str:
         return f"ProcessMesh({self._arr.tolist()}, dim_names={list(self._names)})"

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+from autoparallel.core.hashing import HashedOnce
 from autoparallel.core.mesh import ProcessMesh
 from autoparallel.core.placement import BlockShard, Partial, Placement, Replicate, Shard, chunk_range, parse_placements
 
@@ -59,6 +60,18 @@ def dtype_bytes(dtype) -> int:
 _WITH_PLACEMENTS: dict = {}     # (spec, placements) -> spec: layouts derived again and again (gradients, reshards)
 
 
+def input_shape_dtype(x, what: str) -> tuple[tuple[int, ...], object]:
+    """(fully known shape, dtype or None) of one input description: a DistSpec, an InputSpec or (shape, dtype)."""
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is None and isinstance(x, (tuple, list)) and len(x) == 2:
+        shape, dtype = x
+    if shape is None or any(s is None or int(s) < 0 for s in shape):
+        raise ValueError(f"{what}: expected a DistSpec, an InputSpec or (shape, dtype) with a fully known "
+                         f"shape, got {x!r}")
+    return tuple(int(s) for s in shape), dtype
+
+
 def check_placements(mesh: ProcessMesh, placements, ndim: int) -> tuple[Placement, ...]:
     """Validate placements against a mesh and a tensor rank; returns them as a tuple.
 
@@ -97,7 +110,7 @@ def check_block_shards(mesh: ProcessMesh, placements, shape) -> None:
 
 
 @dataclass(frozen=True)
-class DistSpec:
+class DistSpec(HashedOnce):
     mesh: ProcessMesh
     placements: tuple
     shape: tuple
@@ -112,7 +125,7 @@ class DistSpec:
         object.__setattr__(self, "placements", check_placements(self.mesh, self.placements, len(shape)))
         if any(isinstance(p, BlockShard) for p in self.placements):
             check_block_shards(self.mesh, self.placements, shape)
-        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.shape, self.dtype)))
+        self._rehash()
 
     # ---- identity (specs key every cache: hash once, compare cheaply) -------------------------
     def __hash__(self) -> int:
@@ -126,14 +139,8 @@ class DistSpec:
         return self._hash == other._hash and self.shape == other.shape and self.dtype == other.dtype \
             and self.placements == other.placements and self.mesh == other.mesh
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.pop("_hash", None)           # string hashes differ between processes
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.shape, self.dtype)))
+    def _hash_key(self):
+        return self.mesh, self.placements, self.shape, self.dtype
 
     # ---- derived facts ------------------------------------------------------------------------
     @property

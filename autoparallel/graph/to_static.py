@@ -35,7 +35,7 @@ import paddle
 
 from autoparallel import layer_state
 from autoparallel.placement import Replicate, Shard
-from autoparallel.spec import DistSpec, normalize_dtype
+from autoparallel.spec import DistSpec, input_shape_dtype, normalize_dtype
 
 __all__ = ["to_static", "DistModel", "InputSpecMismatchError"]
 
@@ -47,16 +47,8 @@ class InputSpecMismatchError(ValueError):
 # ---- shapes ------------------------------------------------------------------------------------------
 def _spec_of(x, i):
     """(shape, dtype) of one input_spec entry."""
-    if isinstance(x, DistSpec):
-        return list(x.shape), x.dtype
-    shape = getattr(x, "shape", None)
-    dtype = getattr(x, "dtype", None)
-    if shape is None and isinstance(x, (tuple, list)) and len(x) == 2:
-        shape, dtype = x
-    if shape is None or any(s is None or int(s) < 0 for s in shape):
-        raise ValueError(f"input_spec[{i}]: expected an InputSpec, DistSpec or (shape, dtype) with a fully known "
-                         f"shape, got {x!r}")
-    return [int(s) for s in shape], normalize_dtype(dtype or "float32")
+    shape, dtype = input_shape_dtype(x, f"input_spec[{i}]")
+    return list(shape), normalize_dtype(dtype or "float32")
 
 
 def _loader_specs(loader):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from autoparallel.dist_tensor import is_dist
 from autoparallel.local_mode import local_mode
 from autoparallel.parallel.optimizer import ShardedOptimizer
+from autoparallel.parallel.param_list import flat_params
 
 
 class AccumulatingOptimizer(ShardedOptimizer):
@@ -69,11 +70,3 @@ def check_optimizer_params(model, optimizer, where: str, replaced: dict | None =
         raise ValueError(f"{where}: {len(foreign)} of the optimizer's {len(params)} parameters are not "
                          f"parameters of the {type(model).__name__} ({names}); build the optimizer with "
                          f"parameters=model.parameters() of this model")
-
-
-def flat_params(optimizer):
-    for p in optimizer._parameter_list or []:
-        if isinstance(p, dict):
-            yield from p["params"]
-        else:
-            yield p

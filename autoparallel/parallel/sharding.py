@@ -32,6 +32,7 @@ from autoparallel.local_mode import local_mode
 from autoparallel.memory import live_bytes
 from autoparallel.parallel import clip as clipping
 from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors
+from autoparallel.parallel.param_list import flat_params
 from autoparallel.parallel.step_hooks import StepHooks
 from autoparallel.parallel.zero_groups import ZeroGroups, apply_groups
 from autoparallel.parallel.zero_layout import BucketLayout, split_buckets
@@ -55,14 +56,6 @@ def apply_zero(model, optimizer, mesh, stage: int, dp_dim: str = "data", degree:
     return opt
 
 
-def _flat_params(inner):
-    for p in inner._parameter_list or []:
-        if isinstance(p, dict):
-            yield from p["params"]
-        else:
-            yield p
-
-
 class ZeroOptimizer(StepHooks):
     def __init__(self, model, optimizer, mesh, stage, dp_dim, degree, offload, accumulation, bucket_bytes,
                  overlap=True):
@@ -75,7 +68,7 @@ class ZeroOptimizer(StepHooks):
         self._inner, self.stage, self.offload, self.model = inner, stage, bool(offload), model
         self.gradient_accumulation_steps = accumulation
         self.groups = ZeroGroups(mesh, dp_dim, degree)
-        params = [p for p in _flat_params(inner) if not p.stop_gradient]
+        params = [p for p in flat_params(inner) if not p.stop_gradient]
         for p in params:
             if not isinstance(p, DistParameter) or p.mesh != mesh:
                 where = p.mesh if isinstance(p, DistParameter) else "no mesh (a plain paddle Parameter)"

@@ -19,6 +19,18 @@ def expected_local(full: np.ndarray, spec: DistSpec, coords, flip: bool = False)
     return full[spec.local_slices(coords)]
 
 
+def check_every_rank(model, ref_params: dict, rtol: float = 1e-4, atol: float = 2e-5) -> int:
+    """Every rank's local copy of every parameter of ``model`` equals its slice of ``ref_params[name]`` (raises
+    AssertionError naming the first that does not); the number of copies checked."""
+    checked = 0
+    for name, p in model.named_parameters():
+        for r, t in p.locals.items():
+            want = expected_local(ref_params[name], p.spec, p.mesh.coords_of(r))
+            np.testing.assert_allclose(t.numpy(), want, rtol=rtol, atol=atol, err_msg=f"{name} on rank {r}")
+            checked += 1
+    return checked
+
+
 def assemble(locals_: dict, spec: DistSpec) -> np.ndarray:
     """Rebuild the global tensor from every rank's local (reducing Partial dims); checks that ranks
     that must agree do agree."""

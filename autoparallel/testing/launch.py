@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import traceback
 
 
 def free_port() -> int:
@@ -134,3 +135,19 @@ def write_result(obj) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f)
     os.replace(tmp, os.path.join(d, f"rank{rank}.json"))
+
+
+def run_jobs(run, jobs, stop_on_error: bool = False) -> dict:
+    """Called on each rank: {job["name"]: run(job)} for every job; one that raises is reported as
+    ``{"error": traceback}`` (also printed to stderr) and the next runs, or none does with ``stop_on_error``
+    (after an error the ranks' communication sequences may differ)."""
+    out = {}
+    for job in jobs:
+        try:
+            out[job["name"]] = run(job)
+        except Exception:                                   # noqa: BLE001  (reported to the test)
+            out[job["name"]] = {"error": traceback.format_exc()}
+            print(out[job["name"]]["error"], file=sys.stderr)
+            if stop_on_error:
+                break
+    return out

@@ -42,3 +42,37 @@ def reference(kind: str, seed: int = 0):
     loss = F.cross_entropy(model(paddle.to_tensor(ids)), paddle.to_tensor(labels)).mean()
     loss.backward()
     return float(loss), {n: p.grad.numpy() for n, p in model.named_parameters()}
+
+
+def adamw(params, **kwargs):
+    """The tests' optimizer: AdamW, lr 1e-2; epsilon 1e-4 as the attention key bias has a zero gradient (Adam
+    would amplify round-off)."""
+    return paddle.optimizer.AdamW(1e-2, parameters=params, epsilon=1e-4, **kwargs)
+
+
+def fit(model, optimizer, pairs, **backward_kwargs) -> list:
+    """One optimizer step per (ids, labels) numpy pair of ``pairs`` (mean cross-entropy); the losses."""
+    losses = []
+    for ids, lab in pairs:
+        loss = F.cross_entropy(model(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
+        loss.backward(**backward_kwargs)
+        optimizer.step()
+        optimizer.clear_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def train_steps(model, optimizer, steps: int, **backward_kwargs) -> list:
+    """``steps`` optimizer steps on ``batch(0)``, ``batch(1)``, ...; the losses."""
+    return fit(model, optimizer, (batch(i) for i in range(steps)), **backward_kwargs)
+
+
+def parameters_np(model) -> dict:
+    """{name: ndarray} of every parameter of a single-process model."""
+    return {n: p.numpy() for n, p in model.named_parameters()}
+
+
+def trained_reference(kind: str = "gpt", steps: int = 3, make_opt=adamw):
+    """Single-process losses of ``steps`` training steps and the final parameters {name: ndarray}."""
+    model = build(kind)
+    return train_steps(model, make_opt(model.parameters()), steps), parameters_np(model)

@@ -40,6 +40,29 @@ def count_parameters(layer: nn.Layer) -> int:
     return total
 
 
+class CausalLM(nn.Layer):
+    """What the example language models share: the output projection (its own ``lm_head``, or the token
+    embedding's transpose when ``config.tie_embeddings``), the loss and the parameter count."""
+
+    def _add_lm_head(self, c) -> None:
+        if not c.tie_embeddings:
+            self.lm_head = nn.Linear(c.hidden, c.vocab_size, weight_attr=normal_attr(c.init_std), bias_attr=False)
+
+    def logits(self, x, embedding: nn.Embedding):
+        """[batch, seq, hidden] -> [batch, seq, vocab]."""
+        if self.config.tie_embeddings:
+            return paddle.matmul(x, embedding.weight, transpose_y=True)
+        return self.lm_head(x)
+
+    @staticmethod
+    def loss(logits, labels):
+        """Mean token cross-entropy. logits [b, t, vocab], labels [b, t] (int64)."""
+        return F.cross_entropy(logits, labels, reduction="mean")
+
+    def num_parameters(self) -> int:
+        return count_parameters(self)
+
+
 def initialize_lazy(layer: nn.Layer) -> nn.Layer:
     """Allocate and initialise the parameters of a model built under ``paddle.LazyGuard``.
 

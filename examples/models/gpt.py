@@ -18,7 +18,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from .common import causal_attention, count_parameters, normal_attr
+from .common import CausalLM, causal_attention, normal_attr
 
 
 @dataclass
@@ -113,7 +113,7 @@ class Block(nn.Layer):
         return x + self.mlp(self.ln2(x))
 
 
-class GPT(nn.Layer):
+class GPT(CausalLM):
     """ids [batch, seq] (int64) -> logits [batch, seq, vocab]. ``embed`` / ``blocks`` / ``head`` are the
     three pieces a pipeline stage runs; ``forward`` is their composition."""
 
@@ -124,8 +124,7 @@ class GPT(nn.Layer):
         self.wpe = nn.Embedding(c.max_positions, c.hidden, weight_attr=normal_attr(c.init_std))
         self.blocks = nn.LayerList([Block(c) for _ in range(c.layers)])
         self.ln_f = nn.LayerNorm(c.hidden, epsilon=c.eps)
-        if not c.tie_embeddings:
-            self.lm_head = nn.Linear(c.hidden, c.vocab_size, weight_attr=normal_attr(c.init_std), bias_attr=False)
+        self._add_lm_head(c)
 
     def embed(self, ids):
         b, t = ids.shape
@@ -135,21 +134,10 @@ class GPT(nn.Layer):
         return _dropout(x, self.config.dropout, self.training)
 
     def head(self, x):
-        x = self.ln_f(x)
-        if self.config.tie_embeddings:
-            return paddle.matmul(x, self.wte.weight, transpose_y=True)
-        return self.lm_head(x)
+        return self.logits(self.ln_f(x), self.wte)
 
     def forward(self, ids):
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x)
         return self.head(x)
-
-    @staticmethod
-    def loss(logits, labels):
-        """Mean token cross-entropy. logits [b, t, vocab], labels [b, t] (int64)."""
-        return F.cross_entropy(logits, labels, reduction="mean")
-
-    def num_parameters(self) -> int:
-        return count_parameters(self)

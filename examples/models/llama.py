@@ -16,7 +16,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from .common import causal_attention, count_parameters, normal_attr
+from .common import CausalLM, causal_attention, normal_attr
 
 
 @dataclass
@@ -143,7 +143,7 @@ class DecoderLayer(nn.Layer):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Llama(nn.Layer):
+class Llama(CausalLM):
     """ids [batch, seq] (int64) -> logits [batch, seq, vocab]. ``embed`` / ``layers`` / ``head`` are the
     pieces a pipeline stage runs (each layer takes ``(x, *model.rotary(seq))``)."""
 
@@ -153,8 +153,7 @@ class Llama(nn.Layer):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden, weight_attr=normal_attr(c.init_std))
         self.layers = nn.LayerList([DecoderLayer(c) for _ in range(c.layers)])
         self.norm = RMSNorm(c.hidden, c.eps)
-        if not c.tie_embeddings:
-            self.lm_head = nn.Linear(c.hidden, c.vocab_size, weight_attr=normal_attr(c.init_std), bias_attr=False)
+        self._add_lm_head(c)
         cos, sin = rotary_tables(c.max_positions, c.head_dim, c.rope_theta)
         self.register_buffer("rope_cos", paddle.to_tensor(cos), persistable=False)
         self.register_buffer("rope_sin", paddle.to_tensor(sin), persistable=False)
@@ -168,10 +167,7 @@ class Llama(nn.Layer):
         return self.embed_tokens(ids)
 
     def head(self, x):
-        x = self.norm(x)
-        if self.config.tie_embeddings:
-            return paddle.matmul(x, self.embed_tokens.weight, transpose_y=True)
-        return self.lm_head(x)
+        return self.logits(self.norm(x), self.embed_tokens)
 
     def forward(self, ids):
         cos, sin = self.rotary(ids.shape[1])
@@ -179,11 +175,3 @@ class Llama(nn.Layer):
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.head(x)
-
-    @staticmethod
-    def loss(logits, labels):
-        """Mean token cross-entropy. logits [b, t, vocab], labels [b, t] (int64)."""
-        return F.cross_entropy(logits, labels, reduction="mean")
-
-    def num_parameters(self) -> int:
-        return count_parameters(self)

@@ -18,6 +18,7 @@ import paddle.nn.functional as F                           # noqa: E402
 
 import autoparallel as auto_parallel                       # noqa: E402
 import autoparallel as dist                                # noqa: E402
+from autoparallel.testing.gpu_scaler import gpu_grad_scaler  # noqa: E402
 from autoparallel.testing.launch import write_result      # noqa: E402
 from autoparallel.testing.models import batch, build      # noqa: E402
 
@@ -156,25 +157,6 @@ def monitor_section(out, rank):
 
 
 # ---- snippet 15 ----------------------------------------------------------------------------------------------
-def gpu_grad_scaler(**kwargs):
-    """paddle.amp.GradScaler as built on a GPU (paddle disables it on CPU)."""
-    from paddle.amp import grad_scaler as gs
-
-    class Place:
-        def is_gpu_place(self):
-            return True
-
-    class Tracer:
-        _expected_place = Place()
-
-    original = gs._dygraph_tracer
-    gs._dygraph_tracer = lambda: Tracer()
-    try:
-        return paddle.amp.GradScaler(**kwargs)
-    finally:
-        gs._dygraph_tracer = original
-
-
 def scaler_section(out, rank):
     model = build("gpt")
     initial = {n: p.numpy() for n, p in model.named_parameters()}

@@ -11,17 +11,15 @@ programs paddle built.
 """
 import json
 import sys
-import traceback
 import warnings
 
 import paddle
 import paddle.distributed as dist
-import paddle.nn.functional as F
 
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.graph.jit import lowering_state  # noqa: E402
-from autoparallel.testing.launch import write_result  # noqa: E402
+from autoparallel.testing.launch import run_jobs, write_result  # noqa: E402
 from autoparallel.testing.models import batch, build, tp_plan  # noqa: E402
 
 LR = 1e-2
@@ -89,13 +87,7 @@ def run(job):
 
 def main():
     dist.init_parallel_env()
-    out = {"rank": dist.get_rank(), "jobs": {}}
-    for job in json.loads(sys.argv[1]):
-        try:
-            out["jobs"][job["name"]] = run(job)
-        except Exception:                                   # noqa: BLE001  (reported to the test)
-            out["jobs"][job["name"]] = {"error": traceback.format_exc()}
-    write_result(out)
+    write_result({"rank": dist.get_rank(), "jobs": run_jobs(run, json.loads(sys.argv[1]))})
 
 
 if __name__ == "__main__":

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
 
 from autoparallel.data import ByteTextDataset  # noqa: E402
 from autoparallel.strategy import Strategy  # noqa: E402
+from autoparallel.testing.models import fit, parameters_np  # noqa: E402
 
 STEPS, BATCH, SEQ, LR = 10, 8, 16, 3e-3
 _DATA = {}
@@ -44,14 +44,7 @@ def reference(kind: str = "gpt", tie: bool = False, layers: int = 4, steps: int 
     """Single process, whole batch per step: (losses, {name: final parameter})."""
     model = build(kind, tie, layers)
     opt = paddle.optimizer.AdamW(LR, parameters=model.parameters())
-    losses = []
-    for x, y in batches(steps):
-        loss = F.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+    return fit(model, opt, batches(steps)), parameters_np(model)
 
 
 def strategy(job: dict) -> Strategy:

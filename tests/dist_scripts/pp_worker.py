@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import time
-import traceback
+from unittest import mock
 
 import numpy as np
 import paddle
@@ -23,20 +23,13 @@ import pp_common  # noqa: E402
 
 from autoparallel.dist_tensor import is_dist  # noqa: E402
 from autoparallel.parallel.pipeline.runtime import PipelineModule  # noqa: E402
-from autoparallel.testing.launch import write_result  # noqa: E402
+from autoparallel.testing.launch import run_jobs, write_result  # noqa: E402
 
 
-@contextlib.contextmanager
 def negative(kind):
     if kind == "no_tie_reduce":
-        saved = PipelineModule._reduce_tied
-        PipelineModule._reduce_tied = lambda self: None
-        try:
-            yield
-        finally:
-            PipelineModule._reduce_tied = saved
-    else:
-        yield
+        return mock.patch.object(PipelineModule, "_reduce_tied", lambda self: None)
+    return contextlib.nullcontext()
 
 
 def run_job(job, out_dir, rank):
@@ -55,13 +48,7 @@ def main():
     out_dir, jobs = sys.argv[1], json.loads(sys.argv[2])
     dist.init_parallel_env()
     rank = dist.get_rank()
-    out = {"rank": rank, "jobs": {}}
-    for job in jobs:
-        try:
-            out["jobs"][job["name"]] = run_job(job, out_dir, rank)
-        except Exception:
-            out["jobs"][job["name"]] = {"error": traceback.format_exc()}
-            break                        # the ranks' communication sequences may now differ: stop
+    out = {"rank": rank, "jobs": run_jobs(lambda job: run_job(job, out_dir, rank), jobs, stop_on_error=True)}
     write_result(out)
 
 

@@ -10,7 +10,7 @@ import paddle.nn.functional as F                           # noqa: E402
 
 import autoparallel as ap                                  # noqa: E402
 from autoparallel import layer_state  # noqa: E402
-from autoparallel.testing.launch import write_result      # noqa: E402
+from autoparallel.testing.launch import run_jobs, write_result  # noqa: E402
 from zero_common import batches, make_opt, tiny           # noqa: E402
 
 
@@ -44,16 +44,7 @@ def run(job: dict) -> dict:
 
 def main():
     dist.init_parallel_env()
-    out = {"rank": dist.get_rank(), "jobs": {}}
-    for job in json.loads(sys.argv[1]):
-        try:
-            out["jobs"][job["name"]] = run(job)
-        except Exception as e:                             # reported by the test with the traceback
-            import traceback
-
-            out["jobs"][job["name"]] = {"error": traceback.format_exc()}
-            print(e, file=sys.stderr)
-    write_result(out)
+    write_result({"rank": dist.get_rank(), "jobs": run_jobs(run, json.loads(sys.argv[1]))})
 
 
 if __name__ == "__main__":

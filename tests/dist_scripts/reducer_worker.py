@@ -5,8 +5,10 @@ hooks, counting the collectives of every micro-step's backward and of every opti
 Rank 0 saves each config's gathered final parameters to OUT_DIR/<name>.npz; every rank reports losses,
 collective names per backward / step, the Reducer's launches and its number of buckets.
 """
+import contextlib
 import os
 import sys
+from unittest import mock
 
 import numpy as np
 import paddle
@@ -61,13 +63,11 @@ def reducer_of(opt):
 
 
 def run(name, dp, tp, ga, stage, opts, bucket_bytes, out_dir, rank):
-    saved = GradientSync._to_partial
-    if opts.get("no_partial"):      # negative control (bound when the buckets are planned, at the first step):
-        GradientSync._to_partial = lambda self, p: None     # a late gradient adds onto the reduced value
-    try:
+    # negative control (bound when the buckets are planned, at the first step): a late gradient adds onto the
+    # reduced value
+    no_partial = mock.patch.object(GradientSync, "_to_partial", lambda self, p: None)
+    with no_partial if opts.get("no_partial") else contextlib.nullcontext():
         return train(name, dp, tp, ga, stage, opts, bucket_bytes, out_dir, rank)
-    finally:
-        GradientSync._to_partial = saved
 
 
 def train(name, dp, tp, ga, stage, opts, bucket_bytes, out_dir, rank):

@@ -12,6 +12,7 @@ import json
 import os
 
 import sys
+from unittest import mock
 
 import numpy as np
 import paddle
@@ -30,25 +31,14 @@ from autoparallel.parallel.optimizer import ShardedOptimizer  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402
 
 
-@contextlib.contextmanager
 def negative(kind):
     """Deliberate mistakes that must make the comparison with the single process fail."""
     if kind == "wrong_batch":              # every rank loads data-parallel shard 0
         saved = ap_data.data_rank
-        ap_data.data_rank = lambda mesh, rank, dims: (saved(mesh, rank, dims)[0], 0)
-        try:
-            yield
-        finally:
-            ap_data.data_rank = saved
-    elif kind == "no_reduce":               # partial gradients never reduced over the data axis
-        saved = ShardedOptimizer.reduce_gradients
-        ShardedOptimizer.reduce_gradients = lambda self: 0
-        try:
-            yield
-        finally:
-            ShardedOptimizer.reduce_gradients = saved
-    else:
-        yield
+        return mock.patch.object(ap_data, "data_rank", lambda mesh, rank, dims: (saved(mesh, rank, dims)[0], 0))
+    if kind == "no_reduce":                # partial gradients never reduced over the data axis
+        return mock.patch.object(ShardedOptimizer, "reduce_gradients", lambda self: 0)
+    return contextlib.nullcontext()
 
 
 def one_batch(model, args, k=1):

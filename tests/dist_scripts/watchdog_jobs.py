@@ -5,7 +5,6 @@ test_watchdog.py and test_checkpoint_dist.py:
 * "stop": a training loop in which rank 0 (the host of the TCP store) SIGSTOPs itself.
 """
 import atexit
-import json
 import os
 import shutil
 import signal
@@ -14,6 +13,7 @@ import sys
 import tempfile
 import time
 
+from autoparallel.testing.events import events_of as read_events
 from autoparallel.testing.launch import child_env
 
 HERE = os.path.dirname(__file__)
@@ -26,13 +26,7 @@ _jobs: dict = {}
 
 
 def events_of(out: str) -> dict:
-    events = {}
-    for r in range(4):
-        path = os.path.join(out, f"rank{r}.jsonl")
-        if os.path.exists(path):
-            with open(path) as f:
-                events[r] = [json.loads(line) for line in f if line.strip()]
-    return events
+    return read_events(out, 4)
 
 
 def _reap(events: dict) -> None:

@@ -3,7 +3,6 @@ SIGKILLs or SIGSTOPs itself in the middle of its all_reduce. Every rank appends 
 OUT/rank<r>.jsonl (started, checkpoint, victim, failure with the watchdog's message, finished).
 With CKPT_ROOT, the ranks first run the checkpoint checks of ckpt_checks.py (one launch serves both).
 Usage: watchdog_worker.py MODE VICTIM OUT [CKPT_ROOT]   (MODE: kill | stop; AP_WATCHDOG_TIMEOUT: timeout)"""
-import json
 import os
 import signal
 import sys
@@ -12,6 +11,7 @@ import time
 import paddle
 import paddle.distributed as dist
 
+from autoparallel.testing import events
 from autoparallel.watchdog import Watchdog
 
 mode, victim, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -21,8 +21,7 @@ rank = dist.get_rank()
 
 
 def note(kind, **fields):
-    with open(os.path.join(out, f"rank{rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"kind": kind, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
+    events.note(out, rank, kind, **fields)
 
 
 if ckpt_root is not None:

@@ -1,10 +1,11 @@
 """The tiny GPT, its batches and the single-process AdamW run shared by the ZeRO tests and worker."""
 import dataclasses
+import os
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
+from autoparallel.testing.models import fit, parameters_np
 from examples.models import PRESETS, build
 
 STEPS = 12
@@ -28,11 +29,22 @@ def make_opt(model, clip=None):
 def reference(clip=None, steps=STEPS):
     m = tiny()
     opt = make_opt(m, clip)
-    losses = []
-    for x, y in batches(steps):
-        loss = F.cross_entropy(m(paddle.to_tensor(x)), paddle.to_tensor(y))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses, {n: p.numpy() for n, p in m.named_parameters()}
+    return fit(m, opt, batches(steps)), parameters_np(m)
+
+
+def matches(name, run, ref):
+    """(losses equal on every rank?, final parameters equal?) of config ``name`` of a worker ``run`` (output
+    folder, rank results) against ``ref`` (losses, {name: parameter})."""
+    out, ranks = run
+    ok_loss = all(np.allclose(r["configs"][name]["losses"], ref[0], rtol=1e-4, atol=1e-6) for r in ranks)
+    params = np.load(os.path.join(out, name + ".npz"))
+    ok_params = all(np.allclose(params[n], v, rtol=1e-4, atol=5e-5) for n, v in ref[1].items())
+    return ok_loss, ok_params
+
+
+def assert_matches(name, run, ref):
+    """Config ``name`` trained like the single-process ``ref``: its losses on every rank, its final parameters."""
+    ok_loss, ok_params = matches(name, run, ref)
+    got = run[1][0]["configs"][name]["losses"]
+    assert ok_loss, f"{name}: losses {np.round(got, 5).tolist()} vs {np.round(ref[0], 5).tolist()}"
+    assert ok_params, f"{name}: final parameters differ from the single-process run"

@@ -9,6 +9,7 @@ import contextlib
 import os
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 import paddle
@@ -33,17 +34,11 @@ CONFIGS = [("dp4", None, False, None, None), ("zero1", 1, False, None, None), ("
            ("zero2_hsdp2", 2, False, None, "hsdp")]
 
 
-@contextlib.contextmanager
 def negative(kind):
     if kind == "no_reduce":                 # each rank keeps its own partial gradient chunk
-        saved = C._reduce_scatter_raw
-        C._reduce_scatter_raw = lambda xs, ranks, axis, sizes, op: C._slice_raw(xs, ranks, axis, sizes)
-        try:
-            yield
-        finally:
-            C._reduce_scatter_raw = saved
-    else:
-        yield
+        return mock.patch.object(C, "_reduce_scatter_raw",
+                                 lambda xs, ranks, axis, sizes, op: C._slice_raw(xs, ranks, axis, sizes))
+    return contextlib.nullcontext()
 
 
 def strategy():

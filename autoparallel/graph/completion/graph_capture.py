@@ -8,7 +8,7 @@ import networkx as nx
 from autoparallel.graph.completion.errors import AnnotationConflictError, MissingRuleError
 from autoparallel.graph.completion.sources import Source
 from autoparallel.placement import Replicate, format_placements, parse_placements
-from autoparallel.spec import DistSpec
+from autoparallel.spec import DistSpec, input_shape_dtype
 
 
 class _Producers(dict):
@@ -186,14 +186,8 @@ def _input_spec(mesh, spec, i):
         if spec.mesh != mesh:
             raise ValueError(f"input {i} lives on mesh {spec.mesh.short()} but input 0 on {mesh.short()}")
         return spec, True
-    shape = getattr(spec, "shape", None)
-    dtype = getattr(spec, "dtype", None)
-    if shape is None and isinstance(spec, (tuple, list)) and len(spec) == 2:
-        shape, dtype = spec
-    if shape is None or any(s is None or int(s) < 0 for s in shape):
-        raise ValueError(f"input {i}: expected a DistSpec, an InputSpec or (shape, dtype) with a fully known "
-                         f"shape, got {spec!r}")
-    return DistSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)), tuple(int(s) for s in shape),
+    shape, dtype = input_shape_dtype(spec, f"input {i}")
+    return DistSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)), shape,
                     dtype or "float32"), False
 
 
