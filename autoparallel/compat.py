@@ -10,6 +10,7 @@ module's names; a paddle version that moves one of them is handled here.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import weakref
 
@@ -212,3 +213,24 @@ class SideData:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+@contextlib.contextmanager
+def gpu_place_for_grad_scaler():
+    """Inside the block ``paddle.amp.GradScaler`` reads the tracer's place as a GPU place (it swaps
+    ``paddle.amp.grad_scaler._dygraph_tracer``), so a scaler built there stays enabled on a CPU machine."""
+    from paddle.amp import grad_scaler as gs
+
+    class Place:
+        def is_gpu_place(self):
+            return True
+
+    class Tracer:
+        _expected_place = Place()
+
+    original = gs._dygraph_tracer
+    gs._dygraph_tracer = lambda: Tracer()
+    try:
+        yield
+    finally:
+        gs._dygraph_tracer = original

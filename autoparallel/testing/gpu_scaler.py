@@ -2,29 +2,14 @@
 returns the loss and ``step()`` just steps): the tracer's place reads as a GPU place while it is built."""
 from __future__ import annotations
 
-import contextlib
-
 import paddle
 
+from autoparallel import compat
 
-@contextlib.contextmanager
+
 def gpu_place():
     """Inside the block a new GradScaler sees a GPU place (and so stays enabled)."""
-    from paddle.amp import grad_scaler as gs
-
-    class Place:
-        def is_gpu_place(self):
-            return True
-
-    class Tracer:
-        _expected_place = Place()
-
-    original = gs._dygraph_tracer
-    gs._dygraph_tracer = lambda: Tracer()
-    try:
-        yield
-    finally:
-        gs._dygraph_tracer = original
+    return compat.gpu_place_for_grad_scaler()
 
 
 def gpu_grad_scaler(**kwargs) -> paddle.amp.GradScaler:
