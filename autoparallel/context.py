@@ -21,8 +21,8 @@ guard_stack        ``ap.parallel_guard(dims)`` entered (innermost last)         
 =================  ==========================================================  ===========================
 
 One process-wide value lives here too, since it changes what runtime reshards cost: ``cluster`` (the
-``ap.set_cluster`` override, None for the default) and ``cluster_epoch``, bumped on every change so caches
-can key on a number instead of an object's ``id()``.
+``ap.set_cluster`` override, None for the default). Every change bumps the reshard cache's epoch
+(``reshard.cache.cluster_epoch()``), so caches key on a number instead of an object's ``id()``.
 """
 from __future__ import annotations
 
@@ -48,17 +48,16 @@ state = _ThreadModes()
 
 class _ProcessModes:
     cluster = None
-    cluster_epoch = 0
 
 
 process = _ProcessModes()
 
 
 def set_cluster_override(cluster) -> None:
-    from reshard.cache import bump_epoch       # one counter: the reshard cache's epoch
+    from reshard.cache import bump_epoch
 
     process.cluster = cluster
-    process.cluster_epoch = bump_epoch()
+    bump_epoch()
 
 
 @contextlib.contextmanager
