@@ -7,10 +7,12 @@ reports predicted / published. Where a paper leaves a knob out, the assumption i
 was fixed before looking at the prediction: micro-batch 1 unless published; interleaving off unless
 published, except on Megatron-LM itself (Korthikanti et al.'s runs, LLaMA 3) where the calibration's rule
 applies (the smallest v > 1 the largest stage's blocks divide by, planner/megatron.py); ZeRO-1 for the
-Megatron-DeepSpeed runs. Software facts are per run (``software``): DeepSpeed's pipeline engine sends whole
-activations between stages (no scatter/gather over the TP group, which is Megatron-LM's), each schedule step's
-send and receive one after the other with blocking calls (runtime/pipe/schedule.py, p2p.py); FlashAttention
-(2022+) in the 2024 runs.
+Megatron-DeepSpeed runs. Software facts are per run (``software``): DeepSpeed's pipeline engine partitions the
+activation it sends, and the gradient it returns, over the tensor-parallel group (runtime/pipe/engine.py:
+``is_pipe_partitioned = is_grad_partitioned = is_model_parallel``, PartitionedTensor over the slice-parallel group,
+re-assembled by an all-gather on arrival; later versions keep it as the ``pipe_partitioned``/``grad_partitioned``
+defaults), i.e. the same scatter/gather as Megatron-LM's, and runs each schedule step's send and receive one after
+the other with blocking calls (runtime/pipe/schedule.py, p2p.py); FlashAttention (2022+) in the 2024 runs.
 
 Metrics: "tflops" = TFLOP/s per GPU counting recomputation (Megatron / Megatron-DeepSpeed reporting),
 "mfu" = model FLOPs utilisation (no recomputation), "tokens" = tokens/s per GPU. A run whose framework counted
@@ -30,11 +32,14 @@ from autoparallel.planner.options import PlannerOptions
 from autoparallel.core.topology import Topology
 
 GB = 1e9
+# DeepSpeed's pipeline engine partitions stage-to-stage activations and gradients over the TP group when TP > 1
+# (runtime/pipe/engine.py is_pipe_partitioned / is_grad_partitioned, PartitionedTensor.full() all-gathers on arrival)
+# and runs a step's transfers one after the other, blocking (schedule.py TrainSchedule, p2p.py);
 # DeepSpeed's pipeline engine and Megatron-LM (2021-22) reduce gradients after the pipeline drains (no overlap);
 # gradient bucket sizes of the runs' frameworks (defaults): DeepSpeed reduce_bucket_size 5e8 elements (fp32);
 # Megatron-LM DDP 40M elements; FSDP one reduce-scatter per wrapped block (OPT: 175B/96 blocks/TP 8 = 228M
 # parameters; LLaMA 3 405B: 405B/126/8 = 400M parameters), all fp32
-_DEEPSPEED = (("pp_scatter_gather", False), ("pp_serial_p2p", True), ("grad_bucket_bytes", 2e9),
+_DEEPSPEED = (("pp_scatter_gather", True), ("pp_serial_p2p", True), ("grad_bucket_bytes", 2e9),
               ("grad_sync_overlap", False))
 _MEGATRON = (("grad_bucket_bytes", 160e6), ("grad_sync_overlap", False))
 _HDR = Topology(nics_per_node=8, nic_bandwidth_Bps=25 * GB, host_memory_bytes=2e12, pcie_bandwidth_Bps=12 * GB)
@@ -105,15 +110,15 @@ RUNS = (
     PublishedRun("MT-NLG 530B (2240)", "mt-nlg-530b", "A100-80GB", 2240, _HDR,
                  _cfg(2240, 8, 35, sharding=1, recompute="full"), 1920, 2048,
                  "tflops", 126.0, "Smith et al. 2022 (arXiv:2201.11990) §2.4: 60.1 s/iteration",
-                 "DeepSpeed pipeline engine (1F1B, whole activations, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
+                 "DeepSpeed pipeline engine (1F1B, messages partitioned over TP, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
     PublishedRun("MT-NLG 530B (2800)", "mt-nlg-530b", "A100-80GB", 2800, _HDR,
                  _cfg(2800, 8, 35, sharding=1, recompute="full"), 1920, 2048,
                  "tflops", 121.0, "Smith et al. 2022 §2.4: 50.2 s/iteration",
-                 "DeepSpeed pipeline engine (1F1B, whole activations, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
+                 "DeepSpeed pipeline engine (1F1B, messages partitioned over TP, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
     PublishedRun("MT-NLG 530B (3360)", "mt-nlg-530b", "A100-80GB", 3360, _HDR,
                  _cfg(3360, 8, 35, sharding=1, recompute="full"), 1920, 2048,
                  "tflops", 113.0, "Smith et al. 2022 §2.4: 44.4 s/iteration",
-                 "DeepSpeed pipeline engine (1F1B, whole activations, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
+                 "DeepSpeed pipeline engine (1F1B, messages partitioned over TP, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
     PublishedRun("GPT 22B (SP+selective)", "gpt-22b", "A100-80GB", 8, _HDR,
                  _cfg(8, 8, 1, sp=1, recompute="selective"), 4, 2048,
                  "mfu", 0.415, "Korthikanti et al. 2023 (MLSys, arXiv:2205.05198) Tables 3 and 5: 1.10 s",
