@@ -133,3 +133,26 @@ def test_gloo_prices_reduce_scatter_as_all_reduce():
     grid = grid_of([ParallelConfig(dp=4, sharding=2)])
     opts = PlannerOptions()
     assert evaluate(SMALL, gloo, 8, 32, grid, opts)["dp_comm_s"][0] > evaluate(SMALL, nccl, 8, 32, grid, opts)["dp_comm_s"][0]
+
+
+def test_parallel_block_has_one_forward_all_reduce():
+    """GPT-J / GPT-NeoX blocks sum attention and MLP before one forward all-reduce; the backward keeps two."""
+    from dataclasses import replace
+
+    from autoparallel.planner.cost_model import tp_collectives_per_layer
+
+    assert [int(tp_collectives_per_layer(rc)) for rc in (0, 2)] == [4, 6]       # none, full recompute
+    assert [int(tp_collectives_per_layer(rc, True)) for rc in (0, 2)] == [3, 4]
+    parallel = replace(SMALL, parallel_block=True)
+    all_reduce = 2 * (2 - 1) / 2 * (2 * 2 * 32 * 64) / 1e10                     # as in the by-hand step above
+    opts = PlannerOptions(gemm_efficiency=0.5, activation_traffic_factor=1.0, memory_reserve_fraction=0.0)
+    for rc, calls in (("none", 3), ("full", 4)):
+        config = ParallelConfig(dp=1, tp=2, micro_batch=2, recompute=rc)
+        cand = evaluate_config(parallel, toy_cluster(devices=2), 4, 32, config, opts)
+        assert cand.time_s["tp_comm"] == pytest.approx(2 * 4 * calls * all_reduce, rel=1e-12)
+    # negative control: sequence parallelism keeps the sequential block's count (4 gather/scatter pairs)
+    sp = ParallelConfig(dp=1, tp=2, micro_batch=2, sp=1)
+    a = evaluate_config(parallel, toy_cluster(devices=2), 4, 32, sp, opts)
+    b = evaluate_config(SMALL, toy_cluster(devices=2), 4, 32, sp, opts)
+    assert b.time_s["tp_comm"] > 0
+    assert a.time_s["tp_comm"] == pytest.approx(b.time_s["tp_comm"], rel=1e-12)

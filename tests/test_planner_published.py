@@ -24,7 +24,7 @@ def test_predictions_against_published(table):
     errors = {r["name"]: r["ratio"] - 1 for r in table}
     within = [n for n, e in errors.items() if abs(e) <= 0.15]
     # achieved (docs/planner.md): 8 of 12 within 15%, every run within 25% (the target of 15% for all is not
-    # met: GPT-NeoX-20B +20% and the three MT-NLG 530B rows +18% to +23% are over-predicted, with DeepSpeed's
+    # met: GPT-NeoX-20B +21% and the three MT-NLG 530B rows +18% to +23% are over-predicted, with DeepSpeed's
     # stage messages partitioned over the TP group as its engine sends them)
     assert len(within) >= 8, errors
     assert max(abs(e) for e in errors.values()) < 0.25, errors

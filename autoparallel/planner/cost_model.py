@@ -88,12 +88,17 @@ def logits_forward_flops(model, s, b, t):
     return b * s * model.logits_forward_flops_per_token() / t
 
 
-def tp_collectives_per_layer(recompute):
-    """All-reduces per block and micro-batch: 2 forward + 2 backward, + 2 when the forward is recomputed.
+def tp_collectives_per_layer(recompute, parallel_block=False):
+    """All-reduces per block and micro-batch: 2 forward + 2 backward, + the forward's again when it is recomputed.
 
-    With sequence parallelism each becomes an all-gather plus a reduce-scatter (Korthikanti et al. §4.2.2).
+    A parallel block (attention and MLP side by side, GPT-J / GPT-NeoX) sums both branches' row-parallel outputs
+    before one forward all-reduce; its backward keeps two, one per branch's column-parallel input
+    (EleutherAI/gpt-neox ``ParallelTransformerLayer`` with ``gpt_j_residual``: ``parallel_output`` row-parallel
+    layers, then ``reduce_from_model_parallel_region`` of the sum). With sequence parallelism each all-reduce becomes
+    an all-gather plus a reduce-scatter (Korthikanti et al. §4.2.2); the evaluation keeps the sequential count there.
     """
-    return 4 + 2 * (recompute == FULL)
+    forward = np.where(parallel_block, 1, 2)
+    return forward + 2 + forward * (recompute == FULL)
 
 
 def pipeline_bubble_fraction(p, v, m):
@@ -196,7 +201,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     ar = Stream.of(cluster, "all_reduce", msg, tp, 1, cache=cache)
     sp_pair = (Stream.of(cluster, "all_gather", msg / tp, tp, 1, cache=cache)
                + Stream.of(cluster, "reduce_scatter", msg, tp, 1, cache=cache))
-    tp_calls = tp_collectives_per_layer(rc)
+    tp_calls = tp_collectives_per_layer(rc, (sp == 0) & bool(model.parallel_block))
     tp_layer = Stream.select(sp > 0, sp_pair, ar).scaled(np.where(tp > 1, tp_calls, 0.0))
     a2a_bytes = o.activation_scale * 2.0 * b * s * model.hidden * model.top_k / tp
     a2a_calls = model.moe_fraction * (4 + 2 * (rc == FULL))

@@ -73,6 +73,8 @@ class ModelSpec:
     learned_positions: bool = True  # a learned position table of seq_len x hidden (GPT) or rotary (LLaMA)
     dropout: bool = True          # dropout layers are present, so their masks are kept for backward (GPT)
     positions: int = 0            # rows of the learned position table; 0 means seq_len
+    parallel_block: bool = False  # attention and MLP side by side on the block input, summed before one forward TP
+                                  # all-reduce (GPT-J, GPT-NeoX `gpt_j_residual`); False: one after the other
     ops: OpProfile = None         # eager-runtime op counts (from a trace); None: template_profile
     traced: object = None         # from_trace's per-layer figures (from_trace.TraceFacts), or None
     # -- mixture of experts (0 experts: a dense model). MoE blocks replace the MLP by ``experts`` routed
@@ -319,7 +321,7 @@ PRESETS = {
     # GPT-NeoX-20B as released (EleutherAI/gpt-neox configs/20B.yml): rotary, untied head, hidden and attention
     # dropout 0 (PyTorch's dropout with p = 0 returns its input: no mask is kept, no kernel runs)
     "gpt-neox-20b": ModelSpec("gpt-neox-20b", 6144, 44, 64, 50432, tied_embeddings=False, learned_positions=False,
-                              dropout=False),
+                              dropout=False, parallel_block=True),
     "mt-nlg-530b": _gpt("mt-nlg-530b", 20480, 105, 128),
     # mixture of experts: Mixtral 8x7B (Jiang et al. 2024); DeepSeek-V3 (DeepSeek-AI 2024) with its MLA
     # attention approximated by multi-head attention of the same width (~205M vs ~187M parameters per block)

@@ -42,7 +42,8 @@ class PlannerOptions:
     moe_a2a_overlap: bool = False                 # expert all-to-all overlapped with another micro-batch's compute
                                                   # (DeepSeek's DualPipe), within each link's budget; else exposed
     # -- pipeline
-    pp_scatter_gather: bool = True                # stage-to-stage messages split over the TP group (Narayanan et al. §4.1)
+    pp_scatter_gather: bool = True                # stage-to-stage messages split over the TP group (Narayanan et al. §4.1;
+                                                  # DeepSpeed's pipeline engine likewise: PartitionedTensor over TP)
     pp_serial_p2p: bool = False                   # a stage's send and receive of one schedule step run one after the
                                                   # other, blocking (DeepSpeed's pipeline engine: TrainSchedule steps
                                                   # carry SendGrad+RecvActivation or RecvGrad+SendActivation, p2p.py's

@@ -192,6 +192,15 @@ small: the all-gather on arrival over NVLink (for Megatron-LM's gather too; ~0.3
 every activation (DeeperSpeed's `has_attention_mask` for `GPT2ModelPipe`, a 2048 x 2048 mask cast to fp16, 8 MB,
 about 25 ms per step).
 
+**GPT-J's parallel residual is priced** (mechanism, any model with parallel blocks). GPT-NeoX-20B trains with
+`gpt_j_residual: true` (`configs/20B.yml`): `ParallelTransformerLayer` builds the attention and MLP output layers with
+`parallel_output` (no all-reduce each) and all-reduces their sum once (`reduce_from_model_parallel_region`), while
+the backward still all-reduces the gradient of each branch's column-parallel input. `ModelSpec.parallel_block`
+(set for the `gpt-neox-20b` preset) prices 1 forward all-reduce per block instead of 2, so 4 instead of 6 per block
+and micro-batch with full recompute (`tests/test_planner_formulas.py::test_parallel_block_has_one_forward_all_reduce`,
+by hand on a two-way TP toy config, with sequence parallelism as the unchanged control). Like the message fix it
+raises the prediction: GPT-NeoX-20B 1.199 → 1.210.
+
 **MT-NLG 530B**: with the messages partitioned the gap to the published step is still nearly constant in seconds
 (60.1 − 51.0 = 9.1 s, 50.2 − 42.1 = 8.1 s, 44.4 − 36.2 = 8.2 s) while m falls from 240 to 160, i.e. a per-step cost
 the model does not have, larger than the whole modelled 1F1B bubble (6.0 s). Searched for the micro-batch size, the
@@ -215,7 +224,7 @@ not a mechanism. The released `configs/20B.yml` (EleutherAI/gpt-neox) was re-rea
 differently from the table (TP 2, PP 4, ZeRO-1 with 1.26e9 buckets, micro-batch 4 x 32, full checkpointing without
 partitioned activations, `synchronize-each-layer`, fp16 with dynamic loss scale, untied output layer, no dropout).
 No published A100-40GB GEMM efficiency for that stack (PyTorch 1.10, CUDA 11.1) was found; the calibration's
-Megatron-LM runs are of the same CUDA 11 generation. Both runs stay misses, now +20% and +18% to +23%.
+Megatron-LM runs are of the same CUDA 11 generation. Both runs stay misses, now +21% and +18% to +23%.
 
 Recalled figures, second look: Korthikanti et al.'s Table 5 could not be consulted in full text; its iteration times
 and MFU (22B 1.10 s / 41.5%, 175B 13.75 s / 51.4%, 530B 37.83 s / 56.0%, 1T 71.49 s / 56.3%) are consistent with
@@ -253,7 +262,9 @@ def model_md(opts):
 ### Step time on the slowest stage
 
 `step = m·t_max + bubble + pipeline sends + exposed overlappable communication + parameter gathers + optimizer`.
-A block costs `T_L = 3·t_fwd + t_recompute + TP collectives (+ expert all-to-all)`, a block's forward
+A block costs `T_L = 3·t_fwd + t_recompute + TP collectives (+ expert all-to-all)` (TP all-reduces: 2 forward,
+2 backward, 2 more with full recompute; a parallel attention + MLP block, `ModelSpec.parallel_block` as GPT-J and
+GPT-NeoX, has 1 forward), a block's forward
 `t_fwd = matmul FLOPs / (peak·gemm_efficiency) + activation_traffic_factor·activation bytes / HBM bandwidth`;
 stage i costs `n_i·T_L` (+ the output head, 3·t_logits, on the last stage). The slowest stage sets the pace
 (`t_max`); the others fill and drain the pipeline once: `bubble = (Σ_i t_i − t_max) / v`, which is
@@ -367,9 +378,10 @@ it is planner-only (the runtime's AMP has float16 and bfloat16) and the plan's e
 Stragglers and jitter at thousands of nodes; NVLS / SHARP in-network reductions; congestion between concurrent
 collectives beyond the per-link budget; NCCL's PAT algorithm (logarithmic all-gather / reduce-scatter latency);
 context parallelism; DualPipe and zero-bubble schedules (priced as 1F1B / interleaved); MLA attention (priced as
-multi-head attention); per-framework engine overheads per micro-batch (device synchronisations such as GPT-NeoX's
-`synchronize-each-layer`, BLOOM's `CUDA_LAUNCH_BLOCKING=1`); parallel attention + MLP blocks (GPT-J, GPT-NeoX), which
-sum both branches before one forward TP all-reduce (priced as two); the runtime's fp32-parameter AMP layout on
+multi-head attention); the all-gather over NVLink that re-assembles a scatter/gather stage message on arrival
+(Megatron-LM's gather, DeepSpeed's `PartitionedTensor.full()`; ~0.3% of MT-NLG's step); per-framework engine overheads per micro-batch (device synchronisations such as GPT-NeoX's
+`synchronize-each-layer`, BLOOM's `CUDA_LAUNCH_BLOCKING=1`); a parallel block's single forward reduction under
+sequence parallelism (priced as the sequential block's gather/scatter pairs); the runtime's fp32-parameter AMP layout on
 GPU presets (they use Megatron's bf16 weights + fp32 master; calibrated CPU profiles use the runtime's layout).
 
 ### Design decisions
@@ -382,8 +394,8 @@ GPU presets (they use Megatron's bf16 weights + fp32 master; calibrated CPU prof
   its "fastest that does not fit" note looks only at those priced. The fastest-regardless-of-memory comparison
   (`published.search_best(feasible_only=False)`) prices everything.
 - Framework behaviour that changes a run's cost is a `PlannerOptions` fact set per published run from the
-  framework's source (DeepSpeed's serial blocking stage transfers, its whole-activation messages, gradient sync
-  after the pipeline drains), never a per-run factor.
+  framework's source (DeepSpeed's serial blocking stage transfers, its stage messages partitioned over the TP group,
+  gradient sync after the pipeline drains), never a per-run factor.
 - What the runtime cannot run is priced but never silently converted: a plan with ep > 1 or a non-even split
   raises NotImplementedError in `to_strategy_dict`; `auto_mode="full"` and the monitor's re-plan search only
   the even split and ep = 1.
