@@ -210,7 +210,11 @@ HCAs per DGX A100); Microsoft/Megatron-DeepSpeed's examples, DeepSpeed's "Traini
 DeepSpeed/Megatron-DeepSpeed issues state no MT-NLG micro-batch. The one script found for the same shape, NVIDIA's
 Megatron-LM `gpt3-530b` job for Selene (TP 8, PP 35, 105 layers, hidden 20480; a Megatron-LM benchmark with global
 batch 192, not MT-NLG's DeepSpeed run), uses `--micro-batch-size 1`, consistent with the assumption. With 2
-sequences per micro-batch the three rows would be 1.055, 1.041, 1.059; not adopted (no source).
+sequences per micro-batch the three rows would be 1.055, 1.041, 1.059; not adopted (no source). Nor is the remainder
+a per-micro-batch cost of DeepSpeed's pipeline engine that its authors' own measurement would show: "training with
+gradient accumulation steps ... 4x or 8x the number of pipeline stages achieves 81% and 90% scaling efficiency from
+one pipeline stage" (Microsoft Research blog "DeepSpeed: Extreme-scale model training for everyone", 2020), where the
+1F1B bound m/(m + p − 1) is 82% and 90% at p = 8 (80% and 89% for large p): the engine ran at its bubble.
 
 **GPT-NeoX-20B**: is 117 TFLOP/s the sustained figure? A compiled summary of the paper (nl2code.github.io, "training
 time: 1,830 hours"; the paper itself was not in the stored material) gives 150,000 steps in 1,830 h = 43.9 s per
