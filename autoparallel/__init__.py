@@ -45,7 +45,7 @@ _EXPORTS = {
     "VocabParallelEmbedding": "autoparallel.parallel.tensor_parallel",
     "SequenceParallel": "autoparallel.parallel.tensor_parallel",
     "FusedColWiseParallel": "autoparallel.parallel.tp_plans",
-    "parallelize": "autoparallel.api_parallelize", "trace": "autoparallel.graph.trace",
+    "parallelize": "autoparallel.parallelize", "trace": "autoparallel.graph.trace",
     "DataParallel": "autoparallel.parallelize", "Optimizer": "autoparallel.parallelize",
     "parallel_guard": "autoparallel.parallelize", "recompute_layers": "autoparallel.parallel.recompute",
     "DistributedDataLoader": "autoparallel.data", "ByteTextDataset": "autoparallel.data",

@@ -29,7 +29,7 @@ def shard_dataloader(dataloader, meshes, input_keys=None, shard_dims=None, is_da
 class ShardDataloader:
     def __init__(self, dataloader, meshes, input_keys=None, shard_dims=None, is_dataset_splitted=False,
                  dense_tensor_idx=None):
-        from autoparallel.core.mesh import as_mesh
+        from autoparallel.core.mesh import ProcessMesh, as_mesh
 
         if not hasattr(dataloader, "__iter__"):
             raise TypeError(f"shard_dataloader expects an iterable data loader, got {type(dataloader).__name__}")
@@ -42,6 +42,9 @@ class ShardDataloader:
         self._meshes = [as_mesh(m) for m in meshes] if many else [as_mesh(meshes)]
         if not self._meshes:
             raise ValueError("shard_dataloader: meshes is empty")
+        bad = [m for m in self._meshes if not isinstance(m, ProcessMesh)]
+        if bad:
+            raise TypeError(f"shard_dataloader expects ProcessMesh meshes, got {type(bad[0]).__name__} {bad[0]!r:.60}")
         if isinstance(shard_dims, (list, tuple)):
             if len(shard_dims) != len(self._meshes):
                 raise ValueError(f"shard_dataloader: shard_dims must be one per mesh ({len(self._meshes)}), got "

@@ -18,7 +18,7 @@ import numpy as np
 
 from autoparallel.core.mesh import ProcessMesh, as_mesh
 
-__all__ = ["parallelize", "strategy_from_config", "mesh_degrees"]
+__all__ = ["paddle_form", "strategy_from_config", "mesh_degrees"]
 
 # paddle's mesh dim names -> ours
 DIM_NAMES = {"dp": "data", "data": "data", "mp": "model", "model": "model", "tp": "model", "pp": "pipe",
@@ -32,12 +32,9 @@ def _is_mesh(x) -> bool:
                                           and hasattr(x, "process_ids"))
 
 
-def parallelize(model, optimizer=None, strategy=None, mesh=None, tp_plan=None, seq_len=None, cluster=None, *,
-                config=None):
-    """Distribute ``model`` (in place) and wrap ``optimizer``; returns ``(model, optimizer)``. See the module
-    docstring for paddle's ``(model, optimizer, mesh, config)`` form."""
-    from autoparallel.parallelize import parallelize as build
-
+def paddle_form(model, strategy, mesh, config, tp_plan):
+    """(strategy, mesh, tp_plan) for ``ap.parallelize``'s arguments: paddle's ``(model, optimizer, mesh, config)``
+    form translated (see the module docstring); this project's form passes through unchanged."""
     if _is_mesh(strategy):                       # paddle's positional order: (model, optimizer, mesh, config)
         if mesh is not None and not isinstance(mesh, dict):
             raise TypeError(f"ap.parallelize(model, optimizer, mesh, config): the fourth argument is paddle's config "
@@ -45,10 +42,10 @@ def parallelize(model, optimizer=None, strategy=None, mesh=None, tp_plan=None, s
         if isinstance(mesh, dict) and config is not None:
             raise TypeError("ap.parallelize: config given twice (positionally and as config=)")
         strategy, mesh, config = None, strategy, (mesh if isinstance(mesh, dict) else config)
-    if config is not None or (mesh is not None and _paddle_named(mesh)):
+    if config is not None or (mesh is not None and _is_mesh(mesh) and _paddle_named(mesh)):
         strategy, mesh, tp_plan = strategy_from_config(config or {}, mesh, strategy, tp_plan)
         _check_split(model, (config or {}).get("pp_config"), strategy)
-    return build(model, optimizer, strategy, mesh, tp_plan, seq_len, cluster)
+    return strategy, mesh, tp_plan
 
 
 def _paddle_named(mesh) -> bool:
@@ -96,8 +93,11 @@ def strategy_from_config(config: dict, mesh=None, strategy=None, tp_plan=None):
         raise ValueError("ap.parallelize(model, optimizer, mesh, config): paddle's config form needs the mesh (its "
                          "dim sizes are the degrees); pass mesh=ap.ProcessMesh(..., dim_names=['dp', 'mp'])")
     mesh = as_mesh(mesh)
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"ap.parallelize: mesh must be an ap.ProcessMesh, got {type(mesh).__name__} {mesh!r:.60}")
     deg = mesh_degrees(mesh)
     s = Strategy() if strategy is None else strategy.copy()
+    _check_agree(s, deg, mesh)
     s.data_parallel.degree, s.tensor_parallel.degree = deg["data"], deg["model"]
     s.pipeline_parallel.degree = deg["pipe"]
     _dp_config(s, config.get("dp_config"), mesh)
@@ -110,6 +110,17 @@ def strategy_from_config(config: dict, mesh=None, strategy=None, tp_plan=None):
         raise ValueError(f"ap.parallelize: mp_config.parallelize_plan shards layers over the tensor-parallel mesh dim, "
                          f"but the mesh {mesh.dim_names} {mesh.shape} has none of size > 1 (name it 'mp')")
     return s, _our_mesh(mesh, deg), plan
+
+
+def _check_agree(s, deg, mesh) -> None:
+    """Degrees the strategy sets explicitly must be the mesh's."""
+    given = {"data": (s.data_parallel.degree, None), "model": (s.tensor_parallel.degree, 1),
+             "pipe": (s.pipeline_parallel.degree, 1)}
+    bad = [f"{axis}: strategy {v}, mesh {deg[axis]}" for axis, (v, default) in given.items()
+           if v != default and v != deg[axis]]
+    if bad:
+        raise ValueError(f"ap.parallelize: the strategy's degrees disagree with the mesh {mesh.dim_names} "
+                         f"{mesh.shape} ({'; '.join(bad)}); the mesh's dim sizes are the degrees")
 
 
 def _check_keys(config):

@@ -15,7 +15,7 @@ paddle's arguments and refuse what cannot be honoured.
 from __future__ import annotations
 
 from autoparallel import dist_tensor as _dt
-from autoparallel.core.mesh import as_mesh
+from autoparallel.core.mesh import ProcessMesh, as_mesh
 from autoparallel.core.placement import normalize_dims, parse_placements
 
 __all__ = ["shard_tensor", "reshard", "dtensor_from_local", "dtensor_to_local", "dtensor_from_fn", "unshard_dtensor"]
@@ -65,6 +65,8 @@ def dtensor_from_local(local_tensor, mesh, placements, global_shape=None, dtype=
     """paddle's ``dtensor_from_local(local_tensor, mesh, placements)``; ``global_shape`` (default: the local
     shape times the shard counts) and ``dtype`` are this project's additions for uneven shards."""
     mesh = as_mesh(mesh)
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"dtensor_from_local expects a ProcessMesh, got {type(mesh).__name__} {mesh!r:.60}")
     pl = _placements(placements, "dtensor_from_local")
     if not isinstance(pl, str):
         ndim = len(global_shape) if global_shape is not None else _local_ndim(local_tensor)

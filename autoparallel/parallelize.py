@@ -57,7 +57,8 @@ _NOT_YET = "not yet supported by ap.parallelize"
 
 # ---- the apply steps ------------------------------------------------------------------------------------
 def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: ProcessMesh | None = None,
-                tp_plan: dict | None = None, seq_len: int | None = None, cluster=None, *, _deferred: bool = False):
+                tp_plan: dict | None = None, seq_len: int | None = None, cluster=None, *, config: dict | None = None,
+                _deferred: bool = False):
     """Distribute ``model`` (in place) and wrap ``optimizer``; returns ``(model, optimizer)``.
 
     ``strategy.auto_mode == "full"``: the planner chooses the strategy first (planner/auto.py), pricing
@@ -65,8 +66,12 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     or ClusterSpec; default ``$AP_CLUSTER_PROFILE``, else a built-in profile of the backend).
     Every Strategy field is honoured (docs/entry_points.md); without an optimizer, the fields that act on
     it (sharding, accumulation, loss scaling, checkpoint) are refused. ``_deferred``: ap.DataParallel, whose
-    ap.Optimizer finishes the build."""
+    ap.Optimizer finishes the build. paddle's form ``parallelize(model, optimizer, mesh, config)`` is translated
+    first (api_parallelize.py)."""
     from autoparallel import entry_points as ep
+    from autoparallel.api_parallelize import paddle_form
+
+    strategy, mesh, tp_plan = paddle_form(model, strategy, mesh, config, tp_plan)
 
     where = "ap.DataParallel" if _deferred else "ap.parallelize"
     check_model(model, where)

@@ -192,7 +192,8 @@ def parse_placement(text: str) -> Placement:
     if _is_paddle_placement(text):
         return from_paddle(text)
     if not isinstance(text, str):
-        raise TypeError(f"expected a placement string like 'S(0)', 'R' or 'P(sum)', got {type(text).__name__}")
+        raise TypeError(f"expected a placement string like 'S(0)', 'R' or 'P(sum)' or a Shard/Replicate/Partial, "
+                        f"got {type(text).__name__} {text!r:.60}")
     b = _BLOCK.match(text)
     if b:
         return BlockShard(int(b.group(1)), tuple(int(v) for v in b.group(2).replace(",", " ").split()))
