@@ -38,7 +38,7 @@ def to_static(layer=_UNSET, loader=None, loss=_UNSET, optimizer=None, strategy=N
               model=_UNSET, loss_fn=_UNSET, **options):
     """paddle's ``dist.to_static(layer, loader, loss, optimizer, strategy, input_spec)`` -> ``DistModel``.
     ``strategy`` may be an ``ap.Strategy`` or a ``paddle.distributed.Strategy`` (converted field by field, see
-    ``autoparallel.api_strategy``). ``options``: this project's keywords (mesh, annotations, tp_plan, cluster,
+    ``autoparallel/api_strategy.py``). ``options``: this project's keywords (mesh, annotations, tp_plan, cluster,
     method)."""
     from autoparallel.graph.to_static import to_static as build
 
@@ -46,7 +46,7 @@ def to_static(layer=_UNSET, loader=None, loss=_UNSET, optimizer=None, strategy=N
     if net is _UNSET:
         raise TypeError("to_static() missing the layer: to_static(layer, loader, loss, optimizer, strategy)")
     fn = _one("loss", "loss_fn", loss, loss_fn, "to_static")
-    if strategy is not None and type(strategy).__module__.startswith("paddle"):
+    if strategy is not None and type(strategy).__module__.startswith("paddle") and hasattr(strategy, "gradient_merge"):
         from autoparallel.api_strategy import from_paddle_strategy
 
         strategy = from_paddle_strategy(strategy)
