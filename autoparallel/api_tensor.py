@@ -24,7 +24,7 @@ __all__ = ["shard_tensor", "reshard", "dtensor_from_local", "dtensor_to_local", 
 def _placements(placements, what: str):
     if placements is None:
         raise TypeError(f"{what} needs placements: a list with one Shard/Replicate/Partial per mesh dim")
-    return placements if isinstance(placements, str) else tuple(parse_placements(placements))
+    return tuple(parse_placements(placements))
 
 
 def _check_place(data, place) -> None:
@@ -68,10 +68,9 @@ def dtensor_from_local(local_tensor, mesh, placements, global_shape=None, dtype=
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"dtensor_from_local expects a ProcessMesh, got {type(mesh).__name__} {mesh!r:.60}")
     pl = _placements(placements, "dtensor_from_local")
-    if not isinstance(pl, str):
-        ndim = len(global_shape) if global_shape is not None else _local_ndim(local_tensor)
-        if ndim is not None:
-            pl = normalize_dims(pl, ndim)
+    ndim = len(global_shape) if global_shape is not None else _local_ndim(local_tensor)
+    if ndim is not None:
+        pl = normalize_dims(pl, ndim)
     return _dt.dtensor_from_local(local_tensor, mesh, pl, global_shape=global_shape, dtype=dtype)
 
 

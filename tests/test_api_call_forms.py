@@ -1,0 +1,457 @@
+"""Every call form of the public API paddle accepts is honoured (equal to the canonical call) or refused (a
+typed error naming the argument and the value): placements, meshes, tensor entry points, shard_layer, TP
+styles, paddle's parallelize(model, opt, mesh, config), Strategy in paddle's forms, shard_dataloader,
+shard_scaler, to_static keywords. The table is docs/api_call_forms.md."""
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import pytest
+
+import autoparallel as ap
+from autoparallel import layer_state
+from autoparallel.config.paddle_compat import PADDLE_ONLY
+from autoparallel.testing.check import check_every_rank
+from autoparallel.testing.models import adamw, build, train_steps, trained_reference
+
+FULL = np.arange(24, dtype="float32").reshape(4, 6)
+
+
+def _same_locals(a, b):
+    assert a.mesh == b.mesh and a.placements == b.placements and a.shape == b.shape
+    for r in a.mesh.process_ids:
+        np.testing.assert_array_equal(a.local_of(r).numpy(), b.local_of(r).numpy())
+
+
+@pytest.fixture
+def world4():
+    with ap.simulate(world_size=4):
+        yield ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["x", "y"])
+
+
+# ---- placements --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", [
+    lambda: [dist.Shard(0), dist.Shard(1)],                 # paddle's own placement objects
+    lambda: [dist.Shard(0), ap.Shard(1)],                   # mixed
+    lambda: (ap.Shard(0), ap.Shard(1)),                     # a tuple
+    lambda: [ap.Shard(-2), ap.Shard(-1)],                   # negative dims count from the end
+    lambda: "S(-2),S(-1)",                                  # the string form, negative too
+])
+def test_placement_forms_equal_the_canonical_list(world4, form):
+    t = paddle.to_tensor(FULL)
+    canonical = ap.shard_tensor(t, world4, [ap.Shard(0), ap.Shard(1)])
+    _same_locals(ap.shard_tensor(t, world4, form()), canonical)
+
+
+def test_partial_reduce_type_spellings(world4):
+    assert ap.Partial(ap.ReduceType.kRedAvg) == ap.Partial("avg")
+    assert ap.Partial(dist.ReduceType.kRedMax) == ap.Partial("max")
+    assert ap.Partial("SUM") == ap.Partial()
+    got = ap.shard_tensor(paddle.to_tensor(FULL), world4, [dist.Partial(dist.ReduceType.kRedSum), dist.Replicate()])
+    assert got.placements == [ap.Partial("sum"), ap.Replicate()]
+    np.testing.assert_array_equal(got.numpy(), FULL)        # reduced back to the full value
+
+
+@pytest.mark.parametrize("make, exc, words", [
+    (lambda: ap.Partial(dist.ReduceType.kRedProd), NotImplementedError, ["kRedProd", "kRedSum"]),
+    (lambda: ap.Partial(3), TypeError, ["reduce_type", "int 3"]),
+    (lambda: ap.Shard(0, split_factor=2), NotImplementedError, ["split_factor=2", "BlockShard"]),
+    (lambda: ap.Shard(0, shard_order=1), NotImplementedError, ["shard_order=1"]),
+    (lambda: ap.Shard(1.0), TypeError, ["Shard(dim)", "float"]),
+])
+def test_placement_forms_that_are_refused(make, exc, words):
+    with pytest.raises(exc) as info:
+        make()
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+@pytest.mark.parametrize("placements, exc, words", [
+    (lambda: [dist.Shard(0, split_factor=2)], NotImplementedError, ["split_factor=2"]),
+    (lambda: [ap.Shard(-3)], ValueError, ["S(-3)", "rank 2"]),
+    (lambda: ap.Shard(0), TypeError, ["one per mesh dim", "S(0)"]),
+])
+def test_placements_refused_by_shard_tensor(world4, placements, exc, words):
+    with pytest.raises(exc) as info:
+        ap.shard_tensor(paddle.to_tensor(FULL), world4, placements())
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+# ---- ProcessMesh ---------------------------------------------------------------------------------------------
+def test_mesh_forms_equal_the_nested_list():
+    canonical = ap.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["data", "model"])
+    forms = [ap.ProcessMesh(mesh=np.arange(8).reshape(2, 4), dim_names=["data", "model"]),
+             ap.ProcessMesh(shape=[2, 4], process_ids=range(8), dim_names=["data", "model"]),
+             ap.ProcessMesh(dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["data", "model"])),
+             ap.ProcessMesh(canonical)]
+    assert all(f == canonical for f in forms)
+    assert ap.ProcessMesh([[0, 1], [2, 3]]).dim_names == dist.ProcessMesh([[0, 1], [2, 3]]).dim_names
+    assert ap.ProcessMesh([[0, 1], [2, 3]]) != canonical                       # negative control
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(shape=[2, 4]), ["shape=", "process_ids=None"]),
+    (dict(shape=[2, 3], process_ids=range(8)), ["8 ranks", "[2, 3]"]),
+    (dict(mesh=[[0, 1], [2, 3]], shape=[4]), ["disagrees", "shape=[4]"]),
+])
+def test_mesh_forms_that_are_refused(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        ap.ProcessMesh(**kwargs)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_sub_meshes_as_paddle_computes_them():
+    ours = ap.ProcessMesh([[0, 1, 2], [3, 4, 5]], dim_names=["x", "y"])
+    theirs = dist.ProcessMesh([[0, 1, 2], [3, 4, 5]], dim_names=["x", "y"])
+    for args in (("y",), ("y", 1), ("x", 0)):
+        a, b = ours.get_mesh_with_dim(*args), theirs.get_mesh_with_dim(*args)
+        assert (a.process_ids, a.dim_names, a.shape) == (b.process_ids, b.dim_names, b.shape), args
+    for name in ("x", "y"):                   # through this process's rank (0 here, as paddle's get_rank())
+        a, b = ours.get_submesh_with_dim(name), theirs.get_submesh_with_dim(name)
+        assert (a.process_ids, a.dim_names) == (b.process_ids, b.dim_names), name
+    assert ours.get_submesh_with_dim("x", 1).process_ids == [3, 4, 5]          # this project's index form
+    assert ours.dim_size("y") == 3
+
+
+def test_a_paddle_mesh_is_accepted_everywhere_a_mesh_is(world4):
+    pm = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["x", "y"])
+    t = paddle.to_tensor(FULL)
+    a = ap.shard_tensor(t, pm, [ap.Shard(0), ap.Replicate()])
+    _same_locals(a, ap.shard_tensor(t, world4, [ap.Shard(0), ap.Replicate()]))
+    _same_locals(ap.reshard(a, pm, [ap.Replicate(), ap.Shard(1)]),
+                 ap.shard_tensor(t, world4, [ap.Replicate(), ap.Shard(1)]))
+    assert ap.ShardingStage1("x", pm).mesh == world4
+    from autoparallel.parallel.sharding_stages import resolve_shard_fn
+    assert resolve_shard_fn(None, pm).mesh == world4                           # shard_optimizer(opt, mesh)
+
+
+# ---- tensor entry points -------------------------------------------------------------------------------------
+def test_shard_tensor_positional_and_keyword_forms(world4):
+    t = paddle.to_tensor(FULL)
+    canonical = ap.shard_tensor(t, world4, [ap.Shard(0), ap.Replicate()])
+    positional = ap.shard_tensor(t, world4, [ap.Shard(0), ap.Replicate()], None, paddle.CPUPlace(), True)
+    keyword = ap.shard_tensor(data=t, mesh=world4, placements=[ap.Shard(0)], dtype="float32", place="cpu",
+                              stop_gradient=False)
+    _same_locals(positional, canonical)
+    _same_locals(keyword, canonical)                          # a short placement list is padded with R
+    assert positional.stop_gradient and not keyword.stop_gradient
+    with pytest.raises(TypeError, match="stop_gradient.*'yes'"):
+        ap.shard_tensor(t, world4, [ap.Shard(0)], None, None, "yes")
+
+
+def test_reshard_and_local_helpers_in_paddle_forms(world4):
+    t = paddle.to_tensor(FULL)
+    a = ap.shard_tensor(t, world4, [ap.Shard(0), ap.Shard(1)])
+    _same_locals(ap.reshard(dist_tensor=a, mesh=world4, placements=[ap.Replicate(), ap.Shard(-1)]),
+                 ap.reshard(a, world4, [ap.Replicate(), ap.Shard(1)]))
+    shards = [a.local_of(r) for r in world4.process_ids]
+    _same_locals(ap.dtensor_from_local(local_tensor=shards, mesh=world4, placements=[dist.Shard(-2), dist.Shard(-1)]),
+                 a)
+    np.testing.assert_array_equal(ap.unshard_dtensor(a).numpy(), FULL)
+    np.testing.assert_array_equal(ap.dtensor_to_local(a, world4, [ap.Shard(0), ap.Shard(1)]).numpy(), FULL[:2, :3])
+    _same_locals(ap.dtensor_from_fn(paddle.ones, world4, [ap.Shard(0)], [4, 6]),
+                 ap.shard_tensor(paddle.ones([4, 6]), world4, [ap.Shard(0)]))
+    with pytest.raises(ValueError, match=r"placements \[R, S\(1\)\] are not the tensor's \[S\(0\), S\(1\)\]"):
+        ap.dtensor_to_local(a, world4, [ap.Replicate(), ap.Shard(1)])
+    with pytest.raises(TypeError, match="dtensor_from_local expects a ProcessMesh, got list"):
+        ap.dtensor_from_local(shards, [0, 1, 2, 3], [ap.Shard(0)])
+
+
+# ---- shard_layer ----------------------------------------------------------------------------------------------
+def _shard_fn(name, layer, mesh):
+    if name == "0":
+        layer.weight = ap.shard_tensor(layer.weight, mesh, [dist.Shard(-1)])
+
+
+def _layer_output(**kwargs):
+    paddle.seed(0)
+    net = paddle.nn.Sequential(paddle.nn.Linear(6, 4), paddle.nn.ReLU(), paddle.nn.Linear(4, 2))
+    net = ap.shard_layer(net, **kwargs)
+    return net, net(paddle.to_tensor(FULL)).numpy()
+
+
+def test_shard_layer_keyword_forms():
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], ["x"])
+        paddle.seed(0)
+        ref = paddle.nn.Sequential(paddle.nn.Linear(6, 4), paddle.nn.ReLU(), paddle.nn.Linear(4, 2))
+        want = ref(paddle.to_tensor(FULL)).numpy()
+        for kwargs in (dict(layer=None, process_mesh=mesh, shard_fn=_shard_fn), dict(layer=None, mesh=mesh,
+                       shard_fn=_shard_fn), dict(layer=None, process_mesh=dist.ProcessMesh([0, 1], ["x"]),
+                       shard_fn=_shard_fn)):
+            kwargs.pop("layer")
+            net, got = _layer_output(**kwargs)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+            assert net[0].weight.placements == [ap.Shard(1)]
+        with pytest.raises(TypeError, match="process_mesh= and mesh= are the same argument"):
+            _layer_output(process_mesh=mesh, mesh=mesh)
+
+
+# ---- tensor-parallel styles: paddle's positional order ---------------------------------------------------------
+def test_tp_styles_take_paddles_positional_arguments():
+    assert ap.ColWiseParallel(True) == ap.ColWiseParallel(gather_output=True)
+    assert ap.RowWiseParallel(False) == ap.RowWiseParallel(is_input_parallel=False)
+    assert ap.RowWiseParallel(False) != ap.RowWiseParallel()                   # negative control
+    with pytest.raises(TypeError):
+        ap.ColWiseParallel(False, True)                     # sequence_parallel is keyword-only
+    with pytest.raises(TypeError, match="is_input_parallel=.*'no'"):
+        ap.RowWiseParallel("no")
+
+
+@pytest.mark.parametrize("row", [ap.RowWiseParallel(), ap.RowWiseParallel(False), ap.RowWiseParallel(True)])
+def test_row_wise_is_input_parallel_values_compute_the_reference(row):
+    ref_losses, ref_params = trained_reference("gpt", 2)
+    with ap.simulate(world_size=2):
+        s = ap.Strategy()
+        s.tensor_parallel.degree = 2
+        m = build("gpt")
+        plan = {"blocks.*.mlp.fc1": ap.ColWiseParallel(False), "blocks.*.mlp.fc2": row}
+        m, opt = ap.parallelize(m, adamw(m.parameters()), strategy=s, tp_plan=plan)
+        np.testing.assert_allclose(train_steps(m, opt, 2), ref_losses, rtol=1e-5, atol=1e-6)
+        check_every_rank(m, ref_params)
+        fc2 = dict(m.named_sublayers())["blocks.0.mlp.fc2"]
+        assert fc2.weight.placements == [ap.Replicate(), ap.Shard(0)]
+
+
+# ---- parallelize(model, optimizer, mesh, config): paddle's intermediate API ---------------------------------------
+PLAN = {"blocks.*.mlp.fc1": ap.ColWiseParallel(), "blocks.*.mlp.fc2": ap.RowWiseParallel()}
+
+
+def _paddle_form_run(form):
+    m = build("gpt")
+    opt = adamw(m.parameters())
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    config = {"dp_config": {"sharding_level": 1}, "mp_config": {"parallelize_plan": dict(PLAN)}}
+    if form == "paddle positional":
+        m, opt = ap.parallelize(m, opt, mesh, config)
+    elif form == "paddle keywords":
+        m, opt = ap.parallelize(model=m, optimizer=opt, mesh=mesh, config=config)
+    else:
+        s = ap.Strategy()
+        s.data_parallel.degree, s.tensor_parallel.degree = 2, 2
+        s.sharding.enable, s.sharding.stage = True, 1
+        m, opt = ap.parallelize(m, opt, strategy=s, tp_plan=dict(PLAN))
+    return m, opt
+
+
+def test_parallelize_paddle_config_equals_the_strategy_form():
+    """The config's dp/mp sections and the mesh's dim sizes give the same build as the Strategy form: the same
+    resolved strategy and parameter layouts, and the single-process losses and parameters."""
+    ref_losses, ref_params = trained_reference("gpt", 2)
+    with ap.simulate(world_size=4):
+        runs = {form: _paddle_form_run(form) for form in ("paddle positional", "paddle keywords", "canonical")}
+        layouts = {f: {n: p.placements for n, p in m.named_parameters()} for f, (m, _) in runs.items()}
+        strategies = {f: layer_state.build_of(m).strategy for f, (m, _) in runs.items()}
+        assert strategies["canonical"].sharding.stage == 1 and strategies["canonical"].tensor_parallel.degree == 2
+        for form, (m, opt) in runs.items():
+            assert strategies[form] == strategies["canonical"], form
+            assert layouts[form] == layouts["canonical"], form
+            assert layouts[form]["blocks.0.mlp.fc1.weight"] == [ap.Replicate(), ap.Shard(1)]
+            assert type(opt) is type(runs["canonical"][1]), form                  # the ZeRO-1 optimizer
+            np.testing.assert_allclose(train_steps(m, opt, 2), ref_losses, rtol=1e-5, atol=1e-6)
+            check_every_rank(m, ref_params)
+
+
+@pytest.mark.parametrize("mesh, config, exc, words", [
+    ([["dp", "mp"]], {"bogus": {}}, ValueError, ["unknown config key 'bogus'"]),
+    ([["dp", "mp"]], {"dp_config": {"sharding_level": 4}}, ValueError, ["sharding_level", "got 4"]),
+    ([["dp", "mp"]], {"dp_config": {"sharding_level": 1, "sharding_mesh_dim": "mp"}}, NotImplementedError,
+     ["['sharding_mesh_dim']='mp'"]),
+    ([["dp", "mp"]], {"dp_config": {"level": 1}}, ValueError, ["unknown keys ['level']"]),
+    ([["dp", "mp"]], {"cp_config": {"parallelize_plan": {}}}, NotImplementedError, ["cp_config"]),
+    ([["dp", "pp"]], {"pp_config": {"split_spec": {"blocks.0": "END"}}}, NotImplementedError, ["split_spec"]),
+    ([["dp", "pp"]], {"pp_config": {"split_spec": "layers"}}, NotImplementedError, ["'layers'", "'blocks'"]),
+    ([["dp", "pp"]], {"pp_config": {"global_spec": "wte"}}, NotImplementedError, ["['global_spec']='wte'"]),
+    ([["dp", "sep"]], {}, ValueError, ["mesh dim 'sep'"]),
+])
+def test_parallelize_paddle_config_refusals(mesh, config, exc, words):
+    with ap.simulate(world_size=4):
+        m = build("gpt")
+        pm = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=mesh[0])
+        with pytest.raises(exc) as info:
+            ap.parallelize(m, adamw(m.parameters()), pm, config)
+        assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_parallelize_strategy_that_disagrees_with_the_mesh_is_refused():
+    with ap.simulate(world_size=4):
+        s = ap.Strategy()
+        s.tensor_parallel.degree = 4
+        m = build("gpt")
+        with pytest.raises(ValueError, match=r"disagree with the mesh.*model: strategy 4, mesh 2"):
+            ap.parallelize(m, adamw(m.parameters()), strategy=s,
+                           mesh=ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]))
+
+
+# ---- Strategy in paddle's forms ------------------------------------------------------------------------------------
+def _canonical_strategy():
+    s = ap.Strategy()
+    s.sharding.enable, s.sharding.stage = True, 2
+    s.gradient_accumulation_steps = 4
+    s.pipeline_parallel.degree, s.pipeline_parallel.schedule, s.pipeline_parallel.micro_batches = 2, "FThenB", 4
+    s.amp.enable, s.amp.level = True, "O2"
+    return s
+
+
+def test_strategy_paddle_config_dict_attributes_and_object_equal_the_canonical():
+    config = {"sharding": {"enable": True, "stage": 2, "enable_overlap": False},
+              "gradient_merge": {"enable": True, "k_steps": 4, "avg": True},
+              "pipeline": {"enable": True, "pp_degree": 2, "schedule_mode": "FThenB", "accumulate_steps": 4},
+              "amp": {"enable": True, "dtype": "bfloat16", "level": "o2"}}
+    attrs = ap.Strategy()
+    attrs.sharding.enable = True; attrs.sharding.stage = 2
+    attrs.gradient_merge.enable = True; attrs.gradient_merge.k_steps = 4
+    attrs.pipeline.enable = True; attrs.pipeline.pp_degree = 2; attrs.pipeline.schedule_mode = "FThenB"
+    attrs.pipeline.accumulate_steps = 4
+    attrs.amp.enable = True; attrs.amp.level = "o2"
+    ps = dist.Strategy()
+    ps.sharding.enable = True; ps.sharding.stage = 2
+    ps.gradient_merge.enable = True; ps.gradient_merge.k_steps = 4
+    ps.pipeline.enable = True; ps.pipeline.pp_degree = 2; ps.pipeline.schedule_mode = "FThenB"
+    ps.pipeline.accumulate_steps = 4
+    ps.amp.enable = True; ps.amp.dtype = "bfloat16"; ps.amp.level = "o2"
+    from autoparallel.api_strategy import from_paddle_strategy
+    canonical = _canonical_strategy()
+    assert ap.Strategy(config) == canonical and ap.Strategy(config=config) == canonical
+    assert attrs == canonical and from_paddle_strategy(ps) == canonical
+    assert ap.Strategy({"gradient_merge": {"enable": True, "k_steps": 2}}) != canonical       # negative control
+    assert attrs.pipeline.schedule_mode == "FThenB" and attrs.gradient_merge.k_steps == 4
+    assert attrs.sharding.enable_tensor_fusion is False                # a paddle-only field reads as its default
+
+
+def test_a_paddle_amp_section_takes_paddles_defaults():
+    s = ap.Strategy({"amp": {"enable": True}})
+    assert (s.amp.dtype, s.amp.init_loss_scaling, s.amp.incr_every_n_steps, s.amp.decr_every_n_nan_or_inf,
+            s.amp.decr_ratio) == ("float16", 32768.0, 1000, 2, 0.8)
+    assert ap.Strategy({"amp": {"enable": True, "dtype": "bfloat16"}}).amp.init_loss_scaling == 65536.0
+
+
+def test_gradient_merge_and_pipeline_views_map_both_ways():
+    s = ap.Strategy()
+    s.gradient_merge.k_steps = 3
+    assert s.gradient_accumulation_steps == 1                    # k_steps acts only once enabled, as in paddle
+    s.gradient_merge.enable = True
+    assert s.gradient_accumulation_steps == 3
+    s.gradient_merge.enable = False
+    assert s.gradient_accumulation_steps == 1
+    s.pipeline.schedule_mode = "ZBH1"
+    assert s.pipeline_parallel.schedule == "ZB-H1" and s.pipeline.schedule_mode == "ZBH1"
+    s2 = ap.Strategy()
+    s2.pipeline.enable = True
+    with pytest.raises(ValueError, match="pipeline.enable=True needs the number of stages"):
+        s2.validate(world_size=2)
+
+
+@pytest.mark.parametrize("section, name", [(sec, n) for sec, fields in PADDLE_ONLY.items() for n in fields])
+def test_every_paddle_only_field_accepts_its_default_and_refuses_another_value(section, name):
+    s = ap.Strategy()
+    default = PADDLE_ONLY[section][name]
+    other = (not default) if isinstance(default, bool) else ([1] if isinstance(default, list) else
+                                                              "x" if isinstance(default, str) else default + 7)
+    if section in ("Strategy", "sharding", "amp", "pipeline", "fused_passes", "recompute"):
+        target = s if section == "Strategy" else getattr(s, section)
+        setattr(target, name, default)                           # accepted: paddle's default is what runs here
+        assert s == ap.Strategy()
+        with pytest.raises(NotImplementedError) as info:
+            setattr(target, name, other)
+    else:
+        assert ap.Strategy({section: {name: default}}) == ap.Strategy()
+        with pytest.raises(NotImplementedError) as info:
+            ap.Strategy({section: {name: other}})
+    assert f"{name}={other!r}" in str(info.value) and "not supported" in str(info.value)
+
+
+@pytest.mark.parametrize("stmt, exc, words", [
+    ("s.gradient_merge.avg = False", NotImplementedError, ["avg=False"]),
+    ("s.pipeline.schedule_mode = 'Eager1F1B'", NotImplementedError, ["'Eager1F1B'"]),
+    ("s.pipeline.bogus = 1", AttributeError, ["pipeline has no field 'bogus'"]),
+    ("s.amp.level = 'o3'", ValueError, ["amp.level", "'o3'"]),
+    ("ap.Strategy('semi')", ValueError, ["expects a dict", "'semi'"]),
+    ("ap.Strategy(auto_mod='semi')", TypeError, ["auto_mod"]),
+    ("ap.Strategy({'tuning': {'enable': True}})", ValueError, ["unknown section 'tuning'"]),
+])
+def test_strategy_forms_that_are_refused(stmt, exc, words):
+    s = ap.Strategy()
+    with pytest.raises(exc) as info:
+        exec(stmt, {"s": s, "ap": ap})
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+# ---- shard_dataloader, shard_scaler, to_static keywords, names ---------------------------------------------------------
+class _Pairs(paddle.io.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return np.full([3], i, "float32"), np.array([i], "int64")
+
+
+class _Dicts(_Pairs):
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return {"x": x, "y": y}
+
+
+def test_shard_dataloader_lays_out_the_global_batch(world4):
+    loader = paddle.io.DataLoader(_Pairs(), batch_size=4, shuffle=False)
+    sharded = ap.shard_dataloader(loader, meshes=dist.ProcessMesh([[0, 1], [2, 3]], ["x", "y"]), shard_dims="x")
+    assert len(sharded) == len(loader) == 2
+    for (x, y), (gx, gy) in zip(sharded, loader):
+        assert x.placements == [ap.Shard(0), ap.Replicate()] and y.placements == [ap.Shard(0), ap.Replicate()]
+        np.testing.assert_array_equal(x.numpy(), gx.numpy())
+        np.testing.assert_array_equal(y.numpy(), gy.numpy())
+    x, y = next(iter(ap.shard_dataloader(loader, world4, shard_dims=1, dense_tensor_idx=[[], [0]])))
+    assert x.placements == [ap.Replicate(), ap.Shard(0)] and isinstance(y, paddle.Tensor)
+    batch = next(ap.shard_dataloader(paddle.io.DataLoader(_Dicts(), batch_size=4), world4, input_keys=["x"],
+                                     shard_dims="y")())
+    assert batch["x"].placements == [ap.Replicate(), ap.Shard(0)] and isinstance(batch["y"], paddle.Tensor)
+    rep = next(iter(ap.shard_dataloader(loader, world4)))[0]
+    assert rep.placements == [ap.Replicate(), ap.Replicate()]
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(is_dataset_splitted=True), ValueError, ["shard_dims must be set"]),
+    (dict(shard_dims="z"), ValueError, ["'z'"]),
+    (dict(shard_dims=["x", "y"]), ValueError, ["one per mesh"]),
+    (dict(is_dataset_splitted=1, shard_dims="x"), TypeError, ["is_dataset_splitted"]),
+])
+def test_shard_dataloader_refusals(world4, kwargs, exc, words):
+    loader = paddle.io.DataLoader(_Pairs(), batch_size=4)
+    with pytest.raises(exc) as info:
+        ap.shard_dataloader(loader, world4, **kwargs)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_shard_scaler_returns_the_distributed_aware_scaler():
+    scaler = paddle.amp.GradScaler(init_loss_scaling=1024)
+    assert ap.shard_scaler(scaler) is scaler
+    with pytest.raises(TypeError, match="GradScaler, got int"):
+        ap.shard_scaler(3)
+
+
+def test_to_static_paddle_keywords_reach_the_same_arguments(monkeypatch):
+    import autoparallel.graph.to_static as ts
+
+    seen = []
+    monkeypatch.setattr(ts, "to_static", lambda *a, **k: seen.append((a, k)))
+    net, loss = paddle.nn.Linear(2, 2), paddle.nn.MSELoss()
+    ap.to_static(layer=net, loss=loss, input_spec=[1])
+    ap.to_static(model=net, loss_fn=loss, input_spec=[1])
+    ap.to_static(net, None, loss, None, None, [1])
+    assert seen[0] == seen[1] == seen[2] == ((net, None, loss, None, None, [1]), {})
+    ps = dist.Strategy()
+    ps.gradient_merge.enable, ps.gradient_merge.k_steps = True, 2
+    ap.to_static(net, None, loss, strategy=ps, input_spec=[1])
+    assert seen[3][0][4].gradient_accumulation_steps == 2           # paddle's Strategy converted
+    with pytest.raises(TypeError, match="loss= and loss_fn= are the same argument"):
+        ap.to_static(net, loss=loss, loss_fn=loss)
+
+
+@pytest.mark.parametrize("name", ["LocalLayer", "SequenceParallelBegin", "PrepareLayerInput", "local_map"])
+def test_paddle_names_not_provided_say_what_to_use(name):
+    with pytest.raises(AttributeError, match=f"does not provide paddle.distributed.{name}: "):
+        getattr(ap, name)
+
+
+def test_environment_names():
+    assert ap.get_world_size() == 1
+    with ap.simulate(world_size=4):
+        assert ap.get_world_size() == 4 and ap.get_rank() == 0
