@@ -455,3 +455,34 @@ def test_environment_names():
     assert ap.get_world_size() == 1
     with ap.simulate(world_size=4):
         assert ap.get_world_size() == 4 and ap.get_rank() == 0
+
+
+def test_dist_model_paddle_modes_equal_the_step_methods():
+    """``dm.train(); dm(x, y)`` is train_step, ``dm.eval(); dm(x, y)`` eval_step, ``dm.predict(); dm(x)`` the
+    output: two models trained the two ways stay identical."""
+    from dist_scripts.static_models import MLP, mse
+    from test_to_static import SPEC, SimSGD, mlp_batches
+
+    batches = mlp_batches(2)
+    with ap.simulate(world_size=2):
+        dms = []
+        for _ in range(2):
+            paddle.seed(0)
+            model = MLP()
+            s = ap.Strategy()
+            s.data_parallel.degree = 2
+            dms.append(ap.to_static(model, None, mse, SimSGD(0.1, model.parameters()), s, input_spec=SPEC))
+        canonical, paddle_form = dms
+        assert paddle_form.mode == "train"
+        for x, y in batches:
+            want = canonical.train_step((x, y))
+            got = paddle_form(paddle.to_tensor(x), paddle.to_tensor(y))
+            assert isinstance(got, paddle.Tensor) and float(got) == pytest.approx(want, rel=1e-6)
+        paddle_form.eval()
+        x, y = batches[0]
+        assert float(paddle_form(x, y)) == pytest.approx(canonical.eval_step((x, y)), rel=1e-6)
+        assert float(paddle_form(x, y)) == pytest.approx(canonical.eval_step((x, y)), rel=1e-6)   # nothing stepped
+        paddle_form.predict()
+        np.testing.assert_allclose(paddle_form(x).full().numpy(), canonical.predict(x).full().numpy(), rtol=1e-6)
+        with pytest.raises(TypeError, match="expects the batch fields"):
+            paddle_form()
