@@ -34,7 +34,10 @@ def _check_place(data, place) -> None:
     import paddle
     from paddle.base.framework import _get_paddle_place
 
-    want = str(_get_paddle_place(place))
+    try:
+        want = str(_get_paddle_place(place))
+    except (AttributeError, TypeError, ValueError) as e:
+        raise ValueError(f"shard_tensor(place={place!r}) is not a device of this paddle build: {e}") from None
     have = str(data.place) if isinstance(data, paddle.Tensor) else str(paddle.get_device_place()
                                                                      if hasattr(paddle, "get_device_place")
                                                                      else paddle.CPUPlace())

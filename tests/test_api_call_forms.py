@@ -486,3 +486,10 @@ def test_dist_model_paddle_modes_equal_the_step_methods():
         np.testing.assert_allclose(paddle_form(x).full().numpy(), canonical.predict(x).full().numpy(), rtol=1e-6)
         with pytest.raises(TypeError, match="expects the batch fields"):
             paddle_form()
+
+
+def test_placements_compare_equal_to_paddles_own():
+    assert ap.Shard(0) == dist.Shard(0) and dist.Shard(0) == ap.Shard(0)
+    assert [ap.Replicate(), ap.Partial()] == [dist.Replicate(), dist.Partial(dist.ReduceType.kRedSum)]
+    assert ap.Shard(1) != dist.Shard(0) and ap.Partial("max") != dist.Partial()             # negative controls
+    assert ap.Shard(0) != ap.Replicate() and len({ap.Shard(0), ap.Shard(0)}) == 1

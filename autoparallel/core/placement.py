@@ -59,6 +59,15 @@ class Placement:
     def __repr__(self) -> str:
         return str(self)
 
+    def _eq_foreign(self, other):
+        """paddle.distributed's own placement objects compare equal to ours when they mean the same."""
+        if not _is_paddle_placement(other):
+            return NotImplemented
+        try:
+            return self == from_paddle(other)
+        except (NotImplementedError, TypeError, ValueError):
+            return False
+
 
 @dataclass(frozen=True, repr=False, init=False)
 class Shard(Placement):
@@ -87,6 +96,11 @@ class Shard(Placement):
                                       f"first); drop shard_order")
         object.__setattr__(self, "dim", dim)
 
+    def __eq__(self, other):
+        if other.__class__ is Shard:
+            return self.dim == other.dim
+        return self._eq_foreign(other)
+
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
@@ -96,6 +110,11 @@ class Shard(Placement):
 
 @dataclass(frozen=True, repr=False)
 class Replicate(Placement):
+    def __eq__(self, other):
+        if other.__class__ is Replicate:
+            return True
+        return self._eq_foreign(other)
+
     def is_replicate(self) -> bool:
         return True
 
@@ -115,6 +134,11 @@ class Partial(Placement):
 
     def is_partial(self) -> bool:
         return True
+
+    def __eq__(self, other):
+        if other.__class__ is Partial:
+            return self.reduce_type == other.reduce_type
+        return self._eq_foreign(other)
 
     def __str__(self) -> str:
         return f"P({self.reduce_type})"
