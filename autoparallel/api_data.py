@@ -61,7 +61,9 @@ class ShardDataloader:
         self._keys = None if input_keys is None else list(input_keys)
         self._split = is_dataset_splitted
         self._dense = dense_tensor_idx
-        self.batch_size = getattr(dataloader, "batch_size", None)
+        sampler = getattr(dataloader, "batch_sampler", None)
+        self.batch_size = getattr(dataloader, "batch_size", None) or getattr(sampler, "batch_size", None)
+        self.dataset = getattr(dataloader, "dataset", None)          # ap.to_static reads batch shapes from it
 
     def __len__(self):
         return len(self._loader)

@@ -493,3 +493,42 @@ def test_placements_compare_equal_to_paddles_own():
     assert [ap.Replicate(), ap.Partial()] == [dist.Replicate(), dist.Partial(dist.ReduceType.kRedSum)]
     assert ap.Shard(1) != dist.Shard(0) and ap.Partial("max") != dist.Partial()             # negative controls
     assert ap.Shard(0) != ap.Replicate() and len({ap.Shard(0), ap.Shard(0)}) == 1
+
+
+class _Regression(paddle.io.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(i)
+        return rng.standard_normal(16).astype("float32"), rng.standard_normal(16).astype("float32")
+
+
+def test_paddles_to_static_example_flow_equals_one_process():
+    """paddle's documented flow: shard_dataloader -> to_static(layer, dist_loader, loss, opt) -> train() ->
+    ``dist_model(x, y)`` per batch; the losses are the single-process ones."""
+    from dist_scripts.static_models import MLP, mse
+    from test_to_static import SimSGD
+
+    paddle.seed(0)
+    model = MLP()
+    opt = paddle.optimizer.SGD(0.1, parameters=model.parameters())
+    want = []
+    for x, y in paddle.io.DataLoader(_Regression(), batch_size=8, shuffle=False):
+        loss = mse(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        want.append(float(loss))
+    with ap.simulate(world_size=2):
+        paddle.seed(0)
+        model = MLP()
+        mesh = ap.ProcessMesh([[0], [1]], dim_names=["data", "model"])
+        loader = ap.shard_dataloader(paddle.io.DataLoader(_Regression(), batch_size=8, shuffle=False), mesh,
+                                     shard_dims="data")
+        s = ap.Strategy()
+        s.data_parallel.degree = 2
+        dist_model = ap.to_static(model, loader, mse, SimSGD(0.1, model.parameters()), s)
+        dist_model.train()
+        got = [float(dist_model(x, y)) for x, y in loader()]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
