@@ -26,6 +26,7 @@ _EXPORTS = {
     "unshard_dtensor": "autoparallel.api_tensor", "ReduceType": "autoparallel.placement",
     "shard_dataloader": "autoparallel.api_data", "ShardDataloader": "autoparallel.api_data",
     "shard_scaler": "autoparallel.api_layer", "get_world_size": "autoparallel.api_env",
+    "LocalLayer": "autoparallel.api_local", "local_map": "autoparallel.api_local",
     # worlds
     "simulate": "autoparallel.comm.world", "current_world": "autoparallel.comm.world",
     "get_rank": "autoparallel.comm.world", "init_parallel_env": "autoparallel.comm.world",

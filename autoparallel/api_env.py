@@ -14,10 +14,6 @@ def get_world_size() -> int:
 
 # paddle.distributed names without a counterpart here -> what to use instead
 NOT_PROVIDED = {
-    "LocalLayer": "run per-rank code with ap.local_mode() on DistTensor.local shards and wrap results with "
-                  "ap.dtensor_from_local",
-    "local_map": "run per-rank code with ap.local_mode() on DistTensor.local shards and wrap results with "
-                 "ap.dtensor_from_local",
     "SequenceParallelBegin": "set strategy.sequence_parallel.enable = True with ap.parallelize, or use "
                              "ap.SequenceParallel / RowWiseParallel(sequence_parallel=True) in a tp_plan",
     "SequenceParallelEnd": "set strategy.sequence_parallel.enable = True with ap.parallelize, or use "

@@ -445,7 +445,7 @@ def test_to_static_paddle_keywords_reach_the_same_arguments(monkeypatch):
         ap.to_static(net, loss=loss, loss_fn=loss)
 
 
-@pytest.mark.parametrize("name", ["LocalLayer", "SequenceParallelBegin", "PrepareLayerInput", "local_map"])
+@pytest.mark.parametrize("name", ["SequenceParallelBegin", "PrepareLayerInput", "SplitPoint", "set_mesh"])
 def test_paddle_names_not_provided_say_what_to_use(name):
     with pytest.raises(AttributeError, match=f"does not provide paddle.distributed.{name}: "):
         getattr(ap, name)
@@ -532,3 +532,45 @@ def test_paddles_to_static_example_flow_equals_one_process():
         dist_model.train()
         got = [float(dist_model(x, y)) for x, y in loader()]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _SquareSum(ap.LocalLayer):
+    def forward(self, x):
+        return (x * x).sum()
+
+
+def test_local_layer_runs_on_shards_and_its_partial_output_is_the_global_value():
+    """paddle's LocalLayer example: a per-rank sum declared Partial(sum) is the global sum; the gradient reaches
+    every shard (the single-process gradient 2x)."""
+    x_np = np.arange(8, dtype="float32").reshape(4, 2)
+    with ap.simulate(world_size=2):
+        mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+        x = ap.shard_tensor(paddle.to_tensor(x_np), mesh, [dist.Shard(0)], stop_gradient=False)
+        layer = _SquareSum(out_dist_attrs=[(mesh, [dist.Partial(dist.ReduceType.kRedSum)])],
+                           grad_dist_attrs=[(mesh, [dist.Shard(0)])])
+        loss = layer(x)
+        assert loss.placements == [ap.Partial()] and float(loss) == pytest.approx(float((x_np ** 2).sum()))
+        loss.backward()
+        np.testing.assert_allclose(x.grad.numpy(), 2 * x_np)
+        wrong = _SquareSum([(mesh, [ap.Replicate()])], [None])(x)       # negative control: not summed
+        assert float(wrong) != pytest.approx(float((x_np ** 2).sum()))
+        with pytest.raises(NotImplementedError, match=r"grad_dist_attrs\[0\].*\[P\(sum\)\]\) differs"):
+            _SquareSum([(mesh, [ap.Partial()])], [(mesh, [ap.Partial()])])(x)
+        with pytest.raises(ValueError, match="1 inputs but 2 grad_dist_attrs"):
+            _SquareSum([(mesh, [ap.Partial()])], [None, None])(x)
+
+
+def test_local_map_checks_or_reshards_its_inputs():
+    x_np = np.arange(8, dtype="float32").reshape(4, 2)
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+        x = ap.shard_tensor(paddle.to_tensor(x_np), mesh, [ap.Shard(0)])
+        double = ap.local_map(lambda a: a * 2, out_placements=[[ap.Shard(0)]], in_placements=[[ap.Shard(0)]])
+        np.testing.assert_array_equal(double(x).numpy(), 2 * x_np)
+        rep = ap.reshard(x, mesh, [ap.Replicate()])
+        with pytest.raises(ValueError, match=r"input 0 is \[R\], in_placements\[0\] says \[S\(0\)\]"):
+            double(rep)
+        again = ap.local_map(lambda a: a * 2, [[ap.Shard(0)]], [[ap.Shard(0)]], mesh, reshard_inputs=True)
+        np.testing.assert_array_equal(again(rep).numpy(), 2 * x_np)
+        with pytest.raises(ValueError, match="returned 1 output"):
+            ap.local_map(lambda a: a, [[ap.Shard(0)], [ap.Shard(0)]])(x)
