@@ -109,6 +109,10 @@ def test_sub_meshes_as_paddle_computes_them():
         assert (a.process_ids, a.dim_names) == (b.process_ids, b.dim_names), name
     assert ours.get_submesh_with_dim("x", 1).process_ids == [3, 4, 5]          # this project's index form
     assert ours.dim_size("y") == 3
+    with pytest.raises(ValueError, match="needs the dim name"):
+        ours.get_group()
+    with ap.simulate(world_size=6), pytest.raises(RuntimeError, match="simulated world.*no paddle process groups"):
+        ours.get_group("x")
 
 
 def test_a_paddle_mesh_is_accepted_everywhere_a_mesh_is(world4):

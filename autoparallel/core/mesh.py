@@ -156,6 +156,10 @@ class ProcessMesh(HashedOnce):
             if self.ndim > 1:
                 raise ValueError(f"get_group(dim_name): a mesh with dims {list(self._names)} needs the dim name")
             dim_name = self._names[0]
+        if "paddle" in sys.modules and importlib.import_module("autoparallel.comm.world").current_world().is_simulated:
+            raise RuntimeError("get_group: the simulated world (ap.simulate) runs every rank in this process and "
+                               "has no paddle process groups; groups exist in a job started with "
+                               "paddle.distributed.launch")
         rank = _current_rank()
         ranks = self.group_ranks(dim_name, rank)
         return importlib.import_module(GROUPS_HOOK[0]).get_group(ranks)
