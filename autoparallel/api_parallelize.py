@@ -167,7 +167,39 @@ def _mp_config(mp, tp_plan):
     if tp_plan:
         raise ValueError("ap.parallelize: the tensor-parallel plan is given twice (tp_plan= and "
                          "mp_config['parallelize_plan']); give one")
-    return dict(plan)
+    out = {}
+    for key, value in plan.items():
+        if not isinstance(key, str):
+            raise TypeError(f"ap.parallelize: parallelize_plan keys are layer (or parameter) names, got {key!r}")
+        layer = key.rsplit(".", 1)[0] if key.endswith((".weight", ".bias")) and "." in key else key
+        style = _style(value, key)
+        if out.get(layer, style) != style:
+            raise ValueError(f"ap.parallelize: parallelize_plan gives layer {layer!r} two styles "
+                             f"({out[layer]} and {style})")
+        out[layer] = style
+    return out
+
+
+def _style(value, key):
+    """One of our styles for a plan value: ours, paddle's ColWise/RowWiseParallel, or a one-style list."""
+    from autoparallel.parallel.tensor_parallel import ColWiseParallel, RowWiseParallel
+
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise NotImplementedError(f"ap.parallelize: parallelize_plan[{key!r}] lists {len(value)} styles; one "
+                                      f"style per layer is supported (sequence parallel: "
+                                      f"strategy.sequence_parallel.enable)")
+        return _style(value[0], key)
+    if not type(value).__module__.startswith("paddle"):
+        return value                         # ours (checked by the tensor-parallel plan matcher)
+    name = type(value).__name__
+    if name == "ColWiseParallel":
+        return ColWiseParallel(gather_output=bool(value.gather_output))
+    if name == "RowWiseParallel":
+        return RowWiseParallel(is_input_parallel=bool(value.is_input_parallel))
+    raise NotImplementedError(f"ap.parallelize: parallelize_plan[{key!r}] = paddle.distributed.{name} is not "
+                              f"supported; styles here: ap.ColWiseParallel, ap.RowWiseParallel, "
+                              f"ap.VocabParallelEmbedding, ap.SequenceParallel (and strategy.sequence_parallel)")
 
 
 def _pp_config(pp):

@@ -236,6 +236,19 @@ def _paddle_form_run(form):
     return m, opt
 
 
+def test_parallelize_plan_in_paddles_spellings_equals_ours():
+    """paddle's own ColWise/RowWiseParallel objects, a one-style list and a parameter-name key give the same
+    plan as our styles on the layer name."""
+    from autoparallel.api_parallelize import strategy_from_config
+
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    paddle_plan = {"blocks.*.mlp.fc1.weight": dist.ColWiseParallel(gather_output=True),
+                   "blocks.*.mlp.fc2": [dist.RowWiseParallel(is_input_parallel=False)]}
+    _, _, got = strategy_from_config({"mp_config": {"parallelize_plan": paddle_plan}}, mesh)
+    assert got == {"blocks.*.mlp.fc1": ap.ColWiseParallel(True), "blocks.*.mlp.fc2": ap.RowWiseParallel(False)}
+    assert got != {"blocks.*.mlp.fc1": ap.ColWiseParallel(), "blocks.*.mlp.fc2": ap.RowWiseParallel()}
+
+
 def test_parallelize_paddle_config_equals_the_strategy_form():
     """The config's dp/mp sections and the mesh's dim sizes give the same build as the Strategy form: the same
     resolved strategy and parameter layouts, and the single-process losses and parameters."""
@@ -265,6 +278,14 @@ def test_parallelize_paddle_config_equals_the_strategy_form():
     ([["dp", "pp"]], {"pp_config": {"split_spec": "layers"}}, NotImplementedError, ["'layers'", "'blocks'"]),
     ([["dp", "pp"]], {"pp_config": {"global_spec": "wte"}}, NotImplementedError, ["['global_spec']='wte'"]),
     ([["dp", "sep"]], {}, ValueError, ["mesh dim 'sep'"]),
+    ([["dp", "mp"]], {"mp_config": {"parallelize_plan": {"blocks.*.mlp.fc1": dist.SequenceParallelBegin()}}},
+     NotImplementedError, ["paddle.distributed.SequenceParallelBegin"]),
+    ([["dp", "mp"]], {"mp_config": {"parallelize_plan": {"blocks.*.mlp.fc1": [ap.ColWiseParallel(),
+                                                                                dist.SequenceParallelBegin()]}}},
+     NotImplementedError, ["lists 2 styles"]),
+    ([["dp", "mp"]], {"mp_config": {"parallelize_plan": {"blocks.*.mlp.fc1.weight": ap.ColWiseParallel(),
+                                                         "blocks.*.mlp.fc1": ap.RowWiseParallel()}}},
+     ValueError, ["two styles"]),
 ])
 def test_parallelize_paddle_config_refusals(mesh, config, exc, words):
     with ap.simulate(world_size=4):
