@@ -27,32 +27,31 @@ def _placements(placements, what: str):
     return tuple(parse_placements(placements))
 
 
-def _check_place(data, place) -> None:
-    """``place``: honoured when it names the device the shards live on (this build's tensors); else refused."""
+def _on_place(data, place, dtype):
+    """``place``: new tensors (from ndarrays, lists, numbers) are created there; a tensor already on it is taken
+    as is; a tensor elsewhere is refused (shards stay where the data is)."""
     if place is None:
-        return
+        return data
     import paddle
     from paddle.base.framework import _get_paddle_place
 
     try:
-        want = str(_get_paddle_place(place))
+        want = _get_paddle_place(place)
     except (AttributeError, TypeError, ValueError) as e:
         raise ValueError(f"shard_tensor(place={place!r}) is not a device of this paddle build: {e}") from None
-    have = str(data.place) if isinstance(data, paddle.Tensor) else str(paddle.get_device_place()
-                                                                     if hasattr(paddle, "get_device_place")
-                                                                     else paddle.CPUPlace())
-    if isinstance(data, paddle.Tensor) and want != have:
-        raise NotImplementedError(f"shard_tensor(place={place!r}): the data is on {have}; shards stay on the "
+    if not isinstance(data, paddle.Tensor) and not hasattr(data, "placements"):
+        return paddle.to_tensor(data, dtype=dtype, place=want)
+    if str(data.place) != str(want):
+        raise NotImplementedError(f"shard_tensor(place={place!r}): the data is on {data.place}; shards stay on the "
                                   f"device of the data: move it first (tensor.to({place!r}))")
-    if not isinstance(data, paddle.Tensor) and want != str(paddle.CPUPlace()) and want != have:
-        raise NotImplementedError(f"shard_tensor(place={place!r}): new tensors are created on {have}")
+    return data
 
 
 def shard_tensor(data, mesh, placements, dtype=None, place=None, stop_gradient=None):
     """paddle's ``dist.shard_tensor``: distribute ``data`` (the same full value on every rank) over ``mesh``."""
     if data is None:
         return None
-    _check_place(data, place)
+    data = _on_place(data, place, dtype)
     if stop_gradient is not None and not isinstance(stop_gradient, bool):
         raise TypeError(f"shard_tensor(stop_gradient=...) expects True, False or None, got {stop_gradient!r}")
     return _dt.shard_tensor(data, as_mesh(mesh), _placements(placements, "shard_tensor"), dtype=dtype,

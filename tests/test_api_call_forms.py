@@ -137,6 +137,9 @@ def test_shard_tensor_positional_and_keyword_forms(world4):
     _same_locals(positional, canonical)
     _same_locals(keyword, canonical)                          # a short placement list is padded with R
     assert positional.stop_gradient and not keyword.stop_gradient
+    _same_locals(ap.shard_tensor(FULL.tolist(), world4, [ap.Shard(0)], "float32", "cpu"), canonical)
+    with pytest.raises(ValueError, match="place='xpu:3'"):
+        ap.shard_tensor(t, world4, [ap.Shard(0)], place="xpu:3")
     with pytest.raises(TypeError, match="stop_gradient.*'yes'"):
         ap.shard_tensor(t, world4, [ap.Shard(0)], None, None, "yes")
 
