@@ -36,6 +36,15 @@ NOT_PROVIDED = {
 
 def missing_name_message(name: str) -> str:
     hint = NOT_PROVIDED.get(name)
+    if hint is None and not name.startswith("_") and _in_paddle_distributed(name):
+        hint = f"it is not re-exported here; call paddle.distributed.{name} itself"
     if hint is None:
         return f"module 'autoparallel' has no attribute {name!r}"
     return f"module 'autoparallel' does not provide paddle.distributed.{name}: {hint}"
+
+
+def _in_paddle_distributed(name: str) -> bool:
+    import sys
+
+    module = sys.modules.get("paddle.distributed")          # only when paddle is loaded already
+    return module is not None and hasattr(module, name)

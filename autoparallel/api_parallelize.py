@@ -47,7 +47,8 @@ def paddle_form(model, strategy, mesh, config, tp_plan):
         if isinstance(mesh, dict) and config is not None:
             raise TypeError("ap.parallelize: config given twice (positionally and as config=)")
         strategy, mesh, config = None, strategy, (mesh if isinstance(mesh, dict) else config)
-    if config is not None or (mesh is not None and _is_mesh(mesh) and _paddle_named(mesh)):
+    derive = mesh is not None and _is_mesh(mesh) and (strategy is None or _paddle_named(mesh))
+    if config is not None or derive:             # the mesh's dim sizes are the degrees
         strategy, mesh, tp_plan = strategy_from_config(config or {}, mesh, strategy, tp_plan)
         _check_split(model, (config or {}).get("pp_config"), strategy)
     return strategy, mesh, tp_plan

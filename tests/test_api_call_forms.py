@@ -299,6 +299,17 @@ def test_parallelize_paddle_config_refusals(mesh, config, exc, words):
         assert all(w in str(info.value) for w in words), str(info.value)
 
 
+def test_parallelize_with_only_a_mesh_takes_the_degrees_from_it():
+    with ap.simulate(world_size=4):
+        for mesh in (ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["data", "model"]),
+                     dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])):
+            m = build("gpt")
+            m, _ = ap.parallelize(m, None, mesh)
+            s = layer_state.build_of(m).strategy
+            assert (s.data_parallel.degree, s.tensor_parallel.degree) == (2, 2)
+            assert dict(m.named_parameters())["blocks.0.mlp.fc1.weight"].placements == [ap.Replicate(), ap.Shard(1)]
+
+
 def test_parallelize_strategy_that_disagrees_with_the_mesh_is_refused():
     with ap.simulate(world_size=4):
         s = ap.Strategy()
@@ -477,6 +488,13 @@ def test_to_static_paddle_keywords_reach_the_same_arguments(monkeypatch):
 def test_paddle_names_not_provided_say_what_to_use(name):
     with pytest.raises(AttributeError, match=f"does not provide paddle.distributed.{name}: "):
         getattr(ap, name)
+
+
+def test_other_paddle_distributed_names_point_to_paddle():
+    with pytest.raises(AttributeError, match="not re-exported here; call paddle.distributed.barrier itself"):
+        ap.barrier
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        ap.no_such_name
 
 
 def test_environment_names():
