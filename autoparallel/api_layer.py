@@ -46,10 +46,9 @@ def to_static(layer=_UNSET, loader=None, loss=_UNSET, optimizer=None, strategy=N
     if net is _UNSET:
         raise TypeError("to_static() missing the layer: to_static(layer, loader, loss, optimizer, strategy)")
     fn = _one("loss", "loss_fn", loss, loss_fn, "to_static")
-    if strategy is not None and type(strategy).__module__.startswith("paddle") and hasattr(strategy, "gradient_merge"):
-        from autoparallel.api_strategy import from_paddle_strategy
+    from autoparallel.api_strategy import as_strategy
 
-        strategy = from_paddle_strategy(strategy)
+    strategy = as_strategy(strategy)
     return build(net, loader, None if fn is _UNSET else fn, optimizer, strategy, input_spec, **options)
 
 

@@ -36,10 +36,9 @@ def paddle_form(model, strategy, mesh, config, tp_plan):
     """(strategy, mesh, tp_plan) for ``ap.parallelize``'s arguments: paddle's ``(model, optimizer, mesh, config)``
     form translated (see the module docstring); this project's form passes through unchanged. A
     ``paddle.distributed.Strategy`` is converted field by field (config/paddle_compat.py)."""
-    if strategy is not None and type(strategy).__module__.startswith("paddle") and hasattr(strategy, "gradient_merge"):
-        from autoparallel.api_strategy import from_paddle_strategy
+    from autoparallel.api_strategy import as_strategy
 
-        strategy = from_paddle_strategy(strategy)
+    strategy = as_strategy(strategy)
     if _is_mesh(strategy):                       # paddle's positional order: (model, optimizer, mesh, config)
         if mesh is not None and not isinstance(mesh, dict):
             raise TypeError(f"ap.parallelize(model, optimizer, mesh, config): the fourth argument is paddle's config "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from autoparallel.config.paddle_compat import PADDLE_ONLY
 from autoparallel.strategy import Strategy
 
-__all__ = ["from_paddle_strategy", "is_paddle_strategy"]
+__all__ = ["from_paddle_strategy", "is_paddle_strategy", "as_strategy"]
 
 
 def is_paddle_strategy(x) -> bool:
@@ -30,3 +30,8 @@ def from_paddle_strategy(ps):
         if diff:
             config[key] = diff
     return Strategy(config)
+
+
+def as_strategy(x):
+    """Ours for a ``paddle.distributed.Strategy``; anything else unchanged (for the caller's own type check)."""
+    return from_paddle_strategy(x) if is_paddle_strategy(x) else x

@@ -37,6 +37,7 @@ import os
 import weakref
 
 from autoparallel import layer_state
+from autoparallel.api_strategy import as_strategy
 from autoparallel.dist_tensor import is_dist
 from autoparallel.layer import replicate_remaining
 from autoparallel.mesh import ProcessMesh
@@ -285,7 +286,7 @@ def DataParallel(model, strategy: Strategy | None = None, tp_plan: dict | None =
     DistTensors, e.g. from ``autoparallel.data.DistributedDataLoader``."""
     check_model(model, "ap.DataParallel")
     check_tp_plan(tp_plan, "ap.DataParallel")
-    strategy = Strategy() if strategy is None else strategy
+    strategy = Strategy() if strategy is None else as_strategy(strategy)
     if not isinstance(strategy, Strategy):
         raise TypeError(f"ap.DataParallel: strategy must be an ap.Strategy, got {type(strategy).__name__}")
     out, _ = parallelize(model, None, strategy, tp_plan=tp_plan, _deferred=True)
@@ -302,6 +303,7 @@ def Optimizer(optimizer, strategy: Strategy | None = None):
     inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
     if not hasattr(inner, "_parameter_list"):
         raise TypeError(f"ap.Optimizer expects a paddle optimizer, got {type(optimizer).__name__}")
+    strategy = as_strategy(strategy)
     if strategy is not None and not isinstance(strategy, Strategy):
         raise TypeError(f"ap.Optimizer: strategy must be an ap.Strategy, got {type(strategy).__name__}")
     params = list(flat_params(inner))

@@ -620,3 +620,22 @@ def test_local_map_checks_or_reshards_its_inputs():
         np.testing.assert_array_equal(again(rep).numpy(), 2 * x_np)
         with pytest.raises(ValueError, match="returned 1 output"):
             ap.local_map(lambda a: a, [[ap.Shard(0)], [ap.Shard(0)]])(x)
+
+
+def test_a_paddle_strategy_object_is_taken_by_every_entry_point():
+    """``dist.Strategy()`` with gradient merge given to ap.DataParallel + ap.Optimizer and to ap.parallelize builds
+    what the same ap.Strategy builds; a paddle field we cannot honour is refused there."""
+    ps = dist.Strategy()
+    ps.gradient_merge.enable, ps.gradient_merge.k_steps = True, 2
+    with ap.simulate(world_size=2):
+        m = build("gpt")
+        opt = adamw(m.parameters())
+        m = ap.DataParallel(m, strategy=ps)
+        ap.Optimizer(opt, strategy=ps)
+        assert layer_state.build_of(m).strategy.gradient_accumulation_steps == 2
+        m2 = build("gpt")
+        m2, _ = ap.parallelize(m2, adamw(m2.parameters()), strategy=ps)
+        assert layer_state.build_of(m2).strategy == layer_state.build_of(m).strategy
+        ps.fused_passes.gemm_epilogue = True
+        with pytest.raises(NotImplementedError, match="fused_passes.gemm_epilogue=True"):
+            ap.DataParallel(build("gpt"), strategy=ps)
