@@ -539,6 +539,8 @@ def test_placements_compare_equal_to_paddles_own():
     assert [ap.Replicate(), ap.Partial()] == [dist.Replicate(), dist.Partial(dist.ReduceType.kRedSum)]
     assert ap.Shard(1) != dist.Shard(0) and ap.Partial("max") != dist.Partial()             # negative controls
     assert ap.Shard(0) != ap.Replicate() and len({ap.Shard(0), ap.Shard(0)}) == 1
+    assert ap.Shard(2).get_dim() == 2 and ap.Replicate().is_replicated() and not ap.Shard(0).is_replicated()
+    assert ap.Shard(1).is_shard() and ap.Shard(1).is_shard(1) and not ap.Shard(1).is_shard(0)
 
 
 class _Regression(paddle.io.Dataset):

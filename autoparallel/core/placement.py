@@ -53,6 +53,10 @@ class Placement:
     def is_partial(self) -> bool:
         return False
 
+    def is_replicated(self) -> bool:
+        """paddle's spelling of ``is_replicate``."""
+        return self.is_replicate()
+
     def is_block_shard(self, dim: int | None = None) -> bool:
         return False
 
@@ -100,6 +104,16 @@ class Shard(Placement):
         if other.__class__ is Shard:
             return self.dim == other.dim
         return self._eq_foreign(other)
+
+    def get_dim(self) -> int:
+        """paddle's accessor of ``dim``."""
+        return self.dim
+
+    def get_split_factor(self) -> int:
+        return 1
+
+    def get_co_shard_order(self) -> int:
+        return 0
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
