@@ -63,9 +63,21 @@ def reshard(dist_tensor, mesh, placements):
     return _dt.reshard(dist_tensor, as_mesh(mesh), _placements(placements, "reshard"))
 
 
-def dtensor_from_local(local_tensor, mesh, placements, global_shape=None, dtype=None):
+_UNSET = object()
+
+
+def dtensor_from_local(local_tensor=_UNSET, mesh=None, placements=None, global_shape=None, dtype=None, *,
+                       local=_UNSET):
     """paddle's ``dtensor_from_local(local_tensor, mesh, placements)``; ``global_shape`` (default: the local
-    shape times the shard counts) and ``dtype`` are this project's additions for uneven shards."""
+    shape times the shard counts) and ``dtype`` are this project's additions for uneven shards; ``local=`` is
+    this project's earlier name of ``local_tensor``."""
+    if (local_tensor is _UNSET) == (local is _UNSET):
+        raise TypeError("dtensor_from_local needs the local shard once: dtensor_from_local(local_tensor, mesh, "
+                        "placements)" + ("" if local_tensor is _UNSET else "; local_tensor= and local= are the "
+                                         "same argument"))
+    local_tensor = local if local_tensor is _UNSET else local_tensor
+    if mesh is None:
+        raise TypeError("dtensor_from_local() missing the mesh: dtensor_from_local(local_tensor, mesh, placements)")
     mesh = as_mesh(mesh)
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"dtensor_from_local expects a ProcessMesh, got {type(mesh).__name__} {mesh!r:.60}")

@@ -152,6 +152,9 @@ def test_reshard_and_local_helpers_in_paddle_forms(world4):
     shards = [a.local_of(r) for r in world4.process_ids]
     _same_locals(ap.dtensor_from_local(local_tensor=shards, mesh=world4, placements=[dist.Shard(-2), dist.Shard(-1)]),
                  a)
+    _same_locals(ap.dtensor_from_local(local=shards, mesh=world4, placements=[ap.Shard(0), ap.Shard(1)]), a)
+    with pytest.raises(TypeError, match="local_tensor= and local= are the same argument"):
+        ap.dtensor_from_local(shards, world4, [ap.Shard(0)], local=shards)
     np.testing.assert_array_equal(ap.unshard_dtensor(a).numpy(), FULL)
     np.testing.assert_array_equal(ap.dtensor_to_local(a, world4, [ap.Shard(0), ap.Shard(1)]).numpy(), FULL[:2, :3])
     _same_locals(ap.dtensor_from_fn(paddle.ones, world4, [ap.Shard(0)], [4, 6]),
