@@ -154,7 +154,10 @@ class Strategy(_Config, ValidationMixin, CliMixin):
         return cls.from_dict(d)
 
     def copy(self) -> "Strategy":
-        return Strategy.from_dict(self.to_dict())
+        out = Strategy.from_dict(self.to_dict())
+        if "_paddle_state" in self.__dict__:           # paddle-name flags (pipeline.enable, gradient_merge.*)
+            out.__dict__["_paddle_state"] = dict(self.__dict__["_paddle_state"])
+        return out
 
     # -- printing ----------------------------------------------------------------------------
 

@@ -378,8 +378,9 @@ def test_gradient_merge_and_pipeline_views_map_both_ways():
     assert s.pipeline_parallel.schedule == "ZB-H1" and s.pipeline.schedule_mode == "ZBH1"
     s2 = ap.Strategy()
     s2.pipeline.enable = True
-    with pytest.raises(ValueError, match="pipeline.enable=True needs the number of stages"):
-        s2.validate(world_size=2)
+    for each in (s2, s2.copy()):                     # the flag survives a copy
+        with pytest.raises(ValueError, match="pipeline.enable=True needs the number of stages"):
+            each.validate(world_size=2)
 
 
 @pytest.mark.parametrize("section, name", [(sec, n) for sec, fields in PADDLE_ONLY.items() for n in fields])
