@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-__all__ = ["PaddleModes"]
+__all__ = ["PaddleModes", "state_dict_mode"]
 
 _UNSET = object()
 MODES = ("train", "eval", "predict")
@@ -48,3 +48,21 @@ class PaddleModes:
             return self._predict(fields)
         step = self.train_step if self._mode == "train" else self.eval_step
         return paddle.to_tensor(step(tuple(fields)), dtype="float32")
+
+
+def state_dict_mode(full, split_fusion=True) -> bool:
+    """``DistModel.state_dict``'s first argument: this project's ``full`` (bool) or paddle's ``mode``: "param" (the
+    parameters, as ``full=False``) is honoured; "opt" and "all" (optimizer states) are refused, naming where
+    optimizer states are; ``split_fusion`` must stay True (no fused parameters here)."""
+    if split_fusion is not True:
+        raise NotImplementedError(f"DistModel.state_dict(split_fusion={split_fusion!r}): parameters are never fused "
+                                  f"here; only split_fusion=True is accepted")
+    if isinstance(full, bool):
+        return full
+    if full == "param":
+        return False
+    if full in ("opt", "all"):
+        raise NotImplementedError(f"DistModel.state_dict(mode={full!r}): optimizer states are not in the model's "
+                                  f"state dict here; take them from dist_model.optimizer.state_dict(), or save both "
+                                  f"with ap.save_state_dict")
+    raise TypeError(f"DistModel.state_dict expects full=True/False or paddle's mode 'param', got {full!r}")

@@ -536,6 +536,11 @@ def test_dist_model_paddle_modes_equal_the_step_methods():
         np.testing.assert_allclose(paddle_form(x).full().numpy(), canonical.predict(x).full().numpy(), rtol=1e-6)
         with pytest.raises(TypeError, match="expects the batch fields"):
             paddle_form()
+        assert set(paddle_form.state_dict("param")) == set(canonical.state_dict())
+        with pytest.raises(NotImplementedError, match="mode='all'.*optimizer.state_dict"):
+            paddle_form.state_dict("all")
+        with pytest.raises(NotImplementedError, match="split_fusion=False"):
+            paddle_form.state_dict(split_fusion=False)
 
 
 def test_placements_compare_equal_to_paddles_own():

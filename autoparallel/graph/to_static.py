@@ -317,10 +317,13 @@ class DistModel(PaddleModes):
 
     __repr__ = __str__
 
-    def state_dict(self, full: bool = False) -> dict:
+    def state_dict(self, full: bool = False, split_fusion: bool = True) -> dict:
         """{name: parameter}: distributed parameters (each with ``.placements`` and ``.full()``; at ZeRO stage 3
         they hold no data between steps), or with ``full=True`` the gathered values as numpy arrays (every rank
-        takes part)."""
+        takes part). paddle's ``mode`` strings: see api_dist_model.state_dict_mode."""
+        from autoparallel.api_dist_model import state_dict_mode
+
+        full = state_dict_mode(full, split_fusion)
         sd = self.network.state_dict()
         if not full:
             return sd
