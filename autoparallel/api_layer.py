@@ -49,6 +49,9 @@ def to_static(layer=_UNSET, loader=None, loss=_UNSET, optimizer=None, strategy=N
     from autoparallel.api_strategy import as_strategy
 
     strategy = as_strategy(strategy)
+    if strategy is not None and getattr(strategy, "__dict__", {}).get("_paddle_state", {}).get("pipeline.enable"):
+        raise NotImplementedError("ap.to_static cannot honour strategy.pipeline.enable=True (the captured graph runs "
+                                  "one stage; honoured by ap.parallelize or ap.DataParallel + ap.Optimizer)")
     return build(net, loader, None if fn is _UNSET else fn, optimizer, strategy, input_spec, **options)
 
 

@@ -486,6 +486,10 @@ def test_to_static_paddle_keywords_reach_the_same_arguments(monkeypatch):
     assert seen[3][0][4].gradient_accumulation_steps == 2           # paddle's Strategy converted
     with pytest.raises(TypeError, match="loss= and loss_fn= are the same argument"):
         ap.to_static(net, loss=loss, loss_fn=loss)
+    piped = ap.Strategy()
+    piped.pipeline.enable = True
+    with pytest.raises(NotImplementedError, match="to_static cannot honour strategy.pipeline.enable=True"):
+        ap.to_static(net, None, loss, strategy=piped, input_spec=[1], mesh=ap.ProcessMesh([0]))
 
 
 @pytest.mark.parametrize("name", ["SequenceParallelBegin", "PrepareLayerInput", "SplitPoint", "set_mesh"])
