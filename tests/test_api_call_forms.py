@@ -654,3 +654,63 @@ def test_a_paddle_strategy_object_is_taken_by_every_entry_point():
         ps.fused_passes.gemm_epilogue = True
         with pytest.raises(NotImplementedError, match="fused_passes.gemm_epilogue=True"):
             ap.DataParallel(build("gpt"), strategy=ps)
+
+
+def _mlp():
+    paddle.seed(0)
+    return paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.GELU(), paddle.nn.Linear(16, 8))
+
+
+def _mse(a, b):
+    return ((a - b) ** 2).mean()
+
+
+class _Regression8(paddle.io.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(i)
+        return rng.standard_normal(8).astype("float32"), rng.standard_normal(8).astype("float32")
+
+
+def test_paddles_dygraph_semi_auto_flow_in_its_own_forms_equals_one_process():
+    """paddle's documented dygraph flow, written with paddle's objects: a ``dist.ProcessMesh`` named dp/mp,
+    ``shard_layer(process_mesh=...)`` with a shard_fn placing ``dist.Shard``/``dist.Replicate``,
+    ``shard_optimizer(opt, ShardingStage2("dp", mesh))``, ``shard_dataloader(meshes=, shard_dims="dp")`` and its
+    ``loader()`` call; losses and every rank's parameters equal one process."""
+    model = _mlp()
+    opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
+    want = []
+    for x, y in paddle.io.DataLoader(_Regression8(), batch_size=8, shuffle=False):
+        loss = _mse(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        want.append(float(loss))
+    ref_params = {n: p.numpy() for n, p in model.named_parameters()}
+
+    def shard_fn(name, layer, process_mesh):
+        if name == "0":
+            layer.weight = ap.shard_tensor(layer.weight, process_mesh, [dist.Replicate(), dist.Shard(1)])
+            layer.bias = ap.shard_tensor(layer.bias, process_mesh, [dist.Replicate(), dist.Shard(0)])
+        elif name == "2":
+            layer.weight = ap.shard_tensor(layer.weight, process_mesh, [dist.Replicate(), dist.Shard(0)])
+
+    with ap.simulate(world_size=4):
+        mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+        model = ap.shard_layer(_mlp(), process_mesh=mesh, shard_fn=shard_fn)
+        opt = ap.shard_optimizer(paddle.optimizer.AdamW(1e-2, parameters=model.parameters()),
+                                 ap.ShardingStage2("dp", mesh))
+        loader = ap.shard_dataloader(paddle.io.DataLoader(_Regression8(), batch_size=8, shuffle=False), meshes=mesh,
+                                     shard_dims="dp")
+        got = []
+        for x, y in loader():
+            loss = _mse(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            got.append(float(loss))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert check_every_rank(model, ref_params) == 4 * len(ref_params)
+        assert model[0].weight.placements == [dist.Replicate(), dist.Shard(1)]
