@@ -27,6 +27,7 @@ _EXPORTS = {
     "shard_dataloader": "autoparallel.api_data", "ShardDataloader": "autoparallel.api_data",
     "shard_scaler": "autoparallel.api_layer", "get_world_size": "autoparallel.api_env",
     "LocalLayer": "autoparallel.api_local", "local_map": "autoparallel.api_local",
+    "PrepareLayerInput": "autoparallel.api_prepare", "PrepareLayerOutput": "autoparallel.api_prepare",
     # worlds
     "simulate": "autoparallel.comm.world", "current_world": "autoparallel.comm.world",
     "get_rank": "autoparallel.comm.world", "init_parallel_env": "autoparallel.comm.world",

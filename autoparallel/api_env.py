@@ -20,8 +20,6 @@ NOT_PROVIDED = {
                            "ap.SequenceParallel / RowWiseParallel(sequence_parallel=True) in a tp_plan",
     "SequenceParallelEnable": "use ap.SequenceParallel() for the layer in a tp_plan",
     "SequenceParallelDisable": "use ap.ColWiseParallel / ap.RowWiseParallel(sequence_parallel=True) in a tp_plan",
-    "PrepareLayerInput": "register the hook on the layer yourself: layer.register_forward_pre_hook(fn(mesh))",
-    "PrepareLayerOutput": "register the hook on the layer yourself: layer.register_forward_post_hook(fn(mesh))",
     "ContextParallel": "context parallelism (ring attention) is not supported",
     "PrepareContextParallel": "context parallelism (ring attention) is not supported",
     "SplitPoint": "set strategy.pipeline_parallel.split_points = [layer names starting stages 2..n]",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from autoparallel.api_prepare import split_prepares
 from autoparallel.core.mesh import ProcessMesh, as_mesh
 
 __all__ = ["paddle_form", "strategy_from_config", "mesh_degrees"]
@@ -33,7 +34,7 @@ def _is_mesh(x) -> bool:
 
 
 def paddle_form(model, strategy, mesh, config, tp_plan):
-    """(strategy, mesh, tp_plan) for ``ap.parallelize``'s arguments: paddle's ``(model, optimizer, mesh, config)``
+    """(strategy, mesh, tp_plan, prepare hooks) for ``ap.parallelize``'s arguments: paddle's ``(model, optimizer, mesh, config)``
     form translated (see the module docstring); this project's form passes through unchanged. A
     ``paddle.distributed.Strategy`` is converted field by field (config/paddle_compat.py)."""
     from autoparallel.api_strategy import as_strategy
@@ -50,7 +51,13 @@ def paddle_form(model, strategy, mesh, config, tp_plan):
     if config is not None or derive:             # the mesh's dim sizes are the degrees
         strategy, mesh, tp_plan = strategy_from_config(config or {}, mesh, strategy, tp_plan)
         _check_split(model, (config or {}).get("pp_config"), strategy)
-    return strategy, mesh, tp_plan
+    tp_plan, prepares = split_prepares(tp_plan)
+    if prepares and strategy is not None and strategy.pipeline_parallel.degree > 1:
+        raise NotImplementedError("ap.parallelize: PrepareLayerInput/Output hooks with pipeline parallelism (the "
+                                  "model is rebuilt into stages) are not supported")
+    if isinstance(tp_plan, dict) and not tp_plan and prepares:
+        tp_plan = None
+    return strategy, mesh, tp_plan, prepares
 
 
 def _paddle_named(mesh) -> bool:
@@ -172,12 +179,37 @@ def _mp_config(mp, tp_plan):
         if not isinstance(key, str):
             raise TypeError(f"ap.parallelize: parallelize_plan keys are layer (or parameter) names, got {key!r}")
         layer = key.rsplit(".", 1)[0] if key.endswith((".weight", ".bias")) and "." in key else key
+        value, prepares = _without_prepares(value)
+        if prepares:
+            out.setdefault("__prepares__", []).extend((layer, p) for p in prepares)
+        if value is None:
+            continue
         style = _style(value, key)
         if out.get(layer, style) != style:
             raise ValueError(f"ap.parallelize: parallelize_plan gives layer {layer!r} two styles "
                              f"({out[layer]} and {style})")
         out[layer] = style
-    return out
+    extra = out.pop("__prepares__", [])
+    return _with_prepares(out, extra)
+
+
+def _without_prepares(value):
+    """(the value without PrepareLayerInput/Output entries or None if nothing else, the prepare entries)."""
+    from autoparallel.api_prepare import as_prepare
+
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    prepares = [p for p in map(as_prepare, items) if p is not None]
+    rest = [i for i in items if as_prepare(i) is None]
+    if not rest:
+        return None, prepares
+    return (rest if isinstance(value, (list, tuple)) else rest[0]), prepares
+
+
+def _with_prepares(plan: dict, prepares: list) -> dict:
+    """The plan with its prepare entries back as one-entry lists (split again by split_prepares)."""
+    for layer, p in prepares:
+        plan[layer] = ([plan[layer]] if layer in plan else []) + [p]
+    return plan
 
 
 def _style(value, key):

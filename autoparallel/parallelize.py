@@ -72,7 +72,13 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     from autoparallel import entry_points as ep
     from autoparallel.api_parallelize import paddle_form
 
-    strategy, mesh, tp_plan = paddle_form(model, strategy, mesh, config, tp_plan)
+    strategy, mesh, tp_plan, prepares = paddle_form(model, strategy, mesh, config, tp_plan)
+    if prepares:                                        # PrepareLayerInput/Output: hooks after the build
+        from autoparallel.api_prepare import apply_prepares
+
+        model, optimizer = parallelize(model, optimizer, strategy, mesh, tp_plan, seq_len, cluster, _deferred=_deferred)
+        apply_prepares(model, prepares)
+        return model, optimizer
 
     where = "ap.DataParallel" if _deferred else "ap.parallelize"
     check_model(model, where)

@@ -492,7 +492,7 @@ def test_to_static_paddle_keywords_reach_the_same_arguments(monkeypatch):
         ap.to_static(net, None, loss, strategy=piped, input_spec=[1], mesh=ap.ProcessMesh([0]))
 
 
-@pytest.mark.parametrize("name", ["SequenceParallelBegin", "PrepareLayerInput", "SplitPoint", "set_mesh"])
+@pytest.mark.parametrize("name", ["SequenceParallelBegin", "SequenceParallelDisable", "SplitPoint", "set_mesh"])
 def test_paddle_names_not_provided_say_what_to_use(name):
     with pytest.raises(AttributeError, match=f"does not provide paddle.distributed.{name}: "):
         getattr(ap, name)
@@ -714,3 +714,68 @@ def test_paddles_dygraph_semi_auto_flow_in_its_own_forms_equals_one_process():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         assert check_every_rank(model, ref_params) == 4 * len(ref_params)
         assert model[0].weight.placements == [dist.Replicate(), dist.Shard(1)]
+
+
+def _gather_output(process_mesh):
+    def hook(layer, inputs, output):
+        seen.append(("out", list(output.placements)))
+        return ap.reshard(output, process_mesh, [ap.Replicate()] * process_mesh.ndim)
+    return hook
+
+
+def _note_output(process_mesh):
+    def hook(layer, inputs, output):
+        seen.append(("after", list(output.placements)))
+    return hook
+
+
+def _note_input(process_mesh):
+    def hook(layer, inputs):
+        seen.append(("in", process_mesh.dim_names))
+    return hook
+
+
+seen = []
+
+
+@pytest.mark.parametrize("form", ["ours", "paddle config"])
+def test_prepare_layer_hooks_run_after_the_build(form):
+    """PrepareLayerInput/Output (ours or paddle's objects, in a plan list next to a TP style): the hook gets the
+    model's mesh, runs after the style's own hooks (it sees the column-parallel output S(1)), and its reshard
+    takes effect; the loss is the single-process one."""
+    ref_losses, _ = trained_reference("gpt", 1)
+    seen.clear()
+    with ap.simulate(world_size=2):
+        m = build("gpt")
+        opt = adamw(m.parameters())
+        if form == "ours":
+            s = ap.Strategy()
+            s.tensor_parallel.degree = 2
+            plan = {"blocks.0.mlp.fc1": [ap.ColWiseParallel(), ap.PrepareLayerOutput(_gather_output),
+                                         ap.PrepareLayerOutput(_note_output)],
+                    "blocks.0.mlp": ap.PrepareLayerInput(_note_input)}
+            m, opt = ap.parallelize(m, opt, strategy=s, tp_plan=plan)
+        else:
+            plan = {"blocks.0.mlp.fc1": [dist.ColWiseParallel(), dist.PrepareLayerOutput(_gather_output),
+                                         dist.PrepareLayerOutput(_note_output)],
+                    "blocks.0.mlp": dist.PrepareLayerInput(_note_input)}
+            m, opt = ap.parallelize(m, opt, dist.ProcessMesh([[0, 1]], ["dp", "mp"]),
+                                    {"mp_config": {"parallelize_plan": plan}})
+        np.testing.assert_allclose(train_steps(m, opt, 1), ref_losses, rtol=1e-5, atol=1e-6)
+    assert ("in", ["data", "model"]) in seen
+    outs = [pl for kind, pl in seen if kind == "out"]
+    assert outs and all(pl[1] == ap.Shard(2) for pl in outs)        # the column-parallel output: model dim S(2)
+    after = [pl for kind, pl in seen if kind == "after"]
+    assert after and all(pl == [ap.Replicate(), ap.Replicate()] for pl in after)    # the hook's result is used
+
+
+def test_prepare_layer_refusals():
+    with pytest.raises(TypeError, match="PrepareLayerInput\\(fn\\) expects a callable"):
+        ap.PrepareLayerInput()
+    with ap.simulate(world_size=2):
+        s = ap.Strategy()
+        s.tensor_parallel.degree = 2
+        m = build("gpt")
+        with pytest.raises(ValueError, match="'nothing' matches no layer"):
+            ap.parallelize(m, adamw(m.parameters()), strategy=s,
+                           tp_plan={"nothing": ap.PrepareLayerInput(_note_input)})
