@@ -34,9 +34,10 @@ def _is_mesh(x) -> bool:
 
 
 def paddle_form(model, strategy, mesh, config, tp_plan):
-    """(strategy, mesh, tp_plan, prepare hooks) for ``ap.parallelize``'s arguments: paddle's ``(model, optimizer, mesh, config)``
-    form translated (see the module docstring); this project's form passes through unchanged. A
-    ``paddle.distributed.Strategy`` is converted field by field (config/paddle_compat.py)."""
+    """(strategy, mesh, tp_plan, prepare hooks) for ``ap.parallelize``'s arguments: paddle's
+    ``(model, optimizer, mesh, config)`` form translated (see the module docstring); this project's form passes
+    through unchanged. A ``paddle.distributed.Strategy`` is converted field by field (config/paddle_compat.py);
+    PrepareLayerInput/Output entries of the plan are split off (api_prepare.py)."""
     from autoparallel.api_strategy import as_strategy
 
     strategy = as_strategy(strategy)

@@ -75,6 +75,10 @@ def apply_prepares(model, prepares) -> None:
     from autoparallel import layer_state
     from autoparallel.parallel.tensor_parallel import PlanError, name_matches
 
+    build = layer_state.build_of(model)
+    if build is not None and getattr(build, "pipe", None) is not None:
+        raise NotImplementedError("PrepareLayerInput/Output hooks with pipeline parallelism (the model was rebuilt "
+                                  "into stages) are not supported")
     mesh = layer_state.mesh_of(model)
     layers = [(n, l) for n, l in model.named_sublayers() if n]
     for pattern, prepare in prepares:

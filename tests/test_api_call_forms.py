@@ -418,7 +418,7 @@ def test_strategy_forms_that_are_refused(stmt, exc, words):
     assert all(w in str(info.value) for w in words), str(info.value)
 
 
-# ---- shard_dataloader, shard_scaler, to_static keywords, names ---------------------------------------------------------
+# ---- shard_dataloader, shard_scaler, to_static keywords, names ------------------------------------------------
 class _Pairs(paddle.io.Dataset):
     def __len__(self):
         return 8

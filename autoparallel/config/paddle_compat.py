@@ -98,8 +98,9 @@ class _View:
         try:
             return paddle_default(self._section, name)
         except AttributeError:
+            fields = list(self._mapped) + list(PADDLE_ONLY.get(self._section, {}))
             raise AttributeError(f"strategy.{self._section} has no field {name!r}; fields: "
-                                 f"{', '.join(list(self._mapped) + list(PADDLE_ONLY.get(self._section, {})))}") from None
+                                 f"{', '.join(fields)}") from None
 
     def __setattr__(self, name, value):
         if name in self._mapped:
