@@ -114,7 +114,9 @@ def strategy_from_config(config: dict, mesh=None, strategy=None, tp_plan=None):
     s.data_parallel.degree, s.tensor_parallel.degree = deg["data"], deg["model"]
     s.pipeline_parallel.degree = deg["pipe"]
     _dp_config(s, config.get("dp_config"), mesh)
-    plan = _mp_config(config.get("mp_config"), tp_plan)
+    plan, sp = _mp_config(config.get("mp_config"), tp_plan)
+    if sp:
+        s.sequence_parallel.enable = True
     _pp_config(config.get("pp_config"))
     if config.get("cp_config") is not None:
         raise NotImplementedError("ap.parallelize: cp_config (context parallelism, ring attention) is not supported; "
@@ -165,17 +167,21 @@ def _dp_config(s, dp, mesh):
         s.sharding.enable, s.sharding.stage = True, level
 
 
+SP_STYLES = ("SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelEnable", "SequenceParallelDisable")
+
+
 def _mp_config(mp, tp_plan):
+    """(tensor-parallel plan, whether paddle's SequenceParallel* entries turn sequence parallelism on)."""
     plan = (mp or {}).get("parallelize_plan")
     if plan is None:
-        return tp_plan
+        return tp_plan, False
     if not isinstance(plan, dict):
         raise TypeError(f"ap.parallelize: mp_config['parallelize_plan'] must be a dict {{layer name: plan}}, got "
                         f"{type(plan).__name__}")
     if tp_plan:
         raise ValueError("ap.parallelize: the tensor-parallel plan is given twice (tp_plan= and "
                          "mp_config['parallelize_plan']); give one")
-    out = {}
+    out, sp = {}, False
     for key, value in plan.items():
         if not isinstance(key, str):
             raise TypeError(f"ap.parallelize: parallelize_plan keys are layer (or parameter) names, got {key!r}")
@@ -183,6 +189,15 @@ def _mp_config(mp, tp_plan):
         value, prepares = _without_prepares(value)
         if prepares:
             out.setdefault("__prepares__", []).extend((layer, p) for p in prepares)
+        value, kinds = _without_sp(value)
+        sp = sp or bool(kinds)
+        if "SequenceParallelEnable" in kinds:          # this layer runs on sequence shards
+            if value is not None:
+                raise ValueError(f"ap.parallelize: parallelize_plan[{key!r}] combines SequenceParallelEnable with "
+                                 f"another style; a sequence-parallel layer holds no tensor-parallel weights")
+            from autoparallel.parallel.tensor_parallel import SequenceParallel
+
+            value = SequenceParallel()
         if value is None:
             continue
         style = _style(value, key)
@@ -191,7 +206,20 @@ def _mp_config(mp, tp_plan):
                              f"({out[layer]} and {style})")
         out[layer] = style
     extra = out.pop("__prepares__", [])
-    return _with_prepares(out, extra)
+    return _with_prepares(out, extra), sp
+
+
+def _without_sp(value):
+    """(the value without paddle's SequenceParallel* entries or None if nothing else, their class names)."""
+    if value is None:
+        return None, []
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    is_sp = [type(i).__module__.startswith("paddle") and type(i).__name__ in SP_STYLES for i in items]
+    kinds = [type(i).__name__ for i, f in zip(items, is_sp) if f]
+    rest = [i for i, f in zip(items, is_sp) if not f]
+    if not rest:
+        return None, kinds
+    return (rest if isinstance(value, (list, tuple)) else rest[0]), kinds
 
 
 def _without_prepares(value):

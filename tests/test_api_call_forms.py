@@ -284,11 +284,14 @@ def test_parallelize_paddle_config_equals_the_strategy_form():
     ([["dp", "pp"]], {"pp_config": {"split_spec": "layers"}}, NotImplementedError, ["'layers'", "'blocks'"]),
     ([["dp", "pp"]], {"pp_config": {"global_spec": "wte"}}, NotImplementedError, ["['global_spec']='wte'"]),
     ([["dp", "sep"]], {}, ValueError, ["mesh dim 'sep'"]),
-    ([["dp", "mp"]], {"mp_config": {"parallelize_plan": {"blocks.*.mlp.fc1": dist.SequenceParallelBegin()}}},
-     NotImplementedError, ["paddle.distributed.SequenceParallelBegin"]),
+    ([["dp", "mp"]], {"mp_config": {"parallelize_plan": {"blocks.*.attn": dist.ContextParallel()}}},
+     NotImplementedError, ["paddle.distributed.ContextParallel"]),
     ([["dp", "mp"]], {"mp_config": {"parallelize_plan": {"blocks.*.mlp.fc1": [ap.ColWiseParallel(),
-                                                                                dist.SequenceParallelBegin()]}}},
+                                                                                ap.RowWiseParallel()]}}},
      NotImplementedError, ["lists 2 styles"]),
+    ([["dp", "mp"]], {"mp_config": {"parallelize_plan": {"blocks.*.ln1": [ap.SequenceParallel(),
+                                                                            dist.SequenceParallelEnable()]}}},
+     ValueError, ["combines SequenceParallelEnable"]),
     ([["dp", "mp"]], {"mp_config": {"parallelize_plan": {"blocks.*.mlp.fc1.weight": ap.ColWiseParallel(),
                                                          "blocks.*.mlp.fc1": ap.RowWiseParallel()}}},
      ValueError, ["two styles"]),
@@ -779,3 +782,25 @@ def test_prepare_layer_refusals():
         with pytest.raises(ValueError, match="'nothing' matches no layer"):
             ap.parallelize(m, adamw(m.parameters()), strategy=s,
                            tp_plan={"nothing": ap.PrepareLayerInput(_note_input)})
+
+
+def test_paddles_sequence_parallel_plan_entries_turn_on_sequence_parallelism():
+    """paddle's SequenceParallelBegin/Enable/Disable/End in an mp_config plan: sequence parallelism over the
+    model dim (norms on sequence shards, row-parallel outputs reduce-scattered); the loss is one process's."""
+    ref_losses, ref_params = trained_reference("gpt", 2)
+    plan = {"wte": dist.SequenceParallelBegin(), "blocks.*.ln1": dist.SequenceParallelEnable(),
+            "blocks.*.ln2": dist.SequenceParallelEnable(), "blocks.*.attn.qkv": dist.ColWiseParallel(),
+            "blocks.*.attn.proj": dist.RowWiseParallel(), "blocks.*.attn": dist.SequenceParallelDisable(),
+            "blocks.*.mlp.fc1": dist.ColWiseParallel(), "blocks.*.mlp.fc2": dist.RowWiseParallel(),
+            "blocks.*.mlp": dist.SequenceParallelDisable(need_transpose=False), "ln_f": dist.SequenceParallelEnd()}
+    with ap.simulate(world_size=2):
+        m = build("gpt")
+        m, opt = ap.parallelize(m, adamw(m.parameters()), dist.ProcessMesh([[0, 1]], ["dp", "mp"]),
+                                {"mp_config": {"parallelize_plan": plan}})
+        assert layer_state.build_of(m).strategy.sequence_parallel.enable
+        outs = []
+        dict(m.named_sublayers())["blocks.0.attn.proj"].register_forward_post_hook(
+            lambda layer, inputs, out: outs.append(out.placements))
+        np.testing.assert_allclose(train_steps(m, opt, 2), ref_losses, rtol=1e-5, atol=1e-6)
+        assert outs and all(pl[1] == ap.Shard(1) for pl in outs)        # row-parallel output on sequence shards
+        check_every_rank(m, ref_params)
