@@ -155,6 +155,7 @@ def test_reshard_and_local_helpers_in_paddle_forms(world4):
     _same_locals(ap.dtensor_from_local(local=shards, mesh=world4, placements=[ap.Shard(0), ap.Shard(1)]), a)
     with pytest.raises(TypeError, match="local_tensor= and local= are the same argument"):
         ap.dtensor_from_local(shards, world4, [ap.Shard(0)], local=shards)
+    assert a.process_mesh == world4 and a.is_dist() and a._local_value() is a.local
     np.testing.assert_array_equal(ap.unshard_dtensor(a).numpy(), FULL)
     np.testing.assert_array_equal(ap.dtensor_to_local(a, world4, [ap.Shard(0), ap.Shard(1)]).numpy(), FULL[:2, :3])
     _same_locals(ap.dtensor_from_fn(paddle.ones, world4, [ap.Shard(0)], [4, 6]),
