@@ -20,8 +20,14 @@ _EXPORTS = {
     "ProcessMesh": "autoparallel.mesh", "DistSpec": "autoparallel.spec",
     # distributed tensors
     "DistTensor": "autoparallel.dist_tensor", "DistParameter": "autoparallel.dist_tensor",
-    "shard_tensor": "autoparallel.dist_tensor", "reshard": "autoparallel.dist_tensor",
-    "dtensor_from_local": "autoparallel.dist_tensor", "is_dist": "autoparallel.dist_tensor",
+    "shard_tensor": "autoparallel.api_tensor", "reshard": "autoparallel.api_tensor",
+    "dtensor_from_local": "autoparallel.api_tensor", "is_dist": "autoparallel.dist_tensor",
+    "dtensor_to_local": "autoparallel.api_tensor", "dtensor_from_fn": "autoparallel.api_tensor",
+    "unshard_dtensor": "autoparallel.api_tensor", "ReduceType": "autoparallel.placement",
+    "shard_dataloader": "autoparallel.api_data", "ShardDataloader": "autoparallel.api_data",
+    "shard_scaler": "autoparallel.api_layer", "get_world_size": "autoparallel.api_env",
+    "LocalLayer": "autoparallel.api_local", "local_map": "autoparallel.api_local",
+    "PrepareLayerInput": "autoparallel.api_prepare", "PrepareLayerOutput": "autoparallel.api_prepare",
     # worlds
     "simulate": "autoparallel.comm.world", "current_world": "autoparallel.comm.world",
     "get_rank": "autoparallel.comm.world", "init_parallel_env": "autoparallel.comm.world",
@@ -30,7 +36,7 @@ _EXPORTS = {
     "plan": "autoparallel.planner.api",
     # strategy and runtime
     "Strategy": "autoparallel.strategy",
-    "shard_layer": "autoparallel.layer", "shard_optimizer": "autoparallel.parallel.optimizer",
+    "shard_layer": "autoparallel.api_layer", "shard_optimizer": "autoparallel.parallel.optimizer",
     "apply_tp": "autoparallel.parallel.tensor_parallel", "reduce_gradients": "autoparallel.parallel.grads",
     "local_mode": "autoparallel.local_mode", "custom_op": "autoparallel.dispatch", "set_cluster": "autoparallel.comm.world",
     "mesh_of": "autoparallel.layer_state", "chosen_strategy": "autoparallel.layer_state",
@@ -49,7 +55,7 @@ _EXPORTS = {
     "load_merged_state_dict": "autoparallel.checkpoint.load", "PerformanceMonitor": "autoparallel.monitor",
     "Watchdog": "autoparallel.watchdog", "reconfigure": "autoparallel.checkpoint.reshard_state",
     "CheckpointManager": "autoparallel.checkpoint.manager",
-    "to_static": "autoparallel.graph.to_static", "DistModel": "autoparallel.graph.to_static",
+    "to_static": "autoparallel.api_layer", "DistModel": "autoparallel.graph.to_static",
     "complete": "autoparallel.graph.completion",
     "apply_pp": "autoparallel.parallel.pipeline.runtime", "PipelineModule": "autoparallel.parallel.pipeline.runtime",
     "materialize": "autoparallel.lazy_init.params",
@@ -79,24 +85,23 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'autoparallel' has no attribute {name!r}")
+    from autoparallel.api_env import missing_name_message
+
+    raise AttributeError(missing_name_message(name))
 
 
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-# ``parallelize`` and ``local_mode`` are functions living in modules of the same name; importing such a module
-# (``from autoparallel.parallelize import ...``) makes the import system set the package attribute to the
-# module, so ``ap.parallelize`` would become the module. The package keeps answering with the function.
-_SAME_NAME = frozenset(k for k, v in _EXPORTS.items() if v == f"{__name__}.{k}")
-
-
+# ``parallelize`` and ``local_mode`` are public functions sharing their name with a submodule; importing such a
+# module (``from autoparallel.parallelize import ...``) makes the import system set the package attribute to the
+# module, so ``ap.parallelize`` would become the module. The package keeps answering with the exported function.
 class _Package(types.ModuleType):
     def __getattribute__(self, name):
         value = super().__getattribute__(name)
-        if name in _SAME_NAME and isinstance(value, types.ModuleType):
-            return getattr(value, name)
+        if isinstance(value, types.ModuleType) and name in _EXPORTS:
+            return getattr(importlib.import_module(_EXPORTS[name]), name)
         return value
 
 

@@ -54,6 +54,19 @@ class DistTensor(OpMethods):
         return list(self._spec.placements)
 
     @property
+    def process_mesh(self) -> ProcessMesh:
+        """paddle's name of ``mesh``."""
+        return self._spec.mesh
+
+    def is_dist(self) -> bool:
+        """paddle's ``Tensor.is_dist()``: True for a distributed tensor."""
+        return True
+
+    def _local_value(self) -> paddle.Tensor:
+        """paddle's accessor of this rank's shard (``local``)."""
+        return self.local
+
+    @property
     def shape(self) -> list:
         return list(self._spec.shape)
 

@@ -37,6 +37,7 @@ import os
 import weakref
 
 from autoparallel import layer_state
+from autoparallel.api_strategy import as_strategy
 from autoparallel.dist_tensor import is_dist
 from autoparallel.layer import replicate_remaining
 from autoparallel.mesh import ProcessMesh
@@ -57,7 +58,8 @@ _NOT_YET = "not yet supported by ap.parallelize"
 
 # ---- the apply steps ------------------------------------------------------------------------------------
 def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: ProcessMesh | None = None,
-                tp_plan: dict | None = None, seq_len: int | None = None, cluster=None, *, _deferred: bool = False):
+                tp_plan: dict | None = None, seq_len: int | None = None, cluster=None, *, config: dict | None = None,
+                _deferred: bool = False):
     """Distribute ``model`` (in place) and wrap ``optimizer``; returns ``(model, optimizer)``.
 
     ``strategy.auto_mode == "full"``: the planner chooses the strategy first (planner/auto.py), pricing
@@ -65,8 +67,18 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     or ClusterSpec; default ``$AP_CLUSTER_PROFILE``, else a built-in profile of the backend).
     Every Strategy field is honoured (docs/entry_points.md); without an optimizer, the fields that act on
     it (sharding, accumulation, loss scaling, checkpoint) are refused. ``_deferred``: ap.DataParallel, whose
-    ap.Optimizer finishes the build."""
+    ap.Optimizer finishes the build. paddle's form ``parallelize(model, optimizer, mesh, config)`` is translated
+    first (api_parallelize.py)."""
     from autoparallel import entry_points as ep
+    from autoparallel.api_parallelize import paddle_form
+
+    strategy, mesh, tp_plan, prepares = paddle_form(model, strategy, mesh, config, tp_plan)
+    if prepares:                                        # PrepareLayerInput/Output: hooks after the build
+        from autoparallel.api_prepare import apply_prepares
+
+        model, optimizer = parallelize(model, optimizer, strategy, mesh, tp_plan, seq_len, cluster, _deferred=_deferred)
+        apply_prepares(model, prepares)
+        return model, optimizer
 
     where = "ap.DataParallel" if _deferred else "ap.parallelize"
     check_model(model, where)
@@ -280,7 +292,7 @@ def DataParallel(model, strategy: Strategy | None = None, tp_plan: dict | None =
     DistTensors, e.g. from ``autoparallel.data.DistributedDataLoader``."""
     check_model(model, "ap.DataParallel")
     check_tp_plan(tp_plan, "ap.DataParallel")
-    strategy = Strategy() if strategy is None else strategy
+    strategy = Strategy() if strategy is None else as_strategy(strategy)
     if not isinstance(strategy, Strategy):
         raise TypeError(f"ap.DataParallel: strategy must be an ap.Strategy, got {type(strategy).__name__}")
     out, _ = parallelize(model, None, strategy, tp_plan=tp_plan, _deferred=True)
@@ -297,6 +309,7 @@ def Optimizer(optimizer, strategy: Strategy | None = None):
     inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
     if not hasattr(inner, "_parameter_list"):
         raise TypeError(f"ap.Optimizer expects a paddle optimizer, got {type(optimizer).__name__}")
+    strategy = as_strategy(strategy)
     if strategy is not None and not isinstance(strategy, Strategy):
         raise TypeError(f"ap.Optimizer: strategy must be an ap.Strategy, got {type(strategy).__name__}")
     params = list(flat_params(inner))

@@ -34,11 +34,13 @@ This module is pure Python: it does not import paddle.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional
 
+from autoparallel.config import paddle_compat
 from autoparallel.config.cli import CliMixin, add_strategy_args
 from autoparallel.config.fields import _choice, _field, _int
 from autoparallel.config.sections import (AUTO_MODES, MODEL_INFO_KEYS, SCHEDULES, AmpConfig,  # noqa: F401
@@ -55,9 +57,13 @@ __all__ = [
 ]
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, init=False)
 class Strategy(_Config, ValidationMixin, CliMixin):
-    """Composes DP / TP / SP / PP / ZeRO / recompute / AMP / checkpointing for one training run."""
+    """Composes DP / TP / SP / PP / ZeRO / recompute / AMP / checkpointing for one training run.
+
+    ``Strategy(config)`` takes paddle's ``dist.Strategy`` config dict; ``Strategy(**fields)`` our fields.
+    paddle's section names (``pipeline``, ``gradient_merge``, ``fused_passes``) and paddle-only fields are
+    mapped or refused (config/paddle_compat.py)."""
 
     _section: ClassVar[str] = "Strategy"
     auto_mode: str = _field("semi", _choice(*AUTO_MODES))          # "semi": user degrees and annotations; "full": the planner decides
@@ -73,6 +79,32 @@ class Strategy(_Config, ValidationMixin, CliMixin):
     micro_batch_size: Optional[int] = _field(None, _int(optional=True))    # samples per dp rank per micro-batch; None: from global
     global_batch_size: Optional[int] = _field(None, _int(optional=True))   # samples per optimizer step over all ranks
     seed: Optional[int] = _field(None, _int(lo=0, optional=True))  # global random seed; None: leave RNGs alone
+
+    def __init__(self, config: Optional[Dict[str, Any]] = None, **fields):
+        for f in dataclasses.fields(self):
+            if f.name in fields:
+                value = fields.pop(f.name)
+            else:
+                value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            setattr(self, f.name, value)
+        if fields:
+            raise TypeError(f"Strategy() got unknown fields {sorted(fields)}; valid fields: "
+                            f"{', '.join(self.field_names())}")
+        if config is not None:
+            paddle_compat.apply_config(self, config)
+
+    # -- paddle.distributed.Strategy's sections (views onto the fields above) --------------------------
+    @property
+    def pipeline(self) -> paddle_compat.PipelineView:
+        return paddle_compat.PipelineView(self)
+
+    @property
+    def gradient_merge(self) -> paddle_compat.GradientMergeView:
+        return paddle_compat.GradientMergeView(self)
+
+    @property
+    def fused_passes(self) -> paddle_compat.FusedPassesView:
+        return paddle_compat.FusedPassesView(self)
 
     # -- derived values ----------------------------------------------------------------------
 
@@ -122,7 +154,10 @@ class Strategy(_Config, ValidationMixin, CliMixin):
         return cls.from_dict(d)
 
     def copy(self) -> "Strategy":
-        return Strategy.from_dict(self.to_dict())
+        out = Strategy.from_dict(self.to_dict())
+        if "_paddle_state" in self.__dict__:           # paddle-name flags (pipeline.enable, gradient_merge.*)
+            out.__dict__["_paddle_state"] = dict(self.__dict__["_paddle_state"])
+        return out
 
     # -- printing ----------------------------------------------------------------------------
 

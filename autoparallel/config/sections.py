@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Dict, List, Optional
 
 from autoparallel.config.fields import _bool, _choice, _field, _float, _int, _names, _path, _unknown_message
+from autoparallel.config.paddle_compat import paddle_default, refuse_or_accept
 
 SCHEDULES = ("FThenB", "1F1B", "VPP", "ZB-H1")       # pipeline schedules
 AUTO_MODES = ("semi", "full")
@@ -25,6 +26,8 @@ class _Config:
     def __setattr__(self, name, value):
         spec = type(self).__dataclass_fields__.get(name)
         if spec is None:
+            if refuse_or_accept(self._section, name, value):     # paddle's field at its default: nothing to do
+                return
             raise AttributeError(_unknown_message(self._section, [name], self.field_names()))
         check = spec.metadata.get("check")
         if check is not None:
@@ -35,6 +38,10 @@ class _Config:
     def __getattr__(self, name):       # only reached when normal lookup fails
         if name.startswith("__"):
             raise AttributeError(name)
+        try:
+            return paddle_default(self._section, name)         # a paddle-only field reads as paddle's default
+        except AttributeError:
+            pass
         raise AttributeError(_unknown_message(self._section, [name], self.field_names()))
 
     def to_dict(self) -> Dict[str, Any]:
@@ -106,12 +113,17 @@ class RecomputeConfig(_Config):
     granularity: str = _field("full", _choice("full", "selective"))   # "full": whole block; "selective": attention core only
 
 
+def _amp_level(name, v):
+    """"O1" / "O2" (paddle's dist.Strategy spells them "o1" / "o2")."""
+    return _choice("O1", "O2")(name, v.upper() if isinstance(v, str) and v.lower() in ("o1", "o2") else v)
+
+
 @dataclass(repr=False)
 class AmpConfig(_Config):
     _section: ClassVar[str] = "amp"
     enable: bool = _field(False, _bool)                            # mixed precision with fp32 master weights
     dtype: str = _field("bfloat16", _choice("bfloat16", "float16"))   # low-precision compute dtype
-    level: str = _field("O1", _choice("O1", "O2"))                 # O1: per-op allow/deny lists; O2: cast the whole model
+    level: str = _field("O1", _amp_level)                          # O1: per-op allow/deny lists; O2: cast the whole model ("o1"/"o2" as paddle spells them)
     init_loss_scaling: float = _field(65536.0, _float())           # initial loss scale; loss scaling applies to float16 only
     incr_every_n_steps: int = _field(2000, _int())                 # grow the scale after this many finite steps in a row
     decr_every_n_nan_or_inf: int = _field(1, _int())               # shrink the scale after this many overflowing steps

@@ -6,6 +6,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from autoparallel.config import paddle_compat
 from autoparallel.config.sections import _STEADY_SCHEDULES, MODEL_INFO_KEYS, AmpConfig
 
 
@@ -64,6 +65,7 @@ class ValidationMixin:
         info = _check_model_info(model_info)
         problems: List[str] = []
         self._check_dependents(problems)
+        problems += paddle_compat.problems(self)
         if self.auto_mode == "full":        # degrees, schedule, sharding, recompute: chosen by the planner
             self._check_planner_fields(problems)
             _raise(problems)

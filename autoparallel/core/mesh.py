@@ -28,8 +28,53 @@ def _create_groups(mesh) -> None:
     getattr(importlib.import_module(module), name)(mesh)
 
 
+def _current_rank() -> int:
+    """This process's rank (the simulated world's current rank), 0 before any distributed setup."""
+    if "paddle" not in sys.modules:
+        return 0
+    return importlib.import_module("autoparallel.comm.world").current_world().rank
+
+
+def _mesh_array(mesh, shape, process_ids):
+    """paddle's call forms: ``mesh`` (nested list / ndarray / another ProcessMesh) or ``shape`` + ``process_ids``."""
+    if mesh is None:
+        if shape is None or process_ids is None:
+            raise ValueError(f"ProcessMesh needs mesh=<nested list of ranks>, or both shape= and process_ids=; got "
+                             f"shape={shape!r}, process_ids={process_ids!r}")
+        ids = np.asarray(list(process_ids))
+        if ids.size != int(np.prod(shape)):
+            raise ValueError(f"ProcessMesh: process_ids has {ids.size} ranks but shape {list(shape)} holds "
+                             f"{int(np.prod(shape))}")
+        return ids.reshape(list(shape))
+    if hasattr(mesh, "dim_names") and hasattr(mesh, "process_ids") and not isinstance(mesh, (list, tuple)):
+        mesh = np.asarray(mesh.mesh)               # ours or paddle.distributed.ProcessMesh
+    if shape is not None or process_ids is not None:
+        arr = np.asarray(mesh)
+        if (shape is not None and list(arr.shape) != list(shape)) or \
+                (process_ids is not None and arr.reshape(-1).tolist() != list(process_ids)):
+            raise ValueError(f"ProcessMesh: mesh={np.asarray(mesh).tolist()} disagrees with shape={shape!r} / "
+                             f"process_ids={process_ids!r}; give the mesh, or shape and process_ids")
+    return mesh
+
+
+def as_mesh(mesh):
+    """Our ProcessMesh for a ``paddle.distributed.ProcessMesh`` (same ranks and dim names); anything else is
+    returned unchanged, for the caller's own type check."""
+    if not isinstance(mesh, ProcessMesh) and type(mesh).__module__.startswith("paddle") \
+            and hasattr(mesh, "dim_names") and hasattr(mesh, "mesh"):
+        return ProcessMesh(np.asarray(mesh.mesh).tolist(), list(mesh.dim_names))
+    return mesh
+
+
 class ProcessMesh(HashedOnce):
-    def __init__(self, mesh, dim_names: Sequence[str] | None = None, *, create_groups: bool = True):
+    """``ProcessMesh(mesh, dim_names)`` in paddle's forms: ``mesh`` a nested list or ndarray of ranks (or another
+    ProcessMesh), or ``shape=`` with ``process_ids=``. ``dim_names`` default to ``d0, d1, ...`` as in paddle."""
+
+    def __init__(self, mesh=None, dim_names: Sequence[str] | None = None, shape=None, process_ids=None, *,
+                 create_groups: bool = True):
+        if dim_names is None and hasattr(mesh, "dim_names") and not isinstance(mesh, (list, tuple)):
+            dim_names = list(mesh.dim_names)
+        mesh = _mesh_array(mesh, shape, process_ids)
         try:
             arr = np.asarray(mesh)
         except ValueError:
@@ -102,6 +147,23 @@ class ProcessMesh(HashedOnce):
     def get_dim_size(self, dim: int | str) -> int:
         return int(self._arr.shape[self.dim_index(dim)])
 
+    dim_size = get_dim_size
+
+    def get_group(self, dim_name: str | None = None):
+        """paddle's form: the communication group along ``dim_name`` through this process's rank (the name may be
+        left out on a 1-D mesh). None stands for the whole world, as in ``paddle.distributed`` calls."""
+        if dim_name is None:
+            if self.ndim > 1:
+                raise ValueError(f"get_group(dim_name): a mesh with dims {list(self._names)} needs the dim name")
+            dim_name = self._names[0]
+        if "paddle" in sys.modules and importlib.import_module("autoparallel.comm.world").current_world().is_simulated:
+            raise RuntimeError("get_group: the simulated world (ap.simulate) runs every rank in this process and "
+                               "has no paddle process groups; groups exist in a job started with "
+                               "paddle.distributed.launch")
+        rank = _current_rank()
+        ranks = self.group_ranks(dim_name, rank)
+        return importlib.import_module(GROUPS_HOOK[0]).get_group(ranks)
+
     def contains(self, rank: int) -> bool:
         return rank in self._coords
 
@@ -139,8 +201,30 @@ class ProcessMesh(HashedOnce):
         kept = _surviving_dims(self._arr.shape, index)
         return ProcessMesh(sub.tolist(), [self._names[k] for k in kept] if len(kept) == sub.ndim else None)
 
-    def get_submesh_with_dim(self, dim_name: str, index: int) -> "ProcessMesh":
-        """The sub-mesh at position ``index`` of dim ``dim_name`` (that dim removed)."""
+    def get_mesh_with_dim(self, dim_name: str, index=None) -> "ProcessMesh":
+        """paddle's form: the mesh with ``dim_name`` moved first; with ``index``, the sub-mesh at that position
+        of ``dim_name`` (that dim removed; an int index) or the slice of it (a slice)."""
+        i = self.dim_index(dim_name)
+        order = [i] + [k for k in range(self.ndim) if k != i]
+        arr = np.transpose(self._arr, order)
+        names = [self._names[k] for k in order]
+        if index is None:
+            return ProcessMesh(arr.tolist(), names)
+        if isinstance(index, slice):
+            return ProcessMesh(arr[index].tolist(), names)
+        return self.get_submesh_with_dim(self._names[i], index)
+
+    def get_submesh_with_dim(self, dim_name: str, index: int | None = None) -> "ProcessMesh":
+        """paddle's form (no ``index``): the 1-D mesh along ``dim_name`` through this process's rank (None when
+        the rank is not in the mesh, as in paddle). With ``index``: the sub-mesh at position ``index`` of dim
+        ``dim_name`` (that dim removed), i.e. ``get_mesh_with_dim(dim_name, index)``."""
+        if index is None:
+            rank = _current_rank()
+            if not self.contains(rank):
+                return None
+            return ProcessMesh(self.group_ranks(dim_name, rank), [self._names[self.dim_index(dim_name)]])
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"get_submesh_with_dim(dim_name, index): index must be an int, got {index!r}")
         i = self.dim_index(dim_name)
         size = self._arr.shape[i]
         if not 0 <= index < size:

@@ -13,7 +13,8 @@ import numpy as np
 
 from autoparallel.core.hashing import HashedOnce
 from autoparallel.core.mesh import ProcessMesh
-from autoparallel.core.placement import BlockShard, Partial, Placement, Replicate, Shard, chunk_range, parse_placements
+from autoparallel.core.placement import (BlockShard, Partial, Placement, Replicate, Shard, _is_paddle_placement,
+                                         chunk_range, normalize_dims, parse_placements)
 
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
                 "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
@@ -82,7 +83,11 @@ def check_placements(mesh: ProcessMesh, placements, ndim: int) -> tuple[Placemen
     pl = parse_placements(placements) if not isinstance(placements, tuple) or text else placements
     for p in pl:
         if not isinstance(p, Placement):
+            if _is_paddle_placement(p):          # paddle.distributed's own Shard/Replicate/Partial
+                pl = parse_placements(pl)
+                break
             raise TypeError(f"placements must be Shard/Replicate/Partial, got {type(p).__name__} {p!r}")
+    pl = normalize_dims(pl, ndim)
     if not text and len(pl) < mesh.ndim:
         pl = tuple(pl) + (Replicate(),) * (mesh.ndim - len(pl))
     if len(pl) != mesh.ndim:

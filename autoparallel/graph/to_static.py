@@ -34,6 +34,7 @@ import numpy as np
 import paddle
 
 from autoparallel import layer_state
+from autoparallel.api_dist_model import PaddleModes
 from autoparallel.placement import Replicate, Shard
 from autoparallel.spec import DistSpec, input_shape_dtype, normalize_dtype
 
@@ -157,8 +158,9 @@ def _batch_layout(mesh, ndim):
 
 
 # ---- the model ---------------------------------------------------------------------------------------
-class DistModel:
-    """A model, loss and optimizer whose layouts were completed over the captured training graph."""
+class DistModel(PaddleModes):
+    """A model, loss and optimizer whose layouts were completed over the captured training graph. paddle's call
+    form (``dist_model.train()`` then ``dist_model(x, y)``) comes from ``PaddleModes`` (api_dist_model.py)."""
 
     def __init__(self, model, loss_fn, optimizer, plan, mesh, specs, k):
         self.network, self.loss_fn, self.plan, self.mesh = model, loss_fn, plan, mesh
@@ -278,7 +280,7 @@ class DistModel:
         self.network.train()
         return total / len(micro)
 
-    def predict(self, inputs):
+    def _predict(self, inputs):
         """The model's output (a DistTensor; ``.full()`` gathers it) for one micro-batch of inputs."""
         fields = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         if len(fields) != self._n_inputs:
@@ -315,10 +317,13 @@ class DistModel:
 
     __repr__ = __str__
 
-    def state_dict(self, full: bool = False) -> dict:
+    def state_dict(self, full: bool = False, split_fusion: bool = True) -> dict:
         """{name: parameter}: distributed parameters (each with ``.placements`` and ``.full()``; at ZeRO stage 3
         they hold no data between steps), or with ``full=True`` the gathered values as numpy arrays (every rank
-        takes part)."""
+        takes part). paddle's ``mode`` strings: see api_dist_model.state_dict_mode."""
+        from autoparallel.api_dist_model import state_dict_mode
+
+        full = state_dict_mode(full, split_fusion)
         sd = self.network.state_dict()
         if not full:
             return sd

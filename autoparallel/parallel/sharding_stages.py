@@ -12,6 +12,7 @@ parameters belong to: one built by ``ap.parallelize`` or ``ap.DataParallel`` (``
 from __future__ import annotations
 
 from autoparallel.dist_tensor import is_dist
+from autoparallel.core.mesh import as_mesh
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Replicate, Shard
 from autoparallel.parallel.step_hooks import StepHooks
@@ -24,6 +25,7 @@ class ShardingStage:
     stage = 0
 
     def __init__(self, sharding_mesh_dim=None, mesh: ProcessMesh | None = None):
+        mesh = as_mesh(mesh)                 # a paddle.distributed.ProcessMesh becomes ours
         if mesh is not None and not isinstance(mesh, ProcessMesh):
             raise TypeError(f"{type(self).__name__}: mesh must be an ap.ProcessMesh or None, got "
                             f"{type(mesh).__name__}")
@@ -93,6 +95,7 @@ def resolve_shard_fn(optimizer, shard_fn):
         return None
     if isinstance(shard_fn, ShardingStage):
         return shard_fn
+    shard_fn = as_mesh(shard_fn)
     if isinstance(shard_fn, ProcessMesh):
         return ShardingStage1(None, shard_fn)
     if not callable(shard_fn):

@@ -19,7 +19,7 @@ such a head shards its first dim: the vocabulary. Tied parameters stay one param
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from autoparallel.dist_tensor import DistTensor, is_dist, reshard, shard_tensor
 from autoparallel.placement import Partial, Replicate, Shard
@@ -110,9 +110,10 @@ class ColWiseParallel(_Style):
     """Output features split. Linear [in, out]: weight S(1), bias S(0); an [out, in] weight (LM head
     [vocab, hidden]): weight S(0), bias S(0). Input replicated on the TP dim (all_gather if it was
     sequence-sharded); output sharded on the feature (last) dim, or gathered back to replicated with
-    ``gather_output=True`` (for fused projections whose output the model slices in blocks)."""
-    sequence_parallel: bool = False
+    ``gather_output=True`` (for fused projections whose output the model slices in blocks). Positional order
+    as paddle's ``ColWiseParallel(gather_output=False)``; ``sequence_parallel`` is keyword-only."""
     gather_output: bool = False
+    sequence_parallel: bool = field(default=False, kw_only=True)
 
     def check(self, name, layer):
         _check_leaf(self, name, layer)
@@ -133,9 +134,12 @@ class ColWiseParallel(_Style):
 class RowWiseParallel(_Style):
     """Input features split. Linear [in, out]: weight S(0), bias replicated ([out, in] weight: S(1)); input
     sharded on the feature dim; output replicated (one all_reduce) or, under sequence parallel, sharded on
-    the sequence dim (reduce_scatter)."""
-    sequence_parallel: bool = False
-    seq_dim: int = 1
+    the sequence dim (reduce_scatter). ``is_input_parallel`` (paddle's first argument) says whether the input
+    arrives feature-sharded (True) or replicated (False); both are honoured: the input is resharded to the
+    feature shard whatever it is (a replicated input is sliced locally, no communication)."""
+    is_input_parallel: bool = True
+    sequence_parallel: bool = field(default=False, kw_only=True)
+    seq_dim: int = field(default=1, kw_only=True)
 
     def check(self, name, layer):
         _check_leaf(self, name, layer)

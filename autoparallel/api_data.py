@@ -1,0 +1,135 @@
+"""``ap.shard_dataloader``: paddle's call form over an ordinary ``paddle.io.DataLoader``.
+
+    loader = ap.shard_dataloader(loader, meshes=mesh, shard_dims="data")
+    for x, y in loader:               # DistTensors: dim 0 sharded over the "data" mesh dim, replicated elsewhere
+
+Each batch of the wrapped loader is the GLOBAL batch (the same on every rank, as the loader gives it to a single
+process) and is laid out with ``shard_tensor``: the values are exactly the single-process batch, whatever the
+degree. (paddle instead builds a ``DistributedBatchSampler`` so each rank loads only its part; the global batch
+it forms interleaves samples differently from the original loader.) With ``is_dataset_splitted=True`` every
+rank's loader already yields its own local part, which becomes the local shard (``dtensor_from_local``).
+
+``meshes``: one mesh for every field, or a list with one mesh per field (pipeline: inputs on the first stage,
+labels on the last). ``shard_dims``: the mesh dim (name or index) splitting dim 0 of the batch, one for all
+fields or one per mesh; None replicates. ``input_keys``: the fields of a dict batch to lay out (others pass
+through). ``dense_tensor_idx`` (paddle's): one list per field; for a tensor field a non-empty list keeps it a plain
+tensor, for a list field the listed positions stay plain tensors.
+"""
+from __future__ import annotations
+
+__all__ = ["shard_dataloader", "ShardDataloader"]
+
+
+def shard_dataloader(dataloader, meshes, input_keys=None, shard_dims=None, is_dataset_splitted: bool = False,
+                     dense_tensor_idx=None):
+    """paddle's ``dist.shard_dataloader`` (same arguments, same defaults)."""
+    return ShardDataloader(dataloader, meshes, input_keys, shard_dims, is_dataset_splitted, dense_tensor_idx)
+
+
+class ShardDataloader:
+    def __init__(self, dataloader, meshes, input_keys=None, shard_dims=None, is_dataset_splitted=False,
+                 dense_tensor_idx=None):
+        from autoparallel.core.mesh import ProcessMesh, as_mesh
+
+        if not hasattr(dataloader, "__iter__"):
+            raise TypeError(f"shard_dataloader expects an iterable data loader, got {type(dataloader).__name__}")
+        if not isinstance(is_dataset_splitted, bool):
+            raise TypeError(f"shard_dataloader: is_dataset_splitted must be True or False, got {is_dataset_splitted!r}")
+        if is_dataset_splitted and shard_dims is None:
+            raise ValueError("shard_dataloader: shard_dims must be set when is_dataset_splitted is True (the local "
+                             "parts are split over that mesh dim)")
+        many = isinstance(meshes, (list, tuple))
+        self._meshes = [as_mesh(m) for m in meshes] if many else [as_mesh(meshes)]
+        if not self._meshes:
+            raise ValueError("shard_dataloader: meshes is empty")
+        bad = [m for m in self._meshes if not isinstance(m, ProcessMesh)]
+        if bad:
+            raise TypeError(f"shard_dataloader expects ProcessMesh meshes, got {type(bad[0]).__name__} {bad[0]!r:.60}")
+        if isinstance(shard_dims, (list, tuple)):
+            if len(shard_dims) != len(self._meshes):
+                raise ValueError(f"shard_dataloader: shard_dims must be one per mesh ({len(self._meshes)}), got "
+                                 f"{list(shard_dims)}")
+            self._dims = list(shard_dims)
+        else:
+            self._dims = [shard_dims] * len(self._meshes)
+        for m, d in zip(self._meshes, self._dims):
+            if d is not None:
+                m.dim_index(d)                     # ValueError naming the mesh's dims
+        if input_keys is not None and (isinstance(input_keys, str) or not all(isinstance(k, str) for k in input_keys)):
+            raise TypeError(f"shard_dataloader: input_keys must be a list of dict keys, got {input_keys!r}")
+        self._loader = dataloader
+        self._keys = None if input_keys is None else list(input_keys)
+        self._split = is_dataset_splitted
+        self._dense = dense_tensor_idx
+        sampler = getattr(dataloader, "batch_sampler", None)
+        self.batch_size = getattr(dataloader, "batch_size", None) or getattr(sampler, "batch_size", None)
+        self.dataset = getattr(dataloader, "dataset", None)          # ap.to_static reads batch shapes from it
+
+    def __len__(self):
+        return len(self._loader)
+
+    def __iter__(self):
+        for batch in self._loader:
+            yield self._batch(batch)
+
+    def __call__(self):
+        return iter(self)
+
+    # ---- one batch ------------------------------------------------------------------------------------
+    def _field(self, i: int, count: int):
+        """(mesh, shard dim) of field ``i`` of ``count``."""
+        if len(self._meshes) == 1:
+            return self._meshes[0], self._dims[0]
+        if len(self._meshes) != count:
+            raise ValueError(f"shard_dataloader: {len(self._meshes)} meshes (one per field) but the batch has "
+                             f"{count} fields")
+        return self._meshes[i], self._dims[i]
+
+    def _dense_of(self, i: int) -> list:
+        return list(self._dense[i]) if self._dense is not None and i < len(self._dense) and self._dense[i] else []
+
+    def _place(self, t, mesh, dim):
+        import paddle
+
+        from autoparallel.api_tensor import dtensor_from_local, shard_tensor
+        from autoparallel.placement import Replicate, Shard
+
+        if not isinstance(t, paddle.Tensor):
+            return t
+        pl = [Replicate()] * mesh.ndim
+        if dim is not None:
+            pl[mesh.dim_index(dim)] = Shard(0)
+        if not self._split:
+            return shard_tensor(t, mesh, pl)
+        from autoparallel.comm.world import current_world
+
+        if current_world().is_simulated:
+            raise NotImplementedError("shard_dataloader(is_dataset_splitted=True) in the simulated world: each rank's "
+                                      "loader yields its own part, which one process cannot tell apart; use the "
+                                      "global batch (is_dataset_splitted=False)")
+        return dtensor_from_local(t, mesh, pl)
+
+    def _batch(self, batch):
+        import paddle
+
+        if isinstance(batch, paddle.Tensor):
+            mesh, dim = self._field(0, 1)
+            return self._place(batch, mesh, dim)
+        if isinstance(batch, dict):
+            keys = list(batch) if self._keys is None else self._keys
+            out = dict(batch)
+            for i, k in enumerate(keys):
+                if k not in batch:
+                    raise KeyError(f"shard_dataloader: input key {k!r} is not in the batch {list(batch)}")
+                mesh, dim = self._field(i, len(keys))
+                out[k] = self._nested(batch[k], mesh, dim, self._dense_of(i))
+            return out
+        if isinstance(batch, (list, tuple)):
+            return [self._nested(b, *self._field(i, len(batch)), self._dense_of(i)) for i, b in enumerate(batch)]
+        raise TypeError(f"shard_dataloader: a batch must be a tensor, a list/tuple or a dict, got "
+                        f"{type(batch).__name__}")
+
+    def _nested(self, x, mesh, dim, dense):
+        if isinstance(x, (list, tuple)):
+            return [t if j in dense else self._place(t, mesh, dim) for j, t in enumerate(x)]
+        return x if dense else self._place(x, mesh, dim)

@@ -1,0 +1,48 @@
+"""paddle.distributed names a user reaches through ``import autoparallel as dist``: the environment queries, and
+a clear answer for the names of paddle's API this package does not provide (instead of a bare AttributeError)."""
+from __future__ import annotations
+
+__all__ = ["get_world_size", "missing_name_message"]
+
+
+def get_world_size() -> int:
+    """Ranks in the job (the simulated world's size inside ``ap.simulate``)."""
+    from autoparallel.comm.world import current_world
+
+    return current_world().world_size
+
+
+# paddle.distributed names without a counterpart here -> what to use instead
+NOT_PROVIDED = {
+    "SequenceParallelBegin": "set strategy.sequence_parallel.enable = True with ap.parallelize, or use "
+                             "ap.SequenceParallel / RowWiseParallel(sequence_parallel=True) in a tp_plan",
+    "SequenceParallelEnd": "set strategy.sequence_parallel.enable = True with ap.parallelize, or use "
+                           "ap.SequenceParallel / RowWiseParallel(sequence_parallel=True) in a tp_plan",
+    "SequenceParallelEnable": "use ap.SequenceParallel() for the layer in a tp_plan",
+    "SequenceParallelDisable": "use ap.ColWiseParallel / ap.RowWiseParallel(sequence_parallel=True) in a tp_plan",
+    "ContextParallel": "context parallelism (ring attention) is not supported",
+    "PrepareContextParallel": "context parallelism (ring attention) is not supported",
+    "SplitPoint": "set strategy.pipeline_parallel.split_points = [layer names starting stages 2..n]",
+    "to_distributed": "use ap.parallelize(model, optimizer, strategy=ap.Strategy(auto_mode='full'))",
+    "moe_global_mesh_tensor": "expert parallelism is not supported (experts stay replicated)",
+    "moe_sub_mesh_tensors": "expert parallelism is not supported (experts stay replicated)",
+    "set_mesh": "pass the mesh to each call (shard_tensor, shard_layer, parallelize)",
+    "get_mesh": "read it from a distributed tensor (x.mesh) or ap.mesh_of(model)",
+    "DistAttr": "use placements (ap.Shard / ap.Replicate / ap.Partial)",
+}
+
+
+def missing_name_message(name: str) -> str:
+    hint = NOT_PROVIDED.get(name)
+    if hint is None and not name.startswith("_") and _in_paddle_distributed(name):
+        hint = f"it is not re-exported here; call paddle.distributed.{name} itself"
+    if hint is None:
+        return f"module 'autoparallel' has no attribute {name!r}"
+    return f"module 'autoparallel' does not provide paddle.distributed.{name}: {hint}"
+
+
+def _in_paddle_distributed(name: str) -> bool:
+    import sys
+
+    module = sys.modules.get("paddle.distributed")          # only when paddle is loaded already
+    return module is not None and hasattr(module, name)

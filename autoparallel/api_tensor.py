@@ -1,0 +1,135 @@
+"""The tensor entry points in paddle.distributed's call forms (names, positions, defaults as paddle 3.3).
+
+    ap.shard_tensor(data, mesh, placements, dtype=None, place=None, stop_gradient=None)
+    ap.reshard(dist_tensor, mesh, placements)
+    ap.dtensor_from_local(local_tensor, mesh, placements, global_shape=None, dtype=None)
+    ap.dtensor_to_local(dist_tensor, mesh=None, placements=None)
+    ap.dtensor_from_fn(fn, mesh, placements, *args, **kwargs)
+    ap.unshard_dtensor(dist_tensor)
+
+``mesh`` may be an ``ap.ProcessMesh`` or a ``paddle.distributed.ProcessMesh``; ``placements`` a list or tuple
+of our placements, paddle's own ``dist.Shard/Replicate/Partial`` objects, or a string (``"S(0),R"``); negative
+``Shard`` dims count from the end. The runtime itself lives in ``dist_tensor``; these functions only bind
+paddle's arguments and refuse what cannot be honoured.
+"""
+from __future__ import annotations
+
+from autoparallel import dist_tensor as _dt
+from autoparallel.core.mesh import ProcessMesh, as_mesh
+from autoparallel.core.placement import normalize_dims, parse_placements
+
+__all__ = ["shard_tensor", "reshard", "dtensor_from_local", "dtensor_to_local", "dtensor_from_fn", "unshard_dtensor"]
+
+
+def _placements(placements, what: str):
+    if placements is None:
+        raise TypeError(f"{what} needs placements: a list with one Shard/Replicate/Partial per mesh dim")
+    return tuple(parse_placements(placements))
+
+
+def _on_place(data, place, dtype):
+    """``place``: new tensors (from ndarrays, lists, numbers) are created there; a tensor already on it is taken
+    as is; a tensor elsewhere is refused (shards stay where the data is)."""
+    if place is None:
+        return data
+    import paddle
+    from paddle.base.framework import _get_paddle_place
+
+    try:
+        want = _get_paddle_place(place)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise ValueError(f"shard_tensor(place={place!r}) is not a device of this paddle build: {e}") from None
+    if not isinstance(data, paddle.Tensor) and not hasattr(data, "placements"):
+        return paddle.to_tensor(data, dtype=dtype, place=want)
+    if str(data.place) != str(want):
+        raise NotImplementedError(f"shard_tensor(place={place!r}): the data is on {data.place}; shards stay on the "
+                                  f"device of the data: move it first (tensor.to({place!r}))")
+    return data
+
+
+def shard_tensor(data, mesh, placements, dtype=None, place=None, stop_gradient=None):
+    """paddle's ``dist.shard_tensor``: distribute ``data`` (the same full value on every rank) over ``mesh``."""
+    if data is None:
+        return None
+    data = _on_place(data, place, dtype)
+    if stop_gradient is not None and not isinstance(stop_gradient, bool):
+        raise TypeError(f"shard_tensor(stop_gradient=...) expects True, False or None, got {stop_gradient!r}")
+    return _dt.shard_tensor(data, as_mesh(mesh), _placements(placements, "shard_tensor"), dtype=dtype,
+                            stop_gradient=stop_gradient)
+
+
+def reshard(dist_tensor, mesh, placements):
+    """paddle's ``dist.reshard``: redistribute to ``placements`` on ``mesh`` (differentiable)."""
+    return _dt.reshard(dist_tensor, as_mesh(mesh), _placements(placements, "reshard"))
+
+
+_UNSET = object()
+
+
+def dtensor_from_local(local_tensor=_UNSET, mesh=None, placements=None, global_shape=None, dtype=None, *,
+                       local=_UNSET):
+    """paddle's ``dtensor_from_local(local_tensor, mesh, placements)``; ``global_shape`` (default: the local
+    shape times the shard counts) and ``dtype`` are this project's additions for uneven shards; ``local=`` is
+    this project's earlier name of ``local_tensor``."""
+    if (local_tensor is _UNSET) == (local is _UNSET):
+        raise TypeError("dtensor_from_local needs the local shard once: dtensor_from_local(local_tensor, mesh, "
+                        "placements)" + ("" if local_tensor is _UNSET else "; local_tensor= and local= are the "
+                                         "same argument"))
+    local_tensor = local if local_tensor is _UNSET else local_tensor
+    if mesh is None:
+        raise TypeError("dtensor_from_local() missing the mesh: dtensor_from_local(local_tensor, mesh, placements)")
+    mesh = as_mesh(mesh)
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"dtensor_from_local expects a ProcessMesh, got {type(mesh).__name__} {mesh!r:.60}")
+    pl = _placements(placements, "dtensor_from_local")
+    ndim = len(global_shape) if global_shape is not None else _local_ndim(local_tensor)
+    if ndim is not None:
+        pl = normalize_dims(pl, ndim)
+    return _dt.dtensor_from_local(local_tensor, mesh, pl, global_shape=global_shape, dtype=dtype)
+
+
+def _local_ndim(local):
+    if isinstance(local, dict):
+        local = next(iter(local.values()), None)
+    elif isinstance(local, (list, tuple)):
+        local = local[0] if local else None
+    shape = getattr(local, "shape", None)
+    return None if shape is None else len(shape)
+
+
+def dtensor_to_local(dist_tensor, mesh=None, placements=None):
+    """paddle's ``dtensor_to_local``: this rank's shard (differentiable). ``mesh`` / ``placements``, when given,
+    must be the tensor's own: they describe the layout of the local value, they do not change it."""
+    x = _dt.as_dist(dist_tensor)
+    if not isinstance(x, _dt.DistTensor):
+        raise TypeError(f"dtensor_to_local expects a DistTensor or DistParameter, got {type(dist_tensor).__name__}")
+    if mesh is not None and as_mesh(mesh) != x.mesh:
+        raise ValueError(f"dtensor_to_local: mesh {as_mesh(mesh)!r} is not the tensor's mesh {x.mesh!r}; reshard "
+                         f"first (ap.reshard) if another layout is wanted")
+    if placements is not None:
+        want = _dt.DistSpec(x.mesh, _placements(placements, "dtensor_to_local"), tuple(x.shape), x.spec.dtype)
+        if want.placements != x.spec.placements:
+            raise ValueError(f"dtensor_to_local: placements [{', '.join(map(str, want.placements))}] are not the "
+                             f"tensor's [{', '.join(map(str, x.spec.placements))}]; reshard first (ap.reshard)")
+    return x.local_of(_current_rank())
+
+
+def _current_rank() -> int:
+    from autoparallel.comm.world import current_world
+
+    return current_world().rank
+
+
+def dtensor_from_fn(fn, mesh, placements, *args, **kwargs):
+    """paddle's ``dtensor_from_fn``: ``shard_tensor(fn(*args, **kwargs), mesh, placements)``."""
+    if not callable(fn):
+        raise TypeError(f"dtensor_from_fn expects a callable building the full tensor, got {type(fn).__name__}")
+    return shard_tensor(fn(*args, **kwargs), mesh, placements)
+
+
+def unshard_dtensor(dist_tensor):
+    """paddle's ``unshard_dtensor``: the whole (global) value as a plain tensor on every rank (gathered)."""
+    x = _dt.as_dist(dist_tensor)
+    if not isinstance(x, _dt.DistTensor):
+        raise TypeError(f"unshard_dtensor expects a DistTensor or DistParameter, got {type(dist_tensor).__name__}")
+    return x.full()
