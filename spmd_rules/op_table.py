@@ -161,6 +161,22 @@ OP_TABLE: dict = {
     # optimizer updates (called by the sharded optimizer with paddle's internal argument order)
     "sgd": ("paddle._C_ops.sgd_",),
     "adamw": ("paddle._C_ops.adamw_",),
+    # more elementwise math (spmd_rules/elementwise_more.py)
+    **{n: _fn(n) for n in ("sinc", "i0", "lgamma", "digamma", "erfinv", "deg2rad", "rad2deg", "frac", "sgn",
+                           "signbit", "negative", "logit", "stanh", "fmax", "fmin", "copysign", "heaviside",
+                           "atan2", "hypot", "logaddexp", "logical_xor", "true_divide", "isclose", "lerp",
+                           "add_n")},
+    "positive": ("paddle.positive",),
+    "gt": _fn("gt", extra=("paddle.greater", _T + "greater")),
+    **{n: (f"paddle.nn.functional.{n}",) for n in ("swish", "hardtanh", "celu", "softshrink", "hardshrink",
+                                                     "thresholded_relu")},
+    # reductions, scans, products (spmd_rules/math_more.py)
+    **{n: _fn(n) for n in ("nansum", "count_nonzero", "nanmean", "median", "nanmedian", "cumprod",
+                           "logcumsumexp", "cummax", "cummin", "diff", "trace", "dot", "mv", "inner",
+                           "tensordot", "kron", "gather_nd", "index_sample", "take")},
+    # pooling (spmd_rules/pooling.py)
+    **{f"{k}_pool{n}d": (f"paddle.nn.functional.{k}_pool{n}d",)
+       for k in ("max", "avg", "adaptive_avg", "adaptive_max") for n in (1, 2, 3)},
 }
 
 ARG_MAP: dict = {

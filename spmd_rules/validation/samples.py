@@ -17,7 +17,8 @@ def _build_cases():
     _COUNTER[0] = 0
     _impls()
     for build in (_cases_matmul, _cases_elementwise, _cases_reduction, _cases_norm, _cases_nn, _cases_shape,
-                  _cases_creation, _cases_optimizer, _cases_routing, _cases_more, _cases_blocks):
+                  _cases_creation, _cases_optimizer, _cases_routing, _cases_more, _cases_blocks,
+                  _cases_elementwise_more, _cases_math_more, _cases_pooling):
         build()
 
 
@@ -348,3 +349,74 @@ def _cases_optimizer():
              T(np.array([0.999], np.float32), shard=False, grad=False), None, None,
              0.9, 0.999, 1e-8, 1.0, 0.01, True, False, 1000, False, False, False, rtol=1e-5, atol=1e-6,
              samples_2d=16)
+
+
+def _cases_elementwise_more():
+    for op in ("sinc", "lgamma", "digamma", "deg2rad", "rad2deg", "negative", "positive", "swish", "hardtanh",
+               "celu", "softshrink", "hardshrink", "stanh", "i0"):
+        add_case(op, f(5, 6, lo=0.3) if op in ("lgamma", "digamma") else f(5, 6))
+    add_case("erfinv", T(_rng("u", 4).uniform(-0.9, 0.9, (5, 6))))
+    add_case("logit", T(_rng("u", 5).uniform(0.1, 0.9, (5, 6))), eps=1e-6)
+    add_case("thresholded_relu", f(5, 6), threshold=0.2)
+    for op in ("frac", "sgn"):
+        add_case(op, f(5, 6), grad=op == "frac")
+    add_case("signbit", f(5, 6), grad=False)
+    for op in ("fmax", "fmin", "atan2", "hypot", "logaddexp"):
+        add_case(op, f(5, 6), f(6))
+    add_case("copysign", f(5, 6), f(5, 6), grad=False)
+    add_case("heaviside", f(5, 6), f(6), grad=False)
+    for op in ("gt", "logical_xor"):
+        add_case(op, f(5, 6), f(6), grad=False)
+    add_case("true_divide", f(5, 6), f(6, lo=0.5))
+    add_case("isclose", f(5, 6), f(5, 6), grad=False)
+    add_case("lerp", f(5, 6), f(5, 6), 0.3)
+    add_case("lerp", f(5, 6), f(5, 6), f(6), label="tensor-weight")
+    add_case("add_n", [f(5, 6), f(5, 6), f(5, 6)])
+
+
+def _cases_math_more():
+    nan = np.array([[1.0, np.nan, -2.0, 0.5], [np.nan, 0.5, 3.0, 1.0], [2.0, 1.0, np.nan, -1.0]])
+    add_case("nansum", T(nan), axis=1)
+    add_case("nansum", T(nan), label="all")
+    add_case("nanmean", T(nan), axis=0)
+    add_case("count_nonzero", ints(3, 5, 6), axis=1)
+    add_case("median", f(5, 6), axis=1)
+    add_case("median", f(5, 6), axis=0, mode="min", keepdim=True, label="min", grad=False)
+    add_case("nanmedian", T(nan), axis=1, grad=False)
+    add_case("cumprod", f(4, 5, lo=0.5), dim=1)
+    add_case("logcumsumexp", f(4, 5), axis=0)
+    add_case("cummax", f(4, 5), axis=1, grad=False)
+    add_case("cummin", f(4, 5), axis=0, grad=False)
+    add_case("diff", f(5, 6), axis=1)
+    add_case("diff", f(5, 6), n=2, axis=0, prepend=f(2, 6), append=f(1, 6), label="prepend-append")
+    add_case("trace", f(3, 5, 5), offset=1, axis1=1, axis2=2)
+    add_case("dot", f(6), f(6))
+    add_case("dot", f(4, 6), f(4, 6), label="batched")
+    add_case("mv", f(5, 6), f(6))
+    add_case("inner", f(3, 6), f(4, 6))
+    add_case("tensordot", f(3, 4, 5), f(4, 5, 2), axes=2)
+    add_case("tensordot", f(3, 4, 5), f(5, 3), axes=[[0, 2], [1, 0]], label="pairs")
+    add_case("kron", f(2, 3), f(3, 2))
+    add_case("gather_nd", f(4, 5), ints(4, 3, 1), grad=False)
+    add_case("index_sample", f(4, 5), ints(5, 4, 2), grad=False)
+    add_case("take", f(4, 5), ints(20, 3), grad=False)
+
+
+def _cases_pooling():
+    add_case("max_pool1d", f(2, 3, 8), 2)
+    add_case("avg_pool1d", f(2, 3, 8), 3, stride=2, padding=1)
+    add_case("max_pool2d", f(2, 3, 6, 6), 2, stride=2)
+    add_case("max_pool2d", f(2, 3, 7, 7), 3, stride=2, padding=1, ceil_mode=True, label="ceil")
+    add_case("max_pool2d", f(2, 3, 6, 6), 2, return_mask=True, label="mask", grad=False)
+    add_case("max_pool2d", f(2, 6, 6, 3), 2, data_format="NHWC", label="nhwc")
+    add_case("avg_pool2d", f(2, 3, 6, 6), 2, padding="SAME", stride=2)
+    add_case("avg_pool2d", f(2, 3, 6, 6), [3, 2], padding=[1, 0], exclusive=False, label="not-exclusive")
+    add_case("avg_pool3d", f(2, 2, 4, 4, 4), 2)
+    add_case("max_pool3d", f(2, 2, 4, 4, 4), 2)
+    add_case("adaptive_avg_pool1d", f(2, 3, 8), 3)
+    add_case("adaptive_avg_pool2d", f(2, 3, 6, 6), [2, 3])
+    add_case("adaptive_avg_pool2d", f(2, 6, 6, 3), 2, data_format="NHWC", label="nhwc")
+    add_case("adaptive_max_pool1d", f(2, 3, 8), 4)
+    add_case("adaptive_max_pool2d", f(2, 3, 6, 6), [3, None], label="none-size")
+    add_case("adaptive_avg_pool3d", f(2, 2, 4, 4, 4), 2)
+    add_case("adaptive_max_pool3d", f(2, 2, 4, 4, 4), 2)

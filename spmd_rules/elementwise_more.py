@@ -1,0 +1,132 @@
+"""More elementwise math: unary functions with parameters, binary functions of two tensors (broadcasting),
+``lerp`` (ternary), ``add_n`` (n-ary) and the comparison spellings ``gt`` / ``greater`` / ``logical_xor`` /
+``isclose``.
+
+All keep any sharding of a broadcast-matching dim. Partial inputs: only the linear ones keep P(sum) —
+``negative``, ``positive`` (ALL), ``true_divide`` (numerator), ``add_n`` (every operand the same linear
+Partial, like add); every other function here is nonlinear, so a Partial input is reduced first.
+"""
+from __future__ import annotations
+
+from autoparallel.core.spec import DistSpec
+
+from spmd_rules.einsum import ALL
+from spmd_rules.elementwise import _binary_body, _unary, _unary_reverse, elementwise_result, elementwise_reverse
+from spmd_rules.registry import register_spmd_rule
+from spmd_rules.utils import check_spec, is_float, promote
+
+# ---- unary ------------------------------------------------------------------------------------------------------
+_TO_FLOAT = ("sinc", "i0", "lgamma", "digamma", "erfinv", "deg2rad", "rad2deg", "swish")
+_SAME = ("frac", "sgn")
+
+
+def _register_unary(op, *, to_float=False, linear=False, dtype=None):
+    def rule(x, name=None):
+        return _unary(op, x, linear=linear, to_float=to_float, dtype=dtype)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule, reverse=_unary_reverse(op, linear))
+
+
+for _op in _TO_FLOAT:
+    _register_unary(_op, to_float=True)
+for _op in _SAME:
+    _register_unary(_op)
+_register_unary("signbit", dtype="bool")
+_register_unary("negative", linear=True)
+_register_unary("positive", linear=True)
+
+
+@register_spmd_rule("logit", reverse=_unary_reverse("logit"))
+def logit(x, eps=None, name=None):
+    return _unary("logit", x, to_float=True)
+
+
+@register_spmd_rule("stanh", reverse=_unary_reverse("stanh"))
+def stanh(x, scale_a=0.67, scale_b=1.7159, name=None):
+    return _unary("stanh", x, to_float=True)
+
+
+@register_spmd_rule("hardtanh", reverse=_unary_reverse("hardtanh"))
+def hardtanh(x, min=-1.0, max=1.0, name=None):
+    return _unary("hardtanh", x)
+
+
+@register_spmd_rule("celu", reverse=_unary_reverse("celu"))
+def celu(x, alpha=1.0, name=None):
+    if alpha == 0:
+        raise ValueError("celu: alpha must not be 0 (paddle divides by it), got 0")
+    return _unary("celu", x, to_float=True)
+
+
+def _threshold_unary(op):
+    def rule(x, threshold=0.5, name=None):
+        return _unary(op, x)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule, reverse=_unary_reverse(op))
+
+
+_threshold_unary("softshrink")
+_threshold_unary("hardshrink")
+
+
+@register_spmd_rule("thresholded_relu", reverse=_unary_reverse("thresholded_relu"))
+def thresholded_relu(x, threshold=1.0, value=0.0, name=None):
+    return _unary("thresholded_relu", x)
+
+
+# ---- binary -------------------------------------------------------------------------------------------------------
+def _register_binary(op, *, compare=False, to_float=False):
+    def rule(x, y, name=None):
+        if to_float:
+            specs = [a for a in (x, y) if isinstance(a, DistSpec)]
+            dtype = promote(*[s.dtype for s in specs])
+            return elementwise_result(op, [x, y], out_dtype=dtype if is_float(dtype) else "float32")
+        return _binary_body(op, x, y, compare)
+
+    def rev(outputs, x, y, name=None, **kw):
+        return elementwise_reverse(op, outputs, [x, y])
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule, reverse=rev)
+
+
+for _op in ("fmax", "fmin", "copysign", "heaviside"):
+    _register_binary(_op)
+for _op in ("atan2", "hypot", "logaddexp"):
+    _register_binary(_op, to_float=True)
+for _op in ("gt", "greater", "logical_xor"):
+    _register_binary(_op, compare=True)
+
+
+@register_spmd_rule("true_divide")
+def true_divide(input, other):
+    return _binary_body("divide", input, other, False)
+
+
+@register_spmd_rule("isclose")
+def isclose(x, y, rtol=1e-05, atol=1e-08, equal_nan=False, name=None):
+    check_spec("isclose", "x", x)
+    check_spec("isclose", "y", y)
+    return elementwise_result("isclose", [x, y], out_dtype="bool")
+
+
+@register_spmd_rule("lerp")
+def lerp(x, y, weight, name=None):
+    """x + weight * (y - x); ``weight`` a python number or a broadcasting tensor."""
+    check_spec("lerp", "x", x)
+    check_spec("lerp", "y", y)
+    return elementwise_result("lerp", [x, y, weight])
+
+
+@register_spmd_rule("add_n")
+def add_n(inputs, name=None):
+    """The sum of a list of same-shaped tensors: linear like add (equal linear Partials pass)."""
+    specs = [inputs] if isinstance(inputs, DistSpec) else list(inputs)
+    if not specs or not all(isinstance(s, DistSpec) for s in specs):
+        raise TypeError(f"add_n: inputs must be a tensor or a non-empty list of tensors, got {inputs!r}")
+    shapes = {tuple(s.shape) for s in specs}
+    if len(shapes) != 1:
+        raise ValueError(f"add_n: every input must have the same shape, got {sorted(map(list, shapes))}")
+    return elementwise_result("add_n", specs, linear="additive")

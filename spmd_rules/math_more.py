@@ -1,0 +1,248 @@
+"""Reductions with NaN handling, order statistics, cumulative scans, differences, ``trace`` and the
+products ``dot`` / ``mv`` / ``inner`` / ``tensordot`` / ``kron``.
+
+* ``nansum``: a sharded reduced axis gives P(sum) (NaNs count as 0 on every shard, exactly as whole);
+  ``count_nonzero`` likewise (int64 P(sum)). ``nanmean``, ``median``, ``nanmedian`` need the reduced axes
+  whole (the count of non-NaN values, or the order, is global).
+* ``cumprod`` / ``cummax`` / ``cummin`` / ``logcumsumexp``: the scanned axis whole, other dims keep their
+  sharding; ``axis=None`` flattens (everything whole).
+* ``diff``: the differenced axis whole (``prepend``/``append`` share the other dims); ``trace``: the two
+  diagonal axes whole.
+* Products are einsum rules: a sharded contracted axis gives Partial(sum). ``kron`` keeps everything whole.
+"""
+from __future__ import annotations
+
+from autoparallel.core.spec import DistSpec, normalize_dtype
+
+from spmd_rules.einsum import ALL, einsum_result, labels_result
+from spmd_rules.reduction import _reduction, reduce_labels
+from spmd_rules.registry import register_spmd_rule
+from spmd_rules.utils import check_spec, norm_axes, norm_axis, promote
+
+_L = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _keep_but(x, axes):
+    return tuple(None if d in axes else d for d in range(x.ndim))
+
+
+# ---- reductions -----------------------------------------------------------------------------------------------------
+@register_spmd_rule("nansum")
+def nansum(x, axis=None, dtype=None, keepdim=False, name=None):
+    if dtype is not None:
+        out = normalize_dtype(dtype)
+    else:
+        out = "int64" if x.dtype in ("bool", "int32", "int16", "int8", "uint8") else x.dtype
+    return _reduction("nansum", x, axis, keepdim, reduce="sum", linear=None, dtype=out)[0]
+
+
+@register_spmd_rule("count_nonzero")
+def count_nonzero(x, axis=None, keepdim=False, name=None):
+    return _reduction("count_nonzero", x, axis, keepdim, reduce="sum", linear=None, dtype="int64")[0]
+
+
+def _whole(op, x, axis, keepdim, dtype=None, n_out=1):
+    check_spec(op, "x", x)
+    axes = norm_axes(op, axis, x.ndim)
+    xl, ol, shape = reduce_labels(x, axes, keepdim, reducible=False)
+    metas = [(shape, dtype or x.dtype)] + [(shape, "int64")] * (n_out - 1)
+    return labels_result(op, [x], [xl], [ol] * n_out, metas, linear=None)
+
+
+@register_spmd_rule("nanmean")
+def nanmean(x, axis=None, keepdim=False, name=None):
+    return _whole("nanmean", x, axis, keepdim)
+
+
+def _median(op):
+    def rule(x, axis=None, keepdim=False, mode="avg", name=None):
+        if mode not in ("avg", "min"):
+            raise ValueError(f"{op}: mode must be 'avg' or 'min', got {mode!r}")
+        dtype = x.dtype if mode == "min" or x.dtype in ("float32", "float64") else "float32"
+        n_out = 2 if (mode == "min" and axis is not None) else 1
+        if axis is not None and not isinstance(axis, int):
+            raise TypeError(f"{op}: axis must be an int or None, got {axis!r}")
+        return _whole(op, x, axis, keepdim, dtype, n_out)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule)
+
+
+_median("median")
+_median("nanmedian")
+
+
+# ---- scans ----------------------------------------------------------------------------------------------------------
+def _scan(op, x, axis, dtype, n_out=1):
+    check_spec(op, "x", x)
+    dt = normalize_dtype(dtype) if dtype is not None else x.dtype
+    if axis is None:
+        n = 1
+        for s in x.shape:
+            n *= s
+        metas = [((n,), dt)] + [((n,), "int64")] * (n_out - 1)
+        return labels_result(op, [x], [(None,) * x.ndim], [(None,)] * n_out, metas, linear=None)
+    lab = _keep_but(x, {norm_axis(op, axis, x.ndim)})
+    metas = [(x.shape, dt)] + [(x.shape, "int64")] * (n_out - 1)
+    return labels_result(op, [x], [lab], [lab] * n_out, metas, linear=None)
+
+
+@register_spmd_rule("cumprod")
+def cumprod(x, dim=None, *, dtype=None, out=None, name=None):
+    return _scan("cumprod", x, dim, dtype)
+
+
+@register_spmd_rule("logcumsumexp")
+def logcumsumexp(x, axis=None, dtype=None, name=None):
+    return _scan("logcumsumexp", x, axis, dtype)
+
+
+def _cum_extreme(op):
+    def rule(x, axis=None, dtype="int64", name=None):
+        res = _scan(op, x, axis, None, n_out=2)
+        idx = normalize_dtype(dtype)
+        if idx not in ("int32", "int64"):
+            raise ValueError(f"{op}: dtype of the indices must be int32 or int64, got {dtype!r}")
+        outs = (res.outputs[0], DistSpec(res.outputs[1].mesh, res.outputs[1].placements, res.outputs[1].shape, idx))
+        return type(res)(res.inputs, outs)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule)
+
+
+_cum_extreme("cummax")
+_cum_extreme("cummin")
+
+
+@register_spmd_rule("diff")
+def diff(x, n=1, axis=-1, prepend=None, append=None, name=None, *, out=None):
+    check_spec("diff", "x", x)
+    a = norm_axis("diff", axis, x.ndim)
+    extra = 0
+    for nm, t in (("prepend", prepend), ("append", append)):
+        if t is None:
+            continue
+        check_spec("diff", nm, t)
+        if t.ndim != x.ndim or any(t.shape[d] != x.shape[d] for d in range(x.ndim) if d != a):
+            raise ValueError(f"diff: {nm} of shape {list(t.shape)} must match x {list(x.shape)} except on axis {a}")
+        extra += t.shape[a]
+    length = x.shape[a] + extra
+    if n < 0:
+        raise ValueError(f"diff: n must be >= 0, got {n}")
+    lab = _keep_but(x, {a})
+    shape = tuple(max(length - n, 0) if d == a else s for d, s in enumerate(x.shape))
+    specs = [x] + [t for t in (prepend, append) if t is not None]
+    return labels_result("diff", specs, [lab] * len(specs), [lab], [(shape, promote(*[s.dtype for s in specs]))],
+                         linear="additive")
+
+
+@register_spmd_rule("trace")
+def trace(x, offset=0, axis1=0, axis2=1, name=None):
+    check_spec("trace", "x", x)
+    a1, a2 = norm_axis("trace", axis1, x.ndim), norm_axis("trace", axis2, x.ndim)
+    if a1 == a2:
+        raise ValueError(f"trace: axis1 and axis2 must differ, got {axis1} and {axis2}")
+    rest = tuple(d for d in range(x.ndim) if d not in (a1, a2))
+    shape = tuple(x.shape[d] for d in rest)
+    return labels_result("trace", [x], [_keep_but(x, {a1, a2})], [rest], [(shape, x.dtype)], linear=ALL)
+
+
+# ---- products -------------------------------------------------------------------------------------------------------
+@register_spmd_rule("dot")
+def dot(x, y, name=None, *, out=None):
+    check_spec("dot", "x", x)
+    check_spec("dot", "y", y)
+    if x.ndim not in (1, 2) or x.shape != y.shape:
+        raise ValueError(f"dot: x and y must be 1-D or 2-D of the same shape, got {list(x.shape)} and {list(y.shape)}")
+    return einsum_result("dot", "i,i->" if x.ndim == 1 else "bi,bi->b", [x, y])
+
+
+@register_spmd_rule("mv")
+def mv(x, vec, name=None):
+    check_spec("mv", "x", x)
+    check_spec("mv", "vec", vec)
+    if x.ndim != 2 or vec.ndim != 1 or x.shape[1] != vec.shape[0]:
+        raise ValueError(f"mv: x must be [M, N] and vec [N], got {list(x.shape)} and {list(vec.shape)}")
+    return einsum_result("mv", "ij,j->i", [x, vec])
+
+
+def _letters(n, start=0):
+    return _L[start:start + n]
+
+
+@register_spmd_rule("inner")
+def inner(x, y, name=None):
+    check_spec("inner", "x", x)
+    check_spec("inner", "y", y)
+    if x.ndim == 0 or y.ndim == 0:
+        return get_multiply()(x, y)
+    if x.shape[-1] != y.shape[-1]:
+        raise ValueError(f"inner: last dims must match, got {list(x.shape)} and {list(y.shape)}")
+    xs, ys = _letters(x.ndim - 1), _letters(y.ndim - 1, 12)
+    return einsum_result("inner", f"{xs}z,{ys}z->{xs}{ys}", [x, y])
+
+
+def get_multiply():
+    from spmd_rules.registry import get_spmd_rule
+
+    return get_spmd_rule("multiply").fn
+
+
+def _tensordot_axes(x, y, axes):
+    if isinstance(axes, DistSpec):
+        raise NotImplementedError("tensordot: axes given as a tensor is not supported; pass ints or lists")
+    if isinstance(axes, int):
+        if axes < 0 or axes > min(x.ndim, y.ndim):
+            raise ValueError(f"tensordot: axes={axes} is out of range for {x.ndim}-D and {y.ndim}-D operands")
+        return list(range(x.ndim - axes, x.ndim)), list(range(axes))
+    axes = list(axes)
+    if len(axes) == 1:
+        axes = axes * 2
+    if len(axes) != 2:
+        raise ValueError(f"tensordot: axes must be an int or a pair of axis lists, got {axes!r}")
+    ax, ay = ([a] if isinstance(a, int) else list(a) for a in axes)
+    n = min(len(ax), len(ay))             # paddle pairs the common prefix
+    return [norm_axis("tensordot", a, x.ndim) for a in ax[:n]], [norm_axis("tensordot", a, y.ndim) for a in ay[:n]]
+
+
+@register_spmd_rule("tensordot")
+def tensordot(x, y, axes=2, name=None):
+    check_spec("tensordot", "x", x)
+    check_spec("tensordot", "y", y)
+    ax, ay = _tensordot_axes(x, y, axes)
+    for a, b in zip(ax, ay):
+        if x.shape[a] != y.shape[b]:
+            raise ValueError(f"tensordot: contracted dims differ: x dim {a} = {x.shape[a]}, y dim {b} = {y.shape[b]}")
+    xs = list(_letters(x.ndim))
+    ys = list(_letters(y.ndim, 13))
+    for a, b in zip(ax, ay):
+        ys[b] = xs[a]
+    out = [xs[d] for d in range(x.ndim) if d not in ax] + [ys[d] for d in range(y.ndim) if d not in ay]
+    return einsum_result("tensordot", f"{''.join(xs)},{''.join(ys)}->{''.join(out)}", [x, y])
+
+
+@register_spmd_rule("kron")
+def kron(x, y, name=None):
+    check_spec("kron", "x", x)
+    check_spec("kron", "y", y)
+    nd = max(x.ndim, y.ndim)
+    xs = (1,) * (nd - x.ndim) + tuple(x.shape)
+    ys = (1,) * (nd - y.ndim) + tuple(y.shape)
+    shape = tuple(a * b for a, b in zip(xs, ys))
+    return labels_result("kron", [x, y], [(None,) * x.ndim, (None,) * y.ndim], [(None,) * nd],
+                         [(shape, promote(x.dtype, y.dtype))], linear=ALL)
+
+
+# ---- value-dependent indexing: everything whole, the output replicated -----------------------------------------------
+def _replicated(op, names):
+    def rule(*args, **kwargs):
+        from spmd_rules.routing import replicate_all
+
+        return replicate_all(op, list(args) + list(kwargs.values()))
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule)
+
+
+for _op in ("gather_nd", "index_sample", "take"):
+    _replicated(_op, None)
