@@ -47,6 +47,7 @@ def install_all() -> list:
     tensor_forms.install_metadata()
     if SHADOWS[0]:
         tensor_forms.install_shadow_readers()
+    _install_composites()
     _install_guards()
     _install_hooks()
     return [D, tensor_forms.rebind]
@@ -91,6 +92,43 @@ def _routed(op, path, orig):
     wrapper._ap_path = path
     wrapper._ap_wrapper = True
     return wrapper
+
+
+def _composite(path, orig, fn):
+    def wrapper(*args, **kwargs):
+        if _ctx.local_depth > 0 or not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
+            return orig(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    wrapper.__wrapped__ = orig
+    wrapper.__name__ = getattr(orig, "__name__", path.rsplit(".", 1)[-1])
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper._ap_composite = path
+    wrapper._ap_wrapper = True
+    return wrapper
+
+
+def _install_composites() -> None:
+    """Functions paddle writes in python over its primitives run, on distributed tensors, as our own
+    decomposition into routed ops (``spmd_rules.composites``); every other name of the same function (a
+    ``paddle.Tensor`` method, an import in another module) points at the wrapper too."""
+    from spmd_rules.composites import COMPOSITES
+    from spmd_rules.composites_shape import COMPOSITES as SHAPE_COMPOSITES
+
+    mapping = {}
+    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES}.items():
+        owner, attr = owner_of(path)
+        orig = getattr(owner, attr, None)
+        if orig is None or hasattr(orig, "_ap_wrapper"):
+            continue
+        w = mapping.get(id(orig)) or _composite(path, orig, fn)
+        patches.patch(owner, attr, w)
+        mapping[id(orig)] = w
+    aliases.repoint_modules(mapping)
+    for attr in dir(paddle.Tensor):
+        w = mapping.get(id(getattr(paddle.Tensor, attr, None)))
+        if w is not None and not attr.startswith("_"):
+            patches.patch(paddle.Tensor, attr, w)
 
 
 def _guarded(name, orig):

@@ -190,6 +190,9 @@ def _getattr(self, name):
         late = _late_method(name)
         if late is not None:
             return late.__get__(self)
+        composite = getattr(paddle.Tensor, name)
+        if getattr(composite, "_ap_composite", None):       # a decomposition into routed ops (dispatch_install)
+            return composite.__get__(self)
         if _is_op_name(name):
             raise NotImplementedError(f"paddle.Tensor.{name} has no spmd rule, so it cannot run on a DistTensor; "
                                       f"register one with spmd_rules.register_spmd_rule({name!r})")
