@@ -47,6 +47,11 @@ def _reduce(out, reduction):
     return out
 
 
+def _const(t):
+    """``t`` without gradient: paddle's kernel gives none to this input (labels, ``pos_weight``, ...)."""
+    return None if t is None else t.detach()
+
+
 def _same_shape(op, a, b, names=("input", "label")):
     if gshape(a) != gshape(b):
         raise ValueError(f"{op}: {names[0]} and {names[1]} must have the same shape, got {gshape(a)} and "
@@ -83,6 +88,7 @@ def smooth_l1_loss(input, label, reduction="mean", delta=1.0, is_huber=True, nam
 def binary_cross_entropy(input, label, weight=None, reduction="mean", name=None):
     _check_reduction("binary_cross_entropy", reduction)
     paddle = _p()
+    label = _const(label)
     lp = paddle.clip(paddle.log(input), min=-100.0)
     lq = paddle.clip(paddle.log(1.0 - input), min=-100.0)
     out = -(label * lp + (1.0 - label) * lq)
@@ -94,6 +100,7 @@ def binary_cross_entropy(input, label, weight=None, reduction="mean", name=None)
 def _sigmoid_ce(logit, label, pos_weight=None):
     """paddle's sigmoid_cross_entropy_with_logits (normalize=False, ignore_index=-100)."""
     paddle = _p()
+    label, pos_weight = _const(label), _const(pos_weight)
     soft = paddle.log1p(paddle.exp(-paddle.abs(logit))) + paddle.clip(-logit, min=0.0)
     if pos_weight is None:
         out = (1.0 - label) * logit + soft
@@ -129,6 +136,7 @@ def log_loss(input, label, epsilon=0.0001, name=None):
     if len(gshape(input)) != 2 or gshape(input)[1] != 1:
         raise ValueError(f"log_loss: input must have shape [N, 1], got {gshape(input)}")
     paddle = _p()
+    label = _const(label)
     return -label * paddle.log(input + epsilon) - (1.0 - label) * paddle.log(1.0 - input + epsilon)
 
 
@@ -185,6 +193,7 @@ def poisson_nll_loss(input, label, log_input=True, full=False, epsilon=1e-08, re
 def kl_div(input, label, reduction="mean", log_target=False, name=None):
     _check_reduction("kl_div", reduction, ("mean", "sum", "none", "batchmean"))
     paddle = _p()
+    label = _const(label)
     dt = {str(input.dtype), str(label.dtype)}
     if dt == {"paddle.float32", "paddle.float64"}:        # paddle promotes the float32 one
         input, label = paddle.cast(input, "float64"), paddle.cast(label, "float64")
@@ -212,7 +221,7 @@ def nll_loss(input, label, weight=None, ignore_index=-100, reduction="mean", nam
     picked = paddle.take_along_axis(input, safe.unsqueeze(1), axis=1).squeeze(1)
     w = keep.astype(input.dtype)
     if weight is not None:
-        w = w * paddle.gather(weight, safe.reshape([-1])).reshape(lsh)
+        w = w * paddle.gather(_const(weight), safe.reshape([-1])).reshape(lsh)
     out = -picked * w
     if reduction == "mean":
         return paddle.sum(out) / paddle.sum(w)
@@ -230,7 +239,7 @@ def softmax_with_cross_entropy(logits, label, soft_label=False, ignore_index=-10
         raise ValueError(f"softmax_with_cross_entropy: label must have the logits' rank with 1 at axis {a}, "
                          f"got {gshape(label)} for logits {gshape(logits)}")
     if soft_label:        # -sum(label * log_softmax): any layout of the class axis
-        loss = -_p().sum(label * F.log_softmax(logits, axis=axis), axis=axis, keepdim=True)
+        loss = -_p().sum(_const(label) * F.log_softmax(logits, axis=axis), axis=axis, keepdim=True)
     else:
         loss = F.cross_entropy(logits, label, ignore_index=ignore_index, reduction="none", axis=axis)
     if return_softmax:
@@ -306,7 +315,7 @@ def label_smooth(label, prior_dist=None, epsilon=0.1, name=None):
     if epsilon > 1.0 or epsilon < 0.0:
         raise ValueError(f"label_smooth: epsilon must be in [0, 1], got {epsilon}")
     if prior_dist is not None:
-        return (1.0 - epsilon) * label + epsilon * prior_dist
+        return (1.0 - epsilon) * label + epsilon * _const(prior_dist)
     return (1.0 - epsilon) * label + epsilon / gshape(label)[-1]
 
 
@@ -375,3 +384,38 @@ def mse_loss_layer_forward(self, input, label):
 
 
 COMPOSITES["paddle.nn.layer.loss.MSELoss.forward"] = mse_loss_layer_forward
+
+
+# ---- channel dropout (F.dropout with paddle's axes: one draw for the global shape, see spmd_rules/random.py) ------
+def _check_p(op, p):
+    if p < 0 or p > 1:
+        raise ValueError(f"{op}: dropout probability must be in [0, 1], got {p}")
+
+
+def dropout1d(input, p=0.5, training=True, inplace=False):
+    _check_p("dropout1d", p)
+    nd = len(gshape(input))
+    if nd not in (2, 3):
+        raise ValueError(f"dropout1d: expects a 2-D or 3-D input, got {nd}-D")
+    if inplace:
+        raise NotImplementedError("dropout1d: inplace=True is not supported (paddle ignores it too)")
+    x = input.unsqueeze(0) if nd == 2 else input
+    out = _F().dropout(x, p=p, axis=1, training=training)
+    return out.squeeze(0) if nd == 2 else out
+
+
+def _dropout_nd(op, nd, formats):
+    def fn(x, p=0.5, training=True, data_format=formats[0], name=None):
+        if len(gshape(x)) != nd:
+            raise ValueError(f"{op}: x must be {nd}-D, got {gshape(x)}")
+        _check_format(op, data_format, formats)
+        axis = [0, 1] if data_format == formats[0] else [0, nd - 1]
+        return _F().dropout(x, p=p, axis=axis, training=training, mode="upscale_in_train")
+
+    fn.__name__ = op
+    return fn
+
+
+dropout2d = _dropout_nd("dropout2d", 4, ("NCHW", "NHWC"))
+dropout3d = _dropout_nd("dropout3d", 5, ("NCDHW", "NDHWC"))
+COMPOSITES.update({f"paddle.nn.functional.{n}": globals()[n] for n in ("dropout1d", "dropout2d", "dropout3d")})

@@ -96,7 +96,7 @@ for _op in ("fmax", "fmin", "copysign", "heaviside"):
     _register_binary(_op)
 for _op in ("atan2", "hypot", "logaddexp"):
     _register_binary(_op, to_float=True)
-for _op in ("gt", "greater", "logical_xor"):
+for _op in ("gt", "logical_xor"):
     _register_binary(_op, compare=True)
 
 

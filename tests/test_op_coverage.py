@@ -1,0 +1,339 @@
+"""Op coverage for what users write: elementwise math, NaN reductions, scans, products and pooling as spmd
+rules; losses, nn functions, shape helpers and norms as decompositions into routed ops (spmd_rules.composites).
+
+Every decomposition equals paddle's own function (values and gradients) on plain tensors, and, under
+simulated ranks, on distributed inputs laid out R / S(d) / P(sum) over a 2-rank and a 2x2 mesh (full values and
+input gradients vs one process). Losses give readable layouts ("(S(0), S(0)) -> P(sum)"); a Linear ->
+F.mse_loss regression trained data-parallel equals one process; what still has no rule raises the typed error.
+"""
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+import autoparallel as ap
+from autoparallel.mesh import mesh_from_shape
+from spmd_rules import get_spmd_rule
+from spmd_rules.composites import COMPOSITES
+from spmd_rules.composites_shape import COMPOSITES as SHAPE_COMPOSITES
+from tests.composite_cases import build, substitute, tensors_of
+
+ALL = {**COMPOSITES, **SHAPE_COMPOSITES}
+CASES = build()
+FLOATS = (paddle.float32, paddle.float64)
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _resolve(path):
+    obj = paddle
+    for part in path.split(".")[1:]:
+        obj = getattr(obj, part)
+    return obj
+
+
+def _outs(o):
+    return list(o) if isinstance(o, (list, tuple)) else [o]
+
+
+def _fresh(args, kwargs):
+    """The call with every tensor copied; float copies require gradients. Returns (args, kwargs, tensors)."""
+    src = tensors_of(args, kwargs)
+    copies = {}
+    for a in src:
+        c = a.detach().clone()
+        c.stop_gradient = a.dtype not in FLOATS
+        copies[id(a)] = c
+    a2, k2 = substitute(args, kwargs, copies)
+    return a2, k2, [copies[id(a)] for a in src]
+
+
+def _reference(fn, args, kwargs):
+    """Outputs (numpy) and input gradients (of the sum of float outputs) of ``fn`` on plain tensors."""
+    a2, k2, leaves = _fresh(args, kwargs)
+    outs = _outs(fn(*a2, **k2))
+    floats = [o for o in outs if o.dtype in FLOATS]
+    wrt = [t for t in leaves if not t.stop_gradient]
+    grads = []
+    if floats and wrt:
+        total = paddle.add_n([o.sum() for o in floats])
+        grads = paddle.grad(total, wrt, allow_unused=True)
+    return [o.numpy() for o in outs], [None if g is None else g.numpy() for g in grads]
+
+
+@pytest.mark.parametrize("path,args,kwargs", CASES, ids=[f"{c[0].rsplit('.', 1)[-1]}-{i}" for i, c in enumerate(CASES)])
+def test_decomposition_equals_paddle_on_plain_tensors(path, args, kwargs):
+    want, want_g = _reference(_resolve(path).__wrapped__ if hasattr(_resolve(path), "__wrapped__")
+                              else _resolve(path), args, kwargs)
+    got, got_g = _reference(ALL[path], args, kwargs)
+    assert [w.shape for w in want] == [g.shape for g in got]
+    if path.endswith("group_norm") and kwargs.get("data_format") == "NHWC":
+        want_g = got_g = []          # paddle's NHWC backward is wrong: see the finite-difference test below
+    for w, g in zip(want + want_g, got + got_g):
+        if w is None or g is None:
+            assert not np.any(w if w is not None else g), "a gradient exists on one side only"
+            continue
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, equal_nan=True)
+
+
+def test_group_norm_nhwc_gradient_matches_finite_differences():
+    """paddle 3.3's own NHWC group_norm backward disagrees with finite differences; the decomposition agrees."""
+    rng = np.random.default_rng(0)
+    a, w = rng.standard_normal((2, 3, 3, 6)), rng.standard_normal((2, 3, 3, 6))
+
+    def loss_and_grad(arr):
+        x = paddle.to_tensor(arr, stop_gradient=False)
+        loss = (ALL["paddle.nn.functional.group_norm"](x, 2, data_format="NHWC") * paddle.to_tensor(w)).sum()
+        return float(loss), paddle.grad(loss, [x])[0].numpy()
+
+    base, grad = loss_and_grad(a)
+    for idx in [(0, 1, 2, 3), (1, 0, 0, 5)]:
+        b = a.copy()
+        b[idx] += 1e-6
+        assert grad[idx] == pytest.approx((loss_and_grad(b)[0] - base) / 1e-6, rel=1e-4)
+
+
+# ---- distributed inputs ------------------------------------------------------------------------------------------------
+def _options(a, ndim_mesh):
+    opts = [ap.Replicate()] + [ap.Shard(d) for d in range(a.ndim)]
+    if a.dtype in FLOATS:
+        opts.append(ap.Partial("sum"))
+    return opts
+
+
+def _combos(leaves, mesh_ndim):
+    """A handful of layouts per call: all R; all the k-th option; per mesh dim different options (2-d)."""
+    out = []
+    for k in range(4):
+        pl = []
+        for a in leaves:
+            opts = _options(a, mesh_ndim)
+            pl.append([opts[min(k + m, len(opts) - 1)] for m in range(mesh_ndim)])
+        out.append(pl)
+    last = [[ap.Shard(max(a.ndim - 1, 0)) if a.ndim else ap.Replicate()] * mesh_ndim for a in leaves]
+    out.append(last)
+    return out
+
+
+def _dist(a, mesh, placements):
+    leaf = a.detach().clone()
+    leaf.stop_gradient = a.dtype not in FLOATS
+    plain = [ap.Replicate() if isinstance(p, ap.Partial) else p for p in placements]
+    d = ap.shard_tensor(leaf, mesh, plain)
+    used = ap.reshard(d, mesh, placements) if plain != list(placements) else d
+    return d, used
+
+
+def _check_dist(path, args, kwargs, mesh, combo):
+    """Problems of one layout: values and input gradients vs the decomposition on plain tensors (which the
+    test above holds equal to paddle's own function)."""
+    want, want_g = _reference(ALL[path], args, kwargs)
+    src = tensors_of(args, kwargs)
+    pairs = [_dist(a, mesh, pl) for a, pl in zip(src, combo)]
+    a2, k2 = substitute(args, kwargs, {id(a): used for a, (_, used) in zip(src, pairs)})
+    outs = _outs(_resolve(path)(*a2, **k2))
+    got = [o.full().numpy() for o in outs]
+    floats = [o for o in outs if str(o.dtype).endswith(("float32", "float64"))]
+    leaves = [leaf for leaf, _ in pairs if not leaf.stop_gradient]
+    if floats and leaves:
+        paddle.add_n([o.sum() for o in floats]).backward()
+    got_g = [None if leaf.grad is None else leaf.grad.full().numpy() for leaf in leaves] if floats else []
+    problems = []
+    for i, (w, g) in enumerate(zip(want + want_g, got + got_g)):
+        if w is None or g is None:
+            if not (w is None and g is None) and np.any(w if w is not None else g):
+                problems.append(f"output/grad {i}: missing")
+            continue
+        if w.shape != g.shape or not np.allclose(g, w, rtol=RTOL, atol=ATOL, equal_nan=True):
+            problems.append(f"output/grad {i}: got {g.ravel()[:3]} want {w.ravel()[:3]}")
+    return problems
+
+
+def _run_all(mesh_shape, world):
+    failures, n = [], 0
+    with ap.simulate(world):
+        mesh = mesh_from_shape(mesh_shape)
+        for path, args, kwargs in CASES:
+            for combo in _combos(tensors_of(args, kwargs), len(mesh_shape)):
+                n += 1
+                try:
+                    problems = _check_dist(path, args, kwargs, mesh, combo)
+                except Exception as e:                                   # noqa: BLE001  (reported below)
+                    problems = [f"{type(e).__name__}: {str(e)[:200]}"]
+                failures += [f"{path} {kwargs} {combo}: {p}" for p in problems]
+    return failures, n
+
+
+def test_composites_on_a_2_rank_mesh_equal_one_process():
+    failures, n = _run_all([2], 2)
+    assert n >= 5 * len(CASES)
+    assert failures == [], "\n".join(failures[:20])
+
+
+def test_composites_on_a_2x2_mesh_equal_one_process():
+    failures, n = _run_all([2, 2], 4)
+    assert failures == [], "\n".join(failures[:20])
+
+
+def test_negative_control_a_wrong_decomposition_is_caught(monkeypatch):
+    """The checks above see a decomposition that ignores an argument (mse_loss always summing)."""
+    from spmd_rules import composites
+
+    wrong = lambda input, label, reduction="mean", name=None: paddle.sum(paddle.square(input - label))  # noqa: E731
+    monkeypatch.setitem(ALL, "paddle.nn.functional.mse_loss", wrong)
+    x, y = CASES[0][1]
+    with pytest.raises(AssertionError):
+        test_decomposition_equals_paddle_on_plain_tensors("paddle.nn.functional.mse_loss", (x, y), {})
+    assert composites.mse_loss is not wrong
+
+
+# ---- readable layouts of the losses ------------------------------------------------------------------------------------
+def _layout(fn, placements, *arrays, **kwargs):
+    mesh = mesh_from_shape([2])
+    ins = [ap.shard_tensor(paddle.to_tensor(a), mesh, [p]) for a, p in zip(arrays, placements)]
+    out = fn(*ins, **kwargs)
+    text = f"({', '.join(str(p) for p in placements)}) -> {', '.join(str(p) for p in out.placements)}"
+    return text, float(out.full().numpy().sum())
+
+
+@pytest.mark.parametrize("name,placements,reduction,want", [
+    ("mse_loss", "S(0) S(0)", "sum", "(S(0), S(0)) -> P(sum)"),
+    ("mse_loss", "S(0) S(0)", "mean", "(S(0), S(0)) -> P(sum)"),
+    ("mse_loss", "S(1) S(1)", "mean", "(S(1), S(1)) -> P(sum)"),
+    ("mse_loss", "S(0) S(0)", "none", "(S(0), S(0)) -> S(0)"),
+    ("l1_loss", "S(0) R", "mean", "(S(0), R) -> P(sum)"),
+    ("smooth_l1_loss", "S(0) S(0)", "sum", "(S(0), S(0)) -> P(sum)"),
+    ("binary_cross_entropy_with_logits", "S(0) S(0)", "mean", "(S(0), S(0)) -> P(sum)"),
+    ("kl_div", "S(0) S(0)", "batchmean", "(S(0), S(0)) -> P(sum)"),
+    ("mse_loss", "R R", "mean", "(R, R) -> R"),
+])
+def test_loss_layouts_are_readable_and_values_exact(name, placements, reduction, want):
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.1, 0.9, (5, 4)).astype("float32")          # 5 rows over 2 ranks: uneven shards
+    y = rng.uniform(0.1, 0.9, (5, 4)).astype("float32")
+    pls = [ap.Replicate() if p == "R" else ap.Shard(int(p[2])) for p in placements.split()]
+    with ap.simulate(2):
+        text, value = _layout(getattr(F, name), pls, x, y, reduction=reduction)     # looked up once routed
+    ref = float(getattr(F, name)(paddle.to_tensor(x), paddle.to_tensor(y), reduction=reduction).numpy().sum())
+    assert text == want
+    assert value == pytest.approx(ref, rel=1e-5)
+
+
+def _rule_str(op, *specs, **attrs):
+    return str(get_spmd_rule(op)(*specs, **attrs))
+
+
+def test_rule_layouts_of_new_rules():
+    from autoparallel.core.spec import DistSpec
+    from autoparallel.placement import parse_placements
+
+    mesh = mesh_from_shape([2])
+
+    def s(shape, pl, dtype="float32"):
+        return DistSpec(mesh, tuple(parse_placements(pl)), tuple(shape), dtype)
+
+    assert _rule_str("nansum", s([4, 6], "S(0)"), axis=0) == "(S(0)) -> P(sum)"
+    assert _rule_str("nanmean", s([4, 6], "S(0)"), axis=0) == "(R) -> R"
+    assert _rule_str("avg_pool2d", s([2, 3, 6, 6], "P(sum)"), 2) == "(P(sum)) -> P(sum)"
+    assert _rule_str("max_pool2d", s([2, 3, 6, 6], "P(sum)"), 2) == "(R) -> R"
+    assert _rule_str("max_pool2d", s([2, 3, 6, 6], "S(1)"), 2) == "(S(1)) -> S(1)"
+    assert _rule_str("max_pool2d", s([2, 3, 6, 6], "S(2)"), 2) == "(R) -> R"
+    assert _rule_str("negative", s([4, 6], "P(sum)")) == "(P(sum)) -> P(sum)"
+    assert _rule_str("atan2", s([4, 6], "P(sum)"), s([4, 6], "R")) == "(R, R) -> R"
+    assert _rule_str("cumprod", s([4, 6], "S(1)"), dim=1) == "(R) -> R"
+    assert _rule_str("cumprod", s([4, 6], "S(0)"), dim=1) == "(S(0)) -> S(0)"
+    assert _rule_str("dot", s([6], "S(0)"), s([6], "S(0)")) == "(S(0), S(0)) -> P(sum)"
+    assert _rule_str("tensordot", s([3, 4], "S(1)"), s([4, 5], "R"), axes=1) == "(S(1), S(0)) -> P(sum)"
+
+
+# ---- a user's regression model ---------------------------------------------------------------------------------------
+def _data():
+    rng = np.random.default_rng(3)
+    return rng.standard_normal((5, 4)).astype("float32"), rng.standard_normal((5, 1)).astype("float32")
+
+
+def _train(dp: bool, steps=3):
+    paddle.seed(11)
+    model = paddle.nn.Linear(4, 1)
+    X, Y = _data()
+    x, y = paddle.to_tensor(X), paddle.to_tensor(Y)
+    if dp:
+        mesh = mesh_from_shape([2], ["data"])
+        model = ap.shard_layer(model, mesh)
+        x, y = ap.shard_tensor(x, mesh, [ap.Shard(0)]), ap.shard_tensor(y, mesh, [ap.Shard(0)])
+    opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+    if dp:
+        opt = ap.shard_optimizer(opt)
+    losses = []
+    for _ in range(steps):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses, model
+
+
+def test_regression_model_data_parallel_equals_one_process():
+    ref_losses, ref_model = _train(dp=False)
+    ref = {n: p.numpy() for n, p in ref_model.named_parameters()}
+    with ap.simulate(2):
+        losses, model = _train(dp=True)
+        from autoparallel.testing.check import check_every_rank
+
+        assert check_every_rank(model, ref, rtol=1e-5, atol=1e-6) == 2 * len(ref)
+        x = ap.shard_tensor(paddle.to_tensor(_data()[0]), model.weight.mesh, [ap.Shard(0)])
+        y = ap.shard_tensor(paddle.to_tensor(_data()[1]), model.weight.mesh, [ap.Shard(0)])
+        out = model(x)
+        naive = np.mean([float(F.mse_loss.__wrapped__(out.locals[r], y.locals[r])) for r in (0, 1)])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # negative control: averaging paddle's own per-shard losses (3 rows and 2 rows) is not the global mean
+    assert abs(naive - float(F.mse_loss.__wrapped__(ref_model(paddle.to_tensor(_data()[0])),
+                                                     paddle.to_tensor(_data()[1])))) > 1e-4
+
+
+def test_mse_loss_layer_routes_its_c_op_call():
+    """paddle.nn.MSELoss.forward calls _C_ops.square itself: it runs as mse_loss on distributed tensors."""
+    X, Y = _data()
+    ref = float(paddle.nn.MSELoss()(paddle.to_tensor(X), paddle.to_tensor(Y)))
+    with ap.simulate(2):
+        mesh = mesh_from_shape([2])
+        got = paddle.nn.MSELoss(reduction="mean")(ap.shard_tensor(paddle.to_tensor(X), mesh, [ap.Shard(0)]),
+                                                   ap.shard_tensor(paddle.to_tensor(Y), mesh, [ap.Shard(0)]))
+        assert float(got) == pytest.approx(ref, rel=1e-6)
+
+
+# ---- unsupported arguments and what still has no rule ------------------------------------------------------------------
+def test_unsupported_argument_values_raise_typed_errors():
+    with ap.simulate(2):
+        mesh = mesh_from_shape([2])
+        x = ap.shard_tensor(paddle.randn([4, 6]), mesh, [ap.Shard(0)])
+        with pytest.raises(ValueError, match="reduction"):
+            F.mse_loss(x, x, reduction="avg")
+        with pytest.raises(NotImplementedError, match="svd"):
+            paddle.linalg.matrix_norm(x, p="nuc")
+        with pytest.raises(NotImplementedError, match="out="):
+            F.normalize(x, out=paddle.zeros([4, 6]))
+        with pytest.raises(NotImplementedError, match="python int"):
+            paddle.narrow(x, 0, paddle.to_tensor(1), 2)
+        with pytest.raises(ValueError, match="data_format"):
+            F.group_norm(ap.shard_tensor(paddle.randn([2, 4, 3]), mesh, [ap.Shard(0)]), 2, data_format="NWC")
+
+
+GUARDED_F_BOUND = 59          # guarded callables left in paddle.nn.functional (105 before these rules)
+
+
+def _guarded(mod):
+    return sorted(a for a in dir(mod) if not a.startswith("_") and getattr(getattr(mod, a), "_ap_guard", False))
+
+
+def test_guarded_names_fall_below_the_bound_and_still_raise():
+    with ap.simulate(2):
+        names = _guarded(F)
+        assert len(names) <= GUARDED_F_BOUND, names
+        for n in ("mse_loss", "max_pool2d", "glu", "nll_loss", "adaptive_avg_pool2d", "hardtanh"):
+            assert n not in names
+        mesh = mesh_from_shape([2])
+        x = ap.shard_tensor(paddle.randn([4, 6]), mesh, [ap.Shard(0)])
+        for n in names:
+            with pytest.raises(NotImplementedError, match=f"{n}.*register_spmd_rule"):
+                getattr(F, n)(x)
