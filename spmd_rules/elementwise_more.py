@@ -130,3 +130,47 @@ def add_n(inputs, name=None):
     if len(shapes) != 1:
         raise ValueError(f"add_n: every input must have the same shape, got {sorted(map(list, shapes))}")
     return elementwise_result("add_n", specs, linear="additive")
+
+
+# ---- special functions, integer and bitwise ops ---------------------------------------------------------------------
+for _op in ("i0e", "i1", "i1e", "gammaln"):
+    _register_unary(_op, to_float=True)
+for _op in ("isneginf", "isposinf", "isreal"):
+    _register_unary(_op, dtype="bool")
+for _op in ("gcd", "lcm", "nextafter"):
+    _register_binary(_op)
+
+
+@register_spmd_rule("polygamma")
+def polygamma(x, n, name=None):
+    return _unary("polygamma", x, to_float=True)
+
+
+
+
+@register_spmd_rule("bitwise_xor")
+def bitwise_xor(x, y, out=None, name=None):
+    if out is not None:
+        raise NotImplementedError("bitwise_xor: out= is not supported on distributed tensors; use the result")
+    return _binary_body("bitwise_xor", x, y, False)
+
+
+def _shift(op):
+    def rule(x, y, is_arithmetic=True, out=None, name=None):
+        if out is not None:
+            raise NotImplementedError(f"{op}: out= is not supported on distributed tensors; use the result")
+        return _binary_body(op, x, y, False)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule)
+
+
+_shift("bitwise_left_shift")
+_shift("bitwise_right_shift")
+
+
+@register_spmd_rule("bitwise_invert")
+def bitwise_invert(x, out=None, name=None):
+    if out is not None:
+        raise NotImplementedError("bitwise_invert: out= is not supported on distributed tensors; use the result")
+    return _unary("bitwise_invert", x)

@@ -177,6 +177,14 @@ OP_TABLE: dict = {
     # pooling (spmd_rules/pooling.py)
     **{f"{k}_pool{n}d": (f"paddle.nn.functional.{k}_pool{n}d",)
        for k in ("max", "avg", "adaptive_avg", "adaptive_max") for n in (1, 2, 3)},
+    # special, integer and bitwise elementwise ops (spmd_rules/elementwise_more.py)
+    **{n: _fn(n) for n in ("i0e", "i1", "i1e", "gammaln", "isneginf", "isposinf", "isreal", "gcd", "lcm",
+                           "nextafter", "polygamma", "bitwise_xor", "bitwise_left_shift",
+                           "bitwise_right_shift", "bitwise_invert")},
+    # interpolation and order statistics (spmd_rules/nn_more.py)
+    "interpolate": ("paddle.nn.functional.interpolate",),
+    "upsample": ("paddle.nn.functional.upsample",),
+    **{n: _fn(n) for n in ("quantile", "nanquantile", "kthvalue", "mode")},
 }
 
 ARG_MAP: dict = {

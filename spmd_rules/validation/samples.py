@@ -18,7 +18,8 @@ def _build_cases():
     _impls()
     for build in (_cases_matmul, _cases_elementwise, _cases_reduction, _cases_norm, _cases_nn, _cases_shape,
                   _cases_creation, _cases_optimizer, _cases_routing, _cases_more, _cases_blocks,
-                  _cases_elementwise_more, _cases_math_more, _cases_pooling):
+                  _cases_elementwise_more, _cases_math_more, _cases_pooling, _cases_special,
+                  _cases_interpolate):
         build()
 
 
@@ -420,3 +421,37 @@ def _cases_pooling():
     add_case("adaptive_max_pool2d", f(2, 3, 6, 6), [3, None], label="none-size")
     add_case("adaptive_avg_pool3d", f(2, 2, 4, 4, 4), 2)
     add_case("adaptive_max_pool3d", f(2, 2, 4, 4, 4), 2)
+
+
+def _cases_special():
+    for op in ("i0e", "i1", "i1e"):
+        add_case(op, f(5, 6))
+    add_case("gammaln", f(5, 6, lo=0.3))
+    add_case("polygamma", f(5, 6, lo=0.3), 1)
+    inf = T(np.array([[1.0, -np.inf, 2.0], [np.inf, 0.5, -1.0]]))
+    for op in ("isneginf", "isposinf", "isreal"):
+        add_case(op, inf, grad=False)
+    add_case("gcd", ints(20, 5, 6, low=1), ints(20, 6, low=1))
+    add_case("lcm", ints(9, 5, 6, low=1), ints(9, 5, 6, low=1))
+    add_case("nextafter", f(5, 6), f(6), grad=False)
+    add_case("bitwise_xor", ints(16, 5, 6), ints(16, 6))
+    add_case("bitwise_left_shift", ints(16, 5, 6), ints(4, 5, 6))
+    add_case("bitwise_right_shift", ints(64, 5, 6), ints(4, 6))
+    add_case("bitwise_invert", ints(16, 5, 6))
+
+
+def _cases_interpolate():
+    add_case("interpolate", f(2, 3, 4, 4), size=[6, 5], mode="bilinear")
+    add_case("interpolate", f(2, 3, 4, 4), scale_factor=2, mode="nearest", label="scale")
+    add_case("interpolate", f(2, 4, 4, 3), scale_factor=[1.5, 2.0], mode="bicubic", align_corners=True,
+             data_format="NHWC", label="nhwc-bicubic")
+    add_case("interpolate", f(2, 3, 5), size=[8], mode="linear", data_format="NCW", label="1d")
+    add_case("interpolate", f(2, 2, 3, 3, 3), scale_factor=2, mode="trilinear", label="3d")
+    add_case("upsample", f(2, 3, 4, 4), scale_factor=2, mode="nearest")
+    add_case("quantile", f(5, 6), 0.3, axis=1)
+    add_case("quantile", f(5, 6), [0.25, 0.5], axis=0, keepdim=True, label="list-q")
+    add_case("quantile", f(4, 3), 0.7, label="all")
+    add_case("nanquantile", T(np.array([[1.0, np.nan, -2.0, 0.5], [np.nan, 0.5, 3.0, 1.0]])), 0.5, axis=1,
+             grad=False)
+    add_case("kthvalue", f(5, 6), 2, axis=1)
+    add_case("mode", ints(3, 5, 6), axis=0)
