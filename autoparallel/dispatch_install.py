@@ -113,10 +113,11 @@ def _install_composites() -> None:
     decomposition into routed ops (``spmd_rules.composites``); every other name of the same function (a
     ``paddle.Tensor`` method, an import in another module) points at the wrapper too."""
     from spmd_rules.composites import COMPOSITES
+    from spmd_rules.composites_more import COMPOSITES as MORE_COMPOSITES
     from spmd_rules.composites_shape import COMPOSITES as SHAPE_COMPOSITES
 
     mapping = {}
-    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES}.items():
+    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):
@@ -127,7 +128,7 @@ def _install_composites() -> None:
     aliases.repoint_modules(mapping)
     for attr in dir(paddle.Tensor):
         w = mapping.get(id(getattr(paddle.Tensor, attr, None)))
-        if w is not None and not attr.startswith("_"):
+        if w is not None and not attr.startswith("_") and attr not in _STORAGE_METHODS:
             patches.patch(paddle.Tensor, attr, w)
 
 

@@ -73,6 +73,19 @@ def build():
         ("paddle.linalg.matrix_norm", (t(2, 4, 5),), {}), ("paddle.linalg.matrix_norm", (t(2, 4, 5),), {"p": 1}),
         ("paddle.linalg.matrix_norm", (t(2, 4, 5),), {"p": float("-inf"), "keepdim": True}),
         ("paddle.linalg.multi_dot", ([t(3, 4), t(4, 5), t(5)],), {}),
+        (fn + "pixel_shuffle", (t(2, 8, 3, 2), 2), {}), (fn + "pixel_shuffle", (t(2, 3, 2, 8), 2), {"data_format": "NHWC"}),
+        (fn + "pixel_unshuffle", (t(2, 2, 4, 6), 2), {}),
+        (fn + "pixel_unshuffle", (t(2, 4, 6, 2), 2), {"data_format": "NHWC"}),
+        (fn + "channel_shuffle", (t(2, 6, 2, 2), 3), {}), (fn + "channel_shuffle", (t(2, 2, 2, 6), 2), {"data_format": "NHWC"}),
+        (fn + "prelu", (t(2, 3, 4), t(3)), {}), (fn + "prelu", (t(2, 4, 3), t(1)), {"data_format": "NLC"}),
+        (fn + "prelu", (t(2, 4, 4, 3), t(3)), {"data_format": "NHWC"}),
+        (fn + "maxout", (t(2, 6, 3, 3), 3), {}), (fn + "maxout", (t(2, 3, 3, 4), 2), {"axis": -1}),
+        (fn + "cosine_embedding_loss", (x, y, ints([1, -1, 1, -1])), {"margin": 0.2}),
+        ("paddle.vecdot", (x, y), {}), ("paddle.linalg.vecdot", (x, y), {"axis": 0}), ("paddle.dist", (x, y), {}),
+        ("paddle.dist", (x, y), {"p": float("inf")}), ("paddle.dist", (x, y), {"p": 1.5}),
+        ("paddle.rot90", (t(2, 3, 4),), {}), ("paddle.rot90", (t(2, 3, 4),), {"k": 3, "axes": [1, 2]}),
+        ("paddle.rot90", (t(2, 3, 4),), {"k": 2}), ("paddle.msort", (x,), {}),
+        ("paddle.ldexp", (x, ints([[1, 2, 0, -1, 3, 1]])), {}), ("paddle.numel", (x,), {}),
     ]
     return cases
 

@@ -1,0 +1,181 @@
+"""Composite ops (see composites.py): pixel / channel shuffles, ``prelu``, ``maxout``,
+``cosine_embedding_loss``, ``vecdot``, ``dist``, ``rot90``, ``msort``, ``ldexp``, ``numel`` — decomposed into
+reshape, transpose, flip, where, sums, maxima and sort (each with an spmd rule)."""
+from __future__ import annotations
+
+import math
+import numbers
+
+from spmd_rules.composites import _check_format, _check_reduction, _p, _p_norm, _reduce, gshape
+
+
+def _factor(op, name, v):
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+        raise ValueError(f"{op}: {name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+def pixel_shuffle(x, upscale_factor, data_format="NCHW", name=None):
+    op = "pixel_shuffle"
+    _check_format(op, data_format, ("NCHW", "NHWC"))
+    r = _factor(op, "upscale_factor", upscale_factor)
+    s = gshape(x)
+    if len(s) != 4:
+        raise ValueError(f"{op}: x must be 4-D, got {s}")
+    paddle = _p()
+    if data_format == "NCHW":
+        n, c, h, w = s
+        if c % (r * r):
+            raise ValueError(f"{op}: {c} channels are not divisible by upscale_factor**2 = {r * r}")
+        y = paddle.transpose(x.reshape([n, c // (r * r), r, r, h, w]), [0, 1, 4, 2, 5, 3])
+        return y.reshape([n, c // (r * r), h * r, w * r])
+    n, h, w, c = s
+    if c % (r * r):
+        raise ValueError(f"{op}: {c} channels are not divisible by upscale_factor**2 = {r * r}")
+    y = paddle.transpose(x.reshape([n, h, w, c // (r * r), r, r]), [0, 1, 4, 2, 5, 3])
+    return y.reshape([n, h * r, w * r, c // (r * r)])
+
+
+def pixel_unshuffle(x, downscale_factor, data_format="NCHW", name=None):
+    op = "pixel_unshuffle"
+    _check_format(op, data_format, ("NCHW", "NHWC"))
+    r = _factor(op, "downscale_factor", downscale_factor)
+    s = gshape(x)
+    if len(s) != 4:
+        raise ValueError(f"{op}: x must be 4-D, got {s}")
+    paddle = _p()
+    n, c, h, w = s if data_format == "NCHW" else (s[0], s[3], s[1], s[2])
+    if h % r or w % r:
+        raise ValueError(f"{op}: spatial size {[h, w]} is not divisible by downscale_factor {r}")
+    if data_format == "NCHW":
+        y = paddle.transpose(x.reshape([n, c, h // r, r, w // r, r]), [0, 1, 3, 5, 2, 4])
+        return y.reshape([n, c * r * r, h // r, w // r])
+    y = paddle.transpose(x.reshape([n, h // r, r, w // r, r, c]), [0, 1, 3, 5, 2, 4])
+    return y.reshape([n, h // r, w // r, c * r * r])
+
+
+def channel_shuffle(x, groups, data_format="NCHW", name=None):
+    op = "channel_shuffle"
+    _check_format(op, data_format, ("NCHW", "NHWC"))
+    g = _factor(op, "groups", groups)
+    s = gshape(x)
+    if len(s) != 4:
+        raise ValueError(f"{op}: x must be 4-D, got {s}")
+    paddle = _p()
+    if data_format == "NCHW":
+        n, c, h, w = s
+        if c % g:
+            raise ValueError(f"{op}: {c} channels are not divisible by groups={g}")
+        return paddle.transpose(x.reshape([n, g, c // g, h, w]), [0, 2, 1, 3, 4]).reshape(s)
+    n, h, w, c = s
+    if c % g:
+        raise ValueError(f"{op}: {c} channels are not divisible by groups={g}")
+    return paddle.transpose(x.reshape([n, h, w, g, c // g]), [0, 1, 2, 4, 3]).reshape(s)
+
+
+def prelu(x, weight, data_format="NCHW", name=None):
+    op = "prelu"
+    _check_format(op, data_format, ("NC", "NCL", "NCHW", "NCDHW", "NLC", "NHWC", "NDHWC"))
+    s, ws = gshape(x), gshape(weight)
+    if len(ws) != 1:
+        raise ValueError(f"{op}: weight must be 1-D, got {ws}")
+    paddle = _p()
+    if ws[0] == 1:
+        w = weight
+    else:
+        last = data_format[-1] == "C" and data_format != "NC"
+        c = s[-1] if last else s[1]
+        if ws[0] != c:
+            raise ValueError(f"{op}: weight has {ws[0]} entries, expected 1 or the {c} channels")
+        w = weight.reshape([c] if last else [c] + [1] * (len(s) - 2))
+    return paddle.where(x > 0, x, w * x)
+
+
+def maxout(x, groups, axis=1, name=None):
+    op = "maxout"
+    s = gshape(x)
+    if axis not in (1, -1, 3):
+        raise ValueError(f"{op}: axis must be 1, -1 or 3, got {axis}")
+    a = axis % len(s)
+    g = _factor(op, "groups", groups)
+    if s[a] % g:
+        raise ValueError(f"{op}: {s[a]} channels are not divisible by groups={g}")
+    new = s[:a] + [s[a] // g, g] + s[a + 1:]
+    return _p().amax(x.reshape(new), axis=a + 1)
+
+
+def cosine_embedding_loss(input1, input2, label, margin=0, reduction="mean", name=None):
+    op = "cosine_embedding_loss"
+    _check_reduction(op, reduction)
+    if len(gshape(label)) != 1:
+        raise ValueError(f"{op}: label must be 1-D, got {gshape(label)}")
+    if gshape(input1) != gshape(input2) or len(gshape(input1)) > 2:
+        raise ValueError(f"{op}: input1 and input2 must be 1-D or 2-D of one shape, got {gshape(input1)} and "
+                         f"{gshape(input2)}")
+    paddle = _p()
+    prod = (input1 * input2).sum(axis=-1)
+    m1 = paddle.square(input1).sum(axis=-1) + 10e-12
+    m2 = paddle.square(input2).sum(axis=-1) + 10e-12
+    cos = prod / paddle.sqrt(m1 * m2)
+    zeros = paddle.zeros_like(cos)
+    out = paddle.where(label == 1, 1 - cos, zeros) + paddle.where(label == -1, paddle.clip(cos - margin, min=0), zeros)
+    return _reduce(out, reduction)
+
+
+def vecdot(x, y, axis=-1, name=None):
+    return _p().sum(x * y, axis=axis)
+
+
+def dist(x, y, p=2, name=None):
+    d = x - y
+    return _p_norm(d, p, None, False)
+
+
+def rot90(x, k=1, axes=[0, 1], name=None):        # noqa: B006  (paddle's default)
+    paddle = _p()
+    nd = len(gshape(x))
+    if not isinstance(axes, (list, tuple)) or len(axes) != 2:
+        raise ValueError(f"rot90: axes must be two ints, got {axes!r}")
+    if nd < 2:
+        raise ValueError(f"rot90: x must have at least 2 dims, got {gshape(x)}")
+    a0, a1 = axes
+    if a0 == a1 or abs(a0 - a1) == nd or not (-nd <= a0 < nd and -nd <= a1 < nd):
+        raise ValueError(f"rot90: invalid rotation axes {list(axes)} for a {nd}-D tensor")
+    k %= 4
+    if k == 0:
+        return x
+    if k == 2:
+        return paddle.flip(paddle.flip(x, a0), a1)
+    perm = list(range(nd))
+    perm[a0], perm[a1] = perm[a1], perm[a0]
+    if k == 1:
+        return paddle.transpose(paddle.flip(x, a1), perm)
+    return paddle.flip(paddle.transpose(x, perm), a1)
+
+
+def msort(input, *, out=None):
+    if out is not None:
+        raise NotImplementedError("msort: out= is not supported on distributed tensors; use the result")
+    return _p().sort(input, axis=0)
+
+
+def ldexp(x, y, name=None):
+    paddle = _p()
+    dt = str(x.dtype).replace("paddle.", "")
+    out_dtype = dt if dt in ("float16", "float32", "float64", "bfloat16") else "float32"
+    two = paddle.to_tensor(2, dtype=out_dtype)
+    return paddle.multiply(paddle.cast(x, out_dtype) if dt != out_dtype else x,
+                           paddle.pow(two, paddle.cast(y, out_dtype)))
+
+
+def numel(x, name=None):
+    """The global element count, as a replicated int64 scalar tensor."""
+    return _p().to_tensor(math.prod(gshape(x)), dtype="int64")
+
+
+_P_NAMES = ("vecdot", "dist", "rot90", "msort", "ldexp", "numel")
+COMPOSITES: dict = {f"paddle.nn.functional.{n}": globals()[n]
+                    for n in ("pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "prelu", "maxout",
+                              "cosine_embedding_loss")}
+COMPOSITES.update({f"paddle.{n}": globals()[n] for n in _P_NAMES})
+COMPOSITES["paddle.linalg.vecdot"] = vecdot
