@@ -233,16 +233,27 @@ def kron(x, y, name=None):
                          [(shape, promote(x.dtype, y.dtype))], linear=ALL)
 
 
-# ---- value-dependent indexing: everything whole, the output replicated -----------------------------------------------
-def _replicated(op, names):
-    def rule(*args, **kwargs):
-        from spmd_rules.routing import replicate_all
+# ---- value-indexed gathers: everything whole, the output replicated ------------------------------------------------------
+def _gathered(op, x, index):
+    from spmd_rules.routing import replicate_all
 
-        return replicate_all(op, list(args) + list(kwargs.values()))
-
-    rule.__name__ = op
-    register_spmd_rule(op, rule)
+    check_spec(op, "x", x)
+    check_spec(op, "index", index)
+    return replicate_all(op, [x, index])
 
 
-for _op in ("gather_nd", "index_sample", "take"):
-    _replicated(_op, None)
+@register_spmd_rule("gather_nd")
+def gather_nd(x, index, name=None):
+    return _gathered("gather_nd", x, index)
+
+
+@register_spmd_rule("index_sample")
+def index_sample(x, index):
+    return _gathered("index_sample", x, index)
+
+
+@register_spmd_rule("take")
+def take(x, index, mode="raise", name=None):
+    if mode not in ("raise", "wrap", "clip"):
+        raise ValueError(f"take: mode must be 'raise', 'wrap' or 'clip', got {mode!r}")
+    return _gathered("take", x, index)
