@@ -95,9 +95,20 @@ def _routed(op, path, orig):
 
 
 def _composite(path, orig, fn):
+    bind = []          # paddle's own binding of ``orig`` (aliases such as input= for x=), built on first use
+
     def wrapper(*args, **kwargs):
         if _ctx.local_depth > 0 or not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
             return orig(*args, **kwargs)
+        if not bind:
+            from autoparallel import binding
+
+            bind.append(binding.binder(orig) if binding.has_signature(orig) else None)
+        if bind[0] is not None:
+            try:
+                args, kwargs = bind[0](args, kwargs)
+            except TypeError as e:
+                raise TypeError(f"{path}: {e}") from None
         return fn(*args, **kwargs)
 
     wrapper.__wrapped__ = orig

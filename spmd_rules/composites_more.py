@@ -122,6 +122,43 @@ def cosine_embedding_loss(input1, input2, label, margin=0, reduction="mean", nam
     return _reduce(out, reduction)
 
 
+def gaussian_nll_loss(input, label, variance, full=False, epsilon=1e-06, reduction="mean", name=None):
+    op = "gaussian_nll_loss"
+    si, sv = gshape(input), gshape(variance)
+    if sv != si:
+        if si[:-1] == sv:
+            variance = variance.unsqueeze(-1)
+        elif not (si[:-1] == sv[:-1] and sv[-1] == 1):
+            raise ValueError(f"{op}: variance of shape {sv} does not match input {si}")
+    _check_reduction(op, reduction)
+    paddle = _p()
+    if bool(paddle.any(variance < 0)):
+        raise ValueError(f"{op}: variance has negative entries")
+    variance = paddle.clip(variance.detach(), min=epsilon)     # paddle clamps under no_grad: no variance grad
+    loss = 0.5 * (paddle.log(variance) + paddle.square(input - label) / variance)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    return _reduce(loss, reduction)
+
+
+def triplet_margin_loss(input, positive, negative, margin=1.0, p=2, epsilon=1e-06, swap=False, reduction="mean",
+                        name=None):
+    op = "triplet_margin_loss"
+    _check_reduction(op, reduction)
+    if margin < 0:
+        raise ValueError(f"{op}: margin must be >= 0, got {margin}")
+    if not gshape(input) == gshape(positive) == gshape(negative):
+        raise ValueError(f"{op}: input, positive and negative must have one shape, got {gshape(input)}, "
+                         f"{gshape(positive)} and {gshape(negative)}")
+    from spmd_rules.composites import pairwise_distance
+
+    pos = pairwise_distance(input, positive, p, epsilon)
+    neg = pairwise_distance(input, negative, p, epsilon)
+    if swap:
+        neg = _p().minimum(neg, pairwise_distance(positive, negative, p, epsilon))
+    return _reduce(_p().clip(pos - neg + margin, min=0.0), reduction)
+
+
 def vecdot(x, y, axis=-1, name=None):
     return _p().sum(x * y, axis=axis)
 
@@ -176,6 +213,6 @@ def numel(x, name=None):
 _P_NAMES = ("vecdot", "dist", "rot90", "msort", "ldexp", "numel")
 COMPOSITES: dict = {f"paddle.nn.functional.{n}": globals()[n]
                     for n in ("pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "prelu", "maxout",
-                              "cosine_embedding_loss")}
+                              "cosine_embedding_loss", "gaussian_nll_loss", "triplet_margin_loss")}
 COMPOSITES.update({f"paddle.{n}": globals()[n] for n in _P_NAMES})
 COMPOSITES["paddle.linalg.vecdot"] = vecdot
