@@ -210,7 +210,34 @@ def numel(x, name=None):
     return _p().to_tensor(math.prod(gshape(x)), dtype="int64")
 
 
-_P_NAMES = ("vecdot", "dist", "rot90", "msort", "ldexp", "numel")
+# ---- random tensors like x: one draw for the global shape (as one process makes it), laid out like x --------------
+def _random_like(op, x, dtype, draw, device=None, requires_grad=False):
+    if device is not None:
+        raise NotImplementedError(f"{op}: device= is not supported on distributed tensors")
+    base = _p().zeros_like(x, dtype=dtype)         # x's layout (Partial -> R); the values of x are not read
+    out = base + draw(gshape(x), str(base.dtype).replace("paddle.", ""))
+    out.stop_gradient = not requires_grad
+    return out
+
+
+def rand_like(input, name=None, *, dtype=None, device=None, requires_grad=False):
+    return _random_like("rand_like", input, dtype, lambda s, dt: _p().rand(s, dtype=dt), device, requires_grad)
+
+
+def randn_like(x, dtype=None, name=None, *, device=None, requires_grad=False):
+    return _random_like("randn_like", x, dtype, lambda s, dt: _p().randn(s, dtype=dt), device, requires_grad)
+
+
+def randint_like(x, low=0, high=None, dtype=None, name=None):
+    if high is None:
+        low, high = 0, low
+    if low >= high:
+        raise ValueError(f"randint_like: low must be < high, got low={low}, high={high}")
+    return _random_like("randint_like", x, dtype,
+                        lambda s, dt: _p().randint(low, high, s).astype(dt))
+
+
+_P_NAMES = ("vecdot", "dist", "rot90", "msort", "ldexp", "numel", "rand_like", "randn_like", "randint_like")
 COMPOSITES: dict = {f"paddle.nn.functional.{n}": globals()[n]
                     for n in ("pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "prelu", "maxout",
                               "cosine_embedding_loss", "gaussian_nll_loss", "triplet_margin_loss")}

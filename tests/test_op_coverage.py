@@ -6,6 +6,8 @@ simulated ranks, on distributed inputs laid out R / S(d) / P(sum) over a 2-rank 
 input gradients vs one process). Losses give readable layouts ("(S(0), S(0)) -> P(sum)"); a Linear ->
 F.mse_loss regression trained data-parallel equals one process; what still has no rule raises the typed error.
 """
+import gc
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -320,7 +322,7 @@ def test_unsupported_argument_values_raise_typed_errors():
             F.group_norm(ap.shard_tensor(paddle.randn([2, 4, 3]), mesh, [ap.Shard(0)]), 2, data_format="NWC")
 
 
-GUARDED_F_BOUND = 51          # guarded callables left in paddle.nn.functional (105 before these rules)
+GUARDED_F_BOUND = 49          # guarded callables left in paddle.nn.functional (105 before these rules)
 
 
 def _guarded(mod):
@@ -338,3 +340,41 @@ def test_guarded_names_fall_below_the_bound_and_still_raise():
         for n in names:
             with pytest.raises(NotImplementedError, match=f"{n}.*register_spmd_rule"):
                 getattr(F, n)(x)
+
+
+# ---- randomness, call forms, uninstall ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,kwargs", [("rand_like", {}), ("randn_like", {}), ("randint_like", {"low": 3, "high": 9}),
+                                         ("rand_like", {"dtype": "float64"})])
+def test_random_like_equals_the_single_process_draw_in_every_layout(name, kwargs):
+    a = paddle.randn([5, 4])
+    paddle.seed(5)
+    ref = getattr(paddle, name)(a, **kwargs).numpy()
+    with ap.simulate(2):
+        mesh = mesh_from_shape([2])
+        for pl in ([ap.Shard(0)], [ap.Shard(1)], [ap.Replicate()], [ap.Partial("sum")]):
+            x = ap.reshard(ap.shard_tensor(a, mesh, [ap.Replicate()]), mesh, pl)
+            paddle.seed(5)
+            out = getattr(paddle, name)(x, **kwargs)
+            assert [str(p) for p in out.placements] == ["R" if isinstance(pl[0], ap.Partial) else str(pl[0])]
+            np.testing.assert_array_equal(out.full().numpy(), ref)
+            paddle.seed(6)                             # negative control: another seed, other values
+            assert not np.array_equal(getattr(paddle, name)(x, **kwargs).full().numpy(), ref)
+
+
+def test_call_forms_methods_and_uninstall():
+    a, b = paddle.randn([4, 6]), paddle.randn([4, 6])
+    original = F.mse_loss
+    with ap.simulate(2):
+        mesh = mesh_from_shape([2])
+        x, y = ap.shard_tensor(a, mesh, [ap.Shard(0)]), ap.shard_tensor(b, mesh, [ap.Shard(1)])
+        assert float(F.mse_loss(input=x, label=y)) == pytest.approx(float(original(a, b)), rel=1e-6)
+        assert x.unflatten(1, [3, 2]).shape == [4, 3, 2]                  # a DistTensor method
+        assert paddle.moveaxis(x, source=0, destination=1).shape == [6, 4]
+        layer = ap.shard_layer(paddle.nn.Linear(6, 4), mesh)
+        w = layer.weight                                                  # a DistParameter: paddle.Tensor method
+        np.testing.assert_allclose(w.moveaxis(0, 1).full().numpy(), layer.weight.full().numpy().T)
+        assert getattr(F.mse_loss, "_ap_composite", None)
+        del layer, w
+    gc.collect()
+    assert ap.install().uninstall() >= 0 and not hasattr(F.mse_loss, "_ap_composite")
+    assert not hasattr(paddle.Tensor.moveaxis, "_ap_composite")
