@@ -361,6 +361,23 @@ def test_random_like_equals_the_single_process_draw_in_every_layout(name, kwargs
             assert not np.array_equal(getattr(paddle, name)(x, **kwargs).full().numpy(), ref)
 
 
+@pytest.mark.parametrize("name,shape,kwargs", [("dropout1d", [4, 6, 3], {}), ("dropout2d", [2, 4, 3, 3], {}),
+                                               ("dropout2d", [2, 3, 3, 4], {"data_format": "NHWC"}),
+                                               ("dropout3d", [2, 4, 2, 2, 2], {})])
+def test_channel_dropout_equals_the_single_process_draw(name, shape, kwargs):
+    a = paddle.randn(shape)
+    paddle.seed(9)
+    ref = getattr(F, name)(a, 0.5, **kwargs).numpy()
+    with ap.simulate(2):
+        mesh = mesh_from_shape([2])
+        for d in range(len(shape)):
+            paddle.seed(9)
+            got = getattr(F, name)(ap.shard_tensor(a, mesh, [ap.Shard(d)]), 0.5, **kwargs)
+            np.testing.assert_allclose(got.full().numpy(), ref, rtol=1e-6)
+        x = ap.shard_tensor(a, mesh, [ap.Shard(0)])
+        assert paddle.empty_like(x).shape == shape and paddle.empty_like(x).placements == x.placements
+
+
 def test_call_forms_methods_and_uninstall():
     a, b = paddle.randn([4, 6]), paddle.randn([4, 6])
     original = F.mse_loss
