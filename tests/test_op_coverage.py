@@ -439,3 +439,25 @@ def test_paddle_nn_layers_run_on_a_sharded_batch_like_one_process():
             if not np.allclose(got.full().numpy(), ref, rtol=1e-4, atol=1e-5):
                 bad.append(type(layer).__name__)
     assert bad == []
+
+
+def test_tensor_methods_of_the_new_rules_on_distributed_tensors():
+    a, b = paddle.randn([4, 6]), paddle.randn([4, 6])
+    calls = [("atan2", (b,), {}), ("nansum", (), {"axis": 0}), ("cumprod", (), {"dim": 1}), ("lerp", (b, 0.5), {}),
+             ("median", (), {"axis": 0}), ("quantile", (0.5,), {"axis": 1}), ("kthvalue", (2,), {"axis": 1}),
+             ("logcumsumexp", (), {"axis": 0}), ("trace", (), {}), ("gt", (b,), {}), ("greater", (b,), {}),
+             ("hypot", (b,), {}), ("inner", (b,), {}), ("tensordot", (b.T,), {"axes": 1}), ("frac", (), {}),
+             ("count_nonzero", (), {"axis": 1}), ("diff", (), {"axis": 0}), ("cummax", (), {"axis": 1}),
+             ("isclose", (b,), {}), ("moveaxis", (0, 1), {}), ("ravel", (), {})]
+    bad = []
+    with ap.simulate(2):
+        mesh = mesh_from_shape([2])
+        x = ap.shard_tensor(a, mesh, [ap.Shard(0)])
+        for name, args, kw in calls:
+            want = _outs(getattr(a, name)(*args, **kw))
+            dargs = [ap.shard_tensor(v, mesh, [ap.Shard(1)]) if isinstance(v, paddle.Tensor) else v for v in args]
+            got = _outs(getattr(x, name)(*dargs, **kw))
+            if not all(np.allclose(g.full().numpy().astype("float64"), w.numpy().astype("float64"), atol=1e-5)
+                       for g, w in zip(got, want)):
+                bad.append(name)
+    assert bad == []
