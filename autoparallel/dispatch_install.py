@@ -136,6 +136,7 @@ def _install_composites() -> None:
         w = mapping.get(id(orig)) or _composite(path, orig, fn)
         patches.patch(owner, attr, w)
         mapping[id(orig)] = w
+        D._ORIG[path] = orig            # dispatch.routed_form(orig) finds the wrapper (a loss_fn taken early)
     aliases.repoint_modules(mapping)
     for attr in dir(paddle.Tensor):
         w = mapping.get(id(getattr(paddle.Tensor, attr, None)))

@@ -395,7 +395,11 @@ def test_call_forms_methods_and_uninstall():
                             (paddle.nn.MSELoss, "forward")):
             assert patches.original(owner, name) is not getattr(owner, name)
             assert not hasattr(patches.original(owner, name), "_ap_composite")
-        assert patches.original(F, "mse_loss") is original.__wrapped__
+        raw = getattr(original, "__wrapped__", original)                 # paddle's own function
+        assert patches.original(F, "mse_loss") is raw
+        from autoparallel.dispatch import routed_form
+
+        assert routed_form(raw) is F.mse_loss                            # a loss_fn taken before install
 
 
 # ---- paddle.nn layers built on these ops --------------------------------------------------------------------------------
