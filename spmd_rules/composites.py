@@ -58,7 +58,7 @@ def _same_shape(op, a, b, names=("input", "label")):
                          f"{gshape(b)}")
 
 
-# ---- regression losses --------------------------------------------------------------------------------------------
+# ---- regression losses -----------------------------------------------------------------------------------------------
 def square_error_cost(input, label):
     return _p().square(input - label)
 
@@ -84,7 +84,7 @@ def smooth_l1_loss(input, label, reduction="mean", delta=1.0, is_huber=True, nam
     return _reduce(out, reduction)
 
 
-# ---- classification losses -----------------------------------------------------------------------------------------
+# ---- classification losses -------------------------------------------------------------------------------------------
 def binary_cross_entropy(input, label, weight=None, reduction="mean", name=None):
     _check_reduction("binary_cross_entropy", reduction)
     paddle = _p()
@@ -247,7 +247,7 @@ def softmax_with_cross_entropy(logits, label, soft_label=False, ignore_index=-10
     return loss
 
 
-# ---- nn functions -----------------------------------------------------------------------------------------------------
+# ---- nn functions ----------------------------------------------------------------------------------------------------
 def glu(x, axis=-1, name=None):
     nd = len(gshape(x))
     if not -nd <= axis < nd:
@@ -386,7 +386,7 @@ def mse_loss_layer_forward(self, input, label):
 COMPOSITES["paddle.nn.layer.loss.MSELoss.forward"] = mse_loss_layer_forward
 
 
-# ---- channel dropout (F.dropout with paddle's axes: one draw for the global shape, see spmd_rules/random.py) ------
+# ---- channel dropout (F.dropout with paddle's axes: one draw for the global shape, see spmd_rules/random.py) ---------
 def _check_p(op, p):
     if p < 0 or p > 1:
         raise ValueError(f"{op}: dropout probability must be in [0, 1], got {p}")

@@ -210,7 +210,7 @@ def numel(x, name=None):
     return _p().to_tensor(math.prod(gshape(x)), dtype="int64")
 
 
-# ---- random tensors like x: one draw for the global shape (as one process makes it), laid out like x --------------
+# ---- random tensors like x: one draw for the global shape (as one process makes it), laid out like x -----------------
 def _random_like(op, x, dtype, draw, device=None, requires_grad=False):
     if device is not None:
         raise NotImplementedError(f"{op}: device= is not supported on distributed tensors")

@@ -25,7 +25,7 @@ def _int(op, name, v):
     return int(v)
 
 
-# ---- at least n dims, stacks ------------------------------------------------------------------------------------------
+# ---- at least n dims, stacks -----------------------------------------------------------------------------------------
 def _at_least(t, n):
     s = gshape(t)
     if len(s) >= n:
@@ -79,7 +79,7 @@ def column_stack(x, name=None):
     return _p().concat(cols, axis=1)
 
 
-# ---- views ---------------------------------------------------------------------------------------------------------------
+# ---- views -----------------------------------------------------------------------------------------------------------
 def unstack(x, axis=0, num=None):
     s = gshape(x)
     a = _axis("unstack", axis, len(s))
@@ -137,7 +137,7 @@ def matrix_transpose(x, name=None):
     return _p().transpose(x, list(range(nd - 2)) + [nd - 1, nd - 2])
 
 
-# ---- slices and splits -------------------------------------------------------------------------------------------------
+# ---- slices and splits -----------------------------------------------------------------------------------------------
 def _take(x, axis, start, stop, step=1):
     return x[(slice(None),) * axis + (slice(start, stop, step),)]
 
@@ -241,7 +241,7 @@ def empty_like(x, dtype=None, name=None, *, device=None, requires_grad=False, pi
     return out
 
 
-# ---- products and norms -------------------------------------------------------------------------------------------------
+# ---- products and norms ----------------------------------------------------------------------------------------------
 def addmm(input, x, y, beta=1.0, alpha=1.0, name=None):
     if len(gshape(x)) != 2 or len(gshape(y)) != 2:
         raise ValueError(f"addmm: x and y must be 2-D, got {gshape(x)} and {gshape(y)}")

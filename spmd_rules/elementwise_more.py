@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from autoparallel.core.spec import DistSpec
 
-from spmd_rules.einsum import ALL
 from spmd_rules.elementwise import _binary_body, _unary, _unary_reverse, elementwise_result, elementwise_reverse
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.utils import check_spec, is_float, promote
 
-# ---- unary ------------------------------------------------------------------------------------------------------
+# ---- unary -----------------------------------------------------------------------------------------------------------
 _TO_FLOAT = ("sinc", "i0", "lgamma", "digamma", "erfinv", "deg2rad", "rad2deg", "swish")
 _SAME = ("frac", "sgn")
 
@@ -76,7 +75,7 @@ def thresholded_relu(x, threshold=1.0, value=0.0, name=None):
     return _unary("thresholded_relu", x)
 
 
-# ---- binary -------------------------------------------------------------------------------------------------------
+# ---- binary ----------------------------------------------------------------------------------------------------------
 def _register_binary(op, *, compare=False, to_float=False):
     def rule(x, y, name=None):
         if to_float:
@@ -132,7 +131,7 @@ def add_n(inputs, name=None):
     return elementwise_result("add_n", specs, linear="additive")
 
 
-# ---- special functions, integer and bitwise ops ---------------------------------------------------------------------
+# ---- special functions, integer and bitwise ops ----------------------------------------------------------------------
 for _op in ("i0e", "i1", "i1e", "gammaln"):
     _register_unary(_op, to_float=True)
 for _op in ("isneginf", "isposinf", "isreal"):

@@ -26,7 +26,7 @@ def _keep_but(x, axes):
     return tuple(None if d in axes else d for d in range(x.ndim))
 
 
-# ---- reductions -----------------------------------------------------------------------------------------------------
+# ---- reductions ------------------------------------------------------------------------------------------------------
 @register_spmd_rule("nansum")
 def nansum(x, axis=None, dtype=None, keepdim=False, name=None):
     if dtype is not None:
@@ -72,7 +72,7 @@ _median("median")
 _median("nanmedian")
 
 
-# ---- scans ----------------------------------------------------------------------------------------------------------
+# ---- scans -----------------------------------------------------------------------------------------------------------
 def _scan(op, x, axis, dtype, n_out=1):
     check_spec(op, "x", x)
     dt = normalize_dtype(dtype) if dtype is not None else x.dtype
@@ -147,7 +147,7 @@ def trace(x, offset=0, axis1=0, axis2=1, name=None):
     return labels_result("trace", [x], [_keep_but(x, {a1, a2})], [rest], [(shape, x.dtype)], linear=ALL)
 
 
-# ---- products -------------------------------------------------------------------------------------------------------
+# ---- products --------------------------------------------------------------------------------------------------------
 @register_spmd_rule("dot")
 def dot(x, y, name=None, *, out=None):
     check_spec("dot", "x", x)
@@ -233,7 +233,7 @@ def kron(x, y, name=None):
                          [(shape, promote(x.dtype, y.dtype))], linear=ALL)
 
 
-# ---- value-indexed gathers: everything whole, the output replicated ------------------------------------------------------
+# ---- value-indexed gathers: everything whole, the output replicated --------------------------------------------------
 def _gathered(op, x, index):
     from spmd_rules.routing import replicate_all
 

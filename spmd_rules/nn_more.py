@@ -68,7 +68,7 @@ def upsample(x, size=None, scale_factor=None, mode="nearest", align_corners=Fals
     return _interpolate("upsample", x, size, scale_factor, data_format)
 
 
-# ---- order statistics ----------------------------------------------------------------------------------------------
+# ---- order statistics ------------------------------------------------------------------------------------------------
 def _quantile(op):
     def rule(x, q, axis=None, keepdim=False, interpolation="linear", name=None, *, out=None):
         check_spec(op, "x", x)

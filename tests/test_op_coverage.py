@@ -94,7 +94,7 @@ def test_group_norm_nhwc_gradient_matches_finite_differences():
         assert grad[idx] == pytest.approx((loss_and_grad(b)[0] - base) / 1e-6, rel=1e-4)
 
 
-# ---- distributed inputs ------------------------------------------------------------------------------------------------
+# ---- distributed inputs ----------------------------------------------------------------------------------------------
 def _options(a, ndim_mesh):
     opts = [ap.Replicate()] + [ap.Shard(d) for d in range(a.ndim)]
     if a.dtype in FLOATS:
@@ -188,7 +188,7 @@ def test_negative_control_a_wrong_decomposition_is_caught(monkeypatch):
     assert composites.mse_loss is not wrong
 
 
-# ---- readable layouts of the losses ------------------------------------------------------------------------------------
+# ---- readable layouts of the losses ----------------------------------------------------------------------------------
 def _layout(fn, placements, *arrays, **kwargs):
     mesh = mesh_from_shape([2])
     ins = [ap.shard_tensor(paddle.to_tensor(a), mesh, [p]) for a, p in zip(arrays, placements)]
@@ -304,7 +304,7 @@ def test_mse_loss_layer_routes_its_c_op_call():
         assert float(got) == pytest.approx(ref, rel=1e-6)
 
 
-# ---- unsupported arguments and what still has no rule ------------------------------------------------------------------
+# ---- unsupported arguments and what still has no rule ----------------------------------------------------------------
 def test_unsupported_argument_values_raise_typed_errors():
     with ap.simulate(2):
         mesh = mesh_from_shape([2])
@@ -341,7 +341,7 @@ def test_guarded_names_fall_below_the_bound_and_still_raise():
                 getattr(F, n)(x)
 
 
-# ---- randomness, call forms, uninstall ------------------------------------------------------------------------------------
+# ---- randomness, call forms, uninstall -------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,kwargs", [("rand_like", {}), ("randn_like", {}), ("randint_like", {"low": 3, "high": 9}),
                                          ("rand_like", {"dtype": "float64"})])
 def test_random_like_equals_the_single_process_draw_in_every_layout(name, kwargs):
@@ -402,7 +402,7 @@ def test_call_forms_methods_and_uninstall():
         assert routed_form(raw) is F.mse_loss                            # a loss_fn taken before install
 
 
-# ---- paddle.nn layers built on these ops --------------------------------------------------------------------------------
+# ---- paddle.nn layers built on these ops -----------------------------------------------------------------------------
 def _layer_cases():
     rng = np.random.default_rng(0)
 
@@ -416,7 +416,8 @@ def _layer_cases():
         (lambda: nn.GroupNorm(3, 6), (img,)), (lambda: nn.InstanceNorm2D(6), (img,)), (lambda: nn.MaxPool2D(2), (img,)),
         (lambda: nn.AvgPool2D(2, 2), (img,)), (lambda: nn.AdaptiveAvgPool2D(1), (img,)),
         (lambda: nn.AdaptiveMaxPool2D(2), (img,)), (lambda: nn.MaxPool1D(2), (t(4, 2, 6),)),
-        (lambda: nn.Upsample(scale_factor=2, mode="bilinear"), (img,)), (lambda: nn.UpsamplingNearest2D(scale_factor=2), (img,)),
+        (lambda: nn.Upsample(scale_factor=2, mode="bilinear"),
+        (img,)), (lambda: nn.UpsamplingNearest2D(scale_factor=2), (img,)),
         (lambda: nn.PixelShuffle(2), (t(2, 8, 3, 3),)), (lambda: nn.PixelUnshuffle(2), (img,)),
         (lambda: nn.ChannelShuffle(2), (img,)), (lambda: nn.PReLU(6), (img,)), (lambda: nn.Maxout(3), (img,)),
         (lambda: nn.Hardtanh(), (x,)), (lambda: nn.Swish(), (x,)), (lambda: nn.CELU(), (x,)), (lambda: nn.GLU(), (x,)),
