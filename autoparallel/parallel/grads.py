@@ -139,18 +139,16 @@ def _keeps_buffer(bucket, held) -> bool:
 
 
 class _Flat:
-    """One rank's persistent bucket buffer and its per-parameter views (flat, and in the parameter's shape)."""
+    """One rank's persistent bucket buffer and its per-parameter views (in the parameter's local shape)."""
 
-    __slots__ = ("buf", "numels", "flat_views", "shaped_views")
+    __slots__ = ("buf", "numels", "shaped_views")
 
     def __init__(self, locals_):
         self.numels = [numel(t) for t in locals_]
         self.buf = paddle.zeros([sum(self.numels)], dtype="float32")
-        self.flat_views, self.shaped_views, off = [], [], 0
+        self.shaped_views, off = [], 0
         for t, n in zip(locals_, self.numels):
-            v = self.buf[off:off + n]
-            self.flat_views.append(v)
-            self.shaped_views.append(v.reshape(t.shape))
+            self.shaped_views.append(self.buf[off:off + n].reshape(t.shape))
             off += n
 
 
@@ -167,12 +165,12 @@ def _pack(params, r, flat=None):
     """Rank ``r``'s gradients of ``params`` as one float32 vector: copied into ``flat``'s buffer when given
     (returned as that buffer), else concatenated into a new one."""
     if flat is not None:
-        for p, view in zip(params, flat.flat_views):
+        for p, view in zip(params, flat.shaped_views):
             g = p.locals[r].grad
             if g is None:
                 view.zero_()
             else:
-                view.copy_(g.reshape([-1]).astype("float32"), False)
+                view.copy_(g if g.dtype == view.dtype else g.astype(view.dtype), False)
         return flat.buf
     parts = []
     for p in params:
@@ -192,7 +190,7 @@ def _unpack(params, flat, bufs=None) -> None:
                 for p, view in zip(params, f.shaped_views):
                     g = p.locals[r].grad
                     if g is not None:
-                        g.set_value(view if g.dtype == view.dtype else view.astype(g.dtype))
+                        g.copy_(view if g.dtype == view.dtype else view.astype(g.dtype), False)
                 continue
             off = 0
             for p in params:
