@@ -146,9 +146,9 @@ _ARG, _KW, _CONST = 0, 1, 2
 
 class Rebind:
     """How a written call becomes its bound form: each bound argument is a written positional argument, a
-    written keyword argument, or a constant holding no tensor (a value binding computed from the key:
-    ``perm`` from ``transpose(1, 2)``, ``shape`` from ``reshape(b, s, h)``); the bound call's tensor leaves
-    are indices into the written call's."""
+    written keyword argument, or a constant holding no tensor (a python scalar, or a value the binding
+    computed from the key: ``shape`` from ``reshape(b, s, h)``); the bound call's tensor leaves are indices
+    into the written call's. None (not remembered) where that is ambiguous (see ``_source``)."""
 
     __slots__ = ("args", "kwargs", "perm", "same")
 
@@ -157,13 +157,14 @@ class Rebind:
         try:
             srcs = [_source(v, wargs, wkwargs) for v in bargs]
             kw = [(k, _source(v, wargs, wkwargs)) for k, v in bkwargs.items()]
-            perm = [next(i for i, w in enumerate(wleaves) if w is b) for b in bleaves]
-        except (_Uncacheable, StopIteration):
+            perm = [_only([i for i, w in enumerate(wleaves) if w is b]) for b in bleaves]
+        except _Uncacheable:
             return None
         r = cls.__new__(cls)
         r.args, r.kwargs, r.perm = tuple(srcs), tuple(kw), perm
         r.same = (not kw and not wkwargs and len(srcs) == len(wargs)
-                  and all(s == (_ARG, i) for i, s in enumerate(srcs)) and perm == list(range(len(wleaves))))
+                  and all(s == (_ARG, i) or _same_atom(s, w) for i, (s, w) in enumerate(zip(srcs, wargs)))
+                  and perm == list(range(len(wleaves))))
         return r
 
     def apply(self, args, kwargs, leaves):
@@ -176,15 +177,29 @@ class Rebind:
 
 
 def _source(v, wargs, wkwargs):
-    for i, w in enumerate(wargs):
-        if w is v:
-            return _ARG, i
-    for n, w in wkwargs.items():
-        if w is v:
-            return _KW, n
+    """Where bound argument ``v`` comes from. A python scalar is a constant (its value is in the key); any other
+    object is the written argument it is (the call's own object every time: a list the caller may change
+    later is not kept), ambiguous when it fills several written slots (``x * x``: a later call with the same
+    key may pass two tensors); an object the binding made is a constant when it holds no tensor."""
+    if v.__class__ in _ATOMS:
+        return _CONST, v
+    found = [(_ARG, i) for i, w in enumerate(wargs) if w is v] + [(_KW, n) for n, w in wkwargs.items() if w is v]
+    if found:
+        return _only(found)
     if flatten_specs([v], None, is_leaf=_is_tensor_leaf):
         raise _Uncacheable              # a tensor the binding made (or a container it rebuilt around one)
     return _CONST, v
+
+
+def _same_atom(src, w) -> bool:
+    """A constant scalar where the written call has the same one (an equal key has it there every time)."""
+    return src[0] == _CONST and w.__class__ in _ATOMS and w.__class__ is src[1].__class__ and w == src[1]
+
+
+def _only(found):
+    if len(found) != 1:
+        raise _Uncacheable
+    return found[0]
 
 
 def _take(src, args, kwargs):

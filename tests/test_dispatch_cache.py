@@ -352,3 +352,22 @@ def test_a_bound_form_holding_a_new_tensor_is_not_remembered():
     a, k, leaves = r.apply((y,), {"axis": 1}, [y])
     assert a[0] is y and a[1] == 1 and k == {} and leaves == [y] and not r.same
     assert dispatch_cache.Rebind.of((x, 2), {}, [x], (x, 2), {}, [x]).same
+    pads = [1, 1]                       # one object in two written slots: which one fills a bound slot is unknown
+    assert dispatch_cache.Rebind.of((x, pads, pads), {}, [x], (x, pads, pads), {}, [x]) is None
+
+
+def test_a_repeated_argument_is_not_taken_for_the_next_calls_arguments(rule_calls):
+    """``x * x`` and ``y * z`` have the same written key; the recipe must not pass ``y`` twice."""
+    with ap.simulate(4):
+        x, y, z = (_act(_mesh(), [8, 12], [S(0), R], s) for s in (1, 2, 3))
+        x * x
+        x * x
+        got = y * z
+        shape = [4, 24]
+        x.reshape(shape)
+        shape[1] = 2                                    # the caller changes its list after the call
+        got_reshape = y.reshape([4, 24])
+        with dispatch_cache.disabled():
+            want = y * z
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+        assert got_reshape.shape == [4, 24]
