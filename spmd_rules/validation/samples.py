@@ -182,6 +182,15 @@ def _cases_norm():
              training=True, label="train")
     add_case("conv2d", f(5, 6, 4, 4), f(7, 6, 3, 3), f(7), padding=1)
     add_case("conv2d", f(5, 4, 4, 6), f(7, 6, 2, 2), stride=2, data_format="NHWC", label="nhwc")
+    add_case("conv1d", f(5, 6, 8), f(4, 6, 3), f(4), padding=[2, 0], label="causal")
+    add_case("conv1d", f(5, 6, 8), f(6, 1, 3), f(6), padding=2, groups=6, label="depthwise")
+    add_case("conv1d", f(5, 8, 6), f(4, 6, 2), stride=2, padding="SAME", data_format="NLC", label="nlc")
+    add_case("conv3d", f(3, 4, 4, 4, 5), f(6, 4, 2, 3, 2), f(6), padding=1)
+    add_case("pad", f(4, 6, 5), [1, 2], label="last-dim")
+    add_case("pad", f(4, 6, 5), [0, 0, 2, 1], label="torch-order")
+    add_case("pad", f(4, 6, 5), [1, 0, 0, 0, 0, 2], label="all-dims")
+    add_case("pad", f(4, 6, 5, 3), [1, 1, 0, 2], mode="reflect", data_format="NHWC", label="reflect-nhwc")
+    add_case("pad", f(4, 6, 5), [2, 0], value=1.5, label="value")
 
 
 def _cases_nn():
