@@ -5,7 +5,8 @@
 
 For each family of ``autoparallel.testing.paddleformers_models`` (default config and the config options in
 ``VARIANTS``): the loss and every gradient of one process vs plain DP (weights replicated), the seed shard
-function (tp) and ``ap.parallelize`` dp=2 x tp=2, on a 2x2 ["data", "model"] mesh. Prints a markdown table
+function (tp) and ``ap.parallelize`` dp=2 x tp=2, on a 2x2 ["data", "model"] mesh; parameters a model
+initialises to zero (biases ...) get small random values (``pf.build(fill_zeros=True)``). Prints a markdown table
 family x mode -> ok / DIFFERS / error type, with the max abs gradient error; families that cannot run on a CPU
 are listed with their reason. Exit status 1 when a row is not ok.
 """
@@ -55,16 +56,17 @@ def label(overrides) -> str:
     return ", ".join(f"{k}={v}" for k, v in overrides.items()) or "default"
 
 
-def sweep(models, modes, variants: bool) -> list:
+def sweep(models, modes, variants: bool, fill_zeros: bool = True) -> list:
     rows = []
-    for name, overrides in tqdm(cases(models, variants), desc="families", file=sys.stderr):
+    for name, options in tqdm(cases(models, variants), desc="families", file=sys.stderr):
+        overrides = {**options, "fill_zeros": fill_zeros}
         try:
             ref = pf.reference(name, **overrides)
         except Exception as e:
-            rows.append((name, label(overrides), "reference", f"{type(e).__name__}: {str(e)[:90]}", None))
+            rows.append((name, label(options), "reference", f"{type(e).__name__}: {str(e)[:90]}", None))
             continue
         for mode in modes:
-            rows.append((name, label(overrides), mode, *cell(name, mode, overrides, ref)))
+            rows.append((name, label(options), mode, *cell(name, mode, overrides, ref)))
     return rows
 
 
@@ -84,6 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: dp, tp, parallelize")
     p.add_argument("--no-variants", action="store_true", help="default configs only")
     p.add_argument("--no-skips", action="store_true", help="leave the families that cannot run out of the table")
+    p.add_argument("--keep-zeros", action="store_true",
+                   help="keep the models' zero-initialised parameters (default: small random values, see pf.build)")
     args = p.parse_args(argv)
     if not pf.available():
         print("PaddleFormers is not installed (pip install -e .[models])", file=sys.stderr)
@@ -92,7 +96,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(modes) - set(MODES)) + sorted(set(args.models.split(",")) - set(pf.MODELS))
     if unknown:
         p.error(f"unknown mode or model: {', '.join(unknown)}")
-    rows = sweep(args.models.split(","), modes, not args.no_variants)
+    rows = sweep(args.models.split(","), modes, not args.no_variants, not args.keep_zeros)
     print(table(rows, not args.no_skips))
     return 0 if all(r[3] == "ok" for r in rows) else 1
 

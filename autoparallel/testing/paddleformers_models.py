@@ -71,14 +71,15 @@ DENSE = [n for n in MODELS if n not in MOE]
 VARIANTS = {
     "llama": [{"attention_bias": True}, {"tie_word_embeddings": False},
               {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}],
-    "qwen2": [{"tie_word_embeddings": True}, {"use_sliding_window": True, "sliding_window": 4}],
+    "qwen2": [{"tie_word_embeddings": True},
+              {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}],
     "qwen3": [{"attention_bias": True}, {"tie_word_embeddings": True}],
     "ernie4_5": [{"use_bias": True}, {"tie_word_embeddings": False}],
     "gemma3": [{"attention_bias": True}, {"sliding_window": 4}],
     "phi3": [{"tie_word_embeddings": True}],
-    "qwen2_moe": [{"qkv_bias": False}, {"tie_word_embeddings": True}],
+    "qwen2_moe": [{"qkv_bias": False}, {"norm_topk_prob": True}],
     "gpt_oss": [{"attention_bias": False}, {"sliding_window": 4}],
-    "qwen3_moe": [{"attention_bias": True}, {"tie_word_embeddings": True}],
+    "qwen3_moe": [{"attention_bias": True}, {"norm_topk_prob": True, "mlp_only_layers": [0]}],
     "deepseek_v3": [{"attention_bias": True}, {"q_lora_rank": None}],
     "glm4_moe": [{"use_qk_norm": True}, {"attention_bias": True}],
     "qwen3_next": [{"attention_bias": True}, {"partial_rotary_factor": 0.5}],
@@ -138,14 +139,27 @@ def config(name: str, **overrides):
     return cfg_cls(**{**_BASE, **extra, **overrides})
 
 
-def build(name: str, seed: int = 0, **overrides):
-    """A tiny model with parameters drawn from ``paddle.seed(seed)``."""
+def build(name: str, seed: int = 0, fill_zeros: bool = False, **overrides):
+    """A tiny model with parameters drawn from ``paddle.seed(seed)``. ``fill_zeros``: parameters the model
+    initialises to zero (biases, some norm and gate weights) get small random values instead, so that a
+    layout that adds a bias once per rank, or drops it, changes the loss."""
     import paddle
 
     cls, _, _ = model_class(name)
     cfg = config(name, **overrides)
     paddle.seed(seed)
-    return cls(cfg)
+    model = cls(cfg)
+    if fill_zeros:
+        _fill_zeros(model, seed)
+    return model
+
+
+def _fill_zeros(model, seed: int) -> None:
+    rng = np.random.default_rng(seed + 1)
+    for _, p in model.named_parameters():
+        v = p.numpy()
+        if v.size and not v.any():
+            p.set_value((0.1 * rng.standard_normal(v.shape)).astype(v.dtype))
 
 
 def batch(seed: int = 0, b: int = 4, t: int = 8, vocab: int = VOCAB):

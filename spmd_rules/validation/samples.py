@@ -243,6 +243,7 @@ def _cases_shape():
     add_case("split", f(5, 6), 2, axis=1, label="equal")
     add_case("chunk", f(6, 5), 3)
     add_case("concat", [f(5, 2), f(5, 6)], axis=1)
+    add_case("concat", [f(5, 0, 3), f(5, 6, 3)], axis=1, label="empty-piece")
     add_case("stack", [f(5, 6), f(5, 6)], axis=1)
     add_case("getitem", f(5, 6, 7), (slice(None), 2, slice(1, 5)))
     add_case("getitem", f(5, 6, 7), (Ellipsis, None, slice(0, 7, 2)), label="ellipsis-none-step")
