@@ -75,8 +75,11 @@ def table(rows, skips: bool) -> str:
     for name, cfg, mode, verdict, err in rows:
         lines.append(f"| {name} | {cfg} | {mode} | {verdict} | {'' if err is None else f'{err:.1e}'} |")
     if skips:
+        for (name, cfg), why in pf.SKIPPED_VARIANTS.items():
+            lines.append(f"| {name} | {cfg} | | skipped: {why} | |")
         for name, why in pf.SKIPPED.items():
             lines.append(f"| {name} | | | skipped: {why} | |")
+        lines.append(f"\nNot text causal LMs (not swept): {', '.join(pf.NOT_TEXT)}.")
     return "\n".join(lines)
 
 

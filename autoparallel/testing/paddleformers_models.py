@@ -70,7 +70,7 @@ DENSE = [n for n in MODELS if n not in MOE]
 # Config options that change the forward, per family (the sweep runs each next to the family's default config)
 VARIANTS = {
     "llama": [{"attention_bias": True}, {"tie_word_embeddings": False},
-              {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}],
+              {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, {"_attn_implementation": "sdpa"}],
     "qwen2": [{"tie_word_embeddings": True},
               {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}],
     "qwen3": [{"attention_bias": True}, {"tie_word_embeddings": True}],
@@ -78,9 +78,10 @@ VARIANTS = {
     "gemma3": [{"attention_bias": True}, {"sliding_window": 4}],
     "phi3": [{"tie_word_embeddings": True}],
     "qwen2_moe": [{"qkv_bias": False}, {"norm_topk_prob": True}],
-    "gpt_oss": [{"attention_bias": False}, {"sliding_window": 4}],
+    "gpt_oss": [{"attention_bias": False}, {"layer_types": ["sliding_attention", "full_attention"],
+                                            "sliding_window": 4}],
     "qwen3_moe": [{"attention_bias": True}, {"norm_topk_prob": True, "mlp_only_layers": [0]}],
-    "deepseek_v3": [{"attention_bias": True}, {"q_lora_rank": None}],
+    "deepseek_v3": [{"attention_bias": True}, {"q_lora_rank": None}, {"_attn_implementation": "sdpa"}],
     "glm4_moe": [{"use_qk_norm": True}, {"attention_bias": True}],
     "qwen3_next": [{"attention_bias": True}, {"partial_rotary_factor": 0.5}],
 }
@@ -96,6 +97,12 @@ SKIPPED = {
     "qwen3_5": "built by a paddlefleet provider (GPU-only package); a vision-language model",
     "qwen3_5_moe": "built by a paddlefleet provider (GPU-only package); a vision-language model",
 }
+# Options that do not run on a CPU: GPT-OSS's attention sinks under "sdpa" read a CUDA-only flag
+SKIPPED_VARIANTS = {("gpt_oss", "_attn_implementation=sdpa"): "sink attention reads FLAGS_cudnn_deterministic "
+                                                                "(CUDA-only)"}
+# Families that are not text causal LMs (vision-language, OCR, speech): out of scope for the sweep
+NOT_TEXT = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "ernie4_5_moe_vl", "paddleocr_vl",
+            "glm_ocr", "qwen3_omni_moe", "kimi_k25", "whisper")
 
 # the seed's shard function: column-parallel projections split their output dim, row-parallel their input dim
 COL = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "up_gate_proj", "gate_up_proj")
