@@ -6,9 +6,10 @@
 For each family of ``autoparallel.testing.paddleformers_models`` (default config and the config options in
 ``VARIANTS``): the loss and every gradient of one process vs plain DP (weights replicated), the seed shard
 function (tp) and ``ap.parallelize`` dp=2 x tp=2, on a 2x2 ["data", "model"] mesh; parameters a model
-initialises to zero (biases ...) get small random values (``pf.build(fill_zeros=True)``). Prints a markdown table
-family x mode -> ok / DIFFERS / error type, with the max abs gradient error; families that cannot run on a CPU
-are listed with their reason. Exit status 1 when a row is not ok.
+initialises to zero (biases ...) get small random values (``pf.build(fill_zeros=True)``). Prints a markdown table,
+one line per family and config, a column per mode: ok / DIFFERS (names) / the error type, with the max abs
+gradient error; families that cannot run on a CPU are listed with their reason. Exit status 1 when a cell is
+not ok.
 """
 from __future__ import annotations
 
@@ -63,22 +64,28 @@ def sweep(models, modes, variants: bool, fill_zeros: bool = True) -> list:
         try:
             ref = pf.reference(name, **overrides)
         except Exception as e:
-            rows.append((name, label(options), "reference", f"{type(e).__name__}: {str(e)[:90]}", None))
+            why = f"reference failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+            rows += [(name, label(options), mode, why, None) for mode in modes]
             continue
         for mode in modes:
             rows.append((name, label(options), mode, *cell(name, mode, overrides, ref)))
     return rows
 
 
-def table(rows, skips: bool) -> str:
-    lines = ["| family | config | mode | result | max abs gradient error |", "|---|---|---|---|---|"]
+def table(rows, modes, skips: bool) -> str:
+    """One line per (family, config): each mode's verdict, with the max abs gradient error when it ran."""
+    cells: dict = {}
     for name, cfg, mode, verdict, err in rows:
-        lines.append(f"| {name} | {cfg} | {mode} | {verdict} | {'' if err is None else f'{err:.1e}'} |")
+        cells.setdefault((name, cfg), {})[mode] = verdict if err is None else f"{verdict} {err:.0e}"
+    lines = ["| family | config | " + " | ".join(modes) + " |", "|---|---|" + "---|" * len(modes)]
+    for (name, cfg), by_mode in cells.items():
+        lines.append(f"| {name} | {cfg} | " + " | ".join(by_mode.get(m, "") for m in modes) + " |")
     if skips:
+        gap = " |" * len(modes)
         for (name, cfg), why in pf.SKIPPED_VARIANTS.items():
-            lines.append(f"| {name} | {cfg} | | skipped: {why} | |")
+            lines.append(f"| {name} | {cfg} | skipped: {why}{gap[2:]} |")
         for name, why in pf.SKIPPED.items():
-            lines.append(f"| {name} | | | skipped: {why} | |")
+            lines.append(f"| {name} | | skipped: {why}{gap[2:]} |")
         lines.append(f"\nNot text causal LMs (not swept): {', '.join(pf.NOT_TEXT)}.")
     return "\n".join(lines)
 
@@ -100,7 +107,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown mode or model: {', '.join(unknown)}")
     rows = sweep(args.models.split(","), modes, not args.no_variants, not args.keep_zeros)
-    print(table(rows, not args.no_skips))
+    print(table(rows, modes, not args.no_skips))
     return 0 if all(r[3] == "ok" for r in rows) else 1
 
 

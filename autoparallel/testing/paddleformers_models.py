@@ -13,6 +13,7 @@ which needs the GPU-only ``paddlefleet``, and its MoE token dispatcher imports `
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.machinery
 import importlib.util
@@ -143,7 +144,8 @@ def model_class(name: str):
 
 def config(name: str, **overrides):
     _, cfg_cls, extra = model_class(name)
-    return cfg_cls(**{**_BASE, **extra, **overrides})
+    # a config may write into dicts it is given (rope_scaling): it gets copies, the tables stay as written
+    return cfg_cls(**copy.deepcopy({**_BASE, **extra, **overrides}))
 
 
 def build(name: str, seed: int = 0, fill_zeros: bool = False, **overrides):
