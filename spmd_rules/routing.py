@@ -151,7 +151,7 @@ def _along_axis_form(args, kwargs) -> bool:
     """True when ``paddle.gather`` / ``paddle.scatter`` take their torch form ``(input, dim, index, ...)``
     (they run ``take_along_axis`` / ``put_along_axis`` then): the test paddle's overloads make -- an int in the
     second position (an index is never an int), or ``dim`` among the keywords."""
-    return isinstance(args[1], int) and not isinstance(args[1], bool) if len(args) >= 2 else "dim" in kwargs
+    return isinstance(args[1], int) if len(args) >= 2 else "dim" in kwargs
 
 
 def _bind_form(op, fn, args, kwargs):
@@ -167,8 +167,11 @@ def _bind_form(op, fn, args, kwargs):
 def _in_call_order(res: SpmdResult, rule_order, args, kwargs) -> SpmdResult:
     """``res`` with its required inputs in the order the call holds the specs (a ``*args`` rule's order)."""
     specs = [v for v in rule_order if isinstance(v, DistSpec)]
-    call = flatten_specs(args, kwargs)
-    pos = [next(i for i, s in enumerate(specs) if s is c) for c in call]
+    pos, used = [], set()
+    for c in flatten_specs(args, kwargs):     # by identity, each rule operand once (one tensor may come twice)
+        i = next(i for i, s in enumerate(specs) if s is c and i not in used)
+        used.add(i)
+        pos.append(i)
     return dataclasses.replace(res, inputs=tuple(res.inputs[i] for i in pos))
 
 
