@@ -61,6 +61,11 @@ def _padding(op, padding, ksize, stride, dilation, spatial, channel_last):
     raise ValueError(f"{op}: unsupported padding {padding!r}")
 
 
+def _leaves_empty(n: int, k: int) -> bool:
+    """Ceil-division shards of ``n`` over ``k`` leave a rank without any (6 over 4 -> 2, 2, 2, 0)."""
+    return -(-n // k) * (k - 1) >= n
+
+
 def _conv(op, nsp, x, weight, bias, stride, padding, dilation, groups, data_format):
     check_spec(op, "x", x)
     check_spec(op, "weight", weight)
@@ -96,9 +101,9 @@ def _conv(op, nsp, x, weight, bias, stride, padding, dilation, groups, data_form
 
     def rule(pl, dim):
         pl = list(pl)
-        for i in (0, 1):      # paddle's conv kernels refuse empty channel shards: channels shard evenly only
+        for i in (0, 1):      # paddle's conv kernels refuse an empty channel shard: such a split is gathered
             p = pl[i]
-            if isinstance(p, Shard) and (i, p.dim) in channels and channels[(i, p.dim)] % dim.size:
+            if isinstance(p, Shard) and (i, p.dim) in channels and _leaves_empty(channels[(i, p.dim)], dim.size):
                 pl[i] = R
         (rx, rw), (o,) = inner(pl[:2], dim)
         if pl[2] is None:

@@ -71,10 +71,13 @@ DENSE = [n for n in MODELS if n not in MOE]
 # Config options that change the forward, per family (the sweep runs each next to the family's default config)
 VARIANTS = {
     "llama": [{"attention_bias": True}, {"tie_word_embeddings": False},
-              {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, {"_attn_implementation": "sdpa"}],
+              {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, {"_attn_implementation": "sdpa"},
+              {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 16}}],
     "qwen2": [{"tie_word_embeddings": True},
               {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}],
-    "qwen3": [{"attention_bias": True}, {"tie_word_embeddings": True}],
+    "qwen3": [{"attention_bias": True}, {"tie_word_embeddings": True},
+              {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}],
     "ernie4_5": [{"use_bias": True}, {"tie_word_embeddings": False}],
     "gemma3": [{"attention_bias": True}, {"sliding_window": 4}],
     "phi3": [{"tie_word_embeddings": True}],
