@@ -112,3 +112,29 @@ def test_every_causal_lm_family_runs_or_is_a_named_skip():
     covered = {sub for sub, *_ in pf.MODELS.values()} | set(pf.SKIPPED)
     assert _causal_lm_families() - covered == set()
     assert {"deepseek_v3", "qwen3_next", "deepseek_v32", "kimi_k2"} <= covered
+
+
+def test_the_models_own_recompute_runs_on_distributed_activations(name="llama"):
+    """``config.recompute=True`` (full, uniform, one layer per unit): the model calls paddle's reentrant
+    recompute on every decoder layer and on its loss. On distributed activations it runs paddle's non-reentrant
+    recompute: gradients equal one process, and every layer's forward runs twice (the recompute happened, it
+    was not skipped). (Of the other PaddleFormers 1.2 families, most fail this option in one process already --
+    their reentrant recompute breaks a broadcast in backward -- and ERNIE 4.5's config drops it.)"""
+    import paddle
+
+    option = {"recompute": True, "recompute_granularity": "full", "recompute_method": "uniform",
+              "recompute_num_layers": 1}
+    ref = reference(name, **option)
+    with ap.simulate(world_size=4):
+        model, opt = pc.parallelized(name, fill_zeros=True, **option)
+        calls = []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda *a: calls.append(1))
+        ids, labels = pf.batch(0)
+        loss = pf.loss_of(model(input_ids=paddle.to_tensor(ids), labels=paddle.to_tensor(labels)))
+        assert len(calls) == pf.LAYERS
+        loss.backward()
+        assert len(calls) == 2 * pf.LAYERS
+        opt.reduce_gradients()
+        got = float(loss), {n: pf._grad_np(p) for n, p in model.named_parameters()}
+    assert pf.compare(ref, got, RTOL, ATOL) == []

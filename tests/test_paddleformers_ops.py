@@ -124,3 +124,32 @@ def test_concat_onto_an_empty_cache_stays_split_with_no_collective():
         two = paddle.concat([kd, kd], axis=2)                    # two real pieces: the axis is gathered
         assert str(two.placements) == "[S(0), R]"
         np.testing.assert_allclose(two.full().numpy(), np.concatenate([k, k], axis=2))
+
+
+def test_paddles_reentrant_recompute_on_distributed_inputs():
+    """A library calling ``fleet.utils.recompute(layer, x)`` (reentrant, a PyLayer that accepts only paddle
+    Tensors) on a distributed activation: the layer runs again in backward, gradients as one process; paddle's
+    reentrant-only input offload is refused by name."""
+    from paddle.distributed.fleet.utils import recompute
+
+    rng = np.random.default_rng(6)
+    x, w = rng.standard_normal((4, 6)).astype("float32"), rng.standard_normal((6, 5)).astype("float32")
+    paddle.seed(0)
+    lin = paddle.nn.Linear(6, 5)
+    lin.weight.set_value(w)
+    xr = paddle.to_tensor(x, stop_gradient=False)
+    (recompute(lin, xr) ** 2).sum().backward()
+    ref_gw, ref_gx = lin.weight.grad.numpy(), xr.grad.numpy()
+    lin.clear_gradients()
+    with ap.simulate(world_size=4):
+        layer = ap.shard_layer(lin, _mesh())
+        calls = []
+        layer.register_forward_pre_hook(lambda *a: calls.append(1))
+        xd = ap.shard_tensor(paddle.to_tensor(x, stop_gradient=False), _mesh(), [ap.Shard(0), ap.Replicate()])
+        (recompute(layer, xd) ** 2).sum().backward()
+        assert len(calls) == 2
+        ap.reduce_gradients(layer.parameters())
+        np.testing.assert_allclose(layer.weight.as_dist().grad.full().numpy(), ref_gw, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(xd.grad.full().numpy(), ref_gx, rtol=1e-5, atol=1e-5)
+        with pytest.raises(NotImplementedError, match="offload_indices"):
+            recompute(layer, xd, offload_indices=[0])
