@@ -176,11 +176,11 @@ def _in_call_order(res: SpmdResult, rule_order, args, kwargs) -> SpmdResult:
 
 
 def _torch_gather(input, dim, index, out=None):
-    pass
+    """The parameters of paddle's torch-form gather (used to bind a call, never run)."""
 
 
 def _torch_scatter(input, dim, index, src=None, reduce=None, out=None, value=None):
-    pass
+    """The parameters of paddle's torch-form scatter (used to bind a call, never run)."""
 
 
 @register_spmd_rule("gather")
