@@ -141,7 +141,7 @@ def test_moe_under_parallelize_shards_dense_layers_and_replicates_experts(name):
         assert placements["model.layers.0.mlp.shared_expert.down_proj.weight"] == "[R, S(0)]"
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3", "deepseek_v3"])
 def test_sequence_parallel_on_real_models(name):
     """Row-parallel outputs as sequence shards, every norm (Qwen3's per-head q/k norms too) on them."""
     ref = reference(name)
