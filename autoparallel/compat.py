@@ -123,6 +123,11 @@ def expected_place():
     return paddle.framework._current_expected_place()
 
 
+def paddle_place(place):
+    """paddle's parser of a device given as a string or a Place (``"cpu"``, ``"gpu:0"``, ``paddle.CPUPlace()``)."""
+    return _framework._get_paddle_place(place)
+
+
 def grad_enabled() -> bool:
     """Whether the dygraph tracer records gradients (``_dygraph_tracer()._has_grad``)."""
     return _framework._dygraph_tracer()._has_grad
