@@ -255,9 +255,6 @@ def dimensions(model, graph, spans) -> dict:
     inside = {id(l) for _, l in _linears(attention)} if attention is not None else set()
     mlp = [l for _, l in _linears(block) if id(l) not in inside]
     ffn, gated = _mlp_width(model, block, mlp, hidden)
-    linears = [l for _, l in _linears(model)]
-    out_head = [l for l in linears if id(l.weight) not in block_ids and tuple(int(x) for x in l.weight.shape)
-                == (hidden, vocab)]
     norms = _norms(block)
     layernorm = any(getattr(n, "bias", None) is not None for _, n in norms)
     c = getattr(model, "config", None)
@@ -265,8 +262,16 @@ def dimensions(model, graph, spans) -> dict:
     return dict(hidden=hidden, layers=len(blocks), heads=int(heads), vocab=vocab, ffn=ffn,
                 kv_heads=int(kv_heads or heads), swiglu=gated,
                 bias=any(l.bias is not None for _, l in _linears(block)), layernorm=layernorm,
-                tied_embeddings=not out_head, learned_positions=bool(positions),
+                tied_embeddings=head_tied(model, blocks, hidden, vocab), learned_positions=bool(positions),
                 positions=positions[0] if positions else 0, dropout=dropout)
+
+
+def head_tied(model, blocks, hidden: int, vocab: int) -> bool:
+    """True when no parameter outside the blocks but the input embedding is a [h, V] or [V, h] output head."""
+    block_ids = {id(p) for b in blocks for p in b.parameters()}
+    embedding_ids = {id(e.weight) for _, e in _embeddings(model)}
+    return not any(id(p) not in block_ids and id(p) not in embedding_ids
+                   and tuple(int(x) for x in p.shape) in ((hidden, vocab), (vocab, hidden)) for p in model.parameters())
 
 
 def _mlp_width(model, block, mlp, hidden):

@@ -95,7 +95,7 @@ def _gated(model) -> bool:
 
 def from_config(model, seq_len: int, name: str, stopped_at: str):
     """A ModelSpec of a mixture of experts from its config and layers (see the module docstring)."""
-    from autoparallel.planner.from_trace import _find_blocks, _norms, with_residual
+    from autoparallel.planner.from_trace import _find_blocks, _norms, head_tied, with_residual
     from autoparallel.planner.model_spec import ModelSpec
 
     values, used = {}, []
@@ -126,7 +126,7 @@ def from_config(model, seq_len: int, name: str, stopped_at: str):
                      vocab=values["vocab"], ffn=values.get("ffn", 0), kv_heads=values.get("kv_heads", 0),
                      seq_len=int(seq_len), swiglu=_gated(model), bias=False,
                      layernorm=any(getattr(n, "bias", None) is not None for _, n in _norms(blocks[0])),
-                     tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)), learned_positions=False,
+                     tied_embeddings=head_tied(model, blocks, values["hidden"], values["vocab"]), learned_positions=False,
                      dropout=bool(getattr(c, "attention_dropout", 0.0) or getattr(c, "hidden_dropout", 0.0) or 0.0),
                      experts=values["experts"], top_k=values["top_k"], expert_ffn=values["expert_ffn"],
                      shared_experts=shared, dense_layers=len(blocks) - moe)
