@@ -141,3 +141,38 @@ def test_what_cannot_be_read_raises():
     model.config.num_experts = None                     # the trace stops at routing; the config has no experts
     with pytest.raises(ValueError, match="names no experts"):
         read_model(model, T, "qwen2_moe")
+
+
+class _Forms(paddle.nn.Layer):
+    """Embedding, one block, head; the forward returns its logits in one of the forms users' models return."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.embed = paddle.nn.Embedding(16, 8)
+        self.blocks = paddle.nn.LayerList([paddle.nn.Linear(8, 8)])
+        self.head = paddle.nn.Linear(8, 16)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.blocks[0](self.embed(input_ids)))
+        if self.form == "tuple":
+            return (logits,)
+        if self.form == "dict":
+            return {"logits": logits}
+        if self.form == "own loss":                    # the model's loss (x 0.5: one op more than ours)
+            return {"loss": paddle.nn.functional.cross_entropy(logits, labels) * 0.5, "logits": logits}
+        return "not a tensor"
+
+
+def test_output_forms_tuple_dict_and_own_loss():
+    from autoparallel.planner.from_trace import trace_model
+
+    nodes = {}
+    for form in ("tuple", "dict", "own loss"):
+        graph, _, _ = trace_model(_Forms(form), 4, 2)
+        out = graph.graph["outputs"]
+        assert tuple(out.shape) == () and [d["op"] for _, d in graph.nodes(data=True)].count("cross_entropy") == 1
+        nodes[form] = graph.number_of_nodes()
+    assert nodes["tuple"] == nodes["dict"] == nodes["own loss"] - 1
+    with pytest.raises(TypeError, match="expected the logits"):
+        trace_model(_Forms("bad"), 4, 2)

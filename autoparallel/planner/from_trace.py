@@ -132,7 +132,7 @@ def trace_model(model, seq_len: int, batch: int):
             self.inner = inner
 
         def forward(self, ids, labels):
-            return F.cross_entropy(logits_of(call_with_ids(self.inner, ids)), labels)
+            return traced_loss(self.inner, ids, labels, F.cross_entropy)
 
     _, blocks = _find_blocks(model)
     marks = _Marks(blocks)
@@ -155,16 +155,37 @@ def trace_model(model, seq_len: int, batch: int):
     return graph, [tuple(s) for s in marks.spans], core
 
 
-def call_with_ids(model, ids):
-    """``model(input_ids=ids)`` when its forward names ``input_ids`` (PaddleFormers / Hugging Face), else
-    ``model(ids)``; no labels are passed, so a model that computes its own loss returns only its logits."""
+def traced_loss(model, ids, labels, cross_entropy):
+    """The loss a training step computes: the model's own when its forward takes ``labels`` and returns a loss
+    (PaddleFormers / Hugging Face causal LMs), else the cross-entropy of its logits. Token ids go in as
+    ``input_ids=`` when the forward names it, else positionally."""
     import inspect
 
     try:
         names = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         names = {}
-    return model(input_ids=ids) if "input_ids" in names else model(ids)
+    ids_kw = {"input_ids": ids} if "input_ids" in names else {}
+    args = () if ids_kw else (ids,)
+    if "labels" in names:
+        out = model(*args, labels=labels, **ids_kw)
+        loss = _loss_in(out)
+        if loss is not None:
+            return loss
+    else:
+        out = model(*args, **ids_kw)
+    return cross_entropy(logits_of(out), labels)
+
+
+def _loss_in(out):
+    """A scalar loss in a forward's output (a 0-d tensor, ``loss`` of a ModelOutput / dict, or first of a tuple)."""
+    from autoparallel.dist_tensor import DistTensor
+
+    if isinstance(out, dict) or hasattr(out, "loss"):
+        out = out.get("loss") if isinstance(out, dict) else out.loss
+    elif isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    return out if isinstance(out, DistTensor) and len(out.shape) == 0 else None
 
 
 def logits_of(out):
