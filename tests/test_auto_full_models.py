@@ -105,6 +105,7 @@ def test_reading_dense_is_traced_and_moe_from_config():
     moe = read_model(pf.build("qwen2_moe"), T, "qwen2_moe")
     assert "read from model.config" in moe.source and "estimated" in moe.source and "'where'" in moe.source
     assert (moe.experts, moe.top_k, moe.expert_ffn, moe.shared_experts, moe.dense_layers) == (4, 2, 32, 2, 0)
+    assert moe.ops.layer_ops > 100 and "ran eagerly on a random sample" in moe.source   # experts' ops counted
     ds = read_model(pf.build("deepseek_v3"), T, "deepseek_v3")
     assert (ds.experts, ds.shared_experts, ds.dense_layers) == (4, 1, 1)
     for name in pf.MODELS:                              # the real parameter count, whichever way it was read
@@ -176,3 +177,20 @@ def test_output_forms_tuple_dict_and_own_loss():
     assert nodes["tuple"] == nodes["dict"] == nodes["own loss"] - 1
     with pytest.raises(TypeError, match="expected the logits"):
         trace_model(_Forms("bad"), 4, 2)
+
+
+def test_moe_reading_keeps_rng_and_buffers_and_lazy_models_use_the_template():
+    """The MoE layers' eager sample run leaves the RNG stream as it was; a LazyGuard model cannot run its
+    experts, so its op counts are the template and the text says so."""
+    model = pf.build("deepseek_v3")
+    buffers = [b.numpy().copy() for b in model.buffers()]
+    paddle.seed(5)
+    expected = paddle.rand([4]).numpy()
+    paddle.seed(5)
+    read_model(model, T, "deepseek_v3")
+    np.testing.assert_array_equal(paddle.rand([4]).numpy(), expected)
+    assert all(np.array_equal(b.numpy(), v) for b, v in zip(model.buffers(), buffers))
+    with paddle.LazyGuard():
+        lazy = pf.build("qwen2_moe")
+    spec = read_model(lazy, T, "qwen2_moe")
+    assert "op counts: the template" in spec.source and spec.ops is None and spec.experts == 4

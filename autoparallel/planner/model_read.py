@@ -9,7 +9,8 @@
    (``from_config``): hidden, layers, heads, kv heads, vocabulary, FFN width, experts, top-k, the experts'
    width and shared experts, with the MoE blocks counted on the model's layers (blocks holding ``experts``).
    Its per-token cost is then *estimated*: tokens spread evenly over the experts (each visits ``top_k``),
-   priced by the planner's MoE formulas, and the eager op counts are the example models' template.
+   priced by the planner's MoE formulas. The eager op counts are still traced: spec-only outside the MoE
+   layers, which run eagerly on a random sample (planner/moe_trace.py; the template for a LazyGuard model).
    A model that is not a mixture of experts and still cannot be traced is refused (the error names the op).
 3. Both ways, the real parameter count is kept: what the closed form misses goes to ``extra_layer_params``.
 
@@ -69,7 +70,24 @@ def read_model(model, seq_len: int, name: str):
                              f"size depends on the values, and model.config names no experts (one of "
                              f"{', '.join(CONFIG['experts'])}) to price that part from; choose the degrees "
                              f"yourself (auto_mode='semi')") from e
-        return from_config(model, seq_len, name, op)
+        return with_moe_ops(from_config(model, seq_len, name, op), model, seq_len)
+
+
+def with_moe_ops(spec, model, seq_len: int):
+    """``spec`` with the eager op counts of a trace whose MoE layers run eagerly (planner/moe_trace.py); a
+    model built under paddle.LazyGuard keeps the template counts (its experts cannot run)."""
+    from dataclasses import replace
+
+    from autoparallel.planner.moe_trace import LazyModel, trace_moe
+
+    try:
+        ops, _, _, counts = trace_moe(model, seq_len)
+    except LazyModel as e:
+        return replace(spec, source=spec.source + f"; op counts: the template ({e})")
+    moe = sorted(set(counts.values()))
+    source = spec.source.replace(" and the eager op counts (template)", "")
+    return replace(spec, ops=ops, source=source + f"; traced: the eager op counts, spec-only outside the MoE "
+                                                  f"layers, which ran eagerly on a random sample ({moe} ops each)")
 
 
 def _moe_blocks(blocks) -> int:
