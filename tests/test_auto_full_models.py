@@ -131,8 +131,30 @@ def test_degree_the_model_cannot_take_is_refused():
         choose(model, full_strategy(1), 4, seq_len=T)
     chosen, result = choose(model, full_strategy(2), 4, seq_len=T)
     assert chosen.tensor_parallel.degree == 2 and "tp=4 refused: heads=6" in result.explanation
-    odd = pf.build("llama", intermediate_size=130)      # 130 columns split over 4: not evenly
-    assert "mlp.gate_proj.weight [64, 130]" in tp_refusal(odd, 4) and tp_refusal(odd, 2) is None
+    odd = pf.build("llama", intermediate_size=130, vocab_size=126)   # uneven shards: the plans take them
+    assert tp_refusal(odd, 4) is None
+
+
+def test_model_without_a_plan_takes_no_tensor_parallelism():
+    class Custom(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.tok = paddle.nn.Embedding(32, 16)
+            self.stack = paddle.nn.LayerList([paddle.nn.Linear(16, 16)])
+
+    assert "no default tensor-parallel plan" in tp_refusal(Custom(), 2)
+
+
+def test_selective_recompute_only_with_a_findable_attention_core():
+    """PaddleFormers' attention has no module-level core function for selective recompute to wrap: on a GPU
+    profile (where recompute is priced) the planner never offers it for llama."""
+    from autoparallel.planner.auto import _selective_ok
+
+    model = pf.build("llama")
+    assert not _selective_ok(model)
+    with ap.simulate(world_size=4):
+        _, result = choose(model, full_strategy(8), 4, seq_len=T, cluster="1x4:A100-80GB")
+    assert result.candidates and all(c.config.recompute != "selective" for c in result.candidates)
 
 
 def test_what_cannot_be_read_raises():

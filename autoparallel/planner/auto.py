@@ -56,14 +56,25 @@ def infer_seq_len(model, seq_len):
                      f"{type(model).__name__} has no config.seq_len or config.max_positions)")
 
 
-def _searches(world: int, layers: int, pipeline_ok: bool, cpu: bool) -> list:
-    """Constraint sets covering what the eager runtime executes (see the module docstring)."""
+def _searches(world: int, layers: int, pipeline_ok: bool, cpu: bool, selective_ok: bool = True) -> list:
+    """Constraint sets covering what the eager runtime executes (see the module docstring); selective
+    recompute only for models whose attention core it can find (``_selective_ok``)."""
     offload = [0] if cpu else [0, 1]
-    spaces = [dict(pp=[1], offload=offload, ep=[1])]
+    recompute = ["none", "selective", "full"] if selective_ok else ["none", "full"]
+    spaces = [dict(pp=[1], offload=offload, ep=[1], recompute=recompute)]
     stages = [p for p in divisors(world) if 1 < p <= layers]
     if pipeline_ok and stages:               # the runtime splits blocks evenly and runs experts replicated
         spaces.append(dict(pp=stages, sharding=[0], recompute=["none"], offload=[0], split=["even"], ep=[1]))
     return spaces
+
+
+def _selective_ok(model) -> bool:
+    """Selective recompute re-runs the attention core, a module-level function of the blocks' attention module
+    (parallel/recompute.py looks it up by name); a model without one takes none or full recompute only."""
+    from autoparallel.planner.from_trace import _core_module, _find_blocks
+
+    _, blocks = _find_blocks(model)
+    return _core_module(blocks[0])[0] is not None
 
 
 def _pipeline_ok(model) -> bool:
@@ -101,7 +112,8 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
     limits = allowed_tp(model, world)
     tps = [tp for tp, why in limits.items() if why is None]
     results = []
-    for constraints in _searches(world, spec.layers, _pipeline_ok(model), target.runtime is not None):
+    for constraints in _searches(world, spec.layers, _pipeline_ok(model), target.runtime is not None,
+                                 _selective_ok(model)):
         try:
             results.append(plan(spec, target, strategy.global_batch_size, seq, top=CANDIDATES, tp=tps,
                                 **constraints))

@@ -157,12 +157,13 @@ def from_config(model, seq_len: int, name: str, stopped_at: str):
 
 # ---- degrees the model's plans can take -----------------------------------------------------------------
 def tp_refusal(model, tp: int):
-    """Why the model's default tensor-parallel plan cannot run at degree ``tp``, or None: no family plan matches
-    its layer names; heads (or hidden) not divisible; a column-parallel layer's output features or a
-    row-parallel layer's input features not divisible (fused blocks that do not divide are gathered by the plan
-    itself). Experts stay replicated (no expert parallelism in the runtime), so they set no limit."""
+    """Why the model's default tensor-parallel plan cannot run at degree ``tp``, or None. The plans split
+    whole attention heads (q / o, MLA's per-head up-projections), so ``tp`` must divide the heads and hidden
+    (``Strategy.validate``'s rule); no family plan matching the layer names means no plan at all. What the
+    plans adapt themselves is no limit: fewer kv heads than ``tp`` (k / v replicated), fused blocks that do not
+    divide (gathered), uneven vocabulary or MLP widths (ceil-division shards), experts (replicated: the runtime
+    has no expert parallelism)."""
     from autoparallel.parallel.model_families import model_info
-    from autoparallel.parallel.tensor_parallel import ColWiseParallel, RowWiseParallel
     from autoparallel.parallel.tp_plans import default_plan
 
     if tp == 1:
@@ -170,29 +171,10 @@ def tp_refusal(model, tp: int):
     info = model_info(model)
     for key in ("heads", "hidden"):
         if key in info and info[key] % tp:
-            return f"{key}={info[key]} is not divisible by tp={tp}"
-    plan = default_plan(model, tp)
-    if not plan:
+            return f"{key}={info[key]} is not divisible by tp={tp} (the plans split whole heads)"
+    if not default_plan(model, tp):
         return f"no default tensor-parallel plan matches the layer names of {type(model).__name__}"
-    layers = dict(model.named_sublayers())
-    for lname, style in plan.items():
-        w = getattr(layers[lname], "weight", None)
-        if w is None or len(w.shape) != 2 or getattr(style, "gather_output", False) or hasattr(style, "parts"):
-            continue
-        if isinstance(style, (ColWiseParallel, RowWiseParallel)):
-            dim = _split_dim(layers[lname], style)
-            if int(w.shape[dim]) % tp:
-                return f"{lname}.weight {list(w.shape)} does not split evenly over tp={tp} on dim {dim}"
     return None
-
-
-def _split_dim(layer, style) -> int:
-    from autoparallel.parallel.tensor_parallel import ColWiseParallel, _is_linear
-
-    col = isinstance(style, ColWiseParallel)
-    if _is_linear(layer):                       # paddle Linear weight is [in, out]
-        return 1 if col else 0
-    return 0 if col else 1                      # an [out, in] weight (PaddleFormers' LMHead: [vocab, hidden])
 
 
 def allowed_tp(model, world: int):
