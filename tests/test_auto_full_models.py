@@ -216,3 +216,8 @@ def test_moe_reading_keeps_rng_and_buffers_and_lazy_models_use_the_template():
         lazy = pf.build("qwen2_moe")
     spec = read_model(lazy, T, "qwen2_moe")
     assert "op counts: the template" in spec.source and spec.ops is None and spec.experts == 4
+
+
+def test_ap_plan_reads_a_moe_model_too():
+    result = ap.plan(pf.build("glm4_moe"), "1x8:A100-80GB", global_batch_size=16, seq_len=32)
+    assert result.candidates and (result.model.experts, result.model.dense_layers) == (4, 1)
