@@ -221,3 +221,21 @@ def test_moe_reading_keeps_rng_and_buffers_and_lazy_models_use_the_template():
 def test_ap_plan_reads_a_moe_model_too():
     result = ap.plan(pf.build("glm4_moe"), "1x8:A100-80GB", global_batch_size=16, seq_len=32)
     assert result.candidates and (result.model.experts, result.model.dense_layers) == (4, 1)
+
+
+@pytest.mark.parametrize("name,option", [(n, pf.VARIANTS[n][0]) for n in pf.MODELS if n in pf.VARIANTS],
+                         ids=lambda v: v if isinstance(v, str) else ",".join(v))
+def test_config_option_under_full_mode(name, option):
+    """Each family's first config option (biases, untied heads, sliding windows, MLA without a q rank...)."""
+    ref = pf.reference(name, fill_zeros=True, **option)
+    with ap.simulate(world_size=4):
+        model = pf.build(name, fill_zeros=True, **option)
+        opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
+        model, opt = ap.parallelize(model, opt, strategy=full_strategy(2), seq_len=T)
+        assert ap.chosen_strategy(model).tensor_parallel.degree == 2
+        ids, labels = (paddle.to_tensor(a) for a in pf.batch(0))
+        loss = pf.loss_of(model(input_ids=ids, labels=labels))
+        loss.backward()
+        opt.reduce_gradients()
+        got = float(loss), {n: pf._grad_np(p) for n, p in model.named_parameters()}
+    assert pf.compare(ref, got, RTOL, ATOL) == []
