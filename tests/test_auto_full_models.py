@@ -239,3 +239,25 @@ def test_config_option_under_full_mode(name, option):
         opt.reduce_gradients()
         got = float(loss), {n: pf._grad_np(p) for n, p in model.named_parameters()}
     assert pf.compare(ref, got, RTOL, ATOL) == []
+
+
+def test_uneven_vocabulary_is_taken_under_full_mode():
+    """vocab 127 over tp=2 (64 + 63 rows, ceil-division): the planner does not refuse it and the run equals one
+    process."""
+    def run(model, opt, dist):
+        ids, labels = (paddle.to_tensor(a) for a in pf.batch(0, B, T, vocab=127))
+        loss = pf.loss_of(model(input_ids=ids, labels=labels))
+        loss.backward()
+        if dist:
+            opt.reduce_gradients()
+        return float(loss), {n: pf._grad_np(p) for n, p in model.named_parameters()}
+
+    model = pf.build("llama", vocab_size=127)
+    ref = run(model, None, False)
+    with ap.simulate(world_size=4):
+        model = pf.build("llama", vocab_size=127)
+        opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
+        model, opt = ap.parallelize(model, opt, strategy=full_strategy(2), seq_len=T)
+        assert ap.chosen_strategy(model).tensor_parallel.degree == 2
+        got = run(model, opt, True)
+    assert pf.compare(ref, got, RTOL, ATOL) == []
