@@ -144,7 +144,8 @@ def from_config(model, seq_len: int, name: str, stopped_at: str):
                      vocab=values["vocab"], ffn=values.get("ffn", 0), kv_heads=values.get("kv_heads", 0),
                      seq_len=int(seq_len), swiglu=_gated(model), bias=False,
                      layernorm=any(getattr(n, "bias", None) is not None for _, n in _norms(blocks[0])),
-                     tied_embeddings=head_tied(model, blocks, values["hidden"], values["vocab"]), learned_positions=False,
+                     tied_embeddings=head_tied(model, blocks, values["hidden"], values["vocab"]),
+                     learned_positions=False,
                      dropout=bool(getattr(c, "attention_dropout", 0.0) or getattr(c, "hidden_dropout", 0.0) or 0.0),
                      experts=values["experts"], top_k=values["top_k"], expert_ffn=values["expert_ffn"],
                      shared_experts=shared, dense_layers=len(blocks) - moe)
