@@ -33,10 +33,10 @@ def _on_place(data, place, dtype):
     if place is None:
         return data
     import paddle
-    from paddle.base.framework import _get_paddle_place
+    from autoparallel.compat import paddle_place
 
     try:
-        want = _get_paddle_place(place)
+        want = paddle_place(place)
     except (AttributeError, TypeError, ValueError) as e:
         raise ValueError(f"shard_tensor(place={place!r}) is not a device of this paddle build: {e}") from None
     if not isinstance(data, paddle.Tensor) and not hasattr(data, "placements"):

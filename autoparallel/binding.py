@@ -168,10 +168,22 @@ def _c_parser_forms(sig, args, kwargs):
 
 
 def _signature(fn):
+    if _chooses_overload(fn):
+        return None
     try:
         return inspect.signature(fn, follow_wrapped=False)
     except (TypeError, ValueError):
         return None
+
+
+def _chooses_overload(fn) -> bool:
+    """Paddle's python overloads (``paddle.gather``/``scatter``: ``def gather(*args, **kwargs)`` picking the
+    torch form ``(input, dim, index)`` or paddle's ``(x, index, axis)`` by the arguments' types): their
+    ``__signature__`` documents one form only, so the call is passed on as given and their rules bind it."""
+    code = getattr(inspect.unwrap(fn), "__code__", None) if isinstance(fn, types.FunctionType) else None
+    return code is not None and code.co_argcount == 0 and bool(code.co_flags & inspect.CO_VARARGS) \
+        and bool(code.co_flags & inspect.CO_VARKEYWORDS) and "_C_ops" not in code.co_names \
+        and not code.co_freevars and any(n.endswith("_wrapper") for n in code.co_names)
 
 
 def _rebuild(fn):

@@ -5,7 +5,8 @@ Private names used here (paddle 3.3): ``paddle.base.framework.global_var._dygrap
 ``paddle.jit.to_static`` builds a program), ``paddle.base.framework.EagerParamBase`` (the Parameter class),
 ``paddle._C_ops`` / ``paddle._pir_ops`` / ``paddle._legacy_C_ops`` (the C op namespaces paddle's generated
 functions call through), ``paddle.base.core`` (``eager.Tensor`` without storage, ``TCPStore``) and
-``paddle.distributed.collective._default_store`` (the job's TCPStore). Other modules reach them through this
+``paddle.distributed.collective._default_store`` (the job's TCPStore),
+``paddle.distributed.fleet.recompute.recompute._recompute_without_reentrant`` (the non-reentrant recompute). Other modules reach them through this
 module's names; a paddle version that moves one of them is handled here.
 """
 from __future__ import annotations
@@ -122,6 +123,11 @@ def expected_place():
     return paddle.framework._current_expected_place()
 
 
+def paddle_place(place):
+    """paddle's parser of a device given as a string or a Place (``"cpu"``, ``"gpu:0"``, ``paddle.CPUPlace()``)."""
+    return _framework._get_paddle_place(place)
+
+
 def grad_enabled() -> bool:
     """Whether the dygraph tracer records gradients (``_dygraph_tracer()._has_grad``)."""
     return _framework._dygraph_tracer()._has_grad
@@ -153,6 +159,14 @@ def lazy_init_method():
     from paddle.nn.initializer.initializer import Initializer
 
     return Initializer, "_lazy_init"
+
+
+def reentrant_recompute():
+    """``(RecomputeFunction, _recompute_without_reentrant)`` of ``paddle.distributed.fleet.recompute.recompute``:
+    the PyLayer paddle's reentrant recompute applies, and the saved-tensor-hooks recompute it runs otherwise
+    (called as ``(function, get_state, set_state, preserve_rng_state, *args, **kwargs)``)."""
+    rc = importlib.import_module("paddle.distributed.fleet.recompute.recompute")   # the package re-exports a function
+    return rc.RecomputeFunction, rc._recompute_without_reentrant
 
 
 def owner_of(path: str):

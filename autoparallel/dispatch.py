@@ -76,7 +76,16 @@ def run(op: str, path: str, args, kwargs):
     """Run paddle callable ``path`` (rule ``op``) on distributed arguments.
 
     A call whose key (see dispatch_cache) was seen before reuses its plan: no rule, no validation, no
-    reshard planning; only the data-dependent steps run."""
+    reshard planning; only the data-dependent steps run. A call written as one before is looked up as
+    written, before binding (``dispatch_cache.Rebind``): its bound form is rebuilt from a recipe."""
+    written = _written(op, path, args, kwargs)
+    if written is not None:
+        hit = dispatch_cache.find_written(written[0])
+        if hit is not None:
+            plan, rebind = hit
+            a, k, leaves = rebind.apply(args, kwargs, written[1])
+            return _run_plan(op, path, plan, leaves, a, k)
+    wargs, wkwargs = args, kwargs
     if building_static_program():                        # paddle.jit.to_static building a program
         from autoparallel.graph.jit import static_args
         args, kwargs = static_args(op, args, kwargs)
@@ -101,16 +110,38 @@ def run(op: str, path: str, args, kwargs):
         pinned_res = pins.next(op, [_to_dist(v, mesh).spec for v in leaves])
     key, plan = dispatch_cache.find(rule, path, world, args_key, pinned_res)
     if plan is not None:
-        out = _wrap(plan.res, _execute(op, path, plan.res, plan.mesh, plan.calls(leaves, args, kwargs)), plan.held)
-        if plan.derives is not None:        # a cast / view of a parameter (dispatch_cache.DATA_FREE)
-            fanout.note_derived(out, leaves[plan.derives])
-        return out
+        if written is not None:
+            dispatch_cache.store_written(written, plan, (wargs, wkwargs), (args, kwargs, leaves))
+        return _run_plan(op, path, plan, leaves, args, kwargs)
     plan = _plan_call(op, rule, args, kwargs, leaves, pinned_res, world)
     outs = _execute(op, path, plan.res, plan.mesh, plan.calls(leaves, args, kwargs))
     check_outputs(op, plan, outs)           # once per call signature: the plan is cached only when it holds
     dispatch_cache.store(key, plan)
+    if written is not None and key is not None:
+        dispatch_cache.store_written(written, plan, (wargs, wkwargs), (args, kwargs, leaves))
     out = _wrap(plan.res, outs, plan.held)
     if plan.derives is not None:
+        fanout.note_derived(out, leaves[plan.derives])
+    return out
+
+
+def _written(op, path, args, kwargs):
+    """``(key, tensor leaves)`` of the call as written (dispatch_cache.written_key), or None where the
+    bound call is not a function of that key alone: pinned layouts (each call takes the next pin), shadows,
+    tracing, static programs, custom ops (looked up anew)."""
+    if _ctx.tracer is not None or _ctx.pinned is not None or SHADOWS[0] or path.startswith("custom.") \
+            or building_static_program():
+        return None
+    leaves = []
+    key = dispatch_cache.written_key(get_spmd_rule(op), path, current_world(),
+                                     dispatch_cache.call_key(args, kwargs, leaves))
+    return None if key is None else (key, leaves)
+
+
+def _run_plan(op, path, plan, leaves, args, kwargs):
+    """Run a cached plan on this call's values."""
+    out = _wrap(plan.res, _execute(op, path, plan.res, plan.mesh, plan.calls(leaves, args, kwargs)), plan.held)
+    if plan.derives is not None:        # a cast / view of a parameter (dispatch_cache.DATA_FREE)
         fanout.note_derived(out, leaves[plan.derives])
     return out
 

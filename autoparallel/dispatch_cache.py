@@ -111,17 +111,115 @@ def find(rule, path: str, world, args_key, pinned=None):
     return key, plan
 
 
+# ---- calls as written ------------------------------------------------------------------------------------
+# A call is bound (paddle's aliases, keyword -> position, argument maps) before its key is taken. The bound
+# form is a function of the written call's key (binding reads types, ranks and values, all in the key), so
+# the written key can map straight to the plan and a recipe rebuilding the bound arguments.
+_WRITTEN: dict = {}
+
+
+def written_key(rule, path: str, world, args_key):
+    """The key of a call as written (None: not cacheable)."""
+    key = full_key(rule, path, world, args_key)
+    return None if key is None else ("written",) + key
+
+
+def find_written(key):
+    """``(plan, Rebind)`` stored for a written call's key, or None."""
+    return _WRITTEN.get(key)
+
+
+def store_written(written, plan, call, bound) -> None:
+    """Remember how the written ``call`` (args, kwargs) became ``bound`` (args, kwargs, leaves) and its plan;
+    a bound form holding something not traceable to the written call (a new tensor) is not remembered."""
+    key, leaves = written
+    rebind = Rebind.of(call[0], call[1], leaves, *bound)
+    if rebind is None:
+        return
+    if len(_WRITTEN) >= _CACHE_LIMIT:
+        _WRITTEN.clear()
+    _WRITTEN[key] = (plan, rebind)
+
+
+_ARG, _KW, _CONST = 0, 1, 2
+
+
+class Rebind:
+    """How a written call becomes its bound form: each bound argument is a written positional argument, a
+    written keyword argument, or a constant holding no tensor (a python scalar, or a value the binding
+    computed from the key: ``shape`` from ``reshape(b, s, h)``); the bound call's tensor leaves are indices
+    into the written call's. None (not remembered) where that is ambiguous (see ``_source``)."""
+
+    __slots__ = ("args", "kwargs", "perm", "same")
+
+    @classmethod
+    def of(cls, wargs, wkwargs, wleaves, bargs, bkwargs, bleaves):
+        try:
+            srcs = [_source(v, wargs, wkwargs) for v in bargs]
+            kw = [(k, _source(v, wargs, wkwargs)) for k, v in bkwargs.items()]
+            perm = [_only([i for i, w in enumerate(wleaves) if w is b]) for b in bleaves]
+        except _Uncacheable:
+            return None
+        r = cls.__new__(cls)
+        r.args, r.kwargs, r.perm = tuple(srcs), tuple(kw), perm
+        r.same = (not kw and not wkwargs and len(srcs) == len(wargs)
+                  and all(s == (_ARG, i) or _same_atom(s, w) for i, (s, w) in enumerate(zip(srcs, wargs)))
+                  and perm == list(range(len(wleaves))))
+        return r
+
+    def apply(self, args, kwargs, leaves):
+        """``(args, kwargs, leaves)`` of the bound call, from a written call with the recipe's key."""
+        if self.same:
+            return tuple(args), {}, leaves
+        a = tuple([_take(s, args, kwargs) for s in self.args])
+        k = {n: _take(s, args, kwargs) for n, s in self.kwargs}
+        return a, k, [leaves[i] for i in self.perm]
+
+
+def _source(v, wargs, wkwargs):
+    """Where bound argument ``v`` comes from. A python scalar is a constant (its value is in the key); any other
+    object is the written argument it is (the call's own object every time: a list the caller may change
+    later is not kept), ambiguous when it fills several written slots (``x * x``: a later call with the same
+    key may pass two tensors); an object the binding made is a constant when it holds no tensor."""
+    if v.__class__ in _ATOMS:
+        return _CONST, v
+    found = [(_ARG, i) for i, w in enumerate(wargs) if w is v] + [(_KW, n) for n, w in wkwargs.items() if w is v]
+    if found:
+        return _only(found)
+    if flatten_specs([v], None, is_leaf=_is_tensor_leaf):
+        raise _Uncacheable              # a tensor the binding made (or a container it rebuilt around one)
+    return _CONST, v
+
+
+def _same_atom(src, w) -> bool:
+    """A constant scalar where the written call has the same one (an equal key has it there every time)."""
+    return src[0] == _CONST and w.__class__ in _ATOMS and w.__class__ is src[1].__class__ and w == src[1]
+
+
+def _only(found):
+    if len(found) != 1:
+        raise _Uncacheable
+    return found[0]
+
+
+def _take(src, args, kwargs):
+    kind, x = src
+    return args[x] if kind == _ARG else kwargs[x] if kind == _KW else x
+
+
 def store(key, plan) -> None:
     if key is None:
         return
     if len(_CACHE) >= _CACHE_LIMIT:
         _CACHE.clear()
+        _WRITTEN.clear()
     _CACHE[key] = plan
 
 
 def clear() -> None:
     """Forget every cached plan."""
     _CACHE.clear()
+    _WRITTEN.clear()
 
 
 def size() -> int:
@@ -186,7 +284,7 @@ class CallPlan:
     """One call signature's layout decisions (see the module docstring)."""
 
     __slots__ = ("res", "mesh", "held", "kinds", "reshards", "grad_dims", "marks", "quiet", "rep_dims", "derives", "arg_slots",
-                 "kw_slots", "overrides")
+                 "kw_slots", "overrides", "direct")
 
     def __init__(self, rule, res, mesh, leaves, src_specs, args, kwargs, world):
         split = [m for m in res.split_mesh_dims() if mesh.shape[m] > 1]
@@ -203,10 +301,29 @@ class CallPlan:
         self.arg_slots = _slots(enumerate(args))
         self.kw_slots = _slots(kwargs.items())
         self.overrides = {r: rule.local_overrides(res, len(args), mesh.coords_of(r)) for r in self.held}
+        self.direct = (not kwargs and len(self.held) == 1 and all(n == 0 for _, n in self.arg_slots)
+                       and all(p is None for p in self.reshards) and not any(self.grad_dims)
+                       and not any(self.rep_dims) and _PLAIN not in self.kinds
+                       and self.overrides[self.held[0]] == ((), {}))
+
+    def _direct(self, leaves, args) -> dict:
+        """``calls`` when nothing moves or is marked: one held rank, every input already in the layout the
+        rule requires, no gradient reduction, no per-rank override, tensors only as positional arguments
+        (the common elementwise / view / norm call on a real rank)."""
+        r = self.held[0]
+        a = list(args)
+        try:
+            for (i, _), v, kind in zip(self.arg_slots, leaves, self.kinds):
+                a[i] = (v._locals if kind == _DIST else v._ap_locals)[r]
+        except KeyError:            # a shard this rank does not hold: the general path names it
+            self._missing(self._inputs(leaves), r)
+        return {r: (tuple(a), {})}
 
     # ---- per call -----------------------------------------------------------------------------------
     def calls(self, leaves, args, kwargs) -> dict:
         """{rank: (args, kwargs)} of the local op: inputs resharded, the call's own values elsewhere."""
+        if self.direct:
+            return self._direct(leaves, args)
         locs = self._inputs(leaves)
         out = {}
         for r in self.held:

@@ -55,18 +55,19 @@ def install_all() -> list:
 
 def _install_hooks() -> None:
     """The other patches of paddle: ``paddle.jit.to_static`` over distributed tensors, the creation order of
-    lazily built parameters, the loss scalers."""
+    lazily built parameters, the loss scalers, a model's own reentrant recompute."""
     from paddle.jit.dy2static.program_translator import StaticFunction
 
     from autoparallel.graph import jit
     from autoparallel.lazy_init import order
-    from autoparallel.parallel import amp_scaler
+    from autoparallel.parallel import amp_scaler, model_recompute
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
     patches.remember(*static_value_converter())
     jit.install()
     order.install()
     amp_scaler.install()
+    model_recompute.install()
 
 
 def _reset() -> None:

@@ -105,7 +105,8 @@ from spmd_rules.expand import MeshDim, expand, expand_reverse
 from spmd_rules.einsum import einsum_result, label_reverse, label_rule, labels_result, parse_equation
 from spmd_rules.elementwise import elementwise_result
 from spmd_rules import (matmul, elementwise, reduction, softmax, norm, conv, embedding, loss, attention,  # noqa: F401
-                        shape, layout, join, indexing, creation, random, optimizer, routing, more_ops)
+                        shape, layout, join, indexing, creation, random, optimizer, routing, more_ops,
+                        padding)
 from spmd_rules import elementwise_more, math_more, nn_more, pooling  # noqa: F401,E402
 
 __all__ = ["register_spmd_rule", "get_spmd_rule", "has_spmd_rule", "registered_ops", "unregister_spmd_rule",

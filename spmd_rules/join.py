@@ -101,7 +101,10 @@ def concat(x, axis=0, name=None):
     for s in xs:
         if s.ndim != nd or any(s.shape[d] != xs[0].shape[d] for d in range(nd) if d != a):
             raise ValueError(f"concat: shapes {[list(s.shape) for s in xs]} differ outside axis {a}")
-    labels = tuple(None if d == a else d for d in range(nd))
+    # the axis must be whole, unless at most one operand has elements along it (an empty KV cache grown by
+    # its first update): then every piece is that operand's, and it may stay split there
+    lone = sum(1 for s in xs if s.shape[a]) <= 1
+    labels = tuple(None if d == a and not lone else d for d in range(nd))
     shape = tuple(sum(s.shape[a] for s in xs) if d == a else xs[0].shape[d] for d in range(nd))
     return labels_result("concat", xs, [labels] * len(xs), [labels], [(shape, promote(*[s.dtype for s in xs]))],
                          linear="additive")

@@ -157,7 +157,10 @@ OP_TABLE: dict = {
     "uniform": ("paddle.uniform",),
     "randint": ("paddle.randint",),
     # conv
+    "conv1d": ("paddle.nn.functional.conv1d",),
+    "pad": ("paddle.nn.functional.pad",),
     "conv2d": ("paddle.nn.functional.conv2d",),
+    "conv3d": ("paddle.nn.functional.conv3d",),
     # optimizer updates (called by the sharded optimizer with paddle's internal argument order)
     "sgd": ("paddle._C_ops.sgd_",),
     "adamw": ("paddle._C_ops.adamw_",),

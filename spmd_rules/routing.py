@@ -16,12 +16,15 @@ slice, no communication). Graph tracing cannot follow a value-dependent shape: t
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 from autoparallel.core.placement import Replicate
 from autoparallel.core.spec import DistSpec, normalize_dtype
 
 from spmd_rules.einsum import labels_result
 from spmd_rules.layout import transpose
-from spmd_rules.registry import register_spmd_rule
+from spmd_rules.registry import flatten_specs, register_spmd_rule
 from spmd_rules.result import LocalShaped, SpmdResult
 from spmd_rules.utils import check_spec, norm_axis
 
@@ -144,8 +147,56 @@ def index_select(x, index, axis=0, name=None):
                          linear=None)
 
 
+def _along_axis_form(args, kwargs) -> bool:
+    """True when ``paddle.gather`` / ``paddle.scatter`` take their torch form ``(input, dim, index, ...)``
+    (they run ``take_along_axis`` / ``put_along_axis`` then): the test paddle's overloads make -- an int in the
+    second position (an index is never an int), or ``dim`` among the keywords."""
+    return isinstance(args[1], int) if len(args) >= 2 else "dim" in kwargs
+
+
+def _bind_form(op, fn, args, kwargs):
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{op}: {e}") from None
+    if bound.arguments.get("out") is not None:
+        raise NotImplementedError(f"{op}(..., out=...) on distributed tensors: use the returned tensor")
+    return bound.arguments
+
+
+def _in_call_order(res: SpmdResult, rule_order, args, kwargs) -> SpmdResult:
+    """``res`` with its required inputs in the order the call holds the specs (a ``*args`` rule's order)."""
+    specs = [v for v in rule_order if isinstance(v, DistSpec)]
+    pos, used = [], set()
+    for c in flatten_specs(args, kwargs):     # by identity, each rule operand once (one tensor may come twice)
+        i = next(i for i, s in enumerate(specs) if s is c and i not in used)
+        used.add(i)
+        pos.append(i)
+    return dataclasses.replace(res, inputs=tuple(res.inputs[i] for i in pos))
+
+
+def _torch_gather(input, dim, index, out=None):
+    """The parameters of paddle's torch-form gather (used to bind a call, never run)."""
+
+
+def _torch_scatter(input, dim, index, src=None, reduce=None, out=None, value=None):
+    """The parameters of paddle's torch-form scatter (used to bind a call, never run)."""
+
+
 @register_spmd_rule("gather")
-def gather(x, index, axis=None, name=None):
+def gather(*args, **kwargs):
+    """``gather(x, index, axis=None)``, or paddle's torch form ``gather(input, dim, index)`` (take_along_axis
+    without broadcasting)."""
+    if _along_axis_form(args, kwargs):
+        a = _bind_form("gather", _torch_gather, args, kwargs)
+        res = take_along_axis(a["input"], a["index"], a["dim"], broadcast=False)
+        return _in_call_order(res, [a["input"], a["index"]], args, kwargs)
+    return _gather(*args, **kwargs)
+
+
+def _gather(x, index, axis=None, name=None, out=None):
+    if out is not None:
+        raise NotImplementedError("gather(..., out=...) on distributed tensors: use the returned tensor")
     check_spec("gather", "x", x)
     check_spec("gather", "index", index)
     if index.ndim > 1:
@@ -154,7 +205,22 @@ def gather(x, index, axis=None, name=None):
 
 
 @register_spmd_rule("scatter")
-def scatter(x, index, updates, overwrite=True, name=None):
+def scatter(*args, **kwargs):
+    """``scatter(x, index, updates, overwrite=True)``, or paddle's torch form ``scatter(input, dim, index,
+    src | value, reduce=None)`` (put_along_axis without broadcasting)."""
+    if _along_axis_form(args, kwargs):
+        a = _bind_form("scatter", _torch_scatter, args, kwargs)
+        src = a.get("src") if a.get("src") is not None else a.get("value")
+        if src is None:
+            raise TypeError("scatter(input, dim, index, ...): expects src (or value)")
+        res = put_along_axis(a["input"], a["index"], src, a["dim"], a.get("reduce") or "assign", broadcast=False)
+        return _in_call_order(res, [a["input"], a["index"], src], args, kwargs)
+    return _scatter(*args, **kwargs)
+
+
+def _scatter(x, index, updates, overwrite=True, name=None, out=None):
+    if out is not None:
+        raise NotImplementedError("scatter(..., out=...) on distributed tensors: use the returned tensor")
     check_spec("scatter", "x", x)
     check_spec("scatter", "index", index)
     check_spec("scatter", "updates", updates)

@@ -304,3 +304,70 @@ def test_errors_still_raised_after_caching(rule_calls):
             x + other
         with pytest.raises(ValueError, match="one mesh"):
             x + other
+
+
+# ---- calls as written ----------------------------------------------------------------------------------------
+# spellings whose bound form differs from the written one (keyword -> position, varargs -> list, torch-style
+# aliases, reflected operators); each pair: two calls with the same written key but different tensors, then
+# a call differing only in a value the binding moves (which must not reuse the first recipe)
+WRITTEN = {
+    "keyword axis": (lambda x: F.softmax(x, axis=1), lambda x: F.softmax(x, axis=0)),
+    "keyword keepdim": (lambda x: paddle.sum(x, axis=1, keepdim=True), lambda x: paddle.sum(x, axis=0, keepdim=True)),
+    "varargs reshape": (lambda x: x.reshape(4, 2, 12), lambda x: x.reshape(2, 4, 12)),
+    "torch alias dim": (lambda x: paddle.sum(x, dim=1), lambda x: paddle.sum(x, dim=0)),
+    "reflected": (lambda x: 2.0 - x, lambda x: 3.0 - x),
+    "keyword tensors": (lambda x: paddle.matmul(y=_w(), x=x), lambda x: paddle.matmul(y=_w(), x=x, transpose_y=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN))
+def test_a_call_as_written_reuses_its_bound_form(name, rule_calls, monkeypatch):
+    call, other = WRITTEN[name]
+    binds = []
+    bind = dispatch._bind
+    monkeypatch.setattr(dispatch, "_bind", lambda *a: binds.append(a[1]) or bind(*a))
+    with ap.simulate(4):
+        x1, x2 = _act(_mesh(), [8, 12], [S(0), R], 1), _act(_mesh(), [8, 12], [S(0), R], 2)
+        call(x1)
+        n_binds, n_rules = len(binds), sum(rule_calls.values())
+        got = call(x2)                                  # same written key, other values: bound from the recipe
+        assert (len(binds), sum(rule_calls.values())) == (n_binds, n_rules)
+        got_other = other(x2)                           # another value where binding moves it: its own entry
+        assert len(binds) > n_binds
+        with dispatch_cache.disabled():
+            want, want_other = call(x2), other(x2)
+        for g, w in ((got, want), (got_other, want_other)):
+            assert g.spec == w.spec
+            np.testing.assert_array_equal(g.numpy(), w.numpy())
+        assert got.shape != got_other.shape or not np.array_equal(got.numpy(), got_other.numpy())
+
+
+def test_a_bound_form_holding_a_new_tensor_is_not_remembered():
+    x = paddle.ones([2])
+    made = paddle.zeros([2])
+    assert dispatch_cache.Rebind.of((x,), {}, [x], (x, made), {}, [x, made]) is None
+    assert dispatch_cache.Rebind.of((x,), {}, [x], (x, [made]), {}, [x, made]) is None
+    r = dispatch_cache.Rebind.of((x,), {"axis": 1}, [x], (x, 1), {}, [x])
+    y = paddle.full([2], 3.0)
+    a, k, leaves = r.apply((y,), {"axis": 1}, [y])
+    assert a[0] is y and a[1] == 1 and k == {} and leaves == [y] and not r.same
+    assert dispatch_cache.Rebind.of((x, 2), {}, [x], (x, 2), {}, [x]).same
+    pads = [1, 1]                       # one object in two written slots: which one fills a bound slot is unknown
+    assert dispatch_cache.Rebind.of((x, pads, pads), {}, [x], (x, pads, pads), {}, [x]) is None
+
+
+def test_a_repeated_argument_is_not_taken_for_the_next_calls_arguments(rule_calls):
+    """``x * x`` and ``y * z`` have the same written key; the recipe must not pass ``y`` twice."""
+    with ap.simulate(4):
+        x, y, z = (_act(_mesh(), [8, 12], [S(0), R], s) for s in (1, 2, 3))
+        x * x
+        x * x
+        got = y * z
+        shape = [4, 24]
+        x.reshape(shape)
+        shape[1] = 2                                    # the caller changes its list after the call
+        got_reshape = y.reshape([4, 24])
+        with dispatch_cache.disabled():
+            want = y * z
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+        assert got_reshape.shape == [4, 24]

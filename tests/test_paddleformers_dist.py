@@ -1,4 +1,4 @@
-"""4 real gloo ranks: PaddleFormers Llama, Qwen2 and Phi3 under ap.parallelize (dp=2, tp=2) train 5 AdamW
+"""4 real gloo ranks: PaddleFormers Llama, Qwen2, Phi3 and DeepSeek-V3 (MLA, MoE routing) under ap.parallelize (dp=2, tp=2) train 5 AdamW
 steps like one process (losses and final parameters), a split tie is caught, and Llama's forward runs
 one all_reduce per row-parallel linear under the seed's shard function."""
 import os
@@ -19,7 +19,7 @@ def results():
     return {c["case"]: [r[i] for r in res] for i, c in enumerate(res[0])}
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3", "deepseek_v3"])
 def test_five_adamw_steps_equal_one_process(results, name):
     for r in results[f"train {name}"]:
         assert r["names"]

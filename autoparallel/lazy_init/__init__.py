@@ -29,6 +29,7 @@ _EXPORTS = {
     "materialize": "autoparallel.lazy_init.params", "materialize_params": "autoparallel.lazy_init.params",
     "is_lazy": "autoparallel.lazy_init.params", "has_lazy": "autoparallel.lazy_init.params",
     "shard_lazy": "autoparallel.lazy_init.params", "InitReport": "autoparallel.lazy_init.params",
+    "LazyInitStreamWarning": "autoparallel.lazy_init.params",
     "apply_zero_lazy": "autoparallel.lazy_init.zero", "LazyZeroOptimizer": "autoparallel.lazy_init.zero",
 }
 __all__ = sorted(_EXPORTS)

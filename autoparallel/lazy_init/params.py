@@ -19,7 +19,7 @@ from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase, storage_free_tensor
 from autoparallel.dist_tensor import DistParameter, _make_param, _spec_for, is_dist
 from autoparallel.lazy_init import draw as D
-from autoparallel.lazy_init.order import creation_order
+from autoparallel.lazy_init.order import creation_order, stream_advanced, stream_check, stream_key
 from autoparallel.lazy_init.stream import Stats, Target, stream
 from autoparallel.placement import Partial
 
@@ -107,6 +107,7 @@ class ParamInit:
 @dataclass
 class InitReport:
     params: list = field(default_factory=list)
+    stream_mismatch: str = None     # why the values differ from an eager build's (None: they are equal)
 
     def __iter__(self):
         return iter(self.params)
@@ -125,6 +126,10 @@ class InitReport:
             kept = max(e.kept.values(), default=0)
             lines.append(f"{e.name:<36} {str(list(e.shape)):<14} {e.how:<8} {e.largest_draw:>13} {kept:>10}")
         return "\n".join(lines)
+
+
+class LazyInitStreamWarning(UserWarning):
+    """Lazily built parameters cannot reproduce the eager build's values: the generator's stream moved."""
 
 
 # ---- materialisation -----------------------------------------------------------------------------------------
@@ -235,6 +240,14 @@ def materialize_params(params, flat_ranges: dict | None = None, chunk_elements: 
     if not isinstance(chunk_elements, int) or isinstance(chunk_elements, bool) or chunk_elements < 2:
         raise ValueError(f"chunk_elements must be an int >= 2, got {chunk_elements!r}")
     report, chunks = InitReport(), {}
+    params = list(params)
+    report.stream_mismatch = stream_check([origin_of(p) for p in params if is_lazy(p)])
+    if report.stream_mismatch:
+        warnings.warn(LazyInitStreamWarning(
+            f"lazily built parameters will not equal an eager build after the same paddle.seed: "
+            f"{report.stream_mismatch}; build the model eagerly, or move those draws after materialisation"),
+            stacklevel=3)
+    before = stream_key()
     for p in params:
         if not is_lazy(p):
             continue
@@ -244,6 +257,7 @@ def materialize_params(params, flat_ranges: dict | None = None, chunk_elements: 
         report.params.append(entry)
         if kept:
             chunks[id(p)] = kept
+    stream_advanced(before)
     return report, chunks
 
 

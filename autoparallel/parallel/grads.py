@@ -15,7 +15,7 @@ written back when waited for; gloo blocks, so on CPU it is launched synchronousl
 from __future__ import annotations
 
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import paddle
 
@@ -39,6 +39,7 @@ class Bucket:
     params: list
     mesh: object
     dims: tuple
+    buffers: dict = field(default_factory=dict, repr=False)   # rank -> _Flat, kept between steps
 
     def nbytes(self) -> int:
         return sum(p.spec.local_nbytes() for p in self.params)
@@ -94,15 +95,16 @@ def reduce_bucket(bucket: Bucket, async_op: bool = False):
     if not held:
         return None
     with local_mode(), paddle.no_grad():
-        flat = {r: _pack(bucket.params, r) for r in held}
+        keep = _keeps_buffer(bucket, held)
+        flat = {r: _pack(bucket.params, r, _flat(bucket, r) if keep else None) for r in held}
         if async_op and not current_world().is_simulated and len(bucket.dims) == 1:
             task = _start_all_reduce(flat, bucket.mesh, bucket.dims[0])
             if task is not None:
-                return Pending(task, lambda: _unpack(bucket.params, flat))
+                return Pending(task, lambda: _unpack(bucket.params, flat, bucket.buffers))
         if not _reduce_in_place(flat, bucket):
             for d in bucket.dims:
                 flat = C.mesh_groups_apply(flat, bucket.mesh, d, lambda xs, ranks: C._reduce_raw(xs, ranks, "sum"))
-        _unpack(bucket.params, flat)
+        _unpack(bucket.params, flat, bucket.buffers)
     return None
 
 
@@ -128,7 +130,48 @@ def _reduce_in_place(flat, bucket) -> bool:
     return True
 
 
-def _pack(params, r):
+def _keeps_buffer(bucket, held) -> bool:
+    """A real rank's bucket of several gradients is packed into a float32 buffer of its own, allocated once
+    and reused every step: a fresh multi-megabyte buffer per step costs ~0.6 ms per MB of page faults on
+    this machine's allocator (10 ms for the GPT's 17 MB), a copy into a warm one ~0.06 ms per MB. The
+    simulated world keeps the functional path (its transport returns new tensors)."""
+    return len(bucket.params) > 1 and len(held) == 1 and not current_world().is_simulated
+
+
+class _Flat:
+    """One rank's persistent bucket buffer and its per-parameter views (in the parameter's local shape)."""
+
+    __slots__ = ("buf", "numels", "shaped_views")
+
+    def __init__(self, locals_):
+        self.numels = [numel(t) for t in locals_]
+        self.buf = paddle.zeros([sum(self.numels)], dtype="float32")
+        self.shaped_views, off = [], 0
+        for t, n in zip(locals_, self.numels):
+            self.shaped_views.append(self.buf[off:off + n].reshape(t.shape))
+            off += n
+
+
+def _flat(bucket, r) -> _Flat:
+    """``bucket``'s buffer on rank ``r``, made anew when a parameter's local size changed."""
+    locals_ = [p.locals[r] for p in bucket.params]
+    f = bucket.buffers.get(r)
+    if f is None or f.numels != [numel(t) for t in locals_]:
+        f = bucket.buffers[r] = _Flat(locals_)
+    return f
+
+
+def _pack(params, r, flat=None):
+    """Rank ``r``'s gradients of ``params`` as one float32 vector: copied into ``flat``'s buffer when given
+    (returned as that buffer), else concatenated into a new one."""
+    if flat is not None:
+        for p, view in zip(params, flat.shaped_views):
+            g = p.locals[r].grad
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g if g.dtype == view.dtype else g.astype(view.dtype), False)
+        return flat.buf
     parts = []
     for p in params:
         g = p.locals[r].grad
@@ -137,9 +180,18 @@ def _pack(params, r):
     return parts[0] if len(parts) == 1 else paddle.concat(parts)     # one float32 gradient: a view of it
 
 
-def _unpack(params, flat) -> None:
+def _unpack(params, flat, bufs=None) -> None:
+    """Writes the reduced ``flat`` {rank: vector} back into the gradients (through the persistent views of
+    ``bufs`` {rank: _Flat} where the vector is that buffer)."""
     with local_mode(), paddle.no_grad():
         for r, buf in flat.items():
+            f = bufs.get(r) if bufs else None
+            if f is not None and f.buf is buf:
+                for p, view in zip(params, f.shaped_views):
+                    g = p.locals[r].grad
+                    if g is not None:
+                        g.copy_(view if g.dtype == view.dtype else view.astype(g.dtype), False)
+                continue
             off = 0
             for p in params:
                 t = p.locals[r]

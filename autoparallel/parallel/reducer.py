@@ -103,11 +103,14 @@ class Reducer:
                         _SLOTS.set(t, None)
 
     # ---- hooks --------------------------------------------------------------------------------------------
+    # called from autograd's hooks on every gradient: the common case (nothing reduced yet, no bucket
+    # complete) only counts; local tensors and no recording only where something runs
     def before_accumulate(self, p, r) -> None:
         if id(p) not in self._reduced:
             return
-        self._wait(self._where[id(p)])
-        self._to_partial(p)
+        with local_mode(), paddle.no_grad():
+            self._wait(self._where[id(p)])
+            self._to_partial(p)
         self._reduced.discard(id(p))
 
     def after_accumulate(self, p, r) -> None:
@@ -116,10 +119,15 @@ class Reducer:
         i = self._where[id(p)]
         if c == self.expected[id(p)] and i >= self._next:
             self._left[i] -= 1
-            while self._next < len(self.buckets) and self._left[self._next] == 0:
-                self._start(self._next, "backward")
-            if self._next == len(self.buckets):
-                self._wait()                # the last bucket: backward is over, finish every launch
+            if self._left[self._next] == 0:
+                with local_mode(), paddle.no_grad():
+                    self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._left[self._next] == 0:
+            self._start(self._next, "backward")
+        if self._next == len(self.buckets):
+            self._wait()                # the last bucket: backward is over, finish every launch
 
     # ---- launches -----------------------------------------------------------------------------------------
     def _start(self, i, phase) -> None:
@@ -159,6 +167,5 @@ def _fire(ref, what):
         return None
     reducer, p = slot[0](), slot[1]()
     if reducer is not None and p is not None:
-        with local_mode(), paddle.no_grad():
-            getattr(reducer, what)(p, slot[2])
+        getattr(reducer, what)(p, slot[2])
     return None

@@ -17,7 +17,12 @@ family at once (a layer takes the first family pattern it matches), then adapts 
 * grouped-query attention with ``num_key_value_heads % tp != 0`` (e.g. fewer kv heads than TP ranks):
   ``k_proj``/``v_proj`` stay replicated (every device computes all kv heads; queries stay split), a fused
   ``qkv_proj`` is column-parallel with its output gathered (the kv blocks cannot be split by tp).
-* MoE experts (``*.experts.*``) are left replicated; the dense layers around them are sharded.
+* MoE experts (``*.experts.*``) are left replicated; the dense layers around them (shared experts too) are
+  sharded.
+* multi-head latent attention (DeepSeek-V3): the low-rank down-projections (``q_a_proj``,
+  ``kv_a_proj_with_mqa``, whose output also carries the rope key shared by all heads) stay replicated; the
+  per-head up-projections ``q_b_proj``/``kv_b_proj`` (or ``q_proj`` without a q rank) are split by heads and
+  ``o_proj`` is row-parallel, so the model's per-head reshape and split stay local.
 * a ``[vocab, hidden]`` head (PaddleFormers' ``LMHead``) under ColWiseParallel is split on the vocabulary, the
   same layout as the vocab-parallel embedding, so a tied embedding/head pair stays one parameter.
 """
@@ -74,13 +79,19 @@ LLAMA_PLAN = {
     "embed_tokens": VOCAB,
     "self_attn.q_proj": COL, "self_attn.k_proj": COL, "self_attn.v_proj": COL, "self_attn.o_proj": ROW,
     "mlp.gate_proj": COL, "mlp.up_proj": COL, "mlp.down_proj": ROW,
+    "shared_experts.gate_proj": COL, "shared_experts.up_proj": COL, "shared_experts.down_proj": ROW,
     "lm_head": COL,
+}
+MLA_PLAN = {  # multi-head latent attention (DeepSeek-V2/V3): the per-head up-projections split by heads
+    "self_attn.q_b_proj": COL, "self_attn.kv_b_proj": COL, "self_attn.o_proj": ROW,
 }
 FUSED_PLAN = {  # Qwen2 / Qwen3 / ERNIE 4.5 / Gemma3 / Phi3 (PaddleFormers) fused projections
     "embed_tokens": VOCAB,
     "self_attn.qkv_proj": COL, "self_attn.o_proj": ROW,
     "mlp.up_gate_proj": GATE_UP, "mlp.gate_up_proj": GATE_UP, "mlp.down_proj": ROW,
     "shared_expert.up_gate_proj": GATE_UP, "shared_expert.gate_up_proj": GATE_UP, "shared_expert.down_proj": ROW,
+    "shared_experts.up_gate_proj": GATE_UP, "shared_experts.gate_up_proj": GATE_UP,
+    "shared_experts.down_proj": ROW,
     "lm_head": COL,
 }
 ERNIE_PLAN = {  # ERNIE 1-3 / paddle.nn.TransformerEncoderLayer names
@@ -88,7 +99,8 @@ ERNIE_PLAN = {  # ERNIE 1-3 / paddle.nn.TransformerEncoderLayer names
     "self_attn.q_proj": COL, "self_attn.k_proj": COL, "self_attn.v_proj": COL, "self_attn.out_proj": ROW,
     "linear1": COL, "linear2": ROW,
 }
-FAMILIES = {"GPT": GPT_PLAN, "LLaMA": LLAMA_PLAN, "fused-projection": FUSED_PLAN, "ERNIE": ERNIE_PLAN}
+FAMILIES = {"GPT": GPT_PLAN, "LLaMA": LLAMA_PLAN, "MLA": MLA_PLAN, "fused-projection": FUSED_PLAN,
+            "ERNIE": ERNIE_PLAN}
 EXCLUDE = ("experts.*",)                      # MoE experts stay replicated (expert parallelism: out of scope)
 BLOCK_QKV_MODELS = ("phi3",)                  # config.model_type whose qkv_proj output is sliced [q | k | v]
 
@@ -180,5 +192,5 @@ def no_family_error(model, tp: int) -> PlanError:
                      f"{', '.join(names[:12]) or '(none)'}; pass tp_plan={{pattern: style}} to parallelize")
 
 
-__all__ = ["FusedColWiseParallel", "FAMILIES", "GPT_PLAN", "LLAMA_PLAN", "FUSED_PLAN", "ERNIE_PLAN", "default_plan", "raw_plan", "family",
+__all__ = ["FusedColWiseParallel", "FAMILIES", "GPT_PLAN", "LLAMA_PLAN", "MLA_PLAN", "FUSED_PLAN", "ERNIE_PLAN", "default_plan", "raw_plan", "family",
            "no_family_error"]

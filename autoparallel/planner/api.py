@@ -37,13 +37,14 @@ def _cluster_for_world(cluster: ClusterSpec, world: int) -> ClusterSpec:
 
 
 def _model_spec(model_or_preset, seq_len):
-    """A ModelSpec of a preset, dimension string or ModelSpec, or of a paddle model by its op trace."""
+    """A ModelSpec of a preset, dimension string or ModelSpec, or of a paddle model by its op trace (its
+    config where the trace cannot follow it: planner/model_read.py)."""
     if hasattr(model_or_preset, "named_sublayers"):
         from autoparallel.planner.auto import infer_seq_len
-        from autoparallel.planner.model_spec import ModelSpec
+        from autoparallel.planner.model_read import read_model
 
         seq = infer_seq_len(model_or_preset, seq_len)
-        return ModelSpec.from_trace(model_or_preset, seq, 1, name=type(model_or_preset).__name__)
+        return read_model(model_or_preset, seq, type(model_or_preset).__name__)
     return parse_model(model_or_preset)
 
 

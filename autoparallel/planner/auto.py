@@ -56,14 +56,25 @@ def infer_seq_len(model, seq_len):
                      f"{type(model).__name__} has no config.seq_len or config.max_positions)")
 
 
-def _searches(world: int, layers: int, pipeline_ok: bool, cpu: bool) -> list:
-    """Constraint sets covering what the eager runtime executes (see the module docstring)."""
+def _searches(world: int, layers: int, pipeline_ok: bool, cpu: bool, selective_ok: bool = True) -> list:
+    """Constraint sets covering what the eager runtime executes (see the module docstring); selective
+    recompute only for models whose attention core it can find (``_selective_ok``)."""
     offload = [0] if cpu else [0, 1]
-    spaces = [dict(pp=[1], offload=offload, ep=[1])]
+    recompute = ["none", "selective", "full"] if selective_ok else ["none", "full"]
+    spaces = [dict(pp=[1], offload=offload, ep=[1], recompute=recompute)]
     stages = [p for p in divisors(world) if 1 < p <= layers]
     if pipeline_ok and stages:               # the runtime splits blocks evenly and runs experts replicated
         spaces.append(dict(pp=stages, sharding=[0], recompute=["none"], offload=[0], split=["even"], ep=[1]))
     return spaces
+
+
+def _selective_ok(model) -> bool:
+    """Selective recompute re-runs the attention core, a module-level function of the blocks' attention module
+    (parallel/recompute.py looks it up by name); a model without one takes none or full recompute only."""
+    from autoparallel.planner.from_trace import _core_module, _find_blocks
+
+    _, blocks = _find_blocks(model)
+    return _core_module(blocks[0])[0] is not None
 
 
 def _pipeline_ok(model) -> bool:
@@ -89,19 +100,23 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
     """(chosen Strategy, PlanResult) for ``model`` on ``world`` ranks."""
     from autoparallel.parallel.model_families import model_info
     from autoparallel.planner.api import plan
-    from autoparallel.planner.model_spec import ModelSpec
+    from autoparallel.planner.model_read import allowed_tp, read_model
 
     if strategy.global_batch_size is None:
         raise ValueError("auto_mode='full' needs strategy.global_batch_size (samples per optimizer step over all "
                          "ranks) to choose data parallelism and micro-batching; got None")
     seq = infer_seq_len(model, seq_len)
-    spec = ModelSpec.from_trace(model, seq, 1, name=type(model).__name__)
+    spec = read_model(model, seq, type(model).__name__)
     target = resolve_cluster(cluster, world, backend)
     info = model_info(model)
+    limits = allowed_tp(model, world)
+    tps = [tp for tp, why in limits.items() if why is None]
     results = []
-    for constraints in _searches(world, spec.layers, _pipeline_ok(model), target.runtime is not None):
+    for constraints in _searches(world, spec.layers, _pipeline_ok(model), target.runtime is not None,
+                                 _selective_ok(model)):
         try:
-            results.append(plan(spec, target, strategy.global_batch_size, seq, top=CANDIDATES, **constraints))
+            results.append(plan(spec, target, strategy.global_batch_size, seq, top=CANDIDATES, tp=tps,
+                                **constraints))
         except ValueError:                      # e.g. no pipeline configuration divides this batch
             continue
     valid = []                                  # (step, memory, search, index, strategy), fastest first
@@ -117,7 +132,8 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
         _, _, i, j, chosen = min(valid, key=lambda v: v[:4])
         others = [min((v for v in valid if v[2] == k), key=lambda v: v[:4]) for k in range(len(results)) if k != i
                   and any(v[2] == k for v in valid)]
-        return chosen, _with_winner(results[i], j, [results[v[2]].candidates[v[3]] for v in others])
+        result = _with_winner(results[i], j, [results[v[2]].candidates[v[3]] for v in others])
+        return chosen, _with_reading(result, spec, limits)
     raise ValueError(f"auto_mode='full': no configuration of {spec.name} ({spec.short_dims()}) with global batch "
                      f"{strategy.global_batch_size} fits {world} ranks of {target.name} and passes the strategy "
                      f"checks; choose the degrees yourself (auto_mode='semi')")
@@ -134,6 +150,22 @@ def _with_winner(result, index, others=()):
     tail = "".join(f"\n  best with pipeline stages (ZeRO and recompute off, as the pipeline runtime composes): "
                    f"{c.config.short()}: {c.step_time_s:.3f} s" for c in others)
     return replace(result, candidates=cands[:SHOWN], explanation=note + result.explanation + tail)
+
+
+def _with_reading(result, spec, limits):
+    """The explanation prefixed by what was read off the model and the tensor-parallel degrees it refuses."""
+    from dataclasses import replace
+
+    refused = "".join(f"\n  tp={tp} refused: {why}" for tp, why in limits.items() if why is not None)
+    head = f"model {spec.name} ({spec.short_dims()}{_moe_dims(spec)}): {spec.source or 'given'}{refused}\n"
+    return replace(result, explanation=head + result.explanation)
+
+
+def _moe_dims(spec) -> str:
+    if not spec.is_moe:
+        return ""
+    return (f", experts={spec.experts}, top_k={spec.top_k}, expert_ffn={spec.expert_ffn}, "
+            f"shared_experts={spec.shared_experts}, dense_layers={spec.dense_layers}")
 
 
 def plan_strategy(model, strategy, seq_len=None, cluster=None):

@@ -132,7 +132,7 @@ def trace_model(model, seq_len: int, batch: int):
             self.inner = inner
 
         def forward(self, ids, labels):
-            return F.cross_entropy(self.inner(ids), labels)
+            return traced_loss(self.inner, ids, labels, F.cross_entropy)
 
     _, blocks = _find_blocks(model)
     marks = _Marks(blocks)
@@ -153,6 +153,58 @@ def trace_model(model, seq_len: int, batch: int):
                          f"of its LayerList")
     core = marks.core[0] if marks.core else 0
     return graph, [tuple(s) for s in marks.spans], core
+
+
+def traced_loss(model, ids, labels, cross_entropy):
+    """The loss a training step computes: the model's own when its forward takes ``labels`` and returns a loss
+    (PaddleFormers / Hugging Face causal LMs), else the cross-entropy of its logits. Token ids go in as
+    ``input_ids=`` when the forward names it, else positionally."""
+    import inspect
+
+    try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        names = {}
+    ids_kw = {"input_ids": ids} if "input_ids" in names else {}
+    args = () if ids_kw else (ids,)
+    if "labels" in names:
+        out = model(*args, labels=labels, **ids_kw)
+        loss = _loss_in(out)
+        if loss is not None:
+            return loss
+    else:
+        out = model(*args, **ids_kw)
+    return cross_entropy(logits_of(out), labels)
+
+
+def _loss_in(out):
+    """A scalar loss in a forward's output (a 0-d tensor, ``loss`` of a ModelOutput / dict, or first of a tuple)."""
+    from autoparallel.dist_tensor import DistTensor
+
+    if isinstance(out, dict) or hasattr(out, "loss"):
+        out = out.get("loss") if isinstance(out, dict) else out.loss
+    elif isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    return out if isinstance(out, DistTensor) and len(out.shape) == 0 else None
+
+
+def logits_of(out):
+    """The logits of a forward's output: a tensor, a ModelOutput / dict with ``logits``, or a tuple whose first
+    tensor is the logits (a causal LM returns (loss, logits, ...) only when given labels)."""
+    from autoparallel.dist_tensor import DistTensor
+
+    if isinstance(out, DistTensor):
+        return out
+    if isinstance(out, dict) or hasattr(out, "logits"):
+        logits = out.get("logits") if isinstance(out, dict) else out.logits
+        if isinstance(logits, DistTensor):
+            return logits
+    if isinstance(out, (tuple, list)):
+        first = next((x for x in out if isinstance(x, DistTensor)), None)
+        if first is not None:
+            return first
+    raise TypeError(f"ModelSpec.from_trace: the model's forward returned {type(out).__name__}; expected the logits "
+                    f"as a tensor, a ModelOutput or dict with 'logits', or a tuple starting with them")
 
 
 def _node_sums(graph, nodes):
@@ -223,22 +275,37 @@ def dimensions(model, graph, spans) -> dict:
     attention = _attention_layer(block)
     inside = {id(l) for _, l in _linears(attention)} if attention is not None else set()
     mlp = [l for _, l in _linears(block) if id(l) not in inside]
-    widths = sorted({int(x) for l in mlp for x in l.weight.shape if int(x) != hidden})
-    if len(widths) != 1:
-        raise ValueError(f"ModelSpec.from_trace expects the MLP matrices of a block to share one inner width, got "
-                         f"{widths} in {type(block).__name__}")
-    linears = [l for _, l in _linears(model)]
-    out_head = [l for l in linears if id(l.weight) not in block_ids and tuple(int(x) for x in l.weight.shape)
-                == (hidden, vocab)]
+    ffn, gated = _mlp_width(model, block, mlp, hidden)
     norms = _norms(block)
     layernorm = any(getattr(n, "bias", None) is not None for _, n in norms)
     c = getattr(model, "config", None)
     dropout = bool(getattr(c, "dropout", 0.0) or 0.0)
-    return dict(hidden=hidden, layers=len(blocks), heads=int(heads), vocab=vocab, ffn=widths[0],
-                kv_heads=int(kv_heads or heads), swiglu=len(mlp) == 3,
+    return dict(hidden=hidden, layers=len(blocks), heads=int(heads), vocab=vocab, ffn=ffn,
+                kv_heads=int(kv_heads or heads), swiglu=gated,
                 bias=any(l.bias is not None for _, l in _linears(block)), layernorm=layernorm,
-                tied_embeddings=not out_head, learned_positions=bool(positions),
+                tied_embeddings=head_tied(model, blocks, hidden, vocab), learned_positions=bool(positions),
                 positions=positions[0] if positions else 0, dropout=dropout)
+
+
+def head_tied(model, blocks, hidden: int, vocab: int) -> bool:
+    """True when no parameter outside the blocks but the input embedding is a [h, V] or [V, h] output head."""
+    block_ids = {id(p) for b in blocks for p in b.parameters()}
+    embedding_ids = {id(e.weight) for _, e in _embeddings(model)}
+    return not any(id(p) not in block_ids and id(p) not in embedding_ids
+                   and tuple(int(x) for x in p.shape) in ((hidden, vocab), (vocab, hidden)) for p in model.parameters())
+
+
+def _mlp_width(model, block, mlp, hidden):
+    """(inner width, gated) of the block's MLP: one inner width shared by its matrices (gated with three
+    matrices), or ``config.intermediate_size`` when the matrices show it and twice it (a fused [gate | up])."""
+    widths = sorted({int(x) for l in mlp for x in l.weight.shape if int(x) != hidden})
+    if len(widths) == 1:
+        return widths[0], len(mlp) == 3
+    inner = getattr(getattr(model, "config", None), "intermediate_size", None)
+    if isinstance(inner, int) and widths == sorted({inner, 2 * inner}):
+        return inner, True
+    raise ValueError(f"ModelSpec.from_trace expects the MLP matrices of a block to share one inner width (or a "
+                     f"fused [gate | up] of twice config.intermediate_size), got {widths} in {type(block).__name__}")
 
 
 # ---- op profile --------------------------------------------------------------------------------------
@@ -247,10 +314,8 @@ def op_profile(model, spans, core_ops: int, total_ops: int):
     from autoparallel.planner.model_spec import OpProfile
 
     _, blocks = _find_blocks(model)
-    block_ops = spans[0][1] - spans[0][0]
-    if any(b - a != block_ops for a, b in spans):
-        raise ValueError(f"ModelSpec.from_trace expects identical blocks; their op counts are "
-                         f"{[b - a for a, b in spans]}")
+    counts = [b - a for a, b in spans]
+    block_ops = round(sum(counts) / len(counts))      # blocks of different kinds (sliding / full attention): mean
     owners = _param_owners
     block_ids = {id(p) for b in blocks for p in b.parameters()}
     outside_tensors = [p for p in model.parameters() if id(p) not in block_ids]
@@ -303,9 +368,34 @@ def from_trace(model, seq_len: int, batch: int, name: str = "traced"):
                        layer_flops=layer_flops, layer_matmul_flops=layer_mm, layer_activation_bytes=layer_bytes,
                        outside_flops=out_flops, outside_matmul_flops=out_mm, outside_activation_bytes=out_bytes)
     spec = ModelSpec(name, seq_len=int(seq_len), ops=ops, traced=facts, **dims)
-    counted = sum(int(np.prod(p.shape)) for p in {id(p): p for p in model.parameters()}.values())
-    if spec.params != counted:
-        raise ValueError(f"ModelSpec.from_trace: {type(model).__name__} has {counted} parameters but its inferred "
-                         f"dimensions ({spec.short_dims()}) give {spec.params}; the model is not a decoder-only "
-                         f"transformer of the form ModelSpec describes")
-    return spec
+    counts = sorted({b - a for a, b in spans})
+    mean = "" if len(counts) == 1 else f" (blocks differ: {counts} ops, mean taken)"
+    source = (f"traced: forward ops, FLOPs and activation bytes per block{mean}; dimensions from the parameters "
+              f"(hidden, vocab, FFN width) and {'model.config' if _heads_from_config(model)[0] else 'the trace'} "
+              f"(heads)")
+    from autoparallel.planner.model_read import fit_attention_width
+
+    return with_residual(fit_attention_width(spec, model), model, source)
+
+
+def counted_params(model) -> int:
+    return sum(int(np.prod(p.shape)) for p in {id(p): p for p in model.parameters()}.values())
+
+
+def with_residual(spec, model, source: str):
+    """``spec`` with the model's real parameter count: what the closed form misses (or over-counts) per block
+    becomes ``extra_layer_params`` (priced replicated); more than half the model unexplained is refused."""
+    from dataclasses import replace
+
+    counted = counted_params(model)
+    residual = counted - spec.params
+    if abs(residual) > counted / 2:
+        raise ValueError(f"{type(model).__name__} has {counted} parameters but its inferred dimensions "
+                         f"({spec.short_dims()}) give {spec.params}; the model is not a decoder-only transformer "
+                         f"of the form ModelSpec describes")
+    if residual:
+        source += (f"; {residual:+d} parameters ({residual / spec.layers:+.0f} per block) beyond the closed form, "
+                   f"priced replicated")
+    out = replace(spec, extra_layer_params=residual / spec.layers, source=source)
+    assert out.params == counted, (out.params, counted)
+    return out

@@ -86,6 +86,14 @@ class ModelSpec:
     shared_experts: int = 0
     dense_layers: int = 0
     route_nodes: int = 0          # node-limited routing: a token reaches at most this many nodes (0: no limit)
+    # -- read off a real model (from_trace / from_config): parameters per block the closed form does not
+    #    describe (qk norms, low-rank attention, gates, biases of some matrices only; negative when the form
+    #    counts more), priced as replicated; and a text saying which figures were traced, read from the
+    #    model's config or estimated
+    extra_layer_params: float = 0.0
+    attn_dim: int = 0             # width of the query heads, heads·head_dim; 0 means hidden (Qwen3 and ERNIE 4.5
+                                  # set head_dim so that heads·head_dim != hidden)
+    source: str = ""
 
     def __post_init__(self):
         for field_name in ("hidden", "layers", "heads", "vocab", "seq_len"):
@@ -99,8 +107,9 @@ class ModelSpec:
         if self.ffn < 0 or self.kv_heads < 0:
             raise ValueError(f"model {self.name!r}: ffn and kv_heads must be positive, got ffn={self.ffn}, "
                              f"kv_heads={self.kv_heads}")
-        if self.hidden % self.heads:
-            raise ValueError(f"model {self.name!r}: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.attn_dim < 0 or (self.attn_dim or self.hidden) % self.heads:
+            raise ValueError(f"model {self.name!r}: attn_dim or hidden ({self.attn_dim or self.hidden}) must be "
+                             f"divisible by heads ({self.heads})")
         if self.heads % self.kv_heads:
             raise ValueError(f"model {self.name!r}: heads ({self.heads}) must be divisible by kv_heads "
                              f"({self.kv_heads})")
@@ -160,7 +169,7 @@ class ModelSpec:
     # ---- dimensions -------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return (self.attn_dim or self.hidden) // self.heads
 
     @property
     def kv_dim(self) -> int:
@@ -178,7 +187,8 @@ class ModelSpec:
         For MoE: attention, the dense MLP of the dense blocks, shared experts and the router, averaged over
         blocks; the routed experts are ``layer_expert_params``."""
         h = self.hidden
-        attention = h * h + 2 * h * self.kv_dim + h * h
+        q = self.attn_dim or h
+        attention = h * q + 2 * h * self.kv_dim + q * h
         if not self.is_moe:
             return attention + self.mlp_matrices * h * self.ffn
         f = self.moe_fraction
@@ -191,7 +201,7 @@ class ModelSpec:
         h = self.hidden
         norms = 2 * (2 * h if self.layernorm else h)
         biases = (h + 2 * self.kv_dim + h + (self.mlp_matrices - 1) * self.ffn + h) if self.bias else 0
-        return norms + biases
+        return norms + biases + self.extra_layer_params
 
     @property
     def layer_params(self) -> int:
@@ -229,11 +239,11 @@ class ModelSpec:
         """2·P_mm + 4·s·h: the block's matmuls plus attention scores (QK^T) and their use (AV); MoE blocks add
         the top_k routed experts a token visits."""
         routed = self.moe_fraction * self.top_k * self.expert_params
-        return 2.0 * (self.layer_matmul_params + routed) + 4.0 * seq_len * self.hidden
+        return 2.0 * (self.layer_matmul_params + routed) + 4.0 * seq_len * (self.attn_dim or self.hidden)
 
     def attention_core_flops_per_token(self, seq_len: int) -> float:
         """4·s·h: the part of a block's forward that selective recomputation runs again."""
-        return 4.0 * seq_len * self.hidden
+        return 4.0 * seq_len * (self.attn_dim or self.hidden)
 
     def logits_forward_flops_per_token(self) -> float:
         """2·h·V: the output projection."""

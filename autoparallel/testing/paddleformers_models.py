@@ -6,13 +6,16 @@
     with ap.simulate(world_size=4):
         loss, grads = pf.sharded("llama", "tp")     # 2x2 ["data", "model"] mesh: "dp" or "tp" (the seed shard fn)
 
-PaddleFormers' Qwen2/Qwen3/Qwen2-MoE modules import ``paddleformers.transformers.gpt_provider``, which
-needs the GPU-only ``paddlefleet``; ``install_paddlefleet_stub()`` puts a stand-in module in
-``sys.modules`` first (the paddle-native ``...Deprecated`` classes never use it).
+PaddleFormers' Qwen2/Qwen3/Qwen2-MoE/Qwen3-MoE/GLM-4-MoE modules import ``paddleformers.transformers.gpt_provider``,
+which needs the GPU-only ``paddlefleet``, and its MoE token dispatcher imports ``paddlefleet_ops`` (DeepEP);
+``install_paddlefleet_stub()`` puts stand-in modules in ``sys.modules`` first (the paddle-native
+``...Deprecated`` classes and the naive MoE layers never use them).
 """
 from __future__ import annotations
 
+import copy
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -38,8 +41,74 @@ MODELS = {
     "gpt_oss": ("gpt_oss", "GptOssForCausalLM", "GptOssConfig",
                 {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": HIDDEN // HEADS}),
 }
-MOE = ["qwen2_moe", "gpt_oss"]
+_HD = HIDDEN // HEADS
+# MoE families added after the first eight: 4 routed experts, top-2, small expert FFNs
+MODELS.update({
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLMDeprecated", "Qwen3MoeConfig",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": _HD}),
+    # MLA attention (low-rank q and kv, decoupled rope dims), noaux_tc group-limited sigmoid gate with its
+    # correction bias, a shared expert, one dense layer first, YaRN rope scaling (its mscale changes the softmax scale)
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config",
+                    {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                     "v_head_dim": 16, "num_key_value_heads": HEADS, "topk_method": "noaux_tc", "n_group": 2,
+                     "topk_group": 1, "scoring_func": "sigmoid", "norm_topk_prob": True, "first_k_dense_replace": 1,
+                     "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32,
+                                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
+    "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLMDeprecated", "Glm4MoeConfig",
+                 {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "first_k_dense_replace": 1, "head_dim": _HD, "using_flex_token": False}),
+    # hybrid: a gated-delta-net (linear attention) layer then a gated full-attention layer, MoE with a shared expert
+    "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
+                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "shared_expert_intermediate_size": 32, "head_dim": _HD, "linear_key_head_dim": 8,
+                    "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                    "layer_types": ["linear_attention", "full_attention"]}),
+})
+MOE = ["qwen2_moe", "gpt_oss", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next"]
 DENSE = [n for n in MODELS if n not in MOE]
+
+# Config options that change the forward, per family (the sweep runs each next to the family's default config)
+VARIANTS = {
+    "llama": [{"attention_bias": True}, {"tie_word_embeddings": False},
+              {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, {"_attn_implementation": "sdpa"},
+              {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 16}},
+              {"recompute": True, "recompute_granularity": "full", "recompute_method": "uniform",
+               "recompute_num_layers": 1}],
+    "qwen2": [{"tie_word_embeddings": True},
+              {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}],
+    "qwen3": [{"attention_bias": True}, {"tie_word_embeddings": True},
+              {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}],
+    "ernie4_5": [{"use_bias": True}, {"tie_word_embeddings": False}],
+    "gemma3": [{"attention_bias": True}, {"sliding_window": 4}],
+    "phi3": [{"tie_word_embeddings": True}],
+    "qwen2_moe": [{"qkv_bias": False}, {"norm_topk_prob": True}],
+    "gpt_oss": [{"attention_bias": False}, {"layer_types": ["sliding_attention", "full_attention"],
+                                            "sliding_window": 4}],
+    "qwen3_moe": [{"attention_bias": True}, {"norm_topk_prob": True, "mlp_only_layers": [0]}],
+    "deepseek_v3": [{"attention_bias": True}, {"q_lora_rank": None}, {"_attn_implementation": "sdpa"}],
+    "glm4_moe": [{"use_qk_norm": True}, {"attention_bias": True}],
+    "qwen3_next": [{"attention_bias": True}, {"partial_rotary_factor": 0.5}],
+}
+
+# Text causal-LM families of PaddleFormers 1.2 that do not run on a CPU, and why (the sweep's named skips)
+SKIPPED = {
+    "ernie4_5_moe": "its MoE layer (MOEAllGatherLayerV2) calls expand_modality_expert_id, a GPU-only kernel",
+    "deepseek_v32": "built by a paddlefleet provider (GPU-only package)",
+    "deepseek_v4": "built by a paddlefleet provider (GPU-only package)",
+    "glm_moe_dsa": "built by a paddlefleet provider (GPU-only package)",
+    "kimi_k2": "built by a paddlefleet provider (GPU-only package)",
+    "minimax_m2": "built by a paddlefleet provider (GPU-only package)",
+    "qwen3_5": "built by a paddlefleet provider (GPU-only package); a vision-language model",
+    "qwen3_5_moe": "built by a paddlefleet provider (GPU-only package); a vision-language model",
+}
+# Options that do not run on a CPU: GPT-OSS's attention sinks under "sdpa" read a CUDA-only flag
+SKIPPED_VARIANTS = {("gpt_oss", "_attn_implementation=sdpa"): "sink attention reads FLAGS_cudnn_deterministic "
+                                                                "(CUDA-only)"}
+# Families that are not text causal LMs (vision-language, OCR, speech): out of scope for the sweep
+NOT_TEXT = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "ernie4_5_moe_vl", "paddleocr_vl",
+            "glm_ocr", "qwen3_omni_moe", "kimi_k25", "whisper")
 
 # the seed's shard function: column-parallel projections split their output dim, row-parallel their input dim
 COL = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "up_gate_proj", "gate_up_proj")
@@ -57,8 +126,15 @@ def install_paddlefleet_stub() -> None:
     if name in sys.modules:
         return
     stub = types.ModuleType(name)
-    stub.GPTModelProvider = type("GPTModelProvider", (), {})
+    stub.GPTModelProvider = type("GPTModelProvider", (), {"transform_rules": {}})
     sys.modules[name] = stub
+    if importlib.util.find_spec("paddlefleet_ops") is None:
+        # imported at the top of paddleformers' MoE token dispatcher for DeepEP; the MoE layers built
+        # here never dispatch through it. No location, so paddleformers' availability checks stay False.
+        ops = types.ModuleType("paddlefleet_ops")
+        ops.__spec__ = importlib.machinery.ModuleSpec("paddlefleet_ops", None)
+        ops.is_deep_ep_available = lambda: False
+        sys.modules["paddlefleet_ops"] = ops
 
 
 def model_class(name: str):
@@ -73,17 +149,31 @@ def model_class(name: str):
 
 def config(name: str, **overrides):
     _, cfg_cls, extra = model_class(name)
-    return cfg_cls(**{**_BASE, **extra, **overrides})
+    # a config may write into dicts it is given (rope_scaling): it gets copies, the tables stay as written
+    return cfg_cls(**copy.deepcopy({**_BASE, **extra, **overrides}))
 
 
-def build(name: str, seed: int = 0, **overrides):
-    """A tiny model with parameters drawn from ``paddle.seed(seed)``."""
+def build(name: str, seed: int = 0, fill_zeros: bool = False, **overrides):
+    """A tiny model with parameters drawn from ``paddle.seed(seed)``. ``fill_zeros``: parameters the model
+    initialises to zero (biases, some norm and gate weights) get small random values instead, so that a
+    layout that adds a bias once per rank, or drops it, changes the loss."""
     import paddle
 
     cls, _, _ = model_class(name)
     cfg = config(name, **overrides)
     paddle.seed(seed)
-    return cls(cfg)
+    model = cls(cfg)
+    if fill_zeros:
+        _fill_zeros(model, seed)
+    return model
+
+
+def _fill_zeros(model, seed: int) -> None:
+    rng = np.random.default_rng(seed + 1)
+    for _, p in model.named_parameters():
+        v = p.numpy()
+        if v.size and not v.any():
+            p.set_value((0.1 * rng.standard_normal(v.shape)).astype(v.dtype))
 
 
 def batch(seed: int = 0, b: int = 4, t: int = 8, vocab: int = VOCAB):

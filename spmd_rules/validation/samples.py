@@ -184,6 +184,15 @@ def _cases_norm():
              training=True, label="train")
     add_case("conv2d", f(5, 6, 4, 4), f(7, 6, 3, 3), f(7), padding=1)
     add_case("conv2d", f(5, 4, 4, 6), f(7, 6, 2, 2), stride=2, data_format="NHWC", label="nhwc")
+    add_case("conv1d", f(5, 6, 8), f(4, 6, 3), f(4), padding=[2, 0], label="causal")
+    add_case("conv1d", f(5, 6, 8), f(6, 1, 3), f(6), padding=2, groups=6, label="depthwise")
+    add_case("conv1d", f(5, 8, 6), f(4, 6, 2), stride=2, padding="SAME", data_format="NLC", label="nlc")
+    add_case("conv3d", f(3, 4, 4, 4, 5), f(6, 4, 2, 3, 2), f(6), padding=1)
+    add_case("pad", f(4, 6, 5), [1, 2], label="last-dim")
+    add_case("pad", f(4, 6, 5), [0, 0, 2, 1], label="torch-order")
+    add_case("pad", f(4, 6, 5), [1, 0, 0, 0, 0, 2], label="all-dims")
+    add_case("pad", f(4, 6, 5, 3), [1, 1, 0, 2], mode="reflect", data_format="NHWC", label="reflect-nhwc")
+    add_case("pad", f(4, 6, 5), [2, 0], value=1.5, label="value")
 
 
 def _cases_nn():
@@ -236,6 +245,7 @@ def _cases_shape():
     add_case("split", f(5, 6), 2, axis=1, label="equal")
     add_case("chunk", f(6, 5), 3)
     add_case("concat", [f(5, 2), f(5, 6)], axis=1)
+    add_case("concat", [f(5, 0, 3), f(5, 6, 3)], axis=1, label="empty-piece")
     add_case("stack", [f(5, 6), f(5, 6)], axis=1)
     add_case("getitem", f(5, 6, 7), (slice(None), 2, slice(1, 5)))
     add_case("getitem", f(5, 6, 7), (Ellipsis, None, slice(0, 7, 2)), label="ellipsis-none-step")
@@ -268,6 +278,9 @@ def _cases_routing():
     add_case("index_select", f(6, 4), T(np.array([5, 0, 2])), axis=0)
     add_case("gather", f(6, 4), T(np.array([3, 0, 2])), axis=1, label="axis1")
     add_case("scatter", f(6, 4), T(np.array([3, 0, 5])), f(3, 4))
+    add_case("gather", f(5, 6), 1, ints(6, 5, 2), label="torch-form")
+    add_case("scatter", f(5, 6), 1, T(np.array([[0, 2], [3, 4], [5, 0], [1, 3], [2, 4]])), f(5, 2),
+             label="torch-form")
     add_case("index_put", f(5, 6), (T(np.array([0, 4])), T(np.array([1, 5]))), f(2), accumulate=True)
     add_case("permute", f(5, 6, 7), [2, 0, 1])
     add_case("nonzero", T(np.array([[0.0, 1.5, 0.0], [2.0, 0.0, -1.0]])), grad=False)

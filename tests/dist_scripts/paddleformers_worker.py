@@ -13,7 +13,7 @@ from autoparallel.comm.counter import count_comm  # noqa: E402
 from autoparallel.testing import paddleformers_models as pf  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402
 
-MODELS = ("llama", "qwen2", "phi3")
+MODELS = ("llama", "qwen2", "phi3", "deepseek_v3")
 STEPS = 5
 
 

@@ -1,0 +1,53 @@
+"""A model's own activation recompute, when its inputs are distributed.
+
+Library models call paddle's recompute themselves: PaddleFormers with ``config.recompute=True`` (and
+``recompute_granularity`` "full" / "full_attn" / "core_attn") runs ``paddle.distributed.fleet.utils.recompute(
+layer, ...)``, reentrant by default, i.e. through the PyLayer ``RecomputeFunction``, whose forward may return
+only paddle Tensors -- a distributed activation is refused there with paddle's "At least one output of
+``PyLayer.forward`` is a ``Tensor``". While autoparallel is installed, a reentrant recompute whose inputs include
+a distributed tensor runs through paddle's non-reentrant recompute instead (saved-tensor hooks, the one
+``Strategy.recompute`` uses): the same function on the same arguments, the same values, activations dropped in
+forward and recomputed in backward just the same. Calls on plain tensors are untouched. Paddle's input offload
+(``offload_indices``, reentrant only) has no distributed form: asking for it raises.
+"""
+from __future__ import annotations
+
+from autoparallel import compat, patches
+
+_installed = False
+
+
+def _has_dist(args) -> bool:
+    from autoparallel.dispatch import is_dist
+
+    return any(is_dist(a) or (isinstance(a, (list, tuple)) and any(is_dist(x) for x in a)) for a in args)
+
+
+def install() -> None:
+    """Patch ``RecomputeFunction.apply`` once (idempotent; undone with the other patches)."""
+    global _installed
+    if _installed:
+        return
+    cls, without_reentrant = compat.reentrant_recompute()
+    original = cls.apply
+
+    def apply(_cls, function, preserve, offload_indices, get_state, set_state, *args):
+        if not _has_dist(args):
+            return original(function, preserve, offload_indices, get_state, set_state, *args)
+        if offload_indices:
+            raise NotImplementedError(
+                f"recompute(..., offload_indices={list(offload_indices)}) on distributed tensors: paddle's input "
+                f"offload exists only in its reentrant recompute; drop offload_indices (Strategy.sharding.offload "
+                f"offloads optimizer states)")
+        return without_reentrant(function, get_state, set_state, preserve, *args)
+
+    patches.patch(cls, "apply", classmethod(apply))
+    _installed = True
+
+
+def _reset() -> None:
+    global _installed
+    _installed = False
+
+
+patches.on_undo(_reset)
