@@ -159,6 +159,57 @@ def triplet_margin_loss(input, positive, negative, margin=1.0, p=2, epsilon=1e-0
     return _reduce(_p().clip(pos - neg + margin, min=0.0), reduction)
 
 
+def multi_margin_loss(input, label, p=1, margin=1.0, weight=None, reduction="mean", name=None):
+    op = "multi_margin_loss"
+    _check_reduction(op, reduction)
+    si = gshape(input)
+    if len(si) != 2 or gshape(label)[0] != si[0]:
+        raise ValueError(f"{op}: input must be [N, C] and label [N], got {si} and {gshape(label)}")
+    paddle = _p()
+    label = label.reshape((-1, 1))
+    picked = paddle.index_sample(input, label)
+    hinge = paddle.pow(paddle.clip(margin - picked + input, min=0.0), p)
+    if weight is not None:
+        if gshape(weight)[0] != si[1]:
+            raise ValueError(f"{op}: weight must have {si[1]} entries, got {gshape(weight)}")
+        w = paddle.gather(weight, label, axis=0).reshape((-1, 1))
+        loss = paddle.mean(w * hinge, axis=1) - (w * (margin ** p / si[1])).squeeze()
+    else:
+        loss = paddle.mean(hinge, axis=1) - margin ** p / si[1]
+    return _reduce(loss, reduction)
+
+
+def zeropad2d(x, padding, data_format="NCHW", name=None):
+    from spmd_rules.composites import _F
+
+    return _F().pad(x, pad=padding, mode="constant", value=0, data_format=data_format)
+
+
+def bilinear(x1, x2, weight, bias=None, name=None):
+    """out[b, o] = x1[b] @ weight[o] @ x2[b] (+ bias[0, o])."""
+    s1, s2, sw = gshape(x1), gshape(x2), gshape(weight)
+    if len(s1) != 2 or len(s2) != 2 or len(sw) != 3 or sw[1:] != [s1[1], s2[1]]:
+        raise ValueError(f"bilinear: x1 [N, in1], x2 [N, in2] and weight [out, in1, in2] expected, got {s1}, {s2} "
+                         f"and {sw}")
+    paddle = _p()
+    t = paddle.einsum("bi,oij->boj", x1, weight)
+    out = paddle.sum(t * x2.unsqueeze(1), axis=-1)
+    return out if bias is None else out + bias
+
+
+def sequence_mask(x, maxlen=None, dtype="int64", name=None):
+    paddle = _p()
+    if maxlen is None:
+        maxlen = int(paddle.max(x))
+    elif not isinstance(maxlen, numbers.Integral):
+        raise NotImplementedError("sequence_mask: maxlen given as a tensor is not supported on distributed "
+                                  "tensors; pass a python int")
+    steps = paddle.arange(int(maxlen), dtype=x.dtype)
+    out = paddle.cast(steps < x.unsqueeze(-1), dtype)
+    out.stop_gradient = True
+    return out
+
+
 def vecdot(x, y, axis=-1, name=None):
     return _p().sum(x * y, axis=axis)
 
@@ -240,6 +291,7 @@ def randint_like(x, low=0, high=None, dtype=None, name=None):
 _P_NAMES = ("vecdot", "dist", "rot90", "msort", "ldexp", "numel", "rand_like", "randn_like", "randint_like")
 COMPOSITES: dict = {f"paddle.nn.functional.{n}": globals()[n]
                     for n in ("pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "prelu", "maxout",
-                              "cosine_embedding_loss", "gaussian_nll_loss", "triplet_margin_loss")}
+                              "cosine_embedding_loss", "gaussian_nll_loss", "triplet_margin_loss",
+                              "multi_margin_loss", "zeropad2d", "bilinear", "sequence_mask")}
 COMPOSITES.update({f"paddle.{n}": globals()[n] for n in _P_NAMES})
 COMPOSITES["paddle.linalg.vecdot"] = vecdot

@@ -188,6 +188,8 @@ OP_TABLE: dict = {
     "interpolate": ("paddle.nn.functional.interpolate",),
     "upsample": ("paddle.nn.functional.upsample",),
     **{n: _fn(n) for n in ("quantile", "nanquantile", "kthvalue", "mode")},
+    "lp_pool1d": ("paddle.nn.functional.lp_pool1d",),
+    "lp_pool2d": ("paddle.nn.functional.lp_pool2d",),
 }
 
 ARG_MAP: dict = {

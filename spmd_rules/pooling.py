@@ -177,3 +177,19 @@ _adaptive("adaptive_avg_pool2d", 2, "avg")
 _adaptive("adaptive_avg_pool3d", 3, "avg")
 for _n in (1, 2, 3):
     _adaptive(f"adaptive_max_pool{_n}d", _n, "max")
+
+
+def _lp_pool(n, fmt):
+    op = f"lp_pool{n}d"
+
+    def rule(x, norm_type, kernel_size, stride=None, padding=0, ceil_mode=False, data_format=fmt, name=None):
+        check_spec(op, "x", x)
+        dims, out = _pooled_shape(op, x, n, kernel_size, stride, padding, ceil_mode, data_format)
+        return _result(op, x, dims, out, linear=False)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule)
+
+
+_lp_pool(1, "NCL")
+_lp_pool(2, "NCHW")

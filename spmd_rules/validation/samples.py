@@ -468,3 +468,6 @@ def _cases_interpolate():
              grad=False)
     add_case("kthvalue", f(5, 6), 2, axis=1)
     add_case("mode", ints(3, 5, 6), axis=0)
+    add_case("lp_pool1d", f(2, 3, 8, lo=0.1), 2.0, 2)
+    add_case("lp_pool2d", f(2, 3, 6, 6, lo=0.1), 3.0, 2, stride=2)
+    add_case("lp_pool2d", f(2, 6, 6, 3, lo=0.1), 2.0, 3, stride=1, padding=1, data_format="NHWC", label="nhwc-pad")
