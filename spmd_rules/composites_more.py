@@ -210,6 +210,33 @@ def sequence_mask(x, maxlen=None, dtype="int64", name=None):
     return out
 
 
+def local_response_norm(x, size, alpha=0.0001, beta=0.75, k=1.0, data_format="NCHW", name=None):
+    """paddle's own construction (a channel window sum by pad + average pooling) over routed ops."""
+    op = "local_response_norm"
+    _check_format(op, data_format, ("NCL", "NLC", "NCHW", "NHWC", "NCDHW", "NDHWC"))
+    sizes = gshape(x)
+    if len(sizes) < 3:
+        raise ValueError(f"{op}: expects a 3-D or higher input, got {sizes}")
+    paddle, F = _p(), _p().nn.functional
+    last = data_format[-1] == "C"
+    rest = math.prod(sizes[1:])
+    div = paddle.unsqueeze(x * x, axis=1)
+    lo, hi = size // 2, (size - 1) // 2
+    if len(sizes) == 3:
+        div = F.pad(div, pad=[lo, hi, 0, 0] if last else [0, 0, lo, hi])
+        div = paddle.squeeze(F.avg_pool2d(div, kernel_size=(1, size) if last else (size, 1), stride=1), axis=1)
+    else:
+        if last:
+            shape5 = [sizes[0], 1, sizes[1], rest // (sizes[1] * sizes[-1]), sizes[-1]]
+        else:
+            shape5 = [sizes[0], 1, sizes[1], sizes[2], rest // (sizes[1] * sizes[2])]
+        div = F.pad(div.reshape(shape5), pad=[lo, hi, 0, 0, 0, 0] if last else [0, 0, 0, 0, lo, hi],
+                    data_format="NCDHW")
+        div = F.avg_pool3d(div, kernel_size=(1, 1, size) if last else (size, 1, 1), stride=1)
+        div = paddle.squeeze(div, axis=1).reshape(sizes)
+    return x / paddle.pow(paddle.scale(div, scale=alpha, bias=k), beta)
+
+
 def vecdot(x, y, axis=-1, name=None):
     return _p().sum(x * y, axis=axis)
 
@@ -292,6 +319,7 @@ _P_NAMES = ("vecdot", "dist", "rot90", "msort", "ldexp", "numel", "rand_like", "
 COMPOSITES: dict = {f"paddle.nn.functional.{n}": globals()[n]
                     for n in ("pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "prelu", "maxout",
                               "cosine_embedding_loss", "gaussian_nll_loss", "triplet_margin_loss",
-                              "multi_margin_loss", "zeropad2d", "bilinear", "sequence_mask")}
+                              "multi_margin_loss", "zeropad2d", "bilinear", "sequence_mask",
+                              "local_response_norm")}
 COMPOSITES.update({f"paddle.{n}": globals()[n] for n in _P_NAMES})
 COMPOSITES["paddle.linalg.vecdot"] = vecdot
