@@ -30,12 +30,23 @@ CORE_NAMES = ("causal_attention", "scaled_dot_product_attention", "attention_cor
 
 def checkpoint(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` whose intermediate activations are recomputed in backward."""
+    from autoparallel.parallel.recompute_state import roots_of
+
+    where = getattr(fn, "__qualname__", type(fn).__name__)
+    return region(fn, where, roots_of(fn, args, kwargs), args, kwargs)
+
+
+def region(fn, where: str, roots, args, kwargs):
+    """``fn(*args, **kwargs)`` as the recompute region ``where``: its activations are recomputed in backward,
+    and the re-run repeats none of the forward's effects on the Python state reachable from ``roots``
+    (recompute_state)."""
     if not paddle.is_grad_enabled():
         return fn(*args, **kwargs)
     from autoparallel import dispatch
     from autoparallel.graph import trace
+    from autoparallel.parallel.recompute_state import guarded
 
-    fn = dispatch.replayable(fn)            # the re-run in backward reuses the forward's pinned layouts
+    fn = dispatch.replayable(guarded(fn, where, roots))   # the re-run reuses the forward's pinned layouts
     if trace.active() is not None:          # capture: the region's ops are recorded (and marked) once
         return fn(*args, **kwargs)
     for counter in _COUNTERS:
@@ -69,9 +80,9 @@ def apply_ac(model, granularity: str = "full", checkpoint_every_n_layers: int = 
     if granularity not in GRANULARITIES:
         raise ValueError(f"recompute granularity must be one of {GRANULARITIES}, got {granularity!r}")
     _check_n(checkpoint_every_n_layers)
-    _, blocks = find_blocks(model)
+    prefix, blocks = find_blocks(model)
     if granularity == "full":
-        _segments(blocks, checkpoint_every_n_layers)
+        _segments(blocks, checkpoint_every_n_layers, [f"{prefix}.{i}" for i in range(len(blocks))])
     else:
         for block in blocks:
             _selective(block)
@@ -94,7 +105,8 @@ def recompute_layers(model, segment_func=None, checkpoint_every_n_layers: int = 
     if not isinstance(model, paddle.nn.Layer):
         raise TypeError(f"recompute_layers expects a paddle.nn.Layer, got {type(model).__name__}")
     if segment_func is None:
-        _segments(find_blocks(model)[1], checkpoint_every_n_layers)
+        prefix, blocks = find_blocks(model)
+        _segments(blocks, checkpoint_every_n_layers, [f"{prefix}.{i}" for i in range(len(blocks))])
         return model
     if not callable(segment_func):
         raise TypeError(f"segment_func must be a predicate layer -> bool or a function model -> list of layers, "
@@ -155,20 +167,11 @@ def _matching_runs(model, pred, model_matches: bool) -> list:
     return runs
 
 
-def _segments(blocks, n):
-    for i in range(0, len(blocks), n):
-        seg = blocks[i:i + n]
-        fwds = [b.forward for b in seg]
+def _segments(blocks, n, names=None):
+    from autoparallel.parallel.recompute_segments import install_segments
 
-        def run(*args, _fwds=fwds, **kwargs):
-            x = args[0]
-            for f in _fwds:
-                x = f(x, *args[1:], **kwargs)
-            return x
-
-        seg[0].forward = (lambda *a, _run=run, **k: checkpoint(_run, *a, **k))
-        for b in seg[1:]:
-            b.forward = lambda *a, **k: a[0]
+    names = names or [f"{type(b).__name__}[{i}]" for i, b in enumerate(blocks)]
+    install_segments(blocks, names, n, region)
 
 
 def _attention(block):
