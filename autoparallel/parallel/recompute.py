@@ -26,6 +26,7 @@ from autoparallel.comm.sizes import nbytes
 GRANULARITIES = ("full", "selective")
 _COUNTERS: list = []            # active SavedBytes: a recompute region's inputs stay alive until backward
 CORE_NAMES = ("causal_attention", "scaled_dot_product_attention", "attention_core")
+REGISTRY = "ALL_ATTENTION_FUNCTIONS"   # the attention-function registry of PaddleFormers (and HF) modelling files
 
 
 def checkpoint(fn, *args, **kwargs):
@@ -182,18 +183,35 @@ def _attention(block):
                      f"{type(block).__name__}; got {[n for n, _ in block.named_sublayers()]}")
 
 
+class _CheckpointedRegistry:
+    """An attention-function registry (``ALL_ATTENTION_FUNCTIONS[impl]``) whose entries run as recompute regions."""
+
+    def __init__(self, registry):
+        self._registry = registry
+
+    def __getitem__(self, key):
+        core = self._registry[key]
+        return lambda *a, **k: checkpoint(core, *a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._registry, name)
+
+
 def _selective(block):
     attn = _attention(block)
     mod = sys.modules[type(attn).__module__]
     name = next((n for n in CORE_NAMES if callable(getattr(mod, n, None))), None)
+    if name is None and hasattr(getattr(mod, REGISTRY, None), "__getitem__"):
+        name = REGISTRY
     if name is None:
         raise ValueError(f"selective recompute needs the attention core as a module-level function named one of "
-                         f"{CORE_NAMES} in {mod.__name__}; found none")
+                         f"{CORE_NAMES} (or an attention registry {REGISTRY}) in {mod.__name__}; found none")
     forward = attn.forward
 
     def wrapped(*args, **kwargs):
         core = getattr(mod, name)
-        setattr(mod, name, lambda *a, **k: checkpoint(core, *a, **k))
+        setattr(mod, name, _CheckpointedRegistry(core) if name == REGISTRY
+                else (lambda *a, **k: checkpoint(core, *a, **k)))
         try:
             return forward(*args, **kwargs)
         finally:
