@@ -56,7 +56,9 @@ class _Snapshot:
             if obj._is_initialized():
                 self.versions[id(obj)] = (obj, obj._inplace_version(), path)
             return
-        if _is_tensor(obj):                               # a distributed activation: a value, not state
+        if _is_tensor(obj):                               # a distributed tensor held as state: its local shards
+            for rank, t in getattr(obj, "locals", {}).items():
+                self._visit(t, depth + 1, f"{path}(rank {rank})")
             return
         self._seen.add(id(obj))
         if isinstance(obj, paddle.nn.Layer):
