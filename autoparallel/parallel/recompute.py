@@ -3,10 +3,14 @@
 autograd would keep and rerun the forward in backward), which accepts distributed activations.
 
 * ``full``: the transformer blocks (the model's first LayerList) in segments of
-  ``checkpoint_every_n_layers`` consecutive blocks; a segment keeps only its input, the first block runs
-  the whole segment and the others pass their first input through.
+  ``checkpoint_every_n_layers`` consecutive blocks, called positionally or by keyword (recompute_segments);
+  a segment keeps only its input.
 * ``selective``: only the attention core (softmax(q k^T) v, the part whose activations grow with the
-  square of the sequence) of every block; the projections and MLP keep their activations.
+  square of the sequence) of every block, a module-level function or the modelling file's attention registry;
+  the projections and MLP keep their activations.
+
+A region's re-run in backward repeats none of its forward's effects on Python state (a KV cache, a layer's
+attributes): recompute_state. See docs/recompute.md.
 
 Under ``ap.to_static`` a region's re-run in backward replays the pinned layouts of its forward
 (``dispatch.replayable``), and the capture marks the region's ops.
