@@ -114,7 +114,7 @@ def test_recompute_with_sequence_parallel(name):
     assert pf.compare(reference(name), (loss, grads), RTOL, ATOL) == []
 
 
-@pytest.mark.parametrize("zero", [1, 3])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_recompute_under_zero_equals_zero_without_recompute(zero):
     base = run("qwen2", strategy(granularity=None, zero=zero))[:2]
     got = run("qwen2", strategy(zero=zero))[:2]
@@ -144,6 +144,29 @@ def test_the_models_own_recompute(name):
     loss, grads, fwd, after, _ = run(name, strategy(granularity=None), count=True, **OWN)
     assert pf.compare(reference(name), (loss, grads), RTOL, ATOL) == []
     assert after == {i: 2 * c for i, c in fwd.items()}
+
+
+def test_block_forward_of_varargs_and_keyword_calls_without_hidden_states():
+    """``forward(*args, **kwargs)`` blocks take the hidden states positionally; a keyword-only call names what
+    is missing."""
+    from autoparallel.parallel.recompute_segments import Segment
+
+    class Block(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc = paddle.nn.Linear(4, 4)
+
+        def forward(self, *args, **kwargs):
+            return self.fc(args[0])
+
+    blocks = [Block(), Block()]
+    x = paddle.randn([2, 4])
+    want = blocks[1](blocks[0](x))
+    Segment(blocks, ["b0", "b1"], lambda fn, where, roots, a, k: fn(*a, **k)).install()
+    h = blocks[0](x)
+    assert float((blocks[1](h) - want).abs().max()) == 0.0
+    with pytest.raises(TypeError, match="b0: called without its hidden states"):
+        blocks[0](hidden_states=x)
 
 
 def test_in_place_state_change_raises():

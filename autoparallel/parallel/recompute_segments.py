@@ -20,9 +20,12 @@ import inspect
 import paddle
 
 
-def _hidden_name(forward, where: str) -> str:
-    params = [p for p in inspect.signature(forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+def _hidden_name(forward, where: str):
+    """The name of ``forward``'s first parameter; None for ``forward(*args, ...)`` (hidden states positional)."""
+    all_params = list(inspect.signature(forward).parameters.values())
+    params = [p for p in all_params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not params and any(p.kind == p.VAR_POSITIONAL for p in all_params):
+        return None
     if not params:
         raise TypeError(f"recompute of {where}: its forward takes no positional parameter for the hidden states "
                         f"(signature {inspect.signature(forward)})")
@@ -32,10 +35,10 @@ def _hidden_name(forward, where: str) -> str:
 def hidden_of(args, kwargs, name: str, where: str):
     if args:
         return args[0]
-    if name in kwargs:
+    if name is not None and name in kwargs:
         return kwargs[name]
-    raise TypeError(f"recompute of {where}: called without its hidden states (first parameter {name!r}); "
-                    f"got keywords {sorted(kwargs)}")
+    want = f"first parameter {name!r}" if name else "first positional argument of forward(*args, ...)"
+    raise TypeError(f"recompute of {where}: called without its hidden states ({want}); got keywords {sorted(kwargs)}")
 
 
 def with_hidden(args, kwargs, name: str, x):
