@@ -105,8 +105,9 @@ class Segment:
         if len(outs) == 1:
             return outs[0]
         x = first_of(outs[-1], self.names[-1])
+        outs = [replace_first(o, x) for o in outs]      # no reference to the blocks' intermediate hidden states
         self.last = (outs, x, args, kwargs)
-        return replace_first(outs[0], x)
+        return outs[0]
 
     def later(self, i: int, args, kwargs):
         name = self.names[i]
@@ -124,7 +125,9 @@ class Segment:
             raise ValueError(f"recompute segment {self.where} ran every block with the arguments of "
                              f"{self.names[0]}, but {name} was called with other ones (e.g. another attention "
                              f"mask); use checkpoint_every_n_layers=1")
-        return replace_first(outs[i], x)
+        if i == len(self.blocks) - 1:
+            self.last = None
+        return outs[i]
 
 
 def install_segments(blocks, names, n: int, checkpoint) -> list:
