@@ -121,6 +121,15 @@ def test_recompute_under_zero_equals_zero_without_recompute(zero):
     assert pf.compare(base, got, RTOL, ATOL) == []
 
 
+def test_recompute_under_amp_equals_amp_without_recompute():
+    def amp(granularity):
+        s = strategy(granularity=granularity)
+        s.amp.enable, s.amp.dtype = True, "bfloat16"
+        return s
+
+    assert pf.compare(run("qwen2", amp(None))[:2], run("qwen2", amp("full"))[:2], RTOL, ATOL) == []
+
+
 def test_segments_of_two_blocks():
     loss, grads, fwd, after, _ = run("phi3", strategy(every=2), count=True)
     assert pf.compare(reference("phi3"), (loss, grads), RTOL, ATOL) == []
