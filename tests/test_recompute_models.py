@@ -89,7 +89,10 @@ def test_negative_control_without_recompute_blocks_run_once():
 
 def test_negative_control_a_replay_that_sees_the_filled_cache_fails(monkeypatch):
     """Without restoring the cache's entry state, the re-run appends its keys again (16 instead of 8)."""
-    monkeypatch.setattr(recompute_state.RegionState, "replay_begin", lambda self: None)
+    def no_entry_restore(self):
+        self.before = recompute_state._Snapshot(self.roots)
+
+    monkeypatch.setattr(recompute_state.RegionState, "replay_begin", no_entry_restore)
     try:
         with pytest.raises(Exception, match="cannot be broadcast|shape"):
             run("qwen2", strategy(4, 1))
@@ -176,6 +179,31 @@ def test_block_forward_of_varargs_and_keyword_calls_without_hidden_states():
     assert float((blocks[1](h) - want).abs().max()) == 0.0
     with pytest.raises(TypeError, match="b0: called without its hidden states"):
         blocks[0](hidden_states=x)
+
+
+def test_python_state_changed_by_a_block_changes_once():
+    """A block appending to a list and setting an attribute in forward, and a post-hook setting another: after
+    backward they hold what one forward left (the re-run ran, and changed nothing), unlike the re-run's values."""
+    model = pf.build("llama")
+    block = model.model.layers[0]
+    block.log, forward = [], block.forward
+
+    def logging(hidden_states, *a, **k):
+        block.log.append(len(block.log))
+        block.last_input = hidden_states
+        return forward(hidden_states, *a, **k)
+
+    block.forward = logging
+    block.register_forward_post_hook(lambda layer, inp, out: setattr(layer, "hooked", len(layer.log)))
+    with ap.simulate(world_size=4):
+        model, _ = ap.parallelize(model, None, strategy=strategy(4, 1))
+        calls = _count_block_calls(model)
+        ids, labels = pf.batch(0)
+        loss = pf.loss_of(model(input_ids=paddle.to_tensor(ids), labels=paddle.to_tensor(labels)))
+        seen, fwd = block.last_input, dict(calls)
+        loss.backward()
+    assert fwd[0] > 0 and calls[0] == 2 * fwd[0]             # the block's forward ran again in backward
+    assert block.log == [0] and block.hooked == 1 and block.last_input is seen
 
 
 def test_in_place_state_change_raises():

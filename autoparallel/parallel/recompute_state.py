@@ -5,10 +5,10 @@ A region's forward may change Python state besides computing its outputs: a KV c
 (``self.aux_loss = ...``), a list it appends to. The re-run in backward would see the state the forward left
 (the cache already holding this step's keys, so the keys come out twice as long) and change it a second time.
 
-The rule: the re-run sees the state the forward saw, and leaves the state the forward left. ``RegionState``
+The rule: the re-run sees the state the forward saw, and leaves the state as it found it. ``RegionState``
 snapshots the region's state roots (its non-tensor arguments and the Python attributes of its layers, followed
-through containers and objects) when the forward starts and when it ends; the re-run runs between
-``replay_begin()`` (entry snapshot restored) and ``replay_end()`` (exit snapshot restored). Tensors are held
+through containers and objects) when the forward starts; the re-run runs between ``replay_begin()`` (the state
+of that moment saved, the entry snapshot restored) and ``replay_end()`` (the saved state restored). Tensors are held
 by reference, which is exact for every out-of-place update. A tensor of that state changed in place by the
 forward (a buffer or a static cache written with ``x[...] = v``) cannot be put back by reference: the forward
 raises ``NotImplementedError`` naming the region and the tensor.
@@ -112,19 +112,19 @@ _MISSING = object()
 
 
 class RegionState:
-    """Entry and exit snapshots of one recomputed region's state (see the module docstring)."""
+    """Entry snapshot of one recomputed region's state, put back around each re-run (module docstring)."""
 
     def __init__(self, name: str, roots):
         self.name, self.roots = name, [r for r in roots if not _is_tensor(r)]
-        self.entry = self.exit = None
+        self.entry = self.before = None
 
     def forward_begin(self) -> None:
         self.entry = _Snapshot(self.roots)
 
     def forward_end(self) -> None:
-        self.exit = _Snapshot(self.roots)
+        exit_ = _Snapshot(self.roots)
         changed = [path for key, (t, v, path) in self.entry.versions.items()
-                   if key in self.exit.versions and t._inplace_version() != v]
+                   if key in exit_.versions and t._inplace_version() != v]
         if changed:
             raise NotImplementedError(
                 f"recompute of {self.name}: its forward changes {', '.join(changed)} in place; the re-run in "
@@ -132,10 +132,12 @@ class RegionState:
                 f"(x = x + v, a new tensor) or leave {self.name} out of recompute")
 
     def replay_begin(self) -> None:
+        self.before = _Snapshot(self.roots)       # what the forward, and everything after it, left
         self.entry.restore()
 
     def replay_end(self) -> None:
-        self.exit.restore()
+        self.before.restore()
+        self.before = None
 
 
 def guarded(fn, name: str, roots):
