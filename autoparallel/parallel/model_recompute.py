@@ -7,7 +7,8 @@ only paddle Tensors -- a distributed activation is refused there with paddle's "
 ``PyLayer.forward`` is a ``Tensor``". While autoparallel is installed, a reentrant recompute whose inputs include
 a distributed tensor runs through paddle's non-reentrant recompute instead (saved-tensor hooks, the one
 ``Strategy.recompute`` uses): the same function on the same arguments, the same values, activations dropped in
-forward and recomputed in backward just the same. Calls on plain tensors are untouched. Paddle's input offload
+forward and recomputed in backward just the same, and the re-run repeats none of the forward's effects on a
+cache or a layer's attributes (``recompute_state``). Calls on plain tensors are untouched. Paddle's input offload
 (``offload_indices``, reentrant only) has no distributed form: asking for it raises.
 """
 from __future__ import annotations
@@ -39,6 +40,10 @@ def install() -> None:
                 f"recompute(..., offload_indices={list(offload_indices)}) on distributed tensors: paddle's input "
                 f"offload exists only in its reentrant recompute; drop offload_indices (Strategy.sharding.offload "
                 f"offloads optimizer states)")
+        from autoparallel.parallel.recompute_state import guarded, roots_of
+
+        where = getattr(function, "__qualname__", type(function).__name__)
+        function = guarded(function, where, roots_of(function, args, {}))   # the re-run repeats no side effect
         return without_reentrant(function, get_state, set_state, preserve, *args)
 
     patches.patch(cls, "apply", classmethod(apply))

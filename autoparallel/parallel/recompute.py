@@ -3,10 +3,14 @@
 autograd would keep and rerun the forward in backward), which accepts distributed activations.
 
 * ``full``: the transformer blocks (the model's first LayerList) in segments of
-  ``checkpoint_every_n_layers`` consecutive blocks; a segment keeps only its input, the first block runs
-  the whole segment and the others pass their first input through.
+  ``checkpoint_every_n_layers`` consecutive blocks, called positionally or by keyword (recompute_segments);
+  a segment keeps only its input.
 * ``selective``: only the attention core (softmax(q k^T) v, the part whose activations grow with the
-  square of the sequence) of every block; the projections and MLP keep their activations.
+  square of the sequence) of every block, a module-level function or the modelling file's attention registry;
+  the projections and MLP keep their activations.
+
+A region's re-run in backward repeats none of its forward's effects on Python state (a KV cache, a layer's
+attributes): recompute_state. See docs/recompute.md.
 
 Under ``ap.to_static`` a region's re-run in backward replays the pinned layouts of its forward
 (``dispatch.replayable``), and the capture marks the region's ops.
@@ -26,16 +30,28 @@ from autoparallel.comm.sizes import nbytes
 GRANULARITIES = ("full", "selective")
 _COUNTERS: list = []            # active SavedBytes: a recompute region's inputs stay alive until backward
 CORE_NAMES = ("causal_attention", "scaled_dot_product_attention", "attention_core")
+REGISTRY = "ALL_ATTENTION_FUNCTIONS"   # the attention-function registry of PaddleFormers (and HF) modelling files
 
 
 def checkpoint(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` whose intermediate activations are recomputed in backward."""
+    from autoparallel.parallel.recompute_state import roots_of
+
+    where = getattr(fn, "__qualname__", type(fn).__name__)
+    return region(fn, where, roots_of(fn, args, kwargs), args, kwargs)
+
+
+def region(fn, where: str, roots, args, kwargs):
+    """``fn(*args, **kwargs)`` as the recompute region ``where``: its activations are recomputed in backward,
+    and the re-run repeats none of the forward's effects on the Python state reachable from ``roots``
+    (recompute_state)."""
     if not paddle.is_grad_enabled():
         return fn(*args, **kwargs)
     from autoparallel import dispatch
     from autoparallel.graph import trace
+    from autoparallel.parallel.recompute_state import guarded
 
-    fn = dispatch.replayable(fn)            # the re-run in backward reuses the forward's pinned layouts
+    fn = dispatch.replayable(guarded(fn, where, roots))   # the re-run reuses the forward's pinned layouts
     if trace.active() is not None:          # capture: the region's ops are recorded (and marked) once
         return fn(*args, **kwargs)
     for counter in _COUNTERS:
@@ -69,9 +85,9 @@ def apply_ac(model, granularity: str = "full", checkpoint_every_n_layers: int = 
     if granularity not in GRANULARITIES:
         raise ValueError(f"recompute granularity must be one of {GRANULARITIES}, got {granularity!r}")
     _check_n(checkpoint_every_n_layers)
-    _, blocks = find_blocks(model)
+    prefix, blocks = find_blocks(model)
     if granularity == "full":
-        _segments(blocks, checkpoint_every_n_layers)
+        _segments(blocks, checkpoint_every_n_layers, [f"{prefix}.{i}" for i in range(len(blocks))])
     else:
         for block in blocks:
             _selective(block)
@@ -94,7 +110,8 @@ def recompute_layers(model, segment_func=None, checkpoint_every_n_layers: int = 
     if not isinstance(model, paddle.nn.Layer):
         raise TypeError(f"recompute_layers expects a paddle.nn.Layer, got {type(model).__name__}")
     if segment_func is None:
-        _segments(find_blocks(model)[1], checkpoint_every_n_layers)
+        prefix, blocks = find_blocks(model)
+        _segments(blocks, checkpoint_every_n_layers, [f"{prefix}.{i}" for i in range(len(blocks))])
         return model
     if not callable(segment_func):
         raise TypeError(f"segment_func must be a predicate layer -> bool or a function model -> list of layers, "
@@ -155,20 +172,11 @@ def _matching_runs(model, pred, model_matches: bool) -> list:
     return runs
 
 
-def _segments(blocks, n):
-    for i in range(0, len(blocks), n):
-        seg = blocks[i:i + n]
-        fwds = [b.forward for b in seg]
+def _segments(blocks, n, names=None):
+    from autoparallel.parallel.recompute_segments import install_segments
 
-        def run(*args, _fwds=fwds, **kwargs):
-            x = args[0]
-            for f in _fwds:
-                x = f(x, *args[1:], **kwargs)
-            return x
-
-        seg[0].forward = (lambda *a, _run=run, **k: checkpoint(_run, *a, **k))
-        for b in seg[1:]:
-            b.forward = lambda *a, **k: a[0]
+    names = names or [f"{type(b).__name__}[{i}]" for i, b in enumerate(blocks)]
+    install_segments(blocks, names, n, region)
 
 
 def _attention(block):
@@ -179,18 +187,35 @@ def _attention(block):
                      f"{type(block).__name__}; got {[n for n, _ in block.named_sublayers()]}")
 
 
+class _CheckpointedRegistry:
+    """An attention-function registry (``ALL_ATTENTION_FUNCTIONS[impl]``) whose entries run as recompute regions."""
+
+    def __init__(self, registry):
+        self._registry = registry
+
+    def __getitem__(self, key):
+        core = self._registry[key]
+        return lambda *a, **k: checkpoint(core, *a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._registry, name)
+
+
 def _selective(block):
     attn = _attention(block)
     mod = sys.modules[type(attn).__module__]
     name = next((n for n in CORE_NAMES if callable(getattr(mod, n, None))), None)
+    if name is None and hasattr(getattr(mod, REGISTRY, None), "__getitem__"):
+        name = REGISTRY
     if name is None:
         raise ValueError(f"selective recompute needs the attention core as a module-level function named one of "
-                         f"{CORE_NAMES} in {mod.__name__}; found none")
+                         f"{CORE_NAMES} (or an attention registry {REGISTRY}) in {mod.__name__}; found none")
     forward = attn.forward
 
     def wrapped(*args, **kwargs):
         core = getattr(mod, name)
-        setattr(mod, name, lambda *a, **k: checkpoint(core, *a, **k))
+        setattr(mod, name, _CheckpointedRegistry(core) if name == REGISTRY
+                else (lambda *a, **k: checkpoint(core, *a, **k)))
         try:
             return forward(*args, **kwargs)
         finally:
