@@ -373,9 +373,20 @@ def from_trace(model, seq_len: int, batch: int, name: str = "traced"):
     source = (f"traced: forward ops, FLOPs and activation bytes per block{mean}; dimensions from the parameters "
               f"(hidden, vocab, FFN width) and {'model.config' if _heads_from_config(model)[0] else 'the trace'} "
               f"(heads)")
-    from autoparallel.planner.model_read import fit_attention_width
-
     return with_residual(fit_attention_width(spec, model), model, source)
+
+
+def fit_attention_width(spec, model):
+    """``spec`` with ``attn_dim = heads·config.head_dim`` when the config sets a head_dim that makes it differ
+    from hidden and that reading explains the parameter count better (Qwen3, ERNIE 4.5)."""
+    from dataclasses import replace
+
+    head_dim = getattr(getattr(model, "config", None), "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0 or spec.heads * head_dim == spec.hidden:
+        return spec
+    wide = replace(spec, attn_dim=spec.heads * head_dim)
+    counted = counted_params(model)
+    return wide if abs(counted - wide.params) < abs(counted - spec.params) else spec
 
 
 def counted_params(model) -> int:

@@ -40,21 +40,6 @@ def config_value(model, key):
     return None, None
 
 
-def fit_attention_width(spec, model):
-    """``spec`` with ``attn_dim = heads·config.head_dim`` when the config sets a head_dim that makes it differ
-    from hidden and that reading explains the parameter count better (Qwen3, ERNIE 4.5)."""
-    from dataclasses import replace
-
-    from autoparallel.planner.from_trace import counted_params
-
-    head_dim = getattr(getattr(model, "config", None), "head_dim", None)
-    if not isinstance(head_dim, int) or head_dim <= 0 or spec.heads * head_dim == spec.hidden:
-        return spec
-    wide = replace(spec, attn_dim=spec.heads * head_dim)
-    counted = counted_params(model)
-    return wide if abs(counted - wide.params) < abs(counted - spec.params) else spec
-
-
 def read_model(model, seq_len: int, name: str):
     """The ModelSpec of ``model`` (see the module docstring)."""
     from spmd_rules.errors import DataDependentShapeError
@@ -113,7 +98,7 @@ def _gated(model) -> bool:
 
 def from_config(model, seq_len: int, name: str, stopped_at: str):
     """A ModelSpec of a mixture of experts from its config and layers (see the module docstring)."""
-    from autoparallel.planner.from_trace import _find_blocks, _norms, head_tied, with_residual
+    from autoparallel.planner.from_trace import _find_blocks, _norms, fit_attention_width, head_tied, with_residual
     from autoparallel.planner.model_spec import ModelSpec
 
     values, used = {}, []
