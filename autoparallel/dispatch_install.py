@@ -60,13 +60,14 @@ def _install_hooks() -> None:
 
     from autoparallel.graph import jit
     from autoparallel.lazy_init import order
-    from autoparallel.parallel import amp_scaler, model_recompute
+    from autoparallel.parallel import amp_scaler, implicit_optimizer, model_recompute
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
     patches.remember(*static_value_converter())
     jit.install()
     order.install()
     amp_scaler.install()
+    implicit_optimizer.install()
     model_recompute.install()
 
 

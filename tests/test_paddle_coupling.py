@@ -136,7 +136,7 @@ def _ap_attribute_writes(source: str) -> list:
 # objects that are the package's own (a DistParameter's fields, marks on wrapper functions defined here)
 OWN_AP_FIELDS = {"_ap_locals", "_ap_spec", "_ap_lazy", "_ap_partial_dims", "_ap_complete_dims", "_ap_routed",
                  "_ap_path", "_ap_wrapper", "_ap_guard", "_ap_inplace", "_ap_cast", "_ap_op", "_ap_comm_timed",
-                 "_ap_wrapped", "_ap_stamps", "_ap_block_aware", "_ap_composite"}
+                 "_ap_wrapped", "_ap_stamps", "_ap_block_aware", "_ap_composite", "_ap_implicit"}
 
 
 def test_no_side_data_is_written_onto_paddle_objects():

@@ -35,6 +35,8 @@ def install() -> None:
         return
     from paddle.amp import grad_scaler as gs
 
+    from autoparallel.parallel import implicit_optimizer
+
     base_scale, base_unscale = gs.AmpScaler.scale, gs.AmpScaler._unscale
     base_step, base_minimize = gs.GradScaler.step, gs.AmpScaler.minimize
 
@@ -46,6 +48,7 @@ def install() -> None:
         return base_scale(self, var)
 
     def _unscale(self, optimizer):
+        optimizer = implicit_optimizer.resolve(optimizer)
         if not is_ap_optimizer(optimizer) or not self._enable:
             return base_unscale(self, optimizer)
         state = self._optimizer_states[id(optimizer)]
@@ -60,6 +63,7 @@ def install() -> None:
         state["state"] = gs.OptimizerState.UNSCALED
 
     def step(self, optimizer):
+        optimizer = implicit_optimizer.resolve(optimizer)
         if not is_ap_optimizer(optimizer) or not self._enable:
             return base_step(self, optimizer)
         _step(self, optimizer)
@@ -67,6 +71,7 @@ def install() -> None:
             self._optimizer_states = gs.defaultdict(gs._refresh_optimizer_state)
 
     def minimize(self, optimizer, *args, **kwargs):
+        optimizer = implicit_optimizer.resolve(optimizer)
         if not is_ap_optimizer(optimizer) or not self._enable:
             return base_minimize(self, optimizer, *args, **kwargs)
         _step(self, optimizer)

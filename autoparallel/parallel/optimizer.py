@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from autoparallel.dispatch import local_mode
 from autoparallel.dist_tensor import is_dist
+from autoparallel.parallel.param_list import flat_params
 from autoparallel.parallel.grads import BUCKET_BYTES, GradientSync, check_bucket_bytes
 from autoparallel.parallel.step_hooks import StepHooks
 
@@ -40,7 +41,7 @@ class ShardedOptimizer(StepHooks):
 
     @property
     def parameters(self):
-        return list(self._inner._parameter_list)
+        return list(flat_params(self._inner))            # parameter groups flattened
 
     @property
     def bucket_bytes(self) -> int:

@@ -1,0 +1,67 @@
+"""Optimizers built before ``ap.shard_layer``: point them at the distributed parameters.
+
+``shard_layer`` replaces each parameter of the layer with its distributed version. An optimizer built
+before holds the originals, which get no gradient any more: its ``step()`` would skip them and the model
+would silently not train. After replacing, ``shard_layer`` finds every live paddle optimizer holding a
+replaced parameter and points it at the new one (as ``ap.parallelize`` does for the optimizer it is given).
+An optimizer that already keeps state for a replaced parameter (it has stepped) cannot be moved to the new
+layout: that is a typed error naming the parameter.
+"""
+from __future__ import annotations
+
+import gc
+
+from autoparallel.parallel.accumulation import _rebind
+from autoparallel.parallel.param_list import flat_params
+
+
+class StaleOptimizerError(ValueError):
+    """An optimizer that has already stepped holds parameters that distribution replaced."""
+
+
+def replaced_params(before: list) -> dict:
+    """{id(original): distributed} for every slot whose parameter ``shard_layer`` replaced."""
+    out = {}
+    for s in before:
+        cur = s.current()
+        if cur is not None and cur is not s.param:
+            out[id(s.param)] = cur
+    return out
+
+
+def live_optimizers():
+    """Every live paddle optimizer (one pass over the collector's objects)."""
+    import paddle
+
+    base = paddle.optimizer.Optimizer
+    return [o for o in gc.get_objects() if isinstance(o, base)]
+
+
+def _state_names(opt) -> set:
+    """Names of the parameters the optimizer keeps accumulators (moments, master weights) for."""
+    names = set()
+    for per_param in (getattr(opt, "_accumulators", None) or {}).values():
+        names.update(per_param)
+    names.update(getattr(opt, "_master_weights", None) or {})
+    return names
+
+
+def repoint_optimizers(replaced: dict, originals: dict) -> int:
+    """Point every live optimizer holding a replaced parameter at its distributed version; returns how many
+    optimizers were changed. ``originals``: {id(original): original} (for the names in errors)."""
+    if not replaced:
+        return 0
+    changed = 0
+    for opt in live_optimizers():
+        stale = [p for p in flat_params(opt) if id(p) in replaced]
+        if not stale:
+            continue
+        kept = _state_names(opt) & {p.name for p in stale}
+        if kept:
+            raise StaleOptimizerError(
+                f"an optimizer ({type(opt).__name__}) that has already stepped holds {len(stale)} parameter(s) "
+                f"that ap.shard_layer replaced by distributed ones (with state for {sorted(kept)[:3]}); its state "
+                f"cannot follow the new layout: build the optimizer after ap.shard_layer, or use ap.parallelize")
+        _rebind(opt, replaced)
+        changed += 1
+    return changed

@@ -1,0 +1,151 @@
+"""A plain paddle optimizer over a layer distributed with ap.shard_layer trains like one process, whether it was
+built before or after shard_layer, with or without ap.shard_optimizer, with parameter groups, and under paddle's
+GradScaler; an optimizer that already stepped before distribution, a closure step and minimize are refused."""
+import numpy as np
+import paddle
+import pytest
+
+import autoparallel as ap
+from autoparallel.parallel.stale_optimizers import StaleOptimizerError
+
+
+def _model():
+    paddle.seed(0)
+    return paddle.nn.Sequential(paddle.nn.Linear(4, 8), paddle.nn.ReLU(), paddle.nn.Linear(8, 2))
+
+
+def _data():
+    paddle.seed(1)
+    return paddle.randn([6, 4]), paddle.randn([6, 2])
+
+
+def _opt(cls, m, groups):
+    params = [{"params": list(m.parameters())}] if groups else m.parameters()
+    return cls(learning_rate=0.1, parameters=params)
+
+
+def _single(cls, groups, steps=3):
+    m, (x, y) = _model(), _data()
+    opt, out = _opt(cls, m, groups), []
+    for _ in range(steps):
+        loss = ((m(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        out.append(float(loss))
+    return out, [p.numpy() for p in m.parameters()]
+
+
+def _distributed(cls, groups, before, wrap, steps=3, accumulate=1):
+    m, (x, y) = _model(), _data()
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+        opt = _opt(cls, m, groups) if before else None
+        ap.shard_layer(m, mesh)
+        opt = opt or _opt(cls, m, groups)
+        opt = ap.shard_optimizer(opt) if wrap else opt
+        dx, dy = (ap.shard_tensor(t, mesh, [ap.Shard(0)]) for t in (x, y))
+        out = []
+        for _ in range(steps):
+            for _ in range(accumulate):
+                loss = ((m(dx) - dy) ** 2).mean()
+                loss.backward()
+            opt.step()
+            opt.clear_grad()
+            out.append(float(loss.full().numpy()))
+        return out, [p.full().numpy() if hasattr(p, "full") else p.numpy() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("cls", [paddle.optimizer.AdamW, paddle.optimizer.SGD, paddle.optimizer.Momentum])
+@pytest.mark.parametrize("before", [False, True], ids=["built_after", "built_before"])
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "shard_optimizer"])
+def test_trains_like_one_process(cls, before, wrap):
+    ref_loss, ref_params = _single(cls, groups=False)
+    loss, params = _distributed(cls, groups=False, before=before, wrap=wrap)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(params, ref_params):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert loss[-1] < loss[0]                                   # it trains at all
+
+
+def test_parameter_groups_built_before():
+    ref_loss, _ = _single(paddle.optimizer.AdamW, groups=True)
+    loss, _ = _distributed(paddle.optimizer.AdamW, groups=True, before=True, wrap=False)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_two_backwards_before_a_plain_step_accumulate_like_paddle():
+    m, (x, y) = _model(), _data()
+    opt = _opt(paddle.optimizer.SGD, m, False)
+    for _ in range(2):
+        ((m(x) - y) ** 2).mean().backward()
+    opt.step()
+    ref = [p.numpy() for p in m.parameters()]
+    _, params = _distributed(paddle.optimizer.SGD, False, before=False, wrap=False, steps=1, accumulate=2)
+    for a, b in zip(params, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_negative_control_the_original_parameters_do_not_train():
+    """Without pointing the optimizer at the distributed parameters the model would not train: the originals
+    it held get no gradient (what happened before shard_layer re-pointed optimizers)."""
+    m, (x, y) = _model(), _data()
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+        originals = list(m.parameters())
+        ap.shard_layer(m, mesh)
+        stale = paddle.optimizer.SGD(learning_rate=0.1, parameters=originals)
+        dx, dy = (ap.shard_tensor(t, mesh, [ap.Shard(0)]) for t in (x, y))
+        losses = []
+        for _ in range(2):
+            loss = ((m(dx) - dy) ** 2).mean()
+            loss.backward()
+            with ap.local_mode():
+                stale.step()
+            losses.append(float(loss.full().numpy()))
+    assert losses[0] == losses[1]
+
+
+def test_an_optimizer_that_already_stepped_is_refused():
+    m, (x, y) = _model(), _data()
+    opt = _opt(paddle.optimizer.AdamW, m, False)
+    ((m(x) - y) ** 2).mean().backward()
+    opt.step()
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+        with pytest.raises(StaleOptimizerError, match="already stepped"):
+            ap.shard_layer(m, mesh)
+
+
+def test_closure_step_and_minimize_are_refused():
+    m, (x, y) = _model(), _data()
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+        ap.shard_layer(m, mesh)
+        opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=m.parameters())
+        dx, dy = (ap.shard_tensor(t, mesh, [ap.Shard(0)]) for t in (x, y))
+        loss = ((m(dx) - dy) ** 2).mean()
+        with pytest.raises(NotImplementedError, match="minimize"):
+            opt.minimize(loss)
+        with pytest.raises(NotImplementedError, match="closure"):
+            opt.step(lambda: loss)
+
+
+def test_grad_scaler_over_a_plain_optimizer():
+    ref_loss, ref_params = _single(paddle.optimizer.SGD, groups=False, steps=2)
+    m, (x, y) = _model(), _data()
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+        ap.shard_layer(m, mesh)
+        opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=m.parameters())
+        scaler = paddle.amp.GradScaler(init_loss_scaling=8.0)
+        dx, dy = (ap.shard_tensor(t, mesh, [ap.Shard(0)]) for t in (x, y))
+        for _ in range(2):
+            loss = ((m(dx) - dy) ** 2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.clear_grad()
+        params = [p.full().numpy() for p in m.parameters()]
+    for a, b in zip(params, ref_params):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
