@@ -130,7 +130,7 @@ def sharded_dropout(mesh, calls):
     """Dropout drawing ONE mask for the global shape (as a single process would) and keeping each rank's
     slice: sharded and replicated runs give the single-process values for the same seed."""
     any_args, any_kwargs = next(iter(calls.values()))
-    names = ["x", "p", "axis", "training", "mode", "name"]
+    names = ["x", "p", "axis", "training", "inplace", "mode", "name"]      # paddle.nn.functional.dropout's order
     b = dict(zip(names, any_args))
     b.update(any_kwargs)
     p, training, mode = b.get("p", 0.5), b.get("training", True), b.get("mode", "upscale_in_train")

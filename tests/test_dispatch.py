@@ -130,6 +130,18 @@ def test_trace_1b_gpt_without_allocating_it():
     assert out.shape == [8, 2048, PRESETS["gpt-1b"].vocab_size] and str(out.placements[1]) == "S(2)"
 
 
+def test_dropout_positional_form_keeps_paddles_argument_order():
+    """F.dropout(x, p, axis, training, inplace, mode): ``mode`` is the sixth positional argument."""
+    x = np.random.default_rng(1).standard_normal((4, 6)).astype("float32")
+    paddle.seed(3)
+    want = F.dropout(paddle.to_tensor(x), 0.5, None, True, False, "downscale_in_infer").numpy()
+    with ap.simulate(2):
+        xd = ap.shard_tensor(paddle.to_tensor(x), mesh_from_shape([2]), ["S(0)"])
+        paddle.seed(3)
+        got = F.dropout(xd, 0.5, None, True, False, "downscale_in_infer")
+        assert np.array_equal(assemble(got.locals, got.spec), want)
+
+
 @pytest.mark.parametrize("placements", [["S(0)"], ["S(1)"], ["R"]])
 def test_dropout_matches_single_process_for_the_same_seed(placements):
     x = np.random.default_rng(0).standard_normal((6, 10)).astype("float32")
