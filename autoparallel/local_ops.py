@@ -148,10 +148,72 @@ def sharded_dropout(mesh, calls):
     return out
 
 
+def _stat_sum(xs, mesh, dims):
+    """Sum over ``dims`` of the mesh, each rank then using the sum with its own data: the backward sums the
+    ranks' gradients too (unlike ``all_reduce``'s, whose replicated output has one gradient)."""
+    for d in dims:
+        out = {}
+        for ranks in mesh.all_groups(d):
+            held = {r: xs[r] for r in ranks if r in xs}
+            if held:
+                both = lambda v, ranks=ranks: C._reduce_raw(v, ranks, "sum")
+                out.update(C._run(held, both, both))
+        xs = out
+    return xs
+
+
+_BN_NAMES = ["x", "running_mean", "running_var", "weight", "bias", "training", "momentum", "epsilon",
+             "data_format", "use_global_stats", "name"]           # paddle.nn.functional.batch_norm's order
+
+
+def sync_batch_norm(mesh, calls):
+    """Batch norm in training mode with the batch (or a spatial dim) sharded: per-channel mean and (biased)
+    variance over the WHOLE tensor, from sums all-reduced over ``stat_mesh_dims`` (two passes: the mean, then
+    the squared deviations), as one process computes them; running stats updated as paddle does
+    (``momentum * running + (1 - momentum) * batch``, biased variance) on every held rank."""
+    bound = {}
+    for r, (args, kwargs) in calls.items():
+        b = dict(zip(_BN_NAMES, args))
+        b.update(kwargs)
+        bound[r] = b
+    any_b = next(iter(bound.values()))
+    dims = any_b["stat_mesh_dims"]
+    fmt = any_b.get("data_format", "NCHW")
+    momentum, eps = any_b.get("momentum", 0.9), any_b.get("epsilon", 1e-5)
+    nd = any_b["x"].ndim
+    c = 1 if fmt.startswith("NC") else nd - 1
+    axes = [d for d in range(nd) if d != c]
+    view = [1] * nd
+    view[c] = -1
+    xs = {r: b["x"] for r, b in bound.items()}
+    with paddle.no_grad():
+        counts = _mesh_reduce({r: paddle.to_tensor(float(x.numel()) / x.shape[c]) for r, x in xs.items()},
+                              mesh, dims)
+    sums = _stat_sum({r: x.sum(axis=axes) for r, x in xs.items()}, mesh, dims)
+    mean = {r: sums[r] / counts[r] for r in xs}
+    dev = {r: xs[r] - mean[r].reshape(view) for r in xs}
+    sq = _stat_sum({r: (d * d).sum(axis=axes) for r, d in dev.items()}, mesh, dims)
+    var = {r: sq[r] / counts[r] for r in xs}
+    out = {}
+    for r, b in bound.items():
+        y = dev[r] / paddle.sqrt(var[r] + eps).reshape(view)
+        if b.get("weight") is not None:
+            y = y * b["weight"].reshape(view)
+        if b.get("bias") is not None:
+            y = y + b["bias"].reshape(view)
+        out[r] = y
+        with paddle.no_grad():
+            for name, batch in (("running_mean", mean[r]), ("running_var", var[r])):
+                run = b.get(name)
+                if run is not None:
+                    run.set_value(run * momentum + batch.detach().astype(run.dtype) * (1.0 - momentum))
+    return out
+
+
 def _x_of(args, kwargs):
     return args[0] if args else kwargs["x"]
 
 
 GROUP = {"vocab_parallel_cross_entropy": vocab_parallel_cross_entropy,
          "global_mean_cross_entropy": global_mean_cross_entropy,
-         "sharded_dropout": sharded_dropout}
+         "sharded_dropout": sharded_dropout, "sync_batch_norm": sync_batch_norm}

@@ -386,6 +386,28 @@ def mse_loss_layer_forward(self, input, label):
 COMPOSITES["paddle.nn.layer.loss.MSELoss.forward"] = mse_loss_layer_forward
 
 
+def conv_layer_forward(self, *args, **kwargs):
+    """``paddle.nn.Conv2D/Conv3D.forward`` call paddle's private ``_conv_nd`` (a C op) directly; on distributed
+    tensors they are ``F.conv2d`` / ``F.conv3d`` with the layer's attributes (its padding mode as ``F.pad``)."""
+    import paddle.nn.functional as F
+
+    if len(args) + len(kwargs) != 1:
+        raise TypeError(f"{type(self).__name__}.forward takes one input (x), got {len(args)} positional and "
+                        f"{sorted(kwargs)} keyword arguments")
+    x = args[0] if args else kwargs.get("x", kwargs.get("input"))
+    padding = self._padding
+    if self._padding_mode != "zeros":
+        x = F.pad(x, self._reversed_padding_repeated_twice, mode=self._padding_mode, data_format=self._data_format)
+        padding = 0
+    conv = {2: F.conv2d, 3: F.conv3d}[len(self._kernel_size)]
+    return conv(x, self.weight, self.bias, stride=self._stride, padding=padding, dilation=self._dilation,
+                groups=self._groups, data_format=self._data_format)
+
+
+COMPOSITES["paddle.nn.layer.conv.Conv2D.forward"] = conv_layer_forward
+COMPOSITES["paddle.nn.layer.conv.Conv3D.forward"] = conv_layer_forward
+
+
 # ---- channel dropout (F.dropout with paddle's axes: one draw for the global shape, see spmd_rules/random.py) ---------
 def _check_p(op, p):
     if p < 0 or p > 1:
