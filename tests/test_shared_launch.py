@@ -84,6 +84,14 @@ def test_a_gloo_start_up_failure_is_retried_then_reported(registry):
     assert "Connection refused" in registry["a"]
 
 
+def test_a_reported_exception_is_a_failure_even_when_peers_log_a_lost_connection(registry):
+    a, b = jobs("a", "b")
+    res = launched([{"done": {}, "failed": "a", "error": "ValueError: broken"}, None],
+                   tails="rank 0: Connection refused", codes=(1, 1))
+    assert shared_launch._collect([a, b], res, {}, {"a": 0}) == [b]
+    assert "ValueError: broken" in registry["a"]
+
+
 def test_a_stopped_launch_names_the_job_that_overran(registry):
     a, b = jobs("a", "b")
     res = launched([{"done": {"a": 0}}, {"done": {"a": 0}}], stopped="stopped: job 'b' ran past its 10 s",

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import time
 
-from autoparallel.testing.launch import run_job
+from autoparallel.testing.launch import STARTUP_FLAKES, run_job
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bundle_worker.py")
 ATTEMPTS = 3                        # a job that fails on a gloo start-up flake is started again, as launch() does
@@ -41,13 +41,14 @@ class Job:
     env: object = None              # a dict, or a callable(out_dir) -> dict
     timeout: float = 400.0
     after: tuple = ()               # jobs (of other world sizes) whose outputs this one reads: they run first
+    first: bool = False             # run at the start of its launch (its cost grows with what earlier jobs loaded)
 
 
 def job(module: str, name: str, script: str, nproc: int, args=(), env=None, timeout: float = 400.0,
-        after=()) -> Job:
+        after=(), first: bool = False) -> Job:
     if name in _declared and _declared[name].module != module:
         raise ValueError(f"shared job name {name!r} is declared by {_declared[name].module} and {module}")
-    _declared[name] = Job(module, name, script, nproc, args, env, timeout, tuple(after))
+    _declared[name] = Job(module, name, script, nproc, args, env, timeout, tuple(after), first)
     return _declared[name]
 
 
@@ -61,7 +62,7 @@ def results(one: Job):
                 raise ValueError(f"shared job {one.name!r}: a job it runs after must have another world size "
                                  f"(jobs of one size run in declaration order), got {dep.name!r}")
             results_or_error(dep)
-        _run_bundle(bundle)
+        _run_bundle(sorted(bundle, key=lambda j: not j.first))
     got = _outcome[one.name]
     if isinstance(got, str):
         raise RuntimeError(got)
@@ -131,10 +132,12 @@ def _collect(pending, res, outs, flakes) -> list:
             _outcome[j.name] = (outs[j.name], [r["done"][j.name] for r in ranks])
             timings[j.name] = max(r.get("seconds", {}).get(j.name, 0.0) for r in ranks)
             continue
-        flakes[j.name] += res.startup_flake
-        if res.startup_flake and flakes[j.name] < ATTEMPTS:
-            return pending[i:]
         errors = "".join(f"--- rank {n}: {r['error']}" for n, r in enumerate(ranks) if r.get("failed") == j.name)
+        # a traceback of the job's own is its failure (its peers' logs then show gloo losing that rank)
+        flake = any(f in errors for f in STARTUP_FLAKES) if errors else res.startup_flake
+        flakes[j.name] += flake
+        if flake and flakes[j.name] < ATTEMPTS:
+            return pending[i:]
         _outcome[j.name] = (f"shared launch job {j.name!r} ({j.script}) on {j.nproc} ranks did not finish: "
                             f"{res.stopped or 'a rank failed'}\n{errors}\n{res.failure()}")
         return pending[i + 1:]
