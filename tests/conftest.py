@@ -22,8 +22,13 @@ def pytest_collection_modifyitems(config, items):
         if fn is None:
             continue
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
-        fixtures = [d.func for ds in defs.values() for d in ds]
-        item.add_marker(getattr(pytest.mark, classify(fn, fixtures, ROOTS)))
+        fixtures = tuple(d.func for ds in defs.values() for d in ds)
+        if (fn, fixtures) not in _KIND:                   # parametrized items share their function's kind
+            _KIND[fn, fixtures] = classify(fn, fixtures, ROOTS)
+        item.add_marker(getattr(pytest.mark, _KIND[fn, fixtures]))
+
+
+_KIND: dict = {}
 
 
 def pytest_collection_finish(session):
