@@ -105,11 +105,10 @@ def run_job(script: str, nproc: int, args=(), timeout: float = 600, env=None, nn
         outs.append(open(os.path.join(workdir, f"launcher{node}.out"), "w+b"))
         procs.append(subprocess.Popen(cmd, env=e, stdout=outs[-1], stderr=subprocess.STDOUT))
         logs.append(log)
-    stopped = _wait(procs, time.monotonic() + timeout, lambda: watch(result_dir) if watch else None)
-    if stopped is not None:
-        for p in procs:
-            p.kill()
-            p.wait()
+    try:
+        stopped = _wait(procs, time.monotonic() + timeout, lambda: watch(result_dir) if watch else None)
+    finally:                                    # also on KeyboardInterrupt: no rank outlives its test
+        _stop(procs)
     stopped = stopped if stopped != "timeout" else f"timed out after {timeout} s"
     output = []
     for f in outs:
@@ -130,6 +129,20 @@ def _wait(procs, deadline, check):
             return reason
         time.sleep(0.5)
     return None
+
+
+def _stop(procs, grace: float = 15.0) -> None:
+    """End launchers still running: SIGTERM first (paddle's launcher then stops its ranks), SIGKILL after
+    ``grace`` s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _read_json(path):
