@@ -66,7 +66,10 @@ def progress(index: int) -> None:
 def main():
     with open(sys.argv[1]) as f:
         members = json.load(f)
-    dist.init_parallel_env()
+    # the article's entry point, first call in the process: the scripts' own calls then find the world made
+    world = ap.init_parallel_env()
+    if (world.rank, world.world_size) != (dist.get_rank(), dist.get_world_size()) or world.is_simulated:
+        raise RuntimeError(f"ap.init_parallel_env() gave {world!r}, expected the real world of this launched rank")
     # the whole world's group first: paddle 3.3.1's gloo may fail to create it after smaller groups exist
     ap.ProcessMesh(list(range(dist.get_world_size())), ["data"])
     done, seconds = {}, {}
