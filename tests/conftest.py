@@ -22,8 +22,32 @@ def pytest_collection_modifyitems(config, items):
         if fn is None:
             continue
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
-        fixtures = [d.func for ds in defs.values() for d in ds]
-        item.add_marker(getattr(pytest.mark, classify(fn, fixtures, ROOTS)))
+        fixtures = tuple(d.func for ds in defs.values() for d in ds)
+        if (fn, fixtures) not in _KIND:                   # parametrized items share their function's kind
+            _KIND[fn, fixtures] = classify(fn, fixtures, ROOTS)
+        item.add_marker(getattr(pytest.mark, _KIND[fn, fixtures]))
+
+
+_KIND: dict = {}
+
+
+def pytest_collection_finish(session):
+    """The real-rank jobs that share a launch (dist_scripts/shared_launch.py) run for the modules with a selected
+    dist test only."""
+    from dist_scripts import shared_launch
+
+    shared_launch.select_modules({item.module.__name__ for item in session.items
+                                  if getattr(item, "module", None) and item.get_closest_marker("dist")})
+
+
+def pytest_terminal_summary(terminalreporter):
+    from dist_scripts import shared_launch
+
+    for nproc, jobs, wall in shared_launch.launches:
+        terminalreporter.write_line(f"shared launch: {jobs} jobs on {nproc} ranks in {wall:.0f} s")
+    if shared_launch.timings:
+        terminalreporter.write_line("shared launch jobs (s, slowest rank): " + ", ".join(
+            f"{name} {s:.0f}" for name, s in sorted(shared_launch.timings.items(), key=lambda x: -x[1])))
 
 
 # ---- the rule checked while tests run: only a 'dist' test starts Python processes ------------------------------

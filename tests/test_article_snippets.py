@@ -20,7 +20,11 @@ from autoparallel.checkpoint.state import wrapper_chain
 from autoparallel.testing.check import expected_local
 from autoparallel.testing.gpu_scaler import gpu_place
 from autoparallel.testing.models import batch, build
+from dist_scripts import shared_launch
 from examples.models.gpt import Block as TransformerBlock
+
+ARTICLE = shared_launch.job(__name__, "article", os.path.join(os.path.dirname(__file__), "dist_scripts",
+                                                               "article_worker.py"), 2, timeout=500)
 
 STEPS = 3
 
@@ -608,10 +612,7 @@ def test_15_grad_scaler_as_written(gpu_scaler, one_process):
 # ---- the parts that need real processes ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def launched():
-    from autoparallel.testing.launch import launch
-
-    worker = os.path.join(os.path.dirname(__file__), "dist_scripts", "article_worker.py")
-    return launch(worker, 2, timeout=500)
+    return shared_launch.results(ARTICLE)[1]
 
 
 def _section(launched, *names):

@@ -5,6 +5,7 @@ a negative control (every rank loads the same data shard) fails the same compari
 import dataclasses
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -12,13 +13,25 @@ import pytest
 from autoparallel.planner import auto
 from autoparallel.planner.profiles import cpu_default
 from autoparallel.strategy import Strategy
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "auto_train_worker.py")
 
 STEPS = 10
 COMMON = ["--steps", str(STEPS), "--seed", "0", "--batch-size", "8", "--seq-len", "16", "--lr", "3e-3"]
+JOBS = [{"name": "auto", "argv": ["--auto"] + COMMON},
+        {"name": "neg_wrong_batch", "argv": ["--auto"] + COMMON, "negative": "wrong_batch"}]
+
+
+def _args(out):
+    """The launch's arguments, after writing the calibrated profile AP_CLUSTER_PROFILE names."""
+    cpu_default().to_json(os.path.join(out, "profile.json"))
+    return [out, json.dumps(JOBS)]
+
+
+JOB = shared_launch.job(__name__, "auto", WORKER, 4, args=_args,
+                        env=lambda out: {auto.ENV_PROFILE: os.path.join(out, "profile.json")})
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +44,9 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("auto")
-    profile = out / "profile.json"
-    cpu_default().to_json(str(profile))
-    jobs = [{"name": "auto", "argv": ["--auto"] + COMMON},
-            {"name": "neg_wrong_batch", "argv": ["--auto"] + COMMON, "negative": "wrong_batch"}]
-    ranks = launch(WORKER, 4, [str(out), json.dumps(jobs)], timeout=400, env={auto.ENV_PROFILE: str(profile)})
-    return out, ranks, str(profile)
+def run():
+    out, ranks = shared_launch.results(JOB)
+    return pathlib.Path(out), ranks, os.path.join(out, "profile.json")
 
 
 def matches(job, ranks, out, reference):

@@ -5,16 +5,16 @@ import os
 
 import pytest
 
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_scripts", "ckpt_safety_worker.py")
 ROOT_ENTRIES = [".autoparallel-run", "latest", "step-00000001"]
+JOB = shared_launch.job(__name__, "ckpt_safety", WORKER, 2, args=lambda out: [os.path.join(out, "run")], timeout=300)
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    root = tmp_path_factory.mktemp("safety") / "run"
-    return launch(WORKER, 2, [str(root)], timeout=300)
+def ranks():
+    return shared_launch.results(JOB)[1]
 
 
 def test_a_save_failing_on_one_rank_fails_everywhere_and_leaves_no_partial(ranks):

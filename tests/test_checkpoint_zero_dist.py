@@ -10,11 +10,12 @@ and state has the same entry names.
 """
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
 
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOBS = os.path.join(HERE, "dist_scripts", "ckpt_zero_worker.py")
@@ -44,12 +45,14 @@ def _jobs(path, jobs):
     return path
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zckpt")
+COPIES = ("z3", "z2", "ppz", "tp2", "one")        # directories the step-4 checkpoint is copied to
+
+
+def _four(root):
+    root = pathlib.Path(root)
     step4 = str(root / "orig" / STEP4)
-    copies = {name: root / name for name in ("z3", "z2", "ppz", "tp2", "one")}
-    four = launch(JOBS, 4, [_jobs(root / "jobs4.json", [
+    copies = {name: root / name for name in COPIES}
+    return [_jobs(root / "jobs4.json", [
         {"name": "orig", "argv": [*ZERO2, "--steps", "8", "--ckpt-dir", root / "orig", "--save-every", "4"]},
         {"name": "z3_check", "argv": ["--dp", "4", "--sharding-stage", "3", "--steps", "4", "--ckpt-dir",
                                       copies["z3"], "--resume"], "check": step4,
@@ -66,13 +69,32 @@ def runs(tmp_path_factory):
         {"name": "pp_resume", "argv": [*PP, "--steps", "6", "--ckpt-dir", root / "pp", "--resume",
                                        "--save-every", "100"],
          "copy": [[str(root / "pp_full" / "step-00000003"), str(root / "pp" / "step-00000003")]]},
-    ])])
-    two = launch(JOBS, 2, [_jobs(root / "jobs2.json", [
+    ])]
+
+
+def _two(out):
+    """The 2-rank jobs resume from the copy the 4-rank launch made of its step-4 checkpoint."""
+    root = pathlib.Path(shared_launch.results(FOUR)[0])
+    copies = {name: root / name for name in COPIES}
+    step4 = str(root / "orig" / STEP4)
+    return [_jobs(pathlib.Path(out) / "jobs2.json", [
         {"name": "tp2_check", "argv": ["--tp", "2", "--steps", "4", "--ckpt-dir", copies["tp2"], "--resume"],
          "check": step4},
         {"name": "tp2", "argv": ["--tp", "2", "--steps", "6", "--ckpt-dir", copies["tp2"], "--resume",
                                  "--save-every", "6"]},
-    ])])
+    ])]
+
+
+FOUR = shared_launch.job(__name__, "ckpt_zero4", JOBS, 4, args=_four, timeout=600)
+TWO = shared_launch.job(__name__, "ckpt_zero2", JOBS, 2, args=_two, timeout=600, after=[FOUR])
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out, four = shared_launch.results(FOUR)
+    _, two = shared_launch.results(TWO)
+    root = pathlib.Path(out)
+    copies = {name: root / name for name in COPIES}
     for results in (four, two):
         for r, res in enumerate(results):
             for name, job in res.items():

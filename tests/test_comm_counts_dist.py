@@ -8,10 +8,12 @@ import os
 import pytest
 
 from autoparallel.testing import paddleformers_models as pf
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 pytestmark = pytest.mark.skipif(not pf.available(), reason="paddleformers not installed (pip install -e .[models])")
 HERE = os.path.dirname(__file__)
+JOB = shared_launch.job(__name__, "comm_counts", os.path.join(HERE, "dist_scripts", "comm_counts_worker.py"), 4,
+                        timeout=600) if pf.available() else None
 MODELS = ["pf-llama", "gpt", "llama", "pf-phi3"]
 TP = {"all_reduce": 2}
 SP = {"all_gather": 2, "reduce_scatter": 2}
@@ -19,7 +21,7 @@ SP = {"all_gather": 2, "reduce_scatter": 2}
 
 @pytest.fixture(scope="module")
 def results():
-    res = launch(os.path.join(HERE, "dist_scripts", "comm_counts_worker.py"), nproc=4, timeout=600)
+    _, res = shared_launch.results(JOB)
     return {c["case"]: [r[i] for r in res] for i, c in enumerate(res[0])}
 
 

@@ -3,14 +3,15 @@ import os
 
 import pytest
 
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 HERE = os.path.dirname(__file__)
+JOB = shared_launch.job(__name__, "dispatch", os.path.join(HERE, "dist_scripts", "dispatch_worker.py"), 4)
 
 
 @pytest.fixture(scope="module")
 def results():
-    res = launch(os.path.join(HERE, "dist_scripts", "dispatch_worker.py"), nproc=4, timeout=400)
+    _, res = shared_launch.results(JOB)
     return {c["case"]: [r[i] for r in res] for i, c in enumerate(res[0])}
 
 

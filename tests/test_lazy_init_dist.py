@@ -8,10 +8,11 @@ import os
 import numpy as np
 import pytest
 
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "lazy_init_worker.py")
+JOB = shared_launch.job(__name__, "lazy_init", WORKER, 4)
 CONFIGS = ["tp2dp2_zero3", "tied_tp2dp2"]
 
 
@@ -21,7 +22,7 @@ def is_constant(name: str) -> bool:
 
 @pytest.fixture(scope="module")
 def ranks():
-    return launch(WORKER, 4, [], timeout=400)
+    return shared_launch.results(JOB)[1]
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -6,16 +6,18 @@ import os
 import pytest
 
 from autoparallel.testing import paddleformers_models as pf
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 pytestmark = pytest.mark.skipif(not pf.available(), reason="paddleformers not installed (pip install -e .[models])")
 HERE = os.path.dirname(__file__)
+JOB = shared_launch.job(__name__, "paddleformers", os.path.join(HERE, "dist_scripts", "paddleformers_worker.py"), 4,
+                        timeout=500) if pf.available() else None
 LAYERS = 2
 
 
 @pytest.fixture(scope="module")
 def results():
-    res = launch(os.path.join(HERE, "dist_scripts", "paddleformers_worker.py"), nproc=4, timeout=500)
+    _, res = shared_launch.results(JOB)
     return {c["case"]: [r[i] for r in res] for i, c in enumerate(res[0])}
 
 

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 import pp_common  # noqa: E402
 
 from autoparallel.parallel.pipeline import bubble_fraction, make_schedule, simulate  # noqa: E402
-from autoparallel.testing.launch import launch  # noqa: E402
+from dist_scripts import shared_launch  # noqa: E402
 
 WORKER = os.path.join(HERE, "dist_scripts", "pp_worker.py")
 RTOL, ATOL = 1e-4, 2e-5
@@ -43,6 +43,8 @@ LAUNCHES = {
     8: [{"name": "dp2tp2pp2_1f1b_tied", "schedule": "1F1B", "dp": 2, "tp": 2, "tie": True}],
 }
 JOBS = {j["name"]: (n, j) for n, jobs in LAUNCHES.items() for j in jobs}
+SHARED = {n: shared_launch.job(__name__, f"pp{n}", WORKER, n, args=lambda out, n=n: [out, json.dumps(LAUNCHES[n])])
+          for n in LAUNCHES}
 _REFS = {}
 
 
@@ -54,13 +56,12 @@ def reference(job):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs():
     cache = {}
 
     def get(nproc):
         if nproc not in cache:
-            out = tmp_path_factory.mktemp(f"pp{nproc}")
-            ranks = launch(WORKER, nproc, [str(out), json.dumps(LAUNCHES[nproc])], timeout=400)
+            out, ranks = shared_launch.results(SHARED[nproc])
             for r in ranks:
                 for name, job in r["jobs"].items():
                     assert "error" not in job, f"rank {r['rank']} job {name}:\n{job['error']}"

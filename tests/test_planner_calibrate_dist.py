@@ -1,7 +1,8 @@
 """`autoparallel calibrate` on 4 real gloo ranks in its short mode (three message sizes, three repeats): every
 collective gets a latency/bandwidth fit per group size, the fits are the least-squares lines through the
 measured points, the profile round-trips through JSON into a ClusterSpec and `autoparallel plan` prices
-with it. One launch."""
+with it. The calibration worker runs in the 4-rank shared launch (dist_scripts/shared_launch.py) with the
+arguments ``calibrate.run_ranks`` launches it with (checked here against run_ranks itself)."""
 import json
 
 import numpy as np
@@ -10,13 +11,26 @@ import pytest
 from autoparallel.planner import calibrate
 from autoparallel.planner.cli import main as plan_main
 from autoparallel.planner.cluster import ClusterSpec
+from dist_scripts import shared_launch
 
 GROUP = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all")
+CONFIG = {"sizes": list(calibrate.QUICK_SIZES), "repeat": 3, "groups": calibrate.group_sizes(4)}
+JOB = shared_launch.job(__name__, "calibrate", calibrate.WORKER, 4, args=[json.dumps(CONFIG)], timeout=300)
 
 
 @pytest.fixture(scope="module")
 def results():
-    return calibrate.run_ranks(4, calibrate.QUICK_SIZES, repeat=3)
+    return shared_launch.results(JOB)[1]
+
+
+def test_the_shared_job_is_what_run_ranks_launches(monkeypatch):
+    from autoparallel.testing import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: calls.append((a, k)) or ["rank0"])
+    assert calibrate.run_ranks(4, calibrate.QUICK_SIZES, repeat=3) == ["rank0"]
+    (script, nproc, args), _ = calls[0]
+    assert (script, nproc, [json.loads(a) for a in args]) == (JOB.script, JOB.nproc, [CONFIG])
 
 
 def test_every_collective_is_fitted(results):

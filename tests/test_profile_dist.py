@@ -3,13 +3,15 @@ collective counts equal an independent wrapper of paddle.distributed and its byt
 sizes of the tensors that wrapper saw; the parts add up to each rank's step; every rank holds all four
 breakdowns; rank 0's plot is written; the pipeline's sends and receives are counted and its waiting is bubble."""
 import os
+import pathlib
 
 import pytest
 
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "profile_worker.py")
+JOB = shared_launch.job(__name__, "profile", WORKER, 4, args=lambda out: [out])
 
 
 def _hand_bytes(name, nbytes, n):
@@ -18,9 +20,9 @@ def _hand_bytes(name, nbytes, n):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    plots = tmp_path_factory.mktemp("plots")
-    return launch(WORKER, 4, [str(plots)], timeout=400), plots
+def results():
+    plots, ranks = shared_launch.results(JOB)
+    return ranks, pathlib.Path(plots)
 
 
 @pytest.mark.parametrize("config", ["dp2tp2", "tp4", "pp2dp2"])

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "reconfigure_worker.py")
@@ -20,10 +20,12 @@ JOBS = [
      "steps": STEPS},
 ]
 
+JOB = shared_launch.job(__name__, "reconfigure", WORKER, 4, args=[json.dumps(JOBS)])
+
 
 @pytest.fixture(scope="module")
 def ranks():
-    res = launch(WORKER, 4, [json.dumps(JOBS)], timeout=400)
+    _, res = shared_launch.results(JOB)
     for r in res:
         for name, job in r["jobs"].items():
             assert "error" not in job, f"rank {r['rank']} {name}:\n{job['error']}"

@@ -4,6 +4,7 @@ more backward passes than announced, ZeRO-2/3); from the second step on each bac
 all_reduce per bucket (the number of buckets planned in-process for the same model) and the step none; a
 non-final accumulation micro-step issues no gradient reduction; a negative control fails the comparison."""
 import os
+import pathlib
 
 import paddle
 import paddle.nn.functional as F
@@ -12,7 +13,7 @@ import pytest
 import autoparallel as ap
 from autoparallel.parallel.grads import plan_buckets
 from autoparallel.parallelize import parallelize
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "reducer_worker.py")
@@ -21,6 +22,7 @@ from zero_common import assert_matches, batches, make_opt, matches, tiny  # noqa
 
 STEPS = 4
 BUCKET_BYTES = 40 * 1024                 # several buckets for the tiny GPT (170 kB of parameters)
+JOB = shared_launch.job(__name__, "reducer", WORKER, 4, args=lambda out: [out, BUCKET_BYTES])
 
 
 def reference(ga):
@@ -55,10 +57,9 @@ def planned_buckets(dp, tp):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reducer")
-    ranks = launch(WORKER, 4, [str(out), str(BUCKET_BYTES)], timeout=400)
-    return out, ranks
+def run():
+    out, ranks = shared_launch.results(JOB)
+    return pathlib.Path(out), ranks
 
 
 @pytest.fixture(scope="module")

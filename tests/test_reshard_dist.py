@@ -3,14 +3,16 @@ import os
 
 import pytest
 
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 HERE = os.path.dirname(__file__)
+JOB = shared_launch.job(__name__, "reshard", os.path.join(HERE, "dist_scripts", "reshard_worker.py"), 4,
+                        timeout=300)
 
 
 @pytest.fixture(scope="module")
 def results():
-    return launch(os.path.join(HERE, "dist_scripts", "reshard_worker.py"), nproc=4, timeout=300)
+    return shared_launch.results(JOB)[1]
 
 
 def test_every_rank_holds_the_right_shard(results):

@@ -2,6 +2,8 @@
 equals the single-process run (the real data/tensor-parallel run computes the same global batch), checked
 on every rank's local copy of every parameter; the post-step hooks of the optimizer wrappers."""
 
+import os
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -12,6 +14,10 @@ import autoparallel as ap
 from autoparallel.parallel.optimizer import ShardedOptimizer
 from autoparallel.testing.check import check_every_rank
 from autoparallel.testing.models import adamw, batch, build, train_steps, trained_reference
+from dist_scripts import shared_launch
+
+ENTRY_POINTS = shared_launch.job(__name__, "entry_points", os.path.join(os.path.dirname(__file__), "dist_scripts",
+                                                                         "entry_points_worker.py"), 4, timeout=600)
 
 STEPS = 3
 
@@ -184,13 +190,9 @@ def test_simulated_world_equals_real_ranks_one_launch():
     """4 real gloo ranks (one launch) vs ap.simulate(4): the same losses and every rank's parameter copy,
     for ap.DataParallel + ap.Optimizer (DP2 x TP2, global-norm clipping, use_async_allreduce) and
     shard_optimizer(ShardingStage2)."""
-    import os
-
-    from autoparallel.testing.launch import launch
     from entry_points_common import run
 
-    here = os.path.dirname(__file__)
-    real = launch(os.path.join(here, "dist_scripts", "entry_points_worker.py"), nproc=4, timeout=600)
+    _, real = shared_launch.results(ENTRY_POINTS)
     assert sorted(tuple(r["world"][:2]) for r in real) == [(i, 4) for i in range(4)]
     for case in ("dp_optimizer", "stage2"):
         with ap.simulate(world_size=4):

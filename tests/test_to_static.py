@@ -1,7 +1,6 @@
 """ap.to_static: captured-graph training with completed layouts — shapes, errors, parity with one process."""
 import itertools
 import os
-import tempfile
 
 import numpy as np
 import paddle
@@ -12,9 +11,12 @@ import autoparallel as ap
 from autoparallel.graph.completion import MissingRuleError
 from autoparallel.graph.to_static import InputSpecMismatchError, to_static
 from autoparallel.planner.calibrate import cpu_profile
+from dist_scripts import shared_launch
 from dist_scripts.static_models import MLP, Mixer, mse, xent
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+STATIC_GPT = shared_launch.job(__name__, "static_gpt", os.path.join(HERE, "dist_scripts", "static_gpt.py"), 4,
+                               args=lambda out: [out, "--models", "gpt,llama"], timeout=600)
 CPU = cpu_profile(20e9, 10e9, 8e9, 4)
 
 
@@ -431,10 +433,7 @@ def test_zero3_gathers_parameters_around_their_layer_and_matches_one_process():
 
 # ---- real ranks ------------------------------------------------------------------------------------------------
 def test_tiny_gpt_and_llama_dp2_tp2_on_four_gloo_ranks_equal_eager():
-    from autoparallel.testing.launch import launch
-
-    out = tempfile.mkdtemp(prefix="ap_static_")
-    results = launch(os.path.join(HERE, "dist_scripts", "static_gpt.py"), 4, args=[out, "--models", "gpt,llama"])
+    out, results = shared_launch.results(STATIC_GPT)
     for r in results:
         for model in ("gpt", "llama"):
             np.testing.assert_allclose(r[model]["static"], r[model]["eager"], rtol=1e-5, atol=1e-6, err_msg=model)

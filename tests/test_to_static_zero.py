@@ -7,16 +7,18 @@ import os
 import numpy as np
 import pytest
 
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 HERE = os.path.dirname(__file__)
+JOB = shared_launch.job(__name__, "static_zero", os.path.join(HERE, "dist_scripts", "static_zero_worker.py"), 4,
+                        timeout=600)
 MODELS = ["gpt-tiny", "llama-tiny"]
 CONFIGS = ["zero2", "zero3", "dp2tp2", "recompute_full", "recompute_selective"]
 
 
 @pytest.fixture(scope="module")
 def results():
-    return launch(os.path.join(HERE, "dist_scripts", "static_zero_worker.py"), nproc=4, timeout=600)
+    return shared_launch.results(JOB)[1]
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -3,11 +3,13 @@
 collectives per layer; two "nodes" on one machine. Two launches in all."""
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
 
 from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "train_worker.py")
@@ -34,6 +36,7 @@ JOBS = [
     {"name": "neg_wrong_batch", "argv": ["--dp", "4"] + COMMON, "negative": "wrong_batch"},
     {"name": "neg_no_reduce", "argv": ["--dp", "4"] + COMMON, "negative": "no_reduce"},
 ]
+JOB = shared_launch.job(__name__, "train", WORKER, 4, args=lambda out: [out, json.dumps(JOBS)])
 
 
 def reference(model):
@@ -51,13 +54,12 @@ def refs():
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("train")
-    ranks = launch(WORKER, 4, [str(out), json.dumps(JOBS)], timeout=400)
+def run():
+    out, ranks = shared_launch.results(JOB)
     for r in ranks:
         for name, job in r["jobs"].items():
             assert "error" not in job, f"rank {r['rank']} job {name}:\n{job['error']}"
-    return out, ranks
+    return pathlib.Path(out), ranks
 
 
 def _family(job: str) -> str:

@@ -3,21 +3,23 @@ losses at every step and the same final parameters; bytes per rank shrink with t
 DP); stage-3 weights are released after use; a negative control fails; emulated-AMP overflow on one rank
 makes every rank skip the step."""
 import os
+import pathlib
 
 import pytest
 
-from autoparallel.testing.launch import launch
+from dist_scripts import shared_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "zero_worker.py")
+JOB = shared_launch.job(__name__, "zero", WORKER, 4, args=lambda out: [out], timeout=500)
 
 from zero_common import assert_matches, matches, reference  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("zero")
-    return out, launch(WORKER, 4, [str(out)], timeout=500)
+def run():
+    out, ranks = shared_launch.results(JOB)
+    return pathlib.Path(out), ranks
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,15 @@ as pytest's ``pythonpath`` setting lists them) first on the children's ``PYTHONP
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
 
@@ -49,65 +52,104 @@ def child_env(env=None) -> dict:
 def launch(script: str, nproc: int, args=(), timeout: float = 600, env=None, nnodes: int = 1,
            attempts: int = 3) -> list:
     for attempt in range(attempts):
-        try:
-            return _launch_once(script, nproc, args, timeout, env, nnodes)
-        except _StartupFlake as e:
-            last = e
+        job = run_job(script, nproc, args, timeout, env, nnodes)
+        if job.ok:
+            return job.results
+        if not job.startup_flake:
+            raise RuntimeError(job.failure())
+        last = job.tails[-3000:]
     raise RuntimeError(f"{script}: gloo start-up failed {attempts} times\n{last}")
 
 
-class _StartupFlake(RuntimeError):
-    pass
+@dataclasses.dataclass
+class Job:
+    """The outcome of one launch: exit codes, each rank's result (None: it wrote none), the log tails."""
+    script: str
+    nproc: int
+    codes: list
+    results: list
+    tails: str
+    output: str
+    stopped: str = None              # why the job was killed (a timeout), None if it ended by itself
+
+    @property
+    def ok(self) -> bool:
+        return self.stopped is None and not any(self.codes) and all(x is not None for x in self.results)
+
+    @property
+    def startup_flake(self) -> bool:
+        return self.stopped is None and any(f in self.tails for f in STARTUP_FLAKES)
+
+    def failure(self) -> str:
+        if self.stopped:
+            return f"launch of {self.script} on {self.nproc} ranks {self.stopped}\n{self.tails}"
+        return (f"launch of {self.script} on {self.nproc} ranks failed (exit codes {self.codes}, missing results "
+                f"{[r for r, x in enumerate(self.results) if x is None]})\n{self.tails}\n{self.output}")
 
 
-def _launch_once(script, nproc, args, timeout, env, nnodes) -> list:
+def run_job(script: str, nproc: int, args=(), timeout: float = 600, env=None, nnodes: int = 1, watch=None) -> Job:
+    """One launch of ``script`` on ``nproc`` ranks, killed after ``timeout`` s or as soon as ``watch(result_dir)``
+    (called every half second) returns a reason; the results the ranks wrote so far are returned either way."""
     workdir = tempfile.mkdtemp(prefix="ap_launch_")
     result_dir = os.path.join(workdir, "results")
     os.makedirs(result_dir)
     e = child_env({"OMP_NUM_THREADS": "1", "AP_RESULT_DIR": result_dir, "PYTHONUNBUFFERED": "1",
                    "GLOG_minloglevel": "2", "FLAGS_call_stack_level": "0", **(env or {})})
-    logs = []
-    procs = []
-    if nnodes == 1:
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
-               "--log_dir", os.path.join(workdir, "log"), script, *map(str, args)]
-        procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        logs.append(os.path.join(workdir, "log"))
-    else:
-        master = f"127.0.0.1:{free_port()}"
-        for node in range(nnodes):
-            log = os.path.join(workdir, f"log{node}")
-            cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nnodes", str(nnodes), "--master", master,
-                   "--rank", str(node), "--nproc_per_node", str(nproc // nnodes), "--log_dir", log,
-                   script, *map(str, args)]
-            procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-            logs.append(log)
-    outs = []
+    logs, procs, outs = [], [], []
+    master = f"127.0.0.1:{free_port()}"
+    for node in range(nnodes):
+        log = os.path.join(workdir, f"log{node}" if nnodes > 1 else "log")
+        multi = ["--nnodes", str(nnodes), "--master", master, "--rank", str(node)] if nnodes > 1 else []
+        cmd = [sys.executable, "-m", "paddle.distributed.launch", *multi, "--nproc_per_node", str(nproc // nnodes),
+               "--log_dir", log, script, *map(str, args)]
+        outs.append(open(os.path.join(workdir, f"launcher{node}.out"), "w+b"))
+        procs.append(subprocess.Popen(cmd, env=e, stdout=outs[-1], stderr=subprocess.STDOUT))
+        logs.append(log)
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append(out.decode(errors="replace"))
-    except subprocess.TimeoutExpired:
-        for p in procs:
+        stopped = _wait(procs, time.monotonic() + timeout, lambda: watch(result_dir) if watch else None)
+    finally:                                    # also on KeyboardInterrupt: no rank outlives its test
+        _stop(procs)
+    stopped = stopped if stopped != "timeout" else f"timed out after {timeout} s"
+    output = []
+    for f in outs:
+        f.seek(0)
+        output.append(f.read().decode(errors="replace")[-2000:])
+        f.close()
+    results = [_read_json(os.path.join(result_dir, f"rank{r}.json")) for r in range(nproc)]
+    return Job(script, nproc, [p.returncode for p in procs], results, _tails(logs), "\n".join(output), stopped)
+
+
+def _wait(procs, deadline, check):
+    """None once every process has ended; "timeout" past ``deadline``; ``check()``'s reason when it gives one."""
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            return "timeout"
+        reason = check()
+        if reason:
+            return reason
+        time.sleep(0.5)
+    return None
+
+
+def _stop(procs, grace: float = 15.0) -> None:
+    """End launchers still running: SIGTERM first (paddle's launcher then stops its ranks), SIGKILL after
+    ``grace`` s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
             p.kill()
-        raise RuntimeError(f"launch of {script} on {nproc} ranks timed out after {timeout} s\n" + _tails(logs))
-    codes = [p.returncode for p in procs]
-    results = []
-    for r in range(nproc):
-        path = os.path.join(result_dir, f"rank{r}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                results.append(json.load(f))
-        else:
-            results.append(None)
-    if any(codes) or any(x is None for x in results):
-        tails = _tails(logs)
-        if any(f in tails for f in STARTUP_FLAKES):
-            raise _StartupFlake(tails[-3000:])
-        raise RuntimeError(f"launch of {script} on {nproc} ranks failed (exit codes {codes}, "
-                           f"missing results {[r for r, x in enumerate(results) if x is None]})\n" + _tails(logs)
-                           + "\n".join(o[-2000:] for o in outs))
-    return results
+            p.wait()
+
+
+def _read_json(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _tails(log_dirs, n=3000) -> str:
@@ -122,10 +164,28 @@ def _tails(log_dirs, n=3000) -> str:
     return "\n".join(text)
 
 
+_captured: list = []
+
+
+@contextlib.contextmanager
+def capture_results():
+    """Inside, ``write_result`` appends its object to the list this yields instead of writing the rank's file
+    (several test scripts run one after another in one launch: tests/dist_scripts/bundle_worker.py)."""
+    got: list = []
+    _captured.append(got)
+    try:
+        yield got
+    finally:
+        _captured.pop()
+
+
 def write_result(obj) -> None:
     """Called on each rank: store this rank's JSON-serialisable result for ``launch``."""
     import paddle.distributed as dist
 
+    if _captured:
+        _captured[-1].append(obj)
+        return
     d = os.environ.get("AP_RESULT_DIR")
     if not d:
         print(json.dumps(obj))

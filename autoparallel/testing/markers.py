@@ -60,7 +60,7 @@ def _package_launchers() -> set:
     from autoparallel.planner import calibrate
     from autoparallel.testing import launch
 
-    return {launch.launch, launch.child_env, calibrate.run_ranks, calibrate.main, demo.main, demo.run_once}
+    return {launch.launch, launch.run_job, launch.child_env, calibrate.run_ranks, calibrate.main, demo.main, demo.run_once}
 
 
 def _unwrap(obj):
