@@ -8,6 +8,7 @@ adds an int32 output laid out like the pooled values.
 from __future__ import annotations
 
 from spmd_rules.einsum import ALL, labels_result
+from spmd_rules.conv import _padding
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.utils import check_spec
 
@@ -36,33 +37,8 @@ def _ints(op, name, v, n):
 
 
 def _pads(op, padding, n, sizes, ksize, stride, channel_last):
-    """[(before, after)] per spatial dim, for every padding form paddle accepts."""
-    if isinstance(padding, str):
-        p = padding.upper()
-        if p == "VALID":
-            return [(0, 0)] * n
-        if p == "SAME":
-            out = []
-            for i in range(n):
-                o = -(-sizes[i] // stride[i])
-                total = max(0, (o - 1) * stride[i] + ksize[i] - sizes[i])
-                out.append((total // 2, total - total // 2))
-            return out
-        raise ValueError(f"{op}: padding string must be 'SAME' or 'VALID', got {padding!r}")
-    if isinstance(padding, int):
-        return [(padding, padding)] * n
-    pad = list(padding)
-    if all(isinstance(v, (list, tuple)) for v in pad) and len(pad) == n + 2:
-        sp = pad[1:n + 1] if channel_last else pad[2:]
-        return [tuple(int(a) for a in v) for v in sp]
-    if all(isinstance(v, int) for v in pad):
-        if len(pad) == 1:
-            return [(pad[0], pad[0])] * n
-        if len(pad) == n:
-            return [(v, v) for v in pad]
-        if len(pad) == 2 * n:
-            return [(pad[2 * i], pad[2 * i + 1]) for i in range(n)]
-    raise ValueError(f"{op}: unsupported padding {padding!r} for a {n}-d pooling")
+    """[(before, after)] per spatial dim, for every padding form paddle accepts (a conv's, without dilation)."""
+    return _padding(op, padding, ksize, stride, [1] * n, sizes, channel_last)
 
 
 def _pooled_shape(op, x, n, kernel_size, stride, padding, ceil_mode, data_format):
