@@ -284,8 +284,13 @@ def ldexp(x, y, name=None):
 
 
 def numel(x, name=None):
-    """The global element count, as a replicated int64 scalar tensor."""
-    return _p().to_tensor(math.prod(gshape(x)), dtype="int64")
+    """The element count as ``x.shape`` reports it, as an int64 scalar tensor: a DistTensor's global count; a
+    DistParameter is a paddle Parameter holding this rank's shard, so its count is the shard's, like its
+    ``.shape`` and ``.numel()`` (libraries that route ``Tensor.numel`` through ``paddle.numel``, as PaddleFormers
+    does, then see the same number)."""
+    paddle = _p()
+    shape = x.shape if isinstance(x, paddle.Tensor) else gshape(x)
+    return paddle.to_tensor(math.prod(shape), dtype="int64")
 
 
 # ---- random tensors like x: one draw for the global shape (as one process makes it), laid out like x -----------------

@@ -219,8 +219,11 @@ def test_no_original_of_a_routed_op_is_left_under_another_name():
         for attr, val in list(vars(mod).items()):
             if id(val) in originals and not attr.startswith("__"):
                 left.append(f"{name}.{attr} (= {originals[id(val)]})")
-    for attr in dir(paddle.Tensor):
-        if not attr.startswith("__") and id(getattr(paddle.Tensor, attr, None)) in originals:
+    from autoparallel.dispatch_install import _STORAGE_METHODS
+
+    for attr in dir(paddle.Tensor):         # storage methods (numel, clone, ...) act on a shard's storage on purpose
+        if not attr.startswith("__") and attr not in _STORAGE_METHODS \
+                and id(getattr(paddle.Tensor, attr, None)) in originals:
             left.append(f"paddle.Tensor.{attr}")
     assert left == []
     assert paddle.cat is paddle.concat and getattr(paddle.cat, "_ap_routed", None) == "concat"

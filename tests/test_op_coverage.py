@@ -466,3 +466,20 @@ def test_tensor_methods_of_the_new_rules_on_distributed_tensors():
                        for g, w in zip(got, want)):
                 bad.append(name)
     assert bad == []
+
+
+def test_numel_agrees_with_shape_for_dist_tensors_and_dist_parameters():
+    """paddle.numel(x) == prod(x.shape): a DistTensor's global shape, a DistParameter's local shard (its .shape);
+    PaddleFormers routes Tensor.numel through paddle.numel, so memory counts of parameters stay per rank."""
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+        t = ap.shard_tensor(paddle.ones([8, 4]), mesh, [ap.Shard(0)])
+        assert int(paddle.numel(t)) == 32
+        layer = paddle.nn.Linear(4, 8)
+
+        def fn(name, sub, m):
+            if isinstance(sub, paddle.nn.Linear):
+                sub.weight = ap.shard_tensor(sub.weight, m, [ap.Shard(1)])
+        ap.shard_layer(layer, mesh, fn)
+        w = layer.weight
+        assert list(w.shape) == [4, 4] and int(paddle.numel(w)) == int(w.numel()) == 16
