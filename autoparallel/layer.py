@@ -53,7 +53,7 @@ def shard_layer(layer, mesh: ProcessMesh, shard_fn=None, input_fn=None, output_f
     check_replaced(layer, before)
     from autoparallel.parallel.stale_optimizers import replaced_params, repoint_optimizers
 
-    repoint_optimizers(replaced_params(before), {id(s.param): s.param for s in before})
+    repoint_optimizers(replaced_params(before))
     if input_fn is not None:
         layer.register_forward_pre_hook(lambda _layer, inputs: input_fn(inputs, mesh))
     if output_fn is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from autoparallel.core.spec import DistSpec, normalize_dtype
 
 from spmd_rules.einsum import ALL, einsum_result, labels_result
-from spmd_rules.reduction import _reduction, reduce_labels
+from spmd_rules.reduction import _reduction, reduce_labels, sum_dtype
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.utils import check_spec, norm_axes, norm_axis, promote
 
@@ -29,11 +29,7 @@ def _keep_but(x, axes):
 # ---- reductions ------------------------------------------------------------------------------------------------------
 @register_spmd_rule("nansum")
 def nansum(x, axis=None, dtype=None, keepdim=False, name=None):
-    if dtype is not None:
-        out = normalize_dtype(dtype)
-    else:
-        out = "int64" if x.dtype in ("bool", "int32", "int16", "int8", "uint8") else x.dtype
-    return _reduction("nansum", x, axis, keepdim, reduce="sum", linear=None, dtype=out)[0]
+    return _reduction("nansum", x, axis, keepdim, reduce="sum", linear=None, dtype=sum_dtype(x, dtype))[0]
 
 
 @register_spmd_rule("count_nonzero")

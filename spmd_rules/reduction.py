@@ -62,11 +62,14 @@ def _sum_reverse(outputs, x, axis=None, dtype=None, keepdim=False, name=None):
 @register_spmd_rule("sum", reverse=_sum_reverse)
 @block_aware
 def reduce_sum(x, axis=None, dtype=None, keepdim=False, name=None):
+    return _reduction("sum", x, axis, keepdim, reduce="sum", linear=ALL, dtype=sum_dtype(x, dtype))[0]
+
+
+def sum_dtype(x, dtype):
+    """paddle's output dtype of a sum: ``dtype`` if given, else int64 for bool and small ints, else x's."""
     if dtype is not None:
-        out = normalize_dtype(dtype)
-    else:
-        out = "int64" if x.dtype in ("bool", "int32", "int16", "int8", "uint8") else x.dtype
-    return _reduction("sum", x, axis, keepdim, reduce="sum", linear=ALL, dtype=out)[0]
+        return normalize_dtype(dtype)
+    return "int64" if x.dtype in ("bool", "int32", "int16", "int8", "uint8") else x.dtype
 
 
 def _mean_reverse(outputs, x, axis=None, keepdim=False, name=None, *, dtype=None):

@@ -46,9 +46,9 @@ def _state_names(opt) -> set:
     return names
 
 
-def repoint_optimizers(replaced: dict, originals: dict) -> int:
+def repoint_optimizers(replaced: dict) -> int:
     """Point every live optimizer holding a replaced parameter at its distributed version; returns how many
-    optimizers were changed. ``originals``: {id(original): original} (for the names in errors)."""
+    optimizers were changed."""
     if not replaced:
         return 0
     changed = 0
