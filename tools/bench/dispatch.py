@@ -208,8 +208,8 @@ def run_ranks(args, impl, progress, profile):
 
 def run_gpt(args):
     """single, then ``rounds`` x (paddle, ours) launches; step times pooled over rounds."""
-    progress = os.path.join(tempfile.gettempdir(), f"ap_bench_dispatch_{os.getpid()}.progress")
-    open(progress, "w").close()
+    progress_file = os.path.join(tempfile.gettempdir(), f"ap_bench_dispatch_{os.getpid()}.progress")
+    open(progress_file, "w").close()
     per_run = args.warmup + args.steps
     jobs = [("single", False)] + [(impl, r == args.rounds - 1) for r in range(args.rounds)
                                   for impl in ("paddle", "ours")]
@@ -219,8 +219,8 @@ def run_gpt(args):
     def target():
         try:
             for impl, profile in jobs:
-                box["results"].append(run_single(args, progress) if impl == "single"
-                                      else run_ranks(args, impl, progress, profile))
+                box["results"].append(run_single(args, progress_file) if impl == "single"
+                                      else run_ranks(args, impl, progress_file, profile))
         except Exception as e:           # re-raised in the main thread
             box["error"] = e
 
@@ -229,12 +229,12 @@ def run_gpt(args):
     with progress(total=total, desc="GPT step: single, then paddle / ours on 4 ranks", unit="step") as bar:
         while th.is_alive():
             th.join(0.5)
-            lines = _read_lines(progress)
+            lines = _read_lines(progress_file)
             if len(lines) != bar.n:
                 bar.n = len(lines)
                 bar.set_postfix_str(lines[-1] if lines else "")
                 bar.refresh()
-    os.remove(progress)
+    os.remove(progress_file)
     if "error" in box:
         raise box["error"]
     merged = {}

@@ -23,7 +23,6 @@ Writes the table, the figures and the commands to ``--out`` and a predicted-vs-m
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform

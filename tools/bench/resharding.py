@@ -105,14 +105,14 @@ def reference_seconds(mesh_key, src_s, dst_s, size, repeats):
 
 # ---- the distributed run, with progress ---------------------------------------------------------------
 def run_ranks(args, total):
-    progress = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ap_bench_reshard_{os.getpid()}.progress")
+    progress_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ap_bench_reshard_{os.getpid()}.progress")
     box = {}
 
     def target():
         try:
             box["results"] = launch(WORKER, NPROC, ["--sizes", args.sizes, "--repeats", args.repeats,
                                                     "--warmup", args.warmup],
-                                    timeout=900, env={"AP_BENCH_PROGRESS": progress}, attempts=5)
+                                    timeout=900, env={"AP_BENCH_PROGRESS": progress_file}, attempts=5)
         except Exception as e:  # re-raised in the main thread
             box["error"] = e
 
@@ -121,14 +121,14 @@ def run_ranks(args, total):
     with progress(total=total, desc=f"reshard bench on {NPROC} ranks", unit="case") as bar:
         while th.is_alive():
             th.join(0.5)
-            done = _lines(progress)
+            done = _lines(progress_file)
             if done != bar.n:
                 bar.n = done
                 if done:
-                    bar.set_postfix_str(_last_line(progress))
+                    bar.set_postfix_str(_last_line(progress_file))
                 bar.refresh()
-    if os.path.exists(progress):
-        os.remove(progress)
+    if os.path.exists(progress_file):
+        os.remove(progress_file)
     if "error" in box:
         raise box["error"]
     return box["results"]
