@@ -14,7 +14,8 @@ setup(
     extras_require={
         # paddle is an extra so a GPU user's paddlepaddle-gpu is never replaced
         "cpu": ["paddlepaddle>=3.3,<3.4"],
-        "test": ["pytest>=7", "hypothesis"],      # pytest.ini uses pythonpath (pytest 7)
+        # pytest.ini uses pythonpath (pytest 7); xdist runs the suite on two workers (make test)
+        "test": ["pytest>=7", "hypothesis", "pytest-xdist"],
         # real models from the ecosystem's library, run unedited by tests/test_paddleformers*.py
         "models": ["paddleformers==1.2.*"],
     },

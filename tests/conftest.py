@@ -26,6 +26,19 @@ def pytest_collection_modifyitems(config, items):
         if (fn, fixtures) not in _KIND:                   # parametrized items share their function's kind
             _KIND[fn, fixtures] = classify(fn, fixtures, ROOTS)
         item.add_marker(getattr(pytest.mark, _KIND[fn, fixtures]))
+    _one_worker_for_shared_launches(items)
+
+
+def _one_worker_for_shared_launches(items):
+    """Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) the tests of every module with a shared
+    real-rank job run on one worker: that worker makes each world size's one launch, and a job that reads another
+    size's output (``after=``) finds it; everything else is spread over both workers."""
+    from dist_scripts import shared_launch
+
+    shared = shared_launch.declared_modules()
+    for item in items:
+        if getattr(item, "module", None) is not None and item.module.__name__ in shared:
+            item.add_marker(pytest.mark.xdist_group("shared_launch"))
 
 
 _KIND: dict = {}
