@@ -23,10 +23,10 @@ demo: $(STAMP)
 	$(PY) tools/compare_logs.py out/demo_single.json out/demo_dp2tp2.json
 
 # two pytest-xdist workers: the in-process tests use one core each, the real-rank launches run on one worker
-# (conftest: one xdist group) while the other keeps going
+# (conftest: one xdist unit) while the other keeps going
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope tests
 
 # the inner loop: every test that starts no process (markers pure and sim)
 test-fast: $(STAMP)

@@ -1,3 +1,4 @@
+import functools
 import os
 import subprocess
 import sys
@@ -26,19 +27,6 @@ def pytest_collection_modifyitems(config, items):
         if (fn, fixtures) not in _KIND:                   # parametrized items share their function's kind
             _KIND[fn, fixtures] = classify(fn, fixtures, ROOTS)
         item.add_marker(getattr(pytest.mark, _KIND[fn, fixtures]))
-    _one_worker_for_shared_launches(items)
-
-
-def _one_worker_for_shared_launches(items):
-    """Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) the tests of every module with a shared
-    real-rank job run on one worker: that worker makes each world size's one launch, and a job that reads another
-    size's output (``after=``) finds it; everything else is spread over both workers."""
-    from dist_scripts import shared_launch
-
-    shared = shared_launch.declared_modules()
-    for item in items:
-        if getattr(item, "module", None) is not None and item.module.__name__ in shared:
-            item.add_marker(pytest.mark.xdist_group("shared_launch"))
 
 
 _KIND: dict = {}
@@ -51,6 +39,47 @@ def pytest_collection_finish(session):
 
     shared_launch.select_modules({item.module.__name__ for item in session.items
                                   if getattr(item, "module", None) and item.get_closest_marker("dist")})
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker hands its launches and job timings to the controller (``pytest_testnodedown``)."""
+    from dist_scripts import shared_launch
+
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["shared_launch"] = (list(shared_launch.launches), dict(shared_launch.timings))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``make test`` runs on two pytest-xdist workers with ``--dist loadscope``: every module that declares a
+    shared real-rank job (``shared_launch.job(``) is one unit on one worker, which makes each world size's one
+    launch (and a job reading another size's output finds it); every other module is its own unit, spread over
+    both workers. (The modules are found by their text: the controller imports no test module.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedLaunchScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return "shared launches" if _declares_shared_job(path) else path
+
+    return SharedLaunchScheduling(config, log)
+
+
+@functools.lru_cache(maxsize=None)
+def _declares_shared_job(path) -> bool:
+    full = os.path.join(os.path.dirname(TESTS), path)
+    return path.endswith(".py") and os.path.exists(full) and "shared_launch.job(" in open(full).read()
+
+
+@pytest.hookimpl(optionalhook=True)          # an xdist hook: pytest without xdist must not reject it
+def pytest_testnodedown(node, error):
+    from dist_scripts import shared_launch
+
+    launches, timings = getattr(node, "workeroutput", {}).get("shared_launch", ([], {}))
+    shared_launch.launches.extend(tuple(x) for x in launches)
+    shared_launch.timings.update(timings)
 
 
 def pytest_terminal_summary(terminalreporter):

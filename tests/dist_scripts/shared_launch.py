@@ -77,11 +77,6 @@ def results_or_error(one: Job):
         return str(e)
 
 
-def declared_modules() -> set:
-    """The test modules that declared a shared job (they run on one pytest-xdist worker: conftest)."""
-    return {j.module for j in _declared.values()}
-
-
 def select_modules(names) -> None:
     """Called by conftest once collection is final: the modules whose jobs the shared launches run."""
     _selected["modules"] = set(names)
