@@ -7,6 +7,8 @@ both operands laid out alike (the larger operand's sharding wins, nonlinear so P
 reduced first). Under a 2x2 mesh the op runs on each rank's shards and the result equals the single
 process, forward and backward.
 """
+import argparse
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -50,4 +52,5 @@ def main(world: int = 4) -> bool:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Takes no options.").parse_args()
     raise SystemExit(0 if main() else 1)
