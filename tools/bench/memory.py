@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    from examples.models import PRESETS
+
+    if args.model not in PRESETS:
+        p.error(f"unknown --model {args.model!r}; presets: {', '.join(sorted(PRESETS))}")
     if args.steps < 2 or args.batch < 4 or args.batch % 4 or args.seq < 1:
         p.error(f"expected --steps >= 2 (step times skip the first), --batch a positive multiple of 4 and --seq >= 1, "
                 f"got {args.steps}, {args.batch}, {args.seq}")
