@@ -26,7 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    if min(args.dp, args.tp, args.rounds, args.layers, args.batch) < 1 or args.warmup < 0 or args.batch % args.dp:
+        p.error(f"expected --dp, --tp, --rounds, --layers, --batch >= 1, --warmup >= 0 and --batch a multiple of "
+                f"--dp, got {args.dp}, {args.tp}, {args.rounds}, {args.layers}, {args.batch}, {args.warmup}")
     flags = [x for k, v in vars(args).items() for x in (f"--{k}", str(v))]
     res = launch(WORKER, args.dp * args.tp, flags, timeout=1200)[0]
     print(f"Phi3 vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, {args.heads} heads "

@@ -185,13 +185,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "pipeline_bench.md"))
     ap.add_argument("--img", default=os.path.join(ROOT, "docs", "img"))
     args = ap.parse_args(argv)
+    try:
+        ranks = [int(x) for x in args.ranks.split(",")]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 2 or args.micro_batches < 1 or args.micro_batch_size < 1 or args.steps < 1 \
+            or args.warmup < 0:
+        ap.error(f"expected --ranks as comma-separated counts >= 2, --micro-batches, --micro-batch-size and --steps "
+                 f">= 1 and --warmup >= 0, got {args.ranks!r}, {args.micro_batches}, {args.micro_batch_size}, "
+                 f"{args.steps}, {args.warmup}")
     cfg = {"micro_batches": args.micro_batches, "batch": args.micro_batches * args.micro_batch_size,
            "seq": args.seq, "steps": args.steps, "warmup": args.warmup}
     os.makedirs(args.img, exist_ok=True)
     single = single_process(cfg)
     print(f"single process: {single[0] * 1e3:.0f} ms per step (fastest), {single[1] * 1e3:.0f} ms (median)")
     rows = []
-    for nproc in [int(x) for x in args.ranks.split(",")]:
+    for nproc in ranks:
         t0 = time.perf_counter()
         ranks = launch(tool("_bench_pipeline_worker.py"), nproc, [json.dumps(cfg)], timeout=1200)
         print(f"{nproc} ranks: launch took {time.perf_counter() - t0:.0f} s")
