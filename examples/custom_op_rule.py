@@ -51,6 +51,10 @@ def main(world: int = 4) -> bool:
     return bool(ok_fwd and ok_bwd)
 
 
+def cli(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Takes no options.").parse_args(argv)
+    return 0 if main() else 1
+
+
 if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Takes no options.").parse_args()
-    raise SystemExit(0 if main() else 1)
+    raise SystemExit(cli())
