@@ -116,6 +116,8 @@ def test_every_entry_point_the_readme_names_is_covered_here():
     (["pipeline", "--ranks", "1"], r"--ranks as comma-separated counts >= 2"),
     (["fused", "--batch", "3"], r"--batch a multiple of --dp"),
     (["reshard", "--repeats", "0"], r"--repeats >= 1"),
+    (["reshard", "--sizes", "64,x"], r"--sizes: expected comma-separated integers"),
+    (["planner", "--repeat", "0"], r"--repeat must be >= 1"),
     (["static", "--sizes", "huge"], r"unknown layout/size \['huge'\]"),
 ])
 def test_bench_refuses_before_launching(argv, message, monkeypatch, capsys):
