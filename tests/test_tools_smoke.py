@@ -114,6 +114,7 @@ def test_every_entry_point_the_readme_names_is_covered_here():
     (["dispatch", "--skip-gpt", "--rounds", "2"], r"--skip-gpt skips the part that --rounds set"),
     (["dispatch", "--skip-ops", "--skip-gpt"], r"leave nothing to measure"),
     (["pipeline", "--ranks", "1"], r"--ranks as comma-separated counts >= 2"),
+    (["pipeline", "--ranks", "2,4", "--micro-batches", "2"], r"--ranks 4 --micro-batches 2: 1F1B needs micro_batches"),
     (["fused", "--batch", "3"], r"--batch a multiple of --dp"),
     (["reshard", "--repeats", "0"], r"--repeats >= 1"),
     (["reshard", "--sizes", "64,x"], r"--sizes: expected comma-separated integers"),

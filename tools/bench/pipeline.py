@@ -174,6 +174,22 @@ def table(rows: list, single: tuple, cfg: dict) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def schedule_problem(ranks, micro_batches) -> str:
+    """Why some schedule cannot run on some rank count ('' when all can), before any launch."""
+    from autoparallel.parallel.pipeline import make_schedule
+
+    for nproc in ranks:
+        for name, vpp in SCHEDULES:
+            if nproc * vpp > MODEL["layers"]:
+                return (f"--ranks {nproc}: {name} needs {nproc * vpp} stages, the benchmark model has "
+                        f"{MODEL['layers']} blocks")
+            try:
+                make_schedule(name, nproc, micro_batches, vpp)
+            except ValueError as e:
+                return f"--ranks {nproc} --micro-batches {micro_batches}: {e}"
+    return ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="2,4", help="comma-separated rank counts (pipeline degree = ranks)")
@@ -194,6 +210,9 @@ def main(argv=None) -> int:
         ap.error(f"expected --ranks as comma-separated counts >= 2, --micro-batches, --micro-batch-size and --steps "
                  f">= 1 and --warmup >= 0, got {args.ranks!r}, {args.micro_batches}, {args.micro_batch_size}, "
                  f"{args.steps}, {args.warmup}")
+    problem = schedule_problem(ranks, args.micro_batches)
+    if problem:
+        ap.error(problem)
     cfg = {"micro_batches": args.micro_batches, "batch": args.micro_batches * args.micro_batch_size,
            "seq": args.seq, "steps": args.steps, "warmup": args.warmup}
     os.makedirs(args.img, exist_ok=True)
