@@ -262,7 +262,7 @@ def _checkpointing(args, model, opt, pipelined):
     from autoparallel.checkpoint.manager import CheckpointManager
     from autoparallel.checkpoint.state import training_state
 
-    ckpt = CheckpointManager(args.ckpt_dir, args.save_every or SAVE_EVERY, optimizer=opt)   # + generators, loss scale, LR
+    ckpt = CheckpointManager(args.ckpt_dir, args.save_every or SAVE_EVERY, optimizer=opt)  # + generators, scale, LR
     ckpt.install_sigterm_handler()
     state = training_state(model, opt)           # a PipelineModule or a ZeRO optimizer names its own state
     # before the first step: the root is writable with room for one checkpoint, and is this run's (another

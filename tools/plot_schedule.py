@@ -56,7 +56,6 @@ def unused_options(args) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap = build_parser()
     args = ap.parse_args(argv)
     ignored = unused_options(args)

@@ -190,10 +190,11 @@ def check_args(p, args) -> None:
 
 def command(p, args) -> str:
     """The command line of this run, as the doc quotes it (the sizes always; vocab, seq, batch when changed)."""
-    extra = "".join(f" --{k} {getattr(args, k)}" for k in ("vocab", "seq", "batch") if getattr(args, k) != p.get_default(k))
-    return (f"OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench vs-paddle --model {args.model} --layouts {args.layouts} "
-            f"--hidden {args.hidden} --layers {args.layers} --heads {args.heads}{extra} --rounds {args.rounds} "
-            f"--steps {args.steps} --warmup {args.warmup}")
+    extra = "".join(f" --{k} {getattr(args, k)}" for k in ("vocab", "seq", "batch")
+                    if getattr(args, k) != p.get_default(k))
+    return (f"OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench vs-paddle --model {args.model} "
+            f"--layouts {args.layouts} --hidden {args.hidden} --layers {args.layers} --heads {args.heads}{extra} "
+            f"--rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}")
 
 
 def main(argv=None) -> int:
