@@ -7,6 +7,8 @@ both operands laid out alike (the larger operand's sharding wins, nonlinear so P
 reduced first). Under a 2x2 mesh the op runs on each rank's shards and the result equals the single
 process, forward and backward.
 """
+import argparse
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -49,5 +51,10 @@ def main(world: int = 4) -> bool:
     return bool(ok_fwd and ok_bwd)
 
 
+def cli(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Takes no options.").parse_args(argv)
+    return 0 if main() else 1
+
+
 if __name__ == "__main__":
-    raise SystemExit(0 if main() else 1)
+    raise SystemExit(cli())

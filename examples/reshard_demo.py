@@ -4,12 +4,15 @@ on the verdict through an all_reduce of a flag.
 
     autoparallel demo --nproc 4                       # or: make demo
     python -m paddle.distributed.launch --nproc_per_node 4 examples/reshard_demo.py
+    python examples/reshard_demo.py --simulate 4      # one process, no launcher
 
-The per-rank logic (``run_demo``) also runs in the simulated world (``with ap.simulate(world_size=4):``),
-where this process holds every rank's shard and checks all of them.
+The per-rank logic (``run_demo``) also runs in the simulated world (``with ap.simulate(world_size=4):``,
+``--simulate N``), where this process holds every rank's shard and checks all of them.
 """
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import time
 
@@ -134,11 +137,33 @@ def run_demo(transitions=TRANSITIONS, out=print) -> list:
     return results
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="Under paddle.distributed.launch every rank runs it with no arguments.")
+    p.add_argument("--simulate", type=int, default=None, metavar="N",
+                   help="run all N ranks in this process (the simulated world) instead of under a launcher")
+    return p
+
+
+def main(argv=None) -> int:
     import paddle.distributed as dist
 
-    dist.init_parallel_env()
-    results = run_demo()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    launched = int(os.environ.get("PADDLE_TRAINERS_NUM", "1")) > 1
+    if args.simulate is not None:
+        if launched:
+            parser.error("--simulate runs every rank in one process; do not start it under a launcher")
+        if args.simulate < 2 or args.simulate % 2:
+            parser.error(f"--simulate needs an even number of ranks >= 2 (a 2 x N/2 mesh), got {args.simulate}")
+        with ap.simulate(world_size=args.simulate):
+            results = run_demo()
+    else:
+        if not launched:
+            parser.error("one process is not a distributed job: start it with python -m paddle.distributed.launch "
+                         "--nproc_per_node 4 (or autoparallel demo), or pass --simulate 4")
+        dist.init_parallel_env()
+        results = run_demo()
     return 0 if all(r["ok"] for r in results) else 1
 
 

@@ -55,7 +55,8 @@ def make_parser(default_model: str) -> argparse.ArgumentParser:
     p.add_argument("--log-json", dest="log_json", default=None, help="write the run log here (rank 0)")
     p.add_argument("--static", action="store_true", help="captured-graph mode: ap.to_static with completed layouts")
     p.add_argument("--ckpt-dir", dest="ckpt_dir", default=None, help="save distributed checkpoints here")
-    p.add_argument("--save-every", dest="save_every", type=_positive, default=10, help="steps between checkpoints")
+    p.add_argument("--save-every", dest="save_every", type=_positive, default=None,
+                   help=f"steps between checkpoints (needs --ckpt-dir; default {SAVE_EVERY})")
     p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in --ckpt-dir")
     p.add_argument("--profile", default=None, metavar="PATH",
                    help="profile the last step: print its per-rank breakdown, save stacked bars to PATH (.png)")
@@ -65,13 +66,30 @@ def make_parser(default_model: str) -> argparse.ArgumentParser:
     return p
 
 
+SAVE_EVERY = 10
+# the strategy flags --auto leaves to the planner, with their values when not given
+PLANNED_FLAGS = {"dp": None, "tp": 1, "pp": 1, "sp": False, "sharding_stage": 0, "offload": False,
+                 "recompute": "none", "grad_accum": 1, "micro_batches": None, "schedule": None, "vpp": None}
+
+
 def check_args(parser: argparse.ArgumentParser, args, world: int) -> None:
     """Refuse (exit 2, naming the flag) what this run cannot honour, before any work: a strategy invalid
     for the world size (``--offload`` without sharding, ``--vpp`` or ``--micro-batches`` without ``--pp``,
-    degrees that do not multiply to the world, ...), and a ``--schedule`` with one pipeline stage."""
+    degrees that do not multiply to the world, ...), a ``--schedule`` with one pipeline stage, strategy
+    flags next to ``--auto`` (the planner chooses them), and checkpoint flags without ``--ckpt-dir`` or
+    with ``--static``."""
     if args.resume and not args.ckpt_dir:
         parser.error("--resume needs --ckpt-dir (where the checkpoints are)")
+    if args.save_every is not None and not args.ckpt_dir:
+        parser.error(f"--save-every {args.save_every} needs --ckpt-dir (where the checkpoints go)")
+    if args.static and args.ckpt_dir:
+        parser.error("--ckpt-dir (with --save-every/--resume) is not supported with --static: the captured-graph "
+                     "run saves no checkpoints; drop one of them")
     if args.auto:
+        given = ["--" + k.replace("_", "-") for k, unset in PLANNED_FLAGS.items() if getattr(args, k) != unset]
+        if given:
+            parser.error(f"--auto lets the planner choose the strategy; {', '.join(given)} would be ignored: "
+                         f"drop them, or drop --auto to set the strategy yourself")
         return
     if args.schedule is not None and args.pp == 1:
         parser.error(f"--schedule {args.schedule} needs --pp > 1 (got --pp 1): a schedule orders pipeline stages")
@@ -244,7 +262,7 @@ def _checkpointing(args, model, opt, pipelined):
     from autoparallel.checkpoint.manager import CheckpointManager
     from autoparallel.checkpoint.state import training_state
 
-    ckpt = CheckpointManager(args.ckpt_dir, args.save_every, optimizer=opt)   # + generators, loss scale, LR
+    ckpt = CheckpointManager(args.ckpt_dir, args.save_every or SAVE_EVERY, optimizer=opt)  # + generators, scale, LR
     ckpt.install_sigterm_handler()
     state = training_state(model, opt)           # a PipelineModule or a ZeRO optimizer names its own state
     # before the first step: the root is writable with room for one checkpoint, and is this run's (another

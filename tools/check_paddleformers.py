@@ -1,6 +1,6 @@
 """Every PaddleFormers causal LM this project runs, in every mode, against one process: a markdown table.
 
-    python tools/check_paddleformers.py [--models llama,qwen2] [--world 4]
+    python tools/check_paddleformers.py [--models llama,qwen2]
 
 Modes on a 2x2 ["data", "model"] mesh in the simulated world (every rank in this process): ``dp`` (batch
 split, weights replicated), ``seed`` (the seed article's shard function through ``ap.shard_layer``),

@@ -231,7 +231,9 @@ def main(argv=None) -> int:
             bar.update()
         bar.close()
     finally:
-        if not args.keep:
+        if args.keep:
+            print(f"run directories kept under {base}", file=sys.stderr)
+        else:
             shutil.rmtree(base, ignore_errors=True)
     print(table(results))
     for r in results:

@@ -18,22 +18,52 @@ from autoparallel.parallel.pipeline.simulate import bubble_fraction
 from autoparallel.parallel.pipeline.timeline import plot_schedule, plot_timeline
 
 
-def main(argv=None) -> int:
+# the options of a planned schedule, with their defaults (None on the command line: "not given")
+PLANNED = {"schedule": "1F1B", "pp": 4, "micro_batches": 8, "vpp": 1, "forward": 1.0, "backward": 2.0,
+           "latency": 0.0}
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--schedule", default="1F1B", help=f"one of {', '.join(SCHEDULES)}")
-    ap.add_argument("--pp", type=int, default=4, help="pipeline ranks")
-    ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--vpp", type=int, default=1, help="virtual stages per rank (VPP)")
-    ap.add_argument("--forward", type=float, default=1.0,
-                    help="forward time of one rank's share of the model (a VPP chunk takes 1/vpp of it)")
-    ap.add_argument("--backward", type=float, default=2.0,
-                    help="backward time per rank (ZB-H1 without --weight: split evenly into B and W)")
+    ap.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)} (default 1F1B)")
+    ap.add_argument("--pp", type=int, default=None, help="pipeline ranks (default 4)")
+    ap.add_argument("--micro-batches", type=int, default=None, help="default 8")
+    ap.add_argument("--vpp", type=int, default=None, help="virtual stages per rank (schedule VPP; default 1)")
+    ap.add_argument("--forward", type=float, default=None,
+                    help="forward time of one rank's share of the model (a VPP chunk takes 1/vpp of it; default 1)")
+    ap.add_argument("--backward", type=float, default=None,
+                    help="backward time per rank (ZB-H1 without --weight: split evenly into B and W; default 2)")
     ap.add_argument("--weight", type=float, default=None, help="weight-grad time (ZB-H1); B then takes --backward")
-    ap.add_argument("--latency", type=float, default=0.0, help="send/recv latency")
+    ap.add_argument("--latency", type=float, default=None, help="send/recv latency (default 0)")
     ap.add_argument("--records", help="JSON file of measured [rank, kind, stage, microbatch, start, end] records")
     ap.add_argument("--title", default=None)
     ap.add_argument("--out", default="out/schedule.png")
+    return ap
+
+
+def unused_options(args) -> str:
+    """Why the given options cannot all be honoured ('' when they can): a measured run takes no schedule
+    options, and only ZB-H1 has a separate weight-gradient time."""
+    if args.records:
+        given = [n for n in (*PLANNED, "weight") if getattr(args, n) is not None]
+        if given:
+            return ("--records plots a measured run; the planned-schedule options "
+                    + ", ".join("--" + n.replace("_", "-") for n in given) + " do not apply to it")
+        return ""
+    if args.weight is not None and (args.schedule or PLANNED["schedule"]) != "ZB-H1":
+        return f"--weight is the weight-gradient time of ZB-H1, got schedule {args.schedule or PLANNED['schedule']!r}"
+    return ""
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
+    ignored = unused_options(args)
+    if ignored:
+        ap.error(ignored)
+    for name, value in PLANNED.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if args.records:

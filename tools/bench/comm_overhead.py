@@ -36,11 +36,15 @@ class _Group:
     ranks, nranks = [0, 1], 2
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs="+", default=[4, 128, 256])
-    args = p.parse_args(argv)
-    x = paddle.randn(args.shape)
+    return p
+
+
+def measure(shape) -> dict:
+    """Microseconds per call of each piece, on a float32 tensor of ``shape``."""
+    x = paddle.randn(shape)
     noop = types.SimpleNamespace(all_reduce=lambda t, op=None, group=None, sync_op=True: None,
                                  ReduceOp=dist.ReduceOp)
     tr = transport.RealTransport(0, "gloo")
@@ -59,11 +63,17 @@ def main(argv=None):
             rows["count_comm wrapper around a no-op all_reduce"] = best_us(lambda: wrapped(x, group=_Group()))
     finally:
         dist.all_reduce, dist.get_world_size, dist.get_rank = saved
-    print(f"tensor {args.shape} float32 ({math.prod(args.shape) * 4 / 1e3:.0f} kB); us per call, best of 7x200")
-    for name, us in rows.items():
-        print(f"{name:<48} {us:9.2f}")
     return rows
 
 
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    rows = measure(args.shape)
+    print(f"tensor {args.shape} float32 ({math.prod(args.shape) * 4 / 1e3:.0f} kB); us per call, best of 7x200")
+    for name, us in rows.items():
+        print(f"{name:<48} {us:9.2f}")
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

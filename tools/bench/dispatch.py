@@ -474,6 +474,21 @@ so neither implementation overlaps communication with compute.
         f.write("\n".join(parts))
 
 
+GPT_OPTIONS = ("steps", "warmup", "rounds", "profile_steps") + tuple(name for name, _ in GPT_ARGS)
+OP_OPTIONS = ("op_repeats", "op_warmup")
+
+
+def unused_options(p, args) -> str:
+    """Why the options given cannot all act ('' when they can): a skipped part takes no options."""
+    if args.skip_ops and args.skip_gpt:
+        return "--skip-ops and --skip-gpt together leave nothing to measure"
+    for skipped, names in (("skip_gpt", GPT_OPTIONS), ("skip_ops", OP_OPTIONS)):
+        given = ["--" + n.replace("_", "-") for n in names if getattr(args, n) != p.get_default(n)]
+        if getattr(args, skipped) and given:
+            return f"--{skipped.replace('_', '-')} skips the part that {', '.join(given)} set"
+    return ""
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10, help="timed GPT steps per launch")
@@ -492,6 +507,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.batch % 2 or args.heads % 2:
         p.error("expected --steps >= 1, --warmup >= 0, --rounds >= 1 and even --batch and --heads (DP2xTP2)")
+    unused = unused_options(p, args)
+    if unused:
+        p.error(unused)
     os.environ["OMP_NUM_THREADS"] = "1"
     start = time.perf_counter()
     load_before = os.getloadavg()[0]

@@ -17,10 +17,19 @@ from tools.bench.common import launch, tool
 MB = 2 ** 20
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt-100m")
-    args = ap.parse_args()
+    ap.add_argument("--model", default="gpt-100m", help="a preset of examples/models")
+    return ap
+
+
+def main(argv=None) -> int:
+    from examples.models import PRESETS
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model not in PRESETS:
+        parser.error(f"unknown --model {args.model!r}; presets: {', '.join(sorted(PRESETS))}")
     worker = tool("_bench_lazy_init_worker.py")
     rows = []
     for mode in ("eager", "lazy"):
@@ -37,7 +46,8 @@ def main():
     for mode, b, p, peak, growth, pb, largest, full in rows:
         print(f"| {mode} | {b:.2f} | {p:.2f} | {peak:.0f} | {growth:.0f} | {pb:.1f} | "
               f"{'-' if largest is None else largest} | {'-' if full is None else full} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -80,7 +80,7 @@ def recompute_rows(logs: dict) -> list:
     return rows
 
 
-def plot(logs: dict, path: str) -> None:
+def plot(logs: dict, path: str, model: str = "gpt-100m-byte") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -95,28 +95,40 @@ def plot(logs: dict, path: str) -> None:
     rss = [statistics.mean(r["rss"] - r["rss_start"] for r in logs[n]["memory_per_rank"]) / MB for n in names]
     ax.plot(names, rss, "ko--", label="RSS change")
     ax.set_ylabel("MiB per rank")
-    ax.set_title("Model state per rank on 4 ranks (GPT ~100M, AdamW, fp32)")
+    ax.set_title(f"Model state per rank on 4 ranks ({model}, AdamW, fp32)")
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=110)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gpt-100m-byte")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--model", default="gpt-100m-byte", help="a preset of examples/models")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per launch (>= 2: the first is not timed)")
+    p.add_argument("--batch", type=int, default=4, help="global batch (a multiple of 4: DP4)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "memory_bench.md"))
-    args = p.parse_args()
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    from examples.models import PRESETS
+
+    if args.model not in PRESETS:
+        p.error(f"unknown --model {args.model!r}; presets: {', '.join(sorted(PRESETS))}")
+    if args.steps < 2 or args.batch < 4 or args.batch % 4 or args.seq < 1:
+        p.error(f"expected --steps >= 2 (step times skip the first), --batch a positive multiple of 4 and --seq >= 1, "
+                f"got {args.steps}, {args.batch}, {args.seq}")
     start, load = time.time(), os.getloadavg()[0]
     jobs = [("zero", n, a) for n, a in ZERO.items()] + [("recompute", n, a) for n, a in RECOMPUTE.items()]
     logs = {"zero": {}, "recompute": {}}
     for kind, name, extra in progress(jobs, desc="launches (4 gloo ranks each)", unit="launch"):
         logs[kind][name] = logs["zero"]["DP4"] if kind == "recompute" and name == "none" else run_example(args, extra)
     png = os.path.join(os.path.dirname(os.path.abspath(args.out)), "img", "memory_zero.png")
-    plot(logs["zero"], png)
+    plot(logs["zero"], png, args.model)
     n_params = logs["zero"]["DP4"]["memory_per_rank"][0]["params"] // 4
     text = f"""# Memory per rank: ZeRO stages and recompute (4 gloo ranks)
 
@@ -152,7 +164,8 @@ step time: median over the steps after the first.
     print(text)
     with open(args.out, "w") as f:
         f.write(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

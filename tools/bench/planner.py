@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "planner.md"), help="markdown file to write")
     p.add_argument("--repeat", type=int, default=5, help="runs per in-process timing (median)")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat must be >= 1 (timings are medians of that many runs), got {args.repeat}")
 
     # 1. the headline figure
     plan("llama2-70b", "128x8:A100-80GB", global_batch_size=1536, seq_len=4096)          # warm imports

@@ -198,9 +198,7 @@ def report(pred, meas, s, profile, info) -> str:
         f"Model: the GPT example (`examples/train_gpt.py`, gpt-tiny on the byte vocabulary: hidden 32, 2 blocks, "
         f"4 heads, vocabulary {info['vocab']}), global batch {BATCH}, sequence {SEQ}, AdamW, {RANKS} gloo ranks "
         f"on {os.cpu_count()} cores. The planner prices each strategy with `ap.plan(ModelSpec.from_trace(model, "
-        f"{SEQ}, {BATCH}), profile, fixed=...)` on a profile measured as `autoparallel calibrate` does "
-        f"({info['calibrations']} calibration launches of {info['repeat']} repetitions, before every round and after "
-        f"the last, fitted together); the example runs each strategy for {info['steps']} steps in {info['rounds']} interleaved rounds, and the "
+        f"{SEQ}, {BATCH}), profile, fixed=...)` on {profile_text(info)}; the example runs each strategy for {info['steps']} steps in {info['rounds']} interleaved rounds, and the "
         f"measured step time is the median of the steps after the first {info['warmup']} of every round; "
         f"measured bytes are the largest rank's live tensors in the example's log.",
         "",
@@ -245,21 +243,33 @@ def report(pred, meas, s, profile, info) -> str:
     ])
 
 
-def main(argv=None):
+def profile_text(info) -> str:
+    if info.get("profile"):
+        return f"the given profile `{info['profile']}` (no calibration in this run)"
+    return (f"a profile measured as `autoparallel calibrate` does ({info['calibrations']} calibration launches of "
+            f"{info['repeat']} repetitions, before every round and after the last, fitted together)")
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", default=None, help="use this profile instead of calibrating")
-    p.add_argument("--quick-calibrate", dest="quick", action="store_true")
+    p.add_argument("--quick-calibrate", dest="quick", action="store_true",
+                   help="calibrate on fewer message sizes (not with --profile)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "planner_predict.md"))
     args = p.parse_args(argv)
-    if args.warmup >= args.steps:
-        p.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+    if args.warmup >= args.steps or args.warmup < 0 or args.rounds < 1:
+        p.error(f"expected 0 <= --warmup < --steps and --rounds >= 1, got --warmup {args.warmup}, --steps "
+                f"{args.steps}, --rounds {args.rounds}")
+    if args.profile and args.quick:
+        p.error("--quick-calibrate sets how the run calibrates; with --profile it does not calibrate")
+    given = ClusterSpec.from_json(args.profile) if args.profile else None    # a bad file fails before the launches
     info = {"command": " ".join(["python -m tools.bench predict"] + list(argv if argv is not None else sys.argv[1:])),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
             "when": time.strftime("%Y-%m-%d %H:%M"), "steps": args.steps, "warmup": args.warmup,
-            "rounds": args.rounds, "load_before": load_average()}
+            "rounds": args.rounds, "load_before": load_average(), "profile": args.profile}
     work = tempfile.mkdtemp(prefix="ap_bench_predict_")
     sizes = calibrate.QUICK_SIZES if args.quick else calibrate.SIZES
     repeat = 4 if args.quick else 6
@@ -270,11 +280,11 @@ def main(argv=None):
 
     spec = model_spec()
     info["vocab"] = spec.vocab
-    print(f"training {len(STRATEGIES)} strategies x {args.rounds} rounds on {RANKS} ranks, calibrating before every "
-          f"round and after the last ...", flush=True)
+    how = f"priced on {args.profile}" if args.profile else "calibrating before every round and after the last"
+    print(f"training {len(STRATEGIES)} strategies x {args.rounds} rounds on {RANKS} ranks, {how} ...", flush=True)
     meas = measure(args.steps, args.warmup, args.rounds, work, None if args.profile else calibrate_between)
-    if args.profile:
-        profile = ClusterSpec.from_json(args.profile)
+    if given is not None:
+        profile = given
     else:
         profile = calibrate.calibrated_profile(calibration)
         profile.to_json(os.path.join(work, "profile.json"))
@@ -292,7 +302,8 @@ def main(argv=None):
         json.dump({"predicted": pred, "measured": meas, "summary": s}, f, indent=1)
     print(text)
     print(f"\nwritten to {args.out}; raw results in {work}/results.json")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

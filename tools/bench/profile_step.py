@@ -21,7 +21,7 @@ from tools.bench.common import GPT_ARGS, add_int_args, launch, tool
 WORKER = tool("_profile_step_worker.py")
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
@@ -33,9 +33,25 @@ def main(argv=None):
                    help="gpt: the bench GPT; tiny: the calibration's replicated one-block model (per-op costs); "
                         "pf-llama: PaddleFormers' Llama")
     p.add_argument("--categories", action="store_true", help="rank 0's CPU time per step by category")
+    return p
+
+
+def check_args(p, args) -> None:
+    """Refuse, before the launch, values the run cannot use and options it would ignore."""
+    if args.dp < 1 or args.tp < 1 or args.steps < 1 or args.warmup < 0:
+        p.error(f"--dp, --tp and --steps must be positive and --warmup >= 0, got {args.dp}, {args.tp}, {args.steps}, "
+                f"{args.warmup}")
+    if args.repeat != 1 and not args.cprofile:
+        p.error(f"--repeat {args.repeat} sets the forwards of --cprofile N, which is off")
+    sizes = [f"--{k}" for k, _ in GPT_ARGS if getattr(args, k) != p.get_default(k)]
+    if args.model == "tiny" and sizes:
+        p.error(f"--model tiny is the calibration's fixed one-block model: {', '.join(sizes)} do not apply to it")
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
-    if args.dp < 1 or args.tp < 1 or args.steps < 1:
-        raise SystemExit(f"--dp, --tp and --steps must be positive, got {args.dp}, {args.tp}, {args.steps}")
+    check_args(p, args)
     flags = [x for k, v in vars(args).items() if v is not None and v is not False
              for x in ((f"--{k}",) if v is True else (f"--{k}", str(v)))]
     res = launch(WORKER, args.dp * args.tp, flags, timeout=900)[0]
@@ -67,8 +83,8 @@ def main(argv=None):
         print(f"\n== rank 0, cProfile of {args.repeat} forward(s) ==\n" + res["cprofile"])
     if args.plot:
         print(f"plot: {args.plot}")
-    return res
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

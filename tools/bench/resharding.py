@@ -265,12 +265,17 @@ def _paddle_version():
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="256,1024,2048", help="square tensor sizes, comma-separated")
-    p.add_argument("--repeats", default="11", help="timed repeats per case (median reported)")
-    p.add_argument("--warmup", default="3", help="untimed runs before timing")
+    p.add_argument("--repeats", type=int, default=11, help="timed repeats per case (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs before timing")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "reshard_bench.md"),
                    help="markdown file to write ('' to skip)")
     args = p.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        p.error(f"--sizes: expected comma-separated integers, got {args.sizes!r}")
+    if min(sizes) < 1:
+        p.error(f"--sizes must be positive, got {args.sizes}")
     if int(args.repeats) < 1 or int(args.warmup) < 0:
         p.error(f"expected --repeats >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -36,8 +36,10 @@ def run_layout(name, sizes, steps, warmup) -> list:
     if cfg["world"] == 1:
         with tempfile.TemporaryDirectory() as d:
             env = dict(os.environ, AP_RESULT_DIR=d, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-            subprocess.run([sys.executable, WORKER, json.dumps(cfg)], env=env, check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.run([sys.executable, WORKER, json.dumps(cfg)], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            if proc.returncode:
+                raise RuntimeError(f"the one-process run failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
             with open(os.path.join(d, "rank0.json")) as f:
                 ranks = [json.load(f)]
     else:

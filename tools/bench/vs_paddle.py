@@ -164,20 +164,48 @@ def md(rows) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in (("vocab", 1024), ("hidden", 256), ("layers", 4), ("heads", 8), ("seq", 128),
                           ("batch", 8), ("warmup", 3), ("steps", 10), ("rounds", 2)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--model", choices=("gpt", "pf-llama"), default="gpt")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from " + ", ".join(LAYOUTS))
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "vs_paddle_bench.md"))
-    p.add_argument("--categories", action="store_true", help="rank 0's CPU per step by category (prints only)")
-    args = p.parse_args()
+    p.add_argument("--out", default=None, help="markdown file to write (default docs/vs_paddle_bench.md)")
+    p.add_argument("--categories", action="store_true",
+                   help="rank 0's CPU per step by category (prints only: one launch each, no --out, no --rounds)")
+    return p
+
+
+def check_args(p, args) -> None:
+    """Refuse what the run would ignore or cannot do, before any launch."""
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        p.error(f"expected --steps >= 1, --warmup >= 0, --rounds >= 1, got {args.steps}, {args.warmup}, {args.rounds}")
+    unknown = [n for n in args.layouts.split(",") if n not in LAYOUTS]
+    if unknown:
+        p.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    if args.categories and (args.out is not None or args.rounds != p.get_default("rounds")):
+        p.error("--categories prints one launch per implementation: --out and --rounds do not apply to it")
+
+
+def command(p, args) -> str:
+    """The command line of this run, as the doc quotes it (the sizes always; vocab, seq, batch when changed)."""
+    extra = "".join(f" --{k} {getattr(args, k)}" for k in ("vocab", "seq", "batch")
+                    if getattr(args, k) != p.get_default(k))
+    return (f"OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench vs-paddle --model {args.model} "
+            f"--layouts {args.layouts} --hidden {args.hidden} --layers {args.layers} --heads {args.heads}{extra} "
+            f"--rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}")
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
     if args.categories:
         load = os.getloadavg()[0]
         print(f"{args.model}, hidden {args.hidden}, {args.layers} layers; 1-minute load {load:.1f}\n" + categories(args))
-        return
+        return 0
+    args.out = args.out or os.path.join(ROOT, "docs", "vs_paddle_bench.md")
     load = os.getloadavg()[0]
     start = time.time()
     rows, ratios = table(collect(args), layouts(args))
@@ -192,7 +220,7 @@ Command (this machine: {os.cpu_count()} cores shared with other work, OMP_NUM_TH
 {load:.1f} before the run and {os.getloadavg()[0]:.1f} after, {time.time() - start:.0f} s in all):
 
 ```
-OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench vs-paddle --model {args.model} --layouts {args.layouts} --hidden {args.hidden} --layers {args.layers} --heads {args.heads} --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}
+{command(p, args)}
 ```
 
 {what},
@@ -216,7 +244,8 @@ Same layout, ours against: {"; ".join(f"{k} " + ", ".join(_ratio_text(i, v) for 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
