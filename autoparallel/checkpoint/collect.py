@@ -71,7 +71,7 @@ def collect(flat: dict, rank: int, multi: bool) -> tuple:
                 if tuple(array.shape) != tuple(spec.local_shape(owner)):
                     raise ValueError(f"state entry {name!r}: rank {owner}'s local shard has shape "
                                      f"{list(array.shape)}, its spec {spec} expects {list(spec.local_shape(owner))}")
-                array = np.ascontiguousarray(array[local])
+                array = np.require(array[local], requirements="C")    # keeps a 0-d shard 0-d
                 if tuple(array.shape) != tuple(shape):
                     raise ValueError(f"state entry {name!r}: rank {owner}'s local shard has shape "
                                      f"{list(array.shape)}, its spec {spec} expects {list(shape)}")

@@ -138,11 +138,27 @@ def _commit(meta: dict, tmp: str, final: str, overwrite: bool) -> None:
         rec.setdefault("shards", [])
     meta["runtime_tensors"] = {n[len(RUNTIME_PREFIX):]: meta["tensors"].pop(n) for n in list(meta["tensors"])
                                if n.startswith(RUNTIME_PREFIX)}
+    _check_complete(meta, final)
     write_file_atomic(os.path.join(tmp, METADATA), encode_metadata(meta),
                       before_rename=lambda: fault_point("before_metadata_rename"))
     fault_point("after_metadata_rename")
     publish_dir(tmp, final, overwrite)
     fault_point("after_dir_rename")
+
+
+def _check_complete(meta: dict, final: str) -> None:
+    """Commit only what a load accepts: every tensor's shards, from every rank, hold each element once. A rank
+    that did not pass an entry its peers hold (or held no shard of it) would otherwise leave a checkpoint that
+    looks complete and fails only when it is needed."""
+    from autoparallel.checkpoint.errors import CheckpointCorruptError
+    from autoparallel.checkpoint.schema import validate_metadata
+
+    try:
+        validate_metadata(meta, final)
+    except CheckpointCorruptError as e:
+        raise CheckpointSaveError(f"checkpoint {final}: the ranks' shards do not make a complete checkpoint, "
+                                  f"nothing was committed (every rank holding a part of an entry must pass it to "
+                                  f"save_state_dict): {e}") from None
 
 
 def _read(path: str) -> str:

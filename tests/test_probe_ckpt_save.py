@@ -1,0 +1,73 @@
+"""Checkpoint saves of the shapes users hit at the edges: a 0-d parameter (a learnable scale) under simulated data
+parallel resumes bit for bit, and a save whose ranks' shards leave part of an entry unwritten is refused before
+the commit, keeping the previous checkpoint, instead of committing a checkpoint that fails only when loaded."""
+import os
+
+import numpy as np
+import paddle
+import pytest
+
+import autoparallel as ap
+from autoparallel.checkpoint import CheckpointSaveError, load_merged_state_dict, load_state_dict, save_state_dict
+from autoparallel.checkpoint.state import training_state
+from autoparallel.dist_tensor import as_dist
+
+
+class ScaledNet(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        paddle.seed(0)
+        self.fc = paddle.nn.Linear(8, 4)
+        self.scale = self.create_parameter(shape=[], default_initializer=paddle.nn.initializer.Constant(1.5))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def _step(model, opt, i):
+    x = paddle.to_tensor(np.random.default_rng(i).standard_normal((4, 8)).astype("float32"))
+    loss = (model(x) ** 2).mean()
+    loss.backward()
+    opt.step()
+    opt.clear_grad()
+    return float(loss)
+
+
+def _make():
+    model = ScaledNet()
+    opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
+    return ap.DataParallel(model, strategy=ap.Strategy()), ap.Optimizer(opt)
+
+
+def test_a_0d_parameter_saves_and_resumes_bit_for_bit(tmp_path):
+    path = str(tmp_path / "ck")
+    with ap.simulate(world_size=2):
+        model, opt = _make()
+        for i in range(2):
+            _step(model, opt, i)
+        save_state_dict(training_state(model, opt), path)
+        saved_scale = float(model.scale.locals[0])
+        want = [_step(model, opt, i) for i in range(2, 4)]
+        model, opt = _make()
+        assert float(model.scale.locals[0]) == 1.5 != saved_scale      # negative control: a fresh model differs
+        load_state_dict(training_state(model, opt), path)
+        assert [float(t) for t in model.scale.locals.values()] == [saved_scale] * 2
+        assert [_step(model, opt, i) for i in range(2, 4)] == want
+    merged = load_merged_state_dict(path)
+    assert merged["model"]["scale"].shape == () and float(merged["model"]["scale"]) == saved_scale
+
+
+def test_a_save_missing_a_ranks_shard_is_refused_and_the_previous_kept(tmp_path):
+    path = str(tmp_path / "ck")
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], ["dp"])
+        full = ap.shard_tensor(paddle.arange(8, dtype="float32"), mesh, [ap.Shard(0)])
+        save_state_dict({"x": full}, path)                   # negative control: every shard held
+        holed = as_dist(ap.shard_tensor(paddle.full([8], 5.0), mesh, [ap.Shard(0)]))
+        del holed._locals[1]                                  # rank 1 does not pass its shard (as a real rank would)
+        with pytest.raises(CheckpointSaveError, match=r"'x': its shards hold 4 elements, its shape \[8\] has 8"):
+            save_state_dict({"x": holed}, path, overwrite=True)
+        with pytest.raises(CheckpointSaveError, match="nothing was committed"):
+            save_state_dict({"x": holed}, str(tmp_path / "new"))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    np.testing.assert_array_equal(load_merged_state_dict(path)["x"], np.arange(8, dtype="float32"))
