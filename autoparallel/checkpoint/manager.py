@@ -31,7 +31,8 @@ import shutil
 import signal
 
 from autoparallel.checkpoint import run_root, runtime_state, sync
-from autoparallel.checkpoint.discovery import complete_checkpoints, newest_complete, step_dir_name
+from autoparallel.checkpoint.discovery import (complete_checkpoints, is_committed_aside, newest_complete,
+                                               step_dir_name)
 from autoparallel.checkpoint.load import CheckpointInfo, load_state_dict
 from autoparallel.checkpoint.ownership import is_owned_partial
 from autoparallel.checkpoint.run_root import LATEST  # noqa: F401  (the pointer's name, as before)
@@ -135,7 +136,7 @@ class CheckpointManager:
     # ---- resuming -----------------------------------------------------------------------------------
     def latest(self):
         """The newest complete checkpoint under ``dir`` (None if there is none)."""
-        return newest_complete(self.dir)
+        return newest_complete(self.dir, with_aside=True)
 
     def steps(self) -> list:
         return [s for s, _ in complete_checkpoints(self.dir)]
@@ -150,7 +151,7 @@ class CheckpointManager:
         info.restored = runtime_state.restore(info.runtime, self.optimizer)
         self._resumed = True                   # later saves continue this run
         _, rank, _ = sync.job()
-        if rank == 0 and os.access(self.dir, os.W_OK):
+        if rank == 0 and os.access(self.dir, os.W_OK) and not is_committed_aside(path):
             run_root.write_latest(self.dir)    # a crash between a commit and its pointer update
         return info
 
