@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 
-from autoparallel.checkpoint import sync
+from autoparallel.checkpoint import save_agree, sync
 from autoparallel.checkpoint.atomic import (fault_point, new_nonce, publish_dir, temp_dir_for,
                                             write_file_atomic)
 from autoparallel.checkpoint.collect import collect, json_value
@@ -64,12 +64,12 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
         if not overwrite:
             raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
         check_replaceable(final)
+    nonce = save_agree.agree(flat, new_nonce(), final)     # the same reductions on every rank, before any
     tensors, values, writes = collect(flat, rank, multi)
     more, _, more_writes = collect(runtime_arrays, rank, multi)
     tensors.update(more)
     for r, items in more_writes.items():
         writes.setdefault(r, []).extend(items)
-    nonce = sync.broadcast_token(new_nonce())
     tmp = temp_dir_for(final, nonce)
     os.makedirs(tmp, exist_ok=True)
     meta = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "runtime": runtime, "nonce": nonce,

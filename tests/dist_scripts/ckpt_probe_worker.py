@@ -1,0 +1,50 @@
+"""Checkpoint saves whose ranks' states differ, on 2 real gloo ranks: Partial entries in another order or one
+rank lacking one (gloo would pair one entry's reduction with another's) and a sharded entry one rank does not
+pass are refused on both ranks before anything is committed; the same save with agreeing states stores the
+reduced values. Usage: ckpt_probe_worker.py ROOT"""
+import os
+import sys
+import time
+
+import paddle
+import paddle.distributed as dist
+
+import autoparallel as ap
+from autoparallel.checkpoint import load_merged_state_dict, save_state_dict
+from autoparallel.testing.launch import write_result
+
+
+def main(root: str) -> None:
+    dist.init_parallel_env()
+    rank = dist.get_rank()
+    mesh = ap.ProcessMesh([0, 1], ["dp"])
+
+    def part(v):                         # rank r holds v * (r + 1): the value is 3v
+        return ap.dtensor_from_local(paddle.full([4], v * (rank + 1)), mesh, [ap.Partial()])
+
+    def sharded(v):
+        return ap.shard_tensor(paddle.full([4, 2], v), mesh, [ap.Shard(0)])
+
+    cases = {
+        "agree": {"a": part(1.0), "b": part(10.0)},
+        "swapped": {"a": part(1.0), "b": part(10.0)} if rank == 0 else {"b": part(10.0), "a": part(1.0)},
+        "partial_missing": {"a": part(1.0), "b": part(10.0)} if rank == 0 else {"b": part(10.0)},
+        "sharded_missing": {"w": sharded(1.0), "v": sharded(2.0)} if rank == 0 else {"w": sharded(1.0)},
+    }
+    out = {}
+    for name, state in cases.items():
+        start = time.monotonic()
+        try:
+            save_state_dict(state, os.path.join(root, name))
+            out[name] = "ok"
+        except Exception as e:          # reported by type and message; the test checks them
+            out[name] = f"{type(e).__name__}: {e}"
+        out[name + "_s"] = time.monotonic() - start
+        dist.barrier()
+    out["entries"] = sorted(os.listdir(root))
+    out["agree_values"] = {k: v.tolist() for k, v in load_merged_state_dict(os.path.join(root, "agree")).items()}
+    write_result(out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

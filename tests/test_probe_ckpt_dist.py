@@ -1,0 +1,58 @@
+"""Checkpoint saves whose ranks' states differ (2 real gloo ranks, one shared launch;
+dist_scripts/ckpt_probe_worker.py), and the agreement rule in process: ranks that share a mesh must reduce
+the same Partial entries in the same order, or every rank raises before any reduction (gloo pairs collectives
+by order: a swap with equal shapes used to save each entry with the other's terms)."""
+import os
+
+import pytest
+
+from autoparallel.checkpoint.save_agree import first_difference
+from dist_scripts import shared_launch
+
+WORKER = os.path.join(os.path.dirname(__file__), "dist_scripts", "ckpt_probe_worker.py")
+JOB = shared_launch.job(__name__, "ckpt_probe", WORKER, 2, args=lambda out: [os.path.join(out, "root")], timeout=200)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return shared_launch.results(JOB)[1]
+
+
+def test_agreeing_ranks_save_the_reduced_values(ranks):
+    for r in ranks:
+        assert r["agree"] == "ok"
+        assert r["agree_values"] == {"a": [3.0] * 4, "b": [30.0] * 4}       # 1 + 2, 10 + 20
+
+
+@pytest.mark.parametrize("case", ["swapped", "partial_missing"])
+def test_partial_entries_that_differ_fail_on_every_rank_at_once(ranks, case):
+    for r in ranks:
+        assert r[case].startswith("CheckpointSaveError") and "the ranks' states differ, nothing was written" in \
+            r[case] and "rank 0 reduces 'a' [4] float32 on ranks [0, 1] where rank 1 reduces 'b'" in r[case], r[case]
+        assert r[case + "_s"] < 10, "refused before any gloo timeout"
+
+
+def test_a_sharded_entry_one_rank_lacks_is_not_committed(ranks):
+    assert "the ranks' shards do not make a complete checkpoint" in ranks[0]["sharded_missing"]
+    assert ranks[1]["sharded_missing"].startswith("CheckpointSaveError: ") and "rank 0 could not commit" in \
+        ranks[1]["sharded_missing"]
+    for r in ranks:
+        assert r["entries"] == ["agree"], "a refused save leaves nothing behind"
+
+
+def _e(name, pids=(0, 1)):
+    return [name, [4], "float32", list(pids)]
+
+
+def test_the_agreement_rule_compares_only_the_meshes_two_ranks_share():
+    assert first_difference([[_e("a"), _e("b")], [_e("a"), _e("b")]]) is None
+    # two pipeline stages: each pair reduces its own entries, which the other stage never joins
+    stages = [[_e("s0", (0, 1))], [_e("s0", (0, 1))], [_e("s1", (2, 3))], [_e("s1", (2, 3))]]
+    assert first_difference(stages) is None
+    assert "rank 0 reduces 'a'" in first_difference([[_e("a"), _e("b")], [_e("b"), _e("a")]])
+    assert "rank 1 reduces nothing" in first_difference([[_e("a")], []])
+    three = [_e("s0", (0, 1, 2))]
+    assert first_difference([three, three, three, []]) is None               # rank 3 is not on that mesh
+    assert first_difference([three, three, [], []]) == (
+        "rank 0 reduces 's0' [4] float32 on ranks [0, 1, 2] where rank 2 reduces nothing (reduction 0 of the "
+        "Partial entries on their shared meshes)")
