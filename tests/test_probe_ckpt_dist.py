@@ -1,4 +1,4 @@
-"""Checkpoint saves whose ranks' states differ (2 real gloo ranks, one shared launch;
+"""Checkpoint saves and resumes whose ranks' states differ (2 real gloo ranks, one shared launch;
 dist_scripts/ckpt_probe_worker.py), and the agreement rule in process: ranks that share a mesh must reduce
 the same Partial entries in the same order, or every rank raises before any reduction (gloo pairs collectives
 by order: a swap with equal shapes used to save each entry with the other's terms)."""
@@ -38,6 +38,19 @@ def test_a_sharded_entry_one_rank_lacks_is_not_committed(ranks):
         ranks[1]["sharded_missing"]
     for r in ranks:
         assert r["entries"] == ["agree"], "a refused save leaves nothing behind"
+
+
+def test_a_resume_failing_on_one_rank_fails_on_every_rank(ranks):
+    r0, r1 = ranks[0]["resume_one_rank_fails"], ranks[1]["resume_one_rank_fails"]
+    assert r1.startswith("CheckpointMismatchError") and "missing from the checkpoint: ['extra']" in r1, r1
+    assert r0.startswith("CheckpointMismatchError: (rank 1) checkpoint") and "['extra']" in r0, r0
+
+
+def test_ranks_resuming_from_different_checkpoints_fail_before_loading(ranks):
+    for r in ranks:
+        got = r["resume_different_roots"]
+        assert got.startswith("CheckpointError") and "would resume from different checkpoints" in got, got
+        assert "own0/step-00000001" in got and "own1/step-00000002" in got, got
 
 
 def _e(name, pids=(0, 1)):

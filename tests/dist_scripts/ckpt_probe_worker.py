@@ -3,6 +3,7 @@ rank lacking one (gloo would pair one entry's reduction with another's) and a sh
 pass are refused on both ranks before anything is committed; the same save with agreeing states stores the
 reduced values. Usage: ckpt_probe_worker.py ROOT"""
 import os
+import shutil
 import sys
 import time
 
@@ -43,7 +44,34 @@ def main(root: str) -> None:
         dist.barrier()
     out["entries"] = sorted(os.listdir(root))
     out["agree_values"] = {k: v.tolist() for k, v in load_merged_state_dict(os.path.join(root, "agree")).items()}
+    out.update(resume_cases(os.path.join(os.path.dirname(root), "runs"), rank, sharded))
     write_result(out)
+
+
+def resume_cases(runs: str, rank: int, sharded) -> dict:
+    """A resume that fails on one rank (its state has an entry the checkpoint lacks) fails on both; ranks that
+    would resume from different checkpoints (roots that are not one shared directory) fail on both."""
+    from autoparallel.checkpoint import CheckpointManager
+
+    out = {}
+    shared = CheckpointManager(os.path.join(runs, "shared"), save_interval_steps=1)
+    shared.start({"w": sharded(1.0)})
+    shared.save({"w": sharded(1.0)}, 1)
+    target = {"w": sharded(0.0)} if rank == 0 else {"w": sharded(0.0), "extra": sharded(0.0)}
+    out["resume_one_rank_fails"] = attempt(lambda: CheckpointManager(shared.dir).start(target, resume=True))
+    own = CheckpointManager(os.path.join(runs, f"own{rank}"), save_interval_steps=1)
+    shutil.copytree(shared.path_for(1), own.path_for(rank + 1))     # a root each rank sees alone
+    dist.barrier()
+    out["resume_different_roots"] = attempt(lambda: CheckpointManager(own.dir).restore({"w": sharded(0.0)}))
+    return out
+
+
+def attempt(fn) -> str:
+    try:
+        fn()
+        return "ok"
+    except Exception as e:          # reported by type and message; the test checks them
+        return f"{type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":
