@@ -10,7 +10,7 @@ import paddle.distributed as dist
 import pytest
 
 import autoparallel as ap
-from autoparallel.checkpoint import CheckpointManager, load_state_dict, save_state_dict
+from autoparallel.checkpoint import CheckpointCorruptError, CheckpointManager, load_state_dict, save_state_dict
 
 
 def _w(value):
@@ -66,3 +66,19 @@ def test_a_paddle_checkpoint_is_named_and_converts_both_ways(tmp_path):
     for k in want:
         np.testing.assert_array_equal(back[k].numpy(), want[k])
         np.testing.assert_array_equal(again[k].numpy(), want[k])
+
+
+def test_a_corrupt_newest_checkpoint_names_the_way_back_and_loads_nothing(tmp_path):
+    root = str(tmp_path / "run")
+    mgr = CheckpointManager(root, save_interval_steps=1)
+    mgr.save(_w(1.0), 1)
+    mgr.save(_w(2.0), 2)
+    data = os.path.join(root, "step-00000002", "data-r00000.bin")
+    os.truncate(data, 4)
+    target = _w(0.0)
+    with pytest.raises(CheckpointCorruptError, match=r"truncated or overwritten\). The newest older complete "
+                                                        r"checkpoint is step-00000001: move step-00000002 out"):
+        CheckpointManager(root).restore(target)
+    assert target["w"].numpy().tolist() == [0.0] * 4
+    os.rename(os.path.join(root, "step-00000002"), str(tmp_path / "broken"))      # what the message says
+    assert CheckpointManager(root).restore(target).step == 1 and target["w"].numpy().tolist() == [1.0] * 4

@@ -71,3 +71,20 @@ def test_a_save_missing_a_ranks_shard_is_refused_and_the_previous_kept(tmp_path)
             save_state_dict({"x": holed}, str(tmp_path / "new"))
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     np.testing.assert_array_equal(load_merged_state_dict(path)["x"], np.arange(8, dtype="float32"))
+
+
+def test_json_values_come_back_as_saved_or_are_refused(tmp_path):
+    values = {"betas": (0.9, 0.999), "nan": float("nan"), "big": 2 ** 70, "名前": "é\n", "none": None,
+              "sched": {"last_epoch": 3, "last_lr": 0.01}, 7: [1, [2, 3]]}
+    save_state_dict(values, str(tmp_path / "ok"))
+    target = {"betas": (0.0, 0.0), "nan": 0.0, "big": 0, "名前": "", "none": 1, "sched": {"last_epoch": 0,
+              "last_lr": 0.0}, 7: []}
+    load_state_dict(target, str(tmp_path / "ok"))
+    assert target["betas"] == (0.9, 0.999) and np.isnan(target["nan"])
+    assert {k: v for k, v in target.items() if k not in ("betas", "nan")} == \
+        {k: v for k, v in values.items() if k not in ("betas", "nan")}
+    with pytest.raises(TypeError, match=r"'milestones': a dict inside it has the int key 10; .* load as '10'"):
+        save_state_dict({"milestones": [{10: 0.1}]}, str(tmp_path / "bad"))
+    with pytest.raises(TypeError, match="int key 1"):
+        save_state_dict({"w": paddle.ones([2])}, str(tmp_path / "bad"), extra={"loader": {1: "x"}})
+    assert sorted(os.listdir(tmp_path)) == ["ok"]

@@ -22,7 +22,29 @@ def json_value(name: str, value):
     except (TypeError, ValueError) as e:
         raise TypeError(f"state entry {name!r}: a {type(value).__name__} is neither a tensor, a numpy array nor a "
                         f"JSON value (int, float, str, bool, None, list, dict) ({e})") from None
+    key = _non_str_key(value)
+    if key is not None:
+        raise TypeError(f"state entry {name!r}: a dict inside it has the {type(key).__name__} key {key!r}; JSON "
+                        f"keys are strings, so it would load as {str(key)!r}. Use str keys (a dict directly in the "
+                        f"state may have int keys: it is descended into, not stored as JSON)")
     return value
+
+
+def _non_str_key(value):
+    """The first dict key inside ``value`` that JSON would turn into a string (None if none)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return k
+            found = _non_str_key(v)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            found = _non_str_key(v)
+            if found is not None:
+                return found
+    return None
 
 
 def to_numpy(t) -> np.ndarray:

@@ -33,7 +33,7 @@ import signal
 from autoparallel.checkpoint import run_root, runtime_state, sync
 from autoparallel.checkpoint.discovery import (complete_checkpoints, is_committed_aside, newest_complete,
                                                step_dir_name)
-from autoparallel.checkpoint.errors import CheckpointError
+from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from autoparallel.checkpoint.load import CheckpointInfo, load_state_dict
 from autoparallel.checkpoint.ownership import is_owned_partial
 from autoparallel.checkpoint.run_root import LATEST  # noqa: F401  (the pointer's name, as before)
@@ -152,6 +152,8 @@ class CheckpointManager:
         try:
             info = load_state_dict(state, path, strict=strict)
             info.restored = runtime_state.restore(info.runtime, self.optimizer)
+        except CheckpointCorruptError as e:
+            problem = CheckpointCorruptError(f"{e}. {self._previous_hint(path)}")
         except (CheckpointError, OSError, ValueError, TypeError) as e:
             problem = e
         run_root.agree(problem)                # a rank that could not load stops every rank, not only itself
@@ -160,6 +162,14 @@ class CheckpointManager:
         if rank == 0 and os.access(self.dir, os.W_OK) and not is_committed_aside(path):
             run_root.write_latest(self.dir)    # a crash between a commit and its pointer update
         return info
+
+    def _previous_hint(self, broken: str) -> str:
+        """Resume never falls back on its own (a run would silently lose steps): name the way back."""
+        older = [p for s, p in complete_checkpoints(self.dir) if p != broken]
+        if not older:
+            return "No older complete checkpoint is in the root"
+        return (f"The newest older complete checkpoint is {os.path.basename(older[-1])}: move "
+                f"{os.path.basename(broken)} out of {self.dir!r} to resume from it")
 
     # ---- preemption ---------------------------------------------------------------------------------
     def install_sigterm_handler(self) -> None:
