@@ -68,7 +68,10 @@ def agree(flat: dict, token: str, final: str) -> str:
     try:
         with watchdog.op("checkpoint start (all_gather)"):
             parts = _all_gather_json({"token": token, "reduce": reductions(flat, rank)})
-    except RuntimeError as e:
+        if not all(isinstance(p, dict) and isinstance(p.get("token"), str) and isinstance(p.get("reduce"), list)
+                   for p in parts):
+            raise ValueError("a rank's answer is not a save's")
+    except (RuntimeError, ValueError) as e:    # a peer in another collective: gloo times out or pairs garbage
         raise CheckpointSaveError(f"checkpoint {final}: the ranks did not start the save together (every rank of "
                                   f"the job must call save_state_dict at the same point): {e}") from None
     problem = first_difference([p["reduce"] for p in parts])
@@ -76,6 +79,9 @@ def agree(flat: dict, token: str, final: str) -> str:
         raise CheckpointSaveError(f"checkpoint {final}: the ranks' states differ, nothing was written: {problem}; "
                                   f"every rank passes the same Partial entries in the same order")
     return parts[0]["token"]
+
+
+MAX_BYTES = 1 << 26                 # an answer longer than this is another collective's data, not a save's
 
 
 def _all_gather_json(obj) -> list:
@@ -86,9 +92,12 @@ def _all_gather_json(obj) -> list:
     raw = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
     sizes = []
     dist.all_gather(sizes, paddle.to_tensor([raw.size], dtype="int64"))
-    width = max(int(t.numpy()[0]) for t in sizes)
+    widths = [int(t.numpy()[0]) for t in sizes]
+    if not all(0 < w <= MAX_BYTES for w in widths):
+        raise ValueError(f"the ranks' answers have sizes {widths} (expected 1..{MAX_BYTES} bytes)")
+    width = max(widths)
     buf = np.zeros(width, dtype=np.uint8)
     buf[:raw.size] = raw
     parts = []
     dist.all_gather(parts, paddle.to_tensor(buf))
-    return [json.loads(t.numpy()[:int(n.numpy()[0])].tobytes()) for t, n in zip(parts, sizes)]
+    return [json.loads(t.numpy()[:w].tobytes()) for t, w in zip(parts, widths)]   # ValueError if not JSON
