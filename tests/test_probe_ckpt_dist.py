@@ -22,7 +22,7 @@ def ranks():
 def test_agreeing_ranks_save_the_reduced_values(ranks):
     for r in ranks:
         assert r["agree"] == "ok"
-        assert r["agree_values"] == {"a": [3.0] * 4, "b": [30.0] * 4}       # 1 + 2, 10 + 20
+        assert r["agree_values"] == {"a": [3.0] * 4, "b": [30.0] * 4, "loader": {"epoch": 2}}   # 1 + 2, 10 + 20
 
 
 @pytest.mark.parametrize("case", ["swapped", "partial_missing"])
@@ -39,6 +39,12 @@ def test_a_sharded_entry_one_rank_lacks_is_not_committed(ranks):
         ranks[1]["sharded_missing"]
     for r in ranks:
         assert r["entries"] == ["agree"], "a refused save leaves nothing behind"
+
+
+def test_a_value_that_differs_between_ranks_is_not_committed(ranks):
+    assert ranks[0]["value_differs"].startswith("CheckpointSaveError") and \
+        "ranks disagree on the value 'loader/index': 0 and 64 (rank 1)" in ranks[0]["value_differs"]
+    assert "rank 0 could not commit" in ranks[1]["value_differs"]
 
 
 def test_a_resume_failing_on_one_rank_fails_on_every_rank(ranks):

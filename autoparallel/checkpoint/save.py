@@ -121,16 +121,21 @@ def _merge(meta: dict, entries: dict, file_info) -> None:
         meta["files"][file_info["name"]] = {"size": file_info["size"], "crc32": file_info["crc32"]}
 
 
-def _union(meta: dict, part: dict, final: str) -> None:
+def _union(meta: dict, part: dict, final: str, rank: int = 0) -> None:
     """Add the entries only another rank has (a pipeline stage's) to rank 0's metadata; a name recorded by
-    several ranks must agree on shape and dtype."""
+    several ranks must agree on shape and dtype, a JSON value on its value."""
     for name, rec in part.get("tensors", {}).items():
         have = meta["tensors"].setdefault(name, {k: v for k, v in rec.items() if k != "shards"})
         if (list(have["shape"]), have["dtype"]) != (list(rec["shape"]), rec["dtype"]):
             raise CheckpointSaveError(f"checkpoint {final}: ranks disagree on {name!r}: shape {have['shape']} "
                                       f"{have['dtype']} and shape {rec['shape']} {rec['dtype']}")
     for name, value in part.get("values", {}).items():
-        meta["values"].setdefault(name, value)
+        have = meta["values"].setdefault(name, value)
+        if json.dumps(have) != json.dumps(value):      # one value per name is stored: the others would be lost
+            raise CheckpointSaveError(f"checkpoint {final}: ranks disagree on the value {name!r}: "
+                                      f"{json.dumps(have)[:200]} and {json.dumps(value)[:200]} (rank {rank}); a "
+                                      f"checkpoint stores one value per name, so a per-rank value needs a name of "
+                                      f"its own on its rank, or a tensor")
 
 
 def _commit(meta: dict, tmp: str, final: str, overwrite: bool) -> None:
@@ -219,10 +224,10 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
             if failures:
                 raise CheckpointSaveError(f"checkpoint {final}: writing failed on " +
                                           "; ".join(f"rank {r}: {why}" for r, why in failures))
-            for m in markers:
+            for r, m in enumerate(markers):
                 with open(m) as f:
                     part = json.load(f)
-                _union(meta, part, final)
+                _union(meta, part, final, r)
                 _merge(meta, part["entries"], part["file"])
             for m in markers:
                 os.remove(m)

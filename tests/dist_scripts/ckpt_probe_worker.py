@@ -1,7 +1,7 @@
 """Checkpoint saves whose ranks' states differ, on 2 real gloo ranks: Partial entries in another order or one
 rank lacking one (gloo would pair one entry's reduction with another's) and a sharded entry one rank does not
-pass are refused on both ranks before anything is committed; the same save with agreeing states stores the
-reduced values. Usage: ckpt_probe_worker.py ROOT"""
+pass, or a JSON value that differs between the ranks (only one would be stored), are refused on both ranks
+before anything is committed; the same save with agreeing states stores the reduced values. Usage: ckpt_probe_worker.py ROOT"""
 import os
 import shutil
 import sys
@@ -27,7 +27,8 @@ def main(root: str) -> None:
         return ap.shard_tensor(paddle.full([4, 2], v), mesh, [ap.Shard(0)])
 
     cases = {
-        "agree": {"a": part(1.0), "b": part(10.0)},
+        "agree": {"a": part(1.0), "b": part(10.0), "loader": {"epoch": 2}},
+        "value_differs": {"w": sharded(1.0), "loader": {"index": 64 * rank}},
         "swapped": {"a": part(1.0), "b": part(10.0)} if rank == 0 else {"b": part(10.0), "a": part(1.0)},
         "partial_missing": {"a": part(1.0), "b": part(10.0)} if rank == 0 else {"b": part(10.0)},
         "sharded_missing": {"w": sharded(1.0), "v": sharded(2.0)} if rank == 0 else {"w": sharded(1.0)},
@@ -43,7 +44,8 @@ def main(root: str) -> None:
         out[name + "_s"] = time.monotonic() - start
         dist.barrier()
     out["entries"] = sorted(os.listdir(root))
-    out["agree_values"] = {k: v.tolist() for k, v in load_merged_state_dict(os.path.join(root, "agree")).items()}
+    out["agree_values"] = {k: getattr(v, "tolist", lambda v=v: v)()
+                           for k, v in load_merged_state_dict(os.path.join(root, "agree")).items()}
     out.update(resume_cases(os.path.join(os.path.dirname(root), "runs"), rank, sharded))
     write_result(out)
 
