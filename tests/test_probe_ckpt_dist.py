@@ -41,6 +41,19 @@ def test_a_sharded_entry_one_rank_lacks_is_not_committed(ranks):
         assert r["entries"] == ["agree"], "a refused save leaves nothing behind"
 
 
+def test_a_bad_argument_on_one_rank_is_raised_on_every_rank_at_once(ranks):
+    assert ranks[1]["bad_value_on_rank_1"].startswith("TypeError: state entry 'note': a object is neither")
+    assert ranks[0]["bad_value_on_rank_1"].startswith("TypeError: (rank 1) state entry 'note': a object is")
+    assert all(r["bad_value_on_rank_1_s"] < 10 for r in ranks)
+
+
+def test_a_rank_failing_after_the_exchange_fails_the_save_everywhere(ranks):
+    assert ranks[1]["fails_after_exchange_on_rank_1"] == "RuntimeError: injected failure while collecting on rank 1"
+    assert ranks[0]["fails_after_exchange_on_rank_1"].startswith("CheckpointSaveError") and \
+        "writing failed on rank 1: RuntimeError: injected failure" in ranks[0]["fails_after_exchange_on_rank_1"]
+    assert all(r["fails_after_exchange_on_rank_1_s"] < 10 for r in ranks)
+
+
 def test_a_value_that_differs_between_ranks_is_not_committed(ranks):
     assert ranks[0]["value_differs"].startswith("CheckpointSaveError") and \
         "ranks disagree on the value 'loader/index': 0 and 64 (rank 1)" in ranks[0]["value_differs"]

@@ -47,6 +47,18 @@ def _non_str_key(value):
     return None
 
 
+def check_values(flat: dict) -> None:
+    """TypeError for the first leaf that is neither a tensor, an array, a state leaf nor a JSON value (before a
+    save communicates: collect would find it only between its reductions)."""
+    import paddle
+
+    from autoparallel.dist_tensor import DistTensor
+
+    for name, (_, _, leaf) in flat.items():
+        if not isinstance(leaf, (HeldElsewhere, ShardedLeaf, DistTensor, paddle.Tensor, np.ndarray)):
+            json_value(name, leaf)
+
+
 def to_numpy(t) -> np.ndarray:
     """A contiguous host copy of a paddle tensor or local shard (bfloat16 as its uint16 bit pattern)."""
     from autoparallel.local_mode import local_mode

@@ -18,7 +18,7 @@ import time
 from autoparallel.checkpoint import save_agree, sync
 from autoparallel.checkpoint.atomic import (fault_point, new_nonce, publish_dir, temp_dir_for,
                                             write_file_atomic)
-from autoparallel.checkpoint.collect import collect, json_value
+from autoparallel.checkpoint.collect import check_values, collect, json_value
 from autoparallel.checkpoint.errors import CheckpointSaveError
 from autoparallel.checkpoint.flatten import flatten
 from autoparallel.checkpoint.format import BLOCK_BYTES, FORMAT, METADATA, VERSION, encode_metadata
@@ -45,33 +45,26 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     """
     from autoparallel import watchdog
 
-    flat = flatten(state)
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite must be a bool, got {type(overwrite).__name__} {overwrite!r}")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
-    if step is not None and step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    extra = json_value("extra", extra)
-    runtime, runtime_arrays = split_runtime(runtime)
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 64 or block_bytes % 64:
-        raise ValueError(f"block_bytes must be a positive multiple of 64, got {block_bytes!r}")
     multi, rank, world_size = sync.job()
-    final = os.path.abspath(os.fspath(path))
-    if os.path.lexists(final):
-        if not overwrite:
-            raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
-        check_replaceable(final)
-    nonce = save_agree.agree(flat, new_nonce(), final)     # the same reductions on every rank, before any
-    tensors, values, writes = collect(flat, rank, multi)
-    more, _, more_writes = collect(runtime_arrays, rank, multi)
-    tensors.update(more)
-    for r, items in more_writes.items():
-        writes.setdefault(r, []).extend(items)
+    try:                                # a rank's own input error stops every rank at the exchange, at once
+        flat, final, extra, runtime, runtime_arrays = _checked(state, path, step, extra, overwrite, block_bytes,
+                                                               runtime)
+        problem = None
+    except (TypeError, ValueError, OSError) as e:      # FileExistsError, CheckpointOwnershipError are OSErrors
+        flat, final, problem = {}, os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path), e
+    nonce = save_agree.agree(flat, new_nonce(), final, problem)   # the same reductions on every rank, before any
     tmp = temp_dir_for(final, nonce)
-    os.makedirs(tmp, exist_ok=True)
+    try:
+        tensors, values, writes = collect(flat, rank, multi)
+        more, _, more_writes = collect(runtime_arrays, rank, multi)
+        tensors.update(more)
+        for r, items in more_writes.items():
+            writes.setdefault(r, []).extend(items)
+        os.makedirs(tmp, exist_ok=True)
+    except BaseException as e:
+        if multi:
+            _failed_before_writing(tmp, rank, world_size, e)
+        raise
     meta = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "runtime": runtime, "nonce": nonce,
             "world_size": world_size, "created": time.time(),
             "tensors": tensors, "values": values, "files": {}}
@@ -88,6 +81,41 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
         else:
             _save_multi(meta, tmp, final, overwrite, rank, world_size, writes.get(rank, []), block_bytes)
     return final
+
+
+def _checked(state, path, step, extra, overwrite, block_bytes, runtime) -> tuple:
+    """This rank's arguments checked (nothing is written or communicated): (flat, final, extra, runtime JSON,
+    runtime arrays)."""
+    flat = flatten(state)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {type(overwrite).__name__} {overwrite!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
+    if step is not None and step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    extra = json_value("extra", extra)
+    runtime, runtime_arrays = split_runtime(runtime)
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 64 or block_bytes % 64:
+        raise ValueError(f"block_bytes must be a positive multiple of 64, got {block_bytes!r}")
+    check_values(flat)
+    final = os.path.abspath(os.fspath(path))
+    if os.path.lexists(final):
+        if not overwrite:
+            raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
+        check_replaceable(final)
+    return flat, final, extra, runtime, runtime_arrays
+
+
+def _failed_before_writing(tmp: str, rank: int, world_size: int, e: BaseException) -> None:
+    """A rank that fails after the exchange, before its write, tells the others as a failed write does (rank 0
+    also fails the save), rather than leaving them to wait for its marker."""
+    os.makedirs(tmp, exist_ok=True)
+    _note(_marker(tmp, rank) + ".failed", f"{type(e).__name__}: {e}")
+    if rank == 0:
+        _note(os.path.join(tmp, FAILED), f"{type(e).__name__}: {e}")
+        _remove_after_acks(tmp, world_size)
 
 
 def split_runtime(runtime) -> tuple:

@@ -6,8 +6,10 @@ lacks, a different order) would pair one entry's reduction with another's: the s
 silently, another shape hangs until gloo's 30 s timeout. So every rank first shares, in one exchange, the save's
 name and the list of reductions it is about to make (name, shape, dtype, mesh, in order); any two ranks that share
 a mesh must list the same reductions on the meshes they share, or every rank raises ``CheckpointSaveError``
-naming the first difference, before any reduction. A rank that never reaches the save (the others wait in the
-exchange) fails that exchange, which is reported as such rather than as a bare gloo timeout.
+naming the first difference, before any reduction. A rank whose own arguments are wrong (a value that is not
+JSON, an existing path) sends its error in the exchange, so every rank raises it at once (the others prefixed
+with that rank) instead of waiting for a rank that has left the save. A rank that never reaches the save (the
+others wait in the exchange) fails that exchange, which is reported as such rather than as a bare gloo timeout.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import json
 
 import numpy as np
 
-from autoparallel.checkpoint.errors import CheckpointSaveError
+from autoparallel.checkpoint.errors import CheckpointOwnershipError, CheckpointSaveError
 
 
 def reductions(flat: dict, rank: int) -> list:
@@ -49,31 +51,45 @@ def first_difference(lists: list):
     return None
 
 
+_ERRORS = {c.__name__: c for c in (TypeError, ValueError, FileExistsError, FileNotFoundError, PermissionError,
+                                    CheckpointOwnershipError)}
+
+
 def _show(entry) -> str:
     name, shape, dtype, pids = entry
     return f"{name!r} {shape} {dtype} on ranks {pids}"
 
 
-def agree(flat: dict, token: str, final: str) -> str:
+def agree(flat: dict, token: str, final: str, problem: BaseException = None) -> str:
     """Rank 0's ``token`` on every rank once they agree on the save's reductions (module docstring); arms the
-    watchdog first (every rank of a save passes here together)."""
+    watchdog first (every rank of a save passes here together). ``problem``: this rank's own input error,
+    raised on every rank (the others' prefixed with this rank) instead of leaving them in the exchange."""
     from autoparallel.checkpoint import sync
 
     multi, rank, _ = sync.job()
     if not multi:
+        if problem is not None:
+            raise problem
         return token
     from autoparallel import watchdog
 
     watchdog.start_default()
     try:
         with watchdog.op("checkpoint start (all_gather)"):
-            parts = _all_gather_json({"token": token, "reduce": reductions(flat, rank)})
+            error = None if problem is None else [type(problem).__name__, str(problem)]
+            parts = _all_gather_json({"token": token, "reduce": reductions(flat, rank), "error": error})
         if not all(isinstance(p, dict) and isinstance(p.get("token"), str) and isinstance(p.get("reduce"), list)
                    for p in parts):
             raise ValueError("a rank's answer is not a save's")
     except (RuntimeError, ValueError) as e:    # a peer in another collective: gloo times out or pairs garbage
         raise CheckpointSaveError(f"checkpoint {final}: the ranks did not start the save together (every rank of "
                                   f"the job must call save_state_dict at the same point): {e}") from None
+    if problem is not None:
+        raise problem
+    for r, p in enumerate(parts):
+        if p.get("error"):
+            name, text = p["error"]
+            raise _ERRORS.get(name, CheckpointSaveError)(f"(rank {r}) {text}")
     problem = first_difference([p["reduce"] for p in parts])
     if problem is not None:
         raise CheckpointSaveError(f"checkpoint {final}: the ranks' states differ, nothing was written: {problem}; "

@@ -43,6 +43,16 @@ def main(root: str) -> None:
             out[name] = f"{type(e).__name__}: {e}"
         out[name + "_s"] = time.monotonic() - start
         dist.barrier()
+    start = time.monotonic()
+    out["bad_value_on_rank_1"] = attempt(lambda: save_state_dict(
+        {"w": sharded(1.0), "note": object() if rank == 1 else "x"}, os.path.join(root, "bad_value")))
+    out["bad_value_on_rank_1_s"] = time.monotonic() - start
+    dist.barrier()
+    start = time.monotonic()
+    out["fails_after_exchange_on_rank_1"] = attempt(lambda: fail_in_collect(rank, os.path.join(root, "late"),
+                                                                            {"w": sharded(1.0)}))
+    out["fails_after_exchange_on_rank_1_s"] = time.monotonic() - start
+    dist.barrier()
     out["entries"] = sorted(os.listdir(root))
     out["agree_values"] = {k: getattr(v, "tolist", lambda v=v: v)()
                            for k, v in load_merged_state_dict(os.path.join(root, "agree")).items()}
@@ -66,6 +76,21 @@ def resume_cases(runs: str, rank: int, sharded) -> dict:
     dist.barrier()
     out["resume_different_roots"] = attempt(lambda: CheckpointManager(own.dir).restore({"w": sharded(0.0)}))
     return out
+
+
+def fail_in_collect(rank: int, path: str, state: dict):
+    """Rank 1 fails after the opening exchange, before writing (an internal error while collecting)."""
+    from unittest import mock
+
+    from autoparallel.checkpoint import save
+
+    if rank != 1:
+        return save_state_dict(state, path)
+
+    def broken(*a, **k):
+        raise RuntimeError("injected failure while collecting on rank 1")
+    with mock.patch.object(save, "collect", broken):
+        return save_state_dict(state, path)
 
 
 def attempt(fn) -> str:
