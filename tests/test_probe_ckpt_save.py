@@ -88,3 +88,31 @@ def test_json_values_come_back_as_saved_or_are_refused(tmp_path):
     with pytest.raises(TypeError, match="int key 1"):
         save_state_dict({"w": paddle.ones([2])}, str(tmp_path / "bad"), extra={"loader": {1: "x"}})
     assert sorted(os.listdir(tmp_path)) == ["ok"]
+
+
+def test_a_path_that_cannot_hold_a_checkpoint_is_refused_before_any_write(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(NotADirectoryError, match="afile' is a file, not a directory"):
+        save_state_dict({"w": paddle.ones([2])}, str(tmp_path / "afile" / "ck"))
+    assert (tmp_path / "afile").read_text() == "mine"
+    real = os.makedirs
+
+    def read_only(path, *a, **k):                # a read-only parent (root ignores chmod, so the call is patched)
+        if str(path).startswith(str(tmp_path / "ro")):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *a, **k)
+    monkeypatch.setattr(os, "makedirs", read_only)
+    with pytest.raises(PermissionError, match="Permission denied"):
+        save_state_dict({"w": paddle.ones([2])}, str(tmp_path / "ro" / "ck"))
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5", "soon"])
+def test_the_rendezvous_timeout_is_finite(monkeypatch, value):
+    from autoparallel.checkpoint import sync
+
+    monkeypatch.setenv("AP_CKPT_TIMEOUT", value)
+    with pytest.raises(ValueError, match="AP_CKPT_TIMEOUT must be a"):
+        sync.save_timeout()
+    monkeypatch.setenv("AP_CKPT_TIMEOUT", "12.5")                 # negative control
+    assert sync.save_timeout() == 12.5

@@ -105,13 +105,20 @@ def _checked(state, path, step, extra, overwrite, block_bytes, runtime) -> tuple
         if not overwrite:
             raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
         check_replaceable(final)
+    parent = os.path.dirname(final)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise NotADirectoryError(f"cannot save checkpoint {final!r}: {parent!r} is a file, not a directory")
+    os.makedirs(parent, exist_ok=True)      # a parent that cannot be created fails here, before the exchange
     return flat, final, extra, runtime, runtime_arrays
 
 
 def _failed_before_writing(tmp: str, rank: int, world_size: int, e: BaseException) -> None:
     """A rank that fails after the exchange, before its write, tells the others as a failed write does (rank 0
     also fails the save), rather than leaving them to wait for its marker."""
-    os.makedirs(tmp, exist_ok=True)
+    try:
+        os.makedirs(tmp, exist_ok=True)
+    except OSError:
+        pass                            # best effort, like the note itself; the caller raises the real error
     _note(_marker(tmp, rank) + ".failed", f"{type(e).__name__}: {e}")
     if rank == 0:
         _note(os.path.join(tmp, FAILED), f"{type(e).__name__}: {e}")

@@ -52,7 +52,7 @@ def first_difference(lists: list):
 
 
 _ERRORS = {c.__name__: c for c in (TypeError, ValueError, FileExistsError, FileNotFoundError, PermissionError,
-                                    CheckpointOwnershipError)}
+                                    NotADirectoryError, CheckpointOwnershipError)}
 
 
 def _show(entry) -> str:

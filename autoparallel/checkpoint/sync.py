@@ -68,8 +68,8 @@ def save_timeout() -> float:
         value = float(text)
     except ValueError:
         raise ValueError(f"AP_CKPT_TIMEOUT must be a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise ValueError(f"AP_CKPT_TIMEOUT must be positive, got {text!r}")
+    if not 0 < value < float("inf"):      # inf would be a wait without end once the watchdog is off
+        raise ValueError(f"AP_CKPT_TIMEOUT must be a positive finite number of seconds, got {text!r}")
     return value
 
 
