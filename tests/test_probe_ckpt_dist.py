@@ -127,3 +127,28 @@ def test_negative_control_an_agreeing_peer_gets_rank_0s_token(monkeypatch):
 
     _fake_peer(monkeypatch, lambda t, call: t)
     assert agree({}, "0123456789ab", "/ckpt") == "0123456789ab"
+
+
+def test_a_rank_whose_collective_fails_says_what_the_live_ranks_are_doing(tmp_path, capfd):
+    """One rank saving while the other trains on: gloo's timeout ends the save's exchange; the watchdog's line
+    names what the other rank, alive, was doing (calls out of step, not a lost rank)."""
+    import time
+
+    from autoparallel.watchdog import FileStore, Watchdog
+
+    def wd(rank):
+        return Watchdog(rank=rank, world_size=2, store=FileStore(str(tmp_path)), timeout=1.0,
+                        exit_fn=lambda code: None, on_failure=lambda msg: None, install_handlers=False).start()
+    w0, w1 = wd(0), wd(1)
+    try:
+        w1.set_current_op("all_reduce", step=3)
+        time.sleep(4 * w0.interval)                       # rank 0 has heard rank 1's heartbeat
+        with pytest.raises(RuntimeError, match="TIMEOUT"):
+            with w0.op("checkpoint start (all_gather)"):
+                raise RuntimeError("[gloo] TIMEOUT self_rank = 0 pair_rank = 1")
+    finally:
+        w1.stop()
+        w0.stop()
+    err = capfd.readouterr().err
+    assert "rank 0: 'checkpoint start (all_gather)'" in err and "(last heard: rank 1 in 'all_reduce' (step 3))" \
+        in err, err
