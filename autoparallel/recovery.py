@@ -47,8 +47,6 @@ def resume_from_last_checkpoint(model=None, optimizer=None, dir=None, strict: bo
             raise ValueError("resume_from_last_checkpoint: give dir= (no strategy.checkpoint of the current run "
                              "names a directory for this model)")
         dir = run.manager.dir if run.manager is not None else run.strategy.checkpoint.dir
-    if not os.path.isdir(dir):
-        return None
     manager = run.manager if run is not None and run.manager is not None and \
         os.path.abspath(run.manager.dir) == os.path.abspath(dir) else CheckpointManager(dir, optimizer=optimizer)
     from autoparallel.checkpoint.state import training_state

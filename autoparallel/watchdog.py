@@ -51,7 +51,7 @@ import time
 
 from autoparallel.watchdog_heartbeat import HeartbeatMixin
 from autoparallel.watchdog_judge import JudgingMixin
-from autoparallel.watchdog_messages import _write_stderr
+from autoparallel.watchdog_messages import _their_op, _write_stderr
 from autoparallel.watchdog_settings import (DEFAULT_EXIT_CODE, DEFAULT_TIMEOUT, LONG_WAIT_FACTOR, PREFIX, RING_ABOVE,
                                             _check_peers, _env_float, _exit_code, _Peer, _seconds)
 from autoparallel.watchdog_signals import SignalsMixin
@@ -271,8 +271,16 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
             self._error = f"{type(exc).__name__}: {str(exc)[:300]}"
             self._error_op = self._op
             _write_stderr(f"{PREFIX}: rank {self.rank}: {self._op_text()} raised {self._error}; checking the "
-                          f"other ranks for up to {self.timeout:.1f} s")
+                          f"other ranks for up to {self.timeout:.1f} s{self._peer_ops()}")
         self._verdict.wait(self.timeout + 2 * self.interval)
+
+
+    def _peer_ops(self) -> str:
+        """What the watched ranks last said they were doing: ranks alive in other collectives than this one
+        point at calls out of step (one rank saving while the others train on)."""
+        ops = [f"rank {p.rank} in {_their_op(p.record)}" for p in sorted(self._peers.values(), key=lambda p: p.rank)
+               if p.record and not p.record.get("stopped")]
+        return f" (last heard: {', '.join(ops)})" if ops else ""
 
 
 # ---- module-level functions: act on the running watchdog, do nothing without one ---------------------

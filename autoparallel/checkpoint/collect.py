@@ -22,7 +22,41 @@ def json_value(name: str, value):
     except (TypeError, ValueError) as e:
         raise TypeError(f"state entry {name!r}: a {type(value).__name__} is neither a tensor, a numpy array nor a "
                         f"JSON value (int, float, str, bool, None, list, dict) ({e})") from None
+    key = _non_str_key(value)
+    if key is not None:
+        raise TypeError(f"state entry {name!r}: a dict inside it has the {type(key).__name__} key {key!r}; JSON "
+                        f"keys are strings, so it would load as {str(key)!r}. Use str keys (a dict directly in the "
+                        f"state may have int keys: it is descended into, not stored as JSON)")
     return value
+
+
+def _non_str_key(value):
+    """The first dict key inside ``value`` that JSON would turn into a string (None if none)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return k
+            found = _non_str_key(v)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            found = _non_str_key(v)
+            if found is not None:
+                return found
+    return None
+
+
+def check_values(flat: dict) -> None:
+    """TypeError for the first leaf that is neither a tensor, an array, a state leaf nor a JSON value (before a
+    save communicates: collect would find it only between its reductions)."""
+    import paddle
+
+    from autoparallel.dist_tensor import DistTensor
+
+    for name, (_, _, leaf) in flat.items():
+        if not isinstance(leaf, (HeldElsewhere, ShardedLeaf, DistTensor, paddle.Tensor, np.ndarray)):
+            json_value(name, leaf)
 
 
 def to_numpy(t) -> np.ndarray:
@@ -71,7 +105,7 @@ def collect(flat: dict, rank: int, multi: bool) -> tuple:
                 if tuple(array.shape) != tuple(spec.local_shape(owner)):
                     raise ValueError(f"state entry {name!r}: rank {owner}'s local shard has shape "
                                      f"{list(array.shape)}, its spec {spec} expects {list(spec.local_shape(owner))}")
-                array = np.ascontiguousarray(array[local])
+                array = np.require(array[local], requirements="C")    # keeps a 0-d shard 0-d
                 if tuple(array.shape) != tuple(shape):
                     raise ValueError(f"state entry {name!r}: rank {owner}'s local shard has shape "
                                      f"{list(array.shape)}, its spec {spec} expects {list(shape)}")

@@ -42,8 +42,42 @@ def incomplete_checkpoints(root: str) -> list:
     return sorted(os.path.join(root, n) for n in os.listdir(root) if is_temp_name(n))
 
 
-def newest_complete(root: str):
+ASIDE_DIR = re.compile(r"^step-(\d+)\.tmp-old-[0-9a-f]{12}$")
+ASIDE = re.compile(r"^(.+)\.tmp-old-[0-9a-f]{12}$")
+
+
+def is_committed_aside(path: str) -> bool:
+    """A complete checkpoint that an overwrite moved aside (``<name>.tmp-old-<12 hex>``) and never put back:
+    the overwrite was killed between its two renames, so ``<name>`` is missing and this is its committed
+    checkpoint (the next ``CheckpointManager.start`` renames it back)."""
+    path = os.path.normpath(path)
+    m = ASIDE.match(os.path.basename(path))
+    return bool(m) and os.path.isfile(os.path.join(path, METADATA)) and not os.path.lexists(
+        os.path.join(os.path.dirname(path), m.group(1)))
+
+
+def _aside_of(path: str):
+    """The committed checkpoint of a missing ``path`` that an interrupted overwrite left aside, if any."""
+    parent, name = os.path.split(os.path.normpath(path))
+    if not os.path.isdir(parent):
+        return None
+    found = sorted(os.path.join(parent, n) for n in os.listdir(parent)
+                   if n.startswith(name + ".tmp-old-") and is_committed_aside(os.path.join(parent, n)))
+    return found[0] if len(found) == 1 else None
+
+
+def newest_complete(root: str, with_aside: bool = False):
+    """The newest complete checkpoint under ``root``; ``with_aside``: also one an interrupted overwrite left
+    aside (what resume must load, before a start-up has put it back)."""
     found = complete_checkpoints(root)
+    if with_aside and os.path.isdir(root):
+        steps = {s for s, _ in found}
+        for name in os.listdir(root):
+            m = ASIDE_DIR.match(name)
+            path = os.path.join(root, name)
+            if m and int(m.group(1)) not in steps and is_committed_aside(path):
+                found.append((int(m.group(1)), path))
+        found.sort()
     return found[-1][1] if found else None
 
 
@@ -53,21 +87,37 @@ def resolve_checkpoint(path: str) -> str:
         raise TypeError(f"a checkpoint path must be a str or os.PathLike, got {type(path).__name__}")
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
+        if _aside_of(path) is not None:
+            return _aside_of(path)        # an overwrite of it was killed between its renames: still its content
         raise FileNotFoundError(f"no checkpoint at {path!r}: the path does not exist")
     if os.path.isfile(path):
         if os.path.basename(path) == METADATA:
             return resolve_checkpoint(os.path.dirname(path))
         raise FileNotFoundError(f"{path!r} is a file, expected a checkpoint directory (holding {METADATA}) or a "
                                 f"directory of step-<n> checkpoints")
-    if is_temp_name(os.path.basename(path)):
+    if is_temp_name(os.path.basename(path)) and not is_committed_aside(path):
         raise FileNotFoundError(f"{path!r} is an unfinished checkpoint (a save was interrupted); load the "
                                 f"directory holding it to get the newest complete checkpoint")
     if os.path.isfile(os.path.join(path, METADATA)):
         return path
     newest = newest_complete(path)
     if newest is None:
+        _refuse_paddle_format(path)
         partial = [os.path.basename(p) for p in incomplete_checkpoints(path)]
         hint = f"; unfinished saves: {partial}" if partial else ""
         raise FileNotFoundError(f"no complete checkpoint in {path!r}: expected {METADATA} in it or complete "
                                 f"step-<n> sub-directories{hint}")
     return newest
+
+
+def _refuse_paddle_format(path: str) -> None:
+    """A directory written by ``paddle.distributed.save_state_dict`` (``<n>.metadata`` + ``*.distcp``) gets an
+    error saying so: its metadata is a pickle, which this package never loads (a checkpoint is data, never
+    code), so it is converted once by paddle's own loader in a process that trusts it."""
+    names = os.listdir(path)
+    if any(n.endswith(".metadata") for n in names) and any(n.endswith(".distcp") for n in names):
+        raise FileNotFoundError(
+            f"{path!r} holds a checkpoint in paddle.distributed.save_state_dict's format (*.metadata, *.distcp), "
+            f"not an autoparallel checkpoint: its metadata is a pickle, which autoparallel never loads. Convert it "
+            f"once where its source is trusted: paddle.distributed.load_state_dict(state, {path!r}) into plain "
+            f"tensors, then ap.save_state_dict(state, new_path)")

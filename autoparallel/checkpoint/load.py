@@ -230,7 +230,8 @@ def _assign(flat: dict, targets: dict, loaded: dict, meta: dict) -> None:
         for name, t in targets.items():
             container, key, leaf = flat[name]
             if t.kind == "value":
-                container[key] = meta["values"][name]
+                value = meta["values"][name]             # JSON has no tuples: the state's tuple stays one
+                container[key] = tuple(value) if isinstance(leaf, tuple) and isinstance(value, list) else value
             elif t.kind == "ndarray":
                 leaf[...] = loaded[name][0][1]
             elif t.kind == "leaf":

@@ -31,7 +31,9 @@ import shutil
 import signal
 
 from autoparallel.checkpoint import run_root, runtime_state, sync
-from autoparallel.checkpoint.discovery import complete_checkpoints, newest_complete, step_dir_name
+from autoparallel.checkpoint.discovery import (complete_checkpoints, is_committed_aside, newest_complete,
+                                               step_dir_name)
+from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from autoparallel.checkpoint.load import CheckpointInfo, load_state_dict
 from autoparallel.checkpoint.ownership import is_owned_partial
 from autoparallel.checkpoint.run_root import LATEST  # noqa: F401  (the pointer's name, as before)
@@ -135,7 +137,7 @@ class CheckpointManager:
     # ---- resuming -----------------------------------------------------------------------------------
     def latest(self):
         """The newest complete checkpoint under ``dir`` (None if there is none)."""
-        return newest_complete(self.dir)
+        return newest_complete(self.dir, with_aside=True)
 
     def steps(self) -> list:
         return [s for s, _ in complete_checkpoints(self.dir)]
@@ -143,16 +145,31 @@ class CheckpointManager:
     def restore(self, state: dict, strict: bool = True):
         """Load the newest complete checkpoint into ``state`` and the run state it saved (generators, loss
         scale, LR schedule: ``info.restored`` names what was restored); CheckpointInfo, or None."""
-        path = self.latest()
+        path = _same_on_every_rank(self.latest(), self.dir)
         if path is None:
             return None
-        info = load_state_dict(state, path, strict=strict)
-        info.restored = runtime_state.restore(info.runtime, self.optimizer)
+        info, problem = None, None
+        try:
+            info = load_state_dict(state, path, strict=strict)
+            info.restored = runtime_state.restore(info.runtime, self.optimizer)
+        except CheckpointCorruptError as e:
+            problem = CheckpointCorruptError(f"{e}. {self._previous_hint(path)}")
+        except (CheckpointError, OSError, ValueError, TypeError) as e:
+            problem = e
+        run_root.agree(problem)                # a rank that could not load stops every rank, not only itself
         self._resumed = True                   # later saves continue this run
         _, rank, _ = sync.job()
-        if rank == 0 and os.access(self.dir, os.W_OK):
+        if rank == 0 and os.access(self.dir, os.W_OK) and not is_committed_aside(path):
             run_root.write_latest(self.dir)    # a crash between a commit and its pointer update
         return info
+
+    def _previous_hint(self, broken: str) -> str:
+        """Resume never falls back on its own (a run would silently lose steps): name the way back."""
+        older = [p for s, p in complete_checkpoints(self.dir) if p != broken]
+        if not older:
+            return "No older complete checkpoint is in the root"
+        return (f"The newest older complete checkpoint is {os.path.basename(older[-1])}: move "
+                f"{os.path.basename(broken)} out of {self.dir!r} to resume from it")
 
     # ---- preemption ---------------------------------------------------------------------------------
     def install_sigterm_handler(self) -> None:
@@ -182,6 +199,24 @@ class CheckpointManager:
         flag = paddle.to_tensor([1 if self._stop_requested else 0], dtype="int32")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(int(flag.numpy()[0]))
+
+
+def _same_on_every_rank(path, root: str):
+    """``path`` (the checkpoint this rank would resume from) once every rank of a real job found the same one;
+    CheckpointError on every rank otherwise (a root that is not one shared directory for every rank)."""
+    multi, _, _ = sync.job()
+    if not multi:
+        return path
+    from autoparallel import watchdog
+    from autoparallel.checkpoint.save_agree import _all_gather_json
+
+    with watchdog.op("checkpoint resume (all_gather)"):
+        found = _all_gather_json(path)
+    if len(set(found)) > 1:
+        raise CheckpointError(f"checkpoint root {root!r}: the ranks would resume from different checkpoints ("
+                              + ", ".join(f"rank {r}: {p}" for r, p in enumerate(found)) + "); the root must be one "
+                              "directory every rank sees. Nothing was loaded")
+    return path
 
 
 __all__ = ["CheckpointManager", "CheckpointInfo"]

@@ -25,7 +25,8 @@ import time
 
 from autoparallel.checkpoint.atomic import write_file_atomic
 from autoparallel.checkpoint.discovery import complete_checkpoints
-from autoparallel.checkpoint.errors import CheckpointError, CheckpointOwnershipError, CheckpointRootError
+from autoparallel.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
+                                            CheckpointOwnershipError, CheckpointRootError)
 from autoparallel.checkpoint.ownership import (RUN_MARKER, STEP_DIR, TEMP_DIR, is_owned_partial, marker_bytes,
                                                not_a_checkpoint, read_marker)
 
@@ -184,7 +185,8 @@ def write_latest(root: str) -> None:
 
 # ---- agreement ------------------------------------------------------------------------------------------
 _ERRORS = {c.__name__: c for c in (CheckpointRootError, CheckpointOwnershipError, CheckpointError,
-                                    FileNotFoundError, ValueError, TypeError)}
+                                    CheckpointMismatchError, CheckpointCorruptError, FileNotFoundError, ValueError,
+                                    TypeError)}
 _MSG_BYTES = 2048
 
 

@@ -15,10 +15,10 @@ import os
 import shutil
 import time
 
-from autoparallel.checkpoint import sync
+from autoparallel.checkpoint import save_agree, sync
 from autoparallel.checkpoint.atomic import (fault_point, new_nonce, publish_dir, temp_dir_for,
                                             write_file_atomic)
-from autoparallel.checkpoint.collect import collect, json_value
+from autoparallel.checkpoint.collect import check_values, collect, json_value
 from autoparallel.checkpoint.errors import CheckpointSaveError
 from autoparallel.checkpoint.flatten import flatten
 from autoparallel.checkpoint.format import BLOCK_BYTES, FORMAT, METADATA, VERSION, encode_metadata
@@ -45,33 +45,26 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     """
     from autoparallel import watchdog
 
-    flat = flatten(state)
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite must be a bool, got {type(overwrite).__name__} {overwrite!r}")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
-    if step is not None and step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    extra = json_value("extra", extra)
-    runtime, runtime_arrays = split_runtime(runtime)
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 64 or block_bytes % 64:
-        raise ValueError(f"block_bytes must be a positive multiple of 64, got {block_bytes!r}")
     multi, rank, world_size = sync.job()
-    final = os.path.abspath(os.fspath(path))
-    if os.path.lexists(final):
-        if not overwrite:
-            raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
-        check_replaceable(final)
-    tensors, values, writes = collect(flat, rank, multi)
-    more, _, more_writes = collect(runtime_arrays, rank, multi)
-    tensors.update(more)
-    for r, items in more_writes.items():
-        writes.setdefault(r, []).extend(items)
-    nonce = sync.broadcast_token(new_nonce())
+    try:                                # a rank's own input error stops every rank at the exchange, at once
+        flat, final, extra, runtime, runtime_arrays = _checked(state, path, step, extra, overwrite, block_bytes,
+                                                               runtime)
+        problem = None
+    except (TypeError, ValueError, OSError) as e:      # FileExistsError, CheckpointOwnershipError are OSErrors
+        flat, final, problem = {}, os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path), e
+    nonce = save_agree.agree(flat, new_nonce(), final, problem)   # the same reductions on every rank, before any
     tmp = temp_dir_for(final, nonce)
-    os.makedirs(tmp, exist_ok=True)
+    try:
+        tensors, values, writes = collect(flat, rank, multi)
+        more, _, more_writes = collect(runtime_arrays, rank, multi)
+        tensors.update(more)
+        for r, items in more_writes.items():
+            writes.setdefault(r, []).extend(items)
+        os.makedirs(tmp, exist_ok=True)
+    except BaseException as e:
+        if multi:
+            _failed_before_writing(tmp, rank, world_size, e)
+        raise
     meta = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "runtime": runtime, "nonce": nonce,
             "world_size": world_size, "created": time.time(),
             "tensors": tensors, "values": values, "files": {}}
@@ -88,6 +81,48 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
         else:
             _save_multi(meta, tmp, final, overwrite, rank, world_size, writes.get(rank, []), block_bytes)
     return final
+
+
+def _checked(state, path, step, extra, overwrite, block_bytes, runtime) -> tuple:
+    """This rank's arguments checked (nothing is written or communicated): (flat, final, extra, runtime JSON,
+    runtime arrays)."""
+    flat = flatten(state)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {type(overwrite).__name__} {overwrite!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
+    if step is not None and step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    extra = json_value("extra", extra)
+    runtime, runtime_arrays = split_runtime(runtime)
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 64 or block_bytes % 64:
+        raise ValueError(f"block_bytes must be a positive multiple of 64, got {block_bytes!r}")
+    check_values(flat)
+    final = os.path.abspath(os.fspath(path))
+    if os.path.lexists(final):
+        if not overwrite:
+            raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
+        check_replaceable(final)
+    parent = os.path.dirname(final)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise NotADirectoryError(f"cannot save checkpoint {final!r}: {parent!r} is a file, not a directory")
+    os.makedirs(parent, exist_ok=True)      # a parent that cannot be created fails here, before the exchange
+    return flat, final, extra, runtime, runtime_arrays
+
+
+def _failed_before_writing(tmp: str, rank: int, world_size: int, e: BaseException) -> None:
+    """A rank that fails after the exchange, before its write, tells the others as a failed write does (rank 0
+    also fails the save), rather than leaving them to wait for its marker."""
+    try:
+        os.makedirs(tmp, exist_ok=True)
+    except OSError:
+        pass                            # best effort, like the note itself; the caller raises the real error
+    _note(_marker(tmp, rank) + ".failed", f"{type(e).__name__}: {e}")
+    if rank == 0:
+        _note(os.path.join(tmp, FAILED), f"{type(e).__name__}: {e}")
+        _remove_after_acks(tmp, world_size)
 
 
 def split_runtime(runtime) -> tuple:
@@ -121,16 +156,21 @@ def _merge(meta: dict, entries: dict, file_info) -> None:
         meta["files"][file_info["name"]] = {"size": file_info["size"], "crc32": file_info["crc32"]}
 
 
-def _union(meta: dict, part: dict, final: str) -> None:
+def _union(meta: dict, part: dict, final: str, rank: int = 0) -> None:
     """Add the entries only another rank has (a pipeline stage's) to rank 0's metadata; a name recorded by
-    several ranks must agree on shape and dtype."""
+    several ranks must agree on shape and dtype, a JSON value on its value."""
     for name, rec in part.get("tensors", {}).items():
         have = meta["tensors"].setdefault(name, {k: v for k, v in rec.items() if k != "shards"})
         if (list(have["shape"]), have["dtype"]) != (list(rec["shape"]), rec["dtype"]):
             raise CheckpointSaveError(f"checkpoint {final}: ranks disagree on {name!r}: shape {have['shape']} "
                                       f"{have['dtype']} and shape {rec['shape']} {rec['dtype']}")
     for name, value in part.get("values", {}).items():
-        meta["values"].setdefault(name, value)
+        have = meta["values"].setdefault(name, value)
+        if json.dumps(have) != json.dumps(value):      # one value per name is stored: the others would be lost
+            raise CheckpointSaveError(f"checkpoint {final}: ranks disagree on the value {name!r}: "
+                                      f"{json.dumps(have)[:200]} and {json.dumps(value)[:200]} (rank {rank}); a "
+                                      f"checkpoint stores one value per name, so a per-rank value needs a name of "
+                                      f"its own on its rank, or a tensor")
 
 
 def _commit(meta: dict, tmp: str, final: str, overwrite: bool) -> None:
@@ -138,11 +178,27 @@ def _commit(meta: dict, tmp: str, final: str, overwrite: bool) -> None:
         rec.setdefault("shards", [])
     meta["runtime_tensors"] = {n[len(RUNTIME_PREFIX):]: meta["tensors"].pop(n) for n in list(meta["tensors"])
                                if n.startswith(RUNTIME_PREFIX)}
+    _check_complete(meta, final)
     write_file_atomic(os.path.join(tmp, METADATA), encode_metadata(meta),
                       before_rename=lambda: fault_point("before_metadata_rename"))
     fault_point("after_metadata_rename")
     publish_dir(tmp, final, overwrite)
     fault_point("after_dir_rename")
+
+
+def _check_complete(meta: dict, final: str) -> None:
+    """Commit only what a load accepts: every tensor's shards, from every rank, hold each element once. A rank
+    that did not pass an entry its peers hold (or held no shard of it) would otherwise leave a checkpoint that
+    looks complete and fails only when it is needed."""
+    from autoparallel.checkpoint.errors import CheckpointCorruptError
+    from autoparallel.checkpoint.schema import validate_metadata
+
+    try:
+        validate_metadata(meta, final)
+    except CheckpointCorruptError as e:
+        raise CheckpointSaveError(f"checkpoint {final}: the ranks' shards do not make a complete checkpoint, "
+                                  f"nothing was committed (every rank holding a part of an entry must pass it to "
+                                  f"save_state_dict): {e}") from None
 
 
 def _read(path: str) -> str:
@@ -203,10 +259,10 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
             if failures:
                 raise CheckpointSaveError(f"checkpoint {final}: writing failed on " +
                                           "; ".join(f"rank {r}: {why}" for r, why in failures))
-            for m in markers:
+            for r, m in enumerate(markers):
                 with open(m) as f:
                     part = json.load(f)
-                _union(meta, part, final)
+                _union(meta, part, final, r)
                 _merge(meta, part["entries"], part["file"])
             for m in markers:
                 os.remove(m)

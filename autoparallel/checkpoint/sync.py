@@ -3,8 +3,9 @@
 gloo (paddle 3.3.1) aborts a collective after a fixed 30 s, and writing a large shard can take longer, so
 ranks never wait for each other in a collective around the writes. The protocol is:
 
-1. one small broadcast before writing (rank 0's nonce: the name of the temporary directory); every rank
-   arms the job's watchdog here if none runs yet (``watchdog.start_default``);
+1. one small exchange before any reduction or write (save_agree.py: rank 0's nonce, the name of the temporary
+   directory, and every rank's list of Partial reductions, which must agree); every rank arms the job's
+   watchdog here if none runs yet (``watchdog.start_default``);
 2. every rank writes its own data file, fsyncs it, and atomically drops ``rank-<r>.json`` (its shard index)
    into the temporary directory;
 3. rank 0 polls the directory until every rank's marker is there, writes the metadata and commits;
@@ -67,8 +68,8 @@ def save_timeout() -> float:
         value = float(text)
     except ValueError:
         raise ValueError(f"AP_CKPT_TIMEOUT must be a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise ValueError(f"AP_CKPT_TIMEOUT must be positive, got {text!r}")
+    if not 0 < value < float("inf"):      # inf would be a wait without end once the watchdog is off
+        raise ValueError(f"AP_CKPT_TIMEOUT must be a positive finite number of seconds, got {text!r}")
     return value
 
 

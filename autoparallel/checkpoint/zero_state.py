@@ -276,7 +276,7 @@ def _slices(part) -> tuple:
 def _box(data: np.ndarray, pos: int, shape, part) -> np.ndarray:
     """The chunk's C-order box of ``shape`` at ``pos`` (or its ``part``)."""
     box = data[pos:pos + numel(shape)].reshape(shape)
-    return box if part is None else np.ascontiguousarray(box[_slices(part)])
+    return box if part is None else np.require(box[_slices(part)], requirements="C")    # 0-d stays 0-d
 
 
 def _copy_into(dest, buf: np.ndarray, dtype: str) -> None:
