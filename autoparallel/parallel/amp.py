@@ -33,7 +33,11 @@ def round_trip(t, dtype):
     """``t`` rounded through ``dtype`` and back to its own dtype (an emulated low-precision value)."""
     _check_dtype(dtype)
     if isinstance(t, DistTensor):
-        return DistTensor({r: round_trip(x, dtype) for r, x in t.locals.items()}, t.spec)
+        from autoparallel.comm.fanout import inherit_gradient_state
+
+        out = DistTensor({r: round_trip(x, dtype) for r, x in t.locals.items()}, t.spec)
+        inherit_gradient_state(out, t)          # e.g. a sequence-parallel gather's partial-gradient mark
+        return out
     with local_mode():
         return t.astype(dtype).astype(t.dtype)
 
