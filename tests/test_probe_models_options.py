@@ -204,3 +204,34 @@ def test_dtype_predicates_on_distributed_tensors():
             for f in ("is_floating_point", "is_complex", "is_integer"):
                 want = getattr(paddle, f)(plain)
                 assert getattr(t, f)() == want and getattr(paddle, f)(t) == want, (dtype, f)
+
+
+def test_to_static_dense_equals_one_process_and_moe_names_the_eager_path():
+    """``ap.to_static`` (the captured, completed graph) on a dense PaddleFormers model with sequence parallel
+    equals one process; on a mixture of experts the routing's value-dependent shapes cannot be captured, and
+    the typed error says which entry point runs it."""
+    from autoparallel.graph.completion.errors import MissingRuleError
+
+    def loss_fn(out, labels):               # the captured model returns its output as a tuple, logits first
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return paddle.nn.functional.cross_entropy(logits.reshape([-1, pf.VOCAB]), labels.reshape([-1]))
+
+    ids, labels = (paddle.to_tensor(a) for a in pf.batch(0))
+    model = pf.build("llama", 0)
+    opt = paddle.optimizer.SGD(LR, parameters=model.parameters())
+    loss = loss_fn(model(input_ids=ids), labels)
+    loss.backward()
+    opt.step()
+    ref = float(loss), {n: p.numpy() for n, p in model.named_parameters()}
+    spec = [([4, 8], "int64"), ([4, 8], "int64")]
+    with ap.simulate(world_size=4):
+        model = pf.build("llama", 0)
+        opt = paddle.optimizer.SGD(LR, parameters=model.parameters())
+        dm = ap.to_static(model, None, loss_fn, opt, strategy=strategy(sp=True), input_spec=spec)
+        dm.train()
+        got = float(dm(ids, labels)), {n: full(p) for n, p in model.named_parameters()}
+        moe = pf.build("qwen3_moe", 0)
+        with pytest.raises(MissingRuleError, match="run it eagerly with ap.parallelize"):
+            ap.to_static(moe, None, loss_fn, paddle.optimizer.SGD(LR, parameters=moe.parameters()),
+                         strategy=strategy(), input_spec=spec)
+    assert np.isclose(got[0], ref[0], 1e-5) and worst(ref, got)[1] == []
