@@ -40,8 +40,16 @@ def setitem(x, index, value):
     return y
 
 
+def view_shape(x, shape_or_dtype, name=None):
+    """``x.view(shape)`` on a local shard; an empty shard (a data-parallel rank left without samples by an
+    uneven split) is reshaped instead, since paddle's view kernel refuses 0-element results."""
+    if paddle.in_dynamic_mode() and 0 in list(x.shape):
+        return paddle.reshape(x, shape_or_dtype)
+    return x.view(shape_or_dtype)
+
+
 PER_RANK = {"vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
-            "row_of_shard": row_of_shard, "setitem": setitem}
+            "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape}
 
 
 # ---- group ops: fn(mesh, calls: {rank: (args, kwargs)}) -> {rank: output} -----------------------------

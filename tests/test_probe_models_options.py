@@ -150,15 +150,19 @@ def _cached_logits(model):
     return np.concatenate([full(out.logits), full(nxt.logits)], 1)
 
 
-@pytest.mark.parametrize("name,run", [("llama", _greedy), ("qwen3_moe", _cached_logits)], ids=["generate", "kv-cache"])
-def test_inference_under_tp_mesh_equals_one_process(name, run):
+@pytest.mark.parametrize("name,run,dp,tp", [("llama", _greedy, 1, 2), ("qwen3_moe", _cached_logits, 1, 2),
+                                            ("qwen3_moe", _cached_logits, 4, 1)],
+                         ids=["generate-tp2-sp", "kv-cache-tp2-sp", "kv-cache-dp4-empty-shards"])
+def test_inference_under_a_mesh_equals_one_process(name, run, dp, tp):
+    """dp4 with a batch of 2 leaves two ranks without samples: the MoE layer's ``view([-1, hidden])`` of an
+    empty shard runs as a reshape (paddle's view kernel refuses 0-element results)."""
     model = pf.build(name, 0)
     model.eval()
     ref = run(model)
-    with ap.simulate(world_size=2):
+    with ap.simulate(world_size=dp * tp):
         model = pf.build(name, 0)
         model.eval()
-        model, _ = ap.parallelize(model, None, strategy=strategy(dp=1, tp=2, sp=True))
+        model, _ = ap.parallelize(model, None, strategy=strategy(dp=dp, tp=tp, sp=tp > 1))
         got = run(model)
     assert got.shape == ref.shape
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
@@ -191,6 +195,15 @@ def test_save_pretrained_under_tp_mesh_writes_the_one_process_checkpoint(name, t
     ref = pf.build(name, 0)
     for (n, p), q in zip(ref.named_parameters(), loaded.parameters()):
         assert list(q.shape) == list(p.shape), n
+
+
+def test_view_of_an_empty_shard():
+    with ap.simulate(world_size=4):
+        mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["data"])
+        x = paddle.arange(16, dtype="float32").reshape([2, 1, 8])
+        got = ap.shard_tensor(x, mesh, [ap.Shard(0)]).view([-1, 8])
+        assert got.placements == [ap.Shard(0)]
+        np.testing.assert_array_equal(got.full().numpy(), x.numpy().reshape(2, 8))
 
 
 def test_dtype_predicates_on_distributed_tensors():
