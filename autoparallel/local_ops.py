@@ -14,11 +14,14 @@ from autoparallel.comm import collectives as C
 # ---- per-rank ----------------------------------------------------------------------------------------
 def vocab_parallel_embedding(x, weight, padding_idx=None, max_norm=None, norm_type=2.0, sparse=False,
                              scale_grad_by_freq=False, name=None, *, vocab_start, vocab_end):
-    """Masked lookup of this rank's rows [vocab_start, vocab_end); other ids give zeros (Partial sum)."""
+    """Masked lookup of this rank's rows [vocab_start, vocab_end); other ids give zeros (Partial sum). The mask
+    selects (``where``) rather than multiplies: a non-finite gradient at another rank's id (an fp16 overflow
+    that one process drops at the padding row) would otherwise reach local row 0 as inf * 0 = NaN."""
     mask = (x >= vocab_start) & (x < vocab_end)
     ids = paddle.where(mask, x - vocab_start, paddle.zeros_like(x))
     out = F.embedding(ids, weight, padding_idx=padding_idx, sparse=sparse)
-    return out * mask.unsqueeze(-1).astype(out.dtype)
+    keep = mask.unsqueeze(-1).expand_as(out)
+    return paddle.where(keep, out, paddle.zeros_like(out))
 
 
 def global_mean(x, axis=None, keepdim=False, name=None, *, global_count, dtype=None):
