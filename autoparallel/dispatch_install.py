@@ -55,12 +55,13 @@ def install_all() -> list:
 
 def _install_hooks() -> None:
     """The other patches of paddle: ``paddle.jit.to_static`` over distributed tensors, the creation order of
-    lazily built parameters, the loss scalers, a model's own reentrant recompute."""
+    lazily built parameters, the loss scalers, a model's own reentrant recompute, ``Layer.sharded_state_dict``
+    over distributed parameters."""
     from paddle.jit.dy2static.program_translator import StaticFunction
 
     from autoparallel.graph import jit
     from autoparallel.lazy_init import order
-    from autoparallel.parallel import amp_scaler, implicit_optimizer, model_recompute
+    from autoparallel.parallel import amp_scaler, full_state, implicit_optimizer, model_recompute
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
     patches.remember(*static_value_converter())
@@ -69,6 +70,7 @@ def _install_hooks() -> None:
     amp_scaler.install()
     implicit_optimizer.install()
     model_recompute.install()
+    full_state.install()
 
 
 def _reset() -> None:

@@ -14,11 +14,14 @@ from autoparallel.comm import collectives as C
 # ---- per-rank ----------------------------------------------------------------------------------------
 def vocab_parallel_embedding(x, weight, padding_idx=None, max_norm=None, norm_type=2.0, sparse=False,
                              scale_grad_by_freq=False, name=None, *, vocab_start, vocab_end):
-    """Masked lookup of this rank's rows [vocab_start, vocab_end); other ids give zeros (Partial sum)."""
+    """Masked lookup of this rank's rows [vocab_start, vocab_end); other ids give zeros (Partial sum). The mask
+    selects (``where``) rather than multiplies: a non-finite gradient at another rank's id (an fp16 overflow
+    that one process drops at the padding row) would otherwise reach local row 0 as inf * 0 = NaN."""
     mask = (x >= vocab_start) & (x < vocab_end)
     ids = paddle.where(mask, x - vocab_start, paddle.zeros_like(x))
     out = F.embedding(ids, weight, padding_idx=padding_idx, sparse=sparse)
-    return out * mask.unsqueeze(-1).astype(out.dtype)
+    keep = mask.unsqueeze(-1).expand_as(out)
+    return paddle.where(keep, out, paddle.zeros_like(out))
 
 
 def global_mean(x, axis=None, keepdim=False, name=None, *, global_count, dtype=None):
@@ -40,8 +43,16 @@ def setitem(x, index, value):
     return y
 
 
+def view_shape(x, shape_or_dtype, name=None):
+    """``x.view(shape)`` on a local shard; an empty shard (a data-parallel rank left without samples by an
+    uneven split) is reshaped instead, since paddle's view kernel refuses 0-element results."""
+    if paddle.in_dynamic_mode() and 0 in list(x.shape):
+        return paddle.reshape(x, shape_or_dtype)
+    return x.view(shape_or_dtype)
+
+
 PER_RANK = {"vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
-            "row_of_shard": row_of_shard, "setitem": setitem}
+            "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape}
 
 
 # ---- group ops: fn(mesh, calls: {rank: (args, kwargs)}) -> {rank: output} -----------------------------

@@ -297,10 +297,24 @@ def multi_dot(x, name=None):
     return out
 
 
+# ---- dtype predicates: the answer depends on the dtype only, which every shard shares ------------------------------------
+def _dtype_predicate(name):
+    def predicate(x, name=None):
+        return getattr(_p(), pred)(_p().empty([0], dtype=x.dtype))
+
+    pred = name
+    predicate.__name__ = name
+    return predicate
+
+
+is_floating_point, is_complex, is_integer = (_dtype_predicate(n) for n in ("is_floating_point", "is_complex",
+                                                                           "is_integer"))
+
+
 _P_NAMES = ("atleast_1d", "atleast_2d", "atleast_3d", "hstack", "vstack", "row_stack", "dstack", "column_stack",
             "unstack", "unflatten", "moveaxis", "ravel", "view_as", "matrix_transpose", "narrow", "tensor_split",
             "hsplit", "vsplit", "dsplit", "strided_slice", "broadcast_tensors", "empty_like", "addmm",
-            "baddbmm")
+            "baddbmm", "is_floating_point", "is_complex", "is_integer")
 COMPOSITES: dict = {f"paddle.{n}": globals()[n] for n in _P_NAMES}
 COMPOSITES["paddle.slice"] = slice_op
 COMPOSITES.update({f"paddle.linalg.{n}": globals()[n] for n in ("vector_norm", "matrix_norm", "multi_dot",

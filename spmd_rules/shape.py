@@ -7,6 +7,7 @@ block-sharded dim (``S(d,blocks=..)``) is kept only where the reshape leaves it 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from autoparallel.core.placement import BlockShard, Shard
@@ -89,7 +90,9 @@ def reshape(x, shape, name=None):
 def view(x, shape_or_dtype, name=None):
     check_spec("view", "x", x)
     if isinstance(shape_or_dtype, (list, tuple)):
-        return reshape_result("view", x, infer_shape("view", x.shape, shape_or_dtype), "shape_or_dtype")
+        res = reshape_result("view", x, infer_shape("view", x.shape, shape_or_dtype), "shape_or_dtype")
+        # an uneven split can leave a rank an empty shard, which paddle's view kernel refuses
+        return dataclasses.replace(res, local_op="view_shape") if res.local_attrs is not None else res
     dtype = normalize_dtype(shape_or_dtype)
     if dtype_bytes(dtype) != dtype_bytes(x.dtype):
         raise NotImplementedError(f"view: reinterpreting {x.dtype} as {dtype} changes the last dim; only "

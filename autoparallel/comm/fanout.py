@@ -107,6 +107,18 @@ def derived_param(v):
     return hit[1] if hit is not None and hit[0]() is v else None
 
 
+def inherit_gradient_state(out, src) -> None:
+    """``out`` is an element-wise, per-local function of ``src`` computed outside dispatch (an emulated
+    autocast rounding): it keeps the gradient convention ``src`` was registered with, so that dispatch
+    neither reduces a partial gradient twice nor misses the reduction of a derived parameter."""
+    dims = partial_dims(src)
+    if dims and out.__class__ is DistTensor:
+        _remember(_PARTIAL, out, dims)
+    p = src if isinstance(src, DistParameter) else derived_param(src)
+    if p is not None and out.__class__ is DistTensor:
+        _remember(_DERIVED, out, p)
+
+
 def partial_dims(v) -> frozenset:
     """Mesh dims a tensor made by ``replicate_for_split`` keeps its gradient partial on (else empty)."""
     hit = _PARTIAL.get(id(v))

@@ -33,7 +33,11 @@ def round_trip(t, dtype):
     """``t`` rounded through ``dtype`` and back to its own dtype (an emulated low-precision value)."""
     _check_dtype(dtype)
     if isinstance(t, DistTensor):
-        return DistTensor({r: round_trip(x, dtype) for r, x in t.locals.items()}, t.spec)
+        from autoparallel.comm.fanout import inherit_gradient_state
+
+        out = DistTensor({r: round_trip(x, dtype) for r, x in t.locals.items()}, t.spec)
+        inherit_gradient_state(out, t)          # e.g. a sequence-parallel gather's partial-gradient mark
+        return out
     with local_mode():
         return t.astype(dtype).astype(t.dtype)
 
@@ -158,12 +162,21 @@ class AmpOptimizer(StepHooks):
             q for p in inner._parameter_list for q in (p["params"] if isinstance(p, dict) else [p])]
         self.skipped = 0
         self.last_found_inf = False
+        self._scaled = False            # opt.scale(loss) called since the last step / clear_grad
 
     def scale(self, loss):
+        self._scaled = True
         return loss * self.scaler.scale_value if self.scaler.scale_value != 1.0 else loss
 
     def step(self) -> bool:
-        """Returns True when the step ran, False when it was skipped."""
+        """Returns True when the step ran, False when it was skipped. The gradients must come from
+        ``opt.scale(loss).backward()`` when the scale is not 1 (float16): dividing the gradients of an unscaled
+        loss by the scale would shrink every update by that factor, so that is refused."""
+        scaled, self._scaled = self._scaled, False
+        if self.scaler.scale_value != 1.0 and not scaled:
+            raise RuntimeError(f"AMP loss scaling (float16, scale {self.scaler.scale_value:g}): opt.step() was called "
+                               f"without opt.scale(loss) since the last step; write opt.scale(loss).backward() "
+                               f"instead of loss.backward() (the step divides the gradients by the scale)")
         inv = 1.0 / self.scaler.scale_value
         with local_mode(), paddle.no_grad():
             if inv != 1.0:
@@ -180,6 +193,7 @@ class AmpOptimizer(StepHooks):
         return True
 
     def clear_grad(self, set_to_zero: bool = True):
+        self._scaled = False
         return self.optimizer.clear_grad(set_to_zero)
 
     def __getattr__(self, name):

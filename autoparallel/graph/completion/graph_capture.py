@@ -256,9 +256,14 @@ def capture(model, *input_specs, loss_fn=None, n_model_inputs=None, annotations=
             n_model_ops = tracer.count
             loss = loss_fn(out, *ins[n_in:]) if loss_fn is not None else None
     except NotImplementedError as e:
+        from spmd_rules.errors import DataDependentShapeError
+
         where = tracer.layers[-1] if tracer.layers else type(model).__name__
+        hint = ("; a captured graph is built before any value is known, so a model whose shapes follow its data "
+                "(mixture-of-experts routing) cannot be captured: run it eagerly with ap.parallelize"
+                if isinstance(e, DataDependentShapeError) else "")
         raise MissingRuleError(f"inside the captured graph of {type(model).__name__} (layer {where!r}, after "
-                               f"op #{tracer.count}): {e}") from e
+                               f"op #{tracer.count}): {e}{hint}") from e
     finally:
         for h in handles:
             h.remove()
