@@ -21,9 +21,14 @@ tables, the tuple handling of block outputs) runs as the model wrote it:
   first element of a tuple output, or ``.logits``).
 
 Side inputs are recomputed on every stage from the micro-batch, so every stage needs the model inputs
-(every rank passes the same batch to ``train_batch``). A side input computed from learned parameters of
-the prefix would be computed with this rank's copy of them: models whose blocks take such inputs need
-``embed()`` / ``head()`` methods instead.
+(every rank passes the same batch to ``train_batch``). They must not depend on learned parameters: later
+stages compute them without gradient (and, on real ranks, from a copy of the prefix parameters that the
+first stage's optimizer never updates). The dry run checks it: a model whose blocks take a side input
+computed from a learned parameter is refused (``NotImplementedError``; give it ``embed()`` / ``head()``).
+So every stage's side inputs are functions of the micro-batch and of buffers alone, the same on every
+rank whatever the prefix parameters' layout (a vocab-parallel embedding on the first stage's mesh, a stale
+copy elsewhere): the prefix's hidden output, the one thing computed from them, is discarded on later
+stages.
 """
 from __future__ import annotations
 
@@ -169,7 +174,8 @@ def piece_params(model, path: str, inputs) -> tuple:
     named = [(n, p) for n, p in every if not p.stop_gradient]
     rng = paddle.get_rng_state()                         # the dry run draws no random numbers of the user's
     try:
-        h = _first_block_input(model, blocks, path, inputs)
+        h, side = _first_block_input(model, blocks, path, inputs)
+        _refuse_learned_side_inputs(model, side, named)
         pre = _grad_names(h, named)
         hx = h.detach()
         hx.stop_gradient = False
@@ -199,7 +205,9 @@ def _first_block_input(model, blocks, path, inputs):
     name = _hidden_name(blocks[0].forward)
 
     def grab(self, *args, **kwargs):
-        raise _StageExit(_hidden_of(args, kwargs, name))
+        side = list(args[1:]) if args else [v for k, v in kwargs.items() if k != name]
+        side += list(kwargs.values()) if args else []
+        raise _StageExit((_hidden_of(args, kwargs, name), side))
 
     try:
         with _swapped(blocks, {0: grab}):
@@ -219,6 +227,32 @@ def _suffix_out(model, blocks, inputs, hx):
     fns[0] = lambda self, *a, **k: hx
     with _swapped(blocks, fns):
         return model_output(model(inputs))
+
+
+def _tensors(obj) -> list:
+    """The tensors in a block argument (a tensor, or nested tuples / lists / dicts of them)."""
+    if isinstance(obj, paddle.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+def _refuse_learned_side_inputs(model, side, named) -> None:
+    """Later stages recompute the blocks' side inputs without gradient: none may come from a learned parameter."""
+    outs = [t for t in _tensors(side) if not t.stop_gradient]
+    params = [p for _, p in named]
+    if not outs or not params:
+        return
+    grads = paddle.grad([t.astype("float32").sum() for t in outs], params, allow_unused=True, retain_graph=True)
+    used = [n for (n, _), g in zip(named, grads) if g is not None]
+    if used:
+        raise NotImplementedError(f"{type(model).__name__}: its blocks take inputs besides the hidden state that are "
+                                  f"computed from learned parameters ({', '.join(used)}); pipeline stages after the "
+                                  f"first recompute those inputs without gradient, so these parameters would get "
+                                  f"wrong gradients. Give the model embed(ids) and head(x) methods instead")
 
 
 def _grad_names(out, named) -> set:

@@ -419,11 +419,12 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     c = strategy.pipeline_parallel
     plan = plan_pipeline(model, pp, degrees.num_micro_batches, c.schedule, degrees.vpp, list(c.split_points) or None,
                          cost, seq_len, layers_name)
-    if dp * tp > 1 and plan.pieces.generic:
+    if dp * tp > 1 and plan.pieces.generic and not sim:
         raise NotImplementedError(f"{type(model).__name__} has no embed()/head() methods: the pipeline splits it at "
-                                  f"its repeated blocks, which runs stages without data or tensor parallelism inside "
-                                  f"them; got data_parallel.degree={dp}, tensor_parallel.degree={tp}. Give the model "
-                                  f"embed(ids) and head(x) methods to compose them")
+                                  f"its repeated blocks, which runs data or tensor parallelism inside the stages in "
+                                  f"the simulated world (ap.simulate) only, not on launched ranks yet; got "
+                                  f"data_parallel.degree={dp}, tensor_parallel.degree={tp} on {world} ranks. Give the "
+                                  f"model embed(ids) and head(x) methods to compose them on real ranks")
     ranks = pipeline_ranks(pp, dp, tp, mesh)
     if world > 1 and ranks.size != world:
         raise ValueError(f"the pipeline mesh has {ranks.size} ranks, expected the world size {world}")
