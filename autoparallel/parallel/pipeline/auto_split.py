@@ -1,7 +1,8 @@
 """Pipeline stages for models without ``embed()`` / ``head()``: split at the repeated block list.
 
-``find_blocks(model)`` picks the longest ``LayerList`` / ``Sequential`` whose children all have one type
-(a PaddleFormers ``LlamaForCausalLM`` gives ``llama.layers``, a nanoGPT-style model ``transformer.h``).
+``find_blocks(model)`` picks the ``LayerList`` / ``Sequential`` whose children all have one type and that
+holds the most parameters (a PaddleFormers ``LlamaForCausalLM`` gives ``model.layers``, a nanoGPT-style
+model ``transformer.h``; a shallow MoE model's layers, not the longer expert list inside one of them).
 Everything else is attached to the first stage (what runs before the first block: embeddings, rotary
 tables, masks) or the last (what runs after the last block: final norm, LM head), decided by a dry run
 on one token that records which parameters receive a gradient at the first block's input and which from
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import types
 
 import paddle
@@ -54,14 +56,18 @@ class _StageExit(Exception):
 
 
 def find_blocks(model) -> str:
-    """Dotted path of the longest LayerList/Sequential of same-type layers; TypeError when there is none."""
-    best, size = None, 0
+    """Dotted path of the LayerList/Sequential of same-type layers holding the most parameter elements (the
+    longest on a tie, the outermost on a tie of both: a MoE layer's expert list, longer than the decoder
+    layers of a shallow model, holds fewer parameters than the layer list around it); TypeError when there
+    is none."""
+    best, size = None, (0, 0)
     for name, layer in model.named_sublayers(include_self=True):
         if not isinstance(layer, (nn.LayerList, nn.Sequential)):
             continue
         kids = list(layer.children())
-        if len(kids) > size and len({type(k) for k in kids}) == 1:
-            best, size = name, len(kids)
+        key = (sum(math.prod(p.shape) for p in layer.parameters()), len(kids))
+        if kids and key > size and len({type(k) for k in kids}) == 1:
+            best, size = name, key
     if best is None:
         raise TypeError(f"{type(model).__name__} cannot be split into pipeline stages: expected embed(ids) and "
                         f"head(x) methods, or a paddle.nn.LayerList / Sequential of repeated same-type layers; "
