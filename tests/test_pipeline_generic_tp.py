@@ -4,7 +4,11 @@ plan for the model (vocab-parallel embedding on the first stage, vocab-parallel 
 two SGD steps equal to one process on one big batch (the loss of every step and every rank's shard of
 every parameter). SGD, not Adam: Adam's update does not change when every gradient is scaled alike, so a
 missing data-parallel mean would pass under Adam. Later stages recompute the blocks' side inputs (causal
-mask, positions, rotary tables) from the micro-batch: checked equal to the model's own."""
+mask, positions, rotary tables) from the micro-batch: checked equal to the model's own. One 4-rank gloo launch
+runs the same on real ranks (PP2 x DP2, PP2 x TP2 under ZB-H1, PP2 x TP2 with tied embeddings)."""
+
+import json
+import os
 
 import numpy as np
 import paddle
@@ -16,10 +20,18 @@ import autoparallel as ap
 from autoparallel.dist_tensor import _local_from_full
 from autoparallel.parallel.pipeline import auto_split, runtime
 from autoparallel.testing import paddleformers_models as pf
+from dist_scripts import shared_launch
 
 pytestmark = pytest.mark.skipif(not pf.available(), reason="PaddleFormers is not installed")
 
 STEPS, LR, RTOL, ATOL = 2, 0.5, 1e-4, 1e-6
+
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts", "pp_generic_worker.py")
+DIST_JOBS = [{"name": "generic_pp2dp2", "dp": 2}, {"name": "generic_pp2tp2_zb", "tp": 2, "schedule": "ZB-H1"},
+             {"name": "generic_pp2tp2_tied", "tp": 2, "tie": True}]
+DIST = shared_launch.job(__name__, "pp_generic4", WORKER, 4, args=lambda out: [out, json.dumps(
+    [dict(j, steps=STEPS, lr=LR) for j in DIST_JOBS])])
 
 
 def llama(**overrides):
@@ -30,8 +42,8 @@ def data(step):
     return pf.batch(step, b=4, t=8)
 
 
-def reference():
-    model = llama()
+def reference(**overrides):
+    model = llama(**overrides)
     opt = paddle.optimizer.SGD(LR, parameters=model.parameters())
     losses = []
     for step in range(STEPS):
@@ -44,13 +56,13 @@ def reference():
     return losses, {n: p.numpy() for n, p in model.named_parameters()}
 
 
-_REF = []
+_REF = {}
 
 
-def ref():
-    if not _REF:
-        _REF.append(reference())
-    return _REF[0]
+def ref(tie=False):
+    if tie not in _REF:
+        _REF[tie] = reference(tie_word_embeddings=tie)
+    return _REF[tie]
 
 
 def strategy(dp, tp, schedule="1F1B", vpp=1):
@@ -192,18 +204,67 @@ def test_negative_control_shards_handed_to_the_wrong_data_ranks(monkeypatch):
 
 
 def test_tied_embedding_across_stage_meshes_stays_refused():
+    """Simulated world: a tied parameter cannot live on two stage meshes. With data parallelism (any world):
+    the tied gradient arrives partial over the data ranks on the embedding's stage and already summed on
+    the head's, which the tied-gradient sum does not reconcile."""
     with ap.simulate(world_size=4), pytest.raises(NotImplementedError, match="model.embed_tokens.weight.*untie"):
         train(llama(tie_word_embeddings=True), strategy(1, 2))
+    with ap.simulate(world_size=4), pytest.raises(NotImplementedError, match=r"LlamaForCausalLM \(split at its "
+                                                                              r"blocks\).*embed_tokens.weight.*"
+                                                                              r"data_parallel.degree=2. Untie"):
+        train(llama(tie_word_embeddings=True), strategy(2, 1))
 
 
-def test_launched_ranks_are_refused(monkeypatch):
-    """On launched ranks (not simulated) data / tensor parallelism inside auto-split stages is refused."""
-    monkeypatch.setattr(runtime, "_world", lambda: (4, 0))
-    monkeypatch.setattr(runtime, "_simulated", lambda: False)
-    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM has no embed\(\)/head\(\).*simulated world "
-                                                  r"\(ap.simulate\) only.*data_parallel.degree=2, "
-                                                  r"tensor_parallel.degree=1 on 4 ranks"):
-        runtime.apply_pp(llama(), strategy(2, 1))
+class _BarePosition(nn.Layer):
+    """nanoGPT-style, untied: a bare position parameter on the root, blocks in a Sequential."""
+
+    class Block(nn.Layer):
+        def __init__(self, d):
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+
+        def forward(self, x):
+            return x + F.gelu(self.fc(self.ln(x)))
+
+    def __init__(self, d=16, layers=4):
+        super().__init__()
+        paddle.seed(0)
+        self.wte = nn.Embedding(pf.VOCAB, d)
+        self.pos = self.create_parameter([8, d], default_initializer=nn.initializer.Normal(std=0.5))
+        self.h = nn.Sequential(*[self.Block(d) for _ in range(layers)])
+        self.head = nn.Linear(d, pf.VOCAB)
+
+    def forward(self, ids):
+        return self.head(self.h(self.wte(ids) + self.pos[: ids.shape[1]]))
+
+
+def _bare_position_run(world, dp):
+    model = _BarePosition()
+    opt = paddle.optimizer.SGD(LR, parameters=model.parameters())
+    with ap.simulate(world_size=world):
+        pipe, opt = ap.parallelize(model, opt, strategy=strategy(dp, 1))
+        losses = []
+        for step in range(STEPS):
+            losses.append(pipe.train_batch(*data(step)))
+            opt.step()
+            opt.clear_grad()
+        return losses, {n: (p.full() if hasattr(p, "full") else p).numpy() for n, p in pipe.named_parameters()}
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["repointed", "negative-control"])
+def test_bare_root_parameter_under_data_parallel(broken, monkeypatch):
+    """The first stage registers ``pos`` (a parameter of the model root) on a container of its own; sharding
+    replaces it there, and the model's forward, which reads ``self.pos``, must see the replacement. Without
+    repointing the model (the negative control) the model trains a copy the optimizer never sees."""
+    from autoparallel.parallel.pipeline import wiring
+
+    want_losses, want = _bare_position_run(2, 1)                 # pipeline without DP: the same objects
+    if broken:
+        monkeypatch.setattr(wiring, "_repoint_model", lambda model, before: None)
+    losses, got = _bare_position_run(4, 2)
+    same = np.allclose(losses, want_losses, rtol=RTOL, atol=1e-6) and \
+        all(np.allclose(got[n], want[n], rtol=RTOL, atol=ATOL) for n in want)
+    assert same != broken
 
 
 class _LearnedSide(nn.Layer):
@@ -242,3 +303,22 @@ def test_side_input_from_a_learned_parameter_is_refused():
     model = _LearnedSide()
     model.gain.stop_gradient = True                   # frozen: the same on every stage, accepted
     assert runtime.apply_pp(model, s).plan.pieces.generic
+
+
+def test_real_ranks_equal_one_process():
+    """4 gloo ranks: every rank's losses and its stages' parameters (gathered) equal one process; together
+    the ranks hold every parameter; the tied embedding / LM head ends equal on both pipeline ranks."""
+    out, ranks = shared_launch.results(DIST)
+    for r in ranks:
+        for name, job in r["jobs"].items():
+            assert "error" not in job, f"rank {r['rank']} job {name}:\n{job['error']}"
+    for job in DIST_JOBS:
+        ref_losses, ref_params = ref(job.get("tie", False))
+        seen = set()
+        for r in ranks:
+            np.testing.assert_allclose(r["jobs"][job["name"]]["losses"], ref_losses, rtol=RTOL, atol=1e-6)
+            got = np.load(os.path.join(out, f"{job['name']}.rank{r['rank']}.npz"))
+            for n in got.files:
+                np.testing.assert_allclose(got[n], ref_params[n], rtol=RTOL, atol=2e-5, err_msg=f"{job} {n}")
+            seen |= set(got.files)
+        assert seen == set(ref_params), job["name"]
