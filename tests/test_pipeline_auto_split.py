@@ -143,15 +143,6 @@ def test_negative_control_stage_ignoring_the_received_activation(monkeypatch):
         check(NanoGPT, "1F1B")
 
 
-def test_data_or_tensor_parallel_inside_auto_split_stages_is_refused():
-    s = ap.Strategy()
-    s.pipeline_parallel.degree = 2
-    s.data_parallel.degree = 2
-    with ap.simulate(world_size=4), pytest.raises(NotImplementedError, match="NanoGPT has no embed.*data_parallel."
-                                                                              "degree=2"):
-        apply_pp(NanoGPT(), s)
-
-
 def test_every_stage_needs_the_model_inputs():
     s = ap.Strategy()
     s.pipeline_parallel.degree = 2

@@ -1,7 +1,8 @@
 """Pipeline stages for models without ``embed()`` / ``head()``: split at the repeated block list.
 
-``find_blocks(model)`` picks the longest ``LayerList`` / ``Sequential`` whose children all have one type
-(a PaddleFormers ``LlamaForCausalLM`` gives ``llama.layers``, a nanoGPT-style model ``transformer.h``).
+``find_blocks(model)`` picks the ``LayerList`` / ``Sequential`` whose children all have one type and that
+holds the most parameters (a PaddleFormers ``LlamaForCausalLM`` gives ``model.layers``, a nanoGPT-style
+model ``transformer.h``; a shallow MoE model's layers, not the longer expert list inside one of them).
 Everything else is attached to the first stage (what runs before the first block: embeddings, rotary
 tables, masks) or the last (what runs after the last block: final norm, LM head), decided by a dry run
 on one token that records which parameters receive a gradient at the first block's input and which from
@@ -21,14 +22,20 @@ tables, the tuple handling of block outputs) runs as the model wrote it:
   first element of a tuple output, or ``.logits``).
 
 Side inputs are recomputed on every stage from the micro-batch, so every stage needs the model inputs
-(every rank passes the same batch to ``train_batch``). A side input computed from learned parameters of
-the prefix would be computed with this rank's copy of them: models whose blocks take such inputs need
-``embed()`` / ``head()`` methods instead.
+(every rank passes the same batch to ``train_batch``). They must not depend on learned parameters: later
+stages compute them without gradient (and, on real ranks, from a copy of the prefix parameters that the
+first stage's optimizer never updates). The dry run checks it: a model whose blocks take a side input
+computed from a learned parameter is refused (``NotImplementedError``; give it ``embed()`` / ``head()``).
+So every stage's side inputs are functions of the micro-batch and of buffers alone, the same on every
+rank whatever the prefix parameters' layout (a vocab-parallel embedding on the first stage's mesh, a stale
+copy elsewhere): the prefix's hidden output, the one thing computed from them, is discarded on later
+stages.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import types
 
 import paddle
@@ -49,14 +56,18 @@ class _StageExit(Exception):
 
 
 def find_blocks(model) -> str:
-    """Dotted path of the longest LayerList/Sequential of same-type layers; TypeError when there is none."""
-    best, size = None, 0
+    """Dotted path of the LayerList/Sequential of same-type layers holding the most parameter elements (the
+    longest on a tie, the outermost on a tie of both: a MoE layer's expert list, longer than the decoder
+    layers of a shallow model, holds fewer parameters than the layer list around it); TypeError when there
+    is none."""
+    best, size = None, (0, 0)
     for name, layer in model.named_sublayers(include_self=True):
         if not isinstance(layer, (nn.LayerList, nn.Sequential)):
             continue
         kids = list(layer.children())
-        if len(kids) > size and len({type(k) for k in kids}) == 1:
-            best, size = name, len(kids)
+        key = (sum(math.prod(p.shape) for p in layer.parameters()), len(kids))
+        if kids and key > size and len({type(k) for k in kids}) == 1:
+            best, size = name, key
     if best is None:
         raise TypeError(f"{type(model).__name__} cannot be split into pipeline stages: expected embed(ids) and "
                         f"head(x) methods, or a paddle.nn.LayerList / Sequential of repeated same-type layers; "
@@ -169,7 +180,8 @@ def piece_params(model, path: str, inputs) -> tuple:
     named = [(n, p) for n, p in every if not p.stop_gradient]
     rng = paddle.get_rng_state()                         # the dry run draws no random numbers of the user's
     try:
-        h = _first_block_input(model, blocks, path, inputs)
+        h, side = _first_block_input(model, blocks, path, inputs)
+        _refuse_learned_side_inputs(model, side, named)
         pre = _grad_names(h, named)
         hx = h.detach()
         hx.stop_gradient = False
@@ -199,7 +211,9 @@ def _first_block_input(model, blocks, path, inputs):
     name = _hidden_name(blocks[0].forward)
 
     def grab(self, *args, **kwargs):
-        raise _StageExit(_hidden_of(args, kwargs, name))
+        side = list(args[1:]) if args else [v for k, v in kwargs.items() if k != name]
+        side += list(kwargs.values()) if args else []
+        raise _StageExit((_hidden_of(args, kwargs, name), side))
 
     try:
         with _swapped(blocks, {0: grab}):
@@ -219,6 +233,32 @@ def _suffix_out(model, blocks, inputs, hx):
     fns[0] = lambda self, *a, **k: hx
     with _swapped(blocks, fns):
         return model_output(model(inputs))
+
+
+def _tensors(obj) -> list:
+    """The tensors in a block argument (a tensor, or nested tuples / lists / dicts of them)."""
+    if isinstance(obj, paddle.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+def _refuse_learned_side_inputs(model, side, named) -> None:
+    """Later stages recompute the blocks' side inputs without gradient: none may come from a learned parameter."""
+    outs = [t for t in _tensors(side) if not t.stop_gradient]
+    params = [p for _, p in named]
+    if not outs or not params:
+        return
+    grads = paddle.grad([t.astype("float32").sum() for t in outs], params, allow_unused=True, retain_graph=True)
+    used = [n for (n, _), g in zip(named, grads) if g is not None]
+    if used:
+        raise NotImplementedError(f"{type(model).__name__}: its blocks take inputs besides the hidden state that are "
+                                  f"computed from learned parameters ({', '.join(used)}); pipeline stages after the "
+                                  f"first recompute those inputs without gradient, so these parameters would get "
+                                  f"wrong gradients. Give the model embed(ids) and head(x) methods instead")
 
 
 def _grad_names(out, named) -> set:

@@ -419,15 +419,18 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     c = strategy.pipeline_parallel
     plan = plan_pipeline(model, pp, degrees.num_micro_batches, c.schedule, degrees.vpp, list(c.split_points) or None,
                          cost, seq_len, layers_name)
-    if dp * tp > 1 and plan.pieces.generic:
-        raise NotImplementedError(f"{type(model).__name__} has no embed()/head() methods: the pipeline splits it at "
-                                  f"its repeated blocks, which runs stages without data or tensor parallelism inside "
-                                  f"them; got data_parallel.degree={dp}, tensor_parallel.degree={tp}. Give the model "
-                                  f"embed(ids) and head(x) methods to compose them")
     ranks = pipeline_ranks(pp, dp, tp, mesh)
     if world > 1 and ranks.size != world:
         raise ValueError(f"the pipeline mesh has {ranks.size} ranks, expected the world size {world}")
     stages = build_stages(plan.pieces, plan.bounds)
+    if dp > 1 and plan.pieces.generic and _shared_parameters(stages, pp):
+        shared = sorted({n for _, by_stage in _shared_parameters(stages, pp) for n in by_stage.values()})
+        raise NotImplementedError(f"{type(model).__name__} (split at its blocks) has parameters shared by stages on "
+                                  f"different pipeline ranks ({', '.join(shared)}); with data parallelism inside the "
+                                  f"stages their gradients reach the two stages in different states (summed over the "
+                                  f"data ranks on one, partial on the other), which the tied-gradient sum does not "
+                                  f"reconcile yet; got data_parallel.degree={dp}. Untie them "
+                                  f"(tie_word_embeddings=False), or use tensor parallelism alone inside the stages")
     zb = plan.schedule.name == "ZB-H1"
     names = {id(p): n for st in stages for n, p in st.named_parameters()}
     if world == 1 or sim:                                  # every stage in this process

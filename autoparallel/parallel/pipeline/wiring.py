@@ -120,13 +120,30 @@ def _shard_stage(stage, mesh, tp_plan) -> None:
 
     from autoparallel.layer import shard_layer
     from autoparallel.parallel.tensor_parallel import apply_tp
+    from autoparallel.parallel.ties import holders
 
+    before = holders(stage)
     if tp_plan:
         names = [n for n, _ in stage.named_sublayers() if n]
         plan = {pat: style for pat, style in tp_plan.items() if any(fnmatch.fnmatchcase(n, pat) for n in names)}
         if plan:
             apply_tp(stage, mesh, plan, tp_dim=MODEL)
     shard_layer(stage, mesh)
+    if getattr(stage.pieces, "generic", False):
+        _repoint_model(stage.pieces.model, before)
+
+
+def _repoint_model(model, before) -> None:
+    """A stage of a model split at its blocks runs the model's own forward, which reads parameters through the
+    model's layers: every model slot still holding a parameter the stage replaced (a bare parameter the stage
+    registered on a container of its own, a tied alias such as ``lm_head.weight`` of a layer the stage does not
+    hold) gets the replacement too. ``before`` (the stage's slots before sharding) keeps the originals alive."""
+    from autoparallel.parallel.ties import holders
+
+    new = {id(s.param): s.current() for s in before if s.current() is not s.param}
+    for s in holders(model):
+        if id(s.param) in new:
+            s.layer._parameters[s.attr] = new[id(s.param)]
 
 
 def _world_loss(reporter: bool):
