@@ -142,16 +142,17 @@ def _world_loss(reporter: bool):
 def bind_optimizer(optimizer, pipe):
     """Restrict a paddle optimizer to the parameters of ``pipe``, a PipelineModule (the distributed
     replacements of the ones it was built over, matched by model name; other stages' parameters dropped) and
-    wrap it with ``shard_optimizer``, whose ``step`` reduces data-parallel partial gradients first."""
+    wrap it with ``shard_optimizer``, whose ``step`` reduces data-parallel partial gradients first and clips
+    by the global norm over every stage (grad_clip.py)."""
     from autoparallel.parallel.optimizer import ShardedOptimizer
+
+    from .grad_clip import PipelineOptimizer, check_clip
 
     inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
     if not hasattr(inner, "_parameter_list"):
         raise TypeError(f"expected a paddle optimizer, got {type(optimizer).__name__}")
     if getattr(inner, "_grad_clip", None) is not None:
-        raise NotImplementedError(f"gradient clipping ({type(inner._grad_clip).__name__}) needs the gradient norm "
-                                  f"over every pipeline stage, which the pipeline runtime does not compute yet; "
-                                  f"build the optimizer without grad_clip")
+        check_clip(inner._grad_clip)
     local = dict(pipe.named_parameters())
     local_ids = {id(p) for p in local.values()}
     names = getattr(pipe, "original_names", {})
@@ -181,4 +182,4 @@ def bind_optimizer(optimizer, pipe):
     if found == 0 and kept:
         raise ValueError(f"the optimizer holds none of this rank's {kept} stage parameters; build it over "
                          f"model.parameters() or pipe.parameters()")
-    return ShardedOptimizer(inner)
+    return PipelineOptimizer(inner, pipe)
