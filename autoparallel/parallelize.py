@@ -266,7 +266,6 @@ def check_supported(strategy: Strategy, optimizer=None, degrees=None) -> None:
                                   f"ClipGradByGlobalNorm or ClipGradByValue")
     pp = s.pipeline_parallel.degree > 1
     knobs = [(pp and s.sharding.enable, "sharding (ZeRO) together with pipeline parallelism"),
-             (pp and s.recompute.enable, "recompute together with pipeline parallelism"),
              (pp and s.amp.enable, "amp together with pipeline parallelism")]
     for on, what in knobs:
         if on:

@@ -1,6 +1,9 @@
-"""Pipeline parallelism composed with gradient clipping by the global norm, in the simulated world: the
-norm over every stage (data / tensor parallel inside them, a tied embedding counted once) equals one
-process with the same ``ClipGradByGlobalNorm``; clipping each stage by its own norm does not."""
+"""Pipeline parallelism composed with gradient clipping and recompute, in the simulated world.
+
+* clipping by the global norm over every stage (data / tensor parallel inside them, a tied embedding counted
+  once) equals one process with the same ``ClipGradByGlobalNorm``; clipping each stage by its own norm does not;
+* recompute inside the stages (full in segments cut at the stage bounds, selective) gives exactly the
+  values of the same pipeline without recompute, and the recomputed parts really run twice."""
 
 import numpy as np
 import paddle
@@ -53,13 +56,22 @@ def mismatched(pipe, want) -> list:
     return bad
 
 
+def strategy(job):
+    s = pp_common.strategy(job)
+    if job.get("rc"):
+        s.recompute.enable = True
+        s.recompute.granularity = job["rc"]
+        s.recompute.checkpoint_every_n_layers = job.get("every", 1)
+    return s
+
+
 def train(job, clip=CLIP, between=None):
     """Train ``job`` through apply_pp for STEPS steps: (losses, pipe, optimizer, norms)."""
     from autoparallel.testing.models import tp_plan
 
     kind = job.get("kind", "gpt")
     model = pp_common.build(kind, job.get("tie", False))
-    pipe = apply_pp(model, pp_common.strategy(job), tp_plan=tp_plan(kind) if job.get("tp", 1) > 1 else None)
+    pipe = apply_pp(model, strategy(job), tp_plan=tp_plan(kind) if job.get("tp", 1) > 1 else None)
     opt = pipe.wrap_optimizer(optimizer(model.parameters(), clip))
     losses, norms = [], []
     for x, y in pp_common.batches(STEPS):
@@ -128,3 +140,78 @@ def test_counted_elsewhere_names_the_tied_copy_of_the_higher_pipeline_rank():
     for rank, want in ((0, set()), (1, {id(last["wte.weight"])})):
         pipe.pp_rank = rank
         assert counted_elsewhere(pipe) == want
+
+
+# ---- recompute inside stages ---------------------------------------------------------------------------------
+RC_JOBS = [{"schedule": "1F1B", "rc": "full"}, {"schedule": "1F1B", "rc": "full", "every": 2},
+           {"schedule": "VPP", "vpp": 2, "rc": "full", "every": 2}, {"schedule": "ZB-H1", "dp": 2, "rc": "full"},
+           {"schedule": "1F1B", "tp": 2, "rc": "selective"}, {"schedule": "ZB-H1", "tp": 2, "rc": "full", "kind": "llama"},
+           {"schedule": "1F1B", "rc": "full", "tie": True}]
+
+
+def _count_calls(layer, counts, key):
+    layer.register_forward_pre_hook(lambda *_: counts.__setitem__(key, counts.get(key, 0) + 1))
+
+
+def _run_counting(job, monkeypatch):
+    """(losses, {name: every rank's parameter}, forward calls per block's MLP and of the attention core)."""
+    from examples.models import common, gpt
+
+    counts = {}
+
+    def core(*args):
+        counts["core"] = counts.get("core", 0) + 1
+        return common.causal_attention(*args)
+    monkeypatch.setattr(gpt, "causal_attention", core)
+    kind = job.get("kind", "gpt")
+    with ap.simulate(world_size=2 * job.get("dp", 1) * job.get("tp", 1)):
+        from autoparallel.testing.models import tp_plan
+
+        model = pp_common.build(kind, job.get("tie", False))
+        pipe = apply_pp(model, strategy(job), tp_plan=tp_plan(kind) if job.get("tp", 1) > 1 else None)
+        counts.clear()                                     # (the stage-cost trace ran the blocks once)
+        for i, block in enumerate(model.blocks if kind == "gpt" else model.layers):
+            _count_calls(block.mlp, counts, i)
+        opt = pipe.wrap_optimizer(optimizer(model.parameters(), None))
+        losses = []
+        for x, y in pp_common.batches(STEPS):
+            losses.append(pipe.train_batch(x, y))
+            opt.step()
+            opt.clear_grad()
+        params = {f"{n}@{r}": t.numpy() for n, p in pipe.named_parameters()
+                  for r, t in (p.locals.items() if hasattr(p, "_ap_spec") else [(0, p)])}
+    return losses, params, counts
+
+
+@pytest.mark.parametrize("job", RC_JOBS, ids=lambda j: "-".join(f"{k}{v}" for k, v in j.items()))
+def test_recompute_inside_stages_equals_no_recompute_exactly(job, monkeypatch):
+    base = {k: v for k, v in job.items() if k not in ("rc", "every")}
+    want_losses, want, plain = _run_counting(base, monkeypatch)
+    losses, got, counts = _run_counting(job, monkeypatch)
+    runs = STEPS * 4                                       # micro-batches per step x steps
+    assert {k: v for k, v in plain.items() if k != "core"} == {i: runs for i in range(4)}
+    if job["rc"] == "full":                                # every block's forward again in backward
+        assert {k: v for k, v in counts.items() if k != "core"} == {i: 2 * runs for i in range(4)}
+    else:                                                  # the attention core only
+        assert {k: v for k, v in counts.items() if k != "core"} == {i: runs for i in range(4)}
+        assert counts["core"] == 2 * plain["core"] == 2 * 4 * runs
+    assert losses == want_losses
+    assert got.keys() == want.keys()
+    assert [n for n in got if not np.array_equal(got[n], want[n])] == []
+    if not job.get("dp") and not job.get("tp") and job.get("kind", "gpt") == "gpt":    # and one process
+        ref_losses, ref_params = pp_common.reference("gpt", job.get("tie", False), steps=STEPS)
+        np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=1e-6)
+        bad = [n for n in got if not np.allclose(got[n], ref_params[n.split("@")[0]], rtol=RTOL, atol=ATOL)]
+        assert bad == []
+
+
+def test_recompute_segment_never_spans_two_stages():
+    """checkpoint_every_n_layers=4 over 2 stages of 2 blocks: each stage's blocks form their own segment."""
+    from autoparallel.parallel.recompute_segments import Segment
+
+    model = pp_common.build()
+    with ap.simulate(world_size=2):
+        pipe = apply_pp(model, strategy({"schedule": "1F1B", "rc": "full", "every": 4}))
+    segs = [b.forward.__self__ for b in model.blocks if getattr(b.forward, "__self__", None).__class__ is Segment]
+    assert [s.names for s in segs] == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]]
+    assert len(pipe.stages) == 2

@@ -397,7 +397,7 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     from autoparallel.strategy import Strategy
     from . import zero_bubble
     from .p2p import LocalTransport, P2P, RankTransport, create_groups, create_pair_groups
-    from .stage import build_stages, plan_pipeline
+    from .stage import apply_recompute, build_stages, plan_pipeline
 
     if not isinstance(model, paddle.nn.Layer):
         raise TypeError(f"apply_pp expects the model as a paddle.nn.Layer, got {type(model).__name__}")
@@ -428,6 +428,8 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     if world > 1 and ranks.size != world:
         raise ValueError(f"the pipeline mesh has {ranks.size} ranks, expected the world size {world}")
     stages = build_stages(plan.pieces, plan.bounds)
+    if strategy.recompute.enable:
+        apply_recompute(stages, strategy.recompute.granularity, strategy.recompute.checkpoint_every_n_layers)
     zb = plan.schedule.name == "ZB-H1"
     names = {id(p): n for st in stages for n, p in st.named_parameters()}
     if world == 1 or sim:                                  # every stage in this process

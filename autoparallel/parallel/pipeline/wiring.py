@@ -60,7 +60,7 @@ def _check_composable(strategy, degrees) -> None:
     if degrees.pp < 2:
         raise ValueError(f"apply_pp needs pipeline_parallel.degree >= 2, got {degrees.pp}")
     for on, what in ((strategy.sharding.enable, f"sharding (ZeRO stage {strategy.sharding.stage})"),
-                     (strategy.recompute.enable, "recompute"), (strategy.amp.enable, "amp")):
+                     (strategy.amp.enable, "amp")):
         if on:
             raise NotImplementedError(f"{what} {_NOT_COMPOSED}")
 
