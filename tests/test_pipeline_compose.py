@@ -215,3 +215,25 @@ def test_recompute_segment_never_spans_two_stages():
     segs = [b.forward.__self__ for b in model.blocks if getattr(b.forward, "__self__", None).__class__ is Segment]
     assert [s.names for s in segs] == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]]
     assert len(pipe.stages) == 2
+
+
+def test_article_hybrid_with_recompute_and_clip_through_parallelize():
+    """dp2 x tp2 x pp2 with sequence parallelism, full recompute and a binding global-norm clip, built by
+    ap.parallelize: equal to one process with the same clip."""
+    from autoparallel.testing.models import tp_plan
+
+    want_losses, want, _ = reference()
+    s = ap.Strategy()
+    s.data_parallel.degree = s.tensor_parallel.degree = s.pipeline_parallel.degree = 2
+    s.sequence_parallel.enable = s.recompute.enable = True
+    with ap.simulate(world_size=8):
+        model = pp_common.build("gpt")
+        pipe, opt = ap.parallelize(model, optimizer(model.parameters()), strategy=s, tp_plan=tp_plan("gpt"))
+        losses = []
+        for x, y in pp_common.batches(STEPS):
+            losses.append(pipe.train_batch(x, y))
+            opt.step()
+            opt.clear_grad()
+        bad = mismatched(pipe, want)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=1e-6)
+    assert bad == []
