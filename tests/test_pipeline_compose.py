@@ -1,9 +1,11 @@
-"""Pipeline parallelism composed with gradient clipping and recompute, in the simulated world.
+"""Pipeline parallelism composed with gradient clipping, recompute and AMP, in the simulated world.
 
 * clipping by the global norm over every stage (data / tensor parallel inside them, a tied embedding counted
   once) equals one process with the same ``ClipGradByGlobalNorm``; clipping each stage by its own norm does not;
 * recompute inside the stages (full in segments cut at the stage bounds, selective) gives exactly the
-  values of the same pipeline without recompute, and the recomputed parts really run twice."""
+  values of the same pipeline without recompute, and the recomputed parts really run twice;
+* AMP (float16 with loss scaling, bfloat16; O1 / O2) equals one process under the same emulated autocast,
+  ``paddle.amp.auto_cast`` and ``GradScaler``; an overflow on one stage skips the step on every stage."""
 
 import numpy as np
 import paddle
@@ -18,8 +20,10 @@ STEPS, CLIP, RTOL, ATOL = 3, 0.05, 1e-4, 2e-5
 _REFS = {}
 
 
-def optimizer(params, clip=CLIP):
+def optimizer(params, clip=CLIP, sgd=False):
     grad_clip = paddle.nn.ClipGradByGlobalNorm(clip) if clip else None
+    if sgd:              # AMP: AdamW would blow the rounding noise of a zero gradient (the key bias) up to lr steps
+        return paddle.optimizer.SGD(0.5, parameters=params, grad_clip=grad_clip)
     return paddle.optimizer.AdamW(pp_common.LR, parameters=params, grad_clip=grad_clip)
 
 
@@ -42,7 +46,7 @@ def reference(kind="gpt", tie=False):
     return _REFS[(kind, tie)]
 
 
-def mismatched(pipe, want) -> list:
+def mismatched(pipe, want, atol=ATOL) -> list:
     from autoparallel.dist_tensor import _local_from_full
 
     bad = []
@@ -51,7 +55,7 @@ def mismatched(pipe, want) -> list:
         locals_ = p.locals if hasattr(p, "_ap_spec") else {0: p}
         for r, t in locals_.items():
             w = _local_from_full(full, p.spec, r).numpy() if hasattr(p, "_ap_spec") else full.numpy()
-            if not np.allclose(t.numpy(), w, rtol=RTOL, atol=ATOL):
+            if not np.allclose(t.numpy(), w, rtol=RTOL, atol=atol):
                 bad.append(f"{name}@rank{r}")
     return bad
 
@@ -237,3 +241,174 @@ def test_article_hybrid_with_recompute_and_clip_through_parallelize():
         bad = mismatched(pipe, want)
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=1e-6)
     assert bad == []
+
+
+# ---- AMP inside stages -----------------------------------------------------------------------------------------
+SCALE = 1024.0
+
+
+def amp_reference(dtype, level, steps=STEPS, clip=None):
+    """One process: the same emulated autocast, ``paddle.amp.auto_cast`` and (float16) ``GradScaler``."""
+    import paddle.nn.functional as F
+
+    from autoparallel.parallel.amp import apply_amp
+    from autoparallel.testing.gpu_scaler import gpu_grad_scaler
+
+    model = pp_common.build()
+    apply_amp(model, dtype, level)
+    opt = optimizer(model.parameters(), clip, sgd=True)
+    scaler = gpu_grad_scaler(init_loss_scaling=SCALE) if dtype == "float16" else None
+    losses = []
+    for x, y in pp_common.batches(steps):
+        with paddle.amp.auto_cast(dtype=dtype, level=level):
+            loss = F.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+
+
+def amp_strategy(job):
+    s = strategy(job)
+    s.amp.enable, s.amp.dtype, s.amp.level = True, job["amp"], job.get("level", "O1")
+    if job["amp"] == "float16":
+        s.amp.init_loss_scaling = SCALE
+    return s
+
+
+def train_amp(job, steps=STEPS, between=None, clip=None):
+    from autoparallel.testing.models import tp_plan
+
+    model = pp_common.build()
+    pipe = apply_pp(model, amp_strategy(job), tp_plan=tp_plan("gpt") if job.get("tp", 1) > 1 else None)
+    opt = pipe.wrap_optimizer(optimizer(model.parameters(), clip, sgd=True))
+    losses, ran = [], []
+    for k, (x, y) in enumerate(pp_common.batches(steps)):
+        losses.append(pipe.train_batch(x, y))
+        if between is not None:
+            between(pipe, k)
+        ran.append(opt.step())
+        opt.clear_grad()
+    return losses, pipe, opt, ran
+
+
+AMP_JOBS = [{"schedule": "1F1B", "amp": "float16"}, {"schedule": "ZB-H1", "dp": 2, "amp": "float16", "level": "O2"},
+            {"schedule": "VPP", "vpp": 2, "tp": 2, "amp": "bfloat16"},
+            {"schedule": "1F1B", "tp": 2, "amp": "bfloat16", "level": "O2", "rc": "full"},
+            {"schedule": "FThenB", "dp": 2, "amp": "float16", "clip": CLIP, "rc": "selective"}]
+
+
+BF16_TP_ATOL = 3e-4      # bfloat16 keeps 8 bits: tensor-parallel partial sums in another order flip a last bit
+
+
+def _atol(job):
+    return BF16_TP_ATOL if job["amp"] == "bfloat16" and job.get("tp", 1) > 1 else ATOL
+
+
+@pytest.mark.parametrize("job", AMP_JOBS, ids=lambda j: "-".join(f"{k}{v}" for k, v in j.items()))
+def test_amp_inside_stages_equals_one_process_under_auto_cast_and_grad_scaler(job):
+    want_losses, want = amp_reference(job["amp"], job.get("level", "O1"), clip=job.get("clip"))
+    with ap.simulate(world_size=2 * job.get("dp", 1) * job.get("tp", 1)):
+        losses, pipe, opt, ran = train_amp(job, clip=job.get("clip"))
+        bad = mismatched(pipe, want, _atol(job))
+        if job["amp"] == "bfloat16" and job.get("tp", 1) > 1:  # last-bit flips stay small against what AMP changes
+            assert l2_distance(pipe, want) < 0.3 * l2_distance(pipe, _fp32_sgd_reference()[1])
+    assert ran == [True] * STEPS
+    assert opt.scaler.scale_value == (SCALE if job["amp"] == "float16" else 1.0)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=1e-6)
+    assert bad == []
+
+
+@pytest.mark.parametrize("job", [AMP_JOBS[0], AMP_JOBS[3]], ids=["float16", "bfloat16-tp2-O2"])
+def test_negative_control_amp_differs_from_the_float32_run(job):
+    """The same pipeline against one process without autocast: the comparison above can tell them apart."""
+    want_losses, want = amp_reference(job["amp"], job.get("level", "O1"))
+    plain_losses, plain = _fp32_sgd_reference()
+    with ap.simulate(world_size=2 * job.get("tp", 1)):
+        _, pipe, _, _ = train_amp(job)
+        assert len(mismatched(pipe, plain, _atol(job))) > (5 if job.get("tp", 1) == 1 else 0)
+        assert l2_distance(pipe, plain) > 3 * l2_distance(pipe, want)
+
+
+def l2_distance(pipe, want) -> float:
+    """sqrt of the summed squared differences of every rank's shard from the reference's slice."""
+    from autoparallel.dist_tensor import _local_from_full
+
+    total = 0.0
+    for name, p in pipe.named_parameters():
+        full = paddle.to_tensor(want[name])
+        for r, t in (p.locals.items() if hasattr(p, "_ap_spec") else [(0, p)]):
+            w = _local_from_full(full, p.spec, r).numpy() if hasattr(p, "_ap_spec") else full.numpy()
+            total += float(((t.numpy() - w) ** 2).sum())
+    return total ** 0.5
+
+
+def _fp32_sgd_reference():
+    import paddle.nn.functional as F
+
+    model = pp_common.build()
+    opt = optimizer(model.parameters(), None, sgd=True)
+    losses = []
+    for x, y in pp_common.batches(STEPS):
+        loss = F.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+
+
+def _poison_last_stage(step):
+    def between(pipe, k):
+        if k == step:
+            g = dict(pipe.stages[-1].named_parameters())["ln_f.weight"].grad
+            g.set_value(paddle.full_like(g, float("inf")))
+    return between
+
+
+def _snapshot(pipe):
+    return {n: p.numpy().copy() for n, p in pipe.named_parameters()}
+
+
+def _train_poisoned(job):
+    """Step 0's last-stage gradient poisoned with inf: (ran, scale, params before step 0, after step 0)."""
+    seen = {}
+
+    def between(pipe, k):
+        seen.setdefault(k, _snapshot(pipe))
+        _poison_last_stage(0)(pipe, k)
+    with ap.simulate(world_size=2):
+        _, pipe, opt, ran = train_amp(job, steps=2, between=between)
+    return ran, opt.scaler.scale_value, seen[0], seen[1]
+
+
+def test_an_overflow_on_one_stage_skips_the_step_on_every_stage(monkeypatch):
+    monkeypatch.setattr(pp_common, "strategy", _decr_every_step(pp_common.strategy))
+    ran, scale, before, after = _train_poisoned({"schedule": "1F1B", "amp": "float16"})
+    assert ran == [False, True] and scale == SCALE / 2
+    assert [n for n in before if not np.array_equal(before[n], after[n])] == []      # no stage stepped
+
+
+def test_negative_control_each_stage_deciding_alone_steps_the_first_stage(monkeypatch):
+    from autoparallel.parallel.amp import found_inf
+    from autoparallel.parallel.pipeline import amp
+
+    monkeypatch.setattr(pp_common, "strategy", _decr_every_step(pp_common.strategy))
+    monkeypatch.setattr(amp, "agreed_found_inf", lambda pipe, params: found_inf(pipe.stages[0].parameters()))
+    ran, _, before, after = _train_poisoned({"schedule": "1F1B", "amp": "float16"})
+    assert ran[0] is True
+    assert not np.array_equal(before["blocks.0.mlp.fc1.weight"], after["blocks.0.mlp.fc1.weight"])
+
+
+def _decr_every_step(make):
+    def strategy_(job):
+        s = make(job)
+        s.amp.decr_every_n_nan_or_inf = 1
+        return s
+    return strategy_

@@ -136,6 +136,7 @@ class PipelineModule:
         self.original_names: dict = {}       # id(parameter as the model built it) -> model name
         self.pp_rank = self.held[0] if len(self.held) == 1 else None    # set by apply_pp on real ranks
         self.rank, self.coords, self.ranks = 0, (0, 0), None
+        self.loss_scaler = None              # strategy.amp: the last stage's backward runs on the scaled loss
 
     # ---- what this process holds --------------------------------------------------------------------------
     @property
@@ -316,7 +317,8 @@ class PipelineModule:
         if stage.is_last:
             loss = self.loss_fn(out, self._place(st.labels[i], s)) * (1.0 / self.plan.micro_batches)
             st.loss += float(loss)
-            st.saved[(s, i)] = (x_local, loss)
+            scale = self.loss_scaler.scale_value if self.loss_scaler is not None else 1.0
+            st.saved[(s, i)] = (x_local, loss * scale if scale != 1.0 else loss)
         else:
             st.saved[(s, i)] = (x_local, self._to_boundary(out, s))
 
@@ -395,7 +397,7 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     of neighbouring ranks, one per set of ranks sharing a tied parameter) are created in one fixed
     order on every rank. In a world of one process every stage runs here (see the module docstring)."""
     from autoparallel.strategy import Strategy
-    from . import zero_bubble
+    from . import amp, zero_bubble
     from .p2p import LocalTransport, P2P, RankTransport, create_groups, create_pair_groups
     from .stage import apply_recompute, build_stages, plan_pipeline
 
@@ -440,6 +442,8 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
         pipe = PipelineModule(plan, stages, range(pp), LocalTransport(), meshes=meshes, loss_fn=loss_fn,
                               zero_bubble=zb)
         pipe.original_names = names
+        if strategy.amp.enable:
+            amp.install(pipe, model, strategy.amp)
         return pipe
 
     pp_rank, d, t = (int(x) for x in np.argwhere(ranks == rank)[0])
@@ -471,4 +475,6 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
                           sync_loss=_world_loss(reporter) if sync_loss else None, zero_bubble=zb)
     pipe.original_names = names
     pipe.ranks, pipe.rank, pipe.pp_rank, pipe.coords = ranks, rank, pp_rank, (d, t)
+    if strategy.amp.enable:
+        amp.install(pipe, model, strategy.amp)
     return pipe

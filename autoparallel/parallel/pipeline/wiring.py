@@ -59,10 +59,8 @@ def _check_composable(strategy, degrees) -> None:
                          "use auto_mode='semi' with pipeline_parallel.degree set")
     if degrees.pp < 2:
         raise ValueError(f"apply_pp needs pipeline_parallel.degree >= 2, got {degrees.pp}")
-    for on, what in ((strategy.sharding.enable, f"sharding (ZeRO stage {strategy.sharding.stage})"),
-                     (strategy.amp.enable, "amp")):
-        if on:
-            raise NotImplementedError(f"{what} {_NOT_COMPOSED}")
+    if strategy.sharding.enable:
+        raise NotImplementedError(f"sharding (ZeRO stage {strategy.sharding.stage}) {_NOT_COMPOSED}")
 
 
 def pipeline_ranks(pp: int, dp: int = 1, tp: int = 1, mesh=None) -> np.ndarray:
@@ -143,7 +141,8 @@ def bind_optimizer(optimizer, pipe):
     """Restrict a paddle optimizer to the parameters of ``pipe``, a PipelineModule (the distributed
     replacements of the ones it was built over, matched by model name; other stages' parameters dropped) and
     wrap it with ``shard_optimizer``, whose ``step`` reduces data-parallel partial gradients first and clips
-    by the global norm over every stage (grad_clip.py)."""
+    by the global norm over every stage (grad_clip.py); under ``strategy.amp`` wrapped again to unscale and
+    skip overflowing steps on every stage at once (amp.py)."""
     from autoparallel.parallel.optimizer import ShardedOptimizer
 
     from .grad_clip import PipelineOptimizer, check_clip
@@ -182,4 +181,8 @@ def bind_optimizer(optimizer, pipe):
     if found == 0 and kept:
         raise ValueError(f"the optimizer holds none of this rank's {kept} stage parameters; build it over "
                          f"model.parameters() or pipe.parameters()")
+    if getattr(pipe, "loss_scaler", None) is not None:              # strategy.amp (amp.py)
+        from .amp import PipelineAmpOptimizer
+
+        return PipelineAmpOptimizer(PipelineOptimizer(inner, pipe), pipe)
     return PipelineOptimizer(inner, pipe)
