@@ -40,11 +40,16 @@ def batches(steps: int = STEPS, batch: int = BATCH):
     return _DATA[key]
 
 
-def reference(kind: str = "gpt", tie: bool = False, layers: int = 4, steps: int = STEPS):
-    """Single process, whole batch per step: (losses, {name: final parameter})."""
+def reference(kind: str = "gpt", tie: bool = False, layers: int = 4, steps: int = STEPS, clip=None):
+    """Single process, whole batch per step (``clip``: ClipGradByGlobalNorm(clip)): (losses, {name: final parameter})."""
     model = build(kind, tie, layers)
-    opt = paddle.optimizer.AdamW(LR, parameters=model.parameters())
+    opt = optimizer(model.parameters(), clip)
     return fit(model, opt, batches(steps)), parameters_np(model)
+
+
+def optimizer(params, clip=None):
+    return paddle.optimizer.AdamW(LR, parameters=params,
+                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(clip) if clip else None)
 
 
 def strategy(job: dict) -> Strategy:
@@ -57,6 +62,8 @@ def strategy(job: dict) -> Strategy:
         s.pipeline_parallel.split_points = job["split_points"]
     s.data_parallel.degree = job.get("dp", 1)
     s.tensor_parallel.degree = job.get("tp", 1)
+    if job.get("rc"):
+        s.recompute.enable, s.recompute.granularity = True, job["rc"]
     return s
 
 
@@ -67,7 +74,7 @@ def run_pipeline(job: dict, steps: int = STEPS):
 
     kind = job.get("kind", "gpt")
     model = build(kind, job.get("tie", False), job.get("layers", 4))
-    opt = paddle.optimizer.AdamW(LR, parameters=model.parameters())
+    opt = optimizer(model.parameters(), job.get("clip"))
     plan = tp_plan(kind) if job.get("tp", 1) > 1 else None
     if plan and job.get("sp"):
         plan = sequence_parallel(plan, model)
