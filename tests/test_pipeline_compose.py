@@ -412,3 +412,20 @@ def _decr_every_step(make):
         s.amp.decr_every_n_nan_or_inf = 1
         return s
     return strategy_
+
+
+def test_amp_through_parallelize_equals_one_process():
+    want_losses, want = amp_reference("float16", "O2")
+    s = amp_strategy({"schedule": "1F1B", "amp": "float16", "level": "O2"})
+    with ap.simulate(world_size=2):
+        model = pp_common.build()
+        pipe, opt = ap.parallelize(model, optimizer(model.parameters(), None, sgd=True), strategy=s)
+        assert type(opt).__name__ == "PipelineAmpOptimizer"
+        losses = []
+        for x, y in pp_common.batches(STEPS):
+            losses.append(pipe.train_batch(x, y))
+            assert opt.step()
+            opt.clear_grad()
+        bad = mismatched(pipe, want)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=1e-6)
+    assert bad == []
