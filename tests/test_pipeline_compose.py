@@ -429,3 +429,59 @@ def test_amp_through_parallelize_equals_one_process():
         bad = mismatched(pipe, want)
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=1e-6)
     assert bad == []
+
+
+# ---- models split at their blocks (no embed()/head()) ------------------------------------------------------------
+def _generic_run(build, rc, clip, schedule="1F1B"):
+    """(losses, {name: parameter}, forward calls of the first block's inner layer) of 2 steps through apply_pp."""
+    from test_pipeline_auto_split import data
+
+    model = build()
+    s = ap.Strategy()
+    s.pipeline_parallel.degree, s.pipeline_parallel.schedule = 2, schedule
+    s.recompute.enable = rc
+    pipe = apply_pp(model, s)
+    opt = pipe.wrap_optimizer(paddle.optimizer.AdamW(1e-2, parameters=model.parameters(),
+                                                     grad_clip=paddle.nn.ClipGradByGlobalNorm(clip)))
+    blocks = pipe.plan.pieces.layers
+    calls = []
+    (blocks[0].fc if hasattr(blocks[0], "fc") else blocks[0].mlp).register_forward_pre_hook(lambda *_: calls.append(1))
+    losses = []
+    for step in range(2):
+        losses.append(pipe.train_batch(*data(step)))
+        opt.step()
+        opt.clear_grad()
+    return losses, {n: p.numpy() for n, p in pipe.named_parameters()}, len(calls)
+
+
+def _generic_reference(build, clip):
+    import paddle.nn.functional as F
+
+    from autoparallel.parallel.pipeline import auto_split
+    from test_pipeline_auto_split import data
+
+    model = build()
+    opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters(), grad_clip=paddle.nn.ClipGradByGlobalNorm(clip))
+    losses = []
+    for step in range(2):
+        x, y = data(step)
+        loss = F.cross_entropy(auto_split.model_output(model(paddle.to_tensor(x))), paddle.to_tensor(y))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("which, schedule", [("nanogpt", "ZB-H1"), ("llama", "1F1B")])
+def test_models_split_at_their_blocks_with_recompute_and_clip(which, schedule):
+    from test_pipeline_auto_split import NanoGPT, llama
+
+    build = NanoGPT if which == "nanogpt" else llama
+    want_losses, want = _generic_reference(build, 0.05)
+    base_losses, base, base_calls = _generic_run(build, False, 0.05, schedule)
+    losses, got, calls = _generic_run(build, True, 0.05, schedule)
+    assert calls == 2 * base_calls == 2 * 2 * 2               # 2 steps x 2 micro-batches, twice under recompute
+    assert losses == base_losses and [n for n in got if not np.array_equal(got[n], base[n])] == []
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=1e-6)
+    assert [n for n in got if not np.allclose(got[n], want[n], rtol=RTOL, atol=ATOL)] == []
