@@ -485,3 +485,82 @@ def test_models_split_at_their_blocks_with_recompute_and_clip(which, schedule):
     assert losses == base_losses and [n for n in got if not np.array_equal(got[n], base[n])] == []
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=1e-6)
     assert [n for n in got if not np.allclose(got[n], want[n], rtol=RTOL, atol=ATOL)] == []
+
+
+# ---- a paddle.amp.GradScaler driving the pipeline ---------------------------------------------------------------
+def _grad_scaler_run(job, pass_scaler=True, poison=None, steps=STEPS):
+    """The article's loop with the pipeline: ``train_batch(x, y, scaler=...)`` under ``auto_cast``, then
+    ``scaler.step(opt); scaler.update()``. ``poison``: step whose last-stage gradient gets an inf."""
+    from autoparallel.testing.gpu_scaler import gpu_grad_scaler
+
+    with ap.simulate(world_size=2 * job.get("dp", 1)):
+        model = pp_common.build()
+        pipe = apply_pp(model, strategy(job))
+        opt = pipe.wrap_optimizer(optimizer(model.parameters(), None, sgd=True))
+        scaler = gpu_grad_scaler(init_loss_scaling=SCALE, decr_every_n_nan_or_inf=1)
+        losses, scales, seen = [], [], []
+        for k, (x, y) in enumerate(pp_common.batches(steps)):
+            seen.append(_snapshot(pipe))
+            with paddle.amp.auto_cast():
+                losses.append(pipe.train_batch(x, y, scaler=scaler if pass_scaler else None))
+            if k == poison:
+                _poison_last_stage(k)(pipe, k)
+            scaler.step(opt)
+            scaler.update()
+            opt.clear_grad()
+            scales.append(float(scaler._scale))
+        seen.append(_snapshot(pipe))
+    return losses, scales, seen
+
+
+def _fp32_scaled_reference():
+    import paddle.nn.functional as F
+
+    from autoparallel.testing.gpu_scaler import gpu_grad_scaler
+
+    model = pp_common.build()
+    opt = optimizer(model.parameters(), None, sgd=True)
+    scaler = gpu_grad_scaler(init_loss_scaling=SCALE)
+    losses = []
+    for x, y in pp_common.batches(STEPS):
+        with paddle.amp.auto_cast():
+            loss = F.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+
+
+def test_grad_scaler_passed_to_train_batch_equals_one_process():
+    want_losses, want = _fp32_scaled_reference()
+    losses, scales, seen = _grad_scaler_run({"schedule": "1F1B", "dp": 2})
+    assert scales == [SCALE] * STEPS
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=1e-6)
+    assert [n for n in want if not np.allclose(seen[-1][n], want[n], rtol=RTOL, atol=ATOL)] == []
+
+
+def test_grad_scaler_overflow_on_one_stage_skips_every_stage():
+    _, scales, seen = _grad_scaler_run({"schedule": "1F1B"}, poison=0, steps=2)
+    assert scales == [SCALE / 2, SCALE / 2]
+    assert [n for n in seen[0] if not np.array_equal(seen[0][n], seen[1][n])] == []     # step 0: nothing moved
+    assert [n for n in seen[1] if not np.array_equal(seen[1][n], seen[2][n])] != []     # step 1 trained
+
+
+def test_negative_control_grad_scaler_not_passed_to_train_batch_unscales_unscaled_gradients():
+    want_losses, want = _fp32_scaled_reference()
+    _, _, seen = _grad_scaler_run({"schedule": "1F1B"}, pass_scaler=False)
+    assert len([n for n in want if not np.allclose(seen[-1][n], want[n], rtol=RTOL, atol=ATOL)]) > 5
+
+
+def test_grad_scaler_and_strategy_amp_together_are_refused():
+    from autoparallel.testing.gpu_scaler import gpu_grad_scaler
+
+    with ap.simulate(world_size=2):
+        pipe = apply_pp(pp_common.build(), amp_strategy({"schedule": "1F1B", "amp": "float16"}))
+        x, y = pp_common.batches(1)[0]
+        with pytest.raises(ValueError, match="strategy.amp already scales the pipeline's loss"):
+            pipe.train_batch(x, y, scaler=gpu_grad_scaler(init_loss_scaling=SCALE))
+        with pytest.raises(TypeError, match="expected a paddle.amp.GradScaler, got float"):
+            pipe.train_batch(x, y, scaler=1024.0)

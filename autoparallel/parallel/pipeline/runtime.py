@@ -109,6 +109,7 @@ class _StepState:
         self.sent_headers = set()    # forward channels whose shape header went out this step
         self.shapes = {}             # forward channel -> (shape, dtype) from its header this step
         self.loss = 0.0
+        self.scale = 1.0             # the last stage's backward runs on loss x scale (AMP loss scaling)
         self.records = []
 
 
@@ -186,14 +187,17 @@ class PipelineModule:
         return pipeline_training_state(self, optimizer)
 
     # ---- one step -----------------------------------------------------------------------------------------
-    def train_batch(self, inputs, labels=None) -> float | None:
+    def train_batch(self, inputs, labels=None, scaler=None) -> float | None:
         """Forward and backward of one global batch through the pipeline (gradients accumulate; call the
         optimizer afterwards). Every rank passes the same batch (for a model with embed()/head(), ranks that
         hold neither the first nor the last stage may pass None). Returns the mean loss (on every rank when ``sync_loss`` is set, else on
-        the last stage's ranks and None elsewhere)."""
+        the last stage's ranks and None elsewhere). ``scaler``: a ``paddle.amp.GradScaler`` whose scale the
+        backward runs on (then ``scaler.step(opt); scaler.update()``); under ``strategy.amp`` the pipeline
+        scales its loss itself (amp.py)."""
         every = self.plan.pieces.generic             # a model split at its blocks: every stage needs the inputs
         st = _StepState(self._micro(inputs, "inputs") if self.holds_first or every else None,
                         self._micro(labels, "labels") if self.holds_last else None)
+        st.scale = self._loss_scale(scaler)
         self.weight_grads.pending.clear()                 # nothing carries over from a failed step
         handlers = {"F": self._forward, "B": self._backward, "W": self._weight, "SEND_F": self._send_f,
                     "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b}
@@ -211,6 +215,16 @@ class PipelineModule:
         self.records = st.records
         loss = st.loss if self.holds_last else None
         return self._sync_loss(loss) if self._sync_loss is not None else loss
+
+    def _loss_scale(self, scaler) -> float:
+        if scaler is None:
+            return self.loss_scaler.scale_value if self.loss_scaler is not None else 1.0
+        if not isinstance(scaler, paddle.amp.AmpScaler):
+            raise TypeError(f"train_batch scaler: expected a paddle.amp.GradScaler, got {type(scaler).__name__}")
+        if self.loss_scaler is not None:
+            raise ValueError("train_batch got a GradScaler, but strategy.amp already scales the pipeline's loss "
+                             "(and its optimizer unscales it); use one of the two")
+        return float(scaler._scale) if scaler._enable else 1.0
 
     def _program(self):
         """(pipeline rank, action) in execution order: the rank's own list, or with several ranks held,
@@ -317,8 +331,7 @@ class PipelineModule:
         if stage.is_last:
             loss = self.loss_fn(out, self._place(st.labels[i], s)) * (1.0 / self.plan.micro_batches)
             st.loss += float(loss)
-            scale = self.loss_scaler.scale_value if self.loss_scaler is not None else 1.0
-            st.saved[(s, i)] = (x_local, loss * scale if scale != 1.0 else loss)
+            st.saved[(s, i)] = (x_local, loss * st.scale if st.scale != 1.0 else loss)
         else:
             st.saved[(s, i)] = (x_local, self._to_boundary(out, s))
 
