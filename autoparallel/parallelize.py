@@ -265,9 +265,7 @@ def check_supported(strategy: Strategy, optimizer=None, degrees=None) -> None:
                                   f"{_NOT_YET} (each rank would clip its shard by the shard's norm); use "
                                   f"ClipGradByGlobalNorm or ClipGradByValue")
     pp = s.pipeline_parallel.degree > 1
-    knobs = [(pp and s.sharding.enable, "sharding (ZeRO) together with pipeline parallelism"),
-             (pp and s.recompute.enable, "recompute together with pipeline parallelism"),
-             (pp and s.amp.enable, "amp together with pipeline parallelism")]
+    knobs = [(pp and s.sharding.enable, "sharding (ZeRO) together with pipeline parallelism")]
     for on, what in knobs:
         if on:
             raise NotImplementedError(f"{what} is {_NOT_YET}")

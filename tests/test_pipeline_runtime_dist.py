@@ -2,7 +2,9 @@
 
 Three launches: 2 ranks (PP2 under FThenB, 1F1B, VPP v=2 and ZB-H1; GPT and LLaMA, tied and untied
 embeddings; a negative control without the tied-gradient all-reduce), 4 ranks (PP2xDP2, PP2xTP2 with each
-stage on its own [data, model] sub-mesh, ZB-H1 and VPP among them; PP4) and 8 ranks (DP2xTP2xPP2).
+stage on its own [data, model] sub-mesh, ZB-H1 and VPP among them; PP4; PP2xTP2 with a tied embedding, a binding
+global-norm clip and full recompute; PP2xDP2 under float16 AMP with loss scaling and the clip) and 8 ranks
+(DP2xTP2xPP2).
 10 steps each; losses and every final parameter must match with rtol 1e-4 plus a small atol. The 2-rank
 launch also checks that every rank executed exactly its schedule's action list and draws the measured
 timeline. Every schedule x {plain, DP, TP} also runs in the simulated world (test_pipeline_sim.py);
@@ -39,7 +41,9 @@ LAUNCHES = {
         {"name": "pp2dp2_zb_tied", "schedule": "ZB-H1", "dp": 2, "tie": True},
         {"name": "pp2tp2_vpp_tied", "schedule": "VPP", "vpp": 2, "tp": 2, "tie": True},
         {"name": "llama_pp2tp2_sp_zb", "schedule": "ZB-H1", "tp": 2, "sp": True, "kind": "llama"},
-        {"name": "pp4_1f1b_tied", "schedule": "1F1B", "pp": 4, "tie": True}],
+        {"name": "pp4_1f1b_tied", "schedule": "1F1B", "pp": 4, "tie": True},
+        {"name": "pp2tp2_clip_recompute_tied", "schedule": "1F1B", "tp": 2, "tie": True, "clip": 0.05, "rc": "full"},
+        {"name": "pp2dp2_fp16_clip", "schedule": "1F1B", "dp": 2, "amp": "float16", "clip": 0.05}],
     8: [{"name": "dp2tp2pp2_1f1b_tied", "schedule": "1F1B", "dp": 2, "tp": 2, "tie": True}],
 }
 JOBS = {j["name"]: (n, j) for n, jobs in LAUNCHES.items() for j in jobs}
@@ -49,9 +53,9 @@ _REFS = {}
 
 
 def reference(job):
-    key = (job.get("kind", "gpt"), job.get("tie", False))
+    key = (job.get("kind", "gpt"), job.get("tie", False), job.get("clip"), job.get("amp"))
     if key not in _REFS:
-        _REFS[key] = pp_common.reference(*key)
+        _REFS[key] = pp_common.reference(*key[:2], clip=key[2], amp=key[3])
     return _REFS[key]
 
 

@@ -40,11 +40,43 @@ def batches(steps: int = STEPS, batch: int = BATCH):
     return _DATA[key]
 
 
-def reference(kind: str = "gpt", tie: bool = False, layers: int = 4, steps: int = STEPS):
-    """Single process, whole batch per step: (losses, {name: final parameter})."""
+def reference(kind: str = "gpt", tie: bool = False, layers: int = 4, steps: int = STEPS, clip=None, amp=None):
+    """Single process, whole batch per step (``clip``: ClipGradByGlobalNorm(clip); ``amp``: float16 under the
+    emulated autocast, ``paddle.amp.auto_cast`` and a GradScaler(AMP_SCALE), with SGD): (losses, {name: final
+    parameter})."""
     model = build(kind, tie, layers)
-    opt = paddle.optimizer.AdamW(LR, parameters=model.parameters())
-    return fit(model, opt, batches(steps)), parameters_np(model)
+    opt = optimizer(model.parameters(), clip, sgd=amp is not None)
+    if amp is None:
+        return fit(model, opt, batches(steps)), parameters_np(model)
+    import paddle.nn.functional as F
+
+    from autoparallel.parallel.amp import apply_amp
+    from autoparallel.testing.gpu_scaler import gpu_grad_scaler
+
+    if amp != "float16":
+        raise ValueError(f"the AMP reference runs float16 with a GradScaler, got amp={amp!r}")
+    apply_amp(model, amp)
+    scaler, losses = gpu_grad_scaler(init_loss_scaling=AMP_SCALE), []
+    for x, y in batches(steps):
+        with paddle.amp.auto_cast(dtype=amp):
+            loss = F.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses, parameters_np(model)
+
+
+AMP_SCALE, SGD_LR = 1024.0, 0.5
+
+
+def optimizer(params, clip=None, sgd=False):
+    """AdamW (SGD for AMP: AdamW turns the rounding noise of an exactly-zero gradient into full steps)."""
+    grad_clip = paddle.nn.ClipGradByGlobalNorm(clip) if clip else None
+    if sgd:
+        return paddle.optimizer.SGD(SGD_LR, parameters=params, grad_clip=grad_clip)
+    return paddle.optimizer.AdamW(LR, parameters=params, grad_clip=grad_clip)
 
 
 def strategy(job: dict) -> Strategy:
@@ -57,6 +89,12 @@ def strategy(job: dict) -> Strategy:
         s.pipeline_parallel.split_points = job["split_points"]
     s.data_parallel.degree = job.get("dp", 1)
     s.tensor_parallel.degree = job.get("tp", 1)
+    if job.get("rc"):
+        s.recompute.enable, s.recompute.granularity = True, job["rc"]
+    if job.get("amp"):
+        s.amp.enable, s.amp.dtype = True, job["amp"]
+        if job["amp"] == "float16":
+            s.amp.init_loss_scaling = AMP_SCALE
     return s
 
 
@@ -67,7 +105,7 @@ def run_pipeline(job: dict, steps: int = STEPS):
 
     kind = job.get("kind", "gpt")
     model = build(kind, job.get("tie", False), job.get("layers", 4))
-    opt = paddle.optimizer.AdamW(LR, parameters=model.parameters())
+    opt = optimizer(model.parameters(), job.get("clip"), sgd=bool(job.get("amp")))
     plan = tp_plan(kind) if job.get("tp", 1) > 1 else None
     if plan and job.get("sp"):
         plan = sequence_parallel(plan, model)

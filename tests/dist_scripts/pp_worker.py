@@ -1,7 +1,9 @@
 """Runs on every rank: several pipeline training jobs in one launch.
 
     pp_worker.py OUT_DIR JOBS_JSON
-    JOBS_JSON: [{"name", "schedule", "pp", "dp", "tp", "vpp", "mb", "kind", "tie", "negative"}, ...]
+    JOBS_JSON: [{"name", "schedule", "pp", "dp", "tp", "vpp", "mb", "kind", "tie", "clip", "rc", "amp", "negative"}, ...]
+    clip: ClipGradByGlobalNorm(clip) on the optimizer; rc: recompute granularity inside the stages; amp: "float16"
+    (loss scale pp_common.AMP_SCALE, SGD)
     negative: null | "no_tie_reduce" (tied gradients not all-reduced: must fail the comparison)
 
 Each rank saves its stages' final parameters (gathered to full tensors) to OUT_DIR/<name>.rank<r>.npz and

@@ -109,6 +109,7 @@ class _StepState:
         self.sent_headers = set()    # forward channels whose shape header went out this step
         self.shapes = {}             # forward channel -> (shape, dtype) from its header this step
         self.loss = 0.0
+        self.scale = 1.0             # the last stage's backward runs on loss x scale (AMP loss scaling)
         self.records = []
 
 
@@ -136,6 +137,7 @@ class PipelineModule:
         self.original_names: dict = {}       # id(parameter as the model built it) -> model name
         self.pp_rank = self.held[0] if len(self.held) == 1 else None    # set by apply_pp on real ranks
         self.rank, self.coords, self.ranks = 0, (0, 0), None
+        self.loss_scaler = None              # strategy.amp: the last stage's backward runs on the scaled loss
 
     # ---- what this process holds --------------------------------------------------------------------------
     @property
@@ -185,14 +187,17 @@ class PipelineModule:
         return pipeline_training_state(self, optimizer)
 
     # ---- one step -----------------------------------------------------------------------------------------
-    def train_batch(self, inputs, labels=None) -> float | None:
+    def train_batch(self, inputs, labels=None, scaler=None) -> float | None:
         """Forward and backward of one global batch through the pipeline (gradients accumulate; call the
         optimizer afterwards). Every rank passes the same batch (for a model with embed()/head(), ranks that
         hold neither the first nor the last stage may pass None). Returns the mean loss (on every rank when ``sync_loss`` is set, else on
-        the last stage's ranks and None elsewhere)."""
+        the last stage's ranks and None elsewhere). ``scaler``: a ``paddle.amp.GradScaler`` whose scale the
+        backward runs on (then ``scaler.step(opt); scaler.update()``); under ``strategy.amp`` the pipeline
+        scales its loss itself (amp.py)."""
         every = self.plan.pieces.generic             # a model split at its blocks: every stage needs the inputs
         st = _StepState(self._micro(inputs, "inputs") if self.holds_first or every else None,
                         self._micro(labels, "labels") if self.holds_last else None)
+        st.scale = self._loss_scale(scaler)
         self.weight_grads.pending.clear()                 # nothing carries over from a failed step
         handlers = {"F": self._forward, "B": self._backward, "W": self._weight, "SEND_F": self._send_f,
                     "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b}
@@ -210,6 +215,16 @@ class PipelineModule:
         self.records = st.records
         loss = st.loss if self.holds_last else None
         return self._sync_loss(loss) if self._sync_loss is not None else loss
+
+    def _loss_scale(self, scaler) -> float:
+        if scaler is None:
+            return self.loss_scaler.scale_value if self.loss_scaler is not None else 1.0
+        if not isinstance(scaler, paddle.amp.AmpScaler):
+            raise TypeError(f"train_batch scaler: expected a paddle.amp.GradScaler, got {type(scaler).__name__}")
+        if self.loss_scaler is not None:
+            raise ValueError("train_batch got a GradScaler, but strategy.amp already scales the pipeline's loss "
+                             "(and its optimizer unscales it); use one of the two")
+        return float(scaler._scale) if scaler._enable else 1.0
 
     def _program(self):
         """(pipeline rank, action) in execution order: the rank's own list, or with several ranks held,
@@ -316,7 +331,7 @@ class PipelineModule:
         if stage.is_last:
             loss = self.loss_fn(out, self._place(st.labels[i], s)) * (1.0 / self.plan.micro_batches)
             st.loss += float(loss)
-            st.saved[(s, i)] = (x_local, loss)
+            st.saved[(s, i)] = (x_local, loss * st.scale if st.scale != 1.0 else loss)
         else:
             st.saved[(s, i)] = (x_local, self._to_boundary(out, s))
 
@@ -395,9 +410,9 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     of neighbouring ranks, one per set of ranks sharing a tied parameter) are created in one fixed
     order on every rank. In a world of one process every stage runs here (see the module docstring)."""
     from autoparallel.strategy import Strategy
-    from . import zero_bubble
+    from . import amp, zero_bubble
     from .p2p import LocalTransport, P2P, RankTransport, create_groups, create_pair_groups
-    from .stage import build_stages, plan_pipeline
+    from .stage import apply_recompute, build_stages, plan_pipeline
 
     if not isinstance(model, paddle.nn.Layer):
         raise TypeError(f"apply_pp expects the model as a paddle.nn.Layer, got {type(model).__name__}")
@@ -431,6 +446,8 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
                                   f"data ranks on one, partial on the other), which the tied-gradient sum does not "
                                   f"reconcile yet; got data_parallel.degree={dp}. Untie them "
                                   f"(tie_word_embeddings=False), or use tensor parallelism alone inside the stages")
+    if strategy.recompute.enable:
+        apply_recompute(stages, strategy.recompute.granularity, strategy.recompute.checkpoint_every_n_layers)
     zb = plan.schedule.name == "ZB-H1"
     names = {id(p): n for st in stages for n, p in st.named_parameters()}
     if world == 1 or sim:                                  # every stage in this process
@@ -441,6 +458,8 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
         pipe = PipelineModule(plan, stages, range(pp), LocalTransport(), meshes=meshes, loss_fn=loss_fn,
                               zero_bubble=zb)
         pipe.original_names = names
+        if strategy.amp.enable:
+            amp.install(pipe, model, strategy.amp)
         return pipe
 
     pp_rank, d, t = (int(x) for x in np.argwhere(ranks == rank)[0])
@@ -472,4 +491,6 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
                           sync_loss=_world_loss(reporter) if sync_loss else None, zero_bubble=zb)
     pipe.original_names = names
     pipe.ranks, pipe.rank, pipe.pp_rank, pipe.coords = ranks, rank, pp_rank, (d, t)
+    if strategy.amp.enable:
+        amp.install(pipe, model, strategy.amp)
     return pipe

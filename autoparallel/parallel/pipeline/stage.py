@@ -331,6 +331,25 @@ def build_stages(pieces: ModelPieces, bounds: Sequence[tuple]) -> list:
     return [PipelineStage(pieces, k, len(bounds), b) for k, b in enumerate(bounds)]
 
 
+def apply_recompute(stages: Sequence[PipelineStage], granularity: str = "full", every_n: int = 1) -> None:
+    """``strategy.recompute`` inside the stages (parallel/recompute.py): ``"full"`` recomputes each stage's
+    blocks in segments of ``every_n`` consecutive blocks, cut at the stage's bounds (a segment never spans
+    two stages); ``"selective"`` the attention core of every block."""
+    from autoparallel.parallel.recompute import GRANULARITIES, _check_n, _segments, _selective
+
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"recompute granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    _check_n(every_n)
+    for st in stages:
+        pieces = st.pieces
+        blocks = [pieces.layers[i] for i in range(st.start, st.stop)]
+        if granularity == "full":
+            _segments(blocks, every_n, [f"{pieces.layers_name}.{i}" for i in range(st.start, st.stop)])
+        else:
+            for block in blocks:
+                _selective(block)
+
+
 # ---- the whole plan, validated before any process-group work ----------------------------------------------
 @dataclass
 class PipelinePlan:

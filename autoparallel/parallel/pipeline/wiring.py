@@ -7,7 +7,7 @@ import paddle
 
 PIPE, DATA, MODEL = "pipe", "data", "model"
 _NOT_COMPOSED = "is not composed with pipeline parallelism yet (the pipeline runtime runs data, tensor and " \
-                "sequence parallelism inside stages)"
+                "sequence parallelism, recompute, AMP and global-norm clipping inside stages)"
 
 
 def _simulated_stage_meshes(stages, ranks: np.ndarray, tp_plan) -> dict:
@@ -59,10 +59,8 @@ def _check_composable(strategy, degrees) -> None:
                          "use auto_mode='semi' with pipeline_parallel.degree set")
     if degrees.pp < 2:
         raise ValueError(f"apply_pp needs pipeline_parallel.degree >= 2, got {degrees.pp}")
-    for on, what in ((strategy.sharding.enable, f"sharding (ZeRO stage {strategy.sharding.stage})"),
-                     (strategy.recompute.enable, "recompute"), (strategy.amp.enable, "amp")):
-        if on:
-            raise NotImplementedError(f"{what} {_NOT_COMPOSED}")
+    if strategy.sharding.enable:
+        raise NotImplementedError(f"sharding (ZeRO stage {strategy.sharding.stage}) {_NOT_COMPOSED}")
 
 
 def pipeline_ranks(pp: int, dp: int = 1, tp: int = 1, mesh=None) -> np.ndarray:
@@ -159,16 +157,18 @@ def _world_loss(reporter: bool):
 def bind_optimizer(optimizer, pipe):
     """Restrict a paddle optimizer to the parameters of ``pipe``, a PipelineModule (the distributed
     replacements of the ones it was built over, matched by model name; other stages' parameters dropped) and
-    wrap it with ``shard_optimizer``, whose ``step`` reduces data-parallel partial gradients first."""
+    wrap it with ``shard_optimizer``, whose ``step`` reduces data-parallel partial gradients first and clips
+    by the global norm over every stage (grad_clip.py); under ``strategy.amp`` wrapped again to unscale and
+    skip overflowing steps on every stage at once (amp.py)."""
     from autoparallel.parallel.optimizer import ShardedOptimizer
+
+    from .grad_clip import PipelineOptimizer, check_clip
 
     inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
     if not hasattr(inner, "_parameter_list"):
         raise TypeError(f"expected a paddle optimizer, got {type(optimizer).__name__}")
     if getattr(inner, "_grad_clip", None) is not None:
-        raise NotImplementedError(f"gradient clipping ({type(inner._grad_clip).__name__}) needs the gradient norm "
-                                  f"over every pipeline stage, which the pipeline runtime does not compute yet; "
-                                  f"build the optimizer without grad_clip")
+        check_clip(inner._grad_clip)
     local = dict(pipe.named_parameters())
     local_ids = {id(p) for p in local.values()}
     names = getattr(pipe, "original_names", {})
@@ -198,4 +198,8 @@ def bind_optimizer(optimizer, pipe):
     if found == 0 and kept:
         raise ValueError(f"the optimizer holds none of this rank's {kept} stage parameters; build it over "
                          f"model.parameters() or pipe.parameters()")
-    return ShardedOptimizer(inner)
+    if getattr(pipe, "loss_scaler", None) is not None:              # strategy.amp (amp.py)
+        from .amp import PipelineAmpOptimizer
+
+        return PipelineAmpOptimizer(PipelineOptimizer(inner, pipe), pipe)
+    return PipelineOptimizer(inner, pipe)

@@ -112,28 +112,32 @@ def _backward(x, weight, bias, g):
 
 
 class _Linear(PyLayer):
+    """The weight is kept on ``ctx`` itself, not saved: under recompute a saved tensor comes back from the
+    re-run as a new tensor (not the parameter, no gradient), which would neither be deferred nor get one."""
     @staticmethod
     def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x)
+        ctx.weight = weight
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, g):
-        x, weight = ctx.saved_tensor()
-        gx, gw, _ = _backward(x, weight, None, g)
+        x, = ctx.saved_tensor()
+        gx, gw, _ = _backward(x, ctx.weight, None, g)
         return gx, gw
 
 
 class _LinearBias(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight, bias)
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias = weight, bias
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
-        x, weight, bias = ctx.saved_tensor()
-        return _backward(x, weight, bias, g)
+        x, = ctx.saved_tensor()
+        return _backward(x, ctx.weight, ctx.bias, g)
 
 
 def _local_linear(x, weight, bias=None):

@@ -1,0 +1,59 @@
+"""Mixed precision with pipeline parallelism (``strategy.amp``).
+
+* autocast: ``apply_amp`` on the model's layers (emulated on CPU, parallel/amp.py), so every stage's forward
+  runs its Linear layers (O1) or every parametrised leaf layer but the norms (O2) in the low-precision dtype;
+* loss scaling (float16): the last stage multiplies each micro-batch's loss by the current scale before its
+  backward (``train_batch`` still returns the unscaled loss); the optimizer step unscales every gradient,
+  then decides overflow for the **whole pipeline**: each rank's inf/nan flag is added over every rank of the
+  job (in one process, the simulated world included, every stage is checked here), so either every stage
+  steps or none does, and every rank updates its scale the same way. bfloat16 runs with a static scale of 1
+  (the overflow check still skips a step with a nan anywhere).
+"""
+from __future__ import annotations
+
+import paddle
+
+from autoparallel.local_mode import local_mode
+from autoparallel.parallel.amp import AmpOptimizer, LossScaler, _local_grads, apply_amp, found_inf
+
+
+def install(pipe, model, amp) -> None:
+    """Autocast on ``model``'s layers and the loss scaler of ``strategy.amp`` on ``pipe``."""
+    apply_amp(model, amp.dtype, amp.level)
+    pipe.loss_scaler = LossScaler.from_strategy(amp)
+
+
+def agreed_found_inf(pipe, params) -> bool:
+    """Whether any gradient of any stage on any rank holds inf/nan (the same answer on every rank)."""
+    local = found_inf(params)
+    if pipe.ranks is None:                       # every stage in this process
+        return local
+    import paddle.distributed as dist
+
+    t = paddle.to_tensor([1.0 if local else 0.0], dtype="float32")
+    dist.all_reduce(t)
+    return float(t.numpy()[0]) > 0
+
+
+class PipelineAmpOptimizer(AmpOptimizer):
+    """Unscale, agree on overflow over every stage, skip or step (the wrapped optimizer clips after unscaling)."""
+
+    def __init__(self, optimizer, pipe):
+        super().__init__(optimizer, pipe.loss_scaler, None, params=optimizer.parameters)
+        self.__dict__["_pipe"] = pipe
+
+    def step(self) -> bool:
+        inv = 1.0 / self.scaler.scale_value
+        if inv != 1.0:
+            with local_mode(), paddle.no_grad():
+                for t in _local_grads(self.params):
+                    t.grad.set_value(t.grad * inv)
+        inf = agreed_found_inf(self._pipe, self.params)
+        self.last_found_inf = inf
+        self.scaler.update(inf)
+        if inf:
+            self.skipped += 1
+            return False
+        self.optimizer.step()
+        self._after_step()
+        return True
