@@ -58,7 +58,7 @@ class RankCopies:
             names[s.name] = p.name
             shadows.append(s)
             links.append((t, s))
-        return clone_optimizer(self.inner, shadows, names), links
+        return clone_optimizer(self.inner, shadows, names, whole=True), links
 
     def step(self) -> None:
         with local_mode():
