@@ -129,8 +129,11 @@ def _install_composites() -> None:
     from spmd_rules.composites_more import COMPOSITES as MORE_COMPOSITES
     from spmd_rules.composites_shape import COMPOSITES as SHAPE_COMPOSITES
 
+    from autoparallel import autograd_forms
+
+    autograd = {"paddle.grad": autograd_forms.grad, "paddle.autograd.grad": autograd_forms.grad}
     mapping = {}
-    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES}.items():
+    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **autograd}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):

@@ -14,11 +14,13 @@ import numpy as np
 import paddle
 
 from autoparallel import dispatch_handle, redistribute
+from autoparallel import dist_tensor_forms as _forms
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase
 from autoparallel.context import async_allreduce
 from autoparallel.context import state as _ctx
 from autoparallel.dist_tensor_ops import OpMethods
+from autoparallel.local_parts import _local_from_full  # noqa: F401  (also imported from here)
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import BlockShard, Partial, Replicate, Shard
 from autoparallel.spec import DistSpec, normalize_dtype
@@ -213,6 +215,8 @@ class DistTensor(OpMethods):
             return None
         return DistTensor(gs, self._spec.with_placements(_grad_placements(self._spec.placements)))
 
+    register_hook = _forms.dist_register_hook
+
     def detach(self) -> "DistTensor":
         return DistTensor({r: t.detach() for r, t in self._locals.items()}, self._spec)
 
@@ -227,7 +231,10 @@ class DistTensor(OpMethods):
     def numpy(self) -> np.ndarray:
         return self.full().numpy()
 
-    def item(self):
+    def item(self, *args):
+        """paddle's ``item(*args)``: the one element, or the element at a flat index / a full index."""
+        if args:
+            return self.full().item(*args)
         if not self._locals:
             if _ctx.tracer is not None:
                 raise NotImplementedError("reading a tensor's value (item(), bool(), int(), python control flow on "
@@ -292,6 +299,9 @@ class DistParameter(EagerParamBase):
     def full(self) -> paddle.Tensor:
         return self.as_dist().full()
 
+    set_value = _forms.param_set_value
+    register_hook = _forms.param_register_hook
+
 
 def is_dist(x) -> bool:
     return isinstance(x, (DistTensor, DistParameter)) and (not isinstance(x, DistParameter) or hasattr(x, "_ap_spec"))
@@ -311,21 +321,6 @@ def _spec_for(tensor_shape, dtype, mesh, placements) -> DistSpec:
     if any(s < 0 for s in tensor_shape):
         raise ValueError(f"a global shape needs sizes >= 0, got {list(tensor_shape)}")
     return DistSpec(mesh, tuple(placements), tuple(int(s) for s in tensor_shape), normalize_dtype(dtype))
-
-
-def _local_from_full(full: paddle.Tensor, spec: DistSpec, rank: int) -> paddle.Tensor:
-    coords = spec.mesh.coords_of(rank)
-    sl = spec.local_slices(coords)
-    t = full
-    for d, s in enumerate(sl):
-        if not isinstance(s, slice):                    # a block-sharded dim: its rows by index
-            t = paddle.index_select(t, paddle.to_tensor(s, dtype="int64"), axis=d)
-        elif s.start != 0 or s.stop != spec.shape[d]:
-            t = paddle.slice(t, axes=[d], starts=[s.start], ends=[s.stop])
-    for i, p in enumerate(spec.placements):
-        if isinstance(p, Partial) and p.reduce_type == "sum" and coords[i] != 0:
-            return paddle.zeros_like(t)
-    return t.clone()              # never a view: replicas must not share storage
 
 
 def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=None):

@@ -1,0 +1,92 @@
+"""paddle's storage and autograd-hook forms on distributed tensors (methods of DistTensor / DistParameter).
+
+* ``DistTensor.register_hook(hook)``: ``hook(grad)`` sees the gradient as a DistTensor (in ``.grad``'s layout)
+  and may return a replacement; it runs once per held rank on that rank's shard, the simulated world seen
+  from that rank (one call in a launched job, one per rank in ``ap.simulate``: ops on shards work).
+* ``DistParameter.register_hook(hook)``: on every held shard (each call sees its local gradient, as ``.grad``
+  of a distributed parameter is local).
+* ``DistParameter.set_value(value)``: the GLOBAL value (paddle's form for a distributed parameter) sets every
+  held shard to its part; a value of the local shape sets this shard (paddle's behaviour on a local tensor).
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from autoparallel.comm.world import as_rank
+from autoparallel.compat import EagerParamBase
+from autoparallel.context import state as _ctx
+from autoparallel.local_mode import in_local_mode, local_mode
+from autoparallel.local_parts import _local_from_full
+from autoparallel.placement import Partial, Replicate
+from autoparallel.spec import normalize_dtype
+
+
+def dist_register_hook(self, hook):
+    _check_callable(hook)
+    spec = self.spec.with_placements(tuple(Replicate() if isinstance(p, Partial) else p
+                                           for p in self.spec.placements))        # .grad's layout
+    return _Handles([t.register_hook(_rank_hook(hook, r, spec, type(self))) for r, t in self.locals.items()])
+
+
+def param_register_hook(self, hook):
+    _check_callable(hook)
+    return _Handles([EagerParamBase.register_hook(t, hook) if t is self else t.register_hook(hook)
+                     for t in self._ap_locals.values()])
+
+
+def param_set_value(self, value):
+    shape = list(getattr(value, "shape", ()))
+    if in_local_mode() or shape != self.global_shape or not isinstance(value, (np.ndarray, paddle.Tensor)):
+        return EagerParamBase.set_value(self, value)
+    if _is_dist(value):
+        raise TypeError("set_value on a distributed parameter takes its global value as a plain tensor or "
+                        "ndarray; give a distributed value through ap.reshard and .full()")
+    full = paddle.to_tensor(value) if isinstance(value, np.ndarray) else value
+    if normalize_dtype(full.dtype) != self.spec.dtype:
+        raise TypeError(f"set_value: the parameter is {self.spec.dtype}, the value {normalize_dtype(full.dtype)}")
+    with local_mode(), paddle.no_grad():
+        for r, t in self._ap_locals.items():
+            part = _local_from_full(full, self.spec, r)
+            if t is self:
+                EagerParamBase.set_value(self, part)
+            else:
+                t.set_value(part)
+
+
+def _check_callable(hook) -> None:
+    if not callable(hook):
+        raise TypeError(f"register_hook expects a callable, got {type(hook).__name__}")
+
+
+def _is_dist(x) -> bool:
+    return hasattr(x, "spec") and hasattr(x, "locals")
+
+
+def _rank_hook(hook, rank: int, spec, cls):
+    def on_grad(g):
+        depth, _ctx.local_depth = _ctx.local_depth, 0        # the user's hook: ops on DistTensors route
+        try:
+            with as_rank(rank):
+                out = hook(cls({rank: g}, spec))
+        finally:
+            _ctx.local_depth = depth
+        if out is None:
+            return None
+        if not isinstance(out, cls) or out.spec != spec:
+            raise TypeError(f"a hook on a distributed tensor returns None or a gradient laid out like its argument "
+                            f"({list(spec.shape)}, {', '.join(map(str, spec.placements))}); got "
+                            f"{out!r}")
+        return out.local_of(rank)
+    return on_grad
+
+
+class _Handles:
+    """The removable handle of a hook registered on every held shard."""
+
+    def __init__(self, handles):
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
