@@ -60,6 +60,7 @@ def _install_hooks() -> None:
 
     from autoparallel.graph import jit
     from autoparallel.lazy_init import order
+    from autoparallel import param_init
     from autoparallel.parallel import amp_scaler, implicit_optimizer, model_recompute
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
@@ -69,6 +70,7 @@ def _install_hooks() -> None:
     amp_scaler.install()
     implicit_optimizer.install()
     model_recompute.install()
+    param_init.install()
 
 
 def _reset() -> None:

@@ -301,6 +301,9 @@ class DistParameter(EagerParamBase):
 
     set_value = _forms.param_set_value
     register_hook = _forms.param_register_hook
+    zero_ = _forms.param_zero_
+    fill_ = _forms.param_fill_
+    copy_ = _forms.param_copy_
 
 
 def is_dist(x) -> bool:
@@ -339,7 +342,7 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
 
         return shard_lazy(data, mesh, placements)     # built under paddle.LazyGuard: lay out, allocate later
     if isinstance(data, DistTensor) or is_dist(data):
-        return reshard(data, mesh, placements)
+        return _forms.shard_dist(data, reshard(data, mesh, placements), dtype, stop_gradient, _make_param)
     if not paddle.in_dynamic_mode():                   # inside paddle.jit.to_static (graph/jit.py)
         from autoparallel.graph.jit import shard_value
         return shard_value(data, mesh, placements, dtype, stop_gradient)

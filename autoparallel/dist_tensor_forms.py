@@ -54,6 +54,46 @@ def param_set_value(self, value):
                 t.set_value(part)
 
 
+def param_fill_(self, value):
+    """Every held shard (a launched job holds one; the simulated world all of them)."""
+    for t in self._ap_locals.values():
+        EagerParamBase.fill_(t, value) if t is self else t.fill_(value)
+    return self
+
+
+def param_zero_(self):
+    return param_fill_(self, 0.0)
+
+
+def param_copy_(self, src, blocking: bool = True):
+    """paddle's ``copy_``: a source of the GLOBAL shape sets every held shard to its part (``set_value``);
+    a source of this shard's shape copies into this shard."""
+    if not in_local_mode() and list(getattr(src, "shape", ())) == self.global_shape and not _is_dist(src):
+        param_set_value(self, src)
+        return self
+    return EagerParamBase.copy_(self, src, blocking)
+
+
+def shard_dist(data, out, dtype, stop_gradient, make_param):
+    """``shard_tensor`` of a tensor already distributed: ``out`` (its reshard), as a new leaf in the asked dtype;
+    a distributed parameter stays a parameter (a Layer slot takes only parameters)."""
+    if dtype is not None and normalize_dtype(dtype) != out.spec.dtype:
+        out = out.astype(normalize_dtype(dtype))
+    if not hasattr(data, "_ap_spec") and dtype is None and stop_gradient is None:
+        return out
+    sg = data.stop_gradient if stop_gradient is None else stop_gradient
+    with local_mode(), paddle.no_grad():
+        locals_ = {r: t.detach().clone() for r, t in out.locals.items()}
+    for t in locals_.values():
+        t.stop_gradient = sg
+    if not hasattr(data, "_ap_spec"):
+        return type(out)(locals_, out.spec)
+    param = make_param(locals_, out.spec, data)
+    for t in param.locals.values():
+        t.stop_gradient = sg
+    return param
+
+
 def _check_callable(hook) -> None:
     if not callable(hook):
         raise TypeError(f"register_hook expects a callable, got {type(hook).__name__}")
