@@ -43,30 +43,34 @@ OPTIMIZERS = {
 }
 
 
-def fit(model, opt, to_input=paddle.to_tensor):
+def plain_step(loss, opt):
+    loss.backward()
+    opt.step()
+    opt.clear_grad()
+
+
+def fit(model, opt, to_input=paddle.to_tensor, step=plain_step):
     losses = []
     for x, y in DATA:
         loss = F.mse_loss(model(to_input(x)), paddle.to_tensor(y))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
+        step(loss, opt)
         losses.append(float(loss))
     return losses, {n: (p.full() if dist.is_dist(p) else p).numpy() for n, p in model.named_parameters()}
 
 
-def reference(make_opt):
+def reference(make_opt, step=plain_step):
     paddle.seed(3)
     m = MLP()
-    return fit(m, make_opt(m.parameters()))
+    return fit(m, make_opt(m.parameters()), step=step)
 
 
-def distributed(make_opt, shard_fn=tp_shard_fn, stage=None):
+def distributed(make_opt, shard_fn=tp_shard_fn, stage=None, step=plain_step):
     with dist.simulate(world_size=4):
         mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
         paddle.seed(3)
         m = dist.shard_layer(MLP(), mesh, shard_fn)
         opt = dist.shard_optimizer(make_opt(m.parameters()), None if stage is None else stage("dp", mesh))
-        return fit(m, opt, lambda x: dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Replicate()]))
+        return fit(m, opt, lambda x: dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Replicate()]), step)
 
 
 def assert_same(got, want, tol=1e-5):
@@ -120,3 +124,59 @@ def test_per_parameter_norm_clip_on_shards_alone_differs(monkeypatch):
     make = lambda ps: paddle.optimizer.Momentum(0.05, parameters=ps, grad_clip=nn.ClipGradByNorm(0.05))  # noqa
     with pytest.raises(AssertionError):
         assert_same(distributed(make), reference(make))
+
+
+def minimize_step(loss, opt):
+    loss.backward()
+    opt.minimize(loss)
+    opt.clear_grad()
+
+
+def scaler_minimize_step(loss, opt):
+    scaler = paddle.amp.GradScaler(init_loss_scaling=1024)
+    scaled = scaler.scale(loss)
+    scaled.backward()
+    scaler.minimize(opt, scaled)
+    opt.clear_grad()
+
+
+def halving_lr_step(loss, opt):
+    plain_step(loss, opt)
+    opt.set_lr(opt.get_lr() * 0.5)
+
+
+@pytest.mark.parametrize("step", [minimize_step, scaler_minimize_step, halving_lr_step])
+@pytest.mark.parametrize("stage", [None, dist.ShardingStage2])
+def test_minimize_and_set_lr_equal_one_process(step, stage):
+    make = OPTIMIZERS["SGD"] if step is not halving_lr_step else \
+        (lambda ps: paddle.optimizer.Adam(0.05, parameters=ps))
+    assert_same(distributed(make, stage=stage, step=step), reference(make, step=step))
+
+
+def test_set_lr_negative_control():
+    """The learning rate matters: stepping without halving differs from the halving reference."""
+    make = lambda ps: paddle.optimizer.Adam(0.05, parameters=ps)          # noqa: E731
+    with pytest.raises(AssertionError):
+        assert_same(distributed(make, stage=dist.ShardingStage2), reference(make, step=halving_lr_step))
+
+
+def test_minimize_of_a_subset_is_refused():
+    def step(loss, opt):
+        loss.backward()
+        opt.minimize(loss, parameters=opt.parameters[:1])
+    with pytest.raises(NotImplementedError, match="minimize\\(parameters="):
+        distributed(OPTIMIZERS["SGD"], step=step)
+
+
+GROUPS = {
+    "momentum L2Decay": lambda ps: paddle.optimizer.Momentum(0.05, parameters=ps,
+                                                             weight_decay=paddle.regularizer.L2Decay(0.1)),
+    "param groups": lambda ps: paddle.optimizer.AdamW(0.05, parameters=[
+        {"params": list(ps)[:2], "learning_rate": 0.5}, {"params": list(ps)[2:], "weight_decay": 0.0}]),
+}
+
+
+@pytest.mark.parametrize("kind", list(GROUPS))
+@pytest.mark.parametrize("stage", [None, dist.ShardingStage1])
+def test_weight_decay_and_parameter_groups_equal_one_process(kind, stage):
+    assert_same(distributed(GROUPS[kind], stage=stage), reference(GROUPS[kind]))

@@ -23,6 +23,7 @@ def clone_optimizer(opt, params, name_map: dict, whole: bool = False):
     params are whole copies of the originals (not chunks), so a WHOLE_TENSOR optimizer may be cloned too."""
     kind = type(opt).__name__
     lr = opt._learning_rate
+    params = _grouped(opt, params, name_map)
     more = _clone_more(opt, params, lr, name_map, whole)
     if more is not None:
         return more
@@ -39,13 +40,44 @@ def clone_optimizer(opt, params, name_map: dict, whole: bool = False):
                                      amsgrad=getattr(opt, "_amsgrad", False))
     if isinstance(opt, paddle.optimizer.Momentum):
         return paddle.optimizer.Momentum(learning_rate=lr, momentum=opt._momentum, parameters=params,
-                                         use_nesterov=opt._use_nesterov, weight_decay=opt.regularization,
+                                         use_nesterov=opt._use_nesterov, weight_decay=_momentum_decay(opt),
                                          rescale_grad=opt._rescale_grad)
     if isinstance(opt, paddle.optimizer.SGD):
         return paddle.optimizer.SGD(learning_rate=lr, parameters=params, weight_decay=opt.regularization)
     raise TypeError(f"sharded optimizer states (ZeRO, the simulated world) support the paddle optimizers "
                     f"{', '.join(SUPPORTED)}{' (and Lamb over whole parameters)' if not whole else ', Lamb'}; "
                     f"got {kind}")
+
+
+def _momentum_decay(opt):
+    """Momentum keeps an L2Decay in its fused op (``_regularization_method``), not in ``regularization``."""
+    import paddle
+
+    if getattr(opt, "_regularization_method", "") == "l2_decay":
+        return paddle.regularizer.L2Decay(opt._regularization_coeff)
+    return opt.regularization
+
+
+def _grouped(opt, params, name_map):
+    """``params`` in the parameter groups of ``opt`` (each group's own learning-rate scale, weight decay...),
+    a parameter found by its original's name; the flat list when ``opt`` has no groups."""
+    groups = getattr(opt, "_param_groups", None)
+    if not groups or not isinstance(groups[0], dict):
+        return params
+    where = {p.name: i for i, g in enumerate(groups) for p in g["params"]}
+    out = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in groups]
+    for p in params:
+        out[where.get(name_map.get(p.name, p.name), 0)]["params"].append(p)
+    return [g for g in out if g["params"]]
+
+
+def sync_lr(inner, clone) -> None:
+    """A learning rate set on the user's optimizer (``set_lr``) reaches its clone (a scheduler is shared)."""
+    from paddle.optimizer.lr import LRScheduler
+
+    lr = inner._learning_rate
+    if not isinstance(lr, LRScheduler) and clone._learning_rate != lr:
+        clone.set_lr(lr)
 
 
 def _clone_more(opt, params, lr, name_map, whole):
