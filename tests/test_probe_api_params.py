@@ -74,3 +74,28 @@ def test_shard_tensor_of_a_distributed_parameter_is_a_parameter(layer):
     x = dist.shard_tensor(paddle.ones([4, 6]), mesh, [dist.Shard(0)])
     y = dist.shard_tensor(x, mesh, [dist.Shard(1)], dtype="float16")            # a DistTensor: dtype kept too
     assert y.dtype == paddle.float16 and y.placements == [dist.Shard(1)]
+
+
+@pytest.mark.parametrize("call", [
+    lambda ps: paddle.nn.utils.clip_grad_norm_(ps, 1.0),
+    lambda ps: paddle.nn.utils.clip_grad_value_(iter(ps), 0.1),
+    lambda ps: paddle.nn.utils.parameters_to_vector(ps),
+    lambda ps: paddle.nn.utils.vector_to_parameters(paddle.zeros([28]), ps),
+])
+def test_nn_utils_over_distributed_parameters_are_refused(layer, call):
+    lin, mesh = layer
+    x = dist.shard_tensor(paddle.ones([2, 6]), mesh, [dist.Replicate()])
+    lin(x).sum().backward()
+    with pytest.raises(NotImplementedError, match="paddle.nn.utils.*distributed parameter.*grad_clip|full|set_value"):
+        call(list(lin.parameters()))
+
+
+def test_nn_utils_over_plain_parameters_still_run(layer):
+    paddle.seed(0)
+    plain = nn.Linear(6, 4)
+    plain(paddle.ones([2, 6])).sum().backward()
+    before = np.linalg.norm(np.concatenate([p.grad.numpy().ravel() for p in plain.parameters()]))
+    norm = paddle.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+    np.testing.assert_allclose(float(norm), before, rtol=1e-5)
+    after = np.linalg.norm(np.concatenate([p.grad.numpy().ravel() for p in plain.parameters()]))
+    np.testing.assert_allclose(after, 1.0, rtol=1e-4)
