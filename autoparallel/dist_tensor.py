@@ -296,9 +296,8 @@ class DistParameter(EagerParamBase):
         """A DistTensor view sharing this parameter's storage (differentiable w.r.t. it)."""
         return DistTensor(self._ap_locals, self._ap_spec)
 
-    def full(self) -> paddle.Tensor:
-        return self.as_dist().full()
-
+    full = _forms.param_full
+    numpy = _forms.param_numpy
     set_value = _forms.param_set_value
     register_hook = _forms.param_register_hook
     zero_ = _forms.param_zero_

@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import paddle
 
@@ -92,6 +94,51 @@ def shard_dist(data, out, dtype, stop_gradient, make_param):
     for t in param.locals.values():
         t.stop_gradient = sg
     return param
+
+
+def param_full(self):
+    """The gathered global value; a ZeRO-3 parameter released between uses is gathered for the read."""
+    with _whole(self) as gathered:
+        out = self.as_dist().full()
+        return out.clone() if gathered else out
+
+
+def param_numpy(self):
+    """paddle's ``numpy()`` of this shard; a ZeRO-3 parameter released between uses is gathered for the read."""
+    with _whole(self):
+        return EagerParamBase.numpy(self)
+
+
+@contextlib.contextmanager
+def _whole(p):
+    ref = p.__dict__.get("_ap_zero3")
+    owner = ref() if ref is not None else None
+    if owner is None or not any((id(p), r) in owner._freed for r in owner.held):
+        yield False
+        return
+    owner.gather([p])
+    try:
+        yield True
+    finally:
+        owner.free([p])
+
+
+def same_ranks_view(x, mesh):
+    """``x`` seen on ``mesh`` when both meshes hold the same ranks in the same order and differ only by dims of
+    size 1 (a 1-D data mesh [0, 1] and a [data, model] mesh [[0], [1]]): every rank keeps its shard, the
+    placements follow the dims of size > 1, a dim of size 1 is Replicate. None when the meshes differ."""
+    src = x.mesh
+    if list(src.process_ids) != list(mesh.process_ids):
+        return None
+    s_dims = [d for d in range(src.ndim) if src.shape[d] > 1]
+    d_dims = [d for d in range(mesh.ndim) if mesh.shape[d] > 1]
+    if [src.shape[d] for d in s_dims] != [mesh.shape[d] for d in d_dims]:
+        return None
+    placements = [Replicate()] * mesh.ndim
+    for sd, dd in zip(s_dims, d_dims):
+        placements[dd] = x.placements[sd]
+    spec = type(x.spec)(mesh, tuple(placements), tuple(x.spec.shape), x.spec.dtype)
+    return type(x)(x.locals, spec)
 
 
 def _check_callable(hook) -> None:
