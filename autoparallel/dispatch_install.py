@@ -132,9 +132,10 @@ def _install_composites() -> None:
     from spmd_rules.composites_more import COMPOSITES as MORE_COMPOSITES
     from spmd_rules.composites_shape import COMPOSITES as SHAPE_COMPOSITES
 
-    from autoparallel import autograd_forms
+    from autoparallel import autograd_forms, copy_forms
 
-    autograd = {"paddle.grad": autograd_forms.grad, "paddle.autograd.grad": autograd_forms.grad}
+    autograd = {"paddle.grad": autograd_forms.grad, "paddle.autograd.grad": autograd_forms.grad,
+                "paddle.to_tensor": copy_forms.to_tensor, "paddle.assign": copy_forms.assign}
     mapping = {}
     for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **autograd}.items():
         owner, attr = owner_of(path)

@@ -216,6 +216,7 @@ class DistTensor(OpMethods):
         return DistTensor(gs, self._spec.with_placements(_grad_placements(self._spec.placements)))
 
     register_hook = _forms.dist_register_hook
+    clear_gradient = clear_grad = _forms.dist_clear_gradient
 
     def detach(self) -> "DistTensor":
         return DistTensor({r: t.detach() for r, t in self._locals.items()}, self._spec)

@@ -39,7 +39,13 @@ def param_register_hook(self, hook):
 
 def param_set_value(self, value):
     shape = list(getattr(value, "shape", ()))
-    if in_local_mode() or shape != self.global_shape or not isinstance(value, (np.ndarray, paddle.Tensor)):
+    if in_local_mode() or not isinstance(value, (np.ndarray, paddle.Tensor)):
+        return EagerParamBase.set_value(self, value)
+    if shape != self.global_shape:
+        if len(self._ap_locals) > 1:
+            raise ValueError(f"set_value on the distributed parameter {self.name}: this process holds the shards of "
+                             f"ranks {sorted(self._ap_locals)} (the simulated world), so a value of one shard's shape "
+                             f"{shape} names none of them; give the global value, shape {self.global_shape}")
         return EagerParamBase.set_value(self, value)
     if _is_dist(value):
         raise TypeError("set_value on a distributed parameter takes its global value as a plain tensor or "
@@ -54,6 +60,12 @@ def param_set_value(self, value):
                 EagerParamBase.set_value(self, part)
             else:
                 t.set_value(part)
+
+
+def dist_clear_gradient(self, set_to_zero: bool = True) -> None:
+    """paddle's ``clear_gradient``: every held shard's gradient zeroed (or dropped with ``set_to_zero=False``)."""
+    for t in self.locals.values():
+        t.clear_gradient(set_to_zero)
 
 
 def param_fill_(self, value):

@@ -104,3 +104,51 @@ def test_set_value_with_the_global_value_sets_every_shard(mesh):
         np.testing.assert_array_equal(t.numpy(), np.ones(4), err_msg=f"rank {r}")
     with pytest.raises(TypeError, match="float32"):
         lin.weight.set_value(v.astype("float64"))
+
+
+def test_set_value_of_one_shard_shape_is_refused_where_several_shards_are_held(mesh):
+    lin = paddle.nn.Linear(6, 4)
+    lin.weight = dist.shard_tensor(lin.weight, mesh, [dist.Shard(1)])
+    with pytest.raises(ValueError, match="ranks \\[0, 1\\].*global value, shape \\[6, 4\\]"):
+        lin.weight.set_value(np.ones([6, 2], "float32"))
+
+
+def test_in_place_on_a_leaf_requiring_grad_is_refused_as_paddle_does(mesh):
+    d = dist.shard_tensor(paddle.to_tensor(X), mesh, [dist.Shard(0)], stop_gradient=False)
+    one = dist.shard_tensor(paddle.ones([4, 6]), mesh, [dist.Shard(0)])
+    with pytest.raises(ValueError, match="leaf tensor that requires a gradient"):
+        d.add_(one)
+    with pytest.raises(ValueError, match="leaf tensor that requires a gradient"):
+        d[0, 0] = 1.0
+    np.testing.assert_array_equal(d.numpy(), X)                    # unchanged
+    with paddle.no_grad():
+        d.add_(one)
+    np.testing.assert_array_equal(d.numpy(), X + 1)
+    plain = paddle.to_tensor(X, stop_gradient=False)                # paddle's own refusal, for reference
+    with pytest.raises(ValueError):
+        plain.add_(paddle.ones([4, 6]))
+
+
+def test_clear_gradient_on_a_dist_tensor(mesh):
+    d = dist.shard_tensor(paddle.to_tensor(X), mesh, [dist.Shard(0)], stop_gradient=False)
+    (d * 2).sum().backward()
+    (d * 3).sum().backward()
+    np.testing.assert_array_equal(d.grad.numpy(), np.full_like(X, 5))    # accumulated
+    d.clear_gradient()
+    np.testing.assert_array_equal(d.grad.numpy(), np.zeros_like(X))
+    d.clear_grad(set_to_zero=False)
+    assert d.grad is None
+
+
+def test_to_tensor_and_assign_of_a_dist_tensor(mesh):
+    d = dist.shard_tensor(paddle.to_tensor(X), mesh, [dist.Shard(0)], stop_gradient=False)
+    t = paddle.to_tensor(d, dtype="float64")
+    assert t.placements == [dist.Shard(0)] and t.stop_gradient and t.dtype == paddle.float64
+    np.testing.assert_array_equal(t.numpy(), X)
+    out = dist.shard_tensor(paddle.zeros([4, 6]), mesh, [dist.Shard(1)])
+    paddle.assign(d * 2, output=out)
+    assert out.placements == [dist.Shard(1)]
+    np.testing.assert_array_equal(out.numpy(), 2 * X)
+    c = paddle.assign(d)
+    (c * c).sum().backward()                                         # a differentiable copy
+    np.testing.assert_array_equal(d.grad.numpy(), 2 * X)
