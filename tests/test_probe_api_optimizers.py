@@ -180,3 +180,13 @@ GROUPS = {
 @pytest.mark.parametrize("stage", [None, dist.ShardingStage1])
 def test_weight_decay_and_parameter_groups_equal_one_process(kind, stage):
     assert_same(distributed(GROUPS[kind], stage=stage), reference(GROUPS[kind]))
+
+
+@pytest.mark.parametrize("make", [
+    OPTIMIZERS["Adagrad"],
+    lambda ps: paddle.optimizer.AdamW(0.05, parameters=ps, grad_clip=nn.ClipGradByGlobalNorm(0.05)),
+])
+def test_stage3_over_a_shard_layer_model_equals_one_process(make):
+    """paddle's ShardingStage3 on a model distributed by shard_layer (it needed ap.parallelize); parameters
+    are read back (full()) while released between uses."""
+    assert_same(distributed(make, stage=dist.ShardingStage3), reference(make))
