@@ -85,3 +85,25 @@ def test_same_ranks_view_only_for_meshes_of_the_same_ranks():
         np.testing.assert_array_equal(v.numpy(), np.ones([4, 2]))
         assert same_ranks_view(x, dist.ProcessMesh([[1], [0]], dim_names=["a", "b"])) is None
         assert same_ranks_view(x, dist.ProcessMesh([2, 3], dim_names=["x"])) is None
+
+
+class _Rows(paddle.io.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return np.full([6], i, "float32")
+
+
+def test_a_loader_split_by_distributed_batch_sampler_needs_is_dataset_splitted():
+    import pytest
+
+    with dist.simulate(world_size=2):
+        mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+        split = paddle.io.DistributedBatchSampler(_Rows(), batch_size=2, num_replicas=2, rank=0)
+        with pytest.raises(ValueError, match="2 replicas.*is_dataset_splitted=True"):
+            dist.shard_dataloader(paddle.io.DataLoader(_Rows(), batch_sampler=split), mesh, shard_dims="dp")
+        whole = paddle.io.DistributedBatchSampler(_Rows(), batch_size=4)        # one replica: the global batch
+        x = next(iter(dist.shard_dataloader(paddle.io.DataLoader(_Rows(), batch_sampler=whole), mesh,
+                                            shard_dims="dp")))
+        np.testing.assert_array_equal(x.numpy()[:, 0], np.arange(4))
