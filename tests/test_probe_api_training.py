@@ -1,12 +1,15 @@
 """Whole-model flows as a paddle user writes them: reading parameters (``p.numpy()``, ``p.full()``,
 ``state_dict``) after a ZeRO-3 step, and paddle's ``to_static`` docstring flow with a ``shard_dataloader`` on a
 1-D mesh; values against a single-process run."""
+import os
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
 import autoparallel as dist
 from autoparallel.testing.models import batch, build
+from dist_scripts import shared_launch
 
 
 def loss_of(model, i):
@@ -107,3 +110,17 @@ def test_a_loader_split_by_distributed_batch_sampler_needs_is_dataset_splitted()
         x = next(iter(dist.shard_dataloader(paddle.io.DataLoader(_Rows(), batch_sampler=whole), mesh,
                                             shard_dims="dp")))
         np.testing.assert_array_equal(x.numpy()[:, 0], np.arange(4))
+
+
+PROBE = shared_launch.job(__name__, "probe_api", os.path.join(os.path.dirname(__file__), "dist_scripts",
+                                                               "probe_api_worker.py"), 2, timeout=300)
+
+
+def test_user_forms_on_real_ranks():
+    """Clips, minimize/set_lr/L2 under ZeRO-2, ZeRO-3 read-back, the Lamb refusal, paddle.grad, hooks,
+    set_value and initializers with one shard per process (gloo), each equal to the rank's own single-process
+    run."""
+    _, per_rank = shared_launch.results(PROBE)
+    for r, res in enumerate(per_rank):
+        bad = {k: v for k, v in res.items() if v is not True}
+        assert not bad, f"rank {r}: {bad}"
