@@ -202,10 +202,10 @@ class DistTensor(OpMethods):
         ts = [self._locals[r] for r in ranks]
         if grad is None:
             gs = [paddle.ones_like(t) for t in ts]
-        elif isinstance(grad, DistTensor):
-            gs = [grad._locals[r] for r in ranks]
+        elif isinstance(grad, (DistTensor, paddle.Tensor)):
+            gs = _forms.backward_seeds(self, grad, ranks, reshard, shard_tensor)
         else:
-            raise TypeError(f"backward(grad) expects None or a DistTensor, got {type(grad).__name__}")
+            raise TypeError(f"backward(grad) expects None, a tensor or a DistTensor, got {type(grad).__name__}")
         paddle.autograd.backward(ts, gs, retain_graph=retain_graph)
 
     @property

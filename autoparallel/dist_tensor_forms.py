@@ -62,6 +62,16 @@ def param_set_value(self, value):
                 t.set_value(part)
 
 
+def backward_seeds(out, grad, ranks, reshard, shard_tensor) -> list:
+    """The local seeds of ``out.backward(grad)``: ``grad`` is the global gradient (a plain tensor of the global
+    shape, or a DistTensor), laid out in ``out``'s gradient layout (Partial read as Replicate)."""
+    if list(grad.shape) != list(out.shape):
+        raise ValueError(f"backward(grad): the gradient has shape {list(grad.shape)}, the tensor {list(out.shape)}")
+    pls = [Replicate() if isinstance(p, Partial) else p for p in out.placements]
+    g = reshard(grad, out.mesh, pls) if _is_dist(grad) else shard_tensor(grad, out.mesh, pls)
+    return [g.local_of(r) for r in ranks]
+
+
 def dist_clear_gradient(self, set_to_zero: bool = True) -> None:
     """paddle's ``clear_gradient``: every held shard's gradient zeroed (or dropped with ``set_to_zero=False``)."""
     for t in self.locals.values():

@@ -152,3 +152,17 @@ def test_to_tensor_and_assign_of_a_dist_tensor(mesh):
     c = paddle.assign(d)
     (c * c).sum().backward()                                         # a differentiable copy
     np.testing.assert_array_equal(d.grad.numpy(), 2 * X)
+
+
+def test_backward_with_a_gradient_tensor(mesh):
+    d = dist.shard_tensor(paddle.to_tensor(X), mesh, [dist.Shard(0)], stop_gradient=False)
+    g = np.arange(24, dtype="float32").reshape(4, 6)
+    (d * 2).backward(paddle.to_tensor(g))                           # paddle's form: a plain global gradient
+    np.testing.assert_array_equal(d.grad.numpy(), 2 * g)
+    e = dist.shard_tensor(paddle.to_tensor(X), mesh, [dist.Shard(1)], stop_gradient=False)
+    out = paddle.matmul(e, dist.shard_tensor(paddle.ones([6, 3]), mesh, [dist.Shard(0)]))
+    go = np.arange(12, dtype="float32").reshape(4, 3)
+    out.backward(dist.shard_tensor(paddle.to_tensor(go), mesh, [dist.Shard(0)]))   # another layout than out's
+    np.testing.assert_array_equal(e.grad.numpy(), go @ np.ones((3, 6)))
+    with pytest.raises(ValueError, match="shape \\[2, 2\\], the tensor \\[4, 6\\]"):
+        (d * 3).backward(paddle.ones([2, 2]))
