@@ -1,4 +1,5 @@
-"""paddle's functional autograd over distributed tensors: ``paddle.grad`` (``paddle.autograd.grad``).
+"""paddle's functional autograd over distributed tensors: ``paddle.grad`` (``paddle.autograd.grad``) and
+``paddle.autograd.backward``.
 
 A DistTensor's autograd graph is the graphs of its local shards, so ``paddle.grad`` runs once over every held
 shard of every output and input; each input's gradient comes back as a DistTensor in the gradient layout of
@@ -106,3 +107,31 @@ def _regroup(res: list, where: list) -> list:
             continue
         out.append(DistTensor(dict(zip(ranks, gs)), d.spec.with_placements(_grad_placements(d.placements))))
     return out
+
+
+def backward(tensors, grad_tensors=None, retain_graph=False, dump_backward_graph_path=None):
+    """paddle.autograd.backward over distributed tensors: each one's shards with its seeds (ones, or the given
+    gradient laid out in its gradient layout, as ``DistTensor.backward``), in one backward pass."""
+    from autoparallel.dist_tensor_forms import backward_seeds
+
+    ts = _seq(tensors)
+    gs = [None] * len(ts) if grad_tensors is None else _seq(grad_tensors)
+    if len(gs) != len(ts):
+        raise ValueError(f"paddle.autograd.backward: grad_tensors needs one entry per tensor ({len(ts)}), "
+                         f"got {len(gs)}")
+    flat_t, flat_g = [], []
+    for t, g in zip(ts, gs):
+        if not is_dist(t):
+            flat_t.append(t)
+            flat_g.append(g)
+            continue
+        d = as_dist(t)
+        ranks = sorted(d._locals)
+        flat_t.extend(d._locals[r] for r in ranks)
+        if g is None:
+            flat_g.extend(paddle.ones_like(d._locals[r]) for r in ranks)
+        else:
+            flat_g.extend(backward_seeds(d, g, ranks, reshard, shard_tensor))
+    kw = {} if dump_backward_graph_path is None else {"dump_backward_graph_path": dump_backward_graph_path}
+    with local_mode():
+        paddle.autograd.backward(flat_t, flat_g, retain_graph=retain_graph, **kw)

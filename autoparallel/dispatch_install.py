@@ -135,6 +135,7 @@ def _install_composites() -> None:
     from autoparallel import autograd_forms, copy_forms
 
     autograd = {"paddle.grad": autograd_forms.grad, "paddle.autograd.grad": autograd_forms.grad,
+                "paddle.autograd.backward": autograd_forms.backward,
                 "paddle.to_tensor": copy_forms.to_tensor, "paddle.assign": copy_forms.assign}
     mapping = {}
     for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **autograd}.items():

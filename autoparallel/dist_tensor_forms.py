@@ -16,7 +16,7 @@ import numpy as np
 import paddle
 
 from autoparallel.comm.world import as_rank
-from autoparallel.compat import EagerParamBase
+from autoparallel.compat import EagerParamBase, SideData
 from autoparallel.context import state as _ctx
 from autoparallel.local_mode import in_local_mode, local_mode
 from autoparallel.local_parts import _local_from_full
@@ -131,9 +131,12 @@ def param_numpy(self):
         return EagerParamBase.numpy(self)
 
 
+ZERO3_OWNERS = SideData()       # ZeRO-3 parameter -> weak reference to the optimizer that releases it
+
+
 @contextlib.contextmanager
 def _whole(p):
-    ref = p.__dict__.get("_ap_zero3")
+    ref = ZERO3_OWNERS.get(p)
     owner = ref() if ref is not None else None
     if owner is None or not any((id(p), r) in owner._freed for r in owner.held):
         yield False

@@ -166,3 +166,12 @@ def test_backward_with_a_gradient_tensor(mesh):
     np.testing.assert_array_equal(e.grad.numpy(), go @ np.ones((3, 6)))
     with pytest.raises(ValueError, match="shape \\[2, 2\\], the tensor \\[4, 6\\]"):
         (d * 3).backward(paddle.ones([2, 2]))
+
+
+def test_paddle_autograd_backward_over_dist_tensors(mesh):
+    d = dist.shard_tensor(paddle.to_tensor(X), mesh, [dist.Shard(0)], stop_gradient=False)
+    e = dist.shard_tensor(paddle.to_tensor(X), mesh, [dist.Replicate()], stop_gradient=False)
+    g = np.arange(24, dtype="float32").reshape(4, 6)
+    paddle.autograd.backward([(d * 2).sum(), e * 3], [None, paddle.to_tensor(g)])
+    np.testing.assert_array_equal(d.grad.numpy(), np.full_like(X, 2))
+    np.testing.assert_array_equal(e.grad.numpy(), 3 * g)
