@@ -60,7 +60,7 @@ def _install_hooks() -> None:
 
     from autoparallel.graph import jit
     from autoparallel.lazy_init import order
-    from autoparallel import nn_utils_forms, param_init
+    from autoparallel import nn_utils_forms, param_init, state_dict_forms
     from autoparallel.parallel import amp_scaler, implicit_optimizer, model_recompute
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
@@ -72,6 +72,7 @@ def _install_hooks() -> None:
     model_recompute.install()
     param_init.install()
     nn_utils_forms.install()
+    state_dict_forms.install()
 
 
 def _reset() -> None:

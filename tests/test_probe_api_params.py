@@ -99,3 +99,22 @@ def test_nn_utils_over_plain_parameters_still_run(layer):
     np.testing.assert_allclose(float(norm), before, rtol=1e-5)
     after = np.linalg.norm(np.concatenate([p.grad.numpy().ravel() for p in plain.parameters()]))
     np.testing.assert_allclose(after, 1.0, rtol=1e-4)
+
+
+def test_set_state_dict_of_a_single_process_model_into_a_distributed_one(layer):
+    lin, mesh = layer
+    paddle.seed(5)
+    ref = nn.Linear(6, 4)                                # other weights than the distributed layer's
+    missing, unexpected = lin.set_state_dict(ref.state_dict())
+    assert missing == [] and unexpected == []
+    np.testing.assert_array_equal(lin.weight.full().numpy(), ref.weight.numpy())
+    for r, b in every_copy(lin.bias).items():
+        np.testing.assert_array_equal(b, ref.bias.numpy(), err_msg=f"rank {r}")
+    x = np.arange(12, dtype="float32").reshape(2, 6)
+    out = lin(dist.shard_tensor(x, mesh, [dist.Replicate()]))
+    np.testing.assert_allclose(out.numpy(), ref(paddle.to_tensor(x)).numpy(), rtol=1e-6)
+    other = dist.shard_tensor(paddle.to_tensor(-ref.weight.numpy()), mesh, [dist.Shard(0)])   # another layout
+    lin.set_dict({"weight": other})
+    np.testing.assert_array_equal(lin.weight.full().numpy(), -ref.weight.numpy())
+    with pytest.raises(ValueError, match="weight has shape \\[3, 3\\].*global shape \\[6, 4\\]"):
+        lin.set_state_dict({"weight": paddle.ones([3, 3])})
