@@ -217,6 +217,7 @@ class DistTensor(OpMethods):
 
     register_hook = _forms.dist_register_hook
     clear_gradient = clear_grad = _forms.dist_clear_gradient
+    __array__ = _forms.dist_array
 
     def detach(self) -> "DistTensor":
         return DistTensor({r: t.detach() for r, t in self._locals.items()}, self._spec)

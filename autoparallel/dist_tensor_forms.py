@@ -72,6 +72,12 @@ def backward_seeds(out, grad, ranks, reshard, shard_tensor) -> list:
     return [g.local_of(r) for r in ranks]
 
 
+def dist_array(self, dtype=None, copy=None):
+    """numpy's ``np.asarray(d)`` / ``np.array(d)``: the gathered global value (as ``d.numpy()``)."""
+    out = self.numpy()
+    return out if dtype is None else out.astype(dtype)
+
+
 def dist_clear_gradient(self, set_to_zero: bool = True) -> None:
     """paddle's ``clear_gradient``: every held shard's gradient zeroed (or dropped with ``set_to_zero=False``)."""
     for t in self.locals.values():

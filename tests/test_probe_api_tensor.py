@@ -175,3 +175,9 @@ def test_paddle_autograd_backward_over_dist_tensors(mesh):
     paddle.autograd.backward([(d * 2).sum(), e * 3], [None, paddle.to_tensor(g)])
     np.testing.assert_array_equal(d.grad.numpy(), np.full_like(X, 2))
     np.testing.assert_array_equal(e.grad.numpy(), 3 * g)
+
+
+def test_numpy_conversion_of_a_dist_tensor(mesh):
+    d = dist.shard_tensor(paddle.to_tensor(X), mesh, [dist.Shard(0)])
+    np.testing.assert_array_equal(np.asarray(d), X)                  # an object array of one element before
+    assert np.array(d, dtype="float64").dtype == np.float64
