@@ -62,6 +62,7 @@ class ShardDataloader:
         self._split = is_dataset_splitted
         self._dense = dense_tensor_idx
         sampler = getattr(dataloader, "batch_sampler", None)
+        _check_not_split(sampler, is_dataset_splitted)
         self.batch_size = getattr(dataloader, "batch_size", None) or getattr(sampler, "batch_size", None)
         self.dataset = getattr(dataloader, "dataset", None)          # ap.to_static reads batch shapes from it
 
@@ -133,3 +134,17 @@ class ShardDataloader:
         if isinstance(x, (list, tuple)):
             return [t if j in dense else self._place(t, mesh, dim) for j, t in enumerate(x)]
         return x if dense else self._place(x, mesh, dim)
+
+
+def _check_not_split(sampler, is_dataset_splitted) -> None:
+    """A loader over paddle's DistributedBatchSampler (more than one replica) yields a different part on every
+    rank; laid out as the global batch (``is_dataset_splitted=False``) the ranks would disagree on it."""
+    import paddle
+
+    if is_dataset_splitted or not isinstance(sampler, paddle.io.DistributedBatchSampler):
+        return
+    if getattr(sampler, "nranks", 1) > 1:
+        raise ValueError(f"shard_dataloader: the loader's DistributedBatchSampler splits the dataset over "
+                         f"{sampler.nranks} replicas (this rank: {sampler.local_rank}), but is_dataset_splitted=False "
+                         f"lays each batch out as the global batch, the same on every rank; pass "
+                         f"is_dataset_splitted=True with shard_dims, or build the loader with a plain batch sampler")

@@ -61,6 +61,7 @@ def _install_hooks() -> None:
 
     from autoparallel.graph import jit
     from autoparallel.lazy_init import order
+    from autoparallel import nn_utils_forms, param_init, state_dict_forms
     from autoparallel.parallel import amp_scaler, full_state, implicit_optimizer, model_recompute
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
@@ -71,6 +72,9 @@ def _install_hooks() -> None:
     implicit_optimizer.install()
     model_recompute.install()
     full_state.install()
+    param_init.install()
+    nn_utils_forms.install()
+    state_dict_forms.install()
 
 
 def _reset() -> None:
@@ -131,8 +135,13 @@ def _install_composites() -> None:
     from spmd_rules.composites_more import COMPOSITES as MORE_COMPOSITES
     from spmd_rules.composites_shape import COMPOSITES as SHAPE_COMPOSITES
 
+    from autoparallel import autograd_forms, copy_forms
+
+    autograd = {"paddle.grad": autograd_forms.grad, "paddle.autograd.grad": autograd_forms.grad,
+                "paddle.autograd.backward": autograd_forms.backward,
+                "paddle.to_tensor": copy_forms.to_tensor, "paddle.assign": copy_forms.assign}
     mapping = {}
-    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES}.items():
+    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **autograd}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):

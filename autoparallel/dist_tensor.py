@@ -14,11 +14,13 @@ import numpy as np
 import paddle
 
 from autoparallel import dispatch_handle, redistribute
+from autoparallel import dist_tensor_forms as _forms
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase
 from autoparallel.context import async_allreduce
 from autoparallel.context import state as _ctx
 from autoparallel.dist_tensor_ops import OpMethods
+from autoparallel.local_parts import _local_from_full  # noqa: F401  (also imported from here)
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import BlockShard, Partial, Replicate, Shard
 from autoparallel.spec import DistSpec, normalize_dtype
@@ -200,10 +202,10 @@ class DistTensor(OpMethods):
         ts = [self._locals[r] for r in ranks]
         if grad is None:
             gs = [paddle.ones_like(t) for t in ts]
-        elif isinstance(grad, DistTensor):
-            gs = [grad._locals[r] for r in ranks]
+        elif isinstance(grad, (DistTensor, paddle.Tensor)):
+            gs = _forms.backward_seeds(self, grad, ranks, reshard, shard_tensor)
         else:
-            raise TypeError(f"backward(grad) expects None or a DistTensor, got {type(grad).__name__}")
+            raise TypeError(f"backward(grad) expects None, a tensor or a DistTensor, got {type(grad).__name__}")
         paddle.autograd.backward(ts, gs, retain_graph=retain_graph)
 
     @property
@@ -212,6 +214,10 @@ class DistTensor(OpMethods):
         if not gs or any(g is None for g in gs.values()):
             return None
         return DistTensor(gs, self._spec.with_placements(_grad_placements(self._spec.placements)))
+
+    register_hook = _forms.dist_register_hook
+    clear_gradient = clear_grad = _forms.dist_clear_gradient
+    __array__ = _forms.dist_array
 
     def detach(self) -> "DistTensor":
         return DistTensor({r: t.detach() for r, t in self._locals.items()}, self._spec)
@@ -227,7 +233,10 @@ class DistTensor(OpMethods):
     def numpy(self) -> np.ndarray:
         return self.full().numpy()
 
-    def item(self):
+    def item(self, *args):
+        """paddle's ``item(*args)``: the one element, or the element at a flat index / a full index."""
+        if args:
+            return self.full().item(*args)
         if not self._locals:
             if _ctx.tracer is not None:
                 raise NotImplementedError("reading a tensor's value (item(), bool(), int(), python control flow on "
@@ -289,8 +298,13 @@ class DistParameter(EagerParamBase):
         """A DistTensor view sharing this parameter's storage (differentiable w.r.t. it)."""
         return DistTensor(self._ap_locals, self._ap_spec)
 
-    def full(self) -> paddle.Tensor:
-        return self.as_dist().full()
+    full = _forms.param_full
+    numpy = _forms.param_numpy
+    set_value = _forms.param_set_value
+    register_hook = _forms.param_register_hook
+    zero_ = _forms.param_zero_
+    fill_ = _forms.param_fill_
+    copy_ = _forms.param_copy_
 
 
 def is_dist(x) -> bool:
@@ -313,21 +327,6 @@ def _spec_for(tensor_shape, dtype, mesh, placements) -> DistSpec:
     return DistSpec(mesh, tuple(placements), tuple(int(s) for s in tensor_shape), normalize_dtype(dtype))
 
 
-def _local_from_full(full: paddle.Tensor, spec: DistSpec, rank: int) -> paddle.Tensor:
-    coords = spec.mesh.coords_of(rank)
-    sl = spec.local_slices(coords)
-    t = full
-    for d, s in enumerate(sl):
-        if not isinstance(s, slice):                    # a block-sharded dim: its rows by index
-            t = paddle.index_select(t, paddle.to_tensor(s, dtype="int64"), axis=d)
-        elif s.start != 0 or s.stop != spec.shape[d]:
-            t = paddle.slice(t, axes=[d], starts=[s.start], ends=[s.stop])
-    for i, p in enumerate(spec.placements):
-        if isinstance(p, Partial) and p.reduce_type == "sum" and coords[i] != 0:
-            return paddle.zeros_like(t)
-    return t.clone()              # never a view: replicas must not share storage
-
-
 def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=None):
     """Distribute a full tensor (the same on every rank) over ``mesh`` with ``placements``.
 
@@ -344,7 +343,7 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
 
         return shard_lazy(data, mesh, placements)     # built under paddle.LazyGuard: lay out, allocate later
     if isinstance(data, DistTensor) or is_dist(data):
-        return reshard(data, mesh, placements)
+        return _forms.shard_dist(data, reshard(data, mesh, placements), dtype, stop_gradient, _make_param)
     if not paddle.in_dynamic_mode():                   # inside paddle.jit.to_static (graph/jit.py)
         from autoparallel.graph.jit import shard_value
         return shard_value(data, mesh, placements, dtype, stop_gradient)

@@ -54,6 +54,9 @@ def shard_layer(layer, mesh: ProcessMesh, shard_fn=None, input_fn=None, output_f
     from autoparallel.parallel.stale_optimizers import replaced_params, repoint_optimizers
 
     repoint_optimizers(replaced_params(before))
+    from autoparallel.parallel.builds import remember_sharded
+
+    remember_sharded(layer)                    # shard_optimizer(ShardingStage3) finds the model from its parameters
     if input_fn is not None:
         layer.register_forward_pre_hook(lambda _layer, inputs: input_fn(inputs, mesh))
     if output_fn is not None:

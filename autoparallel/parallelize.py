@@ -255,15 +255,7 @@ def _world_size() -> int:
 
 def check_supported(strategy: Strategy, optimizer=None, degrees=None) -> None:
     """Strategy knobs this release does not execute yet fail loudly instead of being ignored."""
-    import paddle
-
     s = strategy
-    inner = getattr(optimizer, "_inner", optimizer)
-    clip = getattr(inner, "_grad_clip", None)
-    if degrees is not None and degrees.tp > 1 and isinstance(clip, paddle.nn.ClipGradByNorm):
-        raise NotImplementedError(f"per-parameter norm clipping (ClipGradByNorm) across tensor-parallel shards is "
-                                  f"{_NOT_YET} (each rank would clip its shard by the shard's norm); use "
-                                  f"ClipGradByGlobalNorm or ClipGradByValue")
     pp = s.pipeline_parallel.degree > 1
     knobs = [(pp and s.sharding.enable, "sharding (ZeRO) together with pipeline parallelism")]
     for on, what in knobs:

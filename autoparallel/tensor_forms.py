@@ -32,7 +32,20 @@ def inplace_routed(op, path, orig):
     return wrapper
 
 
+def _check_leaf(path, target) -> None:
+    """paddle refuses an in-place op on a leaf tensor that requires a gradient while gradients are recorded."""
+    import paddle
+
+    if not paddle.is_grad_enabled() or not D._any_dist((target,), {}) or target.stop_gradient:
+        return
+    if isinstance(target, DistParameter) or target.is_leaf:
+        raise ValueError(f"{path}_: a leaf tensor that requires a gradient (stop_gradient=False) cannot be changed "
+                         f"in place while gradients are recorded (paddle refuses it too); do it under "
+                         f"paddle.no_grad(), or use the out-of-place {path}")
+
+
 def rebind(path, target, out):
+    _check_leaf(path, target)
     if type(target) is DistTensor:
         target._locals, target._spec = out._locals, out._spec
         return target

@@ -82,7 +82,7 @@ def test_simulate_rejects_bad_world_and_ranks_beyond_it():
 def test_backward_grad_validation():
     with ap.simulate(2):
         dt = ap.shard_tensor(paddle.ones([4]), mesh_from_shape([2]), [ap.Shard(0)], stop_gradient=False)
-        with pytest.raises(TypeError, match="expects None or a DistTensor"):
+        with pytest.raises(TypeError, match="expects None, a tensor or a DistTensor"):
             dt.backward(grad=np.ones(4))
 
 

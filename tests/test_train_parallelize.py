@@ -271,8 +271,24 @@ def test_parameter_groups_and_package_entry_point():
         ap.parallelize(m)
 
 
-def test_per_parameter_norm_clipping_under_tensor_parallel_not_yet_supported():
-    m = tiny()       # global-norm clipping under TP: tests/test_sim_optimizer.py
-    opt = paddle.optimizer.AdamW(1e-3, parameters=m.parameters(), grad_clip=nn.ClipGradByNorm(1.0))
-    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match="ClipGradByNorm.*not yet"):
-        parallelize(m, opt, strategy=strategy(tp=2))
+def test_per_parameter_norm_clipping_under_tensor_parallel_equals_one_process():
+    clip = lambda: nn.ClipGradByNorm(0.05)              # noqa: E731  (small: clipping active)
+    ref = tiny()
+    want = fit(ref, paddle.optimizer.AdamW(1e-2, parameters=ref.parameters(), epsilon=1e-4, grad_clip=clip()),
+               _pairs())
+    with ap.simulate(world_size=2):
+        m = tiny()
+        m, opt = parallelize(m, paddle.optimizer.AdamW(1e-2, parameters=m.parameters(), epsilon=1e-4,
+                                                         grad_clip=clip()),
+                             strategy=strategy(tp=2))
+        got = fit(m, opt, _pairs())
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        ref_params = parameters_np(ref)
+        for n, p in m.named_parameters():
+            np.testing.assert_allclose(p.full().numpy() if ap.is_dist(p) else p.numpy(), ref_params[n],
+                                       rtol=1e-4, atol=1e-6, err_msg=n)
+
+
+def _pairs():
+    rng = np.random.default_rng(0)
+    return [(rng.integers(0, 64, (4, 8)), rng.integers(0, 64, (4, 8))) for _ in range(2)]

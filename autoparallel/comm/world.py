@@ -65,6 +65,32 @@ class SimWorld(World):
         return f"SimWorld(world_size={self.world_size})"
 
 
+class OneRankView(SimWorld):
+    """The simulated world seen from one of its ranks (code that runs once per held rank, on that rank's
+    shard: gradient hooks): that rank alone is held, as in a launched job."""
+
+    def __init__(self, world: SimWorld, rank: int):
+        super().__init__(world.world_size)
+        self.rank = rank
+
+    def local_ranks(self, ranks) -> list[int]:
+        return [r for r in super().local_ranks(ranks) if r == self.rank]
+
+
+@contextlib.contextmanager
+def as_rank(rank: int):
+    """In the simulated world, run the body as rank ``rank`` alone (OneRankView); elsewhere nothing changes."""
+    world = current_world()
+    if not world.is_simulated:
+        yield world
+        return
+    _state.world_stack.append(OneRankView(world, rank))
+    try:
+        yield _state.world_stack[-1]
+    finally:
+        _state.world_stack.pop()
+
+
 _real = None
 
 

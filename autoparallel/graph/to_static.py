@@ -235,8 +235,15 @@ class DistModel(PaddleModes):
                                          f"graph was captured with), got {got_shape} {got_dtype}")
         if isinstance(x, DistTensor):
             if x.mesh != self.mesh:
-                raise InputSpecMismatchError(f"batch field {i} lives on mesh {x.mesh.short()}, the model on "
-                                             f"{self.mesh.short()}")
+                from autoparallel.dist_tensor_forms import same_ranks_view
+
+                moved = same_ranks_view(x, self.mesh)
+                if moved is None:
+                    raise InputSpecMismatchError(
+                        f"batch field {i} lives on mesh {x.mesh.short()} (ranks {x.mesh.mesh.tolist()}), the model "
+                        f"on {self.mesh.short()} (ranks {self.mesh.mesh.tolist()}); lay the batches out on the "
+                        f"model's mesh (shard_dataloader(meshes=...) or to_static(..., mesh=...))")
+                x = moved
             return reshard(x, self.mesh, layout)
         return shard_tensor(x, self.mesh, list(layout), stop_gradient=True)
 

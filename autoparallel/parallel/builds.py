@@ -42,10 +42,20 @@ def find_build(params):
     return None, {}
 
 
+SHARDED: list = []    # weak references to layers distributed by ap.shard_layer
+
+
+def remember_sharded(layer) -> None:
+    import weakref
+
+    SHARDED[:] = [r for r in SHARDED if r() is not None and r() is not layer] + [weakref.ref(layer)]
+
+
 def model_of_params(params):
-    """The model built by ap.parallelize / ap.DataParallel whose parameters ``params`` are (None if none)."""
+    """The model built by ap.parallelize / ap.DataParallel, else the layer distributed by ap.shard_layer, whose
+    parameters ``params`` are (None if none)."""
     ids = {id(p) for p in params}
-    for ref in reversed(BUILT):
+    for ref in list(reversed(BUILT)) + list(reversed(SHARDED)):
         model = ref()
         if model is not None and ids & {id(p) for p in model.parameters()}:
             return model

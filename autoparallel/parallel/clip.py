@@ -14,6 +14,7 @@ import paddle
 from autoparallel.comm import collectives as C
 from autoparallel.comm.sizes import numel
 from autoparallel.comm.world import current_world
+from autoparallel.dist_tensor import is_dist
 from autoparallel.local_mode import local_mode
 
 
@@ -80,3 +81,27 @@ def clip_grad_norm_(params, max_norm: float) -> float:
     norm = global_norm(terms)
     scale_([t for locs, _, _ in terms for t in locs.values()], clip_coefficient(norm, max_norm))
     return norm
+
+
+def clip_grad_norm_per_param_(params, max_norm: float) -> None:
+    """paddle.nn.ClipGradByNorm over distributed parameters: each gradient scaled by
+    max_norm / max(norm, max_norm) with the norm of that parameter's whole gradient (its shards counted once);
+    a plain parameter's gradient by its own norm."""
+    for p in params:
+        if not getattr(p, "need_clip", True):
+            continue
+        if is_dist(p):
+            terms = param_terms([p])
+            grads = list(terms[0][0].values())
+        else:
+            grads = [p.grad]
+            terms = [({0: p.grad}, None, None)]
+        if all(g is None for g in grads):
+            continue
+        norm = global_norm(terms) if is_dist(p) else _plain_norm(p.grad)
+        scale_(grads, clip_coefficient(norm, max_norm))
+
+
+def _plain_norm(g) -> float:
+    with local_mode(), paddle.no_grad():
+        return float((g.astype("float32") ** 2).sum()) ** 0.5

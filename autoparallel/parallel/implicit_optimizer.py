@@ -6,7 +6,7 @@ Paddle lets a user step an optimizer built over the parameters of a layer distri
 gradient and update nothing: the model would silently not train. While dispatch is installed,
 ``step`` / ``clear_grad`` of a paddle optimizer holding a distributed parameter therefore run through
 a ``ShardedOptimizer`` kept for that optimizer (gradients reduced at ``step``, no backward overlap, so
-any number of ``backward()`` calls before a step accumulate as paddle's do); ``minimize`` is refused.
+any number of ``backward()`` calls before a step accumulate as paddle's do); ``minimize`` is the wrapper's (a step).
 An ap wrapper calls the inner optimizer in local mode, where the original methods run unchanged.
 """
 from __future__ import annotations
@@ -68,8 +68,7 @@ def _minimize(orig):
     def minimize(self, *args, **kwargs):
         if not needs_wrapper(self):
             return orig(self, *args, **kwargs)
-        raise NotImplementedError(f"{type(self).__name__}.minimize(loss) over distributed parameters is not "
-                                  f"supported; call loss.backward() then opt.step() and opt.clear_grad()")
+        return wrapper_for(self).minimize(*args, **kwargs)
     return minimize
 
 

@@ -5,13 +5,28 @@ from __future__ import annotations
 
 import paddle
 
-SUPPORTED = ("AdamW", "Adam", "SGD", "Momentum")
+SUPPORTED = ("AdamW", "Adam", "SGD", "Momentum", "Adagrad", "RMSProp", "Adamax", "Adadelta", "NAdam", "RAdam")
+# Optimizers whose update of a parameter reads norms of the whole parameter (layer-wise trust ratios): on a
+# shard or a ZeRO chunk they would use the piece's norm, so they run only where every rank holds whole copies.
+WHOLE_TENSOR = ("Lamb",)
 
 
-def clone_optimizer(opt, params, name_map: dict):
-    """``name_map``: {chunk parameter name: original parameter name} for name-based hooks."""
+def whole_tensor_kind(opt):
+    """The class name of a paddle optimizer whose update is not elementwise (see WHOLE_TENSOR), else None."""
+    import paddle
+
+    return "Lamb" if isinstance(opt, paddle.optimizer.Lamb) else None
+
+
+def clone_optimizer(opt, params, name_map: dict, whole: bool = False):
+    """``name_map``: {chunk parameter name: original parameter name} for name-based hooks. ``whole``: the
+    params are whole copies of the originals (not chunks), so a WHOLE_TENSOR optimizer may be cloned too."""
     kind = type(opt).__name__
     lr = opt._learning_rate
+    params = _grouped(opt, params, name_map)
+    more = _clone_more(opt, params, lr, name_map, whole)
+    if more is not None:
+        return more
     if isinstance(opt, paddle.optimizer.AdamW):
         fun = opt._apply_decay_param_fun
         return paddle.optimizer.AdamW(
@@ -25,12 +40,86 @@ def clone_optimizer(opt, params, name_map: dict):
                                      amsgrad=getattr(opt, "_amsgrad", False))
     if isinstance(opt, paddle.optimizer.Momentum):
         return paddle.optimizer.Momentum(learning_rate=lr, momentum=opt._momentum, parameters=params,
-                                         use_nesterov=opt._use_nesterov, weight_decay=opt.regularization,
+                                         use_nesterov=opt._use_nesterov, weight_decay=_momentum_decay(opt),
                                          rescale_grad=opt._rescale_grad)
     if isinstance(opt, paddle.optimizer.SGD):
         return paddle.optimizer.SGD(learning_rate=lr, parameters=params, weight_decay=opt.regularization)
     raise TypeError(f"sharded optimizer states (ZeRO, the simulated world) support the paddle optimizers "
-                    f"{', '.join(SUPPORTED)}; got {kind}")
+                    f"{', '.join(SUPPORTED)}{' (and Lamb over whole parameters)' if not whole else ', Lamb'}; "
+                    f"got {kind}")
+
+
+def _momentum_decay(opt):
+    """Momentum keeps an L2Decay in its fused op (``_regularization_method``), not in ``regularization``."""
+    import paddle
+
+    if getattr(opt, "_regularization_method", "") == "l2_decay":
+        return paddle.regularizer.L2Decay(opt._regularization_coeff)
+    return opt.regularization
+
+
+def _grouped(opt, params, name_map):
+    """``params`` in the parameter groups of ``opt`` (each group's own learning-rate scale, weight decay...),
+    a parameter found by its original's name; the flat list when ``opt`` has no groups."""
+    groups = getattr(opt, "_param_groups", None)
+    if not groups or not isinstance(groups[0], dict):
+        return params
+    where = {p.name: i for i, g in enumerate(groups) for p in g["params"]}
+    out = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in groups]
+    for p in params:
+        out[where.get(name_map.get(p.name, p.name), 0)]["params"].append(p)
+    return [g for g in out if g["params"]]
+
+
+def sync_lr(inner, clone) -> None:
+    """A learning rate set on the user's optimizer (``set_lr``) reaches its clone (a scheduler is shared)."""
+    from paddle.optimizer.lr import LRScheduler
+
+    lr = inner._learning_rate
+    if not isinstance(lr, LRScheduler) and clone._learning_rate != lr:
+        clone.set_lr(lr)
+
+
+def _clone_more(opt, params, lr, name_map, whole):
+    """The elementwise optimizers besides AdamW/Adam/SGD/Momentum; Lamb over whole parameters."""
+    import paddle
+
+    O, wd = paddle.optimizer, opt.regularization
+    if isinstance(opt, O.Adagrad):
+        return O.Adagrad(lr, epsilon=opt._epsilon, parameters=params, weight_decay=wd,
+                         initial_accumulator_value=opt.initial_accumulator_value)
+    if isinstance(opt, O.RMSProp):
+        return O.RMSProp(lr, rho=opt._rho, epsilon=opt._epsilon, momentum=opt._momentum, centered=opt._centered,
+                         parameters=params, weight_decay=wd)
+    if isinstance(opt, O.Adamax):
+        return O.Adamax(lr, beta1=opt._beta1, beta2=opt._beta2, epsilon=opt._epsilon, parameters=params,
+                        weight_decay=wd)
+    if isinstance(opt, O.Adadelta):
+        return O.Adadelta(lr, epsilon=opt._epsilon, rho=opt._rho, parameters=params, weight_decay=wd)
+    if isinstance(opt, O.NAdam):
+        return O.NAdam(lr, beta1=opt._beta1, beta2=opt._beta2, epsilon=opt._epsilon,
+                       momentum_decay=opt._momentum_decay, parameters=params, weight_decay=wd)
+    if isinstance(opt, O.RAdam):
+        return O.RAdam(lr, beta1=opt._beta1, beta2=opt._beta2, epsilon=opt._epsilon, parameters=params,
+                       weight_decay=wd)
+    if isinstance(opt, O.Lamb) and whole:
+        fun = opt._exclude_from_weight_decay_fn
+        return O.Lamb(lr, lamb_weight_decay=opt._lamb_weight_decay, beta1=opt._beta1, beta2=opt._beta2,
+                      epsilon=opt._epsilon, parameters=params,
+                      exclude_from_weight_decay_fn=None if fun is None else
+                      (lambda p: fun(_NamedAs(p, name_map.get(p.name, p.name)))),
+                      always_adapt=getattr(opt, "always_adapt", False))
+    return None
+
+
+class _NamedAs:
+    """A parameter seen by a name-based hook under its original's name."""
+
+    def __init__(self, p, name):
+        self._p, self.name = p, name
+
+    def __getattr__(self, attr):
+        return getattr(self._p, attr)
 
 
 def state_tensors(opt) -> list:

@@ -60,6 +60,7 @@ class ShardedOptimizer(StepHooks):
         """Between the reduction and the update (gradient accumulation divides here)."""
 
     def step(self):
+        self._check_whole_tensor_update()
         self.reduce_gradients()
         self._scale_gradients()
         clip = self._clip_global_norm()
@@ -72,22 +73,49 @@ class ShardedOptimizer(StepHooks):
                 self._inner._grad_clip = clip
         self._after_step()
 
+    def _check_whole_tensor_update(self) -> None:
+        """An optimizer whose update reads whole-parameter norms (Lamb's trust ratio) would read a shard's norm
+        on a sharded parameter: refused there (replicated parameters are whole on every rank: fine)."""
+        from autoparallel.parallel.optim_clone import whole_tensor_kind
+
+        kind = whole_tensor_kind(self._inner)
+        if kind is None:
+            return
+        sharded = [p.name for p in self.parameters if is_dist(p) and any(
+            pl.is_shard() or pl.is_block_shard() for pl in p.placements)]
+        if sharded:
+            raise NotImplementedError(
+                f"{kind} computes each parameter's update from norms of the whole parameter, but {sharded[0]} "
+                f"(and {len(sharded) - 1} more) is sharded ({self._layout(sharded[0])}), so each rank would use "
+                f"its shard's norm; use an elementwise optimizer (AdamW, Adam, SGD, Momentum, ...) or keep "
+                f"these parameters replicated")
+
+    def _layout(self, name) -> str:
+        p = next(p for p in self.parameters if p.name == name)
+        return ", ".join(map(str, p.placements))
+
     def _clip_global_norm(self):
-        """``ClipGradByGlobalNorm`` over distributed parameters: the norm of the whole (unsharded) gradients,
-        every shard counted once (parallel/clip.py), applied here; paddle's own clip, which would see only
-        this rank's shards, is off for the step. Returns the clip to restore (None: nothing to do)."""
+        """paddle's norm clips over distributed parameters, applied here with the norms of the whole
+        (unsharded) gradients, every shard counted once (parallel/clip.py): ``ClipGradByGlobalNorm`` over all
+        of them, ``ClipGradByNorm`` per parameter. paddle's own clip, which would see only this rank's shards,
+        is off for the step. Returns the clip to restore (None: nothing to do)."""
         import paddle
 
         gc = getattr(self._inner, "_grad_clip", None)
         params = [p for p in self.parameters if not p.stop_gradient]
-        if not isinstance(gc, paddle.nn.ClipGradByGlobalNorm) or not any(is_dist(p) for p in params):
+        if not isinstance(gc, (paddle.nn.ClipGradByGlobalNorm, paddle.nn.ClipGradByNorm)) \
+                or not any(is_dist(p) for p in params):
             return None
+        from autoparallel.parallel.clip import clip_grad_norm_, clip_grad_norm_per_param_
+
+        if isinstance(gc, paddle.nn.ClipGradByNorm):
+            clip_grad_norm_per_param_(params, float(gc.clip_norm))
+            self._inner._grad_clip = None
+            return gc
         plain = [p.name for p in params if not is_dist(p)]
         if plain:
             raise NotImplementedError(f"global-norm clipping over distributed and plain parameters together "
                                       f"({', '.join(plain[:3])} are plain); distribute the whole model")
-        from autoparallel.parallel.clip import clip_grad_norm_
-
         self.last_grad_norm = clip_grad_norm_(params, float(gc.clip_norm))
         self._inner._grad_clip = None
         return gc

@@ -31,7 +31,7 @@ from autoparallel.dist_tensor import DistParameter
 from autoparallel.local_mode import local_mode
 from autoparallel.memory import live_bytes
 from autoparallel.parallel import clip as clipping
-from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors
+from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors, sync_lr
 from autoparallel.parallel.param_list import flat_params
 from autoparallel.parallel.step_hooks import StepHooks
 from autoparallel.parallel.zero_groups import ZeroGroups, apply_groups
@@ -260,6 +260,7 @@ class ZeroOptimizer(StepHooks):
                         m.clear_gradient(False)
                         continue
                     m._copy_gradient_from(g._copy_to(self.host, True) if self.offload else g)
+                sync_lr(self._inner, self.inner_opts[r])
                 self.inner_opts[r].step()
         if self.stage < 3:
             for bucket in self.buckets:

@@ -160,8 +160,8 @@ def zero_optimizer(optimizer, stage: ShardingStage, gradient_accumulation_steps:
     model = model_of_params(params)
     if stage.stage == 3 and model is None:
         raise ValueError("shard_optimizer(ShardingStage3): stage 3 gathers each layer's parameters around its use "
-                         "and needs the model, but these parameters belong to no model built by ap.parallelize / "
-                         "ap.DataParallel; use ap.parallelize(model, opt, strategy) with strategy.sharding.stage = 3")
+                         "and needs the model, but these parameters belong to no model built by ap.shard_layer / "
+                         "ap.parallelize / ap.DataParallel; distribute the model with one of them first")
     own = [p for p in params if p.mesh == mesh and isinstance(p.placements[mesh.dim_names.index(dim)], Shard)]
     if not own:
         wrapped = wrap_optimizer(optimizer, {}, gradient_accumulation_steps)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from autoparallel.dist_tensor import is_dist
 from autoparallel.local_mode import local_mode
+from autoparallel.parallel.optim_clone import sync_lr
 
 
 def other_rank_copies(params) -> dict:
@@ -58,12 +59,13 @@ class RankCopies:
             names[s.name] = p.name
             shadows.append(s)
             links.append((t, s))
-        return clone_optimizer(self.inner, shadows, names), links
+        return clone_optimizer(self.inner, shadows, names, whole=True), links
 
     def step(self) -> None:
         with local_mode():
             for opt, links in self.opts.values():
                 opt._grad_clip = getattr(self.inner, "_grad_clip", None)   # as each real rank clips its copy
+                sync_lr(self.inner, opt)
                 for t, s in links:
                     if t.grad is None:
                         s.clear_gradient(False)

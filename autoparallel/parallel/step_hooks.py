@@ -45,3 +45,26 @@ class StepHooks:
     def _after_step(self) -> None:
         for fn in list(self._step_hooks().values()):
             fn(self)
+
+    def minimize(self, loss=None, startup_program=None, parameters=None, no_grad_set=None):
+        """paddle's dygraph ``minimize``: the gradients of ``loss.backward()`` applied, i.e. ``step()``; returns
+        paddle's ``(optimize_ops, params_grads)``. Updating a subset (``parameters``, ``no_grad_set``) is not
+        supported by the distributed step."""
+        if parameters is not None or no_grad_set is not None:
+            raise NotImplementedError(f"minimize(parameters=..., no_grad_set=...) over distributed parameters: the "
+                                      f"step updates every parameter of the optimizer; got parameters="
+                                      f"{_names(parameters)}, no_grad_set={_names(no_grad_set)}")
+        pairs = [(p, p.grad) for p in _params(self) if not p.stop_gradient and p.grad is not None]
+        self.step()
+        return None, pairs
+
+
+
+def _params(opt) -> list:
+    """The parameters a wrapper steps (``parameters`` of the plain wrapper, ``params`` of the ZeRO one)."""
+    ps = getattr(opt, "parameters", None)
+    return list(ps if ps is not None and not callable(ps) else getattr(opt, "params", []))
+
+
+def _names(xs):
+    return None if xs is None else [getattr(x, "name", x) for x in xs][:3]

@@ -12,13 +12,18 @@ place, so those references see the gathered data again.
 """
 from __future__ import annotations
 
+import weakref
+
 import paddle
 
 from autoparallel.dist_tensor import DistTensor
+from autoparallel.dist_tensor_forms import ZERO3_OWNERS
 
 
 def install_stage3(model, zopt) -> list:
     managed = {id(p) for p in zopt.params}
+    for p in zopt.params:            # reading a released parameter (full(), numpy()) gathers it through zopt
+        ZERO3_OWNERS.set(p, weakref.ref(zopt))
     handles = []
     for _, layer in [("", model)] + list(model.named_sublayers()):
         own = [p for p in layer.parameters(include_sublayers=False) if id(p) in managed]

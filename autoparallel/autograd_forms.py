@@ -1,0 +1,137 @@
+"""paddle's functional autograd over distributed tensors: ``paddle.grad`` (``paddle.autograd.grad``) and
+``paddle.autograd.backward``.
+
+A DistTensor's autograd graph is the graphs of its local shards, so ``paddle.grad`` runs once over every held
+shard of every output and input; each input's gradient comes back as a DistTensor in the gradient layout of
+``DistTensor.grad`` (its placements with Partial read as Replicate: a rank's local gradient is the slice of the
+true gradient for Shard and the whole gradient otherwise). ``grad_outputs`` given as DistTensors are resharded
+to their output's gradient layout, plain tensors (global values) laid out there.
+"""
+from __future__ import annotations
+
+import paddle
+
+from autoparallel.dist_tensor import DistTensor, _grad_placements, as_dist, is_dist, reshard, shard_tensor
+from autoparallel.local_mode import local_mode
+
+
+def _seq(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _grad_layout(t: DistTensor):
+    return t.mesh, list(_grad_placements(t.placements))
+
+
+def _seed(out, g):
+    """The local seeds of one output: {rank: seed or None}."""
+    ranks = sorted(out._locals)
+    if g is None:
+        return [None] * len(ranks)
+    mesh, pls = _grad_layout(out)
+    if is_dist(g):
+        g = reshard(as_dist(g), mesh, pls)
+    elif isinstance(g, paddle.Tensor):
+        if list(g.shape) != out.shape:
+            raise ValueError(f"paddle.grad: a plain grad_outputs entry is the global gradient of its output, "
+                             f"shape {out.shape}; got shape {list(g.shape)}")
+        g = shard_tensor(g, mesh, pls)
+    else:
+        raise TypeError(f"paddle.grad: grad_outputs entries are tensors or None, got {type(g).__name__}")
+    return [g._locals[r] for r in ranks]
+
+
+def _flatten(items) -> tuple:
+    """(flat local tensors, per item: None for a plain tensor, else the DistTensor view and its ranks)."""
+    flat, where = [], []
+    for t in items:
+        if is_dist(t):
+            d = as_dist(t)
+            ranks = sorted(d._locals)
+            where.append((d, ranks))
+            flat.extend(d._locals[r] for r in ranks)
+        else:
+            where.append(None)
+            flat.append(t)
+    return flat, where
+
+
+def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+         allow_unused=False, no_grad_vars=None, **kwargs):
+    outs, ins = _seq(outputs), _seq(inputs)
+    gos = [None] * len(outs) if grad_outputs is None else _seq(grad_outputs)
+    if len(gos) != len(outs):
+        raise ValueError(f"paddle.grad: grad_outputs needs one entry per output ({len(outs)}), got {len(gos)}")
+    flat_out, flat_seed = [], []
+    for o, g in zip(outs, gos):
+        if is_dist(o):
+            d = as_dist(o)
+            flat_out.extend(d._locals[r] for r in sorted(d._locals))
+            flat_seed.extend(_seed(d, g))
+        else:
+            if is_dist(g):
+                raise TypeError("paddle.grad: a distributed grad_outputs entry for a plain output")
+            flat_out.append(o)
+            flat_seed.append(g)
+    flat_in, where = _flatten(ins)
+    skip = None if no_grad_vars is None else _flatten(_seq(no_grad_vars) if not isinstance(no_grad_vars, set)
+                                                      else list(no_grad_vars))[0]
+    seeds = None if all(s is None for s in flat_seed) else flat_seed
+    try:
+        with local_mode():
+            res = paddle.grad(flat_out, flat_in, seeds, retain_graph=retain_graph, create_graph=create_graph,
+                              only_inputs=only_inputs, allow_unused=allow_unused, no_grad_vars=skip, **kwargs)
+    except ValueError as e:
+        if "PyLayer__Comm" not in str(e):
+            raise
+        raise NotImplementedError(
+            "paddle.grad over distributed tensors: a collective on the way from the outputs reads a tensor that "
+            "needs a gradient but is not among `inputs` (paddle.grad cannot prune a custom autograd node's "
+            "inputs); ask for the gradients of every tensor that needs one on that path (e.g. all parameters), "
+            "or use loss.backward() and read .grad") from None
+    return _regroup(list(res), where)
+
+
+def _regroup(res: list, where: list) -> list:
+    out, i = [], 0
+    for w in where:
+        if w is None:
+            out.append(res[i])
+            i += 1
+            continue
+        d, ranks = w
+        gs = res[i:i + len(ranks)]
+        i += len(ranks)
+        if any(g is None for g in gs):
+            out.append(None)
+            continue
+        out.append(DistTensor(dict(zip(ranks, gs)), d.spec.with_placements(_grad_placements(d.placements))))
+    return out
+
+
+def backward(tensors, grad_tensors=None, retain_graph=False, dump_backward_graph_path=None):
+    """paddle.autograd.backward over distributed tensors: each one's shards with its seeds (ones, or the given
+    gradient laid out in its gradient layout, as ``DistTensor.backward``), in one backward pass."""
+    from autoparallel.dist_tensor_forms import backward_seeds
+
+    ts = _seq(tensors)
+    gs = [None] * len(ts) if grad_tensors is None else _seq(grad_tensors)
+    if len(gs) != len(ts):
+        raise ValueError(f"paddle.autograd.backward: grad_tensors needs one entry per tensor ({len(ts)}), "
+                         f"got {len(gs)}")
+    flat_t, flat_g = [], []
+    for t, g in zip(ts, gs):
+        if not is_dist(t):
+            flat_t.append(t)
+            flat_g.append(g)
+            continue
+        d = as_dist(t)
+        ranks = sorted(d._locals)
+        flat_t.extend(d._locals[r] for r in ranks)
+        if g is None:
+            flat_g.extend(paddle.ones_like(d._locals[r]) for r in ranks)
+        else:
+            flat_g.extend(backward_seeds(d, g, ranks, reshard, shard_tensor))
+    kw = {} if dump_backward_graph_path is None else {"dump_backward_graph_path": dump_backward_graph_path}
+    with local_mode():
+        paddle.autograd.backward(flat_t, flat_g, retain_graph=retain_graph, **kw)

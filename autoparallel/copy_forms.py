@@ -1,0 +1,61 @@
+"""paddle's copying entry points given a distributed tensor: ``paddle.to_tensor(d, dtype, place,
+stop_gradient)`` (a new leaf with the same layout, as paddle copies a tensor) and ``paddle.assign(x, output)``
+(a differentiable copy; with ``output`` a distributed tensor, written into it in its own layout)."""
+from __future__ import annotations
+
+import paddle
+
+from autoparallel.dist_tensor import DistTensor, as_dist, is_dist, reshard, shard_tensor
+from autoparallel.local_mode import local_mode
+from autoparallel.spec import normalize_dtype
+
+
+def to_tensor(data, dtype=None, place=None, stop_gradient=True):
+    if not is_dist(data):
+        raise TypeError(f"paddle.to_tensor: only the data may be distributed, got {type(data).__name__} data")
+    d = as_dist(data)
+    _check_place(d, place)
+    with local_mode(), paddle.no_grad():
+        locals_ = {r: t.detach().clone() for r, t in d.locals.items()}
+        if dtype is not None and normalize_dtype(dtype) != d.spec.dtype:
+            locals_ = {r: t.astype(normalize_dtype(dtype)) for r, t in locals_.items()}
+    for t in locals_.values():
+        t.stop_gradient = bool(stop_gradient)
+    spec = d.spec if dtype is None else type(d.spec)(d.mesh, d.spec.placements, d.spec.shape,
+                                                    normalize_dtype(dtype))
+    return DistTensor(locals_, spec)
+
+
+def _check_place(d, place) -> None:
+    if place is None:
+        return
+    want = paddle.CPUPlace() if place == "cpu" else place
+    if isinstance(want, str) or type(want) is not type(d.place):
+        raise NotImplementedError(f"paddle.to_tensor of a distributed tensor to place={place!r}: its shards stay "
+                                  f"where their ranks run ({d.place})")
+
+
+def assign(x, output=None):
+    if output is None:
+        d = as_dist(x)
+        return d * 1.0 if d.spec.dtype not in _INTS else _int_copy(d)      # differentiable for floats
+    if not is_dist(output):
+        raise NotImplementedError("paddle.assign of a distributed tensor into a plain output: gather it with "
+                                  ".full() first, or give a distributed output")
+    out = as_dist(output)
+    src = as_dist(x) if is_dist(x) else shard_tensor(paddle.to_tensor(x), out.mesh, out.placements)
+    if list(src.shape) != list(out.shape):
+        raise ValueError(f"paddle.assign: the value has shape {list(src.shape)}, the output {list(out.shape)}")
+    src = reshard(src, out.mesh, out.placements)
+    with local_mode(), paddle.no_grad():
+        for r, t in out.locals.items():
+            t.set_value(src.local_of(r).astype(t.dtype))
+    return output
+
+
+_INTS = ("int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def _int_copy(d):
+    with local_mode():
+        return DistTensor({r: t.clone() for r, t in d.locals.items()}, d.spec)

@@ -1,0 +1,210 @@
+"""paddle's storage and autograd-hook forms on distributed tensors (methods of DistTensor / DistParameter).
+
+* ``DistTensor.register_hook(hook)``: ``hook(grad)`` sees the gradient as a DistTensor (in ``.grad``'s layout)
+  and may return a replacement; it runs once per held rank on that rank's shard, the simulated world seen
+  from that rank (one call in a launched job, one per rank in ``ap.simulate``: ops on shards work).
+* ``DistParameter.register_hook(hook)``: on every held shard (each call sees its local gradient, as ``.grad``
+  of a distributed parameter is local).
+* ``DistParameter.set_value(value)``: the GLOBAL value (paddle's form for a distributed parameter) sets every
+  held shard to its part; a value of the local shape sets this shard (paddle's behaviour on a local tensor).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import paddle
+
+from autoparallel.comm.world import as_rank
+from autoparallel.compat import EagerParamBase, SideData
+from autoparallel.context import state as _ctx
+from autoparallel.local_mode import in_local_mode, local_mode
+from autoparallel.local_parts import _local_from_full
+from autoparallel.placement import Partial, Replicate
+from autoparallel.spec import normalize_dtype
+
+
+def dist_register_hook(self, hook):
+    _check_callable(hook)
+    spec = self.spec.with_placements(tuple(Replicate() if isinstance(p, Partial) else p
+                                           for p in self.spec.placements))        # .grad's layout
+    return _Handles([t.register_hook(_rank_hook(hook, r, spec, type(self))) for r, t in self.locals.items()])
+
+
+def param_register_hook(self, hook):
+    _check_callable(hook)
+    return _Handles([EagerParamBase.register_hook(t, hook) if t is self else t.register_hook(hook)
+                     for t in self._ap_locals.values()])
+
+
+def param_set_value(self, value):
+    shape = list(getattr(value, "shape", ()))
+    if in_local_mode() or not isinstance(value, (np.ndarray, paddle.Tensor)):
+        return EagerParamBase.set_value(self, value)
+    if shape != self.global_shape:
+        if len(self._ap_locals) > 1:
+            raise ValueError(f"set_value on the distributed parameter {self.name}: this process holds the shards of "
+                             f"ranks {sorted(self._ap_locals)} (the simulated world), so a value of one shard's shape "
+                             f"{shape} names none of them; give the global value, shape {self.global_shape}")
+        return EagerParamBase.set_value(self, value)
+    if _is_dist(value):
+        raise TypeError("set_value on a distributed parameter takes its global value as a plain tensor or "
+                        "ndarray; give a distributed value through ap.reshard and .full()")
+    full = paddle.to_tensor(value) if isinstance(value, np.ndarray) else value
+    if normalize_dtype(full.dtype) != self.spec.dtype:
+        raise TypeError(f"set_value: the parameter is {self.spec.dtype}, the value {normalize_dtype(full.dtype)}")
+    with local_mode(), paddle.no_grad():
+        for r, t in self._ap_locals.items():
+            part = _local_from_full(full, self.spec, r)
+            if t is self:
+                EagerParamBase.set_value(self, part)
+            else:
+                t.set_value(part)
+
+
+def backward_seeds(out, grad, ranks, reshard, shard_tensor) -> list:
+    """The local seeds of ``out.backward(grad)``: ``grad`` is the global gradient (a plain tensor of the global
+    shape, or a DistTensor), laid out in ``out``'s gradient layout (Partial read as Replicate)."""
+    if list(grad.shape) != list(out.shape):
+        raise ValueError(f"backward(grad): the gradient has shape {list(grad.shape)}, the tensor {list(out.shape)}")
+    pls = [Replicate() if isinstance(p, Partial) else p for p in out.placements]
+    g = reshard(grad, out.mesh, pls) if _is_dist(grad) else shard_tensor(grad, out.mesh, pls)
+    return [g.local_of(r) for r in ranks]
+
+
+def dist_array(self, dtype=None, copy=None):
+    """numpy's ``np.asarray(d)`` / ``np.array(d)``: the gathered global value (as ``d.numpy()``)."""
+    out = self.numpy()
+    return out if dtype is None else out.astype(dtype)
+
+
+def dist_clear_gradient(self, set_to_zero: bool = True) -> None:
+    """paddle's ``clear_gradient``: every held shard's gradient zeroed (or dropped with ``set_to_zero=False``)."""
+    for t in self.locals.values():
+        t.clear_gradient(set_to_zero)
+
+
+def param_fill_(self, value):
+    """Every held shard (a launched job holds one; the simulated world all of them)."""
+    for t in self._ap_locals.values():
+        EagerParamBase.fill_(t, value) if t is self else t.fill_(value)
+    return self
+
+
+def param_zero_(self):
+    return param_fill_(self, 0.0)
+
+
+def param_copy_(self, src, blocking: bool = True):
+    """paddle's ``copy_``: a source of the GLOBAL shape sets every held shard to its part (``set_value``);
+    a source of this shard's shape copies into this shard."""
+    if not in_local_mode() and list(getattr(src, "shape", ())) == self.global_shape and not _is_dist(src):
+        param_set_value(self, src)
+        return self
+    return EagerParamBase.copy_(self, src, blocking)
+
+
+def shard_dist(data, out, dtype, stop_gradient, make_param):
+    """``shard_tensor`` of a tensor already distributed: ``out`` (its reshard), as a new leaf in the asked dtype;
+    a distributed parameter stays a parameter (a Layer slot takes only parameters)."""
+    if dtype is not None and normalize_dtype(dtype) != out.spec.dtype:
+        out = out.astype(normalize_dtype(dtype))
+    if not hasattr(data, "_ap_spec") and dtype is None and stop_gradient is None:
+        return out
+    sg = data.stop_gradient if stop_gradient is None else stop_gradient
+    with local_mode(), paddle.no_grad():
+        locals_ = {r: t.detach().clone() for r, t in out.locals.items()}
+    for t in locals_.values():
+        t.stop_gradient = sg
+    if not hasattr(data, "_ap_spec"):
+        return type(out)(locals_, out.spec)
+    param = make_param(locals_, out.spec, data)
+    for t in param.locals.values():
+        t.stop_gradient = sg
+    return param
+
+
+def param_full(self):
+    """The gathered global value; a ZeRO-3 parameter released between uses is gathered for the read."""
+    with _whole(self) as gathered:
+        out = self.as_dist().full()
+        return out.clone() if gathered else out
+
+
+def param_numpy(self):
+    """paddle's ``numpy()`` of this shard; a ZeRO-3 parameter released between uses is gathered for the read."""
+    with _whole(self):
+        return EagerParamBase.numpy(self)
+
+
+ZERO3_OWNERS = SideData()       # ZeRO-3 parameter -> weak reference to the optimizer that releases it
+
+
+@contextlib.contextmanager
+def _whole(p):
+    ref = ZERO3_OWNERS.get(p)
+    owner = ref() if ref is not None else None
+    if owner is None or not any((id(p), r) in owner._freed for r in owner.held):
+        yield False
+        return
+    owner.gather([p])
+    try:
+        yield True
+    finally:
+        owner.free([p])
+
+
+def same_ranks_view(x, mesh):
+    """``x`` seen on ``mesh`` when both meshes hold the same ranks in the same order and differ only by dims of
+    size 1 (a 1-D data mesh [0, 1] and a [data, model] mesh [[0], [1]]): every rank keeps its shard, the
+    placements follow the dims of size > 1, a dim of size 1 is Replicate. None when the meshes differ."""
+    src = x.mesh
+    if list(src.process_ids) != list(mesh.process_ids):
+        return None
+    s_dims = [d for d in range(src.ndim) if src.shape[d] > 1]
+    d_dims = [d for d in range(mesh.ndim) if mesh.shape[d] > 1]
+    if [src.shape[d] for d in s_dims] != [mesh.shape[d] for d in d_dims]:
+        return None
+    placements = [Replicate()] * mesh.ndim
+    for sd, dd in zip(s_dims, d_dims):
+        placements[dd] = x.placements[sd]
+    spec = type(x.spec)(mesh, tuple(placements), tuple(x.spec.shape), x.spec.dtype)
+    return type(x)(x.locals, spec)
+
+
+def _check_callable(hook) -> None:
+    if not callable(hook):
+        raise TypeError(f"register_hook expects a callable, got {type(hook).__name__}")
+
+
+def _is_dist(x) -> bool:
+    return hasattr(x, "spec") and hasattr(x, "locals")
+
+
+def _rank_hook(hook, rank: int, spec, cls):
+    def on_grad(g):
+        depth, _ctx.local_depth = _ctx.local_depth, 0        # the user's hook: ops on DistTensors route
+        try:
+            with as_rank(rank):
+                out = hook(cls({rank: g}, spec))
+        finally:
+            _ctx.local_depth = depth
+        if out is None:
+            return None
+        if not isinstance(out, cls) or out.spec != spec:
+            raise TypeError(f"a hook on a distributed tensor returns None or a gradient laid out like its argument "
+                            f"({list(spec.shape)}, {', '.join(map(str, spec.placements))}); got "
+                            f"{out!r}")
+        return out.local_of(rank)
+    return on_grad
+
+
+class _Handles:
+    """The removable handle of a hook registered on every held shard."""
+
+    def __init__(self, handles):
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

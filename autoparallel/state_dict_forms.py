@@ -1,0 +1,68 @@
+"""``Layer.set_state_dict`` (also ``set_dict`` / ``load_dict``) on a model with distributed parameters.
+
+paddle matches each value's shape against ``param.shape``, which for a distributed parameter is its local
+shard: a single-process state dict (global shapes) was skipped with a warning and the model kept its
+weights. Here a distributed parameter takes its entry as paddle does for a distributed tensor: a value of the
+global shape is laid out (``set_value``), a value of the shard's shape sets the shard (one shard held), a
+distributed value is resharded to the parameter's layout; any other shape raises ValueError. Everything
+else goes through paddle's own ``set_state_dict``."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from autoparallel import patches
+from autoparallel.dist_tensor import as_dist, is_dist, reshard
+from autoparallel.local_mode import local_mode
+
+
+def install() -> None:
+    import paddle
+
+    Layer = paddle.nn.Layer
+    orig = Layer.set_state_dict
+    if getattr(orig, "_ap_wrapper", False):
+        return
+
+    def set_state_dict(self, state_dict, use_structured_name=True):
+        ours = {}
+        for key, p in self._state_dict_impl(use_hook=False).items():
+            name = key if use_structured_name else p.name
+            if is_dist(p) and hasattr(p, "_ap_spec") and name in state_dict:
+                ours[name] = p
+        if not ours:
+            return orig(self, state_dict, use_structured_name)
+        rest = {k: v for k, v in state_dict.items() if k not in ours}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            missing, unexpected = orig(self, rest, use_structured_name)
+        for w in caught:                      # paddle's "not found" for the entries set here: not missing
+            if not any(f"{k} is not found" in str(w.message) for k in ours):
+                warnings.warn(w.message, w.category)
+        for name, p in ours.items():
+            _load(name, p, state_dict[name])
+        return [k for k in missing if k not in ours], unexpected
+
+    set_state_dict._ap_wrapper = True
+    set_state_dict.__wrapped__ = orig
+    for attr in ("set_state_dict", "set_dict", "load_dict"):
+        if getattr(Layer, attr, None) is orig:
+            patches.patch(Layer, attr, set_state_dict)
+
+
+def _load(name, p, value) -> None:
+    import paddle
+
+    if is_dist(value):
+        src = reshard(as_dist(value), p.mesh, p.placements)
+        with local_mode(), paddle.no_grad():
+            for r, t in p.locals.items():
+                t.set_value(src.local_of(r).astype(t.dtype))
+        return
+    shape = list(value.shape() if callable(getattr(value, "shape", None)) else np.shape(value))
+    if shape not in (p.global_shape, list(p.shape)):
+        raise ValueError(f"set_state_dict: {name} has shape {shape}; the distributed parameter takes its global "
+                         f"shape {p.global_shape} (or its shard's, {list(p.shape)})")
+    with paddle.no_grad():
+        p.set_value(value if isinstance(value, (np.ndarray, paddle.Tensor)) else np.asarray(value))
