@@ -131,10 +131,11 @@ def param_full(self):
         return out.clone() if gathered else out
 
 
-def param_numpy(self):
-    """paddle's ``numpy()`` of this shard; a ZeRO-3 parameter released between uses is gathered for the read."""
+def param_numpy(self, *args, **kwargs):
+    """paddle's ``numpy()`` of this shard (its arguments as given: ``__array__`` passes ``False``); a ZeRO-3
+    parameter released between uses is gathered for the read."""
     with _whole(self):
-        return EagerParamBase.numpy(self)
+        return EagerParamBase.numpy(self, *args, **kwargs)
 
 
 ZERO3_OWNERS = SideData()       # ZeRO-3 parameter -> weak reference to the optimizer that releases it

@@ -38,7 +38,6 @@ def install() -> None:
     def build_sharded_state_dict(state_dict, shard_rules=None, prefix=""):
         return orig(_full_values(state_dict), shard_rules, prefix)
 
-    build_sharded_state_dict._ap_orig = orig
     patches.patch(layers, "build_sharded_state_dict", build_sharded_state_dict)
     _INSTALLED[0] = True
 

@@ -52,7 +52,7 @@ def counted_elsewhere(pipe) -> set:
     """ids of this rank's parameters shared with a lower pipeline rank (that rank counts them)."""
     if pipe.ranks is None:                       # every stage in this process: shared parameters are one object
         return set()
-    from .wiring import _shared_parameters
+    from .shared_params import shared_parameters as _shared_parameters
 
     out = set()
     for rs, names in _shared_parameters(pipe.stages, pipe.plan.pp):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from .shared_params import shared_parameters as _shared_parameters
+
 PIPE, DATA, MODEL = "pipe", "data", "model"
 _NOT_COMPOSED = "is not composed with pipeline parallelism yet (the pipeline runtime runs data, tensor and " \
                 "sequence parallelism, recompute, AMP and global-norm clipping inside stages)"
@@ -100,17 +102,6 @@ def _p2p_pairs(schedule, ranks: np.ndarray) -> list:
     _, dp, tp = ranks.shape
     return [tuple(sorted((int(ranks[a, d, t]), int(ranks[b, d, t]))))
             for a, b in pp_pairs for d in range(dp) for t in range(tp)]
-
-
-def _shared_parameters(stages, pp: int) -> list:
-    """[(pipeline ranks, {stage: parameter name})] for parameters held by stages on several ranks."""
-    holders = {}
-    for st in stages:
-        for name, p in st.named_parameters():
-            entry = holders.setdefault(id(p), (set(), {}))
-            entry[0].add(st.index % pp)
-            entry[1].setdefault(st.index, name)
-    return [(tuple(sorted(rs)), names) for rs, names in holders.values() if len(rs) > 1]
 
 
 def _shard_stage(stage, mesh, tp_plan) -> None:
