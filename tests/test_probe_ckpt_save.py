@@ -116,3 +116,20 @@ def test_the_rendezvous_timeout_is_finite(monkeypatch, value):
         sync.save_timeout()
     monkeypatch.setenv("AP_CKPT_TIMEOUT", "12.5")                 # negative control
     assert sync.save_timeout() == 12.5
+
+
+def test_a_save_takes_the_place_of_an_existing_empty_directory(tmp_path):
+    """``tempfile.mkdtemp()`` then save into it (paddle's save_state_dict accepts it): the save is made and reads
+    back; a directory that holds anything else is still refused."""
+    empty = tmp_path / "made_by_mkdtemp"
+    empty.mkdir()
+    value = np.arange(6, dtype="float32").reshape(2, 3)
+    save_state_dict({"w": paddle.to_tensor(value)}, str(empty))
+    np.testing.assert_array_equal(np.asarray(load_merged_state_dict(str(empty))["w"]), value)
+
+    busy = tmp_path / "holds_a_file"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="already exists"):
+        save_state_dict({"w": paddle.to_tensor(value)}, str(busy))
+    assert (busy / "notes.txt").read_text() == "mine"

@@ -81,6 +81,12 @@ def write_file_atomic(path: str, data: bytes, before_rename=None) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def is_empty_dir(path: str) -> bool:
+    """An existing, empty, real directory (``tempfile.mkdtemp()``): a save may take its place, as paddle's
+    ``save_state_dict`` writes into it."""
+    return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
+
+
 def publish_dir(tmp: str, final: str, overwrite: bool) -> None:
     """Rename the finished temporary directory to ``final`` (atomically when ``final`` does not exist).
 
@@ -93,7 +99,7 @@ def publish_dir(tmp: str, final: str, overwrite: bool) -> None:
     fsync_dir(tmp)
     parent = os.path.dirname(os.path.abspath(final))
     aside = None
-    if os.path.lexists(final):
+    if os.path.lexists(final) and not is_empty_dir(final):      # an empty directory is replaced by the rename
         if not overwrite:
             raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
         check_replaceable(final)

@@ -16,7 +16,7 @@ import shutil
 import time
 
 from autoparallel.checkpoint import save_agree, sync
-from autoparallel.checkpoint.atomic import (fault_point, new_nonce, publish_dir, temp_dir_for,
+from autoparallel.checkpoint.atomic import (fault_point, is_empty_dir, new_nonce, publish_dir, temp_dir_for,
                                             write_file_atomic)
 from autoparallel.checkpoint.collect import check_values, collect, json_value
 from autoparallel.checkpoint.errors import CheckpointSaveError
@@ -101,7 +101,7 @@ def _checked(state, path, step, extra, overwrite, block_bytes, runtime) -> tuple
         raise ValueError(f"block_bytes must be a positive multiple of 64, got {block_bytes!r}")
     check_values(flat)
     final = os.path.abspath(os.fspath(path))
-    if os.path.lexists(final):
+    if os.path.lexists(final) and not is_empty_dir(final):
         if not overwrite:
             raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
         check_replaceable(final)
