@@ -548,10 +548,33 @@ def test_grad_scaler_overflow_on_one_stage_skips_every_stage():
     assert [n for n in seen[1] if not np.array_equal(seen[1][n], seen[2][n])] != []     # step 1 trained
 
 
-def test_negative_control_grad_scaler_not_passed_to_train_batch_unscales_unscaled_gradients():
-    want_losses, want = _fp32_scaled_reference()
-    _, _, seen = _grad_scaler_run({"schedule": "1F1B"}, pass_scaler=False)
-    assert len([n for n in want if not np.allclose(seen[-1][n], want[n], rtol=RTOL, atol=ATOL)]) > 5
+def test_grad_scaler_not_passed_to_train_batch_is_refused_at_its_step():
+    """Unscaling gradients no backward scaled would shrink every update by the scale, silently: refused."""
+    with pytest.raises(RuntimeError, match="ran without it"):
+        _grad_scaler_run({"schedule": "1F1B"}, pass_scaler=False)
+
+
+def test_optimizer_step_after_a_scaled_train_batch_is_refused():
+    """The reverse: gradients scaled by the GradScaler stepped by ``opt.step()`` (never unscaled) are refused;
+    the same loop through ``scaler.step`` runs (the control)."""
+    from autoparallel.testing.gpu_scaler import gpu_grad_scaler
+
+    for through_scaler in (True, False):
+        with ap.simulate(world_size=2):
+            model = pp_common.build()
+            pipe = apply_pp(model, strategy({"schedule": "1F1B"}))
+            opt = pipe.wrap_optimizer(optimizer(model.parameters(), None, sgd=True))
+            scaler = gpu_grad_scaler(init_loss_scaling=SCALE)
+            (x, y), = pp_common.batches(1)
+            with paddle.amp.auto_cast():
+                pipe.train_batch(x, y, scaler=scaler)
+            if through_scaler:
+                scaler.step(opt)
+                scaler.update()
+                assert pipe.grads_scaled_by is None
+            else:
+                with pytest.raises(RuntimeError, match="still scaled"):
+                    opt.step()
 
 
 def test_grad_scaler_and_strategy_amp_together_are_refused():

@@ -56,6 +56,7 @@ def install() -> None:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["state"] is gs.OptimizerState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
+        _check_pipeline_scaled_by(self, optimizer)
         found = unscale_and_check(optimizer, 1.0 / float(self._scale))
         import paddle
 
@@ -104,6 +105,22 @@ def install() -> None:
 def _reset() -> None:
     global _installed
     _installed = False
+
+
+def _check_pipeline_scaled_by(scaler, optimizer) -> None:
+    """A pipeline's backward runs on the scale of the GradScaler passed to its ``train_batch``; unscaling gradients
+    that a backward never scaled (or scaled by another scaler) would shrink every update silently."""
+    pipes = [vars(o)["_pipe"] for o in _chain(optimizer) if "_pipe" in getattr(o, "__dict__", {})]
+    for pipe in pipes:
+        scaled = getattr(pipe, "grads_scaled_by", None)
+        if scaled is None or scaled[0] != id(scaler):
+            raise RuntimeError("this GradScaler unscales a pipeline's gradients, but the pipeline's last "
+                               "train_batch ran without it, so they were never scaled: pass it as "
+                               "pipe.train_batch(inputs, labels, scaler=scaler)")
+        if scaled[1] != float(scaler._scale):
+            raise RuntimeError(f"the pipeline's gradients were scaled by {scaled[1]:g} but the GradScaler's scale is "
+                               f"now {float(scaler._scale):g}: call scaler.update() only after scaler.step()")
+        pipe.grads_scaled_by = None
 
 
 def is_ap_optimizer(optimizer) -> bool:

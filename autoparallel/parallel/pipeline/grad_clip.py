@@ -26,6 +26,14 @@ class PipelineOptimizer(ShardedOptimizer):
         self.__dict__["_pipe"] = pipe
         self.last_grad_norm = None
 
+    def step(self):
+        scaled = getattr(self._pipe, "grads_scaled_by", None)
+        if scaled is not None:
+            raise RuntimeError(f"the pipeline's last train_batch ran its backward on a GradScaler's scale "
+                               f"({scaled[1]:g}) and the gradients are still scaled: step through "
+                               f"scaler.step(optimizer) (it unscales them first), not optimizer.step()")
+        super().step()
+
     def _clip_global_norm(self):
         gc = getattr(self._inner, "_grad_clip", None)
         if gc is None:

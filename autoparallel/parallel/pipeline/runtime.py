@@ -198,6 +198,11 @@ class PipelineModule:
         st = _StepState(self._micro(inputs, "inputs") if self.holds_first or every else None,
                         self._micro(labels, "labels") if self.holds_last else None)
         st.scale = self._loss_scale(scaler)
+        if scaler is not None and scaler._enable:      # the gradients carry its scale until it unscales them
+            self.grads_scaled_by = (id(scaler), st.scale)
+        elif getattr(self, "grads_scaled_by", None) is not None:
+            raise RuntimeError("train_batch without the GradScaler the previous batch's gradients were scaled by "
+                               "(they accumulate into the same gradients): pass scaler= on every batch of a step")
         self.weight_grads.pending.clear()                 # nothing carries over from a failed step
         handlers = {"F": self._forward, "B": self._backward, "W": self._weight, "SEND_F": self._send_f,
                     "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b}
