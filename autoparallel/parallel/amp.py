@@ -177,12 +177,19 @@ class AmpOptimizer(StepHooks):
             raise RuntimeError(f"AMP loss scaling (float16, scale {self.scaler.scale_value:g}): opt.step() was called "
                                f"without opt.scale(loss) since the last step; write opt.scale(loss).backward() "
                                f"instead of loss.backward() (the step divides the gradients by the scale)")
+        self._unscale()
+        return self._step_unless(found_inf(self.params, self.mesh))
+
+    def _unscale(self) -> None:
+        """Every local gradient divided by the loss scale."""
         inv = 1.0 / self.scaler.scale_value
-        with local_mode(), paddle.no_grad():
-            if inv != 1.0:
+        if inv != 1.0:
+            with local_mode(), paddle.no_grad():
                 for t in _local_grads(self.params):
                     t.grad.set_value(t.grad * inv)
-        inf = found_inf(self.params, self.mesh)
+
+    def _step_unless(self, inf: bool) -> bool:
+        """Update the scale by ``inf`` (agreed by every rank that steps together); step unless it is set."""
         self.last_found_inf = inf
         self.scaler.update(inf)
         if inf:

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import paddle
 
-from autoparallel.local_mode import local_mode
-from autoparallel.parallel.amp import AmpOptimizer, LossScaler, _local_grads, apply_amp, found_inf
+from autoparallel.parallel.amp import AmpOptimizer, LossScaler, apply_amp, found_inf
 
 
 def install(pipe, model, amp) -> None:
@@ -43,17 +42,5 @@ class PipelineAmpOptimizer(AmpOptimizer):
         self.__dict__["_pipe"] = pipe
 
     def step(self) -> bool:
-        inv = 1.0 / self.scaler.scale_value
-        if inv != 1.0:
-            with local_mode(), paddle.no_grad():
-                for t in _local_grads(self.params):
-                    t.grad.set_value(t.grad * inv)
-        inf = agreed_found_inf(self._pipe, self.params)
-        self.last_found_inf = inf
-        self.scaler.update(inf)
-        if inf:
-            self.skipped += 1
-            return False
-        self.optimizer.step()
-        self._after_step()
-        return True
+        self._unscale()
+        return self._step_unless(agreed_found_inf(self._pipe, self.params))
