@@ -305,6 +305,9 @@ class DistParameter(EagerParamBase):
     zero_ = _forms.param_zero_
     fill_ = _forms.param_fill_
     copy_ = _forms.param_copy_
+    uniform_ = _forms.param_uniform_
+    normal_ = _forms.param_normal_
+    exponential_ = _forms.param_exponential_
 
 
 def is_dist(x) -> bool:

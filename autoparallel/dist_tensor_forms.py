@@ -95,6 +95,29 @@ def param_zero_(self):
     return param_fill_(self, 0.0)
 
 
+def _param_random(name: str):
+    """paddle's in-place random fills (``p.uniform_()``, ``p.normal_(0, 0.02)``, ...) on a distributed parameter:
+    the draw is made at the GLOBAL shape (the random stream advances as in one process, which gives the same
+    values under the same seed), then every held shard takes its part. Without this only the parameter's own
+    storage was filled: one shard, with a shard-shaped draw."""
+    def method(self, *args, **kwargs):
+        if in_local_mode() or not hasattr(self, "_ap_spec"):
+            return getattr(EagerParamBase, name)(self, *args, **kwargs)
+        with local_mode(), paddle.no_grad():
+            full = paddle.zeros(self.global_shape, dtype=self.dtype)
+            getattr(full, name)(*args, **kwargs)
+        param_set_value(self, full)
+        return self
+
+    method.__name__ = name
+    return method
+
+
+param_uniform_ = _param_random("uniform_")
+param_normal_ = _param_random("normal_")
+param_exponential_ = _param_random("exponential_")
+
+
 def param_copy_(self, src, blocking: bool = True):
     """paddle's ``copy_``: a source of the GLOBAL shape sets every held shard to its part (``set_value``);
     a source of this shard's shape copies into this shard."""

@@ -62,6 +62,26 @@ def test_initializers_fill_the_global_parameter(layer, init):
         np.testing.assert_allclose(b, ref.bias.numpy(), rtol=1e-6, err_msg=f"rank {r}")
 
 
+@pytest.mark.parametrize("fill", [lambda p: p.uniform_(-0.5, 0.5), lambda p: p.normal_(0.0, 0.02),
+                                  lambda p: p.exponential_(2.0)], ids=["uniform_", "normal_", "exponential_"])
+def test_in_place_random_fills_draw_the_global_parameter(layer, fill):
+    """``p.uniform_()`` / ``normal_`` / ``exponential_`` on a sharded and on a replicated parameter: every copy
+    holds its part of the one-process draw under the same seed (not one shard's own draw)."""
+    lin, _ = layer
+    ref = nn.Linear(6, 4)
+    with paddle.no_grad():
+        paddle.seed(11)
+        fill(lin.weight)
+        fill(lin.bias)
+        paddle.seed(11)
+        fill(ref.weight)
+        fill(ref.bias)
+    np.testing.assert_array_equal(lin.weight.full().numpy(), ref.weight.numpy())
+    assert not np.array_equal(*[v for v in every_copy(lin.weight).values()])     # the two column halves differ
+    for r, b in every_copy(lin.bias).items():
+        np.testing.assert_array_equal(b, ref.bias.numpy(), err_msg=f"rank {r}")
+
+
 def test_shard_tensor_of_a_distributed_parameter_is_a_parameter(layer):
     lin, mesh = layer
     w = lin.weight.full().numpy()

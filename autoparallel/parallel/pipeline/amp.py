@@ -44,3 +44,23 @@ class PipelineAmpOptimizer(AmpOptimizer):
     def step(self) -> bool:
         self._unscale()
         return self._step_unless(agreed_found_inf(self._pipe, self.params))
+
+
+def batch_loss_scale(pipe, scaler) -> float:
+    """The scale a ``train_batch`` runs its backward on: the pipeline's own (``strategy.amp``), a GradScaler's, or 1.
+    With a GradScaler the pipeline records it (``grads_scaled_by``) until the scaler unscales the gradients
+    (parallel/amp_scaler.py), so a step that would use still-scaled or never-scaled gradients raises."""
+    if scaler is None:
+        if getattr(pipe, "grads_scaled_by", None) is not None:
+            raise RuntimeError("train_batch without the GradScaler the previous batch's gradients were scaled by "
+                               "(they accumulate into the same gradients): pass scaler= on every batch of a step")
+        return pipe.loss_scaler.scale_value if pipe.loss_scaler is not None else 1.0
+    if not isinstance(scaler, paddle.amp.AmpScaler):
+        raise TypeError(f"train_batch scaler: expected a paddle.amp.GradScaler, got {type(scaler).__name__}")
+    if pipe.loss_scaler is not None:
+        raise ValueError("train_batch got a GradScaler, but strategy.amp already scales the pipeline's loss "
+                         "(and its optimizer unscales it); use one of the two")
+    if not scaler._enable:
+        return 1.0
+    pipe.grads_scaled_by = (id(scaler), float(scaler._scale))
+    return float(scaler._scale)

@@ -37,6 +37,7 @@ import time
 import numpy as np
 import paddle
 
+from .amp import batch_loss_scale
 from .simulate import PipelineDeadlock, Record
 from .wiring import (DATA, MODEL, PIPE, _check_composable, _model_info, _p2p_pairs, _shard_stage,  # noqa: F401
                      _shared_parameters, _simulated, _simulated_stage_meshes, _stage_meshes, _world, _world_loss,
@@ -197,12 +198,7 @@ class PipelineModule:
         every = self.plan.pieces.generic             # a model split at its blocks: every stage needs the inputs
         st = _StepState(self._micro(inputs, "inputs") if self.holds_first or every else None,
                         self._micro(labels, "labels") if self.holds_last else None)
-        st.scale = self._loss_scale(scaler)
-        if scaler is not None and scaler._enable:      # the gradients carry its scale until it unscales them
-            self.grads_scaled_by = (id(scaler), st.scale)
-        elif getattr(self, "grads_scaled_by", None) is not None:
-            raise RuntimeError("train_batch without the GradScaler the previous batch's gradients were scaled by "
-                               "(they accumulate into the same gradients): pass scaler= on every batch of a step")
+        st.scale = batch_loss_scale(self, scaler)
         self.weight_grads.pending.clear()                 # nothing carries over from a failed step
         handlers = {"F": self._forward, "B": self._backward, "W": self._weight, "SEND_F": self._send_f,
                     "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b}
@@ -220,16 +216,6 @@ class PipelineModule:
         self.records = st.records
         loss = st.loss if self.holds_last else None
         return self._sync_loss(loss) if self._sync_loss is not None else loss
-
-    def _loss_scale(self, scaler) -> float:
-        if scaler is None:
-            return self.loss_scaler.scale_value if self.loss_scaler is not None else 1.0
-        if not isinstance(scaler, paddle.amp.AmpScaler):
-            raise TypeError(f"train_batch scaler: expected a paddle.amp.GradScaler, got {type(scaler).__name__}")
-        if self.loss_scaler is not None:
-            raise ValueError("train_batch got a GradScaler, but strategy.amp already scales the pipeline's loss "
-                             "(and its optimizer unscales it); use one of the two")
-        return float(scaler._scale) if scaler._enable else 1.0
 
     def _program(self):
         """(pipeline rank, action) in execution order: the rank's own list, or with several ranks held,
