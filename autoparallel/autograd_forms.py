@@ -12,6 +12,7 @@ from __future__ import annotations
 import paddle
 
 from autoparallel.dist_tensor import DistTensor, _grad_placements, as_dist, is_dist, reshard, shard_tensor
+from autoparallel.dist_tensor_forms import backward_seeds
 from autoparallel.local_mode import local_mode
 
 
@@ -19,26 +20,17 @@ def _seq(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _grad_layout(t: DistTensor):
-    return t.mesh, list(_grad_placements(t.placements))
-
-
 def _seed(out, g):
-    """The local seeds of one output: {rank: seed or None}."""
+    """The local seeds of one output, in rank order (None without a gradient)."""
     ranks = sorted(out._locals)
     if g is None:
         return [None] * len(ranks)
-    mesh, pls = _grad_layout(out)
-    if is_dist(g):
-        g = reshard(as_dist(g), mesh, pls)
-    elif isinstance(g, paddle.Tensor):
-        if list(g.shape) != out.shape:
-            raise ValueError(f"paddle.grad: a plain grad_outputs entry is the global gradient of its output, "
-                             f"shape {out.shape}; got shape {list(g.shape)}")
-        g = shard_tensor(g, mesh, pls)
-    else:
+    if not (is_dist(g) or isinstance(g, paddle.Tensor)):
         raise TypeError(f"paddle.grad: grad_outputs entries are tensors or None, got {type(g).__name__}")
-    return [g._locals[r] for r in ranks]
+    if not is_dist(g) and list(g.shape) != out.shape:
+        raise ValueError(f"paddle.grad: a plain grad_outputs entry is the global gradient of its output, "
+                         f"shape {out.shape}; got shape {list(g.shape)}")
+    return backward_seeds(out, as_dist(g) if is_dist(g) else g, ranks, reshard, shard_tensor)
 
 
 def _flatten(items) -> tuple:
@@ -112,8 +104,6 @@ def _regroup(res: list, where: list) -> list:
 def backward(tensors, grad_tensors=None, retain_graph=False, dump_backward_graph_path=None):
     """paddle.autograd.backward over distributed tensors: each one's shards with its seeds (ones, or the given
     gradient laid out in its gradient layout, as ``DistTensor.backward``), in one backward pass."""
-    from autoparallel.dist_tensor_forms import backward_seeds
-
     ts = _seq(tensors)
     gs = [None] * len(ts) if grad_tensors is None else _seq(grad_tensors)
     if len(gs) != len(ts):

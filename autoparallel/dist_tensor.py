@@ -305,9 +305,10 @@ class DistParameter(EagerParamBase):
     zero_ = _forms.param_zero_
     fill_ = _forms.param_fill_
     copy_ = _forms.param_copy_
-    uniform_ = _forms.param_uniform_
-    normal_ = _forms.param_normal_
-    exponential_ = _forms.param_exponential_
+
+
+for _name, _fill in _forms.PARAM_RANDOM_FILLS.items():      # uniform_, normal_, ...: drawn at the global shape
+    setattr(DistParameter, _name, _fill)
 
 
 def is_dist(x) -> bool:

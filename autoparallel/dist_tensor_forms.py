@@ -113,9 +113,9 @@ def _param_random(name: str):
     return method
 
 
-param_uniform_ = _param_random("uniform_")
-param_normal_ = _param_random("normal_")
-param_exponential_ = _param_random("exponential_")
+RANDOM_FILLS = ("uniform_", "normal_", "exponential_", "bernoulli_", "cauchy_", "geometric_", "log_normal_",
+                "random_")
+PARAM_RANDOM_FILLS = {name: _param_random(name) for name in RANDOM_FILLS}
 
 
 def param_copy_(self, src, blocking: bool = True):

@@ -20,8 +20,7 @@ def vocab_parallel_embedding(x, weight, padding_idx=None, max_norm=None, norm_ty
     mask = (x >= vocab_start) & (x < vocab_end)
     ids = paddle.where(mask, x - vocab_start, paddle.zeros_like(x))
     out = F.embedding(ids, weight, padding_idx=padding_idx, sparse=sparse)
-    keep = mask.unsqueeze(-1).expand_as(out)
-    return paddle.where(keep, out, paddle.zeros_like(out))
+    return paddle.where(mask.unsqueeze(-1), out, paddle.zeros([1], dtype=out.dtype))     # broadcast, no copies
 
 
 def global_mean(x, axis=None, keepdim=False, name=None, *, global_count, dtype=None):

@@ -34,8 +34,6 @@ def inplace_routed(op, path, orig):
 
 def _check_leaf(path, target) -> None:
     """paddle refuses an in-place op on a leaf tensor that requires a gradient while gradients are recorded."""
-    import paddle
-
     if not paddle.is_grad_enabled() or not D._any_dist((target,), {}) or target.stop_gradient:
         return
     if isinstance(target, DistParameter) or target.is_leaf:

@@ -15,14 +15,19 @@ def _factor(op, name, v):
     return int(v)
 
 
-def pixel_shuffle(x, upscale_factor, data_format="NCHW", name=None):
-    op = "pixel_shuffle"
+def _image_input(op, x, data_format, what, v):
+    """(the factor ``what`` = ``v``, x's global shape, paddle) of a 4-D NCHW/NHWC image op; bad input raises."""
     _check_format(op, data_format, ("NCHW", "NHWC"))
-    r = _factor(op, "upscale_factor", upscale_factor)
+    r = _factor(op, what, v)
     s = gshape(x)
     if len(s) != 4:
         raise ValueError(f"{op}: x must be 4-D, got {s}")
-    paddle = _p()
+    return r, s, _p()
+
+
+def pixel_shuffle(x, upscale_factor, data_format="NCHW", name=None):
+    op = "pixel_shuffle"
+    r, s, paddle = _image_input(op, x, data_format, "upscale_factor", upscale_factor)
     if data_format == "NCHW":
         n, c, h, w = s
         if c % (r * r):
@@ -38,12 +43,7 @@ def pixel_shuffle(x, upscale_factor, data_format="NCHW", name=None):
 
 def pixel_unshuffle(x, downscale_factor, data_format="NCHW", name=None):
     op = "pixel_unshuffle"
-    _check_format(op, data_format, ("NCHW", "NHWC"))
-    r = _factor(op, "downscale_factor", downscale_factor)
-    s = gshape(x)
-    if len(s) != 4:
-        raise ValueError(f"{op}: x must be 4-D, got {s}")
-    paddle = _p()
+    r, s, paddle = _image_input(op, x, data_format, "downscale_factor", downscale_factor)
     n, c, h, w = s if data_format == "NCHW" else (s[0], s[3], s[1], s[2])
     if h % r or w % r:
         raise ValueError(f"{op}: spatial size {[h, w]} is not divisible by downscale_factor {r}")
@@ -56,12 +56,7 @@ def pixel_unshuffle(x, downscale_factor, data_format="NCHW", name=None):
 
 def channel_shuffle(x, groups, data_format="NCHW", name=None):
     op = "channel_shuffle"
-    _check_format(op, data_format, ("NCHW", "NHWC"))
-    g = _factor(op, "groups", groups)
-    s = gshape(x)
-    if len(s) != 4:
-        raise ValueError(f"{op}: x must be 4-D, got {s}")
-    paddle = _p()
+    g, s, paddle = _image_input(op, x, data_format, "groups", groups)
     if data_format == "NCHW":
         n, c, h, w = s
         if c % g:

@@ -63,7 +63,8 @@ def test_initializers_fill_the_global_parameter(layer, init):
 
 
 @pytest.mark.parametrize("fill", [lambda p: p.uniform_(-0.5, 0.5), lambda p: p.normal_(0.0, 0.02),
-                                  lambda p: p.exponential_(2.0)], ids=["uniform_", "normal_", "exponential_"])
+                                  lambda p: p.exponential_(2.0), lambda p: p.cauchy_()],
+                         ids=["uniform_", "normal_", "exponential_", "cauchy_"])
 def test_in_place_random_fills_draw_the_global_parameter(layer, fill):
     """``p.uniform_()`` / ``normal_`` / ``exponential_`` on a sharded and on a replicated parameter: every copy
     holds its part of the one-process draw under the same seed (not one shard's own draw)."""

@@ -92,14 +92,13 @@ def clip_grad_norm_per_param_(params, max_norm: float) -> None:
             continue
         if is_dist(p):
             terms = param_terms([p])
-            grads = list(terms[0][0].values())
+            grads = [g for g in terms[0][0].values() if g is not None]
+            norm = global_norm(terms) if grads else None
         else:
-            grads = [p.grad]
-            terms = [({0: p.grad}, None, None)]
-        if all(g is None for g in grads):
-            continue
-        norm = global_norm(terms) if is_dist(p) else _plain_norm(p.grad)
-        scale_(grads, clip_coefficient(norm, max_norm))
+            grads = [] if p.grad is None else [p.grad]
+            norm = _plain_norm(p.grad) if grads else None
+        if grads:
+            scale_(grads, clip_coefficient(norm, max_norm))
 
 
 def _plain_norm(g) -> float:

@@ -13,9 +13,7 @@ WHOLE_TENSOR = ("Lamb",)
 
 def whole_tensor_kind(opt):
     """The class name of a paddle optimizer whose update is not elementwise (see WHOLE_TENSOR), else None."""
-    import paddle
-
-    return "Lamb" if isinstance(opt, paddle.optimizer.Lamb) else None
+    return next((k for k in WHOLE_TENSOR if isinstance(opt, getattr(paddle.optimizer, k))), None)
 
 
 def clone_optimizer(opt, params, name_map: dict, whole: bool = False):
@@ -51,8 +49,6 @@ def clone_optimizer(opt, params, name_map: dict, whole: bool = False):
 
 def _momentum_decay(opt):
     """Momentum keeps an L2Decay in its fused op (``_regularization_method``), not in ``regularization``."""
-    import paddle
-
     if getattr(opt, "_regularization_method", "") == "l2_decay":
         return paddle.regularizer.L2Decay(opt._regularization_coeff)
     return opt.regularization
@@ -82,8 +78,6 @@ def sync_lr(inner, clone) -> None:
 
 def _clone_more(opt, params, lr, name_map, whole):
     """The elementwise optimizers besides AdamW/Adam/SGD/Momentum; Lamb over whole parameters."""
-    import paddle
-
     O, wd = paddle.optimizer, opt.regularization
     if isinstance(opt, O.Adagrad):
         return O.Adagrad(lr, epsilon=opt._epsilon, parameters=params, weight_decay=wd,
