@@ -7,11 +7,16 @@
     dist_model.eval();    loss = dist_model(x, y)       # eval_step: the loss, nothing updated
     dist_model.predict(); out = dist_model(x)           # the model's output (a DistTensor)
 
-``predict(inputs)`` with an argument keeps this project's direct form (the output for ``inputs``).
+``predict(inputs)`` with an argument keeps this project's direct form (the output for ``inputs``). The first mode
+is paddle's: "train" with a loss and an optimizer, "eval" with a loss only, "predict" with neither. A call takes
+the fields as arguments or as one list / tuple of them (``dist_model([x, y])``), as paddle's does.
+
+    sd = dist_model.state_dict("all")     # parameters and buffers, and optimizer states named "<param>.<state>"
+    dist_model.set_state_dict(sd)         # values copied into the live tensors, each in its own layout
 """
 from __future__ import annotations
 
-__all__ = ["PaddleModes", "state_dict_mode"]
+__all__ = ["PaddleModes", "state_dict_mode", "StateDictForms"]
 
 _UNSET = object()
 MODES = ("train", "eval", "predict")
@@ -20,27 +25,35 @@ MODES = ("train", "eval", "predict")
 class PaddleModes:
     """Mixin: ``train()`` / ``eval()`` / ``predict()`` choose what ``__call__`` runs (paddle's default: train)."""
 
-    _mode = "train"
-
     def train(self) -> None:
-        self._mode = "train"
+        self._chosen_mode = "train"
 
     def eval(self) -> None:
-        self._mode = "eval"
+        self._chosen_mode = "eval"
 
     def predict(self, inputs=_UNSET):
         if inputs is _UNSET:
-            self._mode = "predict"
+            self._chosen_mode = "predict"
             return None
         return self._predict(inputs)
 
     @property
     def mode(self) -> str:
-        return self._mode
+        chosen = self.__dict__.get("_chosen_mode")
+        if chosen is not None:
+            return chosen
+        if self.loss_fn is not None:                 # paddle's first mode
+            return "train" if self.optimizer is not None else "eval"
+        return "predict"
+
+    @property
+    def _mode(self) -> str:
+        return self.mode
 
     def __call__(self, *fields):
         import paddle
 
+        fields = _flatten(fields)
         if not fields:
             raise TypeError(f"DistModel({self._mode} mode) expects the batch fields: dist_model(inputs..., label)"
                             f"{'' if self._mode != 'predict' else ' or, in predict mode, dist_model(inputs...)'}")
@@ -50,10 +63,24 @@ class PaddleModes:
         return paddle.to_tensor(step(tuple(fields)), dtype="float32")
 
 
-def state_dict_mode(full, split_fusion=True) -> bool:
-    """``DistModel.state_dict``'s first argument: this project's ``full`` (bool) or paddle's ``mode``: "param" (the
-    parameters, as ``full=False``) is honoured; "opt" and "all" (optimizer states) are refused, naming where
-    optimizer states are; ``split_fusion`` must stay True (no fused parameters here)."""
+def _flatten(args) -> tuple:
+    """paddle's ``DistModel(*args)``: a list / tuple argument holds batch fields; a dict is refused."""
+    out = []
+    for a in args:
+        if isinstance(a, dict):
+            raise TypeError(f"DistModel takes the batch fields as tensors or lists of tensors, got a dict with keys "
+                            f"{sorted(a)[:6]}; pass the fields in order: dist_model(inputs..., label)")
+        if isinstance(a, (list, tuple)) and not any(isinstance(i, (list, tuple, dict)) for i in a):
+            out.extend(a)
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def state_dict_mode(full, split_fusion=True):
+    """``DistModel.state_dict``'s first argument: this project's ``full`` (bool: gathered numpy values or not) or
+    paddle's ``mode``: "param" (as ``full=False``), "opt" or "all" (returned as is); ``split_fusion`` must stay
+    True (no fused parameters here)."""
     if split_fusion is not True:
         raise NotImplementedError(f"DistModel.state_dict(split_fusion={split_fusion!r}): parameters are never fused "
                                   f"here; only split_fusion=True is accepted")
@@ -62,7 +89,73 @@ def state_dict_mode(full, split_fusion=True) -> bool:
     if full == "param":
         return False
     if full in ("opt", "all"):
-        raise NotImplementedError(f"DistModel.state_dict(mode={full!r}): optimizer states are not in the model's "
-                                  f"state dict here; take them from dist_model.optimizer.state_dict(), or save both "
-                                  f"with ap.save_state_dict")
-    raise TypeError(f"DistModel.state_dict expects full=True/False or paddle's mode 'param', got {full!r}")
+        return full
+    raise TypeError(f"DistModel.state_dict expects full=True/False or paddle's mode 'param', 'opt' or 'all', got "
+                    f"{full!r}")
+
+
+class StateDictForms:
+    """Mixin: paddle's ``state_dict("opt" / "all")``, ``set_state_dict`` and the program accessors of DistModel."""
+
+    def _opt_state(self) -> dict:
+        """{"<param>.<state>": tensor or checkpoint leaf} of the optimizer (ap.training_state's names)."""
+        if self.optimizer is None:
+            raise ValueError("DistModel.state_dict('opt'/'all'): this DistModel has no optimizer (ap.to_static was "
+                             "given optimizer=None); use state_dict('param')")
+        from autoparallel.checkpoint.state import training_state
+
+        try:
+            state = training_state(self.network, self.optimizer)
+        except TypeError as e:
+            raise TypeError(f"DistModel.state_dict('opt'/'all') reads the states of a paddle optimizer: {e}") from None
+        out = {}
+        for pname, states in state.get("optimizer", {}).items():
+            for sname, v in states.items():
+                out[f"{pname}.{sname}"] = v
+        return out
+
+    def _paddle_state_dict(self, mode: str) -> dict:
+        opt = self._opt_state()
+        if mode == "opt":
+            return opt
+        sd = dict(self.network.state_dict())
+        clash = sorted(set(sd) & set(opt))
+        if clash:
+            raise ValueError(f"DistModel.state_dict('all'): optimizer state names {clash[:3]} collide with model "
+                             f"entries; use state_dict('param') and state_dict('opt') apart")
+        sd.update(opt)
+        return sd
+
+    def set_state_dict(self, state_dict: dict) -> None:
+        """paddle's ``set_state_dict``: copy each value (a DistTensor in any layout, a paddle.Tensor or numpy
+        array holding the global value) into the entry of ``state_dict('all')`` (or 'param' without an
+        optimizer) of that name, in its own layout. Every rank takes part. Unknown names raise KeyError."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"set_state_dict expects a dict {{name: tensor}}, got {type(state_dict).__name__}")
+        from autoparallel.api_dist_model_state import assign_all
+
+        current = self._paddle_state_dict("all") if self.optimizer is not None else dict(self.network.state_dict())
+        unknown = sorted(k for k in state_dict if k not in current)
+        if unknown:
+            raise KeyError(f"set_state_dict: {unknown[:5]} are not entries of this DistModel's state dict "
+                           f"(entries: {sorted(current)[:8]}{' ...' if len(current) > 8 else ''})")
+        with self.whole_parameters():
+            assign_all({k: (current[k], v) for k, v in state_dict.items()})
+
+    def dist_main_program(self, mode=None):
+        _no_program("dist_main_program")
+
+    def dist_startup_program(self, mode=None):
+        _no_program("dist_startup_program")
+
+    def serial_main_program(self, mode=None):
+        _no_program("serial_main_program")
+
+    def serial_startup_program(self, mode=None):
+        _no_program("serial_startup_program")
+
+
+def _no_program(name: str):
+    raise NotImplementedError(f"DistModel.{name}(): ap.to_static runs paddle's eager kernels with the captured "
+                              f"layouts pinned, so there is no static Program; inspect the captured op graph with "
+                              f"dist_model.graph (networkx) or print(dist_model)")

@@ -154,9 +154,12 @@ def _check_keys(config):
 def _dp_config(s, dp, mesh):
     if dp is None:
         return
-    level = dp.get("sharding_level", 0)
-    if isinstance(level, bool) or level not in (0, 1, 2, 3):
-        raise ValueError(f"ap.parallelize: dp_config['sharding_level'] must be 0, 1, 2 or 3, got {level!r}")
+    given = dp.get("sharding_level")
+    level = {None: 0, "0": 0, "1": 1, "2": 2, "3": 3}.get(given, given) if isinstance(given, (str, type(None))) \
+        else given                                    # paddle takes ints, digit strings and None (pure dp)
+    if type(level) is not int or level not in (0, 1, 2, 3):
+        raise ValueError(f"ap.parallelize: dp_config['sharding_level'] must be 0, 1, 2 or 3 (int or str), got "
+                         f"{given!r}")
     dim = dp.get("sharding_mesh_dim", "dp")
     name = DIM_NAMES.get(dim if isinstance(dim, str) else mesh.dim_names[dim] if isinstance(dim, int)
                          and -mesh.ndim <= dim < mesh.ndim else None)

@@ -545,7 +545,7 @@ def test_dist_model_paddle_modes_equal_the_step_methods():
         with pytest.raises(TypeError, match="expects the batch fields"):
             paddle_form()
         assert set(paddle_form.state_dict("param")) == set(canonical.state_dict())
-        with pytest.raises(NotImplementedError, match="mode='all'.*optimizer.state_dict"):
+        with pytest.raises(TypeError, match="states of a paddle optimizer"):      # SimSGD keeps no states
             paddle_form.state_dict("all")
         with pytest.raises(NotImplementedError, match="split_fusion=False"):
             paddle_form.state_dict(split_fusion=False)

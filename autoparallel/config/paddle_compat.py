@@ -220,6 +220,10 @@ def problems(strategy) -> list:
     if state.get("pipeline.enable") and strategy.pipeline_parallel.degree == 1:
         out.append("pipeline.enable=True needs the number of stages: set strategy.pipeline.pp_degree (= "
                    "pipeline_parallel.degree) > 1")
+    k = state.get("gradient_merge.k_steps", 1)
+    if k != 1 and not state.get("gradient_merge.enable"):
+        out.append(f"gradient_merge.k_steps={k} is set but gradient_merge.enable is not True; expected "
+                   f"gradient_merge.enable=True (= gradient_accumulation_steps={k}) or the default k_steps 1")
     return out
 
 
@@ -233,11 +237,15 @@ def apply_config(strategy, config: dict) -> None:
         if isinstance(value, dict):
             section = getattr(strategy, key) if key in _SECTIONS or key in strategy.__dataclass_fields__ else None
             if section is None:
+                if key not in PADDLE_ONLY:
+                    _unknown(key, "")
                 for name, v in value.items():
                     refuse_or_accept(key, name, v) or _unknown(key, name)
                 continue
             if key == "amp" and value.get("enable") is True:
                 value = {**_amp_defaults(value), **value}
+            elif key == "amp":
+                value = _amp_off(strategy, value)
             for name, v in value.items():
                 setattr(section, name, v)
         else:
@@ -252,6 +260,34 @@ def _amp_defaults(amp: dict) -> dict:
     if amp.get("dtype", "float16") != "float16":
         return {}
     return {k: v for k, v in PADDLE_AMP_DEFAULTS.items() if k not in amp}
+
+
+def _amp_off(strategy, amp: dict) -> dict:
+    """An ``amp`` section that does not enable AMP: paddle's defaults restated are dropped (nothing to set), any
+    other value would do nothing (paddle ignores it too) and is refused."""
+    if strategy.amp.enable:
+        return amp
+    defaults = {**PADDLE_AMP_DEFAULTS, "enable": False, "level": "o1", "incr_ratio": 2.0,
+                "use_dynamic_loss_scaling": True}
+    out = {}
+    for name, v in amp.items():
+        if name in PADDLE_ONLY["amp"]:
+            out[name] = v                              # accepted at paddle's default, refused otherwise
+        elif name not in defaults:
+            out[name] = v                              # not a field: refused by the section itself
+        elif not _paddle_default_value(v, defaults[name]):
+            raise ValueError(f"Strategy(config): amp.{name}={v!r} is set but amp.enable is not True, so it "
+                             f"would do nothing; expected amp.enable=True or paddle's default "
+                             f"{defaults[name]!r}")
+    return out
+
+
+def _paddle_default_value(v, default) -> bool:
+    if isinstance(default, str):
+        return isinstance(v, str) and v.lower() == default.lower()
+    if isinstance(default, bool) or isinstance(v, bool):
+        return v is default
+    return isinstance(v, (int, float)) and v == default
 
 
 def _unknown(section, name):

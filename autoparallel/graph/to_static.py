@@ -11,7 +11,8 @@ Shapes come from ``input_spec`` (one ``InputSpec`` / ``(shape, dtype)`` / ``Dist
 the loader's metadata (``batch_size`` / ``global_batch_size`` and ``dataset[0]``); no batch is drawn from the
 loader. A batch is ``(inputs..., label)``: the model takes all fields but the last, ``loss_fn(output, label)``.
 With ``gradient_accumulation_steps = k`` a train_step batch holds k micro-batches along dim 0 (or is a list
-of k micro-batches); the graph is captured at the micro-batch shape.
+of k micro-batches); the graph is captured at the micro-batch shape. Without a loss_fn the model takes every
+``input_spec`` field; a loader's items are still (inputs..., label), and the label is not fed (paddle's split).
 
 Strategy: ``auto_mode="semi"`` fixes the batch dim of every field sharded over "data" (dp > 1: the first ops
 consume the batch as sharded; an ``input_spec`` entry given as a DistSpec is only where that field arrives,
@@ -28,13 +29,13 @@ are not supported in this mode yet.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import numpy as np
 import paddle
 
 from autoparallel import layer_state
-from autoparallel.api_dist_model import PaddleModes
+from autoparallel.api_dist_model import PaddleModes, StateDictForms
+from autoparallel.graph.static_mesh import mesh_for
 from autoparallel.placement import Replicate, Shard
 from autoparallel.spec import DistSpec, input_shape_dtype, normalize_dtype
 
@@ -111,25 +112,6 @@ def _apply_recompute(model, rc):
                          f"ap.to_static); build a fresh model to recompute {want[0]} every {want[1]} layers")
 
 
-def _square_mesh(world):
-    from autoparallel.mesh import ProcessMesh
-
-    dp = max(d for d in range(1, int(math.isqrt(world)) + 1) if world % d == 0)
-    tp = world // dp
-    return ProcessMesh([[a * tp + b for b in range(tp)] for a in range(dp)], dim_names=["data", "model"])
-
-
-def _mesh_for(strategy, world, mesh):
-    if mesh is not None:
-        return mesh, None
-    if strategy.auto_mode == "full":
-        return _square_mesh(world), None
-    from autoparallel.parallel.mesh_dims import build_mesh
-
-    degrees = strategy.validate(world_size=world)
-    return build_mesh(degrees.dp, degrees.tp), degrees
-
-
 def _semi_annotations(model, mesh, strategy, tp_plan):
     """Parameter and layer-output annotations implied by the strategy (semi mode)."""
     from autoparallel.parallel.model_families import resolve_tp_plan
@@ -158,7 +140,7 @@ def _batch_layout(mesh, ndim):
 
 
 # ---- the model ---------------------------------------------------------------------------------------
-class DistModel(PaddleModes):
+class DistModel(PaddleModes, StateDictForms):
     """A model, loss and optimizer whose layouts were completed over the captured training graph. paddle's call
     form (``dist_model.train()`` then ``dist_model(x, y)``) comes from ``PaddleModes`` (api_dist_model.py)."""
 
@@ -324,13 +306,19 @@ class DistModel(PaddleModes):
 
     __repr__ = __str__
 
-    def state_dict(self, full: bool = False, split_fusion: bool = True) -> dict:
+    def state_dict(self, full: bool = False, split_fusion: bool = True, *, mode=None) -> dict:
         """{name: parameter}: distributed parameters (each with ``.placements`` and ``.full()``; at ZeRO stage 3
         they hold no data between steps), or with ``full=True`` the gathered values as numpy arrays (every rank
-        takes part). paddle's ``mode`` strings: see api_dist_model.state_dict_mode."""
+        takes part). paddle's ``mode`` ("param", "opt", "all"; positional or ``mode=``): api_dist_model.py."""
         from autoparallel.api_dist_model import state_dict_mode
 
+        if mode is not None:
+            if full is not False:
+                raise TypeError("DistModel.state_dict: give paddle's mode= or this project's full=, not both")
+            full = mode
         full = state_dict_mode(full, split_fusion)
+        if isinstance(full, str):
+            return self._paddle_state_dict(full)
         sd = self.network.state_dict()
         if not full:
             return sd
@@ -422,6 +410,8 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
         specs = [_spec_of(x, i) for i, x in enumerate(input_spec)]
     elif loader is not None:
         specs = _loader_specs(loader)
+        if loss_fn is None and len(specs) > 1:     # paddle's (inputs, labels) item: no loss, no label fed
+            specs = specs[:-1]
     else:
         raise TypeError("to_static needs the batch shapes: pass input_spec=[(shape, dtype), ...] or a loader "
                         "with batch_size and dataset")
@@ -430,7 +420,7 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
                          f"spec has {len(specs)}")
     k = strategy.gradient_accumulation_steps
     micro = [_micro(s, k, i) for i, s in enumerate(specs)]
-    mesh, _ = _mesh_for(strategy, current_world().world_size, mesh)
+    mesh, _ = mesh_for(strategy, current_world().world_size, mesh)
     full = strategy.auto_mode == "full"
     ann = {} if full else _semi_annotations(model, mesh, strategy, tp_plan)
     ann.update(annotations or {})

@@ -1,0 +1,181 @@
+"""ap.to_static's DistModel in paddle's usage forms, the strategy checked against a given mesh, and the paddle
+config spellings of Strategy / parallelize that must be honoured or refused (never accepted and ignored)."""
+import numpy as np
+import paddle
+import pytest
+
+import autoparallel as ap
+from dist_scripts.static_models import MLP, mse
+from test_to_static import SPEC, SimSGD, mlp_batches
+
+pytestmark = pytest.mark.sim
+
+
+def _reference(batches, lr=0.01):
+    paddle.seed(0)
+    m = MLP()
+    opt = paddle.optimizer.AdamW(lr, parameters=m.parameters())
+    out = []
+    for x, y in batches:
+        loss = mse(m(paddle.to_tensor(x)), paddle.to_tensor(y))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        out.append(float(loss))
+    return out, m
+
+
+def _dm(seed=0, loss=mse, opt="adamw", mesh=None, strategy=None, **kw):
+    paddle.seed(seed)
+    m = MLP()
+    o = {"adamw": lambda: paddle.optimizer.AdamW(0.01, parameters=m.parameters()),
+         "sgd": lambda: SimSGD(0.1, m.parameters()), None: lambda: None}[opt]()
+    if strategy is None:
+        strategy = ap.Strategy()
+        strategy.data_parallel.degree = 2
+    return ap.to_static(m, kw.pop("loader", None), loss, o, strategy,
+                        input_spec=kw.pop("input_spec", SPEC), mesh=mesh, **kw)
+
+
+def test_first_mode_is_paddles_and_a_batch_may_come_as_one_list():
+    """train with a loss and an optimizer, eval with a loss only (nothing updated), predict with neither; a
+    list / tuple of fields is the fields; values are one process's."""
+    batches = mlp_batches(2)
+    ref, _ = _reference(batches)
+    x, y = batches[0]
+    with ap.simulate(world_size=2):
+        dm = _dm()
+        assert dm.mode == "train"
+        got = [float(dm([paddle.to_tensor(x), paddle.to_tensor(y)])), float(dm(tuple(batches[1])))]
+        with pytest.raises(TypeError, match="got a dict"):
+            dm({"x": x, "y": y})
+        evaluator = _dm(opt=None)
+        assert evaluator.mode == "eval"
+        assert float(evaluator(x, y)) == float(evaluator(x, y)) == pytest.approx(ref[0], rel=1e-6)
+        predictor = _dm(loss=None, opt=None, input_spec=SPEC[:1])
+        assert predictor.mode == "predict"
+        np.testing.assert_allclose(predictor(x).full().numpy(), evaluator.predict(x).full().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+class _Pairs(paddle.io.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(i)
+        return rng.standard_normal(16).astype("float32"), rng.standard_normal(16).astype("float32")
+
+
+def test_without_a_loss_a_loaders_label_is_not_fed_to_the_model():
+    """paddle splits a loader item into (inputs, labels): with no loss the model takes the inputs only."""
+    x, _ = next(iter(paddle.io.DataLoader(_Pairs(), batch_size=8)))
+    paddle.seed(0)
+    want = MLP()(x).numpy()
+    with ap.simulate(world_size=2):
+        dm = _dm(loss=None, opt=None, input_spec=None, loader=paddle.io.DataLoader(_Pairs(), batch_size=8))
+        assert dm.mode == "predict"
+        np.testing.assert_allclose(dm(x).full().numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_state_dict_modes_and_set_state_dict_restore_model_and_optimizer():
+    """state_dict('all') = 'param' + 'opt' ("<param>.<state>"); set_state_dict on a differently initialised
+    model continues the run exactly; restoring only the parameters (fresh AdamW moments) does not."""
+    batches = mlp_batches(4)
+    ref, _ = _reference(batches)
+    with ap.simulate(world_size=2):
+        dm = _dm()
+        for x, y in batches[:2]:
+            dm(x, y)
+        params, opt, everything = dm.state_dict("param"), dm.state_dict(mode="opt"), dm.state_dict("all")
+        assert set(everything) == set(params) | set(opt) and "fc1.weight.moment1" in opt
+        saved = {k: v.full().numpy() if hasattr(v, "full") else v.numpy() for k, v in everything.items()}
+        runs = {}
+        for what in ("all", "param"):
+            other = _dm(seed=1)
+            other.set_state_dict({k: v for k, v in saved.items() if what == "all" or k in params})
+            runs[what] = [float(other(x, y)) for x, y in batches[2:]]
+        with pytest.raises(KeyError, match="fc9.weight"):
+            other.set_state_dict({"fc9.weight": saved["fc1.weight"]})
+        with pytest.raises(ValueError, match="expected global shape"):
+            other.set_state_dict({"fc1.weight": saved["fc1.weight"][:3]})
+    np.testing.assert_allclose(runs["all"], ref[2:], rtol=1e-5, atol=1e-6)
+    assert runs["param"][0] == pytest.approx(ref[2], rel=1e-5) and abs(runs["param"][1] - ref[3]) > 1e-4
+
+
+def test_program_accessors_say_there_is_no_program():
+    with ap.simulate(world_size=2):
+        dm = _dm(opt="sgd")
+        for name in ("dist_main_program", "dist_startup_program", "serial_main_program", "serial_startup_program"):
+            with pytest.raises(NotImplementedError, match="dist_model.graph"):
+                getattr(dm, name)()
+
+
+def _strategy(stmt):
+    s = ap.Strategy()
+    exec(stmt, {}, {"s": s})
+    return s
+
+
+@pytest.mark.parametrize("stmt, words", [
+    ("s.data_parallel.degree = 4", "data_parallel.degree=4 but the mesh's 'data' dim has size 2"),
+    ("s.tensor_parallel.degree = 2", "tensor_parallel.degree=2 but the mesh's 'model' dim has size 1"),
+    ("s.sequence_parallel.enable = True", "needs tensor_parallel.degree > 1"),
+    ("s.sharding.stage = 2", "sharding.stage=2 is set but sharding.enable=False"),
+    ("s.recompute.granularity = 'selective'", "recompute.enable=False"),
+])
+def test_a_given_mesh_is_checked_against_the_strategy(stmt, words):
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([[0], [1]], dim_names=["data", "model"])
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            _dm(opt="sgd", mesh=mesh, strategy=_strategy(stmt))
+        assert _dm(opt="sgd", mesh=mesh, strategy=_strategy("s.data_parallel.degree = 2")).mesh is mesh  # control
+
+
+def test_sharding_needs_a_data_dim_and_full_mode_refuses_fixed_degrees():
+    with ap.simulate(world_size=2):
+        with pytest.raises(ValueError, match="'data' dim"):
+            _dm(mesh=ap.ProcessMesh([0, 1], dim_names=["model"]), strategy=_strategy("s.sharding.enable = True"))
+        with pytest.raises(ValueError, match="auto_mode='full'.*data_parallel.degree=2"):
+            _dm(opt="sgd", strategy=_strategy("s.auto_mode = 'full'; s.data_parallel.degree = 2"))
+
+
+@pytest.mark.parametrize("config, exc, words", [
+    ({"shardng": {}}, ValueError, "unknown section 'shardng'"),
+    ({"amp": {"dtype": "bfloat16"}}, ValueError, "amp.dtype='bfloat16' is set but amp.enable is not True"),
+    ({"amp": {"enable": False, "init_loss_scaling": 1024.0}}, ValueError, "amp.init_loss_scaling"),
+])
+def test_paddle_config_sections_that_would_do_nothing_are_refused(config, exc, words):
+    with pytest.raises(exc, match=words):
+        ap.Strategy(config)
+
+
+def test_paddle_config_defaults_restated_are_accepted():
+    s = ap.Strategy({"amp": {"enable": False, "dtype": "float16", "level": "O1", "init_loss_scaling": 32768},
+                     "dp_optimization": {}})
+    assert s.to_dict() == ap.Strategy().to_dict()
+
+
+def test_gradient_merge_k_steps_without_enable_is_refused_by_every_entry_point():
+    off = ap.Strategy({"gradient_merge": {"k_steps": 2}})
+    on = ap.Strategy({"gradient_merge": {"enable": True, "k_steps": 2}})
+    assert on.gradient_accumulation_steps == 2 and off.gradient_accumulation_steps == 1
+    with ap.simulate(world_size=2):
+        with pytest.raises(ValueError, match="gradient_merge.k_steps=2 is set but gradient_merge.enable"):
+            _dm(opt="sgd", strategy=off)
+        paddle.seed(0)
+        with pytest.raises(ValueError, match="gradient_merge.k_steps=2"):
+            ap.DataParallel(MLP(), strategy=off.copy())
+        assert _dm(opt="sgd", strategy=on)._k == 2
+
+
+def test_parallelize_sharding_level_as_paddle_spells_it():
+    from autoparallel.api_parallelize import strategy_from_config
+
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    for given, stage in ((2, 2), ("2", 2), ("3", 3), ("0", None), (None, None)):
+        s, _, _ = strategy_from_config({"dp_config": {"sharding_level": given}}, mesh)
+        assert (s.sharding.stage if s.sharding.enable else None) == stage, given
+    for bad in ("4", [2], 2.0, True):
+        with pytest.raises(ValueError, match="sharding_level"):
+            strategy_from_config({"dp_config": {"sharding_level": bad}}, mesh)
