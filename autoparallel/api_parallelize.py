@@ -52,6 +52,7 @@ def paddle_form(model, strategy, mesh, config, tp_plan):
     if config is not None or derive:             # the mesh's dim sizes are the degrees
         strategy, mesh, tp_plan = strategy_from_config(config or {}, mesh, strategy, tp_plan)
         _check_split(model, (config or {}).get("pp_config"), strategy)
+        _check_sp_keys(model, (config or {}).get("mp_config"))
     tp_plan, prepares = split_prepares(tp_plan)
     if prepares and strategy is not None and strategy.pipeline_parallel.degree > 1:
         raise NotImplementedError("ap.parallelize: PrepareLayerInput/Output hooks with pipeline parallelism (the "
@@ -210,6 +211,18 @@ def _mp_config(mp, tp_plan):
         out[layer] = style
     extra = out.pop("__prepares__", [])
     return _with_prepares(out, extra), sp
+
+
+def _check_sp_keys(model, mp) -> None:
+    """paddle's SequenceParallel* entries only switch sequence parallelism on, but their keys must still name
+    layers of the model: a key matching none (a typo) is refused like any other plan key."""
+    from autoparallel.parallel.tensor_parallel import PlanError, name_matches
+
+    names = [n for n, _ in model.named_sublayers() if n]
+    for key, value in ((mp or {}).get("parallelize_plan") or {}).items():
+        if _without_sp(value)[1] and not any(name_matches(n, key) for n in names):
+            raise PlanError(f"ap.parallelize: parallelize_plan key {key!r} ({', '.join(_without_sp(value)[1])}) "
+                            f"matches no layer of {type(model).__name__}")
 
 
 def _without_sp(value):

@@ -179,3 +179,18 @@ def test_parallelize_sharding_level_as_paddle_spells_it():
     for bad in ("4", [2], 2.0, True):
         with pytest.raises(ValueError, match="sharding_level"):
             strategy_from_config({"dp_config": {"sharding_level": bad}}, mesh)
+
+
+@pytest.mark.parametrize("style", ["SequenceParallelBegin", "SequenceParallelEnd", "SequenceParallelDisable"])
+def test_a_sequence_parallel_plan_key_matching_no_layer_is_refused(style):
+    import paddle.distributed as dist
+
+    from autoparallel.parallel.tensor_parallel import PlanError
+    from autoparallel.testing.models import adamw, build
+
+    plan = {"blocks.*.attn.qkv": dist.ColWiseParallel(), "blocks.*.attn.proj": dist.RowWiseParallel()}
+    with ap.simulate(world_size=2):
+        m = build("gpt")
+        with pytest.raises(PlanError, match=f"'wtee' \\({style}\\) matches no layer of GPT"):
+            ap.parallelize(m, adamw(m.parameters()), dist.ProcessMesh([[0, 1]], ["dp", "mp"]),
+                           {"mp_config": {"parallelize_plan": {**plan, "wtee": getattr(dist, style)()}}})
