@@ -23,7 +23,7 @@ MODES = ("train", "eval", "predict")
 
 
 class PaddleModes:
-    """Mixin: ``train()`` / ``eval()`` / ``predict()`` choose what ``__call__`` runs (paddle's default: train)."""
+    """Mixin: ``train()`` / ``eval()`` / ``predict()`` choose what ``__call__`` runs (first mode: paddle's, see above)."""
 
     def train(self) -> None:
         self._chosen_mode = "train"
@@ -46,20 +46,16 @@ class PaddleModes:
             return "train" if self.optimizer is not None else "eval"
         return "predict"
 
-    @property
-    def _mode(self) -> str:
-        return self.mode
-
     def __call__(self, *fields):
         import paddle
 
-        fields = _flatten(fields)
+        fields, mode = _flatten(fields), self.mode
         if not fields:
-            raise TypeError(f"DistModel({self._mode} mode) expects the batch fields: dist_model(inputs..., label)"
-                            f"{'' if self._mode != 'predict' else ' or, in predict mode, dist_model(inputs...)'}")
-        if self._mode == "predict":
+            raise TypeError(f"DistModel({mode} mode) expects the batch fields: dist_model(inputs..., label)"
+                            f"{'' if mode != 'predict' else ' or, in predict mode, dist_model(inputs...)'}")
+        if mode == "predict":
             return self._predict(fields)
-        step = self.train_step if self._mode == "train" else self.eval_step
+        step = self.train_step if mode == "train" else self.eval_step
         return paddle.to_tensor(step(tuple(fields)), dtype="float32")
 
 
