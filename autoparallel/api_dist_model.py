@@ -93,28 +93,27 @@ def state_dict_mode(full, split_fusion=True):
 class StateDictForms:
     """Mixin: paddle's ``state_dict("opt" / "all")``, ``set_state_dict`` and the program accessors of DistModel."""
 
-    def _opt_state(self) -> dict:
-        """{"<param>.<state>": tensor or checkpoint leaf} of the optimizer (ap.training_state's names)."""
+    def _training_state(self) -> dict:
+        """ap.training_state of the model and optimizer ({"model": ..., "optimizer": {param: {state: ...}}})."""
         if self.optimizer is None:
             raise ValueError("DistModel.state_dict('opt'/'all'): this DistModel has no optimizer (ap.to_static was "
                              "given optimizer=None); use state_dict('param')")
         from autoparallel.checkpoint.state import training_state
 
         try:
-            state = training_state(self.network, self.optimizer)
+            return training_state(self.network, self.optimizer)
         except TypeError as e:
             raise TypeError(f"DistModel.state_dict('opt'/'all') reads the states of a paddle optimizer: {e}") from None
-        out = {}
-        for pname, states in state.get("optimizer", {}).items():
-            for sname, v in states.items():
-                out[f"{pname}.{sname}"] = v
-        return out
 
     def _paddle_state_dict(self, mode: str) -> dict:
-        opt = self._opt_state()
+        """'opt': {"<param>.<state>": tensor or checkpoint leaf}; 'all': the model's entries (a ZeRO optimizer's
+        checkpoint leaves for the parameters it shards, which hold no data between steps at stage 3) and those."""
+        state = self._training_state()
+        opt = {f"{p}.{k}": v for p, states in state.get("optimizer", {}).items() for k, v in states.items()}
         if mode == "opt":
             return opt
         sd = dict(self.network.state_dict())
+        sd.update(state.get("model", {}))
         clash = sorted(set(sd) & set(opt))
         if clash:
             raise ValueError(f"DistModel.state_dict('all'): optimizer state names {clash[:3]} collide with model "

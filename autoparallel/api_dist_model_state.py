@@ -25,8 +25,8 @@ def _global_array(name, target, value) -> np.ndarray:
     from autoparallel.dist_tensor import DistTensor, is_dist
 
     if not isinstance(target, (paddle.Tensor, DistTensor)):
-        raise NotImplementedError(f"set_state_dict[{name!r}]: this entry is a {type(target).__name__} (a sharded "
-                                  f"optimizer state); restore sharded optimizers with ap.save_state_dict / "
+        raise NotImplementedError(f"set_state_dict[{name!r}]: this entry is a {type(target).__name__} (held in "
+                                  f"chunks by the ZeRO optimizer); restore ZeRO runs with ap.save_state_dict / "
                                   f"ap.load_state_dict on dist_model.state_dict('all')")
     if is_dist(value):
         arr = value.full().numpy()
