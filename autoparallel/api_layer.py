@@ -49,10 +49,31 @@ def to_static(layer=_UNSET, loader=None, loss=_UNSET, optimizer=None, strategy=N
     from autoparallel.api_strategy import as_strategy
 
     strategy = as_strategy(strategy)
+    input_spec = _flat_input_spec(input_spec, fn is not _UNSET and fn is not None)
     if strategy is not None and getattr(strategy, "__dict__", {}).get("_paddle_state", {}).get("pipeline.enable"):
         raise NotImplementedError("ap.to_static cannot honour strategy.pipeline.enable=True (the captured graph runs "
                                   "one stage; honoured by ap.parallelize or ap.DataParallel + ap.Optimizer)")
     return build(net, loader, None if fn is _UNSET else fn, optimizer, strategy, input_spec, **options)
+
+
+def _is_spec_entry(x) -> bool:
+    """One field's spec: an InputSpec / DistSpec (anything with shape and dtype) or a (shape, dtype) pair."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return True
+    return isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], (list, tuple))
+
+
+def _flat_input_spec(input_spec, has_loss: bool):
+    """paddle's ``input_spec=[inputs_spec, labels_spec]`` (two lists of InputSpec) as this project's flat list of
+    fields; without a loss the labels are not fed (paddle's predict). The flat form passes through."""
+    if not isinstance(input_spec, (list, tuple)) or len(input_spec) != 2:
+        return input_spec
+    groups = [g for g in input_spec if isinstance(g, (list, tuple)) and all(_is_spec_entry(e) for e in g)
+              and not _is_spec_entry(g)]
+    if len(groups) != 2:
+        return input_spec
+    inputs, labels = groups
+    return list(inputs) + (list(labels) if has_loss else [])
 
 
 def shard_scaler(scaler):

@@ -212,3 +212,16 @@ def test_zero3_state_dict_all_saved_and_loaded_continues_the_run(tmp_path):
         with pytest.raises(NotImplementedError, match="'fc1.weight'.*ap.load_state_dict"):
             other.set_state_dict({"fc1.weight": np.zeros([16, 64], "float32")})
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_paddles_input_spec_pair_of_inputs_and_labels():
+    """paddle's ``input_spec=[inputs_spec, labels_spec]`` is the flat list of fields; without a loss the labels
+    are not fed. Values are the flat form's."""
+    from paddle.static import InputSpec
+
+    x, y = mlp_batches(1)[0]
+    pair = [[InputSpec([8, 16], "float32")], [InputSpec([8, 16], "float32")]]
+    with ap.simulate(world_size=2):
+        assert float(_dm(opt="sgd", input_spec=pair)(x, y)) == float(_dm(opt="sgd")(x, y))
+        predictor = _dm(loss=None, opt=None, input_spec=pair)
+        assert predictor.mode == "predict" and list(predictor(x).shape) == [8, 16]
