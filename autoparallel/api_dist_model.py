@@ -105,6 +105,18 @@ class StateDictForms:
         except TypeError as e:
             raise TypeError(f"DistModel.state_dict('opt'/'all') reads the states of a paddle optimizer: {e}") from None
 
+    def _param_entries(self, state=None) -> dict:
+        """The model's parameters and buffers; under ZeRO the optimizer's checkpoint leaves replace the
+        parameters it shards (their live tensors hold no data between steps at stage 3, and at every stage a
+        load must also reach the optimizer's master chunks), so saving and loading this dict round-trips."""
+        sd = dict(self.network.state_dict())
+        if state is None and self.optimizer is not None and callable(getattr(self.optimizer, "checkpoint_state",
+                                                                             None)):
+            state = self._training_state()
+        if state is not None:
+            sd.update(state.get("model", {}))
+        return sd
+
     def _paddle_state_dict(self, mode: str) -> dict:
         """'opt': {"<param>.<state>": tensor or checkpoint leaf}; 'all': the model's entries (a ZeRO optimizer's
         checkpoint leaves for the parameters it shards, which hold no data between steps at stage 3) and those."""
@@ -112,8 +124,7 @@ class StateDictForms:
         opt = {f"{p}.{k}": v for p, states in state.get("optimizer", {}).items() for k, v in states.items()}
         if mode == "opt":
             return opt
-        sd = dict(self.network.state_dict())
-        sd.update(state.get("model", {}))
+        sd = self._param_entries(state)
         clash = sorted(set(sd) & set(opt))
         if clash:
             raise ValueError(f"DistModel.state_dict('all'): optimizer state names {clash[:3]} collide with model "

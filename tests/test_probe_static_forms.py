@@ -197,8 +197,9 @@ def test_a_sequence_parallel_plan_key_matching_no_layer_is_refused(style):
 
 
 def test_zero3_state_dict_all_saved_and_loaded_continues_the_run(tmp_path):
-    """Under ZeRO stage 3 state_dict('all') holds the optimizer's checkpoint leaves: ap.save_state_dict and
-    ap.load_state_dict into another run continue it exactly; set_state_dict refuses those entries by name."""
+    """Under ZeRO stage 3 state_dict() / state_dict('all') hold the optimizer's checkpoint leaves (the live
+    parameters hold no data between steps): ap.save_state_dict and ap.load_state_dict into another run give its
+    parameters / continue it exactly; set_state_dict refuses those entries by name."""
     batches = mlp_batches(4)
     ref, _ = _reference(batches)
     s = _strategy("s.data_parallel.degree = 2; s.sharding.enable = True; s.sharding.stage = 3")
@@ -206,6 +207,11 @@ def test_zero3_state_dict_all_saved_and_loaded_continues_the_run(tmp_path):
         dm = _dm(strategy=s)
         got = [float(dm(x, y)) for x, y in batches[:2]]
         ap.save_state_dict(dm.state_dict("all"), str(tmp_path / "ck"))
+        ap.save_state_dict(dm.state_dict(), str(tmp_path / "params"))     # released parameters: the leaves
+        third = _dm(seed=2, strategy=s)
+        ap.load_state_dict(third.state_dict("param"), str(tmp_path / "params"))
+        want, have = dm.state_dict(True), third.state_dict(True)
+        assert all(np.array_equal(want[k], have[k]) for k in want) and set(want) == set(have)
         other = _dm(seed=1, strategy=s)
         ap.load_state_dict(other.state_dict("all"), str(tmp_path / "ck"))
         got += [float(other(x, y)) for x, y in batches[2:]]

@@ -307,9 +307,9 @@ class DistModel(PaddleModes, StateDictForms):
     __repr__ = __str__
 
     def state_dict(self, full: bool = False, split_fusion: bool = True, *, mode=None) -> dict:
-        """{name: parameter}: distributed parameters (each with ``.placements`` and ``.full()``; at ZeRO stage 3
-        they hold no data between steps), or with ``full=True`` the gathered values as numpy arrays (every rank
-        takes part). paddle's ``mode`` ("param", "opt", "all"; positional or ``mode=``): api_dist_model.py."""
+        """{name: parameter or buffer}: distributed parameters (each with ``.placements`` and ``.full()``; under
+        ZeRO the optimizer's checkpoint leaves for the parameters it shards, for ap.save_state_dict /
+        ap.load_state_dict), or with ``full=True`` the gathered values as numpy arrays (every rank takes part). paddle's ``mode`` ("param", "opt", "all"; positional or ``mode=``): api_dist_model.py."""
         from autoparallel.api_dist_model import state_dict_mode
 
         if mode is not None:
@@ -319,9 +319,9 @@ class DistModel(PaddleModes, StateDictForms):
         full = state_dict_mode(full, split_fusion)
         if isinstance(full, str):
             return self._paddle_state_dict(full)
-        sd = self.network.state_dict()
         if not full:
-            return sd
+            return self._param_entries()
+        sd = self.network.state_dict()
         from autoparallel.dist_tensor import is_dist
 
         with self.whole_parameters():
