@@ -54,7 +54,7 @@ _EXPORTS = {
     "save_state_dict": "autoparallel.checkpoint.save", "load_state_dict": "autoparallel.checkpoint.load",
     "load_merged_state_dict": "autoparallel.checkpoint.load", "PerformanceMonitor": "autoparallel.monitor",
     "Watchdog": "autoparallel.watchdog", "reconfigure": "autoparallel.checkpoint.reshard_state",
-    "CheckpointManager": "autoparallel.checkpoint.manager",
+    "CheckpointManager": "autoparallel.checkpoint.manager", "training_state": "autoparallel.checkpoint.state",
     "to_static": "autoparallel.api_layer", "DistModel": "autoparallel.graph.to_static",
     "complete": "autoparallel.graph.completion",
     "apply_pp": "autoparallel.parallel.pipeline.runtime", "PipelineModule": "autoparallel.parallel.pipeline.runtime",

@@ -231,3 +231,19 @@ def test_paddles_input_spec_pair_of_inputs_and_labels():
         assert float(_dm(opt="sgd", input_spec=pair)(x, y)) == float(_dm(opt="sgd")(x, y))
         predictor = _dm(loss=None, opt=None, input_spec=pair)
         assert predictor.mode == "predict" and list(predictor(x).shape) == [8, 16]
+
+
+def test_saving_zero3_released_parameters_is_refused(tmp_path):
+    """Eager ZeRO-3: model.state_dict() holds parameters released between steps; saving them would write no data
+    (a later load gave wrong values), so the save names the entry and ap.training_state."""
+    s = _strategy("s.data_parallel.degree = 2; s.sharding.enable = True; s.sharding.stage = 3")
+    x, y = mlp_batches(1)[0]
+    with ap.simulate(world_size=2):
+        paddle.seed(0)
+        m = MLP()
+        m, opt = ap.parallelize(m, paddle.optimizer.AdamW(0.01, parameters=m.parameters()), strategy=s)
+        mse(m(paddle.to_tensor(x)), paddle.to_tensor(y)).backward()
+        opt.step()
+        with pytest.raises(ValueError, match="'fc1.weight' holds no data.*ap.training_state"):
+            ap.save_state_dict(m.state_dict(), str(tmp_path / "released"))
+        ap.save_state_dict(ap.training_state(m, opt), str(tmp_path / "whole"))            # control

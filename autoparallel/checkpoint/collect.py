@@ -57,6 +57,12 @@ def check_values(flat: dict) -> None:
     for name, (_, _, leaf) in flat.items():
         if not isinstance(leaf, (HeldElsewhere, ShardedLeaf, DistTensor, paddle.Tensor, np.ndarray)):
             json_value(name, leaf)
+        locals_ = leaf.locals.values() if isinstance(leaf, DistTensor) or hasattr(leaf, "locals") else [leaf]
+        if isinstance(leaf, (DistTensor, paddle.Tensor)) and any(
+                isinstance(t, paddle.Tensor) and not t._is_initialized() and int(np.prod(t.shape)) > 0 for t in locals_):
+            raise ValueError(f"{name!r} holds no data (a ZeRO stage-3 parameter released between steps, or a lazy "
+                             f"parameter never drawn); save ap.training_state(model, optimizer), whose entries "
+                             f"read the optimizer's chunks")
 
 
 def to_numpy(t) -> np.ndarray:
