@@ -151,9 +151,17 @@ def test_paddle_config_sections_that_would_do_nothing_are_refused(config, exc, w
 
 
 def test_paddle_config_defaults_restated_are_accepted():
-    s = ap.Strategy({"amp": {"enable": False, "dtype": "float16", "level": "O1", "init_loss_scaling": 32768},
-                     "dp_optimization": {}})
-    assert s.to_dict() == ap.Strategy().to_dict()
+    """Every section of paddle's default config written out (sharding.degree 8, pipeline.micro_batch_size 1,
+    float16 AMP settings, ...) sets nothing: the Strategy is the default one and validates."""
+    import paddle.distributed as dist
+
+    config = {k.lstrip("_"): v for k, v in dist.Strategy().to_dict().items()}
+    s = ap.Strategy(config)
+    assert s.to_dict() == ap.Strategy().to_dict() and s.validate(world_size=2).dp == 2
+    assert ap.Strategy({"amp": {"enable": False, "level": "O1", "init_loss_scaling": 32768}}).to_dict() == \
+        ap.Strategy().to_dict()
+    with pytest.raises(ValueError, match="sharding.degree=4 is set but sharding.enable=False"):    # not a default
+        ap.Strategy({"sharding": {"enable": False, "degree": 4}}).validate(world_size=8)
 
 
 def test_gradient_merge_k_steps_without_enable_is_refused_by_every_entry_point():

@@ -246,6 +246,9 @@ def apply_config(strategy, config: dict) -> None:
                 value = {**_amp_defaults(value), **value}
             elif key == "amp":
                 value = _amp_off(strategy, value)
+            elif key in PADDLE_OFF_DEFAULTS and _off(key, value):
+                value = {k: v for k, v in value.items() if not (k in PADDLE_OFF_DEFAULTS[key]
+                                                                and _paddle_default_value(v, PADDLE_OFF_DEFAULTS[key][k]))}
             for name, v in value.items():
                 setattr(section, name, v)
         else:
@@ -260,6 +263,22 @@ def _amp_defaults(amp: dict) -> dict:
     if amp.get("dtype", "float16") != "float16":
         return {}
     return {k: v for k, v in PADDLE_AMP_DEFAULTS.items() if k not in amp}
+
+
+# paddle's defaults of mapped fields whose value differs from ours; a section that is off restating them sets nothing
+PADDLE_OFF_DEFAULTS = {
+    "sharding": {"enable": False, "stage": 1, "degree": 8},
+    "pipeline": {"enable": False, "schedule_mode": "1F1B", "pp_degree": 1, "vpp_degree": 1, "micro_batch_size": 1,
+                 "accumulate_steps": 1},
+    "gradient_merge": {"enable": False, "k_steps": 1, "avg": True},
+}
+
+
+def _off(key, section: dict) -> bool:
+    """A paddle section in a config dict that does not switch its feature on (pipeline: nor gives stages)."""
+    if section.get("enable") is True:
+        return False
+    return key != "pipeline" or section.get("pp_degree", 1) == 1
 
 
 def _amp_off(strategy, amp: dict) -> dict:
