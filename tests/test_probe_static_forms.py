@@ -49,6 +49,8 @@ def test_first_mode_is_paddles_and_a_batch_may_come_as_one_list():
         got = [float(dm([paddle.to_tensor(x), paddle.to_tensor(y)])), float(dm(tuple(batches[1])))]
         with pytest.raises(TypeError, match="got a dict"):
             dm({"x": x, "y": y})
+        with pytest.raises(ValueError, match=r"got \[4, 16\] float32; the graph is captured at one batch size"):
+            dm(x[:4], y[:4])                                     # a loader's last partial batch
         evaluator = _dm(opt=None)
         assert evaluator.mode == "eval"
         assert float(evaluator(x, y)) == float(evaluator(x, y)) == pytest.approx(ref[0], rel=1e-6)

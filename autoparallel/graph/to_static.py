@@ -213,8 +213,11 @@ class DistModel(PaddleModes, StateDictForms):
         got_shape = list(x.shape)
         got_dtype = normalize_dtype(x.dtype)
         if got_shape != shape or got_dtype != dtype:
+            hint = ("; the graph is captured at one batch size: drop a loader's last partial batch "
+                    "(DataLoader(..., drop_last=True)) or capture another DistModel for it"
+                    if got_dtype == dtype and got_shape[1:] == shape[1:] else "")
             raise InputSpecMismatchError(f"batch field {i}: expected shape {shape} {dtype} (the input spec the "
-                                         f"graph was captured with), got {got_shape} {got_dtype}")
+                                         f"graph was captured with), got {got_shape} {got_dtype}{hint}")
         if isinstance(x, DistTensor):
             if x.mesh != self.mesh:
                 from autoparallel.dist_tensor_forms import same_ranks_view
