@@ -140,7 +140,10 @@ class StateDictForms:
             raise TypeError(f"set_state_dict expects a dict {{name: tensor}}, got {type(state_dict).__name__}")
         from autoparallel.api_dist_model_state import assign_all
 
-        current = self._paddle_state_dict("all") if self.optimizer is not None else dict(self.network.state_dict())
+        try:
+            current = self._paddle_state_dict("all") if self.optimizer is not None else self._param_entries()
+        except TypeError:                       # an optimizer that is not a paddle one: the model's entries only
+            current = self._param_entries()
         unknown = sorted(k for k in state_dict if k not in current)
         if unknown:
             raise KeyError(f"set_state_dict: {unknown[:5]} are not entries of this DistModel's state dict "

@@ -105,9 +105,12 @@ def test_state_dict_modes_and_set_state_dict_restore_model_and_optimizer():
     assert runs["param"][0] == pytest.approx(ref[2], rel=1e-5) and abs(runs["param"][1] - ref[3]) > 1e-4
 
 
-def test_program_accessors_say_there_is_no_program():
+def test_program_accessors_refused_and_set_state_dict_with_a_custom_optimizer():
     with ap.simulate(world_size=2):
         dm = _dm(opt="sgd")
+        other = _dm(seed=1, opt="sgd")                 # an optimizer with no paddle states: the model's entries
+        other.set_state_dict(dm.state_dict(True))
+        assert all(np.array_equal(v, other.state_dict(True)[k]) for k, v in dm.state_dict(True).items())
         for name in ("dist_main_program", "dist_startup_program", "serial_main_program", "serial_startup_program"):
             with pytest.raises(NotImplementedError, match="dist_model.graph"):
                 getattr(dm, name)()
