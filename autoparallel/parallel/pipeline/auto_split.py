@@ -129,8 +129,9 @@ def _grad(enabled: bool):
 
 
 @contextlib.contextmanager
-def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False):
-    """Swap the blocks' forwards for the stage's proxies (module docstring) for one model call."""
+def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False, grad: bool = True):
+    """Swap the blocks' forwards for the stage's proxies (module docstring) for one model call; ``grad``: whether
+    the stage's blocks record gradients (False under ``paddle.no_grad()``: evaluation)."""
     originals = [b.forward for b in blocks]
     names = [_hidden_name(f) for f in originals]
     enter_grad = grad_enabled()
@@ -143,7 +144,7 @@ def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False):
                 return _hidden_of(args, kwargs, name)
             if j == start and x is not None:
                 args, kwargs = _replace_hidden(args, kwargs, name, x)
-                set_grad_enabled(True)
+                set_grad_enabled(grad)
             out = orig(*args, **kwargs)
             if j == stop - 1 and not last:
                 raise _StageExit(_first(out))
@@ -159,10 +160,11 @@ def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False):
 
 def run_stage(model, blocks, start: int, stop: int, inputs, x=None, last: bool = False):
     """One stage's forward: the hidden output of block ``stop - 1``, or the model output when ``last``."""
+    grad = grad_enabled()
     ctx = _grad(False) if x is not None else contextlib.nullcontext()
-    with ctx, stage_proxies(blocks, start, stop, x, last):
+    with ctx, stage_proxies(blocks, start, stop, x, last, grad):
         try:
-            out = model(inputs)
+            out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
         except _StageExit as e:
             return e.out
     if not last:
