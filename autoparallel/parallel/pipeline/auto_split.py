@@ -190,24 +190,23 @@ def refuse_model_losses(model) -> None:
 
 def block_forms(model, blocks, inputs) -> tuple:
     """Per block, what its forward returns: None for the hidden state itself, else ``(tuple or list, length)`` with
-    the hidden state first (a dry run on ``inputs``). A block a stage skips returns the same form, the hidden
-    state first and None for the rest (a cache, attention weights), so ``h, _ = block(h, ...)`` still unpacks."""
-    forms = [None] * len(blocks)
+    the hidden state first (a dry run of the first block on ``inputs``; the blocks share one type, so one form).
+    A block a stage skips returns the same form, the hidden state first and None for the rest (a cache, attention
+    weights), so ``h, _ = block(h, ...)`` still unpacks."""
+    orig = blocks[0].forward
 
-    def hook(j):
-        def record(_layer, _inputs, out):
-            if isinstance(out, (tuple, list)):
-                forms[j] = (list if isinstance(out, list) else tuple, len(out))
-        return record
+    def first(self, *args, **kwargs):
+        out = orig(*args, **kwargs)
+        raise _StageExit((list if isinstance(out, list) else tuple, len(out)) if isinstance(out, (tuple, list))
+                         else None)
 
-    hooks = [b.register_forward_post_hook(hook(j)) for j, b in enumerate(blocks)]
     try:
-        with _grad(False):
+        with _grad(False), _swapped(blocks, {0: first}):
             model(inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return tuple(forms)
+    except _StageExit as e:
+        return (e.out,) * len(blocks)
+    raise RuntimeError(f"{type(model).__name__}.forward never called its first block: the block list must be run by "
+                       f"the model's forward")
 
 
 def shaped(forms, j: int, hidden):
