@@ -131,7 +131,7 @@ def test_too_few_micro_batches_for_1f1b_is_refused():
 
 
 def llama(**kw):
-    return pf.build("llama", num_hidden_layers=3, **kw)
+    return pf.build("llama", **{"num_hidden_layers": 3, **kw})
 
 
 def own_loss(model, inputs, labels):
@@ -219,3 +219,26 @@ def test_inputs_that_cannot_be_honoured_raise():
     gpt = apply_pp(pp_common.build("gpt", tie=False), strategy())
     with pytest.raises(TypeError, match="a dict of model keyword inputs needs a model split at its blocks"):
         gpt.train_batch({"input_ids": inputs["input_ids"] % 64}, labels % 64)
+
+
+@pytest.mark.parametrize("dp,tp,schedule", [(2, 1, "1F1B"), (1, 2, "ZB-H1")])
+def test_mask_ignored_labels_and_eval_with_data_or_tensor_parallel_inside_stages(dp, tp, schedule):
+    """The simulated world: an attention mask in the dict of model inputs, labels with -100 (the distributed
+    cross-entropy and the plain one must give one loss) and eval_batch's logits, equal to one process."""
+    inputs, labels = batch(0)
+    labels[0, :] = -100
+    build = lambda: llama(num_hidden_layers=4, tie_word_embeddings=False)  # noqa: E731
+    ref = build()
+    with paddle.no_grad():
+        want_logits = auto_split.model_output(ref(**inputs)).numpy()
+    want = one_process(build, [(inputs, labels)], own_loss)
+    with ap.simulate(world_size=2 * dp * tp):
+        model = build()
+        s = strategy(schedule=schedule)
+        s.data_parallel.degree, s.tensor_parallel.degree = dp, tp
+        pipe, opt = ap.parallelize(model, paddle.optimizer.SGD(0.5, parameters=model.parameters()), strategy=s)
+        np.testing.assert_allclose(pipe.eval_batch(inputs).numpy(), want_logits, rtol=1e-5, atol=1e-5)
+        losses = [pipe.train_batch(inputs, labels)]
+        opt.step()
+        got = {n: (p.full() if ap.is_dist(p) else p).numpy() for n, p in pipe.named_parameters()}
+    assert_equal_runs(want, (losses, got), rtol=1e-4, atol=2e-5)

@@ -10,10 +10,12 @@
 
 Loss weights. The default loss is the mean cross-entropy over the tokens whose label is not ``-100`` across
 the whole global batch, which is what the PaddleFormers causal LMs compute (``model(input_ids=...,
-labels=...).loss``) and what one process computes on the whole batch whatever the micro-batching: each
-micro-batch's ``F.cross_entropy`` (paddle's mean divides by every label, ignored ones included) is weighted
-by ``its labels / labels not -100 in the step``. A user ``loss_fn`` is a per-micro-batch mean: weight
-``1 / m`` (exact when the loss is a mean over equally many terms in every micro-batch).
+labels=...).loss``), whatever the micro-batching: each micro-batch's summed cross-entropy
+(``reduction="sum"``, the same value for plain and distributed logits) divided by the labels not ``-100`` in
+the step. (Paddle's ``F.cross_entropy`` mean divides by every label, ignored ones included, when
+``ignore_index`` is negative: pass ``loss_fn=F.cross_entropy`` for that.) A user ``loss_fn`` is a
+per-micro-batch mean: weight ``1 / m`` (exact when the loss is a mean over equally many terms in every
+micro-batch).
 """
 from __future__ import annotations
 
@@ -113,9 +115,15 @@ def loss_weights(labels: list, default_loss: bool) -> list:
     m = len(labels)
     if not default_loss:
         return [1.0 / m] * m
-    arrays = [np.asarray(t.numpy()) for t in labels]
-    valid = sum(int((a != IGNORE_INDEX).sum()) for a in arrays)
-    return [a.size / max(valid, 1) for a in arrays]
+    valid = sum(int((np.asarray(t.numpy()) != IGNORE_INDEX).sum()) for t in labels)
+    return [1.0 / max(valid, 1)] * m
+
+
+def summed_cross_entropy(logits, labels):
+    """The default loss of a micro-batch before its weight: cross-entropy summed over the labels not -100."""
+    import paddle.nn.functional as F
+
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def check_labels(logits_shape, labels_shape, default_loss: bool) -> None:

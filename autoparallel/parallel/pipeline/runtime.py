@@ -277,7 +277,8 @@ class PipelineModule:
             st.saved[(s, i)] = (x_local, None)
         elif stage.is_last:
             batch_mod.check_labels(out.shape, st.labels[i].shape, self.loss_fn is _cross_entropy)
-            loss = self.loss_fn(out, self._place(st.labels[i], s)) * st.weights[i]
+            fn = batch_mod.summed_cross_entropy if self.loss_fn is _cross_entropy else self.loss_fn
+            loss = fn(out, self._place(st.labels[i], s)) * st.weights[i]
             st.loss += float(loss)
             st.saved[(s, i)] = (x_local, loss * st.scale if st.scale != 1.0 else loss)
         else:
