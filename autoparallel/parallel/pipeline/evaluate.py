@@ -26,8 +26,9 @@ def eval_batch(pipe, inputs, labels=None, compute_loss=None):
     with paddle.no_grad():
         st = pipe._step_state(inputs, labels, need_labels=compute_loss)
         handlers = {"F": pipe._forward, "SEND_F": pipe._send_f, "RECV_F": pipe._recv_f}
-        for _, a in pipe._program(keep=FORWARD):
-            handlers[a.kind](a, st)
+        with pipe._step_guard():
+            for _, a in pipe._program(keep=FORWARD):
+                pipe._run(handlers[a.kind], a, st)
     if pipe.transport.pending():
         raise RuntimeError("eval_batch ended with undelivered transfers; the action lists are inconsistent")
     if compute_loss:

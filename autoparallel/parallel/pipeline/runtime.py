@@ -88,6 +88,7 @@ class PipelineModule:
         self.pp_rank = self.held[0] if len(self.held) == 1 else None    # set by apply_pp on real ranks
         self.rank, self.coords, self.ranks = 0, (0, 0), None
         self.loss_scaler = None              # strategy.amp: the last stage's backward runs on the scaled loss
+        self.failed = None                   # real ranks: what made a step fail (no further step runs)
 
     # ---- what this process holds --------------------------------------------------------------------------
     @property
@@ -150,10 +151,11 @@ class PipelineModule:
         handlers = {"F": self._forward, "B": self._backward, "W": self._weight, "SEND_F": self._send_f,
                     "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b}
         clock = time.perf_counter
-        for rank, a in self._program():
-            start = clock()
-            handlers[a.kind](a, st)
-            st.records.append(Record(rank, a.kind, a.stage, a.microbatch, start, clock()))
+        with self._step_guard():
+            for rank, a in self._program():
+                start = clock()
+                self._run(handlers[a.kind], a, st)
+                st.records.append(Record(rank, a.kind, a.stage, a.microbatch, start, clock()))
         leftovers = {k: len(v) for k, v in (("saved", st.saved), ("inbox_f", st.inbox_f), ("inbox_b", st.inbox_b),
                                             ("input_grads", st.input_grads)) if v}
         if leftovers or len(self.weight_grads) or self.transport.pending():
@@ -164,18 +166,47 @@ class PipelineModule:
         loss = st.loss if self.holds_last else None
         return self._sync_loss(loss) if self._sync_loss is not None else loss
 
+    @contextlib.contextmanager
+    def _step_guard(self):
+        """A step after a failed one: in one process the mailbox is emptied; on real ranks transfers of the failed
+        step may still be in flight to or from the peers, which would pair with the next step's: refused."""
+        if self.failed is not None:
+            raise RuntimeError(f"a previous pipeline step failed on this rank ({self.failed}); its transfers may "
+                               f"still be pending with the other pipeline ranks, so no further step can run in step "
+                               f"with them: restart the job (resume from the last checkpoint)")
+        self.transport.reset()
+        try:
+            yield
+        except BaseException as e:
+            if self.ranks is not None:
+                self.failed = f"{type(e).__name__}: {str(e)[:200]}"
+            raise
+
+    def _run(self, handler, a, st) -> None:
+        """One action; a failed transfer on real ranks names the peer, which has most likely raised first."""
+        try:
+            handler(a, st)
+        except Exception as e:
+            if not a.is_comm or self.ranks is None:
+                raise
+            raise RuntimeError(f"pipeline rank {self.pp_rank} (global rank {self.rank}): {a.kind} of micro-batch "
+                               f"{a.microbatch} with pipeline rank {a.peer_rank} failed ({type(e).__name__}: "
+                               f"{str(e)[:200]}); the peer has most likely raised first: see its log") from e
+
     def _step_state(self, inputs, labels, need_labels: bool = True) -> _StepState:
+        """The step's micro-batches; every rank checks the labels it is given (not only the last stage's), so a bad
+        batch fails on every rank before any transfer."""
         every = self.plan.pieces.generic             # a model split at its blocks: every stage needs the inputs
-        st = _StepState(self._micro(inputs, "inputs") if self.holds_first or every else None,
-                        self._micro(labels, "labels") if self.holds_last and (need_labels or labels is not None)
-                        else None)
+        keep = self.holds_last and need_labels
+        cut = self._micro(labels, "labels") if keep or labels is not None else None
+        st = _StepState(self._micro(inputs, "inputs") if self.holds_first or every else None, cut if keep else None)
         if not every and any(isinstance(b, dict) for b in st.inputs or ()):
             raise TypeError(f"train_batch inputs: a dict of model keyword inputs needs a model split at its blocks "
                             f"(it runs model(**inputs)); {type(self.plan.pieces.model).__name__} runs through its "
                             f"embed(ids) method, which takes the ids tensor")
+        if cut is not None and st.inputs is not None:
+            batch_mod.check_samples(st.inputs, cut)
         if st.labels is not None:
-            if st.inputs is not None:
-                batch_mod.check_samples(st.inputs, st.labels)
             st.weights = batch_mod.loss_weights(st.labels, self.loss_fn is _cross_entropy)
         return st
 
