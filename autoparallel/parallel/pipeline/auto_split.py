@@ -114,6 +114,8 @@ def model_output(out):
     """Logits of a model output: a tensor, the first element of a tuple/list, or ``.logits``."""
     if isinstance(out, (tuple, list)):
         return out[0]
+    if isinstance(out, dict) and "logits" in out:
+        return out["logits"]
     logits = getattr(out, "logits", None)
     return logits if logits is not None else out
 
@@ -129,8 +131,9 @@ def _grad(enabled: bool):
 
 
 @contextlib.contextmanager
-def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False):
-    """Swap the blocks' forwards for the stage's proxies (module docstring) for one model call."""
+def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False, grad: bool = True, forms=None):
+    """Swap the blocks' forwards for the stage's proxies (module docstring) for one model call; ``grad``: whether
+    the stage's blocks record gradients (False under ``paddle.no_grad()``: evaluation)."""
     originals = [b.forward for b in blocks]
     names = [_hidden_name(f) for f in originals]
     enter_grad = grad_enabled()
@@ -140,10 +143,10 @@ def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False):
 
         def proxy(self, *args, **kwargs):
             if j < start:
-                return _hidden_of(args, kwargs, name)
+                return shaped(forms, j, _hidden_of(args, kwargs, name))
             if j == start and x is not None:
                 args, kwargs = _replace_hidden(args, kwargs, name, x)
-                set_grad_enabled(True)
+                set_grad_enabled(grad)
             out = orig(*args, **kwargs)
             if j == stop - 1 and not last:
                 raise _StageExit(_first(out))
@@ -157,12 +160,14 @@ def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False):
         set_grad_enabled(enter_grad)
 
 
-def run_stage(model, blocks, start: int, stop: int, inputs, x=None, last: bool = False):
-    """One stage's forward: the hidden output of block ``stop - 1``, or the model output when ``last``."""
+def run_stage(model, blocks, start: int, stop: int, inputs, x=None, last: bool = False, forms=None):
+    """One stage's forward: the hidden output of block ``stop - 1``, or the model output when ``last``;
+    ``forms``: ``block_forms``, so a skipped block returns what the model unpacks."""
+    grad = grad_enabled()
     ctx = _grad(False) if x is not None else contextlib.nullcontext()
-    with ctx, stage_proxies(blocks, start, stop, x, last):
+    with ctx, stage_proxies(blocks, start, stop, x, last, grad, forms):
         try:
-            out = model(inputs)
+            out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
         except _StageExit as e:
             return e.out
     if not last:
@@ -171,25 +176,69 @@ def run_stage(model, blocks, start: int, stop: int, inputs, x=None, last: bool =
     return model_output(out)
 
 
+def refuse_model_losses(model) -> None:
+    """A model whose forward adds its own loss terms (a MoE router's load-balancing loss, PaddleFormers'
+    ``output_router_logits=True``) puts them next to its logits; the pipeline computes the loss from the logits
+    alone, so it would train without them: refused."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "output_router_logits", False):
+        raise NotImplementedError(f"{type(model).__name__} has config.output_router_logits=True: its forward returns "
+                                  f"the router logits and adds a load-balancing loss to the loss it computes from "
+                                  f"labels, while a pipeline computes the loss from the logits alone (loss_fn); the "
+                                  f"auxiliary loss would be silently dropped. Set output_router_logits=False")
+
+
+def block_forms(model, blocks, inputs) -> tuple:
+    """Per block, what its forward returns: None for the hidden state itself, else ``(tuple or list, length)`` with
+    the hidden state first (a dry run of the first block on ``inputs``; the blocks share one type, so one form).
+    A block a stage skips returns the same form, the hidden state first and None for the rest (a cache, attention
+    weights), so ``h, _ = block(h, ...)`` still unpacks."""
+    orig = blocks[0].forward
+
+    def first(self, *args, **kwargs):
+        out = orig(*args, **kwargs)
+        raise _StageExit((list if isinstance(out, list) else tuple, len(out)) if isinstance(out, (tuple, list))
+                         else None)
+
+    try:
+        with _grad(False), _swapped(blocks, {0: first}):
+            model(inputs)
+    except _StageExit as e:
+        return (e.out,) * len(blocks)
+    raise RuntimeError(f"{type(model).__name__}.forward never called its first block: the block list must be run by "
+                       f"the model's forward")
+
+
+def shaped(forms, j: int, hidden):
+    """``hidden`` in the form block ``j`` returns (``block_forms``)."""
+    form = forms[j] if forms else None
+    if form is None:
+        return hidden
+    kind, n = form
+    return kind([hidden] + [None] * (n - 1))
+
+
 def piece_params(model, path: str, inputs) -> tuple:
-    """(prefix parameter names, suffix parameter names): the non-block parameters that get a gradient at the
-    first block's input, and from the model output given the last block's output (a dry run on ``inputs``)."""
+    """(prefix parameter names, suffix parameter names, block forms): the non-block parameters that get a gradient
+    at the first block's input, and from the model output given the last block's output (a dry run on ``inputs``),
+    and ``block_forms``."""
     blocks = resolve(model, path)
     block_ids = {id(p) for p in blocks.parameters()}
     every = [(n, p) for n, p in model.named_parameters() if id(p) not in block_ids]
     named = [(n, p) for n, p in every if not p.stop_gradient]
     rng = paddle.get_rng_state()                         # the dry run draws no random numbers of the user's
     try:
+        forms = block_forms(model, blocks, inputs)
         h, side = _first_block_input(model, blocks, path, inputs)
         _refuse_learned_side_inputs(model, side, named)
         pre = _grad_names(h, named)
         hx = h.detach()
         hx.stop_gradient = False
-        post = _grad_names(_suffix_out(model, blocks, inputs, hx), named)
+        post = _grad_names(_suffix_out(model, blocks, inputs, hx, forms), named)
     finally:
         paddle.set_rng_state(rng)
     post |= {n for n, _ in every if n not in pre}          # unused or frozen: on the last stage (kept, saved)
-    return tuple(n for n, _ in every if n in pre), tuple(n for n, _ in every if n in post)
+    return tuple(n for n, _ in every if n in pre), tuple(n for n, _ in every if n in post), forms
 
 
 @contextlib.contextmanager
@@ -224,13 +273,14 @@ def _first_block_input(model, blocks, path, inputs):
                        f"model's forward")
 
 
-def _suffix_out(model, blocks, inputs, hx):
+def _suffix_out(model, blocks, inputs, hx, forms):
     """Model output with every block skipped and the hidden state replaced by ``hx`` at the first block."""
-    def skip(self, *args, **kwargs):
-        return args[0] if args else next(iter(kwargs.values()))
+    def skip(j):
+        name = _hidden_name(blocks[j].forward)
+        return lambda self, *args, **kwargs: shaped(forms, j, _hidden_of(args, kwargs, name))
 
-    fns = {j: skip for j in range(len(blocks))}
-    fns[0] = lambda self, *a, **k: hx
+    fns = {j: skip(j) for j in range(len(blocks))}
+    fns[0] = lambda self, *a, **k: shaped(forms, 0, hx)
     with _swapped(blocks, fns):
         return model_output(model(inputs))
 

@@ -139,6 +139,10 @@ class LocalTransport:
     def pending(self) -> int:
         return len(self.box)
 
+    def reset(self) -> None:
+        """Drop what a failed step left in the mailbox (a later step must not receive it)."""
+        self.box.clear()
+
 
 class RankTransport:
     """One pipeline rank per process: a transfer goes over the pair group to the peer stage's rank with
@@ -159,3 +163,7 @@ class RankTransport:
 
     def pending(self) -> int:
         return 0
+
+    def reset(self) -> None:
+        """Nothing to drop here: a transfer of a failed step may still be on its way to or from a peer, which is
+        why a failed step stops the pipeline on real ranks (``PipelineModule.failed``)."""

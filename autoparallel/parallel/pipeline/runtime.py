@@ -37,67 +37,14 @@ import time
 import numpy as np
 import paddle
 
+from . import batch as batch_mod
 from .amp import batch_loss_scale
+from .shards import _Shards, _backprop, _input_grad, _local  # noqa: F401
 from .simulate import PipelineDeadlock, Record
 from .wiring import (DATA, MODEL, PIPE, _check_composable, _model_info, _p2p_pairs, _shard_stage,  # noqa: F401
                      _shared_parameters, _simulated, _simulated_stage_meshes, _stage_meshes, _world, _world_loss,
                      bind_optimizer, pipeline_ranks)
 from .zero_bubble import WeightGradStore
-
-
-def _local(t):
-    """This rank's tensor of a DistTensor (every rank's, as ``_Shards``, in the simulated world), or the
-    tensor itself."""
-    from autoparallel.comm.world import current_world
-    from autoparallel.dist_tensor import DistTensor
-
-    if not isinstance(t, DistTensor):
-        return t
-    if current_world().is_simulated:
-        return _Shards([t.local_of(r) for r in t.mesh.process_ids])
-    return t.local
-
-
-class _Shards:
-    """Every rank's shard of a stage-boundary tensor in the simulated world, in stage-mesh order: what a
-    transfer carries there (rank ``k`` of one stage mesh hands its shard to rank ``k`` of the next)."""
-
-    def __init__(self, tensors):
-        self.tensors = list(tensors)
-
-    def detach(self) -> "_Shards":
-        return _Shards(t.detach() for t in self.tensors)
-
-    @property
-    def stop_gradient(self) -> bool:
-        return all(t.stop_gradient for t in self.tensors)
-
-    @stop_gradient.setter
-    def stop_gradient(self, value: bool) -> None:
-        for t in self.tensors:
-            t.stop_gradient = value
-
-    @property
-    def shape(self):
-        return self.tensors[0].shape
-
-    @property
-    def dtype(self):
-        return self.tensors[0].dtype
-
-
-def _backprop(out, grad) -> None:
-    if isinstance(out, _Shards):
-        paddle.autograd.backward(out.tensors, grad.tensors)
-    else:
-        paddle.autograd.backward([out], [grad])
-
-
-def _input_grad(x):
-    """The gradient of a stage input (zeros where nothing flowed back), detached."""
-    if isinstance(x, _Shards):
-        return _Shards(_input_grad(t) for t in x.tensors)
-    return (x.grad if x.grad is not None else paddle.zeros_like(x)).detach()
 
 
 class _StepState:
@@ -110,6 +57,8 @@ class _StepState:
         self.sent_headers = set()    # forward channels whose shape header went out this step
         self.shapes = {}             # forward channel -> (shape, dtype) from its header this step
         self.loss = 0.0
+        self.weights = None          # factor of each micro-batch's loss (batch.loss_weights)
+        self.outputs = []            # eval_batch without labels: the last stage's output per micro-batch
         self.scale = 1.0             # the last stage's backward runs on loss x scale (AMP loss scaling)
         self.records = []
 
@@ -139,6 +88,7 @@ class PipelineModule:
         self.pp_rank = self.held[0] if len(self.held) == 1 else None    # set by apply_pp on real ranks
         self.rank, self.coords, self.ranks = 0, (0, 0), None
         self.loss_scaler = None              # strategy.amp: the last stage's backward runs on the scaled loss
+        self.failed = None                   # real ranks: what made a step fail (no further step runs)
 
     # ---- what this process holds --------------------------------------------------------------------------
     @property
@@ -195,18 +145,17 @@ class PipelineModule:
         the last stage's ranks and None elsewhere). ``scaler``: a ``paddle.amp.GradScaler`` whose scale the
         backward runs on (then ``scaler.step(opt); scaler.update()``); under ``strategy.amp`` the pipeline
         scales its loss itself (amp.py)."""
-        every = self.plan.pieces.generic             # a model split at its blocks: every stage needs the inputs
-        st = _StepState(self._micro(inputs, "inputs") if self.holds_first or every else None,
-                        self._micro(labels, "labels") if self.holds_last else None)
+        st = self._step_state(inputs, labels)
         st.scale = batch_loss_scale(self, scaler)
         self.weight_grads.pending.clear()                 # nothing carries over from a failed step
         handlers = {"F": self._forward, "B": self._backward, "W": self._weight, "SEND_F": self._send_f,
                     "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b}
         clock = time.perf_counter
-        for rank, a in self._program():
-            start = clock()
-            handlers[a.kind](a, st)
-            st.records.append(Record(rank, a.kind, a.stage, a.microbatch, start, clock()))
+        with self._step_guard():
+            for rank, a in self._program():
+                start = clock()
+                self._run(handlers[a.kind], a, st)
+                st.records.append(Record(rank, a.kind, a.stage, a.microbatch, start, clock()))
         leftovers = {k: len(v) for k, v in (("saved", st.saved), ("inbox_f", st.inbox_f), ("inbox_b", st.inbox_b),
                                             ("input_grads", st.input_grads)) if v}
         if leftovers or len(self.weight_grads) or self.transport.pending():
@@ -217,10 +166,67 @@ class PipelineModule:
         loss = st.loss if self.holds_last else None
         return self._sync_loss(loss) if self._sync_loss is not None else loss
 
-    def _program(self):
+    @contextlib.contextmanager
+    def _step_guard(self):
+        """A step after a failed one: in one process the mailbox is emptied; on real ranks transfers of the failed
+        step may still be in flight to or from the peers, which would pair with the next step's: refused."""
+        if self.failed is not None:
+            raise RuntimeError(f"a previous pipeline step failed on this rank ({self.failed}); its transfers may "
+                               f"still be pending with the other pipeline ranks, so no further step can run in step "
+                               f"with them: restart the job (resume from the last checkpoint)")
+        self.transport.reset()
+        try:
+            yield
+        except BaseException as e:
+            if self.ranks is not None:
+                self.failed = f"{type(e).__name__}: {str(e)[:200]}"
+            raise
+
+    def _run(self, handler, a, st) -> None:
+        """One action; a failed transfer on real ranks names the peer, which has most likely raised first."""
+        try:
+            handler(a, st)
+        except Exception as e:
+            if not a.is_comm or self.ranks is None:
+                raise
+            raise RuntimeError(f"pipeline rank {self.pp_rank} (global rank {self.rank}): {a.kind} of micro-batch "
+                               f"{a.microbatch} with pipeline rank {a.peer_rank} failed ({type(e).__name__}: "
+                               f"{str(e)[:200]}); the peer has most likely raised first: see its log") from e
+
+    def _step_state(self, inputs, labels, need_labels: bool = True) -> _StepState:
+        """The step's micro-batches; every rank checks the labels it is given (not only the last stage's), so a bad
+        batch fails on every rank before any transfer."""
+        every = self.plan.pieces.generic             # a model split at its blocks: every stage needs the inputs
+        keep = self.holds_last and need_labels
+        cut = self._micro(labels, "labels") if keep or labels is not None else None
+        st = _StepState(self._micro(inputs, "inputs") if self.holds_first or every else None, cut if keep else None)
+        if not every and any(isinstance(b, dict) for b in st.inputs or ()):
+            raise TypeError(f"train_batch inputs: a dict of model keyword inputs needs a model split at its blocks "
+                            f"(it runs model(**inputs)); {type(self.plan.pieces.model).__name__} runs through its "
+                            f"embed(ids) method, which takes the ids tensor")
+        if cut is not None and st.inputs is not None:
+            batch_mod.check_samples(st.inputs, cut)
+        if st.labels is not None:
+            st.weights = batch_mod.loss_weights(st.labels, self.loss_fn is _cross_entropy)
+        return st
+
+    def eval_batch(self, inputs, labels=None, compute_loss=None):
+        """Forward only (no gradient, no backward) of one global batch: the mean loss with labels, else the last
+        stage's output (evaluate.py)."""
+        from .evaluate import eval_batch
+
+        return eval_batch(self, inputs, labels, compute_loss)
+
+    def clear_gradients(self, set_to_zero: bool = True) -> None:
+        """Clear the gradients of this rank's stage parameters (``paddle.nn.Layer.clear_gradients``)."""
+        for s in self.held_stages:
+            self.stages[s].clear_gradients(set_to_zero)
+
+    def _program(self, keep=None):
         """(pipeline rank, action) in execution order: the rank's own list, or with several ranks held,
-        all lists interleaved, each advancing while its next receive has its message."""
-        lists = {r: list(self.schedule[r]) for r in self.held}
+        all lists interleaved, each advancing while its next receive has its message. ``keep``: the action
+        kinds to run (a sub-list of every rank's list keeps the one global order, so it cannot deadlock)."""
+        lists = {r: [a for a in self.schedule[r] if keep is None or a.kind in keep] for r in self.held}
         if len(lists) == 1:
             (r, acts), = lists.items()
             yield from ((r, a) for a in acts)
@@ -238,32 +244,7 @@ class PipelineModule:
                 raise PipelineDeadlock("pipeline deadlock in one process: " + "; ".join(stuck))
 
     def _micro(self, batch, what: str) -> list:
-        from autoparallel.dist_tensor import is_dist
-
-        m = self.plan.micro_batches
-        if batch is None:
-            raise ValueError(f"this process runs the {'first' if what == 'inputs' else 'last'} pipeline stage, "
-                             f"so train_batch needs the {what}; got None")
-        if is_dist(batch) or (isinstance(batch, (list, tuple)) and any(is_dist(b) for b in batch)):
-            raise TypeError(f"train_batch {what}: expected the global batch as plain tensors or arrays (the same "
-                            f"on every rank; the pipeline places micro-batches on the stage meshes), got a "
-                            f"distributed tensor")
-        if isinstance(batch, (list, tuple)):
-            if len(batch) != m:
-                raise ValueError(f"train_batch {what}: expected one tensor per micro-batch ({m}), got {len(batch)}")
-            parts = [b if isinstance(b, paddle.Tensor) else paddle.to_tensor(np.asarray(b)) for b in batch]
-        else:
-            t = batch if isinstance(batch, paddle.Tensor) else paddle.to_tensor(np.asarray(batch))
-            n = int(t.shape[0]) if t.ndim else 0
-            dp = self._dp()
-            if t.ndim == 0 or n % (m * dp):
-                raise ValueError(f"train_batch {what}: the global batch ({n} samples) must divide into "
-                                 f"micro_batches x data-parallel degree = {m} x {dp} equal parts")
-            parts = paddle.split(t, m, axis=0)
-        shapes = {tuple(p.shape) for p in parts}
-        if len(shapes) != 1:
-            raise ValueError(f"train_batch {what}: micro-batches must share one shape, got {sorted(shapes)}")
-        return parts
+        return batch_mod.split(batch, self.plan.micro_batches, self._dp(), what)
 
     def _dp(self) -> int:
         mesh = next(iter(self.meshes.values()), None)
@@ -282,6 +263,9 @@ class PipelineModule:
             return t
         from autoparallel.dist_tensor import shard_tensor
 
+        if isinstance(t, dict):                 # model keyword inputs: every tensor cut over the data ranks
+            return {k: shard_tensor(v, mesh, self._boundary(mesh)) if isinstance(v, paddle.Tensor) else v
+                    for k, v in t.items()}
         return shard_tensor(t, mesh, self._boundary(mesh))
 
     def _side(self, t, stage: int):
@@ -319,8 +303,13 @@ class PipelineModule:
             x_local.stop_gradient = False
             x = self._wrap(x_local, s)
         out = stage(x) if s == 0 or not stage.pieces.generic else stage(x, inputs=self._side(st.inputs[i], s))
-        if stage.is_last:
-            loss = self.loss_fn(out, self._place(st.labels[i], s)) * (1.0 / self.plan.micro_batches)
+        if stage.is_last and st.labels is None:               # eval_batch without labels: keep the logits
+            st.outputs.append(out)
+            st.saved[(s, i)] = (x_local, None)
+        elif stage.is_last:
+            batch_mod.check_labels(out.shape, st.labels[i].shape, self.loss_fn is _cross_entropy)
+            fn = batch_mod.summed_cross_entropy if self.loss_fn is _cross_entropy else self.loss_fn
+            loss = fn(out, self._place(st.labels[i], s)) * st.weights[i]
             st.loss += float(loss)
             st.saved[(s, i)] = (x_local, loss * st.scale if st.scale != 1.0 else loss)
         else:

@@ -44,6 +44,7 @@ class ModelPieces:
     layer_args: Callable = field(default=None, repr=False)    # (model, x) -> extra positional args per layer
     generic: bool = False                   # no embed()/head(): stages run the model's forward (auto_split.py);
                                             # embed_layers / head_layers then name parameters, not sublayers
+    block_forms: tuple = ()                 # generic: what each block returns (auto_split.block_forms)
 
     @property
     def layers(self) -> nn.LayerList:
@@ -130,8 +131,9 @@ def _used(out, params, owner) -> set:
 def describe_generic(model, layers_name: Optional[str] = None) -> ModelPieces:
     """Pieces of a model without embed()/head(): its longest list of same-type blocks (or ``layers_name``),
     the other parameters attached to the first / last stage by a dry run (see auto_split.py)."""
-    from .auto_split import find_blocks, piece_params, resolve
+    from .auto_split import find_blocks, piece_params, refuse_model_losses, resolve
 
+    refuse_model_losses(model)
     path = layers_name if layers_name is not None else find_blocks(model)
     try:
         blocks = resolve(model, path)
@@ -142,8 +144,8 @@ def describe_generic(model, layers_name: Optional[str] = None) -> ModelPieces:
                         f"{type(blocks).__name__}")
     if len(blocks) == 0:
         raise ValueError(f"{type(model).__name__}.{path} is empty: a pipeline needs at least one layer")
-    pre, post = piece_params(model, path, paddle.zeros([1, 2], dtype="int64"))
-    return ModelPieces(model, path, pre, post, None, generic=True)
+    pre, post, forms = piece_params(model, path, paddle.zeros([1, 2], dtype="int64"))
+    return ModelPieces(model, path, pre, post, None, generic=True, block_forms=forms)
 
 
 # ---- costs and the split ---------------------------------------------------------------------------------
@@ -308,11 +310,13 @@ class PipelineStage(nn.Layer):
             from .auto_split import run_stage
 
             if self.is_first:
-                return run_stage(model, pieces.layers, self.start, self.stop, x, last=self.is_last)
+                return run_stage(model, pieces.layers, self.start, self.stop, x, last=self.is_last,
+                                 forms=pieces.block_forms)
             if inputs is None:
                 raise ValueError(f"stage {self.index} of {type(model).__name__} (split at its blocks) recomputes "
                                  f"the model's side inputs and needs the model inputs; got inputs=None")
-            return run_stage(model, pieces.layers, self.start, self.stop, inputs, x=x, last=self.is_last)
+            return run_stage(model, pieces.layers, self.start, self.stop, inputs, x=x, last=self.is_last,
+                             forms=pieces.block_forms)
         if self.is_first:
             x = model.embed(x)
         extra = pieces.extra_args(x)
