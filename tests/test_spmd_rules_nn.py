@@ -125,8 +125,8 @@ def test_cross_entropy_layouts():
     assert res.output.shape == ()
     res = ce(logits.with_placements([Shard(1)]), lab)
     assert str(res) == "(S(1), R) -> R via vocab_parallel_cross_entropy"
-    assert res.local_kwargs((1,)) == {"class_start": 5, "class_end": 10, "class_mesh_dims": (0,),
-                                      "batch_mesh_dims": ()}
+    assert res.local_kwargs((1,)) == {"class_start": 5, "class_end": 10, "class_count": 10,
+                                      "class_mesh_dims": (0,), "batch_mesh_dims": ()}
     assert ce(S([6, 10]), S([6, 1], dtype="int64"), reduction="none").output.shape == (6, 1)
     res = ce(S([6, 10], "S(1)"), S([6, 10], "S(1)"), soft_label=True, reduction="none")
     assert str(res) == "(S(1), S(1)) -> R via vocab_parallel_cross_entropy"
