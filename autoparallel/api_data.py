@@ -43,10 +43,12 @@ class ShardDataloader:
             raise ValueError("shard_dataloader: shard_dims must be set when is_dataset_splitted is True (the local "
                              "parts are split over that mesh dim)")
         many = isinstance(meshes, (list, tuple))
-        self._meshes = [as_mesh(m) for m in meshes] if many else [as_mesh(meshes)]
-        if not self._meshes:
-            raise ValueError("shard_dataloader: meshes is empty")
-        bad = [m for m in self._meshes if not isinstance(m, ProcessMesh)]
+        # an entry may itself be a list of meshes: a list field laid out element by element (paddle's form)
+        self._meshes = [[as_mesh(x) for x in m] if isinstance(m, (list, tuple)) else as_mesh(m)
+                        for m in (meshes if many else [meshes])]
+        if not self._meshes or any(m == [] for m in self._meshes):
+            raise ValueError(f"shard_dataloader: meshes is empty, got {meshes!r:.80}")
+        bad = [x for m in self._meshes for x in (m if isinstance(m, list) else [m]) if not isinstance(x, ProcessMesh)]
         if bad:
             raise TypeError(f"shard_dataloader expects ProcessMesh meshes, got {type(bad[0]).__name__} {bad[0]!r:.60}")
         if isinstance(shard_dims, (list, tuple)):
@@ -57,8 +59,9 @@ class ShardDataloader:
         else:
             self._dims = [shard_dims] * len(self._meshes)
         for m, d in zip(self._meshes, self._dims):
-            if d is not None:
-                m.dim_index(d)                     # ValueError naming the mesh's dims
+            for mm, dd in _pairs(m, d):
+                if dd is not None:
+                    mm.dim_index(dd)               # ValueError naming the mesh's dims
         if input_keys is not None and (isinstance(input_keys, str) or not all(isinstance(k, str) for k in input_keys)):
             raise TypeError(f"shard_dataloader: input_keys must be a list of dict keys, got {input_keys!r}")
         self._loader = dataloader
@@ -124,7 +127,7 @@ class ShardDataloader:
 
         if isinstance(batch, paddle.Tensor):
             mesh, dim = self._field(0, 1)
-            return self._place(batch, mesh, dim)
+            return self._nested(batch, mesh, dim, [])
         if isinstance(batch, dict):
             keys = list(batch) if self._keys is None else self._keys
             out = dict(batch)
@@ -144,6 +147,12 @@ class ShardDataloader:
                         f"{type(batch).__name__}")
 
     def _nested(self, x, mesh, dim, dense):
+        if isinstance(mesh, list):
+            if not isinstance(x, (list, tuple)) or len(x) != len(mesh):
+                raise ValueError(f"shard_dataloader: a list of {len(mesh)} meshes lays out a list field element by "
+                                 f"element, but the field is {_what(x)}")
+            return [t if j in dense else self._leaves(t, mm, dd) for j, (t, (mm, dd)) in
+                    enumerate(zip(x, _pairs(mesh, dim)))]
         if isinstance(x, (list, tuple)):
             return [t if j in dense else self._leaves(t, mesh, dim) for j, t in enumerate(x)]
         return x if dense else self._leaves(x, mesh, dim)
@@ -155,6 +164,20 @@ class ShardDataloader:
         if isinstance(x, (list, tuple)):
             return [self._leaves(v, mesh, dim) for v in x]
         return self._place(x, mesh, dim)
+
+
+def _pairs(mesh, dim) -> list:
+    """(mesh, shard dim) of each element of a mesh entry (one mesh, or a list of meshes with one dim or a list)."""
+    if not isinstance(mesh, list):
+        return [(mesh, dim)]
+    dims = list(dim) if isinstance(dim, (list, tuple)) else [dim] * len(mesh)
+    if len(dims) != len(mesh):
+        raise ValueError(f"shard_dataloader: shard_dims {dims} must be one per mesh of the entry ({len(mesh)})")
+    return list(zip(mesh, dims))
+
+
+def _what(x) -> str:
+    return f"a {type(x).__name__} of {len(x)}" if isinstance(x, (list, tuple)) else f"a {type(x).__name__}"
 
 
 def _check_not_split(sampler, is_dataset_splitted) -> None:

@@ -69,6 +69,21 @@ def test_numpy_batches_are_laid_out_and_input_keys_without_a_dict_batch_raise():
             next(iter(ap.shard_dataloader(batches, mesh, input_keys=["x"], shard_dims="data")))
 
 
+def test_a_list_of_meshes_lays_out_a_list_field_element_by_element():
+    """paddle's nested ``meshes=[m0, [m0, m1]]``: field 1 (a list) has element j on mesh j (pipeline inputs on
+    different stages); it raised a TypeError before. A tensor field given a list of meshes raises."""
+    batch = [paddle.arange(8.0).reshape([4, 2]), [paddle.ones([4, 2]), paddle.zeros([4, 3])]]
+    with ap.simulate(world_size=4):
+        m0, m1 = ap.ProcessMesh([0, 1], dim_names=["d"]), ap.ProcessMesh([2, 3], dim_names=["d"])
+        x, (a, b) = next(iter(ap.shard_dataloader([batch], [m0, [m0, m1]], shard_dims=["d", ["d", None]])))
+        assert [(t.mesh.process_ids, t.placements) for t in (x, a, b)] == \
+            [([0, 1], [ap.Shard(0)]), ([0, 1], [ap.Shard(0)]), ([2, 3], [ap.Replicate()])]
+        assert np.array_equal(b.full().numpy(), np.zeros([4, 3])) and np.array_equal(x.full().numpy(), batch[0].numpy())
+        with pytest.raises(ValueError, match="a list of 2 meshes lays out a list field element by element, but the "
+                                             "field is a Tensor"):
+            next(iter(ap.shard_dataloader([batch[0]], [[m0, m1]], shard_dims="d")))
+
+
 @pytest.mark.skipif(not pf.available(), reason="paddleformers not installed (pip install -e .[models])")
 def test_paddleformers_llama_fed_by_shard_dataloader_equals_one_process():
     """Dict batches (int32 ids, -100 labels filling data shard 0, a left-padding mask with position ids) through
