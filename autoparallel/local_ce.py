@@ -63,6 +63,11 @@ def _hard_weight(weight, lab, valid):
     return paddle.gather(weight, safe.reshape([-1])).reshape(lab.shape) * valid.astype(weight.dtype)
 
 
+def _count(t):
+    """The number of elements of ``t`` as a float32 tensor (an op, so a static program computes it too)."""
+    return paddle.ones_like(t, dtype="float32").sum()
+
+
 def _divisor(loss, terms, guarded, mesh, batch_dims):
     """The global mean: local loss sum over the all-reduced divisor ``terms`` (zero counts as 1 if guarded)."""
     with paddle.no_grad():
@@ -85,7 +90,7 @@ def _mean_terms(b, a):
             return _hard_weight(weight, lab, valid).sum(), True
         if ignore >= 0:
             return valid.astype("float32").sum(), True
-        return paddle.to_tensor(float(lab.numel()), "float32"), False
+        return _count(lab), False
     y = lab
     if not b.get("soft_label"):                      # paddle turns a smoothed hard label into a soft one
         y = F.label_smooth(F.one_hot(lab.squeeze(a) if lab.ndim == nd else lab, x.shape[a]),
@@ -98,7 +103,7 @@ def _mean_terms(b, a):
         return wg.sum(), True
     if ignore >= 0:
         return (y != ignore).astype("float32").sum(), True
-    return paddle.to_tensor(float(y.numel() // max(x.shape[a], 1)), "float32"), False
+    return _count(y.sum(axis=a)), False
 
 
 def global_mean_cross_entropy(mesh, calls):
@@ -149,7 +154,7 @@ def vocab_parallel_cross_entropy(mesh, calls):
         terms = {r: (_keepdim_label(b["label"], nd, a) != b["ignore_index"]).astype("float32").sum()
                  for r, b in bound.items()}
         return _divisor(loss, terms, True, mesh, b0["batch_mesh_dims"])
-    terms = {r: paddle.to_tensor(float(t.numel()), "float32") for r, t in loss.items()}
+    terms = {r: _count(t) for r, t in loss.items()}
     return _divisor(loss, terms, False, mesh, b0["batch_mesh_dims"])
 
 
@@ -200,6 +205,8 @@ def _hard_terms(bound, sh, lse, mesh, cdims, a):
 
 
 def _check_smoothed_labels(lab, classes) -> None:
+    if not paddle.in_dynamic_mode():                 # a static program's values are not known while it is built
+        return
     if bool(((lab < 0) | (lab >= classes)).any()):
         raise ValueError(f"cross_entropy with label_smoothing: every label must be a class index in [0, {classes}) "
                          f"(paddle one-hot encodes it; an ignore_index label cannot be smoothed)")
