@@ -45,6 +45,20 @@ def ce_kwargs(args, kwargs) -> dict:
     return bound
 
 
+def check_ids(x, size, what: str, allowed=(-1,), error=ValueError) -> None:
+    """Raise ``error`` (paddle's class: ValueError for embedding ids, IndexError for labels) when an id of ``x``
+    is outside [0, size) and not in ``allowed`` (paddle's embedding kernel takes -1 as its padding row).
+    Dynamic mode only: a static program's values are unknown while it is built."""
+    if size is None or not paddle.in_dynamic_mode() or x.numel() == 0:
+        return
+    bad = (x >= size) | (x < 0)
+    for a in allowed:
+        bad = bad & (x != a)
+    if bool(bad.any()):
+        raise error(f"{what} must be in [0, {size}) (paddle's kernel checks this on one process; split over the "
+                    f"ranks, an id no rank holds would count silently as a zero), got {x.masked_select(bad)[:4].tolist()}")
+
+
 def _keepdim_label(label, nd, a):
     """A hard label with a 1 at the class axis (paddle accepts it with or without)."""
     return label if label.ndim == nd else label.unsqueeze(a)
@@ -176,6 +190,8 @@ def _hard_terms(bound, sh, lse, mesh, cdims, a):
     eps = next(iter(bound.values()))["label_smoothing"]
     for r, b in bound.items():
         lab = _keepdim_label(b["label"], nd, a)
+        check_ids(lab, b["class_count"], f"cross_entropy: labels other than ignore_index={b['ignore_index']}",
+                  allowed=(b["ignore_index"],), error=IndexError)
         start, end = b["class_start"], b["class_end"]
         inside = (lab >= start) & (lab < end)
         idx = paddle.where(inside, lab - start, paddle.zeros_like(lab)).astype("int64")

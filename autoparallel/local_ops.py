@@ -9,15 +9,17 @@ import paddle
 import paddle.nn.functional as F
 
 from autoparallel.comm import collectives as C
-from autoparallel.local_ce import global_mean_cross_entropy, mesh_reduce, vocab_parallel_cross_entropy
+from autoparallel.local_ce import check_ids, global_mean_cross_entropy, mesh_reduce, vocab_parallel_cross_entropy
 
 
 # ---- per-rank ----------------------------------------------------------------------------------------
 def vocab_parallel_embedding(x, weight, padding_idx=None, max_norm=None, norm_type=2.0, sparse=False,
-                             scale_grad_by_freq=False, name=None, *, vocab_start, vocab_end):
+                             scale_grad_by_freq=False, name=None, *, vocab_start, vocab_end, vocab_size=None):
     """Masked lookup of this rank's rows [vocab_start, vocab_end); other ids give zeros (Partial sum). The mask
     selects (``where``) rather than multiplies: a non-finite gradient at another rank's id (an fp16 overflow
-    that one process drops at the padding row) would otherwise reach local row 0 as inf * 0 = NaN."""
+    that one process drops at the padding row) would otherwise reach local row 0 as inf * 0 = NaN. An id no
+    rank holds raises, as paddle's embedding does (the mask would make it a silent zero vector)."""
+    check_ids(x, vocab_size, "embedding: input ids")
     mask = (x >= vocab_start) & (x < vocab_end)
     ids = paddle.where(mask, x - vocab_start, paddle.zeros_like(x))
     out = F.embedding(ids, weight, padding_idx=padding_idx, sparse=sparse)

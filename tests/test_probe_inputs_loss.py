@@ -103,6 +103,28 @@ def test_axis_1_vocab_parallel_and_unsupported_forms_raise():
             F.cross_entropy(x, y, label_smoothing=0.1)
 
 
+def test_ids_and_labels_no_rank_holds_raise_as_on_one_process():
+    """A label >= the class count (a tokenizer larger than the model) or an id >= the vocabulary: one process
+    raises; split over the vocab, no rank held it and it counted silently as a zero logit / embedding row."""
+    x, w = paddle.to_tensor(X), paddle.to_tensor(X[0])
+    bad_lab, bad_ids = paddle.to_tensor(np.where(Y_IGN == 6, C, Y_IGN)), paddle.to_tensor([[1, 6, 9]])
+    with pytest.raises(IndexError):
+        F.cross_entropy(x, bad_lab)
+    with pytest.raises(ValueError):
+        F.embedding(bad_ids, w)
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["m"])
+        xs, ws = ap.shard_tensor(x, mesh, [ap.Shard(2)]), ap.shard_tensor(w, mesh, [ap.Shard(0)])
+        with pytest.raises(IndexError, match=r"labels other than ignore_index=-100 must be in \[0, 7\).*got \[7"):
+            F.cross_entropy(xs, ap.shard_tensor(bad_lab, mesh, [R]))
+        with pytest.raises(ValueError, match=r"embedding: input ids must be in \[0, 6\).*got \[6, 9\]"):
+            F.embedding(ap.shard_tensor(bad_ids, mesh, [R]), ws)
+        ok = F.embedding(ap.shard_tensor(paddle.to_tensor([[1, -1, 5]]), mesh, [R]), ws).full().numpy()
+    # paddle's kernel lets -1 through (it fills no defined row); split, it is a zero row; the others equal paddle's
+    np.testing.assert_array_equal(ok[0, [0, 2]], X[0][[1, 5]])
+    assert not ok[0, 1].any()
+
+
 def test_project_gpt_with_ignored_labels_under_dp_and_vocab_parallel_trains_as_one_process():
     """The project's GPT with -100 labels (data shard 0 holds none valid): one SGD step under dp2 x tp2 with a
     vocab-parallel embedding and head (the loss is computed on vocab-split logits) equals one process."""

@@ -97,8 +97,10 @@ def test_embedding_layouts():
     res = emb(S([4, 5], mesh=M3, dtype="int64"), S([11, 6], "S(0)", M3), padding_idx=9)
     assert str(res) == "(R, S(0)) -> P(sum) via vocab_parallel_embedding"
     assert res.output.shape == (4, 5, 6)
-    assert res.local_kwargs((0,)) == {"vocab_start": 0, "vocab_end": 4, "padding_idx": None}
-    assert res.local_kwargs((2,)) == {"vocab_start": 8, "vocab_end": 11, "padding_idx": 1}
+    assert res.local_kwargs((0,)) == {"vocab_start": 0, "vocab_end": 4, "padding_idx": None,
+                                      "vocab_size": 11}
+    assert res.local_kwargs((2,)) == {"vocab_start": 8, "vocab_end": 11, "padding_idx": 1,
+                                      "vocab_size": 11}
     with pytest.raises(TypeError, match="integer ids"):
         emb(S([4]), S([11, 6]))
 
