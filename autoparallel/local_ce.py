@@ -77,6 +77,21 @@ def _hard_weight(weight, lab, valid):
     return paddle.gather(weight, safe.reshape([-1])).reshape(lab.shape) * valid.astype(weight.dtype)
 
 
+def _sum_both(xs, mesh, dims):
+    """Sum over ``dims`` whose backward sums the ranks' gradients too: every rank's loss term divides by the
+    global divisor, so a class weight's gradient through it is the sum of all terms' (``all_reduce``'s
+    identity adjoint would keep one rank's term)."""
+    for d in dims:
+        out = {}
+        for ranks in mesh.all_groups(d):
+            held = {r: xs[r] for r in ranks if r in xs}
+            if held:
+                both = lambda v, ranks=ranks: C._reduce_raw(v, ranks, "sum")
+                out.update(C._run(held, both, both))
+        xs = out
+    return xs
+
+
 def _count(t):
     """The number of elements of ``t`` as a float32 tensor (an op, so a static program computes it too)."""
     return paddle.ones_like(t, dtype="float32").sum()
@@ -84,10 +99,9 @@ def _count(t):
 
 def _divisor(loss, terms, guarded, mesh, batch_dims):
     """The global mean: local loss sum over the all-reduced divisor ``terms`` (zero counts as 1 if guarded)."""
-    with paddle.no_grad():
-        d = mesh_reduce({r: t.astype("float32") for r, t in terms.items()}, mesh, batch_dims)
-        if guarded:
-            d = {r: v + (v == 0.0).astype(v.dtype) for r, v in d.items()}
+    d = _sum_both({r: t.astype("float32") for r, t in terms.items()}, mesh, batch_dims)
+    if guarded:
+        d = {r: v + (v == 0.0).astype(v.dtype).detach() for r, v in d.items()}
     return {r: loss[r].sum() / d[r].astype(loss[r].dtype) for r in loss}
 
 
@@ -212,12 +226,15 @@ def _hard_terms(bound, sh, lse, mesh, cdims, a):
         else:
             loss[r] = nll * valid.astype(nll.dtype)
         w = b.get("weight")
-        if w is not None:
-            w = w.detach()
-            wg[r] = _hard_weight(w, lab, valid) if eps == 0 else \
-                (1.0 - eps) * _hard_weight(w, lab, valid) + eps * w.mean()
-            loss[r] = loss[r] * wg[r].astype(loss[r].dtype)
-    return loss, (wg or None)
+        if w is not None:                            # this rank's classes only: the class weight's gradient
+            start, end = b["class_start"], b["class_end"]          # is summed over the class dims
+            mine = valid & (lab >= start) & (lab < end)
+            wg[r] = _hard_weight(w, lab, mine) if eps == 0 else \
+                (1.0 - eps) * _hard_weight(w, lab, mine) + eps * w[start:end].sum() / b["class_count"]
+    if not wg:
+        return loss, None
+    wg = mesh_reduce(wg, mesh, cdims)
+    return {r: loss[r] * wg[r].astype(loss[r].dtype) for r in loss}, wg
 
 
 def _check_smoothed_labels(lab, classes) -> None:
@@ -237,7 +254,7 @@ def _soft_terms(bound, sh, lse, mesh, cdims, a):
         ysum[r] = y.sum(axis=a, keepdim=True)
         ydot[r] = (y * sh[r]).sum(axis=a, keepdim=True)
         if b.get("weight") is not None:
-            w = b["weight"].detach()[b["class_start"]:b["class_end"]]
+            w = b["weight"][b["class_start"]:b["class_end"]]
             wpart[r] = (y * _class_view(w, nd, a).astype(y.dtype)).sum(axis=a, keepdim=True)
     ysum, ydot = mesh_reduce(ysum, mesh, cdims), mesh_reduce(ydot, mesh, cdims)
     loss = {r: lse[r] * ysum[r] - ydot[r] for r in bound}

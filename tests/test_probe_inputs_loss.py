@@ -2,7 +2,8 @@
 shard holding only ignored labels), a custom ignore_index, class weights, soft labels, label smoothing, every
 reduction, labels [b, s] or [b, s, 1], int32 or int64, the class axis not last. paddle's mean divides by the number
 of examples with the default ignore_index -100 (ignored ones included) and by the count of valid labels with an
-ignore_index >= 0: the sharded loss divides by the same global divisor (in the simulated world)."""
+ignore_index >= 0: the sharded loss divides by the same global divisor (in the simulated world). Class weights
+get paddle's gradient too (through the weighted sum and the divisor)."""
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -32,10 +33,10 @@ def _loss(x, y, w, kw):
 
 
 def _one(y, kw, weight=False):
-    x = paddle.to_tensor(X, stop_gradient=False)
-    loss, scalar = _loss(x, paddle.to_tensor(y), paddle.to_tensor(WEIGHT) if weight else None, kw)
+    x, w = paddle.to_tensor(X, stop_gradient=False), paddle.to_tensor(WEIGHT, stop_gradient=False)
+    loss, scalar = _loss(x, paddle.to_tensor(y), w if weight else None, kw)
     scalar.backward()
-    return loss.numpy(), x.grad.numpy()
+    return loss.numpy(), x.grad.numpy(), w.grad.numpy() if weight else None      # paddle trains class weights too
 
 
 def _sharded(y, kw, layout, weight=False):
@@ -45,10 +46,10 @@ def _sharded(y, kw, layout, weight=False):
     with ap.simulate(world_size=4):
         mesh = ap.ProcessMesh(np.arange(4).reshape([2, 2] if len(dims) == 2 else [4]).tolist(), dim_names=dims)
         x = ap.shard_tensor(paddle.to_tensor(X, stop_gradient=False), mesh, xpl)
-        w = ap.shard_tensor(paddle.to_tensor(WEIGHT), mesh, [R] * len(dims)) if weight else None
+        w = ap.shard_tensor(paddle.to_tensor(WEIGHT, stop_gradient=False), mesh, [R] * len(dims)) if weight else None
         loss, scalar = _loss(x, ap.shard_tensor(paddle.to_tensor(y), mesh, ypl), w, kw)
         scalar.backward()
-        return loss.full().numpy(), x.grad.full().numpy()
+        return loss.full().numpy(), x.grad.full().numpy(), w.grad.full().numpy() if weight else None
 
 
 CASES = {
@@ -74,6 +75,8 @@ def test_cross_entropy_label_forms_equal_one_process(case):
         assert got[0].shape == ref[0].shape, (layout, got[0].shape, ref[0].shape)
         np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-6, err_msg=layout)
         np.testing.assert_allclose(got[1], ref[1], rtol=1e-4, atol=1e-6, err_msg=layout)
+        if weight:
+            np.testing.assert_allclose(got[2], ref[2], rtol=1e-4, atol=1e-6, err_msg=f"{layout}: weight gradient")
 
 
 def test_mean_divisor_is_paddles():
