@@ -7,13 +7,17 @@ Each batch of the wrapped loader is the GLOBAL batch (the same on every rank, as
 process) and is laid out with ``shard_tensor``: the values are exactly the single-process batch, whatever the
 degree. (paddle instead builds a ``DistributedBatchSampler`` so each rank loads only its part; the global batch
 it forms interleaves samples differently from the original loader.) With ``is_dataset_splitted=True`` every
-rank's loader already yields its own local part, which becomes the local shard (``dtensor_from_local``).
+rank's loader already yields its own local part, which becomes the local shard (``dtensor_from_local``). On real
+ranks every batch is checked to agree where the layout needs it (``autoparallel.data_agree``): a loader shuffled
+differently per rank raises instead of training on a mix of batches.
 
 ``meshes``: one mesh for every field, or a list with one mesh per field (pipeline: inputs on the first stage,
 labels on the last). ``shard_dims``: the mesh dim (name or index) splitting dim 0 of the batch, one for all
 fields or one per mesh; None replicates. ``input_keys``: the fields of a dict batch to lay out (others pass
-through). ``dense_tensor_idx`` (paddle's): one list per field; for a tensor field a non-empty list keeps it a plain
-tensor, for a list field the listed positions stay plain tensors.
+through; with a list/tuple batch it raises). A field nested deeper (a dict or list inside a field) has every
+tensor laid out like the field; numpy arrays are laid out as tensors. ``dense_tensor_idx`` (paddle's): one list per
+field; for a tensor field a non-empty list keeps it a plain tensor, for a list field the listed positions stay plain
+tensors.
 """
 from __future__ import annotations
 
@@ -39,10 +43,12 @@ class ShardDataloader:
             raise ValueError("shard_dataloader: shard_dims must be set when is_dataset_splitted is True (the local "
                              "parts are split over that mesh dim)")
         many = isinstance(meshes, (list, tuple))
-        self._meshes = [as_mesh(m) for m in meshes] if many else [as_mesh(meshes)]
-        if not self._meshes:
-            raise ValueError("shard_dataloader: meshes is empty")
-        bad = [m for m in self._meshes if not isinstance(m, ProcessMesh)]
+        # an entry may itself be a list of meshes: a list field laid out element by element (paddle's form)
+        self._meshes = [[as_mesh(x) for x in m] if isinstance(m, (list, tuple)) else as_mesh(m)
+                        for m in (meshes if many else [meshes])]
+        if not self._meshes or any(m == [] for m in self._meshes):
+            raise ValueError(f"shard_dataloader: meshes is empty, got {meshes!r:.80}")
+        bad = [x for m in self._meshes for x in (m if isinstance(m, list) else [m]) if not isinstance(x, ProcessMesh)]
         if bad:
             raise TypeError(f"shard_dataloader expects ProcessMesh meshes, got {type(bad[0]).__name__} {bad[0]!r:.60}")
         if isinstance(shard_dims, (list, tuple)):
@@ -53,8 +59,9 @@ class ShardDataloader:
         else:
             self._dims = [shard_dims] * len(self._meshes)
         for m, d in zip(self._meshes, self._dims):
-            if d is not None:
-                m.dim_index(d)                     # ValueError naming the mesh's dims
+            for mm, dd in _pairs(m, d):
+                if dd is not None:
+                    mm.dim_index(dd)               # ValueError naming the mesh's dims
         if input_keys is not None and (isinstance(input_keys, str) or not all(isinstance(k, str) for k in input_keys)):
             raise TypeError(f"shard_dataloader: input_keys must be a list of dict keys, got {input_keys!r}")
         self._loader = dataloader
@@ -90,16 +97,21 @@ class ShardDataloader:
         return list(self._dense[i]) if self._dense is not None and i < len(self._dense) and self._dense[i] else []
 
     def _place(self, t, mesh, dim):
+        import numpy as np
         import paddle
 
         from autoparallel.api_tensor import dtensor_from_local, shard_tensor
+        from autoparallel.data_agree import check_agree
         from autoparallel.placement import Replicate, Shard
 
+        if isinstance(t, np.ndarray) and t.ndim and t.dtype.kind in "biuf":
+            t = paddle.to_tensor(t)                 # an iterable of numpy batches: laid out as the tensor it is
         if not isinstance(t, paddle.Tensor):
             return t
         pl = [Replicate()] * mesh.ndim
         if dim is not None:
             pl[mesh.dim_index(dim)] = Shard(0)
+        check_agree(t, mesh, dim, self._split, f"a batch tensor {t.dtype} {list(t.shape)}")
         if not self._split:
             return shard_tensor(t, mesh, pl)
         from autoparallel.comm.world import current_world
@@ -115,7 +127,7 @@ class ShardDataloader:
 
         if isinstance(batch, paddle.Tensor):
             mesh, dim = self._field(0, 1)
-            return self._place(batch, mesh, dim)
+            return self._nested(batch, mesh, dim, [])
         if isinstance(batch, dict):
             keys = list(batch) if self._keys is None else self._keys
             out = dict(batch)
@@ -126,14 +138,46 @@ class ShardDataloader:
                 out[k] = self._nested(batch[k], mesh, dim, self._dense_of(i))
             return out
         if isinstance(batch, (list, tuple)):
+            if self._keys is not None:
+                raise ValueError(f"shard_dataloader: input_keys={self._keys} names fields of a dict batch, but the "
+                                 f"loader yields a {type(batch).__name__}; drop input_keys (every field is laid "
+                                 f"out) or yield dicts")
             return [self._nested(b, *self._field(i, len(batch)), self._dense_of(i)) for i, b in enumerate(batch)]
         raise TypeError(f"shard_dataloader: a batch must be a tensor, a list/tuple or a dict, got "
                         f"{type(batch).__name__}")
 
     def _nested(self, x, mesh, dim, dense):
+        if isinstance(mesh, list):
+            if not isinstance(x, (list, tuple)) or len(x) != len(mesh):
+                raise ValueError(f"shard_dataloader: a list of {len(mesh)} meshes lays out a list field element by "
+                                 f"element, but the field is {_what(x)}")
+            return [t if j in dense else self._leaves(t, mm, dd) for j, (t, (mm, dd)) in
+                    enumerate(zip(x, _pairs(mesh, dim)))]
         if isinstance(x, (list, tuple)):
-            return [t if j in dense else self._place(t, mesh, dim) for j, t in enumerate(x)]
-        return x if dense else self._place(x, mesh, dim)
+            return [t if j in dense else self._leaves(t, mesh, dim) for j, t in enumerate(x)]
+        return x if dense else self._leaves(x, mesh, dim)
+
+    def _leaves(self, x, mesh, dim):
+        """Every tensor of a nested field (dicts of tensors inside a dict batch) on the field's mesh and dim."""
+        if isinstance(x, dict):
+            return {k: self._leaves(v, mesh, dim) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [self._leaves(v, mesh, dim) for v in x]
+        return self._place(x, mesh, dim)
+
+
+def _pairs(mesh, dim) -> list:
+    """(mesh, shard dim) of each element of a mesh entry (one mesh, or a list of meshes with one dim or a list)."""
+    if not isinstance(mesh, list):
+        return [(mesh, dim)]
+    dims = list(dim) if isinstance(dim, (list, tuple)) else [dim] * len(mesh)
+    if len(dims) != len(mesh):
+        raise ValueError(f"shard_dataloader: shard_dims {dims} must be one per mesh of the entry ({len(mesh)})")
+    return list(zip(mesh, dims))
+
+
+def _what(x) -> str:
+    return f"a {type(x).__name__} of {len(x)}" if isinstance(x, (list, tuple)) else f"a {type(x).__name__}"
 
 
 def _check_not_split(sampler, is_dataset_splitted) -> None:

@@ -9,14 +9,17 @@ import paddle
 import paddle.nn.functional as F
 
 from autoparallel.comm import collectives as C
+from autoparallel.local_ce import check_ids, global_mean_cross_entropy, mesh_reduce, vocab_parallel_cross_entropy
 
 
 # ---- per-rank ----------------------------------------------------------------------------------------
 def vocab_parallel_embedding(x, weight, padding_idx=None, max_norm=None, norm_type=2.0, sparse=False,
-                             scale_grad_by_freq=False, name=None, *, vocab_start, vocab_end):
+                             scale_grad_by_freq=False, name=None, *, vocab_start, vocab_end, vocab_size=None):
     """Masked lookup of this rank's rows [vocab_start, vocab_end); other ids give zeros (Partial sum). The mask
     selects (``where``) rather than multiplies: a non-finite gradient at another rank's id (an fp16 overflow
-    that one process drops at the padding row) would otherwise reach local row 0 as inf * 0 = NaN."""
+    that one process drops at the padding row) would otherwise reach local row 0 as inf * 0 = NaN. An id no
+    rank holds raises, as paddle's embedding does (the mask would make it a silent zero vector)."""
+    check_ids(x, vocab_size, "embedding: input ids")
     mask = (x >= vocab_start) & (x < vocab_end)
     ids = paddle.where(mask, x - vocab_start, paddle.zeros_like(x))
     out = F.embedding(ids, weight, padding_idx=padding_idx, sparse=sparse)
@@ -55,85 +58,7 @@ PER_RANK = {"vocab_parallel_embedding": vocab_parallel_embedding, "global_mean":
 
 
 # ---- group ops: fn(mesh, calls: {rank: (args, kwargs)}) -> {rank: output} -----------------------------
-def _mesh_reduce(xs, mesh, dims, op="sum"):
-    for d in dims:
-        out = {}
-        for ranks in mesh.all_groups(d):
-            held = {r: xs[r] for r in ranks if r in xs}
-            if held:
-                out.update(C.all_reduce(held, ranks, op))
-        xs = out
-    return xs
-
-
-def _ce_kwargs(args, kwargs):
-    names = ["input", "label", "weight", "ignore_index", "reduction", "soft_label", "axis", "use_softmax",
-             "label_smoothing", "name"]
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    return bound
-
-
-def vocab_parallel_cross_entropy(mesh, calls):
-    """Cross entropy with the class axis sharded: max, sum of exps and the target logit are all-reduced
-    over the class mesh dims; the logits are never gathered. With the batch sharded the result is a
-    Partial(sum) term over the batch mesh dims (the mean divides by the global valid count)."""
-    bound = {r: _ce_kwargs(*c) for r, c in calls.items()}
-    any_b = next(iter(bound.values()))
-    if any_b.get("weight") is not None or any_b.get("soft_label") or any_b.get("label_smoothing", 0.0):
-        raise NotImplementedError("vocab-parallel cross_entropy supports hard labels without weight or smoothing")
-    class_dims = any_b["class_mesh_dims"]
-    batch_dims = any_b["batch_mesh_dims"]
-    reduction = any_b.get("reduction", "mean")
-    ignore = any_b.get("ignore_index", -100)
-    logits = {r: b["input"] for r, b in bound.items()}
-    with paddle.no_grad():
-        lmax = {r: paddle.max(t, axis=-1, keepdim=True) for r, t in logits.items()}
-    lmax = _mesh_reduce(lmax, mesh, class_dims, "max")
-    shifted = {r: logits[r] - lmax[r].detach() for r in logits}
-    sumexp = _mesh_reduce({r: paddle.exp(t).sum(axis=-1) for r, t in shifted.items()}, mesh, class_dims)
-    picked, valid = {}, {}
-    for r, b in bound.items():
-        lab = b["label"]
-        if lab.ndim == shifted[r].ndim:
-            lab = lab.squeeze(-1)
-        start, end = b["class_start"], b["class_end"]
-        inside = (lab >= start) & (lab < end)
-        idx = paddle.where(inside, lab - start, paddle.zeros_like(lab)).unsqueeze(-1)
-        got = paddle.take_along_axis(shifted[r], idx.astype("int64"), axis=-1).squeeze(-1)
-        picked[r] = got * inside.astype(got.dtype)
-        valid[r] = (lab != ignore).astype(got.dtype)
-    picked = _mesh_reduce(picked, mesh, class_dims)
-    losses = {r: (paddle.log(sumexp[r]) - picked[r]) * valid[r] for r in bound}
-    if reduction == "none":
-        return {r: losses[r].unsqueeze(-1) for r in losses}
-    totals = {r: t.sum() for r, t in losses.items()}       # Partial(sum) over the batch mesh dims
-    if reduction == "sum":
-        return totals
-    with paddle.no_grad():
-        counts = _mesh_reduce({r: v.sum() for r, v in valid.items()}, mesh, batch_dims)
-    return {r: totals[r] / paddle.clip(counts[r], min=1.0) for r in totals}
-
-
-def global_mean_cross_entropy(mesh, calls):
-    """Mean cross entropy over a batch sharded on ``batch_mesh_dims``: the local loss sum divided by the
-    global count of valid labels (a Partial(sum) term)."""
-    out = {}
-    sums, counts = {}, {}
-    for r, (args, kwargs) in calls.items():
-        b = _ce_kwargs(args, kwargs)
-        dims = b.pop("batch_mesh_dims")
-        b["reduction"] = "none"
-        loss = F.cross_entropy(**{k: v for k, v in b.items() if k != "name"})
-        lab = b["label"]
-        valid = (lab != b.get("ignore_index", -100)).astype(loss.dtype).reshape(loss.shape)
-        sums[r] = (loss * valid).sum()
-        counts[r] = valid.sum().detach()
-    with paddle.no_grad():
-        counts = _mesh_reduce(counts, mesh, dims)
-    for r in sums:
-        out[r] = sums[r] / paddle.clip(counts[r], min=1.0)
-    return out
+_mesh_reduce = mesh_reduce
 
 
 def sharded_dropout(mesh, calls):

@@ -63,7 +63,7 @@ def embedding(x, weight, padding_idx=None, max_norm=None, norm_type=2.0, sparse=
     def local_attrs(coords):
         a, b = w.local_range(coords, 0)
         pad = padding_idx - a if padding_idx is not None and a <= padding_idx < b else None
-        return {"vocab_start": a, "vocab_end": b, "padding_idx": pad}
+        return {"vocab_start": a, "vocab_end": b, "padding_idx": pad, "vocab_size": w.shape[0]}
 
     return SpmdResult(present(required), outputs, "vocab_parallel_embedding", local_attrs)
 

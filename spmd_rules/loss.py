@@ -5,13 +5,14 @@ shared with a soft label only. On one mesh dim the larger of input/label keeps i
 
 * a batch dim sharded: reduction 'none' -> the loss is sharded on it; 'sum' -> Partial(sum) from the
   plain local op; 'mean' -> Partial(sum) from the local op ``global_mean_cross_entropy``: local sum of the
-  (weighted) per-example losses divided by the GLOBAL (weighted) count of non-ignored labels, which the
-  runtime all-reduces over ``local_attrs()['batch_mesh_dims']``;
+  (weighted) per-example losses divided by the GLOBAL divisor of paddle's mean (``autoparallel.local_ce``:
+  the number of examples with the default ignore_index -100, ignored ones included; the count or class-weight
+  sum of non-ignored labels otherwise), which the runtime all-reduces over ``local_attrs()['batch_mesh_dims']``;
 * the class axis sharded (vocab-parallel logits): the output is R and the local op is
   ``vocab_parallel_cross_entropy``: this rank holds classes ``[class_start, class_end)``; the runtime
   all-reduces the max logit, the sum of exponentials and the target logit (or the soft-label dot
-  product) over ``class_mesh_dims`` and, for 'mean' over a sharded batch, the count over
-  ``batch_mesh_dims``; the logits are never gathered.
+  product; label smoothing: the row sum) over ``class_mesh_dims`` and, for 'mean' over a sharded batch,
+  the divisor over ``batch_mesh_dims``; the logits are never gathered.
 
 Partial inputs need R; the class ``weight`` is R.
 """
@@ -56,6 +57,9 @@ def cross_entropy(input, label, weight=None, ignore_index=-100, reduction="mean"
             raise ValueError(f"{op}: label shape {list(label.shape)} does not match input shape "
                              f"{list(input.shape)} (expected {list(batch_shape)} or with a 1 at axis {a})")
         none_labels, none_shape = ll, tuple(label.shape)
+        if label_smoothing > 0:                     # paddle smooths into a soft label: the loss keeps the 1
+            none_labels = tuple(None if d == a else d for d in range(input.ndim))
+            none_shape = tuple(1 if d == a else s for d, s in enumerate(input.shape))
     if weight is not None and tuple(weight.shape) != (C,):
         raise ValueError(f"{op}: weight must have shape [{C}], got {list(weight.shape)}")
     out_labels, out_shape = (none_labels, none_shape) if reduction == "none" else ((), ())
@@ -74,7 +78,8 @@ def cross_entropy(input, label, weight=None, ignore_index=-100, reduction="mean"
     if class_dims:
         def attrs(coords):
             s, e = ri.local_range(coords, a)
-            return {"class_start": s, "class_end": e, "class_mesh_dims": class_dims, "batch_mesh_dims": batch_dims}
+            return {"class_start": s, "class_end": e, "class_count": C, "class_mesh_dims": class_dims,
+                    "batch_mesh_dims": batch_dims}
 
         return SpmdResult(present(required), outputs, "vocab_parallel_cross_entropy", attrs)
     if reduction == "mean" and any(isinstance(p, Partial) for p in outputs[0].placements):

@@ -97,8 +97,10 @@ def test_embedding_layouts():
     res = emb(S([4, 5], mesh=M3, dtype="int64"), S([11, 6], "S(0)", M3), padding_idx=9)
     assert str(res) == "(R, S(0)) -> P(sum) via vocab_parallel_embedding"
     assert res.output.shape == (4, 5, 6)
-    assert res.local_kwargs((0,)) == {"vocab_start": 0, "vocab_end": 4, "padding_idx": None}
-    assert res.local_kwargs((2,)) == {"vocab_start": 8, "vocab_end": 11, "padding_idx": 1}
+    assert res.local_kwargs((0,)) == {"vocab_start": 0, "vocab_end": 4, "padding_idx": None,
+                                      "vocab_size": 11}
+    assert res.local_kwargs((2,)) == {"vocab_start": 8, "vocab_end": 11, "padding_idx": 1,
+                                      "vocab_size": 11}
     with pytest.raises(TypeError, match="integer ids"):
         emb(S([4]), S([11, 6]))
 
@@ -125,8 +127,8 @@ def test_cross_entropy_layouts():
     assert res.output.shape == ()
     res = ce(logits.with_placements([Shard(1)]), lab)
     assert str(res) == "(S(1), R) -> R via vocab_parallel_cross_entropy"
-    assert res.local_kwargs((1,)) == {"class_start": 5, "class_end": 10, "class_mesh_dims": (0,),
-                                      "batch_mesh_dims": ()}
+    assert res.local_kwargs((1,)) == {"class_start": 5, "class_end": 10, "class_count": 10,
+                                      "class_mesh_dims": (0,), "batch_mesh_dims": ()}
     assert ce(S([6, 10]), S([6, 1], dtype="int64"), reduction="none").output.shape == (6, 1)
     res = ce(S([6, 10], "S(1)"), S([6, 10], "S(1)"), soft_label=True, reduction="none")
     assert str(res) == "(S(1), S(1)) -> R via vocab_parallel_cross_entropy"

@@ -5,7 +5,7 @@ from .local_arrays import _paddle
 
 
 def _vocab_parallel_embedding(x, weight, padding_idx=None, max_norm=None, norm_type=2.0, sparse=False,
-                              scale_grad_by_freq=False, name=None, *, vocab_start, vocab_end):
+                              scale_grad_by_freq=False, name=None, *, vocab_start, vocab_end, vocab_size=None):
     paddle = _paddle()
     F = paddle.nn.functional
     mask = (x >= vocab_start) & (x < vocab_end)

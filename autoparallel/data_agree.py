@@ -1,0 +1,77 @@
+"""Batches that must agree across ranks, checked on real ranks before they are laid out.
+
+``shard_tensor`` takes a tensor that is the same on every rank and keeps each rank's slice; ``dtensor_from_local``
+takes each rank's own part and multiplies its shape by the shard count. A loader whose ranks disagree trains
+silently wrong: a shuffle seeded per rank (or ``paddle.randint`` drawn on each rank) gives every rank a slice of
+a DIFFERENT global batch, and tensor-parallel peers that should hold one replica hold different ones. So, on real
+ranks, ``shard_dataloader`` fingerprints every tensor it lays out (shape and CRC-32 of the bytes, float32-exact
+numbers) and all-reduces max and min of the fingerprint over the groups of the mesh dims that must agree:
+
+* ``is_dataset_splitted=False``: every mesh dim (the whole global batch is the same on every rank of the mesh);
+* ``is_dataset_splitted=True``: the dims other than the shard dim (replicas) must agree on the whole part, and the
+  shard dim on the part's shape (parts of unequal sizes cannot be stacked by ``dtensor_from_local``).
+
+A disagreement raises ``ValueError`` naming the mesh dim and the ranks. Cost: one small all-reduce per checked
+dim and tensor per batch. The simulated world holds one batch for all ranks: nothing to check there.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+
+def fingerprint(t, shape_only: bool = False) -> list:
+    """Shape, then the CRC-32 of the bytes as two 16-bit halves (every number exact in float32)."""
+    out = [float(len(t.shape))] + [float(d) for d in t.shape]
+    if not shape_only:
+        crc = zlib.crc32(np.ascontiguousarray(t.numpy()).tobytes())
+        out += [float(crc >> 16), float(crc & 0xFFFF)]
+    return out
+
+
+def _disagree(values: list, ranks: list) -> bool:
+    """True when ``values`` is not the same on every rank of ``ranks`` (max and -min in one all-reduce)."""
+    import paddle
+
+    from autoparallel.comm.transport import transport_for
+    from autoparallel.comm.world import current_world
+
+    world = current_world()
+    v = paddle.to_tensor(np.array(values + [-x for x in values], dtype="float32"))
+    out = transport_for(world).all_reduce({world.rank: v}, list(ranks), "max")[world.rank].numpy()
+    n = len(values)
+    return bool(np.any(out[:n] != -out[n:]))
+
+
+def check_agree(t, mesh, shard_dim, split: bool, what: str) -> None:
+    """Raise when ``t`` (this rank's batch tensor) differs where the layout needs it equal (module docstring)."""
+    from autoparallel.comm.world import current_world
+
+    world = current_world()
+    if world.is_simulated or not mesh.contains(world.rank):
+        return
+    sd = None if shard_dim is None else mesh.dim_index(shard_dim)
+    coords = mesh.coords_of(world.rank)
+    full, shape = fingerprint(t), None
+    for d in range(mesh.ndim):
+        if mesh.shape[d] == 1:
+            continue
+        ranks = next(g for g in mesh.all_groups(d) if world.rank in g)
+        if split and d == sd:
+            shape = shape or fingerprint(t, shape_only=True)
+            if _disagree(shape, ranks):
+                raise ValueError(f"shard_dataloader(is_dataset_splitted=True): {what} has local parts of different "
+                                 f"shapes on the ranks {list(ranks)} of mesh dim {mesh.dim_names[d]!r} (this rank "
+                                 f"{world.rank}: {list(t.shape)}); every rank's part must have one size (paddle's "
+                                 f"DistributedBatchSampler pads the dataset to equal parts; or drop_last=True)")
+            continue
+        if _disagree(full, ranks):
+            how = ("the loader must yield the same global batch on every rank (is_dataset_splitted=False): seed "
+                   "its shuffle and any random draw identically on every rank, or pass is_dataset_splitted=True "
+                   "with each rank loading its own part") if not split else \
+                  ("ranks that differ only along this dim hold replicas of one part: give them the same data "
+                   "(a DistributedBatchSampler with num_replicas = the shard dim's size and rank = the rank's "
+                   "coordinate on it)")
+            raise ValueError(f"shard_dataloader: {what} differs between the ranks {list(ranks)} of mesh dim "
+                             f"{mesh.dim_names[d]!r} (this rank {world.rank}, coordinates {list(coords)}); {how}")

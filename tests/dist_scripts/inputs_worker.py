@@ -1,0 +1,90 @@
+"""Runs on every rank (2): shard_dataloader's cross-rank agreement on real gloo ranks; reports {check: result}."""
+import traceback
+
+import numpy as np
+import paddle
+
+import autoparallel as ap
+from autoparallel.testing.launch import write_result
+
+world = ap.init_parallel_env()
+RANK = world.rank
+MESH = ap.ProcessMesh([0, 1], dim_names=["data"])
+
+
+class Rows(paddle.io.Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return np.arange(i * 3, i * 3 + 3).astype("int64"), np.array([i], "int64")
+
+
+def same_global():
+    """The same shuffled global batch on both ranks (paddle's RandomSampler draws from numpy's global generator:
+    seeded alike): each rank holds its half, two epochs, len() of the wrapped loader."""
+    out = []
+    for epoch in range(2):
+        np.random.seed(7 + epoch)
+        ref = [b[0].numpy() for b in paddle.io.DataLoader(Rows(), batch_size=4, shuffle=True)]
+        np.random.seed(7 + epoch)
+        loader = ap.shard_dataloader(paddle.io.DataLoader(Rows(), batch_size=4, shuffle=True), MESH, shard_dims="data")
+        got = [b[0].full().numpy() for b in loader]
+        out.append(len(loader) == 3 and len(got) == 3 and all(np.array_equal(a, b) for a, b in zip(got, ref)))
+    return all(out)
+
+
+def paddle_seed_only_shuffle():
+    """paddle.seed alike, numpy's generator not: the shuffles differ per rank (silently mixed batches before)."""
+    paddle.seed(7)
+    np.random.seed(1000 + RANK)          # numpy's generator as fresh processes leave it: different per rank
+    next(iter(ap.shard_dataloader(paddle.io.DataLoader(Rows(), batch_size=4, shuffle=True), MESH, shard_dims="data")))
+    return "no error"
+
+
+def rank_drawn():
+    """paddle.randint drawn on each rank (a per-rank seed): the global batches differ."""
+    paddle.seed(100 + RANK)
+    batches = [(paddle.randint(0, 64, [4, 8]), paddle.randint(0, 64, [4, 8]))]
+    next(iter(ap.shard_dataloader(batches, MESH, shard_dims="data")))
+    return "no error"
+
+
+def split_sampler():
+    """is_dataset_splitted=True over paddle's DistributedBatchSampler, drop_last=False: the last parts are short
+    but equal (the sampler pads), and the global batch stacks the ranks' parts in rank order."""
+    sampler = paddle.io.DistributedBatchSampler(Rows(), batch_size=4, drop_last=False)
+    plain = [b[0].numpy() for b in paddle.io.DataLoader(Rows(), batch_sampler=sampler)]
+    loader = ap.shard_dataloader(paddle.io.DataLoader(Rows(), batch_sampler=sampler), MESH, shard_dims="data",
+                                 is_dataset_splitted=True)
+    shapes = []
+    for mine, b in zip(plain, loader):
+        full = b[0].full().numpy()
+        n = mine.shape[0]
+        assert np.array_equal(full[RANK * n:(RANK + 1) * n], mine)
+        shapes.append(list(full.shape))
+    return shapes
+
+
+def split_uneven():
+    part = paddle.ones([3 if RANK == 0 else 2, 4])
+    next(iter(ap.shard_dataloader([part], MESH, shard_dims="data", is_dataset_splitted=True)))
+    return "no error"
+
+
+def split_replicas_differ():
+    mesh = ap.ProcessMesh([[0, 1]], dim_names=["data", "model"])
+    part = paddle.full([2, 4], float(RANK))
+    next(iter(ap.shard_dataloader([part], mesh, shard_dims="data", is_dataset_splitted=True)))
+    return "no error"
+
+
+res = {}
+for check in (same_global, paddle_seed_only_shuffle, rank_drawn, split_sampler, split_uneven, split_replicas_differ):
+    try:
+        res[check.__name__] = check()
+    except Exception as e:  # noqa: BLE001 -- reported to the test
+        res[check.__name__] = f"{type(e).__name__}: {e}"
+        if not isinstance(e, ValueError):
+            res[check.__name__] += traceback.format_exc()[-800:]
+write_result(res)
