@@ -25,20 +25,26 @@ __all__ = ["shard_dataloader", "ShardDataloader"]
 
 
 def shard_dataloader(dataloader, meshes, input_keys=None, shard_dims=None, is_dataset_splitted: bool = False,
-                     dense_tensor_idx=None):
-    """paddle's ``dist.shard_dataloader`` (same arguments, same defaults)."""
-    return ShardDataloader(dataloader, meshes, input_keys, shard_dims, is_dataset_splitted, dense_tensor_idx)
+                     dense_tensor_idx=None, *, check_agreement: bool = True):
+    """paddle's ``dist.shard_dataloader`` (same arguments, same defaults). ``check_agreement`` (ours, on by
+    default): on real ranks, refuse batches that differ where the layout needs them equal (``data_agree``);
+    ``False`` skips its small all-reduce per tensor and batch for a loader known to agree."""
+    return ShardDataloader(dataloader, meshes, input_keys, shard_dims, is_dataset_splitted, dense_tensor_idx,
+                           check_agreement=check_agreement)
 
 
 class ShardDataloader:
     def __init__(self, dataloader, meshes, input_keys=None, shard_dims=None, is_dataset_splitted=False,
-                 dense_tensor_idx=None):
+                 dense_tensor_idx=None, *, check_agreement: bool = True):
         from autoparallel.core.mesh import ProcessMesh, as_mesh
 
         if not hasattr(dataloader, "__iter__"):
             raise TypeError(f"shard_dataloader expects an iterable data loader, got {type(dataloader).__name__}")
         if not isinstance(is_dataset_splitted, bool):
             raise TypeError(f"shard_dataloader: is_dataset_splitted must be True or False, got {is_dataset_splitted!r}")
+        if not isinstance(check_agreement, bool):
+            raise TypeError(f"shard_dataloader: check_agreement must be True or False, got {check_agreement!r}")
+        self._check = check_agreement
         if is_dataset_splitted and shard_dims is None:
             raise ValueError("shard_dataloader: shard_dims must be set when is_dataset_splitted is True (the local "
                              "parts are split over that mesh dim)")
@@ -111,7 +117,8 @@ class ShardDataloader:
         pl = [Replicate()] * mesh.ndim
         if dim is not None:
             pl[mesh.dim_index(dim)] = Shard(0)
-        check_agree(t, mesh, dim, self._split, f"a batch tensor {t.dtype} {list(t.shape)}")
+        if self._check:
+            check_agree(t, mesh, dim, self._split, f"a batch tensor {t.dtype} {list(t.shape)}")
         if not self._split:
             return shard_tensor(t, mesh, pl)
         from autoparallel.comm.world import current_world

@@ -132,6 +132,7 @@ def test_real_ranks_agreeing_batches_pass_and_disagreeing_ones_raise(ranks):
         for check in ("paddle_seed_only_shuffle", "rank_drawn"):
             assert r[check].startswith("ValueError") and "differs between the ranks [0, 1] of mesh dim 'data'" in \
                 r[check] and "same global batch on every rank" in r[check], r[check]
+        assert r["rank_drawn_unchecked"] == [4, 8], r       # check_agreement=False: laid out, no check
 
 
 def test_real_ranks_split_parts(ranks):

@@ -50,6 +50,14 @@ def rank_drawn():
     return "no error"
 
 
+def rank_drawn_unchecked():
+    """The same batches with check_agreement=False: laid out without the check (the user's opt-out)."""
+    paddle.seed(100 + RANK)
+    batches = [(paddle.randint(0, 64, [4, 8]), paddle.randint(0, 64, [4, 8]))]
+    ids, _ = next(iter(ap.shard_dataloader(batches, MESH, shard_dims="data", check_agreement=False)))
+    return list(ids.shape)
+
+
 def split_sampler():
     """is_dataset_splitted=True over paddle's DistributedBatchSampler, drop_last=False: the last parts are short
     but equal (the sampler pads), and the global batch stacks the ranks' parts in rank order."""
@@ -80,7 +88,8 @@ def split_replicas_differ():
 
 
 res = {}
-for check in (same_global, paddle_seed_only_shuffle, rank_drawn, split_sampler, split_uneven, split_replicas_differ):
+for check in (same_global, paddle_seed_only_shuffle, rank_drawn, rank_drawn_unchecked, split_sampler, split_uneven,
+              split_replicas_differ):
     try:
         res[check.__name__] = check()
     except Exception as e:  # noqa: BLE001 -- reported to the test
