@@ -1,0 +1,58 @@
+"""``auto_mode="full"`` on a model the language-model reading cannot price (a CNN, a ViT taking images, an
+encoder-decoder fed two inputs, any model without a LayerList of blocks fed token ids): data parallelism
+over every rank, parameters replicated, as one process would train it.
+
+    chosen, result = data_parallel_choice(model, strategy, world, cluster, reason)
+
+Why only that: the planner's cost model is written for stacks of transformer blocks read off a token-id
+trace, and tensor parallelism needs a plan naming the model's layers (``tp_plan=`` in ``auto_mode="semi"``);
+data parallelism needs neither and is exact for every model dispatch runs (batch-coupled layers such as
+BatchNorm reduce their statistics over the whole batch). The reason the reading failed is printed in the
+explanation, so nothing about the choice is silent. The global batch must split evenly over the ranks:
+otherwise the error names the batch sizes that would.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoparallel.planner.result import PlanResult
+
+
+@dataclass(frozen=True)
+class UnreadModel:
+    """What a PlanResult names as its model when the model was not read into a ModelSpec."""
+    name: str
+    params: int
+
+    def short_dims(self) -> str:
+        return f"{self.params:,} parameters, not read as a stack of blocks"
+
+
+def data_parallel_choice(model, strategy, world: int, cluster, reason: str):
+    """(auto_mode="semi" Strategy with dp=world, PlanResult explaining why) for ``model``."""
+    import math
+
+    from autoparallel.strategy import Strategy
+
+    batch = strategy.global_batch_size
+    name = type(model).__name__
+    if batch % world:
+        ok = ", ".join(str(world * k) for k in (1, 2, 4))
+        raise ValueError(f"auto_mode='full': {name} is not a model the planner reads as a stack of blocks "
+                         f"({reason}), so it runs data parallel over all {world} ranks, which needs "
+                         f"strategy.global_batch_size divisible by {world}; got {batch} (e.g. {ok})")
+    chosen = Strategy.from_dict({"data_parallel": {"degree": world}, "tensor_parallel": {"degree": 1},
+                                 "pipeline_parallel": {"degree": 1}, "global_batch_size": batch,
+                                 "gradient_accumulation_steps": 1})
+    chosen.amp = strategy.amp.to_dict()
+    chosen.checkpoint = strategy.checkpoint.to_dict()
+    chosen.seed = strategy.seed
+    params = sum(math.prod(p.shape) for p in model.parameters())
+    explanation = (f"model {name}: not read as a stack of blocks ({reason})\n"
+                   f"chosen: data parallel over all {world} ranks (dp={world}, tp=1, pp=1, no ZeRO), parameters "
+                   f"replicated, {batch // world} samples per rank; tensor or pipeline parallelism for this model "
+                   f"needs auto_mode='semi' with tp_plan= / split_points=")
+    result = PlanResult(model=UnreadModel(name, params), cluster=cluster, global_batch_size=batch, seq_len=0,
+                        candidates=[], explanation=explanation, feasible=True, evaluated=1, seconds=0.0,
+                        mode="fixed")
+    return chosen, result
