@@ -3,7 +3,12 @@
 distributed parameter they would see one shard and, between ``backward()`` and the optimizer step, a
 data-parallel gradient still partial (reduced by the step), so their result would be wrong without a sign.
 They raise instead, naming what does the same job: the optimizer's ``grad_clip`` (ClipGradByGlobalNorm,
-ClipGradByNorm, ClipGradByValue are applied to the reduced, whole gradients) or ``.full()``."""
+ClipGradByNorm, ClipGradByValue are applied to the reduced, whole gradients) or ``.full()``.
+
+``paddle.nn.utils.weight_norm``'s pre-hook recomputes ``weight = g * v / ||v||`` before each forward and stores
+it in the layer's buffer slot, which takes only a dense tensor; computed from distributed ``g`` / ``v`` it is a
+distributed tensor, kept as the layer's plain attribute instead (the buffer slot emptied), so the layer's
+``F.linear`` / ``F.conv2d`` reads it."""
 from __future__ import annotations
 
 import sys
@@ -63,3 +68,26 @@ def install() -> None:
             mod = sys.modules.get(mod_name)
             if mod is not None and getattr(mod, name, None) is orig:
                 patches.patch(mod, name, w)
+    _install_weight_norm()
+
+
+def _weight_norm_call(orig):
+    def __call__(self, layer, inputs):
+        w = self.compute_weight(layer)
+        if not is_dist(w):
+            return orig(self, layer, inputs)
+        layer._buffers.pop(self.name, None)
+        object.__setattr__(layer, self.name, w)
+        return None
+
+    __call__.__wrapped__ = orig
+    __call__._ap_wrapper = True
+    return __call__
+
+
+def _install_weight_norm() -> None:
+    from paddle.nn.utils.weight_norm_hook import WeightNorm
+
+    orig = WeightNorm.__call__
+    if not getattr(orig, "_ap_wrapper", False):
+        patches.patch(WeightNorm, "__call__", _weight_norm_call(orig))

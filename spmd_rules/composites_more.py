@@ -315,6 +315,22 @@ def randint_like(x, low=0, high=None, dtype=None, name=None):
                         lambda s, dt: _p().randint(low, high, s).astype(dt))
 
 
+def _with_axis(kind):
+    """paddle's private ``_add/_subtract/_multiply/_divide_with_axis(x, y, axis)`` (weight_norm's ``g * v``, the
+    conv bias add, RNN state masks): ``y`` laid along x's dims from ``axis`` on, then the elementwise op."""
+    def fn(x, y, axis=-1, name=None):
+        xs, ys = gshape(x), gshape(y)
+        if axis != -1 and len(xs) != len(ys):
+            if len(xs) > len(ys):
+                y = y.reshape([1] * axis + list(ys) + [1] * (len(xs) - len(ys) - axis))
+            else:
+                x = x.reshape([1] * axis + list(xs) + [1] * (len(ys) - len(xs) - axis))
+        return getattr(_p(), kind)(x, y)
+
+    fn.__name__ = f"_{kind}_with_axis"
+    return fn
+
+
 _P_NAMES = ("vecdot", "dist", "rot90", "msort", "ldexp", "numel", "rand_like", "randn_like", "randint_like")
 COMPOSITES: dict = {f"paddle.nn.functional.{n}": globals()[n]
                     for n in ("pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "prelu", "maxout",
@@ -323,3 +339,5 @@ COMPOSITES: dict = {f"paddle.nn.functional.{n}": globals()[n]
                               "local_response_norm")}
 COMPOSITES.update({f"paddle.{n}": globals()[n] for n in _P_NAMES})
 COMPOSITES["paddle.linalg.vecdot"] = vecdot
+COMPOSITES.update({f"paddle.tensor.math._{k}_with_axis": _with_axis(k) for k in ("add", "subtract", "multiply",
+                                                                                   "divide")})
