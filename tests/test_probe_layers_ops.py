@@ -138,3 +138,41 @@ def test_user_pylayer_runs_on_the_whole_batch_and_per_shard_differs():
     _assert_same(want, got)
     _, local = _compare(lambda: WithPyLayer(local=True), [x], loss_fn, [[ap.Shard(0)]])
     assert abs(local[0] - want[0]) > 1e-3 * abs(want[0])        # centring per shard is another function
+
+
+class LegacyNorm(nn.Layer):
+    """paddle.nn.BatchNorm (DenseNet's, with a fused act) next to BatchNorm2D."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2D(3, 4, 3)
+        self.bn = nn.BatchNorm(4, act="relu")
+        self.bn2 = nn.BatchNorm2D(4)
+
+    def forward(self, x):
+        return self.bn2(self.bn(self.conv(x))).mean([2, 3])
+
+
+def test_legacy_batch_norm_layer_trains_and_evaluates_like_one_process():
+    x = _rand(4, 3, 6, 6) * 2 + 1
+    loss_fn = lambda y: ((y - 0.3) ** 2).mean()
+    paddle.seed(0)
+    ref = LegacyNorm()
+    want = _step(ref, [x], loss_fn)
+    ref.eval()
+    want_eval = ref(x).numpy()
+    paddle.seed(0)
+    model = LegacyNorm()
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+        ap.shard_layer(model, mesh)
+        xs = ap.shard_tensor(x, mesh, [ap.Shard(0)])
+        got = _step(model, [xs], loss_fn)
+        stats = {n: b.full().numpy() if hasattr(b, "full") else b.numpy() for n, b in model.named_buffers()}
+        model.eval()
+        got_eval = model(xs).full().numpy()
+    _assert_same(want, got)
+    for n, b in ref.named_buffers():
+        np.testing.assert_allclose(stats[n], b.numpy(), rtol=1e-5, atol=1e-6, err_msg=n)
+    np.testing.assert_allclose(got_eval, want_eval, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(ref.bn._mean.numpy(), 0)             # the statistics moved
