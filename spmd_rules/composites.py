@@ -434,6 +434,19 @@ def legacy_batch_norm_forward(self, input):
 
 COMPOSITES["paddle.nn.layer.rnn.RNNBase.forward"] = rnn_layer_forward
 COMPOSITES["paddle.nn.layer.norm.BatchNorm.forward"] = legacy_batch_norm_forward
+
+
+def sync_batch_norm_layer_forward(self, x):
+    """``paddle.nn.SyncBatchNorm`` on distributed tensors: ``F.batch_norm``, whose statistics are already
+    reduced over every mesh dim the batch is split on (paddle's own CPU build has no sync kernel)."""
+    import paddle.nn.functional as F
+
+    self._check_data_format()
+    return F.batch_norm(x, self._mean, self._variance, self.weight, self.bias, training=self.training,
+                        momentum=self._momentum, epsilon=self._epsilon, data_format=self._data_format)
+
+
+COMPOSITES["paddle.nn.layer.norm.SyncBatchNorm.forward"] = sync_batch_norm_layer_forward
 COMPOSITES["paddle.nn.layer.conv.Conv2D.forward"] = conv_layer_forward
 COMPOSITES["paddle.nn.layer.conv.Conv3D.forward"] = conv_layer_forward
 

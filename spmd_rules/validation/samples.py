@@ -437,6 +437,12 @@ def _cases_pooling():
     add_case("avg_pool3d", f(2, 2, 4, 4, 4), 2)
     add_case("max_pool3d", f(2, 2, 4, 4, 4), 2)
     add_case("adaptive_avg_pool1d", f(2, 3, 8), 3)
+    add_case("unfold", f(3, 2, 5, 5), 2, strides=1, paddings=1)
+    add_case("unfold", f(3, 2, 6, 5), [3, 2], strides=[2, 1], paddings=[1, 0, 0, 1], dilations=1, label="rect")
+    add_case("fold", f(3, 8, 36), [5, 5], 2, paddings=1)
+    add_case("grid_sample", f(3, 2, 4, 5), T(f(3, 3, 3, 2).array * 0.9, partial=False))
+    add_case("grid_sample", f(3, 2, 4, 5), T(f(3, 2, 3, 2).array * 0.9, partial=False), mode="nearest",
+             padding_mode="border", align_corners=False, label="nearest")
     for nsp, shape in ((1, (2, 3, 4)), (2, (2, 3, 3, 3)), (3, (2, 2, 2, 2, 2))):
         add_case(f"max_unpool{nsp}d", f(*shape), T(_unpool_mask(shape), partial=False, grad=False), 2)
     add_case("adaptive_avg_pool2d", f(2, 3, 6, 6), [2, 3])
