@@ -1,6 +1,7 @@
 """auto_mode="full" on models the planner cannot read as a stack of transformer blocks fed token ids (a CNN
-from paddle.vision, a ViT-like model over image patches): it plans data parallelism over every rank, says
-why, and trains like one process; a batch that does not split over the ranks is a ValueError naming it."""
+from paddle.vision, a ViT-like model over image patches, a BERT-style encoder fed ids and token types): it
+plans data parallelism over every rank -- or, for a batch that does not split that far, dp x tp with the
+model's default plan -- says why, and trains like one process; otherwise the batch is a ValueError naming it."""
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -26,6 +27,58 @@ class PatchNet(paddle.nn.Layer):
         for b in self.blocks:
             x = b(x)
         return self.head(x[:, 0])
+
+
+class Bert(paddle.nn.Layer):
+    """Word + token-type + position embeddings, paddle's TransformerEncoder with a padding mask, tanh pooler."""
+
+    def __init__(self, vocab=20, d=16):
+        super().__init__()
+        self.word_embeddings = paddle.nn.Embedding(vocab, d, padding_idx=0)
+        self.token_type_embeddings = paddle.nn.Embedding(2, d)
+        self.position_embeddings = paddle.nn.Embedding(8, d)
+        layer = paddle.nn.TransformerEncoderLayer(d, 4, 32, dropout=0.0, activation="gelu")
+        self.encoder = paddle.nn.TransformerEncoder(layer, 2)
+        self.pooler = paddle.nn.Linear(d, d)
+        self.cls = paddle.nn.Linear(d, 5)
+
+    def forward(self, ids, token_types):
+        pos = paddle.arange(ids.shape[1]).unsqueeze(0)
+        x = self.word_embeddings(ids) + self.token_type_embeddings(token_types) + self.position_embeddings(pos)
+        mask = paddle.unsqueeze((ids == 0).astype(x.dtype) * -1e4, axis=[1, 2])
+        return self.cls(paddle.tanh(self.pooler(self.encoder(x, src_mask=mask)[:, 0])))
+
+
+def test_full_mode_bert_batch_smaller_than_the_world_takes_the_default_tensor_parallel_plan(capsys):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 20, (2, 6))
+    ids[:, -2:] = 0
+    ids, types = paddle.to_tensor(ids), paddle.to_tensor(rng.integers(0, 2, (2, 6)))
+    y = paddle.to_tensor(rng.integers(0, 5, (2,)))
+    paddle.seed(0)
+    ref = Bert()
+    loss = F.cross_entropy(ref(ids, types), y)
+    loss.backward()
+    s = ap.Strategy()
+    s.auto_mode, s.global_batch_size = "full", 2
+    with ap.simulate(world_size=4):
+        paddle.seed(0)
+        model = Bert()
+        opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+        model, opt = ap.parallelize(model, opt, strategy=s, seq_len=6)
+        got = F.cross_entropy(model(ids, types), y)
+        got.backward()
+        got = float(got)
+        opt.reduce_gradients()
+        grads = {n: p.as_dist().grad.full().numpy() for n, p in model.named_parameters()}
+        chosen = ap.chosen_strategy(model)
+    assert (chosen.data_parallel.degree, chosen.tensor_parallel.degree) == (2, 2)
+    assert "does not split 4 ways" in capsys.readouterr().out
+    assert got == pytest.approx(float(loss), rel=1e-5)
+    sharded = [n for n, p in model.named_parameters() if any(not pl.is_replicated() for pl in p.placements)]
+    assert any("q_proj" in n for n in sharded)                  # the plan did split the attention
+    for n, p in ref.named_parameters():
+        np.testing.assert_allclose(grads[n], p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=n)
 
 
 def _data(batch, size):

@@ -1,6 +1,7 @@
 """``auto_mode="full"`` on a model the language-model reading cannot price (a CNN, a ViT taking images, an
 encoder-decoder fed two inputs, any model without a LayerList of blocks fed token ids): data parallelism
-over every rank, parameters replicated, as one process would train it.
+over every rank, parameters replicated, as one process would train it (a batch that does not split that
+far: as much data parallelism as it allows, times tensor parallelism where the model's default plan applies).
 
     chosen, result = data_parallel_choice(model, strategy, world, cluster, reason)
 
@@ -29,30 +30,48 @@ class UnreadModel:
 
 
 def data_parallel_choice(model, strategy, world: int, cluster, reason: str):
-    """(auto_mode="semi" Strategy with dp=world, PlanResult explaining why) for ``model``."""
+    """(auto_mode="semi" Strategy, PlanResult explaining why) for ``model``: dp=world, or dp x tp with the
+    model's default tensor-parallel plan when the global batch does not split over every rank."""
     import math
 
     from autoparallel.strategy import Strategy
 
+    from autoparallel.planner.model_read import allowed_tp
+
     batch = strategy.global_batch_size
     name = type(model).__name__
-    if batch % world:
+    dp, tp, why = _degrees(model, world, batch, allowed_tp)
+    if dp is None:
         ok = ", ".join(str(world * k) for k in (1, 2, 4))
         raise ValueError(f"auto_mode='full': {name} is not a model the planner reads as a stack of blocks "
                          f"({reason}), so it runs data parallel over all {world} ranks, which needs "
-                         f"strategy.global_batch_size divisible by {world}; got {batch} (e.g. {ok})")
-    chosen = Strategy.from_dict({"data_parallel": {"degree": world}, "tensor_parallel": {"degree": 1},
+                         f"strategy.global_batch_size divisible by {world}; got {batch} (e.g. {ok}){why}")
+    chosen = Strategy.from_dict({"data_parallel": {"degree": dp}, "tensor_parallel": {"degree": tp},
                                  "pipeline_parallel": {"degree": 1}, "global_batch_size": batch,
                                  "gradient_accumulation_steps": 1})
     chosen.amp = strategy.amp.to_dict()
     chosen.checkpoint = strategy.checkpoint.to_dict()
     chosen.seed = strategy.seed
     params = sum(math.prod(p.shape) for p in model.parameters())
+    how = (f"data parallel over all {world} ranks (dp={world}, tp=1, pp=1, no ZeRO), parameters replicated"
+           if tp == 1 else f"dp={dp} x tp={tp} (the batch of {batch} does not split {world} ways; tensor "
+                           f"parallel with the model's default plan), pp=1, no ZeRO")
     explanation = (f"model {name}: not read as a stack of blocks ({reason})\n"
-                   f"chosen: data parallel over all {world} ranks (dp={world}, tp=1, pp=1, no ZeRO), parameters "
-                   f"replicated, {batch // world} samples per rank; tensor or pipeline parallelism for this model "
-                   f"needs auto_mode='semi' with tp_plan= / split_points=")
+                   f"chosen: {how}, {batch // dp} samples per data-parallel rank; other tensor or pipeline layouts "
+                   f"for this model need auto_mode='semi' with tp_plan= / split_points=")
     result = PlanResult(model=UnreadModel(name, params), cluster=cluster, global_batch_size=batch, seq_len=0,
                         candidates=[], explanation=explanation, feasible=True, evaluated=1, seconds=0.0,
                         mode="fixed")
     return chosen, result
+
+
+def _degrees(model, world: int, batch: int, allowed_tp):
+    """(dp, tp, "") with dp = world when the batch splits that way, else the largest dp dividing both and
+    tp = world / dp if the model's default tensor-parallel plan takes it; (None, None, why) otherwise."""
+    if batch % world == 0:
+        return world, 1, ""
+    dp = max(d for d in range(1, world + 1) if world % d == 0 and batch % d == 0)
+    why = allowed_tp(model, world).get(world // dp)
+    if why is None:
+        return dp, world // dp, ""
+    return None, None, f"; dp={dp} x tp={world // dp} is refused: {why}"
