@@ -176,3 +176,18 @@ def test_legacy_batch_norm_layer_trains_and_evaluates_like_one_process():
         np.testing.assert_allclose(stats[n], b.numpy(), rtol=1e-5, atol=1e-6, err_msg=n)
     np.testing.assert_allclose(got_eval, want_eval, rtol=1e-4, atol=1e-5)
     assert not np.allclose(ref.bn._mean.numpy(), 0)             # the statistics moved
+
+
+def test_float64_model_gradients_are_reduced_in_float64():
+    """A float64 model's data-parallel gradients equal one process's to float64 rounding (the reduction
+    buckets once summed them in float32: 1e-8 relative errors)."""
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((4, 3, 6, 6)))
+    build = lambda: nn.Sequential(nn.Conv2D(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(64, 3))
+    loss_fn = lambda y: (y ** 2).mean()
+    paddle.set_default_dtype("float64")
+    try:
+        want, got = _compare(build, [x], loss_fn, [[ap.Shard(0)]])
+    finally:
+        paddle.set_default_dtype("float32")
+    assert want[1]["0.weight"].dtype == np.float64
+    _assert_same(want, got, rtol=1e-12, atol=1e-14)
