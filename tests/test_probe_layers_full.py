@@ -136,3 +136,24 @@ def test_full_mode_batch_that_does_not_split_over_the_ranks_is_refused():
         opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
         with pytest.raises(ValueError, match="global_batch_size divisible by 4; got 6"):
             ap.parallelize(model, opt, strategy=s)
+
+
+class Tagger(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.rnn = paddle.nn.LSTM(4, 6)
+        self.head = paddle.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def test_full_mode_names_a_layer_no_plan_can_distribute():
+    s = ap.Strategy()
+    s.auto_mode, s.global_batch_size = "full", 8
+    with ap.simulate(world_size=4):
+        model = Tagger()
+        opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+        with pytest.raises(NotImplementedError, match="Tagger.rnn is a paddle.nn.LSTM"):
+            ap.parallelize(model, opt, strategy=s)
+        assert ap.mesh_of(model) is None and not any(ap.is_dist(p) for p in model.parameters())

@@ -40,6 +40,7 @@ def data_parallel_choice(model, strategy, world: int, cluster, reason: str):
 
     batch = strategy.global_batch_size
     name = type(model).__name__
+    _refuse_undistributable(model)
     dp, tp, why = _degrees(model, world, batch, allowed_tp)
     if dp is None:
         ok = ", ".join(str(world * k) for k in (1, 2, 4))
@@ -75,3 +76,19 @@ def _degrees(model, world: int, batch: int, allowed_tp):
     if why is None:
         return dp, world // dp, ""
     return None, None, f"; dp={dp} x tp={world // dp} is refused: {why}"
+
+
+def _refuse_undistributable(model) -> None:
+    """Layers that cannot run on distributed tensors (paddle's fused RNNs, a sparse-gradient embedding) fail
+    at the first forward of any plan; say so when planning, naming the layer."""
+    import paddle
+
+    for lname, layer in model.named_sublayers():
+        if isinstance(layer, paddle.nn.layer.rnn.RNNBase):
+            raise NotImplementedError(f"auto_mode='full': {type(model).__name__}.{lname} is a paddle.nn."
+                                      f"{type(layer).__name__}, which has no spmd rule on distributed tensors; "
+                                      f"run it inside ap.local_map(...) or outside the parallelized model")
+        if isinstance(layer, paddle.nn.Embedding) and getattr(layer, "_sparse", False):
+            raise NotImplementedError(f"auto_mode='full': {type(model).__name__}.{lname} is an Embedding with "
+                                      f"sparse=True, whose sparse gradient cannot be reduced across ranks; build "
+                                      f"it with sparse=False (the same values)")
