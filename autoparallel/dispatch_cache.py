@@ -366,25 +366,7 @@ class CallPlan:
         return out
 
     def _param_use(self, p, locs, dims, rep) -> dict:
-        """A parameter ``p`` read (directly or through a cast / view) by an op split over ``dims`` and
-        replicated over ``rep``: every contribution to its gradient on a mesh dim must be in one state. The
-        first use decides per dim -- split: partial sums, reduced in the data-parallel buckets; replicated:
-        complete -- and later uses follow it: a split use of a complete dim reduces its own contribution (all_reduce
-        in backward), a replicated use of a partial dim keeps its complete contribution on the group's first
-        member only."""
-        partial = getattr(p, "_ap_partial_dims", frozenset())
-        complete = getattr(p, "_ap_complete_dims", frozenset())
-        for m in dims:
-            if m in complete and m not in partial:
-                locs = C.mesh_groups_apply(locs, self.mesh, m, C.grad_all_reduce)
-            elif m not in partial:
-                partial = p._ap_partial_dims = partial | {m}
-        for m in rep:
-            if m in partial:
-                locs = C.mesh_groups_apply(locs, self.mesh, m, C.grad_keep_first)
-            elif m not in complete:
-                complete = p._ap_complete_dims = complete | {m}
-        return locs
+        return param_use(p, locs, self.mesh, dims, rep)
 
     def _missing(self, locs, r):
         for loc, spec in zip(locs, self.res.inputs):
@@ -437,3 +419,25 @@ def _put(into, slots, vals, j: int) -> int:
             into[key] = _refill(into[key], vals[j:j + n])
             j += n
     return j
+
+
+def param_use(p, locs, mesh, dims, rep) -> dict:
+    """A parameter ``p`` read (directly or through a cast / view) by an op split over ``dims`` and
+    replicated over ``rep``: every contribution to its gradient on a mesh dim must be in one state. The
+    first use decides per dim -- split: partial sums, reduced in the data-parallel buckets; replicated:
+    complete -- and later uses follow it: a split use of a complete dim reduces its own contribution (all_reduce
+    in backward), a replicated use of a partial dim keeps its complete contribution on the group's first
+    member only."""
+    partial = getattr(p, "_ap_partial_dims", frozenset())
+    complete = getattr(p, "_ap_complete_dims", frozenset())
+    for m in dims:
+        if m in complete and m not in partial:
+            locs = C.mesh_groups_apply(locs, mesh, m, C.grad_all_reduce)
+        elif m not in partial:
+            partial = p._ap_partial_dims = partial | {m}
+    for m in rep:
+        if m in partial:
+            locs = C.mesh_groups_apply(locs, mesh, m, C.grad_keep_first)
+        elif m not in complete:
+            complete = p._ap_complete_dims = complete | {m}
+    return locs

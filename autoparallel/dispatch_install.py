@@ -61,7 +61,7 @@ def _install_hooks() -> None:
 
     from autoparallel.graph import jit
     from autoparallel.lazy_init import order
-    from autoparallel import nn_utils_forms, param_init, state_dict_forms
+    from autoparallel import nn_utils_forms, param_init, pylayer_forms, state_dict_forms
     from autoparallel.parallel import amp_scaler, full_state, implicit_optimizer, model_recompute
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
@@ -74,6 +74,7 @@ def _install_hooks() -> None:
     full_state.install()
     param_init.install()
     nn_utils_forms.install()
+    pylayer_forms.install()
     state_dict_forms.install()
 
 
@@ -102,11 +103,20 @@ def _routed(op, path, orig):
     return wrapper
 
 
+def _layer_holds_dist(args) -> bool:
+    """A layer method (``Conv2D.forward``...) called on a plain input while the layer's own parameters are
+    distributed (a tensor-parallel or replicated layer fed an undistributed tensor): it runs as the composite
+    too, since paddle's own body would hand the distributed parameters to C ops."""
+    layer = args[0] if args else None
+    return isinstance(layer, paddle.nn.Layer) and _any_dist(tuple(layer._parameters.values()), {})
+
+
 def _composite(path, orig, fn):
     bind = []          # paddle's own binding of ``orig`` (aliases such as input= for x=), built on first use
 
     def wrapper(*args, **kwargs):
-        if _ctx.local_depth > 0 or not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
+        if _ctx.local_depth > 0 or not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)
+                                        or _layer_holds_dist(args)):
             return orig(*args, **kwargs)
         if not bind:
             from autoparallel import binding

@@ -3,7 +3,13 @@
 distributed parameter they would see one shard and, between ``backward()`` and the optimizer step, a
 data-parallel gradient still partial (reduced by the step), so their result would be wrong without a sign.
 They raise instead, naming what does the same job: the optimizer's ``grad_clip`` (ClipGradByGlobalNorm,
-ClipGradByNorm, ClipGradByValue are applied to the reduced, whole gradients) or ``.full()``."""
+ClipGradByNorm, ClipGradByValue are applied to the reduced, whole gradients) or ``.full()``.
+
+``paddle.nn.utils.weight_norm``'s pre-hook recomputes ``weight = g * v / ||v||`` before each forward and stores
+it in the layer's buffer slot, which takes only a dense tensor; computed from distributed ``g`` / ``v`` it is a
+distributed tensor, kept as the layer's plain attribute instead (the buffer slot emptied), so the layer's
+``F.linear`` / ``F.conv2d`` reads it. ``spectral_norm``'s hook likewise; its power iteration (no gradient)
+updates the plain ``u`` / ``v`` buffers from the whole weight, as one process does."""
 from __future__ import annotations
 
 import sys
@@ -63,3 +69,58 @@ def install() -> None:
             mod = sys.modules.get(mod_name)
             if mod is not None and getattr(mod, name, None) is orig:
                 patches.patch(mod, name, w)
+    _install_weight_norm()
+
+
+def _weight_norm_call(orig):
+    def __call__(self, layer, inputs):
+        w = self.compute_weight(layer)
+        if not is_dist(w):
+            return orig(self, layer, inputs)
+        layer._buffers.pop(self.name, None)
+        object.__setattr__(layer, self.name, w)
+        return None
+
+    __call__.__wrapped__ = orig
+    __call__._ap_wrapper = True
+    return __call__
+
+
+def _install_weight_norm() -> None:
+    from paddle.nn.utils.weight_norm_hook import WeightNorm
+
+    from paddle.nn.utils.spectral_norm_hook import SpectralNorm
+
+    for cls, wrap in ((WeightNorm, _weight_norm_call), (SpectralNorm, _spectral_norm_call)):
+        orig = cls.__call__
+        if not getattr(orig, "_ap_wrapper", False):
+            patches.patch(cls, "__call__", wrap(orig))
+
+
+def _spectral_norm_call(orig):
+    def __call__(self, layer, inputs):
+        import paddle
+        import paddle.nn.functional as F
+
+        w = getattr(layer, self.name + "_orig")
+        if not is_dist(w):
+            return orig(self, layer, inputs)
+        u, v = getattr(layer, self.name + "_u"), getattr(layer, self.name + "_v")
+        if layer.training:
+            from autoparallel.local_mode import local_mode
+
+            whole = w.full()
+            with paddle.no_grad(), local_mode():       # plain tensors (a replicated weight's own storage too)
+                mat = self.reshape_weight_to_matrix(whole)
+                for _ in range(self.n_power_iterations):
+                    paddle.assign(F.normalize(paddle.matmul(mat, u, transpose_x=True), axis=0, epsilon=self.eps), v)
+                    paddle.assign(F.normalize(paddle.matmul(mat, v), axis=0, epsilon=self.eps), u)
+            u, v = u.clone(), v.clone()
+        sigma = paddle.dot(u, paddle.mv(self.reshape_weight_to_matrix(w), v))
+        layer._buffers.pop(self.name, None)
+        object.__setattr__(layer, self.name, w / sigma)
+        return None
+
+    __call__.__wrapped__ = orig
+    __call__._ap_wrapper = True
+    return __call__

@@ -412,7 +412,41 @@ def rnn_layer_forward(self, *args, **kwargs):
                               f"outside the distributed part of the model")
 
 
+def legacy_batch_norm_forward(self, input):
+    """``paddle.nn.BatchNorm`` (the layer DenseNet and older model zoos build, with a fused ``act``) calls the C
+    op directly; on distributed tensors it is ``F.batch_norm`` (synchronised statistics) then the activation."""
+    import paddle.nn.functional as F
+
+    if self._trainable_statistics:
+        raise NotImplementedError("paddle.nn.BatchNorm(trainable_statistics=True) on distributed tensors: "
+                                  "F.batch_norm has no such mode; use trainable_statistics=False")
+    y = F.batch_norm(input, self._mean, self._variance, self.weight, self.bias, training=self.training,
+                     momentum=self._momentum, epsilon=self._epsilon, data_format=self._data_layout,
+                     use_global_stats=True if self._use_global_stats else None)   # None: running stats in eval
+    if self._act is None:
+        return y
+    act = getattr(F, self._act, None)
+    if act is None:
+        raise NotImplementedError(f"paddle.nn.BatchNorm(act={self._act!r}) on distributed tensors: no "
+                                  f"paddle.nn.functional.{self._act}")
+    return act(y)
+
+
 COMPOSITES["paddle.nn.layer.rnn.RNNBase.forward"] = rnn_layer_forward
+COMPOSITES["paddle.nn.layer.norm.BatchNorm.forward"] = legacy_batch_norm_forward
+
+
+def sync_batch_norm_layer_forward(self, x):
+    """``paddle.nn.SyncBatchNorm`` on distributed tensors: ``F.batch_norm``, whose statistics are already
+    reduced over every mesh dim the batch is split on (paddle's own CPU build has no sync kernel)."""
+    import paddle.nn.functional as F
+
+    self._check_data_format()
+    return F.batch_norm(x, self._mean, self._variance, self.weight, self.bias, training=self.training,
+                        momentum=self._momentum, epsilon=self._epsilon, data_format=self._data_format)
+
+
+COMPOSITES["paddle.nn.layer.norm.SyncBatchNorm.forward"] = sync_batch_norm_layer_forward
 COMPOSITES["paddle.nn.layer.conv.Conv2D.forward"] = conv_layer_forward
 COMPOSITES["paddle.nn.layer.conv.Conv3D.forward"] = conv_layer_forward
 

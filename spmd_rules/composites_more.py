@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
+
 from spmd_rules.composites import _check_format, _check_reduction, _p, _p_norm, _reduce, gshape
 
 
@@ -315,11 +317,50 @@ def randint_like(x, low=0, high=None, dtype=None, name=None):
                         lambda s, dt: _p().randint(low, high, s).astype(dt))
 
 
+def affine_grid(theta, out_shape, align_corners=True, name=None):
+    """``F.affine_grid`` (spatial transformers): the normalised base grid, a constant, times ``theta``'s
+    transpose -- a batched matmul, so a batch-split ``theta`` gives a batch-split grid."""
+    paddle = _p()
+    size = [int(v) for v in (out_shape.tolist() if hasattr(out_shape, "tolist") else out_shape)]
+    s = gshape(theta)
+    nsp = len(size) - 2
+    if nsp not in (2, 3) or list(s) != [size[0], nsp, nsp + 1]:
+        raise ValueError(f"affine_grid: theta must be [N, {nsp}, {nsp + 1}] for out_shape {size} (N = out_shape[0]), "
+                         f"got {list(s)}")
+    axes = []
+    for n in reversed(size[2:]):                      # x (width) first, as paddle orders the coordinates
+        a = np.linspace(-1.0, 1.0, n) if n > 1 else np.zeros(1)
+        axes.append(a if align_corners else a * (n - 1) / n)
+    mesh = np.meshgrid(*axes[::-1], indexing="ij")[::-1]  # over (D,) H, W; coordinates ordered x, y(, z)
+    base = np.stack(mesh + [np.ones_like(mesh[0])], axis=-1).reshape(1, -1, nsp + 1)
+    base = paddle.to_tensor(base.astype(str(theta.dtype).replace("paddle.", "")))
+    grid = paddle.matmul(base, theta, transpose_y=True)
+    return grid.reshape([size[0], *size[2:], nsp])
+
+
+def _with_axis(kind):
+    """paddle's private ``_add/_subtract/_multiply/_divide_with_axis(x, y, axis)`` (weight_norm's ``g * v``, the
+    conv bias add, RNN state masks): ``y`` laid along x's dims from ``axis`` on, then the elementwise op."""
+    def fn(x, y, axis=-1, name=None):
+        xs, ys = gshape(x), gshape(y)
+        if axis != -1 and len(xs) != len(ys):
+            if len(xs) > len(ys):
+                y = y.reshape([1] * axis + list(ys) + [1] * (len(xs) - len(ys) - axis))
+            else:
+                x = x.reshape([1] * axis + list(xs) + [1] * (len(ys) - len(xs) - axis))
+        return getattr(_p(), kind)(x, y)
+
+    fn.__name__ = f"_{kind}_with_axis"
+    return fn
+
+
 _P_NAMES = ("vecdot", "dist", "rot90", "msort", "ldexp", "numel", "rand_like", "randn_like", "randint_like")
 COMPOSITES: dict = {f"paddle.nn.functional.{n}": globals()[n]
                     for n in ("pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "prelu", "maxout",
                               "cosine_embedding_loss", "gaussian_nll_loss", "triplet_margin_loss",
                               "multi_margin_loss", "zeropad2d", "bilinear", "sequence_mask",
-                              "local_response_norm")}
+                              "local_response_norm", "affine_grid")}
 COMPOSITES.update({f"paddle.{n}": globals()[n] for n in _P_NAMES})
 COMPOSITES["paddle.linalg.vecdot"] = vecdot
+COMPOSITES.update({f"paddle.tensor.math._{k}_with_axis": _with_axis(k) for k in ("add", "subtract", "multiply",
+                                                                                   "divide")})

@@ -34,6 +34,10 @@ def embedding(x, weight, padding_idx=None, max_norm=None, norm_type=2.0, sparse=
     if weight.ndim != 2:
         raise ValueError(f"{op}: weight must be 2-D [vocab, hidden], got shape {list(weight.shape)}")
     vocab, hidden = weight.shape
+    if sparse:
+        raise NotImplementedError(f"{op}: sparse=True (paddle.nn.Embedding(..., sparse=True)) on distributed tensors: "
+                                  f"a sparse (SelectedRows) gradient cannot be reduced across ranks or sharded; "
+                                  f"build the embedding with sparse=False (the same values, a dense gradient)")
     if padding_idx is not None:
         if not -vocab <= padding_idx < vocab:
             raise ValueError(f"{op}: padding_idx {padding_idx} is out of range for a vocab of {vocab}")

@@ -7,10 +7,11 @@ its chunks line up with the flattened rows); other leading dims are required R. 
 sequence-parallel RMSNorm write it from basic ops (paddle has no CPU rms_norm kernel anyway).
 
 batch_norm: the channel dim may be sharded (stats, weight and bias then shard dim 0 alike: channels are
-independent). In training mode (batch statistics) a sharded batch or spatial dim needs statistics over
-the whole tensor: the local op is ``sync_batch_norm`` (the runtime all-reduces the per-channel sum,
-sum of squares and count over ``local_attrs()['stat_mesh_dims']`` before normalising and updating the
-running stats, which stay R or channel-sharded). In eval mode (or ``use_global_stats``) every dim may
+independent) -- in training mode only where the running stats are split alike, since they are updated in
+place (otherwise x's channels are gathered). In training mode (batch statistics) a sharded batch or
+spatial dim needs statistics over the whole tensor: the local op is ``sync_batch_norm`` (the runtime
+all-reduces the per-channel sum, sum of squares and count over ``local_attrs()['stat_mesh_dims']`` before
+normalising and updating the running stats, which stay R or channel-sharded). In eval mode (or ``use_global_stats``) every dim may
 stay sharded and the plain op runs locally.
 """
 from __future__ import annotations
@@ -100,6 +101,20 @@ def rms_norm(x, normalized_shape, weight=None, eps=1e-05, name=None):
     return SpmdResult(present(required), outputs)
 
 
+def _stats_share_channels(x, c, stats):
+    """Training updates the running statistics in place. Where x's channels are split on a mesh dim but a
+    running statistic is not (replicated stats after a channel-parallel conv), splitting the statistic would
+    update a resharded copy, lost: x's channels are gathered on that dim instead (as if x were replicated)."""
+    from autoparallel.core.placement import Replicate
+
+    stats = [s for s in stats if s is not None]
+    pl = list(x.placements)
+    for m, p in enumerate(pl):
+        if isinstance(p, Shard) and p.dim == c and any(s.placements[m] != Shard(0) for s in stats):
+            pl[m] = Replicate()
+    return x if tuple(pl) == tuple(x.placements) else x.with_placements(pl)
+
+
 @register_spmd_rule("batch_norm")
 def batch_norm(x, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.9,
                epsilon=1e-05, data_format="NCHW", use_global_stats=None, name=None):
@@ -120,6 +135,8 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training=Fa
             raise ValueError(f"{op}: {name_} must have shape [{C}] (channels of x {list(x.shape)}), got "
                              f"{list(p.shape)}")
     batch_stats = training and not use_global_stats
+    if batch_stats:
+        x = _stats_share_channels(x, c, (running_mean, running_var))
     xl = tuple("c" if d == c else d for d in range(x.ndim))
     params = [running_mean, running_var, weight, bias]
     labs = [xl] + [("c",) if p is not None else () for p in params]

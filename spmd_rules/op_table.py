@@ -161,6 +161,9 @@ OP_TABLE: dict = {
     "pad": ("paddle.nn.functional.pad",),
     "conv2d": ("paddle.nn.functional.conv2d",),
     "conv3d": ("paddle.nn.functional.conv3d",),
+    **{f"conv{n}d_transpose": (f"paddle.nn.functional.conv{n}d_transpose",) for n in (1, 2, 3)},
+    **{f"max_unpool{n}d": (f"paddle.nn.functional.max_unpool{n}d",) for n in (1, 2, 3)},
+    **{n: (f"paddle.nn.functional.{n}",) for n in ("unfold", "fold", "grid_sample")},
     # optimizer updates (called by the sharded optimizer with paddle's internal argument order)
     "sgd": ("paddle._C_ops.sgd_",),
     "adamw": ("paddle._C_ops.adamw_",),

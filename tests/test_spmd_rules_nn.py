@@ -68,8 +68,11 @@ def test_batch_norm():
     res = bn(x, st, st, S([6]), S([6]), training=True)
     assert str(res) == "(S(0), R, R, R, R) -> S(0) via sync_batch_norm"
     assert res.local_kwargs((0,)) == {"stat_mesh_dims": (0,)}
-    res = bn(S([4, 6, 3, 3], "S(1)"), st, st, None, None, training=True)
+    res = bn(S([4, 6, 3, 3], "S(1)"), S([6], "S(0)"), S([6], "S(0)"), None, None, training=True)
     assert str(res) == "(S(1), S(0), S(0)) -> S(1)"                          # channels are independent
+    res = bn(S([4, 6, 3, 3], "S(1)"), st, st, None, None, training=True)
+    assert str(res) == "(R, R, R) -> R"            # replicated stats updated in place: x's channels gathered
+    assert str(bn(S([4, 6, 3, 3], "S(1)"), st, st)) == "(S(1), S(0), S(0)) -> S(1)"     # eval: stats only read
     with pytest.raises(ValueError, match="running_mean"):
         bn(S([4, 6, 3, 3]), S([5]), st)
 

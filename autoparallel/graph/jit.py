@@ -388,7 +388,7 @@ def _comm_layer(fwd, bwd, order):
            f"        return tuple(outs[r] for r in __order)\n")
     filename = f"<autoparallel static collective {id(fwd)}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    scope = {"PyLayer": PyLayer, "__fwd": fwd, "__bwd": bwd, "__order": order}
+    scope = {"PyLayer": PyLayer, "__fwd": fwd, "__bwd": bwd, "__order": order, "__name__": __name__}
     exec(compile(src, filename, "exec"), scope)          # noqa: S102  (generated from a count, no user text)
     return scope["_StaticComm"]
 

@@ -121,6 +121,8 @@ def _reduce_in_place(flat, bucket) -> bool:
     if type(transport) is not RealTransport or transport.caps.reduce_dtype("float32") != "float32":
         return False
     (rank, buf), = flat.items()
+    if buf.dtype != paddle.float32:
+        return False
     if numel(buf) == 0:
         return True
     for d in bucket.dims:
@@ -145,7 +147,7 @@ class _Flat:
 
     def __init__(self, locals_):
         self.numels = [numel(t) for t in locals_]
-        self.buf = paddle.zeros([sum(self.numels)], dtype="float32")
+        self.buf = paddle.zeros([sum(self.numels)], dtype=_bucket_dtype(locals_))
         self.shaped_views, off = [], 0
         for t, n in zip(locals_, self.numels):
             self.shaped_views.append(self.buf[off:off + n].reshape(t.shape))
@@ -161,6 +163,11 @@ def _flat(bucket, r) -> _Flat:
     return f
 
 
+def _bucket_dtype(tensors) -> str:
+    """float32, or float64 when a parameter is float64 (its gradient must not lose precision in the sum)."""
+    return "float64" if any(t.dtype == paddle.float64 for t in tensors) else "float32"
+
+
 def _pack(params, r, flat=None):
     """Rank ``r``'s gradients of ``params`` as one float32 vector: copied into ``flat``'s buffer when given
     (returned as that buffer), else concatenated into a new one."""
@@ -172,11 +179,11 @@ def _pack(params, r, flat=None):
             else:
                 view.copy_(g if g.dtype == view.dtype else g.astype(view.dtype), False)
         return flat.buf
-    parts = []
+    parts, dtype = [], _bucket_dtype([p.locals[r] for p in params])
     for p in params:
         g = p.locals[r].grad
-        parts.append(g.reshape([-1]).astype("float32") if g is not None
-                     else paddle.zeros([numel(p.locals[r])], dtype="float32"))
+        parts.append(g.reshape([-1]).astype(dtype) if g is not None
+                     else paddle.zeros([numel(p.locals[r])], dtype=dtype))
     return parts[0] if len(parts) == 1 else paddle.concat(parts)     # one float32 gradient: a view of it
 
 

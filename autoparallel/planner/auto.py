@@ -105,9 +105,23 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
     if strategy.global_batch_size is None:
         raise ValueError("auto_mode='full' needs strategy.global_batch_size (samples per optimizer step over all "
                          "ranks) to choose data parallelism and micro-batching; got None")
-    seq = infer_seq_len(model, seq_len)
-    spec = read_model(model, seq, type(model).__name__)
     target = resolve_cluster(cluster, world, backend)
+    unread = _unreadable(model)
+    if unread is None and seq_len is None and not _takes_tokens(model):
+        try:
+            infer_seq_len(model, seq_len)
+        except ValueError as e:                     # a ViT / mixer over patches: the seq_len of token ids is moot
+            unread = f"it has no token embedding and {_first_line(e)}"
+    if unread is None:
+        seq = infer_seq_len(model, seq_len)
+        try:
+            spec = read_model(model, seq, type(model).__name__)
+        except Exception as e:                      # noqa: BLE001 -- the trace ran the model on token ids
+            unread = f"its forward on a [1, {seq}] batch of token ids failed: {type(e).__name__}: {_first_line(e)}"
+    if unread is not None:
+        from autoparallel.planner.generic import data_parallel_choice
+
+        return data_parallel_choice(model, strategy, world, target, unread)
     info = model_info(model)
     limits = allowed_tp(model, world)
     tps = [tp for tp, why in limits.items() if why is None]
@@ -137,6 +151,28 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
     raise ValueError(f"auto_mode='full': no configuration of {spec.name} ({spec.short_dims()}) with global batch "
                      f"{strategy.global_batch_size} fits {world} ranks of {target.name} and passes the strategy "
                      f"checks; choose the degrees yourself (auto_mode='semi')")
+
+
+def _unreadable(model):
+    """Why the language-model reading cannot apply to ``model`` (no LayerList of blocks), or None."""
+    from autoparallel.planner.from_trace import _find_blocks
+
+    try:
+        _find_blocks(model)
+    except ValueError as e:
+        return _first_line(e)
+    return None
+
+
+def _takes_tokens(model) -> bool:
+    import paddle
+
+    return any(isinstance(l, paddle.nn.Embedding) for l in model.sublayers())
+
+
+def _first_line(e) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
 
 
 def _with_winner(result, index, others=()):

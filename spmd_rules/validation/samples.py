@@ -188,6 +188,15 @@ def _cases_norm():
     add_case("conv1d", f(5, 6, 8), f(6, 1, 3), f(6), padding=2, groups=6, label="depthwise")
     add_case("conv1d", f(5, 8, 6), f(4, 6, 2), stride=2, padding="SAME", data_format="NLC", label="nlc")
     add_case("conv3d", f(3, 4, 4, 4, 5), f(6, 4, 2, 3, 2), f(6), padding=1)
+    add_case("conv2d_transpose", f(5, 6, 3, 3), f(6, 4, 2, 2), f(4), stride=2)
+    add_case("conv2d_transpose", f(5, 3, 3, 6), f(6, 4, 3, 3), padding=1, output_padding=1, stride=2,
+             data_format="NHWC", label="nhwc")
+    add_case("conv2d_transpose", f(5, 3, 3, 6), f(6, 4, 3, 3), f(4), padding="SAME", stride=2,
+             data_format="NHWC", label="same")
+    add_case("conv2d_transpose", f(5, 6, 3, 3), f(6, 2, 3, 3), stride=2, output_size=[8, 8], groups=2,
+             dilation=1, label="groups-size")
+    add_case("conv1d_transpose", f(5, 6, 4), f(6, 3, 3), f(3), stride=2, padding=1, label="1d")
+    add_case("conv3d_transpose", f(3, 4, 2, 3, 2), f(4, 5, 2, 2, 2), f(5), stride=2, label="3d")
     add_case("pad", f(4, 6, 5), [1, 2], label="last-dim")
     add_case("pad", f(4, 6, 5), [0, 0, 2, 1], label="torch-order")
     add_case("pad", f(4, 6, 5), [1, 0, 0, 0, 0, 2], label="all-dims")
@@ -428,6 +437,14 @@ def _cases_pooling():
     add_case("avg_pool3d", f(2, 2, 4, 4, 4), 2)
     add_case("max_pool3d", f(2, 2, 4, 4, 4), 2)
     add_case("adaptive_avg_pool1d", f(2, 3, 8), 3)
+    add_case("unfold", f(3, 2, 5, 5), 2, strides=1, paddings=1)
+    add_case("unfold", f(3, 2, 6, 5), [3, 2], strides=[2, 1], paddings=[1, 0, 0, 1], dilations=1, label="rect")
+    add_case("fold", f(3, 8, 36), [5, 5], 2, paddings=1)
+    add_case("grid_sample", f(3, 2, 4, 5), T(f(3, 3, 3, 2).array * 0.9, partial=False))
+    add_case("grid_sample", f(3, 2, 4, 5), T(f(3, 2, 3, 2).array * 0.9, partial=False), mode="nearest",
+             padding_mode="border", align_corners=False, label="nearest")
+    for nsp, shape in ((1, (2, 3, 4)), (2, (2, 3, 3, 3)), (3, (2, 2, 2, 2, 2))):
+        add_case(f"max_unpool{nsp}d", f(*shape), T(_unpool_mask(shape), partial=False, grad=False), 2)
     add_case("adaptive_avg_pool2d", f(2, 3, 6, 6), [2, 3])
     add_case("adaptive_avg_pool2d", f(2, 6, 6, 3), 2, data_format="NHWC", label="nhwc")
     add_case("adaptive_max_pool1d", f(2, 3, 8), 4)
@@ -471,3 +488,17 @@ def _cases_interpolate():
     add_case("lp_pool1d", f(2, 3, 8, lo=0.1), 2.0, 2)
     add_case("lp_pool2d", f(2, 3, 6, 6, lo=0.1), 3.0, 2, stride=2)
     add_case("lp_pool2d", f(2, 6, 6, 3, lo=0.1), 2.0, 3, stride=1, padding=1, data_format="NHWC", label="nhwc-pad")
+
+
+def _unpool_mask(shape):
+    """Valid max-pool indices for kernel 2 / stride 2: one position inside each window, flat per (n, c) plane."""
+    rng = np.random.default_rng(7)
+    spatial = shape[2:]
+    out = [2 * s for s in spatial]
+    grids = np.meshgrid(*[np.arange(s) for s in spatial], indexing="ij")
+    flat = np.zeros(shape, dtype=np.int32)
+    for n in range(shape[0]):
+        for c in range(shape[1]):
+            pos = [2 * g + rng.integers(0, 2, size=g.shape) for g in grids]
+            flat[n, c] = np.ravel_multi_index(pos, out)
+    return flat

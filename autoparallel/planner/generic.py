@@ -1,0 +1,94 @@
+"""``auto_mode="full"`` on a model the language-model reading cannot price (a CNN, a ViT taking images, an
+encoder-decoder fed two inputs, any model without a LayerList of blocks fed token ids): data parallelism
+over every rank, parameters replicated, as one process would train it (a batch that does not split that
+far: as much data parallelism as it allows, times tensor parallelism where the model's default plan applies).
+
+    chosen, result = data_parallel_choice(model, strategy, world, cluster, reason)
+
+Why only that: the planner's cost model is written for stacks of transformer blocks read off a token-id
+trace, and tensor parallelism needs a plan naming the model's layers (``tp_plan=`` in ``auto_mode="semi"``);
+data parallelism needs neither and is exact for every model dispatch runs (batch-coupled layers such as
+BatchNorm reduce their statistics over the whole batch). The reason the reading failed is printed in the
+explanation, so nothing about the choice is silent. The global batch must split evenly over the ranks:
+otherwise the error names the batch sizes that would.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoparallel.planner.result import PlanResult
+
+
+@dataclass(frozen=True)
+class UnreadModel:
+    """What a PlanResult names as its model when the model was not read into a ModelSpec."""
+    name: str
+    params: int
+
+    def short_dims(self) -> str:
+        return f"{self.params:,} parameters, not read as a stack of blocks"
+
+
+def data_parallel_choice(model, strategy, world: int, cluster, reason: str):
+    """(auto_mode="semi" Strategy, PlanResult explaining why) for ``model``: dp=world, or dp x tp with the
+    model's default tensor-parallel plan when the global batch does not split over every rank."""
+    import math
+
+    from autoparallel.strategy import Strategy
+
+    from autoparallel.planner.model_read import allowed_tp
+
+    batch = strategy.global_batch_size
+    name = type(model).__name__
+    _refuse_undistributable(model)
+    dp, tp, why = _degrees(model, world, batch, allowed_tp)
+    if dp is None:
+        ok = ", ".join(str(world * k) for k in (1, 2, 4))
+        raise ValueError(f"auto_mode='full': {name} is not a model the planner reads as a stack of blocks "
+                         f"({reason}), so it runs data parallel over all {world} ranks, which needs "
+                         f"strategy.global_batch_size divisible by {world}; got {batch} (e.g. {ok}){why}")
+    chosen = Strategy.from_dict({"data_parallel": {"degree": dp}, "tensor_parallel": {"degree": tp},
+                                 "pipeline_parallel": {"degree": 1}, "global_batch_size": batch,
+                                 "gradient_accumulation_steps": 1})
+    chosen.amp = strategy.amp.to_dict()
+    chosen.checkpoint = strategy.checkpoint.to_dict()
+    chosen.seed = strategy.seed
+    params = sum(math.prod(p.shape) for p in model.parameters())
+    how = (f"data parallel over all {world} ranks (dp={world}, tp=1, pp=1, no ZeRO), parameters replicated"
+           if tp == 1 else f"dp={dp} x tp={tp} (the batch of {batch} does not split {world} ways; tensor "
+                           f"parallel with the model's default plan), pp=1, no ZeRO")
+    explanation = (f"model {name}: not read as a stack of blocks ({reason})\n"
+                   f"chosen: {how}, {batch // dp} samples per data-parallel rank; other tensor or pipeline layouts "
+                   f"for this model need auto_mode='semi' with tp_plan= / split_points=")
+    result = PlanResult(model=UnreadModel(name, params), cluster=cluster, global_batch_size=batch, seq_len=0,
+                        candidates=[], explanation=explanation, feasible=True, evaluated=1, seconds=0.0,
+                        mode="fixed")
+    return chosen, result
+
+
+def _degrees(model, world: int, batch: int, allowed_tp):
+    """(dp, tp, "") with dp = world when the batch splits that way, else the largest dp dividing both and
+    tp = world / dp if the model's default tensor-parallel plan takes it; (None, None, why) otherwise."""
+    if batch % world == 0:
+        return world, 1, ""
+    dp = max(d for d in range(1, world + 1) if world % d == 0 and batch % d == 0)
+    why = allowed_tp(model, world).get(world // dp)
+    if why is None:
+        return dp, world // dp, ""
+    return None, None, f"; dp={dp} x tp={world // dp} is refused: {why}"
+
+
+def _refuse_undistributable(model) -> None:
+    """Layers that cannot run on distributed tensors (paddle's fused RNNs, a sparse-gradient embedding) fail
+    at the first forward of any plan; say so when planning, naming the layer."""
+    import paddle
+
+    for lname, layer in model.named_sublayers():
+        if isinstance(layer, paddle.nn.layer.rnn.RNNBase):
+            raise NotImplementedError(f"auto_mode='full': {type(model).__name__}.{lname} is a paddle.nn."
+                                      f"{type(layer).__name__}, which has no spmd rule on distributed tensors; "
+                                      f"run it inside ap.local_map(...) or outside the parallelized model")
+        if isinstance(layer, paddle.nn.Embedding) and getattr(layer, "_sparse", False):
+            raise NotImplementedError(f"auto_mode='full': {type(model).__name__}.{lname} is an Embedding with "
+                                      f"sparse=True, whose sparse gradient cannot be reduced across ranks; build "
+                                      f"it with sparse=False (the same values)")

@@ -1,0 +1,143 @@
+"""Transposed convolutions (conv1d_transpose, conv2d_transpose, conv3d_transpose; both layouts) and max
+unpooling (max_unpool1d/2d/3d): the up-sampling halves of UNets, decoders and GAN generators.
+
+Transposed conv labels: batch ``n`` (shardable), input channels ``ci`` (weight dim 0, contracted: sharded x
+and weight give Partial(sum), the bias then Partial), output channels ``co`` (weight dim 1, the output's
+channel dim, bias dim 0). Spatial dims are whole. With ``groups > 1`` the channel dims are whole too. The
+output size is paddle's: ``(in - 1) * stride - pad_before - pad_after + dilation * (k - 1) + output_padding
++ 1`` per spatial dim ('SAME' pads as the forward conv of the input would), or ``output_size`` when given.
+
+Max unpooling scatters each value to the flat position its mask names within its own (n, c) plane: batch
+and channel dims pass through with their sharding (x and indices laid out alike), spatial dims are whole.
+"""
+from __future__ import annotations
+
+from autoparallel.core.placement import Partial, Shard
+
+from spmd_rules.conv import _LAYOUTS, _ints, _leaves_empty, _padding
+from spmd_rules.einsum import labels_result
+from spmd_rules.einsum import label_rule
+from spmd_rules.expand import expand, present
+from spmd_rules.registry import register_spmd_rule
+from spmd_rules.result import SpmdResult
+from spmd_rules.utils import R, check_spec, numel, promote
+
+
+def _out_sizes(op, nsp, spatial, ksize, stride, padding, output_padding, dilation, output_size, cl):
+    s, d = _ints(op, "stride", stride, nsp), _ints(op, "dilation", dilation, nsp)
+    pads = _padding(op, padding, ksize, s, d, spatial, cl)       # 'SAME': paddle pads as the forward conv would
+    op_ = _ints(op, "output_padding", output_padding, nsp)
+    computed = [(spatial[i] - 1) * s[i] - pads[i][0] - pads[i][1] + d[i] * (ksize[i] - 1) + op_[i] + 1
+                for i in range(nsp)]
+    if output_size is None:
+        return computed
+    want = _ints(op, "output_size", output_size, nsp)
+    for i in range(nsp):
+        if not computed[i] <= want[i] < computed[i] + s[i]:
+            raise ValueError(f"{op}: output_size {want} is not reachable from input size {spatial} with stride "
+                             f"{s} (dim {i} must be in [{computed[i]}, {computed[i] + s[i]}))")
+    return want
+
+
+def _conv_transpose(op, nsp, x, weight, bias, stride, padding, output_padding, groups, dilation, output_size,
+                    data_format):
+    check_spec(op, "x", x)
+    check_spec(op, "weight", weight)
+    check_spec(op, "bias", bias, optional=True)
+    if data_format not in _LAYOUTS[nsp]:
+        raise ValueError(f"{op}: data_format must be one of {_LAYOUTS[nsp]}, got {data_format!r}")
+    if x.ndim != nsp + 2 or weight.ndim != nsp + 2:
+        raise ValueError(f"{op}: x and weight must be {nsp + 2}-D, got shapes {list(x.shape)} and "
+                         f"{list(weight.shape)}")
+    cl = data_format == _LAYOUTS[nsp][1]
+    n, cin = x.shape[0], x.shape[-1 if cl else 1]
+    spatial = list(x.shape[1:-1]) if cl else list(x.shape[2:])
+    w_cin, cout_g, ksize = weight.shape[0], weight.shape[1], list(weight.shape[2:])
+    if not isinstance(groups, int) or groups < 1 or cin != w_cin or cin % groups:
+        raise ValueError(f"{op}: x has {cin} input channels but weight shape {list(weight.shape)} with "
+                         f"groups={groups!r} expects {w_cin} (weight dim 0) divisible by groups")
+    cout = cout_g * groups
+    if bias is not None and tuple(bias.shape) != (cout,):
+        raise ValueError(f"{op}: bias must have shape [{cout}], got {list(bias.shape)}")
+    out_sp = _out_sizes(op, nsp, spatial, ksize, stride, padding, output_padding, dilation, output_size, cl)
+    whole = (None,) * nsp
+    ci, co = ("ci", "co") if groups == 1 else (None, None)
+    if cl:
+        xl, ol, shape = ("n",) + whole + (ci,), ("n",) + whole + (co,), (n, *out_sp, cout)
+    else:
+        xl, ol, shape = ("n", ci) + whole, ("n", co) + whole, (n, cout, *out_sp)
+    inner = label_rule([xl, (ci, co) + whole], [ol], [numel(x), numel(weight)])
+    ch = ol.index(co) if co else None
+    channels = {(0, xl.index(ci)): cin, (1, 0): cin, (1, 1): cout} if ci else {}
+
+    def rule(pl, dim):
+        pl = list(pl)
+        for i in (0, 1):      # paddle's kernels refuse an empty channel shard: such a split is gathered
+            p = pl[i]
+            if isinstance(p, Shard) and (i, p.dim) in channels and _leaves_empty(channels[(i, p.dim)], dim.size):
+                pl[i] = R
+        (rx, rw), (o,) = inner(pl[:2], dim)
+        if pl[2] is None:
+            rb = None
+        elif isinstance(o, Partial):
+            rb = o
+        elif isinstance(o, Shard) and o.dim == ch:
+            rb = Shard(0)
+        else:
+            rb = R
+        return (rx, rw, rb), (o,)
+
+    required, outputs = expand(op, [x, weight, bias], [(shape, promote(x.dtype, weight.dtype))], rule,
+                               nested=True)
+    return SpmdResult(present(required), outputs)
+
+
+def _register_transpose(nsp):
+    op = f"conv{nsp}d_transpose"
+
+    def rule(x, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1,
+             output_size=None, data_format=_LAYOUTS[nsp][0], name=None):
+        return _conv_transpose(op, nsp, x, weight, bias, stride, padding, output_padding, groups, dilation,
+                               output_size, data_format)
+
+    def rule2d(x, weight, bias=None, stride=1, padding=0, output_padding=0, dilation=1, groups=1,
+               output_size=None, data_format="NCHW", name=None):     # paddle's 2-D order: dilation, groups
+        return _conv_transpose(op, nsp, x, weight, bias, stride, padding, output_padding, groups, dilation,
+                               output_size, data_format)
+
+    rule = rule2d if nsp == 2 else rule
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule)
+
+
+def _register_unpool(nsp):
+    op = f"max_unpool{nsp}d"
+
+    def rule(x, indices, kernel_size, stride=None, padding=0, data_format=_LAYOUTS[nsp][0], output_size=None,
+             name=None):
+        check_spec(op, "x", x)
+        check_spec(op, "indices", indices)
+        if data_format != _LAYOUTS[nsp][0]:
+            raise ValueError(f"{op}: data_format must be {_LAYOUTS[nsp][0]!r}, got {data_format!r}")
+        if x.ndim != nsp + 2 or tuple(indices.shape) != tuple(x.shape):
+            raise ValueError(f"{op}: x must be {nsp + 2}-D and indices of the same shape, got {list(x.shape)} "
+                             f"and {list(indices.shape)}")
+        k = _ints(op, "kernel_size", kernel_size, nsp)
+        s = k if stride is None else _ints(op, "stride", stride, nsp)
+        p = _ints(op, "padding", padding, nsp)
+        sizes = [(x.shape[2 + i] - 1) * s[i] - 2 * p[i] + k[i] for i in range(nsp)]
+        if output_size is not None:
+            given = [int(v) for v in output_size]
+            sizes = given[-nsp:] if len(given) in (nsp, nsp + 2) else sizes
+        lab = ("n", "c") + (None,) * nsp
+        shape = tuple(x.shape[:2]) + tuple(sizes)
+        return labels_result(op, [x, indices], [lab, lab], [lab], [(shape, x.dtype)], linear=None)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule)
+
+
+for _n in (1, 2, 3):
+    _register_transpose(_n)
+    _register_unpool(_n)
