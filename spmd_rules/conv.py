@@ -93,11 +93,17 @@ def _conv(op, nsp, x, weight, bias, stride, padding, dilation, groups, data_form
         xl, ol, shape = ("n",) + whole + (ci,), ("n",) + whole + (co,), (n, *out_sp, cout)
     else:
         xl, ol, shape = ("n", ci) + whole, ("n", co) + whole, (n, cout, *out_sp)
-    wl = (co, ci) + whole
-    inner = label_rule([xl, wl], [ol], [numel(x), numel(weight)])
-    ch = ol.index(co) if co else None
-
     channels = {(0, xl.index(ci)): cin, (1, 0): cout, (1, 1): cin_g} if ci else {}
+    return conv_result(op, x, weight, bias, xl, (co, ci) + whole, ol, shape, channels)
+
+
+def conv_result(op, x, weight, bias, xl, wl, ol, shape, channels):
+    """The rule of a (transposed) convolution from its labels: x ``xl`` and weight ``wl`` to the output ``ol``
+    (contracted channel labels give Partial(sum)); a channel split that would leave a shard empty (``channels``:
+    {(operand, dim): size}) is gathered; the bias follows the output's channel label, or its Partial."""
+    inner = label_rule([xl, wl], [ol], [numel(x), numel(weight)])
+    co = wl[0] if wl[0] in ol else wl[1]
+    ch = ol.index(co) if co else None
 
     def rule(pl, dim):
         pl = list(pl)

@@ -12,15 +12,10 @@ and channel dims pass through with their sharding (x and indices laid out alike)
 """
 from __future__ import annotations
 
-from autoparallel.core.placement import Partial, Shard
-
-from spmd_rules.conv import _LAYOUTS, _ints, _leaves_empty, _padding
+from spmd_rules.conv import _LAYOUTS, _ints, _padding, conv_result
 from spmd_rules.einsum import labels_result
-from spmd_rules.einsum import label_rule
-from spmd_rules.expand import expand, present
 from spmd_rules.registry import register_spmd_rule
-from spmd_rules.result import SpmdResult
-from spmd_rules.utils import R, check_spec, numel, promote
+from spmd_rules.utils import check_spec
 
 
 def _out_sizes(op, nsp, spatial, ksize, stride, padding, output_padding, dilation, output_size, cl):
@@ -66,30 +61,8 @@ def _conv_transpose(op, nsp, x, weight, bias, stride, padding, output_padding, g
         xl, ol, shape = ("n",) + whole + (ci,), ("n",) + whole + (co,), (n, *out_sp, cout)
     else:
         xl, ol, shape = ("n", ci) + whole, ("n", co) + whole, (n, cout, *out_sp)
-    inner = label_rule([xl, (ci, co) + whole], [ol], [numel(x), numel(weight)])
-    ch = ol.index(co) if co else None
     channels = {(0, xl.index(ci)): cin, (1, 0): cin, (1, 1): cout} if ci else {}
-
-    def rule(pl, dim):
-        pl = list(pl)
-        for i in (0, 1):      # paddle's kernels refuse an empty channel shard: such a split is gathered
-            p = pl[i]
-            if isinstance(p, Shard) and (i, p.dim) in channels and _leaves_empty(channels[(i, p.dim)], dim.size):
-                pl[i] = R
-        (rx, rw), (o,) = inner(pl[:2], dim)
-        if pl[2] is None:
-            rb = None
-        elif isinstance(o, Partial):
-            rb = o
-        elif isinstance(o, Shard) and o.dim == ch:
-            rb = Shard(0)
-        else:
-            rb = R
-        return (rx, rw, rb), (o,)
-
-    required, outputs = expand(op, [x, weight, bias], [(shape, promote(x.dtype, weight.dtype))], rule,
-                               nested=True)
-    return SpmdResult(present(required), outputs)
+    return conv_result(op, x, weight, bias, xl, (ci, co) + whole, ol, shape, channels)
 
 
 def _register_transpose(nsp):
