@@ -303,6 +303,7 @@ class DistParameter(EagerParamBase):
     set_value = _forms.param_set_value
     register_hook = _forms.param_register_hook
     zero_ = _forms.param_zero_
+    clear_gradient = clear_grad = _forms.param_clear_gradient
     fill_ = _forms.param_fill_
     copy_ = _forms.param_copy_
 
@@ -395,6 +396,7 @@ def _make_param(locals_: dict, spec: DistSpec, like=None) -> DistParameter:
         if getattr(like, "optimize_attr", None) is not None:
             param.optimize_attr = like.optimize_attr
         param.need_clip = getattr(like, "need_clip", True)
+        param.regularizer = getattr(like, "regularizer", None)      # ParamAttr(regularizer=...)
         param.name = like.name
     held = dict(locals_)
     if ranks:

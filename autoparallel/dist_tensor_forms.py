@@ -84,6 +84,12 @@ def dist_clear_gradient(self, set_to_zero: bool = True) -> None:
         t.clear_gradient(set_to_zero)
 
 
+def param_clear_gradient(self, set_to_zero: bool = True) -> None:
+    """paddle's ``clear_gradient`` on a parameter (``model.clear_gradients()`` calls it): every held shard's."""
+    for t in self._ap_locals.values():
+        EagerParamBase.clear_gradient(t, set_to_zero) if t is self else t.clear_gradient(set_to_zero)
+
+
 def param_fill_(self, value):
     """Every held shard (a launched job holds one; the simulated world all of them)."""
     for t in self._ap_locals.values():
