@@ -68,14 +68,17 @@ class ZeroOptimizer(StepHooks):
         self._inner, self.stage, self.offload, self.model = inner, stage, bool(offload), model
         self.gradient_accumulation_steps = accumulation
         self.groups = ZeroGroups(mesh, dp_dim, degree)
-        params = [p for p in flat_params(inner) if not p.stop_gradient]
-        for p in params:
-            if not isinstance(p, DistParameter) or p.mesh != mesh:
+        on_mesh = lambda p: isinstance(p, DistParameter) and p.mesh == mesh      # noqa: E731
+        for p in flat_params(inner):
+            if not p.stop_gradient and not on_mesh(p):
                 where = p.mesh if isinstance(p, DistParameter) else "no mesh (a plain paddle Parameter)"
                 raise ValueError(f"apply_zero expects every trainable parameter on the mesh {mesh}; parameter "
                                  f"{p.name} is on {where}: parallelize the model before sharding")
-        self.params = params
-        self.buckets = split_buckets(params, bucket_bytes)
+        # frozen parameters on the mesh are managed too (unfreezing one later trains it, as paddle does)
+        self.params = [p for p in flat_params(inner) if on_mesh(p)]
+        self._outside = [p for p in flat_params(inner) if not on_mesh(p)]
+        self._had_grad: set = set()                     # ids whose gradient paddle would keep (as zeros)
+        self.buckets = split_buckets(self.params, bucket_bytes)
         self.held = current_world().local_ranks(mesh.process_ids)
         self.host = paddle.CPUPlace()
         self.device = expected_place()
@@ -249,14 +252,16 @@ class ZeroOptimizer(StepHooks):
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> None:
+        self._check_unfrozen()
         grads = self.reduce_gradients()
+        self._zero_kept_grads(grads)
         self._clip(grads)
         with local_mode():
             for r in self.held:
                 for p in self.params:
                     m = self.master[r][id(p)]
                     g = grads[r].get(id(p))
-                    if g is None:
+                    if g is None or p.stop_gradient:    # paddle steps no frozen parameter
                         m.clear_gradient(False)
                         continue
                     m._copy_gradient_from(g._copy_to(self.host, True) if self.offload else g)
@@ -269,6 +274,27 @@ class ZeroOptimizer(StepHooks):
             self.free(self.params)
         self._after_step()
 
+    def _check_unfrozen(self) -> None:
+        woken = [p.name for p in self._outside if not p.stop_gradient]
+        if woken:
+            raise NotImplementedError(f"ZeRO sharding: {', '.join(woken[:3])} was frozen and off the mesh {self.groups.mesh} "
+                                      f"when the optimizer was sharded and is trainable now; distribute it on that "
+                                      f"mesh (ap.shard_layer / ap.parallelize) before sharding the optimizer")
+
+    def _zero_kept_grads(self, grads) -> None:
+        """paddle's ``clear_grad()`` keeps a zero gradient on a parameter that had one, and the optimizer steps
+        it (moments decay, momentum moves it) in a step where it gets no new gradient (an unused branch);
+        stage 2/3 drop the full gradients, so the zero chunk is given here. ``clear_grad(set_to_zero=False)``
+        drops them in paddle too."""
+        for p in self.params:
+            for r in self.held:
+                g = grads[r].get(id(p))
+                if g is not None:
+                    self._had_grad.add(id(p))
+                elif id(p) in self._had_grad and not p.stop_gradient:
+                    m = self.master[r][id(p)]
+                    grads[r][id(p)] = paddle.zeros(m.shape, dtype="float32")
+
     def _clip(self, grads) -> None:
         gc = getattr(self._inner, "_grad_clip", None)
         if gc is None:
@@ -279,7 +305,7 @@ class ZeroOptimizer(StepHooks):
         z = self.groups.zmesh
         terms = []
         for p in self.params:
-            if not getattr(p, "need_clip", True):
+            if not getattr(p, "need_clip", True) or p.stop_gradient:
                 continue
             sharded = {self.groups.shard_dim} | {p.mesh.dim_names[i] for i, pl in enumerate(p.placements)
                                                  if pl.is_shard() or pl.is_block_shard()}
@@ -293,6 +319,8 @@ class ZeroOptimizer(StepHooks):
         if self.reducer is not None:
             self.reducer.reset()
         self._out = None
+        if not set_to_zero:
+            self._had_grad.clear()
         with local_mode():
             for p in self.params:
                 for t in p.locals.values():
