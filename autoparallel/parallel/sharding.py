@@ -272,6 +272,7 @@ class ZeroOptimizer(StepHooks):
                 self.gather(bucket)
         else:
             self.free(self.params)
+            self.__dict__.get("stage3_uses", {}).clear()
         self._after_step()
 
     def _check_unfrozen(self) -> None:
