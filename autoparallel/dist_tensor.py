@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from autoparallel import dispatch_handle, redistribute
+from autoparallel import backward_start, dispatch_handle, redistribute
 from autoparallel import dist_tensor_forms as _forms
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase
@@ -208,6 +208,7 @@ class DistTensor(OpMethods):
         else:
             raise TypeError(f"backward(grad) expects None, a tensor or a DistTensor, got {type(grad).__name__}")
         check_backward(ts, retain_graph)
+        backward_start.run()
         paddle.autograd.backward(ts, gs, retain_graph=retain_graph)
 
     @property

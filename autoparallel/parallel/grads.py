@@ -265,6 +265,21 @@ class GradientSync:
         self.buckets: list = []
         self.reducer = None
         self._dims: dict = {}           # id(param) -> mesh dims its gradient is reduced over by the buckets
+        if overlap:
+            from autoparallel import backward_start
+
+            backward_start.wait(self)
+
+    def before_backward(self) -> bool:
+        """A backward starts: plan the buckets now if no step did (the first backward then reduces from its
+        hooks). True when planned (nothing more to do here)."""
+        if self.reducer is not None:
+            return True
+        params = self.params_fn()
+        if not partial_params(params):
+            return False
+        self._plan(params, reduced=False)
+        return True
 
     def flush(self) -> int:
         """Reduce every gradient not reduced yet; returns the number of buckets launched here."""
@@ -289,7 +304,7 @@ class GradientSync:
         if self.reducer is not None:
             self.reducer.reset()
 
-    def _plan(self, params) -> None:
+    def _plan(self, params, reduced: bool = True) -> None:
         from autoparallel.parallel.reducer import Reducer
 
         self.buckets = plan_buckets(params, self.bucket_bytes)
@@ -300,7 +315,8 @@ class GradientSync:
         if old is not None:
             self.reducer.expected.update({k: v for k, v in old.expected.items() if k in self.reducer.expected})
             old.detach()
-        self.reducer.mark_reduced()         # the gradients now hold reduced values
+        if reduced:
+            self.reducer.mark_reduced()     # the gradients now hold reduced values
 
     # ---- Reducer callbacks -------------------------------------------------------------------------------
     def _launch(self, i, params):

@@ -66,6 +66,10 @@ class ZeroOptimizer(StepHooks):
         if not isinstance(accumulation, int) or accumulation < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {accumulation!r}")
         self._inner, self.stage, self.offload, self.model = inner, stage, bool(offload), model
+        if getattr(optimizer, "__dict__", {}).get("grad_sync") is not None:
+            from autoparallel import backward_start
+
+            backward_start.forget(optimizer.grad_sync)      # ZeRO reduces these gradients itself
         self.gradient_accumulation_steps = accumulation
         self.groups = ZeroGroups(mesh, dp_dim, degree)
         on_mesh = lambda p: isinstance(p, DistParameter) and p.mesh == mesh      # noqa: E731

@@ -1,0 +1,29 @@
+"""Callbacks run as a distributed backward starts (``DistTensor.backward``, ``paddle.autograd.backward``).
+
+The forward is over then, so every parameter's partial (data-parallel) mesh dims are known: an optimizer's
+gradient reduction that has not planned its buckets yet plans them there, and the first backward already
+reduces the gradients from its hooks (``p.grad`` read between the first backward and the first ``step()``
+holds the data-parallel sum, as on every later step, instead of this rank's partial sum)."""
+from __future__ import annotations
+
+import weakref
+
+_WAITING: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def wait(owner) -> None:
+    """``owner.before_backward()`` runs as each distributed backward starts until it returns True."""
+    _WAITING.add(owner)
+
+
+def forget(owner) -> None:
+    """``owner`` no longer reduces anything (another optimizer took its parameters over)."""
+    _WAITING.discard(owner)
+
+
+def run() -> None:
+    if not _WAITING:
+        return
+    for owner in list(_WAITING):
+        if owner.before_backward():
+            _WAITING.discard(owner)
