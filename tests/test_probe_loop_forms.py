@@ -307,3 +307,44 @@ def test_a_second_backward_through_collectives_is_refused():
 
 def test_a_second_backward_without_collectives_runs():
     both("parallelize dp", retained)
+
+
+# ---- paddle.nn.utils clips called by hand between backward and step --------------------------------------------
+def hand_clip(clip):
+    def probe(env):
+        m = env.model()
+        m, opt = env.wrap(m, paddle.optimizer.Momentum(0.05, parameters=m.parameters()))
+        out = []
+        for s in range(3):
+            loss = F.mse_loss(m(env.x(XS[s])), paddle.to_tensor(YS[s]))
+            loss.backward()
+            out.append(clip(m))
+            opt.step()
+            opt.clear_grad()
+            out.append(float(loss))
+        return out, params(m)
+    return probe
+
+
+CLIPS = {"norm": lambda m: float(paddle.nn.utils.clip_grad_norm_(m.parameters(), 0.05)),
+         "inf norm": lambda m: float(paddle.nn.utils.clip_grad_norm_(m.parameters(), 0.02, norm_type=float("inf"))),
+         "value": lambda m: paddle.nn.utils.clip_grad_value_(m.parameters(), 0.01) or 0.0}
+
+
+@pytest.mark.parametrize("run,clip", [("dp x tp", "norm"), ("dp x tp", "inf norm"), ("parallelize dp", "value"),
+                                      ("parallelize dp", "norm")])
+def test_clips_by_hand_equal_one_process(run, clip):
+    """The data-parallel gradients are reduced first, the norm is the whole gradients' (returned too)."""
+    both(run, hand_clip(CLIPS[clip]))
+
+
+def test_clips_by_hand_negative_control():
+    """The clip matters: the run without it differs."""
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(hand_clip(CLIPS["norm"])(One())[1]["fc1.weight"],
+                                   hand_clip(lambda m: 0.0)(One())[1]["fc1.weight"], rtol=1e-4)
+
+
+def test_clip_by_hand_under_zero_is_refused():
+    with ap.simulate(world_size=4), pytest.raises(NotImplementedError, match="clip_grad_norm_.*ZeRO.*grad_clip"):
+        hand_clip(CLIPS["norm"])(Mesh2x2(ap.ShardingStage2))

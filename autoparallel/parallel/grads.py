@@ -15,6 +15,7 @@ written back when waited for; gloo blocks, so on CPU it is launched synchronousl
 from __future__ import annotations
 
 
+import weakref
 from dataclasses import dataclass, field
 
 import paddle
@@ -248,6 +249,15 @@ def overlaps() -> bool:
 
 
 # ---- the optimizer's reduction ------------------------------------------------------------------------------
+_SYNCS: "weakref.WeakSet" = weakref.WeakSet()     # every live GradientSync
+
+
+def owners_of(params) -> list:
+    """The live reductions (not retired) whose parameters include any of ``params``."""
+    ids = {id(p) for p in params}
+    return [s for s in list(_SYNCS) if not s.retired and any(id(p) in ids for p in s.params_fn())]
+
+
 class GradientSync:
     """Data-parallel reduction of the partial gradients among ``params_fn()``.
 
@@ -265,6 +275,8 @@ class GradientSync:
         self.buckets: list = []
         self.reducer = None
         self._dims: dict = {}           # id(param) -> mesh dims its gradient is reduced over by the buckets
+        self.retired = False            # another optimizer (ZeRO) reduces these gradients instead
+        _SYNCS.add(self)
         if overlap:
             from autoparallel import backward_start
 

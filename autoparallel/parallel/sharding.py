@@ -70,6 +70,7 @@ class ZeroOptimizer(StepHooks):
             from autoparallel import backward_start
 
             backward_start.forget(optimizer.grad_sync)      # ZeRO reduces these gradients itself
+            optimizer.grad_sync.retired = True
         self.gradient_accumulation_steps = accumulation
         self.groups = ZeroGroups(mesh, dp_dim, degree)
         on_mesh = lambda p: isinstance(p, DistParameter) and p.mesh == mesh      # noqa: E731
