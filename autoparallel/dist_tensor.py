@@ -297,17 +297,7 @@ class DistParameter(EagerParamBase):
     def locals(self) -> dict:
         return dict(self._ap_locals)
 
-    @property
-    def stop_gradient(self) -> bool:
-        return paddle.Tensor.stop_gradient.__get__(self)
-
-    @stop_gradient.setter
-    def stop_gradient(self, value: bool) -> None:
-        """Freezing (or unfreezing) a parameter applies to every held shard (the simulated world's ranks)."""
-        paddle.Tensor.stop_gradient.__set__(self, value)
-        for t in getattr(self, "_ap_locals", {}).values():
-            if t is not self:
-                t.stop_gradient = value
+    stop_gradient = property(_forms.param_stop_gradient, _forms.param_set_stop_gradient)
 
     def as_dist(self) -> DistTensor:
         """A DistTensor view sharing this parameter's storage (differentiable w.r.t. it)."""

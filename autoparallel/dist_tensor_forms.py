@@ -84,6 +84,18 @@ def dist_clear_gradient(self, set_to_zero: bool = True) -> None:
         t.clear_gradient(set_to_zero)
 
 
+def param_stop_gradient(self) -> bool:
+    return paddle.Tensor.stop_gradient.__get__(self)
+
+
+def param_set_stop_gradient(self, value: bool) -> None:
+    """Freezing (or unfreezing) a parameter applies to every held shard (the simulated world's ranks)."""
+    paddle.Tensor.stop_gradient.__set__(self, value)
+    for t in getattr(self, "_ap_locals", {}).values():
+        if t is not self:
+            t.stop_gradient = value
+
+
 def param_clear_gradient(self, set_to_zero: bool = True) -> None:
     """paddle's ``clear_gradient`` on a parameter (``model.clear_gradients()`` calls it): every held shard's."""
     for t in self._ap_locals.values():

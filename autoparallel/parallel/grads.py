@@ -261,9 +261,9 @@ def owners_of(params) -> list:
 class GradientSync:
     """Data-parallel reduction of the partial gradients among ``params_fn()``.
 
-    ``flush()`` (the optimizer step) reduces what is not reduced yet. The first flush reduces everything
-    (the partial dims are known once a forward ran) and, with ``overlap``, fixes the buckets and installs a
-    Reducer: from then on each bucket is launched by backward hooks as soon as its gradients are complete
+    ``flush()`` (the optimizer step) reduces what is not reduced yet. With ``overlap`` the buckets are fixed
+    and a Reducer installed as the first backward starts (the partial dims are known once a forward ran;
+    else at the first flush, which reduces everything): each bucket is launched by backward hooks as soon as its gradients are complete
     on the final accumulation micro-step (``accumulation_steps`` backward passes per step); non-final
     micro-steps reduce nothing. A parameter that gains partial dims later is reduced over them at the
     flush and the buckets are planned again."""
@@ -287,6 +287,8 @@ class GradientSync:
         hooks). True when planned (nothing more to do here)."""
         if self.reducer is not None:
             return True
+        if not self.overlap:                # every reduction at step time (may be turned on later)
+            return False
         params = self.params_fn()
         if not partial_params(params):
             return False

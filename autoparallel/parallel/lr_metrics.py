@@ -11,7 +11,7 @@ def _step(orig):
         if is_dist(metrics):
             metrics = float(metrics)
         return orig(self, metrics, epoch)
-    step._ap_dist_metrics = True
+    step._ap_wrapper = True
     return step
 
 
@@ -23,5 +23,5 @@ def install() -> None:
 
     cls = paddle.optimizer.lr.ReduceOnPlateau
     own = cls.__dict__["step"]
-    if not getattr(own, "_ap_dist_metrics", False):
+    if not getattr(own, "_ap_wrapper", False):
         patches.patch(cls, "step", _step(own))
