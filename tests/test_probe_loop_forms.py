@@ -348,3 +348,24 @@ def test_clips_by_hand_negative_control():
 def test_clip_by_hand_under_zero_is_refused():
     with ap.simulate(world_size=4), pytest.raises(NotImplementedError, match="clip_grad_norm_.*ZeRO.*grad_clip"):
         hand_clip(CLIPS["norm"])(Mesh2x2(ap.ShardingStage2))
+
+
+# ---- the optimizer's grad_clip under ZeRO ---------------------------------------------------------------------
+def zero_clip(clip):
+    return lambda env: train(env, lambda m: paddle.optimizer.Momentum(0.05, parameters=m.parameters(),
+                                                                      grad_clip=clip()))
+
+
+@pytest.mark.parametrize("run,clip", [("zero2", lambda: nn.ClipGradByNorm(0.05)),
+                                      ("parallelize zero3", lambda: nn.ClipGradByNorm(0.05)),
+                                      ("zero1", lambda: nn.ClipGradByValue(0.01)),
+                                      ("parallelize zero3", lambda: nn.ClipGradByValue(0.01))])
+def test_per_parameter_and_value_clips_under_zero_equal_one_process(run, clip):
+    """ClipGradByNorm by each parameter's whole gradient norm over its chunks; ClipGradByValue on the chunks."""
+    both(run, zero_clip(clip))
+
+
+def test_zero_clip_negative_control():
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(zero_clip(lambda: nn.ClipGradByNorm(0.05))(One())[1]["fc1.weight"],
+                                   zero_clip(lambda: None)(One())[1]["fc1.weight"], rtol=1e-4)

@@ -302,24 +302,37 @@ class ZeroOptimizer(StepHooks):
                     grads[r][id(p)] = paddle.zeros(m.shape, dtype="float32")
 
     def _clip(self, grads) -> None:
+        """paddle's clips on the reduced gradient chunks: norms over whole gradients (each chunk and tensor-
+        parallel shard counted once), ``ClipGradByValue`` elementwise (a chunk clips as the whole would)."""
         gc = getattr(self._inner, "_grad_clip", None)
         if gc is None:
             return
-        if not isinstance(gc, paddle.nn.ClipGradByGlobalNorm):
-            raise NotImplementedError(f"ZeRO sharding supports grad_clip=ClipGradByGlobalNorm, got "
-                                      f"{type(gc).__name__}")
-        z = self.groups.zmesh
-        terms = []
+        terms = self._clip_terms(grads)
+        if isinstance(gc, paddle.nn.ClipGradByGlobalNorm):
+            norm = self.last_grad_norm = clipping.global_norm(terms)
+            clipping.scale_([t for locs, _, _ in terms for t in locs.values()],
+                            clipping.clip_coefficient(norm, float(gc.clip_norm)))
+        elif isinstance(gc, paddle.nn.ClipGradByNorm):
+            for term in terms:
+                clipping.scale_(list(term[0].values()),
+                                clipping.clip_coefficient(clipping.global_norm([term]), float(gc.clip_norm)))
+        elif isinstance(gc, paddle.nn.ClipGradByValue):
+            with local_mode(), paddle.no_grad():
+                for t in [t for locs, _, _ in terms for t in locs.values() if t is not None]:
+                    t.set_value(t.clip(min=float(gc.min), max=float(gc.max)))
+        else:
+            raise NotImplementedError(f"ZeRO sharding supports grad_clip=ClipGradByGlobalNorm, ClipGradByNorm or "
+                                      f"ClipGradByValue, got {type(gc).__name__}")
+
+    def _clip_terms(self, grads) -> list:
+        z, terms = self.groups.zmesh, []
         for p in self.params:
             if not getattr(p, "need_clip", True) or p.stop_gradient:
                 continue
             sharded = {self.groups.shard_dim} | {p.mesh.dim_names[i] for i, pl in enumerate(p.placements)
                                                  if pl.is_shard() or pl.is_block_shard()}
             terms.append(({r: grads[r].get(id(p)) for r in self.held}, z, sharded))
-        norm = clipping.global_norm(terms)
-        factor = clipping.clip_coefficient(norm, float(gc.clip_norm))
-        self.last_grad_norm = norm
-        clipping.scale_([t for locs, _, _ in terms for t in locs.values()], factor)
+        return terms
 
     def clear_grad(self, set_to_zero: bool = True) -> None:
         if self.reducer is not None:
