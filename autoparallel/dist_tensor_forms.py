@@ -38,9 +38,14 @@ def param_register_hook(self, hook):
 
 
 def param_set_value(self, value):
-    shape = list(getattr(value, "shape", ()))
     if in_local_mode() or not isinstance(value, (np.ndarray, paddle.Tensor)):
         return EagerParamBase.set_value(self, value)
+    with _writing(self):
+        return _set_value(self, value)
+
+
+def _set_value(self, value):
+    shape = list(getattr(value, "shape", ()))
     if shape != self.global_shape:
         if len(self._ap_locals) > 1:
             raise ValueError(f"set_value on the distributed parameter {self.name}: this process holds the shards of "
@@ -104,8 +109,9 @@ def param_clear_gradient(self, set_to_zero: bool = True) -> None:
 
 def param_fill_(self, value):
     """Every held shard (a launched job holds one; the simulated world all of them)."""
-    for t in self._ap_locals.values():
-        EagerParamBase.fill_(t, value) if t is self else t.fill_(value)
+    with _writing(self):
+        for t in self._ap_locals.values():
+            EagerParamBase.fill_(t, value) if t is self else t.fill_(value)
     return self
 
 
@@ -142,7 +148,10 @@ def param_copy_(self, src, blocking: bool = True):
     if not in_local_mode() and list(getattr(src, "shape", ())) == self.global_shape and not _is_dist(src):
         param_set_value(self, src)
         return self
-    return EagerParamBase.copy_(self, src, blocking)
+    if in_local_mode():
+        return EagerParamBase.copy_(self, src, blocking)
+    with _writing(self):
+        return EagerParamBase.copy_(self, src, blocking)
 
 
 def shard_dist(data, out, dtype, stop_gradient, make_param):
@@ -179,13 +188,30 @@ def param_numpy(self, *args, **kwargs):
         return EagerParamBase.numpy(self, *args, **kwargs)
 
 
-ZERO3_OWNERS = SideData()       # ZeRO-3 parameter -> weak reference to the optimizer that releases it
+ZERO_OWNERS = SideData()        # ZeRO-managed parameter -> weak reference to its ZeRO optimizer
+ZERO3_OWNERS = ZERO_OWNERS      # (stage 3 registers its parameters here too: it releases them between uses)
+
+
+def _owner(p):
+    ref = ZERO_OWNERS.get(p)
+    return ref() if ref is not None else None
+
+
+@contextlib.contextmanager
+def _writing(p):
+    """A value written into a ZeRO-managed parameter by the user (set_value, copy_, fill_, the in-place random
+    fills) reaches its fp32 master chunks, which the next step would otherwise write back over it; a
+    released ZeRO-3 parameter is gathered for the write."""
+    with _whole(p):
+        yield
+        owner = _owner(p)
+        if owner is not None:
+            owner.reload([p])
 
 
 @contextlib.contextmanager
 def _whole(p):
-    ref = ZERO3_OWNERS.get(p)
-    owner = ref() if ref is not None else None
+    owner = _owner(p)
     if owner is None or not any((id(p), r) in owner._freed for r in owner.held):
         yield False
         return

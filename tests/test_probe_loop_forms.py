@@ -369,3 +369,38 @@ def test_zero_clip_negative_control():
     with pytest.raises(AssertionError):
         np.testing.assert_allclose(zero_clip(lambda: nn.ClipGradByNorm(0.05))(One())[1]["fc1.weight"],
                                    zero_clip(lambda: None)(One())[1]["fc1.weight"], rtol=1e-4)
+
+
+# ---- values written into parameters mid-run (set_value, set_state_dict, in-place fills) -------------------------
+def written(env):
+    m = env.model()
+    m, opt = env.wrap(m, paddle.optimizer.Momentum(0.05, parameters=m.parameters()))
+    losses = []
+    for s in range(4):
+        loss = F.mse_loss(m(env.x(XS[s])), paddle.to_tensor(YS[s]))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+        if s == 0:
+            m.fc1.weight.set_value(paddle.full([6, 8], 0.1))
+            with paddle.no_grad():
+                m.fc2.bias.zero_()
+                paddle.seed(7)
+                m.fc2.weight.normal_(0, 0.1)
+        if s == 1:
+            m.set_state_dict({"fc1.bias": paddle.full([8], 0.2)})
+    return losses, params(m)
+
+
+@pytest.mark.parametrize("run", ["zero1", "zero2", "zero3", "parallelize zero3"])
+def test_values_written_into_parameters_under_zero_are_trained_on(run):
+    """The next step starts from the written values (the master chunks take them) instead of writing the old
+    master weights back over them; a released ZeRO-3 parameter is gathered for the write."""
+    both(run, written)
+
+
+def test_values_written_negative_control(monkeypatch):
+    monkeypatch.setattr("autoparallel.parallel.sharding.ZeroOptimizer.reload", lambda self, params: None)
+    with pytest.raises(AssertionError):
+        both("zero2", written)

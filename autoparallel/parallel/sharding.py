@@ -21,6 +21,7 @@ the AMP optimizer: stage 2/3 chunks no longer live in ``p.grad``).
 from __future__ import annotations
 
 import math
+import weakref
 
 import paddle
 
@@ -28,6 +29,7 @@ from autoparallel.comm import collectives as C
 from autoparallel.compat import EagerParamBase, expected_place
 from autoparallel.comm.world import current_world
 from autoparallel.dist_tensor import DistParameter
+from autoparallel.dist_tensor_forms import ZERO_OWNERS
 from autoparallel.local_mode import local_mode
 from autoparallel.memory import live_bytes
 from autoparallel.parallel import clip as clipping
@@ -90,6 +92,8 @@ class ZeroOptimizer(StepHooks):
         self.master = {r: {} for r in self.held}         # rank -> id(param) -> fp32 chunk Parameter
         self._freed = set()                             # (id(param), rank) whose storage is released
         self.inner_opts = {r: self._make_inner(r) for r in self.held}
+        for p in self.params:
+            ZERO_OWNERS.set(p, weakref.ref(self))          # user writes reach the master chunks
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         self.overlap, self.reducer = overlap, None      # the Reducer launching buckets from backward hooks
@@ -116,6 +120,16 @@ class ZeroOptimizer(StepHooks):
                 self.master[r][id(p)] = m
                 chunks.append(m)
         return clone_optimizer(self._inner, chunks, names)
+
+    def reload(self, params) -> None:
+        """The user wrote new values into ``params``: their master chunks take them (from the local data)."""
+        with local_mode(), paddle.no_grad():
+            for p in params:
+                for r in self.held:
+                    m = self.master[r].get(id(p))
+                    if m is not None:
+                        c = self._initial_chunk(p, r)
+                        m.set_value(c._copy_to(self.host, True) if self.offload else c)
 
     def _initial_chunk(self, p, r):
         """Rank r's fp32 chunk of ``p``'s local shard: the master weight's first value."""
