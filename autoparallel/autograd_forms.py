@@ -124,9 +124,7 @@ def backward(tensors, grad_tensors=None, retain_graph=False, dump_backward_graph
             flat_g.extend(backward_seeds(d, g, ranks, reshard, shard_tensor))
     kw = {} if dump_backward_graph_path is None else {"dump_backward_graph_path": dump_backward_graph_path}
     from autoparallel import backward_start
-    from autoparallel.retained_graph import check_backward
 
-    check_backward(flat_t, retain_graph)
-    backward_start.run()
+    backward_start.run(flat_t, retain_graph)
     with local_mode():
         paddle.autograd.backward(flat_t, flat_g, retain_graph=retain_graph, **kw)

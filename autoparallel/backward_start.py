@@ -1,4 +1,5 @@
-"""Callbacks run as a distributed backward starts (``DistTensor.backward``, ``paddle.autograd.backward``).
+"""What runs as a distributed backward starts (``DistTensor.backward``, ``paddle.autograd.backward``): the
+retained-graph check (retained_graph.py), then the callbacks below.
 
 The forward is over then, so every parameter's partial (data-parallel) mesh dims are known: an optimizer's
 gradient reduction that has not planned its buckets yet plans them there, and the first backward already
@@ -21,7 +22,11 @@ def forget(owner) -> None:
     _WAITING.discard(owner)
 
 
-def run() -> None:
+def run(tensors=(), retain_graph: bool = False) -> None:
+    """Before ``paddle.autograd.backward(tensors, ..., retain_graph)`` of a distributed graph."""
+    from autoparallel.retained_graph import check_backward
+
+    check_backward(tensors, retain_graph)
     if not _WAITING:
         return
     for owner in list(_WAITING):

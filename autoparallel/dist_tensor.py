@@ -20,7 +20,6 @@ from autoparallel.compat import EagerParamBase
 from autoparallel.context import async_allreduce
 from autoparallel.context import state as _ctx
 from autoparallel.dist_tensor_ops import OpMethods
-from autoparallel.retained_graph import check_backward
 from autoparallel.local_parts import _local_from_full  # noqa: F401  (also imported from here)
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import BlockShard, Partial, Replicate, Shard
@@ -207,8 +206,7 @@ class DistTensor(OpMethods):
             gs = _forms.backward_seeds(self, grad, ranks, reshard, shard_tensor)
         else:
             raise TypeError(f"backward(grad) expects None, a tensor or a DistTensor, got {type(grad).__name__}")
-        check_backward(ts, retain_graph)
-        backward_start.run()
+        backward_start.run(ts, retain_graph)
         paddle.autograd.backward(ts, gs, retain_graph=retain_graph)
 
     @property
@@ -298,6 +296,7 @@ class DistParameter(EagerParamBase):
         return dict(self._ap_locals)
 
     stop_gradient = property(_forms.param_stop_gradient, _forms.param_set_stop_gradient)
+    grad = property(_forms.param_grad, _forms.param_set_grad)
 
     def as_dist(self) -> DistTensor:
         """A DistTensor view sharing this parameter's storage (differentiable w.r.t. it)."""

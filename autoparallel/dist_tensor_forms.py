@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import numpy as np
 import paddle
@@ -99,6 +100,30 @@ def param_set_stop_gradient(self, value: bool) -> None:
     for t in getattr(self, "_ap_locals", {}).values():
         if t is not self:
             t.stop_gradient = value
+
+
+def param_grad(self):
+    """paddle's ``p.grad``; under ZeRO stage 2/3, once backward moved this parameter's reduced gradient into
+    the optimizer's chunks (from the second step on), a typed error instead of ``None``."""
+    g = paddle.Tensor.grad.__get__(self)
+    if g is None and not in_local_mode() and not _from_autoparallel(sys._getframe(1)):
+        owner = _owner(self)
+        out = getattr(owner, "_out", None) if owner is not None else None
+        if out and any(id(self) in chunks for chunks in out.values()):
+            raise NotImplementedError(
+                f"{self.name}.grad: ZeRO stage {owner.stage} keeps this parameter's reduced gradient as chunks "
+                f"spread over the data ranks (reduce-scattered as backward ran), not in p.grad; clip with the "
+                f"optimizer's grad_clip, or use ZeRO stage 1 to read or change p.grad between backward and step")
+    return g
+
+
+def _from_autoparallel(frame) -> bool:
+    """The read comes from the framework's own code (which knows where ZeRO keeps gradients)."""
+    return frame.f_globals.get("__name__", "").startswith("autoparallel.")
+
+
+def param_set_grad(self, value):
+    paddle.Tensor.grad.__set__(self, value)
 
 
 def param_clear_gradient(self, set_to_zero: bool = True) -> None:

@@ -404,3 +404,20 @@ def test_values_written_negative_control(monkeypatch):
     monkeypatch.setattr("autoparallel.parallel.sharding.ZeroOptimizer.reload", lambda self, params: None)
     with pytest.raises(AssertionError):
         both("zero2", written)
+
+
+def test_reading_p_grad_under_zero2_names_the_chunks():
+    """From the second step on ZeRO-2 reduce-scatters during backward: p.grad is refused with a typed error
+    naming the optimizer's grad_clip and stage 1, not paddle's AttributeError on None."""
+    with ap.simulate(world_size=4):
+        env = Mesh2x2(ap.ShardingStage2)
+        m = env.model()
+        m, opt = env.wrap(m, paddle.optimizer.SGD(0.05, parameters=m.parameters()))
+        for s in range(2):
+            F.mse_loss(m(env.x(XS[s])), paddle.to_tensor(YS[s])).backward()
+            if s == 1:
+                with pytest.raises(NotImplementedError, match="ZeRO stage 2.*chunks.*grad_clip.*stage 1"):
+                    m.fc1.weight.grad.norm()
+            opt.step()
+            opt.clear_grad()
+        assert m.fc1.weight.grad is None                       # between steps: paddle's None
