@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import weakref
 
+from autoparallel.compat import SideData
+
 _WAITING: "weakref.WeakSet" = weakref.WeakSet()
 
 
@@ -30,5 +32,18 @@ def run(tensors=(), retain_graph: bool = False) -> None:
     if not _WAITING:
         return
     for owner in list(_WAITING):
-        if owner.before_backward():
+        if owner.before_backward(tensors):
             _WAITING.discard(owner)
+
+
+_SCALED = SideData()            # local tensors of losses a paddle GradScaler scaled
+
+
+def mark_scaled(local_tensors) -> None:
+    for t in local_tensors:
+        _SCALED.set(t, True)
+
+
+def scaled(tensors) -> bool:
+    """Whether a GradScaler scaled (any of) the tensors a backward starts from."""
+    return any(t in _SCALED for t in tensors)

@@ -78,7 +78,8 @@ class Parallelize(One):
 
 RUNS = {"dp x tp": lambda: Mesh2x2(), "zero1": lambda: Mesh2x2(ap.ShardingStage1),
         "zero2": lambda: Mesh2x2(ap.ShardingStage2), "zero3": lambda: Mesh2x2(ap.ShardingStage3, tp=False),
-        "parallelize dp": lambda: Parallelize(), "parallelize zero3": lambda: Parallelize(3)}
+        "parallelize dp": lambda: Parallelize(), "parallelize zero1": lambda: Parallelize(1),
+        "parallelize zero3": lambda: Parallelize(3)}
 
 
 def params(m):
@@ -277,14 +278,15 @@ def first_grads(env):
     return [float(p.grad.abs().sum()) for p in m.parameters()], params(m)
 
 
-def test_gradients_read_before_the_first_step_are_reduced():
+@pytest.mark.parametrize("run", ["parallelize dp", "parallelize zero1"])
+def test_gradients_read_before_the_first_step_are_reduced(run):
     """Data parallel: backward already sums the gradients over the data ranks on the very first step."""
-    both("parallelize dp", first_grads)
+    both(run, first_grads)
 
 
 def test_gradients_read_before_the_first_step_negative_control(monkeypatch):
     """Without planning the buckets as the first backward starts, p.grad holds this rank's partial sum."""
-    monkeypatch.setattr("autoparallel.parallel.grads.GradientSync.before_backward", lambda self: False)
+    monkeypatch.setattr("autoparallel.parallel.grads.GradientSync.before_backward", lambda self, ts=(): False)
     with pytest.raises(AssertionError):
         both("parallelize dp", first_grads)
 
@@ -393,7 +395,7 @@ def written(env):
     return losses, params(m)
 
 
-@pytest.mark.parametrize("run", ["zero1", "zero2", "zero3", "parallelize zero3"])
+@pytest.mark.parametrize("run", ["zero1", "zero2", "parallelize zero3"])
 def test_values_written_into_parameters_under_zero_are_trained_on(run):
     """The next step starts from the written values (the master chunks take them) instead of writing the old
     master weights back over them; a released ZeRO-3 parameter is gathered for the write."""

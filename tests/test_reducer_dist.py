@@ -1,6 +1,6 @@
 """Real gloo ranks (4, one launch): gradient reductions launched from backward hooks. Losses and final
 parameters equal the single-process run (DP4, DP4 with sync_op=False, DP2xTP2 with gradient accumulation,
-more backward passes than announced, ZeRO-2/3); from the first step on (ZeRO: the second) each backward issues one
+more backward passes than announced, ZeRO-2/3); from the first step on each backward issues one
 all_reduce per bucket (the number of buckets planned in-process for the same model) and the step none; a
 non-final accumulation micro-step issues no gradient reduction; a negative control fails the comparison."""
 import os
@@ -129,7 +129,7 @@ def test_zero_reduce_scatters_in_backward(run, name):
     for r in run[1]:
         cfg = r["configs"][name]
         n = cfg["buckets"]
-        assert n >= 3 and all_reduces(cfg["steps"][0]["step"]) == n
-        for i, s in enumerate(cfg["steps"][1:], 1):
+        assert n >= 3
+        for i, s in enumerate(cfg["steps"]):              # from the first backward on
             assert all_reduces(s["backward"][0]) == eager(r, i) + n and all_reduces(s["step"]) == 0
-            assert [l[1] for l in s["launches"]] == ["backward"] * n
+            assert i == 0 or [l[1] for l in s["launches"]] == ["backward"] * n

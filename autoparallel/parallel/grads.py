@@ -282,7 +282,7 @@ class GradientSync:
 
             backward_start.wait(self)
 
-    def before_backward(self) -> bool:
+    def before_backward(self, tensors=()) -> bool:
         """A backward starts: plan the buckets now if no step did (the first backward then reduces from its
         hooks). True when planned (nothing more to do here)."""
         if self.reducer is not None:

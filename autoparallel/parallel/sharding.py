@@ -25,6 +25,7 @@ import weakref
 
 import paddle
 
+from autoparallel import backward_start
 from autoparallel.comm import collectives as C
 from autoparallel.compat import EagerParamBase, expected_place
 from autoparallel.comm.world import current_world
@@ -69,10 +70,10 @@ class ZeroOptimizer(StepHooks):
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {accumulation!r}")
         self._inner, self.stage, self.offload, self.model = inner, stage, bool(offload), model
         if getattr(optimizer, "__dict__", {}).get("grad_sync") is not None:
-            from autoparallel import backward_start
-
             backward_start.forget(optimizer.grad_sync)      # ZeRO reduces these gradients itself
             optimizer.grad_sync.retired = True
+        if overlap:
+            backward_start.wait(self)
         self.gradient_accumulation_steps = accumulation
         self.groups = ZeroGroups(mesh, dp_dim, degree)
         on_mesh = lambda p: isinstance(p, DistParameter) and p.mesh == mesh      # noqa: E731
@@ -205,13 +206,23 @@ class ZeroOptimizer(StepHooks):
             for bucket in self.buckets:
                 self._reduce_bucket(bucket, out)
             if self.overlap:
-                from autoparallel.parallel.reducer import Reducer
-
-                self.reducer = Reducer(list(reversed(self.buckets)), self._launch, self._to_partial,
-                                       self.gradient_accumulation_steps)
-                self.reducer.mark_reduced()
+                self._install_reducer().mark_reduced()
         self._out = None
         return out
+
+    def _install_reducer(self):
+        from autoparallel.parallel.reducer import Reducer
+
+        self.reducer = Reducer(list(reversed(self.buckets)), self._launch, self._to_partial,
+                               self.gradient_accumulation_steps)
+        return self.reducer
+
+    def before_backward(self, tensors) -> bool:
+        """The first backward reduces from its hooks (autoparallel/backward_start.py), unless a GradScaler
+        scaled its loss: the gradients stay in p.grad until the scaler unscales them at the step."""
+        if self.reducer is None and self.overlap and not backward_start.scaled(tensors):
+            self._install_reducer()
+        return self.reducer is not None or not self.overlap
 
     def _window(self) -> dict:
         if self._out is None:
