@@ -123,5 +123,8 @@ def backward(tensors, grad_tensors=None, retain_graph=False, dump_backward_graph
         else:
             flat_g.extend(backward_seeds(d, g, ranks, reshard, shard_tensor))
     kw = {} if dump_backward_graph_path is None else {"dump_backward_graph_path": dump_backward_graph_path}
+    from autoparallel import backward_start
+
+    backward_start.run(flat_t, retain_graph)
     with local_mode():
         paddle.autograd.backward(flat_t, flat_g, retain_graph=retain_graph, **kw)

@@ -62,7 +62,7 @@ def _install_hooks() -> None:
     from autoparallel.graph import jit
     from autoparallel.lazy_init import order
     from autoparallel import nn_utils_forms, param_init, pylayer_forms, state_dict_forms
-    from autoparallel.parallel import amp_scaler, full_state, implicit_optimizer, model_recompute
+    from autoparallel.parallel import amp_scaler, full_state, implicit_optimizer, lr_metrics, model_recompute
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
     patches.remember(*static_value_converter())
@@ -70,6 +70,7 @@ def _install_hooks() -> None:
     order.install()
     amp_scaler.install()
     implicit_optimizer.install()
+    lr_metrics.install()
     model_recompute.install()
     full_state.install()
     param_init.install()

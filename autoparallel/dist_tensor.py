@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from autoparallel import dispatch_handle, redistribute
+from autoparallel import backward_start, dispatch_handle, redistribute
 from autoparallel import dist_tensor_forms as _forms
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase
@@ -206,6 +206,7 @@ class DistTensor(OpMethods):
             gs = _forms.backward_seeds(self, grad, ranks, reshard, shard_tensor)
         else:
             raise TypeError(f"backward(grad) expects None, a tensor or a DistTensor, got {type(grad).__name__}")
+        backward_start.run(ts, retain_graph)
         paddle.autograd.backward(ts, gs, retain_graph=retain_graph)
 
     @property
@@ -294,6 +295,9 @@ class DistParameter(EagerParamBase):
     def locals(self) -> dict:
         return dict(self._ap_locals)
 
+    stop_gradient = property(_forms.param_stop_gradient, _forms.param_set_stop_gradient)
+    grad = property(_forms.param_grad, _forms.param_set_grad)
+
     def as_dist(self) -> DistTensor:
         """A DistTensor view sharing this parameter's storage (differentiable w.r.t. it)."""
         return DistTensor(self._ap_locals, self._ap_spec)
@@ -303,6 +307,7 @@ class DistParameter(EagerParamBase):
     set_value = _forms.param_set_value
     register_hook = _forms.param_register_hook
     zero_ = _forms.param_zero_
+    clear_gradient = clear_grad = _forms.param_clear_gradient
     fill_ = _forms.param_fill_
     copy_ = _forms.param_copy_
 
@@ -395,6 +400,7 @@ def _make_param(locals_: dict, spec: DistSpec, like=None) -> DistParameter:
         if getattr(like, "optimize_attr", None) is not None:
             param.optimize_attr = like.optimize_attr
         param.need_clip = getattr(like, "need_clip", True)
+        param.regularizer = getattr(like, "regularizer", None)      # ParamAttr(regularizer=...)
         param.name = like.name
     held = dict(locals_)
     if ranks:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import numpy as np
 import paddle
@@ -38,9 +39,14 @@ def param_register_hook(self, hook):
 
 
 def param_set_value(self, value):
-    shape = list(getattr(value, "shape", ()))
     if in_local_mode() or not isinstance(value, (np.ndarray, paddle.Tensor)):
         return EagerParamBase.set_value(self, value)
+    with _writing(self):
+        return _set_value(self, value)
+
+
+def _set_value(self, value):
+    shape = list(getattr(value, "shape", ()))
     if shape != self.global_shape:
         if len(self._ap_locals) > 1:
             raise ValueError(f"set_value on the distributed parameter {self.name}: this process holds the shards of "
@@ -84,10 +90,53 @@ def dist_clear_gradient(self, set_to_zero: bool = True) -> None:
         t.clear_gradient(set_to_zero)
 
 
+def param_stop_gradient(self) -> bool:
+    return paddle.Tensor.stop_gradient.__get__(self)
+
+
+def param_set_stop_gradient(self, value: bool) -> None:
+    """Freezing (or unfreezing) a parameter applies to every held shard (the simulated world's ranks)."""
+    paddle.Tensor.stop_gradient.__set__(self, value)
+    for t in getattr(self, "_ap_locals", {}).values():
+        if t is not self:
+            t.stop_gradient = value
+
+
+def param_grad(self):
+    """paddle's ``p.grad``; under ZeRO stage 2/3, once backward moved this parameter's reduced gradient into
+    the optimizer's chunks (from the second step on), a typed error instead of ``None``."""
+    g = paddle.Tensor.grad.__get__(self)
+    if g is None and not in_local_mode() and not _from_autoparallel(sys._getframe(1)):
+        owner = _owner(self)
+        out = getattr(owner, "_out", None) if owner is not None else None
+        if out and any(id(self) in chunks for chunks in out.values()):
+            raise NotImplementedError(
+                f"{self.name}.grad: ZeRO stage {owner.stage} keeps this parameter's reduced gradient as chunks "
+                f"spread over the data ranks (reduce-scattered as backward ran), not in p.grad; clip with the "
+                f"optimizer's grad_clip, or use ZeRO stage 1 to read or change p.grad between backward and step")
+    return g
+
+
+def _from_autoparallel(frame) -> bool:
+    """The read comes from the framework's own code (which knows where ZeRO keeps gradients)."""
+    return frame.f_globals.get("__name__", "").startswith("autoparallel.")
+
+
+def param_set_grad(self, value):
+    paddle.Tensor.grad.__set__(self, value)
+
+
+def param_clear_gradient(self, set_to_zero: bool = True) -> None:
+    """paddle's ``clear_gradient`` on a parameter (``model.clear_gradients()`` calls it): every held shard's."""
+    for t in self._ap_locals.values():
+        EagerParamBase.clear_gradient(t, set_to_zero) if t is self else t.clear_gradient(set_to_zero)
+
+
 def param_fill_(self, value):
     """Every held shard (a launched job holds one; the simulated world all of them)."""
-    for t in self._ap_locals.values():
-        EagerParamBase.fill_(t, value) if t is self else t.fill_(value)
+    with _writing(self):
+        for t in self._ap_locals.values():
+            EagerParamBase.fill_(t, value) if t is self else t.fill_(value)
     return self
 
 
@@ -124,7 +173,10 @@ def param_copy_(self, src, blocking: bool = True):
     if not in_local_mode() and list(getattr(src, "shape", ())) == self.global_shape and not _is_dist(src):
         param_set_value(self, src)
         return self
-    return EagerParamBase.copy_(self, src, blocking)
+    if in_local_mode():
+        return EagerParamBase.copy_(self, src, blocking)
+    with _writing(self):
+        return EagerParamBase.copy_(self, src, blocking)
 
 
 def shard_dist(data, out, dtype, stop_gradient, make_param):
@@ -161,13 +213,30 @@ def param_numpy(self, *args, **kwargs):
         return EagerParamBase.numpy(self, *args, **kwargs)
 
 
-ZERO3_OWNERS = SideData()       # ZeRO-3 parameter -> weak reference to the optimizer that releases it
+ZERO_OWNERS = SideData()        # ZeRO-managed parameter -> weak reference to its ZeRO optimizer
+ZERO3_OWNERS = ZERO_OWNERS      # (stage 3 registers its parameters here too: it releases them between uses)
+
+
+def _owner(p):
+    ref = ZERO_OWNERS.get(p)
+    return ref() if ref is not None else None
+
+
+@contextlib.contextmanager
+def _writing(p):
+    """A value written into a ZeRO-managed parameter by the user (set_value, copy_, fill_, the in-place random
+    fills) reaches its fp32 master chunks, which the next step would otherwise write back over it; a
+    released ZeRO-3 parameter is gathered for the write."""
+    with _whole(p):
+        yield
+        owner = _owner(p)
+        if owner is not None:
+            owner.reload([p])
 
 
 @contextlib.contextmanager
 def _whole(p):
-    ref = ZERO3_OWNERS.get(p)
-    owner = ref() if ref is not None else None
+    owner = _owner(p)
     if owner is None or not any((id(p), r) in owner._freed for r in owner.held):
         yield False
         return

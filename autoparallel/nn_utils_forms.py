@@ -1,9 +1,10 @@
 """``paddle.nn.utils`` helpers that read or write parameters' gradients or values as whole local tensors
 (``clip_grad_norm_``, ``clip_grad_value_``, ``parameters_to_vector``, ``vector_to_parameters``). Given a
 distributed parameter they would see one shard and, between ``backward()`` and the optimizer step, a
-data-parallel gradient still partial (reduced by the step), so their result would be wrong without a sign.
-They raise instead, naming what does the same job: the optimizer's ``grad_clip`` (ClipGradByGlobalNorm,
-ClipGradByNorm, ClipGradByValue are applied to the reduced, whole gradients) or ``.full()``.
+data-parallel gradient possibly still partial, so their result would be wrong without a sign. The two clips
+run distributed (parallel/hand_clip.py: gradients reduced first, norms over whole gradients); the others,
+and the clips where the gradients are not in ``p.grad`` (ZeRO), raise, naming what does the same job: the
+optimizer's ``grad_clip`` or ``.full()``.
 
 ``paddle.nn.utils.weight_norm``'s pre-hook recomputes ``weight = g * v / ||v||`` before each forward and stores
 it in the layer's buffer slot, which takes only a dense tensor; computed from distributed ``g`` / ``v`` it is a
@@ -46,6 +47,10 @@ def _refusing(name, orig):
         p = _first_dist(args, kwargs)
         if p is None:
             return orig(*args, **kwargs)
+        if name in ("clip_grad_norm_", "clip_grad_value_"):        # reduced first, then whole-gradient math
+            from autoparallel.parallel import hand_clip
+
+            return getattr(hand_clip, name)(*args, instead=_INSTEAD[name], **kwargs)
         raise NotImplementedError(f"paddle.nn.utils.{name} over the distributed parameter {p.name} would read one "
                                   f"shard ({', '.join(map(str, p.placements))}) and a gradient not yet reduced; "
                                   f"{_INSTEAD[name]}")

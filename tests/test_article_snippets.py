@@ -520,7 +520,7 @@ def test_12_backward_use_async_allreduce(one_process):
 # ---- 13. gradient accumulation ---------------------------------------------------------------------------------------
 def test_13_gradient_accumulation_as_written(monkeypatch):
     """The literal loop equals one process; its gradient reductions fuse into one per optimizer step once
-    the reducer has seen a full window (it learns the 8 backward passes per step), and from the second step
+    the reducer has seen a full window (it learns the 8 backward passes per step), and from the first step
     on when the strategy says ``gradient_accumulation_steps = 8``."""
     from autoparallel.parallel import grads
 
@@ -576,8 +576,9 @@ def test_13_gradient_accumulation_as_written(monkeypatch):
         last_non_final = window * accum_steps + accum_steps - 2
         return counts[k, last_non_final] == counts[k, "after step", window - 1]
 
-    assert quiet(1, 2) and quiet(accum_steps, 1) and quiet(accum_steps, 2)
-    assert not quiet(1, 1)               # negative control: before it learned, the literal loop reduced early
+    assert quiet(1, 1) and quiet(1, 2) and quiet(accum_steps, 1) and quiet(accum_steps, 2)
+    assert counts[accum_steps, accum_steps - 2] == 0     # told: quiet from the first window on
+    assert counts[1, accum_steps - 2] > 0  # negative control: before it learned, the literal loop reduced early
 
 
 # ---- 15. mixed precision with paddle's GradScaler ------------------------------------------------------------------

@@ -97,9 +97,7 @@ def test_shard_tensor_of_a_distributed_parameter_is_a_parameter(layer):
     assert y.dtype == paddle.float16 and y.placements == [dist.Shard(1)]
 
 
-@pytest.mark.parametrize("call", [
-    lambda ps: paddle.nn.utils.clip_grad_norm_(ps, 1.0),
-    lambda ps: paddle.nn.utils.clip_grad_value_(iter(ps), 0.1),
+@pytest.mark.parametrize("call", [                  # the clips run distributed: test_probe_loop_forms.py
     lambda ps: paddle.nn.utils.parameters_to_vector(ps),
     lambda ps: paddle.nn.utils.vector_to_parameters(paddle.zeros([28]), ps),
 ])

@@ -44,7 +44,13 @@ def install() -> None:
         from autoparallel.dist_tensor import DistTensor
 
         if isinstance(var, DistTensor):
-            return var * float(self._scale) if self._enable else var
+            if not self._enable:
+                return var
+            out = var * float(self._scale)
+            from autoparallel import backward_start
+
+            backward_start.mark_scaled(out.locals.values())   # ZeRO keeps its gradients in p.grad
+            return out
         return base_scale(self, var)
 
     def _unscale(self, optimizer):

@@ -15,6 +15,7 @@ written back when waited for; gloo blocks, so on CPU it is launched synchronousl
 from __future__ import annotations
 
 
+import weakref
 from dataclasses import dataclass, field
 
 import paddle
@@ -255,12 +256,21 @@ def overlaps() -> bool:
 
 
 # ---- the optimizer's reduction ------------------------------------------------------------------------------
+_SYNCS: "weakref.WeakSet" = weakref.WeakSet()     # every live GradientSync
+
+
+def owners_of(params) -> list:
+    """The live reductions (not retired) whose parameters include any of ``params``."""
+    ids = {id(p) for p in params}
+    return [s for s in list(_SYNCS) if not s.retired and any(id(p) in ids for p in s.params_fn())]
+
+
 class GradientSync:
     """Data-parallel reduction of the partial gradients among ``params_fn()``.
 
-    ``flush()`` (the optimizer step) reduces what is not reduced yet. The first flush reduces everything
-    (the partial dims are known once a forward ran) and, with ``overlap``, fixes the buckets and installs a
-    Reducer: from then on each bucket is launched by backward hooks as soon as its gradients are complete
+    ``flush()`` (the optimizer step) reduces what is not reduced yet. With ``overlap`` the buckets are fixed
+    and a Reducer installed as the first backward starts (the partial dims are known once a forward ran;
+    else at the first flush, which reduces everything): each bucket is launched by backward hooks as soon as its gradients are complete
     on the final accumulation micro-step (``accumulation_steps`` backward passes per step); non-final
     micro-steps reduce nothing. A parameter that gains partial dims later is reduced over them at the
     flush and the buckets are planned again."""
@@ -272,6 +282,25 @@ class GradientSync:
         self.buckets: list = []
         self.reducer = None
         self._dims: dict = {}           # id(param) -> mesh dims its gradient is reduced over by the buckets
+        self.retired = False            # another optimizer (ZeRO) reduces these gradients instead
+        _SYNCS.add(self)
+        if overlap:
+            from autoparallel import backward_start
+
+            backward_start.wait(self)
+
+    def before_backward(self, tensors=()) -> bool:
+        """A backward starts: plan the buckets now if no step did (the first backward then reduces from its
+        hooks). True when planned (nothing more to do here)."""
+        if self.reducer is not None:
+            return True
+        if not self.overlap:                # every reduction at step time (may be turned on later)
+            return False
+        params = self.params_fn()
+        if not partial_params(params):
+            return False
+        self._plan(params, reduced=False)
+        return True
 
     def flush(self) -> int:
         """Reduce every gradient not reduced yet; returns the number of buckets launched here."""
@@ -296,7 +325,7 @@ class GradientSync:
         if self.reducer is not None:
             self.reducer.reset()
 
-    def _plan(self, params) -> None:
+    def _plan(self, params, reduced: bool = True) -> None:
         from autoparallel.parallel.reducer import Reducer
 
         self.buckets = plan_buckets(params, self.bucket_bytes)
@@ -307,7 +336,8 @@ class GradientSync:
         if old is not None:
             self.reducer.expected.update({k: v for k, v in old.expected.items() if k in self.reducer.expected})
             old.detach()
-        self.reducer.mark_reduced()         # the gradients now hold reduced values
+        if reduced:
+            self.reducer.mark_reduced()     # the gradients now hold reduced values
 
     # ---- Reducer callbacks -------------------------------------------------------------------------------
     def _launch(self, i, params):

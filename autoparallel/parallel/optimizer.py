@@ -1,9 +1,9 @@
 """shard_optimizer (paddle's signature): reduce partial gradients, then step on local shards.
 
-Data-parallel gradients are all-reduced in fused buckets (parallel/grads.py). The first ``step()``
-reduces them all at step time and fixes the buckets; from then on backward hooks launch each bucket as
-soon as its gradients are complete on the final accumulation micro-step (parallel/reducer.py), and
-``step()`` only reduces what backward did not. ``shard_optimizer`` and ``ap.parallelize`` turn that on
+Data-parallel gradients are all-reduced in fused buckets (parallel/grads.py). The buckets are fixed as
+the first backward starts (the forward has recorded which parameters are partial: backward_start.py) and
+backward hooks launch each bucket as soon as its gradients are complete on the final accumulation
+micro-step (parallel/reducer.py); ``step()`` only reduces what backward did not. ``shard_optimizer`` and ``ap.parallelize`` turn that on
 (``overlap=True``); the class default keeps every reduction at step time, for callers that change
 gradients between backward and step in ways that are not the same on every rank (the pipeline runtime
 sums tied gradients across stages and accumulates zero-bubble weight gradients outside autograd).

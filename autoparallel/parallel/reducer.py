@@ -44,16 +44,20 @@ class Reducer:
         self.expected = {id(p): expected for b in self.buckets for p in b}
         self._pending: dict = {}
         self._reduced: set = set()          # ids whose gradient holds its reduced value
-        self._new_window()
         for b in self.buckets:
             for p in b:
                 for r in self._held[id(p)]:
                     _attach(p.locals[r], self, p, r)
+        self._new_window()
 
     # ---- windows ------------------------------------------------------------------------------------------
     def _new_window(self) -> None:
         self._counts: dict = {}
-        self._left = [sum(len(self._held[id(p)]) for p in b) for b in self.buckets]
+        for b in self.buckets:
+            for p in b:
+                for r in self._held[id(p)]:
+                    _hook(p.locals[r])
+        self._left = None                   # counted when backward starts (parameters frozen by then)
         self._next = 0
         self.launches: list = []            # (bucket index, or None for a subset, "backward" | "step")
 
@@ -113,7 +117,15 @@ class Reducer:
             self._to_partial(p)
         self._reduced.discard(id(p))
 
+    def _count_left(self) -> list:
+        """Gradients each bucket waits for: its trainable tensors'. A frozen one (``stop_gradient``) gets
+        none; one unfrozen since the window began has no hooks yet (paddle refuses hooks on a frozen tensor;
+        they are added at the next window), so its bucket waits for the step this time."""
+        return [sum(not p.locals[r].stop_gradient for p in b for r in self._held[id(p)]) for b in self.buckets]
+
     def after_accumulate(self, p, r) -> None:
+        if self._left is None:
+            self._left = self._count_left()
         key = (id(p), r)
         c = self._counts[key] = self._counts.get(key, 0) + 1
         i = self._where[id(p)]
@@ -146,18 +158,25 @@ class Reducer:
 
 # ---- hook slots: one pair of hooks per tensor, pointing at the current Reducer -------------------------------
 # a local tensor's slot: (weakref to the Reducer, weakref to the parameter, rank) or None when detached; a tensor
-# is in the registry once its hooks are registered (they stay for its lifetime and read the slot)
+# is in _HOOKED once its hooks are registered (they stay for its lifetime and read the slot)
 _SLOTS = SideData()
 
 
-def _attach(t, reducer, p, r) -> None:
-    hooked = t in _SLOTS
-    _SLOTS.set(t, (weakref.ref(reducer), weakref.ref(p), r))
-    if hooked:
+_HOOKED = SideData()                    # local tensors whose hooks are registered
+
+
+def _hook(t) -> None:
+    """Register ``t``'s hooks (once; not while it is frozen: paddle refuses hooks on a stop_gradient tensor)."""
+    if t.stop_gradient or t in _HOOKED:
         return
+    _HOOKED.set(t, True)
     ref = weakref.ref(t)
     t.register_hook(lambda g: _fire(ref, "before_accumulate"))
     register_after_accumulate_hook(t, lambda: _fire(ref, "after_accumulate"))
+
+
+def _attach(t, reducer, p, r) -> None:
+    _SLOTS.set(t, (weakref.ref(reducer), weakref.ref(p), r))
 
 
 def _fire(ref, what):

@@ -21,13 +21,16 @@ the AMP optimizer: stage 2/3 chunks no longer live in ``p.grad``).
 from __future__ import annotations
 
 import math
+import weakref
 
 import paddle
 
+from autoparallel import backward_start
 from autoparallel.comm import collectives as C
 from autoparallel.compat import EagerParamBase, expected_place
 from autoparallel.comm.world import current_world
 from autoparallel.dist_tensor import DistParameter
+from autoparallel.dist_tensor_forms import ZERO_OWNERS
 from autoparallel.local_mode import local_mode
 from autoparallel.memory import live_bytes
 from autoparallel.parallel import clip as clipping
@@ -66,22 +69,32 @@ class ZeroOptimizer(StepHooks):
         if not isinstance(accumulation, int) or accumulation < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {accumulation!r}")
         self._inner, self.stage, self.offload, self.model = inner, stage, bool(offload), model
+        if getattr(optimizer, "__dict__", {}).get("grad_sync") is not None:
+            backward_start.forget(optimizer.grad_sync)      # ZeRO reduces these gradients itself
+            optimizer.grad_sync.retired = True
+        if overlap:
+            backward_start.wait(self)
         self.gradient_accumulation_steps = accumulation
         self.groups = ZeroGroups(mesh, dp_dim, degree)
-        params = [p for p in flat_params(inner) if not p.stop_gradient]
-        for p in params:
-            if not isinstance(p, DistParameter) or p.mesh != mesh:
+        on_mesh = lambda p: isinstance(p, DistParameter) and p.mesh == mesh      # noqa: E731
+        for p in flat_params(inner):
+            if not p.stop_gradient and not on_mesh(p):
                 where = p.mesh if isinstance(p, DistParameter) else "no mesh (a plain paddle Parameter)"
                 raise ValueError(f"apply_zero expects every trainable parameter on the mesh {mesh}; parameter "
                                  f"{p.name} is on {where}: parallelize the model before sharding")
-        self.params = params
-        self.buckets = split_buckets(params, bucket_bytes)
+        # frozen parameters on the mesh are managed too (unfreezing one later trains it, as paddle does)
+        self.params = [p for p in flat_params(inner) if on_mesh(p)]
+        self._outside = [p for p in flat_params(inner) if not on_mesh(p)]
+        self._had_grad: set = set()                     # ids whose gradient paddle would keep (as zeros)
+        self.buckets = split_buckets(self.params, bucket_bytes)
         self.held = current_world().local_ranks(mesh.process_ids)
         self.host = paddle.CPUPlace()
         self.device = expected_place()
         self.master = {r: {} for r in self.held}         # rank -> id(param) -> fp32 chunk Parameter
         self._freed = set()                             # (id(param), rank) whose storage is released
         self.inner_opts = {r: self._make_inner(r) for r in self.held}
+        for p in self.params:
+            ZERO_OWNERS.set(p, weakref.ref(self))          # user writes reach the master chunks
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         self.overlap, self.reducer = overlap, None      # the Reducer launching buckets from backward hooks
@@ -108,6 +121,16 @@ class ZeroOptimizer(StepHooks):
                 self.master[r][id(p)] = m
                 chunks.append(m)
         return clone_optimizer(self._inner, chunks, names)
+
+    def reload(self, params) -> None:
+        """The user wrote new values into ``params``: their master chunks take them (from the local data)."""
+        with local_mode(), paddle.no_grad():
+            for p in params:
+                for r in self.held:
+                    m = self.master[r].get(id(p))
+                    if m is not None:
+                        c = self._initial_chunk(p, r)
+                        m.set_value(c._copy_to(self.host, True) if self.offload else c)
 
     def _initial_chunk(self, p, r):
         """Rank r's fp32 chunk of ``p``'s local shard: the master weight's first value."""
@@ -183,13 +206,23 @@ class ZeroOptimizer(StepHooks):
             for bucket in self.buckets:
                 self._reduce_bucket(bucket, out)
             if self.overlap:
-                from autoparallel.parallel.reducer import Reducer
-
-                self.reducer = Reducer(list(reversed(self.buckets)), self._launch, self._to_partial,
-                                       self.gradient_accumulation_steps)
-                self.reducer.mark_reduced()
+                self._install_reducer().mark_reduced()
         self._out = None
         return out
+
+    def _install_reducer(self):
+        from autoparallel.parallel.reducer import Reducer
+
+        self.reducer = Reducer(list(reversed(self.buckets)), self._launch, self._to_partial,
+                               self.gradient_accumulation_steps)
+        return self.reducer
+
+    def before_backward(self, tensors) -> bool:
+        """The first backward reduces from its hooks (autoparallel/backward_start.py), unless a GradScaler
+        scaled its loss: the gradients stay in p.grad until the scaler unscales them at the step."""
+        if self.reducer is None and self.overlap and not backward_start.scaled(tensors):
+            self._install_reducer()
+        return self.reducer is not None or not self.overlap
 
     def _window(self) -> dict:
         if self._out is None:
@@ -249,14 +282,16 @@ class ZeroOptimizer(StepHooks):
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> None:
+        self._check_unfrozen()
         grads = self.reduce_gradients()
+        self._zero_kept_grads(grads)
         self._clip(grads)
         with local_mode():
             for r in self.held:
                 for p in self.params:
                     m = self.master[r][id(p)]
                     g = grads[r].get(id(p))
-                    if g is None:
+                    if g is None or p.stop_gradient:    # paddle steps no frozen parameter
                         m.clear_gradient(False)
                         continue
                     m._copy_gradient_from(g._copy_to(self.host, True) if self.offload else g)
@@ -267,32 +302,69 @@ class ZeroOptimizer(StepHooks):
                 self.gather(bucket)
         else:
             self.free(self.params)
+            self.__dict__.get("stage3_uses", {}).clear()
         self._after_step()
 
+    def _check_unfrozen(self) -> None:
+        woken = [p.name for p in self._outside if not p.stop_gradient]
+        if woken:
+            raise NotImplementedError(f"ZeRO sharding: {', '.join(woken[:3])} was frozen and off the mesh {self.groups.mesh} "
+                                      f"when the optimizer was sharded and is trainable now; distribute it on that "
+                                      f"mesh (ap.shard_layer / ap.parallelize) before sharding the optimizer")
+
+    def _zero_kept_grads(self, grads) -> None:
+        """paddle's ``clear_grad()`` keeps a zero gradient on a parameter that had one, and the optimizer steps
+        it (moments decay, momentum moves it) in a step where it gets no new gradient (an unused branch);
+        stage 2/3 drop the full gradients, so the zero chunk is given here. ``clear_grad(set_to_zero=False)``
+        drops them in paddle too."""
+        for p in self.params:
+            for r in self.held:
+                g = grads[r].get(id(p))
+                if g is not None:
+                    self._had_grad.add(id(p))
+                elif id(p) in self._had_grad and not p.stop_gradient:
+                    m = self.master[r][id(p)]
+                    grads[r][id(p)] = paddle.zeros(m.shape, dtype="float32")
+
     def _clip(self, grads) -> None:
+        """paddle's clips on the reduced gradient chunks: norms over whole gradients (each chunk and tensor-
+        parallel shard counted once), ``ClipGradByValue`` elementwise (a chunk clips as the whole would)."""
         gc = getattr(self._inner, "_grad_clip", None)
         if gc is None:
             return
-        if not isinstance(gc, paddle.nn.ClipGradByGlobalNorm):
-            raise NotImplementedError(f"ZeRO sharding supports grad_clip=ClipGradByGlobalNorm, got "
-                                      f"{type(gc).__name__}")
-        z = self.groups.zmesh
-        terms = []
+        terms = self._clip_terms(grads)
+        if isinstance(gc, paddle.nn.ClipGradByGlobalNorm):
+            norm = self.last_grad_norm = clipping.global_norm(terms)
+            clipping.scale_([t for locs, _, _ in terms for t in locs.values()],
+                            clipping.clip_coefficient(norm, float(gc.clip_norm)))
+        elif isinstance(gc, paddle.nn.ClipGradByNorm):
+            for term in terms:
+                clipping.scale_(list(term[0].values()),
+                                clipping.clip_coefficient(clipping.global_norm([term]), float(gc.clip_norm)))
+        elif isinstance(gc, paddle.nn.ClipGradByValue):
+            with local_mode(), paddle.no_grad():
+                for t in [t for locs, _, _ in terms for t in locs.values() if t is not None]:
+                    t.set_value(t.clip(min=float(gc.min), max=float(gc.max)))
+        else:
+            raise NotImplementedError(f"ZeRO sharding supports grad_clip=ClipGradByGlobalNorm, ClipGradByNorm or "
+                                      f"ClipGradByValue, got {type(gc).__name__}")
+
+    def _clip_terms(self, grads) -> list:
+        z, terms = self.groups.zmesh, []
         for p in self.params:
-            if not getattr(p, "need_clip", True):
+            if not getattr(p, "need_clip", True) or p.stop_gradient:
                 continue
             sharded = {self.groups.shard_dim} | {p.mesh.dim_names[i] for i, pl in enumerate(p.placements)
                                                  if pl.is_shard() or pl.is_block_shard()}
             terms.append(({r: grads[r].get(id(p)) for r in self.held}, z, sharded))
-        norm = clipping.global_norm(terms)
-        factor = clipping.clip_coefficient(norm, float(gc.clip_norm))
-        self.last_grad_norm = norm
-        clipping.scale_([t for locs, _, _ in terms for t in locs.values()], factor)
+        return terms
 
     def clear_grad(self, set_to_zero: bool = True) -> None:
         if self.reducer is not None:
             self.reducer.reset()
         self._out = None
+        if not set_to_zero:
+            self._had_grad.clear()
         with local_mode():
             for p in self.params:
                 for t in p.locals.values():

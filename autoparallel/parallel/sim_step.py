@@ -67,6 +67,7 @@ class RankCopies:
                 opt._grad_clip = getattr(self.inner, "_grad_clip", None)   # as each real rank clips its copy
                 sync_lr(self.inner, opt)
                 for t, s in links:
+                    s.stop_gradient = t.stop_gradient      # frozen (or unfrozen) since the last step
                     if t.grad is None:
                         s.clear_gradient(False)
                     else:

@@ -5,8 +5,9 @@ Around every layer that owns managed parameters:
   forward post-hook  release them; when autograd will need them, a hook on the layer's outputs gathers
                      them again as soon as the outputs' gradient arrives (before the layer's own backward
                      runs) and a hook on the layer's inputs releases them once the gradient of the inputs
-                     is complete (the layer's backward is done). Whatever is still whole is released by
-                     the optimizer step.
+                     is complete (the layer's backward is done). A layer run several times before one
+                     backward (two forwards summed, a block applied twice) is released after the last
+                     of those backwards. Whatever is still whole is released by the optimizer step.
 Autograd keeps references to the parameter tensor objects; their storage is released and re-filled in
 place, so those references see the gathered data again.
 """
@@ -25,12 +26,13 @@ def install_stage3(model, zopt) -> list:
     for p in zopt.params:            # reading a released parameter (full(), numpy()) gathers it through zopt
         ZERO3_OWNERS.set(p, weakref.ref(zopt))
     handles = []
+    zopt.stage3_uses = {}            # id(layer) -> forward uses whose backward has not finished
     for _, layer in [("", model)] + list(model.named_sublayers()):
         own = [p for p in layer.parameters(include_sublayers=False) if id(p) in managed]
         if not own:
             continue
         handles.append(layer.register_forward_pre_hook(_pre(zopt, own)))
-        handles.append(layer.register_forward_post_hook(_post(zopt, own)))
+        handles.append(layer.register_forward_post_hook(_post(zopt, own, id(layer))))
     zopt.free(zopt.params)
     return handles
 
@@ -41,18 +43,35 @@ def _pre(zopt, own):
     return hook
 
 
-def _post(zopt, own):
+def _post(zopt, own, key):
     def hook(_layer, inputs, outputs):
         if paddle.is_grad_enabled():
             outs = [t for t in _tensors(outputs) if not t.stop_gradient]
+            ins = [t for t in _tensors(inputs) if not t.stop_gradient]
             if outs:
                 for t in outs:
                     t.register_hook(lambda g: zopt.gather(own))
-                for t in _tensors(inputs):
-                    if not t.stop_gradient:
-                        t.register_hook(lambda g: zopt.free(own))
+                if ins:
+                    release = _release_after_backward(zopt, own, key)
+                    for t in ins:
+                        t.register_hook(release)
         zopt.free(own)
     return hook
+
+
+def _release_after_backward(zopt, own, key):
+    """The hook ending one use's backward: releases ``own`` once no other use's backward needs them."""
+    uses = zopt.stage3_uses
+    uses[key] = uses.get(key, 0) + 1
+    done = []
+
+    def release(_g):
+        if not done:
+            done.append(True)
+            uses[key] -= 1
+            if uses[key] <= 0:
+                zopt.free(own)
+    return release
 
 
 def _tensors(x) -> list:

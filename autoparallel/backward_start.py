@@ -1,0 +1,49 @@
+"""What runs as a distributed backward starts (``DistTensor.backward``, ``paddle.autograd.backward``): the
+retained-graph check (retained_graph.py), then the callbacks below.
+
+The forward is over then, so every parameter's partial (data-parallel) mesh dims are known: an optimizer's
+gradient reduction that has not planned its buckets yet plans them there, and the first backward already
+reduces the gradients from its hooks (``p.grad`` read between the first backward and the first ``step()``
+holds the data-parallel sum, as on every later step, instead of this rank's partial sum)."""
+from __future__ import annotations
+
+import weakref
+
+from autoparallel.compat import SideData
+
+_WAITING: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def wait(owner) -> None:
+    """``owner.before_backward()`` runs as each distributed backward starts until it returns True."""
+    _WAITING.add(owner)
+
+
+def forget(owner) -> None:
+    """``owner`` no longer reduces anything (another optimizer took its parameters over)."""
+    _WAITING.discard(owner)
+
+
+def run(tensors=(), retain_graph: bool = False) -> None:
+    """Before ``paddle.autograd.backward(tensors, ..., retain_graph)`` of a distributed graph."""
+    from autoparallel.retained_graph import check_backward
+
+    check_backward(tensors, retain_graph)
+    if not _WAITING:
+        return
+    for owner in list(_WAITING):
+        if owner.before_backward(tensors):
+            _WAITING.discard(owner)
+
+
+_SCALED = SideData()            # local tensors of losses a paddle GradScaler scaled
+
+
+def mark_scaled(local_tensors) -> None:
+    for t in local_tensors:
+        _SCALED.set(t, True)
+
+
+def scaled(tensors) -> bool:
+    """Whether a GradScaler scaled (any of) the tensors a backward starts from."""
+    return any(t in _SCALED for t in tensors)
