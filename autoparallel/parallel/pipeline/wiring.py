@@ -62,7 +62,31 @@ def _check_composable(strategy, degrees) -> None:
     if degrees.pp < 2:
         raise ValueError(f"apply_pp needs pipeline_parallel.degree >= 2, got {degrees.pp}")
     if strategy.sharding.enable:
-        raise NotImplementedError(f"sharding (ZeRO stage {strategy.sharding.stage}) {_NOT_COMPOSED}")
+        _check_zero(strategy, degrees)
+
+
+def _check_zero(strategy, degrees) -> None:
+    """ZeRO stage 1 / 2 runs inside the stages (zero.py); stage 3 and ZeRO on plain stages are refused."""
+    stage = strategy.sharding.stage
+    if stage == 3:
+        raise NotImplementedError("sharding stage 3 (parameters sharded over the data ranks and gathered around "
+                                  "each layer's use) is not composed with pipeline parallelism; stages 1 "
+                                  "(optimizer states) and 2 (also gradients) run inside the pipeline stages: set "
+                                  "strategy.sharding.stage = 1 or 2")
+    if degrees.dp * degrees.tp == 1:
+        raise ValueError(f"sharding (ZeRO stage {stage}) with pipeline parallelism shards each stage's optimizer "
+                         f"states over the stage's data ranks, but data_parallel.degree=1 and "
+                         f"tensor_parallel.degree=1 leave every stage on one rank; set data_parallel.degree >= 2 or "
+                         f"turn sharding off")
+    if strategy.amp.enable:
+        raise NotImplementedError(f"sharding (ZeRO stage {stage}) together with strategy.amp {_NOT_COMPOSED}; "
+                                  f"ZeRO runs inside pipeline stages without AMP, AMP without ZeRO")
+
+
+def zero_config(strategy):
+    """(stage, degree, offload) of ``strategy.sharding`` for ``bind_optimizer``; None when off."""
+    sh = strategy.sharding
+    return (sh.stage, sh.degree or None, bool(sh.offload)) if sh.enable else None
 
 
 def pipeline_ranks(pp: int, dp: int = 1, tp: int = 1, mesh=None) -> np.ndarray:
@@ -189,6 +213,10 @@ def bind_optimizer(optimizer, pipe):
     if found == 0 and kept:
         raise ValueError(f"the optimizer holds none of this rank's {kept} stage parameters; build it over "
                          f"model.parameters() or pipe.parameters()")
+    if getattr(pipe, "zero", None) is not None:                      # strategy.sharding (zero.py)
+        from .zero import PipelineZeroOptimizer
+
+        return PipelineZeroOptimizer(inner, pipe, *pipe.zero)
     if getattr(pipe, "loss_scaler", None) is not None:              # strategy.amp (amp.py)
         from .amp import PipelineAmpOptimizer
 

@@ -1,0 +1,148 @@
+"""ZeRO stage 1 / 2 inside pipeline stages in the simulated world (parallel/pipeline/zero.py): each stage's
+optimizer states (stage 2: also gradients) sharded over the stage's data ranks, against one process on one big
+batch (AdamW, 3 steps: every loss, every rank's shard of every parameter); global-norm clipping over every stage
+(the norm of each step equals the unsharded pipeline's; negative control: a chunk counted on one shard rank only
+moves the parameters away); each rank holds half the moments (negative control: the unsharded pipeline's are
+whole); the refusals (stage 3, stages on one rank, AMP, checkpoints)."""
+
+import numpy as np
+import paddle
+import pytest
+
+import pp_common  # noqa: E402
+
+import autoparallel as ap  # noqa: E402
+from autoparallel.parallel.pipeline import zero as pzero  # noqa: E402
+from autoparallel.parallel.pipeline.runtime import apply_pp  # noqa: E402
+
+STEPS, RTOL, ATOL = 3, 1e-4, 2e-5
+_REFS = {}
+
+
+def ref(clip=None):
+    if clip not in _REFS:
+        _REFS[clip] = pp_common.reference("gpt", False, steps=STEPS, clip=clip)
+    return _REFS[clip]
+
+
+def strategy(job):
+    s = pp_common.strategy(job)
+    if job.get("zero"):
+        s.sharding.enable, s.sharding.stage = True, job["zero"]
+    return s
+
+
+def train(job):
+    """(losses, grad norms, pipe, opt, names of rank shards that differ from one process)."""
+    from autoparallel.testing.models import tp_plan
+
+    from test_pipeline_sim import every_rank_mismatch
+
+    world = job.get("pp", 2) * job.get("dp", 1) * job.get("tp", 1)
+    with ap.simulate(world_size=world):
+        model = pp_common.build("gpt")
+        opt = pp_common.optimizer(model.parameters(), job.get("clip"))
+        pipe = apply_pp(model, strategy(job), tp_plan=tp_plan("gpt") if job.get("tp", 1) > 1 else None)
+        opt = pipe.wrap_optimizer(opt)
+        losses, norms = [], []
+        for x, y in pp_common.batches(STEPS):
+            losses.append(pipe.train_batch(x, y))
+            opt.step()
+            norms.append(getattr(opt, "last_grad_norm", None))
+            opt.clear_grad()
+        bad = every_rank_mismatch(pipe, ref(job.get("clip"))[1])
+    return losses, norms, pipe, opt, bad
+
+
+JOBS = [{"schedule": "1F1B", "dp": 2, "zero": 1},
+        {"schedule": "1F1B", "dp": 2, "zero": 2, "clip": 0.05},
+        {"schedule": "VPP", "vpp": 2, "dp": 2, "zero": 1, "clip": 0.05},
+        {"schedule": "ZB-H1", "dp": 2, "tp": 2, "zero": 2, "clip": 0.05}]
+
+
+@pytest.mark.parametrize("job", JOBS, ids=lambda j: "-".join(f"{k}{v}" for k, v in j.items()))
+def test_zero_inside_stages_equals_one_process(job):
+    losses, norms, pipe, opt, bad = train(job)
+    assert isinstance(opt, pzero.PipelineZeroOptimizer) and len(opt.zeros) == 2      # one per stage sub-mesh
+    assert [z.stage for z in opt.zeros] == [job["zero"]] * 2
+    np.testing.assert_allclose(losses, ref(job.get("clip"))[0], rtol=RTOL, atol=1e-6)
+    assert bad == []
+    if job.get("clip"):
+        _, plain_norms, _, _, _ = train({k: v for k, v in job.items() if k != "zero"})
+        np.testing.assert_allclose(norms, plain_norms, rtol=1e-5)
+        assert min(norms) > job["clip"]                   # the clip binds on every step
+
+
+def moments(opt):
+    """{rank: elements of AdamW's moment1 held by that rank} for a ZeRO or a plain pipeline optimizer."""
+    from autoparallel.dist_tensor import is_dist
+
+    if isinstance(opt, pzero.PipelineZeroOptimizer):
+        out = {}
+        for z in opt.zeros:
+            for r in z.held:
+                acc = z.inner_opts[r]._accumulators["moment1"]
+                out[r] = out.get(r, 0) + sum(int(np.prod(t.shape)) for t in acc.values())
+        return out
+    out = {}
+    for p in opt.parameters:                         # the plain pipeline: moments follow the parameters' layout
+        for r, t in (p.locals.items() if is_dist(p) else {0: p}.items()):
+            out[r] = out.get(r, 0) + int(np.prod(t.shape))
+    return out
+
+
+def test_each_data_rank_holds_half_the_optimizer_states():
+    _, _, _, opt, _ = train({"schedule": "1F1B", "dp": 2, "zero": 1})
+    _, _, _, plain, _ = train({"schedule": "1F1B", "dp": 2})
+    sharded, whole = moments(opt), moments(plain)
+    assert sorted(sharded) == sorted(whole) == [0, 1, 2, 3]
+    for r in sharded:
+        assert abs(2 * sharded[r] - whole[r]) <= 64, (r, sharded[r], whole[r])     # ceil chunks of a few params
+        assert sharded[r] < 0.6 * whole[r]
+    assert sharded[0] + sharded[1] >= whole[0]        # the two data ranks of stage 0 hold every element
+
+
+def test_negative_control_chunk_counted_on_one_shard_rank_only(monkeypatch):
+    """Leaving the shard dim out of a chunk's distinct dims counts only shard rank 0's chunks: another norm."""
+    original = pzero._StageZero.norm_terms
+
+    def undercount(self, grads, skip):
+        return [(locs, z, sharded - {self.groups.shard_dim}) for locs, z, sharded in original(self, grads, skip)]
+
+    monkeypatch.setattr(pzero._StageZero, "norm_terms", undercount)
+    losses, _, _, _, bad = train({"schedule": "1F1B", "dp": 2, "zero": 2, "clip": 0.05})
+    assert bad or not np.allclose(losses, ref(0.05)[0], rtol=RTOL, atol=1e-6)
+
+
+def test_parallelize_with_sharding_and_pipeline_equals_one_process():
+    from test_pipeline_sim import every_rank_mismatch
+
+    s = strategy({"schedule": "1F1B", "dp": 2, "zero": 2})
+    with ap.simulate(world_size=4):
+        model = pp_common.build("gpt")
+        opt = paddle.optimizer.AdamW(pp_common.LR, parameters=model.parameters())
+        pipe, opt = ap.parallelize(model, opt, strategy=s)
+        assert isinstance(opt, pzero.PipelineZeroOptimizer)
+        losses = []
+        for x, y in pp_common.batches(STEPS):
+            losses.append(pipe.train_batch(x, y))
+            opt.step()
+            opt.clear_grad()
+        bad = every_rank_mismatch(pipe, ref()[1])
+        with pytest.raises(NotImplementedError, match="checkpoints of a pipelined ZeRO run .sharding stage 2"):
+            ap.training_state(pipe, opt)
+        with pytest.raises(NotImplementedError, match="checkpoints of a pipelined ZeRO run"):
+            opt.state_dict()
+    np.testing.assert_allclose(losses, ref()[0], rtol=RTOL, atol=1e-6)
+    assert bad == []
+
+
+@pytest.mark.parametrize("change,world,error,match", [
+    ({"zero": 3, "dp": 2}, 4, NotImplementedError, r"sharding stage 3 .* stages 1 .*and 2 .* run inside"),
+    ({"zero": 1}, 2, ValueError, r"data_parallel.degree=1 and tensor_parallel.degree=1 leave every stage on one"),
+    ({"zero": 1, "dp": 2, "amp": "bfloat16"}, 4, NotImplementedError, r"together with strategy.amp"),
+])
+def test_refusals(change, world, error, match):
+    job = dict({"schedule": "1F1B"}, **change)
+    with ap.simulate(world_size=world), pytest.raises(error, match=match):
+        apply_pp(pp_common.build("gpt"), strategy(job))
