@@ -1,0 +1,75 @@
+"""Runs on every rank of a 4-rank launch: ZeRO stage 1 / 2 inside the stages of a PP2 x DP2 pipeline.
+
+    pp_zero_worker.py OUT_DIR STEPS
+
+Jobs: ZeRO-1 (1F1B) and ZeRO-2 (VPP v=2) with a binding ClipGradByGlobalNorm(0.05), and the same pipeline
+without ZeRO (the unsharded optimizer-state size). Each rank saves its stages' final parameters (full tensors)
+to OUT_DIR/<name>.rank<r>.npz and reports per job its losses, clip norms, pipeline coordinates, the elements of
+AdamW's moment1 it holds, and whether a checkpoint of the ZeRO run is refused by name.
+"""
+import os
+import sys
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+import pp_common  # noqa: E402
+
+import autoparallel as ap  # noqa: E402
+from autoparallel.dist_tensor import is_dist  # noqa: E402
+from autoparallel.parallel.pipeline.runtime import apply_pp  # noqa: E402
+from autoparallel.testing.launch import run_jobs, write_result  # noqa: E402
+
+CLIP = 0.05
+JOBS = [{"name": "zero1_1f1b", "schedule": "1F1B", "dp": 2, "zero": 1},
+        {"name": "zero2_vpp", "schedule": "VPP", "vpp": 2, "dp": 2, "zero": 2},
+        {"name": "plain_1f1b", "schedule": "1F1B", "dp": 2}]
+
+
+def moment_elements(opt) -> int:
+    if hasattr(opt, "zeros"):
+        return sum(int(np.prod(t.shape)) for z in opt.zeros for r in z.held
+                   for t in z.inner_opts[r]._accumulators["moment1"].values())
+    return sum(int(np.prod(t.shape)) for t in opt._inner._accumulators["moment1"].values())
+
+
+def checkpoint_refusal(pipe, opt) -> str:
+    try:
+        ap.training_state(pipe, opt)
+    except NotImplementedError as e:
+        return str(e)
+    return ""
+
+
+def run_job(job, out_dir, rank, steps):
+    s = pp_common.strategy(job)
+    if job.get("zero"):
+        s.sharding.enable, s.sharding.stage = True, job["zero"]
+    model = pp_common.build("gpt")
+    pipe = apply_pp(model, s)
+    opt = pipe.wrap_optimizer(pp_common.optimizer(model.parameters(), CLIP))
+    losses, norms = [], []
+    for x, y in pp_common.batches(steps):
+        losses.append(pipe.train_batch(x, y))
+        opt.step()
+        norms.append(opt.last_grad_norm)
+        opt.clear_grad()
+    params = {n: (p.full() if is_dist(p) else p).numpy() for n, p in pipe.named_parameters()}
+    np.savez(os.path.join(out_dir, f"{job['name']}.rank{rank}.npz"), **params)
+    return {"losses": losses, "norms": norms, "pp_rank": pipe.pp_rank, "coords": list(pipe.coords),
+            "moments": moment_elements(opt), "kind": type(opt).__name__,
+            "checkpoint": checkpoint_refusal(pipe, opt) if job.get("zero") else ""}
+
+
+def main():
+    out_dir, steps = sys.argv[1], int(sys.argv[2])
+    dist.init_parallel_env()
+    rank = dist.get_rank()
+    write_result({"rank": rank, "jobs": run_jobs(lambda job: run_job(job, out_dir, rank, steps), JOBS,
+                                                 stop_on_error=True)})
+
+
+if __name__ == "__main__":
+    paddle.set_device("cpu")
+    main()

@@ -1,0 +1,54 @@
+"""ZeRO stage 1 / 2 inside pipeline stages on 4 real gloo ranks (PP2 x DP2; one job of the shared 4-rank
+launch): losses and every final parameter equal one process (AdamW with a binding global-norm clip, 4 steps),
+the clip norm of every step equals the unsharded pipeline's, each rank holds half the moments the unsharded
+pipeline's rank holds (negative control), and a checkpoint of the run is refused by name."""
+import os
+
+import numpy as np
+import pytest
+
+import pp_common  # noqa: E402
+
+from dist_scripts import shared_launch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "dist_scripts", "pp_zero_worker.py")
+STEPS, CLIP, RTOL, ATOL = 4, 0.05, 1e-4, 2e-5
+JOB = shared_launch.job(__name__, "pp_zero", WORKER, 4, args=lambda out: [out, str(STEPS)], timeout=300)
+
+
+@pytest.fixture(scope="module")
+def run():
+    out, ranks = shared_launch.results(JOB)
+    for r in ranks:
+        for name, job in r["jobs"].items():
+            assert "error" not in job, f"rank {r['rank']} job {name}:\n{job['error']}"
+    return out, ranks, pp_common.reference("gpt", False, steps=STEPS, clip=CLIP)
+
+
+@pytest.mark.parametrize("name", ["zero1_1f1b", "zero2_vpp", "plain_1f1b"])
+def test_equals_one_process(run, name):
+    out, ranks, (ref_losses, ref_params) = run
+    seen = set()
+    for r in ranks:
+        job = r["jobs"][name]
+        np.testing.assert_allclose(job["losses"], ref_losses, rtol=RTOL, atol=1e-6)
+        params = np.load(os.path.join(out, f"{name}.rank{r['rank']}.npz"))
+        seen |= set(params.files)
+        bad = [n for n in params.files if not np.allclose(params[n], ref_params[n], rtol=RTOL, atol=ATOL)]
+        assert bad == [], (name, r["rank"], bad)
+        assert job["kind"] == ("PipelineOptimizer" if name.startswith("plain") else "PipelineZeroOptimizer")
+    assert seen == set(ref_params)
+
+
+def test_clip_norm_and_half_the_states_per_rank(run):
+    _, ranks, _ = run
+    for r in ranks:
+        plain = r["jobs"]["plain_1f1b"]
+        assert min(plain["norms"]) > CLIP                                    # the clip binds
+        for name in ("zero1_1f1b", "zero2_vpp"):
+            job = r["jobs"][name]
+            np.testing.assert_allclose(job["norms"], plain["norms"], rtol=1e-5)
+            assert abs(2 * job["moments"] - plain["moments"]) <= 64, (name, r["rank"], job["moments"], plain["moments"])
+            assert job["moments"] < 0.6 * plain["moments"]
+            assert "checkpoints of a pipelined ZeRO run" in job["checkpoint"]
