@@ -140,9 +140,33 @@ def test_parallelize_with_sharding_and_pipeline_equals_one_process():
 @pytest.mark.parametrize("change,world,error,match", [
     ({"zero": 3, "dp": 2}, 4, NotImplementedError, r"sharding stage 3 .* stages 1 .*and 2 .* run inside"),
     ({"zero": 1}, 2, ValueError, r"data_parallel.degree=1 and tensor_parallel.degree=1 leave every stage on one"),
-    ({"zero": 1, "dp": 2, "amp": "bfloat16"}, 4, NotImplementedError, r"together with strategy.amp"),
 ])
 def test_refusals(change, world, error, match):
     job = dict({"schedule": "1F1B"}, **change)
     with ap.simulate(world_size=world), pytest.raises(error, match=match):
         apply_pp(pp_common.build("gpt"), strategy(job))
+
+
+@pytest.mark.parametrize("job", [{"schedule": "1F1B", "dp": 2, "zero": 1, "amp": "float16", "clip": 0.05},
+                                 {"schedule": "ZB-H1", "dp": 2, "zero": 2, "amp": "float16", "level": "O2"}],
+                         ids=["fp16-O1-zero1-clip", "fp16-O2-zero2"])
+def test_zero_with_amp_inside_stages_equals_one_process(job):
+    from test_pipeline_compose import amp_reference, amp_strategy, mismatched
+
+    want_losses, want = amp_reference(job["amp"], job.get("level", "O1"), clip=job.get("clip"))
+    with ap.simulate(world_size=4):
+        model = pp_common.build()
+        s = amp_strategy(job)
+        s.sharding.enable, s.sharding.stage = True, job["zero"]
+        pipe = apply_pp(model, s)
+        opt = pipe.wrap_optimizer(pp_common.optimizer(model.parameters(), job.get("clip"), sgd=True))
+        assert isinstance(opt.optimizer, pzero.PipelineZeroOptimizer)
+        losses, ran = [], []
+        for x, y in pp_common.batches(STEPS):
+            losses.append(pipe.train_batch(x, y))
+            ran.append(opt.step())
+            opt.clear_grad()
+        bad = mismatched(pipe, want, ATOL)
+    assert ran == [True] * STEPS
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=1e-6)
+    assert bad == []

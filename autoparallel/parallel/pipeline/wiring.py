@@ -78,9 +78,6 @@ def _check_zero(strategy, degrees) -> None:
                          f"states over the stage's data ranks, but data_parallel.degree=1 and "
                          f"tensor_parallel.degree=1 leave every stage on one rank; set data_parallel.degree >= 2 or "
                          f"turn sharding off")
-    if strategy.amp.enable:
-        raise NotImplementedError(f"sharding (ZeRO stage {stage}) together with strategy.amp {_NOT_COMPOSED}; "
-                                  f"ZeRO runs inside pipeline stages without AMP, AMP without ZeRO")
 
 
 def zero_config(strategy):
@@ -216,9 +213,11 @@ def bind_optimizer(optimizer, pipe):
     if getattr(pipe, "zero", None) is not None:                      # strategy.sharding (zero.py)
         from .zero import PipelineZeroOptimizer
 
-        return PipelineZeroOptimizer(inner, pipe, *pipe.zero)
+        opt = PipelineZeroOptimizer(inner, pipe, *pipe.zero)
+    else:
+        opt = PipelineOptimizer(inner, pipe)
     if getattr(pipe, "loss_scaler", None) is not None:              # strategy.amp (amp.py)
         from .amp import PipelineAmpOptimizer
 
-        return PipelineAmpOptimizer(PipelineOptimizer(inner, pipe), pipe)
-    return PipelineOptimizer(inner, pipe)
+        return PipelineAmpOptimizer(opt, pipe)
+    return opt
