@@ -170,3 +170,25 @@ def test_zero_with_amp_inside_stages_equals_one_process(job):
     assert ran == [True] * STEPS
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=1e-6)
     assert bad == []
+
+
+def test_zero_with_a_grad_scaler_passed_to_train_batch_equals_one_process():
+    """The article's loop: ``train_batch(x, y, scaler=...)`` under ``auto_cast``, ``scaler.step(opt)``."""
+    from autoparallel.testing.gpu_scaler import gpu_grad_scaler
+    from test_pipeline_compose import SCALE, _fp32_scaled_reference, mismatched
+
+    want_losses, want = _fp32_scaled_reference()
+    with ap.simulate(world_size=4):
+        model = pp_common.build()
+        pipe = apply_pp(model, strategy({"schedule": "1F1B", "dp": 2, "zero": 2}))
+        opt = pipe.wrap_optimizer(pp_common.optimizer(model.parameters(), None, sgd=True))
+        scaler, losses = gpu_grad_scaler(init_loss_scaling=SCALE), []
+        for x, y in pp_common.batches(STEPS):
+            with paddle.amp.auto_cast():
+                losses.append(pipe.train_batch(x, y, scaler=scaler))
+            scaler.step(opt)
+            scaler.update()
+            opt.clear_grad()
+        bad = mismatched(pipe, want, ATOL)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=1e-6)
+    assert bad == []
