@@ -2,8 +2,8 @@
 
     pp_zero_worker.py OUT_DIR STEPS
 
-Jobs: ZeRO-1 (1F1B) and ZeRO-2 (VPP v=2) with a binding ClipGradByGlobalNorm(0.05), and the same pipeline
-without ZeRO (the unsharded optimizer-state size). Each rank saves its stages' final parameters (full tensors)
+Jobs, all with a binding ClipGradByGlobalNorm(0.05): ZeRO-1 (1F1B), ZeRO-2 (VPP v=2, a tied embedding / LM head
+on the first and last stage) and the 1F1B pipeline without ZeRO (the unsharded optimizer-state size). Each rank saves its stages' final parameters (full tensors)
 to OUT_DIR/<name>.rank<r>.npz and reports per job its losses, clip norms, pipeline coordinates, the elements of
 AdamW's moment1 it holds, and whether a checkpoint of the ZeRO run is refused by name.
 """
@@ -23,7 +23,7 @@ from autoparallel.testing.launch import run_jobs, write_result  # noqa: E402
 
 CLIP = 0.05
 JOBS = [{"name": "zero1_1f1b", "schedule": "1F1B", "dp": 2, "zero": 1},
-        {"name": "zero2_vpp", "schedule": "VPP", "vpp": 2, "dp": 2, "zero": 2},
+        {"name": "zero2_vpp_tied", "schedule": "VPP", "vpp": 2, "dp": 2, "zero": 2, "tie": True},
         {"name": "plain_1f1b", "schedule": "1F1B", "dp": 2}]
 
 
@@ -46,7 +46,7 @@ def run_job(job, out_dir, rank, steps):
     s = pp_common.strategy(job)
     if job.get("zero"):
         s.sharding.enable, s.sharding.stage = True, job["zero"]
-    model = pp_common.build("gpt")
+    model = pp_common.build("gpt", job.get("tie", False))
     pipe = apply_pp(model, s)
     opt = pipe.wrap_optimizer(pp_common.optimizer(model.parameters(), CLIP))
     losses, norms = [], []

@@ -213,7 +213,8 @@ def bind_optimizer(optimizer, pipe):
     if getattr(pipe, "zero", None) is not None:                      # strategy.sharding (zero.py)
         from .zero import PipelineZeroOptimizer
 
-        opt = PipelineZeroOptimizer(inner, pipe, *pipe.zero)
+        every = _stage_meshes(pipe.ranks) if pipe.ranks is not None else ()
+        opt = PipelineZeroOptimizer(inner, pipe, *pipe.zero, dim=DATA, all_meshes=every)
     else:
         opt = PipelineOptimizer(inner, pipe)
     if getattr(pipe, "loss_scaler", None) is not None:              # strategy.amp (amp.py)

@@ -26,8 +26,6 @@ from autoparallel.parallel.param_list import flat_params
 from autoparallel.parallel.sharding import ZeroOptimizer
 from autoparallel.parallel.step_hooks import StepHooks
 
-from .wiring import DATA
-
 _NO_CHECKPOINT = ("checkpoints of a pipelined ZeRO run (sharding stage {stage} with pipeline parallelism) are not "
                   "written: the optimizer states live as flat chunks of each stage's data ranks, which the pipeline "
                   "checkpoint (checkpoint/pipeline_state.py) does not lay out yet; checkpoint a pipeline run without "
@@ -38,8 +36,8 @@ class _StageZero(ZeroOptimizer):
     """The ZeRO optimizer of one stage sub-mesh; its ``step`` takes the chunks the pipeline reduced and the
     pipeline's clip factor (``ready``) instead of reducing and clipping by itself."""
 
-    def __init__(self, sub, user, mesh, stage: int, degree, offload: bool):
-        super().__init__(None, sub, mesh, stage, DATA, degree, offload, 1, 25 * 2**20, overlap=False)
+    def __init__(self, sub, user, mesh, stage: int, dim: str, degree, offload: bool):
+        super().__init__(None, sub, mesh, stage, dim, degree, offload, 1, 25 * 2**20, overlap=False)
         self._inner = user                    # hyperparameters and learning rate: the user's optimizer
         self.ready = None                     # (chunks {rank: {id(param): chunk}}, clip factor)
 
@@ -71,16 +69,19 @@ class _StageZero(ZeroOptimizer):
 
 
 class PipelineZeroOptimizer(StepHooks):
-    """ZeRO stage 1 / 2 over each held stage sub-mesh's data ranks, clipped by the norm over every stage."""
+    """ZeRO stage 1 / 2 over each held stage sub-mesh's data ranks (mesh dim ``dim``), clipped by the norm over
+    every stage. ``all_meshes``: on real ranks, every stage's sub-mesh (their ZeRO groups are created on every
+    rank in one order)."""
 
-    def __init__(self, optimizer, pipe, stage: int, degree=None, offload: bool = False):
+    def __init__(self, optimizer, pipe, stage: int, degree=None, offload: bool = False, *, dim: str = "data",
+                 all_meshes=()):
         from .grad_clip import check_clip
 
         self._inner, self._pipe, self.stage = optimizer, pipe, stage
         self.last_grad_norm = None
         if getattr(optimizer, "_grad_clip", None) is not None:
             check_clip(optimizer._grad_clip)
-        _create_groups(pipe, degree)
+        _create_groups(all_meshes, dim, degree)
         by_mesh: dict = {}
         for p in flat_params(optimizer):
             if p.stop_gradient:
@@ -95,7 +96,7 @@ class PipelineZeroOptimizer(StepHooks):
         for mesh in sorted(by_mesh, key=lambda m: min(m.process_ids)):
             ps = by_mesh[mesh]
             sub = clone_optimizer(optimizer, ps, {p.name: p.name for p in ps})
-            self.zeros.append(_StageZero(sub, optimizer, mesh, stage, degree, offload))
+            self.zeros.append(_StageZero(sub, optimizer, mesh, stage, dim, degree, offload))
 
     @property
     def parameters(self) -> list:
@@ -163,14 +164,10 @@ class PipelineZeroOptimizer(StepHooks):
         return getattr(self._inner, name)
 
 
-def _create_groups(pipe, degree) -> None:
+def _create_groups(meshes, dim: str, degree) -> None:
     """Real ranks: the ZeRO groups of every stage sub-mesh, created on every rank in one order (process
     groups are created with their mesh by every rank of the job, comm/groups.py)."""
-    if pipe.ranks is None:
-        return
     from autoparallel.parallel.zero_groups import ZeroGroups
 
-    from .wiring import _stage_meshes
-
-    for mesh in _stage_meshes(pipe.ranks):
-        ZeroGroups(mesh, DATA, degree)
+    for mesh in meshes:
+        ZeroGroups(mesh, dim, degree)
