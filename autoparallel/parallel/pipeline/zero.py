@@ -16,7 +16,8 @@ one process (the simulated world) every stage's sub-mesh is held, so there is on
    ``clip_norm / max(norm, clip_norm)``, steps its chunks and all-gathers them into the parameters.
 
 The ZeRO optimizers read the learning rate (``set_lr``, a scheduler) from the user's optimizer at each step.
-Stage 3 is refused by ``wiring._check_composable``; checkpoints of such a run are refused by name here.
+Stage 3 is refused by ``wiring._check_composable``. Checkpoints: ``ap.training_state(pipe, opt)`` (zero_state.py);
+paddle's ``opt.state_dict()`` is refused by name.
 """
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ from autoparallel.parallel.param_list import flat_params
 from autoparallel.parallel.sharding import ZeroOptimizer
 from autoparallel.parallel.step_hooks import StepHooks
 
-_NO_CHECKPOINT = ("checkpoints of a pipelined ZeRO run (sharding stage {stage} with pipeline parallelism) are not "
-                  "written: the optimizer states live as flat chunks of each stage's data ranks, which the pipeline "
-                  "checkpoint (checkpoint/pipeline_state.py) does not lay out yet; checkpoint a pipeline run without "
-                  "strategy.sharding, or a ZeRO run without pipeline parallelism")
+_NO_STATE_DICT = ("optimizer.{what}() of a pipelined ZeRO run (sharding stage {stage}): the optimizer states live as "
+                  "flat chunks of each stage's data ranks, which paddle's per-parameter state dict does not describe; "
+                  "save and load with ap.save_state_dict(ap.training_state(pipe, optimizer), path) / "
+                  "ap.load_state_dict(...)")
 
 
 class _StageZero(ZeroOptimizer):
@@ -151,14 +152,21 @@ class PipelineZeroOptimizer(StepHooks):
                     out[k] += v
         return out
 
-    def checkpoint_state(self, model=None):
-        raise NotImplementedError(_NO_CHECKPOINT.format(stage=self.stage))
+    def checkpoint_state(self, model=None) -> dict:
+        """``ap.training_state(pipe, opt)``: parameters and chunked optimizer states under the model's names
+        (zero_state.py)."""
+        from .zero_state import pipeline_zero_state
+
+        if model is not None and model is not self._pipe:
+            raise ValueError(f"this optimizer steps the stages of its pipeline; pass that PipelineModule to "
+                             f"ap.training_state, got {type(model).__name__}")
+        return pipeline_zero_state(self, self._pipe)
 
     def state_dict(self):
-        raise NotImplementedError(_NO_CHECKPOINT.format(stage=self.stage))
+        raise NotImplementedError(_NO_STATE_DICT.format(what="state_dict", stage=self.stage))
 
     def set_state_dict(self, state_dict):
-        raise NotImplementedError(_NO_CHECKPOINT.format(stage=self.stage))
+        raise NotImplementedError(_NO_STATE_DICT.format(what="set_state_dict", stage=self.stage))
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
