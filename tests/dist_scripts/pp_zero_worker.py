@@ -25,7 +25,8 @@ from autoparallel.testing.launch import run_jobs, write_result  # noqa: E402
 CLIP = 0.05
 JOBS = [{"name": "zero1_1f1b", "schedule": "1F1B", "dp": 2, "zero": 1, "save_after": 2},
         {"name": "zero2_resume", "schedule": "VPP", "vpp": 2, "dp": 2, "zero": 2, "resume": True},
-        {"name": "zero2_vpp_tied", "schedule": "VPP", "vpp": 2, "dp": 2, "zero": 2, "tie": True},
+        {"name": "zero2_vpp_tied", "schedule": "VPP", "vpp": 2, "dp": 2, "zero": 2, "tie": True,
+         "save_final": True},
         {"name": "plain_1f1b", "schedule": "1F1B", "dp": 2}]
 
 
@@ -64,6 +65,8 @@ def run_job(job, out_dir, rank, steps):
         opt.clear_grad()
         if k + 1 == job.get("save_after"):
             ap.save_state_dict(ap.training_state(pipe, opt), ck)
+    if job.get("save_final"):
+        ap.save_state_dict(ap.training_state(pipe, opt), os.path.join(out_dir, f"{job['name']}_ck"))
     params = {n: (p.full() if is_dist(p) else p).numpy() for n, p in pipe.named_parameters()}
     np.savez(os.path.join(out_dir, f"{job['name']}.rank{rank}.npz"), **params)
     return {"losses": losses, "norms": norms, "pp_rank": pipe.pp_rank, "coords": list(pipe.coords),
