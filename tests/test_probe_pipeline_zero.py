@@ -1,7 +1,7 @@
 """ZeRO stage 1 / 2 inside pipeline stages in the simulated world (parallel/pipeline/zero.py): each stage's
 optimizer states (stage 2: also gradients) sharded over the stage's data ranks, against one process on one big
 batch (AdamW, 3 steps: every loss, every rank's shard of every parameter); global-norm clipping over every stage
-(the norm of each step equals the unsharded pipeline's; negative control: a chunk counted on one shard rank only
+(the norm of each step equals the unsharded pipeline's, HSDP and offload included; negative control: a chunk counted on one shard rank only
 moves the parameters away); each rank holds half the moments (negative control: the unsharded pipeline's are
 whole); the refusals (stage 3, stages on one rank, AMP, checkpoints)."""
 
@@ -29,6 +29,7 @@ def strategy(job):
     s = pp_common.strategy(job)
     if job.get("zero"):
         s.sharding.enable, s.sharding.stage = True, job["zero"]
+        s.sharding.degree, s.sharding.offload = job.get("degree"), job.get("offload", False)
     return s
 
 
@@ -67,14 +68,17 @@ def _train(job):
 JOBS = [{"schedule": "1F1B", "dp": 2, "zero": 1},
         {"schedule": "1F1B", "dp": 2, "zero": 2, "clip": 0.05},
         {"schedule": "VPP", "vpp": 2, "dp": 2, "zero": 1, "clip": 0.05},
-        {"schedule": "ZB-H1", "dp": 2, "tp": 2, "zero": 2, "clip": 0.05}]
+        {"schedule": "ZB-H1", "dp": 2, "tp": 2, "zero": 2, "clip": 0.05},
+        {"schedule": "1F1B", "dp": 4, "mb": 2, "zero": 2, "degree": 2, "clip": 0.05},     # HSDP inside the stages
+        {"schedule": "FThenB", "dp": 2, "zero": 1, "offload": True}]
 
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda j: "-".join(f"{k}{v}" for k, v in j.items()))
 def test_zero_inside_stages_equals_one_process(job):
     losses, norms, pipe, opt, bad = train(job)
     assert isinstance(opt, pzero.PipelineZeroOptimizer) and len(opt.zeros) == 2      # one per stage sub-mesh
-    assert [z.stage for z in opt.zeros] == [job["zero"]] * 2
+    assert [(z.stage, z.groups.degree, z.offload) for z in opt.zeros] == \
+        [(job["zero"], job.get("degree", job["dp"]), job.get("offload", False))] * 2
     np.testing.assert_allclose(losses, ref(job.get("clip"))[0], rtol=RTOL, atol=1e-6)
     assert bad == []
     if job.get("clip") and job["schedule"] == "1F1B":      # the norm of each step: the unsharded pipeline's
