@@ -8,8 +8,6 @@ import paddle
 from .shared_params import shared_parameters as _shared_parameters
 
 PIPE, DATA, MODEL = "pipe", "data", "model"
-_NOT_COMPOSED = "is not composed with pipeline parallelism yet (the pipeline runtime runs data, tensor and " \
-                "sequence parallelism, recompute, AMP and global-norm clipping inside stages)"
 
 
 def _simulated_stage_meshes(stages, ranks: np.ndarray, tp_plan) -> dict:
