@@ -245,3 +245,42 @@ def test_checkpoint_of_a_pipelined_zero_run_resumes_under_another_stage(tmp_path
     assert abs(float(loss) - ref()[0][2]) < 1e-5
     bad = [n for n, p in model.named_parameters() if not np.allclose(p.numpy(), ref()[1][n], rtol=RTOL, atol=ATOL)]
     assert bad == []
+
+
+def _grouped_adamw(model):
+    """Two parameter groups (a learning-rate factor, a weight decay) over a StepDecay schedule."""
+    ps = list(model.parameters())
+    sched = paddle.optimizer.lr.StepDecay(3e-3, step_size=1, gamma=0.5)
+    groups = [{"params": ps[:5], "learning_rate": 2.0}, {"params": ps[5:], "weight_decay": 0.1}]
+    return paddle.optimizer.AdamW(sched, parameters=groups), sched
+
+
+def test_parameter_groups_and_a_scheduler_equal_one_process():
+    from autoparallel.testing.models import parameters_np
+    from test_pipeline_sim import every_rank_mismatch
+
+    model = pp_common.build("gpt")
+    opt, sched = _grouped_adamw(model)
+    want_losses = []
+    for x, y in pp_common.batches(STEPS):
+        loss = paddle.nn.functional.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        sched.step()
+        want_losses.append(float(loss))
+    want = parameters_np(model)
+    with ap.simulate(world_size=4):
+        model = pp_common.build("gpt")
+        opt, sched = _grouped_adamw(model)
+        pipe = apply_pp(model, strategy({"schedule": "1F1B", "dp": 2, "zero": 1}))
+        opt = pipe.wrap_optimizer(opt)
+        losses = []
+        for x, y in pp_common.batches(STEPS):
+            losses.append(pipe.train_batch(x, y))
+            opt.step()
+            opt.clear_grad()
+            sched.step()
+        bad = every_rank_mismatch(pipe, want)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=1e-6)
+    assert bad == []
