@@ -1,9 +1,10 @@
 """ZeRO stage 1 / 2 inside pipeline stages in the simulated world (parallel/pipeline/zero.py): each stage's
 optimizer states (stage 2: also gradients) sharded over the stage's data ranks, against one process on one big
-batch (AdamW, 3 steps: every loss, every rank's shard of every parameter); global-norm clipping over every stage
-(the norm of each step equals the unsharded pipeline's, HSDP and offload included; negative control: a chunk counted on one shard rank only
-moves the parameters away); each rank holds half the moments (negative control: the unsharded pipeline's are
-whole); the refusals (stage 3, stages on one rank, AMP, checkpoints)."""
+batch (AdamW, 3 steps: every loss, every rank's shard of every parameter), HSDP and offload included; global-norm
+clipping over every stage (the norm of each step equals the unsharded pipeline's; negative control: a chunk
+counted on one shard rank only moves the parameters away); each rank holds half the moments (negative control:
+the unsharded pipeline's are whole); AMP and a GradScaler; a checkpoint resumed under another stage and in one
+process; parameter groups with a schedule; the refusals (stage 3, stages on one rank, paddle's state_dict)."""
 
 import numpy as np
 import paddle

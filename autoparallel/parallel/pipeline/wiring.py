@@ -168,8 +168,9 @@ def bind_optimizer(optimizer, pipe):
     """Restrict a paddle optimizer to the parameters of ``pipe``, a PipelineModule (the distributed
     replacements of the ones it was built over, matched by model name; other stages' parameters dropped) and
     wrap it with ``shard_optimizer``, whose ``step`` reduces data-parallel partial gradients first and clips
-    by the global norm over every stage (grad_clip.py); under ``strategy.amp`` wrapped again to unscale and
-    skip overflowing steps on every stage at once (amp.py)."""
+    by the global norm over every stage (grad_clip.py); under ``strategy.sharding`` (stage 1 / 2) a ZeRO optimizer
+    per stage sub-mesh instead (zero.py); under ``strategy.amp`` wrapped again to unscale and skip overflowing
+    steps on every stage at once (amp.py)."""
     from autoparallel.parallel.optimizer import ShardedOptimizer
 
     from .grad_clip import PipelineOptimizer, check_clip
