@@ -82,7 +82,7 @@ def test_zero_inside_stages_equals_one_process(job):
         [(job["zero"], job.get("degree", job["dp"]), job.get("offload", False))] * 2
     np.testing.assert_allclose(losses, ref(job.get("clip"))[0], rtol=RTOL, atol=1e-6)
     assert bad == []
-    if job.get("clip") and job["schedule"] == "1F1B":      # the norm of each step: the unsharded pipeline's
+    if job.get("clip") and job["schedule"] == "1F1B" and job["dp"] == 2:   # each step's norm: the unsharded one's
         _, plain_norms, _, _, _ = train({k: v for k, v in job.items() if k != "zero"})
         np.testing.assert_allclose(norms, plain_norms, rtol=1e-5)
         assert min(norms) > job["clip"]                   # the clip binds on every step
@@ -109,8 +109,8 @@ def moments(opt):
 
 
 def test_each_data_rank_holds_half_the_optimizer_states():
-    _, _, _, opt, _ = train({"schedule": "1F1B", "dp": 2, "zero": 1})
-    _, _, _, plain, _ = train({"schedule": "1F1B", "dp": 2})
+    _, _, _, opt, _ = train({"schedule": "1F1B", "dp": 2, "zero": 2, "clip": 0.05})     # runs cached above
+    _, _, _, plain, _ = train({"schedule": "1F1B", "dp": 2, "clip": 0.05})
     sharded, whole = moments(opt), moments(plain)
     assert sorted(sharded) == sorted(whole) == [0, 1, 2, 3]
     for r in sharded:
