@@ -230,14 +230,15 @@ def test_zero_recompute_and_amp_compose_in_parallelize(knob):
         assert hasattr(opt, "scale")
 
 
-@pytest.mark.parametrize("knob", ["sharding"])          # recompute and amp compose: test_pipeline_compose.py
-def test_pipeline_with_zero_is_refused_before_any_work(knob):
+def test_pipeline_with_zero_stage3_is_refused_before_any_work():   # stages 1-2: test_probe_pipeline_zero.py
     s = strategy()
     s.pipeline_parallel.degree = 2
     s.gradient_accumulation_steps = 2
-    getattr(s, knob).enable = True
-    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match="together with pipeline"):
-        parallelize(tiny(), strategy=s)
+    s.sharding.enable, s.sharding.stage = True, 3
+    model = tiny()
+    opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
+    with ap.simulate(world_size=2), pytest.raises(NotImplementedError, match="sharding stage 3 .* not composed"):
+        parallelize(model, opt, strategy=s)
 
 
 def test_bad_argument_types():

@@ -43,7 +43,7 @@ from .shards import _Shards, _backprop, _input_grad, _local  # noqa: F401
 from .simulate import PipelineDeadlock, Record
 from .wiring import (DATA, MODEL, PIPE, _check_composable, _model_info, _p2p_pairs, _shard_stage,  # noqa: F401
                      _shared_parameters, _simulated, _simulated_stage_meshes, _stage_meshes, _world, _world_loss,
-                     bind_optimizer, pipeline_ranks)
+                     bind_optimizer, pipeline_ranks, zero_config)
 from .zero_bubble import WeightGradStore
 
 
@@ -88,6 +88,7 @@ class PipelineModule:
         self.pp_rank = self.held[0] if len(self.held) == 1 else None    # set by apply_pp on real ranks
         self.rank, self.coords, self.ranks = 0, (0, 0), None
         self.loss_scaler = None              # strategy.amp: the last stage's backward runs on the scaled loss
+        self.zero = None                     # strategy.sharding: (stage, degree, offload) for wrap_optimizer (zero.py)
         self.failed = None                   # real ranks: what made a step fail (no further step runs)
 
     # ---- what this process holds --------------------------------------------------------------------------
@@ -437,7 +438,7 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
                 zero_bubble.install(st)
         pipe = PipelineModule(plan, stages, range(pp), LocalTransport(), meshes=meshes, loss_fn=loss_fn,
                               zero_bubble=zb)
-        pipe.original_names = names
+        pipe.original_names, pipe.zero = names, zero_config(strategy)
         if strategy.amp.enable:
             amp.install(pipe, model, strategy.amp)
         return pipe
@@ -469,7 +470,7 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     reporter = pp_rank == (plan.num_stages - 1) % pp and d == 0 and t == 0
     pipe = PipelineModule(plan, stages, [pp_rank], transport, meshes=meshes, loss_fn=loss_fn, tied=tied,
                           sync_loss=_world_loss(reporter) if sync_loss else None, zero_bubble=zb)
-    pipe.original_names = names
+    pipe.original_names, pipe.zero = names, zero_config(strategy)
     pipe.ranks, pipe.rank, pipe.pp_rank, pipe.coords = ranks, rank, pp_rank, (d, t)
     if strategy.amp.enable:
         amp.install(pipe, model, strategy.amp)

@@ -8,8 +8,6 @@ import paddle
 from .shared_params import shared_parameters as _shared_parameters
 
 PIPE, DATA, MODEL = "pipe", "data", "model"
-_NOT_COMPOSED = "is not composed with pipeline parallelism yet (the pipeline runtime runs data, tensor and " \
-                "sequence parallelism, recompute, AMP and global-norm clipping inside stages)"
 
 
 def _simulated_stage_meshes(stages, ranks: np.ndarray, tp_plan) -> dict:
@@ -62,7 +60,28 @@ def _check_composable(strategy, degrees) -> None:
     if degrees.pp < 2:
         raise ValueError(f"apply_pp needs pipeline_parallel.degree >= 2, got {degrees.pp}")
     if strategy.sharding.enable:
-        raise NotImplementedError(f"sharding (ZeRO stage {strategy.sharding.stage}) {_NOT_COMPOSED}")
+        _check_zero(strategy, degrees)
+
+
+def _check_zero(strategy, degrees) -> None:
+    """ZeRO stage 1 / 2 runs inside the stages (zero.py); stage 3 and ZeRO on plain stages are refused."""
+    stage = strategy.sharding.stage
+    if stage == 3:
+        raise NotImplementedError("sharding stage 3 (parameters sharded over the data ranks and gathered around "
+                                  "each layer's use) is not composed with pipeline parallelism; stages 1 "
+                                  "(optimizer states) and 2 (also gradients) run inside the pipeline stages: set "
+                                  "strategy.sharding.stage = 1 or 2")
+    if degrees.dp * degrees.tp == 1:
+        raise ValueError(f"sharding (ZeRO stage {stage}) with pipeline parallelism shards each stage's optimizer "
+                         f"states over the stage's data ranks, but data_parallel.degree=1 and "
+                         f"tensor_parallel.degree=1 leave every stage on one rank; set data_parallel.degree >= 2 or "
+                         f"turn sharding off")
+
+
+def zero_config(strategy):
+    """(stage, degree, offload) of ``strategy.sharding`` for ``bind_optimizer``; None when off."""
+    sh = strategy.sharding
+    return (sh.stage, sh.degree or None, bool(sh.offload)) if sh.enable else None
 
 
 def pipeline_ranks(pp: int, dp: int = 1, tp: int = 1, mesh=None) -> np.ndarray:
@@ -149,8 +168,9 @@ def bind_optimizer(optimizer, pipe):
     """Restrict a paddle optimizer to the parameters of ``pipe``, a PipelineModule (the distributed
     replacements of the ones it was built over, matched by model name; other stages' parameters dropped) and
     wrap it with ``shard_optimizer``, whose ``step`` reduces data-parallel partial gradients first and clips
-    by the global norm over every stage (grad_clip.py); under ``strategy.amp`` wrapped again to unscale and
-    skip overflowing steps on every stage at once (amp.py)."""
+    by the global norm over every stage (grad_clip.py); under ``strategy.sharding`` (stage 1 / 2) a ZeRO optimizer
+    per stage sub-mesh instead (zero.py); under ``strategy.amp`` wrapped again to unscale and skip overflowing
+    steps on every stage at once (amp.py)."""
     from autoparallel.parallel.optimizer import ShardedOptimizer
 
     from .grad_clip import PipelineOptimizer, check_clip
@@ -189,8 +209,15 @@ def bind_optimizer(optimizer, pipe):
     if found == 0 and kept:
         raise ValueError(f"the optimizer holds none of this rank's {kept} stage parameters; build it over "
                          f"model.parameters() or pipe.parameters()")
+    if getattr(pipe, "zero", None) is not None:                      # strategy.sharding (zero.py)
+        from .zero import PipelineZeroOptimizer
+
+        every = _stage_meshes(pipe.ranks) if pipe.ranks is not None else ()
+        opt = PipelineZeroOptimizer(inner, pipe, *pipe.zero, dim=DATA, all_meshes=every)
+    else:
+        opt = PipelineOptimizer(inner, pipe)
     if getattr(pipe, "loss_scaler", None) is not None:              # strategy.amp (amp.py)
         from .amp import PipelineAmpOptimizer
 
-        return PipelineAmpOptimizer(PipelineOptimizer(inner, pipe), pipe)
-    return PipelineOptimizer(inner, pipe)
+        return PipelineAmpOptimizer(opt, pipe)
+    return opt

@@ -1,0 +1,87 @@
+"""Runs on every rank of a 4-rank launch: ZeRO stage 1 / 2 inside the stages of a PP2 x DP2 pipeline.
+
+    pp_zero_worker.py OUT_DIR STEPS
+
+Jobs, all with a binding ClipGradByGlobalNorm(0.05): ZeRO-1 (1F1B), ZeRO-2 (VPP v=2, a tied embedding / LM head
+on the first and last stage), the 1F1B pipeline without ZeRO (the unsharded optimizer-state size), and ZeRO-2
+under VPP resumed from the checkpoint ZeRO-1 saved after its second step (steps 3-4). Each rank saves its stages' final parameters (full tensors)
+to OUT_DIR/<name>.rank<r>.npz and reports per job its losses, clip norms, pipeline coordinates, the elements of
+AdamW's moment1 it holds, and whether paddle's ``opt.state_dict()`` is refused by name.
+"""
+import os
+import sys
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+import pp_common  # noqa: E402
+
+import autoparallel as ap  # noqa: E402
+from autoparallel.dist_tensor import is_dist  # noqa: E402
+from autoparallel.parallel.pipeline.runtime import apply_pp  # noqa: E402
+from autoparallel.testing.launch import run_jobs, write_result  # noqa: E402
+
+CLIP = 0.05
+JOBS = [{"name": "zero1_1f1b", "schedule": "1F1B", "dp": 2, "zero": 1, "save_after": 2},
+        {"name": "zero2_resume", "schedule": "VPP", "vpp": 2, "dp": 2, "zero": 2, "resume": True},
+        {"name": "zero2_vpp_tied", "schedule": "VPP", "vpp": 2, "dp": 2, "zero": 2, "tie": True,
+         "save_final": True},
+        {"name": "plain_1f1b", "schedule": "1F1B", "dp": 2}]
+
+
+def moment_elements(opt) -> int:
+    if hasattr(opt, "zeros"):
+        return sum(int(np.prod(t.shape)) for z in opt.zeros for r in z.held
+                   for t in z.inner_opts[r]._accumulators["moment1"].values())
+    return sum(int(np.prod(t.shape)) for t in opt._inner._accumulators["moment1"].values())
+
+
+def state_dict_refusal(opt) -> str:
+    try:
+        opt.state_dict()
+    except NotImplementedError as e:
+        return str(e)
+    return ""
+
+
+def run_job(job, out_dir, rank, steps):
+    s = pp_common.strategy(job)
+    if job.get("zero"):
+        s.sharding.enable, s.sharding.stage = True, job["zero"]
+    model = pp_common.build("gpt", job.get("tie", False))
+    pipe = apply_pp(model, s)
+    opt = pipe.wrap_optimizer(pp_common.optimizer(model.parameters(), CLIP))
+    ck = os.path.join(out_dir, "zero1_ck")
+    data = pp_common.batches(steps)
+    if job.get("resume"):                         # the checkpoint zero1_1f1b saved after its second step
+        ap.load_state_dict(ap.training_state(pipe, opt), ck)
+        data = data[2:]
+    losses, norms = [], []
+    for k, (x, y) in enumerate(data):
+        losses.append(pipe.train_batch(x, y))
+        opt.step()
+        norms.append(opt.last_grad_norm)
+        opt.clear_grad()
+        if k + 1 == job.get("save_after"):
+            ap.save_state_dict(ap.training_state(pipe, opt), ck)
+    if job.get("save_final"):
+        ap.save_state_dict(ap.training_state(pipe, opt), os.path.join(out_dir, f"{job['name']}_ck"))
+    params = {n: (p.full() if is_dist(p) else p).numpy() for n, p in pipe.named_parameters()}
+    np.savez(os.path.join(out_dir, f"{job['name']}.rank{rank}.npz"), **params)
+    return {"losses": losses, "norms": norms, "pp_rank": pipe.pp_rank, "coords": list(pipe.coords),
+            "moments": moment_elements(opt), "kind": type(opt).__name__,
+            "state_dict": state_dict_refusal(opt) if job.get("zero") else ""}
+
+
+def main():
+    out_dir, steps = sys.argv[1], int(sys.argv[2])
+    dist.init_parallel_env()
+    rank = dist.get_rank()
+    write_result({"rank": rank, "jobs": run_jobs(lambda job: run_job(job, out_dir, rank, steps), JOBS,
+                                                 stop_on_error=True)})
+
+
+if __name__ == "__main__":
+    paddle.set_device("cpu")
+    main()
