@@ -134,7 +134,7 @@ class ZeroOptimizer(StepHooks):
 
     def _initial_chunk(self, p, r):
         """Rank r's fp32 chunk of ``p``'s local shard: the master weight's first value."""
-        flat = p.locals[r].reshape([-1]).astype("float32")
+        flat = p.locals[r].reshape([-1]).astype(_master_dtype(p.locals[r]))
         return self._layout([p], r).chunk(flat, 0, self.groups.index(r)).clone()
 
     # ---- parameters -------------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ class ZeroOptimizer(StepHooks):
         gs = {r: p.locals[r].grad for r in self.held}
         if any(g is None for g in gs.values()):
             return {r: None for r in self.held}
-        gs = {r: g.reshape([-1]).astype("float32") for r, g in gs.items()}
+        gs = {r: g.reshape([-1]).astype(_master_dtype(g)) for r, g in gs.items()}
         dims = set(getattr(p, "_ap_partial_dims", ()) or ())
         for d in sorted(dims - {self.groups.dp_index}):            # e.g. sequence-parallel norms
             gs = C.mesh_groups_apply(gs, p.mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
@@ -324,7 +324,7 @@ class ZeroOptimizer(StepHooks):
                     self._had_grad.add(id(p))
                 elif id(p) in self._had_grad and not p.stop_gradient:
                     m = self.master[r][id(p)]
-                    grads[r][id(p)] = paddle.zeros(m.shape, dtype="float32")
+                    grads[r][id(p)] = paddle.zeros(m.shape, dtype=m.dtype)
 
     def _clip(self, grads) -> None:
         """paddle's clips on the reduced gradient chunks: norms over whole gradients (each chunk and tensor-
@@ -414,6 +414,11 @@ def _gather(v, ranks, layout) -> dict:
     if len(ranks) == 1:
         return dict(v)
     return C._gather_raw(v, ranks, 0, [_width(layout, v)] * len(ranks))
+
+
+def _master_dtype(t) -> str:
+    """float32 master weights and gradient chunks, float64 for a float64 parameter (no precision lost)."""
+    return "float64" if t.dtype == paddle.float64 else "float32"
 
 
 def _width(layout, v) -> int:
