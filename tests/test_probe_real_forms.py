@@ -1,7 +1,7 @@
 """The user forms of this round's simulated probes on 4 real gloo ranks (one job of the shared 4-rank launch,
 tests/dist_scripts/probe_real_worker.py): training-loop forms (ParamAttr regularizer, parameter groups, frozen
 parameters before / after wrapping / mid-run, clear_grad and model.clear_gradients, two forwards, ReduceOnPlateau
-on the distributed loss, p.grad before the first step, clips by hand and the optimizer's ClipGradByNorm under
+on the distributed loss, p.grad before the first step, clips by hand (after GradScaler.unscale_ too) and the optimizer's ClipGradByNorm under
 ZeRO-3, values written into ZeRO parameters), cross entropy with ignored labels / class weights / soft labels /
 smoothing on vocab-split logits, BatchNorm running statistics under a channel split, and float64 under ZeRO-2/3.
 Each against the one-process run on the same rank: every value and parameter within tolerance on every rank
@@ -14,7 +14,7 @@ from dist_scripts import shared_launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts", "probe_real_worker.py")
 JOB = shared_launch.job(__name__, "probe_real", WORKER, 4, timeout=240)
-FORMS = 24
+FORMS = 26
 
 
 @pytest.fixture(scope="module")

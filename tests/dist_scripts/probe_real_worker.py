@@ -16,28 +16,10 @@ import test_probe_layers_ops as LO
 import test_probe_loop_forms as L
 import test_zero_float64 as F64
 from autoparallel.parallel import grads, sharding
+from autoparallel.testing.gpu_scaler import gpu_grad_scaler
 from autoparallel.testing.launch import write_result
 
 world = ap.init_parallel_env()
-
-LOOP = {                                                     # form: (probe, run of L.RUNS)
-    "ParamAttr regularizer+lr / dp x tp": (L.param_attr, "dp x tp"),
-    "param groups weight decay / parallelize dp": (L.groups_momentum, "parallelize dp"),
-    "frozen after wrapping / zero1": (L.frozen_after_wrapping, "zero1"),
-    "frozen mid-run / dp x tp": (L.frozen_mid_run, "dp x tp"),
-    "unfrozen later / parallelize zero3": (L.unfrozen_later, "parallelize zero3"),
-    "unused branch, clear_grad / zero2": (L.unused_branch, "zero2"),
-    "model.clear_gradients accumulation / zero1": (L.model_clear_gradients, "zero1"),
-    "two forwards one backward / zero3": (L.two_forwards, "zero3"),
-    "ReduceOnPlateau(dist loss) / dp x tp": (L.plateau, "dp x tp"),
-    "p.grad before first step / parallelize dp": (L.first_grads, "parallelize dp"),
-    "p.grad before first step / parallelize zero1": (L.first_grads, "parallelize zero1"),
-    "clip_grad_norm_ by hand / dp x tp": (L.hand_clip(L.CLIPS["norm"]), "dp x tp"),
-    "clip_grad_value_ by hand / parallelize dp": (L.hand_clip(L.CLIPS["value"]), "parallelize dp"),
-    "ClipGradByNorm / parallelize zero3": (L.zero_clip(lambda: nn.ClipGradByNorm(0.05)), "parallelize zero3"),
-    "writes into params / zero2": (L.written, "zero2"),
-    "writes into params / parallelize zero3": (L.written, "parallelize zero3"),
-}
 
 
 def worst(a, b, rtol, atol) -> float:
@@ -50,6 +32,23 @@ def worst(a, b, rtol, atol) -> float:
 
 def compare(pairs, rtol, atol) -> float:
     return max(worst(a, b, rtol, atol) for a, b in pairs)
+
+
+def scaler_unscale_clip(env):
+    """GradScaler(1024): scale, backward, unscale_, clip_grad_norm_ by hand (its norm returned), step, update."""
+    m = env.model()
+    m, opt = env.wrap(m, paddle.optimizer.Momentum(0.05, parameters=m.parameters()))
+    scaler, out = gpu_grad_scaler(init_loss_scaling=1024), []
+    for s in range(3):
+        loss = paddle.nn.functional.mse_loss(m(env.x(L.XS[s])), paddle.to_tensor(L.YS[s]))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        out.append(float(paddle.nn.utils.clip_grad_norm_(m.parameters(), 0.05)))
+        scaler.step(opt)
+        scaler.update()
+        opt.clear_grad()
+        out.append(float(loss))
+    return out, L.params(m)
 
 
 def loop_form(probe, run):
@@ -103,6 +102,27 @@ def zero_float64(stage):
         raise AssertionError(f"not float64 after the ZeRO run: {bad}")
     return compare([(got[0], want[0])] + [(got[1][n].numpy(), v.numpy()) for n, v in want[1].items()], 1e-12, 1e-14)
 
+
+LOOP = {                                                     # form: (probe, run of L.RUNS)
+    "ParamAttr regularizer+lr / dp x tp": (L.param_attr, "dp x tp"),
+    "param groups weight decay / parallelize dp": (L.groups_momentum, "parallelize dp"),
+    "frozen after wrapping / zero1": (L.frozen_after_wrapping, "zero1"),
+    "frozen mid-run / dp x tp": (L.frozen_mid_run, "dp x tp"),
+    "unfrozen later / parallelize zero3": (L.unfrozen_later, "parallelize zero3"),
+    "unused branch, clear_grad / zero2": (L.unused_branch, "zero2"),
+    "model.clear_gradients accumulation / zero1": (L.model_clear_gradients, "zero1"),
+    "two forwards one backward / zero3": (L.two_forwards, "zero3"),
+    "ReduceOnPlateau(dist loss) / dp x tp": (L.plateau, "dp x tp"),
+    "p.grad before first step / parallelize dp": (L.first_grads, "parallelize dp"),
+    "p.grad before first step / parallelize zero1": (L.first_grads, "parallelize zero1"),
+    "clip_grad_norm_ by hand / dp x tp": (L.hand_clip(L.CLIPS["norm"]), "dp x tp"),
+    "clip_grad_value_ by hand / parallelize dp": (L.hand_clip(L.CLIPS["value"]), "parallelize dp"),
+    "ClipGradByNorm / parallelize zero3": (L.zero_clip(lambda: nn.ClipGradByNorm(0.05)), "parallelize zero3"),
+    "GradScaler.unscale_ + clip_grad_norm_ / dp x tp": (scaler_unscale_clip, "dp x tp"),
+    "GradScaler.unscale_ + clip_grad_norm_ / parallelize dp": (scaler_unscale_clip, "parallelize dp"),
+    "writes into params / zero2": (L.written, "zero2"),
+    "writes into params / parallelize zero3": (L.written, "parallelize zero3"),
+}
 
 FORMS = {name: (lambda p=p, r=r: loop_form(p, r)) for name, (p, r) in LOOP.items()}
 FORMS.update({
