@@ -1,9 +1,9 @@
 """The user forms of this round's simulated probes on 4 real gloo ranks (one job of the shared 4-rank launch,
 tests/dist_scripts/probe_real_worker.py): training-loop forms (ParamAttr regularizer, parameter groups, frozen
 parameters before / after wrapping / mid-run, clear_grad and model.clear_gradients, two forwards, ReduceOnPlateau
-on the distributed loss, p.grad before the first step, clips by hand (after GradScaler.unscale_ too) and the optimizer's ClipGradByNorm under
-ZeRO-3, values written into ZeRO parameters), cross entropy with ignored labels / class weights / soft labels /
-smoothing on vocab-split logits, BatchNorm running statistics under a channel split, and float64 under ZeRO-2/3.
+on the distributed loss, p.grad before the first step, clips by hand (after GradScaler.unscale_ too) and the
+optimizer's ClipGradByNorm under ZeRO-3, values written into ZeRO parameters), cross entropy with ignored labels /
+class weights / soft labels / smoothing on vocab-split logits, BatchNorm running statistics under a channel split, and float64 under ZeRO-2/3.
 Each against the one-process run on the same rank: every value and parameter within tolerance on every rank
 (separate autograd graphs, hooks and real collectives per rank, which the simulated world shares)."""
 import os

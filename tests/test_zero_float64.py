@@ -37,9 +37,11 @@ def run(stage=None):
     opt = paddle.optimizer.AdamW(0.05, parameters=m.parameters(), weight_decay=0.1)
     x = paddle.to_tensor
     if stage is not None:
-        mesh = ap.ProcessMesh([[0, 1], [2, 3]] if stage < 3 else [0, 1, 2, 3], dim_names=["dp", "mp"][:2 if stage < 3 else 1])
+        mesh = (ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]) if stage < 3
+                else ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"]))
         m = ap.shard_layer(m, mesh, tp_fn if stage < 3 else None)
-        opt = ap.shard_optimizer(opt, {1: ap.ShardingStage1, 2: ap.ShardingStage2, 3: ap.ShardingStage3}[stage]("dp", mesh))
+        zero = {1: ap.ShardingStage1, 2: ap.ShardingStage2, 3: ap.ShardingStage3}[stage]
+        opt = ap.shard_optimizer(opt, zero("dp", mesh))
         place = [ap.Shard(0), ap.Replicate()] if stage < 3 else [ap.Shard(0)]
         x = lambda a: ap.shard_tensor(paddle.to_tensor(a), mesh, place)          # noqa: E731
     losses = []

@@ -130,7 +130,8 @@ FORMS.update({
         lambda: cross_entropy("ignore-100-mean-weight", "dp2xvocab2"),
     "cross entropy -100 / vocab4": lambda: cross_entropy("ignore-100-mean", "vocab4"),
     "cross entropy soft labels + weights / dp2 x vocab2": lambda: cross_entropy("soft-label-mean-weight", "dp2xvocab2"),
-    "cross entropy label smoothing / seq2 x vocab2": lambda: cross_entropy("label-smoothing-mean-weight", "seq2xvocab2"),
+    "cross entropy label smoothing / seq2 x vocab2":
+        lambda: cross_entropy("label-smoothing-mean-weight", "seq2xvocab2"),
     "BatchNorm stats replicated, conv channel split / 4": lambda: batch_norm(False),
     "BatchNorm stats channel split / 4": lambda: batch_norm(True),
     "float64 ZeRO-2 / dp2 x tp2": lambda: zero_float64(2),
