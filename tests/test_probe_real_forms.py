@@ -3,9 +3,10 @@ tests/dist_scripts/probe_real_worker.py): training-loop forms (ParamAttr regular
 parameters before / after wrapping / mid-run, clear_grad and model.clear_gradients, two forwards, ReduceOnPlateau
 on the distributed loss, p.grad before the first step, clips by hand (after GradScaler.unscale_ too) and the
 optimizer's ClipGradByNorm under ZeRO-3, values written into ZeRO parameters), cross entropy with ignored labels /
-class weights / soft labels / smoothing on vocab-split logits, BatchNorm running statistics under a channel split, and float64 under ZeRO-2/3.
-Each against the one-process run on the same rank: every value and parameter within tolerance on every rank
-(separate autograd graphs, hooks and real collectives per rank, which the simulated world shares)."""
+class weights / soft labels / smoothing on vocab-split logits, BatchNorm running statistics under a channel split,
+and float64 under ZeRO-2/3. Each against the one-process run on the same rank: every value and parameter within
+tolerance on every rank (separate autograd graphs, hooks and real collectives per rank, which the simulated world
+shares). Two negative controls undo a fix (buckets planned at the first backward; float64 ZeRO chunks)."""
 import os
 
 import pytest
