@@ -1,12 +1,13 @@
 """The user forms of this round's simulated probes on 4 real gloo ranks (one job of the shared 4-rank launch,
 tests/dist_scripts/probe_real_worker.py): training-loop forms (ParamAttr regularizer, parameter groups, frozen
-parameters before / after wrapping / mid-run, clear_grad and model.clear_gradients, two forwards, ReduceOnPlateau
-on the distributed loss, p.grad before the first step, clips by hand (after GradScaler.unscale_ too) and the
+parameters before / after wrapping / mid-run, clear_grad and model.clear_gradients, two forwards, ReduceOnPlateau on
+the distributed loss, p.grad before the first step, clips by hand (after GradScaler.unscale_ too) and the
 optimizer's ClipGradByNorm under ZeRO-3, values written into ZeRO parameters), cross entropy with ignored labels /
 class weights / soft labels / smoothing on vocab-split logits, BatchNorm running statistics under a channel split,
-and float64 under ZeRO-2/3. Each against the one-process run on the same rank: every value and parameter within
-tolerance on every rank (separate autograd graphs, hooks and real collectives per rank, which the simulated world
-shares). Two negative controls undo a fix (buckets planned at the first backward; float64 ZeRO chunks)."""
+float64 under ZeRO-2/3, and a DistModel's state_dict('all') saved and loaded under ZeRO-3. Each against the one-
+process run on the same rank: every value and parameter within tolerance on every rank (separate autograd graphs,
+hooks and real collectives per rank, which the simulated world shares). Negative controls: a fix undone (buckets
+planned at the first backward; float64 ZeRO chunks), no checkpoint loaded."""
 import os
 
 import pytest
@@ -14,8 +15,8 @@ import pytest
 from dist_scripts import shared_launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts", "probe_real_worker.py")
-JOB = shared_launch.job(__name__, "probe_real", WORKER, 4, timeout=240)
-FORMS = 26
+JOB = shared_launch.job(__name__, "probe_real", WORKER, 4, args=lambda out: [out], timeout=240)
+FORMS = 27
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +34,10 @@ def test_every_form_ran_on_every_rank(forms):
 
 def test_negative_controls_are_seen_on_real_ranks(forms):
     """The same checks with a fix undone (p.grad read before the first step without the buckets planned as
-    backward starts; float64 ZeRO packed in float32): every rank sees the difference."""
+    backward starts; float64 ZeRO packed in float32; a DistModel continued without loading the checkpoint): every
+    rank sees the difference."""
     for r in forms:
-        assert len(r["negative"]) == 2
+        assert len(r["negative"]) == 3
         for name, got in r["negative"].items():
             assert "error" not in got, f"{name}, rank {r['rank']}:\n{got['error']}"
             assert got["err"] > 1.0, (name, r["rank"], got["err"])

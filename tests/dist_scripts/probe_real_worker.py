@@ -3,6 +3,8 @@ test_probe_inputs_loss.py, test_probe_layers_ops.py, test_zero_float64.py) on re
 distributed run (dp2 x tp2 meshes, ZeRO-1/2/3, ap.parallelize over 4) against the one-process run computed on
 the rank itself (losses / returned values, every final parameter). Reports {form: {"ok", "err"} or
 {"error": traceback}}."""
+import os
+import sys
 import time
 import traceback
 
@@ -14,6 +16,7 @@ import autoparallel as ap
 import test_probe_inputs_loss as CE
 import test_probe_layers_ops as LO
 import test_probe_loop_forms as L
+import test_probe_static_forms as SF
 import test_zero_float64 as F64
 from autoparallel.parallel import grads, sharding
 from autoparallel.testing.gpu_scaler import gpu_grad_scaler
@@ -124,6 +127,23 @@ LOOP = {                                                     # form: (probe, run
     "writes into params / parallelize zero3": (L.written, "parallelize zero3"),
 }
 
+def static_zero3_round_trip(load=True):
+    """test_probe_static_forms: a DistModel (to_static) under data parallel 4 + ZeRO-3 trains 2 steps, saves
+    state_dict('all'); another DistModel (other seed) loads it and trains 2 more: the 4 losses are one process's."""
+    batches = SF.mlp_batches(4)
+    ref, _ = SF._reference(batches)
+    s = SF._strategy("s.data_parallel.degree = 4; s.sharding.enable = True; s.sharding.stage = 3")
+    dm = SF._dm(strategy=s)
+    got = [float(dm(x, y)) for x, y in batches[:2]]
+    path = os.path.join(sys.argv[1], f"zero3_all_{load}")
+    ap.save_state_dict(dm.state_dict("all"), path)
+    other = SF._dm(seed=1, strategy=s)
+    if load:
+        ap.load_state_dict(other.state_dict("all"), path)
+    got += [float(other(x, y)) for x, y in batches[2:]]
+    return compare([(got, ref)], 1e-5, 1e-6)
+
+
 FORMS = {name: (lambda p=p, r=r: loop_form(p, r)) for name, (p, r) in LOOP.items()}
 FORMS.update({
     "cross entropy -100, all-ignored shard, class weights / dp2 x vocab2":
@@ -136,6 +156,7 @@ FORMS.update({
     "BatchNorm stats channel split / 4": lambda: batch_norm(True),
     "float64 ZeRO-2 / dp2 x tp2": lambda: zero_float64(2),
     "float64 ZeRO-3 / 4": lambda: zero_float64(3),
+    "DistModel state_dict('all') save/load / dp4 ZeRO-3": static_zero3_round_trip,
 })
 
 
@@ -155,6 +176,7 @@ NEGATIVE = {                                     # {control: err of the form wit
         FORMS["p.grad before first step / parallelize dp"]),
     "float64 ZeRO-2 packed in float32": lambda: negative(
         sharding, "_master_dtype", lambda t: "float32", FORMS["float64 ZeRO-2 / dp2 x tp2"]),
+    "DistModel continued without loading the checkpoint": lambda: static_zero3_round_trip(load=False),
 }
 
 
