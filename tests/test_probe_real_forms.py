@@ -16,7 +16,7 @@ from dist_scripts import shared_launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts", "probe_real_worker.py")
 JOB = shared_launch.job(__name__, "probe_real", WORKER, 4, args=lambda out: [out], timeout=240)
-FORMS = 27
+FORMS = 28
 
 
 @pytest.fixture(scope="module")

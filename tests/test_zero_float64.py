@@ -1,7 +1,8 @@
 """ZeRO keeps float64 parameters in float64: master weights, packed gradient chunks and the step, as the data-
 parallel buckets do (``grads._bucket_dtype``). Stages 1/2/3 on a float64 MLP (simulated 4 ranks, data parallel 2 x
 tensor parallel 2 for stages 1/2, sharding over 4 for stage 3) equal the float64 one-process run to 1e-12; a
-float32 packing would differ by ~1e-7 (negative control)."""
+float32 packing would differ by ~1e-7 (negative control). A binding ClipGradByGlobalNorm sums the squares in
+float64 too (paddle's clip does for float64 gradients)."""
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -32,9 +33,10 @@ def tp_fn(name, layer, mesh):
         layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Replicate(), ap.Shard(0)])
 
 
-def run(stage=None):
+def run(stage=None, clip=None):
     m = mlp()
-    opt = paddle.optimizer.AdamW(0.05, parameters=m.parameters(), weight_decay=0.1)
+    opt = paddle.optimizer.AdamW(0.05, parameters=m.parameters(), weight_decay=0.1,
+                                 grad_clip=clip and paddle.nn.ClipGradByGlobalNorm(clip))
     x = paddle.to_tensor
     if stage is not None:
         mesh = (ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]) if stage < 3
@@ -59,14 +61,20 @@ def reference():
     return run()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_float64_equals_the_float64_one_process_run(reference, stage):
+@pytest.mark.parametrize("stage,clip", [(1, None), (2, None), (3, None), (2, 0.05), (3, 0.05)])
+def test_zero_float64_equals_the_float64_one_process_run(reference, stage, clip):
+    """With a binding ClipGradByGlobalNorm too: the norm is summed in float64 as paddle's is for float64."""
+    want = reference if clip is None else run(clip=clip)
     with ap.simulate(world_size=4):
-        losses, params = run(stage)
-    np.testing.assert_allclose(losses, reference[0], rtol=1e-12, atol=1e-14)
-    for n, v in reference[1].items():
+        losses, params = run(stage, clip)
+    np.testing.assert_allclose(losses, want[0], rtol=1e-12, atol=1e-14)
+    for n, v in want[1].items():
         assert params[n].dtype == paddle.float64, n
         np.testing.assert_allclose(params[n].numpy(), v.numpy(), rtol=1e-12, atol=1e-14, err_msg=n)
+
+
+def test_the_clip_binds(reference):
+    assert not np.allclose(run(clip=0.05)[1]["0.weight"].numpy(), reference[1]["0.weight"].numpy(), rtol=1e-6)
 
 
 def test_float32_packing_negative_control(reference, monkeypatch):

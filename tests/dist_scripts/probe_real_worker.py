@@ -98,8 +98,8 @@ def batch_norm(split_stats):
     return compare([(got[0], want[0])] + [(got[1][n], v) for n, v in want[1].items()], 1e-4, 1e-5)
 
 
-def zero_float64(stage):
-    want, got = F64.run(), F64.run(stage)
+def zero_float64(stage, clip=None):
+    want, got = F64.run(clip=clip), F64.run(stage, clip)
     bad = [n for n, p in got[1].items() if p.dtype != paddle.float64]
     if bad:
         raise AssertionError(f"not float64 after the ZeRO run: {bad}")
@@ -156,6 +156,7 @@ FORMS.update({
     "BatchNorm stats channel split / 4": lambda: batch_norm(True),
     "float64 ZeRO-2 / dp2 x tp2": lambda: zero_float64(2),
     "float64 ZeRO-3 / 4": lambda: zero_float64(3),
+    "float64 ZeRO-3 + ClipGradByGlobalNorm / 4": lambda: zero_float64(3, 0.05),
     "DistModel state_dict('all') save/load / dp4 ZeRO-3": static_zero3_round_trip,
 })
 
