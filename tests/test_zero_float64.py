@@ -85,3 +85,30 @@ def test_float32_packing_negative_control(reference, monkeypatch):
     with pytest.raises(AssertionError):
         for n, v in reference[1].items():
             np.testing.assert_allclose(params[n].numpy(), v.numpy(), rtol=1e-12, atol=1e-14, err_msg=n)
+
+
+def hand_clip(parallel):
+    """paddle.nn.utils.clip_grad_norm_ called between backward and step on a float64 model (data parallel 4)."""
+    m = mlp()
+    opt = paddle.optimizer.Momentum(0.05, parameters=m.parameters())
+    if parallel:
+        s = ap.Strategy()
+        s.data_parallel.degree = 4
+        m, opt = ap.parallelize(m, opt, strategy=s)
+    norms = []
+    for s in range(3):
+        F.mse_loss(m(paddle.to_tensor(XS[s])), paddle.to_tensor(YS[s])).backward()
+        norms.append(float(paddle.nn.utils.clip_grad_norm_(m.parameters(), 0.05)))
+        opt.step()
+        opt.clear_grad()
+    return norms, {n: (p.full() if ap.is_dist(p) else p).numpy() for n, p in m.named_parameters()}
+
+
+def test_clip_grad_norm_by_hand_on_float64_data_parallel_equals_one_process():
+    want = hand_clip(False)
+    with ap.simulate(world_size=4):
+        got = hand_clip(True)
+    assert min(want[0]) > 0.05                                   # the clip binds
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12)
+    for n, v in want[1].items():
+        np.testing.assert_allclose(got[1][n], v, rtol=1e-12, atol=1e-14, err_msg=n)

@@ -30,7 +30,7 @@ def global_norm(terms) -> float:
             if t is None or numel(t) == 0 or not _counts(mesh, r, sharded):
                 continue
             with local_mode(), paddle.no_grad():
-                acc[r] += _square_sum(t)
+                acc[r] += square_sum(t)
     total = 0.0
     for mesh, acc in by_mesh.items():
         if not acc:
@@ -103,9 +103,9 @@ def clip_grad_norm_per_param_(params, max_norm: float) -> None:
 
 def _plain_norm(g) -> float:
     with local_mode(), paddle.no_grad():
-        return _square_sum(g) ** 0.5
+        return square_sum(g) ** 0.5
 
 
-def _square_sum(t) -> float:
+def square_sum(t) -> float:
     """Sum of squares in float32 (low precision upcast), in float64 for a float64 tensor (as paddle's clips)."""
     return float(((t if t.dtype == paddle.float64 else t.astype("float32")) ** 2).sum())

@@ -52,7 +52,7 @@ def _norm(params, norm_type: float) -> float:
     with local_mode(), paddle.no_grad():
         if norm_type == 2.0:
             total = clipping.global_norm(clipping.param_terms(dist)) ** 2 if dist else 0.0
-            total += sum(float((g.astype("float32") ** 2).sum()) for g in plain)
+            total += sum(clipping.square_sum(g) for g in plain)
             return total ** 0.5
         top = max([float(g.abs().max()) for g in plain] or [0.0])
         return max(top, _dist_max(dist))
@@ -84,8 +84,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         raise RuntimeError(f"The total norm of {norm_type} order of the gradients from `parameters` is "
                            f"non-finite, so it cannot be clipped; set error_if_nonfinite=False to scale anyway")
     coef = min(float(max_norm) / (total + 1e-6), 1.0)
-    clipping.scale_(_local_grads(params), coef)
-    return paddle.to_tensor(total, dtype="float32")
+    grads = _local_grads(params)
+    clipping.scale_(grads, coef)
+    return paddle.to_tensor(total, dtype="float64" if any(g.dtype == paddle.float64 for g in grads) else "float32")
 
 
 def clip_grad_value_(parameters, clip_value, instead="") -> None:
