@@ -1,5 +1,6 @@
 import functools
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -65,7 +66,32 @@ def pytest_xdist_make_scheduler(config, log):
             path = nodeid.split("::", 1)[0]
             return "shared launches" if _declares_shared_job(path) else path
 
+        def _assign_work_unit(self, node):
+            if not getattr(self, "_by_cost", False):      # once, before the first unit goes out
+                self._by_cost = True
+                order = sorted(self.workqueue.items(), key=lambda kv: -_unit_cost(kv[1]))
+                self.workqueue.clear()
+                self.workqueue.update(order)
+            super()._assign_work_unit(node)
+
     return SharedLaunchScheduling(config, log)
+
+
+@functools.lru_cache(maxsize=None)
+def _recorded_seconds() -> dict:
+    with open(os.path.join(TESTS, "unit_seconds.json")) as f:
+        return json.load(f)
+
+
+def _unit_cost(nodeids) -> float:
+    """A unit's expected seconds: its modules' recorded cost (unit_seconds.json: one measured run, modules of 5 s
+    or more), 0.3 s a test for a module not recorded. The costliest units start first, so no long module is left
+    for the end while the other worker idles."""
+    per_module: dict = {}
+    for nodeid in nodeids:
+        path = nodeid.split("::", 1)[0]
+        per_module[path] = per_module.get(path, 0) + 1
+    return sum(_recorded_seconds().get(path, 0.3 * n) for path, n in per_module.items())
 
 
 @functools.lru_cache(maxsize=None)
