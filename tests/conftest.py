@@ -1,6 +1,5 @@
 import functools
 import gc
-import json
 import os
 import subprocess
 import sys
@@ -53,51 +52,28 @@ def pytest_sessionfinish(session):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``make test`` runs on two pytest-xdist workers with ``--dist loadscope``: every module that declares a
-    shared real-rank job (``shared_launch.job(``) is one unit on one worker, which makes each world size's one
-    launch (and a job reading another size's output finds it); every other module is its own unit, spread over
-    both workers. (The modules are found by their text: the controller imports no test module.)"""
+    """``make test`` runs on two pytest-xdist workers with ``--dist loadscope``; the units and their order are
+    ``xdist_units.py``'s: the tests reading shared real-rank jobs' results are one unit (one worker makes each
+    world size's one launch), every other test is in its module's unit, and the costliest units start first."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    import xdist_units
+
     class SharedLaunchScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            path = nodeid.split("::", 1)[0]
-            return "shared launches" if _declares_shared_job(path) else path
+            return xdist_units.scope(nodeid)
 
         def _assign_work_unit(self, node):
             if not getattr(self, "_by_cost", False):      # once, before the first unit goes out
                 self._by_cost = True
-                order = sorted(self.workqueue.items(), key=lambda kv: -_unit_cost(kv[1]))
+                order = sorted(self.workqueue.items(), key=lambda kv: -xdist_units.cost(kv[1]))
                 self.workqueue.clear()
                 self.workqueue.update(order)
             super()._assign_work_unit(node)
 
     return SharedLaunchScheduling(config, log)
-
-
-@functools.lru_cache(maxsize=None)
-def _recorded_seconds() -> dict:
-    with open(os.path.join(TESTS, "unit_seconds.json")) as f:
-        return json.load(f)
-
-
-def _unit_cost(nodeids) -> float:
-    """A unit's expected seconds: its modules' recorded cost (unit_seconds.json: one measured run, modules of 5 s
-    or more), 0.3 s a test for a module not recorded. The costliest units start first, so no long module is left
-    for the end while the other worker idles."""
-    per_module: dict = {}
-    for nodeid in nodeids:
-        path = nodeid.split("::", 1)[0]
-        per_module[path] = per_module.get(path, 0) + 1
-    return sum(_recorded_seconds().get(path, 0.3 * n) for path, n in per_module.items())
-
-
-@functools.lru_cache(maxsize=None)
-def _declares_shared_job(path) -> bool:
-    full = os.path.join(os.path.dirname(TESTS), path)
-    return path.endswith(".py") and os.path.exists(full) and "shared_launch.job(" in open(full).read()
 
 
 @pytest.hookimpl(optionalhook=True)          # an xdist hook: pytest without xdist must not reject it
