@@ -1,4 +1,5 @@
 import functools
+import gc
 import os
 import subprocess
 import sys
@@ -51,26 +52,28 @@ def pytest_sessionfinish(session):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``make test`` runs on two pytest-xdist workers with ``--dist loadscope``: every module that declares a
-    shared real-rank job (``shared_launch.job(``) is one unit on one worker, which makes each world size's one
-    launch (and a job reading another size's output finds it); every other module is its own unit, spread over
-    both workers. (The modules are found by their text: the controller imports no test module.)"""
+    """``make test`` runs on two pytest-xdist workers with ``--dist loadscope``; the units and their order are
+    ``xdist_units.py``'s: the tests reading shared real-rank jobs' results are one unit (one worker makes each
+    world size's one launch), every other test is in its module's unit, and the costliest units start first."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    import xdist_units
+
     class SharedLaunchScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            path = nodeid.split("::", 1)[0]
-            return "shared launches" if _declares_shared_job(path) else path
+            return xdist_units.scope(nodeid)
+
+        def _assign_work_unit(self, node):
+            if not getattr(self, "_by_cost", False):      # once, before the first unit goes out
+                self._by_cost = True
+                order = sorted(self.workqueue.items(), key=lambda kv: -xdist_units.cost(kv[1]))
+                self.workqueue.clear()
+                self.workqueue.update(order)
+            super()._assign_work_unit(node)
 
     return SharedLaunchScheduling(config, log)
-
-
-@functools.lru_cache(maxsize=None)
-def _declares_shared_job(path) -> bool:
-    full = os.path.join(os.path.dirname(TESTS), path)
-    return path.endswith(".py") and os.path.exists(full) and "shared_launch.job(" in open(full).read()
 
 
 @pytest.hookimpl(optionalhook=True)          # an xdist hook: pytest without xdist must not reject it
@@ -123,6 +126,24 @@ def pytest_runtest_teardown(item, nextitem):
         kinds = [k for k in KINDS if item.get_closest_marker(k)]
         pytest.fail(f"marked {kinds} but started a process ({cmd}): a test that starts processes is 'dist' "
                     f"(autoparallel/testing/markers.py: teach the rule or set pytestmark)", pytrace=False)
+
+
+_module_seen = {"path": None}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """At each new test module: collect, then freeze what survives (``gc.freeze``). What earlier modules leave
+    alive (paddle holds layers and tensors from C++ that nothing in Python reaches) otherwise piles up in a
+    long-lived worker: every later cyclic collection walks it, and so does every ``gc.get_objects()`` walk of
+    the library (``shard_layer``'s optimizer repointing, ``uninstall``'s check): a lazy-init case took 0.1 s alone,
+    0.6 s after two modules, 2.2 s late in the suite (docs/test_suite.md). Frozen objects are not collected and not listed by ``gc.get_objects``;
+    a module's own objects (its module-scope fixtures included) are made after its freeze and stay visible."""
+    path = item.nodeid.split("::", 1)[0]
+    if path != _module_seen["path"]:
+        _module_seen["path"] = path
+        gc.collect()
+        gc.freeze()
 
 
 def _reset_current_run():

@@ -9,6 +9,7 @@ that raises or exits non-zero is reported as {"failed": name, "error": traceback
 code 1 at once: its peers may be waiting in one of its collectives, so the launcher stops the job and starts the
 scripts after it again in a new one (shared_launch.py).
 """
+import gc
 import json
 import os
 import runpy
@@ -54,6 +55,14 @@ def reset():
     paddle.set_default_dtype("float32")
 
 
+def settle() -> None:
+    """Before each script: collect, then freeze what survives (``gc.freeze``), so what earlier scripts left alive
+    (paddle keeps layers and tensors reachable from C++) is no longer walked by every cyclic collection and every
+    ``gc.get_objects()`` of the library in the scripts after them."""
+    gc.collect()
+    gc.freeze()
+
+
 def progress(index: int) -> None:
     d = os.environ.get("AP_RESULT_DIR")
     if d:
@@ -74,6 +83,7 @@ def main():
     ap.ProcessMesh(list(range(dist.get_world_size())), ["data"])
     done, seconds = {}, {}
     for i, member in enumerate(members):
+        settle()
         progress(i)
         start = time.perf_counter()
         try:
