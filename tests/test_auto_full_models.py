@@ -3,6 +3,8 @@ model (the trace for dense models, the config for mixtures of experts, whose rou
 follow), chooses degrees the model's plans accept, and parallelize's run equals one process (loss and every
 gradient; a few AdamW steps for one dense and one MoE family). Zero-initialised parameters get random values
 (``fill_zeros``) so a bias applied once per rank, or not at all, changes the loss."""
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,7 @@ import autoparallel as ap  # noqa: E402
 from autoparallel.planner.auto import choose  # noqa: E402
 from autoparallel.planner.from_trace import counted_params  # noqa: E402
 from autoparallel.planner.model_read import read_model, tp_refusal  # noqa: E402
+from autoparallel.testing.negative import no_gradient_reduction  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 B, T = 4, 8
@@ -39,7 +42,8 @@ def _run(model, opt, steps, reduce=True):
     ids, labels = (paddle.to_tensor(a) for a in pf.batch(0, B, T))
     if not steps:
         loss = pf.loss_of(model(input_ids=ids, labels=labels))
-        loss.backward()
+        with contextlib.nullcontext() if reduce else no_gradient_reduction():
+            loss.backward()
         if reduce:
             opt.reduce_gradients()
         return float(loss), {n: pf._grad_np(p) for n, p in model.named_parameters()}

@@ -52,7 +52,9 @@ def test_paddleformers_llama_outside_the_layers(results):
         assert r["one_layer"]["bwd"]["logical"] == {"all_reduce": 2 + 1}
     for r in results["pf-llama sp"]:
         assert r["one_layer"]["fwd"]["logical"] == {"all_gather": 2 + 1, "reduce_scatter": 2 + 1, "all_reduce": 3}
-        assert r["one_layer"]["bwd"]["logical"] == {"all_gather": 2 + 1, "reduce_scatter": 2 + 1}
+        # + the one bucket of the norm weights' gradients (partial over the sequence shards), launched by the
+        # first backward's hooks
+        assert r["one_layer"]["bwd"]["logical"] == {"all_gather": 2 + 1, "reduce_scatter": 2 + 1, "all_reduce": 1}
 
 
 def test_fused_projections_add_nothing_on_real_ranks(results):

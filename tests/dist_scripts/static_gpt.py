@@ -8,7 +8,6 @@ import argparse
 import contextlib
 import os
 import time
-from unittest import mock
 
 import numpy as np
 import paddle
@@ -20,8 +19,8 @@ import autoparallel as ap  # noqa: E402
 from autoparallel.comm.counter import count_comm  # noqa: E402
 from autoparallel.dist_tensor import is_dist  # noqa: E402
 from autoparallel.graph.to_static import to_static  # noqa: E402
-from autoparallel.parallel.optimizer import ShardedOptimizer  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402
+from autoparallel.testing.negative import no_gradient_reduction  # noqa: E402
 from autoparallel.testing.models import build  # noqa: E402
 
 
@@ -56,7 +55,7 @@ def params_of(model):
 
 def no_reduce():
     """Negative control: partial gradients are never reduced over the data axis."""
-    return mock.patch.object(ShardedOptimizer, "reduce_gradients", lambda self: 0)
+    return no_gradient_reduction()
 
 
 def run_eager(args, loader):

@@ -27,8 +27,8 @@ from autoparallel import layer_state  # noqa: E402
 from autoparallel.comm.counter import count_comm  # noqa: E402
 from autoparallel.comm.groups import install_group_store_fix  # noqa: E402
 from autoparallel.dist_tensor import is_dist  # noqa: E402
-from autoparallel.parallel.optimizer import ShardedOptimizer  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402
+from autoparallel.testing.negative import no_gradient_reduction  # noqa: E402
 
 
 def negative(kind):
@@ -37,7 +37,7 @@ def negative(kind):
         saved = ap_data.data_rank
         return mock.patch.object(ap_data, "data_rank", lambda mesh, rank, dims: (saved(mesh, rank, dims)[0], 0))
     if kind == "no_reduce":                # partial gradients never reduced over the data axis
-        return mock.patch.object(ShardedOptimizer, "reduce_gradients", lambda self: 0)
+        return no_gradient_reduction()
     return contextlib.nullcontext()
 
 
