@@ -9,9 +9,10 @@ the cluster is the calibrated profile named by the ``cluster`` argument, else by
 world's backend (``profiles.default_profile``: gloo -> the CPU profile measured on the development machine,
 nccl -> nodes of 8 A100-80GB), resized to the world; the search covers what the eager runtime executes:
 dp / tp / sp / ZeRO stage 0-3 / recompute none, selective, full / micro-batching, and pipeline stages
-(1F1B, or VPP) only with ZeRO off and no recompute (the pipeline runtime composes with dp and tp only);
-no optimizer offload on a CPU profile (the host is the device). The fastest configuration that also
-passes ``Strategy.validate`` wins; it becomes a ``auto_mode="semi"`` Strategy keeping the user's AMP,
+(1F1B, or VPP) with ZeRO stage 0-2 inside the stages (sharded over each stage's data ranks, so dp > 1;
+the pipeline runtime refuses stage 3) and no recompute; no optimizer offload on a CPU profile (the host
+is the device). The fastest configuration that also passes the runtime's own checks (``Strategy.validate``,
+and for pipelines ``parallel/pipeline/wiring._check_composable``) wins; it becomes a ``auto_mode="semi"`` Strategy keeping the user's AMP,
 checkpoint, batch and seed settings, and parallelize runs its normal apply steps with it. The returned
 ``ap.chosen_strategy(model)`` / ``ap.chosen_plan(model)`` give the chosen Strategy and its PlanResult.
 """
@@ -25,6 +26,7 @@ from autoparallel.planner.search import divisors
 ENV_PROFILE = "AP_CLUSTER_PROFILE"
 CANDIDATES = 64                    # ranked candidates checked against Strategy.validate, best first
 SHOWN = 5                          # candidates kept in the returned (and printed) PlanResult
+PIPELINE_ZERO = [0, 1, 2]          # ZeRO stages the pipeline runtime runs inside its stages (parallel/pipeline/zero.py)
 
 
 def resolve_cluster(cluster, world: int, backend: str) -> ClusterSpec:
@@ -64,7 +66,8 @@ def _searches(world: int, layers: int, pipeline_ok: bool, cpu: bool, selective_o
     spaces = [dict(pp=[1], offload=offload, ep=[1], recompute=recompute)]
     stages = [p for p in divisors(world) if 1 < p <= layers]
     if pipeline_ok and stages:               # the runtime splits blocks evenly and runs experts replicated
-        spaces.append(dict(pp=stages, sharding=[0], recompute=["none"], offload=[0], split=["even"], ep=[1]))
+        spaces.append(dict(pp=stages, sharding=PIPELINE_ZERO, recompute=["none"], offload=offload, split=["even"],
+                           ep=[1]))
     return spaces
 
 
@@ -137,9 +140,7 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
     for i, r in enumerate(results):
         for j, c in enumerate(r.candidates):
             chosen = to_strategy(c, strategy)
-            try:
-                chosen.validate(world_size=world, model_info=info)
-            except ValueError:                  # e.g. 1F1B with fewer micro-batches than stages
+            if runtime_refusal(chosen, world, info) is not None:    # e.g. 1F1B with fewer micro-batches than pp
                 continue
             valid.append((c.step_time_s, c.memory_per_device_gb, i, j, chosen))
     if valid:
@@ -151,6 +152,23 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
     raise ValueError(f"auto_mode='full': no configuration of {spec.name} ({spec.short_dims()}) with global batch "
                      f"{strategy.global_batch_size} fits {world} ranks of {target.name} and passes the strategy "
                      f"checks; choose the degrees yourself (auto_mode='semi')")
+
+
+def runtime_refusal(chosen, world: int, info: dict):
+    """Why the runtime would refuse ``chosen`` on ``world`` ranks (its own dry checks, nothing built), or None:
+    ``Strategy.validate``, ``ap.parallelize``'s ``check_supported`` and, with pipeline stages, ``apply_pp``'s
+    ``_check_composable`` (ZeRO stage 3 and sharding on one-rank stages refused)."""
+    from autoparallel.parallel.pipeline.wiring import _check_composable
+    from autoparallel.parallelize import check_supported
+
+    try:
+        degrees = chosen.validate(world_size=world, model_info=info)
+        check_supported(chosen, None, degrees)
+        if degrees.pp > 1:
+            _check_composable(chosen, degrees)
+    except (ValueError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {_first_line(e)}"
+    return None
 
 
 def _unreadable(model):
@@ -183,9 +201,22 @@ def _with_winner(result, index, others=()):
     cands = [result.candidates[index]] + [c for k, c in enumerate(result.candidates) if k > index]
     note = "" if index == 0 else (f"(the {index} faster configurations fail the strategy checks of this runtime; "
                                   f"#1 below is the fastest that passes)\n")
-    tail = "".join(f"\n  best with pipeline stages (ZeRO and recompute off, as the pipeline runtime composes): "
-                   f"{c.config.short()}: {c.step_time_s:.3f} s" for c in others)
-    return replace(result, candidates=cands[:SHOWN], explanation=note + result.explanation + tail)
+    tail = "".join(f"\n  best with pipeline stages (ZeRO 0-2 inside the stages, recompute off, as the pipeline "
+                   f"runtime composes): {c.config.short()}: {c.step_time_s:.3f} s" for c in others)
+    return replace(result, candidates=cands[:SHOWN], explanation=note + result.explanation + tail
+                   + zero_in_stages(cands[0]))
+
+
+def zero_in_stages(candidate) -> str:
+    """The line naming a chosen ZeRO-inside-pipeline-stages plan: what is sharded, over which ranks, and what it
+    saves per rank."""
+    c = candidate.config
+    if c.pp == 1 or c.sharding == 0:
+        return ""
+    what = "optimizer states" + (" and gradients" if c.sharding == 2 else "")
+    return (f"\n  chosen: ZeRO-{c.sharding} inside the {c.pp} pipeline stages: each stage shards its {what} over "
+            f"its {c.dp} data ranks (parallel/pipeline/zero.py); {candidate.memory_per_device_gb:.3g} GB per rank "
+            f"on the fullest stage")
 
 
 def _with_reading(result, spec, limits):
