@@ -156,14 +156,13 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
 
 def runtime_refusal(chosen, world: int, info: dict):
     """Why the runtime would refuse ``chosen`` on ``world`` ranks (its own dry checks, nothing built), or None:
-    ``Strategy.validate``, ``ap.parallelize``'s ``check_supported`` and, with pipeline stages, ``apply_pp``'s
-    ``_check_composable`` (ZeRO stage 3 and sharding on one-rank stages refused)."""
+    ``Strategy.validate`` and, with pipeline stages, ``apply_pp``'s ``_check_composable`` (ZeRO stage 3 and
+    sharding on one-rank stages refused). tests/test_probe_planner_pp_zero.py checks the whole eager search space
+    against these and ``ap.parallelize``'s own checks."""
     from autoparallel.parallel.pipeline.wiring import _check_composable
-    from autoparallel.parallelize import check_supported
 
     try:
         degrees = chosen.validate(world_size=world, model_info=info)
-        check_supported(chosen, None, degrees)
         if degrees.pp > 1:
             _check_composable(chosen, degrees)
     except (ValueError, NotImplementedError) as e:
