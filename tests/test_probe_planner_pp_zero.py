@@ -79,7 +79,7 @@ def eager_space(model, world, batch=8, seq=16):
     tps = [tp for tp, why in allowed_tp(model, world).items() if why is None]
     out = []
     for constraints in auto._searches(world, spec.layers, auto._pipeline_ok(model), True, auto._selective_ok(model)):
-        space = SearchSpace.from_constraints(dict(constraints, tp=tps))
+        space = SearchSpace.from_constraints(dict({"tp": tps}, **constraints))
         grid = build_grid(spec, world, batch, seq, space, options_for_cluster(cluster, None))
         out += [config_at(grid, i) for i in range(len(grid["dp"]))]
     return out
@@ -219,3 +219,24 @@ def test_auto_full_chooses_pp_zero1_and_trains_like_one_process(capsys):
     assert "ZeRO-1 inside the 2 pipeline stages" in capsys.readouterr().out
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert bad == []
+
+
+def test_tied_embeddings_in_one_simulated_world_get_no_parallelism_inside_stages():
+    """The simulated world lays out no parameter shared by stages on two stage meshes (a tied embedding / LM head):
+    there the planner keeps dp = tp = 1 inside pipeline stages, so the plan it picks builds; on real ranks (which
+    sum the tied gradients across stages) the same profile picks a pipeline over two data-parallel pairs."""
+    from test_auto import profile as profile4
+
+    dear = {f"{c}/4": 0.1 for c in ("all_gather", "reduce_scatter", "all_to_all", "broadcast")}
+    dear["all_reduce/4"] = 5e-3
+    cluster = profile4(**dear, **{"send_recv/2": 1e-5})
+    tied = dataclasses.replace(PRESETS["gpt-tiny-tied"], vocab_size=256)
+    assert not auto._inside_ok(build(tied), True) and auto._inside_ok(build(SMALL), True)
+    real, _ = auto.choose(build(tied, lazy=True), full(), 4, seq_len=16, cluster=cluster)
+    assert (real.pipeline_parallel.degree, real.data_parallel.degree) == (2, 2)
+    with ap.simulate(world_size=4):
+        model = build(tied)
+        opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
+        model, opt = ap.parallelize(model, opt, strategy=full(), seq_len=16, cluster=cluster)
+        chosen = ap.chosen_strategy(model)
+    assert chosen.pipeline_parallel.degree == 1 or chosen.data_parallel.degree * chosen.tensor_parallel.degree == 1

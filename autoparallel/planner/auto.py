@@ -58,16 +58,19 @@ def infer_seq_len(model, seq_len):
                      f"{type(model).__name__} has no config.seq_len or config.max_positions)")
 
 
-def _searches(world: int, layers: int, pipeline_ok: bool, cpu: bool, selective_ok: bool = True) -> list:
+def _searches(world: int, layers: int, pipeline_ok: bool, cpu: bool, selective_ok: bool = True,
+              inside_ok: bool = True) -> list:
     """Constraint sets covering what the eager runtime executes (see the module docstring); selective
-    recompute only for models whose attention core it can find (``_selective_ok``)."""
+    recompute only for models whose attention core it can find (``_selective_ok``); pipelines with data or
+    tensor parallelism (hence ZeRO) inside the stages only where the runtime lays them out (``_inside_ok``)."""
     offload = [0] if cpu else [0, 1]
     recompute = ["none", "selective", "full"] if selective_ok else ["none", "full"]
     spaces = [dict(pp=[1], offload=offload, ep=[1], recompute=recompute)]
     stages = [p for p in divisors(world) if 1 < p <= layers]
     if pipeline_ok and stages:               # the runtime splits blocks evenly and runs experts replicated
-        spaces.append(dict(pp=stages, sharding=PIPELINE_ZERO, recompute=["none"], offload=offload, split=["even"],
-                           ep=[1]))
+        inside = {} if inside_ok else dict(dp=[1], tp=[1], sharding=[0])
+        spaces.append(dict(dict(pp=stages, sharding=PIPELINE_ZERO, recompute=["none"], offload=offload,
+                                split=["even"], ep=[1]), **inside))
     return spaces
 
 
@@ -78,6 +81,24 @@ def _selective_ok(model) -> bool:
 
     _, blocks = _find_blocks(model)
     return _core_module(blocks[0])[0] is not None
+
+
+def _inside_ok(model, simulated: bool) -> bool:
+    """Data / tensor parallelism inside pipeline stages: one simulated world refuses it when stages on different
+    pipeline ranks share a parameter (a tied embedding and LM head: ``wiring._simulated_stage_meshes``); real
+    ranks sum such gradients across the stages. Checked with the runtime's own two-stage split."""
+    from autoparallel.lazy_init import has_lazy
+
+    if not simulated or has_lazy(model):        # a lazy model runs no pipeline (ap.parallelize refuses it)
+        return True
+    from autoparallel.parallel.pipeline.shared_params import shared_parameters
+    from autoparallel.parallel.pipeline.stage import build_stages, plan_pipeline
+
+    try:
+        plan = plan_pipeline(model, 2, 2, "1F1B", 1, None, "params")
+    except (ValueError, TypeError):             # no pipeline split at all: the pipeline search is off anyway
+        return True
+    return not shared_parameters(build_stages(plan.pieces, plan.bounds), 2)
 
 
 def _pipeline_ok(model) -> bool:
@@ -99,8 +120,12 @@ def to_strategy(candidate, user):
     return s
 
 
-def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str = "gloo"):
-    """(chosen Strategy, PlanResult) for ``model`` on ``world`` ranks."""
+def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str = "gloo", simulated: bool = False,
+           applied: bool = False):
+    """(chosen Strategy, PlanResult) for ``model`` on ``world`` ranks (``simulated``: of one ``ap.simulate``
+    world, whose pipeline runtime lays out no parameter shared by stages on two stage meshes; ``applied``: the
+    plan is applied next, so a ``paddle.LazyGuard`` model, which ap.parallelize does not pipeline, gets none)."""
+    from autoparallel.lazy_init import has_lazy
     from autoparallel.parallel.model_families import model_info
     from autoparallel.planner.api import plan
     from autoparallel.planner.model_read import allowed_tp, read_model
@@ -129,11 +154,12 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
     limits = allowed_tp(model, world)
     tps = [tp for tp, why in limits.items() if why is None]
     results = []
-    for constraints in _searches(world, spec.layers, _pipeline_ok(model), target.runtime is not None,
-                                 _selective_ok(model)):
+    pipeline_ok = _pipeline_ok(model) and not (applied and has_lazy(model))
+    for constraints in _searches(world, spec.layers, pipeline_ok, target.runtime is not None, _selective_ok(model),
+                                 not pipeline_ok or _inside_ok(model, simulated)):
         try:
-            results.append(plan(spec, target, strategy.global_batch_size, seq, top=CANDIDATES, tp=tps,
-                                **constraints))
+            results.append(plan(spec, target, strategy.global_batch_size, seq, top=CANDIDATES,
+                                **dict({"tp": tps}, **constraints)))
         except ValueError:                      # e.g. no pipeline configuration divides this batch
             continue
     valid = []                                  # (step, memory, search, index, strategy), fastest first
@@ -240,7 +266,8 @@ def plan_strategy(model, strategy, seq_len=None, cluster=None):
     from autoparallel.comm.world import current_world
 
     world = current_world()
-    chosen, result = choose(model, strategy, world.world_size, seq_len, cluster, world.backend)
+    chosen, result = choose(model, strategy, world.world_size, seq_len, cluster, world.backend,
+                            bool(getattr(world, "is_simulated", False)), applied=True)
     if getattr(world, "rank", 0) == 0:
         n = world.world_size
         print(f"auto_mode='full': planned for {n} rank{'s' if n != 1 else ''} on {result.cluster.name}\n{result}\n"
