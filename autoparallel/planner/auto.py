@@ -11,9 +11,9 @@ nccl -> nodes of 8 A100-80GB), resized to the world; the search covers what the 
 dp / tp / sp / ZeRO stage 0-3 / recompute none, selective, full / micro-batching, and pipeline stages
 (1F1B, or VPP) with ZeRO stage 0-2 inside the stages (sharded over each stage's data ranks, so dp > 1;
 the pipeline runtime refuses stage 3) and no recompute; no optimizer offload on a CPU profile (the host
-is the device). The fastest configuration that also passes the runtime's own checks (``Strategy.validate``,
-and for pipelines ``parallel/pipeline/wiring._check_composable``) wins; it becomes a ``auto_mode="semi"`` Strategy keeping the user's AMP,
-checkpoint, batch and seed settings, and parallelize runs its normal apply steps with it. The returned
+is the device). The fastest configuration that also passes the runtime's own checks (``runtime_refusal``:
+``Strategy.validate``, and for pipelines ``parallel/pipeline/wiring._check_composable``) wins; it becomes
+an ``auto_mode="semi"`` Strategy keeping the user's AMP, checkpoint, batch and seed settings, and parallelize runs its normal apply steps with it. The returned
 ``ap.chosen_strategy(model)`` / ``ap.chosen_plan(model)`` give the chosen Strategy and its PlanResult.
 """
 from __future__ import annotations
@@ -233,8 +233,8 @@ def _with_winner(result, index, others=()):
 
 
 def zero_in_stages(candidate) -> str:
-    """The line naming a chosen ZeRO-inside-pipeline-stages plan: what is sharded, over which ranks, and what it
-    saves per rank."""
+    """The line naming a chosen ZeRO-inside-pipeline-stages plan: what is sharded, over which ranks, and the
+    memory per rank of the stage that needs most."""
     c = candidate.config
     if c.pp == 1 or c.sharding == 0:
         return ""
