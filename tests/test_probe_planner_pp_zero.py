@@ -184,9 +184,10 @@ def _batches(steps, batch=8):
 
 
 def test_auto_full_chooses_pp_zero1_and_trains_like_one_process(capsys):
-    """2.2 MB per rank rules out the unsharded pipeline (2390184 B with the reserve); of what fits, PP2 x DP4 with
-    ZeRO-1 (1893496 B with the reserve) is the fastest: ZeRO-2 pays a 4-rank reduce_scatter (3 ms here, an
-    all_reduce 1 ms) and dp=8 without a pipeline (ZeRO-2 or 3, 1.9-2 MB) the 8-rank all_gathers (50 ms here). ap.parallelize runs it: 2 AdamW steps equal one process (losses and every rank's shard)."""
+    """2.2 MB per rank rules out the unsharded pipeline (2210184 B + the 220000 B reserve); of what fits, PP2 x DP4
+    with ZeRO-1 (1703496 B + reserve) is the fastest: ZeRO-2 pays a 4-rank reduce_scatter (3 ms here, an all_reduce
+    1 ms) and dp=8 without a pipeline (ZeRO-2 or ZeRO-3 fit) the 8-rank all_gathers (50 ms here). ap.parallelize
+    runs it: 2 AdamW steps equal one process (losses and every rank's shard)."""
     from test_pipeline_sim import every_rank_mismatch
 
     data = _batches(2)
@@ -217,6 +218,7 @@ def test_auto_full_chooses_pp_zero1_and_trains_like_one_process(capsys):
     assert (chosen.pipeline_parallel.degree, chosen.data_parallel.degree) == (2, 4)
     assert chosen.sharding.enable and chosen.sharding.stage == 1
     assert "ZeRO-1 inside the 2 pipeline stages" in capsys.readouterr().out
+    assert ap.chosen_plan(pipe).best.memory_per_device_gb * 1e9 == pytest.approx(1703496 + 220000)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert bad == []
 

@@ -13,8 +13,9 @@ dp / tp / sp / ZeRO stage 0-3 / recompute none, selective, full / micro-batching
 the pipeline runtime refuses stage 3) and no recompute; no optimizer offload on a CPU profile (the host
 is the device). The fastest configuration that also passes the runtime's own checks (``runtime_refusal``:
 ``Strategy.validate``, and for pipelines ``parallel/pipeline/wiring._check_composable``) wins; it becomes
-an ``auto_mode="semi"`` Strategy keeping the user's AMP, checkpoint, batch and seed settings, and parallelize runs its normal apply steps with it. The returned
-``ap.chosen_strategy(model)`` / ``ap.chosen_plan(model)`` give the chosen Strategy and its PlanResult.
+an ``auto_mode="semi"`` Strategy keeping the user's AMP, checkpoint, batch and seed settings, and
+parallelize runs its normal apply steps with it. The returned ``ap.chosen_strategy(model)`` /
+``ap.chosen_plan(model)`` give the chosen Strategy and its PlanResult.
 """
 from __future__ import annotations
 
