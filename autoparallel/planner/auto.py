@@ -9,11 +9,13 @@ the cluster is the calibrated profile named by the ``cluster`` argument, else by
 world's backend (``profiles.default_profile``: gloo -> the CPU profile measured on the development machine,
 nccl -> nodes of 8 A100-80GB), resized to the world; the search covers what the eager runtime executes:
 dp / tp / sp / ZeRO stage 0-3 / recompute none, selective, full / micro-batching, and pipeline stages
-(1F1B, or VPP) only with ZeRO off and no recompute (the pipeline runtime composes with dp and tp only);
-no optimizer offload on a CPU profile (the host is the device). The fastest configuration that also
-passes ``Strategy.validate`` wins; it becomes a ``auto_mode="semi"`` Strategy keeping the user's AMP,
-checkpoint, batch and seed settings, and parallelize runs its normal apply steps with it. The returned
-``ap.chosen_strategy(model)`` / ``ap.chosen_plan(model)`` give the chosen Strategy and its PlanResult.
+(1F1B, or VPP) with ZeRO stage 0-2 inside the stages (sharded over each stage's data ranks, so dp > 1;
+the pipeline runtime refuses stage 3) and no recompute; no optimizer offload on a CPU profile (the host
+is the device). The fastest configuration that also passes the runtime's own checks (``runtime_refusal``:
+``Strategy.validate``, and for pipelines ``parallel/pipeline/wiring._check_composable``) wins; it becomes
+an ``auto_mode="semi"`` Strategy keeping the user's AMP, checkpoint, batch and seed settings, and
+parallelize runs its normal apply steps with it. The returned ``ap.chosen_strategy(model)`` /
+``ap.chosen_plan(model)`` give the chosen Strategy and its PlanResult.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from autoparallel.planner.search import divisors
 ENV_PROFILE = "AP_CLUSTER_PROFILE"
 CANDIDATES = 64                    # ranked candidates checked against Strategy.validate, best first
 SHOWN = 5                          # candidates kept in the returned (and printed) PlanResult
+PIPELINE_ZERO = [0, 1, 2]          # ZeRO stages the pipeline runtime runs inside its stages (parallel/pipeline/zero.py)
 
 
 def resolve_cluster(cluster, world: int, backend: str) -> ClusterSpec:
@@ -56,15 +59,19 @@ def infer_seq_len(model, seq_len):
                      f"{type(model).__name__} has no config.seq_len or config.max_positions)")
 
 
-def _searches(world: int, layers: int, pipeline_ok: bool, cpu: bool, selective_ok: bool = True) -> list:
+def _searches(world: int, layers: int, pipeline_ok: bool, cpu: bool, selective_ok: bool = True,
+              inside_ok: bool = True) -> list:
     """Constraint sets covering what the eager runtime executes (see the module docstring); selective
-    recompute only for models whose attention core it can find (``_selective_ok``)."""
+    recompute only for models whose attention core it can find (``_selective_ok``); pipelines with data or
+    tensor parallelism (hence ZeRO) inside the stages only where the runtime lays them out (``_inside_ok``)."""
     offload = [0] if cpu else [0, 1]
     recompute = ["none", "selective", "full"] if selective_ok else ["none", "full"]
     spaces = [dict(pp=[1], offload=offload, ep=[1], recompute=recompute)]
     stages = [p for p in divisors(world) if 1 < p <= layers]
     if pipeline_ok and stages:               # the runtime splits blocks evenly and runs experts replicated
-        spaces.append(dict(pp=stages, sharding=[0], recompute=["none"], offload=[0], split=["even"], ep=[1]))
+        inside = {} if inside_ok else dict(dp=[1], tp=[1], sharding=[0])
+        spaces.append(dict(dict(pp=stages, sharding=PIPELINE_ZERO, recompute=["none"], offload=offload,
+                                split=["even"], ep=[1]), **inside))
     return spaces
 
 
@@ -75,6 +82,24 @@ def _selective_ok(model) -> bool:
 
     _, blocks = _find_blocks(model)
     return _core_module(blocks[0])[0] is not None
+
+
+def _inside_ok(model, simulated: bool) -> bool:
+    """Data / tensor parallelism inside pipeline stages: one simulated world refuses it when stages on different
+    pipeline ranks share a parameter (a tied embedding and LM head: ``wiring._simulated_stage_meshes``); real
+    ranks sum such gradients across the stages. Checked with the runtime's own two-stage split."""
+    from autoparallel.lazy_init import has_lazy
+
+    if not simulated or has_lazy(model):        # a lazy model runs no pipeline (ap.parallelize refuses it)
+        return True
+    from autoparallel.parallel.pipeline.shared_params import shared_parameters
+    from autoparallel.parallel.pipeline.stage import build_stages, plan_pipeline
+
+    try:
+        plan = plan_pipeline(model, 2, 2, "1F1B", 1, None, "params")
+    except (ValueError, TypeError):             # no pipeline split at all: the pipeline search is off anyway
+        return True
+    return not shared_parameters(build_stages(plan.pieces, plan.bounds), 2)
 
 
 def _pipeline_ok(model) -> bool:
@@ -96,8 +121,12 @@ def to_strategy(candidate, user):
     return s
 
 
-def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str = "gloo"):
-    """(chosen Strategy, PlanResult) for ``model`` on ``world`` ranks."""
+def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str = "gloo", simulated: bool = False,
+           applied: bool = False):
+    """(chosen Strategy, PlanResult) for ``model`` on ``world`` ranks (``simulated``: of one ``ap.simulate``
+    world, whose pipeline runtime lays out no parameter shared by stages on two stage meshes; ``applied``: the
+    plan is applied next, so a ``paddle.LazyGuard`` model, which ap.parallelize does not pipeline, gets none)."""
+    from autoparallel.lazy_init import has_lazy
     from autoparallel.parallel.model_families import model_info
     from autoparallel.planner.api import plan
     from autoparallel.planner.model_read import allowed_tp, read_model
@@ -126,20 +155,19 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
     limits = allowed_tp(model, world)
     tps = [tp for tp, why in limits.items() if why is None]
     results = []
-    for constraints in _searches(world, spec.layers, _pipeline_ok(model), target.runtime is not None,
-                                 _selective_ok(model)):
+    pipeline_ok = _pipeline_ok(model) and not (applied and has_lazy(model))
+    for constraints in _searches(world, spec.layers, pipeline_ok, target.runtime is not None, _selective_ok(model),
+                                 not pipeline_ok or _inside_ok(model, simulated)):
         try:
-            results.append(plan(spec, target, strategy.global_batch_size, seq, top=CANDIDATES, tp=tps,
-                                **constraints))
+            results.append(plan(spec, target, strategy.global_batch_size, seq, top=CANDIDATES,
+                                **dict({"tp": tps}, **constraints)))
         except ValueError:                      # e.g. no pipeline configuration divides this batch
             continue
     valid = []                                  # (step, memory, search, index, strategy), fastest first
     for i, r in enumerate(results):
         for j, c in enumerate(r.candidates):
             chosen = to_strategy(c, strategy)
-            try:
-                chosen.validate(world_size=world, model_info=info)
-            except ValueError:                  # e.g. 1F1B with fewer micro-batches than stages
+            if runtime_refusal(chosen, world, info) is not None:    # e.g. 1F1B with fewer micro-batches than pp
                 continue
             valid.append((c.step_time_s, c.memory_per_device_gb, i, j, chosen))
     if valid:
@@ -151,6 +179,22 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
     raise ValueError(f"auto_mode='full': no configuration of {spec.name} ({spec.short_dims()}) with global batch "
                      f"{strategy.global_batch_size} fits {world} ranks of {target.name} and passes the strategy "
                      f"checks; choose the degrees yourself (auto_mode='semi')")
+
+
+def runtime_refusal(chosen, world: int, info: dict):
+    """Why the runtime would refuse ``chosen`` on ``world`` ranks (its own dry checks, nothing built), or None:
+    ``Strategy.validate`` and, with pipeline stages, ``apply_pp``'s ``_check_composable`` (ZeRO stage 3 and
+    sharding on one-rank stages refused). tests/test_probe_planner_pp_zero.py checks the whole eager search space
+    against these and ``ap.parallelize``'s own checks."""
+    from autoparallel.parallel.pipeline.wiring import _check_composable
+
+    try:
+        degrees = chosen.validate(world_size=world, model_info=info)
+        if degrees.pp > 1:
+            _check_composable(chosen, degrees)
+    except (ValueError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {_first_line(e)}"
+    return None
 
 
 def _unreadable(model):
@@ -183,9 +227,22 @@ def _with_winner(result, index, others=()):
     cands = [result.candidates[index]] + [c for k, c in enumerate(result.candidates) if k > index]
     note = "" if index == 0 else (f"(the {index} faster configurations fail the strategy checks of this runtime; "
                                   f"#1 below is the fastest that passes)\n")
-    tail = "".join(f"\n  best with pipeline stages (ZeRO and recompute off, as the pipeline runtime composes): "
-                   f"{c.config.short()}: {c.step_time_s:.3f} s" for c in others)
-    return replace(result, candidates=cands[:SHOWN], explanation=note + result.explanation + tail)
+    tail = "".join(f"\n  best with pipeline stages (ZeRO 0-2 inside the stages, recompute off, as the pipeline "
+                   f"runtime composes): {c.config.short()}: {c.step_time_s:.3f} s" for c in others)
+    return replace(result, candidates=cands[:SHOWN], explanation=note + result.explanation + tail
+                   + zero_in_stages(cands[0]))
+
+
+def zero_in_stages(candidate) -> str:
+    """The line naming a chosen ZeRO-inside-pipeline-stages plan: what is sharded, over which ranks, and the
+    memory per rank of the stage that needs most."""
+    c = candidate.config
+    if c.pp == 1 or c.sharding == 0:
+        return ""
+    what = "optimizer states" + (" and gradients" if c.sharding == 2 else "")
+    return (f"\n  chosen: ZeRO-{c.sharding} inside the {c.pp} pipeline stages: each stage shards its {what} over "
+            f"its {c.dp} data ranks (parallel/pipeline/zero.py); {candidate.memory_per_device_gb:.3g} GB per rank "
+            f"on the fullest stage")
 
 
 def _with_reading(result, spec, limits):
@@ -210,7 +267,8 @@ def plan_strategy(model, strategy, seq_len=None, cluster=None):
     from autoparallel.comm.world import current_world
 
     world = current_world()
-    chosen, result = choose(model, strategy, world.world_size, seq_len, cluster, world.backend)
+    chosen, result = choose(model, strategy, world.world_size, seq_len, cluster, world.backend,
+                            bool(getattr(world, "is_simulated", False)), applied=True)
     if getattr(world, "rank", 0) == 0:
         n = world.world_size
         print(f"auto_mode='full': planned for {n} rank{'s' if n != 1 else ''} on {result.cluster.name}\n{result}\n"
