@@ -1,6 +1,6 @@
 """Non-LLM models on 4 real gloo ranks (one job of the shared 4-rank launch,
 tests/dist_scripts/probe_real_layers_worker.py): resnet18 with BatchNorm in train mode, data parallel over 4, two
-SGD steps fed by ``ap.shard_dataloader`` (losses, parameters and running statistics); a channel-split conv +
+SGD steps fed by ``ap.shard_dataloader`` (losses, parameters, running statistics, eval output); a channel-split conv +
 BatchNorm; a small UNet with Conv2DTranspose under dp2 x tp2; a user PyLayer under dp4; float64 gradient buckets.
 Each against the one-process run on the same rank (separate autograd graphs, hooks and real collectives per
 rank, which the simulated world shares). Negative controls: the gradients not reduced, the PyLayer run per shard, BatchNorm statistics per shard."""
@@ -20,7 +20,7 @@ def ranks():
     _, got = shared_launch.results(JOB)
     assert sorted(r["rank"] for r in got) == [0, 1, 2, 3]
     for r in got:
-        print(f"rank {r['rank']}:", {k: v.get("err", "error") for k, v in {**r["forms"], **r["negative"]}.items()})
+        print(f"rank {r['rank']}:", {k: (v.get("err", "error"), v.get("s")) for k, v in {**r["forms"], **r["negative"]}.items()})
     return got
 
 

@@ -55,7 +55,8 @@ class Images(paddle.io.Dataset):
 
 
 def resnet_train(mesh=None):
-    """resnet18 (5 classes, 32 px), two SGD steps of batch 8; the losses, parameters and running statistics."""
+    """resnet18 (5 classes, 32 px), two SGD steps of batch 8; the losses, parameters, running statistics and the
+    eval-mode output on the last batch."""
     paddle.seed(0)
     model = paddle.vision.models.resnet18(num_classes=5)
     opt = paddle.optimizer.SGD(learning_rate=0.05, parameters=model.parameters())
@@ -66,13 +67,17 @@ def resnet_train(mesh=None):
         loader = ap.shard_dataloader(loader, mesh, shard_dims="dp")
     losses = []
     for x, y in loader:
+        if mesh is not None and not (ap.is_dist(x) and x.placements[0] == ap.Shard(0)):
+            raise AssertionError(f"shard_dataloader's batch is not split over dp: {x}")
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         opt.clear_grad()
         losses.append(float(full(loss)))
+    model.eval()                                  # the running statistics in use: the eval output of a batch
     state = {n: full(p) for n, p in model.named_parameters()}
     state.update({n: full(b) for n, b in model.named_buffers()})
+    state["eval output"] = full(model(x))
     return losses, state
 
 
