@@ -47,7 +47,7 @@ from autoparallel.parallel.builds import BUILT, Build, find_build, model_of_para
 from autoparallel.parallel.input_sharding import parallel_guard, shard_inputs  # noqa: F401
 from autoparallel.parallel.mesh_dims import DATA, MODEL, build_mesh, check_mesh  # noqa: F401
 from autoparallel.parallel.model_families import DEFAULT_PLANS, apply_sp, model_info, resolve_tp_plan  # noqa: F401
-from autoparallel.parallel.model_families import check_built_split, check_declared_degrees, check_fused_loss
+from autoparallel.parallel.model_families import check_built_split, check_declared_degrees
 from autoparallel.parallel.optimizer import ShardedOptimizer
 from autoparallel.parallel.tensor_parallel import apply_tp
 from autoparallel.parallel.ties import check_replaced, holders, repoint
@@ -108,7 +108,6 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     degrees = strategy.validate(world_size=_world_size(), model_info=model_info(model))
     check_supported(strategy, optimizer, degrees)
     check_declared_degrees(model, strategy, degrees)
-    check_fused_loss(model, degrees)
     from autoparallel.watchdog import start_default
 
     start_default()                    # a real job names a lost or frozen rank in seconds (AP_WATCHDOG=off: none)

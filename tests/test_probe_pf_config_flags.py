@@ -3,6 +3,7 @@
 Flags the model only records or acts on by itself are honoured (same loss and gradients); flags that make the
 model split itself, degrees that disagree with the strategy, and axes the library has none of are refused
 before any work (docs/model_config_flags.md)."""
+import numpy as np
 import pytest
 
 from autoparallel.testing import paddleformers_models as pf
@@ -124,15 +125,55 @@ def test_a_declared_pipeline_degree_equal_to_the_strategys_builds():
         assert model is not None
 
 
-def test_subbatched_fused_loss_on_a_tied_split_head_is_refused():
-    """Measured wrong before (the tied embedding's gradient 55% off); the untied form is honoured."""
-    flags = dict(use_fused_head_and_loss_fn=True, loss_subbatch_sequence_length=4)
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_subbatched_fused_loss_matches_one_process(tie):
+    """Sub-batching hands the (tied, vocab-split) head weight straight to PaddleFormers' fused-loss PyLayer;
+    the tied embedding's gradient was 55% off (the PyLayer's share summed over the data axis)."""
+    flags = dict(use_fused_head_and_loss_fn=True, loss_subbatch_sequence_length=4, tie_word_embeddings=tie)
+    ref = pf.reference("llama", **flags)
     with ap.simulate(world_size=4):
-        model = pf.build("llama", tie_word_embeddings=True, **flags)
-        with pytest.raises(NotImplementedError, match="loss_subbatch_sequence_length=-1"):
-            _parallelize(model)
-        _untouched(model)
-    ref = pf.reference("llama", tie_word_embeddings=False, **flags)
-    with ap.simulate(world_size=4):
-        got = pr.parallelize_grads("llama", tie_word_embeddings=False, **flags)
+        got = pr.parallelize_grads("llama", **flags)
     assert pf.compare(ref, got) == []
+
+
+class _Head(paddle.autograd.PyLayer):
+    @staticmethod
+    def forward(ctx, h, w):
+        ctx.save_for_backward(h, w)
+        return paddle.matmul(h, w, transpose_y=True).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w = ctx.saved_tensor()
+        ones = paddle.ones([h.shape[0], w.shape[0]]) * g
+        return paddle.matmul(ones, w), paddle.matmul(ones, h, transpose_x=True)
+
+
+class _TiedHead(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.emb = paddle.nn.Embedding(16, 8)
+
+    def forward(self, ids):
+        return _Head.apply(self.emb(ids).reshape([-1, 8]), self.emb.weight)
+
+
+def _tied_head_grad(distributed):
+    paddle.seed(0)
+    model = _TiedHead()
+    ids = paddle.to_tensor([[0, 1], [2, 3], [4, 0], [1, 2]])
+    if distributed:
+        model, _ = ap.parallelize(model, paddle.optimizer.SGD(0.1, parameters=model.parameters()),
+                                  strategy=pr.strategy(), tp_plan={"emb": ap.VocabParallelEmbedding()})
+    model(ids).backward()
+    p = model.emb.weight
+    return (p.as_dist().grad.full() if distributed else p.grad).numpy()
+
+
+def test_a_user_pylayer_reading_a_split_weight_the_lookup_also_uses():
+    """Rows 5..15 get gradient only from the PyLayer: they came out exactly twice one process's."""
+    ref = _tied_head_grad(False)
+    with ap.simulate(world_size=4):
+        got = _tied_head_grad(True)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)

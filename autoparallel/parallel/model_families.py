@@ -138,18 +138,3 @@ def check_declared_degrees(model, strategy, degrees) -> None:
             raise ValueError(f"ap.parallelize: model.config.{flag}={v} but {field}={ours[axis]}; set {field}={v} "
                              f"or build the model with {flag}=1")
 
-
-def check_fused_loss(model, degrees) -> None:
-    """NotImplementedError for PaddleFormers' sub-batched fused head + loss (``use_fused_head_and_loss_fn`` with
-    ``loss_subbatch_sequence_length`` > 0) on a tied, tensor-parallel head: its PyLayer then takes the tied,
-    vocab-split weight directly and the embedding's gradient comes out wrong (measured: 55% off)."""
-    config = getattr(model, "config", None)
-    if degrees.tp == 1 or getattr(config, "use_fused_head_and_loss_fn", False) is not True:
-        return
-    sub = getattr(config, "loss_subbatch_sequence_length", -1)
-    if isinstance(sub, int) and sub > 0 and getattr(config, "tie_word_embeddings", False) is True:
-        raise NotImplementedError(f"ap.parallelize: model.config.use_fused_head_and_loss_fn=True with "
-                                  f"loss_subbatch_sequence_length={sub} and tie_word_embeddings=True under "
-                                  f"tensor_parallel.degree={degrees.tp} is not supported; build the model with "
-                                  f"loss_subbatch_sequence_length=-1 (the fused head then runs unsplit, supported) "
-                                  f"or tie_word_embeddings=False")
