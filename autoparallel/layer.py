@@ -41,6 +41,9 @@ def shard_layer(layer, mesh: ProcessMesh, shard_fn=None, input_fn=None, output_f
                            ("output_fn", output_fn, "(outputs, mesh)")):
         if fn is not None and not callable(fn):
             raise TypeError(f"shard_layer: {name} must be a callable {form} or None, got {type(fn).__name__}")
+    from autoparallel.parallel.model_families import check_built_split
+
+    check_built_split(layer, "shard_layer")     # a model that split itself (fleet mpu layers) is not split twice
     dispatch_handle.install()
     from autoparallel.parallel.ties import check_replaced, holders, repoint
 

@@ -47,6 +47,7 @@ from autoparallel.parallel.builds import BUILT, Build, find_build, model_of_para
 from autoparallel.parallel.input_sharding import parallel_guard, shard_inputs  # noqa: F401
 from autoparallel.parallel.mesh_dims import DATA, MODEL, build_mesh, check_mesh  # noqa: F401
 from autoparallel.parallel.model_families import DEFAULT_PLANS, apply_sp, model_info, resolve_tp_plan  # noqa: F401
+from autoparallel.parallel.model_families import check_built_split, check_declared_degrees
 from autoparallel.parallel.optimizer import ShardedOptimizer
 from autoparallel.parallel.tensor_parallel import apply_tp
 from autoparallel.parallel.ties import check_replaced, holders, repoint
@@ -82,6 +83,7 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
 
     where = "ap.DataParallel" if _deferred else "ap.parallelize"
     check_model(model, where)
+    check_built_split(model, where)
     check_tp_plan(tp_plan, where)
     strategy = Strategy() if strategy is None else strategy
     if not isinstance(strategy, Strategy):
@@ -105,6 +107,7 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     check_optimizer_params(model, optimizer, "ap.parallelize")
     degrees = strategy.validate(world_size=_world_size(), model_info=model_info(model))
     check_supported(strategy, optimizer, degrees)
+    check_declared_degrees(model, strategy, degrees)
     from autoparallel.watchdog import start_default
 
     start_default()                    # a real job names a lost or frozen rank in seconds (AP_WATCHDOG=off: none)

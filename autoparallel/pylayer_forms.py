@@ -78,6 +78,8 @@ def _run_replicated(cls, bound, args, kwargs):
             return v
         if _replicated_param(v):
             return _ParamLocals(param_use(v, dict(v._ap_locals), mesh, (), range(mesh.ndim)))
+        if _sharded_param(v):       # a replicated use on its replicated dims, then gathered on its split dims
+            v = _param_use_sharded(v, mesh, param_use)
         v = as_dist(v)
         return v if all(isinstance(p, Replicate) for p in v.placements) else reshard(v, mesh, whole)
 
@@ -98,6 +100,27 @@ def _replicated_param(v) -> bool:
 
     return isinstance(v, DistParameter) and not v.stop_gradient and \
         all(isinstance(p, Replicate) for p in v._ap_spec.placements)
+
+
+def _sharded_param(v) -> bool:
+    from autoparallel.dist_tensor import DistParameter
+
+    return isinstance(v, DistParameter) and not v.stop_gradient
+
+
+def _param_use_sharded(v, mesh, param_use):
+    """A split parameter read whole by the PyLayer: its gradient state on the dims it is replicated on
+    follows its other uses (dispatch_cache.param_use), so a complete contribution is not summed again."""
+    from autoparallel.api_local import _simulated
+    from autoparallel.api_tensor import dtensor_from_local
+    from autoparallel.core.placement import Replicate
+
+    placements = list(v._ap_spec.placements)
+    rep = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
+    locs = param_use(v, dict(v._ap_locals), mesh, (), rep)
+    if len(locs) == 1 and not _simulated():
+        locs = next(iter(locs.values()))
+    return dtensor_from_local(locs, mesh, placements, global_shape=list(v._ap_spec.shape))
 
 
 def _per_rank(cls, bound, inputs, n, names, mesh, whole):

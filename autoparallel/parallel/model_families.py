@@ -65,3 +65,76 @@ def matches(model, pattern: str) -> bool:
 
 def default_family(model):
     return family(model)
+
+
+# ---- a model config's own parallel flags (PaddleFormers 1.2 names, then the earlier PaddleNLP names) ----------
+# Flags the model acts on while it is built: tensor_model_parallel_size > 1 builds paddle.distributed.fleet's
+# mpu layers (local shards, fleet's collectives); sequence_parallel scatters activations with fleet's ops.
+_BUILT_SPLIT = ("tensor_model_parallel_size", "sequence_parallel")
+# Degrees the model only records (PaddleFormers' Trainer reads them): honoured when they equal the strategy's
+_DECLARED = {"tensor_parallel_degree": ("tp", "strategy.tensor_parallel.degree"),
+             "pipeline_model_parallel_size": ("pp", "strategy.pipeline_parallel.degree"),
+             "pipeline_parallel_degree": ("pp", "strategy.pipeline_parallel.degree"),
+             "virtual_pipeline_model_parallel_size": ("vpp", "strategy.pipeline_parallel.vpp_degree"),
+             "virtual_pp_degree": ("vpp", "strategy.pipeline_parallel.vpp_degree")}
+# Axes the library has no counterpart for
+_NO_AXIS = {"expert_model_parallel_size": "expert", "expert_parallel_degree": "expert",
+            "context_parallel_size": "context", "context_parallel_degree": "context",
+            "sep_parallel_size": "sequence (sep)", "sep_parallel_degree": "sequence (sep)"}
+
+
+def _degree(config, name: str) -> int:
+    v = getattr(config, name, None)
+    return v if isinstance(v, int) and not isinstance(v, bool) else 1
+
+
+def _fleet_layers() -> tuple:
+    from paddle.distributed.fleet.layers.mpu import mp_layers
+    from paddle.distributed.fleet.meta_parallel import PipelineLayer
+    from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
+
+    return (mp_layers.ColumnParallelLinear, mp_layers.RowParallelLinear, mp_layers.VocabParallelEmbedding,
+            mp_layers.ParallelCrossEntropy, spu.ColumnSequenceParallelLinear, spu.RowSequenceParallelLinear,
+            PipelineLayer)
+
+
+def check_built_split(model, where: str) -> None:
+    """ValueError when the model split itself while it was built (fleet mpu / pipeline layers, or a config
+    with tensor_model_parallel_size > 1 or sequence_parallel): the library would split it a second time."""
+    fleet = _fleet_layers()
+    for name, layer in model.named_sublayers(include_self=True):
+        if isinstance(layer, fleet):
+            raise ValueError(f"{where}: {name or 'the model'} is a paddle.distributed.fleet "
+                             f"{type(layer).__name__}, built by the model itself (a config with "
+                             f"tensor_model_parallel_size > 1, sequence_parallel or a ...Pipe model); {where} splits "
+                             f"plain layers: build the model with tensor_model_parallel_size=1, sequence_parallel=False "
+                             f"(and the non-Pipe class), then set strategy.tensor_parallel / sequence_parallel / "
+                             f"pipeline_parallel")
+    config = getattr(model, "config", None)
+    for flag in _BUILT_SPLIT:
+        v = getattr(config, flag, None)
+        if (v is True) or (flag != "sequence_parallel" and _degree(config, flag) > 1):
+            raise ValueError(f"{where}: model.config.{flag}={v!r} makes the model split itself with "
+                             f"paddle.distributed.fleet; build it with tensor_model_parallel_size=1 and "
+                             f"sequence_parallel=False: {where} splits it (strategy.tensor_parallel.degree, "
+                             f"strategy.sequence_parallel.enable)")
+
+
+def check_declared_degrees(model, strategy, degrees) -> None:
+    """The degrees a model config declares must be the strategy's: ValueError naming both otherwise;
+    NotImplementedError for an expert / context / sep degree > 1 (no such axis here)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    for flag, axis in _NO_AXIS.items():
+        if _degree(config, flag) > 1:
+            raise NotImplementedError(f"ap.parallelize: model.config.{flag}={_degree(config, flag)} asks for {axis} "
+                                      f"parallelism, which ap.parallelize does not build; build the model with "
+                                      f"{flag}=1 (the data / tensor / pipeline degrees come from the strategy)")
+    ours = {"tp": degrees.tp, "pp": degrees.pp, "vpp": strategy.pipeline_parallel.vpp_degree}
+    for flag, (axis, field) in _DECLARED.items():
+        v = _degree(config, flag)
+        if v > 1 and v != ours[axis]:
+            raise ValueError(f"ap.parallelize: model.config.{flag}={v} but {field}={ours[axis]}; set {field}={v} "
+                             f"or build the model with {flag}=1")
+
