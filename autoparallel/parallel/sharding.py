@@ -207,8 +207,7 @@ class ZeroOptimizer(StepHooks):
                 self._reduce_bucket(bucket, out)
             if self.overlap:
                 self._install_reducer().mark_reduced()
-        self._out = None
-        return out
+        return out                          # the window stays until the step (or clear_grad) consumes it
 
     def _install_reducer(self):
         from autoparallel.parallel.reducer import Reducer
@@ -284,6 +283,7 @@ class ZeroOptimizer(StepHooks):
     def step(self) -> None:
         self._check_unfrozen()
         grads = self.reduce_gradients()
+        self._out = None
         self._zero_kept_grads(grads)
         self._clip(grads)
         with local_mode():
