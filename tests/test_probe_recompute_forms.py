@@ -172,3 +172,27 @@ def test_paddleformers_llama_own_recompute_with_attention_dropout():
     with ap.simulate(world_size=4):
         assert_same(run(strategy(dp=2, tp=2), recompute=True, recompute_granularity="full"), ref)
         assert_same(run(strategy(dp=2, tp=2, sp=True, rc="selective")), ref)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_zero1_reduce_gradients_before_step_reduces_once(overlap):
+    """``reduce_gradients()`` then ``step()``: without backward hooks (overlap=False) the step's own reduction
+    summed the already reduced stage-1 gradients a second time."""
+    from autoparallel import layer_state
+    from autoparallel.parallel.sharding import apply_zero
+
+    ref = step(gpt(0.0), steps=3)[0][:3]
+    with ap.simulate(world_size=2):
+        model = gpt(0.0)
+        model, opt = ap.parallelize(model, paddle.optimizer.SGD(0.1, parameters=model.parameters()), strategy=strategy())
+        zopt = apply_zero(model, opt, layer_state.mesh_of(model), 1, overlap=overlap)
+        x, y = data()
+        losses = []
+        for _ in range(3):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            zopt.reduce_gradients()
+            zopt.step()
+            zopt.clear_grad()
+            losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
