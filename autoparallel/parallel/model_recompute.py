@@ -18,10 +18,17 @@ from autoparallel import compat, patches
 _installed = False
 
 
-def _has_dist(args) -> bool:
+def _has_dist(args, depth: int = 0) -> bool:
+    """A distributed tensor among ``args``, also inside (nested) lists, tuples and dicts."""
     from autoparallel.dispatch import is_dist
 
-    return any(is_dist(a) or (isinstance(a, (list, tuple)) and any(is_dist(x) for x in a)) for a in args)
+    for a in args:
+        if is_dist(a):
+            return True
+        if depth < 4 and isinstance(a, (list, tuple, dict)):
+            if _has_dist(a.values() if isinstance(a, dict) else a, depth + 1):
+                return True
+    return False
 
 
 def install() -> None:

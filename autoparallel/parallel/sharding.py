@@ -207,8 +207,7 @@ class ZeroOptimizer(StepHooks):
                 self._reduce_bucket(bucket, out)
             if self.overlap:
                 self._install_reducer().mark_reduced()
-        self._out = None
-        return out
+        return out                          # the window stays until the step (or clear_grad) consumes it
 
     def _install_reducer(self):
         from autoparallel.parallel.reducer import Reducer
@@ -251,7 +250,9 @@ class ZeroOptimizer(StepHooks):
 
     def _reduce_bucket(self, bucket, out) -> None:
         with local_mode(), paddle.no_grad():
-            ps = [p for p in bucket if self.held and p.locals[self.held[0]].grad is not None]
+            done = out.get(self.held[0], {}) if self.held and self.stage == 1 and self.reducer is None else {}
+            # stage 1 without hooks: a gradient reduced in this window already is the full one (not again)
+            ps = [p for p in bucket if self.held and p.locals[self.held[0]].grad is not None and id(p) not in done]
             if not ps:
                 return
             layout = {r: self._layout(ps, r) for r in self.held}
@@ -284,6 +285,7 @@ class ZeroOptimizer(StepHooks):
     def step(self) -> None:
         self._check_unfrozen()
         grads = self.reduce_gradients()
+        self._out = None
         self._zero_kept_grads(grads)
         self._clip(grads)
         with local_mode():
