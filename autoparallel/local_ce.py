@@ -77,7 +77,7 @@ def _hard_weight(weight, lab, valid):
     return paddle.gather(weight, safe.reshape([-1])).reshape(lab.shape) * valid.astype(weight.dtype)
 
 
-def _sum_both(xs, mesh, dims):
+def sum_both(xs, mesh, dims):
     """Sum over ``dims`` whose backward sums the ranks' gradients too: every rank's loss term divides by the
     global divisor, so a class weight's gradient through it is the sum of all terms' (``all_reduce``'s
     identity adjoint would keep one rank's term)."""
@@ -99,7 +99,7 @@ def _count(t):
 
 def _divisor(loss, terms, guarded, mesh, batch_dims):
     """The global mean: local loss sum over the all-reduced divisor ``terms`` (zero counts as 1 if guarded)."""
-    d = _sum_both({r: t.astype("float32") for r, t in terms.items()}, mesh, batch_dims)
+    d = sum_both({r: t.astype("float32") for r, t in terms.items()}, mesh, batch_dims)
     if guarded:
         d = {r: v + (v == 0.0).astype(v.dtype).detach() for r, v in d.items()}
     return {r: loss[r].sum() / d[r].astype(loss[r].dtype) for r in loss}

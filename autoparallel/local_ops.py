@@ -8,8 +8,8 @@ from __future__ import annotations
 import paddle
 import paddle.nn.functional as F
 
-from autoparallel.comm import collectives as C
 from autoparallel.local_ce import check_ids, global_mean_cross_entropy, mesh_reduce, vocab_parallel_cross_entropy
+from autoparallel.local_ce import sum_both as _stat_sum
 
 
 # ---- per-rank ----------------------------------------------------------------------------------------
@@ -81,20 +81,6 @@ def sharded_dropout(mesh, calls):
         m = mask[tuple(slice(a0, a1) for a0, a1 in bb["local_slices"])]
         out[r] = bb["x"] * m.astype(bb["x"].dtype)
     return out
-
-
-def _stat_sum(xs, mesh, dims):
-    """Sum over ``dims`` of the mesh, each rank then using the sum with its own data: the backward sums the
-    ranks' gradients too (unlike ``all_reduce``'s, whose replicated output has one gradient)."""
-    for d in dims:
-        out = {}
-        for ranks in mesh.all_groups(d):
-            held = {r: xs[r] for r in ranks if r in xs}
-            if held:
-                both = lambda v, ranks=ranks: C._reduce_raw(v, ranks, "sum")
-                out.update(C._run(held, both, both))
-        xs = out
-    return xs
 
 
 _BN_NAMES = ["x", "running_mean", "running_var", "weight", "bias", "training", "momentum", "epsilon",

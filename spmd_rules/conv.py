@@ -66,7 +66,9 @@ def _leaves_empty(n: int, k: int) -> bool:
     return -(-n // k) * (k - 1) >= n
 
 
-def _conv(op, nsp, x, weight, bias, stride, padding, dilation, groups, data_format):
+def conv_inputs(op, nsp, x, weight, bias, data_format):
+    """The checks every (transposed) convolution makes of its operands; (channel_last, n, in channels,
+    spatial sizes)."""
     check_spec(op, "x", x)
     check_spec(op, "weight", weight)
     check_spec(op, "bias", bias, optional=True)
@@ -76,8 +78,11 @@ def _conv(op, nsp, x, weight, bias, stride, padding, dilation, groups, data_form
         raise ValueError(f"{op}: x and weight must be {nsp + 2}-D, got shapes {list(x.shape)} and "
                          f"{list(weight.shape)}")
     cl = data_format == _LAYOUTS[nsp][1]
-    n, cin = x.shape[0], x.shape[-1 if cl else 1]
-    spatial = list(x.shape[1:-1]) if cl else list(x.shape[2:])
+    return cl, x.shape[0], x.shape[-1 if cl else 1], (list(x.shape[1:-1]) if cl else list(x.shape[2:]))
+
+
+def _conv(op, nsp, x, weight, bias, stride, padding, dilation, groups, data_format):
+    cl, n, cin, spatial = conv_inputs(op, nsp, x, weight, bias, data_format)
     cout, cin_g, ksize = weight.shape[0], weight.shape[1], list(weight.shape[2:])
     if not isinstance(groups, int) or groups < 1 or cin != cin_g * groups:
         raise ValueError(f"{op}: x has {cin} input channels but weight shape {list(weight.shape)} with "

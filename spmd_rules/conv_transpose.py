@@ -12,7 +12,7 @@ and channel dims pass through with their sharding (x and indices laid out alike)
 """
 from __future__ import annotations
 
-from spmd_rules.conv import _LAYOUTS, _ints, _padding, conv_result
+from spmd_rules.conv import _LAYOUTS, _ints, _padding, conv_inputs, conv_result
 from spmd_rules.einsum import labels_result
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.utils import check_spec
@@ -36,17 +36,7 @@ def _out_sizes(op, nsp, spatial, ksize, stride, padding, output_padding, dilatio
 
 def _conv_transpose(op, nsp, x, weight, bias, stride, padding, output_padding, groups, dilation, output_size,
                     data_format):
-    check_spec(op, "x", x)
-    check_spec(op, "weight", weight)
-    check_spec(op, "bias", bias, optional=True)
-    if data_format not in _LAYOUTS[nsp]:
-        raise ValueError(f"{op}: data_format must be one of {_LAYOUTS[nsp]}, got {data_format!r}")
-    if x.ndim != nsp + 2 or weight.ndim != nsp + 2:
-        raise ValueError(f"{op}: x and weight must be {nsp + 2}-D, got shapes {list(x.shape)} and "
-                         f"{list(weight.shape)}")
-    cl = data_format == _LAYOUTS[nsp][1]
-    n, cin = x.shape[0], x.shape[-1 if cl else 1]
-    spatial = list(x.shape[1:-1]) if cl else list(x.shape[2:])
+    cl, n, cin, spatial = conv_inputs(op, nsp, x, weight, bias, data_format)
     w_cin, cout_g, ksize = weight.shape[0], weight.shape[1], list(weight.shape[2:])
     if not isinstance(groups, int) or groups < 1 or cin != w_cin or cin % groups:
         raise ValueError(f"{op}: x has {cin} input channels but weight shape {list(weight.shape)} with "
