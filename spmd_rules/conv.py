@@ -92,22 +92,25 @@ def _conv(op, nsp, x, weight, bias, stride, padding, dilation, groups, data_form
     s, d = _ints(op, "stride", stride, nsp), _ints(op, "dilation", dilation, nsp)
     pads = _padding(op, padding, ksize, s, d, spatial, cl)
     out_sp = [(spatial[i] + pads[i][0] + pads[i][1] - d[i] * (ksize[i] - 1) - 1) // s[i] + 1 for i in range(nsp)]
-    whole = (None,) * nsp
+    return conv_result(op, x, weight, bias, cl, (n, cin, cout), out_sp, groups, ("co", "ci"))
+
+
+def conv_result(op, x, weight, bias, cl, sizes, out_sp, groups, w_labels):
+    """The rule of a (transposed) convolution: batch ``n`` shardable, spatial dims whole, x's channels ``ci``
+    contracted with the weight's (Partial(sum)), the weight's ``co`` the output's channel dim; the weight's two
+    leading dims carry ``w_labels`` (("co", "ci") forward, ("ci", "co") transposed). With ``groups > 1`` the
+    channel dims are whole too. A channel split that would leave a shard empty is gathered; the bias follows the
+    output's channel label, or its Partial. ``sizes`` = (n, in channels, out channels)."""
+    n, cin, cout = sizes
+    whole = (None,) * len(out_sp)
     ci, co = ("ci", "co") if groups == 1 else (None, None)
     if cl:
         xl, ol, shape = ("n",) + whole + (ci,), ("n",) + whole + (co,), (n, *out_sp, cout)
     else:
         xl, ol, shape = ("n", ci) + whole, ("n", co) + whole, (n, cout, *out_sp)
-    channels = {(0, xl.index(ci)): cin, (1, 0): cout, (1, 1): cin_g} if ci else {}
-    return conv_result(op, x, weight, bias, xl, (co, ci) + whole, ol, shape, channels)
-
-
-def conv_result(op, x, weight, bias, xl, wl, ol, shape, channels):
-    """The rule of a (transposed) convolution from its labels: x ``xl`` and weight ``wl`` to the output ``ol``
-    (contracted channel labels give Partial(sum)); a channel split that would leave a shard empty (``channels``:
-    {(operand, dim): size}) is gathered; the bias follows the output's channel label, or its Partial."""
+    wl = tuple({"ci": ci, "co": co}[w] for w in w_labels) + whole
+    channels = {(0, xl.index(ci)): cin, (1, 0): weight.shape[0], (1, 1): weight.shape[1]} if ci else {}
     inner = label_rule([xl, wl], [ol], [numel(x), numel(weight)])
-    co = wl[0] if wl[0] in ol else wl[1]
     ch = ol.index(co) if co else None
 
     def rule(pl, dim):

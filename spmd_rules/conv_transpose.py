@@ -45,14 +45,7 @@ def _conv_transpose(op, nsp, x, weight, bias, stride, padding, output_padding, g
     if bias is not None and tuple(bias.shape) != (cout,):
         raise ValueError(f"{op}: bias must have shape [{cout}], got {list(bias.shape)}")
     out_sp = _out_sizes(op, nsp, spatial, ksize, stride, padding, output_padding, dilation, output_size, cl)
-    whole = (None,) * nsp
-    ci, co = ("ci", "co") if groups == 1 else (None, None)
-    if cl:
-        xl, ol, shape = ("n",) + whole + (ci,), ("n",) + whole + (co,), (n, *out_sp, cout)
-    else:
-        xl, ol, shape = ("n", ci) + whole, ("n", co) + whole, (n, cout, *out_sp)
-    channels = {(0, xl.index(ci)): cin, (1, 0): cin, (1, 1): cout} if ci else {}
-    return conv_result(op, x, weight, bias, xl, (ci, co) + whole, ol, shape, channels)
+    return conv_result(op, x, weight, bias, cl, (n, cin, cout), out_sp, groups, ("ci", "co"))
 
 
 def _register_transpose(nsp):
