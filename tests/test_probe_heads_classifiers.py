@@ -25,8 +25,9 @@ from spmd_rules import get_spmd_rule  # noqa: E402
 # error relative to a tensor's largest entry, or to FLOOR when that is smaller (1e-7 absolute): a gradient that
 # is zero in exact arithmetic (a bias under a softmax over positions, or under a reward margin) is float noise
 REL, FLOOR = 1e-5, 1e-2
-# the loss after an AdamW step: AdamW divides each update by the gradient's magnitude, so float-order noise in a
-# near-zero gradient element moves that weight by up to ~lr (seen: 1.1e-5 on DeepSeek-V3's classifier)
+# the loss after an AdamW step, relative to the larger of the two losses: AdamW divides each update by the
+# gradient's magnitude, so float-order noise in a near-zero gradient element moves that weight by up to ~lr
+# (seen: 1.8e-5 absolute on a reward loss that one step takes from 1.87 to 0.085)
 REL_STEP = 1e-4
 MODES = ("dp", "tp", "dptp", "full4", "full2")
 
@@ -125,7 +126,8 @@ def check(build, batch, mode):
     assert set(got[1]) == set(ref[1])
     worst = max(ref[1], key=lambda n: rel(got[1][n], ref[1][n]))
     assert rel(got[1][worst], ref[1][worst]) < REL, f"{mode}: {worst} off by {rel(got[1][worst], ref[1][worst]):.2e}"
-    assert rel(got[0], ref[0]) < REL and rel(got[2], ref[2]) < REL_STEP, (got[0], ref[0], got[2], ref[2])
+    assert rel(got[0], ref[0]) < REL, (got[0], ref[0])
+    assert abs(got[2] - ref[2]) < REL_STEP * max(abs(ref[0]), abs(ref[2])), (got[2], ref[2])
     assert ref[2] != ref[0]                                  # the step changed the model
     return ref
 
@@ -224,3 +226,44 @@ def test_squeeze_keeps_a_dim_split_down_to_one_row():
         d = ap.shard_tensor(paddle.to_tensor(x), mesh, [ap.Shard(0)])
         np.testing.assert_array_equal(d.squeeze().full().numpy(), x[:, 0])
         np.testing.assert_array_equal(paddle.squeeze(d, axis=[0, 1]).full().numpy(), x[:, 0])
+
+
+# ---- the grid of docs/heads_and_speech_models.md: python tests/test_probe_heads_classifiers.py heads|backbones ----
+def _grid_entry(build, batch, mode):
+    ref = run(build, batch, "ref")
+    try:
+        with ap.simulate(world_size=4):
+            got = run(build, batch, mode)
+    except Exception as e:                                    # a crash is a finding: the grid shows it
+        return f"CRASH {type(e).__name__}: {str(e)[:120]}"
+    worst = max(max(rel(got[1][n], ref[1][n]) for n in ref[1]), rel(got[0], ref[0]))
+    step = abs(got[2] - ref[2]) / max(abs(ref[0]), abs(ref[2]))
+    return ("OK" if worst < REL and step < REL_STEP else "WRONG") + f" {worst:.0e} / {step:.0e}"
+
+
+def _grid(what):
+    rows = []
+    if what == "heads":
+        for head, (_, kind) in pf.HEADS.items():
+            for k in ["class", "regression", "multi"] if kind == "class" else [kind]:
+                nl, extra = (1 if k == "regression" else 3), ({"embedding_negatives_cross_device": False}
+                                                             if k == "pairs" else {})
+                for left in (False, True):
+                    cells = [_grid_entry(lambda: pf.build_head(head, num_labels=nl, **extra),
+                                         pf.head_batch(k, num_labels=nl, left=left), m) for m in MODES]
+                    rows.append([head, k, "left" if left else "right"] + cells)
+    else:
+        for family in pf.MODELS:
+            for name, cls in (("qa", QuestionAnswering), ("reward", PairwiseReward)):
+                batch = pf.head_batch("span" if name == "qa" else "class")
+                if name == "reward":
+                    batch = {k: batch[k] for k in ("input_ids", "attention_mask")}
+                rows.append([family, name] + [_grid_entry(lambda: user_head(cls, family), batch, m) for m in MODES])
+    return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    for row in _grid(sys.argv[1] if len(sys.argv) > 1 else "heads"):
+        print("| " + " | ".join(row) + " |", flush=True)

@@ -308,8 +308,9 @@ def backbone_class(family: str):
 
 def head_batch(kind: str, seed: int = 0, b: int = 4, t: int = 8, num_labels: int = 3, left: bool = False) -> dict:
     """Right-padded numpy inputs (lengths t, 5, 3, 6, ...; PAD after them, or before them with ``left``; mask 1
-    on tokens) and labels of ``kind``: "class" [b] ids, "token" [b, t] ids (-100 on padding), "regression" [b] floats, "multi" [b,
-    num_labels] 0/1 floats, "span" start/end positions, "pairs" query/passages dicts with last-token indices."""
+    on tokens) and labels of ``kind``: "class" [b] ids, "token" [b, t] ids (-100 on padding), "regression" [b]
+    floats, "multi" [b, num_labels] 0/1 floats, "span" start/end positions, "pairs" query/passages dicts with
+    last-token indices."""
     rng = np.random.default_rng(seed)
     lens = np.resize([t, 5, 3, 6], b).clip(1, t)
     mask = (np.arange(t)[None] < lens[:, None]).astype("int64")
