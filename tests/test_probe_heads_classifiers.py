@@ -157,6 +157,27 @@ def test_negative_control_unreduced_gradients_fail_the_check():
         check(lambda: pf.build_head("Qwen3ForTokenClassification"), pf.head_batch("token"), "dp")
 
 
+def test_positional_call_with_position_ids_and_return_dict():
+    """``model(ids, mask, position_ids, labels=..., return_dict=True, use_cache=False)``: the pooled logits and the
+    loss of the output object equal one process."""
+    b = pf.head_batch("class", left=True)
+    pos = np.maximum(np.cumsum(b["attention_mask"], -1) - 1, 0).astype("int64")
+
+    def go(make, shard=False):
+        model = pf.build_head("Qwen2ForSequenceClassification")
+        if shard:
+            model = ap.shard_layer(model, pf.mesh_2x2(), pf.seed_shard_fn)
+        out = model(make(b["input_ids"]), make(b["attention_mask"]), make(pos), labels=make(b["labels"]),
+                    return_dict=True, use_cache=False)
+        return float(out.loss), (out.logits.full() if shard else out.logits).numpy()
+
+    ref = go(paddle.to_tensor)
+    with ap.simulate(world_size=4):
+        mesh = pf.mesh_2x2()
+        got = go(lambda a: ap.shard_tensor(paddle.to_tensor(a), mesh, [ap.Shard(0), ap.Replicate()]), True)
+    assert rel(got[0], ref[0]) < REL and rel(got[1], ref[1]) < REL
+
+
 def test_left_padding_needs_the_mask_and_pools_the_last_token():
     """Negative controls on the reference itself: with left padding the mask changes the loss, and the pooled
     logits are the last position's (the ``% seq_len`` wrap of ``argmax(ids == pad) - 1``)."""
