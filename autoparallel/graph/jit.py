@@ -185,9 +185,8 @@ def _ignore_own_modules() -> None:
     looks for C bindings among every member reachable from each ignored module, a walk cached per module in an
     LRU of 128 entries. Each of the three packages is therefore handed over as one stand-in module carrying only
     the package's ``__file__``: the directory test covers every function of every submodule, loaded now or later,
-    and there is nothing to walk (the packages hold no C bindings). Handing over each submodule instead (200+)
-    thrashed that LRU: every call the translator converts walked all of paddle once per submodule (18-88 s per
-    program in a process that had imported much)."""
+    and there is nothing to walk (no C bindings here). Each submodule instead (200+) thrashed that LRU: every
+    converted call walked all of paddle once per submodule (docs/static.md)."""
     import sys
     import types
 
