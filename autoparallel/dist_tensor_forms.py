@@ -256,6 +256,25 @@ def _writing(p):
             owner.reload([p])
 
 
+def gather_released(p) -> None:
+    """Gather a ZeRO-3 parameter that an op reads while released (outside its layer's forward: a LoRA
+    ``merge()``, a layer added after ``parallelize`` holding it); it stays whole until the next step frees it,
+    as a parameter its forward left whole does."""
+    owner = _owner(p) if ZERO_OWNERS._items else None
+    if owner is None or in_local_mode() or _ctx.tracer is not None:
+        return
+    if any((id(p), r) in owner._freed for r in owner.held):
+        owner.gather([p])
+
+
+def gather_released_leaves(leaves) -> None:
+    """``gather_released`` for the distributed parameters among an op's inputs (dispatch)."""
+    if ZERO_OWNERS._items:
+        for v in leaves:
+            if hasattr(v, "_ap_locals"):
+                gather_released(v)
+
+
 @contextlib.contextmanager
 def _whole(p):
     owner = _owner(p)

@@ -91,7 +91,9 @@ def test_lora_model_under_parallelize_equals_one_process(run, want):
     check(got, want)
 
 
-def test_merge_and_unmerge_after_training_equal_one_process():
+@pytest.mark.parametrize("dp,tp,stage", [(2, 2, 0), (4, 1, 3)], ids=["dp2 x tp2", "dp4 zero3"])
+def test_merge_and_unmerge_after_training_equal_one_process(dp, tp, stage):
+    """merge() writes ``W + A @ B * scale`` into the split (or ZeRO-3 released) frozen weight."""
     ref = lora_model()
     opt = paddle.optimizer.AdamW(1e-3, parameters=ref.parameters())
     for _ in range(2):
@@ -104,7 +106,8 @@ def test_merge_and_unmerge_after_training_equal_one_process():
         m = lora_model()
         opt = paddle.optimizer.AdamW(1e-3, parameters=m.parameters())
         s = ap.Strategy()
-        s.data_parallel.degree, s.tensor_parallel.degree = 2, 2
+        s.data_parallel.degree, s.tensor_parallel.degree = dp, tp
+        s.sharding.enable, s.sharding.stage = bool(stage), stage or 1
         m, opt = ap.parallelize(m, opt, strategy=s)
         for _ in range(2):
             loss_on(m, 0).backward()
