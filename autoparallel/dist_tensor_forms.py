@@ -70,17 +70,17 @@ def _set_value(self, value):
 
 def _set_dist_value(self, value):
     """``set_value`` of a distributed value of the global shape (``w.set_value(w + delta)``, as a LoRA merge
-    writes): resharded to the parameter's layout, every held shard takes its part."""
-    from autoparallel.dist_tensor import as_dist, reshard
-
-    d = as_dist(value)
+    writes): every held shard takes its part, read locally when the value is laid out as the parameter, else
+    from the gathered value."""
+    d = value.as_dist() if hasattr(value, "as_dist") else value
     if list(d.spec.shape) != list(self.global_shape):
         raise ValueError(f"set_value on the distributed parameter {self.name}: the distributed value has global "
                          f"shape {list(d.spec.shape)}, the parameter {self.global_shape}")
     if d.spec.dtype != self.spec.dtype:
         raise TypeError(f"set_value: the parameter is {self.spec.dtype}, the value {d.spec.dtype}")
-    with paddle.no_grad():
-        d = reshard(d, self.mesh, list(self.spec.placements))
+    if d.spec.mesh != self.mesh or tuple(d.spec.placements) != tuple(self.spec.placements):
+        with paddle.no_grad():
+            return _set_value(self, d.full())
     with local_mode(), paddle.no_grad():
         for r, t in self._ap_locals.items():
             part = d.local_of(r)

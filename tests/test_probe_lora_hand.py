@@ -169,5 +169,8 @@ def test_set_value_of_a_distributed_value_equals_one_process():
         bd = ap.shard_tensor(paddle.to_tensor(b), mesh, [ap.Shard(1)])
         lin.weight.set_value(lin.weight + paddle.to_tensor(a) @ bd)
         np.testing.assert_allclose(lin.weight.full().numpy(), want, rtol=1e-5, atol=1e-6)
+        lin.weight.set_value(ap.shard_tensor(paddle.to_tensor(2 * want), mesh, [ap.Replicate()]))   # other layout
+        np.testing.assert_allclose(lin.weight.full().numpy(), 2 * want, rtol=1e-5, atol=1e-6)
+        assert [str(p) for p in lin.weight.placements] == ["S(1)"]
         with pytest.raises(ValueError, match="global shape"):
             lin.weight.set_value(ap.shard_tensor(paddle.to_tensor(w0[:, :4]), mesh, [ap.Replicate()]))
