@@ -138,3 +138,25 @@ def test_save_pretrained_from_a_parallelized_model_loads_into_one_process(tmp_pa
     np.testing.assert_allclose(float(loss_on(fresh, 1)), float(loss_on(ref, 1)), rtol=1e-5)
     untrained = lora_model()
     assert not np.isclose(float(loss_on(fresh, 1)), float(loss_on(untrained, 1)), rtol=1e-6)   # negative control
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_frozen_weights_cost_no_communication_per_step(stage):
+    """Data parallel and ZeRO-1/2 move only the adapters' gradients and chunks in a step: the frozen weights
+    (40x the adapters here) are neither reduced nor gathered again (ZeRO's post-step gather took them all)."""
+    with ap.simulate(world_size=4):
+        m = lora_model()
+        opt = paddle.optimizer.AdamW(1e-3, parameters=m.parameters())
+        s = ap.Strategy()
+        s.data_parallel.degree = 4
+        s.sharding.enable, s.sharding.stage = bool(stage), stage or 1
+        m, opt = ap.parallelize(m, opt, strategy=s)
+        for step in range(2):
+            with count_collectives() as calls:
+                loss_on(m, 0).backward()
+                opt.step()
+                opt.clear_grad()
+        trainable = sum(4 * int(np.prod(p.global_shape)) for p in m.parameters() if not p.stop_gradient)
+        frozen = sum(4 * int(np.prod(p.global_shape)) for p in m.parameters() if p.stop_gradient)
+    assert frozen > 20 * trainable
+    assert calls.bytes_sent(0) < 3 * trainable, (calls.bytes_sent(0), trainable)
