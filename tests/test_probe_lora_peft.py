@@ -160,3 +160,20 @@ def test_frozen_weights_cost_no_communication_per_step(stage):
         frozen = sum(4 * int(np.prod(p.global_shape)) for p in m.parameters() if p.stop_gradient)
     assert frozen > 20 * trainable
     assert calls.bytes_sent(0) < 3 * trainable, (calls.bytes_sent(0), trainable)
+
+
+def test_checkpoint_of_split_adapters_loads_into_another_layout(tmp_path, want):
+    """ap.save_state_dict under dp2 x tp2 (lora_B split), ap.load_state_dict under tp4: the trained values."""
+    with ap.simulate(world_size=4):
+        got = train(dp=2, tp=2)
+        ap.save_state_dict(got[3].state_dict(), str(tmp_path / "ck"))
+    with ap.simulate(world_size=4):
+        m = lora_model()
+        s = ap.Strategy()
+        s.tensor_parallel.degree = 4
+        m, _ = ap.parallelize(m, paddle.optimizer.AdamW(1e-3, parameters=m.parameters()), strategy=s)
+        assert [str(p) for p in m.model.model.layers[0].self_attn.q_proj.lora_B.placements] == ["R", "S(1)"]
+        ap.load_state_dict(m.state_dict(), str(tmp_path / "ck"))
+        loaded = params(m)
+    for n, v in want[2].items():
+        np.testing.assert_allclose(loaded[n], v, rtol=1e-4, atol=2e-5, err_msg=n)
