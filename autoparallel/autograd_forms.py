@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import paddle
 
-from autoparallel.dist_tensor import DistTensor, _grad_placements, as_dist, is_dist, reshard, shard_tensor
+from autoparallel.dist_tensor import DistParameter, DistTensor, _grad_placements, as_dist, is_dist, reshard, shard_tensor
 from autoparallel.dist_tensor_forms import backward_seeds
 from autoparallel.local_mode import local_mode
+from autoparallel.placement import Partial
 
 
 def _seq(x) -> list:
@@ -40,7 +41,7 @@ def _flatten(items) -> tuple:
         if is_dist(t):
             d = as_dist(t)
             ranks = sorted(d._locals)
-            where.append((d, ranks))
+            where.append((d, ranks, _partial_dims(t)))
             flat.extend(d._locals[r] for r in ranks)
         else:
             where.append(None)
@@ -91,14 +92,23 @@ def _regroup(res: list, where: list) -> list:
             out.append(res[i])
             i += 1
             continue
-        d, ranks = w
+        d, ranks, partial = w
         gs = res[i:i + len(ranks)]
         i += len(ranks)
         if any(g is None for g in gs):
             out.append(None)
             continue
-        out.append(DistTensor(dict(zip(ranks, gs)), d.spec.with_placements(_grad_placements(d.placements))))
+        places = [Partial("sum") if k in partial else p for k, p in enumerate(_grad_placements(d.placements))]
+        out.append(DistTensor(dict(zip(ranks, gs)), d.spec.with_placements(tuple(places))))
     return out
+
+
+def _partial_dims(t) -> frozenset:
+    """The mesh dims on which a parameter's local gradient is a partial sum: the forward used it in ops split
+    there (data parallel), and its gradient is reduced there only by the optimizer's buckets. A
+    gradient that ``paddle.grad`` returns is read before any such reduction, so it carries Partial there (its
+    true value is the sum over the dim; ``g.full()`` or any op needing it whole reduces it)."""
+    return frozenset(getattr(t, "_ap_partial_dims", ()) or ()) if isinstance(t, DistParameter) else frozenset()
 
 
 def backward(tensors, grad_tensors=None, retain_graph=False, dump_backward_graph_path=None):
