@@ -35,16 +35,31 @@ class _Comm(PyLayer):
 
     @staticmethod
     def forward(ctx, fwd, bwd, order, *ts):
-        ctx.bwd, ctx.order = bwd, order
+        ctx.fwd, ctx.bwd, ctx.order = fwd, bwd, order
         with paddle.no_grad():
             outs = fwd(dict(zip(order, ts)))
         return tuple(outs[r] for r in order)
 
     @staticmethod
     def backward(ctx, *gs):
+        if paddle.is_grad_enabled() and any(not g.stop_gradient for g in gs):
+            return _differentiable_backward(ctx, gs)
         with paddle.no_grad(), local_mode():
             outs = ctx.bwd(dict(zip(ctx.order, gs)))
         return tuple(outs[r] for r in ctx.order)
+
+
+def _differentiable_backward(ctx, gs):
+    """The backward of a ``create_graph=True`` pass (``paddle.grad`` of a gradient penalty, a Hessian): the
+    adjoint runs as a collective itself, whose own adjoint is the forward (the pairs in the table above are
+    adjoint both ways under the gradient convention), so higher derivatives flow through the communication.
+    P(max)/P(min) (a data-dependent routing) is refused."""
+    if getattr(ctx.fwd, "nonlinear", False):
+        raise NotImplementedError("a second derivative through an all_reduce(max/min) (a Partial('max'/'min') "
+                                  "reduction) is not supported; reduce with sum or avg on that path")
+    with local_mode():
+        outs = _run_local(dict(zip(ctx.order, gs)), ctx.bwd, ctx.fwd)
+    return tuple(outs[r] for r in ctx.order)
 
 
 def _run(xs, fwd, bwd):
@@ -207,6 +222,7 @@ def all_reduce(xs, ranks, op="sum"):
             ties = _reduce_raw(dict(saved), ranks, "sum")
             return {r: t * saved[r] / paddle.clip(ties[r], min=1.0) for r, t in g.items()}
 
+        fwd_mm.nonlinear = True
         return _run(xs, fwd_mm, bwd_mm)
     return _run(xs, lambda v: _reduce_raw(v, ranks, op), bwd)
 
