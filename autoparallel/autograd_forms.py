@@ -70,11 +70,14 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     skip = None if no_grad_vars is None else _flatten(_seq(no_grad_vars) if not isinstance(no_grad_vars, set)
                                                       else list(no_grad_vars))[0]
     seeds = None if all(s is None for s in flat_seed) else flat_seed
+    end_hold = _hold_zero3() if create_graph else None
     try:
         with local_mode():
             res = paddle.grad(flat_out, flat_in, seeds, retain_graph=retain_graph, create_graph=create_graph,
                               only_inputs=only_inputs, allow_unused=allow_unused, no_grad_vars=skip, **kwargs)
     except ValueError as e:
+        if end_hold is not None:
+            end_hold()
         if "PyLayer__Comm" not in str(e):
             raise
         raise NotImplementedError(
@@ -82,7 +85,38 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
             "needs a gradient but is not among `inputs` (paddle.grad cannot prune a custom autograd node's "
             "inputs); ask for the gradients of every tensor that needs one on that path (e.g. all parameters), "
             "or use loss.backward() and read .grad") from None
-    return _regroup(list(res), where)
+    except BaseException:
+        if end_hold is not None:
+            end_hold()
+        raise
+    out = _regroup(list(res), where)
+    if end_hold is not None:
+        _end_with(out, end_hold)
+    return out
+
+
+def _hold_zero3():
+    from autoparallel.parallel.zero_params import hold
+
+    return hold()
+
+
+def _end_with(grads: list, end) -> None:
+    """``end`` runs once every returned gradient (and so the graph built for it) is gone."""
+    import weakref
+
+    live = [g for g in grads if g is not None]
+    if not live:
+        end()
+        return
+    left = [len(live)]
+
+    def one():
+        left[0] -= 1
+        if left[0] == 0:
+            end()
+    for g in live:
+        weakref.finalize(g, one)
 
 
 def _regroup(res: list, where: list) -> list:

@@ -229,7 +229,10 @@ class DistTensor(OpMethods):
         rep = reshard(self, self.mesh, [Replicate()] * self.mesh.ndim)
         if not rep._locals:
             raise ValueError(f"this rank holds no shard of a tensor on mesh {self.mesh.mesh.tolist()}")
-        return rep._locals[min(rep._locals)] if current_world().is_simulated else rep.local
+        if current_world().is_simulated:          # the gradient reaches every rank's copy (collectives.py)
+            from autoparallel.comm.collectives import pick_replicated
+            return pick_replicated(rep._locals)
+        return rep.local
 
     def numpy(self) -> np.ndarray:
         return self.full().numpy()

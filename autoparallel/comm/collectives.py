@@ -325,3 +325,27 @@ def mesh_groups_apply(xs, mesh, dim, fn):
         if held:
             out.update(fn(held, ranks))
     return out
+
+
+class _Pick(PyLayer):
+    @staticmethod
+    def forward(ctx, n, *ts):
+        ctx.n = n
+        return paddle.assign(ts[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(g for _ in range(ctx.n))
+
+
+def pick_replicated(xs: dict):
+    """The simulated world's one tensor for a value replicated over the held ranks ``xs`` ({rank: copy}): the
+    lowest rank's copy, whose gradient reaches every copy (each rank's local gradient of a replicated tensor is
+    the whole gradient, as each real rank's own copy receives it); reading only the lowest rank's copy would
+    leave the other ranks' shards upstream without a gradient."""
+    ranks = sorted(xs)
+    ts = [xs[r] for r in ranks]
+    if len(ts) == 1 or all(t.stop_gradient for t in ts):
+        return ts[0]
+    with local_mode():
+        return _Pick.apply(len(ts), *ts)

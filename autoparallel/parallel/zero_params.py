@@ -73,9 +73,26 @@ def _release_after_backward(zopt, own, key, n: int = 1):
         done.append(True)
         if len(done) == n:
             uses[key] -= 1
-            if uses[key] <= 0:
+            if uses[key] <= 0 and not _HOLDS[0]:
                 zopt.free(own)
     return release
+
+
+_HOLDS = [0]            # live create_graph gradients: their graph reads the parameters again (hold them whole)
+
+
+def hold() -> "callable":
+    """Keep every ZeRO-3 parameter gathered in backward (released by the optimizer step instead) until the
+    returned callable runs: ``paddle.grad(..., create_graph=True)`` builds a graph of gradient nodes that read
+    the parameters in a later backward, where no layer hook gathers them again."""
+    _HOLDS[0] += 1
+    done = []
+
+    def end():
+        if not done:
+            done.append(True)
+            _HOLDS[0] -= 1
+    return end
 
 
 def _tensors(x) -> list:
