@@ -61,7 +61,7 @@ def _install_hooks() -> None:
 
     from autoparallel.graph import jit
     from autoparallel.lazy_init import order
-    from autoparallel import no_sync, nn_utils_forms, param_init, pylayer_forms, state_dict_forms
+    from autoparallel import hapi_forms, no_sync, nn_utils_forms, param_init, pylayer_forms, state_dict_forms
     from autoparallel.parallel import amp_scaler, full_state, implicit_optimizer, lr_metrics, model_recompute
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
@@ -78,6 +78,7 @@ def _install_hooks() -> None:
     pylayer_forms.install()
     state_dict_forms.install()
     no_sync.install()
+    hapi_forms.install()
 
 
 def _reset() -> None:
