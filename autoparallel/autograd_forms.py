@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import paddle
 
-from autoparallel.dist_tensor import DistParameter, DistTensor, _grad_placements, as_dist, is_dist, reshard, shard_tensor
+from autoparallel.dist_tensor import (DistParameter, DistTensor, _grad_placements, as_dist, is_dist, reshard,
+                                      shard_tensor)
 from autoparallel.dist_tensor_forms import backward_seeds
 from autoparallel.local_mode import local_mode
 from autoparallel.placement import Partial

@@ -55,6 +55,9 @@ def _dist_params(layer) -> list:
 
 
 def _get(self):
+    from autoparallel import trainer_forms
+
+    trainer_forms.install()                 # PaddleFormers' Trainer asks for no_sync before each step
     if not _dist_params(self):
         raise AttributeError(f"'{type(self).__name__}' object has no attribute 'no_sync' (it exists on a model "
                              f"with distributed parameters and on paddle.DataParallel)")
