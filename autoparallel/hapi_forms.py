@@ -8,12 +8,18 @@ paddle's own tensor types: a DistTensor output (the model's logits, a distribute
 ``model.save(path)`` writes what one process writes: paddle's ``paddle.save(network.state_dict())`` would pickle
 each distributed parameter's local shard (a tensor-parallel shard, or nothing for a released ZeRO-3 parameter),
 so the adapter's save stores every distributed entry of the parameter and optimizer states as its global
-value; ``model.load`` then lays global values out on the shards (``set_value``).
+value; ``model.load`` then lays global values out on the shards (``set_value``), its shape check reading a
+distributed parameter's global shape (paddle's compares with the local shard's and refused every
+tensor-parallel entry).
 
 On several launched ranks hapi wraps the network in ``paddle.DataParallel`` and feeds each rank its own part
 of the data; that wrapping is refused (autoparallel/ddp_guard.py), naming the conflict.
 """
 from __future__ import annotations
+
+import os
+import pickle
+import warnings
 
 import numpy as np
 
@@ -37,6 +43,7 @@ def install() -> None:
     to_numpy._ap_wrapper = True
     patches.patch(hapi_model, "to_numpy", to_numpy)
     patches.patch(hapi_model.DynamicGraphAdapter, "save", _save(hapi_model.DynamicGraphAdapter.save))
+    patches.patch(hapi_model.Model, "load", _load(hapi_model.Model.load))
 
 
 def _global(state: dict) -> dict:
@@ -65,3 +72,48 @@ def _save(orig):
 
     save._ap_wrapper = True
     return save
+
+
+def _load(orig):
+    def load(self, path, skip_mismatch=False, reset_optimizer=False):
+        from autoparallel.dist_tensor import is_dist
+
+        net = self.network.state_dict()
+        if not any(is_dist(p) and list(p.shape) != list(p.global_shape) for p in net.values()):
+            return orig(self, path, skip_mismatch, reset_optimizer)
+        base, ext = os.path.splitext(path)
+        path = base if ext in ("", ".pdparams", ".pdopt", ".pdmodel") else path
+        state = _read(path + ".pdparams")
+        if not state:
+            raise ValueError(f"paddle.Model.load: no parameters at {path}.pdparams")
+        pairs = []
+        for key, p in net.items():
+            want = list(p.global_shape) if is_dist(p) else list(p.shape)
+            v = state.get(key)
+            bad = (f"{key} is not found in the providing file." if v is None else
+                   f"{key} receives a shape {list(v.shape)}, but the expected (global) shape is {want}."
+                   if list(v.shape) != want else None)
+            if bad is None:
+                pairs.append((p, v))
+            elif skip_mismatch:
+                warnings.warn(f"Skip loading for {key}. " + bad)
+                reset_optimizer = True
+            else:
+                raise ValueError(bad)
+        optim = None if reset_optimizer else _read(path + ".pdopt")
+        scaler = None
+        if getattr(self, "_scaler", None) is not None and os.path.exists(path + ".pdscaler"):
+            import paddle
+
+            scaler = paddle.load(path + ".pdscaler")
+        return self._adapter.load(pairs, optim, scaler)
+
+    load._ap_wrapper = True
+    return load
+
+
+def _read(path):
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f, encoding="latin1")
