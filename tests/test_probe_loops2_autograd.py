@@ -112,3 +112,15 @@ def test_gradient_through_full_reaches_every_shard():
         y = x.full()
         (y * y).sum().backward()
         np.testing.assert_allclose(full(x.grad), [0.0, 2.0, 4.0, 6.0])     # was [0, 2, 0, 0]: rank 0's shard only
+
+
+def shrink_by_vector(m, env, s):
+    if s == 1:                                 # paddle.nn.utils round trip of every parameter's value
+        v = paddle.nn.utils.parameters_to_vector(m.parameters())
+        paddle.nn.utils.vector_to_parameters(v * 0.9, m.parameters())
+    return F.mse_loss(m(env.x(XS[s])), paddle.to_tensor(YS[s]))
+
+
+@pytest.mark.parametrize("run", ["zero3", "parallelize tp"])
+def test_parameter_vector_round_trip(run):
+    both(run, lambda env: train(env, shrink_by_vector))
