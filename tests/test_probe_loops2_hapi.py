@@ -53,3 +53,34 @@ def test_hapi_fit_evaluate_predict_save_load(tp, tmp_path):
     for n, v in want[2].items():
         np.testing.assert_allclose(got[2][n], v, rtol=1e-4, atol=1e-5, err_msg=n)
         np.testing.assert_allclose(got[3][n], got[2][n], err_msg=n)           # loaded = saved
+
+
+def resume(env, tmp):
+    """fit one epoch, save, fit another, load, fit again: the last epoch starts from the saved parameters and
+    optimizer states (hapi's .pdopt through the optimizer's set_state_dict)."""
+    m = env.model()
+    m, opt = env.wrap(m, paddle.optimizer.Adam(0.05, parameters=m.parameters()))
+    model = paddle.Model(m)
+    model.prepare(opt, nn.CrossEntropyLoss())
+    path = os.path.join(tmp, "resume_" + type(env).__name__)
+    model.fit(Data(), epochs=1, batch_size=8, verbose=0, shuffle=False)
+    model.save(path)
+    model.fit(Data(), epochs=1, batch_size=8, verbose=0, shuffle=False)
+    model.load(path)
+    model.fit(Data(), epochs=1, batch_size=8, verbose=0, shuffle=False)
+    return params(m)
+
+
+def test_hapi_resume_restores_every_rank_optimizer_state(tmp_path):
+    want = resume(One(), str(tmp_path))
+    with ap.simulate(world_size=4):
+        got = resume(Parallelize(), str(tmp_path))      # the other ranks' optimizer copies used to keep their moments
+    for n, v in want.items():
+        np.testing.assert_allclose(got[n], v, rtol=1e-4, atol=1e-5, err_msg=n)
+
+
+@pytest.mark.parametrize("env,match", [(lambda: Parallelize(tp=2), "lowest rank's shard"),
+                                       (lambda: Parallelize(stage=2), "ap.training_state")])
+def test_optimizer_states_that_cannot_round_trip_are_refused(env, match, tmp_path):
+    with ap.simulate(world_size=4), pytest.raises(NotImplementedError, match=match):
+        resume(env(), str(tmp_path))
