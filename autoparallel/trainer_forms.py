@@ -9,6 +9,10 @@ optimizer over the distributed parameters runs as ``ap.shard_optimizer`` would
 (no_sync.py). On several launched ranks the Trainer wraps the model in ``paddle.DataParallel``, which is refused
 (ddp_guard.py).
 
+With ``gradient_accumulation_steps > 1`` the Trainer divides every ``p.grad`` by that number by hand before the
+optimizer step. In the simulated world ``p.grad`` of a distributed parameter is the lowest rank's copy only, so
+``optimizer_step`` here applies the same division to the other ranks' copies first (a real rank holds one copy).
+
 Installed with dispatch when ``paddleformers.trainer.trainer`` is already imported; else at the Trainer's
 first ``hasattr(model, "no_sync")`` (it asks before every training step; no_sync.py calls ``install()``, a
 dictionary look-up once installed).
@@ -26,6 +30,7 @@ def install() -> None:
     if cls is None or getattr(cls.__dict__.get("training_step"), "_ap_wrapper", False):
         return
     patches.patch(cls, "training_step", _training_step(cls.training_step))
+    patches.patch(cls, "optimizer_step", _optimizer_step(cls.optimizer_step))
 
 
 def _training_step(orig):
@@ -37,3 +42,37 @@ def _training_step(orig):
 
     training_step._ap_wrapper = True
     return training_step
+
+
+def _optimizer_step(orig):
+    def optimizer_step(self, *args, **kwargs):
+        k = self.args.gradient_accumulation_steps
+        if k > 1 and not self.args.enable_auto_parallel:
+            _scale_other_copies(self.model, 1.0 / k)
+        return orig(self, *args, **kwargs)
+
+    optimizer_step._ap_wrapper = True
+    return optimizer_step
+
+
+def _scale_other_copies(model, factor: float) -> None:
+    """The simulated world: what the Trainer did to each distributed parameter's ``p.grad`` (the lowest rank's
+    copy), done to the other ranks' copies."""
+    import paddle
+
+    from autoparallel.comm.world import current_world
+    from autoparallel.dist_tensor import is_dist
+    from autoparallel.local_mode import local_mode
+
+    if not current_world().is_simulated:
+        return
+    with local_mode(), paddle.no_grad():
+        for p in model.parameters():
+            if not is_dist(p) or p.grad is None:
+                continue
+            seen = {p.grad.data_ptr()}              # a copy sharing the lowest rank's gradient is done already
+            for t in p.locals.values():
+                g = t.grad
+                if t is not p and g is not None and g._is_initialized() and g.data_ptr() not in seen:
+                    seen.add(g.data_ptr())
+                    g.scale_(factor)
