@@ -13,6 +13,11 @@ With ``gradient_accumulation_steps > 1`` the Trainer divides every ``p.grad`` by
 optimizer step. In the simulated world ``p.grad`` of a distributed parameter is the lowest rank's copy only, so
 ``optimizer_step`` here applies the same division to the other ranks' copies first (a real rank holds one copy).
 
+With ``recompute_granularity`` set (or expert parallelism) the Trainer runs every backward under ``no_sync`` and
+then all-reduces the parameters' gradients itself (paddle's ``fused_allreduce_gradients``, which reads the local
+shards and needs paddle's global group). Distributed parameters are left out of that call: their reduction is
+the optimizer's (from backward hooks, or at its step for what ``no_sync`` kept), exactly once.
+
 Installed with dispatch when ``paddleformers.trainer.trainer`` is already imported; else at the Trainer's
 first ``hasattr(model, "no_sync")`` (it asks before every training step; no_sync.py calls ``install()``, a
 dictionary look-up once installed).
@@ -31,6 +36,8 @@ def install() -> None:
         return
     patches.patch(cls, "training_step", _training_step(cls.training_step))
     patches.patch(cls, "optimizer_step", _optimizer_step(cls.optimizer_step))
+    if callable(getattr(mod, "fused_allreduce_gradients", None)):
+        patches.patch(mod, "fused_allreduce_gradients", _fused_allreduce(mod.fused_allreduce_gradients))
 
 
 def _training_step(orig):
@@ -76,3 +83,19 @@ def _scale_other_copies(model, factor: float) -> None:
                 if t is not p and g is not None and g._is_initialized() and g.data_ptr() not in seen:
                     seen.add(g.data_ptr())
                     g.scale_(factor)
+
+
+def _fused_allreduce(orig):
+    def fused_allreduce_gradients(parameter_list, hcg, *args, **kwargs):
+        from autoparallel.dist_tensor import is_dist
+
+        params = list(parameter_list)
+        plain = [p for p in params if not is_dist(p)]
+        if len(plain) == len(params):
+            return orig(params, hcg, *args, **kwargs)
+        if plain:
+            return orig(plain, hcg, *args, **kwargs)
+        return None
+
+    fused_allreduce_gradients._ap_wrapper = True
+    return fused_allreduce_gradients

@@ -40,17 +40,18 @@ class Data(paddle.io.Dataset):
         return {"input_ids": IDS[i], "labels": LABELS[i]}
 
 
-def train(cls, strategy=None, hand_over=True, accumulate=1):
+def train(cls, strategy=None, hand_over=True, accumulate=1, recompute=None):
     Trainer, TrainingArguments = cls
     model = pfm.build("llama", 0)
-    opt = (paddle.optimizer.AdamW(1e-3, parameters=model.parameters(), weight_decay=0.0) if accumulate == 1 else
+    opt = (paddle.optimizer.AdamW(1e-3, parameters=model.parameters(), weight_decay=0.0) if accumulate == 1 and
+           not recompute else
            paddle.optimizer.SGD(0.5, parameters=model.parameters()))    # SGD: Adam hides a gradient's scale
     if strategy is not None:
         model, opt = ap.parallelize(model, opt, strategy=strategy)
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=4 // accumulate,
                              gradient_accumulation_steps=accumulate,
                              learning_rate=1e-3, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
-                             amp_master_grad=False, logging_steps=1)
+                             amp_master_grad=False, logging_steps=1, recompute_granularity=recompute)
     Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt if hand_over else None, None)).train()
     return {n: (p.full() if ap.is_dist(p) else p).numpy() for n, p in model.named_parameters()}
 
@@ -83,12 +84,15 @@ def test_trainer_own_optimizer_over_zero_parameters_is_refused(trainer_cls):
         train(trainer_cls, strategy(1, 1), hand_over=False)
 
 
-def test_trainer_gradient_accumulation_under_tensor_parallel(trainer_cls, monkeypatch):
-    """The Trainer runs the non-final micro-batches under model.no_sync() and divides p.grad by hand; in the
-    simulated world every rank's copy is divided (trainer_forms.py)."""
+@pytest.mark.parametrize("accumulate,recompute", [(2, None), (1, "full")])
+def test_trainer_no_sync_paths_under_tensor_parallel(trainer_cls, monkeypatch, accumulate, recompute):
+    """Accumulation: the Trainer runs the non-final micro-batches under model.no_sync() and divides p.grad by hand
+    (every simulated rank's copy is divided: trainer_forms.py). recompute_granularity: every backward under
+    no_sync, then the Trainer's own fused_allreduce_gradients, which leaves the distributed parameters to the
+    optimizer (it failed on paddle's uninitialised global group)."""
     monkeypatch.setattr(paddle.device, "synchronize", lambda *a, **k: None)     # the Trainer calls it; CPU refuses
-    want = train(trainer_cls, accumulate=2)
+    want = train(trainer_cls, accumulate=accumulate, recompute=recompute)
     with ap.simulate(world_size=4):
-        got = train(trainer_cls, strategy(2, 0), accumulate=2)
+        got = train(trainer_cls, strategy(2, 0), accumulate=accumulate, recompute=recompute)
     for n, v in want.items():
         np.testing.assert_allclose(got[n], v, rtol=1e-4, atol=1e-5, err_msg=n)
