@@ -345,7 +345,7 @@ def pick_replicated(xs: dict):
     leave the other ranks' shards upstream without a gradient."""
     ranks = sorted(xs)
     ts = [xs[r] for r in ranks]
-    if len(ts) == 1 or all(t.stop_gradient for t in ts):
+    if len(ts) == 1 or not paddle.is_grad_enabled() or all(t.stop_gradient for t in ts):
         return ts[0]
     with local_mode():
         return _Pick.apply(len(ts), *ts)
