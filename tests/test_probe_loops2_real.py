@@ -1,6 +1,7 @@
 """no_sync accumulation, gradient penalties (create_graph through collectives), an input's gradient and parameter
-vectors on 4 real gloo ranks (one job of the shared 4-rank launch, tests/dist_scripts/loops2_worker.py), each
-against the one-process run on the same rank; the control cuts the second-order terms at the collectives."""
+vectors on 4 real gloo ranks, each against the one-process run on the same rank, and hapi's paddle.Model refused
+there (one job of the shared 4-rank launch, tests/dist_scripts/loops2_worker.py); the control cuts the
+second-order terms at the collectives."""
 import os
 
 import pytest
@@ -9,7 +10,7 @@ from dist_scripts import shared_launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts", "loops2_worker.py")
 JOB = shared_launch.job(__name__, "loops2_real", WORKER, 4, timeout=240)
-FORMS = 12
+FORMS = 13
 
 
 @pytest.fixture(scope="module")

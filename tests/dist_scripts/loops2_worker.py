@@ -49,6 +49,21 @@ FORMS.update({f"parameter vector / {r}": form(lambda e: A.train(e, A.shrink_by_v
 FORMS["input gradient x.grad / parallelize tp"] = saliency
 
 
+def hapi_refused():
+    """hapi on several ranks wraps the network in paddle.DataParallel: refused, naming the double reduction
+    (0: refused so; inf: anything else)."""
+    env = H.Parallelize()
+    m, _ = env.wrap(env.model(), None)
+    try:
+        paddle.Model(m)
+    except NotImplementedError as e:
+        return 0.0 if "paddle.DataParallel over" in str(e) else float("inf")
+    return float("inf")
+
+
+FORMS["hapi paddle.Model on 4 ranks refused"] = hapi_refused
+
+
 def cut_second_order():
     """The control: the collectives' create_graph backward forced to no_grad (second-order terms cut)."""
     old = collectives._differentiable_backward
