@@ -6,8 +6,9 @@ with a bare AssertionError. ``training_step`` here returns the loss's global val
 by every rank, as every rank runs the step); the backward inside it is unchanged. The Trainer's own
 optimizer over the distributed parameters runs as ``ap.shard_optimizer`` would
 (parallel/implicit_optimizer.py), and its ``model.no_sync()`` for gradient accumulation is this project's
-(no_sync.py). On several launched ranks the Trainer wraps the model in ``paddle.DataParallel``, which is refused
-(ddp_guard.py).
+(no_sync.py). On several launched ranks the Trainer sets up its own data parallelism (fleet's hybrid-parallel groups, then
+``paddle.DataParallel``) over the model: refused when the Trainer is built, naming the conflict (without this
+module installed, ``paddle.DataParallel`` is refused by ddp_guard.py, or fleet fails first).
 
 With ``gradient_accumulation_steps > 1`` the Trainer divides every ``p.grad`` by that number by hand before the
 optimizer step. In the simulated world ``p.grad`` of a distributed parameter is the lowest rank's copy only, so
@@ -34,6 +35,7 @@ def install() -> None:
     cls = getattr(mod, "Trainer", None)
     if cls is None or getattr(cls.__dict__.get("training_step"), "_ap_wrapper", False):
         return
+    patches.patch(cls, "__init__", _init(cls.__init__))
     patches.patch(cls, "training_step", _training_step(cls.training_step))
     patches.patch(cls, "optimizer_step", _optimizer_step(cls.optimizer_step))
     if callable(getattr(mod, "fused_allreduce_gradients", None)):
@@ -99,3 +101,26 @@ def _fused_allreduce(orig):
 
     fused_allreduce_gradients._ap_wrapper = True
     return fused_allreduce_gradients
+
+
+def _init(orig):
+    import inspect
+
+    sig = inspect.signature(orig)
+
+    def __init__(self, *args, **kwargs):
+        from autoparallel.dist_tensor import is_dist
+
+        bound = sig.bind_partial(self, *args, **kwargs).arguments
+        model, targs = bound.get("model"), bound.get("args")
+        world = getattr(targs, "world_size", 1) if targs is not None else 1
+        if world > 1 and model is not None and any(is_dist(p) for p in model.parameters()):
+            raise NotImplementedError(
+                f"PaddleFormers' Trainer on {world} launched ranks sets up its own data parallelism (fleet's "
+                f"hybrid-parallel groups, paddle.DataParallel) over {type(model).__name__}, whose parameters are "
+                f"already distributed by autoparallel (its gradients would be reduced twice); run the Trainer in one "
+                f"process (ap.simulate for the distributed layout) or write the training loop over the model")
+        return orig(self, *args, **kwargs)
+
+    __init__._ap_wrapper = True
+    return __init__
