@@ -162,10 +162,16 @@ def _to(self, *args, **kwargs):
 def _to_private(self, device=None, dtype=None, blocking=None):
     """paddle's ``Tensor._to(device=, dtype=)`` (hapi moves outputs to the current device): the tensor itself on
     the device its shards live on, a cast for ``dtype``; moving shards to another device is refused."""
-    if device is not None and str(device).split(":")[0] not in (paddle.device.get_device().split(":")[0],):
+    if device is not None and _device_kind(device) != _device_kind(paddle.device.get_device()):
         raise NotImplementedError(f"Tensor._to(device={device!r}): moving the shards of a distributed tensor to "
                                   f"another device is not supported; shards live where their ranks run")
     return self if dtype is None else _to(self, dtype)
+
+
+def _device_kind(device) -> str:
+    """"cpu" / "gpu" / ... of a device string or Place (``"gpu:0"``, ``paddle.CUDAPlace(0)``)."""
+    text = str(device).lower()
+    return "gpu" if ("gpu" in text or "cuda" in text) else "cpu" if "cpu" in text else text.split(":")[0]
 
 
 def _setitem(self, index, value):

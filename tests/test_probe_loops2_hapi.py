@@ -84,3 +84,14 @@ def test_hapi_resume_restores_every_rank_optimizer_state(tmp_path):
 def test_optimizer_states_that_cannot_round_trip_are_refused(env, match, tmp_path):
     with ap.simulate(world_size=4), pytest.raises(NotImplementedError, match=match):
         resume(env(), str(tmp_path))
+
+
+def test_private_to_on_a_distributed_tensor():
+    """hapi calls ``o._to(device=paddle.device.get_device())`` on every output: the tensor itself on its shards'
+    device, a cast for dtype, a move elsewhere refused."""
+    with ap.simulate(world_size=2):
+        d = ap.shard_tensor(paddle.ones([4]), ap.ProcessMesh([0, 1], dim_names=["x"]), [ap.Shard(0)])
+        assert d._to(device=paddle.device.get_device()) is d and d._to(device=paddle.CPUPlace()) is d
+        assert d._to(dtype="float64").dtype == paddle.float64
+        with pytest.raises(NotImplementedError, match="another device"):
+            d._to(device="gpu:0")
