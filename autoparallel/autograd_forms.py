@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import paddle
 
-from autoparallel.dist_tensor import DistTensor, _grad_placements, as_dist, is_dist, reshard, shard_tensor
+from autoparallel.dist_tensor import (DistParameter, DistTensor, _grad_placements, as_dist, is_dist, reshard,
+                                      shard_tensor)
 from autoparallel.dist_tensor_forms import backward_seeds
 from autoparallel.local_mode import local_mode
+from autoparallel.placement import Partial
 
 
 def _seq(x) -> list:
@@ -40,7 +42,7 @@ def _flatten(items) -> tuple:
         if is_dist(t):
             d = as_dist(t)
             ranks = sorted(d._locals)
-            where.append((d, ranks))
+            where.append((d, ranks, _partial_dims(t)))
             flat.extend(d._locals[r] for r in ranks)
         else:
             where.append(None)
@@ -69,11 +71,14 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     skip = None if no_grad_vars is None else _flatten(_seq(no_grad_vars) if not isinstance(no_grad_vars, set)
                                                       else list(no_grad_vars))[0]
     seeds = None if all(s is None for s in flat_seed) else flat_seed
+    end_hold = _hold_zero3() if create_graph else None
     try:
         with local_mode():
             res = paddle.grad(flat_out, flat_in, seeds, retain_graph=retain_graph, create_graph=create_graph,
                               only_inputs=only_inputs, allow_unused=allow_unused, no_grad_vars=skip, **kwargs)
     except ValueError as e:
+        if end_hold is not None:
+            end_hold()
         if "PyLayer__Comm" not in str(e):
             raise
         raise NotImplementedError(
@@ -81,7 +86,38 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
             "needs a gradient but is not among `inputs` (paddle.grad cannot prune a custom autograd node's "
             "inputs); ask for the gradients of every tensor that needs one on that path (e.g. all parameters), "
             "or use loss.backward() and read .grad") from None
-    return _regroup(list(res), where)
+    except BaseException:
+        if end_hold is not None:
+            end_hold()
+        raise
+    out = _regroup(list(res), where)
+    if end_hold is not None:
+        _end_with(out, end_hold)
+    return out
+
+
+def _hold_zero3():
+    from autoparallel.parallel.zero_params import hold
+
+    return hold()
+
+
+def _end_with(grads: list, end) -> None:
+    """``end`` runs once every returned gradient (and so the graph built for it) is gone."""
+    import weakref
+
+    live = [g for g in grads if g is not None]
+    if not live:
+        end()
+        return
+    left = [len(live)]
+
+    def one():
+        left[0] -= 1
+        if left[0] == 0:
+            end()
+    for g in live:
+        weakref.finalize(g, one)
 
 
 def _regroup(res: list, where: list) -> list:
@@ -91,14 +127,23 @@ def _regroup(res: list, where: list) -> list:
             out.append(res[i])
             i += 1
             continue
-        d, ranks = w
+        d, ranks, partial = w
         gs = res[i:i + len(ranks)]
         i += len(ranks)
         if any(g is None for g in gs):
             out.append(None)
             continue
-        out.append(DistTensor(dict(zip(ranks, gs)), d.spec.with_placements(_grad_placements(d.placements))))
+        places = [Partial("sum") if k in partial else p for k, p in enumerate(_grad_placements(d.placements))]
+        out.append(DistTensor(dict(zip(ranks, gs)), d.spec.with_placements(tuple(places))))
     return out
+
+
+def _partial_dims(t) -> frozenset:
+    """The mesh dims on which a parameter's local gradient is a partial sum: the forward used it in ops split
+    there (data parallel), and its gradient is reduced there only by the optimizer's buckets. A
+    gradient that ``paddle.grad`` returns is read before any such reduction, so it carries Partial there (its
+    true value is the sum over the dim; ``g.full()`` or any op needing it whole reduces it)."""
+    return frozenset(getattr(t, "_ap_partial_dims", ()) or ()) if isinstance(t, DistParameter) else frozenset()
 
 
 def backward(tensors, grad_tensors=None, retain_graph=False, dump_backward_graph_path=None):

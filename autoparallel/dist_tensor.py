@@ -15,6 +15,7 @@ import paddle
 
 from autoparallel import backward_start, dispatch_handle, redistribute
 from autoparallel import dist_tensor_forms as _forms
+from autoparallel.comm.collectives import pick_replicated
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase
 from autoparallel.context import async_allreduce
@@ -229,7 +230,7 @@ class DistTensor(OpMethods):
         rep = reshard(self, self.mesh, [Replicate()] * self.mesh.ndim)
         if not rep._locals:
             raise ValueError(f"this rank holds no shard of a tensor on mesh {self.mesh.mesh.tolist()}")
-        return rep._locals[min(rep._locals)] if current_world().is_simulated else rep.local
+        return pick_replicated(rep._locals) if current_world().is_simulated else rep.local   # grads reach every copy
 
     def numpy(self) -> np.ndarray:
         return self.full().numpy()

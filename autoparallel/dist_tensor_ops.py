@@ -159,6 +159,21 @@ def _to(self, *args, **kwargs):
     return dispatch_handle.call("cast", "paddle.cast", (self, dtype), {})
 
 
+def _to_private(self, device=None, dtype=None, blocking=None):
+    """paddle's ``Tensor._to(device=, dtype=)`` (hapi moves outputs to the current device): the tensor itself on
+    the device its shards live on, a cast for ``dtype``; moving shards to another device is refused."""
+    if device is not None and _device_kind(device) != _device_kind(paddle.device.get_device()):
+        raise NotImplementedError(f"Tensor._to(device={device!r}): moving the shards of a distributed tensor to "
+                                  f"another device is not supported; shards live where their ranks run")
+    return self if dtype is None else _to(self, dtype)
+
+
+def _device_kind(device) -> str:
+    """"cpu" / "gpu" / ... of a device string or Place (``"gpu:0"``, ``paddle.CUDAPlace(0)``)."""
+    text = str(device).lower()
+    return "gpu" if ("gpu" in text or "cuda" in text) else "cpu" if "cpu" in text else text.split(":")[0]
+
+
 def _setitem(self, index, value):
     dispatch_handle.call_inplace("setitem", "paddle.Tensor.__setitem__", self, (self, index, value), {})
 
@@ -214,7 +229,7 @@ def _is_op_name(name) -> bool:
 def _namespace() -> dict:
     ns = {name: _method(name, *entry) for name, entry in method_table().items()}
     ns.update({name: _conversion(name) for name in CONVERSIONS if hasattr(paddle.Tensor, name)})
-    ns.update(type_as=_type_as, to=_to, __setitem__=_setitem, __getattr__=_getattr, __hash__=object.__hash__,
+    ns.update(type_as=_type_as, to=_to, _to=_to_private, __setitem__=_setitem, __getattr__=_getattr, __hash__=object.__hash__,
               T=property(_transposed), mT=property(_matrix_transposed))
     ns.update({name: _new_like(name) for name in dir(paddle.Tensor) if name.startswith("new_")})
     ns["__slots__"] = ()

@@ -51,6 +51,10 @@ def _refusing(name, orig):
             from autoparallel.parallel import hand_clip
 
             return getattr(hand_clip, name)(*args, instead=_INSTEAD[name], **kwargs)
+        if name in ("parameters_to_vector", "vector_to_parameters"):   # global values, as one process
+            from autoparallel import param_vector
+
+            return getattr(param_vector, name)(*args, **kwargs)
         raise NotImplementedError(f"paddle.nn.utils.{name} over the distributed parameter {p.name} would read one "
                                   f"shard ({', '.join(map(str, p.placements))}) and a gradient not yet reduced; "
                                   f"{_INSTEAD[name]}")

@@ -35,16 +35,31 @@ class _Comm(PyLayer):
 
     @staticmethod
     def forward(ctx, fwd, bwd, order, *ts):
-        ctx.bwd, ctx.order = bwd, order
+        ctx.fwd, ctx.bwd, ctx.order = fwd, bwd, order
         with paddle.no_grad():
             outs = fwd(dict(zip(order, ts)))
         return tuple(outs[r] for r in order)
 
     @staticmethod
     def backward(ctx, *gs):
+        if paddle.is_grad_enabled() and any(not g.stop_gradient for g in gs):
+            return _differentiable_backward(ctx, gs)
         with paddle.no_grad(), local_mode():
             outs = ctx.bwd(dict(zip(ctx.order, gs)))
         return tuple(outs[r] for r in ctx.order)
+
+
+def _differentiable_backward(ctx, gs):
+    """The backward of a ``create_graph=True`` pass (``paddle.grad`` of a gradient penalty, a Hessian): the
+    adjoint runs as a collective itself, whose own adjoint is the forward (the pairs in the table above are
+    adjoint both ways under the gradient convention), so higher derivatives flow through the communication.
+    P(max)/P(min) (a data-dependent routing) is refused."""
+    if getattr(ctx.fwd, "nonlinear", False):
+        raise NotImplementedError("a second derivative through an all_reduce(max/min) (a Partial('max'/'min') "
+                                  "reduction) is not supported; reduce with sum or avg on that path")
+    with local_mode():
+        outs = _run_local(dict(zip(ctx.order, gs)), ctx.bwd, ctx.fwd)
+    return tuple(outs[r] for r in ctx.order)
 
 
 def _run(xs, fwd, bwd):
@@ -207,6 +222,7 @@ def all_reduce(xs, ranks, op="sum"):
             ties = _reduce_raw(dict(saved), ranks, "sum")
             return {r: t * saved[r] / paddle.clip(ties[r], min=1.0) for r, t in g.items()}
 
+        fwd_mm.nonlinear = True
         return _run(xs, fwd_mm, bwd_mm)
     return _run(xs, lambda v: _reduce_raw(v, ranks, op), bwd)
 
@@ -309,3 +325,27 @@ def mesh_groups_apply(xs, mesh, dim, fn):
         if held:
             out.update(fn(held, ranks))
     return out
+
+
+class _Pick(PyLayer):
+    @staticmethod
+    def forward(ctx, n, *ts):
+        ctx.n = n
+        return paddle.assign(ts[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(g for _ in range(ctx.n))
+
+
+def pick_replicated(xs: dict):
+    """The simulated world's one tensor for a value replicated over the held ranks ``xs`` ({rank: copy}): the
+    lowest rank's copy, whose gradient reaches every copy (each rank's local gradient of a replicated tensor is
+    the whole gradient, as each real rank's own copy receives it); reading only the lowest rank's copy would
+    leave the other ranks' shards upstream without a gradient."""
+    ranks = sorted(xs)
+    ts = [xs[r] for r in ranks]
+    if len(ts) == 1 or not paddle.is_grad_enabled() or all(t.stop_gradient for t in ts):
+        return ts[0]
+    with local_mode():
+        return _Pick.apply(len(ts), *ts)

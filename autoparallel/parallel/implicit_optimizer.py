@@ -29,9 +29,23 @@ def wrapper_for(opt):
     if w is None:
         from autoparallel.parallel.optimizer import ShardedOptimizer
 
+        _check_not_zero(opt)
         w = ShardedOptimizer(opt, None, 1, overlap=False)
         _WRAPPERS.set(opt, w)
     return w
+
+
+def _check_not_zero(opt) -> None:
+    """A second, plain optimizer over parameters a ZeRO optimizer manages would step them without the sharding
+    the strategy asked for (stage 3: over released parameters): refused, naming the optimizer to step."""
+    from autoparallel.dist_tensor_forms import ZERO_OWNERS
+
+    owned = [p.name for p in flat_params(opt) if ZERO_OWNERS.get(p) is not None and ZERO_OWNERS.get(p)() is not None]
+    if owned:
+        raise NotImplementedError(
+            f"{type(opt).__name__}.step over {len(owned)} parameters ({', '.join(owned[:3])}) that a ZeRO optimizer "
+            f"manages (the optimizer ap.parallelize / ap.shard_optimizer returned): step that optimizer instead "
+            f"(PaddleFormers: Trainer(..., optimizers=(opt, None)))")
 
 
 def resolve(opt):

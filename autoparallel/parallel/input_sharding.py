@@ -62,6 +62,9 @@ def shard_inputs(model, mesh) -> None:
         if unknown:
             raise ValueError(f"parallel_guard names mesh dims {unknown}; the model's mesh has {mesh.dim_names}")
         placements = [Shard(0) if n in dims else Replicate() for n in mesh.dim_names]
+        if isinstance(x, paddle.Tensor) and not x.stop_gradient:     # its gradient is asked for: keep the path
+            from autoparallel.input_grad import shard_input
+            return shard_input(x, mesh, placements)
         return shard_tensor(x, mesh, placements)
 
     def pre(_layer, args, kwargs):                 # keyword inputs (model(input_ids=..., labels=...)) too

@@ -133,7 +133,20 @@ class ShardedOptimizer(StepHooks):
             from autoparallel.parallel.sim_step import RankCopies
 
             copies = self.__dict__["_rank_copies"] = (key, RankCopies(self._inner, params))
+            loaded = self.__dict__.pop("_loaded_state", None)
+            if loaded is not None:                  # set_state_dict before the first step
+                copies[1].load_state(loaded)
         copies[1].step()
+
+    def set_state_dict(self, state_dict):
+        """paddle's; in the simulated world the other ranks' optimizer copies load it too (sim_step.py)."""
+        out = self._inner.set_state_dict(state_dict)
+        copies = self.__dict__.get("_rank_copies")
+        if copies is not None:
+            copies[1].load_state(state_dict)
+        else:
+            self.__dict__["_loaded_state"] = dict(state_dict)
+        return out
 
     def clear_grad(self, set_to_zero: bool = True):
         self.grad_sync.reset()

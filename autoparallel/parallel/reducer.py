@@ -30,6 +30,7 @@ import paddle
 from autoparallel.comm.world import current_world
 from autoparallel.compat import SideData, register_after_accumulate_hook
 from autoparallel.local_mode import local_mode
+from autoparallel.no_sync import suspended
 
 
 class Reducer:
@@ -124,6 +125,8 @@ class Reducer:
         return [sum(not p.locals[r].stop_gradient for p in b for r in self._held[id(p)]) for b in self.buckets]
 
     def after_accumulate(self, p, r) -> None:
+        if suspended(p):                    # a backward inside model.no_sync(): not synchronised (no_sync.py)
+            return
         if self._left is None:
             self._left = self._count_left()
         key = (id(p), r)

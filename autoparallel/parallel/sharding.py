@@ -406,8 +406,21 @@ class ZeroOptimizer(StepHooks):
                              f"was built with, not of the given {type(model).__name__}")
         return zero_training_state(self, model)
 
+    def state_dict(self):
+        raise NotImplementedError(_NO_STATE_DICT.format(what="state_dict", stage=self.stage))
+
+    def set_state_dict(self, state_dict):
+        raise NotImplementedError(_NO_STATE_DICT.format(what="set_state_dict", stage=self.stage))
+
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+# paddle's state_dict() forwarded to the wrapped optimizer was {} (it holds no states: the chunk optimizers do),
+# so a save / set_state_dict round trip silently restored nothing
+_NO_STATE_DICT = ("optimizer.{what}() under ZeRO (sharding stage {stage}): the optimizer states live as flat chunks "
+                  "of the data ranks, which paddle's per-parameter state dict does not describe; save and load with "
+                  "ap.save_state_dict(ap.training_state(model, optimizer), path) / ap.load_state_dict(...)")
 
 
 def _gather(v, ranks, layout) -> dict:

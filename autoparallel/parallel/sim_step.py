@@ -40,9 +40,29 @@ class RankCopies:
 
     def __init__(self, inner, params):
         self.inner = inner
+        self.params = [p for p in params if is_dist(p)]
+        self.owner = {}                                 # shadow name -> its distributed parameter
         self.opts = {}                                  # rank -> (paddle optimizer, [(local, shadow)])
         for r, pairs in sorted(other_rank_copies(params).items()):
             self.opts[r] = self._make(r, pairs)
+
+    def load_state(self, state_dict: dict) -> None:
+        """``set_state_dict`` of the user's optimizer (the lowest rank's copies) for every other rank's copies: a
+        replicated parameter's states are every rank's; a copy holding another shard than the lowest rank's has
+        states this dict does not hold, so that load is refused."""
+        for r, (opt, links) in self.opts.items():
+            sub = {k: v for k, v in state_dict.items() if not any(k.startswith(p.name + "_") for p in self.params)}
+            for t, s in links:
+                p = self.owner[s.name]
+                if not _same_shard(p, r):
+                    raise NotImplementedError(
+                        f"optimizer.set_state_dict in the simulated world: {p.name} is split "
+                        f"({', '.join(map(str, p.placements))}) and the state dict holds the lowest rank's shard's "
+                        f"states only; restore a run with ap.training_state / ap.save_state_dict and "
+                        f"ap.load_state_dict (or on real ranks, where each rank loads its own)")
+                sub.update({s.name + k[len(p.name):]: v for k, v in state_dict.items() if k.startswith(p.name + "_")})
+            with local_mode():
+                opt.set_state_dict(sub)
 
     def _make(self, r, pairs):
         from autoparallel.compat import EagerParamBase
@@ -57,6 +77,7 @@ class RankCopies:
             s.regularizer = getattr(p, "regularizer", None)
             s.need_clip = getattr(p, "need_clip", True)
             names[s.name] = p.name
+            self.owner[s.name] = p
             shadows.append(s)
             links.append((t, s))
         return clone_optimizer(self.inner, shadows, names, whole=True), links
@@ -78,3 +99,10 @@ class RankCopies:
         from autoparallel.parallel.optim_clone import state_tensors
 
         return state_tensors(self.opts[rank][0])
+
+
+def _same_shard(p, r) -> bool:
+    """Whether rank ``r`` holds the same part of ``p`` as the lowest rank holding it."""
+    low = min(p.locals)
+    a, b = p.mesh.coords_of(r), p.mesh.coords_of(low)
+    return all(a[i] == b[i] or not (pl.is_shard() or pl.is_block_shard()) for i, pl in enumerate(p.placements))

@@ -52,26 +52,47 @@ def _post(zopt, own, key):
                 for t in outs:
                     t.register_hook(lambda g: zopt.gather(own))
                 if ins:
-                    release = _release_after_backward(zopt, own, key)
+                    release = _release_after_backward(zopt, own, key, len(ins))
                     for t in ins:
                         t.register_hook(release)
         zopt.free(own)
     return hook
 
 
-def _release_after_backward(zopt, own, key):
-    """The hook ending one use's backward: releases ``own`` once no other use's backward needs them."""
+def _release_after_backward(zopt, own, key, n: int = 1):
+    """The hook on the ``n`` input tensors of one use (every held rank's): ``own`` is released once all ``n``
+    gradients arrived (the layer's backward is over on every held rank; one rank's input gradient arriving
+    first must not release the other ranks' parameters in the simulated world) and no other use's backward
+    needs them. An input whose hook never fires (``paddle.grad`` with it as a target) leaves ``own`` gathered
+    until the step releases it."""
     uses = zopt.stage3_uses
     uses[key] = uses.get(key, 0) + 1
     done = []
 
     def release(_g):
-        if not done:
-            done.append(True)
+        done.append(True)
+        if len(done) == n:
             uses[key] -= 1
-            if uses[key] <= 0:
+            if uses[key] <= 0 and not _HOLDS[0]:
                 zopt.free(own)
     return release
+
+
+_HOLDS = [0]            # live create_graph gradients: their graph reads the parameters again (hold them whole)
+
+
+def hold() -> "callable":
+    """Keep every ZeRO-3 parameter gathered in backward (released by the optimizer step instead) until the
+    returned callable runs: ``paddle.grad(..., create_graph=True)`` builds a graph of gradient nodes that read
+    the parameters in a later backward, where no layer hook gathers them again."""
+    _HOLDS[0] += 1
+    done = []
+
+    def end():
+        if not done:
+            done.append(True)
+            _HOLDS[0] -= 1
+    return end
 
 
 def _tensors(x) -> list:

@@ -91,6 +91,12 @@ class PipelineModule:
         self.zero = None                     # strategy.sharding: (stage, degree, offload) for wrap_optimizer (zero.py)
         self.failed = None                   # real ranks: what made a step fail (no further step runs)
 
+    def no_sync(self):
+        """paddle.DataParallel's accumulation context has no meaning here: ``train_batch`` runs the micro-batches."""
+        raise NotImplementedError("no_sync() on a pipeline-parallel model: train_batch(...) already accumulates "
+                                  "the micro-batches and reduces once; set strategy.pipeline_parallel.micro_batches "
+                                  "instead of calling backward under no_sync")
+
     # ---- what this process holds --------------------------------------------------------------------------
     @property
     def schedule(self):
