@@ -24,6 +24,7 @@ from autoparallel import dispatch as D
 from autoparallel.compat import owner_of, static_value_converter
 from autoparallel.context import state as _ctx
 from autoparallel.dispatch import _any_dist, _tracing_tensors
+from autoparallel.dispatch_values import VALUE_OPS, resolve as resolve_values
 from autoparallel.shadows import SHADOWS
 
 
@@ -93,6 +94,10 @@ def _routed(op, path, orig):
     def wrapper(*args, **kwargs):
         if _ctx.local_depth > 0 or not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
             return orig(*args, **kwargs)
+        if op in VALUE_OPS:             # tensors standing for numbers (arange(h), expand([-1, w])) read first
+            args, kwargs = resolve_values(op, args, kwargs)
+            if not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
+                return orig(*args, **kwargs)
         return D.run(op, path, args, kwargs)
 
     wrapper.__wrapped__ = orig

@@ -1,0 +1,39 @@
+"""Tensors standing for python numbers: paddle accepts a 0-d (or small 1-d) tensor where a creation op or a
+shape argument wants a number (``paddle.arange(h)``, ``x.expand([-1, w])``, ``x.reshape([h // 2, 2])``, with
+``h``, ``w`` read from a tensor such as a vision model's ``grid_thw``). A distributed tensor there is read as
+its global value (``item()`` / ``tolist()``: gathered or reduced when sharded or Partial) before the op is
+routed; when no distributed tensor remains the op runs as plain paddle, as it would on those numbers."""
+from __future__ import annotations
+
+from autoparallel.dist_tensor import DistParameter, DistTensor
+
+# op -> how many leading positional arguments are tensors (the rest, and every keyword but these, are values)
+VALUE_OPS = {"arange": 0, "full": 0, "zeros": 0, "ones": 0, "expand": 1, "reshape": 1, "view": 1, "tile": 1,
+             "broadcast_to": 1, "pad": 1}
+_TENSOR_KW = ("x", "input", "self")
+
+
+def _is_dist(v) -> bool:
+    return type(v) is DistTensor or (isinstance(v, DistParameter) and hasattr(v, "_ap_spec"))
+
+
+def _value(v, element=False):
+    """A tensor's value: a number when 0-d (or one element inside a list, like paddle's shape lists), else
+    a list."""
+    if _is_dist(v):
+        t = v if type(v) is DistTensor else v.as_dist()
+        return t.item() if not t.shape or (element and t.numel() == 1) else t.tolist()
+    if type(v) in (list, tuple) and any(_is_dist(u) for u in v):
+        return type(v)(_value(u, True) for u in v)
+    return v
+
+
+def resolve(op: str, args: tuple, kwargs: dict):
+    """``(args, kwargs)`` with distributed tensors in value positions of ``op`` replaced by their values."""
+    lead = VALUE_OPS.get(op)
+    if lead is None:
+        return args, kwargs
+    one = op == "arange"                  # start/end/step: a one-element tensor is a number
+    args = tuple(args[:lead]) + tuple(_value(v, one) for v in args[lead:])
+    kwargs = {k: (v if k in _TENSOR_KW else _value(v, one)) for k, v in kwargs.items()}
+    return args, kwargs
