@@ -150,6 +150,7 @@ def _install_composites() -> None:
     from spmd_rules.composites import COMPOSITES
     from spmd_rules.composites_more import COMPOSITES as MORE_COMPOSITES
     from spmd_rules.composites_shape import COMPOSITES as SHAPE_COMPOSITES
+    from spmd_rules.composites_compat import COMPOSITES as COMPAT_COMPOSITES
 
     from autoparallel import autograd_forms, copy_forms
 
@@ -157,7 +158,7 @@ def _install_composites() -> None:
                 "paddle.autograd.backward": autograd_forms.backward,
                 "paddle.to_tensor": copy_forms.to_tensor, "paddle.assign": copy_forms.assign}
     mapping = {}
-    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **autograd}.items():
+    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **autograd}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):
@@ -175,6 +176,8 @@ def _install_composites() -> None:
 
 def _guarded(name, orig):
     def wrapper(*args, **kwargs):
+        if _ctx.local_depth == 0 and _any_dist(args, kwargs) and _guarded_op(name) in VALUE_OPS:
+            args, kwargs = resolve_values(_guarded_op(name), args, kwargs)      # linspace(0, n - 1, h)
         if _ctx.local_depth == 0 and _any_dist(args, kwargs):
             raise NotImplementedError(f"{name} has no spmd rule, so it cannot run on distributed tensors; "
                                       f"register one with spmd_rules.register_spmd_rule({name.rsplit('.', 1)[-1]!r})")
@@ -185,6 +188,10 @@ def _guarded(name, orig):
     wrapper.__doc__ = getattr(orig, "__doc__", None)
     wrapper._ap_guard = True
     return wrapper
+
+
+def _guarded_op(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
 
 
 # Tensor methods that act on storage, not values: they keep working on a DistParameter's local shard.

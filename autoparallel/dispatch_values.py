@@ -9,7 +9,9 @@ from autoparallel.dist_tensor import DistParameter, DistTensor
 
 # op -> how many leading positional arguments are tensors (the rest, and every keyword but these, are values)
 VALUE_OPS = {"arange": 0, "full": 0, "zeros": 0, "ones": 0, "expand": 1, "reshape": 1, "view": 1, "tile": 1,
-             "broadcast_to": 1, "pad": 1}
+             "broadcast_to": 1, "pad": 1,
+             "linspace": 0, "split": 1, "full_like": 1}
+_NUMBERS = ("arange", "linspace")         # start/end/step/num: a one-element tensor is a number
 _TENSOR_KW = ("x", "input", "self")
 
 
@@ -33,7 +35,14 @@ def resolve(op: str, args: tuple, kwargs: dict):
     lead = VALUE_OPS.get(op)
     if lead is None:
         return args, kwargs
-    one = op == "arange"                  # start/end/step: a one-element tensor is a number
+    one = op in _NUMBERS
     args = tuple(args[:lead]) + tuple(_value(v, one) for v in args[lead:])
     kwargs = {k: (v if k in _TENSOR_KW else _value(v, one)) for k, v in kwargs.items()}
     return args, kwargs
+
+
+def nested_values(data):
+    """A (nested) list or tuple with distributed tensors in it, those read as numbers or lists."""
+    if type(data) in (list, tuple):
+        return type(data)(nested_values(v) for v in data)
+    return _value(data, True) if _is_dist(data) else data

@@ -135,6 +135,8 @@ OP_TABLE: dict = {
     "masked_select": _fn("masked_select"),
     "masked_scatter": _fn("masked_scatter"),
     "argwhere": ("paddle.argwhere",),
+    "searchsorted": ("paddle.searchsorted",),
+    "bucketize": _fn("bucketize"),
     "bincount": _fn("bincount"),
     "unique": _fn("unique"),
     # more everyday ops (spmd_rules/more_ops.py)
