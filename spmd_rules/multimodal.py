@@ -43,6 +43,6 @@ def masked_scatter(x, mask, value, name=None):
 
 
 @register_spmd_rule("argwhere")
-def argwhere(x, name=None):
-    check_spec("argwhere", "x", x)
-    return replicate_all("argwhere", [x])
+def argwhere(input):
+    check_spec("argwhere", "input", input)
+    return replicate_all("argwhere", [input])

@@ -34,9 +34,15 @@ def _search(op, seq, values, out_int32):
 
 
 @register_spmd_rule("searchsorted")
-def searchsorted(sorted_sequence, values, out_int32=False, right=False, name=None):
+def searchsorted(sorted_sequence, values, out_int32=False, right=False, name=None, *, side=None, sorter=None):
+    """``sorter`` (a permutation sorting the sequence) is gathered with it."""
+    if side not in (None, "left", "right"):
+        raise ValueError(f"searchsorted: side must be 'left' or 'right', got {side!r}")
     res = _search("searchsorted", sorted_sequence, values, out_int32)
-    return res
+    if sorter is None:
+        return res
+    check_spec("searchsorted", "sorter", sorter)
+    return SpmdResult(res.inputs + (_rep(sorter),), res.outputs)
 
 
 @register_spmd_rule("bucketize")
