@@ -90,13 +90,6 @@ class DistTensor(OpMethods):
             return t.place
         return paddle.CPUPlace() if paddle.is_compiled_with_cuda() is False else paddle.CUDAPlace(0)
 
-    @property
-    def device(self):
-        """paddle's ``Tensor.device`` of this process's shards (``x.to(y.device, y.dtype)`` in model code)."""
-        for t in self._locals.values():
-            return t.device
-        return paddle.ones([]).device
-
     def dim(self) -> int:
         return self._spec.ndim
 
