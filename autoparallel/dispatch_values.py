@@ -5,6 +5,8 @@ its global value (``item()`` / ``tolist()``: gathered or reduced when sharded or
 routed; when no distributed tensor remains the op runs as plain paddle, as it would on those numbers."""
 from __future__ import annotations
 
+import math
+
 from autoparallel.dist_tensor import DistParameter, DistTensor
 
 # op -> how many leading positional arguments are tensors (the rest, and every keyword but these, are values)
@@ -12,6 +14,7 @@ VALUE_OPS = {"arange": 0, "full": 0, "zeros": 0, "ones": 0, "expand": 1, "reshap
              "broadcast_to": 1, "pad": 1,
              "linspace": 0, "split": 1, "full_like": 1}
 _NUMBERS = ("arange", "linspace")         # start/end/step/num: a one-element tensor is a number
+_FILL = {"full": 1, "full_like": 1}       # the position of fill_value (also a number when one element)
 _TENSOR_KW = ("x", "input", "self")
 
 
@@ -19,12 +22,16 @@ def _is_dist(v) -> bool:
     return type(v) is DistTensor or (isinstance(v, DistParameter) and hasattr(v, "_ap_spec"))
 
 
+def _holds_dist(v) -> bool:
+    return _is_dist(v) or (type(v) in (list, tuple) and any(_is_dist(u) for u in v))
+
+
 def _value(v, element=False):
     """A tensor's value: a number when 0-d (or one element inside a list, like paddle's shape lists), else
     a list."""
     if _is_dist(v):
         t = v if type(v) is DistTensor else v.as_dist()
-        return t.item() if not t.shape or (element and t.numel() == 1) else t.tolist()
+        return t.item() if not t.shape or (element and math.prod(t.shape) == 1) else t.tolist()
     if type(v) in (list, tuple) and any(_is_dist(u) for u in v):
         return type(v)(_value(u, True) for u in v)
     return v
@@ -35,9 +42,13 @@ def resolve(op: str, args: tuple, kwargs: dict):
     lead = VALUE_OPS.get(op)
     if lead is None:
         return args, kwargs
+    if not any(map(_holds_dist, args[lead:])) and \
+            not any(_holds_dist(v) for k, v in kwargs.items() if k not in _TENSOR_KW):
+        return args, kwargs              # the common case: numbers already
     one = op in _NUMBERS
-    args = tuple(args[:lead]) + tuple(_value(v, one) for v in args[lead:])
-    kwargs = {k: (v if k in _TENSOR_KW else _value(v, one)) for k, v in kwargs.items()}
+    fill = _FILL.get(op)
+    args = tuple(v if i < lead else _value(v, one or i == fill) for i, v in enumerate(args))
+    kwargs = {k: (v if k in _TENSOR_KW else _value(v, one or k == "fill_value")) for k, v in kwargs.items()}
     return args, kwargs
 
 

@@ -53,6 +53,20 @@ def test_masked_scatter_with_uneven_image_tokens_equals_paddle():
     assert str(get_spmd_rule("masked_scatter")(*specs)) == "(R, R, R) -> R"
 
 
+def test_masked_scatter_call_forms():
+    """The function, the method and the in-place method (GLM's ``inputs_embeds[mask] = ...`` is setitem)."""
+    x, mask, value = _scatter_case()
+    m3 = np.broadcast_to(mask[..., None], x.shape).copy()
+    want = paddle.masked_scatter(*[paddle.to_tensor(a) for a in (x, m3, value)]).numpy()
+    with ap.simulate(world_size=2):
+        d = [ap.shard_tensor(paddle.to_tensor(a), _mesh(), [ap.Shard(0)]) for a in (x, m3, value)]
+        got = [paddle.masked_scatter(*d), paddle.masked_scatter(x=d[0], mask=d[1], value=d[2])]
+        d[0].masked_scatter_(d[1], d[2])
+        got = [g.full().numpy() for g in got + [d[0]]]
+    for g in got:
+        np.testing.assert_allclose(g, want)
+
+
 def test_negative_control_per_shard_masked_scatter_is_wrong():
     """Each rank scattering value from its first row into its own samples (no data-dependent offset): wrong,
     since samples 0 and 1 hold 4 image tokens -- rank 1 must start at value row 4."""
@@ -122,6 +136,7 @@ def _grid_values(grid):
         out.append(F.pad(idx, (0, 4 - w % 4, 0, 4 - h % 4), "constant", -100).flatten())
         out.append(paddle.linspace(0, 3, h))
         out.append(paddle.full_like(paddle.ones([2], "int64"), h * w))
+        out.append(paddle.full([2], h // 2, dtype="int64"))                 # a [1] tensor as the fill value
         out.append(paddle.to_tensor([t, h, w]))
         out.append(h // 2)
     return out
