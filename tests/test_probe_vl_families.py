@@ -1,5 +1,6 @@
 """The vision-language families of PaddleFormers 1.2, unedited, in the simulated 4-rank world, with image and text
-inputs built by hand (packed patches, ``image_grid_thw``, image tokens between vision start / end tokens): the
+inputs built by hand (packed patches of images of different sizes, ``image_grid_thw``, image tokens between vision
+start / end tokens; a data-parallel split then cuts an image's patches across ranks): the
 seed shard function with the vision towers' names (fused qkv, fc1/fc2, proj, linear_fc1/2) on a 2x2 ["data",
 "model"] mesh with every input split over "data" equals one process (loss and every gradient, vision tower
 included); ``ap.parallelize`` (dp=2, tp=2) through an AdamW step and a second forward; ``auto_mode="full"``; every
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.skipif(not pf.available(), reason="paddleformers not in
 import autoparallel as ap  # noqa: E402
 
 RTOL, ATOL, LR = 1e-4, 1e-5, 1e-3
+GRIDS = [(1, 4, 4), (1, 2, 4), (1, 4, 2), (1, 2, 2)]      # images of different sizes: 4, 2, 2, 1 image tokens
 SPEECH = ("qwen3_omni_moe", "whisper")
 _REF = {}
 
@@ -36,7 +38,7 @@ def reference(name):
     if name not in _REF:
         model = pf.vl_build(name)
         opt = paddle.optimizer.AdamW(LR, parameters=model.parameters())
-        batch = pf.vl_batch(name)
+        batch = pf.vl_batch(name, grids=GRIDS)
         loss = pf.loss_of(model(**_inputs(batch)))
         loss.backward()
         grads = _grads(model)
@@ -52,7 +54,7 @@ def seed_sharded(name, reduce_grads=True):
     with ap.simulate(world_size=4):
         mesh = pf.mesh_2x2()
         model = ap.shard_layer(pf.vl_build(name), mesh, pf.vl_shard_fn)
-        loss = pf.loss_of(model(**_inputs(pf.vl_batch(name), mesh)))
+        loss = pf.loss_of(model(**_inputs(pf.vl_batch(name, grids=GRIDS), mesh)))
         loss.backward()
         if reduce_grads:
             ap.reduce_gradients(model.parameters())
@@ -93,7 +95,7 @@ def _parallelized_run(name, strategy, **kwargs):
     model = pf.vl_build(name)
     opt = paddle.optimizer.AdamW(LR, parameters=model.parameters())
     model, opt = ap.parallelize(model, opt, strategy=strategy, **kwargs)
-    batch = pf.vl_batch(name)
+    batch = pf.vl_batch(name, grids=GRIDS)
     loss = pf.loss_of(model(**_inputs(batch)))
     loss.backward()
     opt.reduce_gradients()

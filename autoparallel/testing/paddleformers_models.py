@@ -356,19 +356,22 @@ def vl_build(name: str, seed: int = 0):
     return getattr(modeling, cls)(cfg)
 
 
-def vl_batch(name: str, seed: int = 0, b: int = 4, t: int = 12, grid=(1, 4, 4)) -> dict:
+def vl_batch(name: str, seed: int = 0, b: int = 4, t: int = 12, grid=(1, 4, 4), grids=None) -> dict:
     """{input_ids, labels, pixel_values, image_grid_thw} as numpy arrays: one image of ``grid`` patches per
-    sample, its merged tokens (grid / 4) between vision start and end tokens. Pixels are flattened patches
-    [patches, 3*2*2*2], or [patches, 3, 2, 2] images for PaddleOCR-VL's 2-D patch embedding."""
+    sample (or ``grids``, one per sample: images of different sizes), its merged tokens (patches / 4) between
+    vision start and end tokens. Pixels are flattened patches [patches, 3*2*2*2], or [patches, 3, 2, 2] images
+    for PaddleOCR-VL's 2-D patch embedding."""
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, 100, (b, t)).astype("int64")
-    n = int(np.prod(grid)) // 4
-    ids[:, 2], ids[:, 3:3 + n], ids[:, 3 + n] = VL_START, VL_IMAGE, VL_END
-    patches = b * int(np.prod(grid))
+    grids = [tuple(grid)] * b if grids is None else [tuple(g) for g in grids]
+    ids = rng.integers(0, 100, (len(grids), t)).astype("int64")
+    for i, g in enumerate(grids):
+        n = int(np.prod(g)) // 4
+        ids[i, 2], ids[i, 3:3 + n], ids[i, 3 + n] = VL_START, VL_IMAGE, VL_END
+    patches = sum(int(np.prod(g)) for g in grids)
     shape = (patches, 3, 2, 2) if name == "paddleocr_vl" else (patches, 3 * 2 * 2 * 2)
-    return {"input_ids": ids, "labels": rng.integers(0, 100, (b, t)).astype("int64"),
+    return {"input_ids": ids, "labels": rng.integers(0, 100, ids.shape).astype("int64"),
             "pixel_values": rng.standard_normal(shape).astype("float32"),
-            "image_grid_thw": np.array([grid] * b, "int64")}
+            "image_grid_thw": np.array(grids, "int64")}
 
 
 def vl_shard_fn(name, sublayer, mesh):
