@@ -9,14 +9,17 @@ of ``value`` in row-major order -- a vision-language model writing image feature
 at the image-token positions.
 
 Which element of ``value`` lands on a rank's shard of x depends on how many True values the mask holds
-before that shard (a data-dependent offset), so every input is gathered to R and the output is replicated
-with x's shape (known: no value-dependent size). A Partial x or value is reduced first (the op is not linear
-in x: the scattered positions would be summed once per rank). The next op with a sharded operand slices the
-result again locally (no communication).
+before that shard (a data-dependent offset). With x split over its dim 0 on one mesh dim (the batch, data
+parallel) and a mask of x's shape, x and the mask keep that split, the values are R, and the runtime's
+``sharded_masked_scatter`` finds each rank's offset with one tiny all_reduce of the per-rank counts
+(``local_attrs()['row_mesh_dim']``); other mesh dims are gathered. Otherwise (a broadcast mask, dim 0
+replicated or split over several mesh dims) every input is gathered to R and the output is replicated with x's
+shape; the next op with a sharded operand slices it again locally. A Partial x or value is reduced first (the
+op is not linear in x: the scattered positions would be summed once per rank).
 """
 from __future__ import annotations
 
-from autoparallel.core.placement import Replicate
+from autoparallel.core.placement import Replicate, Shard
 from autoparallel.core.spec import DistSpec
 
 from spmd_rules.registry import register_spmd_rule
@@ -39,7 +42,12 @@ def masked_scatter(x, mask, value, name=None):
         raise TypeError(f"masked_scatter: value must have x's dtype {x.dtype}, got {value.dtype}")
     if broadcast_shapes("masked_scatter", x.shape, mask.shape) != tuple(x.shape):
         raise ValueError(f"masked_scatter: mask {list(mask.shape)} must broadcast to x {list(x.shape)}")
-    return SpmdResult((_rep(x), _rep(mask), _rep(value)), (_rep(x),))
+    rows = [m for m, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim == 0]
+    if len(rows) != 1 or tuple(mask.shape) != tuple(x.shape):
+        return SpmdResult((_rep(x), _rep(mask), _rep(value)), (_rep(x),))
+    split = x.with_placements(tuple(Shard(0) if m == rows[0] else Replicate() for m in range(len(x.placements))))
+    return SpmdResult((split, mask.with_placements(split.placements), _rep(value)), (split,),
+                      "sharded_masked_scatter", lambda coords: {"row_mesh_dim": rows[0]})
 
 
 @register_spmd_rule("argwhere")

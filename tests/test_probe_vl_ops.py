@@ -28,11 +28,11 @@ def _scatter_case():
     return x, mask, value
 
 
-def _scatter(x, mask, value, mesh=None):
+def _scatter(x, mask, value, mesh=None, place=None):
     """(output, grad of x, grad of value) of masked_scatter then a weighted sum."""
     t = [paddle.to_tensor(a) for a in (x, mask, value)]
     if mesh is not None:
-        t = [ap.shard_tensor(a, mesh, [ap.Shard(0)]) for a in t]
+        t = [ap.shard_tensor(a, mesh, place or [ap.Shard(0)]) for a in t]
     t[0].stop_gradient = t[2].stop_gradient = False
     m = t[1].unsqueeze(-1).expand_as(t[0])
     out = t[0].masked_scatter(m, t[2])
@@ -42,14 +42,23 @@ def _scatter(x, mask, value, mesh=None):
     return [v.numpy() for v in whole]
 
 
-def test_masked_scatter_with_uneven_image_tokens_equals_paddle():
+@pytest.mark.parametrize("world,place", [(2, None), (4, None), (4, "S(0),S(1)")], ids=["2", "4", "2x2"])
+def test_masked_scatter_with_uneven_image_tokens_equals_paddle(world, place):
+    """On 4 ranks, rank 2 holds a sample with no image token; on 2x2 the rows split over "dp" and the sequence
+    over "mp" (gathered: the offsets follow the rows)."""
     want = _scatter(*_scatter_case())
-    with ap.simulate(world_size=2):
-        got = _scatter(*_scatter_case(), _mesh())
+    with ap.simulate(world_size=world):
+        mesh = _mesh() if world == 2 else ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+        if place is not None:
+            mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+            place = [ap.Shard(0), ap.Shard(1)]
+        got = _scatter(*_scatter_case(), mesh, place)
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
     specs = [ap.DistSpec(_mesh(), (ap.Shard(0),), s, d) for s, d in
              (((4, 5, 3), "float32"), ((4, 5, 3), "bool"), ((6, 3), "float32"))]
+    assert str(get_spmd_rule("masked_scatter")(*specs)) == "(S(0), S(0), R) -> S(0) via sharded_masked_scatter"
+    specs[1] = ap.DistSpec(_mesh(), (ap.Shard(0),), (4, 5, 1), "bool")       # a broadcast mask: gathered
     assert str(get_spmd_rule("masked_scatter")(*specs)) == "(R, R, R) -> R"
 
 
