@@ -93,6 +93,8 @@ Local ops the runtime provides (same arguments as the paddle op, plus ``local_at
   over ``batch_mesh_dims``.
 * ``sync_batch_norm`` (collectives): training batch_norm with statistics all-reduced over
   ``stat_mesh_dims``.
+* ``sharded_masked_scatter`` (collective): x and its mask split over dim 0 on ``row_mesh_dim``, values R;
+  each rank's offset into the values from an all-reduced vector of per-rank True counts.
 * ``sharded_dropout``, ``sharded_attention_dropout``, ``sharded_random`` (shared RNG): draw for the
   ``global_shape`` from the mesh-synchronised generator, keep ``local_slices``.
 
