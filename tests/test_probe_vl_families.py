@@ -1,6 +1,6 @@
 """The vision-language families of PaddleFormers 1.2, unedited, in the simulated 4-rank world, with image and text
 inputs built by hand (packed patches of images of different sizes, ``image_grid_thw``, image tokens between vision
-start / end tokens; a data-parallel split then cuts an image's patches across ranks): the
+start / end tokens; a data-parallel split then cuts an image's patches across ranks; padded samples): the
 seed shard function with the vision towers' names (fused qkv, fc1/fc2, proj, linear_fc1/2) on a 2x2 ["data",
 "model"] mesh with every input split over "data" equals one process (loss and every gradient, vision tower
 included); ``ap.parallelize`` (dp=2, tp=2) through an AdamW step and a second forward; ``auto_mode="full"``; every
@@ -21,6 +21,15 @@ SPEECH = ("qwen3_omni_moe", "whisper")
 _REF = {}
 
 
+def batch(name):
+    """Images of different sizes, and padding at the end of samples 1 and 3 (attention_mask, labels -100)."""
+    b = pf.vl_batch(name, grids=GRIDS)
+    mask = np.ones_like(b["input_ids"])
+    mask[1, -3:] = mask[3, -1:] = 0
+    b["labels"] = np.where(mask == 1, b["labels"], -100)
+    return {**b, "attention_mask": mask}
+
+
 def _grads(model):
     return {n: pf._grad_np(p) for n, p in model.named_parameters()}
 
@@ -38,13 +47,13 @@ def reference(name):
     if name not in _REF:
         model = pf.vl_build(name)
         opt = paddle.optimizer.AdamW(LR, parameters=model.parameters())
-        batch = pf.vl_batch(name, grids=GRIDS)
-        loss = pf.loss_of(model(**_inputs(batch)))
+        data = batch(name)
+        loss = pf.loss_of(model(**_inputs(data)))
         loss.backward()
         grads = _grads(model)
         opt.step()
         opt.clear_grad()
-        loss2 = float(pf.loss_of(model(**_inputs(batch))))
+        loss2 = float(pf.loss_of(model(**_inputs(data))))
         _REF[name] = float(loss), grads, loss2, {n: p.numpy() for n, p in model.named_parameters()}
     return _REF[name]
 
@@ -54,7 +63,7 @@ def seed_sharded(name, reduce_grads=True):
     with ap.simulate(world_size=4):
         mesh = pf.mesh_2x2()
         model = ap.shard_layer(pf.vl_build(name), mesh, pf.vl_shard_fn)
-        loss = pf.loss_of(model(**_inputs(pf.vl_batch(name, grids=GRIDS), mesh)))
+        loss = pf.loss_of(model(**_inputs(batch(name), mesh)))
         loss.backward()
         if reduce_grads:
             ap.reduce_gradients(model.parameters())
@@ -95,14 +104,14 @@ def _parallelized_run(name, strategy, **kwargs):
     model = pf.vl_build(name)
     opt = paddle.optimizer.AdamW(LR, parameters=model.parameters())
     model, opt = ap.parallelize(model, opt, strategy=strategy, **kwargs)
-    batch = pf.vl_batch(name, grids=GRIDS)
-    loss = pf.loss_of(model(**_inputs(batch)))
+    data = batch(name)
+    loss = pf.loss_of(model(**_inputs(data)))
     loss.backward()
     opt.reduce_gradients()
     grads = _grads(model)
     opt.step()
     opt.clear_grad()
-    loss2 = float(pf.loss_of(model(**_inputs(batch))))
+    loss2 = float(pf.loss_of(model(**_inputs(data))))
     params = {n: (p.full().numpy() if hasattr(p, "full") else p.numpy()) for n, p in model.named_parameters()}
     return model, (float(loss), grads, loss2, params)
 
