@@ -165,3 +165,26 @@ def test_ernie_vl_skip_names_a_kernel_missing_on_cpu():
 
     with pytest.raises(RuntimeError, match="moe_gate_dispatch.*not registered"):
         moe_gate_dispatch(paddle.randn([4, 8]), paddle.randn([4, 2]), None, 2, 4, True, False)
+
+
+def test_images_and_videos_qwen2_5_vl(name="qwen2_5_vl"):
+    """A 2-frame video per sample next to its image (``pixel_values_videos``, ``video_grid_thw``, 8 video tokens):
+    the seed shard function on the 2x2 mesh equals one process."""
+    data = pf.vl_batch(name, grids=GRIDS, t=24)
+    for i in range(4):
+        data["input_ids"][i, 10], data["input_ids"][i, 19] = pf.VL_START, pf.VL_END
+        data["input_ids"][i, 11:19] = pf.VL_VIDEO
+    data["pixel_values_videos"] = np.random.default_rng(5).standard_normal((4 * 32, 24)).astype("float32")
+    data["video_grid_thw"] = np.array([(2, 4, 4)] * 4, "int64")
+    model = pf.vl_build(name)
+    loss = pf.loss_of(model(**_inputs(data)))
+    loss.backward()
+    ref = float(loss), _grads(model)
+    with ap.simulate(world_size=4):
+        mesh = pf.mesh_2x2()
+        model = ap.shard_layer(pf.vl_build(name), mesh, pf.vl_shard_fn)
+        loss = pf.loss_of(model(**_inputs(data, mesh)))
+        loss.backward()
+        ap.reduce_gradients(model.parameters())
+        got = float(loss), _grads(model)
+    assert pf.compare(ref, got, RTOL, ATOL) == []
