@@ -31,6 +31,7 @@ from autoparallel.context import state as _ctx
 from autoparallel.dispatch_pins import PinnedLayouts, pinned, replayable  # noqa: F401  (re-exported)
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
 from autoparallel.dispatch_values import VALUE_OPS, resolve as resolve_values
+from autoparallel.dist_tensor_forms import gather_released_leaves
 from autoparallel.local_mode import in_local_mode, local_mode  # noqa: F401  (re-exported)
 from autoparallel.placement import Replicate
 from autoparallel.shadows import SHADOWS, has_shadow, unshadow
@@ -117,6 +118,7 @@ def run(op: str, path: str, args, kwargs):
             dispatch_cache.store_written(written, plan, (wargs, wkwargs), (args, kwargs, leaves))
         return _run_plan(op, path, plan, leaves, args, kwargs)
     plan = _plan_call(op, rule, args, kwargs, leaves, pinned_res, world)
+    gather_released_leaves(leaves)
     outs = _execute(op, path, plan.res, plan.mesh, plan.calls(leaves, args, kwargs))
     check_outputs(op, plan, outs)           # once per call signature: the plan is cached only when it holds
     dispatch_cache.store(key, plan)
@@ -143,6 +145,7 @@ def _written(op, path, args, kwargs):
 
 def _run_plan(op, path, plan, leaves, args, kwargs):
     """Run a cached plan on this call's values."""
+    gather_released_leaves(leaves)
     out = _wrap(plan.res, _execute(op, path, plan.res, plan.mesh, plan.calls(leaves, args, kwargs)), plan.held)
     if plan.derives is not None:        # a cast / view of a parameter (dispatch_cache.DATA_FREE)
         fanout.note_derived(out, leaves[plan.derives])

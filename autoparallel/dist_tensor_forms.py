@@ -39,6 +39,9 @@ def param_register_hook(self, hook):
 
 
 def param_set_value(self, value):
+    if not in_local_mode() and _is_dist(value):
+        with _writing(self):
+            return _set_dist_value(self, value)
     if in_local_mode() or not isinstance(value, (np.ndarray, paddle.Tensor)):
         return EagerParamBase.set_value(self, value)
     with _writing(self):
@@ -53,15 +56,34 @@ def _set_value(self, value):
                              f"ranks {sorted(self._ap_locals)} (the simulated world), so a value of one shard's shape "
                              f"{shape} names none of them; give the global value, shape {self.global_shape}")
         return EagerParamBase.set_value(self, value)
-    if _is_dist(value):
-        raise TypeError("set_value on a distributed parameter takes its global value as a plain tensor or "
-                        "ndarray; give a distributed value through ap.reshard and .full()")
     full = paddle.to_tensor(value) if isinstance(value, np.ndarray) else value
     if normalize_dtype(full.dtype) != self.spec.dtype:
         raise TypeError(f"set_value: the parameter is {self.spec.dtype}, the value {normalize_dtype(full.dtype)}")
     with local_mode(), paddle.no_grad():
         for r, t in self._ap_locals.items():
             part = _local_from_full(full, self.spec, r)
+            if t is self:
+                EagerParamBase.set_value(self, part)
+            else:
+                t.set_value(part)
+
+
+def _set_dist_value(self, value):
+    """``set_value`` of a distributed value of the global shape (``w.set_value(w + delta)``, as a LoRA merge
+    writes): every held shard takes its part, read locally when the value is laid out as the parameter, else
+    from the gathered value."""
+    d = value.as_dist() if hasattr(value, "as_dist") else value
+    if list(d.spec.shape) != list(self.global_shape):
+        raise ValueError(f"set_value on the distributed parameter {self.name}: the distributed value has global "
+                         f"shape {list(d.spec.shape)}, the parameter {self.global_shape}")
+    if d.spec.dtype != self.spec.dtype:
+        raise TypeError(f"set_value: the parameter is {self.spec.dtype}, the value {d.spec.dtype}")
+    if d.spec.mesh != self.mesh or tuple(d.spec.placements) != tuple(self.spec.placements):
+        with paddle.no_grad():
+            return _set_value(self, d.full())
+    with local_mode(), paddle.no_grad():
+        for r, t in self._ap_locals.items():
+            part = d.local_of(r)
             if t is self:
                 EagerParamBase.set_value(self, part)
             else:
@@ -232,6 +254,25 @@ def _writing(p):
         owner = _owner(p)
         if owner is not None:
             owner.reload([p])
+
+
+def gather_released(p) -> None:
+    """Gather a ZeRO-3 parameter that an op reads while released (outside its layer's forward: a LoRA
+    ``merge()``, a layer added after ``parallelize`` holding it); it stays whole until the next step frees it,
+    as a parameter its forward left whole does."""
+    owner = _owner(p) if ZERO_OWNERS._items else None
+    if owner is None or in_local_mode() or _ctx.tracer is not None:
+        return
+    if any((id(p), r) in owner._freed for r in owner.held):
+        owner.gather([p])
+
+
+def gather_released_leaves(leaves) -> None:
+    """``gather_released`` for the distributed parameters among an op's inputs (dispatch)."""
+    if ZERO_OWNERS._items:
+        for v in leaves:
+            if hasattr(v, "_ap_locals"):
+                gather_released(v)
 
 
 @contextlib.contextmanager

@@ -54,8 +54,13 @@ def view_shape(x, shape_or_dtype, name=None):
     return x.view(shape_or_dtype)
 
 
+def squeeze_to(x, axis=None, name=None, *, shape):
+    """``squeeze`` on a shard: a reshape to the rank's output shape (a kept dim split down to one row stays)."""
+    return paddle.reshape(x, shape)
+
+
 PER_RANK = {"vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
-            "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape}
+            "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape, "squeeze_to": squeeze_to}
 
 
 # ---- group ops: fn(mesh, calls: {rank: (args, kwargs)}) -> {rank: output} -----------------------------

@@ -1,9 +1,12 @@
 """transpose, t, unsqueeze, squeeze, expand, broadcast_to: label-based, linear (Partials pass).
 
 A squeezed dim and a dim that expand broadcasts must be whole; new dims are R. expand's local target
-shape is rank-dependent with shards: ``local_attrs(coords)`` gives it.
+shape is rank-dependent with shards: ``local_attrs(coords)`` gives it. squeeze on a sharded tensor reshapes
+to its local output shape (``squeeze_to``): paddle would also drop a kept dim whose shard has one row.
 """
 from __future__ import annotations
+
+import itertools
 
 from autoparallel.core.placement import Shard
 
@@ -68,6 +71,8 @@ def unsqueeze(x, axis, name=None):
 @block_aware
 def squeeze(x, axis=None, name=None):
     check_spec("squeeze", "x", x)
+    if axis is not None and not int_list("squeeze", "axis", axis):
+        axis = None                                          # paddle: an empty axis list squeezes every 1
     if axis is None:
         axes = {d for d in range(x.ndim) if x.shape[d] == 1}
     else:
@@ -76,7 +81,25 @@ def squeeze(x, axis=None, name=None):
     xl = tuple(None if d in axes else d for d in range(x.ndim))
     ol = tuple(d for d in range(x.ndim) if d not in axes)
     shape = tuple(x.shape[d] for d in ol)
-    return labels_result("squeeze", [x], [xl], [ol], [(shape, x.dtype)], linear=ALL)
+    res = labels_result("squeeze", [x], [xl], [ol], [(shape, x.dtype)], linear=ALL)
+    out = res.outputs[0]
+    if not _squeezes_a_kept_dim(res.inputs[0], out, axis):
+        return res
+    # a kept dim split down to one row on some rank would be squeezed there too: reshape to the local shape
+    return SpmdResult(res.inputs, res.outputs, "squeeze_to", lambda coords: {"shape": list(out.local_shape(coords))})
+
+
+def _squeezes_a_kept_dim(x, out, axis) -> bool:
+    """True when paddle's squeeze of some rank's shard of ``x`` would not give that rank's shard of ``out``."""
+    if not any(isinstance(p, Shard) for p in out.placements):
+        return False
+    asked = None if axis is None else {a % x.ndim for a in int_list("squeeze", "axis", axis)}
+    for coords in itertools.product(*(range(n) for n in x.mesh.shape)):
+        local = x.local_shape(coords)
+        kept = tuple(n for d, n in enumerate(local) if n != 1 or (asked is not None and d not in asked))
+        if kept != tuple(out.local_shape(coords)):
+            return True
+    return False
 
 
 def _expand_shape(op, x, shape):

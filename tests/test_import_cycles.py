@@ -1,6 +1,7 @@
 """The package's import graph, function-level imports included, has no cycle except the edges
 docs/design.md allows (section "Import cycles"), each with a reason."""
 import ast
+import functools
 import pathlib
 import re
 
@@ -33,6 +34,12 @@ def _targets(node, module: str, is_pkg: bool, mods: dict) -> list:
 
 
 def import_graph() -> nx.DiGraph:
+    """A fresh copy of the graph (the tree is parsed once per session)."""
+    return _parsed_graph().copy()
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed_graph() -> nx.DiGraph:
     mods, g = _modules(), nx.DiGraph()
     for module, path in mods.items():
         g.add_node(module)

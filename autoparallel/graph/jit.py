@@ -175,22 +175,30 @@ class _CannotLower(Exception):
     pass
 
 
-_IGNORED: set = set()
+_IGNORED: list = []
 
 
 def _ignore_own_modules() -> None:
-    """paddle's AST translator must call autoparallel's code as plain Python, never rewrite it (modules loaded
-    since the last call are added)."""
+    """paddle's AST translator must call autoparallel's code as plain Python, never rewrite it.
+
+    paddle skips a function whose file lies under an ignored module's directory (``__init__.py`` stripped), then
+    looks for C bindings among every member reachable from each ignored module, a walk cached per module in an
+    LRU of 128 entries. Each of the three packages is therefore handed over as one stand-in module carrying only
+    the package's ``__file__``: the directory test covers every function of every submodule, loaded now or later,
+    and there is nothing to walk (no C bindings here). Each submodule instead (200+) thrashed that LRU: every
+    converted call walked all of paddle once per submodule (docs/static.md)."""
     import sys
+    import types
 
     import paddle
 
-    roots = ("autoparallel", "spmd_rules", "reshard")
-    mods = {n: m for n, m in list(sys.modules.items()) if m is not None and n not in _IGNORED and
-            n.split(".")[0] in roots}
-    if mods:
-        paddle.jit.ignore_module(list(mods.values()))
-        _IGNORED.update(mods)
+    if _IGNORED:
+        return
+    for root in ("autoparallel", "spmd_rules", "reshard"):
+        stand_in = types.ModuleType(root + " (files only)")
+        stand_in.__file__ = sys.modules[root].__file__
+        _IGNORED.append(stand_in)
+    paddle.jit.ignore_module(list(_IGNORED))
 
 
 class Lowered:

@@ -299,9 +299,9 @@ class ZeroOptimizer(StepHooks):
                     m._copy_gradient_from(g._copy_to(self.host, True) if self.offload else g)
                 sync_lr(self._inner, self.inner_opts[r])
                 self.inner_opts[r].step()
-        if self.stage < 3:
+        if self.stage < 3:              # a frozen parameter's chunk did not move: its local data is current
             for bucket in self.buckets:
-                self.gather(bucket)
+                self.gather([p for p in bucket if not p.stop_gradient])
         else:
             self.free(self.params)
             self.__dict__.get("stage3_uses", {}).clear()

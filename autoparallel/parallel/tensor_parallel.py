@@ -22,6 +22,7 @@ import fnmatch
 from dataclasses import dataclass, field, fields
 
 from autoparallel.dist_tensor import DistTensor, is_dist, reshard, shard_tensor
+from autoparallel.parallel.tp_adapters import adapter_targets, base_linear, is_adapter_wrapper
 from autoparallel.placement import Partial, Replicate, Shard
 
 
@@ -67,6 +68,17 @@ def _shard_param(layer, name, mesh, dim, p):
     setattr(layer, name, shard_tensor(param, mesh, _with([Replicate()] * mesh.ndim, dim, p)))
 
 
+def _shard_targets(style, layer, mesh, dim, column: bool) -> None:
+    """The style's placements on the base Linear's parameters (``layer`` itself, or the Linear a LoRA wrapper
+    adapts) and the adapter's split matching the base weight (parallel/tp_adapters.py)."""
+    base = base_linear(layer) or layer
+    placements = style.placements(base)
+    for pname, p in placements.items():
+        _shard_param(base, pname, mesh, dim, p)
+    for holder, pname, p in adapter_targets(layer, placements["weight"], column):
+        _shard_param(holder, pname, mesh, dim, p)
+
+
 def _is_linear(layer) -> bool:
     from paddle import nn
 
@@ -80,6 +92,8 @@ def _weight_2d(layer):
 
 def _check_leaf(style, name, layer, need_weight=True):
     kids = [n for n, _ in layer.named_children()]
+    if kids and need_weight and is_adapter_wrapper(layer):      # a LoRA wrapper: its base Linear is the leaf
+        return
     if kids:
         raise PlanError(f"{type(style).__name__} attaches to leaf layers (Linear, Embedding, an LM head), but "
                         f"{name!r} is a {type(layer).__name__} holding sublayers {kids[:6]}; name its Linear layers "
@@ -122,8 +136,7 @@ class ColWiseParallel(_Style):
         return {"weight": Shard(1) if _is_linear(layer) else Shard(0), "bias": Shard(0)}
 
     def apply(self, layer, mesh, dim):
-        for pname, p in self.placements(layer).items():
-            _shard_param(layer, pname, mesh, dim, p)
+        _shard_targets(self, layer, mesh, dim, column=True)
         layer.register_forward_pre_hook(
             lambda _l, args, kwargs: _relayout_all(args, kwargs, lambda x: _for_split(x, dim)), with_kwargs=True)
         if self.gather_output:
@@ -148,8 +161,7 @@ class RowWiseParallel(_Style):
         return {"weight": Shard(0) if _is_linear(layer) else Shard(1)}
 
     def apply(self, layer, mesh, dim):
-        for pname, p in self.placements(layer).items():
-            _shard_param(layer, pname, mesh, dim, p)
+        _shard_targets(self, layer, mesh, dim, column=False)
 
         def feature_shard(x):
             return _relayout(x, dim, Shard(x.ndim - 1)) if isinstance(x, DistTensor) else x

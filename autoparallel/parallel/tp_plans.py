@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from autoparallel.parallel.tensor_parallel import (ColWiseParallel, PlanError, RowWiseParallel,
                                                    VocabParallelEmbedding, _is_linear, _weight_2d, name_matches)
+from autoparallel.parallel.tp_adapters import base_linear, is_adapter_wrapper
 from autoparallel.placement import BlockShard
 
 
@@ -106,7 +107,11 @@ BLOCK_QKV_MODELS = ("phi3",)                  # config.model_type whose qkv_proj
 
 
 def _leaves(model):
-    return [(n, l) for n, l in model.named_sublayers() if n and not list(l.children())]
+    """Leaf layers, a LoRA wrapper counting as the leaf in place of the Linear it adapts (tp_adapters.py)."""
+    named = [(n, l) for n, l in model.named_sublayers() if n]
+    wrapped = {n for n, l in named if is_adapter_wrapper(l)}
+    return [(n, l) for n, l in named
+            if n in wrapped or (not list(l.children()) and n.rpartition(".")[0] not in wrapped)]
 
 
 def _excluded(name: str) -> bool:
@@ -150,11 +155,11 @@ def default_plan(model, tp: int) -> dict:
                 del plan[name]                   # kv heads replicated
         elif name_matches(name, "qkv_proj") and blocked_qkv and split_kv and heads and heads % tp == 0:
             plan[name] = _fused_or_gather(FusedColWiseParallel(parts=(heads, kv or heads, kv or heads)),
-                                          layers[name], tp)
+                                          base_linear(layers[name]) or layers[name], tp)
         elif name_matches(name, "qkv_proj") and (blocked_qkv or not split_kv):
             plan[name] = dataclasses.replace(style, gather_output=True)
         elif isinstance(style, FusedColWiseParallel):
-            plan[name] = _fused_or_gather(style, layers[name], tp)
+            plan[name] = _fused_or_gather(style, base_linear(layers[name]) or layers[name], tp)
     return plan
 
 

@@ -268,6 +268,78 @@ def compare(ref, got, rtol: float = 1e-4, atol: float = 1e-5) -> list:
     return bad
 
 
+# ---- non-causal heads of the text families, and padded batches for them ------------------------------------
+PAD = 0                                  # pad_token_id of the head configs; head_batch never draws it as a token
+# head class -> (family in MODELS, kind of labels its loss takes)
+HEADS = {"Qwen2ForSequenceClassification": ("qwen2", "class"), "Qwen3ForSequenceClassification": ("qwen3", "class"),
+         "Qwen2ForTokenClassification": ("qwen2", "token"), "Qwen3ForTokenClassification": ("qwen3", "token"),
+         "Qwen2SentenceEmbedding": ("qwen2", "pairs"), "Qwen3SentenceEmbedding": ("qwen3", "pairs"),
+         "DeepseekV3ForSequenceClassification": ("deepseek_v3", "class")}
+# head classes of PaddleFormers 1.2 that fail in one process already, and why
+HEADS_BROKEN = {
+    "Gemma3TextForSequenceClassification": "declares no forward: PretrainedModel.forward raises NotImplementedError",
+    "DeepseekV3ForSequenceClassification": "__init__ calls self.post_init(), which PretrainedModel lacks "
+                                           "(AttributeError); built here with a no-op post_init",
+}
+# speech / omni families that ship a processor and no model in PaddleFormers 1.2 (nothing to parallelize)
+PROCESSOR_ONLY = {"whisper": "WhisperFeatureExtractor", "qwen3_omni_moe": "Qwen3OmniMoeProcessor"}
+
+
+def build_head(cls_name: str, seed: int = 0, num_labels: int = 3, **overrides):
+    """A tiny ``cls_name`` (a key of HEADS) with ``pad_token_id=PAD``, zero-initialised parameters filled."""
+    import paddle
+
+    family = HEADS[cls_name][0]
+    model_class(family)                                         # installs the paddlefleet stub
+    cls = getattr(importlib.import_module(f"paddleformers.transformers.{MODELS[family][0]}.modeling"), cls_name)
+    if cls_name in HEADS_BROKEN and not hasattr(cls, "post_init"):
+        cls = type(cls_name, (cls,), {"post_init": lambda self: None})
+    cfg = config(family, pad_token_id=PAD, num_labels=num_labels, **overrides)
+    paddle.seed(seed)
+    model = cls(cfg)
+    _fill_zeros(model, seed)
+    return model
+
+
+def backbone_class(family: str):
+    """The plain ``*Model`` (decoder stack, no head) of a family."""
+    return type(build(family).model)
+
+
+def head_batch(kind: str, seed: int = 0, b: int = 4, t: int = 8, num_labels: int = 3, left: bool = False) -> dict:
+    """Right-padded numpy inputs (lengths t, 5, 3, 6, ...; PAD after them, or before them with ``left``; mask 1
+    on tokens) and labels of ``kind``: "class" [b] ids, "token" [b, t] ids (-100 on padding), "regression" [b]
+    floats, "multi" [b, num_labels] 0/1 floats, "span" start/end positions, "pairs" query/passages dicts with
+    last-token indices."""
+    rng = np.random.default_rng(seed)
+    lens = np.resize([t, 5, 3, 6], b).clip(1, t)
+    mask = (np.arange(t)[None] < lens[:, None]).astype("int64")
+    mask = mask[:, ::-1].copy() if left else mask
+    ids = (rng.integers(1, VOCAB, (b, t)) * mask).astype("int64")
+    out = {"input_ids": ids, "attention_mask": mask}
+    if kind == "class":
+        out["labels"] = rng.integers(0, num_labels, (b,)).astype("int64")
+    elif kind == "token":
+        out["labels"] = np.where(mask == 1, rng.integers(0, num_labels, (b, t)), -100).astype("int64")
+    elif kind == "regression":
+        out["labels"] = rng.standard_normal((b,)).astype("float32")
+    elif kind == "multi":
+        out["labels"] = (rng.random((b, num_labels)) > 0.5).astype("float32")
+    elif kind == "span":
+        first = t - lens if left else np.zeros(b, "int64")
+        out["start_positions"] = (first + rng.integers(0, lens)).astype("int64")
+        out["end_positions"] = (first + rng.integers(0, lens)).astype("int64")
+    elif kind == "pairs":
+        last = np.stack([np.arange(b), np.full(b, t - 1) if left else lens - 1], -1).astype("int64")
+        passages = rng.integers(1, VOCAB, (b, t)).astype("int64")
+        full = np.stack([np.arange(b), np.full(b, t - 1)], -1).astype("int64")
+        return {"query": {"input_ids": ids, "attention_mask": mask, "embedding_indices": last},
+                "passages": {"input_ids": passages, "attention_mask": np.ones_like(mask), "embedding_indices": full}}
+    else:
+        raise ValueError(f"kind must be class, token, regression, multi, span or pairs; got {kind!r}")
+    return out
+
+
 # ---- vision-language families: tiny configs, image + text batches, the seed shard function's vision names ----
 # Token ids inside the tiny vocabulary: image pad, vision start / end, video pad (and GLM's video start / end)
 VL_IMAGE, VL_START, VL_END, VL_VIDEO = 120, 121, 122, 123

@@ -31,7 +31,12 @@ def _setitem(x, index, value):
     return setitem(x, index, value)
 
 
+def _squeeze_to(x, axis=None, name=None, *, shape):
+    return _paddle().reshape(x, shape)
+
+
 LOCAL_OPS = {
+    "squeeze_to": _squeeze_to,
     "setitem": _setitem,
     "vocab_parallel_embedding": _vocab_parallel_embedding,
     "global_mean": _global_mean,
