@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import paddle
+
 from autoparallel.dist_tensor import DistParameter, DistTensor
 
 # op -> how many leading positional arguments are tensors (the rest, and every keyword but these, are values)
@@ -22,17 +24,24 @@ def _is_dist(v) -> bool:
     return type(v) is DistTensor or (isinstance(v, DistParameter) and hasattr(v, "_ap_spec"))
 
 
+def _is_tensor(v) -> bool:
+    """A distributed tensor, or a plain one (next to distributed arguments it would be taken as a replicated
+    operand, where paddle reads it as a number)."""
+    return _is_dist(v) or isinstance(v, paddle.Tensor)
+
+
 def _holds_dist(v) -> bool:
-    return _is_dist(v) or (type(v) in (list, tuple) and any(_is_dist(u) for u in v))
+    return _is_tensor(v) or (type(v) in (list, tuple) and any(_is_tensor(u) for u in v))
 
 
 def _value(v, element=False):
     """A tensor's value: a number when 0-d (or one element inside a list, like paddle's shape lists), else
     a list."""
-    if _is_dist(v):
-        t = v if type(v) is DistTensor else v.as_dist()
-        return t.item() if not t.shape or (element and math.prod(t.shape) == 1) else t.tolist()
-    if type(v) in (list, tuple) and any(_is_dist(u) for u in v):
+    if _is_tensor(v):
+        t = v.as_dist() if isinstance(v, DistParameter) and _is_dist(v) else v
+        shape = list(t.shape)
+        return t.item() if not shape or (element and math.prod(shape) == 1) else t.tolist()
+    if type(v) in (list, tuple) and any(_is_tensor(u) for u in v):
         return type(v)(_value(u, True) for u in v)
     return v
 

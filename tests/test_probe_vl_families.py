@@ -83,6 +83,25 @@ def test_seed_shard_fn_dp_x_tp_equals_one_process(name):
     assert pf.compare(ref[:2], (loss, grads), RTOL, ATOL) == []
 
 
+@pytest.mark.parametrize("name", ["qwen3_vl", "paddleocr_vl"])
+def test_plain_grid_next_to_split_inputs(name):
+    """``image_grid_thw`` passed as a plain tensor (the same on every rank), the rest split over "data": sizes
+    computed from it (``[h * w for h, w in zip(hs, ws)]``) reach distributed ops as plain tensors, read as
+    numbers as paddle reads them."""
+    data = batch(name)
+    ref = reference(name)
+    with ap.simulate(world_size=4):
+        mesh = pf.mesh_2x2()
+        model = ap.shard_layer(pf.vl_build(name), mesh, pf.vl_shard_fn)
+        inputs = _inputs(data, mesh)
+        inputs["image_grid_thw"] = paddle.to_tensor(data["image_grid_thw"])
+        loss = pf.loss_of(model(**inputs))
+        loss.backward()
+        ap.reduce_gradients(model.parameters())
+        got = float(loss), _grads(model)
+    assert pf.compare(ref[:2], got, RTOL, ATOL) == []
+
+
 def test_negative_control_unreduced_gradients_differ():
     ref = reference("qwen2_5_vl")
     got = seed_sharded("qwen2_5_vl", reduce_grads=False)
