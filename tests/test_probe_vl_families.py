@@ -163,10 +163,30 @@ def test_full_mode_equals_one_process(name="glm_ocr"):
     _after_step_close(name, ref[3], got[3], ref[1])
 
 
+def _conditional_generation_families() -> set:
+    """Family dirs of the installed PaddleFormers whose modeling defines a *ForConditionalGeneration class."""
+    import pathlib
+    import re
+
+    import paddleformers.transformers as t
+
+    root = pathlib.Path(t.__file__).parent
+    out = set()
+    for mod in list(root.glob("*/modeling*.py")) + list(root.glob("*/model/modeling*.py")):
+        fam = mod.parent.parent if mod.parent.name == "model" else mod.parent
+        if re.search(r"^class \w+ForConditionalGeneration\w*\(", mod.read_text(), re.M):
+            out.add(fam.name)
+    out.discard("auto")                  # the Auto* dispatchers, not a family
+    return out
+
+
 def test_every_vision_language_family_runs_or_is_a_named_skip():
     vl = set(pf.NOT_TEXT) - set(SPEECH)
     assert vl <= set(pf.VL_MODELS) | set(pf.VL_SKIPPED)
     assert not set(pf.VL_MODELS) & set(pf.VL_SKIPPED)
+    found = _conditional_generation_families()
+    assert {"qwen2_5_vl", "ernie4_5_moe_vl", "paddleocr_vl"} <= found          # the scan finds what it should
+    assert found - set(pf.VL_MODELS) - set(pf.VL_SKIPPED) - set(pf.SKIPPED) == set()   # qwen3_5*: paddlefleet
 
 
 def test_processor_only_skips_have_no_modeling():
