@@ -11,6 +11,12 @@ from autoparallel.spec import normalize_dtype
 
 
 def to_tensor(data, dtype=None, place=None, stop_gradient=True):
+    if not is_dist(data) and isinstance(data, (list, tuple)):     # [0-d tensors]: a new tensor of their values
+        from autoparallel.dispatch_values import nested_values
+
+        values = nested_values(data)
+        with local_mode():
+            return paddle.to_tensor(values, dtype=dtype, place=place, stop_gradient=stop_gradient)
     if not is_dist(data):
         raise TypeError(f"paddle.to_tensor: only the data may be distributed, got {type(data).__name__} data")
     d = as_dist(data)

@@ -30,6 +30,7 @@ from autoparallel.compat import EagerParamBase, building_static_program, owner_o
 from autoparallel.context import state as _ctx
 from autoparallel.dispatch_pins import PinnedLayouts, pinned, replayable  # noqa: F401  (re-exported)
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
+from autoparallel.dispatch_values import VALUE_OPS, resolve as resolve_values
 from autoparallel.dist_tensor_forms import gather_released_leaves
 from autoparallel.local_mode import in_local_mode, local_mode  # noqa: F401  (re-exported)
 from autoparallel.placement import Replicate
@@ -79,6 +80,8 @@ def run(op: str, path: str, args, kwargs):
     A call whose key (see dispatch_cache) was seen before reuses its plan: no rule, no validation, no
     reshard planning; only the data-dependent steps run. A call written as one before is looked up as
     written, before binding (``dispatch_cache.Rebind``): its bound form is rebuilt from a recipe."""
+    if op in VALUE_OPS:                  # tensors standing for numbers (x.expand([-1, w])): read their values
+        args, kwargs = resolve_values(op, args, kwargs)
     written = _written(op, path, args, kwargs)
     if written is not None:
         hit = dispatch_cache.find_written(written[0])
@@ -254,6 +257,11 @@ def _map_args(path, args, kwargs):
     how = ARG_MAP.get(path)
     if how == "swap":
         return (args[1], args[0]) + args[2:], kwargs
+    if how == "scalar_1d":
+        x, y = args[0], args[1]
+        if isinstance(y, (int, float)) and not isinstance(y, bool) and is_dist(x) and not x.shape:
+            y = paddle.full([1], y, dtype=x.dtype)
+        return (x, y) + args[2:], kwargs
     if isinstance(how, dict) and "rename" in how:
         ren = how["rename"]
         kwargs = {ren.get(k, k): v for k, v in kwargs.items()}

@@ -24,6 +24,7 @@ from autoparallel import dispatch as D
 from autoparallel.compat import owner_of, static_value_converter
 from autoparallel.context import state as _ctx
 from autoparallel.dispatch import _any_dist, _tracing_tensors
+from autoparallel.dispatch_values import VALUE_OPS, resolve as resolve_values
 from autoparallel.shadows import SHADOWS
 
 
@@ -98,6 +99,10 @@ def _routed(op, path, orig):
     def wrapper(*args, **kwargs):
         if _ctx.local_depth > 0 or not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
             return orig(*args, **kwargs)
+        if op in VALUE_OPS:             # tensors standing for numbers (arange(h), expand([-1, w])) read first
+            args, kwargs = resolve_values(op, args, kwargs)
+            if not (_any_dist(args, kwargs) or _tracing_tensors(args, kwargs)):
+                return orig(*args, **kwargs)
         return D.run(op, path, args, kwargs)
 
     wrapper.__wrapped__ = orig
@@ -150,6 +155,7 @@ def _install_composites() -> None:
     from spmd_rules.composites import COMPOSITES
     from spmd_rules.composites_more import COMPOSITES as MORE_COMPOSITES
     from spmd_rules.composites_shape import COMPOSITES as SHAPE_COMPOSITES
+    from spmd_rules.composites_compat import COMPOSITES as COMPAT_COMPOSITES
 
     from autoparallel import autograd_forms, copy_forms
 
@@ -157,7 +163,7 @@ def _install_composites() -> None:
                 "paddle.autograd.backward": autograd_forms.backward,
                 "paddle.to_tensor": copy_forms.to_tensor, "paddle.assign": copy_forms.assign}
     mapping = {}
-    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **autograd}.items():
+    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **autograd}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):
@@ -175,6 +181,8 @@ def _install_composites() -> None:
 
 def _guarded(name, orig):
     def wrapper(*args, **kwargs):
+        if _ctx.local_depth == 0 and _any_dist(args, kwargs) and _guarded_op(name) in VALUE_OPS:
+            args, kwargs = resolve_values(_guarded_op(name), args, kwargs)      # linspace(0, n - 1, h)
         if _ctx.local_depth == 0 and _any_dist(args, kwargs):
             raise NotImplementedError(f"{name} has no spmd rule, so it cannot run on distributed tensors; "
                                       f"register one with spmd_rules.register_spmd_rule({name.rsplit('.', 1)[-1]!r})")
@@ -185,6 +193,10 @@ def _guarded(name, orig):
     wrapper.__doc__ = getattr(orig, "__doc__", None)
     wrapper._ap_guard = True
     return wrapper
+
+
+def _guarded_op(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
 
 
 # Tensor methods that act on storage, not values: they keep working on a DistParameter's local shard.

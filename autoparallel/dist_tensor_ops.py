@@ -187,6 +187,13 @@ def _new_like(name):
     return method
 
 
+def _device(self):
+    """paddle's ``Tensor.device`` (metadata, not an op) of this process's shards: ``x.to(y.device, y.dtype)``."""
+    for t in self._locals.values():
+        return t.device
+    return paddle.ones([]).device
+
+
 def _transposed(self):
     if self.ndim < 2:
         return self
@@ -229,8 +236,9 @@ def _is_op_name(name) -> bool:
 def _namespace() -> dict:
     ns = {name: _method(name, *entry) for name, entry in method_table().items()}
     ns.update({name: _conversion(name) for name in CONVERSIONS if hasattr(paddle.Tensor, name)})
-    ns.update(type_as=_type_as, to=_to, _to=_to_private, __setitem__=_setitem, __getattr__=_getattr, __hash__=object.__hash__,
-              T=property(_transposed), mT=property(_matrix_transposed))
+    ns.update(type_as=_type_as, to=_to, _to=_to_private, __setitem__=_setitem, __getattr__=_getattr,
+              __hash__=object.__hash__, T=property(_transposed), mT=property(_matrix_transposed),
+              device=property(_device))
     ns.update({name: _new_like(name) for name in dir(paddle.Tensor) if name.startswith("new_")})
     ns["__slots__"] = ()
     ns["__doc__"] = "The op methods of DistTensor (generated from the op table; see autoparallel.dist_tensor_ops)."

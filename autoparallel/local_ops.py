@@ -10,6 +10,7 @@ import paddle.nn.functional as F
 
 from autoparallel.local_ce import check_ids, global_mean_cross_entropy, mesh_reduce, vocab_parallel_cross_entropy
 from autoparallel.local_ce import sum_both as _stat_sum
+from autoparallel.local_scatter import sharded_masked_scatter
 
 
 # ---- per-rank ----------------------------------------------------------------------------------------
@@ -142,4 +143,5 @@ def _x_of(args, kwargs):
 
 GROUP = {"vocab_parallel_cross_entropy": vocab_parallel_cross_entropy,
          "global_mean_cross_entropy": global_mean_cross_entropy,
-         "sharded_dropout": sharded_dropout, "sync_batch_norm": sync_batch_norm}
+         "sharded_dropout": sharded_dropout, "sync_batch_norm": sync_batch_norm,
+         "sharded_masked_scatter": sharded_masked_scatter}

@@ -94,6 +94,8 @@ Local ops the runtime provides (same arguments as the paddle op, plus ``local_at
   over ``batch_mesh_dims``.
 * ``sync_batch_norm`` (collectives): training batch_norm with statistics all-reduced over
   ``stat_mesh_dims``.
+* ``sharded_masked_scatter`` (collective): x and its mask split over dim 0 on ``row_mesh_dim``, values R;
+  each rank's offset into the values from an all-reduced vector of per-rank True counts.
 * ``sharded_dropout``, ``sharded_attention_dropout``, ``sharded_random`` (shared RNG): draw for the
   ``global_shape`` from the mesh-synchronised generator, keep ``local_slices``.
 
@@ -109,6 +111,7 @@ from spmd_rules import (matmul, elementwise, reduction, softmax, norm, conv, emb
                         shape, layout, join, indexing, creation, random, optimizer, routing, more_ops,
                         padding)
 from spmd_rules import elementwise_more, math_more, nn_more, pooling, conv_transpose, image_ops  # noqa: F401,E402
+from spmd_rules import multimodal, search  # noqa: F401,E402
 
 __all__ = ["register_spmd_rule", "get_spmd_rule", "has_spmd_rule", "registered_ops", "unregister_spmd_rule",
            "SpmdResult", "SpmdRule", "NoSpmdRuleError", "flatten_specs", "replace_specs", "MeshDim", "expand",

@@ -7,6 +7,8 @@ one-to-one, except where ``ARG_MAP`` says otherwise for a dotted path:
 
 * ``"swap"``: a reflected operator ``Tensor.__rxxx__(self, other)`` calls the rule as ``rule(other, self)``;
 * ``{"rename": {paddle_kw: rule_kw}}``: keyword arguments renamed (positional arguments map unchanged);
+* ``"scalar_1d"``: a python number operand becomes a one-element 1-d tensor, as paddle's operator does
+  (so a 0-d tensor ``// 2`` has shape [1]);
 * ``{"fixed": {rule_kw: value}}``: extra keyword arguments the rule gets (e.g. ``paddle.t`` is a
   transpose of the last two dims).
 
@@ -131,6 +133,10 @@ OP_TABLE: dict = {
     "permute": _fn("permute"),
     "nonzero": _fn("nonzero"),
     "masked_select": _fn("masked_select"),
+    "masked_scatter": _fn("masked_scatter"),
+    "argwhere": ("paddle.argwhere",),
+    "searchsorted": ("paddle.searchsorted",),
+    "bucketize": _fn("bucketize"),
     "bincount": _fn("bincount"),
     "unique": _fn("unique"),
     # more everyday ops (spmd_rules/more_ops.py)
@@ -211,6 +217,7 @@ ARG_MAP: dict = {
     "paddle.t": {"rename": {"input": "x"}},
     _T + "t": {"rename": {"input": "x"}},
     "paddle.nn.functional.rms_norm": {"rename": {"input": "x"}},
+    _T + "__floordiv__": "scalar_1d",      # paddle: 0-d tensor // python number is a [1] tensor (not 0-d)
 }
 
 

@@ -338,3 +338,124 @@ def head_batch(kind: str, seed: int = 0, b: int = 4, t: int = 8, num_labels: int
     else:
         raise ValueError(f"kind must be class, token, regression, multi, span or pairs; got {kind!r}")
     return out
+
+
+# ---- vision-language families: tiny configs, image + text batches, the seed shard function's vision names ----
+# Token ids inside the tiny vocabulary: image pad, vision start / end, video pad (and GLM's video start / end)
+VL_IMAGE, VL_START, VL_END, VL_VIDEO = 120, 121, 122, 123
+_QWEN_TOKENS = dict(image_token_id=VL_IMAGE, video_token_id=VL_VIDEO, vision_start_token_id=VL_START,
+                    vision_end_token_id=VL_END)
+_GLM_TOKENS = dict(image_token_id=VL_IMAGE, video_token_id=VL_VIDEO, image_start_token_id=VL_START,
+                   image_end_token_id=VL_END, video_start_token_id=124, video_end_token_id=125)
+_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}   # head_dim 16
+_VL_TEXT = dict(_BASE, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+_VL_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=2,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=HIDDEN, fuse_rms_norm=False)
+_VL_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# name -> (module, model class, config class, text config extras (None: one flat config), vision extras, tokens)
+VL_MODELS = {
+    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig", {},
+                   dict(window_size=8, fullatt_block_indexes=[1]), _QWEN_TOKENS),
+    "qwen3_vl": ("qwen3_vl", "Qwen3VLForConditionalGenerationDeprecated", "Qwen3VLConfig",
+                 dict(head_dim=16, rope_scaling=_MROPE), dict(num_position_embeddings=16, deepstack_visual_indexes=[0]),
+                 _QWEN_TOKENS),
+    "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGenerationDeprecated", "Qwen3VLMoeConfig",
+                     dict(head_dim=16, rope_scaling=_MROPE, **_VL_MOE),
+                     dict(num_position_embeddings=16, deepstack_visual_indexes=[0]), _QWEN_TOKENS),
+    "glm4v_moe": ("glm4v_moe", "Glm4vMoeForConditionalGeneration", "Glm4vMoeConfig",
+                  dict(head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       first_k_dense_replace=1, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
+                                                                 "partial_rotary_factor": 0.5}),
+                  dict(image_size=8), _GLM_TOKENS),
+    "glm_ocr": ("glm_ocr", "GlmOcrForConditionalGeneration", "GlmOcrConfig", dict(head_dim=16, mrope_section=(2, 3, 3)),
+                dict(image_size=8), _GLM_TOKENS),
+    "paddleocr_vl": ("paddleocr_vl", "PaddleOCRVLForConditionalGeneration", "PaddleOCRVLConfig", None,
+                     dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          patch_size=2, image_size=8, spatial_merge_size=2, temporal_patch_size=2),
+                     dict(image_token_id=VL_IMAGE, video_token_id=VL_VIDEO, vision_start_token_id=VL_START)),
+}
+VL_SKIPPED = {
+    "ernie4_5_moe_vl": "its MoE layers call moe_gate_dispatch / expand_modality_expert_id, kernels registered for "
+                       "GPU only",
+    "qwen2_vl": "PaddleFormers 1.2 ships its processors only (no modeling)",
+    "kimi_k25": "PaddleFormers 1.2 ships its processors only (no modeling)",
+}
+# the vision towers' projections: fused qkv and fc1 column-parallel, proj and fc2 row-parallel (2-D weights only:
+# Qwen2.5-VL's conv patch embedding is also called "proj")
+VL_COL = COL + ("qkv", "fc1", "linear_fc1")
+VL_ROW = ROW + ("proj", "fc2", "linear_fc2")
+
+
+def install_vl_stubs() -> None:
+    """Qwen3-VL-MoE imports ``qwen3_vl.modeling_fleet`` (GPU-only paddlefleet; only its fleet classes use it), and
+    PaddleOCR-VL imports ``paddleformers.triton_kernels``, which fails to import without triton: stand-ins say
+    'unavailable', so the models take their own paddle paths."""
+    install_paddlefleet_stub()
+    name = "paddleformers.transformers.qwen3_vl.modeling_fleet"
+    if name not in sys.modules:
+        stub = types.ModuleType(name)
+        stub.Qwen3VLModelDist = type("Qwen3VLModelDist", (), {})
+        stub.Qwen3VLProvider = type("Qwen3VLProvider", (), {})
+        sys.modules[name] = stub
+    if importlib.util.find_spec("triton") is None and "paddleformers.triton_kernels" not in sys.modules:
+        stub = types.ModuleType("paddleformers.triton_kernels")
+
+        def unavailable(*args, **kwargs):
+            raise NotImplementedError("triton kernels are not available on this machine")
+        unavailable.is_available = lambda *args, **kwargs: False
+        stub.apply_rotary_pos_emb_vision = stub.apply_rotary_emb = unavailable
+        sys.modules["paddleformers.triton_kernels"] = stub
+
+
+def vl_build(name: str, seed: int = 0):
+    """A tiny vision-language model: text hidden 64, 2 layers; vision hidden 32, 2 blocks, 2x2 patches."""
+    import paddle
+
+    if name not in VL_MODELS:
+        raise ValueError(f"unknown vision-language model {name!r}; known: {sorted(VL_MODELS)}")
+    install_vl_stubs()
+    sub, cls, cfg_cls, text, vision, tokens = VL_MODELS[name]
+    modeling = importlib.import_module(f"paddleformers.transformers.{sub}.modeling")
+    cfg_cls = getattr(importlib.import_module(f"paddleformers.transformers.{sub}.configuration"), cfg_cls)
+    if text is None:            # one flat config (PaddleOCR-VL): the text fields at the top level
+        flat = {k: v for k, v in _VL_TEXT.items() if k != "rope_scaling"}
+        cfg = cfg_cls(**flat, head_dim=16, vision_config=copy.deepcopy(vision), **tokens,
+                      rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    else:
+        cfg = cfg_cls(text_config=copy.deepcopy({**_VL_TEXT, **text}), vision_config={**_VL_VISION, **vision},
+                      fuse_rms_norm=False, **tokens)
+    paddle.seed(seed)
+    return getattr(modeling, cls)(cfg)
+
+
+def vl_batch(name: str, seed: int = 0, b: int = 4, t: int = 12, grid=(1, 4, 4), grids=None) -> dict:
+    """{input_ids, labels, pixel_values, image_grid_thw} as numpy arrays: one image of ``grid`` patches per
+    sample (or ``grids``, one per sample: images of different sizes), its merged tokens (patches / 4) between
+    vision start and end tokens. Pixels are flattened patches [patches, 3*2*2*2], or [patches, 3, 2, 2] images
+    for PaddleOCR-VL's 2-D patch embedding."""
+    rng = np.random.default_rng(seed)
+    grids = [tuple(grid)] * b if grids is None else [tuple(g) for g in grids]
+    ids = rng.integers(0, 100, (len(grids), t)).astype("int64")
+    for i, g in enumerate(grids):
+        n = int(np.prod(g)) // 4
+        ids[i, 2], ids[i, 3:3 + n], ids[i, 3 + n] = VL_START, VL_IMAGE, VL_END
+    patches = sum(int(np.prod(g)) for g in grids)
+    shape = (patches, 3, 2, 2) if name == "paddleocr_vl" else (patches, 3 * 2 * 2 * 2)
+    return {"input_ids": ids, "labels": rng.integers(0, 100, ids.shape).astype("int64"),
+            "pixel_values": rng.standard_normal(shape).astype("float32"),
+            "image_grid_thw": np.array(grids, "int64")}
+
+
+def vl_shard_fn(name, sublayer, mesh):
+    """``seed_shard_fn`` with the vision towers' names (``VL_COL`` / ``VL_ROW``), 2-D weights only."""
+    import autoparallel as ap
+
+    leaf = name.rsplit(".", 1)[-1]
+    dim = 1 if leaf in VL_COL else 0 if leaf in VL_ROW else None
+    weight = getattr(sublayer, "weight", None)
+    if dim is None or weight is None or len(weight.shape) != 2:
+        return
+    sublayer.weight = ap.shard_tensor(weight, mesh, [ap.Replicate(), ap.Shard(dim)])
+    bias = getattr(sublayer, "bias", None)
+    if bias is not None and dim == 1:
+        sublayer.bias = ap.shard_tensor(bias, mesh, [ap.Replicate(), ap.Shard(0)])
