@@ -1,0 +1,122 @@
+"""Every rank must make the same collectives in the same order: a check that refuses anything else.
+
+gloo (and NCCL) pair a group's collectives by order alone. Code that runs on some ranks only -- reading a
+distributed value, gathering a state_dict, running an evaluation forward inside ``if rank == 0:`` -- makes
+a collective the other ranks do not make; theirs next pairs with it. Today that is a gloo abort (sizes
+differ), a 30 s hang (the others never come), or, when sizes agree, the run going on with wrong values.
+
+Before each collective of the real transport, every member of the group sends the others a 128-byte record:
+how many collectives it has made on this group, the kind (all_reduce, all_gather, ...) and the user's line
+that asked for it (the innermost frame outside autoparallel, paddle and the standard library). The records
+travel in one all_gather of 16 int64 words per rank, so a rank-only collective always pairs with another
+rank's check, never with its payload; when the records differ, every member raises
+``CollectiveMismatchError`` naming each rank's call and the rule. Cost: one extra 128-byte all_gather per
+collective (a latency term, no bandwidth), measured by ``tools/bench_agreement.py``. ``AP_COLLECTIVE_CHECK=off``
+turns it off. The simulated world runs every rank in one process and never checks.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import numpy as np
+
+WORDS = 16                                   # int64 words per record: [count, 15 words of text]
+TEXT_BYTES = 8 * (WORDS - 1)
+_counts: dict = {}                           # group ranks -> collectives this rank made on it
+_state = threading.local()                   # .inside: a check's own all_gather is running (comm/counter.py)
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The members of a group are not making the same collective: code ran on some ranks only."""
+
+
+def enabled() -> bool:
+    value = os.environ.get("AP_COLLECTIVE_CHECK", "on").strip().lower()
+    if value not in ("on", "off", "1", "0", "true", "false", ""):
+        raise ValueError(f"AP_COLLECTIVE_CHECK must be 'on' or 'off', got {value!r}")
+    return value in ("on", "1", "true", "")
+
+
+def checking() -> bool:
+    """True while a check's own exchange runs (comm/counter.py files those calls as ``agreement_check``)."""
+    return getattr(_state, "inside", False)
+
+
+def _library_dirs() -> tuple:
+    """autoparallel, reshard, spmd_rules (siblings in the source tree), paddle and the standard library."""
+    import importlib.util
+
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(pkg)
+    paddle_dir = os.path.dirname(importlib.util.find_spec("paddle").origin)
+    dirs = [pkg, os.path.join(root, "reshard"), os.path.join(root, "spmd_rules"), paddle_dir,
+            os.path.dirname(os.__file__)]
+    return tuple(d + os.sep for d in dirs)
+
+
+_DIRS: list = []
+
+
+def user_site() -> str:
+    """``file:line (function)`` of the innermost frame outside autoparallel, paddle and the standard library."""
+    if not _DIRS:
+        _DIRS.extend(_library_dirs())
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith(tuple(_DIRS)) and not name.startswith("<frozen"):
+            tail = os.sep.join(name.split(os.sep)[-2:])
+            return f"{tail}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return "inside the library"
+
+
+def record(count: int, kind: str, site: str) -> np.ndarray:
+    """The 16-word record one rank sends: its count on the group, then ``kind@site`` in utf-8 (truncated)."""
+    text = f"{kind}@{site}".encode()[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0")
+    return np.concatenate([np.array([count], dtype=np.int64), np.frombuffer(text, dtype=np.int64)])
+
+
+def parse(words) -> tuple:
+    """(count, 'kind@site') of a record."""
+    words = np.asarray(words, dtype=np.int64).reshape(-1)
+    return int(words[0]), words[1:].tobytes().rstrip(b"\0").decode(errors="replace")
+
+
+def verdict(ranks, records, me: int):
+    """None when every member's record (``records`` in ``ranks`` order) equals ours, else the error text."""
+    got = [parse(r) for r in records]
+    mine = got[ranks.index(me)]
+    if all(g == mine for g in got):
+        return None
+    calls = "; ".join(f"rank {r}: collective #{c} on this group, {what}" for r, (c, what) in zip(ranks, got))
+    return (f"the ranks of group {list(ranks)} are not making the same collective ({calls}). Code that runs on "
+            f"some ranks only made a collective: every rank of the group must make each collective, from the "
+            f"same line -- reading a distributed value (float(), item(), numpy(), print), gathering a "
+            f"state_dict or running a forward inside `if rank == 0:` needs every rank to call it (or compute "
+            f"it on every rank and print on one). This rank is {me}, at {mine[1]}.")
+
+
+def check(exchange, kind: str, ranks, me: int, site: str = None) -> None:
+    """Agree with the other members of ``ranks`` on this collective before it runs, or raise
+    ``CollectiveMismatchError`` on every member. ``exchange(np record) -> [record of each member in
+    ranks order]`` is the transport's all_gather of the records."""
+    key = tuple(sorted(ranks))
+    count = _counts.get(key, 0) + 1
+    _counts[key] = count
+    mine = record(count, kind, site if site is not None else user_site())
+    _state.inside = True
+    try:
+        records = exchange(mine)
+    finally:
+        _state.inside = False
+    why = verdict(list(ranks), records, me)
+    if why is not None:
+        raise CollectiveMismatchError(why)
+
+
+def reset() -> None:
+    """Forget the per-group counts (a new job in the same process)."""
+    _counts.clear()

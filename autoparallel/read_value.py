@@ -1,0 +1,67 @@
+"""One-element results readable on any rank alone: a Partial scalar is reduced where every rank makes it.
+
+A loss is a one-element tensor that is Partial over the data axes (each rank holds its batch's term) and
+reading it -- ``float(loss)``, ``loss.item()``, ``print(loss)``, ``f"{loss}"``, ``if loss < 0.1:`` -- needs
+the sum. If that sum were taken at read time, ``if rank == 0: print(loss.item())`` would make a collective
+on rank 0 alone. Instead, dispatch hands every one-element output whose placements hold a Partial to
+``settle``, which reshards it to Replicate right there, in the forward, where every rank passes: reads are
+then local on every rank. The reshard is the differentiable all_reduce (its backward is the identity for a
+sum), so gradients are unchanged. Cost: one all_reduce of one element per such result, made at creation
+instead of at the first read (free when the value is read on every rank anyway, as a training loop's
+``float(loss)`` does; ``tools/bench_agreement.py`` measures it). Results of more than one element keep their
+placements: gathering them is the user's collective (comm/agreement.py refuses it on some ranks only).
+``AP_SCALAR_REDUCE=off`` keeps one-element results Partial.
+"""
+from __future__ import annotations
+
+import os
+
+import paddle
+
+from autoparallel.comm.world import current_world
+from autoparallel.compat import building_static_program
+from autoparallel.placement import Partial, Replicate
+
+_TARGETS: dict = {}          # spec -> placements to settle to (None: leave as is)
+_LIMIT = 4096
+
+
+def enabled() -> bool:
+    value = os.environ.get("AP_SCALAR_REDUCE", "on").strip().lower()
+    if value not in ("on", "off", "1", "0", "true", "false", ""):
+        raise ValueError(f"AP_SCALAR_REDUCE must be 'on' or 'off', got {value!r}")
+    return value in ("on", "1", "true", "")
+
+
+def _target(spec):
+    n = 1
+    for s in spec.shape:
+        n *= int(s)
+    if n != 1 or not any(isinstance(p, Partial) for p in spec.placements):
+        return None
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+
+
+def target(spec):
+    """The placements a one-element result with ``spec`` is settled to, or None."""
+    try:
+        return _TARGETS[spec]
+    except KeyError:
+        pass
+    if len(_TARGETS) > _LIMIT:
+        _TARGETS.clear()
+    got = _TARGETS[spec] = _target(spec)
+    return got
+
+
+def settle(t):
+    """``t`` itself, or -- a one-element Partial result of an eager op -- ``t`` reduced to Replicate."""
+    placements = target(t._spec)
+    if placements is None or not t._locals or not paddle.in_dynamic_mode() or building_static_program() \
+            or not enabled():
+        return t
+    if current_world().is_simulated and len(t._locals) < t._spec.mesh.size:
+        return t                                 # one simulated rank alone (a gradient hook): no collective
+    from autoparallel.dist_tensor import reshard
+
+    return reshard(t, t._spec.mesh, placements)
