@@ -24,7 +24,7 @@ import numpy as np
 
 WORDS = 16                                   # int64 words per record: [count, 15 words of text]
 TEXT_BYTES = 8 * (WORDS - 1)
-_counts: dict = {}                           # group ranks -> collectives this rank made on it
+_counts: dict = {}                           # (this rank, group ranks) -> collectives made on it
 _state = threading.local()                   # .inside: a check's own all_gather is running (comm/counter.py)
 
 
@@ -103,7 +103,7 @@ def check(exchange, kind: str, ranks, me: int, site: str = None) -> None:
     """Agree with the other members of ``ranks`` on this collective before it runs, or raise
     ``CollectiveMismatchError`` on every member. ``exchange(np record) -> [record of each member in
     ranks order]`` is the transport's all_gather of the records."""
-    key = tuple(sorted(ranks))
+    key = (me, tuple(sorted(ranks)))
     count = _counts.get(key, 0) + 1
     _counts[key] = count
     mine = record(count, kind, site if site is not None else user_site())
