@@ -15,6 +15,7 @@ import paddle
 
 from autoparallel import backward_start, dispatch_handle, redistribute
 from autoparallel import dist_tensor_forms as _forms
+from autoparallel.comm import agreement
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase
 from autoparallel.context import async_allreduce
@@ -194,7 +195,7 @@ class DistTensor(OpMethods):
         from backward as asynchronous collectives overlapping the rest of backward where the backend
         overlaps (NCCL; the default there); on gloo it is accepted and does nothing, because gloo's
         collectives block. False keeps every reduction synchronous."""
-        with async_allreduce(use_async_allreduce):
+        with async_allreduce(use_async_allreduce), agreement.typed_in_backward():
             self._backward(grad, retain_graph)
 
     def _backward(self, grad, retain_graph) -> None:

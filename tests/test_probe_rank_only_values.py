@@ -107,14 +107,22 @@ def test_the_settings_are_validated(monkeypatch):
 
 
 # ---- the agreement records ----------------------------------------------------------------------------------
-def test_a_record_round_trips_and_names_the_calling_line():
-    site = agreement.user_site()
-    assert site.startswith("tests/test_probe_rank_only_values.py:") and "(test_a_record_round_trips" in site
-    rec = agreement.record(7, "all_gather", site)
+def test_a_record_round_trips_and_names_the_calling_path():
+    def forward():                                   # the same model line reached from two places
+        return agreement.user_site()
+
+    train = forward()
+    evaluate = forward()
+    assert train.startswith("test_probe_rank_only_values.py:") and " < test_probe_rank_only_values.py:" in train
+    assert train.split(" < ")[0] == evaluate.split(" < ")[0] and train != evaluate
+    rec = agreement.record(7, "all_gather", train)
     assert rec.dtype == np.int64 and rec.shape == (agreement.WORDS,)
-    assert agreement.parse(rec) == (7, f"all_gather@{site}")
-    long = agreement.parse(agreement.record(1, "all_reduce", "x" * 500))[1]
-    assert len(long) == agreement.TEXT_BYTES
+    count, digest, text = agreement.parse(rec)
+    assert (count, text) == (7, f"all_gather@{train}"[:agreement.TEXT_BYTES])
+    assert digest != agreement.parse(agreement.record(7, "all_gather", evaluate))[1]
+    tail_differs = [agreement.record(1, "all_reduce", "x" * 500 + tail) for tail in "ab"]   # beyond the text
+    assert agreement.parse(tail_differs[0])[2] == agreement.parse(tail_differs[1])[2]
+    assert agreement.verdict([0, 1], tail_differs, 0) is not None, "the hash covers the whole path"
 
 
 def test_the_verdict_accepts_equal_records_and_names_every_rank_otherwise():
@@ -206,7 +214,7 @@ def test_a_collective_on_one_rank_only_fails_on_every_rank_before_any_payload_mo
     got = run_ranks(fake, rank0_reads_while_rank1_trains)
     for r in (0, 1):
         assert isinstance(got[r], agreement.CollectiveMismatchError), got[r]
-        assert "rank 0: collective #1 on this group, all_reduce@tests/test_probe_rank_only_values.py:" in str(got[r])
+        assert "rank 0: collective #1 on this group, all_reduce@test_probe_rank_only_values.py:" in str(got[r])
         assert f"This rank is {r}" in str(got[r])
     assert fake.calls == [], "no payload was paired with another rank's collective"
 

@@ -6,8 +6,8 @@ a collective the other ranks do not make; theirs next pairs with it. Today that 
 differ), a 30 s hang (the others never come), or, when sizes agree, the run going on with wrong values.
 
 Before each collective of the real transport, every member of the group sends the others a 128-byte record:
-how many collectives it has made on this group, the kind (all_reduce, all_gather, ...) and the user's line
-that asked for it (the innermost frame outside autoparallel, paddle and the standard library). The records
+how many collectives it has made on this group, the kind (all_reduce, all_gather, ...) and the user's call
+path that asked for it (every frame outside autoparallel, paddle and the standard library). The records
 travel in one all_gather of 16 int64 words per rank, so a rank-only collective always pairs with another
 rank's check, never with its payload; when the records differ, every member raises
 ``CollectiveMismatchError`` naming each rank's call and the rule. Cost: one extra 128-byte all_gather per
@@ -16,20 +16,24 @@ turns it off. The simulated world runs every rank in one process and never check
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import sys
 import threading
 
 import numpy as np
 
-WORDS = 16                                   # int64 words per record: [count, 15 words of text]
-TEXT_BYTES = 8 * (WORDS - 1)
+WORDS = 16                                   # int64 words per record: [count, hash, 14 words of text]
+TEXT_BYTES = 8 * (WORDS - 2)
 _counts: dict = {}                           # (this rank, group ranks) -> collectives made on it
 _state = threading.local()                   # .inside: a check's own all_gather is running (comm/counter.py)
 
 
 class CollectiveMismatchError(RuntimeError):
     """The members of a group are not making the same collective: code ran on some ranks only."""
+
+    every_rank_knows = True              # raised by every member of the group: the watchdog looks for no lost rank
 
 
 def enabled() -> bool:
@@ -60,29 +64,34 @@ _DIRS: list = []
 
 
 def user_site() -> str:
-    """``file:line (function)`` of the innermost frame outside autoparallel, paddle and the standard library."""
+    """The user's call path to here: each frame outside autoparallel, paddle and the standard library as
+    ``file:line``, innermost first, joined by `` < `` (a model's ``forward`` line alone does not tell a
+    training step from an evaluation)."""
     if not _DIRS:
         _DIRS.extend(_library_dirs())
+    dirs, out = tuple(_DIRS), []
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
-        if not name.startswith(tuple(_DIRS)) and not name.startswith("<frozen"):
-            tail = os.sep.join(name.split(os.sep)[-2:])
-            return f"{tail}:{f.f_lineno} ({f.f_code.co_name})"
+        if not name.startswith(dirs) and not name.startswith("<frozen"):
+            out.append(f"{os.path.basename(name)}:{f.f_lineno}")
         f = f.f_back
-    return "inside the library"
+    return " < ".join(out) if out else "inside the library"
 
 
 def record(count: int, kind: str, site: str) -> np.ndarray:
-    """The 16-word record one rank sends: its count on the group, then ``kind@site`` in utf-8 (truncated)."""
-    text = f"{kind}@{site}".encode()[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0")
-    return np.concatenate([np.array([count], dtype=np.int64), np.frombuffer(text, dtype=np.int64)])
+    """The 16-word record one rank sends: its count on the group, a 63-bit hash of ``kind@site``, then that
+    text in utf-8 (truncated to 112 bytes; the hash covers all of it)."""
+    full = f"{kind}@{site}".encode()
+    digest = int.from_bytes(hashlib.blake2b(full, digest_size=8).digest(), "little") >> 1
+    text = full[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0")
+    return np.concatenate([np.array([count, digest], dtype=np.int64), np.frombuffer(text, dtype=np.int64)])
 
 
 def parse(words) -> tuple:
-    """(count, 'kind@site') of a record."""
+    """(count, hash, 'kind@site' as sent) of a record."""
     words = np.asarray(words, dtype=np.int64).reshape(-1)
-    return int(words[0]), words[1:].tobytes().rstrip(b"\0").decode(errors="replace")
+    return int(words[0]), int(words[1]), words[2:].tobytes().rstrip(b"\0").decode(errors="replace")
 
 
 def verdict(ranks, records, me: int):
@@ -91,12 +100,12 @@ def verdict(ranks, records, me: int):
     mine = got[ranks.index(me)]
     if all(g == mine for g in got):
         return None
-    calls = "; ".join(f"rank {r}: collective #{c} on this group, {what}" for r, (c, what) in zip(ranks, got))
+    calls = "; ".join(f"rank {r}: collective #{c} on this group, {what}" for r, (c, _, what) in zip(ranks, got))
     return (f"the ranks of group {list(ranks)} are not making the same collective ({calls}). Code that runs on "
             f"some ranks only made a collective: every rank of the group must make each collective, from the "
             f"same line -- reading a distributed value (float(), item(), numpy(), print), gathering a "
             f"state_dict or running a forward inside `if rank == 0:` needs every rank to call it (or compute "
-            f"it on every rank and print on one). This rank is {me}, at {mine[1]}.")
+            f"it on every rank and print on one). This rank is {me}, at {mine[2]}.")
 
 
 def check(exchange, kind: str, ranks, me: int, site: str = None) -> None:
@@ -114,7 +123,22 @@ def check(exchange, kind: str, ranks, me: int, site: str = None) -> None:
         _state.inside = False
     why = verdict(list(ranks), records, me)
     if why is not None:
-        raise CollectiveMismatchError(why)
+        _state.raised = CollectiveMismatchError(why)
+        raise _state.raised
+
+
+@contextlib.contextmanager
+def typed_in_backward():
+    """paddle's backward turns an exception raised in a hook or PyLayer into ``SystemError``/``OSError``
+    "(External) ..."; re-raise a mismatch found during the block as itself."""
+    _state.raised = None
+    try:
+        yield
+    except Exception as e:
+        found, _state.raised = getattr(_state, "raised", None), None
+        if found is not None and found is not e:
+            raise found from e
+        raise
 
 
 def reset() -> None:
