@@ -155,17 +155,20 @@ class FakeDist:
         return got
 
     def all_gather(self, out, t, group=None):
+        self.calls.append(("all_gather", self.rank.r))
         out.extend(self._swap(t))
-        if not agreement.checking():
-            self.calls.append(("all_gather", self.rank.r))
+
+    def records(self, out, t, group=None):          # agreement.raw_all_gather: not a payload call
+        out.extend(self._swap(t))
 
     def all_reduce(self, t, op=None, group=None):
         self.calls.append(("all_reduce", self.rank.r))
         t.set_value(paddle.add_n(self._swap(t)))
 
 
-def run_ranks(fake, body):
+def run_ranks(fake, body, monkeypatch):
     """``body(transport, rank)`` on each rank's thread; returns {rank: result or exception}."""
+    monkeypatch.setattr(agreement, "raw_all_gather", lambda: fake.records)
     out = {}
 
     def main(r):
@@ -192,17 +195,19 @@ def fresh_counts(monkeypatch):
     monkeypatch.delenv("AP_COLLECTIVE_CHECK", raising=False)
 
 
-def test_the_same_collective_on_every_rank_runs(fresh_counts):
+def test_the_same_collective_on_every_rank_runs(fresh_counts, monkeypatch):
     fake = FakeDist(2)
 
     def every_rank(t, r):
         return float(t.all_reduce({r: paddle.to_tensor([float(r + 1)])}, [0, 1], "sum")[r])
 
-    assert run_ranks(fake, every_rank) == {0: 3.0, 1: 3.0}
+    checks = agreement.stats()["checks"]
+    assert run_ranks(fake, every_rank, monkeypatch) == {0: 3.0, 1: 3.0}
     assert sorted(fake.calls) == [("all_reduce", 0), ("all_reduce", 1)]
+    assert agreement.stats()["checks"] == checks + 2, "one check per rank, counted apart from the payload"
 
 
-def test_a_collective_on_one_rank_only_fails_on_every_rank_before_any_payload_moves(fresh_counts):
+def test_a_collective_on_one_rank_only_fails_on_every_rank_before_any_payload_moves(fresh_counts, monkeypatch):
     fake = FakeDist(2)
 
     def rank0_reads_while_rank1_trains(t, r):
@@ -211,7 +216,7 @@ def test_a_collective_on_one_rank_only_fails_on_every_rank_before_any_payload_mo
             return t.all_reduce(x, [0, 1], "sum")            # rank 0's extra read
         return t.all_reduce(x, [0, 1], "sum")                # rank 1's next step: same kind, same bytes
 
-    got = run_ranks(fake, rank0_reads_while_rank1_trains)
+    got = run_ranks(fake, rank0_reads_while_rank1_trains, monkeypatch)
     for r in (0, 1):
         assert isinstance(got[r], agreement.CollectiveMismatchError), got[r]
         assert "rank 0: collective #1 on this group, all_reduce@test_probe_rank_only_values.py:" in str(got[r])
@@ -229,4 +234,4 @@ def test_negative_control_with_the_check_off_the_mismatched_pair_silently_mixes_
             return float(t.all_reduce(x, [0, 1], "sum")[r])
         return float(t.all_reduce(x, [0, 1], "sum")[r])
 
-    assert run_ranks(fake, mismatched) == {0: 101.0, 1: 101.0}     # rank 0's read took rank 1's term
+    assert run_ranks(fake, mismatched, monkeypatch) == {0: 101.0, 1: 101.0}     # rank 0's read took rank 1's term

@@ -11,8 +11,8 @@ path that asked for it (every frame outside autoparallel, paddle and the standar
 travel in one all_gather of 16 int64 words per rank, so a rank-only collective always pairs with another
 rank's check, never with its payload; when the records differ, every member raises
 ``CollectiveMismatchError`` naming each rank's call and the rule. Cost: one extra 128-byte all_gather per
-collective (a latency term, no bandwidth), measured by ``tools/bench_agreement.py``. ``AP_COLLECTIVE_CHECK=off``
-turns it off. The simulated world runs every rank in one process and never checks.
+collective (a latency term, no bandwidth), measured by ``tools/bench_agreement.py``; it is not counted among the
+payload calls of ``count_comm`` (``stats()`` counts it). ``AP_COLLECTIVE_CHECK=off`` turns it off. The simulated world runs every rank in one process and never checks.
 """
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ import hashlib
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 
 WORDS = 16                                   # int64 words per record: [count, hash, 14 words of text]
 TEXT_BYTES = 8 * (WORDS - 2)
 _counts: dict = {}                           # (this rank, group ranks) -> collectives made on it
-_state = threading.local()                   # .inside: a check's own all_gather is running (comm/counter.py)
+_state = threading.local()                   # .raised: the mismatch raised on this thread (typed_in_backward)
+_stats = {"checks": 0, "seconds": 0.0}
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -43,9 +45,18 @@ def enabled() -> bool:
     return value in ("on", "1", "true", "")
 
 
-def checking() -> bool:
-    """True while a check's own exchange runs (comm/counter.py files those calls as ``agreement_check``)."""
-    return getattr(_state, "inside", False)
+def raw_all_gather():
+    """paddle's all_gather from its own module: the records are not payload, so wrappers of the
+    ``paddle.distributed`` namespace (comm/counter.py's ``count_comm``, ap.profile) do not count them;
+    ``stats()`` does."""
+    import importlib
+
+    return importlib.import_module("paddle.distributed.communication.all_gather").all_gather
+
+
+def stats() -> dict:
+    """Checks this process made and the seconds they took (the cost of the agreement)."""
+    return dict(_stats)
 
 
 def _library_dirs() -> tuple:
@@ -116,11 +127,10 @@ def check(exchange, kind: str, ranks, me: int, site: str = None) -> None:
     count = _counts.get(key, 0) + 1
     _counts[key] = count
     mine = record(count, kind, site if site is not None else user_site())
-    _state.inside = True
-    try:
-        records = exchange(mine)
-    finally:
-        _state.inside = False
+    start = time.perf_counter()
+    records = exchange(mine)
+    _stats["checks"] += 1
+    _stats["seconds"] += time.perf_counter() - start
     why = verdict(list(ranks), records, me)
     if why is not None:
         _state.raised = CollectiveMismatchError(why)

@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass, field
 
 from autoparallel import patches
-from autoparallel.comm import agreement
 from autoparallel.comm.cost import collective_bytes
 from autoparallel.comm.sizes import nbytes as _nbytes
 
@@ -153,8 +152,6 @@ def count_comm(observer=None):
             continue
 
         def wrapper(*args, __fn=fn, __name=name, **kwargs):
-            # the records of comm/agreement.py are filed under their own name
-            label = "agreement_check" if agreement.checking() else __name
             ranks = _group_ranks(_group_of(__name, args, kwargs))
             if __name in ("send", "recv", "isend", "irecv"):
                 ranks = _pair(__name, args, kwargs, ranks)
@@ -162,18 +159,18 @@ def count_comm(observer=None):
             held = _held(__name, args, kwargs)
             seen = observer if observer is not None and threading.get_ident() == owner else None
             if seen is not None:
-                seen.enter_collective(label)
+                seen.enter_collective(__name)
             start = clock()
             try:
                 return __fn(*args, **kwargs)
             finally:
                 sec = clock() - start
-                log.calls.append((label, float(b), n))
+                log.calls.append((__name, float(b), n))
                 log.seconds.append(sec)
                 log.held.append(held)
                 log.groups.append(ranks)
                 if seen is not None:
-                    seen.leave_collective(label, float(b), n, held, ranks)
+                    seen.leave_collective(__name, float(b), n, held, ranks)
 
         saved[name] = wrapper
     with patches.swapped(dist, saved):           # in the ledger while the block runs

@@ -114,11 +114,11 @@ class RealTransport:
         """Every member of ``ranks`` is making this collective, from the same line (comm/agreement.py)."""
         if len(ranks) < 2 or not agreement.enabled():
             return
-        dist, group = self._dist(), self._group(ranks)
+        gather, group = agreement.raw_all_gather(), self._group(ranks)
 
         def exchange(record):
             out = []
-            dist.all_gather(out, paddle.to_tensor(record), group=group)
+            gather(out, paddle.to_tensor(record), group=group)
             by_rank = dict(zip(self._rank_order(ranks), out))
             return [by_rank[r].numpy() for r in ranks]
 
