@@ -12,7 +12,8 @@ travel in one all_gather of 16 int64 words per rank, so a rank-only collective a
 rank's check, never with its payload; when the records differ, every member raises
 ``CollectiveMismatchError`` naming each rank's call and the rule. Cost: one extra 128-byte all_gather per
 collective (a latency term, no bandwidth), measured by ``tools/bench_agreement.py``; it is not counted among the
-payload calls of ``count_comm`` (``stats()`` counts it). ``AP_COLLECTIVE_CHECK=off`` turns it off. The simulated world runs every rank in one process and never checks.
+payload calls of ``count_comm`` (``stats()`` counts it). On by default with gloo, off with NCCL (``enabled``);
+``AP_COLLECTIVE_CHECK=on|off`` decides. The simulated world runs every rank in one process and never checks.
 """
 from __future__ import annotations
 
@@ -38,11 +39,16 @@ class CollectiveMismatchError(RuntimeError):
     every_rank_knows = True              # raised by every member of the group: the watchdog looks for no lost rank
 
 
-def enabled() -> bool:
-    value = os.environ.get("AP_COLLECTIVE_CHECK", "on").strip().lower()
+def enabled(backend: str = "gloo") -> bool:
+    """``AP_COLLECTIVE_CHECK`` on/off; unset: on for gloo (CPU collectives block anyway: the check adds one
+    small collective's latency), off for NCCL (the records' host round trip would synchronise every
+    collective with the device)."""
+    value = os.environ.get("AP_COLLECTIVE_CHECK", "").strip().lower()
     if value not in ("on", "off", "1", "0", "true", "false", ""):
         raise ValueError(f"AP_COLLECTIVE_CHECK must be 'on' or 'off', got {value!r}")
-    return value in ("on", "1", "true", "")
+    if value == "":
+        return backend == "gloo"
+    return value in ("on", "1", "true")
 
 
 def raw_all_gather():

@@ -112,15 +112,16 @@ class RealTransport:
 
     def _agree(self, kind, ranks, site=None):
         """Every member of ``ranks`` is making this collective, from the same line (comm/agreement.py)."""
-        if len(ranks) < 2 or not agreement.enabled():
+        if len(ranks) < 2 or not agreement.enabled(self.backend):
             return
         gather, group = agreement.raw_all_gather(), self._group(ranks)
 
         def exchange(record):
             out = []
             gather(out, paddle.to_tensor(record), group=group)
-            by_rank = dict(zip(self._rank_order(ranks), out))
-            return [by_rank[r].numpy() for r in ranks]
+            got = paddle.stack(out).numpy()
+            by_rank = dict(zip(self._rank_order(ranks), got))
+            return [by_rank[r] for r in ranks]
 
         agreement.check(exchange, kind, list(ranks), self.rank, site)
 
