@@ -1,7 +1,8 @@
 """Code that runs on rank 0 only, on 2 real gloo ranks (one shared-launch job, dist_scripts/rank_only_worker.py):
 rank-0-only reads of a data-parallel loss print the one-process value and make no collective; a ZeRO-3 state_dict
 gathered on rank 0 only and a tensor-parallel evaluation forward on rank 0 only raise CollectiveMismatchError on
-every rank within seconds, never paired with the other rank's collectives."""
+every rank within seconds, never paired with the other rank's collectives; so does ap.save_state_dict called on
+rank 0 only (nothing written)."""
 import os
 
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 from dist_scripts import shared_launch
 
 HERE = os.path.join(os.path.dirname(__file__), "dist_scripts")
-JOB = shared_launch.job(__name__, "rank_only", os.path.join(HERE, "rank_only_worker.py"), 2, timeout=120)
+JOB = shared_launch.job(__name__, "rank_only", os.path.join(HERE, "rank_only_worker.py"), 2, args=lambda out: [out],
+                        timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def test_rank0_only_reads_of_the_loss_print_the_one_process_value_and_make_no_co
     assert ranks[1]["reads"]["rank0"] == []
 
 
-@pytest.mark.parametrize("case", ["zero3_state_dict", "tp_eval"])
+@pytest.mark.parametrize("case", ["zero3_state_dict", "tp_eval", "dp_save"])
 def test_a_collective_on_rank0_only_is_refused_on_every_rank_within_seconds(ranks, case):
     texts = [r[case]["error"] or "" for r in ranks]
     for r, text in enumerate(texts):
@@ -59,3 +61,9 @@ def test_a_collective_on_rank0_only_is_refused_on_every_rank_within_seconds(rank
         assert ranks[r][case]["seconds"] < 10, "refused before any gloo timeout"
     calls = [t.split(" (rank 0: ")[1].split("). Code that runs")[0] for t in texts]
     assert calls[0] == calls[1] and "rank 1: collective #" in calls[0], "both ranks name the same two calls"
+
+
+def test_a_save_on_rank0_only_writes_nothing(ranks):
+    assert not any(r["dp_save"]["written"] for r in ranks)
+    assert "save_state_dict@rank_only_worker.py:" in ranks[1]["dp_save"]["error"]
+

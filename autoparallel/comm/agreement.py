@@ -160,3 +160,22 @@ def typed_in_backward():
 def reset() -> None:
     """Forget the per-group counts (a new job in the same process)."""
     _counts.clear()
+
+
+def check_world(kind: str, rank: int, world_size: int, backend: str = "gloo") -> None:
+    """The check on the whole job (paddle's default group), for entry points that exchange on it with raw
+    ``paddle.distributed`` calls (a checkpoint save): called on some ranks only, they meet another rank's record
+    and raise here, instead of pairing their first exchange with another rank's collective."""
+    if world_size < 2 or not enabled(backend):
+        return
+    import paddle
+
+    gather = raw_all_gather()
+
+    def exchange(rec):
+        out = []
+        gather(out, paddle.to_tensor(rec))
+        return list(paddle.stack(out).numpy())
+
+    check(exchange, kind, list(range(world_size)), rank)
+

@@ -3,10 +3,13 @@
 * data parallel: ``if rank == 0:`` reads of the loss (``item()``, ``float``, an f-string, ``numpy()``) during
   training; the values and the collectives those reads made;
 * ZeRO-3: rank 0 alone gathers the full state_dict while rank 1 goes on to its next step;
-* tensor parallel: rank 0 alone runs an evaluation forward while rank 1 goes on to its next step.
-Both refusals are caught on each rank and reported (type, text, seconds from the first rank's divergence).
-Usage: rank_only_worker.py
+* tensor parallel: rank 0 alone runs an evaluation forward while rank 1 goes on to its next step;
+* data parallel: rank 0 alone calls ap.save_state_dict while rank 1 goes on to its next step.
+The refusals are caught on each rank and reported (type, text, seconds from the first rank's divergence).
+Usage: rank_only_worker.py OUT_DIR
 """
+import os
+import sys
 import time
 
 import numpy as np
@@ -101,11 +104,20 @@ def tp_eval(rank):
     return refused(rank, evaluate, lambda: step(m, opt, *data[1]))
 
 
+def dp_save(rank, out_dir):
+    m, opt = build(dp=2)
+    data = batches()
+    step(m, opt, *data[0])
+    path = os.path.join(out_dir, "rank0_only")
+    got = refused(rank, lambda: ap.save_state_dict(m.state_dict(), path), lambda: step(m, opt, *data[1]))
+    return dict(got, written=os.path.exists(path))
+
+
 def main():
     dist.init_parallel_env()
     rank = dist.get_rank()
     write_result({"reads": rank0_reads(rank), "zero3_state_dict": zero3_state_dict(rank),
-                  "tp_eval": tp_eval(rank)})
+                  "tp_eval": tp_eval(rank), "dp_save": dp_save(rank, sys.argv[1])})
 
 
 if __name__ == "__main__":
