@@ -258,10 +258,8 @@ class DistTensor(OpMethods):
             raise ValueError(f"the truth value of a tensor with {list(self._spec.shape)} elements is ambiguous")
         return bool(self.item())
 
-    def __repr__(self) -> str:
-        held = sorted(self._locals)
-        return f"DistTensor(shape={self.shape}, dtype={self._spec.dtype}, mesh={self.mesh.short()}, " \
-               f"placements=[{', '.join(map(str, self._spec.placements))}], held ranks={held})"
+    __repr__ = _forms.dist_repr
+    __format__ = _forms.dist_format             # f"{loss:.4f}": a one-element tensor formats its value
 
 
 def _grad_placements(placements):

@@ -62,9 +62,10 @@ def test_a_data_parallel_loss_is_replicated_when_made_and_reads_the_one_process_
         for r in (0, 1):                                    # each rank's own copy is the global value
             assert float(loss.local_of(r)) == pytest.approx(ref_loss, rel=1e-6)
         with count_collectives() as reads:
-            got = (loss.item(), float(loss), f"{float(loss):.6f}", bool(loss > 0), loss.numpy().tolist())
+            got = (loss.item(), float(loss), f"{loss:.6f}", bool(loss > 0), loss.numpy().tolist(), repr(loss))
         assert reads.calls == [], "a read makes no collective"
         assert got[0] == pytest.approx(ref_loss, rel=1e-6) and got[2] == f"{ref_loss:.6f}"
+        assert f", value={got[0]!r})" in got[5]
         loss.backward()                                      # the all_reduce's adjoint: gradients unchanged
         grad = m.fc1.weight.grad
         np.testing.assert_allclose(grad.full().numpy() if hasattr(grad, "full") else grad.numpy(), ref_grad,
@@ -93,6 +94,24 @@ def test_one_element_reductions_of_a_sharded_tensor_settle_and_larger_ones_keep_
         rows = x.sum(axis=0)                              # two elements: the user's collective, left Partial
         assert rows.placements == [ap.Partial()]
         np.testing.assert_allclose(rows.numpy(), [12.0, 16.0])
+
+
+def test_a_larger_or_unreplicated_tensor_prints_no_value_and_refuses_a_number_format():
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+        x = ap.shard_tensor(paddle.arange(8, dtype="float32").reshape([4, 2]), mesh, [ap.Shard(0)])
+        assert "value=" not in repr(x) and f"{x}" == repr(x)
+        with pytest.raises(TypeError, match="a DistTensor of 8 elements: only a one-element tensor formats"):
+            f"{x:.2f}"
+
+
+def test_the_check_is_on_by_default_with_gloo_and_off_with_nccl(monkeypatch):
+    monkeypatch.delenv("AP_COLLECTIVE_CHECK", raising=False)
+    assert agreement.enabled("gloo") and not agreement.enabled("nccl")
+    monkeypatch.setenv("AP_COLLECTIVE_CHECK", "on")
+    assert agreement.enabled("nccl")
+    monkeypatch.setenv("AP_COLLECTIVE_CHECK", "off")
+    assert not agreement.enabled("gloo")
 
 
 def test_the_settings_are_validated(monkeypatch):
