@@ -254,3 +254,23 @@ def test_negative_control_with_the_check_off_the_mismatched_pair_silently_mixes_
         return float(t.all_reduce(x, [0, 1], "sum")[r])
 
     assert run_ranks(fake, mismatched, monkeypatch) == {0: 101.0, 1: 101.0}     # rank 0's read took rank 1's term
+
+
+def test_a_save_entered_on_one_rank_only_meets_the_others_training_record(fresh_counts, monkeypatch):
+    """save_state_dict's entry check compares the kind alone: any line may call it, but every rank must."""
+    peer = {}
+
+    def gather(out, t, group=None):                 # rank 1 sends the record of its next training collective
+        mine = t.numpy()
+        out.extend([paddle.to_tensor(mine), paddle.to_tensor(peer.get("record", mine))])
+
+    monkeypatch.setattr(agreement, "raw_all_gather", lambda: gather)
+    agreement.check_world("save_state_dict", 0, 2)                     # rank 1 saves too (its own line): fine
+    peer["record"] = agreement.record(2, "all_reduce", "train.py:52")
+    with pytest.raises(agreement.CollectiveMismatchError, match=r"rank 0: collective #2 on this group, "
+                                                                r"save_state_dict@every rank; rank 1: .*all_reduce"):
+        agreement.check_world("save_state_dict", 0, 2)
+    calls = []
+    monkeypatch.setattr(agreement, "raw_all_gather", lambda: calls.append)
+    agreement.check_world("save_state_dict", 0, 1)                     # one process: nothing to agree on
+    assert calls == []
