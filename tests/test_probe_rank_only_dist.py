@@ -2,7 +2,8 @@
 rank-0-only reads of a data-parallel loss print the one-process value and make no collective; a ZeRO-3 state_dict
 gathered on rank 0 only and a tensor-parallel evaluation forward on rank 0 only raise CollectiveMismatchError on
 every rank within seconds, never paired with the other rank's collectives; so does ap.save_state_dict called on
-rank 0 only (nothing written)."""
+rank 0 only (nothing written). The reads run with the defaults; the refusals with AP_COLLECTIVE_CHECK=on (off by
+default: not cheap)."""
 import os
 
 import numpy as np

@@ -105,11 +105,11 @@ def test_a_larger_or_unreplicated_tensor_prints_no_value_and_refuses_a_number_fo
             f"{x:.2f}"
 
 
-def test_the_check_is_on_by_default_with_gloo_and_off_with_nccl(monkeypatch):
+def test_the_check_is_off_by_default_and_on_when_asked(monkeypatch):
     monkeypatch.delenv("AP_COLLECTIVE_CHECK", raising=False)
-    assert agreement.enabled("gloo") and not agreement.enabled("nccl")
+    assert not agreement.enabled("gloo") and not agreement.enabled("nccl")
     monkeypatch.setenv("AP_COLLECTIVE_CHECK", "on")
-    assert agreement.enabled("nccl")
+    assert agreement.enabled("gloo") and agreement.enabled("nccl")
     monkeypatch.setenv("AP_COLLECTIVE_CHECK", "off")
     assert not agreement.enabled("gloo")
 
@@ -211,7 +211,7 @@ def run_ranks(fake, body, monkeypatch):
 @pytest.fixture
 def fresh_counts(monkeypatch):
     monkeypatch.setattr(agreement, "_counts", {})
-    monkeypatch.delenv("AP_COLLECTIVE_CHECK", raising=False)
+    monkeypatch.setenv("AP_COLLECTIVE_CHECK", "on")
 
 
 def test_the_same_collective_on_every_rank_runs(fresh_counts, monkeypatch):

@@ -12,8 +12,8 @@ travel in one all_gather of 16 int64 words per rank, so a rank-only collective a
 rank's check, never with its payload; when the records differ, every member raises
 ``CollectiveMismatchError`` naming each rank's call and the rule. Cost: one extra 128-byte all_gather per
 collective (a latency term, no bandwidth), measured by ``tools/bench_agreement.py``; it is not counted among the
-payload calls of ``count_comm`` (``stats()`` counts it). On by default with gloo, off with NCCL (``enabled``);
-``AP_COLLECTIVE_CHECK=on|off`` decides. The simulated world runs every rank in one process and never checks.
+payload calls of ``count_comm`` (``stats()`` counts it). Off by default (not cheap: ``enabled``); turn it on
+with ``AP_COLLECTIVE_CHECK=on`` while writing or debugging a script's rank-0 logging, saving and evaluation. The simulated world runs every rank in one process and never checks.
 """
 from __future__ import annotations
 
@@ -40,14 +40,12 @@ class CollectiveMismatchError(RuntimeError):
 
 
 def enabled(backend: str = "gloo") -> bool:
-    """``AP_COLLECTIVE_CHECK`` on/off; unset: on for gloo (CPU collectives block anyway: the check adds one
-    small collective's latency), off for NCCL (the records' host round trip would synchronise every
-    collective with the device)."""
+    """``AP_COLLECTIVE_CHECK=on`` turns the check on (any backend); unset or ``off``: no check. Off by default:
+    one more small collective per collective is not cheap (docs/rank_divergent_code.md: +45-60 % on the
+    collective-heavy 4-rank training jobs on 2 CPU cores)."""
     value = os.environ.get("AP_COLLECTIVE_CHECK", "").strip().lower()
     if value not in ("on", "off", "1", "0", "true", "false", ""):
         raise ValueError(f"AP_COLLECTIVE_CHECK must be 'on' or 'off', got {value!r}")
-    if value == "":
-        return backend == "gloo"
     return value in ("on", "1", "true")
 
 

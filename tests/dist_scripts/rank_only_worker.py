@@ -5,7 +5,8 @@
 * ZeRO-3: rank 0 alone gathers the full state_dict while rank 1 goes on to its next step;
 * tensor parallel: rank 0 alone runs an evaluation forward while rank 1 goes on to its next step;
 * data parallel: rank 0 alone calls ap.save_state_dict while rank 1 goes on to its next step.
-The refusals are caught on each rank and reported (type, text, seconds from the first rank's divergence).
+The reads run with the defaults, the refusals with the collective check on (AP_COLLECTIVE_CHECK=on); they are
+caught on each rank and reported (type, text, seconds from the first rank's divergence).
 Usage: rank_only_worker.py OUT_DIR
 """
 import os
@@ -116,8 +117,16 @@ def dp_save(rank, out_dir):
 def main():
     dist.init_parallel_env()
     rank = dist.get_rank()
-    write_result({"reads": rank0_reads(rank), "zero3_state_dict": zero3_state_dict(rank),
-                  "tp_eval": tp_eval(rank), "dp_save": dp_save(rank, sys.argv[1])})
+    out = {"reads": rank0_reads(rank)}                     # the defaults: no collective check
+    before = os.environ.get("AP_COLLECTIVE_CHECK")
+    os.environ["AP_COLLECTIVE_CHECK"] = "on"               # on every rank at the same point
+    try:
+        out.update(zero3_state_dict=zero3_state_dict(rank), tp_eval=tp_eval(rank), dp_save=dp_save(rank, sys.argv[1]))
+    finally:
+        os.environ.pop("AP_COLLECTIVE_CHECK")
+        if before is not None:
+            os.environ["AP_COLLECTIVE_CHECK"] = before
+    write_result(out)
 
 
 if __name__ == "__main__":
