@@ -5,9 +5,10 @@ reading it -- ``float(loss)``, ``loss.item()``, ``print(loss)``, ``f"{loss}"``, 
 the sum. If that sum were taken at read time, ``if rank == 0: print(loss.item())`` would make a collective
 on rank 0 alone. Instead, dispatch hands every one-element output whose placements hold a Partial to
 ``settle``, which reshards it to Replicate right there, in the forward, where every rank passes: reads are
-then local on every rank. The reshard is the differentiable all_reduce (its backward is the identity for a
-sum), so gradients are unchanged. Cost: one all_reduce of one element per such result, made at creation
-instead of at the first read (free when the value is read on every rank anyway, as a training loop's
+then local on every rank. The reduction runs outside autograd and the result is tied to ``t`` by
+``t + (reduced - t).detach()``: the gradient is the all_reduce's adjoint (the identity for a sum) and the
+graph holds no collective (a retained graph can be backwarded again). Partial(max/min) results are left as
+they are. Cost: one all_reduce of one element per such result, made at creation instead of at the first read (free when the value is read on every rank anyway, as a training loop's
 ``float(loss)`` does; ``tools/bench_agreement.py`` measures it). Results of more than one element keep their
 placements: gathering them is the user's collective (comm/agreement.py refuses it on some ranks only).
 ``AP_SCALAR_REDUCE=off`` keeps one-element results Partial.
@@ -37,8 +38,9 @@ def _target(spec):
     n = 1
     for s in spec.shape:
         n *= int(s)
-    if n != 1 or not any(isinstance(p, Partial) for p in spec.placements):
-        return None
+    partial = [p for p in spec.placements if isinstance(p, Partial)]
+    if n != 1 or not partial or any(p.reduce_type not in ("sum", "avg") for p in partial):
+        return None                          # max/min: the gradient routes to the winner; left to the reader
     return tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
 
 
@@ -55,13 +57,31 @@ def target(spec):
 
 
 def settle(t):
-    """``t`` itself, or -- a one-element Partial result of an eager op -- ``t`` reduced to Replicate."""
+    """``t`` itself, or -- a one-element Partial(sum/avg) result of an eager op -- ``t`` reduced to Replicate.
+
+    The reduction runs without autograd; the result's local value is ``f * t + (reduced - f * t).detach()``
+    (``f``: the product of 1/n over the avg dims), whose gradient is the all_reduce's adjoint (the identity
+    for a sum) with no PyLayer in the graph: a graph backwarded with ``retain_graph=True`` can be backwarded
+    again, as before."""
     placements = target(t._spec)
     if placements is None or not t._locals or not paddle.in_dynamic_mode() or building_static_program() \
             or not enabled():
         return t
-    if current_world().is_simulated and len(t._locals) < t._spec.mesh.size:
+    mesh = t._spec.mesh
+    if current_world().is_simulated and len(t._locals) < mesh.size:
         return t                                 # one simulated rank alone (a gradient hook): no collective
-    from autoparallel.dist_tensor import reshard
+    from autoparallel.dist_tensor import DistTensor, reshard
 
-    return reshard(t, t._spec.mesh, placements)
+    reduced = reshard(t.detach(), mesh, placements)
+    f = 1.0
+    for d, p in enumerate(t._spec.placements):
+        if isinstance(p, Partial) and p.reduce_type == "avg":
+            f /= mesh.shape[d]
+    out = {}
+    for r, x in t._locals.items():
+        if x.stop_gradient:
+            out[r] = reduced._locals[r]
+        else:
+            mine = x * f if f != 1.0 else x
+            out[r] = mine + (reduced._locals[r] - mine).detach()
+    return DistTensor._own(out, reduced._spec)

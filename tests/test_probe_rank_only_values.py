@@ -84,13 +84,19 @@ def test_negative_control_without_the_settling_the_loss_stays_partial_and_a_read
     assert counts == {"all_reduce": 1}
 
 
-@pytest.mark.parametrize("reduce,expect", [("sum", 28.0), ("mean", 3.5), ("max", 7.0)])
-def test_one_element_reductions_of_a_sharded_tensor_settle_and_larger_ones_keep_their_placement(reduce, expect):
+@pytest.mark.parametrize("reduce,expect,grad", [("sum", 28.0, 1.0), ("mean", 3.5, 1 / 8), ("max", 7.0, None)])
+def test_one_element_reductions_of_a_sharded_tensor_settle_and_larger_ones_keep_their_placement(reduce, expect, grad):
     with ap.simulate(world_size=2):
         mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
-        x = ap.shard_tensor(paddle.arange(8, dtype="float32").reshape([4, 2]), mesh, [ap.Shard(0)])
+        x = ap.shard_tensor(paddle.arange(8, dtype="float32").reshape([4, 2]), mesh, [ap.Shard(0)],
+                            stop_gradient=False)
         one = getattr(paddle, reduce)(x)
-        assert one.placements == [ap.Replicate()] and one.item() == pytest.approx(expect)
+        assert one.item() == pytest.approx(expect)
+        if grad is not None:                              # sum / avg: replicated, gradient as one process's
+            assert one.placements == [ap.Replicate()]
+            (one * 3).backward(retain_graph=True)
+            one.backward()                                # again: the graph holds no collective
+            np.testing.assert_allclose(x.grad.numpy(), np.full([4, 2], 4 * grad), rtol=1e-6)
         rows = x.sum(axis=0)                              # two elements: the user's collective, left Partial
         assert rows.placements == [ap.Partial()]
         np.testing.assert_allclose(rows.numpy(), [12.0, 16.0])
