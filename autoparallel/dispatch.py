@@ -23,7 +23,7 @@ from spmd_rules.errors import DataDependentShapeError
 from spmd_rules.registry import flatten_specs, replace_specs
 from spmd_rules.result import LocalShaped
 
-from autoparallel import binding, dispatch_cache, dispatch_handle, local_ops
+from autoparallel import binding, dispatch_cache, dispatch_handle, local_ops, read_value
 from autoparallel.comm import fanout
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase, building_static_program, owner_of, resolve
@@ -348,7 +348,7 @@ def _wrap(res, outs, held):
             return None
         if spec.__class__ is LocalShaped:
             spec = _resolved(spec, outs, held, 0)
-        return DistTensor._own({r: outs[r][0] for r in held}, spec)
+        return read_value.settle(DistTensor._own({r: outs[r][0] for r in held}, spec))
     return tuple(None if spec is None else
                  DistTensor._own({r: outs[r][k] for r in held},
                                  _resolved(spec, outs, held, k) if spec.__class__ is LocalShaped else spec)

@@ -15,6 +15,7 @@ import paddle
 
 from autoparallel import backward_start, dispatch_handle, redistribute
 from autoparallel import dist_tensor_forms as _forms
+from autoparallel.comm import agreement
 from autoparallel.comm.collectives import pick_replicated
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase
@@ -195,7 +196,7 @@ class DistTensor(OpMethods):
         from backward as asynchronous collectives overlapping the rest of backward where the backend
         overlaps (NCCL; the default there); on gloo it is accepted and does nothing, because gloo's
         collectives block. False keeps every reduction synchronous."""
-        with async_allreduce(use_async_allreduce):
+        with async_allreduce(use_async_allreduce), agreement.typed_in_backward():
             self._backward(grad, retain_graph)
 
     def _backward(self, grad, retain_graph) -> None:
@@ -258,10 +259,8 @@ class DistTensor(OpMethods):
             raise ValueError(f"the truth value of a tensor with {list(self._spec.shape)} elements is ambiguous")
         return bool(self.item())
 
-    def __repr__(self) -> str:
-        held = sorted(self._locals)
-        return f"DistTensor(shape={self.shape}, dtype={self._spec.dtype}, mesh={self.mesh.short()}, " \
-               f"placements=[{', '.join(map(str, self._spec.placements))}], held ranks={held})"
+    __repr__ = _forms.dist_repr
+    __format__ = _forms.dist_format             # f"{loss:.4f}": a one-element tensor formats its value
 
 
 def _grad_placements(placements):

@@ -342,3 +342,32 @@ class _Handles:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def dist_repr(t) -> str:
+    return f"DistTensor(shape={t.shape}, dtype={t._spec.dtype}, mesh={t.mesh.short()}, " \
+           f"placements=[{', '.join(map(str, t._spec.placements))}], held ranks={sorted(t._locals)}" \
+           f"{local_value_text(t)})"
+
+
+def local_value_text(t) -> str:
+    """``, value=...`` for a one-element tensor every rank holds whole (Replicate everywhere): printing it on one
+    rank reads its own copy, no collective; '' for anything else (printing never communicates)."""
+    from autoparallel.placement import Replicate
+
+    if not t._locals or any(not isinstance(p, Replicate) for p in t._spec.placements):
+        return ""
+    if int(np.prod(t._spec.shape, dtype=np.int64)) != 1:
+        return ""
+    return f", value={t._locals[min(t._locals)].numpy().item()!r}"
+
+
+def dist_format(t, spec: str) -> str:
+    if not spec:
+        return repr(t)
+    n = int(np.prod(t._spec.shape, dtype=np.int64))
+    if n != 1:
+        raise TypeError(f"unsupported format string {spec!r} for a DistTensor of {n} elements: only a one-element "
+                        f"tensor formats its value (format t.numpy() for more)")
+    return format(t.item(), spec)
+

@@ -345,9 +345,17 @@ class _CommTimer:
              "alltoall_single", "barrier")
 
     def __init__(self):
-        self.seconds = 0.0
+        self._own = 0.0
         self.installed = False
         self._wrapped: dict = {}            # name -> (our wrapper, the raw value it replaced)
+
+    @property
+    def seconds(self) -> float:
+        """Inside the wrapped calls, plus waiting in collective agreement checks (comm/agreement.py: paddle's own
+        all_gather, outside the namespace these wrappers cover)."""
+        from autoparallel.comm import agreement
+
+        return self._own + agreement.stats()["seconds"]
 
     def install(self) -> None:
         import paddle.distributed as dist
@@ -386,7 +394,7 @@ class _CommTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                self._own += time.perf_counter() - start
 
         timed._ap_comm_timed = True
         return timed

@@ -228,7 +228,8 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
         try:
             yield self
         except Exception as e:
-            self.diagnose(e)
+            if not getattr(e, "every_rank_knows", False):       # a refusal every member raised: nobody is lost
+                self.diagnose(e)
             raise
         finally:
             self._op = previous

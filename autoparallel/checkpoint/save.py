@@ -46,6 +46,11 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     from autoparallel import watchdog
 
     multi, rank, world_size = sync.job()
+    if multi:                           # every rank must call it: on some ranks only, refused on every rank
+        from autoparallel.comm import agreement
+        from autoparallel.comm.world import current_world
+
+        agreement.check_world("save_state_dict", rank, world_size, current_world().backend)
     try:                                # a rank's own input error stops every rank at the exchange, at once
         flat, final, extra, runtime, runtime_arrays = _checked(state, path, step, extra, overwrite, block_bytes,
                                                                runtime)

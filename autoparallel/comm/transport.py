@@ -13,6 +13,7 @@ from __future__ import annotations
 import paddle
 
 from autoparallel import watchdog
+from autoparallel.comm import agreement
 from autoparallel.comm.capabilities import capabilities
 from autoparallel.comm.counter import counted
 
@@ -82,27 +83,47 @@ class RealTransport:
     # every collective is recorded as the operation in flight, so a watchdog can name it if a peer is lost
     def all_gather(self, xs, ranks):
         with watchdog.op("all_gather"):
+            self._agree("all_gather", ranks)
             return self._all_gather(xs, ranks)
 
     def all_reduce(self, xs, ranks, op):
         with watchdog.op("all_reduce"):
+            self._agree("all_reduce", ranks)
             return self._all_reduce(xs, ranks, op)
 
     def reduce_scatter(self, xs, ranks, op, axis):
         with watchdog.op("reduce_scatter"):
+            self._agree("reduce_scatter", ranks)
             return self._reduce_scatter(xs, ranks, op, axis)
 
     def all_to_all(self, chunks, ranks):
         with watchdog.op("all_to_all"):
+            self._agree("all_to_all", ranks)
             return self._all_to_all(chunks, ranks)
 
     def broadcast(self, xs, ranks, src):
         with watchdog.op("broadcast"):
+            self._agree("broadcast", ranks)
             return self._broadcast(xs, ranks, src)
 
     def send_recv(self, xs, pairs, recv_like):
         with watchdog.op("send_recv"):
             return self._send_recv(xs, pairs, recv_like)
+
+    def _agree(self, kind, ranks, site=None):
+        """Every member of ``ranks`` is making this collective, from the same line (comm/agreement.py)."""
+        if len(ranks) < 2 or not agreement.enabled(self.backend):
+            return
+        gather, group = agreement.raw_all_gather(), self._group(ranks)
+
+        def exchange(record):
+            out = []
+            gather(out, paddle.to_tensor(record), group=group)
+            got = paddle.stack(out).numpy()
+            by_rank = dict(zip(self._rank_order(ranks), got))
+            return [by_rank[r] for r in ranks]
+
+        agreement.check(exchange, kind, list(ranks), self.rank, site)
 
     def _rank_order(self, ranks):
         """paddle orders a group's members by global rank; map that order back to mesh order."""
@@ -120,6 +141,7 @@ class RealTransport:
         """Sum ``x`` (this rank's buffer: contiguous, of an exactly reduced dtype) over ``ranks`` in place --
         for buffers the caller owns, such as a fused gradient bucket: no copy in or out."""
         with watchdog.op("all_reduce"):
+            self._agree("all_reduce", ranks)
             dist = self._dist()
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self._group(ranks))
 
@@ -205,8 +227,10 @@ class RealTransport:
                 if s == self.rank:
                     out[d] = xs[s].clone()
             elif s == self.rank:                    # a 2-rank group per pair keeps gloo's op counters aligned
+                self._agree("send_recv", sorted((s, d)))
                 dist.send(xs[s].contiguous(), dst=d, group=self._group(sorted((s, d))))
             elif d == self.rank:
+                self._agree("send_recv", sorted((s, d)))
                 buf = paddle.empty(recv_like[d][0], dtype=recv_like[d][1])
                 dist.recv(buf, src=s, group=self._group(sorted((s, d))))
                 out[d] = buf
