@@ -222,7 +222,23 @@ def _ask_rule(op, rule, specs, spec_args, spec_kwargs):
     except (ValueError, TypeError, IndexError, KeyError, AttributeError, ZeroDivisionError) as e:
         if isinstance(e, DataDependentShapeError):
             raise
-        raise type(e)(f"spmd rule {op!r} failed on inputs {_specs_str(specs)}: {e}") from e
+        raise type(e)(f"spmd rule {op!r} failed on inputs {_specs_str(specs)}: {e}{_split_size_hint(specs)}") from e
+
+
+def _split_size_hint(specs) -> str:
+    """On a failed rule only: when two inputs disagree in a dim where one size is the other split over a mesh dim,
+    the smaller tensor was most likely sized from a split parameter's local ``.shape`` (a layer built or wrapped
+    after the model was parallelized, e.g. an adapter added by a PEFT library)."""
+    ways = {n for sp in specs for n in sp.mesh.shape if n > 1}
+    for a in specs:
+        for b in specs:
+            for x, y in zip(reversed(a.shape), reversed(b.shape)):
+                if x > y and any(-(-x // n) == y for n in ways):
+                    return (f" (size {y} is {x} split {x // y} ways: a distributed parameter's .shape is its local "
+                            f"shard, so a layer or tensor sized from it after parallelizing holds a piece of the "
+                            f"global size; build or wrap the model (adapters included) before ap.parallelize / "
+                            f"shard_layer)")
+    return ""
 
 
 def _run_traced(op, rule, args, kwargs, tracer):

@@ -174,3 +174,16 @@ def test_set_value_of_a_distributed_value_equals_one_process():
         assert [str(p) for p in lin.weight.placements] == ["S(1)"]
         with pytest.raises(ValueError, match="global shape"):
             lin.weight.set_value(ap.shard_tensor(paddle.to_tensor(w0[:, :4]), mesh, [ap.Replicate()]))
+
+
+def test_a_size_split_from_a_local_shape_is_named_in_the_broadcast_error():
+    """An adapter sized from a split weight's local ``.shape`` (wrapped after parallelizing) fails at its first add;
+    the error says why. A mismatch that is no split of the other size gets no such hint (negative control)."""
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["mp"])
+        out = paddle.randn([4, 8, 64]) @ ap.shard_tensor(paddle.randn([64, 64]), mesh, [ap.Shard(1)])
+        with pytest.raises(ValueError, match=r"size 32 is 64 split 2 ways.*before ap.parallelize"):
+            out + paddle.randn([4, 8, 32])
+        with pytest.raises(ValueError, match="cannot be broadcast") as other:
+            out + paddle.randn([4, 8, 24])
+        assert "split" not in str(other.value)
