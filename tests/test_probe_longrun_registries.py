@@ -90,6 +90,39 @@ def test_steps_after_warm_up_grow_no_registry(kind, world):
         after = snapshot(m)
     assert grown(before, after) == {}
     assert max(after[k] for k in BY_AGE if k in after) <= fanout._LIMIT
+    assert len(fanout._MEMO) == 0           # every shared input went with its backward or its sources
+
+
+def test_recompute_keeps_no_shared_input_after_the_step():
+    """Recompute's re-run forward builds shared inputs whose backward never runs: they go with their sources
+    (they were kept, with their graphs, for 256 more insertions), and training equals one process."""
+    import numpy as np
+
+    from autoparallel.comm import fanout
+    from autoparallel.testing.models import trained_reference
+
+    want_losses, want = trained_reference("gpt", steps=3)
+    s = ap.Strategy()
+    s.data_parallel.degree, s.tensor_parallel.degree = 2, 2
+    s.recompute.enable = True
+    with ap.simulate(world_size=4):
+        m = build("gpt")
+        m, opt = ap.parallelize(m, adamw(m.parameters()), strategy=s, tp_plan=tp_plan("gpt"))
+        losses = []
+        for i in range(3):
+            ids, lab = batch(i)
+            loss = F.cross_entropy(m(paddle.to_tensor(ids)), paddle.to_tensor(lab)).mean()
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            losses.append(float(loss))
+        del loss
+        gc.collect()
+        assert len(fanout._MEMO) == 0
+        got = {n: p.full().numpy() for n, p in m.named_parameters()}
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-4, atol=1e-6)
+    for n in want:
+        np.testing.assert_allclose(got[n], want[n], rtol=1e-4, atol=2e-5, err_msg=n)
 
 
 def test_the_count_sees_a_table_that_grows_per_step():

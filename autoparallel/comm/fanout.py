@@ -47,14 +47,26 @@ def disabled():
 
 
 class _Entry:
-    __slots__ = ("src", "versions", "out", "live")
+    """The sources are held weakly: an entry whose backward never runs (a forward abandoned or raising, the
+    re-run forward of a recompute region, a consumer autograd never reaches) is dropped when its sources die,
+    instead of keeping its outputs and their graph for ``_LIMIT`` more insertions. A dead source can never be
+    served (``serves`` compares identities), so dropping it changes no hit or miss."""
+    __slots__ = ("src", "versions", "out", "live", "__weakref__")
 
     def __init__(self, src, out, live):
-        self.src, self.versions, self.out, self.live = src, _versions(src), out, live
+        self.src, self.versions, self.out, self.live = tuple(map(weakref.ref, src)), _versions(src), out, live
 
     def serves(self, src) -> bool:
-        return (self.live[0] and len(src) == len(self.src) and all(a is b for a, b in zip(src, self.src))
+        return (self.live[0] and len(src) == len(self.src) and all(r() is b for r, b in zip(self.src, src))
                 and _versions(src) == self.versions)
+
+    def drop_with_sources(self, key) -> None:
+        def dead(_ref, key=key, entry=weakref.ref(self)):
+            hit = _MEMO.get(key)
+            if hit is not None and hit[1] is entry():
+                del _MEMO[key]
+
+        self.src = tuple(weakref.ref(r(), dead) for r in self.src)
 
 
 def _versions(ts) -> tuple:
@@ -68,6 +80,8 @@ def _store(key, entry) -> None:
     differently in every process), its insertions do not."""
     n = next(_INSERTED)
     _MEMO[key] = (n, entry)
+    if entry.__class__ is _Entry:
+        entry.drop_with_sources(key)
     _ORDER.append((n, key))
     while _ORDER[0][0] <= n - _LIMIT:
         old, k = _ORDER.popleft()
@@ -136,6 +150,8 @@ def shared(v, locs: dict, plan, spec, dims: tuple, mesh, outer=None) -> dict:
         for m in dims:
             locs = C.mesh_groups_apply(locs, mesh, m, C.grad_all_reduce)
         return locs
+    if plan is None and partial_dims(v) == frozenset(dims):
+        return locs                                 # nothing to build (a memo entry would only pin ``v``)
     key = (id(v), spec, dims)
     src = tuple(locs.values())
     e = _memo(key)
