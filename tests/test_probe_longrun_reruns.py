@@ -73,10 +73,12 @@ def test_rerun_cells_release_the_old_model_and_train_the_new_one_exactly():
         a, opt_a = parallel("gpt", 2, 2)
         assert_equals_one_process("gpt", a, train(a, opt_a))
         gone_a = weakref.ref(a)
+        gone_params = [weakref.ref(p) for p in a.parameters()]
         b, opt_b = parallel("gpt", 2, 2)                    # the same class on the same mesh
         del a, opt_a
         gc.collect()
         assert gone_a() is None
+        assert [r() for r in gone_params if r() is not None] == []     # with every distributed parameter
         assert_equals_one_process("gpt", b, train(b, opt_b))
         c, opt_c = parallel("llama", 4, zero=2)             # another class, another mesh
         assert_equals_one_process("llama", c, train(c, opt_c))
@@ -111,3 +113,16 @@ def test_a_forward_that_raises_does_not_corrupt_the_next_step(dp, tp, zero):
     with ap.simulate(world_size=4):
         m, opt = parallel("gpt", dp, tp, zero)
         assert_equals_one_process("gpt", m, train(m, opt, fail_at=1))
+
+
+def test_a_distributed_parameter_is_freed_when_dropped():
+    """A DistParameter is its own rank's local; paddle hides a tensor's attributes from the garbage collector,
+    so a parameter whose table of locals held itself was never freed."""
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+        p = ap.shard_tensor(paddle.create_parameter([4, 2], "float32"), mesh, [ap.Shard(0)])
+        assert p._ap_locals[0] is p and p.locals[1].shape == [2, 2]
+        gone = weakref.ref(p)
+        del p
+        gc.collect()
+        assert gone() is None
