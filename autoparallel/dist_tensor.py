@@ -269,22 +269,12 @@ def _grad_placements(placements):
 
 class DistParameter(EagerParamBase):
     """A paddle Parameter whose data is this rank's shard and which carries its DistSpec."""
+    _ap_locals = property(_forms.param_locals, _forms.param_set_locals)      # {rank: local} (no self-reference)
 
     def _attach(self, spec: DistSpec, locals_: dict):
         self._ap_spec = spec
         self._ap_locals = locals_
         return self
-
-    @property
-    def _ap_locals(self) -> dict:
-        """{rank: local}, this parameter being its own rank's local. Stored without the reference to itself:
-        paddle does not show a tensor's attributes to the garbage collector, so a parameter listing itself
-        would never be freed (every model parallelized in a process would stay)."""
-        return {r: self if t is None else t for r, t in self._ap_held.items()}
-
-    @_ap_locals.setter
-    def _ap_locals(self, locals_: dict) -> None:
-        self._ap_held = {r: None if t is self else t for r, t in locals_.items()}
 
     @property
     def spec(self) -> DistSpec:
