@@ -15,8 +15,8 @@ from autoparallel.compat import SideData
 from autoparallel.testing.models import adamw, batch, build, tp_plan
 
 PACKAGES = ("autoparallel", "spmd_rules", "reshard")
-BY_AGE = {"autoparallel.comm.fanout._MEMO", "autoparallel.comm.fanout._ORDER", "autoparallel.comm.fanout._PARTIAL",
-          "autoparallel.comm.fanout._DERIVED"}          # bounded by fanout._LIMIT insertions, not by steps
+BY_AGE = {"autoparallel.comm.fanout._MEMO", "autoparallel.comm.fanout._ORDER"}   # bounded by fanout._LIMIT
+                                                                                  # insertions, not by steps
 CONTAINERS = (dict, list, set, SideData, weakref.WeakSet, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
 
 

@@ -29,14 +29,15 @@ from paddle.pir import Value as _PirValue
 
 from autoparallel import redistribute
 from autoparallel.comm import collectives as C
+from autoparallel.compat import SideData
 from autoparallel.dist_tensor import DistParameter, DistTensor
 from autoparallel.switch import turned_off
 
 _MEMO: dict = {}        # (id(source), requested spec, split dims) -> (insertion number, _Entry)
 _ORDER: deque = deque()  # (insertion number, key), oldest first
 _INSERTED = itertools.count()
-_PARTIAL: dict = {}     # id(DistTensor) -> (weakref to it, dims its gradient stays partial on)
-_DERIVED: dict = {}     # id(DistTensor) -> (weakref to it, the DistParameter it is a cast / view of)
+_PARTIAL = SideData()   # DistTensor -> dims its gradient stays partial on (dropped when the tensor dies)
+_DERIVED = SideData()   # DistTensor -> the DistParameter it is a cast / view of (dropped when the tensor dies)
 _LIMIT = 256
 _enabled = [True]
 
@@ -107,18 +108,15 @@ def note_derived(out, src) -> None:
 
 
 def _remember(table, t, value) -> None:
-    """``table[id(t)] = (weakref to t, value)``; only dead entries are ever dropped: forgetting a live one
-    would mix gradient states (a partial and a complete contribution to one gradient)."""
-    if len(table) >= _LIMIT:
-        for k in [k for k, (ref, _) in table.items() if ref() is None]:
-            del table[k]
-    table[id(t)] = (weakref.ref(t), value)
+    """``table[t] = value`` until ``t`` dies: only dead entries are ever dropped (forgetting a live one would
+    mix gradient states: a partial and a complete contribution to one gradient), and a dead one goes at once
+    (it held a parameter of a dropped model)."""
+    table.set(t, value)
 
 
 def derived_param(v):
     """The DistParameter ``v`` is a data-free cast / view of, or None."""
-    hit = _DERIVED.get(id(v))
-    return hit[1] if hit is not None and hit[0]() is v else None
+    return _DERIVED.get(v)
 
 
 def inherit_gradient_state(out, src) -> None:
@@ -135,10 +133,7 @@ def inherit_gradient_state(out, src) -> None:
 
 def partial_dims(v) -> frozenset:
     """Mesh dims a tensor made by ``replicate_for_split`` keeps its gradient partial on (else empty)."""
-    hit = _PARTIAL.get(id(v))
-    if hit is None or hit[0]() is not v:
-        return frozenset()
-    return hit[1]
+    return _PARTIAL.get(v, frozenset())
 
 
 def shared(v, locs: dict, plan, spec, dims: tuple, mesh, outer=None) -> dict:
