@@ -19,20 +19,25 @@ accumulation window) and saves ``training_state(model, optimizer)`` through a ``
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
+from autoparallel.compat import WeakAttr
 
-@dataclass
+
 class Run:
-    model: object
-    optimizer: object = None
-    strategy: object = None
-    manager: object = None             # CheckpointManager when strategy.checkpoint.enable
-    step: int = 0                      # optimizer steps taken (restored by resume)
-    saved: list = field(default_factory=list)   # paths saved by the hook, oldest first
-    input_shape: Optional[list] = None          # global shape of the last batch the model saw (the planner's)
-    _handle: object = None
+    """The current run. The model and optimizer are held weakly: the run is a module global, and a notebook
+    that drops its model (or builds the next one) must get the memory back; a run whose model is gone is no
+    longer current."""
+    model = WeakAttr()
+    optimizer = WeakAttr()
+
+    def __init__(self, model, optimizer=None, strategy=None):
+        self.model, self.optimizer, self.strategy = model, optimizer, strategy
+        self.manager = None            # CheckpointManager when strategy.checkpoint.enable
+        self.step = 0                  # optimizer steps taken (restored by resume)
+        self.saved: list = []          # paths saved by the hook, oldest first
+        self.input_shape: Optional[list] = None     # global shape of the last batch the model saw (the planner's)
+        self._handle = None
 
     def after_step(self, _optimizer=None) -> Optional[str]:
         self.step += 1
@@ -62,7 +67,7 @@ def attach(model=None, optimizer=None, strategy=None) -> Run:
 
     install()                                   # paddle.amp.GradScaler understands our optimizers
     if model is None:
-        if _current is None:
+        if current_run() is None:
             raise RuntimeError("attach(optimizer=...) without a model needs a model set up first "
                                "(ap.DataParallel(model, strategy=...))")
         model = _current.model
@@ -121,6 +126,9 @@ def _register(optimizer, fn):
 
 def current_run(required: str = None) -> Optional[Run]:
     """The run the last entry point set up; with ``required`` (the caller's name) a RuntimeError if none."""
+    global _current
+    if _current is not None and _current.model is None:       # its model was collected
+        _current = None
     if _current is None and required is not None:
         raise RuntimeError(f"{required}() without arguments acts on the current run, but no model was set up by "
                            f"ap.parallelize / ap.DataParallel + ap.Optimizer in this process; pass the model and "

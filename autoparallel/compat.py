@@ -229,6 +229,28 @@ class SideData:
         return len(self._items)
 
 
+class WeakAttr:
+    """An attribute holding its object weakly (None once it is collected): for records that a registry keyed by
+    that same object keeps (``SideData`` values, module globals), which would otherwise keep it alive forever.
+    Objects that refuse weak references (builtins) are held strongly."""
+
+    def __set_name__(self, owner, name):
+        self.slot = "_weak_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        ref = obj.__dict__.get(self.slot)
+        return ref() if callable(ref) else None
+
+    def __set__(self, obj, value) -> None:
+        try:
+            ref = None if value is None else weakref.ref(value)
+        except TypeError:
+            ref = (lambda v: lambda: v)(value)
+        obj.__dict__[self.slot] = ref
+
+
 @contextlib.contextmanager
 def gpu_place_for_grad_scaler():
     """Inside the block ``paddle.amp.GradScaler`` reads the tracer's place as a GPU place (it swaps

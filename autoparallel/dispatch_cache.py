@@ -31,7 +31,7 @@ from reshard import cache as reshard_cache
 from spmd_rules.registry import flatten_specs, replace_specs
 
 _CACHE: dict = {}
-_CACHE_LIMIT = 4096
+_CACHE_LIMIT = 8192             # plans per table (_CACHE, _WRITTEN); a full table keeps its 3/4 most used (_shrink)
 _ATOMS = frozenset({int, float, bool, str, bytes, complex, type(None), type(Ellipsis)})
 _DIST, _PARAM, _PLAIN = 0, 1, 2
 _enabled = [True]
@@ -106,7 +106,10 @@ def find(rule, path: str, world, args_key, pinned=None):
     if key is None:
         return None, None
     plan = _CACHE.get(key)
-    if plan is not None and pinned is not None and plan.res is not pinned:
+    if plan is None:
+        return key, None
+    plan.used = True
+    if pinned is not None and plan.res is not pinned:
         return key, None
     return key, plan
 
@@ -126,7 +129,10 @@ def written_key(rule, path: str, world, args_key):
 
 def find_written(key):
     """``(plan, Rebind)`` stored for a written call's key, or None."""
-    return _WRITTEN.get(key)
+    hit = _WRITTEN.get(key)
+    if hit is not None:
+        hit[1].used = True
+    return hit
 
 
 def store_written(written, plan, call, bound) -> None:
@@ -137,7 +143,7 @@ def store_written(written, plan, call, bound) -> None:
     if rebind is None:
         return
     if len(_WRITTEN) >= _CACHE_LIMIT:
-        _WRITTEN.clear()
+        _shrink(_WRITTEN, _rebind_of)
     _WRITTEN[key] = (plan, rebind)
 
 
@@ -150,7 +156,7 @@ class Rebind:
     computed from the key: ``shape`` from ``reshape(b, s, h)``); the bound call's tensor leaves are indices
     into the written call's. None (not remembered) where that is ambiguous (see ``_source``)."""
 
-    __slots__ = ("args", "kwargs", "perm", "same")
+    __slots__ = ("args", "kwargs", "perm", "same", "used")
 
     @classmethod
     def of(cls, wargs, wkwargs, wleaves, bargs, bkwargs, bleaves):
@@ -161,7 +167,7 @@ class Rebind:
         except _Uncacheable:
             return None
         r = cls.__new__(cls)
-        r.args, r.kwargs, r.perm = tuple(srcs), tuple(kw), perm
+        r.args, r.kwargs, r.perm, r.used = tuple(srcs), tuple(kw), perm, False
         r.same = (not kw and not wkwargs and len(srcs) == len(wargs)
                   and all(s == (_ARG, i) or _same_atom(s, w) for i, (s, w) in enumerate(zip(srcs, wargs)))
                   and perm == list(range(len(wleaves))))
@@ -211,9 +217,35 @@ def store(key, plan) -> None:
     if key is None:
         return
     if len(_CACHE) >= _CACHE_LIMIT:
-        _CACHE.clear()
-        _WRITTEN.clear()
+        _shrink(_CACHE, _itself)
     _CACHE[key] = plan
+
+
+def _itself(v):
+    return v
+
+
+def _rebind_of(v):
+    return v[1]
+
+
+def _shrink(table: dict, holder) -> None:
+    """Make room in a full table, second-chance style (an approximation of LRU whose hit path only sets a
+    mark): keep the entries hit since the last shrink, newest first, then the newest others, up to 3/4 of
+    the limit; clear the marks. Variable input shapes multiply the keys (the global shape is part of every
+    spec), so a table that was emptied when full would plan every shape again after each fill."""
+    items = list(table.items())
+    keep = _CACHE_LIMIT * 3 // 4
+    hit = [i for i, (_, v) in enumerate(items) if holder(v).used]
+    chosen = hit[len(hit) - keep:] if len(hit) > keep else hit
+    if len(chosen) < keep:
+        others = [i for i, (_, v) in enumerate(items) if not holder(v).used]
+        chosen = sorted(chosen + others[max(0, len(others) - (keep - len(chosen))):])
+    table.clear()
+    for i in chosen:
+        k, v = items[i]
+        holder(v).used = False
+        table[k] = v
 
 
 def clear() -> None:
@@ -284,11 +316,11 @@ class CallPlan:
     """One call signature's layout decisions (see the module docstring)."""
 
     __slots__ = ("res", "mesh", "held", "kinds", "reshards", "grad_dims", "marks", "quiet", "rep_dims", "derives", "arg_slots",
-                 "kw_slots", "overrides", "direct")
+                 "kw_slots", "overrides", "direct", "used")
 
     def __init__(self, rule, res, mesh, leaves, src_specs, args, kwargs, world):
         split = [m for m in res.split_mesh_dims() if mesh.shape[m] > 1]
-        self.res, self.mesh = res, mesh
+        self.res, self.mesh, self.used = res, mesh, False
         self.kinds = tuple(leaf_kind(v) for v in leaves)
         self.reshards = tuple(None if s == req else _reshard_plan(s, req) for s, req in zip(src_specs, res.inputs))
         self.grad_dims = tuple(tuple(m for m in split if req.placements[m].is_replicate()) for req in res.inputs)

@@ -269,6 +269,7 @@ def _grad_placements(placements):
 
 class DistParameter(EagerParamBase):
     """A paddle Parameter whose data is this rank's shard and which carries its DistSpec."""
+    _ap_locals = property(_forms.param_locals, _forms.param_set_locals)      # {rank: local} (no self-reference)
 
     def _attach(self, spec: DistSpec, locals_: dict):
         self._ap_spec = spec

@@ -371,3 +371,14 @@ def dist_format(t, spec: str) -> str:
                         f"tensor formats its value (format t.numpy() for more)")
     return format(t.item(), spec)
 
+
+def param_locals(self) -> dict:
+    """A DistParameter's {rank: local}, the parameter itself standing for its own rank."""
+    return {r: self if t is None else t for r, t in self._held_locals.items()}
+
+
+def param_set_locals(self, locals_: dict) -> None:
+    """Stored without the reference to itself: paddle hides a tensor's attributes from the garbage collector,
+    so a parameter listing itself would never be freed (nor would any model parallelized in the process)."""
+    self._held_locals = {r: None if t is self else t for r, t in locals_.items()}
+

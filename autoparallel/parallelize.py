@@ -318,7 +318,7 @@ def Optimizer(optimizer, strategy: Strategy | None = None):
     if strategy is not None and strategy.to_dict() != build.strategy.to_dict() and build.strategy is not strategy:
         raise ValueError(f"ap.Optimizer(strategy=...) differs from the strategy ap.DataParallel built the model "
                          f"with ({build.strategy}); pass the same strategy or none")
-    if build.optimizer is not None and build.strategy.sharding.enable:
+    if build.optimizer_built and build.strategy.sharding.enable:
         raise ValueError("ap.Optimizer: this model's ZeRO sharding is already built with an optimizer; build a "
                          "fresh model (ap.DataParallel) for a second one")
     model = build.pipe if build.pipe is not None else build.model

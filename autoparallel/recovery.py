@@ -181,10 +181,12 @@ def _repoint(model, new_model, optimizer) -> None:
     from autoparallel.checkpoint.state import wrapper_chain
 
     holders = list(wrapper_chain(optimizer)) if optimizer is not None else []
-    holders.append(layer_state.build_of(model))
     for h in holders:
         if h is not None and getattr(h, "__dict__", {}).get("model") is new_model:
             h.__dict__["model"] = model
+    build = layer_state.build_of(model)
+    if build is not None and build.model is new_model:         # the record holds its model weakly
+        build.model = model
 
 
 def _become(old, new) -> None:

@@ -38,9 +38,12 @@ from autoparallel.checkpoint.load import CheckpointInfo, load_state_dict
 from autoparallel.checkpoint.ownership import is_owned_partial
 from autoparallel.checkpoint.run_root import LATEST  # noqa: F401  (the pointer's name, as before)
 from autoparallel.checkpoint.save import save_state_dict
+from autoparallel.compat import WeakAttr
 
 
 class CheckpointManager:
+    optimizer = WeakAttr()             # held weakly: the current run keeps its manager (auto_checkpoint)
+
     def __init__(self, dir: str = "checkpoints", save_interval_steps: int = 100, keep_last=None,
                  enable: bool = True, optimizer=None):
         if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) or save_interval_steps < 1:

@@ -29,14 +29,15 @@ from paddle.pir import Value as _PirValue
 
 from autoparallel import redistribute
 from autoparallel.comm import collectives as C
+from autoparallel.compat import SideData
 from autoparallel.dist_tensor import DistParameter, DistTensor
 from autoparallel.switch import turned_off
 
 _MEMO: dict = {}        # (id(source), requested spec, split dims) -> (insertion number, _Entry)
 _ORDER: deque = deque()  # (insertion number, key), oldest first
 _INSERTED = itertools.count()
-_PARTIAL: dict = {}     # id(DistTensor) -> (weakref to it, dims its gradient stays partial on)
-_DERIVED: dict = {}     # id(DistTensor) -> (weakref to it, the DistParameter it is a cast / view of)
+_PARTIAL = SideData()   # DistTensor -> dims its gradient stays partial on (dropped when the tensor dies)
+_DERIVED = SideData()   # DistTensor -> the DistParameter it is a cast / view of (dropped when the tensor dies)
 _LIMIT = 256
 _enabled = [True]
 
@@ -47,14 +48,26 @@ def disabled():
 
 
 class _Entry:
-    __slots__ = ("src", "versions", "out", "live")
+    """The sources are held weakly: an entry whose backward never runs (a forward abandoned or raising, the
+    re-run forward of a recompute region, a consumer autograd never reaches) is dropped when its sources die,
+    instead of keeping its outputs and their graph for ``_LIMIT`` more insertions. A dead source can never be
+    served (``serves`` compares identities), so dropping it changes no hit or miss."""
+    __slots__ = ("src", "versions", "out", "live", "__weakref__")
 
     def __init__(self, src, out, live):
-        self.src, self.versions, self.out, self.live = src, _versions(src), out, live
+        self.src, self.versions, self.out, self.live = tuple(map(weakref.ref, src)), _versions(src), out, live
 
     def serves(self, src) -> bool:
-        return (self.live[0] and len(src) == len(self.src) and all(a is b for a, b in zip(src, self.src))
+        return (self.live[0] and len(src) == len(self.src) and all(r() is b for r, b in zip(self.src, src))
                 and _versions(src) == self.versions)
+
+    def drop_with_sources(self, key) -> None:
+        def dead(_ref, key=key, entry=weakref.ref(self)):
+            hit = _MEMO.get(key)
+            if hit is not None and hit[1] is entry():
+                del _MEMO[key]
+
+        self.src = tuple(weakref.ref(r(), dead) for r in self.src)
 
 
 def _versions(ts) -> tuple:
@@ -68,6 +81,8 @@ def _store(key, entry) -> None:
     differently in every process), its insertions do not."""
     n = next(_INSERTED)
     _MEMO[key] = (n, entry)
+    if entry.__class__ is _Entry:
+        entry.drop_with_sources(key)
     _ORDER.append((n, key))
     while _ORDER[0][0] <= n - _LIMIT:
         old, k = _ORDER.popleft()
@@ -93,18 +108,15 @@ def note_derived(out, src) -> None:
 
 
 def _remember(table, t, value) -> None:
-    """``table[id(t)] = (weakref to t, value)``; only dead entries are ever dropped: forgetting a live one
-    would mix gradient states (a partial and a complete contribution to one gradient)."""
-    if len(table) >= _LIMIT:
-        for k in [k for k, (ref, _) in table.items() if ref() is None]:
-            del table[k]
-    table[id(t)] = (weakref.ref(t), value)
+    """``table[t] = value`` until ``t`` dies: only dead entries are ever dropped (forgetting a live one would
+    mix gradient states: a partial and a complete contribution to one gradient), and a dead one goes at once
+    (it held a parameter of a dropped model)."""
+    table.set(t, value)
 
 
 def derived_param(v):
     """The DistParameter ``v`` is a data-free cast / view of, or None."""
-    hit = _DERIVED.get(id(v))
-    return hit[1] if hit is not None and hit[0]() is v else None
+    return _DERIVED.get(v)
 
 
 def inherit_gradient_state(out, src) -> None:
@@ -121,10 +133,7 @@ def inherit_gradient_state(out, src) -> None:
 
 def partial_dims(v) -> frozenset:
     """Mesh dims a tensor made by ``replicate_for_split`` keeps its gradient partial on (else empty)."""
-    hit = _PARTIAL.get(id(v))
-    if hit is None or hit[0]() is not v:
-        return frozenset()
-    return hit[1]
+    return _PARTIAL.get(v, frozenset())
 
 
 def shared(v, locs: dict, plan, spec, dims: tuple, mesh, outer=None) -> dict:
@@ -136,6 +145,8 @@ def shared(v, locs: dict, plan, spec, dims: tuple, mesh, outer=None) -> dict:
         for m in dims:
             locs = C.mesh_groups_apply(locs, mesh, m, C.grad_all_reduce)
         return locs
+    if plan is None and partial_dims(v) == frozenset(dims):
+        return locs                                 # nothing to build (a memo entry would only pin ``v``)
     key = (id(v), spec, dims)
     src = tuple(locs.values())
     e = _memo(key)

@@ -144,7 +144,7 @@ def found_inf(params, mesh=None) -> bool:
             for r, t in (p.locals.items() if is_dist(p) else [(held[0], p)]):
                 if t.grad is not None and not bool(paddle.isfinite(t.grad).all()):
                     flags[r] = 1.0
-        xs = {r: paddle.to_tensor([v], dtype="float32") for r, v in flags.items()}
+        xs = {r: paddle.full([1], v, dtype="float32") for r, v in flags.items()}   # to_tensor leaks a list per call (paddle 3.3)
         if mesh is not None:
             for d in range(mesh.ndim):
                 xs = C.mesh_groups_apply(xs, mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "max"))

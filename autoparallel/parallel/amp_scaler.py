@@ -66,7 +66,7 @@ def install() -> None:
         found = unscale_and_check(optimizer, 1.0 / float(self._scale))
         import paddle
 
-        self._found_inf = paddle.to_tensor([found], dtype="bool")
+        self._found_inf = paddle.full([1], bool(found), dtype="bool")      # to_tensor leaks a list per call (paddle 3.3)
         state["state"] = gs.OptimizerState.UNSCALED
 
     def step(self, optimizer):
@@ -214,7 +214,7 @@ def unscale_and_check(optimizer, inv: float) -> bool:
 
         from autoparallel import watchdog
 
-        flag = paddle.to_tensor([1 if bad else 0], dtype="int32")
+        flag = paddle.full([1], 1 if bad else 0, dtype="int32")
         with watchdog.op("GradScaler.found_inf"):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         bad = bool(int(flag.numpy()[0]))

@@ -1,24 +1,36 @@
 """What ``ap.parallelize`` / ``ap.DataParallel`` did to a model, and how ``ap.Optimizer`` finds it again."""
 from __future__ import annotations
 
-import dataclasses
-
 from autoparallel import layer_state
+from autoparallel.compat import WeakAttr
 from autoparallel.mesh import ProcessMesh
 from autoparallel.strategy import Strategy
 
 
-@dataclasses.dataclass
 class Build:
     """What ``parallelize`` / ``ap.DataParallel`` did to a model, for the optimizer side of the same build
-    (``ap.Optimizer`` finds it on the model its optimizer's parameters belong to)."""
-    strategy: Strategy
-    mesh: ProcessMesh | None
-    by_name: dict                      # original parameter name -> the model's (distributed) parameter
-    lazy: bool                         # parameters still lazy: ZeRO-3 draws each rank's chunks itself
-    model: object = None
-    pipe: object = None                # pp > 1: the PipelineModule
-    optimizer: object = None           # the wrapper the build returned, once built
+    (``ap.Optimizer`` finds it on the model its optimizer's parameters belong to). Kept in ``layer_state`` under
+    the model (or its pipeline) itself, so the model, pipeline and optimizer are held weakly: a strong reference
+    from the record would keep the model alive after the user drops it."""
+    model = WeakAttr()
+    pipe = WeakAttr()                  # pp > 1: the PipelineModule
+    optimizer = WeakAttr()             # the wrapper the build returned, once built
+
+    def __init__(self, strategy: Strategy, mesh: ProcessMesh | None, by_name: dict, lazy: bool, model=None,
+                 pipe=None, optimizer=None):
+        self.strategy, self.mesh = strategy, mesh
+        self.by_name = by_name         # original parameter name -> the model's (distributed) parameter
+        self.lazy = lazy               # parameters still lazy: ZeRO-3 draws each rank's chunks itself
+        self.model, self.pipe, self.optimizer = model, pipe, optimizer
+        self.optimizer_built = optimizer is not None
+
+    def __setattr__(self, name, value):
+        if name == "optimizer" and value is not None:
+            object.__setattr__(self, "optimizer_built", True)     # stays True when the optimizer is dropped
+        object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        return f"Build(strategy={self.strategy}, mesh={self.mesh}, {len(self.by_name)} parameters)"
 
 
 BUILT: list = []      # weak references to models built by ap.parallelize / ap.DataParallel (ap.Optimizer finds them)
