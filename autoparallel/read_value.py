@@ -59,9 +59,11 @@ def target(spec):
 def settle(t):
     """``t`` itself, or -- a one-element Partial(sum/avg) result of an eager op -- ``t`` reduced to Replicate.
 
-    The reduction runs without autograd; the result's local value is ``f * t + (reduced - f * t).detach()``
-    (``f``: the product of 1/n over the avg dims), whose gradient is the all_reduce's adjoint (the identity
-    for a sum) with no PyLayer in the graph: a graph backwarded with ``retain_graph=True`` can be backwarded
+    The reduction runs without autograd; the result's local value is ``reduced + (f * t - (f * t).detach())``
+    (``f``: the product of 1/n over the avg dims): exactly the reduced value, bit for bit on every rank (a finite
+    x - x is 0; ``t + (reduced - t)`` rounds differently per rank), with the all_reduce's adjoint (the identity
+    for a sum) as its gradient and no PyLayer in the graph (paddle crashes backwarding a PyLayer's node twice): a
+    graph backwarded with ``retain_graph=True`` can be backwarded
     again, as before."""
     placements = target(t._spec)
     if placements is None or not t._locals or not paddle.in_dynamic_mode() or building_static_program() \
@@ -83,5 +85,7 @@ def settle(t):
             out[r] = reduced._locals[r]
         else:
             mine = x * f if f != 1.0 else x
-            out[r] = mine + (reduced._locals[r] - mine).detach()
+            tie = mine - mine.detach()           # 0 with the identity gradient; nan for a non-finite term:
+            tie = paddle.where(paddle.isfinite(mine), tie, paddle.zeros_like(tie))   # inf stays inf
+            out[r] = reduced._locals[r] + tie
     return DistTensor._own(out, reduced._spec)

@@ -208,15 +208,21 @@ def _layout(fn, placements, *arrays, **kwargs):
     ("kl_div", "S(0) S(0)", "batchmean", "(S(0), S(0)) -> P(sum)"),
     ("mse_loss", "R R", "mean", "(R, R) -> R"),
 ])
-def test_loss_layouts_are_readable_and_values_exact(name, placements, reduction, want):
+def test_loss_layouts_are_readable_and_values_exact(name, placements, reduction, want, monkeypatch):
     rng = np.random.default_rng(0)
     x = rng.uniform(0.1, 0.9, (5, 4)).astype("float32")          # 5 rows over 2 ranks: uneven shards
     y = rng.uniform(0.1, 0.9, (5, 4)).astype("float32")
     pls = [ap.Replicate() if p == "R" else ap.Shard(int(p[2])) for p in placements.split()]
+    ref = float(getattr(F, name)(paddle.to_tensor(x), paddle.to_tensor(y), reduction=reduction).numpy().sum())
+    monkeypatch.setenv("AP_SCALAR_REDUCE", "off")                 # the rule's own layout
     with ap.simulate(2):
         text, value = _layout(getattr(F, name), pls, x, y, reduction=reduction)     # looked up once routed
-    ref = float(getattr(F, name)(paddle.to_tensor(x), paddle.to_tensor(y), reduction=reduction).numpy().sum())
     assert text == want
+    assert value == pytest.approx(ref, rel=1e-5)
+    monkeypatch.setenv("AP_SCALAR_REDUCE", "on")                  # default: a one-element result is settled
+    with ap.simulate(2):
+        text, value = _layout(getattr(F, name), pls, x, y, reduction=reduction)
+    assert text == (want.replace("P(sum)", "R") if reduction != "none" else want)
     assert value == pytest.approx(ref, rel=1e-5)
 
 

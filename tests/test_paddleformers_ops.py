@@ -104,11 +104,14 @@ def test_pad_keeps_unpadded_dims_split(pad, kw):
                                        "[R, S(1)]" if 1 not in padded else "[S(0), R]"), (pad, out.placements)
 
 
-def test_pad_refuses_a_tensor_pad_list():
+def test_pad_reads_a_tensor_pad_list_as_its_values():
+    """A pad list given as a tensor is read as numbers (dispatch_values), as paddle reads it: equal to one process."""
+    x = np.arange(120, dtype="float32").reshape(4, 6, 5)
+    ref = F.pad(paddle.to_tensor(x), paddle.to_tensor([1, 2], dtype="int32"), value=-1.0).numpy()   # paddle: int32 only
     with ap.simulate(world_size=4):
-        xd = ap.shard_tensor(paddle.ones([4, 6, 5]), _mesh(), [ap.Shard(0), ap.Replicate()])
-        with pytest.raises(NotImplementedError, match="pad must be a list of ints"):
-            F.pad(xd, paddle.to_tensor([1, 1]))
+        xd = ap.shard_tensor(paddle.to_tensor(x), _mesh(), [ap.Shard(0), ap.Replicate()])
+        out = F.pad(xd, paddle.to_tensor([1, 2], dtype="int32"), value=-1.0)
+        np.testing.assert_array_equal(out.full().numpy(), ref)
 
 
 def test_concat_onto_an_empty_cache_stays_split_with_no_collective():

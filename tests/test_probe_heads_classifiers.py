@@ -221,7 +221,7 @@ def _head_classes() -> dict:
 
 def test_every_head_class_runs_or_is_named_broken():
     found = _head_classes()
-    assert set(found) - set(pf.HEADS) - set(pf.HEADS_BROKEN) == set()
+    assert set(found) - set(pf.HEAD_CLASSES) - set(pf.HEAD_CLASSES_BROKEN) == set()
     assert {"Qwen2ForTokenClassification", "Gemma3TextForSequenceClassification"} <= set(found)
     pf.model_class("gemma3")
     gemma = importlib.import_module("paddleformers.transformers.gemma3_text.modeling")
@@ -265,7 +265,7 @@ def _grid_entry(build, batch, mode):
 def _grid(what):
     rows = []
     if what == "heads":
-        for head, (_, kind) in pf.HEADS.items():
+        for head, (_, kind) in pf.HEAD_CLASSES.items():
             for k in ["class", "regression", "multi"] if kind == "class" else [kind]:
                 nl, extra = (1 if k == "regression" else 3), ({"embedding_negatives_cross_device": False}
                                                              if k == "pairs" else {})

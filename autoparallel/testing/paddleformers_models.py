@@ -271,12 +271,12 @@ def compare(ref, got, rtol: float = 1e-4, atol: float = 1e-5) -> list:
 # ---- non-causal heads of the text families, and padded batches for them ------------------------------------
 PAD = 0                                  # pad_token_id of the head configs; head_batch never draws it as a token
 # head class -> (family in MODELS, kind of labels its loss takes)
-HEADS = {"Qwen2ForSequenceClassification": ("qwen2", "class"), "Qwen3ForSequenceClassification": ("qwen3", "class"),
+HEAD_CLASSES = {"Qwen2ForSequenceClassification": ("qwen2", "class"), "Qwen3ForSequenceClassification": ("qwen3", "class"),
          "Qwen2ForTokenClassification": ("qwen2", "token"), "Qwen3ForTokenClassification": ("qwen3", "token"),
          "Qwen2SentenceEmbedding": ("qwen2", "pairs"), "Qwen3SentenceEmbedding": ("qwen3", "pairs"),
          "DeepseekV3ForSequenceClassification": ("deepseek_v3", "class")}
 # head classes of PaddleFormers 1.2 that fail in one process already, and why
-HEADS_BROKEN = {
+HEAD_CLASSES_BROKEN = {
     "Gemma3TextForSequenceClassification": "declares no forward: PretrainedModel.forward raises NotImplementedError",
     "DeepseekV3ForSequenceClassification": "__init__ calls self.post_init(), which PretrainedModel lacks "
                                            "(AttributeError); built here with a no-op post_init",
@@ -286,13 +286,13 @@ PROCESSOR_ONLY = {"whisper": "WhisperFeatureExtractor", "qwen3_omni_moe": "Qwen3
 
 
 def build_head(cls_name: str, seed: int = 0, num_labels: int = 3, **overrides):
-    """A tiny ``cls_name`` (a key of HEADS) with ``pad_token_id=PAD``, zero-initialised parameters filled."""
+    """A tiny ``cls_name`` (a key of HEAD_CLASSES) with ``pad_token_id=PAD``, zero-initialised parameters filled."""
     import paddle
 
-    family = HEADS[cls_name][0]
+    family = HEAD_CLASSES[cls_name][0]
     model_class(family)                                         # installs the paddlefleet stub
     cls = getattr(importlib.import_module(f"paddleformers.transformers.{MODELS[family][0]}.modeling"), cls_name)
-    if cls_name in HEADS_BROKEN and not hasattr(cls, "post_init"):
+    if cls_name in HEAD_CLASSES_BROKEN and not hasattr(cls, "post_init"):
         cls = type(cls_name, (cls,), {"post_init": lambda self: None})
     cfg = config(family, pad_token_id=PAD, num_labels=num_labels, **overrides)
     paddle.seed(seed)
