@@ -3,8 +3,6 @@ test_probe_loops2_autograd.py on real gloo ranks -- no_sync accumulation, gradie
 collectives (create_graph), an input's gradient gathered across ranks, parameter vectors -- each against the
 one-process run computed on the rank itself. Reports {form: {"err"} or {"error": traceback}} (err <= 1: equal
 within the tolerance)."""
-import time
-import traceback
 
 import numpy as np
 import paddle
@@ -15,6 +13,7 @@ import test_probe_loops2_autograd as A
 import test_probe_loops2_no_sync as N
 from autoparallel.comm import collectives
 from autoparallel.testing.launch import write_result
+from forms_runner import run_all
 
 world = ap.init_parallel_env()
 
@@ -74,15 +73,6 @@ def cut_second_order():
         collectives._differentiable_backward = old
 
 
-def run_all(forms) -> dict:
-    out = {}
-    for name, fn in forms.items():
-        t = time.time()
-        try:
-            out[name] = {"err": fn(), "s": round(time.time() - t, 2)}
-        except Exception:                         # noqa: BLE001  (a form that raises on every rank alike)
-            out[name] = {"error": traceback.format_exc()[-3000:]}
-    return out
 
 
 paddle.seed(0)

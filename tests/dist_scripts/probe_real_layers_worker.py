@@ -5,8 +5,6 @@ the running statistics); a channel-split conv + BatchNorm (stats replicated, or 
 (Conv2DTranspose, max_unpool2d, Upsample, BatchNorm) under dp2 x tp2 with channel-parallel convs; a user PyLayer
 under dp4 (its parameter's gradient counted once); a float64 CNN's gradients reduced in float64 buckets.
 Reports {form: {"err", "s"} or {"error": traceback}} ("err" <= 1: equal within the tolerance)."""
-import time
-import traceback
 from unittest import mock
 
 import numpy as np
@@ -17,6 +15,7 @@ import autoparallel as ap
 import test_probe_layers_ops as LO
 from autoparallel import local_ops
 from autoparallel.testing.launch import write_result
+from forms_runner import run_all
 from autoparallel.testing.negative import no_gradient_reduction
 
 world = ap.init_parallel_env()
@@ -198,15 +197,6 @@ NEGATIVE = {                                     # {control: err} (expected > 1)
 }
 
 
-def run_all(forms) -> dict:
-    out = {}
-    for name, fn in forms.items():
-        t = time.time()
-        try:
-            out[name] = {"err": fn(), "s": round(time.time() - t, 2)}
-        except Exception:                         # noqa: BLE001  (a form that raises on every rank alike)
-            out[name] = {"error": traceback.format_exc()[-3000:]}
-    return out
 
 
 write_result({"rank": world.rank, "forms": run_all(FORMS), "negative": run_all(NEGATIVE)})

@@ -5,8 +5,6 @@ the rank itself (losses / returned values, every final parameter). Reports {form
 {"error": traceback}}."""
 import os
 import sys
-import time
-import traceback
 
 import numpy as np
 import paddle
@@ -21,6 +19,7 @@ import test_zero_float64 as F64
 from autoparallel.parallel import grads, sharding
 from autoparallel.testing.gpu_scaler import gpu_grad_scaler
 from autoparallel.testing.launch import write_result
+from forms_runner import run_all
 
 world = ap.init_parallel_env()
 
@@ -181,15 +180,6 @@ NEGATIVE = {                                     # {control: err of the form wit
 }
 
 
-def run_all(forms) -> dict:
-    out = {}
-    for name, fn in forms.items():
-        t = time.time()
-        try:
-            out[name] = {"err": fn(), "s": round(time.time() - t, 2)}
-        except Exception:                         # noqa: BLE001  (a form that raises on every rank alike)
-            out[name] = {"error": traceback.format_exc()[-3000:]}
-    return out
 
 
 def main():
