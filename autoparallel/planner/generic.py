@@ -29,9 +29,11 @@ class UnreadModel:
         return f"{self.params:,} parameters, not read as a stack of blocks"
 
 
-def data_parallel_choice(model, strategy, world: int, cluster, reason: str):
-    """(auto_mode="semi" Strategy, PlanResult explaining why) for ``model``: dp=world, or dp x tp with the
-    model's default tensor-parallel plan when the global batch does not split over every rank."""
+def data_parallel_choice(model, strategy, world: int, cluster, reason: str, seq_len: int = None):
+    """(auto_mode="semi" Strategy, PlanResult explaining why) for ``model``: with ``seq_len`` and LayerLists of
+    blocks, the cheapest dp x tp of the model priced as the sum of its stacks (planner/stacks.py); otherwise
+    dp=world, or dp x tp with the model's default tensor-parallel plan when the global batch does not split
+    over every rank."""
     import math
 
     from autoparallel.strategy import Strategy
@@ -41,7 +43,8 @@ def data_parallel_choice(model, strategy, world: int, cluster, reason: str):
     batch = strategy.global_batch_size
     name = type(model).__name__
     _refuse_undistributable(model)
-    dp, tp, why = _degrees(model, world, batch, allowed_tp)
+    priced, stacks_text = _priced(model, world, batch, cluster, seq_len, allowed_tp)
+    dp, tp, why = (priced[0].dp, priced[0].tp, "") if priced else _degrees(model, world, batch, allowed_tp)
     if dp is None:
         ok = ", ".join(str(world * k) for k in (1, 2, 4))
         raise ValueError(f"auto_mode='full': {name} is not a model the planner reads as a stack of blocks "
@@ -55,15 +58,41 @@ def data_parallel_choice(model, strategy, world: int, cluster, reason: str):
     chosen.seed = strategy.seed
     params = sum(math.prod(p.shape) for p in model.parameters())
     how = (f"data parallel over all {world} ranks (dp={world}, tp=1, pp=1, no ZeRO), parameters replicated"
-           if tp == 1 else f"dp={dp} x tp={tp} (the batch of {batch} does not split {world} ways; tensor "
-                           f"parallel with the model's default plan), pp=1, no ZeRO")
-    explanation = (f"model {name}: not read as a stack of blocks ({reason})\n"
+           if tp == 1 else f"dp={dp} x tp={tp} ({_why_tp(priced, batch, world)}tensor parallel with the model's "
+                           f"default plan), pp=1, no ZeRO")
+    explanation = (f"model {name}: not read as a stack of blocks ({reason})\n{stacks_text}"
                    f"chosen: {how}, {batch // dp} samples per data-parallel rank; other tensor or pipeline layouts "
                    f"for this model need auto_mode='semi' with tp_plan= / split_points=")
     result = PlanResult(model=UnreadModel(name, params), cluster=cluster, global_batch_size=batch, seq_len=0,
                         candidates=[], explanation=explanation, feasible=True, evaluated=1, seconds=0.0,
                         mode="fixed")
     return chosen, result
+
+
+def _why_tp(priced, batch: int, world: int) -> str:
+    split = "" if batch % world == 0 else f"the batch of {batch} does not split {world} ways; "
+    return split + ("the cheapest priced; " if priced else "")
+
+
+def _priced(model, world: int, batch: int, cluster, seq_len, allowed_tp):
+    """([Priced] cheapest first, explanation lines) of the model as the sum of its stacks; ([], "") when it
+    has no LayerList of blocks or no sequence length is known."""
+    from autoparallel.planner.options import options_for_cluster
+    from autoparallel.planner.stacks import find_stacks, price_grid, read_stacks
+
+    if not seq_len or not find_stacks(model):
+        return [], ""
+    allowed = allowed_tp(model, world)
+    table = price_grid(model, cluster, batch, seq_len, world, allowed,
+                       options_for_cluster(cluster).gemm_efficiency)
+    if not table:
+        return [], ""
+    tp = table[0].tp
+    lines = [f"  {s.short()}" for s in read_stacks(model, tp)]
+    lines += [f"  {p.short()}" for p in table]
+    lines += [f"  tp={k} refused: {why}" for k, why in allowed.items() if why is not None]
+    return table, (f"priced as the sum of its stacks ({seq_len} tokens per sample in every stack; the split "
+                   f"at tp={tp}):\n" + "\n".join(lines) + "\n")
 
 
 def _degrees(model, world: int, batch: int, allowed_tp):
