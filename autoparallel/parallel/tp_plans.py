@@ -208,7 +208,9 @@ def no_family_error(model, tp: int) -> PlanError:
     expected = "; ".join(f"{k}-style names like {', '.join(list(p)[:4])}" for k, p in FAMILIES.items())
     return PlanError(f"tensor_parallel.degree={tp} but no layer of {type(model).__name__} matches a default "
                      f"tensor-parallel plan: expected {expected}; got layers "
-                     f"{', '.join(names[:12]) or '(none)'}; pass tp_plan={{pattern: style}} to parallelize")
+                     f"{', '.join(names[:12]) or '(none)'}, and no block of Linears found by structure (an [a, f] -> "
+                     f"[f, c] pair, q / k / v / out attention: tp_structure.py); pass tp_plan={{pattern: style}} "
+                     f"to parallelize")
 
 
 __all__ = ["FusedColWiseParallel", "FAMILIES", "GPT_PLAN", "LLAMA_PLAN", "MLA_PLAN", "FUSED_PLAN", "ERNIE_PLAN", "default_plan", "raw_plan", "family",
