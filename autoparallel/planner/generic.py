@@ -87,12 +87,12 @@ def _priced(model, world: int, batch: int, cluster, seq_len, allowed_tp):
                        options_for_cluster(cluster).gemm_efficiency)
     if not table:
         return [], ""
-    tp = table[0].tp
+    tp = table[0].tp if table[0].tp > 1 else min((p.tp for p in table if p.tp > 1), default=2)
     lines = [f"  {s.short()}" for s in read_stacks(model, tp)]
     lines += [f"  {p.short()}" for p in table]
     lines += [f"  tp={k} refused: {why}" for k, why in allowed.items() if why is not None]
     return table, (f"priced as the sum of its stacks ({seq_len} tokens per sample in every stack; the split "
-                   f"at tp={tp}):\n" + "\n".join(lines) + "\n")
+                   f"by the default plan shown at tp={tp}):\n" + "\n".join(lines) + "\n")
 
 
 def _degrees(model, world: int, batch: int, allowed_tp):
