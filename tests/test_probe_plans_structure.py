@@ -5,6 +5,7 @@ import paddle
 import pytest
 from test_probe_speech_whisper import build as whisper_build
 
+from autoparallel.parallel.tp_dataflow import call_inputs
 from autoparallel.parallel.tp_plans import default_plan, raw_plan
 from autoparallel.parallel.tp_structure import plan_strings, structural_plan
 from autoparallel.testing import paddleformers_models as pf
@@ -33,6 +34,9 @@ def test_whisper_decoder_block_plan():
         f"{p}encoder_attn.k_proj: {COL}",
         f"{p}fc1: {COL_B}", f"{p}fc2: {ROW}"]
     assert not any(n.startswith(p + "encoder_attn") or n.startswith(p + "fc") for n in raw_plan(model))
+    flow = call_inputs(model.decoder[0].encoder_attn)              # read from the forward, not assumed
+    assert flow["out_proj"] == {"q_proj", "k_proj", "v_proj"} and flow["q_proj"] == set()
+    assert "fc1" in call_inputs(model.decoder[0])["fc2"]
 
 
 def test_paddleocr_vl_vision_layer_and_projector_plan():
@@ -43,7 +47,8 @@ def test_paddleocr_vl_vision_layer_and_projector_plan():
                                 f"{p}self_attn.v_proj: {COL_B}", f"{p}self_attn.out_proj: {ROW}",
                                 f"{p}mlp.fc1: {COL_B}", f"{p}mlp.fc2: {ROW}"]
     assert _lines(model, "mlp_AR") == [f"mlp_AR.linear_1: {COL_B}", f"mlp_AR.linear_2: {ROW}"]
-    assert _lines(model, "visual.vision_model.embeddings") == []          # conv patches and position tables
+    assert _lines(model, "visual.vision_model.embeddings") == []
+    assert call_inputs(model.visual.vision_model.encoder.layers[1].mlp)["fc2"] == {"fc1", "act_fn"}          # conv patches and position tables
 
 
 def test_qwen3_vl_vision_block_by_structure_alone():
@@ -75,6 +80,29 @@ class ParallelBranches(paddle.nn.Layer):
     def __init__(self, d=8):
         super().__init__()
         self.fc1, self.fc2 = paddle.nn.Linear(d, 4 * d), paddle.nn.Linear(d, 4 * d)
+
+
+class SeparateInputs(paddle.nn.Layer):
+    """``fc1 [d, f]`` and ``fc2 [f, d]`` chain by shape, but the forward feeds them separate inputs."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc1, self.fc2 = paddle.nn.Linear(d, 4 * d), paddle.nn.Linear(4 * d, d)
+
+    def forward(self, x, y):
+        return self.fc1(x), self.fc2(y)
+
+
+class Chained(SeparateInputs):
+    def forward(self, x, y):
+        h = self.fc1(x)
+        h = paddle.nn.functional.gelu(h) * 2
+        return self.fc2(h)
+
+
+def test_the_data_flow_decides_between_chaining_shapes():
+    assert structural_plan(SeparateInputs(), 2) == {}
+    assert plan_strings(Chained(), structural_plan(Chained(), 2)) == [f"fc1: {COL_B}", f"fc2: {ROW}"]
 
 
 class SquareMerger(paddle.nn.Layer):

@@ -15,7 +15,10 @@ may sit beside them. Qwen3-Next's linear attention, which also has an ``out_proj
   encoder-decoder's cross attention): q, k, v column-parallel, out row-parallel;
 * **fused attention** ``qkv [d, 3h]``, ``out [h, d]``: qkv column-parallel, out row-parallel.
 
-Names are hints only where shapes cannot tell roles apart (four ``[d, d]`` Linears: the one named like an
+The data flow is checked too where the layer's ``forward`` can be read (tp_dataflow.py): every
+column-parallel Linear's output must reach a row-parallel one's input (``fc2(act(fc1(x)))``; q, k and v
+reaching ``out``); two Linears of chaining shapes that read separate inputs are no pair. Names are hints only
+where shapes cannot tell roles apart (four ``[d, d]`` Linears: the one named like an
 output, ``out_proj``/``o_proj``/``proj``/``dense``, is ``out``; Linears named like an MLP's, ``gate``/``up``/
 ``down``/``fc``, are never q / k / v). Degrees: ``tp`` must divide every split width
 and the block's head counts where the layer names them (``num_heads``, ``num_attention_heads``, ``heads``,
@@ -122,9 +125,27 @@ def block_styles(layer, tp: int):
     styles = _mlp(lins) or _attention(lins)
     if not styles:
         return None
-    if any(w % tp for w in _split_widths(styles, dict(lins))):
+    if any(w % tp for w in _split_widths(styles, dict(lins))) or not _flows(layer, styles):
         return None
     return styles
+
+
+def _flows(layer, styles: dict) -> bool:
+    """Every column-parallel Linear's output reaches a row-parallel one's input in ``layer.forward``
+    (tp_dataflow.py); True when that cannot be read: a Sequential (its order is its data flow), a forward
+    whose source is unavailable or that calls some of the Linears elsewhere (a helper method)."""
+    import paddle
+
+    from autoparallel.parallel.tp_dataflow import call_inputs, flows_into
+
+    if isinstance(layer, paddle.nn.Sequential):
+        return True
+    inputs = call_inputs(layer)
+    if inputs is None or not all(n in inputs for n in styles):
+        return True
+    rows = [n for n, st in styles.items() if st is ROW]
+    cols = [n for n, st in styles.items() if st is COL]
+    return all(any(flows_into(inputs, c, r) for r in rows) for c in cols)
 
 
 def structural_blocks(model, tp: int, exclude=("experts.*",)) -> list:
