@@ -11,12 +11,19 @@ pass their arguments' sources through. None when the source cannot be read (a bu
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 
 
 def _forward_tree(layer):
-    fn = getattr(type(layer), "forward", None)
+    return _class_forward_tree(type(layer))
+
+
+@functools.lru_cache(maxsize=512)
+def _class_forward_tree(cls):
+    """The parsed ``forward`` of a layer class (classes are few and their source does not change)."""
+    fn = getattr(cls, "forward", None)
     try:
         src = textwrap.dedent(inspect.getsource(fn))
         tree = ast.parse(src)
