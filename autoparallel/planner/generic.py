@@ -1,16 +1,17 @@
-"""``auto_mode="full"`` on a model the language-model reading cannot price (a CNN, a ViT taking images, an
-encoder-decoder fed two inputs, any model without a LayerList of blocks fed token ids): data parallelism
-over every rank, parameters replicated, as one process would train it (a batch that does not split that
-far: as much data parallelism as it allows, times tensor parallelism where the model's default plan applies).
+"""``auto_mode="full"`` on a model the language-model reading cannot price (a CNN, a ViT taking images, a
+vision-language model, an encoder-decoder fed two inputs, any model the token-id trace does not read).
 
-    chosen, result = data_parallel_choice(model, strategy, world, cluster, reason)
+    chosen, result = data_parallel_choice(model, strategy, world, cluster, reason, seq_len)
 
-Why only that: the planner's cost model is written for stacks of transformer blocks read off a token-id
-trace, and tensor parallelism needs a plan naming the model's layers (``tp_plan=`` in ``auto_mode="semi"``);
-data parallelism needs neither and is exact for every model dispatch runs (batch-coupled layers such as
-BatchNorm reduce their statistics over the whole batch). The reason the reading failed is printed in the
-explanation, so nothing about the choice is silent. The global batch must split evenly over the ranks:
-otherwise the error names the batch sizes that would.
+With a sequence length and LayerLists of blocks (a vision tower + a text decoder, an encoder + a decoder), the
+model is priced as the sum of its stacks (planner/stacks.py) for every dp x tp the batch and the default plans
+(names, then structure: parallel/tp_structure.py) allow, and the cheapest wins; no pipeline, ZeRO or recompute
+is considered there. Otherwise: data parallelism over every rank, parameters replicated, as one process would
+train it (a batch that does not split that far: as much data parallelism as it allows, times tensor
+parallelism where the model's default plan applies). Data parallelism is exact for every model dispatch runs
+(batch-coupled layers such as BatchNorm reduce their statistics over the whole batch). The reason the reading
+failed, and the priced table, are printed in the explanation, so nothing about the choice is silent. The
+global batch must split over dp: otherwise the error names the batch sizes that would.
 """
 from __future__ import annotations
 
