@@ -168,11 +168,24 @@ class Plain(nn.Layer):
         return self.decoder(F.relu(self.encoder(x)))
 
 
+class Branches(nn.Layer):
+    """Two Linears reading the same input: no name a table knows, no [a, f] -> [f, c] pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Linear(8, 16), nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.left(x) * self.right(x)
+
+
 def test_tp_without_matching_layer_names():
     with ap.simulate(world_size=2):
-        with pytest.raises(ValueError, match=r"no layer of Plain matches a default tensor-parallel plan: "
+        with pytest.raises(ValueError, match=r"no layer of Branches matches a default tensor-parallel plan: "
                                              r"expected GPT-style names like wte, blocks\.\*\.attn\.qkv"):
-            parallelize(Plain(), strategy=strategy(tp=2))
+            parallelize(Branches(), strategy=strategy(tp=2))
+        m, _ = parallelize(Plain(), strategy=strategy(tp=2))        # an MLP pair, found by structure
+        assert [str(m.encoder.weight.placements), str(m.decoder.weight.placements)] == ["[R, S(1)]", "[R, S(0)]"]
         with pytest.raises(ValueError, match=r"pattern 'blocks\.\*\.fc' matches no layer of Plain"):
             parallelize(Plain(), strategy=strategy(tp=2), tp_plan={"blocks.*.fc": ap.ColWiseParallel()})
         m, _ = parallelize(Plain(), strategy=strategy(tp=2), tp_plan={"encoder": ap.ColWiseParallel(),

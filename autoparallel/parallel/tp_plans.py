@@ -23,6 +23,9 @@ family at once (a layer takes the first family pattern it matches), then adapts 
   ``kv_a_proj_with_mqa``, whose output also carries the rope key shared by all heads) stay replicated; the
   per-head up-projections ``q_b_proj``/``kv_b_proj`` (or ``q_proj`` without a q rank) are split by heads and
   ``o_proj`` is row-parallel, so the model's per-head reshape and split stay local.
+* blocks no name pattern matches (an encoder-decoder's ``fc1``/``fc2`` and cross attention, vision towers'
+  ``qkv``/``proj``/``linear_fc1``...) are recognised by structure (``tp_structure.py``: the Linears' shapes
+  and what else the layer holds), names serving only as hints.
 * a ``[vocab, hidden]`` head (PaddleFormers' ``LMHead``) under ColWiseParallel is split on the vocabulary, the
   same layout as the vocab-parallel embedding, so a tied embedding/head pair stays one parameter.
 """
@@ -160,6 +163,17 @@ def default_plan(model, tp: int) -> dict:
             plan[name] = dataclasses.replace(style, gather_output=True)
         elif isinstance(style, FusedColWiseParallel):
             plan[name] = _fused_or_gather(style, base_linear(layers[name]) or layers[name], tp)
+    return with_structural(plan, model, tp)
+
+
+def with_structural(plan: dict, model, tp: int) -> dict:
+    """``plan`` plus the blocks recognised by structure (tp_structure.py) none of whose Linears a name
+    pattern already styles."""
+    from autoparallel.parallel.tp_structure import structural_blocks
+
+    for names in structural_blocks(model, tp, EXCLUDE):
+        if not any(n in plan for n in names):
+            plan.update(names)
     return plan
 
 
@@ -194,7 +208,9 @@ def no_family_error(model, tp: int) -> PlanError:
     expected = "; ".join(f"{k}-style names like {', '.join(list(p)[:4])}" for k, p in FAMILIES.items())
     return PlanError(f"tensor_parallel.degree={tp} but no layer of {type(model).__name__} matches a default "
                      f"tensor-parallel plan: expected {expected}; got layers "
-                     f"{', '.join(names[:12]) or '(none)'}; pass tp_plan={{pattern: style}} to parallelize")
+                     f"{', '.join(names[:12]) or '(none)'}, and no block of Linears found by structure (an [a, f] -> "
+                     f"[f, c] pair, q / k / v / out attention: tp_structure.py); pass tp_plan={{pattern: style}} "
+                     f"to parallelize")
 
 
 __all__ = ["FusedColWiseParallel", "FAMILIES", "GPT_PLAN", "LLAMA_PLAN", "MLA_PLAN", "FUSED_PLAN", "ERNIE_PLAN", "default_plan", "raw_plan", "family",

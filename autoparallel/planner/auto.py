@@ -150,7 +150,7 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
     if unread is not None:
         from autoparallel.planner.generic import data_parallel_choice
 
-        return data_parallel_choice(model, strategy, world, target, unread)
+        return data_parallel_choice(model, strategy, world, target, unread, _seq_or_none(model, seq_len))
     info = model_info(model)
     limits = allowed_tp(model, world)
     tps = [tp for tp, why in limits.items() if why is None]
@@ -206,6 +206,13 @@ def _unreadable(model):
     except ValueError as e:
         return _first_line(e)
     return None
+
+
+def _seq_or_none(model, seq_len):
+    try:
+        return infer_seq_len(model, seq_len)
+    except ValueError:
+        return None
 
 
 def _takes_tokens(model) -> bool:

@@ -1,16 +1,17 @@
-"""``auto_mode="full"`` on a model the language-model reading cannot price (a CNN, a ViT taking images, an
-encoder-decoder fed two inputs, any model without a LayerList of blocks fed token ids): data parallelism
-over every rank, parameters replicated, as one process would train it (a batch that does not split that
-far: as much data parallelism as it allows, times tensor parallelism where the model's default plan applies).
+"""``auto_mode="full"`` on a model the language-model reading cannot price (a CNN, a ViT taking images, a
+vision-language model, an encoder-decoder fed two inputs, any model the token-id trace does not read).
 
-    chosen, result = data_parallel_choice(model, strategy, world, cluster, reason)
+    chosen, result = data_parallel_choice(model, strategy, world, cluster, reason, seq_len)
 
-Why only that: the planner's cost model is written for stacks of transformer blocks read off a token-id
-trace, and tensor parallelism needs a plan naming the model's layers (``tp_plan=`` in ``auto_mode="semi"``);
-data parallelism needs neither and is exact for every model dispatch runs (batch-coupled layers such as
-BatchNorm reduce their statistics over the whole batch). The reason the reading failed is printed in the
-explanation, so nothing about the choice is silent. The global batch must split evenly over the ranks:
-otherwise the error names the batch sizes that would.
+With a sequence length and LayerLists of blocks (a vision tower + a text decoder, an encoder + a decoder), the
+model is priced as the sum of its stacks (planner/stacks.py) for every dp x tp the batch and the default plans
+(names, then structure: parallel/tp_structure.py) allow, and the cheapest wins; no pipeline, ZeRO or recompute
+is considered there. Otherwise: data parallelism over every rank, parameters replicated, as one process would
+train it (a batch that does not split that far: as much data parallelism as it allows, times tensor
+parallelism where the model's default plan applies). Data parallelism is exact for every model dispatch runs
+(batch-coupled layers such as BatchNorm reduce their statistics over the whole batch). The reason the reading
+failed, and the priced table, are printed in the explanation, so nothing about the choice is silent. The
+global batch must split over dp: otherwise the error names the batch sizes that would.
 """
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ class UnreadModel:
         return f"{self.params:,} parameters, not read as a stack of blocks"
 
 
-def data_parallel_choice(model, strategy, world: int, cluster, reason: str):
-    """(auto_mode="semi" Strategy, PlanResult explaining why) for ``model``: dp=world, or dp x tp with the
-    model's default tensor-parallel plan when the global batch does not split over every rank."""
+def data_parallel_choice(model, strategy, world: int, cluster, reason: str, seq_len: int = None):
+    """(auto_mode="semi" Strategy, PlanResult explaining why) for ``model``: with ``seq_len`` and LayerLists of
+    blocks, the cheapest dp x tp of the model priced as the sum of its stacks (planner/stacks.py); otherwise
+    dp=world, or dp x tp with the model's default tensor-parallel plan when the global batch does not split
+    over every rank."""
     import math
 
     from autoparallel.strategy import Strategy
@@ -41,7 +44,8 @@ def data_parallel_choice(model, strategy, world: int, cluster, reason: str):
     batch = strategy.global_batch_size
     name = type(model).__name__
     _refuse_undistributable(model)
-    dp, tp, why = _degrees(model, world, batch, allowed_tp)
+    priced, stacks_text = _priced(model, world, batch, cluster, seq_len, allowed_tp)
+    dp, tp, why = (priced[0].dp, priced[0].tp, "") if priced else _degrees(model, world, batch, allowed_tp)
     if dp is None:
         ok = ", ".join(str(world * k) for k in (1, 2, 4))
         raise ValueError(f"auto_mode='full': {name} is not a model the planner reads as a stack of blocks "
@@ -55,15 +59,41 @@ def data_parallel_choice(model, strategy, world: int, cluster, reason: str):
     chosen.seed = strategy.seed
     params = sum(math.prod(p.shape) for p in model.parameters())
     how = (f"data parallel over all {world} ranks (dp={world}, tp=1, pp=1, no ZeRO), parameters replicated"
-           if tp == 1 else f"dp={dp} x tp={tp} (the batch of {batch} does not split {world} ways; tensor "
-                           f"parallel with the model's default plan), pp=1, no ZeRO")
-    explanation = (f"model {name}: not read as a stack of blocks ({reason})\n"
+           if tp == 1 else f"dp={dp} x tp={tp} ({_why_tp(priced, batch, world)}tensor parallel with the model's "
+                           f"default plan), pp=1, no ZeRO")
+    explanation = (f"model {name}: not read as a stack of blocks ({reason})\n{stacks_text}"
                    f"chosen: {how}, {batch // dp} samples per data-parallel rank; other tensor or pipeline layouts "
                    f"for this model need auto_mode='semi' with tp_plan= / split_points=")
     result = PlanResult(model=UnreadModel(name, params), cluster=cluster, global_batch_size=batch, seq_len=0,
                         candidates=[], explanation=explanation, feasible=True, evaluated=1, seconds=0.0,
                         mode="fixed")
     return chosen, result
+
+
+def _why_tp(priced, batch: int, world: int) -> str:
+    split = "" if batch % world == 0 else f"the batch of {batch} does not split {world} ways; "
+    return split + ("the cheapest priced; " if priced else "")
+
+
+def _priced(model, world: int, batch: int, cluster, seq_len, allowed_tp):
+    """([Priced] cheapest first, explanation lines) of the model as the sum of its stacks; ([], "") when it
+    has no LayerList of blocks or no sequence length is known."""
+    from autoparallel.planner.options import options_for_cluster
+    from autoparallel.planner.stacks import find_stacks, price_grid, read_stacks
+
+    if not seq_len or not find_stacks(model):
+        return [], ""
+    allowed = allowed_tp(model, world)
+    table = price_grid(model, cluster, batch, seq_len, world, allowed,
+                       options_for_cluster(cluster).gemm_efficiency)
+    if not table:
+        return [], ""
+    tp = table[0].tp if table[0].tp > 1 else min((p.tp for p in table if p.tp > 1), default=2)
+    lines = [f"  {s.short()}" for s in read_stacks(model, tp)]
+    lines += [f"  {p.short()}" for p in table]
+    lines += [f"  tp={k} refused: {why}" for k, why in allowed.items() if why is not None]
+    return table, (f"priced as the sum of its stacks ({seq_len} tokens per sample in every stack; the split "
+                   f"by the default plan shown at tp={tp}):\n" + "\n".join(lines) + "\n")
 
 
 def _degrees(model, world: int, batch: int, allowed_tp):
