@@ -54,7 +54,9 @@ def zero_training_state(zopt, model=None) -> dict:
         geo = ChunkGeometry(zopt, p, name)
         params[name] = ZeroParam(geo) if zopt.stage < 3 else ZeroChunks(geo, _master(zopt, p), p.spec.dtype,
                                                                         after_assign=lambda r, p=p: zopt.free([p]))
-        optimizer[name] = _accumulators(zopt, p, geo)
+        acc = _accumulators(zopt, p, geo)
+        if acc:                             # a frozen stage-3 parameter: its chunk, no state
+            optimizer[name] = acc
     return {"model": params, "optimizer": optimizer}
 
 
