@@ -94,6 +94,9 @@ class ModelSpec:
     attn_dim: int = 0             # width of the query heads, heads·head_dim; 0 means hidden (Qwen3 and ERNIE 4.5
                                   # set head_dim so that heads·head_dim != hidden)
     source: str = ""
+    # -- share of the parameters that train (a LoRA run: the adapters'); gradient buffers, their sync, the
+    #    optimizer states and master copies count only these, the weights (and ZeRO-3's gathers) all of them
+    trainable_fraction: float = 1.0
 
     def __post_init__(self):
         for field_name in ("hidden", "layers", "heads", "vocab", "seq_len"):
@@ -114,6 +117,10 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: heads ({self.heads}) must be divisible by kv_heads "
                              f"({self.kv_heads})")
         self._check_moe()
+        f = self.trainable_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            raise ValueError(f"model {self.name!r}: trainable_fraction must be a number in [0, 1] (the share of the "
+                             f"parameters that train), got {f!r}")
 
     def _check_moe(self):
         for name in ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "route_nodes"):
