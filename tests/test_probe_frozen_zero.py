@@ -164,3 +164,39 @@ def test_checkpoint_round_trips_frozen_and_unfrozen_parameters(stage, tmp_path):
         ap.load_state_dict(training_state(m, opt), str(tmp_path / "unfrozen"))
         got = [train_step(m, opt, i) for i in (3, 4)]
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def grouped(stage):
+    """AdamW with parameter groups; b's group (its own learning rate and decay) is wholly frozen when sharded."""
+    paddle.seed(0)
+    m = Net()
+    freeze(m.b)
+    opt = paddle.optimizer.AdamW(1e-2, parameters=[
+        {"params": [m.a.lora_A, m.a.lora_B, m.a.base.weight]},
+        {"params": [m.b.lora_A, m.b.lora_B], "learning_rate": 0.3, "weight_decay": 0.5},
+        {"params": [m.b.base.weight, m.b.base.bias, m.a.base.bias]}])
+    if stage is not None:
+        s = ap.Strategy()
+        s.data_parallel.degree = 4
+        s.sharding.enable, s.sharding.stage = True, stage
+        m, opt = ap.parallelize(m, opt, strategy=s)
+    losses = []
+    for i in range(3):
+        if i == 1:
+            freeze(m.b, False)
+        loss = F.mse_loss(m(paddle.to_tensor(XS[i])), paddle.to_tensor(YS[i]))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses, values(m)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_group_frozen_when_sharded_trains_with_its_own_settings_once_unfrozen(stage):
+    want = grouped(None)
+    with ap.simulate(world_size=4):
+        got = grouped(stage)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for n, v in want[1].items():
+        np.testing.assert_allclose(got[1][n], v, rtol=1e-5, atol=1e-6, err_msg=n)

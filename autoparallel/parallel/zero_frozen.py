@@ -43,7 +43,7 @@ def _join(zopt, r, m, p) -> None:
         opt._param_groups = opt._parameter_list
         opt._parameter_list.append(m)
         return
-    group = next(g for g in user if any(q is p for q in g["params"]))
+    group = next((g for g in user if any(q is p for q in g["params"])), user[0])     # as optim_clone._grouped
     names = {q.name for q in group["params"]}
     for g in opt._param_groups:
         if any(zopt._names[r].get(c.name) in names for c in g["params"]):
