@@ -200,3 +200,42 @@ def test_a_group_frozen_when_sharded_trains_with_its_own_settings_once_unfrozen(
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for n, v in want[1].items():
         np.testing.assert_allclose(got[1][n], v, rtol=1e-5, atol=1e-6, err_msg=n)
+
+
+class HalfLoRA(LoRA):
+    """A bf16 frozen base (read through a cast: CPU paddle has no bf16 matmul), fp32 adapters."""
+
+    def __init__(self):
+        super().__init__()
+        self.base.to(dtype="bfloat16")
+
+    def forward(self, x):
+        return F.linear(x, self.base.weight.astype("float32"), self.base.bias.astype("float32")) + \
+            x @ self.lora_A @ self.lora_B
+
+
+def half_run(stage):
+    paddle.seed(0)
+    m = Net()
+    m.a, m.b = HalfLoRA(), HalfLoRA()
+    freeze(m.b)
+    opt = paddle.optimizer.AdamW(1e-2, parameters=m.parameters())
+    if stage is not None:
+        s = ap.Strategy()
+        s.data_parallel.degree = 4
+        s.sharding.enable, s.sharding.stage = True, stage
+        m, opt = ap.parallelize(m, opt, strategy=s)
+    losses = [train_step(m, opt, i) for i in (0, 1)]
+    got = {n: (p.full() if ap.is_dist(p) else p).astype("float32").numpy() for n, p in m.named_parameters()}
+    return losses, got, (opt.memory_bytes(0)["params"] if stage else None)
+
+
+def test_zero3_keeps_a_frozen_bf16_chunk_in_bf16():
+    want = half_run(None)
+    with ap.simulate(world_size=4):
+        got = half_run(3)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for n, v in want[1].items():
+        np.testing.assert_allclose(got[1][n], v, rtol=1e-5, atol=1e-6, err_msg=n)
+    # frozen bf16 base chunks 2 B per element, the fp32 adapters' (b's unfrozen at step 2) 4 B
+    assert got[2] == 2 * 2 * (chunk(N * N) + chunk(N)) + 4 * 4 * chunk(N * R)

@@ -99,7 +99,7 @@ def _accumulators(zopt, p, geo) -> dict:
             out[acc_name] = DistTensor({r: get(r) for r in zopt.held}, spec)
         else:
             out[acc_name] = ZeroChunks(geo, get, dtype)
-    if p.spec.dtype != "float32":
+    if p.spec.dtype != "float32" and not zopt.master[r0][id(p)].stop_gradient:    # frozen: no master
         out["master_weight"] = ZeroChunks(geo, _master(zopt, p), "float32")
     return out
 

@@ -110,14 +110,18 @@ class ZeroOptimizer(StepHooks):
     def _make_inner(self, r):
         keep = [p for p in self.params if self.stage == 3 or not p.stop_gradient]
         chunks = [self._new_master(p, r) for p in keep]
-        return clone_optimizer(self._inner, chunks, self._names[r])
+        return clone_optimizer(self._inner, [m for m in chunks if not m.stop_gradient], self._names[r])
 
-    def _new_master(self, p, r):
-        """Rank r's fp32 master chunk of ``p`` (stage 3: also its storage; a frozen one is not stepped)."""
+    def _new_master(self, p, r, data=None):
+        """Rank r's fp32 master chunk of ``p`` (from ``data``, else its local shard). Stage 3: the chunk is also
+        its storage; a frozen parameter's is kept in its own dtype, outside the chunk optimizer."""
         with local_mode(), paddle.no_grad():
-            data = self._initial_chunk(p, r)
-            if self.offload:
-                data = data._copy_to(self.host, True)
+            if data is None:
+                low = self.stage == 3 and p.stop_gradient
+                data = self._initial_chunk(p, r, p.dtype if low else None)
+                data = data._copy_to(self.host, True) if self.offload else data
+            else:
+                data = data.astype(_master_dtype(p))
             m = EagerParamBase.from_tensor(data)
         m.name = f"{p.name}.zero_r{r}"
         m.stop_gradient = bool(p.stop_gradient)
@@ -148,12 +152,12 @@ class ZeroOptimizer(StepHooks):
                 for r in self.held:
                     m = self.master[r].get(id(p))
                     if m is not None:
-                        c = self._initial_chunk(p, r)
+                        c = self._initial_chunk(p, r, m.dtype)
                         m.set_value(c._copy_to(self.host, True) if self.offload else c)
 
-    def _initial_chunk(self, p, r):
-        """Rank r's fp32 chunk of ``p``'s local shard: the master weight's first value."""
-        flat = p.locals[r].reshape([-1]).astype(_master_dtype(p.locals[r]))
+    def _initial_chunk(self, p, r, dtype=None):
+        """Rank r's chunk of ``p``'s local shard (fp32 unless ``dtype``): the master weight's first value."""
+        flat = p.locals[r].reshape([-1]).astype(dtype or _master_dtype(p.locals[r]))
         return self._layout([p], r).chunk(flat, 0, self.groups.index(r)).clone()
 
     # ---- parameters -------------------------------------------------------------------------------------

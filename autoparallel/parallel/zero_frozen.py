@@ -5,8 +5,9 @@ is unfrozen, the next step creates its master chunk from its current value and a
 optimizer, which creates its moments at that step -- as one process, whose optimizer creates a late
 parameter's master weight and moments (beta powers starting over) at its first gradient.
 
-At stage 3 the chunk is the parameter's storage, so a frozen one keeps it; it is marked ``stop_gradient``
-so that the chunk optimizer (and a checkpoint's accumulator creation) leaves it alone until it trains.
+At stage 3 the chunk is the parameter's storage, so a frozen one keeps it, in the parameter's own dtype (a
+bf16 frozen base costs its bf16 bytes, not fp32's), marked ``stop_gradient`` and outside the chunk optimizer
+until it trains; then it becomes an fp32 chunk (the value paddle's master weight starts from) and joins.
 """
 from __future__ import annotations
 
@@ -26,11 +27,19 @@ def wake(zopt) -> list:
         woken.append(p)
         for r in zopt.held:
             m = zopt.master[r].get(id(p))
-            if m is None:
-                _join(zopt, r, zopt._new_master(p, r), p)
-            else:                                       # stage 3: the storage chunk starts training
-                m.stop_gradient = False
+            if m is None:                               # stages 1/2: from the local data
+                m = zopt._new_master(p, r)
+            elif m.dtype != master_dtype(p):            # stage 3: the storage chunk in fp32 from now on
+                m = zopt._new_master(p, r, m)
+            m.stop_gradient = False
+            _join(zopt, r, m, p)
     return woken
+
+
+def master_dtype(p):
+    import paddle
+
+    return paddle.float64 if p.dtype == paddle.float64 else paddle.float32
 
 
 def _join(zopt, r, m, p) -> None:
