@@ -141,7 +141,7 @@ def test_bytes_per_rank_count_only_trainable_parameters(stage):
         assert opt.memory_bytes(0) == hand_count(stage, adapters + base, [])
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 3])
 def test_checkpoint_round_trips_frozen_and_unfrozen_parameters(stage, tmp_path):
     with ap.simulate(world_size=4):
         m, opt = build(stage)
@@ -159,9 +159,9 @@ def test_checkpoint_round_trips_frozen_and_unfrozen_parameters(stage, tmp_path):
         assert "moment1" in state["optimizer"]["b.lora_B"]
         ap.save_state_dict(state, str(tmp_path / "unfrozen"))
         m, opt = build(stage)
-        freeze(m.b, False)
-        m.a.lora_A.stop_gradient = True
+        freeze(m.b, False)                               # trainable as saved: its state is named and loaded
         ap.load_state_dict(training_state(m, opt), str(tmp_path / "unfrozen"))
+        m.a.lora_A.stop_gradient = True                  # frozen at step 3, as in the uninterrupted run
         got = [train_step(m, opt, i) for i in (3, 4)]
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
