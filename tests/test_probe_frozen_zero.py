@@ -239,3 +239,40 @@ def test_zero3_keeps_a_frozen_bf16_chunk_in_bf16():
         np.testing.assert_allclose(got[1][n], v, rtol=1e-5, atol=1e-6, err_msg=n)
     # frozen bf16 base chunks 2 B per element, the fp32 adapters' (b's unfrozen at step 2) 4 B
     assert got[2] == 2 * 2 * (chunk(N * N) + chunk(N)) + 4 * 4 * chunk(N * R)
+
+
+def split_run(dist):
+    """``shard_optimizer(opt, mesh)`` with a weight already sharded on the data dim (the article's form: a
+    SplitOptimizer); the last Linear's weight frozen when sharded, unfrozen at step 2."""
+    paddle.seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model[2].weight.stop_gradient = True
+    opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
+    if dist:
+        mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["data", "model"])
+
+        def shard_fn(name, layer, pm):
+            if name == "0":
+                layer.weight = ap.shard_tensor(layer.weight, pm, [ap.Shard(1), ap.Replicate()])
+            return layer
+        model = ap.shard_layer(model, mesh, shard_fn)
+        opt = ap.shard_optimizer(opt, mesh)
+        assert type(opt).__name__ == "SplitOptimizer"
+    losses = []
+    for i in range(3):
+        model[2].weight.stop_gradient = i == 0
+        loss = (model(paddle.to_tensor(XS[i][:, :8])) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses, [(p.full() if ap.is_dist(p) else p).numpy() for p in model.parameters()]
+
+
+def test_split_optimizer_trains_a_parameter_unfrozen_later():
+    want = split_run(False)
+    with ap.simulate(world_size=4):
+        got = split_run(True)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
