@@ -85,3 +85,11 @@ def test_auto_full_reads_the_trainable_share_from_stop_gradient():
     full = evaluate_config(dataclasses.replace(spec, trainable_fraction=1.0), result.cluster, 8, 16, best.config, opts)
     assert best.memory_gb["optimizer"] == pytest.approx(frozen.memory_gb["optimizer"], rel=1e-12)
     assert frozen.memory_gb["optimizer"] < full.memory_gb["optimizer"] / 5
+
+
+def test_model_strings_take_a_trainable_share():
+    assert parse_model("hidden=64,layers=4,heads=4,vocab=1000,seq=32,trainable=0.01") == LORA
+    assert parse_model("llama2-7b,trainable=0.003").trainable_fraction == 0.003
+    for bad in ("llama2-7b,trainable=x", "llama2-7b,trainable=1.5"):
+        with pytest.raises(ValueError, match="trainable"):
+            parse_model(bad)

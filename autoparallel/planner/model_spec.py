@@ -358,8 +358,17 @@ _BOOL_KEYS = ("swiglu",)
 _ITEM = re.compile(r"^\s*([a-z_]+)\s*=\s*([0-9]+)\s*$")
 
 
+def _share(item: str, spec: str) -> float:
+    try:
+        return float(item.split("=", 1)[1])
+    except ValueError:
+        raise ValueError(f"malformed model item {item!r} in {spec!r}: expected trainable=FRACTION (the share of the "
+                         f"parameters that train, 0..1)") from None
+
+
 def parse_model(spec) -> ModelSpec:
     """A ModelSpec from a preset name, an explicit dimension string, or a ModelSpec (returned as is).
+    ``,trainable=0.003`` after either gives the share of the parameters that train (a LoRA run).
 
     Dimension strings: ``"hidden=8192,layers=48,heads=64,vocab=51200[,ffn=...,kv_heads=...,seq=...,swiglu=0|1]"``;
     hidden, layers, heads and vocab are required; swiglu=1 describes a LLaMA-style block (no biases,
@@ -371,6 +380,10 @@ def parse_model(spec) -> ModelSpec:
         raise TypeError(f"expected a model preset name, a 'hidden=..,layers=..,heads=..,vocab=..' string or a "
                         f"ModelSpec, got {type(spec).__name__}")
     key = spec.strip().lower()
+    share = [i.strip() for i in key.split(",") if i.strip().startswith("trainable=")]
+    if share:                                   # "llama2-7b,trainable=0.003": a LoRA run of a preset or dimensions
+        rest = ",".join(i for i in key.split(",") if i.strip() and not i.strip().startswith("trainable="))
+        return replace(parse_model(rest), trainable_fraction=_share(share[-1], spec))
     if key in PRESETS:
         return PRESETS[key]
     if "=" not in key:
