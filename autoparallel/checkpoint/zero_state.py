@@ -43,16 +43,20 @@ def zero_training_state(zopt, model=None) -> dict:
         raise ValueError(f"the ZeRO optimizer steps {len(lost)} parameters the given "
                          f"{type(model).__name__} does not hold ({', '.join(lost[:3])}); pass the model it was "
                          f"built over")
+    zopt.sync_trainable()                   # a parameter unfrozen since the last step: its state exists now
     _ensure_accumulators(zopt)
+    r0 = zopt.held[0] if zopt.held else None
     params, optimizer = {}, {}
     for name, p in model.named_parameters():
-        if id(p) not in managed:
+        if id(p) not in managed or (r0 is not None and id(p) not in zopt.master[r0]):   # frozen: no state
             params[name] = p
             continue
         geo = ChunkGeometry(zopt, p, name)
         params[name] = ZeroParam(geo) if zopt.stage < 3 else ZeroChunks(geo, _master(zopt, p), p.spec.dtype,
                                                                         after_assign=lambda r, p=p: zopt.free([p]))
-        optimizer[name] = _accumulators(zopt, p, geo)
+        acc = _accumulators(zopt, p, geo)
+        if acc:                             # a frozen stage-3 parameter: its chunk, no state
+            optimizer[name] = acc
     return {"model": params, "optimizer": optimizer}
 
 
@@ -63,7 +67,7 @@ def _ensure_accumulators(zopt) -> None:
     for r in zopt.held:
         inner = zopt.inner_opts[r]
         done = getattr(inner, "_already_create_accumulator", set())
-        missing = [m for m in zopt.master[r].values() if m.name not in done]
+        missing = [m for m in zopt.master[r].values() if m.name not in done and not m.stop_gradient]
         if missing:
             inner._create_accumulators(main_global_block(), missing)
 
@@ -95,7 +99,7 @@ def _accumulators(zopt, p, geo) -> dict:
             out[acc_name] = DistTensor({r: get(r) for r in zopt.held}, spec)
         else:
             out[acc_name] = ZeroChunks(geo, get, dtype)
-    if p.spec.dtype != "float32":
+    if p.spec.dtype != "float32" and not zopt.master[r0][id(p)].stop_gradient:    # frozen: no master
         out["master_weight"] = ZeroChunks(geo, _master(zopt, p), "float32")
     return out
 

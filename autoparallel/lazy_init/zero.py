@@ -29,9 +29,9 @@ class LazyZeroOptimizer(ZeroOptimizer):
             self._lazy_chunks = self._stream()
         return super()._make_inner(r)
 
-    def _initial_chunk(self, p, r):
+    def _initial_chunk(self, p, r, dtype=None):
         streamed = self._lazy_chunks.get(id(p), {}).get(r)
-        return streamed.astype("float32") if streamed is not None else super()._initial_chunk(p, r)
+        return streamed.astype(dtype or "float32") if streamed is not None else super()._initial_chunk(p, r, dtype)
 
     def _stream(self) -> dict:
         """One creation-order pass over the model: managed lazy parameters keep their ZeRO chunk only."""

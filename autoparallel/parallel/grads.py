@@ -58,11 +58,11 @@ def plan_buckets(params, bucket_bytes: int = BUCKET_BYTES, dims_of=None) -> list
     Walking the parameters in reverse registration order, each (mesh, dims) group fills its open bucket
     until the next parameter would exceed ``bucket_bytes`` (a larger parameter gets a bucket of its own);
     buckets are ordered by the position of their last parameter, i.e. by when backward completes them.
-    ``dims_of(p)`` overrides the recorded dims."""
+    ``dims_of(p)`` overrides the recorded dims. A frozen parameter (``stop_gradient``) gets no slot."""
     check_bucket_bytes(bucket_bytes)
     dims_of = dims_of or (lambda p: p._ap_partial_dims)
     open_, done = {}, []
-    for pos, p in enumerate(reversed(partial_params(params))):
+    for pos, p in enumerate(reversed([p for p in partial_params(params) if not p.stop_gradient])):
         key = (p.mesh, tuple(sorted(dims_of(p))))
         n = p.spec.local_nbytes()
         cur = open_.get(key)
@@ -306,14 +306,14 @@ class GradientSync:
         """Reduce every gradient not reduced yet; returns the number of buckets launched here."""
         n = self.reducer.flush() if self.reducer is not None else 0
         params = self.params_fn()
-        late = [p for p in partial_params(params) if self._unplanned(p)]
-        if late:
-            extra = plan_buckets(late, self.bucket_bytes, self._unplanned)
-            for b in extra:
-                reduce_bucket(b)
-            n += len(extra)
-            if self.overlap:
-                self._plan(params)
+        late = [p for p in partial_params(params) if self._unplanned(p) and not p.stop_gradient]
+        extra = plan_buckets(late, self.bucket_bytes, self._unplanned)
+        for b in extra:
+            reduce_bucket(b)
+        n += len(extra)
+        frozen = any(p.stop_gradient for b in self.buckets for p in b.params)   # frozen since the plan: no slot
+        if self.overlap and (extra or frozen):
+            self._plan(params)
         return n
 
     def _unplanned(self, p) -> set:

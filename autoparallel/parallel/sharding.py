@@ -82,15 +82,18 @@ class ZeroOptimizer(StepHooks):
                 where = p.mesh if isinstance(p, DistParameter) else "no mesh (a plain paddle Parameter)"
                 raise ValueError(f"apply_zero expects every trainable parameter on the mesh {mesh}; parameter "
                                  f"{p.name} is on {where}: parallelize the model before sharding")
-        # frozen parameters on the mesh are managed too (unfreezing one later trains it, as paddle does)
+        # frozen parameters on the mesh are managed too (unfreezing one later trains it, as paddle does); they
+        # get a master chunk and a bucket slot when they first train (stage 3: the chunk is their storage)
         self.params = [p for p in flat_params(inner) if on_mesh(p)]
         self._outside = [p for p in flat_params(inner) if not on_mesh(p)]
         self._had_grad: set = set()                     # ids whose gradient paddle would keep (as zeros)
-        self.buckets = split_buckets(self.params, bucket_bytes)
+        self.bucket_bytes, self._bucketed = bucket_bytes, None
+        self.buckets = self._plan_buckets()
         self.held = current_world().local_ranks(mesh.process_ids)
         self.host = paddle.CPUPlace()
         self.device = expected_place()
         self.master = {r: {} for r in self.held}         # rank -> id(param) -> fp32 chunk Parameter
+        self._names = {r: {} for r in self.held}         # rank -> {chunk name: parameter name} (decay hooks)
         self._freed = set()                             # (id(param), rank) whose storage is released
         self.inner_opts = {r: self._make_inner(r) for r in self.held}
         for p in self.params:
@@ -105,22 +108,42 @@ class ZeroOptimizer(StepHooks):
         return BucketLayout([math.prod(self._shape(p, r)) for p in ps], self.groups.degree)
 
     def _make_inner(self, r):
-        chunks, names = [], {}
+        keep = [p for p in self.params if self.stage == 3 or not p.stop_gradient]
+        chunks = [self._new_master(p, r) for p in keep]
+        return clone_optimizer(self._inner, [m for m in chunks if not m.stop_gradient], self._names[r])
+
+    def _new_master(self, p, r, data=None):
+        """Rank r's fp32 master chunk of ``p`` (from ``data``, else its local shard). Stage 3: the chunk is also
+        its storage; a frozen parameter's is kept in its own dtype, outside the chunk optimizer."""
         with local_mode(), paddle.no_grad():
-            for p in self.params:
-                data = self._initial_chunk(p, r)
-                if self.offload:
-                    data = data._copy_to(self.host, True)
-                m = EagerParamBase.from_tensor(data)
-                m.name = f"{p.name}.zero_r{r}"
-                m.stop_gradient = False
-                m.optimize_attr = getattr(p, "optimize_attr", {"learning_rate": 1.0})
-                m.regularizer = getattr(p, "regularizer", None)
-                m.need_clip = getattr(p, "need_clip", True)
-                names[m.name] = p.name
-                self.master[r][id(p)] = m
-                chunks.append(m)
-        return clone_optimizer(self._inner, chunks, names)
+            if data is None:
+                low = self.stage == 3 and p.stop_gradient
+                data = self._initial_chunk(p, r, p.dtype if low else None)
+                data = data._copy_to(self.host, True) if self.offload else data
+            else:
+                data = data.astype(_master_dtype(p))
+            m = EagerParamBase.from_tensor(data)
+        m.name = f"{p.name}.zero_r{r}"
+        m.stop_gradient = bool(p.stop_gradient)
+        m.optimize_attr = getattr(p, "optimize_attr", {"learning_rate": 1.0})
+        m.regularizer = getattr(p, "regularizer", None)
+        m.need_clip = getattr(p, "need_clip", True)
+        self._names[r][m.name] = p.name
+        self.master[r][id(p)] = m
+        return m
+
+    def sync_trainable(self) -> None:
+        """Parameters unfrozen since the last step get their master chunk now, from their current value (paddle
+        creates a parameter's master and moments at its first gradient, too), and join their optimizer."""
+        from autoparallel.parallel.zero_frozen import wake
+
+        wake(self)
+
+    def _plan_buckets(self) -> list:
+        """Buckets of the trainable parameters (a frozen one costs no slot); remembers which were planned."""
+        train = [p for p in self.params if not p.stop_gradient]
+        self._bucketed = {id(p) for p in train}
+        return split_buckets(train, self.bucket_bytes)
 
     def reload(self, params) -> None:
         """The user wrote new values into ``params``: their master chunks take them (from the local data)."""
@@ -129,12 +152,12 @@ class ZeroOptimizer(StepHooks):
                 for r in self.held:
                     m = self.master[r].get(id(p))
                     if m is not None:
-                        c = self._initial_chunk(p, r)
+                        c = self._initial_chunk(p, r, m.dtype)
                         m.set_value(c._copy_to(self.host, True) if self.offload else c)
 
-    def _initial_chunk(self, p, r):
-        """Rank r's fp32 chunk of ``p``'s local shard: the master weight's first value."""
-        flat = p.locals[r].reshape([-1]).astype(_master_dtype(p.locals[r]))
+    def _initial_chunk(self, p, r, dtype=None):
+        """Rank r's chunk of ``p``'s local shard (fp32 unless ``dtype``): the master weight's first value."""
+        flat = p.locals[r].reshape([-1]).astype(dtype or _master_dtype(p.locals[r]))
         return self._layout([p], r).chunk(flat, 0, self.groups.index(r)).clone()
 
     # ---- parameters -------------------------------------------------------------------------------------
@@ -201,7 +224,15 @@ class ZeroOptimizer(StepHooks):
         if self.reducer is not None:
             self.reducer.flush()
             out = self._window()
+            late = [p for p in self.params if not p.stop_gradient and id(p) not in self._bucketed]
+            for bucket in split_buckets(late, self.bucket_bytes):       # unfrozen since the buckets were planned
+                self._reduce_bucket(bucket, out)
+            if {id(p) for p in self.params if not p.stop_gradient} != self._bucketed:
+                self.buckets = self._plan_buckets()
+                self.reducer.detach()
+                self._install_reducer().mark_reduced()
         else:
+            self.buckets = self._plan_buckets()
             out = self._window()
             for bucket in self.buckets:
                 self._reduce_bucket(bucket, out)
@@ -252,7 +283,8 @@ class ZeroOptimizer(StepHooks):
         with local_mode(), paddle.no_grad():
             done = out.get(self.held[0], {}) if self.held and self.stage == 1 and self.reducer is None else {}
             # stage 1 without hooks: a gradient reduced in this window already is the full one (not again)
-            ps = [p for p in bucket if self.held and p.locals[self.held[0]].grad is not None and id(p) not in done]
+            ps = [p for p in bucket if self.held and p.locals[self.held[0]].grad is not None and id(p) not in done
+                  and not p.stop_gradient]
             if not ps:
                 return
             layout = {r: self._layout(ps, r) for r in self.held}
@@ -284,6 +316,7 @@ class ZeroOptimizer(StepHooks):
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> None:
         self._check_unfrozen()
+        self.sync_trainable()
         grads = self.reduce_gradients()
         self._out = None
         self._zero_kept_grads(grads)
@@ -291,8 +324,10 @@ class ZeroOptimizer(StepHooks):
         with local_mode():
             for r in self.held:
                 for p in self.params:
-                    m = self.master[r][id(p)]
+                    m = self.master[r].get(id(p))
                     g = grads[r].get(id(p))
+                    if m is None:                       # frozen since the start: no master chunk
+                        continue
                     if g is None or p.stop_gradient:    # paddle steps no frozen parameter
                         m.clear_gradient(False)
                         continue

@@ -182,9 +182,15 @@ def _split(optimizer, stage, mesh, dim, model, own, k):
     if getattr(inner, "_grad_clip", None) is not None:
         raise NotImplementedError(f"gradient clipping with ZeRO over {dim!r} while {len(own)} parameters are already "
                                   f"sharded over it ({own[0].name}, ...); build the optimizer without grad_clip")
-    ids = {id(p) for p in own}
-    rest = [p for p in _params(optimizer) if id(p) not in ids]
-    names = {p.name: p.name for p in _params(optimizer)}
+    from autoparallel.parallel.param_list import flat_params
+
+    every = list(flat_params(inner))                 # frozen ones too: one unfrozen later trains (as in paddle)
+    i = mesh.dim_names.index(dim)
+    ids = {id(p) for p in own} | {id(p) for p in every if p.stop_gradient and is_dist(p) and p.mesh == mesh
+                                  and isinstance(p.placements[i], Shard)}
+    own = [p for p in every if id(p) in ids]
+    rest = [p for p in every if id(p) not in ids]
+    names = {p.name: p.name for p in every}
     kept = ShardedOptimizer(clone_optimizer(inner, own, names), gradient_accumulation_steps=k, overlap=True)
     zero = None
     if rest:

@@ -243,11 +243,13 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
                       where=(group > 1) & (coll == 1), cache=cache)
         return a + r
 
-    sync = grad_stream(dense_psi, dp, tp, sync_calls) + grad_stream(expert_psi, d_e, tp_ep, sync_calls)
-    rs_each_mb = grad_stream(dense_psi, dp, tp, mb_calls) + grad_stream(expert_psi, d_e, tp_ep, mb_calls)
+    f = model.trainable_fraction                     # frozen parameters: no gradient, no ZeRO-1/2 re-gather
+    sync = grad_stream(f * dense_psi, dp, tp, sync_calls) + grad_stream(f * expert_psi, d_e, tp_ep, sync_calls)
+    rs_each_mb = grad_stream(f * dense_psi, dp, tp, mb_calls) + grad_stream(f * expert_psi, d_e, tp_ep, mb_calls)
     z12 = (zero >= 1) & (zero <= 2)
-    param_gather = (Stream.of(cluster, "all_gather", pb * dense_psi / dp, dp, tp, where=(dp > 1) & z12, cache=cache)
-                    + Stream.of(cluster, "all_gather", pb * expert_psi / d_e, d_e, tp_ep, where=(d_e > 1) & z12,
+    param_gather = (Stream.of(cluster, "all_gather", pb * f * dense_psi / dp, dp, tp, where=(dp > 1) & z12,
+                              cache=cache)
+                    + Stream.of(cluster, "all_gather", pb * f * expert_psi / d_e, d_e, tp_ep, where=(d_e > 1) & z12,
                                 cache=cache))
     z3 = zero >= 3
     layer_gather = (Stream.of(cluster, "all_gather", pb * layer_dense / dp, dp, tp, calls=m * n_max,
@@ -272,7 +274,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     pp_stream = Stream.of(cluster, "send_recv", p2p_msg, pp_peers, tp_dp, calls=pp_calls, cache=cache)
 
     # ---- optimizer -------------------------------------------------------------------------------------
-    shard = dense_psi / np.where(zero >= 1, dp, 1) + expert_psi / np.where(zero >= 1, d_e, 1)
+    shard = f * (dense_psi / np.where(zero >= 1, dp, 1) + expert_psi / np.where(zero >= 1, d_e, 1))
     pcie = topology_of(cluster).pcie_bandwidth_Bps
     off_s, pcie_busy = offload_seconds(shard, o, pcie)
     optimizer = np.where(off > 0, off_s, optimizer_traffic_bytes(shard, o) / W)

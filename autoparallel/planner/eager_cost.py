@@ -112,7 +112,7 @@ def norm_bytes(model, layers):
 def dp_step_seconds(cluster, model, layers, psi, dp, tp, sp, zero):
     """Gradient synchronisation of a step: buckets over dp (ZeRO: reduce_scatter + all_gather of the
     updated chunks at stage 1-2); SP's norm gradients over tp (and dp) besides."""
-    grad = 4.0 * psi
+    grad = 4.0 * psi * model.trainable_fraction         # frozen parameters send no gradient
     nb = buckets(grad)
     ar = collective_seconds(cluster, "all_reduce", grad / nb, dp)
     rs = collective_seconds(cluster, "reduce_scatter", grad / nb, dp)

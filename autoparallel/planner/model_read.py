@@ -47,7 +47,7 @@ def read_model(model, seq_len: int, name: str):
     from autoparallel.planner.model_spec import ModelSpec
 
     try:
-        return ModelSpec.from_trace(model, seq_len, 1, name=name)
+        return with_trainable(ModelSpec.from_trace(model, seq_len, 1, name=name), model)
     except DataDependentShapeError as e:
         op = str(e).split(":", 1)[0]
         if config_value(model, "experts")[0] is None:
@@ -55,7 +55,29 @@ def read_model(model, seq_len: int, name: str):
                              f"size depends on the values, and model.config names no experts (one of "
                              f"{', '.join(CONFIG['experts'])}) to price that part from; choose the degrees "
                              f"yourself (auto_mode='semi')") from e
-        return with_moe_ops(from_config(model, seq_len, name, op), model, seq_len)
+        return with_trainable(with_moe_ops(from_config(model, seq_len, name, op), model, seq_len), model)
+
+
+def trainable_fraction(model) -> tuple:
+    """(trainable, total) parameter elements of ``model``, from ``stop_gradient`` (a LoRA model: the adapters)."""
+    import math
+
+    from autoparallel.dist_tensor import DistParameter
+
+    sizes = [(math.prod(p.spec.shape if isinstance(p, DistParameter) else p.shape), p.stop_gradient)
+             for p in model.parameters()]
+    return sum(n for n, frozen in sizes if not frozen), sum(n for n, _ in sizes)
+
+
+def with_trainable(spec, model):
+    """``spec`` with the model's trainable share: gradients, their sync and optimizer states count only those."""
+    from dataclasses import replace
+
+    train, total = trainable_fraction(model)
+    if total == 0 or train == total:
+        return spec
+    return replace(spec, trainable_fraction=train / total,
+                   source=spec.source + f"; trainable: {train:,} of {total:,} parameters (stop_gradient)")
 
 
 def with_moe_ops(spec, model, seq_len: int):

@@ -94,6 +94,9 @@ class ModelSpec:
     attn_dim: int = 0             # width of the query heads, heads·head_dim; 0 means hidden (Qwen3 and ERNIE 4.5
                                   # set head_dim so that heads·head_dim != hidden)
     source: str = ""
+    # -- share of the parameters that train (a LoRA run: the adapters'); gradient buffers, their sync, the
+    #    optimizer states and master copies count only these, the weights (and ZeRO-3's gathers) all of them
+    trainable_fraction: float = 1.0
 
     def __post_init__(self):
         for field_name in ("hidden", "layers", "heads", "vocab", "seq_len"):
@@ -114,6 +117,10 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: heads ({self.heads}) must be divisible by kv_heads "
                              f"({self.kv_heads})")
         self._check_moe()
+        f = self.trainable_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            raise ValueError(f"model {self.name!r}: trainable_fraction must be a number in [0, 1] (the share of the "
+                             f"parameters that train), got {f!r}")
 
     def _check_moe(self):
         for name in ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "route_nodes"):
@@ -351,8 +358,17 @@ _BOOL_KEYS = ("swiglu",)
 _ITEM = re.compile(r"^\s*([a-z_]+)\s*=\s*([0-9]+)\s*$")
 
 
+def _share(item: str, spec: str) -> float:
+    try:
+        return float(item.split("=", 1)[1])
+    except ValueError:
+        raise ValueError(f"malformed model item {item!r} in {spec!r}: expected trainable=FRACTION (the share of the "
+                         f"parameters that train, 0..1)") from None
+
+
 def parse_model(spec) -> ModelSpec:
     """A ModelSpec from a preset name, an explicit dimension string, or a ModelSpec (returned as is).
+    ``,trainable=0.003`` after either gives the share of the parameters that train (a LoRA run).
 
     Dimension strings: ``"hidden=8192,layers=48,heads=64,vocab=51200[,ffn=...,kv_heads=...,seq=...,swiglu=0|1]"``;
     hidden, layers, heads and vocab are required; swiglu=1 describes a LLaMA-style block (no biases,
@@ -364,6 +380,10 @@ def parse_model(spec) -> ModelSpec:
         raise TypeError(f"expected a model preset name, a 'hidden=..,layers=..,heads=..,vocab=..' string or a "
                         f"ModelSpec, got {type(spec).__name__}")
     key = spec.strip().lower()
+    share = [i.strip() for i in key.split(",") if i.strip().startswith("trainable=")]
+    if share:                                   # "llama2-7b,trainable=0.003": a LoRA run of a preset or dimensions
+        rest = ",".join(i for i in key.split(",") if i.strip() and not i.strip().startswith("trainable="))
+        return replace(parse_model(rest), trainable_fraction=_share(share[-1], spec))
     if key in PRESETS:
         return PRESETS[key]
     if "=" not in key:

@@ -24,10 +24,12 @@ def stage_rows(model, s, b, tp, pp, v, m, n_first, n_last, n_mid, edge_first, ed
             (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0))
 
 
-def state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors):
-    """Weights, gradient buffers and optimizer states on one device holding ``dense`` and ``expert`` Ψ (dict)."""
+def state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors, trainable=1.0):
+    """Weights, gradient buffers and optimizer states on one device holding ``dense`` and ``expert`` Ψ (dict);
+    gradients and optimizer states only for the ``trainable`` share of them (frozen parameters have none)."""
     per_mb = bool(o.zero_grad_per_micro_batch)
     params = mem.weight_bytes(dense, zero, dp, o.param_bytes) + mem.weight_bytes(expert, zero, d_e, o.param_bytes)
+    dense, expert = dense * trainable, expert * trainable      # per-tensor states (beta powers): every tensor
     grads = (mem.grad_buffer_bytes(dense, zero, dp, m, o.grad_bytes, per_mb)
              + mem.grad_buffer_bytes(expert, zero, d_e, m, o.grad_bytes, per_mb))
     opt = (mem.optimizer_bytes(dense, zero, dp, off, o.optimizer_bytes)
@@ -57,7 +59,8 @@ def stage_memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense,
     stages = []
     for layers, edge, inflight, extra in stage_rows(model, s, b, tp, pp, v, m, n_first, n_last, n_mid, edge_first,
                                                     edge_last):
-        st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, zero, dp, d_e, m, off, tensors)
+        st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, zero, dp, d_e, m, off, tensors,
+                         model.trainable_fraction)
         st["activations"] = activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra)
         st["zero3_buffer"] = z3buf
         stages.append(st)
@@ -69,8 +72,9 @@ def stage_memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense,
     total = np.max(np.stack(totals), axis=0) + reserve
     dense_psi = largest_stage_params(n_first, n_last, n_mid, layer_dense, edge_first, edge_last)
     expert_psi = np.maximum(n_first, np.maximum(n_last, n_mid)) * layer_expert
-    host = (mem.host_optimizer_bytes(dense_psi, zero, dp, off, o.optimizer_bytes)
-            + mem.host_optimizer_bytes(expert_psi, zero, d_e, off, o.optimizer_bytes))
+    f = model.trainable_fraction
+    host = (mem.host_optimizer_bytes(f * dense_psi, zero, dp, off, o.optimizer_bytes)
+            + mem.host_optimizer_bytes(f * expert_psi, zero, d_e, off, o.optimizer_bytes))
     return memory, total, host
 
 
@@ -95,7 +99,8 @@ def memory_floors(model, cluster, global_batch, seq_len, grid, options, sp_rc, z
         rows = []
         for zero, off in zero_off:
             z, f = np.full(n, zero), np.full(n, off)
-            st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, z, dp, d_e, m, f, tensors)
+            st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, z, dp, d_e, m, f, tensors,
+                             model.trainable_fraction)
             rows.append(sum(st.values()) + mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, z,
                                                                          o.param_bytes))
         held.append(np.stack(rows))

@@ -109,12 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4, help="global batch (a multiple of 4: DP4)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "memory_bench.md"))
+    lora = p.add_argument_group("--lora: a LoRA-shaped model in one simulated 4-rank world (tools/bench/memory_lora.py)")
+    lora.add_argument("--lora", action="store_true", help="per-rank bytes of frozen base + adapters, DP and ZeRO 1-3")
+    lora.add_argument("--hidden", type=int, default=512)
+    lora.add_argument("--layers", type=int, default=4)
+    lora.add_argument("--rank", type=int, default=8, help="the adapters' rank r")
+    lora.add_argument("--json", default=None, help="also write the --lora figures to this JSON file")
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.lora:
+        if min(args.hidden, args.layers, args.rank) < 1:
+            p.error(f"expected positive --hidden, --layers and --rank, got {args.hidden}, {args.layers}, {args.rank}")
+        from tools.bench.memory_lora import main as lora_main
+
+        return lora_main(args)
     from examples.models import PRESETS
 
     if args.model not in PRESETS:
