@@ -148,8 +148,8 @@ def optimizer_sharded(model, opt) -> dict:
     from autoparallel.dist_tensor import dtensor_from_local, is_dist
 
     owners = {}
-    for key, p in model.state_dict().items():
-        owners.setdefault(p.name, (key, p))
+    for key, p in sorted(model.state_dict().items()):     # a tied parameter: its first name in sorted order,
+        owners.setdefault(p.name, (key, p))               # as paddle's optimizer.sharded_state_dict names it
     state = dict(opt.state_dict())
     state.pop("LR_Scheduler", None)
     if state.pop("master_weights", None):
