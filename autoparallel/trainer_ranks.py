@@ -48,29 +48,36 @@ def ranked(trainer):
 
 def setup(trainer, model, targs, world: int) -> None:
     """Called as the Trainer is built on ``world`` > 1 ranks over a model holding distributed parameters."""
+    _refuse_options(targs, world)
+    r = layout(model, world, "PaddleFormers' Trainer")
+    _RANKED.set(trainer, r)
+    key = id(targs)
+    _ARGS[key] = (r.dp, r.index)
+    weakref.finalize(targs, _ARGS.pop, key, None)
+
+
+def layout(model, world: int, who: str) -> Ranked:
+    """The data-parallel layout of ``model`` for a training loop that hands each rank its part of the batch;
+    refused (naming ``who``) for a model without ap.parallelize's data dim, or pipelined."""
     from autoparallel import layer_state
     from autoparallel.comm.world import current_world
     from autoparallel.data import data_rank
 
-    _refuse_options(targs, world)
     mesh = layer_state.mesh_of(model)
     name = type(model).__name__
     if mesh is None or DATA not in mesh.dim_names:
         raise NotImplementedError(
-            f"PaddleFormers' Trainer on {world} launched ranks over {name}: its batches are each rank's part of the "
+            f"{who} on {world} launched ranks over {name}: its batches are each rank's part of the "
             f"global batch, laid out here over the 'data' dim of ap.parallelize's mesh; {name} has "
             f"{'no such mesh (ap.shard_layer)' if mesh is None else f'a mesh with dims {mesh.dim_names}'}. "
             f"Parallelize it with ap.parallelize / ap.DataParallel, or write the training loop over it")
     extra = [d for d in mesh.dim_names if d not in (DATA, "model") and mesh.shape[mesh.dim_index(d)] > 1]
     if extra:
-        raise NotImplementedError(f"PaddleFormers' Trainer on {world} launched ranks over {name} laid out over "
-                                  f"mesh dims {extra} (pipeline parallel): the Trainer's step runs one forward and "
-                                  f"backward; train a pipelined model with its own schedule")
+        raise NotImplementedError(f"{who} on {world} launched ranks over {name} laid out over mesh dims {extra} "
+                                  f"(pipeline parallel): its step runs one forward and backward; train a "
+                                  f"pipelined model with its own schedule")
     dp, index = data_rank(mesh, current_world().rank, [DATA])
-    _RANKED.set(trainer, Ranked(mesh, dp, index))
-    key = id(targs)
-    _ARGS[key] = (dp, index)
-    weakref.finalize(targs, _ARGS.pop, key, None)
+    return Ranked(mesh, dp, index)
 
 
 def _refuse_options(targs, world: int) -> None:
@@ -112,8 +119,11 @@ def as_parts(trainer, inputs):
 
 
 def _nested(x, r):
+    import numpy as np
     import paddle
 
+    if isinstance(x, np.ndarray) and x.ndim:
+        x = paddle.to_tensor(x)
     if isinstance(x, dict):
         return type(x)((k, _nested(v, r)) for k, v in x.items())
     if isinstance(x, (list, tuple)):
@@ -126,7 +136,7 @@ def _nested(x, r):
 
     if is_dist(x):
         return x
-    check_agree(x, r.mesh, DATA, True, f"a Trainer batch tensor {x.dtype} {list(x.shape)}")
+    check_agree(x, r.mesh, DATA, True, f"a batch tensor {x.dtype} {list(x.shape)}")
     pl = [Shard(0) if d == DATA else Replicate() for d in r.mesh.dim_names]
     return dtensor_from_local(x, r.mesh, pl)
 
@@ -141,31 +151,13 @@ def global_state(model) -> dict:
 
 def optimizer_sharded(model, opt) -> dict:
     """``opt.sharded_state_dict(...)`` as one process writes it (``{struct_name}.{state}`` keys, whole
-    values): every state of a distributed parameter is gathered from the shards laid out as the parameter
-    (collective: every rank runs it, keys in one sorted order)."""
+    values; whole_state.py). Collective: every rank runs it."""
     from paddle.distributed import ShardedWeight
 
-    from autoparallel.dist_tensor import dtensor_from_local, is_dist
+    from autoparallel.whole_state import optimizer_whole
 
-    owners = {}
-    for key, p in sorted(model.state_dict().items()):     # a tied parameter: its first name in sorted order,
-        owners.setdefault(p.name, (key, p))               # as paddle's optimizer.sharded_state_dict names it
-    state = dict(opt.state_dict())
-    state.pop("LR_Scheduler", None)
-    if state.pop("master_weights", None):
-        raise NotImplementedError("the Trainer's flex checkpoint of master weights over a model distributed by "
-                                  "autoparallel: use Strategy.amp without master weights in the optimizer")
     out = {}
-    for key in sorted(state):
-        base = max((n for n in owners if key.startswith(n + "_")), key=len, default=None)
-        if base is None:
-            raise ValueError(f"optimizer state {key!r} names no parameter of {type(model).__name__}")
-        struct, p = owners[base]
-        t = state[key]
-        if is_dist(p) and t.ndim and list(t.shape) == list(p.shape):
-            t = dtensor_from_local(t, p.mesh, p.placements).full()
-        t = t.detach().clone()
-        name = f"{struct}.{key[len(base) + 1:]}"
+    for name, t in optimizer_whole(model, opt, structured=True).items():
         out[name] = ShardedWeight(key=name, local_tensor=t, local_shape=tuple(t.shape),
                                   global_shape=tuple(t.shape), global_offset=(0,) * len(t.shape))
     return out

@@ -3,7 +3,9 @@ shared 4-rank launch (tests/dist_scripts/trainer_real_worker.py): logged losses 
 Trainer in one process on the same global batches (with gradient accumulation, the Trainer's own AdamW with
 max_grad_norm, SGD with a global-norm clip over the shards); the clipped run against the unclipped one is the
 control. The flex checkpoints the distributed Trainer wrote (``save_steps``, ``save_model``) are loaded here, in
-one process, into a plain Llama and a plain AdamW and compared with the one-process Trainer's."""
+one process, into a plain Llama and a plain AdamW and compared with the one-process Trainer's. In the same job,
+hapi's paddle.Model (fit with losses per step, evaluate, predict, save) over an MLP laid out dp 4 and dp 2 x tp 2
+(tests/dist_scripts/hapi_real_cases.py)."""
 import os
 
 import numpy as np
@@ -26,9 +28,20 @@ def job():
     return out, ranks
 
 
+def test_hapi_model_equals_one_process_on_real_ranks(job):
+    for r in job[1]:
+        cases = {k: v for k, v in r["cases"].items() if k.startswith("hapi")}
+        assert len(cases) == 2, sorted(cases)
+        for name, got in cases.items():
+            assert "error" not in got, f"{name}, rank {r['rank']}:\n{got['error']}"
+            assert got["moved"] > 1e-2, (name, got)
+            for what in ("loss", "param", "eval", "predict", "saved"):
+                assert got[what] <= 1e-5, (name, r["rank"], what, got)
+
+
 def test_trainer_steps_equal_one_process_on_real_ranks(job):
     for r in job[1]:
-        cases = {k: v for k, v in r["cases"].items() if not k.startswith("control")}
+        cases = {k: v for k, v in r["cases"].items() if not k.startswith(("control", "hapi"))}
         assert len(cases) == CASES, sorted(cases)
         for name, got in cases.items():
             assert "error" not in got, f"{name}, rank {r['rank']}:\n{got['error']}"

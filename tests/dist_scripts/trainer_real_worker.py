@@ -4,7 +4,7 @@
 end; dp 2 x tp 2 also writes a ``save_steps`` flex checkpoint and a final ``save_model`` (the test loads them in
 one process). Negative control: clipping on in the distributed run only must differ from the unclipped reference.
 
-argv: the job's output directory. Reports {case: {"loss", "param"} (largest differences) or {"error"}}."""
+Then hapi's paddle.Model (hapi_real_cases.py). argv: the job's output directory. Reports {case: {"loss", "param"} (largest differences) or {"error"}}."""
 import importlib.machinery
 import os
 import sys
@@ -25,6 +25,7 @@ except ImportError:                 # `datasets` needs a pyarrow built for anoth
     del sys.modules["datasets"]             # the stub is gone after the import
 
 import autoparallel as ap
+import hapi_real_cases
 from autoparallel.testing import paddleformers_models as pfm
 from autoparallel.testing.launch import write_result
 
@@ -125,7 +126,10 @@ out = {}
 sync = paddle.device.synchronize                # the Trainer calls it when accumulating; paddle refuses it on CPU
 paddle.device.synchronize = lambda *a, **k: None
 try:
-    for name, fn in {**CASES, "control: clipped vs unclipped": control}.items():
+    for name, fn in {**CASES, "control: clipped vs unclipped": control, **{
+            k: (lambda f=f: f(OUT)) for k, f in hapi_real_cases.CASES.items()}}.items():
+        if os.environ.get("AP_ONLY") and os.environ["AP_ONLY"] not in name:
+            continue
         try:
             out[name] = fn()
         except Exception:                               # noqa: BLE001  (reported per case)
