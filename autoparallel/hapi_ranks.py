@@ -38,7 +38,9 @@ def install(hapi_model) -> None:
     patches.patch(M, "save", _save(M.save))
     patches.patch(hapi_model, "DistributedBatchSampler", _sampler(hapi_model.DistributedBatchSampler))
     patches.patch(hapi_model, "_all_gather", _all_gather(hapi_model._all_gather))
-    patches.patch(callbacks.ModelCheckpoint, "_is_save", _is_save(callbacks.ModelCheckpoint._is_save))
+    C = callbacks.ModelCheckpoint
+    patches.patch(C, "on_epoch_end", _checkpoint_epoch(C.on_epoch_end))
+    patches.patch(C, "on_train_end", _checkpoint_end(C.on_train_end))
 
 
 def ranked(model):
@@ -127,14 +129,30 @@ def _all_gather(orig):
     return all_gather
 
 
-def _is_save(orig):
-    def is_save(self):
-        if self.model is not None and ranked(self.model) is not None:
-            return bool(self.save_dir)             # every rank: the save gathers
-        return orig(self)
+def _checkpoint_epoch(orig):
+    """``fit(save_dir=...)``'s checkpoints: hapi saves from rank 0 only; the save gathers, so every rank saves
+    (the files are written by rank 0)."""
+    def on_epoch_end(self, epoch, logs=None):
+        if self.model is None or ranked(self.model) is None:
+            return orig(self, epoch, logs)
+        if self.save_dir and self.epoch % self.save_freq == 0:
+            self.model.save(f"{self.save_dir}/{epoch}")
+        return None
 
-    is_save._ap_wrapper = True
-    return is_save
+    on_epoch_end._ap_wrapper = True
+    return on_epoch_end
+
+
+def _checkpoint_end(orig):
+    def on_train_end(self, logs=None):
+        if self.model is None or ranked(self.model) is None:
+            return orig(self, logs)
+        if self.save_dir:
+            self.model.save(f"{self.save_dir}/final")
+        return None
+
+    on_train_end._ap_wrapper = True
+    return on_train_end
 
 
 def _save(orig):

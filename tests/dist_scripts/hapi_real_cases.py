@@ -1,5 +1,5 @@
 """hapi's ``paddle.Model`` on the ranks of a launch (run by trainer_real_worker.py): ``fit`` with evaluation data,
-``evaluate``, ``predict``, ``save`` over a small MLP laid out by ap.parallelize (dp 4; dp 2 x tp 2), against the
+``evaluate``, ``predict``, ``fit(save_dir=...)``'s ``Model.save`` over a small MLP laid out by ap.parallelize (dp 4; dp 2 x tp 2), against the
 same steps written out in one process on the rank (hapi's ``train_batch``: forward, loss, backward, minimize,
 clear). ``batch_size`` is one data-parallel rank's rows: the global batch is 8."""
 import os
@@ -79,10 +79,10 @@ def distributed(dp, tp, out):
     m = paddle.Model(net)
     m.prepare(opt, nn.MSELoss())
     seen = Losses()
-    m.fit(Pairs(0, 24), epochs=EPOCHS, batch_size=GLOBAL_BATCH // dp, shuffle=False, verbose=0, callbacks=[seen])
+    m.fit(Pairs(0, 24), epochs=EPOCHS, batch_size=GLOBAL_BATCH // dp, shuffle=False, verbose=0, callbacks=[seen],
+          save_dir=os.path.join(out, f"hapi_dp{dp}_tp{tp}"))              # Model.save per epoch and at the end
     ev = m.evaluate(Pairs(24, 32), batch_size=GLOBAL_BATCH // dp, verbose=0)["loss"]
     pred = m.predict(Pairs(24, 32), batch_size=GLOBAL_BATCH // dp, verbose=0, stack_outputs=True)[0]
-    m.save(os.path.join(out, f"hapi_dp{dp}_tp{tp}", "final"))
     return seen.seen, {n: (p.full() if ap.is_dist(p) else p).numpy() for n, p in net.named_parameters()}, \
         float(np.asarray(ev).reshape(-1)[0]), pred
 
