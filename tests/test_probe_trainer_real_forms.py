@@ -55,3 +55,14 @@ def test_after_import_runs_once_as_the_import_ends(tmp_path, monkeypatch):
     finally:
         sys.modules.pop("ap_probe_late_module", None)
         after_import._PENDING.pop("ap_probe_late_module", None)
+
+
+def test_trainer_checkpoints_over_zero_are_refused_before_training():
+    with ap.simulate(world_size=2):
+        s = ap.Strategy()
+        s.data_parallel.degree, s.sharding.enable, s.sharding.stage = 2, True, 2
+        net = paddle.nn.Linear(2, 2)
+        model, _ = ap.parallelize(net, paddle.optimizer.AdamW(parameters=net.parameters()), strategy=s)
+        with pytest.raises(NotImplementedError, match="save_strategy='steps'.*ZeRO stage 2"):
+            trainer_ranks._refuse_zero_checkpoints(model, types.SimpleNamespace(save_strategy="steps"), 2)
+        trainer_ranks._refuse_zero_checkpoints(model, types.SimpleNamespace(save_strategy="no"), 2)
