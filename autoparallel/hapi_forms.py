@@ -12,8 +12,8 @@ value; ``model.load`` then lays global values out on the shards (``set_value``),
 distributed parameter's global shape (paddle's compares with the local shard's and refused every
 tensor-parallel entry).
 
-On several launched ranks hapi wraps the network in ``paddle.DataParallel`` and feeds each rank its own part
-of the data; that wrapping is refused (autoparallel/ddp_guard.py), naming the conflict.
+On several launched ranks hapi would wrap the network in ``paddle.DataParallel`` and feed each rank its own part
+of the data: there the model's own data parallelism runs instead (hapi_ranks.py).
 """
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def install() -> None:
     patches.patch(hapi_model, "to_numpy", to_numpy)
     patches.patch(hapi_model.DynamicGraphAdapter, "save", _save(hapi_model.DynamicGraphAdapter.save))
     patches.patch(hapi_model.Model, "load", _load(hapi_model.Model.load))
+    from autoparallel import hapi_ranks
+
+    hapi_ranks.install(hapi_model)
 
 
 def _global(state: dict) -> dict:

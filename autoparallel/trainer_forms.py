@@ -6,9 +6,8 @@ with a bare AssertionError. ``training_step`` here returns the loss's global val
 by every rank, as every rank runs the step); the backward inside it is unchanged. The Trainer's own
 optimizer over the distributed parameters runs as ``ap.shard_optimizer`` would
 (parallel/implicit_optimizer.py), and its ``model.no_sync()`` for gradient accumulation is this project's
-(no_sync.py). On several launched ranks the Trainer sets up its own data parallelism (fleet's hybrid-parallel groups, then
-``paddle.DataParallel``) over the model: refused when the Trainer is built, naming the conflict (without this
-module installed, ``paddle.DataParallel`` is refused by ddp_guard.py, or fleet fails first).
+(no_sync.py). On several launched ranks (trainer_ranks.py) the Trainer's data parallelism is the model's: no
+``paddle.DataParallel`` wrap, each data-parallel rank gets its part of the global batch, laid out as such.
 
 With ``gradient_accumulation_steps > 1`` the Trainer divides every ``p.grad`` by that number by hand before the
 optimizer step. In the simulated world ``p.grad`` of a distributed parameter is the lowest rank's copy only, so
@@ -19,25 +18,37 @@ then all-reduces the parameters' gradients itself (paddle's ``fused_allreduce_gr
 shards and needs paddle's global group). Distributed parameters are left out of that call: their reduction is
 the optimizer's (from backward hooks, or at its step for what ``no_sync`` kept), exactly once.
 
-Installed with dispatch when ``paddleformers.trainer.trainer`` is already imported; else at the Trainer's
-first ``hasattr(model, "no_sync")`` (it asks before every training step; no_sync.py calls ``install()``, a
-dictionary look-up once installed).
+Installed with dispatch when ``paddleformers.trainer.trainer`` is already imported; else as its import ends
+(after_import.py), or at the Trainer's first ``hasattr(model, "no_sync")`` (no_sync.py calls ``install()``, a
+dictionary look-up once installed). On several launched ranks the Trainer runs as trainer_ranks.py says.
 """
 from __future__ import annotations
 
 import sys
 
-from autoparallel import patches
+from autoparallel import after_import, patches, trainer_ranks
+
+
+TARGET = "paddleformers.trainer.trainer"
 
 
 def install() -> None:
-    mod = sys.modules.get("paddleformers.trainer.trainer")
+    mod = sys.modules.get(TARGET)
     cls = getattr(mod, "Trainer", None)
-    if cls is None or getattr(cls.__dict__.get("training_step"), "_ap_wrapper", False):
+    if cls is None:
+        after_import.watch(TARGET, install)         # imported later: patched as its import ends
+        return
+    if getattr(cls.__dict__.get("training_step"), "_ap_wrapper", False):
         return
     patches.patch(cls, "__init__", _init(cls.__init__))
     patches.patch(cls, "training_step", _training_step(cls.training_step))
     patches.patch(cls, "optimizer_step", _optimizer_step(cls.optimizer_step))
+    patches.patch(cls, "_wrap_model", _wrap_model(cls._wrap_model))
+    patches.patch(cls, "_prepare_inputs", _prepare_inputs(cls._prepare_inputs))
+    patches.patch(cls, "save_model", _save_model(cls.save_model))
+    if hasattr(cls, "_save_flex_optimizer_state"):
+        patches.patch(cls, "_save_flex_optimizer_state", _save_flex_optimizer(cls._save_flex_optimizer_state))
+    _install_args(sys.modules.get("paddleformers.trainer.training_args"))
     if callable(getattr(mod, "fused_allreduce_gradients", None)):
         patches.patch(mod, "fused_allreduce_gradients", _fused_allreduce(mod.fused_allreduce_gradients))
 
@@ -115,12 +126,69 @@ def _init(orig):
         model, targs = bound.get("model"), bound.get("args")
         world = getattr(targs, "world_size", 1) if targs is not None else 1
         if world > 1 and model is not None and any(is_dist(p) for p in model.parameters()):
-            raise NotImplementedError(
-                f"PaddleFormers' Trainer on {world} launched ranks sets up its own data parallelism (fleet's "
-                f"hybrid-parallel groups, paddle.DataParallel) over {type(model).__name__}, whose parameters are "
-                f"already distributed by autoparallel (its gradients would be reduced twice); run the Trainer in one "
-                f"process (ap.simulate for the distributed layout) or write the training loop over the model")
+            trainer_ranks.setup(self, model, targs, world)
         return orig(self, *args, **kwargs)
 
     __init__._ap_wrapper = True
     return __init__
+
+
+def _install_args(mod) -> None:
+    cls = getattr(mod, "TrainingArguments", None)
+    if cls is None:
+        return
+    for which, name in enumerate(("dataset_world_size", "dataset_rank")):
+        if isinstance(cls.__dict__.get(name), property):
+            patches.patch(cls, name, trainer_ranks.dataset_property(cls.__dict__[name], which))
+
+
+def _wrap_model(orig):
+    def wrap_model(self, model, training=True):
+        if trainer_ranks.ranked(self) is None:
+            return orig(self, model, training)
+        return model                    # no paddle.DataParallel: the model reduces its own gradients
+
+    wrap_model._ap_wrapper = True
+    return wrap_model
+
+
+def _prepare_inputs(orig):
+    def prepare_inputs(self, inputs):
+        return trainer_ranks.as_parts(self, orig(self, inputs))
+
+    prepare_inputs._ap_wrapper = True
+    return prepare_inputs
+
+
+def _save_model(orig):
+    def save_model(self, *args, **kwargs):
+        if trainer_ranks.ranked(self) is None:
+            return orig(self, *args, **kwargs)
+        state = trainer_ranks.global_state(self.model)          # every rank: the gathers are collectives
+        cls = type(self.model)
+        own = cls.state_dict
+        model = self.model
+
+        def state_dict(layer, *a, **k):
+            return dict(state) if layer is model and not a and not k else own(layer, *a, **k)
+
+        with patches.swapped(cls, {"state_dict": state_dict}):
+            return orig(self, *args, **kwargs)
+
+    save_model._ap_wrapper = True
+    return save_model
+
+
+def _save_flex_optimizer(orig):
+    def save_flex_optimizer_state(self, output_dir):
+        if trainer_ranks.ranked(self) is None:
+            return orig(self, output_dir)
+        opt = self.optimizer
+        self.optimizer = trainer_ranks.FlexOptimizerView(self.model, opt)
+        try:
+            return orig(self, output_dir)
+        finally:
+            self.optimizer = opt
+
+    save_flex_optimizer_state._ap_wrapper = True
+    return save_flex_optimizer_state

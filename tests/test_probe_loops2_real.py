@@ -1,6 +1,6 @@
 """no_sync accumulation, gradient penalties (create_graph through collectives), an input's gradient and parameter
-vectors on 4 real gloo ranks, each against the one-process run on the same rank, and hapi's paddle.Model refused
-there (one job of the shared 4-rank launch, tests/dist_scripts/loops2_worker.py); the control cuts the
+vectors on 4 real gloo ranks, each against the one-process run on the same rank, and paddle.DataParallel over a
+parallelized model refused there (one job of the shared 4-rank launch, tests/dist_scripts/loops2_worker.py); the control cuts the
 second-order terms at the collectives."""
 import os
 

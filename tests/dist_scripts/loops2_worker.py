@@ -48,19 +48,20 @@ FORMS.update({f"parameter vector / {r}": form(lambda e: A.train(e, A.shrink_by_v
 FORMS["input gradient x.grad / parallelize tp"] = saliency
 
 
-def hapi_refused():
-    """hapi on several ranks wraps the network in paddle.DataParallel: refused, naming the double reduction
-    (0: refused so; inf: anything else)."""
+def ddp_refused():
+    """paddle.DataParallel over a parallelized model (a second reduction of its gradients) is refused, naming the
+    double reduction (0: refused so; inf: anything else). hapi and PaddleFormers' Trainer no longer wrap such a
+    model on several ranks (tests/test_probe_trainer_real.py)."""
     env = H.Parallelize()
     m, _ = env.wrap(env.model(), None)
     try:
-        paddle.Model(m)
+        paddle.DataParallel(m)
     except NotImplementedError as e:
         return 0.0 if "paddle.DataParallel over" in str(e) else float("inf")
     return float("inf")
 
 
-FORMS["hapi paddle.Model on 4 ranks refused"] = hapi_refused
+FORMS["paddle.DataParallel over a parallelized model refused"] = ddp_refused
 
 
 def cut_second_order():
