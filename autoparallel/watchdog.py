@@ -66,7 +66,7 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
                  world_size: int = None, long_wait_timeout: float = None, op_timeout: float = None,
                  startup_timeout: float = None, term_grace: float = None, exit_code: int = None,
                  on_failure=None, exit_fn=None, install_handlers: bool = True, peers: list = None,
-                 namespace: str = "ap_wd"):
+                 namespace: str = "ap_wd", collective_log=None):
         self.timeout = _seconds("timeout", timeout) or _env_float("AP_WATCHDOG_TIMEOUT", DEFAULT_TIMEOUT)
         self.interval = _seconds("interval", interval) or max(0.1, min(self.timeout / 6, 2.0))
         if not self.interval < self.timeout:
@@ -117,6 +117,7 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
         self._prefix = namespace
         self._host = socket.gethostname()
         self._start_time = _proc_start_time(os.getpid())
+        self._clog = collective_log if collective_log is not None else _default_log()
 
     @staticmethod
     def _identity(rank, world_size):
@@ -282,6 +283,13 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
         ops = [f"rank {p.rank} in {_their_op(p.record)}" for p in sorted(self._peers.values(), key=lambda p: p.rank)
                if p.record and not p.record.get("stopped")]
         return f" (last heard: {', '.join(ops)})" if ops else ""
+
+
+def _default_log():
+    """This process's collective log (comm/collective_log.py), or None with ``AP_COLLECTIVE_LOG=off``."""
+    from autoparallel.comm import collective_log
+
+    return collective_log.LOG if collective_log.enabled() else None
 
 
 # ---- module-level functions: act on the running watchdog, do nothing without one ---------------------
