@@ -168,7 +168,7 @@ def mismatch_text(key: str, me: int, peer: int, mine: list, theirs: list) -> str
     else:
         a, b = first
         where = f"collective #{a[0]} on this group: rank {me}: {_call(a)}; rank {peer}: {_call(b)}"
-    return f"the ranks of group [{key}] did not make the same collective ({where}). The rule: {RULE}."
+    return f"the ranks of group [{key}] did not make the same collective ({where}). The rule: {RULE}"
 
 
 def _call(rec) -> str:
