@@ -47,15 +47,23 @@ def _hash(text: str, prev: int = 0) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
+_MASK, _ODD = (1 << 63) - 1, 0x9E3779B97F4A7C15
+
+
+def _chain(digest: int, h: int) -> int:
+    """The running digest of a group's records: a polynomial hash of their hashes, in order."""
+    return (digest * 1000003 + h) & _MASK
+
+
 def group_key(ranks) -> str:
     return ",".join(str(r) for r in ranks)
 
 
 class _Group:
-    __slots__ = ("count", "digest", "recent", "history")
+    __slots__ = ("count", "digest", "recent", "history", "gap")
 
     def __init__(self):
-        self.count, self.digest = 0, 0
+        self.count, self.digest, self.gap = 0, 0, False    # gap: notes were lost, the digest is this rank's own
         self.recent = collections.deque(maxlen=RECENT)        # [seq, kind, bytes, "kind@site"]
         self.history = collections.deque(maxlen=HISTORY)      # digests of seq count-len+1 .. count
 
@@ -64,17 +72,19 @@ class Log:
     """One process's log: ``note`` on the hot path, ``drain``/``summary``/``compare`` off it."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._ring = collections.deque(maxlen=RING)
-        self._seq: dict = {}           # group tuple -> collectives noted on it
-        self._groups: dict = {}        # group key -> _Group (drained)
-        self._noted = self._drained = 0
+        self._ring = collections.deque(maxlen=RING)      # append/popleft: safe across threads without a lock
+        self._seq: dict = {}           # group tuple -> collectives noted on it (written by the calling thread)
+        self._groups: dict = {}        # group tuple -> _Group (drained)
+        self._drain_lock = threading.Lock()
         self.lost = 0                  # notes that fell off the ring before a drain
         self._user_code: dict = {}     # code object -> is it user code
+        self._sites: dict = {}         # (code, instruction offset) -> "file:line"
+        self._texts: dict = {}         # (kind, call path) -> ("kind@site", its hash)
         self._dirs = None
 
     def note(self, kind: str, ranks, nbytes=None, depth: int = 1) -> None:
-        """This rank is about to make ``kind`` on the group ``ranks``: a tuple appended, nothing sent."""
+        """This rank is about to make ``kind`` on the group ``ranks``: a tuple appended, nothing sent. The call
+        path is kept as (code, instruction offset) pairs; their lines are looked up when drained."""
         key = tuple(ranks)
         user, f, out = self._user_code, sys._getframe(depth), []
         while f is not None and len(out) < MAX_FRAMES:
@@ -83,41 +93,56 @@ class Log:
             if mine is None:
                 mine = user[code] = self._is_user(code.co_filename)
             if mine:
-                out.append((code.co_filename, f.f_lineno))
+                out.append((code, f.f_lasti))
             f = f.f_back
-        with self._lock:
-            seq = self._seq[key] = self._seq.get(key, 0) + 1
-            self._ring.append((key, seq, kind, nbytes, tuple(out)))
-            self._noted += 1
+        seq = self._seq[key] = self._seq.get(key, 0) + 1
+        self._ring.append((key, seq, kind, nbytes, tuple(out)))
 
     def _is_user(self, filename: str) -> bool:
         if self._dirs is None:
             self._dirs = _library_dirs()
         return not filename.startswith(self._dirs) and not filename.startswith("<frozen")
 
+    def _site(self, frame) -> str:
+        text = self._sites.get(frame)
+        if text is None:
+            code, lasti = frame
+            line = next((n for a, b, n in code.co_lines() if a <= lasti < b), None)
+            text = self._sites[frame] = f"{os.path.basename(code.co_filename)}:{line}"
+        return text
+
+    def _text(self, kind: str, frames: tuple) -> tuple:
+        got = self._texts.get((kind, frames))
+        if got is None:
+            text = f"{kind}@{' < '.join(self._site(fr) for fr in frames) or 'inside the library'}"
+            got = self._texts[(kind, frames)] = (text, _hash(text))
+        return got
+
     def drain(self) -> None:
         """Fold the notes made since the last drain into each group's digest and recent records."""
-        with self._lock:
-            notes, lost = list(self._ring), self._noted - self._drained - len(self._ring)
-            self._ring.clear()
-            self._drained = self._noted
-        self.lost += max(lost, 0)
-        for key, seq, kind, nbytes, frames in notes:
-            g = self._groups.setdefault(group_key(key), _Group())
-            site = " < ".join(f"{os.path.basename(f)}:{n}" for f, n in frames) or "inside the library"
-            text = f"{kind}@{site}"
-            g.count, g.digest = seq, _hash(f"{text}#{_bytes(nbytes)}", g.digest)
-            g.history.append(g.digest)
-            g.recent.append([seq, kind, _bytes(nbytes), text])
+        with self._drain_lock:
+            ring = self._ring
+            while ring:
+                key, seq, kind, nbytes, frames = ring.popleft()
+                g = self._groups.get(key) or self._groups.setdefault(key, _Group())
+                if seq != g.count + 1:                   # fell off the ring: the digest is no longer comparable
+                    self.lost += seq - g.count - 1
+                    g.gap = True
+                text, h = self._text(kind, frames)
+                size = _bytes(nbytes)
+                g.count, g.digest = seq, _chain(g.digest, h ^ (size * _ODD & _MASK))
+                g.history.append(g.digest)
+                g.recent.append([seq, kind, size, text])
 
     def summary(self) -> dict:
         """What a heartbeat publishes: per group its count, digest and recent records (JSON)."""
         self.drain()
-        return {k: {"n": g.count, "d": g.digest, "r": list(g.recent)} for k, g in self._groups.items()}
+        return {group_key(k): {"n": g.count, "d": -1 if g.gap else g.digest, "r": list(g.recent)}
+                for k, g in self._groups.items()}
 
     def digest_at(self, key: str, seq: int):
         """This rank's digest of ``key`` after its collective ``seq`` (None: not made yet, or forgotten)."""
-        g = self._groups.get(key)
+        g = self._groups.get(tuple(int(r) for r in key.split(",")))
         if g is None or seq < 1 or seq > g.count or seq <= g.count - len(g.history):
             return None
         return g.history[len(g.history) - 1 - (g.count - seq)]
@@ -127,17 +152,18 @@ class Log:
         ``CollectiveMismatchError`` text naming each rank's call at the first disagreement found."""
         self.drain()
         for key, t in sorted(theirs.items()):
-            mine = self._groups.get(key)
+            mine = self._groups.get(tuple(int(r) for r in key.split(",")))
             if mine is None:
                 continue
             seq = min(t["n"], mine.count)
             if seq < 1:
                 continue
-            ours = self.digest_at(key, seq)
-            if seq == t["n"]:
-                same = ours is None or ours == t["d"]
-            else:                      # they are ahead: compare their recent records up to our count
-                same = all(r == m for r in t["r"] for m in mine.recent if r[0] == m[0])
+            ours = None if mine.gap or t["d"] == -1 else self.digest_at(key, seq)
+            if seq == t["n"] and ours is not None:
+                same = ours == t["d"]
+            else:                      # they are ahead, or a digest is not comparable: the records both hold
+                by_seq = {m[0]: m for m in mine.recent}
+                same = all(by_seq.get(r[0], r) == r for r in t["r"])
             if not same:
                 return mismatch_text(key, me, peer, list(mine.recent), t["r"])
         return None
@@ -149,10 +175,14 @@ def _bytes(nbytes) -> int:
     shape, dtype = nbytes           # (shape, dtype) taken on the hot path: sized here
     n = 1
     for s in shape:
-        n *= int(s)
-    return n * _ITEM.get(str(dtype).split(".")[-1], 4)
+        n *= s
+    item = _SIZES.get(dtype)
+    if item is None:
+        item = _SIZES[dtype] = _ITEM.get(str(dtype).split(".")[-1], 4)
+    return n * item
 
 
+_SIZES: dict = {}           # dtype object -> bytes per element
 _ITEM = {"float64": 8, "int64": 8, "complex64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
          "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex128": 16}
 
@@ -183,10 +213,10 @@ def check_save_entry(rank: int, world_size: int, log: "Log" = None, gather=None)
     log = log or LOG
     log.drain()
     words = np.zeros(1 + 3 * 64, dtype=np.int64)
-    items = sorted(log._groups.items())[-64:]
+    items = sorted((group_key(k), g) for k, g in log._groups.items())[-64:]
     words[0] = len(items)
     for i, (key, g) in enumerate(items):
-        words[1 + 3 * i: 4 + 3 * i] = (_group_id(key), g.count, g.digest)
+        words[1 + 3 * i: 4 + 3 * i] = (_group_id(key), g.count, -1 if g.gap else g.digest)
     got = (gather or _world_gather)(words)
     why = entry_verdict([np.asarray(w) for w in got], {_group_id(k): k for k, _ in items})
     if why is not None:
@@ -199,7 +229,7 @@ def entry_verdict(records: list, names: dict):
     for rank, w in enumerate(records):
         for i in range(int(w[0])):
             h, n, d = (int(x) for x in w[1 + 3 * i: 4 + 3 * i])
-            if h in seen and seen[h][1:] != (n, d):
+            if h in seen and (seen[h][1] != n or -1 not in (d, seen[h][2]) and seen[h][2] != d):
                 r0, n0, _ = seen[h]
                 name = names.get(h) or (",".join(str(r) for r in range(63) if h >> r & 1) if h > 0 else f"#{-h:x}")
                 return (f"on group [{name}], rank {r0} has made {n0} collectives and rank {rank} {n}"
