@@ -118,13 +118,15 @@ class RealTransport:
         if len(ranks) < 2:
             return
         collective_log.raise_pending()
+        if agreement.enabled(self.backend):       # refused on every member: noted on none, the logs stay equal
+            self._check(kind, ranks, site)
         if _LOG_ON[0] is None:
             _LOG_ON[0] = collective_log.enabled()
         if _LOG_ON[0]:
             x = next(iter(payload.values())) if payload else None
             collective_log.LOG.note(kind, ranks, None if x is None else (x.shape, x.dtype), depth=2)
-        if not agreement.enabled(self.backend):
-            return
+
+    def _check(self, kind, ranks, site):
         gather, group = agreement.raw_all_gather(), self._group(ranks)
 
         def exchange(record):
