@@ -65,7 +65,11 @@ class JudgingMixin:
         if self._clog is None or clog is None or peer.clog_seen == peer.record.get("seq"):
             return False
         peer.clog_seen = peer.record.get("seq")
-        why = self._clog.compare(self.rank, peer.rank, clog)
+        try:
+            why = self._clog.compare(self.rank, peer.rank, clog)
+        except Exception as e:                 # a malformed record must not stop the judge: report, go on
+            _write_stderr(f"{PREFIX}: rank {self.rank}: could not compare rank {peer.rank}'s collective log: {e!r}")
+            return False
         if why is None:
             return False
         self._fail(f"CollectiveMismatchError: {why}", mismatch=True)

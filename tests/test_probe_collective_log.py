@@ -167,4 +167,6 @@ def test_the_switch_and_the_ring_bound():
         log.note("broadcast", TP)
     log.drain()
     assert log.lost == 5 and log._groups[(0, 1)].count == collective_log.RING + 5
-    assert log.summary()["0,1"]["d"] == -1                     # a gap: the digest is not compared, the records are
+    published = log.summary()
+    assert published["groups"]["0,1"]["d"] == -1                # a gap: the digest is not compared, the records are
+    assert len(published["texts"]) == 1 and len(published["groups"]["0,1"]["r"]) == collective_log.RECENT

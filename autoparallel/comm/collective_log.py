@@ -75,7 +75,7 @@ class Log:
         self._ring = collections.deque(maxlen=RING)      # append/popleft: safe across threads without a lock
         self._seq: dict = {}           # group tuple -> collectives noted on it (written by the calling thread)
         self._groups: dict = {}        # group tuple -> _Group (drained)
-        self._drain_lock = threading.Lock()
+        self._drain_lock = threading.RLock()  # the heartbeat (summary) and the judge (compare) threads
         self.lost = 0                  # notes that fell off the ring before a drain
         self._user_code: dict = {}     # code object -> is it user code
         self._sites: dict = {}         # (code, instruction offset) -> "file:line"
@@ -136,9 +136,13 @@ class Log:
 
     def summary(self) -> dict:
         """What a heartbeat publishes: per group its count, digest and recent records (JSON)."""
-        self.drain()
-        return {group_key(k): {"n": g.count, "d": -1 if g.gap else g.digest, "r": list(g.recent)}
-                for k, g in self._groups.items()}
+        with self._drain_lock:
+            self.drain()
+            texts: dict = {}            # each call path once: records carry its index
+            groups = {group_key(k): {"n": g.count, "d": -1 if g.gap else g.digest,
+                                     "r": [[q, b, texts.setdefault(t, len(texts))] for q, _, b, t in g.recent]}
+                      for k, g in self._groups.items()}
+            return {"groups": groups, "texts": list(texts)}
 
     def digest_at(self, key: str, seq: int):
         """This rank's digest of ``key`` after its collective ``seq`` (None: not made yet, or forgotten)."""
@@ -150,7 +154,14 @@ class Log:
     def compare(self, me: int, peer: int, theirs: dict):
         """None when the peer's published log agrees with this rank's on every group both belong to, else the
         ``CollectiveMismatchError`` text naming each rank's call at the first disagreement found."""
-        self.drain()
+        with self._drain_lock:
+            self.drain()
+            return self._compare(me, peer, theirs)
+
+    def _compare(self, me: int, peer: int, published: dict):
+        texts = published["texts"]
+        theirs = {k: dict(t, r=[[q, texts[i].split("@")[0], b, texts[i]] for q, b, i in t["r"]])
+                  for k, t in published["groups"].items()}
         for key, t in sorted(theirs.items()):
             mine = self._groups.get(tuple(int(r) for r in key.split(",")))
             if mine is None:
@@ -211,14 +222,15 @@ def check_save_entry(rank: int, world_size: int, log: "Log" = None, gather=None)
     import numpy as np
 
     log = log or LOG
-    log.drain()
+    with log._drain_lock:
+        log.drain()
+        items = sorted((group_key(k), g.count, -1 if g.gap else g.digest) for k, g in log._groups.items())[-64:]
     words = np.zeros(1 + 3 * 64, dtype=np.int64)
-    items = sorted((group_key(k), g) for k, g in log._groups.items())[-64:]
     words[0] = len(items)
-    for i, (key, g) in enumerate(items):
-        words[1 + 3 * i: 4 + 3 * i] = (_group_id(key), g.count, -1 if g.gap else g.digest)
+    for i, (key, count, digest) in enumerate(items):
+        words[1 + 3 * i: 4 + 3 * i] = (_group_id(key), count, digest)
     got = (gather or _world_gather)(words)
-    why = entry_verdict([np.asarray(w) for w in got], {_group_id(k): k for k, _ in items})
+    why = entry_verdict([np.asarray(w) for w in got], {_group_id(k): k for k, _, _ in items})
     if why is not None:
         raise CollectiveMismatchError(f"refusing to save a checkpoint: {why}")
 
