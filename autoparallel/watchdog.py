@@ -30,6 +30,10 @@ examples' ``--no-watchdog``). Defaults: a 10 s heartbeat timeout, so a frozen ra
 The module-level ``op``, ``long_wait``, ``set_current_op`` and ``set_step`` act on the running watchdog and
 do nothing when none runs, so library code (checkpoint writes) can call them unconditionally.
 
+Each heartbeat also carries this rank's collective log (comm/collective_log.py, on by default): the judge
+compares every peer's with its own and ends every rank with ``CollectiveMismatchError`` when two ranks' collectives
+on a group they share differ (code that ran on some ranks only), about two heartbeats after the collective.
+
 Stores: under ``paddle.distributed.launch`` a client of the job's TCP store (the one
 ``init_parallel_env`` creates, served by rank 0); ``AP_WATCHDOG_STORE=file:<dir>`` uses a directory every
 rank sees; a single process needs none. The TCP store costs ~45 ms per request, so a rank watches all peers
@@ -117,6 +121,10 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
         self._prefix = namespace
         self._host = socket.gethostname()
         self._start_time = _proc_start_time(os.getpid())
+        if collective_log is not None and not all(callable(getattr(collective_log, m, None))
+                                                  for m in ("summary", "compare")):
+            raise TypeError(f"collective_log must have summary() and compare() (a comm.collective_log.Log), got "
+                            f"{type(collective_log).__name__}")
         self._clog = collective_log if collective_log is not None else _default_log()
 
     @staticmethod

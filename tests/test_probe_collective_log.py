@@ -170,3 +170,5 @@ def test_the_switch_and_the_ring_bound():
     published = log.summary()
     assert published["groups"]["0,1"]["d"] == -1                # a gap: the digest is not compared, the records are
     assert len(published["texts"]) == 1 and len(published["groups"]["0,1"]["r"]) == collective_log.RECENT
+    with pytest.raises(TypeError, match="collective_log must have summary"):
+        Watchdog(rank=0, world_size=1, store=MemoryStore(), collective_log=object())
