@@ -97,6 +97,9 @@ def test_the_judge_ends_every_rank_on_a_mismatch_and_only_then(mismatch, capsys)
     while len(exits) < 2 * mismatch and time.monotonic() - start < 5:
         time.sleep(0.05)
     took = time.monotonic() - start
+    if not mismatch:
+        time.sleep(6 * dogs[0].interval)                        # several heartbeats judged after the last step
+        assert all(p.clog_seen is not None for wd in dogs for p in wd._peers.values())
     for wd in dogs:
         wd.stop()
     pending, collective_log._pending[0] = collective_log._pending[0], None
