@@ -30,6 +30,10 @@ examples' ``--no-watchdog``). Defaults: a 10 s heartbeat timeout, so a frozen ra
 The module-level ``op``, ``long_wait``, ``set_current_op`` and ``set_step`` act on the running watchdog and
 do nothing when none runs, so library code (checkpoint writes) can call them unconditionally.
 
+Each heartbeat also carries this rank's collective log (comm/collective_log.py, on by default): the judge
+compares every peer's with its own and ends every rank with ``CollectiveMismatchError`` when two ranks' collectives
+on a group they share differ (code that ran on some ranks only), about two heartbeats after the collective.
+
 Stores: under ``paddle.distributed.launch`` a client of the job's TCP store (the one
 ``init_parallel_env`` creates, served by rank 0); ``AP_WATCHDOG_STORE=file:<dir>`` uses a directory every
 rank sees; a single process needs none. The TCP store costs ~45 ms per request, so a rank watches all peers
@@ -66,7 +70,7 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
                  world_size: int = None, long_wait_timeout: float = None, op_timeout: float = None,
                  startup_timeout: float = None, term_grace: float = None, exit_code: int = None,
                  on_failure=None, exit_fn=None, install_handlers: bool = True, peers: list = None,
-                 namespace: str = "ap_wd"):
+                 namespace: str = "ap_wd", collective_log=None):
         self.timeout = _seconds("timeout", timeout) or _env_float("AP_WATCHDOG_TIMEOUT", DEFAULT_TIMEOUT)
         self.interval = _seconds("interval", interval) or max(0.1, min(self.timeout / 6, 2.0))
         if not self.interval < self.timeout:
@@ -117,6 +121,11 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
         self._prefix = namespace
         self._host = socket.gethostname()
         self._start_time = _proc_start_time(os.getpid())
+        if collective_log is not None and not all(callable(getattr(collective_log, m, None))
+                                                  for m in ("summary", "compare")):
+            raise TypeError(f"collective_log must have summary() and compare() (a comm.collective_log.Log), got "
+                            f"{type(collective_log).__name__}")
+        self._clog = collective_log if collective_log is not None else _default_log()
 
     @staticmethod
     def _identity(rank, world_size):
@@ -282,6 +291,13 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
         ops = [f"rank {p.rank} in {_their_op(p.record)}" for p in sorted(self._peers.values(), key=lambda p: p.rank)
                if p.record and not p.record.get("stopped")]
         return f" (last heard: {', '.join(ops)})" if ops else ""
+
+
+def _default_log():
+    """This process's collective log (comm/collective_log.py), or None with ``AP_COLLECTIVE_LOG=off``."""
+    from autoparallel.comm import collective_log
+
+    return collective_log.LOG if collective_log.enabled() else None
 
 
 # ---- module-level functions: act on the running watchdog, do nothing without one ---------------------

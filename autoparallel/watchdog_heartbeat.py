@@ -21,6 +21,8 @@ class HeartbeatMixin:
         record = {"seq": self._seq, "op": op[0] if op else None, "step": _jsonable(self._step),
                   "long_wait": max(self._long_waits) if self._long_waits else 0, "pid": os.getpid(),
                   "host": self._host, "start": self._start_time, "stopped": stopped, "error": error}
+        if self._clog is not None:          # the collectives made since the last beat (comm/collective_log.py)
+            record["clog"] = self._clog.summary()
         self.store.set(self._key("rec", self.rank), json.dumps(record).encode())
 
     def _op_text(self) -> str:
@@ -47,7 +49,8 @@ class HeartbeatMixin:
         note = json.loads(self.store.get(f"{self._prefix}/abort_msg"))
         if getattr(self.store, "host_rank", None) != self.rank:     # the host counts the others' acks
             self.store.add(f"{self._prefix}/abort_ack", 1)
-        self._fail(f"exiting because rank {note['rank']} reported: {note['reason']}", publish=False)
+        self._fail(f"exiting because rank {note['rank']} reported: {note['reason']}", publish=False,
+                   mismatch=note.get("mismatch", False))
         return True
 
     def _io_round(self) -> None:

@@ -24,6 +24,8 @@ class JudgingMixin:
             return
         for peer in self._peers.values():
             rec = peer.record
+            if self._compare_log(peer):
+                return
             if rec.get("stopped"):
                 continue
             if not peer.up:
@@ -57,15 +59,35 @@ class JudgingMixin:
             return self.timeout                  # frozen, not busy: no allowance
         return allowance
 
-    def _fail(self, reason: str, publish: bool = True) -> None:
+    def _compare_log(self, peer) -> bool:
+        """Compare a peer's newly published collective log with this rank's; end the run on a disagreement."""
+        clog = peer.record.get("clog")
+        if self._clog is None or clog is None or peer.clog_seen == peer.record.get("seq"):
+            return False
+        peer.clog_seen = peer.record.get("seq")
+        try:
+            why = self._clog.compare(self.rank, peer.rank, clog)
+        except Exception as e:                 # a malformed record must not stop the judge: report, go on
+            _write_stderr(f"{PREFIX}: rank {self.rank}: could not compare rank {peer.rank}'s collective log: {e!r}")
+            return False
+        if why is None:
+            return False
+        self._fail(f"CollectiveMismatchError: {why}", mismatch=True)
+        return True
+
+    def _fail(self, reason: str, publish: bool = True, mismatch: bool = False) -> None:
         with self._lock:
             if self.failure is not None or self._halt.is_set():
                 return
             message = (f"{PREFIX}: rank {self.rank}: {reason}. This rank was in {self._op_text()}. "
                        f"Exiting with code {self.exit_code}.")
             self.failure = message
-        if publish:                            # the note, and this rank's own acknowledgement: the host of the
-            note = json.dumps({"rank": self.rank, "reason": reason}).encode()      # store need not wait for it
+        if mismatch:                           # raised as itself at this rank's next collective, if it makes one
+            from autoparallel.comm import collective_log      # within the grace below
+
+            collective_log.set_pending(collective_log.CollectiveMismatchError(message))
+        if publish:           # the note, and this rank's own acknowledgement: the host of the store need not wait for it
+            note = json.dumps({"rank": self.rank, "reason": reason, "mismatch": mismatch}).encode()
             host = getattr(self.store, "host_rank", None) == self.rank
             _bounded(lambda: (self.store.set(f"{self._prefix}/abort_msg", note),
                               self.store.add(f"{self._prefix}/abort", 1),
@@ -78,6 +100,8 @@ class JudgingMixin:
                 self.on_failure(message)
         self._halt.set()
         self._verdict.set()
+        if mismatch:                           # the main thread may raise the typed error meanwhile
+            time.sleep(self.interval)
         self._exit(self.exit_code)
 
     def _linger(self) -> None:

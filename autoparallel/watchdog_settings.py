@@ -12,10 +12,11 @@ RING_ABOVE = 16
 
 
 class _Peer:
-    __slots__ = ("rank", "up", "seq", "changed", "record")
+    __slots__ = ("rank", "up", "seq", "changed", "record", "clog_seen")
 
     def __init__(self, rank: int, now: float):
         self.rank, self.up, self.seq, self.changed, self.record = rank, False, None, now, {}
+        self.clog_seen = None
 
 
 def _env_float(name: str, default):

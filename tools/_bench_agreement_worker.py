@@ -11,7 +11,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 import autoparallel as ap
-from autoparallel.comm import agreement
+from autoparallel.comm import agreement, transport
 from autoparallel.comm.transport import RealTransport
 from autoparallel.testing.launch import write_result
 
@@ -62,6 +62,12 @@ def main():
         for check in ("off", "on"):
             os.environ["AP_COLLECTIVE_CHECK"] = check
             calls[f"{numel * 4} B check {check}"] = per_call(t, rank, numel, repeat if numel < 1 << 20 else 20)
+        os.environ["AP_COLLECTIVE_CHECK"] = "off"
+        for log in (False, True):               # the collective log (on by default): noted, nothing sent
+            transport._LOG_ON[0] = log
+            calls[f"{numel * 4} B log {'on' if log else 'off'}"] = per_call(t, rank, numel,
+                                                                           repeat if numel < 1 << 20 else 20)
+        transport._LOG_ON[0] = None
     runs = {f"settle {a} check {b}": step_time(rank, steps, a, b) for a in ("off", "on") for b in ("off", "on")}
     write_result({"calls": calls, "steps": runs})
 

@@ -51,6 +51,10 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
         from autoparallel.comm.world import current_world
 
         agreement.check_world("save_state_dict", rank, world_size, current_world().backend)
+        from autoparallel.comm import collective_log
+
+        if collective_log.enabled():    # the collectives so far agree on every rank, or nothing is written
+            collective_log.check_save_entry(rank, world_size)
     try:                                # a rank's own input error stops every rank at the exchange, at once
         flat, final, extra, runtime, runtime_arrays = _checked(state, path, step, extra, overwrite, block_bytes,
                                                                runtime)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import paddle
 
 from autoparallel import watchdog
-from autoparallel.comm import agreement
+from autoparallel.comm import agreement, collective_log
 from autoparallel.comm.capabilities import capabilities
 from autoparallel.comm.counter import counted
 
+_LOG_ON = [None]                # AP_COLLECTIVE_LOG, read at the first collective
 _REDUCERS = {"sum": lambda a, b: a + b, "max": paddle.maximum, "min": paddle.minimum}
 
 
@@ -83,37 +84,49 @@ class RealTransport:
     # every collective is recorded as the operation in flight, so a watchdog can name it if a peer is lost
     def all_gather(self, xs, ranks):
         with watchdog.op("all_gather"):
-            self._agree("all_gather", ranks)
+            self._agree("all_gather", ranks, payload=xs)
             return self._all_gather(xs, ranks)
 
     def all_reduce(self, xs, ranks, op):
         with watchdog.op("all_reduce"):
-            self._agree("all_reduce", ranks)
+            self._agree("all_reduce", ranks, payload=xs)
             return self._all_reduce(xs, ranks, op)
 
     def reduce_scatter(self, xs, ranks, op, axis):
         with watchdog.op("reduce_scatter"):
-            self._agree("reduce_scatter", ranks)
+            self._agree("reduce_scatter", ranks, payload=xs)
             return self._reduce_scatter(xs, ranks, op, axis)
 
     def all_to_all(self, chunks, ranks):
         with watchdog.op("all_to_all"):
-            self._agree("all_to_all", ranks)
+            self._agree("all_to_all", ranks, payload={r: c[0] for r, c in chunks.items()})  # one chunk's size
             return self._all_to_all(chunks, ranks)
 
     def broadcast(self, xs, ranks, src):
         with watchdog.op("broadcast"):
-            self._agree("broadcast", ranks)
+            self._agree("broadcast", ranks, payload=xs)
             return self._broadcast(xs, ranks, src)
 
     def send_recv(self, xs, pairs, recv_like):
         with watchdog.op("send_recv"):
             return self._send_recv(xs, pairs, recv_like)
 
-    def _agree(self, kind, ranks, site=None):
-        """Every member of ``ranks`` is making this collective, from the same line (comm/agreement.py)."""
-        if len(ranks) < 2 or not agreement.enabled(self.backend):
+    def _agree(self, kind, ranks, site=None, payload=None):
+        """Every member of ``ranks`` is making this collective, from the same line: noted in the collective log
+        (comm/collective_log.py, on by default, nothing sent) and, in the strict mode, agreed before it runs
+        (comm/agreement.py)."""
+        if len(ranks) < 2:
             return
+        collective_log.raise_pending()
+        if agreement.enabled(self.backend):       # refused on every member: noted on none, the logs stay equal
+            self._check(kind, ranks, site)
+        if _LOG_ON[0] is None:
+            _LOG_ON[0] = collective_log.enabled()
+        if _LOG_ON[0]:
+            x = next(iter(payload.values())) if payload else None
+            collective_log.LOG.note(kind, ranks, None if x is None else (x.shape, x.dtype), depth=2)
+
+    def _check(self, kind, ranks, site):
         gather, group = agreement.raw_all_gather(), self._group(ranks)
 
         def exchange(record):
@@ -141,7 +154,7 @@ class RealTransport:
         """Sum ``x`` (this rank's buffer: contiguous, of an exactly reduced dtype) over ``ranks`` in place --
         for buffers the caller owns, such as a fused gradient bucket: no copy in or out."""
         with watchdog.op("all_reduce"):
-            self._agree("all_reduce", ranks)
+            self._agree("all_reduce", ranks, payload={self.rank: x})
             dist = self._dist()
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self._group(ranks))
 
