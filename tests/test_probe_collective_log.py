@@ -175,3 +175,15 @@ def test_the_switch_and_the_ring_bound():
     assert len(published["texts"]) == 1 and len(published["groups"]["0,1"]["r"]) == collective_log.RECENT
     with pytest.raises(TypeError, match="collective_log must have summary"):
         Watchdog(rank=0, world_size=1, store=MemoryStore(), collective_log=object())
+
+
+def test_code_generated_by_paddles_translator_is_not_a_user_frame():
+    """paddle's to_static writes a converted function to a temp file of a random name per process
+    (~/.cache/paddle/to_static_tmp/<pid>/backwardab12cd.py): two ranks running the same static step would differ
+    by it. Those frames are left out; a user's own file stays (negative control)."""
+    import os
+
+    log = Log()
+    generated = os.path.join(os.path.expanduser("~/.cache"), "paddle", "to_static_tmp", "4242", "backwardn4cs.py")
+    assert not log._is_user(generated)
+    assert log._is_user(os.path.join(os.path.expanduser("~"), "project", "train.py"))

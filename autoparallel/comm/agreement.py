@@ -66,14 +66,16 @@ def stats() -> dict:
 
 
 def _library_dirs() -> tuple:
-    """autoparallel, reshard, spmd_rules (siblings in the source tree), paddle and the standard library."""
+    """autoparallel, reshard, spmd_rules (siblings in the source tree), paddle, the standard library, and the
+    code paddle's translator generates from a user's function (a temp file of a random name per process: the
+    ranks would differ by it; the user's own frames around the static call remain)."""
     import importlib.util
 
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     root = os.path.dirname(pkg)
     paddle_dir = os.path.dirname(importlib.util.find_spec("paddle").origin)
     dirs = [pkg, os.path.join(root, "reshard"), os.path.join(root, "spmd_rules"), paddle_dir,
-            os.path.dirname(os.__file__)]
+            os.path.dirname(os.__file__), os.path.join(os.path.expanduser("~/.cache"), "paddle", "to_static_tmp")]
     return tuple(d + os.sep for d in dirs)
 
 
