@@ -187,3 +187,15 @@ def test_code_generated_by_paddles_translator_is_not_a_user_frame():
     generated = os.path.join(os.path.expanduser("~/.cache"), "paddle", "to_static_tmp", "4242", "backwardn4cs.py")
     assert not log._is_user(generated)
     assert log._is_user(os.path.join(os.path.expanduser("~"), "project", "train.py"))
+
+
+def test_a_group_and_its_reversed_order_are_two_groups_at_the_save_entry():
+    """``[1, 0]`` is another communicator than ``[0, 1]``, with counts of its own: equal logs with both save
+    (one bit mask for both made a rank disagree with itself); a real difference on the reversed one is still named."""
+    logs = [Log(), Log()]
+    each(logs, (steps, [(0, 1)] * 5), (steps, [(0, 1)] * 5))
+    each(logs, (steps, [(1, 0)] * 2), (steps, [(1, 0)] * 2))
+    assert _save_entries(logs) == {}
+    each(logs, (steps, [(1, 0)]), (steps, []))                  # negative control: rank 0 one more on [1, 0]
+    errors = _save_entries(logs)
+    assert sorted(errors) == [0, 1] and all("group [1,0]" in e for e in errors.values())

@@ -251,9 +251,11 @@ def entry_verdict(records: list, names: dict):
 
 
 def _group_id(key: str) -> int:
-    """A group as one int64: the bit mask of its ranks (below 63), else minus a hash of its key."""
+    """A group as one int64: the bit mask of its ranks when they are below 63 and listed in ascending order, else
+    minus a hash of its key (``1,0`` is another communicator than ``0,1``, with counts of its own: one mask for
+    both made a rank disagree with itself)."""
     ranks = [int(r) for r in key.split(",")]
-    return sum(1 << r for r in ranks) if max(ranks) < 63 else -_hash(key)
+    return sum(1 << r for r in ranks) if max(ranks) < 63 and ranks == sorted(ranks) else -_hash(key)
 
 
 def _world_gather(words):
