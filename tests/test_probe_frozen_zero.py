@@ -11,6 +11,7 @@ from paddle import nn
 
 import autoparallel as ap
 from autoparallel.checkpoint.state import training_state
+from autoparallel.testing.lora import HandLoRA
 
 RNG = np.random.default_rng(0)
 XS = [RNG.standard_normal((8, 16)).astype("float32") for _ in range(5)]
@@ -18,17 +19,9 @@ YS = [RNG.standard_normal((8, 16)).astype("float32") for _ in range(5)]
 N, R = 16, 2                    # base Linear [16, 16] + bias [16]; adapters A [16, 2], B [2, 16]
 
 
-class LoRA(nn.Layer):
+class LoRA(HandLoRA):
     def __init__(self, r=R):
-        super().__init__()
-        self.base = nn.Linear(N, N)
-        self.lora_A = self.create_parameter([N, r], default_initializer=nn.initializer.Normal(0, 0.2))
-        self.lora_B = self.create_parameter([r, N], default_initializer=nn.initializer.Normal(0, 0.2))
-        for p in self.base.parameters():
-            p.stop_gradient = True
-
-    def forward(self, x):
-        return self.base(x) + x @ self.lora_A @ self.lora_B
+        super().__init__(N, r, a_std=0.2, b_std=0.2)     # B not zero: the adapters' gradients are not trivially zero
 
 
 class Net(nn.Layer):

@@ -19,22 +19,12 @@ def lora_model(hidden: int, layers: int, rank: int):
     import paddle
     from paddle import nn
 
-    class LoRA(nn.Layer):
-        def __init__(self):
-            super().__init__()
-            self.base = nn.Linear(hidden, hidden)
-            self.lora_A = self.create_parameter([hidden, rank], default_initializer=nn.initializer.Normal(0, 0.02))
-            self.lora_B = self.create_parameter([rank, hidden], default_initializer=nn.initializer.Constant(0.0))
-            for p in self.base.parameters():
-                p.stop_gradient = True
-
-        def forward(self, x):
-            return self.base(x) + x @ self.lora_A @ self.lora_B
+    from autoparallel.testing.lora import HandLoRA
 
     class Net(nn.Layer):
         def __init__(self):
             super().__init__()
-            self.blocks = nn.LayerList([LoRA() for _ in range(layers)])
+            self.blocks = nn.LayerList([HandLoRA(hidden, rank) for _ in range(layers)])
 
         def forward(self, x):
             for b in self.blocks:
