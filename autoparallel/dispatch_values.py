@@ -9,19 +9,16 @@ import math
 
 import paddle
 
-from autoparallel.dist_tensor import DistParameter, DistTensor
+from autoparallel.dist_tensor import as_dist, is_dist as _is_dist
 
 # op -> how many leading positional arguments are tensors (the rest, and every keyword but these, are values)
 VALUE_OPS = {"arange": 0, "full": 0, "zeros": 0, "ones": 0, "expand": 1, "reshape": 1, "view": 1, "tile": 1,
              "broadcast_to": 1, "pad": 1,
-             "linspace": 0, "split": 1, "full_like": 1}
-_NUMBERS = ("arange", "linspace")         # start/end/step/num: a one-element tensor is a number
+             "linspace": 0, "split": 1, "full_like": 1,
+             "empty": 0, "rand": 0, "randn": 0, "standard_normal": 0, "randint": 0, "uniform": 0, "eye": 0}
+_NUMBERS = ("arange", "linspace", "eye", "randint")      # one-element tensors there are numbers
 _FILL = {"full": 1, "full_like": 1}       # the position of fill_value (also a number when one element)
 _TENSOR_KW = ("x", "input", "self")
-
-
-def _is_dist(v) -> bool:
-    return type(v) is DistTensor or (isinstance(v, DistParameter) and hasattr(v, "_ap_spec"))
 
 
 def _is_tensor(v) -> bool:
@@ -38,7 +35,7 @@ def _value(v, element=False):
     """A tensor's value: a number when 0-d (or one element inside a list, like paddle's shape lists), else
     a list."""
     if _is_tensor(v):
-        t = v.as_dist() if isinstance(v, DistParameter) and _is_dist(v) else v
+        t = as_dist(v) if _is_dist(v) else v
         shape = list(t.shape)
         return t.item() if not shape or (element and math.prod(shape) == 1) else t.tolist()
     if type(v) in (list, tuple) and any(_is_tensor(u) for u in v):

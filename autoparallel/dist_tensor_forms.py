@@ -357,7 +357,7 @@ def local_value_text(t) -> str:
 
     if not t._locals or any(not isinstance(p, Replicate) for p in t._spec.placements):
         return ""
-    if int(np.prod(t._spec.shape, dtype=np.int64)) != 1:
+    if t._spec.numel != 1:
         return ""
     return f", value={t._locals[min(t._locals)].numpy().item()!r}"
 
@@ -365,7 +365,7 @@ def local_value_text(t) -> str:
 def dist_format(t, spec: str) -> str:
     if not spec:
         return repr(t)
-    n = int(np.prod(t._spec.shape, dtype=np.int64))
+    n = t._spec.numel
     if n != 1:
         raise TypeError(f"unsupported format string {spec!r} for a DistTensor of {n} elements: only a one-element "
                         f"tensor formats its value (format t.numpy() for more)")

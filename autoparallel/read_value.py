@@ -15,31 +15,25 @@ placements: gathering them is the user's collective (comm/agreement.py refuses i
 """
 from __future__ import annotations
 
-import os
 
 import paddle
 
 from autoparallel.comm.world import current_world
 from autoparallel.compat import building_static_program
 from autoparallel.placement import Partial, Replicate
+from autoparallel.switch import env_on
 
 _TARGETS: dict = {}          # spec -> placements to settle to (None: leave as is)
 _LIMIT = 4096
 
 
 def enabled() -> bool:
-    value = os.environ.get("AP_SCALAR_REDUCE", "on").strip().lower()
-    if value not in ("on", "off", "1", "0", "true", "false", ""):
-        raise ValueError(f"AP_SCALAR_REDUCE must be 'on' or 'off', got {value!r}")
-    return value in ("on", "1", "true", "")
+    return env_on("AP_SCALAR_REDUCE", True)
 
 
 def _target(spec):
-    n = 1
-    for s in spec.shape:
-        n *= int(s)
     partial = [p for p in spec.placements if isinstance(p, Partial)]
-    if n != 1 or not partial or any(p.reduce_type not in ("sum", "avg") for p in partial):
+    if spec.numel != 1 or not partial or any(p.reduce_type not in ("sum", "avg") for p in partial):
         return None                          # max/min: the gradient routes to the winner; left to the reader
     return tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
 

@@ -7,6 +7,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 import autoparallel as ap
+from test_probe_loop_forms import tp_fn
 
 RNG = np.random.default_rng(0)
 XS = [RNG.standard_normal((8, 6)).astype("float32") for _ in range(6)]
@@ -20,14 +21,6 @@ class MLP(nn.Layer):
 
     def forward(self, x):
         return self.fc2(F.tanh(self.fc1(x)))
-
-
-def tp_fn(name, layer, mesh):
-    if name == "fc1":
-        layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Replicate(), ap.Shard(1)])
-        layer.bias = ap.shard_tensor(layer.bias, mesh, [ap.Replicate(), ap.Shard(0)])
-    if name == "fc2":
-        layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Replicate(), ap.Shard(0)])
 
 
 class One:

@@ -193,10 +193,13 @@ def test_float64_model_gradients_are_reduced_in_float64():
     _assert_same(want, got, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("split_stats", [False, True], ids=["stats-replicated", "stats-split"])
-def test_channel_parallel_conv_then_batch_norm_keeps_the_running_statistics(split_stats):
-    """Conv2D output channels split; BatchNorm2D's running mean / variance either replicated (x's channels are
-    gathered: a split copy of the stats would be updated and lost) or split alike (updated in place)."""
+def conv_bn():
+    return nn.Sequential(nn.Conv2D(3, 4, 3), nn.BatchNorm2D(4), nn.ReLU(), nn.Flatten(), nn.Linear(36, 2))
+
+
+def channel_split(split_stats):
+    """A shard function: Conv2D output channels split; BatchNorm2D's affine parameters and running statistics
+    split alike when ``split_stats``, else left replicated."""
     def split(name, layer, mesh):
         if isinstance(layer, nn.Conv2D):
             layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Shard(0)])
@@ -204,8 +207,14 @@ def test_channel_parallel_conv_then_batch_norm_keeps_the_running_statistics(spli
         if isinstance(layer, nn.BatchNorm2D) and split_stats:
             for attr in ("weight", "bias", "_mean", "_variance"):
                 setattr(layer, attr, ap.shard_tensor(getattr(layer, attr), mesh, [ap.Shard(0)]))
+    return split
 
-    build = lambda: nn.Sequential(nn.Conv2D(3, 4, 3), nn.BatchNorm2D(4), nn.ReLU(), nn.Flatten(), nn.Linear(36, 2))
-    want, got = _compare(build, [_rand(4, 3, 5, 5) * 2 + 1], lambda y: (y ** 2).mean(), [None], split)
+
+@pytest.mark.parametrize("split_stats", [False, True], ids=["stats-replicated", "stats-split"])
+def test_channel_parallel_conv_then_batch_norm_keeps_the_running_statistics(split_stats):
+    """Conv2D output channels split; BatchNorm2D's running mean / variance either replicated (x's channels are
+    gathered: a split copy of the stats would be updated and lost) or split alike (updated in place)."""
+    want, got = _compare(conv_bn, [_rand(4, 3, 5, 5) * 2 + 1], lambda y: (y ** 2).mean(), [None],
+                         channel_split(split_stats))
     _assert_same(want, got)
     assert not np.allclose(want[1]["1._mean"], 0)            # the statistics moved (compared above)

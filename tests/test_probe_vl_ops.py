@@ -162,3 +162,21 @@ def test_tensors_standing_for_numbers_are_read_from_a_sharded_grid():
     for w, g in zip(want, got):
         assert list(g.shape) == list(w.shape)                 # 0-d // 2 is [1], as in paddle
         np.testing.assert_allclose(g.numpy(), w.numpy())
+
+
+@pytest.mark.parametrize("make", [
+    lambda h: paddle.empty([h, 3]), lambda h: paddle.rand([h, 2]), lambda h: paddle.randn([2, h]),
+    lambda h: paddle.standard_normal([h]), lambda h: paddle.uniform([h, 1]), lambda h: paddle.randint(0, h, [h]),
+    lambda h: paddle.eye(h), lambda h: paddle.eye(h, h + 1)],
+    ids=["empty", "rand", "randn", "standard_normal", "uniform", "randint", "eye", "eye_cols"])
+def test_creation_ops_read_a_size_held_in_a_sharded_grid(make):
+    """Every creation op that takes sizes reads them from a tensor as paddle does (the grid's entries here),
+    not only those the models of the library call."""
+    grid = np.array([[1, 2, 3], [1, 4, 5]], "int64")
+    want = make(paddle.to_tensor(grid)[1, 1])
+    with ap.simulate(world_size=2):
+        got = make(ap.shard_tensor(paddle.to_tensor(grid), _mesh(), [ap.Shard(0)])[1, 1])
+        got = got.full() if hasattr(got, "full") else got
+    assert list(got.shape) == list(want.shape) == list(make(4).shape)
+    if "eye" in str(make.__code__.co_names):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())

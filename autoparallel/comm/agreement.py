@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from autoparallel.switch import env_on
+
 WORDS = 16                                   # int64 words per record: [count, hash, 14 words of text]
 TEXT_BYTES = 8 * (WORDS - 2)
 _counts: dict = {}                           # (this rank, group ranks) -> collectives made on it
@@ -45,10 +47,7 @@ def enabled(backend: str = "gloo") -> bool:
     """``AP_COLLECTIVE_CHECK=on`` turns the check on (any backend); unset or ``off``: no check. Off by default:
     one more small collective per collective is not cheap (docs/rank_divergent_code.md: +45-60 % on the
     collective-heavy 4-rank training jobs on 2 CPU cores)."""
-    value = os.environ.get("AP_COLLECTIVE_CHECK", "").strip().lower()
-    if value not in ("on", "off", "1", "0", "true", "false", ""):
-        raise ValueError(f"AP_COLLECTIVE_CHECK must be 'on' or 'off', got {value!r}")
-    return value in ("on", "1", "true")
+    return env_on("AP_COLLECTIVE_CHECK", False)
 
 
 def raw_all_gather():

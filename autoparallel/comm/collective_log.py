@@ -23,12 +23,12 @@ import sys
 import threading
 
 from autoparallel.comm.agreement import CollectiveMismatchError, _library_dirs
+from autoparallel.switch import env_on
 
 RING = 8192             # notes kept between two drains (a heartbeat interval); older ones are counted as lost
 RECENT = 64             # records per group published with each heartbeat, to name the calls
 HISTORY = 8192          # digests per group remembered, to compare with a peer that is behind
 MAX_FRAMES = 8          # user frames kept per call path
-OFF = ("0", "off", "false", "no")
 RULE = ("every rank must make the same collectives in the same order: code that runs on some ranks only "
         "(an evaluation forward, a state_dict gather, a save or a read of a distributed value inside "
         "`if rank == 0:`) made a collective the other ranks did not make, and the collectives paired wrongly")
@@ -36,10 +36,7 @@ RULE = ("every rank must make the same collectives in the same order: code that 
 
 def enabled() -> bool:
     """On unless ``AP_COLLECTIVE_LOG`` is ``off`` (``0``, ``false``, ``no``)."""
-    value = os.environ.get("AP_COLLECTIVE_LOG", "").strip().lower()
-    if value not in OFF + ("", "on", "1", "true", "yes"):
-        raise ValueError(f"AP_COLLECTIVE_LOG must be 'on' or 'off', got {value!r}")
-    return value not in OFF
+    return env_on("AP_COLLECTIVE_LOG", True)
 
 
 def _hash(text: str, prev: int = 0) -> int:

@@ -88,16 +88,7 @@ def resnet18_dp4():
 
 
 def channel_split_batch_norm(split_stats):
-    def split(name, layer, mesh):
-        if isinstance(layer, nn.Conv2D):
-            layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Shard(0)])
-            layer.bias = ap.shard_tensor(layer.bias, mesh, [ap.Shard(0)])
-        if isinstance(layer, nn.BatchNorm2D) and split_stats:
-            for attr in ("weight", "bias", "_mean", "_variance"):
-                setattr(layer, attr, ap.shard_tensor(getattr(layer, attr), mesh, [ap.Shard(0)]))
-
-    build = lambda: nn.Sequential(nn.Conv2D(3, 4, 3), nn.BatchNorm2D(4), nn.ReLU(),  # noqa: E731
-                                  nn.Flatten(), nn.Linear(36, 2))
+    split, build = LO.channel_split(split_stats), LO.conv_bn
     x, loss_fn = LO._rand(4, 3, 5, 5) * 2 + 1, lambda y: (y ** 2).mean()
     paddle.seed(0)
     want = LO._step(build(), [x], loss_fn)
@@ -157,8 +148,7 @@ def float64_dp4():
 
 def batch_norm_cnn_dp4():
     """conv + BatchNorm2D (train) + linear under dp4, one SGD step: the running mean / variance only."""
-    build = lambda: nn.Sequential(nn.Conv2D(3, 4, 3), nn.BatchNorm2D(4), nn.ReLU(),  # noqa: E731
-                                  nn.Flatten(), nn.Linear(36, 2))
+    build = LO.conv_bn
     x, loss_fn = LO._rand(8, 3, 5, 5) * 2 + 1, lambda y: (y ** 2).mean()
     paddle.seed(0)
     want = LO._step(build(), [x], loss_fn)

@@ -77,16 +77,7 @@ def cross_entropy(case, layout):
 
 def batch_norm(split_stats):
     """test_probe_layers_ops' conv (output channels split over 4 ranks) then BatchNorm2D, one SGD step."""
-    def split(name, layer, mesh):
-        if isinstance(layer, nn.Conv2D):
-            layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Shard(0)])
-            layer.bias = ap.shard_tensor(layer.bias, mesh, [ap.Shard(0)])
-        if isinstance(layer, nn.BatchNorm2D) and split_stats:
-            for attr in ("weight", "bias", "_mean", "_variance"):
-                setattr(layer, attr, ap.shard_tensor(getattr(layer, attr), mesh, [ap.Shard(0)]))
-
-    build = lambda: nn.Sequential(nn.Conv2D(3, 4, 3), nn.BatchNorm2D(4), nn.ReLU(), nn.Flatten(),  # noqa: E731
-                                  nn.Linear(36, 2))
+    split, build = LO.channel_split(split_stats), LO.conv_bn
     x, loss_fn = LO._rand(4, 3, 5, 5) * 2 + 1, lambda y: (y ** 2).mean()
     paddle.seed(0)
     want = LO._step(build(), [x], loss_fn)

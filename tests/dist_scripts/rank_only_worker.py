@@ -16,23 +16,14 @@ import time
 import numpy as np
 import paddle
 import paddle.distributed as dist
-import paddle.nn as nn
 import paddle.nn.functional as F
 
 import autoparallel as ap
 from autoparallel.comm.counter import count_comm
 from autoparallel.testing.launch import write_result
+from test_probe_rank_only_values import MLP
 
 STEPS = 3
-
-
-class MLP(nn.Layer):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(F.relu(self.fc1(x)))
 
 
 def batches():
