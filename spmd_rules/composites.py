@@ -404,14 +404,6 @@ def conv_layer_forward(self, *args, **kwargs):
                 groups=self._groups, data_format=self._data_format)
 
 
-def rnn_layer_forward(self, *args, **kwargs):
-    """``paddle.nn.LSTM/GRU/SimpleRNN.forward`` run paddle's fused ``rnn`` C op (its python per-step path does not
-    run on paddle 3.3 CPU either): refused by name on distributed tensors rather than failing inside paddle."""
-    raise NotImplementedError(f"paddle.nn.{type(self).__name__} on distributed tensors has no spmd rule (paddle's "
-                              f"fused rnn op); run it on local tensors inside ap.local_map(...), or keep it "
-                              f"outside the distributed part of the model")
-
-
 def legacy_batch_norm_forward(self, input):
     """``paddle.nn.BatchNorm`` (the layer DenseNet and older model zoos build, with a fused ``act``) calls the C
     op directly; on distributed tensors it is ``F.batch_norm`` (synchronised statistics) then the activation."""
@@ -432,7 +424,6 @@ def legacy_batch_norm_forward(self, input):
     return act(y)
 
 
-COMPOSITES["paddle.nn.layer.rnn.RNNBase.forward"] = rnn_layer_forward
 COMPOSITES["paddle.nn.layer.norm.BatchNorm.forward"] = legacy_batch_norm_forward
 
 

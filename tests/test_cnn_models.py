@@ -92,15 +92,3 @@ def test_batch_norm_statistics_and_eval_after_data_parallel_training():
         model.eval()
         got_eval = model(ap.shard_tensor(x, mesh, [ap.Shard(0), ap.Replicate()])).full().numpy()
     np.testing.assert_allclose(got_eval, want_eval, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("cls", [paddle.nn.LSTM, paddle.nn.GRU, paddle.nn.SimpleRNN])
-def test_rnn_layers_on_distributed_tensors_are_refused_by_name_and_plain_use_still_runs(cls):
-    paddle.seed(0)
-    layer, x = cls(6, 5), paddle.randn([4, 3, 6])
-    want = layer(x)[0].numpy()
-    with ap.simulate(world_size=2):
-        mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
-        with pytest.raises(NotImplementedError, match=f"paddle.nn.{cls.__name__} on distributed tensors"):
-            layer(ap.shard_tensor(x, mesh, [ap.Shard(0)]))
-    np.testing.assert_allclose(layer(x)[0].numpy(), want)

@@ -109,15 +109,11 @@ def _degrees(model, world: int, batch: int, allowed_tp):
 
 
 def _refuse_undistributable(model) -> None:
-    """Layers that cannot run on distributed tensors (paddle's fused RNNs, a sparse-gradient embedding) fail
-    at the first forward of any plan; say so when planning, naming the layer."""
+    """Layers that cannot run on distributed tensors (a sparse-gradient embedding) fail at the first forward
+    of any plan; say so when planning, naming the layer."""
     import paddle
 
     for lname, layer in model.named_sublayers():
-        if isinstance(layer, paddle.nn.layer.rnn.RNNBase):
-            raise NotImplementedError(f"auto_mode='full': {type(model).__name__}.{lname} is a paddle.nn."
-                                      f"{type(layer).__name__}, which has no spmd rule on distributed tensors; "
-                                      f"run it inside ap.local_map(...) or outside the parallelized model")
         if isinstance(layer, paddle.nn.Embedding) and getattr(layer, "_sparse", False):
             raise NotImplementedError(f"auto_mode='full': {type(model).__name__}.{lname} is an Embedding with "
                                       f"sparse=True, whose sparse gradient cannot be reduced across ranks; build "
