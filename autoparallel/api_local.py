@@ -53,8 +53,9 @@ def _held_ranks(dist_inputs, out_meshes):
     return sorted(world.local_ranks(out_meshes[0].process_ids)) if out_meshes else [world.rank]
 
 
-def run_local(fn, inputs, kwargs, out_layouts, what: str):
-    """Run ``fn`` per held rank on local shards; outputs wrapped with ``dtensor_from_local``."""
+def run_local(fn, inputs, kwargs, out_layouts, what: str, global_shapes=None):
+    """Run ``fn`` per held rank on local shards; outputs wrapped with ``dtensor_from_local`` (``global_shapes``:
+    one per output, for shards of uneven size; default: inferred from the local shapes)."""
     from autoparallel.api_tensor import dtensor_from_local
     from autoparallel.dist_tensor import as_dist, is_dist
     from autoparallel.local_mode import local_mode
@@ -82,7 +83,7 @@ def run_local(fn, inputs, kwargs, out_layouts, what: str):
             raise TypeError(f"{what}: output {i} is not a tensor on every rank; each output is declared "
                             f"distributed by its layout")
         outs.append(dtensor_from_local(locals_ if len(ranks) > 1 or _simulated() else locals_[ranks[0]], mesh,
-                                       list(placements)))
+                                       list(placements), global_shape=global_shapes and global_shapes[i]))
     return paddle.utils.pack_sequence_as(structure, outs)
 
 

@@ -158,11 +158,12 @@ def _install_composites() -> None:
     from spmd_rules.composites_compat import COMPOSITES as COMPAT_COMPOSITES
     from spmd_rules.composites_rnn import COMPOSITES as RNN_COMPOSITES
 
-    from autoparallel import autograd_forms, copy_forms
+    from autoparallel import autograd_forms, copy_forms, local_ctc
 
     autograd = {"paddle.grad": autograd_forms.grad, "paddle.autograd.grad": autograd_forms.grad,
                 "paddle.autograd.backward": autograd_forms.backward,
-                "paddle.to_tensor": copy_forms.to_tensor, "paddle.assign": copy_forms.assign}
+                "paddle.to_tensor": copy_forms.to_tensor, "paddle.assign": copy_forms.assign,
+                "paddle.nn.functional.ctc_loss": local_ctc.ctc_loss}
     mapping = {}
     for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **RNN_COMPOSITES,
                       **autograd}.items():
