@@ -97,6 +97,16 @@ class PipelineModule:
                                   "the micro-batches and reduces once; set strategy.pipeline_parallel.micro_batches "
                                   "instead of calling backward under no_sync")
 
+    def __call__(self, *args, **kwargs):
+        """A pipeline runs a whole step in its schedule; ``model(batch)`` then ``loss.backward()`` cannot."""
+        raise TypeError("a pipeline-parallel model is not called like the model: its forward and backward run "
+                        "interleaved over micro-batches in the schedule. Replace `loss = model(inputs); "
+                        "loss.backward(); opt.step()` with `loss = model.train_batch(inputs, labels); opt.step()` "
+                        "(inputs: the ids tensor or a dict of the model's keyword inputs, cut into micro-batches), "
+                        "and evaluation with `model.eval_batch(inputs, labels)` (docs/pipeline.md)")
+
+    forward = __call__
+
     # ---- what this process holds --------------------------------------------------------------------------
     @property
     def schedule(self):
