@@ -156,6 +156,7 @@ def _install_composites() -> None:
     from spmd_rules.composites_more import COMPOSITES as MORE_COMPOSITES
     from spmd_rules.composites_shape import COMPOSITES as SHAPE_COMPOSITES
     from spmd_rules.composites_compat import COMPOSITES as COMPAT_COMPOSITES
+    from spmd_rules.composites_fused import COMPOSITES as FUSED_COMPOSITES
 
     from autoparallel import autograd_forms, copy_forms
 
@@ -163,7 +164,8 @@ def _install_composites() -> None:
                 "paddle.autograd.backward": autograd_forms.backward,
                 "paddle.to_tensor": copy_forms.to_tensor, "paddle.assign": copy_forms.assign}
     mapping = {}
-    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **autograd}.items():
+    for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **FUSED_COMPOSITES,
+                     **autograd}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):

@@ -60,13 +60,14 @@ def _attention(op, q, k, v, mask, causal, dropout, training):
     return specs, labs, ("b", s, h, None), out, local_op
 
 
-def _dropout_attrs(res):
-    """Global attention-probability shape [batch, heads, q_seq, k_seq] and this rank's slice of it."""
+def _dropout_attrs(res, op):
+    """Global attention-probability shape [batch, heads, q_seq, k_seq] and this rank's slice of it (and which
+    signature the local call has: ``attention_op``)."""
     q, k = res.inputs[0], res.inputs[1]
     shape = [q.shape[0], q.shape[2], q.shape[1], k.shape[1]]
 
     def attrs(coords):
-        return {"global_shape": shape,
+        return {"attention_op": op, "global_shape": shape,
                 "local_slices": [list(q.local_range(coords, 0)), list(q.local_range(coords, 2)),
                                  list(q.local_range(coords, 1)), [0, k.shape[1]]]}
 
@@ -78,7 +79,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  backend=None, scale=None, enable_gqa=True, name=None):
     op = "scaled_dot_product_attention"
     specs, labs, ol, out, local_op = _attention(op, query, key, value, attn_mask, is_causal, dropout_p, training)
-    return _dropout_attrs(labels_result(op, specs, labs, [ol], [out], linear={2}, local_op=local_op, nested=False))
+    return _dropout_attrs(labels_result(op, specs, labs, [ol], [out], linear={2}, local_op=local_op, nested=False), op)
 
 
 @register_spmd_rule("flash_attention")
@@ -91,7 +92,7 @@ def flash_attention(query, key, value, dropout=0.0, causal=False, return_softmax
     if return_softmax:
         outs.append(("b", ol[2], ol[1], None))
         metas.append(((b, hq, sq, key.shape[1]), query.dtype))
-    res = _dropout_attrs(labels_result(op, specs, labs, outs, metas, linear={2}, local_op=local_op, nested=False))
+    res = _dropout_attrs(labels_result(op, specs, labs, outs, metas, linear={2}, local_op=local_op, nested=False), op)
     if not return_softmax:
         res = SpmdResult(res.inputs, res.outputs + (None,), res.local_op, res.local_attrs)
     return res
