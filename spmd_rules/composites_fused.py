@@ -7,6 +7,7 @@
   outputs ``(out, residual_out)`` (rms) and ``(out, residual_out, mean, 1/std)`` (layer norm; statistics
   flattened over the rows, float32). Without ``residual`` paddle returns a placeholder as ``residual_out``; here
   an empty [0] tensor. Quantized outputs (``quant_scale > 0``) are refused.
+* ``fused_dropout_add`` is paddle 3.3's own fallback, ``dropout(x) + y``, written with routed ops.
 * The GPU-only kernels (``fused_linear``, ``fused_matmul_bias``, ``fused_bias_act``,
   ``fused_rotary_position_embedding``, ``fused_feedforward``, ``fused_multi_head_attention``,
   ``flash_attn_unpadded``, ``flashmask_attention``) route to their spmd rule (``spmd_rules/fused.py``) on a
@@ -110,9 +111,22 @@ def fused_layer_norm(x, norm_weight, norm_bias, epsilon, residual_alpha=1.0, beg
     return out, (h if residual is not None else _empty(x)), stats[0], stats[1]
 
 
+def fused_dropout_add(x, y, p=0.5, training=True, mode="upscale_in_train", name=None):
+    """Paddle 3.3 itself runs ``dropout(x) + y`` (its fused kernel is disabled): the same here, so the dropout
+    rule draws the global keep-mask (single-process values for the same seed)."""
+    import paddle.nn.functional as F
+
+    if mode not in ("downscale_in_infer", "upscale_in_train"):
+        raise ValueError(f"fused_dropout_add: mode must be 'downscale_in_infer' or 'upscale_in_train', got {mode!r}")
+    if isinstance(p, (int, float)) and p == 0:
+        return x + y
+    return F.dropout(x, p, training=training, mode=mode) + y
+
+
 COMPOSITES = {
     f"{_IF}.fused_rms_norm": fused_rms_norm,
     f"{_IF}.fused_layer_norm": fused_layer_norm,
+    f"{_IF}.fused_dropout_add": fused_dropout_add,
     **{f"{_IF}.{op}": gpu_kernel(op, f"{_IF}.{op}")
        for op in ("fused_linear", "fused_matmul_bias", "fused_bias_act", "fused_rotary_position_embedding",
                   "fused_feedforward", "fused_multi_head_attention")},

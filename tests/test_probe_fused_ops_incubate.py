@@ -210,3 +210,17 @@ def test_checker_catches_a_rope_rule_splitting_computed_positions():
     finally:
         register_spmd_rule("fused_rotary_position_embedding", good.fn, reverse=good.reverse)
     assert any("[S(1)]" in f and "differs" in f for f in bad), bad
+
+
+def test_other_incubate_functions_are_guarded():
+    """The rest of ``paddle.incubate.nn.functional`` (no rule) raises the typed guard error instead of paddle's
+    'argument x must be Tensor, but got DistTensor' from the C op."""
+    with ap.simulate(world_size=2):
+        d = ap.shard_tensor(paddle.ones([4, 8]), ap.ProcessMesh([0, 1], dim_names=["x"]), [S0])
+        with pytest.raises(NotImplementedError, match="fused_bias_dropout_residual_layer_norm has no spmd rule.*"
+                                                      "register_spmd_rule"):
+            IF.fused_bias_dropout_residual_layer_norm(d, d, dropout_rate=0.0)
+        with pytest.raises(NotImplementedError, match="fused_rms_norm_ext has no spmd rule"):
+            IF.fused_rms_norm_ext(d, paddle.ones([8]))
+    with pytest.raises(RuntimeError, match="not registered"):         # plain tensors: paddle's own function
+        IF.fused_bias_dropout_residual_layer_norm(paddle.ones([4, 8]), paddle.ones([4, 8]), dropout_rate=0.0)

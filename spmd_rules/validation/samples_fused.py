@@ -10,6 +10,12 @@ from .case import IMPLS, T, add_case, f, ints
 from .local_arrays import _paddle
 
 
+def _np_only(t: T) -> T:
+    """Also tried sharded, never Partial (keeps the layout product of a many-input call small)."""
+    t.partial = False
+    return t
+
+
 def _w(*shape):
     """A parameter tried only replicated (keeps the layout product of many-input ops small)."""
     t = f(*shape)
@@ -171,7 +177,8 @@ def cases_fused():
     add_case("fused_bias_act", f(4, 6), f(6), act_method="swiglu", label="swiglu")
     add_case("fused_bias_act", f(4, 6), act_method="relu", label="no-bias")
     q, k = f(2, 4, 4, 6), f(2, 4, 2, 6)
-    add_case("fused_rotary_position_embedding", q, k, None, f(1, 4, 1, 6), f(1, 4, 1, 6), label="sincos-gqa")
+    add_case("fused_rotary_position_embedding", q, _np_only(k), None, _np_only(f(1, 4, 1, 6)),
+             _np_only(f(1, 4, 1, 6)), label="sincos-gqa")
     add_case("fused_rotary_position_embedding", f(4, 2, 2, 6), None, None, f(4, 6), f(4, 6), time_major=True,
              use_neox_rotary_style=False, label="time-major-2d-tables")
     add_case("fused_rotary_position_embedding", f(2, 4, 2, 6), label="computed-tables")
@@ -187,6 +194,6 @@ def cases_fused():
     add_case("flash_attn_unpadded", f(5, 4, 3), f(5, 2, 3), f(5, 2, 3), cu, cu, 3, 3, 0.5, causal=True,
              label="gqa-causal")
     starts = T(np.array([[[[3], [4], [4], [4]]], [[[2], [2], [4], [4]]]], np.int32))
-    add_case("flashmask_attention", f(2, 4, 2, 3), f(2, 4, 2, 3), f(2, 4, 2, 3), starts, causal=True,
-             label="causal-lts")
-    add_case("flashmask_attention", f(2, 4, 4, 3), f(2, 4, 2, 3), f(2, 4, 2, 3), label="no-mask-gqa")
+    add_case("flashmask_attention", f(2, 4, 2, 3), _np_only(f(2, 4, 2, 3)), _np_only(f(2, 4, 2, 3)), starts,
+             causal=True, label="causal-lts")
+    add_case("flashmask_attention", f(2, 4, 4, 3), _np_only(f(2, 4, 2, 3)), f(2, 4, 2, 3), label="no-mask-gqa")
