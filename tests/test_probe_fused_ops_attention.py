@@ -152,3 +152,21 @@ def test_gpu_only_attention_entry_points_raise_a_typed_error_on_cpu():
         q4 = ap.shard_tensor(paddle.to_tensor(q.reshape(2, 4, 4, 8)), mesh, [B0])
         with pytest.raises(NotImplementedError, match="flashmask_attention has no CPU kernel"):
             F.flashmask_attention(q4, q4, q4, causal=True)
+
+
+@pytest.mark.parametrize("place", [B0, S1], ids=["batch", "seq"])
+def test_multi_head_attention_layers_with_dropout_equal_one_process(place):
+    """``nn.MultiHeadAttention`` and ``nn.TransformerEncoderLayer`` (attention-probability dropout in training, a
+    bool mask): paddle's own layers on distributed inputs, the single-process values for the same seeds."""
+    x, = _arrays((4, 6, 8), seed=9)
+    mask = np.random.default_rng(10).random((4, 1, 6, 6)) > 0.2
+
+    def layer(kind):
+        paddle.seed(1)
+        m = paddle.nn.MultiHeadAttention(8, 2, dropout=0.2) if kind == "mha" else \
+            paddle.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.2)
+        return lambda t, mk: m(t, attn_mask=mk) if kind == "mha" else m(t, src_mask=mk)
+
+    for kind in ("mha", "encoder"):
+        want = _one(layer(kind), [x, mask], seed=5)
+        _same(_sim(layer(kind), [x, mask], [place, B0 if place is B0 else R], seed=5), want)
