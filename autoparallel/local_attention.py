@@ -28,7 +28,11 @@ def _bound(args, kwargs):
 
 
 def _local(q, k, v, mask, causal, scale, keep):
-    """One rank's attention ([batch, seq, heads, dim] in and out) with its slice of the keep-mask."""
+    """One rank's attention ([batch, seq, heads, dim] in and out; unbatched [seq, heads, dim] as a batch of one,
+    as paddle runs it) with its slice of the keep-mask."""
+    if q.ndim == 3:
+        o, w = _local(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, causal, scale, keep)
+        return o.squeeze(0), w
     if k.shape[2] and q.shape[2] != k.shape[2]:
         g = q.shape[2] // k.shape[2]
         k, v = (t.unsqueeze(3).expand([-1, -1, -1, g, -1]).flatten(2, 3) for t in (k, v))

@@ -104,6 +104,15 @@ def test_sdpa_dropout_in_training_equals_one_process_for_the_same_seed(place, ca
     _same(_sim(ev, QKV, [place] * 3), _one(_sdpa(), QKV))
 
 
+def test_sdpa_unbatched_form_equals_one_process():
+    """[seq, heads, dim] inputs (paddle adds a batch of one): heads or sequence split, a [heads, q, k] mask, and
+    dropout in training (the keep-mask of the batch of one)."""
+    q, k, v, m = _arrays((6, 4, 8), (6, 4, 8), (6, 4, 8), (4, 6, 6), seed=11)
+    for place, mp in ((ap.Shard(1), B0), (B0, R)):
+        for fn, seed in ((_sdpa(), None), (_sdpa(dropout_p=0.3), 7)):
+            _same(_sim(fn, [q, k, v, m], [place] * 3 + [mp], seed=seed), _one(fn, [q, k, v, m], seed=seed))
+
+
 def test_flash_attention_cpu_path_and_qkvpacked():
     """``flash_attention`` (dropout in training too) and ``flash_attn_qkvpacked`` on paddle's CPU math path."""
     fa = paddle.nn.functional.flash_attention

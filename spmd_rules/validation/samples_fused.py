@@ -197,3 +197,7 @@ def cases_fused():
     add_case("flashmask_attention", f(2, 4, 2, 3), _np_only(f(2, 4, 2, 3)), _np_only(f(2, 4, 2, 3)), starts,
              causal=True, label="causal-lts")
     add_case("flashmask_attention", f(2, 4, 4, 3), _np_only(f(2, 4, 2, 3)), f(2, 4, 2, 3), label="no-mask-gqa")
+    # paddle's unbatched form of scaled_dot_product_attention ([seq, heads, dim]; the mask broadcasts to
+    # [1, heads, q_seq, k_seq])
+    add_case("scaled_dot_product_attention", f(5, 6, 3), _np_only(f(7, 6, 3)), f(7, 6, 3), f(6, 5, 7),
+             label="unbatched-mask")
