@@ -90,3 +90,29 @@ def test_a_wrong_user_rule_is_trusted_at_run_time_and_caught_by_the_checker(user
     assert check_user_rule("user_centre_ok", centre, X) == []
     assert check_user_rule("user_unregistered", centre, X) == ["user_unregistered: no rule registered "
                                                                 "(register_spmd_rule('user_unregistered'))"]
+
+
+def test_the_article_rule_on_paddles_flash_attention_splits_the_sequence(monkeypatch):
+    """The article's dict rule registered over paddle's own ``flash_attention`` (layout [batch, seq, heads, dim]):
+    its ``Shard(1)`` is the sequence, so each rank attends within its own chunk of keys -- wrong values, no error.
+    ``check_user_rule`` reports it; the built-in rule passes the same call."""
+    from spmd_rules import registry
+
+    fa = paddle.nn.functional.flash_attention.flash_attention
+    q, k, v = (np.random.default_rng(i).standard_normal((2, 6, 2, 4)).astype("float32") for i in range(3))
+    assert check_user_rule("flash_attention", fa, q, k, v) == []
+    monkeypatch.setitem(registry._RULES, "flash_attention", registry._RULES["flash_attention"])    # restored after
+
+    @register_spmd_rule("flash_attention")
+    def spmd_flash_attn(inputs, outputs, attrs, mesh):
+        q, k, v = inputs
+        pl = [dist.Shard(1)] if q.placements[0].is_shard(1) else [dist.Replicate()]
+        return {"inputs": {"q": pl, "k": pl, "v": pl}, "outputs": {"out": pl}}
+
+    want = fa(*[paddle.to_tensor(a) for a in (q, k, v)])[0].numpy()
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["sp"])
+        out, _ = fa(*[ap.shard_tensor(paddle.to_tensor(a), mesh, [dist.Shard(1)]) for a in (q, k, v)])
+        assert str(out.placements) == "[S(1)]" and not np.allclose(out.full().numpy(), want, atol=1e-3)
+    bad = check_user_rule("flash_attention", fa, q, k, v)
+    assert any("(S(1), S(1), S(1)) -> (S(1), None)" in f and "differs" in f for f in bad), bad

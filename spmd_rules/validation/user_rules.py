@@ -27,13 +27,24 @@ def _arg(v):
     return v
 
 
-def check_user_rule(op: str, impl, *args, **kwargs) -> list:
+def _single(args) -> bool:
+    return any(isinstance(a, T) and a.array.dtype.itemsize <= 4 and np.issubdtype(a.array.dtype, np.floating)
+               for a in args)
+
+
+def check_user_rule(op: str, impl, *args, rtol=None, atol=None, **kwargs) -> list:
     """Failures (strings naming the layout and the error) of rule ``op`` on ``impl(*args, **kwargs)``; arrays and
-    tensors among the arguments are the sample tensors, other values are passed as they are."""
+    tensors among the arguments are the sample tensors, other values are passed as they are. Tolerances default
+    to 1e-5 / 1e-8 for float64 samples and 1e-4 / 1e-5 when a sample is float32 or narrower."""
     _build_cases()
+    args = [_arg(a) for a in args]
+    kwargs = {k: _arg(v) for k, v in kwargs.items()}
+    single = _single(args + list(kwargs.values()))
+    rtol = rtol if rtol is not None else (1e-4 if single else 1e-5)
+    atol = atol if atol is not None else (1e-5 if single else 1e-8)
     saved = CASES.pop(op, None)
     try:
-        add_case(op, *[_arg(a) for a in args], impl=impl, **{k: _arg(v) for k, v in kwargs.items()})
+        add_case(op, *args, impl=impl, rtol=rtol, atol=atol, **kwargs)
         outcome = check_op(op)
     finally:
         CASES.pop(op, None)
