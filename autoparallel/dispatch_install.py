@@ -5,7 +5,7 @@ handle that undoes them).
 * every other name of those functions, in every loaded module and on ``paddle.Tensor``, and the C op they
   forward to, points at the wrapper (``aliases``); in-place ``op_`` forms, ``x[i] = v``, cast spellings and
   ``paddle.is_tensor`` get their forms (``tensor_forms``);
-* the remaining public callables of ``paddle``, ``paddle.nn.functional``, ``paddle.linalg``,
+* the remaining public callables of ``paddle``, ``paddle.nn.functional``, ``paddle.linalg``, ``paddle.incubate``,
   ``paddle.incubate.nn.functional`` and the math methods of ``paddle.Tensor`` are guarded: given a distributed
   tensor they raise ``NotImplementedError``;
 * ``paddle.jit``'s ``StaticFunction`` entry, the lazy initialiser hook and the loss scalers are patched too.
@@ -215,7 +215,8 @@ _STORAGE_METHODS = {"numpy", "clone", "detach", "detach_", "set_value", "cpu", "
 
 
 def _install_guards() -> None:
-    for modname in ("paddle", "paddle.nn.functional", "paddle.linalg", "paddle.incubate.nn.functional"):
+    for modname in ("paddle", "paddle.nn.functional", "paddle.linalg", "paddle.incubate",
+                    "paddle.incubate.nn.functional"):
         mod = importlib.import_module(modname)
         for attr in dir(mod):
             if attr.startswith("_"):

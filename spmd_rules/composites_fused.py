@@ -10,9 +10,9 @@
 * ``fused_dropout_add`` is paddle 3.3's own fallback, ``dropout(x) + y``, written with routed ops.
 * The GPU-only kernels (``fused_linear``, ``fused_matmul_bias``, ``fused_bias_act``,
   ``fused_rotary_position_embedding``, ``fused_feedforward``, ``fused_multi_head_attention``,
-  ``flash_attn_unpadded``, ``flashmask_attention``) route to their spmd rule (``spmd_rules/fused.py``) on a
-  GPU; on CPU they raise ``NotImplementedError`` naming the op, the device and the CPU alternative, instead of
-  paddle's missing-kernel error deep in the C++ stack.
+  ``flash_attn_unpadded``, ``flashmask_attention``, ``paddle.incubate.softmax_mask_fuse_upper_triangle``)
+  route to their spmd rule (``spmd_rules/fused.py``) on a GPU; on CPU they raise ``NotImplementedError`` naming
+  the op, the device and the CPU alternative, instead of paddle's missing-kernel error deep in the C++ stack.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ CPU_ALTERNATIVE = {
     "fused_multi_head_attention": "paddle.nn.MultiHeadAttention or F.scaled_dot_product_attention",
     "flash_attn_unpadded": "F.scaled_dot_product_attention on padded [batch, seq, heads, dim] tensors",
     "flashmask_attention": "F.scaled_dot_product_attention with an attn_mask",
+    "softmax_mask_fuse_upper_triangle": "F.softmax(x + paddle.triu(paddle.full_like(x, -1e4), 1))",
 }
 
 
@@ -132,4 +133,6 @@ COMPOSITES = {
                   "fused_feedforward", "fused_multi_head_attention")},
     f"{_FA}.flash_attn_unpadded": gpu_kernel("flash_attn_unpadded", f"{_FA}.flash_attn_unpadded"),
     f"{_FA}.flashmask_attention": gpu_kernel("flashmask_attention", f"{_FA}.flashmask_attention"),
+    "paddle.incubate.softmax_mask_fuse_upper_triangle": gpu_kernel("softmax_mask_fuse_upper_triangle",
+                                                                   "paddle.incubate.softmax_mask_fuse_upper_triangle"),
 }

@@ -16,6 +16,9 @@ the op (``spmd_rules/validation/samples_fused.py``).
 * ``flash_attn_unpadded``: packed tokens of several sequences (``cu_seqlens``): tokens whole, heads split.
 * ``flashmask_attention``: batch split (``startend_row_indices`` alike); heads split when the mask has one
   head row; the sequence whole.
+* ``paddle.incubate.softmax_mask_fuse(x, mask)`` (softmax of ``x + mask`` over the last dim; runs on CPU) keeps
+  batch, heads and query rows; ``softmax_mask_fuse_upper_triangle(x)`` (causal softmax, GPU only) keeps batch and
+  heads (the rows are numbered from 0 on every shard).
 Dropout inside a fused kernel draws per rank (no global mask): documented in docs/fused_ops.md.
 """
 from __future__ import annotations
@@ -248,3 +251,30 @@ def flashmask_attention(query, key, value, startend_row_indices=None, *, dropout
         labs.append(("b" if m.shape[0] == query.shape[0] else None, None, None, None))
     out = ((query.shape[0], query.shape[1], hq, value.shape[3]), query.dtype)
     return labels_result(op, specs, labs, [ql], [out], linear={2}, nested=False)
+
+
+# ---- fused softmax of attention scores ---------------------------------------------------------------------------
+def _scores(op, x):
+    check_spec(op, "x", x)
+    if x.ndim != 4:
+        raise ValueError(f"{op}: x must be attention scores [batch, heads, q_seq, k_seq], got shape {list(x.shape)}")
+
+
+@register_spmd_rule("softmax_mask_fuse")
+def softmax_mask_fuse(x, mask, name=None):
+    op = "softmax_mask_fuse"
+    _scores(op, x)
+    check_spec(op, "mask", mask)
+    if mask.ndim != 4 or mask.shape[1] != 1 or (mask.shape[0], mask.shape[2], mask.shape[3]) != \
+            (x.shape[0], x.shape[2], x.shape[3]):
+        raise ValueError(f"{op}: mask must be [batch, 1, q_seq, k_seq] for x {list(x.shape)}, got {list(mask.shape)}")
+    return labels_result(op, [x, mask], [("b", "h", "s", None), ("b", None, "s", None)], [("b", "h", "s", None)],
+                         [(tuple(x.shape), x.dtype)], linear=None)
+
+
+@register_spmd_rule("softmax_mask_fuse_upper_triangle")
+def softmax_mask_fuse_upper_triangle(x):
+    op = "softmax_mask_fuse_upper_triangle"
+    _scores(op, x)
+    lab = ("b", "h", None, None)
+    return labels_result(op, [x], [lab], [lab], [(tuple(x.shape), x.dtype)], linear=None)

@@ -203,7 +203,8 @@ OP_TABLE: dict = {
     # them on CPU (paddle has no CPU kernel) and routes them to these rules elsewhere
     **{n: () for n in ("fused_linear", "fused_matmul_bias", "fused_bias_act", "fused_rotary_position_embedding",
                        "fused_feedforward", "fused_multi_head_attention", "flash_attn_unpadded",
-                       "flashmask_attention")},
+                       "flashmask_attention", "softmax_mask_fuse_upper_triangle")},
+    "softmax_mask_fuse": ("paddle.incubate.softmax_mask_fuse",),
 }
 
 ARG_MAP: dict = {

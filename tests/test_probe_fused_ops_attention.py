@@ -25,7 +25,7 @@ def _grads_of(outs, tensors):
         w = paddle.arange(int(np.prod(o.shape)), dtype="float32").reshape(o.shape) / 50.0
         loss = loss + (o * w.sin()).sum()
     loss.backward()
-    return [t.grad for t in tensors if not t.stop_gradient]
+    return [t.grad if t.grad is not None else paddle.zeros(t.shape) for t in tensors if not t.stop_gradient]
 
 
 def _np(t):
@@ -179,3 +179,19 @@ def test_multi_head_attention_layers_with_dropout_equal_one_process(place):
     for kind in ("mha", "encoder"):
         want = _one(layer(kind), [x, mask], seed=5)
         _same(_sim(layer(kind), [x, mask], [place, B0 if place is B0 else R], seed=5), want)
+
+
+def test_incubate_softmax_mask_fuse():
+    """``paddle.incubate.softmax_mask_fuse(x, mask)`` (CPU kernel) on batch / heads / query rows against one
+    process; the causal ``softmax_mask_fuse_upper_triangle`` (GPU only) refused on CPU by name; the rest of
+    ``paddle.incubate`` guarded."""
+    x, m = _arrays((4, 2, 6, 6), (4, 1, 6, 6), seed=12)
+    fn = paddle.incubate.softmax_mask_fuse
+    for place, mp in ((B0, B0), (ap.Shard(1), R), (ap.Shard(2), ap.Shard(2))):
+        _same(_sim(fn, [x, m], [place, mp]), _one(fn, [x, m]))
+    with ap.simulate(world_size=2):
+        d = ap.shard_tensor(paddle.to_tensor(x), ap.ProcessMesh([0, 1], dim_names=["x"]), [B0])
+        with pytest.raises(NotImplementedError, match="softmax_mask_fuse_upper_triangle has no CPU kernel"):
+            paddle.incubate.softmax_mask_fuse_upper_triangle(d)
+        with pytest.raises(NotImplementedError, match="paddle.incubate.segment_sum has no spmd rule"):
+            paddle.incubate.segment_sum(d, paddle.zeros([4], dtype="int32"))

@@ -164,11 +164,19 @@ def _flashmask(query, key, value, startend_row_indices=None, *, dropout=0.0, cau
     return paddle.stack(outs, 0) if outs else paddle.zeros([0, s, h, value.shape[3]], query.dtype)
 
 
+def _causal_softmax(x):
+    paddle = _paddle()
+    s = x.shape[-1]
+    tri = paddle.to_tensor(np.triu(np.ones((s, s), bool), 1))
+    return paddle.nn.functional.softmax(paddle.where(tri, paddle.full_like(x, -1e30), x), -1)
+
+
 # ---- sample calls -----------------------------------------------------------------------------------------------
 def cases_fused():
     IMPLS.update(fused_matmul_bias=_matmul_bias, fused_linear=_linear, fused_bias_act=_bias_act,
                  fused_rotary_position_embedding=_rope, fused_feedforward=_ffn, fused_multi_head_attention=_mha,
-                 flash_attn_unpadded=_unpadded, flashmask_attention=_flashmask)
+                 flash_attn_unpadded=_unpadded, flashmask_attention=_flashmask,
+                 softmax_mask_fuse_upper_triangle=_causal_softmax)
     add_case("fused_linear", f(2, 3, 4), f(4, 6), f(6))
     add_case("fused_linear", f(3, 4), f(6, 4), f(6), transpose_weight=True, label="transposed")
     add_case("fused_matmul_bias", f(4, 3), f(6, 4), f(6), transpose_x=True, transpose_y=True, label="both-t")
@@ -197,6 +205,8 @@ def cases_fused():
     add_case("flashmask_attention", f(2, 4, 2, 3), _np_only(f(2, 4, 2, 3)), _np_only(f(2, 4, 2, 3)), starts,
              causal=True, label="causal-lts")
     add_case("flashmask_attention", f(2, 4, 4, 3), _np_only(f(2, 4, 2, 3)), f(2, 4, 2, 3), label="no-mask-gqa")
+    add_case("softmax_mask_fuse", f(2, 2, 3, 4), f(2, 1, 3, 4))
+    add_case("softmax_mask_fuse_upper_triangle", f(2, 2, 4, 4))
     # paddle's unbatched form of scaled_dot_product_attention ([seq, heads, dim]; the mask broadcasts to
     # [1, heads, q_seq, k_seq])
     add_case("scaled_dot_product_attention", f(5, 6, 3), _np_only(f(7, 6, 3)), f(7, 6, 3), f(6, 5, 7),
