@@ -90,6 +90,8 @@ def test_sdpa_masks_and_causal_equal_one_process(place):
 def test_sdpa_on_a_2x2_mesh_batch_and_heads():
     fn = _sdpa(is_causal=True)
     _same(_sim(fn, QKV, [[B0, H2]] * 3, world=4), _one(fn, QKV))
+    fn = _sdpa(dropout_p=0.3)
+    _same(_sim(fn, QKV, [[B0, S1]] * 3, world=4, seed=2), _one(fn, QKV, seed=2))
 
 
 @pytest.mark.parametrize("place,causal", [(B0, False), (H2, True), (S1, False)], ids=["batch", "heads-causal", "seq"])

@@ -224,3 +224,22 @@ def test_other_incubate_functions_are_guarded():
             IF.fused_rms_norm_ext(d, paddle.ones([8]))
     with pytest.raises(RuntimeError, match="not registered"):         # plain tensors: paddle's own function
         IF.fused_bias_dropout_residual_layer_norm(paddle.ones([4, 8]), paddle.ones([4, 8]), dropout_rate=0.0)
+
+
+def test_gpu_only_rules_mirror_paddles_signatures():
+    """A call is bound by paddle's signature, then handed to the rule: the parameter names must agree."""
+    import inspect
+
+    import spmd_rules.fused as fused
+    from autoparallel.compat import owner_of
+
+    checked = 0
+    for path in composites_fused.COMPOSITES:
+        op = path.rsplit(".", 1)[1]
+        if hasattr(fused, op):
+            owner, attr = owner_of(path)
+            names = [[p.name for p in inspect.signature(f).parameters.values()]
+                     for f in (inspect.unwrap(getattr(owner, attr)), getattr(fused, op))]
+            assert names[0] == names[1], op
+            checked += 1
+    assert checked == 9
