@@ -7,6 +7,8 @@
   outputs ``(out, residual_out)`` (rms) and ``(out, residual_out, mean, 1/std)`` (layer norm; statistics
   flattened over the rows, float32). Without ``residual`` paddle returns a placeholder as ``residual_out``; here
   an empty [0] tensor. Quantized outputs (``quant_scale > 0``) are refused.
+* ``flash_attn_qkvpacked`` splits ``qkv`` as paddle does and calls the routed ``flash_attention`` (it was
+  reachable only by its module path; ``F.flash_attn_qkvpacked`` was guarded).
 * ``fused_dropout_add`` is paddle 3.3's own fallback, ``dropout(x) + y``, written with routed ops.
 * The GPU-only kernels (``fused_linear``, ``fused_matmul_bias``, ``fused_bias_act``,
   ``fused_rotary_position_embedding``, ``fused_feedforward``, ``fused_multi_head_attention``,
@@ -124,6 +126,19 @@ def fused_dropout_add(x, y, p=0.5, training=True, mode="upscale_in_train", name=
     return F.dropout(x, p, training=training, mode=mode) + y
 
 
+def flash_attn_qkvpacked(qkv, dropout=0.0, causal=False, return_softmax=False, *, fixed_seed_offset=None,
+                         rng_name="", training=True, name=None):
+    """Paddle's own split of ``qkv`` [batch, seq, groups + 2, kv_heads, dim] (query heads ``groups * kv_heads``),
+    then the routed ``flash_attention`` (paddle's CPU path runs the same math on the same split)."""
+    import paddle.nn.functional as F
+
+    b, s, _, _, d = gshape(qkv)
+    q = qkv[:, :, :-2].reshape([b, s, -1, d])
+    return F.flash_attention.flash_attention(q, qkv[:, :, -2], qkv[:, :, -1], dropout, causal, return_softmax,
+                                             fixed_seed_offset=fixed_seed_offset, rng_name=rng_name,
+                                             training=training)
+
+
 COMPOSITES = {
     f"{_IF}.fused_rms_norm": fused_rms_norm,
     f"{_IF}.fused_layer_norm": fused_layer_norm,
@@ -133,6 +148,7 @@ COMPOSITES = {
                   "fused_feedforward", "fused_multi_head_attention")},
     f"{_FA}.flash_attn_unpadded": gpu_kernel("flash_attn_unpadded", f"{_FA}.flash_attn_unpadded"),
     f"{_FA}.flashmask_attention": gpu_kernel("flashmask_attention", f"{_FA}.flashmask_attention"),
+    f"{_FA}.flash_attn_qkvpacked": flash_attn_qkvpacked,
     "paddle.incubate.softmax_mask_fuse_upper_triangle": gpu_kernel("softmax_mask_fuse_upper_triangle",
                                                                    "paddle.incubate.softmax_mask_fuse_upper_triangle"),
 }

@@ -124,9 +124,10 @@ def test_flash_attention_cpu_path_and_qkvpacked():
         for place in (B0, H2):
             _same(_sim(fn, [q, k, v], [place] * 3, seed=seed), _one(fn, [q, k, v], seed=seed))
     packed = np.stack([q, k, v], axis=2)                      # [b, s, 3, heads, dim]
-    pk = lambda t: fa.flash_attn_qkvpacked(t, causal=True)[0]      # noqa: E731
-    for place in (B0, ap.Shard(3)):
-        _same(_sim(pk, [packed], [place]), _one(pk, [packed]))
+    for fn, seed in ((lambda t: fa.flash_attn_qkvpacked(t, causal=True)[0], None),
+                     (lambda t: F.flash_attn_qkvpacked(t, dropout=0.2)[0], 4)):      # the F name was guarded
+        for place in (B0, ap.Shard(3)):
+            _same(_sim(fn, [packed], [place], seed=seed), _one(fn, [packed], seed=seed))
 
 
 def _attention_code(x, m):
