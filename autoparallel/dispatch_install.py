@@ -5,8 +5,9 @@ handle that undoes them).
 * every other name of those functions, in every loaded module and on ``paddle.Tensor``, and the C op they
   forward to, points at the wrapper (``aliases``); in-place ``op_`` forms, ``x[i] = v``, cast spellings and
   ``paddle.is_tensor`` get their forms (``tensor_forms``);
-* the remaining public callables of ``paddle``, ``paddle.nn.functional``, ``paddle.linalg`` and the math
-  methods of ``paddle.Tensor`` are guarded: given a distributed tensor they raise ``NotImplementedError``;
+* the remaining public callables of ``paddle``, ``paddle.nn.functional``, ``paddle.linalg``, ``paddle.incubate``,
+  ``paddle.incubate.nn.functional`` and the math methods of ``paddle.Tensor`` are guarded: given a distributed
+  tensor they raise ``NotImplementedError``;
 * ``paddle.jit``'s ``StaticFunction`` entry, the lazy initialiser hook and the loss scalers are patched too.
 
 Every assignment goes through ``autoparallel.patches``, so ``dispatch_handle.uninstall()`` restores them all.
@@ -157,6 +158,7 @@ def _install_composites() -> None:
     from spmd_rules.composites_shape import COMPOSITES as SHAPE_COMPOSITES
     from spmd_rules.composites_compat import COMPOSITES as COMPAT_COMPOSITES
     from spmd_rules.composites_rnn import COMPOSITES as RNN_COMPOSITES
+    from spmd_rules.composites_fused import COMPOSITES as FUSED_COMPOSITES
 
     from autoparallel import autograd_forms, copy_forms, local_ctc
 
@@ -166,7 +168,7 @@ def _install_composites() -> None:
                 "paddle.nn.functional.ctc_loss": local_ctc.ctc_loss}
     mapping = {}
     for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **RNN_COMPOSITES,
-                      **autograd}.items():
+                     **FUSED_COMPOSITES, **autograd}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):
@@ -215,7 +217,8 @@ _STORAGE_METHODS = {"numpy", "clone", "detach", "detach_", "set_value", "cpu", "
 
 
 def _install_guards() -> None:
-    for modname in ("paddle", "paddle.nn.functional", "paddle.linalg"):
+    for modname in ("paddle", "paddle.nn.functional", "paddle.linalg", "paddle.incubate",
+                    "paddle.incubate.nn.functional"):
         mod = importlib.import_module(modname)
         for attr in dir(mod):
             if attr.startswith("_"):

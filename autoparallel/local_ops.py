@@ -8,6 +8,7 @@ from __future__ import annotations
 import paddle
 import paddle.nn.functional as F
 
+from autoparallel.local_attention import sharded_attention_dropout
 from autoparallel.local_ce import check_ids, global_mean_cross_entropy, mesh_reduce, vocab_parallel_cross_entropy
 from autoparallel.local_ce import sum_both as _stat_sum
 from autoparallel.local_scatter import sharded_masked_scatter
@@ -144,4 +145,4 @@ def _x_of(args, kwargs):
 GROUP = {"vocab_parallel_cross_entropy": vocab_parallel_cross_entropy,
          "global_mean_cross_entropy": global_mean_cross_entropy,
          "sharded_dropout": sharded_dropout, "sync_batch_norm": sync_batch_norm,
-         "sharded_masked_scatter": sharded_masked_scatter}
+         "sharded_masked_scatter": sharded_masked_scatter, "sharded_attention_dropout": sharded_attention_dropout}

@@ -1,5 +1,5 @@
-"""Attention: scaled_dot_product_attention, flash_attention (paddle layout [batch, seq, heads, head_dim])
-and rotary_embedding.
+"""Attention: scaled_dot_product_attention, flash_attention (paddle layout [batch, seq, heads, head_dim];
+scaled_dot_product_attention also unbatched [seq, heads, head_dim]) and rotary_embedding.
 
 Batch and heads may be sharded (query, key, value and the mask alike); with grouped-query attention the
 heads stay shardable when every rank's query heads use exactly its key/value heads (the kv heads split
@@ -32,43 +32,55 @@ def _heads_ok(hq, hk, sizes) -> bool:
     return all(chunk_range(hq, k, r) == tuple(g * v for v in chunk_range(hk, k, r)) for k in sizes for r in range(k))
 
 
-def _attention(op, q, k, v, mask, causal, dropout, training):
-    for n, s in (("query", q), ("key", k), ("value", v)):
-        check_spec(op, n, s)
-        if s.ndim != 4:
-            raise ValueError(f"{op}: {n} must be [batch, seq, heads, head_dim], got shape {list(s.shape)}")
-    b, sq, hq, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2] or k.shape[3] != d:
+def _attention(op, q, k, v, mask, causal, dropout, training, unbatched_ok=False):
+    """Specs, labels, output labels and meta, local op. ``unbatched_ok``: [seq, heads, head_dim] inputs too (paddle
+    adds a batch of one; the mask then broadcasts against [1, heads, q_seq, k_seq])."""
+    nd = q.ndim
+    for n, t in (("query", q), ("key", k), ("value", v)):
+        check_spec(op, n, t)
+        if t.ndim != 4 and not (unbatched_ok and t.ndim == 3 == nd):
+            form = "[batch, seq, heads, head_dim] (or [seq, heads, head_dim])" if unbatched_ok else \
+                "[batch, seq, heads, head_dim]"
+            raise ValueError(f"{op}: {n} must be {form}, got shape {list(t.shape)}")
+    pad = (1,) * (4 - nd)
+    qs, ks, vs = (pad + tuple(t.shape) for t in (q, k, v))
+    b, sq, hq, d = qs
+    if ks[0] != b or vs[0] != b or ks[1] != vs[1] or ks[2] != vs[2] or ks[3] != d:
         raise ValueError(f"{op}: incompatible shapes query {list(q.shape)}, key {list(k.shape)}, value {list(v.shape)}")
-    hk = k.shape[2]
+    hk = ks[2]
     if hq % hk:
         raise ValueError(f"{op}: query heads {hq} must be a multiple of key/value heads {hk}")
     h = "h" if _heads_ok(hq, hk, set(q.mesh.shape)) else None
     s = None if causal else "s"
-    ql, kl = ("b", s, h, None), ("b", None, h, None)
+    bl = "b" if nd == 4 else None
+    cut = 4 - nd
+    ql, kl = (bl, s, h, None)[cut:], (bl, None, h, None)[cut:]
     specs, labs = [q, k, v], [ql, kl, kl]
     if mask is not None:
         check_spec(op, "attn_mask", mask)
-        full = (b, hq, sq, k.shape[1])
+        full = (b, hq, sq, ks[1])
         broadcast_shapes(op, mask.shape, full)
-        want = ("b", h, s, None)
+        want = (bl, h, s, None)
         off = 4 - mask.ndim
         labs.append(tuple(want[off + j] if mask.shape[j] == full[off + j] else None for j in range(mask.ndim)))
         specs.append(mask)
-    out = ((b, sq, hq, v.shape[3]), q.dtype)
+    out = ((b, sq, hq, vs[3])[cut:], q.dtype)
     local_op = "sharded_attention_dropout" if dropout and training else None
-    return specs, labs, ("b", s, h, None), out, local_op
+    return specs, labs, ql, out, local_op
 
 
-def _dropout_attrs(res):
-    """Global attention-probability shape [batch, heads, q_seq, k_seq] and this rank's slice of it."""
+def _dropout_attrs(res, op):
+    """Global attention-probability shape [batch, heads, q_seq, k_seq] and this rank's slice of it (and which
+    signature the local call has: ``attention_op``)."""
     q, k = res.inputs[0], res.inputs[1]
-    shape = [q.shape[0], q.shape[2], q.shape[1], k.shape[1]]
+    cut = 4 - q.ndim                     # an unbatched call: a batch of one
+    shape = [1 if cut else q.shape[0], q.shape[2 - cut], q.shape[1 - cut], k.shape[1 - cut]]
 
     def attrs(coords):
-        return {"global_shape": shape,
-                "local_slices": [list(q.local_range(coords, 0)), list(q.local_range(coords, 2)),
-                                 list(q.local_range(coords, 1)), [0, k.shape[1]]]}
+        return {"attention_op": op, "global_shape": shape,
+                "local_slices": [[0, 1] if cut else list(q.local_range(coords, 0)),
+                                 list(q.local_range(coords, 2 - cut)), list(q.local_range(coords, 1 - cut)),
+                                 [0, shape[3]]]}
 
     return SpmdResult(res.inputs, res.outputs, res.local_op, attrs) if res.local_op else res
 
@@ -77,8 +89,9 @@ def _dropout_attrs(res):
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, training=True,
                                  backend=None, scale=None, enable_gqa=True, name=None):
     op = "scaled_dot_product_attention"
-    specs, labs, ol, out, local_op = _attention(op, query, key, value, attn_mask, is_causal, dropout_p, training)
-    return _dropout_attrs(labels_result(op, specs, labs, [ol], [out], linear={2}, local_op=local_op, nested=False))
+    specs, labs, ol, out, local_op = _attention(op, query, key, value, attn_mask, is_causal, dropout_p, training,
+                                                unbatched_ok=True)
+    return _dropout_attrs(labels_result(op, specs, labs, [ol], [out], linear={2}, local_op=local_op, nested=False), op)
 
 
 @register_spmd_rule("flash_attention")
@@ -91,7 +104,7 @@ def flash_attention(query, key, value, dropout=0.0, causal=False, return_softmax
     if return_softmax:
         outs.append(("b", ol[2], ol[1], None))
         metas.append(((b, hq, sq, key.shape[1]), query.dtype))
-    res = _dropout_attrs(labels_result(op, specs, labs, outs, metas, linear={2}, local_op=local_op, nested=False))
+    res = _dropout_attrs(labels_result(op, specs, labs, outs, metas, linear={2}, local_op=local_op, nested=False), op)
     if not return_softmax:
         res = SpmdResult(res.inputs, res.outputs + (None,), res.local_op, res.local_attrs)
     return res

@@ -146,8 +146,8 @@ OP_TABLE: dict = {
                            "mm", "mul", "outer", "flip", "roll", "tile", "unbind", "diagonal", "repeat_interleave",
                            "expand_as", "equal_all", "allclose", "masked_fill")},
     **{n: (f"paddle.nn.functional.{n}",) for n in ("softplus", "relu6", "hardswish", "mish", "elu", "selu",
-                                                     "softsign", "tanhshrink", "hardsigmoid", "log_sigmoid",
-                                                     "swiglu")},
+                                                     "softsign", "tanhshrink", "hardsigmoid", "log_sigmoid")},
+    "swiglu": ("paddle.nn.functional.swiglu", "paddle.incubate.nn.functional.swiglu"),
     # creation
     "full_like": ("paddle.full_like",),
     "zeros_like": ("paddle.zeros_like",),
@@ -199,6 +199,12 @@ OP_TABLE: dict = {
     **{n: _fn(n) for n in ("quantile", "nanquantile", "kthvalue", "mode")},
     "lp_pool1d": ("paddle.nn.functional.lp_pool1d",),
     "lp_pool2d": ("paddle.nn.functional.lp_pool2d",),
+    # GPU-only fused kernels (spmd_rules/fused.py): reached through spmd_rules/composites_fused.py, which refuses
+    # them on CPU (paddle has no CPU kernel) and routes them to these rules elsewhere
+    **{n: () for n in ("fused_linear", "fused_matmul_bias", "fused_bias_act", "fused_rotary_position_embedding",
+                       "fused_feedforward", "fused_multi_head_attention", "flash_attn_unpadded",
+                       "flashmask_attention", "softmax_mask_fuse_upper_triangle")},
+    "softmax_mask_fuse": ("paddle.incubate.softmax_mask_fuse",),
 }
 
 ARG_MAP: dict = {
