@@ -113,4 +113,5 @@ def get_group(ranks):
     if sorted(key) == list(range(dist.get_world_size())):
         return None
     raise RuntimeError(f"no communication group for ranks {list(key)}: groups are created with their "
-                       f"ProcessMesh on every rank; create the mesh on all ranks before communicating")
+                       f"ProcessMesh on every rank once paddle.distributed is initialised; create the mesh on all "
+                       f"ranks, after paddle.distributed.init_parallel_env(), before communicating")

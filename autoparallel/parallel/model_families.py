@@ -122,7 +122,11 @@ def check_built_split(model, where: str) -> None:
 
 def check_declared_degrees(model, strategy, degrees) -> None:
     """The degrees a model config declares must be the strategy's: ValueError naming both otherwise;
-    NotImplementedError for an expert / context / sep degree > 1 (no such axis here)."""
+    NotImplementedError for an expert / context / sep degree > 1 (no such axis here). The hybrid degrees of a
+    ``fleet.init(strategy=...)`` made before are held to the same rule (autoparallel/fleet_guard.py)."""
+    from autoparallel.fleet_guard import check_hybrid_degrees
+
+    check_hybrid_degrees(strategy, degrees)
     config = getattr(model, "config", None)
     if config is None:
         return
