@@ -16,6 +16,7 @@ ranks; the other collectives are refused there.
 from __future__ import annotations
 
 import functools
+import sys
 
 from autoparallel import patches
 
@@ -23,6 +24,8 @@ from autoparallel import patches
 GUARDED = ("all_reduce", "broadcast", "reduce", "all_gather", "scatter", "gather", "reduce_scatter", "alltoall",
            "alltoall_single", "send", "recv", "isend", "irecv")
 _SIM_EMULATED = ("all_reduce", "broadcast")
+_POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+NOTED_ONLY = ("all_gather_object", "broadcast_object_list", "scatter_object_list", "gather_object")
 
 
 def _dists(args, kwargs) -> list:
@@ -110,11 +113,32 @@ def _unwrap(a):
     return a
 
 
+def _note(name: str, args, kwargs) -> None:
+    """A collective of the user's own code goes into the collective log like the library's (comm/collective_log.py):
+    one made on some ranks only is then named by the watchdog instead of pairing with another rank's next
+    collective. Point-to-point calls differ by rank (send / recv) and are not noted; nor are the library's and
+    paddle's own calls (they are noted where they start, or are part of a noted call)."""
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    if name in _POINT_TO_POINT or caller.startswith(("autoparallel.", "paddle.")):
+        return
+    import paddle.distributed as dist
+
+    from autoparallel.comm import collective_log
+
+    if not collective_log.enabled() or not dist.is_initialized():
+        return
+    ranks = _group_ranks(args, kwargs, dist.get_world_size())
+    if len(ranks) > 1:
+        x = next((a for a in args if hasattr(a, "shape") and hasattr(a, "dtype")), None)
+        collective_log.LOG.note(name, ranks, None if x is None else (x.shape, x.dtype), depth=3)
+
+
 def _wrap(name: str, orig):
     @functools.wraps(orig)
     def guarded(*args, **kwargs):
         found = _dists(args, kwargs)
         if not found:
+            _note(name, args, kwargs)
             return orig(*args, **kwargs)
         from autoparallel.comm.world import current_world
 
@@ -122,6 +146,7 @@ def _wrap(name: str, orig):
         found = check(name, args, kwargs, world)
         if world.is_simulated:
             return _simulated(name, args, kwargs, found)
+        _note(name, args, kwargs)
         return orig(*[_unwrap(a) for a in args], **{k: _unwrap(v) for k, v in kwargs.items()})
 
     guarded.__wrapped__ = orig
@@ -138,6 +163,23 @@ def install() -> None:
         g = _wrap(name, orig)
         _OURS.add(g)
         patches.patch(dist, name, g)
+    for name in NOTED_ONLY:
+        orig = getattr(dist, name, None)
+        if orig is None or orig in _OURS:
+            continue
+        g = _noted(name, orig)
+        _OURS.add(g)
+        patches.patch(dist, name, g)
+
+
+def _noted(name: str, orig):
+    @functools.wraps(orig)
+    def noted(*args, **kwargs):
+        _note(name, args, kwargs)
+        return orig(*args, **kwargs)
+
+    noted.__wrapped__ = orig
+    return noted
 
 
 _OURS: set = set()          # the guards installed (a re-install does not wrap them again)
