@@ -134,3 +134,30 @@ def test_fleet_hybrid_degrees_must_be_the_strategys(monkeypatch, hybrid, ok):
             name = next(iter(hybrid))
             with pytest.raises(ValueError, match=f"fleet.init's hybrid_configs {name}={hybrid[name]} but"):
                 ap.parallelize(model, opt, strategy=s, tp_plan=plan)
+
+
+# ---- the user's collectives in the collective log ---------------------------------------------------------------
+def test_user_collectives_are_noted_in_the_collective_log(monkeypatch):
+    """A launched job's user collective is noted (kind, group, the user's line), so one made on some ranks only is
+    named by the watchdog; point-to-point calls and the library's own calls are not noted."""
+    from autoparallel.comm import collective_log
+
+    with ap.simulate(world_size=2):                           # a script places a tensor first (installs the guards)
+        ap.shard_tensor(paddle.ones([2]), ap.ProcessMesh([0, 1], ["x"]), [ap.Replicate()])
+    log = collective_log.Log()
+    monkeypatch.setattr(collective_log, "LOG", log)
+    monkeypatch.setattr(collective_log, "enabled", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)     # a launched world of 2, as far as the note goes
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    t = paddle.ones([2, 3])
+    for call in (lambda: dist.all_reduce(t), lambda: dist.send(t, dst=1)):
+        with pytest.raises(Exception):                        # paddle itself: no process group in this process
+            call()
+    lib = {"__name__": "autoparallel.comm.fake", "dist": dist, "t": t}
+    with pytest.raises(Exception):
+        exec("dist.all_reduce(t)", lib)
+    log.drain()
+    records = [r for g in log._groups.values() for r in g.recent]
+    assert list(log._groups) == [(0, 1)] and len(records) == 1, records
+    seq, kind, size, text = records[0]
+    assert (seq, kind, size) == (1, "all_reduce", 24) and "test_probe_launch_forms.py" in text
