@@ -49,6 +49,14 @@ def test_a_shard_placed_before_init_is_this_ranks_own(monkeypatch):
     monkeypatch.setattr(world_mod, "_real", None)
 
 
+def test_a_mesh_bigger_than_a_world_of_one_is_named_at_its_first_collective():
+    """One process (not launched) with a 2-rank mesh: the first collective said 'no communication group ...
+    create the mesh on all ranks' (a RuntimeError pointing at the wrong cause)."""
+    t = ap.shard_tensor(paddle.arange(4, dtype="float32"), ap.ProcessMesh([0, 1], ["x"]), [ap.Shard(0)])
+    with pytest.raises(ValueError, match=r"this job has 1 rank\(s\).*ap.simulate\(world_size=2\)"):
+        t.full()
+
+
 # ---- the user's own collectives on distributed tensors ---------------------------------------------------------
 @pytest.mark.parametrize("call", [lambda w: dist.broadcast(w, src=0), lambda w: dist.all_reduce(w),
                                   lambda w: dist.all_gather([], w), lambda w: dist.reduce(w, dst=0)])
@@ -79,6 +87,10 @@ def test_all_reduce_of_a_replicated_dist_tensor_is_what_the_ranks_compute():
             dist.all_reduce(sharded)                            # negative control: a shard is refused
         with pytest.raises(NotImplementedError, match="all_gather on a distributed tensor inside ap.simulate"):
             dist.all_gather([], x)
+    with ap.simulate(world_size=4):
+        half = ap.shard_tensor(paddle.ones([2]), ap.ProcessMesh([0, 1], ["x"]), [ap.Replicate()])
+        with pytest.raises(ValueError, match=r"ranks \[2, 3\] hold no part of it"):
+            dist.all_reduce(half)                               # the whole world of 4 over a 2-rank mesh
 
 
 def test_plain_tensors_reach_paddle_unchanged():
