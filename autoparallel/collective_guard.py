@@ -113,13 +113,17 @@ def _unwrap(a):
     return a
 
 
+def _from_library(frame) -> bool:
+    """The call comes from autoparallel or paddle itself (noted where it starts, or part of a noted call)."""
+    return frame.f_globals.get("__name__", "").startswith(("autoparallel.", "paddle."))
+
+
 def _note(name: str, args, kwargs) -> None:
     """A collective of the user's own code goes into the collective log like the library's (comm/collective_log.py):
     one made on some ranks only is then named by the watchdog instead of pairing with another rank's next
     collective. Point-to-point calls differ by rank (send / recv) and are not noted; nor are the library's and
     paddle's own calls (they are noted where they start, or are part of a noted call)."""
-    caller = sys._getframe(2).f_globals.get("__name__", "")
-    if name in _POINT_TO_POINT or caller.startswith(("autoparallel.", "paddle.")):
+    if name in _POINT_TO_POINT:
         return
     import paddle.distributed as dist
 
@@ -136,6 +140,8 @@ def _note(name: str, args, kwargs) -> None:
 def _wrap(name: str, orig):
     @functools.wraps(orig)
     def guarded(*args, **kwargs):
+        if _from_library(sys._getframe(1)):                 # the library's transport passes its own shards
+            return orig(*args, **kwargs)
         found = _dists(args, kwargs)
         if not found:
             _note(name, args, kwargs)
@@ -175,7 +181,8 @@ def install() -> None:
 def _noted(name: str, orig):
     @functools.wraps(orig)
     def noted(*args, **kwargs):
-        _note(name, args, kwargs)
+        if not _from_library(sys._getframe(1)):
+            _note(name, args, kwargs)
         return orig(*args, **kwargs)
 
     noted.__wrapped__ = orig
