@@ -137,6 +137,42 @@ def _note(name: str, args, kwargs) -> None:
         collective_log.LOG.note(name, ranks, None if x is None else (x.shape, x.dtype), depth=3)
 
 
+def _sharded_grad_owner(args, kwargs):
+    """The sharded DistParameter whose gradient is among the plain tensor arguments (``dist.all_reduce(p.grad)``
+    of a tensor-parallel weight: ``p.grad`` is this rank's shard of the gradient, a plain tensor), else None.
+    Looked up among the parameters of live optimizer wrappers (parallel/grads.py)."""
+    import paddle
+
+    from autoparallel.parallel.grads import _SYNCS
+
+    ptrs = {}
+    for a in list(args) + list(kwargs.values()):
+        for x in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(x, paddle.Tensor) and x._is_initialized():
+                ptrs[x.data_ptr()] = x
+    if not ptrs:
+        return None
+    for sync in list(_SYNCS):
+        for p in sync.params_fn():
+            if not hasattr(p, "_ap_spec") or not _not_replicated(p):
+                continue
+            g = paddle.Tensor.grad.__get__(p)
+            if g is not None and g._is_initialized() and g.data_ptr() in ptrs:
+                return p
+    return None
+
+
+def _refuse_sharded_grad(name: str, args, kwargs) -> None:
+    p = _sharded_grad_owner(args, kwargs)
+    if p is not None:
+        layout = ", ".join(f"{q} on mesh dim {d!r}" for d, q in _not_replicated(p))
+        raise TypeError(f"paddle.distributed.{name} on the gradient of {p.name} (global shape "
+                        f"{list(p.global_shape)}, placed {layout}): p.grad holds this rank's shard of the gradient, "
+                        f"so the collective would mix different parts of it. Gradients of parameters distributed by "
+                        f"autoparallel are reduced over the data axis by the optimizer it returned: do not sync them "
+                        f"by hand")
+
+
 def _wrap(name: str, orig):
     @functools.wraps(orig)
     def guarded(*args, **kwargs):
@@ -144,6 +180,7 @@ def _wrap(name: str, orig):
             return orig(*args, **kwargs)
         found = _dists(args, kwargs)
         if not found:
+            _refuse_sharded_grad(name, args, kwargs)
             _note(name, args, kwargs)
             return orig(*args, **kwargs)
         from autoparallel.comm.world import current_world

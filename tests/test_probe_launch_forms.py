@@ -70,6 +70,19 @@ def test_collective_on_a_sharded_parameter_is_refused_by_name(call):
             np.testing.assert_array_equal(t.numpy(), before[r])
 
 
+def test_syncing_a_sharded_weights_gradient_by_hand_is_refused():
+    """``for p in model.parameters(): dist.all_reduce(p.grad)``: p.grad of a tensor-parallel weight is a plain
+    tensor holding this rank's shard of the gradient; summing it over ranks mixes shards."""
+    with ap.simulate(world_size=2):
+        model = _tp_model(ap.ProcessMesh([0, 1], ["x"]))
+        ap.shard_optimizer(paddle.optimizer.SGD(0.1, parameters=model.parameters()))
+        model(paddle.ones([2, 4])).sum().backward()
+        with pytest.raises(TypeError, match=r"gradient of .* placed S\(1\) on mesh dim 'x'"):
+            dist.all_reduce(model.fc1.weight.grad)
+        with pytest.raises(RuntimeError, match="global group is not initialized"):   # replicated: paddle's call
+            dist.all_reduce(model.fc2.weight.grad)
+
+
 def test_all_reduce_of_a_replicated_dist_tensor_is_what_the_ranks_compute():
     """A replicated loss holds the same value on every rank: all_reduce(SUM) gives world x value there, as on
     plain tensors (a data-parallel script then divides by the world size)."""
