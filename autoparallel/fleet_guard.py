@@ -93,7 +93,7 @@ _OURS: set = set()
 
 # ---- fleet's hybrid degrees against the Strategy -----------------------------------------------------------
 _FIELDS = {"dp_degree": "strategy.data_parallel.degree", "mp_degree": "strategy.tensor_parallel.degree",
-           "pp_degree": "strategy.pipeline_parallel.degree", "sharding_degree": "strategy.sharding.degree"}
+           "pp_degree": "strategy.pipeline_parallel.degree", "sharding_degree": "strategy.sharding.enable / .degree"}
 
 
 def hybrid_degrees() -> dict:
