@@ -122,7 +122,9 @@ def _note(name: str, args, kwargs) -> None:
     """A collective of the user's own code goes into the collective log like the library's (comm/collective_log.py):
     one made on some ranks only is then named by the watchdog instead of pairing with another rank's next
     collective. Point-to-point calls differ by rank (send / recv) and are not noted; nor are the library's and
-    paddle's own calls (they are noted where they start, or are part of a noted call)."""
+    paddle's own calls (they are noted where they start, or are part of a noted call). The kind and size are noted,
+    not the line: ranks may make one collective from different lines (``if rank == 0: broadcast_object_list(
+    [data], src=0) else: broadcast_object_list(slot, src=0)``)."""
     if name in _POINT_TO_POINT:
         return
     import paddle.distributed as dist
@@ -134,7 +136,7 @@ def _note(name: str, args, kwargs) -> None:
     ranks = _group_ranks(args, kwargs, dist.get_world_size())
     if len(ranks) > 1:
         x = next((a for a in args if hasattr(a, "shape") and hasattr(a, "dtype")), None)
-        collective_log.LOG.note(name, ranks, None if x is None else (x.shape, x.dtype), depth=3)
+        collective_log.LOG.note(name, ranks, None if x is None else (x.shape, x.dtype), site=False)
 
 
 def _sharded_grad_owner(args, kwargs):
