@@ -4,8 +4,13 @@
   gradient reductions (both noted in the collective log: no false mismatch may end the run);
 * ``dist.broadcast`` of a replicated DistParameter after rank 1 changed its copy (a user syncing weights by hand);
 * ``dist.broadcast`` / ``dist.all_reduce`` of a tensor-parallel DistParameter: refused on every rank, shards unchanged.
-Usage: launch_forms_worker.py
+* ``dist.broadcast_object_list`` written on two lines by rank; then ``ap.save_state_dict`` compares the ranks'
+  collective logs (the user's calls are noted in them): they must agree.
+Usage: launch_forms_worker.py OUT_DIR
 """
+import os
+import sys
+
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -74,11 +79,31 @@ def sharded_refused():
             "full": layer.weight.full().numpy().tolist()}
 
 
+def object_from_rank0(rank):
+    """One collective written on two lines, by rank (legal): the collective log must not take it for a mismatch."""
+    if rank == 0:
+        got = [{"lr": 0.1}]
+        dist.broadcast_object_list(got, src=0)
+    else:
+        got = [None]
+        dist.broadcast_object_list(got, src=0)
+    return got[0]
+
+
+def logs_agree(out_dir):
+    """ap.save_state_dict compares every rank's collective log first (a mismatch raises on every rank)."""
+    layer = ap.shard_layer(paddle.nn.Linear(2, 2), ap.ProcessMesh([0, 1], ["x"]))
+    ap.save_state_dict(layer.state_dict(), os.path.join(out_dir, "ckpt"))
+    return True
+
+
 def main():
     dist.init_parallel_env()
     rank = dist.get_rank()
-    write_result({"dp": dp_with_metric(), "broadcast_replicated": broadcast_replicated(rank),
-                  "sharded": sharded_refused()})
+    out = {"dp": dp_with_metric(), "broadcast_replicated": broadcast_replicated(rank), "sharded": sharded_refused()}
+    out["object"] = object_from_rank0(rank)                   # after the library's first tensor: noted
+    out["logs_agree"] = logs_agree(sys.argv[1])
+    write_result(out)
 
 
 if __name__ == "__main__":
