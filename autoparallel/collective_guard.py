@@ -134,7 +134,7 @@ def _note(name: str, args, kwargs) -> None:
     if not collective_log.enabled() or not dist.is_initialized():
         return
     ranks = _group_ranks(args, kwargs, dist.get_world_size())
-    if len(ranks) > 1:
+    if len(ranks) > 1 and dist.get_rank() in ranks:          # paddle makes nothing on a group without this rank
         x = next((a for a in args if hasattr(a, "shape") and hasattr(a, "dtype")), None)
         collective_log.LOG.note(name, ranks, None if x is None else (x.shape, x.dtype), site=False)
 
