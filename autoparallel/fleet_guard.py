@@ -115,20 +115,23 @@ def hybrid_degrees() -> dict:
     return out
 
 
-def check_hybrid_degrees(strategy, degrees) -> None:
+def check_hybrid_degrees(strategy, degrees, where: str = "ap.parallelize") -> None:
     """After ``fleet.init(strategy=...)``: each hybrid degree the user set above 1 must be the Strategy's
-    (ValueError naming both); a sep / cp / ep degree > 1 is NotImplementedError (no such axis here)."""
+    (ValueError naming both); a sep / cp / ep degree > 1 is NotImplementedError (no such axis here).
+    ``degrees`` None (the planner has not chosen them yet): the axes only."""
     fleet_deg = hybrid_degrees()
     for name in ("sep_degree", "cp_degree", "ep_degree"):
         if name in fleet_deg:
-            raise NotImplementedError(f"ap.parallelize: fleet.init's hybrid_configs {name}={fleet_deg[name]} asks "
-                                      f"for an axis ap.parallelize does not build; init fleet with {name}=1")
+            raise NotImplementedError(f"{where}: fleet.init's hybrid_configs {name}={fleet_deg[name]} asks "
+                                      f"for an axis {where} does not build; init fleet with {name}=1")
+    if degrees is None:
+        return
     sharding = (strategy.sharding.degree or degrees.dp) if strategy.sharding.enable else 1
     ours = {"dp_degree": degrees.dp, "mp_degree": degrees.tp, "pp_degree": degrees.pp, "sharding_degree": sharding}
     if "sharding_degree" in fleet_deg:                   # fleet splits the data ranks into dp x sharding
         ours["dp_degree"] = degrees.dp // max(sharding, 1)
     for name, field in _FIELDS.items():
         if name in fleet_deg and fleet_deg[name] != ours[name]:
-            raise ValueError(f"ap.parallelize: fleet.init's hybrid_configs {name}={fleet_deg[name]} but "
+            raise ValueError(f"{where}: fleet.init's hybrid_configs {name}={fleet_deg[name]} but "
                              f"{field} gives {ours[name]}; the Strategy decides the layout here: set {field} to "
                              f"match, or init fleet without hybrid_configs")

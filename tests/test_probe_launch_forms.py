@@ -188,3 +188,30 @@ def test_user_collectives_are_noted_in_the_collective_log(monkeypatch):
     assert list(log._groups) == [(0, 1)] and len(records) == 1, records
     seq, kind, size, text = records[0]
     assert (seq, kind, size, text) == (1, "all_reduce", 24, "all_reduce@the user's paddle.distributed call")
+
+
+# ---- a PaddleFormers config's own parallel flags through ap.to_static (ap.parallelize: test_probe_pf_config_flags)
+@pytest.mark.parametrize("flags, error, match", [
+    ({"tensor_parallel_degree": 2}, None, None),
+    ({"tensor_parallel_degree": 4}, ValueError, "ap.to_static: model.config.tensor_parallel_degree=4 but"),
+    ({"sep_parallel_degree": 2}, NotImplementedError, "ap.to_static: model.config.sep_parallel_degree=2"),
+    ({"context_parallel_size": 2}, NotImplementedError, "ap.to_static: model.config.context_parallel_size=2"),
+    ({"sequence_parallel": True}, ValueError, "ap.to_static: model.config.sequence_parallel=True makes the model")])
+def test_to_static_honours_or_refuses_a_models_own_parallel_flags(flags, error, match):
+    """ap.to_static captured such a model and ran another layout than its config declares, silently."""
+    from autoparallel.testing import paddleformers_models as pf
+
+    if not pf.available():
+        pytest.skip("paddleformers not installed (pip install -e .[models])")
+    with ap.simulate(world_size=2):
+        model = pf.build("llama", **{k: v for k, v in flags.items() if k != "sequence_parallel"})
+        for k, v in flags.items():
+            setattr(model.config, k, v)                      # recorded after the build (the check reads the config)
+        s = ap.Strategy()
+        s.tensor_parallel.degree = 2
+        if error is None:
+            assert type(ap.to_static(model, None, None, None, strategy=s, input_spec=[([4, 8], "int64")])).__name__ \
+                == "DistModel"
+            return
+        with pytest.raises(error, match=match):
+            ap.to_static(model, None, None, None, strategy=s, input_spec=[([4, 8], "int64")])
