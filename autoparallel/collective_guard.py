@@ -200,14 +200,16 @@ def _wrap(name: str, orig):
 
 def install() -> None:
     import paddle.distributed as dist
+    from paddle.distributed.communication import stream
 
-    for name in GUARDED:
-        orig = getattr(dist, name, None)
-        if orig is None or orig in _OURS:
-            continue
-        g = _wrap(name, orig)
-        _OURS.add(g)
-        patches.patch(dist, name, g)
+    for owner in (dist, stream):                    # paddle.distributed.stream.* too (the same module object)
+        for name in GUARDED:
+            orig = getattr(owner, name, None)
+            if orig is None or orig in _OURS:
+                continue
+            g = _wrap(name, orig)
+            _OURS.add(g)
+            patches.patch(owner, name, g)
     for name in NOTED_ONLY:
         orig = getattr(dist, name, None)
         if orig is None or orig in _OURS:

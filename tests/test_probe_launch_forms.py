@@ -215,3 +215,10 @@ def test_to_static_honours_or_refuses_a_models_own_parallel_flags(flags, error, 
             return
         with pytest.raises(error, match=match):
             ap.to_static(model, None, None, None, strategy=s, input_spec=[([4, 8], "int64")])
+
+
+def test_the_stream_variants_are_guarded_too():
+    with ap.simulate(world_size=2):
+        model = _tp_model(ap.ProcessMesh([0, 1], ["x"]))
+        with pytest.raises(TypeError, match=r"paddle\.distributed\.broadcast on a DistParameter"):
+            dist.stream.broadcast(model.fc1.weight, src=0)
