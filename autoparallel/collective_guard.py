@@ -25,7 +25,7 @@ GUARDED = ("all_reduce", "broadcast", "reduce", "all_gather", "scatter", "gather
            "alltoall_single", "send", "recv", "isend", "irecv")
 _SIM_EMULATED = ("all_reduce", "broadcast")
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv")
-NOTED_ONLY = ("all_gather_object", "broadcast_object_list", "scatter_object_list", "gather_object")
+NOTED_ONLY = ("all_gather_object", "broadcast_object_list", "scatter_object_list", "gather_object", "barrier")
 
 
 def _dists(args, kwargs) -> list:

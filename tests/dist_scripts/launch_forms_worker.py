@@ -87,6 +87,7 @@ def object_from_rank0(rank):
     else:
         got = [None]
         dist.broadcast_object_list(got, src=0)
+    dist.barrier()                                            # every rank: noted alike
     return got[0]
 
 
