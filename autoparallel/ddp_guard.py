@@ -16,6 +16,10 @@ from autoparallel import patches
 def install() -> None:
     import paddle
 
+    from autoparallel import collective_guard, fleet_guard
+
+    collective_guard.install()          # the user's own paddle.distributed collectives on distributed tensors
+    fleet_guard.install()               # fleet.distributed_model / distributed_optimizer over them
     cls = paddle.DataParallel
     orig = cls.__init__
     if getattr(orig, "_ap_wrapper", False):

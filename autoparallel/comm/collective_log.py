@@ -79,10 +79,15 @@ class Log:
         self._texts: dict = {}         # (kind, call path) -> ("kind@site", its hash)
         self._dirs = None
 
-    def note(self, kind: str, ranks, nbytes=None, depth: int = 1) -> None:
+    def note(self, kind: str, ranks, nbytes=None, depth: int = 1, site: bool = True) -> None:
         """This rank is about to make ``kind`` on the group ``ranks``: a tuple appended, nothing sent. The call
-        path is kept as (code, instruction offset) pairs; their lines are looked up when drained."""
+        path is kept as (code, instruction offset) pairs; their lines are looked up when drained. ``site=False``
+        (a ``paddle.distributed`` call of the user's own: ranks may make it from different lines) keeps none."""
         key = tuple(ranks)
+        if not site:
+            seq = self._seq[key] = self._seq.get(key, 0) + 1
+            self._ring.append((key, seq, kind, nbytes, None))
+            return
         user, f, out = self._user_code, sys._getframe(depth), []
         while f is not None and len(out) < MAX_FRAMES:
             code = f.f_code
@@ -111,7 +116,9 @@ class Log:
     def _text(self, kind: str, frames: tuple) -> tuple:
         got = self._texts.get((kind, frames))
         if got is None:
-            text = f"{kind}@{' < '.join(self._site(fr) for fr in frames) or 'inside the library'}"
+            where = "the user's paddle.distributed call" if frames is None else \
+                ' < '.join(self._site(fr) for fr in frames) or 'inside the library'
+            text = f"{kind}@{where}"
             got = self._texts[(kind, frames)] = (text, _hash(text))
         return got
 

@@ -110,7 +110,14 @@ def get_group(ranks):
     key = tuple(ranks)
     if key in _GROUPS:
         return _GROUPS[key]
-    if sorted(key) == list(range(dist.get_world_size())):
+    world = dist.get_world_size()
+    if sorted(key) == list(range(world)):
         return None
+    if max(key) >= world:
+        raise ValueError(f"a collective over ranks {list(key)}, but this job has {world} rank(s) (0..{world - 1}): "
+                         f"the mesh is bigger than the world; start {max(key) + 1} ranks with python -m "
+                         f"paddle.distributed.launch --nproc_per_node {max(key) + 1} (or paddle.distributed.spawn), "
+                         f"or run every rank in this process with ap.simulate(world_size={max(key) + 1})")
     raise RuntimeError(f"no communication group for ranks {list(key)}: groups are created with their "
-                       f"ProcessMesh on every rank; create the mesh on all ranks before communicating")
+                       f"ProcessMesh on every rank once paddle.distributed is initialised; create the mesh on all "
+                       f"ranks, after paddle.distributed.init_parallel_env(), before communicating")

@@ -30,8 +30,10 @@ class RealWorld(World):
         import paddle.distributed as dist
 
         self.initialized = dist.is_initialized()
-        self.rank = dist.get_rank() if self.initialized else 0
-        self.world_size = dist.get_world_size() if self.initialized else 1
+        # before init_parallel_env paddle reads them from the launcher's environment (PADDLE_TRAINER_ID /
+        # PADDLE_TRAINERS_NUM): a shard placed then is this rank's own, not rank 0's on every rank
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
         place = paddle.get_device()
         self.backend = "nccl" if place.startswith("gpu") else "gloo"
 

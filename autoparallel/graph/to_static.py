@@ -423,7 +423,11 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
                          f"spec has {len(specs)}")
     k = strategy.gradient_accumulation_steps
     micro = [_micro(s, k, i) for i, s in enumerate(specs)]
-    mesh, _ = mesh_for(strategy, current_world().world_size, mesh)
+    mesh, degrees = mesh_for(strategy, current_world().world_size, mesh)
+    from autoparallel.parallel.model_families import check_built_split, check_declared_degrees
+
+    check_built_split(model, "ap.to_static")                  # a model config's own parallel flags
+    check_declared_degrees(model, strategy, degrees, "ap.to_static")
     full = strategy.auto_mode == "full"
     ann = {} if full else _semi_annotations(model, mesh, strategy, tp_plan)
     ann.update(annotations or {})

@@ -120,21 +120,27 @@ def check_built_split(model, where: str) -> None:
                              f"strategy.sequence_parallel.enable)")
 
 
-def check_declared_degrees(model, strategy, degrees) -> None:
+def check_declared_degrees(model, strategy, degrees, where: str = "ap.parallelize") -> None:
     """The degrees a model config declares must be the strategy's: ValueError naming both otherwise;
-    NotImplementedError for an expert / context / sep degree > 1 (no such axis here)."""
+    NotImplementedError for an expert / context / sep degree > 1 (no such axis here). The hybrid degrees of a
+    ``fleet.init(strategy=...)`` made before are held to the same rule (autoparallel/fleet_guard.py).
+    ``degrees`` None (``ap.to_static`` in auto_mode='full': the layout is not chosen yet): the axes only."""
+    from autoparallel.fleet_guard import check_hybrid_degrees
+
+    check_hybrid_degrees(strategy, degrees, where)
     config = getattr(model, "config", None)
     if config is None:
         return
     for flag, axis in _NO_AXIS.items():
         if _degree(config, flag) > 1:
-            raise NotImplementedError(f"ap.parallelize: model.config.{flag}={_degree(config, flag)} asks for {axis} "
-                                      f"parallelism, which ap.parallelize does not build; build the model with "
+            raise NotImplementedError(f"{where}: model.config.{flag}={_degree(config, flag)} asks for {axis} "
+                                      f"parallelism, which {where} does not build; build the model with "
                                       f"{flag}=1 (the data / tensor / pipeline degrees come from the strategy)")
+    if degrees is None:
+        return
     ours = {"tp": degrees.tp, "pp": degrees.pp, "vpp": strategy.pipeline_parallel.vpp_degree}
     for flag, (axis, field) in _DECLARED.items():
         v = _degree(config, flag)
         if v > 1 and v != ours[axis]:
-            raise ValueError(f"ap.parallelize: model.config.{flag}={v} but {field}={ours[axis]}; set {field}={v} "
+            raise ValueError(f"{where}: model.config.{flag}={v} but {field}={ours[axis]}; set {field}={v} "
                              f"or build the model with {flag}=1")
-
