@@ -79,7 +79,24 @@ def settle(t):
             out[r] = reduced._locals[r]
         else:
             mine = x * f if f != 1.0 else x
-            tie = mine - mine.detach()           # 0 with the identity gradient; nan for a non-finite term:
-            tie = paddle.where(paddle.isfinite(mine), tie, paddle.zeros_like(tie))   # inf stays inf
-            out[r] = reduced._locals[r] + tie
+            out[r] = reduced._locals[r] + _tie(mine)
     return DistTensor._own(out, reduced._spec)
+
+
+def _tie(mine):
+    """0 with the identity gradient. ``mine - mine.detach()`` is nan for a non-finite term (an overflowing loss on
+    one rank): there a zero forward with the identity backward keeps the reduced inf and hands that rank's inf/nan
+    gradient on (masking it to 0 would drop the rank's gradient and hide the overflow from the loss scaler)."""
+    if bool(paddle.isfinite(mine).all()):
+        return mine - mine.detach()
+    return _ZeroTie.apply(mine)
+
+
+class _ZeroTie(paddle.autograd.PyLayer):
+    @staticmethod
+    def forward(ctx, x):
+        return paddle.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
