@@ -106,6 +106,9 @@ def install() -> None:
                             (gs.GradScaler, "scale", scale), (gs.GradScaler, "minimize", minimize)):
         patches.patch(owner, name, fn)          # undone by ap.uninstall()
     patches.on_undo(_reset)
+    from autoparallel.parallel import precision_cast
+
+    precision_cast.install()                    # Layer.to(dtype=...) / bfloat16() over distributed parameters
     _installed = True
 
 
