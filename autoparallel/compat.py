@@ -270,3 +270,8 @@ def gpu_place_for_grad_scaler():
         yield
     finally:
         gs._dygraph_tracer = original
+
+
+def layer_cast_slot():
+    """(owner, name) of paddle's per-tensor cast behind ``Layer.to(dtype=...)`` / ``bfloat16()`` / ``float()``."""
+    return paddle.nn.Layer, "_transform"

@@ -15,11 +15,10 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    import paddle
+    from autoparallel import compat, patches
 
-    from autoparallel import patches
-
-    base = paddle.nn.Layer._transform
+    owner, name = compat.layer_cast_slot()
+    base = getattr(owner, name)
 
     def _transform(self, t, device, dtype, blocking):
         from autoparallel.dist_tensor import is_dist
@@ -28,7 +27,7 @@ def install() -> None:
             return base(self, t, device, dtype, blocking)
         return cast_dist(t, dtype, lambda x: base(self, x, device, dtype, blocking))
 
-    patches.patch(paddle.nn.Layer, "_transform", _transform)      # undone by ap.uninstall()
+    patches.patch(owner, name, _transform)      # undone by ap.uninstall()
     patches.on_undo(_reset)
     _installed = True
 
