@@ -79,8 +79,16 @@ def settle(t):
             out[r] = reduced._locals[r]
         else:
             mine = x * f if f != 1.0 else x
-            out[r] = reduced._locals[r] + _tie(mine)
+            out[r] = _plus_tie(reduced._locals[r], mine)
     return DistTensor._own(out, reduced._spec)
+
+
+def _plus_tie(reduced, mine):
+    """``reduced + _tie(mine)``; float16/bfloat16 in float32 and cast back (exact: the tie is 0), as paddle has no CPU
+    add kernel for them and a one-process loss needs none."""
+    if mine.dtype not in (paddle.float16, paddle.bfloat16):
+        return reduced + _tie(mine)
+    return (reduced.astype("float32") + _tie(mine.astype("float32"))).astype(mine.dtype)
 
 
 def _tie(mine):
