@@ -3,7 +3,11 @@ are already distributed: paddle's ``Layer._transform`` casts a tensor and shares
 distributed parameter (one local tensor per rank it holds) does not have. Patched (once, by ``install``): a
 distributed tensor is cast local by local, each through paddle's own ``_transform``, and its DistSpec takes the new
 dtype; every other tensor runs paddle's code unchanged. Casting before or after ``shard_layer``/``parallelize`` then
-gives the same parameters."""
+gives the same parameters.
+
+``paddle.amp.decorate(..., save_dtype=...)`` registers a state-dict hook casting every floating value (and naming
+the copy after it: a distributed tensor has no name slot); patched likewise, a distributed value is cast rank by rank
+into a distributed tensor of ``save_dtype``."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +32,7 @@ def install() -> None:
         return cast_dist(t, dtype, lambda x: base(self, x, device, dtype, blocking))
 
     patches.patch(owner, name, _transform)      # undone by ap.uninstall()
+    _install_save_dtype(patches)
     patches.on_undo(_reset)
     _installed = True
 
@@ -54,3 +59,34 @@ def cast_dist(t, dtype, cast_local):
     else:
         t._ap_spec = spec
     return t
+
+
+def _install_save_dtype(patches) -> None:
+    import importlib
+
+    hook = importlib.import_module("paddle.amp.auto_cast").StateDictHook
+    base = hook.__call__
+
+    def __call__(self, state_dict):
+        from autoparallel.dist_tensor import is_dist
+
+        spread = [k for k, v in state_dict.items() if is_dist(v)]
+        if not spread:
+            return base(self, state_dict)
+        rest = {k: v for k, v in state_dict.items() if k not in spread}
+        base(self, rest)
+        for k in state_dict:
+            state_dict[k] = rest[k] if k in rest else _cast_value(state_dict[k], self._save_dtype)
+        return None
+
+    patches.patch(hook, "__call__", __call__)
+
+
+def _cast_value(v, dtype):
+    """A distributed floating value as a new distributed tensor of ``dtype`` (others as they are)."""
+    import paddle
+
+    if not paddle.is_floating_point(v):
+        return v
+    with paddle.no_grad():
+        return v.astype(dtype)
