@@ -8,26 +8,11 @@ rounding."""
 import numpy as np
 import paddle
 import pytest
-from paddle import nn
 
 import autoparallel as dist
+from autoparallel.testing.precision import BATCHES as X, Scale, low_model, full_values as full
 
-X = [np.random.default_rng(i).standard_normal((8, 4)).astype("float32") for i in range(3)]
 BF16 = 2.0**-7                                   # bfloat16's relative spacing
-
-
-class Scale(nn.Layer):
-    """Only ops with bfloat16 CPU kernels (multiply, subtract, sum and their gradients)."""
-
-    def __init__(self, init=None):
-        super().__init__()
-        const = None if init is None else nn.initializer.Constant(init)
-        self.w = self.create_parameter([8, 4], default_initializer=const)
-        self.b = self.create_parameter([4], is_bias=True)
-
-    def forward(self, x):
-        h = x * self.w - self.b
-        return (h * h).sum()
 
 
 def sgd(ps, mp):
@@ -36,17 +21,6 @@ def sgd(ps, mp):
 
 def adamw(ps, mp):
     return paddle.optimizer.AdamW(0.01, parameters=ps, multi_precision=mp)
-
-
-def low_model():
-    paddle.seed(2)
-    m = Scale()
-    m.to(dtype="bfloat16")
-    return m
-
-
-def full(m):
-    return {n: (p.full() if dist.is_dist(p) else p).astype("float32").numpy() for n, p in m.named_parameters()}
 
 
 def one_process(make_opt, mp):

@@ -11,8 +11,10 @@ into a distributed tensor of ``save_dtype``."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 _installed = False
+_COPIES: dict = {}          # id(save_dtype copy) -> (weak reference to the copy, the tensor it was cast from)
 
 
 def install() -> None:
@@ -70,16 +72,26 @@ def _install_save_dtype(patches) -> None:
     def __call__(self, state_dict):
         from autoparallel.dist_tensor import is_dist
 
+        sources = dict(state_dict)
         spread = [k for k, v in state_dict.items() if is_dist(v)]
-        if not spread:
-            return base(self, state_dict)
         rest = {k: v for k, v in state_dict.items() if k not in spread}
         base(self, rest)
-        for k in state_dict:
-            state_dict[k] = rest[k] if k in rest else _cast_value(state_dict[k], self._save_dtype)
+        for k, src in sources.items():
+            state_dict[k] = rest[k] if k in rest else _cast_value(src, self._save_dtype)
+            if state_dict[k] is not src:
+                _remember(state_dict[k], src)
         return None
 
     patches.patch(hook, "__call__", __call__)
+
+
+def _remember(copy, src) -> None:
+    """Keyed by identity (tensors compare elementwise), forgotten when the copy is collected."""
+    ref, origin = _COPIES.get(id(src), (None, None))
+    if ref is not None and ref() is src:        # a parent layer's hook casts its children's copies again
+        src = origin
+    key = id(copy)
+    _COPIES[key] = (weakref.ref(copy, lambda _r: _COPIES.pop(key, None)), src)
 
 
 def _cast_value(v, dtype):
@@ -90,3 +102,26 @@ def _cast_value(v, dtype):
         return v
     with paddle.no_grad():
         return v.astype(dtype)
+
+
+def write_back(state) -> None:
+    """After a checkpoint was loaded into ``state``: every ``save_dtype`` copy in it (``model.state_dict()`` of a
+    decorated model holds copies, not the parameters) written into the tensor it was cast from, in that tensor's
+    dtype; without this the load would fill the copies and leave the model as it was."""
+    import paddle
+
+    from autoparallel.dist_tensor import is_dist
+    from autoparallel.local_mode import local_mode
+
+    values = state.values() if isinstance(state, dict) else []
+    for v in values:
+        if isinstance(v, dict):
+            write_back(v)
+            continue
+        ref, src = _COPIES.get(id(v), (None, None))
+        if ref is None or ref() is not v:
+            continue
+        with local_mode(), paddle.no_grad():
+            pairs = [(src.locals[r], v.locals[r]) for r in src.locals] if is_dist(src) else [(src, v)]
+            for dst, got in pairs:
+                dst.set_value(got.astype(dst.dtype))
