@@ -57,6 +57,8 @@ def scaled_step(form, scaler, loss, opt, poison=None):
 
 def fit(model, opt, form, amp_dtype="float16", to_input=paddle.to_tensor, data=DATA, poison=None):
     scaler = gpu_grad_scaler(**SCALER)
+    if to_input is not paddle.to_tensor:
+        scaler = dist.shard_scaler(scaler)      # paddle's auto-parallel form (the scaler itself: found-inf is agreed)
     losses, scales = [], []
     for i, (x, y) in enumerate(data):
         with paddle.amp.auto_cast(dtype=amp_dtype):
@@ -155,3 +157,8 @@ def test_an_overflowing_rank_keeps_its_gradient_in_the_settled_loss():
             for t in w.locals.values():
                 np.testing.assert_allclose(t.grad.numpy(), w1.grad.numpy(), rtol=1e-6)
         assert np.isinf(w1.grad.numpy()).any() == want_inf
+
+
+def test_shard_scaler_refuses_what_is_not_a_grad_scaler():
+    with pytest.raises(TypeError, match="shard_scaler expects a paddle.amp.GradScaler, got AmpScaler"):
+        dist.shard_scaler(paddle.amp.AmpScaler())
