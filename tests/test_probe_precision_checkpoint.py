@@ -1,6 +1,7 @@
 """Checkpoints of low-precision training. A bfloat16 model under ZeRO-2 with AdamW (float32 masters, or rounded
 ones for multi_precision=False) saved after a step, loaded into a fresh run and continued equals the uninterrupted
-run bit for bit. ``paddle.amp.decorate(save_dtype="float32")``: ``model.state_dict()`` holds float32 copies, which
+run bit for bit; the checkpoint holds a master_weight exactly where paddle's state does (multi_precision) and loads
+into one process. ``paddle.amp.decorate(save_dtype="float32")``: ``model.state_dict()`` holds float32 copies, which
 ap.save_state_dict writes as float32 and ap.load_state_dict writes back into the parameters (it filled the copies
 and left the model as it was)."""
 import os
@@ -41,7 +42,15 @@ def test_zero2_bfloat16_resume_equals_the_uninterrupted_run(tmp_path, mp):
         train(m, opt, mesh, BATCHES[:1])
         save_state_dict(training_state(m, opt), path)
     saved = load_merged_state_dict(path, flat=True)
-    assert saved["optimizer/w/master_weight"].dtype == np.float32 and saved["optimizer/w/moment1"].dtype == np.float32
+    assert saved["optimizer/w/moment1"].dtype == np.float32 and saved["model/w"].dtype != np.float32
+    assert ("optimizer/w/master_weight" in saved) == mp                  # paddle's state: a master only with mp
+    if mp:
+        assert saved["optimizer/w/master_weight"].dtype == np.float32
+    one = low_model(seed=5)                                              # the same names as one process's state
+    load_state_dict(training_state(one, paddle.optimizer.AdamW(0.01, parameters=one.parameters(),
+                                                               multi_precision=mp)), path)
+    bf16_as_f32 = (saved["model/w"].view(np.uint16).astype(np.uint32) << 16).view(np.float32)   # stored as uint16
+    np.testing.assert_array_equal(full_values(one)["w"], bf16_as_f32)
     with dist.simulate(world_size=2):
         mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
         m, opt = zero2(mesh, mp, seed=9)                          # other initial values
