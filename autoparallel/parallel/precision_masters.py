@@ -13,7 +13,13 @@ LOW = (paddle.float16, paddle.bfloat16)
 
 
 def keeps_masters(optimizer) -> bool:
-    """Whether paddle's ``optimizer`` keeps float32 masters of its low-precision parameters."""
+    """Whether the paddle optimizer ``optimizer`` is (or an ap wrapper drives) keeps float32 masters of its
+    low-precision parameters."""
+    for _ in range(8):                      # wrappers keep the optimizer they drive in ``_inner`` / ``optimizer``
+        if optimizer is None or hasattr(type(optimizer), "_create_accumulators"):
+            break
+        own = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
+        optimizer = own.get("_inner", own.get("optimizer"))
     return bool(getattr(optimizer, "_multi_precision", False))
 
 
