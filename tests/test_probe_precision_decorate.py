@@ -73,3 +73,18 @@ def test_decorate_on_a_cpu_place_is_the_same_no_op():
         assert d2 is d and opt2 is inner and not inner._multi_precision
         assert all(p.dtype == paddle.float32 for p in d.parameters())
         np.testing.assert_array_equal(value(d[0].weight), m[0].weight.numpy())
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_decorate_after_shard_optimizer_says_to_decorate_first(gpu):
+    import contextlib
+
+    with dist.simulate(world_size=4):
+        m, sharded, inner = distributed("none")
+        with gpu_place_for_amp_decorate() if gpu else contextlib.nullcontext():
+            with pytest.raises(TypeError, match="got a ZeroOptimizer, an optimizer already sharded .*Decorate the "
+                                                "model and the paddle optimizer first"):
+                paddle.amp.decorate(models=m, optimizers=sharded, level="O2", dtype="bfloat16")
+            with pytest.raises(TypeError, match="already sharded"):
+                paddle.amp.decorate(models=m, optimizers=[inner, sharded], level="O2", dtype="bfloat16")
+        assert all(p.dtype == paddle.float32 for p in m.parameters())      # nothing was cast

@@ -7,7 +7,9 @@ gives the same parameters.
 
 ``paddle.amp.decorate(..., save_dtype=...)`` registers a state-dict hook casting every floating value (and naming
 the copy after it: a distributed tensor has no name slot); patched likewise, a distributed value is cast rank by rank
-into a distributed tensor of ``save_dtype``."""
+into a distributed tensor of ``save_dtype``. ``decorate(optimizers=...)`` given an optimizer already sharded
+(``shard_optimizer`` / ``ap.parallelize``) raises TypeError saying to decorate first (paddle's own check rejects
+such a wrapper on a GPU with a message naming neither; on a CPU decorate returns before checking)."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +37,7 @@ def install() -> None:
 
     patches.patch(owner, name, _transform)      # undone by ap.uninstall()
     _install_save_dtype(patches)
+    _install_decorate_check(patches)
     patches.on_undo(_reset)
     _installed = True
 
@@ -125,3 +128,33 @@ def write_back(state) -> None:
             pairs = [(src.locals[r], v.locals[r]) for r in src.locals] if is_dist(src) else [(src, v)]
             for dst, got in pairs:
                 dst.set_value(got.astype(dst.dtype))
+
+
+def _install_decorate_check(patches) -> None:
+    import importlib
+
+    import paddle
+
+    module = importlib.import_module("paddle.amp.auto_cast")
+    base = module.decorate
+
+    def decorate(models, optimizers=None, *args, **kwargs):
+        check_not_sharded(optimizers)
+        return base(models, optimizers, *args, **kwargs)
+
+    decorate.__doc__, decorate.__wrapped__ = base.__doc__, base
+    for owner in (paddle.amp, module):
+        patches.patch(owner, "decorate", decorate)
+
+
+def check_not_sharded(optimizers) -> None:
+    """TypeError when ``optimizers`` (one or a list) holds an optimizer already sharded by ap."""
+    from autoparallel.parallel.step_hooks import StepHooks
+
+    for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
+        if isinstance(opt, StepHooks):
+            raise TypeError(f"paddle.amp.decorate(optimizers=...) got a {type(opt).__name__}, an optimizer already "
+                            f"sharded (dist.shard_optimizer / ap.parallelize): its master weights and states are "
+                            f"laid out for the parameters' current dtype. Decorate the model and the paddle "
+                            f"optimizer first, then shard them: model, opt = paddle.amp.decorate(model, opt, "
+                            f"level='O2'); opt = dist.shard_optimizer(opt, ...)")
