@@ -270,3 +270,41 @@ def gpu_place_for_grad_scaler():
         yield
     finally:
         gs._dygraph_tracer = original
+
+
+def layer_cast_slot():
+    """(owner, name) of paddle's per-tensor cast behind ``Layer.to(dtype=...)`` / ``bfloat16()`` / ``float()``."""
+    return paddle.nn.Layer, "_transform"
+
+
+@contextlib.contextmanager
+def gpu_place_for_amp_decorate():
+    """Inside the block ``paddle.amp.decorate`` reads the tracer's place as a GPU place supporting float16 and
+    bfloat16 (on a CPU it returns the models and optimizers untouched), so its O2 cast, master-weight flag and
+    ``save_dtype`` hook can be exercised on a CPU machine. Everything else of the tracer is the real one."""
+    ac = importlib.import_module("paddle.amp.auto_cast")
+    real = ac._dygraph_tracer
+
+    class Place:
+        def is_gpu_place(self):
+            return True
+
+        def is_xpu_place(self):
+            return False
+
+        def is_custom_place(self):
+            return False
+
+    class Tracer:
+        _expected_place = Place()
+
+        def __getattr__(self, name):
+            return getattr(real(), name)
+
+    saved = ac._dygraph_tracer, ac._is_gpu_bfloat16_supported, ac._is_gpu_float16_supported
+    ac._dygraph_tracer = lambda: Tracer()
+    ac._is_gpu_bfloat16_supported = ac._is_gpu_float16_supported = lambda: True
+    try:
+        yield
+    finally:
+        ac._dygraph_tracer, ac._is_gpu_bfloat16_supported, ac._is_gpu_float16_supported = saved

@@ -79,7 +79,32 @@ def settle(t):
             out[r] = reduced._locals[r]
         else:
             mine = x * f if f != 1.0 else x
-            tie = mine - mine.detach()           # 0 with the identity gradient; nan for a non-finite term:
-            tie = paddle.where(paddle.isfinite(mine), tie, paddle.zeros_like(tie))   # inf stays inf
-            out[r] = reduced._locals[r] + tie
+            out[r] = _plus_tie(reduced._locals[r], mine)
     return DistTensor._own(out, reduced._spec)
+
+
+def _plus_tie(reduced, mine):
+    """``reduced + _tie(mine)``; float16/bfloat16 in float32 and cast back (exact: the tie is 0), as paddle has no CPU
+    add kernel for them and a one-process loss needs none."""
+    if mine.dtype not in (paddle.float16, paddle.bfloat16):
+        return reduced + _tie(mine)
+    return (reduced.astype("float32") + _tie(mine.astype("float32"))).astype(mine.dtype)
+
+
+def _tie(mine):
+    """0 with the identity gradient. ``mine - mine.detach()`` is nan for a non-finite term (an overflowing loss on
+    one rank): there a zero forward with the identity backward keeps the reduced inf and hands that rank's inf/nan
+    gradient on (masking it to 0 would drop the rank's gradient and hide the overflow from the loss scaler)."""
+    if bool(paddle.isfinite(mine).all()):
+        return mine - mine.detach()
+    return _ZeroTie.apply(mine)
+
+
+class _ZeroTie(paddle.autograd.PyLayer):
+    @staticmethod
+    def forward(ctx, x):
+        return paddle.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g

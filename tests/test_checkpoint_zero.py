@@ -235,7 +235,7 @@ def test_low_precision_parameters_keep_their_fp32_master_weights(tmp_path, stage
     assert not np.array_equal(master, param.astype(np.float32))     # the master carries more than the parameter
     with ap.simulate(world_size=2):
         zm = half(3)
-        zopt = paddle.optimizer.AdamW(3e-3, parameters=zm.parameters())
+        zopt = paddle.optimizer.AdamW(3e-3, parameters=zm.parameters(), multi_precision=True)
         s = ap.Strategy()
         s.data_parallel.degree = 2
         zm, zopt = parallelize(zm, zopt, strategy=s)

@@ -54,7 +54,11 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__} {strict!r}")
     with watchdog.long_wait("checkpoint load"):     # named to peers like a save's "checkpoint write"
-        return _load(state, path, strict)
+        info = _load(state, path, strict)
+    from autoparallel.parallel import precision_cast
+
+    precision_cast.write_back(state)                # a decorated model's save_dtype copies reach its parameters
+    return info
 
 
 def _load(state: dict, path: str, strict: bool) -> CheckpointInfo:

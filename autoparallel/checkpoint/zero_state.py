@@ -10,7 +10,8 @@ named as ``state.optimizer_state`` names it (``"optimizer/<param>/moment1"``, ..
   ranks holding the same chunk of the same box (replicas over tensor-parallel Replicate dims and HSDP
   replica groups) the lowest rank writes it;
 * per-parameter scalars (beta1_pow_acc, beta2_pow_acc): a DistTensor replicated over the mesh;
-* ``master_weight`` only for low-precision parameters (an fp32 parameter's master chunk is its value);
+* ``master_weight`` only for low-precision parameters of a ``multi_precision`` optimizer, as paddle (otherwise
+  the master chunk is the parameter's value: fp32 parameters, and rounded chunks without multi_precision);
 * the parameter itself: each rank saves its chunk's range of it (stages 1/2 hold it whole and also load
   it whole, then copy their chunk into the master; at stage 3 the fp32 master chunks are the parameter).
 
@@ -99,9 +100,19 @@ def _accumulators(zopt, p, geo) -> dict:
             out[acc_name] = DistTensor({r: get(r) for r in zopt.held}, spec)
         else:
             out[acc_name] = ZeroChunks(geo, get, dtype)
-    if p.spec.dtype != "float32" and not zopt.master[r0][id(p)].stop_gradient:    # frozen: no master
+    if _saves_master(zopt, p):
         out["master_weight"] = ZeroChunks(geo, _master(zopt, p), "float32")
     return out
+
+
+def _saves_master(zopt, p) -> bool:
+    """paddle's state holds a ``master_weight`` for a trainable float16/bfloat16 parameter of a
+    ``multi_precision`` optimizer only; a ZeRO run without it rounds its chunk to the parameter's dtype after
+    every step (parallel/precision_masters.py), so the parameter carries the whole value."""
+    from autoparallel.parallel.precision_masters import keeps_masters
+
+    low = p.spec.dtype in ("float16", "bfloat16")
+    return low and keeps_masters(zopt._inner) and not zopt.master[zopt.held[0]][id(p)].stop_gradient
 
 
 class ChunkGeometry:

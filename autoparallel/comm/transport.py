@@ -22,10 +22,15 @@ _REDUCERS = {"sum": lambda a, b: a + b, "max": paddle.maximum, "min": paddle.min
 
 
 def _reduce_all(ts, op):
-    out = ts[0]
+    """float16/bfloat16 reduced in float32 and cast back, as the gloo transport does (paddle has no CPU add kernel
+    for them, and a real gloo reduction rounds once at the end too)."""
+    dtype = ts[0].dtype
+    low = dtype in (paddle.float16, paddle.bfloat16)
+    out = ts[0].astype("float32") if low else ts[0]
     for t in ts[1:]:
-        out = _REDUCERS["sum" if op == "avg" else op](out, t)
-    return out / len(ts) if op == "avg" else out
+        out = _REDUCERS["sum" if op == "avg" else op](out, t.astype("float32") if low else t)
+    out = out / len(ts) if op == "avg" else out
+    return out.astype(dtype) if low else out
 
 
 class SimTransport:

@@ -44,6 +44,7 @@ def install() -> None:
         from autoparallel.dist_tensor import DistTensor
 
         if isinstance(var, DistTensor):
+            _disable_unless_float16(self)
             if not self._enable:
                 return var
             out = var * float(self._scale)
@@ -105,7 +106,25 @@ def install() -> None:
                             (gs.GradScaler, "scale", scale), (gs.GradScaler, "minimize", minimize)):
         patches.patch(owner, name, fn)          # undone by ap.uninstall()
     patches.on_undo(_reset)
+    from autoparallel.parallel import precision_cast
+
+    precision_cast.install()                    # Layer.to(dtype=...) / bfloat16() over distributed parameters
     _installed = True
+
+
+def _disable_unless_float16(scaler) -> None:
+    """paddle's own rule in ``AmpScaler.scale``: a dynamic scaler whose autocast dtype is not float16 (bfloat16, or
+    no ``auto_cast(dtype="float16")`` entered) turns itself off (scale 1, no skipped steps). A DistTensor loss
+    follows it too, or a distributed run would skip steps and change the scale where one process does not."""
+    import warnings
+
+    from paddle.amp.auto_cast import amp_global_state
+
+    dtype = amp_global_state().amp_dtype
+    if scaler._enable and dtype != "float16" and scaler._use_dynamic_loss_scaling:
+        scaler._enable, scaler._use_dynamic_loss_scaling, scaler._init_loss_scaling = False, False, 1.0
+        warnings.warn(f"It is not recommended to use dynamic loss scaling for {dtype}, so GradScaler is disable by "
+                      f"default.")
 
 
 def _reset() -> None:

@@ -36,6 +36,7 @@ from autoparallel.memory import live_bytes
 from autoparallel.parallel import clip as clipping
 from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors, sync_lr
 from autoparallel.parallel.param_list import flat_params
+from autoparallel.parallel.precision_masters import round_unmastered
 from autoparallel.parallel.step_hooks import StepHooks
 from autoparallel.parallel.zero_groups import ZeroGroups, apply_groups
 from autoparallel.parallel.zero_layout import BucketLayout, split_buckets
@@ -334,6 +335,7 @@ class ZeroOptimizer(StepHooks):
                     m._copy_gradient_from(g._copy_to(self.host, True) if self.offload else g)
                 sync_lr(self._inner, self.inner_opts[r])
                 self.inner_opts[r].step()
+                round_unmastered(self.master[r], self.params, self._inner)     # multi_precision=False
         if self.stage < 3:              # a frozen parameter's chunk did not move: its local data is current
             for bucket in self.buckets:
                 self.gather([p for p in bucket if not p.stop_gradient])
