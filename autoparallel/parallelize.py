@@ -269,7 +269,9 @@ def _replacements(before: list, model) -> dict:
     the one replacement, then checked that no original parameter is reachable from the model."""
     replaced = repoint(model, before)
     check_replaced(model, before)
-    return replaced
+    from autoparallel.parallel.cross_ties import join
+
+    return join(model, before, replaced)            # a parameter shared with a model parallelized earlier
 
 
 # ---- seed-style wrappers ------------------------------------------------------------------------------------
