@@ -68,7 +68,7 @@ def simulated(fn, *args):
 
 
 # ---- GAN -------------------------------------------------------------------------------------------------
-def gan(gmode, dmode):
+def gan(gmode, dmode, detach=False):
     paddle.seed(1)
     G, D = MLP(4, 16, 6), MLP(6, 16, 1)
     og = paddle.optimizer.Adam(1e-2, parameters=G.parameters())
@@ -83,14 +83,15 @@ def gan(gmode, dmode):
             ld = ld + 0.1 * (g * g).sum(-1).mean()
         ld.backward()
         od.step(), od.clear_grad()
-        lg = F.softplus(-D(G(z))).mean()
+        fake = G(z)
+        lg = F.softplus(-D(fake.detach() if detach else fake)).mean()   # detach: the negative control
         lg.backward()
         og.step(), og.clear_grad(), od.clear_grad()
         losses.append((float(ld), float(lg)))
     return losses, values(G), values(D)
 
 
-@pytest.mark.parametrize("gmode, dmode", [("tp", "tp"), ("dp", "zero3")])
+@pytest.mark.parametrize("gmode, dmode", [("tp", "tp"), ("dp", "zero3"), ("dp", "tp")])
 def test_gan_two_models_two_optimizers_equal_one_process(gmode, dmode):
     ref, got = gan(None, dmode), simulated(gan, gmode, dmode)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-4, atol=1e-6)
@@ -243,3 +244,16 @@ def test_two_models_on_sub_meshes_train_through_a_reshard():
     got = simulated(lambda: two_meshes((ap.ProcessMesh([0], dim_names=["x"]), ap.ProcessMesh([1], dim_names=["x"]))))
     assert np.isclose(got[0], ref[0], rtol=1e-5)
     close(got[1], ref[1]), close(got[2], ref[2])
+
+
+def test_a_whole_tensor_between_meshes_of_one_rank_set_stays_on_its_rank():
+    from reshard import plan_cross_mesh
+
+    a, b = ap.ProcessMesh([[0, 1]], dim_names=["data", "model"]), ap.ProcessMesh([[0], [1]], dim_names=["data", "model"])
+    plan = plan_cross_mesh([8, 6], "float32", a, "S(1),R", b, "R,S(0)")
+    send = [p for p in plan.program if p.collective.value == "send_recv"]
+    assert [s.calls[0][0] for s in send] == [((0, 0), (1, 1))]          # each rank keeps its own copy
+    assert [s.bytes_per_rank for s in plan.steps if s.collective.value == "send_recv"] == [0.0]
+    c = ap.ProcessMesh([[2, 3]], dim_names=["data", "model"])
+    other = plan_cross_mesh([8, 6], "float32", b, "R,R", c, "R,R")      # other ranks: k receives from k % n
+    assert other.program[0].calls[0][0] == ((0, 2), (1, 3)) and other.steps[0].bytes_per_rank > 0

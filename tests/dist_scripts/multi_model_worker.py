@@ -1,0 +1,37 @@
+"""Runs on 2 ranks: several models in one program on real gloo ranks (tests/test_probe_multi_model_dist.py).
+
+* a GAN whose generator and discriminator sit on different meshes over the same two ranks (DP [2, 1] and TP
+  [1, 2]), with a gradient penalty: the generator's output crosses to the discriminator's mesh rank-locally and
+  its gradient comes back;
+* negative control: the generator step fed a detached output (no gradient reaches the generator);
+* an EMA copy made by copy.deepcopy of a tensor-parallel model; a parameter shared by a teacher and a student.
+Each reports losses and full parameter values (lists) for comparison with one process."""
+
+import paddle
+import paddle.distributed as dist
+
+import autoparallel as ap  # noqa: F401
+from autoparallel.testing.launch import write_result
+from test_probe_multi_model_values import distill, ema_run, gan
+
+
+def plain(run):
+    losses, *models = run
+    return {"losses": losses, "models": [{k: v.tolist() for k, v in m.items()} for m in models]}
+
+
+def main():
+    dist.init_parallel_env()
+    out = {"gan dp/tp": plain(gan("dp", "tp")), "gan tp/dp": plain(gan("tp", "dp"))}
+    out["gan detached (control)"] = plain(gan("dp", "tp", detach=True))
+    evals, m, ema, *_ = ema_run("tp", "after")
+    out["ema tp"] = {"losses": [e.tolist() for e in evals], "models": [{k: v.tolist() for k, v in d.items()}
+                                                                      for d in (m, ema)]}
+    losses, student, teacher, _, tied = distill("dp", "dp")
+    out["distill shared dp"] = {"losses": losses, "models": [{k: v.tolist() for k, v in d.items()}
+                                                            for d in (student, teacher)], "tied": tied}
+    write_result(out)
+
+
+if __name__ == "__main__":
+    main()
