@@ -77,13 +77,13 @@ def gan(gmode, dmode, detach=False):
     losses = []
     for i in range(3):
         z, real = paddle.to_tensor(Z[i]), paddle.to_tensor(R[i], stop_gradient=False)
-        ld = F.softplus(-D(real)).mean() + F.softplus(D(G(z).detach())).mean()
+        ld = F.softplus(-D(real)).mean() + F.softplus(D(onto(G(z), D).detach())).mean()
         if dmode != "zero3":            # gradient penalty (create_graph through a ZeRO-3 model: docs/several_models.md)
             g = paddle.grad(D(real).sum(), real, create_graph=True)[0]
             ld = ld + 0.1 * (g * g).sum(-1).mean()
         ld.backward()
         od.step(), od.clear_grad()
-        fake = G(z)
+        fake = onto(G(z), D)
         lg = F.softplus(-D(fake.detach() if detach else fake)).mean()   # detach: the negative control
         lg.backward()
         og.step(), og.clear_grad(), od.clear_grad()
@@ -91,11 +91,54 @@ def gan(gmode, dmode, detach=False):
     return losses, values(G), values(D)
 
 
+def onto(x, model):
+    """``x`` on ``model``'s mesh, batch-sharded over its data dim: the explicit move between two models' meshes."""
+    if not ap.is_dist(x) or x.mesh == ap.mesh_of(model):
+        return x
+    mesh = ap.mesh_of(model)
+    return ap.reshard(x, mesh, [ap.Shard(0) if n == "data" else ap.Replicate() for n in mesh.dim_names])
+
+
 @pytest.mark.parametrize("gmode, dmode", [("tp", "tp"), ("dp", "zero3"), ("dp", "tp")])
 def test_gan_two_models_two_optimizers_equal_one_process(gmode, dmode):
     ref, got = gan(None, dmode), simulated(gan, gmode, dmode)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-4, atol=1e-6)
     close(got[1], ref[1]), close(got[2], ref[2])
+
+
+class Both(nn.Layer):
+    def __init__(self, G, D):
+        super().__init__()
+        self.G, self.D = G, D
+
+
+def gan_one_call(mode):
+    """G and D in one wrapper parallelized with G's optimizer; D's optimizer, built before, is left to paddle."""
+    paddle.seed(1)
+    G, D = MLP(4, 16, 6), MLP(6, 16, 1)
+    og = paddle.optimizer.Adam(1e-2, parameters=G.parameters())
+    od = paddle.optimizer.Adam(1e-2, parameters=D.parameters())
+    if mode:
+        both, og = par(Both(G, D), og, mode)
+        G, D = both.G, both.D
+    for i in range(3):
+        z, real = paddle.to_tensor(Z[i]), paddle.to_tensor(R[i])
+        (F.softplus(-D(real)).mean() + F.softplus(D(G(z).detach())).mean()).backward()
+        od.step(), od.clear_grad()
+        F.softplus(-D(G(z))).mean().backward()
+        og.step(), og.clear_grad(), od.clear_grad()
+    return values(G), values(D)
+
+
+@pytest.mark.parametrize("mode", ["dp", "zero3"])
+def test_a_second_optimizer_built_before_parallelize_follows_the_parameters(mode):
+    ref, got = gan_one_call(None), simulated(gan_one_call, mode)
+    close(got[0], ref[0]), close(got[1], ref[1])          # D trained by its own optimizer (it stepped the originals)
+
+
+def test_a_list_of_models_is_a_typed_error_naming_the_forms_that_work():
+    with pytest.raises(TypeError, match="takes one model"):
+        ap.parallelize([MLP(4, 4, 4), MLP(4, 4, 4)], None, strategy=ap.Strategy())
 
 
 # ---- distillation: a parameter shared by teacher and student -----------------------------------------------

@@ -51,11 +51,10 @@ def shard_inputs(model, mesh) -> None:
 
     def place(x):
         if isinstance(x, DistTensor):
-            if x.mesh != mesh and sorted(x.mesh.process_ids) == sorted(mesh.process_ids):
-                return _onto(x, mesh)              # another model's mesh over the same ranks (rank-local move)
             if x.mesh != mesh:
                 raise ValueError(f"{type(model).__name__} runs on mesh {mesh} but got a DistTensor on mesh "
-                                 f"{x.mesh}; reshard it onto the model's mesh (ap.reshard) or pass the plain tensor")
+                                 f"{x.mesh}; reshard it onto the model's mesh (ap.reshard(x, ap.mesh_of(model), "
+                                 f"placements)) or pass the plain tensor")
             return x
         if not isinstance(x, (paddle.Tensor, paddle.pir.Value)) or x.ndim == 0:      # Value: jit.to_static
             return x
@@ -71,13 +70,6 @@ def shard_inputs(model, mesh) -> None:
 
     def pre(_layer, args, kwargs):                 # keyword inputs (model(input_ids=..., labels=...)) too
         return tuple(place(x) for x in args), {k: place(v) for k, v in kwargs.items()}
-
-    def _onto(x, mesh):
-        from autoparallel.dist_tensor import reshard
-
-        dims = _input_dims()
-        placements = [Shard(0) if n in dims and x.ndim > 0 else Replicate() for n in mesh.dim_names]
-        return reshard(x, mesh, placements)
 
     model.register_forward_pre_hook(pre, with_kwargs=True)
     layer_state.put(model, "mesh", mesh)
