@@ -77,10 +77,9 @@ def gan(gmode, dmode, detach=False):
     losses = []
     for i in range(3):
         z, real = paddle.to_tensor(Z[i]), paddle.to_tensor(R[i], stop_gradient=False)
-        ld = F.softplus(-D(real)).mean() + F.softplus(D(onto(G(z), D).detach())).mean()
-        if dmode != "zero3":            # gradient penalty (create_graph through a ZeRO-3 model: docs/several_models.md)
-            g = paddle.grad(D(real).sum(), real, create_graph=True)[0]
-            ld = ld + 0.1 * (g * g).sum(-1).mean()
+        out = D(real)
+        g = paddle.grad(out.sum(), real, create_graph=True)[0]            # gradient penalty
+        ld = F.softplus(-out).mean() + F.softplus(D(onto(G(z), D).detach())).mean() + 0.1 * (g * g).sum(-1).mean()
         ld.backward()
         od.step(), od.clear_grad()
         fake = onto(G(z), D)
