@@ -1,7 +1,8 @@
 """Several models in one program on 2 real gloo ranks (one shared-launch job, dist_scripts/multi_model_worker.py),
 against one process: a GAN with the generator and discriminator on different meshes over the same ranks (the
 generator's gradient crosses back rank-locally; in simulation it always did), an EMA deepcopy of a tensor-parallel
-model, a parameter shared by a teacher and a student. Negative control: a generator fed a detached output differs."""
+model, a parameter shared by a teacher and a student; backward on a rank holding no part of the loss (two
+models on disjoint sub-meshes) is a typed error. Negative control: a generator fed a detached output differs."""
 import os
 
 import numpy as np
@@ -47,3 +48,9 @@ def test_ema_deepcopy_and_a_shared_parameter_equal_one_process(ranks):
         same(r["ema tp"], [e.tolist() for e in evals], [m, ema])
         same(r["distill shared dp"], losses, [student, teacher])
         assert r["distill shared dp"]["tied"]
+
+
+def test_backward_on_a_rank_holding_no_part_of_the_loss_is_a_typed_error(ranks):
+    got = [r["sub-meshes backward"] for r in ranks]
+    assert got[0]["error"] == "NotImplementedError" and "holds no part" in got[0]["text"]
+    assert got[1] == {"error": None, "b_grad": True}
