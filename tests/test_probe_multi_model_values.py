@@ -299,3 +299,31 @@ def test_a_whole_tensor_between_meshes_of_one_rank_set_stays_on_its_rank():
     c = ap.ProcessMesh([[2, 3]], dim_names=["data", "model"])
     other = plan_cross_mesh([8, 6], "float32", b, "R,R", c, "R,R")      # other ranks: k receives from k % n
     assert other.program[0].calls[0][0] == ((0, 2), (1, 3)) and other.steps[0].bytes_per_rank > 0
+
+
+def _has_paddleformers() -> bool:
+    from autoparallel.testing import paddleformers_models as pm
+
+    return pm.available()
+
+
+@pytest.mark.skipif(not _has_paddleformers(), reason="paddleformers not installed (pip install -e .[models])")
+def test_a_paddleformers_model_deepcopied_after_tensor_parallel_is_its_own_model():
+    from autoparallel.testing import paddleformers_models as pm
+
+    ids, labels = (paddle.to_tensor(a) for a in pm.batch())
+    with ap.simulate(world_size=2):
+        s = ap.Strategy()
+        s.tensor_parallel.degree = 2
+        model = pm.build("llama")
+        m, opt = ap.parallelize(model, paddle.optimizer.SGD(0.5, parameters=model.parameters()), strategy=s)
+        ref = copy.deepcopy(m)
+        ref.eval()
+        with paddle.no_grad():
+            before = float(pm.loss_of(ref(ids, labels=labels)))
+        pm.loss_of(m(ids, labels=labels)).backward()
+        opt.step()
+        with paddle.no_grad():
+            assert float(pm.loss_of(ref(ids, labels=labels))) == before          # the copy did not move
+            assert float(pm.loss_of(m(ids, labels=labels))) != before            # the original did
+        assert all(ap.is_dist(p) for p in ref.parameters())
