@@ -29,10 +29,10 @@ _REFUSE_ZERO3 = ("copy.deepcopy of {name}: a ZeRO-3 parameter holds no data of i
 def copy_param(param, memo):
     """A DistParameter with the same spec and every held shard cloned (paddle's own naming: ``<name>_deepcopy_k``)."""
     from autoparallel.dist_tensor import _make_param
-    from autoparallel.dist_tensor_forms import ZERO3_OWNERS
+    from autoparallel.dist_tensor_forms import _owner
     from autoparallel.local_mode import local_mode
 
-    if param in ZERO3_OWNERS:
+    if getattr(_owner(param), "stage", None) == 3:          # ZeRO-1/2 parameters are whole: copied as any
         raise NotImplementedError(_REFUSE_ZERO3.format(name=param.name))
     with local_mode(), paddle.no_grad():
         held = {r: t.detach().clone() for r, t in param._ap_locals.items()}

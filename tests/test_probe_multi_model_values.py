@@ -227,6 +227,48 @@ def test_ema_copy_equals_one_process(mode, when):
         assert all(q.locals[r] is not p.locals[r] for r in p.locals), n
 
 
+EMA_FORMS = {"copy_": lambda p, q: p.copy_(0.9 * p + 0.1 * q, False), "lerp_": lambda p, q: p.lerp_(q, 0.1),
+             "assign": lambda p, q: paddle.assign(0.9 * p + 0.1 * q, p)}
+
+
+def ema_form_run(mode, form):
+    """EMA updates in paddle's other forms; "state_dict": ``ema.set_state_dict(model.state_dict())``."""
+    paddle.seed(1)
+    m = MLP(6, 16, 3)
+    ema, opt = copy.deepcopy(m), paddle.optimizer.Adam(1e-2, parameters=m.parameters())
+    m, opt = par(m, opt, mode)
+    ema, _ = par(ema, None, "dp" if mode == "zero3" else mode)
+    for i in range(2):
+        F.mse_loss(m(paddle.to_tensor(R[i])), paddle.to_tensor(R[i][:, :3])).backward()
+        opt.step(), opt.clear_grad()
+        with paddle.no_grad():
+            if form == "state_dict":
+                ema.set_state_dict(m.state_dict())
+                continue
+            for p, q in zip(ema.parameters(), m.parameters()):
+                EMA_FORMS[form](p, q)
+    return values(ema)
+
+
+@pytest.mark.parametrize("mode, form", [("tp", "copy_"), ("zero3", "state_dict"), ("zero3", "lerp_"),
+                                        ("zero3", "assign")])
+def test_ema_update_forms_equal_one_process(mode, form):
+    close(simulated(ema_form_run, mode, form), ema_form_run(None, form))
+
+
+def test_a_zero2_model_deepcopies_like_a_plain_one():
+    with ap.simulate(world_size=2):
+        m = MLP(6, 16, 3)
+        s = ap.Strategy()
+        s.data_parallel.degree, s.sharding.enable, s.sharding.stage = 2, True, 2
+        m, opt = ap.parallelize(m, paddle.optimizer.Adam(parameters=m.parameters()), strategy=s)
+        x = paddle.to_tensor(R[0])
+        F.mse_loss(m(x), paddle.to_tensor(R[0][:, :3])).backward()
+        opt.step()
+        c = copy.deepcopy(m)
+        np.testing.assert_array_equal(c(x).full().numpy(), m(x).full().numpy())
+
+
 def test_a_deepcopy_owns_its_storage_and_is_known_as_parallelized():
     with ap.simulate(world_size=2):
         m, _ = par(MLP(6, 16, 3), None, "tp")
