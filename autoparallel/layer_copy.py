@@ -6,10 +6,11 @@ sharing storage or rewrites.
                                         # and placements, every rank's shard cloned; input sharding carried over
 
 paddle copies a Parameter as a plain Parameter of its local data, which would turn a shard into a wrong-sized
-plain weight; a DistParameter copies all its held shards instead (``copy_param``). A layer keeps what
-autoparallel knows about it (its mesh) on the copy, so the copy shards its inputs and refuses a second
-``ap.parallelize`` like the original. Refused, naming what to do instead: a ZeRO-3 parameter (its data lives in
-the optimizer's chunks and is gathered by hooks bound to the original model) and a layer whose ``forward``
+plain weight; a DistParameter copies all its held shards instead (``copy_param``). A ZeRO-3 parameter (released
+between uses) is gathered for the copy, which holds it whole and is not sharded by any optimizer; the copy's
+layers drop the ZeRO-3 gather/release hooks (bound to the original's optimizer and parameters). A layer keeps
+what autoparallel knows about it (its mesh) on the copy, so the copy shards its inputs and refuses a second
+``ap.parallelize`` like the original. Refused, naming what to do instead: a layer whose ``forward``
 autoparallel rewrote in place (recompute segments: the rewrite calls the original layer).
 """
 from __future__ import annotations
@@ -20,21 +21,18 @@ import paddle
 
 from autoparallel import layer_state, patches
 
-_REFUSE_ZERO3 = ("copy.deepcopy of {name}: a ZeRO-3 parameter holds no data of its own (its chunks live in the "
-                 "optimizer and hooks bound to the original model gather them); deepcopy the model before "
-                 "ap.parallelize and parallelize the copy without sharding stage 3, or copy the values with "
-                 "{{n: p.full() for n, p in model.named_parameters()}}")
+_BOUND_TO_ORIGINAL = ("autoparallel.parallel.zero_params",)   # hooks closed over the original's parameters
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_post_hooks", "_forward_pre_hooks_with_kwargs_flag",
+               "_forward_post_hooks_with_kwargs_flag", "_forward_post_hooks_always_called")
 
 
 def copy_param(param, memo):
     """A DistParameter with the same spec and every held shard cloned (paddle's own naming: ``<name>_deepcopy_k``)."""
     from autoparallel.dist_tensor import _make_param
-    from autoparallel.dist_tensor_forms import _owner
+    from autoparallel.dist_tensor_forms import _whole
     from autoparallel.local_mode import local_mode
 
-    if getattr(_owner(param), "stage", None) == 3:          # ZeRO-1/2 parameters are whole: copied as any
-        raise NotImplementedError(_REFUSE_ZERO3.format(name=param.name))
-    with local_mode(), paddle.no_grad():
+    with _whole(param), local_mode(), paddle.no_grad():      # a released ZeRO-3 parameter: gathered for the copy
         held = {r: t.detach().clone() for r, t in param._ap_locals.items()}
     new = _make_param(held, param._ap_spec, like=param)
     new.name = param.name + paddle.utils.unique_name.generate("_deepcopy")
@@ -53,10 +51,22 @@ def layer_deepcopy(self, memo):
     new = cls.__new__(cls)
     memo[id(self)] = new
     new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+    _drop_bound_hooks(new)
     mesh = layer_state.mesh_of(self)
     if mesh is not None:
         layer_state.put(new, "mesh", mesh)
     return new
+
+
+def _drop_bound_hooks(layer) -> None:
+    """The copy's forward hooks that act on the original's parameters (ZeRO-3 gather/release) are removed."""
+    hooks = {**layer.__dict__.get("_forward_pre_hooks", {}), **layer.__dict__.get("_forward_post_hooks", {})}
+    bound = [k for k, fn in hooks.items() if getattr(fn, "__module__", None) in _BOUND_TO_ORIGINAL]
+    for name in _HOOK_DICTS:
+        table = layer.__dict__.get(name)
+        for k in bound:
+            if table is not None and k in table:
+                del table[k]
 
 
 def _check_rewrites(layer) -> None:

@@ -1,7 +1,7 @@
 """Several models in one program on 2 real gloo ranks (one shared-launch job, dist_scripts/multi_model_worker.py),
 against one process: a GAN with the generator and discriminator on different meshes over the same ranks (the
-generator's gradient crosses back rank-locally; in simulation it always did), an EMA deepcopy of a tensor-parallel
-model, a parameter shared by a teacher and a student; backward on a rank holding no part of the loss (two
+generator's gradient crosses back rank-locally; in simulation it always did), an EMA deepcopy of a tensor-parallel and
+of a ZeRO-3 model, a parameter shared by a teacher and a student; backward on a rank holding no part of the loss (two
 models on disjoint sub-meshes) is a typed error. Negative control: a generator fed a detached output differs."""
 import os
 
@@ -46,6 +46,7 @@ def test_ema_deepcopy_and_a_shared_parameter_equal_one_process(ranks):
     losses, student, teacher, _, _ = distill(None, None)
     for r in ranks:
         same(r["ema tp"], [e.tolist() for e in evals], [m, ema])
+        same(r["ema zero3"], [e.tolist() for e in evals], [m, ema])
         same(r["distill shared dp"], losses, [student, teacher])
         assert r["distill shared dp"]["tied"]
 

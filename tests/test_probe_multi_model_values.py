@@ -217,7 +217,7 @@ def ema_run(mode, when):
     return evals, values(m), values(ema), ema, m
 
 
-@pytest.mark.parametrize("mode, when", [("tp", "after"), ("dp", "after"), ("zero3", "before")])
+@pytest.mark.parametrize("mode, when", [("tp", "after"), ("dp", "after"), ("zero3", "before"), ("zero3", "after")])
 def test_ema_copy_equals_one_process(mode, when):
     ref, got = ema_run(None, when), simulated(ema_run, mode, when)
     np.testing.assert_allclose(np.stack(got[0]), np.stack(ref[0]), rtol=1e-5, atol=1e-6)
@@ -283,12 +283,21 @@ def test_a_deepcopy_owns_its_storage_and_is_known_as_parallelized():
             par(c, None, "tp")
 
 
-def test_deepcopy_refuses_zero3_and_recompute_rewrites():
+def test_a_zero3_copy_is_whole_and_drops_the_originals_gather_hooks():
+    from autoparallel.dist_tensor_forms import ZERO3_OWNERS
+
     with ap.simulate(world_size=2):
         m = MLP(6, 16, 3)
         m, _ = par(m, paddle.optimizer.SGD(parameters=m.parameters()), "zero3")
-        with pytest.raises(NotImplementedError, match="ZeRO-3 parameter"):
-            copy.deepcopy(m)
+        c = copy.deepcopy(m)
+        assert not any(p in ZERO3_OWNERS for p in c.parameters())
+        assert all(t._is_initialized() for p in c.parameters() for t in p.locals.values())
+        assert not any(getattr(f, "__module__", "").endswith("zero_params") for f in c.fc1._forward_pre_hooks.values())
+        assert any(getattr(f, "__module__", "").endswith("zero_params") for f in m.fc1._forward_pre_hooks.values())
+
+
+def test_deepcopy_refuses_recompute_rewrites():
+    with ap.simulate(world_size=2):
         blocks = Blocks()
         s = ap.Strategy()
         s.data_parallel.degree, s.recompute.enable = 2, True

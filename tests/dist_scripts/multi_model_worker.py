@@ -4,7 +4,7 @@
   [1, 2]), with a gradient penalty: the generator's output crosses to the discriminator's mesh rank-locally and
   its gradient comes back;
 * negative control: the generator step fed a detached output (no gradient reaches the generator);
-* an EMA copy made by copy.deepcopy of a tensor-parallel model; a parameter shared by a teacher and a student;
+* an EMA copy made by copy.deepcopy of a tensor-parallel and of a ZeRO-3 model; a parameter shared by a teacher and a student;
 * two models on the sub-meshes [0] and [1]: backward on the rank that holds no part of the loss is a typed error.
 Each reports losses and full parameter values (lists) for comparison with one process."""
 
@@ -25,9 +25,10 @@ def main():
     dist.init_parallel_env()
     out = {"gan dp/tp": plain(gan("dp", "tp")), "gan tp/dp": plain(gan("tp", "dp"))}
     out["gan detached (control)"] = plain(gan("dp", "tp", detach=True))
-    evals, m, ema, *_ = ema_run("tp", "after")
-    out["ema tp"] = {"losses": [e.tolist() for e in evals], "models": [{k: v.tolist() for k, v in d.items()}
-                                                                      for d in (m, ema)]}
+    for mode in ("tp", "zero3"):
+        evals, m, ema, *_ = ema_run(mode, "after")
+        out[f"ema {mode}"] = {"losses": [e.tolist() for e in evals], "models": [{k: v.tolist() for k, v in d.items()}
+                                                                               for d in (m, ema)]}
     losses, student, teacher, _, tied = distill("dp", "dp")
     out["distill shared dp"] = {"losses": losses, "models": [{k: v.tolist() for k, v in d.items()}
                                                             for d in (student, teacher)], "tied": tied}
