@@ -28,6 +28,12 @@ def run(tensors=(), retain_graph: bool = False) -> None:
     """Before ``paddle.autograd.backward(tensors, ..., retain_graph)`` of a distributed graph."""
     from autoparallel.retained_graph import check_backward
 
+    if not tensors:
+        raise NotImplementedError(
+            "backward() of a tensor this rank holds no part of (it lives on a mesh of other ranks): in a launched "
+            "job a gradient does not flow back across ranks through ap.reshard between meshes of different ranks "
+            "(ap.simulate runs it); call backward on the ranks of the loss's mesh only (`if rank in "
+            "loss.mesh.process_ids`) and pass tensors between models on disjoint ranks detached")
     check_backward(tensors, retain_graph)
     if not _WAITING:
         return

@@ -64,7 +64,7 @@ def _install_hooks() -> None:
     from autoparallel.graph import jit
     from autoparallel.lazy_init import order
     from autoparallel import ddp_guard, hapi_forms, no_sync, trainer_forms
-    from autoparallel import nn_utils_forms, param_init, pylayer_forms, state_dict_forms
+    from autoparallel import layer_copy, nn_utils_forms, param_init, pylayer_forms, state_dict_forms
     from autoparallel.parallel import amp_scaler, full_state, implicit_optimizer, lr_metrics, model_recompute
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
@@ -84,6 +84,7 @@ def _install_hooks() -> None:
     hapi_forms.install()
     ddp_guard.install()
     trainer_forms.install()
+    layer_copy.install()
 
 
 def _reset() -> None:

@@ -192,9 +192,12 @@ PARAM_RANDOM_FILLS = {name: _param_random(name) for name in RANDOM_FILLS}
 def param_copy_(self, src, blocking: bool = True):
     """paddle's ``copy_``: a source of the GLOBAL shape sets every held shard to its part (``set_value``);
     a source of this shard's shape copies into this shard."""
-    if not in_local_mode() and list(getattr(src, "shape", ())) == self.global_shape and not _is_dist(src):
-        param_set_value(self, src)
+    if not in_local_mode() and list(getattr(src, "shape", ())) == self.global_shape:
+        param_set_value(self, src)              # a distributed source too (resharded onto this layout)
         return self
+    if _is_dist(src):
+        raise ValueError(f"copy_ into the distributed parameter {self.name}: the distributed source has global "
+                         f"shape {list(src.shape)}, the parameter {self.global_shape}")
     if in_local_mode():
         return EagerParamBase.copy_(self, src, blocking)
     with _writing(self):

@@ -54,6 +54,9 @@ def shard_layer(layer, mesh: ProcessMesh, shard_fn=None, input_fn=None, output_f
     repoint(layer, before)                     # a tied parameter sharded through one holder: all holders see it
     replicate_remaining(layer, mesh)
     check_replaced(layer, before)
+    from autoparallel.parallel.cross_ties import join
+
+    join(layer, before, repoint(layer, before))  # a parameter shared with a model distributed earlier
     from autoparallel.parallel.stale_optimizers import replaced_params, repoint_optimizers
 
     repoint_optimizers(replaced_params(before))

@@ -154,6 +154,11 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     BUILT[:] = [r for r in BUILT if r() is not None and r() is not model] + [weakref.ref(model)]
     if optimizer is not None:
         optimizer = build_optimizer(build, wrap_optimizer(optimizer, replaced, strategy.gradient_accumulation_steps))
+    if not _deferred:                  # another optimizer over this model's parameters (a GAN's second one)
+        from autoparallel.parallel.stale_optimizers import repoint_optimizers
+
+        within = {id(s.param) for s in original} | {id(p) for p in model.parameters()}
+        repoint_optimizers(replaced, stepped="skip", within=within)
     _attach_run(model, optimizer, strategy)
     return model, optimizer
 
@@ -161,6 +166,10 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
 def check_model(model, where: str) -> None:
     import paddle
 
+    if isinstance(model, (list, tuple)) and all(isinstance(m, paddle.nn.Layer) for m in model):
+        raise TypeError(f"{where} takes one model, got a {type(model).__name__} of {len(model)}: parallelize each "
+                        f"model with its own call (a second optimizer is repointed to the distributed parameters), "
+                        f"or hold them in one paddle.nn.Layer (docs/several_models.md)")
     if not isinstance(model, paddle.nn.Layer):
         raise TypeError(f"{where} expects the model as a paddle.nn.Layer, got {type(model).__name__} {model!r:.80}")
 
@@ -269,7 +278,9 @@ def _replacements(before: list, model) -> dict:
     the one replacement, then checked that no original parameter is reachable from the model."""
     replaced = repoint(model, before)
     check_replaced(model, before)
-    return replaced
+    from autoparallel.parallel.cross_ties import join
+
+    return join(model, before, replaced)            # a parameter shared with a model parallelized earlier
 
 
 # ---- seed-style wrappers ------------------------------------------------------------------------------------

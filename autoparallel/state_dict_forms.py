@@ -55,6 +55,9 @@ def _load(name, p, value) -> None:
     import paddle
 
     if is_dist(value):
+        if hasattr(value, "_ap_locals"):        # a released ZeRO-3 parameter of another model (an EMA copy's source)
+            from autoparallel.dist_tensor_forms import gather_released
+            gather_released(value)
         src = reshard(as_dist(value), p.mesh, p.placements)
         with local_mode(), paddle.no_grad():
             for r, t in p.locals.items():

@@ -17,6 +17,7 @@ from autoparallel.core.spec import DistSpec
 from reshard import cache
 from reshard.explain import explain_step
 from reshard.plan import ReshardPlan, ReshardStep
+from reshard.program import whole_pairs
 from reshard.planner import cached_plan, plan_reshard, pricer, state_graph
 from reshard.pricing import slowest_seconds
 from reshard.search import distances, near
@@ -80,15 +81,21 @@ def _send(shape, dtype, src_mesh, dst_mesh, state, dst_state, cluster) -> Reshar
     """Every destination rank at flat position k receives the local tensor of source position k % size."""
     b = pricer(shape, dtype, src_mesh, cluster).local_nbytes(state)
     src_ids, dst_ids = src_mesh.process_ids, dst_mesh.process_ids
-    pairs = [(src_ids[k % len(src_ids)], r) for k, r in enumerate(dst_ids)]
-    sends = -(-len(dst_ids) // len(src_ids))                # messages the busiest source rank sends
+    if src_mesh.shape == dst_mesh.shape:
+        pairs = [(src_ids[k % len(src_ids)], r) for k, r in enumerate(dst_ids)]
+    else:                                                   # whole tensors; a rank in both meshes keeps its own
+        pairs = [p for p in whole_pairs(src_ids, dst_ids) if p[0] != p[1]]
+    per_source = {}
+    for s, _ in pairs:
+        per_source[s] = per_source.get(s, 0) + 1
+    sends = max(per_source.values(), default=0)             # messages the busiest source rank sends
     links = tuple(dict.fromkeys(cluster.link_for(p) for p in pairs))
-    seconds = slowest_seconds(Collective.SEND_RECV, b, 2, links, cluster.backend)
+    seconds = slowest_seconds(Collective.SEND_RECV, b, 2, links, cluster.backend) if pairs else 0.0
     nbytes = emulated_bytes(Collective.SEND_RECV, b, 2, cluster.backend)
     if src_mesh.shape == dst_mesh.shape:
         text = explain_step(Collective.SEND_RECV, -1, None, None, 2)
     else:
-        text = (f"destination rank k receives the whole tensor from source rank k % {len(src_ids)} "
-                f"({sends} send{'s' if sends != 1 else ''} per source rank)")
+        text = (f"destination rank k receives the whole tensor from source rank k % {len(src_ids)}, a rank of "
+                f"both meshes keeps its own ({sends} send{'s' if sends != 1 else ''} per source rank)")
     return ReshardStep(Collective.SEND_RECV, -1, state, dst_state, float(sends * nbytes), float(sends * seconds),
                        None, text, src_mesh, dst_mesh)

@@ -103,6 +103,8 @@ def _kind(cls) -> str:
 def send_calls(before: DistSpec, after: DistSpec) -> tuple:
     """``(pairs, receive shapes)``: every shard goes to the rank at the same coordinate of ``after.mesh``."""
     src, dst = before.mesh, after.mesh
+    if src.shape != dst.shape and _replicated(before) and _replicated(after):
+        return whole_pairs(src.process_ids, dst.process_ids), {d: tuple(before.shape) for d in dst.process_ids}
     if src.shape != dst.shape or before.placements != after.placements:
         raise NotImplementedError(f"direct cross-mesh transfer needs equal mesh shapes and placements, got "
                                   f"{src.shape} {before.placements} -> {dst.shape} {after.placements}")
@@ -112,3 +114,15 @@ def send_calls(before: DistSpec, after: DistSpec) -> tuple:
         pairs.append((s, d))
         shapes[d] = before.local_shape(coords)
     return tuple(pairs), shapes
+
+
+def _replicated(spec: DistSpec) -> bool:
+    return all(isinstance(p, Replicate) for p in spec.placements)
+
+
+def whole_pairs(src_ids, dst_ids) -> tuple:
+    """``(source, destination)`` pairs moving a whole (replicated) tensor between meshes of different shapes:
+    a destination rank that is also a source rank keeps its own copy (no message); any other destination rank
+    at flat position k receives from source flat position k % source size."""
+    own = set(src_ids)
+    return tuple((r if r in own else src_ids[k % len(src_ids)], r) for k, r in enumerate(dst_ids))

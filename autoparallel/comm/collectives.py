@@ -262,16 +262,17 @@ def broadcast(xs, ranks, src):
 
 def send_recv(xs, pairs, recv_shapes, dtype):
     """Point-to-point: for each (src, dst) pair, dst receives src's tensor (recv_shapes: {dst: shape}).
-    Differentiable in the simulated world (the adjoint sends the gradient back)."""
+    Differentiable in the simulated world (the adjoint sends the gradient back); on real ranks only a pair that
+    stays on its rank (a copy kept by a rank of both meshes) is."""
     like = {d: (list(s), dtype) for d, s in recv_shapes.items()}
     world = current_world()
-    fwd = lambda v: transport_for(world).send_recv(v, pairs, like)
     if world.is_simulated and any(not t.stop_gradient for t in xs.values()):
         outs = _SendRecv.apply(*[xs[s] for s, _ in pairs])
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         return {d: t for (_, d), t in zip(pairs, outs)}
+    own = {d: xs[s].clone() for s, d in pairs if s == d and s in xs}
     with paddle.no_grad():
-        return fwd(xs)
+        return {**transport_for(world).send_recv(xs, [(s, d) for s, d in pairs if s != d], like), **own}
 
 
 class _SendRecv(PyLayer):

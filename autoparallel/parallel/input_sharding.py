@@ -53,7 +53,8 @@ def shard_inputs(model, mesh) -> None:
         if isinstance(x, DistTensor):
             if x.mesh != mesh:
                 raise ValueError(f"{type(model).__name__} runs on mesh {mesh} but got a DistTensor on mesh "
-                                 f"{x.mesh}; reshard it onto the model's mesh (ap.reshard) or pass the plain tensor")
+                                 f"{x.mesh}; reshard it onto the model's mesh (ap.reshard(x, ap.mesh_of(model), "
+                                 f"placements)) or pass the plain tensor")
             return x
         if not isinstance(x, (paddle.Tensor, paddle.pir.Value)) or x.ndim == 0:      # Value: jit.to_static
             return x

@@ -46,17 +46,23 @@ def _state_names(opt) -> set:
     return names
 
 
-def repoint_optimizers(replaced: dict) -> int:
+def repoint_optimizers(replaced: dict, stepped: str = "raise", within=None) -> int:
     """Point every live optimizer holding a replaced parameter at its distributed version; returns how many
-    optimizers were changed."""
+    optimizers were changed. ``ap.parallelize`` passes ``stepped="skip"`` (an optimizer that already keeps state
+    for one of them, say of an earlier single-process run, is left as it is) and ``within``, the ids of the
+    model's parameters: an optimizer holding others too (another model's, sharing one parameter) is left to
+    that model's own build."""
     if not replaced:
         return 0
     changed = 0
     for opt in live_optimizers():
-        stale = [p for p in flat_params(opt) if id(p) in replaced]
-        if not stale:
+        params = list(flat_params(opt))
+        stale = [p for p in params if id(p) in replaced]
+        if not stale or (within is not None and any(id(p) not in within for p in params)):
             continue
         kept = _state_names(opt) & {p.name for p in stale}
+        if kept and stepped == "skip":
+            continue
         if kept:
             raise StaleOptimizerError(
                 f"an optimizer ({type(opt).__name__}) that has already stepped holds {len(stale)} parameter(s) "

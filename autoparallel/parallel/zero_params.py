@@ -55,7 +55,8 @@ def _post(zopt, own, key):
                     release = _release_after_backward(zopt, own, key, len(ins))
                     for t in ins:
                         t.register_hook(release)
-        zopt.free(own)
+        if not _HOLDS[0]:               # a live create_graph gradient reads them in a later backward: kept whole
+            zopt.free(own)
     return hook
 
 
