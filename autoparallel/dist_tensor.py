@@ -469,10 +469,10 @@ def reshard(x, mesh: ProcessMesh, placements) -> DistTensor:
     src = as_dist(x)
     if not isinstance(src, DistTensor):
         raise TypeError(f"reshard expects a DistTensor or DistParameter, got {type(x).__name__}")
+    backward_start.note_lost_gradient(src, mesh)
     try:        # a repeated reshard reuses its target spec and plan (the planning cluster named by its epoch)
-        placements = tuple(placements)
-        key = ("target", src._spec, mesh, placements, current_world().backend, reshard_cache.cluster_epoch())
-        hit = reshard_cache.get(key)
+        key = ("target", src._spec, mesh, tuple(placements), current_world().backend, reshard_cache.cluster_epoch())
+        placements, hit = key[3], reshard_cache.get(key)
     except TypeError:                   # no placements or unhashable ones: validated (and rejected) below
         key = hit = None
     if hit is not None:

@@ -55,3 +55,10 @@ def test_backward_on_a_rank_holding_no_part_of_the_loss_is_a_typed_error(ranks):
     got = [r["sub-meshes backward"] for r in ranks]
     assert got[0]["error"] == "NotImplementedError" and "holds no part" in got[0]["text"]
     assert got[1] == {"error": None, "b_grad": True}
+
+
+def test_a_sender_holding_a_loss_term_is_refused_not_trained_without_the_gradient_that_cannot_come_back(ranks):
+    got = [r["sender holds a loss term"] for r in ranks]
+    assert got[0]["error"] == "NotImplementedError" and "does not flow back to ranks [0]" in got[0]["text"]
+    assert got[1] == {"error": None}
+    assert [r["sender holds a loss term, detached (control)"] for r in ranks] == [{"error": None}] * 2

@@ -33,6 +33,8 @@ def main():
     out["distill shared dp"] = {"losses": losses, "models": [{k: v.tolist() for k, v in d.items()}
                                                             for d in (student, teacher)], "tied": tied}
     out["sub-meshes backward"] = sub_meshes()
+    out["sender holds a loss term"] = sender_loss(detach=False)
+    out["sender holds a loss term, detached (control)"] = sender_loss(detach=True)
     write_result(out)
 
 
@@ -47,6 +49,22 @@ def sub_meshes():
     except NotImplementedError as e:
         return {"error": type(e).__name__, "text": str(e)}
     return {"error": None, "b_grad": B.fc1.weight.grad is not None}
+
+
+def sender_loss(detach: bool):
+    """A on rank 0 also trains on its own output h, B on rank 1 on B(h moved to rank 1): h's gradient from B
+    cannot come back to rank 0, so rank 0's backward is refused (before: it ran without it, a silent miss)."""
+    A, B = MLP(4, 8, 6), MLP(6, 8, 1)
+    m0, m1 = ap.ProcessMesh([0], dim_names=["x"]), ap.ProcessMesh([1], dim_names=["x"])
+    A, B = ap.shard_layer(A, m0), ap.shard_layer(B, m1)
+    h = A(paddle.to_tensor(Z[0]))
+    out = B(ap.reshard(h.detach() if detach else h, m1, [ap.Replicate()]))
+    loss = h.mean() if dist.get_rank() == 0 else out.mean()
+    try:
+        loss.backward()
+    except NotImplementedError as e:
+        return {"error": type(e).__name__, "text": str(e)}
+    return {"error": None}
 
 
 if __name__ == "__main__":
