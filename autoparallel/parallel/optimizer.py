@@ -14,6 +14,7 @@ from autoparallel.dispatch import local_mode
 from autoparallel.dist_tensor import is_dist
 from autoparallel.parallel.param_list import flat_params
 from autoparallel.parallel.grads import BUCKET_BYTES, GradientSync, check_bucket_bytes
+from autoparallel.parallel.group_clips import Suspended
 from autoparallel.parallel.step_hooks import StepHooks
 
 
@@ -69,7 +70,9 @@ class ShardedOptimizer(StepHooks):
                 self._inner.step()
             self._step_other_ranks()
         finally:
-            if clip is not None:
+            if isinstance(clip, Suspended):
+                clip.restore()
+            elif clip is not None:
                 self._inner._grad_clip = clip
         self._after_step()
 
@@ -96,29 +99,36 @@ class ShardedOptimizer(StepHooks):
 
     def _clip_global_norm(self):
         """paddle's norm clips over distributed parameters, applied here with the norms of the whole
-        (unsharded) gradients, every shard counted once (parallel/clip.py): ``ClipGradByGlobalNorm`` over all
-        of them, ``ClipGradByNorm`` per parameter. paddle's own clip, which would see only this rank's shards,
-        is off for the step. Returns the clip to restore (None: nothing to do)."""
+        (unsharded) gradients, every shard counted once (parallel/clip.py): ``ClipGradByGlobalNorm`` over the
+        parameters paddle clips together (all of them, or each parameter group by its own ``grad_clip``:
+        parallel/group_clips.py), ``ClipGradByNorm`` per parameter. paddle's own clips, which would see only
+        this rank's shards, are off for the step. Returns what to restore (None: nothing to do)."""
         import paddle
 
-        gc = getattr(self._inner, "_grad_clip", None)
-        params = [p for p in self.parameters if not p.stop_gradient]
-        if not isinstance(gc, (paddle.nn.ClipGradByGlobalNorm, paddle.nn.ClipGradByNorm)) \
-                or not any(is_dist(p) for p in params):
-            return None
+        from autoparallel.parallel.group_clips import clip_sets, suspend
+
+        done = []
+        for gc, ps in clip_sets(self._inner):
+            params = [p for p in ps if not p.stop_gradient]
+            if isinstance(gc, (paddle.nn.ClipGradByGlobalNorm, paddle.nn.ClipGradByNorm)) \
+                    and any(is_dist(p) for p in params):
+                self._clip_params(gc, params)
+                done.append(gc)
+        return suspend(self._inner, done) if done else None
+
+    def _clip_params(self, gc, params) -> None:
+        import paddle
+
         from autoparallel.parallel.clip import clip_grad_norm_, clip_grad_norm_per_param_
 
         if isinstance(gc, paddle.nn.ClipGradByNorm):
             clip_grad_norm_per_param_(params, float(gc.clip_norm))
-            self._inner._grad_clip = None
-            return gc
+            return
         plain = [p.name for p in params if not is_dist(p)]
         if plain:
             raise NotImplementedError(f"global-norm clipping over distributed and plain parameters together "
                                       f"({', '.join(plain[:3])} are plain); distribute the whole model")
         self.last_grad_norm = clip_grad_norm_(params, float(gc.clip_norm))
-        self._inner._grad_clip = None
-        return gc
 
     def _step_other_ranks(self) -> None:
         """The simulated world: the other ranks' copies of each parameter (parallel/sim_step.py)."""

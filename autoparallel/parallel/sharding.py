@@ -365,11 +365,16 @@ class ZeroOptimizer(StepHooks):
 
     def _clip(self, grads) -> None:
         """paddle's clips on the reduced gradient chunks: norms over whole gradients (each chunk and tensor-
-        parallel shard counted once), ``ClipGradByValue`` elementwise (a chunk clips as the whole would)."""
-        gc = getattr(self._inner, "_grad_clip", None)
-        if gc is None:
-            return
-        terms = self._clip_terms(grads)
+        parallel shard counted once), ``ClipGradByValue`` elementwise (a chunk clips as the whole would); each
+        parameter group by its own ``grad_clip`` as paddle clips groups (parallel/group_clips.py)."""
+        from autoparallel.parallel.group_clips import clip_sets
+
+        for gc, ps in clip_sets(self._inner):
+            if gc is not None:
+                self._clip_set(gc, grads, {id(p) for p in ps})
+
+    def _clip_set(self, gc, grads, ids) -> None:
+        terms = self._clip_terms(grads, ids)
         if isinstance(gc, paddle.nn.ClipGradByGlobalNorm):
             norm = self.last_grad_norm = clipping.global_norm(terms)
             clipping.scale_([t for locs, _, _ in terms for t in locs.values()],
@@ -386,10 +391,10 @@ class ZeroOptimizer(StepHooks):
             raise NotImplementedError(f"ZeRO sharding supports grad_clip=ClipGradByGlobalNorm, ClipGradByNorm or "
                                       f"ClipGradByValue, got {type(gc).__name__}")
 
-    def _clip_terms(self, grads) -> list:
+    def _clip_terms(self, grads, ids) -> list:
         z, terms = self.groups.zmesh, []
         for p in self.params:
-            if not getattr(p, "need_clip", True) or p.stop_gradient:
+            if not getattr(p, "need_clip", True) or p.stop_gradient or id(p) not in ids:
                 continue
             sharded = {self.groups.shard_dim} | {p.mesh.dim_names[i] for i, pl in enumerate(p.placements)
                                                  if pl.is_shard() or pl.is_block_shard()}

@@ -86,6 +86,7 @@ class RankCopies:
         with local_mode():
             for opt, links in self.opts.values():
                 opt._grad_clip = getattr(self.inner, "_grad_clip", None)   # as each real rank clips its copy
+                _sync_group_clips(self.inner, opt)
                 sync_lr(self.inner, opt)
                 for t, s in links:
                     s.stop_gradient = t.stop_gradient      # frozen (or unfrozen) since the last step
@@ -99,6 +100,15 @@ class RankCopies:
         from autoparallel.parallel.optim_clone import state_tensors
 
         return state_tensors(self.opts[rank][0])
+
+
+def _sync_group_clips(inner, opt) -> None:
+    """Each group of a rank's clone clips as the user's group it came from does at this step (the ap optimizer
+    switched norm clips off where it clipped the whole gradients itself)."""
+    from autoparallel.parallel.optim_clone import GROUP_SOURCES
+
+    for g, i in zip(opt._param_groups, GROUP_SOURCES.get(opt, ())):
+        g["grad_clip"] = inner._param_groups[i].get("grad_clip")
 
 
 def _same_shard(p, r) -> bool:
