@@ -54,7 +54,12 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__} {strict!r}")
     with watchdog.long_wait("checkpoint load"):     # named to peers like a save's "checkpoint write"
-        return _load(state, path, strict)
+        info = _load(state, path, strict)
+    from autoparallel.checkpoint.runtime_state import restore_schedule
+
+    if restore_schedule(state, info.runtime):       # ap.training_state's optimizer: its LR schedule goes on
+        info.restored.append("lr_scheduler")
+    return info
 
 
 def _load(state: dict, path: str, strict: bool) -> CheckpointInfo:

@@ -123,10 +123,43 @@ def _scheduler(optimizer):
 
 
 def _json_values(d: dict) -> dict:
+    """A scheduler's ``state_dict()`` as JSON; a wrapped scheduler's nested state (``LinearWarmup_LR``) too."""
     out = {}
     for k, v in d.items():
         if hasattr(v, "item"):
             v = v.item()
-        if isinstance(v, (int, float, str, bool, list)) or v is None:
+        if isinstance(v, dict):
+            out[k] = _json_values(v)
+        elif isinstance(v, (int, float, str, bool, list)) or v is None:
             out[k] = v
     return out
+
+
+# ---- the LR schedule of ap.training_state saved with ap.save_state_dict -----------------------------------
+def schedule_runtime(state) -> dict | None:
+    """``{"lr_scheduler": ...}`` for a state ``ap.training_state`` built over an optimizer with an
+    LRScheduler (saved beside the tensors by ``save_state_dict``), else None."""
+    sched = _scheduler(getattr(state, "optimizer", None))
+    return None if sched is None else {"lr_scheduler": _json_values(sched.state_dict())}
+
+
+def restore_schedule(state, runtime) -> bool:
+    """Put a saved LR schedule back into the scheduler of the optimizer ``state`` (an ``ap.training_state``)
+    was built over; True if restored. A checkpoint without one leaves the scheduler as it is, with a warning."""
+    sched = _scheduler(getattr(state, "optimizer", None))
+    if sched is None:
+        return False
+    lr = runtime.get("lr_scheduler") if isinstance(runtime, dict) else None
+    if lr is None:
+        import warnings
+
+        warnings.warn(f"the checkpoint holds no LR schedule: the optimizer's {type(sched).__name__} keeps its "
+                      f"current state (last_epoch={sched.last_epoch}); save with ap.save_state_dict("
+                      f"ap.training_state(model, optimizer), path) to keep it", stacklevel=3)
+        return False
+    if not isinstance(lr, dict):
+        from autoparallel.checkpoint.errors import CheckpointCorruptError
+
+        raise CheckpointCorruptError(f"LR schedule state: expected a dict, got {type(lr).__name__}")
+    sched.set_state_dict(dict(lr))
+    return True
