@@ -35,6 +35,7 @@ class ShardedOptimizer(StepHooks):
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        _check_closure_optimizer(optimizer)
         self._inner = optimizer
         self._shard_fn = shard_fn
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -173,6 +174,20 @@ class ShardedOptimizer(StepHooks):
         return getattr(self._inner, name)
 
 
+def _check_closure_optimizer(optimizer) -> None:
+    """LBFGS steps with ``step(closure)``: it re-runs the forward and backward several times inside one step and
+    takes dot products over all gradients; the distributed step reduces gradients once per step and runs the
+    update on local shards, so it is refused by name (not a TypeError from a step without a closure)."""
+    import paddle
+
+    if isinstance(optimizer, paddle.optimizer.LBFGS):
+        raise NotImplementedError(
+            "paddle.optimizer.LBFGS over a distributed model: its step(closure) re-evaluates the loss several times "
+            "per step and reads dot products over the whole gradients, which the distributed step (one gradient "
+            "reduction per step, updates on local shards) does not give; use an elementwise optimizer (AdamW, "
+            "Adam, SGD, Momentum, ...) or run LBFGS in one process")
+
+
 def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int = 1):
     """paddle's ``shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps=1)``; ``shard_fn`` is
 
@@ -185,6 +200,7 @@ def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int =
     See parallel/sharding_stages.py."""
     from autoparallel.parallel.sharding_stages import resolve_shard_fn, zero_optimizer
 
+    _check_closure_optimizer(getattr(optimizer, "_inner", optimizer))
     stage = resolve_shard_fn(optimizer, shard_fn)
     if stage is None:
         return ShardedOptimizer(optimizer, None, gradient_accumulation_steps, overlap=True)
