@@ -54,6 +54,10 @@ def _clone(opt, params, lr, name_map, whole):
                                          rescale_grad=opt._rescale_grad)
     if isinstance(opt, paddle.optimizer.SGD):
         return paddle.optimizer.SGD(learning_rate=lr, parameters=params, weight_decay=opt.regularization)
+    if whole_tensor_kind(opt) is not None:
+        raise NotImplementedError(f"{kind} under ZeRO: its update of a parameter reads norms of the whole parameter "
+                                  f"(the layer-wise trust ratio) and each rank steps a chunk, so it would use the "
+                                  f"chunk's norm; use an elementwise optimizer (AdamW, Adam, ...) or no sharding stage")
     raise TypeError(f"sharded optimizer states (ZeRO, the simulated world) support the paddle optimizers "
                     f"{', '.join(SUPPORTED)}{' (and Lamb over whole parameters)' if not whole else ', Lamb'}; "
                     f"got {kind}")
