@@ -152,3 +152,52 @@ def test_lr_ratio_sees_the_users_parameter_names():
 def test_lamb_under_zero_is_refused_by_its_trust_ratio(run):
     with ap.simulate(world_size=4), pytest.raises(NotImplementedError, match="Lamb under ZeRO.*trust ratio"):
         train(RUNS[run](), lambda m: paddle.optimizer.Lamb(0.05, parameters=m.parameters()))
+
+
+def _pipeline_groups(model):
+    ps = list(model.parameters())
+    return paddle.optimizer.AdamW(0.01, parameters=[{"params": ps[:4], "learning_rate": 2.0},
+                                                    {"params": ps[4:], "grad_clip": nn.ClipGradByGlobalNorm(0.02)}],
+                                  grad_clip=nn.ClipGradByGlobalNorm(0.05))
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_pipeline_clips_each_group_by_its_norm_over_every_stage(dp):
+    import pp_common
+    from test_pipeline_compose import mismatched, strategy
+
+    from autoparallel.parallel.pipeline.runtime import apply_pp
+
+    model = pp_common.build("gpt", False)
+    opt, want_losses = _pipeline_groups(model), []
+    for x, y in pp_common.batches(3):
+        loss = F.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        want_losses.append(float(loss))
+    want = {n: p.numpy() for n, p in model.named_parameters()}
+    with ap.simulate(world_size=2 * dp):
+        model = pp_common.build("gpt", False)
+        pipe = apply_pp(model, strategy({"schedule": "1F1B", "dp": dp}))
+        opt, losses = pipe.wrap_optimizer(_pipeline_groups(model)), []
+        for x, y in pp_common.batches(3):
+            losses.append(pipe.train_batch(x, y))
+            opt.step()
+            opt.clear_grad()
+        assert mismatched(pipe, want) == []
+    compare((want_losses, {}), (losses, {}))
+
+
+def test_pipeline_zero_refuses_group_clips():
+    import pp_common
+
+    from autoparallel.parallel.pipeline.runtime import apply_pp
+
+    with ap.simulate(world_size=4):
+        model = pp_common.build("gpt", False)
+        s = pp_common.strategy({"schedule": "1F1B", "dp": 2})
+        s.sharding.enable, s.sharding.stage = True, 1
+        pipe = apply_pp(model, s)
+        with pytest.raises(NotImplementedError, match="parameter groups.*own norm"):
+            pipe.wrap_optimizer(_pipeline_groups(model))
