@@ -96,3 +96,52 @@ def test_a_checkpoint_without_a_schedule_warns(tmp_path):
     with pytest.warns(UserWarning, match="holds no LR schedule"):
         info = ap.load_state_dict(state, path)
     assert "lr_scheduler" not in info.restored
+
+
+class Net(nn.Layer):
+    """A model rebuildable as type(model)(model.config), as reconfigure needs."""
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(F.tanh(self.fc1(x)))
+
+
+def _reconfigured(dist, stage=2):
+    """Parameter groups (lr multiplier, decay by the user's names, a group clip) and a schedule, 4 steps; the
+    distributed run is rebuilt under another ZeRO stage by reconfigure_distributed_model after 2."""
+    paddle.seed(3)
+    m = Net({"h": 8})
+    sched = LR.StepDecay(0.05, 1, 0.7)
+    decay = {p.name for n, p in m.named_parameters() if "bias" not in n}
+    opt = paddle.optimizer.AdamW(sched, parameters=[
+        {"params": [m.fc1.weight, m.fc1.bias], "learning_rate": 3.0},
+        {"params": [m.fc2.weight, m.fc2.bias], "grad_clip": nn.ClipGradByGlobalNorm(0.01)}],
+        weight_decay=0.5, apply_decay_param_fun=lambda n: n in decay)
+    if dist:
+        s = ap.Strategy()
+        s.data_parallel.degree, s.sharding.enable, s.sharding.stage = 4, True, 1
+        m, opt = ap.parallelize(m, opt, strategy=s)
+    out = []
+    for i in range(4):
+        if dist and i == 2:
+            s2 = ap.Strategy()
+            s2.data_parallel.degree, s2.sharding.enable, s2.sharding.stage = 4, True, stage
+            ap.reconfigure_distributed_model(m, s2, optimizer=opt)
+        loss = F.mse_loss(m(paddle.to_tensor(XS[i])), paddle.to_tensor(YS[i]))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        sched.step()
+        out += [float(loss), float(opt.get_lr())]
+    return out, params(m)
+
+
+def test_reconfigure_keeps_groups_decay_names_and_group_clips():
+    """The rebuilt optimizer put every parameter in the first group under fresh names (lr multiplier, group clip
+    and the name-based decay lost)."""
+    want = _reconfigured(False)
+    with ap.simulate(world_size=4):
+        compare(want, _reconfigured(True))

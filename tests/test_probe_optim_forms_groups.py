@@ -201,3 +201,16 @@ def test_pipeline_zero_refuses_group_clips():
         pipe = apply_pp(model, s)
         with pytest.raises(NotImplementedError, match="parameter groups.*own norm"):
             pipe.wrap_optimizer(_pipeline_groups(model))
+
+
+def test_split_zero_refuses_a_group_clip():
+    """A group's own clip on the split ZeRO optimizer was dropped (its parts carry no clips): refused, as the
+    optimizer's clip is."""
+    def make(m):
+        return paddle.optimizer.AdamW(0.05, parameters=[{"params": [m.fc1.weight, m.fc1.bias]},
+                                                        {"params": [m.fc2.weight, m.fc2.bias],
+                                                         "grad_clip": nn.ClipGradByGlobalNorm(0.01)}])
+    with ap.simulate(world_size=4), pytest.raises(NotImplementedError, match="gradient clipping with ZeRO"):
+        env = SplitZero()
+        m = env.model()
+        env.wrap(m, make(m))

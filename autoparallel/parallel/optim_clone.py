@@ -93,6 +93,12 @@ def _grouped(opt, params, name_map):
     return kept
 
 
+def copy_group_clips(inner, clone) -> None:
+    """Each group of ``clone`` takes the ``grad_clip`` the user's group it came from has now."""
+    for g, i in zip(clone._param_groups, GROUP_SOURCES.get(clone, ())):
+        g["grad_clip"] = inner._param_groups[i].get("grad_clip")
+
+
 def _named_ratio(fun, name_map):
     """AdamW's ``lr_ratio(param)`` sees a chunk or a rank's copy under its original's name."""
     return None if fun is None else (lambda p: fun(_NamedAs(p, name_map.get(p.name, p.name))))

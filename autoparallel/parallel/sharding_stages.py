@@ -179,7 +179,9 @@ def _split(optimizer, stage, mesh, dim, model, own, k):
     if stage.stage == 3:
         raise NotImplementedError(f"ShardingStage3 over {dim!r} while {len(own)} parameters are already sharded over "
                                   f"it ({own[0].name}, ...); use stage 1 or 2, or shard those weights over another dim")
-    if getattr(inner, "_grad_clip", None) is not None:
+    from autoparallel.parallel.group_clips import clip_sets
+
+    if any(c is not None for c, _ in clip_sets(inner)):          # the optimizer's clip or a parameter group's
         raise NotImplementedError(f"gradient clipping with ZeRO over {dim!r} while {len(own)} parameters are already "
                                   f"sharded over it ({own[0].name}, ...); build the optimizer without grad_clip")
     from autoparallel.parallel.param_list import flat_params

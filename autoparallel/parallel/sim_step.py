@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from autoparallel.dist_tensor import is_dist
 from autoparallel.local_mode import local_mode
-from autoparallel.parallel.optim_clone import sync_lr
+from autoparallel.parallel.optim_clone import copy_group_clips, sync_lr
 
 
 def other_rank_copies(params) -> dict:
@@ -86,7 +86,7 @@ class RankCopies:
         with local_mode():
             for opt, links in self.opts.values():
                 opt._grad_clip = getattr(self.inner, "_grad_clip", None)   # as each real rank clips its copy
-                _sync_group_clips(self.inner, opt)
+                copy_group_clips(self.inner, opt)       # (norm clips the ap optimizer applied are off now)
                 sync_lr(self.inner, opt)
                 for t, s in links:
                     s.stop_gradient = t.stop_gradient      # frozen (or unfrozen) since the last step
@@ -100,15 +100,6 @@ class RankCopies:
         from autoparallel.parallel.optim_clone import state_tensors
 
         return state_tensors(self.opts[rank][0])
-
-
-def _sync_group_clips(inner, opt) -> None:
-    """Each group of a rank's clone clips as the user's group it came from does at this step (the ap optimizer
-    switched norm clips off where it clipped the whole gradients itself)."""
-    from autoparallel.parallel.optim_clone import GROUP_SOURCES
-
-    for g, i in zip(opt._param_groups, GROUP_SOURCES.get(opt, ())):
-        g["grad_clip"] = inner._param_groups[i].get("grad_clip")
 
 
 def _same_shard(p, r) -> bool:
