@@ -14,6 +14,7 @@ LR = paddle.optimizer.lr
 SCHEDULES = {
     "warmup cosine": lambda: LR.LinearWarmup(LR.CosineAnnealingDecay(0.1, T_max=4), 2, 0.0, 0.1),
     "one cycle": lambda: LR.OneCycleLR(0.1, total_steps=8),
+    "warm restarts": lambda: LR.CosineAnnealingWarmRestarts(0.1, T_0=1, T_mult=2),     # T_cur / T_i: not in its state
     "plateau": lambda: LR.ReduceOnPlateau(0.1, patience=0, factor=0.5, threshold=10.0),
 }
 
