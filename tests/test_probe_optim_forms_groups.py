@@ -214,3 +214,18 @@ def test_split_zero_refuses_a_group_clip():
         env = SplitZero()
         m = env.model()
         env.wrap(m, make(m))
+
+
+def test_clips_are_back_on_the_users_optimizer_after_a_step():
+    """The wrappers switch paddle's norm clips off for their step only: the user's optimizer keeps its own and its
+    groups' clip objects (a later one-process use, state_dict, a rebuild read them)."""
+    with ap.simulate(world_size=4):
+        env = RUNS["dp x tp"]()
+        m = env.model()
+        inner = groups(m)
+        clips = [inner._grad_clip] + [g["grad_clip"] for g in inner._param_groups]
+        m, opt = env.wrap(m, inner)
+        F.mse_loss(m(env.x(XS[0])), paddle.to_tensor(YS[0])).backward()
+        opt.step()
+    assert [inner._grad_clip] + [g["grad_clip"] for g in inner._param_groups] == clips
+    assert all(c is not None for c in clips)
