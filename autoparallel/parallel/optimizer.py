@@ -62,7 +62,7 @@ class ShardedOptimizer(StepHooks):
         """Between the reduction and the update (gradient accumulation divides here)."""
 
     def step(self):
-        self._check_whole_tensor_update()
+        whole = self._check_whole_tensor_update()
         self.reduce_gradients()
         self._scale_gradients()
         clip = self._clip_global_norm()
@@ -70,6 +70,9 @@ class ShardedOptimizer(StepHooks):
             with local_mode():
                 self._inner.step()
             self._step_other_ranks()
+            if whole is not None:
+                copies = self.__dict__.get("_rank_copies")
+                whole.apply(copies[1] if copies is not None else None)
         finally:
             if isinstance(clip, Suspended):
                 clip.restore()
@@ -77,22 +80,23 @@ class ShardedOptimizer(StepHooks):
                 self._inner._grad_clip = clip
         self._after_step()
 
-    def _check_whole_tensor_update(self) -> None:
+    def _check_whole_tensor_update(self):
         """An optimizer whose update reads whole-parameter norms (Lamb's trust ratio) would read a shard's norm
-        on a sharded parameter: refused there (replicated parameters are whole on every rank: fine)."""
+        on a sharded parameter: the step is corrected to the whole parameter's ratio (parallel/lamb_whole.py);
+        returns the correction to apply after the step (None: nothing to correct)."""
+        from autoparallel.parallel.lamb_whole import WholeNormLamb, sharded
         from autoparallel.parallel.optim_clone import whole_tensor_kind
 
         kind = whole_tensor_kind(self._inner)
-        if kind is None:
-            return
-        sharded = [p.name for p in self.parameters if is_dist(p) and any(
-            pl.is_shard() or pl.is_block_shard() for pl in p.placements)]
-        if sharded:
+        names = [p.name for p in self.parameters if sharded(p)] if kind is not None else []
+        if not names:
+            return None
+        if getattr(self._inner, "_multi_precision", False):
             raise NotImplementedError(
-                f"{kind} computes each parameter's update from norms of the whole parameter, but {sharded[0]} "
-                f"(and {len(sharded) - 1} more) is sharded ({self._layout(sharded[0])}), so each rank would use "
-                f"its shard's norm; use an elementwise optimizer (AdamW, Adam, SGD, Momentum, ...) or keep "
-                f"these parameters replicated")
+                f"{kind}(multi_precision=True) over sharded parameters ({names[0]}: {self._layout(names[0])}): the "
+                f"whole-parameter trust ratio is computed for float32 / float64 parameters only; use "
+                f"multi_precision=False (or ap.Strategy.amp) or keep these parameters replicated")
+        return WholeNormLamb(self._inner, self.parameters)
 
     def _layout(self, name) -> str:
         p = next(p for p in self.parameters if p.name == name)
