@@ -1,7 +1,7 @@
-"""Lamb over tensor-parallel parameters: the whole parameter's trust ratio (parallel/lamb_whole.py). Losses,
-learning rates and every parameter after 3 steps equal one process (simulated world), for the forms of Lamb's
-weight decay (decayed, none, none with always_adapt, a name-based exclusion) with parameter groups and a
-schedule; under ZeRO it stays refused by name."""
+"""Lamb over tensor-parallel shards and ZeRO chunks: the whole parameter's trust ratio (parallel/lamb_whole.py).
+Losses, learning rates and every parameter after 3 steps equal one process (simulated world), for the forms of
+Lamb's weight decay (decayed, none, none with always_adapt, a name-based exclusion) with parameter groups and a
+schedule; each piece's own ratio (the negative controls) differs."""
 import paddle
 import pytest
 
@@ -29,8 +29,8 @@ FORMS = {"decayed": {"lamb_weight_decay": 0.1}, "no decay": {"lamb_weight_decay"
 
 
 @pytest.mark.parametrize("form", list(FORMS))
-@pytest.mark.parametrize("run", ["dp x tp", "parallelize tp"])
-def test_lamb_over_tensor_parallel_parameters_equals_one_process(form, run):
+@pytest.mark.parametrize("run", ["dp x tp", "parallelize tp", "zero2", "parallelize zero3"])
+def test_lamb_over_shards_and_chunks_equals_one_process(form, run):
     both(run, lambda env: train(env, lamb(**FORMS[form]), after=lambda o, s: o._learning_rate.step()))
 
 
@@ -45,6 +45,13 @@ def test_shard_ratios_differ():
             both("dp x tp", lambda env: train(env, lamb(**FORMS["decayed"])))
     finally:
         ShardedOptimizer._check_whole_tensor_update = fix
+
+
+def test_chunk_ratios_differ(monkeypatch):
+    """Negative control under ZeRO: each chunk's own ratio (the correction off) gives other values."""
+    monkeypatch.setattr("autoparallel.parallel.lamb_whole.ZeroLamb.apply", lambda self: None)
+    with pytest.raises(AssertionError):
+        both("parallelize zero3", lambda env: train(env, lamb(**FORMS["decayed"])))
 
 
 def test_lamb_multi_precision_over_shards_is_refused():

@@ -34,7 +34,8 @@ from autoparallel.dist_tensor_forms import ZERO_OWNERS
 from autoparallel.local_mode import local_mode
 from autoparallel.memory import live_bytes
 from autoparallel.parallel import clip as clipping
-from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors, sync_lr
+from autoparallel.parallel.lamb_whole import ZeroLamb
+from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors, sync_lr, whole_tensor_kind
 from autoparallel.parallel.param_list import flat_params
 from autoparallel.parallel.step_hooks import StepHooks
 from autoparallel.parallel.zero_groups import ZeroGroups, apply_groups
@@ -110,7 +111,7 @@ class ZeroOptimizer(StepHooks):
     def _make_inner(self, r):
         keep = [p for p in self.params if self.stage == 3 or not p.stop_gradient]
         chunks = [self._new_master(p, r) for p in keep]
-        return clone_optimizer(self._inner, [m for m in chunks if not m.stop_gradient], self._names[r])
+        return clone_optimizer(self._inner, [m for m in chunks if not m.stop_gradient], self._names[r], whole=True)
 
     def _new_master(self, p, r, data=None):
         """Rank r's fp32 master chunk of ``p`` (from ``data``, else its local shard). Stage 3: the chunk is also
@@ -321,6 +322,7 @@ class ZeroOptimizer(StepHooks):
         self._out = None
         self._zero_kept_grads(grads)
         self._clip(grads)
+        whole = ZeroLamb(self) if whole_tensor_kind(self._inner) else None     # Lamb: the whole parameter's ratio
         with local_mode():
             for r in self.held:
                 for p in self.params:
@@ -334,6 +336,8 @@ class ZeroOptimizer(StepHooks):
                     m._copy_gradient_from(g._copy_to(self.host, True) if self.offload else g)
                 sync_lr(self._inner, self.inner_opts[r])
                 self.inner_opts[r].step()
+        if whole is not None:
+            whole.apply()
         if self.stage < 3:              # a frozen parameter's chunk did not move: its local data is current
             for bucket in self.buckets:
                 self.gather([p for p in bucket if not p.stop_gradient])
