@@ -117,7 +117,7 @@ PROBE = shared_launch.job(__name__, "probe_api", os.path.join(os.path.dirname(__
 
 
 def test_user_forms_on_real_ranks():
-    """Clips, minimize/set_lr/L2 under ZeRO-2, ZeRO-3 read-back, the Lamb refusal, paddle.grad, hooks,
+    """Clips, minimize/set_lr/L2 under ZeRO-2, ZeRO-3 read-back, Lamb over shards, paddle.grad, hooks,
     set_value and initializers with one shard per process (gloo), each equal to the rank's own single-process
     run."""
     _, per_rank = shared_launch.results(PROBE)

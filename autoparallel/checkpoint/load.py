@@ -55,9 +55,12 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
         raise TypeError(f"strict must be a bool, got {type(strict).__name__} {strict!r}")
     with watchdog.long_wait("checkpoint load"):     # named to peers like a save's "checkpoint write"
         info = _load(state, path, strict)
+    from autoparallel.checkpoint.runtime_state import restore_schedule
     from autoparallel.parallel import precision_cast
 
     precision_cast.write_back(state)                # a decorated model's save_dtype copies reach its parameters
+    if restore_schedule(state, info.runtime):       # ap.training_state's optimizer: its LR schedule goes on
+        info.restored.append("lr_scheduler")
     return info
 
 

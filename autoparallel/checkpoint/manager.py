@@ -154,7 +154,8 @@ class CheckpointManager:
         info, problem = None, None
         try:
             info = load_state_dict(state, path, strict=strict)
-            info.restored = runtime_state.restore(info.runtime, self.optimizer)
+            done = runtime_state.restore(info.runtime, self.optimizer)
+            info.restored = done + [x for x in info.restored if x not in done]
         except CheckpointCorruptError as e:
             problem = CheckpointCorruptError(f"{e}. {self._previous_hint(path)}")
         except (CheckpointError, OSError, ValueError, TypeError) as e:

@@ -109,6 +109,13 @@ def reconfigure(model, optimizer, new_strategy, *, build=None, state_fn=None, tm
     return new_model, new_optimizer
 
 
+def _old_names(model, fresh) -> dict:
+    """{fresh parameter name: the name of the model's parameter at the same structured name}: the rebuilt
+    optimizer's groups and name-based hooks (``apply_decay_param_fun``) see the names the user's optimizer knew."""
+    old = dict(model.named_parameters())
+    return {p.name: old[n].name for n, p in fresh.named_parameters() if n in old}
+
+
 def default_build(model, optimizer):
     """``build`` for a model constructed as ``type(model)(model.config)`` and a paddle optimizer (any wrapper)."""
     cls, config = type(model), getattr(model, "config", None)
@@ -121,7 +128,7 @@ def default_build(model, optimizer):
 
         import autoparallel as ap
         from autoparallel.checkpoint.state import paddle_optimizer
-        from autoparallel.parallel.optim_clone import clone_optimizer
+        from autoparallel.parallel.optim_clone import clone_optimizer, copy_group_clips
 
         rng = paddle.get_rng_state()
         lazy = strategy.pipeline_parallel.degree <= 1        # the pipeline builds its stages from real values
@@ -133,8 +140,9 @@ def default_build(model, optimizer):
         opt = None
         if optimizer is not None:
             inner = paddle_optimizer(optimizer)
-            opt = clone_optimizer(inner, fresh.parameters(), {})
+            opt = clone_optimizer(inner, fresh.parameters(), _old_names(model, fresh))
             opt._grad_clip = inner._grad_clip
+            copy_group_clips(inner, opt)
         out = ap.parallelize(fresh, opt, strategy)
         paddle.set_rng_state(rng)
         return out

@@ -9,7 +9,9 @@ the metadata, arrays into the data files like any tensor. Everything is data: no
   different rank layout mean nothing, so they are left as seeded and the restore reports it.
 * ``amp``: the dynamic loss scale and its good / bad step counters (the same on every rank: ``found_inf`` is
   agreed by all ranks).
-* ``lr_scheduler``: ``state_dict()`` of the paddle optimizer's LRScheduler, if it has one.
+* ``lr_scheduler``: ``state_dict()`` of the paddle optimizer's LRScheduler, if it has one, and
+  ``lr_scheduler_attributes``: the attributes some schedulers step without listing them in their state
+  (CosineAnnealingWarmRestarts' ``T_cur`` / ``T_i``), so a resumed schedule continues its cycle.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def capture(optimizer=None) -> dict:
         out["amp"] = {"scale": scaler.scale_value, "good_steps": scaler.good_steps, "bad_steps": scaler.bad_steps}
     sched = _scheduler(optimizer)
     if sched is not None:
-        out["lr_scheduler"] = _json_values(sched.state_dict())
+        out.update(_schedule(sched))
     return out
 
 
@@ -54,7 +56,7 @@ def restore(runtime: dict | None, optimizer=None) -> list:
             amp["bad_steps"]
         done.append("amp")
     if lr is not None:
-        sched.set_state_dict(dict(lr))
+        _put_schedule(sched, runtime)
         done.append("lr_scheduler")
     return done
 
@@ -123,10 +125,72 @@ def _scheduler(optimizer):
 
 
 def _json_values(d: dict) -> dict:
+    """A scheduler's ``state_dict()`` as JSON; a wrapped scheduler's nested state (``LinearWarmup_LR``) too."""
     out = {}
     for k, v in d.items():
         if hasattr(v, "item"):
             v = v.item()
-        if isinstance(v, (int, float, str, bool, list)) or v is None:
+        if isinstance(v, dict):
+            out[k] = _json_values(v)
+        elif isinstance(v, (int, float, str, bool, list)) or v is None:
             out[k] = v
     return out
+
+
+# ---- the LR schedule of ap.training_state saved with ap.save_state_dict -----------------------------------
+def schedule_runtime(state) -> dict | None:
+    """``{"lr_scheduler": ...}`` for a state ``ap.training_state`` built over an optimizer with an
+    LRScheduler (saved beside the tensors by ``save_state_dict``), else None."""
+    sched = _scheduler(getattr(state, "optimizer", None))
+    return None if sched is None else _schedule(sched)
+
+
+def restore_schedule(state, runtime) -> bool:
+    """Put a saved LR schedule back into the scheduler of the optimizer ``state`` (an ``ap.training_state``)
+    was built over; True if restored. A checkpoint without one leaves the scheduler as it is, with a warning."""
+    sched = _scheduler(getattr(state, "optimizer", None))
+    if sched is None:
+        return False
+    lr = runtime.get("lr_scheduler") if isinstance(runtime, dict) else None
+    if lr is None:
+        import warnings
+
+        warnings.warn(f"the checkpoint holds no LR schedule: the optimizer's {type(sched).__name__} keeps its "
+                      f"current state (last_epoch={sched.last_epoch}); save with ap.save_state_dict("
+                      f"ap.training_state(model, optimizer), path) to keep it", stacklevel=3)
+        return False
+    if not isinstance(lr, dict):
+        from autoparallel.checkpoint.errors import CheckpointCorruptError
+
+        raise CheckpointCorruptError(f"LR schedule state: expected a dict, got {type(lr).__name__}")
+    _put_schedule(sched, runtime)
+    return True
+
+
+# attributes a paddle scheduler changes as it steps without listing them in its state_dict (the constructor's
+# settings are not saved: a run rebuilt with other settings keeps them)
+STEPPED_ATTRIBUTES = {"CosineAnnealingWarmRestarts": ("T_cur", "T_i")}
+
+
+def _schedule(sched) -> dict:
+    names = next((v for k, v in STEPPED_ATTRIBUTES.items() if type(sched).__name__ == k), ())
+    attrs = {k: getattr(sched, k) for k in names if _plain(getattr(sched, k, None))}
+    return {"lr_scheduler": _json_values(sched.state_dict()), "lr_scheduler_attributes": attrs}
+
+
+def _plain(v) -> bool:
+    scalar = (int, float, str, bool)
+    return isinstance(v, scalar) or (isinstance(v, list) and all(isinstance(x, scalar) for x in v))
+
+
+def _put_schedule(sched, runtime: dict) -> None:
+    """The scheduler's saved state, then its saved plain attributes that it still has with a value of the same
+    kind (a number stays a number)."""
+    sched.set_state_dict(dict(runtime["lr_scheduler"]))
+    attrs = runtime.get("lr_scheduler_attributes")
+    for k, v in (attrs.items() if isinstance(attrs, dict) else ()):
+        cur = getattr(sched, k, None)
+        same = isinstance(v, type(cur)) or (isinstance(v, (int, float)) and isinstance(cur, (int, float))
+                                            and not isinstance(v, bool) and not isinstance(cur, bool))
+        if hasattr(sched, k) and same and _plain(cur):
+            setattr(sched, k, v)

@@ -46,6 +46,10 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     from autoparallel import watchdog
 
     multi, rank, world_size = sync.job()
+    if runtime is None:                 # ap.training_state over an optimizer with an LR scheduler: keep its schedule
+        from autoparallel.checkpoint.runtime_state import schedule_runtime
+
+        runtime = schedule_runtime(state)
     if multi:                           # every rank must call it: on some ranks only, refused on every rank
         from autoparallel.comm import agreement
         from autoparallel.comm.world import current_world

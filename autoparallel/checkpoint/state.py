@@ -156,7 +156,21 @@ def training_state(model, optimizer=None) -> dict:
     """The state ``save_state_dict`` / ``load_state_dict`` / ``reshard_state`` move for a training run.
 
     ``model``: a paddle Layer (parallelized or not) or a PipelineModule; ``optimizer``: a paddle optimizer
-    or any ap wrapper of one, including a ZeRO optimizer."""
+    or any ap wrapper of one, including a ZeRO optimizer. The optimizer's LR scheduler, if any, is saved and
+    restored with the tensors (``TrainingState``)."""
+    return TrainingState(_tensors(model, optimizer), optimizer)
+
+
+class TrainingState(dict):
+    """``training_state``'s dict; ``optimizer`` names the optimizer whose LR scheduler ``save_state_dict``
+    saves beside the tensors and ``load_state_dict`` restores (checkpoint/runtime_state.py)."""
+
+    def __init__(self, state: dict, optimizer=None):
+        super().__init__(state)
+        self.optimizer = optimizer
+
+
+def _tensors(model, optimizer) -> dict:
     if optimizer is not None and callable(getattr(optimizer, "checkpoint_state", None)):
         return optimizer.checkpoint_state(model)             # ZeRO (through any wrapper)
     if callable(getattr(model, "checkpoint_state", None)):

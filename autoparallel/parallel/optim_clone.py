@@ -3,9 +3,14 @@
 clip would be wrong; the ZeRO optimizer clips by the global norm itself (parallel/clip.py)."""
 from __future__ import annotations
 
+import weakref
+
 import paddle
 
-SUPPORTED = ("AdamW", "Adam", "SGD", "Momentum", "Adagrad", "RMSProp", "Adamax", "Adadelta", "NAdam", "RAdam")
+SUPPORTED = ("AdamW", "Adam", "SGD", "Momentum", "Adagrad", "RMSProp", "Adamax", "Adadelta", "NAdam", "RAdam",
+             "Rprop", "ASGD")
+# clone -> [index of the user's parameter group each of its groups came from] (empty groups are dropped)
+GROUP_SOURCES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # Optimizers whose update of a parameter reads norms of the whole parameter (layer-wise trust ratios): on a
 # shard or a ZeRO chunk they would use the piece's norm, so they run only where every rank holds whole copies.
 WHOLE_TENSOR = ("Lamb",)
@@ -19,9 +24,16 @@ def whole_tensor_kind(opt):
 def clone_optimizer(opt, params, name_map: dict, whole: bool = False):
     """``name_map``: {chunk parameter name: original parameter name} for name-based hooks. ``whole``: the
     params are whole copies of the originals (not chunks), so a WHOLE_TENSOR optimizer may be cloned too."""
-    kind = type(opt).__name__
     lr = opt._learning_rate
-    params = _grouped(opt, params, name_map)
+    grouped = _grouped(opt, params, name_map)
+    clone = _clone(opt, grouped, lr, name_map, whole)
+    if grouped is not params:
+        GROUP_SOURCES[clone] = [i for i, g in enumerate(grouped.sources) if g]
+    return clone
+
+
+def _clone(opt, params, lr, name_map, whole):
+    kind = type(opt).__name__
     more = _clone_more(opt, params, lr, name_map, whole)
     if more is not None:
         return more
@@ -29,7 +41,7 @@ def clone_optimizer(opt, params, name_map: dict, whole: bool = False):
         fun = opt._apply_decay_param_fun
         return paddle.optimizer.AdamW(
             learning_rate=lr, beta1=opt._beta1, beta2=opt._beta2, epsilon=opt._epsilon, parameters=params,
-            weight_decay=opt._weight_decay, lr_ratio=opt._lr_ratio,
+            weight_decay=opt._weight_decay, lr_ratio=_named_ratio(opt._lr_ratio, name_map),
             apply_decay_param_fun=None if fun is None else (lambda n: fun(name_map.get(n, n))),
             lazy_mode=opt._lazy_mode, amsgrad=getattr(opt, "_amsgrad", False))
     if isinstance(opt, paddle.optimizer.Adam):
@@ -42,6 +54,10 @@ def clone_optimizer(opt, params, name_map: dict, whole: bool = False):
                                          rescale_grad=opt._rescale_grad)
     if isinstance(opt, paddle.optimizer.SGD):
         return paddle.optimizer.SGD(learning_rate=lr, parameters=params, weight_decay=opt.regularization)
+    if whole_tensor_kind(opt) is not None:
+        raise NotImplementedError(f"{kind} under ZeRO: its update of a parameter reads norms of the whole parameter "
+                                  f"(the layer-wise trust ratio) and each rank steps a chunk, so it would use the "
+                                  f"chunk's norm; use an elementwise optimizer (AdamW, Adam, ...) or no sharding stage")
     raise TypeError(f"sharded optimizer states (ZeRO, the simulated world) support the paddle optimizers "
                     f"{', '.join(SUPPORTED)}{' (and Lamb over whole parameters)' if not whole else ', Lamb'}; "
                     f"got {kind}")
@@ -54,25 +70,50 @@ def _momentum_decay(opt):
     return opt.regularization
 
 
+class _Groups(list):
+    """Parameter groups of a clone; ``sources``: one flag per group of the user's optimizer (kept or empty)."""
+    sources: list = []
+
+
 def _grouped(opt, params, name_map):
     """``params`` in the parameter groups of ``opt`` (each group's own learning-rate scale, weight decay...),
-    a parameter found by its original's name; the flat list when ``opt`` has no groups."""
+    a parameter found by its original's name; the flat list when ``opt`` has no groups. A group's
+    ``grad_clip`` is not copied: the ap optimizers clip (ZeRO chunks: sharding.py) or set the clone's clips
+    at each step (the simulated world: sim_step.py)."""
     groups = getattr(opt, "_param_groups", None)
     if not groups or not isinstance(groups[0], dict):
         return params
     where = {p.name: i for i, g in enumerate(groups) for p in g["params"]}
-    out = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in groups]
+    out = [dict({k: v for k, v in g.items() if k not in ("params", "grad_clip")}, params=[], grad_clip=None)
+           for g in groups]
     for p in params:
         out[where.get(name_map.get(p.name, p.name), 0)]["params"].append(p)
-    return [g for g in out if g["params"]]
+    kept = _Groups(g for g in out if g["params"])
+    kept.sources = [bool(g["params"]) for g in out]
+    return kept
+
+
+def copy_group_clips(inner, clone) -> None:
+    """Each group of ``clone`` takes the ``grad_clip`` the user's group it came from has now."""
+    for g, i in zip(clone._param_groups, GROUP_SOURCES.get(clone, ())):
+        g["grad_clip"] = inner._param_groups[i].get("grad_clip")
+
+
+def _named_ratio(fun, name_map):
+    """AdamW's ``lr_ratio(param)`` sees a chunk or a rank's copy under its original's name."""
+    return None if fun is None else (lambda p: fun(_NamedAs(p, name_map.get(p.name, p.name))))
 
 
 def sync_lr(inner, clone) -> None:
-    """A learning rate set on the user's optimizer (``set_lr``) reaches its clone (a scheduler is shared)."""
+    """A learning rate set on the user's optimizer (``set_lr``) or a scheduler it was given
+    (``set_lr_scheduler``) reaches its clone (a scheduler object is shared, so its steps are too)."""
     from paddle.optimizer.lr import LRScheduler
 
     lr = inner._learning_rate
-    if not isinstance(lr, LRScheduler) and clone._learning_rate != lr:
+    if isinstance(lr, LRScheduler):
+        if clone._learning_rate is not lr:
+            clone.set_lr_scheduler(lr)
+    elif clone._learning_rate != lr:          # (paddle itself never goes from a scheduler back to a number)
         clone.set_lr(lr)
 
 
@@ -96,6 +137,12 @@ def _clone_more(opt, params, lr, name_map, whole):
     if isinstance(opt, O.RAdam):
         return O.RAdam(lr, beta1=opt._beta1, beta2=opt._beta2, epsilon=opt._epsilon, parameters=params,
                        weight_decay=wd)
+    if isinstance(opt, O.Rprop):
+        rng, etas = opt._learning_rate_range, opt._etas
+        return O.Rprop(lr, learning_rate_range=tuple(float(v) for v in _values(rng)), parameters=params,
+                       etas=tuple(float(v) for v in _values(etas)))
+    if isinstance(opt, O.ASGD):
+        return O.ASGD(lr, batch_num=opt._n, parameters=params, weight_decay=wd)
     if isinstance(opt, O.Lamb) and whole:
         fun = opt._exclude_from_weight_decay_fn
         return O.Lamb(lr, lamb_weight_decay=opt._lamb_weight_decay, beta1=opt._beta1, beta2=opt._beta2,
@@ -104,6 +151,10 @@ def _clone_more(opt, params, lr, name_map, whole):
                       (lambda p: fun(_NamedAs(p, name_map.get(p.name, p.name)))),
                       always_adapt=getattr(opt, "always_adapt", False))
     return None
+
+
+def _values(v):
+    return v.numpy().reshape(-1).tolist() if hasattr(v, "numpy") else list(v[0] if len(v) == 1 else v)
 
 
 class _NamedAs:

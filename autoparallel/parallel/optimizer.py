@@ -14,6 +14,7 @@ from autoparallel.dispatch import local_mode
 from autoparallel.dist_tensor import is_dist
 from autoparallel.parallel.param_list import flat_params
 from autoparallel.parallel.grads import BUCKET_BYTES, GradientSync, check_bucket_bytes
+from autoparallel.parallel.group_clips import Suspended
 from autoparallel.parallel.step_hooks import StepHooks
 
 
@@ -34,6 +35,7 @@ class ShardedOptimizer(StepHooks):
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        _check_closure_optimizer(optimizer)
         self._inner = optimizer
         self._shard_fn = shard_fn
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -60,7 +62,7 @@ class ShardedOptimizer(StepHooks):
         """Between the reduction and the update (gradient accumulation divides here)."""
 
     def step(self):
-        self._check_whole_tensor_update()
+        whole = self._check_whole_tensor_update()
         self.reduce_gradients()
         self._scale_gradients()
         clip = self._clip_global_norm()
@@ -68,27 +70,33 @@ class ShardedOptimizer(StepHooks):
             with local_mode():
                 self._inner.step()
             self._step_other_ranks()
+            if whole is not None:
+                copies = self.__dict__.get("_rank_copies")
+                whole.apply(copies[1] if copies is not None else None)
         finally:
-            if clip is not None:
+            if isinstance(clip, Suspended):
+                clip.restore()
+            elif clip is not None:
                 self._inner._grad_clip = clip
         self._after_step()
 
-    def _check_whole_tensor_update(self) -> None:
+    def _check_whole_tensor_update(self):
         """An optimizer whose update reads whole-parameter norms (Lamb's trust ratio) would read a shard's norm
-        on a sharded parameter: refused there (replicated parameters are whole on every rank: fine)."""
+        on a sharded parameter: the step is corrected to the whole parameter's ratio (parallel/lamb_whole.py);
+        returns the correction to apply after the step (None: nothing to correct)."""
+        from autoparallel.parallel.lamb_whole import WholeNormLamb, sharded
         from autoparallel.parallel.optim_clone import whole_tensor_kind
 
         kind = whole_tensor_kind(self._inner)
-        if kind is None:
-            return
-        sharded = [p.name for p in self.parameters if is_dist(p) and any(
-            pl.is_shard() or pl.is_block_shard() for pl in p.placements)]
-        if sharded:
+        names = [p.name for p in self.parameters if sharded(p)] if kind is not None else []
+        if not names:
+            return None
+        if getattr(self._inner, "_multi_precision", False):
             raise NotImplementedError(
-                f"{kind} computes each parameter's update from norms of the whole parameter, but {sharded[0]} "
-                f"(and {len(sharded) - 1} more) is sharded ({self._layout(sharded[0])}), so each rank would use "
-                f"its shard's norm; use an elementwise optimizer (AdamW, Adam, SGD, Momentum, ...) or keep "
-                f"these parameters replicated")
+                f"{kind}(multi_precision=True) over sharded parameters ({names[0]}: {self._layout(names[0])}): the "
+                f"whole-parameter trust ratio is computed for float32 / float64 parameters only; use "
+                f"multi_precision=False (or ap.Strategy.amp) or keep these parameters replicated")
+        return WholeNormLamb(self._inner, self.parameters)
 
     def _layout(self, name) -> str:
         p = next(p for p in self.parameters if p.name == name)
@@ -96,29 +104,36 @@ class ShardedOptimizer(StepHooks):
 
     def _clip_global_norm(self):
         """paddle's norm clips over distributed parameters, applied here with the norms of the whole
-        (unsharded) gradients, every shard counted once (parallel/clip.py): ``ClipGradByGlobalNorm`` over all
-        of them, ``ClipGradByNorm`` per parameter. paddle's own clip, which would see only this rank's shards,
-        is off for the step. Returns the clip to restore (None: nothing to do)."""
+        (unsharded) gradients, every shard counted once (parallel/clip.py): ``ClipGradByGlobalNorm`` over the
+        parameters paddle clips together (all of them, or each parameter group by its own ``grad_clip``:
+        parallel/group_clips.py), ``ClipGradByNorm`` per parameter. paddle's own clips, which would see only
+        this rank's shards, are off for the step. Returns what to restore (None: nothing to do)."""
         import paddle
 
-        gc = getattr(self._inner, "_grad_clip", None)
-        params = [p for p in self.parameters if not p.stop_gradient]
-        if not isinstance(gc, (paddle.nn.ClipGradByGlobalNorm, paddle.nn.ClipGradByNorm)) \
-                or not any(is_dist(p) for p in params):
-            return None
+        from autoparallel.parallel.group_clips import clip_sets, suspend
+
+        done = []
+        for gc, ps in clip_sets(self._inner):
+            params = [p for p in ps if not p.stop_gradient]
+            if isinstance(gc, (paddle.nn.ClipGradByGlobalNorm, paddle.nn.ClipGradByNorm)) \
+                    and any(is_dist(p) for p in params):
+                self._clip_params(gc, params)
+                done.append(gc)
+        return suspend(self._inner, done) if done else None
+
+    def _clip_params(self, gc, params) -> None:
+        import paddle
+
         from autoparallel.parallel.clip import clip_grad_norm_, clip_grad_norm_per_param_
 
         if isinstance(gc, paddle.nn.ClipGradByNorm):
             clip_grad_norm_per_param_(params, float(gc.clip_norm))
-            self._inner._grad_clip = None
-            return gc
+            return
         plain = [p.name for p in params if not is_dist(p)]
         if plain:
             raise NotImplementedError(f"global-norm clipping over distributed and plain parameters together "
                                       f"({', '.join(plain[:3])} are plain); distribute the whole model")
         self.last_grad_norm = clip_grad_norm_(params, float(gc.clip_norm))
-        self._inner._grad_clip = None
-        return gc
 
     def _step_other_ranks(self) -> None:
         """The simulated world: the other ranks' copies of each parameter (parallel/sim_step.py)."""
@@ -163,6 +178,20 @@ class ShardedOptimizer(StepHooks):
         return getattr(self._inner, name)
 
 
+def _check_closure_optimizer(optimizer) -> None:
+    """LBFGS steps with ``step(closure)``: it re-runs the forward and backward several times inside one step and
+    takes dot products over all gradients; the distributed step reduces gradients once per step and runs the
+    update on local shards, so it is refused by name (not a TypeError from a step without a closure)."""
+    import paddle
+
+    if isinstance(optimizer, paddle.optimizer.LBFGS):
+        raise NotImplementedError(
+            "paddle.optimizer.LBFGS over a distributed model: its step(closure) re-evaluates the loss several times "
+            "per step and reads dot products over the whole gradients, which the distributed step (one gradient "
+            "reduction per step, updates on local shards) does not give; use an elementwise optimizer (AdamW, "
+            "Adam, SGD, Momentum, ...) or run LBFGS in one process")
+
+
 def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int = 1):
     """paddle's ``shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps=1)``; ``shard_fn`` is
 
@@ -175,6 +204,7 @@ def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int =
     See parallel/sharding_stages.py."""
     from autoparallel.parallel.sharding_stages import resolve_shard_fn, zero_optimizer
 
+    _check_closure_optimizer(getattr(optimizer, "_inner", optimizer))
     stage = resolve_shard_fn(optimizer, shard_fn)
     if stage is None:
         return ShardedOptimizer(optimizer, None, gradient_accumulation_steps, overlap=True)

@@ -34,7 +34,8 @@ from autoparallel.dist_tensor_forms import ZERO_OWNERS
 from autoparallel.local_mode import local_mode
 from autoparallel.memory import live_bytes
 from autoparallel.parallel import clip as clipping
-from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors, sync_lr
+from autoparallel.parallel.lamb_whole import ZeroLamb
+from autoparallel.parallel.optim_clone import clone_optimizer, state_tensors, sync_lr, whole_tensor_kind
 from autoparallel.parallel.param_list import flat_params
 from autoparallel.parallel.precision_masters import round_unmastered
 from autoparallel.parallel.step_hooks import StepHooks
@@ -111,7 +112,7 @@ class ZeroOptimizer(StepHooks):
     def _make_inner(self, r):
         keep = [p for p in self.params if self.stage == 3 or not p.stop_gradient]
         chunks = [self._new_master(p, r) for p in keep]
-        return clone_optimizer(self._inner, [m for m in chunks if not m.stop_gradient], self._names[r])
+        return clone_optimizer(self._inner, [m for m in chunks if not m.stop_gradient], self._names[r], whole=True)
 
     def _new_master(self, p, r, data=None):
         """Rank r's fp32 master chunk of ``p`` (from ``data``, else its local shard). Stage 3: the chunk is also
@@ -322,6 +323,7 @@ class ZeroOptimizer(StepHooks):
         self._out = None
         self._zero_kept_grads(grads)
         self._clip(grads)
+        whole = ZeroLamb(self) if whole_tensor_kind(self._inner) else None     # Lamb: the whole parameter's ratio
         with local_mode():
             for r in self.held:
                 for p in self.params:
@@ -335,7 +337,11 @@ class ZeroOptimizer(StepHooks):
                     m._copy_gradient_from(g._copy_to(self.host, True) if self.offload else g)
                 sync_lr(self._inner, self.inner_opts[r])
                 self.inner_opts[r].step()
-                round_unmastered(self.master[r], self.params, self._inner)     # multi_precision=False
+        if whole is not None:
+            whole.apply()
+        with local_mode():
+            for r in self.held:         # multi_precision=False: the master rounded to the parameter's dtype
+                round_unmastered(self.master[r], self.params, self._inner)
         if self.stage < 3:              # a frozen parameter's chunk did not move: its local data is current
             for bucket in self.buckets:
                 self.gather([p for p in bucket if not p.stop_gradient])
@@ -367,11 +373,16 @@ class ZeroOptimizer(StepHooks):
 
     def _clip(self, grads) -> None:
         """paddle's clips on the reduced gradient chunks: norms over whole gradients (each chunk and tensor-
-        parallel shard counted once), ``ClipGradByValue`` elementwise (a chunk clips as the whole would)."""
-        gc = getattr(self._inner, "_grad_clip", None)
-        if gc is None:
-            return
-        terms = self._clip_terms(grads)
+        parallel shard counted once), ``ClipGradByValue`` elementwise (a chunk clips as the whole would); each
+        parameter group by its own ``grad_clip`` as paddle clips groups (parallel/group_clips.py)."""
+        from autoparallel.parallel.group_clips import clip_sets
+
+        for gc, ps in clip_sets(self._inner):
+            if gc is not None:
+                self._clip_set(gc, grads, {id(p) for p in ps})
+
+    def _clip_set(self, gc, grads, ids) -> None:
+        terms = self._clip_terms(grads, ids)
         if isinstance(gc, paddle.nn.ClipGradByGlobalNorm):
             norm = self.last_grad_norm = clipping.global_norm(terms)
             clipping.scale_([t for locs, _, _ in terms for t in locs.values()],
@@ -388,10 +399,10 @@ class ZeroOptimizer(StepHooks):
             raise NotImplementedError(f"ZeRO sharding supports grad_clip=ClipGradByGlobalNorm, ClipGradByNorm or "
                                       f"ClipGradByValue, got {type(gc).__name__}")
 
-    def _clip_terms(self, grads) -> list:
+    def _clip_terms(self, grads, ids) -> list:
         z, terms = self.groups.zmesh, []
         for p in self.params:
-            if not getattr(p, "need_clip", True) or p.stop_gradient:
+            if not getattr(p, "need_clip", True) or p.stop_gradient or id(p) not in ids:
                 continue
             sharded = {self.groups.shard_dim} | {p.mesh.dim_names[i] for i, pl in enumerate(p.placements)
                                                  if pl.is_shard() or pl.is_block_shard()}

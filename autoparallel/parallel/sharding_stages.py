@@ -179,7 +179,9 @@ def _split(optimizer, stage, mesh, dim, model, own, k):
     if stage.stage == 3:
         raise NotImplementedError(f"ShardingStage3 over {dim!r} while {len(own)} parameters are already sharded over "
                                   f"it ({own[0].name}, ...); use stage 1 or 2, or shard those weights over another dim")
-    if getattr(inner, "_grad_clip", None) is not None:
+    from autoparallel.parallel.group_clips import clip_sets
+
+    if any(c is not None for c, _ in clip_sets(inner)):          # the optimizer's clip or a parameter group's
         raise NotImplementedError(f"gradient clipping with ZeRO over {dim!r} while {len(own)} parameters are already "
                                   f"sharded over it ({own[0].name}, ...); build the optimizer without grad_clip")
     from autoparallel.parallel.param_list import flat_params
@@ -196,22 +198,31 @@ def _split(optimizer, stage, mesh, dim, model, own, k):
     if rest:
         sub = ShardedOptimizer(clone_optimizer(inner, rest, names), gradient_accumulation_steps=k, overlap=True)
         zero = apply_zero(model, sub, mesh, stage.stage, dp_dim=dim, gradient_accumulation_steps=k)
-    return SplitOptimizer(zero, kept)
+    return SplitOptimizer(zero, kept, inner)
 
 
 class SplitOptimizer(StepHooks):
     """ZeRO over the parameters replicated on the sharding dim, and a plain wrapper over those already sharded
     on it (their states follow their sharded layout). ``step`` / ``clear_grad`` drive both; attributes of
-    the ZeRO part (``stage``, ``memory_bytes``, ``inner_opts``...) are read from it."""
+    the ZeRO part (``stage``, ``memory_bytes``, ``inner_opts``...) are read from it. The learning rate is the
+    user's optimizer's (``source``): ``set_lr`` / ``set_lr_scheduler`` / ``get_lr`` act on it, and both parts
+    take it at each step."""
 
-    def __init__(self, zero, kept):
-        self.zero, self.kept = zero, kept
+    _LR = ("set_lr", "set_lr_scheduler", "get_lr", "_learning_rate")
+
+    def __init__(self, zero, kept, source=None):
+        self.zero, self.kept, self.source = zero, kept, source
 
     @property
     def parameters(self):
         return (self.zero.params if self.zero is not None else []) + self.kept.parameters
 
     def step(self):
+        from autoparallel.parallel.optim_clone import sync_lr
+
+        for part in (self.zero, self.kept):
+            if part is not None and self.source is not None:
+                sync_lr(self.source, part._inner)
         if self.zero is not None:
             self.zero.step()
         self.kept.step()
@@ -251,6 +262,8 @@ class SplitOptimizer(StepHooks):
         return state
 
     def __getattr__(self, name):
-        if name in ("zero", "kept"):
+        if name in ("zero", "kept", "source"):
             raise AttributeError(name)
+        if name in self._LR and self.source is not None:
+            return getattr(self.source, name)
         return getattr(self.zero if self.zero is not None else self.kept, name)

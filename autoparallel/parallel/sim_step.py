@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from autoparallel.dist_tensor import is_dist
 from autoparallel.local_mode import local_mode
-from autoparallel.parallel.optim_clone import sync_lr
+from autoparallel.parallel.optim_clone import copy_group_clips, sync_lr
 
 
 def other_rank_copies(params) -> dict:
@@ -86,6 +86,7 @@ class RankCopies:
         with local_mode():
             for opt, links in self.opts.values():
                 opt._grad_clip = getattr(self.inner, "_grad_clip", None)   # as each real rank clips its copy
+                copy_group_clips(self.inner, opt)       # (norm clips the ap optimizer applied are off now)
                 sync_lr(self.inner, opt)
                 for t, s in links:
                     s.stop_gradient = t.stop_gradient      # frozen (or unfrozen) since the last step

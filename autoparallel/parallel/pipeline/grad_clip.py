@@ -35,17 +35,21 @@ class PipelineOptimizer(ShardedOptimizer):
         super().step()
 
     def _clip_global_norm(self):
-        gc = getattr(self._inner, "_grad_clip", None)
-        if gc is None:
-            return None
-        check_clip(gc)
-        params = [p for p in self.parameters if not p.stop_gradient and getattr(p, "need_clip", True)]
-        norm = pipeline_grad_norm(self._pipe, params)
-        factor = float(gc.clip_norm) / max(norm, float(gc.clip_norm))
-        scale_grads(params, factor)
-        self.last_grad_norm = norm
-        self._inner._grad_clip = None
-        return gc
+        """Each set paddle clips together (every parameter, or each parameter group by its own ``grad_clip``:
+        parallel/group_clips.py) by its norm over every stage; the same sets in the same order on every rank."""
+        from autoparallel.parallel.group_clips import clip_sets, suspend
+
+        done = []
+        for gc, ps in clip_sets(self._inner):
+            if gc is None:
+                continue
+            check_clip(gc)
+            params = [p for p in ps if not p.stop_gradient and getattr(p, "need_clip", True)]
+            norm = pipeline_grad_norm(self._pipe, params)
+            scale_grads(params, float(gc.clip_norm) / max(norm, float(gc.clip_norm)))
+            self.last_grad_norm = norm
+            done.append(gc)
+        return suspend(self._inner, done) if done else None
 
 
 def check_clip(gc) -> None:

@@ -82,6 +82,7 @@ class PipelineZeroOptimizer(StepHooks):
         self.last_grad_norm = None
         if getattr(optimizer, "_grad_clip", None) is not None:
             check_clip(optimizer._grad_clip)
+        _refuse_group_clips(optimizer)
         _create_groups(all_meshes, dim, degree)
         by_mesh: dict = {}
         for p in flat_params(optimizer):
@@ -179,3 +180,14 @@ def _create_groups(meshes, dim: str, degree) -> None:
 
     for mesh in meshes:
         ZeroGroups(mesh, dim, degree)
+
+
+def _refuse_group_clips(optimizer) -> None:
+    """paddle clips each parameter group by its own norm; ZeRO inside pipeline stages clips by one norm."""
+    from autoparallel.parallel.group_clips import has_groups
+
+    if has_groups(optimizer) and any(g.get("grad_clip") is not None for g in optimizer._param_groups):
+        raise NotImplementedError("ZeRO inside pipeline stages clips every parameter by one global norm, but the "
+                                  "optimizer has parameter groups, which paddle clips each by its own norm; build it "
+                                  "over a flat parameter list, or drop strategy.sharding")
+
