@@ -66,10 +66,7 @@ def plain_value(value):
 def full_state_dict(model) -> dict:
     """``model.state_dict()`` with every distributed entry as its global value (a plain tensor): what the
     one-process model's ``state_dict()`` holds. Collective on real ranks: every rank calls it."""
-    import paddle
-
-    if not isinstance(model, paddle.nn.Layer):
-        raise TypeError(f"full_state_dict expects a paddle.nn.Layer, got {type(model).__name__}")
+    _check_layer(model, "full_state_dict")
     state = model.state_dict()
     values = {}
     for key in sorted(state):                 # one order on every rank: the gathers pair up
@@ -81,23 +78,25 @@ def full_model(model):
     """A plain copy of ``model``: same class and structure, every parameter and buffer its global value as a
     plain paddle Parameter / tensor, autoparallel's hooks and swapped forwards removed, ``training`` flags as
     they are. Collective on real ranks: every rank calls it. The original model is untouched."""
-    import paddle
-
-    if not isinstance(model, paddle.nn.Layer):
-        raise TypeError(f"full_model expects a paddle.nn.Layer, got {type(model).__name__}")
-    from autoparallel.layer_state import build_of
-
-    build = build_of(model)
-    if build is not None and getattr(getattr(build, "strategy", None), "pipeline_parallel", None) is not None \
-            and build.strategy.pipeline_parallel.degree > 1:
-        raise NotImplementedError("full_model: a pipeline-parallel model is split into stages held by different "
-                                  "ranks; save it with ap.save_state_dict and load it with ap.load_merged_state_dict "
-                                  "into a plain model (set_state_dict)")
+    _check_layer(model, "full_model")
     memo = _plain_memo(model)
     plain = copy.deepcopy(model, memo)
     for _, sub in plain.named_sublayers(include_self=True):
         _strip(sub)
     return plain
+
+
+def _check_layer(model, where: str) -> None:
+    import paddle
+
+    from autoparallel.parallel.pipeline.runtime import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise NotImplementedError(f"{where}: a pipeline-parallel model (PipelineModule) keeps its stages on different "
+                                  f"ranks and is not gathered into one plain model here; build the model without "
+                                  f"pipeline_parallel for export, or save it with ap.save_state_dict")
+    if not isinstance(model, paddle.nn.Layer):
+        raise TypeError(f"{where} expects a paddle.nn.Layer, got {type(model).__name__}")
 
 
 def _plain_memo(model) -> dict:
@@ -119,7 +118,7 @@ def _plain_memo(model) -> dict:
 
 
 def _plain_param(p):
-    from paddle.base.framework import EagerParamBase
+    from autoparallel.compat import EagerParamBase
 
     value = plain_value(p)
     new = EagerParamBase(shape=list(value.shape), dtype=value.dtype, trainable=getattr(p, "trainable", True))

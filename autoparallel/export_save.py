@@ -105,7 +105,11 @@ def exportable(layer):
 
 def _jit_save(orig):
     def jit_save(layer, path, input_spec=None, **configs):
-        return orig(_exportable_target(layer), path, input_spec, **configs)
+        from autoparallel.graph.jit import _ignore_own_modules
+
+        target = _exportable_target(layer)
+        _ignore_own_modules()       # the translator calls autoparallel's routing wrappers as they are
+        return orig(target, path, input_spec, **configs)
 
     jit_save._ap_wrapper = True
     jit_save.__wrapped__ = orig
@@ -114,6 +118,11 @@ def _jit_save(orig):
 
 def _exportable_target(layer):
     """A Layer, or a to_static function bound to a Layer (``paddle.jit.to_static(model.forward)``)."""
+    from autoparallel.export_forms import _check_layer
+    from autoparallel.parallel.pipeline.runtime import PipelineModule
+
+    if isinstance(layer, PipelineModule):
+        _check_layer(layer, "paddle.jit.save")
     owner = getattr(layer, "_class_instance", None)
     if owner is not None and exportable(owner) is not owner:
         raise ShardedExportError("paddle.jit.save of a method of a distributed layer: export the plain copy, "
