@@ -1,0 +1,103 @@
+"""Evaluation as users write it, on a model autoparallel laid out, against one process: ``model.eval()`` and
+``paddle.no_grad()`` over an eval set whose batches do not divide the data-parallel degree (7 samples and 1 sample
+over dp 4, variable sequence lengths), ``paddle.metric.Accuracy`` update/accumulate and a running mean loss; a
+validation loss with gradients enabled; then ``model.train()`` and two training steps (dropout 0.3 on), then the
+same evaluation again. Recompute runs in training only (it ran in an eval-mode forward with gradients on)."""
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+import autoparallel as ap
+import autoparallel.parallel.recompute as recompute_mod
+from autoparallel.testing.models import tp_plan
+from examples.models import GPT, GPTConfig
+
+V = 64
+_rng = np.random.default_rng(1)
+EVAL = [(_rng.integers(0, V, (b, t)), _rng.integers(0, V, (b, t))) for b, t in [(4, 8), (7, 5), (1, 3)]]
+TRAIN = [(_rng.integers(0, V, (4, 8)), _rng.integers(0, V, (4, 8))) for _ in range(2)]
+
+
+def gpt():
+    paddle.seed(0)
+    return GPT(GPTConfig(vocab_size=V, hidden=32, layers=2, heads=4, max_positions=16, dropout=0.3))
+
+
+def _np(t):
+    return t.full().numpy() if hasattr(t, "full") else t.numpy()
+
+
+def evaluate(model):
+    model.eval()
+    acc, total, n, logits = paddle.metric.Accuracy(topk=(1, 32)), 0.0, 0, []
+    with paddle.no_grad():
+        for ids, lab in EVAL:
+            out = model(paddle.to_tensor(ids))
+            total += float(F.cross_entropy(out, paddle.to_tensor(lab).unsqueeze(-1)).mean()) * len(ids)
+            n += len(ids)
+            acc.update(acc.compute(out.reshape([-1, V]), paddle.to_tensor(lab).reshape([-1, 1])))
+            logits.append(_np(out))
+    ids, lab = EVAL[1]
+    val = float(F.cross_entropy(model(paddle.to_tensor(ids)), paddle.to_tensor(lab).unsqueeze(-1)).mean())
+    return {"mean_loss": total / n, "accuracy": acc.accumulate(), "logits": logits, "val_with_grad": val}
+
+
+def session(model, opt, calls):
+    """eval, train two steps, eval again; recompute calls counted in the first evaluation and overall."""
+    first = evaluate(model)
+    first["recompute_in_eval"] = calls[0]
+    model.train()
+    losses = []
+    for ids, lab in TRAIN:
+        loss = F.cross_entropy(model(paddle.to_tensor(ids)), paddle.to_tensor(lab).unsqueeze(-1)).mean()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return first, losses, evaluate(model), calls[0]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = [0]
+    orig = recompute_mod.recompute
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return orig(*a, **k)
+
+    monkeypatch.setattr(recompute_mod, "recompute", counting)
+    return calls
+
+
+def _reference():
+    m = gpt()
+    return session(m, paddle.optimizer.SGD(0.1, parameters=m.parameters()), [0])
+
+
+@pytest.mark.parametrize("dp,tp,stage,rc", [(4, 1, None, False), (2, 2, None, True), (2, 1, 3, True)],
+                         ids=["dp4", "dp2xtp2-recompute", "zero3-recompute"])
+def test_eval_train_eval_equals_one_process(dp, tp, stage, rc, counted):
+    ref = _reference()
+    s = ap.Strategy()
+    s.data_parallel.degree, s.tensor_parallel.degree, s.recompute.enable = dp, tp, rc
+    if stage:
+        s.sharding.enable, s.sharding.stage = True, stage
+    with ap.simulate(world_size=dp * tp):
+        m = gpt()
+        opt = paddle.optimizer.SGD(0.1, parameters=m.parameters())
+        m, opt = ap.parallelize(m, opt, strategy=s, tp_plan=tp_plan("gpt") if tp > 1 else None)
+        got = session(m, opt, counted)
+        m.train()
+        train_mode = _np(m(paddle.to_tensor(EVAL[0][0])))
+    for r, g in ((ref[0], got[0]), (ref[2], got[2])):
+        assert g["accuracy"] == r["accuracy"] and 0 < r["accuracy"][1] < 1
+        np.testing.assert_allclose(g["mean_loss"], r["mean_loss"], rtol=1e-5)
+        np.testing.assert_allclose(g["val_with_grad"], r["val_with_grad"], rtol=1e-5)
+        for a, b in zip(g["logits"], r["logits"]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
+    assert not np.allclose(train_mode, ref[2]["logits"][0], atol=1e-3)        # control: dropout is on in train()
+    assert got[0]["recompute_in_eval"] == 0
+    assert got[3] == (2 * 2 if rc else 0)        # recompute: each training step, once per block (2 blocks)
