@@ -101,3 +101,29 @@ def test_eval_train_eval_equals_one_process(dp, tp, stage, rc, counted):
     assert not np.allclose(train_mode, ref[2]["logits"][0], atol=1e-3)        # control: dropout is on in train()
     assert got[0]["recompute_in_eval"] == 0
     assert got[3] == (2 * 2 if rc else 0)        # recompute: each training step, once per block (2 blocks)
+
+
+def test_summing_a_metric_over_ranks_is_refused_with_the_reason():
+    """DDP-style code sums a count over ranks; a count computed from the model already covers the global batch
+    on every rank (paddle failed with ``must be Tensor, but got DistTensor``). A plain tensor passes through."""
+    import paddle.distributed as dist
+
+    from autoparallel import collective_forms
+
+    ids, lab = EVAL[1]
+    with ap.simulate(world_size=2):
+        m, _ = ap.parallelize(gpt(), None, strategy=_dp2())
+        m.eval()
+        with paddle.no_grad():
+            correct = (m(paddle.to_tensor(ids)).argmax(-1) == paddle.to_tensor(lab)).astype("float32").sum()
+        for call in (lambda: dist.all_reduce(correct), lambda: dist.all_gather([], correct)):
+            with pytest.raises(TypeError, match="already the whole global batch"):
+                call()
+    plain = collective_forms._guarded("all_reduce", 0, lambda *a, **k: "reduced")
+    assert plain(paddle.ones([1])) == "reduced" and plain(tensor=paddle.ones([1])) == "reduced"
+
+
+def _dp2():
+    s = ap.Strategy()
+    s.data_parallel.degree = 2
+    return s
