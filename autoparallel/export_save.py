@@ -13,7 +13,8 @@ Here:
   global value; one that is not (a shard, a partial sum, a released ZeRO-3 parameter) raises
   ``ShardedExportError`` naming the entry and the collective forms to use instead. Nothing is gathered
   behind the user's back: ``paddle.save`` is often called on one rank only, where a gather would hang.
-* ``paddle.jit.save(layer, path, input_spec)`` (also a layer after ``paddle.jit.to_static``): a layer holding
+* ``paddle.jit.save(layer, path, input_spec)`` (also a layer after ``paddle.jit.to_static``, and ``ap.to_static``'s
+  ``DistModel``, saved as its network): a layer holding
   distributed parameters is exported as ``ap.full_model(layer)``, its plain one-process copy, when every
   parameter is whole on this rank; otherwise ``ShardedExportError`` says to call ``ap.full_model`` on every rank
   and save the plain copy.
@@ -123,6 +124,10 @@ def _exportable_target(layer):
 
     if isinstance(layer, PipelineModule):
         _check_layer(layer, "paddle.jit.save")
+    from autoparallel.graph.to_static import DistModel
+
+    if isinstance(layer, DistModel):           # paddle's DistModel is saved through its network
+        layer = layer.network
     owner = getattr(layer, "_class_instance", None)
     if owner is not None and exportable(owner) is not owner:
         raise ShardedExportError("paddle.jit.save of a method of a distributed layer: export the plain copy, "

@@ -181,3 +181,31 @@ def test_a_pipeline_model_is_refused_by_name():
                 call(pipe)
         with pytest.raises(NotImplementedError, match="pipeline-parallel"):
             paddle.jit.save(pipe, "/nonexistent/never", input_spec=[InputSpec([None, 8], "int64")])
+
+
+def test_dist_model_evaluates_predicts_and_exports_like_one_process(tmp_path):
+    """``ap.to_static``'s DistModel over 7 samples on dp 2: eval mode gives the loss, predict mode the outputs,
+    ``paddle.jit.save(dist_model)`` the network's program (paddle refused a DistModel: not a Layer)."""
+    rng = np.random.default_rng(4)
+    data = [(rng.integers(0, 64, (7, 8)), rng.integers(0, 64, (7, 8)))]
+    ids, lab = (paddle.to_tensor(a) for a in data[0])
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits, y.unsqueeze(-1)).mean()
+
+    ref = gpt()
+    ref.eval()
+    with paddle.no_grad():
+        want_out, want_loss = ref(ids).numpy(), float(loss_fn(ref(ids), lab))
+    with ap.simulate(world_size=2):
+        m = gpt()
+        dm = ap.to_static(m, None, loss_fn, paddle.optimizer.SGD(0.1, parameters=m.parameters()), strategy(dp=2),
+                          input_spec=[([7, 8], "int64"), ([7, 8], "int64")])
+        dm.eval()
+        loss = float(dm(ids, lab))
+        dm.predict()
+        out = np.asarray(dm(ids))
+        paddle.jit.save(dm, str(tmp_path / "dm"), input_spec=[InputSpec([None, 8], "int64")])
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(paddle.jit.load(str(tmp_path / "dm"))(ids).numpy(), want_out, rtol=1e-5, atol=1e-6)
