@@ -127,3 +127,30 @@ def _dp2():
     s = ap.Strategy()
     s.data_parallel.degree = 2
     return s
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_pipeline_eval_of_a_last_partial_batch_equals_one_process(dp):
+    """``pipe.eval()`` left the model's own dropout on (a stage calls the model's ``embed``, which reads the model's
+    ``training``), and a batch of 7 or 1 samples over micro_batches 2 x dp was refused: it is padded (labels -100)
+    and the outputs cut back. A custom loss_fn is refused there, naming what to pass instead."""
+    ref = gpt()
+    ref.eval()
+    s = ap.Strategy()
+    s.pipeline_parallel.degree, s.pipeline_parallel.micro_batches, s.data_parallel.degree = 2, 2, dp
+    for ids, lab in [EVAL[0], (EVAL[1][0][:, :5], EVAL[1][1][:, :5]), EVAL[2]]:
+        with paddle.no_grad():
+            logits = ref(paddle.to_tensor(ids))
+            want = float(F.cross_entropy(logits, paddle.to_tensor(lab).unsqueeze(-1)).mean())
+        with ap.simulate(world_size=2 * dp):
+            pipe, _ = ap.parallelize(gpt(), None, strategy=s)
+            pipe.eval()
+            loss = float(pipe.eval_batch(paddle.to_tensor(ids), paddle.to_tensor(lab)))
+            out = np.asarray(pipe.eval_batch(paddle.to_tensor(ids)))
+        np.testing.assert_allclose(loss, want, rtol=1e-5)
+        np.testing.assert_allclose(out, logits.numpy(), rtol=1e-5, atol=1e-6)
+    with ap.simulate(world_size=2 * dp):
+        pipe, _ = ap.parallelize(gpt(), None, strategy=s)
+        pipe.loss_fn = lambda logits, y: F.cross_entropy(logits, y).mean()
+        with pytest.raises(ValueError, match=r"custom loss_fn.*drop_last=True"):
+            pipe.eval_batch(paddle.to_tensor(EVAL[1][0]), paddle.to_tensor(EVAL[1][1]))
