@@ -2,7 +2,7 @@
 ``paddle.save`` / ``paddle.jit.save`` raise on both ranks instead of saving shards (or waiting in a gather);
 ``ap.full_state_dict`` / ``ap.full_model`` on both ranks then rank 0 saving give the one-process model; a data-
 parallel model saved by rank 0 alone exports the one-process model; top_p sampling gives the same tokens on both
-ranks as one process."""
+ranks as one process; a pipeline's evaluation of a last batch of 7 samples gives one process's loss."""
 import os
 
 import pytest
@@ -36,3 +36,8 @@ def test_data_parallel_model_saved_by_rank0_alone_loads_as_one_process(ranks):
 def test_sampling_gives_every_rank_the_one_process_tokens(ranks):
     for r in ranks:
         assert r["generate"] == {"equal_one_process": True, "equal_ranks": True}
+
+
+def test_pipeline_eval_of_a_partial_batch_equals_one_process(ranks):
+    for r in ranks:
+        assert r["pipeline"]["loss_diff"] < 1e-5, r["pipeline"]

@@ -5,7 +5,8 @@
   ranks, rank 0 alone saves, both ranks load plain objects;
 * data parallel: rank 0 alone calls ``paddle.jit.save(model)`` and ``paddle.save(model.state_dict())`` (no
   collective: the parameters are whole on the rank);
-* ``generate`` with top_p sampling under tensor parallel: the tokens of both ranks, and of one process.
+* ``generate`` with top_p sampling under tensor parallel: the tokens of both ranks, and of one process;
+* pipeline parallel 2: ``pipe.eval()`` and ``eval_batch`` of a last batch of 7 samples: one process's loss.
 Usage: export_worker.py OUT_DIR
 """
 import os
@@ -115,6 +116,27 @@ def generation() -> dict:
             "equal_ranks": all(np.array_equal(t.numpy(), got) for t in every)}
 
 
+def pipeline_eval() -> dict:
+    """pp 2: the loss of a last batch of 7 samples (micro_batches 2), dropout off under eval()."""
+    from examples.models import GPT, GPTConfig
+
+    def gpt():
+        paddle.seed(0)
+        return GPT(GPTConfig(vocab_size=64, hidden=32, layers=2, heads=4, max_positions=16, dropout=0.3))
+
+    rng = np.random.default_rng(5)
+    ids, lab = paddle.to_tensor(rng.integers(0, 64, (7, 8))), paddle.to_tensor(rng.integers(0, 64, (7, 8)))
+    ref = gpt()
+    ref.eval()
+    with paddle.no_grad():
+        want = float(F.cross_entropy(ref(ids), lab.unsqueeze(-1)).mean())
+    s = strategy()
+    s.pipeline_parallel.degree, s.pipeline_parallel.micro_batches = 2, 2
+    pipe, _ = ap.parallelize(gpt(), None, strategy=s)
+    pipe.eval()
+    return {"loss_diff": abs(float(pipe.eval_batch(ids, lab)) - want)}
+
+
 def main():
     dist.init_parallel_env()
     rank, out = dist.get_rank(), sys.argv[1]
@@ -122,7 +144,7 @@ def main():
     ref.eval()
     want = ref(paddle.to_tensor(X)).numpy()
     write_result({"tp": tensor_parallel(out, rank, want), "dp": data_parallel(out, rank, want),
-                  "generate": generation()})
+                  "generate": generation(), "pipeline": pipeline_eval()})
 
 
 if __name__ == "__main__":
