@@ -53,8 +53,9 @@ def _dist_params(layer) -> list:
 
     # the parameter tables directly: paddle.jit.save reads every attribute of a layer while it builds a static
     # program, where Layer.parameters() fails (its de-duplication set takes only program values)
-    return [p for sub in layer.sublayers(include_self=True) for p in sub._parameters.values()
-            if p is not None and is_dist(p)]
+    found = {id(p): p for sub in layer.sublayers(include_self=True) for p in sub._parameters.values()
+             if p is not None and is_dist(p)}
+    return list(found.values())
 
 
 def _get(self):
