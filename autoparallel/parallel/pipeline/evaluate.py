@@ -70,14 +70,16 @@ def _padded(pipe, inputs, labels, compute_loss):
     padded to the next multiple: inputs with zeros, labels with -100 (the default loss skips them, so the mean
     is the one-process loss over the real samples); outputs are cut back to the real samples. A custom loss_fn
     would count padded samples: refused with what to do. (inputs, labels, real samples or None)."""
-    from .batch import IGNORE_INDEX
-    from .runtime import _cross_entropy
+    import sys
 
+    from .batch import IGNORE_INDEX
+
+    default_loss = getattr(sys.modules[type(pipe).__module__], "_cross_entropy", None)   # the runtime's, unimported
     m, dp = pipe.plan.micro_batches, pipe._dp()
     n = _samples(inputs) if inputs is not None else _samples(labels)
     if n is None or n % (m * dp) == 0 or isinstance(inputs, (list, tuple)) or isinstance(labels, (list, tuple)):
         return inputs, labels, None
-    if compute_loss and pipe.loss_fn is not _cross_entropy:
+    if compute_loss and pipe.loss_fn is not default_loss:
         raise ValueError(f"eval_batch: the batch ({n} samples) does not divide into micro_batches x data-parallel "
                          f"degree = {m} x {dp}, and a custom loss_fn cannot be evaluated on padded samples; pass "
                          f"batches of a multiple of {m * dp} samples (DataLoader(drop_last=True)), or evaluate "
