@@ -24,6 +24,8 @@ _EXPORTS = {
     "dtensor_from_local": "autoparallel.api_tensor", "is_dist": "autoparallel.dist_tensor",
     "dtensor_to_local": "autoparallel.api_tensor", "dtensor_from_fn": "autoparallel.api_tensor",
     "unshard_dtensor": "autoparallel.api_tensor", "ReduceType": "autoparallel.placement",
+    "full_state_dict": "autoparallel.export_forms", "full_model": "autoparallel.export_forms",
+    "ShardedExportError": "autoparallel.export_save",
     "shard_dataloader": "autoparallel.api_data", "ShardDataloader": "autoparallel.api_data",
     "shard_scaler": "autoparallel.api_layer", "get_world_size": "autoparallel.api_env",
     "LocalLayer": "autoparallel.api_local", "local_map": "autoparallel.api_local",

@@ -63,7 +63,7 @@ def _install_hooks() -> None:
 
     from autoparallel.graph import jit
     from autoparallel.lazy_init import order
-    from autoparallel import ddp_guard, hapi_forms, no_sync, trainer_forms
+    from autoparallel import collective_forms, ddp_guard, export_save, hapi_forms, no_sync, trainer_forms
     from autoparallel import layer_copy, nn_utils_forms, param_init, pylayer_forms, state_dict_forms
     from autoparallel.parallel import amp_scaler, full_state, implicit_optimizer, lr_metrics, model_recompute
 
@@ -85,6 +85,8 @@ def _install_hooks() -> None:
     ddp_guard.install()
     trainer_forms.install()
     layer_copy.install()
+    export_save.install()
+    collective_forms.install()
 
 
 def _reset() -> None:

@@ -15,8 +15,9 @@ from autoparallel.dist_tensor import as_dist, is_dist as _is_dist
 VALUE_OPS = {"arange": 0, "full": 0, "zeros": 0, "ones": 0, "expand": 1, "reshape": 1, "view": 1, "tile": 1,
              "broadcast_to": 1, "pad": 1,
              "linspace": 0, "split": 1, "full_like": 1,
-             "empty": 0, "rand": 0, "randn": 0, "standard_normal": 0, "randint": 0, "uniform": 0, "eye": 0}
-_NUMBERS = ("arange", "linspace", "eye", "randint")      # one-element tensors there are numbers
+             "empty": 0, "rand": 0, "randn": 0, "standard_normal": 0, "randint": 0, "uniform": 0, "eye": 0,
+             "topk": 1}
+_NUMBERS = ("arange", "linspace", "eye", "randint", "topk")      # one-element tensors there are numbers
 _FILL = {"full": 1, "full_like": 1}       # the position of fill_value (also a number when one element)
 _TENSOR_KW = ("x", "input", "self")
 

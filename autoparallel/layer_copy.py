@@ -15,12 +15,14 @@ autoparallel rewrote in place (recompute segments: the rewrite calls the origina
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import paddle
 
 from autoparallel import layer_state, patches
 
+_PLAIN = [0]            # inside plain_copies(): the copy becomes a plain model (export_forms.full_model)
 _BOUND_TO_ORIGINAL = ("autoparallel.parallel.zero_params",)   # hooks closed over the original's parameters
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_post_hooks", "_forward_pre_hooks_with_kwargs_flag",
                "_forward_post_hooks_with_kwargs_flag", "_forward_post_hooks_always_called")
@@ -43,16 +45,28 @@ def copy_param(param, memo):
     return new
 
 
+@contextlib.contextmanager
+def plain_copies():
+    """Layers deep-copied here become plain models: no mesh carried over, rewrites allowed (the caller strips
+    them and maps every distributed parameter to a plain one in the memo)."""
+    _PLAIN[0] += 1
+    try:
+        yield
+    finally:
+        _PLAIN[0] -= 1
+
+
 def layer_deepcopy(self, memo):
     """What ``copy.deepcopy`` does for a Layer (``__getstate__`` / ``__setstate__``), then autoparallel's
     knowledge of the original carried over (or refused, see the module docstring)."""
-    _check_rewrites(self)
+    if not _PLAIN[0]:
+        _check_rewrites(self)
     cls = type(self)
     new = cls.__new__(cls)
     memo[id(self)] = new
     new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
     _drop_bound_hooks(new)
-    mesh = layer_state.mesh_of(self)
+    mesh = None if _PLAIN[0] else layer_state.mesh_of(self)
     if mesh is not None:
         layer_state.put(new, "mesh", mesh)
     return new

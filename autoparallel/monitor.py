@@ -388,6 +388,7 @@ class _CommTimer:
     def _wrap(self, fn):
         import functools
 
+        @patches.pass_through
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             start = time.perf_counter()

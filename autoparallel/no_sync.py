@@ -51,7 +51,11 @@ def _no_sync(layer):
 def _dist_params(layer) -> list:
     from autoparallel.dist_tensor import is_dist
 
-    return [p for p in layer.parameters() if is_dist(p)]
+    # the parameter tables directly: paddle.jit.save reads every attribute of a layer while it builds a static
+    # program, where Layer.parameters() fails (its de-duplication set takes only program values)
+    found = {id(p): p for sub in layer.sublayers(include_self=True) for p in sub._parameters.values()
+             if p is not None and is_dist(p)}
+    return list(found.values())
 
 
 def _get(self):

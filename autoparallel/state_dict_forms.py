@@ -31,6 +31,7 @@ def install() -> None:
             name = key if use_structured_name else p.name
             if is_dist(p) and hasattr(p, "_ap_spec") and name in state_dict:
                 ours[name] = p
+        state_dict = _plain_sources(state_dict, ours)
         if not ours:
             return orig(self, state_dict, use_structured_name)
         rest = {k: v for k, v in state_dict.items() if k not in ours}
@@ -49,6 +50,22 @@ def install() -> None:
     for attr in ("set_state_dict", "set_dict", "load_dict"):
         if getattr(Layer, attr, None) is orig:
             patches.patch(Layer, attr, set_state_dict)
+
+
+def _plain_sources(state_dict, ours: dict):
+    """Distributed values bound for plain tensors as their global values (paddle would compare the local shard's
+    shape, skip the entry with a warning and keep the old weight); a value this rank holds only part of raises."""
+    from autoparallel.export_forms import not_whole, plain_value
+    from autoparallel.export_save import HOW, ShardedExportError
+
+    moved = {k: v for k, v in state_dict.items() if k not in ours and is_dist(v)}
+    if not moved:
+        return state_dict
+    part = sorted(k for k, v in moved.items() if not_whole(v))
+    if part:
+        raise ShardedExportError(f"set_state_dict: {', '.join(part[:4])} are distributed values this rank holds only "
+                                 f"part of, bound for plain (one-process) tensors; {HOW}")
+    return {k: (plain_value(v) if k in moved else v) for k, v in state_dict.items()}
 
 
 def _load(name, p, value) -> None:

@@ -317,6 +317,14 @@ def randint_like(x, low=0, high=None, dtype=None, name=None):
                         lambda s, dt: _p().randint(low, high, s).astype(dt))
 
 
+def multinomial(x, num_samples=1, replacement=False, name=None):
+    """``paddle.multinomial`` over distributed probabilities (sampling in ``generate``): ONE draw from the
+    global probabilities, as one process makes it, on every rank from the generator state they share; the
+    samples come back whole (a plain tensor: replicated next to distributed operands)."""
+    probs = x.full() if hasattr(x, "full") else x
+    return _p().multinomial(probs.detach(), num_samples=num_samples, replacement=replacement)
+
+
 def affine_grid(theta, out_shape, align_corners=True, name=None):
     """``F.affine_grid`` (spatial transformers): the normalised base grid, a constant, times ``theta``'s
     transpose -- a batched matmul, so a batch-split ``theta`` gives a batch-split grid."""
@@ -354,7 +362,8 @@ def _with_axis(kind):
     return fn
 
 
-_P_NAMES = ("vecdot", "dist", "rot90", "msort", "ldexp", "numel", "rand_like", "randn_like", "randint_like")
+_P_NAMES = ("vecdot", "dist", "rot90", "msort", "ldexp", "numel", "rand_like", "randn_like", "randint_like",
+            "multinomial")
 COMPOSITES: dict = {f"paddle.nn.functional.{n}": globals()[n]
                     for n in ("pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "prelu", "maxout",
                               "cosine_embedding_loss", "gaussian_nll_loss", "triplet_margin_loss",

@@ -84,27 +84,29 @@ def test_syncing_a_sharded_weights_gradient_by_hand_is_refused():
         opt.clear_grad()
 
 
-def test_all_reduce_of_a_replicated_dist_tensor_is_what_the_ranks_compute():
-    """A replicated loss holds the same value on every rank: all_reduce(SUM) gives world x value there, as on
-    plain tensors (a data-parallel script then divides by the world size)."""
+def test_reducing_a_value_computed_on_distributed_tensors_is_refused_and_broadcast_keeps_it():
+    """A replicated loss already holds the whole global batch's value on every rank: a sum over ranks would count
+    each sample once per rank (a count metric silently x world), so all_reduce / reduce / all_gather refuse it;
+    broadcast of the same value on every rank leaves it as it is."""
     with ap.simulate(world_size=2):
         mesh = ap.ProcessMesh([0, 1], ["x"])
         x = ap.shard_tensor(paddle.to_tensor([1.5, -2.0]), mesh, [ap.Replicate()])
-        dist.all_reduce(x)
-        np.testing.assert_allclose(x.full().numpy(), [3.0, -4.0])
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
-        np.testing.assert_allclose(x.full().numpy(), [3.0, -4.0])
+        for call in (lambda: dist.all_reduce(x), lambda: dist.all_reduce(x, op=dist.ReduceOp.MAX),
+                     lambda: dist.reduce(x, dst=0), lambda: dist.all_gather([], x)):
+            with pytest.raises(TypeError, match="already the whole global batch's on every rank"):
+                call()
+        np.testing.assert_allclose(x.full().numpy(), [1.5, -2.0])
         dist.broadcast(x, src=0)
-        np.testing.assert_allclose(x.full().numpy(), [3.0, -4.0])
+        np.testing.assert_allclose(x.full().numpy(), [1.5, -2.0])
         sharded = ap.shard_tensor(paddle.arange(4, dtype="float32"), mesh, [ap.Shard(0)])
+        with pytest.raises(TypeError, match=r"layout \['S\(0\)'\], global shape \[4\]"):
+            dist.all_reduce(sharded)
         with pytest.raises(TypeError, match="DistTensor of global shape \\[4\\] placed S\\(0\\)"):
-            dist.all_reduce(sharded)                            # negative control: a shard is refused
-        with pytest.raises(NotImplementedError, match="all_gather on a distributed tensor inside ap.simulate"):
-            dist.all_gather([], x)
+            dist.broadcast(sharded, src=0)                      # a shard is refused by the layout guard
     with ap.simulate(world_size=4):
         half = ap.shard_tensor(paddle.ones([2]), ap.ProcessMesh([0, 1], ["x"]), [ap.Replicate()])
         with pytest.raises(ValueError, match=r"ranks \[2, 3\] hold no part of it"):
-            dist.all_reduce(half)                               # the whole world of 4 over a 2-rank mesh
+            dist.broadcast(half, src=0)                         # the whole world of 4 over a 2-rank mesh
 
 
 def test_plain_tensors_reach_paddle_unchanged():
@@ -227,3 +229,24 @@ def test_the_stream_variants_are_guarded_too():
         model = _tp_model(ap.ProcessMesh([0, 1], ["x"]))
         with pytest.raises(TypeError, match=r"paddle\.distributed\.broadcast on a DistParameter"):
             dist.stream.broadcast(model.fc1.weight, src=0)
+
+
+def test_the_guard_looks_past_wrappers_that_only_hand_the_users_call_on():
+    """PerformanceMonitor times paddle.distributed's collectives by wrapping them (autoparallel.monitor), and
+    collective_forms checks their arguments: a user's call through either is still the user's. Before, the guard
+    took it for the library's own and handed a DistTensor to paddle ('argument (position 1) must be Tensor, but
+    got DistTensor' on real ranks)."""
+    import sys
+
+    from autoparallel import collective_forms, collective_guard
+    from autoparallel.monitor import _comm_timer
+
+    seen = []
+
+    def guard(*args, **kwargs):              # stands where collective_guard's wrapper runs
+        seen.append(collective_guard._from_library(sys._getframe(1)))
+
+    _comm_timer._wrap(guard)()
+    collective_forms._guarded("all_reduce", 0, guard)(paddle.ones([1]))
+    _comm_timer._wrap(collective_forms._guarded("all_reduce", 0, guard))(paddle.ones([1]))
+    assert seen == [False, False, False]

@@ -45,7 +45,7 @@ def region(fn, where: str, roots, args, kwargs):
     """``fn(*args, **kwargs)`` as the recompute region ``where``: its activations are recomputed in backward,
     and the re-run repeats none of the forward's effects on the Python state reachable from ``roots``
     (recompute_state)."""
-    if not paddle.is_grad_enabled():
+    if not paddle.is_grad_enabled() or _evaluating(roots):
         return fn(*args, **kwargs)
     from autoparallel import dispatch
     from autoparallel.graph import trace
@@ -63,6 +63,13 @@ def region(fn, where: str, roots, args, kwargs):
         return recompute(fn, *args, use_reentrant=False, **kwargs)
     finally:
         _log.setLevel(level)
+
+
+def _evaluating(roots) -> bool:
+    """A region whose layers are all in eval mode (``model.eval()``) runs plainly: recompute is a training
+    trade of time for activation memory, as paddle's models apply it (``if self.training``)."""
+    layers = [r for r in roots if isinstance(r, paddle.nn.Layer)]
+    return bool(layers) and not any(layer.training for layer in layers)
 
 
 def find_blocks(model):
@@ -213,6 +220,8 @@ def _selective(block):
     forward = attn.forward
 
     def wrapped(*args, **kwargs):
+        if not attn.training:
+            return forward(*args, **kwargs)
         core = getattr(mod, name)
         setattr(mod, name, _CheckpointedRegistry(core) if name == REGISTRY
                 else (lambda *a, **k: checkpoint(core, *a, **k)))

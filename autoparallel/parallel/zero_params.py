@@ -43,8 +43,19 @@ def _pre(zopt, own):
     return hook
 
 
+def _running_stats(layer, own) -> list:
+    """The parameters a training forward of ``layer`` updates in place: a batch norm's running mean and variance
+    (non-trainable parameters of paddle's batch norm layers)."""
+    norms = (paddle.nn.BatchNorm, paddle.nn.BatchNorm1D, paddle.nn.BatchNorm2D, paddle.nn.BatchNorm3D,
+             paddle.nn.SyncBatchNorm)
+    return [p for p in own if p.stop_gradient] if isinstance(layer, norms) else []
+
+
 def _post(zopt, own, key):
     def hook(_layer, inputs, outputs):
+        stats = _running_stats(_layer, own) if _layer.training else []
+        if stats:               # the update reaches the chunks before the gathered copy is released
+            zopt.reload(stats)
         if paddle.is_grad_enabled():
             outs = [t for t in _tensors(outputs) if not t.stop_gradient]
             ins = [t for t in _tensors(inputs) if not t.stop_gradient]

@@ -43,9 +43,14 @@ def dp_with_metric():
         opt.step()
         opt.clear_grad()
         value = float(loss)
-        metric = loss.detach()                                # shares the loss's storage, as in paddle
+        try:                                                  # the DDP habit on the loss itself: refused (it is
+            dist.all_reduce(loss.detach())                    # already the global batch's on every rank)
+            refused = False
+        except TypeError as e:
+            refused = "already the whole global batch" in str(e)
+        metric = paddle.to_tensor(value)                      # a plain tensor: paddle's own collective
         dist.all_reduce(metric)                               # the DDP habit: sum, then divide by the world
-        out.append([value, float(metric) / dist.get_world_size()])
+        out.append([value, float(metric) / dist.get_world_size(), float(refused)])
     return out
 
 

@@ -133,13 +133,17 @@ class PipelineModule:
         return [p for _, p in self.named_parameters()]
 
     def train(self):
-        for s in self.held_stages:
-            self.stages[s].train()
-        return self
+        return self._mode(True)
 
     def eval(self):
-        for s in self.held_stages:
-            self.stages[s].eval()
+        return self._mode(False)
+
+    def _mode(self, training: bool):
+        """Every held stage, and the model the stages run: a stage calls the model's own ``embed`` / ``head``
+        and its parameter-free layers, which read the model's ``training`` (dropout stayed on under ``eval()``)."""
+        models = {id(st.pieces.model): st.pieces.model for st in self.stages if hasattr(st, "pieces")}
+        for layer in [self.stages[s] for s in self.held_stages] + list(models.values()):
+            layer.train() if training else layer.eval()
         return self
 
     def wrap_optimizer(self, optimizer):
