@@ -158,7 +158,11 @@ def _sharded_grad_owner(args, kwargs):
     if not ptrs:
         return None
     for sync in list(_SYNCS):
-        for p in sync.params_fn():
+        try:
+            params = list(sync.params_fn())
+        except AttributeError:          # a wrapper whose parameters live elsewhere (ZeRO keeps its own lists)
+            continue
+        for p in params:
             if not hasattr(p, "_ap_spec") or not _not_replicated(p):
                 continue
             g = paddle.Tensor.grad.__get__(p)
