@@ -209,21 +209,16 @@ def install() -> None:
     import paddle.distributed as dist
     from paddle.distributed.communication import stream
 
-    for owner in (dist, stream):                    # paddle.distributed.stream.* too (the same module object)
-        for name in GUARDED:
-            orig = getattr(owner, name, None)
-            if orig is None or orig in _OURS:
-                continue
-            g = _wrap(name, orig)
-            _OURS.add(g)
-            patches.patch(owner, name, g)
-    for name in NOTED_ONLY:
-        orig = getattr(dist, name, None)
-        if orig is None or orig in _OURS:
-            continue
-        g = _noted(name, orig)
-        _OURS.add(g)
-        patches.patch(dist, name, g)
+    # paddle.distributed.stream.* too (the same module object) for the guarded ones
+    for owners, names, make in (((dist, stream), GUARDED, _wrap), ((dist,), NOTED_ONLY, _noted)):
+        for owner in owners:
+            for name in names:
+                orig = getattr(owner, name, None)
+                if orig is None or orig in _OURS:
+                    continue
+                g = make(name, orig)
+                _OURS.add(g)
+                patches.patch(owner, name, g)
 
 
 def _noted(name: str, orig):

@@ -9,10 +9,10 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
-from paddle import nn
 
 import autoparallel as dist
 from autoparallel.testing.gpu_scaler import gpu_grad_scaler
+from test_probe_api_optimizers import MLP, tp_shard_fn
 
 RNG = np.random.default_rng(0)
 DATA = [(RNG.standard_normal((8, 6)).astype("float32"), RNG.standard_normal((8, 4)).astype("float32"))
@@ -21,23 +21,6 @@ POISONED = 1
 DATA[POISONED][0][6, 2] = 1e30                    # row 6: the second data-parallel rank's half of the batch
 SCALER = dict(init_loss_scaling=2.0**15, incr_every_n_steps=2, decr_every_n_nan_or_inf=1,
               use_dynamic_loss_scaling=True)
-
-
-class MLP(nn.Layer):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc2(F.relu(self.fc1(x)))
-
-
-def tp_shard_fn(name, layer, mesh):
-    if name == "fc1":
-        layer.weight = dist.shard_tensor(layer.weight, mesh, [dist.Replicate(), dist.Shard(1)])
-        layer.bias = dist.shard_tensor(layer.bias, mesh, [dist.Replicate(), dist.Shard(0)])
-    if name == "fc2":
-        layer.weight = dist.shard_tensor(layer.weight, mesh, [dist.Replicate(), dist.Shard(0)])
 
 
 def scaled_step(form, scaler, loss, opt, poison=None):
