@@ -15,31 +15,12 @@ import sys
 import numpy as np
 import paddle
 import paddle.distributed as dist
-import paddle.nn as nn
 import paddle.nn.functional as F
-from paddle.static import InputSpec
 
 import autoparallel as ap
 from autoparallel.testing import paddleformers_models as pf
 from autoparallel.testing.launch import write_result
-
-SPEC = [InputSpec([None, 8], "float32")]
-X = np.random.default_rng(0).standard_normal((7, 8)).astype("float32")
-
-
-class MLP(nn.Layer):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.drop, self.fc2 = nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(self.drop(F.relu(self.fc1(x))))
-
-
-def mlp(seed=0):
-    paddle.seed(seed)
-    return MLP()
-
+from test_probe_export_save import SPEC, X, mlp
 
 def strategy(dp=1, tp=1):
     s = ap.Strategy()
