@@ -1,0 +1,118 @@
+"""The code README.md and docs/*.md show runs as written (tools/check_snippets.py reads the markers).
+
+Every ```python block carries a marker; the ``run`` ones execute here, in this process, inside
+``ap.simulate`` when they ask for ranks; a few are checked against one process. The example command lines'
+flags parse with the examples' own parser, and every ``ap.<name>`` the docs mention exists.
+"""
+import os
+import shlex
+
+import numpy as np
+import paddle
+import pytest
+
+from tools.check_snippets import ABSENT, all_snippets, extract, missing_names, program, public_names
+from tools.snippet_commands import command_lines, split_command
+
+SNIPPETS = all_snippets()
+RUN = [s for s in SNIPPETS if s.lang == "python" and s.marker == "run"]
+
+# extra lines run after a block, in its world: values against one process computed in the same world
+CHECKS = {
+    ("README.md", "y2 = ap.reshard(y, mesh"): """
+assert str(y.placements) == "[S(0), S(1)]" and str(y2.placements) == "[R, R]", (y.placements, y2.placements)
+ref = F.gelu(paddle.matmul(x.full(), w.full()))
+np.testing.assert_allclose(y2.full().numpy(), ref.numpy(), rtol=1e-4, atol=1e-3)   # K=1024 sums
+""",
+    ("README.md", 'plan = {"blocks.*.attn.qkv"'): """
+assert str(model.blocks[0].attn.qkv.weight.placements) == "[R, S(1)]", model.blocks[0].attn.qkv.weight.placements
+assert np.isfinite(float(loss))
+""",
+    ("docs/lazy_init.md", "paddle.LazyGuard()"): """
+paddle.seed(0)
+eager = GPT(cfg)                                  # the same seed, built eagerly in one process
+full = ap.full_state_dict(model)
+assert sorted(full) == sorted(eager.state_dict())
+for name, value in eager.state_dict().items():
+    np.testing.assert_array_equal(full[name].numpy(), value.numpy(), err_msg=name)
+""",
+}
+
+
+def _check_for(snip) -> str:
+    rel = os.path.relpath(snip.path, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return "".join(code for (path, marker), code in CHECKS.items() if path == rel and marker in snip.text)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("snip", RUN, ids=[s.where() for s in RUN])
+def test_marked_block_runs(snip, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                       # a block may write files (a plot, a profile)
+    snip.text += "\nimport numpy as np\n" + _check_for(snip)
+    code = compile(program(snip), snip.where(), "exec")
+    exec(code, {"__name__": "__snippet__"})
+
+
+def test_checks_name_existing_blocks():
+    """Each value check above finds its block (a renamed block must not leave its check behind)."""
+    for path, marker in CHECKS:
+        assert any(s.where().startswith(path + ":") and marker in s.text for s in RUN), (path, marker)
+
+
+def test_every_python_block_is_marked(tmp_path):
+    unmarked = [s.where() for s in SNIPPETS if s.lang == "python" and s.marker not in ("run", "launch", "skip")]
+    assert unmarked == []
+    doc = tmp_path / "x.md"                           # negative control: an unmarked block is seen as such
+    doc.write_text("text\n\n```python\nprint(1)\n```\n\n<!-- snippet: run world_size=2 -->\n```python\nx\n```\n")
+    found = extract(str(doc))
+    assert [(s.marker, s.option("world_size")) for s in found] == [("", None), ("run", "2")]
+
+
+def test_run_blocks_cover_the_readme():
+    """The README's python blocks all run (here or, the launch one, under tools/check_snippets.py --launch)."""
+    readme = [s for s in SNIPPETS if s.path.endswith("README.md") and s.lang == "python"]
+    assert readme and all(s.marker in ("run", "launch") for s in readme), [(s.where(), s.marker) for s in readme]
+
+
+def test_public_names_exist(tmp_path):
+    assert len(public_names()) > 40
+    assert missing_names() == []
+    import autoparallel
+    for name in ABSENT:                               # documented as absent: the error names the way
+        with pytest.raises(AttributeError, match="sequence_parallel"):
+            getattr(autoparallel, name)
+    (tmp_path / "docs").mkdir()                       # negative control: a name that is not there
+    (tmp_path / "README.md").write_text("call `ap.parallelize` then `ap.no_such_thing(x)`\n")
+    assert missing_names(str(tmp_path)) == [("no_such_thing", "README.md:1")]
+
+
+def _example_commands():
+    out = []
+    for where, cmd in command_lines([s.path for s in SNIPPETS[:1]] + sorted({s.path for s in SNIPPETS})):
+        kind, target, args = split_command(cmd)
+        if kind == "path" and target.startswith("examples/train_"):
+            out.append((where, target, args))
+    return out
+
+
+EXAMPLES = _example_commands()
+
+
+def test_example_command_lines_parse():
+    """The flags every shown example command passes parse with the example's own parser."""
+    from train_common import make_parser
+    assert len(EXAMPLES) >= 8
+    for where, target, args in EXAMPLES:
+        model = "llama-tiny" if "llama" in target else "gpt-tiny"
+        make_parser(model).parse_args(args)
+    with pytest.raises(SystemExit):                   # negative control: a flag the example does not have
+        make_parser("gpt-tiny").parse_args(shlex.split("--dp 2 --no-such-flag"))
+
+
+def test_launch_separator_is_handed_on():
+    """``launch ... train_gpt.py -- --auto`` (as the docs write it): the flags after ``--`` reach the script."""
+    kind, target, args = split_command("python -m paddle.distributed.launch --nproc_per_node 4 "
+                                       "examples/train_gpt.py -- --auto --steps 2")
+    assert (kind, target, args) == ("path", "examples/train_gpt.py", ["--auto", "--steps", "2"])
+    assert paddle.__version__                         # the suite's paddle, for the record in a failure
+    assert np.__version__
