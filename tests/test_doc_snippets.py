@@ -12,7 +12,7 @@ import paddle
 import pytest
 
 from tools.check_snippets import ABSENT, all_snippets, extract, missing_names, program, public_names
-from tools.snippet_commands import command_lines, split_command
+from tools._snippet_commands import command_lines, split_command
 
 SNIPPETS = all_snippets()
 RUN = [s for s in SNIPPETS if s.lang == "python" and s.marker == "run"]
@@ -27,6 +27,31 @@ np.testing.assert_allclose(y2.full().numpy(), ref.numpy(), rtol=1e-4, atol=1e-3)
     ("README.md", 'plan = {"blocks.*.attn.qkv"'): """
 assert str(model.blocks[0].attn.qkv.weight.placements) == "[R, S(1)]", model.blocks[0].attn.qkv.weight.placements
 assert np.isfinite(float(loss))
+""",
+    ("docs/fused_ops.md", 'check_user_rule("my_centre"'): """
+from spmd_rules import unregister_spmd_rule
+unregister_spmd_rule("my_centre")
+assert failures and all(f.startswith("my_centre") for f in failures), failures
+assert check_user_rule("my_centre", centre, np.random.rand(5, 4)) == ["my_centre: no rule registered "
+                                                                      "(register_spmd_rule('my_centre'))"]
+""",
+    ("docs/export_and_inference.md", "state = ap.full_state_dict(model)"): """
+ref = paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.GELU(), paddle.nn.Linear(16, 8))
+ref.set_state_dict(paddle.load("model.pdparams"))   # the saved file loads into the unparallelized model
+sample = paddle.randn([3, 8])
+want = ref(sample).numpy()
+np.testing.assert_allclose(plain(sample).numpy(), want, rtol=1e-5, atol=1e-6)
+np.testing.assert_allclose(paddle.jit.load("infer/model")(sample).numpy(), want, rtol=1e-5, atol=1e-6)
+np.testing.assert_allclose(model(sample).full().numpy(), want, rtol=1e-5, atol=1e-6)
+""",
+    ("docs/lora.md", "model.save_pretrained(path)"): """
+from paddleformers.peft import LoRAModel
+one = LoRAModel.from_pretrained(LlamaForCausalLM(config), path)    # one process, the adapter saved above
+full = ap.full_state_dict(model)
+lora = {n: v for n, v in one.state_dict().items() if "lora" in n}
+assert lora and all(n in full for n in lora), (sorted(lora)[:3], sorted(full)[:3])
+for n, v in lora.items():
+    np.testing.assert_allclose(full[n].numpy(), v.numpy(), rtol=1e-6, err_msg=n)
 """,
     ("docs/lazy_init.md", "paddle.LazyGuard()"): """
 paddle.seed(0)

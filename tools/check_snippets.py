@@ -52,12 +52,38 @@ labels = y = paddle.randint(0, config.vocab_size, [4, 16])
 s = strategy = ap.Strategy()
 s.data_parallel.degree, s.tensor_parallel.degree = 2, 2
 """
+_MLP = """
+import paddle
+import autoparallel as ap
+paddle.seed(0)
+model = paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.GELU(), paddle.nn.Linear(16, 8))
+opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
+s = ap.Strategy()
+s.tensor_parallel.degree = 2
+model, opt = ap.parallelize(model, opt, strategy=s, tp_plan={"0": ap.ColWiseParallel(), "2": ap.RowWiseParallel()})
+"""
+_PF_LLAMA = """
+import paddle
+import autoparallel as ap
+from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+paddle.seed(0)
+config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, fuse_rms_norm=False)
+model = LlamaForCausalLM(config)
+s = ap.Strategy()
+s.data_parallel.degree, s.tensor_parallel.degree = 2, 2
+path = "lora_out"
+"""
 SETUPS = {
     # what the fragments assume: a small GPT (model, opt, config / cfg), a 2x2 ["data", "model"] mesh,
     # a batch (ids / x, labels / y) and a dp=2 tp=2 Strategy (s / strategy)
     "gpt": _GPT,
     # the same, parallelized (the model and optimizer a step runs on)
     "gpt_parallel": _GPT + "model, opt = ap.parallelize(model, opt, strategy=s)\n",
+    # a small MLP on 8 features, tensor parallel over 2 ranks (what the export fragment assumes)
+    "mlp_parallel": _MLP,
+    # a small PaddleFormers Llama and a dp=2 tp=2 Strategy (what the LoRA fragment assumes)
+    "pf_llama": _PF_LLAMA,
 }
 
 
@@ -149,7 +175,7 @@ def run_launch(snip: Snippet, timeout: float = 600) -> tuple:
     return proc.returncode == 0, (proc.stdout + proc.stderr + logs)[-4000:]
 
 
-from tools.snippet_commands import check_command, command_lines  # noqa: E402  (after ROOT is known)
+from tools._snippet_commands import check_command, command_lines  # noqa: E402  (after ROOT is known)
 
 
 def public_names(root: str = ROOT) -> dict:

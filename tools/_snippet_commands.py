@@ -46,7 +46,8 @@ def _reenter(path, argv, env=None):     # a shim that execs `python -m MODULE ..
     runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
     print("NO-PARSE", flush=True)
     os._exit(0)
-os.execve = os.execv = _reenter
+for _name in ("execv", "execve"):
+    setattr(os, _name, _reenter)
 kind, target, *rest = sys.argv[1:]
 sys.argv = [target, *rest]
 if kind == "module":
