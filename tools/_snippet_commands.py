@@ -8,6 +8,7 @@ its test files exist.
 """
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shlex
@@ -64,12 +65,29 @@ def _fence_commands(text: str) -> list:
     return [ln.strip() for ln in joined.split("\n") if START.match(ln.strip())]
 
 
-def command_lines(paths) -> list:
-    """[(where, command)] of every python / autoparallel command line in fences and inline code."""
-    from tools.check_snippets import extract
+def _docstring_commands(path: str) -> list:
+    """The command lines a script's module docstring shows (its usage)."""
+    import ast
+    doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read())) or ""
+    rel = os.path.relpath(path, ROOT)
+    return [(rel, c) for c in _fence_commands(doc)]
+
+
+def script_files(root: str = ROOT) -> list:
+    """The examples and tools whose docstrings show how to run them."""
+    return sorted(glob.glob(os.path.join(root, "examples", "*.py")) + glob.glob(os.path.join(root, "tools", "*.py"))
+                  + glob.glob(os.path.join(root, "tools", "bench", "*.py")))
+
+
+def command_lines(paths, extract) -> list:
+    """[(where, command)] of every python / autoparallel command line in fences and inline code of markdown
+    files (``extract(path)``: its fenced blocks), and in the module docstrings of python files."""
     out = []
     for path in paths:
         rel = os.path.relpath(path, ROOT)
+        if path.endswith(".py"):
+            out += _docstring_commands(path)
+            continue
         for snip in extract(path):
             if snip.lang == "":
                 out += [(f"{rel}:{snip.line}", c) for c in _fence_commands(snip.text)]

@@ -25,10 +25,14 @@ import dataclasses
 import glob
 import os
 import re
-import shlex
 import subprocess
 import sys
 import tempfile
+
+try:
+    from tools._snippet_commands import check_command, command_lines, script_files
+except ImportError:         # run as `python tools/check_snippets.py`: this file's folder is on the path
+    from _snippet_commands import check_command, command_lines, script_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
@@ -175,7 +179,6 @@ def run_launch(snip: Snippet, timeout: float = 600) -> tuple:
     return proc.returncode == 0, (proc.stdout + proc.stderr + logs)[-4000:]
 
 
-from tools._snippet_commands import check_command, command_lines  # noqa: E402  (after ROOT is known)
 
 
 def public_names(root: str = ROOT) -> dict:
@@ -207,7 +210,7 @@ def main(argv=None) -> int:
             continue
         if args.list or s.marker in ("", "skip") or (s.marker == "launch" and not args.launch):
             if s.lang == "python" or args.list:
-                print(f"{s.where():40s} {s.lang or '-':7s} {s.marker or 'UNMARKED'} {s.options}")
+                print(f"{s.where():40s} {s.lang or '-':7s} {s.marker or ('UNMARKED' if s.lang == 'python' else '')} {s.options}")
             if s.lang == "python" and not s.marker and not args.list:
                 failures += 1
             continue
@@ -217,7 +220,7 @@ def main(argv=None) -> int:
             failures += 1
             print(out)
     if not args.list and not args.no_commands:
-        for where, cmd in command_lines(doc_files()):
+        for where, cmd in command_lines(doc_files() + script_files(), extract):
             err = check_command(cmd)
             print(f"{where:40s} {'ok' if err is None else 'FAILED: ' + err}  {cmd[:90]}")
             failures += err is not None
