@@ -4,6 +4,7 @@ Every ```python block carries a marker; the ``run`` ones execute here, in this p
 ``ap.simulate`` when they ask for ranks; a few are checked against one process. The example command lines'
 flags parse with the examples' own parser, and every ``ap.<name>`` the docs mention exists.
 """
+import dataclasses
 import os
 import shlex
 
@@ -76,6 +77,34 @@ def test_marked_block_runs(snip, tmp_path, monkeypatch):
     snip.text += "\nimport numpy as np\n" + _check_for(snip)
     code = compile(program(snip), snip.where(), "exec")
     exec(code, {"__name__": "__snippet__"})
+
+
+LAUNCH = [s for s in SNIPPETS if s.lang == "python" and s.marker == "launch"]
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("snip", LAUNCH, ids=[s.where() for s in LAUNCH])
+def test_launch_program_runs_in_simulation(snip, tmp_path, monkeypatch, capsys):
+    """A program shown for ``paddle.distributed.launch`` runs unchanged in ``ap.simulate`` with as many ranks
+    (the real launch: ``tools/check_snippets.py --launch``); what it prints on rank 0 is printed once."""
+    monkeypatch.chdir(tmp_path)
+    snip.options = f"world_size={int(snip.options.split()[0])}"
+    exec(compile(program(snip), snip.where(), "exec"), {"__name__": "__snippet__"})
+    out = capsys.readouterr().out
+    if "LlamaForCausalLM" in snip.text:               # the README's: 5 steps, the tied head vocab-parallel
+        assert "True [R, S(0)]" in out, out
+        text = snip.text.replace("degree = 2, 2", "degree = 1, 1")      # the same program on one rank
+        text = text.split("\nif dist.get_rank() == 0:\n    print(model.lm_head")[0]    # (plain weights there)
+        assert text != snip.text
+        one = dataclasses.replace(snip, options="world_size=1", text=text)
+        exec(compile(program(one), snip.where(), "exec"), {"__name__": "__snippet__"})
+        want = capsys.readouterr().out
+        np.testing.assert_allclose(_losses(out), _losses(want), rtol=1e-5)
+        assert len(_losses(out)) == 5
+
+
+def _losses(out: str) -> list:
+    return [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
 
 
 def test_checks_name_existing_blocks():

@@ -210,7 +210,8 @@ def main(argv=None) -> int:
             continue
         if args.list or s.marker in ("", "skip") or (s.marker == "launch" and not args.launch):
             if s.lang == "python" or args.list:
-                print(f"{s.where():40s} {s.lang or '-':7s} {s.marker or ('UNMARKED' if s.lang == 'python' else '')} {s.options}")
+                marker = s.marker or ("UNMARKED" if s.lang == "python" else "")
+                print(f"{s.where():40s} {s.lang or '-':7s} {marker} {s.options}")
             if s.lang == "python" and not s.marker and not args.list:
                 failures += 1
             continue
