@@ -12,7 +12,8 @@ import numpy as np
 import paddle
 import pytest
 
-from tools.check_snippets import ABSENT, all_snippets, extract, missing_names, program, public_names
+from tools.check_snippets import (ABSENT, all_snippets, extract, missing_imports, missing_names, program,
+                                  public_names)
 from tools._snippet_commands import command_lines, script_files, split_command
 
 SNIPPETS = all_snippets()
@@ -141,6 +142,13 @@ def test_public_names_exist(tmp_path):
     (tmp_path / "docs").mkdir()                       # negative control: a name that is not there
     (tmp_path / "README.md").write_text("call `ap.parallelize` then `ap.no_such_thing(x)`\n")
     assert missing_names(str(tmp_path)) == [("no_such_thing", "README.md:1")]
+
+
+def test_documented_imports_exist(tmp_path):
+    assert missing_imports() == []
+    (tmp_path / "docs").mkdir()                       # negative control
+    (tmp_path / "README.md").write_text("from autoparallel.profiler import averaged, no_such_helper\n")
+    assert missing_imports(str(tmp_path)) == [("autoparallel.profiler.no_such_helper", "README.md:1")]
 
 
 def _example_commands():

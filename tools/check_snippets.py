@@ -40,6 +40,7 @@ MARKER = re.compile(r"<!--\s*snippet:\s*(\w+)\s*(.*?)\s*-->")
 AP_NAME = re.compile(r"(?<![\w.])(?:ap|auto_parallel)\.([A-Za-z_]\w*)")
 # names the docs say are deliberately absent: reaching for them raises AttributeError naming the way
 ABSENT = {"SequenceParallelBegin"}
+FROM_IMPORT = re.compile(r"from ((?:autoparallel|spmd_rules|reshard)(?:\.\w+)*) import (\w+(?:,\s*\w+)*)")
 
 _GPT = """
 import paddle, paddle.nn.functional as F
@@ -197,6 +198,22 @@ def missing_names(root: str = ROOT) -> list:
             if (name in ABSENT) == hasattr(autoparallel, name)]
 
 
+def missing_imports(root: str = ROOT) -> list:
+    """``from autoparallel.x import y`` (spmd_rules, reshard alike) forms in the docs whose name does not import."""
+    import importlib
+    bad = []
+    for path in doc_files(root):
+        for n, line in enumerate(open(path, encoding="utf-8"), 1):
+            for module, names in FROM_IMPORT.findall(line):
+                try:
+                    mod = importlib.import_module(module)
+                    absent = [x for x in re.split(r"[,\s]+", names.strip()) if x and not hasattr(mod, x)]
+                except ImportError as e:
+                    absent = [str(e)]
+                bad += [(f"{module}.{x}", f"{os.path.relpath(path, root)}:{n}") for x in absent]
+    return bad
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--list", action="store_true", help="print the blocks and their markers, run nothing")
@@ -228,6 +245,9 @@ def main(argv=None) -> int:
     for name, where in ([] if args.list else missing_names()):
         print(f"{where:40s} ap.{name}: " + ("documented as absent but present" if name in ABSENT
                                             else "not a public name of autoparallel"))
+        failures += 1
+    for name, where in ([] if args.list else missing_imports()):
+        print(f"{where:40s} from-import of {name}: no such name")
         failures += 1
     print(f"{failures} failure(s)")
     return 1 if failures else 0
