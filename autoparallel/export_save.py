@@ -150,9 +150,6 @@ def install() -> None:
         patches.patch(jit_api, "save", wrapped)
         if paddle.jit.save is orig:
             patches.patch(paddle.jit, "save", wrapped)
-    from autoparallel import dcp_forms
-
-    dcp_forms.install()                 # paddle.distributed.save_state_dict / load_state_dict
     _INSTALLED[0] = True
 
 
