@@ -25,7 +25,10 @@ def optimizer_whole(model, opt, structured: bool = False) -> dict:
             raise ValueError(f"optimizer state {key!r} names no parameter of {type(model).__name__}")
         struct, p = owners[base]
         t = state[key]
-        if is_dist(p) and t.ndim and list(t.shape) == list(p.shape):
+        if is_dist(t):                          # a sharded state, as the ap optimizer's state_dict gives it
+            from autoparallel.export_forms import plain_value
+            t = plain_value(t)
+        elif is_dist(p) and t.ndim and list(t.shape) == list(p.shape):
             t = dtensor_from_local(t, p.mesh, p.placements).full()
         out[f"{struct}.{key[len(base) + 1:]}" if structured else key] = t.detach().clone()
     return out
