@@ -34,6 +34,26 @@ def install() -> None:
         return
     patches.patch(ShardedOptimizer, "state_dict", _state_dict)
     patches.patch(ShardedOptimizer, "set_state_dict", _set_state_dict(ShardedOptimizer.set_state_dict))
+    import paddle
+
+    P = paddle.optimizer.Optimizer
+    patches.patch(P, "state_dict", _plain(P.state_dict, "state_dict"))
+    patches.patch(P, "set_state_dict", _plain(P.set_state_dict, "set_state_dict"))
+
+
+def _plain(orig, name):
+    """A plain paddle optimizer over distributed parameters (stepped through its ShardedOptimizer:
+    parallel/implicit_optimizer.py) gives and takes its state dict through that wrapper too."""
+    def method(self, *args, **kwargs):
+        from autoparallel.parallel.implicit_optimizer import needs_wrapper, wrapper_for
+
+        if needs_wrapper(self):
+            return getattr(wrapper_for(self), name)(*args, **kwargs)
+        return orig(self, *args, **kwargs)
+
+    method._ap_wrapper = True
+    method.__wrapped__ = orig
+    return method
 
 
 def _sharded(p) -> bool:
@@ -85,8 +105,11 @@ def _distributed(wrapper, inner, owners: dict) -> dict:
 def _state_dict(self):
     from autoparallel.dist_tensor import is_dist
 
+    from autoparallel.local_mode import local_mode
+
     inner = self._inner
-    state = inner.state_dict()
+    with local_mode():
+        state = inner.state_dict()
     owners = _owners(self, inner)
     if not owners:
         return state
@@ -120,26 +143,27 @@ def _named_owners(wrapper, state_dict: dict) -> dict:
 
 def _set_state_dict(orig):
     def set_state_dict(self, state_dict):
+        from autoparallel.local_mode import local_mode
+
         inner = self._inner
         owners = _named_owners(self, state_dict) if isinstance(state_dict, dict) else {}
-        if not owners or not isinstance(state_dict, dict):
-            return orig(self, state_dict)
-        per_rank = _per_rank(state_dict, owners)
+        per_rank = _per_rank(state_dict, owners) if owners else {}
         if not per_rank:
-            return orig(self, state_dict)
-        low = {r: min(p.locals) for p, _ in owners.values() for r in [id(p)]}
+            with local_mode():              # paddle's, on the inner optimizer itself (implicit_optimizer.py)
+                return orig(self, state_dict)
         own = dict(state_dict)
         masters = dict(own.get("master_weights", {}) or {})
         for key, (p, _) in owners.items():
             if key in per_rank:
-                value = per_rank[key][low[id(p)]]
+                value = per_rank[key][min(p.locals)]        # this rank's (the lowest simulated rank's)
                 if key in masters:
                     masters[key] = value
                 if key in own:
                     own[key] = value
         if masters:
             own["master_weights"] = masters
-        out = inner.set_state_dict(own)
+        with local_mode():
+            out = inner.set_state_dict(own)
         _load_other_ranks(self, state_dict, per_rank)
         return out
 

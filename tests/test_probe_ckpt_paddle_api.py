@@ -128,3 +128,23 @@ def test_paddle_distributed_checkpoint_calls_load_into_another_mesh(tmp_path):
                 for k in want_o:
                     if k != "LR_Scheduler":
                         np.testing.assert_allclose(np.asarray(got_o[k]), np.asarray(want_o[k]), err_msg=(path, k))
+
+
+class PlainOptimizer(Mesh2x2):
+    """shard_layer with paddle's optimizer left unwrapped (it steps through its implicit ShardedOptimizer)."""
+    def wrap(self, m, opt):
+        return m, opt
+
+
+def test_plain_optimizer_over_a_sharded_layer(one):
+    """The state dict of a paddle optimizer never wrapped was each rank's shard under the whole moment's key."""
+    want_states, want_resume = one
+    with ap.simulate(world_size=4):
+        m, opt, _ = run(PlainOptimizer())
+        with pytest.raises(ShardedExportError, match="moment"):
+            paddle.save(opt.state_dict(), "unused.pdopt")
+        full = ap.full_state_dict(opt)
+        for k, v in want_states.items():
+            np.testing.assert_allclose(np.asarray(full[k]), v, rtol=1e-6, atol=1e-7, err_msg=k)
+        got = run(PlainOptimizer(), (ap.full_state_dict(m), full))[2]
+        np.testing.assert_allclose(got, want_resume, rtol=1e-5)
