@@ -8,7 +8,8 @@ Here such a state dict is saved and loaded by autoparallel's checkpoint (``ap.sa
 ``ap.load_state_dict``: every rank writes its shards, a load reshards to the live layout, so the checkpoint loads
 into another mesh or one process). ``async_save`` runs synchronously; options with no equivalent (a process group,
 safetensors, replicas, ``aoa_config``, offload, worker groups, another comm method) raise NotImplementedError.
-A checkpoint written that way loads through ``ap.load_state_dict`` into any state dict (a plain one too); a state
+A checkpoint written that way loads through ``ap.load_state_dict`` into any state dict (a plain one too), and
+``paddle.distributed.load_merged_state_dict(path)`` reads it whole (``ap.load_merged_state_dict``); a state
 dict without distributed tensors, saved or loaded with paddle's own checkpoints, goes to paddle unchanged.
 """
 from __future__ import annotations
@@ -85,11 +86,33 @@ def _load(orig):
     return load_state_dict
 
 
+def _merged(orig):
+    def load_merged_state_dict(path, *args, **kwargs):
+        import os
+
+        import paddle
+
+        from autoparallel.checkpoint.ownership import CKPT_MARKER
+
+        if not os.path.exists(os.path.join(str(path), CKPT_MARKER)):
+            return orig(path, *args, **kwargs)
+        kwargs.update(zip(["prefix", "unique_id", "offload", "aoa_config", "safetensors"], args))
+        _check("load_merged_state_dict", kwargs, dict(_LOAD_DEFAULTS, prefix=None))
+        from autoparallel.checkpoint.load import load_merged_state_dict as ap_merged
+
+        return {k: (paddle.to_tensor(v) if hasattr(v, "dtype") else v) for k, v in ap_merged(path).items()}
+
+    load_merged_state_dict._ap_wrapper = True
+    load_merged_state_dict.__wrapped__ = orig
+    return load_merged_state_dict
+
+
 def install() -> None:
     import paddle.distributed as dist
     from paddle.distributed.flex_checkpoint import dcp
 
-    for mod, name, make in ((dist, "save_state_dict", _save), (dist, "load_state_dict", _load)):
+    for mod, name, make in ((dist, "save_state_dict", _save), (dist, "load_state_dict", _load),
+                            (dist, "load_merged_state_dict", _merged)):
         orig = getattr(mod, name)
         if getattr(orig, "_ap_wrapper", False):
             continue

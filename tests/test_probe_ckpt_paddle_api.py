@@ -148,3 +148,14 @@ def test_plain_optimizer_over_a_sharded_layer(one):
             np.testing.assert_allclose(np.asarray(full[k]), v, rtol=1e-6, atol=1e-7, err_msg=k)
         got = run(PlainOptimizer(), (ap.full_state_dict(m), full))[2]
         np.testing.assert_allclose(got, want_resume, rtol=1e-5)
+
+
+def test_paddle_load_merged_state_dict_reads_the_whole_checkpoint(tmp_path):
+    with ap.simulate(world_size=4), paddle.utils.unique_name.guard():
+        m, opt, sched = build(Parallelize(tp=2))
+        paddle.distributed.save_state_dict(m.state_dict(), str(tmp_path / "m"))
+        want = ap.full_state_dict(m)
+        got = paddle.distributed.load_merged_state_dict(str(tmp_path / "m"))
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k].numpy(), v.numpy(), err_msg=k)
