@@ -64,8 +64,8 @@ def _sharded(p) -> bool:
 
 
 def _owners(wrapper, inner) -> dict:
-    """{accumulator or master-weight tensor name: (its parameter, accumulator kind or "master_weight")} for the
-    states of sharded parameters."""
+    """{accumulator or master-weight tensor name: (its parameter, accumulator kind or "master_weight", the tensor)}
+    for the states of sharded parameters."""
     params = {p.name: p for p in wrapper.parameters if _sharded(p)}
     owner = dict(params)
     masters = getattr(inner, "_master_weights", {}) or {}
@@ -76,29 +76,31 @@ def _owners(wrapper, inner) -> dict:
     for kind, per_param in getattr(inner, "_accumulators", {}).items():
         for pname, t in per_param.items():
             if pname in owner:
-                out[t.name] = (owner[pname], kind)
+                out[t.name] = (owner[pname], kind, t)
     for pname, t in masters.items():
         if pname in params:
-            out[pname] = (params[pname], "master_weight")
+            out[pname] = (params[pname], "master_weight", t)
     return out
 
 
-def _distributed(wrapper, inner, owners: dict) -> dict:
+def _distributed(wrapper, owners: dict) -> dict:
     """{state name: DistTensor over the live accumulators} (checkpoint/state.py's layout of them)."""
     from autoparallel.checkpoint.state import _lookup, _sim_copies, _wrap
 
     if not owners:
         return {}
-    copies = _sim_copies(wrapper, list({id(p): p for p, _ in owners.values()}.values()))
-    masters = getattr(inner, "_master_weights", {}) or {}
+    copies = _sim_copies(wrapper, wrapper.parameters)
     out = {}
-    for key, (p, kind) in owners.items():
-        if kind == "master_weight":
-            t, find = masters[key], (lambda o, s: o._master_weights.get(s))
-        else:
-            t = next(v for pn, v in inner._accumulators[kind].items() if v.name == key)
-            find = (lambda o, s, a=kind: _lookup(o, a, s))
-        out[key] = _wrap(p.name, p, t, copies, find)
+    for key, (p, kind, t) in owners.items():
+        find = (lambda o, s: o._master_weights.get(s)) if kind == "master_weight" else \
+            (lambda o, s, a=kind: _lookup(o, a, s))
+        try:
+            out[key] = _wrap(p.name, p, t, copies, find)
+        except KeyError as e:               # the simulated world's per-rank copies keep no such state
+            raise NotImplementedError(
+                f"optimizer.state_dict() in the simulated world: the {kind} of {p.name} (layout "
+                f"{[str(x) for x in p.placements]}) is not kept per simulated rank ({e}), so its global value "
+                f"is not known here; this state dict is available on real ranks") from None
     return out
 
 
@@ -115,7 +117,7 @@ def _state_dict(self):
         return state
     from autoparallel.export_forms import not_whole
 
-    dist = {k: v for k, v in _distributed(self, inner, owners).items() if is_dist(v) and not_whole(v)}
+    dist = {k: v for k, v in _distributed(self, owners).items() if is_dist(v) and not_whole(v)}
     state = dict(state)
     state.update({k: v for k, v in dist.items() if k in state})
     if "master_weights" in state:
