@@ -65,13 +65,24 @@ def plain_value(value):
 
 def full_state_dict(model) -> dict:
     """``model.state_dict()`` with every distributed entry as its global value (a plain tensor): what the
-    one-process model's ``state_dict()`` holds. Collective on real ranks: every rank calls it."""
+    one-process model's ``state_dict()`` holds. Collective on real ranks: every rank calls it. An optimizer's:
+    its ``state_dict()`` as the one-process optimizer holds it (optimizer_state_forms.py)."""
+    if callable(getattr(model, "step", None)) and callable(getattr(model, "state_dict", None)):
+        return _full_tree(model.state_dict())
     _check_layer(model, "full_state_dict")
     state = model.state_dict()
     values = {}
     for key in sorted(state):                 # one order on every rank: the gathers pair up
         values[key] = plain_value(state[key])
     return {key: values[key] for key in state}
+
+
+def _full_tree(obj):
+    """Nested dicts with every distributed value gathered, in one sorted order on every rank."""
+    if not isinstance(obj, dict):
+        return plain_value(obj)
+    done = {k: _full_tree(obj[k]) for k in sorted(obj, key=str)}
+    return {k: done[k] for k in obj}
 
 
 def full_model(model):

@@ -25,7 +25,8 @@ from autoparallel import patches
 
 _INSTALLED = [False]
 
-HOW = ("call `state = ap.full_state_dict(model)` (or `plain = ap.full_model(model)`) on every rank (it gathers), "
+HOW = ("call `state = ap.full_state_dict(model)` (an optimizer's: `ap.full_state_dict(optimizer)`; or "
+       "`plain = ap.full_model(model)`) on every rank (it gathers), "
        "then save that on one rank: `paddle.save(state, path)` / `paddle.jit.save(plain, path, input_spec=...)`; "
        "for a distributed checkpoint use ap.save_state_dict; to keep this rank's shard on purpose, save "
        "`ap.dtensor_to_local(tensor)`")

@@ -172,6 +172,9 @@ def _save(orig):
 
         params = {k: (v.full() if is_dist(v) else v) for k, v in self.network.state_dict().items()}
         opt = None if self._optimizer is None else optimizer_whole(self.network, self._optimizer)
+        sched = getattr(self._optimizer, "_learning_rate", None)
+        if opt is not None and isinstance(sched, paddle.optimizer.lr.LRScheduler):
+            opt["LR_Scheduler"] = sched.state_dict()    # paddle's load asserts it is there (and resumes it)
         if paddle.distributed.get_rank() != 0:
             return None
         if os.path.dirname(path):

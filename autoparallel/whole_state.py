@@ -8,6 +8,8 @@ def optimizer_whole(model, opt, structured: bool = False) -> dict:
     """``opt.state_dict()`` (without ``LR_Scheduler``) with whole values; keys as paddle's (``{param.name}_{state}``),
     or with ``structured`` as paddle's ``optimizer.sharded_state_dict`` names them (``{struct_name}.{state}``, a tied
     parameter under its first name in sorted order)."""
+    import paddle
+
     from autoparallel.dist_tensor import dtensor_from_local, is_dist
 
     owners = {}
@@ -25,7 +27,10 @@ def optimizer_whole(model, opt, structured: bool = False) -> dict:
             raise ValueError(f"optimizer state {key!r} names no parameter of {type(model).__name__}")
         struct, p = owners[base]
         t = state[key]
-        if is_dist(p) and t.ndim and list(t.shape) == list(p.shape):
+        if is_dist(t):                          # a sharded state, as the ap optimizer's state_dict gives it
+            t = t.full()
+            t = paddle.to_tensor(t.numpy()) if is_dist(t) else t
+        elif is_dist(p) and t.ndim and list(t.shape) == list(p.shape):
             t = dtensor_from_local(t, p.mesh, p.placements).full()
         out[f"{struct}.{key[len(base) + 1:]}" if structured else key] = t.detach().clone()
     return out

@@ -35,7 +35,7 @@ def test_hapi_model_equals_one_process_on_real_ranks(job):
         for name, got in cases.items():
             assert "error" not in got, f"{name}, rank {r['rank']}:\n{got['error']}"
             assert got["moved"] > 1e-2, (name, got)
-            for what in ("loss", "param", "eval", "predict", "saved"):
+            for what in ("loss", "param", "eval", "predict", "saved", "reload"):
                 assert got[what] <= 1e-5, (name, r["rank"], what, got)
 
 

@@ -46,15 +46,18 @@ class RankCopies:
         for r, pairs in sorted(other_rank_copies(params).items()):
             self.opts[r] = self._make(r, pairs)
 
-    def load_state(self, state_dict: dict) -> None:
+    def load_state(self, state_dict: dict, rank_states: dict | None = None) -> None:
         """``set_state_dict`` of the user's optimizer (the lowest rank's copies) for every other rank's copies: a
         replicated parameter's states are every rank's; a copy holding another shard than the lowest rank's has
-        states this dict does not hold, so that load is refused."""
+        states this dict does not hold, so that load is refused. ``rank_states``: {rank: that rank's own state
+        dict} (optimizer_state_forms.py lays a whole or distributed state out on every rank)."""
         for r, (opt, links) in self.opts.items():
+            if rank_states is not None:
+                state_dict = rank_states[r]
             sub = {k: v for k, v in state_dict.items() if not any(k.startswith(p.name + "_") for p in self.params)}
             for t, s in links:
                 p = self.owner[s.name]
-                if not _same_shard(p, r):
+                if rank_states is None and not _same_shard(p, r):
                     raise NotImplementedError(
                         f"optimizer.set_state_dict in the simulated world: {p.name} is split "
                         f"({', '.join(map(str, p.placements))}) and the state dict holds the lowest rank's shard's "

@@ -71,7 +71,8 @@ def one_process():
 
 def distributed(dp, tp, out):
     net = model()
-    opt = paddle.optimizer.Adam(1e-2, parameters=net.parameters())
+    sched = paddle.optimizer.lr.StepDecay(1e-2, step_size=1000)    # constant here; Model.load asserts its state
+    opt = paddle.optimizer.Adam(sched, parameters=net.parameters())
     s = ap.Strategy()
     s.data_parallel.degree, s.tensor_parallel.degree = dp, tp
     plan = {"fc1": ap.ColWiseParallel(), "fc2": ap.RowWiseParallel()} if tp > 1 else None
@@ -83,8 +84,11 @@ def distributed(dp, tp, out):
           save_dir=os.path.join(out, f"hapi_dp{dp}_tp{tp}"))              # Model.save per epoch and at the end
     ev = m.evaluate(Pairs(24, 32), batch_size=GLOBAL_BATCH // dp, verbose=0)["loss"]
     pred = m.predict(Pairs(24, 32), batch_size=GLOBAL_BATCH // dp, verbose=0, stack_outputs=True)[0]
-    return seen.seen, {n: (p.full() if ap.is_dist(p) else p).numpy() for n, p in net.named_parameters()}, \
-        float(np.asarray(ev).reshape(-1)[0]), pred
+    params = {n: (p.full() if ap.is_dist(p) else p).numpy() for n, p in net.named_parameters()}
+    m.load(os.path.join(out, f"hapi_dp{dp}_tp{tp}", "final"))          # parameters and optimizer states back
+    params["reload"] = max(float(np.abs((p.full() if ap.is_dist(p) else p).numpy() - params[n]).max())
+                           for n, p in net.named_parameters())
+    return seen.seen, params, float(np.asarray(ev).reshape(-1)[0]), pred
 
 
 def compare(dp, tp, out) -> dict:
@@ -93,7 +97,7 @@ def compare(dp, tp, out) -> dict:
         return {"error": f"{len(got[0])} logged steps, one process {len(want[0])}"}
     saved = paddle.load(os.path.join(out, f"hapi_dp{dp}_tp{tp}", "final.pdparams")) if paddle.distributed.get_rank() == 0 \
         else None
-    return {"loss": max(abs(a - b) for a, b in zip(got[0], want[0])),
+    return {"loss": max(abs(a - b) for a, b in zip(got[0], want[0])), "reload": got[1].pop("reload"),
             "param": max(float(np.abs(got[1][n] - v).max()) for n, v in want[1].items()),
             "eval": abs(got[2] - want[2]), "predict": float(np.abs(got[3] - want[3]).max()) if got[3].shape ==
             want[3].shape else float("inf"),
