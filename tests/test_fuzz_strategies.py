@@ -10,7 +10,8 @@ from autoparallel.testing import fuzz_runs
 from autoparallel.testing.fuzz_models import build_model, draw_model, draw_strategy, linear_names
 
 # seeds chosen to cover every strategy kind, both worlds, accumulation, SGD/AdamW and clipping
-LEAN = [0, 1, 2, 3, 5, 8, 12, 32, 40, 85]
+LEAN = [0, 1, 2, 3, 4, 5, 8, 32, 40, 47, 85]
+KNOWN_REFUSALS = ("no layer of FuzzModel matches a default tensor-parallel plan",)
 SEEDS = range(int(os.environ["AP_FUZZ_SEEDS"])) if os.environ.get("AP_FUZZ_SEEDS") else LEAN
 
 
@@ -18,8 +19,8 @@ SEEDS = range(int(os.environ["AP_FUZZ_SEEDS"])) if os.environ.get("AP_FUZZ_SEEDS
 def test_random_model_and_strategy_match_one_process(seed):
     out = fuzz_runs.run_pair(seed, seed)
     assert out.status in ("ok", "refused"), f"{out.model} {out.strategy}: {out.status}: {out.detail}"
-    if out.status == "refused":            # a refusal must name what autoparallel cannot do, not paddle's parser
-        assert "(InvalidArgument)" not in out.detail
+    if out.status == "refused":            # only the refusals triaged as right (docs/fuzzing.md)
+        assert any(k in out.detail for k in KNOWN_REFUSALS), out.detail
 
 
 def test_lean_seeds_cover_every_strategy_kind():
@@ -38,3 +39,39 @@ def test_compare_catches_a_wrong_parameter():
     assert fuzz_runs.compare(ref, ref) == ""
     assert fuzz_runs.compare(ref, bad).startswith(name)
     assert "losses" in fuzz_runs.compare(ref, ([x * 1.01 for x in ref[0]], ref[1]))
+
+
+CAPTURED = r'''
+import numpy as np, paddle, paddle.nn.functional as F
+from paddle import nn
+ACTS = {"gelu": F.gelu, "tanh": paddle.tanh, "silu": F.silu, "sigmoid": F.sigmoid}   # a table built at import
+
+class Block(nn.Layer):
+    def __init__(self, name, act=F.gelu):              # a default argument captured at import
+        super().__init__()
+        self.fc, self.name, self.act = nn.Linear(8, 8), name, act
+    def forward(self, x):
+        return self.act(ACTS[self.name](self.fc(x)))
+
+import autoparallel as ap
+x = np.random.default_rng(0).standard_normal((4, 8)).astype("float32")
+for name in ACTS:                                      # the first model installs dispatch; the rest come after
+    paddle.seed(0); want = Block(name)(paddle.to_tensor(x)).numpy()
+    with ap.simulate(world_size=2):
+        paddle.seed(0); m = Block(name); mesh = ap.ProcessMesh([0, 1], ["x"]); ap.shard_layer(m, mesh)
+        got = m(ap.shard_tensor(paddle.to_tensor(x), mesh, [ap.Shard(0)])).full().numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    print("ok", name)
+'''
+
+
+def test_ops_captured_before_dispatch_route():
+    """Activation tables and default arguments written at import (before autoparallel first routes) reach
+    the rules, in every model of the process (it crashed with paddle's 'must be Tensor, but got DistTensor')."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", CAPTURED], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["ok", "gelu", "ok", "tanh", "ok", "silu", "ok", "sigmoid"]
