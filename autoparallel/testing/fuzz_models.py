@@ -14,9 +14,23 @@ from paddle import nn
 ACTS = ("gelu", "silu", "relu", "tanh")
 
 
+TABLE = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu, "tanh": paddle.tanh}   # captured at import
+
+
 def act(name, x):
     """The activation looked up at call time (``F.gelu(x)``, ``paddle.tanh(x)``)."""
     return paddle.tanh(x) if name == "tanh" else getattr(F, name)(x)
+
+
+def _act_holder(layer, name):
+    """``layer.act``: the name; with ``@attr`` also ``layer.act_fn``, the function TABLE captured at import."""
+    if name.endswith("@attr"):
+        layer.act_fn = TABLE[name[:-5]]
+    layer.act = name
+
+
+def apply_act(layer, x):
+    return layer.act_fn(x) if layer.act.endswith("@attr") else act(layer.act, x)
 BLOCKS = ("mlp", "attn_sdpa", "attn_matmul", "norm", "twice", "frozen", "dropout")
 
 
@@ -30,6 +44,8 @@ class ModelSpec:
     norm: str              # "layer" or "rms"
     tied: bool             # ids only: logits = h @ embedding.T
     buffer: bool
+    gpt_names: bool = False  # blocks.*.attn.qkv / blocks.*.mlp.fc1 / wte / lm_head: the default TP plan applies
+    heads: int = 2
     classes: int = 8
 
 
@@ -37,21 +53,22 @@ def draw_model(seed: int) -> ModelSpec:
     r = random.Random(seed)
     stem = r.choice(["ids", "ids", "vec", "conv1d", "conv2d"])
     blocks = tuple(r.choice(BLOCKS) for _ in range(r.randint(1, 3)))
-    return ModelSpec(seed, stem, 4 * r.randint(2, 6), blocks, r.choice(ACTS), r.choice(["layer", "rms"]),
-                     stem == "ids" and r.random() < 0.5, r.random() < 0.5)
+    return ModelSpec(seed, stem, 4 * r.randint(2, 6), blocks, r.choice(ACTS) + r.choice(["", "@attr"]), r.choice(["layer", "rms"]),
+                     stem == "ids" and r.random() < 0.5, r.random() < 0.5, r.random() < 0.5, r.choice([1, 2, 4]))
 
 
 class Mlp(nn.Layer):
     def __init__(self, d, act):
         super().__init__()
-        self.fc1, self.fc2, self.act = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), act
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        _act_holder(self, act)
 
     def forward(self, x):
-        return x + self.fc2(act(self.act, self.fc1(x)))
+        return x + self.fc2(apply_act(self, self.fc1(x)))
 
 
 class Attn(nn.Layer):
-    def __init__(self, d, sdpa, heads=2):
+    def __init__(self, d, sdpa, heads):
         super().__init__()
         self.qkv, self.proj, self.sdpa, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), sdpa, heads
 
@@ -84,10 +101,11 @@ class Twice(nn.Layer):
 
     def __init__(self, d, act):
         super().__init__()
-        self.fc, self.act = nn.Linear(d, d), act
+        self.fc = nn.Linear(d, d)
+        _act_holder(self, act)
 
     def forward(self, x):
-        return x + self.fc(act(self.act, self.fc(x)))
+        return x + self.fc(apply_act(self, self.fc(x)))
 
 
 class Frozen(nn.Layer):
@@ -101,12 +119,31 @@ class Frozen(nn.Layer):
         return x + self.fc(x)
 
 
+class Named(nn.Layer):
+    """GPT-style naming: the block's layer under ``attn`` or ``mlp``."""
+
+    def __init__(self, key, inner):
+        super().__init__()
+        setattr(self, key, inner)
+        self.key = key
+
+    def forward(self, x):
+        return getattr(self, self.key)(x)
+
+
+def _named_block(name, spec):
+    inner = _block(name, spec)
+    if spec.gpt_names and (name == "mlp" or name.startswith("attn")):
+        return Named("mlp" if name == "mlp" else "attn", inner)
+    return inner
+
+
 def _block(name, spec):
     d = spec.width
     if name == "mlp":
         return Mlp(d, spec.act)
     if name.startswith("attn"):
-        return Attn(d, name == "attn_sdpa")
+        return Attn(d, name == "attn_sdpa", spec.heads)
     if name == "norm":
         return nn.LayerNorm(d) if spec.norm == "layer" else RMSNorm(d)
     if name == "twice":
@@ -123,20 +160,23 @@ class FuzzModel(nn.Layer):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         d, self.spec = spec.width, spec
+        self.e_name = "wte" if spec.gpt_names and spec.stem == "ids" else "embed"
+        self.h_name = "lm_head" if spec.gpt_names else "head"
         if spec.stem == "ids":
-            self.embed = nn.Embedding(spec.classes * 2, d)
+            embed = nn.Embedding(spec.classes * 2, d)
         elif spec.stem == "vec":
-            self.embed = nn.Linear(6, d)
+            embed = nn.Linear(6, d)
         elif spec.stem == "conv1d":
-            self.embed = nn.Conv1D(3, d, 3, padding=1)
+            embed = nn.Conv1D(3, d, 3, padding=1)
         else:
-            self.embed, self.bn = nn.Conv2D(3, d, 3, padding=1), nn.BatchNorm2D(d)
+            embed, self.bn = nn.Conv2D(3, d, 3, padding=1), nn.BatchNorm2D(d)
+        setattr(self, self.e_name, embed)
         if spec.buffer:
             self.register_buffer("scale", paddle.linspace(0.5, 1.5, d))
-        self.blocks = nn.LayerList([_block(n, spec) for n in spec.blocks])
+        self.blocks = nn.LayerList([_named_block(n, spec) for n in spec.blocks])
         self.norm = nn.LayerNorm(d) if spec.norm == "layer" else RMSNorm(d)
         if not spec.tied:
-            self.head = nn.Linear(d, spec.classes)
+            setattr(self, self.h_name, nn.Linear(d, spec.classes))
 
     def forward(self, x):
         h = self._stem(x)
@@ -146,15 +186,16 @@ class FuzzModel(nn.Layer):
             h = blk(h)
         h = self.norm(h)
         if self.spec.tied:
-            return paddle.matmul(h, self.embed.weight, transpose_y=True)
-        return self.head(h)
+            return paddle.matmul(h, getattr(self, self.e_name).weight, transpose_y=True)
+        return getattr(self, self.h_name)(h)
 
     def _stem(self, x):
+        embed = getattr(self, self.e_name)
         if self.spec.stem in ("ids", "vec"):
-            return self.embed(x)
+            return embed(x)
         if self.spec.stem == "conv1d":
-            return self.embed(x).transpose([0, 2, 1])
-        h = F.relu(self.bn(self.embed(x)))                    # [b, d, 2, 4] -> [b, 8, d]
+            return embed(x).transpose([0, 2, 1])
+        h = F.relu(self.bn(embed(x)))                    # [b, d, 2, 4] -> [b, 8, d]
         return h.flatten(2).transpose([0, 2, 1])
 
 
