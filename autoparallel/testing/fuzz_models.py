@@ -227,6 +227,8 @@ class StrategySpec:
     optimizer: str         # "adamw" or "sgd"
     clip: float | None
     shard_fn: tuple = ()   # shard_layer: ((linear name, "S(0)" | "S(1)" | "R"), ...)
+    extra: tuple = ()      # dp / tp / dp_tp composed with "zero1" | "zero2" | "zero3" and/or "recompute"
+    data: str = "S(0)"     # shard_layer: the inputs' placement, "S(0)" or "R"
 
 
 def draw_strategy(seed: int, linear_names=()) -> StrategySpec:
@@ -234,7 +236,13 @@ def draw_strategy(seed: int, linear_names=()) -> StrategySpec:
     kind = r.choice(KINDS)
     world = r.choice([2, 4])
     fn = tuple((n, r.choice(["S(0)", "S(1)", "R"])) for n in linear_names) if kind == "shard_layer" else ()
-    return StrategySpec(kind, world, r.choice([1, 2]), r.choice(["adamw", "sgd"]), r.choice([None, 1.0]), fn)
+    r2 = random.Random(20_000 + seed)          # drawn apart, so the fields above stay what a seed gave
+    extra = ()
+    if kind in ("dp", "tp", "dp_tp"):
+        extra = tuple(x for x in (r2.choice(["", "zero1", "zero2", "zero3"]), r2.choice(["", "recompute"])) if x)
+    data = r2.choice(["S(0)", "R"]) if kind == "shard_layer" else "S(0)"
+    return StrategySpec(kind, world, r.choice([1, 2]), r.choice(["adamw", "sgd"]), r.choice([None, 1.0]), fn,
+                        extra, data)
 
 
 def linear_names(model) -> tuple:

@@ -70,9 +70,10 @@ def _strategy(sspec):
         s.data_parallel.degree, s.tensor_parallel.degree = w // 2, 2
     else:
         s.data_parallel.degree = w
-    if kind.startswith("zero"):
-        s.sharding.enable, s.sharding.stage = True, int(kind[-1])
-    if kind == "recompute":
+    for part in (kind,) + sspec.extra:
+        if part.startswith("zero"):
+            s.sharding.enable, s.sharding.stage = True, int(part[-1])
+    if "recompute" in (kind,) + sspec.extra:
         s.recompute.enable = True
     s.gradient_accumulation_steps = sspec.accumulate
     return s
@@ -117,7 +118,7 @@ def distributed(spec, sspec):
             for x, y in _micro(spec, step, sspec.accumulate):
                 x, y = paddle.to_tensor(x), paddle.to_tensor(y)
                 if mesh is not None:       # the hand loop: data split over the mesh, loss / accumulate
-                    x, y = (ap.shard_tensor(a, mesh, [ap.Shard(0)]) for a in (x, y))
+                    x, y = (ap.shard_tensor(a, mesh, [_placement(sspec.data)]) for a in (x, y))
                     loss = _loss(model, x, y) / sspec.accumulate
                     total += float(loss)
                 else:                      # the strategy's accumulation divides the gradients
