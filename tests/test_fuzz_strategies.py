@@ -75,3 +75,26 @@ def test_ops_captured_before_dispatch_route():
     r = subprocess.run([sys.executable, "-c", CAPTURED], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["ok", "gelu", "ok", "tanh", "ok", "silu", "ok", "sigmoid"]
+
+
+def test_linear_weight_with_an_empty_shard_trains_like_one_process():
+    """6 rows over 4 ranks are shards of 2, 2, 2, 0; with replicated inputs the last rank's local matmul has
+    an empty contracted dim (paddle's backward failed there: 'Required tensor shall not be nullptr')."""
+    import paddle
+
+    import autoparallel as ap
+
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((2, 3, 6)).astype("float32"))
+    paddle.seed(0)
+    lin = paddle.nn.Linear(6, 4)
+    lin(x).sum().backward()
+    want = lin.weight.grad.numpy()
+    paddle.seed(0)
+    lin = paddle.nn.Linear(6, 4)
+    with ap.simulate(world_size=4):
+        mesh = ap.ProcessMesh([0, 1, 2, 3], ["x"])
+        ap.shard_layer(lin, mesh, lambda n, s, m: setattr(s, "weight", ap.shard_tensor(s.weight, m, [ap.Shard(0)]))
+                       if n == "" else None)
+        lin(ap.shard_tensor(x, mesh, [ap.Replicate()])).sum().backward()
+        got = lin.weight.as_dist().grad.full().numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
