@@ -26,6 +26,8 @@ from autoparallel.dist_tensor_ops import CONVERSIONS as _CONVERSIONS
 from autoparallel.dist_tensor_ops import conversion_dtype, original  # noqa: F401  (re-exported)
 
 _OWN = {"autoparallel", "spmd_rules", "reshard"}
+_ROUTED: dict = {}          # id(original) -> routed wrapper, while dispatch is installed
+_TABLE_EDITS: list = []     # (dict, key, original) of the user tables repointed, restored on undo
 
 
 def patch_aliases(routed: dict) -> dict:
@@ -36,7 +38,10 @@ def patch_aliases(routed: dict) -> dict:
     get the wrappers from paddle itself."""
     routed = dict(routed)
     routed.update(_c_op_aliases(routed))
+    _ROUTED.clear()
+    _ROUTED.update(routed)
     repoint_modules(routed)
+    _repoint_tables(routed)
     _repoint_layers(routed)
     methods = {}
     for attr in dir(paddle.Tensor):
@@ -86,6 +91,47 @@ def _repoint_layers(routed: dict) -> None:
                 w = routed.get(id(v))
                 if w is not None:
                     patches.patch(obj, k, w)
+
+
+def _repoint_tables(routed: dict) -> None:
+    """A module-level table of ops in user code, written before dispatch was installed (``ACTS = {"gelu":
+    F.gelu, "tanh": paddle.tanh}``, looked up in ``forward``), holds the originals: its entries are repointed
+    too (dicts of modules outside paddle; restored on undo)."""
+    for name, mod in list(sys.modules.items()):
+        if mod is None or name.split(".", 1)[0] in _OWN | {"paddle"}:
+            continue
+        try:
+            tables = [v for k, v in vars(mod).items() if isinstance(v, dict) and not k.startswith("__")]
+        except TypeError:
+            continue
+        for table in tables:
+            for key, val in list(table.items()):
+                w = routed.get(id(val)) if callable(val) else None
+                if w is not None:
+                    _TABLE_EDITS.append((table, key, val))
+                    table[key] = w
+
+
+def _restore_tables() -> None:
+    while _TABLE_EDITS:
+        table, key, val = _TABLE_EDITS.pop()
+        if table.get(key) is not val:
+            table[key] = val
+    _ROUTED.clear()
+
+
+patches.on_undo(_restore_tables)
+
+
+def repoint_layer_ops(layer) -> None:
+    """The sublayers of ``layer`` built after dispatch was installed may hold an op captured before it (a
+    default argument ``act=F.gelu``, an entry of a table built at import): repointed when the model is
+    distributed (``shard_layer``, ``parallelize``), as ``_repoint_layers`` does at install."""
+    for sub in layer.sublayers(include_self=True) if _ROUTED else ():
+        for k, v in list(sub.__dict__.items()):
+            w = _ROUTED.get(id(v)) if callable(v) else None
+            if w is not None:
+                patches.patch(sub, k, w)
 
 
 def _c_op_aliases(routed: dict) -> dict:

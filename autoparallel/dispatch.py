@@ -326,9 +326,32 @@ def _execute(op, path, res, mesh, calls) -> dict:
             fn = _LOCAL_FN.get(path) or _local_callable(op, path)
             if ARG_MAP.get(path) == "swap":       # back to the reflected operator's own order
                 calls = {r: ((a[1], a[0]) + tuple(a[2:]), k) for r, (a, k) in calls.items()}
+            if op in _CONTRACTING:
+                calls = {r: (_empty_operands(a), k) for r, (a, k) in calls.items()}
         return {r: _as_tuple(fn(*a, **k)) for r, (a, k) in calls.items()}
     finally:
         _ctx.local_depth -= 1
+
+
+_CONTRACTING = {"matmul", "linear"}
+
+
+def _empty_operands(args) -> tuple:
+    """paddle 3.3's matmul backward fails ("Required tensor shall not be nullptr") when an empty operand (this
+    rank's empty shard of the contracted dim: 6 rows over 4 ranks are 2, 2, 2, 0) needs no gradient while
+    the other operand does: that operand runs as a detached copy that does (its gradient has no elements
+    and goes nowhere)."""
+    ts = [a for a in args if isinstance(a, paddle.Tensor)]
+    if not any(0 in a.shape for a in ts) or all(a.stop_gradient for a in ts):
+        return args
+    return tuple(_with_grad(a) if isinstance(a, paddle.Tensor) and a.stop_gradient and 0 in a.shape else a
+                 for a in args)
+
+
+def _with_grad(t):
+    c = t.detach()
+    c.stop_gradient = False
+    return c
 
 
 _LOCAL_FN: dict = {}      # dotted path -> its local callable, once resolved (custom ops are looked up anew)

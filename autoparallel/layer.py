@@ -15,7 +15,11 @@ from autoparallel.placement import Replicate
 
 
 def replicate_remaining(layer, mesh: ProcessMesh) -> None:
-    """Replicate every parameter of ``layer`` that is not distributed yet (tied parameters stay tied)."""
+    """Replicate every parameter of ``layer`` that is not distributed yet (tied parameters stay tied); ops its
+    sublayers captured before dispatch was installed are repointed (aliases.repoint_layer_ops)."""
+    from autoparallel.aliases import repoint_layer_ops
+
+    repoint_layer_ops(layer)
     done = {}
     for _, sub in layer.named_sublayers(include_self=True):
         for pname, p in list(sub._parameters.items()):

@@ -153,10 +153,14 @@ def guarded(fn, name: str, roots):
             out = fn(*args, **kwargs)
             state.forward_end()
             return out
+        from autoparallel.parallel.zero_params import hold
+
         state.replay_begin()
+        end = hold()        # ZeRO-3: the re-run's parameters stay whole for its backward (released after it)
         try:
             return fn(*args, **kwargs)
         finally:
+            end()
             state.replay_end()
 
     wrapper.__wrapped__ = fn

@@ -118,7 +118,9 @@ def to_strategy(candidate, user):
     s.amp = user.amp.to_dict()
     s.checkpoint = user.checkpoint.to_dict()
     s.seed = user.seed
-    return s
+    from autoparallel.planner.generic import keep_accumulation
+
+    return keep_accumulation(s, user)
 
 
 def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str = "gloo", simulated: bool = False,

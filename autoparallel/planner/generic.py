@@ -57,6 +57,7 @@ def data_parallel_choice(model, strategy, world: int, cluster, reason: str, seq_
     chosen.amp = strategy.amp.to_dict()
     chosen.checkpoint = strategy.checkpoint.to_dict()
     chosen.seed = strategy.seed
+    keep_accumulation(chosen, strategy)
     params = sum(math.prod(p.shape) for p in model.parameters())
     how = (f"data parallel over all {world} ranks (dp={world}, tp=1, pp=1, no ZeRO), parameters replicated"
            if tp == 1 else f"dp={dp} x tp={tp} ({_why_tp(priced, batch, world)}tensor parallel with the model's "
@@ -68,6 +69,17 @@ def data_parallel_choice(model, strategy, world: int, cluster, reason: str, seq_
                         candidates=[], explanation=explanation, feasible=True, evaluated=1, seconds=0.0,
                         mode="fixed")
     return chosen, result
+
+
+def keep_accumulation(chosen, user):
+    """The user's ``gradient_accumulation_steps`` > 1 is the shape of their loop (that many forwards and
+    backwards per optimizer step): the chosen strategy keeps it (micro-batch size from the global batch)
+    rather than the planner's own count, which the loop would not match. A pipeline runs its micro-batches
+    inside one step, so there the planner's count stays."""
+    if user.gradient_accumulation_steps > 1 and chosen.pipeline_parallel.degree == 1:
+        chosen.gradient_accumulation_steps = user.gradient_accumulation_steps
+        chosen.micro_batch_size = None
+    return chosen
 
 
 def _why_tp(priced, batch: int, world: int) -> str:
