@@ -214,6 +214,9 @@ class DistTensor(OpMethods):
     @property
     def grad(self):
         gs = {r: t.grad for r, t in self._locals.items()}
+        if any(g is not None for g in gs.values()):     # paddle leaves no grad on some empty shards (set_value)
+            gs = {r: paddle.zeros_like(self._locals[r]) if g is None and self._locals[r].size == 0 else g
+                  for r, g in gs.items()}
         if not gs or any(g is None for g in gs.values()):
             return None
         return DistTensor(gs, self._spec.with_placements(_grad_placements(self._spec.placements)))

@@ -1,0 +1,164 @@
+"""Chains of ops on distributed tensors against the same chain on full tensors.
+
+    python -m spmd_rules.validation.chains --n 2000 --seed 0        # a table of outcomes by cause
+
+A chain (``build_chain(seed)``) is 2-6 calls of ``chain_ops.OPS`` (views, slicing and split, broadcasting
+binaries, reductions then elementwise with the input, joins, in-place, where, matmul, expand, gather) on
+random shapes (uneven sizes included), every input placed at random (R or S(d) per mesh dim) on a 1-d mesh
+of 4 or a 2x2 mesh. ``run_chain`` runs it once on full tensors in one process and once on DistTensors
+under ``ap.simulate(world_size=4)``, then compares the output (every rank's local, assembled, replicas
+checked) and the gradient of every float input under the backward of a random weighted sum of the output.
+Outcomes: ``ok``, ``refused`` (a typed error naming what is unsupported), ``wrong value``, ``wrong grad``,
+``crash`` (any other exception where the full-tensor chain runs)."""
+from __future__ import annotations
+
+import dataclasses
+import traceback
+
+import numpy as np
+import paddle
+
+from .chain_ops import OPS
+
+MESHES = ([4], [2, 2])
+MAX_NUMEL = 2048
+
+
+@dataclasses.dataclass
+class Step:
+    op: str
+    params: dict
+    extras: list            # [(name, array, placements)]
+
+
+@dataclasses.dataclass
+class Chain:
+    seed: int
+    mesh_shape: list
+    x: np.ndarray
+    x_placements: tuple
+    steps: list
+
+    def describe(self) -> str:
+        s = [f"x{list(self.x.shape)}{_pstr(self.x_placements)}"]
+        for st in self.steps:
+            ex = ", ".join(f"{n}{list(a.shape)}{_pstr(p)}" for n, a, p in st.extras)
+            s.append(f"{st.op}({st.params}{'; ' + ex if ex else ''})")
+        return f"seed {self.seed} mesh {self.mesh_shape}: " + " -> ".join(s)
+
+
+def _pstr(pl) -> str:
+    return "[" + ",".join("R" if p is None else f"S({p})" for p in pl) + "]"
+
+
+def _rand_shape(rng) -> list:
+    return [int(rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 9])) for _ in range(int(rng.integers(1, 4)))]
+
+
+def _rand_placements(rng, shape, ndim_mesh, integer=False) -> tuple:
+    """One entry per mesh dim: None (R) or the tensor dim sharded (any size, uneven included)."""
+    if integer:
+        return tuple(0 if shape and rng.random() < 0.5 else None for _ in range(ndim_mesh))
+    return tuple(int(rng.integers(len(shape))) if shape and rng.random() < 0.65 else None for _ in range(ndim_mesh))
+
+
+def build_chain(seed: int) -> Chain:
+    rng = np.random.default_rng(seed)
+    mesh_shape = list(MESHES[int(rng.integers(len(MESHES)))])
+    x = rng.standard_normal(_rand_shape(rng)).astype("float32")
+    chain = Chain(seed, mesh_shape, x, _rand_placements(rng, x.shape, len(mesh_shape)), [])
+    cur = paddle.to_tensor(x)
+    names = sorted(OPS)
+    target, tries = int(rng.integers(2, 7)), 0
+    while len(chain.steps) < target and tries < 60:
+        tries += 1
+        op = names[int(rng.integers(len(names)))]
+        g = OPS[op][0](rng, list(cur.shape))
+        if g is None:
+            continue
+        params, extras = g
+        try:
+            with paddle.no_grad():
+                out = OPS[op][1](cur, [paddle.to_tensor(a) for _, a in extras], **params)
+        except Exception:       # noqa: BLE001 - a call paddle itself refuses is not generated
+            continue
+        if out.size > MAX_NUMEL or out.dtype != paddle.float32:
+            continue
+        ex = [(n, a, _rand_placements(rng, a.shape, len(mesh_shape), a.dtype.kind == "i")) for n, a in extras]
+        chain.steps.append(Step(op, params, ex))
+        cur = out
+    return chain
+
+
+def _forward(chain: Chain, make):
+    """Run the chain with ``make(array, placements, grad)`` building each input; (output, float inputs)."""
+    x = make(chain.x, chain.x_placements, True)
+    leaves, cur = [x], x
+    for st in chain.steps:
+        ex = [make(a, p, a.dtype.kind == "f") for _, a, p in st.extras]
+        leaves += [e for (_, a, _), e in zip(st.extras, ex) if a.dtype.kind == "f"]
+        cur = OPS[st.op][1](cur, ex, **st.params)
+    return cur, leaves
+
+
+def _weights(chain: Chain, shape):
+    return np.random.default_rng(chain.seed + 7).standard_normal(shape).astype("float32")
+
+
+def reference(chain: Chain):
+    def make(a, p, grad):
+        t = paddle.to_tensor(a)
+        t.stop_gradient = not grad
+        return t
+    out, leaves = _forward(chain, make)
+    w = paddle.to_tensor(_weights(chain, out.shape))
+    (out * w).sum().backward()
+    return out.numpy(), [None if t.grad is None else t.grad.numpy() for t in leaves]
+
+
+def distributed(chain: Chain):
+    import autoparallel as ap
+    from autoparallel.mesh import mesh_from_shape
+    from autoparallel.testing.check import assemble
+
+    with ap.simulate(world_size=4):
+        mesh = mesh_from_shape(chain.mesh_shape, ["a", "b"][:len(chain.mesh_shape)])
+
+        def make(a, p, grad):
+            pl = [ap.Replicate() if d is None else ap.Shard(d) for d in p]
+            t = ap.shard_tensor(paddle.to_tensor(a), mesh, pl)
+            t.stop_gradient = not grad
+            return t
+        out, leaves = _forward(chain, make)
+        value = assemble(out.locals, out.spec) if hasattr(out, "locals") else out.numpy()
+        w = paddle.to_tensor(_weights(chain, value.shape))
+        (out * w).sum().backward()
+        grads = [None if t.grad is None else assemble(t.grad.locals, t.grad.spec) for t in leaves]
+        return value, grads
+
+
+def _close(a, b) -> bool:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return a.shape == b.shape and np.allclose(a, b, rtol=2e-4, atol=2e-4 * (1 + np.abs(b).max(initial=0)))
+
+
+def run_chain(chain: Chain) -> tuple:
+    """(outcome, detail): outcome one of ok / refused / wrong value / wrong grad / crash / artefact."""
+    try:
+        ref_out, ref_grads = reference(chain)
+    except Exception as e:      # noqa: BLE001
+        return "artefact", f"full-tensor chain fails: {type(e).__name__}: {e}"
+    try:
+        out, grads = distributed(chain)
+    except NotImplementedError as e:
+        return "refused", f"NotImplementedError: {str(e).splitlines()[0][:200]}"
+    except Exception as e:      # noqa: BLE001
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        return "crash", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} " \
+                        f"@ {tb.filename.split('/')[-1]}:{tb.lineno}"
+    if not _close(out, ref_out):
+        return "wrong value", f"shape {np.shape(out)} vs {np.shape(ref_out)}"
+    for i, (g, rg) in enumerate(zip(grads, ref_grads)):
+        if (g is None) != (rg is None) or (g is not None and not _close(g, rg)):
+            return "wrong grad", f"input {i}: {'missing' if g is None else 'differs'}"
+    return "ok", ""
