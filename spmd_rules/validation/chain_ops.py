@@ -267,7 +267,52 @@ def do_reshard(t, ex, to):
     return ap.reshard(t, t.mesh, pl)
 
 
+# ---- more shape and value forms --------------------------------------------------------------------
+def gen_misc(rng, shape):
+    forms = ["cumsum", "flip", "tile", "unsqueeze", "clip", "cast", "pow", "roll", "tensor_index"]
+    if any(s == 1 for s in shape):
+        forms.append("squeeze")
+    if len(shape) >= 2:
+        forms.append("swapaxes")
+    form = str(rng.choice(forms))
+    params = {"form": form, "axis": _axis(rng, shape) if shape else 0}
+    if form == "squeeze":
+        params["axis"] = int(rng.choice([i for i, s in enumerate(shape) if s == 1]))
+    if form in ("tile", "cumsum", "flip", "roll", "tensor_index", "swapaxes") and not shape:
+        return None
+    if form == "tensor_index":
+        return params, [("idx", rng.integers(shape[0], size=int(rng.integers(1, 5))).astype("int64"))]
+    return params, []
+
+
+def do_misc(t, ex, form, axis):
+    if form == "cumsum":
+        return paddle.cumsum(t, axis=axis)
+    if form == "flip":
+        return paddle.flip(t, axis=[axis])
+    if form == "tile":
+        reps = [1] * t.ndim
+        reps[axis] = 2
+        return paddle.tile(t, reps)
+    if form == "unsqueeze":
+        return paddle.unsqueeze(t, axis)
+    if form == "squeeze":
+        return t.squeeze(axis)
+    if form == "clip":
+        return paddle.clip(t, -0.5, 0.7)
+    if form == "cast":
+        return t.astype("float64").astype("float32")
+    if form == "pow":
+        return t ** 2 + 1.0
+    if form == "roll":
+        return paddle.roll(t, 1, axis=axis)
+    if form == "swapaxes":
+        return t.transpose([1, 0] + list(range(2, t.ndim)))
+    return t[ex[0]]                                    # advanced indexing with an index tensor
+
+
 OPS = {
+    "misc": (gen_misc, do_misc),
     "reshard": (gen_reshard, do_reshard),
     "reshape": (gen_reshape, do_reshape), "transpose": (gen_transpose, do_transpose),
     "flatten": (gen_flatten, do_flatten), "expand": (gen_expand, do_expand),

@@ -162,3 +162,30 @@ def run_chain(chain: Chain) -> tuple:
         if (g is None) != (rg is None) or (g is not None and not _close(g, rg)):
             return "wrong grad", f"input {i}: {'missing' if g is None else 'differs'}"
     return "ok", ""
+
+
+def main(argv=None) -> int:
+    import argparse
+    import collections
+
+    from tqdm import tqdm
+
+    ap_ = argparse.ArgumentParser(description="chains of ops on DistTensors vs full tensors")
+    ap_.add_argument("--n", type=int, default=500)
+    ap_.add_argument("--seed", type=int, default=0)
+    args = ap_.parse_args(argv)
+    counts, first = collections.Counter(), {}
+    for s in tqdm(range(args.seed, args.seed + args.n), desc="chains"):
+        chain = build_chain(s)
+        outcome, detail = run_chain(chain)
+        counts[outcome] += 1
+        if outcome != "ok":
+            first.setdefault((outcome, detail[:90]), chain.describe())
+    for (outcome, detail), desc in sorted(first.items()):
+        print(f"{outcome}: {detail}\n    first: {desc}")
+    print(" | ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return int(any(k in ("wrong value", "wrong grad", "crash") for k in counts))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
