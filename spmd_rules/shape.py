@@ -121,4 +121,9 @@ def _flatten_reverse(outputs, x, start_axis=0, stop_axis=-1, name=None):
 @block_aware
 def flatten(x, start_axis=0, stop_axis=-1, name=None):
     check_spec("flatten", "x", x)
-    return reshape_result("flatten", x, _flatten_shape("flatten", x, start_axis, stop_axis), None)
+    res = reshape_result("flatten", x, _flatten_shape("flatten", x, start_axis, stop_axis), None)
+    out = res.outputs[0]
+    if not any(isinstance(p, Shard) for p in out.placements):
+        return res
+    # a sharded size-1 dim may stay a dim of its own in the layout while paddle's flatten merges it locally
+    return SpmdResult(res.inputs, res.outputs, "reshape_to", lambda coords: {"shape": list(out.local_shape(coords))})

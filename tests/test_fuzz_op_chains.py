@@ -68,3 +68,15 @@ def test_gradient_of_a_setitem_value_with_empty_shards():
         (t * paddle.to_tensor([2.0, 3.0])).sum().backward()
         assert v.grad is not None
         np.testing.assert_allclose(v.grad.numpy(), [2.0, 3.0])
+
+
+def test_flatten_over_a_sharded_size_one_dim():
+    full = np.random.default_rng(1).standard_normal([2, 1, 1]).astype("float32")
+    with ap.simulate(world_size=4):
+        mesh = mesh_from_shape([2, 2], ["a", "b"])
+        x = ap.shard_tensor(paddle.to_tensor(full), mesh, [ap.Shard(1), ap.Shard(0)])
+        x.stop_gradient = False
+        y = paddle.flatten(x, 0, 1)
+        np.testing.assert_allclose(y.numpy(), full.reshape(2, 1))
+        (y * 3.0).sum().backward()
+        np.testing.assert_allclose(x.grad.numpy(), np.full([2, 1, 1], 3.0))
