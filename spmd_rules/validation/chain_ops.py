@@ -311,7 +311,40 @@ def do_misc(t, ex, form, axis):
     return t[ex[0]]                                    # advanced indexing with an index tensor
 
 
+# ---- normalisations, sorting, statistics -----------------------------------------------------------
+def gen_stat(rng, shape):
+    if not shape:
+        return None
+    forms = ["softmax_axis", "layer_norm", "logsumexp", "norm", "std", "topk", "sort", "masked_fill",
+             "where_scalar", "argmax_take"]
+    return {"form": str(rng.choice(forms)), "axis": _axis(rng, shape), "keepdim": bool(rng.random() < 0.5)}, []
+
+
+def do_stat(t, ex, form, axis, keepdim):
+    if form == "softmax_axis":
+        return F.softmax(t, axis=axis)
+    if form == "layer_norm":
+        return F.layer_norm(t, t.shape[-1:])
+    if form == "logsumexp":
+        return paddle.logsumexp(t, axis=axis, keepdim=keepdim)
+    if form == "norm":
+        return paddle.linalg.norm(t, p=2, axis=axis, keepdim=keepdim)
+    if form == "std":
+        return paddle.std(t, axis=axis, keepdim=keepdim) if t.shape[axis] > 1 else t
+    if form == "topk":
+        return paddle.topk(t, min(2, t.shape[axis]), axis=axis)[0]
+    if form == "sort":
+        return paddle.sort(t, axis=axis, descending=keepdim)
+    if form == "masked_fill":
+        return paddle.masked_fill(t, t > 0.3, -1.0)
+    if form == "where_scalar":
+        return paddle.where(t > 0, t, paddle.zeros_like(t))
+    i = paddle.argmax(t, axis=axis, keepdim=True)
+    return paddle.take_along_axis(t, i, axis=axis)
+
+
 OPS = {
+    "stat": (gen_stat, do_stat),
     "misc": (gen_misc, do_misc),
     "reshard": (gen_reshard, do_reshard),
     "reshape": (gen_reshape, do_reshape), "transpose": (gen_transpose, do_transpose),

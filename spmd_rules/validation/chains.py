@@ -48,7 +48,7 @@ class Chain:
 
 
 def _pstr(pl) -> str:
-    return "[" + ",".join("R" if p is None else f"S({p})" for p in pl) + "]"
+    return "[" + ",".join("R" if p is None else "P(sum)" if p == "P" else f"S({p})" for p in pl) + "]"
 
 
 def _rand_shape(rng) -> list:
@@ -56,10 +56,15 @@ def _rand_shape(rng) -> list:
 
 
 def _rand_placements(rng, shape, ndim_mesh, integer=False) -> tuple:
-    """One entry per mesh dim: None (R) or the tensor dim sharded (any size, uneven included)."""
+    """One entry per mesh dim: None (R), "P" (Partial(sum): the value on coordinate 0, zeros elsewhere) or
+    the tensor dim sharded (any size, uneven included)."""
     if integer:
         return tuple(0 if shape and rng.random() < 0.5 else None for _ in range(ndim_mesh))
-    return tuple(int(rng.integers(len(shape))) if shape and rng.random() < 0.65 else None for _ in range(ndim_mesh))
+    out = []
+    for _ in range(ndim_mesh):
+        u = rng.random()
+        out.append(int(rng.integers(len(shape))) if shape and u < 0.6 else "P" if u > 0.9 else None)
+    return tuple(out)
 
 
 def build_chain(seed: int) -> Chain:
@@ -125,7 +130,7 @@ def distributed(chain: Chain):
         mesh = mesh_from_shape(chain.mesh_shape, ["a", "b"][:len(chain.mesh_shape)])
 
         def make(a, p, grad):
-            pl = [ap.Replicate() if d is None else ap.Shard(d) for d in p]
+            pl = [ap.Replicate() if d is None else ap.Partial("sum") if d == "P" else ap.Shard(d) for d in p]
             t = ap.shard_tensor(paddle.to_tensor(a), mesh, pl)
             t.stop_gradient = not grad
             return t
@@ -142,20 +147,30 @@ def _close(a, b) -> bool:
     return a.shape == b.shape and np.allclose(a, b, rtol=2e-4, atol=2e-4 * (1 + np.abs(b).max(initial=0)))
 
 
+def _crash(e) -> tuple:
+    tb = traceback.extract_tb(e.__traceback__)[-1]
+    return "crash", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} " \
+                    f"@ {tb.filename.split('/')[-1]}:{tb.lineno}"
+
+
 def run_chain(chain: Chain) -> tuple:
     """(outcome, detail): outcome one of ok / refused / wrong value / wrong grad / crash / artefact."""
     try:
         ref_out, ref_grads = reference(chain)
     except Exception as e:      # noqa: BLE001
         return "artefact", f"full-tensor chain fails: {type(e).__name__}: {e}"
+    if not all(np.isfinite(a).all() for a in [ref_out] + [g for g in ref_grads if g is not None]):
+        return "artefact", "the full-tensor chain gives inf/nan"
     try:
         out, grads = distributed(chain)
     except NotImplementedError as e:
         return "refused", f"NotImplementedError: {str(e).splitlines()[0][:200]}"
+    except AssertionError as e:
+        if "replicas disagree" in str(e) or "do not cover" in str(e):
+            return "wrong value", f"layout broken: {e}"
+        return _crash(e)
     except Exception as e:      # noqa: BLE001
-        tb = traceback.extract_tb(e.__traceback__)[-1]
-        return "crash", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} " \
-                        f"@ {tb.filename.split('/')[-1]}:{tb.lineno}"
+        return _crash(e)
     if not _close(out, ref_out):
         return "wrong value", f"shape {np.shape(out)} vs {np.shape(ref_out)}"
     for i, (g, rg) in enumerate(zip(grads, ref_grads)):
