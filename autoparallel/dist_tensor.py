@@ -213,10 +213,7 @@ class DistTensor(OpMethods):
 
     @property
     def grad(self):
-        gs = {r: t.grad for r, t in self._locals.items()}
-        if any(g is not None for g in gs.values()):     # paddle leaves no grad on some empty shards (set_value)
-            gs = {r: paddle.zeros_like(self._locals[r]) if g is None and self._locals[r].size == 0 else g
-                  for r, g in gs.items()}
+        gs = _forms.local_grads(self._locals)
         if not gs or any(g is None for g in gs.values()):
             return None
         return DistTensor(gs, self._spec.with_placements(_grad_placements(self._spec.placements)))
@@ -231,7 +228,7 @@ class DistTensor(OpMethods):
     # ---- whole-tensor views -------------------------------------------------------------------------
     def full(self) -> paddle.Tensor:
         """The global tensor (gathered; differentiable)."""
-        rep = reshard(self, self.mesh, [Replicate()] * self.mesh.ndim)
+        rep = reshard(_forms.fresh(self), self.mesh, [Replicate()] * self.mesh.ndim)
         if not rep._locals:
             raise ValueError(f"this rank holds no shard of a tensor on mesh {self.mesh.mesh.tolist()}")
         return pick_replicated(rep._locals) if current_world().is_simulated else rep.local   # grads reach every copy
