@@ -192,7 +192,7 @@ def do_concat(t, ex, dim, stack):
 
 # ---- in place ----------------------------------------------------------------------------------------
 def gen_inplace(rng, shape):
-    form = str(rng.choice(["add_", "scale_", "setitem", "setitem_t", "multiply_"]))
+    form = str(rng.choice(["add_", "scale_", "setitem", "setitem_t", "multiply_", "view_write"]))
     extras = []
     params = {"form": form}
     if form in ("add_", "multiply_"):
@@ -219,6 +219,8 @@ def do_inplace(t, ex, form, dim=0, start=0, stop=0, step=1):
         t.multiply_(ex[0])
     elif form == "scale_":
         t.scale_(2.0)
+    elif form == "view_write":            # through a view: paddle changes t too; a DistTensor refuses reading t
+        (t.reshape([-1]) if t.ndim != 1 else t[0:1]).scale_(2.0)
     else:
         idx = (slice(None),) * dim + (slice(start, stop, step),)
         t[idx] = ex[0] if form == "setitem_t" else 0.5
