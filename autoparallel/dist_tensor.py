@@ -466,7 +466,7 @@ def dtensor_from_local(local, mesh: ProcessMesh, placements, global_shape=None, 
 
 def reshard(x, mesh: ProcessMesh, placements) -> DistTensor:
     """Redistribute to ``placements`` on ``mesh`` along the cheapest plan (differentiable)."""
-    src = as_dist(x)
+    src = as_dist(_forms.fresh(x, "reshard"))
     if not isinstance(src, DistTensor):
         raise TypeError(f"reshard expects a DistTensor or DistParameter, got {type(x).__name__}")
     backward_start.note_lost_gradient(src, mesh)

@@ -396,9 +396,9 @@ def local_grads(locals_: dict) -> dict:
     return gs
 
 
-def fresh(x):
+def fresh(x, op: str = "full"):
     """``x``, refused if paddle would see a write through a view or base of it (see view_alias)."""
     from autoparallel import view_alias
 
-    view_alias.check_reads("full", (x,))
+    view_alias.check_reads(op, (x,))
     return x
