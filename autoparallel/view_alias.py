@@ -92,6 +92,10 @@ def written(path: str, target) -> None:
     _STALE.pop(k, None)
 
 
+def any_stale() -> bool:
+    return bool(_STALE)
+
+
 def check_reads(op: str, leaves) -> None:
     """Before a routed call: refuse reading a tensor whose storage was written through another tensor."""
     if not _STALE:

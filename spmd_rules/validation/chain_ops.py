@@ -345,7 +345,26 @@ def do_stat(t, ex, form, axis, keepdim):
     return paddle.take_along_axis(t, i, axis=axis)
 
 
+# ---- the running value read twice (several consumers of one tensor, other layouts) --------------------
+def gen_self(rng, shape):
+    forms = ["t*sum", "concat_self", "t+flip"] + (["t@tT"] if len(shape) == 2 else [])
+    if not shape:
+        return None
+    return {"form": str(rng.choice(forms)), "axis": _axis(rng, shape)}, []
+
+
+def do_self(t, ex, form, axis):
+    if form == "t*sum":
+        return t * t.sum()
+    if form == "concat_self":
+        return paddle.concat([t, paddle.tanh(t)], axis=axis)
+    if form == "t+flip":
+        return t + paddle.flip(t, axis=[axis])
+    return t @ t.T
+
+
 OPS = {
+    "self": (gen_self, do_self),
     "stat": (gen_stat, do_stat),
     "misc": (gen_misc, do_misc),
     "reshard": (gen_reshard, do_reshard),
