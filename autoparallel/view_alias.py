@@ -64,7 +64,7 @@ def record(op: str, args, outs, DistTensor) -> None:     # noqa: N803 - the clas
     base = args[0]
     if type(base) is not DistTensor or (op == "getitem" and not _is_basic_index(args[1] if len(args) > 1 else 0)):
         return
-    if op in RESHAPES and id(base) in _STRIDED:
+    if op in RESHAPES and (id(base) in _STRIDED or not base.shape):     # paddle copies a 0-d tensor's reshape
         return
     strided = id(base) in _STRIDED or op in STRIDING and not (op == "getitem" and _leading_slice(args[1]))
     for o in outs if isinstance(outs, (list, tuple)) else (outs,):
