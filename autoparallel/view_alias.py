@@ -1,11 +1,12 @@
 """Paddle's view ops (basic slicing, reshape, transpose, flatten, squeeze, ...) share storage with their input,
 so an in-place op on a view changes the tensor it came from, and the other way round. A DistTensor's local
-shards never alias: after ``s = t[0:1]; s.scale_(10)``, ``t`` keeps its old value where one process would
-see the write. Rather than a silently stale value, the tensors that would have seen the write are marked,
-and the first routed op that reads one of them raises ``NotImplementedError`` naming the write and what
-to write instead. A write through a view nobody reads again (``x = x.reshape(...); x.add_(y)``) is fine.
+shards never alias. So a write through a view is carried back into its bases where the view op can be
+inverted (basic indexing: ``base[index] = view``; the reshape family: a reshape; transpose: the inverse
+permutation), and every other live tensor sharing the storage (a sibling view, a view of a tensor written in
+place) is marked stale: the first routed op, ``full()`` or ``reshard`` reading it raises ``NotImplementedError``
+naming the write, never a stale value. docs/fuzzing_ops.md has the measured view/copy table.
 
-Links are weak (no tensor is kept alive); a tensor written in place stays valid itself."""
+Only views of DistTensors are tracked; a view keeps its base alive (as shared storage does) until it dies."""
 from __future__ import annotations
 
 import weakref
