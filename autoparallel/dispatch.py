@@ -23,7 +23,7 @@ from spmd_rules.errors import DataDependentShapeError
 from spmd_rules.registry import flatten_specs, replace_specs
 from spmd_rules.result import LocalShaped
 
-from autoparallel import binding, dispatch_cache, dispatch_handle, local_ops, read_value
+from autoparallel import binding, dispatch_cache, dispatch_handle, local_ops, read_value, view_alias
 from autoparallel.comm import fanout
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase, building_static_program, owner_of, resolve
@@ -75,6 +75,21 @@ def _is_spec(v) -> bool:
 
 # ---- the routed call ------------------------------------------------------------------------------------------
 def run(op: str, path: str, args, kwargs):
+    """Run paddle callable ``path`` (rule ``op``) on distributed arguments (see _run); reads of a tensor made
+    stale by a write through a view are refused, and view ops' outputs are linked to their input."""
+    if view_alias.any_stale():
+        view_alias.check_reads(op, _shallow_leaves(args, kwargs))
+    out = _run(op, path, args, kwargs)
+    view_alias.record(op, args, out, DistTensor)
+    return out
+
+
+def _shallow_leaves(args, kwargs) -> list:
+    vals = list(args) + list(kwargs.values())
+    return vals + [u for v in vals if isinstance(v, (list, tuple)) for u in v]
+
+
+def _run(op: str, path: str, args, kwargs):
     """Run paddle callable ``path`` (rule ``op``) on distributed arguments.
 
     A call whose key (see dispatch_cache) was seen before reuses its plan: no rule, no validation, no

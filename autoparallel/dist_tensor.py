@@ -213,7 +213,7 @@ class DistTensor(OpMethods):
 
     @property
     def grad(self):
-        gs = {r: t.grad for r, t in self._locals.items()}
+        gs = _forms.local_grads(self._locals)
         if not gs or any(g is None for g in gs.values()):
             return None
         return DistTensor(gs, self._spec.with_placements(_grad_placements(self._spec.placements)))
@@ -228,7 +228,7 @@ class DistTensor(OpMethods):
     # ---- whole-tensor views -------------------------------------------------------------------------
     def full(self) -> paddle.Tensor:
         """The global tensor (gathered; differentiable)."""
-        rep = reshard(self, self.mesh, [Replicate()] * self.mesh.ndim)
+        rep = reshard(_forms.fresh(self), self.mesh, [Replicate()] * self.mesh.ndim)
         if not rep._locals:
             raise ValueError(f"this rank holds no shard of a tensor on mesh {self.mesh.mesh.tolist()}")
         return pick_replicated(rep._locals) if current_world().is_simulated else rep.local   # grads reach every copy
@@ -466,7 +466,7 @@ def dtensor_from_local(local, mesh: ProcessMesh, placements, global_shape=None, 
 
 def reshard(x, mesh: ProcessMesh, placements) -> DistTensor:
     """Redistribute to ``placements`` on ``mesh`` along the cheapest plan (differentiable)."""
-    src = as_dist(x)
+    src = as_dist(_forms.fresh(x, "reshard"))
     if not isinstance(src, DistTensor):
         raise TypeError(f"reshard expects a DistTensor or DistParameter, got {type(x).__name__}")
     backward_start.note_lost_gradient(src, mesh)

@@ -385,3 +385,20 @@ def param_set_locals(self, locals_: dict) -> None:
     so a parameter listing itself would never be freed (nor would any model parallelized in the process)."""
     self._held_locals = {r: None if t is self else t for r, t in locals_.items()}
 
+
+
+def local_grads(locals_: dict) -> dict:
+    """Every rank's local gradient; an empty shard paddle left without one (set_value's backward) gets an
+    empty zero gradient when some rank has a gradient, so the tensor's ``grad`` is not lost."""
+    gs = {r: t.grad for r, t in locals_.items()}
+    if any(g is not None for g in gs.values()):
+        gs = {r: paddle.zeros_like(locals_[r]) if g is None and locals_[r].size == 0 else g for r, g in gs.items()}
+    return gs
+
+
+def fresh(x, op: str = "full"):
+    """``x``, refused if paddle would see a write through a view or base of it (see view_alias)."""
+    from autoparallel import view_alias
+
+    view_alias.check_reads(op, (x,))
+    return x

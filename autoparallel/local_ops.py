@@ -60,7 +60,13 @@ def squeeze_to(x, axis=None, name=None, *, shape):
     return paddle.reshape(x, shape)
 
 
-PER_RANK = {"vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
+def reshape_to(x, *args, shape, **kwargs):
+    """A shape op (flatten) on a shard as a reshape to the rank's output shape: the op's own local call
+    would merge a sharded size-1 dim's empty shard differently from the layout its rule declares."""
+    return paddle.reshape(x, shape)
+
+
+PER_RANK = {"reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
             "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape, "squeeze_to": squeeze_to}
 
 

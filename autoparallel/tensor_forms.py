@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import paddle
 
-from autoparallel import aliases, patches, shadows
+from autoparallel import aliases, patches, shadows, view_alias
 from autoparallel.compat import EagerParamBase
 from autoparallel import dispatch as D
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
@@ -46,6 +46,7 @@ def rebind(path, target, out):
     _check_leaf(path, target)
     if type(target) is DistTensor:
         target._locals, target._spec = out._locals, out._spec
+        view_alias.written(path, target)
         return target
     if isinstance(target, DistParameter) and hasattr(target, "_ap_spec"):
         if out.spec != target._ap_spec and out.spec.shape == target._ap_spec.shape \

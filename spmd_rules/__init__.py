@@ -87,6 +87,7 @@ Local ops the runtime provides (same arguments as the paddle op, plus ``local_at
 * ``vocab_parallel_embedding`` (local): masked lookup of rows [vocab_start, vocab_end); output P(sum).
 * ``global_mean`` (local): ``sum(x, axis, keepdim) / global_count``; output P(sum).
 * ``squeeze_to`` (local): ``reshape(x, shape)`` to the rank's output shape (squeeze of a sharded tensor).
+* ``reshape_to`` (local): ``reshape(x, shape)`` to the rank's output shape (flatten of a sharded tensor).
 * ``vocab_parallel_cross_entropy`` (collectives): class axis sharded over ``class_mesh_dims`` (this rank
   holds [class_start, class_end)); all-reduce max logit, sum of exps and target logit; for 'mean' over a
   batch sharded on ``batch_mesh_dims`` divide by the all-reduced valid count.

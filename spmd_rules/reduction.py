@@ -9,6 +9,7 @@ max/min/argmax need R. max/min never shard a reduced axis whose shards would be 
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 from autoparallel.core.placement import chunk_sizes
@@ -42,11 +43,23 @@ def _reduction(op, x, axis, keepdim, *, reduce, linear, dtype=None):
     axes = norm_axes(op, axis, x.ndim)
     xl, ol, shape = reduce_labels(x, axes, keepdim)
     if reduce in ("max", "min"):
-        # never shard an axis whose shards would be empty on some rank of some mesh dim
-        sizes = set(x.mesh.shape)
-        xl = tuple(None if (d in axes and any(0 in chunk_sizes(x.shape[d], k) for k in sizes)) else lab
+        # never shard an axis whose shards would be empty on some rank (one mesh dim or several nested)
+        xl = tuple(None if (d in axes and _may_be_empty(x.shape[d], x.mesh.shape)) else lab
                    for d, lab in enumerate(xl))
     return labels_result(op, [x], [xl], [ol], [(shape, dtype or x.dtype)], linear=linear, reduce=reduce), axes
+
+
+def _may_be_empty(n, mesh_shape) -> bool:
+    """Whether sharding ``n`` items over any ordered subset of the mesh dims (S(d) on several mesh dims
+    splits each chunk again) leaves some rank an empty chunk: [2] over 2x2 -> [1, 1] -> [1, 0, 1, 0]."""
+    for r in range(1, len(mesh_shape) + 1):
+        for dims in itertools.combinations(mesh_shape, r):
+            sizes = [n]
+            for k in dims:
+                sizes = [c for s in sizes for c in chunk_sizes(s, k)]
+            if 0 in sizes:
+                return True
+    return False
 
 
 def _reverse(op, outputs, x, axis, keepdim, *, reduce, linear) -> SpmdResult:

@@ -8,6 +8,7 @@ block-sharded dim (``S(d,blocks=..)``) is kept only where the reshape leaves it 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from autoparallel.core.placement import BlockShard, Shard
@@ -121,4 +122,15 @@ def _flatten_reverse(outputs, x, start_axis=0, stop_axis=-1, name=None):
 @block_aware
 def flatten(x, start_axis=0, stop_axis=-1, name=None):
     check_spec("flatten", "x", x)
-    return reshape_result("flatten", x, _flatten_shape("flatten", x, start_axis, stop_axis), None)
+    res = reshape_result("flatten", x, _flatten_shape("flatten", x, start_axis, stop_axis), None)
+    out, req = res.outputs[0], res.inputs[0]
+    if x.ndim == 0 or all(_local_flatten(req.local_shape(c), x.ndim, start_axis, stop_axis) == out.local_shape(c)
+                          for c in itertools.product(*[range(k) for k in x.mesh.shape])):
+        return res
+    # a sharded size-1 dim may stay a dim of its own in the layout while paddle's flatten merges it locally
+    return SpmdResult(res.inputs, res.outputs, "reshape_to", lambda coords: {"shape": list(out.local_shape(coords))})
+
+
+def _local_flatten(shape, ndim, start_axis, stop_axis) -> tuple:
+    s, e = norm_axis("flatten", start_axis, ndim), norm_axis("flatten", stop_axis, ndim)
+    return tuple(shape[:s]) + (math.prod(shape[s:e + 1]),) + tuple(shape[e + 1:])

@@ -35,8 +35,13 @@ def _squeeze_to(x, axis=None, name=None, *, shape):
     return _paddle().reshape(x, shape)
 
 
+def _reshape_to(x, *args, shape, **kwargs):
+    return _paddle().reshape(x, shape)
+
+
 LOCAL_OPS = {
     "squeeze_to": _squeeze_to,
+    "reshape_to": _reshape_to,
     "setitem": _setitem,
     "vocab_parallel_embedding": _vocab_parallel_embedding,
     "global_mean": _global_mean,
