@@ -127,11 +127,26 @@ def repoint_layer_ops(layer) -> None:
     """The sublayers of ``layer`` built after dispatch was installed may hold an op captured before it (a
     default argument ``act=F.gelu``, an entry of a table built at import): repointed when the model is
     distributed (``shard_layer``, ``parallelize``), as ``_repoint_layers`` does at install."""
-    for sub in layer.sublayers(include_self=True) if _ROUTED else ():
+    routed = _ROUTED or _live_wrappers()
+    for sub in layer.sublayers(include_self=True) if routed else ():
         for k, v in list(sub.__dict__.items()):
-            w = _ROUTED.get(id(v)) if callable(v) else None
+            w = routed.get(id(v)) if callable(v) else None
             if w is not None:
                 patches.patch(sub, k, w)
+
+
+def _live_wrappers() -> dict:
+    """id(original) -> routed wrapper, read off paddle's namespaces (``_ROUTED`` is emptied by an undo the
+    install that followed did not refill)."""
+    import paddle.nn.functional as F
+
+    out = {}
+    for owner in (paddle, F, paddle.linalg):
+        for attr in dir(owner):
+            w = getattr(owner, attr, None)
+            if getattr(w, "_ap_routed", None) and getattr(w, "__wrapped__", None) is not None:
+                out[id(w.__wrapped__)] = w
+    return out
 
 
 def _c_op_aliases(routed: dict) -> dict:
