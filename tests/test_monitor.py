@@ -193,7 +193,8 @@ def test_split_names_come_from_the_run_models_block_list():
     strategy = ap.Strategy()
     strategy.pipeline_parallel.degree = 2
     strategy.pipeline_parallel.micro_batches = 2
-    auto_checkpoint.attach(Net(), None, strategy)
+    net = Net()                                 # the run holds its model weakly: keep it alive
+    auto_checkpoint.attach(net, None, strategy)
     try:
         clock = FakeClock()
         cost = [0.01] * LAYERS
