@@ -21,13 +21,16 @@ RESHAPES = frozenset({"reshape", "view", "view_as", "flatten", "unflatten"})
 STRIDING = frozenset({"transpose", "matrix_transpose", "diagonal", "moveaxis", "getitem", "slice", "strided_slice",
                       "narrow", "unbind"})
 
-# keyed by id (a DistTensor's == is elementwise, so weak dicts/sets cannot hold it); entries die with the tensor
-_REFS: dict = {}          # id -> weakref of a linked or stale tensor
-_LINKS: dict = {}         # id -> set of ids of tensors sharing its storage
+# keyed by id (a DistTensor's == is elementwise, so weak dicts/sets cannot hold it); entries die with the tensor.
+# record() only notes each view's base (one dict entry per view op, on the dispatch path); who shares storage
+# with whom (one root and every view below it) is worked out when an in-place op writes, which is rare.
+_REFS: dict = {}          # id -> weakref of a view, or of a root marked stale
 _STALE: dict = {}         # id -> the in-place call that wrote its storage through another tensor
 _STRIDED: set = set()     # ids of views that may be non-contiguous in paddle
-_PARENT: dict = {}        # id of a view -> (its base, op, index / base shape / perm): a view keeps its base alive,
-                          # as paddle's shared storage does, so a write reaches the base through dead intermediates
+_PARENT: dict = {}        # id of a view -> (its base, op, index / base shape / perm, or None: not invertible);
+                          # a view keeps its base alive, as paddle's shared storage does
+_VIEWS: dict = {}         # id of a base -> how many live views _PARENT names it in (an in-place op elsewhere
+                          # returns at once)
 _BUSY = [False]
 WRITE_BACK = frozenset({"getitem", "transpose", "reshape", "view", "flatten", "unflatten", "squeeze", "unsqueeze"})
 
@@ -43,9 +46,12 @@ def _forget(k) -> None:
     _REFS.pop(k, None)
     _STALE.pop(k, None)
     _STRIDED.discard(k)
-    _PARENT.pop(k, None)
-    for j in _LINKS.pop(k, ()):
-        _LINKS.get(j, set()).discard(k)
+    p = _PARENT.pop(k, None)
+    if p is not None:
+        b = id(p[0])
+        _VIEWS[b] -= 1
+        if not _VIEWS[b]:
+            del _VIEWS[b]
 
 
 def _is_basic_index(index) -> bool:
@@ -59,7 +65,7 @@ def _leading_slice(index) -> bool:
 
 
 def record(op: str, args, outs, DistTensor) -> None:     # noqa: N803 - the class, passed by dispatch
-    """After a routed call: link the DistTensor outputs of a view op to its DistTensor input."""
+    """After a routed call: note the DistTensor outputs of a view op as views of its DistTensor input."""
     if op not in VIEW_OPS or not args:
         return
     base = args[0]
@@ -68,27 +74,37 @@ def record(op: str, args, outs, DistTensor) -> None:     # noqa: N803 - the clas
     if op in RESHAPES and (id(base) in _STRIDED or not base.shape):     # paddle copies a 0-d tensor's reshape
         return
     strided = id(base) in _STRIDED or op in STRIDING and not (op == "getitem" and _leading_slice(args[1]))
+    info = args[1] if op in ("getitem", "transpose") and len(args) > 1 else list(base.shape)
+    if op not in WRITE_BACK or (op == "transpose" and not isinstance(info, (list, tuple))):
+        info = None
     for o in outs if isinstance(outs, (list, tuple)) else (outs,):
         if type(o) is DistTensor and o is not base:
-            b, v = _track(base), _track(o)
+            v = _track(o)
             if strided:
                 _STRIDED.add(v)
-            info = args[1] if op in ("getitem", "transpose") and len(args) > 1 else list(base.shape)
-            if op in WRITE_BACK and (op != "transpose" or isinstance(info, (list, tuple))):
-                _PARENT[v] = (base, op, info)
-            for j in {b} | _family(b):      # linked to the whole family: an intermediate view may die first
-                _LINKS.setdefault(j, set()).add(v)
-                _LINKS.setdefault(v, set()).add(j)
+            if v not in _PARENT:
+                _VIEWS[id(base)] = _VIEWS.get(id(base), 0) + 1
+            _PARENT[v] = (base, op, info)
 
 
-def _family(k) -> set:
-    seen, todo = {k}, [k]
-    while todo:
-        for j in _LINKS.get(todo.pop(), ()):
-            if j not in seen:
-                seen.add(j)
-                todo.append(j)
-    return seen - {k}
+def _root(t):
+    p = _PARENT.get(id(t))
+    while p is not None:
+        t = p[0]
+        p = _PARENT.get(id(t))
+    return t
+
+
+def _family(t) -> dict:
+    """id -> tensor of every live tensor sharing ``t``'s storage: its root and the root's views."""
+    root = _root(t)
+    out = {id(root): root}
+    for k in list(_PARENT):
+        ref = _REFS.get(k)
+        o = ref() if ref is not None else None
+        if o is not None and _root(o) is root:
+            out[k] = o
+    return out
 
 
 def written(path: str, target) -> None:
@@ -96,15 +112,17 @@ def written(path: str, target) -> None:
     op can be inverted (basic indexing: a setitem; reshape family: a reshape; transpose: the inverse
     permutation), as paddle's shared storage would carry it; every other live tensor sharing the storage is
     now stale."""
-    k = id(target)
-    if _BUSY[0] or k not in _LINKS or _REFS.get(k, lambda: None)() is not target:
+    if _BUSY[0] or (id(target) not in _PARENT and id(target) not in _VIEWS):
         return
-    done, cur = {k}, target
+    family = _family(target)
+    if len(family) < 2 or family.get(id(target)) is not target:
+        return
+    done, cur = {id(target)}, target
     _BUSY[0] = True
     try:
         while True:
             p = _PARENT.get(id(cur))
-            base = p[0] if p else None
+            base = p[0] if p and p[2] is not None else None
             if base is None or id(base) in _STALE or (base.is_leaf and not base.stop_gradient):
                 break
             _write_back(p[1], p[2], base, cur)
@@ -112,10 +130,11 @@ def written(path: str, target) -> None:
             cur = base
     finally:
         _BUSY[0] = False
-    for j in _family(k) - done:
-        _STALE[j] = path
-    for j in done:
-        _STALE.pop(j, None)
+    for j, t in family.items():
+        if j in done:
+            _STALE.pop(j, None)
+        else:
+            _STALE[_track(t)] = path
 
 
 def _write_back(op, info, base, view) -> None:
