@@ -64,5 +64,5 @@ def test_monitor_timings_are_gathered_from_every_rank(job):
         gathered = res["gathered"]
         assert sorted(gathered) == ["0", "1", "2", "3"]
         steps = [gathered[str(r)]["step"] for r in range(4)]
-        assert steps == sorted(steps) and steps[3] > 3 * steps[0] * 0.9
+        assert steps == pytest.approx([0.05 * (r + 1) for r in range(4)])   # each rank's own clock
         assert res["imbalanced"] is True

@@ -79,7 +79,7 @@ def test_parts_add_up_and_counts_match_the_transport(tmp_path):
                 setattr(transport.SimTransport, n, fn)
     b = p.breakdowns[-1]
     assert sum(b.parts.values()) == pytest.approx(b.step_s, abs=1e-4)
-    assert wall <= b.step_s < wall + 5e-3
+    assert wall <= b.step_s < 1.5 * wall + 0.05          # the step's own wall time (slack: a loaded machine)
     assert b.parts["compute: dispatched ops"] > 0 and b.parts["dispatch overhead"] > 0
     assert b.parts["idle wait"] == 0 and b.parts["pipeline bubble"] == 0      # one process waits for nobody
     assert {k: v["count"] for k, v in b.collectives.items()} == {n: seen.count(n) for n in set(seen)}
