@@ -59,6 +59,9 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
     from autoparallel.parallel import precision_cast
 
     precision_cast.write_back(state)                # a decorated model's save_dtype copies reach its parameters
+    from autoparallel.parallel import zero_state_dict
+
+    zero_state_dict.write_back(state)               # a ZeRO optimizer's state_dict() values reach its chunks
     if restore_schedule(state, info.runtime):       # ap.training_state's optimizer: its LR schedule goes on
         info.restored.append("lr_scheduler")
     return info

@@ -49,7 +49,7 @@ def apply_zero(model, optimizer, mesh, stage: int, dp_dim: str = "data", degree:
                offload: bool = False, gradient_accumulation_steps: int = 1, bucket_bytes: int = 25 * 2**20,
                overlap: bool = True):
     """Shard ``optimizer``'s states (and gradients, parameters) of ``model`` over ``dp_dim``; returns the
-    optimizer to use instead (step / clear_grad / state_dict-free wrapper)."""
+    optimizer to use instead (step / clear_grad / state_dict / set_state_dict)."""
     if stage not in STAGES:
         raise ValueError(f"sharding stage must be one of {STAGES}, got {stage!r}")
     opt = ZeroOptimizer(model, optimizer, mesh, stage, dp_dim, degree, offload, gradient_accumulation_steps,
@@ -454,21 +454,20 @@ class ZeroOptimizer(StepHooks):
                              f"was built with, not of the given {type(model).__name__}")
         return zero_training_state(self, model)
 
-    def state_dict(self):
-        raise NotImplementedError(_NO_STATE_DICT.format(what="state_dict", stage=self.stage))
+    def state_dict(self) -> dict:
+        """paddle's form: one process's keys, each state a distributed tensor of the whole parameter's shape
+        (parallel/zero_state_dict.py). Collective where a chunk does not fall on whole rows."""
+        from autoparallel.parallel.zero_state_dict import state_dict
 
-    def set_state_dict(self, state_dict):
-        raise NotImplementedError(_NO_STATE_DICT.format(what="set_state_dict", stage=self.stage))
+        return state_dict(self)
+
+    def set_state_dict(self, state_dict) -> None:
+        from autoparallel.parallel.zero_state_dict import set_state_dict
+
+        set_state_dict(self, state_dict)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
-
-
-# paddle's state_dict() forwarded to the wrapped optimizer was {} (it holds no states: the chunk optimizers do),
-# so a save / set_state_dict round trip silently restored nothing
-_NO_STATE_DICT = ("optimizer.{what}() under ZeRO (sharding stage {stage}): the optimizer states live as flat chunks "
-                  "of the data ranks, which paddle's per-parameter state dict does not describe; save and load with "
-                  "ap.save_state_dict(ap.training_state(model, optimizer), path) / ap.load_state_dict(...)")
 
 
 def _gather(v, ranks, layout) -> dict:
