@@ -93,11 +93,16 @@ def test_set_state_dict_refuses_a_wrong_shape_and_a_single_shard():
             opt.set_state_dict(shard)
 
 
-def test_zero_state_dict_refused_by_name():
+def test_zero_state_dict_is_distributed_and_refused_by_paddle_save(one, tmp_path):
+    """ZeRO's opt.state_dict() was refused (pointing at ap.training_state); it is paddle's form now
+    (tests/test_probe_zero_state_dict.py): paddle.save refuses its shards by name, the gathered one is one process's."""
     with ap.simulate(world_size=4):
         m, opt, _ = run(Mesh2x2(ap.ShardingStage2))
-        with pytest.raises(NotImplementedError, match="ap.training_state"):
-            paddle.save(opt.state_dict(), "unused.pdopt")
+        with pytest.raises(ShardedExportError, match="moment1"):
+            paddle.save(opt.state_dict(), str(tmp_path / "shards.pdopt"))
+        full = ap.full_state_dict(opt)
+    for k, v in one[0].items():
+        np.testing.assert_allclose(np.asarray(full[k]), v, rtol=1e-6, atol=1e-7, err_msg=k)
 
 
 def test_paddle_distributed_checkpoint_calls_load_into_another_mesh(tmp_path):

@@ -4,7 +4,8 @@ batch (AdamW, 3 steps: every loss, every rank's shard of every parameter), HSDP 
 clipping over every stage (the norm of each step equals the unsharded pipeline's; negative control: a chunk
 counted on one shard rank only moves the parameters away); each rank holds half the moments (negative control:
 the unsharded pipeline's are whole); AMP and a GradScaler; a checkpoint resumed under another stage and in one
-process; parameter groups with a schedule; the refusals (stage 3, stages on one rank, paddle's state_dict)."""
+process; parameter groups with a schedule; the refusals (stage 3, stages on one rank); paddle's
+opt.state_dict() through paddle.distributed.save_state_dict into another stage."""
 
 import numpy as np
 import paddle
@@ -146,8 +147,6 @@ def test_parallelize_with_sharding_and_pipeline_equals_one_process():
             opt.step()
             opt.clear_grad()
         bad = every_rank_mismatch(pipe, ref()[1])
-        with pytest.raises(NotImplementedError, match=r"state_dict\(\) of a pipelined ZeRO run .sharding stage 2"):
-            opt.state_dict()
     np.testing.assert_allclose(losses, ref()[0], rtol=RTOL, atol=1e-6)
     assert bad == []
 
@@ -213,6 +212,35 @@ def _pipeline_run(job, world=4):
     model = pp_common.build("gpt")
     pipe = apply_pp(model, strategy(job))
     return pipe, pipe.wrap_optimizer(pp_common.optimizer(model.parameters(), job.get("clip")))
+
+
+def test_paddle_state_dict_of_a_pipelined_zero_run_resumes_under_another_stage(tmp_path):
+    """opt.state_dict() of a ZeRO-1 pipeline (was refused) through paddle.distributed.save_state_dict, loaded in
+    place into a fresh ZeRO-2 VPP pipeline's opt.state_dict() (the model through ap.training_state's "model"):
+    the third step equals the uninterrupted run's. Negative control: the model alone resumes differently."""
+    from test_pipeline_sim import every_rank_mismatch
+
+    data = pp_common.batches(STEPS)
+    with ap.simulate(world_size=4), paddle.utils.unique_name.guard():
+        pipe, opt = _pipeline_run({"schedule": "1F1B", "dp": 2, "zero": 1})
+        for x, y in data[:2]:
+            pipe.train_batch(x, y)
+            opt.step()
+            opt.clear_grad()
+        ap.save_state_dict(ap.training_state(pipe, opt), str(tmp_path / "ck"))
+        sd = opt.state_dict()
+        assert any(k.endswith("_moment1_0") and ap.is_dist(v) for k, v in sd.items())
+        paddle.distributed.save_state_dict(sd, str(tmp_path / "opt"))
+    for load in (True, False):
+        with ap.simulate(world_size=4), paddle.utils.unique_name.guard():
+            pipe, opt = _pipeline_run({"schedule": "VPP", "vpp": 2, "dp": 2, "zero": 2})
+            ap.load_state_dict({"model": ap.training_state(pipe, opt)["model"]}, str(tmp_path / "ck"), strict=False)
+            if load:
+                paddle.distributed.load_state_dict(opt.state_dict(), str(tmp_path / "opt"))
+            loss = pipe.train_batch(*data[2])
+            opt.step()
+            bad = every_rank_mismatch(pipe, ref()[1])
+        assert (abs(loss - ref()[0][2]) < 1e-5 and bad == []) == load, (load, loss, bad[:3])
 
 
 def test_checkpoint_of_a_pipelined_zero_run_resumes_under_another_stage(tmp_path):

@@ -261,6 +261,26 @@ class SplitOptimizer(StepHooks):
         state["optimizer"].update(kept)
         return state
 
+    def state_dict(self) -> dict:
+        """paddle's form of both groups: the ZeRO part's (parallel/zero_state_dict.py) and the kept part's
+        states in their sharded layout (optimizer_state_forms.py), under one process's keys."""
+        out = dict(self.kept.state_dict())
+        if self.zero is not None:
+            zero = self.zero.state_dict()
+            masters = dict(out.get("master_weights", {}), **zero.pop("master_weights", {}))
+            clash = sorted(set(zero) & set(out) - {"LR_Scheduler"})
+            if clash:
+                raise ValueError(f"optimizer.state_dict: {clash[:3]} are kept by both the ZeRO and the kept part")
+            out.update(zero)
+            if masters:
+                out["master_weights"] = masters
+        return out
+
+    def set_state_dict(self, state_dict) -> None:
+        if self.zero is not None:
+            self.zero.set_state_dict(state_dict)
+        self.kept.set_state_dict(state_dict)
+
     def __getattr__(self, name):
         if name in ("zero", "kept", "source"):
             raise AttributeError(name)

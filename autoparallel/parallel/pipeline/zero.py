@@ -16,8 +16,8 @@ one process (the simulated world) every stage's sub-mesh is held, so there is on
    ``clip_norm / max(norm, clip_norm)``, steps its chunks and all-gathers them into the parameters.
 
 The ZeRO optimizers read the learning rate (``set_lr``, a scheduler) from the user's optimizer at each step.
-Stage 3 is refused by ``wiring._check_composable``. Checkpoints: ``ap.training_state(pipe, opt)`` (zero_state.py);
-paddle's ``opt.state_dict()`` is refused by name.
+Stage 3 is refused by ``wiring._check_composable``. Checkpoints: ``ap.training_state(pipe, opt)`` (zero_state.py),
+and paddle's ``opt.state_dict()`` / ``set_state_dict`` (parallel/zero_state_dict.py).
 """
 from __future__ import annotations
 
@@ -26,11 +26,6 @@ from autoparallel.parallel.optim_clone import clone_optimizer
 from autoparallel.parallel.param_list import flat_params
 from autoparallel.parallel.sharding import ZeroOptimizer
 from autoparallel.parallel.step_hooks import StepHooks
-
-_NO_STATE_DICT = ("optimizer.{what}() of a pipelined ZeRO run (sharding stage {stage}): the optimizer states live as "
-                  "flat chunks of each stage's data ranks, which paddle's per-parameter state dict does not describe; "
-                  "save and load with ap.save_state_dict(ap.training_state(pipe, optimizer), path) / "
-                  "ap.load_state_dict(...)")
 
 
 class _StageZero(ZeroOptimizer):
@@ -163,11 +158,22 @@ class PipelineZeroOptimizer(StepHooks):
                              f"ap.training_state, got {type(model).__name__}")
         return pipeline_zero_state(self, self._pipe)
 
-    def state_dict(self):
-        raise NotImplementedError(_NO_STATE_DICT.format(what="state_dict", stage=self.stage))
+    def state_dict(self) -> dict:
+        """paddle's form over every held stage's ZeRO optimizer (parallel/zero_state_dict.py): on real ranks,
+        this rank's stage's parameters (each stage's ranks hold its entries, as paddle's pipeline does)."""
+        out: dict = {}
+        for z in self.zeros:
+            sd = z.state_dict()
+            masters = dict(out.get("master_weights", {}), **sd.pop("master_weights", {}))
+            out.update(sd)
+            if masters:
+                out["master_weights"] = masters
+        return out
 
-    def set_state_dict(self, state_dict):
-        raise NotImplementedError(_NO_STATE_DICT.format(what="set_state_dict", stage=self.stage))
+    def set_state_dict(self, state_dict) -> None:
+        """Every held stage's ZeRO optimizer loads its parameters' states from ``state_dict``."""
+        for z in self.zeros:
+            z.set_state_dict(state_dict)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
