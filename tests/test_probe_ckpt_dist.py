@@ -152,3 +152,13 @@ def test_a_rank_whose_collective_fails_says_what_the_live_ranks_are_doing(tmp_pa
     err = capfd.readouterr().err
     assert "rank 0: 'checkpoint start (all_gather)'" in err and "(last heard: rank 1 in 'all_reduce' (step 3))" \
         in err, err
+
+
+def test_zero2_state_dict_through_paddle_checkpoint_loads_into_zero3_and_one_process(ranks):
+    """dist_scripts/zero_sd_checks.py: ZeRO-2's opt.state_dict() (Shard(0) over dp; fc1's [5, 8] gathered since its
+    chunks end inside rows) saved by paddle.distributed.save_state_dict loads in place into ZeRO-3 (the two steps
+    after it equal ZeRO-2's own) and into one process's state dict."""
+    for r in ranks:
+        assert r["zero_sd_layouts"]["linear_0.w_0_moment1_0"] == ["S(0)"], r["zero_sd_layouts"]
+        assert r["zero_sd_into_zero3"] == 0.0 and r["zero_sd_into_one"] == 0.0, r
+        np.testing.assert_allclose(r["zero_sd_zero3_losses"], r["zero_sd_want_losses"], rtol=1e-6)

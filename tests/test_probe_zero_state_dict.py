@@ -168,3 +168,35 @@ def test_without_the_write_back_a_load_in_place_is_lost(tmp_path, monkeypatch):
         paddle.distributed.load_state_dict(o2.state_dict(), str(tmp_path / "o"))
         got = ap.full_state_dict(o2)
     assert not np.allclose(np.asarray(got["linear_0.w_0_moment1_0"]), np.asarray(want["linear_0.w_0_moment1_0"]))
+
+
+def test_split_optimizer_state_dict_is_both_parts_and_resumes_as_one_process():
+    """shard_optimizer(opt, mesh) with a weight already sharded on the data dim (SplitOptimizer: ZeRO over the rest,
+    the kept weight's states in its layout): state_dict() holds both parts (it forwarded to the ZeRO part only)."""
+    from test_checkpoint_optimizers import net, split_run, step
+
+    def plain():
+        m = net()
+        return m, paddle.optimizer.AdamW(1e-2, parameters=m.parameters())
+
+    def losses(make, load=None):
+        with paddle.utils.unique_name.guard():
+            m, opt = make()
+            if load is not None:
+                m.set_state_dict(load[0])
+                opt.set_state_dict(load[1])
+            got = [step(m, opt, i) for i in (range(2) if load is None else range(2, 4))]
+            return m, opt, got
+
+    m, opt, _ = losses(plain)
+    one = {k: np.asarray(v) for k, v in opt.state_dict().items()}
+    state = (m.state_dict(), opt.state_dict())
+    want = losses(plain, state)[2]
+    with ap.simulate(world_size=4):
+        m, opt, _ = losses(split_run)
+        full = ap.full_state_dict(opt)
+        assert sorted(full) == sorted(one)
+        for k, v in one.items():
+            np.testing.assert_allclose(np.asarray(full[k]), v, rtol=1e-6, atol=1e-7, err_msg=k)
+        np.testing.assert_allclose(losses(split_run, state)[2], want, rtol=1e-5)
+        np.testing.assert_allclose(losses(split_run, (ap.full_state_dict(m), opt.state_dict()))[2], want, rtol=1e-5)

@@ -57,6 +57,9 @@ def main(root: str) -> None:
     out["agree_values"] = {k: getattr(v, "tolist", lambda v=v: v)()
                            for k, v in load_merged_state_dict(os.path.join(root, "agree")).items()}
     out.update(resume_cases(os.path.join(os.path.dirname(root), "runs"), rank, sharded))
+    from zero_sd_checks import zero_state_dict_cases
+
+    out.update(zero_state_dict_cases(os.path.join(os.path.dirname(root), "zero_sd")))
     write_result(out)
 
 
