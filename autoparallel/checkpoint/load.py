@@ -38,6 +38,9 @@ class _Target:
     boxes: list = field(default_factory=list)    # [(destination, offsets, shape, zero)]
 
 
+AFTER_LOAD: list = []      # callables(state) run after a load filled ``state`` (parallel/zero_state_dict.py)
+
+
 def load_state_dict(state: dict, path: str, *, strict: bool = True) -> CheckpointInfo:
     """Fill ``state`` in place from the checkpoint at ``path`` (a checkpoint, or a directory of them: the
     newest complete one is used).
@@ -59,9 +62,8 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
     from autoparallel.parallel import precision_cast
 
     precision_cast.write_back(state)                # a decorated model's save_dtype copies reach its parameters
-    from autoparallel.parallel import zero_state_dict
-
-    zero_state_dict.write_back(state)               # a ZeRO optimizer's state_dict() values reach its chunks
+    for hook in AFTER_LOAD:                         # a ZeRO optimizer's state_dict() values reach its chunks
+        hook(state)
     if restore_schedule(state, info.runtime):       # ap.training_state's optimizer: its LR schedule goes on
         info.restored.append("lr_scheduler")
     return info

@@ -32,6 +32,8 @@ import weakref
 
 import numpy as np
 
+from autoparallel.checkpoint.load import AFTER_LOAD
+
 _ISSUED: dict = {}          # id(value given by state_dict) -> (weakref to it, weakref to its optimizer, live)
 
 
@@ -89,6 +91,10 @@ def set_state_dict(zopt, sd) -> None:
     sched = _scheduler(zopt)
     if sched is not None and sd.get("LR_Scheduler"):
         sched.set_state_dict(sd["LR_Scheduler"])
+
+
+def write_back_hook(state) -> None:
+    write_back(state)          # looked up at each load (a test may replace write_back)
 
 
 def write_back(state) -> None:
@@ -174,12 +180,17 @@ class Geometry:
 
     def _gather(self, get) -> dict:
         """{held rank: its whole local shard, flat} from every member's chunk (one all-gather per group)."""
-        from autoparallel.parallel.sharding import _gather
+        from autoparallel.comm import collectives as C
         from autoparallel.parallel.zero_groups import apply_groups
 
         zopt = self.zopt
+        width = next(iter(self.layouts.values())).width if self.layouts else 0
+
+        def gather(v, ranks):           # a group of one (ZeRO degree 1) is its own result
+            return dict(v) if len(ranks) == 1 else C._gather_raw(v, ranks, 0, [width] * len(ranks))
+
         xs = {r: self.layouts[r].pack_member([get(r)], zopt.groups.index(r)) for r in zopt.held}
-        out = apply_groups(xs, zopt.groups.shard_groups, lambda v, ranks: _gather(v, ranks, self.layouts))
+        out = apply_groups(xs, zopt.groups.shard_groups, gather)
         return {r: self.layouts[r].unpack_full(out[r])[0] for r in zopt.held}
 
     def chunks(self, key, value, zopt):
@@ -356,3 +367,7 @@ def _owner(v):
     if got is None or got[0]() is not v:
         return None
     return got[1]()
+
+
+if write_back_hook not in AFTER_LOAD:
+    AFTER_LOAD.append(write_back_hook)

@@ -6,7 +6,6 @@ import os
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
 import autoparallel as ap
 
