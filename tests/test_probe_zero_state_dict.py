@@ -200,3 +200,62 @@ def test_split_optimizer_state_dict_is_both_parts_and_resumes_as_one_process():
             np.testing.assert_allclose(np.asarray(full[k]), v, rtol=1e-6, atol=1e-7, err_msg=k)
         np.testing.assert_allclose(losses(split_run, state)[2], want, rtol=1e-5)
         np.testing.assert_allclose(losses(split_run, (ap.full_state_dict(m), opt.state_dict()))[2], want, rtol=1e-5)
+
+
+def _low_run(make_opt, stage, load=None):
+    """A bfloat16 model (autoparallel.testing.precision) under ZeRO over 2 ranks, multi_precision: float32 masters."""
+    from autoparallel.testing.precision import BATCHES, low_model
+
+    with paddle.utils.unique_name.guard():
+        mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+        m = ap.shard_layer(low_model(), mesh)
+        opt = ap.shard_optimizer(make_opt(m.parameters()), stage("dp", mesh))
+        if load is not None:
+            opt.set_state_dict(load)
+        for x in BATCHES[:2]:
+            m(ap.shard_tensor(paddle.to_tensor(x).astype("bfloat16"), mesh, [ap.Shard(0)])).backward()
+            opt.step()
+            opt.clear_grad()
+        return m, opt
+
+
+def test_master_weights_are_named_and_loaded_as_paddle_keeps_them():
+    """multi_precision AdamW over bfloat16 parameters: "master_weights" {param: float32 master} and the moments keyed
+    by the master's name (<param>_fp32_master_0_moment1_0), as paddle's; the master is the parameter within half a
+    bfloat16 ulp; a ZeRO-3 run loads them; one process's SGD masters load too; a missing master raises."""
+    adamw = lambda ps: paddle.optimizer.AdamW(0.01, parameters=ps, multi_precision=True)      # noqa: E731
+    sgd = lambda ps: paddle.optimizer.SGD(0.01, parameters=ps, multi_precision=True)          # noqa: E731
+    from autoparallel.testing.precision import BATCHES, low_model
+
+    with paddle.utils.unique_name.guard():                  # one process (paddle's CPU SGD keeps masters)
+        m1 = low_model()
+        o1 = sgd(m1.parameters())
+        m1(paddle.to_tensor(BATCHES[0]).astype("bfloat16")).backward()
+        o1.step()
+        one = {k: v.numpy() for k, v in o1.state_dict()["master_weights"].items()}
+    with ap.simulate(world_size=2):
+        m, opt = _low_run(adamw, ap.ShardingStage2)
+        sd = opt.state_dict()
+        names = sorted(p.name for p in m.parameters())
+        assert sorted(sd["master_weights"]) == names
+        assert all(f"{n}_fp32_master_0_moment1_0" in sd for n in names)
+        full = ap.full_state_dict(opt)
+        for p in m.parameters():
+            np.testing.assert_allclose(full["master_weights"][p.name].numpy(), p.full().astype("float32").numpy(),
+                                       rtol=2.0**-8, atol=1e-6)
+        _, o3 = _low_run(adamw, ap.ShardingStage3)
+        o3.set_state_dict(sd)
+        got = ap.full_state_dict(o3)
+        for k, v in full.items():
+            if k == "master_weights":
+                for n, w in v.items():
+                    np.testing.assert_array_equal(got[k][n].numpy(), w.numpy(), err_msg=n)
+            elif k != "LR_Scheduler":
+                np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v), err_msg=k)
+        with pytest.raises(ValueError, match=r"master_weights\['scale_0.w_0'\]"):
+            o3.set_state_dict(dict(sd, master_weights={"scale_0.b_0": sd["master_weights"]["scale_0.b_0"]}))
+        _, osgd = _low_run(sgd, ap.ShardingStage2)
+        osgd.set_state_dict({"master_weights": {k: paddle.to_tensor(v) for k, v in one.items()}})
+        back = ap.full_state_dict(osgd)["master_weights"]
+        for k, v in one.items():
+            np.testing.assert_array_equal(back[k].numpy(), v, err_msg=k)
