@@ -18,7 +18,7 @@ in the simulated world one global tensor over every rank's copy). So:
   own shard, kept as paddle keeps it); any other shape raises ValueError.
 
 States of replicated parameters (data parallelism) and scalars (beta powers) stay as paddle gives them.
-ZeRO optimizers refuse ``state_dict`` themselves (parallel/sharding.py).
+ZeRO optimizers give their own (parallel/zero_state_dict.py: the chunks as distributed tensors).
 """
 from __future__ import annotations
 
