@@ -6,7 +6,7 @@ Jobs, all with a binding ClipGradByGlobalNorm(0.05): ZeRO-1 (1F1B), ZeRO-2 (VPP 
 on the first and last stage), the 1F1B pipeline without ZeRO (the unsharded optimizer-state size), and ZeRO-2
 under VPP resumed from the checkpoint ZeRO-1 saved after its second step (steps 3-4). Each rank saves its stages' final parameters (full tensors)
 to OUT_DIR/<name>.rank<r>.npz and reports per job its losses, clip norms, pipeline coordinates, the elements of
-AdamW's moment1 it holds, and whether paddle's ``opt.state_dict()`` is refused by name.
+AdamW's moment1 it holds, and (ZeRO-1 and plain 1F1B) what paddle's ``opt.state_dict()`` holds, gathered.
 """
 import os
 import sys
@@ -37,12 +37,21 @@ def moment_elements(opt) -> int:
     return sum(int(np.prod(t.shape)) for t in opt._inner._accumulators["moment1"].values())
 
 
-def state_dict_refusal(opt) -> str:
-    try:
-        opt.state_dict()
-    except NotImplementedError as e:
-        return str(e)
-    return ""
+def moment_sums(opt, pipe) -> dict:
+    """paddle's ``opt.state_dict()`` of this rank's stages: {structured name: [sum |moment1|, sum moment1]} of the
+    gathered state (``ap.full_state_dict``) and the layouts of the moments it gives."""
+    sd = opt.state_dict()
+    full = ap.full_state_dict(opt)
+    sums = {}
+    for struct, p in pipe.named_parameters():
+        v = full.get(f"{p.name}_moment1_0")
+        if v is not None:
+            a = np.asarray(v, dtype="float64")
+            sums[struct] = [float(np.abs(a).sum()), float(a.sum())]
+    layouts = sorted({str([str(x) for x in v.placements]) for k, v in sd.items()
+                      if k.endswith("_moment1_0") and is_dist(v)})
+    return {"sums": sums, "layouts": layouts, "plain": sorted(k for k, v in sd.items() if k.endswith("_moment1_0")
+                                                              and not is_dist(v))}
 
 
 def run_job(job, out_dir, rank, steps):
@@ -71,7 +80,7 @@ def run_job(job, out_dir, rank, steps):
     np.savez(os.path.join(out_dir, f"{job['name']}.rank{rank}.npz"), **params)
     return {"losses": losses, "norms": norms, "pp_rank": pipe.pp_rank, "coords": list(pipe.coords),
             "moments": moment_elements(opt), "kind": type(opt).__name__,
-            "state_dict": state_dict_refusal(opt) if job.get("zero") else ""}
+            "state_dict": moment_sums(opt, pipe) if job["name"] in ("zero1_1f1b", "plain_1f1b") else {}}
 
 
 def main():
