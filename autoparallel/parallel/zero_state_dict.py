@@ -67,8 +67,9 @@ def state_dict(zopt) -> dict:
     return out
 
 
-def set_state_dict(zopt, sd) -> None:
-    """Load ``sd`` (see the module doc) into every held rank's chunks; raises before writing on a bad entry."""
+def set_state_dict(zopt, sd, partial: bool = False) -> None:
+    """Load ``sd`` (see the module doc) into every held rank's chunks; raises before writing on a bad entry.
+    ``partial``: the entries ``sd`` holds only (a checkpoint loaded into a dict of some of them)."""
     import paddle
 
     from autoparallel.checkpoint.zero_state import _ensure_accumulators
@@ -79,7 +80,7 @@ def set_state_dict(zopt, sd) -> None:
                         f"{type(sd).__name__}")
     zopt.sync_trainable()
     _ensure_accumulators(zopt)
-    plan = _plan(zopt, sd)
+    plan = _plan(zopt, sd, partial)
     with local_mode(), paddle.no_grad():
         writes = [(dests, geo.chunks(key, value, zopt)) if kind == "chunk" else (dests, _scalar_value(key, value))
                   for kind, key, value, geo, dests in plan]
@@ -116,7 +117,7 @@ def write_back(state) -> None:
     for zopt in owners:
         if id(zopt) not in done:
             done.add(id(zopt))
-            set_state_dict(zopt, state)
+            set_state_dict(zopt, state, partial=True)
 
 
 # ---- geometry ---------------------------------------------------------------------------------------------
@@ -276,7 +277,7 @@ def _scalar(zopt, get, geo):
 
 
 # ---- loading --------------------------------------------------------------------------------------------------
-def _plan(zopt, sd) -> list:
+def _plan(zopt, sd, partial: bool = False) -> list:
     """[(kind, key, value, geometry, {held rank: destination tensor})] for every state, checked complete."""
     masters = sd.get("master_weights") or {}
     plan, missing = [], []
@@ -294,7 +295,7 @@ def _plan(zopt, sd) -> list:
                 missing.append(f"master_weights[{p.name!r}]")
                 continue
             plan.append(("chunk", p.name, masters[p.name], geo, {r: zopt.master[r][id(p)] for r in zopt.held}))
-    if missing and (plan or _has_states(sd)):
+    if missing and not partial and (plan or _has_states(sd)):
         raise ValueError(f"optimizer.set_state_dict under ZeRO (sharding stage {zopt.stage}): the state dict lacks "
                          f"{len(missing)} states this optimizer keeps ({', '.join(missing[:4])}"
                          f"{', ...' if len(missing) > 4 else ''}); give a whole optimizer.state_dict() (the "
