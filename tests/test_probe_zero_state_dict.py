@@ -219,7 +219,7 @@ def _low_run(make_opt, stage, load=None):
         return m, opt
 
 
-def test_master_weights_are_named_and_loaded_as_paddle_keeps_them():
+def test_master_weights_are_named_and_loaded_as_paddle_keeps_them(tmp_path):
     """multi_precision AdamW over bfloat16 parameters: "master_weights" {param: float32 master} and the moments keyed
     by the master's name (<param>_fp32_master_0_moment1_0), as paddle's; the master is the parameter within half a
     bfloat16 ulp; a ZeRO-3 run loads them; one process's SGD masters load too; a missing master raises."""
@@ -252,6 +252,11 @@ def test_master_weights_are_named_and_loaded_as_paddle_keeps_them():
                     np.testing.assert_array_equal(got[k][n].numpy(), w.numpy(), err_msg=n)
             elif k != "LR_Scheduler":
                 np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v), err_msg=k)
+        paddle.distributed.save_state_dict(sd, str(tmp_path / "o"))         # and through a checkpoint, in place
+        _, o4 = _low_run(adamw, ap.ShardingStage3)
+        paddle.distributed.load_state_dict(o4.state_dict(), str(tmp_path / "o"))
+        for n, w in ap.full_state_dict(o4)["master_weights"].items():
+            np.testing.assert_array_equal(w.numpy(), full["master_weights"][n].numpy(), err_msg=n)
         with pytest.raises(ValueError, match=r"master_weights\['scale_0.w_0'\]"):
             o3.set_state_dict(dict(sd, master_weights={"scale_0.b_0": sd["master_weights"]["scale_0.b_0"]}))
         _, osgd = _low_run(sgd, ap.ShardingStage2)

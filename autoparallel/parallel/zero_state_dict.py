@@ -104,11 +104,12 @@ def write_back(state) -> None:
     if not isinstance(state, dict):
         return
     owners = []
-    for v in state.values():
+    for k, v in state.items():
         if isinstance(v, dict):
-            write_back(v)
-            if v is state.get("master_weights"):
+            if k == "master_weights":                # loaded with the dict holding it
                 owners += [o for o in map(_owner, v.values()) if o is not None]
+            else:
+                write_back(v)
             continue
         got = _owner(v)
         if got is not None:
