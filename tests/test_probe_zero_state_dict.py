@@ -33,7 +33,8 @@ class Offload(Parallelize):
 
 ZERO = {"zero1 dp x tp": lambda: Mesh2x2(ap.ShardingStage1), "zero2 dp x tp": lambda: Mesh2x2(ap.ShardingStage2),
         "zero3": lambda: Mesh2x2(ap.ShardingStage3, tp=False), "parallelize zero2": lambda: Parallelize(2),
-        "parallelize zero3": lambda: Parallelize(3), "zero2 offload": Offload}
+        "parallelize zero3": lambda: Parallelize(3), "parallelize dp x tp zero2": lambda: Parallelize(2, tp=2),
+        "zero2 offload": Offload}
 SOURCES = {"zero2 dp x tp": ZERO["zero2 dp x tp"], "parallelize zero3": ZERO["parallelize zero3"],
            "tp": lambda: Parallelize(tp=2), "dp": lambda: Parallelize()}
 
