@@ -39,6 +39,7 @@ import paddle
 
 from . import batch as batch_mod
 from .amp import batch_loss_scale
+from .call_forms import detect as detect_call_forms
 from .shards import _Shards, _backprop, _input_grad, _local  # noqa: F401
 from .simulate import PipelineDeadlock, Record
 from .wiring import (DATA, MODEL, PIPE, _check_composable, _model_info, _p2p_pairs, _shard_stage,  # noqa: F401
@@ -98,12 +99,9 @@ class PipelineModule:
                                   "instead of calling backward under no_sync")
 
     def __call__(self, *args, **kwargs):
-        """A pipeline runs a whole step in its schedule; ``model(batch)`` then ``loss.backward()`` cannot."""
-        raise TypeError("a pipeline-parallel model is not called like the model: its forward and backward run "
-                        "interleaved over micro-batches in the schedule. Replace `loss = model(inputs); "
-                        "loss.backward(); opt.step()` with `loss = model.train_batch(inputs, labels); opt.step()` "
-                        "(inputs: the ids tensor or a dict of the model's keyword inputs, cut into micro-batches), "
-                        "and evaluation with `model.eval_batch(inputs, labels)` (docs/pipeline.md)")
+        """The model's call: in training a whole schedule step whose loss backward() applies (called.py)."""
+        from .called import call
+        return call(self, args, kwargs)
 
     forward = __call__
 
@@ -131,6 +129,10 @@ class PipelineModule:
 
     def parameters(self) -> list:
         return [p for _, p in self.named_parameters()]
+
+    @property
+    def training(self) -> bool:
+        return self.stages[self.held_stages[0]].training
 
     def train(self):
         return self._mode(True)
@@ -435,6 +437,7 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     c = strategy.pipeline_parallel
     plan = plan_pipeline(model, pp, degrees.num_micro_batches, c.schedule, degrees.vpp, list(c.split_points) or None,
                          cost, seq_len, layers_name)
+    plan.pieces.call_forms = detect_call_forms(model, plan.pieces)      # before any sharding (call_forms.py)
     ranks = pipeline_ranks(pp, dp, tp, mesh)
     if world > 1 and ranks.size != world:
         raise ValueError(f"the pipeline mesh has {ranks.size} ranks, expected the world size {world}")
