@@ -1,5 +1,6 @@
 """Two real gloo ranks (one job of the shared 2-rank launch): a pipeline driven with an attention mask in a dict of
-model inputs, labels with -100 and eval_batch equals one process (tests/dist_scripts/pp_forms_worker.py)."""
+model inputs, labels with -100 and eval_batch equals one process, and so does the one-process loop on the pipeline
+called like the model (loss / 2, two batches per optimizer step) (tests/dist_scripts/pp_forms_worker.py)."""
 import os
 
 import numpy as np
@@ -33,7 +34,21 @@ def one_process():
         opt.step()
         opt.clear_grad()
         losses.append(float(loss))
-    return eval_loss, logits, losses, {n: p.numpy() for n, p in model.named_parameters()}
+    params = {n: p.numpy() for n, p in model.named_parameters()}
+    called = []
+    for i in range(2, 6):                                   # the loop the worker runs on the pipeline, here
+        inputs, labels = w.batch(i)
+        out = model(**inputs, labels=paddle.to_tensor(labels), return_dict=True)
+        (out.loss / 2).backward()
+        called.append(float(out.loss))
+        if i % 2 == 1:
+            opt.step()
+            opt.clear_grad()
+    _CALLED[:] = [called, {n: p.numpy() for n, p in model.named_parameters()}]
+    return eval_loss, logits, losses, params
+
+
+_CALLED = []
 
 
 def test_keyword_inputs_ignored_labels_and_eval_on_real_ranks():
@@ -52,3 +67,18 @@ def test_keyword_inputs_ignored_labels_and_eval_on_real_ranks():
             seen.add(n)
     assert seen == set(params)
     assert sum(r["logits"] is not None for r in ranks) == 1
+
+
+def test_called_like_the_model_on_real_ranks():
+    """Every rank returns the same loss per call (synced), and every parameter equals one process after the loop."""
+    out, ranks = shared_launch.results(JOB)
+    one_process()
+    called, params = _CALLED
+    seen = set()
+    for r in ranks:
+        np.testing.assert_allclose(r["called_losses"], called, rtol=1e-5)
+        got = np.load(os.path.join(out, f"called.rank{r['rank']}.npz"))
+        for n in got.files:
+            np.testing.assert_allclose(got[n], params[n], rtol=1e-4, atol=2e-5, err_msg=n)
+            seen.add(n)
+    assert seen == set(params)

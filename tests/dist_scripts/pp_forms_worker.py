@@ -1,6 +1,8 @@
 """Runs on every rank of a 2-rank launch: a PaddleFormers Llama (3 layers) on two pipeline stages driven with
 model keyword inputs (an attention mask), labels with -100 and eval_batch (loss, then logits), then two train
-steps; reports what each rank got (test_probe_pipeline_dist.py compares it with one process).
+steps; then two optimizer steps of the one-process loop on the pipeline called like the model
+(``(model(**inputs, labels=labels, return_dict=True).loss / 2).backward()`` on two batches per step); reports
+what each rank got (test_probe_pipeline_dist.py compares it with one process).
 
     pp_forms_worker.py OUT_DIR
 """
@@ -47,7 +49,18 @@ def main():
         opt.clear_grad()
     params = {n: p.numpy() for n, p in pipe.named_parameters()}
     np.savez(os.path.join(out_dir, f"forms.rank{dist.get_rank()}.npz"), **params)
-    write_result({"rank": dist.get_rank(), "eval_loss": eval_loss, "losses": losses,
+    called = []
+    for i in range(2, 6):                                   # called like the model, accumulation 2
+        inputs, labels = batch(i)
+        out = pipe(**inputs, labels=paddle.to_tensor(labels), return_dict=True)
+        (out.loss / 2).backward()
+        called.append(float(out.loss))
+        if i % 2 == 1:
+            opt.step()
+            opt.clear_grad()
+    params = {n: p.numpy() for n, p in pipe.named_parameters()}
+    np.savez(os.path.join(out_dir, f"called.rank{dist.get_rank()}.npz"), **params)
+    write_result({"rank": dist.get_rank(), "eval_loss": eval_loss, "losses": losses, "called_losses": called,
                   "logits": None if logits is None else logits.numpy().tolist(), "grads_after_eval": grads_after_eval})
 
 
