@@ -130,12 +130,13 @@ class _Ticket:
 
     def __init__(self, pipe, held: dict, versions: dict):
         self.pipe, self.held, self.versions = pipe, held, versions
+        self.steps = getattr(pipe, "steps_taken", 0)          # counted by the wrapped optimizer (wiring.py)
 
     def apply(self, g):
         stale = [t.name for t, v in self.versions.values() if t._inplace_version() != v]
-        if stale:
+        if stale or getattr(self.pipe, "steps_taken", 0) != self.steps:
             raise RuntimeError(f"backward() of a pipeline-parallel model's loss after its parameters were changed in "
-                               f"place (an optimizer step since the call; {stale[0]} and {len(stale) - 1} more): its "
+                               f"place (an optimizer step since the call{': ' + stale[0] if stale else ''}): its "
                                f"gradients belong to the old values. Paddle refuses this in one process too; call "
                                f"backward() before opt.step()")
         with paddle.no_grad():
