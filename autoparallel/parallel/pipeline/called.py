@@ -54,7 +54,7 @@ def call(pipe, args: tuple, kwargs: dict):
         if labels is None:
             raise TypeError("a pipeline-parallel model called in training mode needs the labels: its loss is "
                             "computed on the last stage inside the schedule, so call model(inputs, labels=labels) "
-                            "(the pipeline's loss_fn applies to the logits). loss_fn(model(x), y) cannot run: the "
+                            "(the pipeline's loss_fn applies to the logits) or model.train_batch(inputs, labels). loss_fn(model(x), y) cannot run: the "
                             "logits of a step never exist whole on one rank; for outputs call the model under "
                             "paddle.no_grad() or after model.eval()")
         return call_forms.build(form, train_call(pipe, inputs, labels), call_forms.Withheld("the logits",
