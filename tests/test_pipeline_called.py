@@ -31,6 +31,7 @@ def strategy(dp=1, tp=1, schedule="1F1B"):
     s = ap.Strategy()
     s.pipeline_parallel.degree, s.pipeline_parallel.micro_batches = 2, 4
     s.pipeline_parallel.schedule = schedule
+    s.pipeline_parallel.vpp_degree = 2 if schedule == "VPP" else 1
     s.data_parallel.degree, s.tensor_parallel.degree = dp, tp
     return s
 
@@ -86,17 +87,18 @@ def gpt_pipeline(s, opt_kind, world, call=gpt_pipe_call, scale=True, batches=BAT
     return loop(pipe, opt, call, batches, scale=scale, scaler=scaler), pipe, opt
 
 
-GPT_JOBS = [(1, 1, "sgd", True), (1, 1, "adamw", False), (2, 1, "adamw", True), (1, 2, "sgd", True),
-            (1, 2, "adamw", False)]
+GPT_JOBS = [(1, 1, "sgd", True, "1F1B"), (1, 1, "adamw", False, "1F1B"), (2, 1, "adamw", True, "1F1B"),
+            (1, 2, "sgd", True, "1F1B"), (1, 2, "adamw", False, "1F1B"), (1, 2, "sgd", True, "ZB-H1"),
+            (2, 1, "adamw", True, "VPP")]
 
 
-@pytest.mark.parametrize("dp,tp,opt_kind,scale", GPT_JOBS, ids=lambda v: str(v))
-def test_gpt_plain_loop_equals_one_process(dp, tp, opt_kind, scale):
+@pytest.mark.parametrize("dp,tp,opt_kind,scale,schedule", GPT_JOBS, ids=lambda v: str(v))
+def test_gpt_plain_loop_equals_one_process(dp, tp, opt_kind, scale, schedule):
     from autoparallel.testing.models import tp_plan
 
     ref_losses, ref_params = gpt_reference(opt_kind, scale)
     with ap.simulate(world_size=2 * dp * tp):
-        losses, pipe, _ = gpt_pipeline(strategy(dp, tp), opt_kind, 2 * dp * tp, scale=scale,
+        losses, pipe, _ = gpt_pipeline(strategy(dp, tp, schedule), opt_kind, 2 * dp * tp, scale=scale,
                                        tp_plan=tp_plan("gpt") if tp > 1 else None)
         bad = mismatches(pipe, ref_params)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
