@@ -82,3 +82,34 @@ def test_called_like_the_model_on_real_ranks():
             np.testing.assert_allclose(got[n], params[n], rtol=1e-4, atol=2e-5, err_msg=n)
             seen.add(n)
     assert seen == set(params)
+
+
+def test_tied_embedding_with_two_batches_per_step_on_real_ranks():
+    """A tied embedding / LM head on two ranks, two train_batch calls (or calls like the model) per optimizer
+    step: equal to one process. (Before, each train_batch all-reduced the tied gradient accumulated so far, so
+    the first batch's share was summed twice: wte.weight ended 0.58 away.)"""
+    import paddle.nn.functional as F
+
+    import pp_common
+
+    model = pp_common.build("gpt", tie=True)
+    opt = paddle.optimizer.SGD(0.5, parameters=model.parameters())
+    losses = []
+    for i, (x, y) in enumerate(pp_common.batches(4)):
+        loss = F.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
+        loss.backward()
+        losses.append(float(loss))
+        if i % 2:
+            opt.step()
+            opt.clear_grad()
+    params = {n: p.numpy() for n, p in model.named_parameters()}
+    out, ranks = shared_launch.results(JOB)
+    for mode in ("train_batch", "call"):
+        seen = set()
+        for r in ranks:
+            np.testing.assert_allclose(r["tied_losses"][mode], losses, rtol=1e-5)
+            got = np.load(os.path.join(out, f"tied_{mode}.rank{r['rank']}.npz"))
+            for n in got.files:
+                np.testing.assert_allclose(got[n], params[n], rtol=1e-4, atol=2e-5, err_msg=f"{mode}: {n}")
+                seen.add(n)
+        assert seen == set(params)

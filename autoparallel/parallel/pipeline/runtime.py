@@ -40,6 +40,7 @@ import paddle
 from . import batch as batch_mod
 from .amp import batch_loss_scale
 from .call_forms import detect as detect_call_forms
+from .shared_params import reduced_after_step
 from .shards import _Shards, _backprop, _input_grad, _local  # noqa: F401
 from .simulate import PipelineDeadlock, Record
 from .wiring import (DATA, MODEL, PIPE, _check_composable, _model_info, _p2p_pairs, _shard_stage,  # noqa: F401
@@ -174,7 +175,7 @@ class PipelineModule:
         handlers = {"F": self._forward, "B": self._backward, "W": self._weight, "SEND_F": self._send_f,
                     "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b}
         clock = time.perf_counter
-        with self._step_guard():
+        with self._step_guard(), reduced_after_step(self):          # the step's own tied gradients summed
             for rank, a in self._program():
                 start = clock()
                 self._run(handlers[a.kind], a, st)
@@ -184,7 +185,6 @@ class PipelineModule:
         if leftovers or len(self.weight_grads) or self.transport.pending():
             raise RuntimeError(f"pipeline step ended with unconsumed state {leftovers}; the action lists are "
                                f"inconsistent")
-        self._reduce_tied()
         self.records = st.records
         loss = st.loss if self.holds_last else None
         return self._sync_loss(loss) if self._sync_loss is not None else loss
