@@ -372,3 +372,21 @@ def test_withheld_value_names_itself():
         with pytest.raises(NotImplementedError, match="the logits of a pipeline-parallel model's call is not "
                                                       "provided: a reason"):
             use()
+
+
+@pytest.mark.skipif(not pf.available(), reason="PaddleFormers is not installed")
+def test_form_dry_runs_leave_modes_and_random_state_alone():
+    from autoparallel.parallel.pipeline.stage import describe_model
+
+    model = llama()
+    model.model.layers[1].eval()                              # mixed modes stay mixed
+    pieces = describe_model(model)
+    paddle.seed(5)
+    want = paddle.rand([3]).numpy()
+    paddle.seed(5)
+    forms = call_forms.detect(model, pieces)
+    got = paddle.rand([3]).numpy()
+    np.testing.assert_array_equal(got, want)
+    assert [layer.training for layer in model.model.layers] == [True, False, True, True]
+    assert forms[(True, None)].cls is tuple and forms[(True, True)].cls.__name__ == "CausalLMOutputWithPast"
+    assert dict(forms[(True, True)].slots) == {"loss": "loss", "logits": "logits"}

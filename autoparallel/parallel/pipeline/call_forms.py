@@ -111,8 +111,10 @@ def detect(model, pieces) -> dict:
     if "return_dict" in params:
         keys += [(lab, rd) for lab, _ in list(keys) for rd in (True, False)]
     rng = paddle.get_rng_state()
+    modes = [(layer, layer.training) for _, layer in model.named_sublayers(include_self=True)]
     forms = {(True, None): TENSOR, (True, True): TENSOR, (True, False): TENSOR} if "labels" not in params else {}
     try:
+        model.eval()                          # no running statistics updated, no random numbers drawn
         for key in keys:
             try:
                 forms[key] = learn(_dry(model, pieces, *key), key[0])
@@ -120,6 +122,8 @@ def detect(model, pieces) -> dict:
                 forms[key] = e
     finally:
         paddle.set_rng_state(rng)
+        for layer, training in modes:
+            layer.training = training
     return forms
 
 
