@@ -105,6 +105,29 @@ def test_gpt_plain_loop_equals_one_process(dp, tp, opt_kind, scale, schedule):
     assert bad == []
 
 
+@pytest.mark.parametrize("extra", [{"clip": 0.05}, {"zero": 2}, {"zero": 1, "clip": 0.05}], ids=str)
+def test_gpt_plain_loop_with_clip_and_zero_equals_one_process(extra):
+    """ClipGradByGlobalNorm (binding) and ZeRO 1 / 2 inside the stages act at opt.step() on the accumulated
+    gradients, as in one process (PP2 x DP2, AdamW)."""
+    def make(params):
+        clip = paddle.nn.ClipGradByGlobalNorm(extra["clip"]) if "clip" in extra else None
+        return paddle.optimizer.AdamW(LR, parameters=params, grad_clip=clip)
+
+    ref = pp_common.build("gpt")
+    ref_losses = loop(ref, make(ref.parameters()), gpt_ref_call, BATCHES)
+    ref_params = {n: p.numpy() for n, p in ref.named_parameters()}
+    s = strategy(dp=2)
+    if "zero" in extra:
+        s.sharding.enable, s.sharding.stage = True, extra["zero"]
+    with ap.simulate(world_size=4):
+        m = pp_common.build("gpt")
+        pipe, opt = ap.parallelize(m, make(m.parameters()), strategy=s)
+        losses = loop(pipe, opt, gpt_pipe_call, BATCHES)
+        bad = mismatches(pipe, ref_params)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert bad == []
+
+
 def test_negative_control_upstream_gradient_ignored(monkeypatch):
     """Adding the held gradients without the factor g (as if loss / 2 were loss) must break equality."""
     ref_losses, ref_params = gpt_reference("sgd")

@@ -65,6 +65,8 @@ def call(pipe, args: tuple, kwargs: dict):
 def _evaluate(pipe, form, inputs, labels):
     out = pipe.eval_batch(inputs, labels)
     if labels is not None:
+        if out is None:
+            raise RuntimeError(_NO_SYNC)
         loss = paddle.to_tensor(float(out), dtype="float32")
         why = "with labels the forward-only call returns the loss; call it without labels for the logits"
         return call_forms.build(form, loss, call_forms.Withheld("the logits", why), why)
@@ -200,7 +202,10 @@ def _step(pipe, ts: list, inputs, labels):
         for t in ts:
             put(t, saved[id(t)])
     if value is None:
-        raise RuntimeError("a pipeline-parallel model called like the model returns the loss on every rank, but "
-                           "this pipeline reports it on the last stage only (apply_pp(sync_loss=False)); build it "
-                           "with sync_loss=True or call model.train_batch(inputs, labels)")
+        raise RuntimeError(_NO_SYNC)
     return float(value), held
+
+
+_NO_SYNC = ("a pipeline-parallel model called like the model returns the loss on every rank, but this pipeline "
+            "reports it on the last stage only (apply_pp(sync_loss=False)); build it with sync_loss=True or call "
+            "model.train_batch(inputs, labels)")
