@@ -2,7 +2,7 @@
 
     pipe = apply_pp(model, strategy, tp_plan=None)        # stages, sub-meshes, process groups
     opt = pipe.wrap_optimizer(paddle.optimizer.AdamW(parameters=model.parameters()))
-    loss = pipe.train_batch(ids, labels)                  # one global batch, the same on every rank
+    loss = pipe.train_batch(ids, labels)                  # or: pipe(ids, labels=labels).backward() (called.py)
     opt.step(); opt.clear_grad()
 
 ``train_batch`` cuts the global batch into ``micro_batches`` equal micro-batches and runs this rank's
@@ -12,8 +12,8 @@ actions in order: ``F`` runs the stage forward (the first stage embeds the micro
 ``RECV_B`` move input gradients back, ``W`` computes the deferred Linear weight gradients (ZB-H1).
 Gradients accumulate over micro-batches, so after ``train_batch`` every parameter holds the gradient of
 the mean loss over the global batch: the same as one big batch in a single process. Parameters shared by
-stages on different ranks (a tied embedding / LM head) then get their gradients all-reduced between those
-ranks. Data-parallel partial gradients are reduced by the optimizer wrapper (``shard_optimizer``).
+stages on different ranks (a tied embedding / LM head) then get the step's gradients all-reduced between
+those ranks (shared_params.py). Data-parallel partial gradients are reduced by the optimizer wrapper (``shard_optimizer``).
 
 A stage with data or tensor parallelism inside runs on its own ``[data, model]`` sub-mesh with
 DistTensors; activations cross stages in the boundary layout (``Shard(0)`` on ``data``, replicated on
