@@ -246,7 +246,8 @@ def _has_lazy(model) -> bool:
 
 def _pipeline(model, optimizer, strategy, mesh, styles):
     """pp > 1: stages on their own sub-meshes (TP/SP/DP inside), run by the pipeline runtime; train with
-    ``loss = pipe.train_batch(ids, labels); opt.step()``."""
+    ``loss = pipe.train_batch(ids, labels); opt.step()``, or the one-process loop ``loss = pipe(ids, labels=labels);
+    loss.backward(); opt.step()`` (parallel/pipeline/called.py)."""
     from autoparallel.parallel.pipeline.runtime import apply_pp
 
     pipe = apply_pp(model, strategy, mesh=mesh, tp_plan=styles or None)

@@ -278,12 +278,14 @@ def test_a_step_after_a_failed_one():
         pipe.train_batch(*batch(1))
 
 
-def test_calling_the_pipeline_like_the_model_says_what_to_call_instead():
+def test_calling_the_pipeline_without_labels_in_training_says_what_to_call_instead():
+    """Called like the model in training mode, the pipeline needs the labels (test_pipeline_called.py runs the
+    call with them)."""
     with ap.simulate(world_size=2):
         paddle.seed(0)
         model = KwargsModel()
         pipe, _ = ap.parallelize(model, paddle.optimizer.SGD(0.5, parameters=model.parameters()), strategy=strategy())
         inputs, _ = batch(0)
         for call in (lambda: pipe(**inputs), lambda: pipe.forward(inputs["input_ids"])):
-            with pytest.raises(TypeError, match=r"model.train_batch\(inputs, labels\)"):
+            with pytest.raises(TypeError, match=r"needs the labels.*model.train_batch\(inputs, labels\)"):
                 call()

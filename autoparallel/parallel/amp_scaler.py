@@ -136,8 +136,13 @@ def _check_pipeline_scaled_by(scaler, optimizer) -> None:
     """A pipeline's backward runs on the scale of the GradScaler passed to its ``train_batch``; unscaling gradients
     that a backward never scaled (or scaled by another scaler) would shrink every update silently."""
     pipes = [vars(o)["_pipe"] for o in _chain(optimizer) if "_pipe" in getattr(o, "__dict__", {})]
+    from autoparallel.parallel.pipeline.amp import USER_BACKWARD
+
     for pipe in pipes:
         scaled = getattr(pipe, "grads_scaled_by", None)
+        if scaled is USER_BACKWARD:                  # a backward of the user's own (scaled) loss: as one process
+            pipe.grads_scaled_by = None
+            continue
         if scaled is None or scaled[0] != id(scaler):
             raise RuntimeError("this GradScaler unscales a pipeline's gradients, but the pipeline's last "
                                "train_batch ran without it, so they were never scaled: pass it as "

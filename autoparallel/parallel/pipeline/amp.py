@@ -15,6 +15,16 @@ import paddle
 
 from autoparallel.parallel.amp import AmpOptimizer, LossScaler, apply_amp, found_inf
 
+# grads_scaled_by after a backward through a loss the pipeline returned when called like the model (called.py):
+# the user's own graph scaled the gradients (or not), so opt.step() and scaler.step(opt) both take them as given
+USER_BACKWARD = ("backward", 1.0)
+
+
+def scaled_by_scaler(pipe):
+    """The (id(scaler), scale) record of a train_batch(scaler=...) whose gradients are still scaled, else None."""
+    scaled = getattr(pipe, "grads_scaled_by", None)
+    return None if scaled is USER_BACKWARD else scaled
+
 
 def install(pipe, model, amp) -> None:
     """Autocast on ``model``'s layers and the loss scaler of ``strategy.amp`` on ``pipe``."""
@@ -51,7 +61,7 @@ def batch_loss_scale(pipe, scaler) -> float:
     With a GradScaler the pipeline records it (``grads_scaled_by``) until the scaler unscales the gradients
     (parallel/amp_scaler.py), so a step that would use still-scaled or never-scaled gradients raises."""
     if scaler is None:
-        if getattr(pipe, "grads_scaled_by", None) is not None:
+        if scaled_by_scaler(pipe) is not None:
             raise RuntimeError("train_batch without the GradScaler the previous batch's gradients were scaled by "
                                "(they accumulate into the same gradients): pass scaler= on every batch of a step")
         return pipe.loss_scaler.scale_value if pipe.loss_scaler is not None else 1.0

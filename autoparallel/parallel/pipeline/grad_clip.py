@@ -17,6 +17,8 @@ import paddle
 from autoparallel.dist_tensor import is_dist
 from autoparallel.parallel.optimizer import ShardedOptimizer
 
+from .amp import scaled_by_scaler
+
 
 class PipelineOptimizer(ShardedOptimizer):
     """``ShardedOptimizer`` over a rank's stage parameters; clips by the norm over every stage."""
@@ -27,7 +29,7 @@ class PipelineOptimizer(ShardedOptimizer):
         self.last_grad_norm = None
 
     def step(self):
-        scaled = getattr(self._pipe, "grads_scaled_by", None)
+        scaled = scaled_by_scaler(self._pipe)
         if scaled is not None:
             raise RuntimeError(f"the pipeline's last train_batch ran its backward on a GradScaler's scale "
                                f"({scaled[1]:g}) and the gradients are still scaled: step through "

@@ -2,7 +2,7 @@
 
     pipe = apply_pp(model, strategy, tp_plan=None)        # stages, sub-meshes, process groups
     opt = pipe.wrap_optimizer(paddle.optimizer.AdamW(parameters=model.parameters()))
-    loss = pipe.train_batch(ids, labels)                  # one global batch, the same on every rank
+    loss = pipe.train_batch(ids, labels)                  # or: pipe(ids, labels=labels).backward() (called.py)
     opt.step(); opt.clear_grad()
 
 ``train_batch`` cuts the global batch into ``micro_batches`` equal micro-batches and runs this rank's
@@ -12,8 +12,8 @@ actions in order: ``F`` runs the stage forward (the first stage embeds the micro
 ``RECV_B`` move input gradients back, ``W`` computes the deferred Linear weight gradients (ZB-H1).
 Gradients accumulate over micro-batches, so after ``train_batch`` every parameter holds the gradient of
 the mean loss over the global batch: the same as one big batch in a single process. Parameters shared by
-stages on different ranks (a tied embedding / LM head) then get their gradients all-reduced between those
-ranks. Data-parallel partial gradients are reduced by the optimizer wrapper (``shard_optimizer``).
+stages on different ranks (a tied embedding / LM head) then get the step's gradients all-reduced between
+those ranks (shared_params.py). Data-parallel partial gradients are reduced by the optimizer wrapper (``shard_optimizer``).
 
 A stage with data or tensor parallelism inside runs on its own ``[data, model]`` sub-mesh with
 DistTensors; activations cross stages in the boundary layout (``Shard(0)`` on ``data``, replicated on
@@ -39,6 +39,8 @@ import paddle
 
 from . import batch as batch_mod
 from .amp import batch_loss_scale
+from .call_forms import detect as detect_call_forms
+from .shared_params import reduced_after_step
 from .shards import _Shards, _backprop, _input_grad, _local  # noqa: F401
 from .simulate import PipelineDeadlock, Record
 from .wiring import (DATA, MODEL, PIPE, _check_composable, _model_info, _p2p_pairs, _shard_stage,  # noqa: F401
@@ -98,12 +100,9 @@ class PipelineModule:
                                   "instead of calling backward under no_sync")
 
     def __call__(self, *args, **kwargs):
-        """A pipeline runs a whole step in its schedule; ``model(batch)`` then ``loss.backward()`` cannot."""
-        raise TypeError("a pipeline-parallel model is not called like the model: its forward and backward run "
-                        "interleaved over micro-batches in the schedule. Replace `loss = model(inputs); "
-                        "loss.backward(); opt.step()` with `loss = model.train_batch(inputs, labels); opt.step()` "
-                        "(inputs: the ids tensor or a dict of the model's keyword inputs, cut into micro-batches), "
-                        "and evaluation with `model.eval_batch(inputs, labels)` (docs/pipeline.md)")
+        """The model's call: in training a whole schedule step whose loss backward() applies (called.py)."""
+        from .called import call
+        return call(self, args, kwargs)
 
     forward = __call__
 
@@ -131,6 +130,10 @@ class PipelineModule:
 
     def parameters(self) -> list:
         return [p for _, p in self.named_parameters()]
+
+    @property
+    def training(self) -> bool:
+        return self.stages[self.held_stages[0]].training
 
     def train(self):
         return self._mode(True)
@@ -172,7 +175,7 @@ class PipelineModule:
         handlers = {"F": self._forward, "B": self._backward, "W": self._weight, "SEND_F": self._send_f,
                     "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b}
         clock = time.perf_counter
-        with self._step_guard():
+        with self._step_guard(), reduced_after_step(self):          # the step's own tied gradients summed
             for rank, a in self._program():
                 start = clock()
                 self._run(handlers[a.kind], a, st)
@@ -182,7 +185,6 @@ class PipelineModule:
         if leftovers or len(self.weight_grads) or self.transport.pending():
             raise RuntimeError(f"pipeline step ended with unconsumed state {leftovers}; the action lists are "
                                f"inconsistent")
-        self._reduce_tied()
         self.records = st.records
         loss = st.loss if self.holds_last else None
         return self._sync_loss(loss) if self._sync_loss is not None else loss
@@ -435,6 +437,7 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     c = strategy.pipeline_parallel
     plan = plan_pipeline(model, pp, degrees.num_micro_batches, c.schedule, degrees.vpp, list(c.split_points) or None,
                          cost, seq_len, layers_name)
+    plan.pieces.call_forms = detect_call_forms(model, plan.pieces)      # before any sharding (call_forms.py)
     ranks = pipeline_ranks(pp, dp, tp, mesh)
     if world > 1 and ranks.size != world:
         raise ValueError(f"the pipeline mesh has {ranks.size} ranks, expected the world size {world}")

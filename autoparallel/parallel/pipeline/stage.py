@@ -45,6 +45,7 @@ class ModelPieces:
     generic: bool = False                   # no embed()/head(): stages run the model's forward (auto_split.py);
                                             # embed_layers / head_layers then name parameters, not sublayers
     block_forms: tuple = ()                 # generic: what each block returns (auto_split.block_forms)
+    call_forms: dict = field(default_factory=dict, repr=False)   # what pipe(...) returns (call_forms.py)
 
     @property
     def layers(self) -> nn.LayerList:

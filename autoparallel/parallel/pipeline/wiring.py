@@ -216,6 +216,7 @@ def bind_optimizer(optimizer, pipe):
         opt = PipelineZeroOptimizer(inner, pipe, *pipe.zero, dim=DATA, all_meshes=every)
     else:
         opt = PipelineOptimizer(inner, pipe)
+    opt.register_step_post_hook(lambda _opt: setattr(pipe, "steps_taken", getattr(pipe, "steps_taken", 0) + 1))
     if getattr(pipe, "loss_scaler", None) is not None:              # strategy.amp (amp.py)
         from .amp import PipelineAmpOptimizer
 

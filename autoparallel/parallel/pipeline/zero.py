@@ -25,6 +25,8 @@ from autoparallel.parallel import clip as clipping
 from autoparallel.parallel.optim_clone import clone_optimizer
 from autoparallel.parallel.param_list import flat_params
 from autoparallel.parallel.sharding import ZeroOptimizer
+
+from .amp import scaled_by_scaler
 from autoparallel.parallel.step_hooks import StepHooks
 
 
@@ -100,7 +102,7 @@ class PipelineZeroOptimizer(StepHooks):
         return [p for z in self.zeros for p in z.params]
 
     def step(self) -> None:
-        scaled = getattr(self._pipe, "grads_scaled_by", None)
+        scaled = scaled_by_scaler(self._pipe)
         if scaled is not None:
             raise RuntimeError(f"the pipeline's last train_batch ran its backward on a GradScaler's scale "
                                f"({scaled[1]:g}) and the gradients are still scaled: step through "
