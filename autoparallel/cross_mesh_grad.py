@@ -94,9 +94,10 @@ def real_send(xs: dict, pairs, shapes, dtype, src_ids, dst_ids) -> dict:
     """A ``SEND_RECV`` step on real ranks: ``xs`` holds this rank's local if it is a source rank. The move as
     before (``comm.collectives.send_recv``), plus its record when a gradient can come back."""
     from autoparallel.comm import collectives as C
+    from autoparallel.comm import groups
     from autoparallel.comm.world import current_world
 
-    _ensure_pair_groups(pairs)
+    groups.ensure_pair_groups(list(pairs) + [(s, d) for d, s in grad_pairs(pairs, src_ids, dst_ids)])
     senders = {s: xs[s] for s, _ in pairs if s in xs}
     out = C.send_recv(senders, pairs, shapes, dtype)
     if not (paddle.is_grad_enabled() and dtype in _FLOATS and any(s != d for s, d in pairs)):
@@ -113,23 +114,6 @@ def real_send(xs: dict, pairs, shapes, dtype, src_ids, dst_ids) -> dict:
         out[me] = rec.buf.clone()          # not a leaf: in-place ops on it stay legal
         _RECEIVED.add(rec)
     return out
-
-
-def _ensure_pair_groups(pairs) -> None:
-    """The two-rank group of every message pair, made on every rank in one order (each rank runs the reshard)."""
-    from autoparallel.comm import groups
-
-    missing = [p for p in pairs if p[0] != p[1] and tuple(sorted(p)) not in groups._GROUPS]
-    if missing and groups._dist_ready():
-        import paddle.distributed as dist
-
-        for s, d in missing:
-            key = tuple(sorted((s, d)))
-            if key in groups._GROUPS or sorted(key) == list(range(dist.get_world_size())):
-                continue
-            dist.barrier()
-            groups._GROUPS[key] = dist.new_group(list(key))
-            dist.barrier()
 
 
 # ---- ancestry ----------------------------------------------------------------------------------------------
