@@ -75,12 +75,11 @@ def run(case, dist: bool, detach: bool = False):
     layers = [_linear(k) for k in range(len(where))]
     pm = [ap.ProcessMesh(m, dim_names=["x"]) for m in meshes] if dist else None
     if dist:
+        def shard_w0(name, sub, mesh):
+            sub.weight = ap.shard_tensor(sub.weight, mesh, [w0])
+
         for k, lin in enumerate(layers):
-            fn = None
-            if k == 0 and w0 is not None:
-                def fn(name, sub, mesh):
-                    sub.weight = ap.shard_tensor(sub.weight, mesh, [w0])
-            ap.shard_layer(lin, pm[where[k]], shard_fn=fn)
+            ap.shard_layer(lin, pm[where[k]], shard_fn=shard_w0 if k == 0 and w0 is not None else None)
 
     def mv(t, i, placements):
         if not dist:
