@@ -75,18 +75,17 @@ class Transfer:
         from autoparallel.comm.world import current_world
 
         pairs = [p for p in self.back if me in p]
-        if not pairs:
-            return None
         xs, like = {}, {}
-        if self.buf is not None and any(d == me for d, _ in pairs):
+        if self.buf is not None:
             g = self.buf.grad
-            xs[me] = (paddle.zeros_like(self.buf) if g is None else g.detach()).contiguous()
+            if any(d == me for d, _ in pairs):
+                xs[me] = (paddle.zeros_like(self.buf) if g is None else g.detach()).contiguous()
         if self.sent is not None and any(s == me for _, s in pairs):
             like[me] = (list(self.sent.shape), self.sent.dtype)
+        if not pairs:
+            return None
         with paddle.no_grad():
             got = transport_for(current_world()).send_recv(xs, pairs, like)
-        if self.buf is not None:
-            self.buf.clear_gradient()
         return got.get(me) if me in like else None
 
 
@@ -104,7 +103,7 @@ def real_send(xs: dict, pairs, shapes, dtype, src_ids, dst_ids) -> dict:
         return out
     rec = Transfer(src_ids, dst_ids, pairs)
     LIVE[0] = True
-    _NEW.append(rec)
+    _NEW[:] = [rec]                        # a plan has one send step (a move that raised left nothing behind)
     me = current_world().rank
     if me in xs:
         rec.sent = xs[me]
@@ -170,6 +169,7 @@ def backward(ts, gs, retain_graph: bool, roots, **kw) -> None:
     if why is not None:                 # every rank holds every record: refused on all of them, before any message
         raise NotImplementedError(why)
     me, seeds = current_world().rank, [list(ts), list(gs)]
+    _check_retained([r.sent for r in recs if r.sent is not None], retain_graph)
     for rec in reversed(recs):
         if rec.buf is not None and any(d == me for d, _ in rec.back):
             _flush(seeds, True, {})     # everything that can reach the received tensor, before its gradient goes
@@ -178,19 +178,33 @@ def backward(ts, gs, retain_graph: bool, roots, **kw) -> None:
             seeds[0].append(rec.sent)
             seeds[1].append(g)
     _flush(seeds, retain_graph, kw)
-    if not retain_graph:
-        for r in recs:
-            r.done = True
+    for r in recs:
+        r.done = r.done or not retain_graph
+        if r.buf is not None:           # sent, or a copy no source reads back (one of several): dropped
+            r.buf.clear_gradient(False)
     _check_unreached(recs)
+
+
+def _check_retained(sent, retain_graph) -> None:
+    """The retained-graph check (retained_graph.py) over what this rank sent, before any message: a second
+    backward through a kept graph is refused here rather than crash the process in paddle."""
+    from autoparallel.retained_graph import check_backward
+
+    if sent:
+        check_backward(list({id(t): t for t in sent}.values()), retain_graph)
 
 
 def _flush(seeds, retain_graph, kw) -> None:
     from autoparallel.local_mode import local_mode
 
     ts, gs = seeds
-    if ts:
+    merged: dict = {}                   # a tensor sent twice is one seed with the sum of its gradients
+    for t, g in zip(ts, gs):
+        merged[id(t)] = (t, g if id(t) not in merged else merged[id(t)][1] + g)
+    if merged:
         with local_mode():
-            paddle.autograd.backward(list(ts), list(gs), retain_graph=retain_graph, **kw)
+            paddle.autograd.backward([t for t, _ in merged.values()], [g for _, g in merged.values()],
+                                     retain_graph=retain_graph, **kw)
     ts.clear()
     gs.clear()
 
@@ -202,9 +216,10 @@ def _check_unreached(recs) -> None:
     named = set(recs)
     for rec in list(_RECEIVED):
         if rec not in named and rec.buf is not None and rec.buf.grad is not None:
-            rec.buf.clear_gradient()
+            rec.buf.clear_gradient(False)
             raise RuntimeError(
-                f"a gradient reached the tensor this rank received by ap.reshard from ranks {list(rec.src_ids)}, "
+                f"a gradient reached the tensor this rank received by ap.reshard from ranks {list(rec.src_ids)} "
+                f"(move {rec.seq}{', already backwarded' if rec.done else ''}), "
                 f"but the tensor backward started from does not record that move (it was computed from the "
                 f"received tensor's local shard outside autoparallel's ops, or the move was already backwarded "
                 f"without retain_graph=True): the gradient cannot go back to ranks {list(rec.src_ids)}")

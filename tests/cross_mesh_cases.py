@@ -45,9 +45,9 @@ def _loop_back(L, x, mv):
 
 def _twice_and_unused(L, x, mv):
     h = F.relu(L[0](x))
-    a, b = mv(h, 1, (R,)), mv(h * 2.0, 1, (R,))
+    a, b = mv(h, 1, (R,)), mv(h, 1, (R,))      # the same tensor moved twice
     mv(F.tanh(h), 1, (R,))                      # received, never used
-    return L[1](a) + L[2](b)
+    return L[1](a) + L[2](b * 2.0)
 
 
 CASES = {
@@ -90,12 +90,13 @@ def run(case, dist: bool, detach: bool = False):
             for g in groups]
     if dist:
         opts = [ap.shard_optimizer(o) for o in opts]
-    losses = []
+    losses, kept = [], []               # kept: every step's tensors stay alive (and their moves' records)
     for step in range(2):
         x, y = paddle.to_tensor(X[step]), paddle.to_tensor(Y[step])
         if dist:
             x = ap.shard_tensor(x, pm[where[0]], list(xpl))
         out = fwd(layers, x, mv)
+        kept.append(out)
         extra = None
         if isinstance(out, tuple):
             out, extra = out
@@ -131,3 +132,39 @@ def _params(layers, dist):
             elif current_world().is_simulated or current_world().rank in p.mesh.process_ids:
                 out[f"{k}.{n}"] = p.full().numpy().tolist()
     return out
+
+
+def run_gan(dist: bool):
+    """Two backward passes per step: a generator on mesh [0] and a discriminator on [1]; the discriminator's
+    loss reads the moved fake detached, the generator's reads it whole (its move's gradient must wait for the
+    second backward, not go back as zeros at the first). Two optimizers."""
+    paddle.seed(0)
+    G, Dn = _linear(0), _linear(1)
+    m0 = m1 = None
+    if dist:
+        m0, m1 = ap.ProcessMesh([0], dim_names=["x"]), ap.ProcessMesh([1], dim_names=["x"])
+        ap.shard_layer(G, m0)
+        ap.shard_layer(Dn, m1)
+    opt_g = paddle.optimizer.AdamW(learning_rate=0.05, parameters=G.parameters())
+    opt_d = paddle.optimizer.AdamW(learning_rate=0.05, parameters=Dn.parameters())
+    if dist:
+        opt_g, opt_d = ap.shard_optimizer(opt_g), ap.shard_optimizer(opt_d)
+    losses = []
+    for step in range(2):
+        x, y = paddle.to_tensor(X[step]), paddle.to_tensor(Y[step])
+        if dist:
+            x = ap.shard_tensor(x, m0, [R])
+        fake = F.tanh(G(x))
+        if dist:
+            fake = ap.reshard(fake, m1, [R])
+        d_loss = F.mse_loss(Dn(fake.detach()), y)
+        d_loss.backward()
+        opt_d.step()
+        opt_d.clear_grad()
+        g_loss = (Dn(fake) ** 2).mean()
+        g_loss.backward()
+        opt_g.step()
+        opt_g.clear_grad()
+        opt_d.clear_grad()
+        losses += [_value(d_loss, m1), _value(g_loss, m1)]
+    return {"losses": [v for v in losses if v is not None], "params": _params([G, Dn], dist)}

@@ -2,7 +2,7 @@
 job, dist_scripts/cross_mesh_worker.py), against one process: an MLP split over [0]/[1] and over [0,1]/[2,3]
 (Shard(0) batch, Shard -> Replicate, Partial -> Replicate), whole tensors between meshes of different sizes, two
 models, a chain of three meshes, a loss back on the first mesh that also uses the sent tensor, a tensor moved
-twice and a received tensor never used. Every rank calls loss.backward(). Negative control: the moves
+twice and a received tensor never used, a GAN whose two backward passes per step read the move detached and whole. Every rank calls loss.backward(). Negative control: the moves
 detached (the only form that ran on launched ranks before) leave the first layer behind."""
 import os
 
@@ -41,6 +41,15 @@ def test_two_steps_on_launched_ranks_equal_one_process(ranks, case):
     for rank, got in enumerate(ranks):
         want = dict(ref, losses=ref["losses"] if rank in loss_mesh else [])
         _check(got[case], want, _held(case, rank))
+
+
+def test_a_gan_with_two_backward_passes_per_step_equals_one_process(ranks):
+    """The discriminator's backward reads the moved fake detached: the move's gradient waits for the
+    generator's backward (a backward sends only the moves its loss depends on)."""
+    ref = C.run_gan(False)
+    for rank, got in enumerate(ranks):
+        want = dict(ref, losses=ref["losses"] if rank == 1 else [])
+        _check(got["gan"], want, [f"{k}.{n}" for k in range(2) if rank == k for n in ("weight", "bias")])
 
 
 def test_negative_control_detached_moves_leave_the_first_layer_behind(ranks):

@@ -17,6 +17,7 @@ def main():
     dist.init_parallel_env()
     only = os.environ.get("AP_CROSS_MESH_CASES")        # a ";"-separated subset (debugging)
     out = {case: C.run(case, True) for case in C.CASES if not only or case in only.split(";")}
+    out["gan"] = C.run_gan(True)
     out["mlp [0]/[1], moves detached (control)"] = C.run("mlp [0]/[1]", True, detach=True)
     out["meshes sharing a rank"] = refused(lambda h, m: ap.reshard(h, m, [ap.Replicate()]).mean().backward())
     out["paddle.grad"] = refused(lambda h, m: paddle.grad(ap.reshard(h, m, [ap.Replicate()]).mean(), [h]),
