@@ -168,3 +168,28 @@ def run_gan(dist: bool):
         opt_d.clear_grad()
         losses += [_value(d_loss, m1), _value(g_loss, m1)]
     return {"losses": [v for v in losses if v is not None], "params": _params([G, Dn], dist)}
+
+
+def run_retained(dist: bool):
+    """``loss.backward(retain_graph=True)`` then ``loss.backward()``: every gradient twice, the moved one too
+    (the move is sent back at both backward passes)."""
+    paddle.seed(0)
+    L = [_linear(0), _linear(1)]
+    x = paddle.to_tensor(X[0])
+    mv = (lambda t: t) if not dist else None
+    if dist:
+        m0, m1 = ap.ProcessMesh([0], dim_names=["x"]), ap.ProcessMesh([1], dim_names=["x"])
+        ap.shard_layer(L[0], m0)
+        ap.shard_layer(L[1], m1)
+        x = ap.shard_tensor(x, m0, [R])
+        mv = lambda t: ap.reshard(t, m1, [R])          # noqa: E731
+    loss = F.mse_loss(L[1](mv(F.relu(L[0](x)))), paddle.to_tensor(Y[0]))
+    loss.backward(retain_graph=True)
+    loss.backward()
+    from autoparallel.comm.world import current_world
+
+    out = {}
+    for k, lin in enumerate(L):
+        if not dist or current_world().is_simulated or current_world().rank in lin.weight.mesh.process_ids:
+            out[f"{k}.weight"] = lin.weight.grad.numpy().tolist()          # replicated: the local is whole
+    return out

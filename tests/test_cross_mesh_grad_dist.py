@@ -52,6 +52,15 @@ def test_a_gan_with_two_backward_passes_per_step_equals_one_process(ranks):
         _check(got["gan"], want, [f"{k}.{n}" for k in range(2) if rank == k for n in ("weight", "bias")])
 
 
+def test_backward_twice_with_retain_graph_sends_the_moved_gradient_twice(ranks):
+    ref = C.run_retained(False)
+    for rank, got in enumerate(ranks):
+        held = [f"{rank}.weight"] if rank < 2 else []
+        assert sorted(got["retain_graph"]) == held
+        for k in held:
+            np.testing.assert_allclose(got["retain_graph"][k], ref[k], rtol=1e-5, atol=1e-6)
+
+
 def test_negative_control_detached_moves_leave_the_first_layer_behind(ranks):
     ref = C.run("mlp [0]/[1]", False)
     got = ranks[0]["mlp [0]/[1], moves detached (control)"]["params"]

@@ -18,6 +18,7 @@ def main():
     only = os.environ.get("AP_CROSS_MESH_CASES")        # a ";"-separated subset (debugging)
     out = {case: C.run(case, True) for case in C.CASES if not only or case in only.split(";")}
     out["gan"] = C.run_gan(True)
+    out["retain_graph"] = C.run_retained(True)
     out["mlp [0]/[1], moves detached (control)"] = C.run("mlp [0]/[1]", True, detach=True)
     out["meshes sharing a rank"] = refused(lambda h, m: ap.reshard(h, m, [ap.Replicate()]).mean().backward())
     out["paddle.grad"] = refused(lambda h, m: paddle.grad(ap.reshard(h, m, [ap.Replicate()]).mean(), [h]),
