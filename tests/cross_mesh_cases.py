@@ -54,6 +54,7 @@ CASES = {
     "mlp [0]/[1]": ([[0], [1]], [0, 1], (R,), lambda L, x, mv: _mlp(L, x, mv, (R,)), 1, [[0, 1]], None),
     "mlp [0,1]/[2,3] S(0)": ([[0, 1], [2, 3]], [0, 1], (S0,), _mlp, 1, [[0, 1]], None),
     "mlp S(0) -> R": ([[0, 1], [2, 3]], [0, 1], (S0,), lambda L, x, mv: _mlp(L, x, mv, (R,)), 1, [[0, 1]], None),
+    "mlp R -> S(0)": ([[0, 1], [2, 3]], [0, 1], (R,), _mlp, 1, [[0, 1]], None),
     "mlp Partial -> R": ([[0, 1], [2, 3]], [0, 1], (S1,), lambda L, x, mv: L[1](F.relu(mv(L[0](x), 1, (R,)))), 1,
                          [[0, 1]], S0),
     "mlp [0,1] S(0) -> [2] R": ([[0, 1], [2]], [0, 1], (S0,), lambda L, x, mv: _mlp(L, x, mv, (R,)), 1, [[0, 1]],
@@ -67,9 +68,9 @@ CASES = {
 }
 
 
-def run(case, dist: bool, detach: bool = False):
+def run(case, dist: bool, detach: bool = False, functional: bool = False):
     """Two steps of ``case``; ``detach``: the moves pass a detached tensor (the only form that ran on launched
-    ranks before), a negative control."""
+    ranks before), a negative control; ``functional``: ``paddle.autograd.backward([loss])``."""
     meshes, where, xpl, fwd, loss_at, groups, w0 = CASES[case]
     paddle.seed(0)
     layers = [_linear(k) for k in range(len(where))]
@@ -103,7 +104,10 @@ def run(case, dist: bool, detach: bool = False):
         loss = F.mse_loss(out, y)
         if extra is not None:
             loss = loss + extra
-        loss.backward()
+        if functional:
+            paddle.autograd.backward([loss])
+        else:
+            loss.backward()
         for o in opts:
             o.step()
             o.clear_grad()

@@ -43,6 +43,13 @@ def test_two_steps_on_launched_ranks_equal_one_process(ranks, case):
         _check(got[case], want, _held(case, rank))
 
 
+def test_the_functional_backward_form_carries_the_moved_gradient_too(ranks):
+    ref = C.run("mlp [0]/[1]", False)
+    for rank, got in enumerate(ranks):
+        want = dict(ref, losses=ref["losses"] if rank == 1 else [])
+        _check(got["mlp [0]/[1], paddle.autograd.backward"], want, _held("mlp [0]/[1]", rank))
+
+
 def test_a_gan_with_two_backward_passes_per_step_equals_one_process(ranks):
     """The discriminator's backward reads the moved fake detached: the move's gradient waits for the
     generator's backward (a backward sends only the moves its loss depends on)."""

@@ -17,6 +17,7 @@ def main():
     dist.init_parallel_env()
     only = os.environ.get("AP_CROSS_MESH_CASES")        # a ";"-separated subset (debugging)
     out = {case: C.run(case, True) for case in C.CASES if not only or case in only.split(";")}
+    out["mlp [0]/[1], paddle.autograd.backward"] = C.run("mlp [0]/[1]", True, functional=True)
     out["gan"] = C.run_gan(True)
     out["retain_graph"] = C.run_retained(True)
     out["mlp [0]/[1], moves detached (control)"] = C.run("mlp [0]/[1]", True, detach=True)
