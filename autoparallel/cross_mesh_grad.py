@@ -170,6 +170,7 @@ def backward(ts, gs, retain_graph: bool, roots, **kw) -> None:
         raise NotImplementedError(why)
     me, seeds = current_world().rank, [list(ts), list(gs)]
     _check_retained([r.sent for r in recs if r.sent is not None], retain_graph)
+    check_passes(pass_seeds(recs, me, list(ts)))
     for rec in reversed(recs):
         if rec.buf is not None and any(d == me for d, _ in rec.back):
             _flush(seeds, True, {})     # everything that can reach the received tensor, before its gradient goes
@@ -183,6 +184,40 @@ def backward(ts, gs, retain_graph: bool, roots, **kw) -> None:
         if r.buf is not None:           # sent, or a copy no source reads back (one of several): dropped
             r.buf.clear_gradient(False)
     _check_unreached(recs)
+
+
+def pass_seeds(recs, me: int, ts) -> list:
+    """The tensors each of this rank's backward passes starts from, in order (``backward`` runs one pass
+    before each gradient it sends, and a last one): its shards of the loss first, then what it sent."""
+    passes, cur = [], list(ts)
+    for rec in reversed(recs):
+        if rec.buf is not None and any(d == me for d, _ in rec.back):
+            passes.append(cur)
+            cur = []
+        if rec.sent is not None and any(s == me for _, s in rec.back) and not rec.sent.stop_gradient:
+            cur.append(rec.sent)
+    return [p for p in passes + [cur] if p]
+
+
+def check_passes(passes) -> None:
+    """Two passes reaching the same collective (a paddle PyLayer) would run its backward twice, which crashes
+    paddle 3.3: refused on this rank before any message (the loop-back form whose sent tensor also feeds a loss
+    term through a collective)."""
+    if len(passes) < 2:
+        return
+    from autoparallel.retained_graph import _pylayer_nodes
+
+    seen: set = set()
+    for p in passes:
+        nodes = _pylayer_nodes(p)
+        if seen & nodes:
+            raise NotImplementedError(
+                "this rank's backward would run a collective's backward twice: a tensor it sent by ap.reshard to "
+                "another mesh also reaches the loss on this rank through a collective, and its gradient comes back "
+                "only after this rank has sent the gradient of a tensor it received later (paddle 3.3 crashes "
+                "re-running a collective's backward). Give the loss term on the sent tensor its own forward, or "
+                "pass the sent tensor detached to that term")
+        seen |= nodes
 
 
 def _check_retained(sent, retain_graph) -> None:

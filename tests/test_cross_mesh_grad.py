@@ -66,3 +66,44 @@ def test_programs_over_meshes_of_different_ranks_equal_one_process_in_simulation
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
     for k, v in ref["params"].items():
         np.testing.assert_allclose(np.asarray(got["params"][k]), np.asarray(v), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+class _Twice(paddle.autograd.PyLayer):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2.0
+
+
+def _loop_back(through_pylayer: bool):
+    """Rank 0's records of the loop-back form: h sent to rank 1 (older), z received back (newer), and a loss
+    that reads z and h itself."""
+    from autoparallel.cross_mesh_grad import Transfer
+
+    a = paddle.ones([2, 2])
+    a.stop_gradient = False
+    h = _Twice.apply(a) if through_pylayer else a * 2.0
+    z = paddle.ones([2, 2])
+    z.stop_gradient = False
+    loss = (h * z).sum()
+    sent, received = Transfer([0], [1], [(0, 1)]), Transfer([1], [0], [(1, 0)])
+    sent.sent, received.buf = h, z
+    return [sent, received], loss
+
+
+@pytest.mark.parametrize("through_pylayer", [False, True])
+def test_two_passes_reaching_one_collective_are_refused_before_any_message(through_pylayer):
+    from autoparallel.cross_mesh_grad import check_passes, pass_seeds
+
+    recs, loss = _loop_back(through_pylayer)
+    passes = pass_seeds(recs, 0, [loss])
+    assert [len(p) for p in passes] == [1, 1]            # the loss before z's gradient goes, then h
+    if through_pylayer:
+        with pytest.raises(NotImplementedError, match="run a collective's backward twice"):
+            check_passes(passes)
+    else:
+        check_passes(passes)                              # plain ops run again with the graph kept
+    assert pass_seeds(recs, 1, []) == [] and len(pass_seeds(recs[:1], 0, [loss])) == 1
