@@ -103,7 +103,7 @@ def real_send(xs: dict, pairs, shapes, dtype, src_ids, dst_ids) -> dict:
         return out
     rec = Transfer(src_ids, dst_ids, pairs)
     LIVE[0] = True
-    _NEW[:] = [rec]                        # a plan has one send step (a move that raised left nothing behind)
+    _NEW.append(rec)
     me = current_world().rank
     if me in xs:
         rec.sent = xs[me]
@@ -120,8 +120,11 @@ def ancestry(t) -> frozenset:
     return _ANCESTRY.get(t, frozenset())
 
 
-def follow(src, out):
-    """``out = ap.reshard(src, ...)``: it depends on what ``src`` depends on and on the move just made."""
+def follow(src, run, *args):
+    """``out = run(src, *args)`` (``ap.reshard``'s body): it depends on what ``src`` depends on and on the move
+    it made, if any."""
+    _NEW.clear()
+    out = run(src, *args)
     new = frozenset(_NEW)
     _NEW.clear()
     got = ancestry(src) | new

@@ -463,7 +463,7 @@ def reshard(x, mesh: ProcessMesh, placements) -> DistTensor:
     src = as_dist(_forms.fresh(x, "reshard"))
     if not isinstance(src, DistTensor):
         raise TypeError(f"reshard expects a DistTensor or DistParameter, got {type(x).__name__}")
-    return cross_mesh_grad.follow(src, _reshard(src, mesh, placements))
+    return cross_mesh_grad.follow(src, _reshard, mesh, placements)
 
 
 def _reshard(src, mesh, placements) -> DistTensor:
