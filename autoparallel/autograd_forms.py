@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import paddle
 
+from autoparallel import cross_mesh_grad
 from autoparallel.dist_tensor import (DistParameter, DistTensor, _grad_placements, as_dist, is_dist, reshard,
                                       shard_tensor)
 from autoparallel.dist_tensor_forms import backward_seeds
@@ -53,6 +54,7 @@ def _flatten(items) -> tuple:
 def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
          allow_unused=False, no_grad_vars=None, **kwargs):
     outs, ins = _seq(outputs), _seq(inputs)
+    cross_mesh_grad.refuse_grad(outs)
     gos = [None] * len(outs) if grad_outputs is None else _seq(grad_outputs)
     if len(gos) != len(outs):
         raise ValueError(f"paddle.grad: grad_outputs needs one entry per output ({len(outs)}), got {len(gos)}")
@@ -154,13 +156,14 @@ def backward(tensors, grad_tensors=None, retain_graph=False, dump_backward_graph
     if len(gs) != len(ts):
         raise ValueError(f"paddle.autograd.backward: grad_tensors needs one entry per tensor ({len(ts)}), "
                          f"got {len(gs)}")
-    flat_t, flat_g = [], []
+    flat_t, flat_g, roots = [], [], []
     for t, g in zip(ts, gs):
         if not is_dist(t):
             flat_t.append(t)
             flat_g.append(g)
             continue
         d = as_dist(t)
+        roots.append(d)
         ranks = sorted(d._locals)
         flat_t.extend(d._locals[r] for r in ranks)
         if g is None:
@@ -170,6 +173,4 @@ def backward(tensors, grad_tensors=None, retain_graph=False, dump_backward_graph
     kw = {} if dump_backward_graph_path is None else {"dump_backward_graph_path": dump_backward_graph_path}
     from autoparallel import backward_start
 
-    backward_start.run(flat_t, retain_graph)
-    with local_mode():
-        paddle.autograd.backward(flat_t, flat_g, retain_graph=retain_graph, **kw)
+    backward_start.backward(flat_t, flat_g, retain_graph, roots, **kw)

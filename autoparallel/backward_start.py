@@ -12,7 +12,6 @@ import weakref
 from autoparallel.compat import SideData
 
 _WAITING: "weakref.WeakSet" = weakref.WeakSet()
-_LOST: list = []        # this rank's cross-mesh sends whose gradient cannot come back, since its last backward
 
 
 def wait(owner) -> None:
@@ -26,25 +25,26 @@ def forget(owner) -> None:
 
 
 def run(tensors=(), retain_graph: bool = False) -> None:
-    """Before ``paddle.autograd.backward(tensors, ..., retain_graph)`` of a distributed graph."""
+    """Before ``paddle.autograd.backward(tensors, ..., retain_graph)`` of a distributed graph (``tensors``: this
+    rank's shards; none on a rank outside the loss's mesh)."""
     from autoparallel.retained_graph import check_backward
 
-    if not tensors:
-        raise NotImplementedError(
-            "backward() of a tensor this rank holds no part of (it lives on a mesh of other ranks): in a launched "
-            "job a gradient does not flow back across ranks through ap.reshard between meshes of different ranks "
-            "(ap.simulate runs it); call backward on the ranks of the loss's mesh only (`if rank in "
-            "loss.mesh.process_ids`) and pass tensors between models on disjoint ranks detached")
-    if _LOST:
-        why = _LOST[0]
-        _LOST.clear()
-        raise NotImplementedError(why)
     check_backward(tensors, retain_graph)
     if not _WAITING:
         return
     for owner in list(_WAITING):
         if owner.before_backward(tensors):
             _WAITING.discard(owner)
+
+
+def backward(tensors, grads, retain_graph: bool, roots, **kw) -> None:
+    """A distributed backward from ``roots`` (their local shards ``tensors``, seeded with ``grads``): ``run``,
+    then the backward with the gradients of every cross-mesh reshard the roots depend on
+    (cross_mesh_grad.py)."""
+    from autoparallel import cross_mesh_grad
+
+    run(tensors, retain_graph)
+    cross_mesh_grad.backward(tensors, grads, retain_graph, roots, **kw)
 
 
 _SCALED = SideData()            # local tensors of losses a paddle GradScaler scaled
@@ -58,22 +58,3 @@ def mark_scaled(local_tensors) -> None:
 def scaled(tensors) -> bool:
     """Whether a GradScaler scaled (any of) the tensors a backward starts from."""
     return any(t in _SCALED for t in tensors)
-
-
-
-def note_lost_gradient(src, mesh) -> None:
-    """``ap.reshard`` of a tensor that needs a gradient to a mesh without some of its ranks, on real ranks: the
-    gradient would not come back to those ranks (nothing sends it), so a loss term they also hold would train
-    without it. Noted on those ranks as the tensor leaves; their next backward raises (``run``), on every rank
-    before any transfer (the ranks without the loss raise there too). ``ap.simulate`` runs it."""
-    import paddle
-
-    from autoparallel.comm.world import current_world
-
-    lost = sorted(set(src.mesh.process_ids) - set(getattr(mesh, "process_ids", src.mesh.process_ids)))
-    if not lost or src.stop_gradient or not paddle.is_grad_enabled() or current_world().is_simulated:
-        return
-    _LOST.append(f"a tensor that needs a gradient went by ap.reshard from ranks {sorted(src.mesh.process_ids)} to "
-                 f"ranks {sorted(mesh.process_ids)}: in a launched job its gradient does not flow back to ranks "
-                 f"{lost}, so this backward would miss it. Pass it detached (`ap.reshard(x.detach(), ...)`), keep "
-                 f"both models on the same ranks, or use strategy.pipeline_parallel for stages on different ranks")

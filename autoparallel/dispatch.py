@@ -23,7 +23,8 @@ from spmd_rules.errors import DataDependentShapeError
 from spmd_rules.registry import flatten_specs, replace_specs
 from spmd_rules.result import LocalShaped
 
-from autoparallel import binding, dispatch_cache, dispatch_handle, local_ops, read_value, view_alias
+from autoparallel import (binding, cross_mesh_grad, dispatch_cache, dispatch_handle, local_ops, read_value,
+                          view_alias)
 from autoparallel.comm import fanout
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase, building_static_program, owner_of, resolve
@@ -81,6 +82,8 @@ def run(op: str, path: str, args, kwargs):
         view_alias.check_reads(op, _shallow_leaves(args, kwargs))
     out = _run(op, path, args, kwargs)
     view_alias.record(op, args, out, DistTensor)
+    if cross_mesh_grad.LIVE[0]:         # outputs name the cross-mesh moves they depend on
+        cross_mesh_grad.carry(args, kwargs, out)
     return out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from autoparallel import backward_start, dispatch_handle, redistribute
+from autoparallel import backward_start, cross_mesh_grad, dispatch_handle, redistribute
 from autoparallel import dist_tensor_forms as _forms
 from autoparallel.comm import agreement
 from autoparallel.comm.collectives import pick_replicated
@@ -134,12 +134,7 @@ class DistTensor(OpMethods):
         self._spec = self._spec.with_placements(_grad_placements(self._spec.placements))
         return self
 
-    def cpu(self) -> "DistTensor":
-        """The tensor itself when its shards are on the CPU (moving shards between devices is not supported)."""
-        if not self.place.is_cpu_place():
-            raise NotImplementedError("cpu(): moving the shards of a distributed tensor to another device is not "
-                                      "supported; shards live where their ranks run")
-        return self
+    cpu = _forms.dist_cpu
 
     def tolist(self) -> list:
         return self.numpy().tolist()
@@ -208,8 +203,7 @@ class DistTensor(OpMethods):
             gs = _forms.backward_seeds(self, grad, ranks, reshard, shard_tensor)
         else:
             raise TypeError(f"backward(grad) expects None, a tensor or a DistTensor, got {type(grad).__name__}")
-        backward_start.run(ts, retain_graph)
-        paddle.autograd.backward(ts, gs, retain_graph=retain_graph)
+        backward_start.backward(ts, gs, retain_graph, (self,))
 
     @property
     def grad(self):
@@ -469,7 +463,10 @@ def reshard(x, mesh: ProcessMesh, placements) -> DistTensor:
     src = as_dist(_forms.fresh(x, "reshard"))
     if not isinstance(src, DistTensor):
         raise TypeError(f"reshard expects a DistTensor or DistParameter, got {type(x).__name__}")
-    backward_start.note_lost_gradient(src, mesh)
+    return cross_mesh_grad.follow(src, _reshard, mesh, placements)
+
+
+def _reshard(src, mesh, placements) -> DistTensor:
     try:        # a repeated reshard reuses its target spec and plan (the planning cluster named by its epoch)
         key = ("target", src._spec, mesh, tuple(placements), current_world().backend, reshard_cache.cluster_epoch())
         placements, hit = key[3], reshard_cache.get(key)

@@ -402,3 +402,11 @@ def fresh(x, op: str = "full"):
 
     view_alias.check_reads(op, (x,))
     return x
+
+
+def dist_cpu(self):
+    """The tensor itself when its shards are on the CPU (moving shards between devices is not supported)."""
+    if not self.place.is_cpu_place():
+        raise NotImplementedError("cpu(): moving the shards of a distributed tensor to another device is not "
+                                  "supported; shards live where their ranks run")
+    return self

@@ -8,6 +8,7 @@ of this module and stays importable.)
 """
 from __future__ import annotations
 
+from autoparallel import cross_mesh_grad
 from autoparallel.comm import collectives as C
 from autoparallel.comm.world import current_world
 from autoparallel.core.collective import Collective
@@ -99,10 +100,10 @@ def send_to_mesh(locals_: dict, step, for_split=None) -> dict:
     (pairs, shapes), = step.calls
     src, dst = step.before.mesh, step.after.mesh
     world = current_world()
-    mine = set(world.local_ranks(src.process_ids + [r for r in dst.process_ids if r not in src.process_ids]))
-    pairs = [(s, d) for s, d in pairs if s in mine or d in mine]
-    xs = {s: locals_[s] for s, _ in pairs if s in locals_}
-    return C.send_recv(xs, pairs, shapes, step.before.dtype)
+    xs = {s: locals_[s] for s in src.process_ids if s in locals_}
+    if world.is_simulated:        # the gradient goes back as on real ranks (cross_mesh_grad.grad_pairs)
+        return cross_mesh_grad.sim_send(xs, pairs, shapes, step.before.dtype, src.process_ids, dst.process_ids)
+    return cross_mesh_grad.real_send(xs, pairs, shapes, step.before.dtype, src.process_ids, dst.process_ids)
 
 
 # Collective -> its executor: f(locals, StepProgram, for_split callback or None) -> locals

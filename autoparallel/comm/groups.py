@@ -103,6 +103,23 @@ def on_mesh_created(mesh) -> None:
         dist.barrier()
 
 
+def ensure_pair_groups(pairs) -> None:
+    """The two-rank group of every ``(rank, rank)`` pair that sends (a cross-mesh reshard's messages and the
+    gradients going back), made now on every rank in one order: every rank runs the reshard that asks."""
+    if not _dist_ready():
+        return
+    import paddle.distributed as dist
+
+    everyone = list(range(dist.get_world_size()))
+    for pair in pairs:
+        key = tuple(sorted(pair))
+        if key[0] == key[1] or key in _GROUPS or list(key) == everyone:
+            continue
+        dist.barrier()
+        _GROUPS[key] = dist.new_group(list(key))
+        dist.barrier()
+
+
 def get_group(ranks):
     """The paddle Group for ``ranks`` (created with its mesh); None for the whole world."""
     import paddle.distributed as dist
