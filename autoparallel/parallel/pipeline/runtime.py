@@ -132,6 +132,8 @@ class PipelineModule:
     def parameters(self) -> list:
         return [p for _, p in self.named_parameters()]
 
+    training = property(lambda self: any(self.stages[s].training for s in self.held_stages))
+
     def train(self):
         return self._mode(True)
 
