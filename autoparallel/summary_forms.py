@@ -79,11 +79,11 @@ def _global_hook(hook):
 
 @contextlib.contextmanager
 def _global_param_shapes():
-    from paddle.base import core
+    import paddle
 
     from autoparallel.dist_tensor import DistParameter
 
-    local = core.eager.Tensor.shape.__get__
+    local = paddle.Tensor.shape.__get__
     DistParameter.shape = property(lambda p: list(p.global_shape) if hasattr(p, "_ap_spec") else local(p))
     try:
         yield
@@ -93,14 +93,12 @@ def _global_param_shapes():
 
 def _global_inputs(inputs):
     """The hook's inputs with each DistTensor replaced by an unallocated paddle tensor of its global shape."""
-    from paddle.base import core
-
+    from autoparallel.compat import storage_free_tensor
     from autoparallel.dist_tensor import DistTensor
 
     def one(x):
         if isinstance(x, DistTensor):
-            return core.eager.Tensor(x.dtype, list(x.shape), "summary_input", core.VarDesc.VarType.DENSE_TENSOR,
-                                     False)
+            return storage_free_tensor(x.dtype, x.shape, "summary_input")
         return type(x)(one(v) for v in x) if isinstance(x, (list, tuple)) else x
 
     return one(inputs)
