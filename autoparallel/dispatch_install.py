@@ -20,7 +20,7 @@ import inspect
 import paddle
 from spmd_rules.op_table import OP_TABLE
 
-from autoparallel import aliases, patches, tensor_forms
+from autoparallel import aliases, captured_ops, patches, tensor_forms
 from autoparallel import dispatch as D
 from autoparallel.compat import owner_of, static_value_converter
 from autoparallel.context import state as _ctx
@@ -52,6 +52,7 @@ def install_all() -> list:
     _install_composites()
     _install_guards()
     _install_hooks()
+    captured_ops.repoint_captured()
     return [D, tensor_forms.rebind]
 
 
