@@ -16,8 +16,6 @@ output shape ``[0]``) after the forward, so the totals are the whole model's on 
 """
 from __future__ import annotations
 
-import contextlib
-
 from autoparallel import patches
 
 
@@ -51,22 +49,16 @@ def _holds_dist(model) -> bool:
     return any(is_dist(p) for p in model.parameters())
 
 
-@contextlib.contextmanager
 def _global_hooks():
     """Every forward post-hook registered meanwhile (paddle's summary hooks) runs with global shapes."""
     import paddle
 
-    layer_cls = paddle.nn.Layer
-    register = layer_cls.register_forward_post_hook
+    register = paddle.nn.Layer.register_forward_post_hook
 
     def register_global(self, hook):
         return register(self, _global_hook(hook))
 
-    layer_cls.register_forward_post_hook = register_global
-    try:
-        yield
-    finally:
-        layer_cls.register_forward_post_hook = register
+    return patches.swapped(paddle.nn.Layer, {"register_forward_post_hook": register_global})
 
 
 def _global_hook(hook):
@@ -77,18 +69,15 @@ def _global_hook(hook):
     return run
 
 
-@contextlib.contextmanager
 def _global_param_shapes():
+    """A distributed parameter's ``shape`` reads its global shape for a block."""
     import paddle
 
     from autoparallel.dist_tensor import DistParameter
 
     local = paddle.Tensor.shape.__get__
-    DistParameter.shape = property(lambda p: list(p.global_shape) if hasattr(p, "_ap_spec") else local(p))
-    try:
-        yield
-    finally:
-        del DistParameter.shape
+    shape = property(lambda p: list(p.global_shape) if hasattr(p, "_ap_spec") else local(p))
+    return patches.swapped(DistParameter, {"shape": shape})
 
 
 def _global_inputs(inputs):
