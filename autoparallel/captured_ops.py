@@ -51,7 +51,8 @@ def repoint_captured(mapping: dict | None = None) -> int:
             n += _function(obj, mapping) if _user(obj.__module__) else 0
         elif isinstance(obj, types.ModuleType):
             n += _module_lists(obj, mapping) if _user(obj.__name__) else 0
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and _user(type(obj).__module__):
+        elif getattr(type(obj), "__dictoffset__", 0) and not isinstance(obj, type) \
+                and _user(getattr(type(obj), "__module__", None)):     # no attribute lookup on the object itself
             n += _instance(obj, mapping)
     return n
 
@@ -104,8 +105,8 @@ def _function(fn, mapping) -> int:
 
 def _instance(obj, mapping) -> int:
     try:
-        d = vars(obj)
-    except TypeError:
+        d = object.__getattribute__(obj, "__dict__")
+    except (TypeError, AttributeError):
         return 0
     if not isinstance(d, dict):
         return 0

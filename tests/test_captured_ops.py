@@ -3,7 +3,7 @@ argument, a module alias / list / tuple / dict entry, a Layer or plain object at
 each form, built before the first ``shard_layer`` in a fresh process, gives one process's output and gradients
 on a tensor-parallel layout over 4 simulated ranks, and a sharded parameter passed to a captured op is no longer
 computed on its local shard. Before: 'must be Tensor, but got DistTensor' for the partial, closure and default
-forms (captured_ops.py)."""
+forms (captured_ops.py). A live object whose attribute lookups raise does not stop the install's walk."""
 import json
 import subprocess
 import sys
@@ -16,6 +16,16 @@ SCRIPT = r'''
 import json, sys
 import numpy as np, paddle
 import captured_ops_model as cm          # imported, and every model built, before autoparallel installs
+
+
+class SlotsProxy:                        # an object whose attribute lookups raise: the install walk must not ask
+    __slots__ = ("a",)
+
+    def __getattr__(self, name):
+        raise RuntimeError("proxy: no attribute " + name)
+
+
+proxy = SlotsProxy()
 import autoparallel as ap
 from autoparallel import dispatch_handle
 import paddle.nn.functional as F
