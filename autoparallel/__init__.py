@@ -81,6 +81,17 @@ if "paddle" in sys.modules:          # paddle.amp.GradScaler over distributed lo
 
     _amp_scaler.install()
 
+# paddle.distributed.load_state_dict / load_merged_state_dict of a checkpoint autoparallel wrote, in a process that
+# has made no other autoparallel call: routed from the import on (paddle imported first, or when it is).
+if "paddle" in sys.modules:
+    from autoparallel import dcp_forms as _dcp_forms
+
+    _dcp_forms.install()
+else:
+    from autoparallel import after_import as _after_import
+
+    _after_import.watch("paddle", lambda: importlib.import_module("autoparallel.dcp_forms").install())
+
 
 def __getattr__(name: str):
     if name in _EXPORTS:

@@ -20,7 +20,7 @@ import inspect
 import paddle
 from spmd_rules.op_table import OP_TABLE
 
-from autoparallel import aliases, patches, tensor_forms
+from autoparallel import aliases, captured_ops, patches, tensor_forms
 from autoparallel import dispatch as D
 from autoparallel.compat import owner_of, static_value_converter
 from autoparallel.context import state as _ctx
@@ -52,6 +52,7 @@ def install_all() -> list:
     _install_composites()
     _install_guards()
     _install_hooks()
+    captured_ops.repoint_captured()
     return [D, tensor_forms.rebind]
 
 
@@ -65,7 +66,7 @@ def _install_hooks() -> None:
     from autoparallel.lazy_init import order
     from autoparallel import collective_forms, ddp_guard, export_save, hapi_forms, no_sync, trainer_forms
     from autoparallel import layer_copy, nn_utils_forms, param_init, pylayer_forms, state_dict_forms
-    from autoparallel import dcp_forms, optimizer_state_forms
+    from autoparallel import dcp_forms, optimizer_state_forms, summary_forms
     from autoparallel.parallel import amp_scaler, full_state, implicit_optimizer, lr_metrics, model_recompute
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
@@ -84,6 +85,7 @@ def _install_hooks() -> None:
     optimizer_state_forms.install()
     no_sync.install()
     hapi_forms.install()
+    summary_forms.install()
     ddp_guard.install()
     trainer_forms.install()
     layer_copy.install()

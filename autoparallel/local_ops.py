@@ -22,10 +22,19 @@ def vocab_parallel_embedding(x, weight, padding_idx=None, max_norm=None, norm_ty
     that one process drops at the padding row) would otherwise reach local row 0 as inf * 0 = NaN. An id no
     rank holds raises, as paddle's embedding does (the mask would make it a silent zero vector)."""
     check_ids(x, vocab_size, "embedding: input ids")
+    if weight.shape[0] == 0:            # an empty vocab shard (3 rows over 4 ranks): paddle's kernel refuses any id
+        return _empty_lookup(x, weight)
     mask = (x >= vocab_start) & (x < vocab_end)
     ids = paddle.where(mask, x - vocab_start, paddle.zeros_like(x))
     out = F.embedding(ids, weight, padding_idx=padding_idx, sparse=sparse)
     return paddle.where(mask.unsqueeze(-1), out, paddle.zeros([1], dtype=out.dtype))     # broadcast, no copies
+
+
+def _empty_lookup(x, weight):
+    """Zeros for every id, joined to ``weight`` so its empty shard gets an empty gradient as one process's
+    rows would (a rank holding no row of the vocabulary contributes nothing to the Partial sum)."""
+    zeros = paddle.zeros(list(x.shape) + [weight.shape[1]], dtype=weight.dtype)
+    return zeros + weight.sum() * 0 if not weight.stop_gradient else zeros
 
 
 def global_mean(x, axis=None, keepdim=False, name=None, *, global_count, dtype=None):
@@ -41,9 +50,13 @@ def row_of_shard(x, index=None, *, row):
 
 
 def setitem(x, index, value):
-    """``x[index] = value`` on a copy (the caller rebinds ``x`` to it)."""
+    """``x[index] = value`` on a copy (the caller rebinds ``x`` to it). paddle's ``set_value`` leaves an empty
+    value (this rank's empty shard of it: 3 rows over 4 ranks) out of the graph, so its gradient stayed None
+    on that rank: the copy is joined to it by a zero term, and the value's gradient is empty as its shard."""
     y = x.clone()
     y[index] = value
+    if isinstance(value, paddle.Tensor) and not value.stop_gradient and 0 in value.shape:
+        y = y + (value.sum() * 0).astype(y.dtype)
     return y
 
 

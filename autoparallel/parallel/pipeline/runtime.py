@@ -131,9 +131,7 @@ class PipelineModule:
     def parameters(self) -> list:
         return [p for _, p in self.named_parameters()]
 
-    @property
-    def training(self) -> bool:
-        return self.stages[self.held_stages[0]].training
+    training = property(lambda self: any(self.stages[s].training for s in self.held_stages))
 
     def train(self):
         return self._mode(True)
