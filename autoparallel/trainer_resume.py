@@ -1,0 +1,111 @@
+"""PaddleFormers' ``Trainer`` checkpoints over a model distributed here: which forms are honoured, and the resume.
+
+The Trainer's flex checkpoint (its default ``save_checkpoint_format``) written over a distributed model is one
+process's (trainer_ranks.py: global parameters, whole optimizer states under ``{struct_name}.{state}``), under
+TP, ZeRO 1/2/3 and their mixes alike. ``resume_from_checkpoint`` reads it back here instead of paddle's
+``_load_flex_checkpoint`` (which asks fleet for its hybrid groups and loads into the optimizer's per-parameter
+accumulators, which ZeRO keeps as chunks): every parameter takes its global value (``set_value``: each held shard
+its part, ZeRO's master chunks with it), then the optimizer ``set_state_dict`` of one process's state dict (the
+ZeRO optimizer cuts whole values into its chunks, whatever layout wrote them), then the Trainer's scheduler.
+So a save under one layout resumes under another (ZeRO-2 -> ZeRO-3, -> plain DP) and in one process.
+
+Refused before training (NotImplementedError naming the option), as nothing else writes or reads one process's
+checkpoint over a distributed model: another ``save_checkpoint_format`` with ``save_strategy`` other than
+``"no"`` (``None`` / ``"sharding_io"``: ``paddle.save(optimizer.state_dict())`` on the saving rank only, which
+would hold distributed values -- a collective on one rank under ZeRO; ``"unified_checkpoint"``), another
+``load_checkpoint_format``, and the flex options this load does not read (``load_from_hf``,
+``sharded_model_from_ema``, ``aoa_config``, zero-cost checkpoints and their EMA, ``tensorwise_offload_optimizer``).
+"""
+from __future__ import annotations
+
+import os
+
+FLEX = "flex_checkpoint"
+MODEL_DIR, OPT_DIR = "model_state", "optimizer_state"
+
+
+def _value(x):
+    return getattr(x, "value", x)
+
+
+def refuse_forms(targs, who: str) -> None:
+    """The checkpoint options a Trainer over a distributed model cannot honour, refused when it is built."""
+    bad = []
+    save = _value(getattr(targs, "save_strategy", "no"))
+    saving = save != "no" and not getattr(targs, "ignore_save_lr_and_optim", False)
+    fmt = getattr(targs, "save_checkpoint_format", FLEX)
+    if saving and fmt != FLEX:
+        bad.append(f"save_checkpoint_format={fmt!r} with save_strategy={save!r}")
+    lfmt = getattr(targs, "load_checkpoint_format", FLEX)
+    if lfmt != FLEX:
+        bad.append(f"load_checkpoint_format={lfmt!r}")
+    for opt in ("load_from_hf", "sharded_model_from_ema", "enable_zero_cost_checkpoint",
+                "tensorwise_offload_optimizer"):
+        if getattr(targs, opt, False):
+            bad.append(f"{opt}=True")
+    for opt in ("aoa_config", "zcc_save_ema_coef"):
+        if getattr(targs, opt, None) is not None:
+            bad.append(f"{opt}={getattr(targs, opt)!r}")
+    if bad:
+        raise NotImplementedError(
+            f"{who} over a model distributed by autoparallel writes and reads its checkpoints as one process's "
+            f"flex checkpoint (global parameters, whole optimizer states); got {', '.join(bad)}. Pass "
+            f"save_checkpoint_format=\"{FLEX}\" / load_checkpoint_format=\"{FLEX}\" (the defaults) with these "
+            f"options unset, or save_strategy=\"no\"")
+
+
+def load(model, optimizer, path: str, with_optimizer: bool = True) -> None:
+    """The flex checkpoint at ``path`` into ``model`` (global values laid out) and ``optimizer`` (one process's
+    state dict). Everything is read and checked before anything is written. Every rank calls it."""
+    params = _read(os.path.join(path, MODEL_DIR))
+    live = model.state_dict()
+    missing = sorted(k for k in live if k not in params)
+    if missing:
+        raise ValueError(f"resume_from_checkpoint={path!r}: the checkpoint's {MODEL_DIR} lacks {len(missing)} entries "
+                         f"of {type(model).__name__} ({', '.join(missing[:4])})")
+    for k, p in live.items():
+        want = list(getattr(p, "global_shape", p.shape))
+        if list(params[k].shape) != want:
+            raise ValueError(f"resume_from_checkpoint={path!r}: {k} has shape {list(params[k].shape)} in the "
+                             f"checkpoint; {type(model).__name__} expects {want}")
+    state = _optimizer_state(live, _read(os.path.join(path, OPT_DIR)), path) if with_optimizer else None
+    _assign(live, params)
+    if state is not None:
+        optimizer.set_state_dict(state)
+
+
+def _read(path: str) -> dict:
+    """The checkpoint directory ``path`` (paddle's ``save_state_dict`` format) as whole tensors."""
+    import paddle
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"resume_from_checkpoint: no {os.path.basename(path)} directory at {path}")
+    return paddle.distributed.load_merged_state_dict(path)
+
+
+def _optimizer_state(live: dict, saved: dict, path: str) -> dict:
+    """``{struct_name}.{state}`` entries as one process's ``optimizer.state_dict()`` (``{param.name}_{state}``)
+    of this model (the parameter names of this process, which may differ from the saving one's)."""
+    structs = sorted(live, key=len, reverse=True)
+    out = {}
+    for key, v in saved.items():
+        s = next((s for s in structs if key.startswith(s + ".")), None)
+        if s is None:
+            raise ValueError(f"resume_from_checkpoint={path!r}: optimizer state {key!r} names no parameter of the "
+                             f"model")
+        out[f"{live[s].name}_{key[len(s) + 1:]}"] = v
+    return out
+
+
+def _assign(live: dict, params: dict) -> None:
+    import paddle
+
+    from autoparallel.dist_tensor import is_dist
+
+    with paddle.no_grad():
+        for k, p in live.items():
+            v = params[k]
+            if is_dist(p):
+                p.set_value(v.astype(p.dtype) if v.dtype != p.dtype else v)
+            else:
+                paddle.assign(v.astype(p.dtype), output=p)
