@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 FLEX = "flex_checkpoint"
 MODEL_DIR, OPT_DIR = "model_state", "optimizer_state"
 
@@ -75,12 +77,39 @@ def load(model, optimizer, path: str, with_optimizer: bool = True) -> None:
 
 
 def _read(path: str) -> dict:
-    """The checkpoint directory ``path`` (paddle's ``save_state_dict`` format) as whole tensors."""
+    """The checkpoint directory ``path`` (paddle's ``save_state_dict`` format) as whole numpy arrays, read by this
+    process from the files (paddle's loader, ``load_merged_state_dict``, reshards through ``.cuda()`` on several
+    ranks: ValueError "No available device found" on CPUs)."""
     import paddle
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"resume_from_checkpoint: no {os.path.basename(path)} directory at {path}")
-    return paddle.distributed.load_merged_state_dict(path)
+    metas = sorted(f for f in os.listdir(path) if f.endswith(".metadata"))
+    if len(metas) != 1:
+        raise ValueError(f"resume_from_checkpoint: {path} holds {len(metas)} .metadata files; expected one "
+                         f"(the flex checkpoint of one save)")
+    meta = paddle.load(os.path.join(path, metas[0]))
+    files, out = {}, {}
+    for key, pieces in meta.state_dict_metadata.items():
+        shape = tuple(pieces[0].global_shape)
+        out[key] = np.zeros(shape, dtype=_np_dtype(pieces[0].dtype))
+    for index, name in meta.storage_metadata.items():
+        if index.is_flattened:
+            raise NotImplementedError(f"resume_from_checkpoint: {index.tensor_key} in {path} is stored flattened "
+                                      f"(paddle's sharding stage 1 v2 layout); expected whole or block pieces")
+        if name not in files:
+            files[name] = paddle.load(os.path.join(path, name), return_numpy=True)
+        piece = np.asarray(files[name][index.tensor_key])
+        at = tuple(slice(o, o + n) for o, n in zip(index.global_offset, piece.shape))
+        out[index.tensor_key][at] = piece
+    return out
+
+
+def _np_dtype(name: str):
+    if "bfloat16" in str(name):
+        raise NotImplementedError("resume_from_checkpoint: a bfloat16 entry in a flex checkpoint (read as float32 "
+                                  "is not exact here); train with Strategy.amp, whose parameters stay float32")
+    return np.dtype(str(name).replace("paddle.", ""))
 
 
 def _optimizer_state(live: dict, saved: dict, path: str) -> dict:
@@ -105,7 +134,8 @@ def _assign(live: dict, params: dict) -> None:
     with paddle.no_grad():
         for k, p in live.items():
             v = params[k]
+            t = paddle.to_tensor(v).astype(p.dtype)
             if is_dist(p):
-                p.set_value(v.astype(p.dtype) if v.dtype != p.dtype else v)
+                p.set_value(t)
             else:
-                paddle.assign(v.astype(p.dtype), output=p)
+                paddle.assign(t, output=p)
