@@ -131,6 +131,8 @@ def _init(orig):
             if world > 1:
                 trainer_ranks.setup(self, model, targs, world)
             trainer_resume.refuse_forms(targs, "PaddleFormers' Trainer")
+            trainer_resume.refuse_masters(model, (bound.get("optimizers") or (None,))[0], targs,
+                                          "PaddleFormers' Trainer")
         return orig(self, *args, **kwargs)
 
     __init__._ap_wrapper = True

@@ -14,7 +14,8 @@ checkpoint over a distributed model: another ``save_checkpoint_format`` with ``s
 ``"no"`` (``None`` / ``"sharding_io"``: ``paddle.save(optimizer.state_dict())`` on the saving rank only, which
 would hold distributed values -- a collective on one rank under ZeRO; ``"unified_checkpoint"``), another
 ``load_checkpoint_format``, and the flex options this load does not read (``load_from_hf``,
-``sharded_model_from_ema``, ``aoa_config``, zero-cost checkpoints and their EMA, ``tensorwise_offload_optimizer``).
+``sharded_model_from_ema``, ``aoa_config``, zero-cost checkpoints and their EMA, ``tensorwise_offload_optimizer``),
+and saving over float16 / bfloat16 parameters of a ``multi_precision`` optimizer (its master weights).
 """
 from __future__ import annotations
 
@@ -54,6 +55,25 @@ def refuse_forms(targs, who: str) -> None:
             f"flex checkpoint (global parameters, whole optimizer states); got {', '.join(bad)}. Pass "
             f"save_checkpoint_format=\"{FLEX}\" / load_checkpoint_format=\"{FLEX}\" (the defaults) with these "
             f"options unset, or save_strategy=\"no\"")
+
+
+def refuse_masters(model, optimizer, targs, who: str) -> None:
+    """A ``multi_precision`` optimizer over float16 / bfloat16 parameters keeps fp32 master weights, which the
+    one-process flex checkpoint written here does not hold (whole_state.py refused them at the first save):
+    refused when the Trainer is built."""
+    from autoparallel.parallel.precision_masters import keeps_masters
+
+    save = _value(getattr(targs, "save_strategy", "no"))
+    if save == "no" or getattr(targs, "ignore_save_lr_and_optim", False) or not keeps_masters(optimizer):
+        return
+    low = sorted({str(p.dtype).replace("paddle.", "") for p in model.parameters()
+                  if not p.stop_gradient and str(p.dtype).endswith(("float16", "bfloat16"))})
+    if low:
+        raise NotImplementedError(
+            f"{who} with save_strategy={save!r} over a model distributed by autoparallel with {'/'.join(low)} "
+            f"parameters and a multi_precision optimizer: its checkpoints would lack the optimizer's fp32 master "
+            f"weights. Use Strategy.amp (float32 parameters, no master weights in the optimizer), or "
+            f"save_strategy=\"no\"")
 
 
 def load(model, optimizer, path: str, with_optimizer: bool = True) -> None:

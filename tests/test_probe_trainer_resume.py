@@ -149,3 +149,21 @@ def test_checkpoint_forms_not_honoured_are_refused_when_built(trainer_cls, kw, n
         with pytest.raises(NotImplementedError, match=named.replace("(", "\\(").replace("[", "\\[")):
             Trainer(model=model, args=TrainingArguments(**{**base, **kw}), train_dataset=Data(),
                     optimizers=(opt, None))
+
+
+def test_saving_master_weights_is_refused_when_built(trainer_cls):
+    """A multi_precision optimizer over bfloat16 parameters: its fp32 masters are not in the one-process flex
+    checkpoint. Before: the first save_steps raised NotImplementedError (whole_state.py) after two steps."""
+    Trainer, _, TrainingArguments = trainer_cls
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=4,
+                             sharding="", report_to=[], disable_tqdm=True, save_strategy="steps", save_steps=2,
+                             amp_master_grad=False)
+    with ap.simulate(world_size=4):
+        net = paddle.nn.Linear(4, 4)
+        net.to(dtype="bfloat16")
+        opt = paddle.optimizer.AdamW(1e-3, parameters=net.parameters(), multi_precision=True)
+        model, opt = ap.parallelize(net, opt, strategy=strategy(1, 2))
+        with pytest.raises(NotImplementedError, match="multi_precision optimizer"):
+            Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, None))
+        args.save_strategy = "no"
+        Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, None))   # not saving: built
