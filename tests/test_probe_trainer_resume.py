@@ -53,9 +53,10 @@ def strategy(tp=1, stage=0):
     return s
 
 
-def run(cls, layout=None, out=None, resume=None, save=True, **kw):
+def run(cls, layout=None, out=None, resume=None, save=True, sched=False, **kw):
     """(logged losses, {name: global parameter}) of a Trainer over a fresh Llama; ``layout`` (tp, stage) is
-    built inside ap.simulate(world_size=4), None is one process."""
+    built inside ap.simulate(world_size=4), None is one process. ``sched``: AdamW over a StepDecay scheduler
+    handed to the Trainer with it (``optimizers=(opt, scheduler)``)."""
     Trainer, Callback, TrainingArguments = cls
     seen = []
 
@@ -66,7 +67,8 @@ def run(cls, layout=None, out=None, resume=None, save=True, **kw):
 
     def go():
         model = pfm.build("llama", 0)
-        opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters(), weight_decay=0.0)
+        lr = paddle.optimizer.lr.StepDecay(3e-3, step_size=1, gamma=0.5) if sched else 1e-3
+        opt = paddle.optimizer.AdamW(lr, parameters=model.parameters(), weight_decay=0.0)
         if layout is not None:
             model, opt = ap.parallelize(model, opt, strategy=strategy(*layout))
         args = TrainingArguments(
@@ -74,7 +76,7 @@ def run(cls, layout=None, out=None, resume=None, save=True, **kw):
             learning_rate=1e-3, weight_decay=0.0, dataloader_shuffle=False, sharding="", amp_master_grad=False,
             logging_steps=1, report_to=[], disable_tqdm=True, save_strategy="steps" if save else "no",
             save_steps=2, **kw)
-        Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, None),
+        Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, lr if sched else None),
                 callbacks=[Losses()]).train(resume_from_checkpoint=resume)
         return {n: (p.full() if ap.is_dist(p) else p).numpy() for n, p in model.named_parameters()}
 
@@ -117,6 +119,16 @@ def test_trainer_resumes_under_zero_equal_to_one_process(trainer_cls, one, saved
     assert_equal(first, one)                                    # the saving run itself
     got = run(trainer_cls, dst, resume=os.path.join(out, "checkpoint-2"), save=False)
     assert_equal(got, one, losses=one[0][2:])                   # steps 3 and 4 after the resume
+
+
+def test_resume_with_a_scheduler_under_zero(trainer_cls):
+    """The Trainer saves and restores the scheduler handed to it (scheduler.pdparams): steps 3-4 after the resume
+    under ZeRO-3 run at the decayed rates, as in one process."""
+    want = run(trainer_cls, save=False, sched=True)
+    out = tempfile.mkdtemp()
+    assert_equal(run(trainer_cls, (1, 2), out=out, sched=True), want)
+    assert_equal(run(trainer_cls, (1, 3), resume=os.path.join(out, "checkpoint-2"), save=False, sched=True), want,
+                 losses=want[0][2:])
 
 
 def test_resume_without_optimizer_states_differs(trainer_cls, one, saved, monkeypatch):
