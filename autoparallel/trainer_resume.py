@@ -109,19 +109,28 @@ def _read(path: str) -> dict:
         raise ValueError(f"resume_from_checkpoint: {path} holds {len(metas)} .metadata files; expected one "
                          f"(the flex checkpoint of one save)")
     meta = paddle.load(os.path.join(path, metas[0]))
-    files, out = {}, {}
+    files, out, seen = {}, {}, {}
     for key, pieces in meta.state_dict_metadata.items():
         shape = tuple(pieces[0].global_shape)
         out[key] = np.zeros(shape, dtype=_np_dtype(pieces[0].dtype))
+        seen[key] = {}
     for index, name in meta.storage_metadata.items():
         if index.is_flattened:
             raise NotImplementedError(f"resume_from_checkpoint: {index.tensor_key} in {path} is stored flattened "
                                       f"(paddle's sharding stage 1 v2 layout); expected whole or block pieces")
         if name not in files:
+            if not os.path.isfile(os.path.join(path, name)):
+                raise FileNotFoundError(f"resume_from_checkpoint: {path} lacks {name}, which its metadata names "
+                                        f"(for {index.tensor_key}): an incomplete checkpoint")
             files[name] = paddle.load(os.path.join(path, name), return_numpy=True)
         piece = np.asarray(files[name][index.tensor_key])
         at = tuple(slice(o, o + n) for o, n in zip(index.global_offset, piece.shape))
         out[index.tensor_key][at] = piece
+        seen[index.tensor_key][tuple(index.global_offset)] = piece.size      # a replica counts once
+    short = [k for k, v in out.items() if sum(seen[k].values()) != v.size]
+    if short:
+        raise ValueError(f"resume_from_checkpoint: {path} does not hold every element of {len(short)} entries "
+                         f"({', '.join(short[:4])}): an incomplete checkpoint")
     return out
 
 

@@ -141,3 +141,26 @@ def test_zero_checkpoints_load_into_one_process(job, layout):
         assert sorted(got) == sorted(want) and len(want) > 10, (sub, sorted(set(got) ^ set(want))[:5])
         for k, v in want.items():
             np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-6, err_msg=f"{layout} {sub}: {k}")
+
+
+def test_an_incomplete_checkpoint_is_refused(job, tmp_path):
+    """The resume reads the files itself: a piece missing from the metadata, or a rank's file missing, raises
+    before anything is written (the entry would have stayed zero)."""
+    import shutil
+
+    from autoparallel import trainer_resume
+
+    src = os.path.join(job[0], "zero", "zero2", "checkpoint-2", "model_state")
+    gone, cut = tmp_path / "gone", tmp_path / "cut"
+    shutil.copytree(src, gone)
+    shutil.copytree(src, cut)
+    assert len(trainer_resume._read(str(gone))) > 10                    # the copy reads whole
+    os.remove(gone / "1_0.distcp")
+    with pytest.raises(FileNotFoundError, match="lacks 1_0.distcp"):
+        trainer_resume._read(str(gone))
+    meta = paddle.load(str(cut / "0.metadata"))
+    dropped = next(iter(meta.storage_metadata))
+    del meta.storage_metadata[dropped]
+    paddle.save(meta, str(cut / "0.metadata"))
+    with pytest.raises(ValueError, match="incomplete checkpoint"):
+        trainer_resume._read(str(cut))

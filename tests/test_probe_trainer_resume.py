@@ -53,7 +53,7 @@ def strategy(tp=1, stage=0):
     return s
 
 
-def run(cls, layout=None, out=None, resume=None, save=True, sched=False, **kw):
+def run(cls, layout=None, out=None, resume=None, save=True, sched=False, build=None, **kw):
     """(logged losses, {name: global parameter}) of a Trainer over a fresh Llama; ``layout`` (tp, stage) is
     built inside ap.simulate(world_size=4), None is one process. ``sched``: AdamW over a StepDecay scheduler
     handed to the Trainer with it (``optimizers=(opt, scheduler)``)."""
@@ -66,7 +66,7 @@ def run(cls, layout=None, out=None, resume=None, save=True, sched=False, **kw):
                 seen.append(logs["loss"])
 
     def go():
-        model = pfm.build("llama", 0)
+        model = (build or (lambda: pfm.build("llama", 0)))()
         lr = paddle.optimizer.lr.StepDecay(3e-3, step_size=1, gamma=0.5) if sched else 1e-3
         opt = paddle.optimizer.AdamW(lr, parameters=model.parameters(), weight_decay=0.0)
         if layout is not None:
@@ -129,6 +129,14 @@ def test_resume_with_a_scheduler_under_zero(trainer_cls):
     assert_equal(run(trainer_cls, (1, 2), out=out, sched=True), want)
     assert_equal(run(trainer_cls, (1, 3), resume=os.path.join(out, "checkpoint-2"), save=False, sched=True), want,
                  losses=want[0][2:])
+
+
+def test_a_checkpoint_of_another_model_is_refused(trainer_cls, saved):
+    """A Llama of 3 layers resuming from the 2-layer checkpoint: ValueError naming the missing entries."""
+    _, out = saved((1, 2))
+    with pytest.raises(ValueError, match="lacks .* entries of LlamaForCausalLM.*layers.2"):
+        run(trainer_cls, (1, 2), resume=os.path.join(out, "checkpoint-2"), save=False,
+            build=lambda: pfm.build("llama", 0, num_hidden_layers=3))
 
 
 def test_resume_without_optimizer_states_differs(trainer_cls, one, saved, monkeypatch):
