@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 
-from autoparallel import after_import, patches, trainer_ranks
+from autoparallel import after_import, patches, trainer_ranks, trainer_resume
 
 
 TARGET = "paddleformers.trainer.trainer"
@@ -48,6 +48,8 @@ def install() -> None:
     patches.patch(cls, "save_model", _save_model(cls.save_model))
     if hasattr(cls, "_save_flex_optimizer_state"):
         patches.patch(cls, "_save_flex_optimizer_state", _save_flex_optimizer(cls._save_flex_optimizer_state))
+    if hasattr(cls, "_load_flex_checkpoint"):
+        patches.patch(cls, "_load_flex_checkpoint", _load_flex(cls._load_flex_checkpoint))
     _install_args(sys.modules.get("paddleformers.trainer.training_args"))
     if callable(getattr(mod, "fused_allreduce_gradients", None)):
         patches.patch(mod, "fused_allreduce_gradients", _fused_allreduce(mod.fused_allreduce_gradients))
@@ -125,8 +127,12 @@ def _init(orig):
         bound = sig.bind_partial(self, *args, **kwargs).arguments
         model, targs = bound.get("model"), bound.get("args")
         world = getattr(targs, "world_size", 1) if targs is not None else 1
-        if world > 1 and model is not None and any(is_dist(p) for p in model.parameters()):
-            trainer_ranks.setup(self, model, targs, world)
+        if model is not None and targs is not None and any(is_dist(p) for p in model.parameters()):
+            if world > 1:
+                trainer_ranks.setup(self, model, targs, world)
+            trainer_resume.refuse_forms(targs, "PaddleFormers' Trainer")
+            trainer_resume.refuse_masters(model, (bound.get("optimizers") or (None,))[0], targs,
+                                          "PaddleFormers' Trainer")
         return orig(self, *args, **kwargs)
 
     __init__._ap_wrapper = True
@@ -179,9 +185,15 @@ def _save_model(orig):
     return save_model
 
 
+def _distributed(model) -> bool:
+    from autoparallel.dist_tensor import is_dist
+
+    return model is not None and any(is_dist(p) for p in model.parameters())
+
+
 def _save_flex_optimizer(orig):
     def save_flex_optimizer_state(self, output_dir):
-        if trainer_ranks.ranked(self) is None:
+        if not _distributed(self.model):
             return orig(self, output_dir)
         opt = self.optimizer
         self.optimizer = trainer_ranks.FlexOptimizerView(self.model, opt)
@@ -192,3 +204,18 @@ def _save_flex_optimizer(orig):
 
     save_flex_optimizer_state._ap_wrapper = True
     return save_flex_optimizer_state
+
+
+def _load_flex(orig):
+    def load_flex_checkpoint(self, resume_from_checkpoint):
+        if not _distributed(self.model):
+            return orig(self, resume_from_checkpoint)
+        trainer_resume.refuse_forms(self.args, "PaddleFormers' Trainer")
+        keep = not self.args.ignore_load_lr_and_optim
+        trainer_resume.load(self.model, self.optimizer, resume_from_checkpoint, with_optimizer=keep)
+        if keep:
+            self._load_scheduler(resume_from_checkpoint)
+        return None
+
+    load_flex_checkpoint._ap_wrapper = True
+    return load_flex_checkpoint

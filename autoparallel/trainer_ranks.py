@@ -24,9 +24,9 @@ Refused when the Trainer is built (NotImplementedError naming the option): the T
 parallelism (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ``sharding``,
 ``enable_auto_parallel``), its mixed precision (``fp16`` / ``bf16``: use ``Strategy.amp``), a model without the
 input sharding of ``ap.parallelize`` (``ap.shard_layer`` models: the Trainer's batches carry no layout), a
-pipeline-parallel model, ``save_checkpoint_format="unified_checkpoint"``, and ``save_strategy`` other than
-``"no"`` over a ZeRO (``Strategy.sharding``) model (its optimizer states are flat chunks; the Trainer's
-checkpoints are per parameter). Training under ZeRO itself runs (checked: stages 2 and 3 with tp 2).
+pipeline-parallel model, ``save_checkpoint_format="unified_checkpoint"``; the checkpoint forms of
+trainer_resume.py. Under ZeRO (``Strategy.sharding``) the flex checkpoints hold the whole optimizer states too
+(``opt.state_dict()`` of the ZeRO optimizer, gathered) and resume through trainer_resume.py.
 """
 from __future__ import annotations
 
@@ -52,7 +52,6 @@ def setup(trainer, model, targs, world: int) -> None:
     """Called as the Trainer is built on ``world`` > 1 ranks over a model holding distributed parameters."""
     _refuse_options(targs, world)
     r = layout(model, world, "PaddleFormers' Trainer")
-    _refuse_zero_checkpoints(model, targs, world)
     _RANKED.set(trainer, r)
     key = id(targs)
     _ARGS[key] = (r.dp, r.index)
@@ -81,22 +80,6 @@ def layout(model, world: int, who: str) -> Ranked:
                                   f"pipelined model with its own schedule")
     dp, index = data_rank(mesh, current_world().rank, [DATA])
     return Ranked(mesh, dp, index)
-
-
-def _refuse_zero_checkpoints(model, targs, world: int) -> None:
-    """The Trainer's checkpoints hold paddle's per-parameter optimizer states, which ZeRO's flat chunks are not:
-    refused before training rather than at the first ``save_steps``."""
-    from autoparallel import layer_state
-
-    build = layer_state.build_of(model)
-    sharding = getattr(getattr(build, "strategy", None), "sharding", None)
-    save = getattr(getattr(targs, "save_strategy", "no"), "value", getattr(targs, "save_strategy", "no"))
-    if sharding is not None and sharding.enable and save != "no":
-        raise NotImplementedError(
-            f"PaddleFormers' Trainer on {world} launched ranks with save_strategy={save!r} over a model whose "
-            f"optimizer states are ZeRO stage {sharding.stage} chunks: its checkpoints hold per-parameter optimizer "
-            f"states; pass save_strategy=\"no\" and save with ap.save_state_dict(ap.training_state(model, "
-            f"optimizer), path)")
 
 
 def _refuse_options(targs, world: int) -> None:

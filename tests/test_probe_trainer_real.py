@@ -5,7 +5,14 @@ max_grad_norm, SGD with a global-norm clip over the shards); the clipped run aga
 control. The flex checkpoints the distributed Trainer wrote (``save_steps``, ``save_model``) are loaded here, in
 one process, into a plain Llama and a plain AdamW and compared with the one-process Trainer's. In the same job,
 hapi's paddle.Model (fit with losses per step, evaluate, predict, save) over an MLP laid out dp 4 and dp 2 x tp 2
-(tests/dist_scripts/hapi_real_cases.py)."""
+(tests/dist_scripts/hapi_real_cases.py).
+
+The Trainer's checkpoints under ZeRO (tests/dist_scripts/trainer_resume_cases.py): ZeRO-1/2/3 (dp 4) and dp 2 x tp 2
+x ZeRO-2 save every 2 of 4 steps; a new Trainer resumes from checkpoint-2 on the same ranks (losses 3-4 and every
+parameter equal the uninterrupted run and one process; the parameters alone, without the optimizer states, are the
+control); job ``trainer_resume2`` resumes those checkpoints in 2 new processes under other layouts (ZeRO-2 -> ZeRO-3,
+-> plain DP; ZeRO-3 -> ZeRO-3 dp 2; dp 2 x tp 2 x ZeRO-2 -> tp 2; the dp 2 x tp 2 checkpoint -> ZeRO-2); here, in
+one process, the checkpoints load into a plain Llama and AdamW equal to the one-process Trainer's after step 2."""
 import os
 
 import numpy as np
@@ -17,8 +24,12 @@ from dist_scripts import shared_launch
 
 pytestmark = pytest.mark.skipif(not pfm.available(), reason="PaddleFormers is not installed (the models extra)")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts", "trainer_real_worker.py")
-JOB = shared_launch.job(__name__, "trainer_real", WORKER, 4, args=lambda out: [out], timeout=300)
+JOB = shared_launch.job(__name__, "trainer_real", WORKER, 4, args=lambda out: [out], timeout=400)
+RESUME2 = os.path.join(os.path.dirname(WORKER), "trainer_resume2_worker.py")
+JOB2 = shared_launch.job(__name__, "trainer_resume2", RESUME2, 2, args=lambda out: [shared_launch.results(JOB)[0], out],
+                         timeout=200, after=[JOB])
 CASES = 3
+ZERO = ("zero1", "zero2", "zero3", "dp2_tp2_zero2")          # the layouts of tests/dist_scripts/trainer_resume_cases.py
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +52,7 @@ def test_hapi_model_equals_one_process_on_real_ranks(job):
 
 def test_trainer_steps_equal_one_process_on_real_ranks(job):
     for r in job[1]:
-        cases = {k: v for k, v in r["cases"].items() if not k.startswith(("control", "hapi"))}
+        cases = {k: v for k, v in r["cases"].items() if not k.startswith(("control", "hapi", "resume"))}
         assert len(cases) == CASES, sorted(cases)
         for name, got in cases.items():
             assert "error" not in got, f"{name}, rank {r['rank']}:\n{got['error']}"
@@ -88,3 +99,68 @@ def test_checkpoints_load_into_one_process(job):
         assert sorted(got) == sorted(want) and len(want) > 10, (sub, sorted(set(got) ^ set(want))[:5])
         for k, v in want.items():
             np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-6, err_msg=f"{sub}: {k}")
+
+
+def test_trainer_resumes_under_zero_on_real_ranks(job):
+    for r in job[1]:
+        for layout in ZERO:
+            got = r["cases"][f"resume: {layout}"]
+            assert "error" not in got, f"{layout}, rank {r['rank']}:\n{got['error']}"
+            for what, d in got.items():
+                assert "error" not in d, (layout, what, d["error"])
+                assert d["moved"] > 1e-3, (layout, what, d)
+                assert d["loss"] <= 1e-5 and d["param"] <= 2e-5, (layout, r["rank"], what, d)
+            assert got["resumed vs saved"]["param"] <= 1e-6, (layout, got)      # the same layout: the same values
+
+
+def test_resume_without_the_optimizer_states_differs_on_real_ranks(job):
+    for r in job[1]:
+        got = r["cases"]["resume control: zero2 without the optimizer states"]
+        assert "error" not in got, got["error"]
+        assert got["param"] > 1e-4, (r["rank"], got)
+
+
+def test_zero_checkpoints_resume_in_new_processes_under_other_layouts():
+    _, ranks = shared_launch.results(JOB2)
+    assert len(ranks) == 2
+    for r in ranks:
+        assert len(r["cases"]) == 5, sorted(r["cases"])
+        for name, got in r["cases"].items():
+            assert "error" not in got, f"{name}, rank {r['rank']}:\n{got['error']}"
+            assert got["moved"] > 1e-3 and got["loss"] <= 1e-5 and got["param"] <= 2e-5, (name, r["rank"], got)
+
+
+@pytest.mark.parametrize("layout", ZERO)
+def test_zero_checkpoints_load_into_one_process(job, layout):
+    """checkpoint-2 of each ZeRO run: parameters and AdamW moments of the one-process Trainer after step 2."""
+    out, _ = job
+    model, opt = _templates()
+    for sub, template, ref in (("model_state", model, "step2_model.npz"), ("optimizer_state", opt, "step2_opt.npz")):
+        want = dict(np.load(os.path.join(out, ref)))
+        got = _load(os.path.join(out, "zero", layout, "checkpoint-2", sub), template)
+        assert sorted(got) == sorted(want) and len(want) > 10, (sub, sorted(set(got) ^ set(want))[:5])
+        for k, v in want.items():
+            np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-6, err_msg=f"{layout} {sub}: {k}")
+
+
+def test_an_incomplete_checkpoint_is_refused(job, tmp_path):
+    """The resume reads the files itself: a piece missing from the metadata, or a rank's file missing, raises
+    before anything is written (the entry would have stayed zero)."""
+    import shutil
+
+    from autoparallel import trainer_resume
+
+    src = os.path.join(job[0], "zero", "zero2", "checkpoint-2", "model_state")
+    gone, cut = tmp_path / "gone", tmp_path / "cut"
+    shutil.copytree(src, gone)
+    shutil.copytree(src, cut)
+    assert len(trainer_resume._read(str(gone))) > 10                    # the copy reads whole
+    os.remove(gone / "1_0.distcp")
+    with pytest.raises(FileNotFoundError, match="lacks 1_0.distcp"):
+        trainer_resume._read(str(gone))
+    meta = paddle.load(str(cut / "0.metadata"))
+    dropped = next(iter(meta.storage_metadata))
+    del meta.storage_metadata[dropped]
+    paddle.save(meta, str(cut / "0.metadata"))
+    with pytest.raises(ValueError, match="incomplete checkpoint"):
+        trainer_resume._read(str(cut))

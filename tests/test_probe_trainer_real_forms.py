@@ -9,7 +9,7 @@ import paddle
 import pytest
 
 import autoparallel as ap
-from autoparallel import after_import, trainer_ranks
+from autoparallel import after_import, trainer_ranks, trainer_resume
 
 
 def args(**kw):
@@ -57,12 +57,20 @@ def test_after_import_runs_once_as_the_import_ends(tmp_path, monkeypatch):
         after_import._PENDING.pop("ap_probe_late_module", None)
 
 
-def test_trainer_checkpoints_over_zero_are_refused_before_training():
-    with ap.simulate(world_size=2):
-        s = ap.Strategy()
-        s.data_parallel.degree, s.sharding.enable, s.sharding.stage = 2, True, 2
-        net = paddle.nn.Linear(2, 2)
-        model, _ = ap.parallelize(net, paddle.optimizer.AdamW(parameters=net.parameters()), strategy=s)
-        with pytest.raises(NotImplementedError, match="save_strategy='steps'.*ZeRO stage 2"):
-            trainer_ranks._refuse_zero_checkpoints(model, types.SimpleNamespace(save_strategy="steps"), 2)
-        trainer_ranks._refuse_zero_checkpoints(model, types.SimpleNamespace(save_strategy="no"), 2)
+def test_trainer_checkpoint_forms_over_a_distributed_model():
+    """The flex checkpoint (the default) passes with save_steps under ZeRO (it was refused there); a format that
+    writes paddle.save(optimizer.state_dict()) on the saving rank only, or reads another layout, is refused."""
+    def targs(**kw):
+        base = dict(save_strategy="steps", save_checkpoint_format="flex_checkpoint",
+                    load_checkpoint_format="flex_checkpoint", ignore_save_lr_and_optim=False)
+        return types.SimpleNamespace(**{**base, **kw})
+
+    trainer_resume.refuse_forms(targs(), "T")
+    trainer_resume.refuse_forms(targs(save_checkpoint_format=None, save_strategy="no"), "T")   # nothing saved
+    for kw, named in (({"save_checkpoint_format": None}, "save_checkpoint_format=None"),
+                      ({"save_checkpoint_format": "unified_checkpoint"}, "unified_checkpoint"),
+                      ({"load_checkpoint_format": None}, "load_checkpoint_format=None"),
+                      ({"load_from_hf": True}, "load_from_hf=True"),
+                      ({"sharded_model_from_ema": True}, "sharded_model_from_ema=True")):
+        with pytest.raises(NotImplementedError, match=named):
+            trainer_resume.refuse_forms(targs(**kw), "T")
