@@ -57,6 +57,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="resume_from_last_checkpoint() before training")
     p.add_argument("--kill-after", dest="kill_after", type=int, default=None, help="die after this step")
     p.add_argument("--monitor", action="store_true", help="PerformanceMonitor records; re-plan when imbalanced")
+    p.add_argument("--imbalance-threshold", dest="threshold", type=float, default=0.2,
+                   help="monitor.is_imbalanced(threshold): 0 re-plans whenever the ranks' times differ at all")
     p.add_argument("--log-json", dest="log_json", default=None, help="write every step's loss here (rank 0)")
     return p
 
@@ -160,7 +162,7 @@ def train(args) -> dict:
         if monitor:
             monitor.step()
             if monitor.done and reconfigured is None:
-                reconfigured = _maybe_reconfigure(monitor, model)
+                reconfigured = _maybe_reconfigure(monitor, model, args.threshold)
         steps.append({"step": step, "loss": total})
         if rank == 0:
             print(f"step {step}: loss {total:.6f}", flush=True)
@@ -174,13 +176,14 @@ def train(args) -> dict:
     return log
 
 
-def _maybe_reconfigure(monitor, model):
-    """Snippet 10: every rank asks (collective); an imbalanced run is re-planned in place."""
-    if not monitor.is_imbalanced():
+def _maybe_reconfigure(monitor, model, threshold):
+    """Snippet 10: every rank asks (collective); an imbalanced run is re-planned in place. Returns the new
+    strategy's degrees, or False."""
+    if not monitor.is_imbalanced(threshold=threshold):
         return False
     new_strategy = monitor.suggest_optimal_strategy()
     dist.reconfigure_distributed_model(model, new_strategy)
-    return True
+    return {k: getattr(new_strategy, k).degree for k in ("data_parallel", "tensor_parallel", "pipeline_parallel")}
 
 
 def main(argv=None) -> dict:
