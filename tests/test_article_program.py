@@ -92,3 +92,29 @@ def test_flags_that_cannot_be_honoured_are_refused_by_name(flags, world, says, c
         program.main(flags)
     assert e.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_keyword_inputs_give_the_planner_its_batch():
+    """``model(**batch)`` passes every input by keyword: the run records the batch shape from them, so the
+    monitor's ``suggest_optimal_strategy()`` can re-plan without being told the batch (it raised ValueError
+    're-planning needs global_batch_size' on DP2 x TP2)."""
+    import autoparallel as dist
+
+    args = program.make_parser().parse_args(["--batch-size", "4", "--seq-len", "8"])
+    model = program.build_model(args)
+    opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=model.parameters())
+    model, opt = dist.parallelize(model, opt, strategy=program.make_strategy(args))
+    monitor = dist.PerformanceMonitor(warmup_steps=1, measure_steps=2)
+    batches = program.dataloader(args)
+    for _ in range(3):
+        with monitor.record("forward"):
+            loss = model(**next(batches)).loss
+        with monitor.record("backward"):
+            loss.backward()
+        with monitor.record("step"):
+            opt.step()
+            opt.clear_grad()
+        monitor.step()
+    assert auto_checkpoint.current_run().input_shape == [4, 8]
+    suggested = monitor.suggest_optimal_strategy()
+    assert isinstance(suggested, dist.Strategy)
