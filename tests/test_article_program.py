@@ -118,3 +118,34 @@ def test_keyword_inputs_give_the_planner_its_batch():
     assert auto_checkpoint.current_run().input_shape == [4, 8]
     suggested = monitor.suggest_optimal_strategy()
     assert isinstance(suggested, dist.Strategy)
+
+
+@pytest.mark.parametrize("flags", [[], ["--pp", "2"], ["--tp", "2", "--sp"]], ids=["one", "pp2", "tp2_sp"])
+def test_recompute_reruns_the_decoder_layers(flags, monkeypatch):
+    """--recompute is not silently dropped by parallelize: every decoder layer's MLP runs again in backward."""
+    import autoparallel as dist
+    from paddleformers.transformers.llama import modeling
+
+    calls = [0]
+    forward = modeling.MLP.forward
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return forward(self, *a, **k)
+
+    monkeypatch.setattr(modeling.MLP, "forward", counted)
+
+    def mlp_calls(recompute):
+        args = program.make_parser().parse_args(flags + (["--recompute"] if recompute else []))
+        model = program.build_model(args)
+        if recompute:
+            model = dist.recompute_layers(model, segment_func=program.is_decoder_layer, checkpoint_every_n_layers=2)
+        opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=model.parameters())
+        model, opt = dist.parallelize(model, opt, strategy=program.make_strategy(args))
+        calls[0] = 0
+        model(**next(program.dataloader(args))).loss.backward()
+        return calls[0]
+
+    with dist.simulate(world_size=2) if flags else __import__("contextlib").nullcontext():
+        plain, recomputed = mlp_calls(False), mlp_calls(True)
+    assert plain > 0 and recomputed == 2 * plain

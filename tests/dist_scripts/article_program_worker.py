@@ -17,7 +17,8 @@ CONFIGS = {                                                 # name -> flags (the
     "pp2_tp2_sp_accum2_recompute_bf16_tied": ["--pp", "2", "--tp", "2", "--sp", "--accum", "2", "--recompute",
                                               "--amp", "bf16", "--tied"],
     "pp2_dp2_accum2_fp16": ["--pp", "2", "--dp", "2", "--accum", "2", "--amp", "fp16"],
-    "dp2_tp2_sp_recompute_monitor": ["--dp", "2", "--tp", "2", "--sp", "--recompute", "--monitor"],
+    "dp2_tp2_sp_recompute_monitor": ["--dp", "2", "--tp", "2", "--sp", "--recompute", "--monitor",
+                                     "--imbalance-threshold", "0"],
 }
 KILLED = ["--pp", "2", "--tp", "2", "--sp", "--accum", "2", "--save-every", "1"]
 
