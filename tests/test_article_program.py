@@ -149,3 +149,34 @@ def test_recompute_reruns_the_decoder_layers(flags, monkeypatch):
     with dist.simulate(world_size=2) if flags else __import__("contextlib").nullcontext():
         plain, recomputed = mlp_calls(False), mlp_calls(True)
     assert plain > 0 and recomputed == 2 * plain
+
+
+def test_save_after_reconfiguring_into_a_pipeline_with_zero(tmp_path):
+    """``reconfigure_distributed_model`` in place from DP2 x TP2 to PP2 x DP2 with ZeRO-1 (what the monitor's
+    re-plan chose on 4 ranks): the rebuilt pipeline optimizer named the rebuilt pipeline, not the held object,
+    so the next automatic save raised 'pass that PipelineModule to ap.training_state'."""
+    import autoparallel as dist
+    from autoparallel.checkpoint.state import training_state as state_of
+
+    with dist.simulate(world_size=4):
+        args = program.make_parser().parse_args(["--dp", "2", "--tp", "2", "--batch-size", "4", "--seq-len", "8"])
+        model = program.build_model(args)
+        opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=model.parameters())
+        strategy = program.make_strategy(args)
+        model, opt = dist.parallelize(model, opt, strategy=strategy)
+        batches = program.dataloader(args)
+        model(**next(batches)).loss.backward()
+        opt.step()
+        opt.clear_grad()
+        new = dist.Strategy()
+        new.data_parallel.degree, new.pipeline_parallel.degree, new.pipeline_parallel.micro_batches = 2, 2, 2
+        new.sharding.enable, new.sharding.stage = True, 1
+        dist.reconfigure_distributed_model(model, new)
+        loss = model(**next(batches)).loss
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        assert state_of(model, opt)["model"]
+        third = float(model(**next(batches)).loss)
+    expected = plain_paddle(["--batch-size", "4", "--seq-len", "8", "--steps", "3"])
+    np.testing.assert_allclose([float(loss), third], expected[1:], rtol=1e-5)
