@@ -17,7 +17,7 @@ CONFIGS = {                                                 # name -> flags (the
     "pp2_tp2_sp_accum2_recompute_bf16_tied": ["--pp", "2", "--tp", "2", "--sp", "--accum", "2", "--recompute",
                                               "--amp", "bf16", "--tied"],
     "pp2_dp2_accum2_fp16": ["--pp", "2", "--dp", "2", "--accum", "2", "--amp", "fp16"],
-    "dp2_tp2_sp_recompute_monitor": ["--dp", "2", "--tp", "2", "--sp", "--recompute", "--monitor",
+    "dp2_tp2_sp_recompute_monitor_ckpt": ["--dp", "2", "--tp", "2", "--sp", "--recompute", "--monitor",
                                      "--imbalance-threshold", "0"],
 }
 KILLED = ["--pp", "2", "--tp", "2", "--sp", "--accum", "2", "--save-every", "1"]
@@ -28,7 +28,11 @@ def losses(log):
 
 
 def main(out):
-    got = {name: losses(program.main(flags + STEPS)) for name, flags in CONFIGS.items()}
+    got = {}
+    for name, flags in CONFIGS.items():      # "ckpt": automatic saves every 2 steps (after the monitor's re-plan too)
+        ckpt = ["--ckpt-dir", os.path.join(out, name)] if name.endswith("ckpt") else []
+        got[name] = losses(program.main(flags + ckpt + STEPS))
+        auto_checkpoint.reset()
     ckpt = ["--ckpt-dir", os.path.join(out, "ckpt")]
     try:
         program.main(KILLED + ckpt + STEPS + ["--kill-after", "2"])
