@@ -93,21 +93,24 @@ def attach(model=None, optimizer=None, strategy=None) -> Run:
 
 
 def _watch_inputs(model, run: Run) -> None:
-    """Record the global shape of the first tensor input of every forward (for re-planning)."""
+    """Record the global shape of the first tensor input of every forward (for re-planning), positional or
+    keyword (``model(**batch)``, ``model(input_ids=ids, labels=labels)``)."""
     hook = getattr(model, "register_forward_pre_hook", None)
     if hook is None:
         return
 
-    def pre(_layer, inputs):
-        for x in inputs:
+    def record(values) -> None:
+        for x in values:
             shape = getattr(x, "shape", None)
             if shape is not None and len(shape) >= 1:
                 cur = _current if _current is not None and same_object(_current.model, model) else run
                 cur.input_shape = [int(n) for n in shape]
-                return None
-        return None
+                return
 
-    hook(pre)
+    try:
+        hook(lambda _layer, args, kwargs: record(list(args) + list(kwargs.values())), with_kwargs=True)
+    except TypeError:                           # a pre-hook without keyword inputs (not a paddle Layer)
+        hook(lambda _layer, inputs: record(inputs))
 
 
 def same_object(a, b) -> bool:

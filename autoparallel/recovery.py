@@ -177,13 +177,15 @@ def _pipelined_model(model):
 
 
 def _repoint(model, new_model, optimizer) -> None:
-    """References to the rebuilt model held by the wrappers and the build record name the held object."""
+    """References to the rebuilt model held by the wrappers (under any attribute name: ``model``, a pipeline
+    optimizer's ``_pipe``) and the build record name the held object."""
     from autoparallel.checkpoint.state import wrapper_chain
 
     holders = list(wrapper_chain(optimizer)) if optimizer is not None else []
     for h in holders:
-        if h is not None and getattr(h, "__dict__", {}).get("model") is new_model:
-            h.__dict__["model"] = model
+        attrs = getattr(h, "__dict__", None) or {}
+        for name in [k for k, v in attrs.items() if v is new_model]:
+            attrs[name] = model
     build = layer_state.build_of(model)
     if build is not None and build.model is new_model:         # the record holds its model weakly
         build.model = model

@@ -25,7 +25,7 @@ def _is_shim(path) -> bool:
 
 SHIMS = sorted(p for p in TOOLS.glob("*.py") if _is_shim(p))
 SCRIPTS = sorted(p for p in TOOLS.glob("*.py") if not p.name.startswith("_") and not _is_shim(p))
-EXAMPLE_SCRIPTS = [EXAMPLES / n for n in ("train_gpt.py", "train_llama.py", "reshard_demo.py")]
+EXAMPLE_SCRIPTS = [EXAMPLES / n for n in ("train_gpt.py", "train_llama.py", "reshard_demo.py", "article_program.py")]
 
 
 def run_script(path, argv, monkeypatch) -> int:

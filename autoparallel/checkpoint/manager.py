@@ -80,6 +80,13 @@ class CheckpointManager:
         CheckpointOwnershipError with nothing changed."""
         if not isinstance(resume, bool):
             raise TypeError(f"resume must be a bool, got {type(resume).__name__} {resume!r}")
+        self._claim(state, resume)
+        if resume and state is not None:
+            return self.restore(state)
+        return None
+
+    def _claim(self, state, resume: bool) -> None:
+        """``start`` without the restore (collective): validate, claim and mark the root."""
         need = run_root.estimate_bytes(state)
         _, rank, _ = sync.job()
         problem = None
@@ -92,9 +99,6 @@ class CheckpointManager:
         run_root.agree(problem)
         self._started = True
         self._resumed = self._resumed or resume
-        if resume and state is not None:
-            return self.restore(state)
-        return None
 
     # ---- saving -------------------------------------------------------------------------------------
     def path_for(self, step: int) -> str:
@@ -111,8 +115,8 @@ class CheckpointManager:
         """Save now as ``step`` (replacing an existing checkpoint of that step), update ``latest``, prune."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        if not self._started:
-            self.start(state, resume=self._resumed)
+        if not self._started:      # claim the root; never load here (after restore() that would undo the steps since)
+            self._claim(state, self._resumed)
         newest = complete_checkpoints(self.dir)
         if newest and step < newest[-1][0]:
             raise ValueError(f"step {step} is older than the newest checkpoint in {self.dir!r} (step "
