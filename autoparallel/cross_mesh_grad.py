@@ -233,16 +233,13 @@ def _check_retained(sent, retain_graph) -> None:
 
 
 def _flush(seeds, retain_graph, kw) -> None:
-    from autoparallel.local_mode import local_mode
-
     ts, gs = seeds
     merged: dict = {}                   # a tensor sent twice is one seed with the sum of its gradients
     for t, g in zip(ts, gs):
         merged[id(t)] = (t, g if id(t) not in merged else merged[id(t)][1] + g)
-    if merged:
-        with local_mode():
-            paddle.autograd.backward([t for t, _ in merged.values()], [g for _, g in merged.values()],
-                                     retain_graph=retain_graph, **kw)
+    if merged:       # not under local_mode: a recompute replay in this backward runs the forward on DistTensors
+        paddle.autograd.backward([t for t, _ in merged.values()], [g for _, g in merged.values()],
+                                 retain_graph=retain_graph, **kw)
     ts.clear()
     gs.clear()
 
