@@ -44,9 +44,31 @@ def install() -> None:
     patches.patch(hapi_model, "to_numpy", to_numpy)
     patches.patch(hapi_model.DynamicGraphAdapter, "save", _save(hapi_model.DynamicGraphAdapter.save))
     patches.patch(hapi_model.Model, "load", _load(hapi_model.Model.load))
+    patches.patch(hapi_model.Model, "prepare", _prepare(hapi_model.Model.prepare))
     from autoparallel import hapi_ranks
 
     hapi_ranks.install(hapi_model)
+
+
+PIPELINE_WHY = (
+    "hapi's paddle.Model over a pipeline-parallel model: its train_batch / eval_batch compute the loss outside the "
+    "network, loss_fn(network(inputs), labels), which a pipeline cannot run (its loss is computed on the last stage "
+    "inside the schedule; the logits of every micro-batch never exist whole on one rank). What works: the "
+    "one-process loop `loss = model(ids, labels=labels)` (or model(**batch).loss), `loss.backward()`, "
+    "`opt.step()`; model.train_batch(inputs, labels) / model.eval_batch(inputs, labels); PaddleFormers' Trainer "
+    "with optimizers=(opt, None)")
+
+
+def _prepare(orig):
+    def prepare(self, *args, **kwargs):
+        from autoparallel.parallel.pipeline.runtime import PipelineModule
+
+        if isinstance(self.network, PipelineModule):
+            raise NotImplementedError(PIPELINE_WHY)
+        return orig(self, *args, **kwargs)
+
+    prepare._ap_wrapper = True
+    return prepare
 
 
 def _global(state: dict) -> dict:

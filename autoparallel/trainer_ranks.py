@@ -40,8 +40,8 @@ DATA = "data"
 
 
 class Ranked:
-    def __init__(self, mesh, dp: int, index: int):
-        self.mesh, self.dp, self.index = mesh, dp, index
+    def __init__(self, mesh, dp: int, index: int, pipeline: bool = False):
+        self.mesh, self.dp, self.index, self.pipeline = mesh, dp, index, pipeline
 
 
 def ranked(trainer):
@@ -55,6 +55,15 @@ def setup(trainer, model, targs, world: int) -> None:
     _RANKED.set(trainer, r)
     key = id(targs)
     _ARGS[key] = (r.dp, r.index)
+    weakref.finalize(targs, _ARGS.pop, key, None)
+
+
+def setup_pipeline(trainer, targs, world: int) -> None:
+    """A pipeline-parallel model (trainer_pipeline.py): every rank is given the same global batch, plain."""
+    _refuse_options(targs, world)
+    _RANKED.set(trainer, Ranked(None, 1, 0, pipeline=True))
+    key = id(targs)
+    _ARGS[key] = (1, 0)
     weakref.finalize(targs, _ARGS.pop, key, None)
 
 
@@ -117,7 +126,7 @@ def dataset_property(orig, which: int):
 def as_parts(trainer, inputs):
     """The batch ``inputs`` (this rank's rows) as DistTensors sharded on dim 0 over the data dim."""
     r = ranked(trainer)
-    return inputs if r is None else _nested(inputs, r)
+    return inputs if r is None or r.pipeline else _nested(inputs, r)
 
 
 def _nested(x, r):
