@@ -109,3 +109,96 @@ def test_trainer_on_several_ranks_is_refused(trainer_cls):
         model = ap.shard_layer(paddle.nn.Linear(2, 2), ap.ProcessMesh([0, 1], dim_names=["dp"]))
         with pytest.raises(NotImplementedError, match="Trainer on 2 launched ranks"):
             Trainer(model=model, args=types.SimpleNamespace(world_size=2))
+
+
+# ---- over a pipeline-parallel model (ap.parallelize with pipeline_parallel.degree 2): autoparallel/trainer_pipeline.py
+
+def pipe_llama():
+    return pfm.build("llama", 0, tie_word_embeddings=False, num_hidden_layers=4)
+
+
+def train_pipe(cls, pp_dp=None, accumulate=1, clip=0.0, evals=False, **extra):
+    """The Trainer over the 4-layer untied Llama (pipelined when ``pp_dp`` is (pp, dp)), the optimizer handed over
+    (``clip``: its ClipGradByGlobalNorm, which is what clips with a handed-over optimizer). Returns (logged losses
+    with the evaluation losses, parameters by name)."""
+    from paddleformers.trainer import TrainerCallback
+
+    Trainer, TrainingArguments = cls
+    model = pipe_llama()
+    opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters(), weight_decay=0.0,
+                                 grad_clip=paddle.nn.ClipGradByGlobalNorm(clip) if clip else None)
+    if pp_dp is not None:
+        s = ap.Strategy()
+        s.pipeline_parallel.degree, s.pipeline_parallel.micro_batches = pp_dp[0], 2
+        s.data_parallel.degree = pp_dp[1]
+        model, opt = ap.parallelize(model, opt, strategy=s)
+    logged = []
+
+    class Log(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logged.extend((k, v) for k, v in sorted((logs or {}).items()) if k in ("loss", "eval_loss"))
+
+    ev = dict(evaluation_strategy="steps", eval_steps=2, per_device_eval_batch_size=4) if evals else {}
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=accumulate, learning_rate=1e-3, save_strategy="no",
+                             report_to=[], disable_tqdm=True, seed=0, amp_master_grad=False, logging_steps=1,
+                             sharding="", max_grad_norm=clip, **ev, **extra)
+    Trainer(model=model, args=args, train_dataset=Data(), eval_dataset=Data() if evals else None,
+            optimizers=(opt, None), callbacks=[Log()]).train()
+    return logged, {n: (p.full() if ap.is_dist(p) else p).numpy() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dp,accumulate,clip,evals", [(1, 1, 0.0, True), (1, 2, 0.05, False), (2, 2, 0.05, True)])
+def test_trainer_over_pipeline_equals_one_process(trainer_cls, monkeypatch, dp, accumulate, clip, evals):
+    """PP2 and PP2 x DP2 (1F1B, 2 micro-batches): every logged loss, the evaluation loss (the Trainer's evaluation
+    loop: the pipeline's eval_batch) and every parameter equal the one-process Trainer. With accumulation the
+    Trainer's model.no_sync() raised (the pipeline's, for train_batch users); clipping binds (the losses differ
+    from the unclipped run's)."""
+    monkeypatch.setattr(paddle.device, "synchronize", lambda *a, **k: None)     # the Trainer calls it; CPU refuses
+    want_losses, want = train_pipe(trainer_cls, None, accumulate, clip, evals)
+    with ap.simulate(world_size=2 * dp):
+        losses, got = train_pipe(trainer_cls, (2, dp), accumulate, clip, evals)
+    assert [k for k, _ in losses] == [k for k, _ in want_losses] and len(losses) == 3 + evals
+    np.testing.assert_allclose([v for _, v in losses], [v for _, v in want_losses], rtol=1e-5)
+    start = pipe_llama().state_dict()
+    assert max(float(np.abs(v - start[n].numpy()).max()) for n, v in want.items()) > 1e-4
+    assert set(got) == set(want)
+    for n, v in want.items():
+        np.testing.assert_allclose(got[n], v, rtol=1e-4, atol=2e-5, err_msg=n)
+    if clip:
+        unclipped, _ = train_pipe(trainer_cls, None, accumulate, 0.0, evals)
+        assert abs(unclipped[1][1] - want_losses[1][1]) > 1e-5          # the clip changed the second step
+
+
+@pytest.mark.parametrize("form,match", [
+    ("own optimizer", r"optimizers=\(opt, None\)"), ("save_strategy", "save_strategy='steps'"),
+    ("recompute", "recompute_granularity='full'"), ("resume", "resume_from_checkpoint="),
+    ("save_model", r"save_model\(\).*checkpoint_state")])
+def test_trainer_over_pipeline_refusals(trainer_cls, form, match):
+    """What cannot be honoured over a pipeline is refused by name before any step (the Trainer's own optimizer
+    would not reduce the data-parallel gradients nor clip over every stage; its checkpoints are one process's state
+    dict; recompute_granularity makes it all-reduce every parameter over the world itself)."""
+    from autoparallel import trainer_forms
+
+    trainer_forms.install()
+    Trainer, TrainingArguments = trainer_cls
+    with ap.simulate(world_size=2):
+        s = ap.Strategy()
+        s.pipeline_parallel.degree, s.pipeline_parallel.micro_batches = 2, 2
+        model = pipe_llama()
+        pipe, opt = ap.parallelize(model, paddle.optimizer.AdamW(1e-3, parameters=model.parameters()), strategy=s)
+        before = {n: p.numpy().copy() for n, p in pipe.named_parameters()}
+        extra = {"save_strategy": dict(save_strategy="steps", save_steps=1),
+                 "recompute": dict(recompute_granularity="full")}.get(form, {})
+        kw = dict(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=4, save_strategy="no",
+                  report_to=[], disable_tqdm=True, sharding="", amp_master_grad=False)
+        kw.update(extra)
+        with pytest.raises(NotImplementedError, match=match):
+            t = Trainer(model=pipe, args=TrainingArguments(**kw), train_dataset=Data(),
+                        optimizers=(None if form == "own optimizer" else opt, None))
+            if form == "resume":
+                t.train(resume_from_checkpoint=tempfile.mkdtemp())
+            elif form == "save_model":
+                t.save_model()
+        for n, p in pipe.named_parameters():                      # refused before any step
+            np.testing.assert_array_equal(p.numpy(), before[n])
