@@ -23,7 +23,7 @@ import warnings
 
 import numpy as np
 
-from autoparallel import patches
+from autoparallel import patches, trainer_pipeline
 
 
 def install() -> None:
@@ -50,21 +50,10 @@ def install() -> None:
     hapi_ranks.install(hapi_model)
 
 
-PIPELINE_WHY = (
-    "hapi's paddle.Model over a pipeline-parallel model: its train_batch / eval_batch compute the loss outside the "
-    "network, loss_fn(network(inputs), labels), which a pipeline cannot run (its loss is computed on the last stage "
-    "inside the schedule; the logits of every micro-batch never exist whole on one rank). What works: the "
-    "one-process loop `loss = model(ids, labels=labels)` (or model(**batch).loss), `loss.backward()`, "
-    "`opt.step()`; model.train_batch(inputs, labels) / model.eval_batch(inputs, labels); PaddleFormers' Trainer "
-    "with optimizers=(opt, None)")
-
-
 def _prepare(orig):
     def prepare(self, *args, **kwargs):
-        from autoparallel.parallel.pipeline.runtime import PipelineModule
-
-        if isinstance(self.network, PipelineModule):
-            raise NotImplementedError(PIPELINE_WHY)
+        if trainer_pipeline.is_pipeline(self.network):
+            raise NotImplementedError(trainer_pipeline.HAPI_WHY)
         return orig(self, *args, **kwargs)
 
     prepare._ap_wrapper = True

@@ -57,9 +57,7 @@ def _adapter_init(orig):
         world = paddle.distributed.ParallelEnv().nranks
         net = model.network
         if world > 1 and trainer_pipeline.is_pipeline(net):
-            from autoparallel.hapi_forms import PIPELINE_WHY
-
-            raise NotImplementedError(PIPELINE_WHY)
+            raise NotImplementedError(trainer_pipeline.HAPI_WHY)
         if world < 2 or not any(is_dist(p) for p in net.parameters()):
             return orig(self, model)
         r = trainer_ranks.layout(net, world, "hapi's paddle.Model")

@@ -27,14 +27,24 @@ its stages only; save with ``ap.save_state_dict(model.checkpoint_state(opt), pat
 from __future__ import annotations
 
 import contextlib
+import sys
 
 WHO = "PaddleFormers' Trainer over a pipeline-parallel model"
 
 
-def is_pipeline(model) -> bool:
-    from autoparallel.parallel.pipeline.runtime import PipelineModule
+HAPI_WHY = (
+    "hapi's paddle.Model over a pipeline-parallel model: its train_batch / eval_batch compute the loss outside the "
+    "network, loss_fn(network(inputs), labels), which a pipeline cannot run (its loss is computed on the last stage "
+    "inside the schedule; the logits of every micro-batch never exist whole on one rank). What works: the "
+    "one-process loop `loss = model(ids, labels=labels)` (or model(**batch).loss), `loss.backward()`, "
+    "`opt.step()`; model.train_batch(inputs, labels) / model.eval_batch(inputs, labels); PaddleFormers' Trainer "
+    "with optimizers=(opt, None)")
 
-    return isinstance(model, PipelineModule)
+
+def is_pipeline(model) -> bool:
+    """A PipelineModule (looked up where it lives: no pipeline exists before its module is imported)."""
+    mod = sys.modules.get("autoparallel.parallel.pipeline.runtime")
+    return mod is not None and isinstance(model, mod.PipelineModule)
 
 
 def refuse_options(targs, optimizer, resume=None) -> None:

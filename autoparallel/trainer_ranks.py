@@ -23,10 +23,11 @@ its own part of every global batch (tensor-parallel peers need the same part). H
 Refused when the Trainer is built (NotImplementedError naming the option): the Trainer's own hybrid or auto
 parallelism (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ``sharding``,
 ``enable_auto_parallel``), its mixed precision (``fp16`` / ``bf16``: use ``Strategy.amp``), a model without the
-input sharding of ``ap.parallelize`` (``ap.shard_layer`` models: the Trainer's batches carry no layout), a
-pipeline-parallel model, ``save_checkpoint_format="unified_checkpoint"``; the checkpoint forms of
+input sharding of ``ap.parallelize`` (``ap.shard_layer`` models: the Trainer's batches carry no layout),
+``save_checkpoint_format="unified_checkpoint"``; the checkpoint forms of
 trainer_resume.py. Under ZeRO (``Strategy.sharding``) the flex checkpoints hold the whole optimizer states too
-(``opt.state_dict()`` of the ZeRO optimizer, gathered) and resume through trainer_resume.py.
+(``opt.state_dict()`` of the ZeRO optimizer, gathered) and resume through trainer_resume.py. A pipeline-parallel
+model (``setup_pipeline``): every rank is given the whole global batch, plain (trainer_pipeline.py).
 """
 from __future__ import annotations
 

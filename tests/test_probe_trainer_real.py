@@ -172,7 +172,8 @@ def test_trainer_over_a_pipeline_equals_one_process_on_real_ranks(job, which):
     """tests/dist_scripts/trainer_pipeline_cases.py: the Trainer over a pipelined Llama (pp 2 x dp 2 with
     accumulation 2, a global-norm clip and the evaluation loop; pp 2 with the evaluation loop): the 3 logged losses
     and the evaluation loss, and every parameter of each rank's stages, equal the one-process Trainer. Refused when
-    the Trainer was built before (NotImplementedError: pipeline parallel)."""
+    the Trainer was built before on 4 ranks (NotImplementedError: pipeline parallel); on 2 ranks train() crashed
+    (paddle.DataParallel over the pipeline: AttributeError 'full_name')."""
     ranks = job[1] if which.startswith("pp2 x") else shared_launch.results(JOB2)[1]
     assert len(ranks) == (4 if which.startswith("pp2 x") else 2)
     for r in ranks:
@@ -185,8 +186,9 @@ def test_trainer_over_a_pipeline_equals_one_process_on_real_ranks(job, which):
 
 
 def test_hapi_over_a_pipeline_is_refused_on_real_ranks(job):
-    """hapi's Model(pipe).prepare(opt, loss) on 4 and 2 ranks: refused by name, saying what works (before: the
-    4-rank adapter refused naming a mesh it said the model lacked)."""
+    """hapi's Model(pipe).prepare(opt, loss) on 4 and 2 ranks: refused by name, saying what works (before: on 4 ranks
+    the adapter refused naming a mesh it said the model lacked; on 2 ranks paddle.DataParallel over the pipeline
+    crashed with AttributeError 'full_name')."""
     for r in job[1] + shared_launch.results(JOB2)[1]:
         got = r["cases"]["pipe: hapi refused"]
         assert "refused" in got, (r["rank"], got)
