@@ -131,6 +131,10 @@ def train_pipe(cls, pp_dp=None, accumulate=1, clip=0.0, evals=False, **extra):
         s = ap.Strategy()
         s.pipeline_parallel.degree, s.pipeline_parallel.micro_batches = pp_dp[0], 2
         s.data_parallel.degree = pp_dp[1]
+        if len(pp_dp) > 2:                                          # (pp, dp, tp, ZeRO stage)
+            s.tensor_parallel.degree = pp_dp[2]
+            if pp_dp[3]:
+                s.sharding.enable, s.sharding.stage = True, pp_dp[3]
         model, opt = ap.parallelize(model, opt, strategy=s)
     logged = []
 
@@ -148,16 +152,18 @@ def train_pipe(cls, pp_dp=None, accumulate=1, clip=0.0, evals=False, **extra):
     return logged, {n: (p.full() if ap.is_dist(p) else p).numpy() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("dp,accumulate,clip,evals", [(1, 1, 0.0, True), (1, 2, 0.05, False), (2, 2, 0.05, True)])
-def test_trainer_over_pipeline_equals_one_process(trainer_cls, monkeypatch, dp, accumulate, clip, evals):
-    """PP2 and PP2 x DP2 (1F1B, 2 micro-batches): every logged loss, the evaluation loss (the Trainer's evaluation
+@pytest.mark.parametrize("dp,tp,stage,accumulate,clip,evals", [
+    (1, 1, 0, 1, 0.0, True), (1, 1, 0, 2, 0.05, False), (2, 1, 0, 2, 0.05, True), (1, 2, 0, 2, 0.05, True),
+    (2, 1, 2, 2, 0.05, True)])
+def test_trainer_over_pipeline_equals_one_process(trainer_cls, monkeypatch, dp, tp, stage, accumulate, clip, evals):
+    """PP2, PP2 x DP2, PP2 x TP2 and PP2 x DP2 x ZeRO-2 (1F1B, 2 micro-batches): every logged loss, the evaluation loss (the Trainer's evaluation
     loop: the pipeline's eval_batch) and every parameter equal the one-process Trainer. With accumulation the
     Trainer's model.no_sync() raised (the pipeline's, for train_batch users); clipping binds (the losses differ
     from the unclipped run's)."""
     monkeypatch.setattr(paddle.device, "synchronize", lambda *a, **k: None)     # the Trainer calls it; CPU refuses
     want_losses, want = train_pipe(trainer_cls, None, accumulate, clip, evals)
-    with ap.simulate(world_size=2 * dp):
-        losses, got = train_pipe(trainer_cls, (2, dp), accumulate, clip, evals)
+    with ap.simulate(world_size=2 * dp * tp):
+        losses, got = train_pipe(trainer_cls, (2, dp, tp, stage), accumulate, clip, evals)
     assert [k for k, _ in losses] == [k for k, _ in want_losses] and len(losses) == 3 + evals
     np.testing.assert_allclose([v for _, v in losses], [v for _, v in want_losses], rtol=1e-5)
     start = pipe_llama().state_dict()
