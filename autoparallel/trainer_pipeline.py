@@ -15,14 +15,22 @@ its data-parallel gradients at the wrapped optimizer's step. So here:
   ``no_sync`` asks; the pipeline's own ``no_sync()`` (for ``train_batch`` users) raises otherwise;
 * evaluation runs the pipeline's forward-only path (``eval_batch``): the loss, on every rank.
 
+Checkpoints: ``save_model`` (each ``save_steps`` checkpoint, a final save) writes ``ap.training_state(model,
+opt)`` with ``ap.save_state_dict`` into ``<dir>/pipeline_state`` on every rank (each rank its stages' parameters
+and optimizer states under the model's un-pipelined names: the checkpoint format of docs/checkpoints.md, which
+loads under any layout); the Trainer's flex model / optimizer writers do nothing over a pipeline; it still writes
+its own scheduler, RNG and trainer state. ``train(resume_from_checkpoint=...)`` reads ``pipeline_state`` back
+with ``ap.load_state_dict`` (the optimizer's entries too unless ``ignore_load_lr_and_optim``), then the Trainer's
+scheduler.
+
 Refused when the Trainer is built (NotImplementedError naming the option): the Trainer's own optimizer (it would
 not be the pipeline's wrapped optimizer, which reduces the data-parallel gradients and clips over every stage:
 pass ``optimizers=(opt, None)`` with the optimizer ``ap.parallelize`` returned, its ``grad_clip`` for clipping),
 ``recompute_granularity`` / ``use_expert_parallel`` (the Trainer all-reduces every parameter over the whole
-world itself: use ``Strategy.recompute``), checkpoints (``save_strategy`` other than ``"no"``, a resume,
-``load_best_model_at_end``: the Trainer's flex checkpoint is one process's state dict, while a pipeline rank holds
-its stages only; save with ``ap.save_state_dict(model.checkpoint_state(opt), path)``), and an explicit
-``save_model()``.
+world itself: use ``Strategy.recompute``), ``fp16`` / ``bf16`` (use ``Strategy.amp``),
+``load_best_model_at_end`` (it reloads the best checkpoint through PaddleFormers' own loader), the other
+checkpoint formats (trainer_resume.refuse_forms). A resume from a directory without ``pipeline_state``:
+FileNotFoundError.
 """
 from __future__ import annotations
 
@@ -47,7 +55,7 @@ def is_pipeline(model) -> bool:
     return mod is not None and isinstance(model, mod.PipelineModule)
 
 
-def refuse_options(targs, optimizer, resume=None) -> None:
+def refuse_options(targs, optimizer) -> None:
     """Before training: every Trainer option that cannot be honoured over a pipeline, by name."""
     bad = []
     if optimizer is None:
@@ -62,24 +70,42 @@ def refuse_options(targs, optimizer, resume=None) -> None:
     for opt in ("fp16", "bf16"):
         if getattr(targs, opt, False):
             bad.append(f"{opt}=True (use Strategy.amp)")
-    save = getattr(getattr(targs, "save_strategy", "no"), "value", getattr(targs, "save_strategy", "no"))
-    if save != "no":
-        bad.append(f"save_strategy={save!r}")
     if getattr(targs, "load_best_model_at_end", False):
         bad.append("load_best_model_at_end=True")
-    if resume or getattr(targs, "resume_from_checkpoint", None):
-        bad.append(f"resume_from_checkpoint={resume or targs.resume_from_checkpoint!r}")
     if bad:
-        raise NotImplementedError(
-            f"{WHO}: cannot honour {'; '.join(bad)}. Checkpoints: the Trainer's are one process's state dict, "
-            f"while each pipeline rank holds its stages only; save and resume with "
-            f"ap.save_state_dict(model.checkpoint_state(opt), path) / ap.load_state_dict outside the Trainer")
+        raise NotImplementedError(f"{WHO}: cannot honour {'; '.join(bad)}")
 
 
-def refuse_save(trainer) -> None:
-    raise NotImplementedError(f"{WHO}: save_model() writes one process's state dict, while each pipeline rank "
-                              f"holds its stages only; save with ap.save_state_dict(model.checkpoint_state(opt), "
-                              f"path)")
+STATE_DIR = "pipeline_state"
+
+
+def save(trainer, output_dir=None) -> str:
+    """The Trainer's ``save_model`` over a pipeline (every rank: collective): ``ap.training_state(model, opt)``
+    (each rank its stages' parameters and optimizer states under the model's names) with
+    ``ap.save_state_dict`` into ``<output_dir>/pipeline_state``."""
+    import os
+
+    from autoparallel.checkpoint.save import save_state_dict
+    from autoparallel.checkpoint.state import training_state
+
+    path = os.path.join(output_dir or trainer.args.output_dir, STATE_DIR)
+    return save_state_dict(training_state(trainer.model, trainer.optimizer), path, overwrite=True)
+
+
+def load(trainer, checkpoint: str, with_optimizer: bool) -> None:
+    """``train(resume_from_checkpoint=checkpoint)``: the parameters (and optimizer states) from the checkpoint's
+    ``pipeline_state`` laid out on this pipeline (``ap.load_state_dict``: any layout, names checked)."""
+    import os
+
+    from autoparallel.checkpoint.load import load_state_dict
+    from autoparallel.checkpoint.state import training_state
+
+    path = os.path.join(checkpoint, STATE_DIR)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{WHO}: resume_from_checkpoint={checkpoint!r} holds no {STATE_DIR}/ (what the "
+                                f"Trainer writes over a pipeline); got {sorted(os.listdir(checkpoint))}")
+    load_state_dict(training_state(trainer.model, trainer.optimizer if with_optimizer else None), path,
+                    strict=with_optimizer)     # ignore_load_lr_and_optim: the optimizer's entries are left unread
 
 
 @contextlib.contextmanager

@@ -117,7 +117,7 @@ def pipe_llama():
     return pfm.build("llama", 0, tie_word_embeddings=False, num_hidden_layers=4)
 
 
-def train_pipe(cls, pp_dp=None, accumulate=1, clip=0.0, evals=False, **extra):
+def train_pipe(cls, pp_dp=None, accumulate=1, clip=0.0, evals=False, steps=3, resume=None, **extra):
     """The Trainer over the 4-layer untied Llama (pipelined when ``pp_dp`` is (pp, dp)), the optimizer handed over
     (``clip``: its ClipGradByGlobalNorm, which is what clips with a handed-over optimizer). Returns (logged losses
     with the evaluation losses, parameters by name)."""
@@ -143,12 +143,14 @@ def train_pipe(cls, pp_dp=None, accumulate=1, clip=0.0, evals=False, **extra):
             logged.extend((k, v) for k, v in sorted((logs or {}).items()) if k in ("loss", "eval_loss"))
 
     ev = dict(evaluation_strategy="steps", eval_steps=2, per_device_eval_batch_size=4) if evals else {}
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=accumulate, learning_rate=1e-3, save_strategy="no",
-                             report_to=[], disable_tqdm=True, seed=0, amp_master_grad=False, logging_steps=1,
-                             sharding="", max_grad_norm=clip, **ev, **extra)
+    kw = dict(output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=4,
+              gradient_accumulation_steps=accumulate, learning_rate=1e-3, save_strategy="no", report_to=[],
+              disable_tqdm=True, seed=0, amp_master_grad=False, logging_steps=1, sharding="", max_grad_norm=clip,
+              dataloader_shuffle=False, **ev)
+    kw.update(extra)
+    args = TrainingArguments(**kw)
     Trainer(model=model, args=args, train_dataset=Data(), eval_dataset=Data() if evals else None,
-            optimizers=(opt, None), callbacks=[Log()]).train()
+            optimizers=(opt, None), callbacks=[Log()]).train(resume_from_checkpoint=resume)
     return logged, {n: (p.full() if ap.is_dist(p) else p).numpy() for n, p in model.named_parameters()}
 
 
@@ -177,13 +179,14 @@ def test_trainer_over_pipeline_equals_one_process(trainer_cls, monkeypatch, dp, 
 
 
 @pytest.mark.parametrize("form,match", [
-    ("own optimizer", r"optimizers=\(opt, None\)"), ("save_strategy", "save_strategy='steps'"),
-    ("recompute", "recompute_granularity='full'"), ("resume", "resume_from_checkpoint="),
-    ("save_model", r"save_model\(\).*checkpoint_state")])
+    ("own optimizer", r"optimizers=\(opt, None\)"), ("best", "load_best_model_at_end=True"),
+    ("recompute", "recompute_granularity='full'"), ("resume elsewhere", "holds no pipeline_state/"),
+    ("save format", "save_checkpoint_format='unified_checkpoint'")])
 def test_trainer_over_pipeline_refusals(trainer_cls, form, match):
     """What cannot be honoured over a pipeline is refused by name before any step (the Trainer's own optimizer
     would not reduce the data-parallel gradients nor clip over every stage; its checkpoints are one process's state
-    dict; recompute_granularity makes it all-reduce every parameter over the world itself)."""
+    dict; recompute_granularity makes it all-reduce every parameter over the world itself; a checkpoint without
+    the pipeline's state; another save format)."""
     from autoparallel import trainer_forms
 
     trainer_forms.install()
@@ -194,17 +197,39 @@ def test_trainer_over_pipeline_refusals(trainer_cls, form, match):
         model = pipe_llama()
         pipe, opt = ap.parallelize(model, paddle.optimizer.AdamW(1e-3, parameters=model.parameters()), strategy=s)
         before = {n: p.numpy().copy() for n, p in pipe.named_parameters()}
-        extra = {"save_strategy": dict(save_strategy="steps", save_steps=1),
+        extra = {"best": dict(load_best_model_at_end=True, save_strategy="steps", evaluation_strategy="steps",
+                              save_steps=1, eval_steps=1),
+                 "save format": dict(save_strategy="steps", save_checkpoint_format="unified_checkpoint"),
                  "recompute": dict(recompute_granularity="full")}.get(form, {})
         kw = dict(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=4, save_strategy="no",
                   report_to=[], disable_tqdm=True, sharding="", amp_master_grad=False)
         kw.update(extra)
-        with pytest.raises(NotImplementedError, match=match):
+        with pytest.raises(FileNotFoundError if form == "resume elsewhere" else NotImplementedError, match=match):
             t = Trainer(model=pipe, args=TrainingArguments(**kw), train_dataset=Data(),
                         optimizers=(None if form == "own optimizer" else opt, None))
-            if form == "resume":
+            if form == "resume elsewhere":
                 t.train(resume_from_checkpoint=tempfile.mkdtemp())
-            elif form == "save_model":
-                t.save_model()
         for n, p in pipe.named_parameters():                      # refused before any step
             np.testing.assert_array_equal(p.numpy(), before[n])
+
+
+def test_trainer_over_pipeline_checkpoint_resumes_equal_to_one_process(trainer_cls, tmp_path):
+    """PP2 x DP2 saving every 2 of 4 steps writes each stage's parameters and AdamW states (ap.training_state with
+    ap.save_state_dict, <checkpoint>/pipeline_state); a new Trainer over a new pipeline resumes from checkpoint-2:
+    the logged losses of steps 3-4 and every parameter equal one process's 4 steps (before: AttributeError
+    'PipelineModule' object has no attribute 'sharded_state_dict' at the first save). The parameters alone
+    (ignore_load_lr_and_optim) give other parameters: the optimizer states were read."""
+    import os
+
+    want = train_pipe(trainer_cls, None, steps=4)
+    with ap.simulate(world_size=4):
+        train_pipe(trainer_cls, (2, 2), steps=4, output_dir=str(tmp_path), save_strategy="steps", save_steps=2)
+        assert os.path.isdir(tmp_path / "checkpoint-2" / "pipeline_state")
+        got_losses, got = train_pipe(trainer_cls, (2, 2), steps=4, resume=str(tmp_path / "checkpoint-2"))
+        _, control = train_pipe(trainer_cls, (2, 2), steps=4, resume=str(tmp_path / "checkpoint-2"),
+                                ignore_load_lr_and_optim=True)
+    assert len(got_losses) == 2
+    np.testing.assert_allclose([v for _, v in got_losses], [v for _, v in want[0][-2:]], rtol=1e-5)
+    for n, v in want[1].items():
+        np.testing.assert_allclose(got[n], v, rtol=1e-4, atol=2e-5, err_msg=n)
+    assert max(float(np.abs(control[n] - v).max()) for n, v in want[1].items()) > 1e-4
