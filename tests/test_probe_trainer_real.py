@@ -12,7 +12,11 @@ x ZeRO-2 save every 2 of 4 steps; a new Trainer resumes from checkpoint-2 on the
 parameter equal the uninterrupted run and one process; the parameters alone, without the optimizer states, are the
 control); job ``trainer_resume2`` resumes those checkpoints in 2 new processes under other layouts (ZeRO-2 -> ZeRO-3,
 -> plain DP; ZeRO-3 -> ZeRO-3 dp 2; dp 2 x tp 2 x ZeRO-2 -> tp 2; the dp 2 x tp 2 checkpoint -> ZeRO-2); here, in
-one process, the checkpoints load into a plain Llama and AdamW equal to the one-process Trainer's after step 2."""
+one process, the checkpoints load into a plain Llama and AdamW equal to the one-process Trainer's after step 2.
+
+The Trainer over a pipelined Llama (tests/dist_scripts/trainer_pipeline_cases.py): pp 2 x dp 2 here (accumulation,
+a clip, the evaluation loop; save_steps and a resume in a new Trainer), pp 2 in job ``trainer_resume2``; hapi's
+Model over a pipeline refused by name on both."""
 import os
 
 import numpy as np
