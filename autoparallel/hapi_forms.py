@@ -23,7 +23,7 @@ import warnings
 
 import numpy as np
 
-from autoparallel import patches
+from autoparallel import patches, trainer_pipeline
 
 
 def install() -> None:
@@ -44,9 +44,20 @@ def install() -> None:
     patches.patch(hapi_model, "to_numpy", to_numpy)
     patches.patch(hapi_model.DynamicGraphAdapter, "save", _save(hapi_model.DynamicGraphAdapter.save))
     patches.patch(hapi_model.Model, "load", _load(hapi_model.Model.load))
+    patches.patch(hapi_model.Model, "prepare", _prepare(hapi_model.Model.prepare))
     from autoparallel import hapi_ranks
 
     hapi_ranks.install(hapi_model)
+
+
+def _prepare(orig):
+    def prepare(self, *args, **kwargs):
+        if trainer_pipeline.is_pipeline(self.network):
+            raise NotImplementedError(trainer_pipeline.HAPI_WHY)
+        return orig(self, *args, **kwargs)
+
+    prepare._ap_wrapper = True
+    return prepare
 
 
 def _global(state: dict) -> dict:

@@ -19,7 +19,7 @@ network holding distributed parameters:
 """
 from __future__ import annotations
 
-from autoparallel import patches, trainer_ranks
+from autoparallel import patches, trainer_pipeline, trainer_ranks
 from autoparallel.compat import SideData
 
 _RANKED = SideData()          # DynamicGraphAdapter -> trainer_ranks.Ranked
@@ -56,6 +56,8 @@ def _adapter_init(orig):
 
         world = paddle.distributed.ParallelEnv().nranks
         net = model.network
+        if world > 1 and trainer_pipeline.is_pipeline(net):
+            raise NotImplementedError(trainer_pipeline.HAPI_WHY)
         if world < 2 or not any(is_dist(p) for p in net.parameters()):
             return orig(self, model)
         r = trainer_ranks.layout(net, world, "hapi's paddle.Model")

@@ -250,7 +250,11 @@ def _pipeline(model, optimizer, strategy, mesh, styles):
     loss.backward(); opt.step()`` (parallel/pipeline/called.py)."""
     from autoparallel.parallel.pipeline.runtime import apply_pp
 
+    from autoparallel import hapi_forms, trainer_forms
+
     pipe = apply_pp(model, strategy, mesh=mesh, tp_plan=styles or None)
+    trainer_forms.install()             # the Trainer and hapi over a pipeline (trainer_pipeline.py, hapi_forms.py),
+    hapi_forms.install()                # also where no distributed tensor installs dispatch (pp without dp / tp)
     return pipe, (pipe.wrap_optimizer(optimizer) if optimizer is not None else None)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 
-from autoparallel import after_import, patches, trainer_ranks, trainer_resume
+from autoparallel import after_import, patches, trainer_pipeline, trainer_ranks, trainer_resume
 
 
 TARGET = "paddleformers.trainer.trainer"
@@ -46,6 +46,9 @@ def install() -> None:
     patches.patch(cls, "_wrap_model", _wrap_model(cls._wrap_model))
     patches.patch(cls, "_prepare_inputs", _prepare_inputs(cls._prepare_inputs))
     patches.patch(cls, "save_model", _save_model(cls.save_model))
+    patches.patch(cls, "train", _train(cls.train))
+    if hasattr(cls, "_save_flex_model_state"):
+        patches.patch(cls, "_save_flex_model_state", _save_flex_model(cls._save_flex_model_state))
     if hasattr(cls, "_save_flex_optimizer_state"):
         patches.patch(cls, "_save_flex_optimizer_state", _save_flex_optimizer(cls._save_flex_optimizer_state))
     if hasattr(cls, "_load_flex_checkpoint"):
@@ -127,7 +130,12 @@ def _init(orig):
         bound = sig.bind_partial(self, *args, **kwargs).arguments
         model, targs = bound.get("model"), bound.get("args")
         world = getattr(targs, "world_size", 1) if targs is not None else 1
-        if model is not None and targs is not None and any(is_dist(p) for p in model.parameters()):
+        if model is not None and targs is not None and trainer_pipeline.is_pipeline(model):
+            trainer_pipeline.refuse_options(targs, (bound.get("optimizers") or (None,))[0])
+            trainer_resume.refuse_forms(targs, trainer_pipeline.WHO)
+            if world > 1:
+                trainer_ranks.setup_pipeline(self, targs, world)
+        elif model is not None and targs is not None and any(is_dist(p) for p in model.parameters()):
             if world > 1:
                 trainer_ranks.setup(self, model, targs, world)
             trainer_resume.refuse_forms(targs, "PaddleFormers' Trainer")
@@ -146,6 +154,18 @@ def _install_args(mod) -> None:
     for which, name in enumerate(("dataset_world_size", "dataset_rank")):
         if isinstance(cls.__dict__.get(name), property):
             patches.patch(cls, name, trainer_ranks.dataset_property(cls.__dict__[name], which))
+
+
+def _train(orig):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if not trainer_pipeline.is_pipeline(self.model):
+            return orig(self, resume_from_checkpoint, *args, **kwargs)
+        trainer_pipeline.refuse_options(self.args, self.optimizer)
+        with trainer_pipeline.accumulating(self.model):
+            return orig(self, resume_from_checkpoint, *args, **kwargs)
+
+    train._ap_wrapper = True
+    return train
 
 
 def _wrap_model(orig):
@@ -168,6 +188,8 @@ def _prepare_inputs(orig):
 
 def _save_model(orig):
     def save_model(self, *args, **kwargs):
+        if trainer_pipeline.is_pipeline(self.model):
+            return trainer_pipeline.save(self, args[0] if args else kwargs.get("output_dir"))
         if trainer_ranks.ranked(self) is None:
             return orig(self, *args, **kwargs)
         state = trainer_ranks.global_state(self.model)          # every rank: the gathers are collectives
@@ -191,8 +213,20 @@ def _distributed(model) -> bool:
     return model is not None and any(is_dist(p) for p in model.parameters())
 
 
+def _save_flex_model(orig):
+    def save_flex_model_state(self, output_dir):
+        if trainer_pipeline.is_pipeline(self.model):
+            return None                 # written by save_model on every rank (trainer_pipeline.save)
+        return orig(self, output_dir)
+
+    save_flex_model_state._ap_wrapper = True
+    return save_flex_model_state
+
+
 def _save_flex_optimizer(orig):
     def save_flex_optimizer_state(self, output_dir):
+        if trainer_pipeline.is_pipeline(self.model):
+            return None                 # written with the parameters by save_model (trainer_pipeline.save)
         if not _distributed(self.model):
             return orig(self, output_dir)
         opt = self.optimizer
@@ -208,6 +242,12 @@ def _save_flex_optimizer(orig):
 
 def _load_flex(orig):
     def load_flex_checkpoint(self, resume_from_checkpoint):
+        if trainer_pipeline.is_pipeline(self.model):
+            keep = not self.args.ignore_load_lr_and_optim
+            trainer_pipeline.load(self, resume_from_checkpoint, keep)
+            if keep:
+                self._load_scheduler(resume_from_checkpoint)
+            return None
         if not _distributed(self.model):
             return orig(self, resume_from_checkpoint)
         trainer_resume.refuse_forms(self.args, "PaddleFormers' Trainer")

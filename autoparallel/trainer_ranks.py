@@ -23,10 +23,11 @@ its own part of every global batch (tensor-parallel peers need the same part). H
 Refused when the Trainer is built (NotImplementedError naming the option): the Trainer's own hybrid or auto
 parallelism (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ``sharding``,
 ``enable_auto_parallel``), its mixed precision (``fp16`` / ``bf16``: use ``Strategy.amp``), a model without the
-input sharding of ``ap.parallelize`` (``ap.shard_layer`` models: the Trainer's batches carry no layout), a
-pipeline-parallel model, ``save_checkpoint_format="unified_checkpoint"``; the checkpoint forms of
+input sharding of ``ap.parallelize`` (``ap.shard_layer`` models: the Trainer's batches carry no layout),
+``save_checkpoint_format="unified_checkpoint"``; the checkpoint forms of
 trainer_resume.py. Under ZeRO (``Strategy.sharding``) the flex checkpoints hold the whole optimizer states too
-(``opt.state_dict()`` of the ZeRO optimizer, gathered) and resume through trainer_resume.py.
+(``opt.state_dict()`` of the ZeRO optimizer, gathered) and resume through trainer_resume.py. A pipeline-parallel
+model (``setup_pipeline``): every rank is given the whole global batch, plain (trainer_pipeline.py).
 """
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ DATA = "data"
 
 
 class Ranked:
-    def __init__(self, mesh, dp: int, index: int):
-        self.mesh, self.dp, self.index = mesh, dp, index
+    def __init__(self, mesh, dp: int, index: int, pipeline: bool = False):
+        self.mesh, self.dp, self.index, self.pipeline = mesh, dp, index, pipeline
 
 
 def ranked(trainer):
@@ -55,6 +56,15 @@ def setup(trainer, model, targs, world: int) -> None:
     _RANKED.set(trainer, r)
     key = id(targs)
     _ARGS[key] = (r.dp, r.index)
+    weakref.finalize(targs, _ARGS.pop, key, None)
+
+
+def setup_pipeline(trainer, targs, world: int) -> None:
+    """A pipeline-parallel model (trainer_pipeline.py): every rank is given the same global batch, plain."""
+    _refuse_options(targs, world)
+    _RANKED.set(trainer, Ranked(None, 1, 0, pipeline=True))
+    key = id(targs)
+    _ARGS[key] = (1, 0)
     weakref.finalize(targs, _ARGS.pop, key, None)
 
 
@@ -117,7 +127,7 @@ def dataset_property(orig, which: int):
 def as_parts(trainer, inputs):
     """The batch ``inputs`` (this rank's rows) as DistTensors sharded on dim 0 over the data dim."""
     r = ranked(trainer)
-    return inputs if r is None else _nested(inputs, r)
+    return inputs if r is None or r.pipeline else _nested(inputs, r)
 
 
 def _nested(x, r):

@@ -37,12 +37,13 @@ class Data(paddle.io.Dataset):
 class Losses(TrainerCallback):
     """The logged losses; with ``keep`` (one process), the parameters and the optimizer's flex states after
     step 2 (what the distributed run's ``save_steps=2`` checkpoint must hold) written to ``keep``."""
-    def __init__(self, keep=None):
-        self.seen, self.keep, self.trainer = [], keep, None
+    def __init__(self, keep=None, evals=False):
+        self.seen, self.keep, self.trainer, self.evals = [], keep, None, evals
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.seen.append(logs["loss"])
+        for k in ("loss", "eval_loss") if self.evals else ("loss",):
+            if logs and k in logs:
+                self.seen.append(logs[k])
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.keep and state.global_step == 2 and paddle.distributed.get_rank() == 0:

@@ -15,6 +15,7 @@ import paddle
 
 import autoparallel as ap
 import hapi_real_cases
+import trainer_pipeline_cases
 import trainer_resume_cases
 from autoparallel.testing.launch import write_result
 from trainer_real_runs import diff, run
@@ -57,7 +58,8 @@ sync = paddle.device.synchronize                # the Trainer calls it when accu
 paddle.device.synchronize = lambda *a, **k: None
 try:
     for name, fn in {**CASES, **{k: (lambda f=f: f(OUT)) for k, f in {
-            **trainer_resume_cases.CASES, **hapi_real_cases.CASES}.items()}}.items():
+            **trainer_resume_cases.CASES, **hapi_real_cases.CASES,
+            **trainer_pipeline_cases.FOUR}.items()}}.items():
         if os.environ.get("AP_ONLY") and os.environ["AP_ONLY"] not in name:
             continue
         try:

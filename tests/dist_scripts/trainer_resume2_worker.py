@@ -10,6 +10,7 @@ import traceback
 import paddle
 
 import autoparallel as ap
+import trainer_pipeline_cases
 from autoparallel.testing.launch import write_result
 from trainer_real_runs import diff, run
 
@@ -30,6 +31,11 @@ for name, (saved, dp, tp, stage) in RESUMES.items():
     try:
         got = run(OUT, dp, tp, stage=stage, steps=STEPS, resume=os.path.join(FOUR, *saved.split("/")))
         out[name] = diff(got, want, tail=2)
+    except Exception:                               # noqa: BLE001  (reported per case)
+        out[name] = {"error": traceback.format_exc()[-3000:]}
+for name, fn in trainer_pipeline_cases.TWO.items():
+    try:
+        out[name] = fn(OUT)
     except Exception:                               # noqa: BLE001  (reported per case)
         out[name] = {"error": traceback.format_exc()[-3000:]}
 write_result({"rank": paddle.distributed.get_rank(), "cases": out})
