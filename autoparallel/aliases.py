@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import sys
+import types
 
 import paddle
 
@@ -127,12 +128,27 @@ def repoint_layer_ops(layer) -> None:
     """The sublayers of ``layer`` built after dispatch was installed may hold an op captured before it (a
     default argument ``act=F.gelu``, an entry of a table built at import): repointed when the model is
     distributed (``shard_layer``, ``parallelize``), as ``_repoint_layers`` does at install."""
-    routed = _ROUTED or _live_wrappers()
+    routed = _unwrapped({**_live_wrappers(), **_ROUTED})
     for sub in layer.sublayers(include_self=True) if routed else ():
         for k, v in list(sub.__dict__.items()):
             w = routed.get(id(v)) if callable(v) else None
-            if w is not None:
+            if w is not None and w is not v:
                 patches.patch(sub, k, w)
+
+
+def _unwrapped(routed: dict) -> dict:
+    """``routed`` with every level below each wrapper (``__wrapped__``) mapped to it too: a function captured
+    while an earlier install was active holds that install's wrapper (or paddle's original under it), and both
+    stand for the live wrapper."""
+    out = dict(routed)
+    for w in routed.values():
+        inner = w
+        while isinstance(inner, types.FunctionType) and inner.__dict__.get("_ap_wrapper") is True:
+            inner = inner.__dict__.get("__wrapped__")
+            if inner is None:
+                break
+            out.setdefault(id(inner), w)
+    return out
 
 
 def _live_wrappers() -> dict:
