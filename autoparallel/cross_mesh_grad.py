@@ -169,12 +169,18 @@ def backward(ts, gs, retain_graph: bool, roots, **kw) -> None:
         _check_unreached(())
         return
     why = next((r.why for r in recs if r.why), None)
+    if why is None and retain_graph:
+        why = next((getattr(r, "retain_why", None) for r in recs if getattr(r, "retain_why", None)), None)
     if why is not None:                 # every rank holds every record: refused on all of them, before any message
         raise NotImplementedError(why)
     me, seeds = current_world().rank, [list(ts), list(gs)]
     _check_retained([r.sent for r in recs if r.sent is not None], retain_graph)
     check_passes(pass_seeds(recs, me, list(ts)))
     for rec in reversed(recs):
+        if getattr(rec, "resume", None) is not None:       # a pipeline's backward (pipeline/external_loss.py)
+            _flush(seeds, retain_graph, {})                # the loss graph down to the logits, first
+            rec.resume()
+            continue
         if rec.buf is not None and any(d == me for d, _ in rec.back):
             _flush(seeds, True, {})     # everything that can reach the received tensor, before its gradient goes
         g = rec.exchange(me)

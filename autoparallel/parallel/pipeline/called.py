@@ -47,16 +47,17 @@ LOGITS_WHY = ("the logits of a training step are computed micro-batch by micro-b
               "model.eval_batch(inputs)) for them")
 
 
+LOGITS_WHY_EXTERNAL = ("a training call without labels returns the logits only (external_loss.py)")
+
+
 def call(pipe, args: tuple, kwargs: dict):
     inputs, labels, return_dict = bind(pipe, args, kwargs)
     form = _form(pipe, labels is not None, return_dict)
     if pipe.training and paddle.is_grad_enabled():
-        if labels is None:
-            raise TypeError("a pipeline-parallel model called in training mode needs the labels: its loss is "
-                            "computed on the last stage inside the schedule, so call model(inputs, labels=labels) "
-                            "(the pipeline's loss_fn applies to the logits) or model.train_batch(inputs, labels). loss_fn(model(x), y) cannot run: the "
-                            "logits of a step never exist whole on one rank; for outputs call the model under "
-                            "paddle.no_grad() or after model.eval()")
+        if labels is None:                     # loss_fn(model(x), y): the logits, backward through the pipeline
+            from . import external_loss
+
+            return call_forms.build(form, None, external_loss.call(pipe, inputs), LOGITS_WHY_EXTERNAL)
         return call_forms.build(form, train_call(pipe, inputs, labels), call_forms.Withheld("the logits",
                                                                                             LOGITS_WHY), LOGITS_WHY)
     return _evaluate(pipe, form, inputs, labels)

@@ -62,6 +62,7 @@ class _StepState:
         self.weights = None          # factor of each micro-batch's loss (batch.loss_weights)
         self.outputs = []            # eval_batch without labels: the last stage's output per micro-batch
         self.scale = 1.0             # the last stage's backward runs on loss x scale (AMP loss scaling)
+        self.external = False        # loss_fn(model(x), y): the last stage keeps its output for a given gradient
         self.records = []
 
 
@@ -92,6 +93,7 @@ class PipelineModule:
         self.loss_scaler = None              # strategy.amp: the last stage's backward runs on the scaled loss
         self.zero = None                     # strategy.sharding: (stage, degree, offload) for wrap_optimizer (zero.py)
         self.failed = None                   # real ranks: what made a step fail (no further step runs)
+        self.schedule_chosen = True          # the strategy chose the schedule (False: left at its default)
 
     def no_sync(self):
         """paddle.DataParallel's accumulation context has no meaning here: ``train_batch`` runs the micro-batches."""
@@ -243,11 +245,13 @@ class PipelineModule:
         for s in self.held_stages:
             self.stages[s].clear_gradients(set_to_zero)
 
-    def _program(self, keep=None):
+    def _program(self, keep=None, schedule=None):
         """(pipeline rank, action) in execution order: the rank's own list, or with several ranks held,
         all lists interleaved, each advancing while its next receive has its message. ``keep``: the action
-        kinds to run (a sub-list of every rank's list keeps the one global order, so it cannot deadlock)."""
-        lists = {r: [a for a in self.schedule[r] if keep is None or a.kind in keep] for r in self.held}
+        kinds to run (a sub-list of every rank's list keeps the one global order, so it cannot deadlock);
+        ``schedule``: another schedule over the same stages than the plan's (external_loss.py)."""
+        schedule = self.schedule if schedule is None else schedule
+        lists = {r: [a for a in schedule[r] if keep is None or a.kind in keep] for r in self.held}
         if len(lists) == 1:
             (r, acts), = lists.items()
             yield from ((r, a) for a in acts)
@@ -326,7 +330,7 @@ class PipelineModule:
         out = stage(x) if s == 0 or not stage.pieces.generic else stage(x, inputs=self._side(st.inputs[i], s))
         if stage.is_last and st.labels is None:               # eval_batch without labels: keep the logits
             st.outputs.append(out)
-            st.saved[(s, i)] = (x_local, None)
+            st.saved[(s, i)] = (x_local, out if st.external else None)
         elif stage.is_last:
             batch_mod.check_labels(out.shape, st.labels[i].shape, self.loss_fn is _cross_entropy)
             fn = batch_mod.summed_cross_entropy if self.loss_fn is _cross_entropy else self.loss_fn
@@ -341,7 +345,7 @@ class PipelineModule:
         x_local, out = st.saved.pop((s, i))
         capture = self.weight_grads.capture((s, i)) if self.zero_bubble else contextlib.nullcontext()
         with capture:
-            if self.stages[s].is_last:
+            if self.stages[s].is_last and not st.external:
                 out.backward()
             else:
                 g = st.inbox_b.pop((s, i), None)
@@ -460,6 +464,7 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
         pipe = PipelineModule(plan, stages, range(pp), LocalTransport(), meshes=meshes, loss_fn=loss_fn,
                               zero_bubble=zb)
         pipe.original_names, pipe.zero = names, zero_config(strategy)
+        pipe.schedule_chosen = c.schedule_chosen()
         if strategy.amp.enable:
             amp.install(pipe, model, strategy.amp)
         return pipe
@@ -493,6 +498,7 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
                           sync_loss=_world_loss(reporter) if sync_loss else None, zero_bubble=zb)
     pipe.original_names, pipe.zero = names, zero_config(strategy)
     pipe.ranks, pipe.rank, pipe.pp_rank, pipe.coords = ranks, rank, pp_rank, (d, t)
+    pipe.schedule_chosen = c.schedule_chosen()
     if strategy.amp.enable:
         amp.install(pipe, model, strategy.amp)
     return pipe
