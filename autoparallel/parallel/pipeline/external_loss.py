@@ -203,7 +203,7 @@ class PipelineBackward:
         pipe, st, m = self.pipe, self.st, self.pipe.plan.micro_batches
         self.st = None
         last = pipe.plan.num_stages - 1
-        grads = {r: paddle.split(_grad(leaf), m, axis=0) for r, leaf in self.leaves.items()}
+        grads = {r: micro_grads(_grad(leaf), m) for r, leaf in self.leaves.items()}
         out0 = st.saved[(last, 0)][1]
         shards = isinstance(_local(out0), _Shards)
         for i in range(m):
@@ -221,6 +221,11 @@ class PipelineBackward:
             leaf.clear_gradient(False)
         if getattr(pipe, "grads_scaled_by", None) is None:
             pipe.grads_scaled_by = USER_BACKWARD
+
+
+def micro_grads(g, m: int) -> list:
+    """A rank's gradient of its logits shard, cut into its ``m`` micro-batches' gradients."""
+    return paddle.split(g, m, axis=0)
 
 
 def _grad(leaf):
