@@ -188,6 +188,8 @@ def test_default_schedule_runs_fthenb_and_explicit_fthenb_runs():
     a rank before any of its backwards; an explicit FThenB gives the same losses."""
     ref_losses, losses, bad, pipe = compare(gpt, GPT_BATCHES[:2], ce_mean, strategy())
     assert pipe.plan.schedule.name == "1F1B" and not pipe.schedule_chosen
+    assert "pp=2 (1F1B; FThenB for loss_fn(model(x), y), 4 micro-batches)" in str(strategy())
+    assert "pp=2 (1F1B, 4 micro-batches)" in str(strategy(schedule="1F1B"))
     for rank in range(2):
         kinds = [r.kind for r in pipe.records if r.rank == rank and r.kind in ("F", "B")]
         assert kinds == ["F"] * 4 + ["B"] * 4, kinds
