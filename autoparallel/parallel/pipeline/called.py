@@ -21,8 +21,9 @@ backward without ``retain_graph``.)
 Decisions (docs/pipeline.md, "Called like the model"):
 
 * the return form is the model's own (call_forms.py); the logits of a training call are withheld (any use raises);
-* without labels in training mode: ``TypeError`` (the loss is computed on the last stage inside the schedule;
-  ``loss_fn(model(x), y)`` would need every micro-batch's logits whole on every rank);
+* without labels in training mode: the logits, for ``loss_fn(model(x), y).backward()`` (external_loss.py: every
+  micro-batch's forward, then the user's loss, then every micro-batch's backward from the logits' gradient; FThenB
+  order, refused under an explicitly chosen 1F1B / VPP / ZB-H1);
 * under ``paddle.no_grad()`` or after ``model.eval()``: ``eval_batch`` (forward only), the loss with labels, else
   the output (on ranks without the last stage a withheld value);
 * each loss keeps its own held gradients until it is freed: two pending losses are supported (``(l1 + l2)
@@ -47,7 +48,7 @@ LOGITS_WHY = ("the logits of a training step are computed micro-batch by micro-b
               "model.eval_batch(inputs)) for them")
 
 
-LOGITS_WHY_EXTERNAL = ("a training call without labels returns the logits only (external_loss.py)")
+LOGITS_WHY_EXTERNAL = "a training call without labels returns the logits only (external_loss.py)"
 
 
 def call(pipe, args: tuple, kwargs: dict):
