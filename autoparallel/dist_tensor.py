@@ -234,6 +234,9 @@ class DistTensor(OpMethods):
         """paddle's ``item(*args)``: the one element, or the element at a flat index / a full index."""
         if args:
             return self.full().item(*args)
+        synced = _pipeline_item(self)
+        if synced is not None:                  # a loss of a pipeline's logits: the same on every rank
+            return synced
         if not self._locals:
             if _ctx.tracer is not None:
                 raise NotImplementedError("reading a tensor's value (item(), bool(), int(), python control flow on "
@@ -255,6 +258,14 @@ class DistTensor(OpMethods):
 
     __repr__ = _forms.dist_repr
     __format__ = _forms.dist_format             # f"{loss:.4f}": a one-element tensor formats its value
+
+
+def _pipeline_item(t):
+    if not cross_mesh_grad.LIVE[0]:
+        return None
+    from autoparallel.parallel.pipeline.external_loss import synced_item
+
+    return synced_item(t)
 
 
 def _grad_placements(placements):

@@ -63,10 +63,6 @@ def schedule_for(pipe):
 def _refusals(pipe) -> None:
     from .called import leaves
 
-    if pipe.ranks is not None:
-        raise NotImplementedError("loss_fn(model(x), y) on a pipeline-parallel model runs in ap.simulate and in one "
-                                  "process; on launched ranks call model(x, labels=y) (the pipeline's loss_fn) or "
-                                  "model.train_batch(x, y)")
     if pipe.loss_scaler is not None:
         raise NotImplementedError("loss_fn(model(x), y) on a pipeline-parallel model under strategy.amp: the "
                                   "strategy's loss scale applies to the pipeline's own loss; call model(x, labels=y) "
@@ -133,12 +129,15 @@ def last_mesh(pipe):
     mesh = pipe.meshes.get(pipe.plan.num_stages - 1)
     if mesh is not None:
         return mesh
-    if getattr(pipe, "_external_mesh", None) is None:
+    if getattr(pipe, "_external_mesh", None) is None:       # made on every rank at the same call: same groups
         from autoparallel.comm.world import current_world
         from autoparallel.mesh import ProcessMesh
 
-        rank = (pipe.plan.num_stages - 1) % pipe.plan.pp if current_world().is_simulated else 0
-        pipe._external_mesh = ProcessMesh([[rank]], ["data", "model"])
+        last = (pipe.plan.num_stages - 1) % pipe.plan.pp
+        if pipe.ranks is not None:                             # launched ranks: the last stage's ranks
+            pipe._external_mesh = ProcessMesh(pipe.ranks[last].tolist(), ["data", "model"])
+        else:
+            pipe._external_mesh = ProcessMesh([[last if current_world().is_simulated else 0]], ["data", "model"])
     return pipe._external_mesh
 
 
@@ -148,14 +147,21 @@ def assemble(pipe, outs: list, m: int, dp: int):
     from autoparallel.placement import Replicate, Shard
 
     mesh = last_mesh(pipe)
-    if is_dist(outs[0]):
+    if not outs:                                               # a launched rank of another stage
+        placements, shape, dtype = meta(pipe, mesh, None)
+        per_rank = {}
+    elif is_dist(outs[0]):
         placements = list(outs[0].placements)
         per_rank = {r: [o.local_of(r) for o in outs] for r in outs[0].locals}
-        shape = list(outs[0].shape)
+        shape, dtype = list(outs[0].shape), outs[0].dtype
     else:
         placements = [Replicate()] * mesh.ndim
-        per_rank = {mesh.process_ids[0]: list(outs)}
-        shape = list(outs[0].shape)
+        per_rank = {mesh.process_ids[0] if pipe.ranks is None else pipe.rank: list(outs)}
+        shape, dtype = list(outs[0].shape), outs[0].dtype
+    if outs:
+        shape[0] *= m                                          # the whole batch's logits
+        if pipe.ranks is not None:
+            meta(pipe, mesh, (placements, shape, dtype))
     rows = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
     data = mesh.dim_names.index("data") if "data" in mesh.dim_names else None
     if rows not in ([], [data]) or (rows == [] and dp > 1 and data is not None and mesh.shape[data] != dp):
@@ -163,14 +169,43 @@ def assemble(pipe, outs: list, m: int, dp: int):
                                   f"{[str(p) for p in placements]}; its batch dim must be whole or sharded over the "
                                   f"data ranks alone")
     leaves_, locals_ = {}, {}
-    back = None if rows or dp == 1 else _inverse(shape[0] * m, m, dp)
+    back = None if rows or dp == 1 or not per_rank else _inverse(shape[0], m, dp)
     for r, parts in per_rank.items():
         leaf = paddle.concat([p.detach() for p in parts], axis=0)
         leaf.stop_gradient = False
         leaves_[r] = leaf
         locals_[r] = leaf if back is None else paddle.index_select(leaf, back, axis=0)
-    shape[0] *= m
-    return dtensor_from_local(locals_, mesh, placements, global_shape=shape), leaves_
+    return dtensor_from_local(locals_, mesh, placements, global_shape=shape, dtype=dtype), leaves_
+
+
+_DTYPES = ("float32", "float64", "float16", "bfloat16")
+_WIDTH = 12                                                    # ndim, 8 dims, dtype, 2 placements
+
+
+def meta(pipe, mesh, known):
+    """Launched ranks: the logits' (placements, global shape, dtype) on every rank, from the last stage's first rank
+    (``known`` there, None elsewhere) by one sum over the world; every rank calls it at the same point."""
+    import paddle.distributed as dist
+
+    from autoparallel.core.spec import normalize_dtype
+    from autoparallel.placement import Partial, Replicate, Shard
+
+    v = [0] * _WIDTH
+    if known is not None and pipe.rank == mesh.process_ids[0]:
+        placements, shape, dtype = known
+        if len(shape) > 8 or mesh.ndim > 2:
+            raise NotImplementedError(f"loss_fn(model(x), y): logits of shape {shape} on a {mesh.ndim}-d mesh")
+        v[0], v[1:1 + len(shape)] = len(shape), [int(n) for n in shape]
+        v[9] = 1 + _DTYPES.index(normalize_dtype(dtype))
+        for k, p in enumerate(placements):
+            v[10 + k] = 0 if isinstance(p, Replicate) else p.dim + 1 if isinstance(p, Shard) else -1
+    t = paddle.to_tensor(v, dtype="int64")
+    dist.all_reduce(t)
+    v = [int(x) for x in t.numpy()]
+    if known is not None:
+        return known
+    placements = [Replicate() if c == 0 else Shard(c - 1) if c > 0 else Partial("sum") for c in v[10:10 + mesh.ndim]]
+    return placements, v[1:1 + v[0]], _DTYPES[v[9] - 1]
 
 
 def _inverse(n: int, m: int, dp: int):
@@ -204,11 +239,12 @@ class PipelineBackward:
         self.st = None
         last = pipe.plan.num_stages - 1
         grads = {r: micro_grads(_grad(leaf), m) for r, leaf in self.leaves.items()}
-        out0 = st.saved[(last, 0)][1]
-        shards = isinstance(_local(out0), _Shards)
-        for i in range(m):
-            st.inbox_b[(last, i)] = _Shards([grads[r][i] for r in out0.mesh.process_ids]) if shards else \
-                next(iter(grads.values()))[i]
+        if pipe.holds_last:
+            out0 = st.saved[(last, 0)][1]
+            shards = isinstance(_local(out0), _Shards)
+            for i in range(m):
+                st.inbox_b[(last, i)] = _Shards([grads[r][i] for r in out0.mesh.process_ids]) if shards else \
+                    next(iter(grads.values()))[i]
         handlers = {"B": pipe._backward, "W": pipe._weight, "SEND_B": pipe._send_b, "RECV_B": pipe._recv_b}
         with reduced_after_step(pipe):
             _run(pipe, st, self.sched, BACKWARD, handlers)
@@ -231,3 +267,26 @@ def micro_grads(g, m: int) -> list:
 def _grad(leaf):
     return leaf.grad.detach() if leaf.grad is not None else paddle.zeros_like(leaf)
 
+
+
+# ---- the loss's value on every rank ----------------------------------------------------------------------------
+def synced_item(t):
+    """``t.item()`` on launched ranks for a one-element tensor computed from a pipeline's logits: the value on every
+    rank (the last stage's first rank reports it; one sum over the world, so every rank calls it, as every rank
+    runs the same program). None when ``t`` does not come from a pipeline's logits (``DistTensor.item`` as before)."""
+    import numpy as np
+    import paddle.distributed as dist
+
+    from autoparallel.comm.world import current_world
+
+    world = current_world()
+    if world.is_simulated or world.world_size == 1:
+        return None
+    if not any(isinstance(r, PipelineBackward) for r in cross_mesh_grad.ancestry(t)):
+        return None
+    if int(np.prod(t.shape, dtype=np.int64)) != 1:
+        raise ValueError(f"item() of a tensor with {list(t.shape)} elements: only one-element tensors have a value")
+    value = t.full().item() if t.mesh.contains(world.rank) else 0.0
+    out = paddle.to_tensor([value if world.rank == t.mesh.process_ids[0] else 0.0], dtype="float64")
+    dist.all_reduce(out)
+    return float(out.numpy()[0])
