@@ -26,9 +26,16 @@ data-parallel reduction at ``opt.step()`` as after ``train_batch``; tied paramet
 Schedules: every forward runs before any backward, so this form is FThenB (its order and its memory). A strategy
 whose schedule is FThenB runs it; a schedule left at its default runs FThenB for this form (``pipe.records``
 shows the actions that ran, ``Strategy.explain()`` says so); a schedule chosen explicitly (1F1B, VPP, ZB-H1)
-raises ``TypeError`` naming both remedies. Refused by name: launched ranks (the simulated world and one process
-run it), ``strategy.amp`` (its loss scale belongs to ``train_batch``'s loss), low-precision parameters, a second
-backward with ``retain_graph=True`` through the pipeline.
+raises ``TypeError`` naming both remedies.
+
+Launched ranks: every rank runs the same program. The ranks of other stages get the logits' layout (placements,
+global shape, dtype) from the last stage's first rank by one sum over the world, and hold a ``DistTensor`` without
+a shard, as ranks outside a mesh do (docs/cross_mesh.md); the user's loss plans and runs nothing there, and its
+``backward()`` runs their stages' backward actions. ``float(loss)`` / ``loss.item()`` of a tensor computed from the
+logits gives the same value on every rank (one sum over the world: call it on every rank).
+
+Refused by name: ``strategy.amp`` (its loss scale belongs to ``train_batch``'s loss), low-precision parameters, a
+second backward with ``retain_graph=True`` through the pipeline.
 """
 from __future__ import annotations
 
