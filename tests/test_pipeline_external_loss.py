@@ -200,11 +200,14 @@ def test_default_schedule_runs_fthenb_and_explicit_fthenb_runs():
     assert bad == []
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "ZB-H1"])
+@pytest.mark.parametrize("schedule", ["1F1B", "ZB-H1", "VPP"])
 def test_explicit_other_schedule_refused(schedule):
     x, _ = (paddle.to_tensor(v) for v in GPT_BATCHES[0])
+    s = strategy(schedule=schedule)
+    if schedule == "VPP":
+        s.pipeline_parallel.vpp_degree = 2
     with ap.simulate(world_size=2):
-        pipe, _ = ap.parallelize(gpt(), None, strategy=strategy(schedule=schedule))
+        pipe, _ = ap.parallelize(gpt(), None, strategy=s)
         with pytest.raises(TypeError) as e:
             pipe(x)
     assert str(e.value) == (
@@ -221,6 +224,57 @@ def test_labels_form_keeps_the_strategy_schedule():
         pipe(x, labels=y).backward()
         kinds = [r.kind for r in pipe.records if r.rank == 0 and r.kind in ("F", "B")]
     assert kinds != ["F"] * 4 + ["B"] * 4 and sorted(kinds) == ["B"] * 4 + ["F"] * 4
+
+
+# ---- pending calls, a GradScaler ------------------------------------------------------------------------------
+def test_two_pending_calls_then_one_backward_equal_one_process():
+    """``l1, l2`` from two calls, ``((l1 + l2) / 2).backward()``: the gradients one process gets (PP2 x DP2)."""
+    def body(m):
+        (x1, y1), (x2, y2) = ([paddle.to_tensor(v) for v in b] for b in GPT_BATCHES[:2])
+        l1, l2 = ce_mean(logits_of(m(x1)), y1), shifted(logits_of(m(x2)), y2)
+        ((l1 + l2) / 2).backward()
+
+    ref = gpt()
+    body(ref)
+    want = {n: p.grad.numpy() for n, p in ref.named_parameters()}
+    with ap.simulate(world_size=4):
+        pipe, opt = ap.parallelize(gpt(), None, strategy=strategy(dp=2))
+        body(pipe)
+        opt = pipe.wrap_optimizer(paddle.optimizer.SGD(0.0, parameters=pipe.parameters()))
+        opt.step()                                           # reduces the data-parallel partial gradients
+        got = {n: p for n, p in pipe.named_parameters()}
+        assert set(got) == set(want)
+        for n, p in got.items():
+            for r, t in p.locals.items():
+                w = _local_from_full(paddle.to_tensor(want[n]), p.spec, r).numpy()
+                np.testing.assert_allclose(t.grad.numpy(), w, rtol=1e-4, atol=1e-6, err_msg=f"{n}@rank{r}")
+
+
+def test_grad_scaler_equals_one_process():
+    """``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` (GradScaler 1024, PP2 x DP2, SGD)."""
+    from autoparallel.testing.gpu_scaler import gpu_grad_scaler
+
+    def run(model, opt):
+        scaler, losses = gpu_grad_scaler(init_loss_scaling=1024), []
+        for x, y in GPT_BATCHES:
+            loss = ce_mean(logits_of(model(paddle.to_tensor(x))), paddle.to_tensor(y))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.clear_grad()
+            losses.append(float(loss))
+        return losses
+
+    ref = gpt()
+    ref_losses = run(ref, make_opt(ref.parameters(), "sgd"))
+    ref_params = {n: p.numpy() for n, p in ref.named_parameters()}
+    with ap.simulate(world_size=4):
+        m = gpt()
+        pipe, opt = ap.parallelize(m, make_opt(m.parameters(), "sgd"), strategy=strategy(dp=2))
+        losses = run(pipe, opt)
+        bad = mismatches(pipe, ref_params)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert bad == []
 
 
 # ---- refusals and controls -------------------------------------------------------------------------------------
