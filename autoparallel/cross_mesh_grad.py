@@ -148,6 +148,13 @@ def carry(args, kwargs, out) -> None:
             _ANCESTRY.set(o, ancestry(o) | got)
 
 
+def synced_item(t):
+    """``t.item()`` from the record ``t`` depends on that syncs values (a pipeline's logits, external_loss.py), or
+    None (``DistTensor.item`` as before)."""
+    rec = next((r for r in ancestry(t) if getattr(r, "synced_item", None) is not None), None)
+    return None if rec is None else rec.synced_item(t)
+
+
 def refuse_grad(outputs) -> None:
     """``paddle.grad`` does not cross meshes: refused on every rank when an output depends on a transfer."""
     if any(not r.done for o in outputs for r in ancestry(o)):

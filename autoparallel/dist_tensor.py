@@ -234,7 +234,7 @@ class DistTensor(OpMethods):
         """paddle's ``item(*args)``: the one element, or the element at a flat index / a full index."""
         if args:
             return self.full().item(*args)
-        synced = _pipeline_item(self)
+        synced = cross_mesh_grad.synced_item(self) if cross_mesh_grad.LIVE[0] else None
         if synced is not None:                  # a loss of a pipeline's logits: the same on every rank
             return synced
         if not self._locals:
@@ -258,14 +258,6 @@ class DistTensor(OpMethods):
 
     __repr__ = _forms.dist_repr
     __format__ = _forms.dist_format             # f"{loss:.4f}": a one-element tensor formats its value
-
-
-def _pipeline_item(t):
-    if not cross_mesh_grad.LIVE[0]:
-        return None
-    from autoparallel.parallel.pipeline.external_loss import synced_item
-
-    return synced_item(t)
 
 
 def _grad_placements(placements):

@@ -278,7 +278,7 @@ def test_grad_scaler_equals_one_process():
 
 
 # ---- refusals and controls -------------------------------------------------------------------------------------
-def test_retain_graph_and_strategy_amp_refused():
+def test_retain_graph_strategy_amp_and_low_precision_refused():
     x, y = (paddle.to_tensor(v) for v in GPT_BATCHES[0])
     with ap.simulate(world_size=2):
         pipe, _ = ap.parallelize(gpt(), None, strategy=strategy())
@@ -291,6 +291,11 @@ def test_retain_graph_and_strategy_amp_refused():
     with ap.simulate(world_size=2):
         pipe, _ = ap.parallelize(gpt(), None, strategy=s)
         with pytest.raises(NotImplementedError, match="under strategy.amp"):
+            pipe(x)
+    with ap.simulate(world_size=2):
+        pipe, _ = ap.parallelize(gpt(), None, strategy=strategy())
+        pipe.stages[0].add_parameter("lowp", paddle.create_parameter([2], dtype="float16"))
+        with pytest.raises(NotImplementedError, match="with float16 parameters: keep fp32 parameters"):
             pipe(x)
 
 

@@ -68,13 +68,11 @@ def schedule_for(pipe):
 
 
 def _refusals(pipe) -> None:
-    from .called import leaves
-
     if pipe.loss_scaler is not None:
         raise NotImplementedError("loss_fn(model(x), y) on a pipeline-parallel model under strategy.amp: the "
                                   "strategy's loss scale applies to the pipeline's own loss; call model(x, labels=y) "
                                   "or model.train_batch(x, y), or scale the loss with a paddle.amp.GradScaler")
-    low = sorted({str(t.dtype).replace("paddle.", "") for t in leaves(pipe)} & {"float16", "bfloat16"})
+    low = sorted({str(p.dtype).replace("paddle.", "") for p in pipe.parameters()} & {"float16", "bfloat16"})
     if low:
         raise NotImplementedError(f"loss_fn(model(x), y) on a pipeline-parallel model with {'/'.join(low)} "
                                   f"parameters: keep fp32 parameters with strategy.amp and call model(x, labels=y)")
@@ -235,6 +233,9 @@ class PipelineBackward:
                            "without labels: the pipeline's backward runs each micro-batch's graph once (its "
                            "collectives cannot run twice); sum the losses and call backward once")
 
+    def synced_item(self, t):
+        return synced_item(t)
+
     def resume(self) -> None:
         from .amp import USER_BACKWARD
         from .shards import _Shards, _local
@@ -280,7 +281,7 @@ def _grad(leaf):
 def synced_item(t):
     """``t.item()`` on launched ranks for a one-element tensor computed from a pipeline's logits: the value on every
     rank (the last stage's first rank reports it; one sum over the world, so every rank calls it, as every rank
-    runs the same program). None when ``t`` does not come from a pipeline's logits (``DistTensor.item`` as before)."""
+    runs the same program); None in one process and the simulated world (``DistTensor.item`` as before)."""
     import numpy as np
     import paddle.distributed as dist
 
@@ -288,8 +289,6 @@ def synced_item(t):
 
     world = current_world()
     if world.is_simulated or world.world_size == 1:
-        return None
-    if not any(isinstance(r, PipelineBackward) for r in cross_mesh_grad.ancestry(t)):
         return None
     if int(np.prod(t.shape, dtype=np.int64)) != 1:
         raise ValueError(f"item() of a tensor with {list(t.shape)} elements: only one-element tensors have a value")

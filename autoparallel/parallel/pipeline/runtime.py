@@ -93,7 +93,6 @@ class PipelineModule:
         self.loss_scaler = None              # strategy.amp: the last stage's backward runs on the scaled loss
         self.zero = None                     # strategy.sharding: (stage, degree, offload) for wrap_optimizer (zero.py)
         self.failed = None                   # real ranks: what made a step fail (no further step runs)
-        self.schedule_chosen = True          # the strategy chose the schedule (False: left at its default)
 
     def no_sync(self):
         """paddle.DataParallel's accumulation context has no meaning here: ``train_batch`` runs the micro-batches."""
@@ -249,9 +248,8 @@ class PipelineModule:
         """(pipeline rank, action) in execution order: the rank's own list, or with several ranks held,
         all lists interleaved, each advancing while its next receive has its message. ``keep``: the action
         kinds to run (a sub-list of every rank's list keeps the one global order, so it cannot deadlock);
-        ``schedule``: another schedule over the same stages than the plan's (external_loss.py)."""
-        schedule = self.schedule if schedule is None else schedule
-        lists = {r: [a for a in schedule[r] if keep is None or a.kind in keep] for r in self.held}
+        ``schedule``: another schedule of the plan's stages (external_loss.py)."""
+        lists = {r: [a for a in (schedule or self.schedule)[r] if keep is None or a.kind in keep] for r in self.held}
         if len(lists) == 1:
             (r, acts), = lists.items()
             yield from ((r, a) for a in acts)
@@ -463,8 +461,7 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
                 zero_bubble.install(st)
         pipe = PipelineModule(plan, stages, range(pp), LocalTransport(), meshes=meshes, loss_fn=loss_fn,
                               zero_bubble=zb)
-        pipe.original_names, pipe.zero = names, zero_config(strategy)
-        pipe.schedule_chosen = c.schedule_chosen()
+        pipe.original_names, pipe.zero, pipe.schedule_chosen = names, zero_config(strategy), c.schedule_chosen()
         if strategy.amp.enable:
             amp.install(pipe, model, strategy.amp)
         return pipe
@@ -496,9 +493,8 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     reporter = pp_rank == (plan.num_stages - 1) % pp and d == 0 and t == 0
     pipe = PipelineModule(plan, stages, [pp_rank], transport, meshes=meshes, loss_fn=loss_fn, tied=tied,
                           sync_loss=_world_loss(reporter) if sync_loss else None, zero_bubble=zb)
-    pipe.original_names, pipe.zero = names, zero_config(strategy)
+    pipe.original_names, pipe.zero, pipe.schedule_chosen = names, zero_config(strategy), c.schedule_chosen()
     pipe.ranks, pipe.rank, pipe.pp_rank, pipe.coords = ranks, rank, pp_rank, (d, t)
-    pipe.schedule_chosen = c.schedule_chosen()
     if strategy.amp.enable:
         amp.install(pipe, model, strategy.amp)
     return pipe
