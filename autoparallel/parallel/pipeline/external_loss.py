@@ -25,7 +25,7 @@ data-parallel reduction at ``opt.step()`` as after ``train_batch``; tied paramet
 
 Schedules: every forward runs before any backward, so this form is FThenB (its order and its memory). A strategy
 whose schedule is FThenB runs it; a schedule left at its default runs FThenB for this form (``pipe.records``
-shows the actions that ran, ``Strategy.explain()`` says so); a schedule chosen explicitly (1F1B, VPP, ZB-H1)
+shows the actions that ran, ``str(strategy)`` says so); a schedule chosen explicitly (1F1B, VPP, ZB-H1)
 raises ``TypeError`` naming both remedies.
 
 Launched ranks: every rank runs the same program. The ranks of other stages get the logits' layout (placements,
@@ -83,7 +83,7 @@ def interleave(batch, m: int, dp: int):
     ``d * B/dp + i * B/(m dp) ...`` of the original (module docstring); a dict: every tensor value alike."""
     from .batch import _checked, _is_array, _tensor
 
-    if dp == 1 or m == 1:
+    if dp == 1 or m == 1 or batch is None:
         return batch
     if isinstance(batch, dict):
         return {k: interleave(v, m, dp) if _is_array(v) else v for k, v in batch.items()}
