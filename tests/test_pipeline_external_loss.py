@@ -311,3 +311,26 @@ def test_negative_control_dropped_micro_batch_gradient(monkeypatch):
     ref_losses, losses, bad, _ = compare(gpt, GPT_BATCHES[:2], ce_mean, strategy())
     assert bad
     assert not np.allclose(losses[1:], ref_losses[1:], rtol=1e-5)
+
+
+def test_rows_back_in_order_when_the_last_stage_holds_the_batch_whole():
+    """A last stage whose output is replicated over the data ranks (rows not sharded): the logits are put back in
+    the batch's order by a local gather, and the gradient reaches each micro-batch's rows (PP2 x DP2, 4 micro-
+    batches of 2 rows)."""
+    from autoparallel.placement import Replicate
+
+    n, m, dp = 8, 4, 2
+    rows = np.arange(n * 3, dtype="float32").reshape(n, 3)
+    perm = external_loss.order(n, m, dp)
+    assert sorted(perm) == list(range(n)) and perm != list(range(n))
+    with ap.simulate(world_size=4):
+        pipe, _ = ap.parallelize(gpt(), None, strategy=strategy(dp=2))
+        mesh = external_loss.last_mesh(pipe)
+        micro = np.split(rows[perm], m)                    # what the stage computes: the permuted batch, cut
+        outs = [ap.shard_tensor(paddle.to_tensor(b), mesh, [Replicate(), Replicate()]) for b in micro]
+        logits, leaves = external_loss.assemble(pipe, outs, m, dp)
+        np.testing.assert_array_equal(logits.numpy(), rows)
+        weight = paddle.to_tensor(np.arange(n, dtype="float32").reshape(n, 1))
+        (logits * weight).sum().backward()
+        for leaf in leaves.values():                       # each leaf row r holds the gradient of batch row perm[r]
+            np.testing.assert_array_equal(leaf.grad.numpy()[:, 0], np.asarray(perm, dtype="float32"))
