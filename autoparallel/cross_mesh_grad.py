@@ -148,6 +148,13 @@ def carry(args, kwargs, out) -> None:
             _ANCESTRY.set(o, ancestry(o) | got)
 
 
+def synced_item(t):
+    """``t.item()`` from the record ``t`` depends on that syncs values (a pipeline's logits, external_loss.py), or
+    None (``DistTensor.item`` as before)."""
+    rec = next((r for r in ancestry(t) if getattr(r, "synced_item", None) is not None), None)
+    return None if rec is None else rec.synced_item(t)
+
+
 def refuse_grad(outputs) -> None:
     """``paddle.grad`` does not cross meshes: refused on every rank when an output depends on a transfer."""
     if any(not r.done for o in outputs for r in ancestry(o)):
@@ -169,12 +176,18 @@ def backward(ts, gs, retain_graph: bool, roots, **kw) -> None:
         _check_unreached(())
         return
     why = next((r.why for r in recs if r.why), None)
+    if why is None and retain_graph:
+        why = next((getattr(r, "retain_why", None) for r in recs if getattr(r, "retain_why", None)), None)
     if why is not None:                 # every rank holds every record: refused on all of them, before any message
         raise NotImplementedError(why)
     me, seeds = current_world().rank, [list(ts), list(gs)]
     _check_retained([r.sent for r in recs if r.sent is not None], retain_graph)
     check_passes(pass_seeds(recs, me, list(ts)))
     for rec in reversed(recs):
+        if getattr(rec, "resume", None) is not None:       # a pipeline's backward (pipeline/external_loss.py)
+            _flush(seeds, retain_graph, {})                # the loss graph down to the logits, first
+            rec.resume()
+            continue
         if rec.buf is not None and any(d == me for d, _ in rec.back):
             _flush(seeds, True, {})     # everything that can reach the received tensor, before its gradient goes
         g = rec.exchange(me)

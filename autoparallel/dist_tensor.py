@@ -234,6 +234,9 @@ class DistTensor(OpMethods):
         """paddle's ``item(*args)``: the one element, or the element at a flat index / a full index."""
         if args:
             return self.full().item(*args)
+        synced = cross_mesh_grad.synced_item(self) if cross_mesh_grad.LIVE[0] else None
+        if synced is not None:                  # a loss of a pipeline's logits: the same on every rank
+            return synced
         if not self._locals:
             if _ctx.tracer is not None:
                 raise NotImplementedError("reading a tensor's value (item(), bool(), int(), python control flow on "

@@ -206,6 +206,8 @@ class Strategy(_Config, ValidationMixin, CliMixin):
         line = f"dp={'auto' if dp is None else dp} tp={tp} pp={c.degree}"
         if c.degree > 1:
             sched = f"VPP x{c.vpp_degree}" if c.schedule == "VPP" else c.schedule
+            if not c.schedule_chosen():             # left at its default: called without labels it runs FThenB
+                sched += "; FThenB for loss_fn(model(x), y)"
             line += f" ({sched}, {self.num_micro_batches} micro-batches)"
             if c.split_points:
                 line += f" split at {', '.join(c.split_points)}"

@@ -278,14 +278,32 @@ def test_a_step_after_a_failed_one():
         pipe.train_batch(*batch(1))
 
 
-def test_calling_the_pipeline_without_labels_in_training_says_what_to_call_instead():
-    """Called like the model in training mode, the pipeline needs the labels (test_pipeline_called.py runs the
-    call with them)."""
+def test_calling_the_pipeline_without_labels_in_training():
+    """Called like the model in training mode without labels: under an explicit 1F1B a TypeError naming both
+    remedies; under FThenB the logits (the model's dict form), whose user loss trains as one process does, the
+    attention mask and keyword inputs included (test_pipeline_external_loss.py runs more losses)."""
     with ap.simulate(world_size=2):
         paddle.seed(0)
         model = KwargsModel()
         pipe, _ = ap.parallelize(model, paddle.optimizer.SGD(0.5, parameters=model.parameters()), strategy=strategy())
         inputs, _ = batch(0)
         for call in (lambda: pipe(**inputs), lambda: pipe.forward(inputs["input_ids"])):
-            with pytest.raises(TypeError, match=r"needs the labels.*model.train_batch\(inputs, labels\)"):
+            with pytest.raises(TypeError, match=r"schedule was set to '1F1B': call model\(x, labels=y\).*\"FThenB\""):
                 call()
+    batches = [batch(0), batch(1)]
+    want = one_process(KwargsModel, batches, ce)
+    with ap.simulate(world_size=2):
+        model = KwargsModel()
+        pipe, opt = ap.parallelize(model, paddle.optimizer.SGD(0.5, parameters=model.parameters()),
+                                   strategy=strategy(schedule="FThenB"))
+        losses = []
+        for inputs, labels in batches:
+            out = pipe(**inputs)
+            assert isinstance(out, dict) and list(out) == ["logits"]
+            loss = F.cross_entropy(out["logits"], paddle.to_tensor(labels))
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            losses.append(float(loss))
+        got = losses, {n: p.numpy() for n, p in pipe.named_parameters()}
+    assert_equal_runs(want, got)

@@ -3,7 +3,9 @@ launch): ZeRO-1 under 1F1B and ZeRO-2 under VPP with a tied embedding / LM head;
 equal one process (AdamW with a binding global-norm clip, 4 steps), ZeRO-1's clip norm of every step equals the
 unsharded pipeline's, each rank holds half the moments the unsharded pipeline's rank holds (negative control),
 ZeRO-2 under VPP resumed from ZeRO-1's checkpoint after step 2 ends equal to the uninterrupted run, and paddle's
-``opt.state_dict()`` is refused by name."""
+``opt.state_dict()`` is refused by name. The FThenB pipeline trained by the user's own loss on the logits
+(``F.cross_entropy(pipe(x), y).mean().backward()``; parallel/pipeline/external_loss.py) equals one process too,
+with the same loss on every rank."""
 import os
 
 import numpy as np
@@ -86,3 +88,20 @@ def test_paddle_state_dict_of_zero_stages_equals_the_unsharded_pipeline(run):
         assert set(zero["sums"]) == set(plain["sums"]) and zero["sums"], (sorted(zero["sums"]), sorted(plain["sums"]))
         for n, v in plain["sums"].items():
             np.testing.assert_allclose(zero["sums"][n], v, rtol=1e-4, atol=1e-6, err_msg=n)
+
+
+def test_external_loss_on_real_ranks_equals_one_process(run):
+    """loss_fn(model(x), y) on PP2 x DP2: every rank's float(loss) of every step and every final parameter equal
+    one process (the clip binds, AdamW)."""
+    out, ranks, refs = run
+    ref_losses, ref_params = refs[False]
+    seen = set()
+    for r in ranks:
+        job = r["jobs"]["external_fthenb"]
+        np.testing.assert_allclose(job["losses"], ref_losses, rtol=1e-5, atol=1e-6)
+        params = np.load(os.path.join(out, f"external_fthenb.rank{r['rank']}.npz"))
+        seen |= set(params.files)
+        bad = [n for n in params.files if not np.allclose(params[n], ref_params[n], rtol=RTOL, atol=ATOL)]
+        assert bad == [], (r["rank"], bad)
+    assert seen == set(ref_params)
+    assert len({tuple(r["jobs"]["external_fthenb"]["losses"]) for r in ranks}) == 1

@@ -44,7 +44,8 @@ class CliMixin:
         schedule = arg("schedule")
         vpp = arg("vpp", 2 if schedule == "VPP" else 1)         # --schedule VPP alone: 2 virtual stages
         s.pipeline_parallel.vpp_degree = vpp
-        s.pipeline_parallel.schedule = schedule or ("VPP" if vpp > 1 else "1F1B")
+        if schedule or vpp > 1:                  # no --schedule: left at its default (schedule_chosen() stays False)
+            s.pipeline_parallel.schedule = schedule or "VPP"
         s.seed = arg("seed")
         return s
 

@@ -89,6 +89,20 @@ class PipelineParallelConfig(_Config):
     vpp_degree: int = _field(1, _int())                            # virtual stages per rank; > 1 only with schedule "VPP"
     split_points: List[str] = _field(None, _names, factory=list)   # layer names starting stages 2..n (pp x vpp - 1 of them); []: balanced split
 
+    def __post_init__(self):
+        object.__setattr__(self, "_assigned", set())     # fields assigned after construction
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if "_assigned" in self.__dict__:
+            self._assigned.add(name)
+
+    def schedule_chosen(self) -> bool:
+        """Whether the schedule was chosen rather than left at its default: assigned after construction (also to
+        "1F1B"), or built with another value. A pipeline called as ``loss_fn(model(x), y)`` runs FThenB when the
+        schedule was left at its default (parallel/pipeline/external_loss.py)."""
+        return "schedule" in self.__dict__.get("_assigned", ()) or self.schedule != "1F1B"
+
 
 @dataclass(repr=False)
 class SequenceParallelConfig(_Config):

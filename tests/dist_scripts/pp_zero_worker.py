@@ -4,7 +4,8 @@
 
 Jobs, all with a binding ClipGradByGlobalNorm(0.05): ZeRO-1 (1F1B), ZeRO-2 (VPP v=2, a tied embedding / LM head
 on the first and last stage), the 1F1B pipeline without ZeRO (the unsharded optimizer-state size), and ZeRO-2
-under VPP resumed from the checkpoint ZeRO-1 saved after its second step (steps 3-4). Each rank saves its stages' final parameters (full tensors)
+under VPP resumed from the checkpoint ZeRO-1 saved after its second step (steps 3-4), and the FThenB pipeline
+trained by the user's own loss, ``F.cross_entropy(pipe(x), y).mean().backward()`` (no ZeRO). Each rank saves its stages' final parameters (full tensors)
 to OUT_DIR/<name>.rank<r>.npz and reports per job its losses, clip norms, pipeline coordinates, the elements of
 AdamW's moment1 it holds, and (ZeRO-1 and plain 1F1B) what paddle's ``opt.state_dict()`` holds, gathered.
 """
@@ -27,7 +28,17 @@ JOBS = [{"name": "zero1_1f1b", "schedule": "1F1B", "dp": 2, "zero": 1, "save_aft
         {"name": "zero2_resume", "schedule": "VPP", "vpp": 2, "dp": 2, "zero": 2, "resume": True},
         {"name": "zero2_vpp_tied", "schedule": "VPP", "vpp": 2, "dp": 2, "zero": 2, "tie": True,
          "save_final": True},
-        {"name": "plain_1f1b", "schedule": "1F1B", "dp": 2}]
+        {"name": "plain_1f1b", "schedule": "1F1B", "dp": 2},
+        {"name": "external_fthenb", "schedule": "FThenB", "dp": 2, "external": True}]
+
+
+def external_step(pipe, x, y) -> float:
+    """The one-process step written by the user: loss_fn(model(x), y), then backward (external_loss.py)."""
+    import paddle.nn.functional as F
+
+    loss = F.cross_entropy(pipe(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
+    loss.backward()
+    return float(loss)
 
 
 def moment_elements(opt) -> int:
@@ -68,7 +79,7 @@ def run_job(job, out_dir, rank, steps):
         data = data[2:]
     losses, norms = [], []
     for k, (x, y) in enumerate(data):
-        losses.append(pipe.train_batch(x, y))
+        losses.append(external_step(pipe, x, y) if job.get("external") else pipe.train_batch(x, y))
         opt.step()
         norms.append(opt.last_grad_norm)
         opt.clear_grad()

@@ -21,8 +21,9 @@ backward without ``retain_graph``.)
 Decisions (docs/pipeline.md, "Called like the model"):
 
 * the return form is the model's own (call_forms.py); the logits of a training call are withheld (any use raises);
-* without labels in training mode: ``TypeError`` (the loss is computed on the last stage inside the schedule;
-  ``loss_fn(model(x), y)`` would need every micro-batch's logits whole on every rank);
+* without labels in training mode: the logits, for ``loss_fn(model(x), y).backward()`` (external_loss.py: every
+  micro-batch's forward, then the user's loss, then every micro-batch's backward from the logits' gradient; FThenB
+  order, refused under an explicitly chosen 1F1B / VPP / ZB-H1);
 * under ``paddle.no_grad()`` or after ``model.eval()``: ``eval_batch`` (forward only), the loss with labels, else
   the output (on ranks without the last stage a withheld value);
 * each loss keeps its own held gradients until it is freed: two pending losses are supported (``(l1 + l2)
@@ -47,16 +48,17 @@ LOGITS_WHY = ("the logits of a training step are computed micro-batch by micro-b
               "model.eval_batch(inputs)) for them")
 
 
+LOGITS_WHY_EXTERNAL = "a training call without labels returns the logits only (external_loss.py)"
+
+
 def call(pipe, args: tuple, kwargs: dict):
     inputs, labels, return_dict = bind(pipe, args, kwargs)
     form = _form(pipe, labels is not None, return_dict)
     if pipe.training and paddle.is_grad_enabled():
-        if labels is None:
-            raise TypeError("a pipeline-parallel model called in training mode needs the labels: its loss is "
-                            "computed on the last stage inside the schedule, so call model(inputs, labels=labels) "
-                            "(the pipeline's loss_fn applies to the logits) or model.train_batch(inputs, labels). loss_fn(model(x), y) cannot run: the "
-                            "logits of a step never exist whole on one rank; for outputs call the model under "
-                            "paddle.no_grad() or after model.eval()")
+        if labels is None:                     # loss_fn(model(x), y): the logits, backward through the pipeline
+            from . import external_loss
+
+            return call_forms.build(form, None, external_loss.call(pipe, inputs), LOGITS_WHY_EXTERNAL)
         return call_forms.build(form, train_call(pipe, inputs, labels), call_forms.Withheld("the logits",
                                                                                             LOGITS_WHY), LOGITS_WHY)
     return _evaluate(pipe, form, inputs, labels)

@@ -62,6 +62,7 @@ class _StepState:
         self.weights = None          # factor of each micro-batch's loss (batch.loss_weights)
         self.outputs = []            # eval_batch without labels: the last stage's output per micro-batch
         self.scale = 1.0             # the last stage's backward runs on loss x scale (AMP loss scaling)
+        self.external = False        # loss_fn(model(x), y): the last stage keeps its output for a given gradient
         self.records = []
 
 
@@ -243,11 +244,12 @@ class PipelineModule:
         for s in self.held_stages:
             self.stages[s].clear_gradients(set_to_zero)
 
-    def _program(self, keep=None):
+    def _program(self, keep=None, schedule=None):
         """(pipeline rank, action) in execution order: the rank's own list, or with several ranks held,
         all lists interleaved, each advancing while its next receive has its message. ``keep``: the action
-        kinds to run (a sub-list of every rank's list keeps the one global order, so it cannot deadlock)."""
-        lists = {r: [a for a in self.schedule[r] if keep is None or a.kind in keep] for r in self.held}
+        kinds to run (a sub-list of every rank's list keeps the one global order, so it cannot deadlock);
+        ``schedule``: another schedule of the plan's stages (external_loss.py)."""
+        lists = {r: [a for a in (schedule or self.schedule)[r] if keep is None or a.kind in keep] for r in self.held}
         if len(lists) == 1:
             (r, acts), = lists.items()
             yield from ((r, a) for a in acts)
@@ -326,7 +328,7 @@ class PipelineModule:
         out = stage(x) if s == 0 or not stage.pieces.generic else stage(x, inputs=self._side(st.inputs[i], s))
         if stage.is_last and st.labels is None:               # eval_batch without labels: keep the logits
             st.outputs.append(out)
-            st.saved[(s, i)] = (x_local, None)
+            st.saved[(s, i)] = (x_local, out if st.external else None)
         elif stage.is_last:
             batch_mod.check_labels(out.shape, st.labels[i].shape, self.loss_fn is _cross_entropy)
             fn = batch_mod.summed_cross_entropy if self.loss_fn is _cross_entropy else self.loss_fn
@@ -341,7 +343,7 @@ class PipelineModule:
         x_local, out = st.saved.pop((s, i))
         capture = self.weight_grads.capture((s, i)) if self.zero_bubble else contextlib.nullcontext()
         with capture:
-            if self.stages[s].is_last:
+            if self.stages[s].is_last and not st.external:
                 out.backward()
             else:
                 g = st.inbox_b.pop((s, i), None)
@@ -459,7 +461,7 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
                 zero_bubble.install(st)
         pipe = PipelineModule(plan, stages, range(pp), LocalTransport(), meshes=meshes, loss_fn=loss_fn,
                               zero_bubble=zb)
-        pipe.original_names, pipe.zero = names, zero_config(strategy)
+        pipe.original_names, pipe.zero, pipe.schedule_chosen = names, zero_config(strategy), c.schedule_chosen()
         if strategy.amp.enable:
             amp.install(pipe, model, strategy.amp)
         return pipe
@@ -491,7 +493,7 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     reporter = pp_rank == (plan.num_stages - 1) % pp and d == 0 and t == 0
     pipe = PipelineModule(plan, stages, [pp_rank], transport, meshes=meshes, loss_fn=loss_fn, tied=tied,
                           sync_loss=_world_loss(reporter) if sync_loss else None, zero_bubble=zb)
-    pipe.original_names, pipe.zero = names, zero_config(strategy)
+    pipe.original_names, pipe.zero, pipe.schedule_chosen = names, zero_config(strategy), c.schedule_chosen()
     pipe.ranks, pipe.rank, pipe.pp_rank, pipe.coords = ranks, rank, pp_rank, (d, t)
     if strategy.amp.enable:
         amp.install(pipe, model, strategy.amp)

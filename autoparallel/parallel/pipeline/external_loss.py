@@ -1,0 +1,298 @@
+"""``loss_fn(model(x), y)`` on a pipeline-parallel model: the logits of a training call, and their backward.
+
+    logits = model(x)                       # training mode, gradients on, no labels
+    loss = loss_fn(logits, y)               # any loss the project's dispatch runs: F.cross_entropy, slices, extra
+    loss.backward()                         # terms, a Layer criterion, loss * 0.5, a GradScaler's scale(loss) ...
+    opt.step(); opt.clear_grad()
+
+The call runs the forward of every micro-batch through the pipeline (the forward actions of an FThenB
+schedule), keeping each micro-batch's graph on each stage, and returns the logits as a distributed tensor on the
+last stage's mesh (a one-rank mesh of the last stage when the stages hold plain tensors), in the placements the
+last stage computed them in. To make the logits of the whole batch a plain concatenation of the micro-batches'
+shards, the batch rows are permuted before the micro-batch split: data-parallel rank ``d`` gets the
+``d``-th contiguous slice of the global batch, cut into its micro-batches (as one process's data-parallel
+training cuts a batch), so its logits shard is its micro-batches' outputs concatenated. The model's forward treats
+samples independently, so every logit equals one process's. A last stage that holds the batch dim whole (not
+sharded over the data ranks) gets its rows put back in order by a local gather.
+
+Each held rank's shard of the logits is a fresh leaf. The tensor names a ``PipelineBackward`` record in its
+cross-mesh ancestry (cross_mesh_grad.py), so ``loss.backward()`` (``DistTensor.backward`` ->
+backward_start.backward -> cross_mesh_grad.backward) first runs the user's loss graph down to the leaves, then the
+record: each leaf's gradient is cut into the micro-batches' gradients and the backward actions of the FThenB
+schedule run (the last stage from those gradients, stage-to-stage gradient transfers as in ``train_batch``),
+leaving every stage parameter's gradient in ``.grad`` as one process would (accumulating across calls; the
+data-parallel reduction at ``opt.step()`` as after ``train_batch``; tied parameters summed between their ranks).
+
+Schedules: every forward runs before any backward, so this form is FThenB (its order and its memory). A strategy
+whose schedule is FThenB runs it; a schedule left at its default runs FThenB for this form (``pipe.records``
+shows the actions that ran, ``str(strategy)`` says so); a schedule chosen explicitly (1F1B, VPP, ZB-H1)
+raises ``TypeError`` naming both remedies.
+
+Launched ranks: every rank runs the same program. The ranks of other stages get the logits' layout (placements,
+global shape, dtype) from the last stage's first rank by one sum over the world, and hold a ``DistTensor`` without
+a shard, as ranks outside a mesh do (docs/cross_mesh.md); the user's loss plans and runs nothing there, and its
+``backward()`` runs their stages' backward actions. ``float(loss)`` / ``loss.item()`` of a tensor computed from the
+logits gives the same value on every rank (one sum over the world: call it on every rank).
+
+Refused by name: ``strategy.amp`` (its loss scale belongs to ``train_batch``'s loss), low-precision parameters, a
+second backward with ``retain_graph=True`` through the pipeline.
+"""
+from __future__ import annotations
+
+import paddle
+
+from autoparallel import cross_mesh_grad
+
+FORWARD = ("F", "SEND_F", "RECV_F")
+BACKWARD = ("B", "SEND_B", "RECV_B", "W")
+
+
+def explicit_schedule_error(name: str) -> TypeError:
+    return TypeError(f"loss_fn(model(x), y) on a pipeline-parallel model runs every micro-batch's forward before "
+                     f"any backward (the FThenB order and memory), but strategy.pipeline_parallel.schedule was set "
+                     f"to {name!r}: call model(x, labels=y) (or model.train_batch(x, y)) to train with the "
+                     f"{name} schedule and the pipeline's loss_fn, or set strategy.pipeline_parallel.schedule = "
+                     f"\"FThenB\" for loss_fn(model(x), y)")
+
+
+def schedule_for(pipe):
+    """The schedule this form runs: the plan's FThenB, FThenB for a schedule left at its default, else TypeError."""
+    from .schedules import fthenb
+
+    sched = pipe.plan.schedule
+    if sched.name == "FThenB":
+        return sched
+    if getattr(pipe, "schedule_chosen", True):
+        raise explicit_schedule_error(sched.name)
+    return fthenb(pipe.plan.pp, pipe.plan.micro_batches)
+
+
+def _refusals(pipe) -> None:
+    if pipe.loss_scaler is not None:
+        raise NotImplementedError("loss_fn(model(x), y) on a pipeline-parallel model under strategy.amp: the "
+                                  "strategy's loss scale applies to the pipeline's own loss; call model(x, labels=y) "
+                                  "or model.train_batch(x, y), or scale the loss with a paddle.amp.GradScaler")
+    low = sorted({str(p.dtype).replace("paddle.", "") for p in pipe.parameters()} & {"float16", "bfloat16"})
+    if low:
+        raise NotImplementedError(f"loss_fn(model(x), y) on a pipeline-parallel model with {'/'.join(low)} "
+                                  f"parameters: keep fp32 parameters with strategy.amp and call model(x, labels=y)")
+
+
+def interleave(batch, m: int, dp: int):
+    """The global batch with its rows permuted so that micro-batch ``i``'s shard on data rank ``d`` is rows
+    ``d * B/dp + i * B/(m dp) ...`` of the original (module docstring); a dict: every tensor value alike."""
+    from .batch import _checked, _is_array, _tensor
+
+    if dp == 1 or m == 1 or batch is None:
+        return batch
+    if isinstance(batch, dict):
+        return {k: interleave(v, m, dp) if _is_array(v) else v for k, v in batch.items()}
+    t = _checked(_tensor(batch), m, dp, "inputs")
+    n = int(t.shape[0])
+    return paddle.index_select(t, paddle.to_tensor(order(n, m, dp)), axis=0)
+
+
+def order(n: int, m: int, dp: int) -> list:
+    """Original row of each permuted row (``interleave``)."""
+    per = n // (m * dp)
+    return [d * (n // dp) + i * per + k for i in range(m) for d in range(dp) for k in range(per)]
+
+
+def call(pipe, inputs):
+    """The logits of a training call without labels (module docstring)."""
+    _refusals(pipe)
+    sched = schedule_for(pipe)
+    m, dp = pipe.plan.micro_batches, pipe._dp()
+    st = pipe._step_state(interleave(inputs, m, dp), None, need_labels=False)
+    st.external = True
+    handlers = {"F": pipe._forward, "SEND_F": pipe._send_f, "RECV_F": pipe._recv_f}
+    _run(pipe, st, sched, FORWARD, handlers)
+    if pipe.transport.pending():
+        raise RuntimeError("the forward of a pipeline called without labels ended with undelivered transfers")
+    logits, leaves_ = assemble(pipe, st.outputs, m, dp)
+    rec = PipelineBackward(pipe, st, sched, leaves_)
+    cross_mesh_grad.LIVE[0] = True
+    cross_mesh_grad._ANCESTRY.set(logits, frozenset([rec]))
+    return logits
+
+
+def _run(pipe, st, sched, kinds, handlers) -> None:
+    import time
+
+    from .simulate import Record
+
+    with pipe._step_guard():
+        for rank, a in pipe._program(keep=kinds, schedule=sched):
+            start = time.perf_counter()
+            pipe._run(handlers[a.kind], a, st)
+            st.records.append(Record(rank, a.kind, a.stage, a.microbatch, start, time.perf_counter()))
+
+
+# ---- the logits ------------------------------------------------------------------------------------------------
+def last_mesh(pipe):
+    """The last stage's mesh: its [data, model] sub-mesh, or a one-rank mesh when the stages hold plain tensors."""
+    mesh = pipe.meshes.get(pipe.plan.num_stages - 1)
+    if mesh is not None:
+        return mesh
+    if getattr(pipe, "_external_mesh", None) is None:       # made on every rank at the same call: same groups
+        from autoparallel.comm.world import current_world
+        from autoparallel.mesh import ProcessMesh
+
+        last = (pipe.plan.num_stages - 1) % pipe.plan.pp
+        if pipe.ranks is not None:                             # launched ranks: the last stage's ranks
+            pipe._external_mesh = ProcessMesh(pipe.ranks[last].tolist(), ["data", "model"])
+        else:
+            pipe._external_mesh = ProcessMesh([[last if current_world().is_simulated else 0]], ["data", "model"])
+    return pipe._external_mesh
+
+
+def assemble(pipe, outs: list, m: int, dp: int):
+    """(the logits DistTensor, {rank: leaf}) from the last stage's micro-batch outputs."""
+    from autoparallel.dist_tensor import dtensor_from_local, is_dist
+    from autoparallel.placement import Replicate, Shard
+
+    mesh = last_mesh(pipe)
+    if not outs:                                               # a launched rank of another stage
+        placements, shape, dtype = meta(pipe, mesh, None)
+        per_rank = {}
+    elif is_dist(outs[0]):
+        placements = list(outs[0].placements)
+        per_rank = {r: [o.local_of(r) for o in outs] for r in outs[0].locals}
+        shape, dtype = list(outs[0].shape), outs[0].dtype
+    else:
+        placements = [Replicate()] * mesh.ndim
+        per_rank = {mesh.process_ids[0] if pipe.ranks is None else pipe.rank: list(outs)}
+        shape, dtype = list(outs[0].shape), outs[0].dtype
+    if outs:
+        shape[0] *= m                                          # the whole batch's logits
+        if pipe.ranks is not None:
+            meta(pipe, mesh, (placements, shape, dtype))
+    rows = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
+    data = mesh.dim_names.index("data") if "data" in mesh.dim_names else None
+    if rows not in ([], [data]) or (rows == [] and dp > 1 and data is not None and mesh.shape[data] != dp):
+        raise NotImplementedError(f"loss_fn(model(x), y): the last pipeline stage's output has placements "
+                                  f"{[str(p) for p in placements]}; its batch dim must be whole or sharded over the "
+                                  f"data ranks alone")
+    leaves_, locals_ = {}, {}
+    back = None if rows or dp == 1 or not per_rank else _inverse(shape[0], m, dp)
+    for r, parts in per_rank.items():
+        leaf = paddle.concat([p.detach() for p in parts], axis=0)
+        leaf.stop_gradient = False
+        leaves_[r] = leaf
+        locals_[r] = leaf if back is None else paddle.index_select(leaf, back, axis=0)
+    return dtensor_from_local(locals_, mesh, placements, global_shape=shape, dtype=dtype), leaves_
+
+
+_DTYPES = ("float32", "float64", "float16", "bfloat16")
+_WIDTH = 12                                                    # ndim, 8 dims, dtype, 2 placements
+
+
+def meta(pipe, mesh, known):
+    """Launched ranks: the logits' (placements, global shape, dtype) on every rank, from the last stage's first rank
+    (``known`` there, None elsewhere) by one sum over the world; every rank calls it at the same point."""
+    import paddle.distributed as dist
+
+    from autoparallel.core.spec import normalize_dtype
+    from autoparallel.placement import Partial, Replicate, Shard
+
+    v = [0] * _WIDTH
+    if known is not None and pipe.rank == mesh.process_ids[0]:
+        placements, shape, dtype = known
+        if len(shape) > 8 or mesh.ndim > 2:
+            raise NotImplementedError(f"loss_fn(model(x), y): logits of shape {shape} on a {mesh.ndim}-d mesh")
+        v[0], v[1:1 + len(shape)] = len(shape), [int(n) for n in shape]
+        v[9] = 1 + _DTYPES.index(normalize_dtype(dtype))
+        for k, p in enumerate(placements):
+            v[10 + k] = 0 if isinstance(p, Replicate) else p.dim + 1 if isinstance(p, Shard) else -1
+    t = paddle.to_tensor(v, dtype="int64")
+    dist.all_reduce(t)
+    v = [int(x) for x in t.numpy()]
+    if known is not None:
+        return known
+    placements = [Replicate() if c == 0 else Shard(c - 1) if c > 0 else Partial("sum") for c in v[10:10 + mesh.ndim]]
+    return placements, v[1:1 + v[0]], _DTYPES[v[9] - 1]
+
+
+def _inverse(n: int, m: int, dp: int):
+    pos = [0] * n
+    for j, src in enumerate(order(n, m, dp)):
+        pos[src] = j
+    return paddle.to_tensor(pos, dtype="int64")
+
+
+# ---- the backward ----------------------------------------------------------------------------------------------
+class PipelineBackward:
+    """A record in the logits' cross-mesh ancestry: ``resume`` runs the pipeline's backward once the user's loss
+    graph has given the logits leaves their gradients (cross_mesh_grad.backward)."""
+
+    def __init__(self, pipe, st, sched, leaves_: dict):
+        self.seq = next(cross_mesh_grad._SEQ)
+        self.back, self.why, self.sent, self.buf, self.done = (), None, None, None, False
+        self.pipe, self.st, self.sched, self.leaves = pipe, st, sched, leaves_
+        self.retain_why = ("loss.backward(retain_graph=True) through the logits of a pipeline-parallel model called "
+                           "without labels: the pipeline's backward runs each micro-batch's graph once (its "
+                           "collectives cannot run twice); sum the losses and call backward once")
+
+    def synced_item(self, t):
+        return synced_item(t)
+
+    def resume(self) -> None:
+        from .amp import USER_BACKWARD
+        from .shards import _Shards, _local
+        from .shared_params import reduced_after_step
+
+        if self.st is None:
+            raise RuntimeError("the pipeline's backward of these logits already ran (backward twice)")
+        pipe, st, m = self.pipe, self.st, self.pipe.plan.micro_batches
+        self.st = None
+        last = pipe.plan.num_stages - 1
+        grads = {r: micro_grads(_grad(leaf), m) for r, leaf in self.leaves.items()}
+        if pipe.holds_last:
+            out0 = st.saved[(last, 0)][1]
+            shards = isinstance(_local(out0), _Shards)
+            for i in range(m):
+                st.inbox_b[(last, i)] = _Shards([grads[r][i] for r in out0.mesh.process_ids]) if shards else \
+                    next(iter(grads.values()))[i]
+        handlers = {"B": pipe._backward, "W": pipe._weight, "SEND_B": pipe._send_b, "RECV_B": pipe._recv_b}
+        with reduced_after_step(pipe):
+            _run(pipe, st, self.sched, BACKWARD, handlers)
+        leftovers = {k: len(v) for k, v in (("saved", st.saved), ("inbox_b", st.inbox_b),
+                                            ("input_grads", st.input_grads)) if v}
+        if leftovers or pipe.transport.pending():
+            raise RuntimeError(f"the pipeline's backward ended with unconsumed state {leftovers}")
+        pipe.records = st.records
+        for leaf in self.leaves.values():
+            leaf.clear_gradient(False)
+        if getattr(pipe, "grads_scaled_by", None) is None:
+            pipe.grads_scaled_by = USER_BACKWARD
+
+
+def micro_grads(g, m: int) -> list:
+    """A rank's gradient of its logits shard, cut into its ``m`` micro-batches' gradients."""
+    return paddle.split(g, m, axis=0)
+
+
+def _grad(leaf):
+    return leaf.grad.detach() if leaf.grad is not None else paddle.zeros_like(leaf)
+
+
+
+# ---- the loss's value on every rank ----------------------------------------------------------------------------
+def synced_item(t):
+    """``t.item()`` on launched ranks for a one-element tensor computed from a pipeline's logits: the value on every
+    rank (the last stage's first rank reports it; one sum over the world, so every rank calls it, as every rank
+    runs the same program); None in one process and the simulated world (``DistTensor.item`` as before)."""
+    import numpy as np
+    import paddle.distributed as dist
+
+    from autoparallel.comm.world import current_world
+
+    world = current_world()
+    if world.is_simulated or world.world_size == 1:
+        return None
+    if int(np.prod(t.shape, dtype=np.int64)) != 1:
+        raise ValueError(f"item() of a tensor with {list(t.shape)} elements: only one-element tensors have a value")
+    value = t.full().item() if t.mesh.contains(world.rank) else 0.0
+    out = paddle.to_tensor([value if world.rank == t.mesh.process_ids[0] else 0.0], dtype="float64")
+    dist.all_reduce(out)
+    return float(out.numpy()[0])
