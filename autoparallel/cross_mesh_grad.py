@@ -150,7 +150,12 @@ def carry(args, kwargs, out) -> None:
 
 def synced_item(t):
     """``t.item()`` from the record ``t`` depends on that syncs values (a pipeline's logits, external_loss.py), or
-    None (``DistTensor.item`` as before)."""
+    None (``DistTensor.item`` as before); a value kept on ``t`` (value_cache.py) first, read locally."""
+    from autoparallel import value_cache
+
+    kept = value_cache.get(t)
+    if kept is not None:
+        return kept
     rec = next((r for r in ancestry(t) if getattr(r, "synced_item", None) is not None), None)
     return None if rec is None else rec.synced_item(t)
 
@@ -183,6 +188,9 @@ def backward(ts, gs, retain_graph: bool, roots, **kw) -> None:
     me, seeds = current_world().rank, [list(ts), list(gs)]
     _check_retained([r.sent for r in recs if r.sent is not None], retain_graph)
     check_passes(pass_seeds(recs, me, list(ts)))
+    sync = next((r for r in recs if getattr(r, "sync_values", None) is not None), None)
+    if sync is not None:                # the loss's value on every rank (pipeline/external_loss.py)
+        sync.sync_values(roots)
     for rec in reversed(recs):
         if getattr(rec, "resume", None) is not None:       # a pipeline's backward (pipeline/external_loss.py)
             _flush(seeds, retain_graph, {})                # the loss graph down to the logits, first

@@ -132,7 +132,7 @@ class DistTensor(OpMethods):
             for t in self._locals.values():
                 t.fill_(value)
         self._spec = self._spec.with_placements(_grad_placements(self._spec.placements))
-        return self
+        return _forms.forget_value(self)
 
     cpu = _forms.dist_cpu
 
@@ -217,7 +217,7 @@ class DistTensor(OpMethods):
     __array__ = _forms.dist_array
 
     def detach(self) -> "DistTensor":
-        return DistTensor({r: t.detach() for r, t in self._locals.items()}, self._spec)
+        return _forms.detached(self, DistTensor({r: t.detach() for r, t in self._locals.items()}, self._spec))
 
     # ---- whole-tensor views -------------------------------------------------------------------------
     def full(self) -> paddle.Tensor:
@@ -228,7 +228,7 @@ class DistTensor(OpMethods):
         return pick_replicated(rep._locals) if current_world().is_simulated else rep.local   # grads reach every copy
 
     def numpy(self) -> np.ndarray:
-        return self.full().numpy()
+        return _forms.kept_numpy(self) if cross_mesh_grad.LIVE[0] else self.full().numpy()
 
     def item(self, *args):
         """paddle's ``item(*args)``: the one element, or the element at a flat index / a full index."""

@@ -355,9 +355,14 @@ def dist_repr(t) -> str:
 
 def local_value_text(t) -> str:
     """``, value=...`` for a one-element tensor every rank holds whole (Replicate everywhere): printing it on one
-    rank reads its own copy, no collective; '' for anything else (printing never communicates)."""
+    rank reads its own copy, no collective; a value kept on the tensor (value_cache.py) on every rank; '' for
+    anything else (printing never communicates)."""
+    from autoparallel import value_cache
     from autoparallel.placement import Replicate
 
+    kept = value_cache.get(t)
+    if kept is not None:
+        return f", value={kept!r}"
     if not t._locals or any(not isinstance(p, Replicate) for p in t._spec.placements):
         return ""
     if t._spec.numel != 1:
@@ -410,3 +415,33 @@ def dist_cpu(self):
         raise NotImplementedError("cpu(): moving the shards of a distributed tensor to another device is not "
                                   "supported; shards live where their ranks run")
     return self
+
+
+# ---- a kept value (value_cache.py) --------------------------------------------------------------------------------
+def detached(src, out):
+    """``src.detach()``: the same data, so the same kept value."""
+    from autoparallel import value_cache
+
+    value_cache.copy(src, out)
+    return out
+
+
+def forget_value(t):
+    """``t`` changed in place (``fill_``): its kept value no longer holds."""
+    from autoparallel import value_cache
+
+    value_cache.drop(t)
+    return t
+
+
+def kept_numpy(t) -> np.ndarray:
+    """``numpy()``: a one-element tensor with a value kept or synced on every rank (a loss of a pipeline's logits:
+    cross_mesh_grad.synced_item) as an array of its shape, read without gathering; else the gathered tensor."""
+    from autoparallel import cross_mesh_grad
+
+    if t._spec.numel == 1:
+        value = cross_mesh_grad.synced_item(t)
+        if value is not None:
+            dtype = "float32" if t._spec.dtype == "bfloat16" else t._spec.dtype
+            return np.asarray(value, dtype=dtype).reshape(t._spec.shape)
+    return t.full().numpy()

@@ -189,11 +189,12 @@ _WIDTH = 12                                                    # ndim, 8 dims, d
 
 def meta(pipe, mesh, known):
     """Launched ranks: the logits' (placements, global shape, dtype) on every rank, from the last stage's first rank
-    (``known`` there, None elsewhere) by one sum over the world; every rank calls it at the same point."""
-    import paddle.distributed as dist
-
+    (``known`` there, None elsewhere) by one sum over the world (loss_sync.py); every rank calls it at the same
+    point."""
     from autoparallel.core.spec import normalize_dtype
     from autoparallel.placement import Partial, Replicate, Shard
+
+    from .loss_sync import exchange
 
     v = [0] * _WIDTH
     if known is not None and pipe.rank == mesh.process_ids[0]:
@@ -204,9 +205,7 @@ def meta(pipe, mesh, known):
         v[9] = 1 + _DTYPES.index(normalize_dtype(dtype))
         for k, p in enumerate(placements):
             v[10 + k] = 0 if isinstance(p, Replicate) else p.dim + 1 if isinstance(p, Shard) else -1
-    t = paddle.to_tensor(v, dtype="int64")
-    dist.all_reduce(t)
-    v = [int(x) for x in t.numpy()]
+    v = [int(round(x)) for x in exchange("forward", v)]
     if known is not None:
         return known
     placements = [Replicate() if c == 0 else Shard(c - 1) if c > 0 else Partial("sum") for c in v[10:10 + mesh.ndim]]
@@ -235,6 +234,9 @@ class PipelineBackward:
 
     def synced_item(self, t):
         return synced_item(t)
+
+    def sync_values(self, roots) -> None:
+        sync_values(roots)
 
     def resume(self) -> None:
         from .amp import USER_BACKWARD
@@ -279,20 +281,65 @@ def _grad(leaf):
 
 # ---- the loss's value on every rank ----------------------------------------------------------------------------
 def synced_item(t):
-    """``t.item()`` on launched ranks for a one-element tensor computed from a pipeline's logits: the value on every
-    rank (the last stage's first rank reports it; one sum over the world, so every rank calls it, as every rank
-    runs the same program); None in one process and the simulated world (``DistTensor.item`` as before)."""
+    """``t.item()`` of a one-element tensor computed from a pipeline's logits, kept on the tensor (value_cache.py):
+    on launched ranks the last stage's first rank reports it by one exchange over the world (loss_sync.py: every
+    rank calls it; a read on some ranks only raises ``LossReadOnSomeRanksError`` on every rank); in one process
+    and the simulated world the gathered value. None for a tensor of more elements in one process
+    (``DistTensor.item`` as before)."""
     import numpy as np
-    import paddle.distributed as dist
 
+    from autoparallel import value_cache
     from autoparallel.comm.world import current_world
 
+    from .loss_sync import exchange
+
     world = current_world()
-    if world.is_simulated or world.world_size == 1:
-        return None
-    if int(np.prod(t.shape, dtype=np.int64)) != 1:
+    one = int(np.prod(t.shape, dtype=np.int64)) == 1
+    local = world.is_simulated or world.world_size == 1
+    if not one:
+        if local:
+            return None
         raise ValueError(f"item() of a tensor with {list(t.shape)} elements: only one-element tensors have a value")
-    value = t.full().item() if t.mesh.contains(world.rank) else 0.0
-    out = paddle.to_tensor([value if world.rank == t.mesh.process_ids[0] else 0.0], dtype="float64")
-    dist.all_reduce(out)
-    return float(out.numpy()[0])
+    value = _value(t, world) if local else as_dtype(t, exchange("item", [_value(t, world)])[0])
+    value_cache.keep(t, value)
+    return value
+
+
+def _value(t, world):
+    """``t``'s value on the rank that reports it (the first of its mesh, or any in one process), 0.0 elsewhere;
+    every rank of ``t``'s mesh gathers it (a collective of that mesh)."""
+    local = world.is_simulated or world.world_size == 1
+    if not (local or t.mesh.contains(world.rank)):
+        return 0.0
+    with paddle.no_grad():
+        value = t.full().item()
+    return value if local or world.rank == t.mesh.process_ids[0] else 0.0
+
+
+def as_dtype(t, value: float):
+    """An exchanged float as ``item()`` gives it for ``t``'s dtype."""
+    dt = str(t.dtype).replace("paddle.", "")
+    return bool(value) if dt == "bool" else int(round(value)) if "int" in dt else value
+
+
+def sync_values(roots) -> None:
+    """At ``loss.backward()`` (every rank, the same records): the value of every one-element root computed from a
+    pipeline's logits reaches every rank by one exchange (twelve values each) and is kept on the tensor, so a
+    later ``float(loss)`` on any one rank is local. Always one exchange on launched ranks, none of them
+    one-element or not: a read made before on some ranks only meets it and fails on every rank."""
+    import numpy as np
+
+    from autoparallel import value_cache
+    from autoparallel.comm.world import current_world
+
+    from .loss_sync import PAYLOAD, exchange
+
+    world = current_world()
+    ts = [t for t in roots if int(np.prod(t.shape, dtype=np.int64)) == 1
+          and any(getattr(r, "synced_item", None) is not None for r in cross_mesh_grad.ancestry(t))]
+    values = [_value(t, world) for t in ts]
+    if not (world.is_simulated or world.world_size == 1):
+        values = [v for k in range(0, max(len(ts), 1), PAYLOAD)
+                  for v in exchange("backward", values[k:k + PAYLOAD])[:len(ts[k:k + PAYLOAD])]]
+    for t, v in zip(ts, values):
+        value_cache.keep(t, as_dtype(t, v))
