@@ -5,7 +5,8 @@ unsharded pipeline's, each rank holds half the moments the unsharded pipeline's 
 ZeRO-2 under VPP resumed from ZeRO-1's checkpoint after step 2 ends equal to the uninterrupted run, and paddle's
 ``opt.state_dict()`` is refused by name. The FThenB pipeline trained by the user's own loss on the logits
 (``F.cross_entropy(pipe(x), y).mean().backward()``; parallel/pipeline/external_loss.py) equals one process too,
-with the same loss on every rank."""
+with the same loss on every rank; after backward rank 0 alone reads it with no collective, and its read before
+backward fails fast on every rank (LossReadOnSomeRanksError)."""
 import os
 
 import numpy as np
@@ -105,3 +106,28 @@ def test_external_loss_on_real_ranks_equals_one_process(run):
         assert bad == [], (r["rank"], bad)
     assert seen == set(ref_params)
     assert len({tuple(r["jobs"]["external_fthenb"]["losses"]) for r in ranks}) == 1
+
+
+def test_rank_zero_alone_reads_the_loss_after_backward(run):
+    """``if rank == 0: float(loss)`` (also item(), numpy(), f"{loss:.6f}") after loss.backward() on a rank that
+    holds no shard of the loss: every step's value equals one process's, with no paddle.distributed call."""
+    _, ranks, refs = run
+    reads = ranks[0]["jobs"]["external_fthenb"]["rank0_reads"]
+    assert len(reads) == STEPS and all(r["calls"] == 0 for r in reads), reads
+    for read, want in zip(reads, refs[False][0]):
+        np.testing.assert_allclose(read["values"], [want] * 4, rtol=1e-5, atol=1e-6)
+    assert all(r["jobs"]["external_fthenb"]["rank0_reads"] == [] for r in ranks[1:])
+
+
+def test_rank_zero_alone_reading_before_backward_fails_fast_on_every_rank(run):
+    """The same read BEFORE loss.backward() (was: rank 0 waited 30 s in gloo, then ``TIMEOUT pair_rank = -1``, the
+    last stage's ranks a failed SEND_B): every rank raises LossReadOnSomeRanksError naming rank 0 and the fix."""
+    from autoparallel.parallel.pipeline.loss_sync import FIX
+
+    _, ranks, _ = run
+    for r in ranks:
+        job = r["jobs"]["external_read_before_backward"]
+        assert job["error_type"] == "LossReadOnSomeRanksError", (r["rank"], job)
+        assert "was read on 1 of 4 ranks [0] while 3 rank(s) were at loss.backward()" in job["message"]
+        assert job["message"].endswith(FIX)
+        assert job["seconds"] < 10, job["seconds"]

@@ -5,7 +5,9 @@
 Jobs, all with a binding ClipGradByGlobalNorm(0.05): ZeRO-1 (1F1B), ZeRO-2 (VPP v=2, a tied embedding / LM head
 on the first and last stage), the 1F1B pipeline without ZeRO (the unsharded optimizer-state size), and ZeRO-2
 under VPP resumed from the checkpoint ZeRO-1 saved after its second step (steps 3-4), and the FThenB pipeline
-trained by the user's own loss, ``F.cross_entropy(pipe(x), y).mean().backward()`` (no ZeRO). Each rank saves its stages' final parameters (full tensors)
+trained by the user's own loss, ``F.cross_entropy(pipe(x), y).mean().backward()`` (no ZeRO; rank 0 alone reads the
+loss after backward, with no collective), and last (it ends in an error on every rank) the same loss read by
+rank 0 alone before backward. Each rank saves its stages' final parameters (full tensors)
 to OUT_DIR/<name>.rank<r>.npz and reports per job its losses, clip norms, pipeline coordinates, the elements of
 AdamW's moment1 it holds, and (ZeRO-1 and plain 1F1B) what paddle's ``opt.state_dict()`` holds, gathered.
 """
@@ -29,16 +31,49 @@ JOBS = [{"name": "zero1_1f1b", "schedule": "1F1B", "dp": 2, "zero": 1, "save_aft
         {"name": "zero2_vpp_tied", "schedule": "VPP", "vpp": 2, "dp": 2, "zero": 2, "tie": True,
          "save_final": True},
         {"name": "plain_1f1b", "schedule": "1F1B", "dp": 2},
-        {"name": "external_fthenb", "schedule": "FThenB", "dp": 2, "external": True}]
+        {"name": "external_fthenb", "schedule": "FThenB", "dp": 2, "external": True},
+        {"name": "external_read_before_backward", "schedule": "FThenB", "dp": 2, "read_before": True}]   # last: an error
 
 
-def external_step(pipe, x, y) -> float:
-    """The one-process step written by the user: loss_fn(model(x), y), then backward (external_loss.py)."""
+def external_step(pipe, x, y):
+    """The one-process step written by the user: loss_fn(model(x), y), then backward (external_loss.py): the loss."""
     import paddle.nn.functional as F
 
     loss = F.cross_entropy(pipe(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
     loss.backward()
-    return float(loss)
+    return loss
+
+
+def rank_only_read(loss) -> dict:
+    """The logging line ``if rank == 0: print(float(loss))`` after backward: the value kept on the tensor, read with
+    no collective (rank 0 holds no shard of the loss: a collective here would wait for the others)."""
+    from autoparallel.comm.counter import count_comm
+
+    with count_comm() as log:
+        values = [float(loss), loss.item(), float(loss.numpy()), float(f"{loss:.6f}")]
+    return {"values": values, "calls": len(log.calls)}
+
+
+def read_before_backward(job, rank) -> dict:
+    """``if rank == 0: float(loss)`` BEFORE loss.backward(): every rank raises LossReadOnSomeRanksError (rank 0 in
+    its read, the others in backward), the time it took."""
+    import time
+
+    import paddle.nn.functional as F
+
+    from autoparallel.parallel.pipeline.loss_sync import LossReadOnSomeRanksError
+
+    pipe = apply_pp(pp_common.build("gpt"), pp_common.strategy(job))
+    x, y = pp_common.batches(1)[0]
+    loss = F.cross_entropy(pipe(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
+    start = time.perf_counter()
+    try:
+        if rank == 0:
+            float(loss)
+        loss.backward()
+    except LossReadOnSomeRanksError as e:
+        return {"error_type": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - start}
+    return {"error_type": None, "seconds": time.perf_counter() - start}
 
 
 def moment_elements(opt) -> int:
@@ -66,6 +101,8 @@ def moment_sums(opt, pipe) -> dict:
 
 
 def run_job(job, out_dir, rank, steps):
+    if job.get("read_before"):
+        return read_before_backward(job, rank)
     s = pp_common.strategy(job)
     if job.get("zero"):
         s.sharding.enable, s.sharding.stage = True, job["zero"]
@@ -77,12 +114,15 @@ def run_job(job, out_dir, rank, steps):
     if job.get("resume"):                         # the checkpoint zero1_1f1b saved after its second step
         ap.load_state_dict(ap.training_state(pipe, opt), ck)
         data = data[2:]
-    losses, norms = [], []
+    losses, norms, reads = [], [], []
     for k, (x, y) in enumerate(data):
-        losses.append(external_step(pipe, x, y) if job.get("external") else pipe.train_batch(x, y))
+        loss = external_step(pipe, x, y) if job.get("external") else pipe.train_batch(x, y)
+        if job.get("external") and rank == 0:
+            reads.append(rank_only_read(loss))
         opt.step()
         norms.append(opt.last_grad_norm)
         opt.clear_grad()
+        losses.append(float(loss))                # after backward: kept on every rank, read locally
         if k + 1 == job.get("save_after"):
             ap.save_state_dict(ap.training_state(pipe, opt), ck)
     if job.get("save_final"):
@@ -90,7 +130,7 @@ def run_job(job, out_dir, rank, steps):
     params = {n: (p.full() if is_dist(p) else p).numpy() for n, p in pipe.named_parameters()}
     np.savez(os.path.join(out_dir, f"{job['name']}.rank{rank}.npz"), **params)
     return {"losses": losses, "norms": norms, "pp_rank": pipe.pp_rank, "coords": list(pipe.coords),
-            "moments": moment_elements(opt), "kind": type(opt).__name__,
+            "moments": moment_elements(opt), "kind": type(opt).__name__, "rank0_reads": reads,
             "state_dict": moment_sums(opt, pipe) if job["name"] in ("zero1_1f1b", "plain_1f1b") else {}}
 
 

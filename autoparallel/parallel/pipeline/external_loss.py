@@ -31,8 +31,11 @@ raises ``TypeError`` naming both remedies.
 Launched ranks: every rank runs the same program. The ranks of other stages get the logits' layout (placements,
 global shape, dtype) from the last stage's first rank by one sum over the world, and hold a ``DistTensor`` without
 a shard, as ranks outside a mesh do (docs/cross_mesh.md); the user's loss plans and runs nothing there, and its
-``backward()`` runs their stages' backward actions. ``float(loss)`` / ``loss.item()`` of a tensor computed from the
-logits gives the same value on every rank (one sum over the world: call it on every rank).
+``backward()`` runs their stages' backward actions. At ``loss.backward()`` the value of every one-element root
+computed from the logits reaches every rank (one exchange over the world) and is kept on the tensor
+(value_cache.py): ``float(loss)`` / ``loss.item()`` / ``numpy()`` / ``format`` after backward are local on any rank
+alone. A read before backward is an exchange every rank makes (and keeps the value); made on some ranks only it
+raises ``LossReadOnSomeRanksError`` on every rank (loss_sync.py).
 
 Refused by name: ``strategy.amp`` (its loss scale belongs to ``train_batch``'s loss), low-precision parameters, a
 second backward with ``retain_graph=True`` through the pipeline.
