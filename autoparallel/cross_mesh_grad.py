@@ -26,6 +26,7 @@ import paddle
 from autoparallel.compat import SideData
 
 _ANCESTRY = SideData()              # DistTensor -> frozenset of the Transfer records it depends on
+_SOURCES = SideData()               # one-element DistTensor of a pipeline's logits -> its one-element inputs
 _NEW: list = []                     # records made by the reshard running now (reshard takes them)
 _SEQ = itertools.count()
 LIVE = [False]                      # a record was ever made in this process: dispatch carries ancestry
@@ -143,9 +144,29 @@ def carry(args, kwargs, out) -> None:
                 got = got | a
     if not got:
         return
+    keeps = any(getattr(r, "sync_values", None) is not None for r in got)
     for o in (out if isinstance(out, (list, tuple)) else (out,)):
         if o is not None and hasattr(o, "_locals"):
             _ANCESTRY.set(o, ancestry(o) | got)
+            if keeps and o._spec.numel == 1:
+                _SOURCES.set(o, tuple(u for v in list(args) + list(kwargs.values())
+                                      for u in (v if isinstance(v, (list, tuple)) else (v,))
+                                      if hasattr(u, "_locals") and u._spec.numel == 1))
+
+
+def one_element_sources(roots) -> list:
+    """The one-element distributed tensors the one-element ``roots`` were computed from by dispatched ops
+    (``loss`` of ``(loss / accum).backward()`` or ``scaler.scale(loss).backward()``), roots first, in the same
+    order on every rank (the roots' own computation, not what a rank computed beside it)."""
+    out, seen, todo = [], set(), [t for t in roots if t._spec.numel == 1]
+    while todo:
+        t = todo.pop(0)
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append(t)
+        todo.extend(_SOURCES.get(t, ()))
+    return out
 
 
 def synced_item(t):

@@ -2,8 +2,8 @@
 
 A loss computed from a pipeline's logits lives on the last stage's ranks; the other ranks hold no shard of it
 (parallel/pipeline/external_loss.py). Its value reaches every rank at ``loss.backward()`` (one exchange over the
-world, every rank walks the same records) or at an ``item()`` every rank makes, and is kept here, keyed on the
-tensor: ``item()``, ``float()``, ``numpy()`` and ``format`` of that tensor then read it on this rank alone, with no
+world, every rank walks the same records; the root and the one-element tensors it was computed from) or at an
+``item()`` every rank makes, and is kept here, keyed on the tensor: ``item()``, ``float()``, ``numpy()`` and ``format`` of that tensor then read it on this rank alone, with no
 collective. ``detach()`` keeps the value (the same data). A change in place drops it: ``rebind`` replaces the
 tensor's shards dict (every rank, holding a shard or not), ``fill_`` drops it by name, and a change of a held
 shard in place bumps paddle's inplace version, compared here.

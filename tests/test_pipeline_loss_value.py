@@ -2,6 +2,7 @@
 value_cache.py, loss_sync.py), in the simulated world: ``loss.backward()`` keeps the value on the tensor, so
 ``float(loss)``, ``loss.item()``, ``loss.numpy()``, ``f"{loss:.6f}"`` and ``repr`` read it with no collective and
 no gather, and it equals one process's loss; a read before backward keeps it too (a second read is local);
+the one-element tensors the root was computed from (``loss`` of ``(loss / 2).backward()``) are kept too;
 ``detach()`` keeps it; a change in place drops it; a tensor computed from the loss afterwards is read as before
 (a gather). The verdict of the tagged exchange that refuses a read on some ranks only on launched ranks (its
 launched run: tests/test_probe_pipeline_zero_dist.py)."""
@@ -64,6 +65,26 @@ def test_backward_keeps_the_value_and_every_read_is_local(monkeypatch):
             doubled = float(loss * 2)
         assert "full" in calls
         np.testing.assert_allclose(doubled, 2 * want, rtol=1e-5)
+
+
+def test_a_scaled_backward_keeps_the_loss_it_was_computed_from(monkeypatch):
+    """``(loss / 2 + (loss * 3) * 0.0).backward()``: the root and every one-element tensor it was computed from
+    (``loss``, ``loss / 2``, ``loss * 3``) are kept; a tensor computed from the loss after backward is not."""
+    want = reference_loss(X, Y)
+    with ap.simulate(world_size=4):
+        loss = pipeline_loss(X, Y)
+        half = loss / 2
+        aux = loss * 3
+        root = half + aux * 0.0
+        root.backward()
+        beside = loss * 5
+        with counted(monkeypatch) as calls:
+            got = [float(loss), float(half), float(root), float(aux)]
+        assert calls == []
+        np.testing.assert_allclose(got, [want, want / 2, want / 2, 3 * want], rtol=1e-5)
+        with counted(monkeypatch) as calls:
+            float(beside)
+        assert "full" in calls
 
 
 def test_a_read_before_backward_keeps_the_value(monkeypatch):

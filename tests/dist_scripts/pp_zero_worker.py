@@ -35,12 +35,13 @@ JOBS = [{"name": "zero1_1f1b", "schedule": "1F1B", "dp": 2, "zero": 1, "save_aft
         {"name": "external_read_before_backward", "schedule": "FThenB", "dp": 2, "read_before": True}]   # last: an error
 
 
-def external_step(pipe, x, y):
-    """The one-process step written by the user: loss_fn(model(x), y), then backward (external_loss.py): the loss."""
+def external_step(pipe, x, y, scaled: bool):
+    """The one-process step written by the user: loss_fn(model(x), y), then backward (external_loss.py), of the
+    loss or (``scaled``) of ``loss * 1.0`` (its value kept on the loss it was computed from): the loss."""
     import paddle.nn.functional as F
 
     loss = F.cross_entropy(pipe(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
-    loss.backward()
+    (loss * 1.0 if scaled else loss).backward()
     return loss
 
 
@@ -116,7 +117,7 @@ def run_job(job, out_dir, rank, steps):
         data = data[2:]
     losses, norms, reads = [], [], []
     for k, (x, y) in enumerate(data):
-        loss = external_step(pipe, x, y) if job.get("external") else pipe.train_batch(x, y)
+        loss = external_step(pipe, x, y, k % 2 == 1) if job.get("external") else pipe.train_batch(x, y)
         if job.get("external") and rank == 0:
             reads.append(rank_only_read(loss))
         opt.step()

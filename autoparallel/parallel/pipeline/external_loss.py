@@ -32,7 +32,8 @@ Launched ranks: every rank runs the same program. The ranks of other stages get 
 global shape, dtype) from the last stage's first rank by one sum over the world, and hold a ``DistTensor`` without
 a shard, as ranks outside a mesh do (docs/cross_mesh.md); the user's loss plans and runs nothing there, and its
 ``backward()`` runs their stages' backward actions. At ``loss.backward()`` the value of every one-element root
-computed from the logits reaches every rank (one exchange over the world) and is kept on the tensor
+computed from the logits (and of the one-element tensors it was computed from: ``loss`` of ``(loss / accum)``)
+reaches every rank (one exchange over the world) and is kept on the tensor
 (value_cache.py): ``float(loss)`` / ``loss.item()`` / ``numpy()`` / ``format`` after backward are local on any rank
 alone. A read before backward is an exchange every rank makes (and keeps the value); made on some ranks only it
 raises ``LossReadOnSomeRanksError`` on every rank (loss_sync.py).
@@ -327,19 +328,18 @@ def as_dtype(t, value: float):
 
 def sync_values(roots) -> None:
     """At ``loss.backward()`` (every rank, the same records): the value of every one-element root computed from a
-    pipeline's logits reaches every rank by one exchange (twelve values each) and is kept on the tensor, so a
-    later ``float(loss)`` on any one rank is local. Always one exchange on launched ranks, none of them
+    pipeline's logits, and of the one-element tensors it was computed from (``loss`` of ``(loss / accum)``),
+    reaches every rank by one exchange (twelve values each) and is kept on the tensor, so a later ``float(loss)``
+    on any one rank is local. Always one exchange on launched ranks, none of them
     one-element or not: a read made before on some ranks only meets it and fails on every rank."""
-    import numpy as np
-
     from autoparallel import value_cache
     from autoparallel.comm.world import current_world
 
     from .loss_sync import PAYLOAD, exchange
 
     world = current_world()
-    ts = [t for t in roots if int(np.prod(t.shape, dtype=np.int64)) == 1
-          and any(getattr(r, "synced_item", None) is not None for r in cross_mesh_grad.ancestry(t))]
+    ts = [t for t in cross_mesh_grad.one_element_sources(roots)
+          if any(getattr(r, "synced_item", None) is not None for r in cross_mesh_grad.ancestry(t))]
     values = [_value(t, world) for t in ts]
     if not (world.is_simulated or world.world_size == 1):
         values = [v for k in range(0, max(len(ts), 1), PAYLOAD)

@@ -25,8 +25,10 @@ class LossReadOnSomeRanksError(CollectiveMismatchError):
     value on some ranks only. Raised on every rank (``every_rank_knows``)."""
 
 
-FIX = ("call float(loss) after loss.backward(), or on every rank (the value is then kept on the tensor on every "
-       "rank and a later read is local: `if rank == 0: print(float(loss))` works after backward)")
+FIX = ("call float(loss) after loss.backward(), or on every rank (backward keeps the value of the tensor it ran from "
+       "and of the one-element tensors that one was computed from, on every rank, and a later read of them is local: "
+       "`if rank == 0: print(float(loss))` works after backward; a tensor computed from the loss after backward is "
+       "read on every rank)")
 
 
 def header(kind: str, rank: int) -> list:
