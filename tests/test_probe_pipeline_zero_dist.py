@@ -126,8 +126,20 @@ def test_rank_zero_alone_reading_before_backward_fails_fast_on_every_rank(run):
 
     _, ranks, _ = run
     for r in ranks:
-        job = r["jobs"]["external_read_before_backward"]
+        job = r["jobs"]["external_read_before_backward"]["before_backward"]
         assert job["error_type"] == "LossReadOnSomeRanksError", (r["rank"], job)
-        assert "was read on 1 of 4 ranks [0] while 3 rank(s) were at loss.backward()" in job["message"]
+        assert "was read on 1 of 4 ranks [0] while 3 rank(s) were at loss.backward() and 0 at" in job["message"]
         assert job["message"].endswith(FIX)
+        assert job["seconds"] < 10, job["seconds"]
+
+
+def test_rank_zero_alone_reading_a_tensor_made_after_backward_fails_fast(run):
+    """``float(loss * 2)`` on rank 0 alone after backward (not kept) while the others call the pipeline again: every
+    rank raises LossReadOnSomeRanksError at the call's first exchange (before any transfer)."""
+    _, ranks, _ = run
+    for r in ranks:
+        job = r["jobs"]["external_read_before_backward"]["derived_after_backward"]
+        assert job["error_type"] == "LossReadOnSomeRanksError", (r["rank"], job)
+        assert "was read on 1 of 4 ranks [0] while 0 rank(s) were at loss.backward() and 3 at the pipeline's next " \
+               "call" in job["message"]
         assert job["seconds"] < 10, job["seconds"]

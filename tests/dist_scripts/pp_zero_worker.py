@@ -57,21 +57,33 @@ def rank_only_read(loss) -> dict:
 
 def read_before_backward(job, rank) -> dict:
     """``if rank == 0: float(loss)`` BEFORE loss.backward(): every rank raises LossReadOnSomeRanksError (rank 0 in
-    its read, the others in backward), the time it took."""
-    import time
-
+    its read, the others in backward); then (the ranks agree again: each made the same exchanges) on a new pipeline,
+    rank 0 alone reads ``loss * 2`` made after backward (not kept) while the others call the pipeline again: the
+    error again, at the call's first exchange. Per case: the error's type, text and the seconds it took."""
     import paddle.nn.functional as F
+
+    x, y = pp_common.batches(1)[0]
+    out = {}
+    for case in ("before_backward", "derived_after_backward"):
+        pipe = apply_pp(pp_common.build("gpt"), pp_common.strategy(job))
+        loss = F.cross_entropy(pipe(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
+        if case == "derived_after_backward":
+            loss.backward()
+        out[case] = _expect_refused(lambda: float(loss if case == "before_backward" else loss * 2), rank,
+                                    lambda: loss.backward() if case == "before_backward" else pipe(paddle.to_tensor(x)))
+    return out
+
+
+def _expect_refused(read, rank, others) -> dict:
+    import time
 
     from autoparallel.parallel.pipeline.loss_sync import LossReadOnSomeRanksError
 
-    pipe = apply_pp(pp_common.build("gpt"), pp_common.strategy(job))
-    x, y = pp_common.batches(1)[0]
-    loss = F.cross_entropy(pipe(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
     start = time.perf_counter()
     try:
         if rank == 0:
-            float(loss)
-        loss.backward()
+            read()
+        others()
     except LossReadOnSomeRanksError as e:
         return {"error_type": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - start}
     return {"error_type": None, "seconds": time.perf_counter() - start}

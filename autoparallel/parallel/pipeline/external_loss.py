@@ -107,6 +107,10 @@ def call(pipe, inputs):
     _refusals(pipe)
     sched = schedule_for(pipe)
     m, dp = pipe.plan.micro_batches, pipe._dp()
+    if pipe.ranks is not None:          # before any transfer: meets a read some ranks made alone (loss_sync.py)
+        from .loss_sync import exchange
+
+        exchange("forward", [])
     st = pipe._step_state(interleave(inputs, m, dp), None, need_labels=False)
     st.external = True
     handlers = {"F": pipe._forward, "SEND_F": pipe._send_f, "RECV_F": pipe._recv_f}

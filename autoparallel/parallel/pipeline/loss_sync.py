@@ -1,11 +1,12 @@
 """The exchanges over the world of a pipeline called without labels, tagged so that a rank-only one fails fast.
 
-Three points make every rank of a launched job exchange over the world (external_loss.py): the logits' layout
-after the forward (``"forward"``), the values of the loss at ``loss.backward()`` (``"backward"``) and a read of the
+Three points make every rank of a launched job exchange over the world (external_loss.py): the start of a call
+(before any transfer) and the logits' layout after its forward (``"forward"``), the values of the loss at ``loss.backward()`` (``"backward"``) and a read of the
 value of a tensor computed from the logits that no rank has kept yet (``"item"``: ``item()``, ``float()``,
 ``numpy()``, ``format``). Each is one sum of the same 16 float64 words: four count the ranks making each kind
 (and which ranks read), twelve carry the payload. A read made on some ranks only (``if rank == 0:
-print(float(loss))`` before ``loss.backward()``) pairs with the other ranks' next exchange of this kind, and every
+print(float(loss))`` before ``loss.backward()``, or of ``loss * 2`` made after it) pairs with the other ranks' next
+exchange of this kind (at backward, or at the next call), and every
 rank sees the counts differ and raises ``LossReadOnSomeRanksError`` naming the ranks, the cause and the fix,
 instead of waiting 30 s in gloo and failing without a name (measured before: rank 0 ``TIMEOUT pair_rank = -1``,
 the last stage's ranks a failed ``SEND_B``).
@@ -49,7 +50,7 @@ def verdict(summed, world_size: int):
     named = f" {who}" if len(who) == readers else ""
     return (f"the value of a tensor computed from a pipeline's logits (float(loss), loss.item(), loss.numpy(), "
             f"f\"{{loss:.4f}}\") was read on {readers} of {world_size} ranks{named} while {back} rank(s) were at "
-            f"loss.backward() and {fwd} at the pipeline's next call: before backward the value lives on the last "
+            f"loss.backward() and {fwd} at the pipeline's next call: a value not kept on the tensor lives on the last "
             f"stage's ranks and reading it is an exchange every rank makes. Fix: {FIX}")
 
 
