@@ -87,6 +87,22 @@ def test_a_scaled_backward_keeps_the_loss_it_was_computed_from(monkeypatch):
         assert "full" in calls
 
 
+def test_a_grad_scaler_backward_keeps_the_loss(monkeypatch):
+    """``scaler.scale(loss).backward()`` (GradScaler 1024): ``float(loss)`` afterwards is local. With float32
+    parameters the scaler is disabled on a distributed loss (paddle's warning) and ``scale`` returns the loss;
+    a scaled root (``loss * s``) is the case of ``loss / 2`` above."""
+    from autoparallel.testing.gpu_scaler import gpu_grad_scaler
+
+    with ap.simulate(world_size=4):
+        loss = pipeline_loss(X, Y)
+        scaled = gpu_grad_scaler(init_loss_scaling=1024).scale(loss)
+        scaled.backward()
+        with counted(monkeypatch) as calls:
+            got = [float(loss), float(scaled)]
+        assert calls == []
+    np.testing.assert_allclose(got, [reference_loss(X, Y)] * 2, rtol=1e-5)
+
+
 def test_a_read_before_backward_keeps_the_value(monkeypatch):
     with ap.simulate(world_size=4):
         loss = pipeline_loss(X, Y)
