@@ -156,7 +156,7 @@ def carry(args, kwargs, out) -> None:
 
 def one_element_sources(roots) -> list:
     """The one-element distributed tensors the one-element ``roots`` were computed from by dispatched ops
-    (``loss`` of ``(loss / accum).backward()`` or ``scaler.scale(loss).backward()``), roots first, in the same
+    (``loss`` of ``(loss / accum).backward()``), roots first, in the same
     order on every rank (the roots' own computation, not what a rank computed beside it)."""
     out, seen, todo = [], set(), [t for t in roots if t._spec.numel == 1]
     while todo:
