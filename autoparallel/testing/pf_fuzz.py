@@ -12,6 +12,7 @@ import dataclasses
 import json
 import random
 import signal
+import time
 
 import numpy as np
 
@@ -63,8 +64,8 @@ class PFConfig:
 def draw_config(seed: int) -> PFConfig:
     r = random.Random(seed)
     family = r.choice(sorted(pf.MODELS))
-    heads = r.choice([1, 2, 3, 4, 4, 6, 8, 8])           # mostly divisible by tp 2 and 4, sometimes not
-    kv_heads = r.choice([k for k in (1, 2, 3, 4, 6, 8) if heads % k == 0])
+    heads = r.choice([1, 2, 3, 4, 4, 6, 8, 8, 12])       # mostly divisible by tp 2 and 4, sometimes not
+    kv_heads = r.choice([k for k in (1, 2, 3, 4, 6, 8, 12) if heads % k == 0])   # heads 12, kv 6: tp 4 splits kv unevenly
     head_dim = r.choice([4, 6, 8])
     hidden = heads * head_dim if r.random() < 0.5 else 2 * r.randint(4, 20)
     if family == "llama":                   # Llama asserts hidden == heads * head_dim when head_dim is given
@@ -179,7 +180,8 @@ def _optimizer(params):
     return paddle.optimizer.AdamW(LR, parameters=params, epsilon=EPSILON)
 
 
-def _train(model, opt, cfg: PFConfig) -> list:
+def train(model, opt, cfg: PFConfig) -> list:
+    """``STEPS`` optimizer steps on the config's batches; the losses."""
     import paddle
 
     losses = []
@@ -196,7 +198,7 @@ def _train(model, opt, cfg: PFConfig) -> list:
 def reference(cfg: PFConfig):
     """One process: (losses, {state name: ndarray})."""
     model = build(cfg)
-    losses = _train(model, _optimizer(model.parameters()), cfg)
+    losses = train(model, _optimizer(model.parameters()), cfg)
     return losses, {k: v.numpy() for k, v in model.state_dict().items()}
 
 
@@ -209,7 +211,7 @@ def distributed(cfg: PFConfig, sspec: PFStrategy):
         extra = {"seq_len": cfg.seq} if sspec.kind == "full" else {}
         model, opt = ap.parallelize(model, _optimizer(model.parameters()), strategy=make_strategy(sspec, cfg),
                                     **extra)
-        losses = _train(model, opt, cfg)
+        losses = train(model, opt, cfg)
         state = {k: np.asarray(v.numpy()) for k, v in ap.full_state_dict(model).items()}
     return losses, state
 
@@ -220,10 +222,13 @@ def _first_line(e: BaseException) -> str:
 
 
 def run_pair(seed: int, strategy_seed: int | None = None) -> fuzz_runs.Outcome:
+    """The pair of ``seed`` (config and strategy, or the strategy of ``strategy_seed``); see ``run``."""
+    return run(draw_config(seed), draw_strategy(seed if strategy_seed is None else strategy_seed))
+
+
+def run(cfg: PFConfig, sspec: PFStrategy) -> fuzz_runs.Outcome:
     """Outcome status: ok | wrong | crash | refused (a typed error) | skip (one process fails on the config)."""
-    cfg = draw_config(seed)
-    sspec = draw_strategy(seed if strategy_seed is None else strategy_seed)
-    out = fuzz_runs.Outcome(seed, seed if strategy_seed is None else strategy_seed, cfg, sspec)
+    out = fuzz_runs.Outcome(cfg.seed, cfg.seed, cfg, sspec)
     try:
         ref = reference(cfg)
     except Exception as e:  # noqa: BLE001 - the reference failing is paddle's or PaddleFormers' limit
@@ -265,12 +270,13 @@ def main(first: int, last: int, log: str) -> dict:
     with open(log, "a") as f:
         for seed in tqdm(range(first, last)):
             signal.alarm(HANG_SECONDS)
+            start = time.time()
             try:
                 out = run_pair(seed)
             finally:
                 signal.alarm(0)
             counts[out.status] = counts.get(out.status, 0) + 1
-            f.write(json.dumps(record(out), default=str) + "\n")
+            f.write(json.dumps(dict(record(out), seconds=round(time.time() - start, 2)), default=str) + "\n")
             f.flush()
     return counts
 
