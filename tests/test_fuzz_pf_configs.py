@@ -14,8 +14,10 @@ pytestmark = pytest.mark.skipif(not pf.available(), reason="paddleformers not in
 from autoparallel.testing import fuzz_runs  # noqa: E402
 from autoparallel.testing import pf_fuzz as z  # noqa: E402
 
-# seeds chosen to cover every family of pf.MODELS and every strategy kind (both worlds)
-LEAN = []
+# seeds chosen to cover every family of pf.MODELS (each also under tp > 1), every strategy kind, both worlds,
+# ZeRO 1/2/3, sequence parallel, recompute, left / right padding, sliding windows, a tied head; 148, 293 and 475
+# end in the three refusals triaged as right
+LEAN = [4, 11, 16, 19, 21, 27, 29, 41, 55, 58, 72, 77, 82, 99, 104, 134, 148, 264, 293, 424, 467, 475, 516]
 KNOWN_REFUSALS = ("must divide the model's heads", "must divide the model's hidden",
                   "auto_mode='full': no configuration of")
 SEEDS = range(int(os.environ["AP_PF_FUZZ_SEEDS"])) if os.environ.get("AP_PF_FUZZ_SEEDS") else LEAN
@@ -36,6 +38,9 @@ def test_lean_seeds_cover_every_family_and_strategy_kind():
     assert {z.draw_config(s).family for s in LEAN} == set(pf.MODELS)
     assert {z.draw_strategy(s).kind for s in LEAN} == set(z.KINDS)
     assert {z.draw_strategy(s).world for s in LEAN} == {2, 4}
+    assert {z.draw_config(s).pad for s in LEAN} == {"", "left", "right"}
+    assert {z.draw_strategy(s).zero for s in LEAN} == {0, 1, 2, 3}
+    assert any(dict(z.draw_config(s).extra).get("use_sliding_window") for s in LEAN)
 
 
 def _small(family="llama", **changes):

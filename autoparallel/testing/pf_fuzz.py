@@ -28,6 +28,7 @@ STEPS = 2
 LR, EPSILON = 1e-3, 1e-3
 MOE_KEYS = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "qwen3_next": "num_experts",
             "gpt_oss": "num_local_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}
+WINDOWED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")     # use_sliding_window / sliding_window / max_window_layers
 BIAS_KEYS = {"ernie4_5": "use_bias", "qwen2_moe": "qkv_bias", "qwen2": None, "phi3": None}   # default: attention_bias
 
 
@@ -48,6 +49,7 @@ class PFConfig:
     batch: int
     ignored: bool          # some labels -100
     extra: tuple = ()      # family-specific (key, value) pairs
+    pad: str = ""          # "left" / "right": padded samples of random lengths with a 2-D attention_mask
 
     def overrides(self) -> dict:
         out = dict(hidden_size=self.hidden, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
@@ -75,9 +77,19 @@ def draw_config(seed: int) -> PFConfig:
     extra = _family_extra(r, family, heads, layers, ffn)
     if family == "deepseek_v3":             # MLA: one kv head per head; its head_dim is the rope dim
         kv_heads, head_dim = heads, extra["qk_rope_head_dim"]
-    return PFConfig(seed, family, hidden, heads, kv_heads, head_dim, ffn,
-                    2 * r.randint(20, 70) + 1, r.random() < 0.5, r.random() < 0.5, layers,
-                    2 * r.randint(1, 6) + 1, r.randint(1, 7), r.random() < 0.3, tuple(sorted(extra.items())))
+    cfg = PFConfig(seed, family, hidden, heads, kv_heads, head_dim, ffn,
+                   2 * r.randint(20, 70) + 1, r.random() < 0.5, r.random() < 0.5, layers,
+                   2 * r.randint(1, 6) + 1, r.randint(1, 7), r.random() < 0.3, tuple(sorted(extra.items())))
+    return _padding_and_windows(cfg, random.Random(70_000 + seed))
+
+
+def _padding_and_windows(cfg: PFConfig, r) -> PFConfig:
+    """Padded batches and sliding windows, drawn apart so the fields above stay what a seed gave."""
+    extra = dict(cfg.extra)
+    if cfg.family in WINDOWED and r.random() < 0.4:       # the first max_window_layers layers attend fully
+        extra.update(use_sliding_window=True, sliding_window=r.randint(2, 6),
+                     max_window_layers=r.randint(0, cfg.layers - 1))
+    return dataclasses.replace(cfg, pad=r.choice(["", "", "left", "right"]), extra=tuple(sorted(extra.items())))
 
 
 def _family_extra(r, family: str, heads: int, layers: int, ffn: int) -> dict:
@@ -159,15 +171,25 @@ def make_strategy(sspec: PFStrategy, cfg: PFConfig):
 
 
 # ---- runs --------------------------------------------------------------------------------------------------
-def draw_batch(cfg: PFConfig, step: int):
-    """(input_ids, labels) int64 [batch, seq]; with ``ignored`` about a quarter of the labels are -100."""
+def draw_batch(cfg: PFConfig, step: int) -> dict:
+    """The model's keyword inputs as int64 numpy [batch, seq]: input_ids, labels (with ``ignored`` about a quarter
+    -100) and, with ``pad``, an attention_mask (1 on tokens; padding on the left or right, its labels -100)."""
     rng = np.random.default_rng(1000 * cfg.seed + step)
     ids = rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype("int64")
     labels = rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype("int64")
     if cfg.ignored:
         labels[rng.random(labels.shape) < 0.25] = -100
-        labels[0, 0] = 0                                   # at least one counted label
-    return ids, labels
+    out = {"input_ids": ids, "labels": labels}
+    if cfg.pad:
+        lengths = rng.integers(1, cfg.seq + 1, cfg.batch)
+        lengths[0] = cfg.seq
+        mask = (np.arange(cfg.seq)[None] < lengths[:, None]).astype("int64")
+        mask = mask[:, ::-1].copy() if cfg.pad == "left" else mask
+        ids *= mask
+        labels[mask == 0] = -100
+        out["attention_mask"] = mask
+    labels[0, -1] = 0                                      # at least one counted label (sample 0 is whole)
+    return out
 
 
 def build(cfg: PFConfig):
@@ -186,8 +208,8 @@ def train(model, opt, cfg: PFConfig) -> list:
 
     losses = []
     for step in range(STEPS):
-        ids, labels = draw_batch(cfg, step)
-        loss = pf.loss_of(model(input_ids=paddle.to_tensor(ids), labels=paddle.to_tensor(labels)))
+        inputs = {k: paddle.to_tensor(v) for k, v in draw_batch(cfg, step).items()}
+        loss = pf.loss_of(model(**inputs))
         loss.backward()
         opt.step()
         opt.clear_grad()
