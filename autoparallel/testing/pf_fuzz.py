@@ -1,6 +1,6 @@
 """Random PaddleFormers configs x random strategies: a seed draws a family of ``pf.MODELS`` with small dims that
 need not divide the mesh (odd vocab, intermediate and sequence sizes, kv heads below the TP degree, heads TP
-does not divide, batches DP does not divide) and a strategy (dp, tp, dp x tp, sequence parallel, ZeRO 1/2/3,
+does not divide, batches DP does not divide; padded batches, sliding windows) and a strategy (dp, tp, dp x tp, sequence parallel, ZeRO 1/2/3,
 recompute, ``auto_mode="full"``; world 2 or 4). ``run_pair(seed)`` trains 2 AdamW steps in one process and
 under ``ap.parallelize`` in ``ap.simulate``; losses and every state entry are compared by ``fuzz_runs.compare``.
 
@@ -21,10 +21,10 @@ from autoparallel.testing import paddleformers_models as pf
 
 STEPS = 2
 # AdamW moves an element by lr * m / (sqrt(v) + eps): a float-order difference delta in a gradient near zero moves
-# it by up to lr * delta / eps. The recurrent blocks here (gated delta rule, MoE routing weights) carry deltas of
-# ~3e-5 (one process splitting its own batch shows as much), which lr 1e-2 / eps 1e-4 turned into 8e-4 on an
-# embedding row (seed 103); lr 1e-3 / eps 1e-3 bound it by ~3e-5 < fuzz_runs.ATOL, while a gradient x2 on one
-# parameter still moves it by >= 1e-4 (test_fuzz_pf_configs' negative control).
+# it by up to lr * delta / eps. Qwen3-Next's gated-delta layers carry deltas of ~3e-5 (one process splitting its
+# own batch shows as much), which lr 1e-2 / eps 1e-4 turned into 8e-4 on an embedding row (docs/fuzzing.md);
+# lr 1e-3 / eps 1e-3 keep it near delta, below fuzz_runs.ATOL, while a gradient x2 on one parameter still fails
+# the comparison (test_fuzz_pf_configs' negative control).
 LR, EPSILON = 1e-3, 1e-3
 MOE_KEYS = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "qwen3_next": "num_experts",
             "gpt_oss": "num_local_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}
