@@ -1,8 +1,9 @@
 """Random PaddleFormers configs x random strategies: a seed draws a family of ``pf.MODELS`` with small dims that
 need not divide the mesh (odd vocab, intermediate and sequence sizes, kv heads below the TP degree, heads TP
-does not divide, batches DP does not divide; padded batches, sliding windows) and a strategy (dp, tp, dp x tp, sequence parallel, ZeRO 1/2/3,
-recompute, ``auto_mode="full"``; world 2 or 4). ``run_pair(seed)`` trains 2 AdamW steps in one process and
-under ``ap.parallelize`` in ``ap.simulate``; losses and every state entry are compared by ``fuzz_runs.compare``.
+does not divide, batches DP does not divide; padded batches, sliding windows) and a strategy (dp, tp, dp x tp,
+sequence parallel, ZeRO 1/2/3, recompute, ``auto_mode="full"``; world 2 or 4). ``run_pair(seed)`` trains 2
+AdamW steps in one process and under ``ap.parallelize`` in ``ap.simulate``; losses and every state entry are
+compared by ``fuzz_runs.compare``.
 
     python -m autoparallel.testing.pf_fuzz 0 300 /tmp/pf_fuzz.jsonl     # seeds 0..299, one JSON line a pair
 """
@@ -67,7 +68,7 @@ def draw_config(seed: int) -> PFConfig:
     r = random.Random(seed)
     family = r.choice(sorted(pf.MODELS))
     heads = r.choice([1, 2, 3, 4, 4, 6, 8, 8, 12])       # mostly divisible by tp 2 and 4, sometimes not
-    kv_heads = r.choice([k for k in (1, 2, 3, 4, 6, 8, 12) if heads % k == 0])   # heads 12, kv 6: tp 4 splits kv unevenly
+    kv_heads = r.choice([k for k in (1, 2, 3, 4, 6, 8, 12) if heads % k == 0])   # kv 6 over tp 4: uneven
     head_dim = r.choice([4, 6, 8])
     hidden = heads * head_dim if r.random() < 0.5 else 2 * r.randint(4, 20)
     if family == "llama":                   # Llama asserts hidden == heads * head_dim when head_dim is given
