@@ -12,7 +12,7 @@ from autoparallel.planner.model_spec import parse_model
 from autoparallel.planner.options import PlannerOptions, options_for_cluster
 from autoparallel.planner.result import PlanResult
 from autoparallel.planner.search import (SearchSpace, candidate_at, divisors, evaluate_config, invalid_reason,
-                                         search)
+                                         search, tp_divides_model)
 
 
 def _positive_int(name, value):
@@ -50,8 +50,7 @@ def _model_spec(model_or_preset, seq_len):
 
 def _empty_space_error(model, cluster, global_batch, space) -> ValueError:
     world = cluster.world_size
-    tps = [t for t in divisors(world) if model.heads % t == 0 and model.kv_heads % t == 0
-           and model.hidden % t == 0 and model.ffn % t == 0 and space.allows("tp", t)]
+    tps = [t for t in divisors(world) if tp_divides_model(model, t) and space.allows("tp", t)]
     dps = sorted({world // (t * p) for t in tps for p in divisors(world // t) if p <= model.layers
                   and space.allows("pp", p)})
     constrained = space.constrained()

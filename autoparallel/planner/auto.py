@@ -156,14 +156,15 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
     info = model_info(model)
     limits = allowed_tp(model, world)
     tps = [tp for tp, why in limits.items() if why is None]
-    results = []
+    results, empty = [], []
     pipeline_ok = _pipeline_ok(model) and not (applied and has_lazy(model))
     for constraints in _searches(world, spec.layers, pipeline_ok, target.runtime is not None, _selective_ok(model),
                                  not pipeline_ok or _inside_ok(model, simulated)):
         try:
             results.append(plan(spec, target, strategy.global_batch_size, seq, top=CANDIDATES,
                                 **dict({"tp": tps}, **constraints)))
-        except ValueError:                      # e.g. no pipeline configuration divides this batch
+        except ValueError as e:                 # e.g. no pipeline configuration divides this batch
+            empty.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             continue
     valid = []                                  # (step, memory, search, index, strategy), fastest first
     for i, r in enumerate(results):
@@ -180,7 +181,14 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
         return chosen, _with_reading(result, spec, limits)
     raise ValueError(f"auto_mode='full': no configuration of {spec.name} ({spec.short_dims()}) with global batch "
                      f"{strategy.global_batch_size} fits {world} ranks of {target.name} and passes the strategy "
-                     f"checks; choose the degrees yourself (auto_mode='semi')")
+                     f"checks{_why_empty(empty, limits)}; choose the degrees yourself (auto_mode='semi')")
+
+
+def _why_empty(empty: list, limits: dict) -> str:
+    """The searches' own reasons and the refused tp degrees, for the no-configuration message."""
+    refused = [f"tp={tp}: {why}" for tp, why in limits.items() if why is not None]
+    parts = empty[:1] + refused                 # the searches repeat one reason (the first names the dp rule)
+    return (" (" + "; ".join(parts) + ")") if parts else ""
 
 
 def runtime_refusal(chosen, world: int, info: dict):

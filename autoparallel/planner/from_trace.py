@@ -284,7 +284,18 @@ def dimensions(model, graph, spans) -> dict:
                 kv_heads=int(kv_heads or heads), swiglu=gated,
                 bias=any(l.bias is not None for _, l in _linears(block)), layernorm=layernorm,
                 tied_embeddings=head_tied(model, blocks, hidden, vocab), learned_positions=bool(positions),
-                positions=positions[0] if positions else 0, dropout=dropout)
+                positions=positions[0] if positions else 0, dropout=dropout,
+                attn_dim=config_attn_dim(model, hidden, int(heads)))
+
+
+def config_attn_dim(model, hidden: int, heads: int) -> int:
+    """heads·config.head_dim when hidden does not divide into the heads (Qwen3, Gemma 3, ERNIE 4.5 set head_dim
+    apart from hidden: hidden 40 with 3 heads of 8), else 0: ``fit_attention_width`` then picks the reading that
+    explains the parameter count."""
+    head_dim = getattr(getattr(model, "config", None), "head_dim", None)
+    if hidden % heads and isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
+        return heads * head_dim
+    return 0
 
 
 def head_tied(model, blocks, hidden: int, vocab: int) -> bool:

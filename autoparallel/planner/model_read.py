@@ -120,7 +120,8 @@ def _gated(model) -> bool:
 
 def from_config(model, seq_len: int, name: str, stopped_at: str):
     """A ModelSpec of a mixture of experts from its config and layers (see the module docstring)."""
-    from autoparallel.planner.from_trace import _find_blocks, _norms, fit_attention_width, head_tied, with_residual
+    from autoparallel.planner.from_trace import (_find_blocks, _norms, config_attn_dim, fit_attention_width, head_tied,
+                                                 with_residual)
     from autoparallel.planner.model_spec import ModelSpec
 
     values, used = {}, []
@@ -155,7 +156,8 @@ def from_config(model, seq_len: int, name: str, stopped_at: str):
                      learned_positions=False,
                      dropout=bool(getattr(c, "attention_dropout", 0.0) or getattr(c, "hidden_dropout", 0.0) or 0.0),
                      experts=values["experts"], top_k=values["top_k"], expert_ffn=values["expert_ffn"],
-                     shared_experts=shared, dense_layers=len(blocks) - moe)
+                     shared_experts=shared, dense_layers=len(blocks) - moe,
+                     attn_dim=config_attn_dim(model, values["hidden"], values["heads"]))
     source = (f"read from model.config (the trace stops at {stopped_at!r}, a value-dependent shape in the "
               f"experts' routing): {', '.join(used)}, {shared_how}; from the layers: {moe} of {len(blocks)} "
               f"blocks hold experts; estimated: the per-token cost of the MoE blocks (tokens spread evenly, "

@@ -88,9 +88,11 @@ def divisors(n: int) -> list:
 
 
 def tp_divides_model(model, tp: int) -> bool:
-    """tp splits heads, key/value heads, hidden and FFN widths (and expert widths) evenly."""
-    return (model.heads % tp == 0 and model.kv_heads % tp == 0 and model.hidden % tp == 0 and model.ffn % tp == 0
-            and model.expert_ffn % tp == 0)
+    """tp splits the heads and hidden evenly (``Strategy.validate``'s rule), and the key/value heads unless there
+    are fewer of them than tp (the plans then replicate k / v). FFN and expert widths need not divide: the plans
+    shard them by ceil-division (model_read.tp_refusal), priced here as width / tp."""
+    return (model.heads % tp == 0 and model.hidden % tp == 0
+            and (model.kv_heads % tp == 0 or model.kv_heads < tp))
 
 
 def expert_degrees(model, dp: int) -> list:
@@ -128,8 +130,8 @@ def invalid_reason(model, world, global_batch, seq_len, config: ParallelConfig, 
     if c.world != world:
         return f"dp·tp·pp = {c.dp}·{c.tp}·{c.pp} = {c.world}, but the cluster has {world} devices"
     if not tp_divides_model(model, c.tp):
-        return (f"tp={c.tp} must divide heads ({model.heads}), kv_heads ({model.kv_heads}), hidden ({model.hidden}) "
-                f"and ffn ({model.ffn})")
+        return (f"tp={c.tp} must divide heads ({model.heads}) and hidden ({model.hidden}), and kv_heads "
+                f"({model.kv_heads}) unless they are fewer than tp")
     if c.pp > model.layers:
         return f"pp={c.pp} exceeds the {model.layers} layers"
     if c.split not in SPLITS:
