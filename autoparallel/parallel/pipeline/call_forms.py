@@ -129,8 +129,9 @@ def detect(model, pieces) -> dict:
 
 def _dry(model, pieces, labels: bool, return_dict):
     from .auto_split import _hidden_name, _hidden_of, _swapped, resolve, shaped
+    from .dry_input import dry_input
 
-    ids = paddle.zeros([1, 2], dtype="int64")
+    ids = dry_input(model) if pieces.generic else paddle.zeros([1, 2], dtype="int64")
     kwargs = {"labels": paddle.zeros([1, 2], dtype="int64")} if labels else {}
     if return_dict is not None:
         kwargs["return_dict"] = return_dict

@@ -145,7 +145,9 @@ def describe_generic(model, layers_name: Optional[str] = None) -> ModelPieces:
                         f"{type(blocks).__name__}")
     if len(blocks) == 0:
         raise ValueError(f"{type(model).__name__}.{path} is empty: a pipeline needs at least one layer")
-    pre, post, forms = piece_params(model, path, paddle.zeros([1, 2], dtype="int64"))
+    from .dry_input import dry_input
+
+    pre, post, forms = piece_params(model, path, dry_input(model))
     return ModelPieces(model, path, pre, post, None, generic=True, block_forms=forms)
 
 

@@ -1,0 +1,51 @@
+"""The one-sample input of the dry runs that split and describe a model without embed()/head() (auto_split.py,
+call_forms.py).
+
+A language model takes token ids: ``[1, 2]`` int64 zeros. A model whose first layer with parameters is a
+``Linear`` (an MLP regressor or classifier on feature vectors) takes float rows: ``[1, in_features]`` zeros of the
+weight's dtype. The first layer the forward calls is found by a pre-hook on every layer that holds parameters of
+its own (the model's forward runs until that layer, then stops). Any other first layer keeps the token ids.
+"""
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+
+
+class _First(Exception):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+
+def ids():
+    return paddle.zeros([1, 2], dtype="int64")
+
+
+def dry_input(model):
+    """The dry runs' input for ``model`` (module docstring)."""
+    first = _first_layer(model)
+    if isinstance(first, nn.Linear):
+        return paddle.zeros([1, int(first.weight.shape[0])], dtype=first.weight.dtype)
+    return ids()
+
+
+def _first_layer(model):
+    def stop(layer, _inputs):
+        raise _First(layer)
+
+    hooks = [layer.register_forward_pre_hook(stop) for _, layer in model.named_sublayers(include_self=False)
+             if layer.parameters(include_sublayers=False)]
+    rng = paddle.get_rng_state()
+    try:
+        with paddle.no_grad():
+            model(ids())
+    except _First as e:
+        return e.layer
+    except Exception:                       # noqa: BLE001 - the forward failed before any layer: keep the ids
+        return None
+    finally:
+        paddle.set_rng_state(rng)
+        for h in hooks:
+            h.remove()
+    return None
