@@ -160,9 +160,9 @@ def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False, gra
         set_grad_enabled(enter_grad)
 
 
-def run_stage(model, blocks, start: int, stop: int, inputs, x=None, last: bool = False, forms=None):
-    """One stage's forward: the hidden output of block ``stop - 1``, or the model output when ``last``;
-    ``forms``: ``block_forms``, so a skipped block returns what the model unpacks."""
+def run_stage(model, blocks, start: int, stop: int, inputs, x=None, last: bool = False, forms=None, whole=False):
+    """One stage's forward: the hidden output of block ``stop - 1``, or the model output when ``last`` (its logits,
+    or all of it when ``whole``); ``forms``: ``block_forms``, so a skipped block returns what the model unpacks."""
     grad = grad_enabled()
     ctx = _grad(False) if x is not None else contextlib.nullcontext()
     with ctx, stage_proxies(blocks, start, stop, x, last, grad, forms):
@@ -173,7 +173,7 @@ def run_stage(model, blocks, start: int, stop: int, inputs, x=None, last: bool =
     if not last:
         raise RuntimeError(f"{type(model).__name__}.forward returned before its block #{stop - 1}: the blocks must "
                            f"run in list order, each once")
-    return model_output(out)
+    return out if whole else model_output(out)
 
 
 def refuse_model_losses(model) -> None:
@@ -282,7 +282,7 @@ def _suffix_out(model, blocks, inputs, hx, forms):
     fns = {j: skip(j) for j in range(len(blocks))}
     fns[0] = lambda self, *a, **k: shaped(forms, 0, hx)
     with _swapped(blocks, fns):
-        return model_output(model(inputs))
+        return model(inputs)
 
 
 def _tensors(obj) -> list:
@@ -313,8 +313,8 @@ def _refuse_learned_side_inputs(model, side, named) -> None:
 
 def _grad_names(out, named) -> set:
     params = [p for _, p in named]
-    out = model_output(out)
-    if not params or out.stop_gradient:
+    outs = [t for t in _tensors(out if isinstance(out, (dict, tuple, list)) else [out]) if not t.stop_gradient]
+    if not params or not outs:                        # every head of a tuple / dict output counts
         return set()
-    grads = paddle.grad([out.astype("float32").sum()], params, allow_unused=True)
+    grads = paddle.grad([sum(t.astype("float32").sum() for t in outs)], params, allow_unused=True)
     return {n for (n, _), g in zip(named, grads) if g is not None}

@@ -58,7 +58,10 @@ def call(pipe, args: tuple, kwargs: dict):
         if labels is None:                     # loss_fn(model(x), y): the logits, backward through the pipeline
             from . import external_loss
 
-            return call_forms.build(form, None, external_loss.call(pipe, inputs), LOGITS_WHY_EXTERNAL)
+            out = external_loss.call(pipe, inputs)
+            if isinstance(out, (tuple, list, dict)):   # the model's whole output, its heads distributed
+                return out
+            return call_forms.build(form, None, out, LOGITS_WHY_EXTERNAL)
         return call_forms.build(form, train_call(pipe, inputs, labels), call_forms.Withheld("the logits",
                                                                                             LOGITS_WHY), LOGITS_WHY)
     return _evaluate(pipe, form, inputs, labels)

@@ -117,11 +117,72 @@ def call(pipe, inputs):
     _run(pipe, st, sched, FORWARD, handlers)
     if pipe.transport.pending():
         raise RuntimeError("the forward of a pipeline called without labels ended with undelivered transfers")
+    if st.outputs and not _is_tensor(st.outputs[0]):         # a model of several heads: its whole output
+        return _heads_output(pipe, st, sched, m, dp)
     logits, leaves_ = assemble(pipe, st.outputs, m, dp)
     rec = PipelineBackward(pipe, st, sched, leaves_)
     cross_mesh_grad.LIVE[0] = True
     cross_mesh_grad._ANCESTRY.set(logits, frozenset([rec]))
     return logits
+
+
+# ---- a model of several heads (a tuple / dict output) ----------------------------------------------------------
+def _is_tensor(v) -> bool:
+    from autoparallel.dist_tensor import is_dist
+
+    return isinstance(v, paddle.Tensor) or is_dist(v)
+
+
+def _rows(inputs):
+    """The number of samples of one micro-batch's model inputs (a tensor or a dict of them)."""
+    if isinstance(inputs, dict):
+        inputs = next(v for v in inputs.values() if _is_tensor(v))
+    return int(inputs.shape[0])
+
+
+def heads(out, inputs) -> list:
+    """The keys of a whole model output (tuple / list / dict) whose value is a per-sample tensor (its first dim the
+    micro-batch's samples): the outputs ``loss_fn(model(x), y)`` gets as distributed tensors."""
+    items = out.items() if isinstance(out, dict) else enumerate(out) if isinstance(out, (tuple, list)) else ()
+    n = _rows(inputs)
+    return [k for k, v in items if _is_tensor(v) and len(v.shape) >= 1 and int(v.shape[0]) == n]
+
+
+def saved(out, inputs):
+    """What the last stage keeps of a micro-batch's output for the backward: the tensor, or the list of heads."""
+    if _is_tensor(out):
+        return out
+    return [out[k] for k in heads(out, inputs)]
+
+
+def _heads_output(pipe, st, sched, m: int, dp: int):
+    """The model's own output (a tuple / list / dict, its class kept) with every per-sample head a distributed tensor
+    of the whole batch sharing one backward record; None stays None; any other value (a per-batch tensor such as a
+    summed auxiliary loss, a cache) is withheld: its use raises NotImplementedError."""
+    from .call_forms import Withheld
+
+    if pipe.ranks is not None:
+        raise NotImplementedError("loss_fn(model(x), y) with a model returning several outputs on launched ranks: "
+                                  "return the logits alone (a tensor, or a dict / ModelOutput with 'logits')")
+    first = st.outputs[0]
+    keys = heads(first, st.inputs[0])
+    dts, leaves_ = {}, []
+    for k in keys:
+        dts[k], lv = assemble(pipe, [o[k] for o in st.outputs], m, dp)
+        leaves_.append(lv)
+    rec = PipelineBackward(pipe, st, sched, leaves_)
+    cross_mesh_grad.LIVE[0] = True
+    for dt in dts.values():
+        cross_mesh_grad._ANCESTRY.set(dt, frozenset([rec]))
+    why = ("an output of a pipeline's training call that is not a per-sample tensor (its first dim is not the "
+           "batch's samples) is computed micro-batch by micro-batch and has no whole-batch value; return it per "
+           "sample, or compute it from the per-sample outputs")
+    items = first.items() if isinstance(first, dict) else enumerate(first)
+    filled = [(k, dts[k] if k in dts else None if v is None else Withheld(f"output field {k!r}", why))
+              for k, v in items]
+    if isinstance(first, dict):
+        return type(first)(**dict(filled)) if type(first) is not dict else dict(filled)
+    return type(first)(v for _, v in filled)
 
 
 def _run(pipe, st, sched, kinds, handlers) -> None:
@@ -248,7 +309,6 @@ class PipelineBackward:
 
     def resume(self) -> None:
         from .amp import USER_BACKWARD
-        from .shards import _Shards, _local
         from .shared_params import reduced_after_step
 
         if self.st is None:
@@ -256,13 +316,15 @@ class PipelineBackward:
         pipe, st, m = self.pipe, self.st, self.pipe.plan.micro_batches
         self.st = None
         last = pipe.plan.num_stages - 1
-        grads = {r: micro_grads(_grad(leaf), m) for r, leaf in self.leaves.items()}
         if pipe.holds_last:
             out0 = st.saved[(last, 0)][1]
-            shards = isinstance(_local(out0), _Shards)
-            for i in range(m):
-                st.inbox_b[(last, i)] = _Shards([grads[r][i] for r in out0.mesh.process_ids]) if shards else \
-                    next(iter(grads.values()))[i]
+            if isinstance(self.leaves, list):                # several heads: one gradient per head
+                per = [_micro_inbox(lv, o, m) for lv, o in zip(self.leaves, out0)]
+                for i in range(m):
+                    st.inbox_b[(last, i)] = [p[i] for p in per]
+            else:
+                for i, g in enumerate(_micro_inbox(self.leaves, out0, m)):
+                    st.inbox_b[(last, i)] = g
         handlers = {"B": pipe._backward, "W": pipe._weight, "SEND_B": pipe._send_b, "RECV_B": pipe._recv_b}
         with reduced_after_step(pipe):
             _run(pipe, st, self.sched, BACKWARD, handlers)
@@ -271,10 +333,22 @@ class PipelineBackward:
         if leftovers or pipe.transport.pending():
             raise RuntimeError(f"the pipeline's backward ended with unconsumed state {leftovers}")
         pipe.records = st.records
-        for leaf in self.leaves.values():
-            leaf.clear_gradient(False)
+        for leaves_ in self.leaves if isinstance(self.leaves, list) else [self.leaves]:
+            for leaf in leaves_.values():
+                leaf.clear_gradient(False)
         if getattr(pipe, "grads_scaled_by", None) is None:
             pipe.grads_scaled_by = USER_BACKWARD
+
+
+def _micro_inbox(leaves_: dict, out0, m: int) -> list:
+    """Per micro-batch, the last stage's gradient of one output from its logits leaves (every rank's shards in the
+    simulated world)."""
+    from .shards import _Shards, _local
+
+    grads = {r: micro_grads(_grad(leaf), m) for r, leaf in leaves_.items()}
+    if isinstance(_local(out0), _Shards):
+        return [_Shards([grads[r][i] for r in out0.mesh.process_ids]) for i in range(m)]
+    return [next(iter(grads.values()))[i] for i in range(m)]
 
 
 def micro_grads(g, m: int) -> list:

@@ -325,10 +325,14 @@ class PipelineModule:
                 x_local = _local(st.saved[(s - 1, i)][1]).detach()
             x_local.stop_gradient = False
             x = self._wrap(x_local, s)
-        out = stage(x) if s == 0 or not stage.pieces.generic else stage(x, inputs=self._side(st.inputs[i], s))
+        from . import external_loss
+
+        kw = {"whole": True} if st.external and stage.is_last and stage.pieces.generic and self.ranks is None else {}
+        out = stage(x, **kw) if s == 0 or not stage.pieces.generic else \
+            stage(x, inputs=self._side(st.inputs[i], s), **kw)
         if stage.is_last and st.labels is None:               # eval_batch without labels: keep the logits
             st.outputs.append(out)
-            st.saved[(s, i)] = (x_local, out if st.external else None)
+            st.saved[(s, i)] = (x_local, external_loss.saved(out, st.inputs[i]) if st.external else None)
         elif stage.is_last:
             batch_mod.check_labels(out.shape, st.labels[i].shape, self.loss_fn is _cross_entropy)
             fn = batch_mod.summed_cross_entropy if self.loss_fn is _cross_entropy else self.loss_fn

@@ -47,7 +47,13 @@ class _Shards:
 
 
 def _backprop(out, grad) -> None:
-    if isinstance(out, _Shards):
+    if isinstance(out, list):               # the heads of a model's whole output (external_loss.saved)
+        pairs = [(_local(o), g) for o, g in zip(out, grad) if not o.stop_gradient]
+        outs = [t for o, _ in pairs for t in (o.tensors if isinstance(o, _Shards) else [o])]
+        grads = [t for _, g in pairs for t in (g.tensors if isinstance(g, _Shards) else [g])]
+        if outs:
+            paddle.autograd.backward(outs, grads)
+    elif isinstance(out, _Shards):
         paddle.autograd.backward(out.tensors, grad.tensors)
     else:
         paddle.autograd.backward([out], [grad])

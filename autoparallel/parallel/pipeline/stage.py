@@ -305,21 +305,23 @@ class PipelineStage(nn.Layer):
     def pieces(self) -> ModelPieces:
         return self._pieces
 
-    def forward(self, x, inputs=None):
+    def forward(self, x, inputs=None, whole=False):
         """``x``: the model input (first stage) or the previous stage's activation; ``inputs``: the model
-        input on later stages of a model split at its blocks (it recomputes the side inputs from them)."""
+        input on later stages of a model split at its blocks (it recomputes the side inputs from them);
+        ``whole``: the last stage of a model split at its blocks returns the model's whole output (every head of a
+        tuple / dict), not its logits alone (external_loss.py)."""
         model, pieces = self._pieces.model, self._pieces
         if pieces.generic:
             from .auto_split import run_stage
 
             if self.is_first:
                 return run_stage(model, pieces.layers, self.start, self.stop, x, last=self.is_last,
-                                 forms=pieces.block_forms)
+                                 forms=pieces.block_forms, whole=whole)
             if inputs is None:
                 raise ValueError(f"stage {self.index} of {type(model).__name__} (split at its blocks) recomputes "
                                  f"the model's side inputs and needs the model inputs; got inputs=None")
             return run_stage(model, pieces.layers, self.start, self.stop, inputs, x=x, last=self.is_last,
-                             forms=pieces.block_forms)
+                             forms=pieces.block_forms, whole=whole)
         if self.is_first:
             x = model.embed(x)
         extra = pieces.extra_args(x)
