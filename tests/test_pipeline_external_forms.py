@@ -237,3 +237,20 @@ def test_paddleformers_shifted_loss_equals_one_process(family, dp):
     ref_losses, losses, bad, _ = compare_lm(build, PF_BATCHES, shifted, strategy(dp), opt="sgd")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert bad == []
+
+
+@pytest.mark.parametrize("two", ["tuple", "dict"])
+def test_several_heads_refused_by_name_on_launched_ranks(two):
+    """Launched ranks of other stages cannot learn a structure they never compute: the call is refused on every rank
+    before any transfer (the pipeline's ranks set as on launched ranks; nothing runs)."""
+    from autoparallel.parallel.pipeline import external_loss
+
+    x, _, _ = batches("cls", 1)[0]
+    with ap.simulate(world_size=2):
+        pipe, _ = ap.parallelize(MLP(two), None, strategy=strategy())
+        pipe.ranks = np.array([[0], [1]])
+        with pytest.raises(NotImplementedError) as e:
+            pipe(paddle.to_tensor(x))
+    assert str(e.value) == external_loss.HEADS_LAUNCHED
+    assert str(e.value).startswith("loss_fn(model(x), y) with a model returning several outputs without a logits "
+                                   "field, on launched ranks: return the logits alone")

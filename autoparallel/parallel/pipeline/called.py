@@ -58,6 +58,9 @@ def call(pipe, args: tuple, kwargs: dict):
         if labels is None:                     # loss_fn(model(x), y): the logits, backward through the pipeline
             from . import external_loss
 
+            if pipe.ranks is not None and form.kind != "tensor" and \
+                    call_forms.LOGITS not in {r for _, r in form.slots}:
+                raise NotImplementedError(external_loss.HEADS_LAUNCHED)
             out = external_loss.call(pipe, inputs)
             if isinstance(out, (tuple, list, dict)):   # the model's whole output, its heads distributed
                 return out

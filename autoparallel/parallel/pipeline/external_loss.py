@@ -127,6 +127,11 @@ def call(pipe, inputs):
 
 
 # ---- a model of several heads (a tuple / dict output) ----------------------------------------------------------
+HEADS_LAUNCHED = ("loss_fn(model(x), y) with a model returning several outputs without a logits field, on launched "
+                  "ranks: return the logits alone (a tensor, or a dict / ModelOutput with 'logits'), or run it in "
+                  "one process or ap.simulate")
+
+
 def _is_tensor(v) -> bool:
     from autoparallel.dist_tensor import is_dist
 
@@ -162,8 +167,7 @@ def _heads_output(pipe, st, sched, m: int, dp: int):
     from .call_forms import Withheld
 
     if pipe.ranks is not None:
-        raise NotImplementedError("loss_fn(model(x), y) with a model returning several outputs on launched ranks: "
-                                  "return the logits alone (a tensor, or a dict / ModelOutput with 'logits')")
+        raise NotImplementedError(HEADS_LAUNCHED)
     first = st.outputs[0]
     keys = heads(first, st.inputs[0])
     dts, leaves_ = {}, []
