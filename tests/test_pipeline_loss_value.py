@@ -90,9 +90,13 @@ def test_a_scaled_backward_keeps_the_loss_it_was_computed_from(monkeypatch):
 def test_a_grad_scaler_backward_keeps_the_loss(monkeypatch):
     """``scaler.scale(loss).backward()`` (GradScaler 1024): ``float(loss)`` afterwards is local. With float32
     parameters the scaler is disabled on a distributed loss (paddle's warning) and ``scale`` returns the loss;
-    a scaled root (``loss * s``) is the case of ``loss / 2`` above."""
+    a scaled root (``loss * s``) is the case of ``loss / 2`` above. Paddle decides from its global AMP state, which
+    building a PaddleFormers model leaves at float16 for the rest of the process: pinned at float32 here."""
+    from paddle.amp.auto_cast import amp_global_state
+
     from autoparallel.testing.gpu_scaler import gpu_grad_scaler
 
+    monkeypatch.setattr(amp_global_state(), "amp_dtype", "float32")
     with ap.simulate(world_size=4):
         loss = pipeline_loss(X, Y)
         scaled = gpu_grad_scaler(init_loss_scaling=1024).scale(loss)

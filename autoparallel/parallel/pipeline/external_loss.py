@@ -38,6 +38,10 @@ reaches every rank (one exchange over the world) and is kept on the tensor
 alone. A read before backward is an exchange every rank makes (and keeps the value); made on some ranks only it
 raises ``LossReadOnSomeRanksError`` on every rank (loss_sync.py).
 
+A model split at its blocks (one process, the simulated world) hands back its whole output: every per-sample tensor
+of a tuple / dict (two heads) is such a distributed tensor, all sharing one backward record (``heads``); other values
+are withheld. On launched ranks one without a logits field is refused (``HEADS_LAUNCHED``).
+
 Refused by name: ``strategy.amp`` (its loss scale belongs to ``train_batch``'s loss), low-precision parameters, a
 second backward with ``retain_graph=True`` through the pipeline.
 """
