@@ -254,3 +254,19 @@ def test_several_heads_refused_by_name_on_launched_ranks(two):
     assert str(e.value) == external_loss.HEADS_LAUNCHED
     assert str(e.value).startswith("loss_fn(model(x), y) with a model returning several outputs without a logits "
                                    "field, on launched ranks: return the logits alone")
+
+
+def test_negative_control_one_head_gradient_dropped(monkeypatch):
+    """The second head's gradient zeroed before the pipeline's backward: the same comparison fails."""
+    from autoparallel.parallel.pipeline import external_loss
+
+    cut, seen = external_loss._micro_inbox, []
+
+    def drop_second(leaves, out0, m):
+        seen.append(1)
+        grads = cut(leaves, out0, m)
+        return grads if len(seen) % 2 else [paddle.zeros_like(g) for g in grads]
+
+    monkeypatch.setattr(external_loss, "_micro_inbox", drop_second)
+    with pytest.raises(AssertionError):
+        compare(two_tuple, "cls", 1, two="tuple")
