@@ -17,6 +17,7 @@ import autoparallel as ap
 from autoparallel.dist_tensor import _local_from_full
 from autoparallel.parallel.pipeline import external_loss
 from autoparallel.testing import paddleformers_models as pf
+from test_pipeline_called import mismatches  # noqa: E402  (same tolerances)
 
 RTOL, ATOL, LR = 1e-4, 2e-5, 3e-3        # parameters after AdamW (see test_pipeline_called.py); losses: rtol 1e-5
 
@@ -80,18 +81,6 @@ def loop(model, opt, batches, loss_fn, accum=1, scale=1.0):
             opt.step()
             opt.clear_grad()
     return losses
-
-
-def mismatches(pipe, ref_params) -> list:
-    bad = []
-    for name, p in pipe.named_parameters():
-        want = paddle.to_tensor(ref_params[name])
-        locals_ = p.locals if hasattr(p, "_ap_spec") else {0: p}
-        for r, t in locals_.items():
-            w = _local_from_full(want, p.spec, r).numpy() if hasattr(p, "_ap_spec") else want.numpy()
-            if not np.allclose(t.numpy(), w, rtol=RTOL, atol=ATOL):
-                bad.append(f"{name}@rank{r}")
-    return bad
 
 
 def make_opt(params, kind):
