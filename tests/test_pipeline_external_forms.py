@@ -11,7 +11,9 @@ of every parameter after two steps at rtol 1e-4 / atol 2e-5):
 * metrics beside the loss (``argmax`` accuracy, ``shape``, ``detach()``, ``paddle.no_grad()``), before and after
   backward;
 * two calls with different losses accumulated before ``opt.step()``;
-* PaddleFormers Qwen2 and Qwen3-MoE under PP2 and PP2 x DP2 with the shifted LM loss.
+* PaddleFormers Qwen2 and Qwen3-MoE under PP2 and PP2 x DP2 with the shifted LM loss;
+* a CNN (float image dry run) with ``F.cross_entropy(model(x), y)`` in one expression after routing was undone, and
+  a CNN the dry sample cannot feed (refused by name).
 
 Every run uses SGD: AdamW divides by the root of the second moment, so an element whose gradient is near zero moves
 by a good part of a step on float sums in another order (test_pipeline_external_loss.make_opt)."""
@@ -270,3 +272,75 @@ def test_negative_control_one_head_gradient_dropped(monkeypatch):
     monkeypatch.setattr(external_loss, "_micro_inbox", drop_second)
     with pytest.raises(AssertionError):
         compare(two_tuple, "cls", 1, two="tuple")
+
+
+# ---- a CNN: the split's dry run takes a float image; paddle routed before the first call ----------------------
+class ConvBlock(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2D(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return x + F.relu(self.conv(x))
+
+
+class CNN(nn.Layer):
+    def __init__(self, flat_side=None):
+        super().__init__()
+        paddle.seed(0)
+        self.stem = nn.Conv2D(3, 4, 3, padding=1)
+        self.blocks = nn.LayerList([ConvBlock() for _ in range(4)])
+        self.flat_side = flat_side
+        self.head = nn.Linear(4 * (flat_side or 1) ** 2, C)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h.flatten(1) if self.flat_side else h.mean(axis=[2, 3]))
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_cnn_inline_loss_equals_one_process_with_dispatch_routed_at_build(dp):
+    """``F.cross_entropy(model(x), y)`` in one expression looks ``F.cross_entropy`` up before the call runs: the
+    pipeline routes paddle's functions when it is built (a pipeline without data / tensor parallelism creates no
+    distributed tensor before its first call), so the first step is not paddle's own function on a DistTensor."""
+    rng = np.random.default_rng(1)
+    data = [(rng.standard_normal((B, 3, 8, 8)).astype("float32"), rng.integers(0, C, (B,)).astype("int64"))
+            for _ in range(2)]
+
+    def steps(model, opt):
+        out = []
+        for x, y in data:
+            loss = F.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y))
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            out.append(float(loss))
+        return out
+
+    ref = CNN()
+    ref_losses = steps(ref, sgd(ref.parameters()))
+    ref_params = {n: p.numpy() for n, p in ref.named_parameters()}
+    ap.uninstall(force=True)                       # as in a fresh process: nothing routed yet
+    with ap.simulate(world_size=2 * dp):
+        m = CNN()
+        pipe, opt = ap.parallelize(m, sgd(m.parameters()), strategy=strategy(dp))
+        losses = steps(pipe, opt)
+        bad = mismatches(pipe, ref_params)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert bad == []
+
+
+def test_a_dry_run_the_sample_cannot_feed_is_refused_by_name():
+    """A CNN whose head needs 8 x 8 images: the split's dry sample (32 x 32) cannot run its forward; the refusal
+    names the model, the sample, paddle's error and the remedy (embed()/head() methods)."""
+    with ap.simulate(world_size=2):
+        m = CNN(flat_side=8)
+        with pytest.raises(NotImplementedError) as e:
+            ap.parallelize(m, sgd(m.parameters()), strategy=strategy(1))
+    msg = str(e.value)
+    assert msg.startswith("splitting CNN into pipeline stages runs its forward on a made-up sample (float32 zeros "
+                          "of shape [1, 3, 32, 32]")
+    assert "ValueError: (InvalidArgument) In operator matmul" in msg
+    assert "embed(ids) and head(hidden)" in msg

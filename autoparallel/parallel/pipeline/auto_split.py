@@ -235,10 +235,33 @@ def piece_params(model, path: str, inputs) -> tuple:
         hx = h.detach()
         hx.stop_gradient = False
         post = _grad_names(_suffix_out(model, blocks, inputs, hx, forms), named)
+    except Exception as e:          # noqa: BLE001 - the user's forward failing on the made-up sample: refused by name
+        if _raised_here(e):
+            raise
+        raise _dry_run_error(model, inputs, e) from e
     finally:
         paddle.set_rng_state(rng)
     post |= {n for n, _ in every if n not in pre}          # unused or frozen: on the last stage (kept, saved)
     return tuple(n for n, _ in every if n in pre), tuple(n for n, _ in every if n in post), forms
+
+
+def _raised_here(e) -> bool:
+    """The error was raised by autoparallel's own code (a refusal by name), not inside the user's forward / paddle."""
+    import os
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(root + os.sep)
+
+
+def _dry_run_error(model, inputs, e) -> NotImplementedError:
+    from .dry_input import describe
+    return NotImplementedError(
+        f"splitting {type(model).__name__} into pipeline stages runs its forward on a made-up sample "
+        f"({describe(inputs)}: token ids, a float row [1, in_features] for a first Linear, a float sample for a first "
+        f"convolution); the forward raised {type(e).__name__}: {str(e)[:300]}. Give the model embed(ids) and "
+        f"head(hidden) methods to split it without a dry run (docs/pipeline.md)")
 
 
 @contextlib.contextmanager

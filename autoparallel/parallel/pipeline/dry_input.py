@@ -3,19 +3,25 @@ call_forms.py).
 
 A language model takes token ids: ``[1, 2]`` int64 zeros. A model whose first layer with parameters is a
 ``Linear`` (an MLP regressor or classifier on feature vectors) takes float rows: ``[1, in_features]`` zeros of the
-weight's dtype. The first layer the forward calls is found by a pre-hook on every layer that holds parameters of
+weight's dtype; a first convolution (``Conv1D/2D/3D``, a CNN) a float sample of ``in_channels`` channels and
+``SIDE`` positions on each spatial axis, in the layer's data format (a model that needs another spatial size fails
+its dry run, which then raises by name: auto_split.block_forms). The first layer the forward calls is found by a pre-hook on every layer that holds parameters of
 its own (the model's forward runs until that layer, then stops). Any other first layer keeps the token ids.
 """
 from __future__ import annotations
 
 import paddle
 from paddle import nn
+from paddle.nn.layer.conv import _ConvNd
 
 
 class _First(Exception):
     def __init__(self, layer):
         super().__init__()
         self.layer = layer
+
+
+SIDE = 32          # spatial positions per axis of a convolution's dry sample
 
 
 def ids():
@@ -27,7 +33,17 @@ def dry_input(model):
     first = _first_layer(model)
     if isinstance(first, nn.Linear):
         return paddle.zeros([1, int(first.weight.shape[0])], dtype=first.weight.dtype)
+    if isinstance(first, _ConvNd):
+        spatial = [SIDE] * (first.weight.ndim - 2)
+        channels_last = first._data_format in ("NLC", "NHWC", "NDHWC")
+        shape = [1, *spatial, first._in_channels] if channels_last else [1, first._in_channels, *spatial]
+        return paddle.zeros(shape, dtype=first.weight.dtype)
     return ids()
+
+
+def describe(sample) -> str:
+    """What a dry sample is, for an error message."""
+    return f"{str(sample.dtype).replace('paddle.', '')} zeros of shape {list(sample.shape)}"
 
 
 def _first_layer(model):

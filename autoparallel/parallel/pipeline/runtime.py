@@ -438,6 +438,9 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     if tp > 1 and not tp_plan:
         raise ValueError(f"tensor_parallel.degree={tp} inside pipeline stages needs a tp_plan "
                          f"({{layer pattern: style}}), got {tp_plan!r}")
+    from autoparallel import dispatch_handle
+    dispatch_handle.install()       # the user's loss on a call's logits runs through dispatch (external_loss.py), and
+    #                                 F.cross_entropy(model(x), y) looks F.cross_entropy up before the call runs
     c = strategy.pipeline_parallel
     plan = plan_pipeline(model, pp, degrees.num_micro_batches, c.schedule, degrees.vpp, list(c.split_points) or None,
                          cost, seq_len, layers_name)
