@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import paddle
 from paddle import nn
-from paddle.nn.layer.conv import _ConvNd
 
 
 class _First(Exception):
@@ -33,7 +32,7 @@ def dry_input(model):
     first = _first_layer(model)
     if isinstance(first, nn.Linear):
         return paddle.zeros([1, int(first.weight.shape[0])], dtype=first.weight.dtype)
-    if isinstance(first, _ConvNd):
+    if isinstance(first, (nn.Conv1D, nn.Conv2D, nn.Conv3D)):
         spatial = [SIDE] * (first.weight.ndim - 2)
         channels_last = first._data_format in ("NLC", "NHWC", "NDHWC")
         shape = [1, *spatial, first._in_channels] if channels_last else [1, first._in_channels, *spatial]

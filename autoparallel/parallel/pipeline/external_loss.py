@@ -158,8 +158,9 @@ def heads(out, inputs) -> list:
 
 
 def saved(out, inputs):
-    """What the last stage keeps of a micro-batch's output for the backward: the tensor, or the list of heads."""
-    if _is_tensor(out):
+    """What the last stage keeps of a micro-batch's output for the backward: the tensor, or the list of heads (the
+    whole output where the last stage holds no inputs: launched ranks, whose several heads are refused by name)."""
+    if _is_tensor(out) or inputs is None:
         return out
     return [out[k] for k in heads(out, inputs)]
 

@@ -19,15 +19,13 @@ A stage with data or tensor parallelism inside runs on its own ``[data, model]``
 DistTensors; activations cross stages in the boundary layout (``Shard(0)`` on ``data``, replicated on
 ``model``), each rank exchanging its local shard with the rank of the same coordinates in the next stage.
 
-In a world of one process ``apply_pp`` builds every stage here and runs all action lists interleaved
-(a transfer is a hand-off): the same code path, for debugging and fast tests. In the simulated world
-(``ap.simulate(world_size=dp * tp * pp)``) the same happens with every stage on its own ``[data, model]``
-sub-mesh holding every rank's shard, so data and tensor parallelism inside stages run too: a transfer
-hands every rank's shard of the boundary tensor to the rank of the same coordinates in the next stage.
+In a world of one process ``apply_pp`` builds every stage here and runs all action lists interleaved (a
+transfer is a hand-off): the same code path, for debugging and fast tests. In the simulated world the same happens
+with every stage on its own ``[data, model]`` sub-mesh holding every rank's shard, so data and tensor parallelism
+inside stages run too: a transfer hands every rank's shard to the rank of the same coordinates in the next stage.
 
-Each executed action is recorded as ``Record(rank, kind, stage, microbatch, start, end)`` (pipeline
-rank, ``time.perf_counter`` seconds; one machine shares the clock), in ``pipe.records`` after each step:
-``timeline.plot_timeline(pipe.records)`` draws the measured timeline.
+Each executed action is recorded as ``Record(rank, kind, stage, microbatch, start, end)`` (pipeline rank,
+``time.perf_counter`` seconds) in ``pipe.records``; ``timeline.plot_timeline(pipe.records)`` draws them.
 """
 from __future__ import annotations
 
@@ -326,13 +324,11 @@ class PipelineModule:
             x_local.stop_gradient = False
             x = self._wrap(x_local, s)
         from . import external_loss
-
         kw = {"whole": True} if st.external and stage.is_last and stage.pieces.generic and self.ranks is None else {}
-        out = stage(x, **kw) if s == 0 or not stage.pieces.generic else \
-            stage(x, inputs=self._side(st.inputs[i], s), **kw)
+        out = stage(x, **kw) if s == 0 or not stage.pieces.generic else stage(x, inputs=self._side(st.inputs[i], s), **kw)
         if stage.is_last and st.labels is None:               # eval_batch without labels: keep the logits
             st.outputs.append(out)
-            st.saved[(s, i)] = (x_local, external_loss.saved(out, st.inputs[i]) if st.external else None)
+            st.saved[(s, i)] = (x_local, external_loss.saved(out, st.inputs and st.inputs[i]) if st.external else None)
         elif stage.is_last:
             batch_mod.check_labels(out.shape, st.labels[i].shape, self.loss_fn is _cross_entropy)
             fn = batch_mod.summed_cross_entropy if self.loss_fn is _cross_entropy else self.loss_fn
@@ -438,9 +434,6 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     if tp > 1 and not tp_plan:
         raise ValueError(f"tensor_parallel.degree={tp} inside pipeline stages needs a tp_plan "
                          f"({{layer pattern: style}}), got {tp_plan!r}")
-    from autoparallel import dispatch_handle
-    dispatch_handle.install()       # the user's loss on a call's logits runs through dispatch (external_loss.py), and
-    #                                 F.cross_entropy(model(x), y) looks F.cross_entropy up before the call runs
     c = strategy.pipeline_parallel
     plan = plan_pipeline(model, pp, degrees.num_micro_batches, c.schedule, degrees.vpp, list(c.split_points) or None,
                          cost, seq_len, layers_name)

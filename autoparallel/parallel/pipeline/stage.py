@@ -396,8 +396,12 @@ def plan_pipeline(model, pp: int, micro_batches: int, schedule: str = "1F1B", vp
     Checks, in order: ``pp`` >= 2; the schedule exists and fits ``micro_batches`` and ``vpp``
     (``make_schedule``'s errors); the model has the pipeline pieces; at least ``pp * vpp`` layers; the
     split points name layers, in order, one fewer than the stages."""
+    from autoparallel import dispatch_handle
     from .schedules import check_communication, make_schedule
 
+    dispatch_handle.install()   # a pipeline routes paddle's functions when it is built: the user's loss on a call's
+    #                             logits runs through dispatch, and F.cross_entropy(model(x), y) looks its function up
+    #                             before the call makes the first distributed tensor (external_loss.py)
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 2:
         raise ValueError(f"a pipeline needs pipeline_parallel.degree >= 2 stages, got {pp!r}")
     sched = make_schedule(schedule, pp, micro_batches, vpp)
