@@ -419,10 +419,11 @@ def dist_cpu(self):
 
 # ---- a kept value (value_cache.py) --------------------------------------------------------------------------------
 def detached(src, out):
-    """``src.detach()``: the same data, so the same kept value."""
-    from autoparallel import value_cache
+    """``src.detach()``: the same data, so the same kept value (values are kept only once a record is LIVE)."""
+    from autoparallel import cross_mesh_grad, value_cache
 
-    value_cache.copy(src, out)
+    if cross_mesh_grad.LIVE[0]:
+        value_cache.copy(src, out)
     return out
 
 
