@@ -1,4 +1,6 @@
 """Named cost-model formulas against values computed by hand."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -43,13 +45,15 @@ def test_memory_of_a_small_config_by_hand():
     psi = 84416                                          # first stage
     per_layer = 32 * 2 * 64 * (10 + 24 / 2) + 5 * 4 * 32 * 32 * 2 / 2     # Korthikanti, TP without SP
     assert per_layer == 110592
+    embedding_mask = 32 * 2 * 64                         # s·b·h one-byte dropout mask (no SP) per micro-batch
     # bf16 weights, the fp32 gradient accumulation buffer (4 B/param), ZeRO-1 states over dp=2
     expected = {"params": 2 * psi, "grads": 4 * psi, "optimizer": 12 * psi / 2,
-                "activations": 2 * per_layer * 2,      # 2 blocks x min(p, m) = 2 micro-batches in flight
+                # 2 blocks x min(p, m) = 2 micro-batches in flight, and the embedding's mask for each of them
+                "activations": 2 * per_layer * 2 + embedding_mask * 2,
                 "zero3_buffer": 0, "reserve": 0}
     for key, value in expected.items():
         assert cand.memory_gb[key] * 1e9 == pytest.approx(value, rel=1e-12), key
-    assert cand.memory_per_device_gb * 1e9 == pytest.approx(12 * psi + 2 * per_layer * 2, rel=1e-12)
+    assert cand.memory_per_device_gb * 1e9 == pytest.approx(12 * psi + 2 * per_layer * 2 + 4096 * 2, rel=1e-12)
 
 
 def test_korthikanti_table():
@@ -67,6 +71,45 @@ def test_korthikanti_table():
     assert act(4, 1, 2) == pytest.approx(2 * s * b * h / 4)
     assert float(mem.in_flight_micro_batches(np.array([4]), one, np.array([16]))[0]) == 4
     assert float(mem.in_flight_micro_batches(np.array([4]), np.array([2]), np.array([16]))[0]) == 4 * (1 + 3 / 8)
+
+
+def test_first_stage_activations_follow_korthikanti_section_4_3():
+    """A GPT (dropout) on tp=4 with SP, pp=4, selective recompute, 8 micro-batches of one sequence: the first stage
+    keeps Korthikanti's 34·s·b·h/t per block for p micro-batches (Eq. 6 with L/p blocks x p), the embedding
+    dropout's mask s·b·h·p/t (§4.3), and while one block runs backward its rebuilt scores 5·a·s²·b/t."""
+    gpt = ModelSpec("g", 1024, 8, 16, 1000, seq_len=512)
+    s, b, h, a, t, p = 512, 1, 1024, 16, 4, 4
+    blocks = 34 * s * b * h / t * (8 / p) * p
+    mask = s * b * h * p / t
+    scores = 5 * a * s * s * b / t
+    assert (blocks, mask, scores) == (35_651_584, 524_288, 5_242_880)
+    opts = PlannerOptions(memory_reserve_fraction=0.0)
+    cand = evaluate_config(gpt, toy_cluster(16), 8, s, ParallelConfig(dp=1, tp=t, pp=p, sp=1, recompute="selective"),
+                           opts)
+    assert cand.memory_gb["activations"] * 1e9 == pytest.approx(blocks + mask + scores, rel=1e-12)
+    # without dropout (LLaMA-style) there is no mask to keep
+    no_dropout = replace(gpt, dropout=False)
+    assert float(mem.embedding_dropout_bytes(no_dropout, s, b, np.array([t]), np.array([1]))[0]) == 0.0
+    assert float(mem.embedding_dropout_bytes(gpt, s, b, np.array([t]), np.array([0]))[0]) == s * b * h
+
+
+def test_head_stage_keeps_norm_and_projection_inputs_and_logits():
+    """The stage holding the output head keeps the final norm's and the projection's inputs, 2·s·b·h/t each with SP
+    (2·s·b·h each without), and the fp32 logits 4·s·b·V/t (Korthikanti et al. §4.3: 4·s·b·h/t·(1 + V/h)); on a
+    single stage (p = 1) the first stage is that stage."""
+    from autoparallel.planner.stage_memory import stage_rows
+
+    gpt = ModelSpec("g", 1024, 8, 16, 1000, seq_len=512)
+    s, b, h, V, t = 512, 1, 1024, 1000, 4
+    with_sp = 4 * s * b * h / t * (1 + V / h)
+    assert with_sp == 1_036_288
+    one, four = np.array([1]), np.array([4])
+    rows = stage_rows(gpt, s, b, four, one, four, one, np.array([8.0]), four // 2, four // 2, four // 2, 0.0, 0.0)
+    assert float(rows[1][3][0]) == pytest.approx(with_sp, rel=1e-12)               # last stage
+    assert float(rows[0][3][0]) == pytest.approx(s * b * h * 4 / t, rel=1e-12)     # first: the mask only
+    single = stage_rows(gpt, s, b, four, np.array([0]), one, one, np.array([8.0]), 8, 8, 0, 0.0, 0.0)
+    assert float(single[0][3][0]) == pytest.approx(4 * s * b * h + 4 * s * b * V / t + s * b * h, rel=1e-12)
+    assert float(mem.head_input_bytes(gpt, s, b, four, one, scale=2.0)[0]) == 2 * 4 * s * b * h / t   # fp32
 
 
 def test_model_states_by_zero_stage():

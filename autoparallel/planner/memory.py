@@ -127,6 +127,23 @@ def logits_bytes(model, s, b, t):
     return 4.0 * s * b * model.vocab / t
 
 
+def embedding_dropout_bytes(model, s, b, t, sp):
+    """Mask of the dropout after the input embedding, one byte per element, kept for every micro-batch in flight on
+    the first stage: s·b·h/t with sequence parallelism (the dropout runs on the sequence shard), s·b·h without;
+    none for a model without dropout (Korthikanti et al. §4.3: s·b·h·p/t for the p micro-batches in flight;
+    Megatron-LM's megatron/training/theoretical_memory_usage.py adds the same term)."""
+    t_sp = np.where(sp > 0, t, 1)
+    return (1.0 if model.dropout else 0.0) * s * b * model.hidden / t_sp
+
+
+def head_input_bytes(model, s, b, t, sp, scale=1.0):
+    """Inputs the final norm and the output projection keep for backward on the stage holding the head:
+    2·s·b·h/t_sp each, 16-bit (Korthikanti et al. §4.3: 4·s·b·h/t with sequence parallelism, besides the
+    4·s·b·V/t logits of ``logits_bytes``); ``scale`` = 2 for fp32 activations."""
+    t_sp = np.where(sp > 0, t, 1)
+    return scale * 4.0 * s * b * model.hidden / t_sp
+
+
 def reserve_bytes(capacity, fraction):
     """Device memory kept free for the runtime context, communication buffers and fragmentation."""
     return fraction * capacity

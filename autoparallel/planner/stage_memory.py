@@ -16,11 +16,16 @@ from autoparallel.planner.params import block_and_edge_params, largest_stage_par
 from autoparallel.planner.stages import stage_layout
 
 
-def stage_rows(model, s, b, tp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last):
-    """(blocks, edge Ψ, micro-batches in flight, extra activation bytes) of the first, last and middle stage."""
-    logits = mem.logits_bytes(model, s, b, tp)
-    return ((n_first, edge_first, mem.in_flight_micro_batches(pp, v, m), np.where(pp == 1, logits, 0.0)),
-            (n_last, edge_last, 1.0, logits),
+def stage_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last, scale=1.0):
+    """(blocks, edge Ψ, micro-batches in flight, extra activation bytes) of the first, last and middle stage.
+
+    Extra (Korthikanti et al. §4.3): the embedding dropout's mask for every micro-batch in flight on the first
+    stage; the final norm's and output projection's inputs and the fp32 logits on the stage holding the head."""
+    head = mem.logits_bytes(model, s, b, tp) + mem.head_input_bytes(model, s, b, tp, sp, scale)
+    inflight_first = mem.in_flight_micro_batches(pp, v, m)
+    first_extra = mem.embedding_dropout_bytes(model, s, b, tp, sp) * inflight_first + np.where(pp == 1, head, 0.0)
+    return ((n_first, edge_first, inflight_first, first_extra),
+            (n_last, edge_last, 1.0, head),
             (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0))
 
 
@@ -57,8 +62,8 @@ def stage_memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense,
     z3buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, zero, o.param_bytes)
     tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
     stages = []
-    for layers, edge, inflight, extra in stage_rows(model, s, b, tp, pp, v, m, n_first, n_last, n_mid, edge_first,
-                                                    edge_last):
+    for layers, edge, inflight, extra in stage_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first,
+                                                    edge_last, o.activation_scale):
         st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, zero, dp, d_e, m, off, tensors,
                          model.trainable_fraction)
         st["activations"] = activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra)
@@ -94,8 +99,9 @@ def memory_floors(model, cluster, global_batch, seq_len, grid, options, sp_rc, z
     d_e = np.maximum(dp // np.maximum(ep, 1), 1)
     tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
     held, acts = [], []                             # per stage: (len(zero_off), n) and (len(sp_rc), n)
-    for layers, edge, inflight, extra in stage_rows(model, s, b, tp, pp, v, m, n_first, n_last, n_mid, edge_first,
-                                                    edge_last):
+    by_sp = {sp: stage_rows(model, s, b, tp, np.full(n, sp), pp, v, m, n_first, n_last, n_mid, edge_first, edge_last,
+                            o.activation_scale) for sp in {sp for sp, _ in sp_rc}}
+    for i, (layers, edge, inflight, _) in enumerate(next(iter(by_sp.values()))):
         rows = []
         for zero, off in zero_off:
             z, f = np.full(n, zero), np.full(n, off)
@@ -105,7 +111,7 @@ def memory_floors(model, cluster, global_batch, seq_len, grid, options, sp_rc, z
                                                                          o.param_bytes))
         held.append(np.stack(rows))
         acts.append(np.stack([activation_bytes(model, o, s, b, tp, np.full(n, sp), np.full(n, rc), layers, inflight,
-                                               extra) for sp, rc in sp_rc]))
+                                               by_sp[sp][i][3]) for sp, rc in sp_rc]))
     reserve = mem.reserve_bytes(cluster.device.memory_bytes, o.memory_reserve_fraction)
     by_state = np.max(np.stack([h + a.min(axis=0) for h, a in zip(held, acts)]), axis=0) + reserve
     by_activation = np.max(np.stack([h.min(axis=0) + a for h, a in zip(held, acts)]), axis=0) + reserve
