@@ -79,6 +79,38 @@ def test_deepspeed_pipeline_messages_are_partitioned_over_the_tp_group():
     assert [part.time_s[k] for k in others] == pytest.approx([whole.time_s[k] for k in others], rel=1e-12)
 
 
+def test_gpt_1t_first_stage_by_korthikanti():
+    """The 1T row's first stage, term by term as Korthikanti et al. count it: Megatron-LM's 18 bytes per parameter
+    without the distributed optimizer (bf16 weight 2, fp32 main_grad 4, fp32 master + Adam m, v 12;
+    megatron/training/theoretical_memory_usage.py), 34·s·b·h/t per block for p micro-batches of L/p blocks
+    (Eq. 6), the embedding mask s·b·h·p/t (§4.3) and one block's rebuilt scores 5·a·s²·b/t. Not interleaved (§6),
+    it fits; interleaved with v = 2 (what the row assumed before) the paper's own formula exceeds 80 GB even with
+    no reserve, so the run that ran cannot have been interleaved."""
+    from dataclasses import replace as dc_replace
+
+    run = next(r for r in P.RUNS if r.name == "GPT 1T (SP+selective)")
+    h, s, t, p, L, V, a = 25600, 2048, 8, 64, 128, 51200, 160
+    block = (12 * h * h + 7 * h) / t + 6 * h              # TP-split matrices and q/k/v/fc1 biases, replicated rest
+    psi = 2 * block + V * h / t + s * h                   # two blocks, vocabulary-parallel embedding, positions
+    assert psi == 2_182_700_800
+    sbh_t = s * h / t
+    blocks, mask, scores = 34 * sbh_t * L, sbh_t * p, 5 * a * s * s / t
+    cand = P.predict(run)
+    mem = cand.memory_gb
+    assert (mem["params"] + mem["grads"] + mem["optimizer"]) * 1e9 == pytest.approx(18 * psi, rel=1e-12)
+    assert mem["activations"] * 1e9 == pytest.approx(blocks + mask + scores, rel=1e-12)
+    assert cand.feasible and cand.memory_per_device_gb == pytest.approx(18 * psi / 1e9 + 29.360128 + 8.0, rel=1e-9)
+    interleaved = 18 * psi + (blocks + mask) * (1 + (p - 1) / (p * 2))
+    assert interleaved / 1e9 == pytest.approx(82.47, abs=0.01) and interleaved > 80e9
+    assert not P.predict(dc_replace(run, config=dc_replace(run.config, vpp=2))).feasible
+
+
+def test_korthikanti_runs_as_the_paper_states_them():
+    """Table 3 micro-batch sizes (22B: 4, others 1) and §6's interleaving (m = 3 for 175B and 530B only)."""
+    rows = {r.name: r.config for r in P.RUNS if "SP+selective" in r.name}
+    assert [(c.micro_batch, c.vpp) for c in rows.values()] == [(4, 1), (1, 3), (1, 3), (1, 1)]
+
+
 def test_no_drift_with_scale(table):
     slope = P.drift(table)                                        # ratio change per doubling of the GPU count
     assert abs(slope) < 0.01

@@ -5,9 +5,11 @@ the reported throughput, with its source. ``validation_table`` prices every run'
 with the shipped constants (fitted on two rows of Megatron-LM's Table 1 only, planner/megatron.py) and
 reports predicted / published. Where a paper leaves a knob out, the assumption is written next to it and
 was fixed before looking at the prediction: micro-batch 1 unless published; interleaving off unless
-published, except on Megatron-LM itself (Korthikanti et al.'s runs, LLaMA 3) where the calibration's rule
-applies (the smallest v > 1 the largest stage's blocks divide by, planner/megatron.py); ZeRO-1 for the
-Megatron-DeepSpeed runs. Software facts are per run (``software``): DeepSpeed's pipeline engine partitions the
+published, except on LLaMA 3 (interleaved, V not stated) where the calibration's rule applies (the smallest v > 1
+the largest stage's blocks divide by, planner/megatron.py); ZeRO-1 for the Megatron-DeepSpeed runs. Korthikanti
+et al.'s four runs are as the paper states them: micro-batch sizes from Table 3 (22B: 4, the others 1) and
+interleaving with m = 3 for the 175B and 530B models only (§6: "We use the interleaving schedule with three
+interleaving stages (m = 3) for the 175B and 530B models"), so the 1T model runs plain 1F1B. Software facts are per run (``software``): DeepSpeed's pipeline engine partitions the
 activation it sends, and the gradient it returns, over the tensor-parallel group (runtime/pipe/engine.py:
 ``is_pipe_partitioned = is_grad_partitioned = is_model_parallel``, PartitionedTensor over the slice-parallel group,
 re-assembled by an all-gather on arrival; later versions keep it as the ``pipe_partitioned``/``grad_partitioned``
@@ -120,29 +122,31 @@ RUNS = (
                  "tflops", 113.0, "Smith et al. 2022 §2.4: 44.4 s/iteration",
                  "DeepSpeed pipeline engine (1F1B, messages partitioned over TP, serial blocking transfers), ZeRO-1", software=_DEEPSPEED),
     PublishedRun("GPT 22B (SP+selective)", "gpt-22b", "A100-80GB", 8, _HDR,
-                 _cfg(8, 8, 1, sp=1, recompute="selective"), 4, 2048,
+                 _cfg(8, 8, 1, sp=1, recompute="selective", micro_batch=4), 4, 2048,
                  "mfu", 0.415, "Korthikanti et al. 2023 (MLSys, arXiv:2205.05198) Tables 3 and 5: 1.10 s",
-                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)", software=_MEGATRON),
+                 "micro-batch 4 (Table 3): one micro-batch per step", software=_MEGATRON),
     PublishedRun("GPT-3 175B (SP+selective)", "gpt3-175b", "A100-80GB", 64, _HDR,
-                 _cfg(64, 8, 8, vpp=2, sp=1, recompute="selective"), 64, 2048,
+                 _cfg(64, 8, 8, vpp=3, sp=1, recompute="selective"), 64, 2048,
                  "mfu", 0.514, "Korthikanti et al. 2023 Tables 3 and 5: 13.75 s",
-                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)", software=_MEGATRON),
+                 "micro-batch 1 (Table 3); interleaved, m = 3 (§6)", software=_MEGATRON),
     PublishedRun("MT-NLG 530B (SP+selective)", "megatron-530b", "A100-80GB", 280, _HDR,
                  _cfg(280, 8, 35, vpp=3, sp=1, recompute="selective"), 280, 2048,
                  "mfu", 0.560, "Korthikanti et al. 2023 Tables 3 and 5: 37.83 s",
-                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)", software=_MEGATRON),
+                 "micro-batch 1 (Table 3); interleaved, m = 3 (§6)", software=_MEGATRON),
     PublishedRun("GPT 1T (SP+selective)", "megatron-1t", "A100-80GB", 512, _HDR,
-                 _cfg(512, 8, 64, vpp=2, sp=1, recompute="selective"), 512, 2048,
+                 _cfg(512, 8, 64, sp=1, recompute="selective"), 512, 2048,
                  "mfu", 0.563, "Korthikanti et al. 2023 Tables 3 and 5: 71.49 s",
-                 "micro-batch 1; v by the calibration's rule for Megatron-LM (assumed)", software=_MEGATRON),
+                 "micro-batch 1 (Table 3); not interleaved (§6 interleaves the 175B and 530B models only)",
+                 software=_MEGATRON),
     PublishedRun("LLaMA 3 405B (8192)", "llama3-405b", "H100-80GB", 8192, _ROCE,
-                 _cfg(8192, 8, 16, vpp=2, sp=1, sharding=1, split="ends"), 2048, 8192,
+                 _cfg(8192, 8, 16, vpp=2, sp=1, sharding=2, split="ends"), 2048, 8192,
                  "mfu", 0.43, "Dubey et al. 2024 (arXiv:2407.21783) Table 4: 430 TFLOP/s, 43% BF16 MFU",
-                 "first/last stage one block fewer (paper §3.3.2); v=2, ZeRO-1 and no recomputation assumed; "
-                 "FlashAttention; RoCE Clos with 1:7 oversubscription above 3072-GPU zones",
+                 "first/last stage one block fewer, no activation checkpointing, FSDP sharding optimizer states and "
+                 "gradients but not the weights (ZeRO-2), fp32 gradient accumulation (paper §3.3.2); v=2 assumed "
+                 "(V not stated); FlashAttention; RoCE Clos with 1:7 oversubscription above 3072-GPU zones",
                  software=(("flash_attention", True), ("grad_bucket_bytes", 1.6e9))),
     PublishedRun("LLaMA 3 405B (16384)", "llama3-405b", "H100-80GB", 16384, _ROCE,
-                 _cfg(16384, 8, 16, vpp=2, sp=1, sharding=1, split="ends"), 2048, 8192,
+                 _cfg(16384, 8, 16, vpp=2, sp=1, sharding=2, split="ends"), 2048, 8192,
                  "mfu", 0.41, "Dubey et al. 2024 Table 4: 400 TFLOP/s, 41% BF16 MFU",
                  "as the 8192-GPU row, DP 128",
                  software=(("flash_attention", True), ("grad_bucket_bytes", 1.6e9))),
