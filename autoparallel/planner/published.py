@@ -3,18 +3,19 @@
 Each run: the model's shape, the GPU type and count, the fabric, the published parallel configuration and
 the reported throughput, with its source. ``validation_table`` prices every run's published configuration
 with the shipped constants (fitted on two rows of Megatron-LM's Table 1 only, planner/megatron.py) and
-reports predicted / published. Where a paper leaves a knob out, the assumption is written next to it and
-was fixed before looking at the prediction: micro-batch 1 unless published; interleaving off unless
-published, except on LLaMA 3 (interleaved, V not stated) where the calibration's rule applies (the smallest v > 1
-the largest stage's blocks divide by, planner/megatron.py); ZeRO-1 for the Megatron-DeepSpeed runs. Korthikanti
-et al.'s four runs are as the paper states them: micro-batch sizes from Table 3 (22B: 4, the others 1) and
-interleaving with m = 3 for the 175B and 530B models only (§6: "We use the interleaving schedule with three
-interleaving stages (m = 3) for the 175B and 530B models"), so the 1T model runs plain 1F1B. Software facts are per run (``software``): DeepSpeed's pipeline engine partitions the
-activation it sends, and the gradient it returns, over the tensor-parallel group (runtime/pipe/engine.py:
-``is_pipe_partitioned = is_grad_partitioned = is_model_parallel``, PartitionedTensor over the slice-parallel group,
-re-assembled by an all-gather on arrival; later versions keep it as the ``pipe_partitioned``/``grad_partitioned``
-defaults), i.e. the same scatter/gather as Megatron-LM's, and runs each schedule step's send and receive one after
-the other with blocking calls (runtime/pipe/schedule.py, p2p.py); FlashAttention (2022+) in the 2024 runs.
+reports predicted / published. Where a paper leaves a knob out, the assumption is written next to it and was fixed
+before looking at the prediction: micro-batch 1 unless published; interleaving off unless published, except on
+LLaMA 3 (interleaved, V not stated) where the calibration's rule applies (the smallest v > 1 the largest stage's
+blocks divide by, planner/megatron.py); ZeRO-1 for the Megatron-DeepSpeed runs. Korthikanti et al.'s four runs are
+as the paper states them: micro-batch sizes from Table 3 (22B: 4, the others 1) and interleaving with m = 3 for the
+175B and 530B models only (§6: "We use the interleaving schedule with three interleaving stages (m = 3) for the
+175B and 530B models"), so the 1T model runs plain 1F1B. Software facts are per run (``software``): DeepSpeed's
+pipeline engine partitions the activation it sends, and the gradient it returns, over the tensor-parallel group
+(runtime/pipe/engine.py: ``is_pipe_partitioned = is_grad_partitioned = is_model_parallel``, PartitionedTensor over
+the slice-parallel group, re-assembled by an all-gather on arrival; later versions keep it as the
+``pipe_partitioned``/``grad_partitioned`` defaults), i.e. the same scatter/gather as Megatron-LM's, and runs each
+schedule step's send and receive one after the other with blocking calls (runtime/pipe/schedule.py, p2p.py);
+FlashAttention (2022+) in the 2024 runs.
 
 Metrics: "tflops" = TFLOP/s per GPU counting recomputation (Megatron / Megatron-DeepSpeed reporting),
 "mfu" = model FLOPs utilisation (no recomputation), "tokens" = tokens/s per GPU. A run whose framework counted
