@@ -193,6 +193,26 @@ def test_splits():
     assert "virtual stage empty" in split_problem((2, 3, 3), v=3)
 
 
+def test_ends_split_lets_the_end_chunks_hold_only_the_embedding_and_the_head():
+    """Dubey et al. 2024 §3.3.2: with one block fewer on the first and the last stage "the first model chunk on the
+    first stage has only the embedding, and the last model chunk on the last stage has only output projection and
+    loss calculation". LLaMA 3 405B's 126 blocks on 16 stages, [7, 8 x 14, 7]: v = 8 gives every middle chunk one
+    block and leaves one chunk at each end without a block; only the ``ends`` split allows that, and only there."""
+    from autoparallel.planner.search import vpp_choices
+
+    counts = split_layers(126, 16, "ends")
+    assert counts == (7,) + (8,) * 14 + (7,)
+    assert split_problem(counts, v=8, ends=True) is None
+    assert "virtual stage empty" in split_problem(counts, v=8)                  # the same blocks, split "even"
+    assert vpp_choices(counts, 16, ends=True) == [1, 2, 4, 8] and vpp_choices(counts, 16) == [1, 2, 4]
+    assert "virtual stage empty" in split_problem((6, 8, 8, 7), v=8, ends=True)     # two chunks without a block
+    assert "virtual stage empty" in split_problem((7, 7, 8, 7), v=8, ends=True)     # a middle stage: no allowance
+    model = parse_model("llama3-405b")
+    cfg = ParallelConfig(dp=64, tp=8, pp=16, vpp=8, sp=1, sharding=2, split="ends")
+    assert invalid_reason(model, 8192, 2048, 8192, cfg, OPTS) is None
+    assert "virtual stage empty" in invalid_reason(model, 8192, 2048, 8192, dataclasses.replace(cfg, split="even"), OPTS)
+
+
 def test_interleaving_without_divisibility_and_empty_stage_errors():
     model = parse_model("llama3-405b")
     cfg = ParallelConfig(dp=64, tp=8, pp=16, vpp=2, sp=1, sharding=1, split="ends")

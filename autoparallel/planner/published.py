@@ -4,17 +4,16 @@ Each run: the model's shape, the GPU type and count, the fabric, the published p
 the reported throughput, with its source. ``validation_table`` prices every run's published configuration
 with the shipped constants (fitted on two rows of Megatron-LM's Table 1 only, planner/megatron.py) and
 reports predicted / published. Where a paper leaves a knob out, the assumption is written next to it and was fixed
-before looking at the prediction: micro-batch 1 unless published; interleaving off unless published, except on
-LLaMA 3 (interleaved, V not stated) where the calibration's rule applies (the smallest v > 1 the largest stage's
-blocks divide by, planner/megatron.py); ZeRO-1 for the Megatron-DeepSpeed runs. Korthikanti et al.'s four runs are
-as the paper states them: micro-batch sizes from Table 3 (22B: 4, the others 1) and interleaving with m = 3 for the
-175B and 530B models only (§6: "We use the interleaving schedule with three interleaving stages (m = 3) for the
-175B and 530B models"), so the 1T model runs plain 1F1B. Software facts are per run (``software``): DeepSpeed's
-pipeline engine partitions the activation it sends, and the gradient it returns, over the tensor-parallel group
-(runtime/pipe/engine.py: ``is_pipe_partitioned = is_grad_partitioned = is_model_parallel``, PartitionedTensor over
-the slice-parallel group, re-assembled by an all-gather on arrival; later versions keep it as the
-``pipe_partitioned``/``grad_partitioned`` defaults), i.e. the same scatter/gather as Megatron-LM's, and runs each
-schedule step's send and receive one after the other with blocking calls (runtime/pipe/schedule.py, p2p.py);
+before looking at the prediction: micro-batch 1 unless published; interleaving off unless published (LLaMA 3: V =
+8, derived from §3.3.2's chunk layout, see its notes); ZeRO-1 for the Megatron-DeepSpeed runs. Korthikanti et al.'s
+four runs are as the paper states them: micro-batch sizes from Table 3 (22B: 4, the others 1) and interleaving with
+m = 3 for the 175B and 530B models only (§6: "We use the interleaving schedule with three interleaving stages (m =
+3) for the 175B and 530B models"), so the 1T model runs plain 1F1B. Software facts are per run (``software``):
+DeepSpeed's pipeline engine partitions the activation it sends, and the gradient it returns, over the
+tensor-parallel group (runtime/pipe/engine.py: ``is_pipe_partitioned = is_grad_partitioned = is_model_parallel``,
+PartitionedTensor over the slice-parallel group, re-assembled by an all-gather on arrival; later versions keep it
+as the ``pipe_partitioned``/``grad_partitioned`` defaults), i.e. the same scatter/gather as Megatron-LM's, and runs
+each schedule step's send and receive one after the other with blocking calls (runtime/pipe/schedule.py, p2p.py);
 FlashAttention (2022+) in the 2024 runs.
 
 Metrics: "tflops" = TFLOP/s per GPU counting recomputation (Megatron / Megatron-DeepSpeed reporting),
@@ -140,14 +139,16 @@ RUNS = (
                  "micro-batch 1 (Table 3); not interleaved (§6 interleaves the 175B and 530B models only)",
                  software=_MEGATRON),
     PublishedRun("LLaMA 3 405B (8192)", "llama3-405b", "H100-80GB", 8192, _ROCE,
-                 _cfg(8192, 8, 16, vpp=2, sp=1, sharding=2, split="ends"), 2048, 8192,
+                 _cfg(8192, 8, 16, vpp=8, sp=1, sharding=2, split="ends"), 2048, 8192,
                  "mfu", 0.43, "Dubey et al. 2024 (arXiv:2407.21783) Table 4: 430 TFLOP/s, 43% BF16 MFU",
                  "first/last stage one block fewer, no activation checkpointing, FSDP sharding optimizer states and "
-                 "gradients but not the weights (ZeRO-2), fp32 gradient accumulation (paper §3.3.2); v=2 assumed "
-                 "(V not stated); FlashAttention; RoCE Clos with 1:7 oversubscription above 3072-GPU zones",
+                 "gradients but not the weights (ZeRO-2), fp32 gradient accumulation (paper §3.3.2); V = 8 from "
+                 "§3.3.2 (one block fewer on the first stage leaves its first chunk with only the embedding, so a "
+                 "chunk holds one block: 126 + 2 = 16 x 8); micro-batch 1 and Megatron-LM's in-flight count assumed "
+                 "(N not stated); FlashAttention; RoCE Clos with 1:7 oversubscription above 3072-GPU zones",
                  software=(("flash_attention", True), ("grad_bucket_bytes", 1.6e9))),
     PublishedRun("LLaMA 3 405B (16384)", "llama3-405b", "H100-80GB", 16384, _ROCE,
-                 _cfg(16384, 8, 16, vpp=2, sp=1, sharding=2, split="ends"), 2048, 8192,
+                 _cfg(16384, 8, 16, vpp=8, sp=1, sharding=2, split="ends"), 2048, 8192,
                  "mfu", 0.41, "Dubey et al. 2024 Table 4: 400 TFLOP/s, 41% BF16 MFU",
                  "as the 8192-GPU row, DP 128",
                  software=(("flash_attention", True), ("grad_bucket_bytes", 1.6e9))),

@@ -104,15 +104,16 @@ def expert_degrees(model, dp: int) -> list:
 
 def _split_duplicate(model, seq_len, c):
     """Outside the search space (though runnable): a split equal to an earlier one in SPLITS (same blocks per
-    stage), or a vpp that does not divide the largest stage."""
+    stage, and the same vpp allowed there), or a vpp that does not divide the largest stage."""
     from autoparallel.planner.stages import head_equivalent, split_layers
 
     eq = head_equivalent(model, seq_len)
     counts = split_layers(model.layers, c.pp, c.split, eq)
     for earlier in SPLITS[:SPLITS.index(c.split)]:
-        if split_layers(model.layers, c.pp, earlier, eq) == counts:
+        if (split_layers(model.layers, c.pp, earlier, eq) == counts
+                and c.vpp in vpp_choices(counts, 10 ** 9, earlier == "ends")):
             return f"split={c.split} gives the same blocks per stage as split={earlier} ({list(counts)})"
-    if c.vpp not in vpp_choices(counts, 10 ** 9):
+    if c.vpp not in vpp_choices(counts, 10 ** 9, c.split == "ends"):
         return (f"vpp={c.vpp} must divide the {max(counts)} blocks of the largest stage ({list(counts)}) so its "
                 f"virtual stages are equal")
     return None
@@ -121,7 +122,7 @@ def _split_duplicate(model, seq_len, c):
 def _split_problem(model, seq_len, pp, vpp, split):
     from autoparallel.planner.stages import head_equivalent, split_layers, split_problem
 
-    return split_problem(split_layers(model.layers, pp, split, head_equivalent(model, seq_len)), vpp)
+    return split_problem(split_layers(model.layers, pp, split, head_equivalent(model, seq_len)), vpp, split == "ends")
 
 
 def invalid_reason(model, world, global_batch, seq_len, config: ParallelConfig, options) -> str:
@@ -172,16 +173,21 @@ def invalid_reason(model, world, global_batch, seq_len, config: ParallelConfig, 
     return None
 
 
-def vpp_choices(counts, max_vpp):
+def vpp_choices(counts, max_vpp, ends=False):
     """Virtual stages for a split: 1, and every v > 1 dividing the largest stage's blocks (its chunks equal)
-    that every stage can hold; layers need not divide by pp·v."""
+    that every stage can hold (``ends``: the first and last stage with one chunk holding only the embedding or
+    the head, stages.edge_chunk_allowance); layers need not divide by pp·v."""
+    from autoparallel.planner.stages import edge_chunk_allowance
+
     top = max(counts)
-    return [1] + [v for v in range(2, min(max_vpp, min(counts)) + 1) if top % v == 0]
+    room = min(n + spare for n, spare in zip(counts, edge_chunk_allowance(counts, ends)))
+    return [1] + [v for v in range(2, min(max_vpp, room) + 1) if top % v == 0]
 
 
 def _pipeline_shapes(model, seq_len, pp, space, options):
-    """(vpp, split) pairs whose split leaves no stage or virtual stage empty; splits that give the same blocks
-    per stage as an earlier one are the same plan and are kept once."""
+    """(vpp, split) pairs whose split leaves no stage or virtual stage empty; a split that gives the same blocks
+    per stage and vpp as an earlier one is the same plan and is kept once (``ends`` with the same blocks as
+    ``even`` still adds the vpp whose end chunks hold only the embedding or the head)."""
     from autoparallel.planner.stages import head_equivalent, split_layers
 
     if pp == 1:
@@ -189,10 +195,12 @@ def _pipeline_shapes(model, seq_len, pp, space, options):
     out, seen = [], set()
     for split in SPLITS:
         counts = split_layers(model.layers, pp, split, head_equivalent(model, seq_len))
-        if not space.allows("split", split) or counts in seen or min(counts) < 1:
+        if not space.allows("split", split) or min(counts) < 1:
             continue
-        seen.add(counts)
-        out += [(v, split) for v in vpp_choices(counts, options.max_vpp) if space.allows("vpp", v)]
+        for v in vpp_choices(counts, options.max_vpp, split == "ends"):
+            if (counts, v) not in seen and space.allows("vpp", v):
+                seen.add((counts, v))
+                out.append((v, split))
     return out
 
 

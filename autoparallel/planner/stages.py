@@ -7,7 +7,8 @@
               split that minimises the slowest stage's load (ties: the lighter last stage)
 
 With v virtual stages (interleaving) a stage's blocks are spread over its v chunks, so every stage needs at
-least v blocks; layers need not divide by p·v. A split that leaves a stage (or a chunk) without a block is
+least v blocks (under ``ends`` the first and the last stage v - 1: their end chunk holds the embedding or the head,
+as in LLaMA 3's schedule); layers need not divide by p·v. A split that leaves a stage (or a chunk) without a block is
 invalid (``split_problem`` says why).
 """
 from __future__ import annotations
@@ -77,12 +78,22 @@ def split_layers(layers: int, p: int, split: str, head_eq: float = 0.0, embeddin
     return tuple(_balanced(layers, p, round(head_eq, 3), round(embedding_eq, 3)))
 
 
-def split_problem(counts, v: int = 1):
-    """Why a split cannot run (a stage or a virtual-stage chunk without a block), or None."""
-    for i, n in enumerate(counts):
+def edge_chunk_allowance(counts, ends: bool):
+    """Virtual-stage chunks each stage may leave without a block: under the ``ends`` split the first stage's first
+    chunk may hold only the embedding and the last stage's last chunk only the output head (Dubey et al. 2024
+    §3.3.2: "the first model chunk on the first stage has only the embedding, and the last model chunk on the last
+    stage has only output projection and loss calculation"); every other chunk needs a block."""
+    edges = ends and len(counts) > 2
+    return [1 if edges and i in (0, len(counts) - 1) else 0 for i in range(len(counts))]
+
+
+def split_problem(counts, v: int = 1, ends: bool = False):
+    """Why a split cannot run (a stage or a virtual-stage chunk without a block, beyond ``edge_chunk_allowance``),
+    or None."""
+    for i, (n, spare) in enumerate(zip(counts, edge_chunk_allowance(counts, ends))):
         if n < 1:
             return f"the split leaves pipeline stage {i} of {len(counts)} empty ({list(counts)} blocks per stage)"
-        if n < v:
+        if n < v - spare:
             return (f"stage {i} holds {n} blocks, fewer than its {v} virtual stages: the split leaves a virtual "
                     f"stage empty")
     return None
