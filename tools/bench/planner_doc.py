@@ -343,8 +343,10 @@ stage i costs `n_i·T_L` (+ the output head, 3·t_logits, on the last stage). Th
 `(p−1)/v·t` for equal stages. Stage splits (`planner/stages.py`): `even` (surplus blocks to the middle stages),
 `ends` (first and last stage one block lighter, as LLaMA 3 405B's 7, 8 x 14, 7), `balanced` (the head priced as
 2hV/(2P_mm + 4sh) blocks, the split minimising the slowest stage). Interleaving needs every stage to hold at least
-v blocks and the search offers the v dividing the largest stage, so layers need not divide by p·v (126 blocks on
-16 stages, v = 2, 4). A split that leaves a stage or a virtual stage empty is a ValueError naming it.
+v blocks (under `ends` the first and the last stage v − 1: their end chunk holds only the embedding or the head, as
+in LLaMA 3's schedule, Dubey et al. 2024 §3.3.2) and the search offers the v dividing the largest stage, so layers
+need not divide by p·v (126 blocks on 16 stages: v = 2, 4, and 8 under `ends`). A split that leaves a stage or
+another virtual stage empty is a ValueError naming it.
 
 ### One link, one budget (`planner/links.py`)
 
