@@ -69,7 +69,7 @@ _MEGASCALE = Topology(nics_per_node=8, nic_bandwidth_Bps=25 * GB, host_memory_by
 _MEGASCALE_SWEEP_NOTES = (
     "TP 8, PP 8, 6 interleaved stages, DP = GPUs/64 (paper Table 1, §6.1). Assumed (fixed before pricing): "
     "micro-batch 1; sequence parallelism + selective recomputation (Korthikanti et al.'s recipe: without them "
-    "~0.66 GB of activations per block per micro-batch, ~70 GB in flight on the first stage); Megatron's "
+    "~0.66 GB of activations per block per micro-batch, ~73 GB in flight on the first stage); Megatron's "
     "distributed optimizer (ZeRO-1); no FlashAttention (off by default at 285068c8; FlashAttention-2 is "
     "MegaScale's own change, §3.3); A100-80GB (the paper says 'NVIDIA Ampere'; its MFU arithmetic implies a "
     "312 TFLOP/s peak); 8 x 200 Gb/s NICs per node, non-blocking Clos (§3.6)")
@@ -165,11 +165,11 @@ RUNS = (
 
 def _megascale_sweep(gpus: int, global_batch: int, mfu: float) -> PublishedRun:
     """One Megatron-LM row of MegaScale's strong-scaling sweep of a 175B model (Jiang et al. 2024, Table 2)."""
+    notes = _MEGASCALE_SWEEP_NOTES if gpus == 256 else f"as the 256-GPU row, DP {gpus // 64}, batch {global_batch}"
     return PublishedRun(f"Megatron-LM 175B sweep ({gpus})", "megascale-175b", "A100-80GB", gpus, _MEGASCALE,
                         _cfg(gpus, 8, 8, vpp=6, sp=1, sharding=1, recompute="selective"), global_batch, 2048,
                         "mfu", mfu, "Jiang et al. 2024 (MegaScale, NSDI '24, arXiv:2402.15627) Table 2, Megatron-LM "
-                        "rows; model and configuration Table 1 and §6.1", _MEGASCALE_SWEEP_NOTES,
-                        software=_MEGATRON)
+                        "rows; model and configuration Table 1 and §6.1", notes, software=_MEGATRON)
 
 
 # the Megatron-LM baseline of MegaScale's sweep (Table 2): batch 768 on 256-1024 GPUs ("GPU memory limit"),
