@@ -340,7 +340,8 @@ PRESETS = {
     "gpt-neox-20b": ModelSpec("gpt-neox-20b", 6144, 44, 64, 50432, tied_embeddings=False, learned_positions=False,
                               dropout=False, parallel_block=True),
     "mt-nlg-530b": _gpt("mt-nlg-530b", 20480, 105, 128),
-    # the 175B model of MegaScale's sweep (Jiang et al. 2024, Table 1 and §6.1): 128 heads, vocabulary 64,000
+    # the 175B model of MegaScale's sweep (Jiang et al. 2024, Table 1 and §6.1): 128 heads, vocabulary 64,000 as
+    # published (Megatron-LM would pad it to 64,512 at TP 8: +0.004% FLOPs; the paper's MFU counts 64,000)
     "megascale-175b": _gpt("megascale-175b", 12288, 96, 128, vocab=64000),
     # mixture of experts: Mixtral 8x7B (Jiang et al. 2024); DeepSeek-V3 (DeepSeek-AI 2024) with its MLA
     # attention approximated by multi-head attention of the same width (~205M vs ~187M parameters per block)
