@@ -343,6 +343,8 @@ PRESETS = {
     # the 175B model of MegaScale's sweep (Jiang et al. 2024, Table 1 and §6.1): 128 heads, vocabulary 64,000 as
     # published (Megatron-LM would pad it to 64,512 at TP 8: +0.004% FLOPs; the paper's MFU counts 64,000)
     "megascale-175b": _gpt("megascale-175b", 12288, 96, 128, vocab=64000),
+    # the 530B model of MegaScale's weak-scaling runs (Table 1: 160 heads, hidden 20480, 105 layers; §6.1)
+    "megascale-530b": _gpt("megascale-530b", 20480, 105, 160, vocab=64000),
     # mixture of experts: Mixtral 8x7B (Jiang et al. 2024); DeepSeek-V3 (DeepSeek-AI 2024) with its MLA
     # attention approximated by multi-head attention of the same width (~205M vs ~187M parameters per block)
     "mixtral-8x7b": ModelSpec("mixtral-8x7b", 4096, 32, 32, 32000, ffn=14336, kv_heads=8, seq_len=4096, swiglu=True,

@@ -179,6 +179,26 @@ MEGASCALE_SWEEP = tuple(_megascale_sweep(g, b, m) for g, b, m in (
     (3072, 6144, 0.487), (6144, 6144, 0.478), (8192, 6144, 0.433), (12288, 6144, 0.412)))
 RUNS = RUNS + MEGASCALE_SWEEP
 
+_MEGASCALE_530B_NOTES = (
+    "TP 8, PP 35, 3 interleaved stages, DP = GPUs/280, batch = GPUs (paper Table 1, §6.1, Figure 9). Assumed "
+    "(fixed before pricing, as the 175B sweep): micro-batch 1; sequence parallelism + selective recomputation; "
+    "Megatron's distributed optimizer (ZeRO-1); no FlashAttention; A100-80GB; 8 x 200 Gb/s NICs per node, "
+    "non-blocking Clos (§3.6)")
+
+
+def _megascale_530b(gpus: int, mfu: float) -> PublishedRun:
+    """One Megatron-LM point of MegaScale's weak-scaling runs of a 530B model (Jiang et al. 2024, Figure 9)."""
+    return PublishedRun(f"Megatron-LM 530B weak scaling ({gpus})", "megascale-530b", "A100-80GB", gpus, _MEGASCALE,
+                        _cfg(gpus, 8, 35, vpp=3, sp=1, sharding=1, recompute="selective"), gpus, 2048,
+                        "mfu", mfu, "Jiang et al. 2024 (MegaScale, arXiv:2402.15627) Figure 9, Megatron-LM labels; "
+                        "model and configuration Table 1 and §6.1", _MEGASCALE_530B_NOTES, software=_MEGATRON)
+
+
+# the Megatron-LM points of MegaScale's weak scaling (Figure 9's labels: 49.2 / 48.8 / 48.2% MFU; the batch grows
+# with the GPU count, so every point has 280 micro-batches per pipeline)
+MEGASCALE_530B = tuple(_megascale_530b(g, m) for g, m in ((2240, 0.492), (4480, 0.488), (11200, 0.482)))
+RUNS = RUNS + MEGASCALE_530B
+
 MOE_RUNS = (
     PublishedRun("DeepSeek-V3", "deepseek-v3", "H800", 2048, _NDR,
                  _cfg(2048, 1, 16, sharding=1, ep=64, split="ends"), 15360, 4096,
