@@ -23,11 +23,12 @@ def test_at_least_eight_runs_with_sources():
 def test_predictions_against_published(table):
     errors = {r["name"]: r["ratio"] - 1 for r in table}
     within = [n for n, e in errors.items() if abs(e) <= 0.15]
-    # achieved (docs/planner.md): 16 of 20 within 15% (the eight rows of MegaScale's 175B sweep all within 7%),
+    # achieved (docs/planner.md): 19 of 23 within 15% (the eight rows of MegaScale's 175B sweep all within 7%, its
+    # three 530B weak-scaling points within 5%),
     # every run within 25% (the target of 15% for all is not met: GPT-NeoX-20B +21% and the three MT-NLG 530B rows
     # +18% to +23% are over-predicted, with DeepSpeed's stage messages partitioned over the TP group as its
     # engine sends them)
-    assert len(within) >= 16, errors
+    assert len(within) >= 19, errors
     assert max(abs(e) for e in errors.values()) < 0.25, errors
 
 
@@ -167,3 +168,27 @@ def test_megascale_sweep_drift_is_the_issues(sweep):
         published_fall = rows[-1]["published"] / rows[0]["published"]
         predicted_fall = rows[-1]["predicted"] / rows[0]["predicted"]
         assert published_fall < predicted_fall < 1
+
+
+# ---- MegaScale's weak scaling of a 530B model, Megatron-LM points (Jiang et al. 2024, Figure 9) ----------------
+def test_megascale_530b_rows_are_the_papers():
+    """Three points, TP 8 x PP 35 with 3 interleaved stages (Table 1, §6.1), batch = GPUs, so 280 micro-batches
+    of one sequence per pipeline at every scale; the model has 160 heads of 128 (Table 1)."""
+    assert [(r.gpus, r.global_batch, r.published) for r in P.MEGASCALE_530B] == \
+        [(2240, 2240, 0.492), (4480, 4480, 0.488), (11200, 11200, 0.482)]
+    for run in P.MEGASCALE_530B:
+        assert (run.config.tp, run.config.pp, run.config.vpp, run.config.dp) == (8, 35, 3, run.gpus // 280)
+        assert run.config.num_micro_batches(run.global_batch) == 280 and run in P.RUNS
+    model = PRESETS["megascale-530b"]
+    assert (model.hidden, model.layers, model.heads, model.vocab) == (20480, 105, 160, 64000)
+
+
+def test_megascale_530b_predictions():
+    """Published vs predicted MFU: every point within 15% and feasible. Achieved (docs/planner.md): 50.5 / 50.5 /
+    50.5% against 49.2 / 48.8 / 48.2% (ratios 1.027, 1.035, 1.047): with m fixed at 280 the model's step barely
+    changes with dp, while the paper reports the 1-point fall it puts down to stragglers and communication."""
+    rows = P.validation_table(P.MEGASCALE_530B)
+    for row in rows:
+        assert abs(row["ratio"] - 1) <= 0.15 and row["feasible"], row
+    assert [round(r["ratio"], 3) for r in rows] == sorted(round(r["ratio"], 3) for r in rows)   # rises with scale
+    assert max(r["predicted"] for r in rows) - min(r["predicted"] for r in rows) < 0.002
