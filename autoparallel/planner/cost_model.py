@@ -73,9 +73,11 @@ def roofline_seconds(flops, traffic_bytes, peak_flops, gemm_efficiency, memory_b
     return flops / (peak_flops * gemm_efficiency) + traffic_bytes / memory_bandwidth_Bps
 
 
-def layer_forward_flops(model, s, b, t):
-    """One block's forward FLOPs on one TP rank: b·s·(2·P_mm + 4·s·h)/t."""
-    return b * model.layer_forward_flops_per_token(s) * s / t
+def layer_forward_flops(model, s, b, t, t_sp=1):
+    """One block's forward FLOPs on one TP rank: b·s·(2·P_mm + 4·s·h)/t; MLA's down-projections (replicated
+    weights, autoparallel/parallel/tp_plans.py MLA_PLAN) run on every rank's tokens, split only by SP (t_sp)."""
+    replicated = model.layer_replicated_flops_per_token()
+    return b * s * ((model.layer_forward_flops_per_token(s) - replicated) / t + replicated / t_sp)
 
 
 def attention_core_flops(model, s, b, t):
@@ -163,7 +165,7 @@ def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
     act_scores = act_full - mem.layer_activation_bytes(model, s, b, tp, sp, none_code + SELECTIVE, scale,
                                                        o.flash_attention)
     imbalance = 2.0 * model.moe_fraction * model.top_k * model.expert_params * (o.moe_imbalance - 1.0)
-    flops = layer_forward_flops(model, s, b, tp) + b * s * imbalance / tp
+    flops = layer_forward_flops(model, s, b, tp, np.where(sp > 0, tp, 1)) + b * s * imbalance / tp
     t_fwd = roofline_seconds(flops, k * act_full, peak, eta, W)
     t_core = roofline_seconds(attention_core_flops(model, s, b, tp), k * act_scores, peak, eta, W)
     t_rc = np.where(rc == FULL, t_fwd, np.where(rc == SELECTIVE, t_core, 0.0))
