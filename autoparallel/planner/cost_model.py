@@ -174,6 +174,41 @@ def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
     return t_fwd, t_rc, t_logits
 
 
+def _block_seconds(model, o, cluster, s, b, tp, sp, rc, ep, cache):
+    """One block of ``model`` for one micro-batch: (t_fwd, t_rc, t_logits, TP stream, expert all-to-all stream,
+    T_L = 3·t_fwd + t_rc + TP collectives (+ the all-to-all unless overlapped))."""
+    t_fwd, t_rc, t_logits = _time_per_layer(model, o, cluster.device, s, b, tp, sp, rc)
+    msg = o.activation_scale * 2.0 * b * s * model.hidden            # one block boundary activation
+    ar = Stream.of(cluster, "all_reduce", msg, tp, 1, cache=cache)
+    sp_pair = (Stream.of(cluster, "all_gather", msg / tp, tp, 1, cache=cache)
+               + Stream.of(cluster, "reduce_scatter", msg, tp, 1, cache=cache))
+    tp_calls = tp_collectives_per_layer(rc, (sp == 0) & bool(model.parallel_block))
+    tp_layer = Stream.select(sp > 0, sp_pair, ar).scaled(np.where(tp > 1, tp_calls, 0.0))
+    a2a_bytes = o.activation_scale * 2.0 * b * s * model.hidden * model.top_k / tp
+    a2a_calls = model.moe_fraction * (4 + 2 * (rc == FULL))
+    a2a_layer = routed_all_to_all(cluster, model, a2a_bytes, ep, tp, a2a_calls, cache)
+    T_L = 3.0 * t_fwd + t_rc + tp_layer.seconds + (0.0 if o.moe_a2a_overlap else a2a_layer.seconds)
+    return t_fwd, t_rc, t_logits, tp_layer, a2a_layer, T_L
+
+
+def mtp_seconds(model, o, cluster, s, b, tp, sp, rc, ep, t_logits, cache):
+    """Forward + backward seconds per micro-batch of the multi-token-prediction modules on the last stage
+    (planner/mtp.py; DeepSeek-AI 2024 §2.2), and their block's (TP, all-to-all) streams: each module its block
+    (``ModelSpec.mtp_block``, priced as any block), the 2h x h projection split by TP (a linear-layer GEMM) and a
+    second output-head pass. Returns (seconds, forward compute seconds, backward compute seconds, streams):
+    the compute seconds widen the last stage's windows that overlapped communication hides behind. Zeros and no
+    streams without multi-token prediction."""
+    if not model.mtp_depth:
+        return 0.0, 0.0, 0.0, ()
+    t_fwd, t_rc, _, tp_m, a2a_m, T_m = _block_seconds(model.mtp_block(), o, cluster, s, b, tp, sp, rc, ep, cache)
+    dev = cluster.device
+    proj = roofline_seconds(2.0 * b * s * model.mtp_projection_params / tp, 0.0, dev.flops(o.compute_dtype),
+                            o.gemm_efficiency, dev.memory_bandwidth_Bps)
+    d = model.mtp_depth
+    return (d * (T_m + 3.0 * proj + 3.0 * t_logits), d * (t_fwd + proj + t_logits),
+            d * (2.0 * t_fwd + t_rc + 2.0 * proj + 2.0 * t_logits), (tp_m, a2a_m))
+
+
 def evaluate(model, cluster, global_batch, seq_len, grid, options):
     """Price every configuration of ``grid`` (dict of equal-length int arrays keyed by GRID_KEYS).
 
@@ -198,19 +233,11 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     tp_ep, tp_dp, pp_peers = tp * ep, tp * dp, np.where(pp > 1, 2, 1)
 
     # ---- one block, one micro-batch ------------------------------------------------------------------
-    t_fwd, t_rc, t_logits = _time_per_layer(model, o, dev, s, b, tp, sp, rc)
+    t_fwd, t_rc, t_logits, tp_layer, a2a_layer, T_L = _block_seconds(model, o, cluster, s, b, tp, sp, rc, ep, cache)
     msg = o.activation_scale * 2.0 * b * s * model.hidden            # one block boundary activation
-    ar = Stream.of(cluster, "all_reduce", msg, tp, 1, cache=cache)
-    sp_pair = (Stream.of(cluster, "all_gather", msg / tp, tp, 1, cache=cache)
-               + Stream.of(cluster, "reduce_scatter", msg, tp, 1, cache=cache))
-    tp_calls = tp_collectives_per_layer(rc, (sp == 0) & bool(model.parallel_block))
-    tp_layer = Stream.select(sp > 0, sp_pair, ar).scaled(np.where(tp > 1, tp_calls, 0.0))
-    a2a_bytes = o.activation_scale * 2.0 * b * s * model.hidden * model.top_k / tp
-    a2a_calls = model.moe_fraction * (4 + 2 * (rc == FULL))
-    a2a_layer = routed_all_to_all(cluster, model, a2a_bytes, ep, tp, a2a_calls, cache)
     a2a_hidden = bool(o.moe_a2a_overlap)
-    T_L = 3.0 * t_fwd + t_rc + tp_layer.seconds + (0.0 if a2a_hidden else a2a_layer.seconds)
-    H = 3.0 * t_logits
+    mtp_s, mtp_fwd, mtp_bwd, mtp_streams = mtp_seconds(model, o, cluster, s, b, tp, sp, rc, ep, t_logits, cache)
+    H = 3.0 * t_logits + mtp_s
 
     # ---- pipeline stages: the slowest sets the pace, the others fill and drain the bubble ------------
     t_first = n_first * T_L + np.where(pp == 1, H, 0.0)
@@ -259,13 +286,16 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
                     + Stream.of(cluster, "all_gather", pb * layer_expert / d_e, d_e, tp_ep, calls=m * n_max,
                                 where=(d_e > 1) & z3, cache=cache))
     z3_bwd = layer_gather.scaled(1 + (rc == FULL))                  # backward re-gathers (and recompute's)
-    w_fwd = m * (n_b * t_fwd + head_b * t_logits)
-    w_bwd = m * (n_b * (2.0 * t_fwd + t_rc) + head_b * 2.0 * t_logits)
+    w_fwd = m * (n_b * t_fwd + head_b * (t_logits + mtp_fwd))
+    w_bwd = m * (n_b * (2.0 * t_fwd + t_rc) + head_b * (2.0 * t_logits + mtp_bwd))
     a2a_fwd, a2a_bwd = Stream.zero(n), Stream.zero(n)
     if a2a_hidden:                        # dispatch/combine overlapped with another micro-batch's compute
         share = 2.0 / (4.0 + 2.0 * (rc == FULL))
         a2a_fwd = a2a_layer.scaled(m * n_b * share)
         a2a_bwd = a2a_layer.scaled(m * n_b * (1.0 - share))
+        for a2a_m in mtp_streams[1:]:     # the multi-token-prediction block's, on the last stage
+            a2a_fwd = a2a_fwd + a2a_m.scaled(m * head_b * model.mtp_depth * share)
+            a2a_bwd = a2a_bwd + a2a_m.scaled(m * head_b * model.mtp_depth * (1.0 - share))
     w_last = w_bwd / m if o.grad_sync_overlap else np.zeros(n)
     overlap_s = exposed_overlap(layer_gather + a2a_fwd, z3_bwd + rs_each_mb + a2a_bwd, sync, w_fwd, w_bwd, w_last,
                                 cluster.overlap)
@@ -305,6 +335,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     busy = {}
     for link in ("nvlink", "network"):
         busy[link] = (m * n_b * sum(x.busy(link) for x in streams) + pp_stream.busy(link) + sync.busy(link)
+                      + m * head_b * model.mtp_depth * sum(x.busy(link) for x in mtp_streams)
                       + rs_each_mb.busy(link) + param_gather.busy(link) + layer_gather.busy(link) + z3_bwd.busy(link))
     busy["pcie"] = pcie_busy
 

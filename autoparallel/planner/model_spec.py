@@ -450,7 +450,8 @@ PRESETS = {
     # deepseek-ai/DeepSeek-V3 config.json): MLA with 128 heads, q_lora_rank 1536, kv_lora_rank 512,
     # qk_nope_head_dim 128 + qk_rope_head_dim 64, v_head_dim 128 (§2.1.1, §4.2); the first 3 blocks dense
     # (first_k_dense_replace 3, intermediate_size 18432); 256 routed experts of 2048 (top-8) and 1 shared expert;
-    # node-limited routing to 4 nodes (§2.1.2)
+    # node-limited routing to 4 nodes (§2.1.2); multi-token prediction of depth 1 (§2.2, §4.2: "we set the MTP depth
+    # D to 1"; config.json num_nextn_predict_layers 1)
     "mixtral-8x7b": ModelSpec("mixtral-8x7b", 4096, 32, 32, 32000, ffn=14336, kv_heads=8, seq_len=4096, swiglu=True,
                               bias=False, layernorm=False, tied_embeddings=False, learned_positions=False,
                               dropout=False, experts=8, top_k=2, expert_ffn=14336),
@@ -458,7 +459,7 @@ PRESETS = {
                              layernorm=False, tied_embeddings=False, learned_positions=False, dropout=False,
                              experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
                              route_nodes=4, qk_head_dim=192, v_head_dim=128, q_lora_rank=1536, kv_lora_rank=512,
-                             qk_rope_head_dim=64),
+                             qk_rope_head_dim=64, mtp_depth=1),
 }
 
 _INT_KEYS = {"hidden": "hidden", "layers": "layers", "heads": "heads", "vocab": "vocab", "ffn": "ffn",
