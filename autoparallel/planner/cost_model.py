@@ -244,9 +244,6 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     t_last = n_last * T_L + H
     t_mid = n_mid * T_L
     t_max = np.maximum(np.maximum(t_first, t_last), t_mid)
-    last_slowest = t_last >= np.maximum(t_first, t_mid)
-    n_b = np.where(last_slowest, n_last, np.where(t_first >= t_mid, n_first, n_mid))
-    head_b = np.where(last_slowest | (pp == 1), 1.0, 0.0)
     bubble = np.where(pp > 1, (model.layers * T_L + H - t_max) / v, 0.0)
 
     # ---- parameters per stage ----------------------------------------------------------------------
@@ -286,19 +283,34 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
                     + Stream.of(cluster, "all_gather", pb * layer_expert / d_e, d_e, tp_ep, calls=m * n_max,
                                 where=(d_e > 1) & z3, cache=cache))
     z3_bwd = layer_gather.scaled(1 + (rc == FULL))                  # backward re-gathers (and recompute's)
-    w_fwd = m * (n_b * t_fwd + head_b * (t_logits + mtp_fwd))
-    w_bwd = m * (n_b * (2.0 * t_fwd + t_rc) + head_b * (2.0 * t_logits + mtp_bwd))
-    a2a_fwd, a2a_bwd = Stream.zero(n), Stream.zero(n)
-    if a2a_hidden:                        # dispatch/combine overlapped with another micro-batch's compute
-        share = 2.0 / (4.0 + 2.0 * (rc == FULL))
-        a2a_fwd = a2a_layer.scaled(m * n_b * share)
-        a2a_bwd = a2a_layer.scaled(m * n_b * (1.0 - share))
-        for a2a_m in mtp_streams[1:]:     # the multi-token-prediction block's, on the last stage
-            a2a_fwd = a2a_fwd + a2a_m.scaled(m * head_b * model.mtp_depth * share)
-            a2a_bwd = a2a_bwd + a2a_m.scaled(m * head_b * model.mtp_depth * (1.0 - share))
-    w_last = w_bwd / m if o.grad_sync_overlap else np.zeros(n)
-    overlap_s = exposed_overlap(layer_gather + a2a_fwd, z3_bwd + rs_each_mb + a2a_bwd, sync, w_fwd, w_bwd, w_last,
-                                cluster.overlap)
+
+    def stage_overlap(n_k, head_k):
+        """Overlappable communication a stage of n_k blocks (and the head when head_k) leaves exposed: its own
+        compute windows and its own blocks' all-to-alls (the gradient sync and ZeRO gathers as priced above)."""
+        w_fwd = m * (n_k * t_fwd + head_k * (t_logits + mtp_fwd))
+        w_bwd = m * (n_k * (2.0 * t_fwd + t_rc) + head_k * (2.0 * t_logits + mtp_bwd))
+        a2a_fwd, a2a_bwd = Stream.zero(n), Stream.zero(n)
+        if a2a_hidden:                    # dispatch/combine overlapped with another micro-batch's compute
+            share = 2.0 / (4.0 + 2.0 * (rc == FULL))
+            a2a_fwd = a2a_layer.scaled(m * n_k * share)
+            a2a_bwd = a2a_layer.scaled(m * n_k * (1.0 - share))
+            for a2a_m in mtp_streams[1:]:  # the multi-token-prediction block's, next to the head
+                a2a_fwd = a2a_fwd + a2a_m.scaled(m * head_k * model.mtp_depth * share)
+                a2a_bwd = a2a_bwd + a2a_m.scaled(m * head_k * model.mtp_depth * (1.0 - share))
+        w_last = w_bwd / m if o.grad_sync_overlap else np.zeros(n)
+        return exposed_overlap(layer_gather + a2a_fwd, z3_bwd + rs_each_mb + a2a_bwd, sync, w_fwd, w_bwd, w_last,
+                               cluster.overlap)
+
+    # the step follows the stage whose compute plus exposed communication is largest (first, last, middle; a stage
+    # that does not exist -- no last one without a pipeline, no middle one below three stages -- never does)
+    heads = (np.where(pp == 1, 1.0, 0.0), np.ones(n), np.zeros(n))
+    rows = tuple(zip((n_first, n_last, n_mid), heads, (t_first, t_last, t_mid), (np.ones(n, bool), pp > 1, pp > 2)))
+    exposed = [stage_overlap(n_k, head_k) for n_k, head_k, _, _ in rows]
+    load = [np.where(live, m * t_k + e, -np.inf) for (_, _, t_k, live), e in zip(rows, exposed)]
+    pick = np.argmax(np.stack(load), axis=0)
+    n_b = np.choose(pick, [n_first, n_last, n_mid])
+    head_b = np.choose(pick, heads)
+    overlap_s = np.choose(pick, exposed)
 
     # ---- pipeline sends ------------------------------------------------------------------------------
     p2p_msg = np.where((sp > 0) | o.pp_scatter_gather, msg / tp, msg)
