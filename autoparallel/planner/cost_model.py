@@ -73,6 +73,15 @@ def roofline_seconds(flops, traffic_bytes, peak_flops, gemm_efficiency, memory_b
     return flops / (peak_flops * gemm_efficiency) + traffic_bytes / memory_bandwidth_Bps
 
 
+def two_rate_seconds(flops, core_flops, traffic_bytes, peak_flops, core_peak_flops, gemm_efficiency,
+                     memory_bandwidth_Bps):
+    """Roofline with two GEMM classes: the linear layers' FLOPs (``flops - core_flops``) at ``peak_flops``, the
+    attention core's and router's (``core_flops``) at ``core_peak_flops`` (the bf16 peak under fp8,
+    options.CORE_DTYPES), both at gemm_efficiency; plus element-wise traffic at memory bandwidth."""
+    return (roofline_seconds(flops - core_flops, traffic_bytes, peak_flops, gemm_efficiency, memory_bandwidth_Bps)
+            + core_flops / (core_peak_flops * gemm_efficiency))
+
+
 def layer_forward_flops(model, s, b, t, t_sp=1):
     """One block's forward FLOPs on one TP rank: b·s·(2·P_mm + 4·s·h)/t; MLA's down-projections (replicated
     weights, autoparallel/parallel/tp_plans.py MLA_PLAN) run on every rank's tokens, split only by SP (t_sp)."""
@@ -157,8 +166,10 @@ def routed_all_to_all(cluster, model, nbytes, ep, tp, calls, cache=None):
 
 def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
     """(forward, recompute, output-head forward) seconds on one TP rank for one micro-batch; routed experts run
-    at the busiest rank's pace (``moe_imbalance``)."""
+    at the busiest rank's pace (``moe_imbalance``); the attention core, router and output head at the core dtype's
+    peak (bf16 under fp8), the linear layers at the compute dtype's."""
     peak, W, eta, k = dev.flops(o.compute_dtype), dev.memory_bandwidth_Bps, o.gemm_efficiency, o.activation_traffic_factor
+    core_peak = dev.flops(o.core_dtype)
     scale = o.activation_scale
     none_code = np.zeros_like(rc)
     act_full = mem.layer_activation_bytes(model, s, b, tp, sp, none_code, scale, o.flash_attention)
@@ -166,11 +177,12 @@ def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
                                                        o.flash_attention)
     imbalance = 2.0 * model.moe_fraction * model.top_k * model.expert_params * (o.moe_imbalance - 1.0)
     flops = layer_forward_flops(model, s, b, tp, np.where(sp > 0, tp, 1)) + b * s * imbalance / tp
-    t_fwd = roofline_seconds(flops, k * act_full, peak, eta, W)
-    t_core = roofline_seconds(attention_core_flops(model, s, b, tp), k * act_scores, peak, eta, W)
+    core = attention_core_flops(model, s, b, tp) + b * s * model.router_flops_per_token() / tp
+    t_fwd = two_rate_seconds(flops, core, k * act_full, peak, core_peak, eta, W)
+    t_core = roofline_seconds(attention_core_flops(model, s, b, tp), k * act_scores, core_peak, eta, W)
     t_rc = np.where(rc == FULL, t_fwd, np.where(rc == SELECTIVE, t_core, 0.0))
     t_logits = roofline_seconds(logits_forward_flops(model, s, b, tp), k * mem.logits_bytes(model, s, b, tp),
-                                peak, eta, W)
+                                core_peak, eta, W)
     return t_fwd, t_rc, t_logits
 
 
