@@ -198,3 +198,22 @@ def test_paddleformers_deepseek_v3_is_read_with_mla():
     assert "kv_lora_rank=16" in spec.source
     full_rank = read_model(pf.build("deepseek_v3", q_lora_rank=None), 16, "deepseek_v3")
     assert full_rank.q_lora_rank == 0 and full_rank.attention_params == (64 * 64 + 1536 + 4096, 1536)
+
+
+def test_traced_dense_mla_model_matches_the_closed_form():
+    """A DeepseekV3 whose blocks are all dense is traced (no routing): the MLA fields come from its config, and the
+    closed form's FLOPs per block equal the trace's matmul FLOPs (multi-head attention of width h undercounted them
+    by 131072 of 1212416, and left 3120 parameters per block unexplained)."""
+    from autoparallel.testing import paddleformers_models as pf
+
+    if not pf.available():
+        pytest.skip("paddleformers not installed")
+    from autoparallel.planner.model_read import read_model
+
+    spec = read_model(pf.build("deepseek_v3", first_k_dense_replace=2), 16, "deepseek_v3_dense")
+    assert spec.source.startswith("traced") and not spec.is_moe
+    assert (spec.q_lora_rank, spec.kv_lora_rank, spec.qk_head_dim, spec.v_head_dim) == (32, 16, 16, 16)
+    assert spec.extra_layer_params == 0
+    # s 16, b 1: 16·(2·(q_b 2048 + kv_b 1536 + o 4096 + MLP 3·64·128) + 2·(q_a 2048 + kv_a 1536) + 2·16·4·(16 + 16))
+    expected = 16 * (2 * (2048 + 1536 + 4096 + 3 * 64 * 128) + 2 * (2048 + 1536) + 2 * 16 * 4 * 32)
+    assert spec.layer_forward_flops_per_token(16) * 16 == spec.traced.layer_matmul_flops == expected
