@@ -217,3 +217,13 @@ def test_traced_dense_mla_model_matches_the_closed_form():
     # s 16, b 1: 16·(2·(q_b 2048 + kv_b 1536 + o 4096 + MLP 3·64·128) + 2·(q_a 2048 + kv_a 1536) + 2·16·4·(16 + 16))
     expected = 16 * (2 * (2048 + 1536 + 4096 + 3 * 64 * 128) + 2 * (2048 + 1536) + 2 * 16 * 4 * 32)
     assert spec.layer_forward_flops_per_token(16) * 16 == spec.traced.layer_matmul_flops == expected
+
+
+def test_mla_and_mtp_from_a_dimension_string():
+    from autoparallel.planner.model_spec import parse_model
+
+    spec = parse_model("hidden=64,layers=2,heads=4,vocab=100,ffn=96,swiglu=1,qk_head_dim=12,v_head_dim=8,"
+                       "q_lora_rank=16,kv_lora_rank=8,qk_rope_head_dim=4,mtp_depth=1")
+    assert spec == dataclasses.replace(TINY_MLA, name="custom", mtp_depth=1)
+    with pytest.raises(ValueError, match="need kv_lora_rank > 0"):
+        parse_model("hidden=64,layers=2,heads=4,vocab=100,q_lora_rank=16")

@@ -9,7 +9,10 @@ generalised to grouped-query attention (``kv_heads``), any FFN width and SwiGLU 
     forward FLOPs per token      l·(2·P_mm + 4·s·h) + 2·h·V       (attention scores counted over all s keys)
 
 For GPT (f = 4h, kv_heads = heads) 2·P_mm = 24h², which gives Megatron's
-72·B·s·l·h²·(1 + s/6h + V/12lh) model FLOPs per iteration.
+72·B·s·l·h²·(1 + s/6h + V/12lh) model FLOPs per iteration. In general the attention's matmuls are counted from
+the head widths (``attention_params``) and its core is 2·s·a·(d_qk + d_v) per token, which covers multi-head
+latent attention (DeepSeek-V2/V3: low-rank query and key/value projections, ``kv_lora_rank`` > 0); multi-token
+prediction modules (``mtp_depth``, DeepSeek-V3 §2.2) add a block, a 2h x h projection and an output-head pass each.
 
 Presets: ``gpt3-*`` (Brown et al. 2020, vocabulary padded to 51200 as Megatron does), ``megatron-*``
 (the rows of Narayanan et al. Table 1), ``llama2-*`` and ``llama3-*`` (published configurations).
@@ -87,7 +90,7 @@ class ModelSpec:
     dense_layers: int = 0
     route_nodes: int = 0          # node-limited routing: a token reaches at most this many nodes (0: no limit)
     # -- read off a real model (from_trace / from_config): parameters per block the closed form does not
-    #    describe (qk norms, low-rank attention, gates, biases of some matrices only; negative when the form
+    #    describe (qk norms, gates, biases of some matrices only; negative when the form
     #    counts more), priced as replicated; and a text saying which figures were traced, read from the
     #    model's config or estimated
     extra_layer_params: float = 0.0
@@ -464,7 +467,9 @@ PRESETS = {
 
 _INT_KEYS = {"hidden": "hidden", "layers": "layers", "heads": "heads", "vocab": "vocab", "ffn": "ffn",
              "kv_heads": "kv_heads", "seq": "seq_len", "seq_len": "seq_len", "experts": "experts", "top_k": "top_k",
-             "expert_ffn": "expert_ffn", "shared_experts": "shared_experts", "dense_layers": "dense_layers"}
+             "expert_ffn": "expert_ffn", "shared_experts": "shared_experts", "dense_layers": "dense_layers",
+             "qk_head_dim": "qk_head_dim", "v_head_dim": "v_head_dim", "q_lora_rank": "q_lora_rank",
+             "kv_lora_rank": "kv_lora_rank", "qk_rope_head_dim": "qk_rope_head_dim", "mtp_depth": "mtp_depth"}
 _BOOL_KEYS = ("swiglu",)
 _ITEM = re.compile(r"^\s*([a-z_]+)\s*=\s*([0-9]+)\s*$")
 
@@ -483,7 +488,9 @@ def parse_model(spec) -> ModelSpec:
 
     Dimension strings: ``"hidden=8192,layers=48,heads=64,vocab=51200[,ffn=...,kv_heads=...,seq=...,swiglu=0|1]"``;
     hidden, layers, heads and vocab are required; swiglu=1 describes a LLaMA-style block (no biases,
-    RMSNorm, untied head, no dropout), otherwise a GPT-style block.
+    RMSNorm, untied head, no dropout), otherwise a GPT-style block; the mixture-of-experts, MLA
+    (``kv_lora_rank=..,q_lora_rank=..,qk_head_dim=..,qk_rope_head_dim=..,v_head_dim=..``) and ``mtp_depth`` fields
+    are integers too.
     """
     if isinstance(spec, ModelSpec):
         return spec
