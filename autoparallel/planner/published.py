@@ -204,8 +204,10 @@ MOE_RUNS = (
                  _cfg(2048, 1, 16, sharding=1, ep=64, split="ends"), 15360, 4096,
                  "tokens", 1543.0, "DeepSeek-AI 2024 (arXiv:2412.19437): 180K H800 GPU hours per trillion tokens "
                  "(14.8T tokens in 2.664M GPU hours)",
-                 "FP8 GEMMs, PP 16 (DualPipe priced as 1F1B with the all-to-all overlapped), EP 64, node-limited routing (4 "
-                 "nodes), ZeRO-1; MLA priced as multi-head attention",
+                 "FP8 for the linear layers' GEMMs, attention core, router and output head in BF16 (§3.3.1); MLA from "
+                 "its ranks and head widths (§2.1.1, config.json); MTP depth 1 (§2.2); PP 16 (DualPipe priced as 1F1B "
+                 "with the all-to-all overlapped, 2 blocks on each end stage assumed), EP 64, node-limited routing (4 "
+                 "nodes), ZeRO-1",
                  precision="fp8", dense_only=False,
                  software=(("flash_attention", True), ("moe_a2a_overlap", True))),
 )

@@ -12,13 +12,15 @@ import numpy as np
 
 from autoparallel.planner import eager_cost
 from autoparallel.planner import memory as mem
+from autoparallel.planner.mtp import mtp_activation_bytes
 from autoparallel.planner.params import block_and_edge_params, largest_stage_params
 from autoparallel.planner.stages import stage_layout
 
 
-def stage_rows(model, s, b, tp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last):
-    """(blocks, edge Ψ, micro-batches in flight, extra activation bytes) of the first, last and middle stage."""
-    logits = mem.logits_bytes(model, s, b, tp)
+def stage_rows(model, s, b, tp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last, head_extra=0.0):
+    """(blocks, edge Ψ, micro-batches in flight, extra activation bytes) of the first, last and middle stage;
+    ``head_extra``: activations besides the logits next to the head (multi-token prediction, planner/mtp.py)."""
+    logits = mem.logits_bytes(model, s, b, tp) + head_extra
     return ((n_first, edge_first, mem.in_flight_micro_batches(pp, v, m), np.where(pp == 1, logits, 0.0)),
             (n_last, edge_last, 1.0, logits),
             (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0))
@@ -57,8 +59,9 @@ def stage_memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense,
     z3buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, zero, o.param_bytes)
     tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
     stages = []
+    head_extra = mtp_activation_bytes(model, s, b, tp, sp, rc, o.activation_scale, o.flash_attention)
     for layers, edge, inflight, extra in stage_rows(model, s, b, tp, pp, v, m, n_first, n_last, n_mid, edge_first,
-                                                    edge_last):
+                                                    edge_last, head_extra):
         st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, zero, dp, d_e, m, off, tensors,
                          model.trainable_fraction)
         st["activations"] = activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra)
