@@ -215,6 +215,19 @@ def test_labels_form_keeps_the_strategy_schedule():
     assert kinds != ["F"] * 4 + ["B"] * 4 and sorted(kinds) == ["B"] * 4 + ["F"] * 4
 
 
+def test_batch_not_dividing_into_micro_batches_is_refused_naming_the_call():
+    """6 samples on 4 micro-batches x dp 2: a ValueError naming ``model(x)`` (not train_batch), the sizes and the
+    remedies, before any forward."""
+    x, _ = (paddle.to_tensor(v[:6]) for v in GPT_BATCHES[0])
+    with ap.simulate(world_size=4):
+        pipe, _ = ap.parallelize(gpt(), None, strategy=strategy(dp=2))
+        with pytest.raises(ValueError) as e:
+            pipe(x)
+        assert not [r for r in pipe.records if r.kind == "F"]
+    assert str(e.value).startswith("model(x) inputs: the global batch (6 samples) must divide into micro_batches x "
+                                   "data-parallel degree = 4 x 2 equal parts (a batch of a multiple of 8 samples")
+
+
 # ---- pending calls, a GradScaler ------------------------------------------------------------------------------
 def test_two_pending_calls_then_one_backward_equal_one_process():
     """``l1, l2`` from two calls, ``((l1 + l2) / 2).backward()``: the gradients one process gets (PP2 x DP2)."""

@@ -23,10 +23,12 @@ def test_at_least_eight_runs_with_sources():
 def test_predictions_against_published(table):
     errors = {r["name"]: r["ratio"] - 1 for r in table}
     within = [n for n, e in errors.items() if abs(e) <= 0.15]
-    # achieved (docs/planner.md): 8 of 12 within 15%, every run within 25% (the target of 15% for all is not
-    # met: GPT-NeoX-20B +21% and the three MT-NLG 530B rows +18% to +23% are over-predicted, with DeepSpeed's
-    # stage messages partitioned over the TP group as its engine sends them)
-    assert len(within) >= 8, errors
+    # achieved (docs/planner.md): 19 of 23 within 15% (the eight rows of MegaScale's 175B sweep all within 7%, its
+    # three 530B weak-scaling points within 5%),
+    # every run within 25% (the target of 15% for all is not met: GPT-NeoX-20B +21% and the three MT-NLG 530B rows
+    # +18% to +23% are over-predicted, with DeepSpeed's stage messages partitioned over the TP group as its
+    # engine sends them)
+    assert len(within) >= 19, errors
     assert max(abs(e) for e in errors.values()) < 0.25, errors
 
 
@@ -129,15 +131,11 @@ def test_llama3_rows_as_section_3_3_2_states_them():
 
 
 def test_no_drift_with_scale(table):
-    # target: |slope| < 0.01 per doubling and the means of the small (<= 512 GPUs) and large (>= 2048 GPUs) runs
-    # within 0.10. Not met since LLaMA 3 is priced with the V = 8 its paper implies (docs/planner.md, "Fifth pass";
-    # with the assumed v = 2 its 16,384-GPU row was 13% low and hid the large runs' over-prediction): achieved
-    # +0.014 and 1.015 against 1.164 (MT-NLG +18% to +23%, LLaMA 3 +10% and +13%)
     slope = P.drift(table)                                        # ratio change per doubling of the GPU count
-    assert abs(slope) < 0.02
+    assert abs(slope) < 0.01
     small = [r["ratio"] for r in table if r["gpus"] <= 512]
     large = [r["ratio"] for r in table if r["gpus"] >= 2048]
-    assert abs(np.mean(small) - np.mean(large)) < 0.20
+    assert abs(np.mean(small) - np.mean(large)) < 0.10
 
 
 def test_a_wrong_model_is_caught():
@@ -157,3 +155,89 @@ def test_search_is_at_least_as_fast_as_the_published_configuration(run):
 def test_moe_run_is_priced():
     row = P.validation_table(P.MOE_RUNS)[0]
     assert 0.4 < row["ratio"] < 2.5                               # reported in docs/planner.md (see there)
+
+
+# ---- MegaScale's strong-scaling sweep of a 175B model, Megatron-LM rows (Jiang et al. 2024, Table 2) ----------
+# (GPUs, global batch, throughput tokens/s, MFU) as the paper's Table 2 prints them
+MEGASCALE_TABLE_2 = ((256, 768, 39.3e3, 0.530), (512, 768, 74.1e3, 0.499), (768, 768, 103.8e3, 0.467),
+                     (1024, 768, 132.7e3, 0.447), (3072, 6144, 433.6e3, 0.487), (6144, 6144, 851.6e3, 0.478),
+                     (8192, 6144, 1027.9e3, 0.433), (12288, 6144, 1466.8e3, 0.412))
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    return P.validation_table(P.MEGASCALE_SWEEP)
+
+
+def test_megascale_sweep_rows_are_the_papers():
+    """Eight rows, TP 8 x PP 8 with 6 interleaved stages (Table 1, §6.1), DP = GPUs / 64, the two batch sizes."""
+    assert [(r.gpus, r.global_batch, r.published) for r in P.MEGASCALE_SWEEP] == \
+        [(g, b, m) for g, b, _, m in MEGASCALE_TABLE_2]
+    for run in P.MEGASCALE_SWEEP:
+        assert (run.config.tp, run.config.pp, run.config.vpp, run.config.dp) == (8, 8, 6, run.gpus // 64)
+        assert run.config.num_micro_batches(run.global_batch) % 8 == 0    # Megatron's interleaving needs m % pp == 0
+        assert run in P.RUNS
+    model = PRESETS["megascale-175b"]
+    assert (model.hidden, model.layers, model.heads, model.vocab, model.ffn) == (12288, 96, 128, 64000, 4 * 12288)
+
+
+def test_megascale_mfu_is_counted_as_the_planner_counts_it():
+    """The paper's MFU column follows from its throughput column with the planner's FLOPs per token, by hand
+    Megatron's 72·l·h²·(1 + s/6h + V/12hl) per token (no recomputation), on a 312 TFLOP/s peak (A100/A800 bf16):
+    the same count, so no conversion (``flop_counter``). Negative control: 6·params per token (no attention
+    term) gives 51.8% for the 256-GPU row's 53.0%."""
+    model = PRESETS["megascale-175b"]
+    l, h, s, v = 96, 12288, 2048, 64000
+    per_token = 72 * l * h * h * (1 + s / (6 * h) + v / (12 * h * l))
+    assert model.model_flops_per_token(2048) == pytest.approx(per_token, rel=1e-12)
+    for gpus, _, tokens_per_s, mfu in MEGASCALE_TABLE_2:
+        assert tokens_per_s * per_token / (gpus * 312e12) == pytest.approx(mfu, abs=0.001)
+    six_n = 6 * model.params
+    assert abs(39.3e3 * six_n / (256 * 312e12) - 0.530) > 0.01
+
+
+def test_megascale_sweep_predictions(sweep):
+    """Published vs predicted MFU, every row within the 15% target. Achieved (docs/planner.md, "The 175B scaling
+    sweep"): 49.5/48.4/47.3/46.2% on 256-1024 GPUs (published 53.0/49.9/46.7/44.7), 48.7/46.9/45.7/43.4% on
+    3072-12,288 (published 48.7/47.8/43.3/41.2); ratios 0.934 to 1.056, every configuration fits in memory."""
+    for row in sweep:
+        assert abs(row["ratio"] - 1) <= 0.15, row
+        assert row["feasible"], row
+    assert min(r["ratio"] for r in sweep) > 0.9 and max(r["ratio"] for r in sweep) < 1.1
+
+
+def test_megascale_sweep_drift_is_the_issues(sweep):
+    """The planner's MFU falls with scale more slowly than the sweep's (the issue's observation, not fixed):
+    +0.015 per doubling over 256-12,288 GPUs, +0.051 (batch 768) and +0.031 (batch 6144) per doubling within
+    one batch size. Published MFU falls 16% from 256 to 1024 GPUs and 15% from 3072 to 12,288; predicted 7% and 11%."""
+    by_batch = {b: [r for r, run in zip(sweep, P.MEGASCALE_SWEEP) if run.global_batch == b] for b in (768, 6144)}
+    assert 0 < P.drift(sweep) < 0.02
+    assert 0.03 < P.drift(by_batch[768]) < 0.07 and 0.02 < P.drift(by_batch[6144]) < 0.05
+    for rows in by_batch.values():
+        published_fall = rows[-1]["published"] / rows[0]["published"]
+        predicted_fall = rows[-1]["predicted"] / rows[0]["predicted"]
+        assert published_fall < predicted_fall < 1
+
+
+# ---- MegaScale's weak scaling of a 530B model, Megatron-LM points (Jiang et al. 2024, Figure 9) ----------------
+def test_megascale_530b_rows_are_the_papers():
+    """Three points, TP 8 x PP 35 with 3 interleaved stages (Table 1, §6.1), batch = GPUs, so 280 micro-batches
+    of one sequence per pipeline at every scale; the model has 160 heads of 128 (Table 1)."""
+    assert [(r.gpus, r.global_batch, r.published) for r in P.MEGASCALE_530B] == \
+        [(2240, 2240, 0.492), (4480, 4480, 0.488), (11200, 11200, 0.482)]
+    for run in P.MEGASCALE_530B:
+        assert (run.config.tp, run.config.pp, run.config.vpp, run.config.dp) == (8, 35, 3, run.gpus // 280)
+        assert run.config.num_micro_batches(run.global_batch) == 280 and run in P.RUNS
+    model = PRESETS["megascale-530b"]
+    assert (model.hidden, model.layers, model.heads, model.vocab) == (20480, 105, 160, 64000)
+
+
+def test_megascale_530b_predictions():
+    """Published vs predicted MFU: every point within 15% and feasible. Achieved (docs/planner.md): 50.5 / 50.5 /
+    50.5% against 49.2 / 48.8 / 48.2% (ratios 1.027, 1.035, 1.047): with m fixed at 280 the model's step barely
+    changes with dp, while the paper reports the 1-point fall it puts down to stragglers and communication."""
+    rows = P.validation_table(P.MEGASCALE_530B)
+    for row in rows:
+        assert abs(row["ratio"] - 1) <= 0.15 and row["feasible"], row
+    assert [round(r["ratio"], 3) for r in rows] == sorted(round(r["ratio"], 3) for r in rows)   # rises with scale
+    assert max(r["predicted"] for r in rows) - min(r["predicted"] for r in rows) < 0.002

@@ -109,7 +109,9 @@ def plan(model_or_preset, cluster=None, global_batch_size=None, seq_len=None, to
 def _planner_only_note(options) -> str:
     if not options.planner_only:
         return ""
-    return (f"Note: precision {options.precision} is priced at the device's {options.compute_dtype} peak but is "
+    core = "" if options.core_dtype == options.compute_dtype else (
+        f" (the linear layers; the attention core, output head and router at its {options.core_dtype} peak)")
+    return (f"Note: precision {options.precision} is priced at the device's {options.compute_dtype} peak{core} but is "
             f"planner-only: the runtime cannot run it (its AMP offers float16 and bfloat16).\n")
 
 

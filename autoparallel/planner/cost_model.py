@@ -73,9 +73,20 @@ def roofline_seconds(flops, traffic_bytes, peak_flops, gemm_efficiency, memory_b
     return flops / (peak_flops * gemm_efficiency) + traffic_bytes / memory_bandwidth_Bps
 
 
-def layer_forward_flops(model, s, b, t):
-    """One block's forward FLOPs on one TP rank: b·s·(2·P_mm + 4·s·h)/t."""
-    return b * model.layer_forward_flops_per_token(s) * s / t
+def two_rate_seconds(flops, core_flops, traffic_bytes, peak_flops, core_peak_flops, gemm_efficiency,
+                     memory_bandwidth_Bps):
+    """Roofline with two GEMM classes: the linear layers' FLOPs (``flops - core_flops``) at ``peak_flops``, the
+    attention core's and router's (``core_flops``) at ``core_peak_flops`` (the bf16 peak under fp8,
+    options.CORE_DTYPES), both at gemm_efficiency; plus element-wise traffic at memory bandwidth."""
+    return (roofline_seconds(flops - core_flops, traffic_bytes, peak_flops, gemm_efficiency, memory_bandwidth_Bps)
+            + core_flops / (core_peak_flops * gemm_efficiency))
+
+
+def layer_forward_flops(model, s, b, t, t_sp=1):
+    """One block's forward FLOPs on one TP rank: b·s·(2·P_mm + 4·s·h)/t; MLA's down-projections (replicated
+    weights, autoparallel/parallel/tp_plans.py MLA_PLAN) run on every rank's tokens, split only by SP (t_sp)."""
+    replicated = model.layer_replicated_flops_per_token()
+    return b * s * ((model.layer_forward_flops_per_token(s) - replicated) / t + replicated / t_sp)
 
 
 def attention_core_flops(model, s, b, t):
@@ -155,21 +166,59 @@ def routed_all_to_all(cluster, model, nbytes, ep, tp, calls, cache=None):
 
 def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
     """(forward, recompute, output-head forward) seconds on one TP rank for one micro-batch; routed experts run
-    at the busiest rank's pace (``moe_imbalance``)."""
+    at the busiest rank's pace (``moe_imbalance``); the attention core, router and output head at the core dtype's
+    peak (bf16 under fp8), the linear layers at the compute dtype's."""
     peak, W, eta, k = dev.flops(o.compute_dtype), dev.memory_bandwidth_Bps, o.gemm_efficiency, o.activation_traffic_factor
+    core_peak = dev.flops(o.core_dtype)
     scale = o.activation_scale
     none_code = np.zeros_like(rc)
     act_full = mem.layer_activation_bytes(model, s, b, tp, sp, none_code, scale, o.flash_attention)
     act_scores = act_full - mem.layer_activation_bytes(model, s, b, tp, sp, none_code + SELECTIVE, scale,
                                                        o.flash_attention)
     imbalance = 2.0 * model.moe_fraction * model.top_k * model.expert_params * (o.moe_imbalance - 1.0)
-    flops = layer_forward_flops(model, s, b, tp) + b * s * imbalance / tp
-    t_fwd = roofline_seconds(flops, k * act_full, peak, eta, W)
-    t_core = roofline_seconds(attention_core_flops(model, s, b, tp), k * act_scores, peak, eta, W)
+    flops = layer_forward_flops(model, s, b, tp, np.where(sp > 0, tp, 1)) + b * s * imbalance / tp
+    core = attention_core_flops(model, s, b, tp) + b * s * model.router_flops_per_token() / tp
+    t_fwd = two_rate_seconds(flops, core, k * act_full, peak, core_peak, eta, W)
+    t_core = roofline_seconds(attention_core_flops(model, s, b, tp), k * act_scores, core_peak, eta, W)
     t_rc = np.where(rc == FULL, t_fwd, np.where(rc == SELECTIVE, t_core, 0.0))
     t_logits = roofline_seconds(logits_forward_flops(model, s, b, tp), k * mem.logits_bytes(model, s, b, tp),
-                                peak, eta, W)
+                                core_peak, eta, W)
     return t_fwd, t_rc, t_logits
+
+
+def _block_seconds(model, o, cluster, s, b, tp, sp, rc, ep, cache):
+    """One block of ``model`` for one micro-batch: (t_fwd, t_rc, t_logits, TP stream, expert all-to-all stream,
+    T_L = 3·t_fwd + t_rc + TP collectives (+ the all-to-all unless overlapped))."""
+    t_fwd, t_rc, t_logits = _time_per_layer(model, o, cluster.device, s, b, tp, sp, rc)
+    msg = o.activation_scale * 2.0 * b * s * model.hidden            # one block boundary activation
+    ar = Stream.of(cluster, "all_reduce", msg, tp, 1, cache=cache)
+    sp_pair = (Stream.of(cluster, "all_gather", msg / tp, tp, 1, cache=cache)
+               + Stream.of(cluster, "reduce_scatter", msg, tp, 1, cache=cache))
+    tp_calls = tp_collectives_per_layer(rc, (sp == 0) & bool(model.parallel_block))
+    tp_layer = Stream.select(sp > 0, sp_pair, ar).scaled(np.where(tp > 1, tp_calls, 0.0))
+    a2a_bytes = o.activation_scale * 2.0 * b * s * model.hidden * model.top_k / tp
+    a2a_calls = model.moe_fraction * (4 + 2 * (rc == FULL))
+    a2a_layer = routed_all_to_all(cluster, model, a2a_bytes, ep, tp, a2a_calls, cache)
+    T_L = 3.0 * t_fwd + t_rc + tp_layer.seconds + (0.0 if o.moe_a2a_overlap else a2a_layer.seconds)
+    return t_fwd, t_rc, t_logits, tp_layer, a2a_layer, T_L
+
+
+def mtp_seconds(model, o, cluster, s, b, tp, sp, rc, ep, t_logits, cache):
+    """Forward + backward seconds per micro-batch of the multi-token-prediction modules on the last stage
+    (planner/mtp.py; DeepSeek-AI 2024 §2.2), and their block's (TP, all-to-all) streams: each module its block
+    (``ModelSpec.mtp_block``, priced as any block), the 2h x h projection split by TP (a linear-layer GEMM) and a
+    second output-head pass. Returns (seconds, forward compute seconds, backward compute seconds, streams):
+    the compute seconds widen the last stage's windows that overlapped communication hides behind. Zeros and no
+    streams without multi-token prediction."""
+    if not model.mtp_depth:
+        return 0.0, 0.0, 0.0, ()
+    t_fwd, t_rc, _, tp_m, a2a_m, T_m = _block_seconds(model.mtp_block(), o, cluster, s, b, tp, sp, rc, ep, cache)
+    dev = cluster.device
+    proj = roofline_seconds(2.0 * b * s * model.mtp_projection_params / tp, 0.0, dev.flops(o.compute_dtype),
+                            o.gemm_efficiency, dev.memory_bandwidth_Bps)
+    d = model.mtp_depth
+    return (d * (T_m + 3.0 * proj + 3.0 * t_logits), d * (t_fwd + proj + t_logits),
+            d * (2.0 * t_fwd + t_rc + 2.0 * proj + 2.0 * t_logits), (tp_m, a2a_m))
 
 
 def evaluate(model, cluster, global_batch, seq_len, grid, options):
@@ -196,28 +245,17 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     tp_ep, tp_dp, pp_peers = tp * ep, tp * dp, np.where(pp > 1, 2, 1)
 
     # ---- one block, one micro-batch ------------------------------------------------------------------
-    t_fwd, t_rc, t_logits = _time_per_layer(model, o, dev, s, b, tp, sp, rc)
+    t_fwd, t_rc, t_logits, tp_layer, a2a_layer, T_L = _block_seconds(model, o, cluster, s, b, tp, sp, rc, ep, cache)
     msg = o.activation_scale * 2.0 * b * s * model.hidden            # one block boundary activation
-    ar = Stream.of(cluster, "all_reduce", msg, tp, 1, cache=cache)
-    sp_pair = (Stream.of(cluster, "all_gather", msg / tp, tp, 1, cache=cache)
-               + Stream.of(cluster, "reduce_scatter", msg, tp, 1, cache=cache))
-    tp_calls = tp_collectives_per_layer(rc, (sp == 0) & bool(model.parallel_block))
-    tp_layer = Stream.select(sp > 0, sp_pair, ar).scaled(np.where(tp > 1, tp_calls, 0.0))
-    a2a_bytes = o.activation_scale * 2.0 * b * s * model.hidden * model.top_k / tp
-    a2a_calls = model.moe_fraction * (4 + 2 * (rc == FULL))
-    a2a_layer = routed_all_to_all(cluster, model, a2a_bytes, ep, tp, a2a_calls, cache)
     a2a_hidden = bool(o.moe_a2a_overlap)
-    T_L = 3.0 * t_fwd + t_rc + tp_layer.seconds + (0.0 if a2a_hidden else a2a_layer.seconds)
-    H = 3.0 * t_logits
+    mtp_s, mtp_fwd, mtp_bwd, mtp_streams = mtp_seconds(model, o, cluster, s, b, tp, sp, rc, ep, t_logits, cache)
+    H = 3.0 * t_logits + mtp_s
 
     # ---- pipeline stages: the slowest sets the pace, the others fill and drain the bubble ------------
     t_first = n_first * T_L + np.where(pp == 1, H, 0.0)
     t_last = n_last * T_L + H
     t_mid = n_mid * T_L
     t_max = np.maximum(np.maximum(t_first, t_last), t_mid)
-    last_slowest = t_last >= np.maximum(t_first, t_mid)
-    n_b = np.where(last_slowest, n_last, np.where(t_first >= t_mid, n_first, n_mid))
-    head_b = np.where(last_slowest | (pp == 1), 1.0, 0.0)
     bubble = np.where(pp > 1, (model.layers * T_L + H - t_max) / v, 0.0)
 
     # ---- parameters per stage ----------------------------------------------------------------------
@@ -257,16 +295,34 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
                     + Stream.of(cluster, "all_gather", pb * layer_expert / d_e, d_e, tp_ep, calls=m * n_max,
                                 where=(d_e > 1) & z3, cache=cache))
     z3_bwd = layer_gather.scaled(1 + (rc == FULL))                  # backward re-gathers (and recompute's)
-    w_fwd = m * (n_b * t_fwd + head_b * t_logits)
-    w_bwd = m * (n_b * (2.0 * t_fwd + t_rc) + head_b * 2.0 * t_logits)
-    a2a_fwd, a2a_bwd = Stream.zero(n), Stream.zero(n)
-    if a2a_hidden:                        # dispatch/combine overlapped with another micro-batch's compute
-        share = 2.0 / (4.0 + 2.0 * (rc == FULL))
-        a2a_fwd = a2a_layer.scaled(m * n_b * share)
-        a2a_bwd = a2a_layer.scaled(m * n_b * (1.0 - share))
-    w_last = w_bwd / m if o.grad_sync_overlap else np.zeros(n)
-    overlap_s = exposed_overlap(layer_gather + a2a_fwd, z3_bwd + rs_each_mb + a2a_bwd, sync, w_fwd, w_bwd, w_last,
-                                cluster.overlap)
+
+    def stage_overlap(n_k, head_k):
+        """Overlappable communication a stage of n_k blocks (and the head when head_k) leaves exposed: its own
+        compute windows and its own blocks' all-to-alls (the gradient sync and ZeRO gathers as priced above)."""
+        w_fwd = m * (n_k * t_fwd + head_k * (t_logits + mtp_fwd))
+        w_bwd = m * (n_k * (2.0 * t_fwd + t_rc) + head_k * (2.0 * t_logits + mtp_bwd))
+        a2a_fwd, a2a_bwd = Stream.zero(n), Stream.zero(n)
+        if a2a_hidden:                    # dispatch/combine overlapped with another micro-batch's compute
+            share = 2.0 / (4.0 + 2.0 * (rc == FULL))
+            a2a_fwd = a2a_layer.scaled(m * n_k * share)
+            a2a_bwd = a2a_layer.scaled(m * n_k * (1.0 - share))
+            for a2a_m in mtp_streams[1:]:  # the multi-token-prediction block's, next to the head
+                a2a_fwd = a2a_fwd + a2a_m.scaled(m * head_k * model.mtp_depth * share)
+                a2a_bwd = a2a_bwd + a2a_m.scaled(m * head_k * model.mtp_depth * (1.0 - share))
+        w_last = w_bwd / m if o.grad_sync_overlap else np.zeros(n)
+        return exposed_overlap(layer_gather + a2a_fwd, z3_bwd + rs_each_mb + a2a_bwd, sync, w_fwd, w_bwd, w_last,
+                               cluster.overlap)
+
+    # the step follows the stage whose compute plus exposed communication is largest (first, last, middle; a stage
+    # that does not exist -- no last one without a pipeline, no middle one below three stages -- never does)
+    heads = (np.where(pp == 1, 1.0, 0.0), np.ones(n), np.zeros(n))
+    rows = tuple(zip((n_first, n_last, n_mid), heads, (t_first, t_last, t_mid), (np.ones(n, bool), pp > 1, pp > 2)))
+    exposed = [stage_overlap(n_k, head_k) for n_k, head_k, _, _ in rows]
+    load = [np.where(live, m * t_k + e, -np.inf) for (_, _, t_k, live), e in zip(rows, exposed)]
+    pick = np.argmax(np.stack(load), axis=0)
+    n_b = np.choose(pick, [n_first, n_last, n_mid])
+    head_b = np.choose(pick, heads)
+    overlap_s = np.choose(pick, exposed)
 
     # ---- pipeline sends ------------------------------------------------------------------------------
     p2p_msg = np.where((sp > 0) | o.pp_scatter_gather, msg / tp, msg)
@@ -303,6 +359,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     busy = {}
     for link in ("nvlink", "network"):
         busy[link] = (m * n_b * sum(x.busy(link) for x in streams) + pp_stream.busy(link) + sync.busy(link)
+                      + m * head_b * model.mtp_depth * sum(x.busy(link) for x in mtp_streams)
                       + rs_each_mb.busy(link) + param_gather.busy(link) + layer_gather.busy(link) + z3_bwd.busy(link))
     busy["pcie"] = pcie_busy
 

@@ -280,7 +280,11 @@ def dimensions(model, graph, spans) -> dict:
     layernorm = any(getattr(n, "bias", None) is not None for _, n in norms)
     c = getattr(model, "config", None)
     dropout = bool(getattr(c, "dropout", 0.0) or 0.0)
-    return dict(hidden=hidden, layers=len(blocks), heads=int(heads), vocab=vocab, ffn=ffn,
+    from autoparallel.planner.model_read import mla_fields
+
+    mla = mla_fields(model, int(heads))                 # multi-head latent attention's ranks and head widths
+    kv_heads = mla.pop("kv_heads", kv_heads)
+    return dict(hidden=hidden, layers=len(blocks), heads=int(heads), vocab=vocab, ffn=ffn, **mla,
                 kv_heads=int(kv_heads or heads), swiglu=gated,
                 bias=any(l.bias is not None for _, l in _linears(block)), layernorm=layernorm,
                 tied_embeddings=head_tied(model, blocks, hidden, vocab), learned_positions=bool(positions),

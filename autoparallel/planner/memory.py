@@ -77,10 +77,24 @@ def activation_coefficients(model):
     """
     h = model.hidden
     mlp = (6.0 if model.swiglu else 4.0) * model.active_ffn / h
-    sharded = 2.0 + 4.0 * model.kv_dim / h + 2.0 + mlp
-    unsharded = 8.0 + (2.0 if model.dropout else 0.0) + 2.0 * model.moe_tokens_fraction()
+    attention, latents = attention_activation_coefficients(model)
+    sharded = attention + mlp
+    unsharded = 8.0 + latents + (2.0 if model.dropout else 0.0) + 2.0 * model.moe_tokens_fraction()
     score = 5.0 if model.dropout else 2.0
     return sharded, unsharded, score
+
+
+def attention_activation_coefficients(model):
+    """(sharded, unsharded) bytes per s·b·h the attention keeps besides its input (counted with the norms).
+
+    Multi-head/grouped-query attention: Q 2 + K,V 4·kv_dim/h + attention output 2, nothing unsharded. MLA
+    (arXiv:2412.19437 §2.1.1): Q and K of a·d_qk and V and the attention output of a·d_v per token, 2 bytes each,
+    split by TP with the heads: 4·a·(d_qk + d_v)/h; the query and key/value latents, each kept twice (its norm's
+    input and the up-projection's input), 4·(r_q + r_kv)/h, computed on every TP rank (split only by SP)."""
+    h = model.hidden
+    if not model.is_mla:
+        return 2.0 + 4.0 * model.kv_dim / h + 2.0, 0.0
+    return 4.0 * model.heads * (model.qk_dim + model.v_dim) / h, 4.0 * model.latent_norm_params / h
 
 
 def layer_activation_bytes(model, s, b, t, sp, recompute, scale=1.0, flash_attention=False):

@@ -7,7 +7,8 @@
 2. A forward the spec-only trace cannot follow -- a mixture of experts routes tokens with value-dependent
    shapes (``where`` / ``nonzero`` on the router's choice) -- is read from its config instead
    (``from_config``): hidden, layers, heads, kv heads, vocabulary, FFN width, experts, top-k, the experts'
-   width and shared experts, with the MoE blocks counted on the model's layers (blocks holding ``experts``).
+   width and shared experts, with the MoE blocks counted on the model's layers (blocks holding ``experts``), and
+   multi-head latent attention's ranks and head widths (``MLA_CONFIG``) when the config sets ``kv_lora_rank``.
    Its per-token cost is then *estimated*: tokens spread evenly over the experts (each visits ``top_k``),
    priced by the planner's MoE formulas. The eager op counts are still traced: spec-only outside the MoE
    layers, which run eagerly on a random sample (planner/moe_trace.py; the template for a LazyGuard model).
@@ -28,6 +29,31 @@ CONFIG = {   # ModelSpec field -> config attribute names (PaddleFormers / Huggin
     "top_k": ("num_experts_per_tok", "moe_k", "top_k"),
     "expert_ffn": ("moe_intermediate_size",),
 }
+
+
+MLA_CONFIG = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")   # DeepSeek-V2/V3
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def mla_fields(model, heads: int) -> dict:
+    """ModelSpec's multi-head latent attention fields from ``model.config`` (the DeepSeek-V2/V3 names of
+    ``MLA_CONFIG``) when it sets ``kv_lora_rank``, else {}; ``q_lora_rank`` None or 0 is a full-rank query."""
+    c = getattr(model, "config", None)
+    if not _positive(getattr(c, "kv_lora_rank", None)):
+        return {}
+    missing = [k for k in MLA_CONFIG[2:] if not _positive(getattr(c, k, None))]
+    if missing:
+        raise ValueError(f"model.config of {type(model).__name__} sets kv_lora_rank (multi-head latent attention) but "
+                         f"lacks positive {', '.join(missing)}; expected all of {', '.join(MLA_CONFIG[2:])}")
+    q_rank = getattr(c, "q_lora_rank", None)
+    if q_rank is not None and not (_positive(q_rank) or q_rank == 0):
+        raise ValueError(f"model.config.q_lora_rank must be a positive integer, 0 or None (a full-rank query), got "
+                         f"{q_rank!r}")
+    return {"kv_lora_rank": c.kv_lora_rank, "q_lora_rank": q_rank or 0, "qk_rope_head_dim": c.qk_rope_head_dim,
+            "qk_head_dim": c.qk_nope_head_dim + c.qk_rope_head_dim, "v_head_dim": c.v_head_dim, "kv_heads": heads}
 
 
 def config_value(model, key):
@@ -148,8 +174,12 @@ def from_config(model, seq_len: int, name: str, stopped_at: str):
                          f"holds an 'experts' sublayer, and the trace stops at {stopped_at!r}")
     shared, shared_how = _shared_experts(model, values["expert_ffn"])
     c = model.config
+    mla = mla_fields(model, values["heads"])
+    if mla:
+        values["kv_heads"] = mla.pop("kv_heads")        # MLA projects keys and values up per query head
+        used.append(", ".join(f"{k}={getattr(c, k)}" for k in MLA_CONFIG))
     spec = ModelSpec(name, hidden=values["hidden"], layers=values["layers"], heads=values["heads"],
-                     vocab=values["vocab"], ffn=values.get("ffn", 0), kv_heads=values.get("kv_heads", 0),
+                     vocab=values["vocab"], ffn=values.get("ffn", 0), kv_heads=values.get("kv_heads", 0), **mla,
                      seq_len=int(seq_len), swiglu=_gated(model), bias=False,
                      layernorm=any(getattr(n, "bias", None) is not None for _, n in _norms(blocks[0])),
                      tied_embeddings=head_tied(model, blocks, values["hidden"], values["vocab"]),

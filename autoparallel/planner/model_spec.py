@@ -9,7 +9,10 @@ generalised to grouped-query attention (``kv_heads``), any FFN width and SwiGLU 
     forward FLOPs per token      l·(2·P_mm + 4·s·h) + 2·h·V       (attention scores counted over all s keys)
 
 For GPT (f = 4h, kv_heads = heads) 2·P_mm = 24h², which gives Megatron's
-72·B·s·l·h²·(1 + s/6h + V/12lh) model FLOPs per iteration.
+72·B·s·l·h²·(1 + s/6h + V/12lh) model FLOPs per iteration. In general the attention's matmuls are counted from
+the head widths (``attention_params``) and its core is 2·s·a·(d_qk + d_v) per token, which covers multi-head
+latent attention (DeepSeek-V2/V3: low-rank query and key/value projections, ``kv_lora_rank`` > 0); multi-token
+prediction modules (``mtp_depth``, DeepSeek-V3 §2.2) add a block, a 2h x h projection and an output-head pass each.
 
 Presets: ``gpt3-*`` (Brown et al. 2020, vocabulary padded to 51200 as Megatron does), ``megatron-*``
 (the rows of Narayanan et al. Table 1), ``llama2-*`` and ``llama3-*`` (published configurations).
@@ -87,12 +90,28 @@ class ModelSpec:
     dense_layers: int = 0
     route_nodes: int = 0          # node-limited routing: a token reaches at most this many nodes (0: no limit)
     # -- read off a real model (from_trace / from_config): parameters per block the closed form does not
-    #    describe (qk norms, low-rank attention, gates, biases of some matrices only; negative when the form
+    #    describe (qk norms, gates, biases of some matrices only; negative when the form
     #    counts more), priced as replicated; and a text saying which figures were traced, read from the
     #    model's config or estimated
     extra_layer_params: float = 0.0
     attn_dim: int = 0             # width of the query heads, heads·head_dim; 0 means hidden (Qwen3 and ERNIE 4.5
                                   # set head_dim so that heads·head_dim != hidden)
+    # -- head widths apart from head_dim, and multi-head latent attention (MLA: DeepSeek-AI 2024, arXiv:2412.19437
+    #    §2.1.1; the config.json names q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim).
+    #    MLA projects the hidden state down to low-rank latents (replicated under TP, as the runtime's MLA plan keeps
+    #    q_a_proj / kv_a_proj_with_mqa), normalises them, and projects them up per head (split by TP with the heads)
+    qk_head_dim: int = 0          # width of one query/key head (MLA: qk_nope_head_dim + qk_rope_head_dim); 0: head_dim
+    v_head_dim: int = 0           # width of one value head, also one head's share of the output projection; 0: head_dim
+    q_lora_rank: int = 0          # MLA query rank r_q: q_a h x r_q, a norm, q_b r_q x heads·qk_head_dim; 0: one
+                                  # full-rank h x heads·qk_head_dim query projection
+    kv_lora_rank: int = 0         # MLA key/value latent r_kv: kv_a h x (r_kv + qk_rope_head_dim), a norm, kv_b
+                                  # r_kv x heads·(qk_head_dim - qk_rope_head_dim + v_head_dim); 0: no MLA
+    qk_rope_head_dim: int = 0     # MLA: rotary part of each query/key head; its key part is one vector per token
+                                  # shared by all heads (the last qk_rope_head_dim columns of kv_a)
+    # -- multi-token prediction (DeepSeek-AI 2024 §2.2): ``mtp_depth`` modules after the last block, each one more
+    #    block (an MoE block when the model has experts), a 2h x h projection of [norm(h_prev); norm(embedding)] and
+    #    a second output-head pass with its cross-entropy; embedding and output head shared with the main model
+    mtp_depth: int = 0
     source: str = ""
     # -- share of the parameters that train (a LoRA run: the adapters'); gradient buffers, their sync, the
     #    optimizer states and master copies count only these, the weights (and ZeRO-3's gathers) all of them
@@ -117,6 +136,7 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: heads ({self.heads}) must be divisible by kv_heads "
                              f"({self.kv_heads})")
         self._check_moe()
+        self._check_mla()
         f = self.trainable_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
             raise ValueError(f"model {self.name!r}: trainable_fraction must be a number in [0, 1] (the share of the "
@@ -140,6 +160,23 @@ class ModelSpec:
         if self.dense_layers >= self.layers:
             raise ValueError(f"model {self.name!r}: dense_layers ({self.dense_layers}) must leave at least one MoE "
                              f"block of the {self.layers}")
+
+    def _check_mla(self):
+        for name in ("qk_head_dim", "v_head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "mtp_depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"model {self.name!r}: {name} must be a non-negative integer, got {value!r}")
+        if not self.is_mla:
+            if self.q_lora_rank or self.qk_rope_head_dim:
+                raise ValueError(f"model {self.name!r}: q_lora_rank and qk_rope_head_dim describe multi-head latent "
+                                 f"attention and need kv_lora_rank > 0, got kv_lora_rank=0")
+            return
+        if self.kv_heads != self.heads:
+            raise ValueError(f"model {self.name!r}: multi-head latent attention projects keys and values up per "
+                             f"query head, so kv_heads must equal heads ({self.heads}), got {self.kv_heads}")
+        if self.qk_rope_head_dim >= self.qk_dim:
+            raise ValueError(f"model {self.name!r}: qk_rope_head_dim ({self.qk_rope_head_dim}) must be smaller than "
+                             f"the query/key head width ({self.qk_dim}): the rest is the latent's per-head part")
 
     # ---- mixture of experts ------------------------------------------------------------------
     @property
@@ -184,6 +221,38 @@ class ModelSpec:
         return self.kv_heads * self.head_dim
 
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_dim(self) -> int:
+        """Width of one query/key head: qk_head_dim, else head_dim."""
+        return self.qk_head_dim or self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Width of one value head: v_head_dim, else head_dim."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def attention_params(self) -> tuple:
+        """(TP-split, replicated) parameters of the attention's matmuls, with d_qk / d_v the head widths:
+        q h·a·d_qk + k h·kv·d_qk + v h·kv·d_v + out a·d_v·h, nothing replicated; MLA: q_b r_q·a·d_qk (or a full-rank
+        q) + kv_b r_kv·a·(d_qk - d_rope + d_v) + out split, q_a h·r_q + kv_a h·(r_kv + d_rope) replicated."""
+        h, a, kv, dqk, dv = self.hidden, self.heads, self.kv_heads, self.qk_dim, self.v_dim
+        out = a * dv * h
+        if not self.is_mla:
+            return h * a * dqk + h * kv * dqk + h * kv * dv + out, 0
+        r_q, r_kv, rope = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim
+        q_split, q_down = (r_q * a * dqk, h * r_q) if r_q else (h * a * dqk, 0)
+        return q_split + r_kv * a * (dqk - rope + dv) + out, q_down + h * (r_kv + rope)
+
+    @property
+    def latent_norm_params(self) -> int:
+        """MLA's norms of the query and key/value latents (weight only): r_q + r_kv."""
+        return self.q_lora_rank + self.kv_lora_rank if self.is_mla else 0
+
+    @property
     def mlp_matrices(self) -> int:
         return 3 if self.swiglu else 2
 
@@ -194,8 +263,7 @@ class ModelSpec:
         For MoE: attention, the dense MLP of the dense blocks, shared experts and the router, averaged over
         blocks; the routed experts are ``layer_expert_params``."""
         h = self.hidden
-        q = self.attn_dim or h
-        attention = h * q + 2 * h * self.kv_dim + q * h
+        attention = self.attention_params[0]
         if not self.is_moe:
             return attention + self.mlp_matrices * h * self.ffn
         f = self.moe_fraction
@@ -204,11 +272,12 @@ class ModelSpec:
 
     @property
     def layer_other_params(self) -> int:
-        """Biases and norm weights of one block (replicated under tensor parallelism; small)."""
+        """Biases and norm weights of one block, and MLA's low-rank down-projections and latent norms
+        (replicated under tensor parallelism)."""
         h = self.hidden
-        norms = 2 * (2 * h if self.layernorm else h)
+        norms = 2 * (2 * h if self.layernorm else h) + self.latent_norm_params
         biases = (h + 2 * self.kv_dim + h + (self.mlp_matrices - 1) * self.ffn + h) if self.bias else 0
-        return norms + biases + self.extra_layer_params
+        return norms + biases + self.attention_params[1] + self.extra_layer_params
 
     @property
     def layer_params(self) -> int:
@@ -237,20 +306,56 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        """Total parameter count."""
+        """Total parameter count (the multi-token-prediction modules included)."""
         return int(round(self.layers * (self.layer_params + self.layer_expert_params) + self.embedding_params
-                         + self.head_params))
+                         + self.head_params + self.mtp_depth * self.mtp_module_params))
+
+    # ---- multi-token prediction (DeepSeek-AI 2024 §2.2) --------------------------------------------
+    def mtp_block(self) -> "ModelSpec":
+        """One block of a multi-token-prediction module as a one-block model: an MoE block when the model has
+        experts (DeepSeek-V3's released weights: layer 61 holds experts), else a dense block."""
+        return replace(self, name=self.name + "-mtp-block", layers=1, dense_layers=0, mtp_depth=0)
+
+    @property
+    def mtp_projection_params(self) -> int:
+        """The module's projection of [norm(h_prev); norm(embedding)] (2h) to h: 2·h·h."""
+        return 2 * self.hidden * self.hidden
+
+    @property
+    def mtp_module_params(self) -> float:
+        """Parameters of one module: its block, the 2h x h projection and three norms (the two inputs' and the
+        output's before the shared head); the embedding and output head are the main model's."""
+        block = self.mtp_block()
+        norms = 3 * (2 * self.hidden if self.layernorm else self.hidden)
+        return block.layer_params + block.layer_expert_params + self.mtp_projection_params + norms
+
+    def mtp_forward_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs of the multi-token-prediction modules: each its block, the 2h x h projection and a second
+        output-head pass (2·h·V)."""
+        per_module = (self.mtp_block().layer_forward_flops_per_token(seq_len) + 2.0 * self.mtp_projection_params
+                      + self.logits_forward_flops_per_token())
+        return self.mtp_depth * per_module
 
     # ---- FLOPs -------------------------------------------------------------------------------
     def layer_forward_flops_per_token(self, seq_len: int) -> float:
         """2·P_mm + 4·s·h: the block's matmuls plus attention scores (QK^T) and their use (AV); MoE blocks add
-        the top_k routed experts a token visits."""
+        the top_k routed experts a token visits; MLA adds its replicated down-projections."""
         routed = self.moe_fraction * self.top_k * self.expert_params
-        return 2.0 * (self.layer_matmul_params + routed) + 4.0 * seq_len * (self.attn_dim or self.hidden)
+        return (2.0 * (self.layer_matmul_params + routed) + self.layer_replicated_flops_per_token()
+                + self.attention_core_flops_per_token(seq_len))
+
+    def layer_replicated_flops_per_token(self) -> float:
+        """2·(h·r_q + h·(r_kv + d_rope)): MLA's down-projections, which every TP rank runs whole (0 otherwise)."""
+        return 2.0 * self.attention_params[1]
+
+    def router_flops_per_token(self) -> float:
+        """2·h·E per MoE block, averaged over blocks: the gate's matmul (part of 2·P_mm)."""
+        return 2.0 * self.moe_fraction * self.hidden * self.experts
 
     def attention_core_flops_per_token(self, seq_len: int) -> float:
-        """4·s·h: the part of a block's forward that selective recomputation runs again."""
-        return 4.0 * seq_len * (self.attn_dim or self.hidden)
+        """2·s·a·(d_qk + d_v), 4·s·h for heads of width h/a: scores QK^T over all s keys and their product with V,
+        the part of a block's forward that selective recomputation runs again."""
+        return 2.0 * seq_len * self.heads * (self.qk_dim + self.v_dim)
 
     def logits_forward_flops_per_token(self) -> float:
         """2·h·V: the output projection."""
@@ -259,7 +364,8 @@ class ModelSpec:
     def model_flops_per_token(self, seq_len: int = None) -> float:
         """Model FLOPs per token, forward + backward (3x forward), without recomputation (MFU's numerator)."""
         s = self.seq_len if seq_len is None else seq_len
-        return 3.0 * (self.layers * self.layer_forward_flops_per_token(s) + self.logits_forward_flops_per_token())
+        return 3.0 * (self.layers * self.layer_forward_flops_per_token(s) + self.logits_forward_flops_per_token()
+                      + self.mtp_forward_flops_per_token(s))
 
     def hardware_flops_per_token(self, seq_len: int = None, recompute: str = "none") -> float:
         """FLOPs per token counting recomputation, as Megatron's papers count them.
@@ -268,8 +374,11 @@ class ModelSpec:
         selective: the attention core's forward runs twice; none: equal to model FLOPs.
         """
         s = self.seq_len if seq_len is None else seq_len
-        extra = {"none": 0.0, "selective": self.layers * self.attention_core_flops_per_token(s),
-                 "full": self.layers * self.layer_forward_flops_per_token(s)}
+        blocks = self.layers + self.mtp_depth                  # the multi-token-prediction blocks run it too
+        mtp = self.mtp_block() if self.mtp_depth else self
+        extra = {"none": 0.0, "selective": blocks * self.attention_core_flops_per_token(s),
+                 "full": self.layers * self.layer_forward_flops_per_token(s)
+                 + self.mtp_depth * mtp.layer_forward_flops_per_token(s)}
         if recompute not in extra:
             raise ValueError(f"recompute must be one of {sorted(extra)}, got {recompute!r}")
         return self.model_flops_per_token(s) + extra[recompute]
@@ -340,20 +449,32 @@ PRESETS = {
     "gpt-neox-20b": ModelSpec("gpt-neox-20b", 6144, 44, 64, 50432, tied_embeddings=False, learned_positions=False,
                               dropout=False, parallel_block=True),
     "mt-nlg-530b": _gpt("mt-nlg-530b", 20480, 105, 128),
-    # mixture of experts: Mixtral 8x7B (Jiang et al. 2024); DeepSeek-V3 (DeepSeek-AI 2024) with its MLA
-    # attention approximated by multi-head attention of the same width (~205M vs ~187M parameters per block)
+    # the 175B model of MegaScale's sweep (Jiang et al. 2024, Table 1 and §6.1): 128 heads, vocabulary 64,000 as
+    # published (Megatron-LM would pad it to 64,512 at TP 8: +0.004% FLOPs; the paper's MFU counts 64,000)
+    "megascale-175b": _gpt("megascale-175b", 12288, 96, 128, vocab=64000),
+    # the 530B model of MegaScale's weak-scaling runs (Table 1: 160 heads, hidden 20480, 105 layers; §6.1)
+    "megascale-530b": _gpt("megascale-530b", 20480, 105, 160, vocab=64000),
+    # mixture of experts: Mixtral 8x7B (Jiang et al. 2024); DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437, and
+    # deepseek-ai/DeepSeek-V3 config.json): MLA with 128 heads, q_lora_rank 1536, kv_lora_rank 512,
+    # qk_nope_head_dim 128 + qk_rope_head_dim 64, v_head_dim 128 (§2.1.1, §4.2); the first 3 blocks dense
+    # (first_k_dense_replace 3, intermediate_size 18432); 256 routed experts of 2048 (top-8) and 1 shared expert;
+    # node-limited routing to 4 nodes (§2.1.2); multi-token prediction of depth 1 (§2.2, §4.2: "we set the MTP depth
+    # D to 1"; config.json num_nextn_predict_layers 1)
     "mixtral-8x7b": ModelSpec("mixtral-8x7b", 4096, 32, 32, 32000, ffn=14336, kv_heads=8, seq_len=4096, swiglu=True,
                               bias=False, layernorm=False, tied_embeddings=False, learned_positions=False,
                               dropout=False, experts=8, top_k=2, expert_ffn=14336),
     "deepseek-v3": ModelSpec("deepseek-v3", 7168, 61, 128, 129280, ffn=18432, seq_len=4096, swiglu=True, bias=False,
                              layernorm=False, tied_embeddings=False, learned_positions=False, dropout=False,
                              experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
-                             route_nodes=4),
+                             route_nodes=4, qk_head_dim=192, v_head_dim=128, q_lora_rank=1536, kv_lora_rank=512,
+                             qk_rope_head_dim=64, mtp_depth=1),
 }
 
 _INT_KEYS = {"hidden": "hidden", "layers": "layers", "heads": "heads", "vocab": "vocab", "ffn": "ffn",
              "kv_heads": "kv_heads", "seq": "seq_len", "seq_len": "seq_len", "experts": "experts", "top_k": "top_k",
-             "expert_ffn": "expert_ffn", "shared_experts": "shared_experts", "dense_layers": "dense_layers"}
+             "expert_ffn": "expert_ffn", "shared_experts": "shared_experts", "dense_layers": "dense_layers",
+             "qk_head_dim": "qk_head_dim", "v_head_dim": "v_head_dim", "q_lora_rank": "q_lora_rank",
+             "kv_lora_rank": "kv_lora_rank", "qk_rope_head_dim": "qk_rope_head_dim", "mtp_depth": "mtp_depth"}
 _BOOL_KEYS = ("swiglu",)
 _ITEM = re.compile(r"^\s*([a-z_]+)\s*=\s*([0-9]+)\s*$")
 
@@ -372,7 +493,9 @@ def parse_model(spec) -> ModelSpec:
 
     Dimension strings: ``"hidden=8192,layers=48,heads=64,vocab=51200[,ffn=...,kv_heads=...,seq=...,swiglu=0|1]"``;
     hidden, layers, heads and vocab are required; swiglu=1 describes a LLaMA-style block (no biases,
-    RMSNorm, untied head, no dropout), otherwise a GPT-style block.
+    RMSNorm, untied head, no dropout), otherwise a GPT-style block; the mixture-of-experts, MLA
+    (``kv_lora_rank=..,q_lora_rank=..,qk_head_dim=..,qk_rope_head_dim=..,v_head_dim=..``) and ``mtp_depth`` fields
+    are integers too.
     """
     if isinstance(spec, ModelSpec):
         return spec

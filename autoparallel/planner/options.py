@@ -10,9 +10,15 @@ from dataclasses import asdict, dataclass, replace
 # (param bytes, grad bytes, optimizer-state bytes) per parameter for each precision:
 #   bf16: bf16 weight 2 + bf16 grad 2 + fp32 master, Adam m and v 12 = 16 (mixed-precision Adam)
 #   fp32: fp32 weight 4 + fp32 grad 4 + Adam m and v 8            = 16
-#   fp8: matmuls at the fp8 peak, weights/activations/states stored as bf16 (planner-only: the runtime has no fp8)
+#   fp8: linear layers' matmuls at the fp8 peak, the attention core, output head and router at the bf16 peak
+#        (CORE_DTYPES), weights/activations/states stored as bf16 (planner-only: the runtime has no fp8)
 PRECISIONS = {"bf16": (2, 2, 12, "bfloat16"), "fp32": (4, 4, 8, "float32"), "fp8": (2, 2, 12, "float8")}
 PLANNER_ONLY_PRECISIONS = ("fp8",)
+# GEMMs outside the linear layers keep 16-bit under fp8 training (DeepSeek-AI 2024, arXiv:2412.19437 §3.3.1: the
+# linear layers' Fprop, Dgrad and Wgrad run in FP8 while "the embedding module, the output head, MoE gating
+# modules, normalization operators, and attention operators" keep BF16/FP32): precision -> the dtype of the
+# attention core (scores and context), the output head and the router; absent: the compute dtype
+CORE_DTYPES = {"fp8": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,11 @@ class PlannerOptions:
     @property
     def compute_dtype(self) -> str:
         return PRECISIONS[self.precision][3]
+
+    @property
+    def core_dtype(self) -> str:
+        """dtype of the attention core, the output head and the MoE router (bf16 under fp8, see CORE_DTYPES)."""
+        return CORE_DTYPES.get(self.precision, self.compute_dtype)
 
     @property
     def activation_scale(self) -> float:

@@ -26,10 +26,14 @@ def edge_params(model, t):
 
 def block_and_edge_params(model, tp, pp, ep):
     """(dense Ψ of one block, routed-expert Ψ of one block, first stage's edge Ψ, last stage's edge Ψ) on one
-    device: the embedding on the first stage, the head (and a tied head's copy when p > 1) on the last."""
+    device: the embedding on the first stage, the head (and a tied head's copy when p > 1) on the last, with the
+    multi-token-prediction modules (their routed experts counted with the edge, i.e. sharded over dp by ZeRO)."""
+    from autoparallel.planner.mtp import mtp_params_on_device
+
     layer_dense = layer_params_on_device(model, tp, 1) - model.layer_expert_params / tp
     layer_expert = model.layer_expert_params / (tp * ep)
     emb, head = edge_params(model, tp)
+    head = head + mtp_params_on_device(model, tp, ep)      # multi-token prediction sits with the head (planner/mtp.py)
     head_copy = np.where(model.tied_embeddings & (pp > 1), model.vocab * model.hidden / tp, 0.0)
     edge_first = np.where(pp == 1, emb + head, emb)
     edge_last = np.where(pp == 1, emb + head, head + head_copy)

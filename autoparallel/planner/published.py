@@ -61,6 +61,20 @@ FLOP_COUNTERS = {
 # (communication_data_type defaults to the model's dtype); no fp32 accumulation buffer
 _DEEPSPEED_FP16 = (("grad_accum_fp32", False),)
 _NDR = Topology(nics_per_node=8, nic_bandwidth_Bps=50 * GB, host_memory_bytes=2e12, pcie_bandwidth_Bps=25 * GB)
+# MegaScale's cluster (Jiang et al. 2024 §3.6): eight 200 Gb/s NICs per server, each on a different ToR switch
+# (multi-rail), three switch layers at 1:1 downlink:uplink (non-blocking); host RAM and PCIe not published (as _HDR)
+_MEGASCALE = Topology(nics_per_node=8, nic_bandwidth_Bps=25 * GB, host_memory_bytes=2e12, pcie_bandwidth_Bps=12 * GB)
+# Megatron-LM at commit 285068c8 (Jan 2023, the sweep's baseline): --use-flash-attn, --sequence-parallel,
+# --use-distributed-optimizer and recomputation exist but are off unless asked for; the gradient reduction
+# (all-reduce, or the distributed optimizer's reduce-scatter) runs after the backward, no overlap option
+# (megatron/arguments.py at that commit)
+_MEGASCALE_SWEEP_NOTES = (
+    "TP 8, PP 8, 6 interleaved stages, DP = GPUs/64 (paper Table 1, §6.1). Assumed (fixed before pricing): "
+    "micro-batch 1; sequence parallelism + selective recomputation (Korthikanti et al.'s recipe: without them "
+    "~0.66 GB of activations per block per micro-batch, ~73 GB in flight on the first stage); Megatron's "
+    "distributed optimizer (ZeRO-1); no FlashAttention (off by default at 285068c8; FlashAttention-2 is "
+    "MegaScale's own change, §3.3); A100-80GB (the paper says 'NVIDIA Ampere'; its MFU arithmetic implies a "
+    "312 TFLOP/s peak); 8 x 200 Gb/s NICs per node, non-blocking Clos (§3.6)")
 
 
 @dataclass(frozen=True)
@@ -154,13 +168,52 @@ RUNS = (
                  software=(("flash_attention", True), ("grad_bucket_bytes", 1.6e9))),
 )
 
+
+def _megascale_sweep(gpus: int, global_batch: int, mfu: float) -> PublishedRun:
+    """One Megatron-LM row of MegaScale's strong-scaling sweep of a 175B model (Jiang et al. 2024, Table 2)."""
+    notes = _MEGASCALE_SWEEP_NOTES if gpus == 256 else f"as the 256-GPU row, DP {gpus // 64}, batch {global_batch}"
+    return PublishedRun(f"Megatron-LM 175B sweep ({gpus})", "megascale-175b", "A100-80GB", gpus, _MEGASCALE,
+                        _cfg(gpus, 8, 8, vpp=6, sp=1, sharding=1, recompute="selective"), global_batch, 2048,
+                        "mfu", mfu, "Jiang et al. 2024 (MegaScale, NSDI '24, arXiv:2402.15627) Table 2, Megatron-LM "
+                        "rows; model and configuration Table 1 and §6.1", notes, software=_MEGATRON)
+
+
+# the Megatron-LM baseline of MegaScale's sweep (Table 2): batch 768 on 256-1024 GPUs ("GPU memory limit"),
+# 6144 on 3072-12288 GPUs; MegaScale's own rows (parallel block, sliding-window attention, LAMB) are another model
+MEGASCALE_SWEEP = tuple(_megascale_sweep(g, b, m) for g, b, m in (
+    (256, 768, 0.530), (512, 768, 0.499), (768, 768, 0.467), (1024, 768, 0.447),
+    (3072, 6144, 0.487), (6144, 6144, 0.478), (8192, 6144, 0.433), (12288, 6144, 0.412)))
+RUNS = RUNS + MEGASCALE_SWEEP
+
+_MEGASCALE_530B_NOTES = (
+    "TP 8, PP 35, 3 interleaved stages, DP = GPUs/280, batch = GPUs (paper Table 1, §6.1, Figure 9). Assumed "
+    "(fixed before pricing, as the 175B sweep): micro-batch 1; sequence parallelism + selective recomputation; "
+    "Megatron's distributed optimizer (ZeRO-1); no FlashAttention; A100-80GB; 8 x 200 Gb/s NICs per node, "
+    "non-blocking Clos (§3.6)")
+
+
+def _megascale_530b(gpus: int, mfu: float) -> PublishedRun:
+    """One Megatron-LM point of MegaScale's weak-scaling runs of a 530B model (Jiang et al. 2024, Figure 9)."""
+    return PublishedRun(f"Megatron-LM 530B weak scaling ({gpus})", "megascale-530b", "A100-80GB", gpus, _MEGASCALE,
+                        _cfg(gpus, 8, 35, vpp=3, sp=1, sharding=1, recompute="selective"), gpus, 2048,
+                        "mfu", mfu, "Jiang et al. 2024 (MegaScale, arXiv:2402.15627) Figure 9, Megatron-LM labels; "
+                        "model and configuration Table 1 and §6.1", _MEGASCALE_530B_NOTES, software=_MEGATRON)
+
+
+# the Megatron-LM points of MegaScale's weak scaling (Figure 9's labels: 49.2 / 48.8 / 48.2% MFU; the batch grows
+# with the GPU count, so every point has 280 micro-batches per pipeline)
+MEGASCALE_530B = tuple(_megascale_530b(g, m) for g, m in ((2240, 0.492), (4480, 0.488), (11200, 0.482)))
+RUNS = RUNS + MEGASCALE_530B
+
 MOE_RUNS = (
     PublishedRun("DeepSeek-V3", "deepseek-v3", "H800", 2048, _NDR,
                  _cfg(2048, 1, 16, sharding=1, ep=64, split="ends"), 15360, 4096,
                  "tokens", 1543.0, "DeepSeek-AI 2024 (arXiv:2412.19437): 180K H800 GPU hours per trillion tokens "
                  "(14.8T tokens in 2.664M GPU hours)",
-                 "FP8 GEMMs, PP 16 (DualPipe priced as 1F1B with the all-to-all overlapped), EP 64, node-limited routing (4 "
-                 "nodes), ZeRO-1; MLA priced as multi-head attention",
+                 "FP8 for the linear layers' GEMMs, attention core, router and output head in BF16 (§3.3.1); MLA from "
+                 "its ranks and head widths (§2.1.1, config.json); MTP depth 1 (§2.2); PP 16 (DualPipe priced as 1F1B "
+                 "with the all-to-all overlapped, 2 blocks on each end stage assumed), EP 64, node-limited routing (4 "
+                 "nodes), ZeRO-1",
                  precision="fp8", dense_only=False,
                  software=(("flash_attention", True), ("moe_a2a_overlap", True))),
 )

@@ -12,16 +12,19 @@ import numpy as np
 
 from autoparallel.planner import eager_cost
 from autoparallel.planner import memory as mem
+from autoparallel.planner.mtp import mtp_activation_bytes
 from autoparallel.planner.params import block_and_edge_params, largest_stage_params
 from autoparallel.planner.stages import stage_layout
 
 
-def stage_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last, scale=1.0):
+def stage_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last, scale=1.0,
+               head_extra=0.0):
     """(blocks, edge Ψ, micro-batches in flight, extra activation bytes) of the first, last and middle stage.
 
     Extra (Korthikanti et al. §4.3): the embedding dropout's mask for every micro-batch in flight on the first
-    stage; the final norm's and output projection's inputs and the fp32 logits on the stage holding the head."""
-    head = mem.logits_bytes(model, s, b, tp) + mem.head_input_bytes(model, s, b, tp, sp, scale)
+    stage; the final norm's and output projection's inputs and the fp32 logits on the stage holding the head, with
+    ``head_extra`` besides them (multi-token prediction, planner/mtp.py)."""
+    head = mem.logits_bytes(model, s, b, tp) + mem.head_input_bytes(model, s, b, tp, sp, scale) + head_extra
     inflight_first = mem.in_flight_micro_batches(pp, v, m)
     first_extra = mem.embedding_dropout_bytes(model, s, b, tp, sp) * inflight_first + np.where(pp == 1, head, 0.0)
     return ((n_first, edge_first, inflight_first, first_extra),
@@ -62,8 +65,9 @@ def stage_memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense,
     z3buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, zero, o.param_bytes)
     tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
     stages = []
+    head_extra = mtp_activation_bytes(model, s, b, tp, sp, rc, o.activation_scale, o.flash_attention)
     for layers, edge, inflight, extra in stage_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first,
-                                                    edge_last, o.activation_scale):
+                                                    edge_last, o.activation_scale, head_extra):
         st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, zero, dp, d_e, m, off, tensors,
                          model.trainable_fraction)
         st["activations"] = activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra)

@@ -100,8 +100,10 @@ def split_problem(counts, v: int = 1, ends: bool = False):
 
 
 def head_equivalent(model, seq_len: int) -> float:
-    """The output head's forward FLOPs in blocks: 2·h·V / (2·P_mm + 4·s·h) (the split's pricing)."""
-    return model.logits_forward_flops_per_token() / model.layer_forward_flops_per_token(seq_len)
+    """The output head's forward FLOPs in blocks: 2·h·V / (2·P_mm + 4·s·h) (the split's pricing), with the
+    multi-token-prediction modules that run next to it (planner/mtp.py)."""
+    head = model.logits_forward_flops_per_token() + model.mtp_forward_flops_per_token(seq_len)
+    return head / model.layer_forward_flops_per_token(seq_len)
 
 
 def stage_layout(model, seq_len, pp, vpp, split):

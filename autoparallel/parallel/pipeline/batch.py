@@ -69,11 +69,13 @@ def split(batch, m: int, dp: int, what: str) -> list:
     return parts
 
 
-def _checked(t, m: int, dp: int, what: str):
+def _checked(t, m: int, dp: int, what: str, call: str = "train_batch"):
     n = int(t.shape[0]) if t.ndim else 0
     if t.ndim == 0 or n % (m * dp):
-        raise ValueError(f"train_batch {what}: the global batch ({n} samples) must divide into "
-                         f"micro_batches x data-parallel degree = {m} x {dp} equal parts")
+        raise ValueError(f"{call} {what}: the global batch ({n} samples) must divide into "
+                         f"micro_batches x data-parallel degree = {m} x {dp} equal parts (a batch of a multiple of "
+                         f"{m * dp} samples, e.g. drop_last=True in the data loader, or "
+                         f"pipeline_parallel.micro_batches dividing the batch)")
     return t
 
 

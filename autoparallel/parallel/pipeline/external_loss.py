@@ -95,7 +95,7 @@ def interleave(batch, m: int, dp: int):
         return batch
     if isinstance(batch, dict):
         return {k: interleave(v, m, dp) if _is_array(v) else v for k, v in batch.items()}
-    t = _checked(_tensor(batch), m, dp, "inputs")
+    t = _checked(_tensor(batch), m, dp, "inputs", call="model(x)")
     n = int(t.shape[0])
     return paddle.index_select(t, paddle.to_tensor(order(n, m, dp)), axis=0)
 
