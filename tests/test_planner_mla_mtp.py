@@ -15,7 +15,8 @@ from autoparallel.planner.cluster import DEVICES
 from autoparallel.planner.cost_model import _time_per_layer, layer_forward_flops
 from autoparallel.planner.model_read import mla_fields
 from autoparallel.planner.model_spec import PRESETS, ModelSpec
-from autoparallel.planner.mtp import mtp_activation_bytes, mtp_params_on_device
+from autoparallel.planner.mtp import mtp_activation_bytes
+from autoparallel.planner.params import mtp_params_on_device
 from autoparallel.planner.options import PlannerOptions
 from autoparallel.planner.params import block_and_edge_params
 from autoparallel.planner.published import MOE_RUNS, run_cluster

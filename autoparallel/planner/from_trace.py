@@ -280,7 +280,7 @@ def dimensions(model, graph, spans) -> dict:
     layernorm = any(getattr(n, "bias", None) is not None for _, n in norms)
     c = getattr(model, "config", None)
     dropout = bool(getattr(c, "dropout", 0.0) or 0.0)
-    from autoparallel.planner.model_read import mla_fields
+    from autoparallel.planner.latent_attention import mla_fields
 
     mla = mla_fields(model, int(heads))                 # multi-head latent attention's ranks and head widths
     kv_heads = mla.pop("kv_heads", kv_heads)

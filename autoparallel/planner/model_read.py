@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 
+from autoparallel.planner.latent_attention import MLA_CONFIG, mla_fields  # noqa: F401  (mla_fields re-exported)
+
 CONFIG = {   # ModelSpec field -> config attribute names (PaddleFormers / Hugging Face first, then the project's)
     "hidden": ("hidden_size", "hidden"), "layers": ("num_hidden_layers", "layers", "n_layer"),
     "heads": ("num_attention_heads", "heads", "n_head"), "kv_heads": ("num_key_value_heads", "kv_heads"),
@@ -29,31 +31,6 @@ CONFIG = {   # ModelSpec field -> config attribute names (PaddleFormers / Huggin
     "top_k": ("num_experts_per_tok", "moe_k", "top_k"),
     "expert_ffn": ("moe_intermediate_size",),
 }
-
-
-MLA_CONFIG = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")   # DeepSeek-V2/V3
-
-
-def _positive(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def mla_fields(model, heads: int) -> dict:
-    """ModelSpec's multi-head latent attention fields from ``model.config`` (the DeepSeek-V2/V3 names of
-    ``MLA_CONFIG``) when it sets ``kv_lora_rank``, else {}; ``q_lora_rank`` None or 0 is a full-rank query."""
-    c = getattr(model, "config", None)
-    if not _positive(getattr(c, "kv_lora_rank", None)):
-        return {}
-    missing = [k for k in MLA_CONFIG[2:] if not _positive(getattr(c, k, None))]
-    if missing:
-        raise ValueError(f"model.config of {type(model).__name__} sets kv_lora_rank (multi-head latent attention) but "
-                         f"lacks positive {', '.join(missing)}; expected all of {', '.join(MLA_CONFIG[2:])}")
-    q_rank = getattr(c, "q_lora_rank", None)
-    if q_rank is not None and not (_positive(q_rank) or q_rank == 0):
-        raise ValueError(f"model.config.q_lora_rank must be a positive integer, 0 or None (a full-rank query), got "
-                         f"{q_rank!r}")
-    return {"kv_lora_rank": c.kv_lora_rank, "q_lora_rank": q_rank or 0, "qk_rope_head_dim": c.qk_rope_head_dim,
-            "qk_head_dim": c.qk_nope_head_dim + c.qk_rope_head_dim, "v_head_dim": c.v_head_dim, "kv_heads": heads}
 
 
 def config_value(model, key):

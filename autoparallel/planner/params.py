@@ -28,8 +28,6 @@ def block_and_edge_params(model, tp, pp, ep):
     """(dense Ψ of one block, routed-expert Ψ of one block, first stage's edge Ψ, last stage's edge Ψ) on one
     device: the embedding on the first stage, the head (and a tied head's copy when p > 1) on the last, with the
     multi-token-prediction modules (their routed experts counted with the edge, i.e. sharded over dp by ZeRO)."""
-    from autoparallel.planner.mtp import mtp_params_on_device
-
     layer_dense = layer_params_on_device(model, tp, 1) - model.layer_expert_params / tp
     layer_expert = model.layer_expert_params / (tp * ep)
     emb, head = edge_params(model, tp)
@@ -59,3 +57,14 @@ def stage_params(model, t, p, first_layers=None, last_layers=None, e=1):
     layer_dense, layer_expert, edge_first, edge_last = block_and_edge_params(model, t, p, e)
     layer_psi = layer_dense + layer_expert
     return first_layers * layer_psi + edge_first, last_layers * layer_psi + edge_last, layer_psi
+
+
+def mtp_params_on_device(model, t, e=1):
+    """Ψ of the modules on one device of the last stage: each block's (TP-split, routed experts over e·t), the
+    2h x h projection over t, three norms replicated. 0 without multi-token prediction."""
+    if not model.mtp_depth:
+        return 0.0
+    block = model.mtp_block()
+    norms = model.mtp_module_params - block.layer_params - block.layer_expert_params - model.mtp_projection_params
+    per_module = layer_params_on_device(block, t, e) + model.mtp_projection_params / np.asarray(t) + norms
+    return model.mtp_depth * per_module
