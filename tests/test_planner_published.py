@@ -206,8 +206,8 @@ def test_megascale_sweep_predictions(sweep):
     assert min(r["ratio"] for r in sweep) > 0.9 and max(r["ratio"] for r in sweep) < 1.1
 
 
-def test_megascale_sweep_drift_is_the_issues(sweep):
-    """The planner's MFU falls with scale more slowly than the sweep's (the issue's observation, not fixed):
+def test_megascale_sweep_drift_is_pinned(sweep):
+    """The planner's MFU falls with scale more slowly than the sweep's (observed, not fixed):
     +0.015 per doubling over 256-12,288 GPUs, +0.051 (batch 768) and +0.031 (batch 6144) per doubling within
     one batch size. Published MFU falls 16% from 256 to 1024 GPUs and 15% from 3072 to 12,288; predicted 7% and 11%."""
     by_batch = {b: [r for r, run in zip(sweep, P.MEGASCALE_SWEEP) if run.global_batch == b] for b in (768, 6144)}

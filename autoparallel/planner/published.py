@@ -194,10 +194,11 @@ _MEGASCALE_530B_NOTES = (
 
 def _megascale_530b(gpus: int, mfu: float) -> PublishedRun:
     """One Megatron-LM point of MegaScale's weak-scaling runs of a 530B model (Jiang et al. 2024, Figure 9)."""
+    notes = _MEGASCALE_530B_NOTES if gpus == 2240 else f"as the 2240-GPU row, DP {gpus // 280}, batch {gpus}"
     return PublishedRun(f"Megatron-LM 530B weak scaling ({gpus})", "megascale-530b", "A100-80GB", gpus, _MEGASCALE,
                         _cfg(gpus, 8, 35, vpp=3, sp=1, sharding=1, recompute="selective"), gpus, 2048,
                         "mfu", mfu, "Jiang et al. 2024 (MegaScale, arXiv:2402.15627) Figure 9, Megatron-LM labels; "
-                        "model and configuration Table 1 and §6.1", _MEGASCALE_530B_NOTES, software=_MEGATRON)
+                        "model and configuration Table 1 and §6.1", notes, software=_MEGATRON)
 
 
 # the Megatron-LM points of MegaScale's weak scaling (Figure 9's labels: 49.2 / 48.8 / 48.2% MFU; the batch grows
@@ -252,7 +253,7 @@ def validation_table(runs=RUNS, options: PlannerOptions = None) -> list:
     for run in runs:
         cand = predict(run, options)
         pred = metric_of(run, cand)
-        out.append({"name": run.name, "gpus": run.gpus, "device": run.device, "config": run.config.short(),
+        out.append({"name": run.name, "gpus": run.gpus, "global_batch": run.global_batch, "device": run.device, "config": run.config.short(),
                     "metric": run.metric, "published": run.published, "predicted": pred,
                     "ratio": pred / run.published, "feasible": cand.feasible,
                     "memory_gb": cand.memory_per_device_gb, "step_time_s": cand.step_time_s, "source": run.source})

@@ -16,10 +16,21 @@ def plot_validation(rows, moe_rows, path):
     import matplotlib.pyplot as plt
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 5))
+    series = {}                                   # a sweep of one model ("name (GPUs)") is a line with a legend entry
     for r in rows:
+        base = r["name"].rsplit(" (", 1)[0]
+        if base.startswith("Megatron-LM "):
+            series.setdefault(base, []).append(r)
+            continue
         ax.scatter(r["gpus"], r["ratio"], color="#4c72b0")
         ax.annotate(r["name"], (r["gpus"], r["ratio"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    for (base, pts), color in zip(series.items(), ("#55a868", "#8172b2", "#ccb974")):
+        batches = sorted({p["global_batch"] for p in pts})         # strong scaling: one line per batch size
+        parts = [[p for p in pts if p["global_batch"] == b] for b in batches] if len(batches) < len(pts) else [pts]
+        for i, part in enumerate(parts):
+            ax.plot([p["gpus"] for p in part], [p["ratio"] for p in part], "o-", color=color, ms=5,
+                    label=base if i == 0 else None)
     for r in moe_rows:
         ax.scatter(r["gpus"], r["ratio"], color="#c44e52", marker="^")
         ax.annotate(r["name"] + " (MoE)", (r["gpus"], r["ratio"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
@@ -30,6 +41,8 @@ def plot_validation(rows, moe_rows, path):
     ax.set_xlabel("GPUs")
     ax.set_ylabel("predicted / published")
     ax.set_title("Planner vs published training runs (fixed mode, nothing fitted on them)")
+    if series:
+        ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
