@@ -164,6 +164,18 @@ def routed_all_to_all(cluster, model, nbytes, ep, tp, calls, cache=None):
     return stream.with_network(np.where(ep > g, np.minimum(1.0, limited / flat), 1.0))
 
 
+def stored_recompute_seconds(model, o, dev, s, b, tp, sp):
+    """Seconds one block spends in backward rebuilding what the run's storage choices do not keep
+    (memory.rebuilt_bytes): MLA's up-projections again, 2·b·s·(r_q·a·d_qk + r_kv·a·(d_qk - d_rope + d_v))/t FLOPs
+    at the linear layers' peak (``recompute_norm_up_projection``, arXiv:2412.19437 §3.2.3), and the rebuilt
+    tensors' element-wise traffic (the norms, the MoE SwiGLU output) at memory bandwidth, as the forward's."""
+    store = mem.storage_of(o)
+    up = model.up_projection_params if (store.norm_up_recompute and model.is_mla) else 0.0
+    traffic = o.activation_traffic_factor * mem.rebuilt_bytes(model, s, b, tp, sp, store)
+    return roofline_seconds(2.0 * b * s * up / tp, traffic, dev.flops(o.compute_dtype), o.gemm_efficiency,
+                            dev.memory_bandwidth_Bps)
+
+
 def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
     """(forward, recompute, output-head forward) seconds on one TP rank for one micro-batch; routed experts run
     at the busiest rank's pace (``moe_imbalance``); the attention core, router and output head at the core dtype's
@@ -180,7 +192,8 @@ def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
     core = attention_core_flops(model, s, b, tp) + b * s * model.router_flops_per_token() / tp
     t_fwd = two_rate_seconds(flops, core, k * act_full, peak, core_peak, eta, W)
     t_core = roofline_seconds(attention_core_flops(model, s, b, tp), k * act_scores, core_peak, eta, W)
-    t_rc = np.where(rc == FULL, t_fwd, np.where(rc == SELECTIVE, t_core, 0.0))
+    t_rc = np.where(rc == FULL, t_fwd, np.where(rc == SELECTIVE, t_core, 0.0) + stored_recompute_seconds(
+        model, o, dev, s, b, tp, sp))
     t_logits = roofline_seconds(logits_forward_flops(model, s, b, tp), k * mem.logits_bytes(model, s, b, tp),
                                 core_peak, eta, W)
     return t_fwd, t_rc, t_logits

@@ -59,6 +59,15 @@ class LatentAttentionShapes:
         return q_split + r_kv * a * (dqk - rope + dv) + out, q_down + h * (r_kv + rope)
 
     @property
+    def up_projection_params(self) -> int:
+        """MLA's up-projections: q_b r_q·a·d_qk (0 for a full-rank query) + kv_b r_kv·a·(d_qk - d_rope + d_v)."""
+        if not self.is_mla:
+            return 0
+        a, dqk = self.heads, self.qk_dim
+        q_up = self.q_lora_rank * a * dqk
+        return q_up + self.kv_lora_rank * a * (dqk - self.qk_rope_head_dim + self.v_dim)
+
+    @property
     def latent_norm_params(self) -> int:
         """MLA's norms of the query and key/value latents (weight only): r_q + r_kv."""
         return self.q_lora_rank + self.kv_lora_rank if self.is_mla else 0

@@ -7,6 +7,8 @@ d data-parallel (sharding) degree, Ψ parameters held by one device before ZeRO.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 # recompute codes (index into config.RECOMPUTE)
@@ -66,46 +68,117 @@ def zero3_gather_buffer_bytes(layer_psi, zero, param_bytes):
     return np.where(zero >= 3, 2.0 * param_bytes * layer_psi, 0.0)
 
 
-def activation_coefficients(model):
-    """(sharded, unsharded, score) coefficients of Korthikanti's per-block activation bytes, 16-bit.
+class Storage(NamedTuple):
+    """How a run caches a block's activations for backward (the defaults: 16-bit, everything stored, as
+    Korthikanti et al. count); DeepSeek-AI 2024 (arXiv:2412.19437) §3.2.3 and §3.3.3 state the other choices."""
+    linear_bytes: float = 2.0              # bytes per cached input element of a Linear layer (§3.3.3 FP8: 1)
+    attention_output_bytes: float = 2.0    # bytes per element of the input of the Linear after attention (E5M6: 1.5)
+    moe_swiglu_recompute: bool = False     # MoE SwiGLU: inputs cached at linear_bytes, output recomputed (§3.3.3 (2))
+    norm_up_recompute: bool = False        # RMSNorm and MLA up-projection outputs recomputed, not stored (§3.2.3)
+
+
+DEFAULT_STORAGE = Storage()
+
+
+def storage_of(options) -> Storage:
+    """The Storage a PlannerOptions states (its linear_input_bytes, attention_output_bytes, moe_swiglu_recompute,
+    recompute_norm_up_projection; 0 bytes: the 16-bit default)."""
+    linear = options.linear_input_bytes or 2.0
+    return Storage(linear, options.attention_output_bytes or linear, bool(options.moe_swiglu_recompute),
+                   bool(options.recompute_norm_up_projection))
+
+
+def activation_coefficients(model, store: Storage = DEFAULT_STORAGE):
+    """(sharded, unsharded, score) coefficients of Korthikanti's per-block activation bytes, 16-bit by default.
 
     sharded (split by TP): Q 2 + K,V 4·kv_dim/h + attention output 2 + MLP (GELU: 4f/h, SwiGLU: 6f/h) -> 24 for GPT;
     unsharded (split only by SP): QKV input 2 + fc1 input 2 + two norm inputs 4 + two dropout masks 2 -> 10 for GPT;
     score bytes per a·s²·b element: softmax 2 + dropout mask 1 + dropout output 2 = 5 (2 without dropout).
     MoE blocks: the MLP term uses the width a token visits ((top_k + shared)·expert_ffn) and each of the top_k
     token copies dispatched to an expert keeps its input (2·top_k, unsharded).
+    ``store`` (arXiv:2412.19437): every Linear's cached input (QKV and fc1 inputs, MLA's up-projection inputs, the
+    MLP's last matmul's input, the dispatched token copies) at ``linear_bytes``, the attention output at
+    ``attention_output_bytes``; a norm's output (the next Linear's input) and MLA's Q, K, V (the up-projections'
+    outputs) not stored under ``norm_up_recompute``; the MoE MLP keeps only its SwiGLU inputs at ``linear_bytes``
+    under ``moe_swiglu_recompute``. Norm inputs, the attention core's inputs and the activation function's inputs
+    stay 16-bit.
     """
-    h = model.hidden
-    mlp = (6.0 if model.swiglu else 4.0) * model.active_ffn / h
-    attention, latents = attention_activation_coefficients(model)
-    sharded = attention + mlp
-    unsharded = 8.0 + latents + (2.0 if model.dropout else 0.0) + 2.0 * model.moe_tokens_fraction()
+    h, lin = model.hidden, store.linear_bytes
+    normed = 0.0 if store.norm_up_recompute else lin               # a norm's output is the next Linear's input
+    attention, latents = attention_activation_coefficients(model, store)
+    sharded = attention + mlp_activation_coefficient(model, store)
+    unsharded = 4.0 + 2.0 * normed + latents + (2.0 if model.dropout else 0.0) + lin * model.moe_tokens_fraction()
     score = 5.0 if model.dropout else 2.0
     return sharded, unsharded, score
 
 
-def attention_activation_coefficients(model):
+def mlp_activation_coefficient(model, store: Storage = DEFAULT_STORAGE):
+    """Bytes per s·b·h the MLP keeps: the activation function's inputs (SwiGLU: gate and up, 2 per width element;
+    GELU: 1) at 2 bytes and its output (the last matmul's input) at ``linear_bytes``: 6f/h (SwiGLU), 4f/h (GELU)
+    at 16-bit. The MoE blocks' width ((top_k + shared)·expert_ffn) under ``moe_swiglu_recompute``: only the
+    SwiGLU inputs, at ``linear_bytes`` (arXiv:2412.19437 §3.3.3 (2))."""
+    act_in = 2.0 if model.swiglu else 1.0
+    stored = (2.0 * act_in + store.linear_bytes)
+    if not model.is_moe:
+        return stored * model.ffn / model.hidden
+    f = model.moe_fraction
+    moe = act_in * store.linear_bytes if store.moe_swiglu_recompute else stored
+    return (stored * (1 - f) * model.ffn + moe * f * (model.top_k + model.shared_experts) * model.expert_ffn) / model.hidden
+
+
+def attention_activation_coefficients(model, store: Storage = DEFAULT_STORAGE):
     """(sharded, unsharded) bytes per s·b·h the attention keeps besides its input (counted with the norms).
 
     Multi-head/grouped-query attention: Q 2 + K,V 4·kv_dim/h + attention output 2, nothing unsharded. MLA
     (arXiv:2412.19437 §2.1.1): Q and K of a·d_qk and V and the attention output of a·d_v per token, 2 bytes each,
     split by TP with the heads: 4·a·(d_qk + d_v)/h; the query and key/value latents, each kept twice (its norm's
-    input and the up-projection's input), 4·(r_q + r_kv)/h, computed on every TP rank (split only by SP)."""
-    h = model.hidden
+    input and the up-projection's input), 4·(r_q + r_kv)/h, computed on every TP rank (split only by SP).
+    ``store``: the attention output at ``attention_output_bytes``, the up-projections' inputs at ``linear_bytes``;
+    under ``norm_up_recompute`` MLA's Q, K, V and the latents' normed copies are not stored (§3.2.3)."""
+    h, out = model.hidden, store.attention_output_bytes
     if not model.is_mla:
-        return 2.0 + 4.0 * model.kv_dim / h + 2.0, 0.0
-    return 4.0 * model.heads * (model.qk_dim + model.v_dim) / h, 4.0 * model.latent_norm_params / h
+        return 2.0 + 4.0 * model.kv_dim / h + out, 0.0
+    a, r = model.heads, model.latent_norm_params
+    qkv = 0.0 if store.norm_up_recompute else 2.0 * a * (2 * model.qk_dim + model.v_dim) / h
+    normed = 0.0 if store.norm_up_recompute else store.linear_bytes
+    return qkv + out * a * model.v_dim / h, (2.0 + normed) * r / h
 
 
-def layer_activation_bytes(model, s, b, t, sp, recompute, scale=1.0, flash_attention=False):
+def rebuilt_coefficients(model, store: Storage = DEFAULT_STORAGE):
+    """(sharded, unsharded) bytes per s·b·h one block rebuilds in backward at 16-bit under ``store``'s
+    recomputation: the two normed hidden states 4 and MLA's normed latents 2·(r_q + r_kv)/h (unsharded) and
+    Q, K, V 2·a·(2·d_qk + d_v)/h (``norm_up_recompute``); the MoE SwiGLU output 2·(top_k + shared)·expert_ffn/h
+    per MoE block (``moe_swiglu_recompute``)."""
+    h, sharded, unsharded = model.hidden, 0.0, 0.0
+    if store.norm_up_recompute:
+        unsharded += 4.0
+        if model.is_mla:
+            unsharded += 2.0 * model.latent_norm_params / h
+            sharded += 2.0 * model.heads * (2 * model.qk_dim + model.v_dim) / h
+    if store.moe_swiglu_recompute and model.is_moe:
+        sharded += 2.0 * model.moe_fraction * (model.top_k + model.shared_experts) * model.expert_ffn / h
+    return sharded, unsharded
+
+
+def rebuilt_bytes(model, s, b, t, sp, store: Storage = DEFAULT_STORAGE):
+    """Bytes one block rebuilds in backward under ``store`` (``rebuilt_coefficients``) per micro-batch: the
+    recompute working set they add, and the element-wise traffic their recomputation moves."""
+    sharded, unsharded = rebuilt_coefficients(model, store)
+    t_sp = np.where(sp > 0, t, 1)
+    return s * b * model.hidden * (unsharded / t_sp + sharded / t)
+
+
+def layer_activation_bytes(model, s, b, t, sp, recompute, scale=1.0, flash_attention=False,
+                           store: Storage = DEFAULT_STORAGE):
     """Activation bytes one block keeps for backward, per micro-batch (Korthikanti et al., Table 2).
 
     none:      s·b·h·(U/t_sp + S/t) + c·a·s²·b/t          GPT, t=1: s·b·h·(34 + 5·a·s/h)
     selective: s·b·h·(U/t_sp + S/t)                      GPT with SP: 34·s·b·h/t
     full:      2·s·b·h/t_sp                              (the block input only)
-    with t_sp = t when sequence parallelism is on, else 1; ``scale`` = 2 for fp32 activations.
+    with t_sp = t when sequence parallelism is on, else 1; ``scale`` = 2 for fp32 activations; ``store``: how
+    the block caches them (``activation_coefficients``).
     """
-    sharded, unsharded, score = activation_coefficients(model)
+    sharded, unsharded, score = activation_coefficients(model, store)
     h, a = model.hidden, model.heads
     t_sp = np.where(sp > 0, t, 1)
     sbh = s * b * h
@@ -116,13 +189,17 @@ def layer_activation_bytes(model, s, b, t, sp, recompute, scale=1.0, flash_atten
     return scale * per_layer
 
 
-def recompute_working_bytes(model, s, b, t, sp, recompute, scale=1.0, flash_attention=False):
+def recompute_working_bytes(model, s, b, t, sp, recompute, scale=1.0, flash_attention=False,
+                            store: Storage = DEFAULT_STORAGE):
     """Activations rebuilt while one block runs its backward: a whole block's under full recompute,
-    its attention scores under selective recompute, nothing otherwise."""
-    full_block = layer_activation_bytes(model, s, b, t, sp, np.zeros_like(recompute), scale, flash_attention)
-    block_no_scores = layer_activation_bytes(model, s, b, t, sp, np.ones_like(recompute), scale, flash_attention)
+    its attention scores under selective recompute, nothing otherwise; plus, unless the whole block is rebuilt,
+    what ``store`` recomputes (``rebuilt_bytes``)."""
+    full_block = layer_activation_bytes(model, s, b, t, sp, np.zeros_like(recompute), scale, flash_attention, store)
+    block_no_scores = layer_activation_bytes(model, s, b, t, sp, np.ones_like(recompute), scale, flash_attention,
+                                             store)
+    stored = rebuilt_bytes(model, s, b, t, sp, store)
     return np.where(recompute == FULL, full_block,
-                    np.where(recompute == SELECTIVE, full_block - block_no_scores, 0.0))
+                    np.where(recompute == SELECTIVE, full_block - block_no_scores, 0.0) + scale * stored)
 
 
 def in_flight_micro_batches(p, v, m):

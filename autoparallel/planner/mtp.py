@@ -11,12 +11,14 @@ from __future__ import annotations
 from autoparallel.planner import memory as mem
 
 
-def mtp_activation_bytes(model, s, b, t, sp, recompute, scale=1.0, flash_attention=False):
+def mtp_activation_bytes(model, s, b, t, sp, recompute, scale=1.0, flash_attention=False,
+                         store: mem.Storage = mem.DEFAULT_STORAGE):
     """Activations the modules keep on the last stage per micro-batch: each its block's (planner/memory.py), its
     fp32 logits (4·s·b·V/t) and the two normed inputs and their concatenation, 2·(2h) + 2·(2h) bytes per token
-    (the norms' inputs and the projection's input), replicated under TP."""
+    (the norms' inputs and the projection's input), replicated under TP; ``store``: how the block caches its
+    activations (planner/memory.py)."""
     if not model.mtp_depth:
         return 0.0
-    block = mem.layer_activation_bytes(model.mtp_block(), s, b, t, sp, recompute, scale, flash_attention)
+    block = mem.layer_activation_bytes(model.mtp_block(), s, b, t, sp, recompute, scale, flash_attention, store)
     inputs = scale * 8.0 * s * b * model.hidden
     return model.mtp_depth * (block + mem.logits_bytes(model, s, b, t) + inputs)

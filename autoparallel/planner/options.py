@@ -31,6 +31,24 @@ class PlannerOptions:
     flash_attention: bool = False                 # attention scores never materialised (no a·s² activations)
     grad_accum_fp32: bool = True                  # 16-bit runs accumulate and reduce gradients in an fp32 buffer (4 B/param:
                                                   # Megatron's main_grad, DeepSpeed's bf16 optimizer, this runtime's AMP)
+    # -- activation and optimizer-state storage (DeepSeek-AI 2024, arXiv:2412.19437; the defaults: 16-bit
+    #    activations, everything stored, fp32 Adam moments). Need a 16-bit precision (bf16 or fp8).
+    linear_input_bytes: float = 0.0               # bytes per element of the inputs the Linear layers cache for backward
+                                                  # (§3.3.3 "cache activations in FP8 format for the backward pass of the
+                                                  # Linear operator": 1); 0: the activation dtype's (2)
+    attention_output_bytes: float = 0.0           # bytes per element of the input of the Linear after attention (§3.3.3
+                                                  # "a customized E5M6 data format": 12 bits, 1.5); 0: linear_input_bytes
+    moe_swiglu_recompute: bool = False            # MoE blocks cache the SwiGLU inputs (at linear_input_bytes) and
+                                                  # recompute its output in backward (§3.3.3 (2)); its time is priced
+    recompute_norm_up_projection: bool = False    # RMSNorm and MLA up-projection outputs recomputed in backward, not
+                                                  # stored (§3.2.3); the up-projections' GEMMs and the norms' traffic
+                                                  # are priced as recompute time
+    optimizer_moment_bytes: float = 4.0           # bytes of each AdamW moment (§3.3.3 "the BF16 data format instead of
+                                                  # FP32 to track the first and second moments": 2); master weights
+                                                  # and gradients stay fp32
+    dualpipe_memory: bool = False                 # DualPipe's memory (arXiv:2412.19437 §3.2.1, Table 2): two copies of
+                                                  # a stage's weights and gradients per device and (PP+1)/PP of 1F1B's
+                                                  # micro-batches in flight; the schedule's time stays priced as 1F1B
     # -- memory
     memory_reserve_fraction: float = 0.10         # device memory kept free: runtime context, comm buffers, fragmentation
     host_memory_reserve_fraction: float = 0.25    # host RAM kept for the OS, data loaders and pinned staging buffers
@@ -77,9 +95,25 @@ class PlannerOptions:
             raise ValueError(f"host_memory_reserve_fraction must be in [0, 1), got {self.host_memory_reserve_fraction}")
         if not self.grad_bucket_bytes > 0:
             raise ValueError(f"grad_bucket_bytes must be > 0, got {self.grad_bucket_bytes}")
+        self._check_storage()
         if not self.moe_imbalance >= 1:
             raise ValueError(f"moe_imbalance is the busiest expert rank's load over the mean and must be >= 1, got "
                              f"{self.moe_imbalance}")
+
+    def _check_storage(self):
+        for name in ("linear_input_bytes", "attention_output_bytes"):
+            value = getattr(self, name)
+            if not 0 <= value <= 2:
+                raise ValueError(f"{name} is bytes per cached element (0: the 16-bit default) and must be in [0, 2], "
+                                 f"got {value}")
+        if not 0 < self.optimizer_moment_bytes <= 4:
+            raise ValueError(f"optimizer_moment_bytes must be in (0, 4], got {self.optimizer_moment_bytes}")
+        stored_differently = (self.linear_input_bytes or self.attention_output_bytes or self.moe_swiglu_recompute
+                              or self.recompute_norm_up_projection)
+        if stored_differently and self.activation_scale != 1.0:
+            raise ValueError(f"linear_input_bytes, attention_output_bytes, moe_swiglu_recompute and "
+                             f"recompute_norm_up_projection describe 16-bit training and need precision bf16 or fp8, "
+                             f"got {self.precision!r}")
 
     @property
     def param_bytes(self) -> int:
@@ -97,8 +131,10 @@ class PlannerOptions:
         return self.precision in PLANNER_ONLY_PRECISIONS
 
     @property
-    def optimizer_bytes(self) -> int:
-        return PRECISIONS[self.precision][2]
+    def optimizer_bytes(self) -> float:
+        """Optimizer-state bytes per parameter: the precision's (fp32 master and moments) with each of Adam's two
+        moments at ``optimizer_moment_bytes`` instead of 4 (bf16/fp8: 4 + 2 + 2 = 8 with BF16 moments)."""
+        return PRECISIONS[self.precision][2] - 2.0 * (4.0 - self.optimizer_moment_bytes)
 
     @property
     def compute_dtype(self) -> str:

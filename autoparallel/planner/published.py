@@ -206,6 +206,16 @@ def _megascale_530b(gpus: int, mfu: float) -> PublishedRun:
 MEGASCALE_530B = tuple(_megascale_530b(g, m) for g, m in ((2240, 0.492), (4480, 0.488), (11200, 0.482)))
 RUNS = RUNS + MEGASCALE_530B
 
+# DeepSeek-V3's software facts (arXiv:2412.19437): FlashAttention-style attention; the expert all-to-all hidden by
+# DualPipe (§3.2.1) and DualPipe's memory (Table 2: 2x parameters, PP+1 activations); "Recomputation of RMSNorm and
+# MLA Up-Projection" (§3.2.3); "cache activations in FP8 format for the backward pass of the Linear operator", the
+# Linear-after-attention inputs in "a customized E5M6 data format" (12 bits), the MoE SwiGLU's inputs cached and its
+# output recomputed, "the BF16 data format instead of FP32 to track the first and second moments in the AdamW
+# optimizer" (§3.3.3); its EMA lives in CPU memory (§3.2.3: nothing on the device, and the planner counts none)
+_DEEPSEEK_V3 = (("flash_attention", True), ("moe_a2a_overlap", True), ("dualpipe_memory", True),
+                ("recompute_norm_up_projection", True), ("linear_input_bytes", 1.0), ("attention_output_bytes", 1.5),
+                ("moe_swiglu_recompute", True), ("optimizer_moment_bytes", 2.0))
+
 MOE_RUNS = (
     PublishedRun("DeepSeek-V3", "deepseek-v3", "H800", 2048, _NDR,
                  _cfg(2048, 1, 16, sharding=1, ep=64, split="ends"), 15360, 4096,
@@ -215,8 +225,7 @@ MOE_RUNS = (
                  "its ranks and head widths (§2.1.1, config.json); MTP depth 1 (§2.2); PP 16 (DualPipe priced as 1F1B "
                  "with the all-to-all overlapped, 2 blocks on each end stage assumed), EP 64, node-limited routing (4 "
                  "nodes), ZeRO-1",
-                 precision="fp8", dense_only=False,
-                 software=(("flash_attention", True), ("moe_a2a_overlap", True))),
+                 precision="fp8", dense_only=False, software=_DEEPSEEK_V3),
 )
 
 

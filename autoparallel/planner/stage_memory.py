@@ -17,24 +17,41 @@ from autoparallel.planner.params import block_and_edge_params, largest_stage_par
 from autoparallel.planner.stages import stage_layout
 
 
+def dualpipe_copies(options, pp):
+    """Copies of a stage's weights and gradients one device holds: 2 under DualPipe with a pipeline (DeepSeek-AI
+    2024, arXiv:2412.19437 §3.2.1: "DualPipe requires keeping two copies of the model parameters", Table 2
+    "Parameter 2x"; deepseek-ai/DualPipe examples/example_dualpipe.py: rank r holds stages r and PP-1-r, each
+    with its own .grad, summed after the step), else 1. Optimizer states: one (not stated otherwise)."""
+    return np.where(bool(options.dualpipe_memory) & (np.asarray(pp) > 1), 2.0, 1.0)
+
+
+def dualpipe_in_flight(inflight, pp, dualpipe):
+    """Micro-batches in flight under DualPipe: 1F1B's times (PP+1)/PP (arXiv:2412.19437 §3.2.1: DualPipe
+    increases "the peak activation memory by 1/PP times", Table 2 "Activation PP+1" against 1F1B's "PP")."""
+    return np.where(bool(dualpipe) & (pp > 1), inflight * (pp + 1.0) / np.maximum(pp, 1), inflight)
+
+
 def stage_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last, scale=1.0,
-               head_extra=0.0):
+               head_extra=0.0, dualpipe=False):
     """(blocks, edge Ψ, micro-batches in flight, extra activation bytes) of the first, last and middle stage.
 
     Extra (Korthikanti et al. §4.3): the embedding dropout's mask for every micro-batch in flight on the first
     stage; the final norm's and output projection's inputs and the fp32 logits on the stage holding the head, with
-    ``head_extra`` besides them (multi-token prediction, planner/mtp.py)."""
+    ``head_extra`` besides them (multi-token prediction, planner/mtp.py). ``dualpipe``: DualPipe's in-flight
+    micro-batches (``dualpipe_in_flight``)."""
     head = mem.logits_bytes(model, s, b, tp) + mem.head_input_bytes(model, s, b, tp, sp, scale) + head_extra
-    inflight_first = mem.in_flight_micro_batches(pp, v, m)
+    inflight_first = dualpipe_in_flight(mem.in_flight_micro_batches(pp, v, m), pp, dualpipe)
+    inflight_mid = dualpipe_in_flight(mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), pp, dualpipe)
     first_extra = mem.embedding_dropout_bytes(model, s, b, tp, sp) * inflight_first + np.where(pp == 1, head, 0.0)
     return ((n_first, edge_first, inflight_first, first_extra),
-            (n_last, edge_last, 1.0, head),
-            (n_mid, 0.0, mem.in_flight_micro_batches(np.maximum(pp - 1, 1), v, m), 0.0))
+            (n_last, edge_last, dualpipe_in_flight(1.0, pp, dualpipe), head),
+            (n_mid, 0.0, inflight_mid, 0.0))
 
 
-def state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors, trainable=1.0):
+def state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors, trainable=1.0, copies=1.0):
     """Weights, gradient buffers and optimizer states on one device holding ``dense`` and ``expert`` Ψ (dict);
-    gradients and optimizer states only for the ``trainable`` share of them (frozen parameters have none)."""
+    gradients and optimizer states only for the ``trainable`` share of them (frozen parameters have none);
+    weights and gradients ``copies`` times (DualPipe, ``dualpipe_copies``)."""
     per_mb = bool(o.zero_grad_per_micro_batch)
     params = mem.weight_bytes(dense, zero, dp, o.param_bytes) + mem.weight_bytes(expert, zero, d_e, o.param_bytes)
     dense, expert = dense * trainable, expert * trainable      # per-tensor states (beta powers): every tensor
@@ -45,15 +62,16 @@ def state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors, trainable=1.0)
     if o.zero_master_copy:
         grads = grads + mem.master_grad_bytes(dense, zero, dp)
         opt = opt + mem.master_copy_bytes(dense, zero, dp, off)
-    return {"params": params, "grads": grads,
+    return {"params": copies * params, "grads": copies * grads,
             "optimizer": opt + mem.per_tensor_state_bytes(tensors, off, o.optimizer_tensor_bytes)}
 
 
 def activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra):
     """Activations of a stage of ``layers`` blocks with ``inflight`` micro-batches stored, the recompute working
     set and the stage's ``extra`` (logits); an empty stage holds none."""
-    act = mem.layer_activation_bytes(model, s, b, tp, sp, rc, o.activation_scale, o.flash_attention)
-    work = mem.recompute_working_bytes(model, s, b, tp, sp, rc, o.activation_scale, o.flash_attention)
+    store = mem.storage_of(o)
+    act = mem.layer_activation_bytes(model, s, b, tp, sp, rc, o.activation_scale, o.flash_attention, store)
+    work = mem.recompute_working_bytes(model, s, b, tp, sp, rc, o.activation_scale, o.flash_attention, store)
     return np.where(layers > 0, layers * act * inflight + work + extra, 0.0)
 
 
@@ -65,11 +83,13 @@ def stage_memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense,
     z3buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, zero, o.param_bytes)
     tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
     stages = []
-    head_extra = mtp_activation_bytes(model, s, b, tp, sp, rc, o.activation_scale, o.flash_attention)
+    head_extra = mtp_activation_bytes(model, s, b, tp, sp, rc, o.activation_scale, o.flash_attention,
+                                      mem.storage_of(o))
     for layers, edge, inflight, extra in stage_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first,
-                                                    edge_last, o.activation_scale, head_extra):
+                                                    edge_last, o.activation_scale, head_extra,
+                                                    o.dualpipe_memory):
         st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, zero, dp, d_e, m, off, tensors,
-                         model.trainable_fraction)
+                         model.trainable_fraction, dualpipe_copies(o, pp))
         st["activations"] = activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra)
         st["zero3_buffer"] = z3buf
         stages.append(st)
@@ -104,13 +124,13 @@ def memory_floors(model, cluster, global_batch, seq_len, grid, options, sp_rc, z
     tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
     held, acts = [], []                             # per stage: (len(zero_off), n) and (len(sp_rc), n)
     by_sp = {sp: stage_rows(model, s, b, tp, np.full(n, sp), pp, v, m, n_first, n_last, n_mid, edge_first, edge_last,
-                            o.activation_scale) for sp in {sp for sp, _ in sp_rc}}
+                            o.activation_scale, dualpipe=o.dualpipe_memory) for sp in {sp for sp, _ in sp_rc}}
     for i, (layers, edge, inflight, _) in enumerate(next(iter(by_sp.values()))):
         rows = []
         for zero, off in zero_off:
             z, f = np.full(n, zero), np.full(n, off)
             st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, z, dp, d_e, m, f, tensors,
-                             model.trainable_fraction)
+                             model.trainable_fraction, dualpipe_copies(o, pp))
             rows.append(sum(st.values()) + mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, z,
                                                                          o.param_bytes))
         held.append(np.stack(rows))
