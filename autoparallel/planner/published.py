@@ -224,7 +224,9 @@ MOE_RUNS = (
                  "FP8 for the linear layers' GEMMs, attention core, router and output head in BF16 (§3.3.1); MLA from "
                  "its ranks and head widths (§2.1.1, config.json); MTP depth 1 (§2.2); PP 16 (DualPipe priced as 1F1B "
                  "with the all-to-all overlapped, 2 blocks on each end stage assumed), EP 64, node-limited routing (4 "
-                 "nodes), ZeRO-1",
+                 "nodes), ZeRO-1; memory as stated: DualPipe's 2 weight and gradient copies and PP+1 activations "
+                 "(§3.2.1), RMSNorm and MLA up-projections recomputed (§3.2.3), Linear inputs cached in FP8 (E5M6 "
+                 "after attention), MoE SwiGLU output recomputed, BF16 Adam moments (§3.3.3)",
                  precision="fp8", dense_only=False, software=_DEEPSEEK_V3),
 )
 

@@ -105,13 +105,39 @@ core, the router and the output head at the bf16 rate (was every matmul at the f
 item: 1.542 (before) -> 1.416 (MLA) -> 1.484 (MTP) -> 1.409 (each stage's overlapped communication against its own
 compute, which MTP exposed: the last stage had most compute while the 5-block middle stage exposed 1.7 s of
 all-to-all; the dense runs did not move) -> 1.053 (fp8 per GEMM class). Nothing was fitted; what is left unmodelled
-is large on this run: DualPipe (priced as 1F1B with the all-to-all overlapped; DualPipe also puts the embedding, the
+is large on this run: DualPipe's time (priced as 1F1B with the all-to-all overlapped; its memory is priced, below;
+DualPipe also puts the embedding, the
 output head and the MTP module on one rank, §3.2.3), the pipeline split (assumed 2 blocks at each end: the last
 stage, 2 blocks plus two bf16 output-head passes and the MTP block, now sets the pace; with the balanced split the
 ratio would be 1.22, without MTP 1.28), fp8's fine-grained scaling and FP32 promotion of partial sums (§3.3.2; fp8
-GEMMs run at the bf16 runs' efficiency here), the recomputation of RMSNorm and MLA up-projections (§3.2.3), dense and
-MoE blocks averaged per stage, and causal attention priced over all s keys (as for every run). With the all-to-all
-exposed instead of overlapped the ratio would be 0.75.
+GEMMs run at the bf16 runs' efficiency here), dense and MoE blocks averaged per stage, and causal attention priced
+over all s keys (as for every run). With the all-to-all exposed instead of overlapped the ratio would be 0.75.
+
+DeepSeek-V3's memory is priced with what the paper states (arXiv:2412.19437 §3.2.1 Table 2, §3.2.3, §3.3.3;
+`PlannerOptions` fields set in the run's `software`, off for every other run; "Memory" below). Per GPU on the stage
+that needs most (a middle one: 5 blocks, 1F1B's 15 micro-batches in flight), item by item: 163.6 GB before (137.9 GB
+of activations) -> 161.9 ("the BF16 data format instead of FP32 to track the first and second moments in the AdamW
+optimizer": optimizer states 12 -> 8 B/param, over ZeRO-1's 128) -> 131.9 ("cache activations in FP8 format for the
+backward pass of the Linear operator", the inputs of the Linear after attention in "a customized E5M6 data format")
+-> 115.9 ("we cache the inputs of the SwiGLU operator and recompute its output in the backward pass", MoE blocks)
+-> 71.3, fits ("We recompute all RMSNorm operations and MLA up-projections during back-propagation": MLA's Q, K, V
+and the normed copies not stored) -> 86.7 GB, **does not fit** (DualPipe, "two copies of the model parameters" and
+Table 2's activation PP+1 against 1F1B's PP: 8.4 GB of weights, 16.7 GB of fp32 gradients, 50.2 GB of activations
+with 17/16 of the micro-batches in flight). "Exponential Moving Average in CPU" changes nothing: the EMA is in host
+memory and the planner never counted it. "Shared Embedding and Output Head for Multi-Token Prediction" changes
+nothing either: the planner already counts one embedding and one head (the MTP module adds no copy). The ratio
+moved 1.053 -> 1.034, by the recomputation's time alone (1.053 -> 1.051 for the MoE SwiGLU output's traffic ->
+1.034 for the up-projections' GEMMs, 2·(r_q·a·d_qk + r_kv·a·(d_qk − d_rope + d_v)) FLOPs per token and block at the
+fp8 rate, and the rebuilt norms' traffic); the BF16 moments' smaller optimizer traffic moved it by +0.00005; no other
+run moved. What is left, and why the run still does not fit by the model (78.7 GB of states and activations against
+the 72 GB left by the planner's 10% reserve, an allowance, not a sourced figure): the gradients' second copy follows
+the DualPipe repository's example (deepseek-ai/DualPipe examples/example_dualpipe.py: each of a rank's two stages
+keeps its own .grad, summed after the step) where the paper names only the parameters (with one gradient copy the
+run would fit: 78.4 GB with the reserve); DualPipe's layout is not modelled (rank r holds stages r and PP−1−r, so
+the 5-block stage pairs with a 4-block one rather than with itself, and the ends, with the embedding, the head and
+the MTP module, share a rank): each stage's own weights are doubled; the fp8 tiles' scaling factors (one per 128
+elements, dtype not stated) are not counted; the final norm's output before the head (2·s·b·h on the last stage) is
+still counted as stored.
 
 ![predicted / published vs GPU count]({rel_png})
 
@@ -455,11 +481,25 @@ output projection's inputs 4·s·b·h/t and the fp32 logits 4·s·b·V/t; the ma
 where sequence parallelism is off), plus one block's rebuilt activations while it runs backward under recompute;
 the ZeRO-3 gather buffer; a
 reserve of {100 * opts.memory_reserve_fraction:.0f}% of device memory as headroom for the CUDA context, NCCL buffers
-and allocator fragmentation — an allowance, not a sourced figure (no verdict of the validation runs depends on it,
-"Fifth pass"). Host RAM per node is a constraint when offloading: the node's devices'
+and allocator fragmentation — an allowance, not a sourced figure (no dense run's verdict depends on it, "Fifth
+pass"; DeepSeek-V3's does: 78.7 GB before it, "Validation"). Host RAM per node is a constraint when offloading: the node's devices'
 optimizer states and pinned fp32 gradient chunks (16 B per offloaded parameter) must fit in
 {100 * (1 - opts.host_memory_reserve_fraction):.0f}% of the node's RAM (the rest for the OS, data loaders and
 staging buffers).
+
+Per-run storage choices (DeepSeek-AI 2024, arXiv:2412.19437; `PlannerOptions`, off by default; 16-bit runs only, a
+ValueError otherwise): `linear_input_bytes` (§3.3.3 "cache activations in FP8 format for the backward pass of the
+Linear operator": 1 B per element for every Linear's cached input: the QKV and MLP inputs, MLA's up-projection
+inputs, the MLP's last matmul's input, the dispatched token copies), `attention_output_bytes` (the inputs of the
+Linear after attention, "a customized E5M6 data format": 12 bits, 1.5 B), `moe_swiglu_recompute` (MoE blocks keep
+only the SwiGLU's inputs, at `linear_input_bytes`, §3.3.3 (2)), `recompute_norm_up_projection` (§3.2.3: the norms'
+outputs and MLA's Q, K, V are not stored; one block's worth is rebuilt in backward, counted with the recompute working
+set, and its time priced: the up-projections' GEMMs at the linear layers' rate plus the rebuilt tensors' traffic),
+`optimizer_moment_bytes` (§3.3.3: BF16 moments, 4 + 2 + 2 = 8 B/param of optimizer state; master weights and
+gradients stay fp32), `dualpipe_memory` (§3.2.1 Table 2: two copies of a stage's weights and gradients, the latter
+from the DualPipe repository's example, and (PP+1)/PP of 1F1B's micro-batches in flight; optimizer states once).
+Norm inputs, the attention core's inputs and the activation function's inputs stay 16-bit (the paper keeps
+normalization and attention operators in BF16/FP32, §3.3.1).
 
 ### Mixture of experts
 
@@ -474,7 +514,9 @@ remote node. Expert compute runs at the busiest rank's pace (`moe_imbalance` = {
 with ep > 1 is priced but `to_strategy_dict` raises NotImplementedError. The first `dense_layers` blocks keep the
 dense MLP; every per-block figure is the average over dense and MoE blocks (DeepSeek-V3: 3 dense blocks of FFN
 18,432 = 9 x 2,048, the width a token visits in an MoE block with top-8 + 1 shared expert, so FLOPs per block agree
-within 0.3%; a stage of MoE blocks only holds 61/58 of the averaged routed experts and all-to-alls).
+within 0.3%; a stage of MoE blocks only holds 61/58 of the averaged routed experts and all-to-alls). With the
+storage options ("Memory") the MoE blocks' SwiGLU inputs and the dispatched token copies are counted at their cached
+width (DeepSeek-V3: FP8, the dispatch quantized before the all-to-all, §3.3.3), the dense blocks' MLP as before.
 
 Multi-head latent attention (DeepSeek-AI 2024, arXiv:2412.19437 §2.1.1; `ModelSpec(qk_head_dim, v_head_dim,
 q_lora_rank, kv_lora_rank, qk_rope_head_dim)`, read from a config that sets `kv_lora_rank`, the DeepSeek-V2/V3
@@ -511,8 +553,8 @@ says so.
 Stragglers and jitter at thousands of nodes; NVLS / SHARP in-network reductions; congestion between concurrent
 collectives beyond the per-link budget; NCCL's PAT algorithm (logarithmic all-gather / reduce-scatter latency);
 context parallelism; DualPipe and zero-bubble schedules (priced as 1F1B / interleaved); fp8's fine-grained
-scaling and its FP32 promotion of partial sums (fp8 GEMMs at the bf16 runs' efficiency); DeepSeek-V3's recomputation
-of RMSNorm and MLA up-projections and its fp8 activation caching (§3.2.3, §3.3.3); dense and MoE blocks placed on
+scaling and its FP32 promotion of partial sums (fp8 GEMMs at the bf16 runs' efficiency) and the fp8 activations'
+per-tile scaling factors; DualPipe's stage layout (its memory is priced per stage, "Memory"); dense and MoE blocks placed on
 particular stages (every block is their average); the all-gather over NVLink that re-assembles a scatter/gather stage message on arrival
 (Megatron-LM's gather, DeepSpeed's `PartitionedTensor.full()`; ~0.3% of MT-NLG's step); per-framework engine overheads per micro-batch (device synchronisations such as GPT-NeoX's
 `synchronize-each-layer`, BLOOM's `CUDA_LAUNCH_BLOCKING=1`); a parallel block's single forward reduction under
