@@ -135,7 +135,12 @@ the DualPipe repository's example (deepseek-ai/DualPipe examples/example_dualpip
 keeps its own .grad, summed after the step) where the paper names only the parameters (with one gradient copy the
 run would fit: 78.4 GB with the reserve); DualPipe's layout is not modelled (rank r holds stages r and PP−1−r, so
 the 5-block stage pairs with a 4-block one rather than with itself, and the ends, with the embedding, the head and
-the MTP module, share a rank): each stage's own weights are doubled; the fp8 tiles' scaling factors (one per 128
+the MTP module, share a rank): each stage's own weights are doubled. Priced by hand with that layout (rank r: stage
+r with PP − r micro-batches in flight and stage PP − 1 − r with r + 1, PP + 1 stage-micro-batches as Table 2 has it;
+the planner's per-block figures), the fullest ranks (2 and 13: the 5-block stage with 14 in flight and a 4-block one
+with 3) need 88.4 GB with both stages' optimizer states (85.3 with one copy), the rank holding both ends with the
+embedding, the head and the MTP module 62.2 GB, the others 76.5 GB: the layout does not change the verdict, and the
+assumed `split="ends"` (2 blocks on each end stage) leaves the shared end rank the lightest; the fp8 tiles' scaling factors (one per 128
 elements, dtype not stated) are not counted; the final norm's output before the head (2·s·b·h on the last stage) is
 still counted as stored.
 
