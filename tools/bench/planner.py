@@ -237,6 +237,7 @@ overlaps part of them.
 
 {planner_doc.validation_md(val_rows, val_moe, search_rows, png, args.out)}
 
+{planner_doc.sweep_md()}
 {planner_doc.model_md(opts)}
 """
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -444,6 +444,7 @@ leaf), host RAM and PCIe per node.
 
 Describing a cluster:
 
+<!-- snippet: run -->
 ```python
 import autoparallel as ap
 from autoparallel.planner.cluster import cluster_of
@@ -603,3 +604,10 @@ GPU presets (they use Megatron's bf16 weights + fp32 master; calibrated CPU prof
   the stage that needs most and the pruning bounds, one formula for both), `links.py` (streams on links),
   `cost_model.py` (step time).
 """
+
+
+def sweep_md() -> str:
+    """The hand-written section on MegaScale's sweeps (what was searched, the facts and their place in the paper),
+    kept in tools/bench/planner_sweep.md so that regenerating docs/planner.md keeps it."""
+    with open(os.path.join(os.path.dirname(__file__), "planner_sweep.md")) as f:
+        return f.read()
