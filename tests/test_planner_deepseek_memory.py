@@ -2,7 +2,7 @@
 
 Sources: DeepSeek-AI 2024 (arXiv:2412.19437) §3.2.1 (DualPipe, Table 2), §3.2.3 ("Recomputation of RMSNorm and MLA
 Up-Projection", "Exponential Moving Average in CPU"), §3.3.3 ("Low-Precision Optimizer States", "Low-Precision
-Activation"); deepseek-ai/DualPipe examples/example_dualpipe.py (rank r holds stages r and PP-1-r).
+Activation"); deepseek-ai/DualPipe example_dualpipe.py (rank r holds stages r and PP-1-r).
 """
 import dataclasses
 

@@ -131,7 +131,7 @@ moved 1.053 -> 1.034, by the recomputation's time alone (1.053 -> 1.051 for the 
 fp8 rate, and the rebuilt norms' traffic); the BF16 moments' smaller optimizer traffic moved it by +0.00005; no other
 run moved. What is left, and why the run still does not fit by the model (78.7 GB of states and activations against
 the 72 GB left by the planner's 10% reserve, an allowance, not a sourced figure): the gradients' second copy follows
-the DualPipe repository's example (deepseek-ai/DualPipe examples/example_dualpipe.py: each of a rank's two stages
+the DualPipe repository's example (deepseek-ai/DualPipe example_dualpipe.py: each of a rank's two stages
 keeps its own .grad, summed after the step) where the paper names only the parameters (with one gradient copy the
 run would fit: 78.4 GB with the reserve); DualPipe's layout is not modelled (rank r holds stages r and PP−1−r, so
 the 5-block stage pairs with a 4-block one rather than with itself, and the ends, with the embedding, the head and
