@@ -189,9 +189,10 @@ def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
                                                        o.flash_attention)
     imbalance = 2.0 * model.moe_fraction * model.top_k * model.expert_params * (o.moe_imbalance - 1.0)
     flops = layer_forward_flops(model, s, b, tp, np.where(sp > 0, tp, 1)) + b * s * imbalance / tp
-    core = attention_core_flops(model, s, b, tp) + b * s * model.router_flops_per_token() / tp
+    attn_core = attention_core_flops(model, s, b, tp)
+    core = attn_core + b * s * model.router_flops_per_token() / tp
     t_fwd = two_rate_seconds(flops, core, k * act_full, peak, core_peak, eta, W)
-    t_core = roofline_seconds(attention_core_flops(model, s, b, tp), k * act_scores, core_peak, eta, W)
+    t_core = roofline_seconds(attn_core, k * act_scores, core_peak, eta, W)
     t_rc = np.where(rc == FULL, t_fwd, np.where(rc == SELECTIVE, t_core, 0.0) + stored_recompute_seconds(
         model, o, dev, s, b, tp, sp))
     t_logits = roofline_seconds(logits_forward_flops(model, s, b, tp), k * mem.logits_bytes(model, s, b, tp),
@@ -319,9 +320,10 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
             share = 2.0 / (4.0 + 2.0 * (rc == FULL))
             a2a_fwd = a2a_layer.scaled(m * n_k * share)
             a2a_bwd = a2a_layer.scaled(m * n_k * (1.0 - share))
-            for a2a_m in mtp_streams[1:]:  # the multi-token-prediction block's, next to the head
-                a2a_fwd = a2a_fwd + a2a_m.scaled(m * head_k * model.mtp_depth * share)
-                a2a_bwd = a2a_bwd + a2a_m.scaled(m * head_k * model.mtp_depth * (1.0 - share))
+            if mtp_streams:               # the multi-token-prediction block's, next to the head
+                a2a_mtp = mtp_streams[1]
+                a2a_fwd = a2a_fwd + a2a_mtp.scaled(m * head_k * model.mtp_depth * share)
+                a2a_bwd = a2a_bwd + a2a_mtp.scaled(m * head_k * model.mtp_depth * (1.0 - share))
         w_last = w_bwd / m if o.grad_sync_overlap else np.zeros(n)
         return exposed_overlap(layer_gather + a2a_fwd, z3_bwd + rs_each_mb + a2a_bwd, sync, w_fwd, w_bwd, w_last,
                                cluster.overlap)
