@@ -40,6 +40,8 @@ def main(root: str) -> None:
     del os.environ["AP_CKPT_FAULT"], os.environ["AP_CKPT_FAULT_RANK"]
     dist.barrier()
     out["after_failure"] = sorted(os.listdir(root))
+    dist.barrier()              # every rank has listed the root before any starts the next call (whose write probe,
+    #                             .autoparallel-probe-r<rank>-<pid>, another rank's listing would otherwise catch)
     out["second_run"] = attempt(lambda: CheckpointManager(root).start(state(9.0)))
     afile = os.path.join(os.path.dirname(root), "a-file")
     if rank == 0:
