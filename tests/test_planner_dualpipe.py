@@ -130,8 +130,8 @@ def test_bad_dualpipe_values_are_typed_errors():
 def test_a_dualpipe_plan_says_it_is_planner_only():
     fixed = ap.plan(TINY, "1x8:H100-80GB", global_batch_size=16, seq_len=32, fixed="dp=2,pp=4,dualpipe=1")
     assert fixed.best.config.schedule == "DualPipe"
-    assert "DualPipe schedule (DeepSeek-AI 2024, arXiv:2412.19437 §3.2.1), priced but planner-only" in \
-        fixed.explanation
+    assert ("Note: the configuration uses the DualPipe schedule (DeepSeek-AI 2024, arXiv:2412.19437 §3.2.1), priced "
+            "but planner-only") in fixed.explanation
     plain = ap.plan(TINY, "1x8:H100-80GB", global_batch_size=16, seq_len=32, fixed="dp=2,pp=4")
     assert "planner-only" not in plain.explanation
     # the search proposes DualPipe only when asked for

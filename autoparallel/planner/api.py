@@ -107,8 +107,9 @@ def plan(model_or_preset, cluster=None, global_batch_size=None, seq_len=None, to
                       time.perf_counter() - start, suggestions=suggestions)
 
 
-def _planner_only_note(options, candidates=()) -> str:
-    """What of the plan the runtime cannot run: an fp8 precision, the DualPipe schedule of a listed candidate."""
+def _planner_only_note(options, candidates=(), fixed=False) -> str:
+    """What of the plan the runtime cannot run: an fp8 precision, the DualPipe schedule of a listed candidate (of
+    the ``fixed`` configuration)."""
     note = ""
     if options.planner_only:
         core = "" if options.core_dtype == options.compute_dtype else (
@@ -117,7 +118,8 @@ def _planner_only_note(options, candidates=()) -> str:
                  f"but is planner-only: the runtime cannot run it (its AMP offers float16 and bfloat16).\n")
     ranks = [str(i + 1) for i, c in enumerate(candidates) if c.config.dualpipe]
     if ranks:
-        note += (f"Note: candidate {', '.join(ranks)} uses the {dualpipe.NAME} schedule ({dualpipe.SOURCE}), priced "
+        who = "the configuration" if fixed else f"candidate {', '.join(ranks)}"
+        note += (f"Note: {who} uses the {dualpipe.NAME} schedule ({dualpipe.SOURCE}), priced "
                  f"but planner-only: the runtime runs 1F1B or VPP, and applying the plan raises "
                  f"NotImplementedError.\n")
     return note
@@ -148,7 +150,7 @@ def _plan_fixed(model, cluster, global_batch, seq, fixed, options, space, start)
                                       f"{cluster.name})\n")
     suggestions = []
     if cand.feasible:
-        explanation = _planner_only_note(options, [cand]) + note + explain_fixed(cand, reference)
+        explanation = _planner_only_note(options, [cand], fixed=True) + note + explain_fixed(cand, reference)
     else:
         suggestions = fixed_suggestions(model, sub, global_batch, seq, config, options)
         if reference is not None:
@@ -158,6 +160,7 @@ def _plan_fixed(model, cluster, global_batch, seq, fixed, options, space, start)
         headline = (f"{note}The fixed configuration {config.short()} of {model.name} on {sub.name} needs "
                     f"{cand.memory_per_device_gb:.1f} GB per device, more than the {sub.device.memory_bytes / 1e9:.1f} GB "
                     f"it has.")
-        explanation = infeasible_message(headline, cand, suggestions, closest_label="breakdown")
+        explanation = _planner_only_note(options, [cand], fixed=True) + infeasible_message(
+            headline, cand, suggestions, closest_label="breakdown")
     return PlanResult(model, sub, global_batch, seq, [cand], explanation, cand.feasible, 1 + outcome.evaluated,
                       time.perf_counter() - start, mode="fixed", reference=reference, suggestions=suggestions)

@@ -9,6 +9,8 @@ Step time on the slowest pipeline stage (stage i holds n_i blocks, planner/stage
     T_L  = 3·t_fwd + t_recompute + TP collectives (+ expert all-to-all)      (one block, one micro-batch)
     t_i  = n_i·T_L (+ the output head on the last stage),  t_max = max_i t_i
     bubble = (Σ_i t_i − t_max) / v                                          ((p-1)/v·t for equal stages)
+    DualPipe: a device's t is the mean of its two stages' (r and p-1-r), bubble (p/2-1)(F&B + B - 3W) of the
+    slowest device's chunk (planner/dualpipe.py; W: ``weight_grad_seconds``)
     t_fwd of a block = matmul FLOPs / (peak·gemm_efficiency) + element-wise bytes / memory bandwidth
 
 TP collectives, pipeline sends and (unless overlapped) expert all-to-alls sit on the critical path; ZeRO-3
