@@ -181,3 +181,18 @@ def test_deepseek_v3_row_runs_dualpipe_and_the_search_may_too():
     assert published.step_time_s < as_1f1b.step_time_s
     best = search_best(run, feasible_only=published.feasible)
     assert best.step_time_s <= published.step_time_s
+
+
+def test_the_eager_runtime_profile_never_prices_dualpipe():
+    """A calibrated CPU profile prices the runtime's own schedules: a fixed DualPipe plan is refused, and a search
+    allowed to use it keeps to 1F1B / VPP."""
+    from autoparallel.planner import calibrate
+    from autoparallel.planner.cluster import RuntimeSpec
+
+    rt = RuntimeSpec(op_s=0.0, dispatch_s=0.0, backward_s=0.0, optimizer_tensor_s=0.0)
+    cluster = calibrate.cpu_profile(1e30, 1e30, 1e12, 4, runtime=rt)
+    with pytest.raises(NotImplementedError, match="DualPipe is not priced for the eager runtime"):
+        ap.plan(TINY, cluster, global_batch_size=8, seq_len=32, fixed="dp=2,pp=2,dualpipe=1")
+    result = ap.plan(TINY, cluster, global_batch_size=8, seq_len=32, top=100, dualpipe=[0, 1])
+    assert result.candidates and not any(c.config.dualpipe for c in result.candidates)
+    assert any(c.config.pp == 2 for c in result.candidates)

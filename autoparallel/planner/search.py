@@ -403,6 +403,8 @@ def search(model, cluster, global_batch, seq_len, space: SearchSpace, options, p
     start = time.perf_counter()
     if cluster.runtime is not None and tuple(space.split) != ("even",) and "even" in space.split:
         space = replace(space, split=("even",))     # the eager runtime splits identical blocks evenly
+    if cluster.runtime is not None and 0 in space.dualpipe:
+        space = replace(space, dualpipe=(0,))       # its profile prices the runtime's own schedules only
     struct = structural_grid(model, cluster.world_size, global_batch, seq_len, space, options)
     if prune and len(struct) and len(_knob_rows(space)):
         fits = _fits(model, cluster, global_batch, seq_len, struct, space, options)

@@ -564,7 +564,8 @@ priced in planner/dualpipe.py and the cost model:
 - Validity: "DualPipe only requires that the pipeline stages and micro-batches be divisible by 2" (§3.2.1), and the
   repository's `step` asserts at least 2·PP micro-batches; the schedule has no virtual stages. Odd pp or an odd
   micro-batch count, fewer than 2·pp micro-batches, vpp > 1 or pp = 1 with DualPipe are a ValueError naming them.
-- Bubble (Table 2): (PP/2 − 1)(F&B + B − 3W) against 1F1B's (PP − 1)(F + B) (ZB1P's (PP − 1)(F + B − 2W) is written
+- Bubble (Table 2): (PP/2 − 1)(F&B + B − 3W) (none at PP = 2, as the formula gives) against 1F1B's (PP − 1)(F + B)
+  (ZB1P's (PP − 1)(F + B − 2W) is written
   out for comparison, not a schedule of the search). F is a device's forward chunk per micro-batch (its blocks'
   forward and the forward's TP collectives and exposed all-to-alls), B the rest of its work (the full backward with
   recomputation), W the weight-gradient GEMMs: a layer with weights computes a data gradient and a weight gradient in
@@ -589,7 +590,8 @@ priced in planner/dualpipe.py and the cost model:
 The runtime cannot run DualPipe: a plan that uses it is planner-only, the explanation says so (as for fp8), and
 `to_strategy_dict` (so `auto_mode="full"`) raises NotImplementedError rather than running 1F1B. Like fp8, which the
 search never picks by itself, DualPipe is searched only when the constraints allow it (`SearchSpace.dualpipe`
-defaults to (0,)), so a default plan stays runnable. A published run that used DualPipe (DeepSeek-V3) is compared
+defaults to (0,)), so a default plan stays runnable; a calibrated CPU profile (the eager runtime's costs) never
+prices it (a fixed DualPipe plan there is a NotImplementedError, its search leaves DualPipe out). A published run that used DualPipe (DeepSeek-V3) is compared
 with a search that may use it too (`published.search_best`), so the search is measured against the run's own
 schedule. DeepSeek-V3's ratio moved 1.034 -> 1.402 (step 19.25 s -> 14.20 s): 1.337 from the pairing of stages on
 a rank alone (with a (PP − 1)·F&B bubble), the rest from Table 2's bubble (1.31 s -> 0.81 s); no other run moved.
