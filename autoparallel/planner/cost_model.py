@@ -255,7 +255,8 @@ def mtp_seconds(model, o, cluster, s, b, tp, sp, rc, ep, t_logits, cache):
     and no streams without multi-token prediction."""
     if not model.mtp_depth:
         return 0.0, 0.0, 0.0, 0.0, ()
-    t_fwd, t_rc, _, tp_m, a2a_m, T_m, _, W_m = _block_seconds(model.mtp_block(), o, cluster, s, b, tp, sp, rc, ep, cache)
+    t_fwd, t_rc, _, tp_m, a2a_m, T_m, _, W_m = _block_seconds(model.mtp_block(), o, cluster, s, b, tp, sp, rc, ep,
+                                                              cache)
     dev = cluster.device
     proj = roofline_seconds(2.0 * b * s * model.mtp_projection_params / tp, 0.0, dev.flops(o.compute_dtype),
                             o.gemm_efficiency, dev.memory_bandwidth_Bps)

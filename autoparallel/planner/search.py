@@ -430,7 +430,7 @@ def enumerate_valid(model, world, global_batch, seq_len, options, space: SearchS
             continue
         for vpp, sp, zero, rc, off, mb, ep, split, dual in itertools.product(
                 range(1, options.max_vpp + 1), (0, 1), (0, 1, 2, 3), RECOMPUTE, (0, 1), divisors(global_batch),
-                divisors(dp), SPLITS, (0, 1)):
+                divisors(dp), SPLITS, (0, 1) if space.allows("dualpipe", 1) else (0,)):
             config = ParallelConfig(dp, tp, pp, vpp, sp, zero, rc, off, mb, ep, split, dual)
             if not all(space.allows(k, getattr(config, k)) for k in
                        ("dp", "tp", "pp", "vpp", "sp", "sharding", "recompute", "offload", "micro_batch", "ep",
