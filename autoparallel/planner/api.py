@@ -95,7 +95,8 @@ def plan(model_or_preset, cluster=None, global_batch_size=None, seq_len=None, to
         raise _empty_space_error(model, cluster, global_batch, space)
     candidates = outcome.top(top, global_batch, seq, capacity)
     if candidates:
-        explanation = _planner_only_note(options, candidates) + explain_search(outcome, candidates, global_batch, seq, capacity)
+        explanation = _planner_only_note(options, candidates) + explain_search(outcome, candidates, global_batch, seq,
+                                                                               capacity)
         return PlanResult(model, cluster, global_batch, seq, candidates, explanation, True, outcome.evaluated,
                           time.perf_counter() - start)
     closest = candidate_at(outcome.evaluation, outcome.grid, outcome.least_memory(), global_batch, seq, capacity)

@@ -101,7 +101,8 @@ def parse_fixed(text) -> dict:
     """``"dp=4,tp=8,pp=4,micro_batch=1,recompute=selective,sharding=1"`` -> {field: value}.
 
     A dict is validated the same way. Keys: dp, tp, pp, vpp, sp 0|1, sharding 0-3, offload 0|1,
-    micro_batch, recompute none|selective|full, ep, split even|ends|balanced, dualpipe 0|1. Raises ValueError naming the expected form.
+    micro_batch, recompute none|selective|full, ep, split even|ends|balanced, dualpipe 0|1. Raises ValueError
+    naming the expected form.
     """
     if text is None:
         return {}

@@ -207,13 +207,14 @@ MEGASCALE_530B = tuple(_megascale_530b(g, m) for g, m in ((2240, 0.492), (4480, 
 RUNS = RUNS + MEGASCALE_530B
 
 # DeepSeek-V3's software facts (arXiv:2412.19437): FlashAttention-style attention; the expert all-to-all hidden by
-# DualPipe (§3.2.1; the schedule itself, its time and memory, is the configuration's dualpipe=1); "Recomputation of RMSNorm and
-# MLA Up-Projection" (§3.2.3); "cache activations in FP8 format for the backward pass of the Linear operator", the
-# Linear-after-attention inputs in "a customized E5M6 data format" (12 bits), the MoE SwiGLU's inputs cached and its
-# output recomputed, "the BF16 data format instead of FP32 to track the first and second moments in the AdamW
-# optimizer" (§3.3.3); its EMA lives in CPU memory (§3.2.3: nothing on the device, and the planner counts none)
-_DEEPSEEK_V3 = (("flash_attention", True), ("moe_a2a_overlap", True), ("recompute_norm_up_projection", True), ("linear_input_bytes", 1.0), ("attention_output_bytes", 1.5),
-                ("moe_swiglu_recompute", True), ("optimizer_moment_bytes", 2.0))
+# DualPipe (§3.2.1; the schedule itself, its time and memory, is the configuration's dualpipe=1); "Recomputation of
+# RMSNorm and MLA Up-Projection" (§3.2.3); "cache activations in FP8 format for the backward pass of the Linear
+# operator", the Linear-after-attention inputs in "a customized E5M6 data format" (12 bits), the MoE SwiGLU's inputs
+# cached and its output recomputed, "the BF16 data format instead of FP32 to track the first and second moments in the
+# AdamW optimizer" (§3.3.3); its EMA lives in CPU memory (§3.2.3: nothing on the device, and the planner counts none)
+_DEEPSEEK_V3 = (("flash_attention", True), ("moe_a2a_overlap", True), ("recompute_norm_up_projection", True),
+                ("linear_input_bytes", 1.0), ("attention_output_bytes", 1.5), ("moe_swiglu_recompute", True),
+                ("optimizer_moment_bytes", 2.0))
 
 MOE_RUNS = (
     PublishedRun("DeepSeek-V3", "deepseek-v3", "H800", 2048, _NDR,
@@ -221,12 +222,12 @@ MOE_RUNS = (
                  "tokens", 1543.0, "DeepSeek-AI 2024 (arXiv:2412.19437): 180K H800 GPU hours per trillion tokens "
                  "(14.8T tokens in 2.664M GPU hours)",
                  "FP8 for the linear layers' GEMMs, attention core, router and output head in BF16 (§3.3.1); MLA from "
-                 "its ranks and head widths (§2.1.1, config.json); MTP depth 1 (§2.2); PP 16 under DualPipe (§3.2.1: its "
-                 "bubble, rank r running stages r and PP-1-r, the all-to-all overlapped; 2 blocks on each end stage "
-                 "assumed), EP 64, node-limited routing (4 "
-                 "nodes), ZeRO-1; memory as stated: DualPipe's 2 weight and gradient copies and PP+1 activations "
-                 "(§3.2.1), RMSNorm and MLA up-projections recomputed (§3.2.3), Linear inputs cached in FP8 (E5M6 "
-                 "after attention), MoE SwiGLU output recomputed, BF16 Adam moments (§3.3.3)",
+                 "its ranks and head widths (§2.1.1, config.json); MTP depth 1 (§2.2); PP 16 under DualPipe (§3.2.1: "
+                 "its bubble, rank r running stages r and PP-1-r, the all-to-all overlapped; 2 blocks on each end "
+                 "stage assumed), EP 64, node-limited routing (4 nodes), ZeRO-1; memory as stated: DualPipe's 2 weight"
+                 " and gradient copies and PP+1 activations (§3.2.1), RMSNorm and MLA up-projections recomputed "
+                 "(§3.2.3), Linear inputs cached in FP8 (E5M6 after attention), MoE SwiGLU output recomputed, BF16 "
+                 "Adam moments (§3.3.3)",
                  precision="fp8", dense_only=False, software=_DEEPSEEK_V3),
 )
 

@@ -19,10 +19,10 @@ from autoparallel.planner.stages import stage_layout
 
 def dualpipe_copies(dualpipe, pp):
     """Copies of a stage's weights and gradients one device holds: 2 under DualPipe (``dualpipe`` true, the
-    configuration's schedule) with a pipeline (DeepSeek-AI
-    2024, arXiv:2412.19437 §3.2.1: "DualPipe requires keeping two copies of the model parameters", Table 2
-    "Parameter 2x"; deepseek-ai/DualPipe example_dualpipe.py: rank r holds stages r and PP-1-r, each
-    with its own .grad, summed after the step), else 1. Optimizer states: one (not stated otherwise)."""
+    configuration's schedule) with a pipeline (DeepSeek-AI 2024, arXiv:2412.19437 §3.2.1: "DualPipe requires keeping
+    two copies of the model parameters", Table 2 "Parameter 2x"; deepseek-ai/DualPipe example_dualpipe.py: rank r
+    holds stages r and PP-1-r, each with its own .grad, summed after the step), else 1. Optimizer states: one (not
+    stated otherwise)."""
     return np.where(np.asarray(dualpipe, dtype=bool) & (np.asarray(pp) > 1), 2.0, 1.0)
 
 

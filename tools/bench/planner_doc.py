@@ -106,11 +106,12 @@ item: 1.542 (before) -> 1.416 (MLA) -> 1.484 (MTP) -> 1.409 (each stage's overla
 compute, which MTP exposed: the last stage had most compute while the 5-block middle stage exposed 1.7 s of
 all-to-all; the dense runs did not move) -> 1.053 (fp8 per GEMM class). Nothing was fitted; what was left unmodelled
 then was large on this run: DualPipe's time (then priced as 1F1B with the all-to-all overlapped; now priced from
-Table 2 with rank r running stages r and PP−1−r, "DualPipe" below: 1.034 -> 1.402), the pipeline split (assumed 2 blocks at each end: the last
-stage, 2 blocks plus two bf16 output-head passes and the MTP block, now sets the pace; with the balanced split the
-ratio would be 1.22, without MTP 1.28), fp8's fine-grained scaling and FP32 promotion of partial sums (§3.3.2; fp8
-GEMMs run at the bf16 runs' efficiency here), dense and MoE blocks averaged per stage, and causal attention priced
-over all s keys (as for every run). With the all-to-all exposed instead of overlapped the ratio would be 0.75.
+Table 2 with rank r running stages r and PP−1−r, "DualPipe" below: 1.034 -> 1.402), the pipeline split (assumed 2
+blocks at each end: under 1F1B the last stage, 2 blocks plus two bf16 output-head passes and the MTP block, set the
+pace; with the balanced split the ratio would have been 1.22, without MTP 1.28), fp8's fine-grained scaling and FP32
+promotion of partial sums (§3.3.2; fp8 GEMMs run at the bf16 runs' efficiency here), dense and MoE blocks averaged
+per stage, and causal attention priced over all s keys (as for every run). With the all-to-all exposed instead of
+overlapped the ratio would be 0.75.
 
 DeepSeek-V3's memory is priced with what the paper states (arXiv:2412.19437 §3.2.1 Table 2, §3.2.3, §3.3.3;
 `PlannerOptions` fields set in the run's `software`, off for every other run; "Memory" below). Per GPU on the stage
@@ -574,7 +575,7 @@ priced in planner/dualpipe.py and the cost model:
 - F&B, "two mutually overlapped forward and backward chunks", is priced as F + B, no less than the all-to-all the
   pair overlaps on its busiest link: interleaving two chunks' compute on one device does not make it faster (§3.2.1
   dedicates SMs to communication), what the overlap hides is the communication.
-- The slowest device: rank r holds stages r and PP−1−r (examples/example_dualpipe.py) and runs half the
+- The slowest device: rank r holds stages r and PP−1−r (deepseek-ai/DualPipe example_dualpipe.py) and runs half the
   micro-batches through each, so its work per micro-batch is the mean of its two stages'; with equal stages that
   is 1F1B's, and only the bubble differs. Rank 0 holds both ends (the embedding, the output head and the MTP module):
   under the DeepSeek-V3 row's assumed `ends` split (2 blocks on each end stage; 2, 4, 5, 4 x 11, 2 for 61 blocks)
@@ -591,19 +592,22 @@ The runtime cannot run DualPipe: a plan that uses it is planner-only, the explan
 `to_strategy_dict` (so `auto_mode="full"`) raises NotImplementedError rather than running 1F1B. Like fp8, which the
 search never picks by itself, DualPipe is searched only when the constraints allow it (`SearchSpace.dualpipe`
 defaults to (0,)), so a default plan stays runnable; a calibrated CPU profile (the eager runtime's costs) never
-prices it (a fixed DualPipe plan there is a NotImplementedError, its search leaves DualPipe out). A published run that used DualPipe (DeepSeek-V3) is compared
-with a search that may use it too (`published.search_best`), so the search is measured against the run's own
-schedule. DeepSeek-V3's ratio moved 1.034 -> 1.402 (step 19.25 s -> 14.20 s): 1.337 from the pairing of stages on
-a rank alone (with a (PP − 1)·F&B bubble), the rest from Table 2's bubble (1.31 s -> 0.81 s); no other run moved.
+prices it (a fixed DualPipe plan there is a NotImplementedError, its search leaves DualPipe out). A published run
+that used DualPipe (DeepSeek-V3) is compared with a search that may use it too (`published.search_best`), so the
+search is measured against the run's own schedule. DeepSeek-V3's ratio moved 1.034 -> 1.402 (step 19.25 s -> 14.20
+s): 1.337 from the pairing of stages on a rank alone (with a (PP − 1)·F&B bubble), the rest from Table 2's bubble
+(1.31 s -> 0.81 s); no other run moved.
 
 ### Not modelled (known limits)
 
 Stragglers and jitter at thousands of nodes; NVLS / SHARP in-network reductions; congestion between concurrent
 collectives beyond the per-link budget; NCCL's PAT algorithm (logarithmic all-gather / reduce-scatter latency);
 context parallelism; zero-bubble schedules (priced as 1F1B / interleaved); DualPipe's pipeline sends (priced as
-1F1B's) and its steady-state overlap of a forward chunk's all-to-all with another micro-batch's backward; fp8's fine-grained
+1F1B's) and its steady-state overlap of a forward chunk's all-to-all with another micro-batch's backward; fp8's
+fine-grained
 scaling and its FP32 promotion of partial sums (fp8 GEMMs at the bf16 runs' efficiency) and the fp8 activations'
-per-tile scaling factors; DualPipe's stage layout in memory (its time follows rank r's two stages; its memory is priced per stage, "Memory"); dense and MoE blocks placed on
+per-tile scaling factors; DualPipe's stage layout in memory (its time follows rank r's two stages; its memory is
+priced per stage, "Memory"); dense and MoE blocks placed on
 particular stages (every block is their average); the all-gather over NVLink that re-assembles a scatter/gather stage message on arrival
 (Megatron-LM's gather, DeepSpeed's `PartitionedTensor.full()`; ~0.3% of MT-NLG's step); per-framework engine overheads per micro-batch (device synchronisations such as GPT-NeoX's
 `synchronize-each-layer`, BLOOM's `CUDA_LAUNCH_BLOCKING=1`); a parallel block's single forward reduction under
