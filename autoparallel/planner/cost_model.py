@@ -456,7 +456,8 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
 def _dualpipe_bubble(pp, n_b, head_b, T_L, F_L, W_L, H, H_F, H_W, a2a_layer, mtp_streams, mtp_depth, a2a_hidden):
     """DualPipe's bubble on the slowest device (``n_b`` blocks and ``head_b`` of the head per micro-batch): its
     chunk's F, B = the rest of its work, W; F&B no less than the overlapped all-to-all of the pair on its busiest
-    link (planner/dualpipe.py)."""
+    link (planner/dualpipe.py). The head's F is its compute (``H_F``): the MTP block's forward collectives, if any
+    are exposed, count in B."""
     F = n_b * F_L + head_b * H_F
     B = n_b * (T_L - F_L) + head_b * (H - H_F)
     W = n_b * W_L + head_b * H_W

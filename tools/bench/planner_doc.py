@@ -596,7 +596,11 @@ prices it (a fixed DualPipe plan there is a NotImplementedError, its search leav
 that used DualPipe (DeepSeek-V3) is compared with a search that may use it too (`published.search_best`), so the
 search is measured against the run's own schedule. DeepSeek-V3's ratio moved 1.034 -> 1.402 (step 19.25 s -> 14.20
 s): 1.337 from the pairing of stages on a rank alone (with a (PP − 1)·F&B bubble), the rest from Table 2's bubble
-(1.31 s -> 0.81 s); no other run moved.
+(1.31 s -> 0.81 s); no other run moved. Weight of two assumptions (shown only for that; none adopted): under DualPipe
+the row's split moves the ratio to 1.295 (`even`: rank 0's 3 + 3 blocks and the head set the pace) or 1.428
+(`balanced`, a split computed for 1F1B's separate end stages); budgeting the steady state's overlapped all-to-all
+against the pair's whole compute (a forward chunk's traffic behind another micro-batch's backward) would take the
+step to 13.24 s, ratio 1.50.
 
 ### Not modelled (known limits)
 
