@@ -23,7 +23,9 @@ slowest device is the rank whose two stages hold most blocks together, not the f
 F&B is priced as F + B: the two chunks' compute on one device does not speed up by being interleaved (§3.2.1 gives
 communication its own SMs: "we manually adjust the ratio of GPU SMs dedicated to communication versus computation"),
 and what the overlap hides is the communication (the expert all-to-all), so F&B is at least the communication the two
-chunks put on their busiest link (``overlapped_pair_seconds``).
+chunks put on their busiest link (``overlapped_pair_seconds``). §3.2.1 also says "we can ensure that both all-to-all
+and PP communication can be fully hidden during execution": the all-to-all is hidden where the run says so
+(``PlannerOptions.moe_a2a_overlap``, within each link's budget); the stage-to-stage sends stay priced as 1F1B's.
 """
 from __future__ import annotations
 

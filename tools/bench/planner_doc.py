@@ -600,7 +600,8 @@ s): 1.337 from the pairing of stages on a rank alone (with a (PP − 1)·F&B bub
 the row's split moves the ratio to 1.295 (`even`: rank 0's 3 + 3 blocks and the head set the pace) or 1.428
 (`balanced`, a split computed for 1F1B's separate end stages); budgeting the steady state's overlapped all-to-all
 against the pair's whole compute (a forward chunk's traffic behind another micro-batch's backward) would take the
-step to 13.24 s, ratio 1.50.
+step to 13.24 s, ratio 1.50; hiding the stage-to-stage sends as well (§3.2.1: "both all-to-all and PP communication
+can be fully hidden during execution"; priced as 1F1B's here, 0.36 s) to 13.84 s, ratio 1.44.
 
 ### Not modelled (known limits)
 
