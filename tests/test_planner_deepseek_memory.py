@@ -90,9 +90,9 @@ def test_bf16_adam_moments_by_hand():
 
 
 def test_dualpipe_memory_by_hand():
-    o = PlannerOptions(dualpipe_memory=True)
-    assert dualpipe_copies(o, np.array(16)) == 2.0 and dualpipe_copies(o, np.array(1)) == 1.0
-    assert dualpipe_copies(PlannerOptions(), np.array(16)) == 1.0
+    o = PlannerOptions()
+    assert dualpipe_copies(np.array(1), np.array(16)) == 2.0 and dualpipe_copies(np.array(1), np.array(1)) == 1.0
+    assert dualpipe_copies(np.array(0), np.array(16)) == 1.0
     assert dualpipe_in_flight(15.0, np.array(16), True) == 15 * 17 / 16
     assert dualpipe_in_flight(1.0, np.array(1), True) == 1.0
     one = np.array(1)
@@ -124,7 +124,8 @@ def test_deepseek_v3_run_memory_by_hand():
     expected = 5 * per_block * 15 * 17 / 16 + rebuilt * sbh           # DualPipe: (PP+1)/PP in flight
     cand = predict(run)
     assert cand.memory_gb["activations"] == pytest.approx(expected / 1e9, rel=1e-9)
-    plain = predict(dataclasses.replace(run, software=(("flash_attention", True), ("moe_a2a_overlap", True))))
+    plain = predict(dataclasses.replace(run, software=(("flash_attention", True), ("moe_a2a_overlap", True)),
+                                        config=dataclasses.replace(run.config, dualpipe=0)))
     # 2 weight and gradient copies, BF16 moments (8 of the optimizer's 12 bytes)
     assert cand.memory_gb["params"] == pytest.approx(2 * plain.memory_gb["params"], rel=1e-12)
     assert cand.memory_gb["grads"] == pytest.approx(2 * plain.memory_gb["grads"], rel=1e-12)

@@ -116,22 +116,29 @@ def test_multi_token_prediction_by_hand():
     assert mtp_activation_bytes(plain, 32, 1, 1, nothing, nothing) == 0.0
 
 
-def _deepseek_step(model, options=None):
+def _deepseek_step(model, options=None, dualpipe=1):
     run = MOE_RUNS[0]
-    return evaluate_config(model, run_cluster(run), run.global_batch, run.seq_len, run.config,
-                           options or run.options())
+    config = dataclasses.replace(run.config, dualpipe=dualpipe)
+    return evaluate_config(model, run_cluster(run), run.global_batch, run.seq_len, config, options or run.options())
 
 
 def test_more_work_next_to_the_head_never_shortens_the_step():
-    """With multi-token prediction the DeepSeek-V3 run's last stage (2 blocks + head + MTP) has the most compute,
-    while the 5-block middle stage exposes more all-to-all; the step follows the stage whose compute plus exposed
-    communication is largest, so adding the module cannot make the step shorter."""
+    """With multi-token prediction the DeepSeek-V3 run's last stage (2 blocks + head + MTP) has the most compute
+    under 1F1B, while the 5-block middle stage exposes more all-to-all; the step follows the stage whose compute plus
+    exposed communication is largest, so adding the module cannot make the step shorter. Under DualPipe the head
+    shares rank 0 with the first stage and the fullest middle pair of stages (5 + 4 blocks) sets the pace and the
+    bubble: the module lengthens the step (rank 0's exposed communication is part of the step's) but not the
+    bubble."""
     ds = PRESETS["deepseek-v3"]
-    without = _deepseek_step(dataclasses.replace(ds, mtp_depth=0))
-    with_mtp = _deepseek_step(ds)
-    assert with_mtp.step_time_s > without.step_time_s
-    assert with_mtp.time_s["bubble"] > without.time_s["bubble"]
-    assert with_mtp.memory_gb["params"] >= without.memory_gb["params"]
+    for dualpipe in (0, 1):
+        without = _deepseek_step(dataclasses.replace(ds, mtp_depth=0), dualpipe=dualpipe)
+        with_mtp = _deepseek_step(ds, dualpipe=dualpipe)
+        assert with_mtp.step_time_s > without.step_time_s
+        assert with_mtp.memory_gb["params"] >= without.memory_gb["params"]
+        if dualpipe:
+            assert with_mtp.time_s["bubble"] == without.time_s["bubble"]
+        else:
+            assert with_mtp.time_s["bubble"] > without.time_s["bubble"]
 
 
 def test_fp8_prices_linear_layers_at_fp8_and_the_rest_at_bf16():

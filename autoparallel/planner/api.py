@@ -5,6 +5,7 @@ import time
 from dataclasses import replace
 
 from autoparallel.core.cluster import ClusterSpec, default_cluster, parse_cluster
+from autoparallel.planner import dualpipe
 from autoparallel.planner.config import config_from_fixed, parse_fixed
 from autoparallel.planner.explain import (explain_fixed, explain_search, fixed_suggestions, infeasible_message,
                                           search_suggestions)
@@ -94,7 +95,8 @@ def plan(model_or_preset, cluster=None, global_batch_size=None, seq_len=None, to
         raise _empty_space_error(model, cluster, global_batch, space)
     candidates = outcome.top(top, global_batch, seq, capacity)
     if candidates:
-        explanation = _planner_only_note(options) + explain_search(outcome, candidates, global_batch, seq, capacity)
+        explanation = _planner_only_note(options, candidates) + explain_search(outcome, candidates, global_batch, seq,
+                                                                               capacity)
         return PlanResult(model, cluster, global_batch, seq, candidates, explanation, True, outcome.evaluated,
                           time.perf_counter() - start)
     closest = candidate_at(outcome.evaluation, outcome.grid, outcome.least_memory(), global_batch, seq, capacity)
@@ -106,13 +108,22 @@ def plan(model_or_preset, cluster=None, global_batch_size=None, seq_len=None, to
                       time.perf_counter() - start, suggestions=suggestions)
 
 
-def _planner_only_note(options) -> str:
-    if not options.planner_only:
-        return ""
-    core = "" if options.core_dtype == options.compute_dtype else (
-        f" (the linear layers; the attention core, output head and router at its {options.core_dtype} peak)")
-    return (f"Note: precision {options.precision} is priced at the device's {options.compute_dtype} peak{core} but is "
-            f"planner-only: the runtime cannot run it (its AMP offers float16 and bfloat16).\n")
+def _planner_only_note(options, candidates=(), fixed=False) -> str:
+    """What of the plan the runtime cannot run: an fp8 precision, the DualPipe schedule of a listed candidate (of
+    the ``fixed`` configuration)."""
+    note = ""
+    if options.planner_only:
+        core = "" if options.core_dtype == options.compute_dtype else (
+            f" (the linear layers; the attention core, output head and router at its {options.core_dtype} peak)")
+        note += (f"Note: precision {options.precision} is priced at the device's {options.compute_dtype} peak{core} "
+                 f"but is planner-only: the runtime cannot run it (its AMP offers float16 and bfloat16).\n")
+    ranks = [str(i + 1) for i, c in enumerate(candidates) if c.config.dualpipe]
+    if ranks:
+        who = "the configuration" if fixed else f"candidate {', '.join(ranks)}"
+        note += (f"Note: {who} uses the {dualpipe.NAME} schedule ({dualpipe.SOURCE}), priced "
+                 f"but planner-only: the runtime runs 1F1B or VPP, and applying the plan raises "
+                 f"NotImplementedError.\n")
+    return note
 
 
 def _plan_fixed(model, cluster, global_batch, seq, fixed, options, space, start) -> PlanResult:
@@ -140,7 +151,7 @@ def _plan_fixed(model, cluster, global_batch, seq, fixed, options, space, start)
                                       f"{cluster.name})\n")
     suggestions = []
     if cand.feasible:
-        explanation = _planner_only_note(options) + note + explain_fixed(cand, reference)
+        explanation = _planner_only_note(options, [cand], fixed=True) + note + explain_fixed(cand, reference)
     else:
         suggestions = fixed_suggestions(model, sub, global_batch, seq, config, options)
         if reference is not None:
@@ -150,6 +161,7 @@ def _plan_fixed(model, cluster, global_batch, seq, fixed, options, space, start)
         headline = (f"{note}The fixed configuration {config.short()} of {model.name} on {sub.name} needs "
                     f"{cand.memory_per_device_gb:.1f} GB per device, more than the {sub.device.memory_bytes / 1e9:.1f} GB "
                     f"it has.")
-        explanation = infeasible_message(headline, cand, suggestions, closest_label="breakdown")
+        explanation = _planner_only_note(options, [cand], fixed=True) + infeasible_message(
+            headline, cand, suggestions, closest_label="breakdown")
     return PlanResult(model, sub, global_batch, seq, [cand], explanation, cand.feasible, 1 + outcome.evaluated,
                       time.perf_counter() - start, mode="fixed", reference=reference, suggestions=suggestions)

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed", default=None,
                    help="evaluate one configuration, e.g. 'dp=4,tp=8,pp=4,micro_batch=1,recompute=selective,"
                         "sharding=1' (keys: dp tp pp vpp sp sharding offload micro_batch recompute ep "
-                        "split=even|ends|balanced)")
+                        "split=even|ends|balanced dualpipe=0|1)")
     p.add_argument("--plot", default=None, metavar="PNG", help="save the memory breakdown and step times as a PNG")
     p.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                    help="numerics (default: bf16, or the profile's precision)")

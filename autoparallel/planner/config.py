@@ -25,6 +25,8 @@ class ParallelConfig:
     micro_batch: int = 1          # sequences per micro-batch per data-parallel replica
     ep: int = 1                   # expert-parallel degree (MoE models; carved out of the data-parallel ranks)
     split: str = "even"           # pipeline stage split: "even", "ends" (first/last one block lighter), "balanced"
+    dualpipe: int = 0             # 1: DeepSeek's DualPipe schedule (rank r holds stages r and pp-1-r; planner-only:
+                                  # the runtime runs 1F1B or VPP), see planner/dualpipe.py
 
     @property
     def world(self) -> int:
@@ -34,6 +36,8 @@ class ParallelConfig:
     def schedule(self) -> str:
         if self.pp == 1:
             return "none"
+        if self.dualpipe:
+            return "DualPipe"
         return "VPP" if self.vpp > 1 else "1F1B"
 
     def num_micro_batches(self, global_batch: int) -> int:
@@ -50,11 +54,17 @@ class ParallelConfig:
             text += f" ep={self.ep}"
         if self.pp > 1 and self.split != "even":
             text += f" split={self.split}"
+        if self.dualpipe:
+            text += " dualpipe=1"
         return text
 
     def to_strategy_dict(self, global_batch: int) -> dict:
         """The configuration as ``Strategy.from_dict`` input (for auto_mode="full")."""
         m = self.num_micro_batches(global_batch)
+        if self.dualpipe:
+            raise NotImplementedError("the DualPipe schedule (dualpipe=1) is priced by the planner, but the runtime "
+                                      "runs 1F1B or VPP only: constrain the search to dualpipe=0 to get a runnable "
+                                      "plan")
         if self.ep > 1:
             raise NotImplementedError(f"expert parallelism (ep={self.ep}) is priced by the planner but the runtime "
                                       f"runs experts replicated: constrain the search to ep=1 to get a runnable plan")
@@ -83,7 +93,7 @@ FIXED_KEYS = {
     "dp": ("dp", None), "tp": ("tp", None), "pp": ("pp", None), "vpp": ("vpp", None),
     "sp": ("sp", (0, 1)), "sharding": ("sharding", (0, 1, 2, 3)), "offload": ("offload", (0, 1)),
     "micro_batch": ("micro_batch", None), "recompute": ("recompute", RECOMPUTE),
-    "ep": ("ep", None), "split": ("split", SPLITS),
+    "ep": ("ep", None), "split": ("split", SPLITS), "dualpipe": ("dualpipe", (0, 1)),
 }
 
 
@@ -91,7 +101,8 @@ def parse_fixed(text) -> dict:
     """``"dp=4,tp=8,pp=4,micro_batch=1,recompute=selective,sharding=1"`` -> {field: value}.
 
     A dict is validated the same way. Keys: dp, tp, pp, vpp, sp 0|1, sharding 0-3, offload 0|1,
-    micro_batch, recompute none|selective|full. Raises ValueError naming the expected form.
+    micro_batch, recompute none|selective|full, ep, split even|ends|balanced, dualpipe 0|1. Raises ValueError
+    naming the expected form.
     """
     if text is None:
         return {}

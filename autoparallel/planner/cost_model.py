@@ -9,6 +9,8 @@ Step time on the slowest pipeline stage (stage i holds n_i blocks, planner/stage
     T_L  = 3·t_fwd + t_recompute + TP collectives (+ expert all-to-all)      (one block, one micro-batch)
     t_i  = n_i·T_L (+ the output head on the last stage),  t_max = max_i t_i
     bubble = (Σ_i t_i − t_max) / v                                          ((p-1)/v·t for equal stages)
+    DualPipe: a device's t is the mean of its two stages' (r and p-1-r), bubble (p/2-1)(F&B + B - 3W) of the
+    slowest device's chunk (planner/dualpipe.py; W: ``weight_grad_seconds``)
     t_fwd of a block = matmul FLOPs / (peak·gemm_efficiency) + element-wise bytes / memory bandwidth
 
 TP collectives, pipeline sends and (unless overlapped) expert all-to-alls sit on the critical path; ZeRO-3
@@ -29,17 +31,17 @@ from functools import lru_cache
 import numpy as np
 
 from autoparallel.core.cost import collective_seconds
-from autoparallel.planner import eager_cost
+from autoparallel.planner import dualpipe, eager_cost
 from autoparallel.planner import memory as mem
 from autoparallel.planner.links import Stream, exposed_overlap
 from autoparallel.planner.memory import FULL, SELECTIVE
 from autoparallel.planner.params import (block_and_edge_params, edge_params, largest_stage_params,  # noqa: F401
                                          layer_params_on_device, stage_params)
 from autoparallel.planner.stage_memory import memory_floors, stage_memory  # noqa: F401
-from autoparallel.planner.stages import stage_layout
+from autoparallel.planner.stages import pair_layout, stage_layout
 from autoparallel.core.topology import topology_of
 
-GRID_KEYS = ("dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "offload", "mb", "ep", "split")
+GRID_KEYS = ("dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "offload", "mb", "ep", "split", "dualpipe")
 
 # ---------------------------------------------------------------------------------------------
 # collectives over arrays
@@ -176,6 +178,30 @@ def stored_recompute_seconds(model, o, dev, s, b, tp, sp):
                             dev.memory_bandwidth_Bps)
 
 
+def block_flops(model, o, s, b, tp, sp):
+    """One block's forward GEMM FLOPs on one TP rank for one micro-batch, routed experts at the busiest rank's
+    pace (``moe_imbalance``): (all of them, the attention core's, the core dtype's: attention core + router)."""
+    imbalance = 2.0 * model.moe_fraction * model.top_k * model.expert_params * (o.moe_imbalance - 1.0)
+    flops = layer_forward_flops(model, s, b, tp, np.where(sp > 0, tp, 1)) + b * s * imbalance / tp
+    attn_core = attention_core_flops(model, s, b, tp)
+    return flops, attn_core, attn_core + b * s * model.router_flops_per_token() / tp
+
+
+def weight_grad_seconds(model, o, dev, s, b, tp, sp):
+    """W, one block's "backward for weights" (arXiv:2412.19437 Table 2) on one TP rank for one micro-batch: a layer
+    with weights computes in backward a data gradient and a weight gradient, each a GEMM of its forward's FLOPs, so
+    W = (linear layers' forward FLOPs) / (peak·η) + (router's) / (core peak·η); the attention core, norms and
+    activations have no weights and no W."""
+    flops, attn_core, core = block_flops(model, o, s, b, tp, sp)
+    eta = o.gemm_efficiency
+    return (flops - core) / (dev.flops(o.compute_dtype) * eta) + (core - attn_core) / (dev.flops(o.core_dtype) * eta)
+
+
+def logits_weight_grad_seconds(model, o, dev, s, b, tp):
+    """W of the output head: its weight-gradient GEMM, the forward's FLOPs 2·b·s·h·V/t at the core dtype's peak."""
+    return logits_forward_flops(model, s, b, tp) / (dev.flops(o.core_dtype) * o.gemm_efficiency)
+
+
 def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
     """(forward, recompute, output-head forward) seconds on one TP rank for one micro-batch; routed experts run
     at the busiest rank's pace (``moe_imbalance``); the attention core, router and output head at the core dtype's
@@ -187,10 +213,7 @@ def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
     act_full = mem.layer_activation_bytes(model, s, b, tp, sp, none_code, scale, o.flash_attention)
     act_scores = act_full - mem.layer_activation_bytes(model, s, b, tp, sp, none_code + SELECTIVE, scale,
                                                        o.flash_attention)
-    imbalance = 2.0 * model.moe_fraction * model.top_k * model.expert_params * (o.moe_imbalance - 1.0)
-    flops = layer_forward_flops(model, s, b, tp, np.where(sp > 0, tp, 1)) + b * s * imbalance / tp
-    attn_core = attention_core_flops(model, s, b, tp)
-    core = attn_core + b * s * model.router_flops_per_token() / tp
+    flops, attn_core, core = block_flops(model, o, s, b, tp, sp)
     t_fwd = two_rate_seconds(flops, core, k * act_full, peak, core_peak, eta, W)
     t_core = roofline_seconds(attn_core, k * act_scores, core_peak, eta, W)
     t_rc = np.where(rc == FULL, t_fwd, np.where(rc == SELECTIVE, t_core, 0.0) + stored_recompute_seconds(
@@ -202,7 +225,8 @@ def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
 
 def _block_seconds(model, o, cluster, s, b, tp, sp, rc, ep, cache):
     """One block of ``model`` for one micro-batch: (t_fwd, t_rc, t_logits, TP stream, expert all-to-all stream,
-    T_L = 3·t_fwd + t_rc + TP collectives (+ the all-to-all unless overlapped))."""
+    T_L = 3·t_fwd + t_rc + TP collectives (+ the all-to-all unless overlapped), F_L its forward: t_fwd + the forward's
+    collectives, W_L its weight gradients: ``weight_grad_seconds``)."""
     t_fwd, t_rc, t_logits = _time_per_layer(model, o, cluster.device, s, b, tp, sp, rc)
     msg = o.activation_scale * 2.0 * b * s * model.hidden            # one block boundary activation
     ar = Stream.of(cluster, "all_reduce", msg, tp, 1, cache=cache)
@@ -213,26 +237,33 @@ def _block_seconds(model, o, cluster, s, b, tp, sp, rc, ep, cache):
     a2a_bytes = o.activation_scale * 2.0 * b * s * model.hidden * model.top_k / tp
     a2a_calls = model.moe_fraction * (4 + 2 * (rc == FULL))
     a2a_layer = routed_all_to_all(cluster, model, a2a_bytes, ep, tp, a2a_calls, cache)
-    T_L = 3.0 * t_fwd + t_rc + tp_layer.seconds + (0.0 if o.moe_a2a_overlap else a2a_layer.seconds)
-    return t_fwd, t_rc, t_logits, tp_layer, a2a_layer, T_L
+    a2a_exposed = 0.0 if o.moe_a2a_overlap else a2a_layer.seconds
+    T_L = 3.0 * t_fwd + t_rc + tp_layer.seconds + a2a_exposed
+    forward = np.where((sp == 0) & bool(model.parallel_block), 1, 2)        # the forward's share of the calls
+    F_L = t_fwd + tp_layer.seconds * forward / tp_calls + a2a_exposed * 2.0 / (4.0 + 2.0 * (rc == FULL))
+    W_L = weight_grad_seconds(model, o, cluster.device, s, b, tp, sp)
+    return t_fwd, t_rc, t_logits, tp_layer, a2a_layer, T_L, F_L, W_L
 
 
 def mtp_seconds(model, o, cluster, s, b, tp, sp, rc, ep, t_logits, cache):
     """Forward + backward seconds per micro-batch of the multi-token-prediction modules on the last stage
     (planner/mtp.py; DeepSeek-AI 2024 §2.2), and their block's (TP, all-to-all) streams: each module its block
     (``ModelSpec.mtp_block``, priced as any block), the 2h x h projection split by TP (a linear-layer GEMM) and a
-    second output-head pass. Returns (seconds, forward compute seconds, backward compute seconds, streams):
-    the compute seconds widen the last stage's windows that overlapped communication hides behind. Zeros and no
-    streams without multi-token prediction."""
+    second output-head pass. Returns (seconds, forward compute seconds, backward compute seconds, weight-gradient
+    seconds, streams): the compute seconds widen the last stage's windows that overlapped communication hides
+    behind; the weight gradients are DualPipe's W (the block's, the projection's and the head pass's GEMMs). Zeros
+    and no streams without multi-token prediction."""
     if not model.mtp_depth:
-        return 0.0, 0.0, 0.0, ()
-    t_fwd, t_rc, _, tp_m, a2a_m, T_m = _block_seconds(model.mtp_block(), o, cluster, s, b, tp, sp, rc, ep, cache)
+        return 0.0, 0.0, 0.0, 0.0, ()
+    t_fwd, t_rc, _, tp_m, a2a_m, T_m, _, W_m = _block_seconds(model.mtp_block(), o, cluster, s, b, tp, sp, rc, ep,
+                                                              cache)
     dev = cluster.device
     proj = roofline_seconds(2.0 * b * s * model.mtp_projection_params / tp, 0.0, dev.flops(o.compute_dtype),
                             o.gemm_efficiency, dev.memory_bandwidth_Bps)
     d = model.mtp_depth
+    W = d * (W_m + proj + logits_weight_grad_seconds(model, o, dev, s, b, tp))
     return (d * (T_m + 3.0 * proj + 3.0 * t_logits), d * (t_fwd + proj + t_logits),
-            d * (2.0 * t_fwd + t_rc + 2.0 * proj + 2.0 * t_logits), (tp_m, a2a_m))
+            d * (2.0 * t_fwd + t_rc + 2.0 * proj + 2.0 * t_logits), W, (tp_m, a2a_m))
 
 
 def evaluate(model, cluster, global_batch, seq_len, grid, options):
@@ -252,18 +283,26 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     world = dp * tp * pp
     gpn = cluster.devices_per_node
     eager = cluster.runtime is not None
-    n_first, n_last, n_mid = stage_layout(model, seq_len, pp, v, np.where(eager, 0, g["split"]))
+    dual = (g["dualpipe"] > 0) & (pp > 1)
+    if eager and dual.any():
+        raise NotImplementedError("DualPipe is not priced for the eager runtime's calibrated profile (its blocking "
+                                  "collectives and per-op costs follow the runtime's 1F1B)")
+    split = np.where(eager, 0, g["split"])
+    n_first, n_last, n_mid = stage_layout(model, seq_len, pp, v, split)
     n_max = np.maximum(np.maximum(n_first, n_last), n_mid)
 
     cache = {}                                   # group shapes of this evaluation, priced once per array pair
     tp_ep, tp_dp, pp_peers = tp * ep, tp * dp, np.where(pp > 1, 2, 1)
 
     # ---- one block, one micro-batch ------------------------------------------------------------------
-    t_fwd, t_rc, t_logits, tp_layer, a2a_layer, T_L = _block_seconds(model, o, cluster, s, b, tp, sp, rc, ep, cache)
+    t_fwd, t_rc, t_logits, tp_layer, a2a_layer, T_L, F_L, W_L = _block_seconds(model, o, cluster, s, b, tp, sp, rc,
+                                                                               ep, cache)
     msg = o.activation_scale * 2.0 * b * s * model.hidden            # one block boundary activation
     a2a_hidden = bool(o.moe_a2a_overlap)
-    mtp_s, mtp_fwd, mtp_bwd, mtp_streams = mtp_seconds(model, o, cluster, s, b, tp, sp, rc, ep, t_logits, cache)
+    mtp_s, mtp_fwd, mtp_bwd, mtp_W, mtp_streams = mtp_seconds(model, o, cluster, s, b, tp, sp, rc, ep, t_logits,
+                                                              cache)
     H = 3.0 * t_logits + mtp_s
+    H_F, H_W = t_logits + mtp_fwd, logits_weight_grad_seconds(model, o, dev, s, b, tp) + mtp_W
 
     # ---- pipeline stages: the slowest sets the pace, the others fill and drain the bubble ------------
     t_first = n_first * T_L + np.where(pp == 1, H, 0.0)
@@ -329,15 +368,20 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
                                cluster.overlap)
 
     # the step follows the stage whose compute plus exposed communication is largest (first, last, middle; a stage
-    # that does not exist -- no last one without a pipeline, no middle one below three stages -- never does)
-    heads = (np.where(pp == 1, 1.0, 0.0), np.ones(n), np.zeros(n))
-    rows = tuple(zip((n_first, n_last, n_mid), heads, (t_first, t_last, t_mid), (np.ones(n, bool), pp > 1, pp > 2)))
+    # that does not exist -- no last one without a pipeline, no middle one below three stages -- never does).
+    # DualPipe: the rows are devices, rank 0 (stages 0 and p-1) and the fullest other rank (planner/dualpipe.py)
+    pairs = pair_layout(model, seq_len, pp, split) if dual.any() else (np.zeros(n), np.zeros(n))
+    blocks, heads, live = dualpipe.device_blocks(*pairs, pp, dual, n_first, n_last, n_mid)
+    rows = tuple(zip(blocks, heads, (n_k * T_L + h_k * H for n_k, h_k in zip(blocks, heads)), live))
     exposed = [stage_overlap(n_k, head_k) for n_k, head_k, _, _ in rows]
     load = [np.where(live, m * t_k + e, -np.inf) for (_, _, t_k, live), e in zip(rows, exposed)]
     pick = np.argmax(np.stack(load), axis=0)
-    n_b = np.choose(pick, [n_first, n_last, n_mid])
+    n_b = np.choose(pick, blocks)
     head_b = np.choose(pick, heads)
     overlap_s = np.choose(pick, exposed)
+    if dual.any():
+        bubble = np.where(dual, _dualpipe_bubble(pp, n_b, head_b, T_L, F_L, W_L, H, H_F, H_W, a2a_layer,
+                                                 mtp_streams, model.mtp_depth, a2a_hidden), bubble)
 
     # ---- pipeline sends ------------------------------------------------------------------------------
     p2p_msg = np.where((sp > 0) | o.pp_scatter_gather, msg / tp, msg)
@@ -407,6 +451,23 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
         "tflops_per_device": hw_per_token[rc] * tokens / (step * world) / 1e12,
         "mfu": model.model_flops_per_token(seq_len) * tokens / (step * world * peak),
     }
+
+
+def _dualpipe_bubble(pp, n_b, head_b, T_L, F_L, W_L, H, H_F, H_W, a2a_layer, mtp_streams, mtp_depth, a2a_hidden):
+    """DualPipe's bubble on the slowest device (``n_b`` blocks and ``head_b`` of the head per micro-batch): its
+    chunk's F, B = the rest of its work, W; F&B no less than the overlapped all-to-all of the pair on its busiest
+    link (planner/dualpipe.py). The head's F is its compute (``H_F``): the MTP block's forward collectives, if any
+    are exposed, count in B."""
+    F = n_b * F_L + head_b * H_F
+    B = n_b * (T_L - F_L) + head_b * (H - H_F)
+    W = n_b * W_L + head_b * H_W
+    link = 0.0
+    if a2a_hidden:
+        link = n_b * np.maximum(a2a_layer.nvlink, a2a_layer.network)
+        if mtp_streams:
+            a2a_mtp = mtp_streams[1]
+            link = link + head_b * mtp_depth * np.maximum(a2a_mtp.nvlink, a2a_mtp.network)
+    return dualpipe.dualpipe_bubble(pp, dualpipe.overlapped_pair_seconds(F, B, link), B, W)
 
 
 def _eager_terms(model, cluster, g, m, b, s, msg, layers, psi, t_fwd, t_rc, t_logits, optimizer):

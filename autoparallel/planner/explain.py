@@ -14,9 +14,10 @@ TERM_NAMES = {"compute": "compute", "recompute": "recomputation", "tp_comm": "TP
               "overhead": "per-op overheads", "ep_comm": "expert all-to-all"}
 KNOB_LABELS = (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("vpp", "vpp"), ("sp", "sp"), ("sharding", "zero"),
                ("recompute", "recompute"), ("offload", "offload"), ("micro_batch", "micro_batch"), ("ep", "ep"),
-               ("split", "split"))
+               ("split", "split"), ("dualpipe", "dualpipe"))
 _GRID_OF_KNOB = {"tp": "tp", "pp": "pp", "dp": "dp", "vpp": "vpp", "sp": "sp", "sharding": "zero",
-                 "recompute": "recompute", "offload": "offload", "micro_batch": "mb", "ep": "ep", "split": "split"}
+                 "recompute": "recompute", "offload": "offload", "micro_batch": "mb", "ep": "ep", "split": "split",
+                 "dualpipe": "dualpipe"}
 
 
 def config_diff(a: ParallelConfig, b: ParallelConfig) -> str:

@@ -46,9 +46,6 @@ class PlannerOptions:
     optimizer_moment_bytes: float = 4.0           # bytes of each AdamW moment (§3.3.3 "the BF16 data format instead of
                                                   # FP32 to track the first and second moments": 2); master weights
                                                   # and gradients stay fp32
-    dualpipe_memory: bool = False                 # DualPipe's memory (arXiv:2412.19437 §3.2.1, Table 2): two copies of
-                                                  # a stage's weights and gradients per device and (PP+1)/PP of 1F1B's
-                                                  # micro-batches in flight; the schedule's time stays priced as 1F1B
     # -- memory
     memory_reserve_fraction: float = 0.10         # device memory kept free: runtime context, comm buffers, fragmentation
     host_memory_reserve_fraction: float = 0.25    # host RAM kept for the OS, data loaders and pinned staging buffers
@@ -64,7 +61,8 @@ class PlannerOptions:
     moe_imbalance: float = 1.1                    # tokens of the busiest expert rank / the mean (dropless routing with
                                                   # load balancing); expert compute runs at the busiest rank's pace
     moe_a2a_overlap: bool = False                 # expert all-to-all overlapped with another micro-batch's compute
-                                                  # (DeepSeek's DualPipe), within each link's budget; else exposed
+                                                  # (DeepSeek's DualPipe overlaps it), within each link's budget; else
+                                                  # exposed. DualPipe itself is a schedule: ParallelConfig.dualpipe
     # -- pipeline
     pp_scatter_gather: bool = True                # stage-to-stage messages split over the TP group (Narayanan et al. §4.1;
                                                   # DeepSpeed's pipeline engine likewise: PartitionedTensor over TP)

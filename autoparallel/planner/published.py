@@ -207,26 +207,27 @@ MEGASCALE_530B = tuple(_megascale_530b(g, m) for g, m in ((2240, 0.492), (4480, 
 RUNS = RUNS + MEGASCALE_530B
 
 # DeepSeek-V3's software facts (arXiv:2412.19437): FlashAttention-style attention; the expert all-to-all hidden by
-# DualPipe (§3.2.1) and DualPipe's memory (Table 2: 2x parameters, PP+1 activations); "Recomputation of RMSNorm and
-# MLA Up-Projection" (§3.2.3); "cache activations in FP8 format for the backward pass of the Linear operator", the
-# Linear-after-attention inputs in "a customized E5M6 data format" (12 bits), the MoE SwiGLU's inputs cached and its
-# output recomputed, "the BF16 data format instead of FP32 to track the first and second moments in the AdamW
-# optimizer" (§3.3.3); its EMA lives in CPU memory (§3.2.3: nothing on the device, and the planner counts none)
-_DEEPSEEK_V3 = (("flash_attention", True), ("moe_a2a_overlap", True), ("dualpipe_memory", True),
-                ("recompute_norm_up_projection", True), ("linear_input_bytes", 1.0), ("attention_output_bytes", 1.5),
-                ("moe_swiglu_recompute", True), ("optimizer_moment_bytes", 2.0))
+# DualPipe (§3.2.1; the schedule itself, its time and memory, is the configuration's dualpipe=1); "Recomputation of
+# RMSNorm and MLA Up-Projection" (§3.2.3); "cache activations in FP8 format for the backward pass of the Linear
+# operator", the Linear-after-attention inputs in "a customized E5M6 data format" (12 bits), the MoE SwiGLU's inputs
+# cached and its output recomputed, "the BF16 data format instead of FP32 to track the first and second moments in the
+# AdamW optimizer" (§3.3.3); its EMA lives in CPU memory (§3.2.3: nothing on the device, and the planner counts none)
+_DEEPSEEK_V3 = (("flash_attention", True), ("moe_a2a_overlap", True), ("recompute_norm_up_projection", True),
+                ("linear_input_bytes", 1.0), ("attention_output_bytes", 1.5), ("moe_swiglu_recompute", True),
+                ("optimizer_moment_bytes", 2.0))
 
 MOE_RUNS = (
     PublishedRun("DeepSeek-V3", "deepseek-v3", "H800", 2048, _NDR,
-                 _cfg(2048, 1, 16, sharding=1, ep=64, split="ends"), 15360, 4096,
+                 _cfg(2048, 1, 16, sharding=1, ep=64, split="ends", dualpipe=1), 15360, 4096,
                  "tokens", 1543.0, "DeepSeek-AI 2024 (arXiv:2412.19437): 180K H800 GPU hours per trillion tokens "
                  "(14.8T tokens in 2.664M GPU hours)",
                  "FP8 for the linear layers' GEMMs, attention core, router and output head in BF16 (§3.3.1); MLA from "
-                 "its ranks and head widths (§2.1.1, config.json); MTP depth 1 (§2.2); PP 16 (DualPipe priced as 1F1B "
-                 "with the all-to-all overlapped, 2 blocks on each end stage assumed), EP 64, node-limited routing (4 "
-                 "nodes), ZeRO-1; memory as stated: DualPipe's 2 weight and gradient copies and PP+1 activations "
-                 "(§3.2.1), RMSNorm and MLA up-projections recomputed (§3.2.3), Linear inputs cached in FP8 (E5M6 "
-                 "after attention), MoE SwiGLU output recomputed, BF16 Adam moments (§3.3.3)",
+                 "its ranks and head widths (§2.1.1, config.json); MTP depth 1 (§2.2); PP 16 under DualPipe (§3.2.1: "
+                 "its bubble, rank r running stages r and PP-1-r, the all-to-all overlapped; 2 blocks on each end "
+                 "stage assumed), EP 64, node-limited routing (4 nodes), ZeRO-1; memory as stated: DualPipe's 2 weight"
+                 " and gradient copies and PP+1 activations (§3.2.1), RMSNorm and MLA up-projections recomputed "
+                 "(§3.2.3), Linear inputs cached in FP8 (E5M6 after attention), MoE SwiGLU output recomputed, BF16 "
+                 "Adam moments (§3.3.3)",
                  precision="fp8", dense_only=False, software=_DEEPSEEK_V3),
 )
 
@@ -274,12 +275,14 @@ def validation_table(runs=RUNS, options: PlannerOptions = None) -> list:
 def search_best(run: PublishedRun, options: PlannerOptions = None, feasible_only: bool = True):
     """The search's best configuration for the run's job (same model, GPUs, batch, sequence): the fastest that
     fits, or with ``feasible_only=False`` the fastest of all (for a published configuration that the memory
-    model says does not fit)."""
+    model says does not fit). A run that used DualPipe lets the search choose it too (``SearchSpace.dualpipe``)."""
     from autoparallel.planner.search import SearchSpace, candidate_at, rank_order, search
 
     options = run.options(options)
     cluster = run_cluster(run)
-    outcome = search(PRESETS[run.model], cluster, run.global_batch, run.seq_len, SearchSpace(), options,
+    # the search may use the run's own schedule: DualPipe is searched only when asked for (planner-only)
+    space = SearchSpace(dualpipe=(0, 1)) if run.config.dualpipe else SearchSpace()
+    outcome = search(PRESETS[run.model], cluster, run.global_batch, run.seq_len, space, options,
                      prune=feasible_only)
     order = outcome.order if feasible_only else rank_order(outcome.evaluation, outcome.grid, feasible_only=False)
     if not len(order):

@@ -16,6 +16,7 @@ import numpy as np
 
 from autoparallel.planner.config import RECOMPUTE, SPLITS, ParallelConfig
 from autoparallel.planner.cost_model import GRID_KEYS, MEMORY_TERMS, TIME_TERMS, evaluate, memory_floors
+from autoparallel.planner.dualpipe import problem as dualpipe_problem
 from autoparallel.planner.result import GB, Candidate
 
 _RC_CODE = {name: i for i, name in enumerate(RECOMPUTE)}
@@ -35,6 +36,7 @@ class SearchSpace:
     micro_batch: tuple = None     # allowed micro-batch sizes
     ep: tuple = None              # allowed expert-parallel degrees (MoE models; dense models: 1)
     split: tuple = SPLITS         # pipeline stage splits
+    dualpipe: tuple = (0,)        # DualPipe off/on; on only when asked for (planner-only, as fp8: docs/planner.md)
 
     @classmethod
     def from_constraints(cls, constraints: dict) -> "SearchSpace":
@@ -49,7 +51,7 @@ class SearchSpace:
             allowed = tuple(allowed)
             if not allowed:
                 raise ValueError(f"constraint {key!r} allows no value")
-            for name, legal in (("recompute", RECOMPUTE), ("split", SPLITS)):
+            for name, legal in (("recompute", RECOMPUTE), ("split", SPLITS), ("dualpipe", (0, 1))):
                 bad = [a for a in allowed if a not in legal] if key == name else []
                 if bad:
                     raise ValueError(f"{name} must be among {legal}, got {bad}")
@@ -162,6 +164,12 @@ def invalid_reason(model, world, global_batch, seq_len, config: ParallelConfig, 
             return f"the interleaved schedule needs micro-batches ({m}) divisible by pp ({c.pp})"
         if c.vpp > options.max_vpp:
             return f"vpp={c.vpp} exceeds max_vpp={options.max_vpp}"
+    if c.dualpipe not in (0, 1):
+        return f"dualpipe must be 0 or 1, got {c.dualpipe!r}"
+    if c.dualpipe:
+        problem = dualpipe_problem(c.pp, c.vpp, m)
+        if problem:
+            return problem
     if c.sp and c.tp == 1:
         return "sequence parallelism (sp=1) needs tp > 1"
     if c.sp and seq_len % c.tp:
@@ -205,7 +213,7 @@ def _pipeline_shapes(model, seq_len, pp, space, options):
 
 
 def structural_grid(model, world, global_batch, seq_len, space: SearchSpace, options) -> np.ndarray:
-    """The valid structural tuples of ``space``: an (n, 7) int array of (dp, tp, pp, vpp, mb, ep, split)."""
+    """The valid structural tuples of ``space``: an (n, 8) int array of (dp, tp, pp, vpp, mb, ep, split, dualpipe)."""
     structural = []
     for tp in divisors(world):
         if not (space.allows("tp", tp) and tp_divides_model(model, tp)):
@@ -224,12 +232,14 @@ def structural_grid(model, world, global_batch, seq_len, space: SearchSpace, opt
                 m = global_batch // (dp * mb)
                 if pp > 1 and m < pp:                   # 1F1B's steady state needs pp micro-batches
                     continue
+                duals = [d for d in space.dualpipe if d == 0 or (d == 1 and not dualpipe_problem(pp, 1, m))]
                 for v, split in shapes:
                     if v > 1 and m % pp:
                         continue
-                    for e in eps:
-                        structural.append((dp, tp, pp, v, mb, e, _SPLIT_CODE[split]))
-    return np.array(structural, dtype=np.int64).reshape(-1, 7)
+                    for e, d in itertools.product(eps, duals):
+                        if not (d and v > 1):
+                            structural.append((dp, tp, pp, v, mb, e, _SPLIT_CODE[split], d))
+    return np.array(structural, dtype=np.int64).reshape(-1, 8)
 
 
 def _knob_rows(space: SearchSpace) -> np.ndarray:
@@ -250,7 +260,7 @@ def expand_grid(struct: np.ndarray, seq_len, space: SearchSpace, fits: np.ndarra
     s_rep = np.repeat(struct, n_k, axis=0)
     k_rep = np.tile(knobs, (n_s, 1))
     grid = {"dp": s_rep[:, 0], "tp": s_rep[:, 1], "pp": s_rep[:, 2], "vpp": s_rep[:, 3], "mb": s_rep[:, 4],
-            "ep": s_rep[:, 5], "split": s_rep[:, 6],
+            "ep": s_rep[:, 5], "split": s_rep[:, 6], "dualpipe": s_rep[:, 7],
             "sp": k_rep[:, 0], "zero": k_rep[:, 1], "recompute": k_rep[:, 2], "offload": k_rep[:, 3]}
     ok = ((grid["sp"] == 0) | ((grid["tp"] > 1) & (seq_len % grid["tp"] == 0)))
     ok &= (grid["zero"] == 0) | (grid["dp"] > 1)
@@ -281,6 +291,7 @@ def grid_of(configs) -> dict:
         "mb": np.array([c.micro_batch for c in configs], dtype=np.int64),
         "ep": np.array([c.ep for c in configs], dtype=np.int64),
         "split": np.array([_SPLIT_CODE[c.split] for c in configs], dtype=np.int64),
+        "dualpipe": np.array([c.dualpipe for c in configs], dtype=np.int64),
     }
 
 
@@ -288,7 +299,8 @@ def config_at(grid: dict, i: int) -> ParallelConfig:
     return ParallelConfig(dp=int(grid["dp"][i]), tp=int(grid["tp"][i]), pp=int(grid["pp"][i]),
                           vpp=int(grid["vpp"][i]), sp=int(grid["sp"][i]), sharding=int(grid["zero"][i]),
                           recompute=RECOMPUTE[int(grid["recompute"][i])], offload=int(grid["offload"][i]),
-                          micro_batch=int(grid["mb"][i]), ep=int(grid["ep"][i]), split=SPLITS[int(grid["split"][i])])
+                          micro_batch=int(grid["mb"][i]), ep=int(grid["ep"][i]), split=SPLITS[int(grid["split"][i])],
+                          dualpipe=int(grid["dualpipe"][i]))
 
 
 def candidate_at(ev: dict, grid: dict, i: int, global_batch: int, seq_len: int, capacity: float) -> Candidate:
@@ -313,7 +325,8 @@ def evaluate_config(model, cluster, global_batch, seq_len, config: ParallelConfi
 
 
 def rank_order(ev: dict, grid: dict, feasible_only: bool = True) -> np.ndarray:
-    """Indices sorted by (step time, memory, dp, tp, pp, vpp, sp, zero, recompute, offload, mb, ep, split)."""
+    """Indices sorted by (step time, memory, dp, tp, pp, vpp, sp, zero, recompute, offload, mb, ep, split,
+    dualpipe)."""
     pool = np.flatnonzero(ev["feasible"]) if feasible_only else np.arange(len(ev["step_time_s"]))
     keys = [grid[k][pool] for k in reversed(GRID_KEYS)] + [ev["memory_total"][pool], ev["step_time_s"][pool]]
     return pool[np.lexsort(keys)]
@@ -364,7 +377,7 @@ def _fits(model, cluster, global_batch, seq_len, struct, space: SearchSpace, opt
     sp_rc = sorted({(int(k[0]), int(k[2])) for k in knobs})
     zero_off = sorted({(int(k[1]), int(k[3])) for k in knobs})
     cols = {"dp": struct[:, 0], "tp": struct[:, 1], "pp": struct[:, 2], "vpp": struct[:, 3], "mb": struct[:, 4],
-            "ep": struct[:, 5], "split": struct[:, 6]}
+            "ep": struct[:, 5], "split": struct[:, 6], "dualpipe": struct[:, 7]}
     by_state, by_act = memory_floors(model, cluster, global_batch, seq_len, cols, options, sp_rc, zero_off)
     cap = cluster.device.memory_bytes
     k_state = np.array([zero_off.index((int(k[1]), int(k[3]))) for k in knobs], dtype=np.int64)
@@ -390,6 +403,8 @@ def search(model, cluster, global_batch, seq_len, space: SearchSpace, options, p
     start = time.perf_counter()
     if cluster.runtime is not None and tuple(space.split) != ("even",) and "even" in space.split:
         space = replace(space, split=("even",))     # the eager runtime splits identical blocks evenly
+    if cluster.runtime is not None and 0 in space.dualpipe:
+        space = replace(space, dualpipe=(0,))       # its profile prices the runtime's own schedules only
     struct = structural_grid(model, cluster.world_size, global_batch, seq_len, space, options)
     if prune and len(struct) and len(_knob_rows(space)):
         fits = _fits(model, cluster, global_batch, seq_len, struct, space, options)
@@ -413,13 +428,13 @@ def enumerate_valid(model, world, global_batch, seq_len, options, space: SearchS
     for dp, tp, pp in itertools.product(divisors(world), repeat=3):
         if dp * tp * pp != world:
             continue
-        for vpp, sp, zero, rc, off, mb, ep, split in itertools.product(
+        for vpp, sp, zero, rc, off, mb, ep, split, dual in itertools.product(
                 range(1, options.max_vpp + 1), (0, 1), (0, 1, 2, 3), RECOMPUTE, (0, 1), divisors(global_batch),
-                divisors(dp), SPLITS):
-            config = ParallelConfig(dp, tp, pp, vpp, sp, zero, rc, off, mb, ep, split)
+                divisors(dp), SPLITS, (0, 1) if space.allows("dualpipe", 1) else (0,)):
+            config = ParallelConfig(dp, tp, pp, vpp, sp, zero, rc, off, mb, ep, split, dual)
             if not all(space.allows(k, getattr(config, k)) for k in
                        ("dp", "tp", "pp", "vpp", "sp", "sharding", "recompute", "offload", "micro_batch", "ep",
-                        "split")):
+                        "split", "dualpipe")):
                 continue
             if invalid_reason(model, world, global_batch, seq_len, config, options) is None and (
                     config.pp == 1 or _split_duplicate(model, seq_len, config) is None):
@@ -439,7 +454,7 @@ def exhaustive(model, cluster, global_batch, seq_len, options, space: SearchSpac
         if not ev["feasible"][0]:
             continue
         key = (float(ev["step_time_s"][0]), float(ev["memory_total"][0]), c.dp, c.tp, c.pp, c.vpp, c.sp,
-               c.sharding, _RC_CODE[c.recompute], c.offload, c.micro_batch, c.ep, _SPLIT_CODE[c.split])
+               c.sharding, _RC_CODE[c.recompute], c.offload, c.micro_batch, c.ep, _SPLIT_CODE[c.split], c.dualpipe)
         if best_key is None or key < best_key:
             best = candidate_at(ev, grid, 0, global_batch, seq_len, cluster.device.memory_bytes)
             best_key = key

@@ -17,18 +17,19 @@ from autoparallel.planner.params import block_and_edge_params, largest_stage_par
 from autoparallel.planner.stages import stage_layout
 
 
-def dualpipe_copies(options, pp):
-    """Copies of a stage's weights and gradients one device holds: 2 under DualPipe with a pipeline (DeepSeek-AI
-    2024, arXiv:2412.19437 §3.2.1: "DualPipe requires keeping two copies of the model parameters", Table 2
-    "Parameter 2x"; deepseek-ai/DualPipe example_dualpipe.py: rank r holds stages r and PP-1-r, each
-    with its own .grad, summed after the step), else 1. Optimizer states: one (not stated otherwise)."""
-    return np.where(bool(options.dualpipe_memory) & (np.asarray(pp) > 1), 2.0, 1.0)
+def dualpipe_copies(dualpipe, pp):
+    """Copies of a stage's weights and gradients one device holds: 2 under DualPipe (``dualpipe`` true, the
+    configuration's schedule) with a pipeline (DeepSeek-AI 2024, arXiv:2412.19437 §3.2.1: "DualPipe requires keeping
+    two copies of the model parameters", Table 2 "Parameter 2x"; deepseek-ai/DualPipe example_dualpipe.py: rank r
+    holds stages r and PP-1-r, each with its own .grad, summed after the step), else 1. Optimizer states: one (not
+    stated otherwise)."""
+    return np.where(np.asarray(dualpipe, dtype=bool) & (np.asarray(pp) > 1), 2.0, 1.0)
 
 
 def dualpipe_in_flight(inflight, pp, dualpipe):
     """Micro-batches in flight under DualPipe: 1F1B's times (PP+1)/PP (arXiv:2412.19437 §3.2.1: DualPipe
     increases "the peak activation memory by 1/PP times", Table 2 "Activation PP+1" against 1F1B's "PP")."""
-    return np.where(bool(dualpipe) & (pp > 1), inflight * (pp + 1.0) / np.maximum(pp, 1), inflight)
+    return np.where(np.asarray(dualpipe, dtype=bool) & (pp > 1), inflight * (pp + 1.0) / np.maximum(pp, 1), inflight)
 
 
 def stage_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last, scale=1.0,
@@ -78,7 +79,9 @@ def activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra):
 def stage_memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense, layer_expert, edge_first,
                  edge_last, d_e):
     """Per-device memory of the stage that needs most (dict of arrays), its total with the reserve, and the
-    host bytes one device uses (offload)."""
+    host bytes one device uses (offload). DualPipe (``g["dualpipe"]``): a stage's weights and gradients twice and
+    its in-flight micro-batches (PP+1)/PP times (its own layout, two different stages per rank, is not modelled)."""
+    dual = g["dualpipe"] > 0
     dp, tp, pp, v, sp, zero, rc, off = (g[k] for k in ("dp", "tp", "pp", "vpp", "sp", "zero", "recompute", "offload"))
     z3buf = mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, zero, o.param_bytes)
     tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
@@ -86,10 +89,9 @@ def stage_memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense,
     head_extra = mtp_activation_bytes(model, s, b, tp, sp, rc, o.activation_scale, o.flash_attention,
                                       mem.storage_of(o))
     for layers, edge, inflight, extra in stage_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first,
-                                                    edge_last, o.activation_scale, head_extra,
-                                                    o.dualpipe_memory):
+                                                    edge_last, o.activation_scale, head_extra, dual):
         st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, zero, dp, d_e, m, off, tensors,
-                         model.trainable_fraction, dualpipe_copies(o, pp))
+                         model.trainable_fraction, dualpipe_copies(dual, pp))
         st["activations"] = activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra)
         st["zero3_buffer"] = z3buf
         stages.append(st)
@@ -109,13 +111,14 @@ def stage_memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense,
 
 def memory_floors(model, cluster, global_batch, seq_len, grid, options, sp_rc, zero_off):
     """Lower bounds of ``evaluate``'s ``memory_total`` for grid arrays of the structural knobs (dp, tp, pp, vpp,
-    mb, ep, split), with the same formulas as ``stage_memory``. Returns ``(by_state, by_activation)``:
+    mb, ep, split, dualpipe), with the same formulas as ``stage_memory``. Returns ``(by_state, by_activation)``:
     ``by_state[i, k]`` bounds configuration i with ``zero_off[k]`` and any (sp, recompute) of ``sp_rc`` (the
     least activations of each stage), and ``by_activation[i, j]`` bounds it with ``sp_rc[j]`` and any (ZeRO,
     offload) of ``zero_off``; each is the stage that needs most plus the reserve. A configuration above either
     bound's device capacity cannot fit."""
     dp, tp, pp, v, b, ep = (np.asarray(grid[k]).reshape(-1) for k in ("dp", "tp", "pp", "vpp", "mb", "ep"))
     split = np.asarray(grid["split"]).reshape(-1)
+    dual = np.asarray(grid["dualpipe"]).reshape(-1) > 0
     s, o, n = float(seq_len), options, len(dp)
     m = float(global_batch) / (dp * b)
     n_first, n_last, n_mid = stage_layout(model, seq_len, pp, v, np.where(cluster.runtime is not None, 0, split))
@@ -124,13 +127,13 @@ def memory_floors(model, cluster, global_batch, seq_len, grid, options, sp_rc, z
     tensors = eager_cost.tensors_on_stage(model.op_profile(), np.maximum(n_first, n_last))
     held, acts = [], []                             # per stage: (len(zero_off), n) and (len(sp_rc), n)
     by_sp = {sp: stage_rows(model, s, b, tp, np.full(n, sp), pp, v, m, n_first, n_last, n_mid, edge_first, edge_last,
-                            o.activation_scale, dualpipe=o.dualpipe_memory) for sp in {sp for sp, _ in sp_rc}}
+                            o.activation_scale, dualpipe=dual) for sp in {sp for sp, _ in sp_rc}}
     for i, (layers, edge, inflight, _) in enumerate(next(iter(by_sp.values()))):
         rows = []
         for zero, off in zero_off:
             z, f = np.full(n, zero), np.full(n, off)
             st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, z, dp, d_e, m, f, tensors,
-                             model.trainable_fraction, dualpipe_copies(o, pp))
+                             model.trainable_fraction, dualpipe_copies(dual, pp))
             rows.append(sum(st.values()) + mem.zero3_gather_buffer_bytes(layer_dense + layer_expert, z,
                                                                          o.param_bytes))
         held.append(np.stack(rows))

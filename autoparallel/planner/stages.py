@@ -19,6 +19,7 @@ from functools import lru_cache
 import numpy as np
 
 from autoparallel.planner.config import SPLITS
+from autoparallel.planner.dualpipe import pair_blocks
 
 
 def _even(layers, p):
@@ -118,3 +119,14 @@ def stage_layout(model, seq_len, pp, vpp, split):
         rows.append((counts[0], counts[-1], max(counts[1:-1]) if len(counts) > 2 else 0))
     table = np.array(rows, dtype=float).reshape(-1, 3)[inverse.reshape(-1)]
     return table[:, 0], table[:, 1], table[:, 2]
+
+
+def pair_layout(model, seq_len, pp, split):
+    """DualPipe's pairs of stages per device (planner/dualpipe.py ``pair_blocks``): (blocks of stages 0 and p-1
+    together, the most blocks of another rank's two stages) arrays; each distinct (pp, split) is split once."""
+    head_eq = head_equivalent(model, seq_len)
+    keys = np.asarray(pp, dtype=np.int64) * 8 + np.asarray(split, dtype=np.int64)
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    rows = [pair_blocks(split_layers(model.layers, int(k // 8), SPLITS[int(k % 8)], head_eq)) for k in uniq]
+    table = np.array(rows, dtype=float).reshape(-1, 2)[inverse.reshape(-1)]
+    return table[:, 0], table[:, 1]

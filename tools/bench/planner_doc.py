@@ -104,14 +104,14 @@ width 7168), the multi-token-prediction module of depth 1, and fp8 for the linea
 core, the router and the output head at the bf16 rate (was every matmul at the fp8 rate). The ratio moved, item by
 item: 1.542 (before) -> 1.416 (MLA) -> 1.484 (MTP) -> 1.409 (each stage's overlapped communication against its own
 compute, which MTP exposed: the last stage had most compute while the 5-block middle stage exposed 1.7 s of
-all-to-all; the dense runs did not move) -> 1.053 (fp8 per GEMM class). Nothing was fitted; what is left unmodelled
-is large on this run: DualPipe's time (priced as 1F1B with the all-to-all overlapped; its memory is priced, below;
-DualPipe also puts the embedding, the
-output head and the MTP module on one rank, §3.2.3), the pipeline split (assumed 2 blocks at each end: the last
-stage, 2 blocks plus two bf16 output-head passes and the MTP block, now sets the pace; with the balanced split the
-ratio would be 1.22, without MTP 1.28), fp8's fine-grained scaling and FP32 promotion of partial sums (§3.3.2; fp8
-GEMMs run at the bf16 runs' efficiency here), dense and MoE blocks averaged per stage, and causal attention priced
-over all s keys (as for every run). With the all-to-all exposed instead of overlapped the ratio would be 0.75.
+all-to-all; the dense runs did not move) -> 1.053 (fp8 per GEMM class). Nothing was fitted; what was left unmodelled
+then was large on this run: DualPipe's time (then priced as 1F1B with the all-to-all overlapped; now priced from
+Table 2 with rank r running stages r and PP−1−r, "DualPipe" below: 1.034 -> 1.402), the pipeline split (assumed 2
+blocks at each end: under 1F1B the last stage, 2 blocks plus two bf16 output-head passes and the MTP block, set the
+pace; with the balanced split the ratio would have been 1.22, without MTP 1.28), fp8's fine-grained scaling and FP32
+promotion of partial sums (§3.3.2; fp8 GEMMs run at the bf16 runs' efficiency here), dense and MoE blocks averaged
+per stage, and causal attention priced over all s keys (as for every run). With the all-to-all exposed instead of
+overlapped the ratio would be 0.75.
 
 DeepSeek-V3's memory is priced with what the paper states (arXiv:2412.19437 §3.2.1 Table 2, §3.2.3, §3.3.3;
 `PlannerOptions` fields set in the run's `software`, off for every other run; "Memory" below). Per GPU on the stage
@@ -502,8 +502,10 @@ only the SwiGLU's inputs, at `linear_input_bytes`, §3.3.3 (2)), `recompute_norm
 outputs and MLA's Q, K, V are not stored; one block's worth is rebuilt in backward, counted with the recompute working
 set, and its time priced: the up-projections' GEMMs at the linear layers' rate plus the rebuilt tensors' traffic),
 `optimizer_moment_bytes` (§3.3.3: BF16 moments, 4 + 2 + 2 = 8 B/param of optimizer state; master weights and
-gradients stay fp32), `dualpipe_memory` (§3.2.1 Table 2: two copies of a stage's weights and gradients, the latter
-from the DualPipe repository's example, and (PP+1)/PP of 1F1B's micro-batches in flight; optimizer states once).
+gradients stay fp32). DualPipe's memory comes with its schedule (`ParallelConfig.dualpipe`, "DualPipe" below; it was
+the option `dualpipe_memory`, now removed so that schedule and memory cannot disagree): §3.2.1 Table 2, two copies of
+a stage's weights and gradients, the latter from the DualPipe repository's example, and (PP+1)/PP of 1F1B's
+micro-batches in flight; optimizer states once.
 Norm inputs, the attention core's inputs and the activation function's inputs stay 16-bit (the paper keeps
 normalization and attention operators in BF16/FP32, §3.3.1).
 
@@ -554,13 +556,63 @@ the output head, MoE gating modules, normalization operators, and attention oper
 §3.3.1); storage as bf16. It is planner-only (the runtime's AMP has float16 and bfloat16) and the plan's explanation
 says so.
 
+### DualPipe
+
+DeepSeek's bidirectional schedule (DeepSeek-AI 2024, arXiv:2412.19437 §3.2.1 and Table 2; deepseek-ai/DualPipe) is a
+schedule of the planner: `ParallelConfig.dualpipe` = 1 (`--fixed ...,dualpipe=1`, the constraint `dualpipe=[0, 1]`),
+priced in planner/dualpipe.py and the cost model:
+
+- Validity: "DualPipe only requires that the pipeline stages and micro-batches be divisible by 2" (§3.2.1), and the
+  repository's `step` asserts at least 2·PP micro-batches; the schedule has no virtual stages. Odd pp or an odd
+  micro-batch count, fewer than 2·pp micro-batches, vpp > 1 or pp = 1 with DualPipe are a ValueError naming them.
+- Bubble (Table 2): (PP/2 − 1)(F&B + B − 3W) (none at PP = 2, as the formula gives) against 1F1B's (PP − 1)(F + B)
+  (ZB1P's (PP − 1)(F + B − 2W) is written
+  out for comparison, not a schedule of the search). F is a device's forward chunk per micro-batch (its blocks'
+  forward and the forward's TP collectives and exposed all-to-alls), B the rest of its work (the full backward with
+  recomputation), W the weight-gradient GEMMs: a layer with weights computes a data gradient and a weight gradient in
+  backward, each a GEMM of its forward's FLOPs, so W is the linear layers' (and the router's, the output head's, the
+  MTP module's) forward GEMM time; the attention core, norms and activations have no W (`weight_grad_seconds`).
+- F&B, "two mutually overlapped forward and backward chunks", is priced as F + B, no less than the all-to-all the
+  pair overlaps on its busiest link: interleaving two chunks' compute on one device does not make it faster (§3.2.1
+  dedicates SMs to communication), what the overlap hides is the communication.
+- The slowest device: rank r holds stages r and PP−1−r (deepseek-ai/DualPipe example_dualpipe.py) and runs half the
+  micro-batches through each, so its work per micro-batch is the mean of its two stages'; with equal stages that
+  is 1F1B's, and only the bubble differs. Rank 0 holds both ends (the embedding, the output head and the MTP module):
+  under the DeepSeek-V3 row's assumed `ends` split (2 blocks on each end stage; 2, 4, 5, 4 x 11, 2 for 61 blocks)
+  rank 0 runs 2 blocks and half the head per micro-batch and the pace is set by ranks 2 and 13 (the 5-block stage
+  with a 4-block one, 4.5 blocks per micro-batch), where 1F1B was paced by the last stage (2 blocks, two bf16
+  output-head passes and the MTP block). The bubble is the slowest device's.
+- Memory: two copies of a stage's weights and gradients, (PP+1)/PP of 1F1B's micro-batches in flight ("Memory");
+  the per-rank layout is not modelled in memory (each stage's own weights are doubled).
+- Pipeline sends are priced as 1F1B's; the steady state's overlapped all-to-all is budgeted as for 1F1B (forward
+  traffic against forward compute, backward against backward), although DualPipe overlaps a forward chunk's
+  all-to-all with another micro-batch's backward.
+
+The runtime cannot run DualPipe: a plan that uses it is planner-only, the explanation says so (as for fp8), and
+`to_strategy_dict` (so `auto_mode="full"`) raises NotImplementedError rather than running 1F1B. Like fp8, which the
+search never picks by itself, DualPipe is searched only when the constraints allow it (`SearchSpace.dualpipe`
+defaults to (0,)), so a default plan stays runnable; a calibrated CPU profile (the eager runtime's costs) never
+prices it (a fixed DualPipe plan there is a NotImplementedError, its search leaves DualPipe out). A published run
+that used DualPipe (DeepSeek-V3) is compared with a search that may use it too (`published.search_best`), so the
+search is measured against the run's own schedule. DeepSeek-V3's ratio moved 1.034 -> 1.402 (step 19.25 s -> 14.20
+s): 1.337 from the pairing of stages on a rank alone (with a (PP − 1)·F&B bubble), the rest from Table 2's bubble
+(1.31 s -> 0.81 s); no other run moved. Weight of two assumptions (shown only for that; none adopted): under DualPipe
+the row's split moves the ratio to 1.295 (`even`: rank 0's 3 + 3 blocks and the head set the pace) or 1.428
+(`balanced`, a split computed for 1F1B's separate end stages); budgeting the steady state's overlapped all-to-all
+against the pair's whole compute (a forward chunk's traffic behind another micro-batch's backward) would take the
+step to 13.24 s, ratio 1.50; hiding the stage-to-stage sends as well (§3.2.1: "both all-to-all and PP communication
+can be fully hidden during execution"; priced as 1F1B's here, 0.36 s) to 13.84 s, ratio 1.44.
+
 ### Not modelled (known limits)
 
 Stragglers and jitter at thousands of nodes; NVLS / SHARP in-network reductions; congestion between concurrent
 collectives beyond the per-link budget; NCCL's PAT algorithm (logarithmic all-gather / reduce-scatter latency);
-context parallelism; DualPipe and zero-bubble schedules (priced as 1F1B / interleaved); fp8's fine-grained
+context parallelism; zero-bubble schedules (priced as 1F1B / interleaved); DualPipe's pipeline sends (priced as
+1F1B's) and its steady-state overlap of a forward chunk's all-to-all with another micro-batch's backward; fp8's
+fine-grained
 scaling and its FP32 promotion of partial sums (fp8 GEMMs at the bf16 runs' efficiency) and the fp8 activations'
-per-tile scaling factors; DualPipe's stage layout (its memory is priced per stage, "Memory"); dense and MoE blocks placed on
+per-tile scaling factors; DualPipe's stage layout in memory (its time follows rank r's two stages; its memory is
+priced per stage, "Memory"); dense and MoE blocks placed on
 particular stages (every block is their average); the all-gather over NVLink that re-assembles a scatter/gather stage message on arrival
 (Megatron-LM's gather, DeepSpeed's `PartitionedTensor.full()`; ~0.3% of MT-NLG's step); per-framework engine overheads per micro-batch (device synchronisations such as GPT-NeoX's
 `synchronize-each-layer`, BLOOM's `CUDA_LAUNCH_BLOCKING=1`); a parallel block's single forward reduction under
@@ -579,9 +631,9 @@ GPU presets (they use Megatron's bf16 weights + fp32 master; calibrated CPU prof
 - Framework behaviour that changes a run's cost is a `PlannerOptions` fact set per published run from the
   framework's source (DeepSpeed's serial blocking stage transfers, its stage messages partitioned over the TP group,
   gradient sync after the pipeline drains), never a per-run factor.
-- What the runtime cannot run is priced but never silently converted: a plan with ep > 1 or a non-even split
-  raises NotImplementedError in `to_strategy_dict`; `auto_mode="full"` and the monitor's re-plan search only
-  the even split and ep = 1.
+- What the runtime cannot run is priced but never silently converted: a plan with ep > 1, a non-even split or
+  DualPipe raises NotImplementedError in `to_strategy_dict`; `auto_mode="full"` and the monitor's re-plan search only
+  the even split and ep = 1, and no search proposes DualPipe unless its constraints allow it.
 - Split policies, not per-stage layer lists, are the search dimension (three named splits; duplicates removed):
   an explicit list would multiply the space by the number of compositions of l into p parts.
 - ZeRO-2/3 follow the runtime (full buffer, one reduce-scatter) by default; the DeepSpeed-style per-micro-batch
