@@ -43,10 +43,18 @@ def global_mean(x, axis=None, keepdim=False, name=None, *, global_count, dtype=N
 
 
 def row_of_shard(x, index=None, *, row):
-    """``x[row]`` on the rank holding the row, zeros of a row's shape elsewhere (a Partial(sum) term)."""
+    """``x[row]`` on the rank holding the row, zeros of a row's shape elsewhere (a Partial(sum) term).
+
+    The zeros are joined to ``x`` (through its empty slice ``x[:0]``, so no value of ``x`` enters them: an inf
+    stays out), as one process's ``x[i]`` gives every unselected row a zero gradient: a rank with unjoined
+    zeros got no gradient at all, so the tensor's ``.grad`` read None and its collectives' backward saw a
+    stopped input."""
     if row is not None:
         return x[row]
-    return paddle.zeros(x.shape[1:], dtype=x.dtype)
+    zeros = paddle.zeros([1] + list(x.shape[1:]), dtype=x.dtype)
+    if x.stop_gradient or not paddle.is_grad_enabled():
+        return zeros[0]
+    return paddle.concat([x[:0], zeros], axis=0)[0]
 
 
 def setitem(x, index, value):
