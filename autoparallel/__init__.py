@@ -94,11 +94,11 @@ else:
 
 # gradient hooks registered on a parameter (a layer's __init__) reach the distributed parameter replacing it
 if "paddle" in sys.modules:
-    from autoparallel import param_hooks as _param_hooks
+    from autoparallel import param_carry as _param_carry
 
-    _param_hooks.install()
+    _param_carry.install()
 else:
-    _after_import.watch("paddle", lambda: importlib.import_module("autoparallel.param_hooks").install())
+    _after_import.watch("paddle", lambda: importlib.import_module("autoparallel.param_carry").install())
 
 
 def __getattr__(name: str):

@@ -1,14 +1,19 @@
-"""Gradient hooks a user registered on a parameter before it was laid out (``p.register_hook(fn)`` in a layer's
-``__init__``, then ``ap.parallelize`` / ``ap.shard_layer`` / ``ap.shard_tensor``).
+"""What a parameter carries to the distributed parameter that replaces it when it is laid out (``ap.parallelize``
+/ ``ap.shard_layer`` / ``ap.shard_tensor`` make a new ``DistParameter``, dist_tensor._make_param): the user's
+gradient hooks and the user's own attributes.
 
-Laying a parameter out replaces it by a new ``DistParameter`` (dist_tensor._make_param); paddle keeps a tensor's
-hooks in its C++ autograd meta, which neither python nor the new parameter can read, so they were dropped and
-the hook silently stopped rescaling (a ``g * 0.1`` on a weight trained with the full gradient). ``install()``
-(at import, paddle already imported) wraps ``EagerParamBase.register_hook`` so that each hook registered on a
-parameter from then on is also remembered beside it; ``carry(old, new)`` registers the live ones on the
-replacement (and remembers them there, so a later re-layout carries them again; hooks registered on a laid-out
-parameter itself are not remembered: the package registers its own there). The handle the user holds removes the hook from every parameter it was carried to. A hook
-registered before autoparallel was imported is not seen (paddle offers no way to list them).
+Hooks (``p.register_hook(fn)`` in a layer's ``__init__``): paddle keeps a tensor's hooks in its C++ autograd meta,
+which neither python nor the new parameter can read, so they were dropped and the hook silently stopped rescaling
+(a ``g * 0.1`` on a weight trained with the full gradient). ``install()`` (at import, paddle already imported)
+wraps ``EagerParamBase.register_hook`` so that each hook registered on a parameter from then on is also
+remembered beside it; ``carry(old, new)`` registers the live ones on the replacement (and remembers them there,
+so a later re-layout carries them again; hooks registered on a laid-out parameter itself are not remembered:
+the package registers its own there). The handle the user holds removes the hook from every parameter it was
+carried to. A hook registered before autoparallel was imported is not seen (paddle offers no way to list them).
+
+Attributes: a parameter's python attributes the user (or a model library) set on it -- ``p.no_decay = True``
+read by a parameter-group filter, PaddleFormers' ``sequence_parallel`` / ``color`` / ``expert`` marks -- were
+lost with the old object; ``carry_attributes`` copies every public one the new parameter does not set itself.
 """
 from __future__ import annotations
 
@@ -76,10 +81,23 @@ def carry(old, new) -> None:
 
 
 def carried(old, new):
-    """``new`` after ``carry(old, new)``; ``old`` may be None (a parameter made from no other)."""
-    if old is not None and not new.stop_gradient:
+    """``new`` after ``carry_attributes(old, new)`` and ``carry(old, new)``; ``old`` may be None (a parameter made
+    from no other)."""
+    if old is None:
+        return new
+    carry_attributes(old, new)
+    if not new.stop_gradient:
         carry(old, new)
     return new
+
+
+def carry_attributes(old, new) -> None:
+    """Copy ``old``'s public python attributes that ``new`` lacks (the framework's own, set on ``new`` already,
+    and private names stay as they are)."""
+    mine = vars(new)
+    for name, value in vars(old).items():
+        if not name.startswith("_") and name not in mine:
+            setattr(new, name, value)
 
 
 class _Bare:

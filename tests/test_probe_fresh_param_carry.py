@@ -1,8 +1,14 @@
-"""Gradient hooks a user registers on parameters in a layer's ``__init__`` (``self.fc1.weight.register_hook(lambda
+"""What a parameter carries to the distributed parameter replacing it when ``ap.parallelize`` lays it out.
+
+Gradient hooks a user registers on parameters in a layer's ``__init__`` (``self.fc1.weight.register_hook(lambda
 g: g * 0.1)``), before ``ap.parallelize`` lays the parameters out, against one process: DP, DP x TP, ZeRO-3 and
 DP x TP x ZeRO-2 (SGD, 3 steps, losses and every parameter), beside a hook on an activation. Laying a parameter
 out replaced it by a new parameter and the hooks stayed on the old one: training ran on unscaled gradients, no
-error. The handle returned before parallelize still removes the hook afterwards."""
+error. The handle returned before parallelize still removes the hook afterwards.
+
+Attributes users and model libraries set on parameters (``p.no_decay`` read by the user's own parameter-group
+filter after parallelize, PaddleFormers-style ``p.color``) were lost the same way: the filter then read its
+default and decayed every parameter."""
 import numpy as np
 import paddle
 import paddle.nn as nn
@@ -100,3 +106,52 @@ def test_a_hook_on_a_parameter_replaced_twice_still_fires():
     assert sorted(grads) == [0, 1]
     for g in grads.values():                     # each rank's column of the [4, 2] gradient: 3 * 0.5
         np.testing.assert_allclose(g, np.full((4, 1), 1.5, "float32"))
+
+
+class Tagged(nn.Layer):
+    """A layer tagging its parameters as users and model libraries do (``p.no_decay``, ``p.color``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(12, 16), nn.Linear(16, 12), nn.Linear(12, 3)
+        self.norm = nn.LayerNorm(12)
+        for n, p in self.named_parameters():
+            p.no_decay = n.endswith("bias") or n.startswith("norm")
+        self.fc1.weight.color = {"color": "expert", "group": None}
+
+    def forward(self, x):
+        return self.out(self.norm(self.fc2(F.relu(self.fc1(x)))))
+
+
+def _groups(model):
+    """AdamW groups built from the tags after parallelize: weight decay 0.5 except on tagged parameters."""
+    decay = [p for p in model.parameters() if not getattr(p, "no_decay", False)]
+    plain = [p for p in model.parameters() if getattr(p, "no_decay", False)]
+    return paddle.optimizer.AdamW(0.05, parameters=[{"params": decay}, {"params": plain, "weight_decay": 0.0}],
+                                  weight_decay=0.5, epsilon=1e-4)
+
+
+def _tagged_run(dp=1, tp=1):
+    paddle.seed(0)
+    if dp * tp == 1:
+        m = Tagged()
+        return _train(m, _groups(m)), {n: p.numpy() for n, p in m.named_parameters()}, m
+    s = ap.Strategy()
+    s.data_parallel.degree, s.tensor_parallel.degree = dp, tp
+    kw = {"tp_plan": {"fc1": ap.ColWiseParallel(), "fc2": ap.RowWiseParallel()}} if tp > 1 else {}
+    with ap.simulate(world_size=4):
+        m, _ = ap.parallelize(Tagged(), None, strategy=s, **kw)
+        losses = _train(m, ap.shard_optimizer(_groups(m)))
+        return losses, {n: p.full().numpy() for n, p in m.named_parameters()}, m
+
+
+@pytest.mark.parametrize("dp,tp", [(4, 1), (2, 2)])
+def test_attributes_set_on_parameters_survive_the_layout(dp, tp):
+    want = _tagged_run()
+    got = _tagged_run(dp, tp)
+    tags = {n: getattr(p, "no_decay", None) for n, p in got[2].named_parameters()}
+    assert tags == {n: p.no_decay for n, p in want[2].named_parameters()}
+    assert sum(tags.values()) == 5                     # 3 biases, the norm's weight and bias
+    assert got[2].fc1.weight.color == {"color": "expert", "group": None}
+    assert ap.is_dist(got[2].fc1.weight)
+    _assert_same(got[:2], want[:2])
