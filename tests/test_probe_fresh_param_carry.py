@@ -155,3 +155,54 @@ def test_attributes_set_on_parameters_survive_the_layout(dp, tp):
     assert got[2].fc1.weight.color == {"color": "expert", "group": None}
     assert ap.is_dist(got[2].fc1.weight)
     _assert_same(got[:2], want[:2])
+
+
+class Listed(nn.Layer):
+    """Parameters also held in the layer's own python containers: an L2 penalty over a list, a scale in a dict,
+    a pair in a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 16), nn.Linear(16, 3)
+        self.penalized = [self.fc1.weight, self.fc2.weight]
+        self.cfg = {"scale": self.fc2.bias, "nested": {"pair": (self.fc1.bias, 2.0)}}
+
+    def forward(self, x):
+        out = self.fc2(F.relu(self.fc1(x))) * self.cfg["scale"]
+        bias, k = self.cfg["nested"]["pair"]
+        return out, sum((w * w).sum() for w in self.penalized) + k * (bias * bias).sum()
+
+
+def _listed_run(dp=1, tp=1, zero=0):
+    paddle.seed(0)
+    m = Listed()
+    opt = paddle.optimizer.SGD(0.3, parameters=m.parameters())
+    if dp * tp > 1:
+        s = ap.Strategy()
+        s.data_parallel.degree, s.tensor_parallel.degree = dp, tp
+        s.sharding.enable, s.sharding.stage = zero > 0, max(zero, 1)
+        kw = {"tp_plan": {"fc1": ap.ColWiseParallel(), "fc2": ap.RowWiseParallel()}} if tp > 1 else {}
+        with ap.simulate(world_size=4):
+            m, opt = ap.parallelize(m, opt, strategy=s, **kw)
+            assert m.penalized[0] is m.fc1.weight and m.cfg["nested"]["pair"][0] is m.fc1.bias
+            return _listed_steps(m, opt), {n: p.full().numpy() for n, p in m.named_parameters()}
+    return _listed_steps(m, opt), {n: p.numpy() for n, p in m.named_parameters()}
+
+
+def _listed_steps(m, opt):
+    losses = []
+    for x in XS:
+        out, reg = m(paddle.to_tensor(x))
+        loss = (out ** 2).mean() + 1e-2 * reg
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize("dp,tp,zero", [(4, 1, 0), (1, 4, 0), (4, 1, 3)])
+def test_parameters_in_the_layers_own_containers_are_the_distributed_ones(dp, tp, zero):
+    want = _listed_run()
+    assert want[0][2] < want[0][0] - 1e-3          # the loss moves (the stale forward kept it at step 1's value)
+    _assert_same(_listed_run(dp, tp, zero), want)
