@@ -14,8 +14,15 @@ carried to. A hook registered before autoparallel was imported is not seen (padd
 Attributes: a parameter's python attributes the user (or a model library) set on it -- ``p.no_decay = True``
 read by a parameter-group filter, PaddleFormers' ``sequence_parallel`` / ``color`` / ``expert`` marks -- were
 lost with the old object; ``carry_attributes`` copies every public one the new parameter does not set itself.
+
+Successors: each replaced parameter remembers (weakly) its replacement, so an optimizer built after the layout
+from a list of parameters taken before it (``decay = [p for n, p in model.named_parameters() ...]`` then
+``ap.parallelize`` then ``AdamW(parameters=decay)``) is pointed at the distributed ones by ``ap.shard_optimizer``
+(parallel/stale_optimizers.repoint_stale); it held the originals, which get no gradient, and trained nothing.
 """
 from __future__ import annotations
+
+import weakref
 
 from paddle.base.dygraph.tensor_patch_methods import TensorHookRemoveHelper
 from autoparallel.compat import EagerParamBase
@@ -24,6 +31,7 @@ from autoparallel import patches
 from autoparallel.compat import SideData
 
 _HOOKS = SideData()             # parameter -> [_Record, ...]: its hooks registered while installed
+_SUCCESSOR = SideData()         # replaced parameter -> weakref to the distributed parameter replacing it
 
 
 class _Record:
@@ -85,10 +93,31 @@ def carried(old, new):
     from no other)."""
     if old is None:
         return new
+    _SUCCESSOR.set(old, weakref.ref(new))
     carry_attributes(old, new)
     if not new.stop_gradient:
         carry(old, new)
     return new
+
+
+def successor(param):
+    """The live distributed parameter that last replaced ``param`` (through re-layouts), or None."""
+    out, ref = None, _SUCCESSOR.get(param)
+    while ref is not None and ref() is not None:
+        out = ref()
+        ref = _SUCCESSOR.get(out)
+    return out
+
+
+def stale_map(params) -> dict:
+    """{id(p): its successor} for the parameters of ``params`` that a layout replaced (an optimizer built after
+    ``ap.parallelize`` from a list of parameters taken before it)."""
+    out = {}
+    for p in params:
+        new = successor(p)
+        if new is not None and new is not p:
+            out[id(p)] = new
+    return out
 
 
 def carry_attributes(old, new) -> None:

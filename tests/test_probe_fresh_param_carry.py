@@ -8,7 +8,9 @@ error. The handle returned before parallelize still removes the hook afterwards.
 
 Attributes users and model libraries set on parameters (``p.no_decay`` read by the user's own parameter-group
 filter after parallelize, PaddleFormers-style ``p.color``) were lost the same way: the filter then read its
-default and decayed every parameter."""
+default and decayed every parameter. Parameters a layer keeps in its own list / dict / tuple attributes, and an
+optimizer built after parallelize from a list of parameters taken before it, are pointed at the distributed
+parameters (they named the originals, which no optimizer updates / which get no gradient)."""
 import numpy as np
 import paddle
 import paddle.nn as nn
@@ -206,3 +208,71 @@ def test_parameters_in_the_layers_own_containers_are_the_distributed_ones(dp, tp
     want = _listed_run()
     assert want[0][2] < want[0][0] - 1e-3          # the loss moves (the stale forward kept it at step 1's value)
     _assert_same(_listed_run(dp, tp, zero), want)
+
+
+class Small(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def _groups_from(weights, others):
+    return paddle.optimizer.AdamW(0.05, parameters=[{"params": weights}, {"params": others, "weight_decay": 0.0}])
+
+
+def _small_losses(m, opt):
+    losses = []
+    for x in XS:
+        loss = (m(paddle.to_tensor(x)) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize("wrapped", [True, False])
+@pytest.mark.parametrize("dp,tp", [(4, 1), (2, 2)])
+def test_an_optimizer_built_after_parallelize_from_parameters_taken_before(wrapped, dp, tp):
+    """``weights = [p for n, p in model.named_parameters() if ...]`` before ``ap.parallelize(model, None)``, the
+    optimizer after it (then ``ap.shard_optimizer`` or stepped as it is): it held the originals, which get no
+    gradient, and the model did not follow one process (the plain one did not train at all)."""
+    paddle.seed(0)
+    ref = Small()
+    want = _small_losses(ref, _groups_from([ref.fc1.weight, ref.fc2.weight], [ref.fc1.bias, ref.fc2.bias]))
+    s = ap.Strategy()
+    s.data_parallel.degree, s.tensor_parallel.degree = dp, tp
+    paddle.seed(0)
+    with ap.simulate(world_size=4):
+        m = Small()
+        weights = [p for n, p in m.named_parameters() if n.endswith("weight")]
+        others = [p for n, p in m.named_parameters() if not n.endswith("weight")]
+        kw = {"tp_plan": {"fc1": ap.ColWiseParallel(), "fc2": ap.RowWiseParallel()}} if tp > 1 else {}
+        m, _ = ap.parallelize(m, None, strategy=s, **kw)
+        assert not any(ap.is_dist(p) for p in weights)          # the list still names the originals
+        opt = _groups_from(weights, others)
+        got = _small_losses(m, ap.shard_optimizer(opt) if wrapped else opt)
+        params = {n: p.full().numpy() for n, p in m.named_parameters()}
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for n, p in ref.named_parameters():
+        np.testing.assert_allclose(params[n], p.numpy(), rtol=1e-4, atol=1e-6, err_msg=n)
+
+
+def test_an_optimizer_that_stepped_on_the_originals_is_refused_by_name():
+    from autoparallel.parallel.stale_optimizers import StaleOptimizerError
+
+    with ap.simulate(world_size=4):
+        m = Small()
+        opt = paddle.optimizer.AdamW(0.05, parameters=m.parameters())
+        (m(paddle.to_tensor(XS[0])) ** 2).mean().backward()
+        opt.step()                                               # state for the originals
+        opt.clear_grad()
+        s = ap.Strategy()
+        s.data_parallel.degree = 4
+        m, _ = ap.parallelize(m, None, strategy=s)
+        (m(paddle.to_tensor(XS[1])) ** 2).mean().backward()
+        with pytest.raises(StaleOptimizerError, match="build the optimizer from model.parameters"):
+            opt.step()
