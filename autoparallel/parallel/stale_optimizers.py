@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import gc
 
-from autoparallel.parallel.accumulation import _rebind
-from autoparallel.parallel.param_list import flat_params
+from autoparallel.parallel.param_list import flat_params, rebind_params as _rebind
 
 
 class StaleOptimizerError(ValueError):
