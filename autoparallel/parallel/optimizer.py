@@ -62,7 +62,6 @@ class ShardedOptimizer(StepHooks):
         """Between the reduction and the update (gradient accumulation divides here)."""
 
     def step(self):
-        self._check_no_plain_parameters()
         whole = self._check_whole_tensor_update()
         self.reduce_gradients()
         self._scale_gradients()
@@ -80,20 +79,6 @@ class ShardedOptimizer(StepHooks):
             elif clip is not None:
                 self._inner._grad_clip = clip
         self._after_step()
-
-    def _check_no_plain_parameters(self) -> None:
-        """A plain (not laid out) parameter with a gradient beside distributed ones -- a layer added after
-        ``ap.parallelize`` / ``shard_layer`` -- is refused by name: on launched ranks its gradient is this rank's
-        part only (no layout says over which mesh dims to reduce it), so the ranks' copies drift apart, while
-        the simulated world, holding one object for every rank, sums every rank's part and hides it."""
-        params = self.parameters
-        plain = [p.name for p in params if not is_dist(p) and not p.stop_gradient and p.grad is not None]
-        if plain and any(is_dist(p) for p in params):
-            raise NotImplementedError(
-                f"{type(self._inner).__name__}.step: parameter(s) {', '.join(plain[:3])} are not laid out (added to "
-                f"the model after ap.parallelize / ap.shard_layer?) beside distributed ones; a plain parameter's "
-                f"gradient is this rank's part only. Lay the new layer out first: ap.shard_layer(layer, mesh) "
-                f"(replicated) or ap.shard_tensor(param, mesh, placements), then build the optimizer")
 
     def _check_whole_tensor_update(self):
         """An optimizer whose update reads whole-parameter norms (Lamb's trust ratio) would read a shard's norm
