@@ -299,3 +299,47 @@ def test_optimizer_forms_combined(form, layout):
     s = _strategy(2, 2, zero=3) if layout == "dp2-tp2-zero3" else _strategy(2, 2, zero=1, sp=True)
     want = _compare(lambda: build("gpt"), _gpt_loss, s, tp_plan("gpt"), make_opt=make_opt, steps=4, lr_at=lr_at)
     assert len(set(np.round(want, 5))) == 4         # every step moved the loss
+
+
+# ---- a head added after parallelize ---------------------------------------------------------------------------------------
+class Body(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def _with_new_head():
+    paddle.seed(0)
+    m = Body()
+    paddle.seed(1)
+    m.fc2 = nn.Linear(8, 5)
+    return m
+
+
+HEAD_X = [_x((8, 8), i) for i in range(3)]
+
+
+@pytest.mark.parametrize("dp,tp", [(4, 1), (2, 2)])
+def test_a_head_added_after_parallelize_trains_like_one_process(dp, tp):
+    """Fine-tuning: ``model.fc2 = nn.Linear(8, 5)`` after ``ap.parallelize`` (its parameters stay plain), then an
+    optimizer over ``model.parameters()``. (On 2 launched gloo ranks the same program also equals one process.)"""
+    ref = _with_new_head()
+    want, _ = _run(ref, paddle.optimizer.AdamW(0.05, parameters=ref.parameters()),
+                   lambda m, i: (m(HEAD_X[i]) ** 2).mean(), 3)
+    with ap.simulate(world_size=4):
+        paddle.seed(0)
+        m = Body()
+        kw = {"tp_plan": {"fc1": ap.ColWiseParallel()}} if tp > 1 else {}
+        m, _ = ap.parallelize(m, None, strategy=_strategy(dp, tp), **kw)
+        paddle.seed(1)
+        m.fc2 = nn.Linear(8, 5)
+        assert not ap.is_dist(m.fc2.weight)
+        opt = ap.shard_optimizer(paddle.optimizer.AdamW(0.05, parameters=m.parameters()))
+        got, _ = _run(m, opt, lambda m, i: (m(HEAD_X[i]) ** 2).mean(), 3)
+        params = {n: _full(p) for n, p in m.named_parameters()}
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for n, p in ref.named_parameters():
+        np.testing.assert_allclose(params[n], p.numpy(), rtol=1e-4, atol=1e-6, err_msg=n)
