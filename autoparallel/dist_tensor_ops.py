@@ -224,6 +224,15 @@ def _getattr(self, name):
     raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
 
 
+def _retain_grads(self):
+    """paddle's ``retain_grads()`` on a non-leaf (a hidden activation read after backward while debugging): every
+    held shard keeps its gradient, which ``.grad`` then returns in the tensor's gradient layout. It was refused as
+    having no meaning for a distributed tensor."""
+    for t in self.locals.values():
+        if not t.stop_gradient:
+            t.retain_grads()
+
+
 def _is_op_name(name) -> bool:
     """A Tensor method that is one of paddle's ops (also a public function of paddle or paddle.linalg);
     the others (``data_ptr``, ``cuda``, ``get_tensor``...) act on a single local storage."""
@@ -238,7 +247,7 @@ def _namespace() -> dict:
     ns.update({name: _conversion(name) for name in CONVERSIONS if hasattr(paddle.Tensor, name)})
     ns.update(type_as=_type_as, to=_to, _to=_to_private, __setitem__=_setitem, __getattr__=_getattr,
               __hash__=object.__hash__, T=property(_transposed), mT=property(_matrix_transposed),
-              device=property(_device))
+              device=property(_device), retain_grads=_retain_grads)
     ns.update({name: _new_like(name) for name in dir(paddle.Tensor) if name.startswith("new_")})
     ns["__slots__"] = ()
     ns["__doc__"] = "The op methods of DistTensor (generated from the op table; see autoparallel.dist_tensor_ops)."
