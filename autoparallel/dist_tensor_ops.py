@@ -233,6 +233,22 @@ def _retain_grads(self):
             t.retain_grads()
 
 
+# paddle.Tensor methods written in python over paddle's ops and the tensor's own attributes: on a DistTensor they run
+# as written, their ops routed (``x.repeat(2, 1)`` is ``tile``, ``split_with_sizes`` slices, ``requires_grad_`` sets
+# ``stop_gradient``); they were refused as "not an op"
+PYTHON_FORMS = ("repeat", "split_with_sizes", "requires_grad_")
+
+
+def _gradient(self):
+    """paddle's ``gradient()``: the gradient as a numpy array (the global value here), or None."""
+    g = self.grad
+    return None if g is None else g.numpy()
+
+
+def _set_requires_grad(self, value) -> None:
+    self.stop_gradient = not value
+
+
 def _is_op_name(name) -> bool:
     """A Tensor method that is one of paddle's ops (also a public function of paddle or paddle.linalg);
     the others (``data_ptr``, ``cuda``, ``get_tensor``...) act on a single local storage."""
@@ -249,6 +265,9 @@ def _namespace() -> dict:
               __hash__=object.__hash__, T=property(_transposed), mT=property(_matrix_transposed),
               device=property(_device), retain_grads=_retain_grads)
     ns.update({name: _new_like(name) for name in dir(paddle.Tensor) if name.startswith("new_")})
+    ns.update({name: original(getattr(paddle.Tensor, name)) for name in PYTHON_FORMS if hasattr(paddle.Tensor, name)})
+    ns["requires_grad"] = property(lambda self: not self.stop_gradient, _set_requires_grad)
+    ns["gradient"] = _gradient
     ns["__slots__"] = ()
     ns["__doc__"] = "The op methods of DistTensor (generated from the op table; see autoparallel.dist_tensor_ops)."
     return ns

@@ -1,7 +1,8 @@
-"""Debugging forms a user adds to a distributed model, against one process: ``h.retain_grads()`` on hidden
-activations (batch-split under DP, column-split under TP, the Partial output of a row-parallel Linear) and a
+"""Debugging and tensor-method forms a user writes on distributed tensors, against one process:
+``h.retain_grads()`` on hidden activations (batch-split under DP, column-split under TP, the Partial output of a row-parallel Linear) and a
 logging hook returning None; after ``backward`` each ``h.grad`` equals one process's. ``retain_grads`` was refused
-with "not an op and has no meaning for a distributed tensor"."""
+with "not an op and has no meaning for a distributed tensor", and so were ``x.repeat`` / ``x.split_with_sizes``
+(written by paddle in python over tile / slice), ``requires_grad`` / ``requires_grad_()`` and ``gradient()``."""
 import numpy as np
 import paddle
 import paddle.nn as nn
@@ -59,3 +60,45 @@ def test_retained_gradients_of_hidden_activations(dp, tp):
     for n in want:
         np.testing.assert_allclose(got[n], want[n], rtol=1e-5, atol=1e-7, err_msg=n)
         assert np.abs(want[n]).max() > 1e-4
+
+
+Y = np.random.default_rng(1).standard_normal((4, 6)).astype("float32")
+FORMS = {
+    "repeat": lambda t: t.repeat(2, 3),
+    "split_with_sizes_dim1": lambda t: t.split_with_sizes([1, 2, 3], dim=1)[1] * 1.0,
+    "split_with_sizes_dim0": lambda t: t.split_with_sizes([3, 1], dim=0)[0] * 1.0,
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("dim", [0, 1])
+def test_tensor_methods_paddle_writes_in_python(form, dim):
+    """``x.repeat`` (paddle's tile), ``x.split_with_sizes``: refused as "not an op", now run as paddle wrote them."""
+    ref = paddle.to_tensor(Y, stop_gradient=False)
+    out = FORMS[form](ref)
+    weight = paddle.to_tensor(np.random.default_rng(2).standard_normal(out.shape).astype("float32"))
+    (out * weight).sum().backward()
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+        d = ap.shard_tensor(paddle.to_tensor(Y, stop_gradient=False), mesh, [ap.Shard(dim)])
+        o = FORMS[form](d)
+        (o * weight).sum().backward()
+        got, grad = o.full().numpy(), d.grad.full().numpy()
+    np.testing.assert_array_equal(got, out.numpy())
+    np.testing.assert_array_equal(grad, ref.grad.numpy())
+
+
+def test_requires_grad_and_gradient():
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+        d = ap.shard_tensor(paddle.to_tensor(Y), mesh, [ap.Shard(0)])
+        assert d.requires_grad is False
+        assert d.requires_grad_() is d and d.requires_grad and not d.stop_gradient
+        d.requires_grad = False
+        assert d.stop_gradient
+        assert d.gradient() is None
+        d.requires_grad_(True)
+        (d * 2.0).sum().backward()
+        g = d.gradient()
+    assert isinstance(g, np.ndarray) and g.shape == (4, 6)
+    np.testing.assert_array_equal(g, np.full((4, 6), 2.0, "float32"))
