@@ -245,6 +245,14 @@ def _gradient(self):
     return None if g is None else g.numpy()
 
 
+def _detach_(self):
+    """paddle's in-place ``detach_()`` (a recurrent state cut between truncated-BPTT windows): every held shard
+    leaves the graph; the tensor itself is returned."""
+    for t in self.locals.values():
+        t.detach_()
+    return self
+
+
 def _set_requires_grad(self, value) -> None:
     self.stop_gradient = not value
 
@@ -268,6 +276,7 @@ def _namespace() -> dict:
     ns.update({name: original(getattr(paddle.Tensor, name)) for name in PYTHON_FORMS if hasattr(paddle.Tensor, name)})
     ns["requires_grad"] = property(lambda self: not self.stop_gradient, _set_requires_grad)
     ns["gradient"] = _gradient
+    ns["detach_"] = _detach_
     ns["__slots__"] = ()
     ns["__doc__"] = "The op methods of DistTensor (generated from the op table; see autoparallel.dist_tensor_ops)."
     return ns

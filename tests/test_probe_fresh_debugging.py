@@ -2,7 +2,8 @@
 ``h.retain_grads()`` on hidden activations (batch-split under DP, column-split under TP, the Partial output of a row-parallel Linear) and a
 logging hook returning None; after ``backward`` each ``h.grad`` equals one process's. ``retain_grads`` was refused
 with "not an op and has no meaning for a distributed tensor", and so were ``x.repeat`` / ``x.split_with_sizes``
-(written by paddle in python over tile / slice), ``requires_grad`` / ``requires_grad_()`` and ``gradient()``."""
+(written by paddle in python over tile / slice), ``requires_grad`` / ``requires_grad_()``, ``gradient()`` and the
+in-place ``detach_()`` of truncated backpropagation through time (a GRU state cut between windows, DP 4)."""
 import numpy as np
 import paddle
 import paddle.nn as nn
@@ -102,3 +103,51 @@ def test_requires_grad_and_gradient():
         g = d.gradient()
     assert isinstance(g, np.ndarray) and g.shape == (4, 6)
     np.testing.assert_array_equal(g, np.full((4, 6), 2.0, "float32"))
+
+
+class Recurrent(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.cell, self.out = nn.GRUCell(6, 8), nn.Linear(8, 2)
+
+    def forward(self, x, h):
+        outs = []
+        for t in range(x.shape[1]):
+            y, h = self.cell(x[:, t], h)
+            outs.append(self.out(y))
+        return paddle.stack(outs, 1), h
+
+
+WINDOWS = [np.random.default_rng(i).standard_normal((4, 5, 6)).astype("float32") for i in range(3)]
+
+
+def _bptt(m, opt):
+    h, losses = paddle.zeros([4, 8]), []
+    for x in WINDOWS:
+        y, h = m(paddle.to_tensor(x), h)
+        loss = (y ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+        assert h.detach_() is h and h.stop_gradient          # the state is cut between windows
+    return losses
+
+
+def test_truncated_bptt_cuts_the_state_with_detach_():
+    """A GRU cell's state carried across windows and cut in place with ``h.detach_()`` (refused as "not an op"),
+    data parallel over 4, 3 SGD steps: the losses and every parameter equal one process."""
+    paddle.seed(0)
+    ref = Recurrent()
+    want = _bptt(ref, paddle.optimizer.SGD(0.3, parameters=ref.parameters()))
+    s = ap.Strategy()
+    s.data_parallel.degree = 4
+    paddle.seed(0)
+    with ap.simulate(world_size=4):
+        m = Recurrent()
+        m, opt = ap.parallelize(m, paddle.optimizer.SGD(0.3, parameters=m.parameters()), strategy=s)
+        got = _bptt(m, opt)
+        params = {n: _full(p) for n, p in m.named_parameters()}
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for n, p in ref.named_parameters():
+        np.testing.assert_allclose(params[n], p.numpy(), rtol=1e-4, atol=1e-6, err_msg=n)
