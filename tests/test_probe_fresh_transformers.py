@@ -1,7 +1,7 @@
 """paddle's own transformer layers under ``ap.parallelize``, against one process: ``nn.Transformer`` (encoder-
 decoder, causal target mask from ``generate_square_subsequent_mask``) trained 3 AdamW steps under DP 4, a
-tp_plan naming self / cross attention and the FFN (TP 4, DP 2 x TP 2 with ZeRO-3) and the default plan found by
-structure; ``nn.MultiHeadAttention(need_weights=True)`` with other key / value sizes and bool, float and int
+tp_plan naming self / cross attention and the FFN (TP 4, TP 4 + SP, DP 2 x TP 2 with ZeRO-3) and the default plan
+found by structure; ``nn.MultiHeadAttention(need_weights=True)`` with other key / value sizes and bool, float and int
 masks (its attention weights enter the loss); ``nn.TransformerDecoder`` decoding greedily with its cache
 (``gen_cache`` then one token per call) under TP 4 and DP 2 x TP 2, equal to one process's tokens and logits
 and to the full-sequence forward."""
@@ -26,9 +26,10 @@ def _styles(prefixes, ffn):
     return out
 
 
-def _strategy(dp=1, tp=1, zero=0):
+def _strategy(dp=1, tp=1, zero=0, sp=False):
     s = ap.Strategy()
     s.data_parallel.degree, s.tensor_parallel.degree = dp, tp
+    s.sequence_parallel.enable = sp
     if zero:
         s.sharding.enable, s.sharding.stage = True, zero
     return s
@@ -91,7 +92,7 @@ def _s2s_loss(m, i):
 
 
 S2S_PLAN = {"tp4": ("tp", 1, 4, 0), "dp2-tp2-zero3": ("tp", 2, 2, 3), "dp4": (None, 4, 1, 0),
-            "dp2-tp2-default-plan": ("default", 2, 2, 0)}
+            "dp2-tp2-default-plan": ("default", 2, 2, 0), "tp4-sp": ("tp", 1, 4, 0)}
 
 
 @pytest.mark.parametrize("layout", sorted(S2S_PLAN))
@@ -100,7 +101,7 @@ def test_nn_transformer_encoder_decoder(layout):
     plan = None
     if kind == "tp":
         plan = _styles(["*.self_attn", "*.cross_attn"], "*")
-    split = _compare(Seq2Seq, _s2s_loss, _strategy(dp, tp, zero), plan)
+    split = _compare(Seq2Seq, _s2s_loss, _strategy(dp, tp, zero, sp=layout.endswith("-sp")), plan)
     if tp > 1:     # 2 encoder + 3 decoder attention blocks' q/k/v/out weights and biases, 2 FFNs' 4 tensors each
         assert split >= (2 * 4 + 4) if kind == "tp" else split > 0
 
