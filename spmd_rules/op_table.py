@@ -129,6 +129,7 @@ OP_TABLE: dict = {
     "index_select": _fn("index_select"),
     "gather": _fn("gather"),
     "scatter": _fn("scatter"),
+    "scatter_nd_add": _fn("scatter_nd_add"),
     "index_put": _fn("index_put"),
     "permute": _fn("permute"),
     "nonzero": _fn("nonzero"),

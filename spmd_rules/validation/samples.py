@@ -289,6 +289,8 @@ def _cases_routing():
     add_case("index_select", f(6, 4), T(np.array([5, 0, 2])), axis=0)
     add_case("gather", f(6, 4), T(np.array([3, 0, 2])), axis=1, label="axis1")
     add_case("scatter", f(6, 4), T(np.array([3, 0, 5])), f(3, 4))
+    add_case("scatter_nd_add", f(5, 6, 4), T(np.array([[1, 2], [4, 0], [1, 2]])), f(3, 4), label="rows")
+    add_case("scatter_nd_add", f(5, 6), T(np.array([[[3], [0]], [[3], [4]]])), f(2, 2, 6), label="batched")
     add_case("gather", f(5, 6), 1, ints(6, 5, 2), label="torch-form")
     add_case("scatter", f(5, 6), 1, T(np.array([[0, 2], [3, 4], [5, 0], [1, 3], [2, 4]])), f(5, 2),
              label="torch-form")
