@@ -253,3 +253,18 @@ def take(x, index, mode="raise", name=None):
     if mode not in ("raise", "wrap", "clip"):
         raise ValueError(f"take: mode must be 'raise', 'wrap' or 'clip', got {mode!r}")
     return _gathered("take", x, index)
+
+
+@register_spmd_rule("cross")
+def cross(x, y, axis=9, name=None):
+    """The cross product along ``axis`` (paddle's default 9: the first dim of size 3): that dim R in both, every
+    other dim shared by ``x`` and ``y`` (same shapes) keeps its sharding."""
+    check_spec("cross", "x", x)
+    check_spec("cross", "y", y)
+    if list(x.shape) != list(y.shape):
+        raise ValueError(f"cross: x and y must have the same shape, got {list(x.shape)} and {list(y.shape)}")
+    a = next((d for d, n in enumerate(x.shape) if n == 3), None) if axis == 9 else norm_axis("cross", axis, x.ndim)
+    if a is None or x.shape[a] != 3:
+        raise ValueError(f"cross: the dim along axis={axis} must have size 3, got shape {list(x.shape)}")
+    lab = tuple(None if d == a else d for d in range(x.ndim))
+    return labels_result("cross", [x, y], [lab, lab], [lab], [(x.shape, promote(x.dtype, y.dtype))], linear=None)

@@ -130,6 +130,8 @@ OP_TABLE: dict = {
     "gather": _fn("gather"),
     "scatter": _fn("scatter"),
     "scatter_nd_add": _fn("scatter_nd_add"),
+    "index_fill": _fn("index_fill"),
+    "cross": _fn("cross"),
     "index_put": _fn("index_put"),
     "permute": _fn("permute"),
     "nonzero": _fn("nonzero"),

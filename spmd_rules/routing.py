@@ -250,6 +250,17 @@ def scatter_nd_add(x, index, updates, name=None):
                          [(x.shape, x.dtype)], linear=None)
 
 
+@register_spmd_rule("index_fill")
+def index_fill(x, index, axis, value, name=None):
+    """``x`` with the slices at ``index`` along ``axis`` set to ``value``: that dim and the index R, the other dims
+    keep their sharding."""
+    check_spec("index_fill", "x", x)
+    check_spec("index_fill", "index", index)
+    xl = _along(x, axis)
+    return labels_result("index_fill", [x, index], [xl, (None,) * index.ndim], [xl], [(x.shape, x.dtype)],
+                         linear=None)
+
+
 @register_spmd_rule("permute")
 def permute(input, dims):
     return transpose(input, dims)

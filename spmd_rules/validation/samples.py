@@ -291,6 +291,9 @@ def _cases_routing():
     add_case("scatter", f(6, 4), T(np.array([3, 0, 5])), f(3, 4))
     add_case("scatter_nd_add", f(5, 6, 4), T(np.array([[1, 2], [4, 0], [1, 2]])), f(3, 4), label="rows")
     add_case("scatter_nd_add", f(5, 6), T(np.array([[[3], [0]], [[3], [4]]])), f(2, 2, 6), label="batched")
+    add_case("index_fill", f(5, 6, 4), T(np.array([4, 0, 4])), 1, 2.5)
+    add_case("cross", f(5, 3, 4), f(5, 3, 4), axis=1)
+    add_case("cross", f(3, 6), f(3, 6), label="default-axis")
     add_case("gather", f(5, 6), 1, ints(6, 5, 2), label="torch-form")
     add_case("scatter", f(5, 6), 1, T(np.array([[0, 2], [3, 4], [5, 0], [1, 3], [2, 4]])), f(5, 2),
              label="torch-form")
