@@ -87,7 +87,16 @@ def reshape_to(x, *args, shape, **kwargs):
     return paddle.reshape(x, shape)
 
 
-PER_RANK = {"reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
+def cdist(x, y, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary", name=None):
+    """``paddle.cdist`` on shards; a rank holding no row of ``x`` or ``y`` (an uneven split) gets its empty block of
+    distances from the broadcast difference, since paddle's kernel drops the batch dims of an empty result."""
+    if 0 not in list(x.shape) + list(y.shape):
+        return paddle.cdist(x, y, p=p, compute_mode=compute_mode)
+    diff = (x.unsqueeze(-2) - y.unsqueeze(-3)).abs()
+    return diff.pow(p).sum(-1).pow(1.0 / p) if p > 0 else (diff > 0).astype(x.dtype).sum(-1)
+
+
+PER_RANK = {"cdist": cdist, "reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
             "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape, "squeeze_to": squeeze_to}
 
 

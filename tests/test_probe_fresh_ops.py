@@ -4,8 +4,8 @@ scatter, take_along_axis / put_along_axis (assign and add), masked_fill / masked
 logcumsumexp / cummax, topk / sort / argsort / kthvalue / median / quantile / mode, index_select, unbind, split with
 sections, chunk, pad (constant, reflect, circular, all dims), where with broadcasting, clip with tensor bounds,
 logsumexp, var / std (unbiased or not), norms (fro, 1, inf, 3, all), diagonal, tril / triu, kron, diff, moveaxis,
-tensordot, count_nonzero, bucketize, scatter_nd_add (rows and batched index rows), index_fill and cross (these
-three had no rule), with the inputs split along each dim of a 4-rank mesh, Partial, and on a 2 x 2 mesh (two dims
+tensordot, count_nonzero, bucketize, scatter_nd_add (rows and batched index rows), index_fill, cross, renorm,
+trapezoid (spacing or sample points) and cdist (these six had no rule), with the inputs split along each dim of a 4-rank mesh, Partial, and on a 2 x 2 mesh (two dims
 split, a dim split twice, Partial beside a split). ``kron`` and ``count_nonzero`` read a row of a
 batch-split tensor (test_probe_fresh_rows.py has the fix). A second table on two tensors of one shape: normalize,
 cosine similarity, log_softmax, one_hot, outer, nan_to_num, the in-place ``add_`` / ``clip_`` / ``scale_`` /
@@ -107,6 +107,12 @@ OPS = {     # name: f(a, b) with a [4, 6, 8] and b [4, 8, 4]
  "cross_default_axis": lambda a, b: paddle.cross(a[:3, :2, :], a[1:, 1:3, :]),
  "index_fill": lambda a, b: paddle.index_fill(a, paddle.to_tensor([0, 2]), 1, 2.0),
  "index_fill_0": lambda a, b: paddle.index_fill(a, paddle.to_tensor([3]), 0, -1.0) * b.sum(),
+ "renorm": lambda a, b: paddle.renorm(a, 2.0, 0, 1.0),
+ "renorm_2": lambda a, b: paddle.renorm(a, 1.0, 2, 2.0),
+ "trapezoid": lambda a, b: paddle.trapezoid(a, axis=0),
+ "trapezoid_x": lambda a, b: paddle.trapezoid(a, a.abs().cumsum(1), axis=1),
+ "cdist": lambda a, b: paddle.cdist(a, a[:, :4] * 2.0),
+ "cdist_2d": lambda a, b: paddle.cdist(a[0], b[0].T[:3, :8] * 1.0, p=1.0),
  "scatter_nd_add_batched": lambda a, b: paddle.scatter_nd_add(a, paddle.to_tensor([[[2], [0]], [[2], [3]]]),
                                                               a[:2].unsqueeze(1).expand([2, 2, 6, 8]) * 0.5),
 }
@@ -209,11 +215,9 @@ SAME_SHAPE = {     # name: f(a, b) with a and b both [4, 6, 8]
 }
 
 
-REFUSED = {     # no spmd rule: a NotImplementedError naming the op and register_spmd_rule
-    "cdist": lambda a, b: paddle.cdist(a, a),
+REFUSED = {     # no spmd rule: a NotImplementedError naming the op and register_spmd_rule (Tensor.unfold's name
+                #  is taken by F.unfold's rule)
     "unfold": lambda a, b: a.unfold(1, 2, 2),
-    "trapezoid": lambda a, b: paddle.trapezoid(a, axis=0),
-    "renorm": lambda a, b: paddle.renorm(a, 2.0, 0, 1.0),
 }
 
 
@@ -265,7 +269,7 @@ def test_rare_ops_on_distributed_tensors_equal_the_whole_tensor(layout):
             if g.shape != w.shape or not np.allclose(g, w, rtol=1e-4, atol=1e-5):
                 failures.append(f"{name} {what}")
     assert failures == []
-    assert len(OPS) == 85                    # every entry of the table ran
+    assert len(OPS) == 91                    # every entry of the table ran
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

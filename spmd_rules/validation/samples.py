@@ -294,6 +294,11 @@ def _cases_routing():
     add_case("index_fill", f(5, 6, 4), T(np.array([4, 0, 4])), 1, 2.5)
     add_case("cross", f(5, 3, 4), f(5, 3, 4), axis=1)
     add_case("cross", f(3, 6), f(3, 6), label="default-axis")
+    add_case("renorm", f(5, 6, 4), 2.0, 1, 1.5)
+    add_case("trapezoid", f(5, 6), axis=1)
+    add_case("trapezoid", f(5, 6), f(5, 6), axis=0, label="sample-points")
+    add_case("cdist", f(5, 4), f(6, 4))
+    add_case("cdist", f(2, 5, 4), f(2, 3, 4), p=1.0, label="batched-p1")
     add_case("gather", f(5, 6), 1, ints(6, 5, 2), label="torch-form")
     add_case("scatter", f(5, 6), 1, T(np.array([[0, 2], [3, 4], [5, 0], [1, 3], [2, 4]])), f(5, 2),
              label="torch-form")
