@@ -25,10 +25,9 @@ from __future__ import annotations
 import weakref
 
 from paddle.base.dygraph.tensor_patch_methods import TensorHookRemoveHelper
-from autoparallel.compat import EagerParamBase
 
 from autoparallel import patches
-from autoparallel.compat import SideData
+from autoparallel.compat import EagerParamBase, SideData
 
 _HOOKS = SideData()             # parameter -> [_Record, ...]: its hooks registered while installed
 _SUCCESSOR = SideData()         # replaced parameter -> weakref to the distributed parameter replacing it
