@@ -92,6 +92,14 @@ else:
 
     _after_import.watch("paddle", lambda: importlib.import_module("autoparallel.dcp_forms").install())
 
+# gradient hooks registered on a parameter (a layer's __init__) reach the distributed parameter replacing it
+if "paddle" in sys.modules:
+    from autoparallel import param_carry as _param_carry
+
+    _param_carry.install()
+else:
+    _after_import.watch("paddle", lambda: importlib.import_module("autoparallel.param_carry").install())
+
 
 def __getattr__(name: str):
     if name in _EXPORTS:

@@ -65,3 +65,34 @@ _INTS = ("int64", "int32", "int16", "int8", "uint8", "bool")
 def _int_copy(d):
     with local_mode():
         return DistTensor({r: t.clone() for r, t in d.locals.items()}, d.spec)
+
+
+# ---- a plain tensor given a distributed value: ``buf.set_value(d)`` / ``buf.copy_(d)`` -----------------------------------
+def _global_value(value):
+    """The whole value of a distributed ``value`` (gathered on every rank; a Partial reduced), detached."""
+    with paddle.no_grad():
+        return as_dist(value).full().detach()
+
+
+def install() -> None:
+    """``plain.set_value(d)`` and ``plain.copy_(d)`` write the distributed value's global value into the plain tensor
+    (a buffer updated in the forward with a batch statistic: ``self.running.set_value(0.9 * self.running + 0.1 *
+    h.mean(0))``), as ``plain[:] = d`` does; paddle raised an AssertionError / "must be Tensor, but got
+    DistTensor". Idempotent; a distributed parameter keeps its own forms (dist_tensor_forms)."""
+    set_value, copy_ = paddle.Tensor.set_value, paddle.Tensor.copy_
+    if getattr(set_value, "_ap_global_value", False):
+        return
+
+    def plain_set_value(self, value):
+        return set_value(self, _global_value(value) if is_dist(value) and not is_dist(self) else value)
+
+    def plain_copy_(self, value, *args, **kwargs):
+        return copy_(self, _global_value(value) if is_dist(value) and not is_dist(self) else value, *args, **kwargs)
+
+    for fn, orig in ((plain_set_value, set_value), (plain_copy_, copy_)):
+        fn._ap_global_value = True
+        fn.__doc__ = orig.__doc__
+    from autoparallel import patches
+
+    patches.patch(paddle.Tensor, "set_value", plain_set_value)
+    patches.patch(paddle.Tensor, "copy_", plain_copy_)

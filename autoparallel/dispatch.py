@@ -346,12 +346,24 @@ def _execute(op, path, res, mesh, calls) -> dict:
                 calls = {r: ((a[1], a[0]) + tuple(a[2:]), k) for r, (a, k) in calls.items()}
             if op in _CONTRACTING:
                 calls = {r: (_empty_operands(a), k) for r, (a, k) in calls.items()}
-        return {r: _as_tuple(fn(*a, **k)) for r, (a, k) in calls.items()}
+        return {r: _as_tuple(_empty_safe(op, fn, a)(*a, **k)) for r, (a, k) in calls.items()}
     finally:
         _ctx.local_depth -= 1
 
 
-_CONTRACTING = {"matmul", "linear"}
+_CONTRACTING = {"matmul", "linear", "bmm"}
+# ops whose paddle 3.3 CPU kernel leaves the output uninitialised when the contracted dim is empty (this rank's
+# empty shard of it: 6 rows over 4 ranks are 2, 2, 2, 0; bmm of [4, 8, 0] x [4, 0, 8] returned 1e+24's where
+# its Partial term must be zeros), and the equivalent call whose kernel writes the zeros
+_EMPTY_SAFE = {"bmm": paddle.matmul}
+
+
+def _empty_safe(op, fn, args):
+    """``fn``, or its equivalent from _EMPTY_SAFE when one of this rank's operands has no elements."""
+    alt = _EMPTY_SAFE.get(op)
+    if alt is None or not any(isinstance(a, paddle.Tensor) and 0 in a.shape for a in args):
+        return fn
+    return alt
 
 
 def _empty_operands(args) -> tuple:

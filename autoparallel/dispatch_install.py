@@ -66,7 +66,7 @@ def _install_hooks() -> None:
     from autoparallel.lazy_init import order
     from autoparallel import collective_forms, ddp_guard, export_save, hapi_forms, no_sync, trainer_forms
     from autoparallel import layer_copy, nn_utils_forms, param_init, pylayer_forms, state_dict_forms
-    from autoparallel import dcp_forms, optimizer_state_forms, summary_forms
+    from autoparallel import copy_forms, dcp_forms, optimizer_state_forms, param_carry, summary_forms
     from autoparallel.parallel import amp_scaler, full_state, implicit_optimizer, lr_metrics, model_recompute
 
     patches.remember(StaticFunction, "__call__")        # graph.jit assigns these two itself
@@ -92,6 +92,8 @@ def _install_hooks() -> None:
     export_save.install()
     dcp_forms.install()
     collective_forms.install()
+    param_carry.install()
+    copy_forms.install()
 
 
 def _reset() -> None:

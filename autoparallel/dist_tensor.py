@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from autoparallel import backward_start, cross_mesh_grad, dispatch_handle, redistribute
+from autoparallel import backward_start, cross_mesh_grad, dispatch_handle, param_carry, redistribute
 from autoparallel import dist_tensor_forms as _forms
 from autoparallel.comm import agreement
 from autoparallel.comm.collectives import pick_replicated
@@ -405,7 +405,7 @@ def _make_param(locals_: dict, spec: DistSpec, like=None) -> DistParameter:
         held[ranks[0]] = param
         for r in ranks[1:]:
             held[r].stop_gradient = param.stop_gradient
-    return param._attach(spec, held)
+    return param_carry.carried(like, param._attach(spec, held))     # the user's hooks and attributes
 
 
 def dtensor_from_local(local, mesh: ProcessMesh, placements, global_shape=None, dtype=None) -> DistTensor:

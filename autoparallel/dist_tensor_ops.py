@@ -224,6 +224,39 @@ def _getattr(self, name):
     raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
 
 
+def _retain_grads(self):
+    """paddle's ``retain_grads()`` on a non-leaf (a hidden activation read after backward while debugging): every
+    held shard keeps its gradient, which ``.grad`` then returns in the tensor's gradient layout. It was refused as
+    having no meaning for a distributed tensor."""
+    for t in self.locals.values():
+        if not t.stop_gradient:
+            t.retain_grads()
+
+
+# paddle.Tensor methods written in python over paddle's ops and the tensor's own attributes: on a DistTensor they run
+# as written, their ops routed (``x.repeat(2, 1)`` is ``tile``, ``split_with_sizes`` slices, ``requires_grad_`` sets
+# ``stop_gradient``); they were refused as "not an op"
+PYTHON_FORMS = ("repeat", "split_with_sizes", "requires_grad_")
+
+
+def _gradient(self):
+    """paddle's ``gradient()``: the gradient as a numpy array (the global value here), or None."""
+    g = self.grad
+    return None if g is None else g.numpy()
+
+
+def _detach_(self):
+    """paddle's in-place ``detach_()`` (a recurrent state cut between truncated-BPTT windows): every held shard
+    leaves the graph; the tensor itself is returned."""
+    for t in self.locals.values():
+        t.detach_()
+    return self
+
+
+def _set_requires_grad(self, value) -> None:
+    self.stop_gradient = not value
+
+
 def _is_op_name(name) -> bool:
     """A Tensor method that is one of paddle's ops (also a public function of paddle or paddle.linalg);
     the others (``data_ptr``, ``cuda``, ``get_tensor``...) act on a single local storage."""
@@ -238,8 +271,12 @@ def _namespace() -> dict:
     ns.update({name: _conversion(name) for name in CONVERSIONS if hasattr(paddle.Tensor, name)})
     ns.update(type_as=_type_as, to=_to, _to=_to_private, __setitem__=_setitem, __getattr__=_getattr,
               __hash__=object.__hash__, T=property(_transposed), mT=property(_matrix_transposed),
-              device=property(_device))
+              device=property(_device), retain_grads=_retain_grads)
     ns.update({name: _new_like(name) for name in dir(paddle.Tensor) if name.startswith("new_")})
+    ns.update({name: original(getattr(paddle.Tensor, name)) for name in PYTHON_FORMS if hasattr(paddle.Tensor, name)})
+    ns["requires_grad"] = property(lambda self: not self.stop_gradient, _set_requires_grad)
+    ns["gradient"] = _gradient
+    ns["detach_"] = _detach_
     ns["__slots__"] = ()
     ns["__doc__"] = "The op methods of DistTensor (generated from the op table; see autoparallel.dist_tensor_ops)."
     return ns

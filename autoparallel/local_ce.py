@@ -162,7 +162,7 @@ def vocab_parallel_cross_entropy(mesh, calls):
     cdims = b0["class_mesh_dims"]
     x = {r: b["input"] for r, b in bound.items()}
     with paddle.no_grad():
-        lmax = mesh_reduce({r: paddle.max(t, axis=a, keepdim=True) for r, t in x.items()}, mesh, cdims, "max")
+        lmax = mesh_reduce({r: _class_max(t, a) for r, t in x.items()}, mesh, cdims, "max")
     sh = {r: x[r] - lmax[r].detach() for r in x}
     sumexp = mesh_reduce({r: paddle.exp(t).sum(axis=a, keepdim=True) for r, t in sh.items()}, mesh, cdims)
     lse = {r: paddle.log(sumexp[r]) for r in sh}
@@ -184,6 +184,23 @@ def vocab_parallel_cross_entropy(mesh, calls):
         return _divisor(loss, terms, True, mesh, b0["batch_mesh_dims"])
     terms = {r: _count(t) for r, t in loss.items()}
     return _divisor(loss, terms, False, mesh, b0["batch_mesh_dims"])
+
+
+def _class_max(t, a):
+    """The max over class axis ``a`` (kept); -inf for a rank holding no class (6 classes over 4 ranks are 2, 2,
+    2, 0: paddle refuses a max over an empty axis)."""
+    if t.shape[a] > 0:
+        return paddle.max(t, axis=a, keepdim=True)
+    shape = list(t.shape)
+    shape[a] = 1
+    return paddle.full(shape, float("-inf"), dtype=t.dtype)
+
+
+def _pick(t, idx, a):
+    """``take_along_axis(t, idx, a)``; zeros of the label's shape on a rank holding no class."""
+    if t.shape[a] > 0:
+        return paddle.take_along_axis(t, idx, axis=a)
+    return paddle.zeros(idx.shape, dtype=t.dtype) + t.sum() * 0
 
 
 def _check_vocab_parallel(b) -> None:
@@ -209,7 +226,7 @@ def _hard_terms(bound, sh, lse, mesh, cdims, a):
         start, end = b["class_start"], b["class_end"]
         inside = (lab >= start) & (lab < end)
         idx = paddle.where(inside, lab - start, paddle.zeros_like(lab)).astype("int64")
-        got = paddle.take_along_axis(sh[r], idx, axis=a)
+        got = _pick(sh[r], idx, a)
         picked[r] = got * inside.astype(got.dtype)
         if eps > 0:
             rowsum[r] = sh[r].sum(axis=a, keepdim=True)

@@ -43,10 +43,18 @@ def global_mean(x, axis=None, keepdim=False, name=None, *, global_count, dtype=N
 
 
 def row_of_shard(x, index=None, *, row):
-    """``x[row]`` on the rank holding the row, zeros of a row's shape elsewhere (a Partial(sum) term)."""
+    """``x[row]`` on the rank holding the row, zeros of a row's shape elsewhere (a Partial(sum) term).
+
+    The zeros are joined to ``x`` (through its empty slice ``x[:0]``, so no value of ``x`` enters them: an inf
+    stays out), as one process's ``x[i]`` gives every unselected row a zero gradient: a rank with unjoined
+    zeros got no gradient at all, so the tensor's ``.grad`` read None and its collectives' backward saw a
+    stopped input."""
     if row is not None:
         return x[row]
-    return paddle.zeros(x.shape[1:], dtype=x.dtype)
+    zeros = paddle.zeros([1] + list(x.shape[1:]), dtype=x.dtype)
+    if x.stop_gradient or not paddle.is_grad_enabled():
+        return zeros[0]
+    return paddle.concat([x[:0], zeros], axis=0)[0]
 
 
 def setitem(x, index, value):
@@ -79,7 +87,16 @@ def reshape_to(x, *args, shape, **kwargs):
     return paddle.reshape(x, shape)
 
 
-PER_RANK = {"reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
+def cdist(x, y, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary", name=None):
+    """``paddle.cdist`` on shards; a rank holding no row of ``x`` or ``y`` (an uneven split) gets its empty block of
+    distances from the broadcast difference, since paddle's kernel drops the batch dims of an empty result."""
+    if 0 not in list(x.shape) + list(y.shape):
+        return paddle.cdist(x, y, p=p, compute_mode=compute_mode)
+    diff = (x.unsqueeze(-2) - y.unsqueeze(-3)).abs()
+    return diff.pow(p).sum(-1).pow(1.0 / p) if p > 0 else (diff > 0).astype(x.dtype).sum(-1)
+
+
+PER_RANK = {"cdist": cdist, "reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
             "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape, "squeeze_to": squeeze_to}
 
 

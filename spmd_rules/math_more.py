@@ -253,3 +253,61 @@ def take(x, index, mode="raise", name=None):
     if mode not in ("raise", "wrap", "clip"):
         raise ValueError(f"take: mode must be 'raise', 'wrap' or 'clip', got {mode!r}")
     return _gathered("take", x, index)
+
+
+@register_spmd_rule("cross")
+def cross(x, y, axis=9, name=None):
+    """The cross product along ``axis`` (paddle's default 9: the first dim of size 3): that dim R in both, every
+    other dim shared by ``x`` and ``y`` (same shapes) keeps its sharding."""
+    check_spec("cross", "x", x)
+    check_spec("cross", "y", y)
+    if list(x.shape) != list(y.shape):
+        raise ValueError(f"cross: x and y must have the same shape, got {list(x.shape)} and {list(y.shape)}")
+    a = next((d for d, n in enumerate(x.shape) if n == 3), None) if axis == 9 else norm_axis("cross", axis, x.ndim)
+    if a is None or x.shape[a] != 3:
+        raise ValueError(f"cross: the dim along axis={axis} must have size 3, got shape {list(x.shape)}")
+    lab = tuple(None if d == a else d for d in range(x.ndim))
+    return labels_result("cross", [x, y], [lab, lab], [lab], [(x.shape, promote(x.dtype, y.dtype))], linear=None)
+
+
+@register_spmd_rule("renorm")
+def renorm(x, p, axis, max_norm):
+    """Each slice along ``axis`` rescaled to norm <= ``max_norm`` (its norm taken over every other dim): ``axis``
+    keeps its sharding, every other dim R."""
+    check_spec("renorm", "x", x)
+    a = norm_axis("renorm", axis, x.ndim)
+    lab = tuple(d if d == a else None for d in range(x.ndim))
+    return labels_result("renorm", [x], [lab], [lab], [(x.shape, x.dtype)], linear=None)
+
+
+@register_spmd_rule("trapezoid")
+def trapezoid(y, x=None, dx=None, axis=-1, name=None):
+    """The trapezoidal integral along ``axis`` (sample points ``x`` of ``y``'s shape or 1-D along the axis, or
+    spacing ``dx``): ``axis`` R in ``y`` and ``x``, the other dims keep their sharding (shared with a full ``x``)."""
+    check_spec("trapezoid", "y", y)
+    a = norm_axis("trapezoid", axis, y.ndim)
+    yl = tuple(None if d == a else d for d in range(y.ndim))
+    out = yl[:a] + yl[a + 1:]
+    shape = tuple(n for d, n in enumerate(y.shape) if d != a)
+    if x is None:
+        return labels_result("trapezoid", [y], [yl], [out], [(shape, y.dtype)], linear=None)
+    check_spec("trapezoid", "x", x)
+    xl = yl if list(x.shape) == list(y.shape) else (None,) * x.ndim
+    return labels_result("trapezoid", [y, x], [yl, xl], [out], [(shape, promote(y.dtype, x.dtype))], linear=None)
+
+
+@register_spmd_rule("cdist")
+def cdist(x, y, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary", name=None):
+    """Pairwise p-norm distances ``[..., P, M] x [..., R, M] -> [..., P, R]``: the feature dim M R, the rows P and
+    R keep their sharding, batch dims of equal size shared."""
+    check_spec("cdist", "x", x)
+    check_spec("cdist", "y", y)
+    if x.ndim < 2 or y.ndim != x.ndim or x.shape[-1] != y.shape[-1]:
+        raise ValueError(f"cdist: expects [..., P, M] and [..., R, M] of one rank, got {list(x.shape)} and "
+                         f"{list(y.shape)}")
+    nb = x.ndim - 2
+    batch = tuple(f"b{d}" if x.shape[d] == y.shape[d] else None for d in range(nb))
+    xl, yl = batch + ("p", None), batch + ("r", None)
+    shape = tuple(max(x.shape[d], y.shape[d]) for d in range(nb)) + (x.shape[-2], y.shape[-2])
+    return labels_result("cdist", [x, y], [xl, yl], [batch + ("p", "r")], [(shape, promote(x.dtype, y.dtype))],
+                         linear=None, local_op="cdist")

@@ -231,6 +231,36 @@ def _scatter(x, index, updates, overwrite=True, name=None, out=None):
                          [(x.shape, x.dtype)], linear=None)
 
 
+@register_spmd_rule("scatter_nd_add")
+def scatter_nd_add(x, index, updates, name=None):
+    """``x`` plus ``updates`` added at the first ``k = index.shape[-1]`` coordinates of each index row: the indexed
+    dims of ``x`` and the index are R; ``x``'s trailing dims keep their sharding, shared with ``updates``' trailing
+    dims of the same size (each rank adds its slice of every update row)."""
+    check_spec("scatter_nd_add", "x", x)
+    check_spec("scatter_nd_add", "index", index)
+    check_spec("scatter_nd_add", "updates", updates)
+    k = index.shape[-1] if index.ndim else 0
+    if index.ndim < 1 or k > x.ndim or list(updates.shape) != list(index.shape[:-1]) + list(x.shape[k:]):
+        raise ValueError(f"scatter_nd_add: updates must have shape index.shape[:-1] + x.shape[index.shape[-1]:] "
+                         f"= {list(index.shape[:-1]) + list(x.shape[k:])}, got x {list(x.shape)}, index "
+                         f"{list(index.shape)}, updates {list(updates.shape)}")
+    xl = tuple(None if d < k else d for d in range(x.ndim))
+    ul = (None,) * (index.ndim - 1) + xl[k:]
+    return labels_result("scatter_nd_add", [x, index, updates], [xl, (None,) * index.ndim, ul], [xl],
+                         [(x.shape, x.dtype)], linear=None)
+
+
+@register_spmd_rule("index_fill")
+def index_fill(x, index, axis, value, name=None):
+    """``x`` with the slices at ``index`` along ``axis`` set to ``value``: that dim and the index R, the other dims
+    keep their sharding."""
+    check_spec("index_fill", "x", x)
+    check_spec("index_fill", "index", index)
+    xl = _along(x, axis)
+    return labels_result("index_fill", [x, index], [xl, (None,) * index.ndim], [xl], [(x.shape, x.dtype)],
+                         linear=None)
+
+
 @register_spmd_rule("permute")
 def permute(input, dims):
     return transpose(input, dims)

@@ -36,6 +36,7 @@ class _Comm(PyLayer):
     @staticmethod
     def forward(ctx, fwd, bwd, order, *ts):
         ctx.fwd, ctx.bwd, ctx.order = fwd, bwd, order
+        ctx.stopped = tuple(t.stop_gradient for t in ts)
         with paddle.no_grad():
             outs = fwd(dict(zip(order, ts)))
         return tuple(outs[r] for r in order)
@@ -43,10 +44,17 @@ class _Comm(PyLayer):
     @staticmethod
     def backward(ctx, *gs):
         if paddle.is_grad_enabled() and any(not g.stop_gradient for g in gs):
-            return _differentiable_backward(ctx, gs)
+            return _for_inputs(ctx, _differentiable_backward(ctx, gs))
         with paddle.no_grad(), local_mode():
             outs = ctx.bwd(dict(zip(ctx.order, gs)))
-        return tuple(outs[r] for r in ctx.order)
+        return _for_inputs(ctx, tuple(outs[r] for r in ctx.order))
+
+
+def _for_inputs(ctx, grads: tuple) -> tuple:
+    """None in place of the gradient of a member's tensor that needed none (paddle's PyLayer refuses a gradient
+    for an input whose stop_gradient was set: a rank's local computed from constants only, beside members whose
+    locals need gradients)."""
+    return tuple(None if stopped else g for stopped, g in zip(ctx.stopped, grads))
 
 
 def _differentiable_backward(ctx, gs):

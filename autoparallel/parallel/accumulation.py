@@ -5,7 +5,7 @@ from __future__ import annotations
 from autoparallel.dist_tensor import is_dist
 from autoparallel.local_mode import local_mode
 from autoparallel.parallel.optimizer import ShardedOptimizer
-from autoparallel.parallel.param_list import flat_params
+from autoparallel.parallel.param_list import flat_params, rebind_params as _rebind
 
 
 class AccumulatingOptimizer(ShardedOptimizer):
@@ -38,21 +38,6 @@ def wrap_optimizer(optimizer, replaced: dict, gradient_accumulation_steps: int =
         raise ValueError("the optimizer has no parameters; build it with parameters=model.parameters()")
     _rebind(optimizer, replaced)
     return AccumulatingOptimizer(optimizer, gradient_accumulation_steps=gradient_accumulation_steps, overlap=True)
-
-
-def _rebind(optimizer, replaced: dict) -> None:
-    params = optimizer._parameter_list
-    if params and isinstance(params[0], dict):           # parameter groups
-        for group in params:
-            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-        for group in getattr(optimizer, "_param_groups", []) or []:
-            if isinstance(group, dict):
-                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-        return
-    optimizer._parameter_list = [replaced.get(id(p), p) for p in params]
-    groups = getattr(optimizer, "_param_groups", None)
-    if groups is not None and groups and not isinstance(groups[0], dict):
-        optimizer._param_groups = list(optimizer._parameter_list)
 
 
 def check_optimizer_params(model, optimizer, where: str, replaced: dict | None = None) -> None:

@@ -58,9 +58,19 @@ def resolve(opt):
     return opt
 
 
+def _repointed(opt):
+    """``opt`` after pointing parameters a layout replaced at their replacements (an optimizer built after
+    ``ap.parallelize`` from parameters taken before it; stale_optimizers.repoint_stale)."""
+    if _ctx.local_depth == 0:
+        from autoparallel.parallel.stale_optimizers import repoint_stale
+
+        repoint_stale(opt)
+    return opt
+
+
 def _step(orig):
     def step(self, *args, **kwargs):
-        if not needs_wrapper(self):
+        if not needs_wrapper(_repointed(self)):
             return orig(self, *args, **kwargs)
         if args or kwargs:
             raise NotImplementedError(f"{type(self).__name__}.step{args or ''} with arguments (a closure) over "
@@ -80,7 +90,7 @@ def _clear_grad(orig):
 
 def _minimize(orig):
     def minimize(self, *args, **kwargs):
-        if not needs_wrapper(self):
+        if not needs_wrapper(_repointed(self)):
             return orig(self, *args, **kwargs)
         return wrapper_for(self).minimize(*args, **kwargs)
     return minimize

@@ -205,6 +205,9 @@ def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int =
     from autoparallel.parallel.sharding_stages import resolve_shard_fn, zero_optimizer
 
     _check_closure_optimizer(getattr(optimizer, "_inner", optimizer))
+    from autoparallel.parallel.stale_optimizers import repoint_stale
+
+    repoint_stale(getattr(optimizer, "_inner", optimizer))      # built from parameters taken before the layout
     stage = resolve_shard_fn(optimizer, shard_fn)
     if stage is None:
         return ShardedOptimizer(optimizer, None, gradient_accumulation_steps, overlap=True)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import gc
 
-from autoparallel.parallel.accumulation import _rebind
-from autoparallel.parallel.param_list import flat_params
+from autoparallel.parallel.param_list import flat_params, rebind_params as _rebind
 
 
 class StaleOptimizerError(ValueError):
@@ -71,3 +70,20 @@ def repoint_optimizers(replaced: dict, stepped: str = "raise", within=None) -> i
         _rebind(opt, replaced)
         changed += 1
     return changed
+
+
+def repoint_stale(opt) -> None:
+    """Point ``opt`` (built after a layout from parameters taken before it) at the distributed parameters that
+    replaced its parameters (param_carry.successor); an optimizer that stepped on the originals is refused."""
+    from autoparallel import param_carry
+
+    replaced = param_carry.stale_map(flat_params(opt))
+    if not replaced:
+        return
+    kept = _state_names(opt) & {p.name for p in flat_params(opt) if id(p) in replaced}
+    if kept:
+        raise StaleOptimizerError(
+            f"an optimizer ({type(opt).__name__}) that has already stepped holds {len(replaced)} parameter(s) that "
+            f"a layout replaced by distributed ones (with state for {sorted(kept)[:3]}); its state cannot follow "
+            f"the new layout: build the optimizer from model.parameters() after the layout")
+    _rebind(opt, replaced)

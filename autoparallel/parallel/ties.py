@@ -75,6 +75,9 @@ def repoint(model, before: list) -> dict:
         replaced[key] = new
         for s in slots:
             s.layer._parameters[s.attr] = new
+    from autoparallel.parallel.param_refs import rebind
+
+    rebind(model, replaced)             # the layers' own lists / dicts of parameters follow too
     return replaced
 
 

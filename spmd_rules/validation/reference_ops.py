@@ -31,6 +31,12 @@ def _setitem(x, index, value):
     return setitem(x, index, value)
 
 
+def _cdist(x, y, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary", name=None):
+    from autoparallel.local_ops import cdist
+
+    return cdist(x, y, p, compute_mode)
+
+
 def _squeeze_to(x, axis=None, name=None, *, shape):
     return _paddle().reshape(x, shape)
 
@@ -46,4 +52,5 @@ LOCAL_OPS = {
     "vocab_parallel_embedding": _vocab_parallel_embedding,
     "global_mean": _global_mean,
     "row_of_shard": _row_of_shard,
+    "cdist": _cdist,
 }

@@ -266,17 +266,37 @@ def _dry_run_error(model, inputs, e) -> NotImplementedError:
 
 @contextlib.contextmanager
 def _swapped(blocks, fns: dict):
-    """Blocks ``j`` of ``fns`` run ``fns[j]`` instead of their forward inside the context."""
-    own = {j: blocks[j].__dict__.get("forward", _MISSING) for j in fns}
+    """Blocks ``j`` of ``fns`` run ``fns[j]`` instead of their forward inside the context. One layer object held at
+    several positions (ALBERT-style sharing: ``LayerList([block] * n)``) takes its positions in call order: its
+    k-th call in the context is position k's (the blocks run in list order, each once)."""
+    where = {}
+    for j in range(len(blocks)):
+        where.setdefault(id(blocks[j]), []).append(j)
+    objs = {id(blocks[j]): blocks[j] for j in fns}
+    own = {k: b.__dict__.get("forward", _MISSING) for k, b in objs.items()}
     try:
-        for j, fn in fns.items():
-            blocks[j].forward = types.MethodType(fn, blocks[j])
+        for k, b in objs.items():
+            b.forward = types.MethodType(_by_call(where[k], fns, own[k]), b)
         yield
     finally:
-        for j, f in own.items():
-            blocks[j].__dict__.pop("forward", None)
+        for k, f in own.items():
+            objs[k].__dict__.pop("forward", None)
             if f is not _MISSING:
-                blocks[j].__dict__["forward"] = f
+                objs[k].__dict__["forward"] = f
+
+
+def _by_call(positions: list, fns: dict, own):
+    """The forward of a block object held at ``positions``: its k-th call runs ``fns[positions[k]]``, or the
+    block's own forward for a position ``fns`` leaves alone."""
+    calls = [0]
+
+    def forward(self, *args, **kwargs):
+        j = positions[calls[0] % len(positions)]
+        calls[0] += 1
+        if j in fns:
+            return fns[j](self, *args, **kwargs)
+        return (own if own is not _MISSING else type(self).forward.__get__(self))(*args, **kwargs)
+    return forward
 
 
 def _first_block_input(model, blocks, path, inputs):
