@@ -30,7 +30,7 @@ import os
 import shutil
 import signal
 
-from autoparallel.checkpoint import run_root, runtime_state, sync
+from autoparallel.checkpoint import run_root, runtime_state, shared_dir, sync
 from autoparallel.checkpoint.discovery import (complete_checkpoints, is_committed_aside, newest_complete,
                                                step_dir_name)
 from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointError
@@ -92,9 +92,14 @@ class CheckpointManager:
         problem = None
         try:
             run_root.check_usable(self.dir, need, rank)
+        except (OSError, ValueError, TypeError) as e:      # CheckpointRootError is an OSError
+            problem = e
+        run_root.agree(problem)
+        shared_dir.check_one_directory(self.dir)          # one directory every rank sees, before rank 0 marks it
+        try:
             if rank == 0:
                 run_root.claim(self.dir, resume)
-        except (OSError, ValueError, TypeError) as e:      # CheckpointRootError / OwnershipError are OSErrors
+        except (OSError, ValueError, TypeError) as e:      # CheckpointOwnershipError is an OSError
             problem = e
         run_root.agree(problem)
         self._started = True

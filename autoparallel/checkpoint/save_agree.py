@@ -10,6 +10,8 @@ naming the first difference, before any reduction. A rank whose own arguments ar
 JSON, an existing path) sends its error in the exchange, so every rank raises it at once (the others prefixed
 with that rank) instead of waiting for a rank that has left the save. A rank that never reaches the save (the
 others wait in the exchange) fails that exchange, which is reported as such rather than as a bare gloo timeout.
+The exchange also carries each rank's absolute path and probe file, so ranks that would write into different
+directories stop before any write (shared_dir.py).
 """
 from __future__ import annotations
 
@@ -60,13 +62,14 @@ def _show(entry) -> str:
     return f"{name!r} {shape} {dtype} on ranks {pids}"
 
 
-def agree(flat: dict, token: str, final: str, problem: BaseException = None) -> str:
-    """Rank 0's ``token`` on every rank once they agree on the save's reductions (module docstring); arms the
-    watchdog first (every rank of a save passes here together). ``problem``: this rank's own input error,
-    raised on every rank (the others' prefixed with this rank) instead of leaving them in the exchange."""
-    from autoparallel.checkpoint import sync
+def agree(flat: dict, token: str, final: str, problem: BaseException = None, probe: str = None) -> str:
+    """Rank 0's ``token`` on every rank once they agree on the save's reductions (module docstring) and see one
+    checkpoint directory (shared_dir.py); arms the watchdog first (every rank of a save passes here together).
+    ``problem``: this rank's own input error, raised on every rank (the others' prefixed with this rank)
+    instead of leaving them in the exchange. ``probe``: this rank's probe file (shared_dir.leave_probe)."""
+    from autoparallel.checkpoint import shared_dir, sync
 
-    multi, rank, _ = sync.job()
+    multi, rank, world_size = sync.job()
     if not multi:
         if problem is not None:
             raise problem
@@ -77,7 +80,8 @@ def agree(flat: dict, token: str, final: str, problem: BaseException = None) -> 
     try:
         with watchdog.op("checkpoint start (all_gather)"):
             error = None if problem is None else [type(problem).__name__, str(problem)]
-            parts = _all_gather_json({"token": token, "reduce": reductions(flat, rank), "error": error})
+            parts = _all_gather_json({"token": token, "reduce": reductions(flat, rank), "error": error,
+                                      "final": final, "probe": probe})
         if not all(isinstance(p, dict) and isinstance(p.get("token"), str) and isinstance(p.get("reduce"), list)
                    for p in parts):
             raise ValueError("a rank's answer is not a save's")
@@ -94,6 +98,12 @@ def agree(flat: dict, token: str, final: str, problem: BaseException = None) -> 
     if problem is not None:
         raise CheckpointSaveError(f"checkpoint {final}: the ranks' states differ, nothing was written: {problem}; "
                                   f"every rank passes the same Partial entries in the same order")
+    problem = shared_dir.path_difference([p.get("final") for p in parts])
+    if problem is not None:
+        raise CheckpointSaveError(f"checkpoint {final}: {problem}")
+    probes = [p.get("probe") for p in parts]
+    if all(isinstance(x, str) for x in probes):        # decided on the gathered parts: the same on every rank
+        shared_dir.check_visible(probes, f"checkpoint {final}", rank, world_size)
     return parts[0]["token"]
 
 

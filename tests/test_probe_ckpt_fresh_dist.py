@@ -1,0 +1,75 @@
+"""Saves whose path is not one directory for every rank, and a Ctrl-C inside a save, on 2 real gloo ranks (one
+shared launch; dist_scripts/ckpt_fresh_worker.py). Each rank runs in a working directory of its own.
+
+Before: a relative path (resolved in each rank's working directory), or a path on a node-local filesystem (played
+by ``/proc/self/cwd/...``: the same text on both ranks, another directory on each), left every rank polling for the
+other's files until AP_CKPT_TIMEOUT, an hour by default (measured with AP_CKPT_TIMEOUT=25: rank 0 raised
+CheckpointSaveError after 44 s, rank 1 a bare TimeoutError after 39 s and kept its partial directory); every rank
+was alive, so the watchdog had no one to name. Now every rank raises a typed error naming the ranks and paths
+within VISIBLE_WAIT_S + the exchange, before any rank writes (shared_dir.py); CheckpointManager.start refuses
+such a root before the first step, and before rank 0 marks it."""
+import os
+
+import pytest
+
+from autoparallel.checkpoint.shared_dir import VISIBLE_WAIT_S
+from dist_scripts import shared_launch
+
+WORKER = os.path.join(os.path.dirname(__file__), "dist_scripts", "ckpt_fresh_worker.py")
+JOB = shared_launch.job(__name__, "ckpt_fresh", WORKER, 2, args=lambda out: [out], timeout=200)
+SECONDS = VISIBLE_WAIT_S + 8.0      # the probe wait, the exchanges and a loaded machine; the default wait was 3600 s
+CKPT_FILES = [".autoparallel-checkpoint", "data-r00000.bin", "data-r00001.bin", "metadata.json"]
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return shared_launch.results(JOB)
+
+
+def test_a_relative_path_under_different_working_directories_fails_on_every_rank_at_once(launched):
+    out, ranks = launched
+    paths = [os.path.join(out, f"node{r}", "ck-relative") for r in range(2)]
+    for r, got in enumerate(ranks):
+        text, seconds = got["relative"]
+        assert text.startswith(f"CheckpointSaveError: checkpoint {paths[r]}: the ranks' paths differ"), text
+        assert f"rank 0: {paths[0]}, rank 1: {paths[1]}" in text and "No rank wrote" in text, text
+        assert seconds < SECONDS, seconds
+
+
+def test_a_node_local_directory_fails_on_every_rank_naming_who_cannot_see_whom(launched):
+    _, ranks = launched
+    for got in ranks:
+        text, seconds = got["node_local"]
+        assert text.startswith("CheckpointSaveError: checkpoint /proc/self/cwd/ck-node-local: '/proc/self/cwd' "
+                               "is not one directory every rank sees"), text
+        assert "rank 0 does not see the files of ranks [1]; rank 1 does not see the files of ranks [0]" in text
+        assert seconds < SECONDS, seconds
+
+
+def test_a_node_local_run_root_is_refused_at_start_before_it_is_marked(launched):
+    _, ranks = launched
+    for got in ranks:
+        text, seconds = got["manager_node_local"]
+        assert text.startswith("CheckpointRootError: checkpoint root '/proc/self/cwd/run'"), text
+        assert "rank 0 does not see the files of ranks [1]" in text and seconds < SECONDS, (text, seconds)
+        assert got["own_listing"] == ["run"]        # no partial directory, probe or run marker on either rank
+
+
+def test_negative_control_the_same_calls_in_a_shared_directory_succeed(launched):
+    _, ranks = launched
+    for got in ranks:
+        assert got["shared_relative"][0] == "ok" and got["shared_manager"][0] == "ok", got
+        run = [".autoparallel-run", "latest", "step-00000001"] + [f"step-00000001/{f}" for f in CKPT_FILES]
+        assert got["shared_listing"] == ["ck"] + [f"ck/{f}" for f in CKPT_FILES] + ["run"] + [
+            f"run/{f}" for f in run]                # every probe file removed
+
+
+def test_a_ctrl_c_in_one_ranks_write_fails_the_save_everywhere_and_keeps_the_old_checkpoint(launched):
+    _, ranks = launched
+    assert ranks[1]["interrupted_overwrite"][0] == "KeyboardInterrupt: "
+    text = ranks[0]["interrupted_overwrite"][0]
+    assert text.startswith("CheckpointSaveError") and "writing failed on rank 1: KeyboardInterrupt" in text, text
+    for got in ranks:
+        assert got["interrupted_overwrite"][1] < SECONDS
+        assert got["after_interrupt"] == {"w": [[1.0, 1.0]] * 4, "loader": {"index": 1}}    # step 1's values
+        assert got["loaded_step"] == 1 and got["loaded_local"] == [[1.0, 1.0]] * 2
