@@ -7,7 +7,8 @@ other's files until AP_CKPT_TIMEOUT, an hour by default (measured with AP_CKPT_T
 CheckpointSaveError after 44 s, rank 1 a bare TimeoutError after 39 s and kept its partial directory); every rank
 was alive, so the watchdog had no one to name. Now every rank raises a typed error naming the ranks and paths
 within VISIBLE_WAIT_S + the exchange, before any rank writes (shared_dir.py); CheckpointManager.start refuses
-such a root before the first step, and before rank 0 marks it."""
+such a root before the first step, and before rank 0 marks it; CheckpointManager.restore compares the save
+that wrote each rank's checkpoint, not only its path."""
 import os
 
 import pytest
@@ -73,3 +74,16 @@ def test_a_ctrl_c_in_one_ranks_write_fails_the_save_everywhere_and_keeps_the_old
         assert got["interrupted_overwrite"][1] < SECONDS
         assert got["after_interrupt"] == {"w": [[1.0, 1.0]] * 4, "loader": {"index": 1}}    # step 1's values
         assert got["loaded_step"] == 1 and got["loaded_local"] == [[1.0, 1.0]] * 2
+
+
+def test_a_resume_from_node_local_roots_holding_other_saves_is_refused(launched):
+    """Each rank's root held a step-1 checkpoint of another save under the same path (rank 0's w = 1, rank 1's
+    w = 3): restore() compared the paths only and loaded each rank's own (measured before: rank 0's rows 1.0,
+    rank 1's rows 3.0, one tensor mixing two saves, no error). The ranks now compare the saves' nonces too."""
+    _, ranks = launched
+    for got in ranks:
+        text, _ = got["node_local_restore"]
+        assert text.startswith("CheckpointError: checkpoint root '/proc/self/cwd/run2': the ranks would resume "
+                               "from different checkpoints"), text
+        assert text.count("/proc/self/cwd/run2/step-00000001 (save ") == 2 and "Nothing was loaded" in text, text
+        assert got["node_local_restore_w"] == [[0.0, 0.0]] * 2            # the state left as it was

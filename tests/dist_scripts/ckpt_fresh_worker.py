@@ -4,7 +4,8 @@ Each rank works in a directory of its own (``<base>/node<r>``, its working direc
 ``/proc/self/cwd/...`` (the same text on both ranks, a different directory on each, as ``/tmp`` on each node of a
 job is), used to leave every rank polling for the other's files until AP_CKPT_TIMEOUT (an hour). Then, in a
 directory both share: the same save succeeds (the negative control), and a KeyboardInterrupt raised in rank 1's
-write of an overwrite fails the save on both ranks and keeps the checkpoint it was replacing.
+write of an overwrite fails the save on both ranks and keeps the checkpoint it was replacing; last, a resume
+from node-local roots holding different saves under one path is refused.
 Usage: ckpt_fresh_worker.py BASE"""
 import os
 import sys
@@ -49,6 +50,23 @@ def interrupted_write(rank: int):
     return real, write
 
 
+def node_local_resume(rank: int, own: str, shared: str, state) -> dict:
+    """Each rank's own root (``/proc/self/cwd/run2``) holds a step-1 checkpoint of another save (rank 0: w = 1,
+    rank 1: w = 3), as node-local roots left by earlier runs can: restore() used to load each rank's own, the
+    ranks then holding different values of one tensor, silently."""
+    import shutil
+
+    ap.save_state_dict(state(3.0), os.path.join(shared, "ck3"), step=1)
+    source = os.path.join(shared, "ck" if rank == 0 else "ck3")
+    shutil.copytree(source, os.path.join(own, "run2", "step-00000001"))
+    target = state(0.0)
+    os.chdir(own)
+    got = {"node_local_restore": attempt(lambda: CheckpointManager("/proc/self/cwd/run2").restore(target))}
+    os.chdir(shared)
+    got["node_local_restore_w"] = target["w"]._local_value().numpy().tolist()
+    return got
+
+
 def main(base: str) -> None:
     dist.init_parallel_env()
     rank = dist.get_rank()
@@ -79,6 +97,7 @@ def main(base: str) -> None:
     save_module.write_rank_file = real
     dist.barrier()
     out["shared_listing"] = listing(shared)
+    out.update(node_local_resume(rank, own, shared, state))
     merged = load_merged_state_dict(os.path.join(shared, "ck"))
     out["after_interrupt"] = {"w": merged["w"].tolist(), "loader": merged["loader"]}
     target = state(0.0)
