@@ -16,7 +16,7 @@ own through the whole save, so a rank killed meanwhile is named at once (same ho
 within the heartbeat timeout (at most 2 x while its process still runs a long write), and every rank exits
 naming it and the operation in flight. ``AP_CKPT_TIMEOUT`` (default 3600 s) bounds the polling only as the
 last resort when the watchdog is switched off (``AP_WATCHDOG=off``). The checkpoint directory must be on a
-filesystem every rank sees (a shared filesystem across nodes).
+filesystem every rank sees (a shared filesystem across nodes): step 1 checks it before any write (shared_dir.py).
 """
 from __future__ import annotations
 

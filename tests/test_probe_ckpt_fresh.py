@@ -1,0 +1,182 @@
+"""In one process: the parts of the one-directory check (shared_dir.py) with a peer played by a fake all_gather,
+a non-zero rank's rendezvous timeout typed like rank 0's, a Ctrl-C inside a simulated save (in a rank's write and
+between the two renames of an overwrite) keeping the checkpoint it was replacing, and a checkpoint of another
+format version refused naming its file. (The same on 2 real ranks: tests/test_probe_ckpt_fresh_dist.py.)"""
+import copy
+import json
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import paddle
+import pytest
+
+import autoparallel as ap
+import autoparallel.checkpoint.atomic as atomic_module
+import autoparallel.checkpoint.save as save_module
+from autoparallel.checkpoint import (CheckpointCorruptError, CheckpointSaveError, load_merged_state_dict,
+                                     read_checkpoint_info)
+from autoparallel.checkpoint import shared_dir
+from autoparallel.checkpoint.collect import collect
+from autoparallel.checkpoint.flatten import flatten
+
+W = np.arange(32, dtype=np.float32).reshape(8, 4)          # the saved value: 0, 1, ..., 31
+
+
+def _fake_peer(monkeypatch, answer):
+    """This process as rank 0 of 2, its peer answering each all_gather with ``answer(own tensor, call number)``."""
+    import paddle.distributed as dist
+
+    from autoparallel.checkpoint import sync
+
+    monkeypatch.setattr(sync, "job", lambda: (True, 0, 2))
+    calls = []
+
+    def all_gather(out, t):
+        calls.append(t)
+        out.extend([t, answer(t, len(calls))])
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    return calls
+
+
+def test_path_difference_names_every_ranks_path():
+    assert shared_dir.path_difference(["/a/ck", "/a/ck", "/a/ck"]) is None
+    text = shared_dir.path_difference(["/n0/ck", "/n1/ck"])
+    assert text.startswith("the ranks' paths differ (rank 0: /n0/ck, rank 1: /n1/ck)"), text
+
+
+def test_unseen_waits_for_a_late_probe_and_names_a_missing_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(shared_dir, "VISIBLE_WAIT_S", 1.0)
+    probes = [str(tmp_path / f"p{r}") for r in range(3)]
+    open(probes[1], "w").close()                              # rank 0's own (probes[0]) is never looked for
+    start = time.monotonic()
+    assert shared_dir.unseen(probes, 0) == [2]
+    assert 1.0 <= time.monotonic() - start < 3.0              # it waited VISIBLE_WAIT_S for rank 2's
+    late = threading.Timer(0.3, lambda: open(probes[2], "w").close())
+    late.start()
+    assert shared_dir.unseen(probes, 0) == []                 # a probe shown late (a shared filesystem) is seen
+    late.join()
+
+
+def test_check_visible_stops_every_rank_naming_who_cannot_see_whom(tmp_path, monkeypatch):
+    mine = shared_dir.leave_probe(str(tmp_path / "ck"), "0123456789ab", 0)
+    assert os.path.basename(mine) == ".autoparallel-probe-0123456789ab-r00000"
+    probes = [mine, str(tmp_path / ".autoparallel-probe-ba9876543210-r00001")]
+    open(probes[1], "w").close()
+    _fake_peer(monkeypatch, lambda t, call: paddle.to_tensor(np.array([1, 0], dtype=np.int32)))   # blind to 0
+    with pytest.raises(CheckpointSaveError, match=r"rank 1 does not see the files of ranks \[0\]\; a node-local"):
+        shared_dir.check_visible(probes, "checkpoint /x", 0, 2)
+    _fake_peer(monkeypatch, lambda t, call: t)                # negative control: the peer sees rank 0's probe
+    shared_dir.check_visible(probes, "checkpoint /x", 0, 2)
+    shared_dir.remove_probe(mine)
+    assert not os.path.exists(mine)
+
+
+def test_agree_refuses_a_peer_saving_elsewhere_before_any_write(monkeypatch):
+    """The peer's answer names another absolute path (its working directory differs): every rank raises at the
+    exchange, naming both paths."""
+    from autoparallel.checkpoint.save_agree import agree
+
+    other = {"token": "ffffffffffff", "reduce": [], "error": None, "final": "/node1/ck", "probe": None}
+    raw = np.frombuffer(json.dumps(other).encode(), dtype=np.uint8)     # as long as rank 0's own answer
+
+    def answer(t, call):                      # the peer's length, then its bytes
+        return paddle.to_tensor([raw.size], dtype="int64") if call == 1 else paddle.to_tensor(raw)
+    calls = _fake_peer(monkeypatch, answer)
+    with pytest.raises(CheckpointSaveError, match=r"^checkpoint /node0/ck: the ranks' paths differ \(rank 0: "
+                                                  r"/node0/ck, rank 1: /node1/ck\)"):
+        agree({}, "0123456789ab", "/node0/ck")
+    assert len(calls) == 2                    # the two all_gathers of the exchange, no probe check after them
+
+
+def test_a_non_zero_ranks_rendezvous_timeout_is_a_typed_error(tmp_path, monkeypatch):
+    """Rank 1 of 2 writes its part, then rank 0 never commits: CheckpointSaveError naming rank 1 (it was a bare
+    TimeoutError, where rank 0's own timeout was a CheckpointSaveError)."""
+    monkeypatch.setenv("AP_CKPT_TIMEOUT", "1")
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], ["dp"])
+        state = {"w": ap.shard_tensor(paddle.to_tensor(W), mesh, [ap.Shard(0)])}
+        tensors, values, writes = collect(flatten(state), 0, False)
+    meta = {"format": "autoparallel.checkpoint", "version": 1, "step": 1, "extra": None, "nonce": "0123456789ab",
+            "world_size": 2, "created": 0.0, "tensors": tensors, "values": values, "files": {}}
+    final = str(tmp_path / "ck")
+    tmp = save_module.temp_dir_for(final, "0123456789ab")
+    os.makedirs(tmp)
+    start = time.monotonic()
+    with pytest.raises(CheckpointSaveError, match=r"^\(rank 1\) checkpoint .*ck: rank 0 did not commit within 1 s"):
+        save_module._save_multi(copy.deepcopy(meta), tmp, final, False, 1, 2, writes[1], 1 << 20)
+    assert 1.0 <= time.monotonic() - start < 4.0
+
+
+def _saved(tmp_path):
+    """A 4-rank (dp 2 x tp 2) checkpoint of W at step 1 in ``tmp_path/ck``; (path, mesh)."""
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], ["dp", "tp"])
+    path = str(tmp_path / "ck")
+    ap.save_state_dict({"w": ap.shard_tensor(paddle.to_tensor(W), mesh, [ap.Shard(0), ap.Shard(1)])}, path, step=1)
+    return path, mesh
+
+
+def _assert_step_1_intact(tmp_path, path):
+    assert sorted(os.listdir(tmp_path)) == ["ck"]                     # no temporary or moved-aside directory
+    assert read_checkpoint_info(path).step == 1
+    np.testing.assert_array_equal(load_merged_state_dict(path)["w"], W)
+
+
+def test_a_ctrl_c_in_one_ranks_write_keeps_the_checkpoint_being_replaced(tmp_path, monkeypatch):
+    original = save_module.write_rank_file
+
+    def interrupted(directory, rank, items, block_bytes):
+        if rank == 2:
+            raise KeyboardInterrupt()
+        return original(directory, rank, items, block_bytes)
+    with ap.simulate(world_size=4):
+        path, mesh = _saved(tmp_path)
+        monkeypatch.setattr(save_module, "write_rank_file", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            ap.save_state_dict({"w": ap.shard_tensor(paddle.full([8, 4], 7.0), mesh, [ap.Shard(0), ap.Shard(1)])},
+                               path, step=2, overwrite=True)
+    _assert_step_1_intact(tmp_path, path)
+
+
+def test_a_ctrl_c_between_the_renames_of_an_overwrite_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
+    """publish_dir moves the old checkpoint aside, then renames the new one into place: a KeyboardInterrupt at the
+    second rename puts the old one back under its name."""
+    real_rename = os.rename
+    renames = []
+
+    def rename(a, b):
+        renames.append((os.path.basename(a), os.path.basename(b)))
+        if len(renames) == 2:
+            raise KeyboardInterrupt()
+        return real_rename(a, b)
+    with ap.simulate(world_size=4):
+        path, mesh = _saved(tmp_path)
+        monkeypatch.setattr(atomic_module.os, "rename", rename)
+        with pytest.raises(KeyboardInterrupt):
+            ap.save_state_dict({"w": ap.shard_tensor(paddle.full([8, 4], 7.0), mesh, [ap.Shard(0), ap.Shard(1)])},
+                               path, step=2, overwrite=True)
+        monkeypatch.setattr(atomic_module.os, "rename", real_rename)
+    assert renames[0][0] == "ck" and renames[0][1].startswith("ck.tmp-old-")      # the old one moved aside
+    assert renames[1][0].startswith("ck.tmp-") and renames[1][1] == "ck"         # the interrupted rename
+    assert renames[2] == (renames[0][1], "ck")                                     # and put back
+    _assert_step_1_intact(tmp_path, path)
+
+
+def test_a_checkpoint_of_another_format_version_names_its_file_and_loads_nothing(tmp_path):
+    with ap.simulate(world_size=4):
+        path, mesh = _saved(tmp_path)
+        other = str(tmp_path / "v2")
+        shutil.copytree(path, other)
+        meta_path = os.path.join(other, "metadata.json")
+        with open(meta_path) as f:
+            meta = json.load(f)
+        meta["version"] = 2
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
+        target = {"w": ap.shard_tensor(paddle.full([8, 4], 5.0), mesh, [ap.Shard(0), ap.Shard(1)])}
+        with pytest.raises(CheckpointCorruptError, match=f"^{meta_path}: checkpoint format version 2 is not "
+                                                         f"supported \\(this version reads 1\\)"):
+            ap.load_state_dict(target, other)
+        assert float(target["w"].full().numpy().max()) == 5.0 and float(target["w"].full().numpy().min()) == 5.0
