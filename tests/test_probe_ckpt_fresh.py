@@ -180,3 +180,69 @@ def test_a_checkpoint_of_another_format_version_names_its_file_and_loads_nothing
                                                          f"supported \\(this version reads 1\\)"):
             ap.load_state_dict(target, other)
         assert float(target["w"].full().numpy().max()) == 5.0 and float(target["w"].full().numpy().min()) == 5.0
+
+
+def _flip_one_bit(path: str, pattern: bytes, index: int = 0) -> tuple:
+    """Flip the lowest bit of the first byte of group ``index`` of ``pattern``'s first match in ``path``'s
+    metadata.json (the ASCII digit "0" becomes "1", "2" becomes "3"); (old byte, new byte)."""
+    import re
+
+    meta_path = os.path.join(path, "metadata.json")
+    with open(meta_path, "rb") as f:
+        data = bytearray(f.read())
+    at = re.search(pattern, bytes(data)).start(index + 1)
+    old = data[at]
+    data[at] ^= 1
+    with open(meta_path, "wb") as f:
+        f.write(bytes(data))
+    return chr(old), chr(data[at])
+
+
+@pytest.mark.parametrize("what, pattern", [
+    ("a shard's row offset", rb'"offsets": \[\s*(0),'),       # the first shard said rows 1..4 for rows 0..3
+    ("a JSON value", rb'"loader/index": 64(0)'),
+    ("the step", rb'"step": (2)'),
+    ("the checksum's own name", rb'"metadata_crc3(2)"'),
+])
+def test_one_flipped_bit_in_the_metadata_is_refused_and_loads_nothing(tmp_path, what, pattern):
+    """Before the metadata's own checksum, a flipped bit in a shard's offsets loaded a wrong tensor without an
+    error (measured: rows [0 0 0 0], [0 1 2 3], [4 5 6 7], [8 9 10 11], [16 ...]: the first shard written at rows
+    1..4, row 0 left zero, the values 12..15 lost), and one in a value or the step changed it unseen."""
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], ["dp"])
+        path = str(tmp_path / "ck")
+        ap.save_state_dict({"w": ap.shard_tensor(paddle.to_tensor(W), mesh, [ap.Shard(0)]),
+                            "loader": {"index": 640}}, path, step=2)
+        np.testing.assert_array_equal(load_merged_state_dict(path)["w"], W)      # negative control: intact
+        old, new = _flip_one_bit(path, pattern)
+        assert (old, new) in (("0", "1"), ("2", "3"))
+        target = {"w": ap.shard_tensor(paddle.full([8, 4], 5.0), mesh, [ap.Replicate()]), "loader": {"index": 0}}
+        with pytest.raises(CheckpointCorruptError, match=f"^{path}/metadata.json: "):
+            ap.load_state_dict(target, path)
+        assert float(target["w"].full().numpy().min()) == 5.0 == float(target["w"].full().numpy().max())
+        assert target["loader"] == {"index": 0}
+        with pytest.raises(CheckpointCorruptError, match="was modified after it was written"):
+            load_merged_state_dict(path)
+
+
+def test_a_checkpoint_written_before_the_metadata_checksum_still_loads(tmp_path):
+    """Negative control of the checksum's absence: a metadata.json holding only the fields of the format
+    (format.FIELDS) loads as before; one more unknown field without the checksum is refused."""
+    from autoparallel.checkpoint.format import METADATA_CRC
+
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], ["dp"])
+        path = str(tmp_path / "ck")
+        ap.save_state_dict({"w": ap.shard_tensor(paddle.to_tensor(W), mesh, [ap.Shard(0)])}, path, step=2)
+    meta_path = os.path.join(path, "metadata.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    assert isinstance(meta.pop(METADATA_CRC), int)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, indent=1)
+    np.testing.assert_array_equal(load_merged_state_dict(path)["w"], W)
+    meta["metadata_crc33"] = 0
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, indent=1)
+    with pytest.raises(CheckpointCorruptError, match=r"unknown checkpoint metadata fields \['metadata_crc33'\]"):
+        load_merged_state_dict(path)

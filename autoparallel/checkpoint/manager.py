@@ -224,10 +224,9 @@ def _same_on_every_rank(path, root: str):
     if not multi:
         return path
     from autoparallel import watchdog
-    from autoparallel.checkpoint.save_agree import _all_gather_json
 
     with watchdog.op("checkpoint resume (all_gather)"):
-        found = _all_gather_json([path, _save_nonce(path)])
+        found = sync.all_gather_json([path, _save_nonce(path)])
     if len({json.dumps(f) for f in found}) > 1:
         raise CheckpointError(f"checkpoint root {root!r}: the ranks would resume from different checkpoints ("
                               + ", ".join(f"rank {r}: {p} (save {n})" for r, (p, n) in enumerate(found))

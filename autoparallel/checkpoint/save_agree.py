@@ -15,11 +15,10 @@ directories stop before any write (shared_dir.py).
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
 from autoparallel.checkpoint.errors import CheckpointOwnershipError, CheckpointSaveError
+from autoparallel.checkpoint.sync import all_gather_json as _all_gather_json
 
 
 def reductions(flat: dict, rank: int) -> list:
@@ -105,25 +104,3 @@ def agree(flat: dict, token: str, final: str, problem: BaseException = None, pro
     if all(isinstance(x, str) for x in probes):        # decided on the gathered parts: the same on every rank
         shared_dir.check_visible(probes, f"checkpoint {final}", rank, world_size)
     return parts[0]["token"]
-
-
-MAX_BYTES = 1 << 26                 # an answer longer than this is another collective's data, not a save's
-
-
-def _all_gather_json(obj) -> list:
-    """Every rank's ``obj`` (JSON), by two all_gathers: the lengths, then the bytes padded to the longest."""
-    import paddle
-    import paddle.distributed as dist
-
-    raw = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
-    sizes = []
-    dist.all_gather(sizes, paddle.to_tensor([raw.size], dtype="int64"))
-    widths = [int(t.numpy()[0]) for t in sizes]
-    if not all(0 < w <= MAX_BYTES for w in widths):
-        raise ValueError(f"the ranks' answers have sizes {widths} (expected 1..{MAX_BYTES} bytes)")
-    width = max(widths)
-    buf = np.zeros(width, dtype=np.uint8)
-    buf[:raw.size] = raw
-    parts = []
-    dist.all_gather(parts, paddle.to_tensor(buf))
-    return [json.loads(t.numpy()[:w].tobytes()) for t, w in zip(parts, widths)]   # ValueError if not JSON

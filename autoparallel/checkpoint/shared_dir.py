@@ -111,7 +111,6 @@ def check_one_directory(directory: str) -> None:
     from autoparallel import watchdog
     from autoparallel.checkpoint import sync
     from autoparallel.checkpoint.atomic import new_nonce
-    from autoparallel.checkpoint.save_agree import _all_gather_json
 
     multi, rank, world_size = sync.job()
     if not multi:
@@ -126,7 +125,7 @@ def check_one_directory(directory: str) -> None:
     try:
         try:
             with watchdog.op("checkpoint root check (all_gather)"):
-                parts = _all_gather_json({"dir": directory, "probe": probe, "error": error})
+                parts = sync.all_gather_json({"dir": directory, "probe": probe, "error": error})
         except (RuntimeError, ValueError) as e:
             raise CheckpointRootError(f"{label}: the ranks did not check it together: {e}") from None
         errors = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if p.get("error")]
