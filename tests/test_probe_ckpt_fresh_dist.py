@@ -56,6 +56,20 @@ def test_a_node_local_run_root_is_refused_at_start_before_it_is_marked(launched)
         assert got["own_listing"] == ["run"]        # no partial directory, probe or run marker on either rank
 
 
+def test_reshard_state_through_node_local_scratch_fails_on_every_rank_at_once(launched):
+    """reshard_state's scratch (default /dev/shm: node-local) played by tmp_dir="/proc/self/cwd". After the save's
+    refusal, rank 0 used to wait for every rank's "loaded" marker, which the other rank writes in its own
+    directory (measured before this: rank 0 still in 'checkpoint rendezvous' after 44 s, rank 1's next
+    collective ended by gloo's 30 s timeout, the job killed by the watchdog, exit 75); a failed save now removes
+    the scratch without waiting, as it fails on every rank."""
+    _, ranks = launched
+    for got in ranks:
+        text, seconds = got["reshard_node_local"]
+        assert text.startswith("CheckpointSaveError: checkpoint /proc/self/cwd/ap-reshard-"), text
+        assert "is not one directory every rank sees" in text and seconds < SECONDS, (text, seconds)
+        assert got["own_listing"] == ["run"]        # the scratch removed on both ranks
+
+
 def test_negative_control_the_same_calls_in_a_shared_directory_succeed(launched):
     _, ranks = launched
     for got in ranks:

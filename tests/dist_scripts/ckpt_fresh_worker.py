@@ -2,7 +2,8 @@
 
 Each rank works in a directory of its own (``<base>/node<r>``, its working directory): a relative path, and
 ``/proc/self/cwd/...`` (the same text on both ranks, a different directory on each, as ``/tmp`` on each node of a
-job is), used to leave every rank polling for the other's files until AP_CKPT_TIMEOUT (an hour). Then, in a
+job is), used to leave every rank polling for the other's files until AP_CKPT_TIMEOUT (an hour); reshard_state
+through such a scratch directory too. Then, in a
 directory both share: the same save succeeds (the negative control), and a KeyboardInterrupt raised in rank 1's
 write of an overwrite fails the save on both ranks and keeps the checkpoint it was replacing; last, a resume
 from node-local roots holding different saves under one path is refused.
@@ -82,6 +83,10 @@ def main(base: str) -> None:
     out["relative"] = attempt(lambda: ap.save_state_dict(state(1.0), "ck-relative"))
     out["node_local"] = attempt(lambda: ap.save_state_dict(state(1.0), "/proc/self/cwd/ck-node-local"))
     out["manager_node_local"] = attempt(lambda: CheckpointManager("/proc/self/cwd/run").start(state(1.0)))
+    dist.barrier()
+    from autoparallel.checkpoint import reshard_state
+
+    out["reshard_node_local"] = attempt(lambda: reshard_state(state(1.0), state(0.0), tmp_dir="/proc/self/cwd"))
     dist.barrier()
     out["own_listing"] = listing(own)
     shared = os.path.join(base, "shared")
