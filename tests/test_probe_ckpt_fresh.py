@@ -246,3 +246,65 @@ def test_a_checkpoint_written_before_the_metadata_checksum_still_loads(tmp_path)
         json.dump(meta, f, indent=1)
     with pytest.raises(CheckpointCorruptError, match=r"unknown checkpoint metadata fields \['metadata_crc33'\]"):
         load_merged_state_dict(path)
+
+
+def _amp_run(scale=None):
+    """A Linear and its AdamW, under a LossScaler of ``scale`` (None: no AMP); (state, optimizer)."""
+    from autoparallel.checkpoint.state import training_state
+    from autoparallel.parallel.amp import AmpOptimizer, LossScaler
+
+    paddle.seed(0)
+    model = paddle.nn.Linear(4, 3)
+    opt = paddle.optimizer.AdamW(0.1, parameters=model.parameters())
+    if scale is not None:
+        opt = AmpOptimizer(opt, LossScaler(scale))
+    return training_state(model, opt), opt
+
+
+def _restore_warnings(root, scale):
+    """Restore ``root``'s newest checkpoint into a fresh run under ``scale``; (info, the RuntimeWarning texts)."""
+    import warnings
+
+    from autoparallel.checkpoint import CheckpointManager
+
+    state, opt = _amp_run(scale)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = CheckpointManager(root, 1, optimizer=opt).restore(state)
+    return info, opt, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_a_loss_scale_left_out_of_a_restore_is_reported(tmp_path):
+    """The manager restored the loss scale only when both the checkpoint and the resuming optimizer had one, and
+    said nothing otherwise (only ``info.restored`` lacked "amp"): a run resumed without AMP dropped the saved
+    scale 256.0, one resumed with AMP from a checkpoint without it started again from its initial 1024.0."""
+    from autoparallel.checkpoint import CheckpointManager
+
+    state, opt = _amp_run(1024.0)
+    opt.scaler.scale_value = 256.0
+    CheckpointManager(str(tmp_path / "amp"), 1, optimizer=opt).save(state, 1)
+    state, opt = _amp_run(None)
+    CheckpointManager(str(tmp_path / "plain"), 1, optimizer=opt).save(state, 1)
+
+    info, _, said = _restore_warnings(str(tmp_path / "amp"), None)
+    assert "amp" not in info.restored and len(said) == 1, said
+    assert said[0] == ("the checkpoint's run state was not all restored: the loss scale 256.0 (the optimizer given "
+                       "has no loss scaler: not under AMP)")
+    info, opt, said = _restore_warnings(str(tmp_path / "plain"), 1024.0)
+    assert "amp" not in info.restored and opt.scaler.scale_value == 1024.0
+    assert said == ["the checkpoint's run state was not all restored: the loss scale (the checkpoint holds none: "
+                    "the optimizer's loss scaler keeps scale 1024.0)"]
+    info, opt, said = _restore_warnings(str(tmp_path / "amp"), 1024.0)     # negative control: both under AMP
+    assert "amp" in info.restored and opt.scaler.scale_value == 256.0 and said == []
+
+
+def test_generators_left_as_seeded_under_another_world_size_are_reported(tmp_path):
+    from autoparallel.checkpoint import CheckpointManager
+
+    state, opt = _amp_run(None)
+    with ap.simulate(world_size=2):
+        CheckpointManager(str(tmp_path), 1, optimizer=opt).save(state, 1)
+    info, _, said = _restore_warnings(str(tmp_path), None)
+    assert "rng" not in info.restored
+    assert said == ["the checkpoint's run state was not all restored: the random generators (saved by 2 ranks, "
+                    "this job has 1: they stay as seeded)"]

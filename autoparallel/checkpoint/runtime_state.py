@@ -58,7 +58,32 @@ def restore(runtime: dict | None, optimizer=None) -> list:
     if lr is not None:
         _put_schedule(sched, runtime)
         done.append("lr_scheduler")
+    _warn_left_out(_left_out(runtime, states, world, scaler))
     return done
+
+
+def _left_out(runtime: dict, states, world: int, scaler) -> list:
+    """What of the saved run state, or of this run's, a restore leaves as it was (the loss scale, the
+    generators), each with its reason; ``restore`` warns with them (``info.restored`` names what came back)."""
+    out = []
+    if states is not None and runtime["rng"]["world_size"] != world:
+        out.append(f"the random generators (saved by {runtime['rng']['world_size']} ranks, this job has {world}: "
+                   f"they stay as seeded)")
+    if scaler is not None and "amp" not in runtime:
+        out.append(f"the loss scale (the checkpoint holds none: the optimizer's loss scaler keeps scale "
+                   f"{scaler.scale_value})")
+    if scaler is None and "amp" in runtime:
+        out.append(f"the loss scale {runtime['amp'].get('scale') if isinstance(runtime['amp'], dict) else '?'} "
+                   f"(the optimizer given has no loss scaler: not under AMP)")
+    return out
+
+
+def _warn_left_out(items: list) -> None:
+    if items:
+        import warnings
+
+        warnings.warn("the checkpoint's run state was not all restored: " + "; ".join(items), RuntimeWarning,
+                      stacklevel=4)             # the caller of CheckpointManager.restore
 
 
 # ---- generators ------------------------------------------------------------------------------------------
