@@ -308,3 +308,14 @@ def test_generators_left_as_seeded_under_another_world_size_are_reported(tmp_pat
     assert "rng" not in info.restored
     assert said == ["the checkpoint's run state was not all restored: the random generators (saved by 2 ranks, "
                     "this job has 1: they stay as seeded)"]
+
+
+def test_a_rank_other_than_0_looks_for_rank_0s_probe_only(tmp_path, monkeypatch):
+    """2 x (ranks - 1) lookups per save on a shared filesystem, not ranks^2: rank 2 of 4 reports rank 0's
+    missing probe and does not look for ranks 1 and 3 (theirs are missing too)."""
+    monkeypatch.setattr(shared_dir, "VISIBLE_WAIT_S", 0.2)
+    probes = [str(tmp_path / f"p{r}") for r in range(4)]
+    assert shared_dir.unseen(probes, 2) == [0]
+    assert shared_dir.unseen(probes, 0) == [1, 2, 3]
+    open(probes[0], "w").close()
+    assert shared_dir.unseen(probes, 2) == []
