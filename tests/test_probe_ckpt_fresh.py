@@ -42,9 +42,10 @@ def _fake_peer(monkeypatch, answer):
 
 
 def test_path_difference_names_every_ranks_path():
-    assert shared_dir.path_difference(["/a/ck", "/a/ck", "/a/ck"]) is None
-    text = shared_dir.path_difference(["/n0/ck", "/n1/ck"])
-    assert text.startswith("the ranks' paths differ (rank 0: /n0/ck, rank 1: /n1/ck)"), text
+    assert shared_dir.path_difference(["/a/ck", "/a/ck", "/a/ck"]) == ""
+    assert shared_dir.path_difference(["/n0/ck", "/n1/ck"]) == (
+        " The ranks' paths differ (rank 0: /n0/ck, rank 1: /n1/ck): a relative path is resolved in each rank's "
+        "working directory.")
 
 
 def test_unseen_waits_for_a_late_probe_and_names_a_missing_one(tmp_path, monkeypatch):
@@ -66,7 +67,8 @@ def test_check_visible_stops_every_rank_naming_who_cannot_see_whom(tmp_path, mon
     probes = [mine, str(tmp_path / ".autoparallel-probe-ba9876543210-r00001")]
     open(probes[1], "w").close()
     _fake_peer(monkeypatch, lambda t, call: paddle.to_tensor(np.array([1, 0], dtype=np.int32)))   # blind to 0
-    with pytest.raises(CheckpointSaveError, match=r"rank 1 does not see the files of ranks \[0\]\; a node-local"):
+    with pytest.raises(CheckpointSaveError, match=r"^checkpoint /x: '.*' is not one directory every rank sees: "
+                                                  r"rank 1 does not see the files of ranks \[0\]\. A multi-process"):
         shared_dir.check_visible(probes, "checkpoint /x", 0, 2)
     _fake_peer(monkeypatch, lambda t, call: t)                # negative control: the peer sees rank 0's probe
     shared_dir.check_visible(probes, "checkpoint /x", 0, 2)
@@ -74,21 +76,56 @@ def test_check_visible_stops_every_rank_naming_who_cannot_see_whom(tmp_path, mon
     assert not os.path.exists(mine)
 
 
-def test_agree_refuses_a_peer_saving_elsewhere_before_any_write(monkeypatch):
-    """The peer's answer names another absolute path (its working directory differs): every rank raises at the
-    exchange, naming both paths."""
+def _peer_answers(monkeypatch, peer: dict, flags):
+    """This process as rank 0 of 2; the peer answers the exchange with ``peer`` (its length, then its bytes) and
+    the probe check with ``flags`` (the ranks whose probe it cannot see)."""
+    raw = np.frombuffer(json.dumps(peer).encode(), dtype=np.uint8)
+
+    def answer(t, call):
+        if call == 1:
+            return paddle.to_tensor([raw.size], dtype="int64")
+        if call == 2:
+            buf = np.zeros(t.shape[0], dtype=np.uint8)
+            buf[:raw.size] = raw
+            return paddle.to_tensor(buf)
+        return paddle.to_tensor(np.array(flags, dtype=np.int32))
+    return _fake_peer(monkeypatch, answer)
+
+
+def test_agree_refuses_a_peer_writing_elsewhere_naming_both_paths(tmp_path, monkeypatch):
+    """The peer's absolute path differs (a relative path under another working directory) and neither rank sees
+    the other's probe: every rank raises after the probe check, naming both paths."""
     from autoparallel.checkpoint.save_agree import agree
 
-    other = {"token": "ffffffffffff", "reduce": [], "error": None, "final": "/node1/ck", "probe": None}
-    raw = np.frombuffer(json.dumps(other).encode(), dtype=np.uint8)     # as long as rank 0's own answer
+    monkeypatch.setattr(shared_dir, "VISIBLE_WAIT_S", 0.2)
+    (tmp_path / "node0").mkdir()
+    mine, theirs = str(tmp_path / "node0" / "ck"), str(tmp_path / "node1" / "ck")
+    probe = shared_dir.leave_probe(mine, "0123456789ab", 0)
+    peer = {"token": "ffffffffffff", "reduce": [], "error": None, "final": theirs,
+            "probe": shared_dir.probe_path(theirs, "ffffffffffff", 1)}       # in a directory rank 0 does not see
+    calls = _peer_answers(monkeypatch, peer, [1, 0])
+    with pytest.raises(CheckpointSaveError) as err:
+        agree({}, "0123456789ab", mine, None, probe)
+    assert str(err.value).startswith(f"checkpoint {mine}: {str(tmp_path / 'node0')!r} is not one directory every "
+                                     f"rank sees: rank 0 does not see the files of ranks [1]; rank 1 does not see "
+                                     f"the files of ranks [0]. The ranks' paths differ (rank 0: {mine}, rank 1: "
+                                     f"{theirs})"), err.value
+    assert len(calls) == 3                     # the exchange's two all_gathers, then the probe check's one
 
-    def answer(t, call):                      # the peer's length, then its bytes
-        return paddle.to_tensor([raw.size], dtype="int64") if call == 1 else paddle.to_tensor(raw)
-    calls = _fake_peer(monkeypatch, answer)
-    with pytest.raises(CheckpointSaveError, match=r"^checkpoint /node0/ck: the ranks' paths differ \(rank 0: "
-                                                  r"/node0/ck, rank 1: /node1/ck\)"):
-        agree({}, "0123456789ab", "/node0/ck")
-    assert len(calls) == 2                    # the two all_gathers of the exchange, no probe check after them
+
+def test_negative_control_two_paths_to_one_directory_pass(tmp_path, monkeypatch):
+    """Two mount points of one shared directory (played by a symlink): the paths differ, every probe is seen,
+    and the save goes on with rank 0's token (the rendezvous works there, so the check must not refuse it)."""
+    from autoparallel.checkpoint.save_agree import agree
+
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "mount")
+    mine, theirs = str(tmp_path / "real" / "ck"), str(tmp_path / "mount" / "ck")
+    probe = shared_dir.leave_probe(mine, "0123456789ab", 0)
+    peer_probe = shared_dir.leave_probe(theirs, "ffffffffffff", 1)
+    _peer_answers(monkeypatch, {"token": "ffffffffffff", "reduce": [], "error": None, "final": theirs,
+                                "probe": peer_probe}, [0, 0])
+    assert agree({}, "0123456789ab", mine, None, probe) == "0123456789ab"
 
 
 def test_a_non_zero_ranks_rendezvous_timeout_is_a_typed_error(tmp_path, monkeypatch):
@@ -319,3 +356,15 @@ def test_a_rank_other_than_0_looks_for_rank_0s_probe_only(tmp_path, monkeypatch)
     assert shared_dir.unseen(probes, 0) == [1, 2, 3]
     open(probes[0], "w").close()
     assert shared_dir.unseen(probes, 2) == []
+
+
+def test_a_probe_is_looked_for_in_this_ranks_directory_not_at_its_path(tmp_path, monkeypatch):
+    """Two working directories on one filesystem (a relative path): rank 1's probe exists at its own absolute path,
+    which rank 0 can open, but not in rank 0's directory; looked for at its path, it passed and the save then
+    waited in the rendezvous (a first version of this check: 199 s, until the job's deadline)."""
+    monkeypatch.setattr(shared_dir, "VISIBLE_WAIT_S", 0.2)
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node1").mkdir()
+    probes = [shared_dir.leave_probe(str(tmp_path / f"node{r}" / "ck"), f"{r:012x}", r) for r in range(2)]
+    assert all(os.path.exists(p) for p in probes)
+    assert shared_dir.unseen(probes, 0) == [1] and shared_dir.unseen(probes, 1) == [0]

@@ -54,8 +54,8 @@ def reshard_state(state_from: dict, state_to: dict, *, tmp_dir=None, strict: boo
     finally:
         if saved:
             _remove_when_all_done(root, multi, rank, world_size)
-        else:                   # a failed save fails on every rank (save.py): no rank reads the scratch, and
-            shutil.rmtree(root, ignore_errors=True)   # on node-local scratch rank 0 would wait for markers it never sees
+        else:       # a failed save fails on every rank (save.py): no rank reads the scratch, and on node-local
+            shutil.rmtree(root, ignore_errors=True)     # scratch rank 0 would wait for markers it never sees
 
 
 def _remove_when_all_done(root: str, multi: bool, rank: int, world_size: int) -> None:

@@ -97,10 +97,8 @@ def agree(flat: dict, token: str, final: str, problem: BaseException = None, pro
     if problem is not None:
         raise CheckpointSaveError(f"checkpoint {final}: the ranks' states differ, nothing was written: {problem}; "
                                   f"every rank passes the same Partial entries in the same order")
-    problem = shared_dir.path_difference([p.get("final") for p in parts])
-    if problem is not None:
-        raise CheckpointSaveError(f"checkpoint {final}: {problem}")
     probes = [p.get("probe") for p in parts]
     if all(isinstance(x, str) for x in probes):        # decided on the gathered parts: the same on every rank
-        shared_dir.check_visible(probes, f"checkpoint {final}", rank, world_size)
+        shared_dir.check_visible(probes, f"checkpoint {final}", rank, world_size,
+                                 paths=[p.get("final") for p in parts])
     return parts[0]["token"]

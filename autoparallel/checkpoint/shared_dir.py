@@ -8,11 +8,13 @@ alive, so the watchdog had no one to name), and a partial directory behind on ev
 
 So every rank drops an empty probe file, ``.autoparallel-probe-<token>-r<rank>``, into the checkpoint's parent
 directory before the save's exchange (save_agree.py), which carries each rank's absolute path and probe name.
-After it, a path that differs between ranks stops every rank at once (each knows every path); otherwise rank 0
-looks for every rank's probe and every other rank for rank 0's (for up to ``VISIBLE_WAIT_S``: a shared
-filesystem may show another client's new file late) and one more all_gather shares which ranks each one could not see. Any unseen probe
-stops every rank with ``CheckpointSaveError`` naming who cannot see whom, before any rank writes. A rank
-that cannot create its probe (a read-only directory) sends that error in the exchange, raised on every rank.
+After it, rank 0 looks for every rank's probe and every other rank for rank 0's (for up to ``VISIBLE_WAIT_S``:
+a shared filesystem may show another client's new file late) and one more all_gather shares which ranks each
+one could not see. Any unseen probe stops every rank with ``CheckpointSaveError`` naming who cannot see whom
+(and the ranks' absolute paths when they differ: a relative path under different working directories), before
+any rank writes. Paths that differ but name one directory (two mount points of a shared filesystem) pass, as
+the rendezvous works there. A rank that cannot create its probe (a read-only directory) sends that error in
+the exchange, raised on every rank.
 """
 from __future__ import annotations
 
@@ -53,32 +55,36 @@ def remove_probe(path) -> None:
         pass
 
 
-def path_difference(finals: list):
-    """A description of the ranks' checkpoint paths when they are not all the same; None if they are."""
+def path_difference(finals: list) -> str:
+    """A note on the ranks' absolute paths when they are not all the same ("" if they are). Paths that differ
+    are no error by themselves (two mount points of one shared directory): only the probes decide."""
     if len(set(finals)) <= 1:
-        return None
+        return ""
     shown = ", ".join(f"rank {r}: {p}" for r, p in enumerate(finals))
-    return (f"the ranks' paths differ ({shown}); a relative path is resolved in each rank's working "
-            f"directory, so give every rank the same absolute path on a filesystem every rank sees. No rank "
-            f"wrote any of the checkpoint")
+    return f" The ranks' paths differ ({shown}): a relative path is resolved in each rank's working directory."
 
 
 def unseen(probes: list, rank: int) -> list:
-    """The ranks whose probe file this rank does not see within ``VISIBLE_WAIT_S``: rank 0 looks for every
-    rank's, the others for rank 0's -- what the rendezvous needs (rank 0 reads every rank's files, every rank
-    rank 0's metadata), in 2 x (ranks - 1) lookups rather than a shared filesystem's ranks^2."""
+    """The ranks whose probe file this rank does not see in its own directory (the parent of ``probes[rank]``)
+    within ``VISIBLE_WAIT_S``. Looked for by name in this rank's directory, not at the other rank's path: on one
+    shared filesystem two ranks' different absolute paths both exist, and only this shows that they name two
+    directories. Rank 0 looks for every rank's, the others for rank 0's -- what the rendezvous needs (rank 0 reads
+    every rank's files, every rank rank 0's metadata), in 2 x (ranks - 1) lookups rather than ranks^2."""
+    here = os.path.dirname(probes[rank])
     others = [r for r, p in enumerate(probes) if r != rank and (rank == 0 or r == 0) and isinstance(p, str)]
     deadline = time.monotonic() + VISIBLE_WAIT_S
     while True:
-        missing = [r for r in others if not os.path.exists(probes[r])]
+        missing = [r for r in others if not os.path.exists(os.path.join(here, os.path.basename(probes[r])))]
         if not missing or time.monotonic() > deadline:
             return missing
         time.sleep(POLL_S)
 
 
-def check_visible(probes: list, label: str, rank: int, world_size: int, error=CheckpointSaveError) -> None:
-    """Every rank looks for the others' probes, then one all_gather shares the result: ``error`` on every rank,
-    its text starting with ``label`` (the save or root checked), if any rank could not see another's."""
+def check_visible(probes: list, label: str, rank: int, world_size: int, error=CheckpointSaveError,
+                  paths: list = ()) -> None:
+    """Every rank looks for the probes it needs (``unseen``), then one all_gather shares the result: ``error`` on
+    every rank, its text starting with ``label`` (the save or root checked) and noting ``paths`` (each rank's
+    absolute path) if they differ, when any rank could not see a probe."""
     import numpy as np
     import paddle
     import paddle.distributed as dist
@@ -101,9 +107,9 @@ def check_visible(probes: list, label: str, rank: int, world_size: int, error=Ch
     if blind:
         who = "; ".join(f"rank {r} does not see the files of ranks {s}" for r, s in blind.items())
         raise error(
-            f"{label}: {os.path.dirname(probes[rank])!r} is not one directory every rank sees ({who}; a "
-            f"node-local filesystem such as /tmp on each node?). A multi-process save needs a directory on a "
-            f"filesystem shared by every rank. No rank wrote any of the checkpoint")
+            f"{label}: {os.path.dirname(probes[rank])!r} is not one directory every rank sees: {who}."
+            f"{path_difference(paths)} A multi-process save needs one directory on a filesystem shared by every "
+            f"rank (not a node-local one such as /tmp on each node). No rank wrote any of the checkpoint")
 
 
 def check_one_directory(directory: str) -> None:
@@ -133,9 +139,7 @@ def check_one_directory(directory: str) -> None:
         errors = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if p.get("error")]
         if errors:
             raise CheckpointRootError(f"{label}: " + "; ".join(errors))
-        problem = path_difference([p.get("dir") for p in parts])
-        if problem is not None:
-            raise CheckpointRootError(f"{label}: {problem}")
-        check_visible([p.get("probe") for p in parts], label, rank, world_size, CheckpointRootError)
+        check_visible([p.get("probe") for p in parts], label, rank, world_size, CheckpointRootError,
+                      [p.get("dir") for p in parts])
     finally:
         remove_probe(probe)
