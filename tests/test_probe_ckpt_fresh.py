@@ -368,3 +368,17 @@ def test_a_probe_is_looked_for_in_this_ranks_directory_not_at_its_path(tmp_path,
     probes = [shared_dir.leave_probe(str(tmp_path / f"node{r}" / "ck"), f"{r:012x}", r) for r in range(2)]
     assert all(os.path.exists(p) for p in probes)
     assert shared_dir.unseen(probes, 0) == [1] and shared_dir.unseen(probes, 1) == [0]
+
+
+def test_the_metadata_checksum_is_taken_over_what_a_reader_parses(tmp_path):
+    """Keys that are not strings sort differently before and after JSON (2 < 10, "10" < "2"), and tuples become
+    lists: the checksum is taken over the parsed form, so a reader computes the same one."""
+    from autoparallel.checkpoint.format import check_metadata_crc, encode_metadata
+
+    meta = {"format": "autoparallel.checkpoint", "version": 1, "runtime": {"by_step": {2: "a", 10: (1, 2)}}}
+    parsed = json.loads(encode_metadata(meta))
+    assert parsed["runtime"] == {"by_step": {"2": "a", "10": [1, 2]}}
+    check_metadata_crc(parsed, "m.json")                  # no CheckpointCorruptError
+    parsed["runtime"]["by_step"]["2"] = "b"
+    with pytest.raises(CheckpointCorruptError, match=r"^m\.json: metadata checksum mismatch"):
+        check_metadata_crc(parsed, "m.json")

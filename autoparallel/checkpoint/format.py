@@ -65,7 +65,8 @@ def metadata_crc(meta: dict) -> int:
 def encode_metadata(meta: dict) -> bytes:
     """metadata.json's bytes: ``meta`` with its checksum as the last field ("format" stays first: ownership.py
     recognises a checkpoint by its first bytes)."""
-    return json.dumps({**meta, METADATA_CRC: metadata_crc(meta)}, indent=1).encode()
+    plain = json.loads(json.dumps(meta))        # as a reader parses it (JSON keys are strings, tuples lists)
+    return json.dumps({**plain, METADATA_CRC: metadata_crc(plain)}, indent=1).encode()
 
 
 def check_metadata_crc(meta: dict, path: str) -> None:
