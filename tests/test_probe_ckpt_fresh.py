@@ -382,3 +382,11 @@ def test_the_metadata_checksum_is_taken_over_what_a_reader_parses(tmp_path):
     parsed["runtime"]["by_step"]["2"] = "b"
     with pytest.raises(CheckpointCorruptError, match=r"^m\.json: metadata checksum mismatch"):
         check_metadata_crc(parsed, "m.json")
+
+
+def test_a_probe_that_cannot_be_created_is_a_typed_error_naming_the_rank_and_directory(tmp_path):
+    """What the exchange then raises on every rank (the others prefixed with this rank), before any write."""
+    missing = str(tmp_path / "gone")
+    with pytest.raises(FileNotFoundError, match=f"cannot save checkpoint '{missing}/ck': rank 3 cannot create a "
+                                                f"file in '{missing}': No such file or directory"):
+        shared_dir.leave_probe(os.path.join(missing, "ck"), "0123456789ab", 3)
