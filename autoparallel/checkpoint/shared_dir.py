@@ -25,7 +25,7 @@ from autoparallel.checkpoint.errors import CheckpointRootError, CheckpointSaveEr
 from autoparallel.checkpoint.run_root import PROBE
 
 VISIBLE_WAIT_S = 2.0                # how long a rank looks for a peer's probe before calling it unseen
-POLL_S = 0.05
+POLL_S = 0.05                       # between two looks for the probes still unseen
 
 
 def probe_path(final: str, token: str, rank: int) -> str:
@@ -113,9 +113,10 @@ def check_visible(probes: list, label: str, rank: int, world_size: int, error=Ch
 
 
 def check_one_directory(directory: str) -> None:
-    """The same check for a run root every rank of a real job will write into, before the first step: every
-    rank's absolute path is the same and every rank sees every other's probe; CheckpointRootError on every rank
-    otherwise. Nothing in one process or the simulated world."""
+    """The same check for a run root every rank of a real job will write into, before the first step: each
+    rank's probe dropped in ``directory``, rank 0 seeing every rank's in its own and every rank rank 0's;
+    CheckpointRootError on every rank otherwise (naming the ranks' paths when they differ). Nothing in one
+    process or the simulated world."""
     from autoparallel import watchdog
     from autoparallel.checkpoint import sync
     from autoparallel.checkpoint.atomic import new_nonce
