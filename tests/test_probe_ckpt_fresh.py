@@ -1,7 +1,9 @@
-"""In one process: the parts of the one-directory check (shared_dir.py) with a peer played by a fake all_gather,
-a non-zero rank's rendezvous timeout typed like rank 0's, a Ctrl-C inside a simulated save (in a rank's write and
-between the two renames of an overwrite) keeping the checkpoint it was replacing, and a checkpoint of another
-format version refused naming its file. (The same on 2 real ranks: tests/test_probe_ckpt_fresh_dist.py.)"""
+"""In one process: the parts of the one-directory check (shared_dir.py) with a peer played by a fake all_gather
+(the same on 2 real ranks: tests/test_probe_ckpt_fresh_dist.py), a non-zero rank's rendezvous timeout typed like
+rank 0's, a Ctrl-C inside a simulated save (in a rank's write and between the two renames of an overwrite)
+keeping the checkpoint it was replacing, a checkpoint of another format version refused naming its file, one
+flipped bit in metadata.json refused by its own checksum (it loaded a wrong tensor), and run state a restore
+leaves out (the loss scale, the generators) named in a warning."""
 import copy
 import json
 import os
