@@ -392,3 +392,56 @@ def test_a_probe_that_cannot_be_created_is_a_typed_error_naming_the_rank_and_dir
     with pytest.raises(FileNotFoundError, match=f"cannot save checkpoint '{missing}/ck': rank 3 cannot create a "
                                                 f"file in '{missing}': No such file or directory"):
         shared_dir.leave_probe(os.path.join(missing, "ck"), "0123456789ab", 3)
+
+
+def _scheduled_run(scheduled: bool):
+    """A Linear and its AdamW over StepDecay(0.1, step_size=2, gamma=0.5) stepped 3 times (lr 0.05), or over a
+    constant 0.1; (model, optimizer)."""
+    paddle.seed(0)
+    model = paddle.nn.Linear(4, 3)
+    lr = paddle.optimizer.lr.StepDecay(0.1, step_size=2, gamma=0.5) if scheduled else 0.1
+    opt = paddle.optimizer.AdamW(lr, parameters=model.parameters())
+    for _ in range(3 if scheduled else 0):
+        lr.step()
+    return model, opt
+
+
+def _restore_into(root, scheduled: bool, training: bool = False):
+    import warnings
+
+    from autoparallel.checkpoint import CheckpointManager
+    from autoparallel.checkpoint.state import training_state
+
+    model, opt = _scheduled_run(scheduled)         # a plain dict of the parameters, or ap.training_state
+    state = training_state(model, opt) if training else {"model": dict(model.named_parameters())}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = CheckpointManager(root, 1, optimizer=opt).restore(state)
+    return info, opt, [(w.category.__name__, str(w.message)) for w in caught]
+
+
+def test_an_lr_schedule_left_out_of_a_restore_is_reported_once(tmp_path):
+    """The manager restored the schedule only when both sides had one and, with a plain dict state, said nothing
+    otherwise: a run resumed over a constant learning rate dropped a decayed schedule (lr 0.05 -> 0.1)."""
+    from autoparallel.checkpoint import CheckpointManager
+
+    from autoparallel.checkpoint.state import training_state
+
+    for scheduled in (True, False):
+        model, opt = _scheduled_run(scheduled)
+        CheckpointManager(str(tmp_path / str(scheduled)), 1, optimizer=opt).save(
+            {"model": dict(model.named_parameters())}, 1)
+    model, opt = _scheduled_run(False)
+    CheckpointManager(str(tmp_path / "training"), 1, optimizer=opt).save(training_state(model, opt), 1)
+    info, opt, said = _restore_into(str(tmp_path / "True"), scheduled=False)
+    assert "lr_scheduler" not in info.restored and opt.get_lr() == 0.1
+    assert said == [("RuntimeWarning", "the checkpoint's run state was not all restored: the LR schedule "
+                                       "(last_epoch 3; the optimizer given has no LR scheduler: its learning "
+                                       "rate stays as built)")]
+    _, _, said = _restore_into(str(tmp_path / "False"), scheduled=True)
+    assert said == [("RuntimeWarning", "the checkpoint's run state was not all restored: the LR schedule (the "
+                                       "checkpoint holds none: the optimizer's StepDecay keeps last_epoch 3)")]
+    _, _, said = _restore_into(str(tmp_path / "training"), scheduled=True, training=True)   # the load's warning,
+    assert [c for c, _ in said] == ["UserWarning"] and "holds no LR schedule" in said[0][1]   # not a second one
+    info, opt, said = _restore_into(str(tmp_path / "True"), scheduled=True)   # negative control: both scheduled
+    assert "lr_scheduler" in info.restored and said == [] and opt.get_lr() == 0.05

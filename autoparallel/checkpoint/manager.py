@@ -165,7 +165,7 @@ class CheckpointManager:
         info, problem = None, None
         try:
             info = load_state_dict(state, path, strict=strict)
-            done = runtime_state.restore(info.runtime, self.optimizer)
+            done = runtime_state.restore(info.runtime, self.optimizer, state)
             info.restored = done + [x for x in info.restored if x not in done]
         except CheckpointCorruptError as e:
             problem = CheckpointCorruptError(f"{e}. {self._previous_hint(path)}")

@@ -32,9 +32,11 @@ def capture(optimizer=None) -> dict:
     return out
 
 
-def restore(runtime: dict | None, optimizer=None) -> list:
+def restore(runtime: dict | None, optimizer=None, state=None) -> list:
     """Put ``capture``'s values back; returns the names restored (``rng`` only under the saved world size).
-    Every part is checked before any is applied (CheckpointCorruptError names the bad one)."""
+    Every part is checked before any is applied (CheckpointCorruptError names the bad one). ``state``: what
+    the load filled; an ``ap.training_state`` over a scheduled optimizer has had its schedule handled by the
+    load (restore_schedule), so it is not reported twice."""
     if not runtime:
         return []
     _, rank, world = _job()
@@ -58,8 +60,24 @@ def restore(runtime: dict | None, optimizer=None) -> list:
     if lr is not None:
         _put_schedule(sched, runtime)
         done.append("lr_scheduler")
-    _warn_left_out(_left_out(runtime, states, world, scaler))
+    left = _left_out(runtime, states, world, scaler)
+    if _scheduler(getattr(state, "optimizer", None)) is None:      # else the load restored or reported it
+        left += _schedule_left_out(runtime, sched)
+    _warn_left_out(left)
     return done
+
+
+def _schedule_left_out(runtime: dict, sched) -> list:
+    """The LR schedule a restore leaves as it was: saved without a scheduler to go to (the learning rate the
+    resumed optimizer was built with then stays), or a scheduler with none saved (it keeps its own position)."""
+    if sched is None and runtime.get("lr_scheduler") is not None:
+        return [f"the LR schedule (last_epoch {runtime['lr_scheduler'].get('last_epoch', '?')}; the optimizer "
+                f"given has no LR scheduler: its learning rate stays as built)"
+                if isinstance(runtime["lr_scheduler"], dict) else "the LR schedule"]
+    if sched is not None and "lr_scheduler" not in runtime:
+        return [f"the LR schedule (the checkpoint holds none: the optimizer's {type(sched).__name__} keeps "
+                f"last_epoch {sched.last_epoch})"]
+    return []
 
 
 def _left_out(runtime: dict, states, world: int, scaler) -> list:
