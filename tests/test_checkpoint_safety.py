@@ -259,11 +259,15 @@ def _runtime_checkpoint(tmp_path):
 
 
 def _edit_metadata(ckpt, fn):
+    """Edit metadata.json as a crafted file would: its own checksum recomputed (format.METADATA_CRC), so the
+    checks behind it are what refuses the edit."""
+    from autoparallel.checkpoint.format import encode_metadata
+
     path = os.path.join(ckpt, "metadata.json")
     meta = json.load(open(path))
     fn(meta)
-    with open(path, "w") as f:
-        json.dump(meta, f)
+    with open(path, "wb") as f:
+        f.write(encode_metadata(meta))
 
 
 def test_generator_states_are_plain_arrays_in_the_data_files(tmp_path):

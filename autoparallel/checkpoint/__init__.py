@@ -10,9 +10,10 @@ info = mgr.start(state, resume=True)                # before training: root chec
 
 Modules: format (files), layout (who owns which box), collect/writer/save (writing), reader/load
 (reading only the needed bytes), atomic (temporary names, fsync, rename, fault injection), sync (the
-file rendezvous of a real job), discovery/manager (newest complete checkpoint, periodic saves), ownership
-and run_root (markers: what may be replaced or removed, one run per root), schema (metadata checked before
-any allocation), rng_arrays (generator states as plain arrays: a checkpoint is data, never code),
+file rendezvous of a real job), shared_dir (every rank writes into one directory: checked before any
+write), discovery/manager (newest complete checkpoint, periodic saves), ownership and run_root
+(markers: what may be replaced or removed, one run per root), schema (metadata checked before any
+allocation), rng_arrays (generator states as plain arrays: a checkpoint is data, never code),
 state (stable names for model and optimizer state), zero_state (a ZeRO optimizer's flat chunks as
 global tensors), pipeline_state (each stage's ranks save their stage under the model's names), leaves
 (the state-leaf protocol those two use), reshard_state (layout changes by round-trip).

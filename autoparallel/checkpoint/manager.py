@@ -26,14 +26,16 @@ Preemption: ``install_sigterm_handler()`` turns SIGTERM into a request; the trai
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 
-from autoparallel.checkpoint import run_root, runtime_state, sync
+from autoparallel.checkpoint import run_root, runtime_state, shared_dir, sync
 from autoparallel.checkpoint.discovery import (complete_checkpoints, is_committed_aside, newest_complete,
                                                step_dir_name)
 from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from autoparallel.checkpoint.format import METADATA
 from autoparallel.checkpoint.load import CheckpointInfo, load_state_dict
 from autoparallel.checkpoint.ownership import is_owned_partial
 from autoparallel.checkpoint.run_root import LATEST  # noqa: F401  (the pointer's name, as before)
@@ -92,9 +94,14 @@ class CheckpointManager:
         problem = None
         try:
             run_root.check_usable(self.dir, need, rank)
+        except (OSError, ValueError, TypeError) as e:      # CheckpointRootError is an OSError
+            problem = e
+        run_root.agree(problem)
+        shared_dir.check_one_directory(self.dir)          # one directory every rank sees, before rank 0 marks it
+        try:
             if rank == 0:
                 run_root.claim(self.dir, resume)
-        except (OSError, ValueError, TypeError) as e:      # CheckpointRootError / OwnershipError are OSErrors
+        except (OSError, ValueError, TypeError) as e:      # CheckpointOwnershipError is an OSError
             problem = e
         run_root.agree(problem)
         self._started = True
@@ -158,7 +165,7 @@ class CheckpointManager:
         info, problem = None, None
         try:
             info = load_state_dict(state, path, strict=strict)
-            done = runtime_state.restore(info.runtime, self.optimizer)
+            done = runtime_state.restore(info.runtime, self.optimizer, state)
             info.restored = done + [x for x in info.restored if x not in done]
         except CheckpointCorruptError as e:
             problem = CheckpointCorruptError(f"{e}. {self._previous_hint(path)}")
@@ -210,21 +217,34 @@ class CheckpointManager:
 
 
 def _same_on_every_rank(path, root: str):
-    """``path`` (the checkpoint this rank would resume from) once every rank of a real job found the same one;
-    CheckpointError on every rank otherwise (a root that is not one shared directory for every rank)."""
+    """``path`` (the checkpoint this rank would resume from) once every rank of a real job found the same one,
+    by path and by the save that wrote it (its metadata's nonce: node-local roots can hold different saves under
+    one path); CheckpointError on every rank otherwise (a root that is not one shared directory for every rank)."""
     multi, _, _ = sync.job()
     if not multi:
         return path
     from autoparallel import watchdog
-    from autoparallel.checkpoint.save_agree import _all_gather_json
 
     with watchdog.op("checkpoint resume (all_gather)"):
-        found = _all_gather_json(path)
-    if len(set(found)) > 1:
+        found = sync.all_gather_json([path, _save_nonce(path)])
+    if len({json.dumps(f) for f in found}) > 1:
         raise CheckpointError(f"checkpoint root {root!r}: the ranks would resume from different checkpoints ("
-                              + ", ".join(f"rank {r}: {p}" for r, p in enumerate(found)) + "); the root must be one "
-                              "directory every rank sees. Nothing was loaded")
+                              + ", ".join(f"rank {r}: {p} (save {n})" for r, (p, n) in enumerate(found))
+                              + "); the root must be one directory every rank sees. Nothing was loaded")
     return path
+
+
+def _save_nonce(path):
+    """The nonce of the save that wrote the checkpoint at ``path`` (None if none or unreadable: the load that
+    follows names the problem, and every rank agrees on it)."""
+    if path is None:
+        return None
+    try:
+        with open(os.path.join(path, METADATA), "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return meta.get("nonce") if isinstance(meta, dict) and isinstance(meta.get("nonce"), str) else None
 
 
 __all__ = ["CheckpointManager", "CheckpointInfo"]

@@ -46,11 +46,16 @@ def reshard_state(state_from: dict, state_to: dict, *, tmp_dir=None, strict: boo
     root = os.path.join(_scratch_root(tmp_dir), f"ap-reshard-{token}")
     path = os.path.join(root, "state")
     os.makedirs(root, exist_ok=True)
+    saved = False
     try:
         save_state_dict(state_from, path)
+        saved = True
         load_state_dict(state_to, path, strict=strict)
     finally:
-        _remove_when_all_done(root, multi, rank, world_size)
+        if saved:
+            _remove_when_all_done(root, multi, rank, world_size)
+        else:       # a failed save fails on every rank (save.py): no rank reads the scratch, and on node-local
+            shutil.rmtree(root, ignore_errors=True)     # scratch rank 0 would wait for markers it never sees
 
 
 def _remove_when_all_done(root: str, multi: bool, rank: int, world_size: int) -> None:

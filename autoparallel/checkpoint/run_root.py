@@ -13,8 +13,10 @@
   checkpoint moved aside by an overwrite that was interrupted is put back; ``latest`` is rewritten to name
   the newest complete checkpoint, the one ``--resume`` loads.
 
-Rank 0 inspects, tidies and marks the root; every rank checks that it can write there; the ranks agree
-through one all_gather of fixed-size messages, so every rank raises the same error or none does.
+Every rank checks that it can write there, then that the root is one directory every rank sees (the same
+absolute path, each rank's probe file visible to every other: shared_dir.py), then rank 0 inspects, tidies and
+marks the root; after each step the ranks agree through one all_gather, so every rank raises the same error or
+none does.
 """
 from __future__ import annotations
 

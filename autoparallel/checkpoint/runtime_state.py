@@ -32,9 +32,11 @@ def capture(optimizer=None) -> dict:
     return out
 
 
-def restore(runtime: dict | None, optimizer=None) -> list:
+def restore(runtime: dict | None, optimizer=None, state=None) -> list:
     """Put ``capture``'s values back; returns the names restored (``rng`` only under the saved world size).
-    Every part is checked before any is applied (CheckpointCorruptError names the bad one)."""
+    Every part is checked before any is applied (CheckpointCorruptError names the bad one). ``state``: what
+    the load filled; an ``ap.training_state`` over a scheduled optimizer has had its schedule handled by the
+    load (restore_schedule), so it is not reported twice."""
     if not runtime:
         return []
     _, rank, world = _job()
@@ -58,7 +60,48 @@ def restore(runtime: dict | None, optimizer=None) -> list:
     if lr is not None:
         _put_schedule(sched, runtime)
         done.append("lr_scheduler")
+    left = _left_out(runtime, states, world, scaler)
+    if _scheduler(getattr(state, "optimizer", None)) is None:      # else the load restored or reported it
+        left += _schedule_left_out(runtime, sched)
+    _warn_left_out(left)
     return done
+
+
+def _schedule_left_out(runtime: dict, sched) -> list:
+    """The LR schedule a restore leaves as it was: saved without a scheduler to go to (the learning rate the
+    resumed optimizer was built with then stays), or a scheduler with none saved (it keeps its own position)."""
+    if sched is None and runtime.get("lr_scheduler") is not None:
+        return [f"the LR schedule (last_epoch {runtime['lr_scheduler'].get('last_epoch', '?')}; the optimizer "
+                f"given has no LR scheduler: its learning rate stays as built)"
+                if isinstance(runtime["lr_scheduler"], dict) else "the LR schedule"]
+    if sched is not None and "lr_scheduler" not in runtime:
+        return [f"the LR schedule (the checkpoint holds none: the optimizer's {type(sched).__name__} keeps "
+                f"last_epoch {sched.last_epoch})"]
+    return []
+
+
+def _left_out(runtime: dict, states, world: int, scaler) -> list:
+    """What of the saved run state, or of this run's, a restore leaves as it was (the loss scale, the
+    generators), each with its reason; ``restore`` warns with them (``info.restored`` names what came back)."""
+    out = []
+    if states is not None and runtime["rng"]["world_size"] != world:
+        out.append(f"the random generators (saved by {runtime['rng']['world_size']} ranks, this job has {world}: "
+                   f"they stay as seeded)")
+    if scaler is not None and "amp" not in runtime:
+        out.append(f"the loss scale (the checkpoint holds none: the optimizer's loss scaler keeps scale "
+                   f"{scaler.scale_value})")
+    if scaler is None and "amp" in runtime:
+        out.append(f"the loss scale {runtime['amp'].get('scale') if isinstance(runtime['amp'], dict) else '?'} "
+                   f"(the optimizer given has no loss scaler: not under AMP)")
+    return out
+
+
+def _warn_left_out(items: list) -> None:
+    if items:
+        import warnings
+
+        warnings.warn("the checkpoint's run state was not all restored: " + "; ".join(items), RuntimeWarning,
+                      stacklevel=4)             # the caller of CheckpointManager.restore
 
 
 # ---- generators ------------------------------------------------------------------------------------------

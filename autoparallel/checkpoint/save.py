@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 
-from autoparallel.checkpoint import save_agree, sync
+from autoparallel.checkpoint import save_agree, shared_dir, sync
 from autoparallel.checkpoint.atomic import (fault_point, is_empty_dir, new_nonce, publish_dir, temp_dir_for,
                                             write_file_atomic)
 from autoparallel.checkpoint.collect import check_values, collect, json_value
@@ -59,13 +59,19 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
 
         if collective_log.enabled():    # the collectives so far agree on every rank, or nothing is written
             collective_log.check_save_entry(rank, world_size)
+    token, probe = new_nonce(), None
     try:                                # a rank's own input error stops every rank at the exchange, at once
         flat, final, extra, runtime, runtime_arrays = _checked(state, path, step, extra, overwrite, block_bytes,
                                                                runtime)
+        if multi:                       # every rank's mark in the directory it would write (shared_dir.py)
+            probe = shared_dir.leave_probe(final, token, rank)
         problem = None
     except (TypeError, ValueError, OSError) as e:      # FileExistsError, CheckpointOwnershipError are OSErrors
         flat, final, problem = {}, os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path), e
-    nonce = save_agree.agree(flat, new_nonce(), final, problem)   # the same reductions on every rank, before any
+    try:                                # the same reductions and one directory on every rank, before any write
+        nonce = save_agree.agree(flat, token, final, problem, probe)
+    finally:
+        shared_dir.remove_probe(probe)
     tmp = temp_dir_for(final, nonce)
     try:
         tensors, values, writes = collect(flat, rank, multi)
@@ -303,8 +309,11 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
     def settled() -> bool:          # committed, failed, or the temporary directory removed by rank 0
         return ours() or os.path.exists(failed) or not os.path.isdir(tmp)
 
-    sync.wait_until(settled, timeout, lambda: f"checkpoint {final}: rank 0 did not commit within "
-                                              f"{timeout:.0f} s (AP_CKPT_TIMEOUT)")
+    try:
+        sync.wait_until(settled, timeout, lambda: f"checkpoint {final}: rank 0 did not commit within "
+                                                  f"{timeout:.0f} s (AP_CKPT_TIMEOUT)")
+    except TimeoutError as e:           # typed as rank 0's own timeout is
+        raise CheckpointSaveError(f"(rank {rank}) {e}") from None
     if ours():
         return
     why = _read(failed) if os.path.exists(failed) else "its temporary directory was removed without a commit"

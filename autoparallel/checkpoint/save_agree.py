@@ -10,14 +10,15 @@ naming the first difference, before any reduction. A rank whose own arguments ar
 JSON, an existing path) sends its error in the exchange, so every rank raises it at once (the others prefixed
 with that rank) instead of waiting for a rank that has left the save. A rank that never reaches the save (the
 others wait in the exchange) fails that exchange, which is reported as such rather than as a bare gloo timeout.
+The exchange also carries each rank's absolute path and probe file, so ranks that would write into different
+directories stop before any write (shared_dir.py).
 """
 from __future__ import annotations
-
-import json
 
 import numpy as np
 
 from autoparallel.checkpoint.errors import CheckpointOwnershipError, CheckpointSaveError
+from autoparallel.checkpoint.sync import all_gather_json as _all_gather_json
 
 
 def reductions(flat: dict, rank: int) -> list:
@@ -60,13 +61,14 @@ def _show(entry) -> str:
     return f"{name!r} {shape} {dtype} on ranks {pids}"
 
 
-def agree(flat: dict, token: str, final: str, problem: BaseException = None) -> str:
-    """Rank 0's ``token`` on every rank once they agree on the save's reductions (module docstring); arms the
-    watchdog first (every rank of a save passes here together). ``problem``: this rank's own input error,
-    raised on every rank (the others' prefixed with this rank) instead of leaving them in the exchange."""
-    from autoparallel.checkpoint import sync
+def agree(flat: dict, token: str, final: str, problem: BaseException = None, probe: str = None) -> str:
+    """Rank 0's ``token`` on every rank once they agree on the save's reductions (module docstring) and see one
+    checkpoint directory (shared_dir.py); arms the watchdog first (every rank of a save passes here together).
+    ``problem``: this rank's own input error, raised on every rank (the others' prefixed with this rank)
+    instead of leaving them in the exchange. ``probe``: this rank's probe file (shared_dir.leave_probe)."""
+    from autoparallel.checkpoint import shared_dir, sync
 
-    multi, rank, _ = sync.job()
+    multi, rank, world_size = sync.job()
     if not multi:
         if problem is not None:
             raise problem
@@ -77,7 +79,8 @@ def agree(flat: dict, token: str, final: str, problem: BaseException = None) -> 
     try:
         with watchdog.op("checkpoint start (all_gather)"):
             error = None if problem is None else [type(problem).__name__, str(problem)]
-            parts = _all_gather_json({"token": token, "reduce": reductions(flat, rank), "error": error})
+            parts = _all_gather_json({"token": token, "reduce": reductions(flat, rank), "error": error,
+                                      "final": final, "probe": probe})
         if not all(isinstance(p, dict) and isinstance(p.get("token"), str) and isinstance(p.get("reduce"), list)
                    for p in parts):
             raise ValueError("a rank's answer is not a save's")
@@ -94,26 +97,8 @@ def agree(flat: dict, token: str, final: str, problem: BaseException = None) -> 
     if problem is not None:
         raise CheckpointSaveError(f"checkpoint {final}: the ranks' states differ, nothing was written: {problem}; "
                                   f"every rank passes the same Partial entries in the same order")
+    probes = [p.get("probe") for p in parts]
+    if all(isinstance(x, str) for x in probes):        # decided on the gathered parts: the same on every rank
+        shared_dir.check_visible(probes, f"checkpoint {final}", rank, world_size,
+                                 paths=[p.get("final") for p in parts])
     return parts[0]["token"]
-
-
-MAX_BYTES = 1 << 26                 # an answer longer than this is another collective's data, not a save's
-
-
-def _all_gather_json(obj) -> list:
-    """Every rank's ``obj`` (JSON), by two all_gathers: the lengths, then the bytes padded to the longest."""
-    import paddle
-    import paddle.distributed as dist
-
-    raw = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
-    sizes = []
-    dist.all_gather(sizes, paddle.to_tensor([raw.size], dtype="int64"))
-    widths = [int(t.numpy()[0]) for t in sizes]
-    if not all(0 < w <= MAX_BYTES for w in widths):
-        raise ValueError(f"the ranks' answers have sizes {widths} (expected 1..{MAX_BYTES} bytes)")
-    width = max(widths)
-    buf = np.zeros(width, dtype=np.uint8)
-    buf[:raw.size] = raw
-    parts = []
-    dist.all_gather(parts, paddle.to_tensor(buf))
-    return [json.loads(t.numpy()[:w].tobytes()) for t, w in zip(parts, widths)]   # ValueError if not JSON

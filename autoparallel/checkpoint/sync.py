@@ -16,7 +16,7 @@ own through the whole save, so a rank killed meanwhile is named at once (same ho
 within the heartbeat timeout (at most 2 x while its process still runs a long write), and every rank exits
 naming it and the operation in flight. ``AP_CKPT_TIMEOUT`` (default 3600 s) bounds the polling only as the
 last resort when the watchdog is switched off (``AP_WATCHDOG=off``). The checkpoint directory must be on a
-filesystem every rank sees (a shared filesystem across nodes).
+filesystem every rank sees (a shared filesystem across nodes): step 1 checks it before any write (shared_dir.py).
 """
 from __future__ import annotations
 
@@ -93,3 +93,28 @@ def wait_until(ready, timeout: float, describe, what: str = "checkpoint rendezvo
                 raise TimeoutError(describe())
             time.sleep(delay)
             delay = min(delay * 1.5, MAX_POLL_S)
+
+
+MAX_BYTES = 1 << 26                 # an answer longer than this is another collective's data, not a save's
+
+
+def all_gather_json(obj) -> list:
+    """Every rank's ``obj`` (JSON), by two all_gathers: the lengths, then the bytes padded to the longest."""
+    import json
+
+    import numpy as np
+    import paddle
+    import paddle.distributed as dist
+
+    raw = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
+    sizes = []
+    dist.all_gather(sizes, paddle.to_tensor([raw.size], dtype="int64"))
+    widths = [int(t.numpy()[0]) for t in sizes]
+    if not all(0 < w <= MAX_BYTES for w in widths):
+        raise ValueError(f"the ranks' answers have sizes {widths} (expected 1..{MAX_BYTES} bytes)")
+    width = max(widths)
+    buf = np.zeros(width, dtype=np.uint8)
+    buf[:raw.size] = raw
+    parts = []
+    dist.all_gather(parts, paddle.to_tensor(buf))
+    return [json.loads(t.numpy()[:w].tobytes()) for t, w in zip(parts, widths)]   # ValueError if not JSON
