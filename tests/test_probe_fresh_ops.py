@@ -258,31 +258,29 @@ def _distributed(fn, xs, weight, layout):
         return _full(out), [_full(t.grad) if t.grad is not None else np.zeros_like(x) for t, x in zip(ins, xs)]
 
 
+def _failures(table, xs, layout) -> list:
+    """'name value' / 'name grad i' of every entry of ``table`` whose distributed value or gradient differs."""
+    failures = []
+    for name, fn in table.items():
+        want, weight, want_grads = _reference(fn, xs)
+        got, grads = _distributed(fn, xs, weight, layout)
+        pairs = [("value", got, want)] + [(f"grad {i}", a, b) for i, (a, b) in enumerate(zip(grads, want_grads))]
+        failures += [f"{name} {what}" for what, g, w in pairs
+                     if g.shape != w.shape or not np.allclose(g, w, rtol=1e-4, atol=1e-5)]
+    return failures
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_rare_ops_on_distributed_tensors_equal_the_whole_tensor(layout):
     xs = [_x((4, 6, 8), 0), _x((4, 8, 4), 1)]
-    failures = []
-    for name, fn in OPS.items():
-        want, weight, want_grads = _reference(fn, xs)
-        got, grads = _distributed(fn, xs, weight, layout)
-        for what, g, w in [("value", got, want)] + [(f"grad {i}", a, b) for i, (a, b) in enumerate(zip(grads, want_grads))]:
-            if g.shape != w.shape or not np.allclose(g, w, rtol=1e-4, atol=1e-5):
-                failures.append(f"{name} {what}")
-    assert failures == []
+    assert _failures(OPS, xs, layout) == []
     assert len(OPS) == 91                    # every entry of the table ran
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_ops_and_in_place_forms_on_two_tensors_of_one_shape(layout):
     xs = [_x((4, 6, 8), 0), _x((4, 6, 8), 1)]
-    failures = []
-    for name, fn in SAME_SHAPE.items():
-        want, weight, want_grads = _reference(fn, xs)
-        got, grads = _distributed(fn, xs, weight, layout)
-        for what, g, w in [("value", got, want)] + [(f"grad {i}", a, b) for i, (a, b) in enumerate(zip(grads, want_grads))]:
-            if g.shape != w.shape or not np.allclose(g, w, rtol=1e-4, atol=1e-5):
-                failures.append(f"{name} {what}")
-    assert failures == []
+    assert _failures(SAME_SHAPE, xs, layout) == []
     assert len(SAME_SHAPE) == 67             # every entry of the table ran
 
 
