@@ -92,13 +92,23 @@ else:
 
     _after_import.watch("paddle", lambda: importlib.import_module("autoparallel.dcp_forms").install())
 
+def _install_param_carry() -> None:
+    """Install param_carry once paddle is imported; when autoparallel.compat is what imported paddle, at the end of
+    compat's own import (param_carry needs compat's names)."""
+    compat = sys.modules.get("autoparallel.compat")
+    if compat is not None and not hasattr(compat, "SideData"):
+        compat.AFTER_LOAD.append(_install_param_carry)
+        return
+    importlib.import_module("autoparallel.param_carry").install()
+
+
 # gradient hooks registered on a parameter (a layer's __init__) reach the distributed parameter replacing it
 if "paddle" in sys.modules:
     from autoparallel import param_carry as _param_carry
 
     _param_carry.install()
 else:
-    _after_import.watch("paddle", lambda: importlib.import_module("autoparallel.param_carry").install())
+    _after_import.watch("paddle", lambda: _install_param_carry())
 
 
 def __getattr__(name: str):

@@ -15,9 +15,12 @@ import contextlib
 import importlib
 import weakref
 
-import paddle
+AFTER_LOAD: list = []     # calls waiting for this module: hooks on paddle's import that fired while it imported paddle
+
+import paddle  # noqa: E402
 from paddle.base import core as _core
-from paddle.base.framework import EagerParamBase  # noqa: F401  (paddle's Parameter class)
+from paddle.base.framework import EagerParamBase  # noqa: F401,E402  (paddle's Parameter class)
+from paddle.base.dygraph.tensor_patch_methods import TensorHookRemoveHelper  # noqa: F401,E402  (a hook's handle)
 from paddle.base import framework as _framework
 from paddle.base.framework import global_var as _FRAMEWORK
 
@@ -308,3 +311,8 @@ def gpu_place_for_amp_decorate():
         yield
     finally:
         ac._dygraph_tracer, ac._is_gpu_bfloat16_supported, ac._is_gpu_float16_supported = saved
+
+
+for _call in AFTER_LOAD:      # paddle was first imported by this module (autoparallel/__init__: param_carry.install)
+    _call()
+AFTER_LOAD.clear()

@@ -74,13 +74,16 @@ def _global_value(value):
         return as_dist(value).full().detach()
 
 
+_WRAPPERS: set = set()        # the wrappers install() put on paddle.Tensor (its idempotence check)
+
+
 def install() -> None:
     """``plain.set_value(d)`` and ``plain.copy_(d)`` write the distributed value's global value into the plain tensor
     (a buffer updated in the forward with a batch statistic: ``self.running.set_value(0.9 * self.running + 0.1 *
     h.mean(0))``), as ``plain[:] = d`` does; paddle raised an AssertionError / "must be Tensor, but got
     DistTensor". Idempotent; a distributed parameter keeps its own forms (dist_tensor_forms)."""
     set_value, copy_ = paddle.Tensor.set_value, paddle.Tensor.copy_
-    if getattr(set_value, "_ap_global_value", False):
+    if set_value in _WRAPPERS:
         return
 
     def plain_set_value(self, value):
@@ -90,7 +93,7 @@ def install() -> None:
         return copy_(self, _global_value(value) if is_dist(value) and not is_dist(self) else value, *args, **kwargs)
 
     for fn, orig in ((plain_set_value, set_value), (plain_copy_, copy_)):
-        fn._ap_global_value = True
+        _WRAPPERS.add(fn)
         fn.__doc__ = orig.__doc__
     from autoparallel import patches
 

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import weakref
 
-from paddle.base.dygraph.tensor_patch_methods import TensorHookRemoveHelper
-
 from autoparallel import patches
-from autoparallel.compat import EagerParamBase, SideData
+from autoparallel.compat import EagerParamBase, SideData, TensorHookRemoveHelper
 
 _HOOKS = SideData()             # parameter -> [_Record, ...]: its hooks registered while installed
+_WRAPPERS: set = set()          # the register_hook wrappers install() put on EagerParamBase (idempotence)
 _SUCCESSOR = SideData()         # replaced parameter -> weakref to the distributed parameter replacing it
 
 
@@ -143,7 +142,7 @@ class _Bare:
 def install() -> None:
     """Wrap ``EagerParamBase.register_hook`` once (idempotent; undone with the other patches)."""
     original = EagerParamBase.register_hook
-    if getattr(original, "_ap_remembers", False):
+    if original in _WRAPPERS:
         return
 
     def register_hook(self, hook):
@@ -154,6 +153,6 @@ def install() -> None:
             return handle       # a laid-out parameter (the package's own hooks sit there too): carry keeps the rest
         return remember(self, hook, handle)
 
-    register_hook._ap_remembers = True
+    _WRAPPERS.add(register_hook)
     register_hook.__doc__ = original.__doc__
     patches.patch(EagerParamBase, "register_hook", register_hook)
