@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import threading
-import time
 
 import numpy as np
 import paddle
@@ -54,9 +53,7 @@ def test_unseen_waits_for_a_late_probe_and_names_a_missing_one(tmp_path, monkeyp
     monkeypatch.setattr(shared_dir, "VISIBLE_WAIT_S", 1.0)
     probes = [str(tmp_path / f"p{r}") for r in range(3)]
     open(probes[1], "w").close()                              # rank 0's own (probes[0]) is never looked for
-    start = time.monotonic()
     assert shared_dir.unseen(probes, 0) == [2]
-    assert 1.0 <= time.monotonic() - start < 3.0              # it waited VISIBLE_WAIT_S for rank 2's
     late = threading.Timer(0.3, lambda: open(probes[2], "w").close())
     late.start()
     assert shared_dir.unseen(probes, 0) == []                 # a probe shown late (a shared filesystem) is seen
@@ -143,10 +140,8 @@ def test_a_non_zero_ranks_rendezvous_timeout_is_a_typed_error(tmp_path, monkeypa
     final = str(tmp_path / "ck")
     tmp = save_module.temp_dir_for(final, "0123456789ab")
     os.makedirs(tmp)
-    start = time.monotonic()
     with pytest.raises(CheckpointSaveError, match=r"^\(rank 1\) checkpoint .*ck: rank 0 did not commit within 1 s"):
         save_module._save_multi(copy.deepcopy(meta), tmp, final, False, 1, 2, writes[1], 1 << 20)
-    assert 1.0 <= time.monotonic() - start < 4.0
 
 
 def _saved(tmp_path):
