@@ -94,6 +94,19 @@ def test_tensor_parallel_when_it_pays_data_parallel_when_it_does_not():
         assert "priced as the sum of its stacks" in text and "enc: 2 blocks" in text and "dec: 2 blocks" in text
 
 
+def test_the_plan_head_names_the_sequence_length_it_priced():
+    """The plan's head line carries the seq_len the stacks were priced at (not 0), the number of dp x tp
+    layouts priced, and says so when no length was given (then nothing is priced: data parallel)."""
+    s = ap.Strategy()
+    s.auto_mode, s.global_batch_size = "full", 4
+    cluster = resolve_cluster("1x4:A100-80GB", 4, "nccl")
+    _, priced = data_parallel_choice(_model(32), s, 4, cluster, "an encoder-decoder", seq_len=16)
+    assert ", seq 16; 3 configurations priced" in str(priced)
+    _, unpriced = data_parallel_choice(_model(32), s, 4, cluster, "an encoder-decoder")
+    assert "sequence length not given; 1 configurations priced" in str(unpriced)
+    assert "seq 0" not in str(unpriced)
+
+
 # ---- a vision-language model under the chosen plan equals one process --------------------------------------
 def _data():
     b = pf.vl_batch("qwen3_vl", b=2, grids=[(1, 4, 4), (1, 2, 4)])

@@ -26,6 +26,7 @@ of the stage that needs most (with the search's pruning bounds) in planner/stage
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 import numpy as np
@@ -82,6 +83,17 @@ def two_rate_seconds(flops, core_flops, traffic_bytes, peak_flops, core_peak_flo
     options.CORE_DTYPES), both at gemm_efficiency; plus element-wise traffic at memory bandwidth."""
     return (roofline_seconds(flops - core_flops, traffic_bytes, peak_flops, gemm_efficiency, memory_bandwidth_Bps)
             + core_flops / (core_peak_flops * gemm_efficiency))
+
+
+def compute_share(cluster, comm_sm_fraction):
+    """The cluster as its compute sees it when communication kernels hold ``comm_sm_fraction`` of each device's SMs
+    all step (``PlannerOptions.comm_sm_fraction``): every matmul peak scales by (1 - comm_sm_fraction). Memory
+    bandwidth is left whole (fewer SMs still reach it; the source gives no figure for it)."""
+    if not comm_sm_fraction:
+        return cluster
+    dev = cluster.device
+    peaks = tuple((dtype, rate * (1.0 - comm_sm_fraction)) for dtype, rate in dev.peak_flops)
+    return dataclasses.replace(cluster, device=dataclasses.replace(dev, peak_flops=peaks))
 
 
 def layer_forward_flops(model, s, b, t, t_sp=1):
@@ -273,6 +285,8 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     stage that needs most), host memory, each link's busy seconds, step_time, tokens_per_s,
     tflops_per_device, mfu, feasible.
     """
+    full_peak = cluster.device.flops(options.compute_dtype)          # MFU's denominator: the whole device
+    cluster = compute_share(cluster, options.comm_sm_fraction)
     n = len(np.asarray(grid["dp"]).reshape(-1))
     g = {k: np.asarray(grid[k]).reshape(-1) if k in grid else np.full(n, 1 if k == "ep" else 0) for k in GRID_KEYS}
     dp, tp, pp, v, sp, ep = g["dp"], g["tp"], g["pp"], g["vpp"], g["sp"], g["ep"]
@@ -425,7 +439,6 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     # ---- throughput ----------------------------------------------------------------------------------
     hw_per_token = np.array([model.hardware_flops_per_token(seq_len, r) for r in ("none", "selective", "full")])
     tokens = B * s
-    peak = dev.flops(o.compute_dtype)
     return {
         "num_micro_batches": m,
         "step_time_s": step,
@@ -449,7 +462,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
         "feasible": (total <= dev.memory_bytes) & host_ok,
         "tokens_per_s": tokens / step,
         "tflops_per_device": hw_per_token[rc] * tokens / (step * world) / 1e12,
-        "mfu": model.model_flops_per_token(seq_len) * tokens / (step * world * peak),
+        "mfu": model.model_flops_per_token(seq_len) * tokens / (step * world * full_peak),
     }
 
 

@@ -65,8 +65,9 @@ def data_parallel_choice(model, strategy, world: int, cluster, reason: str, seq_
     explanation = (f"model {name}: not read as a stack of blocks ({reason})\n{stacks_text}"
                    f"chosen: {how}, {batch // dp} samples per data-parallel rank; other tensor or pipeline layouts "
                    f"for this model need auto_mode='semi' with tp_plan= / split_points=")
-    result = PlanResult(model=UnreadModel(name, params), cluster=cluster, global_batch_size=batch, seq_len=0,
-                        candidates=[], explanation=explanation, feasible=True, evaluated=1, seconds=0.0,
+    result = PlanResult(model=UnreadModel(name, params), cluster=cluster, global_batch_size=batch,
+                        seq_len=int(seq_len or 0), candidates=[], explanation=explanation, feasible=True,
+                        evaluated=max(len(priced), 1), seconds=0.0,
                         mode="fixed")
     return chosen, result
 

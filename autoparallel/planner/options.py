@@ -63,6 +63,11 @@ class PlannerOptions:
     moe_a2a_overlap: bool = False                 # expert all-to-all overlapped with another micro-batch's compute
                                                   # (DeepSeek's DualPipe overlaps it), within each link's budget; else
                                                   # exposed. DualPipe itself is a schedule: ParallelConfig.dualpipe
+    comm_sm_fraction: float = 0.0                 # share of each device's SMs held by communication kernels that run
+                                                  # beside compute all step (DeepSeek-AI 2024, arXiv:2412.19437 §3.2.2:
+                                                  # "only 20 SMs are sufficient"; §3.5.1: 20 of the H800's 132, which
+                                                  # "will limit the computational throughput"): the matmul peaks scale
+                                                  # by (1 - this); 0: collectives cost no compute
     # -- pipeline
     pp_scatter_gather: bool = True                # stage-to-stage messages split over the TP group (Narayanan et al. §4.1;
                                                   # DeepSpeed's pipeline engine likewise: PartitionedTensor over TP)
@@ -94,6 +99,9 @@ class PlannerOptions:
         if not self.grad_bucket_bytes > 0:
             raise ValueError(f"grad_bucket_bytes must be > 0, got {self.grad_bucket_bytes}")
         self._check_storage()
+        if not 0 <= self.comm_sm_fraction < 1:
+            raise ValueError(f"comm_sm_fraction is the share of a device's SMs held by communication and must be in "
+                             f"[0, 1), got {self.comm_sm_fraction}")
         if not self.moe_imbalance >= 1:
             raise ValueError(f"moe_imbalance is the busiest expert rank's load over the mean and must be >= 1, got "
                              f"{self.moe_imbalance}")

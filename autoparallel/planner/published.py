@@ -211,10 +211,11 @@ RUNS = RUNS + MEGASCALE_530B
 # RMSNorm and MLA Up-Projection" (§3.2.3); "cache activations in FP8 format for the backward pass of the Linear
 # operator", the Linear-after-attention inputs in "a customized E5M6 data format" (12 bits), the MoE SwiGLU's inputs
 # cached and its output recomputed, "the BF16 data format instead of FP32 to track the first and second moments in the
-# AdamW optimizer" (§3.3.3); its EMA lives in CPU memory (§3.2.3: nothing on the device, and the planner counts none)
+# AdamW optimizer" (§3.3.3); its EMA lives in CPU memory (§3.2.3: nothing on the device, and the planner counts none);
+# the all-to-all and PP kernels hold 20 of the H800's 132 SMs (§3.2.2, §3.5.1), so compute runs on the other 112
 _DEEPSEEK_V3 = (("flash_attention", True), ("moe_a2a_overlap", True), ("recompute_norm_up_projection", True),
                 ("linear_input_bytes", 1.0), ("attention_output_bytes", 1.5), ("moe_swiglu_recompute", True),
-                ("optimizer_moment_bytes", 2.0))
+                ("optimizer_moment_bytes", 2.0), ("comm_sm_fraction", 20 / 132))
 
 MOE_RUNS = (
     PublishedRun("DeepSeek-V3", "deepseek-v3", "H800", 2048, _NDR,
@@ -227,7 +228,7 @@ MOE_RUNS = (
                  "stage assumed), EP 64, node-limited routing (4 nodes), ZeRO-1; memory as stated: DualPipe's 2 weight"
                  " and gradient copies and PP+1 activations (§3.2.1), RMSNorm and MLA up-projections recomputed "
                  "(§3.2.3), Linear inputs cached in FP8 (E5M6 after attention), MoE SwiGLU output recomputed, BF16 "
-                 "Adam moments (§3.3.3)",
+                 "Adam moments (§3.3.3); communication kernels on 20 of the 132 SMs (§3.2.2, §3.5.1)",
                  precision="fp8", dense_only=False, software=_DEEPSEEK_V3),
 )
 

@@ -100,8 +100,9 @@ class PlanResult:
         return format_candidates(self.candidates)
 
     def __str__(self) -> str:
+        seq = f"seq {self.seq_len}" if self.seq_len else "sequence length not given"
         head = (f"plan: {self.model.name} on {self.cluster.name} ({self.cluster.world_size} devices), "
-                f"global batch {self.global_batch_size}, seq {self.seq_len}; {self.evaluated} configurations "
+                f"global batch {self.global_batch_size}, {seq}; {self.evaluated} configurations "
                 f"priced in {self.seconds:.2f} s")
         parts = [head]
         if self.candidates:

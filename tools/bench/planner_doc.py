@@ -106,7 +106,8 @@ item: 1.542 (before) -> 1.416 (MLA) -> 1.484 (MTP) -> 1.409 (each stage's overla
 compute, which MTP exposed: the last stage had most compute while the 5-block middle stage exposed 1.7 s of
 all-to-all; the dense runs did not move) -> 1.053 (fp8 per GEMM class). Nothing was fitted; what was left unmodelled
 then was large on this run: DualPipe's time (then priced as 1F1B with the all-to-all overlapped; now priced from
-Table 2 with rank r running stages r and PP−1−r, "DualPipe" below: 1.034 -> 1.402), the pipeline split (assumed 2
+Table 2 with rank r running stages r and PP−1−r, "DualPipe" below: 1.034 -> 1.402; then the 20 SMs the
+communication kernels hold, "Communication's SMs" below: 1.402 -> 1.286), the pipeline split (assumed 2
 blocks at each end: under 1F1B the last stage, 2 blocks plus two bf16 output-head passes and the MTP block, set the
 pace; with the balanced split the ratio would have been 1.22, without MTP 1.28), fp8's fine-grained scaling and FP32
 promotion of partial sums (§3.3.2; fp8 GEMMs run at the bf16 runs' efficiency here), dense and MoE blocks averaged
@@ -601,7 +602,20 @@ the row's split moves the ratio to 1.295 (`even`: rank 0's 3 + 3 blocks and the 
 (`balanced`, a split computed for 1F1B's separate end stages); budgeting the steady state's overlapped all-to-all
 against the pair's whole compute (a forward chunk's traffic behind another micro-batch's backward) would take the
 step to 13.24 s, ratio 1.50; hiding the stage-to-stage sends as well (§3.2.1: "both all-to-all and PP communication
-can be fully hidden during execution"; priced as 1F1B's here, 0.36 s) to 13.84 s, ratio 1.44.
+can be fully hidden during execution"; priced as 1F1B's here, 0.36 s) to 13.84 s, ratio 1.44 (these three
+figures are before the SMs below, which multiply the compute in each).
+
+### Communication's SMs
+
+DeepSeek-V3's all-to-all and pipeline kernels run on SMs taken from compute, all step: "only 20 SMs are sufficient
+to fully utilize the bandwidths of IB and NVLink" (arXiv:2412.19437 §3.2.2), and §3.5.1 names the cost: 20 of the
+H800's 132 SMs, which "will limit the computational throughput". `PlannerOptions.comm_sm_fraction` (0 by default:
+NCCL's collectives are priced as costing no compute) scales every matmul peak by (1 − fraction)
+(`cost_model.compute_share`); memory bandwidth is left whole (fewer SMs still reach it, and the source gives no
+figure), and MFU keeps the whole device's peak as its denominator. The DeepSeek-V3 row states 20/132: its step goes
+14.20 s -> 15.48 s and its ratio 1.402 -> 1.286 (no other row sets it, so no other moved). Nothing was fitted; the
+remaining 29% has no sourced mechanism here (fp8's fine-grained scaling and FP32 promotion, §3.3.2, is the likely one;
+the report gives no GEMM rate).
 
 ### Not modelled (known limits)
 
