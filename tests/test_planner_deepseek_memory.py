@@ -15,7 +15,8 @@ from autoparallel.planner.cost_model import stored_recompute_seconds
 from autoparallel.planner.model_spec import PRESETS, ModelSpec
 from autoparallel.planner.options import PlannerOptions
 from autoparallel.planner.published import MOE_RUNS, predict
-from autoparallel.planner.stage_memory import dualpipe_copies, dualpipe_in_flight, state_bytes
+from autoparallel.planner import dualpipe
+from autoparallel.planner.stage_memory import DUALPIPE_OPTIMIZER_SHARE, state_bytes
 
 LLAMA_STYLE = dict(swiglu=True, bias=False, layernorm=False, tied_embeddings=False, learned_positions=False,
                    dropout=False)
@@ -90,14 +91,17 @@ def test_bf16_adam_moments_by_hand():
 
 
 def test_dualpipe_memory_by_hand():
+    """Rank r holds stages r and PP-1-r; stage r keeps PP - r micro-batches in flight, stage PP-1-r r + 1."""
+    # 8 stages of 3, 4, 4, 5, 4, 4, 4, 2 blocks: rank 0 stages 0 and 7, rank 1 stages 1 and 6, ...
+    loads = dualpipe.rank_loads([3, 4, 4, 5, 4, 4, 4, 2])
+    assert loads == ((3 + 2, 3 * 8 + 2 * 1), (4 + 4, 4 * 7 + 4 * 2), (4 + 4, 4 * 6 + 4 * 3), (5 + 4, 5 * 5 + 4 * 4))
+    # PP + 1 stage-micro-batches per rank with equal stages (Table 2), against 1F1B's PP on stage 0
+    assert all(flight == 4 * (8 + 1) for _, flight in dualpipe.rank_loads([4] * 8))
     o = PlannerOptions()
-    assert dualpipe_copies(np.array(1), np.array(16)) == 2.0 and dualpipe_copies(np.array(1), np.array(1)) == 1.0
-    assert dualpipe_copies(np.array(0), np.array(16)) == 1.0
-    assert dualpipe_in_flight(15.0, np.array(16), True) == 15 * 17 / 16
-    assert dualpipe_in_flight(1.0, np.array(1), True) == 1.0
     one = np.array(1)
-    st = state_bytes(o, 1000.0, 0.0, one, np.array(4), one, 1.0, np.array(0), 0, copies=2.0)
-    assert (st["params"], st["grads"], st["optimizer"]) == (2 * 2000.0, 2 * 4000.0, 12 * 1000 / 4)
+    st = state_bytes(o, 1000.0, 0.0, one, np.array(4), one, 1.0, np.array(0), 0,
+                     optimizer_share=DUALPIPE_OPTIMIZER_SHARE)
+    assert (st["params"], st["grads"], st["optimizer"]) == (2000.0, 4000.0, 0.5 * 12 * 1000 / 4)
 
 
 def test_storage_options_refuse_bad_input():
@@ -110,8 +114,9 @@ def test_storage_options_refuse_bad_input():
 
 
 def test_deepseek_v3_run_memory_by_hand():
-    """The published run's fullest stage (a middle one: 5 blocks, 15 micro-batches of 1F1B in flight) with every
-    stated choice, written out per block: s·b·h = 4096·7168, MoE share f = 58/61."""
+    """The published run's fullest device under DualPipe (ranks 2 and 13: the 5-block stage 2 with 14 micro-batches
+    in flight and the 4-block stage 13 with 3), every stated choice written out per block: s·b·h = 4096·7168, MoE
+    share f = 58/61."""
     run, ds = MOE_RUNS[0], PRESETS["deepseek-v3"]
     h, f = 7168, 58 / 61
     attention = 1.5 * 128 * 128 / h                                  # E5M6 output; Q, K, V recomputed
@@ -121,12 +126,16 @@ def test_deepseek_v3_run_memory_by_hand():
     rebuilt = 4.0 + latents + 2 * 128 * (2 * 192 + 128) / h + 2.0 * f * 9 * 2048 / h
     sbh = 4096 * 7168
     per_block = (attention + mlp + unsharded) * sbh
-    expected = 5 * per_block * 15 * 17 / 16 + rebuilt * sbh           # DualPipe: (PP+1)/PP in flight
+    expected = (5 * 14 + 4 * 3) * per_block + rebuilt * sbh           # 82 block-micro-batches in flight
     cand = predict(run)
     assert cand.memory_gb["activations"] == pytest.approx(expected / 1e9, rel=1e-9)
     plain = predict(dataclasses.replace(run, software=(("flash_attention", True), ("moe_a2a_overlap", True)),
                                         config=dataclasses.replace(run.config, dualpipe=0)))
-    # 2 weight and gradient copies, BF16 moments (8 of the optimizer's 12 bytes)
-    assert cand.memory_gb["params"] == pytest.approx(2 * plain.memory_gb["params"], rel=1e-12)
-    assert cand.memory_gb["grads"] == pytest.approx(2 * plain.memory_gb["grads"], rel=1e-12)
-    assert cand.memory_gb["optimizer"] == pytest.approx(plain.memory_gb["optimizer"] * 8 / 12, rel=1e-12)
+    # plain 1F1B's fullest stage is the 5-block one; the DualPipe rank holds 5 + 4 blocks' weights and gradients,
+    # and half of their optimizer states (BF16 moments: 8 of the optimizer's 12 bytes)
+    assert cand.memory_gb["params"] == pytest.approx(9 / 5 * plain.memory_gb["params"], rel=1e-12)
+    assert cand.memory_gb["grads"] == pytest.approx(9 / 5 * plain.memory_gb["grads"], rel=1e-12)
+    assert cand.memory_gb["optimizer"] == pytest.approx(0.5 * 9 / 5 * plain.memory_gb["optimizer"] * 8 / 12,
+                                                        rel=1e-12)
+    assert cand.memory_per_device_gb == pytest.approx(sum(cand.memory_gb.values()), rel=1e-12)
+    assert cand.memory_per_device_gb > cand.capacity_gb and not cand.feasible

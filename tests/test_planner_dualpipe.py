@@ -16,6 +16,7 @@ from autoparallel.planner.cluster import DEVICES, preset
 from autoparallel.planner.config import ParallelConfig, parse_fixed
 from autoparallel.planner.cost_model import (_time_per_layer, logits_weight_grad_seconds, weight_grad_seconds)
 from autoparallel.planner.model_spec import ModelSpec
+from autoparallel.planner.params import block_and_edge_params
 from autoparallel.planner.options import PlannerOptions
 from autoparallel.planner.published import MOE_RUNS, predict, search_best
 from autoparallel.planner.search import SearchSpace, evaluate_config, exhaustive, invalid_reason, search
@@ -96,9 +97,12 @@ def test_dualpipe_step_by_hand():
     assert plain.time_s["compute"] == pytest.approx(8 * (6 * t_fwd + 3 * t_logits), rel=1e-9)
     assert plain.time_s["bubble"] == pytest.approx(6 * 3 * t_fwd, rel=1e-9)
     assert dual.time_s["bubble"] < plain.time_s["bubble"] and dual.step_time_s < plain.step_time_s
-    # memory: DualPipe's two weight and gradient copies come with the schedule
-    assert dual.memory_gb["params"] == pytest.approx(2 * plain.memory_gb["params"], rel=1e-12)
-    assert dual.memory_gb["grads"] == pytest.approx(2 * plain.memory_gb["grads"], rel=1e-12)
+    # memory: rank 0 holds stages 0 and 3 (4 blocks, the embedding and the head), every stage lives on two ranks;
+    # 1F1B's fullest stage is the first (4 micro-batches in flight): 2 blocks and the embedding
+    block, _, emb, head = (float(np.asarray(x).reshape(-1)[0]) for x in block_and_edge_params(TINY, 1, np.array([4]), 1))
+    assert dual.memory_gb["params"] == pytest.approx(2 * (4 * block + emb + head) / 1e9, rel=1e-12)
+    assert dual.memory_gb["grads"] == pytest.approx(4 * (4 * block + emb + head) / 1e9, rel=1e-12)
+    assert plain.memory_gb["params"] == pytest.approx(2 * (2 * block + emb) / 1e9, rel=1e-12)
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------

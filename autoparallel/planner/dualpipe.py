@@ -82,6 +82,16 @@ def pair_blocks(counts) -> tuple:
     return counts[0] + counts[-1], max(pairs, default=0)
 
 
+def rank_loads(counts) -> tuple:
+    """Per rank r < PP/2, (blocks held, block-micro-batches of activations in flight): rank r holds stages r and
+    PP-1-r (deepseek-ai/DualPipe example_dualpipe.py), and keeps stage r's activations for PP - r micro-batches (its
+    place in the forward direction) and stage PP-1-r's for r + 1 (its place in the reverse one), PP + 1 in all as
+    Table 2 has it. Rank PP-1-r holds the same two stages with the same counts."""
+    p = len(counts)
+    return tuple((counts[r] + counts[p - 1 - r], counts[r] * (p - r) + counts[p - 1 - r] * (r + 1))
+                 for r in range(p // 2))
+
+
 def device_blocks(end_pair, mid_pair, pp, dual, n_first, n_last, n_mid):
     """Blocks per micro-batch and output-head share of the pipeline rows the cost model compares (first, last,
     middle). 1F1B: each stage's blocks, the head on the last stage. DualPipe: rank 0 runs half the micro-batches

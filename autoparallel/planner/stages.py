@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 
 from autoparallel.planner.config import SPLITS
-from autoparallel.planner.dualpipe import pair_blocks
+from autoparallel.planner.dualpipe import pair_blocks, rank_loads
 
 
 def _even(layers, p):
@@ -130,3 +130,22 @@ def pair_layout(model, seq_len, pp, split):
     rows = [pair_blocks(split_layers(model.layers, int(k // 8), SPLITS[int(k % 8)], head_eq)) for k in uniq]
     table = np.array(rows, dtype=float).reshape(-1, 2)[inverse.reshape(-1)]
     return table[:, 0], table[:, 1]
+
+
+def pair_ranks(model, seq_len, pp, split):
+    """DualPipe's per-rank loads (planner/dualpipe.py ``rank_loads``) of every candidate, as (held, in_flight,
+    valid) arrays of shape (R, n), R the largest PP/2: row r is rank r's blocks held and block-micro-batches in
+    flight, ``valid`` False past a candidate's PP/2 (and everywhere for PP < 2); each distinct (pp, split) is split
+    once."""
+    head_eq = head_equivalent(model, seq_len)
+    pp = np.asarray(pp, dtype=np.int64).reshape(-1)
+    keys = pp * 8 + np.asarray(split, dtype=np.int64).reshape(-1)
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    ranks = max(int(k // 8) // 2 for k in uniq) if len(uniq) else 0
+    table = np.zeros((len(uniq), max(ranks, 1), 3))
+    for i, k in enumerate(uniq):
+        if k // 8 >= 2:
+            loads = rank_loads(split_layers(model.layers, int(k // 8), SPLITS[int(k % 8)], head_eq))
+            table[i, :len(loads)] = [(held, flight, 1.0) for held, flight in loads]
+    rows = table[inverse].transpose(1, 2, 0)                 # (R, 3, n)
+    return rows[:, 0], rows[:, 1], rows[:, 2] > 0

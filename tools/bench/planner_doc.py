@@ -122,26 +122,26 @@ optimizer": optimizer states 12 -> 8 B/param, over ZeRO-1's 128) -> 131.9 ("cach
 backward pass of the Linear operator", the inputs of the Linear after attention in "a customized E5M6 data format")
 -> 115.9 ("we cache the inputs of the SwiGLU operator and recompute its output in the backward pass", MoE blocks)
 -> 71.3, fits ("We recompute all RMSNorm operations and MLA up-projections during back-propagation": MLA's Q, K, V
-and the normed copies not stored) -> 86.7 GB, **does not fit** (DualPipe, "two copies of the model parameters" and
-Table 2's activation PP+1 against 1F1B's PP: 8.4 GB of weights, 16.7 GB of fp32 gradients, 50.2 GB of activations
-with 17/16 of the micro-batches in flight). "Exponential Moving Average in CPU" changes nothing: the EMA is in host
+and the normed copies not stored) -> 85.3 GB, **does not fit** (DualPipe: rank r holds stages r and PP−1−r,
+"two copies of the model parameters" over the pipeline, and Table 2's PP+1 stage-micro-batches of activations; the
+fullest ranks, 2 and 13, hold the 5-block stage 2 with 14 micro-batches in flight and the 4-block stage 13 with 3:
+7.5 GB of weights, 15.0 GB of fp32 gradients, 3.1 GB of optimizer states, 51.7 GB of activations). "Exponential Moving Average in CPU" changes nothing: the EMA is in host
 memory and the planner never counted it. "Shared Embedding and Output Head for Multi-Token Prediction" changes
 nothing either: the planner already counts one embedding and one head (the MTP module adds no copy). The ratio
 moved 1.053 -> 1.034, by the recomputation's time alone (1.053 -> 1.051 for the MoE SwiGLU output's traffic ->
 1.034 for the up-projections' GEMMs, 2·(r_q·a·d_qk + r_kv·a·(d_qk − d_rope + d_v)) FLOPs per token and block at the
 fp8 rate, and the rebuilt norms' traffic); the BF16 moments' smaller optimizer traffic moved it by +0.00005; no other
-run moved. What is left, and why the run still does not fit by the model (78.7 GB of states and activations against
-the 72 GB left by the planner's 10% reserve, an allowance, not a sourced figure): the gradients' second copy follows
-the DualPipe repository's example (deepseek-ai/DualPipe example_dualpipe.py: each of a rank's two stages
-keeps its own .grad, summed after the step) where the paper names only the parameters (with one gradient copy the
-run would fit: 78.4 GB with the reserve); DualPipe's layout is not modelled (rank r holds stages r and PP−1−r, so
-the 5-block stage pairs with a 4-block one rather than with itself, and the ends, with the embedding, the head and
-the MTP module, share a rank): each stage's own weights are doubled. Priced by hand with that layout (rank r: stage
-r with PP − r micro-batches in flight and stage PP − 1 − r with r + 1, PP + 1 stage-micro-batches as Table 2 has it;
-the planner's per-block figures), the fullest ranks (2 and 13: the 5-block stage with 14 in flight and a 4-block one
-with 3) need 88.4 GB with both stages' optimizer states (85.3 with one copy), the rank holding both ends with the
-embedding, the head and the MTP module 62.2 GB, the others 76.5 GB: the layout does not change the verdict, and the
-assumed `split="ends"` (2 blocks on each end stage) leaves the shared end rank the lightest; the fp8 tiles' scaling factors (one per 128
+run moved. What is left, and why the run still does not fit by the model (77.3 GB of states and activations against
+the 72 GB left by the planner's 10% reserve, an allowance, not a sourced figure): each stage's gradients on each of
+its two ranks follow the DualPipe repository's example (deepseek-ai/DualPipe example_dualpipe.py: each of a rank's two
+stages keeps its own .grad, summed after the step) where the paper names only the parameters (with the two stages'
+gradients in one buffer the run would fit: 77.8 GB with the reserve); the optimizer states are not stated either and
+are counted once per stage over its two ranks (half of each of a rank's two stages'; with both stages' whole states
+on every rank, 88.4 GB). The per-rank layout is modelled since this pass (it was each stage's own weights and
+gradients doubled and (PP+1)/PP of its micro-batches in flight: 86.7 GB, the middle 5-block stage paired with
+itself); the verdict is unchanged, no ratio moved (the layout is memory only), and the assumed `split="ends"` (2
+blocks on each end stage) leaves rank 0, which holds both ends with the embedding, the head and the MTP module,
+lighter than the fullest ranks; the fp8 tiles' scaling factors (one per 128
 elements, dtype not stated) are not counted; the final norm's output before the head (2·s·b·h on the last stage) is
 still counted as stored.
 
@@ -504,9 +504,10 @@ outputs and MLA's Q, K, V are not stored; one block's worth is rebuilt in backwa
 set, and its time priced: the up-projections' GEMMs at the linear layers' rate plus the rebuilt tensors' traffic),
 `optimizer_moment_bytes` (§3.3.3: BF16 moments, 4 + 2 + 2 = 8 B/param of optimizer state; master weights and
 gradients stay fp32). DualPipe's memory comes with its schedule (`ParallelConfig.dualpipe`, "DualPipe" below; it was
-the option `dualpipe_memory`, now removed so that schedule and memory cannot disagree): §3.2.1 Table 2, two copies of
-a stage's weights and gradients, the latter from the DualPipe repository's example, and (PP+1)/PP of 1F1B's
-micro-batches in flight; optimizer states once.
+the option `dualpipe_memory`, now removed so that schedule and memory cannot disagree): §3.2.1 Table 2 and the DualPipe repository's
+example: rank r holds stages r and PP−1−r (every stage's weights and gradients on two ranks), keeps stage r's
+activations for PP − r micro-batches and stage PP−1−r's for r + 1 (PP + 1 in all), and half of each stage's optimizer
+states (`stage_memory.device_rows`; the device that needs most is the fullest rank).
 Norm inputs, the attention core's inputs and the activation function's inputs stay 16-bit (the paper keeps
 normalization and attention operators in BF16/FP32, §3.3.1).
 
@@ -583,8 +584,7 @@ priced in planner/dualpipe.py and the cost model:
   rank 0 runs 2 blocks and half the head per micro-batch and the pace is set by ranks 2 and 13 (the 5-block stage
   with a 4-block one, 4.5 blocks per micro-batch), where 1F1B was paced by the last stage (2 blocks, two bf16
   output-head passes and the MTP block). The bubble is the slowest device's.
-- Memory: two copies of a stage's weights and gradients, (PP+1)/PP of 1F1B's micro-batches in flight ("Memory");
-  the per-rank layout is not modelled in memory (each stage's own weights are doubled).
+- Memory: per rank, stages r and PP−1−r with PP − r and r + 1 micro-batches in flight ("Memory").
 - Pipeline sends are priced as 1F1B's; the steady state's overlapped all-to-all is budgeted as for 1F1B (forward
   traffic against forward compute, backward against backward), although DualPipe overlaps a forward chunk's
   all-to-all with another micro-batch's backward.
