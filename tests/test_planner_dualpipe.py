@@ -176,6 +176,23 @@ def test_search_with_dualpipe_equals_exhaustive_enumeration():
     assert shapes == {(2, 1, 16), (2, 1, 8), (2, 1, 4), (4, 1, 8), (4, 1, 16), (8, 1, 16)}
 
 
+def test_memory_floors_never_prune_a_dualpipe_plan_that_fits():
+    """The search's memory floors bound DualPipe's per-rank memory from below: on a MoE model whose memory is tight
+    (Mixtral-shaped, 64 H100, some plans fit and some do not), the pruned search keeps every plan that fits."""
+    from autoparallel.planner.model_spec import PRESETS
+    cluster, space = preset("H100-80GB", 8, 8), SearchSpace(dualpipe=(0, 1))
+    pruned = search(PRESETS["mixtral-8x7b"], cluster, 1024, 4096, space, OPTS, prune=True)
+    full = search(PRESETS["mixtral-8x7b"], cluster, 1024, 4096, space, OPTS, prune=False)
+    fits = full.evaluation["feasible"]
+    assert 0 < fits.sum() < len(fits)
+    dual_fits = fits & (full.grid["dualpipe"] > 0)
+    assert dual_fits.any() and ((full.grid["dualpipe"] > 0) & ~fits).any()
+    assert len(pruned.evaluation["feasible"]) < len(fits)                  # the floors did prune
+    assert pruned.evaluation["feasible"].sum() == fits.sum()
+    best = lambda out: {k: int(out.grid[k][out.order[0]]) for k in out.grid}      # noqa: E731
+    assert best(pruned) == best(full)
+
+
 def test_deepseek_v3_row_runs_dualpipe_and_the_search_may_too():
     run = MOE_RUNS[0]
     assert run.config.dualpipe == 1 and run.config.schedule == "DualPipe"
