@@ -16,7 +16,7 @@ from autoparallel.planner.model_spec import PRESETS, ModelSpec
 from autoparallel.planner.options import PlannerOptions
 from autoparallel.planner.published import MOE_RUNS, predict
 from autoparallel.planner import dualpipe
-from autoparallel.planner.stage_memory import DUALPIPE_OPTIMIZER_SHARE, state_bytes
+from autoparallel.planner.stage_memory import DUALPIPE_REPLICAS, state_bytes
 
 LLAMA_STYLE = dict(swiglu=True, bias=False, layernorm=False, tied_embeddings=False, learned_positions=False,
                    dropout=False)
@@ -99,9 +99,9 @@ def test_dualpipe_memory_by_hand():
     assert all(flight == 4 * (8 + 1) for _, flight in dualpipe.rank_loads([4] * 8))
     o = PlannerOptions()
     one = np.array(1)
-    st = state_bytes(o, 1000.0, 0.0, one, np.array(4), one, 1.0, np.array(0), 0,
-                     optimizer_share=DUALPIPE_OPTIMIZER_SHARE)
-    assert (st["params"], st["grads"], st["optimizer"]) == (2000.0, 4000.0, 0.5 * 12 * 1000 / 4)
+    # every stage on 2·dp ranks: ZeRO-1 over dp = 4 shards the optimizer states over 8
+    st = state_bytes(o, 1000.0, 0.0, one, DUALPIPE_REPLICAS * np.array(4), one, 1.0, np.array(0), 0)
+    assert (st["params"], st["grads"], st["optimizer"]) == (2000.0, 4000.0, 12 * 1000 / 8)
 
 
 def test_storage_options_refuse_bad_input():
@@ -132,7 +132,7 @@ def test_deepseek_v3_run_memory_by_hand():
     plain = predict(dataclasses.replace(run, software=(("flash_attention", True), ("moe_a2a_overlap", True)),
                                         config=dataclasses.replace(run.config, dualpipe=0)))
     # plain 1F1B's fullest stage is the 5-block one; the DualPipe rank holds 5 + 4 blocks' weights and gradients,
-    # and half of their optimizer states (BF16 moments: 8 of the optimizer's 12 bytes)
+    # and their optimizer states over 2·dp (ZeRO-1; BF16 moments: 8 of the optimizer's 12 bytes)
     assert cand.memory_gb["params"] == pytest.approx(9 / 5 * plain.memory_gb["params"], rel=1e-12)
     assert cand.memory_gb["grads"] == pytest.approx(9 / 5 * plain.memory_gb["grads"], rel=1e-12)
     assert cand.memory_gb["optimizer"] == pytest.approx(0.5 * 9 / 5 * plain.memory_gb["optimizer"] * 8 / 12,

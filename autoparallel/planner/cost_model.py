@@ -330,6 +330,15 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     dense_psi = largest_stage_params(n_first, n_last, n_mid, layer_dense, edge_first, edge_last)
     expert_psi = n_max * layer_expert
     d_e = np.maximum(dp // np.maximum(ep, 1), 1)
+    # DualPipe: rank r holds stages r and PP-1-r (planner/dualpipe.py), so every stage lives on 2·dp ranks: a rank's
+    # gradients, ZeRO shards and optimizer step cover its two stages, reduced over its dp group and then with its
+    # partner (deepseek-ai/DualPipe example_dualpipe.py sums the two copies' gradients); ZeRO shards over 2·dp
+    pairs = pair_layout(model, seq_len, pp, split) if dual.any() else (np.zeros(n), np.zeros(n))
+    dense_psi = np.where(dual, np.maximum(pairs[0] * layer_dense + edge_first + edge_last, pairs[1] * layer_dense),
+                         dense_psi)
+    expert_psi = np.where(dual, np.maximum(pairs[0], pairs[1]) * layer_expert, expert_psi)
+    replicas = np.where(dual, 2, 1)                  # copies of a stage per data-parallel replica
+    partner_stride = np.maximum(world // 2, 1)       # the partner priced half the world away (r vs PP-1-r)
 
     # ---- data parallelism and ZeRO: streams on links -----------------------------------------------
     gb, pb = o.grad_bytes, o.param_bytes
@@ -349,18 +358,27 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
         return a + r
 
     f = model.trainable_fraction                     # frozen parameters: no gradient, no ZeRO-1/2 re-gather
-    sync = grad_stream(f * dense_psi, dp, tp, sync_calls) + grad_stream(f * expert_psi, d_e, tp_ep, sync_calls)
-    rs_each_mb = grad_stream(f * dense_psi, dp, tp, mb_calls) + grad_stream(f * expert_psi, d_e, tp_ep, mb_calls)
+    def dp_grads(calls):
+        """The gradient reduction over the data-parallel group, then (DualPipe) of its 1/dp part with the partner."""
+        return (grad_stream(f * dense_psi, dp, tp, calls) + grad_stream(f * expert_psi, d_e, tp_ep, calls)
+                + grad_stream(f * dense_psi / dp, replicas, partner_stride, calls)
+                + grad_stream(f * expert_psi / d_e, replicas, partner_stride, calls))
+
+    def dp_gather(psi, group, stride, calls, where):
+        """All-gather of a ZeRO-sharded ``psi``: from the partner (DualPipe, shards of psi/(2·group)), then over the
+        data-parallel group."""
+        return (Stream.of(cluster, "all_gather", pb * psi / (replicas * group), replicas, partner_stride,
+                          calls=calls, where=where & (replicas > 1), cache=cache)
+                + Stream.of(cluster, "all_gather", pb * psi / group, group, stride, calls=calls,
+                            where=where & (group > 1), cache=cache))
+
+    sync = dp_grads(sync_calls)
+    rs_each_mb = dp_grads(mb_calls)
     z12 = (zero >= 1) & (zero <= 2)
-    param_gather = (Stream.of(cluster, "all_gather", pb * f * dense_psi / dp, dp, tp, where=(dp > 1) & z12,
-                              cache=cache)
-                    + Stream.of(cluster, "all_gather", pb * f * expert_psi / d_e, d_e, tp_ep, where=(d_e > 1) & z12,
-                                cache=cache))
+    param_gather = dp_gather(f * dense_psi, dp, tp, 1.0, z12) + dp_gather(f * expert_psi, d_e, tp_ep, 1.0, z12)
     z3 = zero >= 3
-    layer_gather = (Stream.of(cluster, "all_gather", pb * layer_dense / dp, dp, tp, calls=m * n_max,
-                              where=(dp > 1) & z3, cache=cache)
-                    + Stream.of(cluster, "all_gather", pb * layer_expert / d_e, d_e, tp_ep, calls=m * n_max,
-                                where=(d_e > 1) & z3, cache=cache))
+    layer_gather = (dp_gather(layer_dense, dp, tp, m * n_max, z3)
+                    + dp_gather(layer_expert, d_e, tp_ep, m * n_max, z3))
     z3_bwd = layer_gather.scaled(1 + (rc == FULL))                  # backward re-gathers (and recompute's)
 
     def stage_overlap(n_k, head_k):
@@ -384,7 +402,6 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     # the step follows the stage whose compute plus exposed communication is largest (first, last, middle; a stage
     # that does not exist -- no last one without a pipeline, no middle one below three stages -- never does).
     # DualPipe: the rows are devices, rank 0 (stages 0 and p-1) and the fullest other rank (planner/dualpipe.py)
-    pairs = pair_layout(model, seq_len, pp, split) if dual.any() else (np.zeros(n), np.zeros(n))
     blocks, heads, live = dualpipe.device_blocks(*pairs, pp, dual, n_first, n_last, n_mid)
     rows = tuple(zip(blocks, heads, (n_k * T_L + h_k * H for n_k, h_k in zip(blocks, heads)), live))
     exposed = [stage_overlap(n_k, head_k) for n_k, head_k, _, _ in rows]
@@ -403,7 +420,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     pp_stream = Stream.of(cluster, "send_recv", p2p_msg, pp_peers, tp_dp, calls=pp_calls, cache=cache)
 
     # ---- optimizer -------------------------------------------------------------------------------------
-    shard = f * (dense_psi / np.where(zero >= 1, dp, 1) + expert_psi / np.where(zero >= 1, d_e, 1))
+    shard = f * (dense_psi / np.where(zero >= 1, replicas * dp, 1) + expert_psi / np.where(zero >= 1, replicas * d_e, 1))
     pcie = topology_of(cluster).pcie_bandwidth_Bps
     off_s, pcie_busy = offload_seconds(shard, o, pcie)
     optimizer = np.where(off > 0, off_s, optimizer_traffic_bytes(shard, o) / W)

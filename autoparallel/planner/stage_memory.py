@@ -18,9 +18,9 @@ from autoparallel.planner.stages import pair_ranks, stage_layout
 
 # DualPipe (DeepSeek-AI 2024, arXiv:2412.19437 §3.2.1: "DualPipe requires keeping two copies of the model
 # parameters"; deepseek-ai/DualPipe example_dualpipe.py: rank r holds stages r and PP-1-r, each with its own weights
-# and .grad) holds every stage on two ranks. Its optimizer states are not stated: each stage's are counted once over
-# the two ranks that hold it, half of each of a rank's two stages.
-DUALPIPE_OPTIMIZER_SHARE = 0.5
+# and .grad, the two copies' gradients summed after the step) holds every stage on 2·dp ranks: its data-parallel
+# group (gradient sums, ZeRO shards) is twice as wide, each rank's share being its two stages.
+DUALPIPE_REPLICAS = 2
 
 
 def stage_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last, scale=1.0,
@@ -58,10 +58,10 @@ def pair_rows(model, s, b, tp, sp, pp, held, in_flight, valid, edge_first, edge_
     return rows
 
 
-def state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors, trainable=1.0, optimizer_share=1.0):
+def state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors, trainable=1.0):
     """Weights, gradient buffers and optimizer states on one device holding ``dense`` and ``expert`` Ψ (dict);
-    gradients and optimizer states only for the ``trainable`` share of them (frozen parameters have none); the
-    optimizer states of ``optimizer_share`` of them (DualPipe: 1/2, see ``DUALPIPE_OPTIMIZER_SHARE``)."""
+    gradients and optimizer states only for the ``trainable`` share of them (frozen parameters have none); ZeRO
+    shards over ``dp`` (dense) and ``d_e`` (routed experts) ranks."""
     per_mb = bool(o.zero_grad_per_micro_batch)
     params = mem.weight_bytes(dense, zero, dp, o.param_bytes) + mem.weight_bytes(expert, zero, d_e, o.param_bytes)
     dense, expert = dense * trainable, expert * trainable      # per-tensor states (beta powers): every tensor
@@ -73,7 +73,7 @@ def state_bytes(o, dense, expert, zero, dp, d_e, m, off, tensors, trainable=1.0,
         grads = grads + mem.master_grad_bytes(dense, zero, dp)
         opt = opt + mem.master_copy_bytes(dense, zero, dp, off)
     return {"params": params, "grads": grads,
-            "optimizer": optimizer_share * opt + mem.per_tensor_state_bytes(tensors, off, o.optimizer_tensor_bytes)}
+            "optimizer": opt + mem.per_tensor_state_bytes(tensors, off, o.optimizer_tensor_bytes)}
 
 
 def activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra):
@@ -88,14 +88,14 @@ def activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra):
 def device_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last, pairs, dual,
                 scale=1.0, head_extra=0.0):
     """Every device the memory compares, as (blocks held, edge Ψ, micro-batches in flight per block, extra
-    activation bytes, optimizer share, live): 1F1B's first, last and middle stage (live without DualPipe), then
+    activation bytes, data-parallel replicas per stage copy, live): 1F1B's first, last and middle stage (live without DualPipe), then
     DualPipe's ranks (``pair_rows`` of ``pairs`` = ``stages.pair_ranks``, live with it)."""
     rows = [(layers, edge, flight, extra, 1.0, ~dual) for layers, edge, flight, extra in
             stage_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last, scale,
                        head_extra)]
     for held, edge, flight, extra, valid in pair_rows(model, s, b, tp, sp, pp, *pairs, edge_first, edge_last, scale,
                                                       head_extra):
-        rows.append((held, edge, flight / np.maximum(held, 1.0), extra, DUALPIPE_OPTIMIZER_SHARE, valid & dual))
+        rows.append((held, edge, flight / np.maximum(held, 1.0), extra, DUALPIPE_REPLICAS, valid & dual))
     return rows
 
 
@@ -122,19 +122,19 @@ def stage_memory(model, o, dev, g, m, s, b, n_first, n_last, n_mid, layer_dense,
     pairs = dual_pairs(model, s, pp, g["split"], dual)
     f = model.trainable_fraction
     stages, totals, pair_host = [], [], np.zeros(n)
-    for layers, edge, inflight, extra, share, live in device_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last,
+    for layers, edge, inflight, extra, rep, live in device_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last,
                                                                    n_mid, edge_first, edge_last, pairs, dual,
                                                                    o.activation_scale, head_extra):
-        st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, zero, dp, d_e, m, off, tensors, f,
-                         share)
+        st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, zero, rep * dp, rep * d_e, m, off,
+                         tensors, f)
         st["activations"] = activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra)
         st["zero3_buffer"] = z3buf
         stages.append({key: np.broadcast_to(value, (n,)) for key, value in st.items()})
         totals.append(np.where(live, sum(st.values()), -np.inf))
-        if share != 1.0:
-            row_host = share * (mem.host_optimizer_bytes(f * (layers * layer_dense + edge), zero, dp, off,
-                                                         o.optimizer_bytes)
-                                + mem.host_optimizer_bytes(f * layers * layer_expert, zero, d_e, off, o.optimizer_bytes))
+        if rep != 1:
+            row_host = (mem.host_optimizer_bytes(f * (layers * layer_dense + edge), zero, rep * dp, off,
+                                                 o.optimizer_bytes)
+                        + mem.host_optimizer_bytes(f * layers * layer_expert, zero, rep * d_e, off, o.optimizer_bytes))
             pair_host = np.maximum(pair_host, np.where(live, row_host, 0.0))
     pick = np.argmax(np.stack(totals), axis=0)
     cols = np.arange(n)
@@ -169,12 +169,12 @@ def memory_floors(model, cluster, global_batch, seq_len, grid, options, sp_rc, z
     held, acts = [], []                             # per device: (len(zero_off), n) and (len(sp_rc), n)
     by_sp = {sp: device_rows(model, s, b, tp, np.full(n, sp), pp, v, m, n_first, n_last, n_mid, edge_first,
                              edge_last, pairs, dual, o.activation_scale) for sp in {sp for sp, _ in sp_rc}}
-    for i, (layers, edge, inflight, _, share, live) in enumerate(next(iter(by_sp.values()))):
+    for i, (layers, edge, inflight, _, rep, live) in enumerate(next(iter(by_sp.values()))):
         rows = []
         for zero, off in zero_off:
             z, f = np.full(n, zero), np.full(n, off)
-            st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, z, dp, d_e, m, f, tensors,
-                             model.trainable_fraction, share)
+            st = state_bytes(o, layers * layer_dense + edge, layers * layer_expert, z, rep * dp, rep * d_e, m, f,
+                             tensors, model.trainable_fraction)
             rows.append(np.where(live, sum(st.values()) + mem.zero3_gather_buffer_bytes(
                 layer_dense + layer_expert, z, o.param_bytes), 0.0))
         held.append(np.stack(rows))

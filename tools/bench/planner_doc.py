@@ -107,7 +107,8 @@ compute, which MTP exposed: the last stage had most compute while the 5-block mi
 all-to-all; the dense runs did not move) -> 1.053 (fp8 per GEMM class). Nothing was fitted; what was left unmodelled
 then was large on this run: DualPipe's time (then priced as 1F1B with the all-to-all overlapped; now priced from
 Table 2 with rank r running stages r and PP−1−r, "DualPipe" below: 1.034 -> 1.402; then the 20 SMs the
-communication kernels hold, "Communication's SMs" below: 1.402 -> 1.286), the pipeline split (assumed 2
+communication kernels hold, "Communication's SMs" below: 1.402 -> 1.286; then a rank's gradient sums and
+optimizer step covering both its stages, "DualPipe" below: 1.286 -> 1.271), the pipeline split (assumed 2
 blocks at each end: under 1F1B the last stage, 2 blocks plus two bf16 output-head passes and the MTP block, set the
 pace; with the balanced split the ratio would have been 1.22, without MTP 1.28), fp8's fine-grained scaling and FP32
 promotion of partial sums (§3.3.2; fp8 GEMMs run at the bf16 runs' efficiency here), dense and MoE blocks averaged
@@ -585,6 +586,13 @@ priced in planner/dualpipe.py and the cost model:
   with a 4-block one, 4.5 blocks per micro-batch), where 1F1B was paced by the last stage (2 blocks, two bf16
   output-head passes and the MTP block). The bubble is the slowest device's.
 - Memory: per rank, stages r and PP−1−r with PP − r and r + 1 micro-batches in flight ("Memory").
+- Data parallelism: every stage lives on 2·dp ranks (dp replicas of its two copies), so a rank's gradients, ZeRO
+  shards and optimizer step cover its two stages: the gradients are summed over the dp group and then, their 1/dp
+  part, with the partner rank (deepseek-ai/DualPipe example_dualpipe.py sums the two copies' gradients after the step;
+  the partner priced half the world away), ZeRO gathers likewise, and ZeRO shards over 2·dp (memory the same way).
+  DeepSeek-V3: data-parallel time 0.48 -> 0.67 s, step 15.48 -> 15.67 s, ratio 1.286 -> 1.271; no other run moved.
+  The search's best plan that fits for that job is then an interleaved 1F1B one (dp 256, tp 2, pp 4, vpp 4:
+  15.54 s), faster than the published one by the model.
 - Pipeline sends are priced as 1F1B's; the steady state's overlapped all-to-all is budgeted as for 1F1B (forward
   traffic against forward compute, backward against backward), although DualPipe overlaps a forward chunk's
   all-to-all with another micro-batch's backward.
