@@ -32,7 +32,7 @@ from functools import lru_cache
 import numpy as np
 
 from autoparallel.core.cost import collective_seconds
-from autoparallel.planner import dualpipe, eager_cost
+from autoparallel.planner import dualpipe, eager_cost, fp8
 from autoparallel.planner import memory as mem
 from autoparallel.planner.links import Stream, exposed_overlap
 from autoparallel.planner.memory import FULL, SELECTIVE
@@ -237,9 +237,11 @@ def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
 
 def _block_seconds(model, o, cluster, s, b, tp, sp, rc, ep, cache):
     """One block of ``model`` for one micro-batch: (t_fwd, t_rc, t_logits, TP stream, expert all-to-all stream,
-    T_L = 3·t_fwd + t_rc + TP collectives (+ the all-to-all unless overlapped), F_L its forward: t_fwd + the forward's
-    collectives, W_L its weight gradients: ``weight_grad_seconds``)."""
+    T_L = 3·t_fwd + t_rc + FP8 quantization + TP collectives (+ the all-to-all unless overlapped), F_L its forward:
+    t_fwd + the forward's quantization and collectives, W_L its weight gradients: ``weight_grad_seconds``, t_q the
+    FP8 quantization passes, forward and backward: planner/fp8.py)."""
     t_fwd, t_rc, t_logits = _time_per_layer(model, o, cluster.device, s, b, tp, sp, rc)
+    q_fwd, q_bwd = fp8.quantization_seconds(model, o, cluster.device, s, b, tp, sp)
     msg = o.activation_scale * 2.0 * b * s * model.hidden            # one block boundary activation
     ar = Stream.of(cluster, "all_reduce", msg, tp, 1, cache=cache)
     sp_pair = (Stream.of(cluster, "all_gather", msg / tp, tp, 1, cache=cache)
@@ -250,11 +252,11 @@ def _block_seconds(model, o, cluster, s, b, tp, sp, rc, ep, cache):
     a2a_calls = model.moe_fraction * (4 + 2 * (rc == FULL))
     a2a_layer = routed_all_to_all(cluster, model, a2a_bytes, ep, tp, a2a_calls, cache)
     a2a_exposed = 0.0 if o.moe_a2a_overlap else a2a_layer.seconds
-    T_L = 3.0 * t_fwd + t_rc + tp_layer.seconds + a2a_exposed
+    T_L = 3.0 * t_fwd + q_fwd + q_bwd + t_rc + tp_layer.seconds + a2a_exposed
     forward = np.where((sp == 0) & bool(model.parallel_block), 1, 2)        # the forward's share of the calls
-    F_L = t_fwd + tp_layer.seconds * forward / tp_calls + a2a_exposed * 2.0 / (4.0 + 2.0 * (rc == FULL))
+    F_L = t_fwd + q_fwd + tp_layer.seconds * forward / tp_calls + a2a_exposed * 2.0 / (4.0 + 2.0 * (rc == FULL))
     W_L = weight_grad_seconds(model, o, cluster.device, s, b, tp, sp)
-    return t_fwd, t_rc, t_logits, tp_layer, a2a_layer, T_L, F_L, W_L
+    return t_fwd, t_rc, t_logits, tp_layer, a2a_layer, T_L, F_L, W_L, q_fwd + q_bwd
 
 
 def mtp_seconds(model, o, cluster, s, b, tp, sp, rc, ep, t_logits, cache):
@@ -267,8 +269,8 @@ def mtp_seconds(model, o, cluster, s, b, tp, sp, rc, ep, t_logits, cache):
     and no streams without multi-token prediction."""
     if not model.mtp_depth:
         return 0.0, 0.0, 0.0, 0.0, ()
-    t_fwd, t_rc, _, tp_m, a2a_m, T_m, _, W_m = _block_seconds(model.mtp_block(), o, cluster, s, b, tp, sp, rc, ep,
-                                                              cache)
+    t_fwd, t_rc, _, tp_m, a2a_m, T_m, _, W_m, _ = _block_seconds(model.mtp_block(), o, cluster, s, b, tp, sp, rc,
+                                                                 ep, cache)
     dev = cluster.device
     proj = roofline_seconds(2.0 * b * s * model.mtp_projection_params / tp, 0.0, dev.flops(o.compute_dtype),
                             o.gemm_efficiency, dev.memory_bandwidth_Bps)
@@ -309,7 +311,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     tp_ep, tp_dp, pp_peers = tp * ep, tp * dp, np.where(pp > 1, 2, 1)
 
     # ---- one block, one micro-batch ------------------------------------------------------------------
-    t_fwd, t_rc, t_logits, tp_layer, a2a_layer, T_L, F_L, W_L = _block_seconds(model, o, cluster, s, b, tp, sp, rc,
+    t_fwd, t_rc, t_logits, tp_layer, a2a_layer, T_L, F_L, W_L, t_q = _block_seconds(model, o, cluster, s, b, tp, sp, rc,
                                                                                ep, cache)
     msg = o.activation_scale * 2.0 * b * s * model.hidden            # one block boundary activation
     a2a_hidden = bool(o.moe_a2a_overlap)
@@ -428,7 +430,7 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
 
     tp_step = m * n_b * tp_layer.seconds
     a2a_step = np.zeros(n) if a2a_hidden else m * n_b * a2a_layer.seconds
-    compute = m * (n_b * 3.0 * t_fwd + head_b * H)
+    compute = m * (n_b * (3.0 * t_fwd + t_q) + head_b * H)
     recompute = m * n_b * t_rc
     zero3_s = np.zeros(n)
     overhead = np.zeros(n)

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, replace
 #   bf16: bf16 weight 2 + bf16 grad 2 + fp32 master, Adam m and v 12 = 16 (mixed-precision Adam)
 #   fp32: fp32 weight 4 + fp32 grad 4 + Adam m and v 8            = 16
 #   fp8: linear layers' matmuls at the fp8 peak, the attention core, output head and router at the bf16 peak
-#        (CORE_DTYPES), weights/activations/states stored as bf16 (planner-only: the runtime has no fp8)
+#        (CORE_DTYPES), plus the quantization passes (planner/fp8.py), weights/activations/states stored as bf16
+#        (planner-only: the runtime has no fp8)
 PRECISIONS = {"bf16": (2, 2, 12, "bfloat16"), "fp32": (4, 4, 8, "float32"), "fp8": (2, 2, 12, "float8")}
 PLANNER_ONLY_PRECISIONS = ("fp8",)
 # GEMMs outside the linear layers keep 16-bit under fp8 training (DeepSeek-AI 2024, arXiv:2412.19437 §3.3.1: the

@@ -108,7 +108,8 @@ all-to-all; the dense runs did not move) -> 1.053 (fp8 per GEMM class). Nothing 
 then was large on this run: DualPipe's time (then priced as 1F1B with the all-to-all overlapped; now priced from
 Table 2 with rank r running stages r and PP−1−r, "DualPipe" below: 1.034 -> 1.402; then the 20 SMs the
 communication kernels hold, "Communication's SMs" below: 1.402 -> 1.286; then a rank's gradient sums and
-optimizer step covering both its stages, "DualPipe" below: 1.286 -> 1.271), the pipeline split (assumed 2
+optimizer step covering both its stages, "DualPipe" below: 1.286 -> 1.271; then FP8's quantization passes, "FP8's
+quantization passes" below: 1.271 -> 1.237), the pipeline split (assumed 2
 blocks at each end: under 1F1B the last stage, 2 blocks plus two bf16 output-head passes and the MTP block, set the
 pace; with the balanced split the ratio would have been 1.22, without MTP 1.28), fp8's fine-grained scaling and FP32
 promotion of partial sums (§3.3.2; fp8 GEMMs run at the bf16 runs' efficiency here), dense and MoE blocks averaged
@@ -592,7 +593,7 @@ priced in planner/dualpipe.py and the cost model:
   the partner priced half the world away), ZeRO gathers likewise, and ZeRO shards over 2·dp (memory the same way).
   DeepSeek-V3: data-parallel time 0.48 -> 0.67 s, step 15.48 -> 15.67 s, ratio 1.286 -> 1.271; no other run moved.
   The search's best plan that fits for that job is then an interleaved 1F1B one (dp 256, tp 2, pp 4, vpp 4:
-  15.54 s), faster than the published one by the model.
+  15.54 s; 15.85 s with FP8's quantization passes below), faster than the published one by the model.
 - Pipeline sends are priced as 1F1B's; the steady state's overlapped all-to-all is budgeted as for 1F1B (forward
   traffic against forward compute, backward against backward), although DualPipe overlaps a forward chunk's
   all-to-all with another micro-batch's backward.
@@ -624,6 +625,22 @@ figure), and MFU keeps the whole device's peak as its denominator. The DeepSeek-
 14.20 s -> 15.48 s and its ratio 1.402 -> 1.286 (no other row sets it, so no other moved). Nothing was fitted; the
 remaining 29% has no sourced mechanism here (fp8's fine-grained scaling and FP32 promotion, §3.3.2, is the likely one;
 the report gives no GEMM rate).
+
+### FP8's quantization passes
+
+Fine-grained FP8 (arXiv:2412.19437 §3.3.2: activations scaled per 1x128 tile, online) costs element-wise passes
+that §3.5.2 describes as they run on the H800: "we have to read 128 BF16 activation values (the output of the previous
+computation) from HBM for quantization, and the quantized FP8 values are then written back to HBM, only to be read
+again for MMA", and in the backward "the matrix needs to be read out, dequantized, transposed, re-quantized into
+128x1 tiles, and stored in HBM". planner/fp8.py prices them at the device's memory bandwidth, per FP8 GEMM and
+token: its input quantized online in the forward (2 + 1 B per element) and re-quantized transposed in the backward
+(1 + 1 B), its output gradient quantized online in the backward (2 + 1 B). An input several GEMMs share is quantized
+once (the normed hidden state for q, k, v or MLA's down-projections; a MoE block's input and output gradient once,
+around the dispatch, §3.3.3); column-parallel inputs and row-parallel outputs are whole on every TP rank (split by
+SP), the others split by TP. Not counted: a transposed copy of the output gradient (not stated), the per-tile scaling
+factors, the weights' block quantization (once per step). DeepSeek-V3, per token and block: 51,200 input and 110,656
+output-gradient elements, 0.59 MB; the step 15.67 s -> 16.09 s (compute 13.25 -> 13.64 s), ratio 1.271 -> 1.237.
+Only fp8 runs pay it; no other row moved.
 
 ### Not modelled (known limits)
 
