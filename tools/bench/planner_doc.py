@@ -623,8 +623,11 @@ NCCL's collectives are priced as costing no compute) scales every matmul peak by
 (`cost_model.compute_share`); memory bandwidth is left whole (fewer SMs still reach it, and the source gives no
 figure), and MFU keeps the whole device's peak as its denominator. The DeepSeek-V3 row states 20/132: its step goes
 14.20 s -> 15.48 s and its ratio 1.402 -> 1.286 (no other row sets it, so no other moved). Nothing was fitted; the
-remaining 29% has no sourced mechanism here (fp8's fine-grained scaling and FP32 promotion, §3.3.2, is the likely one;
-the report gives no GEMM rate).
+24% that remains after this, the DualPipe gradient sums and FP8's quantization passes below has no sourced mechanism
+here: the FP8 GEMMs' own rate under fine-grained scaling and FP32 promotion (§3.3.2, §3.5.2 "Support for Tile- and
+Block-Wise Quantization": the dequantization runs on CUDA cores, "with significant data movement between Tensor Cores
+and CUDA cores") is the likely one, and the report gives no GEMM rate; this run's GEMMs are priced at the bf16 runs'
+efficiency of the FP8 peak.
 
 ### FP8's quantization passes
 
