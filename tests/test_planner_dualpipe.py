@@ -75,6 +75,22 @@ def test_rank_r_holds_stages_r_and_pp_minus_1_minus_r():
     assert list(live[1]) == [False, True]                        # DualPipe: no separate last-stage device
 
 
+def test_only_ranks_that_can_be_the_fullest_are_priced():
+    """``frontier`` keeps rank 0 (it holds the embedding and the head) and the ranks no other rank dominates in
+    blocks held and in flight; for any non-negative costs per block held and per block in flight, the fullest rank
+    of the frontier is the fullest of all."""
+    from autoparallel.planner.stages import frontier
+    loads = D.rank_loads((2, 4, 5) + (4,) * 12 + (2,))
+    # rank 1: 4 + 4 held, 4·15 + 4·2 = 68; rank 2: 5 + 4, 5·14 + 4·3 = 82; ranks 3-7 as rank 1
+    assert loads[:3] == ((4, 34), (8, 68), (9, 82)) and set(loads[3:]) == {(8, 68)}
+    assert frontier(loads) == ((4, 34), (9, 82))
+    rng = np.random.default_rng(0)
+    for counts in [tuple(rng.integers(1, 9, size=p)) for p in (4, 6, 8, 16) for _ in range(20)]:
+        every, kept = D.rank_loads(counts)[1:], frontier(D.rank_loads(counts))[1:]
+        for a, c in rng.random((10, 2)):
+            assert max(a * x + c * y for x, y in kept) == max(a * x + c * y for x, y in every)
+
+
 def _block_parts():
     s, b, one, zero = 32.0, 1.0, np.array([1]), np.array([0])
     t_fwd, _, t_logits = (x[0] for x in _time_per_layer(TINY, OPTS, H100, s, b, one, zero, zero))

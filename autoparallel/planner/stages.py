@@ -132,20 +132,29 @@ def pair_layout(model, seq_len, pp, split):
     return table[:, 0], table[:, 1]
 
 
+def frontier(loads) -> tuple:
+    """Rank 0's load (it holds the embedding and the head besides its blocks) and the other ranks' loads that no
+    other rank's dominates (as many blocks held or more and as many in flight or more): a rank's memory grows with
+    both, so only these can be the fullest."""
+    rest = sorted(set(loads[1:]), reverse=True)
+    kept = [load for load in rest if not any(o != load and o[0] >= load[0] and o[1] >= load[1] for o in rest)]
+    return (loads[0],) + tuple(kept)
+
+
 def pair_ranks(model, seq_len, pp, split):
     """DualPipe's per-rank loads (planner/dualpipe.py ``rank_loads``) of every candidate, as (held, in_flight,
-    valid) arrays of shape (R, n), R the largest PP/2: row r is rank r's blocks held and block-micro-batches in
-    flight, ``valid`` False past a candidate's PP/2 (and everywhere for PP < 2); each distinct (pp, split) is split
-    once."""
+    valid) arrays of shape (R, n): row 0 is rank 0's blocks held and block-micro-batches in flight, the next rows
+    the other ranks that can be the fullest (``frontier``), ``valid`` False past a candidate's rows (and everywhere
+    for PP < 2); each distinct (pp, split) is split once."""
     head_eq = head_equivalent(model, seq_len)
     pp = np.asarray(pp, dtype=np.int64).reshape(-1)
     keys = pp * 8 + np.asarray(split, dtype=np.int64).reshape(-1)
     uniq, inverse = np.unique(keys, return_inverse=True)
-    ranks = max(int(k // 8) // 2 for k in uniq) if len(uniq) else 0
-    table = np.zeros((len(uniq), max(ranks, 1), 3))
-    for i, k in enumerate(uniq):
-        if k // 8 >= 2:
-            loads = rank_loads(split_layers(model.layers, int(k // 8), SPLITS[int(k % 8)], head_eq))
-            table[i, :len(loads)] = [(held, flight, 1.0) for held, flight in loads]
+    loads = [frontier(rank_loads(split_layers(model.layers, int(k // 8), SPLITS[int(k % 8)], head_eq)))
+             if k // 8 >= 2 else () for k in uniq]
+    table = np.zeros((len(uniq), max((len(x) for x in loads), default=1) or 1, 3))
+    for i, rows in enumerate(loads):
+        if rows:
+            table[i, :len(rows)] = [(held, flight, 1.0) for held, flight in rows]
     rows = table[inverse].transpose(1, 2, 0)                 # (R, 3, n)
     return rows[:, 0], rows[:, 1], rows[:, 2] > 0

@@ -124,6 +124,8 @@ def main(argv=None) -> int:
     plan("llama2-70b", "128x8:A100-80GB", global_batch_size=1536, seq_len=4096)          # warm imports
     headline_s, headline = timed_plan(args.repeat, "llama2-70b", "128x8:A100-80GB", global_batch_size=1536,
                                       seq_len=4096)
+    dual_s, dual = timed_plan(args.repeat, "llama2-70b", "128x8:A100-80GB", global_batch_size=1536, seq_len=4096,
+                              dualpipe=[0, 1])
     cli_s, cli_out = cli_seconds()
     headline_valid = valid_count("llama2-70b", "128x8:A100-80GB", 1536, 4096)
     print(f"llama2-70b on 1024 A100-80GB: {headline.evaluated} configurations, plan() {headline_s:.3f} s "
@@ -176,6 +178,7 @@ none/selective/full, micro-batch size and offload (and the expert-parallel degre
 | what | valid configurations | priced | seconds |
 |---|---|---|---|
 | `ap.plan(...)` in-process, median of {args.repeat} | {headline_valid} | {headline.evaluated} | {headline_s:.3f} |
+| `ap.plan(..., dualpipe=[0, 1])` in-process, DualPipe in the space too, median of {args.repeat} | | {dual.evaluated} | {dual_s:.3f} |
 | `{' '.join(CLI)}` (whole process: interpreter, imports, search, explanation) | {headline_valid} | {headline.evaluated} | {cli_s:.2f} |
 
 Best configuration: {describe_best(headline)}.
