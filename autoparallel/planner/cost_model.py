@@ -422,7 +422,8 @@ def evaluate(model, cluster, global_batch, seq_len, grid, options):
     pp_stream = Stream.of(cluster, "send_recv", p2p_msg, pp_peers, tp_dp, calls=pp_calls, cache=cache)
 
     # ---- optimizer -------------------------------------------------------------------------------------
-    shard = f * (dense_psi / np.where(zero >= 1, replicas * dp, 1) + expert_psi / np.where(zero >= 1, replicas * d_e, 1))
+    shard = f * (dense_psi / np.where(zero >= 1, replicas * dp, 1)
+                 + expert_psi / np.where(zero >= 1, replicas * d_e, 1))
     pcie = topology_of(cluster).pcie_bandwidth_Bps
     off_s, pcie_busy = offload_seconds(shard, o, pcie)
     optimizer = np.where(off > 0, off_s, optimizer_traffic_bytes(shard, o) / W)

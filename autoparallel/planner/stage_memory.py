@@ -4,7 +4,8 @@ A stage holds its weights, gradient buffers and optimizer states (which depend o
 offload only) plus its activations (which depend on sp and recompute only): ``state_bytes`` and
 ``activation_bytes`` are those two halves, written once and used by ``stage_memory`` (the cost model's
 memory terms) and ``memory_floors`` (the search's pruning bounds) alike. The stage that needs most is
-the first (p micro-batches in flight), the last (the fp32 logits) or the fullest middle stage.
+the first (p micro-batches in flight), the last (the fp32 logits) or the fullest middle stage; under DualPipe a
+device holds two stages (r and p-1-r) and the device that needs most is the fullest such pair (``device_rows``).
 """
 from __future__ import annotations
 
@@ -88,8 +89,9 @@ def activation_bytes(model, o, s, b, tp, sp, rc, layers, inflight, extra):
 def device_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last, pairs, dual,
                 scale=1.0, head_extra=0.0):
     """Every device the memory compares, as (blocks held, edge Ψ, micro-batches in flight per block, extra
-    activation bytes, data-parallel replicas per stage copy, live): 1F1B's first, last and middle stage (live without DualPipe), then
-    DualPipe's ranks (``pair_rows`` of ``pairs`` = ``stages.pair_ranks``, live with it)."""
+    activation bytes, copies of a stage per data-parallel replica, live): 1F1B's first, last and middle stage
+    (live without DualPipe), then DualPipe's ranks (``pair_rows`` of ``pairs`` = ``stages.pair_ranks``, live with
+    it)."""
     rows = [(layers, edge, flight, extra, 1.0, ~dual) for layers, edge, flight, extra in
             stage_rows(model, s, b, tp, sp, pp, v, m, n_first, n_last, n_mid, edge_first, edge_last, scale,
                        head_extra)]
