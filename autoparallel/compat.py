@@ -6,7 +6,8 @@ Private names used here (paddle 3.3): ``paddle.base.framework.global_var._dygrap
 ``paddle._C_ops`` / ``paddle._pir_ops`` / ``paddle._legacy_C_ops`` (the C op namespaces paddle's generated
 functions call through), ``paddle.base.core`` (``eager.Tensor`` without storage, ``TCPStore``) and
 ``paddle.distributed.collective._default_store`` (the job's TCPStore),
-``paddle.distributed.fleet.recompute.recompute._recompute_without_reentrant`` (the non-reentrant recompute). Other modules reach them through this
+``paddle.distributed.fleet.recompute.recompute._recompute_without_reentrant`` (the non-reentrant recompute), a
+convolution's ``_data_format`` and ``_in_channels``. Other modules reach them through this
 module's names; a paddle version that moves one of them is handled here.
 """
 from __future__ import annotations
@@ -273,6 +274,12 @@ def gpu_place_for_grad_scaler():
         yield
     finally:
         gs._dygraph_tracer = original
+
+
+def conv_input_layout(conv) -> tuple:
+    """(channels_last, in_channels) of a paddle ``Conv1D``/``Conv2D``/``Conv3D``: paddle keeps the data format and
+    the input channel count only as the private ``_data_format`` and ``_in_channels``."""
+    return conv._data_format in ("NLC", "NHWC", "NDHWC"), int(conv._in_channels)
 
 
 def layer_cast_slot():

@@ -13,6 +13,8 @@ from __future__ import annotations
 import paddle
 from paddle import nn
 
+from autoparallel import compat
+
 
 class _First(Exception):
     def __init__(self, layer):
@@ -34,8 +36,8 @@ def dry_input(model):
         return paddle.zeros([1, int(first.weight.shape[0])], dtype=first.weight.dtype)
     if isinstance(first, (nn.Conv1D, nn.Conv2D, nn.Conv3D)):
         spatial = [SIDE] * (first.weight.ndim - 2)
-        channels_last = first._data_format in ("NLC", "NHWC", "NDHWC")
-        shape = [1, *spatial, first._in_channels] if channels_last else [1, first._in_channels, *spatial]
+        channels_last, channels = compat.conv_input_layout(first)
+        shape = [1, *spatial, channels] if channels_last else [1, channels, *spatial]
         return paddle.zeros(shape, dtype=first.weight.dtype)
     return ids()
 
