@@ -157,6 +157,30 @@ def test_mlp_is_split_from_a_float_dry_run():
     assert set(pieces.head_layers) == {"head.weight", "head.bias"}
 
 
+@pytest.mark.parametrize("conv,expected", [
+    (lambda: nn.Conv2D(3, 8, 3), [1, 3, 32, 32]),
+    (lambda: nn.Conv2D(3, 8, 3, data_format="NHWC"), [1, 32, 32, 3]),
+    (lambda: nn.Conv1D(5, 8, 3, data_format="NLC"), [1, 32, 5]),
+    (lambda: nn.Conv3D(2, 4, 3, groups=2), [1, 2, 32, 32, 32]),
+])
+def test_a_cnn_dry_sample_follows_the_first_convolution(conv, expected):
+    """A CNN's dry sample has the first convolution's input channels, in its data format, SIDE positions per axis."""
+    from autoparallel.parallel.pipeline.dry_input import dry_input
+
+    class CNN(nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv()
+
+        def forward(self, x):
+            return self.conv(x)
+
+    model = CNN()
+    x = dry_input(model)
+    assert list(x.shape) == expected and x.dtype == paddle.float32
+    assert model(x).shape[0] == 1                                   # the sample runs through the layer
+
+
 # ---- several outputs -------------------------------------------------------------------------------------------
 def two_tuple(o, y, w):
     return F.cross_entropy(o[0], y) + 0.5 * F.mse_loss(o[1].squeeze(-1), w)
