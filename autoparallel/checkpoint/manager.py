@@ -32,6 +32,7 @@ import shutil
 import signal
 
 from autoparallel.checkpoint import run_root, runtime_state, shared_dir, sync
+from autoparallel.checkpoint.atomic import new_nonce, temp_dir_for
 from autoparallel.checkpoint.discovery import (complete_checkpoints, is_committed_aside, newest_complete,
                                                step_dir_name)
 from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointError
@@ -130,23 +131,44 @@ class CheckpointManager:
                              f"{newest[-1][0]}): a run's steps only grow, and resume loads the newest")
         path = save_state_dict(state, self.path_for(step), step=step, extra=extra, overwrite=True,
                                runtime=runtime_state.capture(self.optimizer))
-        _, rank, _ = sync.job()
-        if rank == 0:
-            self._prune(keep=path)
-            run_root.write_latest(self.dir)
+        doomed = []
+        try:                                   # rank 0 only, its outcome shared with every rank before any goes on
+            sync.rank_zero_step(f"checkpoint {path} is saved, but updating its run root after it (rank 0 only)",
+                                lambda: self._update_root(doomed))
+        finally:
+            for old in doomed:                 # best effort: what stays is a temporary directory of ours, which the
+                shutil.rmtree(old, ignore_errors=True)      # next save or start removes
         return path
 
-    def _prune(self, keep: str) -> None:
+    def _update_root(self, doomed: list) -> None:
+        """Rank 0 after a commit: point ``latest`` at the newest checkpoint, then prune. ``latest`` first: if it
+        cannot be written, nothing is pruned, so the checkpoint it still names stays loadable."""
+        try:
+            run_root.write_latest(self.dir)
+        except OSError as e:
+            raise type(e)(e.errno, f"writing 'latest' (it still names the previous checkpoint; nothing was "
+                                   f"pruned): {e.strerror or e}", e.filename) from e
+        try:
+            self._prune(doomed)
+        except OSError as e:
+            raise type(e)(e.errno, f"pruning (after 'latest' was updated): {e.strerror or e}", e.filename) from e
+
+    def _prune(self, doomed: list) -> None:
+        """Collect in ``doomed`` the temporary directories a save of ours left and the checkpoints beyond
+        ``keep_last``, each renamed first to a temporary name: one rename takes it out of the complete ones at
+        once, so a failure (or a crash) while removing its files never leaves a half-removed checkpoint that
+        looks complete. The caller removes them once every rank knows the outcome."""
         for name in os.listdir(self.dir):
             path = os.path.join(self.dir, name)
             if is_owned_partial(path):
-                shutil.rmtree(path, ignore_errors=True)
+                doomed.append(path)
         if self.keep_last is None:
             return
         done = complete_checkpoints(self.dir)
         for _, path in done[:max(0, len(done) - self.keep_last)]:
-            if path != keep:
-                shutil.rmtree(path, ignore_errors=True)
+            aside = temp_dir_for(path, new_nonce())
+            os.rename(path, aside)
+            doomed.append(aside)
 
     # ---- resuming -----------------------------------------------------------------------------------
     def latest(self):
@@ -173,10 +195,15 @@ class CheckpointManager:
             problem = e
         run_root.agree(problem)                # a rank that could not load stops every rank, not only itself
         self._resumed = True                   # later saves continue this run
-        _, rank, _ = sync.job()
-        if rank == 0 and os.access(self.dir, os.W_OK) and not is_committed_aside(path):
-            run_root.write_latest(self.dir)    # a crash between a commit and its pointer update
+        sync.rank_zero_step(f"checkpoint {path} is loaded on every rank, but repairing {self.dir}/latest after it "
+                            f"(rank 0 only)", lambda: self._repair_latest(path), CheckpointError)
         return info
+
+    def _repair_latest(self, loaded: str) -> None:
+        """Rank 0 after a restore: ``latest`` names the checkpoint loaded (a crash between a commit and its pointer
+        update); a read-only root, or a checkpoint still aside (the next start puts it back), is left as it is."""
+        if os.access(self.dir, os.W_OK) and not is_committed_aside(loaded):
+            run_root.write_latest(self.dir)
 
     def _previous_hint(self, broken: str) -> str:
         """Resume never falls back on its own (a run would silently lose steps): name the way back."""

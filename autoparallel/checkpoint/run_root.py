@@ -189,35 +189,15 @@ def write_latest(root: str) -> None:
 _ERRORS = {c.__name__: c for c in (CheckpointRootError, CheckpointOwnershipError, CheckpointError,
                                     CheckpointMismatchError, CheckpointCorruptError, FileNotFoundError, ValueError,
                                     TypeError)}
-_MSG_BYTES = 2048
 
 
 def agree(error) -> None:
-    """Raise on every rank if any rank has an ``error`` (its own, or the first rank's, named)."""
+    """Raise on every rank if any rank has an ``error`` (its own, or the first failing rank's, named)."""
     from autoparallel.checkpoint import sync
 
-    multi, rank, world = sync.job()
-    if not multi:
-        if error is not None:
-            raise error
-        return
-    import numpy as np
-    import paddle
-    import paddle.distributed as dist
-
-    text = "" if error is None else f"{type(error).__name__}\0{error}"
-    buf = np.zeros(_MSG_BYTES, dtype=np.uint8)
-    raw = text.encode()[:_MSG_BYTES]
-    buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    from autoparallel import watchdog
-
-    parts = []
-    with watchdog.op("checkpoint root check (all_gather)"):
-        dist.all_gather(parts, paddle.to_tensor(buf))
+    failures = sync.gather_errors(error, "checkpoint root check (all_gather)")
     if error is not None:
         raise error
-    for r, t in enumerate(parts):
-        raw = t.numpy().tobytes().rstrip(b"\0")
-        if raw:
-            name, _, msg = raw.decode(errors="replace").partition("\0")
-            raise _ERRORS.get(name, CheckpointError)(f"(rank {r}) {msg}")
+    if failures:
+        r, name, msg = failures[0]
+        raise _ERRORS.get(name, CheckpointError)(f"(rank {r}) {msg}")

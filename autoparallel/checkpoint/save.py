@@ -292,7 +292,10 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
                 _remove_after_acks(tmp, world_size)
             if isinstance(e, TimeoutError):
                 raise CheckpointSaveError(str(e)) from None
-            raise
+            if isinstance(e, CheckpointSaveError) or not isinstance(e, Exception):
+                raise                           # already says what failed where; a Ctrl-C stays a Ctrl-C
+            raise CheckpointSaveError(f"checkpoint {final}: rank 0 could not commit: {type(e).__name__}: {e}; "
+                                      f"nothing was committed") from e
         return
     metadata = os.path.join(final, METADATA)
     failed = os.path.join(tmp, FAILED)
