@@ -26,3 +26,9 @@ class CheckpointOwnershipError(CheckpointError, FileExistsError):
 class CheckpointRootError(CheckpointError, OSError):
     """A checkpoint root cannot hold checkpoints: it is a file, cannot be created or written, or its
     filesystem lacks the space of one checkpoint. Found before the first training step."""
+
+
+class CheckpointLayoutError(CheckpointError, FileNotFoundError):
+    """A path holds checkpoints in a layout a load cannot take as one checkpoint (per-rank directories, each its
+    own save; checkpoints one level down): the error names what was found and the call that loads it. Nothing
+    was loaded."""
