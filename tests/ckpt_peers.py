@@ -28,7 +28,7 @@ def fake_peer(monkeypatch, answer, rank: int = 0):
 class ThreadRanks:
     """``world_size`` ranks as threads: ``run(fn)`` calls ``fn(rank)`` on each and returns {rank: result or the
     exception it raised}. Inside ``single()`` a thread sees a one-process job (``sync.job()`` -> (False, 0, 1)),
-    to stand for a step its real rank would do alone."""
+    to stand for a step its real rank would do alone; so does every thread ``run`` did not start."""
 
     JOIN_S = 60.0                       # a thread still running then is reported as such, never waited on for good
 
@@ -48,8 +48,8 @@ class ThreadRanks:
         monkeypatch.setattr(dist, "all_gather", self._all_gather)
 
     def _job(self):
-        if getattr(self._local, "single", False):
-            return False, 0, 1
+        if getattr(self._local, "single", False) or getattr(self._local, "rank", None) is None:
+            return False, 0, 1          # single(), or a thread run() did not start (the test's own checks)
         return True, self._local.rank, self.world_size
 
     def single(self):

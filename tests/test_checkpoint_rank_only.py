@@ -220,3 +220,89 @@ def test_the_metadata_write_failing_on_rank_zero_is_typed_on_every_rank_and_keep
     monkeypatch.delenv("AP_CKPT_FAULT")                     # negative control: the same save commits
     assert _save_multi_on_every_rank(final, _state(2), "0123456789ac") == {r: None for r in range(RANKS)}
     assert _loaded(final)["loader"] == {"index": 20}
+
+
+# ---- load_state_dict: a failure on some ranks only ---------------------------------------------------------
+def _load_on_every_rank(monkeypatch, path: str, targets: dict) -> dict:
+    """ap.load_state_dict(targets[r], path) on every rank (threads), the state taken as spread over the ranks."""
+    import autoparallel.checkpoint.load as load_module
+
+    ranks = ThreadRanks(monkeypatch, RANKS)
+    monkeypatch.setattr(load_module, "_every_rank_loads", lambda flat: True)
+    return ranks.run(lambda r: ap.load_state_dict(targets[r], path))
+
+
+def test_a_load_failing_on_rank_one_only_fails_every_rank_with_nothing_loaded(tmp_path, monkeypatch):
+    path = str(tmp_path / "ck")
+    ap.save_state_dict(_state(1), path)
+    targets = {r: {"w": np.zeros((2, 3), dtype=np.float32), "loader": {"index": -1}} for r in range(RANKS)}
+    targets[1]["w"] = np.zeros((3, 2), dtype=np.float32)        # rank 1's own state does not match the checkpoint
+    got = _load_on_every_rank(monkeypatch, path, targets)
+    assert type(got[1]).__name__ == "CheckpointMismatchError" and "'w'" in str(got[1])
+    for r in (0, 2, 3):
+        assert type(got[r]) is CheckpointError, (r, got[r])
+        assert str(got[r]).startswith(f"checkpoint {path}: the load failed on rank 1: CheckpointMismatchError: ")
+        assert str(got[r]).endswith("; nothing was loaded on any rank")
+    for r in range(RANKS):                                      # nothing assigned anywhere
+        assert not targets[r]["w"].any() and targets[r]["loader"] == {"index": -1}
+
+
+def test_a_ctrl_c_in_rank_ones_read_stays_a_ctrl_c_there_and_fails_the_others(tmp_path, monkeypatch):
+    import autoparallel.checkpoint.load as load_module
+
+    path = str(tmp_path / "ck")
+    ap.save_state_dict(_state(1), path)
+    real_fill = load_module._fill
+
+    def fill(*args):
+        if sync.job()[1] == 1:
+            raise KeyboardInterrupt()
+        return real_fill(*args)
+    monkeypatch.setattr(load_module, "_fill", fill)
+    targets = {r: {"w": np.zeros((2, 3), dtype=np.float32), "loader": {"index": -1}} for r in range(RANKS)}
+    got = _load_on_every_rank(monkeypatch, path, targets)
+    assert isinstance(got[1], KeyboardInterrupt)
+    for r in (0, 2, 3):
+        assert str(got[r]) == (f"checkpoint {path}: the load failed on rank 1: KeyboardInterrupt: ; nothing was "
+                               f"loaded on any rank")
+        assert not targets[r]["w"].any()
+    monkeypatch.setattr(load_module, "_fill", real_fill)        # negative control: every rank loads
+    got = _load_on_every_rank(monkeypatch, path, targets)
+    for r in range(RANKS):
+        assert got[r].step is None and targets[r]["loader"] == {"index": 10}
+        np.testing.assert_array_equal(targets[r]["w"], np.full((2, 3), 1.0, dtype=np.float32))
+
+
+def test_a_peer_gone_from_the_loads_exchange_is_a_typed_error(tmp_path, monkeypatch):
+    import autoparallel.checkpoint.load as load_module
+    from ckpt_peers import fake_peer
+
+    path = str(tmp_path / "ck")
+    ap.save_state_dict(_state(1), path)
+
+    def gone(t, call):
+        raise RuntimeError("[gloo] Connection closed by peer")
+    fake_peer(monkeypatch, gone)
+    monkeypatch.setattr(load_module, "_every_rank_loads", lambda flat: True)
+    target = {"w": np.zeros((2, 3), dtype=np.float32), "loader": {"index": -1}}
+    with pytest.raises(CheckpointError, match=r"the ranks did not finish the load together .*: \[gloo\] Connection "
+                                              r"closed by peer"):
+        ap.load_state_dict(target, path)
+    assert not target["w"].any()
+
+
+def test_which_loads_every_rank_makes_together(monkeypatch):
+    import paddle
+
+    import autoparallel.checkpoint.load as load_module
+    from autoparallel.checkpoint.flatten import flatten as flat_of
+
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], ["dp"])
+        spread = {"w": ap.shard_tensor(paddle.zeros([4, 2]), mesh, [ap.Shard(0)])}
+        alone = {"w": ap.shard_tensor(paddle.zeros([4, 2]), ap.ProcessMesh([0], ["dp"]), [ap.Replicate()])}
+        assert load_module._every_rank_loads(flat_of(spread)) is False        # one process: nothing to share
+        monkeypatch.setattr(sync, "job", lambda: (True, 0, 2))
+        assert load_module._every_rank_loads(flat_of(spread)) is True
+        assert load_module._every_rank_loads(flat_of(alone)) is False
+        assert load_module._every_rank_loads(flat_of(_state(1))) is False     # rank 0 alone may load plain state
