@@ -18,7 +18,9 @@ random generators (restored under the same world size), the AMP loss scale and t
 (runtime_state.py), in the metadata's ``runtime``.
 
 Resume loads the highest-step complete directory (discovery.py); ``latest`` is rewritten to name it at
-start-up and after every save (a crash between a commit and the pointer update is repaired then).
+start-up and after every save (a crash between a commit and the pointer update is repaired then). Rank 0
+alone writes ``latest`` and prunes (``latest`` first: a failed pointer write prunes nothing), and every rank
+learns the outcome before going on (sync.rank_zero_step): a failure there is a CheckpointSaveError on every rank.
 
 Preemption: ``install_sigterm_handler()`` turns SIGTERM into a request; the training loop calls
 ``should_stop()`` at a step boundary (all ranks agree through one small all_reduce in a real job) and then

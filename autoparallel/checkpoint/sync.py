@@ -17,6 +17,10 @@ within the heartbeat timeout (at most 2 x while its process still runs a long wr
 naming it and the operation in flight. ``AP_CKPT_TIMEOUT`` (default 3600 s) bounds the polling only as the
 last resort when the watchdog is switched off (``AP_WATCHDOG=off``). The checkpoint directory must be on a
 filesystem every rank sees (a shared filesystem across nodes): step 1 checks it before any write (shared_dir.py).
+
+Steps rank 0 performs alone inside a collective save or restore (``latest``, pruning, the pointer's repair) share
+their outcome through one small all_gather of a status (``rank_zero_step``): they run after the commit, when
+every rank has just left the rendezvous, so nobody waits long in that collective.
 """
 from __future__ import annotations
 
