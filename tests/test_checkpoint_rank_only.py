@@ -304,5 +304,8 @@ def test_which_loads_every_rank_makes_together(monkeypatch):
         assert load_module._every_rank_loads(flat_of(spread)) is False        # one process: nothing to share
         monkeypatch.setattr(sync, "job", lambda: (True, 0, 2))
         assert load_module._every_rank_loads(flat_of(spread)) is True
-        assert load_module._every_rank_loads(flat_of(alone)) is False
+        assert load_module._every_rank_loads(flat_of(dict(spread, b=alone["w"]))) is True
+        assert load_module._every_rank_loads(flat_of(alone)) is False         # a part of the job: no exchange
         assert load_module._every_rank_loads(flat_of(_state(1))) is False     # rank 0 alone may load plain state
+        monkeypatch.setattr(sync, "job", lambda: (True, 0, 4))                 # ranks 0-1 of 4 may load alone
+        assert load_module._every_rank_loads(flat_of(spread)) is False

@@ -3,7 +3,7 @@
 Loading moves no tensor between ranks: each process reads, for every shard it holds in the target layout, the
 parts of the saved shards that overlap it (saved and target layouts, meshes and world sizes are independent).
 Everything is validated and read before any tensor is touched, so a failed load changes nothing. A real job's
-load of a state spread over ranks makes one small status exchange between the reads and the first assignment,
+load of a state spread over every rank makes one small status exchange between the reads and the first assignment,
 so a failure on some ranks only fails every rank's load and leaves every rank's state as it was
 (``_share_load_outcome``).
 """
@@ -113,21 +113,24 @@ def _read(flat: dict, path: str, strict: bool) -> tuple:
 
 
 def _every_rank_loads(flat: dict) -> bool:
-    """A real job's load of a state spread over ranks (a distributed tensor on more than one process, a ZeRO
-    optimizer's chunks, another stage's entries): every rank of the job loads it together, as it saves it, so
-    a failure on some ranks only must reach every rank (_share_load_outcome). A state of plain tensors, values
-    or one-process tensors may be loaded by one rank alone (an evaluation on rank 0) and exchanges nothing."""
+    """A real job's load of a state spread over every rank of the job (distributed tensors whose meshes cover
+    every rank together, a ZeRO optimizer's chunks, another pipeline stage's entries): every rank loads it
+    together, as it saves it, so a failure on some ranks only must reach every rank (_share_load_outcome). A
+    state of plain values or of tensors on a part of the job (a sub-mesh's ranks loading alone, an evaluation on
+    rank 0) exchanges nothing: the ranks outside it may not be loading at all."""
     from autoparallel.checkpoint import sync
     from autoparallel.dist_tensor import DistTensor, as_dist, is_dist
 
-    if not sync.job()[0]:
+    multi, _, world_size = sync.job()
+    if not multi:
         return False
+    covered = set()
     for _, _, leaf in flat.values():
         if isinstance(leaf, (ShardedLeaf, HeldElsewhere)):
             return True
-        if (isinstance(leaf, DistTensor) or is_dist(leaf)) and np.asarray(as_dist(leaf).spec.mesh.process_ids).size > 1:
-            return True
-    return False
+        if isinstance(leaf, DistTensor) or is_dist(leaf):
+            covered.update(int(p) for p in np.asarray(as_dist(leaf).spec.mesh.process_ids).reshape(-1))
+    return covered >= set(range(world_size))
 
 
 def _share_load_outcome(path, error) -> None:
