@@ -136,11 +136,12 @@ def _every_rank_loads(flat: dict) -> bool:
 def _share_load_outcome(path, error) -> None:
     """One status exchange after every rank has read, before any rank assigns (sync.gather_errors): a rank whose
     load failed (a file it cannot read, its own state's mismatch, an interrupt) raises its own error; every other
-    rank CheckpointError naming the failing ranks and their causes. Nothing is assigned on any rank then, so the
-    state stays as it was everywhere. A rank failing early waits here for the others' reads (gloo's 30 s bound
-    on a collective: a rank whose peer failed and left is told by a transport error, typed here too)."""
+    rank the first failing rank's, prefixed with that rank (a type the exchange cannot carry: CheckpointError).
+    Nothing is assigned on any rank then, so the state stays as it was everywhere. A rank failing early waits
+    here for the others' reads (gloo's 30 s bound on a collective: a rank whose peer failed and left is told by a
+    transport error, typed here too)."""
     from autoparallel.checkpoint import sync
-    from autoparallel.checkpoint.errors import CheckpointError
+    from autoparallel.checkpoint.errors import CheckpointError, shared_class
 
     try:
         failures = sync.gather_errors(error, "checkpoint load (status all_gather)")
@@ -152,9 +153,12 @@ def _share_load_outcome(path, error) -> None:
                               f"rank: {e}") from None
     if error is not None or not failures:
         return
-    raise CheckpointError(f"checkpoint {path}: the load failed on " +
-                          "; ".join(f"rank {r}: {name}: {msg}" for r, name, msg in failures) +
-                          "; nothing was loaded on any rank")
+    r, name, msg = failures[0]          # the first failing rank's error, typed as there (run_root.agree's form)
+    known = shared_class(name)
+    if known is not None:
+        raise known(f"(rank {r}) {msg}")
+    raise CheckpointError(f"(rank {r}) checkpoint {path}: the load failed there: {name}: {msg}; nothing was "
+                          f"loaded on any rank")
 
 
 def load_merged_state_dict(path: str, *, flat: bool = False) -> dict:

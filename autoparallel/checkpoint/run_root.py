@@ -27,8 +27,8 @@ import time
 
 from autoparallel.checkpoint.atomic import write_file_atomic
 from autoparallel.checkpoint.discovery import complete_checkpoints
-from autoparallel.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
-                                            CheckpointOwnershipError, CheckpointRootError)
+from autoparallel.checkpoint.errors import (CheckpointError, CheckpointOwnershipError, CheckpointRootError,
+                                            shared_class)
 from autoparallel.checkpoint.ownership import (RUN_MARKER, STEP_DIR, TEMP_DIR, is_owned_partial, marker_bytes,
                                                not_a_checkpoint, read_marker)
 
@@ -186,11 +186,6 @@ def write_latest(root: str) -> None:
 
 
 # ---- agreement ------------------------------------------------------------------------------------------
-_ERRORS = {c.__name__: c for c in (CheckpointRootError, CheckpointOwnershipError, CheckpointError,
-                                    CheckpointMismatchError, CheckpointCorruptError, FileNotFoundError, ValueError,
-                                    TypeError)}
-
-
 def agree(error) -> None:
     """Raise on every rank if any rank has an ``error`` (its own, or the first failing rank's, named)."""
     from autoparallel.checkpoint import sync
@@ -200,4 +195,4 @@ def agree(error) -> None:
         raise error
     if failures:
         r, name, msg = failures[0]
-        raise _ERRORS.get(name, CheckpointError)(f"(rank {r}) {msg}")
+        raise (shared_class(name) or CheckpointError)(f"(rank {r}) {msg}")
