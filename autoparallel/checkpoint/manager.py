@@ -148,12 +148,11 @@ class CheckpointManager:
         try:
             run_root.write_latest(self.dir)
         except OSError as e:
-            raise type(e)(e.errno, f"writing 'latest' (it still names the previous checkpoint; nothing was "
-                                   f"pruned): {e.strerror or e}", e.filename) from e
+            raise _in_context(e, "writing 'latest' (it still names the previous checkpoint; nothing was pruned)")
         try:
             self._prune(doomed)
         except OSError as e:
-            raise type(e)(e.errno, f"pruning (after 'latest' was updated): {e.strerror or e}", e.filename) from e
+            raise _in_context(e, "pruning (after 'latest' was updated)")
 
     def _prune(self, doomed: list) -> None:
         """Collect in ``doomed`` the temporary directories a save of ours left and the checkpoints beyond
@@ -243,6 +242,13 @@ class CheckpointManager:
         flag = paddle.to_tensor([1 if self._stop_requested else 0], dtype="int32")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(int(flag.numpy()[0]))
+
+
+def _in_context(e: OSError, what: str) -> OSError:
+    """``e`` (same type, errno and file) saying which step of the run root's update it stopped."""
+    if e.errno is None:
+        return type(e)(f"{what}: {e}")
+    return type(e)(e.errno, f"{what}: {e.strerror or e}", e.filename)
 
 
 def _same_on_every_rank(path, root: str):
