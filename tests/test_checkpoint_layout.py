@@ -82,3 +82,18 @@ def test_negative_control_a_lone_rank_directory_and_the_shared_checkpoint_load(t
     with pytest.raises(FileNotFoundError, match="no complete checkpoint in") as e:   # nothing below: as before
         ap.load_state_dict(target, str(tmp_path / "ck" / "rank1"))
     assert not isinstance(e.value, CheckpointLayoutError)
+
+
+def test_a_manager_resuming_from_the_parent_of_per_rank_run_roots_is_refused_not_started_afresh(tmp_path):
+    root = str(tmp_path / "ck")
+    for r in range(2):
+        CheckpointManager(os.path.join(root, f"rank{r}"), save_interval_steps=1).save(_state(float(r + 1)), 3)
+    target = _state(0.0)
+    with pytest.raises(CheckpointLayoutError, match=r"holds per-rank directories, each its own save: rank0 \(a run "
+                                                    r"root \(steps \[3\]\)\), rank1"):
+        CheckpointManager(root).restore(target)
+    np.testing.assert_array_equal(target["w"], np.zeros((2, 2), dtype=np.float32))
+    assert CheckpointManager(str(tmp_path / "fresh")).restore(target) is None     # nothing anywhere: a new run
+    leftover = tmp_path / "interrupted"                      # a save's temporary directory is no checkpoint to name
+    ap.save_state_dict(_state(1.0), str(leftover / "step-00000001.tmp-0123456789ab"))
+    assert CheckpointManager(str(leftover)).restore(target) is None

@@ -105,7 +105,7 @@ def resolve_checkpoint(path: str) -> str:
     newest = newest_complete(path)
     if newest is None:
         _refuse_paddle_format(path)
-        _refuse_nested(path)
+        refuse_nested(path)
         partial = [os.path.basename(p) for p in incomplete_checkpoints(path)]
         hint = f"; unfinished saves: {partial}" if partial else ""
         raise FileNotFoundError(f"no complete checkpoint in {path!r}: expected {METADATA} in it or complete "
@@ -145,11 +145,11 @@ def _loading_hint() -> str:
             f"ap.load_state_dict(state, <the run root>)). Nothing was loaded")
 
 
-def _refuse_nested(path: str) -> None:
+def refuse_nested(path: str) -> None:
     """A directory with no checkpoint of its own but checkpoints or run roots one level down (per-rank
     directories, a parent of run roots): CheckpointLayoutError naming them, rather than a bare 'not found'
-    and never a silent pick of one of them."""
-    found = [(n, holds(os.path.join(path, n))) for n in sorted(os.listdir(path))]
+    and never a silent pick of one of them. Temporary directories of a save are no checkpoint to name."""
+    found = [(n, holds(os.path.join(path, n))) for n in sorted(os.listdir(path)) if not is_temp_name(n)]
     found = [(n, what) for n, what in found if what is not None]
     if not found:
         return

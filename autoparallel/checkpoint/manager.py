@@ -36,8 +36,8 @@ import signal
 from autoparallel.checkpoint import run_root, runtime_state, shared_dir, sync
 from autoparallel.checkpoint.atomic import new_nonce, temp_dir_for
 from autoparallel.checkpoint.discovery import (complete_checkpoints, is_committed_aside, newest_complete,
-                                               step_dir_name)
-from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointError
+                                               refuse_nested, step_dir_name)
+from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointLayoutError
 from autoparallel.checkpoint.format import METADATA
 from autoparallel.checkpoint.load import CheckpointInfo, load_state_dict
 from autoparallel.checkpoint.ownership import is_owned_partial
@@ -183,7 +183,14 @@ class CheckpointManager:
         """Load the newest complete checkpoint into ``state`` and the run state it saved (generators, loss
         scale, LR schedule: ``info.restored`` names what was restored); CheckpointInfo, or None."""
         path = _same_on_every_rank(self.latest(), self.dir)
-        if path is None:
+        if path is None:                       # nothing to resume, unless the checkpoints are one level down
+            problem = None
+            try:
+                if os.path.isdir(self.dir):
+                    refuse_nested(self.dir)
+            except CheckpointLayoutError as e:
+                problem = e
+            run_root.agree(problem)
             return None
         info, problem = None, None
         try:
