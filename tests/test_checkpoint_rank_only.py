@@ -310,3 +310,33 @@ def test_which_loads_every_rank_makes_together(monkeypatch):
         assert load_module._every_rank_loads(flat_of(_state(1))) is False     # rank 0 alone may load plain state
         monkeypatch.setattr(sync, "job", lambda: (True, 0, 4))                 # ranks 0-1 of 4 may load alone
         assert load_module._every_rank_loads(flat_of(spread)) is False
+
+
+# ---- CheckpointManager.start / restore: anything raised on one rank -------------------------------------------
+def test_a_ctrl_c_on_rank_one_during_a_restore_fails_every_rank(tmp_path, monkeypatch):
+    root = str(tmp_path / "run")
+    _first_run(root)
+    real = manager_module.runtime_state.restore
+
+    def restore(*args):
+        if sync.job()[1] == 1:
+            raise KeyboardInterrupt()
+        return real(*args)
+    monkeypatch.setattr(manager_module.runtime_state, "restore", restore)
+    ranks = ThreadRanks(monkeypatch, RANKS)
+    got = ranks.run(lambda r: CheckpointManager(root).restore(_state(0)))
+    assert isinstance(got[1], KeyboardInterrupt)
+    for r in (0, 2, 3):                         # before: they waited in the agreement for rank 1
+        assert type(got[r]) is CheckpointError and str(got[r]) == "(rank 1) KeyboardInterrupt: ", (r, got[r])
+
+
+def test_an_unexpected_error_in_rank_zeros_claim_fails_every_rank(tmp_path, monkeypatch):
+    def claim(root, resume):
+        raise RuntimeError("input/output error on the run marker")
+    monkeypatch.setattr(run_root_module, "claim", claim)
+    ranks = ThreadRanks(monkeypatch, RANKS)
+    got = ranks.run(lambda r: CheckpointManager(str(tmp_path / "run")).start())
+    assert type(got[0]) is RuntimeError
+    for r in range(1, RANKS):
+        assert type(got[r]) is CheckpointError, (r, got[r])
+        assert str(got[r]) == "(rank 0) RuntimeError: input/output error on the run marker"

@@ -97,14 +97,14 @@ class CheckpointManager:
         problem = None
         try:
             run_root.check_usable(self.dir, need, rank)
-        except (OSError, ValueError, TypeError) as e:      # CheckpointRootError is an OSError
+        except BaseException as e:      # CheckpointRootError, or anything else: every rank learns it (agree)
             problem = e
         run_root.agree(problem)
         shared_dir.check_one_directory(self.dir)          # one directory every rank sees, before rank 0 marks it
         try:
             if rank == 0:
                 run_root.claim(self.dir, resume)
-        except (OSError, ValueError, TypeError) as e:      # CheckpointOwnershipError is an OSError
+        except BaseException as e:      # CheckpointOwnershipError, a Ctrl-C, ...: the others wait in agree for it
             problem = e
         run_root.agree(problem)
         self._started = True
@@ -199,7 +199,7 @@ class CheckpointManager:
             info.restored = done + [x for x in info.restored if x not in done]
         except CheckpointCorruptError as e:
             problem = CheckpointCorruptError(f"{e}. {self._previous_hint(path)}")
-        except (CheckpointError, OSError, ValueError, TypeError) as e:
+        except BaseException as e:             # any failure, a Ctrl-C too: the other ranks wait in agree for it
             problem = e
         run_root.agree(problem)                # a rank that could not load stops every rank, not only itself
         self._resumed = True                   # later saves continue this run

@@ -187,7 +187,8 @@ def write_latest(root: str) -> None:
 
 # ---- agreement ------------------------------------------------------------------------------------------
 def agree(error) -> None:
-    """Raise on every rank if any rank has an ``error`` (its own, or the first failing rank's, named)."""
+    """Raise on every rank if any rank has an ``error``: its own on that rank, the first failing rank's on the
+    others (prefixed with that rank; a type the exchange cannot carry, a Ctrl-C, as a CheckpointError naming it)."""
     from autoparallel.checkpoint import sync
 
     failures = sync.gather_errors(error, "checkpoint root check (all_gather)")
@@ -195,4 +196,5 @@ def agree(error) -> None:
         raise error
     if failures:
         r, name, msg = failures[0]
-        raise (shared_class(name) or CheckpointError)(f"(rank {r}) {msg}")
+        known = shared_class(name)
+        raise known(f"(rank {r}) {msg}") if known else CheckpointError(f"(rank {r}) {name}: {msg}")
