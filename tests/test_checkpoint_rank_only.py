@@ -340,3 +340,48 @@ def test_an_unexpected_error_in_rank_zeros_claim_fails_every_rank(tmp_path, monk
     for r in range(1, RANKS):
         assert type(got[r]) is CheckpointError, (r, got[r])
         assert str(got[r]) == "(rank 0) RuntimeError: input/output error on the run marker"
+
+
+# ---- save_state_dict: anything raised on one rank before the opening exchange --------------------------------
+def test_a_ctrl_c_before_the_saves_exchange_travels_in_it(monkeypatch):
+    import json
+
+    import paddle
+
+    from autoparallel.checkpoint.save_agree import agree
+    from ckpt_peers import fake_peer
+
+    sent = fake_peer(monkeypatch, lambda t, call: t)          # rank 0, interrupted before the exchange
+    with pytest.raises(KeyboardInterrupt):
+        agree({}, "0123456789ab", "/ckpt", problem=KeyboardInterrupt())
+    mine = json.loads(sent[1].numpy().tobytes())
+    assert mine["error"] == ["KeyboardInterrupt", ""]          # what rank 1 receives
+    peer = json.dumps(dict(mine, token="ba9876543210")).encode()
+
+    def answer(t, call):                                       # rank 1, receiving rank 0's interrupt
+        if call == 1:
+            return paddle.to_tensor([len(peer)], dtype="int64")
+        buf = np.zeros(t.shape[0], dtype=np.uint8)
+        buf[:len(peer)] = np.frombuffer(peer, dtype=np.uint8)
+        return paddle.to_tensor(buf)
+    monkeypatch.undo()
+    fake_peer(monkeypatch, answer, rank=1)
+    with pytest.raises(CheckpointSaveError) as e:
+        agree({}, "0123456789ab", "/ckpt")
+    assert str(e.value) == "(rank 0) KeyboardInterrupt: "
+
+
+def test_save_state_dict_hands_a_ctrl_c_in_its_checks_to_the_exchange(tmp_path, monkeypatch):
+    seen = []
+
+    def checked(*args):
+        raise KeyboardInterrupt()
+
+    def agree(flat, token, final, problem=None, probe=None):
+        seen.append(type(problem).__name__)
+        raise problem
+    monkeypatch.setattr(save_module, "_checked", checked)
+    monkeypatch.setattr(save_module.save_agree, "agree", agree)
+    with pytest.raises(KeyboardInterrupt):
+        ap.save_state_dict(_state(1), str(tmp_path / "ck"))
+    assert seen == ["KeyboardInterrupt"] and os.listdir(tmp_path) == []
