@@ -5,6 +5,7 @@ number)``. ``ThreadRanks``: every rank of a job played by a thread of this proce
 thread's rank and ``paddle.distributed.all_gather`` exchanges the threads' tensors, so a collective agreement is
 seen from every rank at once.
 """
+import contextlib
 import threading
 
 
@@ -52,16 +53,13 @@ class ThreadRanks:
             return False, 0, 1          # single(), or a thread run() did not start (the test's own checks)
         return True, self._local.rank, self.world_size
 
+    @contextlib.contextmanager
     def single(self):
-        ranks = self
-
-        class _Single:
-            def __enter__(self):
-                ranks._local.single = True
-
-            def __exit__(self, *exc):
-                ranks._local.single = False
-        return _Single()
+        self._local.single = True
+        try:
+            yield
+        finally:
+            self._local.single = False
 
     def _all_gather(self, out, t):
         self._slots[self._local.rank] = t
