@@ -385,3 +385,15 @@ def test_save_state_dict_hands_a_ctrl_c_in_its_checks_to_the_exchange(tmp_path, 
     with pytest.raises(KeyboardInterrupt):
         ap.save_state_dict(_state(1), str(tmp_path / "ck"))
     assert seen == ["KeyboardInterrupt"] and os.listdir(tmp_path) == []
+
+
+def test_a_peer_gone_from_a_rank_zero_steps_exchange_is_a_typed_error(monkeypatch):
+    from ckpt_peers import fake_peer
+
+    def gone(t, call):
+        raise RuntimeError("[gloo] Connection closed by peer")
+    fake_peer(monkeypatch, gone, rank=1)
+    with pytest.raises(CheckpointSaveError) as e:
+        sync.rank_zero_step("checkpoint /c: writing 'latest'", lambda: None)
+    assert str(e.value) == ("checkpoint /c: writing 'latest': a rank did not take part in sharing its outcome (it "
+                            "left the save or restore before it): [gloo] Connection closed by peer")

@@ -140,7 +140,13 @@ def share_outcome(what: str, error, error_type=None) -> None:
     its own rank, after the others were told."""
     if error_type is None:
         from autoparallel.checkpoint.errors import CheckpointSaveError as error_type
-    failures = gather_errors(error, f"{what} (status all_gather)")
+    try:
+        failures = gather_errors(error, f"{what} (status all_gather)")
+    except RuntimeError as e:           # gloo: a peer that left the job's step (it raised before reaching here)
+        if error is not None:
+            raise error from None
+        raise error_type(f"{what}: a rank did not take part in sharing its outcome (it left the save or restore "
+                         f"before it): {e}") from None
     if not failures:
         return
     if error is not None and not isinstance(error, Exception):
