@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from autoparallel.checkpoint.save_agree import first_difference
+from ckpt_peers import fake_peer
 from dist_scripts import shared_launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_scripts", "ckpt_probe_worker.py")
@@ -91,21 +92,6 @@ def test_the_agreement_rule_compares_only_the_meshes_two_ranks_share():
         "Partial entries on their shared meshes)")
 
 
-def _fake_peer(monkeypatch, answer):
-    """This process as rank 0 of 2 whose peer answers the exchange with ``answer(own tensor)``."""
-    import paddle.distributed as dist
-
-    from autoparallel.checkpoint import sync
-
-    monkeypatch.setattr(sync, "job", lambda: (True, 0, 2))
-    calls = []
-
-    def all_gather(out, t):
-        calls.append(t)
-        out.extend([t, answer(t, len(calls))])
-    monkeypatch.setattr(dist, "all_gather", all_gather)
-
-
 @pytest.mark.parametrize("garbage", ["size", "bytes"])
 def test_a_peer_in_another_collective_is_a_typed_error_not_an_allocation(monkeypatch, garbage):
     import paddle
@@ -117,7 +103,7 @@ def test_a_peer_in_another_collective_is_a_typed_error_not_an_allocation(monkeyp
         if call == 1:
             return paddle.to_tensor([2 ** 62 if garbage == "size" else int(t.numpy()[0])], dtype="int64")
         return paddle.to_tensor(np.full(t.shape, 0xFF, dtype=np.uint8))
-    _fake_peer(monkeypatch, answer)
+    fake_peer(monkeypatch, answer)
     with pytest.raises(CheckpointSaveError, match="the ranks did not start the save together"):
         agree({}, "0123456789ab", "/ckpt")
 
@@ -125,7 +111,7 @@ def test_a_peer_in_another_collective_is_a_typed_error_not_an_allocation(monkeyp
 def test_negative_control_an_agreeing_peer_gets_rank_0s_token(monkeypatch):
     from autoparallel.checkpoint.save_agree import agree
 
-    _fake_peer(monkeypatch, lambda t, call: t)
+    fake_peer(monkeypatch, lambda t, call: t)
     assert agree({}, "0123456789ab", "/ckpt") == "0123456789ab"
 
 

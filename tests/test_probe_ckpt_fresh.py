@@ -22,24 +22,9 @@ from autoparallel.checkpoint import (CheckpointCorruptError, CheckpointSaveError
 from autoparallel.checkpoint import shared_dir
 from autoparallel.checkpoint.collect import collect
 from autoparallel.checkpoint.flatten import flatten
+from ckpt_peers import fake_peer
 
 W = np.arange(32, dtype=np.float32).reshape(8, 4)          # the saved value: 0, 1, ..., 31
-
-
-def _fake_peer(monkeypatch, answer):
-    """This process as rank 0 of 2, its peer answering each all_gather with ``answer(own tensor, call number)``."""
-    import paddle.distributed as dist
-
-    from autoparallel.checkpoint import sync
-
-    monkeypatch.setattr(sync, "job", lambda: (True, 0, 2))
-    calls = []
-
-    def all_gather(out, t):
-        calls.append(t)
-        out.extend([t, answer(t, len(calls))])
-    monkeypatch.setattr(dist, "all_gather", all_gather)
-    return calls
 
 
 def test_path_difference_names_every_ranks_path():
@@ -65,11 +50,11 @@ def test_check_visible_stops_every_rank_naming_who_cannot_see_whom(tmp_path, mon
     assert os.path.basename(mine) == ".autoparallel-probe-0123456789ab-r00000"
     probes = [mine, str(tmp_path / ".autoparallel-probe-ba9876543210-r00001")]
     open(probes[1], "w").close()
-    _fake_peer(monkeypatch, lambda t, call: paddle.to_tensor(np.array([1, 0], dtype=np.int32)))   # blind to 0
+    fake_peer(monkeypatch, lambda t, call: paddle.to_tensor(np.array([1, 0], dtype=np.int32)))   # blind to 0
     with pytest.raises(CheckpointSaveError, match=r"^checkpoint /x: '.*' is not one directory every rank sees: "
                                                   r"rank 1 does not see the files of ranks \[0\]\. A multi-process"):
         shared_dir.check_visible(probes, "checkpoint /x", 0, 2)
-    _fake_peer(monkeypatch, lambda t, call: t)                # negative control: the peer sees rank 0's probe
+    fake_peer(monkeypatch, lambda t, call: t)                # negative control: the peer sees rank 0's probe
     shared_dir.check_visible(probes, "checkpoint /x", 0, 2)
     shared_dir.remove_probe(mine)
     assert not os.path.exists(mine)
@@ -88,7 +73,7 @@ def _peer_answers(monkeypatch, peer: dict, flags):
             buf[:raw.size] = raw
             return paddle.to_tensor(buf)
         return paddle.to_tensor(np.array(flags, dtype=np.int32))
-    return _fake_peer(monkeypatch, answer)
+    return fake_peer(monkeypatch, answer)
 
 
 def test_agree_refuses_a_peer_writing_elsewhere_naming_both_paths(tmp_path, monkeypatch):

@@ -19,8 +19,9 @@ global tensors), pipeline_state (each stage's ranks save their stage under the m
 (the state-leaf protocol those two use), reshard_state (layout changes by round-trip).
 """
 from autoparallel.checkpoint.discovery import resolve_checkpoint
-from autoparallel.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
-                                            CheckpointOwnershipError, CheckpointRootError, CheckpointSaveError)
+from autoparallel.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointLayoutError,
+                                            CheckpointMismatchError, CheckpointOwnershipError, CheckpointRootError,
+                                            CheckpointSaveError)
 from autoparallel.checkpoint.load import (CheckpointInfo, load_merged_state_dict, load_state_dict,
                                           read_checkpoint_info)
 from autoparallel.checkpoint.manager import CheckpointManager
@@ -32,4 +33,5 @@ from autoparallel.checkpoint.verify import verify_checkpoint
 __all__ = ["save_state_dict", "load_state_dict", "load_merged_state_dict", "read_checkpoint_info",
            "CheckpointManager", "CheckpointInfo", "reshard_state", "reconfigure", "training_state",
            "verify_checkpoint", "resolve_checkpoint", "CheckpointError", "CheckpointCorruptError",
-           "CheckpointMismatchError", "CheckpointSaveError", "CheckpointOwnershipError", "CheckpointRootError"]
+           "CheckpointMismatchError", "CheckpointSaveError", "CheckpointOwnershipError", "CheckpointRootError",
+           "CheckpointLayoutError"]

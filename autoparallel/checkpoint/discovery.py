@@ -13,6 +13,7 @@ from autoparallel.checkpoint.atomic import is_temp_name
 from autoparallel.checkpoint.format import METADATA
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+RANK_DIR = re.compile(r"^rank[-_]?(\d+)$", re.IGNORECASE)     # rank0, rank_1, rank-00002: one rank's directory
 
 
 def step_dir_name(step: int) -> str:
@@ -98,11 +99,13 @@ def resolve_checkpoint(path: str) -> str:
     if is_temp_name(os.path.basename(path)) and not is_committed_aside(path):
         raise FileNotFoundError(f"{path!r} is an unfinished checkpoint (a save was interrupted); load the "
                                 f"directory holding it to get the newest complete checkpoint")
+    _refuse_one_rank_of_many(path)
     if os.path.isfile(os.path.join(path, METADATA)):
         return path
     newest = newest_complete(path)
     if newest is None:
         _refuse_paddle_format(path)
+        refuse_nested(path)
         partial = [os.path.basename(p) for p in incomplete_checkpoints(path)]
         hint = f"; unfinished saves: {partial}" if partial else ""
         raise FileNotFoundError(f"no complete checkpoint in {path!r}: expected {METADATA} in it or complete "
@@ -121,3 +124,60 @@ def _refuse_paddle_format(path: str) -> None:
             f"not an autoparallel checkpoint: its metadata is a pickle, which autoparallel never loads. Convert it "
             f"once where its source is trusted: paddle.distributed.load_state_dict(state, {path!r}) into plain "
             f"tensors, then ap.save_state_dict(state, new_path)")
+
+
+def holds(path: str):
+    """What the directory ``path`` holds for a load: "a checkpoint", "a run root (steps [...])", or None."""
+    if not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, METADATA)):
+        return "a checkpoint"
+    steps = [s for s, _ in complete_checkpoints(path)]
+    if steps:
+        return f"a run root (steps {steps[:3]}{'...' if len(steps) > 3 else ''})"
+    return None
+
+
+def _loading_hint() -> str:
+    return (f"A checkpoint of autoparallel is one directory that every rank of a job writes together "
+            f"(ap.save_state_dict with the same path on every rank), and it loads into any layout; a run "
+            f"root is resumed with CheckpointManager(dir=<the run root>).restore(state) (or "
+            f"ap.load_state_dict(state, <the run root>)). Nothing was loaded")
+
+
+def refuse_nested(path: str) -> None:
+    """A directory with no checkpoint of its own but checkpoints or run roots one level down (per-rank
+    directories, a parent of run roots): CheckpointLayoutError naming them, rather than a bare 'not found'
+    and never a silent pick of one of them. Temporary directories of a save are no checkpoint to name."""
+    found = [(n, holds(os.path.join(path, n))) for n in sorted(os.listdir(path)) if not is_temp_name(n)]
+    found = [(n, what) for n, what in found if what is not None]
+    if not found:
+        return
+    from autoparallel.checkpoint.errors import CheckpointLayoutError
+
+    ranks = [n for n, _ in found if RANK_DIR.match(n)]
+    listed = ", ".join(f"{n} ({what})" for n, what in found[:8]) + (" ..." if len(found) > 8 else "")
+    if len(ranks) >= 2:
+        raise CheckpointLayoutError(
+            f"{path!r} holds per-rank directories, each its own save: {listed}. Each was written by one rank "
+            f"alone, so none of them is the job's state and they are not loaded as one. " + _loading_hint())
+    raise CheckpointLayoutError(f"{path!r} holds no checkpoint itself, but its sub-directories do: {listed}; "
+                                f"pass the one to load. " + _loading_hint())
+
+
+def _refuse_one_rank_of_many(path: str) -> None:
+    """A rank's directory (``rank<r>``) next to other ranks' that hold saves too: one of per-rank saves, so
+    loading it would fill every rank from rank r's save alone. CheckpointLayoutError naming the layout."""
+    me = RANK_DIR.match(os.path.basename(path))
+    if me is None or holds(path) is None:
+        return
+    parent = os.path.dirname(path)
+    peers = sorted(n for n in os.listdir(parent) if RANK_DIR.match(n) and holds(os.path.join(parent, n)))
+    if len(peers) < 2:
+        return
+    from autoparallel.checkpoint.errors import CheckpointLayoutError
+
+    raise CheckpointLayoutError(
+        f"{path!r} is one of the per-rank directories {peers[:8]}{' ...' if len(peers) > 8 else ''} in "
+        f"{parent!r}, each its own save: loading it would fill this process from rank {int(me.group(1))}'s "
+        f"save alone, a part of the job's state. " + _loading_hint())

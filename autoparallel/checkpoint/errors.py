@@ -26,3 +26,17 @@ class CheckpointOwnershipError(CheckpointError, FileExistsError):
 class CheckpointRootError(CheckpointError, OSError):
     """A checkpoint root cannot hold checkpoints: it is a file, cannot be created or written, or its
     filesystem lacks the space of one checkpoint. Found before the first training step."""
+
+
+class CheckpointLayoutError(CheckpointError, FileNotFoundError):
+    """A path holds checkpoints in a layout a load cannot take as one checkpoint (per-rank directories, each its
+    own save; checkpoints one level down): the error names what was found and the call that loads it. Nothing
+    was loaded."""
+
+
+def shared_class(name: str):
+    """The class another rank's failure of type ``name`` is raised as on this rank (an exchange carries type
+    names): a checkpoint error or a common input error keeps its type, anything else is a CheckpointError."""
+    known = (CheckpointRootError, CheckpointOwnershipError, CheckpointError, CheckpointMismatchError,
+             CheckpointCorruptError, CheckpointLayoutError, FileNotFoundError, ValueError, TypeError)
+    return next((c for c in known if c.__name__ == name), None)

@@ -1,8 +1,11 @@
 """``load_state_dict`` (into any layout, reading only the needed bytes) and ``load_merged_state_dict``.
 
-Loading never communicates: each process reads, for every shard it holds in the target layout, the parts
-of the saved shards that overlap it (saved and target layouts, meshes and world sizes are independent).
-Everything is validated and read before any tensor is touched, so a failed load changes nothing.
+Loading moves no tensor between ranks: each process reads, for every shard it holds in the target layout, the
+parts of the saved shards that overlap it (saved and target layouts, meshes and world sizes are independent).
+Everything is validated and read before any tensor is touched, so a failed load changes nothing. A real job's
+load of a state spread over every rank makes one small status exchange between the reads and the first assignment,
+so a failure on some ranks only fails every rank's load and leaves every rank's state as it was
+(``_share_load_outcome``).
 """
 from __future__ import annotations
 
@@ -71,6 +74,23 @@ def load_state_dict(state: dict, path: str, *, strict: bool = True) -> Checkpoin
 
 def _load(state: dict, path: str, strict: bool) -> CheckpointInfo:
     flat = flatten(state)
+    shared = _every_rank_loads(flat)
+    try:
+        ckpt, meta, targets, loaded, runtime, bytes_read = _read(flat, path, strict)
+    except BaseException as e:      # a rank's failure (a Ctrl-C too) stops every rank of a shared state, before any
+                                    # assignment
+        if shared:
+            _share_load_outcome(path, e)
+        raise
+    if shared:
+        _share_load_outcome(path, None)
+    _assign(flat, targets, loaded, meta)
+    return CheckpointInfo(ckpt, meta.get("step"), meta.get("extra"), bytes_read, list(targets), runtime)
+
+
+def _read(flat: dict, path: str, strict: bool) -> tuple:
+    """Everything a load needs before it touches the state: (checkpoint, metadata, targets, loaded boxes, run
+    state, bytes read); raises with nothing assigned."""
     ckpt = resolve_checkpoint(path)
     meta = read_metadata(ckpt)
     targets = {name: _describe(name, leaf) for name, (_, _, leaf) in flat.items()}
@@ -89,9 +109,56 @@ def _load(state: dict, path: str, strict: bool) -> CheckpointInfo:
             loaded[name] = [(dest, _fill(reader, ckpt, name, rec, off, shape, zero))
                             for dest, off, shape, zero in t.boxes]
         runtime = _runtime(reader, ckpt, meta)
-        bytes_read = reader.bytes_read
-    _assign(flat, targets, loaded, meta)
-    return CheckpointInfo(ckpt, meta.get("step"), meta.get("extra"), bytes_read, list(targets), runtime)
+        return ckpt, meta, targets, loaded, runtime, reader.bytes_read
+
+
+def _every_rank_loads(flat: dict) -> bool:
+    """A real job's load of a state spread over every rank of the job (distributed tensors whose meshes cover
+    every rank together, a ZeRO optimizer's chunks, another pipeline stage's entries): every rank loads it
+    together, as it saves it, so a failure on some ranks only must reach every rank (_share_load_outcome). A
+    state of plain values or of tensors on a part of the job (a sub-mesh's ranks loading alone, an evaluation on
+    rank 0) exchanges nothing: the ranks outside it may not be loading at all."""
+    from autoparallel.checkpoint import sync
+    from autoparallel.dist_tensor import DistTensor, as_dist, is_dist
+
+    multi, _, world_size = sync.job()
+    if not multi:
+        return False
+    covered = set()
+    for _, _, leaf in flat.values():
+        if isinstance(leaf, (ShardedLeaf, HeldElsewhere)):
+            return True
+        if isinstance(leaf, DistTensor) or is_dist(leaf):
+            covered.update(int(p) for p in np.asarray(as_dist(leaf).spec.mesh.process_ids).reshape(-1))
+    return covered >= set(range(world_size))
+
+
+def _share_load_outcome(path, error) -> None:
+    """One status exchange after every rank has read, before any rank assigns (sync.gather_errors): a rank whose
+    load failed (a file it cannot read, its own state's mismatch, an interrupt) raises its own error; every other
+    rank the first failing rank's, prefixed with that rank (a type the exchange cannot carry: CheckpointError).
+    Nothing is assigned on any rank then, so the state stays as it was everywhere. A rank failing early waits
+    here for the others' reads (gloo's 30 s bound on a collective: a rank whose peer failed and left is told by a
+    transport error, typed here too)."""
+    from autoparallel.checkpoint import sync
+    from autoparallel.checkpoint.errors import CheckpointError, shared_class
+
+    try:
+        failures = sync.gather_errors(error, "checkpoint load (status all_gather)")
+    except RuntimeError as e:       # gloo: a peer that failed and left, or one never coming
+        if error is not None:
+            raise error from None
+        raise CheckpointError(f"checkpoint {path}: the ranks did not finish the load together (every rank of "
+                              f"the job loads a distributed state at the same point); nothing was loaded on this "
+                              f"rank: {e}") from None
+    if error is not None or not failures:
+        return
+    r, name, msg = failures[0]          # the first failing rank's error, typed as there (run_root.agree's form)
+    known = shared_class(name)
+    if known is not None:
+        raise known(f"(rank {r}) {msg}")
+    raise CheckpointError(f"(rank {r}) checkpoint {path}: the load failed there: {name}: {msg}; nothing was "
+                          f"loaded on any rank")
 
 
 def load_merged_state_dict(path: str, *, flat: bool = False) -> dict:

@@ -18,7 +18,9 @@ random generators (restored under the same world size), the AMP loss scale and t
 (runtime_state.py), in the metadata's ``runtime``.
 
 Resume loads the highest-step complete directory (discovery.py); ``latest`` is rewritten to name it at
-start-up and after every save (a crash between a commit and the pointer update is repaired then).
+start-up and after every save (a crash between a commit and the pointer update is repaired then). Rank 0
+alone writes ``latest`` and prunes (``latest`` first: a failed pointer write prunes nothing), and every rank
+learns the outcome before going on (sync.rank_zero_step): a failure there is a CheckpointSaveError on every rank.
 
 Preemption: ``install_sigterm_handler()`` turns SIGTERM into a request; the training loop calls
 ``should_stop()`` at a step boundary (all ranks agree through one small all_reduce in a real job) and then
@@ -32,9 +34,10 @@ import shutil
 import signal
 
 from autoparallel.checkpoint import run_root, runtime_state, shared_dir, sync
+from autoparallel.checkpoint.atomic import new_nonce, temp_dir_for
 from autoparallel.checkpoint.discovery import (complete_checkpoints, is_committed_aside, newest_complete,
-                                               step_dir_name)
-from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointError
+                                               refuse_nested, step_dir_name)
+from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointLayoutError
 from autoparallel.checkpoint.format import METADATA
 from autoparallel.checkpoint.load import CheckpointInfo, load_state_dict
 from autoparallel.checkpoint.ownership import is_owned_partial
@@ -94,14 +97,14 @@ class CheckpointManager:
         problem = None
         try:
             run_root.check_usable(self.dir, need, rank)
-        except (OSError, ValueError, TypeError) as e:      # CheckpointRootError is an OSError
+        except BaseException as e:      # CheckpointRootError, or anything else: every rank learns it (agree)
             problem = e
         run_root.agree(problem)
         shared_dir.check_one_directory(self.dir)          # one directory every rank sees, before rank 0 marks it
         try:
             if rank == 0:
                 run_root.claim(self.dir, resume)
-        except (OSError, ValueError, TypeError) as e:      # CheckpointOwnershipError is an OSError
+        except BaseException as e:      # CheckpointOwnershipError, a Ctrl-C, ...: the others wait in agree for it
             problem = e
         run_root.agree(problem)
         self._started = True
@@ -130,23 +133,43 @@ class CheckpointManager:
                              f"{newest[-1][0]}): a run's steps only grow, and resume loads the newest")
         path = save_state_dict(state, self.path_for(step), step=step, extra=extra, overwrite=True,
                                runtime=runtime_state.capture(self.optimizer))
-        _, rank, _ = sync.job()
-        if rank == 0:
-            self._prune(keep=path)
-            run_root.write_latest(self.dir)
+        doomed = []
+        try:                                   # rank 0 only, its outcome shared with every rank before any goes on
+            sync.rank_zero_step(f"checkpoint {path} is saved, but updating its run root after it (rank 0 only)",
+                                lambda: self._update_root(doomed))
+        finally:
+            for old in doomed:                 # best effort: what stays is a temporary directory of ours, which the
+                shutil.rmtree(old, ignore_errors=True)      # next save or start removes
         return path
 
-    def _prune(self, keep: str) -> None:
+    def _update_root(self, doomed: list) -> None:
+        """Rank 0 after a commit: point ``latest`` at the newest checkpoint, then prune. ``latest`` first: if it
+        cannot be written, nothing is pruned, so the checkpoint it still names stays loadable."""
+        try:
+            run_root.write_latest(self.dir)
+        except OSError as e:
+            raise _in_context(e, "writing 'latest' (it still names the previous checkpoint; nothing was pruned)")
+        try:
+            self._prune(doomed)
+        except OSError as e:
+            raise _in_context(e, "pruning (after 'latest' was updated)")
+
+    def _prune(self, doomed: list) -> None:
+        """Collect in ``doomed`` the temporary directories a save of ours left and the checkpoints beyond
+        ``keep_last``, each renamed first to a temporary name: one rename takes it out of the complete ones at
+        once, so a failure (or a crash) while removing its files never leaves a half-removed checkpoint that
+        looks complete. The caller removes them once every rank knows the outcome."""
         for name in os.listdir(self.dir):
             path = os.path.join(self.dir, name)
             if is_owned_partial(path):
-                shutil.rmtree(path, ignore_errors=True)
+                doomed.append(path)
         if self.keep_last is None:
             return
         done = complete_checkpoints(self.dir)
         for _, path in done[:max(0, len(done) - self.keep_last)]:
-            if path != keep:
-                shutil.rmtree(path, ignore_errors=True)
+            aside = temp_dir_for(path, new_nonce())
+            os.rename(path, aside)
+            doomed.append(aside)
 
     # ---- resuming -----------------------------------------------------------------------------------
     def latest(self):
@@ -160,7 +183,14 @@ class CheckpointManager:
         """Load the newest complete checkpoint into ``state`` and the run state it saved (generators, loss
         scale, LR schedule: ``info.restored`` names what was restored); CheckpointInfo, or None."""
         path = _same_on_every_rank(self.latest(), self.dir)
-        if path is None:
+        if path is None:                       # nothing to resume, unless the checkpoints are one level down
+            problem = None
+            try:
+                if os.path.isdir(self.dir):
+                    refuse_nested(self.dir)
+            except CheckpointLayoutError as e:
+                problem = e
+            run_root.agree(problem)
             return None
         info, problem = None, None
         try:
@@ -169,14 +199,19 @@ class CheckpointManager:
             info.restored = done + [x for x in info.restored if x not in done]
         except CheckpointCorruptError as e:
             problem = CheckpointCorruptError(f"{e}. {self._previous_hint(path)}")
-        except (CheckpointError, OSError, ValueError, TypeError) as e:
+        except BaseException as e:             # any failure, a Ctrl-C too: the other ranks wait in agree for it
             problem = e
         run_root.agree(problem)                # a rank that could not load stops every rank, not only itself
         self._resumed = True                   # later saves continue this run
-        _, rank, _ = sync.job()
-        if rank == 0 and os.access(self.dir, os.W_OK) and not is_committed_aside(path):
-            run_root.write_latest(self.dir)    # a crash between a commit and its pointer update
+        sync.rank_zero_step(f"checkpoint {path} is loaded on every rank, but repairing {self.dir}/latest after it "
+                            f"(rank 0 only)", lambda: self._repair_latest(path), CheckpointError)
         return info
+
+    def _repair_latest(self, loaded: str) -> None:
+        """Rank 0 after a restore: ``latest`` names the checkpoint loaded (a crash between a commit and its pointer
+        update); a read-only root, or a checkpoint still aside (the next start puts it back), is left as it is."""
+        if os.access(self.dir, os.W_OK) and not is_committed_aside(loaded):
+            run_root.write_latest(self.dir)
 
     def _previous_hint(self, broken: str) -> str:
         """Resume never falls back on its own (a run would silently lose steps): name the way back."""
@@ -214,6 +249,13 @@ class CheckpointManager:
         flag = paddle.to_tensor([1 if self._stop_requested else 0], dtype="int32")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(int(flag.numpy()[0]))
+
+
+def _in_context(e: OSError, what: str) -> OSError:
+    """``e`` (same type, errno and file) saying which step of the run root's update it stopped."""
+    if e.errno is None:
+        return type(e)(f"{what}: {e}")
+    return type(e)(e.errno, f"{what}: {e.strerror or e}", e.filename)
 
 
 def _same_on_every_rank(path, root: str):

@@ -27,8 +27,8 @@ import time
 
 from autoparallel.checkpoint.atomic import write_file_atomic
 from autoparallel.checkpoint.discovery import complete_checkpoints
-from autoparallel.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
-                                            CheckpointOwnershipError, CheckpointRootError)
+from autoparallel.checkpoint.errors import (CheckpointError, CheckpointOwnershipError, CheckpointRootError,
+                                            shared_class)
 from autoparallel.checkpoint.ownership import (RUN_MARKER, STEP_DIR, TEMP_DIR, is_owned_partial, marker_bytes,
                                                not_a_checkpoint, read_marker)
 
@@ -186,38 +186,15 @@ def write_latest(root: str) -> None:
 
 
 # ---- agreement ------------------------------------------------------------------------------------------
-_ERRORS = {c.__name__: c for c in (CheckpointRootError, CheckpointOwnershipError, CheckpointError,
-                                    CheckpointMismatchError, CheckpointCorruptError, FileNotFoundError, ValueError,
-                                    TypeError)}
-_MSG_BYTES = 2048
-
-
 def agree(error) -> None:
-    """Raise on every rank if any rank has an ``error`` (its own, or the first rank's, named)."""
+    """Raise on every rank if any rank has an ``error``: its own on that rank, the first failing rank's on the
+    others (prefixed with that rank; a type the exchange cannot carry, a Ctrl-C, as a CheckpointError naming it)."""
     from autoparallel.checkpoint import sync
 
-    multi, rank, world = sync.job()
-    if not multi:
-        if error is not None:
-            raise error
-        return
-    import numpy as np
-    import paddle
-    import paddle.distributed as dist
-
-    text = "" if error is None else f"{type(error).__name__}\0{error}"
-    buf = np.zeros(_MSG_BYTES, dtype=np.uint8)
-    raw = text.encode()[:_MSG_BYTES]
-    buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    from autoparallel import watchdog
-
-    parts = []
-    with watchdog.op("checkpoint root check (all_gather)"):
-        dist.all_gather(parts, paddle.to_tensor(buf))
+    failures = sync.gather_errors(error, "checkpoint root check (all_gather)")
     if error is not None:
         raise error
-    for r, t in enumerate(parts):
-        raw = t.numpy().tobytes().rstrip(b"\0")
-        if raw:
-            name, _, msg = raw.decode(errors="replace").partition("\0")
-            raise _ERRORS.get(name, CheckpointError)(f"(rank {r}) {msg}")
+    if failures:
+        r, name, msg = failures[0]
+        known = shared_class(name)
+        raise known(f"(rank {r}) {msg}") if known else CheckpointError(f"(rank {r}) {name}: {msg}")

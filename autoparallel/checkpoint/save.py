@@ -66,7 +66,7 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
         if multi:                       # every rank's mark in the directory it would write (shared_dir.py)
             probe = shared_dir.leave_probe(final, token, rank)
         problem = None
-    except (TypeError, ValueError, OSError) as e:      # FileExistsError, CheckpointOwnershipError are OSErrors
+    except BaseException as e:          # an input error, a Ctrl-C, ...: sent in the exchange, raised on every rank
         flat, final, problem = {}, os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path), e
     try:                                # the same reductions and one directory on every rank, before any write
         nonce = save_agree.agree(flat, token, final, problem, probe)
@@ -292,7 +292,10 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
                 _remove_after_acks(tmp, world_size)
             if isinstance(e, TimeoutError):
                 raise CheckpointSaveError(str(e)) from None
-            raise
+            if isinstance(e, CheckpointSaveError) or not isinstance(e, Exception):
+                raise                           # already says what failed where; a Ctrl-C stays a Ctrl-C
+            raise CheckpointSaveError(f"checkpoint {final}: rank 0 could not commit: {type(e).__name__}: {e}; "
+                                      f"nothing was committed") from e
         return
     metadata = os.path.join(final, METADATA)
     failed = os.path.join(tmp, FAILED)

@@ -92,7 +92,9 @@ def agree(flat: dict, token: str, final: str, problem: BaseException = None, pro
     for r, p in enumerate(parts):
         if p.get("error"):
             name, text = p["error"]
-            raise _ERRORS.get(name, CheckpointSaveError)(f"(rank {r}) {text}")
+            if name in _ERRORS:
+                raise _ERRORS[name](f"(rank {r}) {text}")
+            raise CheckpointSaveError(f"(rank {r}) {name}: {text}")   # a Ctrl-C, an unexpected error: named
     problem = first_difference([p["reduce"] for p in parts])
     if problem is not None:
         raise CheckpointSaveError(f"checkpoint {final}: the ranks' states differ, nothing was written: {problem}; "

@@ -17,6 +17,10 @@ within the heartbeat timeout (at most 2 x while its process still runs a long wr
 naming it and the operation in flight. ``AP_CKPT_TIMEOUT`` (default 3600 s) bounds the polling only as the
 last resort when the watchdog is switched off (``AP_WATCHDOG=off``). The checkpoint directory must be on a
 filesystem every rank sees (a shared filesystem across nodes): step 1 checks it before any write (shared_dir.py).
+
+Steps rank 0 performs alone inside a collective save or restore (``latest``, pruning, the pointer's repair) share
+their outcome through one small all_gather of a status (``rank_zero_step``): they run after the commit, when
+every rank has just left the rendezvous, so nobody waits long in that collective.
 """
 from __future__ import annotations
 
@@ -93,6 +97,76 @@ def wait_until(ready, timeout: float, describe, what: str = "checkpoint rendezvo
                 raise TimeoutError(describe())
             time.sleep(delay)
             delay = min(delay * 1.5, MAX_POLL_S)
+
+
+STATUS_BYTES = 2048                 # one rank's status in gather_errors: its error's type name and text, cut to this
+
+
+def gather_errors(error, what: str = "checkpoint status (all_gather)") -> list:
+    """[(rank, error type name, text)] of every rank whose ``error`` is not None, the same list on every rank: one
+    all_gather of a fixed-size status (``STATUS_BYTES``) from each rank, as the operation ``what``. In a single
+    process (the simulated world included): this process's own error, as rank 0's."""
+    multi, rank, _ = job()
+    if not multi:
+        return [] if error is None else [(0, type(error).__name__, str(error))]
+    import numpy as np
+    import paddle
+    import paddle.distributed as dist
+
+    from autoparallel import watchdog
+
+    text = "" if error is None else f"{type(error).__name__}\0{error}"
+    raw = text.encode()[:STATUS_BYTES]
+    buf = np.zeros(STATUS_BYTES, dtype=np.uint8)
+    buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    parts = []
+    with watchdog.op(what):
+        dist.all_gather(parts, paddle.to_tensor(buf))
+    out = []
+    for r, t in enumerate(parts):
+        got = t.numpy().tobytes().rstrip(b"\0")
+        if got:
+            name, _, msg = got.decode(errors="replace").partition("\0")
+            out.append((r, name, msg))
+    return out
+
+
+def share_outcome(what: str, error, error_type=None) -> None:
+    """Every rank learns the outcome of a step that some ranks only performed (rank 0's ``latest`` pointer, its
+    pruning, its metadata) before any rank goes on: a rank raising alone would leave the others in their next
+    collective until gloo's 30 s timeout or the watchdog ends the job. One all_gather of every rank's status
+    (gather_errors); if any rank failed, every rank raises ``error_type`` (CheckpointSaveError by default)
+    saying ``what`` failed on which ranks and why. A KeyboardInterrupt or SystemExit is re-raised as itself on
+    its own rank, after the others were told."""
+    if error_type is None:
+        from autoparallel.checkpoint.errors import CheckpointSaveError as error_type
+    try:
+        failures = gather_errors(error, f"{what} (status all_gather)")
+    except RuntimeError as e:           # gloo: a peer that left the job's step (it raised before reaching here)
+        if error is not None:
+            raise error from None
+        raise error_type(f"{what}: a rank did not take part in sharing its outcome (it left the save or restore "
+                         f"before it): {e}") from None
+    if not failures:
+        return
+    if error is not None and not isinstance(error, Exception):
+        raise error
+    raise error_type(f"{what} failed on " + "; ".join(f"rank {r}: {name}: {msg}" for r, name, msg in failures)) \
+        from error
+
+
+def rank_zero_step(what: str, fn, error_type=None):
+    """Run ``fn()`` on rank 0 only (every rank calls this at the same point), then share its outcome with every
+    rank (share_outcome). Returns ``fn``'s result on rank 0, None elsewhere."""
+    _, rank, _ = job()
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = fn()
+        except BaseException as e:      # KeyboardInterrupt too: the others must not wait for rank 0 in vain
+            error = e
+    share_outcome(what, error, error_type)
+    return result
 
 
 MAX_BYTES = 1 << 26                 # an answer longer than this is another collective's data, not a save's
