@@ -18,7 +18,7 @@ import importlib
 import inspect
 
 import paddle
-from spmd_rules.op_table import OP_TABLE
+from spmd_rules.op_table import IN_PLACE_PATHS, OP_TABLE
 
 from autoparallel import aliases, captured_ops, patches, tensor_forms
 from autoparallel import dispatch as D
@@ -39,7 +39,7 @@ def install_all() -> list:
             if orig is None or getattr(orig, "_ap_routed", None):
                 continue
             D._ORIG[path] = orig
-            w = _routed(op, path, orig)
+            w = tensor_forms.inplace_routed(op, path, orig) if path in IN_PLACE_PATHS else _routed(op, path, orig)
             patches.patch(owner, attr, w)
             routed[id(orig)] = w
     aliases.patch_aliases(routed)

@@ -96,7 +96,37 @@ def cdist(x, y, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary", name=
     return diff.pow(p).sum(-1).pow(1.0 / p) if p > 0 else (diff > 0).astype(x.dtype).sum(-1)
 
 
-PER_RANK = {"cdist": cdist, "reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
+def einsum_diagonals(equation, *operands):
+    """``paddle.einsum`` of an equation repeating a label inside one operand (``"ii->i"``, ``"bii,bj->bij"``), on
+    shards holding those dims whole: each diagonal taken with ``paddle.diagonal``, then the einsum of the rewritten
+    equation (``spmd_rules.einsum.diagonal_steps``). paddle 3.3's einsum fails on a repeated label leading its term
+    (``"iij->ij"``); this form does not."""
+    from spmd_rules.einsum import diagonal_steps
+
+    ops = list(operands)
+    steps, rewritten = diagonal_steps(equation, [len(t.shape) for t in ops])
+    for i, a1, a2 in steps:
+        ops[i] = paddle.diagonal(ops[i], 0, a1, a2)
+    return paddle.einsum(rewritten, *ops)
+
+
+def fill_diagonal(x, value, offset=0, wrap=False, name=None):
+    """paddle's in-place ``x.fill_diagonal_(value, offset, wrap)`` on a copy of the (whole) local tensor: the
+    caller's tensor takes the result, and a gradient flows to the cells left unfilled."""
+    y = x.clone()
+    y.fill_diagonal_(value, offset, wrap)
+    return y
+
+
+def as_strided(x, shape, stride, offset=0, name=None):
+    """``paddle.as_strided`` on a copy of the (whole) local tensor: paddle's kernel reads the tensor's storage from
+    its holder, so a local tensor that is a view into a larger buffer (a slice kept by a reshard, a Partial term)
+    gave other elements (garbage up to 1e+307 in the rule check); the copy's storage is the tensor's row-major
+    elements, as one process's contiguous tensor is."""
+    return paddle.as_strided(x.clone(), shape, stride, offset)
+
+
+PER_RANK = {"einsum_diagonals": einsum_diagonals, "fill_diagonal": fill_diagonal, "as_strided": as_strided, "cdist": cdist, "reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
             "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape, "squeeze_to": squeeze_to}
 
 

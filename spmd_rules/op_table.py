@@ -211,7 +211,19 @@ OP_TABLE: dict = {
                        "fused_feedforward", "fused_multi_head_attention", "flash_attn_unpadded",
                        "flashmask_attention", "softmax_mask_fuse_upper_triangle")},
     "softmax_mask_fuse": ("paddle.incubate.softmax_mask_fuse",),
+    # diagonals, sliding windows, scatters into a slice (spmd_rules/diag_ops.py); F.unfold (patches of an image)
+    # holds the rule name "unfold", so Tensor.unfold / paddle.unfold (windows along one axis) is "unfold_windows"
+    "unfold_windows": ("paddle.unfold", _T + "unfold"),
+    "fill_diagonal_": (_T + "fill_diagonal_",),
+    "fill_diagonal_tensor": (_T + "fill_diagonal_tensor",),
+    "diag_embed": _fn("diag_embed", extra=("paddle.nn.functional.diag_embed",)),
+    **{n: _fn(n) for n in ("diag", "diagflat", "diagonal_scatter", "select_scatter", "slice_scatter",
+                           "as_strided")},
 }
+
+# paths that are paddle's in-place form of an op with no out-of-place form: the rule computes the result (its
+# local op on a copy) and the tensor takes it, as for ``x.add_`` next to ``add``
+IN_PLACE_PATHS = frozenset({_T + "fill_diagonal_"})
 
 ARG_MAP: dict = {
     _T + "__radd__": "swap",

@@ -59,7 +59,7 @@ def test_op_without_rule_raises_naming_register_spmd_rule():
         with pytest.raises(NotImplementedError, match=r"paddle.linalg.det.*register_spmd_rule"):
             paddle.linalg.det(x)
         with pytest.raises(NotImplementedError, match="register_spmd_rule"):
-            x.unfold(1, 2, 2)                  # Tensor.unfold (sliding windows): no rule; renorm has one now
+            x.cholesky()                       # a decomposition: no rule (Tensor.unfold and renorm have one now)
 
 
 def test_parameter_op_without_rule_is_guarded_too():

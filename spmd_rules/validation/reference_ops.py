@@ -37,6 +37,24 @@ def _cdist(x, y, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary", name
     return cdist(x, y, p, compute_mode)
 
 
+def _einsum_diagonals(equation, *operands):
+    from autoparallel.local_ops import einsum_diagonals
+
+    return einsum_diagonals(equation, *operands)
+
+
+def _fill_diagonal(x, value, offset=0, wrap=False, name=None):
+    from autoparallel.local_ops import fill_diagonal
+
+    return fill_diagonal(x, value, offset, wrap)
+
+
+def _as_strided(x, shape, stride, offset=0, name=None):
+    from autoparallel.local_ops import as_strided
+
+    return as_strided(x, shape, stride, offset)
+
+
 def _squeeze_to(x, axis=None, name=None, *, shape):
     return _paddle().reshape(x, shape)
 
@@ -53,4 +71,7 @@ LOCAL_OPS = {
     "global_mean": _global_mean,
     "row_of_shard": _row_of_shard,
     "cdist": _cdist,
+    "einsum_diagonals": _einsum_diagonals,
+    "fill_diagonal": _fill_diagonal,
+    "as_strided": _as_strided,
 }

@@ -101,7 +101,12 @@ def _impls():
         y[index] = value
         return y
 
-    IMPLS.update(setitem=setitem)
+    def fill_diagonal_(x, value, offset=0, wrap=False, name=None):      # paddle's in-place form, on a copy
+        y = x.clone()
+        y.fill_diagonal_(value, offset, wrap)
+        return y
+
+    IMPLS.update(setitem=setitem, fill_diagonal_=fill_diagonal_)
     IMPLS.update(rms_norm=rms_norm, rotary_embedding=rotary_embedding, sgd=sgd, adamw=adamw, batch_norm=batch_norm)
 
 
@@ -118,6 +123,9 @@ def _cases_matmul():
     add_case("einsum", "bshd,bthd->bhst", f(2, 3, 2, 5), f(2, 5, 2, 5), label="attention-scores")
     add_case("einsum", "ij->j", f(5, 3), label="reduce")
     add_case("einsum", "...ij,jk->...ik", f(2, 5, 6), f(6, 3), label="ellipsis")
+    add_case("einsum", "bii->bi", f(3, 4, 4), label="diagonal")
+    add_case("einsum", "ii,i->i", f(4, 4), f(4), label="diagonal-product")
+    add_case("einsum", "bij,bjj->bi", f(2, 3, 4), f(2, 4, 4), label="diagonal-contraction")
 
 
 def _cases_elementwise():
@@ -350,6 +358,17 @@ def _cases_more():
     add_case("tile", f(5, 3), [2, 1, 1], label="new-dim")
     add_case("unbind", f(3, 4, 2), axis=1)
     add_case("diagonal", f(2, 5, 4), offset=1, axis1=1, axis2=2)
+    add_case("unfold_windows", f(3, 7, 2), 1, 3, 2)
+    add_case("fill_diagonal_", f(5, 3), 2.0, -1, True)
+    add_case("fill_diagonal_tensor", f(3, 5, 4), f(5, 3), 0, 0, 2)
+    add_case("diagonal_scatter", f(3, 5, 4), f(3, 3), 1, 1, 2)
+    add_case("select_scatter", f(3, 5, 4), f(3, 4), 1, 2)
+    add_case("slice_scatter", f(3, 5, 4), f(3, 2, 4), [1], [1], [5], [2])
+    add_case("diag_embed", f(3, 4), 1)
+    add_case("diag", f(5), 1, label="vector")
+    add_case("diag", f(5, 4), -1, label="matrix")
+    add_case("diagflat", f(2, 3))
+    add_case("as_strided", f(3, 5, 4), [4, 3], [5, 2], 8)
     add_case("repeat_interleave", f(5, 3), 2, axis=0)
     add_case("expand_as", f(5, 1), f(5, 4))
     add_case("equal_all", f(5, 3), f(5, 3), grad=False)
