@@ -169,6 +169,8 @@ def _install_composites() -> None:
     from spmd_rules.composites_compat import COMPOSITES as COMPAT_COMPOSITES
     from spmd_rules.composites_rnn import COMPOSITES as RNN_COMPOSITES
     from spmd_rules.composites_fused import COMPOSITES as FUSED_COMPOSITES
+    from spmd_rules.composites_scatter import COMPOSITES as SCATTER_COMPOSITES
+    from spmd_rules.composites_stats import COMPOSITES as STATS_COMPOSITES
 
     from autoparallel import autograd_forms, copy_forms, local_ctc
 
@@ -178,7 +180,8 @@ def _install_composites() -> None:
                 "paddle.nn.functional.ctc_loss": local_ctc.ctc_loss}
     mapping = {}
     for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **RNN_COMPOSITES,
-                     **FUSED_COMPOSITES, **autograd}.items():
+                     **FUSED_COMPOSITES, **SCATTER_COMPOSITES,
+                     **STATS_COMPOSITES, **autograd}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):

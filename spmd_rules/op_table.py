@@ -219,6 +219,10 @@ OP_TABLE: dict = {
     "diag_embed": _fn("diag_embed", extra=("paddle.nn.functional.diag_embed",)),
     **{n: _fn(n) for n in ("diag", "diagflat", "diagonal_scatter", "select_scatter", "slice_scatter",
                            "as_strided")},
+    # value tests and counts, reduce_as (spmd_rules/value_ops.py)
+    **{n: _fn(n) for n in ("isin", "histogram", "histogram_bin_edges", "unique_consecutive", "reduce_as")},
+    "cumulative_trapezoid": _fn("cumulative_trapezoid"),
+    "vander": _fn("vander"),
 }
 
 # paths that are paddle's in-place form of an op with no out-of-place form: the rule computes the result (its

@@ -14,10 +14,7 @@ import pytest
 
 import autoparallel as ap
 from autoparallel.local_ops import einsum_diagonals
-
-
-def _x(*shape, seed=0):
-    return np.random.default_rng(seed + sum(shape)).standard_normal(shape).astype("float32")
+from layout_sweep_helpers import LAYOUTS, failures, x as _x
 
 
 def _filled(value, offset=0, wrap=False):
@@ -70,57 +67,9 @@ CASES = {   # name: (f, input arrays, reference f or None for f itself on plain 
 }
 
 
-def _one(kind, ndim):
-    """One input's placements for a layout kind (a dim past the input's rank stays R)."""
-    if kind in ("S0", "S1", "S2"):
-        return [ap.Shard(int(kind[1]))] if int(kind[1]) < ndim else [ap.Replicate()]
-    if kind == "P":
-        return [ap.Partial()]
-    two = {"S0,Slast": [ap.Shard(0), ap.Shard(ndim - 1)], "P,S0": [ap.Partial(), ap.Shard(0)],
-           "Slast,P": [ap.Shard(ndim - 1), ap.Partial()], "S0,S0": [ap.Shard(0), ap.Shard(0)]}
-    return two[kind]
-
-
-LAYOUTS = {"S0": [4], "S1": [4], "S2": [4], "P": [4], "S0,Slast": [2, 2], "P,S0": [2, 2], "Slast,P": [2, 2],
-           "S0,S0": [2, 2]}
-
-
-def _full(t):
-    return t.full().numpy() if hasattr(t, "full") else t.numpy()
-
-
-def _reference(fn, xs):
-    ins = [paddle.to_tensor(x, stop_gradient=False) for x in xs]
-    out = fn(*ins)
-    weight = np.random.default_rng(9).standard_normal(out.shape).astype("float32")
-    (out * paddle.to_tensor(weight)).sum().backward()
-    return out.numpy(), weight, [t.grad.numpy() if t.grad is not None else np.zeros_like(x) for t, x in zip(ins, xs)]
-
-
-def _distributed(fn, xs, weight, kind):
-    shape = LAYOUTS[kind]
-    with ap.simulate(world_size=4):
-        mesh = ap.ProcessMesh(np.arange(4).reshape(shape).tolist(), dim_names=["a", "b"][:len(shape)])
-        ins = [ap.shard_tensor(paddle.to_tensor(x, stop_gradient=False), mesh, _one(kind, x.ndim)) for x in xs]
-        out = fn(*ins)
-        (out * paddle.to_tensor(weight)).sum().backward()
-        return _full(out), [_full(t.grad) if t.grad is not None else np.zeros_like(x) for t, x in zip(ins, xs)]
-
-
-def _failures(kind) -> list:
-    failures = []
-    for name, (fn, xs, ref) in CASES.items():
-        want, weight, want_grads = _reference(ref or fn, xs)
-        got, grads = _distributed(fn, xs, weight, kind)
-        pairs = [("value", got, want)] + [(f"grad {i}", a, b) for i, (a, b) in enumerate(zip(grads, want_grads))]
-        failures += [f"{name} {what}" for what, g, w in pairs
-                     if g.shape != w.shape or not np.allclose(g, w, rtol=1e-4, atol=1e-5)]
-    return failures
-
-
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
 def test_diagonal_window_and_scatter_ops_equal_the_whole_tensor(kind):
-    assert _failures(kind) == []
+    assert failures(CASES, kind) == []
     assert len(CASES) == 28                  # every entry of the table ran
 
 

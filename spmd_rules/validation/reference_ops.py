@@ -55,6 +55,12 @@ def _as_strided(x, shape, stride, offset=0, name=None):
     return as_strided(x, shape, stride, offset)
 
 
+def _histogram_shard(input, bins=100, min=0.0, max=0.0, weight=None, density=False, name=None):
+    from autoparallel.local_ops import histogram_shard
+
+    return histogram_shard(input, bins, min, max, weight, density)
+
+
 def _squeeze_to(x, axis=None, name=None, *, shape):
     return _paddle().reshape(x, shape)
 
@@ -74,4 +80,5 @@ LOCAL_OPS = {
     "einsum_diagonals": _einsum_diagonals,
     "fill_diagonal": _fill_diagonal,
     "as_strided": _as_strided,
+    "histogram_shard": _histogram_shard,
 }

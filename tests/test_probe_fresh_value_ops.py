@@ -1,0 +1,149 @@
+"""Scatter, count, statistics and in-place composite ops on distributed tensors, against paddle on the whole tensor
+(values and every input's gradient) over the layouts of tests/layout_sweep_helpers.py. They were refused:
+``scatter_add`` / ``scatter_add_`` / ``scatter_reduce`` (every reduce, ``include_self``), ``scatter_nd``,
+``block_diag``, ``meshgrid``, ``cartesian_prod``, ``combinations``, ``isin``, ``histogram`` (an explicit range:
+shards counted apart and summed; the data's own range; weights; density), ``histogram_bin_edges``,
+``unique_consecutive``, ``reduce_as``, ``linalg.cov`` (rows or columns, ``ddof``, frequency and analytic
+weights, a vector) and ``linalg.corrcoef``, ``cumulative_trapezoid``, ``vander``, and the in-place ``addmm_`` /
+``baddbmm_`` / ``ldexp_``."""
+import numpy as np
+import paddle
+import pytest
+
+import autoparallel as ap
+from layout_sweep_helpers import LAYOUTS, failures, x as _x
+
+_IDX = np.random.default_rng(3).integers(0, 6, (4, 3, 5))          # row picks along dim 1 of a [4, 6, 5] tensor
+_FW = np.array([1, 2, 1, 3, 1, 1, 2], "int64")                    # frequency weights of 7 observations
+
+
+def _idx():
+    return paddle.to_tensor(_IDX)
+
+
+def _scatter_add_(a, s):
+    c = a * 1.0
+    c.scatter_add_(1, _idx(), s)
+    return c
+
+
+def _addmm_(i, a, b):
+    c = i * 1.0
+    c.addmm_(a, b, 0.5, 2.0)
+    return c
+
+
+def _baddbmm_(i, a, b):
+    c = i * 1.0
+    paddle.baddbmm_(c, a, b, 0.5, 2.0)
+    return c
+
+
+def _ldexp_(a):
+    c = a * 1.0
+    c.ldexp_(paddle.to_tensor(np.array([1, 2, 0, 3, 1], "int32")))
+    return c
+
+
+def _counted(h):
+    """A count (no gradient in paddle) joined to a differentiable input, so the table's backward runs."""
+    return lambda a, *rest: a.sum() * 0 + h(a, *rest).astype("float32")
+
+
+CASES = {   # name: (f, input arrays, reference f or None for f itself on plain tensors)
+    "scatter_add": (lambda a, s: paddle.scatter_add(a, 1, _idx(), s), [_x(4, 6, 5), _x(4, 3, 5)], None),
+    "scatter_add_": (_scatter_add_, [_x(4, 6, 5), _x(4, 3, 5)], None),
+    **{f"scatter_reduce_{r}": ((lambda r: lambda a, s: paddle.scatter_reduce(a, 1, _idx(), s, r))(r),
+                               [_x(4, 6, 5), _x(4, 3, 5)], None) for r in ("sum", "prod", "mean", "amin", "amax")},
+    "scatter_reduce_without_self": (lambda a, s: paddle.scatter_reduce(a, 1, _idx(), s, "amax", include_self=False),
+                                    [_x(4, 6, 5), _x(4, 3, 5)], None),
+    "scatter_nd": (lambda u: paddle.scatter_nd(paddle.to_tensor([[1], [3], [1]]), u, [6, 5]), [_x(3, 5)], None),
+    "block_diag": (lambda a, b: paddle.block_diag([a, b, a[0]]), [_x(3, 4), _x(2, 5)], None),
+    "meshgrid": (lambda a, b: paddle.stack(paddle.meshgrid(a, b)), [_x(5), _x(6)], None),
+    "meshgrid_list": (lambda a, b: sum(paddle.meshgrid([a, b])) * 2.0, [_x(5), _x(6)], None),
+    "cartesian_prod": (lambda a, b: paddle.cartesian_prod([a, b]), [_x(5), _x(6)], None),
+    "combinations": (lambda a: paddle.combinations(a), [_x(5)], None),
+    "combinations_3_replacement": (lambda a: paddle.combinations(a, 3, True), [_x(4)], None),
+    "isin": (lambda a: a * paddle.isin(a, a[0, :2, 1]).astype("float32"), [np.round(_x(4, 6, 5))], None),
+    "histogram_range": (_counted(lambda a: paddle.histogram(a, 5, -1.0, 1.0)), [_x(4, 6, 5)], None),
+    "histogram_data_range": (_counted(lambda a: paddle.histogram(a, 5)), [_x(4, 6, 5)], None),
+    "histogram_weight": (_counted(lambda a, w: paddle.histogram(a, 5, -1.0, 1.0, weight=w)),
+                         [_x(4, 6, 5), np.abs(_x(4, 6, 5))], None),
+    "histogram_density": (_counted(lambda a: paddle.histogram(a, 5, -1.0, 1.0, density=True)), [_x(4, 6, 5)], None),
+    "histogram_bin_edges": (_counted(lambda a: paddle.histogram_bin_edges(a, 5)), [_x(4, 6, 5)], None),
+    "unique_consecutive": (_counted(lambda a: paddle.unique_consecutive(a.flatten().round().astype("int64"))[None]),
+                           [_x(4, 6, 5)], None),
+    "reduce_as": (lambda a, t: paddle.reduce_as(a, t), [_x(4, 6, 5), _x(6, 1)], None),
+    "cov": (lambda a: paddle.linalg.cov(a), [_x(4, 7)], None),
+    "cov_columns": (lambda a: paddle.linalg.cov(a, rowvar=False, ddof=False), [_x(4, 7)], None),
+    "cov_vector": (lambda a: paddle.linalg.cov(a[0])[None], [_x(4, 7)], None),
+    "cov_weights": (lambda a, w: paddle.linalg.cov(a, fweights=paddle.to_tensor(_FW), aweights=w),
+                    [_x(4, 7), np.abs(_x(7)) + 0.1], None),
+    "corrcoef": (lambda a: paddle.linalg.corrcoef(a), [_x(4, 7)], None),
+    "cumulative_trapezoid": (lambda a: paddle.cumulative_trapezoid(a, dx=0.5, axis=1), [_x(4, 7)], None),
+    "cumulative_trapezoid_x": (lambda a, t: paddle.cumulative_trapezoid(a, t.abs().cumsum(1)), [_x(4, 7), _x(4, 7)],
+                               None),
+    "vander": (lambda a: paddle.vander(a, 4), [_x(6)], None),
+    "addmm_": (_addmm_, [_x(6, 4), _x(6, 5), _x(5, 4)], None),
+    "baddbmm_": (_baddbmm_, [_x(2, 6, 4), _x(2, 6, 5), _x(2, 5, 4)], None),
+    "ldexp_": (_ldexp_, [_x(6, 5)], None),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_scatter_count_and_statistics_ops_equal_the_whole_tensor(kind):
+    assert failures(CASES, kind) == []
+    assert len(CASES) == 34                  # every entry of the table ran
+
+
+def _laid_out(a, placements, n=4):
+    mesh = ap.ProcessMesh(list(range(n)), dim_names=["a"])
+    return ap.shard_tensor(paddle.to_tensor(a), mesh, placements)
+
+
+def test_hand_computed_values():
+    """Figures written out: scatter_add of ones at rows [0, 2, 0] of a 3-row zero column gives [2, 0, 1];
+    histogram of 0.5, 1.5, 1.5, 2.5, 3.5, 3.9 in 4 bins over [0, 4] counts 1, 2, 1, 2 (each rank counts its
+    shard, the Partial sum is the whole count); block_diag of [[1]] and [[2, 3]] is [[1, 0, 0], [0, 2, 3]];
+    cov of the rows [1, 2, 3] and [2, 4, 6] is [[1, 2], [2, 4]] (ddof 1); isin of 1..6 in [2, 5] is true at 2, 5."""
+    with ap.simulate(world_size=2):
+        z = _laid_out(np.zeros((3, 1), "float32"), [ap.Shard(0)], 2)
+        ones = _laid_out(np.ones((3, 1), "float32"), [ap.Shard(0)], 2)
+        got = paddle.scatter_add(z, 0, paddle.to_tensor([[0], [2], [0]]), ones).full().numpy()
+        assert got.ravel().tolist() == [2, 0, 1]
+        v = _laid_out(np.array([0.5, 1.5, 1.5, 2.5, 3.5, 3.9], "float32"), [ap.Shard(0)], 2)
+        h = paddle.histogram(v, 4, 0.0, 4.0)
+        assert [str(p) for p in h.placements] == ["P(sum)"]
+        assert h.full().numpy().tolist() == [1, 2, 1, 2]
+        a, b = _laid_out(np.ones((1, 1), "float32"), [ap.Replicate()], 2), \
+            _laid_out(np.array([[2, 3]], "float32"), [ap.Shard(1)], 2)
+        assert paddle.block_diag([a, b]).full().numpy().tolist() == [[1, 0, 0], [0, 2, 3]]
+        m = _laid_out(np.array([[1, 2, 3], [2, 4, 6]], "float32"), [ap.Shard(1)], 2)
+        assert np.allclose(paddle.linalg.cov(m).full().numpy(), [[1, 2], [2, 4]])
+        t = _laid_out(np.arange(1, 7, dtype="float32"), [ap.Shard(0)], 2)
+        assert paddle.isin(t, paddle.to_tensor([2.0, 5.0])).full().numpy().tolist() == \
+            [False, True, False, False, True, False]
+
+
+def test_in_place_composite_on_a_leaf_that_requires_a_gradient_is_refused():
+    """paddle refuses ``addmm_`` on a leaf tensor that requires a gradient; so does its distributed form."""
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["a"])
+        leaf = ap.shard_tensor(paddle.to_tensor(_x(6, 4), stop_gradient=False), mesh, [ap.Shard(0)])
+        with pytest.raises(ValueError, match="leaf tensor"):
+            leaf.addmm_(paddle.to_tensor(_x(6, 5)), paddle.to_tensor(_x(5, 4)))
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda a: paddle.scatter_reduce(a, 0, paddle.zeros([2, 4], "int64"), a[:2], "median"), ValueError, "reduce"),
+    (lambda a: paddle.histogram(a, 0), ValueError, "bins"),
+    (lambda a: paddle.histogram(a, 4, 2.0, 1.0), ValueError, "max must be >= min"),
+    (lambda a: paddle.reduce_as(a, a[:2, :3]), ValueError, "target's shape"),
+    (lambda a: paddle.combinations(a), TypeError, "1-D"),
+    (lambda a: paddle.linalg.cov(a.unsqueeze(0)), ValueError, "1 or 2 dims"),
+])
+def test_bad_arguments_get_a_typed_error(call, error, match):
+    with ap.simulate(world_size=4):
+        a = _laid_out(_x(4, 4), [ap.Shard(0)])
+        with pytest.raises(error, match=match):
+            call(a)
