@@ -138,7 +138,8 @@ def histogram_shard(input, bins=100, min=0.0, max=0.0, weight=None, density=Fals
     return zeros
 
 
-PER_RANK = {"histogram_shard": histogram_shard, "einsum_diagonals": einsum_diagonals, "fill_diagonal": fill_diagonal, "as_strided": as_strided, "cdist": cdist, "reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
+PER_RANK = {"histogram_shard": histogram_shard, "einsum_diagonals": einsum_diagonals, "fill_diagonal": fill_diagonal,
+            "as_strided": as_strided, "cdist": cdist, "reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
             "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape, "squeeze_to": squeeze_to}
 
 

@@ -88,6 +88,12 @@ Local ops the runtime provides (same arguments as the paddle op, plus ``local_at
 * ``global_mean`` (local): ``sum(x, axis, keepdim) / global_count``; output P(sum).
 * ``squeeze_to`` (local): ``reshape(x, shape)`` to the rank's output shape (squeeze of a sharded tensor).
 * ``reshape_to`` (local): ``reshape(x, shape)`` to the rank's output shape (flatten of a sharded tensor).
+* ``einsum_diagonals`` (local): an einsum repeating a label inside one operand, as ``paddle.diagonal`` of
+  those (whole) dims, then the einsum of the rewritten equation (``einsum.diagonal_steps``).
+* ``fill_diagonal`` (local): paddle's in-place ``fill_diagonal_`` on a copy of the whole tensor.
+* ``as_strided`` (local): ``paddle.as_strided`` on a copy (the storage of a view would be read otherwise).
+* ``histogram_shard`` (local): one shard's histogram over an explicit range (a Partial(sum) term); an empty
+  shard gives zero counts.
 * ``vocab_parallel_cross_entropy`` (collectives): class axis sharded over ``class_mesh_dims`` (this rank
   holds [class_start, class_end)); all-reduce max logit, sum of exps and target logit; for 'mean' over a
   batch sharded on ``batch_mesh_dims`` divide by the all-reduced valid count.

@@ -2,9 +2,9 @@
 every input's gradient under a random output weighting), with the inputs split along each of their dims on a
 4-rank mesh (uneven shards: 6 and 5 rows over 4 ranks), Partial, and on a 2 x 2 mesh (two dims split, a dim split
 twice, Partial beside a split). They were refused: einsum with a label repeated inside one operand ("ii->i",
-"bii->bi", "iij->ij", "ii,i->i", mixed with contractions), ``Tensor.unfold`` / ``paddle.unfold`` (windows along
-an axis), ``fill_diagonal_`` (offsets, ``wrap``, 3-d), ``fill_diagonal_tensor`` and its in-place form,
-``diagonal_scatter``, ``select_scatter``, ``slice_scatter``, ``diag_embed`` (also ``F.diag_embed``), ``diag``
+"bii->bi", "iij->ij", "...ii->...i", "ii,i->i", mixed with contractions), ``Tensor.unfold`` /
+``paddle.unfold`` (windows along an axis), ``fill_diagonal_`` (offsets, ``wrap``, 3-d), ``fill_diagonal_tensor``
+and its in-place form, ``diagonal_scatter``, ``select_scatter``, ``slice_scatter``, ``diag_embed`` (also ``F.diag_embed``), ``diag``
 (vector and matrix, a padding value), ``diagflat``, ``as_strided``. Hand-computed values pin the forms whose
 reference is not paddle's own call (paddle 3.3's einsum fails on "iij->ij")."""
 import numpy as np
@@ -43,6 +43,7 @@ CASES = {   # name: (f, input arrays, reference f or None for f itself on plain 
     "einsum_ii_i_i": (lambda a, b: paddle.einsum("ii,i->i", a, b), [_x(6, 6), _x(6)], None),
     "einsum_contract_diag": (lambda a, b: paddle.einsum("bij,bjj->bi", a, b), [_x(4, 6, 5), _x(4, 5, 5)], None),
     "einsum_diag_outer": (lambda a, b: paddle.einsum("bii,bj->bij", a, b), [_x(4, 5, 5), _x(4, 6)], None),
+    "einsum_ellipsis_diag": (lambda a: paddle.einsum("...ii->...i", a), [_x(4, 5, 5)], None),
     "unfold": (lambda a: a.unfold(1, 2, 2), [_x(4, 6, 5)], None),
     "unfold_overlap": (lambda a: paddle.unfold(a, 2, 3, 1), [_x(4, 6, 5)], None),
     "unfold_rows": (lambda a: a.unfold(0, 3, 1), [_x(6, 5)], None),
@@ -70,7 +71,7 @@ CASES = {   # name: (f, input arrays, reference f or None for f itself on plain 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
 def test_diagonal_window_and_scatter_ops_equal_the_whole_tensor(kind):
     assert failures(CASES, kind) == []
-    assert len(CASES) == 28                  # every entry of the table ran
+    assert len(CASES) == 29                  # every entry of the table ran
 
 
 def _mesh_and(x, placements):
