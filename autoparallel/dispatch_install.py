@@ -171,6 +171,7 @@ def _install_composites() -> None:
     from spmd_rules.composites_fused import COMPOSITES as FUSED_COMPOSITES
     from spmd_rules.composites_scatter import COMPOSITES as SCATTER_COMPOSITES
     from spmd_rules.composites_stats import COMPOSITES as STATS_COMPOSITES
+    from spmd_rules.composites_fill import COMPOSITES as FILL_COMPOSITES
 
     from autoparallel import autograd_forms, copy_forms, local_ctc
 
@@ -181,7 +182,7 @@ def _install_composites() -> None:
     mapping = {}
     for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **RNN_COMPOSITES,
                      **FUSED_COMPOSITES, **SCATTER_COMPOSITES,
-                     **STATS_COMPOSITES, **autograd}.items():
+                     **STATS_COMPOSITES, **FILL_COMPOSITES, **autograd}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):

@@ -5,7 +5,8 @@
 shards counted apart and summed; the data's own range; weights; density), ``histogram_bin_edges``,
 ``unique_consecutive``, ``reduce_as``, ``linalg.cov`` (rows or columns, ``ddof``, frequency and analytic
 weights, a vector) and ``linalg.corrcoef``, ``cumulative_trapezoid``, ``vander``, and the in-place ``addmm_`` /
-``baddbmm_`` / ``ldexp_``."""
+``baddbmm_`` / ``ldexp_``, and paddle's in-place random fills on an activation (``uniform_`` ... ``geometric_``:
+one draw at the global shape, the single process's values under the same seed)."""
 import numpy as np
 import paddle
 import pytest
@@ -147,3 +148,44 @@ def test_bad_arguments_get_a_typed_error(call, error, match):
         a = _laid_out(_x(4, 4), [ap.Shard(0)])
         with pytest.raises(error, match=match):
             call(a)
+
+
+FILLS = [("uniform_", (-0.5, 0.5)), ("normal_", (1.0, 2.0)), ("exponential_", (2.0,)), ("cauchy_", ()),
+         ("log_normal_", ()), ("bernoulli_", (0.3,)), ("geometric_", (0.4,))]
+FILL_LAYOUTS = [([ap.Shard(0)], [4]), ([ap.Shard(1)], [4]), ([ap.Partial()], [4]), ([ap.Shard(0), ap.Shard(1)], [2, 2])]
+
+
+def _one_process_fill(op, args):
+    paddle.seed(7)
+    t = paddle.zeros([6, 5])
+    getattr(t, op)(*args)
+    return t.numpy()
+
+
+@pytest.mark.parametrize("op, args", FILLS, ids=[f[0] for f in FILLS])
+def test_in_place_random_fills_equal_the_single_process_draw(op, args):
+    """``x.uniform_(...)`` & co. on a distributed activation (they were refused): one draw at the global shape
+    [6, 5] (6 rows over 4 ranks: 2, 2, 2, 0), so the values equal one process's under the same seed; the tensor
+    itself is returned, split as it was (a Partial one becomes R). Negative control: another seed differs."""
+    want = _one_process_fill(op, args)
+    for pl, shape in FILL_LAYOUTS:
+        with ap.simulate(world_size=4):
+            mesh = ap.ProcessMesh(np.arange(4).reshape(shape).tolist(), dim_names=["a", "b"][:len(shape)])
+            x = ap.shard_tensor(paddle.zeros([6, 5]), mesh, pl)
+            paddle.seed(7)
+            assert getattr(x, op)(*args) is x
+            assert np.allclose(x.full().numpy(), want), (op, pl)
+            assert [str(p) for p in x.placements] == ["R" if p.is_partial() else str(p) for p in pl]
+    with ap.simulate(world_size=4):
+        x = ap.shard_tensor(paddle.zeros([6, 5]), ap.ProcessMesh([0, 1, 2, 3], dim_names=["a"]), [ap.Shard(0)])
+        paddle.seed(8)
+        getattr(x, op)(*args)
+        assert not np.allclose(x.full().numpy(), want)
+
+
+def test_uniform_fill_on_a_leaf_that_requires_a_gradient_is_refused():
+    with ap.simulate(world_size=2):
+        x = ap.shard_tensor(paddle.zeros([4, 4]), ap.ProcessMesh([0, 1], dim_names=["a"]), [ap.Shard(0)])
+        x.stop_gradient = False
+        with pytest.raises(ValueError, match="leaf tensor"):
+            x.uniform_()
