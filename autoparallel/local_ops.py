@@ -138,7 +138,18 @@ def histogram_shard(input, bins=100, min=0.0, max=0.0, weight=None, density=Fals
     return zeros
 
 
-PER_RANK = {"histogram_shard": histogram_shard, "einsum_diagonals": einsum_diagonals, "fill_diagonal": fill_diagonal,
+def multiplex_rows(inputs, index, name=None):
+    """``paddle.multiplex`` on one rank's rows; a rank holding no row (5 rows over 4 ranks: 2, 2, 1, 0) gets its
+    empty block joined to every input, since paddle 3.3's multiplex backward divides by the row count (SIGFPE)."""
+    if index.shape[0] != 0:
+        return paddle.multiplex(inputs, index)
+    out = inputs[0] * 0
+    for t in inputs[1:]:
+        out = out + t * 0
+    return out
+
+
+PER_RANK = {"multiplex_rows": multiplex_rows, "histogram_shard": histogram_shard, "einsum_diagonals": einsum_diagonals, "fill_diagonal": fill_diagonal,
             "as_strided": as_strided, "cdist": cdist, "reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
             "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape, "squeeze_to": squeeze_to}
 

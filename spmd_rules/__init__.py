@@ -92,6 +92,7 @@ Local ops the runtime provides (same arguments as the paddle op, plus ``local_at
   those (whole) dims, then the einsum of the rewritten equation (``einsum.diagonal_steps``).
 * ``fill_diagonal`` (local): paddle's in-place ``fill_diagonal_`` on a copy of the whole tensor.
 * ``as_strided`` (local): ``paddle.as_strided`` on a copy (the storage of a view would be read otherwise).
+* ``multiplex_rows`` (local): ``paddle.multiplex`` of the rank's rows; no row: an empty block joined to the inputs.
 * ``histogram_shard`` (local): one shard's histogram over an explicit range (a Partial(sum) term); an empty
   shard gives zero counts.
 * ``vocab_parallel_cross_entropy`` (collectives): class axis sharded over ``class_mesh_dims`` (this rank

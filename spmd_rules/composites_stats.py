@@ -1,6 +1,7 @@
 """Composite ops (see composites.py): ``linalg.cov`` / ``linalg.corrcoef`` (means, ``mm``, ``diag``: paddle 3.3's
-own body in ``paddle/tensor/linalg.py``, every op routed) and ``combinations`` (the index tuples are known from the
-global length; the elements are gathered by them)."""
+own body in ``paddle/tensor/linalg.py``, every op routed), ``combinations`` and ``pdist`` (the index tuples are
+known from the global length; the elements are gathered by them), and ``multigammaln(_)`` / ``frexp``, paddle's own
+python bodies run with their ops routed."""
 from __future__ import annotations
 
 import itertools
@@ -85,4 +86,48 @@ def combinations(x, r=2, with_replacement=False, name=None):
     return paddle.stack([paddle.gather(x, idx[:, k]) for k in range(r)], axis=1)
 
 
-COMPOSITES: dict = {"paddle.linalg.cov": cov, "paddle.linalg.corrcoef": corrcoef, "paddle.combinations": combinations}
+def pdist(x, p=2.0, name=None):
+    """The p-norm distance of every pair of rows i < j of an N x M matrix, in row-major pair order (paddle's): the
+    pairs are known from N; the rows are gathered by them and their difference reduced over the features."""
+    paddle = _p()
+    s = gshape(x)
+    if len(s) != 2:
+        raise ValueError(f"pdist: x must be 2-D (N x M), got shape {list(s)}")
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or p < 0:
+        raise ValueError(f"pdist: p must be a non-negative number, got {p!r}")
+    pairs = list(itertools.combinations(range(s[0]), 2))
+    if not pairs:
+        return x[:0, 0]
+    idx = paddle.to_tensor(pairs, dtype="int64")
+    diff = (paddle.gather(x, idx[:, 0]) - paddle.gather(x, idx[:, 1])).abs()
+    if p == 0:
+        return (diff > 0).astype(diff.dtype).sum(axis=1)
+    if p == float("inf"):
+        return diff.max(axis=1)
+    return diff.pow(p).sum(axis=1).pow(1.0 / p)
+
+
+def _paddle_body(name):
+    """paddle's own python function ``paddle.<name>`` (under dispatch's wrapper): run on distributed tensors, each
+    op in its body is routed (it is written over ops that have rules)."""
+    f = getattr(_p(), name)
+    while getattr(f, "_ap_wrapper", False):
+        f = f.__wrapped__
+    return f
+
+
+def multigammaln(x, p, name=None):
+    return _paddle_body("multigammaln")(x, p)
+
+
+def multigammaln_(x, p, name=None):
+    return _paddle_body("multigammaln_")(x, p)
+
+
+def frexp(x, name=None):
+    return _paddle_body("frexp")(x)
+
+
+COMPOSITES: dict = {"paddle.linalg.cov": cov, "paddle.linalg.corrcoef": corrcoef, "paddle.combinations": combinations,
+                    "paddle.pdist": pdist, "paddle.multigammaln": multigammaln, "paddle.multigammaln_": multigammaln_,
+                    "paddle.frexp": frexp}

@@ -220,7 +220,8 @@ OP_TABLE: dict = {
     **{n: _fn(n) for n in ("diag", "diagflat", "diagonal_scatter", "select_scatter", "slice_scatter",
                            "as_strided")},
     # value tests and counts, reduce_as (spmd_rules/value_ops.py)
-    **{n: _fn(n) for n in ("isin", "histogram", "histogram_bin_edges", "unique_consecutive", "reduce_as")},
+    **{n: _fn(n) for n in ("isin", "histogram", "histogram_bin_edges", "unique_consecutive", "reduce_as",
+                           "shard_index", "multiplex")},
     "cumulative_trapezoid": _fn("cumulative_trapezoid"),
     "vander": _fn("vander"),
 }

@@ -1,5 +1,6 @@
 """Ops reading values to count or test them (``isin``, ``histogram``, ``histogram_bin_edges``,
-``unique_consecutive``) and ``reduce_as`` (a sum down to another tensor's shape).
+``unique_consecutive``), ``reduce_as`` (a sum down to another tensor's shape), ``shard_index`` (elementwise on
+ids) and ``multiplex`` (row i from input ``index[i]``: the rows split alike everywhere).
 
 * ``isin(x, test_x)``: elementwise in ``x`` (any sharding kept), ``test_x`` whole (every element of x is tested
   against all of it). Not linear.
@@ -94,3 +95,34 @@ def reduce_as(x, target, name=None):
     xl = tuple(d for d in range(x.ndim))
     kept = tuple(lead + j if t == x.shape[lead + j] else None for j, t in enumerate(target.shape))
     return labels_result(op, [x, target], [xl, kept], [kept], [(target.shape, x.dtype)], linear={0})
+
+
+@register_spmd_rule("shard_index")
+def shard_index(input, index_num, nshards, shard_id, ignore_value=-1):
+    """Elementwise on integer ids (each id mapped to this shard's range or ``ignore_value``): the sharding kept but
+    on the last dim, which paddle's kernel requires of size 1 (whole: an empty shard of it is refused)."""
+    check_spec("shard_index", "input", input)
+    if not 0 <= shard_id < nshards:
+        raise ValueError(f"shard_index: shard_id must be in [0, {nshards}), got {shard_id}")
+    if input.ndim < 1 or input.shape[-1] != 1:
+        raise ValueError(f"shard_index: input's last dim must be 1, got shape {list(input.shape)}")
+    lab = tuple(range(input.ndim - 1)) + (None,)
+    return labels_result("shard_index", [input], [lab], [lab], [(input.shape, input.dtype)], linear=None)
+
+
+@register_spmd_rule("multiplex")
+def multiplex(inputs, index, name=None):
+    """Row i of the output is row i of ``inputs[index[i]]``: the rows split alike in every input, ``index`` and the
+    output; the other dims keep their sharding in the inputs and the output."""
+    if isinstance(inputs, DistSpec) or not isinstance(inputs, (list, tuple)) or len(inputs) < 2:
+        raise TypeError(f"multiplex: inputs must be a list of at least 2 DistSpecs, got {inputs!r}")
+    for i, s in enumerate(inputs):
+        check_spec("multiplex", f"inputs[{i}]", s)
+        if tuple(s.shape) != tuple(inputs[0].shape):
+            raise ValueError(f"multiplex: every input must have shape {list(inputs[0].shape)}, input {i} has "
+                             f"{list(s.shape)}")
+    check_spec("multiplex", "index", index)
+    lab = tuple(range(inputs[0].ndim))
+    il = (0,) + (None,) * (index.ndim - 1)
+    return labels_result("multiplex", list(inputs) + [index], [lab] * len(inputs) + [il], [lab],
+                         [(inputs[0].shape, inputs[0].dtype)], linear=None, local_op="multiplex_rows")

@@ -5,10 +5,13 @@
 shards counted apart and summed; the data's own range; weights; density), ``histogram_bin_edges``,
 ``unique_consecutive``, ``reduce_as``, ``linalg.cov`` (rows or columns, ``ddof``, frequency and analytic
 weights, a vector) and ``linalg.corrcoef``, ``cumulative_trapezoid``, ``vander``, and the in-place ``addmm_`` /
-``baddbmm_`` / ``ldexp_``, and paddle's in-place random fills on an activation (``uniform_`` ... ``geometric_``:
-one draw at the global shape, the single process's values under the same seed)."""
+``baddbmm_`` / ``ldexp_``, ``pdist`` (also ``F.pdist``), ``multigammaln(_)``, ``frexp``, ``multiplex``,
+``shard_index``, ``paddle.assign(value, output=h)`` into a non-leaf (its gradient reached the value as 1.0 where
+paddle gives the true one: the write ran under no_grad), and paddle's in-place random fills on an activation
+(``uniform_`` ... ``geometric_``: one draw at the global shape, the single process's values under the same seed)."""
 import numpy as np
 import paddle
+import paddle.nn.functional as F
 import pytest
 
 import autoparallel as ap
@@ -44,6 +47,19 @@ def _ldexp_(a):
     c = a * 1.0
     c.ldexp_(paddle.to_tensor(np.array([1, 2, 0, 3, 1], "int32")))
     return c
+
+
+def _multigammaln_(a):
+    c = a.abs() + 3
+    c.multigammaln_(2)
+    return c
+
+
+def _assign_into(a, b):
+    """paddle.assign(value, output=h) with h a non-leaf: h's gradient flows to the value, as in paddle."""
+    h = a * 1.0
+    paddle.assign(b * 2.0, output=h)
+    return h * a
 
 
 def _counted(h):
@@ -88,13 +104,24 @@ CASES = {   # name: (f, input arrays, reference f or None for f itself on plain 
     "addmm_": (_addmm_, [_x(6, 4), _x(6, 5), _x(5, 4)], None),
     "baddbmm_": (_baddbmm_, [_x(2, 6, 4), _x(2, 6, 5), _x(2, 5, 4)], None),
     "ldexp_": (_ldexp_, [_x(6, 5)], None),
+    "pdist": (lambda a: paddle.pdist(a), [_x(5, 4)], None),
+    "pdist_1_functional": (lambda a: F.pdist(a, 1.0), [_x(5, 4)], None),
+    "pdist_inf": (lambda a: paddle.pdist(a, float("inf")), [_x(5, 4)], None),
+    "multigammaln": (lambda a: paddle.multigammaln(a.abs() + 3, 3), [_x(5, 4)], None),
+    "multigammaln_": (_multigammaln_, [_x(5, 4)], None),
+    "frexp": (lambda a: paddle.frexp(a)[0] + paddle.frexp(a)[1], [_x(5, 4) * 10], None),
+    "multiplex": (lambda a, b: paddle.multiplex([a, b], paddle.to_tensor(np.array([[1], [0], [1], [1], [0]], "int32"))),
+                  [_x(5, 4), _x(5, 4, seed=1)], None),
+    "shard_index": (lambda a: a + paddle.shard_index(paddle.to_tensor(np.array([[1], [7], [12], [19], [4]])), 20, 2, 1)
+                    .astype("float32"), [_x(5, 1)], None),
+    "assign_into_output": (_assign_into, [_x(5, 4), _x(5, 4, seed=1)], None),
 }
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
 def test_scatter_count_and_statistics_ops_equal_the_whole_tensor(kind):
     assert failures(CASES, kind) == []
-    assert len(CASES) == 34                  # every entry of the table ran
+    assert len(CASES) == 43                  # every entry of the table ran
 
 
 def _laid_out(a, placements, n=4):

@@ -61,6 +61,12 @@ def _histogram_shard(input, bins=100, min=0.0, max=0.0, weight=None, density=Fal
     return histogram_shard(input, bins, min, max, weight, density)
 
 
+def _multiplex_rows(inputs, index, name=None):
+    from autoparallel.local_ops import multiplex_rows
+
+    return multiplex_rows(inputs, index)
+
+
 def _squeeze_to(x, axis=None, name=None, *, shape):
     return _paddle().reshape(x, shape)
 
@@ -81,4 +87,5 @@ LOCAL_OPS = {
     "fill_diagonal": _fill_diagonal,
     "as_strided": _as_strided,
     "histogram_shard": _histogram_shard,
+    "multiplex_rows": _multiplex_rows,
 }

@@ -379,6 +379,8 @@ def _cases_more():
     add_case("cumulative_trapezoid", f(3, 5, 4), dx=0.5, axis=1)
     add_case("cumulative_trapezoid", f(3, 5), f(3, 5), label="sample-points")
     add_case("vander", f(5), 4, True)
+    add_case("shard_index", ints(20, 5, 1), 20, 2, 1, grad=False)
+    add_case("multiplex", [f(5, 3), f(5, 3), f(5, 3)], T(np.array([[2], [0], [1], [1], [0]], "int32")))
     add_case("repeat_interleave", f(5, 3), 2, axis=0)
     add_case("expand_as", f(5, 1), f(5, 4))
     add_case("equal_all", f(5, 3), f(5, 3), grad=False)
