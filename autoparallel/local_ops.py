@@ -149,7 +149,43 @@ def multiplex_rows(inputs, index, name=None):
     return out
 
 
-PER_RANK = {"multiplex_rows": multiplex_rows, "histogram_shard": histogram_shard, "einsum_diagonals": einsum_diagonals, "fill_diagonal": fill_diagonal,
+def fill_diagonal_tensor_shard(x, y, offset=0, dim1=0, dim2=1, name=None, *, axis1=None, axis2=None):
+    """``fill_diagonal_tensor`` / ``diagonal_scatter`` on one rank's shard (the diagonal dims whole); an empty shard
+    (a kept dim split unevenly: 3 rows over 4 ranks) is returned as it is, joined to ``y``, since paddle 3.3's kernel
+    segfaults (CalMatDims) on an empty x whose diagonal dims are not the trailing ones."""
+    dim1, dim2 = (dim1 if axis1 is None else axis1), (dim2 if axis2 is None else axis2)
+    if 0 not in list(x.shape):
+        return paddle.Tensor.fill_diagonal_tensor(x, y, offset, dim1, dim2)
+    out = x * 1
+    return out + (y.sum() * 0).astype(out.dtype) if not y.stop_gradient else out
+
+
+def _empty_joined(shape, x):
+    """An empty result of ``shape`` for an empty shard ``x``, joined to it so its gradient is defined (an empty
+    tensor, where paddle 3.3's ``vander`` of an empty vector left it undefined)."""
+    out = paddle.zeros(shape, dtype=x.dtype)
+    return out + (x.sum() * 0).astype(out.dtype) if not x.stop_gradient else out
+
+
+def vander(x, n=None, increasing=False, name=None):
+    """``paddle.vander`` of a shard of the vector; an empty shard: _empty_joined."""
+    if x.shape[0] != 0:
+        return paddle.vander(x, n, increasing)
+    return _empty_joined([0, x.shape[0] if n is None else n], x)
+
+
+def unfold_windows(x, axis, size, step, name=None):
+    """``x.unfold(axis, size, step)`` on a shard (the windowed axis whole); an empty shard (a kept dim split
+    unevenly): _empty_joined."""
+    if 0 not in list(x.shape):
+        return paddle.Tensor.unfold(x, axis, size, step)
+    a = axis % len(x.shape)
+    return _empty_joined([((n - size) // step + 1) if d == a else n for d, n in enumerate(x.shape)] + [size], x)
+
+
+PER_RANK = {"vander": vander, "unfold_windows": unfold_windows,
+            "fill_diagonal_tensor_shard": fill_diagonal_tensor_shard, "multiplex_rows": multiplex_rows,
+            "histogram_shard": histogram_shard, "einsum_diagonals": einsum_diagonals, "fill_diagonal": fill_diagonal,
             "as_strided": as_strided, "cdist": cdist, "reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
             "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape, "squeeze_to": squeeze_to}
 

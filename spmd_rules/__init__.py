@@ -92,6 +92,10 @@ Local ops the runtime provides (same arguments as the paddle op, plus ``local_at
   those (whole) dims, then the einsum of the rewritten equation (``einsum.diagonal_steps``).
 * ``fill_diagonal`` (local): paddle's in-place ``fill_diagonal_`` on a copy of the whole tensor.
 * ``as_strided`` (local): ``paddle.as_strided`` on a copy (the storage of a view would be read otherwise).
+* ``fill_diagonal_tensor_shard`` (local): ``fill_diagonal_tensor`` / ``diagonal_scatter`` of a shard; an empty
+  shard returned as it is (paddle's kernel segfaults on some empty inputs).
+* ``unfold_windows``, ``vander`` (local): paddle's op on a shard; an empty shard gets zeros of its output shape
+  joined to it (paddle's vander leaves an empty input's gradient undefined).
 * ``multiplex_rows`` (local): ``paddle.multiplex`` of the rank's rows; no row: an empty block joined to the inputs.
 * ``histogram_shard`` (local): one shard's histogram over an explicit range (a Partial(sum) term); an empty
   shard gives zero counts.

@@ -63,7 +63,7 @@ def unfold_windows(x, axis, size, step, name=None):
     count = (n - size) // step + 1
     shape = tuple(count if d == a else s for d, s in enumerate(x.shape)) + (size,)
     lab = _keep_but(x, {a})
-    return labels_result(op, [x], [lab], [lab + (None,)], [(shape, x.dtype)], linear=ALL)
+    return labels_result(op, [x], [lab], [lab + (None,)], [(shape, x.dtype)], linear=ALL, local_op="unfold_windows")
 
 
 # ---- diagonals -----------------------------------------------------------------------------------------------
@@ -86,7 +86,8 @@ def _fill_diag_tensor(op, x, y, offset, dim1, dim2):
                          f"of shape {list(x.shape)}, offset {offset}, dims ({d1}, {d2}); got {list(y.shape)}")
     xl = _keep_but(x, {d1, d2})
     yl = tuple(rest) + (None,)
-    return labels_result(op, [x, y], [xl, yl], [xl], [(x.shape, promote(x.dtype, y.dtype))], linear="additive")
+    return labels_result(op, [x, y], [xl, yl], [xl], [(x.shape, promote(x.dtype, y.dtype))], linear="additive",
+                         local_op="fill_diagonal_tensor_shard")
 
 
 @register_spmd_rule("fill_diagonal_tensor")

@@ -321,7 +321,8 @@ def vander(x, n=None, increasing=False, name=None):
     n = x.shape[0] if n is None else n
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"vander: n must be a non-negative int, got {n!r}")
-    return labels_result("vander", [x], [(0,)], [(0, None)], [((x.shape[0], n), x.dtype)], linear=None)
+    return labels_result("vander", [x], [(0,)], [(0, None)], [((x.shape[0], n), x.dtype)], linear=None,
+                         local_op="vander")
 
 
 @register_spmd_rule("cdist")

@@ -127,3 +127,20 @@ def test_bad_arguments_get_a_typed_error(call, error, match):
         a = _mesh_and(_x(4, 4), [ap.Shard(0)])
         with pytest.raises(error, match=match):
             call(a)
+
+
+def test_stack_with_an_empty_shard_of_a_constant_keeps_running():
+    """paddle 3.3's stack backward segfaulted (StackGradKernel) when this rank's operand was an empty shard of a
+    tensor needing no gradient (diag_embed's output, a constant) next to one that needs it: 6 rows over 4 ranks
+    leave rank 3 none (the op-chain fuzzer found it, diag_embed then stack). The gradient of sum(stack) with
+    respect to z is 1 everywhere (72 ones), with respect to the embedded input none (paddle's diag_embed has no
+    gradient: its output has stop_gradient=True)."""
+    with ap.simulate(world_size=4):
+        mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["a"])
+        t = ap.shard_tensor(paddle.to_tensor(_x(2, 6), stop_gradient=False), mesh, [ap.Shard(1)])
+        z = ap.shard_tensor(paddle.to_tensor(_x(2, 6, 6), stop_gradient=False), mesh, [ap.Shard(1)])
+        s = paddle.stack([paddle.diag_embed(t), z], 2)
+        assert [tuple(v.shape) for v in s.locals.values()][-1] == (2, 0, 2, 6)
+        s.sum().backward()
+        assert z.grad.full().numpy().tolist() == np.ones((2, 6, 6)).tolist()
+        assert t.grad is None or not np.any(t.grad.full().numpy())

@@ -363,7 +363,36 @@ def do_self(t, ex, form, axis):
     return t @ t.T
 
 
+# ---- diagonals and windows ------------------------------------------------------------------------------
+def gen_diag(rng, shape):
+    """A diagonal read by einsum (two equal dims), sliding windows along an axis, a diagonal embedded, a
+    diagonal written (fill_diagonal_tensor of the tensor's own diagonal, doubled)."""
+    if not shape:
+        return None
+    pairs = [(i, j) for i in range(len(shape)) for j in range(i + 1, len(shape)) if shape[i] == shape[j]]
+    forms = ["unfold"] + (["einsum_diag", "fill_diag"] if pairs else []) + (["diag_embed"] if len(shape) <= 2 else [])
+    form = str(rng.choice(forms))
+    pair = [int(v) for v in pairs[int(rng.integers(len(pairs)))]] if pairs else [0, 0]
+    axis = _axis(rng, shape)
+    if form == "unfold" and shape[axis] < 2:
+        return None
+    return {"form": form, "axis": axis, "pair": pair}, []
+
+
+def do_diag(t, ex, form, axis, pair):
+    if form == "unfold":
+        return t.unfold(axis, 2, 1)
+    if form == "diag_embed":
+        return paddle.diag_embed(t)
+    if form == "fill_diag":
+        return t.fill_diagonal_tensor(paddle.diagonal(t, 0, pair[0], pair[1]) * 2.0, 0, pair[0], pair[1])
+    letters = "abcdefgh"[:t.ndim]
+    term = "".join(letters[pair[0]] if d == pair[1] else letters[d] for d in range(t.ndim))
+    return paddle.einsum(f"{term}->{term.replace(letters[pair[0]], '', 1)}", t)
+
+
 OPS = {
+    "diag": (gen_diag, do_diag),
     "self": (gen_self, do_self),
     "stat": (gen_stat, do_stat),
     "misc": (gen_misc, do_misc),

@@ -67,6 +67,24 @@ def _multiplex_rows(inputs, index, name=None):
     return multiplex_rows(inputs, index)
 
 
+def _fill_diagonal_tensor_shard(x, y, offset=0, dim1=0, dim2=1, name=None, **kw):
+    from autoparallel.local_ops import fill_diagonal_tensor_shard
+
+    return fill_diagonal_tensor_shard(x, y, offset, dim1, dim2, **kw)
+
+
+def _unfold_windows(x, axis, size, step, name=None):
+    from autoparallel.local_ops import unfold_windows
+
+    return unfold_windows(x, axis, size, step)
+
+
+def _vander(x, n=None, increasing=False, name=None):
+    from autoparallel.local_ops import vander
+
+    return vander(x, n, increasing)
+
+
 def _squeeze_to(x, axis=None, name=None, *, shape):
     return _paddle().reshape(x, shape)
 
@@ -88,4 +106,7 @@ LOCAL_OPS = {
     "as_strided": _as_strided,
     "histogram_shard": _histogram_shard,
     "multiplex_rows": _multiplex_rows,
+    "fill_diagonal_tensor_shard": _fill_diagonal_tensor_shard,
+    "unfold_windows": _unfold_windows,
+    "vander": _vander,
 }
