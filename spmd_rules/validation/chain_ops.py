@@ -391,7 +391,35 @@ def do_diag(t, ex, form, axis, pair):
     return paddle.einsum(f"{term}->{term.replace(letters[pair[0]], '', 1)}", t)
 
 
+# ---- scatters into a slice, counts -----------------------------------------------------------------------
+def gen_scatter(rng, shape):
+    """A row written back (select_scatter of the tensor's own row, scaled), a strided slice written back
+    (slice_scatter), scatter_add of the tensor into itself along an axis at random rows, a cumulative trapezoid."""
+    if not shape:
+        return None
+    axis = _axis(rng, shape)
+    form = str(rng.choice(["select", "slice", "scatter_add", "cumtrap"]))
+    if form == "cumtrap" and shape[axis] < 2:
+        return None
+    index = rng.integers(0, shape[axis], size=shape).astype("int64")
+    return {"form": form, "axis": axis, "at": int(rng.integers(shape[axis]))}, \
+        ([("index", index)] if form == "scatter_add" else [])
+
+
+def do_scatter(t, ex, form, axis, at):
+    if form == "select":
+        return paddle.select_scatter(t, paddle.index_select(t, paddle.to_tensor([at]), axis).squeeze(axis) * 2.0,
+                                     axis, at)
+    if form == "slice":
+        return paddle.slice_scatter(t, paddle.slice(t, [axis], [0], [t.shape[axis]]) * 0.5, [axis], [0],
+                                    [t.shape[axis]], [1])
+    if form == "scatter_add":
+        return paddle.scatter_add(t, axis, ex[0], paddle.tanh(t))
+    return paddle.cumulative_trapezoid(t, dx=0.5, axis=axis)
+
+
 OPS = {
+    "scatter": (gen_scatter, do_scatter),
     "diag": (gen_diag, do_diag),
     "self": (gen_self, do_self),
     "stat": (gen_stat, do_stat),
