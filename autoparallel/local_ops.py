@@ -132,10 +132,10 @@ def histogram_shard(input, bins=100, min=0.0, max=0.0, weight=None, density=Fals
     returned float64 for an empty input."""
     if 0 not in list(input.shape):
         return paddle.histogram(input, bins, min, max, weight, density)
-    zeros = paddle.zeros([bins], dtype="float32" if weight is not None or density else "int64")
-    if weight is not None and not weight.stop_gradient:
-        zeros = zeros + weight.sum().astype(zeros.dtype) * 0          # joined: the empty weight gets its gradient
-    return zeros
+    # not joined to the inputs: paddle's histogram gives no gradient (its output has stop_gradient=True), and a rank
+    # whose weight alone got one would hold a gradient where the other ranks hold None (their collectives on it
+    # would then not match: gloo's "op.preamble.length <= op.nbytes" abort in tests/test_diag_ops_dist.py)
+    return paddle.zeros([bins], dtype="float32" if weight is not None or density else "int64")
 
 
 def multiplex_rows(inputs, index, name=None):
@@ -151,13 +151,13 @@ def multiplex_rows(inputs, index, name=None):
 
 def fill_diagonal_tensor_shard(x, y, offset=0, dim1=0, dim2=1, name=None, *, axis1=None, axis2=None):
     """``fill_diagonal_tensor`` / ``diagonal_scatter`` on one rank's shard (the diagonal dims whole); an empty shard
-    (a kept dim split unevenly: 3 rows over 4 ranks) is returned as it is, joined to ``y``, since paddle 3.3's kernel
-    segfaults (CalMatDims) on an empty x whose diagonal dims are not the trailing ones."""
+    (a kept dim split unevenly: 3 rows over 4 ranks) is returned as it is, since paddle 3.3's kernel segfaults
+    (CalMatDims) on an empty x whose diagonal dims are not the trailing ones. ``y`` is not joined: paddle gives it
+    no gradient on any rank, and one rank holding a gradient where the others hold None breaks their collectives."""
     dim1, dim2 = (dim1 if axis1 is None else axis1), (dim2 if axis2 is None else axis2)
     if 0 not in list(x.shape):
         return paddle.Tensor.fill_diagonal_tensor(x, y, offset, dim1, dim2)
-    out = x * 1
-    return out + (y.sum() * 0).astype(out.dtype) if not y.stop_gradient else out
+    return x * 1
 
 
 def _empty_joined(shape, x):
