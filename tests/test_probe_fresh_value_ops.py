@@ -216,3 +216,37 @@ def test_uniform_fill_on_a_leaf_that_requires_a_gradient_is_refused():
         x.stop_gradient = False
         with pytest.raises(ValueError, match="leaf tensor"):
             x.uniform_()
+
+
+_P = np.random.default_rng(0).random((6, 5)).astype("float32")             # probabilities
+_LAM = (np.random.default_rng(1).random((6, 5)) * 3).astype("float32")     # rates, means
+DRAWS = {   # name: (f, input arrays)
+    "bernoulli": (lambda a: paddle.bernoulli(a), [_P]),
+    "bernoulli_p": (lambda a: paddle.bernoulli(a, 0.3), [_P]),
+    "poisson": (lambda a: paddle.poisson(a), [_LAM]),
+    "standard_gamma": (lambda a: paddle.standard_gamma(a + 1), [_LAM]),
+    "binomial": (lambda c, p: paddle.binomial(c, p), [np.full((6, 5), 5.0, "float32"), _P]),
+    "normal_tensor_mean": (lambda m: paddle.normal(m, 2.0), [_LAM]),
+    "normal_tensor_std": (lambda s: paddle.normal(0.0, s), [_LAM]),
+    "log_normal": (lambda m, s: paddle.log_normal(m, s * 0.1), [_LAM, _P]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DRAWS))
+def test_draws_reading_a_distributed_tensor_equal_the_single_process_draw(name):
+    """``paddle.bernoulli(probs)`` & co. with distributed arguments (they were refused as reading values): one draw
+    from the whole value, laid out like the argument (Partial -> R), equal to one process's under seed 5 (a
+    [6, 5] tensor, 6 rows over 4 ranks: 2, 2, 2, 0); negative control: seed 6 differs."""
+    fn, xs = DRAWS[name]
+    paddle.seed(5)
+    want = fn(*[paddle.to_tensor(a) for a in xs]).numpy()
+    for pl, shape in FILL_LAYOUTS:
+        with ap.simulate(world_size=4):
+            mesh = ap.ProcessMesh(np.arange(4).reshape(shape).tolist(), dim_names=["a", "b"][:len(shape)])
+            ins = [ap.shard_tensor(paddle.to_tensor(a), mesh, pl) for a in xs]
+            paddle.seed(5)
+            out = fn(*ins)
+            assert np.array_equal(out.full().numpy(), want), (name, pl)
+            assert [str(p) for p in out.placements] == ["R" if p.is_partial() else str(p) for p in pl]
+            paddle.seed(6)
+            assert not np.array_equal(fn(*ins).full().numpy(), want)
