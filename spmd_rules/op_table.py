@@ -222,6 +222,12 @@ OP_TABLE: dict = {
     # value tests and counts, reduce_as (spmd_rules/value_ops.py)
     **{n: _fn(n) for n in ("isin", "histogram", "histogram_bin_edges", "unique_consecutive", "reduce_as",
                            "shard_index", "multiplex")},
+    # per-matrix linear algebra, whole matrices (spmd_rules/linalg_ops.py)
+    "inv": ("paddle.linalg.inv", "paddle.inverse", _T + "inverse"),
+    **{n: ("paddle.linalg." + n,) for n in ("det", "svd", "svdvals", "eigh", "matrix_exp", "triangular_solve")},
+    **{n: ("paddle.linalg." + n, _T + n) for n in ("slogdet", "qr", "matrix_power", "pinv", "solve",
+                                                   "cholesky_solve")},
+    **{n: ("paddle.linalg." + n, "paddle." + n, _T + n) for n in ("cholesky", "eigvalsh")},
     "cumulative_trapezoid": _fn("cumulative_trapezoid"),
     "vander": _fn("vander"),
 }

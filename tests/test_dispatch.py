@@ -56,10 +56,11 @@ def test_op_without_rule_raises_naming_register_spmd_rule():
     with ap.simulate(2):
         mesh = mesh_from_shape([2])
         x = ap.shard_tensor(paddle.randn([4, 4]), mesh, [ap.Shard(0)])
-        with pytest.raises(NotImplementedError, match=r"paddle.linalg.det.*register_spmd_rule"):
-            paddle.linalg.det(x)
+        with pytest.raises(NotImplementedError, match=r"paddle.linalg.lu.*register_spmd_rule"):
+            paddle.linalg.lu(x)                # pivots: no rule (det and the other per-matrix ops have one now)
         with pytest.raises(NotImplementedError, match="register_spmd_rule"):
-            x.cholesky()                       # a decomposition: no rule (Tensor.unfold and renorm have one now)
+            x.lu()                             # a decomposition with pivots: no rule (Tensor.unfold, renorm, cholesky
+                                               # have one now)
 
 
 def test_parameter_op_without_rule_is_guarded_too():
@@ -68,7 +69,7 @@ def test_parameter_op_without_rule_is_guarded_too():
         layer = paddle.nn.Linear(4, 4)
         ap.shard_layer(layer, mesh)
         with pytest.raises(NotImplementedError, match="register_spmd_rule"):
-            paddle.linalg.det(layer.weight)
+            paddle.linalg.lu(layer.weight)
 
 
 def test_mixing_meshes_is_an_error():

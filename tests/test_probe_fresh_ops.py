@@ -215,10 +215,10 @@ SAME_SHAPE = {     # name: f(a, b) with a and b both [4, 6, 8]
 }
 
 
-REFUSED = {     # no spmd rule: a NotImplementedError naming the op and register_spmd_rule (Tensor.unfold has a rule
-                #  now, "unfold_windows": tests/test_probe_fresh_diag_ops.py)
-    "cholesky": lambda a, b: paddle.linalg.cholesky(a),
-    "cholesky_method": lambda a, b: a.cholesky(),
+REFUSED = {     # no spmd rule: a NotImplementedError naming the op and register_spmd_rule (Tensor.unfold and cholesky
+                #  have rules now: tests/test_probe_fresh_diag_ops.py, test_probe_fresh_value_ops.py)
+    "lu": lambda a, b: paddle.linalg.lu(a),
+    "lu_method": lambda a, b: a.lu(),
 }
 
 

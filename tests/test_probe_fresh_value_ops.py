@@ -7,8 +7,10 @@ shards counted apart and summed; the data's own range; weights; density), ``hist
 weights, a vector) and ``linalg.corrcoef``, ``cumulative_trapezoid``, ``vander``, and the in-place ``addmm_`` /
 ``baddbmm_`` / ``ldexp_``, ``pdist`` (also ``F.pdist``), ``multigammaln(_)``, ``frexp``, ``multiplex``,
 ``shard_index``, ``paddle.assign(value, output=h)`` into a non-leaf (its gradient reached the value as 1.0 where
-paddle gives the true one: the write ran under no_grad), and paddle's in-place random fills on an activation
-(``uniform_`` ... ``geometric_``: one draw at the global shape, the single process's values under the same seed)."""
+paddle gives the true one: the write ran under no_grad), the per-matrix ``paddle.linalg`` ops (inv, det, slogdet,
+cholesky, qr, svd, eigh, matrix_power, matrix_exp, pinv, solve, triangular_solve, cholesky_solve), and paddle's
+in-place random fills on an activation (``uniform_`` ... ``geometric_``: one draw at the global shape, the single
+process's values under the same seed)."""
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -60,6 +62,23 @@ def _assign_into(a, b):
     h = a * 1.0
     paddle.assign(b * 2.0, output=h)
     return h * a
+
+
+def _spd(b, n):
+    """b symmetric positive definite n x n matrices, well conditioned (a aT + n I)."""
+    a = np.random.default_rng(11).standard_normal((b, n, n)).astype("float32")
+    return (a @ a.transpose(0, 2, 1) + n * np.eye(n)).astype("float32")
+
+
+_SPD = _spd(3, 4)                                    # a batch of 3: split over 4 ranks, one holds none
+_CHOL = np.linalg.cholesky(_SPD).astype("float32")
+L = paddle.linalg
+
+
+def _qr_both(a):
+    """Q and R both used (paddle's qr backward with R alone segfaults: QrGradKernel, in one process too)."""
+    q, r = L.qr(a)
+    return paddle.concat([q, r.transpose([0, 2, 1])], 1)
 
 
 def _counted(h):
@@ -115,13 +134,34 @@ CASES = {   # name: (f, input arrays, reference f or None for f itself on plain 
     "shard_index": (lambda a: a + paddle.shard_index(paddle.to_tensor(np.array([[1], [7], [12], [19], [4]])), 20, 2, 1)
                     .astype("float32"), [_x(5, 1)], None),
     "assign_into_output": (_assign_into, [_x(5, 4), _x(5, 4, seed=1)], None),
+    **{f"linalg_{k}": v for k, v in {
+        "inv": (lambda a: L.inv(a), [_SPD], None),
+        "inverse_method": (lambda a: a.inverse(), [_SPD], None),
+        "det": (lambda a: L.det(a), [_SPD], None),
+        "slogdet": (lambda a: L.slogdet(a), [_SPD], None),
+        "cholesky": (lambda a: L.cholesky(a), [_SPD], None),
+        "cholesky_upper_method": (lambda a: a.cholesky(upper=True), [_SPD], None),
+        "qr": (_qr_both, [_x(3, 5, 4)], None),
+        "svd_values": (lambda a: L.svd(a)[1], [_x(3, 5, 4)], None),
+        "svdvals": (lambda a: L.svdvals(a), [_x(3, 5, 4)], None),
+        "eigvalsh": (lambda a: L.eigvalsh(a), [_SPD], None),
+        "eigh_values": (lambda a: L.eigh(a)[0], [_SPD], None),
+        "matrix_power": (lambda a: L.matrix_power(a, 3) * 1e-3, [_SPD], None),
+        "matrix_power_negative": (lambda a: L.matrix_power(a, -2), [_SPD], None),
+        "matrix_exp": (lambda a: L.matrix_exp(a * 0.02), [_SPD], None),
+        "pinv": (lambda a: L.pinv(a), [_x(3, 5, 4)], None),
+        "solve": (lambda a, y: L.solve(a, y), [_SPD, _x(3, 4, 2)], None),
+        "solve_vectors": (lambda a, y: L.solve(a, y), [_SPD, _x(3, 4)], None),
+        "triangular_solve": (lambda a, y: L.triangular_solve(a, y, upper=False), [_CHOL, _x(3, 4, 2)], None),
+        "cholesky_solve": (lambda y, c: L.cholesky_solve(y, c), [_x(3, 4, 2), _CHOL], None),
+    }.items()},
 }
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
 def test_scatter_count_and_statistics_ops_equal_the_whole_tensor(kind):
     assert failures(CASES, kind) == []
-    assert len(CASES) == 43                  # every entry of the table ran
+    assert len(CASES) == 62                  # every entry of the table ran
 
 
 def _laid_out(a, placements, n=4):

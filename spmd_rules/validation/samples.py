@@ -376,6 +376,20 @@ def _cases_more():
     add_case("histogram_bin_edges", f(5, 4), 6, grad=False)
     add_case("unique_consecutive", ints(6, 4), True, True, grad=False)
     add_case("reduce_as", f(2, 5, 4), f(5, 1))
+    spd = _spd(3, 4)
+    chol = np.linalg.cholesky(spd)
+    for op in ("inv", "det", "slogdet", "cholesky", "eigvalsh"):
+        add_case(op, T(spd))
+    add_case("matrix_exp", T(spd * 0.02))      # paddle's own backward fails on a large norm (an in-place squaring)
+    add_case("matrix_power", T(spd), 2)
+    add_case("eigh", T(spd))
+    add_case("qr", f(3, 5, 4))
+    add_case("svd", f(3, 5, 4), grad=False)
+    add_case("svdvals", f(3, 5, 4))
+    add_case("pinv", f(3, 5, 4))
+    add_case("solve", T(spd), f(3, 4, 2))
+    add_case("triangular_solve", T(chol), f(3, 4, 2), upper=False)
+    add_case("cholesky_solve", f(3, 4, 2), T(chol))
     add_case("cumulative_trapezoid", f(3, 5, 4), dx=0.5, axis=1)
     add_case("cumulative_trapezoid", f(3, 5), f(3, 5), label="sample-points")
     add_case("vander", f(5), 4, True)
@@ -531,6 +545,12 @@ def _cases_interpolate():
     add_case("lp_pool1d", f(2, 3, 8, lo=0.1), 2.0, 2)
     add_case("lp_pool2d", f(2, 3, 6, 6, lo=0.1), 3.0, 2, stride=2)
     add_case("lp_pool2d", f(2, 6, 6, 3, lo=0.1), 2.0, 3, stride=1, padding=1, data_format="NHWC", label="nhwc-pad")
+
+
+def _spd(b, n):
+    """A batch of b symmetric positive definite n x n matrices (well conditioned: a aT + n I)."""
+    a = np.random.default_rng(11).standard_normal((b, n, n))
+    return a @ a.transpose(0, 2, 1) + n * np.eye(n)
 
 
 def _unpool_mask(shape):
