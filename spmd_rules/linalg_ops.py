@@ -1,6 +1,7 @@
 """Per-matrix linear algebra of ``paddle.linalg``: ``inv`` (``paddle.inverse``), ``det``, ``slogdet``, ``cholesky``,
 ``qr``, ``svd``, ``svdvals``, ``eigh``, ``eigvalsh``, ``matrix_power``, ``matrix_exp``, ``pinv``, ``solve``,
-``triangular_solve``, ``cholesky_solve``.
+``triangular_solve``, ``cholesky_solve``, ``matrix_rank``, ``cond``, ``cholesky_inverse``, ``householder_product``,
+``ormqr``, ``lu``, ``lu_unpack``, ``lu_solve`` (``eig`` / ``eigvals`` give complex outputs and stay refused).
 
 Every input whole and every output replicated: each rank runs paddle's own decomposition on the whole matrices, so
 the values (and the signs of singular / eigen vectors, which LAPACK fixes for given input) are one process's. None
@@ -150,3 +151,63 @@ def cholesky_solve(x, y, upper=False, name=None):
     check_spec("cholesky_solve", "x", x)
     _matrices("cholesky_solve", y, square=True)
     return _whole("cholesky_solve", [x, y], [(x.shape, promote(x.dtype, y.dtype))])
+
+
+@register_spmd_rule("matrix_rank")
+def matrix_rank(x, tol=None, hermitian=False, atol=None, rtol=None, name=None):
+    batch, _, _ = _matrices("matrix_rank", x)
+    return _whole("matrix_rank", [x, tol, atol, rtol], [(batch, "int64")])
+
+
+@register_spmd_rule("cond")
+def cond(x, p=None, name=None):
+    batch, _, _ = _matrices("cond", x, square=p not in (None, 2, -2))
+    return _whole("cond", [x], [(batch, _float(x.dtype))])
+
+
+@register_spmd_rule("cholesky_inverse")
+def cholesky_inverse(x, upper=False, name=None):
+    _matrices("cholesky_inverse", x, square=True)
+    return _whole("cholesky_inverse", [x], [(x.shape, x.dtype)])
+
+
+@register_spmd_rule("householder_product")
+def householder_product(x, tau, name=None):
+    _matrices("householder_product", x)
+    check_spec("householder_product", "tau", tau)
+    return _whole("householder_product", [x, tau], [(x.shape, x.dtype)])
+
+
+@register_spmd_rule("ormqr")
+def ormqr(x, tau, y, left=True, transpose=False, name=None):
+    _matrices("ormqr", x)
+    check_spec("ormqr", "tau", tau)
+    check_spec("ormqr", "y", y)
+    return _whole("ormqr", [x, tau, y], [(y.shape, y.dtype)])
+
+
+@register_spmd_rule("lu")
+def lu(x, pivot=True, get_infos=False, name=None):
+    batch, m, n = _matrices("lu", x)
+    metas = [(x.shape, x.dtype), (batch + (min(m, n),), "int32")] + ([(batch, "int32")] if get_infos else [])
+    return _whole("lu", [x], metas)
+
+
+@register_spmd_rule("lu_unpack")
+def lu_unpack(x, y, unpack_ludata=True, unpack_pivots=True, name=None):
+    batch, m, n = _matrices("lu_unpack", x)
+    check_spec("lu_unpack", "y", y)
+    if not (unpack_ludata and unpack_pivots):
+        raise NotImplementedError("lu_unpack: unpack_ludata=False / unpack_pivots=False on distributed tensors are "
+                                  "not supported (paddle returns placeholder tensors there); unpack both")
+    k = min(m, n)
+    return _whole("lu_unpack", [x, y], [(batch + (m, m), x.dtype), (batch + (m, k), x.dtype),
+                                        (batch + (k, n), x.dtype)])
+
+
+@register_spmd_rule("lu_solve")
+def lu_solve(b, lu, pivots, trans="N", name=None):
+    check_spec("lu_solve", "b", b)
+    _matrices("lu_solve", lu, square=True)
+    check_spec("lu_solve", "pivots", pivots)
+    return _whole("lu_solve", [b, lu, pivots], [(b.shape, promote(b.dtype, lu.dtype))])

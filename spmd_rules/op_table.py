@@ -224,9 +224,11 @@ OP_TABLE: dict = {
                            "shard_index", "multiplex")},
     # per-matrix linear algebra, whole matrices (spmd_rules/linalg_ops.py)
     "inv": ("paddle.linalg.inv", "paddle.inverse", _T + "inverse"),
-    **{n: ("paddle.linalg." + n,) for n in ("det", "svd", "svdvals", "eigh", "matrix_exp", "triangular_solve")},
+    **{n: ("paddle.linalg." + n,) for n in ("det", "svd", "svdvals", "eigh", "matrix_exp", "triangular_solve",
+                                            "matrix_rank", "lu_solve")},
     **{n: ("paddle.linalg." + n, _T + n) for n in ("slogdet", "qr", "matrix_power", "pinv", "solve",
-                                                   "cholesky_solve")},
+                                                   "cholesky_solve", "cond", "cholesky_inverse",
+                                                   "householder_product", "ormqr", "lu", "lu_unpack")},
     **{n: ("paddle.linalg." + n, "paddle." + n, _T + n) for n in ("cholesky", "eigvalsh")},
     "cumulative_trapezoid": _fn("cumulative_trapezoid"),
     "vander": _fn("vander"),

@@ -44,4 +44,4 @@ def test_every_call_on_real_ranks_equals_one_process(ranks):
                 bad += [f"{name}@{kind} rank {rank} {what}" for what, g, w in pairs
                         if g.shape != w.shape or not np.allclose(g, w, rtol=1e-4, atol=1e-5)]
     assert bad == []
-    assert len(table) == 29 + 62 and len(ranks) == 4          # every call of both tables, on every rank
+    assert len(table) == 29 + 71 and len(ranks) == 4          # every call of both tables, on every rank

@@ -8,7 +8,8 @@ weights, a vector) and ``linalg.corrcoef``, ``cumulative_trapezoid``, ``vander``
 ``baddbmm_`` / ``ldexp_``, ``pdist`` (also ``F.pdist``), ``multigammaln(_)``, ``frexp``, ``multiplex``,
 ``shard_index``, ``paddle.assign(value, output=h)`` into a non-leaf (its gradient reached the value as 1.0 where
 paddle gives the true one: the write ran under no_grad), the per-matrix ``paddle.linalg`` ops (inv, det, slogdet,
-cholesky, qr, svd, eigh, matrix_power, matrix_exp, pinv, solve, triangular_solve, cholesky_solve), and paddle's
+cholesky, qr, svd, eigh, matrix_power, matrix_exp, pinv, solve, triangular_solve, cholesky_solve, matrix_rank,
+cond, cholesky_inverse, lu, lu_unpack, lu_solve, householder_product, ormqr), and paddle's
 in-place random fills on an activation (``uniform_`` ... ``geometric_``: one draw at the global shape, the single
 process's values under the same seed)."""
 import numpy as np
@@ -79,6 +80,17 @@ def _qr_both(a):
     """Q and R both used (paddle's qr backward with R alone segfaults: QrGradKernel, in one process too)."""
     q, r = L.qr(a)
     return paddle.concat([q, r.transpose([0, 2, 1])], 1)
+
+
+def _lu_unpacked(a):
+    lu, pivots = L.lu(a)
+    p, lower, upper = L.lu_unpack(lu, pivots)
+    return paddle.concat([p, lower, upper], 1)
+
+
+def _lu_solved(a, y):
+    lu, pivots = L.lu(a)
+    return L.lu_solve(y, lu, pivots)
 
 
 def _counted(h):
@@ -154,6 +166,17 @@ CASES = {   # name: (f, input arrays, reference f or None for f itself on plain 
         "solve_vectors": (lambda a, y: L.solve(a, y), [_SPD, _x(3, 4)], None),
         "triangular_solve": (lambda a, y: L.triangular_solve(a, y, upper=False), [_CHOL, _x(3, 4, 2)], None),
         "cholesky_solve": (lambda y, c: L.cholesky_solve(y, c), [_x(3, 4, 2), _CHOL], None),
+        "matrix_rank": (lambda a: L.matrix_rank(a).astype("float32") + a.sum() * 0, [_x(3, 5, 4)], None),
+        "cond": (lambda a: L.cond(a), [_SPD], None),
+        "cond_fro": (lambda a: L.cond(a, "fro"), [_SPD], None),
+        "cholesky_inverse": (lambda c: L.cholesky_inverse(c), [_CHOL[0]], None),
+        "lu": (lambda a: L.lu(a)[0], [_SPD], None),
+        "lu_unpack": (_lu_unpacked, [_SPD], None),
+        "lu_solve": (_lu_solved, [_SPD, _x(3, 4, 2)], None),
+        "householder_product": (lambda a: L.householder_product(a.detach(), paddle.ones([3, 4]) * 0.5) + a.sum() * 0,
+                                [_x(3, 5, 4)], None),         # paddle's backward of it fails (in place in its body)
+        "ormqr": (lambda a, y: L.ormqr(a.detach(), paddle.ones([3, 4]) * 0.5, y.detach()) + (a.sum() + y.sum()) * 0,
+                  [_SPD, _x(3, 4, 2)], None),
     }.items()},
 }
 
@@ -161,7 +184,7 @@ CASES = {   # name: (f, input arrays, reference f or None for f itself on plain 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
 def test_scatter_count_and_statistics_ops_equal_the_whole_tensor(kind):
     assert failures(CASES, kind) == []
-    assert len(CASES) == 62                  # every entry of the table ran
+    assert len(CASES) == 71                  # every entry of the table ran
 
 
 def _laid_out(a, placements, n=4):
