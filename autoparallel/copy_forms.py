@@ -52,6 +52,12 @@ def assign(x, output=None):
     src = as_dist(x) if is_dist(x) else shard_tensor(paddle.to_tensor(x), out.mesh, out.placements)
     if list(src.shape) != list(out.shape):
         raise ValueError(f"paddle.assign: the value has shape {list(src.shape)}, the output {list(out.shape)}")
+    if paddle.is_grad_enabled() and type(output) is DistTensor and not (src.stop_gradient and out.stop_gradient):
+        # paddle's assign_out_ is differentiable: the output's gradient flows to the value (a body such as
+        # multigammaln_'s ``paddle.assign(f(x), x)``); the no_grad write below kept the output's old graph, whose
+        # gradient is the identity (1.0 where paddle gives digamma sums)
+        output[...] = src.astype(out.dtype) if src.dtype != out.dtype else src
+        return output
     src = reshard(src, out.mesh, out.placements)
     with local_mode(), paddle.no_grad():
         for r, t in out.locals.items():

@@ -355,15 +355,30 @@ _CONTRACTING = {"matmul", "linear", "bmm"}
 # ops whose paddle 3.3 CPU kernel leaves the output uninitialised when the contracted dim is empty (this rank's
 # empty shard of it: 6 rows over 4 ranks are 2, 2, 2, 0; bmm of [4, 8, 0] x [4, 0, 8] returned 1e+24's where
 # its Partial term must be zeros), and the equivalent call whose kernel writes the zeros
-_EMPTY_SAFE = {"bmm": paddle.matmul}
+def _stack_by_concat(x, axis=0, name=None):
+    """``paddle.stack`` as a concat of the unsqueezed operands: the same value and gradient. paddle 3.3's stack
+    backward segfaults (StackGradKernel) when an empty operand needs no gradient and another needs one (this rank's
+    empty shard of a constant stacked with an activation: ``stack([c[:, 6:6], z[:, 6:6]], 2)`` with c a
+    stop_gradient tensor crashes one process too)."""
+    return paddle.concat([t.unsqueeze(axis) for t in x], axis=axis)
+
+
+_EMPTY_SAFE = {"bmm": paddle.matmul, "stack": _stack_by_concat}
 
 
 def _empty_safe(op, fn, args):
-    """``fn``, or its equivalent from _EMPTY_SAFE when one of this rank's operands has no elements."""
+    """``fn``, or its equivalent from _EMPTY_SAFE when one of this rank's operands (or of a list operand) has no
+    elements."""
     alt = _EMPTY_SAFE.get(op)
-    if alt is None or not any(isinstance(a, paddle.Tensor) and 0 in a.shape for a in args):
+    if alt is None or not any(_has_empty(a) for a in args):
         return fn
     return alt
+
+
+def _has_empty(a) -> bool:
+    if isinstance(a, (list, tuple)):
+        return any(isinstance(t, paddle.Tensor) and 0 in t.shape for t in a)
+    return isinstance(a, paddle.Tensor) and 0 in a.shape
 
 
 def _empty_operands(args) -> tuple:

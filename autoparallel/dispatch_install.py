@@ -18,7 +18,7 @@ import importlib
 import inspect
 
 import paddle
-from spmd_rules.op_table import OP_TABLE
+from spmd_rules.op_table import IN_PLACE_PATHS, OP_TABLE
 
 from autoparallel import aliases, captured_ops, patches, tensor_forms
 from autoparallel import dispatch as D
@@ -39,7 +39,7 @@ def install_all() -> list:
             if orig is None or getattr(orig, "_ap_routed", None):
                 continue
             D._ORIG[path] = orig
-            w = _routed(op, path, orig)
+            w = tensor_forms.inplace_routed(op, path, orig) if path in IN_PLACE_PATHS else _routed(op, path, orig)
             patches.patch(owner, attr, w)
             routed[id(orig)] = w
     aliases.patch_aliases(routed)
@@ -169,6 +169,9 @@ def _install_composites() -> None:
     from spmd_rules.composites_compat import COMPOSITES as COMPAT_COMPOSITES
     from spmd_rules.composites_rnn import COMPOSITES as RNN_COMPOSITES
     from spmd_rules.composites_fused import COMPOSITES as FUSED_COMPOSITES
+    from spmd_rules.composites_scatter import COMPOSITES as SCATTER_COMPOSITES
+    from spmd_rules.composites_stats import COMPOSITES as STATS_COMPOSITES
+    from spmd_rules.composites_fill import COMPOSITES as FILL_COMPOSITES
 
     from autoparallel import autograd_forms, copy_forms, local_ctc
 
@@ -178,7 +181,8 @@ def _install_composites() -> None:
                 "paddle.nn.functional.ctc_loss": local_ctc.ctc_loss}
     mapping = {}
     for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **RNN_COMPOSITES,
-                     **FUSED_COMPOSITES, **autograd}.items():
+                     **FUSED_COMPOSITES, **SCATTER_COMPOSITES,
+                     **STATS_COMPOSITES, **FILL_COMPOSITES, **autograd}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):

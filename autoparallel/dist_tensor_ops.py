@@ -60,7 +60,7 @@ def method_table() -> dict:
     for op, paths in OP_TABLE.items():
         for path in paths:
             if path.startswith("paddle.Tensor."):
-                table[path[len("paddle.Tensor."):]] = (op, path, False)
+                table[path[len("paddle.Tensor."):]] = (op, path, path in IN_PLACE_PATHS)
     objects = {}
     for op, paths in OP_TABLE.items():
         for path in paths:
@@ -282,6 +282,6 @@ def _namespace() -> dict:
     return ns
 
 
-from spmd_rules.op_table import OP_TABLE  # noqa: E402
+from spmd_rules.op_table import IN_PLACE_PATHS, OP_TABLE  # noqa: E402
 
 OpMethods = type("OpMethods", (), _namespace())

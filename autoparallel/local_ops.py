@@ -96,7 +96,97 @@ def cdist(x, y, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary", name=
     return diff.pow(p).sum(-1).pow(1.0 / p) if p > 0 else (diff > 0).astype(x.dtype).sum(-1)
 
 
-PER_RANK = {"cdist": cdist, "reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
+def einsum_diagonals(equation, *operands):
+    """``paddle.einsum`` of an equation repeating a label inside one operand (``"ii->i"``, ``"bii,bj->bij"``), on
+    shards holding those dims whole: each diagonal taken with ``paddle.diagonal``, then the einsum of the rewritten
+    equation (``spmd_rules.einsum.diagonal_steps``). paddle 3.3's einsum fails on a repeated label leading its term
+    (``"iij->ij"``); this form does not."""
+    from spmd_rules.einsum import diagonal_steps
+
+    ops = list(operands)
+    steps, rewritten = diagonal_steps(equation, [len(t.shape) for t in ops])
+    for i, a1, a2 in steps:
+        ops[i] = paddle.diagonal(ops[i], 0, a1, a2)
+    return paddle.einsum(rewritten, *ops)
+
+
+def fill_diagonal(x, value, offset=0, wrap=False, name=None):
+    """paddle's in-place ``x.fill_diagonal_(value, offset, wrap)`` on a copy of the (whole) local tensor: the
+    caller's tensor takes the result, and a gradient flows to the cells left unfilled."""
+    y = x.clone()
+    y.fill_diagonal_(value, offset, wrap)
+    return y
+
+
+def as_strided(x, shape, stride, offset=0, name=None):
+    """``paddle.as_strided`` on a copy of the (whole) local tensor: paddle's kernel reads the tensor's storage from
+    its holder, so a local tensor that is a view into a larger buffer (a slice kept by a reshard, a Partial term)
+    gave other elements (garbage up to 1e+307 in the rule check); the copy's storage is the tensor's row-major
+    elements, as one process's contiguous tensor is."""
+    return paddle.as_strided(x.clone(), shape, stride, offset)
+
+
+def histogram_shard(input, bins=100, min=0.0, max=0.0, weight=None, density=False, name=None):
+    """``paddle.histogram`` of one shard (a Partial(sum) term of the whole tensor's counts over an explicit range);
+    an empty shard (4 rows over 3 ranks: 2, 2, 0) gives zero counts of paddle's dtype, where paddle 3.3's kernel
+    returned float64 for an empty input."""
+    if 0 not in list(input.shape):
+        return paddle.histogram(input, bins, min, max, weight, density)
+    # not joined to the inputs: paddle's histogram gives no gradient (its output has stop_gradient=True), and a rank
+    # whose weight alone got one would hold a gradient where the other ranks hold None (their collectives on it
+    # would then not match: gloo's "op.preamble.length <= op.nbytes" abort in tests/test_diag_ops_dist.py)
+    return paddle.zeros([bins], dtype="float32" if weight is not None or density else "int64")
+
+
+def multiplex_rows(inputs, index, name=None):
+    """``paddle.multiplex`` on one rank's rows; a rank holding no row (5 rows over 4 ranks: 2, 2, 1, 0) gets its
+    empty block joined to every input, since paddle 3.3's multiplex backward divides by the row count (SIGFPE)."""
+    if index.shape[0] != 0:
+        return paddle.multiplex(inputs, index)
+    out = inputs[0] * 0
+    for t in inputs[1:]:
+        out = out + t * 0
+    return out
+
+
+def fill_diagonal_tensor_shard(x, y, offset=0, dim1=0, dim2=1, name=None, *, axis1=None, axis2=None):
+    """``fill_diagonal_tensor`` / ``diagonal_scatter`` on one rank's shard (the diagonal dims whole); an empty shard
+    (a kept dim split unevenly: 3 rows over 4 ranks) is returned as it is, since paddle 3.3's kernel segfaults
+    (CalMatDims) on an empty x whose diagonal dims are not the trailing ones. ``y`` is not joined: paddle gives it
+    no gradient on any rank, and one rank holding a gradient where the others hold None breaks their collectives."""
+    dim1, dim2 = (dim1 if axis1 is None else axis1), (dim2 if axis2 is None else axis2)
+    if 0 not in list(x.shape):
+        return paddle.Tensor.fill_diagonal_tensor(x, y, offset, dim1, dim2)
+    return x * 1
+
+
+def _empty_joined(shape, x):
+    """An empty result of ``shape`` for an empty shard ``x``, joined to it so its gradient is defined (an empty
+    tensor, where paddle 3.3's ``vander`` of an empty vector left it undefined)."""
+    out = paddle.zeros(shape, dtype=x.dtype)
+    return out + (x.sum() * 0).astype(out.dtype) if not x.stop_gradient else out
+
+
+def vander(x, n=None, increasing=False, name=None):
+    """``paddle.vander`` of a shard of the vector; an empty shard: _empty_joined."""
+    if x.shape[0] != 0:
+        return paddle.vander(x, n, increasing)
+    return _empty_joined([0, x.shape[0] if n is None else n], x)
+
+
+def unfold_windows(x, axis, size, step, name=None):
+    """``x.unfold(axis, size, step)`` on a shard (the windowed axis whole); an empty shard (a kept dim split
+    unevenly): _empty_joined."""
+    if 0 not in list(x.shape):
+        return paddle.Tensor.unfold(x, axis, size, step)
+    a = axis % len(x.shape)
+    return _empty_joined([((n - size) // step + 1) if d == a else n for d, n in enumerate(x.shape)] + [size], x)
+
+
+PER_RANK = {"vander": vander, "unfold_windows": unfold_windows,
+            "fill_diagonal_tensor_shard": fill_diagonal_tensor_shard, "multiplex_rows": multiplex_rows,
+            "histogram_shard": histogram_shard, "einsum_diagonals": einsum_diagonals, "fill_diagonal": fill_diagonal,
+            "as_strided": as_strided, "cdist": cdist, "reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
             "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape, "squeeze_to": squeeze_to}
 
 

@@ -13,6 +13,7 @@ from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
 from autoparallel.context import state as _ctx
 from autoparallel.local_mode import local_mode
 from autoparallel.spec import normalize_dtype
+from spmd_rules.op_table import IN_PLACE_PATHS
 
 
 def inplace_routed(op, path, orig):
@@ -32,14 +33,27 @@ def inplace_routed(op, path, orig):
     return wrapper
 
 
+def _named(path) -> str:
+    """The in-place form's name of a routed path: ``paddle.add`` -> ``paddle.add_``; a path that is itself paddle's
+    in-place form (``op_table.IN_PLACE_PATHS``) as it is."""
+    return path if path in IN_PLACE_PATHS else path + "_"
+
+
+def _out_of_place(path) -> str:
+    """How to get the result without writing in place, for an error message."""
+    if path in IN_PLACE_PATHS:
+        return f"{path} on a copy (x.clone())"
+    return f"the out-of-place {path}"
+
+
 def _check_leaf(path, target) -> None:
     """paddle refuses an in-place op on a leaf tensor that requires a gradient while gradients are recorded."""
     if not paddle.is_grad_enabled() or not D._any_dist((target,), {}) or target.stop_gradient:
         return
     if isinstance(target, DistParameter) or target.is_leaf:
-        raise ValueError(f"{path}_: a leaf tensor that requires a gradient (stop_gradient=False) cannot be changed "
-                         f"in place while gradients are recorded (paddle refuses it too); do it under "
-                         f"paddle.no_grad(), or use the out-of-place {path}")
+        raise ValueError(f"{_named(path)}: a leaf tensor that requires a gradient (stop_gradient=False) cannot be "
+                         f"changed in place while gradients are recorded (paddle refuses it too); do it under "
+                         f"paddle.no_grad(), or use {_out_of_place(path)}")
 
 
 def rebind(path, target, out):
@@ -55,12 +69,12 @@ def rebind(path, target, out):
 
             out = reshard(out, target._ap_spec.mesh, target._ap_spec.placements)
         if out.spec != target._ap_spec:
-            raise NotImplementedError(f"{path}_ would change the distributed parameter {target.name} from "
+            raise NotImplementedError(f"{_named(path)} would change the distributed parameter {target.name} from "
                                       f"{D._specs_str([target._ap_spec])} to {D._specs_str([out.spec])}; in place, a "
-                                      f"parameter keeps its layout: use the out-of-place {path}")
+                                      f"parameter keeps its layout: use {_out_of_place(path)}")
         if not target.stop_gradient and paddle.is_grad_enabled():
-            raise ValueError(f"{path}_: the leaf parameter {target.name} requires a gradient, so it cannot be "
-                             f"changed in place (as paddle refuses); wrap the update in paddle.no_grad()")
+            raise ValueError(f"{_named(path)}: the leaf parameter {target.name} requires a gradient, so it cannot "
+                             f"be changed in place (as paddle refuses); wrap the update in paddle.no_grad()")
         with local_mode(), paddle.no_grad():
             for r, t in target._ap_locals.items():
                 paddle.assign(out._locals[r], output=t)
@@ -72,8 +86,8 @@ def rebind(path, target, out):
         if shadows.shadow(target, out):
             install_shadow_readers()
         return out
-    raise TypeError(f"{path}_: the in-place target is a {type(target).__name__}, which cannot hold a "
-                    f"distributed result; use the out-of-place {path}")
+    raise TypeError(f"{_named(path)}: the in-place target is a {type(target).__name__}, which cannot hold a "
+                    f"distributed result; use {_out_of_place(path)}")
 
 
 def install_shadow_readers() -> None:

@@ -88,6 +88,17 @@ Local ops the runtime provides (same arguments as the paddle op, plus ``local_at
 * ``global_mean`` (local): ``sum(x, axis, keepdim) / global_count``; output P(sum).
 * ``squeeze_to`` (local): ``reshape(x, shape)`` to the rank's output shape (squeeze of a sharded tensor).
 * ``reshape_to`` (local): ``reshape(x, shape)`` to the rank's output shape (flatten of a sharded tensor).
+* ``einsum_diagonals`` (local): an einsum repeating a label inside one operand, as ``paddle.diagonal`` of
+  those (whole) dims, then the einsum of the rewritten equation (``einsum.diagonal_steps``).
+* ``fill_diagonal`` (local): paddle's in-place ``fill_diagonal_`` on a copy of the whole tensor.
+* ``as_strided`` (local): ``paddle.as_strided`` on a copy (the storage of a view would be read otherwise).
+* ``fill_diagonal_tensor_shard`` (local): ``fill_diagonal_tensor`` / ``diagonal_scatter`` of a shard; an empty
+  shard returned as it is (paddle's kernel segfaults on some empty inputs).
+* ``unfold_windows``, ``vander`` (local): paddle's op on a shard; an empty shard gets zeros of its output shape
+  joined to it (paddle's vander leaves an empty input's gradient undefined).
+* ``multiplex_rows`` (local): ``paddle.multiplex`` of the rank's rows; no row: an empty block joined to the inputs.
+* ``histogram_shard`` (local): one shard's histogram over an explicit range (a Partial(sum) term); an empty
+  shard gives zero counts.
 * ``vocab_parallel_cross_entropy`` (collectives): class axis sharded over ``class_mesh_dims`` (this rank
   holds [class_start, class_end)); all-reduce max logit, sum of exps and target logit; for 'mean' over a
   batch sharded on ``batch_mesh_dims`` divide by the all-reduced valid count.
@@ -113,6 +124,7 @@ from spmd_rules import (matmul, elementwise, reduction, softmax, norm, conv, emb
                         padding)
 from spmd_rules import elementwise_more, math_more, nn_more, pooling, conv_transpose, image_ops  # noqa: F401,E402
 from spmd_rules import multimodal, search, fused  # noqa: F401,E402
+from spmd_rules import diag_ops, value_ops, linalg_ops  # noqa: F401,E402
 
 __all__ = ["register_spmd_rule", "get_spmd_rule", "has_spmd_rule", "registered_ops", "unregister_spmd_rule",
            "SpmdResult", "SpmdRule", "NoSpmdRuleError", "flatten_specs", "replace_specs", "MeshDim", "expand",

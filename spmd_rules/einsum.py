@@ -129,7 +129,9 @@ def parse_equation(op: str, equation: str, shapes) -> tuple:
     """``"bij,bjk->bik"`` and operand shapes -> (operand labels, output labels, output shape).
 
     Supports ``...`` (right-aligned broadcast dims, size-1 dims broadcast and become ``None``) and
-    implicit outputs. A label repeated inside one operand (a diagonal) is not supported."""
+    implicit outputs. A label repeated inside one operand (a diagonal, ``"ii->i"``, ``"bii,bj->bij"``) gets
+    ``None`` in every operand and in the output: its dims stay whole everywhere, since the diagonal of a
+    shard is not a shard of the diagonal (the local call then takes it: ``diagonal_steps``)."""
     if not isinstance(equation, str) or not _EQ.match(equation):
         raise ValueError(f"{op}: malformed equation {equation!r}")
     eq = equation.replace(" ", "")
@@ -143,8 +145,6 @@ def parse_equation(op: str, equation: str, shapes) -> tuple:
         if t.count("...") > 1 or t.replace("...", "").count(".") or not re.match(r"^[a-zA-Z.]*$", t):
             raise ValueError(f"{op}: malformed operand term {t!r} in {equation!r}")
         letters = t.replace("...", "")
-        if len(set(letters)) != len(letters):
-            raise NotImplementedError(f"{op}: repeated label in operand {t!r} (diagonals) is not supported")
         e = len(shape) - len(letters)
         if e < 0 or (e > 0 and "..." not in t):
             raise ValueError(f"{op}: operand term {t!r} does not match an operand of shape {list(shape)}")
@@ -209,7 +209,78 @@ def parse_equation(op: str, equation: str, shapes) -> tuple:
                 counts[c] = counts.get(c, 0) + 1
         out = [f"...{j}" for j in range(n_ell)] + sorted(c for c, k in counts.items() if k == 1)
     out_shape = tuple(sizes[lab] for lab in out)
+    diag = diagonal_labels(eq)
+    if diag:
+        labels = [tuple(None if lab in diag else lab for lab in ls) for ls in labels]
+        out = [None if lab in diag else lab for lab in out]
     return labels, tuple(out), out_shape
+
+
+def diagonal_labels(equation: str) -> set:
+    """The labels repeated inside one operand term of ``equation`` (``"bii,bj->bij"`` -> ``{"i"}``)."""
+    lhs = equation.replace(" ", "").partition("->")[0]
+    out = set()
+    for t in lhs.split(","):
+        letters = t.replace("...", "")
+        out |= {c for c in letters if letters.count(c) > 1}
+    return out
+
+
+def _implicit_output(terms) -> str:
+    """numpy's / paddle's output of an equation without ``->``: ``...`` first, then the labels appearing once in
+    the whole equation, sorted (``"ii"`` -> ``""``: a trace)."""
+    letters = "".join(t.replace("...", "") for t in terms)
+    ell = "..." if any("..." in t for t in terms) else ""
+    return ell + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+
+
+def _term_axes(term: str, ndim: int) -> list:
+    """The tokens of one operand term (a letter, or ``...`` standing for the broadcast dims) with the axis each
+    starts at."""
+    width = ndim - len(term.replace("...", ""))
+    tokens, axis, i = [], 0, 0
+    while i < len(term):
+        if term.startswith("...", i):
+            tokens.append(("...", axis))
+            axis += width
+            i += 3
+            continue
+        tokens.append((term[i], axis))
+        axis += 1
+        i += 1
+    return tokens
+
+
+def diagonal_steps(equation: str, ndims) -> tuple:
+    """How to compute an einsum with repeated labels from one without: ``(steps, equation')`` where each step
+    ``(operand, axis1, axis2)`` is a ``paddle.diagonal(operand, 0, axis1, axis2)`` (which puts the diagonal
+    last), taken in order, after which ``equation'`` names every label once per operand (an explicit output is
+    written for an implicit one). ``"iij->ij"`` on a 3-d operand -> ``([(0, 0, 1)], "ji->ij")``. Both the
+    local call of an einsum with diagonals and its check use it (paddle 3.3's own einsum fails on a repeated
+    label leading its term: ``"iij->ij"`` raises "The reduce dim index 1 should be in the range")."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ndims):
+        raise ValueError(f"einsum: equation {equation!r} names {len(terms)} operands, got {len(ndims)}")
+    rhs = rhs if arrow else _implicit_output(terms)
+    steps, new_terms = [], []
+    for i, (term, ndim) in enumerate(zip(terms, ndims)):
+        tokens = [tok for tok, _ in _term_axes(term, ndim)]
+        while any(tok != "..." and tokens.count(tok) > 1 for tok in tokens):
+            c = next(tok for tok in tokens if tok != "..." and tokens.count(tok) > 1)
+            axes = [a for tok, a in _term_axes("".join(tokens), ndim - len(steps_of(steps, i))) if tok == c][:2]
+            steps.append((i, axes[0], axes[1]))
+            first = tokens.index(c)
+            second = tokens.index(c, first + 1)
+            tokens = [tok for k, tok in enumerate(tokens) if k not in (first, second)] + [c]
+        new_terms.append("".join(tokens))
+    return steps, ",".join(new_terms) + "->" + rhs
+
+
+def steps_of(steps, operand: int) -> list:
+    """The diagonal steps already taken on ``operand`` (each removes one dim)."""
+    return [s for s in steps if s[0] == operand]
 
 
 def labels_result(op: str, specs, in_labels, out_labels, out_metas, *, linear=ALL, reduce: str = "sum",
@@ -228,4 +299,5 @@ def einsum_result(op: str, equation: str, specs, *, out_dtype=None, linear=ALL) 
             raise TypeError(f"{op}: operand {i} must be a DistSpec, got {type(s).__name__}")
     labels, out, out_shape = parse_equation(op, equation, [s.shape for s in specs])
     dtype = out_dtype or promote(*[s.dtype for s in specs])
-    return labels_result(op, specs, labels, [out], [(out_shape, dtype)], linear=linear)
+    local = "einsum_diagonals" if diagonal_labels(equation) else None      # diagonals taken first, locally
+    return labels_result(op, specs, labels, [out], [(out_shape, dtype)], linear=linear, local_op=local)

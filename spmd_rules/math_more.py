@@ -296,6 +296,35 @@ def trapezoid(y, x=None, dx=None, axis=-1, name=None):
     return labels_result("trapezoid", [y, x], [yl, xl], [out], [(shape, promote(y.dtype, x.dtype))], linear=None)
 
 
+@register_spmd_rule("cumulative_trapezoid")
+def cumulative_trapezoid(y, x=None, dx=None, axis=-1, name=None):
+    """The running trapezoidal integral along ``axis`` (one value fewer): laid out as ``trapezoid``, the axis kept
+    (whole) in the output."""
+    op = "cumulative_trapezoid"
+    check_spec(op, "y", y)
+    a = norm_axis(op, axis, y.ndim)
+    yl = tuple(None if d == a else d for d in range(y.ndim))
+    shape = tuple(n - 1 if d == a else n for d, n in enumerate(y.shape))
+    if x is None:
+        return labels_result(op, [y], [yl], [yl], [(shape, y.dtype)], linear=None)
+    check_spec(op, "x", x)
+    xl = yl if list(x.shape) == list(y.shape) else (None,) * x.ndim
+    return labels_result(op, [y, x], [yl, xl], [yl], [(shape, promote(y.dtype, x.dtype))], linear=None)
+
+
+@register_spmd_rule("vander")
+def vander(x, n=None, increasing=False, name=None):
+    """Powers of each element of the vector x in a row: x's dim keeps its sharding, the powers are whole."""
+    check_spec("vander", "x", x)
+    if x.ndim != 1:
+        raise ValueError(f"vander: x must be 1-D, got shape {list(x.shape)}")
+    n = x.shape[0] if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"vander: n must be a non-negative int, got {n!r}")
+    return labels_result("vander", [x], [(0,)], [(0, None)], [((x.shape[0], n), x.dtype)], linear=None,
+                         local_op="vander")
+
+
 @register_spmd_rule("cdist")
 def cdist(x, y, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary", name=None):
     """Pairwise p-norm distances ``[..., P, M] x [..., R, M] -> [..., P, R]``: the feature dim M R, the rows P and

@@ -211,7 +211,32 @@ OP_TABLE: dict = {
                        "fused_feedforward", "fused_multi_head_attention", "flash_attn_unpadded",
                        "flashmask_attention", "softmax_mask_fuse_upper_triangle")},
     "softmax_mask_fuse": ("paddle.incubate.softmax_mask_fuse",),
+    # diagonals, sliding windows, scatters into a slice (spmd_rules/diag_ops.py); F.unfold (patches of an image)
+    # holds the rule name "unfold", so Tensor.unfold / paddle.unfold (windows along one axis) is "unfold_windows"
+    "unfold_windows": ("paddle.unfold", _T + "unfold"),
+    "fill_diagonal_": (_T + "fill_diagonal_",),
+    "fill_diagonal_tensor": (_T + "fill_diagonal_tensor",),
+    "diag_embed": _fn("diag_embed", extra=("paddle.nn.functional.diag_embed",)),
+    **{n: _fn(n) for n in ("diag", "diagflat", "diagonal_scatter", "select_scatter", "slice_scatter",
+                           "as_strided")},
+    # value tests and counts, reduce_as (spmd_rules/value_ops.py)
+    **{n: _fn(n) for n in ("isin", "histogram", "histogram_bin_edges", "unique_consecutive", "reduce_as",
+                           "shard_index", "multiplex")},
+    # per-matrix linear algebra, whole matrices (spmd_rules/linalg_ops.py)
+    "inv": ("paddle.linalg.inv", "paddle.inverse", _T + "inverse"),
+    **{n: ("paddle.linalg." + n,) for n in ("det", "svd", "svdvals", "eigh", "matrix_exp", "triangular_solve",
+                                            "matrix_rank", "lu_solve")},
+    **{n: ("paddle.linalg." + n, _T + n) for n in ("slogdet", "qr", "matrix_power", "pinv", "solve",
+                                                   "cholesky_solve", "cond", "cholesky_inverse",
+                                                   "householder_product", "ormqr", "lu", "lu_unpack")},
+    **{n: ("paddle.linalg." + n, "paddle." + n, _T + n) for n in ("cholesky", "eigvalsh")},
+    "cumulative_trapezoid": _fn("cumulative_trapezoid"),
+    "vander": _fn("vander"),
 }
+
+# paths that are paddle's in-place form of an op with no out-of-place form: the rule computes the result (its
+# local op on a copy) and the tensor takes it, as for ``x.add_`` next to ``add``
+IN_PLACE_PATHS = frozenset({_T + "fill_diagonal_"})
 
 ARG_MAP: dict = {
     _T + "__radd__": "swap",

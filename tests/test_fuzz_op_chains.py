@@ -1,5 +1,5 @@
 """Chains of ops on DistTensors (views, slicing, broadcasting, reductions, joins, in-place, where, matmul,
-expand, gather, reshard; uneven shards; 1-d and 2x2 meshes) equal the same chain on full tensors, values and
+expand, gather, reshard, diagonals and windows, scatters into a slice; uneven shards; 1-d and 2x2 meshes) equal the same chain on full tensors, values and
 input gradients. A lean fixed set runs here; AP_FUZZ_CHAINS=N runs N chains."""
 import collections
 import os

@@ -116,8 +116,12 @@ def test_parse_equation():
     assert parse_equation("einsum", "ij,jk", [(2, 3), (3, 4)])[1] == ("i", "k")       # implicit output
     with pytest.raises(ValueError, match="size"):
         parse_equation("einsum", "ij,jk->ik", [(2, 3), (4, 5)])
-    with pytest.raises(NotImplementedError, match="repeated"):
-        parse_equation("einsum", "ii->i", [(3, 3)])
+    # a label repeated inside one operand (a diagonal) is whole everywhere: None in every operand and the output
+    assert parse_equation("einsum", "ii->i", [(3, 3)]) == ([(None, None)], (None,), (3,))
+    assert parse_equation("einsum", "bii,bj->bij", [(2, 3, 3), (2, 5)]) == \
+        ([("b", None, None), ("b", "j")], ("b", None, "j"), (2, 3, 5))
+    with pytest.raises(ValueError, match="size"):
+        parse_equation("einsum", "ii->i", [(3, 4)])          # a diagonal of a non-square pair of dims
 
 
 def test_nested_sharding_kept_by_label_rules():

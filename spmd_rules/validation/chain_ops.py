@@ -363,7 +363,64 @@ def do_self(t, ex, form, axis):
     return t @ t.T
 
 
+# ---- diagonals and windows ------------------------------------------------------------------------------
+def gen_diag(rng, shape):
+    """A diagonal read by einsum (two equal dims), sliding windows along an axis, a diagonal embedded, a
+    diagonal written (fill_diagonal_tensor of the tensor's own diagonal, doubled)."""
+    if not shape:
+        return None
+    pairs = [(i, j) for i in range(len(shape)) for j in range(i + 1, len(shape)) if shape[i] == shape[j]]
+    forms = ["unfold"] + (["einsum_diag", "fill_diag"] if pairs else []) + (["diag_embed"] if len(shape) <= 2 else [])
+    form = str(rng.choice(forms))
+    pair = [int(v) for v in pairs[int(rng.integers(len(pairs)))]] if pairs else [0, 0]
+    axis = _axis(rng, shape)
+    if form == "unfold" and shape[axis] < 2:
+        return None
+    return {"form": form, "axis": axis, "pair": pair}, []
+
+
+def do_diag(t, ex, form, axis, pair):
+    if form == "unfold":
+        return t.unfold(axis, 2, 1)
+    if form == "diag_embed":
+        return paddle.diag_embed(t)
+    if form == "fill_diag":
+        return t.fill_diagonal_tensor(paddle.diagonal(t, 0, pair[0], pair[1]) * 2.0, 0, pair[0], pair[1])
+    letters = "abcdefgh"[:t.ndim]
+    term = "".join(letters[pair[0]] if d == pair[1] else letters[d] for d in range(t.ndim))
+    return paddle.einsum(f"{term}->{term.replace(letters[pair[0]], '', 1)}", t)
+
+
+# ---- scatters into a slice, counts -----------------------------------------------------------------------
+def gen_scatter(rng, shape):
+    """A row written back (select_scatter of the tensor's own row, scaled), a strided slice written back
+    (slice_scatter), scatter_add of the tensor into itself along an axis at random rows, a cumulative trapezoid."""
+    if not shape:
+        return None
+    axis = _axis(rng, shape)
+    form = str(rng.choice(["select", "slice", "scatter_add", "cumtrap"]))
+    if form == "cumtrap" and shape[axis] < 2:
+        return None
+    index = rng.integers(0, shape[axis], size=shape).astype("int64")
+    return {"form": form, "axis": axis, "at": int(rng.integers(shape[axis]))}, \
+        ([("index", index)] if form == "scatter_add" else [])
+
+
+def do_scatter(t, ex, form, axis, at):
+    if form == "select":
+        return paddle.select_scatter(t, paddle.index_select(t, paddle.to_tensor([at]), axis).squeeze(axis) * 2.0,
+                                     axis, at)
+    if form == "slice":
+        return paddle.slice_scatter(t, paddle.slice(t, [axis], [0], [t.shape[axis]]) * 0.5, [axis], [0],
+                                    [t.shape[axis]], [1])
+    if form == "scatter_add":
+        return paddle.scatter_add(t, axis, ex[0], paddle.tanh(t))
+    return paddle.cumulative_trapezoid(t, dx=0.5, axis=axis)
+
+
 OPS = {
+    "scatter": (gen_scatter, do_scatter),
+    "diag": (gen_diag, do_diag),
     "self": (gen_self, do_self),
     "stat": (gen_stat, do_stat),
     "misc": (gen_misc, do_misc),

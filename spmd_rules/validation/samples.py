@@ -101,7 +101,12 @@ def _impls():
         y[index] = value
         return y
 
-    IMPLS.update(setitem=setitem)
+    def fill_diagonal_(x, value, offset=0, wrap=False, name=None):      # paddle's in-place form, on a copy
+        y = x.clone()
+        y.fill_diagonal_(value, offset, wrap)
+        return y
+
+    IMPLS.update(setitem=setitem, fill_diagonal_=fill_diagonal_)
     IMPLS.update(rms_norm=rms_norm, rotary_embedding=rotary_embedding, sgd=sgd, adamw=adamw, batch_norm=batch_norm)
 
 
@@ -118,6 +123,9 @@ def _cases_matmul():
     add_case("einsum", "bshd,bthd->bhst", f(2, 3, 2, 5), f(2, 5, 2, 5), label="attention-scores")
     add_case("einsum", "ij->j", f(5, 3), label="reduce")
     add_case("einsum", "...ij,jk->...ik", f(2, 5, 6), f(6, 3), label="ellipsis")
+    add_case("einsum", "bii->bi", f(3, 4, 4), label="diagonal")
+    add_case("einsum", "ii,i->i", f(4, 4), f(4), label="diagonal-product")
+    add_case("einsum", "bij,bjj->bi", f(2, 3, 4), f(2, 4, 4), label="diagonal-contraction")
 
 
 def _cases_elementwise():
@@ -350,6 +358,52 @@ def _cases_more():
     add_case("tile", f(5, 3), [2, 1, 1], label="new-dim")
     add_case("unbind", f(3, 4, 2), axis=1)
     add_case("diagonal", f(2, 5, 4), offset=1, axis1=1, axis2=2)
+    add_case("unfold_windows", f(3, 7, 2), 1, 3, 2)
+    add_case("fill_diagonal_", f(5, 3), 2.0, -1, True)
+    add_case("fill_diagonal_tensor", f(3, 5, 4), f(5, 3), 0, 0, 2)
+    add_case("diagonal_scatter", f(3, 5, 4), f(3, 3), 1, 1, 2)
+    add_case("select_scatter", f(3, 5, 4), f(3, 4), 1, 2)
+    add_case("slice_scatter", f(3, 5, 4), f(3, 2, 4), [1], [1], [5], [2])
+    add_case("diag_embed", f(3, 4), 1)
+    add_case("diag", f(5), 1, label="vector")
+    add_case("diag", f(5, 4), -1, label="matrix")
+    add_case("diagflat", f(2, 3))
+    add_case("as_strided", f(3, 5, 4), [4, 3], [5, 2], 8)
+    add_case("isin", f(5, 4), f(3))
+    add_case("histogram", f(5, 4), 6, -1.0, 1.0, grad=False, label="range")
+    add_case("histogram", f(5, 4), 6, -1.0, 1.0, f(5, 4), label="range-weight")
+    add_case("histogram", f(5, 4), 6, grad=False, label="data-range")
+    add_case("histogram_bin_edges", f(5, 4), 6, grad=False)
+    add_case("unique_consecutive", ints(6, 4), True, True, grad=False)
+    add_case("reduce_as", f(2, 5, 4), f(5, 1))
+    spd = _spd(3, 4)
+    chol = np.linalg.cholesky(spd)
+    for op in ("inv", "det", "slogdet", "cholesky", "eigvalsh"):
+        add_case(op, T(spd))
+    add_case("matrix_exp", T(spd * 0.02))      # paddle's own backward fails on a large norm (an in-place squaring)
+    add_case("matrix_power", T(spd), 2)
+    add_case("eigh", T(spd))
+    add_case("qr", f(3, 5, 4))
+    add_case("svd", f(3, 5, 4), grad=False)
+    add_case("svdvals", f(3, 5, 4))
+    add_case("pinv", f(3, 5, 4))
+    add_case("solve", T(spd), f(3, 4, 2))
+    add_case("triangular_solve", T(chol), f(3, 4, 2), upper=False)
+    add_case("cholesky_solve", f(3, 4, 2), T(chol))
+    add_case("matrix_rank", f(3, 5, 4), grad=False)
+    add_case("cond", T(spd))
+    add_case("cholesky_inverse", T(chol[0]))
+    lu_data, piv = (t.numpy() for t in _paddle().linalg.lu(_paddle().to_tensor(spd)))
+    add_case("lu", T(spd), grad=False)
+    add_case("lu_unpack", T(lu_data), T(piv), grad=False)
+    add_case("lu_solve", f(3, 4, 2), T(lu_data), T(piv))
+    add_case("householder_product", f(3, 5, 4), T(np.full((3, 4), 0.5)), grad=False)   # paddle's backward fails
+    add_case("ormqr", T(spd), T(np.full((3, 4), 0.5)), f(3, 4, 2), grad=False)         # (in-place in its body)
+    add_case("cumulative_trapezoid", f(3, 5, 4), dx=0.5, axis=1)
+    add_case("cumulative_trapezoid", f(3, 5), f(3, 5), label="sample-points")
+    add_case("vander", f(5), 4, True)
+    add_case("shard_index", ints(20, 5, 1), 20, 2, 1, grad=False)
+    add_case("multiplex", [f(5, 3), f(5, 3), f(5, 3)], T(np.array([[2], [0], [1], [1], [0]], "int32")))
     add_case("repeat_interleave", f(5, 3), 2, axis=0)
     add_case("expand_as", f(5, 1), f(5, 4))
     add_case("equal_all", f(5, 3), f(5, 3), grad=False)
@@ -500,6 +554,12 @@ def _cases_interpolate():
     add_case("lp_pool1d", f(2, 3, 8, lo=0.1), 2.0, 2)
     add_case("lp_pool2d", f(2, 3, 6, 6, lo=0.1), 3.0, 2, stride=2)
     add_case("lp_pool2d", f(2, 6, 6, 3, lo=0.1), 2.0, 3, stride=1, padding=1, data_format="NHWC", label="nhwc-pad")
+
+
+def _spd(b, n):
+    """A batch of b symmetric positive definite n x n matrices (well conditioned: a aT + n I)."""
+    a = np.random.default_rng(11).standard_normal((b, n, n))
+    return a @ a.transpose(0, 2, 1) + n * np.eye(n)
 
 
 def _unpool_mask(shape):
