@@ -12,7 +12,7 @@ from autoparallel.core.spec import DistSpec
 
 from spmd_rules.einsum import labels_result
 from spmd_rules.registry import register_spmd_rule
-from spmd_rules.utils import check_spec, promote
+from spmd_rules.utils import check_spec, int_arg, promote
 
 _FLOATS = ("float32", "float64")
 
@@ -39,17 +39,31 @@ def _float(dtype):
     return dtype if dtype in _FLOATS else "float32"
 
 
-def _same_shape(op, square=True):
-    def rule(x, *args, name=None, **kwargs):
-        _matrices(op, x, square)
-        return _whole(op, [x], [(x.shape, x.dtype)])
-
-    rule.__name__ = op
-    register_spmd_rule(op, rule)
+def _same_shape(op, x):
+    """A batch of square matrices in, one of the same shape out."""
+    _matrices(op, x, square=True)
+    return _whole(op, [x], [(x.shape, x.dtype)])
 
 
-for _op in ("inv", "cholesky", "matrix_exp", "matrix_power"):
-    _same_shape(_op)
+@register_spmd_rule("inv")
+def inv(x, name=None):
+    return _same_shape("inv", x)
+
+
+@register_spmd_rule("cholesky")
+def cholesky(x, upper=False, name=None):
+    return _same_shape("cholesky", x)
+
+
+@register_spmd_rule("matrix_exp")
+def matrix_exp(x, name=None):
+    return _same_shape("matrix_exp", x)
+
+
+@register_spmd_rule("matrix_power")
+def matrix_power(x, n, name=None):
+    int_arg("matrix_power", "n", n)
+    return _same_shape("matrix_power", x)
 
 
 @register_spmd_rule("det")
