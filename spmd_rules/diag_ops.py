@@ -28,20 +28,7 @@ from autoparallel.core.spec import DistSpec, dtype_bytes
 
 from spmd_rules.einsum import ALL, labels_result
 from spmd_rules.registry import register_spmd_rule
-from spmd_rules.utils import check_spec, int_list, norm_axis, promote
-
-
-def _keep_but(x, axes) -> tuple:
-    """x's dims as their own labels, ``None`` (whole) for ``axes``."""
-    return tuple(None if d in axes else d for d in range(x.ndim))
-
-
-def _int(op: str, name: str, v) -> int:
-    if isinstance(v, DistSpec):
-        raise NotImplementedError(f"{op}: {name} given as a tensor is not supported; pass a python int")
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{op}: {name} must be an int, got {type(v).__name__} {v!r}")
-    return v
+from spmd_rules.utils import check_spec, int_arg, int_list, keep_but, norm_axis, numel, promote
 
 
 def _whole(x) -> tuple:
@@ -54,15 +41,15 @@ def unfold_windows(x, axis, size, step, name=None):
     """``x.unfold(axis, size, step)``: ``axis`` becomes the window count, a last dim of ``size`` is added."""
     op = "unfold_windows"
     check_spec(op, "x", x)
-    a = norm_axis(op, _int(op, "axis", axis), max(x.ndim, 1))
-    size, step = _int(op, "size", size), _int(op, "step", step)
+    a = norm_axis(op, int_arg(op, "axis", axis), max(x.ndim, 1))
+    size, step = int_arg(op, "size", size), int_arg(op, "step", step)
     n = x.shape[a] if x.ndim else 1
     if not 0 < size <= n or step <= 0:
         raise ValueError(f"Tensor.unfold: expects 0 < size <= {n} (the size of axis {a}) and step > 0, got "
                          f"size={size}, step={step}")
     count = (n - size) // step + 1
     shape = tuple(count if d == a else s for d, s in enumerate(x.shape)) + (size,)
-    lab = _keep_but(x, {a})
+    lab = keep_but(x, {a})
     return labels_result(op, [x], [lab], [lab + (None,)], [(shape, x.dtype)], linear=ALL, local_op="unfold_windows")
 
 
@@ -75,8 +62,8 @@ def _diag_len(n1: int, n2: int, offset: int) -> int:
 def _fill_diag_tensor(op, x, y, offset, dim1, dim2):
     check_spec(op, "x", x)
     check_spec(op, "y", y)
-    offset = _int(op, "offset", offset)
-    d1, d2 = norm_axis(op, _int(op, "dim1", dim1), x.ndim), norm_axis(op, _int(op, "dim2", dim2), x.ndim)
+    offset = int_arg(op, "offset", offset)
+    d1, d2 = norm_axis(op, int_arg(op, "dim1", dim1), x.ndim), norm_axis(op, int_arg(op, "dim2", dim2), x.ndim)
     if d1 == d2:
         raise ValueError(f"{op}: dim1 and dim2 must differ, got {dim1} and {dim2} for a tensor of rank {x.ndim}")
     rest = [d for d in range(x.ndim) if d not in (d1, d2)]
@@ -84,7 +71,7 @@ def _fill_diag_tensor(op, x, y, offset, dim1, dim2):
     if tuple(y.shape) != want:
         raise ValueError(f"{op}: y must have shape {list(want)} (x's other dims, then the diagonal's length) for x "
                          f"of shape {list(x.shape)}, offset {offset}, dims ({d1}, {d2}); got {list(y.shape)}")
-    xl = _keep_but(x, {d1, d2})
+    xl = keep_but(x, {d1, d2})
     yl = tuple(rest) + (None,)
     return labels_result(op, [x, y], [xl, yl], [xl], [(x.shape, promote(x.dtype, y.dtype))], linear="additive",
                          local_op="fill_diagonal_tensor_shard")
@@ -107,7 +94,7 @@ def fill_diagonal_(x, value, offset=0, wrap=False, name=None):
     check_spec(op, "x", x)
     if isinstance(value, DistSpec):
         raise TypeError(f"{op}: value must be a python number, got a tensor (use fill_diagonal_tensor_)")
-    _int(op, "offset", offset)
+    int_arg(op, "offset", offset)
     if x.ndim < 2:
         raise ValueError(f"{op}: expects a tensor of rank >= 2, got shape {list(x.shape)}")
     if x.ndim > 2 and len(set(x.shape)) != 1:
@@ -120,9 +107,9 @@ def fill_diagonal_(x, value, offset=0, wrap=False, name=None):
 def diag_embed(input, offset=0, dim1=-2, dim2=-1):
     op = "diag_embed"
     check_spec(op, "input", input)
-    offset = _int(op, "offset", offset)
+    offset = int_arg(op, "offset", offset)
     nd = input.ndim + 1
-    d1, d2 = norm_axis(op, _int(op, "dim1", dim1), nd), norm_axis(op, _int(op, "dim2", dim2), nd)
+    d1, d2 = norm_axis(op, int_arg(op, "dim1", dim1), nd), norm_axis(op, int_arg(op, "dim2", dim2), nd)
     if d1 == d2 or input.ndim < 1:
         raise ValueError(f"{op}: dim1 and dim2 must differ and input must have rank >= 1, got dims ({dim1}, "
                          f"{dim2}) and shape {list(input.shape)}")
@@ -139,7 +126,7 @@ def diag_embed(input, offset=0, dim1=-2, dim2=-1):
 def diag(x, offset=0, padding_value=0, name=None):
     op = "diag"
     check_spec(op, "x", x)
-    offset = _int(op, "offset", offset)
+    offset = int_arg(op, "offset", offset)
     if x.ndim == 1:
         side = x.shape[0] + abs(offset)
         shape, linear = (side, side), (ALL if padding_value == 0 else None)
@@ -154,11 +141,8 @@ def diag(x, offset=0, padding_value=0, name=None):
 def diagflat(x, offset=0, name=None):
     op = "diagflat"
     check_spec(op, "x", x)
-    offset = _int(op, "offset", offset)
-    n = 1
-    for s in x.shape:
-        n *= s
-    side = n + abs(offset)
+    offset = int_arg(op, "offset", offset)
+    side = numel(x) + abs(offset)
     return labels_result(op, [x], [_whole(x)], [(None, None)], [((side, side), x.dtype)], linear=ALL)
 
 
@@ -168,15 +152,15 @@ def select_scatter(x, values, axis, index, name=None):
     op = "select_scatter"
     check_spec(op, "x", x)
     check_spec(op, "values", values)
-    a = norm_axis(op, _int(op, "axis", axis), x.ndim)
-    index = _int(op, "index", index)
+    a = norm_axis(op, int_arg(op, "axis", axis), x.ndim)
+    index = int_arg(op, "index", index)
     if not -x.shape[a] <= index < x.shape[a]:
         raise ValueError(f"{op}: index {index} is out of range for axis {a} of size {x.shape[a]}")
     rest = [d for d in range(x.ndim) if d != a]
     if tuple(values.shape) != tuple(x.shape[d] for d in rest):
         raise ValueError(f"{op}: values must have shape {[x.shape[d] for d in rest]} (x without axis {a}), got "
                          f"{list(values.shape)}")
-    xl = _keep_but(x, {a})
+    xl = keep_but(x, {a})
     return labels_result(op, [x, values], [xl, tuple(rest)], [xl], [(x.shape, x.dtype)], linear="additive")
 
 
@@ -191,7 +175,7 @@ def slice_scatter(x, value, axes, starts, ends, strides, name=None):
     if value.ndim != x.ndim or any(value.shape[d] != x.shape[d] for d in range(x.ndim) if d not in axes):
         raise ValueError(f"{op}: value must match x's shape {list(x.shape)} outside the sliced axes "
                          f"{sorted(axes)}, got {list(value.shape)}")
-    xl = _keep_but(x, axes)
+    xl = keep_but(x, axes)
     return labels_result(op, [x, value], [xl, xl], [xl], [(x.shape, x.dtype)], linear="additive")
 
 
@@ -202,16 +186,14 @@ def as_strided(x, shape, stride, offset=0, name=None):
     op = "as_strided"
     check_spec(op, "x", x)
     shape, stride = int_list(op, "shape", shape), int_list(op, "stride", stride)
-    offset, item = _int(op, "offset", offset), dtype_bytes(x.dtype)
+    offset, item = int_arg(op, "offset", offset), dtype_bytes(x.dtype)
     if len(shape) != len(stride) or any(s < 0 for s in shape) or any(s < 0 for s in stride) or offset < 0:
         raise ValueError(f"{op}: expects shape and stride of one length, non-negative, and offset >= 0; got shape "
                          f"{shape}, stride {stride}, offset {offset}")
     if offset % item:
         raise ValueError(f"{op}: offset {offset} is not a multiple of the {item} bytes of a {x.dtype} element "
                          f"(paddle reads the offset in bytes; this one would read across element boundaries)")
-    n = 1
-    for s in x.shape:
-        n *= s
+    n = numel(x)
     last = offset // item + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else -1
     if last >= n:
         raise ValueError(f"{op}: shape {shape}, stride {stride}, offset {offset} bytes read element {last} of a "

@@ -17,13 +17,9 @@ from autoparallel.core.spec import DistSpec, normalize_dtype
 from spmd_rules.einsum import ALL, einsum_result, labels_result
 from spmd_rules.reduction import _reduction, reduce_labels, sum_dtype
 from spmd_rules.registry import register_spmd_rule
-from spmd_rules.utils import check_spec, norm_axes, norm_axis, promote
+from spmd_rules.utils import check_spec, keep_but, norm_axes, norm_axis, promote
 
 _L = "abcdefghijklmnopqrstuvwxyz"
-
-
-def _keep_but(x, axes):
-    return tuple(None if d in axes else d for d in range(x.ndim))
 
 
 # ---- reductions ------------------------------------------------------------------------------------------------------
@@ -78,7 +74,7 @@ def _scan(op, x, axis, dtype, n_out=1):
             n *= s
         metas = [((n,), dt)] + [((n,), "int64")] * (n_out - 1)
         return labels_result(op, [x], [(None,) * x.ndim], [(None,)] * n_out, metas, linear=None)
-    lab = _keep_but(x, {norm_axis(op, axis, x.ndim)})
+    lab = keep_but(x, {norm_axis(op, axis, x.ndim)})
     metas = [(x.shape, dt)] + [(x.shape, "int64")] * (n_out - 1)
     return labels_result(op, [x], [lab], [lab] * n_out, metas, linear=None)
 
@@ -125,7 +121,7 @@ def diff(x, n=1, axis=-1, prepend=None, append=None, name=None, *, out=None):
     length = x.shape[a] + extra
     if n < 0:
         raise ValueError(f"diff: n must be >= 0, got {n}")
-    lab = _keep_but(x, {a})
+    lab = keep_but(x, {a})
     shape = tuple(max(length - n, 0) if d == a else s for d, s in enumerate(x.shape))
     specs = [x] + [t for t in (prepend, append) if t is not None]
     return labels_result("diff", specs, [lab] * len(specs), [lab], [(shape, promote(*[s.dtype for s in specs]))],
@@ -140,7 +136,7 @@ def trace(x, offset=0, axis1=0, axis2=1, name=None):
         raise ValueError(f"trace: axis1 and axis2 must differ, got {axis1} and {axis2}")
     rest = tuple(d for d in range(x.ndim) if d not in (a1, a2))
     shape = tuple(x.shape[d] for d in rest)
-    return labels_result("trace", [x], [_keep_but(x, {a1, a2})], [rest], [(shape, x.dtype)], linear=ALL)
+    return labels_result("trace", [x], [keep_but(x, {a1, a2})], [rest], [(shape, x.dtype)], linear=ALL)
 
 
 # ---- products --------------------------------------------------------------------------------------------------------

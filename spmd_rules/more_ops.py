@@ -18,7 +18,7 @@ from spmd_rules.matmul import matmul
 from spmd_rules.reduction import _reduction, reduce_labels
 from spmd_rules.registry import get_spmd_rule, register_spmd_rule
 from spmd_rules.result import SpmdResult
-from spmd_rules.utils import broadcast_shapes, check_spec, int_list, norm_axes, norm_axis, promote
+from spmd_rules.utils import broadcast_shapes, check_spec, int_list, keep_but, norm_axes, norm_axis, promote
 
 _TO_FLOAT = ("reciprocal", "log2", "log10", "expm1", "relu6", "hardswish", "mish", "softsign", "tanhshrink",
              "log_sigmoid", "tan", "atan", "asin", "acos", "sinh", "cosh", "asinh", "acosh", "atanh")
@@ -153,21 +153,17 @@ def swiglu(x, y=None, name=None):
     return labels_result("swiglu", [x], [lab], [lab], [(shape, x.dtype)], linear=None)
 
 
-def _keep_but(x, axes):
-    return tuple(None if d in axes else d for d in range(x.ndim))
-
-
 @register_spmd_rule("flip")
 def flip(x, axis, name=None):
     check_spec("flip", "x", x)
-    lab = _keep_but(x, norm_axes("flip", axis, x.ndim))
+    lab = keep_but(x, norm_axes("flip", axis, x.ndim))
     return labels_result("flip", [x], [lab], [lab], [(x.shape, x.dtype)], linear=ALL)
 
 
 @register_spmd_rule("roll")
 def roll(x, shifts, axis=None, name=None):
     check_spec("roll", "x", x)
-    lab = (None,) * x.ndim if axis is None else _keep_but(x, norm_axes("roll", axis, x.ndim))
+    lab = (None,) * x.ndim if axis is None else keep_but(x, norm_axes("roll", axis, x.ndim))
     return labels_result("roll", [x], [lab], [lab], [(x.shape, x.dtype)], linear=ALL)
 
 
@@ -189,7 +185,7 @@ def unbind(input, axis=0):
     x = input
     check_spec("unbind", "input", x)
     a = norm_axis("unbind", axis, x.ndim)
-    xl = _keep_but(x, {a})
+    xl = keep_but(x, {a})
     ol = tuple(d for d in range(x.ndim) if d != a)
     shape = tuple(s for d, s in enumerate(x.shape) if d != a)
     return labels_result("unbind", [x], [xl], [ol] * x.shape[a], [(shape, x.dtype)] * x.shape[a], linear=ALL)
@@ -202,7 +198,7 @@ def diagonal(x, offset=0, axis1=0, axis2=1, name=None):
     rest = [d for d in range(x.ndim) if d not in (a1, a2)]
     n1, n2 = x.shape[a1], x.shape[a2]
     n = max(0, min(n1, n2 - offset) if offset >= 0 else min(n1 + offset, n2))
-    xl = _keep_but(x, {a1, a2})
+    xl = keep_but(x, {a1, a2})
     shape = tuple(x.shape[d] for d in rest) + (n,)
     return labels_result("diagonal", [x], [xl], [tuple(rest) + (None,)], [(shape, x.dtype)], linear=ALL)
 
@@ -215,7 +211,7 @@ def repeat_interleave(x, repeats, axis=None, name=None, *, output_size=None):
 
         return replicate_all("repeat_interleave", [x, repeats])
     a = norm_axis("repeat_interleave", axis, x.ndim)
-    lab = _keep_but(x, {a})
+    lab = keep_but(x, {a})
     shape = tuple(s * int(repeats) if d == a else s for d, s in enumerate(x.shape))
     return labels_result("repeat_interleave", [x], [lab], [lab], [(shape, x.dtype)], linear=ALL)
 

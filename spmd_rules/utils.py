@@ -102,5 +102,19 @@ def int_list(op: str, name: str, value) -> list:
 
 
 
+def int_arg(op: str, name: str, value) -> int:
+    """A python int argument (``int_list``'s one-value form): a tensor is not supported, anything else a TypeError."""
+    if isinstance(value, DistSpec):
+        raise NotImplementedError(f"{op}: {name} given as a tensor is not supported; pass a python int")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def keep_but(x, axes) -> tuple:
+    """x's dims as their own labels (``labels_result``), ``None`` (whole) for ``axes``."""
+    return tuple(None if d in axes else d for d in range(x.ndim))
+
+
 def numel(spec) -> int:
     return math.prod(spec.shape) if spec is not None else 0

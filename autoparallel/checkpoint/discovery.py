@@ -139,10 +139,10 @@ def holds(path: str):
 
 
 def _loading_hint() -> str:
-    return (f"A checkpoint of autoparallel is one directory that every rank of a job writes together "
-            f"(ap.save_state_dict with the same path on every rank), and it loads into any layout; a run "
-            f"root is resumed with CheckpointManager(dir=<the run root>).restore(state) (or "
-            f"ap.load_state_dict(state, <the run root>)). Nothing was loaded")
+    return ("A checkpoint of autoparallel is one directory that every rank of a job writes together "
+            "(ap.save_state_dict with the same path on every rank), and it loads into any layout; a run "
+            "root is resumed with CheckpointManager(dir=<the run root>).restore(state) (or "
+            "ap.load_state_dict(state, <the run root>)). Nothing was loaded")
 
 
 def refuse_nested(path: str) -> None:

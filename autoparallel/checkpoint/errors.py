@@ -40,3 +40,17 @@ def shared_class(name: str):
     known = (CheckpointRootError, CheckpointOwnershipError, CheckpointError, CheckpointMismatchError,
              CheckpointCorruptError, CheckpointLayoutError, FileNotFoundError, ValueError, TypeError)
     return next((c for c in known if c.__name__ == name), None)
+
+
+def raise_first_failure(failures: list, fallback: str = None) -> None:
+    """Raise the first failing rank's error of an exchange's ``failures`` ([(rank, type name, text)], as
+    ``sync.gather_errors`` gives them): typed as there (``shared_class``), prefixed with that rank; a type the
+    exchange cannot carry as a CheckpointError saying ``fallback`` (default: the type name and text). Nothing to
+    raise without failures."""
+    if not failures:
+        return
+    r, name, msg = failures[0]
+    known = shared_class(name)
+    if known is not None:
+        raise known(f"(rank {r}) {msg}")
+    raise CheckpointError(fallback or f"(rank {r}) {name}: {msg}")

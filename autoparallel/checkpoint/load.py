@@ -141,7 +141,7 @@ def _share_load_outcome(path, error) -> None:
     here for the others' reads (gloo's 30 s bound on a collective: a rank whose peer failed and left is told by a
     transport error, typed here too)."""
     from autoparallel.checkpoint import sync
-    from autoparallel.checkpoint.errors import CheckpointError, shared_class
+    from autoparallel.checkpoint.errors import CheckpointError, raise_first_failure
 
     try:
         failures = sync.gather_errors(error, "checkpoint load (status all_gather)")
@@ -153,12 +153,9 @@ def _share_load_outcome(path, error) -> None:
                               f"rank: {e}") from None
     if error is not None or not failures:
         return
-    r, name, msg = failures[0]          # the first failing rank's error, typed as there (run_root.agree's form)
-    known = shared_class(name)
-    if known is not None:
-        raise known(f"(rank {r}) {msg}")
-    raise CheckpointError(f"(rank {r}) checkpoint {path}: the load failed there: {name}: {msg}; nothing was "
-                          f"loaded on any rank")
+    r, name, msg = failures[0]
+    raise_first_failure(failures, f"(rank {r}) checkpoint {path}: the load failed there: {name}: {msg}; nothing "
+                                  f"was loaded on any rank")
 
 
 def load_merged_state_dict(path: str, *, flat: bool = False) -> dict:

@@ -27,8 +27,7 @@ import time
 
 from autoparallel.checkpoint.atomic import write_file_atomic
 from autoparallel.checkpoint.discovery import complete_checkpoints
-from autoparallel.checkpoint.errors import (CheckpointError, CheckpointOwnershipError, CheckpointRootError,
-                                            shared_class)
+from autoparallel.checkpoint.errors import CheckpointOwnershipError, CheckpointRootError, raise_first_failure
 from autoparallel.checkpoint.ownership import (RUN_MARKER, STEP_DIR, TEMP_DIR, is_owned_partial, marker_bytes,
                                                not_a_checkpoint, read_marker)
 
@@ -194,7 +193,4 @@ def agree(error) -> None:
     failures = sync.gather_errors(error, "checkpoint root check (all_gather)")
     if error is not None:
         raise error
-    if failures:
-        r, name, msg = failures[0]
-        known = shared_class(name)
-        raise known(f"(rank {r}) {msg}") if known else CheckpointError(f"(rank {r}) {name}: {msg}")
+    raise_first_failure(failures)

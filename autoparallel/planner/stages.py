@@ -110,25 +110,27 @@ def head_equivalent(model, seq_len: int) -> float:
 def stage_layout(model, seq_len, pp, vpp, split):
     """Blocks per stage of every candidate (numpy arrays of pp and split codes): (first, last, largest middle
     stage) arrays; each distinct (pp, split) is split once."""
-    head_eq = head_equivalent(model, seq_len)
-    keys = np.asarray(pp, dtype=np.int64) * 8 + np.asarray(split, dtype=np.int64)
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    rows = []
-    for p, sp in ((k // 8, k % 8) for k in uniq):
-        counts = split_layers(model.layers, int(p), SPLITS[int(sp)], head_eq)
-        rows.append((counts[0], counts[-1], max(counts[1:-1]) if len(counts) > 2 else 0))
-    table = np.array(rows, dtype=float).reshape(-1, 3)[inverse.reshape(-1)]
+    rows, inverse = _by_layout(model, seq_len, pp, split,
+                               lambda c: (c[0], c[-1], max(c[1:-1]) if len(c) > 2 else 0))
+    table = np.array(rows, dtype=float).reshape(-1, 3)[inverse]
     return table[:, 0], table[:, 1], table[:, 2]
+
+
+def _by_layout(model, seq_len, pp, split, fn) -> tuple:
+    """``fn(blocks per stage)`` of every distinct (pp, split) among the candidates (each split once), and each
+    candidate's index into that list."""
+    head_eq = head_equivalent(model, seq_len)
+    keys = (np.asarray(pp, dtype=np.int64) * 8 + np.asarray(split, dtype=np.int64)).reshape(-1)
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    rows = [fn(split_layers(model.layers, int(k // 8), SPLITS[int(k % 8)], head_eq)) for k in uniq]
+    return rows, inverse.reshape(-1)
 
 
 def pair_layout(model, seq_len, pp, split):
     """DualPipe's pairs of stages per device (planner/dualpipe.py ``pair_blocks``): (blocks of stages 0 and p-1
     together, the most blocks of another rank's two stages) arrays; each distinct (pp, split) is split once."""
-    head_eq = head_equivalent(model, seq_len)
-    keys = np.asarray(pp, dtype=np.int64) * 8 + np.asarray(split, dtype=np.int64)
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    rows = [pair_blocks(split_layers(model.layers, int(k // 8), SPLITS[int(k % 8)], head_eq)) for k in uniq]
-    table = np.array(rows, dtype=float).reshape(-1, 2)[inverse.reshape(-1)]
+    rows, inverse = _by_layout(model, seq_len, pp, split, pair_blocks)
+    table = np.array(rows, dtype=float).reshape(-1, 2)[inverse]
     return table[:, 0], table[:, 1]
 
 
@@ -146,13 +148,8 @@ def pair_ranks(model, seq_len, pp, split):
     valid) arrays of shape (R, n): row 0 is rank 0's blocks held and block-micro-batches in flight, the next rows
     the other ranks that can be the fullest (``frontier``), ``valid`` False past a candidate's rows (and everywhere
     for PP < 2); each distinct (pp, split) is split once."""
-    head_eq = head_equivalent(model, seq_len)
-    pp = np.asarray(pp, dtype=np.int64).reshape(-1)
-    keys = pp * 8 + np.asarray(split, dtype=np.int64).reshape(-1)
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    loads = [frontier(rank_loads(split_layers(model.layers, int(k // 8), SPLITS[int(k % 8)], head_eq)))
-             if k // 8 >= 2 else () for k in uniq]
-    table = np.zeros((len(uniq), max((len(x) for x in loads), default=1) or 1, 3))
+    loads, inverse = _by_layout(model, seq_len, pp, split, lambda c: frontier(rank_loads(c)) if len(c) >= 2 else ())
+    table = np.zeros((len(loads), max((len(x) for x in loads), default=1) or 1, 3))
     for i, rows in enumerate(loads):
         if rows:
             table[i, :len(rows)] = [(held, flight, 1.0) for held, flight in rows]
