@@ -159,6 +159,14 @@ def _composite(path, orig, fn):
     return wrapper
 
 
+# paddle functions written in python over public ops that all have rules: on distributed tensors they run as paddle
+# wrote them, each op routed (their draws, ``paddle.uniform(x.shape)``, are made at the global shape: one process's
+# values under the same seed). Each is checked against one process in tests/test_probe_fresh_meta_ops.py.
+AS_WRITTEN = tuple(f"paddle.nn.functional.{n}" for n in (
+    "alpha_dropout", "feature_alpha_dropout", "dice_loss", "triplet_margin_with_distance_loss",
+    "multi_label_margin_loss", "adaptive_log_softmax_with_loss"))
+
+
 def _install_composites() -> None:
     """Functions paddle writes in python over its primitives run, on distributed tensors, as our own
     decomposition into routed ops (``spmd_rules.composites``); every other name of the same function (a
@@ -172,6 +180,9 @@ def _install_composites() -> None:
     from spmd_rules.composites_scatter import COMPOSITES as SCATTER_COMPOSITES
     from spmd_rules.composites_stats import COMPOSITES as STATS_COMPOSITES
     from spmd_rules.composites_fill import COMPOSITES as FILL_COMPOSITES
+    from spmd_rules.composites_meta import COMPOSITES as META_COMPOSITES
+    from spmd_rules.composites_npair import COMPOSITES as NPAIR_COMPOSITES
+    from spmd_rules.composites_draws import COMPOSITES as DRAW_COMPOSITES
 
     from autoparallel import autograd_forms, copy_forms, local_ctc
 
@@ -181,13 +192,14 @@ def _install_composites() -> None:
                 "paddle.nn.functional.ctc_loss": local_ctc.ctc_loss}
     mapping = {}
     for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **RNN_COMPOSITES,
-                     **FUSED_COMPOSITES, **SCATTER_COMPOSITES,
-                     **STATS_COMPOSITES, **FILL_COMPOSITES, **autograd}.items():
+                     **FUSED_COMPOSITES, **SCATTER_COMPOSITES, **STATS_COMPOSITES, **FILL_COMPOSITES,
+                     **META_COMPOSITES, **NPAIR_COMPOSITES, **DRAW_COMPOSITES, **{p: None for p in AS_WRITTEN},
+                     **autograd}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):
             continue
-        w = mapping.get(id(orig)) or _composite(path, orig, fn)
+        w = mapping.get(id(orig)) or _composite(path, orig, fn or orig)
         patches.patch(owner, attr, w)
         mapping[id(orig)] = w
         D._ORIG[path] = orig            # dispatch.routed_form(orig) finds the wrapper (a loss_fn taken early)

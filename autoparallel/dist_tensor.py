@@ -21,6 +21,7 @@ from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase
 from autoparallel.context import async_allreduce
 from autoparallel.context import state as _ctx
+from autoparallel.dist_tensor_meta import MetaForms
 from autoparallel.dist_tensor_ops import OpMethods
 from autoparallel.local_parts import _local_from_full  # noqa: F401  (also imported from here)
 from autoparallel.mesh import ProcessMesh
@@ -29,7 +30,7 @@ from autoparallel.spec import DistSpec, normalize_dtype
 from reshard import cache as reshard_cache
 
 
-class DistTensor(OpMethods):
+class DistTensor(MetaForms, OpMethods):
     __slots__ = ("_locals", "_spec", "__weakref__")
 
     def __init__(self, locals_: dict, spec: DistSpec):

@@ -16,8 +16,12 @@ from autoparallel import dispatch_handle
 from autoparallel.compat import forwarded_c_op, owner_of
 from autoparallel.spec import normalize_dtype
 
-CONVERSIONS = ("float", "half", "bfloat16", "double", "int", "long", "bool", "short", "byte", "char",
-               "cfloat", "cdouble")
+# paddle's cast methods: ``x.float()``, ``x.float32()``, ``x.int64()``, ``x.byte()`` / ``x.uint8()`` ... (paddle's own
+# table of names, math_op_patch._supported_dtype_conversions, plus its two uint8 spellings); the dtype-named ones
+# (``float32``, ``int64``...) were refused as "not an op"
+CONVERSIONS = ("float", "half", "bfloat16", "double", "int", "long", "bool", "short", "char", "cfloat", "cdouble",
+               "float16", "float32", "float64", "int8", "int16", "int32", "int64", "complex64", "complex128",
+               "byte", "uint8")
 
 
 def original(f):
@@ -123,6 +127,9 @@ def _method(name, op, path, inplace):
 
 def _conversion(name):
     def method(self, *args, **kwargs):
+        if name in ("byte", "uint8") and paddle.is_floating_point(paddle.zeros([], dtype=self.dtype)):
+            # paddle casts a float to uint8 through int8 (-1.0 -> 255), as it cannot cast it directly
+            self = dispatch_handle.call("cast", "paddle.cast", (self, "int8"), {})
         return dispatch_handle.call("cast", "paddle.cast", (self, conversion_dtype(name, self.dtype)), {})
 
     method.__name__ = name

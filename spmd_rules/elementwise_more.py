@@ -93,7 +93,7 @@ def _register_binary(op, *, compare=False, to_float=False):
 
 for _op in ("fmax", "fmin", "copysign", "heaviside"):
     _register_binary(_op)
-for _op in ("atan2", "hypot", "logaddexp"):
+for _op in ("atan2", "hypot", "logaddexp", "gammainc", "gammaincc"):
     _register_binary(_op, to_float=True)
 for _op in ("gt", "logical_xor"):
     _register_binary(_op, compare=True)

@@ -182,8 +182,8 @@ OP_TABLE: dict = {
     # more elementwise math (spmd_rules/elementwise_more.py)
     **{n: _fn(n) for n in ("sinc", "i0", "lgamma", "digamma", "erfinv", "deg2rad", "rad2deg", "frac", "sgn",
                            "signbit", "negative", "logit", "stanh", "fmax", "fmin", "copysign", "heaviside",
-                           "atan2", "hypot", "logaddexp", "logical_xor", "true_divide", "isclose", "lerp",
-                           "add_n")},
+                           "atan2", "hypot", "logaddexp", "gammainc", "gammaincc", "logical_xor", "true_divide",
+                           "isclose", "lerp", "add_n")},
     "positive": ("paddle.positive",),
     "gt": _fn("gt", extra=("paddle.greater", _T + "greater")),
     **{n: (f"paddle.nn.functional.{n}",) for n in ("swish", "hardtanh", "celu", "softshrink", "hardshrink",

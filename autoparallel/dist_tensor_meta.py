@@ -1,0 +1,125 @@
+"""What paddle code reads or writes on a tensor besides its ops, for a DistTensor (an activation laid out by
+autoparallel). They were refused as "not an op": metadata (``itemsize``, ``is_cuda``, ``get_device()``,
+``stride()`` / ``strides``, ``is_tensor()``, ``is_dense()``, ``persistable``, ``is_same_shape``), the ``data``
+view, in-place writes (``copy_``, ``set_value``, ``apply_``, ``random_``, ``data = value``) and ``apply``.
+
+Each answers from the layout (global shape, dtype, the device the shards live on) without communicating, or
+writes through the routed ``x[...] = value`` (each rank keeps its part of the global value).
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+
+def _contiguous_strides(shape) -> list:
+    out, step = [], 1
+    for n in reversed(list(shape)):
+        out.append(step)
+        step *= max(int(n), 1)
+    return out[::-1]
+
+
+def _write(x, value):
+    """``x`` takes ``value`` (of x's global shape, or broadcastable to it) in place."""
+    if isinstance(value, np.ndarray):
+        value = paddle.to_tensor(value)
+    x[...] = value
+    return x
+
+
+class MetaForms:
+    """Mixed into DistTensor: paddle's tensor metadata and in-place writes, on the global tensor."""
+    __slots__ = ()
+
+    # ---- metadata ------------------------------------------------------------------------------------
+    @property
+    def itemsize(self) -> int:
+        return self.element_size()
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.place.is_gpu_place()
+
+    def get_device(self) -> int:
+        """paddle's device id of the tensor: -1 on CPU, the GPU's id where this process's shards live."""
+        place = self.place
+        return place.gpu_device_id() if place.is_gpu_place() else -1
+
+    def stride(self, dim: int | None = None):
+        """The strides of the global tensor, contiguous (dispatch makes every shard contiguous)."""
+        strides = _contiguous_strides(self.shape)
+        if dim is None:
+            return strides
+        if not -len(strides) <= dim < max(len(strides), 1):
+            raise IndexError(f"stride(dim): dim must be in [{-len(strides)}, {len(strides)}), got {dim}")
+        return strides[dim]
+
+    @property
+    def strides(self) -> list:
+        return _contiguous_strides(self.shape)
+
+    def get_strides(self) -> list:
+        return _contiguous_strides(self.shape)
+
+    def is_tensor(self) -> bool:
+        return True
+
+    def is_dense(self) -> bool:
+        return True
+
+    def is_sparse(self) -> bool:
+        return False
+
+    is_sparse_coo = is_sparse_csr = is_selected_rows = is_sparse
+
+    @property
+    def persistable(self) -> bool:
+        """An activation is not persistable (a distributed parameter is a paddle Parameter, which is)."""
+        return False
+
+    def is_same_shape(self, y) -> bool:
+        return list(self.shape) == list(y.shape)
+
+    # ---- the data view and in-place writes -------------------------------------------------------------
+    @property
+    def data(self):
+        """paddle's ``x.data``: the same storage, outside the autograd graph."""
+        return type(self)._own({r: t.detach() for r, t in self._locals.items()}, self._spec)
+
+    @data.setter
+    def data(self, value) -> None:
+        _write(self, value)
+
+    def copy_(self, src, blocking: bool = True):
+        if list(getattr(src, "shape", ())) != list(self.shape):
+            raise ValueError(f"copy_: the source must have the destination's global shape {list(self.shape)}, "
+                             f"got {list(getattr(src, 'shape', ()))}")
+        return _write(self, src)
+
+    def set_value(self, value):
+        shape = list(np.shape(value)) if not hasattr(value, "shape") else list(value.shape)
+        if shape != list(self.shape):
+            raise ValueError(f"set_value: the value must have the tensor's global shape {list(self.shape)}, "
+                             f"got {shape}")
+        _write(self, value)
+
+    def apply(self, func):
+        """paddle's ``apply(func)``: ``func(x)`` on a tensor that needs no gradient (the ops in ``func`` are
+        routed like any other)."""
+        if not self.stop_gradient:
+            raise RuntimeError("Cannot apply function on a tensor that required gradient.")
+        return func(self)
+
+    def apply_(self, func):
+        if not self.stop_gradient:
+            raise RuntimeError("Cannot apply function on a tensor that required gradient.")
+        return _write(self, func(self))
+
+    def random_(self, from_: int = 0, to: int | None = None, *, generator=None):
+        """One draw at the global shape by paddle's own ``random_`` (the random stream advances as one process's
+        does: the values equal a single process's under the same seed), written into the tensor."""
+        with paddle.no_grad():
+            value = paddle.empty(list(self.shape), dtype=str(self.dtype).replace("paddle.", ""))
+            value.random_(from_, to, generator=generator)
+        return _write(self, value)

@@ -1,0 +1,50 @@
+"""Composite ops (see composites.py): paddle's functions that read a tensor's metadata, not its values
+(``paddle.shape``, ``paddle.rank``, ``paddle.is_empty``, ``paddle.tolist``) and ``paddle.increment`` (a counter
+bumped in place). Model code reads ``paddle.shape(input_ids)[1]`` for the sequence length; on a distributed
+tensor these answered nothing (no spmd rule). Here they answer for the GLOBAL tensor, as ``x.shape`` does, without
+communicating, except ``tolist`` (the global values)."""
+from __future__ import annotations
+
+from spmd_rules.composites import _p, gshape
+
+
+def _shape(x) -> list:
+    """The shape ``x.shape`` reports: a DistTensor's global one; a DistParameter is a paddle Parameter holding
+    this rank's shard, whose ``.shape`` is the shard's (as ``paddle.numel``, composites_more.numel)."""
+    paddle = _p()
+    return list(x.shape) if isinstance(x, paddle.Tensor) else gshape(x)
+
+
+def shape(input):
+    """The shape as an int64 tensor (paddle 3's dtype of ``paddle.shape``)."""
+    return _p().to_tensor(_shape(input), dtype="int64")
+
+
+def rank(input):
+    """The number of dims as a 0-d int32 tensor."""
+    return _p().to_tensor(len(_shape(input)), dtype="int32")
+
+
+def is_empty(x, name=None):
+    n = 1
+    for d in _shape(x):
+        n *= int(d)
+    return _p().to_tensor(n == 0)
+
+
+def tolist(x):
+    return x.tolist()
+
+
+def increment(x, value=1.0, name=None):
+    """``x += value`` in place for a one-element tensor (paddle's kernel accepts only those); returns ``x``."""
+    n = 1
+    for d in gshape(x):
+        n *= int(d)
+    if n != 1:
+        raise ValueError(f"increment: x must have exactly one element, got shape {gshape(x)}")
+    x[...] = x + value
+    return x
+
+
+COMPOSITES: dict = {f"paddle.{n}": globals()[n] for n in ("shape", "rank", "is_empty", "tolist", "increment")}

@@ -1,0 +1,174 @@
+"""What paddle code calls on a distributed activation besides the common ops, against paddle on the whole tensor.
+They were refused: the dtype-named casts (``x.float32()``, ``x.int64()``, ``x.uint8()``...; "not an op"), metadata
+(``itemsize``, ``is_cuda``, ``get_device()``, ``stride()``, ``strides``, ``is_tensor()``, ``is_dense()``,
+``persistable``, ``is_same_shape``), ``paddle.shape`` / ``paddle.rank`` / ``paddle.is_empty`` / ``paddle.tolist``
+(model code reads ``paddle.shape(input_ids)[1]``), the ``data`` view and the in-place writes (``copy_``,
+``set_value``, ``apply_``, ``random_``, ``data = v``, ``paddle.increment``), ``apply``, ``gammainc`` / ``gammaincc``
+(+ in-place), and the functions paddle writes in python (``alpha_dropout``, ``feature_alpha_dropout``,
+``dice_loss``, ``npair_loss``, ``triplet_margin_with_distance_loss``, ``multi_label_margin_loss``) or draws inside
+a kernel (``gumbel_softmax``, ``rrelu``: one draw at the global shape, a single process's values and gradients)."""
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+import autoparallel as ap
+from autoparallel.dist_tensor_ops import CONVERSIONS
+from layout_sweep_helpers import LAYOUTS, failures, placements, x as _x
+
+pytestmark = pytest.mark.sim
+
+
+def _on_mesh(a, kind="S0", stop_gradient=True):
+    shape = LAYOUTS[kind]
+    mesh = ap.ProcessMesh(np.arange(4).reshape(shape).tolist(), dim_names=["a", "b"][:len(shape)])
+    return ap.shard_tensor(paddle.to_tensor(a, stop_gradient=stop_gradient), mesh, placements(kind, a.ndim))
+
+
+@pytest.mark.parametrize("kind", ["S0", "S1", "P"])
+def test_every_cast_method_gives_paddles_values_and_dtype(kind):
+    a = _x(4, 6) * 3
+    with ap.simulate(world_size=4):
+        x = _on_mesh(a, kind)
+        bad = []
+        for name in CONVERSIONS:
+            want = getattr(paddle.to_tensor(a), name)()
+            got = getattr(x, name)()
+            if got.dtype != want.dtype or not np.array_equal(got.numpy(), want.numpy()):
+                bad.append(name)
+    assert bad == []
+
+
+def test_metadata_answers_for_the_global_tensor():
+    a, plain = _x(4, 6), paddle.to_tensor(_x(4, 6))
+    with ap.simulate(world_size=4):
+        x = _on_mesh(a, "S0,Slast")
+        assert (x.itemsize, x.is_cuda, x.get_device()) == (plain.itemsize, plain.is_cuda, plain.get_device())
+        assert x.stride() == plain.stride() == x.strides == [6, 1] and x.stride(0) == 6 and x.stride(-1) == 1
+        assert x.is_tensor() and x.is_dense() and not x.is_sparse() and not x.persistable
+        assert x.is_same_shape(plain) and not x.is_same_shape(paddle.ones([6, 4]))
+        assert paddle.shape(x).numpy().tolist() == [4, 6] and paddle.shape(x).dtype == paddle.shape(plain).dtype
+        assert int(paddle.rank(x)) == 2 and int(x.rank()) == 2
+        assert not bool(paddle.is_empty(x)) and not bool(x.is_empty())
+        assert paddle.tolist(x) == plain.tolist()
+        with pytest.raises(IndexError, match=r"stride\(dim\)"):
+            x.stride(2)
+
+
+def test_data_view_and_in_place_writes_act_on_the_global_value():
+    a = _x(4, 6)
+    with ap.simulate(world_size=4):
+        x = _on_mesh(a, "S1")
+        x.data.zero_()                                   # the view shares storage, as paddle's does
+        assert np.array_equal(x.numpy(), np.zeros((4, 6), "float32"))
+        x.data = paddle.ones([4, 6])
+        assert np.array_equal(x.numpy(), np.ones((4, 6), "float32"))
+        x.copy_(paddle.full([4, 6], 2.0))
+        assert np.array_equal(x.numpy(), np.full((4, 6), 2.0, "float32"))
+        x.set_value(a)
+        assert np.array_equal(x.numpy(), a)
+        assert np.allclose(x.apply(lambda t: t * 2).numpy(), a * 2)
+        x.apply_(lambda t: t + 1)
+        assert np.allclose(x.numpy(), a + 1)
+        assert x.placements == [ap.Shard(1)]            # every write kept the layout
+        with pytest.raises(ValueError, match=r"global shape \[4, 6\], got \[6, 4\]"):
+            x.copy_(paddle.ones([6, 4]))
+        with pytest.raises(ValueError, match=r"global shape \[4, 6\], got \[3\]"):
+            x.set_value(np.ones(3, "float32"))
+        with pytest.raises(RuntimeError, match="required gradient"):
+            _on_mesh(a, "S1", stop_gradient=False).apply(lambda t: t)
+
+
+def test_random_fill_and_increment_equal_one_process():
+    paddle.seed(11)
+    want = paddle.zeros([4, 6])
+    want.random_(0, 10)
+    with ap.simulate(world_size=4):
+        x = _on_mesh(np.zeros((4, 6), "float32"), "S0")
+        paddle.seed(11)
+        x.random_(0, 10)
+        assert np.array_equal(x.numpy(), want.numpy())
+        c = _on_mesh(np.array([1.5], "float32"), "S0")
+        assert paddle.increment(c, 2.0) is c and float(c) == 3.5
+        with pytest.raises(ValueError, match="exactly one element"):
+            paddle.increment(x)
+
+
+def _gammainc_(a, b):
+    c = a.abs() + 0.5
+    c.gammainc_(b.abs() + 1.0)
+    return c
+
+
+_ANCHOR_LABELS = np.array([1.0, 2.0, 1.0, 3.0], "float32")
+_MULTI_LABELS = np.array([[1, 2, -1, 0, 0], [0, -1, 0, 0, 0], [4, 3, -1, 0, 0], [2, -1, 0, 0, 0]], "int64")
+_DICE_LABELS = np.random.default_rng(1).integers(0, 5, (4, 1, 1))
+
+CASES = {
+    "gammainc": (lambda a, b: paddle.gammainc(a.abs() + 0.5, b.abs() + 1.0), [_x(4, 6), _x(4, 6, seed=1)], None),
+    "gammaincc": (lambda a, b: paddle.gammaincc(a.abs() + 0.5, b.abs() + 1.0), [_x(4, 6), _x(4, 6, seed=1)], None),
+    "gammainc_": (_gammainc_, [_x(4, 6), _x(4, 6, seed=1)], None),
+    "alpha_dropout eval": (lambda a: F.alpha_dropout(a, 0.5, training=False), [_x(4, 5)], None),
+    "dice_loss": (lambda a: F.dice_loss(F.softmax(a.reshape([4, 1, 5])), paddle.to_tensor(_DICE_LABELS)),
+                  [_x(4, 5)], None),
+    "npair_loss": (lambda a, b: F.npair_loss(a, b, paddle.to_tensor(_ANCHOR_LABELS)), [_x(4, 5), _x(4, 5, seed=1)],
+                   None),
+    "triplet distance": (lambda a, b, c: F.triplet_margin_with_distance_loss(a, b, c, margin=0.5),
+                         [_x(4, 5), _x(4, 5, seed=1), _x(4, 5, seed=2)], None),
+    "multi_label_margin": (lambda a: F.multi_label_margin_loss(a, paddle.to_tensor(_MULTI_LABELS)), [_x(4, 5)], None),
+    "rrelu eval": (lambda a: F.rrelu(a, 0.1, 0.3, training=False), [_x(4, 6)], None),
+}
+
+
+@pytest.mark.parametrize("kind", ["S0", "S1", "P", "S0,Slast"])
+def test_ops_match_the_whole_tensor(kind):
+    assert failures(CASES, kind) == []
+
+
+def _seeded(fn, a, kind=None, seed=3):
+    """fn's value and input gradient under paddle.seed(seed): on one process, or laid out as ``kind``."""
+    w = paddle.to_tensor(np.random.default_rng(1).standard_normal(a.shape).astype("float32"))
+    with ap.simulate(world_size=4) if kind else _nothing():
+        x = _on_mesh(a, kind, stop_gradient=False) if kind else paddle.to_tensor(a, stop_gradient=False)
+        paddle.seed(seed)
+        y = fn(x)
+        (y * w).sum().backward()
+        full = (lambda t: t.full().numpy()) if kind else (lambda t: t.numpy())
+        return full(y), full(x.grad)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+DRAWS = {
+    "alpha_dropout": lambda x: F.alpha_dropout(x, 0.3),
+    "feature_alpha_dropout": lambda x: F.feature_alpha_dropout(x, 0.4),
+    "gumbel_softmax": lambda x: F.gumbel_softmax(x, 0.7),
+    "gumbel_softmax hard axis 1": lambda x: F.gumbel_softmax(x, 0.5, hard=True, axis=1),
+    "rrelu": lambda x: F.rrelu(x),
+}
+
+
+@pytest.mark.parametrize("kind", ["S0", "S2", "P", "S0,Slast"])
+def test_random_activations_draw_what_one_process_draws(kind):
+    a = np.random.default_rng(0).standard_normal((4, 6, 5)).astype("float32")
+    bad = []
+    for name, fn in DRAWS.items():
+        want, got = _seeded(fn, a), _seeded(fn, a, kind)
+        bad += [f"{name} {what}" for what, g, w in zip(("value", "grad"), got, want)
+                if not np.allclose(g, w, rtol=1e-4, atol=1e-5)]
+    assert bad == []
+
+
+def test_bad_arguments_raise_before_drawing():
+    with ap.simulate(world_size=4):
+        x = _on_mesh(_x(4, 6), "S0")
+        with pytest.raises(ValueError, match="temperature must be positive"):
+            F.gumbel_softmax(x, 0.0)
+        with pytest.raises(ValueError, match="0 <= lower <= upper <= 1"):
+            F.rrelu(x, 0.5, 0.2)
