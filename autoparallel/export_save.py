@@ -12,7 +12,9 @@ Here:
   this rank (replicated on every mesh dim and holding its data: data parallel, ZeRO-1/2) is saved as its plain
   global value; one that is not (a shard, a partial sum, a released ZeRO-3 parameter) raises
   ``ShardedExportError`` naming the entry and the collective forms to use instead. Nothing is gathered
-  behind the user's back: ``paddle.save`` is often called on one rank only, where a gather would hang.
+  behind the user's back: ``paddle.save`` is often called on one rank only, where a gather would hang. A file is
+  written under a temporary name and renamed over ``path`` once complete (paddle overwrote it in place: a process
+  killed mid-save lost the previous file).
 * ``paddle.jit.save(layer, path, input_spec)`` (also a layer after ``paddle.jit.to_static``, and ``ap.to_static``'s
   ``DistModel``, saved as its network): a layer holding
   distributed parameters is exported as ``ap.full_model(layer)``, its plain one-process copy, when every
@@ -20,6 +22,9 @@ Here:
   and save the plain copy.
 """
 from __future__ import annotations
+
+import os
+import uuid
 
 from autoparallel import patches
 
@@ -79,11 +84,41 @@ def _save(orig):
     def save(obj, path, protocol=4, **configs):
         if _has_dist(obj):
             obj = plain_tree(obj, "the object")
-        return orig(obj, path, protocol, **configs)
+        if not _replaceable_file(path):
+            return orig(obj, path, protocol, **configs)
+        return _save_replacing(orig, obj, os.fspath(path), protocol, configs)
 
     save._ap_wrapper = True
     save.__wrapped__ = orig
     return save
+
+
+def _replaceable_file(path) -> bool:
+    """A file path paddle would write (not a buffer, not a directory paddle refuses)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    path = os.fspath(path)
+    return bool(os.path.basename(path)) and not os.path.isdir(path) and not os.path.islink(path)
+
+
+def _save_replacing(orig, obj, path, protocol, configs):
+    """paddle writes ``path`` in place: a process killed mid-write (or two ranks saving the same name) left a
+    truncated file where the previous save was. Here paddle writes a temporary file next to it, which is synced
+    and renamed over ``path``: the old file stays whole until the new one is complete."""
+    from autoparallel.checkpoint.atomic import fsync_dir
+
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        out = orig(obj, tmp, protocol, **configs)
+        if os.path.isfile(tmp):
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
+        return out
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
 
 
 def exportable(layer):

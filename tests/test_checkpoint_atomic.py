@@ -142,3 +142,22 @@ def test_sigterm_becomes_a_stop_request(tmp_path):
     assert os.path.basename(path) == "step-00000037"
     target = {"x": np.zeros(2)}
     assert load_state_dict(target, mgr.dir).step == 37
+
+
+def test_a_failure_after_the_commit_rename_says_the_checkpoint_is_complete(tmp_path, monkeypatch):
+    """A full disk at the directory's fsync after the rename: the error says the checkpoint is complete on disk
+    (it said nothing was committed) and the checkpoint loads."""
+    from autoparallel.checkpoint import CheckpointSaveError
+
+    path = str(tmp_path / "ck")
+    monkeypatch.setenv("AP_CKPT_FAULT", "after_dir_rename:enospc")
+    with ap.simulate(world_size=4), pytest.raises(CheckpointSaveError) as e:
+        ap.save_state_dict(_state(1), path)
+    assert str(e.value).endswith("rank 0 failed after the commit's rename: OSError: [Errno 28] No space left on device "
+                                 "(injected at after_dir_rename); the checkpoint is complete on disk, but its "
+                                 "directory entry may not be durable (a crash now could lose it)"), str(e.value)
+    monkeypatch.delenv("AP_CKPT_FAULT")
+    with ap.simulate(world_size=2):
+        target = build_state(ap.ProcessMesh([0, 1], ["tp"]), TP2)
+        load_state_dict(target, path)
+    assert check_state(target, full_tensors(seed=1)) == []

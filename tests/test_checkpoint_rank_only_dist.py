@@ -2,7 +2,8 @@
 the in-process threads of tests/test_checkpoint_rank_only.py stand for ranks, this checks the same through gloo.
 Before: rank 0's failing 'latest' write raised a bare OSError on rank 0 while rank 1 went on (its next
 collective waited for gloo's 30 s timeout), rank 0's failed metadata write was a bare OSError on rank 0, and
-rank 1's failed load raised on rank 1 alone while rank 0 kept the loaded values."""
+rank 1's failed load raised on rank 1 alone while rank 0 kept the loaded values, and rank 0 failing after the commit's
+rename raised on rank 0 alone (rank 1 had seen the commit)."""
 import os
 
 import pytest
@@ -41,6 +42,23 @@ def test_rank_zeros_metadata_on_a_full_disk_is_typed_on_both_ranks_and_keeps_the
     for rank, r in enumerate(ranks):                 # the old checkpoint (5.0) loads on both ranks
         assert r["one_saved"]["outcome"] == r["one_after"]["outcome"] == "ok"
         assert r["one_after_w"] == [[5.0, 5.0], [5.0, 5.0]]
+
+
+def test_rank_zero_failing_after_the_commit_is_typed_on_both_ranks_at_once(ranks):
+    """Rank 1 had seen the commit and returned; rank 0 raised alone and rank 1's next collective waited for gloo's
+    30 s. Now both raise from the save's status exchange, and the checkpoint (complete on disk) loads."""
+    r0, r1 = (r["after_commit_fails_on_rank0"] for r in ranks)
+    cause = f"{ENOSPC} (injected at after_dir_rename)"
+    assert r0["outcome"].startswith("CheckpointSaveError: checkpoint ") and r0["outcome"].endswith(
+        f"/two: rank 0 failed after the commit's rename: {cause}; the checkpoint is complete on disk, but its "
+        f"directory entry may not be durable (a crash now could lose it)"), r0
+    assert r1["outcome"].startswith("CheckpointSaveError: checkpoint ") and (
+        "/two: the save failed on rank 0: CheckpointSaveError: checkpoint " in r1["outcome"]) and (
+        "failed after the commit's rename" in r1["outcome"]), r1
+    assert r1["seconds"] < 20, r1                    # not gloo's 30 s
+    for rank, r in enumerate(ranks):
+        assert r["after_commit_collective"]["outcome"] == "ok" and r["two_loaded"]["outcome"] == "ok"
+        assert r["two_w"] == [[7.0, 7.0], [7.0, 7.0]]
 
 
 def test_a_load_failing_on_rank_one_fails_both_with_nothing_loaded(ranks):

@@ -1,9 +1,9 @@
 """The diagonal / window / scatter / count / statistics tables on 4 real gloo ranks (job ``diag_ops`` of the shared
 4-rank launch, dist_scripts/diag_ops_worker.py): each call with its inputs split along dim 0 or dim 1 (uneven: a
-rank holds no row of 5 or 6) or Partial on a mesh of 4, or on a 2 x 2 mesh split along the first and last dims or
-along the last beside a Partial; value and every input's gradient equal to one process. The same tables run
-in the simulated world in tests/test_probe_fresh_diag_ops.py and test_probe_fresh_value_ops.py; here the
-collectives (gathers, Partial sums, the histogram's sum of shard counts) are gloo's."""
+rank holds no row of 5 or 6) or Partial on a mesh of 4, or on a 2 x 2 mesh split along the first and last dims;
+value and every input's gradient equal to one process. The same tables run in the simulated world in
+tests/test_probe_fresh_diag_ops.py and test_probe_fresh_value_ops.py; here the collectives (gathers, Partial sums,
+the histogram's sum of shard counts) are gloo's."""
 import os
 
 import numpy as np

@@ -5,7 +5,7 @@ embeddings; a negative control without the tied-gradient all-reduce), 4 ranks (P
 stage on its own [data, model] sub-mesh, ZB-H1 and VPP among them; PP4; PP2xTP2 with a tied embedding, a binding
 global-norm clip and full recompute; PP2xDP2 under float16 AMP with loss scaling and the clip) and 8 ranks
 (DP2xTP2xPP2).
-10 steps each; losses and every final parameter must match with rtol 1e-4 plus a small atol. The 2-rank
+6 steps each; losses and every final parameter must match with rtol 1e-4 plus a small atol. The 2-rank
 launch also checks that every rank executed exactly its schedule's action list and draws the measured
 timeline. Every schedule x {plain, DP, TP} also runs in the simulated world (test_pipeline_sim.py);
 here each inside-stage layout meets real transfers, ZB-H1 with TP on GPT's biased Linears among them.

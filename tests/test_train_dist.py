@@ -14,7 +14,7 @@ from dist_scripts import shared_launch
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_scripts", "train_worker.py")
 
-STEPS = 20
+STEPS = 8
 COMMON = ["--steps", str(STEPS), "--seed", "0", "--batch-size", "8", "--seq-len", "16", "--lr", "3e-3"]
 LLAMA = ["--model", "llama-tiny"]
 TIED = ["--model", "gpt-tiny-tied"]

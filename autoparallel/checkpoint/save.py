@@ -94,12 +94,37 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
                 for r in sorted(writes):
                     _merge(meta, *write_rank_file(tmp, r, writes[r], block_bytes))
                 _commit(meta, tmp, final, overwrite)
-            except BaseException:
+            except BaseException as e:
                 shutil.rmtree(tmp, ignore_errors=True)       # a failed save leaves nothing behind
+                if isinstance(e, Exception) and _committed(final, nonce):
+                    raise _after_commit(final, e) from e
                 raise
         else:
-            _save_multi(meta, tmp, final, overwrite, rank, world_size, writes.get(rank, []), block_bytes)
+            _save_multi_shared(meta, tmp, final, overwrite, rank, world_size, writes.get(rank, []), block_bytes)
     return final
+
+
+def _save_multi_shared(meta, tmp, final, overwrite, rank, world_size, items, block_bytes) -> None:
+    """``_save_multi``, then one status exchange: a rank that failed raises its own error, every other rank a
+    CheckpointSaveError naming it. Without it a failure on rank 0 after the commit's rename (the directory's
+    fsync) left the other ranks, which had seen the commit, in their next collective until gloo's timeout."""
+    error = None
+    try:
+        _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_bytes)
+    except BaseException as e:          # a Ctrl-C too: the others must not wait for this rank in vain
+        error = e
+    try:
+        failures = sync.gather_errors(error, f"checkpoint {final}: save status (all_gather)")
+    except RuntimeError as e:           # gloo: a peer that left the save before the exchange
+        if error is not None:
+            raise error from None
+        raise CheckpointSaveError(f"checkpoint {final}: a rank did not take part in the save's status exchange "
+                                  f"(it left the save before it): {e}") from None
+    if error is not None:
+        raise error
+    if failures:
+        raise CheckpointSaveError(f"checkpoint {final}: the save failed on " +
+                                  "; ".join(f"rank {r}: {name}: {msg}" for r, name, msg in failures))
 
 
 def _checked(state, path, step, extra, overwrite, block_bytes, runtime) -> tuple:
@@ -251,6 +276,21 @@ def _remove_after_acks(tmp: str, world_size: int) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _after_commit(final: str, e: Exception) -> CheckpointSaveError:
+    return CheckpointSaveError(f"checkpoint {final}: rank 0 failed after the commit's rename: {type(e).__name__}: "
+                               f"{e}; the checkpoint is complete on disk, but its directory entry may not be durable "
+                               f"(a crash now could lose it)")
+
+
+def _committed(final: str, nonce: str) -> bool:
+    """``final`` holds the metadata of the save with ``nonce``."""
+    try:
+        with open(os.path.join(final, METADATA)) as f:
+            return json.load(f).get("nonce") == nonce
+    except (OSError, ValueError):
+        return False
+
+
 def _marker(tmp: str, rank: int) -> str:
     return os.path.join(tmp, f"rank-{rank:05d}.json")
 
@@ -290,6 +330,8 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
             if os.path.isdir(tmp):
                 _note(os.path.join(tmp, FAILED), f"{type(e).__name__}: {e}")
                 _remove_after_acks(tmp, world_size)
+            elif _committed(final, meta["nonce"]) and isinstance(e, Exception):
+                raise _after_commit(final, e) from e
             if isinstance(e, TimeoutError):
                 raise CheckpointSaveError(str(e)) from None
             if isinstance(e, CheckpointSaveError) or not isinstance(e, Exception):
@@ -297,17 +339,10 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
             raise CheckpointSaveError(f"checkpoint {final}: rank 0 could not commit: {type(e).__name__}: {e}; "
                                       f"nothing was committed") from e
         return
-    metadata = os.path.join(final, METADATA)
     failed = os.path.join(tmp, FAILED)
 
     def ours() -> bool:
-        if not os.path.exists(metadata):
-            return False
-        try:
-            with open(metadata) as f:
-                return json.load(f).get("nonce") == meta["nonce"]
-        except (OSError, ValueError):
-            return False
+        return _committed(final, meta["nonce"])
 
     def settled() -> bool:          # committed, failed, or the temporary directory removed by rank 0
         return ours() or os.path.exists(failed) or not os.path.isdir(tmp)

@@ -1,6 +1,6 @@
 """Failures on some ranks only, on every rank of a real gloo job (2 ranks): rank 0's 'latest' write failing
-after a manager save, rank 0's metadata write failing (an injected full disk), rank 1's load failing (its state
-does not match); then a save, a load and a collective that succeed (the job goes on).
+after a manager save, rank 0's metadata write failing (an injected full disk), rank 0 failing after the commit's
+rename, rank 1's load failing (its state does not match); then a save, a load and a collective that succeed (the job goes on).
 Usage: ckpt_rank_only_worker.py ROOT"""
 import errno
 import os
@@ -66,6 +66,16 @@ def main(root: str) -> None:
     kept = state(0.0)
     out["one_after"] = attempt(lambda: ap.load_state_dict(kept, one))
     out["one_after_w"] = local_w(kept)
+
+    two = os.path.join(os.path.dirname(root), "two")      # rank 0 fails after the commit's rename (its fsync)
+    os.environ.update(AP_CKPT_FAULT="after_dir_rename:enospc", AP_CKPT_FAULT_RANK="0")
+    out["after_commit_fails_on_rank0"] = attempt(lambda: ap.save_state_dict(state(7.0), two))
+    del os.environ["AP_CKPT_FAULT"], os.environ["AP_CKPT_FAULT_RANK"]
+    y = paddle.to_tensor([float(rank + 1)])
+    out["after_commit_collective"] = attempt(lambda: dist.all_reduce(y))   # nobody is left in a collective
+    kept = state(0.0)
+    out["two_loaded"] = attempt(lambda: ap.load_state_dict(kept, two))
+    out["two_w"] = local_w(kept)
 
     target = state(0.0, rows=6 if rank == 1 else 4)       # rank 1's state does not match the checkpoint
     out["load_fails_on_rank1"] = attempt(lambda: ap.load_state_dict(target, os.path.join(root, "step-00000001")))

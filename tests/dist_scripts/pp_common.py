@@ -11,7 +11,7 @@ from autoparallel.data import ByteTextDataset  # noqa: E402
 from autoparallel.strategy import Strategy  # noqa: E402
 from autoparallel.testing.models import fit, parameters_np  # noqa: E402
 
-STEPS, BATCH, SEQ, LR = 10, 8, 16, 3e-3
+STEPS, BATCH, SEQ, LR = 6, 8, 16, 3e-3
 _DATA = {}
 
 
