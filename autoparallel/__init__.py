@@ -31,8 +31,8 @@ _EXPORTS = {
     "LocalLayer": "autoparallel.api_local", "local_map": "autoparallel.api_local",
     "PrepareLayerInput": "autoparallel.api_prepare", "PrepareLayerOutput": "autoparallel.api_prepare",
     # worlds
-    "simulate": "autoparallel.comm.world", "current_world": "autoparallel.comm.world",
-    "get_rank": "autoparallel.comm.world", "init_parallel_env": "autoparallel.comm.world",
+    "simulate": "autoparallel.api_env", "current_world": "autoparallel.comm.world",
+    "get_rank": "autoparallel.comm.world", "init_parallel_env": "autoparallel.api_env",
     # planning
     "ClusterSpec": "autoparallel.planner.cluster",
     "plan": "autoparallel.planner.api",

@@ -2,7 +2,34 @@
 a clear answer for the names of paddle's API this package does not provide (instead of a bare AttributeError)."""
 from __future__ import annotations
 
-__all__ = ["get_world_size", "missing_name_message"]
+import contextlib
+
+__all__ = ["get_world_size", "init_parallel_env", "missing_name_message", "simulate"]
+
+
+def init_parallel_env():
+    """The article's ``dist.init_parallel_env()`` (comm/world.py), which also routes paddle's ops on distributed
+    tensors from here on: ``paddle.as_complex(ap.shard_tensor(...))`` looks ``paddle.as_complex`` up before
+    ``shard_tensor`` (the usual installer) runs, so the first distributed call of a script reached paddle's own
+    function."""
+    from autoparallel import dispatch_handle
+    from autoparallel.comm import world
+
+    out = world.init_parallel_env()
+    dispatch_handle.install()
+    return out
+
+
+@contextlib.contextmanager
+def simulate(world_size: int):
+    """Run every rank of a mesh in this process: ``with ap.simulate(world_size=8): ...`` (comm/world.py); routes
+    paddle's ops on distributed tensors from the start of the block, as ``init_parallel_env`` does."""
+    from autoparallel import dispatch_handle
+    from autoparallel.comm import world
+
+    dispatch_handle.install()
+    with world.simulate(world_size) as w:
+        yield w
 
 
 def get_world_size() -> int:

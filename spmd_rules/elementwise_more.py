@@ -93,8 +93,30 @@ def _register_binary(op, *, compare=False, to_float=False):
 
 for _op in ("fmax", "fmin", "copysign", "heaviside"):
     _register_binary(_op)
-for _op in ("atan2", "hypot", "logaddexp", "gammainc", "gammaincc"):
+for _op in ("atan2", "hypot", "logaddexp"):
     _register_binary(_op, to_float=True)
+
+
+def _gamma_inc(op):
+    """``gammainc`` / ``gammaincc``: elementwise over two tensors of one shape. paddle 3.3's kernel broadcasts
+    wrongly (``gammainc(a [5, 6], b [6])`` differs from ``gammainc(a, b.expand([5, 6]))``), so differing shapes
+    are refused rather than computed per shard."""
+    def rule(x, y, name=None):
+        check_spec(op, "x", x)
+        check_spec(op, "y", y)
+        if tuple(x.shape) != tuple(y.shape):
+            raise NotImplementedError(f"{op}: x and y must have the same shape on distributed tensors (paddle's kernel "
+                                      f"broadcasts wrongly), got {list(x.shape)} and {list(y.shape)}; expand them "
+                                      f"first")
+        dtype = promote(x.dtype, y.dtype)
+        return elementwise_result(op, [x, y], out_dtype=dtype if is_float(dtype) else "float32")
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule, reverse=lambda outputs, x, y, name=None: elementwise_reverse(op, outputs, [x, y]))
+
+
+_gamma_inc("gammainc")
+_gamma_inc("gammaincc")
 for _op in ("gt", "logical_xor"):
     _register_binary(_op, compare=True)
 

@@ -219,6 +219,9 @@ OP_TABLE: dict = {
     "diag_embed": _fn("diag_embed", extra=("paddle.nn.functional.diag_embed",)),
     **{n: _fn(n) for n in ("diag", "diagflat", "diagonal_scatter", "select_scatter", "slice_scatter",
                            "as_strided")},
+    # complex numbers (spmd_rules/complex_ops.py)
+    **{n: _fn(n) for n in ("as_complex", "as_real", "real", "imag", "conj", "angle")},
+    **{n: _fn(n, method=False) for n in ("complex", "polar", "view_as_complex", "view_as_real")},
     # value tests and counts, reduce_as (spmd_rules/value_ops.py)
     **{n: _fn(n) for n in ("isin", "histogram", "histogram_bin_edges", "unique_consecutive", "reduce_as",
                            "shard_index", "multiplex")},

@@ -33,6 +33,31 @@ def _reduce_all(ts, op):
     return out.astype(dtype) if low else out
 
 
+_REAL_OF = {"complex64": "float32", "complex128": "float64"}
+
+
+def _is_complex(xs) -> bool:
+    return any(t is not None and t.dtype in (paddle.complex64, paddle.complex128) for t in xs.values())
+
+
+def _real_views(xs) -> dict:
+    return {r: paddle.as_real(t) if t.dtype in (paddle.complex64, paddle.complex128) else t for r, t in xs.items()}
+
+
+def _complex(t):
+    return paddle.as_complex(t.contiguous())
+
+
+def _complex_values(got) -> dict:
+    return {r: _complex(t) for r, t in got.items()}
+
+
+def _complex_op(kind, op) -> None:
+    if op not in ("sum", "avg"):
+        raise NotImplementedError(f"{kind} with op {op!r} of a complex tensor: complex numbers have no order; "
+                                  f"expected 'sum' or 'avg'")
+
+
 class SimTransport:
     """All members in this process: collectives are computed directly."""
 
@@ -86,35 +111,55 @@ class RealTransport:
 
         return get_group(ranks)
 
-    # every collective is recorded as the operation in flight, so a watchdog can name it if a peer is lost
+    # every collective is recorded as the operation in flight, so a watchdog can name it if a peer is lost; a
+    # complex tensor travels as its real view (gloo has no complex type: "Unknown DataType"; NCCL has none either)
     def all_gather(self, xs, ranks):
         with watchdog.op("all_gather"):
             self._agree("all_gather", ranks, payload=xs)
-            return self._all_gather(xs, ranks)
+            cx = _is_complex(xs)
+            got = self._all_gather(_real_views(xs) if cx else xs, ranks)
+            return {r: [_complex(t) for t in ts] for r, ts in got.items()} if cx else got
 
     def all_reduce(self, xs, ranks, op):
         with watchdog.op("all_reduce"):
             self._agree("all_reduce", ranks, payload=xs)
-            return self._all_reduce(xs, ranks, op)
+            if not _is_complex(xs):
+                return self._all_reduce(xs, ranks, op)
+            _complex_op("all_reduce", op)
+            return _complex_values(self._all_reduce(_real_views(xs), ranks, op))
 
     def reduce_scatter(self, xs, ranks, op, axis):
         with watchdog.op("reduce_scatter"):
             self._agree("reduce_scatter", ranks, payload=xs)
-            return self._reduce_scatter(xs, ranks, op, axis)
+            if not _is_complex(xs):
+                return self._reduce_scatter(xs, ranks, op, axis)
+            _complex_op("reduce_scatter", op)
+            axis = axis % next(iter(xs.values())).ndim        # the real view adds a last dim
+            return _complex_values(self._reduce_scatter(_real_views(xs), ranks, op, axis))
 
     def all_to_all(self, chunks, ranks):
         with watchdog.op("all_to_all"):
             self._agree("all_to_all", ranks, payload={r: c[0] for r, c in chunks.items()})  # one chunk's size
-            return self._all_to_all(chunks, ranks)
+            if not _is_complex({r: c[0] for r, c in chunks.items()}):
+                return self._all_to_all(chunks, ranks)
+            got = self._all_to_all({r: [paddle.as_real(t) for t in c] for r, c in chunks.items()}, ranks)
+            return {r: [_complex(t) for t in ts] for r, ts in got.items()}
 
     def broadcast(self, xs, ranks, src):
         with watchdog.op("broadcast"):
             self._agree("broadcast", ranks, payload=xs)
-            return self._broadcast(xs, ranks, src)
+            if not _is_complex(xs):
+                return self._broadcast(xs, ranks, src)
+            return _complex_values(self._broadcast(_real_views(xs), ranks, src))
 
     def send_recv(self, xs, pairs, recv_like):
         with watchdog.op("send_recv"):
-            return self._send_recv(xs, pairs, recv_like)
+            like = {d: (list(shape) + [2], _REAL_OF[str(dtype).split(".")[-1]]) for d, (shape, dtype)
+                    in recv_like.items() if str(dtype).split(".")[-1] in _REAL_OF}
+            if not like and not _is_complex(xs):
+                return self._send_recv(xs, pairs, recv_like)
+            got = self._send_recv(_real_views(xs), pairs, {**recv_like, **like})
+            return {d: _complex(t) if d in like else t for d, t in got.items()}
 
     def _agree(self, kind, ranks, site=None, payload=None):
         """Every member of ``ranks`` is making this collective, from the same line: noted in the collective log

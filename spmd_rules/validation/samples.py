@@ -519,10 +519,25 @@ def _cases_pooling():
     add_case("adaptive_max_pool3d", f(2, 2, 4, 4, 4), 2)
 
 
+def _cases_complex():
+    def c(*shape):
+        return T(f(*shape, 2).array[..., 0] + 1j * f(*shape, 2).array[..., 1])
+
+    for op in ("as_complex", "view_as_complex"):
+        add_case(op, f(5, 6, 2))
+    for op in ("as_real", "view_as_real", "real", "imag", "conj", "angle"):
+        add_case(op, c(5, 6), grad=False)
+    add_case("complex", f(5, 6), f(6))
+    add_case("polar", f(5, 6, lo=0.3), f(6))
+
+
 def _cases_special():
+    _cases_complex()
     for op in ("i0e", "i1", "i1e"):
         add_case(op, f(5, 6))
     add_case("gammaln", f(5, 6, lo=0.3))
+    for op in ("gammainc", "gammaincc"):
+        add_case(op, f(5, 6, lo=0.5), f(5, 6, lo=0.5))
     add_case("polygamma", f(5, 6, lo=0.3), 1)
     inf = T(np.array([[1.0, -np.inf, 2.0], [np.inf, 0.5, -1.0]]))
     for op in ("isneginf", "isposinf", "isreal"):
