@@ -68,8 +68,17 @@ def _simple(op, *, to_float=False, linear=False):
 
 for _op in ("exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "erf", "sin", "cos", "log1p"):
     _simple(_op, to_float=True)
-for _op in ("relu", "abs", "square", "floor", "sign", "logical_not"):
+for _op in ("relu", "square", "floor", "sign", "logical_not"):
     _simple(_op)
+
+
+@register_spmd_rule("abs", reverse=_unary_reverse("abs"))
+@block_aware
+def abs_(x, name=None):
+    """|x|; of a complex tensor, its real modulus (complex64 -> float32)."""
+    check_spec("abs", "x", x)
+    real = {"complex64": "float32", "complex128": "float64"}.get(str(x.dtype))
+    return _unary("abs", x, dtype=real)
 _simple("neg", linear=True)
 _simple("clone", linear=True)
 

@@ -1,7 +1,8 @@
 """Per-matrix linear algebra of ``paddle.linalg``: ``inv`` (``paddle.inverse``), ``det``, ``slogdet``, ``cholesky``,
 ``qr``, ``svd``, ``svdvals``, ``eigh``, ``eigvalsh``, ``matrix_power``, ``matrix_exp``, ``pinv``, ``solve``,
 ``triangular_solve``, ``cholesky_solve``, ``matrix_rank``, ``cond``, ``cholesky_inverse``, ``householder_product``,
-``ormqr``, ``lu``, ``lu_unpack``, ``lu_solve`` (``eig`` / ``eigvals`` give complex outputs and stay refused).
+``ormqr``, ``lu``, ``lu_unpack``, ``lu_solve``, ``eig`` and ``eigvals`` (complex outputs: complex64 of float32,
+complex128 of float64).
 
 Every input whole and every output replicated: each rank runs paddle's own decomposition on the whole matrices, so
 the values (and the signs of singular / eigen vectors, which LAPACK fixes for given input) are one process's. None
@@ -118,6 +119,22 @@ def eigh(x, UPLO="L", name=None):
     _uplo("eigh", UPLO)
     batch, n, _ = _matrices("eigh", x, square=True)
     return _whole("eigh", [x], [(batch + (n,), _float(x.dtype)), (x.shape, x.dtype)])
+
+
+_COMPLEX = {"float32": "complex64", "float64": "complex128"}
+
+
+@register_spmd_rule("eig")
+def eig(x, name=None):
+    batch, n, _ = _matrices("eig", x, square=True)
+    dtype = _COMPLEX.get(x.dtype, x.dtype)
+    return _whole("eig", [x], [(batch + (n,), dtype), (x.shape, dtype)])
+
+
+@register_spmd_rule("eigvals")
+def eigvals(x, name=None):
+    batch, n, _ = _matrices("eigvals", x, square=True)
+    return _whole("eigvals", [x], [(batch + (n,), _COMPLEX.get(x.dtype, x.dtype))])
 
 
 @register_spmd_rule("eigvalsh")

@@ -229,6 +229,7 @@ OP_TABLE: dict = {
     "inv": ("paddle.linalg.inv", "paddle.inverse", _T + "inverse"),
     **{n: ("paddle.linalg." + n,) for n in ("det", "svd", "svdvals", "eigh", "matrix_exp", "triangular_solve",
                                             "matrix_rank", "lu_solve")},
+    **{n: ("paddle.linalg." + n, _T + n) for n in ("eig", "eigvals")},
     **{n: ("paddle.linalg." + n, _T + n) for n in ("slogdet", "qr", "matrix_power", "pinv", "solve",
                                                    "cholesky_solve", "cond", "cholesky_inverse",
                                                    "householder_product", "ormqr", "lu", "lu_unpack")},

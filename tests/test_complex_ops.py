@@ -1,6 +1,6 @@
 """Complex numbers on distributed tensors, against paddle on the whole tensor (values and every real input's
 gradient): ``as_complex`` / ``view_as_complex``, ``as_real`` / ``view_as_real``, ``real``, ``imag``, ``conj``,
-``angle``, ``complex``, ``polar`` and a rotary embedding written with complex numbers (pairs -> complex, times a
+``angle``, ``complex``, ``polar``, ``abs``, ``linalg.eig`` / ``eigvals`` and a rotary embedding written with complex numbers (pairs -> complex, times a
 complex ``freqs_cis``, back to real) over every layout of the sweep. They had no rule. Real gloo ranks:
 tests/test_complex_ops_dist.py."""
 import numpy as np
@@ -32,6 +32,10 @@ CASES = {
     "complex": (lambda a, b: paddle.as_real(paddle.complex(a, b)), [_x(4, 6), _x(4, 6, seed=2)], None),
     "polar": (lambda a, b: paddle.as_real(paddle.polar(a.abs(), b)), [_x(4, 6), _x(4, 6, seed=2)], None),
     "view": (lambda a: paddle.view_as_real(paddle.view_as_complex(a) * 2), [_x(4, 6, 2)], None),
+    "abs": (lambda a: paddle.abs(paddle.as_complex(a)), [_x(4, 6, 2)], None),
+    "eigvals": (lambda a: paddle.linalg.eigvals(a).abs(), [_x(3, 4, 4)], None),
+    "eig": (lambda a: paddle.real(paddle.linalg.eig(a)[0]) + paddle.linalg.eig(a)[1].abs().sum(-1), [_x(3, 4, 4)],
+            None),
 }
 
 

@@ -383,6 +383,8 @@ def _cases_more():
     add_case("matrix_exp", T(spd * 0.02))      # paddle's own backward fails on a large norm (an in-place squaring)
     add_case("matrix_power", T(spd), 2)
     add_case("eigh", T(spd))
+    for op in ("eig", "eigvals"):
+        add_case(op, f(3, 4, 4), grad=False)
     add_case("qr", f(3, 5, 4))
     add_case("svd", f(3, 5, 4), grad=False)
     add_case("svdvals", f(3, 5, 4))
