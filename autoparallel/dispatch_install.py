@@ -164,7 +164,7 @@ def _composite(path, orig, fn):
 # values under the same seed). Each is checked against one process in tests/test_probe_fresh_meta_ops.py.
 AS_WRITTEN = tuple(f"paddle.nn.functional.{n}" for n in (
     "alpha_dropout", "feature_alpha_dropout", "dice_loss", "triplet_margin_with_distance_loss",
-    "multi_label_margin_loss", "adaptive_log_softmax_with_loss"))
+    "multi_label_margin_loss", "adaptive_log_softmax_with_loss", "embedding_renorm_"))
 
 
 def _install_composites() -> None:
@@ -183,6 +183,7 @@ def _install_composites() -> None:
     from spmd_rules.composites_meta import COMPOSITES as META_COMPOSITES
     from spmd_rules.composites_npair import COMPOSITES as NPAIR_COMPOSITES
     from spmd_rules.composites_draws import COMPOSITES as DRAW_COMPOSITES
+    from spmd_rules.composites_temporal import COMPOSITES as TEMPORAL_COMPOSITES
 
     from autoparallel import autograd_forms, copy_forms, local_ctc
 
@@ -193,8 +194,8 @@ def _install_composites() -> None:
     mapping = {}
     for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **RNN_COMPOSITES,
                      **FUSED_COMPOSITES, **SCATTER_COMPOSITES, **STATS_COMPOSITES, **FILL_COMPOSITES,
-                     **META_COMPOSITES, **NPAIR_COMPOSITES, **DRAW_COMPOSITES, **{p: None for p in AS_WRITTEN},
-                     **autograd}.items():
+                     **META_COMPOSITES, **NPAIR_COMPOSITES, **DRAW_COMPOSITES, **TEMPORAL_COMPOSITES,
+                     **{p: None for p in AS_WRITTEN}, **autograd}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):

@@ -5,7 +5,8 @@ They were refused: the dtype-named casts (``x.float32()``, ``x.int64()``, ``x.ui
 (model code reads ``paddle.shape(input_ids)[1]``), the ``data`` view and the in-place writes (``copy_``,
 ``set_value``, ``apply_``, ``random_``, ``data = v``, ``paddle.increment``), ``apply``, ``gammainc`` / ``gammaincc``
 (+ in-place), and the functions paddle writes in python (``alpha_dropout``, ``feature_alpha_dropout``,
-``dice_loss``, ``npair_loss``, ``triplet_margin_with_distance_loss``, ``multi_label_margin_loss``) or draws inside
+``dice_loss``, ``npair_loss``, ``triplet_margin_with_distance_loss``, ``multi_label_margin_loss``,
+``adaptive_log_softmax_with_loss``, ``embedding_renorm_``), ``temporal_shift`` (slices and concats), or draw inside
 a kernel (``gumbel_softmax``, ``rrelu``: one draw at the global shape, a single process's values and gradients)."""
 import numpy as np
 import paddle
@@ -104,6 +105,15 @@ _ANCHOR_LABELS = np.array([1.0, 2.0, 1.0, 3.0], "float32")
 _MULTI_LABELS = np.array([[1, 2, -1, 0, 0], [0, -1, 0, 0, 0], [4, 3, -1, 0, 0], [2, -1, 0, 0, 0]], "int64")
 _DICE_LABELS = np.random.default_rng(1).integers(0, 5, (4, 1, 1))
 
+_ALS_LABELS = np.array([0, 3, 5, 7, 1, 6], "int64")
+
+
+def _adaptive_log_softmax(inp, head, t1a, t1b, t2a, t2b):
+    out, loss = F.adaptive_log_softmax_with_loss(inp, paddle.to_tensor(_ALS_LABELS), head, [[t1a, t1b], [t2a, t2b]],
+                                                 [2, 5, 8])
+    return out * 0.5 + loss
+
+
 CASES = {
     "gammainc": (lambda a, b: paddle.gammainc(a.abs() + 0.5, b.abs() + 1.0), [_x(4, 6), _x(4, 6, seed=1)], None),
     "gammaincc": (lambda a, b: paddle.gammaincc(a.abs() + 0.5, b.abs() + 1.0), [_x(4, 6), _x(4, 6, seed=1)], None),
@@ -117,6 +127,11 @@ CASES = {
                          [_x(4, 5), _x(4, 5, seed=1), _x(4, 5, seed=2)], None),
     "multi_label_margin": (lambda a: F.multi_label_margin_loss(a, paddle.to_tensor(_MULTI_LABELS)), [_x(4, 5)], None),
     "rrelu eval": (lambda a: F.rrelu(a, 0.1, 0.3, training=False), [_x(4, 6)], None),
+    "adaptive_log_softmax": (_adaptive_log_softmax, [_x(6, 4), _x(4, 4, seed=1), _x(4, 2, seed=2), _x(2, 3, seed=3),
+                                                     _x(4, 1, seed=4), _x(1, 3, seed=5)], None),
+    "temporal_shift": (lambda a: F.temporal_shift(a, 3), [_x(6, 8, 2, 3)], None),
+    "temporal_shift NHWC": (lambda a: F.temporal_shift(a, 2, 0.2, data_format="NHWC"), [_x(4, 2, 3, 10)], None),
+    "temporal_shift one channel": (lambda a: F.temporal_shift(a, 2, 0.1), [_x(4, 5, 2, 2)], None),
 }
 
 
@@ -172,3 +187,30 @@ def test_bad_arguments_raise_before_drawing():
             F.gumbel_softmax(x, 0.0)
         with pytest.raises(ValueError, match="0 <= lower <= upper <= 1"):
             F.rrelu(x, 0.5, 0.2)
+
+
+@pytest.mark.parametrize("placement", ["S0", "S1", "R"])
+def test_embedding_renorm_rescales_the_distributed_weight_in_place(placement):
+    w = _x(6, 4) * 2
+    ids = paddle.to_tensor(np.array([[0, 2], [2, 5]], "int64"))
+    want = paddle.to_tensor(w)
+    F.embedding_renorm_(ids, want, 1.0)
+    p = {"S0": ap.Shard(0), "S1": ap.Shard(1), "R": ap.Replicate()}[placement]
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+        emb = paddle.nn.Embedding(6, 4)
+        emb.weight.set_value(w)
+        emb = ap.shard_layer(emb, mesh, lambda n, layer, m: setattr(layer, "weight", ap.shard_tensor(
+            layer.weight, m, [p])) if n == "" else None)
+        F.embedding_renorm_(ids, emb.weight, 1.0)
+        got = emb.weight.full().numpy()
+    assert np.allclose(got, want.numpy()) and not np.allclose(got, w)      # rows 0, 2, 5 were rescaled
+
+
+def test_temporal_shift_names_bad_arguments():
+    with ap.simulate(world_size=4):
+        x = _on_mesh(_x(6, 8, 2, 3), "S0")
+        with pytest.raises(ValueError, match=r"seg_num must be a positive int dividing dim 0 \(6\), got 4"):
+            F.temporal_shift(x, 4)
+        with pytest.raises(ValueError, match=r"shift_ratio must be in \(0, 0.5\)"):
+            F.temporal_shift(x, 3, 0.5)
