@@ -81,6 +81,18 @@ class MetaForms:
     def is_same_shape(self, y) -> bool:
         return list(self.shape) == list(y.shape)
 
+    def _first_shard(self, what: str):
+        for t in self._locals.values():
+            return t
+        raise ValueError(f"{what}: this process holds no shard of the tensor (mesh {self.mesh.mesh.tolist()})")
+
+    # the same on every shard: read from this process's first one
+    name = property(lambda self: self._first_shard("name").name)
+    type = property(lambda self: self._first_shard("type").type)
+    layout = property(lambda self: self._first_shard("layout").layout)
+    grad_fn = property(lambda self: self._first_shard("grad_fn").grad_fn)
+    inplace_version = property(lambda self: self._first_shard("inplace_version").inplace_version)
+
     # ---- the data view and in-place writes -------------------------------------------------------------
     @property
     def data(self):

@@ -1,6 +1,7 @@
 """Composite ops (see composites.py): paddle's functions that read a tensor's metadata, not its values
 (``paddle.shape``, ``paddle.rank``, ``paddle.is_empty``, ``paddle.tolist``) and ``paddle.increment`` (a counter
-bumped in place). Model code reads ``paddle.shape(input_ids)[1]`` for the sequence length; on a distributed
+bumped in place), and ``paddle.histogramdd`` (a count over the whole sample, no gradient: the gathered values,
+counted once, replicated). Model code reads ``paddle.shape(input_ids)[1]`` for the sequence length; on a distributed
 tensor these answered nothing (no spmd rule). Here they answer for the GLOBAL tensor, as ``x.shape`` does, without
 communicating, except ``tolist`` (the global values)."""
 from __future__ import annotations
@@ -47,4 +48,13 @@ def increment(x, value=1.0, name=None):
     return x
 
 
-COMPOSITES: dict = {f"paddle.{n}": globals()[n] for n in ("shape", "rank", "is_empty", "tolist", "increment")}
+def histogramdd(x, bins=10, ranges=None, density=False, weights=None, name=None):
+    """paddle's own count on the gathered sample (and weights): the histogram and the edges, whole."""
+    whole = [(v.full() if hasattr(v, "full") else v) for v in (x, weights)]
+    with _p().no_grad():
+        return _p().histogramdd(whole[0].detach(), bins, ranges, density,
+                                None if whole[1] is None else whole[1].detach())
+
+
+COMPOSITES: dict = {f"paddle.{n}": globals()[n] for n in ("shape", "rank", "is_empty", "tolist", "increment",
+                                                           "histogramdd")}

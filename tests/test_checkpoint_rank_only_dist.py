@@ -44,6 +44,17 @@ def test_rank_zeros_metadata_on_a_full_disk_is_typed_on_both_ranks_and_keeps_the
         assert r["one_after_w"] == [[5.0, 5.0], [5.0, 5.0]]
 
 
+def test_rank_one_gets_rank_zeros_error_when_its_failure_note_could_not_be_written(ranks):
+    """Rank 0's note on a full disk fails too: rank 1 saw only the temporary directory removed and said so, with
+    no cause; the save's status exchange now carries rank 0's error."""
+    r0, r1 = (r["note_fails_on_rank0"]["outcome"] for r in ranks)
+    cause = f"{ENOSPC} (injected at before_metadata_rename)"
+    assert r0.endswith(f"/one: rank 0 could not commit: {cause}; nothing was committed"), r0
+    assert r1.startswith("CheckpointSaveError: checkpoint ") and (
+        "/one: rank 0 could not commit: its temporary directory was removed without a commit; rank 0 reported: "
+        "CheckpointSaveError: checkpoint " in r1) and r1.endswith(f"{cause}; nothing was committed"), r1
+
+
 def test_rank_zero_failing_after_the_commit_is_typed_on_both_ranks_at_once(ranks):
     """Rank 1 had seen the commit and returned; rank 0 raised alone and rank 1's next collective waited for gloo's
     30 s. Now both raise from the save's status exchange, and the checkpoint (complete on disk) loads."""

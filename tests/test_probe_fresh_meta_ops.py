@@ -52,6 +52,8 @@ def test_metadata_answers_for_the_global_tensor():
         assert int(paddle.rank(x)) == 2 and int(x.rank()) == 2
         assert not bool(paddle.is_empty(x)) and not bool(x.is_empty())
         assert paddle.tolist(x) == plain.tolist()
+        assert x.name == x.local_of(0).name and x.type == plain.type and x.layout == plain.layout
+        assert x.inplace_version == 0
         with pytest.raises(IndexError, match=r"stride\(dim\)"):
             x.stride(2)
 
@@ -214,3 +216,18 @@ def test_temporal_shift_names_bad_arguments():
             F.temporal_shift(x, 4)
         with pytest.raises(ValueError, match=r"shift_ratio must be in \(0, 0.5\)"):
             F.temporal_shift(x, 3, 0.5)
+
+
+def test_histogramdd_counts_the_whole_sample():
+    a = _x(10, 2)
+    w = np.abs(_x(10, seed=1))
+    want_h, want_edges = paddle.histogramdd(paddle.to_tensor(a), bins=[3, 4], weights=paddle.to_tensor(w),
+                                            density=True)
+    with ap.simulate(world_size=4):
+        x, wd = _on_mesh(a, "S0"), _on_mesh(w, "S0")
+        h, edges = paddle.histogramdd(x, bins=[3, 4], weights=wd, density=True)
+        h2, _ = x.histogramdd(bins=5, ranges=[-2.0, 2.0, -2.0, 2.0])
+    assert np.allclose(h.numpy(), want_h.numpy()) and len(edges) == 2
+    assert all(np.allclose(e.numpy(), f.numpy()) for e, f in zip(edges, want_edges))
+    want_h2, _ = paddle.histogramdd(paddle.to_tensor(a), bins=5, ranges=[-2.0, 2.0, -2.0, 2.0])
+    assert np.allclose(h2.numpy(), want_h2.numpy())

@@ -121,6 +121,11 @@ def _save_multi_shared(meta, tmp, final, overwrite, rank, world_size, items, blo
         raise CheckpointSaveError(f"checkpoint {final}: a rank did not take part in the save's status exchange "
                                   f"(it left the save before it): {e}") from None
     if error is not None:
+        zero = [(name, msg) for r, name, msg in failures if r == 0 and r != rank]
+        unknown = ("removed without a commit", "the failure note is unreadable")
+        if zero and isinstance(error, CheckpointSaveError) and any(u in str(error) for u in unknown):
+            # rank 0's failure note was missing or unreadable (a full disk): its own error, from the exchange
+            raise CheckpointSaveError(f"{error}; rank 0 reported: {zero[0][0]}: {zero[0][1]}") from error
         raise error
     if failures:
         raise CheckpointSaveError(f"checkpoint {final}: the save failed on " +

@@ -67,6 +67,16 @@ def main(root: str) -> None:
     out["one_after"] = attempt(lambda: ap.load_state_dict(kept, one))
     out["one_after_w"] = local_w(kept)
 
+    import autoparallel.checkpoint.save as save_module   # rank 0 cannot write its failure note either (full disk)
+    real_note = save_module._note
+    if rank == 0:
+        save_module._note = lambda path, text: None
+    os.environ.update(AP_CKPT_FAULT="before_metadata_rename:enospc", AP_CKPT_FAULT_RANK="0")
+    out["note_fails_on_rank0"] = attempt(lambda: ap.save_state_dict(state(8.0), one, overwrite=True))
+    del os.environ["AP_CKPT_FAULT"], os.environ["AP_CKPT_FAULT_RANK"]
+    save_module._note = real_note
+    dist.barrier()
+
     two = os.path.join(os.path.dirname(root), "two")      # rank 0 fails after the commit's rename (its fsync)
     os.environ.update(AP_CKPT_FAULT="after_dir_rename:enospc", AP_CKPT_FAULT_RANK="0")
     out["after_commit_fails_on_rank0"] = attempt(lambda: ap.save_state_dict(state(7.0), two))
