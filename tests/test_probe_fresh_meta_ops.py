@@ -7,7 +7,9 @@ They were refused: the dtype-named casts (``x.float32()``, ``x.int64()``, ``x.ui
 (+ in-place), and the functions paddle writes in python (``alpha_dropout``, ``feature_alpha_dropout``,
 ``dice_loss``, ``npair_loss``, ``triplet_margin_with_distance_loss``, ``multi_label_margin_loss``,
 ``adaptive_log_softmax_with_loss``, ``embedding_renorm_``), ``temporal_shift`` (slices and concats), or draw inside
-a kernel (``gumbel_softmax``, ``rrelu``: one draw at the global shape, a single process's values and gradients)."""
+a kernel (``gumbel_softmax``, ``rrelu``: one draw at the global shape, a single process's values and gradients),
+``histogramdd``, and ``hsigmoid_loss``, ``fractional_max_pool2d/3d``, ``gather_tree``, ``rnnt_loss`` on the gathered
+tensors."""
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -231,3 +233,42 @@ def test_histogramdd_counts_the_whole_sample():
     assert all(np.allclose(e.numpy(), f.numpy()) for e, f in zip(edges, want_edges))
     want_h2, _ = paddle.histogramdd(paddle.to_tensor(a), bins=5, ranges=[-2.0, 2.0, -2.0, 2.0])
     assert np.allclose(h2.numpy(), want_h2.numpy())
+
+
+_HS_LABELS = np.array([[1], [3], [0], [5]], "int64")
+_RNNT = {"labels": np.array([[1, 2], [3, 1]], "int32"), "lengths": np.array([4, 3], "int32"),
+         "label_lengths": np.array([2, 1], "int32")}
+
+
+def _rnnt(a):
+    t = {k: paddle.to_tensor(v) for k, v in _RNNT.items()}
+    return F.rnnt_loss(a, t["labels"], t["lengths"], t["label_lengths"], blank=0, fastemit_lambda=0.0)
+
+
+WHOLE = {
+    "hsigmoid_loss": (lambda a, w, b: F.hsigmoid_loss(a, paddle.to_tensor(_HS_LABELS), 6, w, b),
+                      [_x(4, 3), _x(5, 3, seed=1), _x(5, 1, seed=2)], None),
+    "fractional_max_pool2d": (lambda a: F.fractional_max_pool2d(a, 3, random_u=0.3), [_x(2, 3, 7, 7)], None),
+    "fractional_max_pool3d": (lambda a: F.fractional_max_pool3d(a, 2, random_u=0.6), [_x(2, 2, 5, 5, 5)], None),
+    "rnnt_loss": (_rnnt, [_x(2, 4, 3, 5)], None),
+}
+
+
+@pytest.mark.parametrize("kind", ["S0", "S1", "P", "S0,Slast"])
+def test_ops_computed_on_the_whole_tensors_match(kind):
+    """hsigmoid_loss, fractional max pooling, rnnt_loss: gathered (differentiable), paddle's own op, whole result."""
+    assert failures(WHOLE, kind) == []
+
+
+def test_gather_tree_and_fractional_pooling_draw_as_one_process():
+    ids = np.array([[[2, 2], [6, 1]], [[3, 9], [6, 1]], [[0, 1], [9, 0]]], "int64")
+    parents = np.array([[[0, 0], [1, 1]], [[1, 0], [1, 0]], [[0, 0], [0, 1]]], "int64")
+    want = F.gather_tree(paddle.to_tensor(ids), paddle.to_tensor(parents)).numpy()
+    a = _x(2, 3, 7, 7)
+    paddle.seed(4)
+    want_pool = F.fractional_max_pool2d(paddle.to_tensor(a), 3).numpy()        # random pooling regions
+    with ap.simulate(world_size=4):
+        got = F.gather_tree(_on_mesh(ids, "S1"), paddle.to_tensor(parents))
+        paddle.seed(4)
+        got_pool = F.fractional_max_pool2d(_on_mesh(a, "S0"), 3)
+    assert np.array_equal(got.numpy(), want) and np.allclose(got_pool.numpy(), want_pool)
