@@ -137,9 +137,6 @@ class DistTensor(MetaForms, OpMethods):
 
     cpu = _forms.dist_cpu
 
-    def tolist(self) -> list:
-        return self.numpy().tolist()
-
     def __index__(self) -> int:
         if self._spec.dtype not in ("int64", "int32", "int16", "int8", "uint8"):
             raise TypeError(f"only integer tensors can be used as an index, got {self._spec.dtype}")

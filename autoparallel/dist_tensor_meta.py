@@ -78,6 +78,9 @@ class MetaForms:
         """An activation is not persistable (a distributed parameter is a paddle Parameter, which is)."""
         return False
 
+    def tolist(self) -> list:
+        return self.numpy().tolist()
+
     def is_same_shape(self, y) -> bool:
         return list(self.shape) == list(y.shape)
 

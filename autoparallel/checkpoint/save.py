@@ -73,6 +73,22 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     finally:
         shared_dir.remove_probe(probe)
     tmp = temp_dir_for(final, nonce)
+
+    def collect_and_write():
+        _collect_and_write(flat, runtime_arrays, tmp, final, nonce, step, extra, runtime, overwrite, block_bytes,
+                           (multi, rank, world_size))
+
+    with watchdog.long_wait("checkpoint write"):
+        if multi:
+            _with_status_exchange(final, rank, collect_and_write)
+        else:
+            collect_and_write()
+    return final
+
+
+def _collect_and_write(flat, runtime_arrays, tmp, final, nonce, step, extra, runtime, overwrite, block_bytes,
+                       job) -> None:
+    multi, rank, world_size = job
     try:
         tensors, values, writes = collect(flat, rank, multi)
         more, _, more_writes = collect(runtime_arrays, rank, multi)
@@ -87,30 +103,29 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     meta = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "runtime": runtime, "nonce": nonce,
             "world_size": world_size, "created": time.time(),
             "tensors": tensors, "values": values, "files": {}}
-    with watchdog.long_wait("checkpoint write"):
-        if not multi:
-            try:
-                write_file_atomic(os.path.join(tmp, CKPT_MARKER), marker_bytes("checkpoint"))   # ours, first
-                for r in sorted(writes):
-                    _merge(meta, *write_rank_file(tmp, r, writes[r], block_bytes))
-                _commit(meta, tmp, final, overwrite)
-            except BaseException as e:
-                shutil.rmtree(tmp, ignore_errors=True)       # a failed save leaves nothing behind
-                if isinstance(e, Exception) and _committed(final, nonce):
-                    raise _after_commit(final, e) from e
-                raise
-        else:
-            _save_multi_shared(meta, tmp, final, overwrite, rank, world_size, writes.get(rank, []), block_bytes)
-    return final
+    if multi:
+        _save_multi(meta, tmp, final, overwrite, rank, world_size, writes.get(rank, []), block_bytes)
+        return
+    try:
+        write_file_atomic(os.path.join(tmp, CKPT_MARKER), marker_bytes("checkpoint"))   # ours, first
+        for r in sorted(writes):
+            _merge(meta, *write_rank_file(tmp, r, writes[r], block_bytes))
+        _commit(meta, tmp, final, overwrite)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)       # a failed save leaves nothing behind
+        if isinstance(e, Exception) and _committed(final, nonce):
+            raise _after_commit(final, e) from e
+        raise
 
 
-def _save_multi_shared(meta, tmp, final, overwrite, rank, world_size, items, block_bytes) -> None:
-    """``_save_multi``, then one status exchange: a rank that failed raises its own error, every other rank a
-    CheckpointSaveError naming it. Without it a failure on rank 0 after the commit's rename (the directory's
-    fsync) left the other ranks, which had seen the commit, in their next collective until gloo's timeout."""
+def _with_status_exchange(final, rank, fn) -> None:
+    """``fn()`` (this rank's collect and write), then one status exchange: a rank that failed raises its own
+    error, every other rank a CheckpointSaveError naming it. Without it a failure on rank 0 after the commit's
+    rename (the directory's fsync) left the other ranks, which had seen the commit, in their next collective until
+    gloo's timeout."""
     error = None
     try:
-        _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_bytes)
+        fn()
     except BaseException as e:          # a Ctrl-C too: the others must not wait for this rank in vain
         error = e
     try:
