@@ -32,6 +32,20 @@ def to_tensor(data, dtype=None, place=None, stop_gradient=True):
     return DistTensor(locals_, spec)
 
 
+def as_tensor(data, dtype=None, device=None, requires_grad=False, pin_memory=False):
+    """paddle's ``as_tensor`` of a distributed tensor: a copy in the same layout (paddle copies a tensor too)."""
+    if pin_memory:
+        raise NotImplementedError("paddle.as_tensor(pin_memory=True) of a distributed tensor: its shards stay where "
+                                  "their ranks run")
+    return to_tensor(data, dtype, device, stop_gradient=not requires_grad)
+
+
+def asarray(obj, *, dtype=None, device=None, copy=None, requires_grad=False):
+    """paddle's ``asarray`` of a distributed tensor: a copy in the same layout (paddle 3.3 copies a tensor even
+    with ``copy=False``)."""
+    return to_tensor(obj, dtype, device, stop_gradient=not requires_grad)
+
+
 def _check_place(d, place) -> None:
     if place is None:
         return

@@ -191,6 +191,7 @@ def _install_composites() -> None:
     autograd = {"paddle.grad": autograd_forms.grad, "paddle.autograd.grad": autograd_forms.grad,
                 "paddle.autograd.backward": autograd_forms.backward,
                 "paddle.to_tensor": copy_forms.to_tensor, "paddle.assign": copy_forms.assign,
+                "paddle.as_tensor": copy_forms.as_tensor, "paddle.asarray": copy_forms.asarray,
                 "paddle.nn.functional.ctc_loss": local_ctc.ctc_loss}
     mapping = {}
     for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **RNN_COMPOSITES,

@@ -18,8 +18,10 @@ def replicate_remaining(layer, mesh: ProcessMesh) -> None:
     """Replicate every parameter of ``layer`` that is not distributed yet (tied parameters stay tied); ops its
     sublayers captured before dispatch was installed are repointed (aliases.repoint_layer_ops)."""
     from autoparallel.aliases import repoint_layer_ops
+    from autoparallel.isinstance_lint import warn_tensor_tests
 
     repoint_layer_ops(layer)
+    warn_tensor_tests(layer)
     done = {}
     for _, sub in layer.named_sublayers(include_self=True):
         for pname, p in list(sub._parameters.items()):

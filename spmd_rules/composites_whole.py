@@ -1,5 +1,7 @@
 """Composite ops (see composites.py) computed on the whole tensors: ``F.hsigmoid_loss``,
-``F.fractional_max_pool2d`` / ``3d``, ``F.gather_tree``, ``F.rnnt_loss``. Each distributed argument is gathered
+``F.fractional_max_pool2d`` / ``3d``, ``F.gather_tree``, ``F.rnnt_loss``, ``linalg.lstsq`` (its outputs' shapes
+depend on the driver and the device), ``linalg.svd_lowrank`` / ``pca_lowrank`` (random projections: one
+process's draw). Each distributed argument is gathered
 (``full()``: differentiable, so every input's gradient flows back to its shards), paddle's own function runs on
 the global values (one process's result, the random pooling regions of one process's draw included), and the
 result comes back whole: a plain tensor, replicated next to distributed operands (the convention of
@@ -28,5 +30,6 @@ def _on_whole(path):
 
 
 PATHS = tuple(f"paddle.nn.functional.{n}" for n in ("hsigmoid_loss", "fractional_max_pool2d",
-                                                      "fractional_max_pool3d", "gather_tree", "rnnt_loss"))
+                                                      "fractional_max_pool3d", "gather_tree", "rnnt_loss")) + \
+    tuple(f"paddle.linalg.{n}" for n in ("lstsq", "svd_lowrank", "pca_lowrank"))
 COMPOSITES: dict = {p: _on_whole(p) for p in PATHS}

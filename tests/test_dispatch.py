@@ -12,6 +12,7 @@ from autoparallel.mesh import mesh_from_shape
 from autoparallel.parallel.tensor_parallel import ColWiseParallel, apply_tp, check_tp_degree
 from autoparallel.testing import models as M
 from autoparallel.testing.check import assemble
+from rule_removal import rule_removed
 
 
 def _sim_run(kind, mesh_shape, reduce=True):
@@ -56,10 +57,10 @@ def test_op_without_rule_raises_naming_register_spmd_rule():
     with ap.simulate(2):
         mesh = mesh_from_shape([2])
         x = ap.shard_tensor(paddle.randn([4, 4]), mesh, [ap.Shard(0)])
-        with pytest.raises(NotImplementedError, match=r"paddle.linalg.lstsq.*register_spmd_rule"):
-            paddle.linalg.lstsq(x, x)          # no rule (its output shapes depend on the driver and the device)
-        with pytest.raises(NotImplementedError, match="register_spmd_rule"):
-            x.lstsq(x)
+        with pytest.raises(NotImplementedError, match=r"paddle.crop.*register_spmd_rule"):
+            paddle.crop(x, shape=[2, 2])       # guarded: no rule
+        with rule_removed("atan2"), pytest.raises(NotImplementedError, match="register_spmd_rule"):
+            x.atan2(x)                         # routed, its rule removed
 
 
 def test_parameter_op_without_rule_is_guarded_too():
@@ -68,7 +69,7 @@ def test_parameter_op_without_rule_is_guarded_too():
         layer = paddle.nn.Linear(4, 4)
         ap.shard_layer(layer, mesh)
         with pytest.raises(NotImplementedError, match="register_spmd_rule"):
-            paddle.linalg.lstsq(layer.weight, layer.weight)
+            paddle.crop(layer.weight, shape=[2, 2])
 
 
 def test_mixing_meshes_is_an_error():

@@ -8,8 +8,8 @@ They were refused: the dtype-named casts (``x.float32()``, ``x.int64()``, ``x.ui
 ``dice_loss``, ``npair_loss``, ``triplet_margin_with_distance_loss``, ``multi_label_margin_loss``,
 ``adaptive_log_softmax_with_loss``, ``embedding_renorm_``), ``temporal_shift`` (slices and concats), or draw inside
 a kernel (``gumbel_softmax``, ``rrelu``: one draw at the global shape, a single process's values and gradients),
-``histogramdd``, and ``hsigmoid_loss``, ``fractional_max_pool2d/3d``, ``gather_tree``, ``rnnt_loss`` on the gathered
-tensors."""
+``histogramdd``, and ``hsigmoid_loss``, ``fractional_max_pool2d/3d``, ``gather_tree``, ``rnnt_loss``, ``linalg.lstsq``,
+``svd_lowrank``, ``pca_lowrank`` on the gathered tensors; ``paddle.as_tensor`` / ``asarray``."""
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -251,6 +251,11 @@ WHOLE = {
     "fractional_max_pool2d": (lambda a: F.fractional_max_pool2d(a, 3, random_u=0.3), [_x(2, 3, 7, 7)], None),
     "fractional_max_pool3d": (lambda a: F.fractional_max_pool3d(a, 2, random_u=0.6), [_x(2, 2, 5, 5, 5)], None),
     "rnnt_loss": (_rnnt, [_x(2, 4, 3, 5)], None),
+    "lstsq": (lambda a, b: paddle.linalg.lstsq(a, b)[0], [_x(3, 5, 4), _x(3, 5, 2, seed=1)], None),
+    "lstsq gelsd": (lambda a, b: paddle.concat([t.flatten() for t in paddle.linalg.lstsq(a, b, driver="gelsd")
+                                                 if t.dtype == paddle.float32]), [_x(3, 5, 4), _x(3, 5, 2, seed=1)],
+                    None),
+    "Tensor.lstsq": (lambda a, b: a.lstsq(b)[0], [_x(3, 5, 4), _x(3, 5, 2, seed=1)], None),
 }
 
 
@@ -258,6 +263,31 @@ WHOLE = {
 def test_ops_computed_on_the_whole_tensors_match(kind):
     """hsigmoid_loss, fractional max pooling, rnnt_loss: gathered (differentiable), paddle's own op, whole result."""
     assert failures(WHOLE, kind) == []
+
+
+def test_low_rank_decompositions_draw_as_one_process():
+    a = _x(6, 5)
+    paddle.seed(2)
+    want = [t.numpy() for t in paddle.linalg.svd_lowrank(paddle.to_tensor(a), q=3)]
+    want += [t.numpy() for t in paddle.linalg.pca_lowrank(paddle.to_tensor(a), q=3)]
+    with ap.simulate(world_size=4):
+        x = _on_mesh(a, "S0")
+        paddle.seed(2)
+        got = [t.numpy() for t in paddle.linalg.svd_lowrank(x, q=3)] + [
+            t.numpy() for t in paddle.linalg.pca_lowrank(x, q=3)]
+    assert len(got) == 6 and all(np.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
+
+
+def test_as_tensor_and_asarray_copy_in_the_same_layout():
+    a = _x(4, 6)
+    with ap.simulate(world_size=4):
+        x = _on_mesh(a, "S1")
+        y = paddle.as_tensor(x, dtype="float64", requires_grad=True)
+        z = paddle.asarray(x)
+        assert y.placements == z.placements == x.placements and y.dtype == paddle.float64 and not y.stop_gradient
+        assert z is not x and np.allclose(y.numpy(), a) and np.allclose(z.numpy(), a)
+        with pytest.raises(NotImplementedError, match="pin_memory"):
+            paddle.as_tensor(x, pin_memory=True)
 
 
 def test_gather_tree_and_fractional_pooling_draw_as_one_process():

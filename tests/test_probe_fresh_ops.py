@@ -21,6 +21,7 @@ import paddle.nn.functional as F
 import pytest
 
 import autoparallel as ap
+from rule_removal import rule_removed
 
 OPS = {     # name: f(a, b) with a [4, 6, 8] and b [4, 8, 4]
  "einsum_bij_bjk": lambda a, b: paddle.einsum("bij,bjk->bik", a, b),
@@ -215,10 +216,15 @@ SAME_SHAPE = {     # name: f(a, b) with a and b both [4, 6, 8]
 }
 
 
-REFUSED = {     # no spmd rule: a NotImplementedError naming the op and register_spmd_rule (lstsq: its output shapes
-                # depend on the driver and the device; eig, Tensor.unfold and the other linalg ops have rules now)
-    "lstsq": lambda a, b: paddle.linalg.lstsq(a, a),
-    "lstsq_method": lambda a, b: a.lstsq(a),
+def _without_rule(op, fn):
+    with rule_removed(op):
+        return fn()
+
+
+REFUSED = {     # no spmd rule: a NotImplementedError naming the op and register_spmd_rule (crop is guarded; a routed
+                # method whose rule is removed; eig, lstsq, Tensor.unfold and the linalg ops run now)
+    "crop": lambda a, b: paddle.crop(a, shape=[2, 2, 2]),
+    "method_without_rule": lambda a, b: _without_rule("atan2", lambda: a.atan2(a)),
 }
 
 
