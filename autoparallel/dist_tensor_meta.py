@@ -78,6 +78,20 @@ class MetaForms:
         """An activation is not persistable (a distributed parameter is a paddle Parameter, which is)."""
         return False
 
+    def cuda(self, device_id=None, blocking: bool = True):
+        """The tensor itself when its shards are on this rank's GPU (a training loop's ``x.cuda()``); moving shards
+        between devices is not supported."""
+        place = self.place
+        if not place.is_gpu_place() or (device_id is not None and int(device_id) != place.gpu_device_id()):
+            raise NotImplementedError(f"cuda({'' if device_id is None else device_id}): the shards of this distributed "
+                                      f"tensor are on {place}; moving them to another device is not supported "
+                                      f"(shards live where their ranks run)")
+        return self
+
+    def pin_memory(self, blocking: bool = True):
+        raise NotImplementedError("pin_memory(): the shards of a distributed tensor live where their ranks run; pin "
+                                  "the plain tensor before laying it out")
+
     def tolist(self) -> list:
         return self.numpy().tolist()
 

@@ -58,6 +58,11 @@ def test_metadata_answers_for_the_global_tensor():
         assert x.inplace_version == 0
         with pytest.raises(IndexError, match=r"stride\(dim\)"):
             x.stride(2)
+        with pytest.raises(NotImplementedError, match=r"cuda\(\): the shards of this distributed tensor are on "
+                                                      r"Place\(cpu\); moving them"):
+            x.cuda()
+        with pytest.raises(NotImplementedError, match="pin the plain tensor"):
+            x.pin_memory()
 
 
 def test_data_view_and_in_place_writes_act_on_the_global_value():
