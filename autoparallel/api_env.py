@@ -8,15 +8,17 @@ __all__ = ["get_world_size", "init_parallel_env", "missing_name_message", "simul
 
 
 def init_parallel_env():
-    """The article's ``dist.init_parallel_env()`` (comm/world.py), which also routes paddle's ops on distributed
-    tensors from here on: ``paddle.as_complex(ap.shard_tensor(...))`` looks ``paddle.as_complex`` up before
-    ``shard_tensor`` (the usual installer) runs, so the first distributed call of a script reached paddle's own
-    function."""
-    from autoparallel import dispatch_handle
+    """The article's ``dist.init_parallel_env()`` (comm/world.py), which also starts the job's watchdog, as
+    ``ap.parallelize`` does (code on some ranks only, a gather inside ``if rank == 0:``, is then named within
+    seconds instead of gloo's bare TIMEOUT after 30 s), and routes paddle's ops on distributed tensors from here
+    on: ``paddle.as_complex(ap.shard_tensor(...))`` looks ``paddle.as_complex`` up before ``shard_tensor`` (the
+    usual installer) runs, so the first distributed call of a script reached paddle's own function."""
+    from autoparallel import dispatch_handle, watchdog
     from autoparallel.comm import world
 
     out = world.init_parallel_env()
     dispatch_handle.install()
+    watchdog.start_default()            # a lost, frozen or mismatched rank is named (AP_WATCHDOG=off: none)
     return out
 
 

@@ -51,6 +51,9 @@ def shard_layer(layer, mesh: ProcessMesh, shard_fn=None, input_fn=None, output_f
 
     check_built_split(layer, "shard_layer")     # a model that split itself (fleet mpu layers) is not split twice
     dispatch_handle.install()
+    from autoparallel.watchdog import start_default
+
+    start_default()                            # a real job names a lost, frozen or mismatched rank (as parallelize)
     from autoparallel.parallel.ties import check_replaced, holders, repoint
 
     before = holders(layer)

@@ -22,10 +22,11 @@ with wd.long_wait("checkpoint write"):    # slow but alive: peers allow up to 2 
 wd.stop()                                 # a clean exit: peers stop watching this rank
 ```
 
-On the default path nobody writes this: ``ap.parallelize``, the training examples and the checkpoint
-rendezvous call ``start_default()`` in a real multi-process job (opt out with ``AP_WATCHDOG=off`` or the
-examples' ``--no-watchdog``). Defaults: a 10 s heartbeat timeout, so a frozen rank is named in about
-12 s and every survivor has exited within about 15 s; a killed rank on this host is named at once.
+On the default path nobody writes this: ``ap.init_parallel_env``, ``ap.shard_layer``, ``ap.parallelize``, the
+training examples and the checkpoint rendezvous call ``start_default()`` in a real multi-process job (opt out
+with ``AP_WATCHDOG=off`` or the examples' ``--no-watchdog``). Defaults: a 10 s heartbeat timeout, so a frozen
+rank is named in about 12 s and every survivor has exited within about 15 s; a killed rank on this host is named
+at once.
 
 The module-level ``op``, ``long_wait``, ``set_current_op`` and ``set_step`` act on the running watchdog and
 do nothing when none runs, so library code (checkpoint writes) can call them unconditionally.
@@ -340,9 +341,10 @@ def disabled() -> bool:
 def start_default():
     """The watchdog of a real multi-process job, started with the default settings if none runs yet.
 
-    Called by ``ap.parallelize``, the training examples and the checkpoint rendezvous, so a lost or frozen
-    rank is named on the default path. Does nothing (returns None) in one process, in the simulated
-    world, before ``init_parallel_env``, or with ``AP_WATCHDOG=off``."""
+    Called by ``ap.init_parallel_env``, ``ap.shard_layer``, ``ap.parallelize``, the training examples and the
+    checkpoint rendezvous, so a lost, frozen or mismatched rank is named on the default path. Does nothing
+    (returns None) in one process, in the simulated world, before ``init_parallel_env``, or with
+    ``AP_WATCHDOG=off``."""
     wd = current()
     if wd is not None or disabled():
         return wd
