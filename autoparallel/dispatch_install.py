@@ -247,7 +247,8 @@ _STORAGE_METHODS = {"numpy", "clone", "detach", "detach_", "set_value", "cpu", "
 
 def _install_guards() -> None:
     for modname in ("paddle", "paddle.nn.functional", "paddle.linalg", "paddle.incubate",
-                    "paddle.incubate.nn.functional"):
+                    "paddle.incubate.nn.functional", "paddle.fft", "paddle.signal", "paddle.geometric",
+                    "paddle.vision.ops"):
         mod = importlib.import_module(modname)
         for attr in dir(mod):
             if attr.startswith("_"):

@@ -124,7 +124,7 @@ from spmd_rules import (matmul, elementwise, reduction, softmax, norm, conv, emb
                         padding)
 from spmd_rules import elementwise_more, math_more, nn_more, pooling, conv_transpose, image_ops  # noqa: F401,E402
 from spmd_rules import multimodal, search, fused  # noqa: F401,E402
-from spmd_rules import diag_ops, value_ops, linalg_ops, complex_ops  # noqa: F401,E402
+from spmd_rules import diag_ops, value_ops, linalg_ops, complex_ops, fft_ops  # noqa: F401,E402
 
 __all__ = ["register_spmd_rule", "get_spmd_rule", "has_spmd_rule", "registered_ops", "unregister_spmd_rule",
            "SpmdResult", "SpmdRule", "NoSpmdRuleError", "flatten_specs", "replace_specs", "MeshDim", "expand",

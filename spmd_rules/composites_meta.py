@@ -1,8 +1,9 @@
 """Composite ops (see composites.py): paddle's functions that read a tensor's metadata, not its values
 (``paddle.shape``, ``paddle.rank``, ``paddle.is_empty``, ``paddle.tolist``) and ``paddle.increment`` (a counter
 bumped in place), and ``paddle.histogramdd`` (a count over the whole sample, no gradient: the gathered values,
-counted once, replicated). Model code reads ``paddle.shape(input_ids)[1]`` for the sequence length; on a distributed
-tensor these answered nothing (no spmd rule). Here they answer for the GLOBAL tensor, as ``x.shape`` does, without
+counted once, replicated) and ``paddle.fft.fftshift`` / ``ifftshift`` (a roll by half of each axis). Model code
+reads ``paddle.shape(input_ids)[1]`` for the sequence length; on a distributed tensor these answered nothing (no
+spmd rule). Here they answer for the GLOBAL tensor, as ``x.shape`` does, without
 communicating, except ``tolist`` (the global values)."""
 from __future__ import annotations
 
@@ -56,5 +57,21 @@ def histogramdd(x, bins=10, ranges=None, density=False, weights=None, name=None)
                                 None if whole[1] is None else whole[1].detach())
 
 
+def _shift(x, axes, sign):
+    shape = gshape(x)
+    axes = list(range(len(shape))) if axes is None else ([axes] if isinstance(axes, int) else list(axes))
+    return _p().roll(x, [sign * (shape[a] // 2) for a in axes], axes)
+
+
+def fftshift(x, axes=None, name=None):
+    """The zero frequency to the middle: a roll by half of each axis (routed)."""
+    return _shift(x, axes, 1)
+
+
+def ifftshift(x, axes=None, name=None):
+    return _shift(x, axes, -1)
+
+
 COMPOSITES: dict = {f"paddle.{n}": globals()[n] for n in ("shape", "rank", "is_empty", "tolist", "increment",
                                                            "histogramdd")}
+COMPOSITES.update({f"paddle.fft.{n}": globals()[n] for n in ("fftshift", "ifftshift")})

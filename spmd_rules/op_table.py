@@ -219,6 +219,9 @@ OP_TABLE: dict = {
     "diag_embed": _fn("diag_embed", extra=("paddle.nn.functional.diag_embed",)),
     **{n: _fn(n) for n in ("diag", "diagflat", "diagonal_scatter", "select_scatter", "slice_scatter",
                            "as_strided")},
+    # Fourier transforms (spmd_rules/fft_ops.py)
+    **{k + d: ("paddle.fft." + k + d,) for k in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft")
+       for d in ("", "2", "n")},
     # complex numbers (spmd_rules/complex_ops.py)
     **{n: _fn(n) for n in ("as_complex", "as_real", "real", "imag", "conj", "angle")},
     **{n: _fn(n, method=False) for n in ("complex", "polar", "view_as_complex", "view_as_real")},

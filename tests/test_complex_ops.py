@@ -1,11 +1,13 @@
 """Complex numbers on distributed tensors, against paddle on the whole tensor (values and every real input's
 gradient): ``as_complex`` / ``view_as_complex``, ``as_real`` / ``view_as_real``, ``real``, ``imag``, ``conj``,
-``angle``, ``complex``, ``polar``, ``abs``, ``linalg.eig`` / ``eigvals`` and a rotary embedding written with complex numbers (pairs -> complex, times a
-complex ``freqs_cis``, back to real) over every layout of the sweep. They had no rule. Real gloo ranks:
-tests/test_complex_ops_dist.py."""
+``angle``, ``complex``, ``polar``, ``abs``, ``linalg.eig`` / ``eigvals``, the ``paddle.fft`` transforms and a rotary
+embedding written with complex numbers (pairs -> complex, times a complex ``freqs_cis``, back to real) over every
+layout of the sweep. They had no rule. Real gloo ranks: tests/test_complex_ops_dist.py."""
 import numpy as np
 import paddle
 import pytest
+
+import paddle.fft as fft
 
 import autoparallel as ap
 from autoparallel.comm.transport import _complex_op
@@ -71,3 +73,45 @@ def test_complex_shards_reshard_in_the_simulated_world():
         c = paddle.as_complex(ap.shard_tensor(paddle.to_tensor(a), mesh, placements("S0,S0", 3)))
         for target in ([ap.Shard(1), ap.Replicate()], [ap.Replicate(), ap.Shard(0)]):
             assert np.allclose(ap.reshard(c, mesh, target).numpy(), want)
+
+
+def _real(t):
+    return paddle.as_real(t) if t.dtype in (paddle.complex64, paddle.complex128) else t
+
+
+FFT = {
+    "fft": (lambda a: _real(fft.fft(a)), [_x(4, 6, 8)], None),
+    "fft n axis ortho": (lambda a: _real(fft.fft(a, n=5, axis=1, norm="ortho")), [_x(4, 6, 8)], None),
+    "ifft": (lambda a: _real(fft.ifft(a, axis=0)), [_x(4, 6, 8)], None),
+    "rfft": (lambda a: _real(fft.rfft(a)), [_x(4, 6, 8)], None),
+    "irfft": (lambda a: fft.irfft(fft.rfft(a), n=8), [_x(4, 6, 8)], None),
+    "irfft default n": (lambda a: fft.irfft(fft.fft(a)), [_x(4, 6, 8)], None),
+    "hfft": (lambda a: fft.hfft(fft.fft(a), axis=1), [_x(4, 6, 8)], None),
+    "ihfft": (lambda a: _real(fft.ihfft(a, n=6)), [_x(4, 6, 8)], None),
+    "fft2": (lambda a: _real(fft.fft2(a)), [_x(4, 6, 8)], None),
+    "rfft2 axes": (lambda a: _real(fft.rfft2(a, axes=(0, 2))), [_x(4, 6, 8)], None),
+    "irfftn": (lambda a: fft.irfftn(fft.rfftn(a), s=(6, 8), axes=(1, 2)), [_x(4, 6, 8)], None),
+    "fftn s": (lambda a: _real(fft.fftn(a, s=(3, 5))), [_x(4, 6, 8)], None),
+    "fftshift": (lambda a: fft.fftshift(a, axes=(1, 2)) + fft.ifftshift(a), [_x(4, 6, 8)], None),
+}
+
+
+@pytest.mark.parametrize("kind", ["S0", "S1", "S2", "P", "S0,Slast", "P,S0"])
+def test_fourier_transforms_match_the_whole_tensor(kind):
+    """The transformed axes whole, the others kept; a Partial input stays Partial (the transform is linear)."""
+    assert failures(FFT, kind) == []
+
+
+def test_a_partial_input_is_transformed_without_communication_and_bad_arguments_are_named():
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+        x = ap.shard_tensor(paddle.to_tensor(_x(4, 8)), mesh, [ap.Partial()])
+        assert fft.rfft(x).placements == [ap.Partial()]
+        y = ap.shard_tensor(paddle.to_tensor(_x(4, 8)), mesh, [ap.Shard(1)])
+        assert fft.fft(y, axis=0).placements == [ap.Shard(1)]
+        with pytest.raises(ValueError, match="norm must be one of"):
+            fft.fft(y, norm="unitary")
+        with pytest.raises(TypeError, match="rfft: expects a real tensor, got complex64"):
+            fft.rfft(fft.fft(y))
+        with pytest.raises(NotImplementedError, match=r"paddle.signal.stft has no spmd rule"):
+            paddle.signal.stft(y, 4)                     # guarded: paddle.signal, paddle.geometric, paddle.vision.ops

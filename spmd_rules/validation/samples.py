@@ -531,6 +531,11 @@ def _cases_complex():
         add_case(op, c(5, 6), grad=False)
     add_case("complex", f(5, 6), f(6))
     add_case("polar", f(5, 6, lo=0.3), f(6))
+    for k in ("fft", "ifft", "rfft", "ihfft", "irfft", "hfft"):
+        real_in = k in ("rfft", "ihfft")
+        add_case(k, f(4, 6) if real_in else c(4, 6), grad=False)
+        for d in ("2", "n"):
+            add_case(k + d, f(3, 4, 6) if real_in else c(3, 4, 6), grad=False)
 
 
 def _cases_special():
