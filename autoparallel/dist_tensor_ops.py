@@ -268,9 +268,10 @@ def _is_op_name(name) -> bool:
     """A Tensor method that is one of paddle's ops (also a public function of paddle or paddle.linalg);
     the others (``data_ptr``, ``cuda``, ``get_tensor``...) act on a single local storage."""
     import paddle.linalg
+    import paddle.signal
 
     base = name[:-1] if name.endswith("_") else name
-    return any(callable(getattr(m, base, None)) for m in (paddle, paddle.linalg, paddle.nn.functional))
+    return any(callable(getattr(m, base, None)) for m in (paddle, paddle.linalg, paddle.nn.functional, paddle.signal))
 
 
 def _namespace() -> dict:
