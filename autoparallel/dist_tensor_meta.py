@@ -20,10 +20,12 @@ def _contiguous_strides(shape) -> list:
     return out[::-1]
 
 
-def _write(x, value):
-    """``x`` takes ``value`` (of x's global shape, or broadcastable to it) in place."""
+def _write(x, value, what: str = "the value"):
+    """``x`` takes ``value`` (a tensor or numpy array of x's global shape, or broadcastable to it) in place."""
     if isinstance(value, np.ndarray):
         value = paddle.to_tensor(value)
+    if not paddle.is_tensor(value):
+        raise TypeError(f"{what} must be a tensor or a numpy array (as paddle takes it), got {type(value).__name__}")
     x[...] = value
     return x
 
@@ -46,21 +48,21 @@ class MetaForms:
         place = self.place
         return place.gpu_device_id() if place.is_gpu_place() else -1
 
-    def stride(self, dim: int | None = None):
+    @property
+    def strides(self) -> list:
         """The strides of the global tensor, contiguous (dispatch makes every shard contiguous)."""
-        strides = _contiguous_strides(self.shape)
+        return _contiguous_strides(self.shape)
+
+    def get_strides(self) -> list:
+        return self.strides
+
+    def stride(self, dim: int | None = None):
+        strides = self.strides
         if dim is None:
             return strides
         if not -len(strides) <= dim < max(len(strides), 1):
             raise IndexError(f"stride(dim): dim must be in [{-len(strides)}, {len(strides)}), got {dim}")
         return strides[dim]
-
-    @property
-    def strides(self) -> list:
-        return _contiguous_strides(self.shape)
-
-    def get_strides(self) -> list:
-        return _contiguous_strides(self.shape)
 
     def is_tensor(self) -> bool:
         return True
@@ -127,7 +129,10 @@ class MetaForms:
         return _write(self, src)
 
     def set_value(self, value):
-        shape = list(np.shape(value)) if not hasattr(value, "shape") else list(value.shape)
+        if not (isinstance(value, np.ndarray) or paddle.is_tensor(value)):
+            raise TypeError(f"set_value: the value must be a tensor or a numpy array (as paddle takes it), got "
+                            f"{type(value).__name__}")
+        shape = list(value.shape)
         if shape != list(self.shape):
             raise ValueError(f"set_value: the value must have the tensor's global shape {list(self.shape)}, "
                              f"got {shape}")

@@ -13,20 +13,13 @@ from __future__ import annotations
 from spmd_rules.einsum import ALL, labels_result
 from spmd_rules.elementwise import _unary, _unary_reverse, elementwise_result
 from spmd_rules.registry import register_spmd_rule
-from spmd_rules.utils import check_spec, keep_but, promote
-
-_REAL_OF = {"complex64": "float32", "complex128": "float64"}
-_COMPLEX_OF = {"float32": "complex64", "float64": "complex128"}
-
-
-def _real_dtype(op, dtype) -> str:
-    return _REAL_OF.get(str(dtype), str(dtype))
+from spmd_rules.utils import COMPLEX_OF, REAL_OF, check_spec, keep_but, promote
 
 
 def _complex_dtype(op, dtype) -> str:
-    if str(dtype) not in _COMPLEX_OF:
+    if str(dtype) not in COMPLEX_OF:
         raise TypeError(f"{op}: expects a float32 or float64 tensor, got {dtype}")
-    return _COMPLEX_OF[str(dtype)]
+    return COMPLEX_OF[str(dtype)]
 
 
 def as_complex(x, name=None):
@@ -41,17 +34,17 @@ def as_complex(x, name=None):
 def as_real(x, name=None):
     op = "as_real"
     check_spec(op, "x", x)
-    if str(x.dtype) not in _REAL_OF:
+    if str(x.dtype) not in REAL_OF:
         raise TypeError(f"{op}: expects a complex64 or complex128 tensor, got {x.dtype}")
     lab = tuple(range(x.ndim))
-    return labels_result(op, [x], [lab], [lab + (None,)], [(tuple(x.shape) + (2,), _REAL_OF[str(x.dtype)])],
+    return labels_result(op, [x], [lab], [lab + (None,)], [(tuple(x.shape) + (2,), REAL_OF[str(x.dtype)])],
                          linear=ALL)
 
 
 def _to_real(op, linear):
     def rule(x, name=None):
         check_spec(op, "x", x)
-        return _unary(op, x, linear=linear, dtype=_real_dtype(op, x.dtype))
+        return _unary(op, x, linear=linear, dtype=REAL_OF.get(str(x.dtype), str(x.dtype)))
 
     rule.__name__ = op
     register_spmd_rule(op, rule, reverse=_unary_reverse(op, linear))

@@ -7,6 +7,8 @@ spmd rule). Here they answer for the GLOBAL tensor, as ``x.shape`` does, without
 communicating, except ``tolist`` (the global values)."""
 from __future__ import annotations
 
+import math
+
 from spmd_rules.composites import _p, gshape
 
 
@@ -28,10 +30,7 @@ def rank(input):
 
 
 def is_empty(x, name=None):
-    n = 1
-    for d in _shape(x):
-        n *= int(d)
-    return _p().to_tensor(n == 0)
+    return _p().to_tensor(math.prod(_shape(x)) == 0)
 
 
 def tolist(x):
@@ -40,10 +39,7 @@ def tolist(x):
 
 def increment(x, value=1.0, name=None):
     """``x += value`` in place for a one-element tensor (paddle's kernel accepts only those); returns ``x``."""
-    n = 1
-    for d in gshape(x):
-        n *= int(d)
-    if n != 1:
+    if math.prod(gshape(x)) != 1:
         raise ValueError(f"increment: x must have exactly one element, got shape {gshape(x)}")
     x[...] = x + value
     return x

@@ -14,7 +14,7 @@ from spmd_rules.einsum import ALL, label_reverse, labels_result
 from spmd_rules.expand import expand_reverse
 from spmd_rules.registry import register_spmd_rule
 from spmd_rules.result import SpmdResult
-from spmd_rules.utils import broadcast_shapes, check_spec, is_float, promote
+from spmd_rules.utils import REAL_OF, broadcast_shapes, check_spec, is_float, promote
 
 
 def broadcast_labels(shapes, out_shape):
@@ -77,8 +77,7 @@ for _op in ("relu", "square", "floor", "sign", "logical_not"):
 def abs_(x, name=None):
     """|x|; of a complex tensor, its real modulus (complex64 -> float32)."""
     check_spec("abs", "x", x)
-    real = {"complex64": "float32", "complex128": "float64"}.get(str(x.dtype))
-    return _unary("abs", x, dtype=real)
+    return _unary("abs", x, dtype=REAL_OF.get(str(x.dtype)))
 _simple("neg", linear=True)
 _simple("clone", linear=True)
 

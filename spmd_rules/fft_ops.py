@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from spmd_rules.einsum import ALL, labels_result
 from spmd_rules.registry import register_spmd_rule
-from spmd_rules.utils import check_spec, norm_axis
+from spmd_rules.utils import COMPLEX_OF, REAL_OF, check_spec, norm_axis
 
-_COMPLEX = {"float32": "complex64", "float64": "complex128", "complex64": "complex64", "complex128": "complex128"}
-_REAL = {"float32": "float32", "float64": "float64", "complex64": "float32", "complex128": "float64"}
 _NORMS = ("backward", "ortho", "forward")
 KINDS = {"fft": "c2c", "ifft": "c2c", "rfft": "r2c", "ihfft": "r2c", "irfft": "c2r", "hfft": "c2r"}
 
@@ -46,15 +44,16 @@ def _transform(op, x, axes, s, norm):
     axes = [norm_axis(op, a, x.ndim) for a in axes]
     if len(set(axes)) != len(axes):
         raise ValueError(f"{op}: axes must be distinct, got {axes}")
-    if str(x.dtype) not in _COMPLEX:
+    dtype = str(x.dtype)
+    if dtype not in COMPLEX_OF and dtype not in REAL_OF:
         raise TypeError(f"{op}: expects a float or complex tensor, got {x.dtype}")
-    if kind == "r2c" and str(x.dtype).startswith("complex"):
+    if kind == "r2c" and dtype in REAL_OF:
         raise TypeError(f"{op}: expects a real tensor, got {x.dtype}")
     sizes = _sizes(op, kind, x, axes, s)
     lab = tuple(None if d in sizes else d for d in range(x.ndim))
     shape = tuple(sizes.get(d, x.shape[d]) for d in range(x.ndim))
-    dtype = (_REAL if kind == "c2r" else _COMPLEX)[str(x.dtype)]
-    return labels_result(op, [x], [lab], [lab], [(shape, dtype)], linear=ALL)
+    out = REAL_OF.get(dtype, dtype) if kind == "c2r" else COMPLEX_OF.get(dtype, dtype)
+    return labels_result(op, [x], [lab], [lab], [(shape, out)], linear=ALL)
 
 
 def _one_d(op):

@@ -13,7 +13,7 @@ from autoparallel.core.spec import DistSpec
 
 from spmd_rules.einsum import labels_result
 from spmd_rules.registry import register_spmd_rule
-from spmd_rules.utils import check_spec, int_arg, promote
+from spmd_rules.utils import COMPLEX_OF, check_spec, int_arg, promote
 
 _FLOATS = ("float32", "float64")
 
@@ -121,20 +121,17 @@ def eigh(x, UPLO="L", name=None):
     return _whole("eigh", [x], [(batch + (n,), _float(x.dtype)), (x.shape, x.dtype)])
 
 
-_COMPLEX = {"float32": "complex64", "float64": "complex128"}
-
-
 @register_spmd_rule("eig")
 def eig(x, name=None):
     batch, n, _ = _matrices("eig", x, square=True)
-    dtype = _COMPLEX.get(x.dtype, x.dtype)
+    dtype = COMPLEX_OF.get(x.dtype, x.dtype)
     return _whole("eig", [x], [(batch + (n,), dtype), (x.shape, dtype)])
 
 
 @register_spmd_rule("eigvals")
 def eigvals(x, name=None):
     batch, n, _ = _matrices("eigvals", x, square=True)
-    return _whole("eigvals", [x], [(batch + (n,), _COMPLEX.get(x.dtype, x.dtype))])
+    return _whole("eigvals", [x], [(batch + (n,), COMPLEX_OF.get(x.dtype, x.dtype))])
 
 
 @register_spmd_rule("eigvalsh")

@@ -13,6 +13,8 @@ LINEAR_REDUCE = ("sum", "avg")          # Partial types that commute with linear
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 _ORDER = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
           "complex64", "complex128")
+REAL_OF = {"complex64": "float32", "complex128": "float64"}        # a complex dtype's real and imaginary parts
+COMPLEX_OF = {"float32": "complex64", "float64": "complex128"}     # the complex dtype of a real one
 
 
 def is_float(dtype) -> bool:

@@ -137,8 +137,7 @@ def _with_status_exchange(final, rank, fn) -> None:
                                   f"(it left the save before it): {e}") from None
     if error is not None:
         zero = [(name, msg) for r, name, msg in failures if r == 0 and r != rank]
-        unknown = ("removed without a commit", "the failure note is unreadable")
-        if zero and isinstance(error, CheckpointSaveError) and any(u in str(error) for u in unknown):
+        if zero and isinstance(error, CheckpointSaveError) and any(u in str(error) for u in (_NO_NOTE, _BAD_NOTE)):
             # rank 0's failure note was missing or unreadable (a full disk): its own error, from the exchange
             raise CheckpointSaveError(f"{error}; rank 0 reported: {zero[0][0]}: {zero[0][1]}") from error
         raise error
@@ -265,12 +264,16 @@ def _check_complete(meta: dict, final: str) -> None:
                                   f"save_state_dict): {e}") from None
 
 
+_NO_NOTE = "its temporary directory was removed without a commit"    # rank 0 failed, its note is missing
+_BAD_NOTE = "the failure note is unreadable"
+
+
 def _read(path: str) -> str:
     try:
         with open(path) as f:
             return f.read()
     except OSError as e:
-        return f"(the failure note is unreadable: {e})"
+        return f"({_BAD_NOTE}: {e})"
 
 
 def _note(path: str, text: str) -> None:
@@ -374,6 +377,6 @@ def _save_multi(meta, tmp, final, overwrite, rank, world_size, items, block_byte
         raise CheckpointSaveError(f"(rank {rank}) {e}") from None
     if ours():
         return
-    why = _read(failed) if os.path.exists(failed) else "its temporary directory was removed without a commit"
+    why = _read(failed) if os.path.exists(failed) else _NO_NOTE
     _note(os.path.join(tmp, f"ack-{rank:05d}"), "")
     raise CheckpointSaveError(f"checkpoint {final}: rank 0 could not commit: {why}")

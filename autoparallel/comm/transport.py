@@ -33,23 +33,48 @@ def _reduce_all(ts, op):
     return out.astype(dtype) if low else out
 
 
-_REAL_OF = {"complex64": "float32", "complex128": "float64"}
+_COMPLEX = ("complex64", "complex128")
+_COMPLEX_DTYPES = (paddle.complex64, paddle.complex128)
 
 
-def _is_complex(xs) -> bool:
-    return any(t is not None and t.dtype in (paddle.complex64, paddle.complex128) for t in xs.values())
+def _is_complex(t) -> bool:
+    return t is not None and t.dtype in _COMPLEX_DTYPES
 
 
-def _real_views(xs) -> dict:
-    return {r: paddle.as_real(t) if t.dtype in (paddle.complex64, paddle.complex128) else t for r, t in xs.items()}
+def _tree(fn, obj):
+    """``fn`` applied to every tensor of a {rank: tensor or [tensors]} payload."""
+    if isinstance(obj, dict):
+        return {k: _tree(fn, v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_tree(fn, v) for v in obj]
+    return fn(obj)
+
+
+def _has_complex(obj) -> bool:
+    if isinstance(obj, dict):
+        return any(_has_complex(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_has_complex(v) for v in obj)
+    return _is_complex(obj)
+
+
+def _real_view(t):
+    return paddle.as_real(t) if _is_complex(t) else t
 
 
 def _complex(t):
     return paddle.as_complex(t.contiguous())
 
 
-def _complex_values(got) -> dict:
-    return {r: _complex(t) for r, t in got.items()}
+def _via_real_views(run, payload, reduction=None):
+    """``run(payload)``, a complex payload carried as its real views (gloo has no complex type: "Unknown
+    DataType"; NCCL has none either) and every result turned back into complex. ``reduction``: (collective, op) of
+    a reducing collective, whose op must be linear for a complex payload."""
+    if not _has_complex(payload):
+        return run(payload)
+    if reduction is not None:
+        _complex_op(*reduction)
+    return _tree(_complex, run(_tree(_real_view, payload)))
 
 
 def _complex_op(kind, op) -> None:
@@ -112,54 +137,42 @@ class RealTransport:
         return get_group(ranks)
 
     # every collective is recorded as the operation in flight, so a watchdog can name it if a peer is lost; a
-    # complex tensor travels as its real view (gloo has no complex type: "Unknown DataType"; NCCL has none either)
+    # complex tensor travels as its real view (_via_real_views)
     def all_gather(self, xs, ranks):
         with watchdog.op("all_gather"):
             self._agree("all_gather", ranks, payload=xs)
-            cx = _is_complex(xs)
-            got = self._all_gather(_real_views(xs) if cx else xs, ranks)
-            return {r: [_complex(t) for t in ts] for r, ts in got.items()} if cx else got
+            return _via_real_views(lambda v: self._all_gather(v, ranks), xs)
 
     def all_reduce(self, xs, ranks, op):
         with watchdog.op("all_reduce"):
             self._agree("all_reduce", ranks, payload=xs)
-            if not _is_complex(xs):
-                return self._all_reduce(xs, ranks, op)
-            _complex_op("all_reduce", op)
-            return _complex_values(self._all_reduce(_real_views(xs), ranks, op))
+            return _via_real_views(lambda v: self._all_reduce(v, ranks, op), xs, ("all_reduce", op))
 
     def reduce_scatter(self, xs, ranks, op, axis):
         with watchdog.op("reduce_scatter"):
             self._agree("reduce_scatter", ranks, payload=xs)
-            if not _is_complex(xs):
-                return self._reduce_scatter(xs, ranks, op, axis)
-            _complex_op("reduce_scatter", op)
-            axis = axis % next(iter(xs.values())).ndim        # the real view adds a last dim
-            return _complex_values(self._reduce_scatter(_real_views(xs), ranks, op, axis))
+            axis = axis % next(iter(xs.values())).ndim        # a real view adds a last dim
+            return _via_real_views(lambda v: self._reduce_scatter(v, ranks, op, axis), xs, ("reduce_scatter", op))
 
     def all_to_all(self, chunks, ranks):
         with watchdog.op("all_to_all"):
             self._agree("all_to_all", ranks, payload={r: c[0] for r, c in chunks.items()})  # one chunk's size
-            if not _is_complex({r: c[0] for r, c in chunks.items()}):
-                return self._all_to_all(chunks, ranks)
-            got = self._all_to_all({r: [paddle.as_real(t) for t in c] for r, c in chunks.items()}, ranks)
-            return {r: [_complex(t) for t in ts] for r, ts in got.items()}
+            return _via_real_views(lambda v: self._all_to_all(v, ranks), chunks)
 
     def broadcast(self, xs, ranks, src):
         with watchdog.op("broadcast"):
             self._agree("broadcast", ranks, payload=xs)
-            if not _is_complex(xs):
-                return self._broadcast(xs, ranks, src)
-            return _complex_values(self._broadcast(_real_views(xs), ranks, src))
+            return _via_real_views(lambda v: self._broadcast(v, ranks, src), xs)
 
     def send_recv(self, xs, pairs, recv_like):
         with watchdog.op("send_recv"):
-            like = {d: (list(shape) + [2], _REAL_OF[str(dtype).split(".")[-1]]) for d, (shape, dtype)
-                    in recv_like.items() if str(dtype).split(".")[-1] in _REAL_OF}
-            if not like and not _is_complex(xs):
+            complex_in = {d for d, (_, dtype) in recv_like.items() if str(dtype).split(".")[-1] in _COMPLEX}
+            if not complex_in and not _has_complex(xs):
                 return self._send_recv(xs, pairs, recv_like)
-            got = self._send_recv(_real_views(xs), pairs, {**recv_like, **like})
-            return {d: _complex(t) if d in like else t for d, t in got.items()}
+            like = {d: (list(shape) + [2], "float64" if str(dtype).endswith("128") else "float32") if d in complex_in
+                    else (shape, dtype) for d, (shape, dtype) in recv_like.items()}
+            got = self._send_recv(_tree(_real_view, xs), pairs, like)
+            return {d: _complex(t) if d in complex_in else t for d, t in got.items()}
 
     def _agree(self, kind, ranks, site=None, payload=None):
         """Every member of ``ranks`` is making this collective, from the same line: noted in the collective log
