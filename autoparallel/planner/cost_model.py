@@ -77,11 +77,13 @@ def roofline_seconds(flops, traffic_bytes, peak_flops, gemm_efficiency, memory_b
 
 
 def two_rate_seconds(flops, core_flops, traffic_bytes, peak_flops, core_peak_flops, gemm_efficiency,
-                     memory_bandwidth_Bps):
-    """Roofline with two GEMM classes: the linear layers' FLOPs (``flops - core_flops``) at ``peak_flops``, the
-    attention core's and router's (``core_flops``) at ``core_peak_flops`` (the bf16 peak under fp8,
-    options.CORE_DTYPES), both at gemm_efficiency; plus element-wise traffic at memory bandwidth."""
-    return (roofline_seconds(flops - core_flops, traffic_bytes, peak_flops, gemm_efficiency, memory_bandwidth_Bps)
+                     memory_bandwidth_Bps, linear_efficiency=None):
+    """Roofline with two GEMM classes: the linear layers' FLOPs (``flops - core_flops``) at ``peak_flops`` and
+    ``linear_efficiency`` (default gemm_efficiency), the attention core's and router's (``core_flops``) at
+    ``core_peak_flops`` (the bf16 peak under fp8, options.CORE_DTYPES) and gemm_efficiency; plus element-wise
+    traffic at memory bandwidth."""
+    linear = gemm_efficiency if linear_efficiency is None else linear_efficiency
+    return (roofline_seconds(flops - core_flops, traffic_bytes, peak_flops, linear, memory_bandwidth_Bps)
             + core_flops / (core_peak_flops * gemm_efficiency))
 
 
@@ -186,7 +188,7 @@ def stored_recompute_seconds(model, o, dev, s, b, tp, sp):
     store = mem.storage_of(o)
     up = model.up_projection_params if (store.norm_up_recompute and model.is_mla) else 0.0
     traffic = o.activation_traffic_factor * mem.rebuilt_bytes(model, s, b, tp, sp, store)
-    return roofline_seconds(2.0 * b * s * up / tp, traffic, dev.flops(o.compute_dtype), o.gemm_efficiency,
+    return roofline_seconds(2.0 * b * s * up / tp, traffic, dev.flops(o.compute_dtype), o.linear_efficiency,
                             dev.memory_bandwidth_Bps)
 
 
@@ -205,8 +207,8 @@ def weight_grad_seconds(model, o, dev, s, b, tp, sp):
     W = (linear layers' forward FLOPs) / (peak·η) + (router's) / (core peak·η); the attention core, norms and
     activations have no weights and no W."""
     flops, attn_core, core = block_flops(model, o, s, b, tp, sp)
-    eta = o.gemm_efficiency
-    return (flops - core) / (dev.flops(o.compute_dtype) * eta) + (core - attn_core) / (dev.flops(o.core_dtype) * eta)
+    return ((flops - core) / (dev.flops(o.compute_dtype) * o.linear_efficiency)
+            + (core - attn_core) / (dev.flops(o.core_dtype) * o.gemm_efficiency))
 
 
 def logits_weight_grad_seconds(model, o, dev, s, b, tp):
@@ -226,7 +228,7 @@ def _time_per_layer(model, o, dev, s, b, tp, sp, rc):
     act_scores = act_full - mem.layer_activation_bytes(model, s, b, tp, sp, none_code + SELECTIVE, scale,
                                                        o.flash_attention)
     flops, attn_core, core = block_flops(model, o, s, b, tp, sp)
-    t_fwd = two_rate_seconds(flops, core, k * act_full, peak, core_peak, eta, W)
+    t_fwd = two_rate_seconds(flops, core, k * act_full, peak, core_peak, eta, W, o.linear_efficiency)
     t_core = roofline_seconds(attn_core, k * act_scores, core_peak, eta, W)
     t_rc = np.where(rc == FULL, t_fwd, np.where(rc == SELECTIVE, t_core, 0.0) + stored_recompute_seconds(
         model, o, dev, s, b, tp, sp))
@@ -273,7 +275,7 @@ def mtp_seconds(model, o, cluster, s, b, tp, sp, rc, ep, t_logits, cache):
                                                                  ep, cache)
     dev = cluster.device
     proj = roofline_seconds(2.0 * b * s * model.mtp_projection_params / tp, 0.0, dev.flops(o.compute_dtype),
-                            o.gemm_efficiency, dev.memory_bandwidth_Bps)
+                            o.linear_efficiency, dev.memory_bandwidth_Bps)
     d = model.mtp_depth
     W = d * (W_m + proj + logits_weight_grad_seconds(model, o, dev, s, b, tp))
     return (d * (T_m + 3.0 * proj + 3.0 * t_logits), d * (t_fwd + proj + t_logits),

@@ -63,3 +63,61 @@ def quantization_seconds(model, o, dev, s, b, tp, sp) -> tuple:
         return zero, zero
     fwd, bwd = quantization_bytes(model, s, b, tp, sp)
     return fwd / dev.memory_bandwidth_Bps, bwd / dev.memory_bandwidth_Bps
+
+
+# ---- fine-grained FP8 GEMMs at a measured rate ------------------------------------------------------------------
+# DeepGEMM (deepseek-ai/DeepGEMM, README of its first release, February 2025): "FP8 General Matrix Multiplications
+# (GEMMs) with fine-grained scaling, as proposed in DeepSeek-V3", promoting partial sums on the CUDA cores (§3.3.2's
+# scheme); its announcement names it the kernels of V3/R1 training and inference. TFLOP/s it measured "on H800 with
+# NVCC 12.8" at "all shapes potentially used in DeepSeek-V3/R1" without tensor parallelism, for M = 4096 rows, keyed by
+# (N, K): "Normal GEMMs for dense models", and "Grouped GEMMs for MoE models (contiguous layout)" ("for training
+# forward passes"), 4 groups of 8192 rows (4 experts per device: 256 routed experts over EP 64).
+DEEPGEMM_H800 = {
+    "normal": {(2112, 7168): 1058e12, (24576, 1536): 990e12, (32768, 512): 590e12, (7168, 16384): 1358e12,
+               (4096, 7168): 1304e12, (7168, 2048): 1025e12},
+    "grouped": {(4096, 7168): 1297e12, (7168, 2048): 1099e12},
+}
+
+
+def linear_gemms(model) -> list:
+    """The linear layers' GEMMs of the model's blocks as (N, K, per token and block (averaged over the dense and
+    MoE blocks), kind): MLA's fused q/kv down-projection, q and kv up-projections and output projection (or q, k, v
+    and o without MLA); a dense block's MLP; a MoE block's routed experts (``top_k`` grouped GEMMs) and shared
+    experts (normal GEMMs)."""
+    h, a, up = model.hidden, model.heads, model.mlp_matrices - 1
+    if model.is_mla:
+        nope = model.qk_dim - model.qk_rope_head_dim
+        att = [(model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim, h),
+               (a * model.qk_dim, model.q_lora_rank), (a * (nope + model.v_dim), model.kv_lora_rank),
+               (h, a * model.v_dim)]
+    else:
+        att = [(a * model.qk_dim + 2 * model.kv_heads * model.qk_dim, h), (h, a * model.v_dim)]
+    out = [(n, k, 1.0, "normal") for n, k in att]
+    moe = model.moe_fraction
+    if moe < 1:
+        out += [(up * model.ffn, h, 1.0 - moe, "normal"), (h, model.ffn, 1.0 - moe, "normal")]
+    if moe > 0:
+        e = model.expert_ffn
+        out += [(up * e, h, moe * model.top_k, "grouped"), (h, e, moe * model.top_k, "grouped")]
+        if model.shared_experts:
+            out += [(up * e, h, moe * model.shared_experts, "normal"), (h, e, moe * model.shared_experts, "normal")]
+    return out
+
+
+def _rate(table: dict, n: int, k: int) -> float:
+    """The measured rate of (n, k), else of the nearest measured shape (K first, then N, on a log scale)."""
+    if (n, k) in table:
+        return table[(n, k)]
+    near = min(table, key=lambda nk: (abs(np.log(nk[1] / k)), abs(np.log(nk[0] / n))))
+    return table[near]
+
+
+def measured_efficiency(model, table: dict, peak_flops: float) -> float:
+    """The linear layers' GEMMs at ``table``'s measured rates, as one fraction of ``peak_flops``: their FLOPs over
+    the seconds each class takes at its rate (a FLOP-weighted harmonic mean). The backward's data- and
+    weight-gradient GEMMs are taken at their forward GEMM's rate (the table has forward shapes only)."""
+    flops = seconds = 0.0
+    for n, k, count, kind in linear_gemms(model):
+        f = 2.0 * n * k * count
+        flops, seconds = flops + f, seconds + f / _rate(table[kind], n, k)
+    return flops / seconds / peak_flops

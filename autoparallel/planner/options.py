@@ -26,6 +26,9 @@ CORE_DTYPES = {"fp8": "bfloat16"}
 class PlannerOptions:
     # -- fitted on Megatron-LM Table 1 rows 1.7B and 145B (planner/megatron.py, tests/test_planner_calibration.py)
     gemm_efficiency: float = 0.661                # sustained fraction of peak FLOP/s of a block's matmuls
+    linear_gemm_efficiency: float = 0.0           # the linear layers' GEMMs at a measured kernel's fraction of the
+                                                  # compute dtype's peak instead (fine-grained FP8 GEMMs:
+                                                  # planner/fp8.py, DeepGEMM's H800 table); 0: gemm_efficiency
     activation_traffic_factor: float = 2.04       # device-memory bytes moved per stored activation byte (element-wise ops)
     # -- numerics
     precision: str = "bf16"                       # "bf16" (mixed precision, 16-bit activations) or "fp32"
@@ -91,6 +94,9 @@ class PlannerOptions:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if not 0 < self.gemm_efficiency <= 1:
             raise ValueError(f"gemm_efficiency must be in (0, 1], got {self.gemm_efficiency}")
+        if not 0 <= self.linear_gemm_efficiency <= 1:
+            raise ValueError(f"linear_gemm_efficiency must be in [0, 1] (0: gemm_efficiency), got "
+                             f"{self.linear_gemm_efficiency}")
         if self.activation_traffic_factor < 0:
             raise ValueError(f"activation_traffic_factor must be >= 0, got {self.activation_traffic_factor}")
         if not 0 <= self.memory_reserve_fraction < 1:
@@ -121,6 +127,11 @@ class PlannerOptions:
             raise ValueError(f"linear_input_bytes, attention_output_bytes, moe_swiglu_recompute and "
                              f"recompute_norm_up_projection describe 16-bit training and need precision bf16 or fp8, "
                              f"got {self.precision!r}")
+
+    @property
+    def linear_efficiency(self) -> float:
+        """Sustained fraction of the compute dtype's peak of the linear layers' GEMMs."""
+        return self.linear_gemm_efficiency or self.gemm_efficiency
 
     @property
     def param_bytes(self) -> int:

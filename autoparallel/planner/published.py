@@ -27,7 +27,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autoparallel.core.cluster import cluster_of
+from autoparallel.core.cluster import DEVICES, cluster_of
+from autoparallel.planner import fp8
 from autoparallel.planner.config import ParallelConfig
 from autoparallel.planner.model_spec import PRESETS
 from autoparallel.planner.options import PlannerOptions
@@ -212,10 +213,13 @@ RUNS = RUNS + MEGASCALE_530B
 # operator", the Linear-after-attention inputs in "a customized E5M6 data format" (12 bits), the MoE SwiGLU's inputs
 # cached and its output recomputed, "the BF16 data format instead of FP32 to track the first and second moments in the
 # AdamW optimizer" (§3.3.3); its EMA lives in CPU memory (§3.2.3: nothing on the device, and the planner counts none);
-# the all-to-all and PP kernels hold 20 of the H800's 132 SMs (§3.2.2, §3.5.1), so compute runs on the other 112
+# the all-to-all and PP kernels hold 20 of the H800's 132 SMs (§3.2.2, §3.5.1), so compute runs on the other 112;
+# its fine-grained FP8 GEMMs (§3.3.2) at the rates DeepGEMM measured on the H800 at its shapes (planner/fp8.py)
 _DEEPSEEK_V3 = (("flash_attention", True), ("moe_a2a_overlap", True), ("recompute_norm_up_projection", True),
                 ("linear_input_bytes", 1.0), ("attention_output_bytes", 1.5), ("moe_swiglu_recompute", True),
-                ("optimizer_moment_bytes", 2.0), ("comm_sm_fraction", 20 / 132))
+                ("optimizer_moment_bytes", 2.0), ("comm_sm_fraction", 20 / 132),
+                ("linear_gemm_efficiency", fp8.measured_efficiency(PRESETS["deepseek-v3"], fp8.DEEPGEMM_H800,
+                                                                   DEVICES["H800"].flops("float8"))))
 
 MOE_RUNS = (
     PublishedRun("DeepSeek-V3", "deepseek-v3", "H800", 2048, _NDR,
