@@ -3,6 +3,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NPROC ?= 4
 export OMP_NUM_THREADS := 1
+# compiled modules are cached (__pycache__): a shell with PYTHONDONTWRITEBYTECODE set made every pytest worker
+# rewrite and compile all test modules, and every launched rank compile what it imports, on every run
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: demo test test-fast install clean
 
@@ -22,9 +25,9 @@ demo: $(STAMP)
 	$(PY) examples/train_gpt.py --steps 20 --seed 0 --log-json out/demo_single.json
 	$(PY) tools/compare_logs.py out/demo_single.json out/demo_dp2tp2.json
 
-# two pytest-xdist workers: the in-process tests use one core each, the real-rank launches run on one worker
-# (conftest: one xdist unit) while the other keeps going
-TEST_WORKERS ?= 2
+# three pytest-xdist workers on two cores: the real-rank launches run on one worker (conftest: one xdist unit) and
+# leave part of a core idle while ranks wait on each other, which the third worker fills (docs/test_suite.md)
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope tests
 

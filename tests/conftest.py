@@ -47,7 +47,8 @@ def pytest_sessionfinish(session):
     from dist_scripts import shared_launch
 
     if hasattr(session.config, "workeroutput"):
-        session.config.workeroutput["shared_launch"] = (list(shared_launch.launches), dict(shared_launch.timings))
+        session.config.workeroutput["shared_launch"] = (list(shared_launch.launches), dict(shared_launch.timings),
+                                                            dict(shared_launch.cpu_timings))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -80,9 +81,10 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_testnodedown(node, error):
     from dist_scripts import shared_launch
 
-    launches, timings = getattr(node, "workeroutput", {}).get("shared_launch", ([], {}))
+    launches, timings, cpu = getattr(node, "workeroutput", {}).get("shared_launch", ([], {}, {}))
     shared_launch.launches.extend(tuple(x) for x in launches)
     shared_launch.timings.update(timings)
+    shared_launch.cpu_timings.update(cpu)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -93,6 +95,9 @@ def pytest_terminal_summary(terminalreporter):
     if shared_launch.timings:
         terminalreporter.write_line("shared launch jobs (s, slowest rank): " + ", ".join(
             f"{name} {s:.0f}" for name, s in sorted(shared_launch.timings.items(), key=lambda x: -x[1])))
+    if shared_launch.cpu_timings:
+        terminalreporter.write_line("shared launch jobs (CPU s, all ranks): " + ", ".join(
+            f"{name} {s:.0f}" for name, s in sorted(shared_launch.cpu_timings.items(), key=lambda x: -x[1])))
 
 
 # ---- the rule checked while tests run: only a 'dist' test starts Python processes ------------------------------

@@ -27,6 +27,7 @@ def registry(monkeypatch):
     """A fresh outcome table: the session's own shared jobs are left alone."""
     monkeypatch.setattr(shared_launch, "_outcome", {})
     monkeypatch.setattr(shared_launch, "timings", {})
+    monkeypatch.setattr(shared_launch, "cpu_timings", {})
     return shared_launch._outcome
 
 

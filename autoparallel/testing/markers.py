@@ -48,10 +48,23 @@ def classify(fn, fixtures=(), roots=()) -> str:
         if id(obj) in seen or not _inside(obj, roots):
             continue
         seen.add(id(obj))
-        text = _source(obj)
-        kinds.add(kind_of_source(text))
-        todo.extend(_named(obj, text))
+        kind, named = _read(obj)
+        kinds.add(kind)
+        todo.extend(named)
     return "dist" if "dist" in kinds else "sim" if "sim" in kinds else "pure"
+
+
+_READ: dict = {}        # id(obj) -> (obj, its own kind, the objects it names): a helper is read once per session
+
+
+def _read(obj) -> tuple:
+    """(kind of ``obj``'s own source, the objects its names refer to), cached: a collection classifies thousands of
+    tests that share helpers, and reading source (inspect.getsource) is what costs."""
+    hit = _READ.get(id(obj))
+    if hit is None or hit[0] is not obj:
+        text = _source(obj)
+        hit = _READ[id(obj)] = (obj, kind_of_source(text), _named(obj, text))
+    return hit[1], hit[2]
 
 
 def _package_launchers() -> set:

@@ -81,20 +81,21 @@ def main():
         raise RuntimeError(f"ap.init_parallel_env() gave {world!r}, expected the real world of this launched rank")
     # the whole world's group first: paddle 3.3.1's gloo may fail to create it after smaller groups exist
     ap.ProcessMesh(list(range(dist.get_world_size())), ["data"])
-    done, seconds = {}, {}
+    done, seconds, cpu = {}, {}, {}
     for i, member in enumerate(members):
         settle()
         progress(i)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         try:
             done[member["name"]] = run(member)
             seconds[member["name"]] = time.perf_counter() - start
+            cpu[member["name"]] = time.process_time() - cpu_start
         except BaseException:                               # noqa: BLE001  (reported to the test, then exit)
             error = traceback.format_exc()
             print(error, file=sys.stderr, flush=True)
             write_result({"done": done, "failed": member["name"], "error": error})
             os._exit(1)
-        write_result({"done": done, "failed": None, "seconds": seconds})
+        write_result({"done": done, "failed": None, "seconds": seconds, "cpu": cpu})
     progress(len(members))
 
 

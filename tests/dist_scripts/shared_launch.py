@@ -28,6 +28,7 @@ _declared: dict = {}                # name -> Job, in declaration order
 _outcome: dict = {}                 # name -> (out dir, per-rank results) or the error text
 _selected = {"modules": None}       # module names with a selected test (conftest); None: only the asked job
 timings: dict = {}                  # name -> seconds its slowest rank spent in it (which job costs what)
+cpu_timings: dict = {}              # name -> CPU seconds of all its ranks together (what it takes from the machine)
 launches: list = []                 # (ranks, jobs in it, wall seconds) of every launch made
 
 
@@ -131,6 +132,7 @@ def _collect(pending, res, outs, flakes) -> list:
         if all(j.name in r["done"] for r in ranks):
             _outcome[j.name] = (outs[j.name], [r["done"][j.name] for r in ranks])
             timings[j.name] = max(r.get("seconds", {}).get(j.name, 0.0) for r in ranks)
+            cpu_timings[j.name] = sum(r.get("cpu", {}).get(j.name, 0.0) for r in ranks)
             continue
         errors = "".join(f"--- rank {n}: {r['error']}" for n, r in enumerate(ranks) if r.get("failed") == j.name)
         # a traceback of the job's own is its failure (its peers' logs then show gloo losing that rank)

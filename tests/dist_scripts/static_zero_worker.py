@@ -14,7 +14,7 @@ from autoparallel.parallel.recompute import SavedBytes  # noqa: E402
 from autoparallel.testing.launch import write_result  # noqa: E402
 
 CONFIGS = {                      # name -> (flags, steps)
-    "zero2": (["--dp", "4", "--sharding-stage", "2"], 6),
+    "zero2": (["--dp", "4", "--sharding-stage", "2"], 3),
     "zero3": (["--dp", "4", "--sharding-stage", "3"], 3),
     "dp2tp2": (["--dp", "2", "--tp", "2"], 3),
     "recompute_full": (["--dp", "2", "--tp", "2", "--recompute", "full"], 3),

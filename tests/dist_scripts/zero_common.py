@@ -8,7 +8,7 @@ import paddle
 from autoparallel.testing.models import fit, parameters_np
 from examples.models import PRESETS, build
 
-STEPS = 12
+STEPS = 6
 
 
 def tiny():

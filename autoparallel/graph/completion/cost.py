@@ -55,8 +55,10 @@ class CostModel:
             return self.reshard_plan(spec, dst).seconds
         key = ("dist", spec)
         table = self._memo.get(key)
-        if table is None:
-            table = self._memo[key] = self._distances(spec)
+        if table is None:           # shared by every completion on the same cluster (reshard.cache: bounded)
+            from reshard import cache
+
+            table = self._memo[key] = cache.memo(("distances", spec, self.cluster), lambda: self._distances(spec))
         if dst not in table:
             return self.reshard_plan(spec, dst).seconds
         return table[dst]
@@ -64,12 +66,13 @@ class CostModel:
     def _distances(self, spec: DistSpec) -> dict:
         import heapq
 
+        from reshard import cache
         from reshard.planner import pricer
         from reshard.transitions import moves
 
         price = pricer(spec.shape, spec.dtype, spec.mesh, self.cluster)
         targets = tuple(Partial("sum") for _ in range(self.mesh.ndim))
-        memo = self._memo.setdefault(("price", spec.shape, spec.dtype), {})
+        memo = cache.memo(("step_prices", spec.shape, spec.dtype, spec.mesh, self.cluster), dict)
         dist = {spec.placements: 0.0}
         heap = [(0.0, 0, spec.placements)]
         tick = 1
