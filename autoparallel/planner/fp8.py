@@ -91,7 +91,7 @@ def linear_gemms(model) -> list:
                (a * model.qk_dim, model.q_lora_rank), (a * (nope + model.v_dim), model.kv_lora_rank),
                (h, a * model.v_dim)]
     else:
-        att = [(a * model.qk_dim + 2 * model.kv_heads * model.qk_dim, h), (h, a * model.v_dim)]
+        att = [(a * model.qk_dim + model.kv_heads * (model.qk_dim + model.v_dim), h), (h, a * model.v_dim)]
     out = [(n, k, 1.0, "normal") for n, k in att]
     moe = model.moe_fraction
     if moe < 1:
