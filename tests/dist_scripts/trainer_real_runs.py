@@ -92,7 +92,7 @@ def diff(got, want, tail=None) -> dict:
     ones of ``want``) and of every parameter; ``moved``: how far ``want``'s parameters are from the initial ones."""
     if not want[0] or len(got[0]) != (tail or len(want[0])):
         return {"error": f"logged losses {got[0]} vs {want[0]}"}
+    initial = pfm.build("llama", 0).state_dict()
     return {"loss": max(abs(a - b) for a, b in zip(got[0], want[0][-len(got[0]):])),
             "param": max(float(np.abs(got[1][n] - v).max()) for n, v in want[1].items()),
-            "moved": max(float(np.abs(v - pfm.build("llama", 0).state_dict()[n].numpy()).max())
-                         for n, v in want[1].items())}
+            "moved": max(float(np.abs(v - initial[n].numpy()).max()) for n, v in want[1].items())}
