@@ -110,6 +110,12 @@ def _signature(fn):
         return None
 
 
+def call_key(args, kwargs) -> tuple:
+    """A hashable key of a rule call's arguments (kwargs keep their call order: it decides the order of
+    ``inputs``); raises TypeError when an argument has none."""
+    return _freeze(args), tuple((k, _freeze(v)) for k, v in kwargs.items())
+
+
 def _freeze(v):
     """A hashable key for a call argument (raises TypeError when there is none)."""
     if isinstance(v, DistSpec):
@@ -215,8 +221,8 @@ class SpmdRule:
         self._cache: dict = {}
 
     def __call__(self, *args, **kwargs) -> SpmdResult:
-        try:   # kwargs keep their call order: it decides the order of ``inputs``
-            key = (_freeze(args), tuple((k, _freeze(v)) for k, v in kwargs.items()))
+        try:
+            key = call_key(args, kwargs)
         except TypeError:
             key = None
         if key is not None and key in self._cache:

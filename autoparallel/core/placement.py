@@ -65,7 +65,7 @@ class Placement:
 
     def _eq_foreign(self, other):
         """paddle.distributed's own placement objects compare equal to ours when they mean the same."""
-        if not _is_paddle_placement(other):
+        if isinstance(other, Placement) or not _is_paddle_placement(other):     # ours, of another kind: unequal
             return NotImplemented
         try:
             return self == from_paddle(other)

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "static": "static",               # ap.to_static vs eager over layouts
     "predict": "predict",             # the planner's predicted step times vs measured ones
     "completion": "completion",       # static completion benchmark graphs and the tiny GPT
+    "completion-time": "completion_time",  # completion's compile time against model depth, memos on and off
     "lazy-init": "lazy_init",         # lazy vs eager initialisation of a large model
     "comm-overhead": "comm_overhead",  # the transport's cost around a collective
     "profile-step": "profile_step",   # where a training step goes (ap.profile)

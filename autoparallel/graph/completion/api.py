@@ -36,7 +36,8 @@ def complete_graph(g, cluster=None, method: str | None = None, options: SolverOp
                          f"completion.capture (ap.trace graphs lack the call attributes)")
     cm = CostModel(g.graph["mesh"], cluster)
     known = propagate(g)
-    cands = {k: feasible(g, k, candidates(g, k, known, options.max_drivers)) for k in sorted(g.nodes)}
+    memo = {}
+    cands = {k: feasible(g, k, candidates(g, k, known, options.max_drivers, memo)) for k in sorted(g.nodes)}
     problem, variables = build_problem(g, cands, cm)
     assign, cost, stats = solve(problem, options=options)
     results = {}

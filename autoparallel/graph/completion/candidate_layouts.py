@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 
 from spmd_rules import get_spmd_rule
+from spmd_rules.registry import call_key
 
 from autoparallel.graph.completion.errors import AnnotationConflictError
 from autoparallel.graph.completion.propagation import _call_with, _leaf_specs
@@ -29,12 +30,35 @@ def _result_key(res):
     return (res.inputs, res.outputs, res.local_op)
 
 
-def candidates(g, k, known=None, max_drivers: int = _MAX_DRIVERS) -> list:
+def candidates(g, k, known=None, max_drivers: int = _MAX_DRIVERS, memo: dict | None = None) -> list:
     """Distinct SpmdResults of op ``k`` (before hard annotations are applied); ``max_drivers``: see
-    SolverOptions."""
+    SolverOptions. ``memo`` (one dict per completion): ops with the same call, layouts seen, annotations and
+    propagated inputs -- the same op in every repeated block -- share one enumeration."""
     d = g.nodes[k]
     if d["greedy"] is None:
         return []
+    key = _node_key(g, k, known, max_drivers) if memo is not None else None
+    if key is None:
+        return _enumerate(g, k, known, max_drivers)
+    if key not in memo:
+        memo[key] = _enumerate(g, k, known, max_drivers)
+    return list(memo[key])
+
+
+def _node_key(g, k, known, max_drivers):
+    """Everything ``_enumerate`` reads about op ``k``, hashable; None when a call argument is not."""
+    d = g.nodes[k]
+    try:
+        call = call_key(*d["call"])
+    except TypeError:
+        return None
+    leaf = None if known is None else tuple(_leaf_specs(g, k, known)[0])
+    fixed = tuple(None if f is None else tuple(f) for f in (_fixed_layout(g, s) for s in d["sources"]))
+    return (d["op"], call, tuple(d["seen"]), _result_key(d["greedy"]), leaf, fixed, max_drivers, g.graph["mesh"])
+
+
+def _enumerate(g, k, known, max_drivers) -> list:
+    d = g.nodes[k]
     rule = get_spmd_rule(d["op"])
     seen = list(d["seen"])
     mesh = g.graph["mesh"]

@@ -47,6 +47,20 @@ class CostModel:
             self._memo[key] = c
         return c
 
+    def reshard_table(self, specs: tuple, dsts: tuple, grad: bool):
+        """``reshard(s, d, grad)`` for every spec ``s`` of ``specs`` (rows) and layout ``d`` of ``dsts``
+        (columns), memoised whole: every repeated block of a model meets the same layouts, so an edge costs one
+        lookup instead of one per pair."""
+        import numpy as np
+
+        key = ("table", specs, dsts, grad)
+        table = self._memo.get(key)
+        if table is None:
+            table = np.array([[self.reshard(s, d, grad) for d in dsts] for s in specs], dtype=float)
+            table = self._memo[key] = table.reshape(len(specs), len(dsts))
+            table.flags.writeable = False
+        return table
+
     def seconds(self, spec: DistSpec, dst) -> float:
         """Cost of the cheapest reshard (the reshard planner's optimum), from one Dijkstra per source layout
         over the planner's own state graph and step prices."""

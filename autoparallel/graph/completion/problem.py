@@ -85,20 +85,22 @@ def build_problem(g, cands: dict, cm: CostModel, fixed_sources: dict | None = No
         variables.append(_Var("source", key, sorted(states, key=format_placements)))
     problem = Problem([len(v.states) for v in variables])
     loss = g.graph.get("loss")
+    shared = {}             # repeated ops share their candidate objects (candidates' memo): price them once
     for k in nodes:
         d = g.nodes[k]
         vi = index[k]
         un = problem.unary[vi]
-        for si, res in enumerate(cands[k]):
-            un[si] += cm.compute(d["flops"], res)
-            if loss is not None and loss[0] == k:
+        ids = tuple(id(r) for r in cands[k])
+        un += _memo_row(shared, ("compute", ids, d["flops"]), lambda: [cm.compute(d["flops"], r) for r in cands[k]])
+        if loss is not None and loss[0] == k:
+            for si, res in enumerate(cands[k]):
                 un[si] += cm.seconds(res.outputs[loss[1]], [Replicate()] * mesh.ndim)
         for i, s in enumerate(d["sources"]):
             grad = source_needs_grad(g, s)
             if s.kind == "op":
                 _add_edge(problem, index[s.node], vi, cands[s.node], cands[k], s.slot, i, cm, grad)
-                for si, res in enumerate(cands[k]):
-                    un[si] += use_cost(cm, res.inputs[i], res.inputs[i], res, grad, False)
+                un += _memo_row(shared, ("use", ids, i, grad), lambda: [
+                    use_cost(cm, r.inputs[i], r.inputs[i], r, grad, False) for r in cands[k]])
             elif s.key in multi:
                 var = variables[index[s.key]]
                 table = np.zeros((len(var.states), len(cands[k])))
@@ -122,6 +124,14 @@ def build_problem(g, cands: dict, cm: CostModel, fixed_sources: dict | None = No
     return problem, variables
 
 
+def _memo_row(memo: dict, key, compute):
+    """A unary cost row, computed once per key (rows are read, never written)."""
+    row = memo.get(key)
+    if row is None:
+        row = memo[key] = np.asarray(compute(), dtype=float)
+    return row
+
+
 def _add_edge(problem, u, w, cu, cw, slot, i, cm, grad):
     """Pairwise reshard cost: producer state a's output ``slot`` -> consumer state b's input ``i``."""
     outs = [r.outputs[slot] for r in cu]
@@ -130,8 +140,5 @@ def _add_edge(problem, u, w, cu, cw, slot, i, cm, grad):
     oi = np.array([ou.setdefault(o, len(ou)) for o in outs])
     ru = {}
     ri = np.array([ru.setdefault(q, len(ru)) for q in reqs])
-    small = np.zeros((len(ou), len(ru)))
-    for o, a in ou.items():
-        for q, b in ru.items():
-            small[a, b] = cm.reshard(o, q, grad)
-    problem.add_pair(u, w, small[np.ix_(oi, ri)])
+    small = cm.reshard_table(tuple(ou), tuple(ru), grad)
+    problem.add_pair(u, w, small[oi][:, ri])
