@@ -1,17 +1,18 @@
 """Completion's memos (graph/completion): an op repeated in every block of a model is enumerated once per
 completion (``candidates(..., memo=)``) and its unary prices computed once (build_problem), and an edge's reshard
 table between the same layouts is priced once (``CostModel.reshard_table``). They must leave the plan exactly as
-it is without them; tools/bench/completion_time.py measures what they save."""
+it is without them; tools/bench/completion_time.py measures what they save
+(``autoparallel.testing.completion_memos.memos_off`` is the reference both use)."""
 import numpy as np
 import paddle
 import paddle.nn as nn
 import pytest
 
 import autoparallel as ap
-import autoparallel.graph.completion.api as api
 from autoparallel.graph.completion import CostModel, candidates, capture, complete, propagate
 from autoparallel.graph.completion.candidate_layouts import _result_key
 from autoparallel.planner.calibrate import cpu_profile
+from autoparallel.testing.completion_memos import memos_off
 from autoparallel.spec import DistSpec
 
 R, S = ap.Replicate(), ap.Shard
@@ -85,17 +86,12 @@ def test_reshard_table_is_the_pairwise_reshard_priced_once():
         assert cm.reshard_table(specs, dsts, grad) is table and not table.flags.writeable
 
 
-def test_plan_with_the_memos_equals_the_plan_without(monkeypatch):
+def test_plan_with_the_memos_equals_the_plan_without():
     net, g = _graph()
-    annotations = ANNOTATIONS
     spec = DistSpec(g.graph["mesh"], [S(0), R], (8, 4, 16))
-    with_memo = complete(net, spec, annotations=annotations, cluster=CPU)
-    plain = api.candidates
-    monkeypatch.setattr(api, "candidates", lambda g, k, known=None, max_drivers=4, memo=None:
-                        plain(g, k, known, max_drivers, None))
-    monkeypatch.setattr(CostModel, "reshard_table", lambda self, specs, dsts, grad: np.array(
-        [[self.reshard(s, d, grad) for d in dsts] for s in specs], dtype=float).reshape(len(specs), len(dsts)))
-    without = complete(net, spec, annotations=annotations, cluster=CPU)
+    with_memo = complete(net, spec, annotations=ANNOTATIONS, cluster=CPU)
+    with memos_off():
+        without = complete(net, spec, annotations=ANNOTATIONS, cluster=CPU)
     assert with_memo.cost == pytest.approx(without.cost, rel=0, abs=0)
     assert {k: _result_key(r) for k, r in with_memo.results.items()} == \
            {k: _result_key(r) for k, r in without.results.items()}

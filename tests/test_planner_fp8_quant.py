@@ -74,7 +74,8 @@ def test_only_fp8_pays_and_the_step_carries_it(monkeypatch):
 
 # ---- fine-grained FP8 GEMMs at DeepGEMM's measured H800 rates (planner/fp8.py) -------------------------------------
 def test_linear_gemms_by_hand():
-    # MLA: fused down-projection N = r_q + r_kv + rope = 28 on K = h; q_b 4·12 on r_q; kv_b 4·(8 + 8) on r_kv; o on 4·8
+    # MLA: fused down-projection N = r_q + r_kv + rope = 28 on K = h; q_b 4·12 on r_q; kv_b 4·(8 + 8) on r_kv;
+    # o on 4·8
     att = [(28, 64, 1.0, "normal"), (48, 16, 1.0, "normal"), (64, 8, 1.0, "normal"), (64, 32, 1.0, "normal")]
     assert fp8.linear_gemms(MLA)[:4] == att
     # MOE: one dense block of two (gate/up 192 x 64, down 64 x 96), routed experts top 2 (grouped), one shared

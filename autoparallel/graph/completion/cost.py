@@ -1,6 +1,8 @@
 """Step 5, cost: seconds per training step of an op's layout, its reshards and gradient reductions."""
 from __future__ import annotations
 
+import numpy as np
+
 from autoparallel.graph.completion.sources import _storable
 from autoparallel.placement import Partial
 from autoparallel.spec import DistSpec
@@ -51,8 +53,6 @@ class CostModel:
         """``reshard(s, d, grad)`` for every spec ``s`` of ``specs`` (rows) and layout ``d`` of ``dsts``
         (columns), memoised whole: every repeated block of a model meets the same layouts, so an edge costs one
         lookup instead of one per pair."""
-        import numpy as np
-
         key = ("table", specs, dsts, grad)
         table = self._memo.get(key)
         if table is None:
