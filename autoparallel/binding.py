@@ -63,7 +63,7 @@ class Binder:
         if self.sig is None:
             return a, k
         if self.parsed_in_c:
-            a, k = _c_parser_forms(self.sig, a, k)
+            a, k = _c_parser_forms(self.sig, a, k, _C_OP_ALIASES.get(self.inner.__name__, {}))
         out = self.layout.bind(a, k)
         if shape is not None and _same(out, args, kwargs):
             self.identity.add(shape)
@@ -138,6 +138,9 @@ def _same(out, args, kwargs) -> bool:
 # documented ``__signature__``) bind in C++, which accepts paddle's torch-compatible keyword aliases (the
 # same ones its python decorators map) and, like ``sum_decorator``, a bool where ``dtype`` stands for ``keepdim``.
 _C_ALIASES = {"input": "x", "other": "y", "dim": "axis"}
+# aliases paddle 3.3's C++ parser accepts for one op only (measured: ``paddle.roll(x, 1, dims=0)`` runs,
+# ``paddle.sum(x, dims=0)`` is refused), keyed by the generated function's name
+_C_OP_ALIASES = {"_roll": {"dims": "axis"}, "_argmax": {"keepdims": "keepdim"}, "_argmin": {"keepdims": "keepdim"}}
 
 
 def _parsed_in_c(fn) -> bool:
@@ -146,11 +149,11 @@ def _parsed_in_c(fn) -> bool:
         and code.co_argcount == 0 and "_C_ops" in code.co_names and hasattr(fn, "__signature__")
 
 
-def _c_parser_forms(sig, args, kwargs):
+def _c_parser_forms(sig, args, kwargs, op_aliases=None):
     params = sig.parameters
     if any(k not in params for k in kwargs):
         kwargs = dict(kwargs)
-        for alias, name in _C_ALIASES.items():
+        for alias, name in {**_C_ALIASES, **(op_aliases or {})}.items():
             if alias in kwargs and alias not in params and name in params:
                 if name in kwargs:
                     raise TypeError(f"got both {name!r} and its alias {alias!r}")

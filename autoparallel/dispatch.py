@@ -29,6 +29,8 @@ from autoparallel.comm import fanout
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase, building_static_program, owner_of, resolve
 from autoparallel.context import state as _ctx
+from autoparallel.dispatch_empty import empty_operands, empty_safe
+from autoparallel.dispatch_pre import PRE_STEPS, pre_step
 from autoparallel.dispatch_pins import PinnedLayouts, pinned, replayable  # noqa: F401  (re-exported)
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
 from autoparallel.dispatch_values import VALUE_OPS, resolve as resolve_values
@@ -80,6 +82,8 @@ def run(op: str, path: str, args, kwargs):
     stale by a write through a view are refused, and view ops' outputs are linked to their input."""
     if view_alias.any_stale():
         view_alias.check_reads(op, _shallow_leaves(args, kwargs))
+    if op in PRE_STEPS:
+        args, kwargs = pre_step(op, _ORIG.get(path), args, kwargs)
     out = _run(op, path, args, kwargs)
     view_alias.record(op, args, out, DistTensor)
     if cross_mesh_grad.LIVE[0]:         # outputs name the cross-mesh moves they depend on
@@ -345,58 +349,13 @@ def _execute(op, path, res, mesh, calls) -> dict:
             if ARG_MAP.get(path) == "swap":       # back to the reflected operator's own order
                 calls = {r: ((a[1], a[0]) + tuple(a[2:]), k) for r, (a, k) in calls.items()}
             if op in _CONTRACTING:
-                calls = {r: (_empty_operands(a), k) for r, (a, k) in calls.items()}
-        return {r: _as_tuple(_empty_safe(op, fn, a)(*a, **k)) for r, (a, k) in calls.items()}
+                calls = {r: (empty_operands(a), k) for r, (a, k) in calls.items()}
+        return {r: _as_tuple(empty_safe(op, fn, a)(*a, **k)) for r, (a, k) in calls.items()}
     finally:
         _ctx.local_depth -= 1
 
 
 _CONTRACTING = {"matmul", "linear", "bmm"}
-# ops whose paddle 3.3 CPU kernel leaves the output uninitialised when the contracted dim is empty (this rank's
-# empty shard of it: 6 rows over 4 ranks are 2, 2, 2, 0; bmm of [4, 8, 0] x [4, 0, 8] returned 1e+24's where
-# its Partial term must be zeros), and the equivalent call whose kernel writes the zeros
-def _stack_by_concat(x, axis=0, name=None):
-    """``paddle.stack`` as a concat of the unsqueezed operands: the same value and gradient. paddle 3.3's stack
-    backward segfaults (StackGradKernel) when an empty operand needs no gradient and another needs one (this rank's
-    empty shard of a constant stacked with an activation: ``stack([c[:, 6:6], z[:, 6:6]], 2)`` with c a
-    stop_gradient tensor crashes one process too)."""
-    return paddle.concat([t.unsqueeze(axis) for t in x], axis=axis)
-
-
-_EMPTY_SAFE = {"bmm": paddle.matmul, "stack": _stack_by_concat}
-
-
-def _empty_safe(op, fn, args):
-    """``fn``, or its equivalent from _EMPTY_SAFE when one of this rank's operands (or of a list operand) has no
-    elements."""
-    alt = _EMPTY_SAFE.get(op)
-    if alt is None or not any(_has_empty(a) for a in args):
-        return fn
-    return alt
-
-
-def _has_empty(a) -> bool:
-    if isinstance(a, (list, tuple)):
-        return any(isinstance(t, paddle.Tensor) and 0 in t.shape for t in a)
-    return isinstance(a, paddle.Tensor) and 0 in a.shape
-
-
-def _empty_operands(args) -> tuple:
-    """paddle 3.3's matmul backward fails ("Required tensor shall not be nullptr") when an empty operand (this
-    rank's empty shard of the contracted dim: 6 rows over 4 ranks are 2, 2, 2, 0) needs no gradient while
-    the other operand does: that operand runs as a detached copy that does (its gradient has no elements
-    and goes nowhere)."""
-    ts = [a for a in args if isinstance(a, paddle.Tensor)]
-    if not any(0 in a.shape for a in ts) or all(a.stop_gradient for a in ts):
-        return args
-    return tuple(_with_grad(a) if isinstance(a, paddle.Tensor) and a.stop_gradient and 0 in a.shape else a
-                 for a in args)
-
-
-def _with_grad(t):
-    c = t.detach()
-    c.stop_gradient = False
-    return c
 
 
 _LOCAL_FN: dict = {}      # dotted path -> its local callable, once resolved (custom ops are looked up anew)

@@ -370,8 +370,10 @@ class CallPlan:
         """{rank: local} of every leaf in the layout the rule requires; on split mesh dims where it stays
         replicated its gradient is made complete (one all_reduce in backward, shared by every consumer:
         comm/fanout.py), or, for a parameter used directly, marked as a partial sum there (the data-parallel
-        runtime reduces it in buckets)."""
+        runtime reduces it in buckets). Under ``no_grad`` nothing is shared: an input built without a graph and
+        served to a later consumer that records one gave that consumer's input no gradient."""
         out = []
+        grad = paddle.is_grad_enabled()
         for k, v in enumerate(leaves):
             kind = self.kinds[k]
             locs = v._locals if kind == _DIST else v._ap_locals if kind == _PARAM else _plain_locals(v, self.held)
@@ -383,7 +385,7 @@ class CallPlan:
                     locs = locs if plan is None else redistribute.execute(locs, plan)
                     out.append(self._param_use(p, locs, dims, self.rep_dims[k]))
                     continue
-            if dims and kind != _PARAM and not all(t.stop_gradient for t in locs.values()):
+            if dims and grad and kind != _PARAM and not all(t.stop_gradient for t in locs.values()):
                 out.append(fanout.shared(v, locs, plan, self.res.inputs[k], dims, self.mesh))
                 continue
             if plan is not None:

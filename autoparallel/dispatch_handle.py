@@ -25,6 +25,7 @@ so the tensor type never imports the dispatcher.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 
 from autoparallel import patches
@@ -132,7 +133,27 @@ def call_inplace(op: str, path: str, target, args, kwargs):
     """A DistTensor in-place method: the out-of-place call, then ``target`` takes the result."""
     if not _ACTIVE:
         raise _not_installed(path)
+    if op in INPLACE_TARGETS:              # cond.where_(x, y) writes x
+        target = inplace_target(op, _ACTIVE[0]._ORIG.get(path), args, kwargs)
     return _ACTIVE[1](path, target, _ACTIVE[0].run(op, path, args, kwargs))
+
+
+INPLACE_TARGETS = {"where": "x"}    # in-place forms that write another parameter than their first (where_(c, x, y))
+
+
+def inplace_target(op: str, fn, args, kwargs):
+    """The tensor an in-place form of ``op`` writes: its first argument, or the parameter of ``fn`` (paddle's
+    callable) named in INPLACE_TARGETS."""
+    first = args[0] if args else next(iter(kwargs.values()))
+    name = INPLACE_TARGETS.get(op)
+    if name is None and args:
+        return first
+    try:
+        sig = inspect.signature(fn)
+        arguments = sig.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return first
+    return arguments.get(name or next(iter(sig.parameters)), first)
 
 
 def _not_installed(path: str) -> RuntimeError:

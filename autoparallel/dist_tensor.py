@@ -21,7 +21,7 @@ from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase
 from autoparallel.context import async_allreduce
 from autoparallel.context import state as _ctx
-from autoparallel.dist_tensor_meta import MetaForms
+from autoparallel.dist_tensor_meta import GlobalSize, MetaForms
 from autoparallel.dist_tensor_ops import OpMethods
 from autoparallel.local_parts import _local_from_full  # noqa: F401  (also imported from here)
 from autoparallel.mesh import ProcessMesh
@@ -104,8 +104,8 @@ class DistTensor(MetaForms, OpMethods):
 
     @property
     def size(self) -> int:
-        """The global element count (paddle's ``Tensor.size`` is this property)."""
-        return int(np.prod(self._spec.shape, dtype=np.int64))
+        """The global element count (paddle's ``Tensor.size``), callable for the shape or a dim as paddle's."""
+        return GlobalSize(self._spec.shape)
 
     def element_size(self) -> int:
         return np.dtype("float16" if self._spec.dtype == "bfloat16" else self._spec.dtype).itemsize

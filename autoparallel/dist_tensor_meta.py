@@ -12,6 +12,20 @@ import numpy as np
 import paddle
 
 
+class GlobalSize(int):
+    """A tensor's ``size`` as paddle 3.3 gives it: the element count (an int) that, called, is the shape
+    (``x.size()``) or one dim (``x.size(0)``, ``x.size(-1)``), as torch-style code reads it."""
+
+    def __new__(cls, shape):
+        out = super().__new__(cls, int(np.prod(shape, dtype=np.int64)))
+        out.shape = list(shape)
+        return out
+
+    def __call__(self, dim=None):
+        shape = paddle.Size(self.shape)
+        return shape if dim is None else shape[dim]
+
+
 def _contiguous_strides(shape) -> list:
     out, step = [], 1
     for n in reversed(list(shape)):

@@ -243,7 +243,8 @@ def _retain_grads(self):
 # paddle.Tensor methods written in python over paddle's ops and the tensor's own attributes: on a DistTensor they run
 # as written, their ops routed (``x.repeat(2, 1)`` is ``tile``, ``split_with_sizes`` slices, ``requires_grad_`` sets
 # ``stop_gradient``); they were refused as "not an op"
-PYTHON_FORMS = ("repeat", "split_with_sizes", "requires_grad_")
+PYTHON_FORMS = ("repeat", "split_with_sizes", "requires_grad_",      # paddle's python over routed ops
+                "__rand__", "__ror__", "__rxor__", "__lshift__", "__rshift__", "__rlshift__", "__rrshift__")
 
 
 def _gradient(self):

@@ -25,8 +25,13 @@ def vocab_parallel_embedding(x, weight, padding_idx=None, max_norm=None, norm_ty
     if weight.shape[0] == 0:            # an empty vocab shard (3 rows over 4 ranks): paddle's kernel refuses any id
         return _empty_lookup(x, weight)
     mask = (x >= vocab_start) & (x < vocab_end)
-    ids = paddle.where(mask, x - vocab_start, paddle.zeros_like(x))
-    out = F.embedding(ids, weight, padding_idx=padding_idx, sparse=sparse)
+    if scale_grad_by_freq:       # other ranks' ids look up an extra zero row: only this rank's rows are counted
+        ids = paddle.where(mask, x - vocab_start, paddle.full_like(x, weight.shape[0]))
+        extra = paddle.zeros([1, weight.shape[1]], dtype=weight.dtype)
+        out = F.embedding(ids, paddle.concat([weight, extra]), padding_idx=padding_idx, scale_grad_by_freq=True)
+    else:
+        ids = paddle.where(mask, x - vocab_start, paddle.zeros_like(x))
+        out = F.embedding(ids, weight, padding_idx=padding_idx, sparse=sparse)
     return paddle.where(mask.unsqueeze(-1), out, paddle.zeros([1], dtype=out.dtype))     # broadcast, no copies
 
 

@@ -32,6 +32,8 @@ def install() -> None:
             if is_dist(p) and hasattr(p, "_ap_spec") and name in state_dict:
                 ours[name] = p
         state_dict = _plain_sources(state_dict, ours)
+        for name, p in ours.items():             # every entry checked before anything is written
+            _check_shape(name, p, state_dict[name])
         if not ours:
             return orig(self, state_dict, use_structured_name)
         rest = {k: v for k, v in state_dict.items() if k not in ours}
@@ -68,6 +70,16 @@ def _plain_sources(state_dict, ours: dict):
     return {k: (plain_value(v) if k in moved else v) for k, v in state_dict.items()}
 
 
+def _check_shape(name, p, value) -> None:
+    """A plain value takes the parameter's global shape or its shard's; a distributed one is resharded."""
+    if is_dist(value):
+        return
+    shape = list(value.shape() if callable(getattr(value, "shape", None)) else np.shape(value))
+    if shape not in (p.global_shape, list(p.shape)):
+        raise ValueError(f"set_state_dict: {name} has shape {shape}; the distributed parameter takes its global "
+                         f"shape {p.global_shape} (or its shard's, {list(p.shape)}); nothing was loaded")
+
+
 def _load(name, p, value) -> None:
     import paddle
 
@@ -80,9 +92,5 @@ def _load(name, p, value) -> None:
             for r, t in p.locals.items():
                 t.set_value(src.local_of(r).astype(t.dtype))
         return
-    shape = list(value.shape() if callable(getattr(value, "shape", None)) else np.shape(value))
-    if shape not in (p.global_shape, list(p.shape)):
-        raise ValueError(f"set_state_dict: {name} has shape {shape}; the distributed parameter takes its global "
-                         f"shape {p.global_shape} (or its shard's, {list(p.shape)})")
     with paddle.no_grad():
         p.set_value(value if isinstance(value, (np.ndarray, paddle.Tensor)) else np.asarray(value))

@@ -9,6 +9,7 @@ import paddle
 from autoparallel import aliases, patches, shadows, view_alias
 from autoparallel.compat import EagerParamBase
 from autoparallel import dispatch as D
+from autoparallel.dispatch_handle import inplace_target
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
 from autoparallel.context import state as _ctx
 from autoparallel.local_mode import local_mode
@@ -21,8 +22,7 @@ def inplace_routed(op, path, orig):
     def wrapper(*args, **kwargs):
         if _ctx.local_depth > 0 or not D._any_dist(args, kwargs):
             return orig(*args, **kwargs)
-        target = args[0] if args else next(iter(kwargs.values()))
-        return rebind(path, target, D.run(op, path, args, kwargs))
+        return rebind(path, inplace_target(op, orig, args, kwargs), D.run(op, path, args, kwargs))
 
     wrapper.__wrapped__ = orig
     wrapper.__name__ = getattr(orig, "__name__", path.rsplit(".", 1)[-1] + "_")
@@ -59,7 +59,8 @@ def _check_leaf(path, target) -> None:
 def rebind(path, target, out):
     _check_leaf(path, target)
     if type(target) is DistTensor:
-        target._locals, target._spec = out._locals, out._spec
+        if paddle.is_grad_enabled() or target.stop_gradient or not _write_values(target, out):
+            target._locals, target._spec = out._locals, out._spec
         view_alias.written(path, target)
         return target
     if isinstance(target, DistParameter) and hasattr(target, "_ap_spec"):
@@ -88,6 +89,23 @@ def rebind(path, target, out):
         return out
     raise TypeError(f"{_named(path)}: the in-place target is a {type(target).__name__}, which cannot hold a "
                     f"distributed result; use {_out_of_place(path)}")
+
+
+def _write_values(target, out) -> bool:
+    """paddle's in-place op under ``no_grad`` on a tensor that requires a gradient: the values change and the
+    tensor keeps its place in the graph (a leaf stays a leaf whose gradient accumulates, a non-leaf keeps its
+    gradient function); swapping in the result's shards, made without a gradient, lost both. False when the
+    result cannot be written into the tensor's shards (another global shape or dtype)."""
+    if out.spec.shape != target.spec.shape or out.spec.dtype != target.spec.dtype:
+        return False
+    if out.spec != target.spec:
+        from autoparallel.dist_tensor import reshard
+
+        out = reshard(out, target.spec.mesh, target.spec.placements)
+    with local_mode():
+        for r, t in target._locals.items():
+            paddle.assign(out._locals[r], output=t)
+    return True
 
 
 def install_shadow_readers() -> None:

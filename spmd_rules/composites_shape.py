@@ -211,9 +211,8 @@ def strided_slice(x, axes, starts, ends, strides, name=None):
         raise ValueError("strided_slice: axes, starts, ends and strides must have the same length")
     index = [slice(None)] * len(s)
     for a, b, e, st in zip(axes, starts, ends, strides):
-        if st <= 0:
-            raise NotImplementedError(f"strided_slice: stride {st} (non-positive) is not supported on distributed "
-                                      f"tensors")
+        if st == 0:
+            raise ValueError(f"strided_slice: strides must be non-zero, got {strides}")
         index[_axis("strided_slice", a, len(s))] = slice(b, e, st)
     return x[tuple(index)]
 

@@ -68,8 +68,17 @@ def _simple(op, *, to_float=False, linear=False):
 
 for _op in ("exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "erf", "sin", "cos", "log1p"):
     _simple(_op, to_float=True)
-for _op in ("relu", "square", "floor", "sign", "logical_not"):
+for _op in ("relu", "square", "floor", "sign"):
     _simple(_op)
+
+
+@register_spmd_rule("logical_not", reverse=_unary_reverse("logical_not"))
+@block_aware
+def logical_not(x, out=None, name=None):
+    """``not x`` elementwise: bool whatever the input's dtype (an integer is true where non-zero)."""
+    if out is not None:
+        raise NotImplementedError("logical_not: out= is not supported on distributed tensors; use the result")
+    return _unary("logical_not", x, dtype="bool")
 
 
 @register_spmd_rule("abs", reverse=_unary_reverse("abs"))

@@ -169,11 +169,19 @@ def polygamma(x, n, name=None):
 
 
 
-@register_spmd_rule("bitwise_xor")
-def bitwise_xor(x, y, out=None, name=None):
-    if out is not None:
-        raise NotImplementedError("bitwise_xor: out= is not supported on distributed tensors; use the result")
-    return _binary_body("bitwise_xor", x, y, False)
+def _bitwise(op):
+    """``bitwise_and / or / xor``: integers bit by bit, bools as logic (the dtype kept, unlike logical_*)."""
+    def rule(x, y, out=None, name=None):
+        if out is not None:
+            raise NotImplementedError(f"{op}: out= is not supported on distributed tensors; use the result")
+        return _binary_body(op, x, y, False)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule)
+
+
+for _op in ("bitwise_and", "bitwise_or", "bitwise_xor"):
+    _bitwise(_op)
 
 
 def _shift(op):
@@ -190,8 +198,15 @@ _shift("bitwise_left_shift")
 _shift("bitwise_right_shift")
 
 
-@register_spmd_rule("bitwise_invert")
-def bitwise_invert(x, out=None, name=None):
-    if out is not None:
-        raise NotImplementedError("bitwise_invert: out= is not supported on distributed tensors; use the result")
-    return _unary("bitwise_invert", x)
+def _bitwise_unary(op):
+    def rule(x, out=None, name=None):
+        if out is not None:
+            raise NotImplementedError(f"{op}: out= is not supported on distributed tensors; use the result")
+        return _unary(op, x)
+
+    rule.__name__ = op
+    register_spmd_rule(op, rule)
+
+
+for _op in ("bitwise_invert", "bitwise_not"):
+    _bitwise_unary(_op)

@@ -5,7 +5,8 @@ hidden dim (1) gives an output sharded on its last dim; weight sharded on the VO
 vocab-parallel: ids are required R, the output is Partial(sum) and the local op is
 ``vocab_parallel_embedding`` — a masked lookup: ids outside this rank's vocab rows
 ``[vocab_start, vocab_end)`` (from ``local_attrs``) look up row 0 and are zeroed; ``padding_idx`` is
-given relative to the local rows (None when this rank does not hold it). A Partial weight passes
+given relative to the local rows (None when this rank does not hold it); with ``scale_grad_by_freq`` the
+ids are whole (R), so each row's gradient is divided by its count over every id. A Partial weight passes
 (the lookup is linear in the weight). When ids and weight are sharded on one mesh dim, the larger keeps
 its sharding.
 """
@@ -49,7 +50,7 @@ def embedding(x, weight, padding_idx=None, max_norm=None, norm_type=2.0, sparse=
         if is_linear_partial(pw):
             return (R, pw), (pw,)
         pw = pw if isinstance(pw, Shard) and not (pw.dim == 1 and max_norm is not None) else R
-        px = px if isinstance(px, Shard) else R
+        px = px if isinstance(px, Shard) and not scale_grad_by_freq else R     # frequencies of every id
         if isinstance(pw, Shard) and isinstance(px, Shard):
             if numel(x) > numel(weight):
                 pw = R

@@ -34,6 +34,13 @@ def _advanced(v) -> bool:
     return isinstance(v, (DistSpec, list, np.ndarray))
 
 
+def _mask(it) -> bool:
+    """A boolean index: a bool tensor, a python list or numpy array of bools (its output size depends on it)."""
+    if isinstance(it, DistSpec):
+        return it.dtype == "bool"
+    return isinstance(it, (list, np.ndarray)) and len(it) > 0 and np.asarray(it).dtype == np.bool_
+
+
 def index_plan(x: DistSpec, index):
     """(x labels, output labels, output shape, index spec or None, index labels)."""
     op = "getitem"
@@ -110,7 +117,7 @@ def getitem(x, index):
     if _is_int(index) and x.ndim and _row_shards(x):
         return _row_of_shard(x, index)
     items = list(index) if isinstance(index, tuple) else [index]
-    if sum(_advanced(it) for it in items) > 1 or any(isinstance(it, DistSpec) and it.dtype == "bool" for it in items):
+    if sum(_advanced(it) for it in items) > 1 or any(_mask(it) for it in items):
         from spmd_rules.routing import replicate_all     # several advanced indices, or a mask: gathered
 
         return replicate_all("getitem", [x] + [it for it in items if isinstance(it, DistSpec)])

@@ -80,7 +80,7 @@ def _quantile(op):
         axes = norm_axes(op, axis, x.ndim)
         xl, ol, shape = reduce_labels(x, axes, keepdim, reducible=False)
         dtype = x.dtype if is_float(x.dtype) else "float32"
-        if isinstance(q, (list, tuple)):
+        if isinstance(q, (list, tuple)) and len(q) > 1:        # paddle gives one q no leading dim, as a number
             ol, shape = (None,) + tuple(ol), (len(q),) + tuple(shape)
         return labels_result(op, [x], [xl], [ol], [(shape, dtype)], linear=None)
 

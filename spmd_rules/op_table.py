@@ -61,7 +61,7 @@ OP_TABLE: dict = {
     "pow": _fn("pow", extra=(_T + "__pow__", _T + "__rpow__")),
     "scale": _fn("scale"),
     "cast": ("paddle.cast", _T + "cast", _T + "astype"),
-    "logical_not": _fn("logical_not", extra=(_T + "__invert__",)),
+    "logical_not": _fn("logical_not"),
     # binary
     "add": _fn("add", extra=(_T + "__add__", _T + "__radd__")),
     "subtract": _fn("subtract", extra=(_T + "__sub__", _T + "__rsub__")),
@@ -78,8 +78,13 @@ OP_TABLE: dict = {
     "less_equal": _fn("less_equal", extra=(_T + "__le__",)),
     "greater_than": _fn("greater_than", extra=(_T + "__gt__",)),
     "greater_equal": _fn("greater_equal", extra=(_T + "__ge__",)),
-    "logical_and": _fn("logical_and", extra=(_T + "__and__",)),
-    "logical_or": _fn("logical_or", extra=(_T + "__or__",)),
+    "logical_and": _fn("logical_and"),
+    "logical_or": _fn("logical_or"),
+    # Tensor's &, |, ~ are paddle's bitwise ops (on bools the same as logical_*, on integers bit by bit)
+    "bitwise_and": _fn("bitwise_and", extra=(_T + "__and__",)),
+    "bitwise_or": _fn("bitwise_or", extra=(_T + "__or__",)),
+    "bitwise_xor": _fn("bitwise_xor", extra=(_T + "__xor__",)),
+    "bitwise_not": _fn("bitwise_not", extra=(_T + "__invert__",)),
     # reductions
     "sum": _fn("sum"),
     "mean": _fn("mean"),
@@ -197,7 +202,7 @@ OP_TABLE: dict = {
        for k in ("max", "avg", "adaptive_avg", "adaptive_max") for n in (1, 2, 3)},
     # special, integer and bitwise elementwise ops (spmd_rules/elementwise_more.py)
     **{n: _fn(n) for n in ("i0e", "i1", "i1e", "gammaln", "isneginf", "isposinf", "isreal", "gcd", "lcm",
-                           "nextafter", "polygamma", "bitwise_xor", "bitwise_left_shift",
+                           "nextafter", "polygamma", "bitwise_left_shift",
                            "bitwise_right_shift", "bitwise_invert")},
     # interpolation and order statistics (spmd_rules/nn_more.py)
     "interpolate": ("paddle.nn.functional.interpolate",),

@@ -102,11 +102,35 @@ def take_along_axis(arr, indices, axis, broadcast=True):
     check_spec("take_along_axis", "indices", indices)
     if indices.ndim != arr.ndim:
         raise ValueError(f"take_along_axis: indices of rank {indices.ndim} for arr of rank {arr.ndim}")
+    if broadcast:
+        return _take_broadcast(arr, indices, norm_axis("take_along_axis", axis, arr.ndim))
     lab = _along(arr, axis)
     il = _shared(arr, indices, lab)
     al = tuple(lab[d] if il[d] is not None else None for d in range(arr.ndim))
     return labels_result("take_along_axis", [arr, indices], [al, il], [il], [(indices.shape, arr.dtype)],
                          linear=None)
+
+
+def _take_broadcast(arr, indices, axis):
+    """paddle's ``broadcast=True`` (its default): every dim but ``axis`` is the larger of the two sizes (a size 1
+    broadcasts, a size 0 gives 0), ``axis`` is the index's; a broadcast dim keeps the larger operand's sharding."""
+    shape, al, il, ol = [], [], [], []
+    for d, (n, m) in enumerate(zip(arr.shape, indices.shape)):
+        if d == axis:
+            size, labs = m, (None, d, d)
+        elif n == 0 or m == 0:
+            size, labs = 0, (None, None, None)
+        elif n == m or m == 1 or n == 1:
+            size = max(n, m)
+            labs = (d if n == size else None, d if m == size else None, d)
+        else:
+            raise ValueError(f"take_along_axis: indices of shape {list(indices.shape)} do not broadcast to arr of "
+                             f"shape {list(arr.shape)} at dim {d} (sizes {m} and {n}; axis {axis})")
+        shape.append(size)
+        for out, lab in zip((al, il, ol), labs):
+            out.append(lab)
+    return labels_result("take_along_axis", [arr, indices], [tuple(al), tuple(il)], [tuple(ol)],
+                         [(tuple(shape), arr.dtype)], linear=None)
 
 
 @register_spmd_rule("put_along_axis")
@@ -257,8 +281,11 @@ def index_fill(x, index, axis, value, name=None):
     check_spec("index_fill", "x", x)
     check_spec("index_fill", "index", index)
     xl = _along(x, axis)
-    return labels_result("index_fill", [x, index], [xl, (None,) * index.ndim], [xl], [(x.shape, x.dtype)],
-                         linear=None)
+    specs, labels = [x, index], [xl, (None,) * index.ndim]
+    if isinstance(value, DistSpec):      # a 0-d tensor value, whole on every rank (its gradient summed)
+        specs.append(value)
+        labels.append((None,) * value.ndim)
+    return labels_result("index_fill", specs, labels, [xl], [(x.shape, x.dtype)], linear=None)
 
 
 @register_spmd_rule("permute")

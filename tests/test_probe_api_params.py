@@ -139,3 +139,17 @@ def test_set_state_dict_of_a_single_process_model_into_a_distributed_one(layer):
     np.testing.assert_array_equal(lin.weight.full().numpy(), -ref.weight.numpy())
     with pytest.raises(ValueError, match="weight has shape \\[3, 3\\].*global shape \\[6, 4\\]"):
         lin.set_state_dict({"weight": paddle.ones([3, 3])})
+
+
+def test_set_state_dict_with_one_wrong_shape_loads_nothing(layer):
+    """A wrong shape listed after a good entry raises before the good entry is written: no half-loaded model."""
+    lin, _ = layer
+    before = lin.weight.full().numpy(), every_copy(lin.bias)
+    good_weight = np.full([6, 4], 7.0, "float32")
+    with pytest.raises(ValueError, match="bias has shape \\[3\\].*global shape \\[4\\].*nothing was loaded"):
+        lin.set_state_dict({"weight": good_weight, "bias": np.zeros([3], "float32")})
+    np.testing.assert_array_equal(lin.weight.full().numpy(), before[0])
+    for r, b in every_copy(lin.bias).items():
+        np.testing.assert_array_equal(b, before[1][r])
+    lin.set_state_dict({"weight": good_weight})                 # the same good entry alone is loaded
+    np.testing.assert_array_equal(lin.weight.full().numpy(), good_weight)

@@ -16,7 +16,8 @@ write), discovery/manager (newest complete checkpoint, periodic saves), ownershi
 allocation), rng_arrays (generator states as plain arrays: a checkpoint is data, never code),
 state (stable names for model and optimizer state), zero_state (a ZeRO optimizer's flat chunks as
 global tensors), pipeline_state (each stage's ranks save their stage under the model's names), leaves
-(the state-leaf protocol those two use), reshard_state (layout changes by round-trip).
+(the state-leaf protocol those two use), reshard_state (layout changes by round-trip), schedule_follow (a
+save from a post-step hook takes the loop's scheduler step after it).
 """
 from autoparallel.checkpoint.discovery import resolve_checkpoint
 from autoparallel.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointLayoutError,

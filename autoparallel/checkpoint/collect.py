@@ -14,20 +14,57 @@ def mesh_json(mesh) -> dict:
 
 
 def json_value(name: str, value):
-    """``value`` if JSON can store it (numpy scalars become Python scalars), else TypeError naming it."""
-    if isinstance(value, np.generic):
-        value = value.item()
+    """``value`` if JSON can store it (numpy scalars, at any depth, become Python scalars), else TypeError naming
+    it and, inside a dict or list, the item at fault."""
+    value = _plain_scalars(value)
     try:
         json.dumps(value, allow_nan=True)
     except (TypeError, ValueError) as e:
+        where, bad = _first_unstorable(value, "")
+        inner = f" (its item {where}: a {type(bad).__module__}.{type(bad).__name__})" if where else ""
         raise TypeError(f"state entry {name!r}: a {type(value).__name__} is neither a tensor, a numpy array nor a "
-                        f"JSON value (int, float, str, bool, None, list, dict) ({e})") from None
+                        f"JSON value (int, float, str, bool, None, list, dict){inner} ({e})") from None
     key = _non_str_key(value)
     if key is not None:
         raise TypeError(f"state entry {name!r}: a dict inside it has the {type(key).__name__} key {key!r}; JSON "
                         f"keys are strings, so it would load as {str(key)!r}. Use str keys (a dict directly in the "
                         f"state may have int keys: it is descended into, not stored as JSON)")
     return value
+
+
+def plain_step(step):
+    """A numpy integer step (``for step in np.arange(n)``) as the Python int it is; anything else unchanged."""
+    return int(step) if isinstance(step, np.integer) else step
+
+
+def _plain_scalars(value):
+    """``value`` with numpy scalars (``np.float32(loss)``, ``np.int64(epoch)``) as Python scalars, at any depth of
+    dicts, lists and tuples (a tuple stays a tuple); anything else as it is."""
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain_scalars(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain_scalars(v) for v in value) if type(value) in (list, tuple) else value
+    return value
+
+
+def _first_unstorable(value, where: str) -> tuple:
+    """(``[key][index]`` path, item) of the first item inside ``value`` JSON cannot store ("", None if none)."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) \
+        else ()
+    for k, v in items:
+        here = f"{where}[{k!r}]"
+        if isinstance(v, (dict, list, tuple)):
+            found = _first_unstorable(v, here)
+            if found[0]:
+                return found
+        else:
+            try:
+                json.dumps(v, allow_nan=True)
+            except (TypeError, ValueError):
+                return here, v
+    return "", None
 
 
 def _non_str_key(value):

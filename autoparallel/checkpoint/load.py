@@ -9,6 +9,7 @@ so a failure on some ranks only fails every rank's load and leaves every rank's 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -302,8 +303,10 @@ def _assign(flat: dict, targets: dict, loaded: dict, meta: dict) -> None:
 
     from autoparallel.local_mode import local_mode
 
+    order = sorted(targets, key=lambda n: targets[n].kind == "leaf")   # a ZeRO optimizer's chunks after parameters
     with paddle.no_grad(), local_mode():
-        for name, t in targets.items():
+        for name in order:
+            t = targets[name]
             container, key, leaf = flat[name]
             if t.kind == "value":
                 value = meta["values"][name]             # JSON has no tuples: the state's tuple stays one
@@ -312,11 +315,33 @@ def _assign(flat: dict, targets: dict, loaded: dict, meta: dict) -> None:
                 leaf[...] = loaded[name][0][1]
             elif t.kind == "leaf":
                 leaf.assign(loaded.get(name, []))
-            elif t.kind == "elsewhere":
-                continue
-            else:
-                for dest, array in loaded.get(name, []):
-                    _write_into(dest, array)
+            elif t.kind != "elsewhere":
+                with _zero_managed(leaf):
+                    for dest, array in loaded.get(name, []):
+                        _write_into(dest, array)
+
+
+@contextlib.contextmanager
+def _zero_managed(leaf):
+    """Writing a parameter a ZeRO optimizer steps (``model.state_dict()``'s entries, as paddle's
+    ``load_state_dict(model.state_dict(), path)`` passes them): a ZeRO-3 parameter released between steps is
+    gathered first (the values were written into storage it did not hold, then lost), and its fp32 master chunks
+    take the loaded values after (the next step wrote the stale masters back over them). The chunks a state
+    names itself (``ap.training_state``, ``opt.state_dict()``) are assigned after every parameter."""
+    from autoparallel.dist_tensor_forms import ZERO_OWNERS
+
+    ref = ZERO_OWNERS.get(leaf) if ZERO_OWNERS._items else None
+    owner = ref() if ref is not None else None
+    if owner is None:
+        yield
+        return
+    released = any((id(leaf), r) in owner._freed for r in owner.held)
+    if released:
+        owner.gather([leaf])
+    yield
+    owner.reload([leaf])
+    if released:
+        owner.free([leaf])
 
 
 class _Assembled:

@@ -33,8 +33,9 @@ import os
 import shutil
 import signal
 
-from autoparallel.checkpoint import run_root, runtime_state, shared_dir, sync
+from autoparallel.checkpoint import run_root, runtime_state, schedule_follow, shared_dir, sync
 from autoparallel.checkpoint.atomic import new_nonce, temp_dir_for
+from autoparallel.checkpoint.collect import plain_step
 from autoparallel.checkpoint.discovery import (complete_checkpoints, is_committed_aside, newest_complete,
                                                refuse_nested, step_dir_name)
 from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointLayoutError
@@ -123,16 +124,19 @@ class CheckpointManager:
 
     def save(self, state: dict, step: int, extra=None) -> str:
         """Save now as ``step`` (replacing an existing checkpoint of that step), update ``latest``, prune."""
+        step = plain_step(step)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+            raise ValueError(f"step must be a non-negative int, got {step!r} ({type(step).__name__})")
         if not self._started:      # claim the root; never load here (after restore() that would undo the steps since)
             self._claim(state, self._resumed)
         newest = complete_checkpoints(self.dir)
         if newest and step < newest[-1][0]:
             raise ValueError(f"step {step} is older than the newest checkpoint in {self.dir!r} (step "
                              f"{newest[-1][0]}): a run's steps only grow, and resume loads the newest")
+        optimizer = self._optimizer_of(state)
         path = save_state_dict(state, self.path_for(step), step=step, extra=extra, overwrite=True,
-                               runtime=runtime_state.capture(self.optimizer))
+                               runtime=runtime_state.capture(optimizer))
+        schedule_follow.follow(optimizer, path)        # the loop's scheduler step after this one belongs to it
         doomed = []
         try:                                   # rank 0 only, its outcome shared with every rank before any goes on
             sync.rank_zero_step(f"checkpoint {path} is saved, but updating its run root after it (rank 0 only)",
@@ -171,6 +175,11 @@ class CheckpointManager:
             os.rename(path, aside)
             doomed.append(aside)
 
+    def _optimizer_of(self, state):
+        """The optimizer whose loss scaler and LR schedule go with the generators: the manager's, else the one
+        ``ap.training_state`` was built over (saving such a state without ``optimizer=`` dropped its schedule)."""
+        return self.optimizer if self.optimizer is not None else getattr(state, "optimizer", None)
+
     # ---- resuming -----------------------------------------------------------------------------------
     def latest(self):
         """The newest complete checkpoint under ``dir`` (None if there is none)."""
@@ -194,8 +203,9 @@ class CheckpointManager:
             return None
         info, problem = None, None
         try:
+            schedule_follow.forget(self._optimizer_of(state))     # the loaded schedule is not the saved step's
             info = load_state_dict(state, path, strict=strict)
-            done = runtime_state.restore(info.runtime, self.optimizer, state)
+            done = runtime_state.restore(info.runtime, self._optimizer_of(state), state)
             info.restored = done + [x for x in info.restored if x not in done]
         except CheckpointCorruptError as e:
             problem = CheckpointCorruptError(f"{e}. {self._previous_hint(path)}")

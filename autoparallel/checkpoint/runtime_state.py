@@ -163,8 +163,16 @@ def _scheduler(optimizer):
     try:
         lr = getattr(paddle_optimizer(optimizer), "_learning_rate", None)
     except TypeError:
-        return None
-    return lr if isinstance(lr, LRScheduler) else None
+        lr = None
+    if isinstance(lr, LRScheduler):
+        return lr
+    from autoparallel.checkpoint.state import wrapper_chain
+
+    for opt in wrapper_chain(optimizer):    # a wrapper over two optimizers (SplitOptimizer: ZeRO + the kept part)
+        lr = getattr(opt, "_learning_rate", None)       # forwards its user's optimizer's learning rate
+        if isinstance(lr, LRScheduler):
+            return lr
+    return None
 
 
 def _json_values(d: dict) -> dict:

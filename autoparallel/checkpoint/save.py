@@ -18,7 +18,7 @@ import time
 from autoparallel.checkpoint import save_agree, shared_dir, sync
 from autoparallel.checkpoint.atomic import (fault_point, is_empty_dir, new_nonce, publish_dir, temp_dir_for,
                                             write_file_atomic)
-from autoparallel.checkpoint.collect import check_values, collect, json_value
+from autoparallel.checkpoint.collect import check_values, collect, json_value, plain_step
 from autoparallel.checkpoint.errors import CheckpointSaveError
 from autoparallel.checkpoint.flatten import flatten
 from autoparallel.checkpoint.format import BLOCK_BYTES, FORMAT, METADATA, VERSION, encode_metadata
@@ -46,6 +46,7 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
     from autoparallel import watchdog
 
     multi, rank, world_size = sync.job()
+    step = plain_step(step)             # np.int64 from a numpy counter: the int it is
     if runtime is None:                 # ap.training_state over an optimizer with an LR scheduler: keep its schedule
         from autoparallel.checkpoint.runtime_state import schedule_runtime
 

@@ -40,15 +40,17 @@ def install() -> None:
     original = cls.apply
 
     def apply(_cls, function, preserve, offload_indices, get_state, set_state, *args):
+        from autoparallel.parallel.recompute_state import guarded, roots_of, running
+
         if not _has_dist(args):
             return original(function, preserve, offload_indices, get_state, set_state, *args)
+        if running():           # inside a Strategy.recompute region, which recomputes this call already
+            return function(*args)
         if offload_indices:
             raise NotImplementedError(
                 f"recompute(..., offload_indices={list(offload_indices)}) on distributed tensors: paddle's input "
                 f"offload exists only in its reentrant recompute; drop offload_indices (Strategy.sharding.offload "
                 f"offloads optimizer states)")
-        from autoparallel.parallel.recompute_state import guarded, roots_of
-
         where = getattr(function, "__qualname__", type(function).__name__)
         function = guarded(function, where, roots_of(function, args, {}))   # the re-run repeats no side effect
         return without_reentrant(function, get_state, set_state, preserve, *args)

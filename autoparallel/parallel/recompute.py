@@ -45,11 +45,12 @@ def region(fn, where: str, roots, args, kwargs):
     """``fn(*args, **kwargs)`` as the recompute region ``where``: its activations are recomputed in backward,
     and the re-run repeats none of the forward's effects on the Python state reachable from ``roots``
     (recompute_state)."""
-    if not paddle.is_grad_enabled() or _evaluating(roots):
+    from autoparallel.parallel.recompute_state import guarded, running
+
+    if not paddle.is_grad_enabled() or _evaluating(roots) or running():     # running: nested in a region
         return fn(*args, **kwargs)
     from autoparallel import dispatch
     from autoparallel.graph import trace
-    from autoparallel.parallel.recompute_state import guarded
 
     fn = dispatch.replayable(guarded(fn, where, roots))   # the re-run reuses the forward's pinned layouts
     if trace.active() is not None:          # capture: the region's ops are recorded (and marked) once

@@ -80,7 +80,8 @@ class _Snapshot:
                 self._visit(v, depth + 1, f"{path}.{k}")
 
     def _layer(self, layer, depth, path):
-        own = {k: v for k, v in vars(layer).items() if k not in _BASE}
+        # ``training`` too: a model switched to eval() between the forward and its backward re-runs in train mode
+        own = {k: v for k, v in vars(layer).items() if k not in _BASE or k == "training"}
         self.items.append((layer, "layer", own))
         for k, v in own.items():
             self._visit(v, depth + 1, f"{path}.{k}")
@@ -140,15 +141,34 @@ class RegionState:
         self.before = None
 
 
+_RUNNING = [0]          # recompute regions whose forward or re-run is on the stack
+
+
+def running() -> bool:
+    """True inside a recompute region (its forward or its re-run in backward): a region nested in it (the model's
+    own recompute under ``Strategy.recompute``) runs plainly, since paddle allows one pair of saved-tensor hooks
+    at a time and the outer region already recomputes it."""
+    return _RUNNING[0] > 0
+
+
 def guarded(fn, name: str, roots):
     """``fn`` as a region whose later calls (the re-runs in backward) repeat none of its first call's effects
     on ``roots``."""
+    from autoparallel.context import state as ctx
+
     state = RegionState(name, roots)
     calls = []
 
     def wrapper(*args, **kwargs):
+        _RUNNING[0] += 1
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _RUNNING[0] -= 1
+
+    def call(*args, **kwargs):
         if not calls:
-            calls.append(1)
+            calls.append(ctx.local_depth)
             state.forward_begin()
             out = fn(*args, **kwargs)
             state.forward_end()
@@ -157,9 +177,13 @@ def guarded(fn, name: str, roots):
 
         state.replay_begin()
         end = hold()        # ZeRO-3: the re-run's parameters stay whole for its backward (released after it)
+        # the re-run routes its ops as the forward did: paddle.grad over distributed tensors runs the graph in
+        # local mode, which would hand the region's DistTensors to paddle's kernels unrouted
+        depth, ctx.local_depth = ctx.local_depth, calls[0]
         try:
             return fn(*args, **kwargs)
         finally:
+            ctx.local_depth = depth
             end()
             state.replay_end()
 

@@ -140,7 +140,35 @@ class ColWiseParallel(_Style):
         layer.register_forward_pre_hook(
             lambda _l, args, kwargs: _relayout_all(args, kwargs, lambda x: _for_split(x, dim)), with_kwargs=True)
         if self.gather_output:
-            layer.register_forward_post_hook(lambda _l, inputs, out: _relayout(out, dim, Replicate()))
+            def gathered(_l, inputs, out):
+                plain = _passed_through(out)
+                return _relayout(out if plain is None else plain, dim, Replicate())
+
+            layer.register_forward_post_hook(gathered)
+        else:
+            layer.register_forward_post_hook(lambda _l, inputs, out: _passed_through(out))
+
+
+def _passed_through(out):
+    """The layer's output with any gathered input it returns unchanged (PaddleFormers' LM head under
+    ``use_fused_head_and_loss_fn`` returns its hidden states for the fused loss) made an ordinary replicated
+    tensor: the gathered input keeps its gradient partial on the TP dim for the layer's own split matmul, but a
+    reader after the layer (a user PyLayer, which runs outside dispatch) gives a complete gradient on every rank,
+    which the gather's reduce_scatter would sum once per TP rank. None when nothing passes through."""
+    from autoparallel.comm.fanout import partial_dims, shared
+
+    def plain(x):
+        if not isinstance(x, DistTensor) or not partial_dims(x):
+            return x
+        return DistTensor._own(shared(x, dict(x._locals), None, x.spec, (), x.mesh), x.spec)
+
+    if isinstance(out, (tuple, list)):
+        items = [plain(x) for x in out]
+        if all(a is b for a, b in zip(items, out)):
+            return None
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    new = plain(out)
+    return new if new is not out else None
 
 
 @dataclass(frozen=True)

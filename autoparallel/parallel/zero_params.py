@@ -56,8 +56,10 @@ def _post(zopt, own, key):
         stats = _running_stats(_layer, own) if _layer.training else []
         if stats:               # the update reaches the chunks before the gathered copy is released
             zopt.reload(stats)
+        escaped = _returned(outputs, own)
         if paddle.is_grad_enabled():
-            outs = [t for t in _tensors(outputs) if not t.stop_gradient]
+            mine = {id(t) for p in own if id(p) in escaped for t in _tensors(p)}     # no hook piling up on a leaf
+            outs = [t for t in _tensors(outputs) if not t.stop_gradient and id(t) not in mine]
             ins = [t for t in _tensors(inputs) if not t.stop_gradient]
             if outs:
                 for t in outs:
@@ -67,8 +69,25 @@ def _post(zopt, own, key):
                     for t in ins:
                         t.register_hook(release)
         if not _HOLDS[0]:               # a live create_graph gradient reads them in a later backward: kept whole
-            zopt.free(own)
+            zopt.free([p for p in own if id(p) not in escaped] if escaped else own)
     return hook
+
+
+def _returned(outputs, own) -> set:
+    """ids of the parameters of ``own`` the layer returns as (part of) its output: their reader runs after the layer
+    (PaddleFormers' LM head hands its weight to the fused head-and-loss PyLayer), so they stay gathered until the
+    optimizer step releases them."""
+    ids = {id(p) for p in own}
+    found, stack = set(), [outputs]
+    while stack:
+        x = stack.pop()
+        if id(x) in ids:
+            found.add(id(x))
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return found
 
 
 def _release_after_backward(zopt, own, key, n: int = 1):

@@ -18,10 +18,11 @@ def _build_cases():
     _impls()
     from .samples_fused import cases_fused
     from .samples_vl import cases_multimodal
+    from .samples_bitwise import cases_bitwise
     for build in (cases_multimodal, _cases_matmul, _cases_elementwise, _cases_reduction, _cases_norm, _cases_nn, _cases_shape,
                   _cases_creation, _cases_optimizer, _cases_routing, _cases_more, _cases_blocks,
                   _cases_elementwise_more, _cases_math_more, _cases_pooling, _cases_special,
-                  _cases_interpolate, cases_fused):
+                  _cases_interpolate, cases_fused, cases_bitwise):
         build()
 
 
