@@ -34,6 +34,7 @@ from autoparallel.dispatch_pre import PRE_STEPS, pre_step
 from autoparallel.dispatch_pins import PinnedLayouts, pinned, replayable  # noqa: F401  (re-exported)
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
 from autoparallel.dispatch_values import VALUE_OPS, resolve as resolve_values
+from autoparallel import dist_tensor_forms as _forms
 from autoparallel.dist_tensor_forms import gather_released_leaves
 from autoparallel.local_mode import in_local_mode, local_mode  # noqa: F401  (re-exported)
 from autoparallel.placement import Replicate
@@ -329,9 +330,19 @@ def _to_dist(v, mesh, tracer=None) -> DistTensor:
         spec = tracer.param_specs.get(id(v)) or DistSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)),
                                                          tuple(v.shape), v.dtype)
         return DistTensor({}, spec)
+    owner = _forms.detached_param(v)
+    if owner is not None:                       # p.detach() of a distributed parameter: its global value
+        return _detached_view(owner, mesh)
     # a plain tensor next to distributed ones: the same value on every rank (replicated)
     spec = DistSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)), tuple(v.shape), v.dtype)
     return DistTensor({r: v for r in current_world().local_ranks(mesh.process_ids)}, spec)
+
+
+def _detached_view(p, mesh) -> DistTensor:
+    if p._ap_spec.mesh != mesh:
+        raise ValueError(f"the detach() of distributed parameter {p.name} lives on mesh {p._ap_spec.mesh}, the "
+                         f"other distributed inputs on {mesh}; reshard it onto one mesh first")
+    return DistTensor({r: t.detach() for r, t in p._ap_locals.items()}, p._ap_spec)
 
 
 def _execute(op, path, res, mesh, calls) -> dict:

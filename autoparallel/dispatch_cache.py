@@ -25,6 +25,7 @@ from autoparallel import redistribute
 from autoparallel.comm import collectives as C
 from autoparallel.comm import fanout
 from autoparallel.dist_tensor import DistParameter, DistTensor
+from autoparallel.dist_tensor_forms import detached_param
 from autoparallel.spec import DistSpec, normalize_dtype
 from autoparallel.switch import turned_off
 from reshard import cache as reshard_cache
@@ -277,6 +278,9 @@ def _plain_locals(v, held) -> dict:
     """A plain tensor is the same value on every rank. A simulated world holds one object for every rank's copy:
     it is the first rank's copy, so only the first rank's use reaches its gradient (on real ranks each copy
     gets its own rank's; summing every simulated rank's would count a replicated use once per rank)."""
+    owner = detached_param(v)
+    if owner is not None:               # p.detach() of a distributed parameter: its shards (dispatch._to_dist)
+        return {r: t.detach() for r, t in owner._ap_locals.items()}
     if len(held) < 2 or v.stop_gradient:
         return dict.fromkeys(held, v)
     rest = v.detach()

@@ -299,6 +299,7 @@ class DistParameter(EagerParamBase):
         return DistTensor(self._ap_locals, self._ap_spec)
 
     full = _forms.param_full
+    detach = _forms.param_detach
     numpy = _forms.param_numpy
     set_value = _forms.param_set_value
     register_hook = _forms.param_register_hook

@@ -418,13 +418,35 @@ def dist_cpu(self):
 
 
 # ---- a kept value (value_cache.py) --------------------------------------------------------------------------------
+DETACHED_OF = SideData()        # t.detach() of a DistTensor -> weak reference to t
+ALIASES = SideData()            # DistTensor -> weak references to its live detach()es
+
+
 def detached(src, out):
-    """``src.detach()``: the same data, so the same kept value (values are kept only once a record is LIVE)."""
+    """``src.detach()``: the same data, so the same kept value (values are kept only once a record is LIVE);
+    the two are noted as sharing storage, as paddle's detach shares it (tensor_forms.rebind carries in-place
+    writes between them)."""
+    import weakref
+
     from autoparallel import cross_mesh_grad, value_cache
 
     if cross_mesh_grad.LIVE[0]:
         value_cache.copy(src, out)
+    DETACHED_OF.set(out, weakref.ref(src))
+    refs = [r for r in ALIASES.get(src, ()) if r() is not None]
+    ALIASES.set(src, refs + [weakref.ref(out)])
     return out
+
+
+def detach_base(t):
+    """The live DistTensor ``t`` is the ``detach()`` of (None for any other tensor)."""
+    ref = DETACHED_OF.get(t)
+    return ref() if ref is not None else None
+
+
+def live_aliases(t) -> list:
+    """The live ``detach()``es of ``t``."""
+    return [a for a in (r() for r in ALIASES.get(t, ())) if a is not None]
 
 
 def forget_value(t):
@@ -446,3 +468,25 @@ def kept_numpy(t) -> np.ndarray:
             dtype = "float32" if t._spec.dtype == "bfloat16" else t._spec.dtype
             return np.asarray(value, dtype=dtype).reshape(t._spec.shape)
     return t.full().numpy()
+
+
+DETACHED_SHARDS = SideData()    # p.detach() of a distributed parameter -> weak reference to p
+
+
+def param_detach(self):
+    """paddle's ``detach()``: this rank's shard without a gradient (storage methods act on the shard, DESIGN
+    "Shapes"). Next to distributed tensors in a routed op it stands for the parameter's global value
+    (``x @ p.detach()`` equals one process), not for a replicated tensor of the shard's shape."""
+    import weakref
+
+    out = EagerParamBase.detach(self)
+    if hasattr(self, "_ap_spec"):
+        DETACHED_SHARDS.set(out, weakref.ref(self))
+    return out
+
+
+def detached_param(v):
+    """The distributed parameter ``v`` is the ``detach()`` of (None for any other tensor)."""
+    ref = DETACHED_SHARDS.get(v)
+    p = ref() if ref is not None else None
+    return p if p is not None and hasattr(p, "_ap_spec") else None

@@ -11,6 +11,7 @@ from autoparallel.compat import EagerParamBase
 from autoparallel import dispatch as D
 from autoparallel.dispatch_handle import inplace_target
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
+from autoparallel.dist_tensor_forms import detach_base, live_aliases
 from autoparallel.context import state as _ctx
 from autoparallel.local_mode import local_mode
 from autoparallel.spec import normalize_dtype
@@ -59,8 +60,10 @@ def _check_leaf(path, target) -> None:
 def rebind(path, target, out):
     _check_leaf(path, target)
     if type(target) is DistTensor:
-        if paddle.is_grad_enabled() or target.stop_gradient or not _write_values(target, out):
+        into_storage = detach_base(target) is not None or not (paddle.is_grad_enabled() or target.stop_gradient)
+        if not (into_storage and _write_values(target, out)):
             target._locals, target._spec = out._locals, out._spec
+            _share_with_aliases(target)
         view_alias.written(path, target)
         return target
     if isinstance(target, DistParameter) and hasattr(target, "_ap_spec"):
@@ -89,6 +92,14 @@ def rebind(path, target, out):
         return out
     raise TypeError(f"{_named(path)}: the in-place target is a {type(target).__name__}, which cannot hold a "
                     f"distributed result; use {_out_of_place(path)}")
+
+
+def _share_with_aliases(target) -> None:
+    """paddle's ``e = t.detach()`` shares ``t``'s storage: after ``t`` took new shards in place, ``e`` reads them
+    too (a write through ``e`` goes into the shards it shares: ``_write_values``)."""
+    for alias in live_aliases(target):
+        alias._locals = {r: t.detach() for r, t in target._locals.items()}
+        alias._spec = target._spec
 
 
 def _write_values(target, out) -> bool:
