@@ -19,7 +19,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INLINE = re.compile(r"`([^`]*\bpython\b[^`]*)`")
 START = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:\S*/)?(?:python3?|autoparallel (?:reshard|plan|calibrate|demo))\s")
-PLACEHOLDER = re.compile(r"\.\.\.|\bNAME\b|\\\||\[--|\bthis\.py\b|^\S*python -m$")
+# "...", NAME, FIRST LAST (two words in capitals stand for values), "[--flag", "a|b", this.py, a bare "python -m" / "-c"
+PLACEHOLDER = re.compile(r"\.\.\.|\bNAME\b|\\\||\[--|\bthis\.py\b|^\S*python -[mc]$|\s[A-Z]{2,}\s+[A-Z]{2,}(?=\s|$)")
 LAUNCH_VALUE_FLAGS = {"--nproc_per_node", "--nnodes", "--master", "--rank", "--log_dir", "--devices",
                       "--job_id", "--ips"}
 RUNNER = """

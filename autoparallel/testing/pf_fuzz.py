@@ -305,6 +305,13 @@ def main(first: int, last: int, log: str) -> dict:
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    print(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))
+    cli = argparse.ArgumentParser(description="Run PaddleFormers config x strategy pairs against one process.")
+    cli.add_argument("first", type=int, help="first seed")
+    cli.add_argument("last", type=int, help="one past the last seed")
+    cli.add_argument("log", help="JSON-lines file, one line per pair")
+    a = cli.parse_args()
+    if a.last < a.first:
+        cli.error(f"expected first <= last, got {a.first} > {a.last}")
+    print(main(a.first, a.last, a.log))
