@@ -57,10 +57,11 @@ def run_local(fn, inputs, kwargs, out_layouts, what: str, global_shapes=None):
     """Run ``fn`` per held rank on local shards; outputs wrapped with ``dtensor_from_local`` (``global_shapes``:
     one per output, for shards of uneven size; default: inferred from the local shapes)."""
     from autoparallel.api_tensor import dtensor_from_local
+    from autoparallel.comm.fanout import complete_gradient
     from autoparallel.dist_tensor import as_dist, is_dist
     from autoparallel.local_mode import local_mode
 
-    inputs = [as_dist(x) if is_dist(x) else x for x in inputs]
+    inputs = [complete_gradient(as_dist(x)) if is_dist(x) else x for x in inputs]   # local gradients are whole
     dist_inputs = [x for x in inputs if is_dist(x)]
     ranks = _held_ranks(dist_inputs, [m for m, _ in out_layouts])
     per_rank = {}

@@ -60,7 +60,10 @@ def shard_tensor(data, mesh, placements, dtype=None, place=None, stop_gradient=N
 
 def reshard(dist_tensor, mesh, placements):
     """paddle's ``dist.reshard``: redistribute to ``placements`` on ``mesh`` (differentiable)."""
-    return _dt.reshard(dist_tensor, as_mesh(mesh), _placements(placements, "reshard"))
+    from autoparallel.comm.fanout import complete_gradient
+
+    x = complete_gradient(dist_tensor)          # the move's adjoint gives complete gradients on replicated dims
+    return _dt.reshard(x, as_mesh(mesh), _placements(placements, "reshard"))
 
 
 _UNSET = object()
@@ -111,7 +114,9 @@ def dtensor_to_local(dist_tensor, mesh=None, placements=None):
         if want.placements != x.spec.placements:
             raise ValueError(f"dtensor_to_local: placements [{', '.join(map(str, want.placements))}] are not the "
                              f"tensor's [{', '.join(map(str, x.spec.placements))}]; reshard first (ap.reshard)")
-    return x.local_of(_current_rank())
+    from autoparallel.comm.fanout import complete_gradient
+
+    return complete_gradient(x).local_of(_current_rank())     # the local gradient of a Replicate dim is whole
 
 
 def _current_rank() -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import paddle
 
 from autoparallel import cross_mesh_grad
+from autoparallel.comm import fanout
 from autoparallel.dist_tensor import (DistParameter, DistTensor, _grad_placements, as_dist, is_dist, reshard,
                                       shard_tensor)
 from autoparallel.dist_tensor_forms import backward_seeds
@@ -144,8 +145,11 @@ def _partial_dims(t) -> frozenset:
     """The mesh dims on which a parameter's local gradient is a partial sum: the forward used it in ops split
     there (data parallel), and its gradient is reduced there only by the optimizer's buckets. A
     gradient that ``paddle.grad`` returns is read before any such reduction, so it carries Partial there (its
-    true value is the sum over the dim; ``g.full()`` or any op needing it whole reduces it)."""
-    return frozenset(getattr(t, "_ap_partial_dims", ()) or ()) if isinstance(t, DistParameter) else frozenset()
+    true value is the sum over the dim; ``g.full()`` or any op needing it whole reduces it). So is the gradient of
+    an input gathered for column-parallel layers (``fanout.replicate_for_split``) on the dim it was gathered on."""
+    if isinstance(t, DistParameter):
+        return frozenset(getattr(t, "_ap_partial_dims", ()) or ())
+    return fanout.partial_dims(t)
 
 
 def backward(tensors, grad_tensors=None, retain_graph=False, dump_backward_graph_path=None):

@@ -358,7 +358,7 @@ class CallPlan:
     # ---- per call -----------------------------------------------------------------------------------
     def calls(self, leaves, args, kwargs) -> dict:
         """{rank: (args, kwargs)} of the local op: inputs resharded, the call's own values elsewhere."""
-        if self.direct:
+        if self.direct and not fanout.any_partial(leaves):
             return self._direct(leaves, args)
         locs = self._inputs(leaves)
         out = {}
@@ -389,7 +389,8 @@ class CallPlan:
                     locs = locs if plan is None else redistribute.execute(locs, plan)
                     out.append(self._param_use(p, locs, dims, self.rep_dims[k]))
                     continue
-            if dims and grad and kind != _PARAM and not all(t.stop_gradient for t in locs.values()):
+            if (dims or kind == _DIST and fanout.partial_dims(v)) and grad and kind != _PARAM \
+                    and not all(t.stop_gradient for t in locs.values()):   # a partial gradient's readers too
                 out.append(fanout.shared(v, locs, plan, self.res.inputs[k], dims, self.mesh))
                 continue
             if plan is not None:

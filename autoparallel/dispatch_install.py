@@ -185,6 +185,7 @@ def _install_composites() -> None:
     from spmd_rules.composites_draws import COMPOSITES as DRAW_COMPOSITES
     from spmd_rules.composites_temporal import COMPOSITES as TEMPORAL_COMPOSITES
     from spmd_rules.composites_whole import COMPOSITES as WHOLE_COMPOSITES
+    from spmd_rules.composites_metric import COMPOSITES as METRIC_COMPOSITES
 
     from autoparallel import autograd_forms, copy_forms, local_ctc
 
@@ -197,7 +198,7 @@ def _install_composites() -> None:
     for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **RNN_COMPOSITES,
                      **FUSED_COMPOSITES, **SCATTER_COMPOSITES, **STATS_COMPOSITES, **FILL_COMPOSITES,
                      **META_COMPOSITES, **NPAIR_COMPOSITES, **DRAW_COMPOSITES, **TEMPORAL_COMPOSITES,
-                     **WHOLE_COMPOSITES, **{p: None for p in AS_WRITTEN}, **autograd}.items():
+                     **WHOLE_COMPOSITES, **METRIC_COMPOSITES, **{p: None for p in AS_WRITTEN}, **autograd}.items():
         owner, attr = owner_of(path)
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):

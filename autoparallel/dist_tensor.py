@@ -1,9 +1,8 @@
 """DistTensor: local shards + a DistSpec; shard_tensor, reshard, dtensor_from_local, full().
 
 A ``DistTensor`` (activations) holds {rank: local paddle.Tensor} for the ranks this process runs: one in
-a real job, all of them in the simulated world. Its ``.shape`` is the GLOBAL shape so user code such as
-``b, t, d = x.shape`` works unchanged. A ``DistParameter`` is a real paddle Parameter holding the local
-shard (``.shape`` local, as paddle's optimizers need) that also carries the spec.
+a real job, all of them in the simulated world. Its ``.shape`` is the GLOBAL shape (``b, t, d = x.shape`` works
+unchanged). A ``DistParameter`` is a real paddle Parameter holding the local shard (``.shape`` local) and the spec.
 
 Gradient convention: a rank's local gradient is the slice of the true gradient for a Shard placement and
 the whole true gradient for Replicate and Partial placements (comm/collectives.py keeps it).
@@ -164,8 +163,9 @@ class DistTensor(MetaForms, OpMethods):
 
     @property
     def local(self) -> paddle.Tensor:
-        """This rank's shard (rank 0's... i.e. the current world rank's in the simulated world)."""
-        return self.local_of(current_world().rank)
+        """This rank's shard (the current world rank's in the simulated world); a complete gradient joins it."""
+        from autoparallel.comm.fanout import complete_gradient
+        return complete_gradient(self).local_of(current_world().rank)
 
     def local_of(self, rank: int) -> paddle.Tensor:
         if rank not in self._locals:
@@ -220,7 +220,8 @@ class DistTensor(MetaForms, OpMethods):
     # ---- whole-tensor views -------------------------------------------------------------------------
     def full(self) -> paddle.Tensor:
         """The global tensor (gathered; differentiable)."""
-        rep = reshard(_forms.fresh(self), self.mesh, [Replicate()] * self.mesh.ndim)
+        from autoparallel.comm.fanout import complete_gradient     # read outside dispatch: a complete gradient
+        rep = reshard(complete_gradient(_forms.fresh(self)), self.mesh, [Replicate()] * self.mesh.ndim)
         if not rep._locals:
             raise ValueError(f"this rank holds no shard of a tensor on mesh {self.mesh.mesh.tolist()}")
         return pick_replicated(rep._locals) if current_world().is_simulated else rep.local   # grads reach every copy

@@ -9,7 +9,8 @@ paddle's ``PyLayer.apply`` takes plain tensors only, and what the user's ``forwa
 (a sum over the batch, a gather by index) is unknown to any rule: running them on shards could silently give
 per-shard results. So ``apply`` with a distributed argument gathers every distributed argument to Replicate
 (autograd-aware: the backward slices or reduces as the reshard's adjoint does), runs the user's PyLayer on the
-whole tensors on every rank, and returns Replicate DistTensors: the values and gradients one process gets.
+whole tensors on every rank, and returns Replicate DistTensors: the values and gradients one process gets (an
+input gathered for column-parallel layers, whose gradient is kept partial, is read as ``fanout.complete_gradient``).
 Code that knows its PyLayer is local per shard says so with ``ap.local_map(Scale.apply, ...)`` instead (no
 gather). All distributed arguments must share one mesh. A PyLayer applied in local code (``local_map``,
 ``LocalLayer``, or the gathered run above) also runs its backward in local mode: its saved tensors are plain
@@ -59,8 +60,8 @@ def _with_local_backward(cls):
 
 
 def _run_replicated(cls, bound, args, kwargs):
-    from autoparallel.api_local import run_local
     from autoparallel.api_tensor import reshard
+    from autoparallel.comm.fanout import complete_gradient
     from autoparallel.core.placement import Replicate
     from autoparallel.dispatch_cache import param_use
     from autoparallel.dist_tensor import as_dist, is_dist
@@ -80,7 +81,7 @@ def _run_replicated(cls, bound, args, kwargs):
             return _ParamLocals(param_use(v, dict(v._ap_locals), mesh, (), range(mesh.ndim)))
         if _sharded_param(v):       # a replicated use on its replicated dims, then gathered on its split dims
             v = _param_use_sharded(v, mesh, param_use)
-        v = as_dist(v)
+        v = complete_gradient(as_dist(v))       # a whole-tensor reader's gradient is complete on every rank
         return v if all(isinstance(p, Replicate) for p in v.placements) else reshard(v, mesh, whole)
 
     names = list(kwargs)

@@ -16,8 +16,9 @@ An entry serves while its source tensors are the very objects it was built from,
 ``replicate_for_split(x, m)`` is the same for a layer hook that gathers a sequence-sharded input before
 column-parallel layers: one all_gather forward, one reduce_scatter backward, shared by the layers reading
 it; the result is registered as "gradient partial on m", so dispatch adds no reduction for consumers split
-on m, and turns the complete gradient of any other consumer into partial sums (kept on the group's first
-member) before it joins them.
+on m, and turns the complete gradient of any other consumer (a replicated op reading it too) into partial sums
+(kept on the group's first member) before it joins them. Code that reads its locals outside dispatch (a user's
+PyLayer, ``local_map`` / ``LocalLayer``, ``dtensor_to_local``) reads ``complete_gradient(x)``, the same.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import itertools
 import weakref
 from collections import deque
 
+import paddle
 from paddle.pir import Value as _PirValue
 
 from autoparallel import redistribute
@@ -134,6 +136,21 @@ def inherit_gradient_state(out, src) -> None:
 def partial_dims(v) -> frozenset:
     """Mesh dims a tensor made by ``replicate_for_split`` keeps its gradient partial on (else empty)."""
     return _PARTIAL.get(v, frozenset())
+
+
+def any_partial(leaves) -> bool:
+    """Whether one of ``leaves`` keeps its gradient partial (see ``partial_dims``); cheap when none does."""
+    return bool(len(_PARTIAL)) and any(partial_dims(v) for v in leaves if v.__class__ is DistTensor)
+
+
+def complete_gradient(x):
+    """``x``, or, for a tensor whose gradient is kept partial (``replicate_for_split``), a tensor of the same
+    values whose gradient is complete on every rank: what code outside dispatch reads (a PyLayer, local code),
+    as it computes a replicated reader's whole gradient on every rank. One shared entry per tensor: the
+    complete contributions are kept on each group's first member, so the gather's reduce_scatter sums them once."""
+    if x.__class__ is not DistTensor or not partial_dims(x) or not paddle.is_grad_enabled() or x.stop_gradient:
+        return x
+    return DistTensor._own(dict(shared(x, dict(x._locals), None, x.spec, (), x.mesh)), x.spec)
 
 
 def shared(v, locs: dict, plan, spec, dims: tuple, mesh, outer=None) -> dict:
