@@ -200,7 +200,7 @@ def test_llama_output_forms_and_forward_only_calls():
         np.testing.assert_allclose([float(out.loss), float(loss)], [ref_loss] * 2, rtol=1e-5)
         pipe.eval()                                           # forward only: the loss, then the logits
         ev = pipe(x, labels=y, return_dict=True)
-        assert ev.loss.stop_gradient
+        assert not ev.loss.stop_gradient                     # a backward through it raises (forward only)
         np.testing.assert_allclose(float(ev.loss), ref_loss, rtol=1e-5)
         with pytest.raises(NotImplementedError, match="call it without labels for the logits"):
             ev.logits + 1

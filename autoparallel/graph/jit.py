@@ -50,7 +50,7 @@ import warnings
 
 from autoparallel import compat, patches
 from autoparallel.compat import SideData
-from autoparallel.graph.jit_reach import touches_dist
+from autoparallel.graph.jit_reach import dygraph_reason, touches_dist
 
 _INSTALLED = False
 _NOTICED: set = set()
@@ -102,7 +102,7 @@ def _notice(sf, why: str) -> None:
     if key in _NOTICED:
         return
     _NOTICED.add(key)
-    name = getattr(fn, "__qualname__", None) or repr(fn)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
     warnings.warn(NOTICE.format(name=name, why=why), UserWarning, stacklevel=4)
 
 
@@ -153,10 +153,8 @@ def _run(sf, args, kwargs):
 
     state = _STATE.get(sf)
     if state is None:
-        state = {"lowered": None, "why": None}
+        state = {"lowered": None, "why": dygraph_reason(sf, args, kwargs, current_world().is_simulated)}
         _STATE.set(sf, state)
-        if current_world().is_simulated:
-            state["why"] = "the simulated world holds every rank in this process, and a static program is one rank's"
     if state["why"] is None:
         try:
             if state["lowered"] is None:

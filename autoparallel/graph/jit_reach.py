@@ -1,7 +1,9 @@
 """What a function decorated with ``paddle.jit.to_static`` reaches: distributed tensors among its arguments,
-its bound instance, the globals it reads and its closure (then autoparallel lowers or runs it)."""
+its bound instance, the globals it reads and its closure (then autoparallel lowers or runs it), and
+pipeline-parallel models (``PipelineModule``: they run in dygraph mode, see ``reaches_pipeline``)."""
 from __future__ import annotations
 
+import sys
 import types
 
 from autoparallel import compat, layer_state
@@ -19,10 +21,18 @@ def _layer_is_dist(layer) -> bool:
     return any(_dist(p) for p in layer.parameters())
 
 
+def is_pipeline(v) -> bool:
+    """A pipeline-parallel model, or one of its bound methods (``pipe.train_batch``)."""
+    runtime = sys.modules.get("autoparallel.parallel.pipeline.runtime")
+    if runtime is None:                       # no pipeline exists before its module is imported
+        return False
+    return isinstance(v, runtime.PipelineModule) or isinstance(getattr(v, "__self__", None), runtime.PipelineModule)
+
+
 def _value_is_dist(v, depth: int = 0) -> bool:
     from paddle import nn
 
-    if _dist(v):
+    if _dist(v) or is_pipeline(v):
         return True
     if isinstance(v, nn.Layer):
         return _layer_is_dist(v)
@@ -60,8 +70,19 @@ def _referenced(fn) -> list:
     return out
 
 
+def reaches_pipeline(sf, args, kwargs) -> bool:
+    """Whether the decorated function is, is a method of, takes or names a pipeline-parallel model."""
+    fn = compat.dygraph_function(sf)
+    inst = getattr(sf, "_class_instance", None)
+    inst = inst() if callable(inst) else inst
+    values = [fn, inst, *args, *kwargs.values(), *_referenced(fn)]
+    return any(is_pipeline(v) for v in values)
+
+
 def touches_dist(sf, args, kwargs) -> bool:
     """Whether the decorated function reaches distributed tensors (module docstring)."""
+    if is_pipeline(compat.dygraph_function(sf)):
+        return True
     if any(_value_is_dist(a) for a in args) or any(_value_is_dist(v) for v in kwargs.values()):
         return True
     inst = getattr(sf, "_class_instance", None)
@@ -69,3 +90,15 @@ def touches_dist(sf, args, kwargs) -> bool:
     if inst is not None and _value_is_dist(inst):
         return True
     return any(_value_is_dist(v) for v in _referenced(compat.dygraph_function(sf)))
+
+
+PIPELINE_WHY = ("it calls a pipeline-parallel model, whose schedule runs stage by stage in Python (transfers "
+                "between stages, micro-batches interleaved), which no one static program holds")
+SIMULATED_WHY = "the simulated world holds every rank in this process, and a static program is one rank's"
+
+
+def dygraph_reason(sf, args, kwargs, simulated: bool):
+    """Why a decorated function that reaches distributed tensors runs in dygraph mode, or None (it is lowered)."""
+    if reaches_pipeline(sf, args, kwargs):
+        return PIPELINE_WHY
+    return SIMULATED_WHY if simulated else None

@@ -8,6 +8,8 @@
   flags) passed to every micro-batch as given; the model is called as ``model(**inputs)``;
 * a list / tuple with one entry (tensor or dict) per micro-batch, already cut.
 
+A dict holding ``"labels"`` (a data collator's batch) gives the step's labels (``labels_from_inputs``).
+
 Loss weights. The default loss is the mean cross-entropy over the tokens whose label is not ``-100`` across
 the whole global batch, which is what the PaddleFormers causal LMs compute (``model(input_ids=...,
 labels=...).loss``), whatever the micro-batching: each micro-batch's summed cross-entropy
@@ -69,6 +71,27 @@ def split(batch, m: int, dp: int, what: str) -> list:
     return parts
 
 
+def labels_from_inputs(inputs, labels, call: str):
+    """``(inputs, labels)`` of a step whose model inputs may carry the labels, as a data collator's batch does
+    (``{"input_ids": ..., "attention_mask": ..., "labels": ...}``): the labels are taken out of the dict (the stages
+    would otherwise pass them to the model, whose loss output would be read as its logits). Labels given both
+    ways raise ``ValueError``."""
+    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(b, dict) and "labels" in b for b in inputs):
+        pairs = [labels_from_inputs(b, None, call) for b in inputs]
+        inner = [y for _, y in pairs]
+        inputs, found = type(inputs)(b for b, _ in pairs), None if all(y is None for y in inner) else inner
+    elif isinstance(inputs, dict) and "labels" in inputs:
+        found = inputs["labels"]
+        inputs = {k: v for k, v in inputs.items() if k != "labels"}
+    else:
+        return inputs, labels
+    if found is not None and labels is not None:
+        raise ValueError(f"{call}: the labels were given twice, as the labels argument and as inputs['labels']; "
+                         f"expected one of them (e.g. {call}(batch) with the collator's dict, or "
+                         f"{call}(inputs, labels) with a dict without 'labels')")
+    return inputs, labels if found is None else found
+
+
 def _checked(t, m: int, dp: int, what: str, call: str = "train_batch"):
     n = int(t.shape[0]) if t.ndim else 0
     if t.ndim == 0 or n % (m * dp):
@@ -79,17 +102,44 @@ def _checked(t, m: int, dp: int, what: str, call: str = "train_batch"):
     return t
 
 
+def rows(batch: dict) -> int | None:
+    """The samples of a dict of model inputs: the largest first dim of its tensors (None without one)."""
+    dims = [int(v.shape[0]) for v in batch.values() if _is_array(v) and len(v.shape)]
+    return max(dims) if dims else None
+
+
+def broadcast_keys(batch: dict) -> set:
+    """Keys of a dict of model inputs whose tensor has first dim 1 while others hold several samples (position ids
+    of shape ``[1, seq]``, broadcast over the batch by the model): passed whole to every micro-batch, replicated."""
+    n = rows(batch)
+    return {k for k, v in batch.items() if n and n > 1 and _is_array(v) and len(v.shape) and int(v.shape[0]) == 1}
+
+
+def place_dict(batch: dict, mesh, boundary: list) -> dict:
+    """A micro-batch of model keyword inputs on a stage's mesh: tensors in the boundary layout (cut over the data
+    ranks), broadcast ones (``broadcast_keys``) replicated, other values as given."""
+    from autoparallel.dist_tensor import shard_tensor
+    from autoparallel.placement import Replicate
+
+    whole = broadcast_keys(batch)
+    return {k: shard_tensor(v, mesh, [Replicate()] * mesh.ndim if k in whole else boundary)
+            if isinstance(v, paddle.Tensor) else v for k, v in batch.items()}
+
+
 def _split_dict(batch: dict, m: int, dp: int, what: str) -> list:
     if not batch or not all(isinstance(k, str) for k in batch):
         raise TypeError(f"train_batch {what}: a dict must map the model's keyword argument names to inputs, got "
                         f"keys {list(batch)}")
-    tensors = {k: _checked(_tensor(v), m, dp, f"{what}[{k!r}]") for k, v in batch.items() if _is_array(v)}
+    whole = broadcast_keys(batch)
+    tensors = {k: _checked(_tensor(v), m, dp, f"{what}[{k!r}]") for k, v in batch.items()
+               if _is_array(v) and k not in whole}
     sizes = {k: int(t.shape[0]) for k, t in tensors.items()}
     if not tensors or len(set(sizes.values())) != 1:
         raise ValueError(f"train_batch {what}: every tensor of the dict is cut into micro-batches along its first "
                          f"dim, so they must hold one number of samples; got {sizes}")
     cut = {k: paddle.split(t, m, axis=0) for k, t in tensors.items()}
-    return [{k: cut[k][i] if k in cut else v for k, v in batch.items()} for i in range(m)]
+    return [{k: cut[k][i] if k in cut else _tensor(v) if k in whole else v for k, v in batch.items()}
+            for i in range(m)]
 
 
 def _shape_key(part):
@@ -102,8 +152,9 @@ def check_samples(inputs: list, labels: list) -> None:
     """Inputs and labels micro-batches hold the same number of samples (a tuple of model inputs passed where
     micro-batches are expected does not)."""
     def samples(p):
-        t = next((v for v in p.values() if isinstance(v, paddle.Tensor)), None) if isinstance(p, dict) else p
-        return int(t.shape[0]) if t is not None and t.ndim else None
+        if isinstance(p, dict):
+            return rows(p)
+        return int(p.shape[0]) if p.ndim else None
 
     a, b = samples(inputs[0]), samples(labels[0])
     if a is not None and b is not None and a != b:

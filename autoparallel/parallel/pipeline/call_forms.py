@@ -147,3 +147,25 @@ def _dry(model, pieces, labels: bool, return_dict):
 
         with _swapped(blocks, {j: skip(j) for j in range(len(blocks))}):
             return model(ids, **kwargs)
+
+
+_INSTEAD = {
+    "generate": "to generate, load the trained parameters into an unsplit {cls} in one process "
+                "(ap.training_state(pipe, opt) lists them under the model's names)",
+    "state_dict": "for a checkpoint use ap.training_state(pipe, opt): this rank's stages under the model's names",
+}
+_INSTEAD["set_state_dict"] = _INSTEAD["state_dict"]
+
+
+def missing_attribute(pipe, name: str):
+    """``PipelineModule.__getattr__``: an attribute of the model the pipeline was split from (``generate``,
+    ``state_dict``, ...) raises ``AttributeError`` saying what the pipeline runs and what to use instead; any other
+    name a plain ``AttributeError``."""
+    model = getattr(getattr(pipe.__dict__.get("plan"), "pieces", None), "model", None)
+    if name.startswith("_") or model is None or not hasattr(model, name):
+        raise AttributeError(f"'PipelineModule' object has no attribute {name!r}")
+    cls = type(model).__name__
+    instead = _INSTEAD.get(name, "call it on an unsplit {cls}").format(cls=cls)
+    raise AttributeError(f"'PipelineModule' object has no attribute {name!r}: a pipeline-parallel model runs {cls}'s "
+                         f"forward through its stages (pipe(...), train_batch, eval_batch) and holds only this "
+                         f"process's stages, so {cls}.{name} does not run across them; {instead}")

@@ -25,7 +25,8 @@ Decisions (docs/pipeline.md, "Called like the model"):
   micro-batch's forward, then the user's loss, then every micro-batch's backward from the logits' gradient; FThenB
   order, refused under an explicitly chosen 1F1B / VPP / ZB-H1);
 * under ``paddle.no_grad()`` or after ``model.eval()``: ``eval_batch`` (forward only), the loss with labels, else
-  the output (on ranks without the last stage a withheld value);
+  the output (on ranks without the last stage a withheld value); after ``model.eval()`` with gradients enabled a
+  ``backward()`` through that loss or output raises naming the remedy (it would otherwise train nothing, silently);
 * each loss keeps its own held gradients until it is freed: two pending losses are supported (``(l1 + l2)
   .backward()`` adds both), ``backward(retain_graph=True)`` twice adds twice as in one process, a loss never
   backpropagated changes nothing; a backward after an optimizer step changed the parameters raises, as paddle
@@ -61,7 +62,7 @@ def call(pipe, args: tuple, kwargs: dict):
             if pipe.ranks is not None and form.kind != "tensor" and \
                     call_forms.LOGITS not in {r for _, r in form.slots}:
                 raise NotImplementedError(external_loss.HEADS_LAUNCHED)
-            out = external_loss.call(pipe, inputs)
+            out = external_loss.call(pipe, _with_return_dict(pipe, inputs, return_dict))
             if isinstance(out, (tuple, list, dict)):   # the model's whole output, its heads distributed
                 return out
             return call_forms.build(form, None, out, LOGITS_WHY_EXTERNAL)
@@ -70,18 +71,48 @@ def call(pipe, args: tuple, kwargs: dict):
     return _evaluate(pipe, form, inputs, labels)
 
 
+def _with_return_dict(pipe, inputs, return_dict):
+    """A model split at its blocks hands back its whole output to ``loss_fn(model(x), y)``: its forward gets the
+    call's ``return_dict`` (else a ``return_dict=True`` call came back in the model's default form, a tuple)."""
+    if return_dict is None or not pipe.plan.pieces.generic:
+        return inputs
+    if not isinstance(inputs, dict):
+        inputs = {next(iter(inspect.signature(pipe.plan.pieces.model.forward).parameters)): inputs}
+    return {**inputs, "return_dict": return_dict}
+
+
+EVAL_BACKWARD = ("backward() through the output of a pipeline-parallel model called after model.eval(): that call "
+                 "ran forward only (eval_batch), so there are no gradients to give; call model.train() before a "
+                 "training call (set the config's dropout to 0 to train without it), or model.train_batch(inputs, "
+                 "labels), which trains in eval mode too")
+
+
+def _refuse_backward(t):
+    """``t`` (a loss or the logits of an eval-mode call with gradients enabled) raising at backward (not silent)."""
+    if not paddle.is_grad_enabled() or not isinstance(t, paddle.Tensor):
+        return t
+
+    def refuse(g):
+        raise RuntimeError(EVAL_BACKWARD)
+
+    dummy = paddle.zeros([], dtype=t.dtype)
+    dummy.stop_gradient = False
+    dummy.register_hook(refuse)
+    return t + dummy * paddle.ones([], dtype=t.dtype)
+
+
 def _evaluate(pipe, form, inputs, labels):
     out = pipe.eval_batch(inputs, labels)
     if labels is not None:
         if out is None:
             raise RuntimeError(_NO_SYNC)
-        loss = paddle.to_tensor(float(out), dtype="float32")
+        loss = _refuse_backward(paddle.to_tensor(float(out), dtype="float32"))
         why = "with labels the forward-only call returns the loss; call it without labels for the logits"
         return call_forms.build(form, loss, call_forms.Withheld("the logits", why), why)
     if out is None:
         out = call_forms.Withheld("the output", "it lives on the last pipeline stage's ranks, and this rank "
                                                 "holds another stage")
-    return call_forms.build(form, None, out, "a forward-only call returns the logits only")
+    return call_forms.build(form, None, _refuse_backward(out), "a forward-only call returns the logits only")
 
 
 def _form(pipe, labels: bool, return_dict):

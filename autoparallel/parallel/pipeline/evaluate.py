@@ -26,6 +26,9 @@ FORWARD = ("F", "SEND_F", "RECV_F")
 
 
 def eval_batch(pipe, inputs, labels=None, compute_loss=None):
+    from .batch import labels_from_inputs
+
+    inputs, labels = labels_from_inputs(inputs, labels, "eval_batch")
     compute_loss = labels is not None if compute_loss is None else bool(compute_loss)
     inputs, labels, n = _padded(pipe, inputs, labels, compute_loss)
     with paddle.no_grad():
@@ -46,19 +49,20 @@ def eval_batch(pipe, inputs, labels=None, compute_loss=None):
 
 
 def _samples(batch):
-    from .batch import _is_array
+    from .batch import _is_array, rows
 
     if isinstance(batch, dict):
-        batch = next((v for v in batch.values() if _is_array(v)), None)
+        return rows(batch)
     return int(batch.shape[0]) if _is_array(batch) and len(batch.shape) else None
 
 
 def _pad(batch, extra: int, value):
     """``batch`` (a tensor, array or dict of them) with ``extra`` samples of ``value`` appended along dim 0."""
-    from .batch import _is_array, _tensor
+    from .batch import _is_array, _tensor, broadcast_keys
 
     if isinstance(batch, dict):
-        return {k: _pad(v, extra, value) if _is_array(v) else v for k, v in batch.items()}
+        whole = broadcast_keys(batch)
+        return {k: _pad(v, extra, value) if _is_array(v) and k not in whole else v for k, v in batch.items()}
     if not _is_array(batch):
         return batch
     t = _tensor(batch)

@@ -89,12 +89,13 @@ def _refusals(pipe) -> None:
 def interleave(batch, m: int, dp: int):
     """The global batch with its rows permuted so that micro-batch ``i``'s shard on data rank ``d`` is rows
     ``d * B/dp + i * B/(m dp) ...`` of the original (module docstring); a dict: every tensor value alike."""
-    from .batch import _checked, _is_array, _tensor
+    from .batch import _checked, _is_array, _tensor, broadcast_keys
 
     if dp == 1 or m == 1 or batch is None:
         return batch
     if isinstance(batch, dict):
-        return {k: interleave(v, m, dp) if _is_array(v) else v for k, v in batch.items()}
+        whole = broadcast_keys(batch)
+        return {k: interleave(v, m, dp) if _is_array(v) and k not in whole else v for k, v in batch.items()}
     t = _checked(_tensor(batch), m, dp, "inputs", call="model(x)")
     n = int(t.shape[0])
     return paddle.index_select(t, paddle.to_tensor(order(n, m, dp)), axis=0)
@@ -145,7 +146,7 @@ def _is_tensor(v) -> bool:
 def _rows(inputs):
     """The number of samples of one micro-batch's model inputs (a tensor or a dict of them)."""
     if isinstance(inputs, dict):
-        inputs = next(v for v in inputs.values() if _is_tensor(v))
+        return max(int(v.shape[0]) for v in inputs.values() if _is_tensor(v) and len(v.shape))
     return int(inputs.shape[0])
 
 

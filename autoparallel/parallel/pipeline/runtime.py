@@ -5,24 +5,24 @@
     loss = pipe.train_batch(ids, labels)                  # or: pipe(ids, labels=labels).backward() (called.py)
     opt.step(); opt.clear_grad()
 
-``train_batch`` cuts the global batch into ``micro_batches`` equal micro-batches and runs this rank's
-actions in order: ``F`` runs the stage forward (the first stage embeds the micro-batch, the last computes
-``loss_fn(logits, labels) / micro_batches``), ``SEND_F`` / ``RECV_F`` move activations to the next stage,
-``B`` runs the backward with the received output gradient (the last stage from its loss), ``SEND_B`` /
-``RECV_B`` move input gradients back, ``W`` computes the deferred Linear weight gradients (ZB-H1).
-Gradients accumulate over micro-batches, so after ``train_batch`` every parameter holds the gradient of
-the mean loss over the global batch: the same as one big batch in a single process. Parameters shared by
-stages on different ranks (a tied embedding / LM head) then get the step's gradients all-reduced between
-those ranks (shared_params.py). Data-parallel partial gradients are reduced by the optimizer wrapper (``shard_optimizer``).
+``train_batch`` cuts the global batch into ``micro_batches`` equal micro-batches and runs this rank's actions in
+order: ``F`` runs the stage forward (the first stage embeds the micro-batch, the last computes ``loss_fn(logits,
+labels) / micro_batches``), ``SEND_F`` / ``RECV_F`` move activations to the next stage, ``B`` runs the backward with
+the received output gradient (the last stage from its loss), ``SEND_B`` / ``RECV_B`` move input gradients back, ``W``
+computes the deferred Linear weight gradients (ZB-H1). Gradients accumulate over micro-batches, so after
+``train_batch`` every parameter holds the gradient of the mean loss over the global batch: the same as one big batch
+in a single process. Parameters shared by stages on different ranks (a tied embedding / LM head) then get the step's
+gradients all-reduced between those ranks (shared_params.py). Data-parallel partial gradients are reduced by the
+optimizer wrapper (``shard_optimizer``).
 
 A stage with data or tensor parallelism inside runs on its own ``[data, model]`` sub-mesh with
 DistTensors; activations cross stages in the boundary layout (``Shard(0)`` on ``data``, replicated on
 ``model``), each rank exchanging its local shard with the rank of the same coordinates in the next stage.
 
-In a world of one process ``apply_pp`` builds every stage here and runs all action lists interleaved (a
-transfer is a hand-off): the same code path, for debugging and fast tests. In the simulated world the same happens
-with every stage on its own ``[data, model]`` sub-mesh holding every rank's shard, so data and tensor parallelism
-inside stages run too: a transfer hands every rank's shard to the rank of the same coordinates in the next stage.
+In a world of one process ``apply_pp`` builds every stage here and runs all action lists interleaved (a transfer
+is a hand-off): the same code path, for debugging and fast tests. In the simulated world the same happens with every
+stage on its own ``[data, model]`` sub-mesh holding every rank's shard, so data and tensor parallelism inside stages
+run too: a transfer hands every rank's shard to the rank of the same coordinates in the next stage.
 
 Each executed action is recorded as ``Record(rank, kind, stage, microbatch, start, end)`` (pipeline rank,
 ``time.perf_counter`` seconds) in ``pipe.records``; ``timeline.plot_timeline(pipe.records)`` draws them.
@@ -37,7 +37,7 @@ import paddle
 
 from . import batch as batch_mod
 from .amp import batch_loss_scale
-from .call_forms import detect as detect_call_forms
+from .call_forms import detect as detect_call_forms, missing_attribute
 from .shared_params import reduced_after_step
 from .shards import _Shards, _backprop, _input_grad, _local  # noqa: F401
 from .simulate import PipelineDeadlock, Record
@@ -104,6 +104,8 @@ class PipelineModule:
         return call(self, args, kwargs)
 
     forward = __call__
+    __name__ = "PipelineModule"         # paddle.jit.to_static(pipe) copies it (the call then runs in dygraph mode)
+    __getattr__ = missing_attribute     # the model's other methods (generate, state_dict): AttributeError saying why
 
     # ---- what this process holds --------------------------------------------------------------------------
     @property
@@ -166,7 +168,7 @@ class PipelineModule:
         the last stage's ranks and None elsewhere). ``scaler``: a ``paddle.amp.GradScaler`` whose scale the
         backward runs on (then ``scaler.step(opt); scaler.update()``); under ``strategy.amp`` the pipeline
         scales its loss itself (amp.py)."""
-        st = self._step_state(inputs, labels)
+        st = self._step_state(*batch_mod.labels_from_inputs(inputs, labels, "train_batch"))
         st.scale = batch_loss_scale(self, scaler)
         self.weight_grads.pending.clear()                 # nothing carries over from a failed step
         handlers = {"F": self._forward, "B": self._backward, "W": self._weight, "SEND_F": self._send_f,
@@ -284,9 +286,8 @@ class PipelineModule:
             return t
         from autoparallel.dist_tensor import shard_tensor
 
-        if isinstance(t, dict):                 # model keyword inputs: every tensor cut over the data ranks
-            return {k: shard_tensor(v, mesh, self._boundary(mesh)) if isinstance(v, paddle.Tensor) else v
-                    for k, v in t.items()}
+        if isinstance(t, dict):                 # model keyword inputs: cut over the data ranks, broadcast ones whole
+            return batch_mod.place_dict(t, mesh, self._boundary(mesh))
         return shard_tensor(t, mesh, self._boundary(mesh))
 
     def _side(self, t, stage: int):
@@ -393,9 +394,7 @@ def _cross_entropy(logits, labels):
     return F.cross_entropy(logits, labels)
 
 
-# ---- apply_pp: plan, meshes, process groups, sharding (the helpers: wiring.py) -------------------------------------------------------
-
-
+# ---- apply_pp: plan, meshes, process groups, sharding (the helpers: wiring.py) ----------------------------------
 def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, loss_fn=None, cost: str = "flops",
              seq_len: int | None = None, layers_name: str | None = None, sync_loss: bool = True) -> PipelineModule:
     """Split ``model`` into pipeline stages and set up this rank's part of the pipeline.

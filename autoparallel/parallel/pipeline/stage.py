@@ -398,6 +398,7 @@ def plan_pipeline(model, pp: int, micro_batches: int, schedule: str = "1F1B", vp
     split points name layers, in order, one fewer than the stages."""
     from autoparallel import dispatch_handle
     from .schedules import check_communication, make_schedule
+    from .static_forward import run_dygraph
 
     dispatch_handle.install()   # a pipeline routes paddle's functions when it is built: the user's loss on a call's
     #                             logits runs through dispatch, and F.cross_entropy(model(x), y) looks its function up
@@ -406,6 +407,7 @@ def plan_pipeline(model, pp: int, micro_batches: int, schedule: str = "1F1B", vp
         raise ValueError(f"a pipeline needs pipeline_parallel.degree >= 2 stages, got {pp!r}")
     sched = make_schedule(schedule, pp, micro_batches, vpp)
     check_communication(sched)
+    run_dygraph(model)          # model = paddle.jit.to_static(model): the stages run its dygraph forward
     pieces = describe_model(model, layers_name)
     if split_points is not None and not isinstance(split_points, (list, tuple)):
         raise TypeError(f"split_points must be a list of layer names, got {type(split_points).__name__}")
