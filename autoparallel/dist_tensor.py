@@ -164,8 +164,7 @@ class DistTensor(MetaForms, OpMethods):
     @property
     def local(self) -> paddle.Tensor:
         """This rank's shard (the current world rank's in the simulated world); a complete gradient joins it."""
-        from autoparallel.comm.fanout import complete_gradient
-        return complete_gradient(self).local_of(current_world().rank)
+        return _forms.complete_gradient(self).local_of(current_world().rank)
 
     def local_of(self, rank: int) -> paddle.Tensor:
         if rank not in self._locals:
@@ -220,8 +219,7 @@ class DistTensor(MetaForms, OpMethods):
     # ---- whole-tensor views -------------------------------------------------------------------------
     def full(self) -> paddle.Tensor:
         """The global tensor (gathered; differentiable)."""
-        from autoparallel.comm.fanout import complete_gradient     # read outside dispatch: a complete gradient
-        rep = reshard(complete_gradient(_forms.fresh(self)), self.mesh, [Replicate()] * self.mesh.ndim)
+        rep = reshard(_forms.complete_gradient(_forms.fresh(self)), self.mesh, [Replicate()] * self.mesh.ndim)
         if not rep._locals:
             raise ValueError(f"this rank holds no shard of a tensor on mesh {self.mesh.mesh.tolist()}")
         return pick_replicated(rep._locals) if current_world().is_simulated else rep.local   # grads reach every copy

@@ -29,7 +29,7 @@ from collections import deque
 import paddle
 from paddle.pir import Value as _PirValue
 
-from autoparallel import redistribute
+from autoparallel import dist_tensor_forms as _forms, redistribute
 from autoparallel.comm import collectives as C
 from autoparallel.compat import SideData
 from autoparallel.dist_tensor import DistParameter, DistTensor
@@ -225,3 +225,6 @@ def replicate_for_split(x, m: int):
     _remember(_PARTIAL, y, frozenset((m,)))
     _store(key, _Entry(src, y, inner.live))
     return y
+
+
+_forms.complete_gradient = complete_gradient          # DistTensor.full() / .local read marked tensors through it
