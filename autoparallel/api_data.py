@@ -9,7 +9,8 @@ degree. (paddle instead builds a ``DistributedBatchSampler`` so each rank loads 
 it forms interleaves samples differently from the original loader.) With ``is_dataset_splitted=True`` every
 rank's loader already yields its own local part, which becomes the local shard (``dtensor_from_local``). On real
 ranks every batch is checked to agree where the layout needs it (``autoparallel.data_agree``): a loader shuffled
-differently per rank raises instead of training on a mix of batches.
+differently per rank raises instead of training on a mix of batches, and a split loader's DistributedBatchSampler
+must have ``num_replicas`` / ``rank`` equal to the shard dim's size and the rank's coordinate on it.
 
 ``meshes``: one mesh for every field, or a list with one mesh per field (pipeline: inputs on the first stage,
 labels on the last). ``shard_dims``: the mesh dim (name or index) splitting dim 0 of the batch, one for all
@@ -17,9 +18,13 @@ fields or one per mesh; None replicates. ``input_keys``: the fields of a dict ba
 through; with a list/tuple batch it raises). A field nested deeper (a dict or list inside a field) has every
 tensor laid out like the field; numpy arrays are laid out as tensors. ``dense_tensor_idx`` (paddle's): one list per
 field; for a tensor field a non-empty list keeps it a plain tensor, for a list field the listed positions stay plain
-tensors.
+tensors. A 0-d tensor (a count) has no batch dim: it is replicated. A field that is already a DistTensor is moved
+to the asked layout. As paddle's, the loader is its own iterator: ``next(loader)`` continues the latest pass,
+``iter(loader)`` and ``loader()`` start a new one; ``loader.batch_sampler`` is the wrapped loader's.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 __all__ = ["shard_dataloader", "ShardDataloader"]
 
@@ -57,37 +62,54 @@ class ShardDataloader:
         bad = [x for m in self._meshes for x in (m if isinstance(m, list) else [m]) if not isinstance(x, ProcessMesh)]
         if bad:
             raise TypeError(f"shard_dataloader expects ProcessMesh meshes, got {type(bad[0]).__name__} {bad[0]!r:.60}")
-        if isinstance(shard_dims, (list, tuple)):
-            if len(shard_dims) != len(self._meshes):
-                raise ValueError(f"shard_dataloader: shard_dims must be one per mesh ({len(self._meshes)}), got "
-                                 f"{list(shard_dims)}")
-            self._dims = list(shard_dims)
-        else:
-            self._dims = [shard_dims] * len(self._meshes)
-        for m, d in zip(self._meshes, self._dims):
-            for mm, dd in _pairs(m, d):
-                if dd is not None:
-                    mm.dim_index(dd)               # ValueError naming the mesh's dims
+        self._dims = _shard_dims(shard_dims, self._meshes)
         if input_keys is not None and (isinstance(input_keys, str) or not all(isinstance(k, str) for k in input_keys)):
             raise TypeError(f"shard_dataloader: input_keys must be a list of dict keys, got {input_keys!r}")
+        if input_keys is not None and len(self._meshes) > 1 and len(input_keys) != len(self._meshes):
+            raise ValueError(f"shard_dataloader: input_keys {list(input_keys)} must name one dict key per mesh "
+                             f"({len(self._meshes)} meshes given)")
+        _check_dense(dense_tensor_idx)
         self._loader = dataloader
         self._keys = None if input_keys is None else list(input_keys)
         self._split = is_dataset_splitted
         self._dense = dense_tensor_idx
         sampler = getattr(dataloader, "batch_sampler", None)
         _check_not_split(sampler, is_dataset_splitted)
+        if is_dataset_splitted:
+            from autoparallel.comm.world import current_world
+
+            world = current_world()
+            if not world.is_simulated:
+                _check_split_sampler(sampler, self._meshes, self._dims, world.rank)
         self.batch_size = getattr(dataloader, "batch_size", None) or getattr(sampler, "batch_size", None)
         self.dataset = getattr(dataloader, "dataset", None)          # ap.to_static reads batch shapes from it
 
     def __len__(self):
         return len(self._loader)
 
+    @property
+    def batch_sampler(self):
+        """The wrapped loader's batch sampler (``loader.batch_sampler.set_epoch(e)`` as with paddle's loader)."""
+        return getattr(self._loader, "batch_sampler", None)
+
     def __iter__(self):
+        """A new pass over the loader; ``next(loader)`` continues the latest one (paddle's loader is its own
+        iterator: ``next(loader)`` works without ``iter``, and ``iter(loader)`` / ``loader()`` restart it)."""
+        self._it = self._batches()
+        return self._it
+
+    def _batches(self):
         for batch in self._loader:
             yield self._batch(batch)
 
+    def __next__(self):
+        if getattr(self, "_it", None) is None:
+            self._it = self._batches()
+        return next(self._it)
+
     def __call__(self):
-        return iter(self)
+        self._it = None
+        return self
 
     # ---- one batch ------------------------------------------------------------------------------------
     def _field(self, i: int, count: int):
@@ -102,75 +124,152 @@ class ShardDataloader:
     def _dense_of(self, i: int) -> list:
         return list(self._dense[i]) if self._dense is not None and i < len(self._dense) and self._dense[i] else []
 
-    def _place(self, t, mesh, dim):
+    def _place(self, t, mesh, dim, name: str):
         import numpy as np
         import paddle
 
         from autoparallel.api_tensor import dtensor_from_local, shard_tensor
         from autoparallel.data_agree import check_agree
-        from autoparallel.placement import Replicate, Shard
+        from autoparallel.dist_tensor import DistTensor
 
-        if isinstance(t, np.ndarray) and t.ndim and t.dtype.kind in "biuf":
+        if isinstance(t, np.ndarray) and t.ndim and t.dtype.kind in "biufc":
             t = paddle.to_tensor(t)                 # an iterable of numpy batches: laid out as the tensor it is
+        if isinstance(t, DistTensor):
+            return self._relayout(t, mesh, dim, name)
         if not isinstance(t, paddle.Tensor):
             return t
-        pl = [Replicate()] * mesh.ndim
-        if dim is not None:
-            pl[mesh.dim_index(dim)] = Shard(0)
+        if not t.ndim:
+            dim = self._scalar(t, dim, name)
         if self._check:
-            check_agree(t, mesh, dim, self._split, f"a batch tensor {t.dtype} {list(t.shape)}")
+            check_agree(t, mesh, dim, self._split, f"batch field {name} ({t.dtype} {list(t.shape)})")
         if not self._split:
-            return shard_tensor(t, mesh, pl)
+            return shard_tensor(t, mesh, _placements(mesh, dim))
         from autoparallel.comm.world import current_world
 
         if current_world().is_simulated:
             raise NotImplementedError("shard_dataloader(is_dataset_splitted=True) in the simulated world: each rank's "
                                       "loader yields its own part, which one process cannot tell apart; use the "
                                       "global batch (is_dataset_splitted=False)")
-        return dtensor_from_local(t, mesh, pl)
+        return dtensor_from_local(t, mesh, _placements(mesh, dim))
+
+    def _scalar(self, t, dim, name: str):
+        """A 0-d tensor (a count, a step) has no batch dim to split: replicated; a rank's own value (split) has no
+        global layout."""
+        if self._split and dim is not None:
+            raise ValueError(f"shard_dataloader(is_dataset_splitted=True): batch field {name} is a 0-d tensor "
+                             f"({t.dtype}), which has no dim 0 to stack the ranks' parts on; give it a batch dim "
+                             f"(shape [1] per rank) or leave it plain with dense_tensor_idx")
+        return None
+
+    def _relayout(self, t, mesh, dim, name: str):
+        """A field that is already a DistTensor (a loader yielding laid-out batches): moved to the asked layout."""
+        from autoparallel.dist_tensor import reshard
+
+        if self._split:
+            raise TypeError(f"shard_dataloader(is_dataset_splitted=True): batch field {name} is already a "
+                            f"DistTensor; a split loader yields each rank's local part as a plain tensor")
+        pl = _placements(mesh, dim if t.ndim else None)
+        return t if t.mesh == mesh and list(t.placements) == pl else reshard(t, mesh, pl)
 
     def _batch(self, batch):
+        import numpy as np
         import paddle
 
-        if isinstance(batch, paddle.Tensor):
+        if isinstance(batch, (paddle.Tensor, np.ndarray)) or _is_dist(batch):
             mesh, dim = self._field(0, 1)
-            return self._nested(batch, mesh, dim, [])
-        if isinstance(batch, dict):
+            return self._nested(batch, mesh, dim, [], "the batch")
+        if isinstance(batch, Mapping):             # a dict, or a Mapping such as a tokenizer's BatchEncoding
             keys = list(batch) if self._keys is None else self._keys
             out = dict(batch)
             for i, k in enumerate(keys):
                 if k not in batch:
                     raise KeyError(f"shard_dataloader: input key {k!r} is not in the batch {list(batch)}")
                 mesh, dim = self._field(i, len(keys))
-                out[k] = self._nested(batch[k], mesh, dim, self._dense_of(i))
+                out[k] = self._nested(batch[k], mesh, dim, self._dense_of(i), repr(k))
             return out
         if isinstance(batch, (list, tuple)):
             if self._keys is not None:
                 raise ValueError(f"shard_dataloader: input_keys={self._keys} names fields of a dict batch, but the "
                                  f"loader yields a {type(batch).__name__}; drop input_keys (every field is laid "
                                  f"out) or yield dicts")
-            return [self._nested(b, *self._field(i, len(batch)), self._dense_of(i)) for i, b in enumerate(batch)]
+            return [self._nested(b, *self._field(i, len(batch)), self._dense_of(i), str(i))
+                    for i, b in enumerate(batch)]
         raise TypeError(f"shard_dataloader: a batch must be a tensor, a list/tuple or a dict, got "
                         f"{type(batch).__name__}")
 
-    def _nested(self, x, mesh, dim, dense):
+    def _nested(self, x, mesh, dim, dense, name: str):
         if isinstance(mesh, list):
             if not isinstance(x, (list, tuple)) or len(x) != len(mesh):
                 raise ValueError(f"shard_dataloader: a list of {len(mesh)} meshes lays out a list field element by "
                                  f"element, but the field is {_what(x)}")
-            return [t if j in dense else self._leaves(t, mm, dd) for j, (t, (mm, dd)) in
+            return [t if j in dense else self._leaves(t, mm, dd, f"{name}[{j}]") for j, (t, (mm, dd)) in
                     enumerate(zip(x, _pairs(mesh, dim)))]
         if isinstance(x, (list, tuple)):
-            return [t if j in dense else self._leaves(t, mesh, dim) for j, t in enumerate(x)]
-        return x if dense else self._leaves(x, mesh, dim)
+            return [t if j in dense else self._leaves(t, mesh, dim, f"{name}[{j}]") for j, t in enumerate(x)]
+        return x if dense else self._leaves(x, mesh, dim, name)
 
-    def _leaves(self, x, mesh, dim):
+    def _leaves(self, x, mesh, dim, name: str):
         """Every tensor of a nested field (dicts of tensors inside a dict batch) on the field's mesh and dim."""
-        if isinstance(x, dict):
-            return {k: self._leaves(v, mesh, dim) for k, v in x.items()}
+        if isinstance(x, Mapping):
+            return {k: self._leaves(v, mesh, dim, f"{name}[{k!r}]") for k, v in x.items()}
         if isinstance(x, (list, tuple)):
-            return [self._leaves(v, mesh, dim) for v in x]
-        return self._place(x, mesh, dim)
+            return [self._leaves(v, mesh, dim, f"{name}[{j}]") for j, v in enumerate(x)]
+        return self._place(x, mesh, dim, name)
+
+
+def _is_dist(x) -> bool:
+    from autoparallel.dist_tensor import DistTensor
+
+    return isinstance(x, DistTensor)
+
+
+def _placements(mesh, dim) -> list:
+    from autoparallel.placement import Replicate, Shard
+
+    pl = [Replicate()] * mesh.ndim
+    if dim is not None:
+        pl[mesh.dim_index(dim)] = Shard(0)
+    return pl
+
+
+def _shard_dims(shard_dims, meshes) -> list:
+    """One shard dim (or a list, for a list of meshes) per mesh entry, each checked against its mesh."""
+    if isinstance(shard_dims, (list, tuple)):
+        if len(shard_dims) != len(meshes):
+            raise ValueError(f"shard_dataloader: shard_dims must be one per mesh ({len(meshes)}), got "
+                             f"{list(shard_dims)}")
+        dims = list(shard_dims)
+    else:
+        dims = [shard_dims] * len(meshes)
+    for i, (m, d) in enumerate(zip(meshes, dims)):
+        for mm, dd in _pairs(m, d):
+            _check_dim(mm, dd, i)
+    return dims
+
+
+def _check_dim(mesh, dim, i: int) -> None:
+    if dim is None:
+        return
+    if isinstance(dim, bool) or not isinstance(dim, (int, str)):
+        raise TypeError(f"shard_dataloader: shard_dims must be a mesh dim name or index, a list with one per mesh, "
+                        f"or None; got {type(dim).__name__} {dim!r:.60}")
+    try:
+        mesh.dim_index(dim)
+    except ValueError as e:
+        raise ValueError(f"shard_dataloader: shard_dims {dim!r} for mesh {i} (dims {list(mesh.dim_names)}, "
+                         f"shape {list(mesh.shape)}): {e}") from None
+
+
+def _check_dense(dense) -> None:
+    """paddle's ``dense_tensor_idx``: one list of positions per field (``[[], [0]]``)."""
+    if dense is None:
+        return
+    ok = isinstance(dense, (list, tuple)) and all(
+        isinstance(d, (list, tuple)) and all(isinstance(j, int) and not isinstance(j, bool) for j in d)
+        for d in dense)
+    if not ok:
+        raise TypeError(f"shard_dataloader: dense_tensor_idx must be one list of positions per field (e.g. "
+                        f"[[], [0]]: field 1 kept a plain tensor), got {dense!r:.80}")
 
 
 def _pairs(mesh, dim) -> list:
@@ -199,3 +298,26 @@ def _check_not_split(sampler, is_dataset_splitted) -> None:
                          f"{sampler.nranks} replicas (this rank: {sampler.local_rank}), but is_dataset_splitted=False "
                          f"lays each batch out as the global batch, the same on every rank; pass "
                          f"is_dataset_splitted=True with shard_dims, or build the loader with a plain batch sampler")
+
+
+def _check_split_sampler(sampler, meshes, dims, rank: int) -> None:
+    """With ``is_dataset_splitted=True`` over paddle's DistributedBatchSampler, this rank's part is part
+    ``local_rank`` of ``nranks``: they must be the rank's coordinate on the shard dim and that dim's size, or the
+    stacked global batch repeats parts or leaves some out (equal shapes pass the cross-rank check)."""
+    import paddle
+
+    if not isinstance(sampler, paddle.io.DistributedBatchSampler):
+        return
+    for m, d in zip(meshes, dims):
+        for mesh, dim in _pairs(m, d):
+            if dim is None or not mesh.contains(rank):
+                continue
+            i = mesh.dim_index(dim)
+            size, coord = mesh.shape[i], mesh.coords_of(rank)[i]
+            if (sampler.nranks, sampler.local_rank) != (size, coord):
+                raise ValueError(f"shard_dataloader(is_dataset_splitted=True): the loader's DistributedBatchSampler "
+                                 f"gives rank {rank} part {sampler.local_rank} of {sampler.nranks}, but shard dim "
+                                 f"{mesh.dim_names[i]!r} of the mesh {mesh.dim_names} {mesh.shape} stacks "
+                                 f"{size} parts with this rank's at {coord}; build the sampler with "
+                                 f"num_replicas={size}, rank={coord}")
+            return

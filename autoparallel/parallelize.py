@@ -97,7 +97,7 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
         from autoparallel.planner.auto import plan_strategy
 
         _world_size()                                       # a launched rank must have initialised first
-        chosen, result = plan_strategy(model, strategy, seq_len, cluster)     # the planner returns a Strategy
+        chosen, result = plan_strategy(model, strategy, seq_len, cluster, mesh, tp_plan)  # returns a Strategy
         model, optimizer = parallelize(model, optimizer, chosen, mesh, tp_plan, _deferred=_deferred)
         layer_state.put(model, "strategy", chosen)
         layer_state.put(model, "plan", result)

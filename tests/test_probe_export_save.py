@@ -45,11 +45,12 @@ def want():
 
 def strategy(dp=1, tp=1, stage=None, auto=False):
     s = ap.Strategy()
+    if auto:                    # the planner chooses the degrees: a degree set here would fix it
+        s.auto_mode, s.global_batch_size = "full", 8
+        return s
     s.data_parallel.degree, s.tensor_parallel.degree = dp, tp
     if stage:
         s.sharding.enable, s.sharding.stage = True, stage
-    if auto:
-        s.auto_mode, s.global_batch_size = "full", 8
     return s
 
 

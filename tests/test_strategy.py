@@ -360,8 +360,10 @@ def test_full_mode_refuses_what_the_planner_chooses():
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
         s.validate(world_size=-1)                              # arguments are still checked
     assert "chosen by the planner" in str(s)
-    s.data_parallel.degree = 3; s.sequence_parallel.enable = True     # would be ignored: refused, both named
-    with pytest.raises(ValueError, match=r"(?s)chooses data_parallel.degree.*chooses sequence_parallel.enable"):
+    s.data_parallel.degree = 2; s.sequence_parallel.enable = True     # kept: constraints of the search
+    assert s.validate(world_size=8) is None
+    s.micro_batch_size = 2; s.pipeline_parallel.micro_batches = 4      # would be ignored: refused, both named
+    with pytest.raises(ValueError, match=r"(?s)chooses pipeline_parallel.micro_batches.*chooses micro_batch_size"):
         s.validate(world_size=8)
     s.auto_mode = "semi"
     invalid(s, "sequence_parallel", world_size=8)

@@ -26,6 +26,11 @@ _PLANNER_FIELDS = ("data_parallel.degree", "tensor_parallel.degree", "pipeline_p
                    "pipeline_parallel.split_points", "sequence_parallel.enable", "sharding.enable", "sharding.stage",
                    "sharding.degree", "sharding.offload", "recompute.enable", "recompute.checkpoint_every_n_layers",
                    "recompute.granularity", "gradient_accumulation_steps", "micro_batch_size")
+# of those, the ones a user may fix next to auto_mode "full": the search keeps them as constraints
+# (planner/user_fixed.py); gradient_accumulation_steps is the loop's shape
+_PLANNER_KEPT = ("data_parallel.degree", "tensor_parallel.degree", "pipeline_parallel.degree",
+                 "sequence_parallel.enable", "sharding.enable", "sharding.stage", "recompute.enable",
+                 "recompute.granularity", "gradient_accumulation_steps")
 
 
 @dataclass(frozen=True)
@@ -109,16 +114,18 @@ class ValidationMixin:
                                 f"amp.dtype='bfloat16' runs unscaled (expected amp.dtype='float16' or the defaults)")
 
     def _check_planner_fields(self, problems) -> None:
-        """auto_mode='full' chooses these itself: a value given for them would be ignored."""
+        """auto_mode='full' chooses these itself: a value given for them would be ignored (the kept ones narrow
+        the search instead)."""
         fresh = type(self)()
-        for name in _PLANNER_FIELDS:
+        for name in (n for n in _PLANNER_FIELDS if n not in _PLANNER_KEPT):
             section, _, leaf = name.partition(".")
             mine, default = getattr(self, section), getattr(fresh, section)
             if leaf:
                 mine, default = getattr(mine, leaf), getattr(default, leaf)
             if mine != default:
                 problems.append(f"auto_mode='full' chooses {name} itself, got {name}={mine!r}; expected "
-                                f"auto_mode='semi' to fix it, or the default {default!r}")
+                                f"auto_mode='semi' to fix it, or the default {default!r} (fixed degrees, "
+                                f"sequence_parallel, sharding.stage and recompute are kept as search constraints)")
 
     def _resolve_dp(self, world_size, tp, pp, problems) -> Optional[int]:
         dp = self.data_parallel.degree

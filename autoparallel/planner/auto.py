@@ -14,8 +14,10 @@ the pipeline runtime refuses stage 3) and no recompute; no optimizer offload on 
 is the device). The fastest configuration that also passes the runtime's own checks (``runtime_refusal``:
 ``Strategy.validate``, and for pipelines ``parallel/pipeline/wiring._check_composable``) wins; it becomes
 an ``auto_mode="semi"`` Strategy keeping the user's AMP, checkpoint, batch and seed settings, and
-parallelize runs its normal apply steps with it. The returned ``ap.chosen_strategy(model)`` /
-``ap.chosen_plan(model)`` give the chosen Strategy and its PlanResult.
+parallelize runs its normal apply steps with it. What the user fixed next to auto_mode="full" (degrees,
+sequence parallelism, ZeRO stage, recompute, a mesh's dim sizes, a tp_plan needing tp > 1) narrows the search;
+any other planner field set is refused by name (planner/user_fixed.py). The returned
+``ap.chosen_strategy(model)`` / ``ap.chosen_plan(model)`` give the chosen Strategy and its PlanResult.
 """
 from __future__ import annotations
 
@@ -124,14 +126,29 @@ def to_strategy(candidate, user):
 
 
 def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str = "gloo", simulated: bool = False,
-           applied: bool = False):
+           applied: bool = False, mesh=None, tp_plan=None):
     """(chosen Strategy, PlanResult) for ``model`` on ``world`` ranks (``simulated``: of one ``ap.simulate``
     world, whose pipeline runtime lays out no parameter shared by stages on two stage meshes; ``applied``: the
-    plan is applied next, so a ``paddle.LazyGuard`` model, which ap.parallelize does not pipeline, gets none)."""
+    plan is applied next, so a ``paddle.LazyGuard`` model, which ap.parallelize does not pipeline, gets none).
+    Fields the user fixed and the degrees of ``mesh`` narrow the search or are refused (planner/user_fixed.py);
+    a ``tp_plan`` needs tensor parallelism, so only tp > 1 is searched."""
+    from autoparallel.planner.user_fixed import check_kept, fixed_constraints, with_tp_plan
+
+    fixed = fixed_constraints(strategy, mesh, world)
+    if tp_plan:
+        fixed = with_tp_plan(fixed, tp_plan, world)
+    chosen, result = _choose(model, strategy, world, seq_len, cluster, backend, simulated, applied, fixed,
+                             bool(tp_plan))
+    check_kept(chosen, fixed)
+    return chosen, result
+
+
+def _choose(model, strategy, world, seq_len, cluster, backend, simulated, applied, fixed, own_plan=False):
     from autoparallel.lazy_init import has_lazy
     from autoparallel.parallel.model_families import model_info
     from autoparallel.planner.api import plan
     from autoparallel.planner.model_read import allowed_tp, read_model
+    from autoparallel.planner.user_fixed import accumulation_sizes, describe, narrowed, same_loop
 
     if strategy.global_batch_size is None:
         raise ValueError("auto_mode='full' needs strategy.global_batch_size (samples per optimizer step over all "
@@ -148,21 +165,33 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
         try:
             spec = read_model(model, seq, type(model).__name__)
         except Exception as e:                      # noqa: BLE001 -- the trace ran the model on token ids
+            _refuse_too_long(model, seq, e)
             unread = f"its forward on a [1, {seq}] batch of token ids failed: {type(e).__name__}: {_first_line(e)}"
     if unread is not None:
         from autoparallel.planner.generic import data_parallel_choice
 
         return data_parallel_choice(model, strategy, world, target, unread, _seq_or_none(model, seq_len))
     info = model_info(model)
-    limits = allowed_tp(model, world)
+    limits = allowed_tp(model, world, own_plan)
     tps = [tp for tp, why in limits.items() if why is None]
     results, empty = [], []
     pipeline_ok = _pipeline_ok(model) and not (applied and has_lazy(model))
+    sizes = accumulation_sizes(strategy, world)
+    if fixed.get("pp", (1,))[0] > 1 and not pipeline_ok:
+        raise ValueError(f"auto_mode='full': pipeline_parallel.degree={fixed['pp'][0]} is fixed, but the planner's "
+                         f"pipeline search covers only models with embed() / head() methods and a LayerList of blocks "
+                         f"(built without paddle.LazyGuard); {type(model).__name__} is not one: expected "
+                         f"pipeline_parallel.degree=1, or auto_mode='semi' (split_points=)")
     for constraints in _searches(world, spec.layers, pipeline_ok, target.runtime is not None, _selective_ok(model),
                                  not pipeline_ok or _inside_ok(model, simulated)):
+        if sizes and constraints["pp"] == [1]:
+            constraints = dict(constraints, micro_batch=list(sizes))
+        constraints, outside = narrowed(dict({"tp": tps}, **constraints), fixed)
+        if outside:
+            empty.append(outside)
+            continue
         try:
-            results.append(plan(spec, target, strategy.global_batch_size, seq, top=CANDIDATES,
-                                **dict({"tp": tps}, **constraints)))
+            results.append(plan(spec, target, strategy.global_batch_size, seq, top=CANDIDATES, **constraints))
         except ValueError as e:                 # e.g. no pipeline configuration divides this batch
             empty.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             continue
@@ -170,7 +199,7 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
     for i, r in enumerate(results):
         for j, c in enumerate(r.candidates):
             chosen = to_strategy(c, strategy)
-            if runtime_refusal(chosen, world, info) is not None:    # e.g. 1F1B with fewer micro-batches than pp
+            if not same_loop(c.config, strategy) or runtime_refusal(chosen, world, info) is not None:
                 continue
             valid.append((c.step_time_s, c.memory_per_device_gb, i, j, chosen))
     if valid:
@@ -178,7 +207,7 @@ def choose(model, strategy, world: int, seq_len=None, cluster=None, backend: str
         others = [min((v for v in valid if v[2] == k), key=lambda v: v[:4]) for k in range(len(results)) if k != i
                   and any(v[2] == k for v in valid)]
         result = _with_winner(results[i], j, [results[v[2]].candidates[v[3]] for v in others])
-        return chosen, _with_reading(result, spec, limits)
+        return chosen, _with_reading(result, spec, limits, describe(fixed))
     raise ValueError(f"auto_mode='full': no configuration of {spec.name} ({spec.short_dims()}) with global batch "
                      f"{strategy.global_batch_size} fits {world} ranks of {target.name} and passes the strategy "
                      f"checks{_why_empty(empty, limits)}; choose the degrees yourself (auto_mode='semi')")
@@ -216,6 +245,18 @@ def _unreadable(model):
     except ValueError as e:
         return _first_line(e)
     return None
+
+
+def _refuse_too_long(model, seq: int, error) -> None:
+    """A forward failing at a sequence longer than the model's configured positions is the sequence length's
+    fault, not a model the planner cannot read: the training step would fail the same way."""
+    c = getattr(model, "config", None)
+    for name in ("max_positions", "max_position_embeddings", "seq_len"):
+        limit = getattr(c, name, None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < seq:
+            raise ValueError(f"auto_mode='full': seq_len={seq} exceeds {type(model).__name__}'s config.{name}="
+                             f"{limit}, and its forward fails at that length ({type(error).__name__}: "
+                             f"{_first_line(error)}); expected seq_len <= {limit}") from error
 
 
 def _seq_or_none(model, seq_len):
@@ -262,11 +303,13 @@ def zero_in_stages(candidate) -> str:
             f"on the fullest stage")
 
 
-def _with_reading(result, spec, limits):
-    """The explanation prefixed by what was read off the model and the tensor-parallel degrees it refuses."""
+def _with_reading(result, spec, limits, fixed_line=""):
+    """The explanation prefixed by what was read off the model, the tensor-parallel degrees it refuses and
+    what the user fixed."""
     from dataclasses import replace
 
     refused = "".join(f"\n  tp={tp} refused: {why}" for tp, why in limits.items() if why is not None)
+    refused += f"\n  {fixed_line}" if fixed_line else ""
     head = f"model {spec.name} ({spec.short_dims()}{_moe_dims(spec)}): {spec.source or 'given'}{refused}\n"
     return replace(result, explanation=head + result.explanation)
 
@@ -278,14 +321,14 @@ def _moe_dims(spec) -> str:
             f"shared_experts={spec.shared_experts}, dense_layers={spec.dense_layers}")
 
 
-def plan_strategy(model, strategy, seq_len=None, cluster=None):
-    """(chosen Strategy, PlanResult) for the current world; the explanation is printed on rank 0. The caller
-    (``ap.parallelize``) applies the chosen strategy."""
+def plan_strategy(model, strategy, seq_len=None, cluster=None, mesh=None, tp_plan=None):
+    """(chosen Strategy, PlanResult) for the current world (degrees fixed by ``mesh``, when given); the
+    explanation is printed on rank 0. The caller (``ap.parallelize``) applies the chosen strategy."""
     from autoparallel.comm.world import current_world
 
     world = current_world()
     chosen, result = choose(model, strategy, world.world_size, seq_len, cluster, world.backend,
-                            bool(getattr(world, "is_simulated", False)), applied=True)
+                            bool(getattr(world, "is_simulated", False)), applied=True, mesh=mesh, tp_plan=tp_plan)
     if getattr(world, "rank", 0) == 0:
         n = world.world_size
         print(f"auto_mode='full': planned for {n} rank{'s' if n != 1 else ''} on {result.cluster.name}\n{result}\n"

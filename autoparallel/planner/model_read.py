@@ -173,13 +173,13 @@ def from_config(model, seq_len: int, name: str, stopped_at: str):
 
 
 # ---- degrees the model's plans can take -----------------------------------------------------------------
-def tp_refusal(model, tp: int):
+def tp_refusal(model, tp: int, own_plan: bool = False):
     """Why the model's default tensor-parallel plan cannot run at degree ``tp``, or None. The plans split
     whole attention heads (q / o, MLA's per-head up-projections), so ``tp`` must divide the heads and hidden
     (``Strategy.validate``'s rule); no family plan matching the layer names means no plan at all. What the
     plans adapt themselves is no limit: fewer kv heads than ``tp`` (k / v replicated), fused blocks that do not
     divide (gathered), uneven vocabulary or MLP widths (ceil-division shards), experts (replicated: the runtime
-    has no expert parallelism)."""
+    has no expert parallelism). ``own_plan``: the user passes a tp_plan, so no default plan is needed."""
     from autoparallel.parallel.model_families import model_info
     from autoparallel.parallel.tp_plans import default_plan
 
@@ -189,13 +189,13 @@ def tp_refusal(model, tp: int):
     for key in ("heads", "hidden"):
         if key in info and info[key] % tp:
             return f"{key}={info[key]} is not divisible by tp={tp} (the plans split whole heads)"
-    if not default_plan(model, tp):
+    if not own_plan and not default_plan(model, tp):
         return f"no default tensor-parallel plan matches the layer names of {type(model).__name__}"
     return None
 
 
-def allowed_tp(model, world: int):
-    """({tp: None or why refused}) for every divisor of ``world``."""
+def allowed_tp(model, world: int, own_plan: bool = False):
+    """({tp: None or why refused}) for every divisor of ``world`` (``own_plan``: the user's tp_plan applies)."""
     from autoparallel.planner.search import divisors
 
-    return {tp: tp_refusal(model, tp) for tp in divisors(world)}
+    return {tp: tp_refusal(model, tp, own_plan) for tp in divisors(world)}
