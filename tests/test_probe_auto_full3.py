@@ -13,9 +13,9 @@ import paddle  # noqa: E402
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.planner.auto import choose  # noqa: E402
+from test_auto_full_models import T, _run  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
-B, T = 4, 8
 
 
 def full_strategy(global_batch=4, **fields):
@@ -29,15 +29,8 @@ def full_strategy(global_batch=4, **fields):
 
 
 def train(model, opt, steps=2):
-    ids, labels = (paddle.to_tensor(a) for a in pf.batch(0, B, T))
-    losses = []
-    for _ in range(steps):
-        loss = pf.loss_of(model(input_ids=ids, labels=labels))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses, {n: (p.full().numpy() if hasattr(p, "full") else p.numpy()) for n, p in model.named_parameters()}
+    """(losses, {name: parameter}) after ``steps`` steps on test_auto_full_models' batch."""
+    return _run(model, opt, steps)
 
 
 @pytest.fixture(scope="module")
