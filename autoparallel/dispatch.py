@@ -317,6 +317,10 @@ def _common_mesh(op, leaves, tracer=None):
     meshes = {x.mesh if isinstance(x, DistTensor) else x._ap_spec.mesh for x in leaves if is_dist(x)}
     if not meshes and tracer is not None:
         return tracer.mesh
+    if len(meshes) > 1:                          # the same ranks under other dim names (a loader's ["dp", "mp"])
+        first = next(x.mesh if isinstance(x, DistTensor) else x._ap_spec.mesh for x in leaves if is_dist(x))
+        if all(_forms.same_ranks(m, first) for m in meshes):
+            return first
     if len(meshes) != 1:
         raise ValueError(f"{op}: every distributed input must live on one mesh; got tensors on "
                          f"{sorted(str(m) for m in meshes)} — reshard them onto one mesh first")
@@ -325,7 +329,10 @@ def _common_mesh(op, leaves, tracer=None):
 
 def _to_dist(v, mesh, tracer=None) -> DistTensor:
     if is_dist(v):
-        return as_dist(v) if tracer is None else DistTensor({}, as_dist(v).spec) if not isinstance(v, DistTensor) else v
+        if tracer is not None:
+            return DistTensor({}, as_dist(v).spec) if not isinstance(v, DistTensor) else v
+        d = as_dist(v)
+        return d if d.spec.mesh is mesh or d.spec.mesh == mesh else _forms.same_ranks_view(d, mesh)
     if tracer is not None:                      # spec only: a (possibly lazy, unallocated) parameter or constant
         spec = tracer.param_specs.get(id(v)) or DistSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)),
                                                          tuple(v.shape), v.dtype)

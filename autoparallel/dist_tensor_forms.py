@@ -291,17 +291,25 @@ def _whole(p):
         owner.free([p])
 
 
+def same_ranks(src, mesh) -> bool:
+    """Whether two meshes hold the same ranks in the same order with the same sizes of their dims of size > 1
+    (their dim names and dims of size 1 aside)."""
+    if src is mesh:
+        return True
+    if list(src.process_ids) != list(mesh.process_ids):
+        return False
+    return [n for n in src.shape if n > 1] == [n for n in mesh.shape if n > 1]
+
+
 def same_ranks_view(x, mesh):
     """``x`` seen on ``mesh`` when both meshes hold the same ranks in the same order and differ only by dims of
     size 1 (a 1-D data mesh [0, 1] and a [data, model] mesh [[0], [1]]): every rank keeps its shard, the
     placements follow the dims of size > 1, a dim of size 1 is Replicate. None when the meshes differ."""
     src = x.mesh
-    if list(src.process_ids) != list(mesh.process_ids):
+    if not same_ranks(src, mesh):
         return None
     s_dims = [d for d in range(src.ndim) if src.shape[d] > 1]
     d_dims = [d for d in range(mesh.ndim) if mesh.shape[d] > 1]
-    if [src.shape[d] for d in s_dims] != [mesh.shape[d] for d in d_dims]:
-        return None
     placements = [Replicate()] * mesh.ndim
     for sd, dd in zip(s_dims, d_dims):
         placements[dd] = x.placements[sd]

@@ -102,9 +102,11 @@ def test_mapping_batches_are_laid_out_like_dicts(mesh):
     assert np.array_equal(out["extra"]["mask"].full().numpy(), x % 2)
 
 
-def test_sgd_driven_by_next_equals_one_process():
+@pytest.mark.parametrize("names", [("data", "model"), ("dp", "mp")], ids="-".join)
+def test_sgd_driven_by_next_equals_one_process(names):
     """paddle's loop form ``it = loader(); next(it)`` for two epochs of 10 rows in batches of 3 (the last of 1 over
-    dp 2), labels with -100, an MLP under dp2 x tp2: every loss and the final parameters as one process."""
+    dp 2), labels with -100, an MLP under dp2 x tp2: every loss and the final parameters as one process. The
+    loader's mesh is the Strategy's, or the same ranks under paddle's dim names (read as the model's mesh)."""
     rng = np.random.RandomState(0)
     xs, ys = rng.randn(10, 6).astype("float32"), rng.randint(0, 4, [10]).astype("int64")
     ys[[1, 4]] = -100
@@ -132,8 +134,8 @@ def test_sgd_driven_by_next_equals_one_process():
 
     ref = run(lambda ld: ld)
     with ap.simulate(world_size=4):
-        mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["data", "model"])       # the Strategy's mesh
-        got = run(lambda ld: ap.shard_dataloader(ld, mesh, shard_dims="data"), (2, 2))
+        mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=list(names))
+        got = run(lambda ld: ap.shard_dataloader(ld, mesh, shard_dims=names[0]), (2, 2))
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
     assert len(got[0]) == 8
     for a, b in zip(got[1], ref[1]):

@@ -211,9 +211,12 @@ def test_dist_tensor_from_another_mesh():
     x, _ = batch()
     with ap.simulate(world_size=4):
         m, _ = parallelize(tiny(), strategy=strategy(dp=4))
-        other = ap.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+        other = ap.ProcessMesh([3, 2, 1, 0], dim_names=["x"])          # the same ranks in another order
         with pytest.raises(ValueError, match=r"runs on mesh .* but got a DistTensor on mesh .*dim_names=\['x'\]"):
             m(ap.shard_tensor(paddle.to_tensor(x), other, [ap.Shard(0)]))
+        same = ap.ProcessMesh([0, 1, 2, 3], dim_names=["x"])           # the same ranks by another name: read as is
+        np.testing.assert_allclose(m(ap.shard_tensor(paddle.to_tensor(x), same, [ap.Shard(0)])).numpy(),
+                                   m(paddle.to_tensor(x)).numpy(), rtol=1e-6)
         a = ap.shard_tensor(paddle.ones([4, 4]), other, [ap.Shard(0)])
         b = ap.shard_tensor(paddle.ones([4, 4]), ap.ProcessMesh([[0, 1], [2, 3]], ["p", "q"]),
                             [ap.Shard(0), ap.Replicate()])

@@ -52,6 +52,11 @@ def shard_inputs(model, mesh) -> None:
     def place(x):
         if isinstance(x, DistTensor):
             if x.mesh != mesh:
+                from autoparallel.dist_tensor_forms import same_ranks_view
+
+                seen = same_ranks_view(x, mesh)       # the same ranks by other dim names (a loader's ["dp", "mp"])
+                if seen is not None:
+                    return seen
                 raise ValueError(f"{type(model).__name__} runs on mesh {mesh} but got a DistTensor on mesh "
                                  f"{x.mesh}; reshard it onto the model's mesh (ap.reshard(x, ap.mesh_of(model), "
                                  f"placements)) or pass the plain tensor")
