@@ -37,6 +37,7 @@ from autoparallel.dispatch_values import VALUE_OPS, resolve as resolve_values
 from autoparallel import dist_tensor_forms as _forms
 from autoparallel.dist_tensor_forms import gather_released_leaves
 from autoparallel.local_mode import in_local_mode, local_mode  # noqa: F401  (re-exported)
+from autoparallel.param_detach import detached_param
 from autoparallel.placement import Replicate
 from autoparallel.shadows import SHADOWS, has_shadow, unshadow
 from autoparallel.spec import DistSpec, normalize_dtype
@@ -337,7 +338,7 @@ def _to_dist(v, mesh, tracer=None) -> DistTensor:
         spec = tracer.param_specs.get(id(v)) or DistSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)),
                                                          tuple(v.shape), v.dtype)
         return DistTensor({}, spec)
-    owner = _forms.detached_param(v)
+    owner = detached_param(v)
     if owner is not None:                       # p.detach() of a distributed parameter: its global value
         return _detached_view(owner, mesh)
     # a plain tensor next to distributed ones: the same value on every rank (replicated)

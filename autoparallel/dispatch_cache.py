@@ -25,7 +25,7 @@ from autoparallel import redistribute
 from autoparallel.comm import collectives as C
 from autoparallel.comm import fanout
 from autoparallel.dist_tensor import DistParameter, DistTensor
-from autoparallel.dist_tensor_forms import detached_param
+from autoparallel.param_detach import detached_param
 from autoparallel.spec import DistSpec, normalize_dtype
 from autoparallel.switch import turned_off
 from reshard import cache as reshard_cache

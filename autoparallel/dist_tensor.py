@@ -24,6 +24,7 @@ from autoparallel.dist_tensor_meta import GlobalSize, MetaForms
 from autoparallel.dist_tensor_ops import OpMethods
 from autoparallel.local_parts import _local_from_full  # noqa: F401  (also imported from here)
 from autoparallel.mesh import ProcessMesh
+from autoparallel.param_detach import param_detach
 from autoparallel.placement import BlockShard, Partial, Replicate, Shard
 from autoparallel.spec import DistSpec, normalize_dtype
 from reshard import cache as reshard_cache
@@ -298,7 +299,7 @@ class DistParameter(EagerParamBase):
         return DistTensor(self._ap_locals, self._ap_spec)
 
     full = _forms.param_full
-    detach = _forms.param_detach
+    detach = param_detach
     numpy = _forms.param_numpy
     set_value = _forms.param_set_value
     register_hook = _forms.param_register_hook
