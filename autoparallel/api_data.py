@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from autoparallel.config.fields import integral
+
 __all__ = ["shard_dataloader", "ShardDataloader"]
 
 
@@ -241,6 +243,7 @@ def _shard_dims(shard_dims, meshes) -> list:
         dims = list(shard_dims)
     else:
         dims = [shard_dims] * len(meshes)
+    dims = [integral(d) if integral(d) is not None else d for d in dims]      # numpy ints as ints
     for i, (m, d) in enumerate(zip(meshes, dims)):
         for mm, dd in _pairs(m, d):
             _check_dim(mm, dd, i)
@@ -250,7 +253,7 @@ def _shard_dims(shard_dims, meshes) -> list:
 def _check_dim(mesh, dim, i: int) -> None:
     if dim is None:
         return
-    if isinstance(dim, bool) or not isinstance(dim, (int, str)):
+    if integral(dim) is None and not isinstance(dim, str):
         raise TypeError(f"shard_dataloader: shard_dims must be a mesh dim name or index, a list with one per mesh, "
                         f"or None; got {type(dim).__name__} {dim!r:.60}")
     try:

@@ -50,12 +50,14 @@ def _held_ranks(dist_inputs, out_meshes):
         for x in dist_inputs[1:]:
             ranks = [r for r in ranks if r in x._locals]
         return sorted(ranks)
+    out_meshes = [m for m in out_meshes if m is not None]
     return sorted(world.local_ranks(out_meshes[0].process_ids)) if out_meshes else [world.rank]
 
 
 def run_local(fn, inputs, kwargs, out_layouts, what: str, global_shapes=None):
     """Run ``fn`` per held rank on local shards; outputs wrapped with ``dtensor_from_local`` (``global_shapes``:
-    one per output, for shards of uneven size; default: inferred from the local shapes)."""
+    one per output, for shards of uneven size; default: inferred from the local shapes). A None layout (paddle's
+    non-tensor output of local_map) returns the output as the first held rank made it."""
     from autoparallel.api_tensor import dtensor_from_local
     from autoparallel.comm.fanout import complete_gradient
     from autoparallel.dist_tensor import as_dist, is_dist
@@ -63,7 +65,7 @@ def run_local(fn, inputs, kwargs, out_layouts, what: str, global_shapes=None):
 
     inputs = [complete_gradient(as_dist(x)) if is_dist(x) else x for x in inputs]   # local gradients are whole
     dist_inputs = [x for x in inputs if is_dist(x)]
-    ranks = _held_ranks(dist_inputs, [m for m, _ in out_layouts])
+    ranks = _held_ranks(dist_inputs, [lay and lay[0] for lay in out_layouts])
     per_rank = {}
     with local_mode():
         for r in ranks:
@@ -78,7 +80,11 @@ def run_local(fn, inputs, kwargs, out_layouts, what: str, global_shapes=None):
         raise ValueError(f"{what}: the local code returned {n} output(s) but {len(out_layouts)} output layout(s) "
                          f"were given (one (mesh, placements) per output)")
     outs = []
-    for i, (mesh, placements) in enumerate(out_layouts):
+    for i, layout in enumerate(out_layouts):
+        if layout is None:
+            outs.append(flat[ranks[0]][i])
+            continue
+        mesh, placements = layout
         locals_ = {r: flat[r][i] for r in ranks}
         if not all(isinstance(t, paddle.Tensor) for t in locals_.values()):
             raise TypeError(f"{what}: output {i} is not a tensor on every rank; each output is declared "
@@ -126,6 +132,23 @@ class LocalLayer(paddle.nn.Layer):
                          self.out_dist_attrs, "LocalLayer")
 
 
+def _check_map_args(out_placements, in_placements, reshard_inputs) -> None:
+    """local_map's placement lists parsed when it is built (a malformed one is refused before any call)."""
+    for p in out_placements:
+        if p is not None:                      # None: a non-tensor output (paddle's form)
+            parse_placements(p)
+    if in_placements is not None:
+        if isinstance(in_placements, str) or not isinstance(in_placements, (list, tuple)):
+            raise TypeError(f"local_map: in_placements is one placement list (or None) per input, got "
+                            f"{type(in_placements).__name__} {in_placements!r:.60}")
+        for p in in_placements:
+            if p is not None:
+                parse_placements(p)
+    if not isinstance(reshard_inputs, bool):
+        raise TypeError(f"local_map: reshard_inputs must be True or False, got {type(reshard_inputs).__name__} "
+                        f"{reshard_inputs!r}")
+
+
 def local_map(func, out_placements, in_placements=None, process_mesh=None, reshard_inputs: bool = False):
     """paddle's ``local_map``: ``func`` on local shards, outputs on ``process_mesh`` (default: the first
     distributed input's) with ``out_placements`` (one list per output). ``in_placements`` (one list per
@@ -137,6 +160,7 @@ def local_map(func, out_placements, in_placements=None, process_mesh=None, resha
     mesh0 = as_mesh(process_mesh) if process_mesh is not None else None
     if mesh0 is not None and not isinstance(mesh0, ProcessMesh):
         raise TypeError(f"local_map: process_mesh must be a ProcessMesh, got {type(process_mesh).__name__}")
+    _check_map_args(out_placements, in_placements, reshard_inputs)
 
     def wrapped(*args, **kwargs):
         from autoparallel.api_tensor import reshard
@@ -145,7 +169,7 @@ def local_map(func, out_placements, in_placements=None, process_mesh=None, resha
         args = list(args)
         dists = [as_dist(a) for a in args if is_dist(a)]
         mesh = mesh0 or (dists[0].mesh if dists else None)
-        if mesh is None:
+        if mesh is None and any(p is not None for p in out_placements):
             raise ValueError("local_map: no distributed input to take the mesh from; pass process_mesh")
         if in_placements is not None:
             if len(in_placements) != len(args):
@@ -161,7 +185,7 @@ def local_map(func, out_placements, in_placements=None, process_mesh=None, resha
                                          f"in_placements[{i}] says [{', '.join(map(str, want))}]; reshard it or "
                                          f"pass reshard_inputs=True")
                     args[i] = reshard(a, a.mesh, list(want))
-        layouts = [(mesh, tuple(parse_placements(p))) for p in out_placements]
+        layouts = [None if p is None else (mesh, tuple(parse_placements(p))) for p in out_placements]
         return run_local(func, args, kwargs, layouts, "local_map")
 
     return wrapped

@@ -106,6 +106,9 @@ def dtensor_to_local(dist_tensor, mesh=None, placements=None):
     x = _dt.as_dist(dist_tensor)
     if not isinstance(x, _dt.DistTensor):
         raise TypeError(f"dtensor_to_local expects a DistTensor or DistParameter, got {type(dist_tensor).__name__}")
+    if mesh is not None and not isinstance(as_mesh(mesh), ProcessMesh):
+        raise TypeError(f"dtensor_to_local: mesh must be a ProcessMesh (the tensor's own) or None, got "
+                        f"{type(mesh).__name__} {mesh!r:.60}")
     if mesh is not None and as_mesh(mesh) != x.mesh:
         raise ValueError(f"dtensor_to_local: mesh {as_mesh(mesh)!r} is not the tensor's mesh {x.mesh!r}; reshard "
                          f"first (ap.reshard) if another layout is wanted")

@@ -35,6 +35,7 @@ class ByteTextDataset(paddle.io.Dataset):
     vocab_size = 256
 
     def __init__(self, seq_len: int, files=None, max_bytes: int = 2 ** 20):
+        seq_len = _plain(seq_len)
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
         files = stdlib_source_files() if files is None else list(files)
@@ -94,6 +95,11 @@ class GlobalBatchSampler(paddle.io.BatchSampler):
                 yield order[start:start + local].tolist()
 
 
+def _plain(v):
+    """A numpy integer as the Python int it is; anything else unchanged (and checked by its caller)."""
+    return int(v) if isinstance(v, np.integer) else v
+
+
 def check_global_batch(global_batch_size: int, dp_degree: int, num_micro_batches: int) -> None:
     for name, v in (("global_batch_size", global_batch_size), ("dp_degree", dp_degree),
                     ("num_micro_batches", num_micro_batches)):
@@ -125,6 +131,7 @@ class DistributedDataLoader:
                  data_dims=("data",), shuffle: bool = True, seed: int = 0, num_workers: int = 0):
         from autoparallel.comm.world import current_world
 
+        global_batch_size, num_micro_batches = _plain(global_batch_size), _plain(num_micro_batches)
         self.mesh, self.global_batch_size, self.num_micro_batches = mesh, global_batch_size, num_micro_batches
         if mesh is None:
             dp, held = 1, {0: 0}

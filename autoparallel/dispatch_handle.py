@@ -113,6 +113,8 @@ def _held_dist_params() -> list:
 def dispatch_mode(force: bool = False):
     """Dispatch installed inside the block; on exit, uninstalled again if it was not installed before (refused
     while live layers hold distributed parameters, unless ``force``: see ``uninstall``)."""
+    if not isinstance(force, bool):                # refused before installing, not at the block's exit
+        raise TypeError(f"dispatch_mode(force=...) expects a bool, got {type(force).__name__} {force!r}")
     was = installed()
     handle = install()
     try:

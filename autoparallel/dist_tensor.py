@@ -492,6 +492,7 @@ def _reshard(src, mesh, placements) -> DistTensor:
     else:
         from reshard import plan_cross_mesh
 
+        current_world().local_ranks(mesh.process_ids)      # a mesh outside the simulated world is refused
         plan = plan_cross_mesh(src.spec.shape, src.spec.dtype, src.mesh, src.spec.placements, mesh,
                                dst.placements, cluster=planning_cluster())
     if key is not None:

@@ -45,10 +45,42 @@ import time
 from typing import Optional
 
 from autoparallel import patches
+from autoparallel.config.fields import integral
 from autoparallel.monitoring.report import ReportingMixin, _sort_key
 from autoparallel.monitoring.steps import _KEY, _key, _Steps, indexed  # noqa: F401
 from autoparallel.monitoring.suggestion import Suggestion, SuggestingMixin, even_split, skew  # noqa: F401
 from autoparallel.monitoring.world import _all_gather_json, _simulated, _world_size  # noqa: F401
+
+
+def _count(label: str, v, lo: int, optional: bool = False):
+    """``v`` as an int >= ``lo`` (numpy ints accepted), or None when optional; ValueError naming ``label``."""
+    if v is None and optional:
+        return None
+    n = integral(v)
+    if n is None or n < lo:
+        raise ValueError(f"{label} must be an int >= {lo}{' or None' if optional else ''}, got {v!r}")
+    return n
+
+
+def _check_args(warmup_steps, measure_steps, num_stages, split, layer_names, clock, pipeline) -> tuple:
+    """The constructor's arguments checked before anything is recorded: (warmup, measure, num_stages) as ints."""
+    pairs = isinstance(split, (list, tuple)) and all(
+        isinstance(s, (list, tuple)) and len(s) == 2 and all(integral(x) is not None for x in s) for s in split)
+    if split is not None and not pairs:
+        raise TypeError(f"PerformanceMonitor: split must be a list of (first layer, end layer) pairs, one per "
+                        f"stage (e.g. [(0, 2), (2, 4)]), got {split!r:.80}")
+    if layer_names is not None and (isinstance(layer_names, str) or not isinstance(layer_names, (list, tuple))
+                                    or not all(isinstance(n, str) for n in layer_names)):
+        raise TypeError(f"PerformanceMonitor: layer_names must be a list of layer names (str), got "
+                        f"{layer_names!r:.80}")
+    if not callable(clock):
+        raise TypeError(f"PerformanceMonitor: clock must be a callable returning seconds (time.perf_counter), got "
+                        f"{type(clock).__name__} {clock!r:.60}")
+    if pipeline is not None and not hasattr(pipeline, "records"):
+        raise TypeError(f"PerformanceMonitor: pipeline must be a PipelineModule (ap.parallelize with pipeline "
+                        f"parallelism) or None, got {type(pipeline).__name__}")
+    return (_count("warmup_steps", warmup_steps, 0), _count("measure_steps", measure_steps, 1),
+            _count("num_stages", num_stages, 1, optional=True))
 
 
 class PerformanceMonitor(SuggestingMixin, ReportingMixin):
@@ -64,9 +96,8 @@ class PerformanceMonitor(SuggestingMixin, ReportingMixin):
 
     def __init__(self, warmup_steps: int = 2, measure_steps: int = 10, *, num_stages: int = None,
                  split: list = None, layer_names: list = None, clock=time.perf_counter, pipeline=None):
-        for label, v in (("warmup_steps", warmup_steps), ("measure_steps", measure_steps)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if label == "warmup_steps" else 1):
-                raise ValueError(f"{label} must be an int >= {0 if label == 'warmup_steps' else 1}, got {v!r}")
+        warmup_steps, measure_steps, num_stages = _check_args(warmup_steps, measure_steps, num_stages, split,
+                                                              layer_names, clock, pipeline)
         self.warmup_steps = warmup_steps
         self.measure_steps = measure_steps
         self.num_stages = num_stages

@@ -41,6 +41,8 @@ def resume_from_last_checkpoint(model=None, optimizer=None, dir=None, strict: bo
     step counter (which drives the periodic saves) continues from the loaded step. Every rank calls it."""
     from autoparallel.checkpoint.manager import CheckpointManager
 
+    if not isinstance(strict, bool):
+        raise TypeError(f"resume_from_last_checkpoint: strict must be a bool, got {type(strict).__name__} {strict!r}")
     run, model, optimizer = _run_objects(model, optimizer, "resume_from_last_checkpoint")
     if dir is None:
         if run is None or not same_object(run.model, model) or run.strategy is None:

@@ -84,11 +84,14 @@ def _load(name, p, value) -> None:
     import paddle
 
     if is_dist(value):
+        from autoparallel.dist_tensor_forms import _writing, gather_released
+
         if hasattr(value, "_ap_locals"):        # a released ZeRO-3 parameter of another model (an EMA copy's source)
-            from autoparallel.dist_tensor_forms import gather_released
             gather_released(value)
         src = reshard(as_dist(value), p.mesh, p.placements)
-        with local_mode(), paddle.no_grad():
+        # as set_value: a released ZeRO-3 target is gathered for the write, and a ZeRO target's fp32 master chunks
+        # take the value (the next step would write the old masters back over the loaded shards)
+        with _writing(p), local_mode(), paddle.no_grad():
             for r, t in p.locals.items():
                 t.set_value(src.local_of(r).astype(t.dtype))
         return

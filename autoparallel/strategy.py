@@ -78,7 +78,8 @@ class Strategy(_Config, ValidationMixin, CliMixin):
     gradient_accumulation_steps: int = _field(1, _int())           # micro-steps per optimizer step when pp == 1
     micro_batch_size: Optional[int] = _field(None, _int(optional=True))    # samples per dp rank per micro-batch; None: from global
     global_batch_size: Optional[int] = _field(None, _int(optional=True))   # samples per optimizer step over all ranks
-    seed: Optional[int] = _field(None, _int(lo=0, optional=True))  # global random seed; None: leave RNGs alone
+    # global random seed, in numpy's range (paddle, numpy and random are seeded with it); None: leave RNGs alone
+    seed: Optional[int] = _field(None, _int(lo=0, optional=True, hi=2 ** 32 - 1, hi_text="2**32 - 1"))
 
     def __init__(self, config: Optional[Dict[str, Any]] = None, **fields):
         for f in dataclasses.fields(self):
@@ -139,6 +140,9 @@ class Strategy(_Config, ValidationMixin, CliMixin):
         if isinstance(text_or_path, str) and text_or_path.lstrip().startswith("{"):
             text, where = text_or_path, "JSON text"
         else:
+            if not isinstance(text_or_path, (str, os.PathLike)):
+                raise TypeError(f"Strategy.from_json expects JSON text (a str starting with '{{') or a file path, "
+                                f"got {type(text_or_path).__name__} {text_or_path!r:.60}")
             path = os.fspath(text_or_path)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"strategy JSON file {path!r} does not exist (pass JSON text starting "

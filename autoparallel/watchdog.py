@@ -49,6 +49,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import numbers
 import os
 import socket
 import threading
@@ -130,6 +131,8 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
 
     @staticmethod
     def _identity(rank, world_size):
+        rank, world_size = (int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v
+                            for v in (rank, world_size))                   # numpy ints as ints
         for name, v in (("rank", rank), ("world_size", world_size)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")

@@ -323,6 +323,9 @@ def register_spmd_rule(names, fn: Callable | None = None, *, reverse: Callable |
     """
     if isinstance(names, str):
         names = [names]
+    if not isinstance(names, (list, tuple, set, frozenset)):
+        raise TypeError(f"register_spmd_rule expects an op name or a list of op names, got {type(names).__name__} "
+                        f"{names!r:.60}; use it as @register_spmd_rule('my_op')")
     names = list(names)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise TypeError(f"register_spmd_rule expects an op name or a list of op names, got {names!r}")

@@ -38,7 +38,8 @@ from autoparallel.checkpoint.atomic import new_nonce, temp_dir_for
 from autoparallel.checkpoint.collect import plain_step
 from autoparallel.checkpoint.discovery import (complete_checkpoints, is_committed_aside, newest_complete,
                                                refuse_nested, step_dir_name)
-from autoparallel.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointLayoutError
+from autoparallel.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointLayoutError,
+                                          CheckpointRootError)
 from autoparallel.checkpoint.format import METADATA
 from autoparallel.checkpoint.load import CheckpointInfo, load_state_dict
 from autoparallel.checkpoint.ownership import is_owned_partial
@@ -52,6 +53,7 @@ class CheckpointManager:
 
     def __init__(self, dir: str = "checkpoints", save_interval_steps: int = 100, keep_last=None,
                  enable: bool = True, optimizer=None):
+        save_interval_steps, keep_last = plain_step(save_interval_steps), plain_step(keep_last)   # numpy ints
         if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
@@ -60,6 +62,9 @@ class CheckpointManager:
             raise TypeError(f"dir must be a path (str or os.PathLike), got {type(dir).__name__} {dir!r}")
         if not isinstance(enable, bool):
             raise TypeError(f"enable must be a bool, got {type(enable).__name__} {enable!r}")
+        if enable and os.path.lexists(dir) and not os.path.isdir(dir):     # found now, not at the first save
+            raise CheckpointRootError(f"checkpoint root {os.fspath(dir)!r} is a file, expected a directory (or a "
+                                      f"path that does not exist yet)")
         self.dir = os.path.abspath(os.fspath(dir))
         self.save_interval_steps = save_interval_steps
         self.keep_last = keep_last

@@ -19,10 +19,11 @@ from autoparallel.checkpoint import save_agree, shared_dir, sync
 from autoparallel.checkpoint.atomic import (fault_point, is_empty_dir, new_nonce, publish_dir, temp_dir_for,
                                             write_file_atomic)
 from autoparallel.checkpoint.collect import check_values, collect, json_value, plain_step
-from autoparallel.checkpoint.errors import CheckpointSaveError
+from autoparallel.checkpoint.errors import CheckpointOwnershipError, CheckpointSaveError
 from autoparallel.checkpoint.flatten import flatten
 from autoparallel.checkpoint.format import BLOCK_BYTES, FORMAT, METADATA, VERSION, encode_metadata
-from autoparallel.checkpoint.ownership import CKPT_MARKER, check_replaceable, marker_bytes
+from autoparallel.checkpoint.ownership import CKPT_MARKER, check_replaceable, marker_bytes, not_a_checkpoint
+from autoparallel.config.fields import integral
 from autoparallel.checkpoint.writer import write_rank_file
 
 RUNTIME_PREFIX = "/runtime/"        # no state name starts with "/" (flatten.py): the run state's arrays
@@ -47,6 +48,7 @@ def save_state_dict(state: dict, path: str, *, step=None, extra=None, overwrite:
 
     multi, rank, world_size = sync.job()
     step = plain_step(step)             # np.int64 from a numpy counter: the int it is
+    block_bytes = plain_step(block_bytes)
     if runtime is None:                 # ap.training_state over an optimizer with an LR scheduler: keep its schedule
         from autoparallel.checkpoint.runtime_state import schedule_runtime
 
@@ -161,19 +163,30 @@ def _checked(state, path, step, extra, overwrite, block_bytes, runtime) -> tuple
         raise ValueError(f"step must be >= 0, got {step}")
     extra = json_value("extra", extra)
     runtime, runtime_arrays = split_runtime(runtime)
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 64 or block_bytes % 64:
+    if integral(block_bytes) is None or block_bytes < 64 or block_bytes % 64:
         raise ValueError(f"block_bytes must be a positive multiple of 64, got {block_bytes!r}")
     check_values(flat)
     final = os.path.abspath(os.fspath(path))
     if os.path.lexists(final) and not is_empty_dir(final):
         if not overwrite:
-            raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
+            _refuse_existing(final)
         check_replaceable(final)
     parent = os.path.dirname(final)
     if os.path.lexists(parent) and not os.path.isdir(parent):
         raise NotADirectoryError(f"cannot save checkpoint {final!r}: {parent!r} is a file, not a directory")
     os.makedirs(parent, exist_ok=True)      # a parent that cannot be created fails here, before the exchange
     return flat, final, extra, runtime, runtime_arrays
+
+
+def _refuse_existing(final: str) -> None:
+    """A path that exists (without overwrite=True): a checkpoint of ours is offered overwrite=True; a file or a
+    directory of something else is named for what it is (overwrite=True would not replace it either)."""
+    why = not_a_checkpoint(final)
+    if why is None:
+        raise FileExistsError(f"checkpoint {final!r} already exists; pass overwrite=True to replace it")
+    raise CheckpointOwnershipError(f"cannot save checkpoint {final!r}: the path already exists and {why}; save to a "
+                                   f"new or empty directory (overwrite=True replaces only a checkpoint written by "
+                                   f"autoparallel)")
 
 
 def _failed_before_writing(tmp: str, rank: int, world_size: int, e: BaseException) -> None:

@@ -23,14 +23,16 @@ _REDUCERS = {"sum": lambda a, b: a + b, "max": paddle.maximum, "min": paddle.min
 
 def _reduce_all(ts, op):
     """float16/bfloat16 reduced in float32 and cast back, as the gloo transport does (paddle has no CPU add kernel
-    for them, and a real gloo reduction rounds once at the end too)."""
+    for them, and a real gloo reduction rounds once at the end too); bool in int32 (paddle has no CPU maximum /
+    minimum kernel for bool). An integer average keeps the integer dtype (truncated, as the gloo transport's cast
+    back does), as paddle's Partial(avg) of an int tensor does."""
     dtype = ts[0].dtype
-    low = dtype in (paddle.float16, paddle.bfloat16)
-    out = ts[0].astype("float32") if low else ts[0]
+    carry = "float32" if dtype in (paddle.float16, paddle.bfloat16) else "int32" if dtype == paddle.bool else None
+    out = ts[0].astype(carry) if carry else ts[0]
     for t in ts[1:]:
-        out = _REDUCERS["sum" if op == "avg" else op](out, t.astype("float32") if low else t)
+        out = _REDUCERS["sum" if op == "avg" else op](out, t.astype(carry) if carry else t)
     out = out / len(ts) if op == "avg" else out
-    return out.astype(dtype) if low else out
+    return out.astype(dtype) if out.dtype != dtype else out
 
 
 _COMPLEX = ("complex64", "complex128")

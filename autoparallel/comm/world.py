@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
+from autoparallel.config.fields import integral
 from autoparallel.context import process as _process
 from autoparallel.context import set_cluster_override as _set_override
 from autoparallel.context import state as _state
@@ -49,8 +50,10 @@ class SimWorld(World):
     backend = "sim"
 
     def __init__(self, world_size: int):
-        if not isinstance(world_size, int) or world_size <= 0:
+        size = integral(world_size)             # numpy ints as ints; bools and floats refused
+        if size is None or size <= 0:
             raise ValueError(f"simulate(world_size) expects a positive int, got {world_size!r}")
+        world_size = size
         if world_size > 2 ** 20:          # every rank's shard lives in this one process
             raise ValueError(f"simulate(world_size) expects at most 2**20 ranks (1,048,576; all of them live in "
                              f"this process), got {world_size}")

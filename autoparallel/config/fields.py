@@ -3,9 +3,12 @@ ValueError naming the field, what was expected and what was given."""
 from __future__ import annotations
 
 import difflib
+import math
 import numbers
 import os
 from dataclasses import field
+
+import numpy as np
 
 
 def _join_or(items) -> str:
@@ -13,21 +16,30 @@ def _join_or(items) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
+def integral(v):
+    """``v`` as a python int when it is an integer (numpy's included, bools excluded), else None."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+        return None
+    return int(v)
+
+
 def _bool(name, v):
-    if not isinstance(v, bool):
+    if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {v!r}")
-    return v
+    return bool(v)
 
 
-def _int(lo=1, optional=False):
+def _int(lo=1, optional=False, hi=None, hi_text=None):
     def check(name, v):
         if v is None and optional:
             return None
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
             expected = f"an integer >= {lo}" + (" or None" if optional else "")
             raise TypeError(f"{name} must be {expected}, got {v!r}")
         if v < lo:
             raise ValueError(f"{name} must be an integer >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise ValueError(f"{name} must be an integer in [{lo}, {hi_text or hi}], got {v}")
         return int(v)
     return check
 
@@ -37,6 +49,8 @@ def _float(lo=0.0, hi=None, lo_open=True, hi_open=True):
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a number, got {v!r}")
         v = float(v)
+        if not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v}")
         bad_lo = v <= lo if lo_open else v < lo
         bad_hi = hi is not None and (v >= hi if hi_open else v > hi)
         if bad_lo or bad_hi:
@@ -48,9 +62,12 @@ def _float(lo=0.0, hi=None, lo_open=True, hi_open=True):
 
 def _choice(*choices):
     def check(name, v):
-        if v not in choices or isinstance(v, bool):
+        if all(isinstance(c, int) for c in choices) and (isinstance(v, (bool, np.bool_))
+                                                          or not isinstance(v, numbers.Integral)):
+            raise TypeError(f"{name} must be {_join_or(choices)} (an int), got {type(v).__name__} {v!r}")
+        if isinstance(v, (bool, np.bool_)) or v not in choices:
             raise ValueError(f"{name} must be {_join_or(choices)}, got {v!r}")
-        return v
+        return choices[choices.index(v)]          # the choice itself: an int for numpy ints
     return check
 
 

@@ -12,6 +12,8 @@ NotImplementedError naming the field, the value and why. Reading a paddle-only f
 """
 from __future__ import annotations
 
+import numbers
+
 # paddle-only fields: {section: {field: paddle's default}}; a non-default value is refused
 PADDLE_ONLY = {
     "Strategy": {"gradient_scale": True, "gradient_scale_using_allreduce_avg": False, "use_cache": True,
@@ -55,7 +57,16 @@ PADDLE_AMP_DEFAULTS = {"dtype": "float16", "init_loss_scaling": 32768.0, "incr_e
 
 
 def _same(a, b) -> bool:
-    return type(a) is type(b) and a == b if not isinstance(a, (list, tuple)) else list(a) == list(b)
+    """``a`` (a value given) is paddle's default ``b``: the same list, flag or number (numpy scalars by value; a
+    bool is not the number 1, a float not an int default)."""
+    if isinstance(a, (list, tuple)):
+        return list(a) == list(b)
+    if isinstance(b, bool):
+        return type(a).__name__ in ("bool", "bool_") and a == b
+    if isinstance(b, numbers.Number):
+        kind = numbers.Integral if isinstance(b, int) else numbers.Real
+        return isinstance(a, kind) and type(a).__name__ not in ("bool", "bool_") and a == b
+    return type(a) is type(b) and a == b
 
 
 def refuse_or_accept(section: str, name: str, value) -> bool:
@@ -122,8 +133,9 @@ class PipelineView(_View):
         return bool(self._state.get("pipeline.enable")) or self._s.pipeline_parallel.degree > 1
 
     def _set_enable(self, v):
-        if not isinstance(v, bool):
-            raise TypeError(f"strategy.pipeline.enable must be True or False, got {v!r}")
+        from autoparallel.config.fields import _bool
+
+        v = _bool("strategy.pipeline.enable", v)          # numpy's bool as a bool
         self._state["pipeline.enable"] = v
         if not v and self._s.pipeline_parallel.degree > 1:
             raise ValueError(f"strategy.pipeline.enable=False but strategy.pipeline_parallel.degree="
@@ -181,8 +193,9 @@ class GradientMergeView(_View):
         return bool(self._state.get("gradient_merge.enable")) or self._s.gradient_accumulation_steps > 1
 
     def _set_enable(self, v):
-        if not isinstance(v, bool):
-            raise TypeError(f"strategy.gradient_merge.enable must be True or False, got {v!r}")
+        from autoparallel.config.fields import _bool
+
+        v = _bool("strategy.gradient_merge.enable", v)    # numpy's bool as a bool
         self._state["gradient_merge.enable"] = v
         self._s.gradient_accumulation_steps = self._state.get("gradient_merge.k_steps", 1) if v else 1
 

@@ -16,6 +16,7 @@ the eager runtime on this machine (``runtime``: per-op dispatch, backward and op
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field, replace
 
@@ -151,8 +152,16 @@ class ClusterSpec:
 
     @classmethod
     def from_json(cls, path: str) -> "ClusterSpec":
+        if not os.path.isfile(path):
+            kind = IsADirectoryError if os.path.isdir(path) else FileNotFoundError
+            raise kind(f"cluster profile {path!r} is not a file: expected a profile .json (written by 'autoparallel "
+                       f"calibrate') or a spec like '128x8:A100-80GB'")
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"cluster profile {path!r} is not valid JSON: {e}") from None
+        return cls.from_dict(d)
 
 
 GB = 1e9

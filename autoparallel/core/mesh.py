@@ -41,6 +41,10 @@ def _mesh_array(mesh, shape, process_ids):
         if shape is None or process_ids is None:
             raise ValueError(f"ProcessMesh needs mesh=<nested list of ranks>, or both shape= and process_ids=; got "
                              f"shape={shape!r}, process_ids={process_ids!r}")
+        shape = _checked_shape(shape)
+        if isinstance(process_ids, (str, bytes)) or not hasattr(process_ids, "__iter__"):
+            raise TypeError(f"ProcessMesh: process_ids must be a list of ranks, got {type(process_ids).__name__} "
+                            f"{process_ids!r:.60}")
         ids = np.asarray(list(process_ids))
         if ids.size != int(np.prod(shape)):
             raise ValueError(f"ProcessMesh: process_ids has {ids.size} ranks but shape {list(shape)} holds "
@@ -55,6 +59,18 @@ def _mesh_array(mesh, shape, process_ids):
             raise ValueError(f"ProcessMesh: mesh={np.asarray(mesh).tolist()} disagrees with shape={shape!r} / "
                              f"process_ids={process_ids!r}; give the mesh, or shape and process_ids")
     return mesh
+
+
+def _checked_shape(shape) -> list:
+    """paddle's ``shape=`` of a mesh: a list of positive ints (numpy's too)."""
+    ok = isinstance(shape, (list, tuple, np.ndarray)) and len(shape) > 0 and all(
+        isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) for n in shape)
+    if not ok:
+        raise TypeError(f"ProcessMesh: shape must be a non-empty list of ints, got {type(shape).__name__} "
+                        f"{shape!r:.60}")
+    if any(n <= 0 for n in shape):
+        raise ValueError(f"ProcessMesh: shape must hold positive sizes, got {list(shape)}")
+    return [int(n) for n in shape]
 
 
 def as_mesh(mesh):
@@ -140,9 +156,9 @@ class ProcessMesh(HashedOnce):
             if dim not in self._names:
                 raise ValueError(f"mesh has dims {list(self._names)}, got dim name {dim!r}")
             return self._names.index(dim)
-        if not isinstance(dim, int) or not -self.ndim <= dim < self.ndim:
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or not -self.ndim <= dim < self.ndim:
             raise ValueError(f"mesh dim must be an int in [-{self.ndim}, {self.ndim}) or a name in {list(self._names)}, got {dim!r}")
-        return dim % self.ndim
+        return int(dim) % self.ndim      # a numpy int is an index as paddle's meshes take it
 
     def get_dim_size(self, dim: int | str) -> int:
         return int(self._arr.shape[self.dim_index(dim)])
@@ -156,6 +172,7 @@ class ProcessMesh(HashedOnce):
             if self.ndim > 1:
                 raise ValueError(f"get_group(dim_name): a mesh with dims {list(self._names)} needs the dim name")
             dim_name = self._names[0]
+        self.dim_index(dim_name)                    # a dim this mesh does not have is named first
         if "paddle" in sys.modules and importlib.import_module("autoparallel.comm.world").current_world().is_simulated:
             raise RuntimeError("get_group: the simulated world (ap.simulate) runs every rank in this process and "
                                "has no paddle process groups; groups exist in a job started with "

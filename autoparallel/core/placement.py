@@ -11,6 +11,7 @@ blocks stays local. Like torch DTensor's ``_StridedShard``, generalised to unequ
 """
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -168,6 +169,8 @@ class BlockShard(Placement):
     blocks: tuple
 
     def __post_init__(self):
+        if isinstance(self.dim, numbers.Integral) and not isinstance(self.dim, bool):   # numpy ints as ints
+            object.__setattr__(self, "dim", int(self.dim))
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
             raise ValueError(f"BlockShard(dim, blocks) expects a non-negative int tensor dim, got {self.dim!r}")
         try:
@@ -260,6 +263,9 @@ def parse_placements(text) -> tuple[Placement, ...]:
     if _is_paddle_placement(text) or isinstance(text, Placement):
         raise TypeError(f"placements are one per mesh dim: pass a list or tuple like [{text!r}], got the single "
                         f"placement {text!r}")
+    if isinstance(text, (set, frozenset, dict)):        # no order: which placement is which mesh dim's?
+        raise TypeError(f"placements must be a list/tuple in mesh-dim order (one per mesh dim), got the unordered "
+                        f"{type(text).__name__} {text!r:.60}")
     try:
         items = list(text)
     except TypeError:

@@ -406,6 +406,9 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
 
     check_to_static(strategy, optimizer)              # every Strategy field: effective or refused
     _check_knobs(strategy)
+    from autoparallel.parallel.accumulation import check_optimizer_params
+
+    check_optimizer_params(model, optimizer, "ap.to_static")   # an optimizer over another model's parameters
     if input_spec is not None:
         if isinstance(input_spec, (str, bytes)) or not isinstance(input_spec, (list, tuple)):
             raise TypeError(f"to_static: input_spec must be a list of (shape, dtype) pairs or InputSpecs, one per "

@@ -1,5 +1,7 @@
 """The optimizer of a parallelized model: pointed at the distributed parameters, stepping once per
-``gradient_accumulation_steps`` backward passes (paddle's ``shard_optimizer`` semantics)."""
+``gradient_accumulation_steps`` backward passes, the step averaging them (paddle's ``gradient_merge`` with
+``avg=True``; ``ap.shard_optimizer(..., gradient_accumulation_steps=k)`` leaves the division to the loop, as
+paddle's)."""
 from __future__ import annotations
 
 from autoparallel.dist_tensor import is_dist
@@ -9,7 +11,7 @@ from autoparallel.parallel.param_list import flat_params, rebind_params as _rebi
 
 
 class AccumulatingOptimizer(ShardedOptimizer):
-    """``shard_optimizer`` semantics for gradient accumulation (paddle's): ``step()`` runs once per
+    """``Strategy.gradient_accumulation_steps`` for gradient accumulation: ``step()`` runs once per
     ``gradient_accumulation_steps`` backward passes; the gradients, reduced over the data axis in buckets
     (by the final micro-step's backward hooks, the rest at the step), are divided by that number and the
     local shards updated."""

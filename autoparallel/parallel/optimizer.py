@@ -10,6 +10,7 @@ sums tied gradients across stages and accumulates zero-bubble weight gradients o
 """
 from __future__ import annotations
 
+from autoparallel.config.fields import integral
 from autoparallel.dispatch import local_mode
 from autoparallel.dist_tensor import is_dist
 from autoparallel.parallel.param_list import flat_params
@@ -31,8 +32,10 @@ class ShardedOptimizer(StepHooks):
                  bucket_bytes: int = BUCKET_BYTES, overlap: bool = False):
         if not hasattr(optimizer, "step") or not hasattr(optimizer, "clear_grad"):
             raise TypeError(f"shard_optimizer expects a paddle optimizer, got {type(optimizer).__name__}")
-        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        steps = integral(gradient_accumulation_steps)          # numpy ints as ints; bools and floats refused
+        if steps is None or steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
+        gradient_accumulation_steps = steps
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         _check_closure_optimizer(optimizer)

@@ -26,6 +26,7 @@ from paddle.distributed.fleet.utils.log_util import logger as _log
 
 from autoparallel import patches
 from autoparallel.comm.sizes import nbytes
+from autoparallel.config.fields import integral
 
 GRANULARITIES = ("full", "selective")
 _COUNTERS: list = []            # active SavedBytes: a recompute region's inputs stay alive until backward
@@ -83,16 +84,19 @@ def find_blocks(model):
                      f"{', '.join(n for n, _ in model.named_sublayers() if '.' not in n) or 'none'})")
 
 
-def _check_n(n):
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+def _check_n(n) -> int:
+    """``n`` as an int (numpy ints accepted); ValueError for anything but an int >= 1 (bools included)."""
+    value = integral(n)
+    if value is None or value < 1:
         raise ValueError(f"checkpoint_every_n_layers must be an int >= 1, got {n!r}")
+    return value
 
 
 def apply_ac(model, granularity: str = "full", checkpoint_every_n_layers: int = 1):
     """Recompute in every block of ``model`` (in place); returns the model."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"recompute granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    _check_n(checkpoint_every_n_layers)
+    checkpoint_every_n_layers = _check_n(checkpoint_every_n_layers)
     prefix, blocks = find_blocks(model)
     if granularity == "full":
         _segments(blocks, checkpoint_every_n_layers, [f"{prefix}.{i}" for i in range(len(blocks))])
@@ -114,7 +118,7 @@ def recompute_layers(model, segment_func=None, checkpoint_every_n_layers: int = 
     only when they are adjacent entries of the same LayerList / Sequential (where one's output is the next
     one's input); any other match is a segment of its own.
     """
-    _check_n(checkpoint_every_n_layers)
+    checkpoint_every_n_layers = _check_n(checkpoint_every_n_layers)
     if not isinstance(model, paddle.nn.Layer):
         raise TypeError(f"recompute_layers expects a paddle.nn.Layer, got {type(model).__name__}")
     if segment_func is None:

@@ -76,7 +76,7 @@ class ZeroOptimizer(StepHooks):
             optimizer.grad_sync.retired = True
         if overlap:
             backward_start.wait(self)
-        self.gradient_accumulation_steps = accumulation
+        self.gradient_accumulation_steps = self.accumulation_divisor = accumulation  # shard_optimizer: 1 (loop divides)
         self.groups = ZeroGroups(mesh, dp_dim, degree)
         on_mesh = lambda p: isinstance(p, DistParameter) and p.mesh == mesh      # noqa: E731
         for p in flat_params(inner):
@@ -215,8 +215,8 @@ class ZeroOptimizer(StepHooks):
             gs = C.mesh_groups_apply(gs, p.mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
         if self.groups.dp_index not in dims:                    # already the full gradient on every data rank
             gs = {r: g * (1.0 / self.groups.dp) for r, g in gs.items()}
-        if self.gradient_accumulation_steps > 1:
-            gs = {r: g * (1.0 / self.gradient_accumulation_steps) for r, g in gs.items()}
+        if self.accumulation_divisor > 1:
+            gs = {r: g * (1.0 / self.accumulation_divisor) for r, g in gs.items()}
         return gs
 
     def reduce_gradients(self) -> dict:
@@ -271,7 +271,7 @@ class ZeroOptimizer(StepHooks):
         if self.stage != 1:
             return
         dims = set(getattr(p, "_ap_partial_dims", ()) or ())
-        scale = self.gradient_accumulation_steps * (1 if self.groups.dp_index in dims else self.groups.dp)
+        scale = self.accumulation_divisor * (1 if self.groups.dp_index in dims else self.groups.dp)
         summed = dims | {self.groups.dp_index}
         for r in self.held:
             if self._out is not None:

@@ -11,6 +11,7 @@ parameters belong to: one built by ``ap.parallelize`` or ``ap.DataParallel`` (``
 """
 from __future__ import annotations
 
+from autoparallel.config.fields import integral
 from autoparallel.dist_tensor import is_dist
 from autoparallel.core.mesh import as_mesh
 from autoparallel.mesh import ProcessMesh
@@ -29,11 +30,14 @@ class ShardingStage:
         if mesh is not None and not isinstance(mesh, ProcessMesh):
             raise TypeError(f"{type(self).__name__}: mesh must be an ap.ProcessMesh or None, got "
                             f"{type(mesh).__name__}")
-        if sharding_mesh_dim is not None and (isinstance(sharding_mesh_dim, bool)
-                                              or not isinstance(sharding_mesh_dim, (int, str))):
+        if integral(sharding_mesh_dim) is not None:
+            sharding_mesh_dim = integral(sharding_mesh_dim)        # a numpy int is an index
+        elif sharding_mesh_dim is not None and not isinstance(sharding_mesh_dim, str):
             raise TypeError(f"{type(self).__name__}: sharding_mesh_dim must be a mesh dim index or name, got "
                             f"{sharding_mesh_dim!r}")
         self.sharding_mesh_dim, self.mesh = sharding_mesh_dim, mesh
+        if mesh is not None and sharding_mesh_dim is not None:
+            self.dim_name(mesh)                  # a dim the given mesh does not have is refused here
 
     def dim_name(self, mesh: ProcessMesh) -> str:
         d = self.sharding_mesh_dim
@@ -165,9 +169,18 @@ def zero_optimizer(optimizer, stage: ShardingStage, gradient_accumulation_steps:
     own = [p for p in params if p.mesh == mesh and isinstance(p.placements[mesh.dim_names.index(dim)], Shard)]
     if not own:
         wrapped = wrap_optimizer(optimizer, {}, gradient_accumulation_steps)
-        return apply_zero(model, wrapped, mesh, stage.stage, dp_dim=dim,
-                          gradient_accumulation_steps=gradient_accumulation_steps)
+        return _loop_divides(apply_zero(model, wrapped, mesh, stage.stage, dp_dim=dim,
+                                        gradient_accumulation_steps=gradient_accumulation_steps))
     return _split(optimizer, stage, mesh, dim, model, own, gradient_accumulation_steps)
+
+
+def _loop_divides(zero):
+    """paddle's ``shard_optimizer(opt, shard_fn, gradient_accumulation_steps=k)``: ``k`` is the accumulation window
+    only (reductions wait for the k-th backward) and the loop divides its loss by ``k``, as with ``shard_fn=None``
+    and in paddle's dynamic mode; the ZeRO step must not divide again (``Strategy.gradient_accumulation_steps``
+    through ``ap.parallelize`` is the form whose step divides)."""
+    zero.accumulation_divisor = 1
+    return zero
 
 
 def _split(optimizer, stage, mesh, dim, model, own, k):
@@ -197,7 +210,7 @@ def _split(optimizer, stage, mesh, dim, model, own, k):
     zero = None
     if rest:
         sub = ShardedOptimizer(clone_optimizer(inner, rest, names), gradient_accumulation_steps=k, overlap=True)
-        zero = apply_zero(model, sub, mesh, stage.stage, dp_dim=dim, gradient_accumulation_steps=k)
+        zero = _loop_divides(apply_zero(model, sub, mesh, stage.stage, dp_dim=dim, gradient_accumulation_steps=k))
     return SplitOptimizer(zero, kept, inner)
 
 

@@ -186,9 +186,10 @@ class Geometry:
         from autoparallel.parallel.zero_groups import apply_groups
 
         zopt = self.zopt
-        width = next(iter(self.layouts.values())).width if self.layouts else 0
 
         def gather(v, ranks):           # a group of one (ZeRO degree 1) is its own result
+            # the group's own chunk width: an unevenly split tensor-parallel dim gives groups different widths
+            width = self.layouts[next(iter(v))].width
             return dict(v) if len(ranks) == 1 else C._gather_raw(v, ranks, 0, [width] * len(ranks))
 
         xs = {r: self.layouts[r].pack_member([get(r)], zopt.groups.index(r)) for r in zopt.held}

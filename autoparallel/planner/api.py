@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from autoparallel.config.fields import integral
 from autoparallel.core.cluster import ClusterSpec, default_cluster, parse_cluster
 from autoparallel.planner import dualpipe
 from autoparallel.planner.config import config_from_fixed, parse_fixed
@@ -17,9 +18,10 @@ from autoparallel.planner.search import (SearchSpace, candidate_at, divisors, ev
 
 
 def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    number = integral(value)                  # numpy ints as ints; bools and floats refused
+    if number is None or number <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+    return number
 
 
 def _cluster_for_world(cluster: ClusterSpec, world: int) -> ClusterSpec:

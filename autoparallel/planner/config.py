@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from autoparallel.config.fields import integral
+
 RECOMPUTE = ("none", "selective", "full")     # index = the integer code used by the vectorised cost model
 SPLITS = ("even", "ends", "balanced")        # index = the integer code of the pipeline split
 
@@ -132,16 +134,27 @@ def parse_fixed(text) -> dict:
                 raise ValueError(f"{field_name} must be one of {'|'.join(allowed)}, got {value!r}")
             out[field_name] = value
             continue
-        try:
-            number = int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key} must be an integer, got {value!r}") from None
+        number = _fixed_int(key, value)
         if allowed is not None and number not in allowed:
             raise ValueError(f"{key} must be one of {'|'.join(map(str, allowed))}, got {number}")
         if allowed is None and number <= 0:
             raise ValueError(f"{key} must be a positive integer, got {number}")
         out[field_name] = number
     return out
+
+
+def _fixed_int(key: str, value) -> int:
+    """An integer value of a --fixed key: text ("4") or an int (numpy's included); 2.5 or True are refused, not
+    truncated."""
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{key} must be an integer, got {value!r}") from None
+    number = integral(value)
+    if number is None:
+        raise ValueError(f"{key} must be an integer, got {type(value).__name__} {value!r}")
+    return number
 
 
 def config_from_fixed(fixed: dict, world: int) -> ParallelConfig:

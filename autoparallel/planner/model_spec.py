@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, replace
 
+from autoparallel.config.fields import integral
 from autoparallel.planner.latent_attention import LatentAttentionShapes
 
 
@@ -122,8 +123,10 @@ class ModelSpec(LatentAttentionShapes):
     def __post_init__(self):
         for field_name in ("hidden", "layers", "heads", "vocab", "seq_len"):
             value = getattr(self, field_name)
-            if not isinstance(value, int) or value <= 0:
+            number = integral(value)             # numpy ints as ints; bools and floats refused
+            if number is None or number <= 0:
                 raise ValueError(f"model {self.name!r}: {field_name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, field_name, number)
         if self.ffn == 0:
             object.__setattr__(self, "ffn", 4 * self.hidden)
         if self.kv_heads == 0:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
+from autoparallel.config.fields import integral
 from autoparallel.planner.config import RECOMPUTE, SPLITS, ParallelConfig
 from autoparallel.planner.cost_model import GRID_KEYS, MEMORY_TERMS, TIME_TERMS, evaluate, memory_floors
 from autoparallel.planner.dualpipe import problem as dualpipe_problem
@@ -46,16 +47,7 @@ class SearchSpace:
         for key, allowed in (constraints or {}).items():
             if key not in names:
                 raise ValueError(f"unknown search constraint {key!r}: expected one of {sorted(names)}")
-            if isinstance(allowed, (str, int)):
-                allowed = (allowed,)
-            allowed = tuple(allowed)
-            if not allowed:
-                raise ValueError(f"constraint {key!r} allows no value")
-            for name, legal in (("recompute", RECOMPUTE), ("split", SPLITS), ("dualpipe", (0, 1))):
-                bad = [a for a in allowed if a not in legal] if key == name else []
-                if bad:
-                    raise ValueError(f"{name} must be among {legal}, got {bad}")
-            values[key] = allowed
+            values[key] = _allowed(key, allowed)
         return cls(**values)
 
     def allows(self, key: str, value) -> bool:
@@ -65,6 +57,37 @@ class SearchSpace:
     def constrained(self) -> dict:
         default = SearchSpace()
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+
+_CHOICES = {"recompute": RECOMPUTE, "split": SPLITS, "dualpipe": (0, 1), "sp": (0, 1), "sharding": (0, 1, 2, 3),
+            "offload": (0, 1)}
+_FLAGS = ("sp", "offload", "dualpipe")
+
+
+def _allowed(key: str, allowed) -> tuple:
+    """One constraint's allowed values: a value or a list of them; degrees are positive ints (numpy's too),
+    the other knobs one of their choices."""
+    if isinstance(allowed, (str, bool, np.bool_)) or integral(allowed) is not None:
+        allowed = (allowed,)
+    try:
+        allowed = tuple(integral(a) if integral(a) is not None else a for a in allowed)
+    except TypeError:
+        raise TypeError(f"constraint {key!r} must be a value or a list of values, got {type(allowed).__name__} "
+                        f"{allowed!r:.60}") from None
+    if not allowed:
+        raise ValueError(f"constraint {key!r} allows no value")
+    if key in _FLAGS:                                    # an on/off knob: True/False are 1/0
+        allowed = tuple(int(a) if isinstance(a, bool) else a for a in allowed)
+    legal = _CHOICES.get(key)
+    if legal is not None:
+        bad = [a for a in allowed if a not in legal or isinstance(a, (bool, float))]
+        if bad:
+            raise ValueError(f"{key} must be among {legal}, got {bad}")
+        return allowed
+    bad = [a for a in allowed if not isinstance(a, int) or a < 1]
+    if bad:
+        raise ValueError(f"constraint {key!r} takes positive integers (degrees, sizes), got {bad}")
+    return allowed
 
 
 MAX_DIVISORS_OF = 2 ** 40

@@ -31,6 +31,10 @@ class Profile:
     def __init__(self, gather: bool = True, cluster=None):
         if not isinstance(gather, bool):
             raise TypeError(f"profile(gather=...) expects a bool, got {gather!r}")
+        if cluster is not None:                        # a malformed cluster is refused now, not after the step
+            from autoparallel.planner.cluster import parse_cluster
+
+            parse_cluster(cluster)
         self.gather = gather
         self.cluster = cluster
         self.breakdowns: dict = {}
