@@ -17,7 +17,7 @@ from autoparallel import dist_tensor_forms as _forms
 from autoparallel.comm import agreement
 from autoparallel.comm.collectives import pick_replicated
 from autoparallel.comm.world import current_world
-from autoparallel.compat import EagerParamBase
+from autoparallel.compat import EagerParamBase, expected_place
 from autoparallel.context import async_allreduce
 from autoparallel.context import state as _ctx
 from autoparallel.dist_tensor_meta import GlobalSize, MetaForms
@@ -91,7 +91,7 @@ class DistTensor(MetaForms, OpMethods):
         """Where this process's shards live (every held shard is on the same device)."""
         for t in self._locals.values():
             return t.place
-        return paddle.CPUPlace() if paddle.is_compiled_with_cuda() is False else paddle.CUDAPlace(0)
+        return expected_place()           # none held: where this process puts new tensors (its own GPU)
 
     def dim(self) -> int:
         return self._spec.ndim

@@ -171,3 +171,13 @@ def test_a_non_op_says_it_has_no_meaning_for_a_distributed_tensor():
             range(x[0])
         i = ap.shard_tensor(paddle.arange(4), mesh_from_shape([2]), [ap.Shard(0)])
         assert list(range(i[3])) == [0, 1, 2] and [9, 8, 7, 6][i[2]] == 7
+
+
+def test_place_of_a_tensor_this_process_holds_no_shard_of_is_its_own_device(monkeypatch):
+    """A rank outside the mesh holds no shard: ``place`` is where this process puts new tensors (its own GPU
+    under launch, not GPU 0 whenever paddle has CUDA)."""
+    with ap.simulate(4):
+        _, x = _batch_sharded()
+        monkeypatch.setattr(x, "_locals", {})
+        monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+        assert x.place.is_cpu_place() and str(x.place) == str(paddle.framework._current_expected_place())
