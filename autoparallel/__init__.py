@@ -50,6 +50,7 @@ _EXPORTS = {
     "SequenceParallel": "autoparallel.parallel.tensor_parallel",
     "FusedColWiseParallel": "autoparallel.parallel.tp_plans",
     "parallelize": "autoparallel.parallelize", "trace": "autoparallel.graph.trace",
+    "to_distributed": "autoparallel.api_to_distributed", "ToDistributedConfig": "autoparallel.api_to_distributed",
     "DataParallel": "autoparallel.parallelize", "Optimizer": "autoparallel.parallelize",
     "parallel_guard": "autoparallel.parallelize", "recompute_layers": "autoparallel.parallel.recompute",
     "DistributedDataLoader": "autoparallel.data", "ByteTextDataset": "autoparallel.data",

@@ -52,7 +52,6 @@ NOT_PROVIDED = {
     "ContextParallel": "context parallelism (ring attention) is not supported",
     "PrepareContextParallel": "context parallelism (ring attention) is not supported",
     "SplitPoint": "set strategy.pipeline_parallel.split_points = [layer names starting stages 2..n]",
-    "to_distributed": "use ap.parallelize(model, optimizer, strategy=ap.Strategy(auto_mode='full'))",
     "moe_global_mesh_tensor": "expert parallelism is not supported (experts stay replicated)",
     "moe_sub_mesh_tensors": "expert parallelism is not supported (experts stay replicated)",
     "set_mesh": "pass the mesh to each call (shard_tensor, shard_layer, parallelize)",
