@@ -2,10 +2,13 @@
 writes the loop (``for i, data in enumerate(dist_loader())``), in the simulated 4-rank world: the planner chooses,
 losses and parameters equal one process; ``config.sequence_parallel`` is kept; a pipelined choice gets plain
 batches; bad counts, configs and loaders are refused before any work."""
+import os
+
 import numpy as np
 import pytest
 
 from autoparallel.testing import paddleformers_models as pf
+from dist_scripts import shared_launch
 
 pytestmark = pytest.mark.skipif(not pf.available(), reason="paddleformers not installed (pip install -e .[models])")
 
@@ -14,6 +17,8 @@ import paddle  # noqa: E402
 import autoparallel as ap  # noqa: E402
 
 B, T, RTOL, ATOL = 4, 16, 1e-4, 1e-5
+JOB = shared_launch.job(__name__, "to_distributed", os.path.join(os.path.dirname(__file__), "dist_scripts",
+                                                                 "to_distributed_worker.py"), 2, timeout=200)
 
 
 class Pairs(paddle.io.Dataset):
@@ -149,3 +154,21 @@ def test_bad_config_is_refused(field, value, exc, words):
     setattr(cfg, field, value)
     with ap.simulate(world_size=4), pytest.raises(exc, match=words):
         ap.to_distributed(*build(), loader(), device_num=4, config=cfg)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return shared_launch.results(JOB)[1]
+
+
+def test_real_ranks_run_the_documented_loop_as_one_process(ranks, reference):
+    for r in ranks:
+        got = r["documented_loop"]
+        assert isinstance(got, dict), got
+        assert_same((got["losses"], {n: np.array(p, "float32") for n, p in got["params"].items()}), reference)
+
+
+def test_real_ranks_refuse_plain_batches_that_differ(ranks):
+    for r in ranks:
+        assert r["plain_batches_that_differ"].startswith("ValueError"), r["plain_batches_that_differ"]
+        assert "same global batch on every rank" in r["plain_batches_that_differ"]
