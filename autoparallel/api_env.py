@@ -57,6 +57,17 @@ NOT_PROVIDED = {
     "set_mesh": "pass the mesh to each call (shard_tensor, shard_layer, parallelize)",
     "get_mesh": "read it from a distributed tensor (x.mesh) or ap.mesh_of(model)",
     "DistAttr": "use placements (ap.Shard / ap.Replicate / ap.Partial)",
+    # paddle's auto-parallel names whose paddle versions act on paddle's own distributed tensors, not these
+    "enable_auto_dp": "data parallelism needs no switch here: ap.parallelize lays the model out and "
+                      "ap.shard_dataloader(loader, mesh, shard_dims='data') splits the batch",
+    "in_auto_parallel_align_mode": "there is no align mode here: every layout computes one process's values",
+    "shard_op": "reshard the inputs (ap.reshard) before the call, or run a per-shard function with ap.local_map",
+    "ConvParallel": "spatial (width) parallelism of Conv2D is not supported; convolutions run data parallel",
+    "ShardedWeight": "save and load distributed tensors with ap.save_state_dict / ap.load_state_dict",
+    "ShardedStateDict": "save and load distributed tensors with ap.save_state_dict / ap.load_state_dict",
+    "build_sharded_state_dict": "save and load distributed tensors with ap.save_state_dict / ap.load_state_dict",
+    "shard_weight": "save and load distributed tensors with ap.save_state_dict / ap.load_state_dict",
+    "flex_checkpoint": "save and load distributed tensors with ap.save_state_dict / ap.load_state_dict",
 }
 
 
