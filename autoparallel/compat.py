@@ -323,3 +323,17 @@ def gpu_place_for_amp_decorate():
 for _call in AFTER_LOAD:      # paddle was first imported by this module (autoparallel/__init__: param_carry.install)
     _call()
 AFTER_LOAD.clear()
+
+
+@contextlib.contextmanager
+def fresh_parameter_names():
+    """A name generator of its own for what is built inside (``paddle.base.unique_name.switch``): paddle refuses a
+    second parameter of a name given by ``ParamAttr(name=...)`` in one process, and a rebuilt model names its
+    parameters again; generated names go on numbering as they were once the block ends."""
+    from paddle.base import unique_name
+
+    old = unique_name.switch(unique_name.generator)
+    try:
+        yield
+    finally:
+        unique_name.switch(*old)

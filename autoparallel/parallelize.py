@@ -26,10 +26,12 @@ Inputs: a plain tensor entering the model is the global batch (the same on every
 its batch dim over the data dims (``parallel_guard(dims)`` changes those dims); a DistTensor (for example
 from ``autoparallel.data.DistributedDataLoader``) must already live on the model's mesh.
 
-Gradient accumulation follows paddle's ``shard_optimizer``: run ``gradient_accumulation_steps`` forward /
-backward passes, then call ``opt.step()`` once; the gradients are reduced over the data axis and divided
-by that number. From the second step on, backward hooks of the final micro-step launch the fused
-reductions bucket by bucket (parallel/reducer.py); the non-final micro-steps run no gradient reduction.
+Gradient accumulation is paddle's ``gradient_merge`` with ``avg=True``: run ``gradient_accumulation_steps``
+forward / backward passes with the loss as it is, then call ``opt.step()`` once; the gradients are reduced over
+the data axis and divided by that number in the step (unlike ``ap.shard_optimizer(...,
+gradient_accumulation_steps=k)``, whose loop divides its loss). From the second step on, backward hooks of the
+final micro-step launch the fused reductions bucket by bucket (parallel/reducer.py); the non-final micro-steps
+run no gradient reduction.
 """
 from __future__ import annotations
 
@@ -153,7 +155,8 @@ def parallelize(model, optimizer=None, strategy: Strategy | None = None, mesh: P
     layer_state.put(model, "build", build)
     BUILT[:] = [r for r in BUILT if r() is not None and r() is not model] + [weakref.ref(model)]
     if optimizer is not None:
-        optimizer = build_optimizer(build, wrap_optimizer(optimizer, replaced, strategy.gradient_accumulation_steps))
+        optimizer = build_optimizer(build, wrap_optimizer(optimizer, replaced, strategy.gradient_accumulation_steps,
+                                                            "ap.parallelize"))
     if not _deferred:                  # another optimizer over this model's parameters (a GAN's second one)
         from autoparallel.parallel.stale_optimizers import repoint_optimizers
 
@@ -330,7 +333,7 @@ def Optimizer(optimizer, strategy: Strategy | None = None):
             raise ValueError(f"ap.Optimizer: none of the optimizer's {len(params)} parameters belongs to a model "
                              f"built by ap.DataParallel or is distributed (ap.shard_layer / ap.shard_tensor); call "
                              f"ap.DataParallel(model, strategy=s) before ap.Optimizer(optimizer)")
-        return wrap_optimizer(inner, {}, s.gradient_accumulation_steps)
+        return wrap_optimizer(optimizer, {}, s.gradient_accumulation_steps, "ap.Optimizer")
     if strategy is not None and strategy.to_dict() != build.strategy.to_dict() and build.strategy is not strategy:
         raise ValueError(f"ap.Optimizer(strategy=...) differs from the strategy ap.DataParallel built the model "
                          f"with ({build.strategy}); pass the same strategy or none")
@@ -341,11 +344,11 @@ def Optimizer(optimizer, strategy: Strategy | None = None):
     check_optimizer_params(model, inner, "ap.Optimizer", replaced)
     check_supported(build.strategy, inner, build.strategy.validate(world_size=_world_size()))
     if build.pipe is not None:
-        build.optimizer = build.pipe.wrap_optimizer(inner)
+        build.optimizer = build.pipe.wrap_optimizer(optimizer)       # a held wrapper is retired there
         _attach_run(build.pipe, build.optimizer, build.strategy)
         return build.optimizer
     k = build.strategy.gradient_accumulation_steps
-    return build_optimizer(build, wrap_optimizer(inner, replaced, k))
+    return build_optimizer(build, wrap_optimizer(optimizer, replaced, k, "ap.Optimizer"))
 
 
 # Names marked noqa: F401 above live in autoparallel.parallel.* and stay importable from this module.

@@ -14,6 +14,7 @@ carried to. A hook registered before autoparallel was imported is not seen (padd
 Attributes: a parameter's python attributes the user (or a model library) set on it -- ``p.no_decay = True``
 read by a parameter-group filter, PaddleFormers' ``sequence_parallel`` / ``color`` / ``expert`` marks -- were
 lost with the old object; ``carry_attributes`` copies every public one the new parameter does not set itself.
+``follow_optimizer_attrs`` gives a ZeRO master chunk what paddle's optimizers read from its parameter at each step.
 
 Successors: each replaced parameter remembers (weakly) its replacement, so an optimizer built after the layout
 from a list of parameters taken before it (``decay = [p for n, p in model.named_parameters() ...]`` then
@@ -29,6 +30,9 @@ from autoparallel.compat import EagerParamBase, SideData, TensorHookRemoveHelper
 
 _HOOKS = SideData()             # parameter -> [_Record, ...]: its hooks registered while installed
 _WRAPPERS: set = set()          # the register_hook wrappers install() put on EagerParamBase (idempotence)
+# paddle's own parameter attributes (every parameter has them) that making the distributed one does not set:
+# ``ParamAttr(do_model_average=True)`` read back as None
+_PADDLE_UNSET = ("do_model_average",)
 _SUCCESSOR = SideData()         # replaced parameter -> weakref to the distributed parameter replacing it
 
 
@@ -120,11 +124,20 @@ def stale_map(params) -> dict:
 
 def carry_attributes(old, new) -> None:
     """Copy ``old``'s public python attributes that ``new`` lacks (the framework's own, set on ``new`` already,
-    and private names stay as they are)."""
+    and private names stay as they are), and paddle's own that making ``new`` left unset (_PADDLE_UNSET)."""
     mine = vars(new)
     for name, value in vars(old).items():
-        if not name.startswith("_") and name not in mine:
+        if not name.startswith("_") and (name not in mine or name in _PADDLE_UNSET):
             setattr(new, name, value)
+
+
+def follow_optimizer_attrs(param, copy) -> None:
+    """``copy`` (a ZeRO master chunk, a rank's shadow) takes what paddle's optimizers and clips read from
+    ``param`` at each step: ``optimize_attr`` (the learning-rate scale; the dict itself, so an item set later
+    reaches both), ``regularizer`` and ``need_clip``, as the user has them now (set after the layout, too)."""
+    copy.optimize_attr = getattr(param, "optimize_attr", None) or {"learning_rate": 1.0}
+    copy.regularizer = getattr(param, "regularizer", None)
+    copy.need_clip = getattr(param, "need_clip", True)
 
 
 class _Bare:

@@ -15,6 +15,7 @@ Checked and equal to one process: DP 3 / 5 / 6, TP 3, DP 2 x TP 3, DP 3 x TP 2 b
 the refusal of 4 heads over TP 3), a 3-stage pipeline over 4 layers, checkpoints moved between worlds 3, 2 and 4,
 and reshards between Shard / Replicate / Partial of odd shapes on 3 and 2 x 3 ranks with their gradients."""
 import itertools
+import re
 
 import numpy as np
 import paddle
@@ -222,6 +223,14 @@ def test_parallelize_uneven_vocab_and_hidden_equals_one_process(lm_reference, dp
 
 
 # ---- found: the ZeRO state dict over an uneven tensor-parallel split; set_state_dict into ZeRO ------------------
+def _by_accumulator(state: dict) -> dict:
+    """The state keyed without paddle's name counter (``..._moment1_0`` -> ``..._moment1``): the counter an
+    accumulator gets depends on how many were made before in the process, which the suite's order decides."""
+    out = {re.sub(r"_\d+$", "", k): v for k, v in state.items()}
+    assert len(out) == len(state), sorted(state)
+    return out
+
+
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_state_dict_over_uneven_tensor_parallel_equals_one_process(lm_reference, zero):
     """DP 2 x TP 3 (131 vocabulary rows: 44, 44, 43): the gathered optimizer state is the one process's, and the
@@ -239,9 +248,11 @@ def test_zero_state_dict_over_uneven_tensor_parallel_equals_one_process(lm_refer
             m2.set_state_dict(model_sd)
             opt2.set_state_dict(opt_sd)
             resumed = _fit_lm(m2, opt2, 2, first=3)
-    assert sorted(k for k in full if k != "LR_Scheduler") == sorted(want_state)
-    for k, v in want_state.items():
-        np.testing.assert_allclose(np.asarray(full[k]), v, rtol=RTOL, atol=1e-6, err_msg=k)
+    got = _by_accumulator({k: v for k, v in full.items() if k != "LR_Scheduler"})
+    want = _by_accumulator(want_state)
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        np.testing.assert_allclose(np.asarray(got[k]), v, rtol=RTOL, atol=1e-6, err_msg=k)
     np.testing.assert_allclose(resumed, want_next, rtol=RTOL)
 
 

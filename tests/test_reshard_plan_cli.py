@@ -85,7 +85,7 @@ def test_cli_cluster_spec_and_profile(capsys, tmp_path):
     (BASE + ["--to", "R,R", "--dtype", "float7"], "unsupported dtype 'float7'"),
     (BASE + ["--to", "R,R", "--backend", "mpi"], "unknown backend 'mpi'"),
     (BASE + ["--to", "R,R", "--cluster", "8:A100"], "malformed cluster spec '8:A100'"),
-    (BASE + ["--to", "R,R", "--cluster", "/nonexistent/profile.json"], "No such file"),
+    (BASE + ["--to", "R,R", "--cluster", "/nonexistent/profile.json"], "is not a file: expected a profile .json"),
 ])
 def test_cli_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
     code, out, err = run(capsys, argv)

@@ -7,11 +7,13 @@ rebuilt under a new strategy. In a multi-node job pass a ``tmp_dir`` every rank 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 
 from autoparallel.checkpoint import sync
+from autoparallel.compat import fresh_parameter_names
 from autoparallel.checkpoint.atomic import new_nonce, write_file_atomic
 from autoparallel.checkpoint.load import load_state_dict
 from autoparallel.checkpoint.save import save_state_dict
@@ -121,6 +123,20 @@ def _old_names(model, fresh) -> dict:
     return {p.name: old[n].name for n, p in fresh.named_parameters() if n in old}
 
 
+def _carry_param_attrs(model, fresh) -> None:
+    """``fresh``'s parameters take what the user set on ``model``'s after building it (``p.stop_gradient``,
+    ``p.regularizer``, ``p.optimize_attr``, ``p.need_clip``, attributes of their own): a model rebuilt from its
+    config has only what its constructor set, and trained on silently without them."""
+    from autoparallel.param_carry import carry_attributes, follow_optimizer_attrs
+
+    old = dict(model.named_parameters())
+    for n, p in fresh.named_parameters():
+        if n in old:
+            p.stop_gradient = old[n].stop_gradient
+            follow_optimizer_attrs(old[n], p)
+            carry_attributes(old[n], p)
+
+
 def default_build(model, optimizer):
     """``build`` for a model constructed as ``type(model)(model.config)`` and a paddle optimizer (any wrapper)."""
     cls, config = type(model), getattr(model, "config", None)
@@ -137,11 +153,9 @@ def default_build(model, optimizer):
 
         rng = paddle.get_rng_state()
         lazy = strategy.pipeline_parallel.degree <= 1        # the pipeline builds its stages from real values
-        if lazy:
-            with paddle.LazyGuard():
-                fresh = cls(config)
-        else:
+        with fresh_parameter_names(), (paddle.LazyGuard() if lazy else contextlib.nullcontext()):
             fresh = cls(config)
+        _carry_param_attrs(model, fresh)
         opt = None
         if optimizer is not None:
             inner = paddle_optimizer(optimizer)

@@ -174,7 +174,7 @@ class DistModel(PaddleModes, StateDictForms):
             return None
         from autoparallel.parallel.accumulation import wrap_optimizer
 
-        return wrap_optimizer(optimizer, replaced, self._k)
+        return wrap_optimizer(optimizer, replaced, self._k, "ap.to_static")
 
     # ---- batches ----------------------------------------------------------------------------------
     def _micro_batches(self, batch, k):

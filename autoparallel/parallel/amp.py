@@ -163,10 +163,18 @@ class AmpOptimizer(StepHooks):
         self.skipped = 0
         self.last_found_inf = False
         self._scaled = False            # opt.scale(loss) called since the last step / clear_grad
+        sync = getattr(optimizer, "__dict__", {}).get("grad_sync")
+        if sync is not None:            # a clip by hand before the step sees unscaled gradients (hand_clip.py)
+            below = sync.step_divisor
+            sync.step_divisor = lambda: below() * self._pending_scale()
 
     def scale(self, loss):
         self._scaled = True
         return loss * self.scaler.scale_value if self.scaler.scale_value != 1.0 else loss
+
+    def _pending_scale(self) -> float:
+        """The scale the gradients still carry (the step divides it out): set by ``opt.scale(loss)``."""
+        return self.scaler.scale_value if self._scaled else 1.0
 
     def step(self) -> bool:
         """Returns True when the step ran, False when it was skipped. The gradients must come from

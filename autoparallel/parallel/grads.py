@@ -259,6 +259,10 @@ def overlaps() -> bool:
 _SYNCS: "weakref.WeakSet" = weakref.WeakSet()     # every live GradientSync
 
 
+def _one() -> float:
+    return 1.0
+
+
 def owners_of(params) -> list:
     """The live reductions (not retired) whose parameters include any of ``params``."""
     ids = {id(p) for p in params}
@@ -283,6 +287,8 @@ class GradientSync:
         self.reducer = None
         self._dims: dict = {}           # id(param) -> mesh dims its gradient is reduced over by the buckets
         self.retired = False            # another optimizer (ZeRO) reduces these gradients instead
+        self.step_divisor = _one        # what the owner's step still divides the gradients by (hand_clip.py)
+        self._flushed: set = set()      # without overlap: ids a flush before the step reduced (a hand clip's)
         _SYNCS.add(self)
         if overlap:
             from autoparallel import backward_start
@@ -302,15 +308,19 @@ class GradientSync:
         self._plan(params, reduced=False)
         return True
 
-    def flush(self) -> int:
-        """Reduce every gradient not reduced yet; returns the number of buckets launched here."""
+    def flush(self, final: bool = True) -> int:
+        """Reduce every gradient not reduced yet; returns the number of buckets launched here. ``final``: the
+        step's flush (ends the window); else one before it (a clip by hand), whose reductions the step keeps."""
         n = self.reducer.flush() if self.reducer is not None else 0
         params = self.params_fn()
-        late = [p for p in partial_params(params) if self._unplanned(p) and not p.stop_gradient]
+        late = [p for p in partial_params(params) if self._unplanned(p) and not p.stop_gradient
+                and id(p) not in self._flushed]
         extra = plan_buckets(late, self.bucket_bytes, self._unplanned)
         for b in extra:
             reduce_bucket(b)
         n += len(extra)
+        if not self.overlap:            # without hooks nothing marks them reduced: the step's flush skips them
+            self._flushed = set() if final else self._flushed | {id(p) for b in extra for p in b.params}
         frozen = any(p.stop_gradient for b in self.buckets for p in b.params)   # frozen since the plan: no slot
         if self.overlap and (extra or frozen):
             self._plan(params)
@@ -322,6 +332,7 @@ class GradientSync:
 
     def reset(self) -> None:
         """Gradients were cleared: a new accumulation window."""
+        self._flushed.clear()
         if self.reducer is not None:
             self.reducer.reset()
 

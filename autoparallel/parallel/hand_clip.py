@@ -6,7 +6,12 @@ has nothing left to reduce), then paddle's arithmetic runs on the whole gradient
 distinct element once (tensor-parallel shards, data-parallel copies: parallel/clip.py), the clip factor is
 paddle's ``min(max_norm / (norm + 1e-6), 1)``, and every held shard is scaled; ``clip_grad_value_`` clamps
 each shard elementwise. Under ZeRO the gradients leave ``p.grad`` at the step (reduce-scattered into
-chunks): refused there, naming the optimizer's ``grad_clip``."""
+chunks): refused there, naming the optimizer's ``grad_clip``.
+
+The clip acts on the gradients the update will use: a step that still divides them (``strategy.
+gradient_accumulation_steps``: the accumulated sum by the steps; ``strategy.amp`` float16: by the loss scale)
+is accounted for, so the norm, the factor and ``clip_grad_value_``'s bound are one process's, whose loop divides
+its loss and unscales before clipping."""
 from __future__ import annotations
 
 import paddle
@@ -28,7 +33,7 @@ def reduce_first(params, name: str, instead: str) -> None:
     """Reduce the partial gradients of ``params`` now through their optimizers; refuse if none owns them."""
     owners = owners_of(params)
     for sync in owners:
-        sync.flush()
+        sync.flush(final=False)
     owned = {id(p) for sync in owners for p in sync.params_fn()}
     orphan = [p for p in partial_params(params) if id(p) not in owned]
     if orphan:
@@ -36,6 +41,16 @@ def reduce_first(params, name: str, instead: str) -> None:
             f"paddle.nn.utils.{name} over {orphan[0].name}, whose data-parallel gradient is reduced by no "
             f"data-parallel optimizer (under ZeRO sharding gradients are reduce-scattered into chunks at the "
             f"step, outside p.grad): {instead}")
+
+
+def pending_divisor(params, name: str) -> float:
+    """What the step of the optimizers owning ``params`` still divides their gradients by (1: nothing)."""
+    ds = {float(sync.step_divisor()) for sync in owners_of(params)}
+    if len(ds) > 1:
+        raise NotImplementedError(f"paddle.nn.utils.{name} over parameters whose optimizers divide their gradients "
+                                  f"by different factors at the step ({sorted(ds)}: accumulation steps or loss "
+                                  f"scales); clip the parameters of each optimizer by its own call")
+    return ds.pop() if ds else 1.0
 
 
 def _local_grads(params) -> list:
@@ -79,7 +94,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     reduce_first(params, "clip_grad_norm_", instead)
     if not _local_grads(params):
         return paddle.to_tensor(0.0)
-    total = _norm(params, norm_type)
+    total = _norm(params, norm_type) / pending_divisor(params, "clip_grad_norm_")
     if error_if_nonfinite and not (total == total and total != float("inf")):
         raise RuntimeError(f"The total norm of {norm_type} order of the gradients from `parameters` is "
                            f"non-finite, so it cannot be clipped; set error_if_nonfinite=False to scale anyway")
@@ -92,7 +107,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
 def clip_grad_value_(parameters, clip_value, instead="") -> None:
     params = _as_list(parameters)
     reduce_first(params, "clip_grad_value_", instead)
-    v = float(clip_value)
+    v = float(clip_value) * pending_divisor(params, "clip_grad_value_")
     with local_mode(), paddle.no_grad():
         for g in _local_grads(params):
             g.set_value(g.clip(min=-v, max=v))

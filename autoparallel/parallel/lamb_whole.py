@@ -55,7 +55,8 @@ class ZeroLamb:
         self.zero = zero
         with local_mode(), paddle.no_grad():
             self.old = {(id(p), r): m.clone() for r in zero.held for p in zero.params
-                        for m in [zero.master[r].get(id(p))] if m is not None and not m.stop_gradient}
+                        for m in [zero.master[r].get(id(p))] if m is not None and not m.stop_gradient
+                        and not p.stop_gradient}     # frozen since sharding: its chunk is not stepped
 
     def apply(self) -> None:
         z = self.zero

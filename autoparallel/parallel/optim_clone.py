@@ -84,13 +84,22 @@ def _grouped(opt, params, name_map):
     if not groups or not isinstance(groups[0], dict):
         return params
     where = {p.name: i for i, g in enumerate(groups) for p in g["params"]}
-    out = [dict({k: v for k, v in g.items() if k not in ("params", "grad_clip")}, params=[], grad_clip=None)
-           for g in groups]
+    out = [dict({k: v for k, v in g.items() if k not in ("params", "grad_clip")}, params=[], grad_clip=None,
+                **_group_decay(g)) for g in groups]
     for p in params:
         out[where.get(name_map.get(p.name, p.name), 0)]["params"].append(p)
     kept = _Groups(g for g in out if g["params"])
     kept.sources = [bool(g["params"]) for g in out]
     return kept
+
+
+def _group_decay(g) -> dict:
+    """Momentum turns a group's L2 ``weight_decay`` into ``regularization_method`` / ``_coeff`` and sets the
+    group's ``weight_decay`` to None; a clone's constructor reads ``weight_decay`` again (None: no decay), so the
+    L2 decay is given back to it as an L2Decay (the group's decay was dropped on every rank's copy and chunk)."""
+    if g.get("regularization_method") == "l2_decay" and g.get("weight_decay") is None:
+        return {"weight_decay": paddle.regularizer.L2Decay(g.get("regularization_coeff", 0.0))}
+    return {}
 
 
 def copy_group_clips(inner, clone) -> None:

@@ -41,6 +41,7 @@ from autoparallel.parallel.precision_masters import round_unmastered
 from autoparallel.parallel.step_hooks import StepHooks
 from autoparallel.parallel.zero_groups import ZeroGroups, apply_groups
 from autoparallel.parallel.zero_layout import BucketLayout, split_buckets
+from autoparallel.param_carry import follow_optimizer_attrs
 
 STAGES = (1, 2, 3)
 
@@ -127,9 +128,7 @@ class ZeroOptimizer(StepHooks):
             m = EagerParamBase.from_tensor(data)
         m.name = f"{p.name}.zero_r{r}"
         m.stop_gradient = bool(p.stop_gradient)
-        m.optimize_attr = getattr(p, "optimize_attr", {"learning_rate": 1.0})
-        m.regularizer = getattr(p, "regularizer", None)
-        m.need_clip = getattr(p, "need_clip", True)
+        follow_optimizer_attrs(p, m)
         self._names[r][m.name] = p.name
         self.master[r][id(p)] = m
         return m
@@ -331,6 +330,7 @@ class ZeroOptimizer(StepHooks):
                     g = grads[r].get(id(p))
                     if m is None:                       # frozen since the start: no master chunk
                         continue
+                    follow_optimizer_attrs(p, m)        # a regularizer / lr scale set after sharding
                     if g is None or p.stop_gradient:    # paddle steps no frozen parameter
                         m.clear_gradient(False)
                         continue

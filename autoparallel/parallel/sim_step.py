@@ -13,6 +13,7 @@ from __future__ import annotations
 from autoparallel.dist_tensor import is_dist
 from autoparallel.local_mode import local_mode
 from autoparallel.parallel.optim_clone import copy_group_clips, sync_lr
+from autoparallel.param_carry import follow_optimizer_attrs
 
 
 def other_rank_copies(params) -> dict:
@@ -76,9 +77,7 @@ class RankCopies:
             s = EagerParamBase.from_tensor(t)             # shares t's storage: the update lands in t
             s.name = f"{p.name}.sim_r{r}"
             s.stop_gradient = p.stop_gradient
-            s.optimize_attr = getattr(p, "optimize_attr", {"learning_rate": 1.0})
-            s.regularizer = getattr(p, "regularizer", None)
-            s.need_clip = getattr(p, "need_clip", True)
+            follow_optimizer_attrs(p, s)
             names[s.name] = p.name
             self.owner[s.name] = p
             shadows.append(s)
@@ -93,6 +92,7 @@ class RankCopies:
                 sync_lr(self.inner, opt)
                 for t, s in links:
                     s.stop_gradient = t.stop_gradient      # frozen (or unfrozen) since the last step
+                    follow_optimizer_attrs(self.owner[s.name], s)     # its regularizer, lr scale as now
                     if t.grad is None:
                         s.clear_gradient(False)
                     else:

@@ -51,6 +51,10 @@ class PipelineAmpOptimizer(AmpOptimizer):
         super().__init__(optimizer, pipe.loss_scaler, None, params=optimizer.parameters)
         self.__dict__["_pipe"] = pipe
 
+    def _pending_scale(self) -> float:
+        """Every backward of a train_batch (or a call) runs on the pipeline's own loss scale."""
+        return self.scaler.scale_value
+
     def step(self) -> bool:
         self._unscale()
         return self._step_unless(agreed_found_inf(self._pipe, self.params))

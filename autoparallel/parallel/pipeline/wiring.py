@@ -178,6 +178,10 @@ def bind_optimizer(optimizer, pipe):
     inner = optimizer._inner if isinstance(optimizer, ShardedOptimizer) else optimizer
     if not hasattr(inner, "_parameter_list"):
         raise TypeError(f"expected a paddle optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, ShardedOptimizer):         # ap.shard_optimizer's: reduces nothing from now on
+        from autoparallel.parallel.accumulation import retire_wrapper
+
+        retire_wrapper(optimizer)
     if getattr(inner, "_grad_clip", None) is not None:
         check_clip(inner._grad_clip)
     local = dict(pipe.named_parameters())

@@ -83,10 +83,10 @@ class PipelineZeroOptimizer(StepHooks):
         _create_groups(all_meshes, dim, degree)
         by_mesh: dict = {}
         for p in flat_params(optimizer):
-            if p.stop_gradient:
-                continue
             mesh = getattr(p, "mesh", None)
-            if mesh is None:
+            if p.stop_gradient and mesh is None:
+                continue
+            if mesh is None:                # (a frozen parameter joins its stage's ZeRO: it may be unfrozen)
                 raise ValueError(f"ZeRO inside pipeline stages shards each stage's optimizer states over its data "
                                  f"ranks, but parameter {p.name} is on no stage sub-mesh (the pipeline runs plain "
                                  f"tensors when data_parallel.degree * tensor_parallel.degree == 1)")
