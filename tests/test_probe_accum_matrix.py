@@ -34,10 +34,10 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
-from paddle import nn
 
 import autoparallel as ap
 from autoparallel.testing.gpu_scaler import gpu_grad_scaler
+from loops2_helpers import MLP
 
 K = 2
 RNG = np.random.default_rng(0)
@@ -45,15 +45,6 @@ XS = [RNG.standard_normal((8, 6)).astype("float32") for _ in range(9)]
 YS = [RNG.standard_normal((8, 4)).astype("float32") for _ in range(9)]
 TP_PLAN = {"fc1": ap.ColWiseParallel(), "fc2": ap.RowWiseParallel()}
 STAGES = {0: None, 1: ap.ShardingStage1, 2: ap.ShardingStage2, 3: ap.ShardingStage3}
-
-
-class MLP(nn.Layer):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc2(F.tanh(self.fc1(x)))
 
 
 def make(opt="sgd", clip=False, sched=False):
