@@ -452,9 +452,9 @@ def dtensor_from_local(local, mesh: ProcessMesh, placements, global_shape=None, 
     for r, t in locals_.items():
         want = spec.local_shape(mesh.coords_of(r))
         if tuple(t.shape) != tuple(want):
-            raise ValueError(f"rank {r}: local shape {list(t.shape)} disagrees with the spec: expected "
-                             f"{list(want)} for global shape {list(spec.shape)} and placements "
-                             f"[{', '.join(map(str, spec.placements))}]")
+            raise ValueError(f"rank {r}: local shape {list(t.shape)} disagrees with the spec: expected {list(want)} "
+                             f"for global shape {list(spec.shape)}, placements [{', '.join(map(str, spec.placements))}]"
+                             f" (shards of unequal sizes: pass the global shape, global_shape=[...])")
         if normalize_dtype(t.dtype) != ddt:
             raise ValueError(f"rank {r}: local dtype {normalize_dtype(t.dtype)} disagrees with {ddt}")
     return DistTensor(locals_, spec)

@@ -385,3 +385,16 @@ def test_reshard_of_odd_shapes_keeps_values_and_gradients(ranks):
                 np.testing.assert_allclose(y.full().numpy(), x, rtol=1e-6, err_msg=f"{src} -> {dst}")
                 (paddle.sin(y) * w).sum().backward()
                 np.testing.assert_allclose(d.grad.full().numpy(), want, rtol=1e-5, atol=1e-6, err_msg=f"{src} -> {dst}")
+
+
+def test_dtensor_from_local_with_uneven_shards_names_global_shape():
+    """Shards of 3, 3 and 2 rows on 3 ranks: without ``global_shape`` the shape is read as 3 x 3 rows and refused
+    with the way out; with it, the tensor is the rows stacked."""
+    parts = {0: paddle.ones([3, 2]), 1: paddle.ones([3, 2]) * 2, 2: paddle.ones([2, 2]) * 3}
+    with ap.simulate(world_size=3):
+        mesh = ap.ProcessMesh([0, 1, 2], dim_names=["x"])
+        with pytest.raises(ValueError, match=r"expected \[3, 2\].*pass the global shape, global_shape="):
+            ap.dtensor_from_local(parts, mesh, [ap.Shard(0)])
+        d = ap.dtensor_from_local(parts, mesh, [ap.Shard(0)], global_shape=[8, 2])
+        want = np.concatenate([p.numpy() for p in parts.values()])
+        np.testing.assert_array_equal(d.full().numpy(), want)
