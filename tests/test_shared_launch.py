@@ -131,8 +131,11 @@ def test_real_ranks_a_failing_job_is_reported_and_the_jobs_after_it_run_again(tm
     runs in a second launch."""
     monkeypatch.setattr(shared_launch, "launches", [])
     ok = script(tmp_path, "ok", "import paddle.distributed as dist\nwrite_result(dist.get_rank())")
+    # both ranks meet first: rank 1 fails only once rank 0 has recorded "ok" (a loaded machine let rank 1 finish
+    # "ok" and fail before rank 0 had finished "ok", whose results then died with the launch)
     boom = script(tmp_path, "boom", """
-        import paddle.distributed as dist
+        import paddle, paddle.distributed as dist
+        dist.all_reduce(paddle.to_tensor([1.0]))
         if dist.get_rank() == 1:
             raise ValueError("rank 1 broke on purpose")
         write_result("survived")""")
