@@ -40,8 +40,8 @@ Stores: under ``paddle.distributed.launch`` a client of the job's TCP store (the
 rank sees (on a disk busy with writes, a heartbeat write can stall past a short timeout and read as an unreachable
 directory: keep it on tmpfs or a quiet disk); a single process needs none. The TCP store costs ~45 ms per
 request, so a rank watches all peers up to 16 ranks and its next ``AP_WATCHDOG_PEERS`` (default 4) ranks in a
-ring beyond, everyone polling the abort note. Other ways a rank ends are reported too: an exception in the main thread (for example the
-"Connection reset by peer" of a collective whose peer died) first waits up to ``timeout`` for the judge to
+ring beyond, everyone polling the abort note. Other ways a rank ends are reported too: an exception in the main
+thread (for example the "Connection reset by peer" of a collective whose peer died) first waits up to ``timeout`` for the judge to
 name a lost rank, and SIGTERM (the launcher tearing the job down after a peer died) is held for
 ``term_grace`` seconds so the report is written before the process ends.
 """
