@@ -35,15 +35,15 @@ Each heartbeat also carries this rank's collective log (comm/collective_log.py, 
 compares every peer's with its own and ends every rank with ``CollectiveMismatchError`` when two ranks' collectives
 on a group they share differ (code that ran on some ranks only), about two heartbeats after the collective.
 
-Stores: under ``paddle.distributed.launch`` a client of the job's TCP store (the one
-``init_parallel_env`` creates, served by rank 0); ``AP_WATCHDOG_STORE=file:<dir>`` uses a directory every
-rank sees (on a disk busy with writes, a heartbeat write can stall past a short timeout and read as an unreachable
-directory: keep it on tmpfs or a quiet disk); a single process needs none. The TCP store costs ~45 ms per
-request, so a rank watches all peers up to 16 ranks and its next ``AP_WATCHDOG_PEERS`` (default 4) ranks in a
-ring beyond, everyone polling the abort note. Other ways a rank ends are reported too: an exception in the main
-thread (for example the "Connection reset by peer" of a collective whose peer died) first waits up to ``timeout`` for the judge to
-name a lost rank, and SIGTERM (the launcher tearing the job down after a peer died) is held for
-``term_grace`` seconds so the report is written before the process ends.
+Stores: under ``paddle.distributed.launch`` a client of the job's TCP store (the one ``init_parallel_env`` creates,
+served by rank 0); ``AP_WATCHDOG_STORE=file:<dir>`` uses a directory every rank sees (on a disk busy with writes, a
+heartbeat write can stall past a short timeout and read as an unreachable directory: keep it on tmpfs or a quiet
+disk); a single process needs none. The TCP store costs ~45 ms per request, so a rank watches all peers up to 16
+ranks and its next ``AP_WATCHDOG_PEERS`` (default 4) ranks in a ring beyond, everyone polling the abort note. Other
+ways a rank ends are reported too: an exception in the main thread (for example the "Connection reset by peer" of a
+collective whose peer died) first waits up to ``timeout`` for the judge to name a lost rank, and SIGTERM (the
+launcher tearing the job down after a peer died) is held for ``term_grace`` seconds so the report is written before
+the process ends.
 """
 from __future__ import annotations
 
