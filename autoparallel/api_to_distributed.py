@@ -125,7 +125,8 @@ def _global_batch(dataloader) -> int:
     """The loader's batch size: the global batch of one step (paddle's loader here is not yet distributed)."""
     sampler = getattr(dataloader, "batch_sampler", None)
     size = getattr(sampler, "batch_size", None) or getattr(dataloader, "batch_size", None)
-    if integral(size) is None or integral(size) < 1:
+    n = integral(size)
+    if n is None or n < 1:
         raise ValueError(f"to_distributed: the dataloader must have a batch size (paddle.io.DataLoader with "
                          f"batch_size or a BatchSampler), got {type(dataloader).__name__} with batch size {size!r}")
-    return integral(size)
+    return n

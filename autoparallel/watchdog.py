@@ -50,12 +50,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import numbers
 import os
 import socket
 import threading
 import time
 
+from autoparallel.config.fields import integral
 from autoparallel.watchdog_heartbeat import HeartbeatMixin
 from autoparallel.watchdog_judge import JudgingMixin
 from autoparallel.watchdog_messages import _their_op, _write_stderr
@@ -132,8 +132,7 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
 
     @staticmethod
     def _identity(rank, world_size):
-        rank, world_size = (int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v
-                            for v in (rank, world_size))                   # numpy ints as ints
+        rank, world_size = (v if integral(v) is None else integral(v) for v in (rank, world_size))  # numpy ints
         for name, v in (("rank", rank), ("world_size", world_size)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")

@@ -33,7 +33,7 @@ def _int(lo=1, optional=False, hi=None, hi_text=None):
     def check(name, v):
         if v is None and optional:
             return None
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+        if integral(v) is None:
             expected = f"an integer >= {lo}" + (" or None" if optional else "")
             raise TypeError(f"{name} must be {expected}, got {v!r}")
         if v < lo:

@@ -19,9 +19,9 @@ such a head shards its first dim: the vocabulary. Tied parameters stay one param
 from __future__ import annotations
 
 import fnmatch
-import numbers
 from dataclasses import dataclass, field, fields
 
+from autoparallel.config.fields import integral
 from autoparallel.dist_tensor import DistTensor, is_dist, reshard, shard_tensor
 from autoparallel.parallel.tp_adapters import adapter_targets, base_linear, is_adapter_wrapper
 from autoparallel.placement import Partial, Replicate, Shard
@@ -113,8 +113,8 @@ class _Style:
             if f.type in (bool, "bool") and not isinstance(v, bool):
                 raise TypeError(f"{type(self).__name__}({f.name}=...) expects True or False, got "
                                 f"{type(v).__name__} {v!r}")
-            if f.name == "seq_dim" and isinstance(v, numbers.Integral) and not isinstance(v, bool):   # numpy's too
-                v = int(v)
+            if f.name == "seq_dim" and integral(v) is not None:             # numpy's too
+                v = integral(v)
                 object.__setattr__(self, f.name, v)
             if f.name == "seq_dim" and (isinstance(v, bool) or not isinstance(v, int)):
                 raise TypeError(f"{type(self).__name__}(seq_dim=...) expects a tensor dim (an int >= 0), got "
