@@ -143,13 +143,14 @@ def conversion_dtype(name: str, dtype):
 
 def to_dtype(self_dtype, args, kwargs, dist_type=None):
     """The dtype ``Tensor.to(*args, **kwargs)`` gives a tensor of ``self_dtype`` (paddle's own parser, run
-    on a 0-d CPU tensor; a distributed ``other`` (of ``dist_type``) stands in as a 0-d tensor of its dtype)."""
+    on a 0-d tensor on the default place; a distributed ``other`` (of ``dist_type``) stands in as a 0-d tensor of
+    its dtype); a move to a device of another kind than the default place's is refused."""
     def stand_in(v):
         return paddle.zeros([], dtype=v.dtype) if dist_type is not None and isinstance(v, dist_type) else v
 
     out = original(paddle.Tensor.to)(paddle.zeros([], dtype=self_dtype), *[stand_in(a) for a in args],
                                      **{k: stand_in(v) for k, v in kwargs.items()})
-    if not out.place.is_cpu_place() and paddle.zeros([]).place.is_cpu_place():
+    if _device_kind(out.place) != _device_kind(paddle.device.get_device()):      # ("cpu" on a GPU too)
         raise NotImplementedError("Tensor.to: moving a distributed tensor to another device is not supported; "
                                   "shards live where their ranks run")
     return out.dtype

@@ -260,7 +260,8 @@ def _like_bytes(like) -> int:
 
 
 class _Counting:
-    """The transport's six calls, each reported (kind, group, bytes) before it runs."""
+    """The transport's six calls (and the asynchronous in-place all_reduce of gradient buckets), each reported
+    (kind, group, bytes) before it runs."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -279,6 +280,10 @@ class _Counting:
     def all_reduce(self, xs, ranks, op):
         _record("all_reduce", ranks, _member_bytes(xs))
         return self.inner.all_reduce(xs, ranks, op)
+
+    def start_all_reduce_(self, x, ranks):
+        _record("all_reduce", ranks, _nbytes(x))
+        return self.inner.start_all_reduce_(x, ranks)
 
     def reduce_scatter(self, xs, ranks, op, axis):
         _record("reduce_scatter", ranks, _member_bytes(xs))

@@ -226,6 +226,14 @@ class RealTransport:
             dist = self._dist()
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self._group(ranks))
 
+    def start_all_reduce_(self, x, ranks):
+        """``all_reduce_`` launched with ``sync_op=False`` (a backend that overlaps: NCCL); returns paddle's task,
+        whose ``wait()`` completes it. Noted and agreed like every collective (the watchdog names it meanwhile)."""
+        with watchdog.op("all_reduce"):
+            self._agree("all_reduce", ranks, payload={self.rank: x})
+            dist = self._dist()
+            return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self._group(ranks), sync_op=False)
+
     def _all_reduce(self, xs, ranks, op):
         dist = self._dist()
         (x,) = xs.values()
@@ -234,24 +242,26 @@ class RealTransport:
         y = x.astype("float32") if self.caps.reduce_dtype(name) != name else x.clone()
         y = y.contiguous()
         native = op if self.caps.reduce_natively(op) else ("sum" if op == "avg" else op)
-        rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-               "avg": getattr(dist.ReduceOp, "AVG", None)}[native]
-        dist.all_reduce(y, op=rop, group=self._group(ranks))
+        dist.all_reduce(y, op=_reduce_op(dist, native), group=self._group(ranks))
         if op == "avg" and native == "sum":
             y = y / len(ranks)
         return {self.rank: y.astype(dtype) if y.dtype != dtype else y}
 
     def _reduce_scatter(self, xs, ranks, op, axis):
+        """Native where the backend has reduce_scatter, reduces ``op`` natively and ``x``'s dtype exactly: along
+        any axis (dim ``axis`` moved to the front, where paddle splits the parts, and back) and for avg too;
+        else all_reduce + slice."""
         (x,) = xs.values()
         k = ranks.index(self.rank)
-        if self.caps.has("reduce_scatter") and op == "sum" and axis == 0:
+        name = str(x.dtype).split(".")[-1]
+        if self.caps.has("reduce_scatter") and self.caps.reduce_natively(op) and self.caps.reduce_dtype(name) == name:
             dist = self._dist()
-            parts = paddle.split(x, len(ranks), axis=0)
+            parts = paddle.split(x if axis == 0 else paddle.moveaxis(x, axis, 0), len(ranks), axis=0)
             order = self._rank_order(ranks)
-            out = paddle.empty_like(parts[0])
-            dist.reduce_scatter(out, [parts[ranks.index(r)].contiguous() for r in order],
+            out = paddle.empty(parts[0].shape, dtype=x.dtype)
+            dist.reduce_scatter(out, [parts[ranks.index(r)].contiguous() for r in order], op=_reduce_op(dist, op),
                                 group=self._group(ranks))
-            return {self.rank: out}
+            return {self.rank: out if axis == 0 else paddle.moveaxis(out, 0, axis).contiguous()}
         total = self._all_reduce(xs, ranks, op)[self.rank]
         return {self.rank: paddle.split(total, len(ranks), axis=axis)[k]}
 
@@ -316,6 +326,12 @@ class RealTransport:
                 dist.recv(buf, src=s, group=self._group(sorted((s, d))))
                 out[d] = buf
         return out
+
+
+def _reduce_op(dist, op: str):
+    """paddle's ReduceOp for ``op`` ("sum", "avg", "max", "min")."""
+    return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+            "avg": getattr(dist.ReduceOp, "AVG", None)}[op]
 
 
 def round_robin(n: int) -> list:

@@ -136,15 +136,18 @@ def _local_grads(params):
 
 
 def found_inf(params, mesh=None) -> bool:
-    """Whether any rank's gradients hold inf/nan: a local flag all-reduced (max) over every dim of ``mesh``."""
+    """Whether any rank's gradients hold inf/nan: a local flag all-reduced (max) over every dim of ``mesh``. The
+    flags stay on the device until the one read of the agreed result (not one read per gradient)."""
     held = current_world().local_ranks(mesh.process_ids) if mesh is not None else [current_world().rank]
-    flags = {r: 0.0 for r in held}
+    flags = {r: None for r in held}
     with local_mode(), paddle.no_grad():
         for p in params:
             for r, t in (p.locals.items() if is_dist(p) else [(held[0], p)]):
-                if t.grad is not None and not bool(paddle.isfinite(t.grad).all()):
-                    flags[r] = 1.0
-        xs = {r: paddle.full([1], v, dtype="float32") for r, v in flags.items()}   # to_tensor leaks a list per call (paddle 3.3)
+                if t.grad is not None:
+                    here = paddle.logical_not(paddle.isfinite(t.grad).all())
+                    flags[r] = here if flags.get(r) is None else paddle.logical_or(flags[r], here)
+        xs = {r: paddle.zeros([1], dtype="float32") if v is None else v.astype("float32").reshape([1])
+              for r, v in flags.items()}
         if mesh is not None:
             for d in range(mesh.ndim):
                 xs = C.mesh_groups_apply(xs, mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "max"))

@@ -221,7 +221,7 @@ def unscale_and_check(optimizer, inv: float) -> bool:
     from autoparallel.local_mode import local_mode
 
     _no_backward_overlap(optimizer)
-    bad = False
+    bad = None                  # on the device: one read to the host per step, not one per gradient
     with local_mode(), paddle.no_grad():
         for p in _params(optimizer):
             for t in (p.locals.values() if is_dist(p) else [p]):
@@ -230,19 +230,18 @@ def unscale_and_check(optimizer, inv: float) -> bool:
                     continue
                 if inv != 1.0:
                     g.set_value(g * inv)
-                if not bad and not bool(paddle.isfinite(g).all()):
-                    bad = True
+                here = paddle.logical_not(paddle.isfinite(g).all())
+                bad = here if bad is None else paddle.logical_or(bad, here)
+    flag = paddle.zeros([1], dtype="int32") if bad is None else bad.astype("int32").reshape([1])
     multi, _, _ = job()
     if multi:
         import paddle.distributed as dist
 
         from autoparallel import watchdog
 
-        flag = paddle.full([1], 1 if bad else 0, dtype="int32")
         with watchdog.op("GradScaler.found_inf"):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        bad = bool(int(flag.numpy()[0]))
-    return bad
+    return bool(int(flag.numpy()[0]))
 
 
 __all__ = ["install", "is_ap_optimizer", "unscale_and_check"]

@@ -19,23 +19,26 @@ from autoparallel.local_mode import local_mode
 
 
 def global_norm(terms) -> float:
-    """sqrt(sum of squares) of the distinct elements described by ``terms`` (same on every rank)."""
+    """sqrt(sum of squares) of the distinct elements described by ``terms`` (same on every rank). The squares are
+    summed on the device, in float64 as a Python float would: one read to the host per mesh, not one per tensor
+    (each read waits for the device)."""
     by_mesh: dict = {}
     for locals_, mesh, sharded in terms:
         bad = [d for d in sharded if d not in mesh.dim_names]
         if bad:
             raise ValueError(f"sharded dims {bad} are not dims of the mesh {mesh.dim_names}")
-        acc = by_mesh.setdefault(mesh, {r: 0.0 for r in current_world().local_ranks(mesh.process_ids)})
+        acc = by_mesh.setdefault(mesh, {r: None for r in current_world().local_ranks(mesh.process_ids)})
         for r, t in locals_.items():
             if t is None or numel(t) == 0 or not _counts(mesh, r, sharded):
                 continue
             with local_mode(), paddle.no_grad():
-                acc[r] += square_sum(t)
+                s = square_sum_tensor(t)
+                acc[r] = s if acc[r] is None else acc[r] + s
     total = 0.0
     for mesh, acc in by_mesh.items():
         if not acc:
             continue
-        xs = {r: paddle.to_tensor([v], dtype="float64") for r, v in acc.items()}
+        xs = {r: paddle.zeros([1], dtype="float64") if v is None else v.reshape([1]) for r, v in acc.items()}
         with local_mode(), paddle.no_grad():
             for d in range(mesh.ndim):
                 xs = C.mesh_groups_apply(xs, mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "sum"))
@@ -108,4 +111,9 @@ def _plain_norm(g) -> float:
 
 def square_sum(t) -> float:
     """Sum of squares in float32 (low precision upcast), in float64 for a float64 tensor (as paddle's clips)."""
-    return float(((t if t.dtype == paddle.float64 else t.astype("float32")) ** 2).sum())
+    return float(square_sum_tensor(t))
+
+
+def square_sum_tensor(t):
+    """``square_sum`` as a float64 tensor on ``t``'s device (no read to the host)."""
+    return ((t if t.dtype == paddle.float64 else t.astype("float32")) ** 2).sum().astype("float64")

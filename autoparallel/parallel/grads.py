@@ -211,16 +211,15 @@ def _unpack(params, flat, bufs=None) -> None:
 
 
 def _start_all_reduce(flat, mesh, dim):
-    """``dist.all_reduce(sync_op=False)`` of this rank's buffer in place; None if there is nothing to do."""
-    import paddle.distributed as dist
-
-    from autoparallel.comm.groups import get_group
+    """``dist.all_reduce(sync_op=False)`` of this rank's buffer in place, through the transport (noted, agreed and
+    counted as every collective); None if there is nothing to do."""
+    from autoparallel.comm.transport import transport_for
 
     (rank, buf), = flat.items()
     ranks = mesh.group_ranks(dim, rank)
     if len(ranks) == 1 or numel(buf) == 0:
         return None
-    return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=get_group(ranks), sync_op=False)
+    return transport_for(current_world()).start_all_reduce_(buf, ranks)
 
 
 class Pending:
