@@ -57,6 +57,9 @@ NOT_PROVIDED = {
     "set_mesh": "pass the mesh to each call (shard_tensor, shard_layer, parallelize)",
     "get_mesh": "read it from a distributed tensor (x.mesh) or ap.mesh_of(model)",
     "DistAttr": "use placements (ap.Shard / ap.Replicate / ap.Partial)",
+    "auto_parallel": "paddle's auto_parallel module acts on paddle's own distributed tensors; its public functions "
+                     "are here at the top level (ap.shard_tensor, ap.dtensor_from_local, ap.dtensor_to_local, "
+                     "ap.local_map, ...)",
     # paddle's auto-parallel names whose paddle versions act on paddle's own distributed tensors, not these
     "enable_auto_dp": "data parallelism needs no switch here: ap.parallelize lays the model out and "
                       "ap.shard_dataloader(loader, mesh, shard_dims='data') splits the batch",

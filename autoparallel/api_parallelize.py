@@ -54,6 +54,13 @@ def paddle_form(model, strategy, mesh, config, tp_plan):
         _check_split(model, (config or {}).get("pp_config"), strategy)
         _check_sp_keys(model, (config or {}).get("mp_config"))
     tp_plan, prepares = split_prepares(tp_plan)
+    if tp_plan and config is not None and strategy.tensor_parallel.degree == 1:
+        # paddle's: a plan over a size-1 'mp' dim (a script run with mp = 1) keeps every layer whole; its keys
+        # must still name layers (a typo is refused as with mp > 1)
+        from autoparallel.parallel.tensor_parallel import match_plan
+
+        match_plan(model, tp_plan)
+        tp_plan = None
     if prepares and strategy is not None and strategy.pipeline_parallel.degree > 1:
         raise NotImplementedError("ap.parallelize: PrepareLayerInput/Output hooks with pipeline parallelism (the "
                                   "model is rebuilt into stages) are not supported")
@@ -122,9 +129,6 @@ def strategy_from_config(config: dict, mesh=None, strategy=None, tp_plan=None):
     if config.get("cp_config") is not None:
         raise NotImplementedError("ap.parallelize: cp_config (context parallelism, ring attention) is not supported; "
                                   "drop cp_config")
-    if plan and deg["model"] == 1:
-        raise ValueError(f"ap.parallelize: mp_config.parallelize_plan shards layers over the tensor-parallel mesh dim, "
-                         f"but the mesh {mesh.dim_names} {mesh.shape} has none of size > 1 (name it 'mp')")
     return s, _our_mesh(mesh, deg), plan
 
 

@@ -88,7 +88,51 @@ def dtensor_from_local(local_tensor=_UNSET, mesh=None, placements=None, global_s
     ndim = len(global_shape) if global_shape is not None else _local_ndim(local_tensor)
     if ndim is not None:
         pl = normalize_dims(pl, ndim)
+    if global_shape is None:
+        global_shape = _agreed_global_shape(local_tensor, mesh, pl)
     return _dt.dtensor_from_local(local_tensor, mesh, pl, global_shape=global_shape, dtype=dtype)
+
+
+def _agreed_global_shape(local, mesh, placements):
+    """On real ranks (one shard per process) the global shape from every rank's size along each sharded dim,
+    agreed by one small all-reduce per sharded mesh dim: uneven shards (7 rows over 2 ranks: 4 and 3) make one
+    global shape on every rank. Inferred alone, each rank took its own size times the shard count (rank 0 [8, 3],
+    rank 1 [6, 3]) and the next collective aborted the process. None: the default inference (the simulated world,
+    which holds every shard, and layouts without a Shard)."""
+    import numpy as np
+    import paddle
+
+    from autoparallel.comm.world import current_world
+    from autoparallel.core.placement import Shard, chunk_sizes
+
+    world = current_world()
+    sharding = [(i, p.dim) for i, p in enumerate(placements) if type(p) is Shard and mesh.shape[i] > 1]
+    if world.is_simulated or not isinstance(local, paddle.Tensor) or not sharding or not mesh.contains(world.rank):
+        return None
+    from autoparallel.comm.transport import transport_for
+
+    shape, coords = list(local.shape), mesh.coords_of(world.rank)
+    for i, d in sharding:
+        if not 0 <= d < len(shape):
+            return None                                # out of range: refused by dist_tensor.dtensor_from_local
+        ranks = next(g for g in mesh.all_groups(i) if world.rank in g)
+        mine = np.zeros(mesh.shape[i], dtype="float32")
+        mine[coords[i]] = local.shape[d]
+        sizes = transport_for(world).all_reduce({world.rank: paddle.to_tensor(mine)}, ranks, "max")[world.rank]
+        sizes = [int(n) for n in sizes.numpy()]
+        co_sharded = sum(1 for _, e in sharding if e == d) > 1
+        if len(set(sizes)) == 1:
+            shape[d] = sizes[0] * mesh.shape[i] if not co_sharded else shape[d]
+        elif co_sharded or sizes != chunk_sizes(sum(sizes), len(sizes)):
+            raise ValueError(f"dtensor_from_local: the local shards along dim {d} have sizes {sizes} on the ranks "
+                             f"{ranks} of mesh dim {mesh.dim_names[i]!r}, which is not a layout of this project "
+                             f"(ceil division: {sum(sizes)} over {len(sizes)} is {chunk_sizes(sum(sizes), len(sizes))}"
+                             f"); pass the global shape, global_shape=[...]")
+        else:
+            shape[d] = sum(sizes)
+    if any(sum(1 for _, e in sharding if e == d) > 1 for _, d in sharding):
+        return None                                    # co-sharded with equal sizes: the default inference
+    return shape
 
 
 def _local_ndim(local):
