@@ -301,3 +301,23 @@ def test_to_another_device_is_refused_on_a_gpu_too(monkeypatch):
         for where in ("cpu", paddle.CPUPlace()):
             with pytest.raises(NotImplementedError, match="another device"):
                 x.to(where)
+
+
+# ---- in process: which backend a launched rank's world reports -----------------------------------------------------
+@pytest.mark.parametrize("device,initialized,group_backend,expected", [
+    ("gpu:0", False, None, "nccl"),         # before init_parallel_env: read from the device
+    ("cpu", False, None, "gloo"),
+    ("gpu:0", True, "NCCL", "nccl"),
+    ("gpu:0", True, "GLOO", "gloo"),        # gloo on GPUs: the emulations, not NCCL-only calls that gloo refuses
+    ("xpu:0", True, "BKCL", "gloo"),        # another backend: the conservative table (emulated, exact reductions)
+    ("cpu", True, "GLOO", "gloo"),
+])
+def test_the_world_reports_the_default_groups_backend(monkeypatch, device, initialized, group_backend, expected):
+    import paddle.distributed as dist
+
+    from autoparallel.comm.world import RealWorld
+
+    monkeypatch.setattr(paddle, "get_device", lambda: device)
+    monkeypatch.setattr(dist, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: group_backend)
+    assert RealWorld().backend == expected

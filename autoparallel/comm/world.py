@@ -35,14 +35,25 @@ class RealWorld(World):
         # PADDLE_TRAINERS_NUM): a shard placed then is this rank's own, not rank 0's on every rank
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        place = paddle.get_device()
-        self.backend = "nccl" if place.startswith("gpu") else "gloo"
+        self.backend = backend_of(paddle.get_device(), dist)
 
     def local_ranks(self, ranks) -> list[int]:
         return [r for r in ranks if r == self.rank]
 
     def __repr__(self):
         return f"RealWorld(rank={self.rank}, world_size={self.world_size}, backend={self.backend})"
+
+
+def backend_of(device: str, dist) -> str:
+    """The capability table's backend for this process: the default group's own (``dist.get_backend()``) once the
+    parallel env is up, else read from the device. NCCL is "nccl"; gloo and every other backend (BKCL, XCCL) are
+    "gloo", whose table emulates what it lacks: correct everywhere, if slower than a backend's native calls."""
+    if dist.is_initialized():
+        try:
+            return "nccl" if str(dist.get_backend()).lower() == "nccl" else "gloo"
+        except RuntimeError:                    # this rank is outside the global group: read the device
+            pass
+    return "nccl" if device.startswith("gpu") else "gloo"
 
 
 class SimWorld(World):
