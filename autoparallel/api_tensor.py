@@ -95,44 +95,64 @@ def dtensor_from_local(local_tensor=_UNSET, mesh=None, placements=None, global_s
 
 def _agreed_global_shape(local, mesh, placements):
     """On real ranks (one shard per process) the global shape from every rank's size along each sharded dim,
-    agreed by one small all-reduce per sharded mesh dim: uneven shards (7 rows over 2 ranks: 4 and 3) make one
-    global shape on every rank. Inferred alone, each rank took its own size times the shard count (rank 0 [8, 3],
-    rank 1 [6, 3]) and the next collective aborted the process. None: the default inference (the simulated world,
-    which holds every shard, and layouts without a Shard)."""
-    import numpy as np
+    agreed by one small all-reduce per sharded tensor dim over the ranks of the mesh dims sharding it: uneven
+    shards (7 rows over 2 ranks: 4 and 3; over both dims of a 2 x 2 mesh: 2, 2, 2, 1) make one global shape on
+    every rank. Inferred alone, each rank took its own size times the shard count (rank 0 [8, 3], rank 1 [6, 3])
+    and the next collective aborted the process. None: the default inference (the simulated world, which holds
+    every shard, and layouts without a Shard)."""
     import paddle
 
     from autoparallel.comm.world import current_world
-    from autoparallel.core.placement import Shard, chunk_sizes
+    from autoparallel.core.placement import Shard
 
     world = current_world()
-    sharding = [(i, p.dim) for i, p in enumerate(placements) if type(p) is Shard and mesh.shape[i] > 1]
-    if world.is_simulated or not isinstance(local, paddle.Tensor) or not sharding or not mesh.contains(world.rank):
+    by_dim: dict = {}                                   # tensor dim -> the mesh dims sharding it, in mesh order
+    for i, p in enumerate(placements):
+        if type(p) is Shard and mesh.shape[i] > 1:
+            by_dim.setdefault(p.dim, []).append(i)
+    if world.is_simulated or not isinstance(local, paddle.Tensor) or not by_dim or not mesh.contains(world.rank):
         return None
-    from autoparallel.comm.transport import transport_for
-
-    shape, coords = list(local.shape), mesh.coords_of(world.rank)
-    for i, d in sharding:
+    shape = list(local.shape)
+    for d, mdims in by_dim.items():
         if not 0 <= d < len(shape):
             return None                                # out of range: refused by dist_tensor.dtensor_from_local
-        ranks = next(g for g in mesh.all_groups(i) if world.rank in g)
-        mine = np.zeros(mesh.shape[i], dtype="float32")
-        mine[coords[i]] = local.shape[d]
-        sizes = transport_for(world).all_reduce({world.rank: paddle.to_tensor(mine)}, ranks, "max")[world.rank]
-        sizes = [int(n) for n in sizes.numpy()]
-        co_sharded = sum(1 for _, e in sharding if e == d) > 1
-        if len(set(sizes)) == 1:
-            shape[d] = sizes[0] * mesh.shape[i] if not co_sharded else shape[d]
-        elif co_sharded or sizes != chunk_sizes(sum(sizes), len(sizes)):
-            raise ValueError(f"dtensor_from_local: the local shards along dim {d} have sizes {sizes} on the ranks "
-                             f"{ranks} of mesh dim {mesh.dim_names[i]!r}, which is not a layout of this project "
-                             f"(ceil division: {sum(sizes)} over {len(sizes)} is {chunk_sizes(sum(sizes), len(sizes))}"
-                             f"); pass the global shape, global_shape=[...]")
-        else:
-            shape[d] = sum(sizes)
-    if any(sum(1 for _, e in sharding if e == d) > 1 for _, d in sharding):
-        return None                                    # co-sharded with equal sizes: the default inference
+        shape[d] = _agreed_dim_size(world, mesh, mdims, d, local.shape[d])
     return shape
+
+
+def _agreed_dim_size(world, mesh, mdims, d, mine_size):
+    """Tensor dim ``d``'s global size from the local sizes of the ranks sharing this rank's place on every mesh
+    dim but ``mdims`` (one all-reduce); ValueError (the same on each of those ranks) if the sizes are no layout
+    of this project: ceil-division chunks over ``mdims[0]``, each chunked over ``mdims[1]``, ..."""
+    import numpy as np
+    import paddle
+
+    from autoparallel.comm.transport import transport_for
+
+    ids = np.moveaxis(np.asarray(mesh.process_ids).reshape(mesh.shape), mdims, range(-len(mdims), 0))
+    group = int(np.prod([mesh.shape[i] for i in mdims]))
+    ranks = next(row for row in ids.reshape(-1, group).tolist() if world.rank in row)
+    mine = np.zeros(len(ranks), dtype="float32")
+    mine[ranks.index(world.rank)] = mine_size
+    sizes = transport_for(world).all_reduce({world.rank: paddle.to_tensor(mine)}, ranks, "max")[world.rank]
+    sizes = [int(n) for n in sizes.numpy()]
+    want = _nested_chunks(sum(sizes), [mesh.shape[i] for i in mdims])
+    if sizes != want:
+        names = [mesh.dim_names[i] for i in mdims]
+        where = f"mesh dim {names[0]!r}" if len(names) == 1 else f"mesh dims {names}"
+        raise ValueError(f"dtensor_from_local: the local shards along dim {d} have sizes {sizes} on the ranks "
+                         f"{ranks} of {where}, which is not a layout of this project (ceil division: {sum(sizes)} "
+                         f"over {len(sizes)} is {want}); pass the global shape, global_shape=[...]")
+    return sum(sizes)
+
+
+def _nested_chunks(n: int, counts: list) -> list:
+    """The chunk sizes of ``n`` items split over ``counts[0]``, each chunk over ``counts[1]``, ... (flat, in
+    mesh order): 7 over [2, 2] -> [2, 2, 2, 1]."""
+    from autoparallel.core.placement import chunk_sizes
+
+    sizes = chunk_sizes(n, counts[0])
+    return sizes if len(counts) == 1 else [c for s in sizes for c in _nested_chunks(s, counts[1:])]
 
 
 def _local_ndim(local):

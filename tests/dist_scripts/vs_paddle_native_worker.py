@@ -1,4 +1,5 @@
-"""Runs on every rank (2): the same small user programs written against ``paddle.distributed`` (paddle's own
+"""Runs on every rank (2; or 4 with the argument ``vs_paddle_native_programs4``, the program set on 2 x 2 meshes):
+the same small user programs written against ``paddle.distributed`` (paddle's own
 auto-parallel, dygraph on CPU over gloo) and against ``autoparallel``; reports per program and API the global
 values, each explicitly placed tensor's local shard, the output placements, or the error raised.
 
@@ -10,6 +11,9 @@ result, per rank: {program: {"paddle": outcome, "ap": outcome}}, an outcome bein
 ``compare`` (used by the test and by tools/check_vs_paddle_native.py) lists the differences of one program; the
 tables below name the documented ones (docs/vs_paddle_native.md).
 """
+import importlib
+import re
+import sys
 import traceback
 
 import numpy as np
@@ -57,16 +61,26 @@ OURS_DIFFER = {
 }
 
 
-def documented(name: str) -> str:
+def program_set(module: str = ""):
+    """The programs and their tables: (PROGRAMS, ORACLES, PADDLE_RAISES, PADDLE_WRONG, OURS_DIFFER) of the 2-rank
+    set (``module`` empty) or of the module named (``vs_paddle_native_programs4``: the 4-rank set)."""
+    if not module:
+        return PROGRAMS, ORACLES, PADDLE_RAISES, PADDLE_WRONG, OURS_DIFFER
+    m = importlib.import_module(module)
+    return m.PROGRAMS, m.ORACLES, m.PADDLE_RAISES, m.PADDLE_WRONG, m.OURS_DIFFER
+
+
+def documented(name: str, module: str = "") -> str:
     """Why program ``name`` may differ from paddle (empty: it must be equal)."""
-    if name in PADDLE_RAISES:
-        return f"paddle raises on CPU ({PADDLE_RAISES[name]}); ours checked against numpy"
-    if name in PADDLE_WRONG:
+    programs, _, raises, wrong, differ = program_set(module)
+    if name in raises:
+        return f"paddle raises on CPU ({raises[name]}); ours checked against numpy"
+    if name in wrong:
         return "paddle's value is wrong; ours checked against numpy"
-    skip = getattr(next(p for p in PROGRAMS if p.__name__ == name), "paddle_skip", None)
-    if skip and name not in OURS_DIFFER:
+    skip = getattr(next(p for p in programs if p.__name__ == name), "paddle_skip", None)
+    if skip and name not in differ:
         return f"paddle not run ({skip}); ours checked against numpy"
-    return OURS_DIFFER.get(name, "")
+    return differ.get(name, "")
 
 
 class Api:
@@ -106,8 +120,9 @@ def placements_text(ps) -> str:
     """``S(0)``, ``R``, ``P(sum)``: paddle's placements and ours written alike."""
     out = []
     for p in ps:
-        if p.is_shard():
-            out.append(f"S({p.get_dim()})" if hasattr(p, "get_dim") else str(p))
+        if p.is_shard():          # (paddle's co-shard of [S(0), S(0)] prints as "Shard(dim=0, shard_order=0)")
+            dim = p.get_dim() if hasattr(p, "get_dim") else re.search(r"dim=(-?\d+)", str(p)).group(1)
+            out.append(f"S({dim})")
         elif p.is_replicated():
             out.append("R")
         else:
@@ -152,25 +167,28 @@ def run_both(prog):
     return {"paddle": {"skipped": skip} if skip else run_one(prog, "paddle"), "ap": run_one(prog, "ap")}
 
 
-def oracle(name: str, rank: int) -> dict:
+def oracle(name: str, rank: int, oracles=None) -> dict:
     """numpy's values of program ``name`` on ``rank`` where paddle's cannot be compared (ORACLES)."""
-    fn = ORACLES[name]
+    fn = (ORACLES if oracles is None else oracles)[name]
     return fn(rank) if fn.__code__.co_argcount else fn()
 
 
-def oracle_diffs(name: str, ours: dict, rank: int) -> list:
+def oracle_diffs(name: str, ours: dict, rank: int, oracles=None) -> list:
     """Ours against numpy (empty: equal)."""
     if "error" in ours:
         return [f"autoparallel raised {ours['error']}"]
-    return [f"{k}: differs from numpy" for k, v in oracle(name, rank).items() if not _close(ours[k]["value"], v)]
+    return [f"{k}: differs from numpy" for k, v in oracle(name, rank, oracles).items()
+            if not _close(ours[k]["value"], v)]
 
 
-def layout_local(a, placements: str, mesh_shape, rank: int):
-    """The local shard of global ``a`` on ``rank`` of a mesh of ``mesh_shape`` (ranks in row-major order) in the
-    layout ``"[S(0),R]"``: ceil-division chunks, a Partial held whole by the first rank of its mesh dim."""
+def layout_local(a, placements: str, mesh_shape, rank: int, mesh_ids=None):
+    """The local shard of global ``a`` on ``rank`` of a mesh of ``mesh_shape`` (ranks in row-major order, or as
+    ``mesh_ids`` lays them out) in the layout ``"[S(0),R]"``: ceil-division chunks (mesh dims sharding one tensor
+    dim split it in mesh-dim order), a Partial held whole by the first rank of its mesh dim."""
     from autoparallel.core.placement import chunk_range
 
-    a, coords = np.asarray(a), np.unravel_index(rank, mesh_shape)
+    a = np.asarray(a)
+    coords = np.unravel_index(rank, mesh_shape) if mesh_ids is None else np.argwhere(np.asarray(mesh_ids) == rank)[0]
     for i, p in enumerate(placements.strip("[]").split(",")):
         if p.startswith("S("):
             d = int(p[2:-1])
@@ -181,12 +199,13 @@ def layout_local(a, placements: str, mesh_shape, rank: int):
     return a
 
 
-def run_all(names=None):
-    """{program: both outcomes}; paddle's global mesh (its ``set_mesh``, also set by its ``parallelize``) is put
-    back afterwards, so the jobs after this one in a shared launch do not inherit it."""
+def run_all(names=None, module: str = ""):
+    """{program: both outcomes} of the program set ``module`` (program_set); paddle's global mesh (its
+    ``set_mesh``, also set by its ``parallelize``) is put back afterwards, so the jobs after this one in a shared
+    launch do not inherit it."""
     out, mesh = {}, pdist.auto_parallel.get_mesh()
     try:
-        for prog in PROGRAMS:
+        for prog in program_set(module)[0]:
             if not names or prog.__name__ in names:
                 out[prog.__name__] = run_both(prog)
     finally:
@@ -236,6 +255,6 @@ def summary(outcome: dict) -> str:
     return cell(outcome["paddle"]), cell(outcome["ap"])
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":               # argv: the program set's module (none: the 2-rank set)
     ap.init_parallel_env()
-    write_result(run_all())
+    write_result(run_all(module=sys.argv[1] if len(sys.argv) > 1 else ""))
