@@ -28,6 +28,8 @@ from collections.abc import Mapping
 
 from autoparallel.config.fields import integral
 
+_END = object()                 # the wrapped loader ran out
+
 __all__ = ["shard_dataloader", "ShardDataloader"]
 
 
@@ -101,8 +103,18 @@ class ShardDataloader:
         return self._it
 
     def _batches(self):
-        for batch in self._loader:
+        from autoparallel.data_agree import check_more
+
+        mesh = self._meshes[0][0] if isinstance(self._meshes[0], list) else self._meshes[0]
+        it, index = iter(self._loader), 0
+        while True:
+            batch = next(it, _END)
+            if self._check:                     # on real ranks: every rank has this batch, or none has
+                check_more(batch is not _END, mesh, index)
+            if batch is _END:
+                return
             yield self._batch(batch)
+            index += 1
 
     def __next__(self):
         if getattr(self, "_it", None) is None:

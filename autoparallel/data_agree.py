@@ -11,8 +11,10 @@ numbers) and all-reduces max and min of the fingerprint over the groups of the m
 * ``is_dataset_splitted=True``: the dims other than the shard dim (replicas) must agree on the whole part, and the
   shard dim on the part's shape (parts of unequal sizes cannot be stacked by ``dtensor_from_local``).
 
-A disagreement raises ``ValueError`` naming the mesh dim and the ranks. Cost: one small all-reduce per checked
-dim and tensor per batch. The simulated world holds one batch for all ranks: nothing to check there.
+A disagreement raises ``ValueError`` naming the mesh dim and the ranks. Loaders of different lengths raise on
+every rank at the first batch one of them lacks (``check_more``), where the ranks that still had one would have
+waited in its collectives. Cost: one small all-reduce per checked dim and tensor per batch, and one per mesh dim
+and batch for the lengths. The simulated world holds one batch for all ranks: nothing to check there.
 """
 from __future__ import annotations
 
@@ -75,3 +77,34 @@ def check_agree(t, mesh, shard_dim, split: bool, what: str) -> None:
                    "coordinate on it)")
             raise ValueError(f"shard_dataloader: {what} differs between the ranks {list(ranks)} of mesh dim "
                              f"{mesh.dim_names[d]!r} (this rank {world.rank}, coordinates {list(coords)}); {how}")
+
+
+def check_more(has_batch: bool, mesh, index: int) -> None:
+    """Raise on every rank of ``mesh`` when its loaders do not all yield batch ``index``: a rank whose loader ran out
+    would leave its peers waiting in that batch's collectives (a hang, or a collective paired with another). Each
+    rank's slot (1: has the batch, 2: ran out) is all-reduced with max over every mesh dim in turn, which reduces
+    over the whole mesh: every rank sees every rank's slot, so all of them raise or none does."""
+    import paddle
+
+    from autoparallel.comm.transport import transport_for
+    from autoparallel.comm.world import current_world
+
+    world = current_world()
+    if world.is_simulated or not mesh.contains(world.rank):
+        return
+    ids = [int(r) for r in np.asarray(mesh.process_ids).reshape(-1)]
+    slots = np.zeros(len(ids), dtype="float32")
+    slots[ids.index(world.rank)] = 1.0 if has_batch else 2.0
+    v = paddle.to_tensor(slots)
+    for d in range(mesh.ndim):
+        if mesh.shape[d] > 1:
+            ranks = next(g for g in mesh.all_groups(d) if world.rank in g)
+            v = transport_for(world).all_reduce({world.rank: v}, list(ranks), "max")[world.rank]
+    got = v.numpy()
+    short = [r for r, s in zip(ids, got) if s == 2.0]
+    if short and len(short) < len(ids):
+        raise ValueError(f"shard_dataloader: the ranks' loaders have different lengths: the ranks {short} ran out "
+                         f"after {index} batches while the ranks {[r for r in ids if r not in short]} have batch "
+                         f"{index + 1}; every rank of the mesh must yield the same number of batches (paddle's "
+                         f"DistributedBatchSampler pads the parts to one length; or drop the extra batches)")
+

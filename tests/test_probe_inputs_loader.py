@@ -143,3 +143,14 @@ def test_real_ranks_split_parts(ranks):
         assert r["split_sampler"] == [[8, 3], [2, 3]], r
         assert r["split_uneven"].startswith("ValueError") and "local parts of different shapes" in r["split_uneven"]
         assert "differs between the ranks [0, 1] of mesh dim 'model'" in r["split_replicas_differ"], r
+
+
+def test_real_ranks_loaders_of_different_lengths_raise_on_every_rank(ranks):
+    """Split loaders of 3 and 2 batches: the rank whose loader ran out left its peer waiting in the next batch's
+    collectives. Every rank now raises at that batch, naming the ranks that ran out, and later collectives pair."""
+    for r in ranks:
+        seen, message, after = r["split_lengths_differ"]
+        assert seen == [80.0, 96.0], seen          # batch k: rank 0's 8 values of k, rank 1's 8 of 10 + k
+        assert "ran out after 2 batches" in message and "the ranks [1]" in message, message
+        assert after == 4.0
+        assert r["same_lengths_end_together"] == [2, 2], r

@@ -87,9 +87,30 @@ def split_replicas_differ():
     return "no error"
 
 
+def split_lengths_differ():
+    """Each rank's own parts, rank 0 three batches and rank 1 two: rank 1 ran out while rank 0 would wait in the
+    third batch's collectives. Both ranks raise at the third batch; afterwards a collective still pairs."""
+    parts = [paddle.full([2, 4], float(RANK * 10 + k)) for k in range(3 if RANK == 0 else 2)]
+    seen = []
+    try:
+        for (b,) in ap.shard_dataloader([(p,) for p in parts], MESH, shard_dims="data", is_dataset_splitted=True):
+            seen.append(float(b.full().sum()))
+    except ValueError as e:
+        x = ap.shard_tensor(paddle.ones([2, 2]), MESH, [ap.Shard(0)])
+        return [seen, str(e), float(x.full().sum())]
+    return [seen, "no error"]
+
+
+def same_lengths_end_together():
+    """Equal lengths: the pass ends on every rank without an error, and again for a second pass."""
+    parts = [(paddle.full([2, 4], float(k)),) for k in range(2)]
+    loader = ap.shard_dataloader(parts, MESH, shard_dims="data", is_dataset_splitted=True)
+    return [len(list(loader)), len(list(loader))]
+
+
 res = {}
 for check in (same_global, paddle_seed_only_shuffle, rank_drawn, rank_drawn_unchecked, split_sampler, split_uneven,
-              split_replicas_differ):
+              split_replicas_differ, split_lengths_differ, same_lengths_end_together):
     try:
         res[check.__name__] = check()
     except Exception as e:  # noqa: BLE001 -- reported to the test
