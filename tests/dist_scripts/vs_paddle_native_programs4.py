@@ -7,7 +7,7 @@ import paddle
 import paddle.nn.functional as F
 
 from vs_paddle_native_programs import A73, A84, LB8, LG86, X86, _rank, pl, t
-from vs_paddle_native_training import BATCHES, IDS, MLP, Rows, params, tp_fn
+from vs_paddle_native_training import BATCHES, IDS, MLP, Rows, llama_and_plan, params, tp_fn, train_llama
 
 IDS_PERM = [[3, 1], [2, 0]]
 EMB16 = np.random.default_rng(5).standard_normal((8, 6)).astype("float32")
@@ -268,30 +268,12 @@ def shard_dataloader_dp(A):
 
 def parallelize_llama_dp_mp(A):
     """paddle's ``parallelize`` of a PaddleFormers Llama: dp 2 x mp 2, q/k/v/gate/up column, o/down row."""
-    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
-
     D = A.D
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16,
-                      fuse_rms_norm=False, tie_word_embeddings=False)
-    paddle.seed(0)
-    model = LlamaForCausalLM(cfg)
-    plan = {f"model.layers.*.{n}": D.ColWiseParallel() for n in ("self_attn.q_proj", "self_attn.k_proj",
-                                                                 "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
-    plan.update({f"model.layers.*.{n}": D.RowWiseParallel() for n in ("self_attn.o_proj", "mlp.down_proj")})
-    opt = paddle.optimizer.SGD(0.5, parameters=model.parameters())
+    model, opt, plan = llama_and_plan(D, 1)
     mesh = mesh22(D)
     model, opt = D.parallelize(model, opt, mesh, {"mp_config": {"parallelize_plan": plan},
                                                   "dp_config": {"sharding_level": 0}})
-    losses = []
-    for ids in IDS:
-        x = D.shard_tensor(paddle.to_tensor(ids), mesh, _pls(D, "S0,R"))
-        loss = model(input_ids=x, labels=x, return_dict=True).loss
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return {"losses": losses, **params(model, ())}
+    return train_llama(model, opt, [D.shard_tensor(paddle.to_tensor(ids), mesh, _pls(D, "S0,R")) for ids in IDS])
 
 
 def tp_only_rows(A):

@@ -331,12 +331,12 @@ def attention_tp(A):
 IDS = np.random.default_rng(3).integers(0, 64, (2, 2, 8)).astype("int64")
 
 
-def _llama(A, prefix):
-    """A PaddleFormers Llama under paddle's plan (q/k/v/gate/up column, o/down row) on mp = 2, 2 SGD steps."""
+def llama_and_plan(D, layers, prefix="model"):
+    """A tiny PaddleFormers Llama (seed 0), its SGD optimizer and paddle's plan for it: q/k/v/gate/up column,
+    o/down row, keys under ``prefix``."""
     from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
 
-    D = A.D
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16,
                       fuse_rms_norm=False, tie_word_embeddings=False)
     paddle.seed(0)
@@ -344,18 +344,28 @@ def _llama(A, prefix):
     plan = {f"{prefix}.layers.*.{n}": D.ColWiseParallel() for n in ("self_attn.q_proj", "self_attn.k_proj",
                                                                     "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
     plan.update({f"{prefix}.layers.*.{n}": D.RowWiseParallel() for n in ("self_attn.o_proj", "mlp.down_proj")})
-    opt = paddle.optimizer.SGD(0.5, parameters=model.parameters())
-    mesh = D.ProcessMesh([[0, 1]], dim_names=["dp", "mp"])
-    model, opt = D.parallelize(model, opt, mesh, {"mp_config": {"parallelize_plan": plan}})
+    return model, paddle.optimizer.SGD(0.5, parameters=model.parameters()), plan
+
+
+def train_llama(model, opt, batches):
+    """SGD steps over ``batches`` (ids that are their own labels); the losses and the parameters after."""
     losses = []
-    for ids in IDS:
-        x = paddle.to_tensor(ids)
+    for x in batches:
         loss = model(input_ids=x, labels=x, return_dict=True).loss
         loss.backward()
         opt.step()
         opt.clear_grad()
         losses.append(float(loss))
     return {"losses": losses, **params(model, ())}
+
+
+def _llama(A, prefix):
+    """A PaddleFormers Llama under paddle's plan (q/k/v/gate/up column, o/down row) on mp = 2, 2 SGD steps."""
+    D = A.D
+    model, opt, plan = llama_and_plan(D, 2, prefix)
+    mesh = D.ProcessMesh([[0, 1]], dim_names=["dp", "mp"])
+    model, opt = D.parallelize(model, opt, mesh, {"mp_config": {"parallelize_plan": plan}})
+    return train_llama(model, opt, [paddle.to_tensor(ids) for ids in IDS])
 
 
 def paddleformers_llama_parallelize(A):
