@@ -143,19 +143,21 @@ class ShardDataloader:
         import paddle
 
         from autoparallel.api_tensor import dtensor_from_local, shard_tensor
-        from autoparallel.data_agree import check_agree
+        from autoparallel.data_agree import find_disagreement
         from autoparallel.dist_tensor import DistTensor
 
         if isinstance(t, np.ndarray) and t.ndim and t.dtype.kind in "biufc":
             t = paddle.to_tensor(t)                 # an iterable of numpy batches: laid out as the tensor it is
         if isinstance(t, DistTensor):
-            return self._relayout(t, mesh, dim, name)
+            return t if self._found is not None else self._relayout(t, mesh, dim, name)
         if not isinstance(t, paddle.Tensor):
             return t
         if not t.ndim:
             dim = self._scalar(t, dim, name)
-        if self._check:
-            check_agree(t, mesh, dim, self._split, f"batch field {name} ({t.dtype} {list(t.shape)})")
+        if self._found is not None:             # the checking walk (``_batch``): find, raise later on every rank
+            found = find_disagreement(t, mesh, dim, self._split, f"batch field {name} ({t.dtype} {list(t.shape)})")
+            self._found += [] if found is None else [found]
+            return t
         if not self._split:
             return shard_tensor(t, mesh, _placements(mesh, dim))
         from autoparallel.comm.world import current_world
@@ -185,7 +187,26 @@ class ShardDataloader:
         pl = _placements(mesh, dim if t.ndim else None)
         return t if t.mesh == mesh and list(t.placements) == pl else reshard(t, mesh, pl)
 
+    _found = None                   # a list during the checking walk of a batch
+
     def _batch(self, batch):
+        """On real ranks with the check on, two walks: the first only checks every tensor (``find_disagreement``)
+        and then tells every rank of the meshes (``raise_found``, one pass per batch), so that all of them raise or
+        none does; the second lays the batch out."""
+        from autoparallel.comm.world import current_world
+        from autoparallel.data_agree import raise_found
+
+        if self._check and not current_world().is_simulated:
+            self._found = []
+            try:
+                self._walk(batch)
+                found = self._found
+            finally:
+                self._found = None
+            raise_found(found, [x for m in self._meshes for x in (m if isinstance(m, list) else [m])])
+        return self._walk(batch)
+
+    def _walk(self, batch):
         import numpy as np
         import paddle
 

@@ -11,10 +11,13 @@ numbers) and all-reduces max and min of the fingerprint over the groups of the m
 * ``is_dataset_splitted=True``: the dims other than the shard dim (replicas) must agree on the whole part, and the
   shard dim on the part's shape (parts of unequal sizes cannot be stacked by ``dtensor_from_local``).
 
-A disagreement raises ``ValueError`` naming the mesh dim and the ranks. Loaders of different lengths raise on
+A disagreement raises ``ValueError`` naming the mesh dim and the ranks, on every rank of the mesh: the ranks of
+the disagreeing group find it, and one slot vector per batch all-reduced over the whole mesh (``raise_found``)
+tells the others, which would otherwise go on into the next collective alone. Loaders of different lengths raise on
 every rank at the first batch one of them lacks (``check_more``), where the ranks that still had one would have
 waited in its collectives. Cost: one small all-reduce per checked dim and tensor per batch, and one per mesh dim
-and batch for the lengths. The simulated world holds one batch for all ranks: nothing to check there.
+and batch for the lengths and (meshes of two or more dims) for telling every rank. The simulated world holds
+one batch for all ranks: nothing to check there.
 """
 from __future__ import annotations
 
@@ -47,36 +50,87 @@ def _disagree(values: list, ranks: list) -> bool:
 
 
 def check_agree(t, mesh, shard_dim, split: bool, what: str) -> None:
-    """Raise when ``t`` (this rank's batch tensor) differs where the layout needs it equal (module docstring)."""
+    """Raise on every rank of ``mesh`` when ``t`` (this rank's batch tensor) differs where the layout needs it equal
+    (module docstring): ``find_disagreement`` then ``raise_found``. A loader with many tensors per batch collects
+    the findings of all of them and calls ``raise_found`` once (``ShardDataloader``)."""
+    found = find_disagreement(t, mesh, shard_dim, split, what)
+    raise_found([] if found is None else [found], [mesh])
+
+
+def find_disagreement(t, mesh, shard_dim, split: bool, what: str):
+    """``(mesh, mesh dim, message)`` when ``t`` differs from its peers along a dim where the layout needs it equal,
+    else None. It does not raise: only the ranks of the disagreeing group see it, and a rank that raised alone
+    would leave the others waiting in the next collective; ``raise_found`` tells every rank of the mesh."""
     from autoparallel.comm.world import current_world
 
     world = current_world()
     if world.is_simulated or not mesh.contains(world.rank):
-        return
+        return None
     sd = None if shard_dim is None else mesh.dim_index(shard_dim)
     coords = mesh.coords_of(world.rank)
-    full, shape = fingerprint(t), None
-    for d in range(mesh.ndim):
+    full, shape, found = fingerprint(t), None, None
+    for d in range(mesh.ndim):          # every dim's all-reduce runs on every rank, a finding or not
         if mesh.shape[d] == 1:
             continue
         ranks = next(g for g in mesh.all_groups(d) if world.rank in g)
         if split and d == sd:
             shape = shape or fingerprint(t, shape_only=True)
-            if _disagree(shape, ranks):
-                raise ValueError(f"shard_dataloader(is_dataset_splitted=True): {what} has local parts of different "
-                                 f"shapes on the ranks {list(ranks)} of mesh dim {mesh.dim_names[d]!r} (this rank "
-                                 f"{world.rank}: {list(t.shape)}); every rank's part must have one size (paddle's "
-                                 f"DistributedBatchSampler pads the dataset to equal parts; or drop_last=True)")
+            if _disagree(shape, ranks) and found is None:
+                found = (mesh, d, f"shard_dataloader(is_dataset_splitted=True): {what} has local parts of different "
+                                  f"shapes on the ranks {list(ranks)} of mesh dim {mesh.dim_names[d]!r} (this rank "
+                                  f"{world.rank}: {list(t.shape)}); every rank's part must have one size (paddle's "
+                                  f"DistributedBatchSampler pads the dataset to equal parts; or drop_last=True)")
             continue
-        if _disagree(full, ranks):
+        if _disagree(full, ranks) and found is None:
             how = ("the loader must yield the same global batch on every rank (is_dataset_splitted=False): seed "
                    "its shuffle and any random draw identically on every rank, or pass is_dataset_splitted=True "
                    "with each rank loading its own part") if not split else \
                   ("ranks that differ only along this dim hold replicas of one part: give them the same data "
                    "(a DistributedBatchSampler with num_replicas = the shard dim's size and rank = the rank's "
                    "coordinate on it)")
-            raise ValueError(f"shard_dataloader: {what} differs between the ranks {list(ranks)} of mesh dim "
-                             f"{mesh.dim_names[d]!r} (this rank {world.rank}, coordinates {list(coords)}); {how}")
+            found = (mesh, d, f"shard_dataloader: {what} differs between the ranks {list(ranks)} of mesh dim "
+                              f"{mesh.dim_names[d]!r} (this rank {world.rank}, coordinates {list(coords)}); {how}")
+    return found
+
+
+def raise_found(found: list, meshes: list) -> None:
+    """Raise on every rank of every mesh of ``meshes`` when any of its ranks found a disagreement (``found``: this
+    rank's ``find_disagreement`` results). Per mesh (in the given order; each rank runs those it belongs to), each
+    rank's slot (0, or 1 + the mesh dim of its first finding there) is all-reduced with max over every mesh dim in
+    turn, i.e. over the whole mesh, as ``check_more``; the rank raises only after all its meshes are reduced, so
+    its peers are not left in a later reduction (a mesh with one dim of size > 1 needs none: its one group is the
+    whole mesh). A rank with a finding raises its own message; the others name the ranks and dims that found one."""
+    import paddle
+
+    from autoparallel.comm.transport import transport_for
+    from autoparallel.comm.world import current_world
+
+    world = current_world()
+    if world.is_simulated:
+        return
+    seen, others = [], []
+    for mesh in meshes:
+        if mesh in seen or not mesh.contains(world.rank):
+            continue
+        seen.append(mesh)
+        if sum(n > 1 for n in mesh.shape) < 2:
+            continue                    # one group holds the whole mesh: every rank saw the finding itself
+        ids = [int(r) for r in np.asarray(mesh.process_ids).reshape(-1)]
+        slots = np.zeros(len(ids), dtype="float32")
+        mine = [d for m, d, _ in found if m == mesh]
+        slots[ids.index(world.rank)] = 1.0 + mine[0] if mine else 0.0
+        v = paddle.to_tensor(slots)
+        for d in range(mesh.ndim):
+            if mesh.shape[d] > 1:
+                ranks = next(g for g in mesh.all_groups(d) if world.rank in g)
+                v = transport_for(world).all_reduce({world.rank: v}, list(ranks), "max")[world.rank]
+        others += [f"rank {r} along mesh dim {mesh.dim_names[int(s) - 1]!r}" for r, s in zip(ids, v.numpy()) if s]
+    if found:
+        raise ValueError(found[0][2])
+    if others:
+        raise ValueError(f"shard_dataloader: a batch differs across ranks where its layout needs it equal, found by "
+                         f"{', '.join(others)} (this rank {world.rank} saw no difference in its own groups); every "
+                         f"rank raises, so none is left waiting in the next collective")
 
 
 def check_more(has_batch: bool, mesh, index: int) -> None:

@@ -1,0 +1,38 @@
+"""On 4 real gloo ranks (one shared launch job, dist_scripts/rank_split_errors_worker.py): a batch that disagrees
+on some ranks of a 2x2 mesh only raises ``ValueError`` on every rank, and the ranks' collectives still pair."""
+import os
+
+import pytest
+
+from dist_scripts import shared_launch
+
+JOB = shared_launch.job(__name__, "rank_split_errors", os.path.join(os.path.dirname(__file__), "dist_scripts",
+                                                                    "rank_split_errors_worker.py"), 4, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return shared_launch.results(JOB)[1]
+
+
+def test_agreeing_replicas_are_laid_out(ranks):
+    for r in ranks:
+        assert r["replicas_agree"] == [[4, 3], 6.0, 2.0], r
+
+
+def test_replicas_that_differ_on_one_mesh_row_raise_on_every_rank(ranks):
+    """Ranks 2 and 3 (the tensor-parallel replicas of part 1) hold different labels: they find it and name their
+    group; ranks 0 and 1, whose own group agrees, raise too, naming the ranks and dim that found it. A collective
+    after the error pairs on every rank (the whole tensor of ones gathered)."""
+    assert len(ranks) == 4
+    for rank, r in enumerate(ranks):
+        got = r["replicas_differ_on_one_row"]
+        assert len(got) == 2, got
+        message, after = got
+        if rank in (2, 3):
+            assert "batch field 1" in message and "differs between the ranks [2, 3] of mesh dim 'model'" in message, \
+                message
+        else:
+            assert "found by rank 2 along mesh dim 'model', rank 3 along mesh dim 'model'" in message, message
+            assert f"this rank {rank} saw no difference" in message, message
+        assert after == 4.0
