@@ -321,3 +321,41 @@ def test_the_world_reports_the_default_groups_backend(monkeypatch, device, initi
     monkeypatch.setattr(dist, "is_initialized", lambda: initialized)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: group_backend)
     assert RealWorld().backend == expected
+
+
+@pytest.mark.parametrize("backend,own_store", [("GLOO", True), ("NCCL", False)])
+def test_the_gloo_store_workaround_leaves_other_backends_groups_to_paddle(monkeypatch, backend, own_store):
+    """Each new gloo group gets its own TCPStore (paddle 3.3.1's gloo groups collide on the global store's keys);
+    a group of another backend is made by paddle as it is, on paddle's store."""
+    import paddle.distributed as dist
+
+    from autoparallel import compat, patches
+    from autoparallel.comm import groups
+
+    made, seen = [], []
+
+    class Store:
+        def set(self, key, value):
+            seen.append("published")
+
+        def get(self, key):
+            return b"127.0.0.1:1"
+
+    def fake_new_group(ranks=None, *args, **kwargs):
+        made.append(list(ranks))
+        return "group"
+
+    monkeypatch.setenv("PADDLE_TRAINER_ENDPOINTS", "127.0.0.1:6170,127.0.0.1:6171")
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 1)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(compat, "TCPStore", lambda *a: seen.append("own store") or "store")
+    monkeypatch.setattr(compat, "default_store", lambda: Store())
+    monkeypatch.setattr(compat, "set_default_store", lambda s: None)
+    monkeypatch.setattr(dist, "new_group", fake_new_group)
+    monkeypatch.setattr(groups, "_STORE_FIX", [False])
+    groups.install_group_store_fix()
+    try:
+        assert dist.new_group([0, 1]) == "group" and made == [[0, 1]]
+        assert (seen == ["own store"]) is own_store, seen
+    finally:
+        patches.put_back(dist, "new_group", fake_new_group)     # the ledger forgets the patch; monkeypatch undoes

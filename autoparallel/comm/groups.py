@@ -15,7 +15,8 @@ _STORE_FIX = [False]
 
 
 def install_group_store_fix() -> None:
-    """Give every new gloo group its own TCPStore (idempotent; real multi-process jobs only).
+    """Give every new gloo group its own TCPStore (idempotent; real multi-process jobs only; groups of another
+    backend are made by paddle as they are).
 
     paddle 3.3.1 connects every gloo group's full mesh through the same keys ("0", "1", ...) of the one
     global TCPStore, so a rank can read an address an earlier group left there and fail with
@@ -34,7 +35,7 @@ def install_group_store_fix() -> None:
         ranks = sorted(ranks if ranks is not None else range(dist.get_world_size()))
         key, rank, lead = f"ap_group_store/{next(counter)}", dist.get_rank(), ranks[0]
         default = default_store()
-        if rank not in ranks or len(ranks) == 1 or default is None:
+        if rank not in ranks or len(ranks) == 1 or default is None or not _on_gloo(dist):
             return original(ranks, *args, **kwargs)
         if rank == lead:
             with socket.socket() as s:
@@ -57,6 +58,15 @@ def install_group_store_fix() -> None:
     patches.patch(dist, "new_group", new_group)         # undone by ap.uninstall()
     patches.on_undo(_reset_store_fix)
     _STORE_FIX[0] = True
+
+
+def _on_gloo(dist) -> bool:
+    """Whether the job's groups are gloo's (the store collision is gloo's; NCCL and the other backends read the
+    store their own way and keep paddle's)."""
+    try:
+        return str(dist.get_backend()).lower() == "gloo"
+    except RuntimeError:                        # this rank is outside the global group
+        return True
 
 
 def _reset_store_fix() -> None:
