@@ -103,14 +103,19 @@ class ShardDataloader:
         return self._it
 
     def _batches(self):
+        from autoparallel.comm.world import current_world
         from autoparallel.data_agree import check_more
+        from autoparallel.data_structure import describe
 
         mesh = self._meshes[0][0] if isinstance(self._meshes[0], list) else self._meshes[0]
+        real = not current_world().is_simulated         # the simulated world holds one batch for every rank
         it, index = iter(self._loader), 0
         while True:
             batch = next(it, _END)
-            if self._check:                     # on real ranks: every rank has this batch, or none has
-                check_more(batch is not _END, mesh, index)
+            if self._check:                     # on real ranks: every rank has this batch, of one structure, or none
+                shape = describe(batch, self._keys, self._listed, self._dense_of) if real and batch is not _END \
+                    else None
+                check_more(batch is not _END, mesh, index, shape)
             if batch is _END:
                 return
             yield self._batch(batch)
@@ -134,6 +139,11 @@ class ShardDataloader:
             raise ValueError(f"shard_dataloader: {len(self._meshes)} meshes (one per field) but the batch has "
                              f"{count} fields")
         return self._meshes[i], self._dims[i]
+
+    def _listed(self, i: int) -> bool:
+        """Field ``i``'s mesh entry is a list of meshes (a list field laid out element by element)."""
+        m = self._meshes[0] if len(self._meshes) == 1 else self._meshes[i] if i < len(self._meshes) else None
+        return isinstance(m, list)
 
     def _dense_of(self, i: int) -> list:
         return list(self._dense[i]) if self._dense is not None and i < len(self._dense) and self._dense[i] else []
@@ -192,18 +202,23 @@ class ShardDataloader:
     def _batch(self, batch):
         """On real ranks with the check on, two walks: the first only checks every tensor (``find_disagreement``)
         and then tells every rank of the meshes (``raise_found``, one pass per batch), so that all of them raise or
-        none does; the second lays the batch out."""
+        none does; the second lays the batch out. The batch's structure agreed before (``check_more``), so an error
+        of the first walk (a 0-d tensor in a split field) is the same on every rank: it is raised after
+        ``raise_found``, which every rank then still runs."""
         from autoparallel.comm.world import current_world
         from autoparallel.data_agree import raise_found
 
         if self._check and not current_world().is_simulated:
-            self._found = []
+            self._found, error = [], None
             try:
                 self._walk(batch)
-                found = self._found
+            except Exception as e:  # noqa: BLE001 -- the same on every rank (the structure agreed): raised below
+                error = e
             finally:
-                self._found = None
+                found, self._found = self._found, None
             raise_found(found, [x for m in self._meshes for x in (m if isinstance(m, list) else [m])])
+            if error is not None:
+                raise error
         return self._walk(batch)
 
     def _walk(self, batch):

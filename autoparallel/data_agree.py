@@ -15,8 +15,10 @@ A disagreement raises ``ValueError`` naming the mesh dim and the ranks, on every
 the disagreeing group find it, and one slot vector per batch all-reduced over the whole mesh (``raise_found``)
 tells the others, which would otherwise go on into the next collective alone. Loaders of different lengths raise on
 every rank at the first batch one of them lacks (``check_more``), where the ranks that still had one would have
-waited in its collectives. Cost: one small all-reduce per checked dim and tensor per batch, and one per mesh dim
-and batch for the lengths and (meshes of two or more dims) for telling every rank. The simulated world holds
+waited in its collectives; batches of different structures (``data_structure``: a missing key, a list of another
+length, a tensor against None) raise there too, in the same vector. Cost: one small all-reduce per checked dim
+and tensor per batch, and one per mesh dim and batch for the lengths and structures and (meshes of two or more
+dims) for telling every rank. The simulated world holds
 one batch for all ranks: nothing to check there.
 """
 from __future__ import annotations
@@ -133,32 +135,51 @@ def raise_found(found: list, meshes: list) -> None:
                          f"rank raises, so none is left waiting in the next collective")
 
 
-def check_more(has_batch: bool, mesh, index: int) -> None:
+def check_more(has_batch: bool, mesh, index: int, structure: dict | None = None) -> None:
     """Raise on every rank of ``mesh`` when its loaders do not all yield batch ``index``: a rank whose loader ran out
     would leave its peers waiting in that batch's collectives (a hang, or a collective paired with another). Each
     rank's slot (1: has the batch, 2: ran out) is all-reduced with max over every mesh dim in turn, which reduces
-    over the whole mesh: every rank sees every rank's slot, so all of them raise or none does."""
+    over the whole mesh: every rank sees every rank's slot, so all of them raise or none does. The same vector
+    carries each rank's batch ``structure`` (``data_structure.describe``: its codes, and their negation for the
+    minimum): batches of different structures raise here on every rank, before any of their collectives."""
     import paddle
 
     from autoparallel.comm.transport import transport_for
     from autoparallel.comm.world import current_world
+    from autoparallel.data_structure import SIZE, explain
 
     world = current_world()
     if world.is_simulated or not mesh.contains(world.rank):
         return
     ids = [int(r) for r in np.asarray(mesh.process_ids).reshape(-1)]
-    slots = np.zeros(len(ids), dtype="float32")
+    n = len(ids)
+    slots = np.zeros(2 * n + 2 * SIZE, dtype="float32")
     slots[ids.index(world.rank)] = 1.0 if has_batch else 2.0
+    if structure is None:                       # no batch: leaves the maximum and the minimum to the others
+        slots[2 * n:] = -1.0
+        slots[2 * n + SIZE:] = -float(2 ** 25)
+    else:
+        codes = np.asarray(structure["codes"], dtype="float32")
+        slots[n + ids.index(world.rank)] = codes[3]             # the CRC of the whole structure, per rank
+        slots[2 * n:2 * n + SIZE], slots[2 * n + SIZE:] = codes, -codes
     v = paddle.to_tensor(slots)
     for d in range(mesh.ndim):
         if mesh.shape[d] > 1:
             ranks = next(g for g in mesh.all_groups(d) if world.rank in g)
             v = transport_for(world).all_reduce({world.rank: v}, list(ranks), "max")[world.rank]
     got = v.numpy()
-    short = [r for r, s in zip(ids, got) if s == 2.0]
+    short = [r for r, s in zip(ids, got[:n]) if s == 2.0]
     if short and len(short) < len(ids):
         raise ValueError(f"shard_dataloader: the ranks' loaders have different lengths: the ranks {short} ran out "
                          f"after {index} batches while the ranks {[r for r in ids if r not in short]} have batch "
                          f"{index + 1}; every rank of the mesh must yield the same number of batches (paddle's "
                          f"DistributedBatchSampler pads the parts to one length; or drop the extra batches)")
-
+    hi, lo = got[2 * n:2 * n + SIZE], -got[2 * n + SIZE:]
+    if structure is not None and not short and np.any(hi != lo):
+        groups: dict = {}
+        for r, c in zip(ids, got[n:2 * n]):
+            groups.setdefault(float(c), []).append(r)
+        raise ValueError(f"shard_dataloader: batch {index + 1} has a different structure on the ranks of the mesh "
+                         f"{ids} (ranks alike: {sorted(groups.values())}): {explain(structure, hi, lo, world.rank)}; "
+                         f"every rank's loader must yield batches of one structure (the same fields, and in each "
+                         f"the same kinds, ndims, dtypes and list lengths)")

@@ -154,3 +154,23 @@ def test_real_ranks_loaders_of_different_lengths_raise_on_every_rank(ranks):
         assert "ran out after 2 batches" in message and "the ranks [1]" in message, message
         assert after == 4.0
         assert r["same_lengths_end_together"] == [2, 2], r
+
+
+def test_real_ranks_batches_of_different_structures_raise_on_every_rank(ranks):
+    """A dict key missing, None for a tensor, another field count, a list field of another length for a list of
+    meshes, a 0-d tensor for a split field: on rank 1 only. Every rank raises a ValueError naming the field and
+    what differs, before the batch's collectives, and a collective afterwards pairs (the watchdog ended the job)."""
+    want = {"key_missing": "batch field 'labels' is a tensor on some ranks and missing on others",
+            "none_field": "batch field 1 is a tensor on some ranks and a plain value (no tensor) on others",
+            "field_count": "the batch has 2 fields on some ranks and 3 on others",
+            "list_length": "batch field 1 has 1 entries on some ranks and 2 on others",
+            "zero_d_split": "batch field 1 has ndim 0 on some ranks and 1 on others"}
+    for rank, r in enumerate(ranks):
+        got = r["structure_differs"]
+        assert isinstance(got, dict), got
+        for case, text in want.items():
+            assert len(got[case]) == 2, (case, got[case])
+            message, after = got[case]
+            assert "has a different structure on the ranks of the mesh [0, 1]" in message and text in message \
+                and f"this rank {rank}" in message, (case, message)
+            assert after == 4.0, case

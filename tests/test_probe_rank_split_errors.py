@@ -36,3 +36,13 @@ def test_replicas_that_differ_on_one_mesh_row_raise_on_every_rank(ranks):
             assert "found by rank 2 along mesh dim 'model', rank 3 along mesh dim 'model'" in message, message
             assert f"this rank {rank} saw no difference" in message, message
         assert after == 4.0
+
+
+def test_a_dict_key_missing_on_one_rank_raises_on_every_rank(ranks):
+    for rank, r in enumerate(ranks):
+        got = r["key_missing_on_one_rank"]
+        assert len(got) == 2, got
+        message, after = got
+        assert "batch field 'labels' is a tensor on some ranks and missing on others" in message, message
+        assert "ranks alike: [[0, 1, 2], [3]]" in message and f"this rank {rank}" in message, message
+        assert after == 4.0

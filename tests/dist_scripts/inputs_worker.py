@@ -101,6 +101,32 @@ def split_lengths_differ():
     return [seen, "no error"]
 
 
+def _every_rank_raises(batch, meshes=MESH, **kw):
+    """One batch of a structure that differs per rank: [message, a whole-mesh collective's sum afterwards]."""
+    try:
+        next(iter(ap.shard_dataloader([batch], meshes, **kw)))
+    except ValueError as e:
+        x = ap.shard_tensor(paddle.ones([2, 2]), MESH, [ap.Shard(0)])
+        return [str(e), float(x.full().sum())]
+    return ["no error"]
+
+
+def structure_differs():
+    """Batches whose structure differs per rank: rank 1 raised alone partway through the checking walk (KeyError,
+    a list of 2 meshes given one tensor) or skipped a tensor's collectives, while rank 0 waited in the next one.
+    Every rank now raises before the batch's collectives, naming the field; a collective afterwards pairs."""
+    ids = paddle.full([2, 3], 1.0)
+    out = {"key_missing": _every_rank_raises({"ids": ids, "labels": ids} if RANK == 0 else {"ids": ids}, MESH,
+                                             input_keys=["ids", "labels"], shard_dims="data"),
+           "none_field": _every_rank_raises((ids, ids if RANK == 0 else None), shard_dims="data"),
+           "field_count": _every_rank_raises((ids, ids) if RANK == 0 else (ids, ids, ids), shard_dims="data"),
+           "list_length": _every_rank_raises((ids, [ids, ids] if RANK == 0 else [ids]), [MESH, [MESH, MESH]],
+                                             shard_dims=["data", ["data", None]]),
+           "zero_d_split": _every_rank_raises((ids, paddle.ones([2]) if RANK == 0 else paddle.to_tensor(1.0)),
+                                              shard_dims="data", is_dataset_splitted=True)}
+    return out
+
+
 def same_lengths_end_together():
     """Equal lengths: the pass ends on every rank without an error, and again for a second pass."""
     parts = [(paddle.full([2, 4], float(k)),) for k in range(2)]
@@ -110,7 +136,7 @@ def same_lengths_end_together():
 
 res = {}
 for check in (same_global, paddle_seed_only_shuffle, rank_drawn, rank_drawn_unchecked, split_sampler, split_uneven,
-              split_replicas_differ, split_lengths_differ, same_lengths_end_together):
+              split_replicas_differ, split_lengths_differ, same_lengths_end_together, structure_differs):
     try:
         res[check.__name__] = check()
     except Exception as e:  # noqa: BLE001 -- reported to the test

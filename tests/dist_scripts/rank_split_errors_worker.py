@@ -38,8 +38,21 @@ def replicas_differ_on_one_row():
     return ["no error"]
 
 
+def key_missing_on_one_rank():
+    """Rank 3's dict batch lacks "labels": it raised a KeyError alone while ranks 0-2 waited in the next
+    collective. Every rank raises the ValueError naming the key; a collective over the whole mesh pairs after."""
+    ids = paddle.full([2, 3], 1.0)
+    batch = {"ids": ids} if RANK == 3 else {"ids": ids, "labels": ids}
+    try:
+        next(iter(ap.shard_dataloader([batch], MESH, input_keys=["ids", "labels"], shard_dims="data")))
+    except ValueError as e:
+        x = ap.shard_tensor(paddle.ones([2, 2]), MESH, [ap.Shard(0), ap.Shard(1)])
+        return [str(e), float(x.full().sum())]
+    return ["no error"]
+
+
 res = {}
-for check in (replicas_agree, replicas_differ_on_one_row):
+for check in (replicas_agree, replicas_differ_on_one_row, key_missing_on_one_rank):
     try:
         res[check.__name__] = check()
     except Exception as e:  # noqa: BLE001 -- reported to the test
