@@ -122,7 +122,7 @@ def _agreed_global_shape(local, mesh, placements):
 
 def _agreed_dim_size(world, mesh, mdims, d, mine_size):
     """Tensor dim ``d``'s global size from the local sizes of the ranks sharing this rank's place on every mesh
-    dim but ``mdims`` (one all-reduce); ValueError (the same on each of those ranks) if the sizes are no layout
+    dim but ``mdims`` (one all-reduce per mesh dim of ``mdims``); ValueError (the same on each of those ranks) if the sizes are no layout
     of this project: ceil-division chunks over ``mdims[0]``, each chunked over ``mdims[1]``, ..."""
     import numpy as np
     import paddle
@@ -134,7 +134,10 @@ def _agreed_dim_size(world, mesh, mdims, d, mine_size):
     ranks = next(row for row in ids.reshape(-1, group).tolist() if world.rank in row)
     mine = np.zeros(len(ranks), dtype="float32")
     mine[ranks.index(world.rank)] = mine_size
-    sizes = transport_for(world).all_reduce({world.rank: paddle.to_tensor(mine)}, ranks, "max")[world.rank]
+    sizes = paddle.to_tensor(mine)
+    for i in mdims:         # the groups made with the mesh: one all-reduce per splitting mesh dim covers ``ranks``
+        peers = next(g for g in mesh.all_groups(i) if world.rank in g)
+        sizes = transport_for(world).all_reduce({world.rank: sizes}, list(peers), "max")[world.rank]
     sizes = [int(n) for n in sizes.numpy()]
     want = _nested_chunks(sum(sizes), [mesh.shape[i] for i in mdims])
     if sizes != want:

@@ -18,8 +18,7 @@ every rank at the first batch one of them lacks (``check_more``), where the rank
 waited in its collectives; batches of different structures (``data_structure``: a missing key, a list of another
 length, a tensor against None) raise there too, in the same vector. Cost: one small all-reduce per checked dim
 and tensor per batch, and one per mesh dim and batch for the lengths and structures and (meshes of two or more
-dims) for telling every rank. The simulated world holds
-one batch for all ranks: nothing to check there.
+dims) for telling every rank. The simulated world holds one batch for all ranks: nothing to check there.
 """
 from __future__ import annotations
 
@@ -102,9 +101,6 @@ def raise_found(found: list, meshes: list) -> None:
     turn, i.e. over the whole mesh, as ``check_more``; the rank raises only after all its meshes are reduced, so
     its peers are not left in a later reduction (a mesh with one dim of size > 1 needs none: its one group is the
     whole mesh). A rank with a finding raises its own message; the others name the ranks and dims that found one."""
-    import paddle
-
-    from autoparallel.comm.transport import transport_for
     from autoparallel.comm.world import current_world
 
     world = current_world()
@@ -121,11 +117,7 @@ def raise_found(found: list, meshes: list) -> None:
         slots = np.zeros(len(ids), dtype="float32")
         mine = [d for m, d, _ in found if m == mesh]
         slots[ids.index(world.rank)] = 1.0 + mine[0] if mine else 0.0
-        v = paddle.to_tensor(slots)
-        for d in range(mesh.ndim):
-            if mesh.shape[d] > 1:
-                ranks = next(g for g in mesh.all_groups(d) if world.rank in g)
-                v = transport_for(world).all_reduce({world.rank: v}, list(ranks), "max")[world.rank]
+        v = mesh_max(slots, mesh)
         others += [f"rank {r} along mesh dim {mesh.dim_names[int(s) - 1]!r}" for r, s in zip(ids, v.numpy()) if s]
     if found:
         raise ValueError(found[0][2])
@@ -142,9 +134,6 @@ def check_more(has_batch: bool, mesh, index: int, structure: dict | None = None)
     over the whole mesh: every rank sees every rank's slot, so all of them raise or none does. The same vector
     carries each rank's batch ``structure`` (``data_structure.describe``: its codes, and their negation for the
     minimum): batches of different structures raise here on every rank, before any of their collectives."""
-    import paddle
-
-    from autoparallel.comm.transport import transport_for
     from autoparallel.comm.world import current_world
     from autoparallel.data_structure import SIZE, explain
 
@@ -162,11 +151,7 @@ def check_more(has_batch: bool, mesh, index: int, structure: dict | None = None)
         codes = np.asarray(structure["codes"], dtype="float32")
         slots[n + ids.index(world.rank)] = codes[3]             # the CRC of the whole structure, per rank
         slots[2 * n:2 * n + SIZE], slots[2 * n + SIZE:] = codes, -codes
-    v = paddle.to_tensor(slots)
-    for d in range(mesh.ndim):
-        if mesh.shape[d] > 1:
-            ranks = next(g for g in mesh.all_groups(d) if world.rank in g)
-            v = transport_for(world).all_reduce({world.rank: v}, list(ranks), "max")[world.rank]
+    v = mesh_max(slots, mesh)
     got = v.numpy()
     short = [r for r, s in zip(ids, got[:n]) if s == 2.0]
     if short and len(short) < len(ids):
@@ -183,3 +168,21 @@ def check_more(has_batch: bool, mesh, index: int, structure: dict | None = None)
                          f"{ids} (ranks alike: {sorted(groups.values())}): {explain(structure, hi, lo, world.rank)}; "
                          f"every rank's loader must yield batches of one structure (the same fields, and in each "
                          f"the same kinds, ndims, dtypes and list lengths)")
+
+
+def mesh_max(values, mesh):
+    """``values`` (a float32 array) all-reduced with max over every dim of ``mesh`` in turn: the maximum over the
+    whole mesh, on every one of its ranks (this rank's, a real rank of the mesh)."""
+    import paddle
+
+    from autoparallel.comm.transport import transport_for
+    from autoparallel.comm.world import current_world
+
+    world = current_world()
+    v = paddle.to_tensor(values)
+    for d in range(mesh.ndim):
+        if mesh.shape[d] > 1:
+            ranks = next(g for g in mesh.all_groups(d) if world.rank in g)
+            v = transport_for(world).all_reduce({world.rank: v}, list(ranks), "max")[world.rank]
+    return v
+

@@ -1,5 +1,6 @@
 """On 4 real gloo ranks (one shared launch job, dist_scripts/rank_split_errors_worker.py): a batch that disagrees
-on some ranks of a 2x2 mesh only raises ``ValueError`` on every rank, and the ranks' collectives still pair."""
+on some ranks of a 2x2 mesh only raises ``ValueError`` on every rank, and the ranks' collectives still pair. On 8
+(dist_scripts/from_local8_worker.py): ``dtensor_from_local`` of a dim split by two of three mesh dims."""
 import os
 
 import pytest
@@ -46,3 +47,24 @@ def test_a_dict_key_missing_on_one_rank_raises_on_every_rank(ranks):
         assert "batch field 'labels' is a tensor on some ranks and missing on others" in message, message
         assert "ranks alike: [[0, 1, 2], [3]]" in message and f"this rank {rank}" in message, message
         assert after == 4.0
+
+
+JOB8 = shared_launch.job(__name__, "from_local8", os.path.join(os.path.dirname(__file__), "dist_scripts",
+                                                               "from_local8_worker.py"), 8, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def ranks8():
+    return shared_launch.results(JOB8)[1]
+
+
+def test_dtensor_from_local_agrees_a_dim_split_by_two_of_three_mesh_dims(ranks8):
+    """On a 2x2x2 mesh, 7 rows over "a" x "b" (2, 2, 2, 1) and replicated over "c": [7, 3] on all 8 ranks, the
+    rows in chunk order (the sizes were all-reduced over a group of 4 ranks the mesh never made: an error before);
+    sizes that are no layout raise on every rank, and a collective afterwards still pairs."""
+    assert len(ranks8) == 8
+    for r in ranks8:
+        assert r["uneven_over_two_of_three_dims"] == [[7, 3], [0, 0, 1, 1, 2, 2, 3]], r
+        message, after = r["not_a_layout_raises_everywhere"]
+        assert "sizes [2, 2, 1, 2]" in message and "mesh dims ['a', 'b']" in message, message
+        assert after == 16.0
