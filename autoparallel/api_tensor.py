@@ -106,11 +106,14 @@ def _agreed_global_shape(local, mesh, placements):
     from autoparallel.core.placement import Shard
 
     world = current_world()
+    if world.is_simulated or not isinstance(local, paddle.Tensor) or len(placements) != mesh.ndim \
+            or not mesh.contains(world.rank):
+        return None                                     # (a wrong count is refused by dist_tensor.dtensor_from_local)
     by_dim: dict = {}                                   # tensor dim -> the mesh dims sharding it, in mesh order
     for i, p in enumerate(placements):
         if type(p) is Shard and mesh.shape[i] > 1:
             by_dim.setdefault(p.dim, []).append(i)
-    if world.is_simulated or not isinstance(local, paddle.Tensor) or not by_dim or not mesh.contains(world.rank):
+    if not by_dim:
         return None
     shape = list(local.shape)
     for d, mdims in by_dim.items():
@@ -122,24 +125,23 @@ def _agreed_global_shape(local, mesh, placements):
 
 def _agreed_dim_size(world, mesh, mdims, d, mine_size):
     """Tensor dim ``d``'s global size from the local sizes of the ranks sharing this rank's place on every mesh
-    dim but ``mdims`` (one all-reduce per mesh dim of ``mdims``); ValueError (the same on each of those ranks) if the sizes are no layout
-    of this project: ceil-division chunks over ``mdims[0]``, each chunked over ``mdims[1]``, ..."""
+    dim but ``mdims`` (one all-reduce per mesh dim of ``mdims``); ValueError (the same on each of those ranks) if
+    the sizes are not the layout ``shard_tensor`` makes (``DistSpec.local_range``: ceil-division chunks over
+    ``mdims[0]``, each chunked over ``mdims[1]``, ...)."""
     import numpy as np
-    import paddle
 
-    from autoparallel.comm.transport import transport_for
+    from autoparallel.core.placement import Replicate, Shard
+    from autoparallel.core.spec import DistSpec
+    from autoparallel.data_agree import mesh_max
 
     ids = np.moveaxis(np.asarray(mesh.process_ids).reshape(mesh.shape), mdims, range(-len(mdims), 0))
     group = int(np.prod([mesh.shape[i] for i in mdims]))
     ranks = next(row for row in ids.reshape(-1, group).tolist() if world.rank in row)
     mine = np.zeros(len(ranks), dtype="float32")
     mine[ranks.index(world.rank)] = mine_size
-    sizes = paddle.to_tensor(mine)
-    for i in mdims:         # the groups made with the mesh: one all-reduce per splitting mesh dim covers ``ranks``
-        peers = next(g for g in mesh.all_groups(i) if world.rank in g)
-        sizes = transport_for(world).all_reduce({world.rank: sizes}, list(peers), "max")[world.rank]
-    sizes = [int(n) for n in sizes.numpy()]
-    want = _nested_chunks(sum(sizes), [mesh.shape[i] for i in mdims])
+    sizes = [int(n) for n in mesh_max(mine, mesh, dims=mdims).numpy()]
+    rows = DistSpec(mesh, tuple(Shard(0) if i in mdims else Replicate() for i in range(mesh.ndim)), (sum(sizes),))
+    want = [rows.local_extent(mesh.coords_of(r), 0) for r in ranks]
     if sizes != want:
         names = [mesh.dim_names[i] for i in mdims]
         where = f"mesh dim {names[0]!r}" if len(names) == 1 else f"mesh dims {names}"
@@ -147,15 +149,6 @@ def _agreed_dim_size(world, mesh, mdims, d, mine_size):
                          f"{ranks} of {where}, which is not a layout of this project (ceil division: {sum(sizes)} "
                          f"over {len(sizes)} is {want}); pass the global shape, global_shape=[...]")
     return sum(sizes)
-
-
-def _nested_chunks(n: int, counts: list) -> list:
-    """The chunk sizes of ``n`` items split over ``counts[0]``, each chunk over ``counts[1]``, ... (flat, in
-    mesh order): 7 over [2, 2] -> [2, 2, 2, 1]."""
-    from autoparallel.core.placement import chunk_sizes
-
-    sizes = chunk_sizes(n, counts[0])
-    return sizes if len(counts) == 1 else [c for s in sizes for c in _nested_chunks(s, counts[1:])]
 
 
 def _local_ndim(local):

@@ -170,19 +170,17 @@ def check_more(has_batch: bool, mesh, index: int, structure: dict | None = None)
                          f"the same kinds, ndims, dtypes and list lengths)")
 
 
-def mesh_max(values, mesh):
-    """``values`` (a float32 array) all-reduced with max over every dim of ``mesh`` in turn: the maximum over the
-    whole mesh, on every one of its ranks (this rank's, a real rank of the mesh)."""
+def mesh_max(values, mesh, dims=None):
+    """``values`` (a float32 array) all-reduced with max over each mesh dim of ``dims`` (default: all) in turn, in
+    the mesh's own groups: over every dim, the maximum over the whole mesh, on every one of its ranks (this rank's,
+    a real rank of the mesh)."""
     import paddle
 
-    from autoparallel.comm.transport import transport_for
+    from autoparallel.comm import collectives as C
     from autoparallel.comm.world import current_world
 
-    world = current_world()
-    v = paddle.to_tensor(values)
-    for d in range(mesh.ndim):
-        if mesh.shape[d] > 1:
-            ranks = next(g for g in mesh.all_groups(d) if world.rank in g)
-            v = transport_for(world).all_reduce({world.rank: v}, list(ranks), "max")[world.rank]
-    return v
-
+    rank = current_world().rank
+    xs = {rank: paddle.to_tensor(values)}
+    for d in range(mesh.ndim) if dims is None else dims:
+        xs = C.mesh_groups_apply(xs, mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "max"))
+    return xs[rank]

@@ -443,11 +443,11 @@ def dtensor_from_local(local, mesh: ProcessMesh, placements, global_shape=None, 
         if first is None:
             raise ValueError("global_shape is required when this rank holds no shard")
         global_shape = list(first.shape)
-        for i, p in enumerate(placements):
+        for p, n in zip(placements, mesh.shape):     # a wrong count is named by _spec_for's check
             if isinstance(p, (Shard, BlockShard)):
                 if not 0 <= p.dim < len(global_shape):
                     raise ValueError(f"{p} is out of range for a tensor of rank {len(global_shape)}")
-                global_shape[p.dim] *= mesh.shape[i]
+                global_shape[p.dim] *= n
     spec = _spec_for(global_shape, ddt, mesh, placements)
     for r, t in locals_.items():
         want = spec.local_shape(mesh.coords_of(r))

@@ -330,3 +330,12 @@ def test_a_bool_tensor_over_partial_max_and_min_reduces_as_any_and_all():
             x = ap.dtensor_from_local({r: paddle.to_tensor(v) for r, v in rows.items()}, m, [ap.Partial(op)])
             out = ap.reshard(x, m, [ap.Replicate()])
             assert out.local.dtype == paddle.bool and out.full().numpy().tolist() == expected, op
+
+
+def test_dtensor_from_local_with_more_placements_than_mesh_dims_names_the_count():
+    """Two Shards on a 1-D mesh, no global_shape: the count is refused by name (the global shape's inference read
+    a mesh dim past the mesh's and raised a raw IndexError)."""
+    with ap.simulate(world_size=2):
+        m = ap.ProcessMesh([0, 1], dim_names=["x"])
+        with pytest.raises(ValueError, match="expected 1 placements"):
+            ap.dtensor_from_local({r: paddle.ones([2, 2]) for r in range(2)}, m, [ap.Shard(0), ap.Shard(1)])
