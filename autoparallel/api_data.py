@@ -107,7 +107,7 @@ class ShardDataloader:
         from autoparallel.data_agree import check_more
         from autoparallel.data_structure import describe
 
-        mesh = self._meshes[0][0] if isinstance(self._meshes[0], list) else self._meshes[0]
+        mesh = self._check_mesh()
         real = not current_world().is_simulated         # the simulated world holds one batch for every rank
         it, index = iter(self._loader), 0
         while True:
@@ -120,6 +120,24 @@ class ShardDataloader:
                 return
             yield self._batch(batch)
             index += 1
+
+    def _check_mesh(self):
+        """The mesh whose ranks agree on each batch: every rank that lays out a field of it. With one mesh per field
+        (a pipeline: inputs on the first stage, labels on the last) the union of the meshes: one of them when it
+        holds the others' ranks, the whole world (its default group) when they cover it; otherwise the first
+        field's mesh (a group over another set of ranks would have to be created on every rank of the job)."""
+        from autoparallel.comm.world import current_world
+        from autoparallel.core.mesh import ProcessMesh
+
+        meshes = [x for m in self._meshes for x in (m if isinstance(m, list) else [m])]
+        union = sorted({int(r) for m in meshes for r in m.process_ids})
+        for m in meshes:
+            if sorted(int(r) for r in m.process_ids) == union:
+                return m
+        world = current_world()
+        if not world.is_simulated and union == list(range(world.world_size)):
+            return ProcessMesh(union, dim_names=["ranks"])
+        return meshes[0]
 
     def __next__(self):
         if getattr(self, "_it", None) is None:

@@ -156,6 +156,17 @@ def test_real_ranks_loaders_of_different_lengths_raise_on_every_rank(ranks):
         assert r["same_lengths_end_together"] == [2, 2], r
 
 
+def test_real_ranks_pipeline_meshes_loaders_of_different_lengths_raise_on_every_rank(ranks):
+    """One mesh per field, [0] and [1] (a pipeline's stages), loaders of 3 and 2 batches: checked over the first
+    field's mesh alone, rank 1 never took part and the ranks silently went through 3 and 2 batches. The check now
+    runs over the union of the meshes (the whole world here): both ranks raise at the third batch."""
+    for r in ranks:
+        seen, message, *after = r["pipeline_lengths_differ"]
+        assert seen == [0.0, 1.0], (seen, message)
+        assert "ran out after 2 batches" in message and "the ranks [1]" in message, message
+        assert after == [4.0]
+
+
 def test_real_ranks_batches_of_different_structures_raise_on_every_rank(ranks):
     """A dict key missing, None for a tensor, another field count, a list field of another length for a list of
     meshes, a 0-d tensor for a split field: on rank 1 only. Every rank raises a ValueError naming the field and

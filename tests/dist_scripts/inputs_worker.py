@@ -101,6 +101,22 @@ def split_lengths_differ():
     return [seen, "no error"]
 
 
+def pipeline_lengths_differ():
+    """One mesh per field (a pipeline's inputs on stage [0], labels on stage [1]), rank 0's loader three batches and
+    rank 1's two: the check ran on the first field's mesh only, so rank 1 never took part and the two ranks silently
+    went through different numbers of batches. Both ranks now raise at the third batch, over the meshes' union."""
+    stages = [ap.ProcessMesh([0], dim_names=["pp"]), ap.ProcessMesh([1], dim_names=["pp"])]
+    parts = [(paddle.full([2, 4], float(k)), paddle.full([2], float(k))) for k in range(3 if RANK == 0 else 2)]
+    seen = []
+    try:
+        for x, y in ap.shard_dataloader(parts, stages):
+            seen.append(float((x if RANK == 0 else y).full().flatten()[0]))     # each rank reads its own stage
+    except ValueError as e:
+        x = ap.shard_tensor(paddle.ones([2, 2]), MESH, [ap.Shard(0)])
+        return [seen, str(e), float(x.full().sum())]
+    return [seen, "no error"]
+
+
 def _every_rank_raises(batch, meshes=MESH, **kw):
     """One batch of a structure that differs per rank: [message, a whole-mesh collective's sum afterwards]."""
     try:
@@ -136,7 +152,8 @@ def same_lengths_end_together():
 
 res = {}
 for check in (same_global, paddle_seed_only_shuffle, rank_drawn, rank_drawn_unchecked, split_sampler, split_uneven,
-              split_replicas_differ, split_lengths_differ, same_lengths_end_together, structure_differs):
+              split_replicas_differ, split_lengths_differ, same_lengths_end_together, structure_differs,
+              pipeline_lengths_differ):
     try:
         res[check.__name__] = check()
     except Exception as e:  # noqa: BLE001 -- reported to the test
