@@ -30,7 +30,7 @@ from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase, building_static_program, owner_of, resolve
 from autoparallel.context import state as _ctx
 from autoparallel.dispatch_empty import empty_operands, empty_safe
-from autoparallel.dispatch_pre import PRE_STEPS, pre_step
+from autoparallel.dispatch_pre import OPERATOR_PATHS, PRE_STEPS, map_args, numpy_operands, pre_step
 from autoparallel.dispatch_pins import PinnedLayouts, pinned, replayable  # noqa: F401  (re-exported)
 from autoparallel.dist_tensor import DistParameter, DistTensor, as_dist
 from autoparallel.dispatch_values import VALUE_OPS, resolve as resolve_values
@@ -86,6 +86,8 @@ def run(op: str, path: str, args, kwargs):
         view_alias.check_reads(op, _shallow_leaves(args, kwargs))
     if op in PRE_STEPS:
         args, kwargs = pre_step(op, _ORIG.get(path), args, kwargs)
+    if path in OPERATOR_PATHS:
+        args = numpy_operands(args)
     out = _run(op, path, args, kwargs)
     view_alias.record(op, args, out, DistTensor)
     if cross_mesh_grad.LIVE[0]:         # outputs name the cross-mesh moves they depend on
@@ -121,7 +123,7 @@ def _run(op: str, path: str, args, kwargs):
         args, kwargs = unshadow(args, kwargs)
     args, kwargs = _bind(op, path, tuple(args), dict(kwargs))
     if path in ARG_MAP:
-        args, kwargs = _map_args(path, args, kwargs)
+        args, kwargs = map_args(path, args, kwargs)
     rule = get_spmd_rule(op)
     tracer = _ctx.tracer
     if tracer is not None:
@@ -293,23 +295,6 @@ def _trace(tracer, op, dists, res):
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def _map_args(path, args, kwargs):
-    how = ARG_MAP.get(path)
-    if how == "swap":
-        return (args[1], args[0]) + args[2:], kwargs
-    if how == "scalar_1d":
-        x, y = args[0], args[1]
-        if isinstance(y, (int, float)) and not isinstance(y, bool) and is_dist(x) and not x.shape:
-            y = paddle.full([1], y, dtype=x.dtype)
-        return (x, y) + args[2:], kwargs
-    if isinstance(how, dict) and "rename" in how:
-        ren = how["rename"]
-        kwargs = {ren.get(k, k): v for k, v in kwargs.items()}
-    if isinstance(how, dict) and "fixed" in how:
-        kwargs = {**kwargs, **how["fixed"]}
-    return args, kwargs
-
-
 def _leaves(args, kwargs) -> list:
     return flatten_specs(args, kwargs, is_leaf=_is_tensor_leaf)
 
@@ -365,7 +350,7 @@ def _execute(op, path, res, mesh, calls) -> dict:
             fn = local_ops.PER_RANK[res.local_op]
         else:
             fn = _LOCAL_FN.get(path) or _local_callable(op, path)
-            if ARG_MAP.get(path) == "swap":       # back to the reflected operator's own order
+            if ARG_MAP.get(path) in ("swap", "swap_scalar_1d"):       # back to the reflected operator's order
                 calls = {r: ((a[1], a[0]) + tuple(a[2:]), k) for r, (a, k) in calls.items()}
             if op in _CONTRACTING:
                 calls = {r: (empty_operands(a), k) for r, (a, k) in calls.items()}

@@ -16,7 +16,11 @@ VALUE_OPS = {"arange": 0, "full": 0, "zeros": 0, "ones": 0, "expand": 1, "reshap
              "broadcast_to": 1, "pad": 1,
              "linspace": 0, "split": 1, "full_like": 1,
              "empty": 0, "rand": 0, "randn": 0, "standard_normal": 0, "randint": 0, "uniform": 0, "eye": 0,
-             "topk": 1, "quantile": 1, "nanquantile": 1}
+             "topk": 1, "quantile": 1, "nanquantile": 1,
+             # an axis given as a tensor (``x.sum(axis=paddle.to_tensor(1))``, paddle reads its value)
+             **dict.fromkeys(("sum", "mean", "max", "min", "amax", "amin", "prod", "logsumexp", "all", "any", "std",
+                              "var", "nansum", "nanmean", "argmax", "argmin", "cumsum", "cumprod", "flip", "squeeze",
+                              "unsqueeze", "count_nonzero"), 1)}
 _NUMBERS = ("arange", "linspace", "eye", "randint", "topk")      # one-element tensors there are numbers
 _FILL = {"full": 1, "full_like": 1}       # the position of fill_value (also a number when one element)
 _TENSOR_KW = ("x", "input", "self")

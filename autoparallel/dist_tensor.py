@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from autoparallel import backward_start, cross_mesh_grad, dispatch_handle, param_carry, redistribute
+from autoparallel import backward_start, cross_mesh_grad, dispatch_handle, param_carry, redistribute, view_alias
 from autoparallel import dist_tensor_forms as _forms
 from autoparallel.comm import agreement
 from autoparallel.comm.collectives import pick_replicated
@@ -126,13 +126,13 @@ class DistTensor(MetaForms, OpMethods):
         return self.fill_(0.0)
 
     def fill_(self, value) -> "DistTensor":
-        """``value`` everywhere in place; the tensor becomes replicated on its Partial mesh dims."""
-        from autoparallel.local_mode import local_mode
-
-        with local_mode():
+        """``value`` everywhere in place; the tensor becomes replicated on its Partial mesh dims. A view's write
+        reaches its base (view_alias), as paddle's shared storage carries it."""
+        with _forms.local_mode():
             for t in self._locals.values():
                 t.fill_(value)
         self._spec = self._spec.with_placements(_grad_placements(self._spec.placements))
+        view_alias.written("paddle.Tensor.fill_", self)
         return _forms.forget_value(self)
 
     cpu = _forms.dist_cpu

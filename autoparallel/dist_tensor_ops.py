@@ -287,6 +287,7 @@ def _namespace() -> dict:
     ns["requires_grad"] = property(lambda self: not self.stop_gradient, _set_requires_grad)
     ns["gradient"] = _gradient
     ns["detach_"] = _detach_
+    ns["__array_ufunc__"] = None         # as paddle.Tensor: numpy hands ``array + x`` back to x's reflected operator
     ns["__slots__"] = ()
     ns["__doc__"] = "The op methods of DistTensor (generated from the op table; see autoparallel.dist_tensor_ops)."
     return ns

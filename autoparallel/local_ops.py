@@ -65,8 +65,15 @@ def row_of_shard(x, index=None, *, row):
 def setitem(x, index, value):
     """``x[index] = value`` on a copy (the caller rebinds ``x`` to it). paddle's ``set_value`` leaves an empty
     value (this rank's empty shard of it: 3 rows over 4 ranks) out of the graph, so its gradient stayed None
-    on that rank: the copy is joined to it by a zero term, and the value's gradient is empty as its shard."""
+    on that rank: the copy is joined to it by a zero term, and the value's gradient is empty as its shard. On an
+    empty shard of x (7 columns over 4 ranks: 2, 2, 2, 0) nothing is written: paddle's backward of a write into
+    an empty region leaves a broadcast value's gradient uninitialized (garbage summed into the value's gradient),
+    so the write is skipped and the value joined by the zero term."""
     y = x.clone()
+    if 0 in x.shape:
+        if isinstance(value, paddle.Tensor) and not value.stop_gradient:
+            y = y + (value.sum() * 0).astype(y.dtype)
+        return y
     y[index] = value
     if isinstance(value, paddle.Tensor) and not value.stop_gradient and 0 in value.shape:
         y = y + (value.sum() * 0).astype(y.dtype)

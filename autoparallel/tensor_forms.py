@@ -4,6 +4,8 @@ spellings, ``paddle.is_tensor``, ``new_*``, and in-place updates of a plain buff
 """
 from __future__ import annotations
 
+import inspect
+
 import paddle
 
 from autoparallel import aliases, patches, shadows, view_alias
@@ -82,6 +84,7 @@ def rebind(path, target, out):
         with local_mode(), paddle.no_grad():
             for r, t in target._ap_locals.items():
                 paddle.assign(out._locals[r], output=t)
+        view_alias.written(path, target)            # its live views now hold stale values
         return target
     if isinstance(target, paddle.Tensor) and not isinstance(target, EagerParamBase):
         # a plain tensor (replicated by convention) updated in place with distributed operands, e.g. a
@@ -181,6 +184,23 @@ def install_casts() -> None:
     for name, fn in (("type_as", type_as), ("to", to)):
         if not getattr(getattr(paddle.Tensor, name), "_ap_wrapper", False):
             _set_tensor_method(name, _mark(fn, getattr(paddle.Tensor, name), name))
+    for name in ("T", "mT"):
+        prop = inspect.getattr_static(paddle.Tensor, name, None)
+        if isinstance(prop, property) and not getattr(prop.fget, "_ap_wrapper", False):
+            _set_tensor_method(name, property(_mark(_transposed(name, prop.fget), prop.fget, name)))
+
+
+def _transposed(name, orig):
+    """``p.T`` / ``p.mT`` of a distributed parameter: the transpose rule (paddle's properties call the C op on the
+    object, which for a DistParameter is its local shard: ``x @ w.T`` took a shard's transpose as a whole
+    replicated tensor)."""
+    def getter(self):
+        if not D.is_dist(self) or _ctx.local_depth > 0 or self.ndim < 2:
+            return orig(self)
+        n = self.ndim
+        perm = list(range(n))[::-1] if name == "T" else list(range(n - 2)) + [n - 1, n - 2]
+        return D.run("transpose", "paddle.transpose", (self, perm), {})
+    return getter
 
 
 def _dtype_of(x):

@@ -6,7 +6,8 @@ permutation), and every other live tensor sharing the storage (a sibling view, a
 place) is marked stale: the first routed op, ``full()`` or ``reshard`` reading it raises ``NotImplementedError``
 naming the write, never a stale value. docs/fuzzing_ops.md has the measured view/copy table.
 
-Only views of DistTensors are tracked; a view keeps its base alive (as shared storage does) until it dies."""
+Only views of DistTensors and distributed parameters are tracked; a view keeps its base alive (as shared storage
+does) until it dies."""
 from __future__ import annotations
 
 import weakref
@@ -15,11 +16,11 @@ import weakref
 # tensor_split copy; advanced indexing copies)
 VIEW_OPS = frozenset({"reshape", "view", "view_as", "transpose", "matrix_transpose", "flatten", "squeeze",
                       "unsqueeze", "getitem", "slice", "strided_slice", "narrow", "diagonal", "unbind",
-                      "unflatten", "moveaxis"})
+                      "unflatten", "moveaxis", "as_strided"})
 # paddle's reshape of a non-contiguous tensor copies: a reshape of a (maybe) strided view is not linked
 RESHAPES = frozenset({"reshape", "view", "view_as", "flatten", "unflatten"})
 STRIDING = frozenset({"transpose", "matrix_transpose", "diagonal", "moveaxis", "getitem", "slice", "strided_slice",
-                      "narrow", "unbind"})
+                      "narrow", "unbind", "as_strided"})
 
 # keyed by id (a DistTensor's == is elementwise, so weak dicts/sets cannot hold it); entries die with the tensor.
 # record() only notes each view's base (one dict entry per view op, on the dispatch path); who shares storage
@@ -69,12 +70,16 @@ def record(op: str, args, outs, DistTensor) -> None:     # noqa: N803 - the clas
     if op not in VIEW_OPS or not args:
         return
     base = args[0]
-    if type(base) is not DistTensor or (op == "getitem" and not _is_basic_index(args[1] if len(args) > 1 else 0)):
-        return
+    if not (type(base) is DistTensor or hasattr(base, "_ap_spec")) or \
+            (op == "getitem" and not _is_basic_index(args[1] if len(args) > 1 else 0)):
+        return                          # a DistTensor's or a distributed parameter's (``_ap_spec``) views only
     if op in RESHAPES and (id(base) in _STRIDED or not base.shape):     # paddle copies a 0-d tensor's reshape
         return
     strided = id(base) in _STRIDED or op in STRIDING and not (op == "getitem" and _leading_slice(args[1]))
-    info = args[1] if op in ("getitem", "transpose") and len(args) > 1 else list(base.shape)
+    shape = base._ap_spec.shape if hasattr(base, "_ap_spec") else base.shape     # a parameter's .shape is its shard's
+    info = args[1] if op in ("getitem", "transpose") and len(args) > 1 else list(shape)
+    if op == "getitem" and info is None:
+        info = (None,)                      # x[None]: the index, not "cannot be inverted"
     if op not in WRITE_BACK or (op == "transpose" and not isinstance(info, (list, tuple))):
         info = None
     for o in outs if isinstance(outs, (list, tuple)) else (outs,):
@@ -123,7 +128,7 @@ def written(path: str, target) -> None:
         while True:
             p = _PARENT.get(id(cur))
             base = p[0] if p and p[2] is not None else None
-            if base is None or id(base) in _STALE or (base.is_leaf and not base.stop_gradient):
+            if base is None or id(base) in _STALE or (base.is_leaf and not base.stop_gradient and _grad_on()):
                 break
             _write_back(p[1], p[2], base, cur)
             done.add(id(base))
@@ -137,6 +142,13 @@ def written(path: str, target) -> None:
             _STALE[_track(t)] = path
 
 
+def _grad_on() -> bool:
+    """Outside ``paddle.no_grad()`` a leaf that requires a gradient is not written in place (paddle refuses)."""
+    import paddle
+
+    return paddle.is_grad_enabled()
+
+
 def _write_back(op, info, base, view) -> None:
     if op == "getitem":
         base[info] = view                   # routed setitem (its own rebind is ignored while _BUSY)
@@ -145,6 +157,9 @@ def _write_back(op, info, base, view) -> None:
         new = view.transpose(sorted(range(len(info)), key=lambda i: info[i]))
     else:
         new = view.reshape(info)
+    if hasattr(base, "_ap_spec"):           # a distributed parameter stays the same Parameter: written in its layout
+        base[...] = new
+        return
     base._locals, base._spec = new._locals, new._spec
 
 

@@ -151,22 +151,46 @@ def scale(x, scale=1.0, bias=0.0, bias_after_scale=True, act=None, name=None):
 def pow_rule(x, y, name=None):
     """paddle.pow: a python exponent is a unary (nonlinear) op; a tensor exponent broadcasts."""
     if isinstance(y, DistSpec):
-        if not isinstance(x, DistSpec):
-            return elementwise_result("pow", [x, y], out_dtype=y.dtype if is_float(y.dtype) else "float32")
-        return elementwise_result("pow", [x, y])
+        if not isinstance(x, DistSpec):          # 2 ** i: an integer base keeps i's integers (int64 for bool)
+            dtype = y.dtype if is_float(y.dtype) else "float32" if isinstance(x, float) else \
+                y.dtype if y.dtype != "bool" else "float32" if isinstance(x, bool) else "int64"
+            return elementwise_result("pow", [x, y], out_dtype=dtype)
+        return elementwise_result("pow", [x, y], out_dtype=_promote_pair("pow", x, y))
     check_spec("pow", "x", x)
-    to_float = isinstance(y, float) and not is_float(x.dtype)
-    return _unary("pow", x, dtype="float32" if to_float else None)
+    return _unary("pow", x, dtype=_binary_dtype("pow", x, y))
 
 
 # ---- binary --------------------------------------------------------------------------------------------------------
 def _binary_dtype(op, x, y, *, true_div=False):
-    specs = [a for a in (x, y) if isinstance(a, DistSpec)]
-    dtype = promote(*[s.dtype for s in specs])
+    """paddle's result dtype: a python float makes an integer or bool tensor float32, a python int (not a bool)
+    makes a bool tensor int64 (``(x > 0) + 1``); a true division is float, except of bool by bool."""
+    dtype = _promote_pair(op, x, y)
     scalars = [a for a in (x, y) if not isinstance(a, DistSpec)]
+    if dtype == "bool" and true_div and scalars and all(isinstance(s, bool) for s in scalars):
+        return dtype
     if not is_float(dtype) and (true_div or any(isinstance(s, float) for s in scalars)):
-        dtype = "float32"
+        return "float32"
+    if dtype == "bool" and any(not isinstance(s, bool) for s in scalars):
+        return "int64"
     return dtype
+
+
+_ZERO_D_AS_NUMBER = ("add", "subtract", "multiply", "divide", "remainder", "pow")
+
+
+def _kind(dtype) -> int:
+    return 2 if is_float(dtype) else 0 if normalize_dtype(dtype) == "bool" else 1
+
+
+def _promote_pair(op, x, y):
+    """The promoted dtype of the tensor operands. To paddle's arithmetic ops a 0-d tensor beside a tensor of rank
+    >= 1 is a number: of the same kind (bool, integer, float) the other's dtype wins (f32[n] + f64[] is f32,
+    i32[n] * i64[] is i32), of a higher kind its own (i64[n] + f64[] is f64)."""
+    specs = [a for a in (x, y) if isinstance(a, DistSpec)]
+    if op in _ZERO_D_AS_NUMBER and len(specs) == 2 and (specs[0].ndim == 0) != (specs[1].ndim == 0):
+        whole, zero = (specs[0], specs[1]) if specs[1].ndim == 0 else (specs[1], specs[0])
+        return normalize_dtype(zero.dtype if _kind(zero.dtype) > _kind(whole.dtype) else whole.dtype)
+    return promote(*[s.dtype for s in specs])
 
 
 def _binary_linear(op, x, y, rounding_mode=None):

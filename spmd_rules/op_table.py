@@ -8,7 +8,7 @@ one-to-one, except where ``ARG_MAP`` says otherwise for a dotted path:
 * ``"swap"``: a reflected operator ``Tensor.__rxxx__(self, other)`` calls the rule as ``rule(other, self)``;
 * ``{"rename": {paddle_kw: rule_kw}}``: keyword arguments renamed (positional arguments map unchanged);
 * ``"scalar_1d"``: a python number operand becomes a one-element 1-d tensor, as paddle's operator does
-  (so a 0-d tensor ``// 2`` has shape [1]);
+  (so a 0-d tensor ``// 2`` has shape [1]); ``"swap_scalar_1d"``: both (``3 // t``);
 * ``{"fixed": {rule_kw: value}}``: extra keyword arguments the rule gets (e.g. ``paddle.t`` is a
   transpose of the last two dims).
 
@@ -67,8 +67,8 @@ OP_TABLE: dict = {
     "subtract": _fn("subtract", extra=(_T + "__sub__", _T + "__rsub__")),
     "multiply": _fn("multiply", extra=(_T + "__mul__", _T + "__rmul__")),
     "divide": _fn("divide", extra=(_T + "__truediv__", _T + "__rtruediv__")),
-    "floor_divide": _fn("floor_divide", extra=(_T + "__floordiv__",)),
-    "remainder": _fn("remainder", extra=(_T + "__mod__",)),
+    "floor_divide": _fn("floor_divide", extra=(_T + "__floordiv__", _T + "__rfloordiv__")),
+    "remainder": _fn("remainder", extra=(_T + "__mod__", _T + "__rmod__")),
     "maximum": _fn("maximum"),
     "minimum": _fn("minimum"),
     "where": _fn("where"),
@@ -189,7 +189,7 @@ OP_TABLE: dict = {
                            "signbit", "negative", "logit", "stanh", "fmax", "fmin", "copysign", "heaviside",
                            "atan2", "hypot", "logaddexp", "gammainc", "gammaincc", "logical_xor", "true_divide",
                            "isclose", "lerp", "add_n")},
-    "positive": ("paddle.positive",),
+    "positive": ("paddle.positive", _T + "__pos__"),
     "gt": _fn("gt", extra=("paddle.greater", _T + "greater")),
     **{n: (f"paddle.nn.functional.{n}",) for n in ("swish", "hardtanh", "celu", "softshrink", "hardshrink",
                                                      "thresholded_relu")},
@@ -257,6 +257,8 @@ ARG_MAP: dict = {
     _T + "__rtruediv__": "swap",
     _T + "__rmatmul__": "swap",
     _T + "__rpow__": "swap",
+    _T + "__rmod__": "swap",
+    _T + "__rfloordiv__": "swap_scalar_1d",     # 3 // (0-d tensor) is a [1] tensor too
     _T + "__getitem__": {"rename": {"self": "x", "item": "index"}},
     _T + "__neg__": {"rename": {"var": "x"}},
     _T + "__abs__": {"rename": {"var": "x"}},
