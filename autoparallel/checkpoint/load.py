@@ -109,6 +109,7 @@ def _read(flat: dict, path: str, strict: bool) -> tuple:
             rec = meta["tensors"][name]
             loaded[name] = [(dest, _fill(reader, ckpt, name, rec, off, shape, zero))
                             for dest, off, shape, zero in t.boxes]
+        _check_ties(flat, targets, loaded, ckpt, meta)
         runtime = _runtime(reader, ckpt, meta)
         return ckpt, meta, targets, loaded, runtime, reader.bytes_read
 
@@ -275,6 +276,24 @@ def _validate(targets: dict, meta: dict, strict: bool, ckpt: str) -> None:
     if problems:
         raise CheckpointMismatchError(f"checkpoint {ckpt} (step {meta.get('step')}) does not match the state; "
                                       f"nothing was loaded:\n  " + "\n  ".join(problems))
+
+
+def _check_ties(flat: dict, targets: dict, loaded: dict, ckpt: str, meta: dict) -> None:
+    """Names of one tensor in the state (tied weights: an embedding and its head) must read equal values. A
+    checkpoint of a model that does not tie them holds two; writing both into the one tensor kept the last
+    silently (the loaded model was neither the saved one nor the state's)."""
+    groups: dict = {}
+    for name, (_, _, leaf) in flat.items():
+        if targets[name].kind in ("tensor", "ndarray") and name in loaded:
+            groups.setdefault(id(leaf), []).append(name)
+    for first, *others in groups.values():
+        for other in others:
+            if any(a.tobytes() != b.tobytes() for (_, a), (_, b) in zip(loaded[first], loaded[other])):
+                raise CheckpointMismatchError(
+                    f"checkpoint {ckpt} (step {meta.get('step')}) does not match the state; nothing was loaded:\n  "
+                    f"{first!r} and {other!r} are one tensor in the state (tied weights), but the checkpoint holds "
+                    f"different values for them (it was saved from a model that does not tie them); load it into "
+                    f"such a model, or leave one of the two names out of the state to choose the value")
 
 
 # ---- reading and assigning ------------------------------------------------------------------------------

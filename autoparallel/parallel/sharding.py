@@ -153,7 +153,8 @@ class ZeroOptimizer(StepHooks):
                 for r in self.held:
                     m = self.master[r].get(id(p))
                     if m is not None:
-                        c = self._initial_chunk(p, r, m.dtype)
+                        c = ZeroOptimizer._initial_chunk(self, p, r, m.dtype)   # the data written, never a
+                        # lazy parameter's initialiser chunk (lazy_init/zero.py overrides _initial_chunk)
                         m.set_value(c._copy_to(self.host, True) if self.offload else c)
 
     def _initial_chunk(self, p, r, dtype=None):
