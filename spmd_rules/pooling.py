@@ -41,6 +41,10 @@ def _pads(op, padding, n, sizes, ksize, stride, channel_last):
     return _padding(op, padding, ksize, stride, [1] * n, sizes, channel_last)
 
 
+def _trunc_div(a: int, b: int) -> int:
+    return a // b if a >= 0 else -((-a) // b)
+
+
 def _pooled_shape(op, x, n, kernel_size, stride, padding, ceil_mode, data_format):
     dims = _spatial(op, x, n, data_format)
     sizes = [x.shape[d] for d in dims]
@@ -50,10 +54,13 @@ def _pooled_shape(op, x, n, kernel_size, stride, padding, ceil_mode, data_format
     out = []
     for i in range(n):
         span = sizes[i] + pads[i][0] + pads[i][1] - k[i]
-        o = (span + s[i] - 1) // s[i] + 1 if ceil_mode else span // s[i] + 1
-        if o <= 0:
-            raise ValueError(f"{op}: kernel {k} with padding {pads} is larger than the input's spatial size "
-                             f"{sizes}")
+        # paddle's kernels size the output with C's integer division (truncation toward zero): a window larger
+        # than the padded input by less than a stride still gives one output (the window clipped to the input),
+        # squeezenet's 3x3 / 2 max pool on a 2x2 map, for one
+        o = _trunc_div(span + s[i] - 1 if ceil_mode else span, s[i]) + 1
+        if o < 0:
+            raise ValueError(f"{op}: kernel {k} with stride {s} and padding {pads} is larger than the input's "
+                             f"spatial size {sizes} by more than a stride (paddle refuses it too)")
         out.append(o)
     return dims, out
 
