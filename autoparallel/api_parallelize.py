@@ -171,6 +171,10 @@ def _dp_config(s, dp, mesh):
     if name != "data":
         raise NotImplementedError(f"ap.parallelize: dp_config['sharding_mesh_dim']={dim!r}: sharding runs over the "
                                   f"data-parallel mesh dim ('dp' / 'data') only")
+    have = s.sharding.stage if s.sharding.enable else 0
+    if "sharding_level" in dp and s.sharding.enable and have != level:     # one of the two would be ignored
+        raise ValueError(f"ap.parallelize: dp_config['sharding_level']={given!r} disagrees with the strategy's "
+                         f"sharding (enable=True, stage={have}); give the ZeRO stage once, or agreeing values")
     if level:
         s.sharding.enable, s.sharding.stage = True, level
 

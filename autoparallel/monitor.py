@@ -79,8 +79,26 @@ def _check_args(warmup_steps, measure_steps, num_stages, split, layer_names, clo
     if pipeline is not None and not hasattr(pipeline, "records"):
         raise TypeError(f"PerformanceMonitor: pipeline must be a PipelineModule (ap.parallelize with pipeline "
                         f"parallelism) or None, got {type(pipeline).__name__}")
-    return (_count("warmup_steps", warmup_steps, 0), _count("measure_steps", measure_steps, 1),
-            _count("num_stages", num_stages, 1, optional=True))
+    out = (_count("warmup_steps", warmup_steps, 0), _count("measure_steps", measure_steps, 1),
+           _count("num_stages", num_stages, 1, optional=True))
+    if split is not None:
+        _check_split(split, out[2], layer_names)
+    return out
+
+
+def _check_split(split, num_stages, layer_names) -> None:
+    """The current split: contiguous (first, end) layer ranges from layer 0, agreeing with ``num_stages`` and
+    ``layer_names`` when given (otherwise one of them would be ignored)."""
+    ends = [0] + [int(b) for _, b in split]
+    if not split or any(int(a) != e or int(b) <= a for (a, b), e in zip(split, ends)):
+        raise ValueError(f"PerformanceMonitor: split must list contiguous, non-empty (first, end) layer ranges from "
+                         f"layer 0, one per stage (e.g. [(0, 2), (2, 4)]), got {list(split)!r:.80}")
+    if num_stages is not None and num_stages != len(split):
+        raise ValueError(f"PerformanceMonitor: num_stages={num_stages} but split has {len(split)} stages; give one "
+                         f"of them, or agreeing values")
+    if layer_names is not None and len(layer_names) != ends[-1]:
+        raise ValueError(f"PerformanceMonitor: layer_names has {len(layer_names)} names but split covers "
+                         f"{ends[-1]} layers")
 
 
 class PerformanceMonitor(SuggestingMixin, ReportingMixin):

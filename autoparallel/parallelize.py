@@ -325,7 +325,7 @@ def Optimizer(optimizer, strategy: Strategy | None = None):
     params = list(flat_params(inner))
     build, replaced = find_build(params)
     if build is None:
-        from autoparallel.entry_points import reject_without_model
+        from autoparallel.entry_points import apply_seed, reject_without_model
 
         s = Strategy() if strategy is None else strategy
         reject_without_model(s)
@@ -333,7 +333,9 @@ def Optimizer(optimizer, strategy: Strategy | None = None):
             raise ValueError(f"ap.Optimizer: none of the optimizer's {len(params)} parameters belongs to a model "
                              f"built by ap.DataParallel or is distributed (ap.shard_layer / ap.shard_tensor); call "
                              f"ap.DataParallel(model, strategy=s) before ap.Optimizer(optimizer)")
-        return wrap_optimizer(optimizer, {}, s.gradient_accumulation_steps, "ap.Optimizer")
+        wrapped = wrap_optimizer(optimizer, {}, s.gradient_accumulation_steps, "ap.Optimizer")
+        apply_seed(s)                                   # the other option it accepts here
+        return wrapped
     if strategy is not None and strategy.to_dict() != build.strategy.to_dict() and build.strategy is not strategy:
         raise ValueError(f"ap.Optimizer(strategy=...) differs from the strategy ap.DataParallel built the model "
                          f"with ({build.strategy}); pass the same strategy or none")

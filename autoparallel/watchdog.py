@@ -158,7 +158,10 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
         others = [r for r in range(self.world_size) if r != self.rank]
         if self.world_size <= RING_ABOVE:
             return others
-        k = int(os.environ.get("AP_WATCHDOG_PEERS", 4))
+        text = os.environ.get("AP_WATCHDOG_PEERS", "").strip() or "4"
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"AP_WATCHDOG_PEERS must be a positive integer (peers each rank watches), got {text!r}")
+        k = int(text)
         return sorted({(self.rank + i) % self.world_size for i in range(1, k + 1)} - {self.rank})
 
     @property
@@ -337,8 +340,11 @@ OFF_VALUES = ("0", "off", "false", "no")
 
 
 def disabled() -> bool:
-    """True when ``AP_WATCHDOG`` opts out of the default watchdog (``0``, ``off``, ``false`` or ``no``)."""
-    return os.environ.get("AP_WATCHDOG", "").strip().lower() in OFF_VALUES
+    """True when ``AP_WATCHDOG`` opts out of the default watchdog (``0``, ``off``, ``false`` or ``no``); any other
+    value but ``on`` / ``1`` / ``true`` / ``yes`` is a ValueError naming the variable (a misspelt ``off``)."""
+    from autoparallel.switch import env_on
+
+    return not env_on("AP_WATCHDOG", True)
 
 
 def start_default():

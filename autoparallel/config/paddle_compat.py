@@ -196,8 +196,13 @@ class GradientMergeView(_View):
         from autoparallel.config.fields import _bool
 
         v = _bool("strategy.gradient_merge.enable", v)    # numpy's bool as a bool
+        k = self.k_steps                       # k_steps given, else the accumulation steps already set
+        ga = self._s.gradient_accumulation_steps
+        if not v and ga > 1 and not self._state.get("gradient_merge.enable"):
+            raise ValueError(f"strategy.gradient_merge.enable=False but strategy.gradient_accumulation_steps={ga}; "
+                             f"set gradient_accumulation_steps = 1 to turn accumulation off")
         self._state["gradient_merge.enable"] = v
-        self._s.gradient_accumulation_steps = self._state.get("gradient_merge.k_steps", 1) if v else 1
+        self._s.gradient_accumulation_steps = k if v else 1
 
     @property
     def k_steps(self):
@@ -237,6 +242,10 @@ def problems(strategy) -> list:
     if k != 1 and not state.get("gradient_merge.enable"):
         out.append(f"gradient_merge.k_steps={k} is set but gradient_merge.enable is not True; expected "
                    f"gradient_merge.enable=True (= gradient_accumulation_steps={k}) or the default k_steps 1")
+    ga = strategy.gradient_accumulation_steps
+    if state.get("gradient_merge.enable") and "gradient_merge.k_steps" in state and k != ga:
+        out.append(f"gradient_merge.k_steps={k} and gradient_accumulation_steps={ga} both set the accumulation "
+                   f"steps; expected equal values or only one of them")
     return out
 
 
@@ -251,7 +260,8 @@ def apply_config(strategy, config: dict) -> None:
             section = getattr(strategy, key) if key in _SECTIONS or key in strategy.__dataclass_fields__ else None
             if section is None:
                 if key not in PADDLE_ONLY:
-                    _unknown(key, "")
+                    ours = [f for f in strategy.__dataclass_fields__ if hasattr(getattr(strategy, f), "field_names")]
+                    _unknown(key, "", sorted(set(ours) | set(_SECTIONS) | set(PADDLE_ONLY) - {"Strategy"}))
                 for name, v in value.items():
                     refuse_or_accept(key, name, v) or _unknown(key, name)
                 continue
@@ -263,9 +273,17 @@ def apply_config(strategy, config: dict) -> None:
                 value = {k: v for k, v in value.items() if not (k in PADDLE_OFF_DEFAULTS[key]
                                                                 and _paddle_default_value(v, PADDLE_OFF_DEFAULTS[key][k]))}
             for name, v in value.items():
-                setattr(section, name, v)
+                _set(section, name, v)
         else:
-            setattr(strategy, key, value)
+            _set(strategy, key, value)
+
+
+def _set(obj, name, value) -> None:
+    """A config dict's key: a misspelt one is a ValueError (as in ``Strategy.from_dict``), naming the valid ones."""
+    try:
+        setattr(obj, name, value)
+    except AttributeError as e:
+        raise ValueError(f"Strategy(config): {e}") from None
 
 
 _SECTIONS = ("pipeline", "gradient_merge", "fused_passes")
@@ -322,8 +340,8 @@ def _paddle_default_value(v, default) -> bool:
     return isinstance(v, (int, float)) and v == default
 
 
-def _unknown(section, name):
+def _unknown(section, name, sections=()):
     if section not in PADDLE_ONLY:
-        raise ValueError(f"Strategy(config): unknown section {section!r}")
+        raise ValueError(f"Strategy(config): unknown section {section!r}; sections: {', '.join(sections)}")
     raise ValueError(f"Strategy(config): {section} has no field {name!r}; fields: {', '.join(PADDLE_ONLY[section])}")
 

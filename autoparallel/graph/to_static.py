@@ -112,6 +112,18 @@ def _apply_recompute(model, rc):
                          f"ap.to_static); build a fresh model to recompute {want[0]} every {want[1]} layers")
 
 
+def _check_tp_plan(tp_plan, mesh, full: bool) -> None:
+    """A ``tp_plan`` acts only in auto_mode 'semi' over a 'model' dim of size > 1; otherwise it would be ignored."""
+    if not tp_plan:
+        return
+    tp = mesh.shape[mesh.dim_index("model")] if "model" in mesh.dim_names else 1
+    if full or tp == 1:
+        why = "auto_mode='full' lays out every tensor itself" if full else "the mesh's 'model' dim has size 1"
+        raise ValueError(f"ap.to_static: tp_plan={{{', '.join(map(repr, tp_plan))}}} would be ignored ({why}); "
+                         f"expected auto_mode='semi' with tensor_parallel.degree > 1, or drop tp_plan (annotations= "
+                         f"fixes layouts in either mode)")
+
+
 def _semi_annotations(model, mesh, strategy, tp_plan):
     """Parameter and layer-output annotations implied by the strategy (semi mode)."""
     from autoparallel.parallel.model_families import resolve_tp_plan
@@ -125,12 +137,16 @@ def _semi_annotations(model, mesh, strategy, tp_plan):
             if tp_plan is not None:
                 raise          # no template knows this model: completion lays out the model dim itself
     if strategy.sequence_parallel.enable and tp > 1:
-        for name, layer in model.named_sublayers():
-            if name and type(layer).__name__.endswith("Norm"):
-                pl = [Shard(0) if n == "data" and mesh.shape[i] > 1 else Replicate()
-                      for i, n in enumerate(mesh.dim_names)]
-                pl[mesh.dim_index("model")] = Shard(1)
-                ann[name] = pl
+        norms = [name for name, layer in model.named_sublayers() if name and type(layer).__name__.endswith("Norm")]
+        if not norms:                  # sequence parallelism here is the norms' outputs on sequence shards
+            raise NotImplementedError(f"ap.to_static: strategy.sequence_parallel.enable=True runs the model's norm "
+                                      f"layers on sequence shards, but {type(model).__name__} has no *Norm sublayer, "
+                                      f"so it would change nothing; drop it (or use ap.parallelize, whose row-parallel "
+                                      f"layers reduce-scatter)")
+        for name in norms:
+            pl = [Shard(0) if n == "data" and mesh.shape[i] > 1 else Replicate() for i, n in enumerate(mesh.dim_names)]
+            pl[mesh.dim_index("model")] = Shard(1)
+            ann[name] = pl
     return ann
 
 
@@ -432,6 +448,7 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
     check_built_split(model, "ap.to_static")                  # a model config's own parallel flags
     check_declared_degrees(model, strategy, degrees, "ap.to_static")
     full = strategy.auto_mode == "full"
+    _check_tp_plan(tp_plan, mesh, full)
     ann = {} if full else _semi_annotations(model, mesh, strategy, tp_plan)
     ann.update(annotations or {})
     given = list(input_spec) if input_spec is not None else [None] * len(specs)

@@ -30,6 +30,7 @@ def wrapper_for(opt):
         from autoparallel.parallel.optimizer import ShardedOptimizer
 
         _check_not_zero(opt)
+        _check_build_finished(opt)
         w = ShardedOptimizer(opt, None, 1, overlap=False)
         _WRAPPERS.set(opt, w)
     return w
@@ -46,6 +47,26 @@ def _check_not_zero(opt) -> None:
             f"{type(opt).__name__}.step over {len(owned)} parameters ({', '.join(owned[:3])}) that a ZeRO optimizer "
             f"manages (the optimizer ap.parallelize / ap.shard_optimizer returned): step that optimizer instead "
             f"(PaddleFormers: Trainer(..., optimizers=(opt, None)))")
+
+
+def _check_build_finished(opt) -> None:
+    """A plain optimizer over a model built by ``ap.DataParallel(model, strategy=s)`` whose ``ap.Optimizer`` was
+    never called: the strategy's optimizer options (ZeRO, accumulation, float16 loss scaling, checkpoints) act
+    through ``ap.Optimizer`` and would be ignored by a plain step; refused, naming them."""
+    from autoparallel.entry_points import OPTIMIZER_FIELDS, non_default
+    from autoparallel.parallel.builds import find_build
+
+    build, _ = find_build(list(flat_params(opt)))
+    if build is None or build.optimizer_built:
+        return
+    s = build.strategy
+    bad = [f"{n}={v!r}" for n, v in non_default(s).items() if n.startswith(OPTIMIZER_FIELDS)]
+    if s.amp.enable and s.amp.dtype == "float16":
+        bad.append("amp.dtype='float16' (loss scaling)")
+    if bad:
+        raise ValueError(f"{type(opt).__name__}.step over a model built by ap.DataParallel(strategy=...) with "
+                         f"{', '.join(bad)}: these act on the optimizer through ap.Optimizer, which was not called, "
+                         f"so a plain step would ignore them; wrap it first: opt = ap.Optimizer(opt)")
 
 
 def resolve(opt):

@@ -39,6 +39,16 @@ def _guarded(dims: list):
         stack.pop()
 
 
+def refuse_guard(where: str) -> None:
+    """NotImplementedError when a ``parallel_guard`` other than the default ``["data"]`` is active: ``where``
+    places its inputs itself (a pipeline cuts micro-batches over the data ranks of each stage), so the guard
+    would be ignored."""
+    dims = _ctx.guard_stack[-1] if _ctx.guard_stack else [DATA]
+    if dims != [DATA]:
+        raise NotImplementedError(f"ap.parallel_guard({dims}) around {where} is not supported: it cuts every batch "
+                                  f"over the data ranks of each stage (the default ['data']); leave the guard out")
+
+
 def _input_dims():
     stack = _ctx.guard_stack
     return stack[-1] if stack else [DATA]

@@ -17,9 +17,11 @@ tables, the tuple handling of block outputs) runs as the model wrote it:
 * the stage's first block takes the activation received from the previous stage in place of its hidden
   input; on every stage but the first, what runs before it (the prefix) runs without gradient, so it only
   supplies the side inputs (masks, positions, rotary tables) and its parameters get no gradient here;
-* after the stage's last block, a stage that is not the last stops the forward and hands the block's
-  hidden output on; the last stage runs the rest of the model and returns its output (the logits: the
-  first element of a tuple output, or ``.logits``).
+* a stage that is not the last stops the forward when the model calls the next stage's first block and hands
+  that block's hidden input on (what the model made of the stage's last block output; stopping inside the last
+  block would hand on a raw output without its graph when the model calls the block inside a no-grad region, as
+  paddle's reentrant ``recompute`` does); the last stage runs the rest of the model and returns its output
+  (the logits: the first element of a tuple output, or ``.logits``).
 
 Side inputs are recomputed on every stage from the micro-batch, so every stage needs the model inputs
 (every rank passes the same batch to ``train_batch``). They must not depend on learned parameters: later
@@ -137,32 +139,52 @@ def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False, gra
     originals = [b.forward for b in blocks]
     names = [_hidden_name(f) for f in originals]
     enter_grad = grad_enabled()
+    made = {}                                           # block stop - 1's hidden output, and whether grad was on
 
     def make(j):
         orig, name = originals[j], names[j]
 
         def proxy(self, *args, **kwargs):
+            if j == stop and not last:
+                raise _StageExit(_handed_on(stop, _hidden_of(args, kwargs, name), made, grad))
             if j < start:
                 return shaped(forms, j, _hidden_of(args, kwargs, name))
             if j == start and x is not None:
                 args, kwargs = _replace_hidden(args, kwargs, name, x)
                 set_grad_enabled(grad)
             out = orig(*args, **kwargs)
-            if j == stop - 1 and not last:
-                raise _StageExit(_first(out))
+            if j == stop - 1:
+                made.update(out=_first(out), grad=grad_enabled())
             return out
         return proxy
 
     try:
-        with _swapped(blocks, {j: make(j) for j in range(len(blocks) if last else stop)}):
+        with _swapped(blocks, {j: make(j) for j in range(len(blocks) if last else stop + 1)}):
             yield
     finally:
         set_grad_enabled(enter_grad)
 
 
+def _handed_on(stop: int, h, made: dict, grad: bool):
+    """The stage's output: the hidden input the model's forward hands block ``stop`` (the stage stops when the model
+    calls the next stage's first block, not inside its own last block: a block called inside a no-grad region of the
+    model's forward, such as paddle's reentrant ``recompute(layer, ...)`` of PaddleFormers' ``config.recompute``,
+    makes its raw output without a graph, and only the region's output carries it). ``NotImplementedError`` when
+    that hidden state is still block ``stop - 1``'s raw output made without gradient: one no-grad region holds both
+    blocks, so the activation handed on would carry no graph and the stage's parameters would get no gradient."""
+    if grad and h is made.get("out") and not made["grad"] and getattr(h, "stop_gradient", False):
+        raise NotImplementedError(f"the model's forward runs its blocks #{stop - 1} and #{stop} in one no-grad "
+                                  f"region (a recompute of several blocks together), and a pipeline "
+                                  f"stage ends between them: the activation handed to the next stage would carry no "
+                                  f"gradient graph. Recompute each block on its own (the model's per-layer "
+                                  f"recompute), or use strategy.recompute instead of the model's own")
+    return h
+
+
 def run_stage(model, blocks, start: int, stop: int, inputs, x=None, last: bool = False, forms=None, whole=False):
-    """One stage's forward: the hidden output of block ``stop - 1``, or the model output when ``last`` (its logits,
-    or all of it when ``whole``); ``forms``: ``block_forms``, so a skipped block returns what the model unpacks."""
+    """One stage's forward: the hidden input the model hands block ``stop``, or the model output when ``last`` (its
+    logits, or all of it when ``whole``); ``forms``: ``block_forms``, so a skipped block returns what the model
+    unpacks."""
     grad = grad_enabled()
     ctx = _grad(False) if x is not None else contextlib.nullcontext()
     with ctx, stage_proxies(blocks, start, stop, x, last, grad, forms):
@@ -171,7 +193,7 @@ def run_stage(model, blocks, start: int, stop: int, inputs, x=None, last: bool =
         except _StageExit as e:
             return e.out
     if not last:
-        raise RuntimeError(f"{type(model).__name__}.forward returned before its block #{stop - 1}: the blocks must "
+        raise RuntimeError(f"{type(model).__name__}.forward returned before its block #{stop}: the blocks must "
                            f"run in list order, each once")
     return out if whole else model_output(out)
 
@@ -317,14 +339,21 @@ def _first_block_input(model, blocks, path, inputs):
 
 
 def _suffix_out(model, blocks, inputs, hx, forms):
-    """Model output with every block skipped and the hidden state replaced by ``hx`` at the first block."""
+    """Model output given ``hx`` as the last block's output, as the last stage computes it: what runs before that
+    block runs without gradient and every block is skipped (a block the model wraps in paddle's reentrant
+    ``recompute`` when its input requires a gradient would otherwise tie the output to the prefix's parameters
+    through the wrapper: PaddleFormers' ``config.recompute`` put the embedding on the last stage too)."""
     def skip(j):
         name = _hidden_name(blocks[j].forward)
         return lambda self, *args, **kwargs: shaped(forms, j, _hidden_of(args, kwargs, name))
 
+    def last(self, *args, **kwargs):
+        set_grad_enabled(True)
+        return shaped(forms, len(blocks) - 1, hx)
+
     fns = {j: skip(j) for j in range(len(blocks))}
-    fns[0] = lambda self, *a, **k: shaped(forms, 0, hx)
-    with _swapped(blocks, fns):
+    fns[len(blocks) - 1] = last
+    with _grad(False), _swapped(blocks, fns):
         return model(inputs)
 
 

@@ -24,6 +24,14 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from autoparallel.parallel.input_sharding import refuse_guard as _refuse_guard
+
+
+def refuse_guard(where: str) -> None:
+    """A step cuts its batch itself: an ``ap.parallel_guard`` other than the default would be ignored (raises)."""
+    _refuse_guard(where)
+
+
 IGNORE_INDEX = -100
 
 
@@ -54,6 +62,8 @@ def split(batch, m: int, dp: int, what: str) -> list:
         raise ValueError(f"this process runs the {'first' if what == 'inputs' else 'last'} pipeline stage, "
                          f"so train_batch needs the {what}; got None")
     _check_plain(batch, what)
+    if what == "inputs":
+        refuse_loss_flags(batch)
     if isinstance(batch, (list, tuple)):
         if len(batch) != m:
             raise ValueError(f"train_batch {what}: a list or tuple is read as one tensor per micro-batch ({m}), got "
@@ -69,6 +79,23 @@ def split(batch, m: int, dp: int, what: str) -> list:
     if len(shapes) != 1:
         raise ValueError(f"train_batch {what}: micro-batches must share one shape, got {sorted(shapes, key=str)}")
     return parts
+
+
+def refuse_loss_flags(batch) -> None:
+    """A model keyword input that makes the model add loss terms of its own (``output_router_logits=True``: a MoE
+    router's load-balancing loss, added to the loss it computes from labels) is refused on every rank before any
+    transfer: the pipeline computes the loss from the logits alone and would drop them silently (the flag in the
+    config is refused when the pipeline is built, ``auto_split.refuse_model_losses``)."""
+    dicts = [batch] if isinstance(batch, dict) else \
+        [b for b in batch if isinstance(b, dict)] if isinstance(batch, (list, tuple)) else []
+    for d in dicts:
+        v = d.get("output_router_logits")
+        if v is not None and not _is_array(v) and bool(v):
+            raise NotImplementedError(f"model input output_router_logits={v!r}: the model would add its router's "
+                                      f"load-balancing loss to the loss it computes from labels (and return the "
+                                      f"router logits), while a pipeline computes the loss from the logits alone, so "
+                                      f"the auxiliary loss would be silently dropped; leave output_router_logits "
+                                      f"unset or False")
 
 
 def labels_from_inputs(inputs, labels, call: str):

@@ -52,8 +52,13 @@ LOGITS_WHY = ("the logits of a training step are computed micro-batch by micro-b
 LOGITS_WHY_EXTERNAL = "a training call without labels returns the logits only (external_loss.py)"
 
 
+OUTPUT_FLAGS = {"output_hidden_states": "every block's hidden states", "output_attentions": "every block's attention "
+                "weights"}
+
+
 def call(pipe, args: tuple, kwargs: dict):
     inputs, labels, return_dict = bind(pipe, args, kwargs)
+    _refuse_output_flags(pipe, inputs)
     form = _form(pipe, labels is not None, return_dict)
     if pipe.training and paddle.is_grad_enabled():
         if labels is None:                     # loss_fn(model(x), y): the logits, backward through the pipeline
@@ -69,6 +74,20 @@ def call(pipe, args: tuple, kwargs: dict):
         return call_forms.build(form, train_call(pipe, inputs, labels), call_forms.Withheld("the logits",
                                                                                             LOGITS_WHY), LOGITS_WHY)
     return _evaluate(pipe, form, inputs, labels)
+
+
+def _refuse_output_flags(pipe, inputs) -> None:
+    """A call asking the model for outputs beyond the loss and the logits (``output_hidden_states=True``) raises: the
+    blocks' outputs live on each stage's ranks and the call's output form was learned without them (the field came
+    back ``None``, as if the model had not been asked)."""
+    asked = [k for k in OUTPUT_FLAGS if isinstance(inputs, dict) and not hasattr(inputs.get(k), "shape")
+             and bool(inputs.get(k))]
+    if asked:
+        raise NotImplementedError(f"{type(pipe.plan.pieces.model).__name__} called through a pipeline with "
+                                  f"{', '.join(f'{k}=True' for k in asked)}: a pipeline-parallel model's call returns "
+                                  f"the loss and the logits only, and {' and '.join(OUTPUT_FLAGS[k] for k in asked)} "
+                                  f"live on each stage's ranks; call it without {' / '.join(asked)}, or run the "
+                                  f"trained parameters in an unsplit model in one process for them")
 
 
 def _with_return_dict(pipe, inputs, return_dict):

@@ -218,6 +218,7 @@ class PipelineModule:
     def _step_state(self, inputs, labels, need_labels: bool = True) -> _StepState:
         """The step's micro-batches; every rank checks the labels it is given (not only the last stage's), so a bad
         batch fails on every rank before any transfer."""
+        batch_mod.refuse_guard("a pipeline")         # on every rank: the pipeline cuts its batches itself
         every = self.plan.pieces.generic             # a model split at its blocks: every stage needs the inputs
         keep = self.holds_last and need_labels
         cut = self._micro(labels, "labels") if keep or labels is not None else None
