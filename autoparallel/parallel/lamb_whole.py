@@ -40,6 +40,8 @@ class WholeNormLamb:
         """``copies``: the simulated world's other-rank optimizers (parallel/sim_step.py), None on a real rank."""
         for p in self.params:                       # the same order on every rank: the norms are collectives
             owners = _owners(p, self.inner, copies)
+            if not all(_stepped(*o[:2]) for o in owners.values()):
+                continue                            # no gradient yet (unused): paddle did not step it
             pieces = {r: (t, self.old[(id(p), r)]) + owners[r][:2] for r, t in p.locals.items()}
             first = {}
             for r, o in sorted(owners.items()):
@@ -65,8 +67,16 @@ class ZeroLamb:
                 continue                            # frozen, or no chunk: the same on every rank
             pieces = {r: (z.master[r][id(p)], self.old[(id(p), r)], z.inner_opts[r], z.master[r][id(p)].name)
                       for r in z.held}
+            if not all(_stepped(o, k) for _, _, o, k in pieces.values()):
+                continue                            # no gradient yet (unused): paddle did not step it
             rescale(pieces, z.groups.zmesh, {z.groups.shard_dim} | _sharded_dims(p), decay(z._inner, p),
                     adapts(z._inner, p))
+
+
+def _stepped(opt, key) -> bool:
+    """Whether paddle's Lamb has stepped the piece ``key`` (it skips a parameter without a gradient, and then has
+    no moments for it). Unused parameters have no gradient on any rank, so every rank skips the same ones."""
+    return key in opt._accumulators.get("moment1", {})
 
 
 def _owners(p, inner, copies) -> dict:
@@ -103,17 +113,34 @@ def rescale(pieces: dict, mesh, sharded_dims: set, wd: float, adapt: bool, skip=
 def _direction(opt, key, old, wd):
     """paddle's ``r = m_hat / (sqrt(v_hat) + eps) + wd * w`` from the moments the step wrote (the beta powers have
     moved on by one step)."""
-    acc = opt._accumulators
+    acc, h = opt._accumulators, hyper(opt, lambda q: q.name == key)
     m, v = acc["moment1"][key], acc["moment2"][key]
-    b1 = float(acc["beta1_pow_acc"][key].numpy().reshape(-1)[0]) / opt._beta1
-    b2 = float(acc["beta2_pow_acc"][key].numpy().reshape(-1)[0]) / opt._beta2
-    out = (m / (1 - b1)) / ((v / (1 - b2)).sqrt() + opt._epsilon)
+    b1 = float(acc["beta1_pow_acc"][key].numpy().reshape(-1)[0]) / _num(h["beta1"])
+    b2 = float(acc["beta2_pow_acc"][key].numpy().reshape(-1)[0]) / _num(h["beta2"])
+    out = (m / (1 - b1)) / ((v / (1 - b2)).sqrt() + _num(h["epsilon"]))
     return out + old.astype(out.dtype) * wd if wd else out
 
 
 def decay(inner, p) -> float:
-    fun = inner._exclude_from_weight_decay_fn
-    return 0.0 if fun is not None and fun(p) else float(inner._lamb_weight_decay)
+    h = hyper(inner, lambda q: q is p)
+    fun = h["exclude_from_weight_decay_fn"]
+    return 0.0 if fun is not None and fun(p) else _num(h["lamb_weight_decay"])
+
+
+def hyper(opt, match) -> dict:
+    """The Lamb settings paddle steps the parameter ``match`` picks with: its parameter group's ``beta1``,
+    ``beta2``, ``epsilon``, ``lamb_weight_decay``, ``exclude_from_weight_decay_fn``, else the constructor's
+    (``opt._beta1`` ... hold whichever group paddle stepped last)."""
+    out = dict(opt._default_dict)
+    for g in getattr(opt, "_param_groups", None) or ():
+        if isinstance(g, dict) and any(match(q) for q in g["params"]):
+            out.update({k: g[k] for k in out if k in g})
+            break
+    return out
+
+
+def _num(v) -> float:
+    return float(v.numpy().reshape(-1)[0]) if hasattr(v, "numpy") else float(v)
 
 
 def adapts(inner, p) -> bool:

@@ -40,18 +40,18 @@ def _clone(opt, params, lr, name_map, whole):
     if isinstance(opt, paddle.optimizer.AdamW):
         fun = opt._apply_decay_param_fun
         return paddle.optimizer.AdamW(
-            learning_rate=lr, beta1=opt._beta1, beta2=opt._beta2, epsilon=opt._epsilon, parameters=params,
-            weight_decay=opt._weight_decay, lr_ratio=_named_ratio(opt._lr_ratio, name_map),
+            learning_rate=lr, **_betas(opt), parameters=params, weight_decay=_ctor(opt, "weight_decay"),
+            lr_ratio=_named_ratio(opt._lr_ratio, name_map),
             apply_decay_param_fun=None if fun is None else (lambda n: fun(name_map.get(n, n))),
-            lazy_mode=opt._lazy_mode, amsgrad=getattr(opt, "_amsgrad", False))
+            lazy_mode=_ctor(opt, "lazy_mode"), amsgrad=getattr(opt, "_amsgrad", False))
     if isinstance(opt, paddle.optimizer.Adam):
-        return paddle.optimizer.Adam(learning_rate=lr, beta1=opt._beta1, beta2=opt._beta2, epsilon=opt._epsilon,
-                                     parameters=params, weight_decay=opt.regularization, lazy_mode=opt._lazy_mode,
+        return paddle.optimizer.Adam(learning_rate=lr, **_betas(opt), parameters=params,
+                                     weight_decay=opt.regularization, lazy_mode=_ctor(opt, "lazy_mode"),
                                      amsgrad=getattr(opt, "_amsgrad", False))
     if isinstance(opt, paddle.optimizer.Momentum):
-        return paddle.optimizer.Momentum(learning_rate=lr, momentum=opt._momentum, parameters=params,
-                                         use_nesterov=opt._use_nesterov, weight_decay=_momentum_decay(opt),
-                                         rescale_grad=opt._rescale_grad)
+        return paddle.optimizer.Momentum(learning_rate=lr, momentum=_ctor(opt, "momentum"), parameters=params,
+                                         use_nesterov=_ctor(opt, "use_nesterov"), weight_decay=_momentum_decay(opt),
+                                         rescale_grad=_ctor(opt, "rescale_grad"))
     if isinstance(opt, paddle.optimizer.SGD):
         return paddle.optimizer.SGD(learning_rate=lr, parameters=params, weight_decay=opt.regularization)
     if whole_tensor_kind(opt) is not None:
@@ -65,9 +65,22 @@ def _clone(opt, params, lr, name_map, whole):
 
 def _momentum_decay(opt):
     """Momentum keeps an L2Decay in its fused op (``_regularization_method``), not in ``regularization``."""
-    if getattr(opt, "_regularization_method", "") == "l2_decay":
-        return paddle.regularizer.L2Decay(opt._regularization_coeff)
+    if _ctor(opt, "regularization_method") == "l2_decay":
+        return paddle.regularizer.L2Decay(_ctor(opt, "regularization_coeff"))
     return opt.regularization
+
+
+def _betas(opt) -> dict:
+    return {k: _ctor(opt, k) for k in ("beta1", "beta2", "epsilon")}
+
+
+def _ctor(opt, key: str, attr: str | None = None):
+    """The constructor's ``key`` of ``opt``. paddle's step over parameter groups sets ``opt._beta1``,
+    ``opt._exclude_from_weight_decay_fn`` ... to each group's value in turn and leaves the last group's there; a
+    clone built from those would give that group's settings to every group without its own. ``_default_dict``
+    keeps the constructor's values."""
+    d = getattr(opt, "_default_dict", None) or {}
+    return d[key] if key in d else getattr(opt, attr or "_" + key, "" if "regularization" in key else None)
 
 
 class _Groups(list):
@@ -85,7 +98,7 @@ def _grouped(opt, params, name_map):
         return params
     where = {p.name: i for i, g in enumerate(groups) for p in g["params"]}
     out = [dict({k: v for k, v in g.items() if k not in ("params", "grad_clip")}, params=[], grad_clip=None,
-                **_group_decay(g)) for g in groups]
+                **_group_decay(g), **_group_hooks(g, name_map)) for g in groups]
     for p in params:
         out[where.get(name_map.get(p.name, p.name), 0)]["params"].append(p)
     kept = _Groups(g for g in out if g["params"])
@@ -100,6 +113,14 @@ def _group_decay(g) -> dict:
     if g.get("regularization_method") == "l2_decay" and g.get("weight_decay") is None:
         return {"weight_decay": paddle.regularizer.L2Decay(g.get("regularization_coeff", 0.0))}
     return {}
+
+
+def _group_hooks(g, name_map) -> dict:
+    """A group's own name-based hook (Lamb's ``exclude_from_weight_decay_fn``) sees a chunk or a rank's copy under
+    its original's name, as the constructor's does."""
+    fun = g.get("exclude_from_weight_decay_fn")
+    return {} if fun is None else {"exclude_from_weight_decay_fn":
+                                   lambda p: fun(_NamedAs(p, name_map.get(p.name, p.name)))}
 
 
 def copy_group_clips(inner, clone) -> None:
@@ -130,22 +151,20 @@ def _clone_more(opt, params, lr, name_map, whole):
     """The elementwise optimizers besides AdamW/Adam/SGD/Momentum; Lamb over whole parameters."""
     O, wd = paddle.optimizer, opt.regularization
     if isinstance(opt, O.Adagrad):
-        return O.Adagrad(lr, epsilon=opt._epsilon, parameters=params, weight_decay=wd,
-                         initial_accumulator_value=opt.initial_accumulator_value)
+        return O.Adagrad(lr, epsilon=_ctor(opt, "epsilon"), parameters=params, weight_decay=wd,
+                         initial_accumulator_value=_ctor(opt, "initial_accumulator_value", "initial_accumulator_value"))
     if isinstance(opt, O.RMSProp):
-        return O.RMSProp(lr, rho=opt._rho, epsilon=opt._epsilon, momentum=opt._momentum, centered=opt._centered,
-                         parameters=params, weight_decay=wd)
+        return O.RMSProp(lr, rho=_ctor(opt, "rho"), epsilon=_ctor(opt, "epsilon"), momentum=_ctor(opt, "momentum"),
+                         centered=_ctor(opt, "centered"), parameters=params, weight_decay=wd)
     if isinstance(opt, O.Adamax):
-        return O.Adamax(lr, beta1=opt._beta1, beta2=opt._beta2, epsilon=opt._epsilon, parameters=params,
-                        weight_decay=wd)
+        return O.Adamax(lr, **_betas(opt), parameters=params, weight_decay=wd)
     if isinstance(opt, O.Adadelta):
-        return O.Adadelta(lr, epsilon=opt._epsilon, rho=opt._rho, parameters=params, weight_decay=wd)
+        return O.Adadelta(lr, epsilon=_ctor(opt, "epsilon"), rho=_ctor(opt, "rho"), parameters=params, weight_decay=wd)
     if isinstance(opt, O.NAdam):
-        return O.NAdam(lr, beta1=opt._beta1, beta2=opt._beta2, epsilon=opt._epsilon,
-                       momentum_decay=opt._momentum_decay, parameters=params, weight_decay=wd)
-    if isinstance(opt, O.RAdam):
-        return O.RAdam(lr, beta1=opt._beta1, beta2=opt._beta2, epsilon=opt._epsilon, parameters=params,
+        return O.NAdam(lr, **_betas(opt), momentum_decay=_ctor(opt, "momentum_decay"), parameters=params,
                        weight_decay=wd)
+    if isinstance(opt, O.RAdam):
+        return O.RAdam(lr, **_betas(opt), parameters=params, weight_decay=wd)
     if isinstance(opt, O.Rprop):
         rng, etas = opt._learning_rate_range, opt._etas
         return O.Rprop(lr, learning_rate_range=tuple(float(v) for v in _values(rng)), parameters=params,
@@ -153,9 +172,8 @@ def _clone_more(opt, params, lr, name_map, whole):
     if isinstance(opt, O.ASGD):
         return O.ASGD(lr, batch_num=opt._n, parameters=params, weight_decay=wd)
     if isinstance(opt, O.Lamb) and whole:
-        fun = opt._exclude_from_weight_decay_fn
-        return O.Lamb(lr, lamb_weight_decay=opt._lamb_weight_decay, beta1=opt._beta1, beta2=opt._beta2,
-                      epsilon=opt._epsilon, parameters=params,
+        fun = _ctor(opt, "exclude_from_weight_decay_fn")
+        return O.Lamb(lr, lamb_weight_decay=_ctor(opt, "lamb_weight_decay"), **_betas(opt), parameters=params,
                       exclude_from_weight_decay_fn=None if fun is None else
                       (lambda p: fun(_NamedAs(p, name_map.get(p.name, p.name)))),
                       always_adapt=getattr(opt, "always_adapt", False))
