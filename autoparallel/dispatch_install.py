@@ -187,13 +187,14 @@ def _install_composites() -> None:
     from spmd_rules.composites_whole import COMPOSITES as WHOLE_COMPOSITES
     from spmd_rules.composites_metric import COMPOSITES as METRIC_COMPOSITES
 
-    from autoparallel import autograd_forms, copy_forms, local_ctc
+    from autoparallel import autograd_forms, copy_forms, draw_agree, local_ctc
 
     autograd = {"paddle.grad": autograd_forms.grad, "paddle.autograd.grad": autograd_forms.grad,
                 "paddle.autograd.backward": autograd_forms.backward,
                 "paddle.to_tensor": copy_forms.to_tensor, "paddle.assign": copy_forms.assign,
                 "paddle.as_tensor": copy_forms.as_tensor, "paddle.asarray": copy_forms.asarray,
-                "paddle.nn.functional.ctc_loss": local_ctc.ctc_loss}
+                "paddle.nn.functional.ctc_loss": local_ctc.ctc_loss,
+                "paddle.multinomial": draw_agree.agreed_draw(MORE_COMPOSITES["paddle.multinomial"])}
     mapping = {}
     for path, fn in {**COMPOSITES, **SHAPE_COMPOSITES, **MORE_COMPOSITES, **COMPAT_COMPOSITES, **RNN_COMPOSITES,
                      **FUSED_COMPOSITES, **SCATTER_COMPOSITES, **STATS_COMPOSITES, **FILL_COMPOSITES,
