@@ -73,8 +73,10 @@ def assign(x, output=None):
         output[...] = src.astype(out.dtype) if src.dtype != out.dtype else src
         return output
     src = reshard(src, out.mesh, out.placements)
-    with local_mode(), paddle.no_grad():
-        for r, t in out.locals.items():
+    from autoparallel.dist_tensor_forms import _writing
+
+    with _writing(output), local_mode(), paddle.no_grad():   # a ZeRO parameter: its master chunks follow,
+        for r, t in out.locals.items():                      # a released ZeRO-3 one is gathered for the write
             t.set_value(src.local_of(r).astype(t.dtype))
     return output
 

@@ -4,16 +4,23 @@ paddle 3.3 kills the process (SIGSEGV) when a backward pass re-runs a PyLayer's 
 pass ran with ``retain_graph=True``, and a distributed graph holds PyLayers: every collective is one
 (comm/collectives.py). Such a backward is refused before it runs, naming what to write instead. The
 PyLayer nodes of each graph backwarded with ``retain_graph=True`` are remembered while its root tensor is
-alive (so a node's address cannot be reused meanwhile); a later backward walks its graph only while some
-are remembered."""
+alive, and those of the last ``_HELD_GRAPHS`` such graphs also after it is gone (the node objects held, so
+a node's address cannot be reused meanwhile): the root is often a temporary, ``(w * loss1).backward(
+retain_graph=True)``, while the graph lives on in the user's other tensors. A later backward walks its
+graph only while some are remembered."""
 from __future__ import annotations
+
+import collections
 
 from autoparallel.compat import SideData
 
 _KEPT = SideData()                  # root tensor -> frozenset of its graph's PyLayer node addresses
+_HELD_GRAPHS = 4
+_HELD: collections.deque = collections.deque(maxlen=_HELD_GRAPHS)   # (node addresses, the node objects)
 
 
-def _pylayer_nodes(tensors) -> set:
+def _pylayer_nodes(tensors, objects=None) -> set:
+    """The addresses of the PyLayer nodes ``tensors``' graph holds (their node objects into ``objects``)."""
     seen, found = set(), set()
     stack = [t.grad_fn for t in tensors if getattr(t, "grad_fn", None) is not None]
     while stack:
@@ -24,6 +31,8 @@ def _pylayer_nodes(tensors) -> set:
         seen.add(key)
         if n.name().startswith("GradNodePyLayer"):
             found.add(key)
+            if objects is not None:
+                objects.append(n)
         stack.extend(c for c in n.next_functions if c is not None)
     return found
 
@@ -33,14 +42,17 @@ def _kept_nodes() -> set:
     for ref, nodes in list(_KEPT._items.values()):
         if ref() is not None:
             out |= nodes
+    for nodes, _ in _HELD:
+        out |= nodes
     return out
 
 
 def check_backward(tensors, retain_graph: bool) -> None:
     """Call before ``paddle.autograd.backward(tensors, ..., retain_graph)``."""
     tensors = list(tensors)
-    kept = _kept_nodes() if len(_KEPT) else set()
-    nodes = _pylayer_nodes(tensors) if (kept or retain_graph) else set()
+    kept = _kept_nodes() if (len(_KEPT) or _HELD) else set()
+    objects: list = []
+    nodes = _pylayer_nodes(tensors, objects) if (kept or retain_graph) else set()
     if kept & nodes:
         raise NotImplementedError(
             "backward through a graph already backwarded with retain_graph=True: the graph holds "
@@ -50,3 +62,4 @@ def check_backward(tensors, retain_graph: bool) -> None:
     if retain_graph and nodes:
         for t in tensors:
             _KEPT.set(t, frozenset(nodes))
+        _HELD.append((frozenset(nodes), tuple(objects)))

@@ -81,7 +81,9 @@ def rebind(path, target, out):
         if not target.stop_gradient and paddle.is_grad_enabled():
             raise ValueError(f"{_named(path)}: the leaf parameter {target.name} requires a gradient, so it cannot "
                              f"be changed in place (as paddle refuses); wrap the update in paddle.no_grad()")
-        with local_mode(), paddle.no_grad():
+        from autoparallel.dist_tensor_forms import _writing
+
+        with _writing(target), local_mode(), paddle.no_grad():     # a ZeRO parameter's master chunks follow
             for r, t in target._ap_locals.items():
                 paddle.assign(out._locals[r], output=t)
         view_alias.written(path, target)            # its live views now hold stale values
