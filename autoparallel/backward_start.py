@@ -12,6 +12,26 @@ import weakref
 from autoparallel.compat import SideData
 
 _WAITING: "weakref.WeakSet" = weakref.WeakSet()
+PARTIAL: dict = {}              # id -> weakref of each parameter whose gradient is a partial (data-parallel) sum
+_NEW = [False]                                      # a parameter joined PARTIAL since the last backward
+
+
+def note_partial(p) -> None:
+    """``p``'s gradient is a partial sum over some mesh dim (its first split use in a forward)."""
+    key = id(p)
+    if key not in PARTIAL:                                      # by id: a tensor's == is elementwise
+        PARTIAL[key] = weakref.ref(p, lambda _, k=key: PARTIAL.pop(k, None))
+        _NEW[0] = True
+
+
+def partial_params() -> list:
+    return [p for p in (r() for r in list(PARTIAL.values())) if p is not None]
+
+
+def new_partial() -> bool:
+    """Whether a parameter became partial since the last call."""
+    was, _NEW[0] = _NEW[0], False
+    return was
 
 
 def wait(owner) -> None:
@@ -30,11 +50,20 @@ def run(tensors=(), retain_graph: bool = False) -> None:
     from autoparallel.retained_graph import check_backward
 
     check_backward(tensors, retain_graph)
-    if not _WAITING:
-        return
     for owner in list(_WAITING):
         if owner.before_backward(tensors):
             _WAITING.discard(owner)
+    for fn in _AT_START:
+        fn(tensors)                     # implicit_optimizer: a plain paddle optimizer's reduction from now on
+
+
+_AT_START: list = []
+
+
+def at_start(fn) -> None:
+    """``fn(tensors)`` runs as every distributed backward starts (after the waiting owners), once registered."""
+    if fn not in _AT_START:
+        _AT_START.append(fn)
 
 
 def backward(tensors, grads, retain_graph: bool, roots, **kw) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import paddle
 
-from autoparallel import redistribute
+from autoparallel import backward_start, redistribute
 from autoparallel.comm import collectives as C
 from autoparallel.comm import fanout
 from autoparallel.dist_tensor import DistParameter, DistTensor
@@ -398,6 +398,8 @@ class CallPlan:
             if dims and not all(t.stop_gradient for t in locs.values()):
                 if self.marks[k]:
                     v._ap_partial_dims = getattr(v, "_ap_partial_dims", frozenset()) | frozenset(dims)
+                    if isinstance(v, DistParameter):
+                        backward_start.note_partial(v)
                 else:
                     for m in dims:
                         locs = C.mesh_groups_apply(locs, self.mesh, m, C.grad_all_reduce)
@@ -474,6 +476,8 @@ def param_use(p, locs, mesh, dims, rep) -> dict:
             locs = C.mesh_groups_apply(locs, mesh, m, C.grad_all_reduce)
         elif m not in partial:
             partial = p._ap_partial_dims = partial | {m}
+            if isinstance(p, DistParameter):
+                backward_start.note_partial(p)
     for m in rep:
         if m in partial:
             locs = C.mesh_groups_apply(locs, mesh, m, C.grad_keep_first)

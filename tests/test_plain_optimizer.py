@@ -1,6 +1,8 @@
 """A plain paddle optimizer over a layer distributed with ap.shard_layer trains like one process, whether it was
 built before or after shard_layer, with or without ap.shard_optimizer, with parameter groups, and under paddle's
 GradScaler; an optimizer that already stepped before distribution, a closure step and minimize are refused."""
+import warnings
+
 import numpy as np
 import paddle
 import pytest
@@ -86,6 +88,58 @@ def test_two_backwards_before_a_plain_step_accumulate_like_paddle():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _grads_read_before_each_step(before, accumulate, world=2):
+    """The gradients a user reads between backward and step (a grad-norm log), every step: one process's, or
+    the simulated ranks' copies of them (every rank's ``p.grad``)."""
+    m, (x, y) = _model(), _data()
+    reads = []
+    if world is None:
+        opt = _opt(paddle.optimizer.SGD, m, False)
+        dx, dy = x, y
+    else:
+        ctx = ap.simulate(world_size=world)
+        ctx.__enter__()
+        mesh = ap.ProcessMesh(list(range(world)), dim_names=["dp"])
+        opt = _opt(paddle.optimizer.SGD, m, False) if before else None
+        ap.shard_layer(m, mesh)
+        opt = opt or _opt(paddle.optimizer.SGD, m, False)
+        dx, dy = (ap.shard_tensor(t, mesh, [ap.Shard(0)]) for t in (x, y))
+    try:
+        for _ in range(3):
+            for _ in range(accumulate):
+                ((m(dx) - dy) ** 2).mean().backward()
+                if world is None:
+                    reads.append([p.grad.numpy() for p in m.parameters()])
+                else:
+                    reads.append([[t.grad.numpy() for t in p._ap_locals.values()] for p in m.parameters()])
+            opt.step()
+            opt.clear_grad()
+    finally:
+        if world is not None:
+            ctx.__exit__(None, None, None)
+    return reads
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["built_after", "built_before"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_p_grad_read_before_a_plain_step_is_the_sum_over_the_ranks(before, accumulate):
+    """``p.grad`` of a data-parallel parameter read between backward and a plain optimizer's step (a grad-norm
+    log): before its first step the optimizer had no wrapper, and between later steps its wrapper reduced at the
+    step only, so each rank read its own partial sum (paddle's ``p.grad.numpy()`` is the sum). The wrapper is now
+    made as the first backward starts and reduces from its hooks: every rank reads one process's gradient after
+    each step's backward. With two backward passes per step the reduction runs once per window, after its last
+    backward, once the window's length is known (the first step's): reads 0 (one backward seen so far), 3 and 5;
+    the others hold partial sums until the step, as under ``ap.shard_optimizer`` (reducer.py)."""
+    ref = _grads_read_before_each_step(before, accumulate, world=None)
+    got = _grads_read_before_each_step(before, accumulate)
+    for i, (want, have) in enumerate(zip(ref, got)):
+        if accumulate == 2 and i not in (0, 3, 5):
+            continue
+        for w, copies in zip(want, have):
+            for c in copies:
+                np.testing.assert_allclose(c, w, rtol=1e-5, atol=1e-6, err_msg=f"read {i}")
+
+
 def test_negative_control_the_original_parameters_do_not_train():
     """Without pointing the optimizer at the distributed parameters the model would not train: the originals
     it held get no gradient (what happened before shard_layer re-pointed optimizers)."""
@@ -147,5 +201,56 @@ def test_grad_scaler_over_a_plain_optimizer():
             scaler.update()
             opt.clear_grad()
         params = [p.full().numpy() for p in m.parameters()]
+    for a, b in zip(params, ref_params):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_partial_gradients_no_optimizer_holds_are_said_once(monkeypatch):
+    """Without any optimizer over them, nothing reduces data-parallel gradients: ``p.grad`` holds each rank's part
+    (paddle's ``p.grad.numpy()`` would gather the sum). A UserWarning names them, once; with an optimizer, none."""
+    from autoparallel.parallel import implicit_optimizer
+
+    def run(with_opt):
+        monkeypatch.setattr(implicit_optimizer, "_WARNED", [])
+        m, (x, y) = _model(), _data()
+        with ap.simulate(world_size=2), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+            ap.shard_layer(m, mesh)
+            opt = _opt(paddle.optimizer.SGD, m, False) if with_opt else None
+            dx, dy = (ap.shard_tensor(t, mesh, [ap.Shard(0)]) for t in (x, y))
+            for _ in range(2):
+                ((m(dx) - dy) ** 2).mean().backward()
+            del opt
+        return [str(w.message) for w in seen if "held by no optimizer" in str(w.message)]
+
+    said = run(with_opt=False)
+    count = int(said[0].split(" data-parallel parameter(s)")[0]) if len(said) == 1 else 0
+    assert count >= 4 and "this rank's part" in said[0], said      # this model's 4 (and any others left unheld)
+    assert run(with_opt=True) == []
+
+
+def test_a_plain_optimizer_replacing_a_live_ap_one_reduces_once():
+    """The optimizer ``ap.shard_optimizer`` returned is kept alive (a reference in the user's loop state) and a
+    plain paddle optimizer over the same parameters replaces it: both reductions acted on the gradients (twice the
+    sum from the second step on). The plain one's wrapper now takes the parameters over at its first step."""
+    ref_loss, ref_params = _single(paddle.optimizer.SGD, groups=False)
+    m, (x, y) = _model(), _data()
+    with ap.simulate(world_size=2):
+        mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+        ap.shard_layer(m, mesh)
+        kept = ap.shard_optimizer(_opt(paddle.optimizer.SGD, m, False))
+        opt = _opt(paddle.optimizer.SGD, m, False)
+        dx, dy = (ap.shard_tensor(t, mesh, [ap.Shard(0)]) for t in (x, y))
+        losses = []
+        for _ in range(3):
+            loss = ((m(dx) - dy) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            losses.append(float(loss.full().numpy()))
+        params = [p.full().numpy() for p in m.parameters()]
+    assert kept is not None
+    np.testing.assert_allclose(losses, ref_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(params, ref_params):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

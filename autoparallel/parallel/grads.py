@@ -265,7 +265,16 @@ def _one() -> float:
 def owners_of(params) -> list:
     """The live reductions (not retired) whose parameters include any of ``params``."""
     ids = {id(p) for p in params}
-    return [s for s in list(_SYNCS) if not s.retired and any(id(p) in ids for p in s.params_fn())]
+    return [s for s in list(_SYNCS) if not s.retired and any(id(p) in ids for p in _params_of(s))]
+
+
+def _params_of(sync) -> list:
+    """A reduction's parameters; none for one whose optimizer changed class under it (``reconfigure``: a wrapper
+    that became a ZeRO optimizer, which reduces its gradients itself, keeps its old reduction's object)."""
+    try:
+        return sync.params_fn()
+    except AttributeError:
+        return []
 
 
 class GradientSync:

@@ -5,11 +5,17 @@ Paddle lets a user step an optimizer built over the parameters of a layer distri
 (and, for a data-parallel layout, is still a partial sum), so paddle's own ``step`` would find no
 gradient and update nothing: the model would silently not train. While dispatch is installed,
 ``step`` / ``clear_grad`` of a paddle optimizer holding a distributed parameter therefore run through
-a ``ShardedOptimizer`` kept for that optimizer (gradients reduced at ``step``, no backward overlap, so
-any number of ``backward()`` calls before a step accumulate as paddle's do); ``minimize`` is the wrapper's (a step).
-An ap wrapper calls the inner optimizer in local mode, where the original methods run unchanged.
+a ``ShardedOptimizer`` kept for that optimizer; ``minimize`` is the wrapper's (a step). The wrapper is made as
+the first distributed backward starts (``wrap_before_backward``), or at the first step: its backward hooks
+reduce the data-parallel gradients, so ``p.grad`` read between ``backward()`` and ``step()`` holds the sum over
+the ranks, as paddle's ``p.grad.numpy()`` does (a rank's partial sum before), and more ``backward()`` calls
+before a step still accumulate as paddle's do (reducer.py). An ap wrapper calls the inner optimizer in local
+mode, where the original methods run unchanged.
 """
 from __future__ import annotations
+
+import warnings
+import weakref
 
 from autoparallel.compat import SideData
 from autoparallel.context import state as _ctx
@@ -17,6 +23,8 @@ from autoparallel.dist_tensor import is_dist
 from autoparallel.parallel.param_list import flat_params
 
 _WRAPPERS = SideData()          # paddle optimizer -> its ShardedOptimizer
+_ELSEWHERE: "weakref.WeakSet" = weakref.WeakSet()   # optimizers whose parameters another reduction owns
+_WARNED: list = []                                  # the unheld-parameters warning was given
 
 
 def needs_wrapper(opt) -> bool:
@@ -31,9 +39,79 @@ def wrapper_for(opt):
 
         _check_not_zero(opt)
         _check_build_finished(opt)
-        w = ShardedOptimizer(opt, None, 1, overlap=False)
+        w = ShardedOptimizer(opt, None, 1, overlap=True)
+        _take_over(w.grad_sync)
         _WRAPPERS.set(opt, w)
     return w
+
+
+def _take_over(sync) -> None:
+    """Another optimizer's reduction still owning these parameters (the optimizer ``ap.parallelize`` returned,
+    replaced by this plain one while alive; the one driving this optimizer when it is stepped directly) would
+    reduce their gradients too: twice the sum. It finishes this step's reduction and hands them over."""
+    from autoparallel import backward_start
+    from autoparallel.parallel.grads import owners_of
+
+    for old in owners_of(sync.params_fn()):
+        if old is sync:
+            continue
+        old.flush()                             # the gradients of this step: reduced once, now
+        old.retired = True
+        backward_start.forget(old)
+        if old.reducer is not None:
+            old.reducer.detach()
+        sync._flushed |= {id(p) for p in old.params_fn()}     # this step's flush leaves them
+
+
+def wrap_before_backward(tensors=()) -> None:
+    """As a distributed backward starts: every live plain paddle optimizer over data-parallel (partial-gradient)
+    parameters that no ap optimizer drives gets its wrapper now, whose reduction then runs from this backward's
+    hooks. One whose build is refused at its step (``_check_not_zero``, ``_check_build_finished``) is left to
+    raise there."""
+    from autoparallel.dist_tensor_forms import ZERO_OWNERS
+    from autoparallel.parallel.grads import owners_of, partial_params
+    from autoparallel.parallel.stale_optimizers import live_optimizers
+    from autoparallel.parallel.step_hooks import is_inner
+
+    if _ctx.local_depth:
+        return
+    for opt in live_optimizers():
+        if _WRAPPERS.get(opt) is not None or opt in _ELSEWHERE or is_inner(opt):
+            continue
+        params = list(flat_params(opt))
+        if not any(is_dist(p) for p in params):
+            continue                            # not distributed (yet)
+        zero = [p for p in params if ZERO_OWNERS.get(p) is not None and ZERO_OWNERS.get(p)() is not None]
+        if zero or owners_of(params):
+            _ELSEWHERE.add(opt)                 # the inner optimizer of an ap wrapper, or a ZeRO one's
+            continue
+        if not partial_params(params):
+            continue                            # nothing to reduce (yet: partial dims appear with a forward)
+        try:
+            w = wrapper_for(opt)
+        except (ValueError, NotImplementedError):
+            _ELSEWHERE.add(opt)
+            continue
+        w.grad_sync.before_backward(tensors)
+    _warn_unheld()
+
+
+def _warn_unheld() -> None:
+    """Partial-gradient parameters that no optimizer holds are reduced by nothing: their ``p.grad`` stays each
+    rank's part of the sum (paddle's ``p.grad.numpy()`` would gather the sum). Said once, when first seen."""
+    from autoparallel.backward_start import new_partial, partial_params as noted
+    from autoparallel.parallel.stale_optimizers import live_optimizers
+
+    if _WARNED or not new_partial():
+        return
+    held = {id(p) for opt in live_optimizers() for p in flat_params(opt)}
+    unheld = [p.name for p in noted() if id(p) not in held and not p.stop_gradient]
+    if unheld:
+        _WARNED.append(True)
+        warnings.warn(f"{len(unheld)} data-parallel parameter(s) ({', '.join(unheld[:3])}) are held by no optimizer: "
+                      f"nothing sums their gradients over the ranks, so p.grad holds this rank's part of the sum "
+                      f"until an optimizer over them steps (ap.shard_optimizer, or a paddle optimizer); to read "
+                      f"the whole gradient without one, all-reduce p.grad yourself", UserWarning, stacklevel=4)
 
 
 def _check_not_zero(opt) -> None:
@@ -126,6 +204,9 @@ def install() -> None:
 
     from autoparallel import patches
 
+    from autoparallel import backward_start
+
+    backward_start.at_start(wrap_before_backward)
     base = paddle.optimizer.Optimizer
     makers = {"step": _step, "clear_grad": _clear_grad, "minimize": _minimize}
     for cls in [c for c in vars(paddle.optimizer).values() if inspect.isclass(c) and issubclass(c, base)]:

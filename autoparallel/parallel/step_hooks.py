@@ -12,8 +12,15 @@ Hooks run in registration order; an exception in a hook propagates (nothing is s
 from __future__ import annotations
 
 import itertools
+import weakref
 
 _ids = itertools.count()
+_INNER: "weakref.WeakSet" = weakref.WeakSet()      # the paddle optimizers an ap wrapper drives (its ``_inner``)
+
+
+def is_inner(opt) -> bool:
+    """Whether an ap optimizer wrapper drives ``opt`` (the user's optimizer inside ``shard_optimizer`` & co)."""
+    return opt in _INNER
 
 
 class HookHandle:
@@ -25,7 +32,16 @@ class HookHandle:
 
 
 class StepHooks:
-    """Mixin: ``register_step_post_hook(fn)`` and ``_after_step()`` for a wrapper's ``step()`` to call."""
+    """Mixin: ``register_step_post_hook(fn)`` and ``_after_step()`` for a wrapper's ``step()`` to call; the
+    optimizer a wrapper drives (``self._inner = ...``) is noted (``is_inner``)."""
+
+    def __setattr__(self, name, value):
+        if name == "_inner" and value is not None:
+            try:
+                _INNER.add(value)
+            except TypeError:                   # not weakly referable: not a paddle optimizer
+                pass
+        super().__setattr__(name, value)
 
     def _step_hooks(self) -> dict:
         hooks = self.__dict__.get("_step_post_hooks")
