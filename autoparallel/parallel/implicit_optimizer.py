@@ -85,8 +85,9 @@ def wrap_before_backward(tensors=()) -> None:
         if zero or owners_of(params):
             _ELSEWHERE.add(opt)                 # the inner optimizer of an ap wrapper, or a ZeRO one's
             continue
-        if not partial_params(params):
-            continue                            # nothing to reduce (yet: partial dims appear with a forward)
+        partial = partial_params(params)
+        if not partial or not _in_this_world(partial):
+            continue                            # nothing to reduce (yet), or another simulated world's model
         try:
             w = wrapper_for(opt)
         except (ValueError, NotImplementedError):
@@ -94,6 +95,20 @@ def wrap_before_backward(tensors=()) -> None:
             continue
         w.grad_sync.before_backward(tensors)
     _warn_unheld()
+
+
+def _in_this_world(params) -> bool:
+    """Whether every mesh of ``params`` lies in the current world (a model left from an earlier ``ap.simulate``
+    of more ranks does not)."""
+    from autoparallel.comm.world import current_world
+
+    world = current_world()
+    try:
+        for p in params:
+            world.local_ranks(p.mesh.process_ids)
+    except ValueError:
+        return False
+    return True
 
 
 def _warn_unheld() -> None:
