@@ -173,6 +173,12 @@ def reentrant_recompute():
     return rc.RecomputeFunction, rc._recompute_without_reentrant
 
 
+def non_reentrant_recompute_owner():
+    """``(module, attribute name)`` through which paddle's ``recompute(..., use_reentrant=False)`` calls its
+    saved-tensor-hooks recompute (a module global looked up at each call)."""
+    return importlib.import_module("paddle.distributed.fleet.recompute.recompute"), "_recompute_without_reentrant"
+
+
 def owner_of(path: str):
     """``(owner object, attribute name)`` of a dotted path such as ``paddle.nn.functional.relu`` or
     ``paddle.Tensor.__add__``: the longest importable module prefix, then attributes."""

@@ -48,6 +48,7 @@ def region(fn, where: str, roots, args, kwargs):
     (recompute_state)."""
     from autoparallel.parallel.recompute_state import guarded, running
 
+    _nesting()
     if not paddle.is_grad_enabled() or _evaluating(roots) or running():     # running: nested in a region
         return fn(*args, **kwargs)
     from autoparallel import dispatch
@@ -184,9 +185,17 @@ def _matching_runs(model, pred, model_matches: bool) -> list:
     return runs
 
 
+def _nesting() -> None:
+    """A user's recompute call around or inside the regions runs its nested part plainly (model_recompute)."""
+    from autoparallel.parallel import model_recompute
+
+    model_recompute.install()
+
+
 def _segments(blocks, n, names=None):
     from autoparallel.parallel.recompute_segments import install_segments
 
+    _nesting()
     names = names or [f"{type(b).__name__}[{i}]" for i, b in enumerate(blocks)]
     install_segments(blocks, names, n, region)
 
@@ -214,6 +223,7 @@ class _CheckpointedRegistry:
 
 
 def _selective(block):
+    _nesting()
     attn = _attention(block)
     mod = sys.modules[type(attn).__module__]
     name = next((n for n in CORE_NAMES if callable(getattr(mod, n, None))), None)

@@ -9,9 +9,11 @@ The rule: the re-run sees the state the forward saw, and leaves the state as it 
 snapshots the region's state roots (its non-tensor arguments and the Python attributes of its layers, followed
 through containers and objects) when the forward starts; the re-run runs between ``replay_begin()`` (the state
 of that moment saved, the entry snapshot restored) and ``replay_end()`` (the saved state restored). Tensors are held
-by reference, which is exact for every out-of-place update. A tensor of that state changed in place by the
-forward (a buffer or a static cache written with ``x[...] = v``) cannot be put back by reference: the forward
-raises ``NotImplementedError`` naming the region and the tensor.
+by reference, which is exact for every out-of-place update. The running mean and variance of paddle's BatchNorm
+layers (non-trainable parameters, updated in place by every training forward) are copied and put back, so the
+re-run does not update them a second time. Any other tensor of that state changed in place by the forward (a
+buffer or a static cache written with ``x[...] = v``) cannot be put back by reference: the forward raises
+``NotImplementedError`` naming the region and the tensor.
 """
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ def _layer_base_keys() -> frozenset:
 _BASE = None
 
 
+def _batch_norms() -> tuple:
+    """paddle's layers whose training forward updates running statistics (non-trainable parameters) in place."""
+    nn = paddle.nn
+    return (nn.BatchNorm, nn.BatchNorm1D, nn.BatchNorm2D, nn.BatchNorm3D, nn.SyncBatchNorm)
+
+
 def _is_tensor(x) -> bool:
     from autoparallel.dispatch import is_dist
 
@@ -38,14 +46,14 @@ def _is_tensor(x) -> bool:
 
 
 class _Snapshot:
-    """Shallow copies of every mutable container reachable from ``roots`` (tensors by reference) and the
-    in-place version of every plain tensor held there."""
+    """Shallow copies of every mutable container reachable from ``roots`` (tensors by reference), the in-place
+    version of every plain tensor held there and (``values``) copies of the running statistics of its batch norms."""
 
-    def __init__(self, roots):
+    def __init__(self, roots, values: bool = True):
         global _BASE
         if _BASE is None:
             _BASE = _layer_base_keys()
-        self.items, self.versions, self._seen = [], {}, set()
+        self.items, self.versions, self.values, self._seen, self._copy = [], {}, [], set(), values
         for r in roots:
             self._visit(r, 0, "")
 
@@ -87,11 +95,29 @@ class _Snapshot:
             self._visit(v, depth + 1, f"{path}.{k}")
         for k, b in layer._buffers.items():
             self._visit(b, depth + 1, f"{path}.{k}")
+        if self._copy and layer.training and isinstance(layer, _batch_norms()):
+            for p in layer._parameters.values():
+                if p is not None and p.stop_gradient:       # the running mean and variance, updated in place
+                    self._value(p)
         for k, sub in layer._sub_layers.items():
             if sub is not None:
                 self._visit(sub, depth, f"{path}.{k}" if path else k)
 
+    def _value(self, p) -> None:
+        """A copy of the value of a non-trainable parameter, put back by ``restore``."""
+        from autoparallel.local_mode import local_mode
+
+        tensors = list(p.locals.values()) if _is_tensor(p) and hasattr(p, "locals") else [p]
+        with local_mode(), paddle.no_grad():
+            self.values.extend((t, t.clone()) for t in tensors if t._is_initialized())
+
     def restore(self) -> None:
+        if self.values:
+            from autoparallel.local_mode import local_mode
+
+            with local_mode(), paddle.no_grad():
+                for t, saved in self.values:
+                    t.set_value(saved)
         for obj, kind, saved in self.items:
             if kind == "dict":
                 if obj.keys() != saved.keys() or any(obj[k] is not v for k, v in saved.items()):
@@ -123,7 +149,7 @@ class RegionState:
         self.entry = _Snapshot(self.roots)
 
     def forward_end(self) -> None:
-        exit_ = _Snapshot(self.roots)
+        exit_ = _Snapshot(self.roots, values=False)
         changed = [path for key, (t, v, path) in self.entry.versions.items()
                    if key in exit_.versions and t._inplace_version() != v]
         if changed:
@@ -151,6 +177,20 @@ def running() -> bool:
     return _RUNNING[0] > 0
 
 
+def marked(fn):
+    """``fn`` whose calls count as a running region (``running()``), with no state guard: a plain-tensor recompute
+    call of paddle's, so that a region nested in it runs plainly."""
+    def wrapper(*args, **kwargs):
+        _RUNNING[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _RUNNING[0] -= 1
+
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
 def guarded(fn, name: str, roots):
     """``fn`` as a region whose later calls (the re-runs in backward) repeat none of its first call's effects
     on ``roots``."""
@@ -176,7 +216,7 @@ def guarded(fn, name: str, roots):
         from autoparallel.parallel.zero_params import hold
 
         state.replay_begin()
-        end = hold()        # ZeRO-3: the re-run's parameters stay whole for its backward (released after it)
+        end = hold(replay=True)     # ZeRO-3: the re-run's parameters stay whole for its backward (released after it)
         # the re-run routes its ops as the forward did: paddle.grad over distributed tensors runs the graph in
         # local mode, which would hand the region's DistTensors to paddle's kernels unrouted
         depth, ctx.local_depth = ctx.local_depth, calls[0]

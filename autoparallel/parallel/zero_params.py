@@ -54,7 +54,8 @@ def _running_stats(layer, own) -> list:
 def _post(zopt, own, key):
     def hook(_layer, inputs, outputs):
         stats = _running_stats(_layer, own) if _layer.training else []
-        if stats:               # the update reaches the chunks before the gathered copy is released
+        if stats and not _REPLAYS[0]:   # the update reaches the chunks before the gathered copy is released;
+            # a recompute re-run in backward repeats the forward's update, which the chunks already hold
             zopt.reload(stats)
         escaped = _returned(outputs, own)
         if paddle.is_grad_enabled():
@@ -110,19 +111,23 @@ def _release_after_backward(zopt, own, key, n: int = 1):
 
 
 _HOLDS = [0]            # live create_graph gradients: their graph reads the parameters again (hold them whole)
+_REPLAYS = [0]          # recompute re-runs in backward on the stack
 
 
-def hold() -> "callable":
+def hold(replay: bool = False) -> "callable":
     """Keep every ZeRO-3 parameter gathered in backward (released by the optimizer step instead) until the
     returned callable runs: ``paddle.grad(..., create_graph=True)`` builds a graph of gradient nodes that read
-    the parameters in a later backward, where no layer hook gathers them again."""
+    the parameters in a later backward, where no layer hook gathers them again. ``replay``: a recompute region's
+    re-run, whose batch-norm statistics updates are not written to the chunks a second time."""
     _HOLDS[0] += 1
+    _REPLAYS[0] += int(replay)
     done = []
 
     def end():
         if not done:
             done.append(True)
             _HOLDS[0] -= 1
+            _REPLAYS[0] -= int(replay)
     return end
 
 
