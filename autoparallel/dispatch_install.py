@@ -204,6 +204,8 @@ def _install_composites() -> None:
         orig = getattr(owner, attr, None)
         if orig is None or hasattr(orig, "_ap_wrapper"):
             continue
+        if path in draw_agree.RANDOM_COMPOSITES:
+            fn = draw_agree.agreed_generator_call(fn)
         w = mapping.get(id(orig)) or _composite(path, orig, fn or orig)
         patches.patch(owner, attr, w)
         mapping[id(orig)] = w

@@ -360,17 +360,16 @@ def shard_tensor(data, mesh: ProcessMesh, placements, dtype=None, stop_gradient=
     t = data if isinstance(data, paddle.Tensor) else paddle.to_tensor(np.asarray(data), dtype=dtype)
     if dtype is not None and normalize_dtype(t.dtype) != normalize_dtype(dtype):
         t = t.astype(normalize_dtype(dtype))
+    if is_param:                                       # one initial value on every rank (per-rank seeds)
+        from autoparallel.rng_agree import agreed_value
+        t = agreed_value(t, mesh)
     spec = _spec_for(t.shape, t.dtype, mesh, placements)
-    world = current_world()
-    sg = t.stop_gradient if stop_gradient is None else stop_gradient
-    with paddle.no_grad():
-        # contiguous copies: a strided view of the full tensor makes every later local op slower
+    world, sg = current_world(), (t.stop_gradient if stop_gradient is None else stop_gradient)
+    with paddle.no_grad():      # contiguous copies: a strided view of the full tensor slows every later local op
         locals_ = {r: _local_from_full(t, spec, r).detach().contiguous() for r in world.local_ranks(mesh.process_ids)}
     for v in locals_.values():
         v.stop_gradient = sg
-    if not is_param:
-        return DistTensor(locals_, spec)
-    return _make_param(locals_, spec, data)
+    return _make_param(locals_, spec, data) if is_param else DistTensor(locals_, spec)
 
 
 def _is_lazy(param, dtype=None) -> bool:

@@ -52,9 +52,11 @@ def _local(q, k, v, mask, causal, scale, keep):
 
 
 def sharded_attention_dropout(mesh, calls):
+    from autoparallel.rng_agree import agreed_generator
+
     any_args, any_kwargs = next(iter(calls.values()))
     p, _, _, _, b = _bound(any_args, any_kwargs)
-    with paddle.no_grad():
+    with paddle.no_grad(), agreed_generator(mesh):
         keep = F.dropout(paddle.ones(b["global_shape"], dtype=b["query"].dtype), p=p, training=True,
                          mode="upscale_in_train")
     out = {}

@@ -209,6 +209,8 @@ _mesh_reduce = mesh_reduce
 def sharded_dropout(mesh, calls):
     """Dropout drawing ONE mask for the global shape (as a single process would) and keeping each rank's
     slice: sharded and replicated runs give the single-process values for the same seed."""
+    from autoparallel.rng_agree import agreed_generator
+
     any_args, any_kwargs = next(iter(calls.values()))
     names = ["x", "p", "axis", "training", "inplace", "mode", "name"]      # paddle.nn.functional.dropout's order
     b = dict(zip(names, any_args))
@@ -216,7 +218,7 @@ def sharded_dropout(mesh, calls):
     p, training, mode = b.get("p", 0.5), b.get("training", True), b.get("mode", "upscale_in_train")
     if not training or p == 0.0:
         return {r: _x_of(a, k) for r, (a, k) in calls.items()}
-    with paddle.no_grad():
+    with paddle.no_grad(), agreed_generator(mesh):
         mask = F.dropout(paddle.ones(b["global_shape"], dtype="float32"), p=p, axis=b.get("axis"),
                          training=True, mode=mode)
     out = {}

@@ -68,3 +68,14 @@ def test_dtensor_from_local_agrees_a_dim_split_by_two_of_three_mesh_dims(ranks8)
         message, after = r["not_a_layout_raises_everywhere"]
         assert "sizes [2, 2, 1, 2]" in message and "mesh dims ['a', 'b']" in message, message
         assert after == 16.0
+
+
+def test_per_rank_seeds_agree_on_a_stage_sub_mesh_without_a_flat_group(ranks8):
+    """A pipeline stage's 2 x 2 sub-mesh of 8 ranks (no group of its 4 ranks): a replicated parameter and a dropout
+    of a replicated activation under per-rank seeds are the sub-mesh's first rank's on all four (the agreement
+    runs in the sub-mesh's own dim groups), and each stage keeps its own."""
+    got = [r["per_rank_seeds_on_a_stage_sub_mesh"] for r in ranks8]
+    for r in got:
+        assert len(r) == 3 and r[2] is True, r
+    assert [g[:2] for g in got[:4]] == [got[0][:2]] * 4 and [g[:2] for g in got[4:]] == [got[4][:2]] * 4
+    assert got[0][:2] != got[4][:2]               # stages 0 and 4 were seeded differently: their own first ranks

@@ -18,6 +18,7 @@ from autoparallel import layer_state
 from autoparallel.comm.world import current_world
 from autoparallel.compat import EagerParamBase, storage_free_tensor
 from autoparallel.dist_tensor import DistParameter, _make_param, _spec_for, is_dist
+from autoparallel.rng_agree import agreed_generator
 from autoparallel.lazy_init import draw as D
 from autoparallel.lazy_init.order import creation_order, stream_advanced, stream_check, stream_key
 from autoparallel.lazy_init.stream import Stats, Target, stream
@@ -248,15 +249,18 @@ def materialize_params(params, flat_ranges: dict | None = None, chunk_elements: 
             f"{report.stream_mismatch}; build the model eagerly, or move those draws after materialisation"),
             stacklevel=3)
     before = stream_key()
-    for p in params:
-        if not is_lazy(p):
-            continue
-        name = (names or {}).get(id(p), p.name)
-        entry, kept = _materialize_one(p, (flat_ranges or {}).get(id(p), {}), chunk_elements, name,
-                                       (zero_rows or {}).get(id(p), ()))
-        report.params.append(entry)
-        if kept:
-            chunks[id(p)] = kept
+    meshes = [p._ap_spec.mesh for p in params if is_lazy(p) and hasattr(p, "_ap_spec")]
+    ranks = sorted({int(r) for m in meshes for r in m.process_ids})
+    with agreed_generator(ranks):                  # one initialisation under per-rank seeds (rng_agree)
+        for p in params:
+            if not is_lazy(p):
+                continue
+            name = (names or {}).get(id(p), p.name)
+            entry, kept = _materialize_one(p, (flat_ranges or {}).get(id(p), {}), chunk_elements, name,
+                                           (zero_rows or {}).get(id(p), ()))
+            report.params.append(entry)
+            if kept:
+                chunks[id(p)] = kept
     stream_advanced(before)
     return report, chunks
 

@@ -36,8 +36,29 @@ def not_a_layout_raises_everywhere():
     return ["no error"]
 
 
+def per_rank_seeds_on_a_stage_sub_mesh():
+    """Per-rank seeds on a pipeline stage's 2 x 2 sub-mesh of the 8 ranks (no group of its 4 ranks exists): a
+    replicated parameter laid out there, and dropout on a replicated activation, agree over the sub-mesh's own
+    dim groups with the sub-mesh's first rank; [param sum, dropout kept count, both equal on the sub-mesh]."""
+    stages = [ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]),
+              ap.ProcessMesh([[4, 5], [6, 7]], dim_names=["dp", "mp"])]
+    mine = stages[0] if world.rank < 4 else stages[1]
+    paddle.seed(100 + world.rank)
+    w = paddle.create_parameter([4, 6], "float32")
+    p = ap.shard_tensor(w, mine, [ap.Replicate(), ap.Replicate()])
+    x = ap.shard_tensor(paddle.ones([8, 6]), mine, [ap.Replicate(), ap.Replicate()])
+    kept = paddle.nn.functional.dropout(x, 0.5)
+    vals = paddle.to_tensor(np.concatenate([p._ap_locals[world.rank].numpy().ravel(),
+                                            kept._locals[world.rank].numpy().ravel()]))
+    parts = []
+    paddle.distributed.all_gather(parts, vals)
+    group = range(4) if world.rank < 4 else range(4, 8)
+    same = all(np.array_equal(parts[r].numpy(), parts[group[0]].numpy()) for r in group)
+    return [float(vals.numpy()[:24].sum()), int((vals.numpy()[24:] != 0).sum()), same]
+
+
 res = {}
-for check in (uneven_over_two_of_three_dims, not_a_layout_raises_everywhere):
+for check in (uneven_over_two_of_three_dims, not_a_layout_raises_everywhere, per_rank_seeds_on_a_stage_sub_mesh):
     try:
         res[check.__name__] = check()
     except Exception as e:  # noqa: BLE001 -- reported to the test
