@@ -171,16 +171,7 @@ def check_more(has_batch: bool, mesh, index: int, structure: dict | None = None)
 
 
 def mesh_max(values, mesh, dims=None):
-    """``values`` (a float32 array) all-reduced with max over each mesh dim of ``dims`` (default: all) in turn, in
-    the mesh's own groups: over every dim, the maximum over the whole mesh, on every one of its ranks (this rank's,
-    a real rank of the mesh)."""
-    import paddle
+    """``comm.collectives.mesh_max``: a max over the whole mesh in its own dim groups."""
+    from autoparallel.comm.collectives import mesh_max as reduce
 
-    from autoparallel.comm import collectives as C
-    from autoparallel.comm.world import current_world
-
-    rank = current_world().rank
-    xs = {rank: paddle.to_tensor(values)}
-    for d in range(mesh.ndim) if dims is None else dims:
-        xs = C.mesh_groups_apply(xs, mesh, d, lambda v, ranks: C._reduce_raw(v, ranks, "max"))
-    return xs[rank]
+    return reduce(values, mesh, dims)

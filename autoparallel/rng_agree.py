@@ -49,9 +49,7 @@ def skip(mesh) -> bool:
 def _disagree(values: list, mesh) -> bool:
     """True when ``values`` is not the same on every rank of ``mesh`` (max and -min, one all-reduce per mesh dim, in
     the mesh's own groups: a flat group of a sub-mesh's ranks need not exist)."""
-    from autoparallel.data_agree import mesh_max
-
-    out = mesh_max(np.array(values + [-x for x in values], dtype="float32"), mesh).numpy()
+    out = C.mesh_max(np.array(values + [-x for x in values], dtype="float32"), mesh).numpy()
     return bool(np.any(out[:len(values)] != -out[len(values):]))
 
 

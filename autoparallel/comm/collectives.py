@@ -336,6 +336,17 @@ def mesh_groups_apply(xs, mesh, dim, fn):
     return out
 
 
+def mesh_max(values, mesh, dims=None):
+    """``values`` (a float32 array) all-reduced with max over each mesh dim of ``dims`` (default: all) in turn, in
+    the mesh's own groups (a flat group of a sub-mesh's ranks need not exist): over every dim, the maximum over the
+    whole mesh, on every one of its ranks (this rank's, a real rank of the mesh)."""
+    rank = current_world().rank
+    xs = {rank: paddle.to_tensor(values)}
+    for d in range(mesh.ndim) if dims is None else dims:
+        xs = mesh_groups_apply(xs, mesh, d, lambda v, ranks: _reduce_raw(v, ranks, "max"))
+    return xs[rank]
+
+
 class _Pick(PyLayer):
     @staticmethod
     def forward(ctx, n, *ts):
