@@ -183,6 +183,10 @@ class RealTransport:
         """Every member of ``ranks`` is making this collective, from the same line: noted in the collective log
         (comm/collective_log.py, on by default, nothing sent) and, in the strict mode, agreed before it runs
         (comm/agreement.py)."""
+        if payload and list(payload) != [self.rank]:
+            raise ValueError(f"a real {kind} on rank {self.rank} was given the locals of ranks {sorted(payload)}: "
+                             f"the tensor was made in ap.simulate(world_size=...) and is used outside it; build "
+                             f"the model (and its optimizer) in the world it runs in")
         if len(ranks) < 2:
             return
         collective_log.raise_pending()

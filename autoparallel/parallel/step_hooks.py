@@ -23,12 +23,22 @@ def is_inner(opt) -> bool:
     return opt in _INNER
 
 
+class _Hooks(dict):
+    """An optimizer wrapper's post-step hooks {key: fn}; weakly referable, for the handles."""
+    __slots__ = ("__weakref__",)
+
+
 class HookHandle:
+    """Holds the hooks weakly: a handle kept after its optimizer is gone (``auto_checkpoint``'s current run keeps
+    one) must not keep the hooks alive, nor what they hold (the model a hook closes over)."""
+
     def __init__(self, hooks: dict, key: int):
-        self._hooks, self._key = hooks, key
+        self._hooks, self._key = weakref.ref(hooks), key
 
     def remove(self) -> None:
-        self._hooks.pop(self._key, None)
+        hooks = self._hooks()
+        if hooks is not None:
+            hooks.pop(self._key, None)
 
 
 class StepHooks:
@@ -46,7 +56,7 @@ class StepHooks:
     def _step_hooks(self) -> dict:
         hooks = self.__dict__.get("_step_post_hooks")
         if hooks is None:
-            hooks = self.__dict__["_step_post_hooks"] = {}
+            hooks = self.__dict__["_step_post_hooks"] = _Hooks()
         return hooks
 
     def register_step_post_hook(self, fn) -> HookHandle:
