@@ -230,12 +230,10 @@ def test_no_repeat_ngram_bans_as_numpy_does(monkeypatch):
     process the first step's ``scores`` is a strided view (``logits[:, -1, :]``), and paddle's setitem with a list
     index on such a view writes nothing for some rows (``x[:, -1, :][1, [2, 3]] = v`` leaves the values), so one
     process repeats tokens it was told to ban. The laid-out model bans them; it equals the one process whose
-    processor is handed a contiguous copy, and no generated token repeats an earlier token of its row."""
+    processor is handed a contiguous copy, and no generated token repeats an earlier token of its row. paddle's
+    buggy write is not run here: it corrupts the process's memory (a later test of the same process crashed)."""
     import paddleformers.generation.logits_process as lp
 
-    view = paddle.to_tensor(np.zeros((3, 6, 8), "float32"))[:, -1, :]
-    view[1, [2, 3]] = -1.0
-    buggy = not (view.numpy()[1, [2, 3]] == -1.0).all()
     kw = dict(GREEDY, no_repeat_ngram_size=1)
     plain_call = lp.NoRepeatNGramLogitsProcessor.__call__
     monkeypatch.setattr(lp.NoRepeatNGramLogitsProcessor, "__call__", lambda self, ids, scores: plain_call(
@@ -251,5 +249,3 @@ def test_no_repeat_ngram_bans_as_numpy_does(monkeypatch):
     for row in ids:
         for t in range(6, ids.shape[1]):
             assert row[t] not in row[:t]
-    monkeypatch.undo()
-    assert buggy == (generate(_reference("llama"), **kw)[0] != want[0])     # control: paddle's view bug shows
