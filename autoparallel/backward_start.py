@@ -13,7 +13,7 @@ from autoparallel.compat import SideData
 
 _WAITING: "weakref.WeakSet" = weakref.WeakSet()
 PARTIAL: dict = {}              # id -> weakref of each parameter whose gradient is a partial (data-parallel) sum
-_NEW = [False]                                      # a parameter joined PARTIAL since the last backward
+_NEW: list = []                                     # weakrefs of the parameters noted since the last backward
 
 
 def note_partial(p) -> None:
@@ -21,17 +21,14 @@ def note_partial(p) -> None:
     key = id(p)
     if key not in PARTIAL:                                      # by id: a tensor's == is elementwise
         PARTIAL[key] = weakref.ref(p, lambda _, k=key: PARTIAL.pop(k, None))
-        _NEW[0] = True
+        _NEW.append(PARTIAL[key])
 
 
-def partial_params() -> list:
-    return [p for p in (r() for r in list(PARTIAL.values())) if p is not None]
-
-
-def new_partial() -> bool:
-    """Whether a parameter became partial since the last call."""
-    was, _NEW[0] = _NEW[0], False
-    return was
+def new_partial() -> list:
+    """The parameters that became partial since the last call (still alive)."""
+    refs = list(_NEW)
+    _NEW.clear()
+    return [p for p in (r() for r in refs) if p is not None]
 
 
 def wait(owner) -> None:

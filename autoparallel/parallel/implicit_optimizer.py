@@ -113,14 +113,16 @@ def _in_this_world(params) -> bool:
 
 def _warn_unheld() -> None:
     """Partial-gradient parameters that no optimizer holds are reduced by nothing: their ``p.grad`` stays each
-    rank's part of the sum (paddle's ``p.grad.numpy()`` would gather the sum). Said once, when first seen."""
-    from autoparallel.backward_start import new_partial, partial_params as noted
+    rank's part of the sum (paddle's ``p.grad.numpy()`` would gather the sum). Said once, of the parameters that
+    became partial since the last backward (a model left over from earlier work is not named again)."""
+    from autoparallel.backward_start import new_partial
     from autoparallel.parallel.stale_optimizers import live_optimizers
 
-    if _WARNED or not new_partial():
+    fresh = new_partial()
+    if _WARNED or not fresh:
         return
     held = {id(p) for opt in live_optimizers() for p in flat_params(opt)}
-    unheld = [p.name for p in noted() if id(p) not in held and not p.stop_gradient]
+    unheld = [p.name for p in fresh if id(p) not in held and not p.stop_gradient]
     if unheld:
         _WARNED.append(True)
         warnings.warn(f"{len(unheld)} data-parallel parameter(s) ({', '.join(unheld[:3])}) are held by no optimizer: "
