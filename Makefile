@@ -32,7 +32,7 @@ demo: $(STAMP)
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m compileall -q -j 0 autoparallel spmd_rules reshard examples tools tests > /dev/null
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --max-worker-restart 0 tests
 
 # the inner loop: every test that starts no process (markers pure and sim)
 test-fast: $(STAMP)
