@@ -132,7 +132,7 @@ def _agreed_dim_size(world, mesh, mdims, d, mine_size):
 
     from autoparallel.core.placement import Replicate, Shard
     from autoparallel.core.spec import DistSpec
-    from autoparallel.data_agree import mesh_max
+    from autoparallel.comm.collectives import mesh_max
 
     ids = np.moveaxis(np.asarray(mesh.process_ids).reshape(mesh.shape), mdims, range(-len(mdims), 0))
     group = int(np.prod([mesh.shape[i] for i in mdims]))

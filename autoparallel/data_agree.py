@@ -101,6 +101,7 @@ def raise_found(found: list, meshes: list) -> None:
     turn, i.e. over the whole mesh, as ``check_more``; the rank raises only after all its meshes are reduced, so
     its peers are not left in a later reduction (a mesh with one dim of size > 1 needs none: its one group is the
     whole mesh). A rank with a finding raises its own message; the others name the ranks and dims that found one."""
+    from autoparallel.comm import collectives
     from autoparallel.comm.world import current_world
 
     world = current_world()
@@ -117,7 +118,7 @@ def raise_found(found: list, meshes: list) -> None:
         slots = np.zeros(len(ids), dtype="float32")
         mine = [d for m, d, _ in found if m == mesh]
         slots[ids.index(world.rank)] = 1.0 + mine[0] if mine else 0.0
-        v = mesh_max(slots, mesh)
+        v = collectives.mesh_max(slots, mesh)
         others += [f"rank {r} along mesh dim {mesh.dim_names[int(s) - 1]!r}" for r, s in zip(ids, v.numpy()) if s]
     if found:
         raise ValueError(found[0][2])
@@ -134,6 +135,7 @@ def check_more(has_batch: bool, mesh, index: int, structure: dict | None = None)
     over the whole mesh: every rank sees every rank's slot, so all of them raise or none does. The same vector
     carries each rank's batch ``structure`` (``data_structure.describe``: its codes, and their negation for the
     minimum): batches of different structures raise here on every rank, before any of their collectives."""
+    from autoparallel.comm import collectives
     from autoparallel.comm.world import current_world
     from autoparallel.data_structure import SIZE, explain
 
@@ -151,7 +153,7 @@ def check_more(has_batch: bool, mesh, index: int, structure: dict | None = None)
         codes = np.asarray(structure["codes"], dtype="float32")
         slots[n + ids.index(world.rank)] = codes[3]             # the CRC of the whole structure, per rank
         slots[2 * n:2 * n + SIZE], slots[2 * n + SIZE:] = codes, -codes
-    v = mesh_max(slots, mesh)
+    v = collectives.mesh_max(slots, mesh)
     got = v.numpy()
     short = [r for r, s in zip(ids, got[:n]) if s == 2.0]
     if short and len(short) < len(ids):
@@ -169,9 +171,3 @@ def check_more(has_batch: bool, mesh, index: int, structure: dict | None = None)
                          f"every rank's loader must yield batches of one structure (the same fields, and in each "
                          f"the same kinds, ndims, dtypes and list lengths)")
 
-
-def mesh_max(values, mesh, dims=None):
-    """``comm.collectives.mesh_max``: a max over the whole mesh in its own dim groups."""
-    from autoparallel.comm.collectives import mesh_max as reduce
-
-    return reduce(values, mesh, dims)

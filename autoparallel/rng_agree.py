@@ -64,12 +64,30 @@ def from_first(t, mesh):
     return xs[rank]
 
 
-def _states() -> np.ndarray:
-    """This process's paddle generator states as uint64 words: per generator device, seed, offset, engine words."""
-    words = []
+def _raw() -> list:
+    """This process's paddle generator states as read: per generator, (device, seed, offset, engine text bytes)."""
+    out = []
     for g in paddle.get_rng_state():
         device, seed, offset, text = g.__getstate__()
-        engine = [int(w) for w in bytes(text).decode("ascii").split()]
+        out.append((int(device), int(seed), int(offset), bytes(text)))
+    return out
+
+
+def _crc(raw: list) -> int:
+    """A CRC of the generator states (compared across ranks without parsing the engine text: the hot path)."""
+    crc = 0
+    for device, seed, offset, text in raw:
+        crc = zlib.crc32(np.array([v % (1 << 64) for v in (device, seed, offset)], dtype=np.uint64).tobytes() + text,
+                          crc)
+    return crc
+
+
+def _states(raw: list) -> np.ndarray:
+    """The states of ``_raw`` as uint64 words (what is broadcast): per generator, device, seed, offset, the number
+    of engine words, the engine words."""
+    words = []
+    for device, seed, offset, text in raw:
+        engine = [int(w) for w in text.decode("ascii").split()]
         words += [device % (1 << 64), seed % (1 << 64), offset % (1 << 64), len(engine), *engine]
     return np.array(words, dtype=np.uint64)
 
@@ -95,15 +113,21 @@ def agreed_generator(mesh_or_ranks):
         yield
         return
     try:
-        own = _states()
-    except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:    # a generator state of another form
+        raw = _raw()
+        crc = _crc(raw)
+    except (ValueError, TypeError, AttributeError, OverflowError) as e:    # a generator state of another form
         _warn_unread(e)
         yield
         return
-    crc = zlib.crc32(own.tobytes())
-    if not _disagree([float(crc >> 16), float(crc & 0xFFFF), float(own.size)], mesh):
+    if not _disagree([float(crc >> 16), float(crc & 0xFFFF), float(sum(len(r[3]) for r in raw))], mesh):
         yield
         return
+    try:
+        own = _states(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"the random generator's engine state is not the text of integers paddle writes "
+                         f"({type(e).__name__}: {e}); random draws on distributed tensors cannot be agreed over "
+                         f"the ranks of {mesh}") from e
     sent = from_first(paddle.to_tensor(own.view(np.int64)), mesh).numpy().view(np.uint64)
     differs = not np.array_equal(sent, own)
     if differs:
