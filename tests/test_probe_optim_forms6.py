@@ -19,6 +19,7 @@ import autoparallel as ap
 from dist_scripts import shared_launch
 from loops2_helpers import RUNS, XS, YS, One, compare, params
 from optim_forms6_worker import FORMS, RUNS2, RUNS4, one_process
+from test_probe_optim_forms_ckpt import Net
 
 O, R = paddle.optimizer, paddle.regularizer
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -189,17 +190,6 @@ def test_two_real_ranks_equal_one_process(two, run, form):
 @pytest.mark.parametrize("form", list(FORMS))
 def test_four_real_ranks_equal_one_process(four, run, form):
     _check(four, run, form)
-
-
-class Net(nn.Layer):
-    """Rebuildable as type(model)(model.config), as reconfigure_distributed_model needs."""
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc2(F.tanh(self.fc1(x)))
 
 
 def _reconfigured(dist):

@@ -23,6 +23,7 @@ import autoparallel as ap  # noqa: E402
 from autoparallel import layer_state  # noqa: E402
 from autoparallel.testing import fuzz_runs  # noqa: E402
 from autoparallel.testing import pf_fuzz as z  # noqa: E402
+from autoparallel.testing.datasets import token_pair_loader  # noqa: E402
 
 SP, TP_ZERO1 = z.PFStrategy("sp", 4, 2, 2, True), z.PFStrategy("dp_tp", 4, 2, 2, False, 1)
 SP_ZERO3, TP4_SP = z.PFStrategy("sp", 4, 2, 2, True, 3), z.PFStrategy("sp", 4, 1, 4, True)
@@ -175,22 +176,8 @@ def test_head_comparison_catches_unreduced_gradients():
 B, T = 4, 8
 
 
-class _Pairs(paddle.io.Dataset):
-    def __init__(self):
-        rng = np.random.default_rng(0)
-        self.x = rng.integers(0, pf.VOCAB, (2 * B, T)).astype("int64")
-        self.y = rng.integers(0, pf.VOCAB, (2 * B, T)).astype("int64")
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-    def __len__(self):
-        return len(self.x)
-
-
 def _loader():
-    data = _Pairs()
-    return paddle.io.DataLoader(data, batch_sampler=paddle.io.BatchSampler(data, batch_size=B, drop_last=True))
+    return token_pair_loader(pf.VOCAB, B, T)
 
 
 def _build(family):

@@ -31,7 +31,7 @@ import autoparallel as ap
 from autoparallel.parallel.recompute import recompute_layers
 from dist_scripts import shared_launch
 from examples.models import PRESETS, build
-from recompute6_worker import CASES, plain_for
+from recompute6_worker import CASES, plain_for, sgd_steps
 from recompute6_worker import train as worker_train
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts", "recompute6_worker.py")
@@ -43,11 +43,6 @@ STEPS = 3
 def gpt(p=0.2, layers=3):
     paddle.seed(0)
     return build(dataclasses.replace(PRESETS["gpt-tiny"], vocab_size=64, layers=layers, max_positions=16, dropout=p))
-
-
-def data():
-    rng = np.random.default_rng(0)
-    return paddle.to_tensor(rng.integers(0, 64, (4, 16))), paddle.to_tensor(rng.integers(0, 64, (4, 16)))
 
 
 def value(t):
@@ -71,16 +66,7 @@ def train(model, s=None, after=None):
         model, opt = ap.parallelize(model, opt, strategy=s)
     if after is not None:
         model = after(model)
-    x, y = data()
-    paddle.seed(123)
-    losses = []
-    for _ in range(STEPS):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-    return losses + [float(paddle.rand([1]))], {n: value(p) for n, p in model.named_parameters()}
+    return sgd_steps(model, opt), {n: value(p) for n, p in model.named_parameters()}
 
 
 def assert_same(got, ref):

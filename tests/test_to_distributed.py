@@ -15,28 +15,15 @@ pytestmark = pytest.mark.skipif(not pf.available(), reason="paddleformers not in
 import paddle  # noqa: E402
 
 import autoparallel as ap  # noqa: E402
+from autoparallel.testing.datasets import token_pair_loader  # noqa: E402
 
 B, T, RTOL, ATOL = 4, 16, 1e-4, 1e-5
 JOB = shared_launch.job(__name__, "to_distributed", os.path.join(os.path.dirname(__file__), "dist_scripts",
                                                                  "to_distributed_worker.py"), 2, timeout=200)
 
 
-class Pairs(paddle.io.Dataset):
-    def __init__(self):
-        rng = np.random.default_rng(0)
-        self.x = rng.integers(0, pf.VOCAB, (2 * B, T)).astype("int64")
-        self.y = rng.integers(0, pf.VOCAB, (2 * B, T)).astype("int64")
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-    def __len__(self):
-        return len(self.x)
-
-
 def loader():
-    data = Pairs()
-    return paddle.io.DataLoader(data, batch_sampler=paddle.io.BatchSampler(data, batch_size=B, drop_last=True))
+    return token_pair_loader(pf.VOCAB, B, T)
 
 
 def train(model, opt, dist_loader):
