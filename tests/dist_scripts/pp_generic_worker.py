@@ -2,7 +2,7 @@
 tensor parallelism inside the stages, through ``ap.parallelize``.
 
     pp_generic_worker.py OUT_DIR JOBS_JSON
-    JOBS_JSON: [{"name", "dp", "tp", "schedule", "tie", "steps", "lr"}, ...]
+    JOBS_JSON: [{"name", "dp", "tp", "schedule", "tie", "sharding", "steps", "lr"}, ...]
 
 Each rank saves its stages' final parameters (gathered to full tensors) to OUT_DIR/<name>.rank<r>.npz and
 reports, per job, its losses and pipeline coordinates.
@@ -27,6 +27,8 @@ def run_job(job, out_dir, rank):
     s.pipeline_parallel.schedule = job.get("schedule", "1F1B")
     s.data_parallel.degree = job.get("dp", 1)
     s.tensor_parallel.degree = job.get("tp", 1)
+    if job.get("sharding"):
+        s.sharding.enable, s.sharding.stage = True, job["sharding"]
     model = pf.build("llama", tie_word_embeddings=job.get("tie", False), num_hidden_layers=4)
     opt = paddle.optimizer.SGD(job["lr"], parameters=model.parameters())
     pipe, opt = ap.parallelize(model, opt, strategy=s)

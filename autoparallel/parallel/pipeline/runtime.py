@@ -38,7 +38,7 @@ import paddle
 from . import batch as batch_mod
 from .amp import batch_loss_scale
 from .call_forms import detect as detect_call_forms, missing_attribute
-from .shared_params import reduced_after_step
+from .shared_params import reduced_after_step, sum_tied
 from .shards import _Shards, _backprop, _input_grad, _local  # noqa: F401
 from .simulate import PipelineDeadlock, Record
 from .wiring import (DATA, MODEL, PIPE, _check_composable, _model_info, _p2p_pairs, _shard_stage,  # noqa: F401
@@ -380,13 +380,7 @@ class PipelineModule:
 
     # ---- after the schedule -------------------------------------------------------------------------------
     def _reduce_tied(self):
-        import paddle.distributed as dist
-
-        for p, group in self.tied:
-            if p.grad is None:
-                p.grad = paddle.zeros(p.shape, dtype=p.dtype)
-            g = p.grad
-            dist.all_reduce(g, group=group)
+        sum_tied(self.tied)
 
 
 def _cross_entropy(logits, labels):
@@ -442,14 +436,6 @@ def apply_pp(model, strategy=None, *, mesh=None, tp_plan: dict | None = None, lo
     if world > 1 and ranks.size != world:
         raise ValueError(f"the pipeline mesh has {ranks.size} ranks, expected the world size {world}")
     stages = build_stages(plan.pieces, plan.bounds)
-    if dp > 1 and plan.pieces.generic and _shared_parameters(stages, pp):
-        shared = sorted({n for _, by_stage in _shared_parameters(stages, pp) for n in by_stage.values()})
-        raise NotImplementedError(f"{type(model).__name__} (split at its blocks) has parameters shared by stages on "
-                                  f"different pipeline ranks ({', '.join(shared)}); with data parallelism inside the "
-                                  f"stages their gradients reach the two stages in different states (summed over the "
-                                  f"data ranks on one, partial on the other), which the tied-gradient sum does not "
-                                  f"reconcile yet; got data_parallel.degree={dp}. Untie them "
-                                  f"(tie_word_embeddings=False), or use tensor parallelism alone inside the stages")
     if strategy.recompute.enable:
         apply_recompute(stages, strategy.recompute.granularity, strategy.recompute.checkpoint_every_n_layers)
     zb = plan.schedule.name == "ZB-H1"

@@ -1,6 +1,6 @@
 """Parameters that stages on several pipeline ranks hold (a tied embedding and LM head): which they are, used by
 the wiring (tie groups) and by gradient clipping (count each once); and the all-reduce of their gradients after a
-step (``reduced_after_step``)."""
+step (``reduced_after_step``, ``sum_tied``)."""
 import contextlib
 
 
@@ -39,3 +39,31 @@ def reduced_after_step(pipe):
                 g = get(p)
                 if old is not None:
                     put(p, old if g is None else g + old)
+
+
+def sum_tied(tied) -> None:
+    """Sum each tied parameter's gradient between the pipeline ranks sharing it (``tied``: [(parameter, group of
+    the ranks of one data / model coordinate)]). With data parallelism inside the stages the two copies can hold
+    their gradient in different states: partial sums over the stage's data ranks, reduced at the optimizer step
+    (the parameter's ``_ap_partial_dims``: an embedding lookup on a data-split batch), or already complete there
+    (a use whose contribution dispatch reduced in backward: a tied LM head). Each rank first completes its own over
+    its partial dims, the sum between the ranks is then the whole gradient on every coordinate, and the partial
+    dims get it back as partial sums (kept at their coordinate 0, zero elsewhere) for the step's reduction."""
+    import paddle
+    import paddle.distributed as dist
+
+    from autoparallel.comm import collectives as C
+    from autoparallel.comm.world import current_world
+
+    rank = current_world().rank
+    for p, group in tied:
+        if p.grad is None:
+            p.grad = paddle.zeros(p.shape, dtype=p.dtype)
+        g = p.grad
+        dims = sorted(getattr(p, "_ap_partial_dims", None) or ())
+        with paddle.no_grad():
+            for m in dims:
+                g.set_value(C.mesh_groups_apply({rank: g}, p.mesh, m, lambda v, ranks: C.all_reduce(v, ranks))[rank])
+            dist.all_reduce(g, group=group)
+            if any(p.mesh.coords_of(rank)[m] for m in dims):
+                g.set_value(paddle.zeros_like(g))
