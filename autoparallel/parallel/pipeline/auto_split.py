@@ -87,12 +87,23 @@ def resolve(model, path: str):
     return obj
 
 
-def _hidden_name(fn) -> str | None:
+def _hidden_name(fn, block=None) -> str | None:
+    """The name of a block forward's first parameter (the hidden state); a wrapper's ``(*args, **kwargs)`` (a
+    recompute region installed over the block's forward) is read through to ``block``'s class forward, so a
+    model calling its blocks by keyword (``layer(hidden_states=h, ...)``: Phi3) is found either way."""
+    name = _first_positional(fn)
+    if name is None and block is not None and getattr(type(block), "forward", None) is not None:
+        name = _first_positional(types.MethodType(type(block).forward, block))
+    return name
+
+
+def _first_positional(fn) -> str | None:
     try:
-        params = list(inspect.signature(fn).parameters)
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None
-    return params[0] if params else None
+    ok = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return params[0].name if params and params[0].kind in ok else None
 
 
 def _replace_hidden(args, kwargs, name, x):
@@ -137,7 +148,7 @@ def stage_proxies(blocks, start: int, stop: int, x=None, last: bool = False, gra
     """Swap the blocks' forwards for the stage's proxies (module docstring) for one model call; ``grad``: whether
     the stage's blocks record gradients (False under ``paddle.no_grad()``: evaluation)."""
     originals = [b.forward for b in blocks]
-    names = [_hidden_name(f) for f in originals]
+    names = [_hidden_name(f, b) for f, b in zip(originals, blocks)]
     enter_grad = grad_enabled()
     made = {}                                           # block stop - 1's hidden output, and whether grad was on
 
@@ -322,7 +333,7 @@ def _by_call(positions: list, fns: dict, own):
 
 
 def _first_block_input(model, blocks, path, inputs):
-    name = _hidden_name(blocks[0].forward)
+    name = _hidden_name(blocks[0].forward, blocks[0])
 
     def grab(self, *args, **kwargs):
         side = list(args[1:]) if args else [v for k, v in kwargs.items() if k != name]
@@ -344,7 +355,7 @@ def _suffix_out(model, blocks, inputs, hx, forms):
     ``recompute`` when its input requires a gradient would otherwise tie the output to the prefix's parameters
     through the wrapper: PaddleFormers' ``config.recompute`` put the embedding on the last stage too)."""
     def skip(j):
-        name = _hidden_name(blocks[j].forward)
+        name = _hidden_name(blocks[j].forward, blocks[j])
         return lambda self, *args, **kwargs: shaped(forms, j, _hidden_of(args, kwargs, name))
 
     def last(self, *args, **kwargs):

@@ -142,7 +142,7 @@ def _dry(model, pieces, labels: bool, return_dict):
         forms = pieces.block_forms
 
         def skip(j):
-            name = _hidden_name(blocks[j].forward)
+            name = _hidden_name(blocks[j].forward, blocks[j])
             return lambda self, *args, **kw: shaped(forms, j, _hidden_of(args, kw, name))
 
         with _swapped(blocks, {j: skip(j) for j in range(len(blocks))}):
