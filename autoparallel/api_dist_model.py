@@ -3,7 +3,7 @@
     dist_model = ap.to_static(model, loader, loss, optimizer, strategy)
     dist_model.train()
     for x, y in loader:
-        loss = dist_model(x, y)          # one optimizer step (train_step); the mean global loss, a 0-d tensor
+        loss = dist_model(x, y)          # one optimizer step (train_step); the mean global loss, a 0-d ndarray
     dist_model.eval();    loss = dist_model(x, y)       # eval_step: the loss, nothing updated
     dist_model.predict(); out = dist_model(x)           # the model's output (a DistTensor)
 
@@ -47,7 +47,7 @@ class PaddleModes:
         return "predict"
 
     def __call__(self, *fields):
-        import paddle
+        import numpy as np
 
         fields, mode = _flatten(fields), self.mode
         if not fields:
@@ -56,7 +56,9 @@ class PaddleModes:
         if mode == "predict":
             return self._predict(fields)
         step = self.train_step if mode == "train" else self.eval_step
-        return paddle.to_tensor(step(tuple(fields)), dtype="float32")
+        # paddle's loss is fetched with Strategy.return_numpy (its default True, the only value taken here): a
+        # float32 numpy array, 0-d for a mean loss
+        return np.asarray(step(tuple(fields)), dtype="float32")
 
 
 def _flatten(args) -> tuple:

@@ -47,15 +47,34 @@ def _on_place(data, place, dtype):
     return data
 
 
+def _refuse_paddle_dist(x, what: str) -> None:
+    """A tensor distributed by paddle's own runtime (``paddle.distributed.shard_tensor``) holds only this rank's
+    part of its value: taken as a full value it would be laid out wrong. paddle's ``shard_tensor`` refuses it too."""
+    import paddle
+
+    if isinstance(x, paddle.Tensor) and not hasattr(x, "_ap_spec") and x.is_dist():
+        raise TypeError(f"{what}: the tensor was distributed by paddle.distributed ({x.placements} on "
+                        f"{x.process_mesh}) and holds this rank's part only; pass the dense tensor "
+                        f"(paddle.distributed.unshard_dtensor gathers it) or build it with ap.shard_tensor")
+
+
 def shard_tensor(data, mesh, placements, dtype=None, place=None, stop_gradient=None):
     """paddle's ``dist.shard_tensor``: distribute ``data`` (the same full value on every rank) over ``mesh``."""
     if data is None:
         return None
+    _refuse_paddle_dist(data, "shard_tensor")
     data = _on_place(data, place, dtype)
     if stop_gradient is not None and not isinstance(stop_gradient, bool):
         raise TypeError(f"shard_tensor(stop_gradient=...) expects True, False or None, got {stop_gradient!r}")
-    return _dt.shard_tensor(data, as_mesh(mesh), _placements(placements, "shard_tensor"), dtype=dtype,
-                            stop_gradient=stop_gradient)
+    if isinstance(data, (list, tuple, int, float, complex)):
+        import paddle
+
+        data = paddle.to_tensor(data, dtype=dtype)     # paddle's: python floats take the default dtype (float32)
+    out = _dt.shard_tensor(data, as_mesh(mesh), _placements(placements, "shard_tensor"), dtype=dtype,
+                           stop_gradient=stop_gradient)
+    if stop_gradient is not None and out is not None and out.stop_gradient != stop_gradient:
+        out.stop_gradient = stop_gradient   # a parameter took its own (paddle's docs: the asked one is returned)
+    return out
 
 
 def reshard(dist_tensor, mesh, placements):
@@ -79,6 +98,7 @@ def dtensor_from_local(local_tensor=_UNSET, mesh=None, placements=None, global_s
                         "placements)" + ("" if local_tensor is _UNSET else "; local_tensor= and local= are the "
                                          "same argument"))
     local_tensor = local if local_tensor is _UNSET else local_tensor
+    _refuse_paddle_dist(local_tensor, "dtensor_from_local")
     if mesh is None:
         raise TypeError("dtensor_from_local() missing the mesh: dtensor_from_local(local_tensor, mesh, placements)")
     mesh = as_mesh(mesh)
@@ -196,8 +216,14 @@ def dtensor_from_fn(fn, mesh, placements, *args, **kwargs):
 
 
 def unshard_dtensor(dist_tensor):
-    """paddle's ``unshard_dtensor``: the whole (global) value as a plain tensor on every rank (gathered)."""
+    """paddle's ``unshard_dtensor``: the whole (global) value as a plain tensor on every rank (gathered); of a
+    distributed parameter, a plain Parameter (paddle's: ``layer.weight = unshard_dtensor(layer.weight)`` puts the
+    whole weight back into the layer's parameter slot) with its trainable / stop_gradient / optimizer attributes."""
     x = _dt.as_dist(dist_tensor)
     if not isinstance(x, _dt.DistTensor):
         raise TypeError(f"unshard_dtensor expects a DistTensor or DistParameter, got {type(dist_tensor).__name__}")
+    if isinstance(dist_tensor, _dt.DistParameter):
+        from autoparallel.export_forms import plain_param
+
+        return plain_param(dist_tensor)
     return x.full()

@@ -127,11 +127,11 @@ def _plain_memo(model) -> dict:
                     tensors[id(v)] = v
     memo = {}
     for key, v in tensors.items():          # insertion order: sorted by (layer, name) above, same on every rank
-        memo[key] = _plain_param(v) if isinstance(v, DistParameter) else plain_value(v)
+        memo[key] = plain_param(v) if isinstance(v, DistParameter) else plain_value(v)
     return memo
 
 
-def _plain_param(p):
+def plain_param(p):
     from autoparallel.compat import EagerParamBase
 
     value = plain_value(p)

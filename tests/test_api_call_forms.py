@@ -538,7 +538,8 @@ def test_dist_model_paddle_modes_equal_the_step_methods():
         for x, y in batches:
             want = canonical.train_step((x, y))
             got = paddle_form(paddle.to_tensor(x), paddle.to_tensor(y))
-            assert isinstance(got, paddle.Tensor) and float(got) == pytest.approx(want, rel=1e-6)
+            assert isinstance(got, np.ndarray) and got.shape == () and got.dtype == np.float32   # return_numpy
+            assert float(got) == pytest.approx(want, rel=1e-6)
         paddle_form.eval()
         x, y = batches[0]
         assert float(paddle_form(x, y)) == pytest.approx(canonical.eval_step((x, y)), rel=1e-6)

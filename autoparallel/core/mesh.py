@@ -229,6 +229,8 @@ class ProcessMesh(HashedOnce):
             return ProcessMesh(arr.tolist(), names)
         if isinstance(index, slice):
             return ProcessMesh(arr[index].tolist(), names)
+        if isinstance(index, tuple) and len(index) == 1:       # paddle indexes the moved mesh: new_mesh[(k,)]
+            index = index[0]
         return self.get_submesh_with_dim(self._names[i], index)
 
     def get_submesh_with_dim(self, dim_name: str, index: int | None = None) -> "ProcessMesh":
@@ -244,8 +246,9 @@ class ProcessMesh(HashedOnce):
             raise TypeError(f"get_submesh_with_dim(dim_name, index): index must be an int, got {index!r}")
         i = self.dim_index(dim_name)
         size = self._arr.shape[i]
-        if not 0 <= index < size:
+        if not -size <= index < size:                    # negative: from the end, as paddle's numpy indexing
             raise ValueError(f"mesh dim {dim_name!r} has size {size}, got index {index}")
+        index = int(index) % size
         sub = np.take(self._arr, index, axis=i)
         names = [n for k, n in enumerate(self._names) if k != i]
         if sub.ndim == 0:

@@ -207,6 +207,11 @@ def shard_optimizer(optimizer, shard_fn=None, gradient_accumulation_steps: int =
     See parallel/sharding_stages.py."""
     from autoparallel.parallel.sharding_stages import resolve_shard_fn, zero_optimizer
 
+    steps = integral(gradient_accumulation_steps)          # numpy ints as ints (every shard_fn); bools, floats refused
+    if steps is None or steps < 1:
+        raise ValueError(f"shard_optimizer: gradient_accumulation_steps must be an int >= 1, got "
+                         f"{gradient_accumulation_steps!r}")
+    gradient_accumulation_steps = steps
     _check_closure_optimizer(getattr(optimizer, "_inner", optimizer))
     from autoparallel.parallel.stale_optimizers import repoint_stale
 
