@@ -50,6 +50,7 @@ def run(tensors=(), retain_graph: bool = False) -> None:
     for owner in list(_WAITING):
         if owner.before_backward(tensors):
             _WAITING.discard(owner)
+    _PENDING[0] = False
     for fn in _AT_START:
         fn(tensors)                     # implicit_optimizer: a plain paddle optimizer's reduction from now on
 
@@ -74,13 +75,17 @@ def backward(tensors, grads, retain_graph: bool, roots, **kw) -> None:
 
 
 _SCALED = SideData()            # local tensors of losses a paddle GradScaler scaled
+_PENDING = [False]              # a GradScaler scaled a loss since the last backward started
 
 
 def mark_scaled(local_tensors) -> None:
     for t in local_tensors:
         _SCALED.set(t, True)
+    _PENDING[0] = True
 
 
 def scaled(tensors) -> bool:
-    """Whether a GradScaler scaled (any of) the tensors a backward starts from."""
-    return any(t in _SCALED for t in tensors)
+    """Whether a GradScaler scaled (any of) the tensors a backward starts from, or a loss since the last backward
+    started: the backward may start from a tensor computed from the scaled loss (``(scaler.scale(loss) / k)``,
+    ``.sum()``), which carries the scale but not the mark."""
+    return _PENDING[0] or any(t in _SCALED for t in tensors)

@@ -67,7 +67,7 @@ def install() -> None:
         found = unscale_and_check(optimizer, 1.0 / float(self._scale))
         import paddle
 
-        self._found_inf = paddle.full([1], bool(found), dtype="bool")      # to_tensor leaks a list per call (paddle 3.3)
+        self._found_inf = paddle.full([1], bool(found), dtype="bool")  # to_tensor leaks a list per call (paddle 3.3)
         state["state"] = gs.OptimizerState.UNSCALED
 
     def step(self, optimizer):
@@ -202,9 +202,10 @@ def _no_backward_overlap(optimizer) -> None:
                              "opt.step() or GradScaler with strategy.amp.enable=False")
         if isinstance(opt, ZeroOptimizer):
             if opt.reducer is not None:
-                raise RuntimeError("paddle.amp.GradScaler must scale this ZeRO optimizer from its first step: "
-                                   "its gradient buckets already reduce during backward (taking gradients out of "
-                                   "p.grad before they can be unscaled)")
+                raise ValueError("paddle.amp.GradScaler.step over a ZeRO optimizer whose gradients of this step came "
+                                 "from a backward of a loss the scaler did not scale (reduced during that backward, "
+                                 "they cannot be unscaled): expected scaler.scale(loss).backward() for every backward "
+                                 "of a step the scaler steps, got a loss.backward() since the last step")
             opt.overlap = False
         sync = vars(opt).get("grad_sync") if hasattr(opt, "__dict__") else None
         if sync is not None and hasattr(sync, "async_op"):

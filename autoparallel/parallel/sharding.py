@@ -5,18 +5,16 @@ HSDP (shard over groups of ``degree`` data ranks, replicate across them).
     opt = apply_zero(model, optimizer, mesh, stage=2)        # model parallelized on ``mesh`` (DistParameters)
     loss.backward(); opt.step(); opt.clear_grad()
 
-Each rank keeps, for every parameter, its ceil-division chunk of the flattened local data as an fp32
-master weight and steps those chunks with a paddle optimizer of the user's kind and hyperparameters.
-``step()`` reduces gradients (stage 1: all_reduce, every rank keeps the full reduced gradient; stage 2/3:
-reduce_scatter, each rank keeps its chunk and the full gradient is freed), clips by the global norm when
-the optimizer has ``ClipGradByGlobalNorm``, steps the chunks and (stage 1/2) all_gathers them back into
-the parameters. At stage 3 parameters hold no data between uses: zero_params.py gathers them around
-each layer's forward and backward.
+Each rank keeps, for every parameter, its ceil-division chunk of the flattened local data as an fp32 master weight and
+steps those chunks with a paddle optimizer of the user's kind and hyperparameters. ``step()`` reduces gradients (stage
+1: all_reduce, every rank keeps the full reduced gradient; stage 2/3: reduce_scatter, each rank keeps its chunk and the
+full gradient is freed), clips by the global norm when the optimizer has ``ClipGradByGlobalNorm``, steps the chunks and
+(stage 1/2) all_gathers them back into the parameters. At stage 3 parameters hold no data between uses: zero_params.py
+gathers them around each layer's forward and backward.
 
-From the second step on, backward hooks launch the reductions bucket by bucket in backward order on the
-final accumulation micro-step (parallel/reducer.py) and ``step()`` finishes the rest; ``overlap=False``
-keeps them all at the step (needed when something rescales ``p.grad`` between backward and step, like
-the AMP optimizer: stage 2/3 chunks no longer live in ``p.grad``).
+From the second step on, backward hooks launch the reductions bucket by bucket in backward order on the final
+accumulation micro-step (parallel/reducer.py), ``step()`` finishing the rest; ``overlap=False`` keeps them all at the
+step, for what rescales ``p.grad`` before it (the AMP optimizer, a GradScaler: chunks no longer live in ``p.grad``).
 """
 from __future__ import annotations
 
@@ -250,11 +248,15 @@ class ZeroOptimizer(StepHooks):
         return self.reducer
 
     def before_backward(self, tensors) -> bool:
-        """The first backward reduces from its hooks (autoparallel/backward_start.py), unless a GradScaler
-        scaled its loss: the gradients stay in p.grad until the scaler unscales them at the step."""
-        if self.reducer is None and self.overlap and not backward_start.scaled(tensors):
+        """Hooks reduce from the first unscaled backward on (autoparallel/backward_start.py); a GradScaler's loss
+        stops them between steps (a warm-up without it installed them), keeping p.grad for the scaler to unscale."""
+        scaled = backward_start.scaled(tensors)
+        if scaled and self.reducer is not None and self._out is None:
+            self.reducer.detach()
+            self.reducer, self.overlap = None, False
+        elif self.reducer is None and self.overlap and not scaled:
             self._install_reducer()
-        return self.reducer is not None or not self.overlap
+        return not self.overlap
 
     def _window(self) -> dict:
         if self._out is None:
