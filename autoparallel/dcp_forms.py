@@ -90,21 +90,44 @@ def _merged(orig):
     def load_merged_state_dict(path, *args, **kwargs):
         import os
 
-        import paddle
-
         from autoparallel.checkpoint.ownership import CKPT_MARKER
 
         if not os.path.exists(os.path.join(str(path), CKPT_MARKER)):
             return orig(path, *args, **kwargs)
         kwargs.update(zip(["prefix", "unique_id", "offload", "aoa_config", "safetensors"], args))
-        _check("load_merged_state_dict", kwargs, dict(_LOAD_DEFAULTS, prefix=None))
-        from autoparallel.checkpoint.load import load_merged_state_dict as ap_merged
-
-        return {k: (paddle.to_tensor(v) if hasattr(v, "dtype") else v) for k, v in ap_merged(path).items()}
+        prefix, offload = kwargs.pop("prefix", None), kwargs.pop("offload", False)
+        _check("load_merged_state_dict", kwargs, {"unique_id": None, "aoa_config": None, "safetensors": False})
+        return merged_as_paddle(path, prefix, offload)
 
     load_merged_state_dict._ap_wrapper = True
     load_merged_state_dict.__wrapped__ = orig
     return load_merged_state_dict
+
+
+def merged_as_paddle(path, prefix=None, offload=False) -> dict:
+    """``ap.load_merged_state_dict(path)`` in the form of paddle's ``load_merged_state_dict``: one flat dict, the
+    keys of nested dicts joined with ".", tensors as paddle Tensors; ``prefix`` keeps the keys starting with it and
+    strips it and the character after it, as paddle does. (It was the nested dict of numpy arrays: a nested
+    state's entries were not Tensors and not under paddle's keys.)"""
+    import paddle
+
+    from autoparallel.checkpoint.flatten import SEP
+    from autoparallel.checkpoint.load import load_merged_state_dict as ap_merged
+
+    if prefix is not None and not isinstance(prefix, str):
+        raise TypeError(f"load_merged_state_dict: prefix must be a str or None, got {type(prefix).__name__}")
+    out = {}
+    for name, v in ap_merged(path, flat=True).items():
+        key = name.replace(SEP, ".")
+        if key in out:
+            raise ValueError(f"load_merged_state_dict: the checkpoint's entries {key!r} and {name!r} take the same "
+                             f"flat key {key!r}; load it with ap.load_merged_state_dict(path) (nested)")
+        if prefix is not None and not key.startswith(prefix):
+            continue
+        if hasattr(v, "dtype"):
+            v = paddle.to_tensor(v, place=paddle.CPUPlace()) if offload else paddle.to_tensor(v)
+        out[key[len(prefix) + 1:] if prefix else key] = v
+    return out
 
 
 def install() -> None:

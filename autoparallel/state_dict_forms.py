@@ -71,13 +71,39 @@ def _plain_sources(state_dict, ours: dict):
 
 
 def _check_shape(name, p, value) -> None:
-    """A plain value takes the parameter's global shape or its shard's; a distributed one is resharded."""
+    """Every entry as ``_load`` will write it, before any is written (a failure in ``_load`` left the entries paddle
+    had set and the ones before it loaded): a plain value takes the parameter's global shape, or its shard's where
+    this process holds one shard (a real rank; the simulated world holds every rank's), in the parameter's dtype
+    (as paddle's own ``set_state_dict`` asserts); a distributed value its global shape (it is resharded)."""
+    import paddle
+
+    from autoparallel.spec import normalize_dtype
+
     if is_dist(value):
+        shape = list(as_dist(value).spec.shape)
+        if shape != list(p.global_shape):
+            raise ValueError(f"set_state_dict: {name} is a distributed value of global shape {shape}; the "
+                             f"distributed parameter's global shape is {p.global_shape}; nothing was loaded")
+        _check_dtype(name, p, as_dist(value).spec.dtype)
         return
     shape = list(value.shape() if callable(getattr(value, "shape", None)) else np.shape(value))
-    if shape not in (p.global_shape, list(p.shape)):
+    shard = list(p.shape) if len(getattr(p, "_ap_locals", None) or {0: p}) == 1 else None
+    if shape not in (p.global_shape, shard):
+        held = "" if shard is not None else (f" (this process holds the shards of ranks {sorted(p._ap_locals)}, the "
+                                             f"simulated world: a shard's shape names none of them)")
         raise ValueError(f"set_state_dict: {name} has shape {shape}; the distributed parameter takes its global "
-                         f"shape {p.global_shape} (or its shard's, {list(p.shape)}); nothing was loaded")
+                         f"shape {p.global_shape}" + (f" (or its shard's, {shard})" if shard is not None else held)
+                         + "; nothing was loaded")
+    if isinstance(value, (np.ndarray, paddle.Tensor)):
+        _check_dtype(name, p, "bfloat16" if value.dtype == np.uint16 else normalize_dtype(value.dtype))
+
+
+def _check_dtype(name, p, dtype: str) -> None:
+    """A value of another dtype is refused, as paddle's ``set_value`` refuses it (a uint16 array is paddle's
+    bfloat16 numpy form); a distributed one was cast silently (float32 into a float16 model)."""
+    if dtype != p.spec.dtype:
+        raise TypeError(f"set_state_dict: {name} is {dtype}; the distributed parameter is {p.spec.dtype} (cast the "
+                        f"value first, as paddle requires); nothing was loaded")
 
 
 def _load(name, p, value) -> None:

@@ -245,6 +245,9 @@ def _describe(name: str, leaf) -> _Target:
             dtype = normalize_dtype(leaf.dtype)
         except ValueError as e:
             raise TypeError(f"state entry {name!r}: {e}") from None
+        if not leaf.flags.writeable:        # found by the write otherwise: after the entries before it were loaded
+            raise TypeError(f"state entry {name!r}: a read-only numpy array (a memory map opened with mode 'r', a "
+                            f"broadcast view) cannot take the loaded values; pass a writable array; nothing was loaded")
         return _Target("ndarray", leaf.shape, dtype, [(leaf, (0,) * leaf.ndim, leaf.shape, False)])
     return _Target("value")
 
