@@ -211,3 +211,12 @@ def run_jobs(run, jobs, stop_on_error: bool = False) -> dict:
             if stop_on_error:
                 break
     return out
+
+
+def attempt(fn) -> str:
+    """``fn()``'s outcome as a worker reports it: "ok", or the exception's type and message (a test checks them)."""
+    try:
+        fn()
+        return "ok"
+    except Exception as e:          # reported by type and message; the test checks them
+        return f"{type(e).__name__}: {e}"

@@ -21,7 +21,7 @@ import paddle.distributed as pdist
 from paddle import nn
 
 import autoparallel as ap
-from autoparallel.testing.launch import write_result
+from autoparallel.testing.launch import attempt, write_result
 
 
 def model(mesh):
@@ -35,14 +35,6 @@ def model(mesh):
 
 def full(m) -> dict:
     return {k: v.numpy() for k, v in ap.full_state_dict(m).items()}     # collective: both ranks in step
-
-
-def attempt(fn) -> str:
-    try:
-        fn()
-        return "ok"
-    except Exception as e:          # reported by type and message; the test checks them
-        return f"{type(e).__name__}: {e}"
 
 
 def set_state_dict_cases(mesh, rank) -> dict:

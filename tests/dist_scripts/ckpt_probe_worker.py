@@ -12,7 +12,7 @@ import paddle.distributed as dist
 
 import autoparallel as ap
 from autoparallel.checkpoint import load_merged_state_dict, save_state_dict
-from autoparallel.testing.launch import write_result
+from autoparallel.testing.launch import attempt, write_result
 
 
 def main(root: str) -> None:
@@ -94,14 +94,6 @@ def fail_in_collect(rank: int, path: str, state: dict):
         raise RuntimeError("injected failure while collecting on rank 1")
     with mock.patch.object(save, "collect", broken):
         return save_state_dict(state, path)
-
-
-def attempt(fn) -> str:
-    try:
-        fn()
-        return "ok"
-    except Exception as e:          # reported by type and message; the test checks them
-        return f"{type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":

@@ -11,21 +11,13 @@ import paddle.distributed as dist  # noqa: E402
 
 import autoparallel as ap  # noqa: E402
 from autoparallel.checkpoint import CheckpointManager, load_merged_state_dict  # noqa: E402
-from autoparallel.testing.launch import write_result  # noqa: E402
+from autoparallel.testing.launch import attempt, write_result  # noqa: E402
 
 
 def state(value: float) -> dict:
     mesh = ap.ProcessMesh([0, 1], ["dp"])
     w = ap.shard_tensor(paddle.full([4, 2], value), mesh, [ap.Shard(0)])
     return {"w": w, "loader": {"index": int(value)}}
-
-
-def attempt(fn) -> str:
-    try:
-        fn()
-        return "ok"
-    except Exception as e:          # reported by type and message; the test checks them
-        return f"{type(e).__name__}: {e}"
 
 
 def main(root: str) -> None:
