@@ -33,7 +33,9 @@ do nothing when none runs, so library code (checkpoint writes) can call them unc
 
 Each heartbeat also carries this rank's collective log (comm/collective_log.py, on by default): the judge
 compares every peer's with its own and ends every rank with ``CollectiveMismatchError`` when two ranks' collectives
-on a group they share differ (code that ran on some ranks only), about two heartbeats after the collective.
+on a group they share differ (code that ran on some ranks only), about two heartbeats after the collective. A process
+that ends cleanly publishes its final log: a peer that has made more collectives on a group with it (a ``break`` or
+``sys.exit(0)`` on some ranks) is ended naming it, and without the log a failed collective names it in a note.
 
 Stores: under ``paddle.distributed.launch`` a client of the job's TCP store (the one ``init_parallel_env`` creates,
 served by rank 0); ``AP_WATCHDOG_STORE=file:<dir>`` uses a directory every rank sees (on a disk busy with writes, a
@@ -58,7 +60,7 @@ import time
 from autoparallel.config.fields import integral
 from autoparallel.watchdog_heartbeat import HeartbeatMixin
 from autoparallel.watchdog_judge import JudgingMixin
-from autoparallel.watchdog_messages import _their_op, _write_stderr
+from autoparallel.watchdog_messages import _ended_note, _never_started_note, _their_op, _write_stderr
 from autoparallel.watchdog_settings import (DEFAULT_EXIT_CODE, DEFAULT_TIMEOUT, LONG_WAIT_FACTOR, PREFIX, RING_ABOVE,
                                             _check_peers, _env_float, _exit_code, _Peer, _seconds)
 from autoparallel.watchdog_signals import SignalsMixin
@@ -119,6 +121,7 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
         self._diagnosed = None
         self._threads: list = []
         self._sigterm_at = None
+        self._exiting = False                 # stopped by the process's exit: no collective follows
         self._prev_sigterm = None
         self._prev_excepthook = None
         self._prefix = namespace
@@ -184,7 +187,7 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
         self.store.add(f"{self._prefix}/up/{self.rank}", 1)
         if self._install_handlers:
             self._install()
-        atexit.register(self.stop)
+        atexit.register(self._stop_at_exit)
         self._threads = [threading.Thread(target=self._io_loop, name="ap-watchdog-io", daemon=True),
                          threading.Thread(target=self._judge_loop, name="ap-watchdog-judge", daemon=True)]
         for t in self._threads:
@@ -208,9 +211,15 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
                 if getattr(self.store, "host_rank", None) == self.rank:
                     self._wait_for_peers_to_stop(min(self.timeout, 10.0))
         self._uninstall()
-        atexit.unregister(self.stop)
+        atexit.unregister(self._stop_at_exit)
         if _current[0] is self:
             _current[0] = None
+
+    def _stop_at_exit(self) -> None:
+        """``stop`` as the process ends: the record says so, and peers that go on to make collectives this
+        rank never made are ended naming it (``collective_log.Log.beyond``)."""
+        self._exiting = True
+        self.stop()
 
     def _wait_for_peers_to_stop(self, seconds: float) -> None:
         """The store lives in this process: keep it up (at most ``seconds``) until the other ranks have
@@ -218,6 +227,11 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
         deadline = time.monotonic() + seconds
         pending = [r for r in range(self.world_size) if r != self.rank]
         while pending and time.monotonic() < deadline:
+            if self.store.add(f"{self._prefix}/abort", 0) > 0:     # a peer failed: say why here too, stop waiting
+                note = json.loads(self.store.get(f"{self._prefix}/abort_msg"))
+                _write_stderr(f"{PREFIX}: rank {self.rank}: this rank ended, and rank {note['rank']} reported: "
+                              f"{note['reason']}")
+                return
             still = []
             for r in pending:
                 if self.store.add(self._key("up", r), 0) > 0 and \
@@ -281,6 +295,13 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
 
     def diagnose(self, exc: BaseException = None) -> None:
         """Wait up to ``timeout`` for the judge to name a lost rank (it ends the process if it does)."""
+        if exc is not None and self._threads and self._halt.is_set() and self.failure is None \
+                and exc is not self._diagnosed:      # halted by the store host's clean end: no verdict will come
+            self._diagnosed = exc
+            note = _ended_note(self._peers.values())
+            if note:
+                _write_stderr(f"{PREFIX}: rank {self.rank}: {type(exc).__name__} in {self._op_text()}{note}")
+            return
         if not self.running or self.failure is not None or (exc is not None and exc is self._diagnosed):
             return
         if exc is not None:
@@ -290,6 +311,10 @@ class Watchdog(HeartbeatMixin, JudgingMixin, SignalsMixin):
             _write_stderr(f"{PREFIX}: rank {self.rank}: {self._op_text()} raised {self._error}; checking the "
                           f"other ranks for up to {self.timeout:.1f} s{self._peer_ops()}")
         self._verdict.wait(self.timeout + 2 * self.interval)
+        note = _never_started_note(self._peers.values()) + _ended_note(self._peers.values()) \
+            if exc is not None and self.failure is None else ""
+        if note:                               # no verdict: say which ranks cannot be in this collective
+            _write_stderr(f"{PREFIX}: rank {self.rank}: no lost rank found{note}")
 
 
     def _peer_ops(self) -> str:

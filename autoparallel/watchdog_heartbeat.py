@@ -20,7 +20,8 @@ class HeartbeatMixin:
         op = self._error_op if stopped and error and self._error_op else self._op
         record = {"seq": self._seq, "op": op[0] if op else None, "step": _jsonable(self._step),
                   "long_wait": max(self._long_waits) if self._long_waits else 0, "pid": os.getpid(),
-                  "host": self._host, "start": self._start_time, "stopped": stopped, "error": error}
+                  "host": self._host, "start": self._start_time, "stopped": stopped, "error": error,
+                  "exiting": stopped and self._exiting}
         if self._clog is not None:          # the collectives made since the last beat (comm/collective_log.py)
             record["clog"] = self._clog.summary()
         self.store.set(self._key("rec", self.rank), json.dumps(record).encode())
@@ -84,6 +85,10 @@ class HeartbeatMixin:
         host_rank = getattr(self.store, "host_rank", None)
         record = self._peers[host_rank].record if host_rank in self._peers else {}
         if record.get("stopped") and not record.get("error"):
+            why = self._beyond(self._peers[host_rank])
+            if why:                         # it ended before collectives this rank made on a group with it
+                self._fail(why)
+                return
             self._halt.set()                # its host finished cleanly: nothing left to watch through it
             return
         who = f"rank {host_rank} lost: " if host_rank is not None and host_rank != self.rank else ""

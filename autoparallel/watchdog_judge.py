@@ -27,6 +27,10 @@ class JudgingMixin:
             if self._compare_log(peer):
                 return
             if rec.get("stopped"):
+                why = self._beyond(peer)
+                if why:
+                    self._fail(why)
+                    return
                 continue
             if not peer.up:
                 if now - self._started > self.startup_timeout:
@@ -47,6 +51,19 @@ class JudgingMixin:
             return
         if self._sigterm_at is not None and now - self._sigterm_at > self.term_grace:
             self._end_for_sigterm()
+
+    def _beyond(self, peer):
+        """The reason to end this rank when ``peer``'s process ended cleanly and this rank has made collectives
+        on a group with it that it never made (they can never be joined), else None."""
+        rec = peer.record
+        if self._clog is None or not rec.get("exiting") or rec.get("error") or rec.get("clog") is None:
+            return None
+        try:
+            return self._clog.beyond(self.rank, peer.rank, rec["clog"])
+        except Exception as e:             # a malformed record must not stop the judge: report, go on
+            _write_stderr(f"{PREFIX}: rank {self.rank}: could not read rank {peer.rank}'s final collective log: "
+                          f"{e!r}")
+            return None
 
     def _silence_limit(self, rec: dict) -> float:
         """How long a peer may stay silent: timeout, or its long-wait allowance (<= 2 x timeout) while its

@@ -20,6 +20,31 @@ def _exited_reason(exited: list) -> str:
             f"{_their_op(rec)}{also}")
 
 
+def _never_started_note(peers) -> str:
+    """What to say of watched ranks that never published a heartbeat ("" when every one did): the cause of a
+    failure (an exception before their first autoparallel call) is in their own logs, not here."""
+    never = sorted(p.rank for p in peers if not p.up)
+    if not never:
+        return ""
+    return (f"; rank{'s' if len(never) > 1 else ''} {', '.join(map(str, never))} never started a watchdog: "
+            f"{'they' if len(never) > 1 else 'it'} ended or stalled before the first autoparallel call that "
+            f"starts one (ap.init_parallel_env, ap.shard_layer, ap.parallelize) -- its own log holds the cause")
+
+
+def _ended_note(peers) -> str:
+    """What to say of watched ranks whose processes ended cleanly ("" when none did): a collective of this rank's
+    that failed or hangs may be one they never made (a loop of another length, ``sys.exit(0)``)."""
+    ended = sorted((p.rank, _their_op(p.record)) for p in peers if p.record.get("exiting") and not
+                   p.record.get("error"))
+    if not ended:
+        return ""
+    who = ", ".join(f"rank {r} (last in {op})" for r, op in ended)
+    them = "them" if len(ended) > 1 else "it"
+    return (f"; {who} ended {'their processes' if len(ended) > 1 else 'its process'} cleanly (the script returned "
+            f"or called sys.exit): a collective that needs {them} can never be joined (the ranks ran different "
+            f"numbers of steps or collectives, or `sys.exit(0)` on some ranks)")
+
+
 def _process_note(record: dict, host: str) -> str:
     """What /proc says about the process of a record from this host ("" for other hosts)."""
     if record.get("host") != host or "pid" not in record:

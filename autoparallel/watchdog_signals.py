@@ -6,7 +6,8 @@ import sys
 import threading
 import time
 
-from autoparallel.watchdog_messages import _bounded, _exited_reason, _write_stderr
+from autoparallel.watchdog_messages import (_bounded, _ended_note, _exited_reason, _never_started_note,
+                                            _write_stderr)
 from autoparallel.watchdog_settings import PREFIX
 from autoparallel.watchdog_store import process_state
 
@@ -47,7 +48,8 @@ class SignalsMixin:
             if self.failure is not None or self._halt.is_set():
                 return
             self.failure = (f"{PREFIX}: rank {self.rank}: terminated by SIGTERM (no lost rank found within "
-                            f"{self.term_grace:g} s) while in {self._op_text()}")
+                            f"{self.term_grace:g} s) while in {self._op_text()}"
+                            f"{_never_started_note(self._peers.values())}{_ended_note(self._peers.values())}")
         _write_stderr(self.failure)
         self._halt.set()
         _bounded(lambda: self._publish(stopped=True, error="terminated by SIGTERM"), 2.0)

@@ -162,6 +162,34 @@ class Log:
             self.drain()
             return self._compare(me, peer, theirs)
 
+    def beyond(self, me: int, peer: int, final: dict):
+        """None unless this rank has made more collectives on a group it shares with ``peer`` than ``peer`` made
+        in its whole run (``final``: the log its process published as it ended); else the text naming the first
+        collective nobody can join (a rank that ended early: a ``break``, a shorter loop, ``sys.exit(0)``)."""
+        with self._drain_lock:
+            self.drain()
+            theirs = final.get("groups", {})
+            texts = final.get("texts", [])
+            for key, g in sorted(self._groups.items()):
+                if peer not in key or me not in key:
+                    continue
+                t = theirs.get(group_key(key), {})
+                n = int(t.get("n", 0))
+                if g.count <= n:
+                    continue
+                first = next((r for r in g.recent if r[0] == n + 1), None)
+                call = f" ({_call(first)})" if first is not None else ""
+                last = [r for r in t.get("r", []) if r[0] == n]
+                theirs_last = f"{texts[last[0][2]]} ({last[0][1]} bytes)" if last and last[0][2] < len(texts) \
+                    else "none"
+                return (f"rank {peer} ended its process cleanly (its script returned or called sys.exit) after {n} "
+                        f"collectives on group [{group_key(key)}] (its last: {theirs_last}), and this rank has made "
+                        f"{g.count}: its collective #{n + 1} on that group{call} can never be joined. The ranks ran "
+                        f"different numbers of steps or collectives (a `break` or a loop of another length on some "
+                        f"ranks, `sys.exit(0)` or a return on some ranks mid-training); every rank must make the "
+                        f"same collectives")
+        return None
+
     def _compare(self, me: int, peer: int, published: dict):
         texts = published["texts"]
         theirs = {k: dict(t, r=[[q, texts[i].split("@")[0], b, texts[i]] for q, b, i in t["r"]])
