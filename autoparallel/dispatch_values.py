@@ -17,10 +17,13 @@ VALUE_OPS = {"arange": 0, "full": 0, "zeros": 0, "ones": 0, "expand": 1, "reshap
              "linspace": 0, "split": 1, "full_like": 1,
              "empty": 0, "rand": 0, "randn": 0, "standard_normal": 0, "randint": 0, "uniform": 0, "eye": 0,
              "topk": 1, "quantile": 1, "nanquantile": 1,
+             "roll": 1,                           # shifts given as tensors (paddle reads their values)
              # an axis given as a tensor (``x.sum(axis=paddle.to_tensor(1))``, paddle reads its value)
              **dict.fromkeys(("sum", "mean", "max", "min", "amax", "amin", "prod", "logsumexp", "all", "any", "std",
                               "var", "nansum", "nanmean", "argmax", "argmin", "cumsum", "cumprod", "flip", "squeeze",
-                              "unsqueeze", "count_nonzero"), 1)}
+                              "unsqueeze", "count_nonzero"), 1),
+             # slices with tensor bounds in an index (``x[s:e]``, ``x[:, s:e] = v``): only the bounds are values
+             "getitem": 1, "setitem": 1}
 _NUMBERS = ("arange", "linspace", "eye", "randint", "topk")      # one-element tensors there are numbers
 _FILL = {"full": 1, "full_like": 1}       # the position of fill_value (also a number when one element)
 _TENSOR_KW = ("x", "input", "self")
@@ -53,6 +56,8 @@ def resolve(op: str, args: tuple, kwargs: dict):
     lead = VALUE_OPS.get(op)
     if lead is None:
         return args, kwargs
+    if op in ("getitem", "setitem"):
+        return _slice_bounds(args, kwargs)
     if not any(map(_holds_dist, args[lead:])) and \
             not any(_holds_dist(v) for k, v in kwargs.items() if k not in _TENSOR_KW):
         return args, kwargs              # the common case: numbers already
@@ -61,6 +66,27 @@ def resolve(op: str, args: tuple, kwargs: dict):
     args = tuple(v if i < lead else _value(v, one or i == fill) for i, v in enumerate(args))
     kwargs = {k: (v if k in _TENSOR_KW else _value(v, one or k == "fill_value")) for k, v in kwargs.items()}
     return args, kwargs
+
+
+def _bounds(it):
+    """A slice whose start / stop / step are tensors (paddle reads their values: ``x[s:e]`` with 0-d or
+    one-element tensors) as the same slice of python ints; any other index item as it is."""
+    if type(it) is slice and any(_is_tensor(b) for b in (it.start, it.stop, it.step)):
+        return slice(*(_value(b, True) for b in (it.start, it.stop, it.step)))
+    return it
+
+
+def _slice_bounds(args, kwargs):
+    """getitem / setitem: tensor bounds of the index's slices read as ints; the index's tensors (advanced
+    indices, masks) and the value stay operands."""
+    index = args[1] if len(args) > 1 else kwargs.get("index", kwargs.get("item"))
+    items = index if type(index) is tuple else (index,)
+    if not any(type(it) is slice for it in items):
+        return args, kwargs
+    new = tuple(map(_bounds, items)) if type(index) is tuple else _bounds(index)
+    if len(args) > 1:
+        return (args[0], new) + tuple(args[2:]), kwargs
+    return args, {**kwargs, ("index" if "index" in kwargs else "item"): new}
 
 
 def nested_values(data):

@@ -62,6 +62,14 @@ def row_of_shard(x, index=None, *, row):
     return paddle.concat([x[:0], zeros], axis=0)[0]
 
 
+def gather_slice(x, index, axis=None, name=None):
+    """``paddle.gather(x, i, axis)`` with a 0-d index ``i``: the slice at ``i``, the axis dropped. Run as
+    ``index_select`` of one row then ``squeeze``: paddle 3.3's gather kernel gives these values, but its gradient
+    along an axis other than 0 is wrong (it scatters into other positions of ``x``)."""
+    a = 0 if axis is None else int(axis) % len(x.shape)
+    return paddle.index_select(x, index.reshape([1]), axis=a).squeeze(a)
+
+
 def setitem(x, index, value):
     """``x[index] = value`` on a copy (the caller rebinds ``x`` to it). paddle's ``set_value`` leaves an empty
     value (this rank's empty shard of it: 3 rows over 4 ranks) out of the graph, so its gradient stayed None
@@ -199,7 +207,8 @@ PER_RANK = {"vander": vander, "unfold_windows": unfold_windows,
             "fill_diagonal_tensor_shard": fill_diagonal_tensor_shard, "multiplex_rows": multiplex_rows,
             "histogram_shard": histogram_shard, "einsum_diagonals": einsum_diagonals, "fill_diagonal": fill_diagonal,
             "as_strided": as_strided, "cdist": cdist, "reshape_to": reshape_to, "vocab_parallel_embedding": vocab_parallel_embedding, "global_mean": global_mean,
-            "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape, "squeeze_to": squeeze_to}
+            "row_of_shard": row_of_shard, "setitem": setitem, "view_shape": view_shape, "squeeze_to": squeeze_to,
+            "gather_slice": gather_slice}
 
 
 # ---- group ops: fn(mesh, calls: {rank: (args, kwargs)}) -> {rank: output} -----------------------------

@@ -18,7 +18,14 @@ def _axis(op, axis, nd):
     return int(axis) % max(nd, 1)
 
 
+def _int_tensor(v) -> bool:
+    """An integer tensor standing for numbers (paddle reads a start / length / list of them from its value)."""
+    return _p().is_tensor(v) and "int" in str(v.dtype)
+
+
 def _int(op, name, v):
+    if _int_tensor(v) and math.prod(gshape(v)) == 1:
+        v = int(v.item())
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise NotImplementedError(f"{op}: {name} must be a python int on distributed tensors, got "
                                   f"{type(v).__name__} {v!r}")
@@ -197,6 +204,8 @@ dsplit = _split_along("dsplit", 3, lambda nd: 2)
 
 
 def _ints(op, name, v):
+    if _int_tensor(v) and len(gshape(v)) == 1:
+        v = v.tolist()
     if not isinstance(v, (list, tuple)):
         raise NotImplementedError(f"{op}: {name} must be a list of python ints on distributed tensors, got "
                                   f"{type(v).__name__}")

@@ -225,6 +225,11 @@ def _gather(x, index, axis=None, name=None, out=None):
     check_spec("gather", "index", index)
     if index.ndim > 1:
         return replicate_all("gather", [x, index])
+    if index.ndim == 0:           # a 0-d index picks one slice: paddle drops the axis (x[i] along it)
+        lab = _along(x, 0 if axis is None else axis)
+        a = norm_axis("gather", 0 if axis is None else axis, x.ndim)
+        return labels_result("gather", [x, index], [lab, ()], [lab[:a] + lab[a + 1:]],
+                             [(x.shape[:a] + x.shape[a + 1:], x.dtype)], linear=None, local_op="gather_slice")
     return index_select(x, index, 0 if axis is None else axis)
 
 

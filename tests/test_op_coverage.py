@@ -322,7 +322,7 @@ def test_unsupported_argument_values_raise_typed_errors():
         with pytest.raises(NotImplementedError, match="out="):
             F.normalize(x, out=paddle.zeros([4, 6]))
         with pytest.raises(NotImplementedError, match="python int"):
-            paddle.narrow(x, 0, paddle.to_tensor(1), 2)
+            paddle.narrow(x, 0, paddle.to_tensor(1.0), 2)     # an integer tensor start is read as its value
         with pytest.raises(ValueError, match="data_format"):
             F.group_norm(ap.shard_tensor(paddle.randn([2, 4, 3]), mesh, [ap.Shard(0)]), 2, data_format="NWC")
 

@@ -297,6 +297,7 @@ def _cases_routing():
     add_case("index_add", f(6, 4), T(np.array([4, 0, 4])), 0, f(3, 4))
     add_case("index_select", f(6, 4), T(np.array([5, 0, 2])), axis=0)
     add_case("gather", f(6, 4), T(np.array([3, 0, 2])), axis=1, label="axis1")
+    add_case("gather", f(6, 4), T(np.array(3)), axis=0, label="0d-index")
     add_case("scatter", f(6, 4), T(np.array([3, 0, 5])), f(3, 4))
     add_case("scatter_nd_add", f(5, 6, 4), T(np.array([[1, 2], [4, 0], [1, 2]])), f(3, 4), label="rows")
     add_case("scatter_nd_add", f(5, 6), T(np.array([[[3], [0]], [[3], [4]]])), f(2, 2, 6), label="batched")
