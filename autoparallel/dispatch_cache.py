@@ -375,7 +375,8 @@ class CallPlan:
         replicated its gradient is made complete (one all_reduce in backward, shared by every consumer:
         comm/fanout.py), or, for a parameter used directly, marked as a partial sum there (the data-parallel
         runtime reduces it in buckets). Under ``no_grad`` nothing is shared: an input built without a graph and
-        served to a later consumer that records one gave that consumer's input no gradient."""
+        served to a later consumer that records one gave that consumer's input no gradient; nor is a parameter
+        marked (a use without a graph adds nothing to its gradient: a frozen reference model's forward)."""
         out = []
         grad = paddle.is_grad_enabled()
         for k, v in enumerate(leaves):
@@ -383,7 +384,7 @@ class CallPlan:
             locs = v._locals if kind == _DIST else v._ap_locals if kind == _PARAM else _plain_locals(v, self.held)
             plan = self.reshards[k]
             dims = self.grad_dims[k]
-            if self.quiet[k] and (dims or self.rep_dims[k]) and self.derives is None:   # a cast passes it on
+            if grad and self.quiet[k] and (dims or self.rep_dims[k]) and self.derives is None:   # a cast passes it on
                 p = v if kind == _PARAM else fanout.derived_param(v) if kind == _DIST else None
                 if p is not None and p._ap_spec.mesh == self.mesh and not p.stop_gradient:
                     locs = locs if plan is None else redistribute.execute(locs, plan)
@@ -395,7 +396,7 @@ class CallPlan:
                 continue
             if plan is not None:
                 locs = redistribute.execute(locs, plan)
-            if dims and not all(t.stop_gradient for t in locs.values()):
+            if dims and grad and not all(t.stop_gradient for t in locs.values()):   # no_grad: no contribution
                 if self.marks[k]:
                     v._ap_partial_dims = getattr(v, "_ap_partial_dims", frozenset()) | frozenset(dims)
                     if isinstance(v, DistParameter):

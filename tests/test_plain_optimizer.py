@@ -253,3 +253,42 @@ def test_a_plain_optimizer_replacing_a_live_ap_one_reduces_once():
     np.testing.assert_allclose(losses, ref_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(params, ref_params):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_reference_model_run_under_no_grad_is_not_named_and_trains_as_one_process(monkeypatch):
+    """DPO's form: a reference model (trainable parameters, no optimizer) runs its forward under ``paddle.no_grad``
+    next to the trained model. A use without a graph adds nothing to a gradient, so dispatch no longer marks its
+    parameters partial: they were named as unheld data-parallel parameters on every step's backward. The trained
+    model's values equal one process; a reference model run WITH a graph is still named (the control)."""
+    from autoparallel.parallel import implicit_optimizer
+
+    def run(ref_grad):
+        monkeypatch.setattr(implicit_optimizer, "_WARNED", [])
+        m, (x, y) = _model(), _data()
+        ref = _model()
+        losses = []
+        with ap.simulate(world_size=2), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+            ap.shard_layer(m, mesh)
+            ap.shard_layer(ref, mesh)
+            opt = _opt(paddle.optimizer.SGD, m, False)
+            dx, dy = (ap.shard_tensor(t, mesh, [ap.Shard(0)]) for t in (x, y))
+            for _ in range(3):
+                if ref_grad:
+                    target = ref(dx).detach()
+                else:
+                    with paddle.no_grad():
+                        target = ref(dx)
+                loss = ((m(dx) - dy) ** 2).mean() + 0.0 * (target ** 2).mean()
+                loss.backward()
+                opt.step()
+                opt.clear_grad()
+                losses.append(float(loss.full().numpy()))
+        return losses, [str(w.message) for w in seen if "held by no optimizer" in str(w.message)]
+
+    ref_loss, _ = _single(paddle.optimizer.SGD, groups=False)
+    losses, said = run(ref_grad=False)
+    np.testing.assert_allclose(losses, ref_loss, rtol=1e-5, atol=1e-6)
+    assert said == []
+    assert len(run(ref_grad=True)[1]) == 1
