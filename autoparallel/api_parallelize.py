@@ -9,8 +9,8 @@ the fourth a config dict. Mesh dims are named as paddle names them (``dp``, ``mp
 does (``data``, ``model``, ``pipe``); their sizes are the degrees. The config becomes a Strategy
 (``strategy_from_config``) and the build is ours. Everything the config can say is honoured or refused:
 ``dp_config.sharding_level`` 0-3 (ZeRO stage over the data dim), ``mp_config.parallelize_plan`` (the tensor-
-parallel plan), ``pp_config.split_spec`` as a layer-name prefix (balanced split); a ``split_spec`` dict of
-``SplitPoint``s, ``global_spec`` and ``cp_config`` are refused.
+parallel plan), ``pp_config.split_spec`` as a layer-name prefix (balanced split) or a dict of ``SplitPoint``s on
+the blocks (the stage starts); ``global_spec`` and ``cp_config`` are refused.
 """
 from __future__ import annotations
 
@@ -123,7 +123,11 @@ def strategy_from_config(config: dict, mesh=None, strategy=None, tp_plan=None):
     s.pipeline_parallel.degree = deg["pipe"]
     _dp_config(s, config.get("dp_config"), mesh)
     plan, sp = _mp_config(config.get("mp_config"), tp_plan)
-    if sp:
+    if (sp or split_prepares(plan)[0]) and "model" not in {DIM_NAMES[n] for n in mesh.dim_names}:
+        raise ValueError(f"ap.parallelize: the tensor-parallel plan (keys {sorted(plan or {})[:6]}) shards layers over "
+                         f"the mesh's 'mp' dim, but the mesh {mesh.dim_names} {mesh.shape} has none; add an 'mp' dim "
+                         f"(size 1 keeps every layer whole) or drop the plan")
+    if sp and deg["model"] > 1:                  # over a size-1 'mp' dim a sequence shard is the whole sequence
         s.sequence_parallel.enable = True
     _pp_config(config.get("pp_config"))
     if config.get("cp_config") is not None:
@@ -197,7 +201,15 @@ def _mp_config(mp, tp_plan):
     for key, value in plan.items():
         if not isinstance(key, str):
             raise TypeError(f"ap.parallelize: parallelize_plan keys are layer (or parameter) names, got {key!r}")
+        if "?" in key or "[!" in key:        # read one way by paddle's regex, another by our pattern
+            raise ValueError(f"ap.parallelize: parallelize_plan key {key!r}: paddle reads keys as regular expressions "
+                             f"('?': optional, '[!..]': '!' or ..), this project as name patterns ('?': one "
+                             f"character, '[!..]': none of ..); write it without '?' / '[!' ('layers.*.mlp', "
+                             f"'[0-3]' and exact names mean the same in both)")
         layer = key.rsplit(".", 1)[0] if key.endswith((".weight", ".bias")) and "." in key else key
+        if value is None or (isinstance(value, (list, tuple)) and any(v is None for v in value)):
+            raise TypeError(f"ap.parallelize: parallelize_plan[{key!r}] is {value!r}; a plan value is a style "
+                            f"(ColWiseParallel(), ...) or a list of styles")
         value, prepares = _without_prepares(value)
         if prepares:
             out.setdefault("__prepares__", []).extend((layer, p) for p in prepares)
@@ -294,14 +306,15 @@ def _pp_config(pp):
         raise NotImplementedError(f"ap.parallelize: pp_config['global_spec']={pp['global_spec']!r} is not supported "
                                   f"(layers shared by every stage are found from tied parameters); drop it")
     split = pp.get("split_spec")
-    if split is not None and not isinstance(split, str):
-        raise NotImplementedError(f"ap.parallelize: pp_config['split_spec'] as {type(split).__name__} is not "
-                                  f"supported; give the layer-list prefix as a string (balanced split) or set "
-                                  f"strategy.pipeline_parallel.split_points")
+    if split is not None and not isinstance(split, (str, list, tuple, dict)):
+        raise TypeError(f"ap.parallelize: pp_config['split_spec'] is a layer-list prefix (str, or a list of one), or "
+                        f"a dict {{layer name: SplitPoint.END / BEGINNING}}, got {type(split).__name__}")
 
 
 def _check_split(model, pp, strategy) -> None:
-    """``split_spec`` as a prefix is honoured when it names the block list the pipeline splits (balanced)."""
+    """``split_spec`` as a prefix (a string or a list of one) naming the block list the pipeline splits: the
+    balanced split; as a dict of ``SplitPoint``s on that list's blocks: ``strategy.pipeline_parallel.split_points``
+    (``{"blocks.1": END}`` and ``{"blocks.2": BEGINNING}`` both start stage 2 at ``blocks.2``)."""
     split = (pp or {}).get("split_spec")
     if split is None:
         return
@@ -310,8 +323,44 @@ def _check_split(model, pp, strategy) -> None:
                          f"'pp' dim of size > 1")
     from autoparallel.parallel.pipeline.stage import describe_model
 
-    found = describe_model(model).layers_name
-    if split != found:
+    pieces = describe_model(model)
+    found = pieces.layers_name
+    if isinstance(split, dict):
+        points = _split_points(split, pieces.layer_names)
+        have = list(strategy.pipeline_parallel.split_points)
+        if have and have != points:
+            raise ValueError(f"ap.parallelize: pp_config['split_spec'] starts stages at {points}, the strategy's "
+                             f"pipeline_parallel.split_points at {have}; give the split once")
+        strategy.pipeline_parallel.split_points = points
+        return
+    prefixes = [split] if isinstance(split, str) else list(split)
+    if prefixes != [found]:
         raise NotImplementedError(f"ap.parallelize: pp_config['split_spec']={split!r}: the pipeline splits the "
                                   f"block list {found!r} of {type(model).__name__}; give that prefix (or drop "
                                   f"split_spec)")
+
+
+def _split_points(spec: dict, blocks: list) -> list:
+    """The first block of stages 2..n for paddle's ``{layer name: SplitPoint}``: after an END layer, at a
+    BEGINNING one."""
+    if not spec:
+        raise ValueError("ap.parallelize: pp_config['split_spec'] is an empty dict; give one SplitPoint per stage "
+                         "boundary (pp - 1 of them), or the block-list prefix for a balanced split")
+    starts = []
+    for name, point in spec.items():
+        kind = getattr(point, "name", None) if type(point).__name__ == "SplitPoint" else None
+        if kind not in ("END", "BEGINNING"):
+            raise TypeError(f"ap.parallelize: pp_config['split_spec'][{name!r}] must be "
+                            f"paddle.distributed.SplitPoint.END or .BEGINNING, got {point!r}")
+        if name not in blocks:
+            raise NotImplementedError(f"ap.parallelize: pp_config['split_spec'] key {name!r}: stages are cut between "
+                                      f"the blocks {blocks[0]} .. {blocks[-1]} only; name one of them")
+        i = blocks.index(name) + (kind == "END")
+        if not 0 < i < len(blocks):
+            raise ValueError(f"ap.parallelize: pp_config['split_spec'] {{{name!r}: SplitPoint.{kind}}} leaves a "
+                             f"stage empty ({name!r} is the {'last' if i else 'first'} block)")
+        starts.append(i)
+    if starts != sorted(set(starts)):
+        raise ValueError(f"ap.parallelize: pp_config['split_spec'] must cut the blocks in model order without "
+                         f"repeats, got {spec!r}")
+    return [blocks[i] for i in starts]

@@ -281,7 +281,7 @@ def test_parallelize_paddle_config_equals_the_strategy_form():
      ["['sharding_mesh_dim']='mp'"]),
     ([["dp", "mp"]], {"dp_config": {"level": 1}}, ValueError, ["unknown keys ['level']"]),
     ([["dp", "mp"]], {"cp_config": {"parallelize_plan": {}}}, NotImplementedError, ["cp_config"]),
-    ([["dp", "pp"]], {"pp_config": {"split_spec": {"blocks.0": "END"}}}, NotImplementedError, ["split_spec"]),
+    ([["dp", "pp"]], {"pp_config": {"split_spec": {"blocks.0": "END"}}}, TypeError, ["split_spec", "SplitPoint"]),
     ([["dp", "pp"]], {"pp_config": {"split_spec": "layers"}}, NotImplementedError, ["'layers'", "'blocks'"]),
     ([["dp", "pp"]], {"pp_config": {"global_spec": "wte"}}, NotImplementedError, ["['global_spec']='wte'"]),
     ([["dp", "sep"]], {}, ValueError, ["mesh dim 'sep'"]),

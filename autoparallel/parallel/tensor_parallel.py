@@ -262,7 +262,8 @@ def match_plan(model, plan: dict) -> list:
     """[(name, sublayer, style)] for every sublayer matched by a plan pattern; a pattern matching no layer,
     or matching a layer the style cannot shard, is a PlanError naming it."""
     if not isinstance(plan, dict):
-        raise TypeError(f"a tensor-parallel plan is a dict from layer-name patterns to styles, got {type(plan).__name__}")
+        raise TypeError(f"a tensor-parallel plan is a dict from layer-name patterns to styles, got "
+                        f"{type(plan).__name__}")
     named = [(n, l) for n, l in model.named_sublayers() if n]
     out = []
     for pattern, style in plan.items():
@@ -277,7 +278,22 @@ def match_plan(model, plan: dict) -> list:
         for n, l in hits:
             style.check(n, l)
         out.extend((n, l, style) for n, l in hits)
+    _check_one_style(out, plan)
     return out
+
+
+def _check_one_style(matched: list, plan: dict) -> None:
+    """Two patterns giving one layer different styles (``"fc1": ColWise``, ``"fc*": RowWise``) would keep one
+    of them silently; refused naming both patterns."""
+    first = {}
+    for name, _, style in matched:
+        if name in first and first[name] != style:
+            other = [p for p, s in plan.items() if s == first[name] and name_matches(name, p)]
+            this = [p for p, s in plan.items() if s == style and name_matches(name, p)]
+            raise PlanError(f"tensor-parallel plan patterns {other[:1] + this[:1]} both match layer {name!r} with "
+                            f"different styles ({first[name]} and {style}); give each layer one style (narrow one "
+                            f"of the patterns)")
+        first.setdefault(name, style)
 
 
 def _leaf_summary(named, limit: int = 16) -> str:
