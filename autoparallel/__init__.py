@@ -26,6 +26,7 @@ _EXPORTS = {
     "unshard_dtensor": "autoparallel.api_tensor", "ReduceType": "autoparallel.placement",
     "full_state_dict": "autoparallel.export_forms", "full_model": "autoparallel.export_forms",
     "ShardedExportError": "autoparallel.export_save",
+    "SplitPoint": "autoparallel.api_parallelize",
     "shard_dataloader": "autoparallel.api_data", "ShardDataloader": "autoparallel.api_data",
     "shard_scaler": "autoparallel.api_layer", "get_world_size": "autoparallel.api_env",
     "LocalLayer": "autoparallel.api_local", "local_map": "autoparallel.api_local",

@@ -51,7 +51,6 @@ NOT_PROVIDED = {
     "SequenceParallelDisable": "use ap.ColWiseParallel / ap.RowWiseParallel(sequence_parallel=True) in a tp_plan",
     "ContextParallel": "context parallelism (ring attention) is not supported",
     "PrepareContextParallel": "context parallelism (ring attention) is not supported",
-    "SplitPoint": "set strategy.pipeline_parallel.split_points = [layer names starting stages 2..n]",
     "moe_global_mesh_tensor": "expert parallelism is not supported (experts stay replicated)",
     "moe_sub_mesh_tensors": "expert parallelism is not supported (experts stay replicated)",
     "set_mesh": "pass the mesh to each call (shard_tensor, shard_layer, parallelize)",

@@ -15,6 +15,7 @@ the blocks (the stage starts); ``global_spec`` and ``cp_config`` are refused.
 from __future__ import annotations
 
 import numpy as np
+from paddle.distributed import SplitPoint  # noqa: F401  (paddle's enum: ap.SplitPoint.END in pp_config split_spec)
 
 from autoparallel.api_prepare import split_prepares
 from autoparallel.core.mesh import ProcessMesh, as_mesh

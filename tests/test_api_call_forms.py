@@ -496,7 +496,7 @@ def test_to_static_paddle_keywords_reach_the_same_arguments(monkeypatch):
         ap.to_static(net, None, loss, strategy=piped, input_spec=[1], mesh=ap.ProcessMesh([0]))
 
 
-@pytest.mark.parametrize("name", ["SequenceParallelBegin", "SequenceParallelDisable", "SplitPoint", "set_mesh",
+@pytest.mark.parametrize("name", ["SequenceParallelBegin", "SequenceParallelDisable", "set_mesh",
                                   "enable_auto_dp", "shard_op", "ConvParallel", "build_sharded_state_dict"])
 def test_paddle_names_not_provided_say_what_to_use(name):
     """Auto-parallel names among them point to what works here: paddle's own act on paddle's distributed tensors

@@ -164,6 +164,7 @@ def _stage0_blocks(pipe):
     (["blocks"], ["blocks.0", "blocks.1"]),
     ({"blocks.0": SplitPoint.END}, ["blocks.0"]),
     ({"blocks.3": SplitPoint.BEGINNING}, ["blocks.0", "blocks.1", "blocks.2"]),
+    ({"blocks.1": ap.SplitPoint.END}, ["blocks.0", "blocks.1"]),              # ap.SplitPoint: paddle's enum
 ])
 def test_split_spec_forms_split_where_they_say_and_train_as_one_process(spec, stage0):
     """paddle's split_spec as a prefix (a string or a list of one: balanced) and as a dict of SplitPoints
