@@ -67,7 +67,8 @@ def _flatten(args) -> tuple:
     for a in args:
         if isinstance(a, dict):
             raise TypeError(f"DistModel takes the batch fields as tensors or lists of tensors, got a dict with keys "
-                            f"{sorted(a)[:6]}; pass the fields in order: dist_model(inputs..., label)")
+                            f"{sorted(a)[:6]}; pass the fields in order: dist_model(inputs..., label), e.g. "
+                            f"dist_model(list(batch.values())) for a loader's dict batch (paddle's field order)")
         if isinstance(a, (list, tuple)) and not any(isinstance(i, (list, tuple, dict)) for i in a):
             out.extend(a)
         else:

@@ -53,32 +53,6 @@ def _spec_of(x, i):
     return list(shape), normalize_dtype(dtype or "float32")
 
 
-def _loader_specs(loader):
-    """[(shape, dtype)] of one loader batch from its metadata (batch size and ``dataset[0]``)."""
-    bs = getattr(loader, "global_batch_size", None) or getattr(loader, "batch_size", None)
-    if bs is None:
-        bs = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-    dataset = getattr(loader, "dataset", None)
-    if dataset is None and getattr(loader, "loaders", None):      # DistributedDataLoader: one per data rank
-        dataset = getattr(next(iter(loader.loaders.values())), "dataset", None)
-    if not bs or dataset is None:
-        raise TypeError(f"to_static cannot read batch shapes from a {type(loader).__name__} (it exposes no "
-                        f"batch_size and dataset); pass input_spec=[(shape, dtype), ...] for the batch fields")
-    item = dataset[0]
-    fields = item if isinstance(item, (tuple, list)) else (item,)
-    out = []
-    for f in fields:
-        if isinstance(f, paddle.Tensor):
-            shape, dtype = list(f.shape), normalize_dtype(f.dtype)
-        elif isinstance(f, (bool, int, float)):                  # python scalars collate to int64 / float32
-            shape, dtype = [], "int64" if isinstance(f, (bool, int)) else "float32"
-        else:
-            a = np.asarray(f)
-            shape, dtype = list(a.shape), normalize_dtype(a.dtype)
-        out.append(([int(bs)] + shape, dtype))
-    return out
-
-
 def _micro(spec, k, i):
     shape, dtype = spec
     if not shape or shape[0] % k:
@@ -431,7 +405,9 @@ def to_static(model, loader=None, loss_fn=None, optimizer=None, strategy=None, i
                             f"batch field, got {type(input_spec).__name__} {input_spec!r:.80}")
         specs = [_spec_of(x, i) for i, x in enumerate(input_spec)]
     elif loader is not None:
-        specs = _loader_specs(loader)
+        from autoparallel.graph.static_loader import loader_specs
+
+        specs = loader_specs(loader)
         if loss_fn is None and len(specs) > 1:     # paddle's (inputs, labels) item: no loss, no label fed
             specs = specs[:-1]
     else:
