@@ -127,6 +127,8 @@ def _method(name, op, path, inplace):
 
 def _conversion(name):
     def method(self, *args, **kwargs):
+        if normalize_dtype(conversion_dtype(name, self.dtype)) == normalize_dtype(self.dtype):
+            return self                         # paddle's: x.float() of a float32 tensor is x itself, no op
         if name in ("byte", "uint8") and paddle.is_floating_point(paddle.zeros([], dtype=self.dtype)):
             # paddle casts a float to uint8 through int8 (-1.0 -> 255), as it cannot cast it directly
             self = dispatch_handle.call("cast", "paddle.cast", (self, "int8"), {})
@@ -157,6 +159,8 @@ def to_dtype(self_dtype, args, kwargs, dist_type=None):
 
 
 def _type_as(self, other):
+    if normalize_dtype(other.dtype) == normalize_dtype(self.dtype):
+        return self
     return dispatch_handle.call("cast", "paddle.cast", (self, other.dtype), {})
 
 

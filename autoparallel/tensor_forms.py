@@ -164,12 +164,17 @@ def install_casts() -> None:
         def method(self, *args, **kwargs):
             if not D.is_dist(self) or _ctx.local_depth > 0:
                 return orig(self, *args, **kwargs)
-            return D.run("cast", "paddle.cast", (self, aliases.conversion_dtype(name, _dtype_of(self))), {})
+            dtype = aliases.conversion_dtype(name, _dtype_of(self))
+            if normalize_dtype(dtype) == normalize_dtype(_dtype_of(self)):
+                return self                     # paddle's: x.float() of a float32 tensor is x itself, no op
+            return D.run("cast", "paddle.cast", (self, dtype), {})
         return _mark(method, orig, name)
 
     def type_as(self, other):
         if not D.is_dist(self) or _ctx.local_depth > 0:
             return aliases.original(paddle.Tensor.type_as)(self, other)
+        if normalize_dtype(_dtype_of(other)) == normalize_dtype(_dtype_of(self)):
+            return self
         return D.run("cast", "paddle.cast", (self, _dtype_of(other)), {})
 
     def to(self, *args, **kwargs):

@@ -48,8 +48,8 @@ def _strategy(dp=2, tp=1):
     return s
 
 
-def _reference(ds, steps=2):
-    model = pf.build("qwen3", 0)
+def _reference(ds, steps=2, family="qwen3"):
+    model = pf.build(family, 0)
     opt = paddle.optimizer.SGD(LR, parameters=model.parameters())
     loss_fn, losses = CausalLMLoss(), []
     for i in range(steps):
@@ -102,3 +102,26 @@ def test_a_loader_over_a_per_rank_distributed_batch_sampler_is_refused():
         whole = paddle.io.DataLoader(ds, batch_sampler=paddle.io.DistributedBatchSampler(
             ds, batch_size=B, num_replicas=1, rank=0))
         assert ap.to_static(model, whole, CausalLMLoss(), opt, _strategy())._specs == [([B, T], "int64")] * 3
+
+
+def test_gemma3_whose_norm_casts_a_float32_weight_to_float32_equals_one_process():
+    """Gemma3's norm computes ``1.0 + self.weight.float()``: on the plain parameter the capture saw, paddle's
+    ``.float()`` of a float32 tensor is the tensor itself (no op); on the distributed parameter of the run it
+    recorded a cast, and the run no longer matched the captured graph ("pinned layouts expected op 9 to be 'add',
+    the forward ran 'cast'") at every layout. Same-dtype conversions (``float()``, ``type_as``, ...) of a
+    distributed tensor are now the tensor itself, as paddle's."""
+    ds = DictItems()
+    ref, ref_params = _reference(ds, family="gemma3")
+    loader = paddle.io.DataLoader(ds, batch_size=B, shuffle=False)
+    with ap.simulate(world_size=2):
+        model = pf.build("gemma3", 0)
+        dm = ap.to_static(model, loader, CausalLMLoss(), paddle.optimizer.SGD(LR, parameters=model.parameters()),
+                          _strategy(2, 1))
+        dm.train()
+        got = [float(dm(list(batch.values()))) for _, batch in zip(range(2), loader)]
+        params = dm.state_dict(True)
+        w = ap.shard_tensor(paddle.ones([2]), ap.ProcessMesh([0, 1]), [ap.Replicate()])
+        assert w.float() is w and w.type_as(paddle.ones([1])) is w and w.double() is not w
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(params[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
