@@ -55,10 +55,15 @@ def train(model, optimizer, steps=range(STEPS)):
 
 @pytest.fixture(scope="module")
 def one_process():
-    """Losses and final parameters of STEPS single-process steps."""
+    """Losses and final parameters of STEPS single-process steps, and {k: parameters after step k} for the
+    tests that run fewer steps (one run for all of them)."""
     model = DemoNet()
-    losses = train(model, make_optimizer(model))
-    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+    optimizer = make_optimizer(model)
+    losses, after = [], {}
+    for i in range(STEPS):
+        losses += train(model, optimizer, range(i, i + 1))
+        after[i + 1] = {n: p.numpy() for n, p in model.named_parameters()}
+    return losses, after[STEPS], after
 
 
 def assert_equal_to_one_process(model, losses, ref, rtol=1e-4, atol=2e-5):
@@ -152,13 +157,11 @@ def test_04_hybrid_strategy_resolves_and_sp_lowers_activation_memory():
     assert act[0] < 0.85 * act[1]                     # SP: the norm/dropout activations split over tp as well
 
 
-def test_04_hybrid_tp_pp_sp_runs_equal_to_one_process(tmp_path):
+def test_04_hybrid_tp_pp_sp_runs_equal_to_one_process(tmp_path, one_process):
     """The same four fields at a size the simulated world runs quickly: dp 2, tp 2, pp 2 with SP."""
     from autoparallel.checkpoint.state import training_state
 
-    ref_model = DemoNet()
-    ref_opt = make_optimizer(ref_model)
-    ref_losses = train(ref_model, ref_opt, range(2))
+    ref_losses, ref_params = one_process[0][:2], one_process[2][2]
     with auto_parallel.simulate(world_size=8):
         strategy = auto_parallel.Strategy()
         strategy.data_parallel.degree = 2
@@ -176,8 +179,8 @@ def test_04_hybrid_tp_pp_sp_runs_equal_to_one_process(tmp_path):
         auto_parallel.save_state_dict(training_state(model), str(tmp_path / "s"))      # the parameters
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     got = auto_parallel.load_merged_state_dict(str(tmp_path / "s"))["model"]
-    for name, p in ref_model.named_parameters():
-        np.testing.assert_allclose(got[name], p.numpy(), rtol=1e-4, atol=2e-5, err_msg=name)
+    for name, p in ref_params.items():
+        np.testing.assert_allclose(got[name], p, rtol=1e-4, atol=2e-5, err_msg=name)
 
 
 # ---- 5. gradient sync chosen by loss.backward(): all-reduce, or reduce-scatter + all-gather -------------
@@ -193,7 +196,7 @@ def test_05_backward_reduces_replicated_and_reduce_scatters_sharded(monkeypatch,
         loss.backward()
         opt.step()
         assert bucket                                            # replicated: all-reduced gradient buckets
-        assert_equal_to_one_process(model, [float(loss)], (one_process[0], _after_one_step()))
+        assert_equal_to_one_process(model, [float(loss)], (one_process[0], one_process[2][1]))
     with auto_parallel.simulate(world_size=2):
         strategy = auto_parallel.Strategy()
         strategy.sharding.enable, strategy.sharding.stage = True, 2
@@ -205,14 +208,7 @@ def test_05_backward_reduces_replicated_and_reduce_scatters_sharded(monkeypatch,
         loss.backward()
         opt.step()
         assert rs and ag                                         # sharded: reduce-scatter, then all-gather
-        assert_equal_to_one_process(model, [float(loss)], (one_process[0], _after_one_step()))
-
-
-def _after_one_step():
-    model = DemoNet()
-    opt = make_optimizer(model)
-    train(model, opt, range(1))
-    return {n: p.numpy() for n, p in model.named_parameters()}
+        assert_equal_to_one_process(model, [float(loss)], (one_process[0], one_process[2][1]))
 
 
 # ---- 6. fine-grained recompute by a per-layer predicate -------------------------------------------------------
@@ -226,7 +222,7 @@ def test_06_recompute_layers_predicate_recomputes_blocks(one_process):
     losses = train(model, make_optimizer(model), range(1))
     assert len(runs) == 2 * len(model.blocks)                # each block's forward ran again in backward
     np.testing.assert_allclose(losses, one_process[0][:1], rtol=1e-6)
-    ref = _after_one_step()
+    ref = one_process[2][1]
     for name, p in model.named_parameters():
         np.testing.assert_allclose(p.numpy(), ref[name], rtol=1e-5, atol=1e-6, err_msg=name)
 

@@ -1,7 +1,7 @@
 """auto_mode="full" on the PaddleFormers families, unedited, in the simulated 4-rank world: the planner reads each
 model (the trace for dense models, the config for mixtures of experts, whose routing the spec-only trace cannot
 follow), chooses degrees the model's plans accept, and parallelize's run equals one process (loss and every
-gradient; a few AdamW steps for one dense and one MoE family). Zero-initialised parameters get random values
+gradient; two AdamW steps for one dense and one MoE family). Zero-initialised parameters get random values
 (``fill_zeros``) so a bias applied once per rank, or not at all, changes the loss."""
 import contextlib
 
@@ -31,11 +31,17 @@ def full_strategy(global_batch):
     return s
 
 
+_REF = {}
+
+
 def reference(name, steps=0):
-    """One process: (loss, {name: gradient}) after one backward, or (losses, {name: parameter}) after steps."""
-    model = pf.build(name, fill_zeros=True)
-    opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
-    return _run(model, opt, steps, reduce=False)
+    """One process: (loss, {name: gradient}) after one backward, or (losses, {name: parameter}) after steps
+    (computed once per arguments: the callers only read it)."""
+    if (name, steps) not in _REF:
+        model = pf.build(name, fill_zeros=True)
+        opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
+        _REF[name, steps] = _run(model, opt, steps, reduce=False)
+    return _REF[name, steps]
 
 
 def _run(model, opt, steps, reduce=True):
@@ -91,8 +97,8 @@ def test_negative_control_unreduced_gradients_differ():
 
 @pytest.mark.parametrize("name", ["llama", "qwen2_moe"])
 def test_adamw_steps_equal_one_process(name):
-    losses, params = reference(name, steps=3)
-    _, _, (got_losses, got_params) = full(name, 2, steps=3)
+    losses, params = reference(name, steps=2)               # the second step reads the first's AdamW moments
+    _, _, (got_losses, got_params) = full(name, 2, steps=2)
     np.testing.assert_allclose(got_losses, losses, rtol=RTOL, atol=ATOL)
     assert losses[-1] < losses[0]
     for n, p in params.items():

@@ -1,7 +1,8 @@
 """Every Strategy field on every entry point is effective or rejected (autoparallel/entry_points.py).
 
 The fields are enumerated from the Strategy dataclasses, so a new field fails here until it has a probe.
-A probe runs an entry point (simulated world, a 4-layer GPT, two or three training steps) with a base
+A probe runs an entry point (simulated world, a 4-layer GPT, one to three training steps: one where the
+observable is settled by the first step, two or three where it is read from later steps) with a base
 strategy and with the field changed, and reads an observable effect from the run: parameter shards, the
 pipeline's executed actions, optimizer-state bytes, saved activation bytes, losses, the loss scale, files on
 disk, an error raised by the checked batch size. "Effective" means the observable differs; "rejected"
@@ -262,7 +263,7 @@ class Probe:
     value: Any
     observe: Callable
     also: dict = field(default_factory=dict)        # other fields the change needs (a switch, a schedule)
-    steps: int = 2
+    steps: int = 2                                  # 1: shapes, plan, first-step actions / bytes / activations
     setup: Callable = None                          # called after the entry point, before the steps
     static_base: dict = None                        # the base for ap.to_static when it differs
 
@@ -275,23 +276,23 @@ CK = "ck"                                          # relative to the test's work
 
 def probes():
     return {
-        "auto_mode": Probe(2, {"global_batch_size": B}, "full", planned, static_base={}),
-        "data_parallel.degree": Probe(2, {}, 1, outcome),                       # checked against the world
-        "tensor_parallel.degree": Probe(2, {}, 2, local_shapes),
-        "pipeline_parallel.degree": Probe(2, {}, 2, kind, {"pipeline_parallel.micro_batches": 2}),
-        "pipeline_parallel.micro_batches": Probe(2, {"pipeline_parallel.degree": 2}, 4, actions),
-        "pipeline_parallel.schedule": Probe(2, PP, "ZB-H1", actions),
-        "pipeline_parallel.vpp_degree": Probe(2, PP, 2, actions, {"pipeline_parallel.schedule": "VPP"}),
-        "pipeline_parallel.split_points": Probe(2, PP, ["blocks.3"], stage0_params),
+        "auto_mode": Probe(2, {"global_batch_size": B}, "full", planned, static_base={}, steps=1),
+        "data_parallel.degree": Probe(2, {}, 1, outcome, steps=1),              # checked against the world
+        "tensor_parallel.degree": Probe(2, {}, 2, local_shapes, steps=1),
+        "pipeline_parallel.degree": Probe(2, {}, 2, kind, {"pipeline_parallel.micro_batches": 2}, steps=1),
+        "pipeline_parallel.micro_batches": Probe(2, {"pipeline_parallel.degree": 2}, 4, actions, steps=1),
+        "pipeline_parallel.schedule": Probe(2, PP, "ZB-H1", actions, steps=1),
+        "pipeline_parallel.vpp_degree": Probe(2, PP, 2, actions, {"pipeline_parallel.schedule": "VPP"}, steps=1),
+        "pipeline_parallel.split_points": Probe(2, PP, ["blocks.3"], stage0_params, steps=1),
         "sequence_parallel.enable": Probe(2, {"tensor_parallel.degree": 2}, True, sp_norm_input,
-                                          setup=record_norm_input),
-        "sharding.enable": Probe(2, {}, True, state_bytes),
-        "sharding.stage": Probe(2, {"sharding.enable": True}, 3, state_bytes),
-        "sharding.degree": Probe(4, {"sharding.enable": True}, 2, state_bytes),
+                                          setup=record_norm_input, steps=1),
+        "sharding.enable": Probe(2, {}, True, state_bytes, steps=1),
+        "sharding.stage": Probe(2, {"sharding.enable": True}, 3, state_bytes, steps=1),
+        "sharding.degree": Probe(4, {"sharding.enable": True}, 2, state_bytes, steps=1),
         "sharding.offload": Probe(2, {"sharding.enable": True}, True, None),   # host copies (monkeypatched)
-        "recompute.enable": Probe(1, {}, True, saved),
-        "recompute.checkpoint_every_n_layers": Probe(1, {"recompute.enable": True}, 2, saved),
-        "recompute.granularity": Probe(1, {"recompute.enable": True}, "selective", saved),
+        "recompute.enable": Probe(1, {}, True, saved, steps=1),
+        "recompute.checkpoint_every_n_layers": Probe(1, {"recompute.enable": True}, 2, saved, steps=1),
+        "recompute.granularity": Probe(1, {"recompute.enable": True}, "selective", saved, steps=1),
         "amp.enable": Probe(1, {}, True, losses),
         "amp.dtype": Probe(1, {"amp.enable": True}, "float16", losses),
         "amp.level": Probe(1, {"amp.enable": True}, "O2", losses),
@@ -311,9 +312,9 @@ def probes():
         "checkpoint.keep_last": Probe(1, {"checkpoint.enable": True, "checkpoint.dir": CK,
                                           "checkpoint.save_interval_steps": 1}, 1, ckpt_dirs(CK), steps=3),
         "gradient_accumulation_steps": Probe(1, {}, 2, accumulation),
-        "micro_batch_size": Probe(2, {}, 1, outcome),                          # the batch of 4 is not 2 x 1
-        "global_batch_size": Probe(2, {}, 2 * B, outcome),                     # nor 8
-        "seed": Probe(1, {}, 123, seeded),
+        "micro_batch_size": Probe(2, {}, 1, outcome, steps=1),                 # the batch of 4 is not 2 x 1
+        "global_batch_size": Probe(2, {}, 2 * B, outcome, steps=1),            # nor 8
+        "seed": Probe(1, {}, 123, seeded, steps=1),
     }
 
 

@@ -16,7 +16,7 @@ import pp_common
 import autoparallel as ap
 from autoparallel.parallel.pipeline.runtime import apply_pp
 
-STEPS, CLIP, RTOL, ATOL = 3, 0.05, 1e-4, 2e-5
+STEPS, CLIP, RTOL, ATOL = 2, 0.05, 1e-4, 2e-5          # 2 steps: the second runs on the first's AdamW state
 _REFS = {}
 
 
@@ -190,7 +190,10 @@ def _run_counting(job, monkeypatch):
 @pytest.mark.parametrize("job", RC_JOBS, ids=lambda j: "-".join(f"{k}{v}" for k, v in j.items()))
 def test_recompute_inside_stages_equals_no_recompute_exactly(job, monkeypatch):
     base = {k: v for k, v in job.items() if k not in ("rc", "every")}
-    want_losses, want, plain = _run_counting(base, monkeypatch)
+    key = ("no recompute", repr(sorted(base.items())))     # jobs differing in "rc" / "every" share their base
+    if key not in _REFS:
+        _REFS[key] = _run_counting(base, monkeypatch)
+    want_losses, want, plain = _REFS[key]
     losses, got, counts = _run_counting(job, monkeypatch)
     runs = STEPS * 4                                       # micro-batches per step x steps
     assert {k: v for k, v in plain.items() if k != "core"} == {i: runs for i in range(4)}
@@ -203,7 +206,10 @@ def test_recompute_inside_stages_equals_no_recompute_exactly(job, monkeypatch):
     assert got.keys() == want.keys()
     assert [n for n in got if not np.array_equal(got[n], want[n])] == []
     if not job.get("dp") and not job.get("tp") and job.get("kind", "gpt") == "gpt":    # and one process
-        ref_losses, ref_params = pp_common.reference("gpt", job.get("tie", False), steps=STEPS)
+        key = ("pp_common", job.get("tie", False))
+        if key not in _REFS:
+            _REFS[key] = pp_common.reference("gpt", job.get("tie", False), steps=STEPS)
+        ref_losses, ref_params = _REFS[key]
         np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=1e-6)
         bad = [n for n in got if not np.allclose(got[n], ref_params[n.split("@")[0]], rtol=RTOL, atol=ATOL)]
         assert bad == []
@@ -248,7 +254,15 @@ SCALE = 1024.0
 
 
 def amp_reference(dtype, level, steps=STEPS, clip=None):
-    """One process: the same emulated autocast, ``paddle.amp.auto_cast`` and (float16) ``GradScaler``."""
+    """One process: the same emulated autocast, ``paddle.amp.auto_cast`` and (float16) ``GradScaler``
+    (computed once per arguments: the callers only read it)."""
+    key = ("amp", dtype, level, steps, clip)
+    if key not in _REFS:
+        _REFS[key] = _amp_reference(dtype, level, steps, clip)
+    return _REFS[key]
+
+
+def _amp_reference(dtype, level, steps, clip):
     import paddle.nn.functional as F
 
     from autoparallel.parallel.amp import apply_amp
@@ -327,11 +341,12 @@ def test_amp_inside_stages_equals_one_process_under_auto_cast_and_grad_scaler(jo
 
 @pytest.mark.parametrize("job", [AMP_JOBS[0], AMP_JOBS[3]], ids=["float16", "bfloat16-tp2-O2"])
 def test_negative_control_amp_differs_from_the_float32_run(job):
-    """The same pipeline against one process without autocast: the comparison above can tell them apart."""
-    want_losses, want = amp_reference(job["amp"], job.get("level", "O1"))
-    plain_losses, plain = _fp32_sgd_reference()
+    """The same pipeline against one process without autocast: the comparison above can tell them apart
+    (3 steps: the float16 difference needs them to reach its margin)."""
+    want_losses, want = amp_reference(job["amp"], job.get("level", "O1"), steps=3)
+    plain_losses, plain = _fp32_sgd_reference(steps=3)
     with ap.simulate(world_size=2 * job.get("tp", 1)):
-        _, pipe, _, _ = train_amp(job)
+        _, pipe, _, _ = train_amp(job, steps=3)
         assert len(mismatched(pipe, plain, _atol(job))) > (5 if job.get("tp", 1) == 1 else 0)
         assert l2_distance(pipe, plain) > 3 * l2_distance(pipe, want)
 
@@ -349,13 +364,19 @@ def l2_distance(pipe, want) -> float:
     return total ** 0.5
 
 
-def _fp32_sgd_reference():
+def _fp32_sgd_reference(steps=STEPS):
+    if ("fp32_sgd", steps) not in _REFS:
+        _REFS["fp32_sgd", steps] = _fp32_sgd_reference_run(steps)
+    return _REFS["fp32_sgd", steps]
+
+
+def _fp32_sgd_reference_run(steps):
     import paddle.nn.functional as F
 
     model = pp_common.build()
     opt = optimizer(model.parameters(), None, sgd=True)
     losses = []
-    for x, y in pp_common.batches(STEPS):
+    for x, y in pp_common.batches(steps):
         loss = F.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
         loss.backward()
         opt.step()
@@ -513,7 +534,7 @@ def _grad_scaler_run(job, pass_scaler=True, poison=None, steps=STEPS):
     return losses, scales, seen
 
 
-def _fp32_scaled_reference():
+def _fp32_scaled_reference(steps=STEPS):
     import paddle.nn.functional as F
 
     from autoparallel.testing.gpu_scaler import gpu_grad_scaler
@@ -522,7 +543,7 @@ def _fp32_scaled_reference():
     opt = optimizer(model.parameters(), None, sgd=True)
     scaler = gpu_grad_scaler(init_loss_scaling=SCALE)
     losses = []
-    for x, y in pp_common.batches(STEPS):
+    for x, y in pp_common.batches(steps):
         with paddle.amp.auto_cast():
             loss = F.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
         scaler.scale(loss).backward()

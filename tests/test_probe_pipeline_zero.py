@@ -1,6 +1,6 @@
 """ZeRO stage 1 / 2 inside pipeline stages in the simulated world (parallel/pipeline/zero.py): each stage's
 optimizer states (stage 2: also gradients) sharded over the stage's data ranks, against one process on one big
-batch (AdamW, 3 steps: every loss, every rank's shard of every parameter), HSDP and offload included; global-norm
+batch (AdamW, 2 steps: every loss, every rank's shard of every parameter), HSDP and offload included; global-norm
 clipping over every stage (the norm of each step equals the unsharded pipeline's; negative control: a chunk
 counted on one shard rank only moves the parameters away); each rank holds half the moments (negative control:
 the unsharded pipeline's are whole); AMP and a GradScaler; a checkpoint resumed under another stage and in one
@@ -17,14 +17,15 @@ import autoparallel as ap  # noqa: E402
 from autoparallel.parallel.pipeline import zero as pzero  # noqa: E402
 from autoparallel.parallel.pipeline.runtime import apply_pp  # noqa: E402
 
-STEPS, RTOL, ATOL = 3, 1e-4, 2e-5
+STEPS, RTOL, ATOL = 2, 1e-4, 2e-5         # 2 steps: the second runs on the first's sharded AdamW moments
+RESUMED = 3                               # the checkpoint tests: 2 steps saved, the third after the load
 _REFS = {}
 
 
-def ref(clip=None):
-    if clip not in _REFS:
-        _REFS[clip] = pp_common.reference("gpt", False, steps=STEPS, clip=clip)
-    return _REFS[clip]
+def ref(clip=None, steps=STEPS):
+    if (clip, steps) not in _REFS:
+        _REFS[clip, steps] = pp_common.reference("gpt", False, steps=steps, clip=clip)
+    return _REFS[clip, steps]
 
 
 def strategy(job):
@@ -167,7 +168,7 @@ def test_refusals(change, world, error, match):
 def test_zero_with_amp_inside_stages_equals_one_process(job):
     from test_pipeline_compose import amp_reference, amp_strategy, mismatched
 
-    want_losses, want = amp_reference(job["amp"], job.get("level", "O1"), clip=job.get("clip"))
+    want_losses, want = amp_reference(job["amp"], job.get("level", "O1"), steps=STEPS, clip=job.get("clip"))
     with ap.simulate(world_size=4):
         model = pp_common.build()
         s = amp_strategy(job)
@@ -191,7 +192,7 @@ def test_zero_with_a_grad_scaler_passed_to_train_batch_equals_one_process():
     from autoparallel.testing.gpu_scaler import gpu_grad_scaler
     from test_pipeline_compose import SCALE, _fp32_scaled_reference, mismatched
 
-    want_losses, want = _fp32_scaled_reference()
+    want_losses, want = _fp32_scaled_reference(STEPS)
     with ap.simulate(world_size=4):
         model = pp_common.build()
         pipe = apply_pp(model, strategy({"schedule": "1F1B", "dp": 2, "zero": 2}))
@@ -220,7 +221,7 @@ def test_paddle_state_dict_of_a_pipelined_zero_run_resumes_under_another_stage(t
     the third step equals the uninterrupted run's. Negative control: the model alone resumes differently."""
     from test_pipeline_sim import every_rank_mismatch
 
-    data = pp_common.batches(STEPS)
+    data = pp_common.batches(RESUMED)
     with ap.simulate(world_size=4), paddle.utils.unique_name.guard():
         pipe, opt = _pipeline_run({"schedule": "1F1B", "dp": 2, "zero": 1})
         for x, y in data[:2]:
@@ -239,8 +240,8 @@ def test_paddle_state_dict_of_a_pipelined_zero_run_resumes_under_another_stage(t
                 paddle.distributed.load_state_dict(opt.state_dict(), str(tmp_path / "opt"))
             loss = pipe.train_batch(*data[2])
             opt.step()
-            bad = every_rank_mismatch(pipe, ref()[1])
-        assert (abs(loss - ref()[0][2]) < 1e-5 and bad == []) == load, (load, loss, bad[:3])
+            bad = every_rank_mismatch(pipe, ref(steps=RESUMED)[1])
+        assert (abs(loss - ref(steps=RESUMED)[0][2]) < 1e-5 and bad == []) == load, (load, loss, bad[:3])
 
 
 def test_checkpoint_of_a_pipelined_zero_run_resumes_under_another_stage(tmp_path):
@@ -248,7 +249,7 @@ def test_checkpoint_of_a_pipelined_zero_run_resumes_under_another_stage(tmp_path
     third step equals the uninterrupted run's. Negative control: the fresh pipeline without the load differs."""
     from test_pipeline_sim import every_rank_mismatch
 
-    data = pp_common.batches(STEPS)
+    data = pp_common.batches(RESUMED)
     with ap.simulate(world_size=4):
         pipe, opt = _pipeline_run({"schedule": "1F1B", "dp": 2, "zero": 1})
         for x, y in data[:2]:
@@ -262,8 +263,8 @@ def test_checkpoint_of_a_pipelined_zero_run_resumes_under_another_stage(tmp_path
                 ap.load_state_dict(ap.training_state(pipe, opt), str(tmp_path / "ck"))
             loss = pipe.train_batch(*data[2])
             opt.step()
-            bad = every_rank_mismatch(pipe, ref()[1])
-            assert (abs(loss - ref()[0][2]) < 1e-5 and bad == []) == load, (load, loss, bad[:3])
+            bad = every_rank_mismatch(pipe, ref(steps=RESUMED)[1])
+            assert (abs(loss - ref(steps=RESUMED)[0][2]) < 1e-5 and bad == []) == load, (load, loss, bad[:3])
     model = pp_common.build("gpt")                     # one process, paddle's AdamW
     plain = pp_common.optimizer(model.parameters())
     ap.load_state_dict(ap.training_state(model, plain), str(tmp_path / "ck"))
@@ -271,8 +272,9 @@ def test_checkpoint_of_a_pipelined_zero_run_resumes_under_another_stage(tmp_path
     loss = paddle.nn.functional.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y)).mean()
     loss.backward()
     plain.step()
-    assert abs(float(loss) - ref()[0][2]) < 1e-5
-    bad = [n for n, p in model.named_parameters() if not np.allclose(p.numpy(), ref()[1][n], rtol=RTOL, atol=ATOL)]
+    want_losses, want = ref(steps=RESUMED)
+    assert abs(float(loss) - want_losses[2]) < 1e-5
+    bad = [n for n, p in model.named_parameters() if not np.allclose(p.numpy(), want[n], rtol=RTOL, atol=ATOL)]
     assert bad == []
 
 
