@@ -223,8 +223,9 @@ def nll_loss(input, label, weight=None, ignore_index=-100, reduction="mean", nam
     if weight is not None:
         w = w * paddle.gather(_const(weight), safe.reshape([-1])).reshape(lsh)
     out = -picked * w
-    if reduction == "mean":
-        return paddle.sum(out) / paddle.sum(w)
+    if reduction == "mean":        # paddle divides only by a nonzero total weight: no counted label gives 0
+        total = paddle.sum(w)
+        return paddle.sum(out) / paddle.where(total == 0, paddle.ones_like(total), total)
     return _reduce(out, reduction)
 
 
