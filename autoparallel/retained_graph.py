@@ -6,8 +6,13 @@ pass ran with ``retain_graph=True``, and a distributed graph holds PyLayers: eve
 PyLayer nodes of each graph backwarded with ``retain_graph=True`` are remembered while its root tensor is
 alive, and those of the last ``_HELD_GRAPHS`` such graphs also after it is gone (the node objects held, so
 a node's address cannot be reused meanwhile): the root is often a temporary, ``(w * loss1).backward(
-retain_graph=True)``, while the graph lives on in the user's other tensors. A later backward walks its
-graph only while some are remembered."""
+retain_graph=True)``, while the graph lives on in the user's other tensors. Holding the nodes holds their whole
+graph (its saved activations), so a held graph is let go after ``_HELD_BACKWARDS`` later backward passes that do
+not go through it: the second backward through a retained graph comes next (a second head's loss, a GAN's
+generator step). A later backward walks its graph only while some are remembered, and the walk itself costs
+memory: paddle 3.3 keeps a graph alive once its root's ``grad_fn`` has been read from Python (measured: a
+ZeRO-3 model trained in the two passes after a retained backward was never freed), so the walks stop with the
+release, and a loop that once retained a graph keeps only what those passes reached."""
 from __future__ import annotations
 
 import collections
@@ -16,7 +21,8 @@ from autoparallel.compat import SideData
 
 _KEPT = SideData()                  # root tensor -> frozenset of its graph's PyLayer node addresses
 _HELD_GRAPHS = 4
-_HELD: collections.deque = collections.deque(maxlen=_HELD_GRAPHS)   # (node addresses, the node objects)
+_HELD_BACKWARDS = 2                 # later backward passes not through a held graph before it is let go
+_HELD: collections.deque = collections.deque(maxlen=_HELD_GRAPHS)   # [node addresses, the node objects, misses]
 
 
 def _pylayer_nodes(tensors, objects=None) -> set:
@@ -42,9 +48,20 @@ def _kept_nodes() -> set:
     for ref, nodes in list(_KEPT._items.values()):
         if ref() is not None:
             out |= nodes
-    for nodes, _ in _HELD:
+    for nodes, _, _ in _HELD:
         out |= nodes
     return out
+
+
+def _age_held(nodes: set) -> None:
+    """A backward through ``nodes``: the held graphs it does not go through come one pass nearer to release."""
+    for entry in list(_HELD):
+        if entry[0] & nodes:
+            entry[2] = 0
+        else:
+            entry[2] += 1
+            if entry[2] >= _HELD_BACKWARDS:
+                _HELD.remove(entry)
 
 
 def check_backward(tensors, retain_graph: bool) -> None:
@@ -53,6 +70,7 @@ def check_backward(tensors, retain_graph: bool) -> None:
     kept = _kept_nodes() if (len(_KEPT) or _HELD) else set()
     objects: list = []
     nodes = _pylayer_nodes(tensors, objects) if (kept or retain_graph) else set()
+    _age_held(nodes)
     if kept & nodes:
         raise NotImplementedError(
             "backward through a graph already backwarded with retain_graph=True: the graph holds "
@@ -62,4 +80,4 @@ def check_backward(tensors, retain_graph: bool) -> None:
     if retain_graph and nodes:
         for t in tensors:
             _KEPT.set(t, frozenset(nodes))
-        _HELD.append((frozenset(nodes), tuple(objects)))
+        _HELD.append([frozenset(nodes), tuple(objects), 0])

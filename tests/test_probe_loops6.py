@@ -78,7 +78,8 @@ def test_a_second_backward_from_a_temporary_root_is_refused_not_a_crash():
     paddle killed the process re-running the trunk's collective (SIGSEGV). Run in a child process so that the
     crash, if it comes back, fails this test rather than the session. The message names a form that works
     (``paddle.autograd.backward([l1, l2])``, equal to one process: case "two heads autograd.backward tp"), and
-    the graphs held after their root is gone are the last few only (a loop retaining every step stays bounded)."""
+    the graphs held after their root is gone are the last few only (a loop retaining every step stays bounded;
+    a held graph is let go after two backward passes that do not go through it)."""
     code = ("import sys; sys.path.insert(0, %r)\n"
             "import autoparallel as ap, loops6_programs as P\n"
             "from autoparallel import retained_graph as R\n"
@@ -94,4 +95,5 @@ def test_a_second_backward_from_a_temporary_root_is_refused_not_a_crash():
     lines = done.stdout.splitlines()
     refused = [ln for ln in lines if ln.startswith("REFUSED")]
     assert len(refused) == retained_graph._HELD_GRAPHS + 2 and "autograd.backward([l1, l2])" in refused[0]
-    assert lines[-1] == f"HELD {retained_graph._HELD_GRAPHS} {retained_graph._HELD_GRAPHS}"
+    held, cap = (int(v) for v in lines[-1].split()[1:])
+    assert 1 <= held <= retained_graph._HELD_BACKWARDS <= cap       # the last graphs only: older ones let go
