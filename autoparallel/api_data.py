@@ -355,14 +355,18 @@ def _what(x) -> str:
     return f"a {type(x).__name__} of {len(x)}" if isinstance(x, (list, tuple)) else f"a {type(x).__name__}"
 
 
+def per_rank_sampler(sampler) -> bool:
+    """Whether ``sampler`` is paddle's DistributedBatchSampler over more than one replica: each rank's loader then
+    yields its own part of the dataset, not the global batch."""
+    import paddle
+
+    return isinstance(sampler, paddle.io.DistributedBatchSampler) and getattr(sampler, "nranks", 1) > 1
+
+
 def _check_not_split(sampler, is_dataset_splitted) -> None:
     """A loader over paddle's DistributedBatchSampler (more than one replica) yields a different part on every
     rank; laid out as the global batch (``is_dataset_splitted=False``) the ranks would disagree on it."""
-    import paddle
-
-    if is_dataset_splitted or not isinstance(sampler, paddle.io.DistributedBatchSampler):
-        return
-    if getattr(sampler, "nranks", 1) > 1:
+    if not is_dataset_splitted and per_rank_sampler(sampler):
         raise ValueError(f"shard_dataloader: the loader's DistributedBatchSampler splits the dataset over "
                          f"{sampler.nranks} replicas (this rank: {sampler.local_rank}), but is_dataset_splitted=False "
                          f"lays each batch out as the global batch, the same on every rank; pass "

@@ -49,10 +49,10 @@ def _item_fields(item) -> list:
 def _check_per_rank_sampler(loader) -> None:
     """A loader over paddle's DistributedBatchSampler with several replicas yields each rank's own part; read as
     the global batch, every rank would keep its slice of a different batch (data dropped, replicas disagreeing)."""
+    from autoparallel.api_data import per_rank_sampler
+
     sampler = getattr(loader, "batch_sampler", None)
-    if getattr(loader, "_split", False) or not isinstance(sampler, paddle.io.DistributedBatchSampler):
-        return
-    if getattr(sampler, "nranks", 1) > 1:
+    if not getattr(loader, "_split", False) and per_rank_sampler(sampler):
         raise ValueError(f"to_static: the loader's DistributedBatchSampler splits the dataset over {sampler.nranks} "
                          f"replicas (this rank: {sampler.local_rank}), but a DistModel batch is the global batch, the "
                          f"same on every rank; build the loader with a plain batch sampler (or "
